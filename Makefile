@@ -1,0 +1,33 @@
+# Two commands on a fresh machine:  `make demo`  and  `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+# The CPU build of torch (on this project's machines it comes from local disk).
+# With a GPU, set TORCH=torch to let pip pick the build for your CUDA.
+TORCH  ?= torch==2.13.0
+BIN    := $(VENV)/bin
+
+.PHONY: setup demo test lint bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check "$(TORCH)"
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[test]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(BIN)/pipefold simulate --plot pipefold-timeline.png
+
+lint: setup
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/python -m pytest
+
+bench: setup
+	$(BIN)/python benchmarks/bench_simulate.py
+
+clean:
+	rm -rf $(VENV) pipefold-timeline.png

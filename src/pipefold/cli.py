@@ -1,0 +1,319 @@
+"""The ``pipefold`` command line: parses arguments, calls the library, prints."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+from rich.console import Console
+from rich.table import Table
+
+from pipefold import schedules
+from pipefold.errors import ConfigError, PipefoldError, ScheduleError
+from pipefold.ir import Schedule
+from pipefold.simulate import CostModel, SimResult, StageOverride, simulate
+
+DEFAULT_SCHEDULE = "zb-h1"
+DEFAULT_STAGES = 4
+DEFAULT_MICROBATCHES = 8
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage mistake as one line, not a usage dump."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+def _add_shape(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--stages", "-p", type=int, default=DEFAULT_STAGES, metavar="P",
+                   help=f"pipeline stages, one per device (default {DEFAULT_STAGES})")
+    p.add_argument("--microbatches", "-m", type=int, default=DEFAULT_MICROBATCHES, metavar="M",
+                   help=f"microbatches per step (default {DEFAULT_MICROBATCHES})")
+    names = sorted({o.name for spec in schedules.REGISTRY.values() for o in spec.options})
+    for name in names:
+        helps = {f"{o.help} ({s.name}, default {o.default})"
+                 for s in schedules.REGISTRY.values() for o in s.options if o.name == name}
+        flags = ["--v", "--chunks"] if name == "v" else [f"--{name}"]
+        p.add_argument(*flags, dest=f"opt_{name}", type=int, default=None, metavar=name.upper(),
+                       help="; ".join(sorted(helps)))
+
+
+def _add_costs(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("cost model (per microbatch, per device's share of the model)")
+    g.add_argument("--f", type=float, default=1.0, help="forward time (default 1)")
+    g.add_argument("--b", type=float, default=1.0, help="input-gradient backward time B (default 1)")
+    g.add_argument("--w", type=float, default=1.0, help="weight-gradient backward time W (default 1)")
+    g.add_argument("--mem", type=float, default=1.0, help="activation memory M of one microbatch (default 1)")
+    g.add_argument("--b-release", type=float, default=0.0,
+                   help="fraction of activation memory freed by B; W frees the rest (default 0)")
+    g.add_argument("--latency", type=float, default=0.0, help="point-to-point latency between devices (default 0)")
+    g.add_argument("--bandwidth", type=float, default=math.inf,
+                   help="point-to-point bytes per time unit (default unlimited)")
+    g.add_argument("--activation-bytes", type=float, default=0.0,
+                   help="bytes sent between stages per microbatch (default 0)")
+    g.add_argument("--stage-cost", action="append", default=[], metavar="S:F,B,W[,MEM]",
+                   help="absolute costs of stage S, overriding the derived ones (repeatable)")
+
+
+def _add_output(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="pipefold", description="Pipeline-parallel schedules: generate, validate, simulate, draw.")
+    parser.add_argument("--version", action="version", version=f"pipefold {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    p = sub.add_parser("schedules", help="list the schedule families and their options")
+    _add_output(p)
+
+    p = sub.add_parser("simulate", help="simulate one schedule: timeline, bubbles, memory")
+    p.add_argument("schedule", nargs="?", default=DEFAULT_SCHEDULE,
+                   help=f"a registered name (optionally name:key=value,...) or a schedule file "
+                        f"(.txt, .json, .csv); default {DEFAULT_SCHEDULE}")
+    _add_shape(p)
+    _add_costs(p)
+    _add_output(p)
+    p.add_argument("--plot", metavar="FILE", help="write a Gantt chart with memory curves (.png or .svg)")
+    p.add_argument("--trace", metavar="FILE", help="write Chrome trace-event JSON (open in Perfetto)")
+    p.add_argument("--width", type=int, default=None, help="columns of the ASCII timeline (default: terminal)")
+
+    p = sub.add_parser("compare", help="simulate several schedules side by side")
+    p.add_argument("schedule", nargs="+", help="registered names, name:key=value,..., or schedule files")
+    _add_shape(p)
+    _add_costs(p)
+    _add_output(p)
+
+    p = sub.add_parser("generate", help="write a schedule as text, JSON or CSV")
+    p.add_argument("schedule", help="a registered name, optionally name:key=value,...")
+    _add_shape(p)
+    p.add_argument("--format", choices=["text", "json", "csv"], default=None,
+                   help="output format (default: from the output file's suffix, else text)")
+    p.add_argument("--output", "-o", metavar="FILE", help="write to FILE instead of standard output")
+
+    p = sub.add_parser("validate", help="check schedule files (or generated schedules) and report the first problem")
+    p.add_argument("schedule", nargs="+", help="schedule files or registered names")
+    _add_shape(p)
+    return parser
+
+
+def _version() -> str:
+    from pipefold import __version__
+
+    return __version__
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _parse_spec(text: str) -> tuple[str, dict[str, int]]:
+    """'kfkb:k=3' -> ('kfkb', {'k': 3})."""
+    name, _, rest = text.partition(":")
+    options: dict[str, int] = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ConfigError(f"cannot read option {item!r} in {text!r}: use name:key=value,... e.g. kfkb:k=3")
+        try:
+            options[key.strip()] = int(value)
+        except ValueError:
+            raise ConfigError(f"option {key.strip()} in {text!r} must be an integer (got {value!r})") from None
+    return name, options
+
+
+def _flag_options(args: argparse.Namespace) -> dict[str, int]:
+    return {k[4:]: v for k, v in vars(args).items() if k.startswith("opt_") and v is not None}
+
+
+def _looks_like_file(text: str) -> bool:
+    return os.path.sep in text or text.lower().endswith((".txt", ".json", ".csv")) or os.path.isfile(text)
+
+
+def _load_schedule(text: str, args: argparse.Namespace, *, strict_flags: bool) -> Schedule:
+    """A schedule from a file, or generated from a registered name and the shape flags."""
+    if _looks_like_file(text):
+        if not os.path.isfile(text):
+            raise ConfigError(f"no such schedule file: {text}")
+        return Schedule.load(text)
+    name, options = _parse_spec(text)
+    spec = schedules.get(name)
+    for key, value in _flag_options(args).items():
+        if spec.option(key) is not None:
+            options.setdefault(key, value)
+        elif strict_flags:
+            takes = ", ".join(f"--{o.name}" for o in spec.options) or "none"
+            raise ConfigError(f"schedule {name} takes no option --{key}; its options: {takes}")
+    return schedules.build(name, args.stages, args.microbatches, **options)
+
+
+def _cost_model(args: argparse.Namespace) -> CostModel:
+    overrides = {}
+    for item in args.stage_cost:
+        stage_text, _, values = item.partition(":")
+        try:
+            stage = int(stage_text)
+            numbers = [float(x) for x in values.split(",")]
+        except ValueError:
+            numbers = []
+        if len(numbers) not in (3, 4):
+            raise ConfigError(f"cannot read --stage-cost {item!r}: use S:F,B,W or S:F,B,W,MEM, e.g. 3:2,4,2")
+        memory = numbers[3] if len(numbers) == 4 else None
+        overrides[stage] = StageOverride(f=numbers[0], b=numbers[1], w=numbers[2], memory=memory)
+    return CostModel(f=args.f, b=args.b, w=args.w, memory=args.mem, b_release=args.b_release,
+                     latency=args.latency, bandwidth=args.bandwidth, activation_bytes=args.activation_bytes,
+                     stage_overrides=overrides)
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.6g}"
+
+
+def _label(schedule: Schedule) -> str:
+    opts = ",".join(f"{k}={v}" for k, v in schedule.options.items())
+    return f"{schedule.name}:{opts}" if opts else schedule.name
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def cmd_schedules(args: argparse.Namespace, console: Console) -> None:
+    if args.json:
+        rows = [{"name": s.name, "description": s.description, "peak_memory": s.memory,
+                 "options": [{"name": o.name, "default": o.default, "help": o.help} for o in s.options]}
+                for s in schedules.REGISTRY.values()]
+        print(json.dumps(rows))
+        return
+    table = Table(title="pipefold schedules", title_justify="left")
+    table.add_column("name", style="bold", no_wrap=True)
+    table.add_column("options", no_wrap=True)
+    table.add_column("peak (M)", no_wrap=True)
+    table.add_column("description")
+    for s in schedules.REGISTRY.values():
+        opts = " ".join(f"--{o.name} {o.default}" for o in s.options) or "-"
+        table.add_row(s.name, opts, s.memory, s.description)
+    console.print(table)
+    for name in sorted({o.name for s in schedules.REGISTRY.values() for o in s.options}):
+        spec = next(o for s in schedules.REGISTRY.values() for o in s.options if o.name == name)
+        console.print(f"  --{name}: {spec.help}")
+    console.print("p: stages (devices), m: microbatches, i: device index. Costs: see 'pipefold simulate --help'.")
+
+
+def cmd_simulate(args: argparse.Namespace, console: Console) -> None:
+    if args.width:
+        console = Console(width=args.width)
+    cost = _cost_model(args)
+    schedule = _load_schedule(args.schedule, args, strict_flags=True)
+    result = simulate(schedule, cost)
+    written = []
+    if args.plot:
+        from pipefold.render import plot_timeline
+
+        plot_timeline(result, args.plot)
+        written.append(("plot", args.plot))
+    if args.trace:
+        from pipefold.render import write_chrome_trace
+
+        write_chrome_trace(result, args.trace)
+        written.append(("trace", args.trace))
+    if args.json:
+        out = result.to_dict()
+        out.update({k: v for k, v in written})
+        print(json.dumps(out))
+        return
+    _print_result(result, console)
+    for kind, path in written:
+        console.print(f"wrote {kind}: {path}")
+
+
+def _print_result(result: SimResult, console: Console) -> None:
+    from pipefold.render import ascii_timeline
+
+    s = result.schedule
+    console.print(f"[bold]{_label(s)}[/]  devices={s.devices} stages={s.stages} microbatches={s.microbatches} "
+                  f"placement={s.placement}")
+    table = Table(show_edge=False)
+    for col in ("device", "stages", "busy", "idle", "peak memory (M)"):
+        table.add_column(col, justify="right")
+    for d in range(s.devices):
+        table.add_row(str(d), " ".join(map(str, s.stages_of(d))), _fmt(result.busy[d]), _fmt(result.idle[d]),
+                      _fmt(result.peak_memory[d]))
+    console.print(table)
+    console.print(f"makespan [bold]{_fmt(result.makespan)}[/]   bubble ratio [bold]{result.bubble_ratio:.1%}[/]   "
+                  f"max peak memory [bold]{_fmt(max(result.peak_memory))}[/] M")
+    console.print(ascii_timeline(result, width=console.width, color=console.is_terminal))
+
+
+def cmd_compare(args: argparse.Namespace, console: Console) -> None:
+    cost = _cost_model(args)
+    results = [simulate(_load_schedule(text, args, strict_flags=False), cost) for text in args.schedule]
+    if args.json:
+        print(json.dumps({"stages": args.stages, "microbatches": args.microbatches, "cost": cost.to_dict(),
+                          "results": [r.to_dict() for r in results]}))
+        return
+    best = min(r.makespan for r in results)
+    table = Table(title=f"p={args.stages} m={args.microbatches}", title_justify="left")
+    table.add_column("schedule", no_wrap=True)
+    for col in ("makespan", "vs best", "bubble", "max peak (M)", "peak per device (M)"):
+        table.add_column(col, justify="right")
+    for r in results:
+        table.add_row(_label(r.schedule), _fmt(r.makespan), f"{r.makespan / best:.3f}x" if best else "-",
+                      f"{r.bubble_ratio:.1%}", _fmt(max(r.peak_memory)), " ".join(_fmt(x) for x in r.peak_memory))
+    console.print(table)
+
+
+def cmd_generate(args: argparse.Namespace, console: Console) -> None:
+    schedule = _load_schedule(args.schedule, args, strict_flags=True)
+    fmt = args.format or ("json" if (args.output or "").endswith(".json")
+                          else "csv" if (args.output or "").endswith(".csv") else "text")
+    text = schedule.dumps(fmt)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        console.print(f"wrote {fmt} schedule: {args.output}")
+    else:
+        sys.stdout.write(text)
+
+
+def cmd_validate(args: argparse.Namespace, console: Console) -> None:
+    from pipefold.ir import validate
+
+    for text in args.schedule:
+        schedule = _load_schedule(text, args, strict_flags=False)
+        validate(schedule)
+        console.print(f"{text}: ok ({schedule.devices} devices, {schedule.stages} stages, "
+                      f"{schedule.microbatches} microbatches, {schedule.num_actions} actions)")
+
+
+COMMANDS = {"schedules": cmd_schedules, "simulate": cmd_simulate, "compare": cmd_compare,
+            "generate": cmd_generate, "validate": cmd_validate}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    console = Console()
+    try:
+        COMMANDS[args.command](args, console)
+    except ScheduleError as exc:
+        print(f"pipefold {args.command}: error: {exc.message}", file=sys.stderr)
+        if exc.report:
+            print(exc.report, file=sys.stderr)
+        return 1
+    except PipefoldError as exc:
+        print(f"pipefold {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"pipefold {args.command}: error: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": "),
+              file=sys.stderr)
+        return 2
+    return 0
+
+

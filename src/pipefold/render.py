@@ -1,0 +1,415 @@
+"""Drawings of a simulated timeline: a coloured terminal timeline, a Gantt + memory figure, a Chrome trace.
+
+All three read a :class:`~pipefold.simulate.SimResult` and share one palette:
+forward blue, input-gradient backward orange, weight-gradient backward green,
+fused backward purple (the Okabe-Ito colours, safe for colour-blind readers).
+On a device holding several stages, later chunks are lighter shades of the
+same colour. The terminal form of zb-h1 on 3 devices, 4 microbatches, looks
+like this (each box is a run of background colour in the terminal)::
+
+    dev 0 0 1 2 ····0 0 3 1 1 2 2 3 3
+    dev 1 ··0 1 ··0 2 1 0 3 2 1 3 2 3
+    dev 2 ····0 0 1 1 2 2 0 3 3 1 2 3
+     F   B   W  1 col = 0.5 time units
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rich.style import Style
+from rich.text import Text
+
+from pipefold.errors import ConfigError
+from pipefold.ir import Kind, Schedule
+from pipefold.simulate import Interval, SimResult
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
+__all__ = ["ascii_timeline", "chrome_trace", "draw_gantt", "draw_memory", "plot_timeline", "write_chrome_trace"]
+
+_KIND_COLORS: dict[Kind, str] = {
+    Kind.F: "#0072B2",  # blue
+    Kind.B: "#E69F00",  # orange
+    Kind.W: "#009E73",  # bluish green
+    Kind.BW: "#CC79A7",  # reddish purple
+}
+_KIND_NAMES: dict[Kind, str] = {
+    Kind.F: "forward",
+    Kind.B: "input grad",
+    Kind.W: "weight grad",
+    Kind.BW: "full backward",
+}
+_LIGHTEST = 0.55  # the last chunk is mixed this far towards white
+_IDLE = "·"
+_EPS = 1e-9
+
+
+# --------------------------------------------------------------------------- palette
+
+
+def _chunk_count(schedule: Schedule) -> int:
+    return max(len(schedule.stages_of(d)) for d in range(schedule.devices))
+
+
+def _chunk_table(schedule: Schedule) -> list[int]:
+    """Chunk index of every stage (computed once; ``chunk_of`` scans the placement each call)."""
+    return [schedule.chunk_of(s) for s in range(schedule.stages)]
+
+
+def _box_color(kind: Kind, chunk: int, chunks: int) -> str:
+    """Hex colour of a box: the kind's colour, lighter for later chunks."""
+    base = _KIND_COLORS[kind]
+    if chunks <= 1 or chunk == 0:
+        return base
+    mix = _LIGHTEST * chunk / (chunks - 1)
+    rgb = [int(base[i:i + 2], 16) for i in (1, 3, 5)]
+    return "#" + "".join(f"{round(c + (255 - c) * mix):02x}" for c in rgb)
+
+
+def _ink(background: str) -> str:
+    """Black or white, whichever contrasts more with ``background`` (WCAG relative luminance)."""
+    def channel(c: int) -> float:
+        x = c / 255
+        return x / 12.92 if x <= 0.03928 else ((x + 0.055) / 1.055) ** 2.4
+
+    r, g, b = (channel(int(background[i:i + 2], 16)) for i in (1, 3, 5))
+    lum = 0.2126 * r + 0.7152 * g + 0.0722 * b
+    return "#000000" if (lum + 0.05) / 0.05 >= 1.05 / (lum + 0.05) else "#ffffff"
+
+
+def _kinds_present(schedule: Schedule) -> list[Kind]:
+    seen = {a.kind for row in schedule.actions for a in row}
+    return [k for k in Kind if k in seen]
+
+
+def _title(result: SimResult) -> str:
+    s = result.schedule
+    opts = "".join(f" {k}={v}" for k, v in sorted(s.options.items()))
+    return (f"{s.name}  p={s.devices} m={s.microbatches}{opts}  "
+            f"makespan {result.makespan:.4g}  bubble {result.bubble_ratio:.1%}")
+
+
+# --------------------------------------------------------------------------- ASCII timeline
+
+
+@dataclass(frozen=True)
+class _Scale:
+    columns: int
+    """Columns the makespan spans."""
+    per_col: float
+    """Time units per column."""
+    aligned: bool
+    """Every action boundary falls on a column boundary."""
+
+
+def _quantum(result: SimResult) -> Fraction | None:
+    """Largest time step that every start and end is a multiple of, or None if there is no small one."""
+    q = Fraction(0)
+    for row in result.timeline:
+        for iv in row:
+            for t in (iv.start, iv.end):
+                f = Fraction(t).limit_denominator(1000)
+                if abs(float(f) - t) > _EPS:
+                    return None
+                q = Fraction(math.gcd(q.numerator * f.denominator, f.numerator * q.denominator),
+                             q.denominator * f.denominator)
+    return q or None
+
+
+def _scale(result: SimResult, available: int) -> _Scale:
+    """Columns for the makespan: an integer number per time quantum if that fits, else downsampled."""
+    span = result.makespan
+    if span <= 0 or available <= 0:
+        return _Scale(0, 1.0, True)
+    q = _quantum(result)
+    if q is not None:
+        quanta = round(Fraction(span).limit_denominator(1000) / q)
+        per_quantum = available // quanta if quanta else 0
+        if per_quantum >= 1:
+            return _Scale(quanta * per_quantum, float(q) / per_quantum, True)
+    return _Scale(available, span / available, False)
+
+
+def _owners(row: Sequence[Interval], scale: _Scale) -> list[int | None]:
+    """Per column, the index of the action covering most of its time slice, or None where idle wins."""
+    dt, n = scale.per_col, scale.columns
+    best = [0.0] * n
+    busy = [0.0] * n
+    owner: list[int | None] = [None] * n
+    for i, iv in enumerate(row):
+        lo = max(0, math.floor(iv.start / dt + _EPS))
+        hi = min(n, math.ceil(iv.end / dt - _EPS))
+        for c in range(lo, hi):
+            overlap = min(iv.end, (c + 1) * dt) - max(iv.start, c * dt)
+            busy[c] += overlap
+            if overlap > best[c]:
+                best[c], owner[c] = overlap, i
+    return [o if o is not None and best[c] + _EPS >= dt - busy[c] else None for c, o in enumerate(owner)]
+
+
+def _runs(owners: list[int | None]) -> Iterator[tuple[int | None, int]]:
+    """Consecutive equal owners as (owner, length)."""
+    start = 0
+    for c in range(1, len(owners) + 1):
+        if c == len(owners) or owners[c] != owners[start]:
+            yield owners[start], c - start
+            start = c
+
+
+def _fit(number: int, cells: int) -> str:
+    """The microbatch number centred in ``cells``; its lowest digits if it does not fit."""
+    digits = str(number)
+    return digits.center(cells) if len(digits) <= cells else digits[-cells:]
+
+
+def _style(kind: Kind, chunk: int, chunks: int) -> Style:
+    bg = _box_color(kind, chunk, chunks)
+    return Style(color=_ink(bg), bgcolor=bg)
+
+
+def _device_row(result: SimResult, device: int, scale: _Scale, chunk_of: list[int], color: bool) -> Text:
+    row = result.timeline[device]
+    chunks = _chunk_count(result.schedule)
+    text = Text()
+    for owner, length in _runs(_owners(row, scale)):
+        if owner is None:
+            text.append(_IDLE * length, style="dim" if color else "")
+            continue
+        a = row[owner].action
+        text.append(_fit(a.microbatch, length), style=_style(a.kind, chunk_of[a.stage], chunks) if color else "")
+    return text
+
+
+def _scale_note(scale: _Scale) -> str:
+    if scale.columns == 0:
+        return "empty timeline"
+    eq = "=" if scale.aligned else "≈"
+    return f"1 col {eq} {scale.per_col:.3g} time units"
+
+
+def _legend(schedule: Schedule, scale: _Scale, width: int, color: bool) -> Text:
+    """One line: a swatch per kind, the chunk shades, the time scale; shortened until it fits ``width``."""
+    kinds = _kinds_present(schedule)
+    chunks = _chunk_count(schedule)
+    for verbose in (True, False):
+        text = Text()
+        for kind in kinds:
+            text.append(f" {kind.value} ", style=_style(kind, 0, 1) if color else "")
+            text.append(f" {_KIND_NAMES[kind]}   " if verbose else " ")
+        if chunks > 1:
+            text.append("chunks " if verbose else "ch ")
+            for c in range(chunks):
+                text.append(f" {c} ", style=_style(kinds[0], c, chunks) if color else "")
+            text.append(" (later = lighter)   " if verbose else "  ")
+        text.append(_scale_note(scale))
+        if len(text) <= width:
+            return text
+    text.truncate(width)
+    return text
+
+
+def ascii_timeline(result: SimResult, width: int = 100, color: bool = True) -> Text:
+    """A terminal timeline of ``result`` at most ``width`` columns wide: one row per device, then a legend.
+
+    Each action's cells show its microbatch number on the kind's colour; idle
+    time is a dim ``·``. When every action boundary lies on a multiple of a
+    time step that fits, each step gets the same whole number of columns so
+    boxes line up; otherwise each column shows the action that fills most of
+    its time slice. ``color=False`` gives the same characters without styles.
+    """
+    schedule = result.schedule
+    label_w = len(f"dev {schedule.devices - 1} ")
+    if width < label_w + 1:
+        raise ConfigError(f"width must leave room for the device labels: at least {label_w + 1} (got {width})")
+    scale = _scale(result, width - label_w)
+    chunk_of = _chunk_table(schedule)
+    lines = []
+    for d in range(schedule.devices):
+        line = Text()
+        line.append(f"dev {d}".ljust(label_w), style="bold" if color else "")
+        line.append_text(_device_row(result, d, scale, chunk_of, color))
+        lines.append(line)
+    lines.append(_legend(schedule, scale, width, color))
+    return Text("\n").join(lines)
+
+
+# --------------------------------------------------------------------------- matplotlib figure
+
+_ROW_HEIGHT = 0.82  # of one device row in the Gantt; the rest is the gap between rows
+_IDLE_FILL = "#eeeeee"
+
+
+def _box_verts(iv: Interval, y: float) -> list[tuple[float, float]]:
+    lo, hi = y - _ROW_HEIGHT / 2, y + _ROW_HEIGHT / 2
+    return [(iv.start, lo), (iv.start, hi), (iv.end, hi), (iv.end, lo)]
+
+
+def _axes_points(ax: Axes) -> tuple[float, float]:
+    """Width and height of ``ax`` in points, as laid out now (a later layout pass may shrink it a little)."""
+    box = ax.get_window_extent()  # display pixels
+    fig = ax.get_figure(root=True)
+    dpi = fig.dpi if fig is not None else 72.0
+    return box.width * 72 / dpi, box.height * 72 / dpi
+
+
+def _label_boxes(ax: Axes, result: SimResult, chunk_of: list[int], chunks: int) -> None:
+    """Write microbatch numbers into the boxes wide enough to hold them."""
+    span = result.makespan
+    w_pt, h_pt = _axes_points(ax)
+    row_pt = h_pt / result.schedule.devices * _ROW_HEIGHT
+    size = min(8.0, row_pt * 0.55)
+    if size < 4.5 or span <= 0:
+        return
+    pt_per_unit = 0.85 * w_pt / span  # 0.85: room for the layout pass that adds legends and labels
+    for d, row in enumerate(result.timeline):
+        for iv in row:
+            label = str(iv.action.microbatch)
+            if (iv.end - iv.start) * pt_per_unit < len(label) * size * 0.62 + 2:
+                continue
+            ink = _ink(_box_color(iv.action.kind, chunk_of[iv.action.stage], chunks))
+            ax.text((iv.start + iv.end) / 2, d, label, ha="center", va="center", fontsize=size, color=ink,
+                    clip_on=True)
+
+
+def draw_gantt(ax: Axes, result: SimResult, *, label_devices: bool = True) -> None:
+    """Draw ``result`` as a Gantt chart on ``ax``: one row per device (device 0 on top), one box per action."""
+    from matplotlib.collections import PolyCollection
+
+    schedule = result.schedule
+    span = max(result.makespan, _EPS)
+    chunk_of = _chunk_table(schedule)
+    chunks = _chunk_count(schedule)
+    verts, colors = [], []
+    for d, row in enumerate(result.timeline):
+        for iv in row:
+            verts.append(_box_verts(iv, d))
+            colors.append(_box_color(iv.action.kind, chunk_of[iv.action.stage], chunks))
+    background = [[(0, d - _ROW_HEIGHT / 2), (0, d + _ROW_HEIGHT / 2), (span, d + _ROW_HEIGHT / 2),
+                   (span, d - _ROW_HEIGHT / 2)] for d in range(schedule.devices)]
+    ax.add_collection(PolyCollection(background, facecolors=_IDLE_FILL, edgecolors="none", zorder=1))
+    # White edges separate neighbouring boxes; thinner when boxes are narrow so colour still shows.
+    w_pt, _ = _axes_points(ax)
+    shortest = min((iv.end - iv.start for row in result.timeline for iv in row if iv.end > iv.start), default=span)
+    edge = min(0.8, max(0.15, 0.12 * shortest * w_pt / span))
+    ax.add_collection(PolyCollection(verts, facecolors=colors, edgecolors="white", linewidths=edge, zorder=2))
+    _label_boxes(ax, result, chunk_of, chunks)
+    ax.set_xlim(0, span)
+    ax.set_ylim(schedule.devices - 0.5, -0.5)
+    ax.set_yticks(range(schedule.devices))
+    ax.set_yticklabels([f"dev {d}" for d in range(schedule.devices)] if label_devices else [])
+    ax.tick_params(axis="y", length=0)
+    ax.set_xlabel("time")
+    for side in ("top", "right", "left"):
+        ax.spines[side].set_visible(False)
+
+
+def draw_memory(ax: Axes, result: SimResult) -> None:
+    """Draw each device's activation memory over time on ``ax`` as a step curve labelled ``dev <d>``."""
+    from matplotlib import colormaps
+
+    devices = result.schedule.devices
+    span = result.makespan
+    cmap = colormaps["viridis"]
+    for d, curve in enumerate(result.memory_curve):
+        times = [t for t, _ in curve] + [span]
+        levels = [m for _, m in curve] + [curve[-1][1]]
+        frac = d / (devices - 1) if devices > 1 else 0.0
+        # Devices often share a level for long stretches; later lines are thinner and drawn on top,
+        # so a shared stretch shows every device's colour as a band.
+        ax.step(times, levels, where="post", color=cmap(0.85 * frac), linewidth=2.4 - 1.2 * frac,
+                label=f"dev {d}  (peak {result.peak_memory[d]:.3g})")
+    ax.set_xlim(0, max(span, _EPS))
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("time")
+    ax.set_ylabel("activation memory (M)")
+    ax.grid(axis="y", color="#dddddd", linewidth=0.6)
+    ax.set_axisbelow(True)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+
+
+def _gantt_legend(ax: Axes, schedule: Schedule) -> None:
+    from matplotlib.patches import Patch
+
+    chunks = _chunk_count(schedule)
+    handles = []
+    for c in range(chunks):
+        for kind in _kinds_present(schedule):
+            label = f"{kind.value} {_KIND_NAMES[kind]}" + (f", chunk {c}" if chunks > 1 else "")
+            handles.append(Patch(facecolor=_box_color(kind, c, chunks), edgecolor="none", label=label))
+    per_row = len(handles) if len(handles) <= 5 else len(_kinds_present(schedule))
+    ax.legend(handles=handles, loc="lower left", bbox_to_anchor=(0, 1.0), ncol=per_row, frameon=False,
+              fontsize=8, handlelength=1.4, columnspacing=1.4, borderaxespad=0.3)
+
+
+def plot_timeline(result: SimResult, path: str, *, title: str | None = None) -> None:
+    """Save a Gantt chart of ``result`` above its per-device memory curves as a ``.png`` or ``.svg`` file."""
+    from matplotlib.figure import Figure  # a bare Figure needs no GUI backend and leaves pyplot's state alone
+
+    suffix = Path(path).suffix.lower()
+    if suffix not in (".png", ".svg"):
+        raise ConfigError(f"cannot write a timeline to {path!r}: use a file name ending in .png or .svg")
+    devices = result.schedule.devices
+    gantt_h = 0.6 + 0.34 * devices
+    memory_h = 2.4 + (0.08 * devices if devices > 8 else 0.0)
+    fig = Figure(figsize=(12, gantt_h + memory_h + 0.9), layout="constrained")
+    gantt, memory = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [gantt_h, memory_h]})
+    draw_gantt(gantt, result)
+    draw_memory(memory, result)
+    gantt.set_xlabel("")
+    gantt.tick_params(axis="x", bottom=False, labelbottom=False)
+    gantt.spines["bottom"].set_visible(False)
+    _gantt_legend(gantt, result.schedule)
+    memory.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=7.5,
+                  ncol=1 if devices <= 10 else 2, borderaxespad=0.0)
+    fig.suptitle(_title(result) if title is None else title, fontsize=11, x=0.01, ha="left")
+    fig.savefig(path, dpi=150)
+    fig.clear()  # drop the artists now; a bare Figure is not in pyplot's registry, so there is nothing to close
+
+
+# --------------------------------------------------------------------------- Chrome trace
+
+
+def chrome_trace(result: SimResult, *, us_per_unit: float = 1000.0) -> dict[str, Any]:
+    """``result`` as Chrome trace-event JSON (for Perfetto or chrome://tracing): one thread per device.
+
+    Each action is a complete event named by its text form (``0F3``) with its
+    category the kind; each device's activation memory is a counter track.
+    Times are the simulator's units times ``us_per_unit`` microseconds.
+    """
+    if not (math.isfinite(us_per_unit) and us_per_unit > 0):
+        raise ConfigError(f"us_per_unit must be a positive number of microseconds (got {us_per_unit!r})")
+    schedule = result.schedule
+    chunk_of = _chunk_table(schedule)
+    events: list[dict[str, Any]] = [
+        {"ph": "M", "name": "process_name", "pid": 0, "args": {"name": f"pipefold simulate {schedule.name}"}},
+    ]
+    for d in range(schedule.devices):
+        events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": d, "args": {"name": f"device {d}"}})
+        events.append({"ph": "M", "name": "thread_sort_index", "pid": 0, "tid": d, "args": {"sort_index": d}})
+    for d, row in enumerate(result.timeline):
+        for iv in row:
+            a = iv.action
+            events.append({
+                "name": str(a), "cat": a.kind.value, "ph": "X", "pid": 0, "tid": d,
+                "ts": iv.start * us_per_unit, "dur": (iv.end - iv.start) * us_per_unit,
+                "args": {"stage": a.stage, "microbatch": a.microbatch, "chunk": chunk_of[a.stage]},
+            })
+    for d, curve in enumerate(result.memory_curve):
+        for t, level in curve:
+            events.append({"name": f"memory dev {d}", "ph": "C", "pid": 0, "ts": t * us_per_unit,
+                           "args": {"M": level}})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_chrome_trace(result: SimResult, path: str, *, us_per_unit: float = 1000.0) -> None:
+    """Write :func:`chrome_trace` of ``result`` to ``path`` as JSON."""
+    Path(path).write_text(json.dumps(chrome_trace(result, us_per_unit=us_per_unit)) + "\n")

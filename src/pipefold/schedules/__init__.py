@@ -1,0 +1,114 @@
+"""The registry of schedule families by name.
+
+Every entry is a pure function of (devices, microbatches, options) that
+returns a :class:`~pipefold.ir.Schedule`: no processes, no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pipefold.errors import ConfigError
+from pipefold.ir import Schedule
+from pipefold.schedules.interleaved import interleaved_1f1b, looped_bfs
+from pipefold.schedules.kfkb import gpipe, kfkb, one_f_one_b
+from pipefold.schedules.zero_bubble import zb_h1, zb_h2
+
+__all__ = ["REGISTRY", "Option", "ScheduleSpec", "build", "get", "names"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Option:
+    """One knob of a schedule family."""
+
+    name: str
+    default: int
+    help: str
+    minimum: int = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduleSpec:
+    """A registered schedule family."""
+
+    name: str
+    build: Callable[..., Schedule]
+    description: str
+    options: tuple[Option, ...] = ()
+    memory: str = ""
+    """Peak activation memory per device in units of M, as a formula for the docs and listings."""
+
+    def option(self, name: str) -> Option | None:
+        return next((o for o in self.options if o.name == name), None)
+
+
+_V = Option(name="v", default=2, help="stages (model chunks) per device")
+
+REGISTRY: dict[str, ScheduleSpec] = {
+    spec.name: spec
+    for spec in [
+        ScheduleSpec(name="gpipe", build=gpipe, memory="m",
+                     description="GPipe: all forwards, then all backwards (Huang et al. 2019)"),
+        ScheduleSpec(name="1f1b", build=one_f_one_b, memory="p-i",
+                     description="1F1B / PipeDream-Flush: warm-up, then one forward one backward"),
+        ScheduleSpec(name="interleaved-1f1b", build=interleaved_1f1b, options=(_V,), memory="~p+(p-1)/v",
+                     description="Interleaved 1F1B (Megatron-LM): v looped chunks per device, bubble / v"),
+        ScheduleSpec(name="looped-bfs", build=looped_bfs, options=(_V,), memory="m",
+                     description="Breadth-first looped (Lamy-Poirier 2022): all microbatches chunk by chunk"),
+        ScheduleSpec(name="kfkb", build=kfkb, memory="min(m, k(p-i))",
+                     options=(Option(name="k", default=2, help="microbatches per group"),),
+                     description="kFkB (Ada-Grouper): k forwards then k backwards; k=1 is 1F1B, k=m GPipe"),
+        ScheduleSpec(name="zb-h1", build=zb_h1, memory="p",
+                     description="Zero Bubble H1: B/W split, W deferred into bubbles, 1F1B's memory"),
+        ScheduleSpec(name="zb-h2", build=zb_h2, memory="2p-1",
+                     description="Zero Bubble H2: extra warm-up fills the start, about twice 1F1B's memory"),
+    ]
+}
+
+
+def names() -> list[str]:
+    """Registered schedule names, in listing order."""
+    return list(REGISTRY)
+
+
+def get(name: str) -> ScheduleSpec:
+    """The spec registered as ``name``; an unknown name lists the known ones."""
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise ConfigError(f"unknown schedule {name!r}; known schedules: {', '.join(REGISTRY)}") from None
+
+
+def build(name: str, stages: int, microbatches: int, **options: Any) -> Schedule:
+    """Generate schedule ``name`` for ``stages`` pipeline devices and ``microbatches`` microbatches.
+
+    ``options`` are the family's knobs (see :func:`get` and ``pipefold schedules``);
+    omitted ones take their defaults.
+    """
+    spec = get(name)
+    _check_positive("stages", stages)
+    _check_positive("microbatches", microbatches)
+    resolved = _resolve_options(spec, options)
+    return spec.build(stages, microbatches, **resolved)
+
+
+def _check_positive(label: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{label} must be a positive integer (got {value!r})")
+
+
+def _resolve_options(spec: ScheduleSpec, options: Mapping[str, Any]) -> dict[str, Any]:
+    resolved: dict[str, Any] = {}
+    for key, value in options.items():
+        opt = spec.option(key)
+        if opt is None:
+            takes = ", ".join(o.name for o in spec.options) or "none"
+            raise ConfigError(f"schedule {spec.name} takes no option {key!r}; its options: {takes}")
+        if not isinstance(value, int) or isinstance(value, bool) or value < opt.minimum:
+            raise ConfigError(f"option {key} of {spec.name} must be an integer >= {opt.minimum} (got {value!r})")
+        resolved[key] = value
+    for opt in spec.options:
+        resolved.setdefault(opt.name, opt.default)
+    return resolved

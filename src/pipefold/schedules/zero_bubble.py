@@ -1,0 +1,67 @@
+"""Zero Bubble handcrafted schedules ZB-H1 and ZB-H2 (Qi et al., 2023).
+
+The backward is split into B (gradient of the stage input, on the critical
+path) and W (gradient of the weights, needed only by the optimizer). B goes
+upstream as fast as it can; W waits and fills what would otherwise be bubbles.
+
+Both schedules share one generator. Device i of p:
+
+    warm-up  : `warmup` forwards
+    steady   : B, then W once more than `defer` Ws are pending, then F
+    cool-down: the remaining B, each followed by a W while more than `defer` are pending,
+               then the deferred Ws
+
+A W frees the activation its F took, so a device's peak is warmup + defer
+microbatches.
+
+- ZB-H1: warmup p-i, defer i, peak p (1F1B's memory); the tail of deferred Ws
+  shrinks the bubble to (p-1)(F+B-W).
+- ZB-H2: warmup 2(p-i)-1, fills the start-up bubble with extra forwards;
+  defer 2i, peak 2p-1, bubble (p-1)(F+B-2W) under the paper's accounting.
+  With few microbatches (m < p+i) so long a tail of Ws would start after the
+  last B had arrived, lengthening the step instead of filling gaps; there
+  the deferral falls back to ZB-H1's i.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from pipefold.ir import Action, B, F, Schedule, W, linear_placement
+
+
+def _device_order(i: int, m: int, warmup: int, defer: int) -> list[Action]:
+    order = [F(i, j) for j in range(min(warmup, m))]
+    next_f, next_b = len(order), 0
+    pending_w: deque[int] = deque()
+
+    def backward() -> None:
+        nonlocal next_b
+        order.append(B(i, next_b))
+        pending_w.append(next_b)
+        next_b += 1
+        if len(pending_w) > defer:
+            order.append(W(i, pending_w.popleft()))
+
+    while next_f < m:  # steady: B, (W), F
+        backward()
+        order.append(F(i, next_f))
+        next_f += 1
+    while next_b < m:  # cool-down: B, (W)
+        backward()
+    order += [W(i, j) for j in pending_w]  # the deferred tail of Ws
+    return order
+
+
+def zb_h1(devices: int, microbatches: int) -> Schedule:
+    """ZB-H1: 1F1B with B/W split and deferred W, at 1F1B's memory."""
+    p, m = devices, microbatches
+    rows = [_device_order(i, m, warmup=p - i, defer=i) for i in range(p)]
+    return Schedule("zb-h1", p, p, m, linear_placement(p), tuple(map(tuple, rows)))
+
+
+def zb_h2(devices: int, microbatches: int) -> Schedule:
+    """ZB-H2: extra warm-up forwards fill the start-up bubble, at about twice 1F1B's memory."""
+    p, m = devices, microbatches
+    rows = [_device_order(i, m, warmup=2 * (p - i) - 1, defer=min(2 * i, max(i, m - (p - i)))) for i in range(p)]
+    return Schedule("zb-h2", p, p, m, linear_placement(p), tuple(map(tuple, rows)))

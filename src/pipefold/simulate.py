@@ -1,0 +1,277 @@
+"""Simulator: a cost model and a schedule give a timeline, bubbles and memory.
+
+Every device runs its action list in order; an action starts as soon as its
+device is free and its inputs have arrived. Inputs are the activation from the
+previous stage (for F) and the gradient from the next stage (for B/BW); they
+cost a point-to-point transfer when the two stages live on different devices.
+
+Units. By default a cost is for one microbatch through one device's share of
+the model (1/p of it): F = B = W = 1 and memory M = 1. A schedule with v stages
+per device runs stages that are 1/v of a share, so each stage's times and
+memory are divided by v. Activation memory of a (stage, microbatch) is taken
+when its F starts; the fraction ``b_release`` is given back when its B ends and
+the rest when its W ends (all of it when a fused BW ends).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipefold.errors import ConfigError
+from pipefold.ir import Action, Kind, Schedule, execution_order
+
+__all__ = ["CostModel", "Interval", "SimResult", "StageCost", "StageOverride", "simulate"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageCost:
+    """Times and activation memory of one stage for one microbatch, in absolute units."""
+
+    f: float
+    b: float
+    w: float
+    memory: float
+
+    @property
+    def bw(self) -> float:
+        """A fused backward costs B + W."""
+        return self.b + self.w
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageOverride:
+    """Absolute times of one stage that replace the derived ones; memory too, unless left None."""
+
+    f: float
+    b: float
+    w: float
+    memory: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class CostModel:
+    """How long each pass takes, what crossing devices costs, and how much memory activations use."""
+
+    f: float = 1.0
+    """Forward time of one microbatch through one device's share of the model."""
+    b: float = 1.0
+    """Input-gradient backward time (B) for one device's share."""
+    w: float = 1.0
+    """Weight-gradient backward time (W) for one device's share."""
+    memory: float = 1.0
+    """Activation memory of one microbatch on one device's share (the unit M)."""
+    b_release: float = 0.0
+    """Fraction of a stage's activation memory freed when its B ends; W frees the rest."""
+    latency: float = 0.0
+    """Fixed time of a point-to-point transfer between two devices."""
+    bandwidth: float = math.inf
+    """Bytes per time unit of a point-to-point link."""
+    activation_bytes: float = 0.0
+    """Bytes sent between stages per microbatch (activation forward, its gradient backward)."""
+    stage_overrides: Mapping[int, StageOverride] = field(default_factory=dict)
+    """Absolute per-stage costs that replace the derived ones for the given stages."""
+
+    def __post_init__(self) -> None:
+        for name in ("f", "b", "w", "memory", "latency", "activation_bytes"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ConfigError(f"cost {name} must be a finite number >= 0 (got {value!r})")
+        if not 0 <= self.b_release <= 1:
+            raise ConfigError(f"b_release is a fraction of the activation memory: 0..1 (got {self.b_release!r})")
+        if not self.bandwidth > 0:
+            raise ConfigError(f"bandwidth must be > 0 bytes per time unit (got {self.bandwidth!r})")
+        for stage, cost in self.stage_overrides.items():
+            for name in ("f", "b", "w", "memory"):
+                value = getattr(cost, name)
+                if value is None and name == "memory":
+                    continue
+                if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                    raise ConfigError(f"stage {stage} cost {name} must be a finite number >= 0 (got {value!r})")
+
+    @property
+    def transfer_time(self) -> float:
+        """Time to move one activation (or its gradient) between two devices."""
+        return self.latency + (self.activation_bytes / self.bandwidth if self.activation_bytes else 0.0)
+
+    def stage_cost(self, stage: int, stages: int, devices: int) -> StageCost:
+        """Cost of ``stage`` in a pipeline of ``stages`` stages over ``devices`` devices."""
+        share = devices / stages  # a stage is this fraction of one device's share of the model
+        derived = StageCost(f=self.f * share, b=self.b * share, w=self.w * share, memory=self.memory * share)
+        over = self.stage_overrides.get(stage)
+        if over is None:
+            return derived
+        memory = derived.memory if over.memory is None else over.memory
+        return StageCost(f=over.f, b=over.b, w=over.w, memory=memory)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "f": self.f, "b": self.b, "w": self.w, "memory": self.memory, "b_release": self.b_release,
+            "latency": self.latency,
+            "bandwidth": None if math.isinf(self.bandwidth) else self.bandwidth,
+            "activation_bytes": self.activation_bytes,
+            "stage_overrides": {str(s): {"f": c.f, "b": c.b, "w": c.w, "memory": c.memory}
+                                for s, c in self.stage_overrides.items()},
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Interval:
+    """When one action ran on its device."""
+
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """What the simulator predicts for one schedule under one cost model."""
+
+    schedule: Schedule
+    cost: CostModel
+    timeline: tuple[tuple[Interval, ...], ...]
+    """Per device, its actions in run order with start and end times."""
+    memory_curve: tuple[tuple[tuple[float, float], ...], ...]
+    """Per device, (time, activation memory from then on) steps, starting at (0, 0)."""
+
+    @property
+    def makespan(self) -> float:
+        return max((row[-1].end for row in self.timeline if row), default=0.0)
+
+    @property
+    def busy(self) -> list[float]:
+        """Per device, the time spent running actions."""
+        return [sum(iv.end - iv.start for iv in row) for row in self.timeline]
+
+    @property
+    def idle(self) -> list[float]:
+        """Per device, makespan minus busy time."""
+        return [self.makespan - b for b in self.busy]
+
+    @property
+    def bubble_ratio(self) -> float:
+        """1 - busy time / (devices x makespan)."""
+        span = self.makespan * self.schedule.devices
+        return 1.0 - sum(self.busy) / span if span else 0.0
+
+    @property
+    def peak_memory(self) -> list[float]:
+        """Per device, the highest activation memory held at any time, in units of M."""
+        return [max(m for _, m in curve) for curve in self.memory_curve]
+
+    def to_dict(self, *, timeline: bool = False) -> dict[str, Any]:
+        """JSON-ready summary; with ``timeline`` also every action's start and end."""
+        s = self.schedule
+        out: dict[str, Any] = {
+            "schedule": s.name,
+            "options": dict(s.options),
+            "devices": s.devices,
+            "stages": s.stages,
+            "microbatches": s.microbatches,
+            "placement": s.placement,
+            "makespan": _round(self.makespan),
+            "bubble_ratio": _round(self.bubble_ratio),
+            "busy": [_round(x) for x in self.busy],
+            "idle": [_round(x) for x in self.idle],
+            "peak_memory": [_round(x) for x in self.peak_memory],
+            "cost": self.cost.to_dict(),
+        }
+        if timeline:
+            out["timeline"] = [
+                [{"action": str(iv.action), "start": _round(iv.start), "end": _round(iv.end)} for iv in row]
+                for row in self.timeline
+            ]
+            out["memory_curve"] = [[[_round(t), _round(m)] for t, m in c] for c in self.memory_curve]
+        return out
+
+
+def _round(x: float) -> float:
+    # Sums of halves and thirds pick up float noise; 9 digits keep JSON readable and exact enough.
+    return round(x, 9)
+
+
+def simulate(schedule: Schedule, cost: CostModel | None = None) -> SimResult:
+    """Predict the timeline of ``schedule`` under ``cost`` (unit costs by default).
+
+    Raises :class:`~pipefold.errors.ScheduleError` if the schedule is invalid.
+    """
+    cost = cost or CostModel()
+    S, D = schedule.stages, schedule.devices
+    outside = sorted(s for s in cost.stage_overrides if not 0 <= s < S)
+    if outside:
+        raise ConfigError(f"a stage cost override names stage {outside[0]}, but {schedule.name} has stages 0..{S - 1}")
+    order = execution_order(schedule)  # validates, and gives an order in which inputs come first
+    costs = [cost.stage_cost(s, S, D) for s in range(S)]
+    device_of = schedule.stage_to_device
+    transfer = cost.transfer_time
+    rows = schedule.actions
+
+    starts = [[0.0] * len(row) for row in rows]
+    ends = [[0.0] * len(row) for row in rows]
+    free = [0.0] * D
+    # End time of each pass, keyed by (kind, stage, microbatch); B and BW both stored as "B".
+    f_end: dict[tuple[int, int], float] = {}
+    b_end: dict[tuple[int, int], float] = {}
+    for device, pos in order:
+        a = rows[device][pos]
+        s, m, kind = a.stage, a.microbatch, a.kind
+        c = costs[s]
+        ready = free[device]
+        if kind is Kind.F:
+            duration = c.f
+            if s > 0:
+                ready = max(ready, f_end[(s - 1, m)] + (transfer if device_of[s - 1] != device else 0.0))
+        elif kind is Kind.W:
+            duration = c.w
+            ready = max(ready, b_end[(s, m)])
+        else:
+            duration = c.b if kind is Kind.B else c.bw
+            ready = max(ready, f_end[(s, m)])
+            if s + 1 < S:
+                ready = max(ready, b_end[(s + 1, m)] + (transfer if device_of[s + 1] != device else 0.0))
+        end = ready + duration
+        starts[device][pos], ends[device][pos] = ready, end
+        free[device] = end
+        if kind is Kind.F:
+            f_end[(s, m)] = end
+        elif kind is not Kind.W:
+            b_end[(s, m)] = end
+
+    timeline = tuple(
+        tuple(Interval(a, st, en) for a, st, en in zip(row, starts[d], ends[d], strict=True))
+        for d, row in enumerate(rows)
+    )
+    curves = tuple(_memory_curve(row, costs, cost.b_release) for row in timeline)
+    return SimResult(schedule, cost, timeline, curves)
+
+
+def _memory_curve(row: tuple[Interval, ...], costs: list[StageCost],
+                  b_release: float) -> tuple[tuple[float, float], ...]:
+    """Activation memory of one device over time, as (time, level) steps."""
+    events: list[tuple[float, float]] = []
+    for iv in row:
+        a, mem = iv.action, costs[iv.action.stage].memory
+        if a.kind is Kind.F:
+            events.append((iv.start, mem))
+        elif a.kind is Kind.B:
+            events.append((iv.end, -mem * b_release))
+        elif a.kind is Kind.W:
+            events.append((iv.end, -mem * (1.0 - b_release)))
+        else:
+            events.append((iv.end, -mem))
+    # At equal times a release comes first: the device ended one pass before starting the next.
+    events.sort()
+    curve = [(0.0, 0.0)]
+    level = 0.0
+    for t, delta in events:
+        level += delta
+        if abs(level) < 1e-12:
+            level = 0.0
+        if curve[-1][0] == t:
+            curve[-1] = (t, level)
+        else:
+            curve.append((t, level))
+    return tuple(curve)

@@ -1,0 +1,149 @@
+"""Every registered schedule: valid for any shape, and the closed forms of the papers hold exactly."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pipefold import ConfigError, CostModel, Kind, Schedule, build, names, simulate, validate
+from pipefold.schedules import get
+
+STAGES = st.integers(1, 16)
+MICROBATCHES = st.integers(1, 64)
+
+
+def _options(name: str, p: int, m: int, draw_v: int, draw_k: int) -> dict[str, int]:
+    spec = get(name)
+    out = {}
+    if spec.option("v"):
+        out["v"] = draw_v
+    if spec.option("k"):
+        out["k"] = draw_k
+    return out
+
+
+@pytest.mark.parametrize("name", names())
+@given(p=STAGES, m=MICROBATCHES, v=st.integers(1, 4), k=st.integers(1, 8))
+def test_every_schedule_is_valid_complete_and_round_trips(name: str, p: int, m: int, v: int, k: int) -> None:
+    s = build(name, p, m, **_options(name, p, m, v, k))
+    validate(s)
+    # Every action appears exactly once, and every (stage, microbatch) has F plus B+W or BW.
+    flat = [a for row in s.actions for a in row]
+    assert len(flat) == len(set(flat))
+    per_pass = Counter((a.stage, a.microbatch) for a in flat)
+    kinds = {(a.stage, a.microbatch): set() for a in flat}
+    for a in flat:
+        kinds[(a.stage, a.microbatch)].add(a.kind)
+    assert set(per_pass) == {(st_, mb) for st_ in range(s.stages) for mb in range(m)}
+    assert all(ks in ({Kind.F, Kind.BW}, {Kind.F, Kind.B, Kind.W}) for ks in kinds.values())
+    # Actions sit on the device that holds their stage.
+    assert all(s.stage_to_device[a.stage] == d for d, row in enumerate(s.actions) for a in row)
+    # Text, JSON and CSV forms read back exactly.
+    assert Schedule.from_text(s.to_text()) == s
+    assert Schedule.from_json(s.dumps("json")) == s
+    assert Schedule.from_csv(s.to_csv(), name=s.name, options=s.options, stage_to_device=s.stage_to_device) == s
+
+
+@given(p=STAGES, m=MICROBATCHES)
+def test_1f1b_closed_form(p: int, m: int) -> None:
+    r = simulate(build("1f1b", p, m))
+    assert r.makespan == (m + p - 1) * 3
+    assert r.peak_memory == [min(m, p - i) for i in range(p)]
+
+
+@given(p=st.integers(1, 8), m=st.integers(1, 32), f=st.integers(1, 4), b=st.integers(1, 4), w=st.integers(1, 4))
+def test_1f1b_closed_form_any_costs(p: int, m: int, f: int, b: int, w: int) -> None:
+    r = simulate(build("1f1b", p, m), CostModel(f=f, b=b, w=w))
+    assert r.makespan == (m + p - 1) * (f + b + w)
+
+
+@given(p=STAGES, m=MICROBATCHES)
+def test_gpipe_holds_every_microbatch(p: int, m: int) -> None:
+    r = simulate(build("gpipe", p, m))
+    assert r.peak_memory == [m] * p
+    assert r.makespan == (m + p - 1) * 3
+
+
+@given(p=STAGES, m=MICROBATCHES, k=st.integers(1, 64))
+def test_kfkb_peak(p: int, m: int, k: int) -> None:
+    r = simulate(build("kfkb", p, m, k=k))
+    assert r.peak_memory == [min(m, k * (p - i)) for i in range(p)]
+
+
+def test_kfkb_ends_are_1f1b_and_gpipe() -> None:
+    for p, m in [(4, 8), (3, 7), (5, 2)]:
+        assert build("kfkb", p, m, k=1).actions == build("1f1b", p, m).actions
+        assert build("kfkb", p, m, k=m).actions == build("gpipe", p, m).actions
+
+
+@given(p=STAGES, data=st.data())
+def test_zb_h1_closed_form(p: int, data: st.DataObject) -> None:
+    m = data.draw(st.integers(p, 64), label="m")  # the closed form is for a full pipeline, m >= p
+    r = simulate(build("zb-h1", p, m))
+    assert r.makespan == 3 * m + (p - 1) * (1 + 1 - 1)
+    assert max(r.peak_memory) <= p
+
+
+@given(p=st.integers(1, 8), data=st.data())
+def test_zb_h1_closed_form_unequal_costs(p: int, data: st.DataObject) -> None:
+    m = data.draw(st.integers(p, 32), label="m")
+    f, b = data.draw(st.integers(1, 4), label="f"), data.draw(st.integers(1, 4), label="b")
+    # W no longer than F or B: then each deferred W fits in a gap of the tail (the paper's regime).
+    w = data.draw(st.integers(1, min(f, b)), label="w")
+    r = simulate(build("zb-h1", p, m), CostModel(f=f, b=b, w=w))
+    assert r.makespan == m * (f + b + w) + (p - 1) * (f + b - w)
+
+
+@given(p=STAGES, m=MICROBATCHES)
+def test_zb_h2_memory_about_twice_1f1b(p: int, m: int) -> None:
+    r = simulate(build("zb-h2", p, m))
+    assert max(r.peak_memory) <= min(m, 2 * p - 1)
+    # It never loses to ZB-H1 under unit costs.
+    assert r.makespan <= simulate(build("zb-h1", p, m)).makespan
+
+
+def test_zb_h2_beats_h1_when_w_is_cheap_and_startup_dominates() -> None:
+    cost = CostModel(f=1, b=2, w=1)
+    h1 = simulate(build("zb-h1", 4, 8), cost)
+    h2 = simulate(build("zb-h2", 4, 8), cost)
+    assert h2.makespan < h1.makespan
+
+
+def test_reference_cases_p4_m8() -> None:
+    r = simulate(build("1f1b", 4, 8))
+    assert (r.makespan, r.peak_memory) == (33, [4, 3, 2, 1])
+    r = simulate(build("interleaved-1f1b", 4, 8, v=2))
+    assert r.makespan == 28.5
+    assert r.peak_memory[0] == 5.5
+    r = simulate(build("zb-h1", 4, 8))
+    assert r.makespan == 27
+    assert max(r.peak_memory) == 4
+
+
+@given(p=st.integers(2, 8), data=st.data())
+def test_interleaving_divides_the_bubble(p: int, data: st.DataObject) -> None:
+    v = data.draw(st.integers(1, 4), label="v")
+    m = p * data.draw(st.integers(1, 4), label="groups")
+    r = simulate(build("interleaved-1f1b", p, m, v=v))
+    # Megatron: the bubble of 1F1B, (p-1)(F+B+W), divided by v.
+    assert r.makespan == pytest.approx(3 * m + 3 * (p - 1) / v)
+
+
+@given(p=st.integers(1, 8), m=st.integers(1, 32), v=st.integers(1, 4))
+def test_looped_bfs_is_gpipe_like_in_memory(p: int, m: int, v: int) -> None:
+    r = simulate(build("looped-bfs", p, m, v=v))
+    assert r.peak_memory == pytest.approx([m] * p)
+
+
+def test_bad_parameters_name_the_fix() -> None:
+    with pytest.raises(ConfigError, match="unknown schedule 'nope'; known schedules: gpipe, 1f1b"):
+        build("nope", 4, 8)
+    with pytest.raises(ConfigError, match="microbatches must be a positive integer"):
+        build("1f1b", 4, 0)
+    with pytest.raises(ConfigError, match="takes no option 'k'"):
+        build("1f1b", 4, 8, k=2)
+    with pytest.raises(ConfigError, match=r"must be an integer >= 1 \(got 0\)"):
+        build("interleaved-1f1b", 4, 8, v=0)
