@@ -456,48 +456,68 @@ def _dependencies(action: Action, stages: int, backward: Mapping[tuple[int, int]
     return deps
 
 
+def _position_of(schedule: Schedule, action: Action) -> tuple[int, int]:
+    """(device, position) of ``action``; only used to word error messages."""
+    for device, row in enumerate(schedule.actions):
+        for position, a in enumerate(row):
+            if a == action:
+                return device, position
+    raise LookupError(action)
+
+
 def _check_structure(schedule: Schedule) -> None:
     """Ranges, placement and counts: each (stage, microbatch) has one F and one backward."""
     S, M = schedule.stages, schedule.microbatches
-    first_seen: dict[Action, tuple[int, int]] = {}
+    seen = {kind: bytearray(S * M) for kind in Kind}  # indexed by stage * M + microbatch
     for device, row in enumerate(schedule.actions):
         for position, a in enumerate(row):
-            where = dict(device=device, position=position)
-            if not 0 <= a.stage < S:
-                _fail(schedule, f"device {device}, position {position}: action {a} names stage {a.stage}, "
-                      f"but stages are 0..{S - 1}", **where)
-            if not 0 <= a.microbatch < M:
-                _fail(schedule, f"device {device}, position {position}: action {a} names microbatch "
-                      f"{a.microbatch}, but microbatches are 0..{M - 1}", **where)
-            home = schedule.stage_to_device[a.stage]
-            if home != device:
-                _fail(schedule, f"device {device}, position {position}: action {a} runs stage {a.stage}, "
-                      f"which the placement puts on device {home}", **where)
-            if a in first_seen:
-                d0, p0 = first_seen[a]
+            s, m = a.stage, a.microbatch
+            if not (0 <= s < S and 0 <= m < M and schedule.stage_to_device[s] == device):
+                _check_action_place(schedule, device, position, a)
+            flags = seen[a.kind]
+            if flags[s * M + m]:
+                p0 = _position_of(schedule, a)[1]
                 _fail(schedule, f"device {device}, position {position}: {a} appears twice "
-                      f"(first at position {p0})", **where)
-            first_seen[a] = (device, position)
-    for s in range(S):
+                      f"(first at position {p0})", device=device, position=position)
+            flags[s * M + m] = 1
+    f, b, w, bw = seen[Kind.F], seen[Kind.B], seen[Kind.W], seen[Kind.BW]
+    # Complete iff F everywhere and, per (stage, microbatch), either BW alone or B and W together.
+    if f.find(0) == -1 and all(x ^ y for x, y in zip(bw, b)) and b == w:
+        return
+    for idx in range(S * M):
+        s, m = divmod(idx, M)
         device = schedule.stage_to_device[s]
         end = dict(device=device, position=len(schedule.actions[device]))
-        for m in range(M):
-            has = {k: Action(s, k, m) in first_seen for k in Kind}
-            label = f"stage {s} microbatch {m}"
-            if not has[Kind.F]:
-                _fail(schedule, f"device {device}: {label} has no forward ({F(s, m)})", **end)
-            if has[Kind.BW] and (has[Kind.B] or has[Kind.W]):
-                extra = B(s, m) if has[Kind.B] else W(s, m)
-                _fail(schedule, f"device {device}, position {first_seen[extra][1]}: {label} has both a fused "
-                      f"backward {BW(s, m)} and {extra}", device=device, position=first_seen[extra][1])
-            if not (has[Kind.BW] or has[Kind.B]):
-                _fail(schedule, f"device {device}: {label} has no backward ({B(s, m)} or {BW(s, m)})", **end)
-            if has[Kind.B] and not has[Kind.W]:
-                _fail(schedule, f"device {device}: {label} has {B(s, m)} but no {W(s, m)}", **end)
-            if has[Kind.W] and not has[Kind.B]:
-                pos = first_seen[W(s, m)][1]
-                _fail(schedule, f"device {device}, position {pos}: {W(s, m)} has no {B(s, m)} before it",
-                      device=device, position=pos)
+        label = f"stage {s} microbatch {m}"
+        if not f[idx]:
+            _fail(schedule, f"device {device}: {label} has no forward ({F(s, m)})", **end)
+        if bw[idx] and (b[idx] or w[idx]):
+            extra = B(s, m) if b[idx] else W(s, m)
+            pos = _position_of(schedule, extra)[1]
+            _fail(schedule, f"device {device}, position {pos}: {label} has both a fused "
+                  f"backward {BW(s, m)} and {extra}", device=device, position=pos)
+        if not (bw[idx] or b[idx]):
+            _fail(schedule, f"device {device}: {label} has no backward ({B(s, m)} or {BW(s, m)})", **end)
+        if b[idx] and not w[idx]:
+            _fail(schedule, f"device {device}: {label} has {B(s, m)} but no {W(s, m)}", **end)
+        if w[idx] and not b[idx]:
+            pos = _position_of(schedule, W(s, m))[1]
+            _fail(schedule, f"device {device}, position {pos}: {W(s, m)} has no {B(s, m)} before it",
+                  device=device, position=pos)
+
+
+def _check_action_place(schedule: Schedule, device: int, position: int, a: Action) -> None:
+    where = dict(device=device, position=position)
+    S, M = schedule.stages, schedule.microbatches
+    if not 0 <= a.stage < S:
+        _fail(schedule, f"device {device}, position {position}: action {a} names stage {a.stage}, "
+              f"but stages are 0..{S - 1}", **where)
+    if not 0 <= a.microbatch < M:
+        _fail(schedule, f"device {device}, position {position}: action {a} names microbatch "
+              f"{a.microbatch}, but microbatches are 0..{M - 1}", **where)
+    home = schedule.stage_to_device[a.stage]
+    _fail(schedule, f"device {device}, position {position}: action {a} runs stage {a.stage}, "
+          f"which the placement puts on device {home}", **where)
 
 
 def execution_order(schedule: Schedule) -> list[tuple[int, int]]:
@@ -508,31 +528,55 @@ def execution_order(schedule: Schedule) -> list[tuple[int, int]]:
     :class:`ScheduleError` for the first violation found.
     """
     _check_structure(schedule)
-    S = schedule.stages
+    S, M = schedule.stages, schedule.microbatches
+    SM = S * M
     rows = schedule.actions
-    backward = _backward_of(schedule)
-    done: set[Action] = set()
+    # Done flags indexed by stage * M + microbatch: forwards, and backwards (B or BW) that send a
+    # gradient upstream. Waiting devices are keyed by the pass they wait for: idx, or SM + idx.
+    f_done, b_done = bytearray(SM), bytearray(SM)
     heads = [0] * schedule.devices
-    waiting: dict[Action, list[int]] = {}
+    waiting: dict[int, list[int]] = {}
     order: list[tuple[int, int]] = []
     queue = deque(range(schedule.devices))
+    F_, W_ = Kind.F, Kind.W
     while queue:
         device = queue.popleft()
-        row, pos = rows[device], heads[device]
-        while pos < len(row):
-            action = row[pos]
-            blocker = next((d for d in _dependencies(action, S, backward) if d not in done), None)
-            if blocker is not None:
+        row, pos, n = rows[device], heads[device], len(rows[device])
+        while pos < n:
+            a = row[pos]
+            kind, idx = a.kind, a.stage * M + a.microbatch
+            if kind is F_:
+                blocker = idx - M if a.stage > 0 and not f_done[idx - M] else -1
+            elif kind is W_:
+                blocker = -1 if b_done[idx] else SM + idx
+            elif not f_done[idx]:
+                blocker = idx
+            else:
+                blocker = SM + idx + M if a.stage + 1 < S and not b_done[idx + M] else -1
+            if blocker >= 0:
                 waiting.setdefault(blocker, []).append(device)
                 break
-            done.add(action)
             order.append((device, pos))
             pos += 1
-            queue.extend(waiting.pop(action, ()))
+            if kind is F_:
+                f_done[idx] = 1
+                key = idx
+            elif kind is W_:
+                continue
+            else:
+                b_done[idx] = 1
+                key = SM + idx
+            woken = waiting.pop(key, None)
+            if woken:
+                queue.extend(woken)
         heads[device] = pos
     if len(order) != schedule.num_actions:
-        _report_stuck(schedule, heads, backward, done)
+        _report_stuck(schedule, heads, _backward_of(schedule), _finished(schedule, heads))
     return order
+
+
+def _finished(schedule: Schedule, heads: list[int]) -> set[Action]:
+    return {a for d, row in enumerate(schedule.actions) for a in row[:heads[d]]}
 
 
 def _report_stuck(schedule: Schedule, heads: list[int], backward: Mapping[tuple[int, int], Kind],

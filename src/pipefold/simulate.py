@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from pipefold.errors import ConfigError
 from pipefold.ir import Action, Kind, Schedule, execution_order
@@ -117,8 +117,7 @@ class CostModel:
         }
 
 
-@dataclass(frozen=True, slots=True)
-class Interval:
+class Interval(NamedTuple):
     """When one action ran on its device."""
 
     action: Action
@@ -208,40 +207,45 @@ def simulate(schedule: Schedule, cost: CostModel | None = None) -> SimResult:
     device_of = schedule.stage_to_device
     transfer = cost.transfer_time
     rows = schedule.actions
+    M = schedule.microbatches
 
     starts = [[0.0] * len(row) for row in rows]
     ends = [[0.0] * len(row) for row in rows]
     free = [0.0] * D
-    # End time of each pass, keyed by (kind, stage, microbatch); B and BW both stored as "B".
-    f_end: dict[tuple[int, int], float] = {}
-    b_end: dict[tuple[int, int], float] = {}
+    # End times indexed by stage * M + microbatch: of forwards, and of backwards (B or BW).
+    f_end = [0.0] * (S * M)
+    b_end = [0.0] * (S * M)
+    F_, W_, B_ = Kind.F, Kind.W, Kind.B
     for device, pos in order:
         a = rows[device][pos]
-        s, m, kind = a.stage, a.microbatch, a.kind
+        s, kind = a.stage, a.kind
+        idx = s * M + a.microbatch
         c = costs[s]
         ready = free[device]
-        if kind is Kind.F:
+        if kind is F_:
             duration = c.f
             if s > 0:
-                ready = max(ready, f_end[(s - 1, m)] + (transfer if device_of[s - 1] != device else 0.0))
-        elif kind is Kind.W:
+                arrival = f_end[idx - M] + (transfer if device_of[s - 1] != device else 0.0)
+                ready = arrival if arrival > ready else ready
+        elif kind is W_:
             duration = c.w
-            ready = max(ready, b_end[(s, m)])
+            ready = max(ready, b_end[idx])
         else:
-            duration = c.b if kind is Kind.B else c.bw
-            ready = max(ready, f_end[(s, m)])
+            duration = c.b if kind is B_ else c.bw
+            ready = max(ready, f_end[idx])
             if s + 1 < S:
-                ready = max(ready, b_end[(s + 1, m)] + (transfer if device_of[s + 1] != device else 0.0))
+                arrival = b_end[idx + M] + (transfer if device_of[s + 1] != device else 0.0)
+                ready = arrival if arrival > ready else ready
         end = ready + duration
         starts[device][pos], ends[device][pos] = ready, end
         free[device] = end
-        if kind is Kind.F:
-            f_end[(s, m)] = end
-        elif kind is not Kind.W:
-            b_end[(s, m)] = end
+        if kind is F_:
+            f_end[idx] = end
+        elif kind is not W_:
+            b_end[idx] = end
 
     timeline = tuple(
-        tuple(Interval(a, st, en) for a, st, en in zip(row, starts[d], ends[d], strict=True))
+        tuple(map(Interval, row, starts[d], ends[d]))
         for d, row in enumerate(rows)
     )
     curves = tuple(_memory_curve(row, costs, cost.b_release) for row in timeline)
