@@ -482,7 +482,7 @@ def _check_structure(schedule: Schedule) -> None:
             flags[s * M + m] = 1
     f, b, w, bw = seen[Kind.F], seen[Kind.B], seen[Kind.W], seen[Kind.BW]
     # Complete iff F everywhere and, per (stage, microbatch), either BW alone or B and W together.
-    if f.find(0) == -1 and all(x ^ y for x, y in zip(bw, b)) and b == w:
+    if f.find(0) == -1 and all(x ^ y for x, y in zip(bw, b, strict=True)) and b == w:
         return
     for idx in range(S * M):
         s, m = divmod(idx, M)
