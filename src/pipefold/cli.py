@@ -209,7 +209,7 @@ def cmd_schedules(args: argparse.Namespace, console: Console) -> None:
 
 def cmd_simulate(args: argparse.Namespace, console: Console) -> None:
     if args.width:
-        console = Console(width=args.width)
+        console = Console(width=args.width, soft_wrap=True)
     cost = _cost_model(args)
     schedule = _load_schedule(args.schedule, args, strict_flags=True)
     result = simulate(schedule, cost)
@@ -299,7 +299,7 @@ COMMANDS = {"schedules": cmd_schedules, "simulate": cmd_simulate, "compare": cmd
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    console = Console()
+    console = Console(soft_wrap=True)
     try:
         COMMANDS[args.command](args, console)
     except ScheduleError as exc:
