@@ -6,7 +6,7 @@ returns a :class:`~pipefold.ir.Schedule`: no processes, no torch.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +19,10 @@ from pipefold.schedules.zero_bubble import zb_h1, zb_h2
 __all__ = ["REGISTRY", "Option", "ScheduleSpec", "build", "get", "names"]
 
 
+def _no_search(p: int, m: int) -> Sequence[int]:
+    return ()
+
+
 @dataclass(frozen=True, kw_only=True)
 class Option:
     """One knob of a schedule family."""
@@ -27,6 +31,8 @@ class Option:
     default: int
     help: str
     minimum: int = 1
+    search: Callable[[int, int], Sequence[int]] = _no_search
+    """Values worth trying for p devices and m microbatches (the planner's search space); empty: the default."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,12 +45,14 @@ class ScheduleSpec:
     options: tuple[Option, ...] = ()
     memory: str = ""
     """Peak activation memory per device in units of M, as a formula for the docs and listings."""
+    min_microbatches: Callable[[int], int] = lambda p: 1
+    """The fewest microbatches the family can schedule on p devices."""
 
     def option(self, name: str) -> Option | None:
         return next((o for o in self.options if o.name == name), None)
 
 
-_V = Option(name="v", default=2, help="stages (model chunks) per device")
+_V = Option(name="v", default=2, help="stages (model chunks) per device", search=lambda p, m: (2, 3, 4))
 
 REGISTRY: dict[str, ScheduleSpec] = {
     spec.name: spec
@@ -58,7 +66,8 @@ REGISTRY: dict[str, ScheduleSpec] = {
         ScheduleSpec(name="looped-bfs", build=looped_bfs, options=(_V,), memory="m",
                      description="Breadth-first looped (Lamy-Poirier 2022): all microbatches chunk by chunk"),
         ScheduleSpec(name="kfkb", build=kfkb, memory="min(m, k(p-i))",
-                     options=(Option(name="k", default=2, help="microbatches per group"),),
+                     options=(Option(name="k", default=2, help="microbatches per group",
+                                     search=lambda p, m: range(1, m + 1)),),
                      description="kFkB (Ada-Grouper): k forwards then k backwards; k=1 is 1F1B, k=m GPipe"),
         ScheduleSpec(name="zb-h1", build=zb_h1, memory="p",
                      description="Zero Bubble H1: B/W split, W deferred into bubbles, 1F1B's memory"),
@@ -90,6 +99,10 @@ def build(name: str, stages: int, microbatches: int, **options: Any) -> Schedule
     spec = get(name)
     _check_positive("stages", stages)
     _check_positive("microbatches", microbatches)
+    least = spec.min_microbatches(stages)
+    if microbatches < least:
+        raise ConfigError(f"{name} needs at least {least} microbatches on {stages} stages (got {microbatches}); "
+                          f"use --microbatches {least} or more")
     resolved = _resolve_options(spec, options)
     return spec.build(stages, microbatches, **resolved)
 
