@@ -32,6 +32,8 @@ def main() -> None:
         f"Every registered schedule at p={P} devices and m={M} microbatches, simulated by",
         "`pipefold compare` under three cost models (units: one microbatch through one device's",
         "share of the model; memory in M, one microbatch's activations on one device's share).",
+        "`pipefold plan -p P -m M --memory BUDGET` picks the fastest of them (over their options)",
+        "whose peak memory fits a budget.",
         "",
     ]
     for label, cost in COSTS.items():

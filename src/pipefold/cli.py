@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import NoReturn
 
 from rich.console import Console
@@ -16,6 +17,7 @@ from rich.table import Table
 from pipefold import schedules
 from pipefold.errors import ConfigError, PipefoldError, ScheduleError
 from pipefold.ir import Schedule
+from pipefold.plan import PlanResult, one_f_one_b_peak, parse_budget, plan
 from pipefold.simulate import CostModel, SimResult, StageOverride, simulate
 
 DEFAULT_SCHEDULE = "zb-h1"
@@ -33,11 +35,13 @@ class _Parser(argparse.ArgumentParser):
 # --------------------------------------------------------------------------- arguments
 
 
-def _add_shape(p: argparse.ArgumentParser) -> None:
+def _add_shape(p: argparse.ArgumentParser, *, options: bool = True) -> None:
     p.add_argument("--stages", "-p", type=int, default=DEFAULT_STAGES, metavar="P",
                    help=f"pipeline stages, one per device (default {DEFAULT_STAGES})")
     p.add_argument("--microbatches", "-m", type=int, default=DEFAULT_MICROBATCHES, metavar="M",
                    help=f"microbatches per step (default {DEFAULT_MICROBATCHES})")
+    if not options:
+        return
     names = sorted({o.name for spec in schedules.REGISTRY.values() for o in spec.options})
     for name in names:
         helps = {f"{o.help} ({s.name}, default {o.default})"
@@ -99,6 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["text", "json", "csv"], default=None,
                    help="output format (default: from the output file's suffix, else text)")
     p.add_argument("--output", "-o", metavar="FILE", help="write to FILE instead of standard output")
+
+    p = sub.add_parser("plan", help="the fastest schedule whose peak activation memory fits a budget")
+    _add_shape(p, options=False)
+    p.add_argument("--memory", required=True, metavar="BUDGET",
+                   help="peak activation memory per device: in M (3) or as a multiple of 1F1B's peak (0.5x)")
+    _add_costs(p)
+    _add_output(p)
+    p.add_argument("--plot", metavar="FILE", help="draw the memory/makespan frontier (.png or .svg)")
 
     p = sub.add_parser("validate", help="check schedule files (or generated schedules) and report the first problem")
     p.add_argument("schedule", nargs="+", help="schedule files or registered names")
@@ -293,8 +305,80 @@ def cmd_validate(args: argparse.Namespace, console: Console) -> None:
                       f"{schedule.microbatches} microbatches, {schedule.num_actions} actions)")
 
 
+def cmd_plan(args: argparse.Namespace, console: Console) -> None:
+    cost = _cost_model(args)
+    budget = parse_budget(args.memory, one_f_one_b_peak(args.stages, args.microbatches, cost))
+    with _progress_bar(f"planning p={args.stages} m={args.microbatches}") as progress:
+        answer = plan(args.stages, args.microbatches, budget, cost, progress=progress)
+    title = (f"p={args.stages} m={args.microbatches}, budget {_fmt(budget)} M: {answer.spec}, "
+             f"makespan {_fmt(answer.best.makespan)}, peak {_fmt(answer.best.memory)} M")
+    if args.plot:
+        from pipefold.render import plot_frontier
+
+        plot_frontier(answer.points, answer.frontier, budget, answer.best, args.plot, title=title)
+    if args.json:
+        out = _plan_dict(answer, args, cost)
+        if args.plot:
+            out["plot"] = args.plot
+        print(json.dumps(out))
+        return
+    _print_plan(answer, args, console)
+    if args.plot:
+        console.print(f"wrote plot: {args.plot}")
+
+
+@contextlib.contextmanager
+def _progress_bar(label: str) -> Iterator[Callable[[int, int], None] | None]:
+    """A transient progress bar on stderr when it is a terminal; otherwise no callback at all."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    err = Console(stderr=True)
+    if not err.is_terminal:
+        yield None
+        return
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err, transient=True) as bar:
+        task = bar.add_task(label, total=None)
+        yield lambda done, total: bar.update(task, completed=done, total=total)
+
+
+def _plan_dict(answer: PlanResult, args: argparse.Namespace, cost: CostModel) -> dict[str, object]:
+    r = answer.result
+    return {
+        "schedule": answer.spec, "name": answer.name, "options": answer.options,
+        "stages": args.stages, "microbatches": args.microbatches,
+        "makespan": round(r.makespan, 9), "bubble_ratio": round(r.bubble_ratio, 9),
+        "peak_memory": [round(x, 9) for x in r.peak_memory], "budget": round(answer.budget, 9),
+        "evaluated": len(answer.points), "skipped": list(answer.skipped),
+        "frontier": [{"schedule": pt.spec, "name": pt.name, "options": pt.options, "memory": pt.memory,
+                      "makespan": pt.makespan, "bubble_ratio": pt.bubble_ratio, "peak_memory": list(pt.peak_memory),
+                      "chosen": pt == answer.best} for pt in answer.frontier],
+        "cost": cost.to_dict(),
+    }
+
+
+def _print_plan(answer: PlanResult, args: argparse.Namespace, console: Console) -> None:
+    r = answer.result
+    console.print(f"[bold]{answer.spec}[/]  makespan [bold]{_fmt(r.makespan)}[/]  bubble ratio {r.bubble_ratio:.1%}  "
+                  f"peak memory {' '.join(_fmt(x) for x in r.peak_memory)} M  (budget {_fmt(answer.budget)} M)")
+    skipped = f", {len(answer.skipped)} could not run this shape" if answer.skipped else ""
+    table = Table(title=f"memory/makespan frontier, p={args.stages} m={args.microbatches} "
+                        f"({len(answer.points)} schedules evaluated{skipped})", title_justify="left")
+    table.add_column("", no_wrap=True)
+    for col in ("peak memory (M)", "makespan", "bubble"):
+        table.add_column(col, justify="right")
+    table.add_column("schedule", no_wrap=True)
+    for pt in answer.frontier:
+        chosen = pt == answer.best
+        style = "bold" if chosen else "dim" if pt.memory > answer.budget + 1e-9 else ""
+        table.add_row("▶" if chosen else "", _fmt(pt.memory), _fmt(pt.makespan), f"{pt.bubble_ratio:.1%}", pt.spec,
+                      style=style)
+    console.print(table)
+    console.print("▶ chosen; dim rows exceed the budget")
+
+
 COMMANDS = {"schedules": cmd_schedules, "simulate": cmd_simulate, "compare": cmd_compare,
-            "generate": cmd_generate, "validate": cmd_validate}
+            "generate": cmd_generate, "plan": cmd_plan, "validate": cmd_validate}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -33,7 +33,10 @@ from pipefold.simulate import Interval, SimResult
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-__all__ = ["ascii_timeline", "chrome_trace", "draw_gantt", "draw_memory", "plot_timeline", "write_chrome_trace"]
+    from pipefold.plan import Point
+
+__all__ = ["ascii_timeline", "chrome_trace", "draw_gantt", "draw_memory", "plot_frontier", "plot_timeline",
+           "write_chrome_trace"]
 
 _KIND_COLORS: dict[Kind, str] = {
     Kind.F: "#0072B2",  # blue
@@ -413,3 +416,57 @@ def chrome_trace(result: SimResult, *, us_per_unit: float = 1000.0) -> dict[str,
 def write_chrome_trace(result: SimResult, path: str, *, us_per_unit: float = 1000.0) -> None:
     """Write :func:`chrome_trace` of ``result`` to ``path`` as JSON."""
     Path(path).write_text(json.dumps(chrome_trace(result, us_per_unit=us_per_unit)) + "\n")
+
+
+# --------------------------------------------------------------------------- planner frontier
+
+_FRONTIER_COLOR = "#0072B2"  # blue, as forwards
+_BUDGET_COLOR = "#D55E00"  # vermillion: the constraint and the answer it picks
+
+
+def plot_frontier(points: Sequence[Point], frontier: Sequence[Point], budget: float, chosen: Point, path: str, *,
+                  title: str | None = None) -> None:
+    """Save the planner's memory/makespan trade-off as a ``.png`` or ``.svg`` file.
+
+    x is peak activation memory (M), y makespan. Every evaluated point is a
+    faint dot; the frontier is a step line (the best makespan any budget up to
+    x buys) with each of its points labelled; the budget is a dashed vertical
+    line and the chosen point a large marker.
+    """
+    from matplotlib.figure import Figure
+
+    suffix = Path(path).suffix.lower()
+    if suffix not in (".png", ".svg"):
+        raise ConfigError(f"cannot write a frontier plot to {path!r}: use a file name ending in .png or .svg")
+    fig = Figure(figsize=(9, 5.5), layout="constrained")
+    ax = fig.add_subplot()
+    right = max([pt.memory for pt in points] + [budget]) * 1.04
+    ax.axvspan(budget, right, color=_BUDGET_COLOR, alpha=0.05, linewidth=0, zorder=0)
+    ax.axvline(budget, color=_BUDGET_COLOR, linestyle="--", linewidth=1.2, zorder=1, label=f"budget {budget:.4g} M")
+    ax.scatter([pt.memory for pt in points], [pt.makespan for pt in points], s=14, color="#888888", alpha=0.3,
+               linewidths=0, zorder=2, label=f"{len(points)} evaluated")
+    xs, ys = [pt.memory for pt in frontier], [pt.makespan for pt in frontier]
+    ax.step(xs + [right], ys + ys[-1:], where="post", color=_FRONTIER_COLOR, linewidth=1.6, zorder=3,
+            label="frontier")
+    ax.scatter(xs, ys, s=22, color=_FRONTIER_COLOR, zorder=4)
+    for i, pt in enumerate(frontier):
+        # Alternate above and below: neighbouring frontier points are often close in both axes.
+        dy = 5 if i % 2 == 0 else -11
+        ax.annotate(pt.spec, (pt.memory, pt.makespan), xytext=(4, dy), textcoords="offset points", fontsize=7.5,
+                    color=_BUDGET_COLOR if pt == chosen else "#333333")
+    ax.scatter([chosen.memory], [chosen.makespan], s=140, marker="*", color=_BUDGET_COLOR, edgecolors="white",
+               linewidths=0.6, zorder=5, label=f"chosen {chosen.spec}")
+    ax.set_xlim(0, right)
+    ax.set_xlabel("peak activation memory per device (M)")
+    ax.set_ylabel("makespan")
+    ax.grid(color="#dddddd", linewidth=0.6)
+    ax.set_axisbelow(True)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    ax.legend(loc="upper right", frameon=False, fontsize=8)
+    if title is None:
+        title = (f"p={len(chosen.peak_memory)}, budget {budget:.4g} M: {chosen.spec}, "
+                 f"makespan {chosen.makespan:.4g}, peak {chosen.memory:.4g} M")
+    ax.set_title(title, fontsize=10, loc="left")
+    fig.savefig(path, dpi=150)
+    fig.clear()

@@ -14,6 +14,7 @@ from pipefold.errors import ConfigError
 from pipefold.ir import Schedule
 from pipefold.schedules.interleaved import interleaved_1f1b, looped_bfs
 from pipefold.schedules.kfkb import gpipe, kfkb, one_f_one_b
+from pipefold.schedules.vshape import one_f_one_b_v, zb_v
 from pipefold.schedules.zero_bubble import zb_h1, zb_h2
 
 __all__ = ["REGISTRY", "Option", "ScheduleSpec", "build", "get", "names"]
@@ -73,6 +74,10 @@ REGISTRY: dict[str, ScheduleSpec] = {
                      description="Zero Bubble H1: B/W split, W deferred into bubbles, 1F1B's memory"),
         ScheduleSpec(name="zb-h2", build=zb_h2, memory="2p-1",
                      description="Zero Bubble H2: extra warm-up fills the start, about twice 1F1B's memory"),
+        ScheduleSpec(name="zb-v", build=zb_v, memory="(min(m,2p-1-i)+min(m,i+1))/2, p for m>=2p-1",
+                     description="Zero Bubble V: V placement, B/W split, W fills the gaps; 1F1B's memory, ~no bubble"),
+        ScheduleSpec(name="1f1b-v", build=one_f_one_b_v, memory="(min(m,2p-1-i)+min(m,i+1))/2, p for m>=2p-1",
+                     description="1F1B on the V placement: fused backward, warm-up of 2p-1 forwards, then 1F1B"),
     ]
 }
 
