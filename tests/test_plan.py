@@ -104,7 +104,7 @@ def test_a_newly_registered_family_joins_without_changes(monkeypatch) -> None:
     assert "greedy" in {name for name, _ in candidates(2, 6)}
     answer = plan(2, 4, 100.0)
     assert sum(pt.name == "toy" for pt in answer.points) == 4
-    assert set(answer.skipped) == {"toy:a=1,b=5,c=7", "toy:a=2,b=5,c=7"}
+    assert {s for s in answer.skipped if s.startswith("toy:")} == {"toy:a=1,b=5,c=7", "toy:a=2,b=5,c=7"}
 
 
 # --------------------------------------------------------------------------- the answer
@@ -231,9 +231,11 @@ def test_one_f_one_b_peak_is_the_unit_of_x_budgets() -> None:
 def test_progress_counts_every_candidate() -> None:
     calls: list[tuple[int, int]] = []
     points = evaluate(2, 4, progress=lambda done, total: calls.append((done, total)))
-    n = len(candidates(2, 4))
+    specs = candidates(2, 4)
+    n = len(specs)
     assert calls == [(i, n) for i in range(n + 1)]
-    assert len(points) == n
+    # Candidates this shape cannot take (colliding V blocks) are skipped, the rest all evaluated.
+    assert 0 < len(points) <= n and all((pt.name, pt.options) in specs for pt in points)
 
 
 def test_bad_shapes_are_config_errors() -> None:

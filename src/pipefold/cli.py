@@ -204,14 +204,12 @@ def cmd_schedules(args: argparse.Namespace, console: Console) -> None:
                 for s in schedules.REGISTRY.values()]
         print(json.dumps(rows))
         return
-    table = Table(title="pipefold schedules", title_justify="left")
+    table = Table(title="pipefold schedules", title_justify="left", show_lines=True)
     table.add_column("name", style="bold", no_wrap=True)
-    table.add_column("options", no_wrap=True)
-    table.add_column("peak (M)", no_wrap=True)
-    table.add_column("description")
+    table.add_column("what it is; options; peak activation memory per device (M)")
     for s in schedules.REGISTRY.values():
-        opts = " ".join(f"--{o.name} {o.default}" for o in s.options) or "-"
-        table.add_row(s.name, opts, s.memory, s.description)
+        opts = " ".join(f"--{o.name} {o.default}" for o in s.options) or "none"
+        table.add_row(s.name, f"{s.description}\n[dim]options:[/] {opts}   [dim]peak:[/] {s.memory}")
     console.print(table)
     for name in sorted({o.name for s in schedules.REGISTRY.values() for o in s.options}):
         spec = next(o for s in schedules.REGISTRY.values() for o in s.options if o.name == name)

@@ -12,10 +12,11 @@ from typing import Any
 
 from pipefold.errors import ConfigError
 from pipefold.ir import Schedule
+from pipefold.schedules.controllable import v_block_schedule, v_half, v_min, v_zb
 from pipefold.schedules.interleaved import interleaved_1f1b, looped_bfs
 from pipefold.schedules.kfkb import gpipe, kfkb, one_f_one_b
 from pipefold.schedules.vshape import one_f_one_b_v, zb_v
-from pipefold.schedules.zero_bubble import zb_h1, zb_h2
+from pipefold.schedules.zero_bubble import zb_h, zb_h1, zb_h2
 
 __all__ = ["REGISTRY", "Option", "ScheduleSpec", "build", "get", "names"]
 
@@ -53,6 +54,10 @@ class ScheduleSpec:
         return next((o for o in self.options if o.name == name), None)
 
 
+def _gap(name: str, help: str, most: int = 3) -> Option:
+    return Option(name=name, default=1, help=help, search=lambda p, m: tuple(range(1, most + 1)))
+
+
 _V = Option(name="v", default=2, help="stages (model chunks) per device", search=lambda p, m: (2, 3, 4))
 
 REGISTRY: dict[str, ScheduleSpec] = {
@@ -74,10 +79,27 @@ REGISTRY: dict[str, ScheduleSpec] = {
                      description="Zero Bubble H1: B/W split, W deferred into bubbles, 1F1B's memory"),
         ScheduleSpec(name="zb-h2", build=zb_h2, memory="2p-1",
                      description="Zero Bubble H2: extra warm-up fills the start, about twice 1F1B's memory"),
+        ScheduleSpec(name="zb-h", build=zb_h, memory="p+extra",
+                     options=(Option(name="extra", default=0, minimum=0, search=lambda p, m: range(p),
+                                     help="extra warm-up forwards and deferred Ws (0: zb-h1, p-1: zb-h2)"),),
+                     description="Zero Bubble between H1 and H2: memory p+extra buys a shorter start-up"),
         ScheduleSpec(name="zb-v", build=zb_v, memory="(min(m,2p-1-i)+min(m,i+1))/2, p for m>=2p-1",
                      description="Zero Bubble V: V placement, B/W split, W fills the gaps; 1F1B's memory, ~no bubble"),
         ScheduleSpec(name="1f1b-v", build=one_f_one_b_v, memory="(min(m,2p-1-i)+min(m,i+1))/2, p for m>=2p-1",
                      description="1F1B on the V placement: fused backward, warm-up of 2p-1 forwards, then 1F1B"),
+        ScheduleSpec(name="v-zb", build=v_zb, memory="p",
+                     description="V-ZB (controllable memory): V building block at 1F1B's memory, ~no bubble"),
+        ScheduleSpec(name="v-half", build=v_half, memory="(p+2)//2",
+                     description="V-Half (controllable memory): V building block at half of 1F1B's memory"),
+        ScheduleSpec(name="v-min", build=v_min, memory="(p+4)//3",
+                     description="V-Min (controllable memory): V building block at a third of 1F1B's memory"),
+        ScheduleSpec(name="v-block", build=v_block_schedule, memory="sum of ceil(lifespan/T)",
+                     options=(_gap("f0", "slots per hop of the chunk-0 forward chain"),
+                              _gap("f1", "slots per hop of the chunk-1 forward chain"),
+                              _gap("b0", "slots per hop of the chunk-0 backward chain", most=4),
+                              _gap("b1", "slots per hop of the chunk-1 backward chain"),
+                              _gap("turn", "slots between the two backward chains on the last device")),
+                     description="Any V building block: the gaps between passes set memory (v-min is all 1s)"),
     ]
 }
 

@@ -21,6 +21,8 @@ microbatches.
   With few microbatches (m < p+i) so long a tail of Ws would start after the
   last B had arrived, lengthening the step instead of filling gaps; there
   the deferral falls back to ZB-H1's i.
+- ZB-H (``extra`` = 0..p-1) steps from the one to the other, one extra
+  microbatch of memory at a time: the planner's knob for how far Ws are deferred.
 """
 
 from __future__ import annotations
@@ -53,15 +55,30 @@ def _device_order(i: int, m: int, warmup: int, defer: int) -> list[Action]:
     return order
 
 
+def zb_h(devices: int, microbatches: int, extra: int = 0, *, name: str = "zb-h") -> Schedule:
+    """Zero Bubble between H1 and H2: ``extra`` more warm-up forwards and deferred Ws per device.
+
+    Device i spends ``extra`` microbatches of memory beyond ZB-H1's p: first on
+    warm-up forwards (up to p-1-i of them: more could not start before the
+    first gradient returns), the rest on deferring more Ws (up to i), so its
+    peak is p + extra until both run out. extra = 0 is ZB-H1, p-1 is ZB-H2.
+    """
+    p, m = devices, microbatches
+    rows = []
+    for i in range(p):
+        more_warmup = min(extra, p - 1 - i)
+        warmup = p - i + more_warmup
+        defer = i + min(extra - more_warmup, i)
+        rows.append(_device_order(i, m, warmup=warmup, defer=min(defer, max(i, m - (p - i)))))
+    options = {"extra": extra} if name == "zb-h" else {}
+    return Schedule(name, p, p, m, linear_placement(p), tuple(map(tuple, rows)), options)
+
+
 def zb_h1(devices: int, microbatches: int) -> Schedule:
     """ZB-H1: 1F1B with B/W split and deferred W, at 1F1B's memory."""
-    p, m = devices, microbatches
-    rows = [_device_order(i, m, warmup=p - i, defer=i) for i in range(p)]
-    return Schedule("zb-h1", p, p, m, linear_placement(p), tuple(map(tuple, rows)))
+    return zb_h(devices, microbatches, 0, name="zb-h1")
 
 
 def zb_h2(devices: int, microbatches: int) -> Schedule:
     """ZB-H2: extra warm-up forwards fill the start-up bubble, at about twice 1F1B's memory."""
-    p, m = devices, microbatches
-    rows = [_device_order(i, m, warmup=2 * (p - i) - 1, defer=min(2 * i, max(i, m - (p - i)))) for i in range(p)]
-    return Schedule("zb-h2", p, p, m, linear_placement(p), tuple(map(tuple, rows)))
+    return zb_h(devices, microbatches, devices - 1, name="zb-h2")
