@@ -10,9 +10,9 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from pipefold import ConfigError, build, simulate, validate
-from pipefold.schedules import get
 from pipefold.blocks import BuildingBlock, v_block
 from pipefold.ir import linear_placement, v_placement
+from pipefold.schedules import get
 
 GAPS = st.tuples(*[st.integers(1, 3)] * 5)
 
