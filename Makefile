@@ -20,7 +20,7 @@ demo: setup
 	$(BIN)/pipefold simulate --plot pipefold-timeline.png
 
 lint: setup
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks docs
 	$(BIN)/mypy
 
 test: lint

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pipefold.errors import ConfigError
@@ -115,121 +115,161 @@ class BuildingBlock:
         return [max(self._alive(d)) * mem for d in range(self.devices)]
 
     def to_schedule(self, microbatches: int, name: str, options: dict[str, int] | None = None) -> Schedule:
-        """Repeat the block for ``microbatches`` microbatches and pull passes into idle slots (module docstring)."""
-        bound = max(max(self._alive(d)) for d in range(self.devices))  # in stage activations
-        slots = _squeeze(self, self._repeat(microbatches))
-        slots = _pull_forward(self, slots, bound)
-        rows: list[list[tuple[int, Action]]] = [[] for _ in range(self.devices)]
-        for action, t in slots.items():
-            rows[self.stage_to_device[action.stage]].append((t, action))
-        actions = [[a for _, a in sorted(row)] for row in rows]
-        return Schedule(name, self.devices, self.stages, microbatches, self.stage_to_device,
-                        tuple(map(tuple, actions)), options or {})
-
-    def _repeat(self, m: int) -> dict[Action, int]:
-        out: dict[Action, int] = {}
-        for j in range(m):
-            shift = j * self.interval
-            for s in range(self.stages):
-                out[Action(s, Kind.F, j)] = self.f[s] + shift
-                out[Action(s, Kind.B, j)] = self.b[s] + shift
-                out[Action(s, Kind.W, j)] = self.w[s] + shift
-        return out
+        """Repeat the block for ``microbatches`` microbatches, squeeze, and pull passes into idle slots."""
+        return _Expansion(self, microbatches).schedule(name, options or {})
 
 
-def _inputs(a: Action, stages: int) -> list[Action]:
-    """Passes whose results ``a`` needs (see the dependency chain in pipefold.ir)."""
-    s, j = a.stage, a.microbatch
-    if a.kind is Kind.F:
-        return [Action(s - 1, Kind.F, j)] if s > 0 else []
-    if a.kind is Kind.W:
-        return [Action(s, Kind.B, j)]
-    return [Action(s, Kind.F, j)] + ([Action(s + 1, Kind.B, j)] if s + 1 < stages else [])
+# Passes are numbered (kind * S + stage) * m + microbatch, kinds F=0, B=1, W=2, so the expansion
+# below runs on flat integer arrays: a V schedule at p=64, m=1024 has 393,216 passes.
+_F, _B, _W = 0, 1, 2
+_KINDS = (Kind.F, Kind.B, Kind.W)
 
 
-def _squeeze(block: BuildingBlock, slots: dict[Action, int]) -> dict[Action, int]:
-    """Keep each device's order; start every pass at the first slot its device and inputs allow."""
-    free = [0] * block.devices
-    out: dict[Action, int] = {}
-    for a in sorted(slots, key=lambda x: (slots[x], x.stage)):  # inputs always come earlier in slot order
-        d = block.stage_to_device[a.stage]
-        t = max([free[d]] + [out[x] + 1 for x in _inputs(a, block.stages)])
-        out[a] = t
-        free[d] = t + 1
-    return out
+class _Expansion:
+    """One block expanded to m microbatches: the slot of every pass, refined step by step."""
+
+    def __init__(self, block: BuildingBlock, m: int) -> None:
+        self.block, self.m = block, m
+        S = block.stages
+        self.S = S
+        self.device = [block.stage_to_device[(i // m) % S] for i in range(3 * S * m)]
+        offsets = (block.f, block.b, block.w)
+        # 1. Repeat: microbatch j's passes are the block's, j*T slots later.
+        self.slot = [offsets[i // (S * m)][(i // m) % S] + block.interval * (i % m) for i in range(3 * S * m)]
+
+    def _inputs(self, i: int) -> tuple[int, ...]:
+        """Passes whose results pass ``i`` needs (see the dependency chain in pipefold.ir)."""
+        S, m = self.S, self.m
+        kind, stage = divmod(i // m, S)
+        if kind == _F:
+            return (i - m,) if stage > 0 else ()
+        if kind == _W:
+            return (i - S * m,)
+        return (i - S * m, i + m) if stage + 1 < S else (i - S * m,)
+
+    def _in_slot_order(self, ids: list[int]) -> list[int]:
+        S, m, slot = self.S, self.m, self.slot
+        # Inputs always sit in earlier slots; ties (other devices) by stage.
+        return sorted(ids, key=lambda i: slot[i] * S + (i // m) % S)
+
+    def squeeze(self) -> None:
+        """2. Keep each device's order; start every pass at the first slot its device and inputs allow."""
+        free = [0] * self.block.devices
+        slot, device = self.slot, self.device
+        for i in self._in_slot_order(list(range(len(slot)))):
+            d = device[i]
+            t = free[d]
+            for x in self._inputs(i):
+                if slot[x] >= t:
+                    t = slot[x] + 1
+            slot[i] = t
+            free[d] = t + 1
+
+    def pull_forward(self) -> None:
+        """3. Lift the Ws out, move each F and B to the earliest idle slot it may take, then fill in the Ws.
+
+        Nothing waits on a W, so it is the natural filler: with the Ws out of
+        the way, F and B can take the idle slots of the warm-up and cool-down,
+        and each W then drops into the first idle slot after its B. Passes are
+        visited in slot order, so a pass's inputs are final when it moves.
+        Memory is counted as if each W already sat where it will be filled
+        (:class:`_FillerMemory`), and a move is kept only while no device goes
+        above the schedule's peak: the block's, in stage activations.
+        """
+        S, m, slot = self.S, self.m, self.slot
+        fb = list(range(2 * S * m))  # F and B passes come first in the numbering
+        horizon = max(slot[i] for i in fb) + 1
+        rows: list[list[int]] = [[-1] * horizon for _ in range(self.block.devices)]
+        for i in fb:
+            rows[self.device[i]][slot[i]] = i
+        memory = [_FillerMemory(row, self._is_f) for row in rows]
+        bound = max([max(max(self.block._alive(d)) for d in range(self.block.devices))]
+                    + [mem.peak for mem in memory])
+        for i in self._in_slot_order(fb):
+            old = slot[i]
+            ready = slot[i - 1] + 1 if i % m else 0  # the previous microbatch's same pass stays first
+            for x in self._inputs(i):
+                if slot[x] >= ready:
+                    ready = slot[x] + 1
+            row, mem = rows[self.device[i]], memory[self.device[i]]
+            for t in range(ready, old):
+                if row[t] < 0 and mem.try_move(i, old, t, bound):
+                    slot[i] = t
+                    break
+        for row in rows:
+            pending: deque[int] = deque()
+            for t, i in enumerate(row):
+                if i >= 0:
+                    if i >= S * m:
+                        pending.append(i + S * m)  # its W
+                elif pending:
+                    slot[pending.popleft()] = t
+            for t, w in enumerate(pending, start=len(row)):
+                slot[w] = t
+
+    def _is_f(self, i: int) -> bool:
+        return i < self.S * self.m
+
+    def schedule(self, name: str, options: dict[str, int]) -> Schedule:
+        self.squeeze()
+        self.pull_forward()
+        S, m = self.S, self.m
+        rows: list[list[tuple[int, int]]] = [[] for _ in range(self.block.devices)]
+        for i, t in enumerate(self.slot):
+            rows[self.device[i]].append((t, i))
+        actions = []
+        for row in rows:
+            row.sort()
+            actions.append(tuple(Action((i // m) % S, _KINDS[i // (S * m)], i % m) for _, i in row))
+        return Schedule(name, self.block.devices, S, m, self.block.stage_to_device, tuple(actions), options)
 
 
-def _earliest(a: Action, slots: dict[Action, int], stages: int) -> int:
-    """First slot ``a`` may start: after its inputs, and after the same pass of the previous microbatch."""
-    ready = max([slots[x] + 1 for x in _inputs(a, stages)], default=0)
-    if a.microbatch > 0:
-        ready = max(ready, slots[Action(a.stage, a.kind, a.microbatch - 1)] + 1)
-    return ready
+class _FillerMemory:
+    """Stage activations one device holds, slot by slot, when each W fills the first idle slot after its B.
 
-
-def _grid(block: BuildingBlock, slots: dict[Action, int]) -> list[list[Action | None]]:
-    horizon = max(slots.values()) + 1
-    grid: list[list[Action | None]] = [[None] * horizon for _ in range(block.devices)]
-    for a, t in slots.items():
-        grid[block.stage_to_device[a.stage]][t] = a
-    return grid
-
-
-def _peak_with_fillers(row: Sequence[Action | None]) -> int:
-    """Peak stage activations of a device's F/B slots when each W takes the first idle slot after its B."""
-    level = peak = pending = 0
-    for a in row:
-        if a is None:
-            if pending:
-                pending -= 1
-                level -= 1
-        elif a.kind is Kind.F:
-            level += 1
-            peak = max(peak, level)
-        else:
-            pending += 1
-    return peak
-
-
-def _pull_forward(block: BuildingBlock, slots: dict[Action, int], bound: int) -> dict[Action, int]:
-    """Lift the W passes out, move each F and B to the earliest idle slot it may take, then fill in the Ws.
-
-    Nothing waits on a W, so it is the natural filler: with the Ws out of the
-    way, F and B can take the idle slots of the warm-up and cool-down (and slots
-    the Ws held), and the Ws then drop into the first idle slot after their B.
-    Passes are visited in slot order, so a pass's inputs are final when it
-    moves. Memory is counted as if each W already sat where it will be filled,
-    and a move is kept only if the device stays within ``bound`` activations.
+    ``level[t]`` and ``pending[t]`` are the state at the start of slot t. A
+    move changes the state from its new slot on, and only until the state
+    meets the old one again, so a trial move recomputes just that stretch.
     """
-    fb = {a: t for a, t in slots.items() if a.kind is not Kind.W}
-    grid = _grid(block, fb)
-    bound = max([bound] + [_peak_with_fillers(row) for row in grid])
-    for a in sorted(fb, key=lambda x: (fb[x], x.stage)):
-        d, old = block.stage_to_device[a.stage], fb[a]
-        row = grid[d]
-        for t in range(_earliest(a, fb, block.stages), old):
-            if row[t] is not None:
-                continue
-            row[old], row[t] = None, a
-            # An earlier F holds memory longer; an earlier B takes an idle slot a W would have filled.
-            if _peak_with_fillers(row) > bound:
-                row[old], row[t] = a, None
-                continue
-            fb[a] = t
-            break
-    out: dict[Action, int] = {}
-    for row in grid:
-        pending: deque[Action] = deque()
-        for t, cell in enumerate(row):
-            if cell is not None:
-                out[cell] = t
-                if cell.kind is Kind.B:
-                    pending.append(Action(cell.stage, Kind.W, cell.microbatch))
-            elif pending:
-                out[pending.popleft()] = t
-        for t, w in enumerate(pending, start=len(row)):
-            out[w] = t
-    return out
+
+    def __init__(self, row: list[int], is_f: Callable[[int], bool]) -> None:
+        self.row, self.is_f = row, is_f
+        self.level = [0] * (len(row) + 1)
+        self.pending = [0] * (len(row) + 1)
+        self.peak = self._run(0, len(row))
+
+    def _step(self, cell: int, level: int, pending: int) -> tuple[int, int]:
+        if cell < 0:
+            return (level - 1, pending - 1) if pending else (level, pending)
+        return (level + 1, pending) if self.is_f(cell) else (level, pending + 1)
+
+    def _run(self, start: int, stop: int) -> int:
+        level, pending, peak = self.level[start], self.pending[start], 0
+        for t in range(start, stop):
+            level, pending = self._step(self.row[t], level, pending)
+            peak = max(peak, level)
+            self.level[t + 1], self.pending[t + 1] = level, pending
+        return peak
+
+    def try_move(self, i: int, old: int, new: int, bound: int) -> bool:
+        """Move pass ``i`` from slot ``old`` to the idle slot ``new`` if the level stays within ``bound``."""
+        row = self.row
+        row[old], row[new] = -1, i
+        level, pending = self.level[new], self.pending[new]
+        states = []
+        t = new
+        while t < len(row):
+            level, pending = self._step(row[t], level, pending)
+            if level > bound:
+                row[old], row[new] = i, -1
+                return False
+            t += 1
+            states.append((level, pending))
+            if t > old and (level, pending) == (self.level[t], self.pending[t]):
+                break  # back in step with the old profile: nothing later changes
+        for k, (lv, pd) in enumerate(states, start=new + 1):
+            self.level[k], self.pending[k] = lv, pd
+        return True
 
 
 # --------------------------------------------------------------------------- V-shape blocks

@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, NamedTuple
 
 from pipefold.errors import ScheduleError
 
@@ -56,9 +56,12 @@ class Kind(str, Enum):
 _ACTION_RE = re.compile(r"^(\d+)(BW|F|B|W)(\d+)$")
 
 
-@dataclass(frozen=True, slots=True, order=True)
-class Action:
-    """One pass (``kind``) of ``microbatch`` through ``stage``."""
+class Action(NamedTuple):
+    """One pass (``kind``) of ``microbatch`` through ``stage``.
+
+    A named tuple: immutable, hashable, ordered, and cheap to make by the
+    hundred thousand, which schedule generation does.
+    """
 
     stage: int
     kind: Kind
@@ -543,16 +546,16 @@ def execution_order(schedule: Schedule) -> list[tuple[int, int]]:
         device = queue.popleft()
         row, pos, n = rows[device], heads[device], len(rows[device])
         while pos < n:
-            a = row[pos]
-            kind, idx = a.kind, a.stage * M + a.microbatch
+            stage, kind, mb = row[pos]
+            idx = stage * M + mb
             if kind is F_:
-                blocker = idx - M if a.stage > 0 and not f_done[idx - M] else -1
+                blocker = idx - M if stage > 0 and not f_done[idx - M] else -1
             elif kind is W_:
                 blocker = -1 if b_done[idx] else SM + idx
             elif not f_done[idx]:
                 blocker = idx
             else:
-                blocker = SM + idx + M if a.stage + 1 < S and not b_done[idx + M] else -1
+                blocker = SM + idx + M if stage + 1 < S and not b_done[idx + M] else -1
             if blocker >= 0:
                 waiting.setdefault(blocker, []).append(device)
                 break

@@ -217,9 +217,8 @@ def simulate(schedule: Schedule, cost: CostModel | None = None) -> SimResult:
     b_end = [0.0] * (S * M)
     F_, W_, B_ = Kind.F, Kind.W, Kind.B
     for device, pos in order:
-        a = rows[device][pos]
-        s, kind = a.stage, a.kind
-        idx = s * M + a.microbatch
+        s, kind, mb = rows[device][pos]
+        idx = s * M + mb
         c = costs[s]
         ready = free[device]
         if kind is F_:
