@@ -152,3 +152,16 @@ def test_bad_parameters_name_the_fix() -> None:
         build("1f1b", 4, 8, k=2)
     with pytest.raises(ConfigError, match=r"must be an integer >= 1 \(got 0\)"):
         build("interleaved-1f1b", 4, 8, v=0)
+
+
+def test_a_family_with_a_minimum_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dataclasses import replace
+
+    from pipefold import schedules
+
+    spec = replace(get("zb-v"), name="needs-2p", min_microbatches=lambda p: 2 * p)
+    monkeypatch.setitem(schedules.REGISTRY, "needs-2p", spec)
+    with pytest.raises(ConfigError, match=r"needs-2p needs at least 8 microbatches on 4 stages \(got 5\); "
+                                          r"use --microbatches 8 or more"):
+        build("needs-2p", 4, 5)
+    assert build("needs-2p", 4, 8).microbatches == 8
