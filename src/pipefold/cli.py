@@ -9,7 +9,7 @@ import math
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from rich.console import Console
 from rich.table import Table
@@ -111,6 +111,28 @@ def build_parser() -> argparse.ArgumentParser:
     _add_costs(p)
     _add_output(p)
     p.add_argument("--plot", metavar="FILE", help="draw the memory/makespan frontier (.png or .svg)")
+
+    p = sub.add_parser("train", help="train a model with a pipeline schedule, one local process per device")
+    p.add_argument("--schedule", default="v-half", help="schedule name, optionally name:key=value,... (default v-half)")
+    p.add_argument("--stages", "-p", type=int, default=4, metavar="P", help="pipeline devices (default 4)")
+    p.add_argument("--microbatches", "-m", type=int, default=8, metavar="M", help="microbatches per step (default 8)")
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
+    p.add_argument("--model", choices=["gpt", "mlp"], default="gpt", help="model (default gpt)")
+    p.add_argument("--layers", type=int, default=None, help="blocks (default: 2 per stage)")
+    p.add_argument("--hidden", type=int, default=64, help="width (default 64)")
+    p.add_argument("--heads", type=int, default=4, help="attention heads of the gpt (default 4)")
+    p.add_argument("--batch", type=int, default=16, help="batch per step (default 16)")
+    p.add_argument("--seq", type=int, default=64, help="sequence length of the gpt (default 64)")
+    p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
+    p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    p.add_argument("--clip", type=float, default=None, help="clip gradients to this global norm")
+    p.add_argument("--data", default=None, help="train the gpt on this text file instead of the built-in corpus")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--check", action="store_true",
+                   help="also run one process with the same model and data; print the largest differences")
+    p.add_argument("--trace", metavar="FILE", help="write the measured per-rank timeline as Chrome trace JSON")
+    p.add_argument("--plot", metavar="FILE", help="draw the measured Gantt chart above the simulated one")
+    _add_output(p)
 
     p = sub.add_parser("validate", help="check schedule files (or generated schedules) and report the first problem")
     p.add_argument("schedule", nargs="+", help="schedule files or registered names")
@@ -375,8 +397,102 @@ def _print_plan(answer: PlanResult, args: argparse.Namespace, console: Console) 
     console.print("▶ chosen; dim rows exceed the budget")
 
 
+def cmd_train(args: argparse.Namespace, console: Console) -> None:
+    from pipefold.train import TrainConfig, compare, train
+
+    name, options = _parse_spec(args.schedule)
+    schedules.get(name)
+    if args.plot and not args.plot.lower().endswith((".png", ".svg")):
+        raise ConfigError(f"cannot draw {args.plot}: use a .png or .svg file")
+    for label in ("steps", "batch", "seq", "hidden", "heads"):
+        if getattr(args, label) < 1:
+            raise ConfigError(f"--{label} must be at least 1 (got {getattr(args, label)})")
+    probe = schedules.build(name, args.stages, args.microbatches, **options)
+    layers = args.layers or max(1, probe.stages * 2 - (2 if args.model == "gpt" else 0))
+    config = TrainConfig(schedule=name, options=tuple(options.items()), stages=args.stages,
+                         microbatches=args.microbatches, steps=args.steps, model=args.model, layers=layers,
+                         hidden=args.hidden, heads=args.heads, batch=args.batch, seq=args.seq, lr=args.lr,
+                         optimizer=args.optimizer, clip=args.clip, data=args.data, seed=args.seed)
+    tokens = args.batch * (args.seq if args.model == "gpt" else 1)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    err = Console(stderr=True)
+    with Progress(TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                  TimeElapsedColumn(), console=err, disable=args.json or not err.is_terminal) as bar:
+        task = bar.add_task("train", total=args.steps, info="starting ranks")
+
+        def on_step(step: int, loss: float, seconds: float) -> None:
+            bar.update(task, advance=1, info=f"loss {loss:.4f}  {tokens / seconds:,.0f} tok/s")
+
+        job, reports = train(config, check=args.check, on_step=on_step)
+    out = _train_summary(job, reports, config)
+    if args.check:
+        out.update(compare(job, reports))
+    if args.trace:
+        from pipefold.runtime.measure import write_measured_trace
+
+        write_measured_trace(reports, args.trace)
+        out["trace"] = args.trace
+    if args.plot:
+        from pipefold.render import plot_gantt_pair
+        from pipefold.runtime.measure import measured_result
+
+        step = len(reports[0].steps) - 1  # the last step: warmed up
+        measured = measured_result(job.schedule, reports, step)
+        predicted = simulate(job.schedule)
+        plot_gantt_pair(measured, predicted, args.plot,
+                        titles=(f"measured, step {step} ({measured.makespan * 1e3:.1f} ms)",
+                                f"simulated, unit costs (makespan {predicted.makespan:g})"))
+        out["plot"] = args.plot
+    if args.json:
+        print(json.dumps(out))
+        return
+    _print_train(out, console)
+
+
+def _train_summary(job: Any, reports: list[Any], config: Any) -> dict[str, Any]:
+    steps = len(reports[0].steps)
+    losses = [sum(sum(r.steps[i].losses.values()) for r in reports) / job.schedule.microbatches
+              for i in range(steps)]
+    step_time = [max(r.steps[i].wall for r in reports) for i in range(steps)]
+    return {
+        "schedule": job.schedule.name, "options": dict(job.schedule.options), "stages": job.schedule.devices,
+        "model_stages": job.schedule.stages, "microbatches": job.schedule.microbatches, "model": config.model,
+        "layers": job.extra["num_layers"], "loss": losses, "step_time_s": step_time,
+        "busy_s": [sum(s.busy for s in r.steps[1:] or r.steps) / max(1, len(r.steps[1:] or r.steps))
+                   for r in reports],
+        "peak_activation_bytes": [max(s.peak_activation_bytes for s in r.steps) for r in reports],
+        "peak_process_bytes": [r.peak_process_bytes for r in reports],
+    }
+
+
+def _print_train(out: dict[str, Any], console: Console) -> None:
+    console.print(f"[bold]{out['schedule']}[/] on {out['stages']} ranks, {out['microbatches']} microbatches, "
+                  f"{out['model']} with {out['layers']} layers: loss {out['loss'][0]:.4f} -> {out['loss'][-1]:.4f}")
+    table = Table(show_edge=False)
+    for col in ("rank", "busy (s/step)", "idle (s/step)", "peak activation", "peak process memory"):
+        table.add_column(col, justify="right")
+    typical = sorted(out["step_time_s"][1:] or out["step_time_s"])[len(out["step_time_s"][1:] or [0]) // 2]
+    for rank, busy in enumerate(out["busy_s"]):
+        table.add_row(str(rank), f"{busy:.3f}", f"{max(0.0, typical - busy):.3f}",
+                      _bytes(out["peak_activation_bytes"][rank]), _bytes(out["peak_process_bytes"][rank]))
+    console.print(table)
+    console.print(f"median step {typical:.3f} s (first step {out['step_time_s'][0]:.3f} s)")
+    if "max_grad_rel_diff" in out:
+        console.print(f"check against one process: loss rel diff {out['loss_rel_diff']:.2e}, "
+                      f"max gradient rel diff {out['max_grad_rel_diff']:.2e}")
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
 COMMANDS = {"schedules": cmd_schedules, "simulate": cmd_simulate, "compare": cmd_compare,
-            "generate": cmd_generate, "plan": cmd_plan, "validate": cmd_validate}
+            "generate": cmd_generate, "plan": cmd_plan, "validate": cmd_validate, "train": cmd_train}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -392,6 +508,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PipefoldError as exc:
         print(f"pipefold {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except RuntimeError as exc:
+        from pipefold.runtime.launch import RankError
+
+        if not isinstance(exc, RankError):
+            raise
+        print(f"pipefold {args.command}: error: {exc}", file=sys.stderr)
+        return 1
     except OSError as exc:
         print(f"pipefold {args.command}: error: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": "),
               file=sys.stderr)

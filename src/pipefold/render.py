@@ -470,3 +470,24 @@ def plot_frontier(points: Sequence[Point], frontier: Sequence[Point], budget: fl
     ax.set_title(title, fontsize=10, loc="left")
     fig.savefig(path, dpi=150)
     fig.clear()
+
+
+def plot_gantt_pair(top: SimResult, bottom: SimResult, path: str, *, titles: tuple[str, str]) -> None:
+    """Save two Gantt charts of the same schedule, one above the other on their own time axes.
+
+    Used to draw a measured run above the simulator's prediction.
+    """
+    from matplotlib.figure import Figure
+
+    if Path(path).suffix.lower() not in (".png", ".svg"):
+        raise ConfigError(f"cannot write a timeline to {path!r}: use a file name ending in .png or .svg")
+    devices = top.schedule.devices
+    h = 0.9 + 0.34 * devices
+    fig = Figure(figsize=(12, 2 * h + 0.6), layout="constrained")
+    axes = fig.subplots(2, 1)
+    for ax, result, title, pad in zip(axes, (top, bottom), titles, (30, 6), strict=True):
+        draw_gantt(ax, result)
+        ax.set_title(title, fontsize=10, loc="left", pad=pad)  # the first leaves room for the legend
+    _gantt_legend(axes[0], top.schedule)
+    fig.savefig(path, dpi=150)
+    fig.clear()

@@ -1,0 +1,191 @@
+"""A nanoGPT-like decoder-only GPT as a flat list of layers: embedding, N blocks, head.
+
+Each layer takes one tensor and returns one tensor, so any contiguous run of layers
+is a pipeline stage and nothing here knows about pipelining::
+
+    idx (B, T) int64 -> [0 Embedding] -> (B, T, C) -> [1..N Block] -> (B, T, C) -> [N+1 Head] -> logits (B, T, V)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipefold.errors import ConfigError
+from pipefold.models._build import check_positive_int, materialize, normal_
+
+__all__ = ["Block", "Embedding", "GPTConfig", "Head", "build_gpt", "build_gpt_layers", "gpt_loss"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPTConfig:
+    """Shape of the GPT; the defaults are a tiny byte-level model that trains in seconds on a CPU."""
+
+    vocab_size: int = 256
+    """Number of token ids; 256 for the byte-level corpus."""
+    block_size: int = 128
+    """Longest sequence the model accepts (the number of learned positions)."""
+    n_layer: int = 4
+    """Number of transformer blocks (the model has n_layer + 2 layers with the embedding and head)."""
+    n_head: int = 4
+    """Attention heads per block; must divide n_embd."""
+    n_embd: int = 64
+    """Width of the residual stream (C)."""
+    dropout: float = 0.0
+    """Dropout probability in attention and after each residual branch; 0 keeps runs deterministic."""
+    bias: bool = True
+    """Whether Linear and LayerNorm layers have biases (the output projection to the vocabulary never does)."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            check_positive_int("GPTConfig", name, getattr(self, name))
+        if self.n_embd % self.n_head:
+            divisors = [h for h in range(1, self.n_embd + 1) if self.n_embd % h == 0 and h <= 16]
+            raise ConfigError(f"GPTConfig.n_embd must be a multiple of n_head (n_embd={self.n_embd}, "
+                              f"n_head={self.n_head}): pick n_head from {divisors} or change n_embd")
+        if not (isinstance(self.dropout, (int, float)) and 0 <= self.dropout < 1):
+            raise ConfigError(f"GPTConfig.dropout must be a probability in [0, 1) (got {self.dropout!r})")
+
+    @property
+    def num_layers(self) -> int:
+        """Layers in the flat list: embedding, n_layer blocks, head."""
+        return self.n_layer + 2
+
+
+class Embedding(nn.Module):
+    """Layer 0: token embedding plus learned position embedding."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.block_size = cfg.block_size
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.size(1)  # idx: (B, T) int64
+        if t > self.block_size:
+            raise ConfigError(f"sequence length {t} is longer than block_size {self.block_size}: use sequences "
+                              f"of at most {self.block_size} tokens or a GPTConfig with block_size >= {t}")
+        pos = torch.arange(t, device=idx.device)  # (T,)
+        return self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head self-attention where each position sees only itself and earlier positions."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.dropout = cfg.dropout
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)  # q, k, v for all heads at once
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.resid_drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)  # each (B, T, C)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again
+        return self.resid_drop(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward: C -> 4C -> GELU -> C."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.c_proj(self.gelu(self.c_fc(x))))  # (B, T, C)
+
+
+class Block(nn.Module):
+    """Layers 1..N: a pre-LayerNorm transformer block, attention then MLP, each added to the residual stream."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))  # (B, T, C)
+        return x + self.mlp(self.ln_2(x))  # (B, T, C)
+
+
+class Head(nn.Module):
+    """Layer N+1: final LayerNorm and the projection to vocabulary logits."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        # Not tied to the token embedding (unlike nanoGPT): the two usually sit on different pipeline
+        # stages, and tying them would need a gradient all-reduce between those stages.
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))  # (B, T, V)
+
+
+def _make_layer(cfg: GPTConfig, index: int) -> nn.Module:
+    if index == 0:
+        return Embedding(cfg)
+    if index == cfg.num_layers - 1:
+        return Head(cfg)
+    return Block(cfg)
+
+
+@torch.no_grad()
+def _init_layer(cfg: GPTConfig, layer: nn.Module, gen: torch.Generator) -> None:
+    """nanoGPT's init: N(0, 0.02) weights, zero biases, unit LayerNorms, residual projections scaled down."""
+    # Each block adds two projections into the residual stream; 1/sqrt(2 * n_layer) keeps the stream's
+    # variance from growing with depth (GPT-2 paper, section 2.3).
+    residual_std = 0.02 / math.sqrt(2 * cfg.n_layer)
+    for name, module in layer.named_modules():  # a fixed order, so the draws are reproducible
+        if isinstance(module, nn.Linear):
+            normal_(module.weight, residual_std if name.endswith("c_proj") else 0.02, gen)
+            if module.bias is not None:
+                module.bias.zero_()
+        elif isinstance(module, nn.Embedding):
+            normal_(module.weight, 0.02, gen)
+        elif isinstance(module, nn.LayerNorm):
+            module.weight.fill_(1.0)
+            if module.bias is not None:
+                module.bias.zero_()
+
+
+def build_gpt_layers(cfg: GPTConfig, indices: Iterable[int], *, seed: int = 0,
+                     device: str | torch.device = "cpu") -> dict[int, nn.Module]:
+    """Build only the layers at ``indices`` (0 = embedding, 1..N = blocks, N+1 = head), on ``device``.
+
+    Layer i gets the same initial weights as ``build_gpt(cfg, seed=seed)[i]``, so a pipeline rank
+    can build just its own stages.
+    """
+    layout = f"0 = embedding, 1..{cfg.n_layer} = blocks, {cfg.n_layer + 1} = head"
+    return materialize(indices, cfg.num_layers, layout, lambda i: _make_layer(cfg, i),
+                       lambda layer, i, gen: _init_layer(cfg, layer, gen), tag="gpt", seed=seed, device=device)
+
+
+def build_gpt(cfg: GPTConfig, *, seed: int = 0) -> list[nn.Module]:
+    """The whole GPT as a flat list of layers on the CPU; apply them in order to map (B, T) ids to (B, T, V) logits."""
+    layers = build_gpt_layers(cfg, range(cfg.num_layers), seed=seed)
+    return [layers[i] for i in range(cfg.num_layers)]
+
+
+def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross entropy of (B, T, V) logits against (B, T) next-token targets."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))  # over B*T positions

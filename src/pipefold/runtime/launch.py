@@ -1,0 +1,218 @@
+"""Start the ranks of a pipeline: locally by spawning one process per device, or under torchrun.
+
+A job is described by a :class:`Job`: the schedule, a model given as a flat
+list of layers that each rank builds only in part, the data, and the
+optimizer. :func:`run_local` spawns ``schedule.devices`` processes on this
+machine (gloo on CPU, NCCL with CUDA); :func:`run_rank` is what each process
+runs, and is also the entry point under torchrun, which sets RANK,
+WORLD_SIZE, MASTER_ADDR and MASTER_PORT.
+
+An exception on any rank ends the job: the spawning parent terminates the
+other ranks and re-raises the original error with the rank that raised it.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipefold.ir import Schedule
+from pipefold.runtime.executor import RankExecutor, StepStats
+
+
+class RankError(RuntimeError):
+    """A rank raised: ``str()`` is one line naming the rank and the original error; ``details`` its traceback."""
+
+    def __init__(self, rank: int, details: str) -> None:
+        lines = [line for line in details.strip().splitlines() if line.strip()]
+        super().__init__(f"rank {rank} failed: {lines[-1].strip() if lines else 'unknown error'}")
+        self.rank = rank
+        self.details = details
+
+
+@dataclass(frozen=True, kw_only=True)
+class Job:
+    """Everything a rank needs to build its part of the model and train it."""
+
+    schedule: Schedule
+    layer_stages: tuple[tuple[int, ...], ...]
+    """For each stage, the indices of the model's layers it runs (contiguous)."""
+    build_layers: Callable[[list[int]], dict[int, nn.Module]]
+    """Builds only the given layers, with the same weights whichever rank builds them."""
+    loss_fn: Callable[..., torch.Tensor]
+    batch_at: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+    """The whole batch (inputs, targets) of a step; every rank gets the same one."""
+    steps: int = 1
+    lr: float = 1e-3
+    optimizer: str = "adamw"
+    clip: float | None = None
+    save_grads_of_step: int | None = None
+    """Save each rank's parameter gradients after this step (for --check), before the optimizer runs."""
+    timeout_s: float = 30.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RankReport:
+    """What one rank sends back to the launcher."""
+
+    rank: int
+    steps: list[StepStats]
+    grads: dict[str, torch.Tensor] | None
+    peak_process_bytes: int
+
+
+def stage_modules(job: Job, rank: int) -> dict[int, nn.Module]:
+    """The stage modules of ``rank``: only its own layers are ever built."""
+    stages = [s for s, d in enumerate(job.schedule.stage_to_device) if d == rank]
+    wanted = sorted(i for s in stages for i in job.layer_stages[s])
+    layers = job.build_layers(wanted)
+    return {s: nn.Sequential(*(layers[i] for i in job.layer_stages[s])) for s in stages}
+
+
+def microbatches(x: torch.Tensor, m: int) -> list[torch.Tensor]:
+    if x.shape[0] % m:
+        raise ValueError(f"a batch of {x.shape[0]} does not split into {m} equal microbatches")
+    return list(x.chunk(m))
+
+
+def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
+             on_step: Callable[[int, float, float], None] | None = None) -> RankReport:
+    """The body of one rank: build, train for ``job.steps`` steps, report.
+
+    The rank that computes the loss calls ``on_step(step, loss, seconds)`` after every step.
+    """
+    device = torch.device("cpu")
+    modules = stage_modules(job, rank)
+    executor = RankExecutor(job.schedule, rank, modules, job.loss_fn, device)
+    params = executor.parameters()
+    opt = _optimizer(job, params)
+    reports: list[StepStats] = []
+    grads = None
+    m = job.schedule.microbatches
+    loss_rank = job.schedule.stage_to_device[-1]
+    for step in range(job.steps):
+        started = time.perf_counter()
+        x, y = job.batch_at(step)
+        xs, ys = microbatches(x, m), microbatches(y, m)
+        for p in params:
+            p.grad = None
+        stats = executor.run_step([(t,) for t in xs], ys, tuple(x.shape))
+        if job.clip is not None:
+            _clip_global(params, job.clip)
+        if job.save_grads_of_step == step:
+            grads = {name: p.grad.detach().clone() for name, p in _named(job, modules) if p.grad is not None}
+        if opt is not None:
+            opt.step()
+        reports.append(stats)
+        if on_step is not None and rank == loss_rank:
+            on_step(step, sum(stats.losses.values()) / m, time.perf_counter() - started)
+    report = RankReport(rank, reports, grads, _peak_rss())
+    if out_dir is not None:
+        with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as fh:
+            pickle.dump(report, fh)
+    return report
+
+
+def _named(job: Job, modules: dict[int, nn.Module]) -> list[tuple[str, nn.Parameter]]:
+    """Parameters named by model layer index, so the launcher can match them with a reference model."""
+    out = []
+    for s, module in modules.items():
+        for pos, layer in enumerate(module.children()):
+            index = job.layer_stages[s][pos]
+            out += [(f"{index}.{name}", p) for name, p in layer.named_parameters()]
+    return out
+
+
+def _optimizer(job: Job, params: list[nn.Parameter]) -> torch.optim.Optimizer | None:
+    if not params:
+        return None  # a rank whose stages have no weights has nothing to step
+    if job.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=job.lr)
+    if job.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=job.lr)
+    raise ValueError(f"unknown optimizer {job.optimizer!r}: use sgd or adamw")
+
+
+def _clip_global(params: list[nn.Parameter], max_norm: float) -> None:
+    """Clip by the norm over every rank's gradients: one all-reduce of the squared norms."""
+    sq = torch.zeros(1)
+    for p in params:
+        if p.grad is not None:
+            sq += p.grad.detach().pow(2).sum()
+    dist.all_reduce(sq)
+    norm = float(sq.sqrt())
+    if norm > max_norm:
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(max_norm / (norm + 1e-6))
+
+
+def _peak_rss() -> int:
+    try:
+        import resource
+
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    except (ImportError, OSError):
+        return 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _spawned(rank: int, job: Job, world: int, port: int, out_dir: str, progress: Any) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=job.timeout_s))
+    try:
+        run_rank(job, rank, world, out_dir, on_step=lambda *a: progress.put(a))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_local(job: Job, on_step: Callable[[int, float, float], None] | None = None) -> list[RankReport]:
+    """Spawn one process per device on this machine, run the job, and collect every rank's report.
+
+    ``on_step(step, loss, seconds)`` is called in this process as the steps complete. An exception
+    on any rank terminates the others and is raised here, naming the rank.
+    """
+    import torch.multiprocessing as mp
+
+    world = job.schedule.devices
+    queue = mp.get_context("spawn").SimpleQueue()
+    with tempfile.TemporaryDirectory(prefix="pipefold-") as out_dir:
+        context = mp.spawn(_spawned, args=(job, world, _free_port(), out_dir, queue), nprocs=world, join=False)
+        done = False
+        while not done:
+            try:
+                done = context.join(timeout=0.1)  # on a failure it terminates the other ranks, then raises
+            except mp.ProcessRaisedException as exc:
+                raise RankError(exc.error_index, exc.msg) from None
+            except mp.ProcessExitedException as exc:
+                raise RankError(exc.error_index, f"exited with code {exc.exit_code}") from None
+            while not queue.empty():
+                step = queue.get()
+                if on_step is not None:
+                    on_step(*step)
+        reports = []
+        for rank in range(world):
+            with open(Path(out_dir) / f"rank{rank}.pkl", "rb") as fh:
+                reports.append(pickle.load(fh))
+    return reports

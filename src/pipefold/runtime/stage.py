@@ -1,0 +1,299 @@
+"""One pipeline stage's passes on real tensors: F, B (input gradient), W (weight gradient) and fused BW.
+
+The backward is split with autograd itself, so it is correct for any module::
+
+    F   out = module(x)                     x is a leaf, so its gradient can be asked for alone
+    B   dx = grad(out, x, dout)             runs the graph from out back to x, and on the way
+                                            records the gradient flowing into every node from
+                                            which a path leads to a parameter ("intermediates")
+    W   dW = grad(intermediates, params)    restarts the graph at those nodes: only the branches
+                                            towards the parameters run, nothing is computed twice
+
+            out
+             |
+          node N  <- on the path to x; its gradient is captured in B
+           /    \\
+    path to x   AccumulateGrad(weight)      W starts at N and runs only this branch
+
+A stage whose input needs no gradient (the first stage) has nothing for B to
+do; W then runs the whole backward. Saved activations are released when W
+(or BW) ends, and the bytes held for backward are counted with saved-tensor
+hooks, so the runtime reports measured, not estimated, activation memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import GradientEdge, Node
+
+Tensors = tuple[torch.Tensor, ...]
+
+
+def as_tuple(x: torch.Tensor | Sequence[torch.Tensor]) -> Tensors:
+    return (x,) if isinstance(x, torch.Tensor) else tuple(x)
+
+
+class MemoryMeter:
+    """Bytes of tensors held for backward (via saved-tensor hooks) plus outputs kept for sending; and the peak."""
+
+    def __init__(self) -> None:
+        self.current = 0
+        self.peak = 0
+
+    def add(self, nbytes: int) -> None:
+        self.current += nbytes
+        self.peak = max(self.peak, self.current)
+
+    def remove(self, nbytes: int) -> None:
+        self.current -= nbytes
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+
+
+@dataclass
+class _Pass:
+    """What one microbatch keeps between its F and its W."""
+
+    inputs: Tensors
+    outputs: Tensors
+    saved_bytes: int
+    kept_bytes: int = 0
+    cut: _Cut | None = None
+    captured: dict[Node, tuple[torch.Tensor | None, ...]] = field(default_factory=dict)
+    grads_out: list[torch.Tensor] = field(default_factory=list)
+
+
+def _grad_node(t: torch.Tensor) -> Node | None:
+    """The autograd node that receives ``t``'s gradient (AccumulateGrad for a leaf)."""
+    if t.grad_fn is not None:
+        return t.grad_fn
+    if t.requires_grad:
+        view_fn = t.view_as(t).grad_fn
+        assert view_fn is not None
+        return view_fn.next_functions[0][0]
+    return None
+
+
+class _Cut:
+    """Where the backward towards the parameters leaves the path to the stage inputs.
+
+    A node is *on the path* if a stage input's gradient node is reachable from
+    it: B runs exactly those. Every edge from an on-path node to a node off the
+    path that leads to a parameter is a *crossing*; so is every output that is
+    off the path. W computes the gradient entering each crossing (rerunning
+    just the on-path node, from the gradient B saw flow into it), then runs the
+    off-path region from all crossings at once. The region holds no on-path
+    node, so nothing is computed twice and nothing is counted twice.
+    """
+
+    def __init__(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], params: list[nn.Parameter]) -> None:
+        parents: dict[Node, list[Node]] = {}
+        nodes: list[Node] = []
+        seen: set[Node] = set()
+        stack = [o.grad_fn for o in outputs if o.grad_fn is not None]
+        while stack:
+            node = stack.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            nodes.append(node)
+            for child, _ in node.next_functions:
+                if child is not None:
+                    parents.setdefault(child, []).append(node)
+                    stack.append(child)
+        on_path = _ancestors([n for n in map(_grad_node, inputs) if n is not None], parents)
+        to_params = _ancestors([n for n in map(_grad_node, params) if n is not None and n in seen], parents)
+        self.params = params
+        self.outputs = [i for i, o in enumerate(outputs) if o.grad_fn not in on_path]
+        self.output_tensors = outputs
+        # On-path node -> its edges into the off-path part that leads to parameters.
+        self.edges: dict[Node, list[GradientEdge]] = {}
+        for node in nodes:
+            if node in on_path:
+                out = [GradientEdge(c, nr) for c, nr in node.next_functions
+                       if c is not None and c not in on_path and c in to_params]
+                if out:
+                    self.edges[node] = out
+
+    @property
+    def crossings(self) -> list[Node]:
+        return list(self.edges)
+
+    def weight_grads(self, captured: dict[Node, tuple[torch.Tensor | None, ...]],
+                     grads_out: list[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
+        roots: list[torch.Tensor | GradientEdge] = [self.output_tensors[i] for i in self.outputs]
+        root_grads = [grads_out[i] for i in self.outputs]
+        entering: dict[tuple[Node, int], torch.Tensor] = {}
+        for node, edges in self.edges.items():
+            seen_grads = captured.get(node)
+            if seen_grads is None or all(g is None for g in seen_grads):
+                continue
+            # Rerun just this node's own backward: autograd.grad towards its edges would also sum the
+            # paths that reach the same targets through the input path below it, counting them twice.
+            local = node(*seen_grads)  # type: ignore[operator]
+            local = local if isinstance(local, tuple) else (local,)
+            wanted = {(e.node, e.output_nr) for e in edges}
+            for (child, nr), g in zip(node.next_functions, local, strict=True):
+                if g is not None and child is not None and (child, nr) in wanted:
+                    g = _reduce_broadcast(g, child, nr)
+                    key = (child, nr)
+                    entering[key] = entering[key] + g if key in entering else g
+        roots += [GradientEdge(n, nr) for n, nr in entering]
+        root_grads += list(entering.values())
+        if not roots:
+            return (None,) * len(self.params)
+        return torch.autograd.grad(roots, self.params, root_grads, allow_unused=True)  # type: ignore[arg-type]
+
+
+def _reduce_broadcast(g: torch.Tensor, child: Node, nr: int) -> torch.Tensor:
+    """Sum a gradient over broadcast dimensions, as the autograd engine does between two nodes.
+
+    A node called directly returns gradients in its inputs' broadcast shapes;
+    the engine would reduce them to what the next node expects, which only
+    its input metadata records (a private attribute, also used by
+    torch.distributed.pipelining).
+    """
+    shape = tuple(child._input_metadata[nr].shape)
+    return g if tuple(g.shape) == shape else g.sum_to_size(shape)
+
+
+def _ancestors(start: list[Node], parents: dict[Node, list[Node]]) -> set[Node]:
+    """``start`` and every node from which one of them is reachable."""
+    out = set(start)
+    stack = list(start)
+    while stack:
+        for parent in parents.get(stack.pop(), ()):
+            if parent not in out:
+                out.add(parent)
+                stack.append(parent)
+    return out
+
+
+def _capture(node: Node, store: dict[Node, tuple[torch.Tensor | None, ...]]) -> Callable[..., None]:
+    def hook(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+        store[node] = tuple(g.detach() if g is not None else None for g in grad_outputs)
+    return hook
+
+
+def _input_grads(inputs: Tensors, grads: Sequence[torch.Tensor | None]) -> Tensors:
+    """One gradient per input that takes one (floating point), zeros where autograd found it unused."""
+    it = iter(grads)
+    out = []
+    for x in inputs:
+        if x.requires_grad:
+            g = next(it)
+            out.append(torch.zeros_like(x) if g is None else g)
+    return tuple(out)
+
+
+class StageRunner:
+    """Runs F, B, W and BW of one stage module for any number of microbatches in flight."""
+
+    def __init__(self, module: nn.Module, *, loss_fn: Callable[..., torch.Tensor] | None = None,
+                 meter: MemoryMeter | None = None) -> None:
+        self.module = module
+        self.loss_fn = loss_fn  # set on the last stage: F then returns the loss
+        self.meter = meter or MemoryMeter()
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self._passes: dict[int, _Pass] = {}
+        self.losses: dict[int, torch.Tensor] = {}
+
+    # -- forward
+
+    def forward(self, mb: int, inputs: Tensors, target: Any = None, *, scale: float = 1.0) -> Tensors:
+        """F: run the stage; keep what backward needs. On the last stage return (loss,) scaled by ``scale``."""
+        leaves = tuple(
+            x.detach().requires_grad_(x.is_floating_point()) for x in inputs
+        )  # leaves, so B can ask for their gradient alone
+        saved = 0
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            nonlocal saved
+            saved += t.untyped_storage().nbytes() if t.device.type != "meta" else 0
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = as_tuple(self.module(*leaves))
+            if self.loss_fn is not None:
+                loss = self.loss_fn(*out, target)
+                self.losses[mb] = loss.detach()
+                out = (loss * scale,)
+        self.meter.add(saved)
+        self._passes[mb] = _Pass(leaves, out, saved)
+        return tuple(o.detach() for o in out)
+
+    # -- backward
+
+    def backward_input(self, mb: int, out_grads: Tensors | None) -> Tensors | None:
+        """B: gradient of the stage input only; record where W must start. None if no input takes one."""
+        p = self._passes[mb]
+        grads_out = self._grads_for(p, out_grads)
+        outs = self._differentiable(p)
+        wanted = [x for x in p.inputs if x.requires_grad]
+        cut = _Cut(outs, wanted, self.params)
+        captured: dict[Node, tuple[torch.Tensor | None, ...]] = {}
+        handles = [node.register_prehook(_capture(node, captured)) for node in cut.crossings]
+        try:
+            dx = torch.autograd.grad(outs, wanted, grads_out, retain_graph=True, allow_unused=True) if wanted else ()
+        finally:
+            for h in handles:
+                h.remove()
+        p.cut, p.captured, p.grads_out = cut, captured, grads_out
+        return _input_grads(p.inputs, dx) if wanted else None
+
+    def backward_weight(self, mb: int) -> None:
+        """W: weight gradients from what B recorded; accumulate into ``.grad``; release the microbatch."""
+        p = self._passes.pop(mb)
+        if self.params and p.cut is not None:
+            grads = p.cut.weight_grads(p.captured, p.grads_out)
+            self._accumulate(grads)
+        self._release(p)
+
+    def backward(self, mb: int, out_grads: Tensors | None) -> Tensors | None:
+        """BW: input and weight gradients in one pass; release the microbatch."""
+        p = self._passes.pop(mb)
+        grads_out = self._grads_for(p, out_grads)
+        wanted = [x for x in p.inputs if x.requires_grad]
+        grads = torch.autograd.grad(self._differentiable(p), [*wanted, *self.params], grads_out, allow_unused=True)
+        self._accumulate(grads[len(wanted):])
+        self._release(p)
+        return _input_grads(p.inputs, grads[: len(wanted)]) if wanted else None
+
+    # -- helpers
+
+    @staticmethod
+    def _differentiable(p: _Pass) -> list[torch.Tensor]:
+        return [o for o in p.outputs if o.requires_grad]
+
+    def _grads_for(self, p: _Pass, out_grads: Tensors | None) -> list[torch.Tensor]:
+        """The gradient for each differentiable output: given by the next stage, or 1 for the loss."""
+        outs = self._differentiable(p)
+        if self.loss_fn is not None:
+            return [torch.ones_like(outs[0])]
+        if out_grads is None or len(out_grads) != len(outs):
+            n = 0 if out_grads is None else len(out_grads)
+            raise RuntimeError(f"stage backward got {n} output gradients for {len(outs)} differentiable outputs")
+        return list(out_grads)
+
+    def _accumulate(self, grads: Sequence[torch.Tensor | None]) -> None:
+        for param, g in zip(self.params, grads, strict=True):
+            if g is None:
+                continue
+            if param.grad is None:
+                param.grad = g.detach().clone()
+            else:
+                param.grad.add_(g)
+
+    def _release(self, p: _Pass) -> None:
+        self.meter.remove(p.saved_bytes + p.kept_bytes)
+
+    @property
+    def in_flight(self) -> int:
+        """Microbatches whose W (or BW) has not run yet."""
+        return len(self._passes)

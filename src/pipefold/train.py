@@ -1,0 +1,139 @@
+"""Train a model with a pipeline schedule: build the job, run the ranks, compare with one process.
+
+:func:`make_job` turns a model name, its size, a schedule and the data into a
+:class:`~pipefold.runtime.launch.Job`; :func:`train` runs it locally on one
+process per device; :func:`reference_step` computes the same first step in a
+single process, from the same initial weights and data, which is what
+``pipefold train --check`` compares against.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pipefold import schedules
+from pipefold.errors import ConfigError
+from pipefold.ir import Schedule
+from pipefold.models import get_model, split_layers
+from pipefold.models.data import Batches, load_corpus
+from pipefold.models.mlp import MLPConfig, mlp_input, mlp_target
+from pipefold.runtime.launch import Job, RankReport, run_local
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """A training run, as ``pipefold train`` takes it."""
+
+    schedule: str = "v-half"
+    """Schedule name (see ``pipefold schedules``)."""
+    options: tuple[tuple[str, int], ...] = ()
+    """Schedule options, as (name, value) pairs."""
+    stages: int = 4
+    """Pipeline devices, one process each."""
+    microbatches: int = 8
+    """Microbatches per step."""
+    steps: int = 20
+    """Optimizer steps."""
+    model: str = "gpt"
+    """'gpt' (on the embedded corpus or --data) or 'mlp' (random regression)."""
+    layers: int = 4
+    """Transformer blocks (gpt) or MLP blocks (mlp)."""
+    hidden: int = 64
+    """Embedding width (gpt) or block width H (mlp)."""
+    heads: int = 4
+    """Attention heads (gpt)."""
+    batch: int = 16
+    """Sequences (gpt) or rows (mlp) per step, split into the microbatches."""
+    seq: int = 64
+    """Sequence length (gpt)."""
+    lr: float = 1e-3
+    optimizer: str = "adamw"
+    clip: float | None = None
+    data: str | None = None
+    """A text file to train the GPT on instead of the embedded corpus."""
+    seed: int = 0
+
+
+def _batch_gpt(batches: Batches, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return batches.batch_at(step)
+
+
+def _batch_mlp(cfg: MLPConfig, batch: int, seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return mlp_input(cfg, batch, seed + step), mlp_target(cfg, batch, seed)
+
+
+def build_schedule(config: TrainConfig) -> Schedule:
+    return schedules.build(config.schedule, config.stages, config.microbatches, **dict(config.options))
+
+
+def make_job(config: TrainConfig, *, save_grads_of_step: int | None = None) -> Job:
+    """Check the configuration and describe the job every rank will run."""
+    schedule = build_schedule(config)
+    if config.batch % config.microbatches:
+        raise ConfigError(f"a batch of {config.batch} does not split into {config.microbatches} microbatches; "
+                          f"use a --batch that is a multiple of {config.microbatches}")
+    spec = get_model(config.model)
+    if config.model == "gpt":
+        cfg: Any = spec.make_config(n_layer=config.layers, n_embd=config.hidden, n_head=config.heads,
+                                    block_size=max(config.seq, 1))
+        corpus = load_corpus(config.data)
+        batches = Batches(corpus.train, config.batch, config.seq, seed=config.seed)
+        batch_at: Any = functools.partial(_batch_gpt, batches)
+    else:
+        cfg = spec.make_config(layers=config.layers, hidden=config.hidden)
+        batch_at = functools.partial(_batch_mlp, cfg, config.batch, config.seed)
+    if schedule.stages > cfg.num_layers:
+        raise ConfigError(f"{config.schedule} on {config.stages} devices has {schedule.stages} stages but the model "
+                          f"has {cfg.num_layers} layers; use --layers so there are at least {schedule.stages}")
+    layer_stages = tuple(tuple(s) for s in split_layers(cfg.num_layers, schedule.stages))
+    build = functools.partial(spec.build_layers, cfg, seed=config.seed)
+    return Job(schedule=schedule, layer_stages=layer_stages, build_layers=build, loss_fn=spec.loss,
+               batch_at=batch_at, steps=config.steps, lr=config.lr, optimizer=config.optimizer, clip=config.clip,
+               save_grads_of_step=save_grads_of_step, extra={"num_layers": cfg.num_layers})
+
+
+def train(config: TrainConfig, *, check: bool = False,
+          on_step: Callable[[int, float, float], None] | None = None) -> tuple[Job, list[RankReport]]:
+    """Run the job on one local process per device; with ``check`` keep the first step's gradients."""
+    job = make_job(config, save_grads_of_step=0 if check else None)
+    return job, run_local(job, on_step)
+
+
+def reference_step(job: Job, step: int = 0) -> tuple[float, dict[str, torch.Tensor]]:
+    """One step in one process, from the initial weights: mean loss over the microbatches and every gradient."""
+    n = job.extra["num_layers"]
+    layers = job.build_layers(list(range(n)))
+    model = torch.nn.Sequential(*(layers[i] for i in range(n)))
+    m = job.schedule.microbatches
+    x, y = job.batch_at(step)
+    total = 0.0
+    for xs, ys in zip(x.chunk(m), y.chunk(m), strict=True):
+        loss = job.loss_fn(model(xs), ys)
+        (loss / m).backward()
+        total += float(loss.detach()) / m
+    grads = {f"{i}.{name}": p.grad.detach().clone() for i in range(n) for name, p in layers[i].named_parameters()
+             if p.grad is not None}
+    return total, grads
+
+
+def compare(job: Job, reports: list[RankReport]) -> dict[str, float]:
+    """Largest relative differences between the pipeline's first step and the single-process reference."""
+    ref_loss, ref_grads = reference_step(job)
+    pipe_loss = sum(sum(r.steps[0].losses.values()) for r in reports) / job.schedule.microbatches
+    got: dict[str, torch.Tensor] = {}
+    for r in reports:
+        got.update(r.grads or {})
+    if set(got) != set(ref_grads):
+        missing = sorted(set(ref_grads) - set(got))[:3]
+        raise RuntimeError(f"the pipeline produced no gradient for {missing}")
+    worst = 0.0
+    for name, g in ref_grads.items():
+        denom = float(g.abs().max()) or 1.0
+        worst = max(worst, float((got[name] - g).abs().max()) / denom)
+    return {"loss_rel_diff": abs(pipe_loss - ref_loss) / max(abs(ref_loss), 1e-12), "max_grad_rel_diff": worst,
+            "reference_loss": ref_loss}
