@@ -398,7 +398,8 @@ def _print_plan(answer: PlanResult, args: argparse.Namespace, console: Console) 
 
 
 def cmd_train(args: argparse.Namespace, console: Console) -> None:
-    from pipefold.train import TrainConfig, compare, train
+    from pipefold.runtime.launch import under_torchrun
+    from pipefold.train import TrainConfig, compare, train, train_torchrun
 
     name, options = _parse_spec(args.schedule)
     schedules.get(name)
@@ -424,7 +425,13 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
         def on_step(step: int, loss: float, seconds: float) -> None:
             bar.update(task, advance=1, info=f"loss {loss:.4f}  {tokens / seconds:,.0f} tok/s")
 
-        job, reports = train(config, check=args.check, on_step=on_step)
+        if under_torchrun():
+            job, gathered = train_torchrun(config, check=args.check)
+            if gathered is None:
+                return  # rank 0 reports for everyone
+            reports = gathered
+        else:
+            job, reports = train(config, check=args.check, on_step=on_step)
     out = _train_summary(job, reports, config)
     if args.check:
         out.update(compare(job, reports))

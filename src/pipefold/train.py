@@ -22,7 +22,7 @@ from pipefold.ir import Schedule
 from pipefold.models import get_model, split_layers
 from pipefold.models.data import Batches, load_corpus
 from pipefold.models.mlp import MLPConfig, mlp_input, mlp_target
-from pipefold.runtime.launch import Job, RankReport, run_local
+from pipefold.runtime.launch import Job, RankReport, run_local, run_torchrun
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,6 +102,13 @@ def train(config: TrainConfig, *, check: bool = False,
     """Run the job on one local process per device; with ``check`` keep the first step's gradients."""
     job = make_job(config, save_grads_of_step=0 if check else None)
     return job, run_local(job, on_step)
+
+
+def train_torchrun(config: TrainConfig, *, check: bool = False,
+                   on_step: Callable[[int, float, float], None] | None = None) -> tuple[Job, list[RankReport] | None]:
+    """This process's rank of the job, as torchrun started it; rank 0 gets every rank's report."""
+    job = make_job(config, save_grads_of_step=0 if check else None)
+    return job, run_torchrun(job, on_step)
 
 
 def reference_step(job: Job, step: int = 0) -> tuple[float, dict[str, torch.Tensor]]:

@@ -88,14 +88,25 @@ def microbatches(x: torch.Tensor, m: int) -> list[torch.Tensor]:
     return list(x.chunk(m))
 
 
+def _device(rank: int) -> torch.device:
+    """This rank's compute device: a GPU of its own when there are any (NCCL), else the CPU (gloo)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def _backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
 def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
              on_step: Callable[[int, float, float], None] | None = None) -> RankReport:
     """The body of one rank: build, train for ``job.steps`` steps, report.
 
     The rank that computes the loss calls ``on_step(step, loss, seconds)`` after every step.
     """
-    device = torch.device("cpu")
-    modules = stage_modules(job, rank)
+    device = _device(rank)
+    modules = {s: m.to(device) for s, m in stage_modules(job, rank).items()}
     executor = RankExecutor(job.schedule, rank, modules, job.loss_fn, device)
     params = executor.parameters()
     opt = _optimizer(job, params)
@@ -106,7 +117,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     for step in range(job.steps):
         started = time.perf_counter()
         x, y = job.batch_at(step)
-        xs, ys = microbatches(x, m), microbatches(y, m)
+        xs, ys = microbatches(x.to(device), m), microbatches(y.to(device), m)
         for p in params:
             p.grad = None
         stats = executor.run_step([(t,) for t in xs], ys, tuple(x.shape))
@@ -178,7 +189,7 @@ def _free_port() -> int:
 def _spawned(rank: int, job: Job, world: int, port: int, out_dir: str, progress: Any) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    dist.init_process_group(_backend(), init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=job.timeout_s))
     try:
         run_rank(job, rank, world, out_dir, on_step=lambda *a: progress.put(a))
@@ -216,3 +227,32 @@ def run_local(job: Job, on_step: Callable[[int, float, float], None] | None = No
             with open(Path(out_dir) / f"rank{rank}.pkl", "rb") as fh:
                 reports.append(pickle.load(fh))
     return reports
+
+
+def under_torchrun() -> bool:
+    """True when torchrun (or another launcher) has set this process's rank and world size."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def run_torchrun(job: Job, on_step: Callable[[int, float, float], None] | None = None) -> list[RankReport] | None:
+    """Run this process's rank of ``job`` as torchrun started it; rank 0 gets every rank's report, others None.
+
+    torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; the world must
+    have one process per device of the schedule, on one machine or several.
+    """
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world != job.schedule.devices:
+        from pipefold.errors import ConfigError
+
+        need = job.schedule.devices
+        raise ConfigError(f"torchrun started {world} processes but {job.schedule.name} runs on {need} devices; "
+                          f"set --nproc-per-node and --nnodes for {need} in all")
+    dist.init_process_group(_backend(), timeout=timedelta(seconds=max(job.timeout_s, 60.0)))
+    try:
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+        report = run_rank(job, rank, world, None, on_step)
+        gathered: list[Any] = [None] * world if rank == 0 else []
+        dist.gather_object(report, gathered if rank == 0 else None, dst=0)
+        return gathered if rank == 0 else None
+    finally:
+        dist.destroy_process_group()

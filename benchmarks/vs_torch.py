@@ -1,0 +1,283 @@
+"""Time pipefold's runtime against torch.distributed.pipelining on the same MLP, schedule by schedule.
+
+Both sides train the ``mlp`` model (H=512, 8 layers, batch 64 in 8 microbatches)
+on 2 local gloo processes with one thread each, from the same weights and data,
+with SGD. A step's time is the longest of the ranks' times for that step: for
+pipefold the executor's ``wall`` (the schedule's actions, from the first to the
+last send waited on), for torch one ``schedule.step(...)`` call. Neither
+includes the optimizer step. The first step (torch infers shapes in it) is
+reported apart and left out of the median. Run:
+
+    python benchmarks/vs_torch.py            # 10 steps per run, about a minute on 2 cores
+    python benchmarks/vs_torch.py --quick    # 4 steps per run
+    python benchmarks/vs_torch.py --json     # one JSON object
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from rich.console import Console
+from rich.table import Table
+
+from pipefold.models import split_layers
+from pipefold.models.mlp import MLPConfig, build_mlp_layers, mlp_input, mlp_loss, mlp_target
+from pipefold.runtime.launch import RankError
+from pipefold.train import TrainConfig, train
+
+WORLD, HIDDEN, LAYERS, BATCH, MICROBATCHES, SEED = 2, 512, 8, 64, 8, 0
+RUN_TIMEOUT_S = 120.0  # one torch run; a hung schedule is reported as failed, not waited on forever
+
+
+@dataclass(frozen=True)
+class _Pair:
+    """One schedule under both runtimes: pipefold's name and options, torch's class and stage placement."""
+
+    label: str
+    pipefold: str
+    options: tuple[tuple[str, int], ...]
+    torch_class: str
+    placement: str
+    """'single' (stage r on rank r), 'loop' (r, r+p) or 'v' (r, 2p-1-r)."""
+
+
+PAIRS = [
+    _Pair("GPipe", "gpipe", (), "ScheduleGPipe", "single"),
+    _Pair("1F1B", "1f1b", (), "Schedule1F1B", "single"),
+    _Pair("interleaved 1F1B (v=2)", "interleaved-1f1b", (("v", 2),), "ScheduleInterleaved1F1B", "loop"),
+    _Pair("ZB-V", "zb-v", (), "ScheduleZBVZeroBubble", "v"),
+]
+
+
+@dataclass
+class _Run:
+    """One runtime's times for one schedule, or why it failed."""
+
+    steps_s: list[float] = field(default_factory=list)
+    """Per step, the longest rank's time."""
+    first_loss: float | None = None
+    error: str | None = None
+
+    @property
+    def median_s(self) -> float | None:
+        return statistics.median(self.steps_s[1:]) if len(self.steps_s) > 1 else None
+
+    def to_json(self) -> dict[str, Any]:
+        ms = [round(1e3 * t, 3) for t in self.steps_s]
+        median = None if self.median_s is None else round(1e3 * self.median_s, 3)
+        return {"median_ms": median, "first_ms": ms[0] if ms else None, "steps_ms": ms,
+                "first_loss": self.first_loss, "error": self.error}
+
+
+# -- pipefold
+
+
+def _run_pipefold(pair: _Pair, steps: int) -> _Run:
+    config = TrainConfig(schedule=pair.pipefold, options=pair.options, stages=WORLD, microbatches=MICROBATCHES,
+                         steps=steps, model="mlp", layers=LAYERS, hidden=HIDDEN, batch=BATCH, optimizer="sgd",
+                         seed=SEED)
+    try:
+        _, reports = train(config)
+    except (RankError, RuntimeError, ValueError) as exc:
+        return _Run(error=_one_line(exc))
+    walls = [max(r.steps[i].wall for r in reports) for i in range(steps)]
+    first_loss = sum(sum(r.steps[0].losses.values()) for r in reports) / MICROBATCHES
+    return _Run(walls, first_loss)
+
+
+# -- torch.distributed.pipelining
+
+
+def _stage_indices(placement: str, rank: int) -> list[int]:
+    if placement == "single":
+        return [rank]
+    if placement == "loop":
+        return [rank, rank + WORLD]
+    return [rank, 2 * WORLD - 1 - rank]  # 'v': down the devices, then back up
+
+
+def _torch_schedule(pair: _Pair, rank: int) -> tuple[Any, list[int], list[torch.nn.Module]]:
+    """Build this rank's stages (same layers, same weights as pipefold's) and the schedule over them."""
+    from torch.distributed import pipelining
+
+    cfg = MLPConfig(hidden=HIDDEN, layers=LAYERS)
+    indices = _stage_indices(pair.placement, rank)
+    num_stages = WORLD * (1 if pair.placement == "single" else 2)
+    split = split_layers(cfg.num_layers, num_stages)
+    modules, stages = [], []
+    for s in indices:
+        layers = build_mlp_layers(cfg, split[s], seed=SEED)
+        module = torch.nn.Sequential(*(layers[i] for i in split[s]))
+        modules.append(module)
+        stages.append(pipelining.PipelineStage(module, s, num_stages, torch.device("cpu")))
+    cls = getattr(pipelining, pair.torch_class)
+    if pair.placement == "single":
+        return cls(stages[0], n_microbatches=MICROBATCHES, loss_fn=mlp_loss), indices, modules
+    return cls(stages, n_microbatches=MICROBATCHES, loss_fn=mlp_loss), indices, modules
+
+
+def _torch_rank(rank: int, pair: _Pair, steps: int, port: int, results: Any) -> None:
+    """One spawned rank: train ``steps`` steps, put (rank, per-step seconds, losses of step 0) on ``results``."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=60))
+    try:
+        schedule, indices, modules = _torch_schedule(pair, rank)
+        params = [p for m in modules for p in m.parameters()]
+        opt = torch.optim.SGD(params, lr=TrainConfig().lr)
+        cfg = MLPConfig(hidden=HIDDEN, layers=LAYERS)
+        target = mlp_target(cfg, BATCH, SEED)
+        first, last = 0 in indices, WORLD * len(indices) - 1 in indices
+        walls, first_losses = [], []
+        for step in range(steps):
+            x = mlp_input(cfg, BATCH, SEED + step)  # the batch pipefold's mlp job gives this step
+            losses: list[torch.Tensor] = []
+            t0 = time.perf_counter()
+            schedule.step(*((x,) if first else ()), target=target if last else None,
+                          losses=losses if last else None)
+            walls.append(time.perf_counter() - t0)
+            if step == 0:
+                first_losses = [float(v) for v in losses]
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        results.put((rank, walls, first_losses))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_torch(pair: _Pair, steps: int) -> _Run:
+    """Spawn the ranks; any rank's exception or a hang becomes a failed run with a one-line reason."""
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    context = mp.spawn(_torch_rank, args=(pair, steps, _free_port(), results), nprocs=WORLD, join=False)
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    try:
+        while not context.join(timeout=0.2):
+            if time.monotonic() > deadline:
+                _terminate(context)
+                return _Run(error=f"timed out after {RUN_TIMEOUT_S:.0f} s")
+    except mp.ProcessRaisedException as exc:
+        return _Run(error=_last_line(exc.msg))
+    except mp.ProcessExitedException as exc:
+        return _Run(error=f"rank {exc.error_index} exited with code {exc.exit_code}")
+    per_rank = {}
+    while not results.empty():
+        rank, walls, losses = results.get()
+        per_rank[rank] = (walls, losses)
+    walls = [max(per_rank[r][0][i] for r in range(WORLD)) for i in range(steps)]
+    losses = [v for r in range(WORLD) for v in per_rank[r][1]]
+    return _Run(walls, sum(losses) / MICROBATCHES if losses else None)
+
+
+def _terminate(context: Any) -> None:
+    for process in context.processes:
+        if process.is_alive():
+            process.terminate()
+    for process in context.processes:
+        process.join(5)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "unknown error"
+
+
+def _one_line(exc: BaseException) -> str:
+    return _last_line(str(exc)) or type(exc).__name__
+
+
+# -- report
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{1e3 * seconds:.1f}"
+
+
+def _ratio(ours: _Run, theirs: _Run) -> float | None:
+    if ours.median_s is None or theirs.median_s is None:
+        return None
+    return ours.median_s / theirs.median_s
+
+
+def _table(rows: list[tuple[_Pair, _Run, _Run]], steps: int) -> Table:
+    table = Table(title=f"median step time over steps 2..{steps} (ms); 2 ranks, gloo, 1 thread each",
+                  title_justify="left")
+    for name, justify in [("schedule", "left"), ("pipefold", "right"), ("torch", "right"),
+                          ("pipefold/torch", "right"), ("first step pipefold", "right"),
+                          ("first step torch", "right"), ("note", "left")]:
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for pair, ours, theirs in rows:
+        ratio = _ratio(ours, theirs)
+        note = "; ".join(f"{side} failed: {run.error}" for side, run in (("pipefold", ours), ("torch", theirs))
+                         if run.error)
+        if not note and ours.first_loss is not None and theirs.first_loss is not None:
+            same = abs(ours.first_loss - theirs.first_loss) <= 1e-4 * abs(theirs.first_loss)
+            note = "" if same else f"step-1 losses differ: {ours.first_loss:.6f} vs {theirs.first_loss:.6f}"
+        table.add_row(pair.label, "failed" if ours.error else _ms(ours.median_s),
+                      "failed" if theirs.error else _ms(theirs.median_s),
+                      "-" if ratio is None else f"{ratio:.2f}", _ms(ours.steps_s[0] if ours.steps_s else None),
+                      _ms(theirs.steps_s[0] if theirs.steps_s else None), note)
+    return table
+
+
+def _json(rows: list[tuple[_Pair, _Run, _Run]], steps: int, seconds: float) -> dict[str, Any]:
+    return {
+        "torch": torch.__version__, "cpus": os.cpu_count(), "backend": "gloo", "world": WORLD, "steps": steps,
+        "model": {"name": "mlp", "hidden": HIDDEN, "layers": LAYERS, "batch": BATCH, "microbatches": MICROBATCHES},
+        "seconds": round(seconds, 1),
+        "schedules": [{"schedule": pair.pipefold, "options": dict(pair.options), "torch_class": pair.torch_class,
+                       "pipefold": ours.to_json(), "torch_run": theirs.to_json(),
+                       "ratio": None if (r := _ratio(ours, theirs)) is None else round(r, 3)}
+                      for pair, ours, theirs in rows],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10, help="steps per run, the first one excluded (default 10)")
+    parser.add_argument("--quick", action="store_true", help="4 steps per run")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    args = parser.parse_args()
+    steps = 4 if args.quick else args.steps
+    if steps < 2:
+        parser.error(f"--steps must be at least 2 so a step is left after the first ({steps} < 2)")
+    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by every spawned rank
+    torch.set_num_threads(1)
+    console = Console(stderr=args.json)
+    started = time.perf_counter()
+    rows = []
+    for pair in PAIRS:  # one schedule under both runtimes back to back, so drift in the machine hits both alike
+        console.print(f"[dim]{pair.label}: pipefold ...[/dim]")
+        ours = _run_pipefold(pair, steps)
+        console.print(f"[dim]{pair.label}: torch ...[/dim]")
+        theirs = _run_torch(pair, steps)
+        rows.append((pair, ours, theirs))
+    seconds = time.perf_counter() - started
+    if args.json:
+        print(json.dumps(_json(rows, steps, seconds)))
+        return
+    console.print(_table(rows, steps))
+    console.print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, {seconds:.0f} s in all")
+
+
+if __name__ == "__main__":
+    main()

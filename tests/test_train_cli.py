@@ -1,0 +1,69 @@
+"""pipefold train end to end: local spawn, torchrun, outputs, and user errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipefold.cli import main
+
+SMALL = ["--model", "mlp", "--layers", "4", "--hidden", "16", "--batch", "8", "--stages", "2", "--microbatches", "4"]
+
+
+def test_train_json_check_trace_plot(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    trace, plot = tmp_path / "t.json", tmp_path / "t.png"
+    code = main(["train", "--schedule", "zb-v", "--steps", "3", *SMALL, "--check", "--json",
+                 "--trace", str(trace), "--plot", str(plot)])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert {"schedule", "stages", "microbatches", "loss", "step_time_s", "peak_activation_bytes",
+            "max_grad_rel_diff"} <= set(out)
+    assert out["schedule"] == "zb-v" and len(out["loss"]) == 3 and len(out["step_time_s"]) == 3
+    assert out["max_grad_rel_diff"] < 1e-5 and len(out["peak_activation_bytes"]) == 2
+    events = json.loads(trace.read_text())["traceEvents"]
+    computed = [e for e in events if e.get("cat") in ("F", "B", "W", "BW")]
+    assert len(computed) == 3 * 4 * 4 * 3  # steps x stages x microbatches x (F, B, W)
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_train_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "--schedule", "1f1b", "--steps", "2", *SMALL]) == 0
+    out = capsys.readouterr().out
+    assert "1f1b on 2 ranks" in out and "peak activation" in out and "median step" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--schedule", "nope"], "unknown schedule 'nope'"),
+        (["--schedule", "v-half", "--layers", "3"], "v-half on 2 devices has 4 stages but the model has 3 layers"),
+        (["--batch", "6"], "a batch of 6 does not split into 4 microbatches"),
+        (["--plot", "x.pdf"], "use a .png or .svg file"),
+        (["--steps", "0"], "--steps must be at least 1"),
+    ],
+)
+def test_train_user_errors(capsys: pytest.CaptureFixture[str], argv: list[str], expected: str) -> None:
+    base = ["--model", "mlp", "--layers", "4", "--hidden", "16", "--batch", "8", "--stages", "2",
+            "--microbatches", "4"]
+    code = main(["train", *base, *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and expected in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.skipif(shutil.which("torchrun", path=os.path.dirname(sys.executable)) is None, reason="no torchrun")
+def test_same_command_under_torchrun(tmp_path: Path) -> None:
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    assert torchrun is not None
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-port", "29541", "-m", "pipefold", "train",
+                           "--schedule", "v-half", "--steps", "2", *SMALL, "--layers", "8", "--check", "--json"],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=240, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["schedule"] == "v-half" and out["max_grad_rel_diff"] < 1e-5 and len(out["loss"]) == 2
