@@ -53,10 +53,10 @@ class _Pair:
 
 
 PAIRS = [
-    _Pair("GPipe", "gpipe", (), "ScheduleGPipe", "single"),
-    _Pair("1F1B", "1f1b", (), "Schedule1F1B", "single"),
-    _Pair("interleaved 1F1B (v=2)", "interleaved-1f1b", (("v", 2),), "ScheduleInterleaved1F1B", "loop"),
-    _Pair("ZB-V", "zb-v", (), "ScheduleZBVZeroBubble", "v"),
+    _Pair("gpipe", "gpipe", (), "ScheduleGPipe", "single"),
+    _Pair("1f1b", "1f1b", (), "Schedule1F1B", "single"),
+    _Pair("interleaved-1f1b v=2", "interleaved-1f1b", (("v", 2),), "ScheduleInterleaved1F1B", "loop"),
+    _Pair("zb-v", "zb-v", (), "ScheduleZBVZeroBubble", "v"),
 ]
 
 
@@ -149,7 +149,7 @@ def _torch_rank(rank: int, pair: _Pair, steps: int, port: int, results: Any) -> 
                           losses=losses if last else None)
             walls.append(time.perf_counter() - t0)
             if step == 0:
-                first_losses = [float(v) for v in losses]
+                first_losses = [float(v.detach()) for v in losses]
             opt.step()
             opt.zero_grad(set_to_none=True)
         results.put((rank, walls, first_losses))
@@ -218,34 +218,39 @@ def _ratio(ours: _Run, theirs: _Run) -> float | None:
     return ours.median_s / theirs.median_s
 
 
+def _notes(pair: _Pair, ours: _Run, theirs: _Run) -> list[str]:
+    """Failures, and a check that both runtimes computed the same first-step loss."""
+    notes = [f"{pair.label}: {side} failed: {run.error}" for side, run in (("pipefold", ours), ("torch", theirs))
+             if run.error]
+    a, b = ours.first_loss, theirs.first_loss
+    if a is not None and b is not None and abs(a - b) > 1e-4 * abs(b):
+        notes.append(f"{pair.label}: step-1 losses differ: {a:.6f} vs {b:.6f}")
+    return notes
+
+
 def _table(rows: list[tuple[_Pair, _Run, _Run]], steps: int) -> Table:
-    table = Table(title=f"median step time over steps 2..{steps} (ms); 2 ranks, gloo, 1 thread each",
+    table = Table(title=f"step time (ms), median over steps 2..{steps}; ratio > 1: pipefold slower",
                   title_justify="left")
-    for name, justify in [("schedule", "left"), ("pipefold", "right"), ("torch", "right"),
-                          ("pipefold/torch", "right"), ("first step pipefold", "right"),
-                          ("first step torch", "right"), ("note", "left")]:
-        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for name in ["schedule", "pipefold", "torch", "pipefold/torch", "1st pipefold", "1st torch"]:
+        table.add_column(name, justify="left" if name == "schedule" else "right")
     for pair, ours, theirs in rows:
         ratio = _ratio(ours, theirs)
-        note = "; ".join(f"{side} failed: {run.error}" for side, run in (("pipefold", ours), ("torch", theirs))
-                         if run.error)
-        if not note and ours.first_loss is not None and theirs.first_loss is not None:
-            same = abs(ours.first_loss - theirs.first_loss) <= 1e-4 * abs(theirs.first_loss)
-            note = "" if same else f"step-1 losses differ: {ours.first_loss:.6f} vs {theirs.first_loss:.6f}"
         table.add_row(pair.label, "failed" if ours.error else _ms(ours.median_s),
                       "failed" if theirs.error else _ms(theirs.median_s),
                       "-" if ratio is None else f"{ratio:.2f}", _ms(ours.steps_s[0] if ours.steps_s else None),
-                      _ms(theirs.steps_s[0] if theirs.steps_s else None), note)
+                      _ms(theirs.steps_s[0] if theirs.steps_s else None))
     return table
 
 
-def _json(rows: list[tuple[_Pair, _Run, _Run]], steps: int, seconds: float) -> dict[str, Any]:
+def _json(rows: list[tuple[_Pair, _Run, _Run]], steps: int, seconds: float,
+          load: tuple[float, float, float]) -> dict[str, Any]:
     return {
         "torch": torch.__version__, "cpus": os.cpu_count(), "backend": "gloo", "world": WORLD, "steps": steps,
         "model": {"name": "mlp", "hidden": HIDDEN, "layers": LAYERS, "batch": BATCH, "microbatches": MICROBATCHES},
-        "seconds": round(seconds, 1),
+        "seconds": round(seconds, 1), "load_average": [round(v, 2) for v in load],
         "schedules": [{"schedule": pair.pipefold, "options": dict(pair.options), "torch_class": pair.torch_class,
                        "pipefold": ours.to_json(), "torch_run": theirs.to_json(),
+                       "notes": _notes(pair, ours, theirs),
                        "ratio": None if (r := _ratio(ours, theirs)) is None else round(r, 3)}
                       for pair, ours, theirs in rows],
     }
@@ -273,10 +278,13 @@ def main() -> None:
         rows.append((pair, ours, theirs))
     seconds = time.perf_counter() - started
     if args.json:
-        print(json.dumps(_json(rows, steps, seconds)))
+        print(json.dumps(_json(rows, steps, seconds, os.getloadavg())))
         return
     console.print(_table(rows, steps))
-    console.print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, {seconds:.0f} s in all")
+    for note in (n for pair, ours, theirs in rows for n in _notes(pair, ours, theirs)):
+        console.print(note)
+    load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
+    console.print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average {load}, {seconds:.0f} s in all")
 
 
 if __name__ == "__main__":
