@@ -53,6 +53,8 @@ class StepStats:
     peak_activation_bytes: int = 0
     started_at: float = 0.0
     """Wall-clock time (time.time()) of the step's start, to line ranks up in a trace."""
+    stage_bytes: dict[int, int] = field(default_factory=dict)
+    """Per stage of this rank, the bytes one microbatch's forward saved for backward."""
 
 
 class RankExecutor:
@@ -99,6 +101,7 @@ class RankExecutor:
         local: dict[tuple[int, int, int], Tensors] = {}  # (direction, stage, mb) -> tensors handed over locally
         posted: dict[int, _Pending] = {}  # action index -> its receive, posted ahead
         self.meter.reset_peak()
+        peak = 0
         stats.started_at = time.time()
         t0 = time.perf_counter()
 
@@ -134,12 +137,18 @@ class RankExecutor:
                 if s > 0 and dx is not None:
                     self._hand_on(BACKWARD, s - 1, mb, dx, local, new_shapes)
             self.links.reap_sends()
+            # Activation memory: tensors saved for backward, plus stage outputs still held for sending or
+            # for the next stage on this rank.
+            held = self.meter.current + self.links.bytes_in_flight + sum(
+                t.untyped_storage().nbytes() for ts in local.values() for t in ts)
+            peak = max(peak, held)
         start = clock()
         self.links.wait_sends()
         stats.events.append(Event("wait sends", "send", start, clock()))
         stats.wall = clock()
         stats.busy = sum(e.end - e.start for e in stats.events if e.kind in ("F", "B", "W", "BW"))
-        stats.peak_activation_bytes = self.meter.peak
+        stats.peak_activation_bytes = max(peak, self.meter.peak)
+        stats.stage_bytes = {s: r.bytes_per_microbatch for s, r in self.runners.items()}
         return stats
 
     # -- moving tensors

@@ -203,6 +203,8 @@ class StageRunner:
         self.params = [p for p in module.parameters() if p.requires_grad]
         self._passes: dict[int, _Pass] = {}
         self.losses: dict[int, torch.Tensor] = {}
+        self.bytes_per_microbatch = 0
+        """The most bytes one microbatch's forward saved for backward: this stage's activation size."""
 
     # -- forward
 
@@ -225,6 +227,7 @@ class StageRunner:
                 self.losses[mb] = loss.detach()
                 out = (loss * scale,)
         self.meter.add(saved)
+        self.bytes_per_microbatch = max(self.bytes_per_microbatch, saved)
         self._passes[mb] = _Pass(leaves, out, saved)
         return tuple(o.detach() for o in out)
 
