@@ -245,11 +245,11 @@ def _table(rows: list[tuple[_Pair, _Run, _Run]], steps: int) -> Table:
 def _json(rows: list[tuple[_Pair, _Run, _Run]], steps: int, seconds: float,
           load: tuple[float, float, float]) -> dict[str, Any]:
     return {
-        "torch": torch.__version__, "cpus": os.cpu_count(), "backend": "gloo", "world": WORLD, "steps": steps,
+        "torch_version": torch.__version__, "cpus": os.cpu_count(), "backend": "gloo", "world": WORLD, "steps": steps,
         "model": {"name": "mlp", "hidden": HIDDEN, "layers": LAYERS, "batch": BATCH, "microbatches": MICROBATCHES},
         "seconds": round(seconds, 1), "load_average": [round(v, 2) for v in load],
         "schedules": [{"schedule": pair.pipefold, "options": dict(pair.options), "torch_class": pair.torch_class,
-                       "pipefold": ours.to_json(), "torch_run": theirs.to_json(),
+                       "pipefold": ours.to_json(), "torch": theirs.to_json(),
                        "notes": _notes(pair, ours, theirs),
                        "ratio": None if (r := _ratio(ours, theirs)) is None else round(r, 3)}
                       for pair, ours, theirs in rows],
@@ -268,6 +268,8 @@ def main() -> None:
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by every spawned rank
     torch.set_num_threads(1)
     console = Console(stderr=args.json)
+    if not console.is_terminal:
+        console.width = 120  # piped into a file or a doc: do not wrap the table at 80 columns
     started = time.perf_counter()
     rows = []
     for pair in PAIRS:  # one schedule under both runtimes back to back, so drift in the machine hits both alike
