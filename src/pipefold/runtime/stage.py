@@ -120,13 +120,17 @@ class _Cut:
                        if c is not None and c not in on_path and c in to_params]
                 if out:
                     self.edges[node] = out
+        # Nodes whose crossing targets are reached only by their direct edge: autograd can restart there
+        # and compute just the parameter side. Elsewhere the node is called directly (see weight_grads).
+        self.direct_only = {node for node, edges in self.edges.items() if _only_direct(node, edges)}
 
     @property
     def crossings(self) -> list[Node]:
         return list(self.edges)
 
     def weight_grads(self, captured: dict[Node, tuple[torch.Tensor | None, ...]],
-                     grads_out: list[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
+                     grads_out: list[torch.Tensor]) -> None:
+        """Add this microbatch's weight gradients into the parameters' ``.grad``."""
         roots: list[torch.Tensor | GradientEdge] = [self.output_tensors[i] for i in self.outputs]
         root_grads = [grads_out[i] for i in self.outputs]
         entering: dict[tuple[Node, int], torch.Tensor] = {}
@@ -134,21 +138,46 @@ class _Cut:
             seen_grads = captured.get(node)
             if seen_grads is None or all(g is None for g in seen_grads):
                 continue
-            # Rerun just this node's own backward: autograd.grad towards its edges would also sum the
-            # paths that reach the same targets through the input path below it, counting them twice.
-            local = node(*seen_grads)  # type: ignore[operator]
-            local = local if isinstance(local, tuple) else (local,)
-            wanted = {(e.node, e.output_nr) for e in edges}
-            for (child, nr), g in zip(node.next_functions, local, strict=True):
-                if g is not None and child is not None and (child, nr) in wanted:
-                    g = _reduce_broadcast(g, child, nr)
-                    key = (child, nr)
+            if node in self.direct_only:
+                # Autograd from this node towards its crossings runs only the parameter side of it.
+                ks = [k for k, g in enumerate(seen_grads) if g is not None]
+                got = torch.autograd.grad([GradientEdge(node, k) for k in ks], edges,
+                                          [seen_grads[k] for k in ks], allow_unused=True)
+                pairs = [((e.node, e.output_nr), g) for e, g in zip(edges, got, strict=True)]
+            else:
+                # A crossing target is also reachable another way from this node (say, through the input
+                # path): autograd would sum that path too and count it twice, so run the node's own backward.
+                local = node(*seen_grads)  # type: ignore[operator]
+                local = local if isinstance(local, tuple) else (local,)
+                wanted = {(e.node, e.output_nr) for e in edges}
+                pairs = [((child, nr), _reduce_broadcast(g, child, nr))
+                         for (child, nr), g in zip(node.next_functions, local, strict=True)
+                         if g is not None and child is not None and (child, nr) in wanted]
+            for key, g in pairs:
+                if g is not None:
                     entering[key] = entering[key] + g if key in entering else g
         roots += [GradientEdge(n, nr) for n, nr in entering]
         root_grads += list(entering.values())
-        if not roots:
-            return (None,) * len(self.params)
-        return torch.autograd.grad(roots, self.params, root_grads, allow_unused=True)  # type: ignore[arg-type]
+        if roots:
+            # Accumulates straight into each parameter's .grad.
+            torch.autograd.backward(roots, root_grads, inputs=self.params)  # type: ignore[arg-type]
+
+
+def _only_direct(node: Node, edges: list[GradientEdge]) -> bool:
+    """True if no crossing target of ``node`` can be reached from its other inputs' subgraphs."""
+    targets = {e.node for e in edges}
+    for edge in edges:
+        others = [c for c, nr in node.next_functions if c is not None and (c, nr) != (edge.node, edge.output_nr)]
+        seen: set[Node] = set()
+        while others:
+            c = others.pop()
+            if c in seen:
+                continue
+            if c is edge.node:
+                return False
+            seen.add(c)
+            others += [g for g, _ in c.next_functions if g is not None]
+    return bool(targets)
 
 
 def _reduce_broadcast(g: torch.Tensor, child: Node, nr: int) -> torch.Tensor:
@@ -254,8 +283,7 @@ class StageRunner:
         """W: weight gradients from what B recorded; accumulate into ``.grad``; release the microbatch."""
         p = self._passes.pop(mb)
         if self.params and p.cut is not None:
-            grads = p.cut.weight_grads(p.captured, p.grads_out)
-            self._accumulate(grads)
+            p.cut.weight_grads(p.captured, p.grads_out)
         self._release(p)
 
     def backward(self, mb: int, out_grads: Tensors | None) -> Tensors | None:
@@ -263,10 +291,10 @@ class StageRunner:
         p = self._passes.pop(mb)
         grads_out = self._grads_for(p, out_grads)
         wanted = [x for x in p.inputs if x.requires_grad]
-        grads = torch.autograd.grad(self._differentiable(p), [*wanted, *self.params], grads_out, allow_unused=True)
-        self._accumulate(grads[len(wanted):])
+        # backward() adds straight into each parameter's .grad (and the input leaves' .grad): no copies.
+        torch.autograd.backward(self._differentiable(p), grads_out, inputs=[*wanted, *self.params])
         self._release(p)
-        return _input_grads(p.inputs, grads[: len(wanted)]) if wanted else None
+        return _input_grads(p.inputs, [x.grad for x in wanted]) if wanted else None
 
     # -- helpers
 
@@ -283,15 +311,6 @@ class StageRunner:
             n = 0 if out_grads is None else len(out_grads)
             raise RuntimeError(f"stage backward got {n} output gradients for {len(outs)} differentiable outputs")
         return list(out_grads)
-
-    def _accumulate(self, grads: Sequence[torch.Tensor | None]) -> None:
-        for param, g in zip(self.params, grads, strict=True):
-            if g is None:
-                continue
-            if param.grad is None:
-                param.grad = g.detach().clone()
-            else:
-                param.grad.add_(g)
 
     def _release(self, p: _Pass) -> None:
         self.meter.remove(p.saved_bytes + p.kept_bytes)
