@@ -108,4 +108,51 @@ def test_an_error_on_one_rank_stops_them_all() -> None:
 
 
 def _linear_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.randn(8, 4), torch.randn(8, 4)
+    g = torch.Generator().manual_seed(step)  # every process must see the same batch
+    return torch.randn(8, 4, generator=g), torch.randn(8, 4, generator=g)
+
+
+class _Fork(torch.nn.Linear):
+    """Returns two tensors: the next stage receives a tuple."""
+
+    def __init__(self) -> None:
+        super().__init__(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        h = super().forward(x)
+        return h, torch.tanh(h) * 2
+
+
+class _Join(torch.nn.Linear):
+    def __init__(self) -> None:
+        super().__init__(4, 4)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(a * b + a)
+
+
+def _fork_join_layers(indices: list[int]) -> dict[int, torch.nn.Module]:
+    out: dict[int, torch.nn.Module] = {}
+    for i in indices:
+        torch.manual_seed(100 + i)  # the same weights whichever process builds the layer
+        out[i] = _Fork() if i % 2 == 0 else _Join()
+    return out
+
+
+def test_tuples_of_tensors_flow_between_stages() -> None:
+    job = Job(schedule=build("zb-h1", 2, 4), layer_stages=((0,), (1,)), build_layers=_fork_join_layers,
+              loss_fn=torch.nn.functional.mse_loss, batch_at=_linear_batch, steps=1, save_grads_of_step=0,
+              extra={"num_layers": 2})
+    reports = run_local(job)
+    _, want = reference_step(job)
+    got = {k: v for r in reports for k, v in (r.grads or {}).items()}
+    assert set(got) == set(want)
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_cuda_nccl_matches_one_process() -> None:
+    cfg = TrainConfig(schedule="1f1b", stages=2, microbatches=4, steps=1, model="mlp", layers=4, hidden=16, batch=8)
+    job, reports = train(cfg, check=True)
+    assert compare(job, reports)["max_grad_rel_diff"] < 1e-4

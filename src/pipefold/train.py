@@ -22,7 +22,7 @@ from pipefold.ir import Schedule
 from pipefold.models import get_model, split_layers
 from pipefold.models.data import Batches, load_corpus
 from pipefold.models.mlp import MLPConfig, mlp_input, mlp_target
-from pipefold.runtime.launch import Job, RankReport, run_local, run_torchrun
+from pipefold.runtime.launch import Chain, Job, RankReport, run_local, run_torchrun
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,7 +115,7 @@ def reference_step(job: Job, step: int = 0) -> tuple[float, dict[str, torch.Tens
     """One step in one process, from the initial weights: mean loss over the microbatches and every gradient."""
     n = job.extra["num_layers"]
     layers = job.build_layers(list(range(n)))
-    model = torch.nn.Sequential(*(layers[i] for i in range(n)))
+    model = Chain(*(layers[i] for i in range(n)))
     m = job.schedule.microbatches
     x, y = job.batch_at(step)
     total = 0.0

@@ -74,12 +74,22 @@ class RankReport:
     peak_process_bytes: int
 
 
+class Chain(nn.Sequential):
+    """Layers applied in turn, where a layer may take and return a tuple of tensors (spread as arguments)."""
+
+    def forward(self, *xs: Any) -> Any:
+        out: Any = xs
+        for layer in self:
+            out = layer(*out) if isinstance(out, tuple) else layer(out)
+        return out
+
+
 def stage_modules(job: Job, rank: int) -> dict[int, nn.Module]:
     """The stage modules of ``rank``: only its own layers are ever built."""
     stages = [s for s, d in enumerate(job.schedule.stage_to_device) if d == rank]
     wanted = sorted(i for s in stages for i in job.layer_stages[s])
     layers = job.build_layers(wanted)
-    return {s: nn.Sequential(*(layers[i] for i in job.layer_stages[s])) for s in stages}
+    return {s: Chain(*(layers[i] for i in job.layer_stages[s])) for s in stages}
 
 
 def microbatches(x: torch.Tensor, m: int) -> list[torch.Tensor]:
