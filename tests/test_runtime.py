@@ -30,8 +30,8 @@ def test_every_schedule_matches_one_process_on_two_ranks(name: str) -> None:
     assert diff["max_grad_rel_diff"] < TOLERANCE and diff["loss_rel_diff"] < TOLERANCE
 
 
-@pytest.mark.parametrize("name", ["1f1b", "interleaved-1f1b", "zb-h2", "zb-v", "v-half", "v-min"])
-def test_four_ranks_match_one_process(name: str) -> None:
+@pytest.mark.parametrize("name", names())
+def test_every_schedule_matches_one_process_on_four_ranks(name: str) -> None:
     cfg = TrainConfig(schedule=name, stages=4, microbatches=8, steps=1, model="mlp", layers=_layers_for(name, 4),
                       hidden=16, batch=8)
     job, reports = train(cfg, check=True)
@@ -75,8 +75,15 @@ def test_shapes_may_change_between_steps() -> None:
 
 
 def test_user_errors_are_config_errors() -> None:
-    with pytest.raises(ConfigError, match="has 8 stages but the model has 4 layers; use --layers"):
+    with pytest.raises(ConfigError, match="has 8 stages but the model has 4 layers, so at most 4 stages: "
+                                          "use --stages 2 or fewer"):
         make_job(TrainConfig(schedule="v-half", stages=4, model="mlp", layers=4, batch=8))
+    from pipefold.models import gpt_loss, mlp_loss
+
+    with pytest.raises(ConfigError, match=r"the target has shape \(8, 3\) but the model's output has \(8, 4\)"):
+        mlp_loss(torch.zeros(8, 4), torch.zeros(8, 3))
+    with pytest.raises(ConfigError, match=r"give one target token per position, shape \(2, 5\)"):
+        gpt_loss(torch.zeros(2, 5, 256), torch.zeros(2, 4, dtype=torch.long))
     with pytest.raises(ConfigError, match="a batch of 10 does not split into 8 microbatches"):
         make_job(TrainConfig(schedule="1f1b", stages=2, microbatches=8, model="mlp", layers=4, batch=10))
 
@@ -156,3 +163,35 @@ def test_cuda_nccl_matches_one_process() -> None:
     cfg = TrainConfig(schedule="1f1b", stages=2, microbatches=4, steps=1, model="mlp", layers=4, hidden=16, batch=8)
     job, reports = train(cfg, check=True)
     assert compare(job, reports)["max_grad_rel_diff"] < 1e-4
+
+
+def _sgd(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.5)
+
+
+def test_global_norm_clipping_and_any_optimizer() -> None:
+    """The second step's loss shows the first update: clipped by the norm over all ranks, as in one process."""
+    from dataclasses import replace
+
+    cfg = TrainConfig(schedule="1f1b", stages=2, microbatches=4, steps=2, model="mlp", layers=4, hidden=8, batch=8)
+    job = replace(make_job(cfg), optimizer=_sgd, clip=1e-3)
+    reports = run_local(job)
+    pipe = [sum(sum(r.steps[i].losses.values()) for r in reports) / 4 for i in range(2)]
+    n = job.extra["num_layers"]
+    layers = job.build_layers(list(range(n)))
+    model = torch.nn.Sequential(*(layers[i] for i in range(n)))
+    opt = _sgd(list(model.parameters()))
+    want = []
+    for step in range(2):
+        x, y = job.batch_at(step)
+        opt.zero_grad()
+        total = 0.0
+        for xs, ys in zip(x.chunk(4), y.chunk(4), strict=True):
+            loss = job.loss_fn(model(xs), ys)
+            (loss / 4).backward()
+            total += float(loss.detach()) / 4
+        want.append(total)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+        opt.step()
+    assert pipe == pytest.approx(want, rel=1e-5)
+    assert pipe[1] != pytest.approx(pipe[0], rel=1e-6)  # the step did move the weights

@@ -88,8 +88,10 @@ def make_job(config: TrainConfig, *, save_grads_of_step: int | None = None) -> J
         cfg = spec.make_config(layers=config.layers, hidden=config.hidden)
         batch_at = functools.partial(_batch_mlp, cfg, config.batch, config.seed)
     if schedule.stages > cfg.num_layers:
+        per_device = schedule.stages // schedule.devices
         raise ConfigError(f"{config.schedule} on {config.stages} devices has {schedule.stages} stages but the model "
-                          f"has {cfg.num_layers} layers; use --layers so there are at least {schedule.stages}")
+                          f"has {cfg.num_layers} layers, so at most {cfg.num_layers} stages: use --stages "
+                          f"{max(1, cfg.num_layers // per_device)} or fewer, or more --layers")
     layer_stages = tuple(tuple(s) for s in split_layers(cfg.num_layers, schedule.stages))
     build = functools.partial(spec.build_layers, cfg, seed=config.seed)
     return Job(schedule=schedule, layer_stages=layer_stages, build_layers=build, loss_fn=spec.loss,

@@ -188,4 +188,8 @@ def build_gpt(cfg: GPTConfig, *, seed: int = 0) -> list[nn.Module]:
 
 def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross entropy of (B, T, V) logits against (B, T) next-token targets."""
+    if targets.shape != logits.shape[:-1]:
+        want = tuple(logits.shape[:-1])
+        raise ConfigError(f"the targets have shape {tuple(targets.shape)} but the logits are {tuple(logits.shape)}; "
+                          f"give one target token per position, shape {want}")
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))  # over B*T positions

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipefold.errors import ConfigError
 from pipefold.models._build import check_positive_int, generator, materialize, normal_
 
 __all__ = ["MLPBlock", "MLPConfig", "build_mlp", "build_mlp_layers", "mlp_input", "mlp_loss", "mlp_target"]
@@ -85,5 +86,8 @@ def mlp_target(cfg: MLPConfig, batch: int, seed: int = 0) -> torch.Tensor:
 
 
 def mlp_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean squared error."""
+    """Mean squared error; a target of another shape than the output is an error, not a broadcast."""
+    if out.shape != target.shape:
+        raise ConfigError(f"the target has shape {tuple(target.shape)} but the model's output has "
+                          f"{tuple(out.shape)}; give a target of the output's shape")
     return F.mse_loss(out, target)

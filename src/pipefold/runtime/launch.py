@@ -56,7 +56,8 @@ class Job:
     """The whole batch (inputs, targets) of a step; every rank gets the same one."""
     steps: int = 1
     lr: float = 1e-3
-    optimizer: str = "adamw"
+    optimizer: str | Callable[[list[nn.Parameter]], torch.optim.Optimizer] = "adamw"
+    """"adamw", "sgd", or any function that makes a torch.optim optimizer from a rank's parameters."""
     clip: float | None = None
     save_grads_of_step: int | None = None
     """Save each rank's parameter gradients after this step (for --check), before the optimizer runs."""
@@ -160,6 +161,8 @@ def _named(job: Job, modules: dict[int, nn.Module]) -> list[tuple[str, nn.Parame
 def _optimizer(job: Job, params: list[nn.Parameter]) -> torch.optim.Optimizer | None:
     if not params:
         return None  # a rank whose stages have no weights has nothing to step
+    if callable(job.optimizer):
+        return job.optimizer(params)
     if job.optimizer == "sgd":
         return torch.optim.SGD(params, lr=job.lr)
     if job.optimizer == "adamw":
