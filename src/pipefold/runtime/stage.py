@@ -120,9 +120,15 @@ class _Cut:
                        if c is not None and c not in on_path and c in to_params]
                 if out:
                     self.edges[node] = out
-        # Nodes whose crossing targets are reached only by their direct edge: autograd can restart there
-        # and compute just the parameter side. Elsewhere the node is called directly (see weight_grads).
-        self.direct_only = {node for node, edges in self.edges.items() if _only_direct(node, edges)}
+        # A crossing node "owns" the parameters below its crossings when nothing below its other inputs
+        # reaches them: then autograd can restart at the node and run just that side, adding straight
+        # into .grad. Other crossing nodes go through the general two-phase path of weight_grads.
+        param_of = {n: p for p in params if (n := _grad_node(p)) is not None and n in seen}
+        self.owned: dict[Node, list[nn.Parameter]] = {}
+        for node, edges in self.edges.items():
+            owned = _owned_params(node, edges, param_of)
+            if owned is not None:
+                self.owned[node] = owned
 
     @property
     def crossings(self) -> list[Node]:
@@ -138,12 +144,11 @@ class _Cut:
             seen_grads = captured.get(node)
             if seen_grads is None or all(g is None for g in seen_grads):
                 continue
-            if node in self.direct_only:
-                # Autograd from this node towards its crossings runs only the parameter side of it.
+            if node in self.owned:
                 ks = [k for k, g in enumerate(seen_grads) if g is not None]
-                got = torch.autograd.grad([GradientEdge(node, k) for k in ks], edges,
-                                          [seen_grads[k] for k in ks], allow_unused=True)
-                pairs = [((e.node, e.output_nr), g) for e, g in zip(edges, got, strict=True)]
+                torch.autograd.backward([GradientEdge(node, k) for k in ks], [seen_grads[k] for k in ks],
+                                        inputs=self.owned[node])
+                continue
             else:
                 # A crossing target is also reachable another way from this node (say, through the input
                 # path): autograd would sum that path too and count it twice, so run the node's own backward.
@@ -163,21 +168,27 @@ class _Cut:
             torch.autograd.backward(roots, root_grads, inputs=self.params)  # type: ignore[arg-type]
 
 
-def _only_direct(node: Node, edges: list[GradientEdge]) -> bool:
-    """True if no crossing target of ``node`` can be reached from its other inputs' subgraphs."""
-    targets = {e.node for e in edges}
-    for edge in edges:
-        others = [c for c, nr in node.next_functions if c is not None and (c, nr) != (edge.node, edge.output_nr)]
-        seen: set[Node] = set()
-        while others:
-            c = others.pop()
-            if c in seen:
-                continue
-            if c is edge.node:
-                return False
-            seen.add(c)
-            others += [g for g, _ in c.next_functions if g is not None]
-    return bool(targets)
+def _reach(start: list[Node]) -> set[Node]:
+    """``start`` and every node reachable from them."""
+    out: set[Node] = set()
+    stack = list(start)
+    while stack:
+        node = stack.pop()
+        if node not in out:
+            out.add(node)
+            stack += [c for c, _ in node.next_functions if c is not None]
+    return out
+
+
+def _owned_params(node: Node, edges: list[GradientEdge],
+                  param_of: dict[Node, nn.Parameter]) -> list[nn.Parameter] | None:
+    """The parameters below ``node``'s crossings, if no other input of ``node`` leads to anything there."""
+    crossing = {(e.node, e.output_nr) for e in edges}
+    below = _reach([e.node for e in edges])
+    others = _reach([c for c, nr in node.next_functions if c is not None and (c, nr) not in crossing])
+    if below & others:
+        return None
+    return [param_of[n] for n in below if n in param_of]
 
 
 def _reduce_broadcast(g: torch.Tensor, child: Node, nr: int) -> torch.Tensor:
