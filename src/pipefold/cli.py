@@ -118,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--microbatches", "-m", type=int, default=8, metavar="M", help="microbatches per step (default 8)")
     p.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
     p.add_argument("--model", choices=["gpt", "mlp"], default="gpt", help="model (default gpt)")
-    p.add_argument("--layers", type=int, default=None, help="blocks (default: 2 per stage)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="transformer blocks (gpt) or MLP blocks (default: enough for 2 layers per stage)")
     p.add_argument("--hidden", type=int, default=64, help="width (default 64)")
     p.add_argument("--heads", type=int, default=4, help="attention heads of the gpt (default 4)")
     p.add_argument("--batch", type=int, default=16, help="batch per step (default 16)")
