@@ -187,3 +187,16 @@ def test_global_norm_clipping_and_any_optimizer() -> None:
         opt.step()
     assert pipe == pytest.approx(want, rel=1e-5)
     assert pipe[1] != pytest.approx(pipe[0], rel=1e-6)  # the step did move the weights
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-v"])
+def test_offloading_stages_keep_the_gradients(name: str) -> None:
+    cfg = TrainConfig(schedule=name, stages=2, microbatches=4, steps=1, model="mlp", layers=_layers_for(name, 2) * 2,
+                      hidden=16, batch=8, offload=(1, 1))
+    job, reports = train(cfg, check=True)
+    diff = compare(job, reports)
+    assert diff["max_grad_rel_diff"] < TOLERANCE and diff["loss_rel_diff"] < TOLERANCE
+    # Each stage kept one of its layers on the device at a time: 1 layer's bytes per stage.
+    layer_bytes = sum(p.numel() * 4 for p in job.build_layers([0])[0].parameters())
+    stages_per_rank = job.schedule.stages // job.schedule.devices
+    assert all(0 < r.resident_param_bytes <= stages_per_rank * layer_bytes for r in reports)

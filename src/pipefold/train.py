@@ -57,6 +57,8 @@ class TrainConfig:
     data: str | None = None
     """A text file to train the GPT on instead of the embedded corpus."""
     seed: int = 0
+    offload: tuple[int, int] | None = None
+    """(k, k'): each stage keeps at most k of its layers' parameters on the device, evicting k' at once."""
 
 
 def _batch_gpt(batches: Batches, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,7 +98,7 @@ def make_job(config: TrainConfig, *, save_grads_of_step: int | None = None) -> J
     build = functools.partial(spec.build_layers, cfg, seed=config.seed)
     return Job(schedule=schedule, layer_stages=layer_stages, build_layers=build, loss_fn=spec.loss,
                batch_at=batch_at, steps=config.steps, lr=config.lr, optimizer=config.optimizer, clip=config.clip,
-               save_grads_of_step=save_grads_of_step, extra={"num_layers": cfg.num_layers})
+               save_grads_of_step=save_grads_of_step, offload=config.offload, extra={"num_layers": cfg.num_layers})
 
 
 def train(config: TrainConfig, *, check: bool = False,

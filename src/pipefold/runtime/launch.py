@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,9 @@ from torch import nn
 
 from pipefold.ir import Schedule
 from pipefold.runtime.executor import RankExecutor, StepStats
+
+if TYPE_CHECKING:
+    from pipefold.offload import Offloaded
 
 
 class RankError(RuntimeError):
@@ -61,6 +64,8 @@ class Job:
     clip: float | None = None
     save_grads_of_step: int | None = None
     """Save each rank's parameter gradients after this step (for --check), before the optimizer runs."""
+    offload: tuple[int, int] | None = None
+    """(k, k'): every stage keeps at most k of its layers on the device (see pipefold.offload)."""
     timeout_s: float = 30.0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -73,6 +78,8 @@ class RankReport:
     steps: list[StepStats]
     grads: dict[str, torch.Tensor] | None
     peak_process_bytes: int
+    resident_param_bytes: int = 0
+    """With offloading: the sum over this rank's stages of their peak resident parameter bytes."""
 
 
 class Chain(nn.Sequential):
@@ -117,7 +124,17 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     The rank that computes the loss calls ``on_step(step, loss, seconds)`` after every step.
     """
     device = _device(rank)
-    modules = {s: m.to(device) for s, m in stage_modules(job, rank).items()}
+    chains = stage_modules(job, rank)
+    offloaded: list[Offloaded] = []
+    if job.offload is None:
+        modules: dict[int, nn.Module] = {s: m.to(device) for s, m in chains.items()}
+    else:
+        from pipefold.offload import Offloaded
+
+        k, kprime = job.offload
+        # Each stage offloads its own layers: parameters live on the CPU, at most k of them on the device.
+        offloaded = [Offloaded(m, device, k=k, kprime=kprime) for m in chains.values()]
+        modules = dict(zip(chains, offloaded, strict=True))
     executor = RankExecutor(job.schedule, rank, modules, job.loss_fn, device)
     params = executor.parameters()
     opt = _optimizer(job, params)
@@ -132,16 +149,19 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
         for p in params:
             p.grad = None
         stats = executor.run_step([(t,) for t in xs], ys, tuple(x.shape))
+        for wrapper in offloaded:
+            wrapper.evict_all()  # every layer home, with its gradient, before the optimizer reads it
         if job.clip is not None:
             _clip_global(params, job.clip)
         if job.save_grads_of_step == step:
-            grads = {name: p.grad.detach().clone() for name, p in _named(job, modules) if p.grad is not None}
+            grads = {name: p.grad.detach().clone() for name, p in _named(job, chains) if p.grad is not None}
         if opt is not None:
             opt.step()
         reports.append(stats)
         if on_step is not None and rank == loss_rank:
             on_step(step, sum(stats.losses.values()) / m, time.perf_counter() - started)
-    report = RankReport(rank, reports, grads, _peak_rss())
+    resident = sum(w.tracker.peak_resident_bytes for w in offloaded)
+    report = RankReport(rank, reports, grads, _peak_rss(), resident)
     if out_dir is not None:
         with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as fh:
             pickle.dump(report, fh)
