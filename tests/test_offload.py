@@ -282,3 +282,27 @@ def test_backward_fetches_weights_again_instead_of_keeping_them() -> None:
     out.sum().backward()
     w = torch.arange(2.0, 6.0)
     assert torch.equal(x.grad, (2 * w) * (2 * w))
+
+
+def test_activations_kept_on_the_cpu_give_the_same_gradients() -> None:
+    layers = build_model("mlp", hidden=16, layers=4)
+    ref = torch.nn.Sequential(*copy.deepcopy(layers))
+    wrapped = Offloaded(torch.nn.Sequential(*layers), "cpu", k=1, kprime=1, activations_to_cpu=True)
+    x, y = torch.randn(4, 16), torch.randn(4, 16)
+    torch.nn.functional.mse_loss(ref(x), y).backward()
+    torch.nn.functional.mse_loss(wrapped(x), y).backward()
+    for a, b in zip(wrapped.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_offload_peak_memory_and_exactness() -> None:
+    layers = build_model("mlp", hidden=256, layers=8)
+    x = torch.randn(8, 256, device="cuda")
+    ref = torch.nn.Sequential(*[torch.nn.Sequential(m).to("cuda") for m in build_model("mlp", hidden=256, layers=8)])
+    torch.cuda.reset_peak_memory_stats()
+    wrapped = Offloaded(torch.nn.Sequential(*layers), "cuda", k=2, kprime=1)
+    out = wrapped(x)
+    assert torch.equal(out, ref(x))
+    layer = sum(p.numel() * 4 for p in layers[0].parameters())
+    assert torch.cuda.max_memory_allocated() < 8 * layer  # far from the whole model's 8 layers plus activations

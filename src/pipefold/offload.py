@@ -144,6 +144,13 @@ class _ParamRef(NamedTuple):
     offset: int
 
 
+class _OnHost(NamedTuple):
+    """An activation saved for backward, kept in (pinned) CPU memory until backward needs it back."""
+
+    tensor: torch.Tensor
+    device: torch.device
+
+
 class _Slot:
     """One offloaded layer: its parameters, their home tensors, and their device copies while resident."""
 
@@ -181,8 +188,10 @@ class Offloaded(nn.Module):
     """
 
     def __init__(self, layers: nn.Module | Sequence[nn.Module], device: str | torch.device, *, k: int, kprime: int,
-                 grads_stay: bool = False) -> None:
+                 grads_stay: bool = False, activations_to_cpu: bool = False) -> None:
         super().__init__()
+        self.activations_to_cpu = activations_to_cpu
+        """Keep what offloaded layers save for backward in CPU memory (pinned with CUDA) until backward."""
         _check_k(k, kprime)
         self.model, blocks = _find_layers(layers)
         self.device = torch.device(device)
@@ -407,10 +416,17 @@ class Offloaded(nn.Module):
             for j, c in enumerate(slot.copies):
                 if c.dtype == t.dtype and c.untyped_storage().data_ptr() == ptr:
                     return _ParamRef(i, j, t.size(), t.stride(), int(t.storage_offset()))
+            if self.activations_to_cpu:
+                # A real copy even when the compute device is the CPU, so this path runs in CI too.
+                host = torch.empty_like(t, device="cpu", pin_memory=torch.cuda.is_available())
+                host.copy_(t, non_blocking=True)
+                return _OnHost(host, t.device)
             return t
         return pack
 
     def _unpack(self, saved: Any) -> torch.Tensor:
+        if isinstance(saved, _OnHost):
+            return saved.tensor.to(saved.device, non_blocking=True)
         if not isinstance(saved, _ParamRef):
             return saved
         # Normally the output hook has fetched the layer already; this also covers graphs it did not see.
