@@ -192,6 +192,9 @@ class Offloaded(nn.Module):
         super().__init__()
         self.activations_to_cpu = activations_to_cpu
         """Keep what offloaded layers save for backward in CPU memory (pinned with CUDA) until backward."""
+        self.on_saved: Callable[[torch.Tensor], None] | None = None
+        """Called with each activation an offloaded layer saves for backward. The layers' own saved-tensor
+        hooks hide them from any outer hook, so a caller that counts saved bytes listens here."""
         _check_k(k, kprime)
         self.model, blocks = _find_layers(layers)
         self.device = torch.device(device)
@@ -416,6 +419,8 @@ class Offloaded(nn.Module):
             for j, c in enumerate(slot.copies):
                 if c.dtype == t.dtype and c.untyped_storage().data_ptr() == ptr:
                     return _ParamRef(i, j, t.size(), t.stride(), int(t.storage_offset()))
+            if self.on_saved is not None:
+                self.on_saved(t)
             if self.activations_to_cpu:
                 # A real copy even when the compute device is the CPU, so this path runs in CI too.
                 host = torch.empty_like(t, device="cpu", pin_memory=torch.cuda.is_available())

@@ -254,18 +254,30 @@ class StageRunner:
             x.detach().requires_grad_(x.is_floating_point()) for x in inputs
         )  # leaves, so B can ask for their gradient alone
         saved = 0
+        # Weights saved for backward (a Linear keeps its weight) are not activation memory: skip them.
+        weights = {p.untyped_storage().data_ptr() for p in self.module.parameters()}
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             nonlocal saved
-            saved += t.untyped_storage().nbytes() if t.device.type != "meta" else 0
+            if t.device.type != "meta" and t.untyped_storage().data_ptr() not in weights:
+                saved += t.untyped_storage().nbytes()
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = as_tuple(self.module(*leaves))
-            if self.loss_fn is not None:
-                loss = self.loss_fn(*out, target)
-                self.losses[mb] = loss.detach()
-                out = (loss * scale,)
+        # An Offloaded stage's layers install saved-tensor hooks of their own, which hide their saves from
+        # ours: such a module reports each save to ``on_saved`` instead.
+        listener = self.module if hasattr(self.module, "on_saved") else None
+        if listener is not None:
+            setattr(listener, "on_saved", pack)  # noqa: B010 (a plain attribute mypy does not see on nn.Module)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = as_tuple(self.module(*leaves))
+                if self.loss_fn is not None:
+                    loss = self.loss_fn(*out, target)
+                    self.losses[mb] = loss.detach()
+                    out = (loss * scale,)
+        finally:
+            if listener is not None:
+                setattr(listener, "on_saved", None)  # noqa: B010
         self.meter.add(saved)
         self.bytes_per_microbatch = max(self.bytes_per_microbatch, saved)
         self._passes[mb] = _Pass(leaves, out, saved)
