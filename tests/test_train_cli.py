@@ -67,3 +67,10 @@ def test_same_command_under_torchrun(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["schedule"] == "v-half" and out["max_grad_rel_diff"] < 1e-5 and len(out["loss"]) == 2
+
+
+@pytest.mark.parametrize(("value", "expected"), [("2", "use K,K2 such as 2,1"), ("1,2", "need 1 <= K2 <= K")])
+def test_train_offload_errors(capsys: pytest.CaptureFixture[str], value: str, expected: str) -> None:
+    code = main(["train", *SMALL, "--offload", value])
+    err = capsys.readouterr().err
+    assert code == 2 and expected in err and len(err.strip().splitlines()) == 1

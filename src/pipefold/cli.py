@@ -112,6 +112,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_output(p)
     p.add_argument("--plot", metavar="FILE", help="draw the memory/makespan frontier (.png or .svg)")
 
+    p = sub.add_parser("offload", help="run a model with at most k layers on the device; compare with the plain model")
+    p.add_argument("--model", choices=["gpt", "mlp"], default="gpt", help="model (default gpt)")
+    p.add_argument("--layers", type=int, default=24, help="transformer blocks (gpt) or MLP blocks (default 24)")
+    p.add_argument("--hidden", type=int, default=64, help="width (default 64)")
+    p.add_argument("--heads", type=int, default=4, help="attention heads of the gpt (default 4)")
+    p.add_argument("--batch", type=int, default=8, help="batch (default 8)")
+    p.add_argument("--seq", type=int, default=64, help="sequence length of the gpt (default 64)")
+    p.add_argument("--k", type=int, default=None, help="most offloaded layers on the device at once (default 2)")
+    p.add_argument("--kprime", type=int, default=None, help="layers evicted together, 1..k (default 1)")
+    p.add_argument("--budget", type=int, default=None, metavar="BYTES",
+                   help="parameter bytes allowed on the device, embedding and head included: picks k and k'")
+    p.add_argument("--train", action="store_true", help="also run SGD steps and compare gradients and weights")
+    p.add_argument("--steps", type=int, default=3, help="steps to run and time (default 3)")
+    p.add_argument("--seed", type=int, default=0)
+    _add_output(p)
+
     p = sub.add_parser("train", help="train a model with a pipeline schedule, one local process per device")
     p.add_argument("--schedule", default="v-half", help="schedule name, optionally name:key=value,... (default v-half)")
     p.add_argument("--stages", "-p", type=int, default=4, metavar="P", help="pipeline devices (default 4)")
@@ -133,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run one process with the same model and data; print the largest differences")
     p.add_argument("--trace", metavar="FILE", help="write the measured per-rank timeline as Chrome trace JSON")
     p.add_argument("--plot", metavar="FILE", help="draw the measured Gantt chart above the simulated one")
+    p.add_argument("--offload", metavar="K,K2", default=None,
+                   help="each stage keeps at most K of its layers on the device, evicting K2 at once")
     _add_output(p)
 
     p = sub.add_parser("validate", help="check schedule files (or generated schedules) and report the first problem")
@@ -409,12 +427,13 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
     for label in ("steps", "batch", "seq", "hidden", "heads"):
         if getattr(args, label) < 1:
             raise ConfigError(f"--{label} must be at least 1 (got {getattr(args, label)})")
+    offload = _parse_offload(args.offload) if args.offload else None
     probe = schedules.build(name, args.stages, args.microbatches, **options)
     layers = args.layers or max(1, probe.stages * 2 - (2 if args.model == "gpt" else 0))
     config = TrainConfig(schedule=name, options=tuple(options.items()), stages=args.stages,
                          microbatches=args.microbatches, steps=args.steps, model=args.model, layers=layers,
                          hidden=args.hidden, heads=args.heads, batch=args.batch, seq=args.seq, lr=args.lr,
-                         optimizer=args.optimizer, clip=args.clip, data=args.data, seed=args.seed)
+                         optimizer=args.optimizer, clip=args.clip, data=args.data, seed=args.seed, offload=offload)
     tokens = args.batch * (args.seq if args.model == "gpt" else 1)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -458,6 +477,18 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
     _print_train(out, console)
 
 
+def _parse_offload(text: str) -> tuple[int, int]:
+    """'2,1' -> (2, 1)."""
+    try:
+        k, kprime = (int(x) for x in text.split(","))
+    except ValueError:
+        raise ConfigError(
+            f"cannot read --offload {text!r}: use K,K2 such as 2,1 (K layers resident, K2 evicted)") from None
+    if not 1 <= kprime <= k:
+        raise ConfigError(f"--offload {text}: need 1 <= K2 <= K (got K={k}, K2={kprime})")
+    return k, kprime
+
+
 def _train_summary(job: Any, reports: list[Any], config: Any) -> dict[str, Any]:
     steps = len(reports[0].steps)
     losses = [sum(sum(r.steps[i].losses.values()) for r in reports) / job.schedule.microbatches
@@ -471,6 +502,7 @@ def _train_summary(job: Any, reports: list[Any], config: Any) -> dict[str, Any]:
                    for r in reports],
         "peak_activation_bytes": [max(s.peak_activation_bytes for s in r.steps) for r in reports],
         "peak_process_bytes": [r.peak_process_bytes for r in reports],
+        **({"peak_resident_param_bytes": [r.resident_param_bytes for r in reports]} if job.offload else {}),
     }
 
 
@@ -499,8 +531,54 @@ def _bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
+def cmd_offload(args: argparse.Namespace, console: Console) -> None:
+    from pipefold.offload_check import make_case, pick_k, run_check
+
+    case = make_case(args.model, args.layers, args.hidden, args.heads, args.batch, args.seq, args.seed)
+    if args.steps < 1:
+        raise ConfigError(f"--steps must be at least 1 (got {args.steps})")
+    if args.budget is not None:
+        if args.k is not None or args.kprime is not None:
+            raise ConfigError("give either --budget or --k/--kprime, not both: --budget picks k and k'")
+        if args.budget < 1:
+            raise ConfigError(f"--budget must be a positive number of bytes (got {args.budget})")
+        k, kprime = pick_k(case, args.budget)
+    else:
+        k = 2 if args.k is None else args.k
+        kprime = 1 if args.kprime is None else args.kprime
+        if k < 1:
+            raise ConfigError(f"--k must be at least 1 (got {k}): the layer that runs must be on the device")
+        if not 1 <= kprime <= k:
+            raise ConfigError(f"--kprime must be from 1 to --k={k} (got {kprime})")
+    out = run_check(case, k, kprime, train=args.train, steps=args.steps)
+    if args.budget is not None:
+        out["budget"] = args.budget
+    if args.json:
+        print(json.dumps(out))
+        return
+    t = out["step_time_s"]
+    console.print(f"[bold]{out['model']}[/] with {out['layers']} blocks, width {out['hidden']}, on {out['device']}: "
+                  f"k={k}, k'={kprime}" + (f" (picked for a budget of {_bytes(args.budget)})" if args.budget else ""))
+    table = Table(show_edge=False)
+    table.add_column("")
+    table.add_column("offloaded", justify="right")
+    table.add_column("plain", justify="right")
+    table.add_row("parameter bytes on the device (peak)", _bytes(out["peak_resident_bytes"]),
+                  _bytes(out["full_model_bytes"]))
+    table.add_row("  of the full model", f"{out['resident_ratio']:.1%}", "100.0%")
+    table.add_row(f"time per {'training ' if args.train else 'forward '}step (median of {args.steps})",
+                  f"{t['offloaded'] * 1e3:.2f} ms", f"{t['plain'] * 1e3:.2f} ms")
+    console.print(table)
+    diffs = f"max |output diff| {out['max_abs_diff']:.3g}"
+    if args.train:
+        diffs += f", max |gradient diff| {out['max_grad_diff']:.3g}, max |weight diff| {out['max_weight_diff']:.3g}"
+    console.print(diffs + (" (bit for bit)" if all(
+        out.get(key, 0.0) == 0 for key in ("max_abs_diff", "max_grad_diff", "max_weight_diff")) else ""))
+
+
 COMMANDS = {"schedules": cmd_schedules, "simulate": cmd_simulate, "compare": cmd_compare,
-            "generate": cmd_generate, "plan": cmd_plan, "validate": cmd_validate, "train": cmd_train}
+            "generate": cmd_generate, "plan": cmd_plan, "validate": cmd_validate, "train": cmd_train,
+            "offload": cmd_offload}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
