@@ -75,7 +75,7 @@ class Links:
     def __init__(self, stages: int, microbatches: int, device: torch.device) -> None:
         self.S, self.M = stages, microbatches
         self.device = device
-        self._pending_sends: list[tuple[dist.Work, torch.Tensor]] = []
+        self._pending_sends: list[tuple[dist.Work, torch.Tensor, int]] = []  # (work, tensor, direction)
 
     def tag(self, direction: int, stage: int, microbatch: int, index: int) -> int:
         return ((direction * self.S + stage) * self.M + microbatch) * MAX_TENSORS + index
@@ -87,7 +87,7 @@ class Links:
             t = t.contiguous()
             work = dist.isend(t, peer, tag=self.tag(direction, stage, microbatch, i))
             assert work is not None
-            self._pending_sends.append((work, t))
+            self._pending_sends.append((work, t, direction))
 
     def recv(self, direction: int, stage: int, microbatch: int, metas: tuple[Meta, ...],
              peer: int) -> tuple[list[dist.Work], tuple[torch.Tensor, ...]]:
@@ -104,7 +104,7 @@ class Links:
         h = encode_header(metas)
         work = dist.isend(h, peer, tag=self.tag(HEADER, stage, 0, 0))
         assert work is not None
-        self._pending_sends.append((work, h))
+        self._pending_sends.append((work, h, HEADER))
 
     def post_header_recv(self, stage: int, peer: int) -> tuple[dist.Work, torch.Tensor]:
         """Post the receive of a header; :func:`decode_header` reads it once the work is done."""
@@ -115,13 +115,13 @@ class Links:
 
     def reap_sends(self) -> None:
         """Drop the sends that have completed, releasing their tensors."""
-        self._pending_sends = [(w, t) for w, t in self._pending_sends if not w.is_completed()]
+        self._pending_sends = [(w, t, d) for w, t, d in self._pending_sends if not w.is_completed()]
 
     def wait_sends(self) -> None:
-        for work, _ in self._pending_sends:
+        for work, _, _ in self._pending_sends:
             work.wait()
         self._pending_sends.clear()
 
-    @property
-    def bytes_in_flight(self) -> int:
-        return sum(t.untyped_storage().nbytes() for _, t in self._pending_sends)
+    def bytes_in_flight(self, direction: int) -> int:
+        """Bytes of the tensors still being sent in ``direction``."""
+        return sum(t.untyped_storage().nbytes() for _, t, d in self._pending_sends if d == direction)

@@ -137,10 +137,10 @@ class RankExecutor:
                 if s > 0 and dx is not None:
                     self._hand_on(BACKWARD, s - 1, mb, dx, local, new_shapes)
             self.links.reap_sends()
-            # Activation memory: tensors saved for backward, plus stage outputs still held for sending or
-            # for the next stage on this rank.
-            held = self.meter.current + self.links.bytes_in_flight + sum(
-                t.untyped_storage().nbytes() for ts in local.values() for t in ts)
+            # Activation memory: what the stages keep for backward (saved tensors and their outputs, which
+            # forward sends and hand-overs share), plus gradients on their way to the previous stage.
+            held = self.meter.current + self.links.bytes_in_flight(BACKWARD) + sum(
+                t.untyped_storage().nbytes() for (d, _, _), ts in local.items() if d == BACKWARD for t in ts)
             peak = max(peak, held)
         start = clock()
         self.links.wait_sends()

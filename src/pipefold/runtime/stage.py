@@ -278,6 +278,8 @@ class StageRunner:
         finally:
             if listener is not None:
                 setattr(listener, "on_saved", None)  # noqa: B010
+        # The outputs stay alive until backward too (they are the roots B starts from).
+        saved += sum(o.untyped_storage().nbytes() for o in out if o.untyped_storage().data_ptr() not in weights)
         self.meter.add(saved)
         self.bytes_per_microbatch = max(self.bytes_per_microbatch, saved)
         self._passes[mb] = _Pass(leaves, out, saved)
