@@ -353,13 +353,17 @@ def _gantt_legend(ax: Axes, schedule: Schedule) -> None:
               fontsize=8, handlelength=1.4, columnspacing=1.4, borderaxespad=0.3)
 
 
+def _check_figure_path(path: str, what: str) -> None:
+    """Figures are written as PNG or SVG, chosen by the file's suffix."""
+    if Path(path).suffix.lower() not in (".png", ".svg"):
+        raise ConfigError(f"cannot write {what} to {path!r}: use a file name ending in .png or .svg")
+
+
 def plot_timeline(result: SimResult, path: str, *, title: str | None = None) -> None:
     """Save a Gantt chart of ``result`` above its per-device memory curves as a ``.png`` or ``.svg`` file."""
     from matplotlib.figure import Figure  # a bare Figure needs no GUI backend and leaves pyplot's state alone
 
-    suffix = Path(path).suffix.lower()
-    if suffix not in (".png", ".svg"):
-        raise ConfigError(f"cannot write a timeline to {path!r}: use a file name ending in .png or .svg")
+    _check_figure_path(path, "a timeline")
     devices = result.schedule.devices
     gantt_h = 0.6 + 0.34 * devices
     memory_h = 2.4 + (0.08 * devices if devices > 8 else 0.0)
@@ -435,9 +439,7 @@ def plot_frontier(points: Sequence[Point], frontier: Sequence[Point], budget: fl
     """
     from matplotlib.figure import Figure
 
-    suffix = Path(path).suffix.lower()
-    if suffix not in (".png", ".svg"):
-        raise ConfigError(f"cannot write a frontier plot to {path!r}: use a file name ending in .png or .svg")
+    _check_figure_path(path, "a frontier plot")
     fig = Figure(figsize=(9, 5.5), layout="constrained")
     ax = fig.add_subplot()
     right = max([pt.memory for pt in points] + [budget]) * 1.04
@@ -479,8 +481,7 @@ def plot_gantt_pair(top: SimResult, bottom: SimResult, path: str, *, titles: tup
     """
     from matplotlib.figure import Figure
 
-    if Path(path).suffix.lower() not in (".png", ".svg"):
-        raise ConfigError(f"cannot write a timeline to {path!r}: use a file name ending in .png or .svg")
+    _check_figure_path(path, "a timeline")
     devices = top.schedule.devices
     h = 0.9 + 0.34 * devices
     fig = Figure(figsize=(12, 2 * h + 0.6), layout="constrained")
