@@ -128,6 +128,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     _add_output(p)
 
+    p = sub.add_parser("partition", help="split a model's layers into stages of balanced measured cost")
+    p.add_argument("--model", choices=["gpt", "mlp"], default="gpt", help="model (default gpt)")
+    p.add_argument("--layers", type=int, default=8, help="transformer blocks (gpt) or MLP blocks (default 8)")
+    p.add_argument("--hidden", type=int, default=64, help="width (default 64)")
+    p.add_argument("--heads", type=int, default=4, help="attention heads of the gpt (default 4)")
+    p.add_argument("--batch", type=int, default=8, help="microbatch of the measurements (default 8)")
+    p.add_argument("--seq", type=int, default=64, help="sequence length of the gpt (default 64)")
+    p.add_argument("--stages", "-p", type=int, default=4, metavar="P", help="pipeline devices (default 4)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--chunks", type=int, default=None, metavar="V", help="V looped chunks per device")
+    g.add_argument("--schedule", default=None, help="split into this schedule's stages, with its placement")
+    p.add_argument("--by", choices=["params", "time", "memory"], default="time", help="layer cost (default time)")
+    _add_output(p)
+
     p = sub.add_parser("train", help="train a model with a pipeline schedule, one local process per device")
     p.add_argument("--schedule", default="v-half", help="schedule name, optionally name:key=value,... (default v-half)")
     p.add_argument("--stages", "-p", type=int, default=4, metavar="P", help="pipeline devices (default 4)")
@@ -576,9 +590,50 @@ def cmd_offload(args: argparse.Namespace, console: Console) -> None:
         out.get(key, 0.0) == 0 for key in ("max_abs_diff", "max_grad_diff", "max_weight_diff")) else ""))
 
 
+def cmd_partition(args: argparse.Namespace, console: Console) -> None:
+    from pipefold.ir import looped_placement
+    from pipefold.partition import layer_costs, model_sample, partition
+
+    if args.stages < 1:
+        raise ConfigError(f"--stages must be at least 1 (got {args.stages})")
+    placement: tuple[int, ...] | None = None
+    if args.chunks is not None:
+        if args.chunks < 1:
+            raise ConfigError(f"--chunks must be at least 1 (got {args.chunks})")
+        placement = looped_placement(args.stages, args.chunks)
+    elif args.schedule is not None:
+        name, options = _parse_spec(args.schedule)
+        least = schedules.get(name).min_microbatches(args.stages)
+        placement = schedules.build(name, args.stages, max(least, 1), **options).stage_to_device
+    layers, sample = model_sample(args.model, layers=args.layers, hidden=args.hidden, heads=args.heads,
+                                  batch=args.batch, seq=args.seq)
+    measured = {by: layer_costs(layers, sample, by=by) for by in ("params", "time", "memory")}
+    parts = len(placement) if placement is not None else args.stages
+    split = partition(measured[args.by], parts, placement=placement)
+    totals = {by: [sum(costs[i] for i in part) for part in split.parts] for by, costs in measured.items()}
+    devices = list(placement) if placement is not None else list(range(parts))
+    if args.json:
+        print(json.dumps({"model": args.model, "layers": len(layers), "by": args.by, "stages": parts,
+                          "placement": devices, "boundaries": split.boundaries, "parts": split.parts,
+                          "cost": split.cost, "device_cost": split.device_cost, "bottleneck": split.bottleneck,
+                          "params": totals["params"], "time_s": totals["time"], "memory_bytes": totals["memory"]}))
+        return
+    table = Table(title=f"{args.model} ({len(layers)} layers) split by {args.by}", title_justify="left")
+    for col in ("stage", "device", "layers", "params", "est. time", "est. memory"):
+        table.add_column(col, justify="right")
+    for s, part in enumerate(split.parts):
+        table.add_row(str(s), str(devices[s]), f"{part[0]}-{part[-1]}" if len(part) > 1 else str(part[0]),
+                      f"{int(totals['params'][s]):,}", f"{totals['time'][s] * 1e3:.2f} ms",
+                      _bytes(totals["memory"][s]))
+    console.print(table)
+    unit = {"params": "params", "time": "s", "memory": "bytes"}[args.by]
+    console.print(f"bottleneck (largest device {args.by}): {_fmt(split.bottleneck)} {unit}; "
+                  f"boundaries {split.boundaries}")
+
+
 COMMANDS = {"schedules": cmd_schedules, "simulate": cmd_simulate, "compare": cmd_compare,
             "generate": cmd_generate, "plan": cmd_plan, "validate": cmd_validate, "train": cmd_train,
-            "offload": cmd_offload}
+            "offload": cmd_offload, "partition": cmd_partition}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
