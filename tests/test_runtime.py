@@ -9,7 +9,7 @@ import torch
 
 from pipefold import names
 from pipefold.errors import ConfigError
-from pipefold.models import GPTConfig, build_gpt_layers, gpt_loss
+from pipefold.models import GPTConfig, build_gpt_layers, gpt_loss, split_layers
 from pipefold.runtime.launch import Job, run_local
 from pipefold.schedules import build
 from pipefold.train import TrainConfig, compare, make_job, reference_step, train
@@ -200,3 +200,16 @@ def test_offloading_stages_keep_the_gradients(name: str) -> None:
     layer_bytes = sum(p.numel() * 4 for p in job.build_layers([0])[0].parameters())
     stages_per_rank = job.schedule.stages // job.schedule.devices
     assert all(0 < r.resident_param_bytes <= stages_per_rank * layer_bytes for r in reports)
+
+
+def test_stages_balanced_by_parameters_keep_the_gradients() -> None:
+    from pipefold.partition import layer_costs, model_sample, partition
+
+    cfg = TrainConfig(schedule="zb-v", stages=2, microbatches=4, steps=1, model="gpt", layers=6, hidden=32, heads=4,
+                      batch=8, seq=16, partition="params")
+    job, reports = train(cfg, check=True)
+    assert compare(job, reports)["max_grad_rel_diff"] < TOLERANCE
+    layers, sample = model_sample("gpt", layers=6, hidden=32, heads=4, batch=2, seq=16)
+    want = partition(layer_costs(layers, sample, by="params"), 4, placement=job.schedule.stage_to_device)
+    assert [list(s) for s in job.layer_stages] == want.parts
+    assert job.layer_stages != tuple(tuple(s) for s in split_layers(8, 4))  # the big head moved the split

@@ -163,6 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run one process with the same model and data; print the largest differences")
     p.add_argument("--trace", metavar="FILE", help="write the measured per-rank timeline as Chrome trace JSON")
     p.add_argument("--plot", metavar="FILE", help="draw the measured Gantt chart above the simulated one")
+    p.add_argument("--partition", choices=["even", "params", "time", "memory"], default="even",
+                   help="split layers into stages evenly by count (default) or balanced by a measured cost")
     p.add_argument("--offload", metavar="K,K2", default=None,
                    help="each stage keeps at most K of its layers on the device, evicting K2 at once")
     _add_output(p)
@@ -447,7 +449,8 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
     config = TrainConfig(schedule=name, options=tuple(options.items()), stages=args.stages,
                          microbatches=args.microbatches, steps=args.steps, model=args.model, layers=layers,
                          hidden=args.hidden, heads=args.heads, batch=args.batch, seq=args.seq, lr=args.lr,
-                         optimizer=args.optimizer, clip=args.clip, data=args.data, seed=args.seed, offload=offload)
+                         optimizer=args.optimizer, clip=args.clip, data=args.data, seed=args.seed, offload=offload,
+                         partition=args.partition)
     tokens = args.batch * (args.seq if args.model == "gpt" else 1)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

@@ -59,6 +59,8 @@ class TrainConfig:
     seed: int = 0
     offload: tuple[int, int] | None = None
     """(k, k'): each stage keeps at most k of its layers' parameters on the device, evicting k' at once."""
+    partition: str = "even"
+    """How layers are split into stages: 'even' by count, or balanced by 'params', 'time' or 'memory'."""
 
 
 def _batch_gpt(batches: Batches, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,11 +96,26 @@ def make_job(config: TrainConfig, *, save_grads_of_step: int | None = None) -> J
         raise ConfigError(f"{config.schedule} on {config.stages} devices has {schedule.stages} stages but the model "
                           f"has {cfg.num_layers} layers, so at most {cfg.num_layers} stages: use --stages "
                           f"{max(1, cfg.num_layers // per_device)} or fewer, or more --layers")
-    layer_stages = tuple(tuple(s) for s in split_layers(cfg.num_layers, schedule.stages))
+    layer_stages = _layer_stages(config, cfg, schedule)
     build = functools.partial(spec.build_layers, cfg, seed=config.seed)
     return Job(schedule=schedule, layer_stages=layer_stages, build_layers=build, loss_fn=spec.loss,
                batch_at=batch_at, steps=config.steps, lr=config.lr, optimizer=config.optimizer, clip=config.clip,
                save_grads_of_step=save_grads_of_step, offload=config.offload, extra={"num_layers": cfg.num_layers})
+
+
+def _layer_stages(config: TrainConfig, cfg: Any, schedule: Schedule) -> tuple[tuple[int, ...], ...]:
+    """Layers of each stage: an even split by count, or the partition that balances the chosen cost."""
+    if config.partition == "even":
+        return tuple(tuple(s) for s in split_layers(cfg.num_layers, schedule.stages))
+    from pipefold.partition import layer_costs, model_sample, partition
+
+    layers, sample = model_sample(config.model, layers=config.layers, hidden=config.hidden, heads=config.heads,
+                                  batch=max(1, config.batch // config.microbatches), seq=config.seq,
+                                  seed=config.seed)
+    costs = layer_costs(layers, sample, by=config.partition)
+    # The objective is the busiest device's load, so a device holding two chunks (V) counts both.
+    split = partition(costs, schedule.stages, placement=schedule.stage_to_device)
+    return tuple(tuple(part) for part in split.parts)
 
 
 def train(config: TrainConfig, *, check: bool = False,
