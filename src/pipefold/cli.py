@@ -68,6 +68,17 @@ def _add_costs(p: argparse.ArgumentParser) -> None:
                    help="absolute costs of stage S, overriding the derived ones (repeatable)")
 
 
+def _add_model(p: argparse.ArgumentParser, *, layers: int | None, layers_help: str, batch: int,
+               batch_help: str) -> None:
+    """The model and its size, as train, offload and partition take them."""
+    p.add_argument("--model", choices=["gpt", "mlp"], default="gpt", help="model (default gpt)")
+    p.add_argument("--layers", type=int, default=layers, help=f"transformer blocks (gpt) or MLP blocks ({layers_help})")
+    p.add_argument("--hidden", type=int, default=64, help="width (default 64)")
+    p.add_argument("--heads", type=int, default=4, help="attention heads of the gpt (default 4)")
+    p.add_argument("--batch", type=int, default=batch, help=f"{batch_help} (default {batch})")
+    p.add_argument("--seq", type=int, default=64, help="sequence length of the gpt (default 64)")
+
+
 def _add_output(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
@@ -113,12 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="FILE", help="draw the memory/makespan frontier (.png or .svg)")
 
     p = sub.add_parser("offload", help="run a model with at most k layers on the device; compare with the plain model")
-    p.add_argument("--model", choices=["gpt", "mlp"], default="gpt", help="model (default gpt)")
-    p.add_argument("--layers", type=int, default=24, help="transformer blocks (gpt) or MLP blocks (default 24)")
-    p.add_argument("--hidden", type=int, default=64, help="width (default 64)")
-    p.add_argument("--heads", type=int, default=4, help="attention heads of the gpt (default 4)")
-    p.add_argument("--batch", type=int, default=8, help="batch (default 8)")
-    p.add_argument("--seq", type=int, default=64, help="sequence length of the gpt (default 64)")
+    _add_model(p, layers=24, layers_help="default 24", batch=8, batch_help="batch")
     p.add_argument("--k", type=int, default=None, help="most offloaded layers on the device at once (default 2)")
     p.add_argument("--kprime", type=int, default=None, help="layers evicted together, 1..k (default 1)")
     p.add_argument("--budget", type=int, default=None, metavar="BYTES",
@@ -129,12 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_output(p)
 
     p = sub.add_parser("partition", help="split a model's layers into stages of balanced measured cost")
-    p.add_argument("--model", choices=["gpt", "mlp"], default="gpt", help="model (default gpt)")
-    p.add_argument("--layers", type=int, default=8, help="transformer blocks (gpt) or MLP blocks (default 8)")
-    p.add_argument("--hidden", type=int, default=64, help="width (default 64)")
-    p.add_argument("--heads", type=int, default=4, help="attention heads of the gpt (default 4)")
-    p.add_argument("--batch", type=int, default=8, help="microbatch of the measurements (default 8)")
-    p.add_argument("--seq", type=int, default=64, help="sequence length of the gpt (default 64)")
+    _add_model(p, layers=8, layers_help="default 8", batch=8, batch_help="microbatch of the measurements")
     p.add_argument("--stages", "-p", type=int, default=4, metavar="P", help="pipeline devices (default 4)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--chunks", type=int, default=None, metavar="V", help="V looped chunks per device")
@@ -147,13 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stages", "-p", type=int, default=4, metavar="P", help="pipeline devices (default 4)")
     p.add_argument("--microbatches", "-m", type=int, default=8, metavar="M", help="microbatches per step (default 8)")
     p.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
-    p.add_argument("--model", choices=["gpt", "mlp"], default="gpt", help="model (default gpt)")
-    p.add_argument("--layers", type=int, default=None,
-                   help="transformer blocks (gpt) or MLP blocks (default: enough for 2 layers per stage)")
-    p.add_argument("--hidden", type=int, default=64, help="width (default 64)")
-    p.add_argument("--heads", type=int, default=4, help="attention heads of the gpt (default 4)")
-    p.add_argument("--batch", type=int, default=16, help="batch per step (default 16)")
-    p.add_argument("--seq", type=int, default=64, help="sequence length of the gpt (default 64)")
+    _add_model(p, layers=None, layers_help="default: enough for 2 layers per stage", batch=16,
+               batch_help="batch per step")
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
     p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
     p.add_argument("--clip", type=float, default=None, help="clip gradients to this global norm")
