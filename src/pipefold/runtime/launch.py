@@ -13,6 +13,7 @@ other ranks and re-raises the original error with the rank that raised it.
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import socket
@@ -30,6 +31,7 @@ from torch import nn
 
 from pipefold.ir import Schedule
 from pipefold.runtime.executor import RankExecutor, StepStats
+from pipefold.runtime.stage import Chain
 
 if TYPE_CHECKING:
     from pipefold.offload import Offloaded
@@ -66,6 +68,8 @@ class Job:
     """Save each rank's parameter gradients after this step (for --check), before the optimizer runs."""
     offload: tuple[int, int] | None = None
     """(k, k'): every stage keeps at most k of its layers on the device (see pipefold.offload)."""
+    recompute: tuple[int, ...] | None = None
+    """For each stage, how many of its first layers recompute their activations in backward."""
     timeout_s: float = 30.0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -80,16 +84,6 @@ class RankReport:
     peak_process_bytes: int
     resident_param_bytes: int = 0
     """With offloading: the sum over this rank's stages of their peak resident parameter bytes."""
-
-
-class Chain(nn.Sequential):
-    """Layers applied in turn, where a layer may take and return a tuple of tensors (spread as arguments)."""
-
-    def forward(self, *xs: Any) -> Any:
-        out: Any = xs
-        for layer in self:
-            out = layer(*out) if isinstance(out, tuple) else layer(out)
-        return out
 
 
 def stage_modules(job: Job, rank: int) -> dict[int, nn.Module]:
@@ -135,7 +129,8 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
         # Each stage offloads its own layers: parameters live on the CPU, at most k of them on the device.
         offloaded = [Offloaded(m, device, k=k, kprime=kprime) for m in chains.values()]
         modules = dict(zip(chains, offloaded, strict=True))
-    executor = RankExecutor(job.schedule, rank, modules, job.loss_fn, device)
+    recompute = {s: job.recompute[s] for s in modules} if job.recompute else None
+    executor = RankExecutor(job.schedule, rank, modules, job.loss_fn, device, recompute=recompute)
     params = executor.parameters()
     opt = _optimizer(job, params)
     reports: list[StepStats] = []
@@ -288,4 +283,5 @@ def run_torchrun(job: Job, on_step: Callable[[int, float, float], None] | None =
         dist.gather_object(report, gathered if rank == 0 else None, dst=0)
         return gathered if rank == 0 else None
     finally:
+        gc.collect()  # drop every work handle still held in a cycle, so the group's threads stop at destroy
         dist.destroy_process_group()
