@@ -49,7 +49,7 @@ def _check_timeline(r: SimResult) -> None:
 
 COSTS = st.builds(CostModel, f=st.sampled_from([0.5, 1.0, 2.0]), b=st.sampled_from([0.5, 1.0, 2.0, 3.0]),
                   w=st.sampled_from([0.0, 0.5, 1.0, 2.0]), latency=st.sampled_from([0.0, 0.25, 1.0]),
-                  b_release=st.sampled_from([0.0, 0.5, 1.0]))
+                  b_release=st.sampled_from([0.0, 0.5, 1.0]), recompute=st.sampled_from([0.0, 0.0, 0.5, 1.0]))
 
 
 @pytest.mark.parametrize("name", names())
@@ -112,6 +112,33 @@ def test_stage_overrides_replace_derived_costs() -> None:
     assert r.peak_memory == [1.0]
     r = simulate(build("1f1b", 1, 5), CostModel(stage_overrides={0: StageOverride(f=1, b=1, w=1, memory=3)}))
     assert r.peak_memory == [3.0]
+
+
+@given(p=st.integers(1, 8), m=st.integers(1, 16), r=st.sampled_from([0.0, 0.25, 0.5, 1.0]),
+       f=st.sampled_from([1.0, 2.0]))
+def test_recomputation_closed_forms(p: int, m: int, r: float, f: float) -> None:
+    """1F1B recomputing r of each forward: every backward takes r F longer; device i, with
+    k = min(m, p - i) microbatches in flight, keeps k (1 - r) M and rebuilds r M for the oldest."""
+    cost = CostModel(f=f, recompute=r)
+    res = simulate(build("1f1b", p, m), cost)
+    assert res.makespan == pytest.approx((m + p - 1) * (f + 1 + 1 + r * f))
+    expected = [min(m, p - i) * (1 - r) + r for i in range(p)]
+    assert res.peak_memory == pytest.approx(expected)
+    # Split backward whose B frees everything: the same peaks, since B rebuilds and frees together.
+    zb = simulate(build("zb-h1", p, m), CostModel(f=f, recompute=r, b_release=1.0))
+    assert zb.peak_memory == pytest.approx(expected)
+
+
+def test_recomputation_per_stage_overrides() -> None:
+    # One stage, 3 microbatches in flight under GPipe: keeps 3 x 2, rebuilds 5 - 2 for the one in backward.
+    cost = CostModel(stage_overrides={0: StageOverride(f=1, b=1, w=1, memory=5, recompute=0.5, kept=2)})
+    r = simulate(build("gpipe", 1, 3), cost)
+    assert r.peak_memory == [3 * 2 + 3]
+    assert r.makespan == 3 * (1 + 1.5 + 1)
+    with pytest.raises(ConfigError, match="keeps 6 between F and B, more than its memory 5"):
+        CostModel(stage_overrides={0: StageOverride(f=1, b=1, w=1, memory=5, kept=6)})
+    with pytest.raises(ConfigError, match=r"recompute is a fraction of the forward: 0..1 \(got 2\)"):
+        CostModel(recompute=2)
 
 
 def test_bad_costs_are_rejected_with_the_fix() -> None:

@@ -64,6 +64,9 @@ def _add_costs(p: argparse.ArgumentParser) -> None:
                    help="point-to-point bytes per time unit (default unlimited)")
     g.add_argument("--activation-bytes", type=float, default=0.0,
                    help="bytes sent between stages per microbatch (default 0)")
+    g.add_argument("--recompute", type=float, default=0.0, metavar="FRACTION",
+                   help="fraction of each forward recomputed in its backward: keeps (1-r) M, B takes r F longer "
+                        "(default 0)")
     g.add_argument("--stage-cost", action="append", default=[], metavar="S:F,B,W[,MEM]",
                    help="absolute costs of stage S, overriding the derived ones (repeatable)")
 
@@ -235,7 +238,7 @@ def _cost_model(args: argparse.Namespace) -> CostModel:
         overrides[stage] = StageOverride(f=numbers[0], b=numbers[1], w=numbers[2], memory=memory)
     return CostModel(f=args.f, b=args.b, w=args.w, memory=args.mem, b_release=args.b_release,
                      latency=args.latency, bandwidth=args.bandwidth, activation_bytes=args.activation_bytes,
-                     stage_overrides=overrides)
+                     recompute=args.recompute, stage_overrides=overrides)
 
 
 def _fmt(x: float) -> str:

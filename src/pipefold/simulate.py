@@ -11,6 +11,13 @@ per device runs stages that are 1/v of a share, so each stage's times and
 memory are divided by v. Activation memory of a (stage, microbatch) is taken
 when its F starts; the fraction ``b_release`` is given back when its B ends and
 the rest when its W ends (all of it when a fused BW ends).
+
+Recomputation (activation checkpointing) trades time for memory: a stage that
+recomputes the fraction r of its forward keeps only ``kept = (1 - r) M``
+between its F and its backward, rebuilds the rest when its B (or BW) starts,
+and that B takes ``r F`` longer::
+
+    memory   F start: + kept      B start: + (M - kept)      B end: - b_release M      W end: - the rest
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from typing import Any, NamedTuple
 from pipefold.errors import ConfigError
 from pipefold.ir import Action, Kind, Schedule, execution_order
 
-__all__ = ["CostModel", "Interval", "SimResult", "StageCost", "StageOverride", "simulate"]
+__all__ = ["CostModel", "Interval", "SimResult", "StageCost", "StageOverride", "memory_deltas", "simulate"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,23 +39,37 @@ class StageCost:
 
     f: float
     b: float
+    """Input-gradient time, recomputation included."""
     w: float
     memory: float
+    """Activation memory while the backward runs: everything the stage saved, recomputed or not."""
+    kept: float | None = None
+    """Activation memory held from F until the backward starts; None means all of ``memory``."""
 
     @property
     def bw(self) -> float:
         """A fused backward costs B + W."""
         return self.b + self.w
 
+    @property
+    def held(self) -> float:
+        return self.memory if self.kept is None else self.kept
+
 
 @dataclass(frozen=True, kw_only=True)
 class StageOverride:
-    """Absolute times of one stage that replace the derived ones; memory too, unless left None."""
+    """Absolute times of one stage that replace the derived ones; memory too, unless left None.
+
+    ``recompute`` is the forward time this stage spends again in each backward; ``kept`` the
+    activation memory it holds between F and the backward (None: all of ``memory``).
+    """
 
     f: float
     b: float
     w: float
     memory: float | None = None
+    recompute: float = 0.0
+    kept: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,6 +92,8 @@ class CostModel:
     """Bytes per time unit of a point-to-point link."""
     activation_bytes: float = 0.0
     """Bytes sent between stages per microbatch (activation forward, its gradient backward)."""
+    recompute: float = 0.0
+    """Fraction of every stage's forward recomputed in its backward (activation checkpointing): 0..1."""
     stage_overrides: Mapping[int, StageOverride] = field(default_factory=dict)
     """Absolute per-stage costs that replace the derived ones for the given stages."""
 
@@ -81,15 +104,20 @@ class CostModel:
                 raise ConfigError(f"cost {name} must be a finite number >= 0 (got {value!r})")
         if not 0 <= self.b_release <= 1:
             raise ConfigError(f"b_release is a fraction of the activation memory: 0..1 (got {self.b_release!r})")
+        if not 0 <= self.recompute <= 1:
+            raise ConfigError(f"recompute is a fraction of the forward: 0..1 (got {self.recompute!r})")
         if not self.bandwidth > 0:
             raise ConfigError(f"bandwidth must be > 0 bytes per time unit (got {self.bandwidth!r})")
         for stage, cost in self.stage_overrides.items():
-            for name in ("f", "b", "w", "memory"):
+            for name in ("f", "b", "w", "memory", "recompute", "kept"):
                 value = getattr(cost, name)
-                if value is None and name == "memory":
+                if value is None and name in ("memory", "kept"):
                     continue
                 if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                     raise ConfigError(f"stage {stage} cost {name} must be a finite number >= 0 (got {value!r})")
+            if cost.kept is not None and cost.memory is not None and cost.kept > cost.memory:
+                raise ConfigError(f"stage {stage} keeps {cost.kept:g} between F and B, more than its memory "
+                                  f"{cost.memory:g}: kept is the part of memory not recomputed")
 
     @property
     def transfer_time(self) -> float:
@@ -99,20 +127,23 @@ class CostModel:
     def stage_cost(self, stage: int, stages: int, devices: int) -> StageCost:
         """Cost of ``stage`` in a pipeline of ``stages`` stages over ``devices`` devices."""
         share = devices / stages  # a stage is this fraction of one device's share of the model
-        derived = StageCost(f=self.f * share, b=self.b * share, w=self.w * share, memory=self.memory * share)
         over = self.stage_overrides.get(stage)
         if over is None:
-            return derived
-        memory = derived.memory if over.memory is None else over.memory
-        return StageCost(f=over.f, b=over.b, w=over.w, memory=memory)
+            f, memory = self.f * share, self.memory * share
+            kept = None if self.recompute == 0 else memory * (1.0 - self.recompute)
+            return StageCost(f=f, b=self.b * share + self.recompute * f, w=self.w * share, memory=memory, kept=kept)
+        memory = self.memory * share if over.memory is None else over.memory
+        return StageCost(f=over.f, b=over.b + over.recompute, w=over.w, memory=memory,
+                         kept=None if over.kept is None else min(over.kept, memory))
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "f": self.f, "b": self.b, "w": self.w, "memory": self.memory, "b_release": self.b_release,
             "latency": self.latency,
             "bandwidth": None if math.isinf(self.bandwidth) else self.bandwidth,
-            "activation_bytes": self.activation_bytes,
-            "stage_overrides": {str(s): {"f": c.f, "b": c.b, "w": c.w, "memory": c.memory}
+            "activation_bytes": self.activation_bytes, "recompute": self.recompute,
+            "stage_overrides": {str(s): {"f": c.f, "b": c.b, "w": c.w, "memory": c.memory,
+                                         "recompute": c.recompute, "kept": c.kept}
                                 for s, c in self.stage_overrides.items()},
         }
 
@@ -256,15 +287,11 @@ def _memory_curve(row: tuple[Interval, ...], costs: list[StageCost],
     """Activation memory of one device over time, as (time, level) steps."""
     events: list[tuple[float, float]] = []
     for iv in row:
-        a, mem = iv.action, costs[iv.action.stage].memory
-        if a.kind is Kind.F:
-            events.append((iv.start, mem))
-        elif a.kind is Kind.B:
-            events.append((iv.end, -mem * b_release))
-        elif a.kind is Kind.W:
-            events.append((iv.end, -mem * (1.0 - b_release)))
-        else:
-            events.append((iv.end, -mem))
+        at_start, at_end = memory_deltas(iv.action.kind, costs[iv.action.stage], b_release)
+        if at_start:
+            events.append((iv.start, at_start))
+        if at_end:
+            events.append((iv.end, at_end))
     # At equal times a release comes first: the device ended one pass before starting the next.
     events.sort()
     curve = [(0.0, 0.0)]
@@ -278,3 +305,19 @@ def _memory_curve(row: tuple[Interval, ...], costs: list[StageCost],
         else:
             curve.append((t, level))
     return tuple(curve)
+
+
+def memory_deltas(kind: Kind, cost: StageCost, b_release: float) -> tuple[float, float]:
+    """How one pass changes its device's activation memory: (when it starts, when it ends).
+
+    F takes what the stage keeps; a backward first rebuilds what was recomputed; B gives back the
+    fraction ``b_release``, W the rest, a fused BW everything.
+    """
+    if kind is Kind.F:
+        return cost.held, 0.0
+    rebuilt = cost.memory - cost.held
+    if kind is Kind.B:
+        return rebuilt, -cost.memory * b_release
+    if kind is Kind.W:
+        return 0.0, -cost.memory * (1.0 - b_release)
+    return rebuilt, -cost.memory

@@ -22,7 +22,8 @@ from pipefold.ir import Schedule
 from pipefold.models import get_model, split_layers
 from pipefold.models.data import Batches, load_corpus
 from pipefold.models.mlp import MLPConfig, mlp_input, mlp_target
-from pipefold.runtime.launch import Chain, Job, RankReport, run_local, run_torchrun
+from pipefold.runtime.launch import Job, RankReport, run_local, run_torchrun
+from pipefold.runtime.stage import Chain
 
 
 @dataclass(frozen=True, kw_only=True)

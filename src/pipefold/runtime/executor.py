@@ -61,12 +61,15 @@ class RankExecutor:
     """Runs one rank's actions of ``schedule`` on its stage modules, step after step."""
 
     def __init__(self, schedule: Schedule, rank: int, modules: Mapping[int, nn.Module],
-                 loss_fn: Callable[..., torch.Tensor], device: torch.device) -> None:
+                 loss_fn: Callable[..., torch.Tensor], device: torch.device, *,
+                 recompute: Mapping[int, int] | None = None) -> None:
         self.schedule, self.rank, self.device = schedule, rank, device
         self.meter = MemoryMeter()
         last = schedule.stages - 1
+        recompute = recompute or {}
         self.runners = {
-            s: StageRunner(m, loss_fn=loss_fn if s == last else None, meter=self.meter) for s, m in modules.items()
+            s: StageRunner(m, loss_fn=loss_fn if s == last else None, meter=self.meter, recompute=recompute.get(s, 0))
+            for s, m in modules.items()
         }
         self.actions = list(schedule.actions[rank])
         self.device_of = schedule.stage_to_device

@@ -19,11 +19,18 @@ A stage whose input needs no gradient (the first stage) has nothing for B to
 do; W then runs the whole backward. Saved activations are released when W
 (or BW) ends, and the bytes held for backward are counted with saved-tensor
 hooks, so the runtime reports measured, not estimated, activation memory.
+
+Recomputation (activation checkpointing) of the first r layers of a stage
+stays inside this one graph: during F those layers' saved tensors are replaced
+by numbered placeholders and only the stage input is kept; the first backward
+that needs one reruns the r layers from the input (same random state) and
+keeps what they save until W. B and W then run exactly as without it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +43,21 @@ Tensors = tuple[torch.Tensor, ...]
 
 def as_tuple(x: torch.Tensor | Sequence[torch.Tensor]) -> Tensors:
     return (x,) if isinstance(x, torch.Tensor) else tuple(x)
+
+
+def run_layers(layers: Iterable[nn.Module], xs: tuple[Any, ...]) -> Any:
+    """Apply layers in turn; a layer may take and return a tuple of tensors (spread as arguments)."""
+    out: Any = xs
+    for layer in layers:
+        out = layer(*out) if isinstance(out, tuple) else layer(out)
+    return out
+
+
+class Chain(nn.Sequential):
+    """A stage: layers applied in turn, where a layer may take and return a tuple of tensors."""
+
+    def forward(self, *xs: Any) -> Any:
+        return run_layers(self, xs)
 
 
 class MemoryMeter:
@@ -67,6 +89,94 @@ class _Pass:
     cut: _Cut | None = None
     captured: dict[Node, tuple[torch.Tensor | None, ...]] = field(default_factory=dict)
     grads_out: list[torch.Tensor] = field(default_factory=list)
+    rebuild: _Rebuild | None = None
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+class _Rebuild:
+    """The first layers of one microbatch's stage forward, whose saved tensors are recomputed on first use.
+
+    ``pack`` keeps weights and the stage inputs as they are and turns every other
+    saved tensor into its number; ``unpack`` of a number reruns the layers once from
+    the inputs with the forward's random state, recording their saves in the same
+    order, and hands out the one with that number. The rebuilt tensors stay until
+    :meth:`release` (W or BW), so B and W may both read them.
+    """
+
+    def __init__(self, layers: Sequence[nn.Module], inputs: Tensors, weights: set[int], meter: MemoryMeter) -> None:
+        self.layers, self.inputs, self.meter = layers, inputs, meter
+        self.keep = weights | {_storage(x) for x in inputs}
+        self.rng = _rng_state(inputs)
+        self.count = 0
+        self.rebuilt: list[torch.Tensor] | None = None
+        self.rebuilt_bytes = 0
+
+    def _kept(self, t: torch.Tensor) -> bool:
+        return t.device.type == "meta" or _storage(t) in self.keep
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor | int:
+        if self._kept(t):
+            return t
+        self.count += 1
+        return self.count - 1
+
+    def unpack(self, handle: torch.Tensor | int) -> torch.Tensor:
+        if isinstance(handle, torch.Tensor):
+            return handle
+        if self.rebuilt is None:
+            self._rebuild()
+        assert self.rebuilt is not None
+        return self.rebuilt[handle]
+
+    def _rebuild(self) -> None:
+        saves: list[torch.Tensor] = []
+
+        def record(t: torch.Tensor) -> torch.Tensor:
+            if not self._kept(t):
+                saves.append(t.detach())  # the data only: the rerun's own graph is dropped
+            return t
+
+        xs = tuple(x.detach().requires_grad_(x.requires_grad) for x in self.inputs)
+        with torch.enable_grad(), _restored_rng(self.rng), torch.autograd.graph.saved_tensors_hooks(record, _same):
+            run_layers(self.layers, xs)
+        if len(saves) != self.count:
+            raise RuntimeError(f"recomputing {len(self.layers)} layers saved {len(saves)} tensors where the forward "
+                               f"saved {self.count}: the layers must run the same operations every time")
+        self.rebuilt = saves
+        self.rebuilt_bytes = sum(t.untyped_storage().nbytes() for t in saves)
+        self.meter.add(self.rebuilt_bytes)
+
+    def release(self) -> None:
+        self.meter.remove(self.rebuilt_bytes)
+        self.rebuilt, self.rebuilt_bytes = None, 0
+
+
+def _same(t: Any) -> Any:
+    return t
+
+
+_RngState = tuple[torch.Tensor, torch.device | None, torch.Tensor | None]
+
+
+def _rng_state(inputs: Tensors) -> _RngState:
+    """The random state a forward starts from (the CPU's, and its CUDA device's when it runs on one)."""
+    device = next((x.device for x in inputs if x.device.type == "cuda"), None)
+    cuda = torch.cuda.get_rng_state(device) if device is not None else None
+    return torch.get_rng_state(), device, cuda
+
+
+@contextmanager
+def _restored_rng(state: _RngState) -> Iterator[None]:
+    """Run with the random state of a past forward (dropout draws the same mask), then put the current one back."""
+    cpu, device, cuda = state
+    with torch.random.fork_rng(devices=[device] if device is not None else []):
+        torch.set_rng_state(cpu)
+        if device is not None and cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)
+        yield
 
 
 def _grad_node(t: torch.Tensor) -> Node | None:
@@ -236,10 +346,20 @@ class StageRunner:
     """Runs F, B, W and BW of one stage module for any number of microbatches in flight."""
 
     def __init__(self, module: nn.Module, *, loss_fn: Callable[..., torch.Tensor] | None = None,
-                 meter: MemoryMeter | None = None) -> None:
+                 meter: MemoryMeter | None = None, recompute: int = 0) -> None:
         self.module = module
         self.loss_fn = loss_fn  # set on the last stage: F then returns the loss
         self.meter = meter or MemoryMeter()
+        layers = list(module) if isinstance(module, nn.Sequential) else None
+        if recompute and (layers is None or hasattr(module, "on_saved")):
+            raise ValueError("recomputation needs a stage made of a plain layer sequence (a Chain), "
+                             "not an offloaded one")
+        if layers is not None and not 0 <= recompute <= len(layers):
+            raise ValueError(f"cannot recompute {recompute} layers of a stage that has {len(layers)}")
+        self.recompute = recompute
+        """How many of the stage's first layers rebuild their activations in backward instead of keeping them."""
+        self._head = layers[:recompute] if layers is not None else []
+        self._tail = layers[recompute:] if layers is not None else []
         self.params = [p for p in module.parameters() if p.requires_grad]
         self._passes: dict[int, _Pass] = {}
         self.losses: dict[int, torch.Tensor] = {}
@@ -268,9 +388,19 @@ class StageRunner:
         listener = self.module if hasattr(self.module, "on_saved") else None
         if listener is not None:
             setattr(listener, "on_saved", pack)  # noqa: B010 (a plain attribute mypy does not see on nn.Module)
+        rebuild = None
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                out = as_tuple(self.module(*leaves))
+            if self.recompute:
+                rebuild = _Rebuild(self._head, leaves, weights, self.meter)
+                with torch.autograd.graph.saved_tensors_hooks(rebuild.pack, rebuild.unpack):
+                    mid = run_layers(self._head, leaves)
+                # The stage inputs are all the recomputed layers keep (once, however often they are saved).
+                saved += sum({_storage(x): x.untyped_storage().nbytes() for x in leaves}.values())
+            with torch.autograd.graph.saved_tensors_hooks(pack, _same):
+                if rebuild is not None:
+                    out = as_tuple(run_layers(self._tail, mid if isinstance(mid, tuple) else (mid,)))
+                else:
+                    out = as_tuple(self.module(*leaves))
                 if self.loss_fn is not None:
                     loss = self.loss_fn(*out, target)
                     self.losses[mb] = loss.detach()
@@ -282,7 +412,7 @@ class StageRunner:
         saved += sum(o.untyped_storage().nbytes() for o in out if o.untyped_storage().data_ptr() not in weights)
         self.meter.add(saved)
         self.bytes_per_microbatch = max(self.bytes_per_microbatch, saved)
-        self._passes[mb] = _Pass(leaves, out, saved)
+        self._passes[mb] = _Pass(leaves, out, saved, rebuild=rebuild)
         return tuple(o.detach() for o in out)
 
     # -- backward
@@ -339,6 +469,8 @@ class StageRunner:
 
     def _release(self, p: _Pass) -> None:
         self.meter.remove(p.saved_bytes + p.kept_bytes)
+        if p.rebuild is not None:
+            p.rebuild.release()
 
     @property
     def in_flight(self) -> int:
