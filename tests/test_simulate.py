@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from pipefold import ConfigError, CostModel, Kind, build, names, simulate
 from pipefold.ir import Action
-from pipefold.simulate import SimResult, StageOverride
+from pipefold.simulate import SimResult, StageOverride, peak_by_order
 
 
 def _check_timeline(r: SimResult) -> None:
@@ -161,3 +161,18 @@ def test_to_dict_is_json_ready() -> None:
     assert d["devices"] == 4 and d["stages"] == 8 and d["microbatches"] == 8
     assert sum(len(row) for row in d["timeline"]) == r.schedule.num_actions
     assert d["cost"]["bandwidth"] is None and not math.isnan(d["bubble_ratio"])
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-v", "v-min", "interleaved-1f1b", "gpipe"])
+@given(p=st.integers(1, 6), m=st.integers(1, 12), kept=st.lists(st.sampled_from([0.0, 0.5, 1.0]), min_size=12,
+                                                                   max_size=12),
+       b_release=st.sampled_from([0.0, 0.5, 1.0]))
+def test_peak_by_order_equals_the_simulated_peak(name: str, p: int, m: int, kept: list[float],
+                                                  b_release: float) -> None:
+    sched = build(name, p, m)
+    over = {s: StageOverride(f=1 + s % 3, b=1, w=0.5, memory=2.0 + s, kept=kept[s % 12] * (2.0 + s),
+                             recompute=0.5) for s in range(sched.stages)}
+    cost = CostModel(b_release=b_release, stage_overrides=over)
+    r = simulate(sched, cost)
+    costs = {s: cost.stage_cost(s, sched.stages, sched.devices) for s in range(sched.stages)}
+    assert [peak_by_order(row, costs, b_release) for row in sched.actions] == pytest.approx(r.peak_memory)

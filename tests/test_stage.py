@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from pipefold.models import GPTConfig, build_gpt_layers
-from pipefold.runtime.stage import StageRunner
+from pipefold.runtime.stage import Chain, StageRunner
 
 
 class OffPath(nn.Module):
@@ -102,3 +102,66 @@ def test_measured_memory_counts_saved_tensors() -> None:
     assert r.meter.current > 0  # still held: W needs the input
     r.backward_weight(0)
     assert r.meter.current == 0
+
+
+def _dropout_stage() -> Chain:
+    torch.manual_seed(0)
+    return Chain(*[nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Dropout(0.3), nn.Linear(32, 8)), OffPath(),
+                   nn.Sequential(nn.LayerNorm(8), nn.Dropout(0.2)), nn.Linear(8, 8)])
+
+
+def _run_with_recompute(r: int, fused: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
+    stage = _dropout_stage()
+    runner = StageRunner(stage, recompute=r)
+    xs = [torch.randn(5, 8, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    torch.manual_seed(7)  # dropout masks drawn in F; recomputation must draw the same ones
+    held = []
+    for mb, x in enumerate(xs):
+        runner.forward(mb, (x,))
+        held.append(runner.meter.current)
+    dxs = []
+    for mb in range(3):
+        g = (torch.full((5, 8), 0.1 * (mb + 1)),)
+        got = runner.backward(mb, g) if fused else runner.backward_input(mb, g)
+        assert got is not None
+        dxs.append(got[0])
+    if not fused:
+        for mb in range(3):
+            runner.backward_weight(mb)
+    assert runner.meter.current == 0 and runner.in_flight == 0
+    return dxs, [p.grad for p in stage.parameters()], held
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_recomputed_layers_give_identical_gradients(fused: bool) -> None:
+    # Reference: the same stage keeping every activation. Recomputing any prefix changes no bit.
+    want_dx, want_dw, want_held = _run_with_recompute(0, fused)
+    previous = want_held
+    for r in range(1, 5):
+        dx, dw, held = _run_with_recompute(r, fused)
+        assert all(torch.equal(a, b) for a, b in zip(dx, want_dx, strict=True)), f"recompute {r}: input grads"
+        assert all(torch.equal(a, b) for a, b in zip(dw, want_dw, strict=True)), f"recompute {r}: weight grads"
+        # Each further recomputed layer keeps less between F and B.
+        assert all(h < p for h, p in zip(held, previous, strict=True)), (r, held, previous)
+        previous = held
+
+
+def test_recomputation_rebuilds_once_and_holds_until_w() -> None:
+    lin = Chain(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+    runner = StageRunner(lin, recompute=2)
+    x = torch.randn(32, 64)
+    runner.forward(0, (x,))
+    after_f = runner.meter.current
+    # Only the input (32 x 64 float32) and what the last Linear keeps (its input, and the output) remain.
+    assert after_f == 3 * 32 * 64 * 4
+    runner.backward_input(0, (torch.ones(32, 64),))
+    assert runner.meter.current > after_f  # rebuilt for B, and kept: W reads the same tensors
+    runner.backward_weight(0)
+    assert runner.meter.current == 0
+
+
+def test_recomputation_needs_a_layer_sequence() -> None:
+    with pytest.raises(ValueError, match="cannot recompute 3 layers of a stage that has 2"):
+        StageRunner(Chain(nn.Linear(2, 2), nn.Linear(2, 2)), recompute=3)
+    with pytest.raises(ValueError, match="plain layer sequence"):
+        StageRunner(nn.Linear(2, 2), recompute=1)

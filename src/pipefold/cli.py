@@ -164,6 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="FILE", help="draw the measured Gantt chart above the simulated one")
     p.add_argument("--partition", choices=["even", "params", "time", "memory"], default="even",
                    help="split layers into stages evenly by count (default) or balanced by a measured cost")
+    p.add_argument("--recompute", choices=["none", "full", "auto"], default="none",
+                   help="activation recomputation: none, full (every layer), or auto: per stage just enough layers "
+                        "that each device fits --memory-budget (default none)")
+    p.add_argument("--memory-budget", metavar="BYTES", default=None,
+                   help="bytes per device for weights, gradients, optimizer state and activations, e.g. 64MB "
+                        "(with --recompute auto)")
     p.add_argument("--offload", metavar="K,K2", default=None,
                    help="each stage keeps at most K of its layers on the device, evicting K2 at once")
     _add_output(p)
@@ -432,6 +438,7 @@ def _print_plan(answer: PlanResult, args: argparse.Namespace, console: Console) 
 
 
 def cmd_train(args: argparse.Namespace, console: Console) -> None:
+    from pipefold.recompute import parse_bytes
     from pipefold.runtime.launch import under_torchrun
     from pipefold.train import TrainConfig, compare, train, train_torchrun
 
@@ -449,7 +456,8 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
                          microbatches=args.microbatches, steps=args.steps, model=args.model, layers=layers,
                          hidden=args.hidden, heads=args.heads, batch=args.batch, seq=args.seq, lr=args.lr,
                          optimizer=args.optimizer, clip=args.clip, data=args.data, seed=args.seed, offload=offload,
-                         partition=args.partition)
+                         partition=args.partition, recompute=args.recompute,
+                         memory_budget=None if args.memory_budget is None else parse_bytes(args.memory_budget))
     tokens = args.batch * (args.seq if args.model == "gpt" else 1)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -519,6 +527,9 @@ def _train_summary(job: Any, reports: list[Any], config: Any) -> dict[str, Any]:
         "peak_activation_bytes": [max(s.peak_activation_bytes for s in r.steps) for r in reports],
         "peak_process_bytes": [r.peak_process_bytes for r in reports],
         **({"peak_resident_param_bytes": [r.resident_param_bytes for r in reports]} if job.offload else {}),
+        **({"recompute": job.extra["recompute"].to_dict(),
+            "peak_saved_bytes": [max(s.peak_saved_bytes for s in r.steps) for r in reports]}
+           if "recompute" in job.extra else {}),
     }
 
 
@@ -533,10 +544,29 @@ def _print_train(out: dict[str, Any], console: Console) -> None:
         table.add_row(str(rank), f"{busy:.3f}", f"{max(0.0, typical - busy):.3f}",
                       _bytes(out["peak_activation_bytes"][rank]), _bytes(out["peak_process_bytes"][rank]))
     console.print(table)
+    if "recompute" in out:
+        _print_recompute(out["recompute"], out["peak_saved_bytes"], console)
     console.print(f"median step {typical:.3f} s (first step {out['step_time_s'][0]:.3f} s)")
     if "max_grad_rel_diff" in out:
         console.print(f"check against one process: loss rel diff {out['loss_rel_diff']:.2e}, "
                       f"max gradient rel diff {out['max_grad_rel_diff']:.2e}")
+
+
+def _print_recompute(plan: dict[str, Any], measured: list[int], console: Console) -> None:
+    """Recomputed layers per stage, then per device the predicted and measured memory against the budget."""
+    budget = plan["budget"]
+    layers = ", ".join(f"stage {s}: {r}/{n}" for s, (r, n) in enumerate(zip(plan["layers"], plan["stage_layers"],
+                                                                              strict=True)))
+    slower = plan["step_time"] / plan["step_time_without"] - 1 if plan["step_time_without"] else 0.0
+    console.print(f"recompute {plan['mode']}: layers recomputed {layers}  (simulated step {slower:+.1%})")
+    table = Table(show_edge=False, caption="static: weights, gradients and optimizer state; saved: activations "
+                                           "held for backward (tensors in transit between ranks come on top)")
+    for col in ("rank", "static", "saved, predicted", "measured", "total" if budget is None
+                else f"total (budget {_bytes(budget)})"):
+        table.add_column(col, justify="right")
+    for d, (static, act) in enumerate(zip(plan["static_bytes"], plan["activation_peak_bytes"], strict=True)):
+        table.add_row(str(d), _bytes(static), _bytes(act), _bytes(measured[d]), _bytes(static + measured[d]))
+    console.print(table)
 
 
 def _bytes(n: float) -> str:

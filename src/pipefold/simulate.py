@@ -23,14 +23,15 @@ and that B takes ``r F`` longer::
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from pipefold.errors import ConfigError
 from pipefold.ir import Action, Kind, Schedule, execution_order
 
-__all__ = ["CostModel", "Interval", "SimResult", "StageCost", "StageOverride", "memory_deltas", "simulate"]
+__all__ = ["CostModel", "Interval", "SimResult", "StageCost", "StageOverride", "memory_deltas", "peak_by_order",
+           "simulate"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -321,3 +322,19 @@ def memory_deltas(kind: Kind, cost: StageCost, b_release: float) -> tuple[float,
     if kind is Kind.W:
         return 0.0, -cost.memory * (1.0 - b_release)
     return rebuilt, -cost.memory
+
+
+def peak_by_order(actions: Sequence[Action], costs: Mapping[int, StageCost], b_release: float = 0.0) -> float:
+    """The peak activation memory of one device running ``actions`` in order, without timing them.
+
+    A device runs one pass at a time, so its memory depends on the order of its own passes
+    only; this is :func:`simulate`'s peak for that device, at a fraction of the cost, for
+    searches that try many memory costs on one schedule.
+    """
+    level = peak = 0.0
+    for a in actions:
+        at_start, at_end = memory_deltas(a.kind, costs[a.stage], b_release)
+        level += at_start
+        peak = max(peak, level)
+        level += at_end
+    return peak

@@ -22,6 +22,7 @@ from pipefold.ir import Schedule
 from pipefold.models import get_model, split_layers
 from pipefold.models.data import Batches, load_corpus
 from pipefold.models.mlp import MLPConfig, mlp_input, mlp_target
+from pipefold.recompute import MODES, OPTIMIZER_STATE, RecomputePlan, measure_stages, plan_recompute
 from pipefold.runtime.launch import Job, RankReport, run_local, run_torchrun
 from pipefold.runtime.stage import Chain
 
@@ -62,6 +63,10 @@ class TrainConfig:
     """(k, k'): each stage keeps at most k of its layers' parameters on the device, evicting k' at once."""
     partition: str = "even"
     """How layers are split into stages: 'even' by count, or balanced by 'params', 'time' or 'memory'."""
+    recompute: str = "none"
+    """Activation recomputation: 'none', 'full' (every layer) or 'auto' (per stage, to fit ``memory_budget``)."""
+    memory_budget: float | None = None
+    """Bytes each device may use for weights, gradients, optimizer state and activations (with 'auto')."""
 
 
 def _batch_gpt(batches: Batches, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,9 +104,32 @@ def make_job(config: TrainConfig, *, save_grads_of_step: int | None = None) -> J
                           f"{max(1, cfg.num_layers // per_device)} or fewer, or more --layers")
     layer_stages = _layer_stages(config, cfg, schedule)
     build = functools.partial(spec.build_layers, cfg, seed=config.seed)
+    extra: dict[str, Any] = {"num_layers": cfg.num_layers}
+    recompute = None
+    if config.recompute != "none" or config.memory_budget is not None:
+        plan = _plan_recompute(config, schedule, layer_stages, build, spec.loss, batch_at)
+        recompute, extra["recompute"] = plan.layers, plan
     return Job(schedule=schedule, layer_stages=layer_stages, build_layers=build, loss_fn=spec.loss,
                batch_at=batch_at, steps=config.steps, lr=config.lr, optimizer=config.optimizer, clip=config.clip,
-               save_grads_of_step=save_grads_of_step, offload=config.offload, extra={"num_layers": cfg.num_layers})
+               save_grads_of_step=save_grads_of_step, offload=config.offload, recompute=recompute, extra=extra)
+
+
+def _plan_recompute(config: TrainConfig, schedule: Schedule, layer_stages: tuple[tuple[int, ...], ...],
+                    build: Callable[[list[int]], dict[int, Any]], loss_fn: Callable[..., torch.Tensor],
+                    batch_at: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> RecomputePlan:
+    """Measure every stage on the first microbatch and choose its recomputed layers (see pipefold.recompute)."""
+    if config.offload is not None:
+        raise ConfigError("--recompute and --offload do not combine yet: an offloaded stage keeps its activations; "
+                          "use one or the other")
+    if config.recompute not in MODES:
+        raise ConfigError(f"unknown recomputation {config.recompute!r}: choose one of {', '.join(MODES)}")
+    layers = build([i for part in layer_stages for i in part])
+    stages = [Chain(*(layers[i] for i in part)) for part in layer_stages]
+    x, y = batch_at(0)
+    m = config.microbatches
+    profiles = measure_stages(stages, x.chunk(m)[0], y.chunk(m)[0], loss_fn, microbatches=m,
+                              optimizer_factor=OPTIMIZER_STATE.get(config.optimizer, 2.0))
+    return plan_recompute(schedule, profiles, config.recompute, config.memory_budget)
 
 
 def _layer_stages(config: TrainConfig, cfg: Any, schedule: Schedule) -> tuple[tuple[int, ...], ...]:

@@ -51,6 +51,9 @@ class StepStats:
     busy: float = 0.0
     wall: float = 0.0
     peak_activation_bytes: int = 0
+    """The most bytes held at once: tensors saved for backward, outputs kept, gradients in transit."""
+    peak_saved_bytes: int = 0
+    """The most bytes held at once for backward alone (saved tensors and kept outputs), without transit."""
     started_at: float = 0.0
     """Wall-clock time (time.time()) of the step's start, to line ranks up in a trace."""
     stage_bytes: dict[int, int] = field(default_factory=dict)
@@ -151,6 +154,7 @@ class RankExecutor:
         stats.wall = clock()
         stats.busy = sum(e.end - e.start for e in stats.events if e.kind in ("F", "B", "W", "BW"))
         stats.peak_activation_bytes = max(peak, self.meter.peak)
+        stats.peak_saved_bytes = self.meter.peak
         stats.stage_bytes = {s: r.bytes_per_microbatch for s, r in self.runners.items()}
         return stats
 

@@ -1,0 +1,281 @@
+"""Stage-aware recomputation (Merak): how many layers each stage recomputes so every device fits a budget.
+
+In 1F1B-like schedules the first stages hold the most microbatches at once, so
+they need recomputation (activation checkpointing) most; the last stages,
+holding one or two, often need none. Recomputing the same fraction everywhere
+wastes time on stages that already fit. Here each stage gets its own count r
+of recomputed layers, the fewest (by forward time) that bring every device's
+peak under the budget::
+
+    measure   for each stage and each r = 0..L: bytes kept between F and B, bytes while
+              its backward runs, forward seconds of its first r layers (the rerun's cost)
+    predict   a device's peak = its weights, gradients and optimizer state
+              + the activation peak of its pass order (simulate.peak_by_order)
+    choose    per device, the cheapest counts for its stages whose peak fits
+
+The measurements come from the runtime's own stage runner on a sample
+microbatch, so the predicted activation peak is what the runtime then measures.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipefold.errors import ConfigError
+from pipefold.ir import Schedule
+from pipefold.simulate import CostModel, StageCost, StageOverride, peak_by_order, simulate
+
+__all__ = ["MODES", "RecomputePlan", "StageProfile", "measure_stages", "parse_bytes", "plan_recompute",
+           "smallest_budget"]
+
+MODES = ("none", "full", "auto")
+"""``none`` keeps every activation, ``full`` recomputes every layer, ``auto`` fits a budget."""
+
+OPTIMIZER_STATE = {"sgd": 0.0, "adamw": 2.0}
+"""Optimizer state per parameter, in parameter sizes (AdamW keeps two moments; plain SGD nothing)."""
+
+_EXHAUSTIVE = 20_000  # a device with more combinations of counts than this is planned greedily
+
+
+@dataclass(frozen=True)
+class StageProfile:
+    """What recomputing the first r layers of one stage costs and saves, for r = 0..layers."""
+
+    layers: int
+    kept: tuple[int, ...]
+    """Bytes one microbatch holds from its F until its backward starts, for each r."""
+    total: tuple[int, ...]
+    """Bytes it holds while its backward runs (kept plus the rebuilt activations), for each r."""
+    rerun: tuple[float, ...]
+    """Seconds of forward its backward spends again (the first r layers), for each r."""
+    forward: float
+    """Seconds of the stage's whole forward."""
+    static: int
+    """Bytes of its weights, their gradients and the optimizer state."""
+
+
+@dataclass(frozen=True)
+class RecomputePlan:
+    """Recomputed layers per stage and the peaks they lead to."""
+
+    mode: str
+    layers: tuple[int, ...]
+    """For each stage, how many of its first layers recompute their activations."""
+    stage_layers: tuple[int, ...]
+    """For each stage, how many layers it has."""
+    static: list[int]
+    """Per device: bytes of weights, gradients and optimizer state."""
+    activation_peak: list[int]
+    """Per device: predicted peak bytes of activations held for backward."""
+    budget: float | None
+    step_time: float
+    """Simulated step time with this recomputation (taking B = W = F of each stage)."""
+    step_time_without: float
+    """The same without recomputation."""
+    profiles: tuple[StageProfile, ...] = ()
+    """What each stage's measurement found, from which the plan was made."""
+
+    @property
+    def peak(self) -> list[int]:
+        """Per device: predicted peak bytes in all (static plus activations)."""
+        return [s + a for s, a in zip(self.static, self.activation_peak, strict=True)]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"mode": self.mode, "layers": list(self.layers), "stage_layers": list(self.stage_layers),
+                "budget": self.budget, "static_bytes": self.static, "activation_peak_bytes": self.activation_peak,
+                "peak_bytes": self.peak, "step_time": self.step_time, "step_time_without": self.step_time_without}
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(text: str) -> float:
+    """'2000000', '2e6', '1.5MB', '64MiB' -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*", str(text).lower())
+    if match is None or match.group(2) not in _UNITS or float(match.group(1)) <= 0:
+        raise ConfigError(f"cannot read the memory budget {text!r}: give bytes such as 2000000, 2e6, 1.5MB or 64MiB")
+    return float(match.group(1)) * _UNITS[match.group(2)]
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+def measure_stages(stages: Sequence[nn.Sequential], sample: torch.Tensor, target: Any,
+                   loss_fn: Callable[..., torch.Tensor], *, microbatches: int = 1,
+                   optimizer_factor: float = 2.0, repeats: int = 3) -> list[StageProfile]:
+    """Run each stage on one sample microbatch with r = 0..layers recomputed layers, as the runtime would.
+
+    ``stages`` are the model's stages in pipeline order (the last computes ``loss_fn`` against
+    ``target``); each stage is fed the previous stage's output. Kept and total bytes are read
+    from the stage runner's own meter; forward times are medians of ``repeats`` runs.
+    """
+    from pipefold.runtime.stage import StageRunner, run_layers
+
+    profiles: list[StageProfile] = []
+    x: tuple[torch.Tensor, ...] = (sample,)
+    last = len(stages) - 1
+    for s, stage in enumerate(stages):
+        n = len(stage)
+        kept, total = [], []
+        for r in range(n + 1):
+            runner = StageRunner(stage, loss_fn=loss_fn if s == last else None, recompute=r)
+            out = runner.forward(0, x, target if s == last else None, scale=1.0 / microbatches)
+            kept.append(runner.meter.current)
+            grads = None if s == last else tuple(torch.ones_like(o) for o in out if o.is_floating_point())
+            runner.meter.reset_peak()
+            runner.backward_input(0, grads)
+            runner.backward_weight(0)  # a first stage (integer input) rebuilds only here: B has nothing to do
+            total.append(runner.meter.peak)
+        stage.zero_grad(set_to_none=True)
+        # Per-layer forward seconds, in order, each fed its predecessor's output.
+        layer_times, h = [], x
+        with torch.no_grad():
+            for layer in stage:
+                times = []
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    out = run_layers([layer], h)
+                    times.append(time.perf_counter() - start)
+                layer_times.append(statistics.median(times))
+                h = out if isinstance(out, tuple) else (out,)
+        rerun = tuple(itertools.accumulate(layer_times, initial=0.0))
+        params = sum(p.numel() * p.element_size() for p in stage.parameters())
+        static = int(params * (2 + optimizer_factor))  # weights, gradients, optimizer state
+        profiles.append(StageProfile(n, tuple(kept), tuple(total), rerun, rerun[-1], static))
+        x = h
+    return profiles
+
+
+# --------------------------------------------------------------------------- planning
+
+
+def _costs(profiles: Sequence[StageProfile], layers: Sequence[int]) -> dict[int, StageCost]:
+    return {s: StageCost(f=p.forward, b=p.forward, w=p.forward, memory=p.total[r], kept=p.kept[r])
+            for s, (p, r) in enumerate(zip(profiles, layers, strict=True))}
+
+
+def _step_time(schedule: Schedule, profiles: Sequence[StageProfile], layers: Sequence[int]) -> float:
+    over = {s: StageOverride(f=p.forward, b=p.forward, w=p.forward, memory=float(p.total[r]),
+                             kept=float(p.kept[r]), recompute=p.rerun[r])
+            for s, (p, r) in enumerate(zip(profiles, layers, strict=True))}
+    return simulate(schedule, CostModel(stage_overrides=over)).makespan
+
+
+def plan_recompute(schedule: Schedule, profiles: Sequence[StageProfile], mode: str,
+                   budget: float | None = None) -> RecomputePlan:
+    """Recomputed layers per stage: none, all, or (``auto``) the cheapest that fit ``budget`` bytes per device."""
+    if mode not in MODES:
+        raise ConfigError(f"unknown recomputation {mode!r}: choose one of {', '.join(MODES)}")
+    if len(profiles) != schedule.stages:
+        raise ValueError(f"{len(profiles)} stage profiles for {schedule.stages} stages")
+    if mode == "auto" and budget is None:
+        raise ConfigError("--recompute auto needs --memory-budget BYTES, the memory each device may use")
+    if mode != "auto" and budget is not None:
+        raise ConfigError(f"--memory-budget is what --recompute auto fits; with --recompute {mode} drop it")
+    devices = range(schedule.devices)
+    owned = [[s for s in range(schedule.stages) if schedule.stage_to_device[s] == d] for d in devices]
+    static = [sum(profiles[s].static for s in owned[d]) for d in devices]
+    every = tuple(p.layers for p in profiles)
+    if mode == "none":
+        layers: tuple[int, ...] = (0,) * schedule.stages
+    elif mode == "full":
+        layers = every
+    else:
+        assert budget is not None
+        chosen = [0] * schedule.stages
+        short = []  # (device, least total it can reach) for devices that cannot fit
+        for d in devices:
+            counts, least = _fit_device(schedule.actions[d], owned[d], profiles, budget - static[d])
+            if counts is None:
+                short.append((d, static[d] + least))
+                continue
+            for s, r in zip(owned[d], counts, strict=True):
+                chosen[s] = r
+        if short:
+            d, need = max(short, key=lambda x: x[1])
+            reachable = smallest_budget(schedule, profiles)
+            raise ConfigError(
+                f"no recomputation fits {budget:.0f} bytes per device: device {d} needs at least {need:.0f} "
+                f"({static[d]} of them weights, gradients and optimizer state) however many layers it recomputes; "
+                f"the smallest reachable budget is {_fmt_bytes(reachable)}")
+        layers = tuple(chosen)
+    peaks = _peaks(schedule, profiles, layers)
+    return RecomputePlan(mode, layers, every, static, [int(x) for x in peaks], budget,
+                         _step_time(schedule, profiles, layers),
+                         _step_time(schedule, profiles, (0,) * schedule.stages), tuple(profiles))
+
+
+def smallest_budget(schedule: Schedule, profiles: Sequence[StageProfile]) -> float:
+    """The least bytes per device that some recomputation fits: the largest device's least reachable total."""
+    out = 0.0
+    for d in range(schedule.devices):
+        owned = [s for s in range(schedule.stages) if schedule.stage_to_device[s] == d]
+        least = _fit_device(schedule.actions[d], owned, profiles, 0.0)[1]
+        out = max(out, sum(profiles[s].static for s in owned) + least)
+    return out
+
+
+def _peaks(schedule: Schedule, profiles: Sequence[StageProfile], layers: Sequence[int]) -> list[float]:
+    costs = _costs(profiles, layers)
+    return [peak_by_order(row, costs) for row in schedule.actions]
+
+
+def _fit_device(actions: Sequence[Any], stages: list[int], profiles: Sequence[StageProfile],
+                room: float) -> tuple[list[int] | None, float]:
+    """For one device's stages: the counts with the least rerun time whose activation peak fits ``room``
+    (None if none does), and the least peak any counts reach.
+
+    Recomputing more does not always hold less: a stage with one microbatch in flight keeps its
+    input and rebuilds the rest anyway, so every combination is tried where there are few enough.
+    """
+    def peak(counts: Sequence[int]) -> float:
+        costs = {s: StageCost(f=0, b=0, w=0, memory=profiles[s].total[r], kept=profiles[s].kept[r])
+                 for s, r in zip(stages, counts, strict=True)}
+        return peak_by_order(actions, costs)
+
+    def rerun(counts: Sequence[int]) -> float:
+        return sum(profiles[s].rerun[r] for s, r in zip(stages, counts, strict=True))
+
+    ranges = [range(profiles[s].layers + 1) for s in stages]
+    if math.prod(len(r) for r in ranges) <= _EXHAUSTIVE:
+        # Every combination, cheapest first (fewer layers breaks ties): the first that fits is optimal.
+        peaks = {c: peak(c) for c in itertools.product(*ranges)}
+        fits = [c for c in peaks if peaks[c] <= room]
+        best = min(fits, key=lambda c: (rerun(c), sum(c))) if fits else None
+        return (None if best is None else list(best)), min(peaks.values())
+    # Too many combinations: recompute one more layer at a time where it frees the most bytes per
+    # second of rerun, and keep the best point met on the way.
+    counts = [0] * len(stages)
+    least = peak(counts)
+    while peak(counts) > room:
+        options = []
+        for i, s in enumerate(stages):
+            if counts[i] < profiles[s].layers:
+                trial = counts.copy()
+                trial[i] += 1
+                cost = profiles[s].rerun[trial[i]] - profiles[s].rerun[counts[i]]
+                options.append(((peak(counts) - peak(trial)) / max(cost, 1e-12), trial))
+        if not options:
+            return None, least
+        counts = max(options, key=lambda o: o[0])[1]
+        least = min(least, peak(counts))
+    return counts, least
+
+
+def _fmt_bytes(n: float) -> str:
+    """'2786312 bytes (2.79 MB)'."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n:.0f} bytes ({n / size:.3g} {unit})"
+    return f"{n:.0f} bytes"
