@@ -62,15 +62,62 @@ def test_same_command_under_torchrun(tmp_path: Path) -> None:
     assert torchrun is not None
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-port", "29541", "-m", "pipefold", "train",
-                           "--schedule", "v-half", "--steps", "2", *SMALL, "--layers", "8", "--check", "--json"],
+                           "--schedule", "v-half", "--steps", "2", *SMALL, "--layers", "8", "--check", "--json",
+                           "--recompute", "full"],
                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=240, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["schedule"] == "v-half" and out["max_grad_rel_diff"] < 1e-5 and len(out["loss"]) == 2
+    # Rank 0 measured the split (by time, the default) and the recomputation; every rank ran them.
+    assert out["recompute"]["layers"] == out["recompute"]["stage_layers"] and sum(out["recompute"]["layers"]) == 8
+    assert out["peak_saved_bytes"] == out["recompute"]["activation_peak_bytes"]
 
 
 @pytest.mark.parametrize(("value", "expected"), [("2", "use K,K2 such as 2,1"), ("1,2", "need 1 <= K2 <= K")])
 def test_train_offload_errors(capsys: pytest.CaptureFixture[str], value: str, expected: str) -> None:
     code = main(["train", *SMALL, "--offload", value])
+    err = capsys.readouterr().err
+    assert code == 2 and expected in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.skipif(shutil.which("torchrun", path=os.path.dirname(sys.executable)) is None, reason="no torchrun")
+def test_a_user_error_on_rank_0_stops_every_rank_under_torchrun(tmp_path: Path) -> None:
+    # Rank 0 finds the budget unreachable while measuring; the other rank must not wait for it.
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    assert torchrun is not None
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-port", "29543", "-m", "pipefold", "train",
+                           "--schedule", "1f1b", "--steps", "1", *SMALL, "--recompute", "auto",
+                           "--memory-budget", "1000"],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120, check=False)
+    assert proc.returncode != 0
+    assert proc.stderr.count("pipefold train: error: no recomputation fits 1000 bytes per device") == 2
+
+
+def test_train_recompute_table_and_json(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["train", "--schedule", "1f1b", "--steps", "1", "--model", "mlp", "--layers", "6", "--hidden", "16",
+            "--batch", "16", "--stages", "2", "--microbatches", "8", "--recompute"]
+    assert main([*argv, "full", "--json"]) == 0
+    full = json.loads(capsys.readouterr().out)
+    assert full["recompute"]["mode"] == "full" and full["recompute"]["layers"] == [3, 3]
+    assert full["peak_saved_bytes"] == full["recompute"]["activation_peak_bytes"]
+    budget = max(full["recompute"]["peak_bytes"]) * 1.02  # roomier than everything recomputed
+    assert main([*argv, "auto", "--memory-budget", f"{budget:.0f}"]) == 0
+    out = capsys.readouterr().out
+    assert "recompute auto: layers recomputed stage 0:" in out and "saved, predicted" in out and "budget" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--recompute", "auto"], "--recompute auto needs --memory-budget BYTES"),
+        (["--memory-budget", "1MB"], "with --recompute none drop it"),
+        (["--recompute", "auto", "--memory-budget", "lots"], "cannot read the memory budget 'lots'"),
+        (["--recompute", "full", "--offload", "2,1"], "--recompute and --offload do not combine yet"),
+        (["--recompute", "auto", "--memory-budget", "1000"], "the smallest reachable budget is"),
+    ],
+)
+def test_train_recompute_errors(capsys: pytest.CaptureFixture[str], argv: list[str], expected: str) -> None:
+    code = main(["train", *SMALL, *argv])
     err = capsys.readouterr().err
     assert code == 2 and expected in err and len(err.strip().splitlines()) == 1

@@ -162,8 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run one process with the same model and data; print the largest differences")
     p.add_argument("--trace", metavar="FILE", help="write the measured per-rank timeline as Chrome trace JSON")
     p.add_argument("--plot", metavar="FILE", help="draw the measured Gantt chart above the simulated one")
-    p.add_argument("--partition", choices=["even", "params", "time", "memory"], default="even",
-                   help="split layers into stages evenly by count (default) or balanced by a measured cost")
+    p.add_argument("--partition", choices=["time", "params", "memory", "even"], default="time",
+                   help="split layers into stages balanced by measured forward+backward time (default), by "
+                        "parameters or memory, or evenly by count")
     p.add_argument("--recompute", choices=["none", "full", "auto"], default="none",
                    help="activation recomputation: none, full (every layer), or auto: per stage just enough layers "
                         "that each device fits --memory-budget (default none)")

@@ -113,7 +113,7 @@ def parse_bytes(text: str) -> float:
 
 def measure_stages(stages: Sequence[nn.Sequential], sample: torch.Tensor, target: Any,
                    loss_fn: Callable[..., torch.Tensor], *, microbatches: int = 1,
-                   optimizer_factor: float = 2.0, repeats: int = 3) -> list[StageProfile]:
+                   optimizer_factor: float = 2.0, repeats: int = 5) -> list[StageProfile]:
     """Run each stage on one sample microbatch with r = 0..layers recomputed layers, as the runtime would.
 
     ``stages`` are the model's stages in pipeline order (the last computes ``loss_fn`` against
@@ -142,6 +142,7 @@ def measure_stages(stages: Sequence[nn.Sequential], sample: torch.Tensor, target
         layer_times, h = [], x
         with torch.no_grad():
             for layer in stage:
+                run_layers([layer], h)  # warm-up: allocator and kernel caches
                 times = []
                 for _ in range(repeats):
                     start = time.perf_counter()

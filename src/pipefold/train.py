@@ -23,7 +23,15 @@ from pipefold.models import get_model, split_layers
 from pipefold.models.data import Batches, load_corpus
 from pipefold.models.mlp import MLPConfig, mlp_input, mlp_target
 from pipefold.recompute import MODES, OPTIMIZER_STATE, RecomputePlan, measure_stages, plan_recompute
-from pipefold.runtime.launch import Job, RankReport, run_local, run_torchrun
+from pipefold.runtime.launch import (
+    Job,
+    RankReport,
+    agree,
+    join_torchrun_group,
+    leave_torchrun_group,
+    run_local,
+    run_torchrun,
+)
 from pipefold.runtime.stage import Chain
 
 
@@ -61,8 +69,9 @@ class TrainConfig:
     seed: int = 0
     offload: tuple[int, int] | None = None
     """(k, k'): each stage keeps at most k of its layers' parameters on the device, evicting k' at once."""
-    partition: str = "even"
-    """How layers are split into stages: 'even' by count, or balanced by 'params', 'time' or 'memory'."""
+    partition: str = "time"
+    """How layers are split into stages: balanced by measured 'time' (the default), 'params' or 'memory', or
+    'even' by count."""
     recompute: str = "none"
     """Activation recomputation: 'none', 'full' (every layer) or 'auto' (per stage, to fit ``memory_budget``)."""
     memory_budget: float | None = None
@@ -81,8 +90,17 @@ def build_schedule(config: TrainConfig) -> Schedule:
     return schedules.build(config.schedule, config.stages, config.microbatches, **dict(config.options))
 
 
-def make_job(config: TrainConfig, *, save_grads_of_step: int | None = None) -> Job:
-    """Check the configuration and describe the job every rank will run."""
+Decisions = tuple[tuple[tuple[int, ...], ...], RecomputePlan | None]
+"""What make_job measures and decides: the layers of each stage and the recomputation plan."""
+
+
+def make_job(config: TrainConfig, *, save_grads_of_step: int | None = None,
+             decided: Decisions | None = None) -> Job:
+    """Check the configuration and describe the job every rank will run.
+
+    Splitting by time and planning recomputation measure the model; ``decided`` passes in
+    what another process measured, so that every rank of one job runs the same split.
+    """
     schedule = build_schedule(config)
     if config.batch % config.microbatches:
         raise ConfigError(f"a batch of {config.batch} does not split into {config.microbatches} microbatches; "
@@ -102,12 +120,17 @@ def make_job(config: TrainConfig, *, save_grads_of_step: int | None = None) -> J
         raise ConfigError(f"{config.schedule} on {config.stages} devices has {schedule.stages} stages but the model "
                           f"has {cfg.num_layers} layers, so at most {cfg.num_layers} stages: use --stages "
                           f"{max(1, cfg.num_layers // per_device)} or fewer, or more --layers")
-    layer_stages = _layer_stages(config, cfg, schedule)
     build = functools.partial(spec.build_layers, cfg, seed=config.seed)
     extra: dict[str, Any] = {"num_layers": cfg.num_layers}
+    plan = None
+    if decided is not None:
+        layer_stages, plan = decided
+    else:
+        layer_stages = _layer_stages(config, cfg, schedule)
+        if config.recompute != "none" or config.memory_budget is not None:
+            plan = _plan_recompute(config, schedule, layer_stages, build, spec.loss, batch_at)
     recompute = None
-    if config.recompute != "none" or config.memory_budget is not None:
-        plan = _plan_recompute(config, schedule, layer_stages, build, spec.loss, batch_at)
+    if plan is not None:
         recompute, extra["recompute"] = plan.layers, plan
     return Job(schedule=schedule, layer_stages=layer_stages, build_layers=build, loss_fn=spec.loss,
                batch_at=batch_at, steps=config.steps, lr=config.lr, optimizer=config.optimizer, clip=config.clip,
@@ -156,8 +179,29 @@ def train(config: TrainConfig, *, check: bool = False,
 
 def train_torchrun(config: TrainConfig, *, check: bool = False,
                    on_step: Callable[[int, float, float], None] | None = None) -> tuple[Job, list[RankReport] | None]:
-    """This process's rank of the job, as torchrun started it; rank 0 gets every rank's report."""
-    job = make_job(config, save_grads_of_step=0 if check else None)
+    """This process's rank of the job, as torchrun started it; rank 0 gets every rank's report.
+
+    Rank 0 measures and decides the split and the recomputation; the others take its decisions
+    (measured times differ from process to process, and every rank must run the same split).
+    """
+    rank, _ = join_torchrun_group()
+    grads_step = 0 if check else None
+    job = None
+    if rank == 0:
+        try:
+            job = make_job(config, save_grads_of_step=grads_step)
+            message: tuple[str, Any] = ("ok", (job.layer_stages, job.extra.get("recompute")))
+        except ConfigError as exc:
+            message = ("error", str(exc))  # the other ranks stop with the same line instead of waiting
+        message = agree(message)
+    else:
+        message = agree(None)
+    status, payload = message
+    if status == "error":
+        leave_torchrun_group()
+        raise ConfigError(payload)
+    if job is None:
+        job = make_job(config, save_grads_of_step=grads_step, decided=payload)
     return job, run_torchrun(job, on_step)
 
 

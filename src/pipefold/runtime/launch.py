@@ -262,26 +262,45 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def join_torchrun_group(timeout_s: float = 1800.0) -> tuple[int, int]:
+    """Join the process group torchrun set up for this process (once); return (rank, world size)."""
+    if not dist.is_initialized():
+        dist.init_process_group(_backend(), timeout=timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def agree(value: Any, src: int = 0) -> Any:
+    """Every rank gets rank ``src``'s ``value`` (any picklable object)."""
+    box = [value]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
 def run_torchrun(job: Job, on_step: Callable[[int, float, float], None] | None = None) -> list[RankReport] | None:
     """Run this process's rank of ``job`` as torchrun started it; rank 0 gets every rank's report, others None.
 
     torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; the world must
     have one process per device of the schedule, on one machine or several.
     """
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if world != job.schedule.devices:
-        from pipefold.errors import ConfigError
-
-        need = job.schedule.devices
-        raise ConfigError(f"torchrun started {world} processes but {job.schedule.name} runs on {need} devices; "
-                          f"set --nproc-per-node and --nnodes for {need} in all")
-    dist.init_process_group(_backend(), timeout=timedelta(seconds=max(job.timeout_s, 60.0)))
+    rank, world = join_torchrun_group(max(job.timeout_s, 60.0))
     try:
+        if world != job.schedule.devices:
+            from pipefold.errors import ConfigError
+
+            need = job.schedule.devices
+            raise ConfigError(f"torchrun started {world} processes but {job.schedule.name} runs on {need} devices; "
+                              f"set --nproc-per-node and --nnodes for {need} in all")
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
         report = run_rank(job, rank, world, None, on_step)
         gathered: list[Any] = [None] * world if rank == 0 else []
         dist.gather_object(report, gathered if rank == 0 else None, dst=0)
         return gathered if rank == 0 else None
     finally:
-        gc.collect()  # drop every work handle still held in a cycle, so the group's threads stop at destroy
+        leave_torchrun_group()
+
+
+def leave_torchrun_group() -> None:
+    """Destroy the process group, if any, once nothing holds its work handles any more."""
+    if dist.is_initialized():
+        gc.collect()  # drop work handles still held in a cycle, or the group's threads abort the exit
         dist.destroy_process_group()
