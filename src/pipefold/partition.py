@@ -50,14 +50,16 @@ class Partition:
 # --------------------------------------------------------------------------- measuring
 
 
-def layer_costs(layers: Sequence[nn.Module], sample: torch.Tensor, *, by: str, repeats: int = 5,
-                optimizer_factor: float = 2.0) -> list[float]:
+def layer_costs(layers: Sequence[nn.Module], sample: torch.Tensor | tuple[torch.Tensor, ...], *, by: str,
+                repeats: int = 5, optimizer_factor: float = 2.0) -> list[float]:
     """Cost of each layer: ``params`` (parameter count), ``time`` (forward+backward seconds) or ``memory`` (bytes).
 
-    ``time`` and ``memory`` run the layers in order on ``sample`` (one microbatch), each fed the
-    previous layer's output. ``memory`` is the activation bytes saved for backward (the layer's own
-    weights excluded) plus the parameter bytes times 1 + ``optimizer_factor`` (weights, gradients and
-    optimizer state; AdamW's two moments make 2 the default).
+    ``time`` and ``memory`` run the layers in order on ``sample`` (one microbatch: a tensor, or a
+    tuple for a first layer with several inputs), each fed the previous layer's output (spread
+    when it is a tuple, as from the segments of :func:`pipefold.cut.cut_model`). ``memory`` is
+    the activation bytes saved for backward (the layer's own weights excluded) plus the parameter
+    bytes times 1 + ``optimizer_factor`` (weights, gradients and optimizer state; AdamW's two
+    moments make 2 the default).
     """
     if by not in COST_KINDS:
         raise ConfigError(f"unknown cost {by!r}: choose one of {', '.join(COST_KINDS)}")
@@ -67,27 +69,33 @@ def layer_costs(layers: Sequence[nn.Module], sample: torch.Tensor, *, by: str, r
         raise ConfigError(f"repeats must be a positive integer (got {repeats!r})")
     measure = _time_layer if by == "time" else _memory_layer
     costs: list[float] = []
-    x = sample
+    x: Values = tuple(sample) if isinstance(sample, (tuple, list)) else (sample,)
     for layer in layers:
         cost, out = measure(layer, x, repeats, optimizer_factor)
         costs.append(cost)
-        x = out.detach()
+        x = tuple(t.detach() for t in out)
     return costs
 
 
-def _input(x: torch.Tensor) -> torch.Tensor:
-    """A fresh leaf copy of ``x``; floating inputs need a gradient so the backward includes the input's."""
-    x = x.detach()
-    return x.requires_grad_(True) if x.is_floating_point() else x
+Values = tuple[torch.Tensor, ...]
+"""What flows between layers: one tensor, or several (a layer may return a tuple, spread into the next)."""
 
 
-def _forward_backward(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    out = layer(_input(x))
-    out.backward(torch.ones_like(out))
+def _call(layer: nn.Module, x: Values) -> Values:
+    """Run ``layer`` on fresh leaf copies of ``x``; floating inputs get a gradient so the backward includes it."""
+    leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in x]
+    out = layer(*leaves)
+    return tuple(out) if isinstance(out, tuple) else (out,)
+
+
+def _forward_backward(layer: nn.Module, x: Values) -> Values:
+    out = _call(layer, x)
+    grads = [o for o in out if o.requires_grad]
+    torch.autograd.backward(grads, [torch.ones_like(o) for o in grads])
     return out
 
 
-def _time_layer(layer: nn.Module, x: torch.Tensor, repeats: int, _: float) -> tuple[float, torch.Tensor]:
+def _time_layer(layer: nn.Module, x: Values, repeats: int, _: float) -> tuple[float, Values]:
     """Median forward+backward seconds over ``repeats`` runs after one warm-up."""
     out = _forward_backward(layer, x)  # warm-up: allocator and kernel caches
     times = []
@@ -99,7 +107,7 @@ def _time_layer(layer: nn.Module, x: torch.Tensor, repeats: int, _: float) -> tu
     return statistics.median(times), out
 
 
-def _memory_layer(layer: nn.Module, x: torch.Tensor, _: int, optimizer_factor: float) -> tuple[float, torch.Tensor]:
+def _memory_layer(layer: nn.Module, x: Values, _: int, optimizer_factor: float) -> tuple[float, Values]:
     """Bytes saved for backward (not the layer's weights) plus parameter bytes x (1 + optimizer_factor)."""
     params = list(layer.parameters())
     own = {p.data_ptr() for p in params}
@@ -115,7 +123,7 @@ def _memory_layer(layer: nn.Module, x: torch.Tensor, _: int, optimizer_factor: f
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = layer(_input(x))
+        out = _call(layer, x)
     param_bytes = sum(p.numel() * p.element_size() for p in params)
     return float(saved + param_bytes * (1 + optimizer_factor)), out
 
