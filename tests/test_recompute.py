@@ -151,3 +151,20 @@ def test_auto_fits_the_budget_on_real_runs_and_keeps_gradients(schedule: str, st
     assert 0 < sum(plan.layers) < sum(plan.stage_layers)  # some layers recomputed, not all
     diff = compare(job, reports)
     assert diff["max_grad_rel_diff"] < 1e-6 and diff["loss_rel_diff"] < 1e-6
+
+
+@pytest.mark.parametrize(("name", "p", "m", "options"), CASES)
+def test_greedy_plan_for_many_combinations_still_fits(name: str, p: int, m: int, options: dict[str, int],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    import pipefold.recompute as recompute
+
+    schedule = build(name, p, m, **options)
+    profiles = [_profile(3, 100, 30, 500, 1.0 + s % 2) for s in range(schedule.stages)]
+    smallest = smallest_budget(schedule, profiles)
+    budget = (smallest + max(plan_recompute(schedule, profiles, "none").peak)) / 2
+    best = _brute_force(schedule, profiles, budget)
+    monkeypatch.setattr(recompute, "_EXHAUSTIVE", 1)  # every device now takes the greedy path
+    plan = plan_recompute(schedule, profiles, "auto", budget)
+    assert all(x <= budget for x in plan.peak)
+    assert best is not None
+    assert sum(pr.rerun[r] for pr, r in zip(profiles, plan.layers, strict=True)) >= best - 1e-9

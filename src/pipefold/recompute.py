@@ -44,7 +44,7 @@ MODES = ("none", "full", "auto")
 OPTIMIZER_STATE = {"sgd": 0.0, "adamw": 2.0}
 """Optimizer state per parameter, in parameter sizes (AdamW keeps two moments; plain SGD nothing)."""
 
-_EXHAUSTIVE = 20_000  # a device with more combinations of counts than this is planned greedily
+_EXHAUSTIVE = 4096  # a device with more combinations of counts than this is planned greedily (64 x 64 is not)
 
 
 @dataclass(frozen=True)

@@ -187,19 +187,26 @@ def train_torchrun(config: TrainConfig, *, check: bool = False,
     rank, _ = join_torchrun_group()
     grads_step = 0 if check else None
     job = None
+    failure: Exception | None = None
     if rank == 0:
         try:
             job = make_job(config, save_grads_of_step=grads_step)
             message: tuple[str, Any] = ("ok", (job.layer_stages, job.extra.get("recompute")))
         except ConfigError as exc:
             message = ("error", str(exc))  # the other ranks stop with the same line instead of waiting
+        except Exception as exc:  # anything else stops the other ranks too, then surfaces here unchanged
+            failure, message = exc, ("crash", f"{type(exc).__name__}: {exc}")
         message = agree(message)
     else:
         message = agree(None)
     status, payload = message
-    if status == "error":
+    if status != "ok":
         leave_torchrun_group()
-        raise ConfigError(payload)
+        if failure is not None:
+            raise failure
+        if status == "error":
+            raise ConfigError(payload)
+        raise RuntimeError(f"rank 0 failed while preparing the job: {payload}")
     if job is None:
         job = make_job(config, save_grads_of_step=grads_step, decided=payload)
     return job, run_torchrun(job, on_step)
