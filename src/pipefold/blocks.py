@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipefold.errors import ConfigError
@@ -182,7 +182,7 @@ class _Expansion:
         rows: list[list[int]] = [[-1] * horizon for _ in range(self.block.devices)]
         for i in fb:
             rows[self.device[i]][slot[i]] = i
-        memory = [_FillerMemory(row, self._is_f) for row in rows]
+        memory = [_FillerMemory(row, S * m) for row in rows]
         bound = max([max(max(self.block._alive(d)) for d in range(self.block.devices))]
                     + [mem.peak for mem in memory])
         for i in self._in_slot_order(fb):
@@ -207,9 +207,6 @@ class _Expansion:
             for t, w in enumerate(pending, start=len(row)):
                 slot[w] = t
 
-    def _is_f(self, i: int) -> bool:
-        return i < self.S * self.m
-
     def schedule(self, name: str, options: dict[str, int]) -> Schedule:
         self.squeeze()
         self.pull_forward()
@@ -227,48 +224,65 @@ class _Expansion:
 class _FillerMemory:
     """Stage activations one device holds, slot by slot, when each W fills the first idle slot after its B.
 
-    ``level[t]`` and ``pending[t]`` are the state at the start of slot t. A
-    move changes the state from its new slot on, and only until the state
-    meets the old one again, so a trial move recomputes just that stretch.
+    ``level[t]`` and ``pending[t]`` are the state at the start of slot t: activations held, and Bs
+    whose W still waits for an idle slot. A cell holds a pass number (F below ``first_b``, B from
+    it) or -1 for an idle slot. A move changes the state from its new slot on, and only until the
+    state meets the old one again, so a trial move recomputes just that stretch. The walk is the
+    hot loop of a V schedule's expansion, hence written out inline.
     """
 
-    def __init__(self, row: list[int], is_f: Callable[[int], bool]) -> None:
-        self.row, self.is_f = row, is_f
+    def __init__(self, row: list[int], first_b: int) -> None:
+        self.row, self.first_b = row, first_b
         self.level = [0] * (len(row) + 1)
         self.pending = [0] * (len(row) + 1)
         self.peak = self._run(0, len(row))
 
-    def _step(self, cell: int, level: int, pending: int) -> tuple[int, int]:
-        if cell < 0:
-            return (level - 1, pending - 1) if pending else (level, pending)
-        return (level + 1, pending) if self.is_f(cell) else (level, pending + 1)
-
     def _run(self, start: int, stop: int) -> int:
         level, pending, peak = self.level[start], self.pending[start], 0
+        row, first_b = self.row, self.first_b
         for t in range(start, stop):
-            level, pending = self._step(self.row[t], level, pending)
-            peak = max(peak, level)
+            cell = row[t]
+            if cell < 0:
+                if pending:  # an idle slot takes the oldest waiting W, which frees one activation
+                    level -= 1
+                    pending -= 1
+            elif cell < first_b:
+                level += 1
+            else:
+                pending += 1
+            if level > peak:
+                peak = level
             self.level[t + 1], self.pending[t + 1] = level, pending
         return peak
 
     def try_move(self, i: int, old: int, new: int, bound: int) -> bool:
-        """Move pass ``i`` from slot ``old`` to the idle slot ``new`` if the level stays within ``bound``."""
-        row = self.row
+        """Move pass ``i`` from slot ``old`` to the idle slot ``new`` if the level stays within ``bound``.
+
+        The new states are written as they are found (most moves succeed); a move that fails puts
+        the row back and recomputes the stretch it overwrote.
+        """
+        row, first_b, levels, pendings = self.row, self.first_b, self.level, self.pending
         row[old], row[new] = -1, i
-        level, pending = self.level[new], self.pending[new]
-        states = []
-        t = new
-        while t < len(row):
-            level, pending = self._step(row[t], level, pending)
-            if level > bound:
-                row[old], row[new] = i, -1
-                return False
+        level, pending = levels[new], pendings[new]
+        t, n = new, len(row)
+        while t < n:
+            cell = row[t]
+            if cell < 0:
+                if pending:
+                    level -= 1
+                    pending -= 1
+            elif cell < first_b:
+                level += 1
+                if level > bound:
+                    row[old], row[new] = i, -1
+                    self._run(new, t)  # the states before slot t as they were
+                    return False
+            else:
+                pending += 1
             t += 1
-            states.append((level, pending))
-            if t > old and (level, pending) == (self.level[t], self.pending[t]):
+            if t > old and level == levels[t] and pending == pendings[t]:
                 break  # back in step with the old profile: nothing later changes
-        for k, (lv, pd) in enumerate(states, start=new + 1):
-            self.level[k], self.pending[k] = lv, pd
+            levels[t], pendings[t] = level, pending
         return True
 
 

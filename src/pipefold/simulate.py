@@ -22,6 +22,7 @@ and that B takes ``r F`` longer::
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -275,24 +276,24 @@ def simulate(schedule: Schedule, cost: CostModel | None = None) -> SimResult:
         elif kind is not W_:
             b_end[idx] = end
 
-    timeline = tuple(
-        tuple(map(Interval, row, starts[d], ends[d]))
-        for d, row in enumerate(rows)
-    )
-    curves = tuple(_memory_curve(row, costs, cost.b_release) for row in timeline)
+    # tuple.__new__ on zipped triples builds the Intervals without a Python call each (hundreds of thousands).
+    make = functools.partial(tuple.__new__, Interval)
+    timeline = tuple(tuple(map(make, zip(row, starts[d], ends[d], strict=True))) for d, row in enumerate(rows))
+    deltas = {(s, kind): memory_deltas(kind, c, cost.b_release) for s, c in enumerate(costs) for kind in Kind}
+    curves = tuple(_memory_curve(rows[d], starts[d], ends[d], deltas) for d in range(D))
     return SimResult(schedule, cost, timeline, curves)
 
 
-def _memory_curve(row: tuple[Interval, ...], costs: list[StageCost],
-                  b_release: float) -> tuple[tuple[float, float], ...]:
+def _memory_curve(row: tuple[Action, ...], starts: list[float], ends: list[float],
+                  deltas: dict[tuple[int, Kind], tuple[float, float]]) -> tuple[tuple[float, float], ...]:
     """Activation memory of one device over time, as (time, level) steps."""
     events: list[tuple[float, float]] = []
-    for iv in row:
-        at_start, at_end = memory_deltas(iv.action.kind, costs[iv.action.stage], b_release)
+    for a, start, end in zip(row, starts, ends, strict=True):
+        at_start, at_end = deltas[a.stage, a.kind]
         if at_start:
-            events.append((iv.start, at_start))
+            events.append((start, at_start))
         if at_end:
-            events.append((iv.end, at_end))
+            events.append((end, at_end))
     # At equal times a release comes first: the device ended one pass before starting the next.
     events.sort()
     curve = [(0.0, 0.0)]
