@@ -25,6 +25,7 @@ def test_train_json_check_trace_plot(capsys: pytest.CaptureFixture[str], tmp_pat
     assert {"schedule", "stages", "microbatches", "loss", "step_time_s", "peak_activation_bytes",
             "max_grad_rel_diff"} <= set(out)
     assert out["schedule"] == "zb-v" and len(out["loss"]) == 3 and len(out["step_time_s"]) == 3
+    assert out["partition"] == "time" and out["boundaries"][0] == 0 and len(out["boundaries"]) == 4
     assert out["max_grad_rel_diff"] < 1e-5 and len(out["peak_activation_bytes"]) == 2
     events = json.loads(trace.read_text())["traceEvents"]
     computed = [e for e in events if e.get("cat") in ("F", "B", "W", "BW")]
@@ -36,6 +37,7 @@ def test_train_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["train", "--schedule", "1f1b", "--steps", "2", *SMALL]) == 0
     out = capsys.readouterr().out
     assert "1f1b on 2 ranks" in out and "peak activation" in out and "median step" in out
+    assert "stages start at layers 0 " in out and "(split balanced by time)" in out
 
 
 @pytest.mark.parametrize(

@@ -522,7 +522,8 @@ def _train_summary(job: Any, reports: list[Any], config: Any) -> dict[str, Any]:
     return {
         "schedule": job.schedule.name, "options": dict(job.schedule.options), "stages": job.schedule.devices,
         "model_stages": job.schedule.stages, "microbatches": job.schedule.microbatches, "model": config.model,
-        "layers": job.extra["num_layers"], "loss": losses, "step_time_s": step_time,
+        "layers": job.extra["num_layers"], "partition": config.partition,
+        "boundaries": [stage[0] for stage in job.layer_stages], "loss": losses, "step_time_s": step_time,
         "busy_s": [sum(s.busy for s in r.steps[1:] or r.steps) / max(1, len(r.steps[1:] or r.steps))
                    for r in reports],
         "peak_activation_bytes": [max(s.peak_activation_bytes for s in r.steps) for r in reports],
@@ -537,6 +538,8 @@ def _train_summary(job: Any, reports: list[Any], config: Any) -> dict[str, Any]:
 def _print_train(out: dict[str, Any], console: Console) -> None:
     console.print(f"[bold]{out['schedule']}[/] on {out['stages']} ranks, {out['microbatches']} microbatches, "
                   f"{out['model']} with {out['layers']} layers: loss {out['loss'][0]:.4f} -> {out['loss'][-1]:.4f}")
+    split = "evenly" if out["partition"] == "even" else f"balanced by {out['partition']}"
+    console.print(f"stages start at layers {' '.join(map(str, out['boundaries']))} (split {split})")
     table = Table(show_edge=False)
     for col in ("rank", "busy (s/step)", "idle (s/step)", "peak activation", "peak process memory"):
         table.add_column(col, justify="right")
