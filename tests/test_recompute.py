@@ -23,7 +23,7 @@ def _profile(layers: int, per_layer: int, boundary: int, static: int, seconds: f
     kept = tuple(per_layer * (layers - r) + (boundary if r else 0) for r in range(layers + 1))
     total = tuple(per_layer * layers + (boundary if r else 0) for r in range(layers + 1))
     rerun = tuple(seconds * r for r in range(layers + 1))
-    return StageProfile(layers, kept, total, rerun, seconds * layers, static)
+    return StageProfile(layers, kept, total, rerun, (seconds * layers, 2 * seconds * layers, seconds * layers), static)
 
 
 def _brute_force(schedule: Schedule, profiles: list[StageProfile], budget: float) -> float | None:
@@ -122,6 +122,7 @@ def test_measured_profiles_shrink_with_each_recomputed_layer() -> None:
         assert all(a > b for a, b in itertools.pairwise(prof.kept))  # each layer recomputed keeps less
         assert all(t >= k for t, k in zip(prof.total, prof.kept, strict=True))
         assert prof.rerun[0] == 0 and list(prof.rerun) == sorted(prof.rerun)
+        assert all(t > 0 for t in prof.times)
         params = sum(p.numel() * 4 for p in stages[0].parameters())
         assert prof.static == params * 4  # weights, gradients and AdamW's two moments
 

@@ -4,11 +4,11 @@ In 1F1B-like schedules the first stages hold the most microbatches at once, so
 they need recomputation (activation checkpointing) most; the last stages,
 holding one or two, often need none. Recomputing the same fraction everywhere
 wastes time on stages that already fit. Here each stage gets its own count r
-of recomputed layers, the fewest (by forward time) that bring every device's
+of recomputed layers, the cheapest (by measured rerun time) that bring every device's
 peak under the budget::
 
     measure   for each stage and each r = 0..L: bytes kept between F and B, bytes while
-              its backward runs, forward seconds of its first r layers (the rerun's cost)
+              its backward runs, and the seconds its backward takes beyond r = 0's (the rerun)
     predict   a device's peak = its weights, gradients and optimizer state
               + the activation peak of its pass order (simulate.peak_by_order)
     choose    per device, the cheapest counts for its stages whose peak fits
@@ -57,9 +57,9 @@ class StageProfile:
     total: tuple[int, ...]
     """Bytes it holds while its backward runs (kept plus the rebuilt activations), for each r."""
     rerun: tuple[float, ...]
-    """Seconds of forward its backward spends again (the first r layers), for each r."""
-    forward: float
-    """Seconds of the stage's whole forward."""
+    """Seconds its backward spends rebuilding the first r layers' activations, for each r (measured)."""
+    times: tuple[float, float, float]
+    """Seconds of the stage's F, B and W without recomputation (medians)."""
     static: int
     """Bytes of its weights, their gradients and the optimizer state."""
 
@@ -79,7 +79,7 @@ class RecomputePlan:
     """Per device: predicted peak bytes of activations held for backward."""
     budget: float | None
     step_time: float
-    """Simulated step time with this recomputation (taking B = W = F of each stage)."""
+    """Simulated step time with this recomputation, from each stage's measured F, B, W and rerun."""
     step_time_without: float
     """The same without recomputation."""
     profiles: tuple[StageProfile, ...] = ()
@@ -118,42 +118,46 @@ def measure_stages(stages: Sequence[nn.Sequential], sample: torch.Tensor, target
 
     ``stages`` are the model's stages in pipeline order (the last computes ``loss_fn`` against
     ``target``); each stage is fed the previous stage's output. Kept and total bytes are read
-    from the stage runner's own meter; forward times are medians of ``repeats`` runs.
+    from the stage runner's own meter; times are medians of ``repeats`` runs after a warm-up, and
+    a count's rerun time is its backward's time beyond the backward without recomputation.
     """
-    from pipefold.runtime.stage import StageRunner, run_layers
+    from pipefold.runtime.stage import StageRunner
 
     profiles: list[StageProfile] = []
     x: tuple[torch.Tensor, ...] = (sample,)
     last = len(stages) - 1
     for s, stage in enumerate(stages):
         n = len(stage)
-        kept, total = [], []
+        kept, total, backward = [], [], []
+        times, h = (0.0, 0.0, 0.0), x
         for r in range(n + 1):
             runner = StageRunner(stage, loss_fn=loss_fn if s == last else None, recompute=r)
-            out = runner.forward(0, x, target if s == last else None, scale=1.0 / microbatches)
-            kept.append(runner.meter.current)
-            grads = None if s == last else tuple(torch.ones_like(o) for o in out if o.is_floating_point())
-            runner.meter.reset_peak()
-            runner.backward_input(0, grads)
-            runner.backward_weight(0)  # a first stage (integer input) rebuilds only here: B has nothing to do
-            total.append(runner.meter.peak)
+            runs = []
+            for k in range(repeats + 1):  # the first run is a warm-up, and the one whose bytes count
+                t0 = time.perf_counter()
+                out = runner.forward(k, x, target if s == last else None, scale=1.0 / microbatches)
+                t1 = time.perf_counter()
+                if k == 0:
+                    kept.append(runner.meter.current)
+                    runner.meter.reset_peak()
+                grads = None if s == last else tuple(torch.ones_like(o) for o in out if o.is_floating_point())
+                runner.backward_input(k, grads)
+                t2 = time.perf_counter()
+                runner.backward_weight(k)  # a first stage (integer input) rebuilds only here: B has nothing to do
+                runs.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
+                if k == 0:
+                    total.append(runner.meter.peak)
+            f, b, w = (statistics.median(v) for v in zip(*runs[1:], strict=True))
+            backward.append(b + w)
+            if r == 0:
+                times, h = (f, b, w), out
         stage.zero_grad(set_to_none=True)
-        # Per-layer forward seconds, in order, each fed its predecessor's output.
-        layer_times, h = [], x
-        with torch.no_grad():
-            for layer in stage:
-                run_layers([layer], h)  # warm-up: allocator and kernel caches
-                times = []
-                for _ in range(repeats):
-                    start = time.perf_counter()
-                    out = run_layers([layer], h)
-                    times.append(time.perf_counter() - start)
-                layer_times.append(statistics.median(times))
-                h = out if isinstance(out, tuple) else (out,)
-        rerun = tuple(itertools.accumulate(layer_times, initial=0.0))
+        # What the backward spends on rebuilding: its time beyond the backward that keeps everything.
+        # More recomputed layers never cost less, so noise is evened out upwards.
+        rerun = tuple(itertools.accumulate((max(0.0, t - backward[0]) for t in backward), max))
         params = sum(p.numel() * p.element_size() for p in stage.parameters())
         static = int(params * (2 + optimizer_factor))  # weights, gradients, optimizer state
-        profiles.append(StageProfile(n, tuple(kept), tuple(total), rerun, rerun[-1], static))
+        profiles.append(StageProfile(n, tuple(kept), tuple(total), rerun, times, static))
         x = h
     return profiles
 
@@ -162,12 +166,13 @@ def measure_stages(stages: Sequence[nn.Sequential], sample: torch.Tensor, target
 
 
 def _costs(profiles: Sequence[StageProfile], layers: Sequence[int]) -> dict[int, StageCost]:
-    return {s: StageCost(f=p.forward, b=p.forward, w=p.forward, memory=p.total[r], kept=p.kept[r])
+    return {s: StageCost(f=0, b=0, w=0, memory=p.total[r], kept=p.kept[r])
             for s, (p, r) in enumerate(zip(profiles, layers, strict=True))}
 
 
 def _step_time(schedule: Schedule, profiles: Sequence[StageProfile], layers: Sequence[int]) -> float:
-    over = {s: StageOverride(f=p.forward, b=p.forward, w=p.forward, memory=float(p.total[r]),
+    """Simulated step time from the measured F, B and W of each stage plus its rerun."""
+    over = {s: StageOverride(f=p.times[0], b=p.times[1], w=p.times[2], memory=float(p.total[r]),
                              kept=float(p.kept[r]), recompute=p.rerun[r])
             for s, (p, r) in enumerate(zip(profiles, layers, strict=True))}
     return simulate(schedule, CostModel(stage_overrides=over)).makespan
