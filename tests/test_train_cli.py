@@ -58,15 +58,22 @@ def test_train_user_errors(capsys: pytest.CaptureFixture[str], argv: list[str], 
     assert code == 2 and expected in err and len(err.strip().splitlines()) == 1
 
 
-@pytest.mark.skipif(shutil.which("torchrun", path=os.path.dirname(sys.executable)) is None, reason="no torchrun")
-def test_same_command_under_torchrun(tmp_path: Path) -> None:
-    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
-    assert torchrun is not None
+TORCHRUN = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+needs_torchrun = pytest.mark.skipif(TORCHRUN is None, reason="no torchrun")
+
+
+def _torchrun_train(tmp_path: Path, port: int, argv: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """``pipefold train ARGV`` on 2 processes started by torchrun."""
+    assert TORCHRUN is not None
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-port", "29541", "-m", "pipefold", "train",
-                           "--schedule", "v-half", "--steps", "2", *SMALL, "--layers", "8", "--check", "--json",
-                           "--recompute", "full"],
-                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=240, check=False)
+    return subprocess.run([TORCHRUN, "--nproc-per-node", "2", "--master-port", str(port), "-m", "pipefold", "train",
+                           *argv], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=timeout, check=False)
+
+
+@needs_torchrun
+def test_same_command_under_torchrun(tmp_path: Path) -> None:
+    proc = _torchrun_train(tmp_path, 29541, ["--schedule", "v-half", "--steps", "2", *SMALL, "--layers", "8",
+                                             "--check", "--json", "--recompute", "full"], timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["schedule"] == "v-half" and out["max_grad_rel_diff"] < 1e-5 and len(out["loss"]) == 2
@@ -82,16 +89,11 @@ def test_train_offload_errors(capsys: pytest.CaptureFixture[str], value: str, ex
     assert code == 2 and expected in err and len(err.strip().splitlines()) == 1
 
 
-@pytest.mark.skipif(shutil.which("torchrun", path=os.path.dirname(sys.executable)) is None, reason="no torchrun")
+@needs_torchrun
 def test_a_user_error_on_rank_0_stops_every_rank_under_torchrun(tmp_path: Path) -> None:
     # Rank 0 finds the budget unreachable while measuring; the other rank must not wait for it.
-    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
-    assert torchrun is not None
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-port", "29543", "-m", "pipefold", "train",
-                           "--schedule", "1f1b", "--steps", "1", *SMALL, "--recompute", "auto",
-                           "--memory-budget", "1000"],
-                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120, check=False)
+    proc = _torchrun_train(tmp_path, 29543, ["--schedule", "1f1b", "--steps", "1", *SMALL, "--recompute", "auto",
+                                             "--memory-budget", "1000"], timeout=120)
     assert proc.returncode != 0
     assert proc.stderr.count("pipefold train: error: no recomputation fits 1000 bytes per device") == 2
 

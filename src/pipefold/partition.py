@@ -20,6 +20,7 @@ from torch import nn
 
 from pipefold.errors import ConfigError
 from pipefold.ir import v_placement
+from pipefold.runtime.stage import as_leaves, as_tuple
 
 __all__ = ["COST_KINDS", "Partition", "layer_costs", "model_sample", "partition"]
 
@@ -83,9 +84,7 @@ Values = tuple[torch.Tensor, ...]
 
 def _call(layer: nn.Module, x: Values) -> Values:
     """Run ``layer`` on fresh leaf copies of ``x``; floating inputs get a gradient so the backward includes it."""
-    leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in x]
-    out = layer(*leaves)
-    return tuple(out) if isinstance(out, tuple) else (out,)
+    return as_tuple(layer(*as_leaves(x)))
 
 
 def _forward_backward(layer: nn.Module, x: Values) -> Values:

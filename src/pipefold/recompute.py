@@ -165,9 +165,10 @@ def measure_stages(stages: Sequence[nn.Sequential], sample: torch.Tensor, target
 # --------------------------------------------------------------------------- planning
 
 
-def _costs(profiles: Sequence[StageProfile], layers: Sequence[int]) -> dict[int, StageCost]:
-    return {s: StageCost(f=0, b=0, w=0, memory=p.total[r], kept=p.kept[r])
-            for s, (p, r) in enumerate(zip(profiles, layers, strict=True))}
+def _memory(profiles: Sequence[StageProfile], stages: Sequence[int], counts: Sequence[int]) -> dict[int, StageCost]:
+    """The memory each of ``stages`` holds with its count of recomputed layers (times play no part)."""
+    return {s: StageCost(f=0, b=0, w=0, memory=profiles[s].total[r], kept=profiles[s].kept[r])
+            for s, r in zip(stages, counts, strict=True)}
 
 
 def _step_time(schedule: Schedule, profiles: Sequence[StageProfile], layers: Sequence[int]) -> float:
@@ -190,7 +191,7 @@ def plan_recompute(schedule: Schedule, profiles: Sequence[StageProfile], mode: s
     if mode != "auto" and budget is not None:
         raise ConfigError(f"--memory-budget is what --recompute auto fits; with --recompute {mode} drop it")
     devices = range(schedule.devices)
-    owned = [[s for s in range(schedule.stages) if schedule.stage_to_device[s] == d] for d in devices]
+    owned = [schedule.stages_of(d) for d in devices]
     static = [sum(profiles[s].static for s in owned[d]) for d in devices]
     every = tuple(p.layers for p in profiles)
     if mode == "none":
@@ -226,14 +227,14 @@ def smallest_budget(schedule: Schedule, profiles: Sequence[StageProfile]) -> flo
     """The least bytes per device that some recomputation fits: the largest device's least reachable total."""
     out = 0.0
     for d in range(schedule.devices):
-        owned = [s for s in range(schedule.stages) if schedule.stage_to_device[s] == d]
+        owned = schedule.stages_of(d)
         least = _fit_device(schedule.actions[d], owned, profiles, 0.0)[1]
         out = max(out, sum(profiles[s].static for s in owned) + least)
     return out
 
 
 def _peaks(schedule: Schedule, profiles: Sequence[StageProfile], layers: Sequence[int]) -> list[float]:
-    costs = _costs(profiles, layers)
+    costs = _memory(profiles, range(schedule.stages), layers)
     return [peak_by_order(row, costs) for row in schedule.actions]
 
 
@@ -246,9 +247,7 @@ def _fit_device(actions: Sequence[Any], stages: list[int], profiles: Sequence[St
     input and rebuilds the rest anyway, so every combination is tried where there are few enough.
     """
     def peak(counts: Sequence[int]) -> float:
-        costs = {s: StageCost(f=0, b=0, w=0, memory=profiles[s].total[r], kept=profiles[s].kept[r])
-                 for s, r in zip(stages, counts, strict=True)}
-        return peak_by_order(actions, costs)
+        return peak_by_order(actions, _memory(profiles, stages, counts))
 
     def rerun(counts: Sequence[int]) -> float:
         return sum(profiles[s].rerun[r] for s, r in zip(stages, counts, strict=True))

@@ -279,7 +279,7 @@ def simulate(schedule: Schedule, cost: CostModel | None = None) -> SimResult:
     # tuple.__new__ on zipped triples builds the Intervals without a Python call each (hundreds of thousands).
     make = functools.partial(tuple.__new__, Interval)
     timeline = tuple(tuple(map(make, zip(row, starts[d], ends[d], strict=True))) for d, row in enumerate(rows))
-    deltas = {(s, kind): memory_deltas(kind, c, cost.b_release) for s, c in enumerate(costs) for kind in Kind}
+    deltas = _delta_table(dict(enumerate(costs)), cost.b_release)
     curves = tuple(_memory_curve(rows[d], starts[d], ends[d], deltas) for d in range(D))
     return SimResult(schedule, cost, timeline, curves)
 
@@ -325,6 +325,11 @@ def memory_deltas(kind: Kind, cost: StageCost, b_release: float) -> tuple[float,
     return rebuilt, -cost.memory
 
 
+def _delta_table(costs: Mapping[int, StageCost], b_release: float) -> dict[tuple[int, Kind], tuple[float, float]]:
+    """:func:`memory_deltas` of every (stage, kind), worked out once for a pass over many actions."""
+    return {(s, kind): memory_deltas(kind, c, b_release) for s, c in costs.items() for kind in Kind}
+
+
 def peak_by_order(actions: Sequence[Action], costs: Mapping[int, StageCost], b_release: float = 0.0) -> float:
     """The peak activation memory of one device running ``actions`` in order, without timing them.
 
@@ -332,9 +337,10 @@ def peak_by_order(actions: Sequence[Action], costs: Mapping[int, StageCost], b_r
     only; this is :func:`simulate`'s peak for that device, at a fraction of the cost, for
     searches that try many memory costs on one schedule.
     """
+    deltas = _delta_table(costs, b_release)
     level = peak = 0.0
     for a in actions:
-        at_start, at_end = memory_deltas(a.kind, costs[a.stage], b_release)
+        at_start, at_end = deltas[a.stage, a.kind]
         level += at_start
         peak = max(peak, level)
         level += at_end

@@ -28,7 +28,7 @@ from pipefold.runtime.launch import (
     RankReport,
     agree,
     join_torchrun_group,
-    leave_torchrun_group,
+    leave_group,
     run_local,
     run_torchrun,
 )
@@ -201,7 +201,7 @@ def train_torchrun(config: TrainConfig, *, check: bool = False,
         message = agree(None)
     status, payload = message
     if status != "ok":
-        leave_torchrun_group()
+        leave_group()
         if failure is not None:
             raise failure
         if status == "error":

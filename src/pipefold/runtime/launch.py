@@ -223,7 +223,7 @@ def _spawned(rank: int, job: Job, world: int, port: int, out_dir: str, progress:
         run_rank(job, rank, world, out_dir, on_step=lambda *a: progress.put(a))
         dist.barrier()
     finally:
-        dist.destroy_process_group()
+        leave_group()
 
 
 def run_local(job: Job, on_step: Callable[[int, float, float], None] | None = None) -> list[RankReport]:
@@ -296,11 +296,11 @@ def run_torchrun(job: Job, on_step: Callable[[int, float, float], None] | None =
         dist.gather_object(report, gathered if rank == 0 else None, dst=0)
         return gathered if rank == 0 else None
     finally:
-        leave_torchrun_group()
+        leave_group()
 
 
-def leave_torchrun_group() -> None:
-    """Destroy the process group, if any, once nothing holds its work handles any more."""
+def leave_group() -> None:
+    """Destroy the process group, if any, once nothing holds its work handles any more (spawned or torchrun)."""
     if dist.is_initialized():
         gc.collect()  # drop work handles still held in a cycle, or the group's threads abort the exit
         dist.destroy_process_group()

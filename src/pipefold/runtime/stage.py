@@ -45,6 +45,11 @@ def as_tuple(x: torch.Tensor | Sequence[torch.Tensor]) -> Tensors:
     return (x,) if isinstance(x, torch.Tensor) else tuple(x)
 
 
+def as_leaves(xs: Sequence[torch.Tensor]) -> Tensors:
+    """Fresh leaf copies of ``xs``; the floating ones take a gradient, so a backward can ask for theirs alone."""
+    return tuple(x.detach().requires_grad_(x.is_floating_point()) for x in xs)
+
+
 def run_layers(layers: Iterable[nn.Module], xs: tuple[Any, ...]) -> Any:
     """Apply layers in turn; a layer may take and return a tuple of tensors (spread as arguments)."""
     out: Any = xs
@@ -370,16 +375,14 @@ class StageRunner:
 
     def forward(self, mb: int, inputs: Tensors, target: Any = None, *, scale: float = 1.0) -> Tensors:
         """F: run the stage; keep what backward needs. On the last stage return (loss,) scaled by ``scale``."""
-        leaves = tuple(
-            x.detach().requires_grad_(x.is_floating_point()) for x in inputs
-        )  # leaves, so B can ask for their gradient alone
+        leaves = as_leaves(inputs)  # leaves, so B can ask for their gradient alone
         saved = 0
         # Weights saved for backward (a Linear keeps its weight) are not activation memory: skip them.
-        weights = {p.untyped_storage().data_ptr() for p in self.module.parameters()}
+        weights = {_storage(p) for p in self.module.parameters()}
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             nonlocal saved
-            if t.device.type != "meta" and t.untyped_storage().data_ptr() not in weights:
+            if t.device.type != "meta" and _storage(t) not in weights:
                 saved += t.untyped_storage().nbytes()
             return t
 
@@ -409,7 +412,7 @@ class StageRunner:
             if listener is not None:
                 setattr(listener, "on_saved", None)  # noqa: B010
         # The outputs stay alive until backward too (they are the roots B starts from).
-        saved += sum(o.untyped_storage().nbytes() for o in out if o.untyped_storage().data_ptr() not in weights)
+        saved += sum(o.untyped_storage().nbytes() for o in out if _storage(o) not in weights)
         self.meter.add(saved)
         self.bytes_per_microbatch = max(self.bytes_per_microbatch, saved)
         self._passes[mb] = _Pass(leaves, out, saved, rebuild=rebuild)
