@@ -6,7 +6,7 @@ import itertools
 import math
 
 import pytest
-from hypothesis import assume, given
+from hypothesis import given
 from hypothesis import strategies as st
 
 from pipefold import ConfigError, build, simulate, validate
@@ -14,16 +14,23 @@ from pipefold.blocks import BuildingBlock, v_block
 from pipefold.ir import linear_placement, v_placement
 from pipefold.schedules import get
 
-GAPS = st.tuples(*[st.integers(1, 3)] * 5)
 
-
-def _block(p: int, gaps: tuple[int, int, int, int, int]) -> BuildingBlock:
+def _block(p: int, gaps: tuple[int, ...]) -> BuildingBlock:
     f0, f1, b0, b1, turn = gaps
+    return v_block(p, f_gaps=(f0, f1), b_gaps=(b0, b1), b_turn=turn)
+
+
+def _has_block(p: int, gaps: tuple[int, ...]) -> bool:
     try:
-        return v_block(p, f_gaps=(f0, f1), b_gaps=(b0, b1), b_turn=turn)
+        _block(p, gaps)
     except ConfigError:
-        assume(False)
-        raise
+        return False
+    return True
+
+
+# Four in five gap choices admit no collision-free block; drawing only from those that do
+# keeps hypothesis from discarding most of what it generates.
+BLOCKS = [(p, gaps) for p in range(1, 13) for gaps in itertools.product((1, 2, 3), repeat=5) if _has_block(p, gaps)]
 
 
 def _alive_by_brute_force(block: BuildingBlock, repeats: int) -> list[int]:
@@ -53,9 +60,9 @@ def test_v_min_block_matches_the_paper() -> None:
     assert b.lifespan(0) == b.w[0] + 1 - b.f[0] == 18
 
 
-@given(p=st.integers(1, 10), gaps=GAPS)
-def test_predicted_peak_is_the_repeats_true_peak(p: int, gaps: tuple[int, int, int, int, int]) -> None:
-    block = _block(p, gaps)
+@given(case=st.sampled_from([(p, gaps) for p, gaps in BLOCKS if p <= 10]))
+def test_predicted_peak_is_the_repeats_true_peak(case: tuple[int, tuple[int, ...]]) -> None:
+    block = _block(*case)
     repeats = math.ceil(max(block.w) / block.interval) + 3
     mem = block.stage_memory()
     assert block.predicted_peak() == [x * mem for x in _alive_by_brute_force(block, repeats)]
@@ -63,9 +70,10 @@ def test_predicted_peak_is_the_repeats_true_peak(p: int, gaps: tuple[int, int, i
     assert all(a <= b + 1e-9 for a, b in zip(block.predicted_peak(), block.lifespan_bound(), strict=True))
 
 
-@given(p=st.integers(1, 12), data=st.data(), gaps=GAPS)
-def test_block_prediction_equals_simulated_peak(p: int, data: st.DataObject, gaps: tuple[int, ...]) -> None:
-    block = _block(p, gaps)  # type: ignore[arg-type]
+@given(case=st.sampled_from(BLOCKS), data=st.data())
+def test_block_prediction_equals_simulated_peak(case: tuple[int, tuple[int, ...]], data: st.DataObject) -> None:
+    p, gaps = case
+    block = _block(p, gaps)
     m = data.draw(st.integers(1, 40), label="m")
     s = block.to_schedule(m, "v-block")
     validate(s)

@@ -28,10 +28,13 @@ Turning a block into a schedule (``BuildingBlock.to_schedule``):
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from pipefold.errors import ConfigError
 from pipefold.ir import Action, Kind, Schedule, v_placement
@@ -126,42 +129,44 @@ _KINDS = (Kind.F, Kind.B, Kind.W)
 
 
 class _Expansion:
-    """One block expanded to m microbatches: the slot of every pass, refined step by step."""
+    """One block expanded to m microbatches: the slot of every pass, refined step by step.
+
+    Whatever has no sequential dependency (numbering, repeating, sorting, building the
+    actions) is done on numpy arrays; the steps where each pass depends on earlier ones walk lists.
+    """
 
     def __init__(self, block: BuildingBlock, m: int) -> None:
         self.block, self.m = block, m
         S = block.stages
         self.S = S
-        self.device = [block.stage_to_device[(i // m) % S] for i in range(3 * S * m)]
-        offsets = (block.f, block.b, block.w)
+        ids = np.arange(3 * S * m)
+        kind, self.stage = ids // (S * m), (ids // m) % S
+        self.device: list[int] = np.asarray(block.stage_to_device)[self.stage].tolist()
+        offsets = np.array([block.f, block.b, block.w])
         # 1. Repeat: microbatch j's passes are the block's, j*T slots later.
-        self.slot = [offsets[i // (S * m)][(i // m) % S] + block.interval * (i % m) for i in range(3 * S * m)]
+        self.slot: list[int] = (offsets[kind, self.stage] + block.interval * (ids % m)).tolist()
+        # The passes whose results each pass needs (the dependency chain of pipefold.ir), at most
+        # two, with len(ids) for none: that index holds a slot of -1, which never delays anything.
+        none = len(ids)
+        first = np.where(kind == _F, ids - m, ids - S * m)
+        first[(kind == _F) & (self.stage == 0)] = none
+        second = np.where((kind == _B) & (self.stage + 1 < S), ids + m, none)
+        self.inputs: tuple[list[int], list[int]] = (first.tolist(), second.tolist())
+        self.slot.append(-1)
 
-    def _inputs(self, i: int) -> tuple[int, ...]:
-        """Passes whose results pass ``i`` needs (see the dependency chain in pipefold.ir)."""
-        S, m = self.S, self.m
-        kind, stage = divmod(i // m, S)
-        if kind == _F:
-            return (i - m,) if stage > 0 else ()
-        if kind == _W:
-            return (i - S * m,)
-        return (i - S * m, i + m) if stage + 1 < S else (i - S * m,)
-
-    def _in_slot_order(self, ids: list[int]) -> list[int]:
-        S, m, slot = self.S, self.m, self.slot
-        # Inputs always sit in earlier slots; ties (other devices) by stage.
-        return sorted(ids, key=lambda i: slot[i] * S + (i // m) % S)
+    def _in_slot_order(self, count: int) -> list[int]:
+        """The first ``count`` passes by slot; inputs always sit in earlier slots, ties (other devices) by stage."""
+        key = np.asarray(self.slot[:count]) * self.S + self.stage[:count]
+        return np.argsort(key, kind="stable").tolist()
 
     def squeeze(self) -> None:
         """2. Keep each device's order; start every pass at the first slot its device and inputs allow."""
         free = [0] * self.block.devices
         slot, device = self.slot, self.device
-        for i in self._in_slot_order(list(range(len(slot)))):
+        first, second = self.inputs
+        for i in self._in_slot_order(len(device)):
             d = device[i]
-            t = free[d]
-            for x in self._inputs(i):
-                if slot[x] >= t:
-                    t = slot[x] + 1
+            t = max(free[d], slot[first[i]] + 1, slot[second[i]] + 1)
             slot[i] = t
             free[d] = t + 1
 
@@ -176,22 +181,22 @@ class _Expansion:
         (:class:`_FillerMemory`), and a move is kept only while no device goes
         above the schedule's peak: the block's, in stage activations.
         """
-        S, m, slot = self.S, self.m, self.slot
-        fb = list(range(2 * S * m))  # F and B passes come first in the numbering
+        S, m, slot, device = self.S, self.m, self.slot, self.device
+        fb = range(2 * S * m)  # F and B passes come first in the numbering
         horizon = max(slot[i] for i in fb) + 1
         rows: list[list[int]] = [[-1] * horizon for _ in range(self.block.devices)]
         for i in fb:
-            rows[self.device[i]][slot[i]] = i
+            rows[device[i]][slot[i]] = i
         memory = [_FillerMemory(row, S * m) for row in rows]
         bound = max([max(max(self.block._alive(d)) for d in range(self.block.devices))]
                     + [mem.peak for mem in memory])
-        for i in self._in_slot_order(fb):
+        first, second = self.inputs
+        none = len(device)
+        for i in self._in_slot_order(len(fb)):
             old = slot[i]
-            ready = slot[i - 1] + 1 if i % m else 0  # the previous microbatch's same pass stays first
-            for x in self._inputs(i):
-                if slot[x] >= ready:
-                    ready = slot[x] + 1
-            row, mem = rows[self.device[i]], memory[self.device[i]]
+            previous = i - 1 if i % m else none  # the previous microbatch's same pass stays first
+            ready = max(slot[previous] + 1, slot[first[i]] + 1, slot[second[i]] + 1)
+            row, mem = rows[device[i]], memory[device[i]]
             for t in range(ready, old):
                 if row[t] < 0 and mem.try_move(i, old, t, bound):
                     slot[i] = t
@@ -210,15 +215,16 @@ class _Expansion:
     def schedule(self, name: str, options: dict[str, int]) -> Schedule:
         self.squeeze()
         self.pull_forward()
-        S, m = self.S, self.m
-        rows: list[list[tuple[int, int]]] = [[] for _ in range(self.block.devices)]
-        for i, t in enumerate(self.slot):
-            rows[self.device[i]].append((t, i))
-        actions = []
-        for row in rows:
-            row.sort()
-            actions.append(tuple(Action((i // m) % S, _KINDS[i // (S * m)], i % m) for _, i in row))
-        return Schedule(name, self.block.devices, S, m, self.block.stage_to_device, tuple(actions), options)
+        S, m, D = self.S, self.m, self.block.devices
+        device = np.asarray(self.device)
+        order = np.lexsort((np.asarray(self.slot[:-1]), device))  # by device, then slot
+        # tuple.__new__ over zipped columns makes the Actions without a Python call each.
+        make = functools.partial(tuple.__new__, Action)
+        kinds = map(_KINDS.__getitem__, (order // (S * m)).tolist())
+        flat = list(map(make, zip(self.stage[order].tolist(), kinds, (order % m).tolist(), strict=True)))
+        ends = np.cumsum(np.bincount(device, minlength=D)).tolist()
+        actions = tuple(tuple(flat[a:b]) for a, b in zip([0, *ends], ends, strict=False))
+        return Schedule(name, D, S, m, self.block.stage_to_device, actions, options)
 
 
 class _FillerMemory:

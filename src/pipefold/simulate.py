@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from pipefold._gc import paused_gc
 from pipefold.errors import ConfigError
 from pipefold.ir import Action, Kind, Schedule, execution_order
 
@@ -225,6 +226,7 @@ def _round(x: float) -> float:
     return round(x, 9)
 
 
+@paused_gc()
 def simulate(schedule: Schedule, cost: CostModel | None = None) -> SimResult:
     """Predict the timeline of ``schedule`` under ``cost`` (unit costs by default).
 

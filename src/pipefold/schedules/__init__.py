@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pipefold._gc import paused_gc
 from pipefold.errors import ConfigError
 from pipefold.ir import Schedule
 from pipefold.schedules.controllable import v_block_schedule, v_half, v_min, v_zb
@@ -131,7 +132,8 @@ def build(name: str, stages: int, microbatches: int, **options: Any) -> Schedule
         raise ConfigError(f"{name} needs at least {least} microbatches on {stages} stages (got {microbatches}); "
                           f"use --microbatches {least} or more")
     resolved = _resolve_options(spec, options)
-    return spec.build(stages, microbatches, **resolved)
+    with paused_gc():
+        return spec.build(stages, microbatches, **resolved)
 
 
 def _check_positive(label: str, value: Any) -> None:
