@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pipefold import Action, Schedule, ScheduleError, build, validate
+from pipefold import Action, Schedule, ScheduleError, build, simulate, validate
 from pipefold.ir import BW, B, F, W, describe_placement, linear_placement, looped_placement, render_grid, v_placement
 
 
@@ -145,3 +145,22 @@ def test_grid_shows_a_window_of_long_schedules() -> None:
     lines = grid.splitlines()
     assert len(lines) == 3
     assert "..." in lines[1] and f">{s.actions[0][50]}<" in lines[1]
+
+
+BROKEN = [
+    [[F(0, 0), BW(0, 1), F(0, 1), BW(0, 0)], [F(1, 0), F(1, 1), BW(1, 0), BW(1, 1)]],  # order on one device
+    [[F(0, 0), BW(0, 0), F(0, 1), BW(0, 1)], [F(1, 1), F(1, 0), BW(1, 0), BW(1, 1)]],  # cross-device deadlock
+    [[F(0, 0), W(0, 0), B(0, 0), F(0, 1), BW(0, 1)], [F(1, 0), BW(1, 0), F(1, 1), BW(1, 1)]],  # W before B
+    [[F(0, 0), BW(0, 0), F(0, 1)], [F(1, 0), BW(1, 0), F(1, 1), BW(1, 1)]],  # a backward missing
+]
+
+
+@pytest.mark.parametrize("rows", BROKEN)
+def test_simulate_rejects_what_validate_rejects_with_the_same_message(rows: list[list[Action]]) -> None:
+    # The simulator times passes in its own traversal; a schedule it cannot finish is reported by validate's.
+    bad = _two_stage(rows, m=2)
+    with pytest.raises(ScheduleError) as expected:
+        validate(bad)
+    with pytest.raises(ScheduleError) as got:
+        simulate(bad)
+    assert got.value.message == expected.value.message and got.value.report == expected.value.report

@@ -31,6 +31,7 @@ __all__ = [
     "Kind",
     "Schedule",
     "describe_placement",
+    "check_structure",
     "execution_order",
     "linear_placement",
     "looped_placement",
@@ -468,7 +469,7 @@ def _position_of(schedule: Schedule, action: Action) -> tuple[int, int]:
     raise LookupError(action)
 
 
-def _check_structure(schedule: Schedule) -> None:
+def check_structure(schedule: Schedule) -> None:
     """Ranges, placement and counts: each (stage, microbatch) has one F and one backward."""
     S, M = schedule.stages, schedule.microbatches
     seen = {kind: bytearray(S * M) for kind in Kind}  # indexed by stage * M + microbatch
@@ -530,7 +531,7 @@ def execution_order(schedule: Schedule) -> list[tuple[int, int]]:
     simulator can compute times by visiting actions in it. Raises
     :class:`ScheduleError` for the first violation found.
     """
-    _check_structure(schedule)
+    check_structure(schedule)
     S, M = schedule.stages, schedule.microbatches
     SM = S * M
     rows = schedule.actions

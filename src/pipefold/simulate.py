@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import functools
 import math
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from pipefold._gc import paused_gc
 from pipefold.errors import ConfigError
-from pipefold.ir import Action, Kind, Schedule, execution_order
+from pipefold.ir import Action, Kind, Schedule, check_structure, execution_order
 
 __all__ = ["CostModel", "Interval", "SimResult", "StageCost", "StageOverride", "memory_deltas", "peak_by_order",
            "simulate"]
@@ -237,53 +238,100 @@ def simulate(schedule: Schedule, cost: CostModel | None = None) -> SimResult:
     outside = sorted(s for s in cost.stage_overrides if not 0 <= s < S)
     if outside:
         raise ConfigError(f"a stage cost override names stage {outside[0]}, but {schedule.name} has stages 0..{S - 1}")
-    order = execution_order(schedule)  # validates, and gives an order in which inputs come first
+    check_structure(schedule)
     costs = [cost.stage_cost(s, S, D) for s in range(S)]
-    device_of = schedule.stage_to_device
-    transfer = cost.transfer_time
+    starts, ends = _times(schedule, costs, cost.transfer_time)
     rows = schedule.actions
-    M = schedule.microbatches
-
-    starts = [[0.0] * len(row) for row in rows]
-    ends = [[0.0] * len(row) for row in rows]
-    free = [0.0] * D
-    # End times indexed by stage * M + microbatch: of forwards, and of backwards (B or BW).
-    f_end = [0.0] * (S * M)
-    b_end = [0.0] * (S * M)
-    F_, W_, B_ = Kind.F, Kind.W, Kind.B
-    for device, pos in order:
-        s, kind, mb = rows[device][pos]
-        idx = s * M + mb
-        c = costs[s]
-        ready = free[device]
-        if kind is F_:
-            duration = c.f
-            if s > 0:
-                arrival = f_end[idx - M] + (transfer if device_of[s - 1] != device else 0.0)
-                ready = arrival if arrival > ready else ready
-        elif kind is W_:
-            duration = c.w
-            ready = max(ready, b_end[idx])
-        else:
-            duration = c.b if kind is B_ else c.bw
-            ready = max(ready, f_end[idx])
-            if s + 1 < S:
-                arrival = b_end[idx + M] + (transfer if device_of[s + 1] != device else 0.0)
-                ready = arrival if arrival > ready else ready
-        end = ready + duration
-        starts[device][pos], ends[device][pos] = ready, end
-        free[device] = end
-        if kind is F_:
-            f_end[idx] = end
-        elif kind is not W_:
-            b_end[idx] = end
-
     # tuple.__new__ on zipped triples builds the Intervals without a Python call each (hundreds of thousands).
     make = functools.partial(tuple.__new__, Interval)
     timeline = tuple(tuple(map(make, zip(row, starts[d], ends[d], strict=True))) for d, row in enumerate(rows))
     deltas = _delta_table(dict(enumerate(costs)), cost.b_release)
     curves = tuple(_memory_curve(rows[d], starts[d], ends[d], deltas) for d in range(D))
     return SimResult(schedule, cost, timeline, curves)
+
+
+def _times(schedule: Schedule, costs: list[StageCost], transfer: float) -> tuple[list[list[float]], list[list[float]]]:
+    """Start and end of every action, per device and position; a schedule that cannot run raises.
+
+    The traversal of :func:`pipefold.ir.execution_order`, timing each pass as it goes: a device
+    runs its actions in order until one waits for a pass not yet done, and is woken when that
+    pass is done. Each pass starts when its device is free and its inputs have arrived. If the
+    traversal stops short, ``execution_order`` finds and reports the first violation.
+    """
+    S, D, M = schedule.stages, schedule.devices, schedule.microbatches
+    SM = S * M
+    rows, device_of = schedule.actions, schedule.stage_to_device
+    starts = [[0.0] * len(row) for row in rows]
+    ends = [[0.0] * len(row) for row in rows]
+    # End times indexed by stage * M + microbatch, -1 until done: of forwards, and of the
+    # backwards (B or BW) that send a gradient upstream. Waiting devices are keyed by the pass
+    # they wait for: idx for a forward, SM + idx for a backward.
+    f_end = [-1.0] * SM
+    b_end = [-1.0] * SM
+    free = [0.0] * D
+    heads = [0] * D
+    waiting: dict[int, list[int]] = {}
+    queue = deque(range(D))
+    F_, W_, B_ = Kind.F, Kind.W, Kind.B
+    done = 0
+    while queue:
+        device = queue.popleft()
+        row, pos, n = rows[device], heads[device], len(rows[device])
+        row_starts, row_ends = starts[device], ends[device]
+        ready = free[device]
+        while pos < n:
+            s, kind, mb = row[pos]
+            idx = s * M + mb
+            c = costs[s]
+            if kind is F_:
+                if s > 0:
+                    arrival = f_end[idx - M]
+                    if arrival < 0:
+                        waiting.setdefault(idx - M, []).append(device)
+                        break
+                    arrival += transfer if device_of[s - 1] != device else 0.0
+                    ready = arrival if arrival > ready else ready
+                end = ready + c.f
+                f_end[idx] = end
+                key = idx
+            elif kind is W_:
+                arrival = b_end[idx]
+                if arrival < 0:
+                    waiting.setdefault(SM + idx, []).append(device)
+                    break
+                ready = arrival if arrival > ready else ready
+                end = ready + c.w
+                key = -1  # nothing waits on a W
+            else:
+                arrival = f_end[idx]
+                if arrival < 0:
+                    waiting.setdefault(idx, []).append(device)
+                    break
+                if s + 1 < S:
+                    gradient = b_end[idx + M]
+                    if gradient < 0:
+                        waiting.setdefault(SM + idx + M, []).append(device)
+                        break
+                    gradient += transfer if device_of[s + 1] != device else 0.0
+                    arrival = gradient if gradient > arrival else arrival
+                ready = arrival if arrival > ready else ready
+                end = ready + (c.b if kind is B_ else c.bw)
+                b_end[idx] = end
+                key = SM + idx
+            row_starts[pos], row_ends[pos] = ready, end
+            ready = end
+            pos += 1
+            if key >= 0:
+                woken = waiting.pop(key, None)
+                if woken:
+                    queue.extend(woken)
+        free[device] = ready
+        done += pos - heads[device]
+        heads[device] = pos
+    if done != schedule.num_actions:
+        execution_order(schedule)  # raises ScheduleError naming the first violation
+        raise AssertionError(f"{schedule.name}: the traversal stopped but the schedule validates")
+    return starts, ends
 
 
 def _memory_curve(row: tuple[Action, ...], starts: list[float], ends: list[float],
