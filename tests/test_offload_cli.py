@@ -71,6 +71,8 @@ def test_table_output(capsys: pytest.CaptureFixture[str]) -> None:
     (["--budget", "1000"], "largest layer, layer 1 (block 0) of 199936 bytes"),
     (["--budget", "1000", "--model", "mlp", "--hidden", "8"], "largest layer, layer 0 of"),
     (["--budget", "100000000", "--k", "2"], "either --budget or --k"),
+    (["--budget", "lots"], "cannot read --budget 'lots': give bytes such as 2000000, 2e6, 1.5MB or 64MiB"),
+    (["--budget", "1kB"], "a budget of 1000 bytes cannot hold"),
     (["--steps", "0"], "--steps must be at least 1"),
     (["--hidden", "30", "--heads", "4"], "multiple of --heads"),
     (["--k", "x"], "invalid int value"),

@@ -11,11 +11,12 @@ from hypothesis import strategies as st
 
 from pipefold.errors import ConfigError
 from pipefold.ir import Schedule
-from pipefold.recompute import StageProfile, measure_stages, parse_bytes, plan_recompute, smallest_budget
+from pipefold.recompute import StageProfile, measure_stages, plan_recompute, smallest_budget
 from pipefold.runtime.stage import Chain
 from pipefold.schedules import build
 from pipefold.simulate import CostModel, StageOverride, simulate
 from pipefold.train import TrainConfig, compare, make_job, train
+from pipefold.units import format_bytes, parse_bytes
 
 
 def _profile(layers: int, per_layer: int, boundary: int, static: int, seconds: float) -> StageProfile:
@@ -108,6 +109,12 @@ def test_parse_bytes(text: str, value: float) -> None:
 def test_parse_bytes_rejects_with_examples(text: str) -> None:
     with pytest.raises(ConfigError, match="give bytes such as 2000000, 2e6, 1.5MB or 64MiB"):
         parse_bytes(text)
+
+
+@pytest.mark.parametrize(("n", "text"), [(0, "0 B"), (1023, "1023 B"), (1024, "1.0 KiB"), (299520, "292.5 KiB"),
+                                         (2.7 * 2**20, "2.7 MiB"), (3 * 2**30, "3.0 GiB"), (2**50, "1048576.0 GiB")])
+def test_format_bytes(n: float, text: str) -> None:
+    assert format_bytes(n) == text
 
 
 def test_measured_profiles_shrink_with_each_recomputed_layer() -> None:

@@ -19,6 +19,7 @@ from pipefold.errors import ConfigError, PipefoldError, ScheduleError
 from pipefold.ir import Schedule
 from pipefold.plan import PlanResult, one_f_one_b_peak, parse_budget, plan
 from pipefold.simulate import CostModel, SimResult, StageOverride, simulate
+from pipefold.units import format_bytes, parse_bytes
 
 DEFAULT_SCHEDULE = "zb-h1"
 DEFAULT_STAGES = 4
@@ -130,8 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(p, layers=24, layers_help="default 24", batch=8, batch_help="batch")
     p.add_argument("--k", type=int, default=None, help="most offloaded layers on the device at once (default 2)")
     p.add_argument("--kprime", type=int, default=None, help="layers evicted together, 1..k (default 1)")
-    p.add_argument("--budget", type=int, default=None, metavar="BYTES",
-                   help="parameter bytes allowed on the device, embedding and head included: picks k and k'")
+    p.add_argument("--budget", default=None, metavar="BYTES",
+                   help="parameter bytes allowed on the device, embedding and head included (2e6, 1.5MB, 64MiB): "
+                        "picks k and k'")
     p.add_argument("--train", action="store_true", help="also run SGD steps and compare gradients and weights")
     p.add_argument("--steps", type=int, default=3, help="steps to run and time (default 3)")
     p.add_argument("--seed", type=int, default=0)
@@ -439,7 +441,6 @@ def _print_plan(answer: PlanResult, args: argparse.Namespace, console: Console) 
 
 
 def cmd_train(args: argparse.Namespace, console: Console) -> None:
-    from pipefold.recompute import parse_bytes
     from pipefold.runtime.launch import under_torchrun
     from pipefold.train import TrainConfig, compare, train, train_torchrun
 
@@ -546,7 +547,7 @@ def _print_train(out: dict[str, Any], console: Console) -> None:
     typical = sorted(out["step_time_s"][1:] or out["step_time_s"])[len(out["step_time_s"][1:] or [0]) // 2]
     for rank, busy in enumerate(out["busy_s"]):
         table.add_row(str(rank), f"{busy:.3f}", f"{max(0.0, typical - busy):.3f}",
-                      _bytes(out["peak_activation_bytes"][rank]), _bytes(out["peak_process_bytes"][rank]))
+                      format_bytes(out["peak_activation_bytes"][rank]), format_bytes(out["peak_process_bytes"][rank]))
     console.print(table)
     if "recompute" in out:
         _print_recompute(out["recompute"], out["peak_saved_bytes"], console)
@@ -566,19 +567,12 @@ def _print_recompute(plan: dict[str, Any], measured: list[int], console: Console
     table = Table(show_edge=False, caption="static: weights, gradients and optimizer state; saved: activations "
                                            "held for backward (tensors in transit between ranks come on top)")
     for col in ("rank", "static", "saved, predicted", "measured", "total" if budget is None
-                else f"total (budget {_bytes(budget)})"):
+                else f"total (budget {format_bytes(budget)})"):
         table.add_column(col, justify="right")
     for d, (static, act) in enumerate(zip(plan["static_bytes"], plan["activation_peak_bytes"], strict=True)):
-        table.add_row(str(d), _bytes(static), _bytes(act), _bytes(measured[d]), _bytes(static + measured[d]))
+        row = (static, act, measured[d], static + measured[d])
+        table.add_row(str(d), *map(format_bytes, row))
     console.print(table)
-
-
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} GiB"
 
 
 def cmd_offload(args: argparse.Namespace, console: Console) -> None:
@@ -587,12 +581,11 @@ def cmd_offload(args: argparse.Namespace, console: Console) -> None:
     case = make_case(args.model, args.layers, args.hidden, args.heads, args.batch, args.seq, args.seed)
     if args.steps < 1:
         raise ConfigError(f"--steps must be at least 1 (got {args.steps})")
-    if args.budget is not None:
+    budget = None if args.budget is None else int(parse_bytes(args.budget, "--budget"))
+    if budget is not None:
         if args.k is not None or args.kprime is not None:
             raise ConfigError("give either --budget or --k/--kprime, not both: --budget picks k and k'")
-        if args.budget < 1:
-            raise ConfigError(f"--budget must be a positive number of bytes (got {args.budget})")
-        k, kprime = pick_k(case, args.budget)
+        k, kprime = pick_k(case, budget)
     else:
         k = 2 if args.k is None else args.k
         kprime = 1 if args.kprime is None else args.kprime
@@ -601,20 +594,20 @@ def cmd_offload(args: argparse.Namespace, console: Console) -> None:
         if not 1 <= kprime <= k:
             raise ConfigError(f"--kprime must be from 1 to --k={k} (got {kprime})")
     out = run_check(case, k, kprime, train=args.train, steps=args.steps)
-    if args.budget is not None:
-        out["budget"] = args.budget
+    if budget is not None:
+        out["budget"] = budget
     if args.json:
         print(json.dumps(out))
         return
     t = out["step_time_s"]
     console.print(f"[bold]{out['model']}[/] with {out['layers']} blocks, width {out['hidden']}, on {out['device']}: "
-                  f"k={k}, k'={kprime}" + (f" (picked for a budget of {_bytes(args.budget)})" if args.budget else ""))
+                  f"k={k}, k'={kprime}" + (f" (picked for a budget of {format_bytes(budget)})" if budget else ""))
     table = Table(show_edge=False)
     table.add_column("")
     table.add_column("offloaded", justify="right")
     table.add_column("plain", justify="right")
-    table.add_row("parameter bytes on the device (peak)", _bytes(out["peak_resident_bytes"]),
-                  _bytes(out["full_model_bytes"]))
+    table.add_row("parameter bytes on the device (peak)", format_bytes(out["peak_resident_bytes"]),
+                  format_bytes(out["full_model_bytes"]))
     table.add_row("  of the full model", f"{out['resident_ratio']:.1%}", "100.0%")
     table.add_row(f"time per {'training ' if args.train else 'forward '}step (median of {args.steps})",
                   f"{t['offloaded'] * 1e3:.2f} ms", f"{t['plain'] * 1e3:.2f} ms")
@@ -660,7 +653,7 @@ def cmd_partition(args: argparse.Namespace, console: Console) -> None:
     for s, part in enumerate(split.parts):
         table.add_row(str(s), str(devices[s]), f"{part[0]}-{part[-1]}" if len(part) > 1 else str(part[0]),
                       f"{int(totals['params'][s]):,}", f"{totals['time'][s] * 1e3:.2f} ms",
-                      _bytes(totals["memory"][s]))
+                      format_bytes(totals["memory"][s]))
     console.print(table)
     unit = {"params": "params", "time": "s", "memory": "bytes"}[args.by]
     console.print(f"bottleneck (largest device {args.by}): {_fmt(split.bottleneck)} {unit}; "

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import re
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -34,8 +33,9 @@ from torch import nn
 from pipefold.errors import ConfigError
 from pipefold.ir import Schedule
 from pipefold.simulate import CostModel, StageCost, StageOverride, peak_by_order, simulate
+from pipefold.units import format_bytes
 
-__all__ = ["MODES", "RecomputePlan", "StageProfile", "measure_stages", "parse_bytes", "plan_recompute",
+__all__ = ["MODES", "RecomputePlan", "StageProfile", "measure_stages", "plan_recompute",
            "smallest_budget"]
 
 MODES = ("none", "full", "auto")
@@ -94,18 +94,6 @@ class RecomputePlan:
         return {"mode": self.mode, "layers": list(self.layers), "stage_layers": list(self.stage_layers),
                 "budget": self.budget, "static_bytes": self.static, "activation_peak_bytes": self.activation_peak,
                 "peak_bytes": self.peak, "step_time": self.step_time, "step_time_without": self.step_time_without}
-
-
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30}
-
-
-def parse_bytes(text: str) -> float:
-    """'2000000', '2e6', '1.5MB', '64MiB' -> bytes."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*", str(text).lower())
-    if match is None or match.group(2) not in _UNITS or float(match.group(1)) <= 0:
-        raise ConfigError(f"cannot read the memory budget {text!r}: give bytes such as 2000000, 2e6, 1.5MB or 64MiB")
-    return float(match.group(1)) * _UNITS[match.group(2)]
 
 
 # --------------------------------------------------------------------------- measuring
@@ -215,7 +203,7 @@ def plan_recompute(schedule: Schedule, profiles: Sequence[StageProfile], mode: s
             raise ConfigError(
                 f"no recomputation fits {budget:.0f} bytes per device: device {d} needs at least {need:.0f} "
                 f"({static[d]} of them weights, gradients and optimizer state) however many layers it recomputes; "
-                f"the smallest reachable budget is {_fmt_bytes(reachable)}")
+                f"the smallest reachable budget is {reachable:.0f} bytes ({format_bytes(reachable)})")
         layers = tuple(chosen)
     peaks = _peaks(schedule, profiles, layers)
     return RecomputePlan(mode, layers, every, static, [int(x) for x in peaks], budget,
@@ -278,9 +266,3 @@ def _fit_device(actions: Sequence[Any], stages: list[int], profiles: Sequence[St
     return counts, least
 
 
-def _fmt_bytes(n: float) -> str:
-    """'2786312 bytes (2.79 MB)'."""
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= size:
-            return f"{n:.0f} bytes ({n / size:.3g} {unit})"
-    return f"{n:.0f} bytes"
