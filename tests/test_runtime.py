@@ -78,6 +78,10 @@ def test_user_errors_are_config_errors() -> None:
         gpt_loss(torch.zeros(2, 5, 256), torch.zeros(2, 4, dtype=torch.long))
     with pytest.raises(ConfigError, match="a batch of 10 does not split into 8 microbatches"):
         make_job(TrainConfig(schedule="1f1b", stages=2, microbatches=8, model="mlp", layers=4, batch=10))
+    # Checked in the launcher, before any rank starts (they used to fail on every rank at once).
+    with pytest.raises(ConfigError, match="unknown optimizer 'adam': use sgd or adamw, or pass a function"):
+        make_job(TrainConfig(schedule="1f1b", stages=2, model="mlp", layers=4, batch=8, optimizer="adam",
+                             partition="even"))
 
 
 class _Boom(torch.nn.Linear):
@@ -92,7 +96,7 @@ def _layers_with_a_bomb(indices: list[int]) -> dict[int, torch.nn.Module]:
     return {i: (_Boom() if i == 2 else torch.nn.Linear(4, 4)) for i in indices}
 
 
-def test_an_error_on_one_rank_stops_them_all() -> None:
+def test_an_error_on_one_rank_stops_them_all(caplog: pytest.LogCaptureFixture) -> None:
     import time
 
     from pipefold.runtime.launch import RankError
@@ -104,6 +108,8 @@ def test_an_error_on_one_rank_stops_them_all() -> None:
         run_local(job)
     assert time.perf_counter() - start < 30
     assert "Traceback" in err.value.details and err.value.rank == 2
+    # The error says it all: no warning per terminated rank from torch's spawn around it.
+    assert not [r for r in caplog.records if "Terminating process" in r.getMessage()]
 
 
 def _linear_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -48,6 +48,9 @@ def test_train_table(capsys: pytest.CaptureFixture[str]) -> None:
         (["--batch", "6"], "a batch of 6 does not split into 4 microbatches"),
         (["--plot", "x.pdf"], "use a .png or .svg file"),
         (["--steps", "0"], "--steps must be at least 1"),
+        (["--lr", "-1"], "the learning rate must be a finite number >= 0 (got -1.0)"),
+        (["--lr", "nan"], "the learning rate must be a finite number >= 0 (got nan)"),
+        (["--clip", "0"], "clip is the largest global gradient norm (--clip): a number > 0 (got 0.0)"),
     ],
 )
 def test_train_user_errors(capsys: pytest.CaptureFixture[str], argv: list[str], expected: str) -> None:

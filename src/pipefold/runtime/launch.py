@@ -14,6 +14,8 @@ other ranks and re-raises the original error with the rank that raised it.
 from __future__ import annotations
 
 import gc
+import logging
+import math
 import os
 import pickle
 import socket
@@ -29,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipefold.errors import ConfigError
 from pipefold.ir import Schedule
 from pipefold.runtime.executor import RankExecutor, StepStats
 from pipefold.runtime.stage import Chain
@@ -45,6 +48,10 @@ class RankError(RuntimeError):
         super().__init__(f"rank {rank} failed: {lines[-1].strip() if lines else 'unknown error'}")
         self.rank = rank
         self.details = details
+
+
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}
+"""The optimizers a Job names as text, each made with the Job's learning rate."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,6 +79,18 @@ class Job:
     """For each stage, how many of its first layers recompute their activations in backward."""
     timeout_s: float = 30.0
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # Checked here, in the launcher, so that a bad value is one line before any rank starts.
+        if self.steps < 1:
+            raise ConfigError(f"steps must be at least 1 (got {self.steps})")
+        if not (math.isfinite(self.lr) and self.lr >= 0):
+            raise ConfigError(f"the learning rate must be a finite number >= 0 (got {self.lr})")
+        if self.clip is not None and not (math.isfinite(self.clip) and self.clip > 0):
+            raise ConfigError(f"clip is the largest global gradient norm (--clip): a number > 0 (got {self.clip})")
+        if not callable(self.optimizer) and self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"unknown optimizer {self.optimizer!r}: use {' or '.join(OPTIMIZERS)}, "
+                              "or pass a function that makes one from a list of parameters")
 
 
 @dataclass
@@ -178,11 +197,7 @@ def _optimizer(job: Job, params: list[nn.Parameter]) -> torch.optim.Optimizer | 
         return None  # a rank whose stages have no weights has nothing to step
     if callable(job.optimizer):
         return job.optimizer(params)
-    if job.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=job.lr)
-    if job.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=job.lr)
-    raise ValueError(f"unknown optimizer {job.optimizer!r}: use sgd or adamw")
+    return OPTIMIZERS[job.optimizer](params, lr=job.lr)
 
 
 def _clip_global(params: list[nn.Parameter], max_norm: float) -> None:
@@ -236,6 +251,21 @@ def run_local(job: Job, on_step: Callable[[int, float, float], None] | None = No
 
     world = job.schedule.devices
     queue = mp.get_context("spawn").SimpleQueue()
+    # When a rank fails, torch logs a warning for each rank it then terminates; the RankError
+    # raised below already says what happened, in one line.
+    spawn_log = logging.getLogger("torch.multiprocessing.spawn")
+    level = spawn_log.level
+    spawn_log.setLevel(logging.ERROR)
+    try:
+        return _run_spawned(job, world, queue, on_step)
+    finally:
+        spawn_log.setLevel(level)
+
+
+def _run_spawned(job: Job, world: int, queue: Any, on_step: Callable[[int, float, float], None] | None
+                 ) -> list[RankReport]:
+    import torch.multiprocessing as mp
+
     with tempfile.TemporaryDirectory(prefix="pipefold-") as out_dir:
         context = mp.spawn(_spawned, args=(job, world, _free_port(), out_dir, queue), nprocs=world, join=False)
         done = False
@@ -285,8 +315,6 @@ def run_torchrun(job: Job, on_step: Callable[[int, float, float], None] | None =
     rank, world = join_torchrun_group(max(job.timeout_s, 60.0))
     try:
         if world != job.schedule.devices:
-            from pipefold.errors import ConfigError
-
             need = job.schedule.devices
             raise ConfigError(f"torchrun started {world} processes but {job.schedule.name} runs on {need} devices; "
                               f"set --nproc-per-node and --nnodes for {need} in all")
