@@ -413,8 +413,9 @@ class Offloaded(nn.Module):
         slot = self._slots[i]
 
         def pack(t: torch.Tensor) -> Any:
+            # Never ``t`` itself (see StageRunner.forward): a node saving its own output would hold itself.
             if slot.copies is None or t.layout != torch.strided or t.numel() == 0:
-                return t
+                return t.detach()
             ptr = t.untyped_storage().data_ptr()
             for j, c in enumerate(slot.copies):
                 if c.dtype == t.dtype and c.untyped_storage().data_ptr() == ptr:
@@ -426,7 +427,7 @@ class Offloaded(nn.Module):
                 host = torch.empty_like(t, device="cpu", pin_memory=torch.cuda.is_available())
                 host.copy_(t, non_blocking=True)
                 return _OnHost(host, t.device)
-            return t
+            return t.detach()
         return pack
 
     def _unpack(self, saved: Any) -> torch.Tensor:

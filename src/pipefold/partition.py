@@ -119,7 +119,7 @@ def _memory_layer(layer: nn.Module, x: Values, _: int, optimizer_factor: float) 
         if t.data_ptr() not in own and key not in seen:
             seen.add(key)
             saved += t.numel() * t.element_size()
-        return t
+        return t.detach()  # the graph is dropped unused: it must not hold itself through a saved output
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = _call(layer, x)

@@ -124,7 +124,7 @@ class _Rebuild:
 
     def pack(self, t: torch.Tensor) -> torch.Tensor | int:
         if self._kept(t):
-            return t
+            return t.detach()
         self.count += 1
         return self.count - 1
 
@@ -142,7 +142,10 @@ class _Rebuild:
         def record(t: torch.Tensor) -> torch.Tensor:
             if not self._kept(t):
                 saves.append(t.detach())  # the data only: the rerun's own graph is dropped
-            return t
+            # The rerun's graph never runs backward, so what it stores is never unpacked. It must not be
+            # ``t`` itself: a node that saves its own output would then hold itself through the output's
+            # grad_fn, a cycle inside autograd that no collector frees, leaking every rerun.
+            return t.detach()
 
         xs = tuple(x.detach().requires_grad_(x.requires_grad) for x in self.inputs)
         with torch.enable_grad(), _restored_rng(self.rng), torch.autograd.graph.saved_tensors_hooks(record, _same):
@@ -384,7 +387,9 @@ class StageRunner:
             nonlocal saved
             if t.device.type != "meta" and _storage(t) not in weights:
                 saved += t.untyped_storage().nbytes()
-            return t
+            # Not ``t`` itself: a node that saves its own output would hold itself through the output's grad_fn.
+            # Backward frees that cycle as it runs a node, but B and W each run only part of the graph.
+            return t.detach()
 
         # An Offloaded stage's layers install saved-tensor hooks of their own, which hide their saves from
         # ours: such a module reports each save to ``on_saved`` instead.
