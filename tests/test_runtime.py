@@ -10,6 +10,7 @@ import torch
 from pipefold import names
 from pipefold.errors import ConfigError
 from pipefold.models import GPTConfig, build_gpt_layers, gpt_loss, split_layers
+from pipefold.runtime.comm import HEADER, MAX_TENSORS
 from pipefold.runtime.launch import Job, run_local
 from pipefold.schedules import build
 from pipefold.train import TrainConfig, compare, make_job, reference_step, train
@@ -219,3 +220,36 @@ def test_stages_balanced_by_parameters_keep_the_gradients() -> None:
     want = partition(layer_costs(layers, sample, by="params"), 4, placement=job.schedule.stage_to_device)
     assert [list(s) for s in job.layer_stages] == want.parts
     assert job.layer_stages != tuple(tuple(s) for s in split_layers(8, 4))  # the big head moved the split
+
+
+def _two_shapes(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Steps 0 and 1 share a sequence length, step 2 has another: headers go out in steps 0 and 2 only."""
+    g = torch.Generator().manual_seed(step)
+    x = torch.randint(0, 256, (8, (8, 8, 12)[step] + 1), generator=g)
+    return x[:, :-1], x[:, 1:]
+
+
+@pytest.mark.parametrize(("name", "ranks"), [("1f1b", 4), ("interleaved-1f1b", 2), ("looped-bfs", 2), ("kfkb", 4),
+                                             ("zb-h2", 4), ("zb-v", 2), ("v-half", 4), ("v-min", 4)])
+def test_each_neighbour_receives_in_the_order_it_sends(name: str, ranks: int) -> None:
+    # NCCL ignores tags and pairs the messages between two ranks by order alone, so every rank must
+    # post a neighbour's receives in exactly the order that neighbour posts its sends: data, gradients
+    # and shape headers, in steps with new shapes and without. (gloo matches by tag and would hide a
+    # mismatch, so the order is checked here directly, from what each rank posted.)
+    schedule = build(name, ranks, 2 * ranks)
+    cfg = GPTConfig(n_layer=schedule.stages, n_embd=16, n_head=2, block_size=16)
+    layer_stages = tuple(tuple(s) for s in split_layers(cfg.num_layers, schedule.stages))
+    job = Job(schedule=schedule, layer_stages=layer_stages, build_layers=functools.partial(build_gpt_layers, cfg),
+              loss_fn=gpt_loss, batch_at=_two_shapes, steps=3, log_messages=True)
+    reports = run_local(job)
+    for step in range(3):
+        sent: dict[tuple[int, int], list[int]] = {}
+        received: dict[tuple[int, int], list[int]] = {}
+        for r in reports:
+            for op, peer, tag in r.steps[step].messages:
+                link = (r.rank, peer) if op == "send" else (peer, r.rank)
+                (sent if op == "send" else received).setdefault(link, []).append(tag)
+        assert sent and sent == received
+        headers = sum(1 for r in reports for op, _, tag in r.steps[step].messages
+                      if op == "send" and tag >= HEADER * schedule.stages * schedule.microbatches * MAX_TENSORS)
+        assert (headers > 0) == (step != 1)

@@ -1,9 +1,14 @@
-"""Point-to-point transfers between pipeline ranks: tagged, non-blocking, with metadata only when shapes change.
+"""Point-to-point transfers between pipeline ranks: non-blocking, with metadata only when shapes change.
 
-Every message is one tensor of one stage boundary for one microbatch, tagged
-uniquely, so receives can be posted ahead in any order and matched by tag::
+Every message is one tensor of one stage boundary for one microbatch, with a
+unique tag::
 
     tag = ((direction * S + stage) * M + microbatch) * MAX_TENSORS + index
+
+gloo matches a receive to a send by tag, but NCCL ignores tags and matches the
+messages between two ranks by their order alone. So the executor posts each
+neighbour's receives in the order that neighbour sends (see
+``pipefold.runtime.executor``), and the tags only double-check it on gloo.
 
 A forward link (stage s -> s+1 on another rank) carries the activations; the
 receiver must know their shapes to allocate buffers. All microbatches of a step
@@ -61,21 +66,40 @@ def encode_header(metas: tuple[Meta, ...]) -> torch.Tensor:
 
 
 def decode_header(h: torch.Tensor) -> tuple[Meta, ...]:
+    values = h.tolist()  # one copy to the host when the header came over a GPU link
     metas = []
-    for i in range(int(h[0])):
+    for i in range(values[0]):
         base = 1 + i * (2 + MAX_DIMS)
-        ndim = int(h[base + 1])
-        metas.append(Meta(tuple(int(x) for x in h[base + 2: base + 2 + ndim]), _DTYPES[int(h[base])]))
+        ndim = values[base + 1]
+        metas.append(Meta(tuple(values[base + 2: base + 2 + ndim]), _DTYPES[values[base]]))
     return tuple(metas)
 
 
 class Links:
-    """The tagged sends and receives of one rank, with every work handle kept until waited on."""
+    """The sends and receives of one rank, with every work handle kept until waited on.
 
-    def __init__(self, stages: int, microbatches: int, device: torch.device) -> None:
+    With ``log`` set, every send and receive is recorded as ("send" or "recv", peer, tag) when posted.
+    """
+
+    def __init__(self, stages: int, microbatches: int, device: torch.device, *, log: bool = False) -> None:
         self.S, self.M = stages, microbatches
         self.device = device
         self._pending_sends: list[tuple[dist.Work, torch.Tensor, int]] = []  # (work, tensor, direction)
+        self.log: list[tuple[str, int, int]] | None = [] if log else None
+
+    def _isend(self, t: torch.Tensor, peer: int, tag: int) -> dist.Work:
+        if self.log is not None:
+            self.log.append(("send", peer, tag))
+        work = dist.isend(t, peer, tag=tag)
+        assert work is not None
+        return work
+
+    def _irecv(self, t: torch.Tensor, peer: int, tag: int) -> dist.Work:
+        if self.log is not None:
+            self.log.append(("recv", peer, tag))
+        work = dist.irecv(t, peer, tag=tag)
+        assert work is not None
+        return work
 
     def tag(self, direction: int, stage: int, microbatch: int, index: int) -> int:
         return ((direction * self.S + stage) * self.M + microbatch) * MAX_TENSORS + index
@@ -85,8 +109,7 @@ class Links:
         """Post the sends; the tensors stay referenced until :meth:`wait_sends` sees them through."""
         for i, t in enumerate(tensors):
             t = t.contiguous()
-            work = dist.isend(t, peer, tag=self.tag(direction, stage, microbatch, i))
-            assert work is not None
+            work = self._isend(t, peer, self.tag(direction, stage, microbatch, i))
             self._pending_sends.append((work, t, direction))
 
     def recv(self, direction: int, stage: int, microbatch: int, metas: tuple[Meta, ...],
@@ -95,23 +118,18 @@ class Links:
         bufs = tuple(m.empty(self.device) for m in metas)
         works = []
         for i, b in enumerate(bufs):
-            work = dist.irecv(b, peer, tag=self.tag(direction, stage, microbatch, i))
-            assert work is not None
-            works.append(work)
+            works.append(self._irecv(b, peer, self.tag(direction, stage, microbatch, i)))
         return works, bufs
 
     def send_header(self, stage: int, metas: tuple[Meta, ...], peer: int) -> None:
-        h = encode_header(metas)
-        work = dist.isend(h, peer, tag=self.tag(HEADER, stage, 0, 0))
-        assert work is not None
+        h = encode_header(metas).to(self.device)  # NCCL sends only tensors on the GPU
+        work = self._isend(h, peer, self.tag(HEADER, stage, 0, 0))
         self._pending_sends.append((work, h, HEADER))
 
     def post_header_recv(self, stage: int, peer: int) -> tuple[dist.Work, torch.Tensor]:
         """Post the receive of a header; :func:`decode_header` reads it once the work is done."""
-        h = torch.zeros(_HEADER, dtype=torch.int64)
-        work = dist.irecv(h, peer, tag=self.tag(HEADER, stage, 0, 0))
-        assert work is not None
-        return work, h
+        h = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
+        return self._irecv(h, peer, self.tag(HEADER, stage, 0, 0)), h
 
     def reap_sends(self) -> None:
         """Drop the sends that have completed, releasing their tensors."""

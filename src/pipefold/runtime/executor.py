@@ -11,6 +11,11 @@ Receives for the next few actions are posted before the current one runs, so
 transfers overlap compute; sends are posted and reaped as they complete.
 Gradients are scaled by 1/M on the loss, so after the step they equal the
 gradients of the mean loss over the whole batch.
+
+Each neighbour's receives are posted in the order that neighbour sends, which
+the schedule fixes (its action list), not in the order this rank needs them:
+NCCL pairs the messages between two ranks by order alone. A message this rank
+needs late may so be received early; its buffer waits in the inbox.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipefold.ir import Action, Kind, Schedule
-from pipefold.runtime.comm import BACKWARD, FORWARD, Links, Meta, decode_header, metas_of
+from pipefold.runtime.comm import BACKWARD, FORWARD, HEADER, Links, Meta, decode_header, metas_of
 from pipefold.runtime.stage import MemoryMeter, StageRunner, Tensors
 
 LOOKAHEAD = 3  # actions whose receives are posted ahead of time
@@ -58,6 +63,49 @@ class StepStats:
     """Wall-clock time (time.time()) of the step's start, to line ranks up in a trace."""
     stage_bytes: dict[int, int] = field(default_factory=dict)
     """Per stage of this rank, the bytes one microbatch's forward saved for backward."""
+    messages: list[tuple[str, int, int]] = field(default_factory=list)
+    """With message logging on: every send and receive as posted, ("send" or "recv", peer, tag)."""
+
+
+@dataclass(frozen=True)
+class _Message:
+    """One message a neighbour sends: a header (the shapes of a stage's input) or one microbatch's tensors."""
+
+    direction: int  # FORWARD (activations), BACKWARD (gradients) or HEADER
+    stage: int  # the stage that receives it
+    microbatch: int
+
+
+def messages_between(schedule: Schedule, src: int, dst: int, *, headers: bool) -> list[_Message]:
+    """What rank ``src`` sends rank ``dst`` in one step, in the order it sends it.
+
+    A forward of stage s sends its output when stage s+1 is on ``dst``, after a header
+    for stage s+1 in a step whose shapes are new (``headers``); a backward (B or BW) of
+    stage s sends its input gradient when stage s-1 is on ``dst``.
+    """
+    S, place = schedule.stages, schedule.stage_to_device
+    out: list[_Message] = []
+    headed: set[int] = set()
+    for a in schedule.actions[src]:
+        if a.kind is Kind.F and a.stage + 1 < S and place[a.stage + 1] == dst:
+            if headers and a.stage + 1 not in headed:
+                headed.add(a.stage + 1)
+                out.append(_Message(HEADER, a.stage + 1, 0))
+            out.append(_Message(FORWARD, a.stage + 1, a.microbatch))
+        elif a.kind in (Kind.B, Kind.BW) and a.stage > 0 and place[a.stage - 1] == dst:
+            out.append(_Message(BACKWARD, a.stage - 1, a.microbatch))
+    return out
+
+
+class _Inbox:
+    """The receives from one neighbour in one step: posted strictly in its send order."""
+
+    def __init__(self, src: int, messages: list[_Message]) -> None:
+        self.src, self.messages = src, messages
+        self.position = {msg: i for i, msg in enumerate(messages)}
+        self.next = 0  # messages[:next] have been posted
+        self.posted: dict[_Message, _Pending] = {}  # posted, not yet taken
+        self.headers: dict[int, tuple[dist.Work, torch.Tensor]] = {}  # stage -> its header's receive
 
 
 class RankExecutor:
@@ -65,7 +113,7 @@ class RankExecutor:
 
     def __init__(self, schedule: Schedule, rank: int, modules: Mapping[int, nn.Module],
                  loss_fn: Callable[..., torch.Tensor], device: torch.device, *,
-                 recompute: Mapping[int, int] | None = None) -> None:
+                 recompute: Mapping[int, int] | None = None, log_messages: bool = False) -> None:
         self.schedule, self.rank, self.device = schedule, rank, device
         self.meter = MemoryMeter()
         last = schedule.stages - 1
@@ -76,12 +124,17 @@ class RankExecutor:
         }
         self.actions = list(schedule.actions[rank])
         self.device_of = schedule.stage_to_device
-        self.links = Links(schedule.stages, schedule.microbatches, device)
+        self.links = Links(schedule.stages, schedule.microbatches, device, log=log_messages)
         self._in_meta: dict[int, tuple[Meta, ...]] = {}  # stage -> metas of its input, when received
         self._out_meta: dict[int, tuple[Meta, ...]] = {}  # stage -> metas of its output
         self._last_shape: Any = None
         self._headers_sent: set[int] = set()  # stages whose input header went out this step
-        self._header_recvs: dict[int, tuple[dist.Work, torch.Tensor]] = {}  # stage -> header receive in flight
+        neighbours = sorted({d for s in modules for d in (self.device_of[max(s - 1, 0)],
+                                                          self.device_of[min(s + 1, schedule.stages - 1)])} - {rank})
+        # What each neighbour sends, in its order: in a step with new shapes (headers first), and in any other.
+        self._expected = {new: {src: messages_between(schedule, src, rank, headers=new) for src in neighbours}
+                          for new in (True, False)}
+        self._inboxes: dict[int, _Inbox] = {}
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for r in self.runners.values() for p in r.params]
@@ -101,11 +154,10 @@ class RankExecutor:
         if new_shapes:
             self._in_meta.clear()
             self._headers_sent.clear()
-        self._header_recvs.clear()
+        self._inboxes = {src: _Inbox(src, msgs) for src, msgs in self._expected[new_shapes].items()}
         self._out_meta.clear()  # recorded afresh by this step's forwards
         stats = StepStats(self.rank)
         local: dict[tuple[int, int, int], Tensors] = {}  # (direction, stage, mb) -> tensors handed over locally
-        posted: dict[int, _Pending] = {}  # action index -> its receive, posted ahead
         self.meter.reset_peak()
         peak = 0
         stats.started_at = time.time()
@@ -115,15 +167,13 @@ class RankExecutor:
             return time.perf_counter() - t0
 
         for idx, action in enumerate(self.actions):
-            for ahead in range(idx, min(idx + LOOKAHEAD, len(self.actions))):
-                if ahead not in posted:
-                    pending = self._post_recv(self.actions[ahead])
-                    if pending is not None:
-                        posted[ahead] = pending
+            for ahead in self.actions[idx:idx + LOOKAHEAD]:
+                if (wanted := self._remote_message(ahead)) is not None:
+                    self._post_until(*wanted, block=False)
             s, mb = action.stage, action.microbatch
             runner = self.runners[s]
             if action.kind is Kind.F:
-                x = inputs[mb] if s == 0 else self._take(FORWARD, action, idx, posted, local, clock, stats)
+                x = inputs[mb] if s == 0 else self._take(FORWARD, action, local, clock, stats)
                 start = clock()
                 out = runner.forward(mb, x, targets[mb] if s == S - 1 else None, scale=1.0 / M)
                 stats.events.append(Event(str(action), "F", start, clock()))
@@ -136,7 +186,7 @@ class RankExecutor:
                 runner.backward_weight(mb)
                 stats.events.append(Event(str(action), "W", start, clock()))
             else:
-                dy = None if s == S - 1 else self._take(BACKWARD, action, idx, posted, local, clock, stats)
+                dy = None if s == S - 1 else self._take(BACKWARD, action, local, clock, stats)
                 start = clock()
                 dx = runner.backward_input(mb, dy) if action.kind is Kind.B else runner.backward(mb, dy)
                 stats.events.append(Event(str(action), action.kind.value, start, clock()))
@@ -156,54 +206,76 @@ class RankExecutor:
         stats.peak_activation_bytes = max(peak, self.meter.peak)
         stats.peak_saved_bytes = self.meter.peak
         stats.stage_bytes = {s: r.bytes_per_microbatch for s, r in self.runners.items()}
+        left = [(i.src, m) for i in self._inboxes.values() for m in [*i.messages[i.next:], *i.posted]]
+        if left:
+            raise RuntimeError(f"rank {self.rank} ended a step with messages not received: {left[:3]}")
+        if self.links.log is not None:
+            stats.messages = list(self.links.log)
+            self.links.log.clear()
         return stats
 
     # -- moving tensors
 
-    def _remote_source(self, direction: int, action: Action) -> int | None:
-        """The rank that sends this action's input, or None when it is local (or there is none)."""
+    def _remote_message(self, action: Action) -> tuple[_Inbox, _Message] | None:
+        """The inbox and message that bring this action's input from another rank; None if it needs none."""
         s, S = action.stage, self.schedule.stages
-        if direction == FORWARD and action.kind is Kind.F and s > 0:
-            src = self.device_of[s - 1]
-        elif direction == BACKWARD and action.kind in (Kind.B, Kind.BW) and s < S - 1:
-            src = self.device_of[s + 1]
+        if action.kind is Kind.F and s > 0:
+            src, msg = self.device_of[s - 1], _Message(FORWARD, s, action.microbatch)
+        elif action.kind in (Kind.B, Kind.BW) and s < S - 1:
+            src, msg = self.device_of[s + 1], _Message(BACKWARD, s, action.microbatch)
         else:
             return None
-        return None if src == self.rank else src
+        return None if src == self.rank else (self._inboxes[src], msg)
 
-    def _post_recv(self, action: Action) -> _Pending | None:
-        s, mb = action.stage, action.microbatch
-        if (src := self._remote_source(FORWARD, action)) is not None:
-            if s in self._in_meta:
-                return _Pending(*self.links.recv(FORWARD, s, mb, self._in_meta[s], src))
-            if s not in self._header_recvs:
-                # Shapes are new: the header comes first. Its receive is posted now; the data's once it is read.
-                self._header_recvs[s] = self.links.post_header_recv(s, src)
+    def _post_until(self, inbox: _Inbox, until: _Message, *, block: bool) -> None:
+        """Post the inbox's receives in send order, up to and including ``until``.
+
+        A receive needs the shapes of what comes: a forward's from its stage's header, a
+        gradient's from what this rank sent on. Without ``block`` posting stops at the first
+        message whose shapes are not known yet (its header has not arrived); with it, it
+        waits for the header, as the caller needs a message behind it now.
+        """
+        while inbox.next <= inbox.position[until]:
+            msg = inbox.messages[inbox.next]
+            if msg.direction == HEADER:
+                inbox.headers[msg.stage] = self.links.post_header_recv(msg.stage, inbox.src)
+            else:
+                metas = self._metas(inbox, msg, block=block)
+                if metas is None:
+                    return
+                inbox.posted[msg] = _Pending(*self.links.recv(msg.direction, msg.stage, msg.microbatch, metas,
+                                                               inbox.src))
+            inbox.next += 1
+
+    def _metas(self, inbox: _Inbox, msg: _Message, *, block: bool) -> tuple[Meta, ...] | None:
+        s = msg.stage
+        if msg.direction == FORWARD:
+            if s not in self._in_meta:
+                work, header = inbox.headers[s]
+                if not (block or work.is_completed()):
+                    return None
+                work.wait()
+                self._in_meta[s] = decode_header(inbox.headers.pop(s)[1])
+            return self._in_meta[s]
+        if s not in self._out_meta:
+            # A gradient comes only after this rank's forward sent what it is the gradient of.
+            assert not block, f"rank {self.rank}: {msg} needed before stage {s} sent anything this step"
             return None
-        if (src := self._remote_source(BACKWARD, action)) is not None:
-            if s not in self._out_meta:
-                return None  # this stage has not sent anything on yet this step: post when it has
-            # The gradient of what this stage sent on has the shapes of what it sent.
-            metas = tuple(m for m in self._out_meta[s] if m.dtype.is_floating_point)
-            return _Pending(*self.links.recv(BACKWARD, s, mb, metas, src))
-        return None
+        # The gradient of what this stage sent on has the shapes of what it sent.
+        return tuple(m for m in self._out_meta[s] if m.dtype.is_floating_point)
 
-    def _take(self, direction: int, action: Action, idx: int, posted: dict[int, _Pending],
-              local: dict[tuple[int, int, int], Tensors], clock: Callable[[], float], stats: StepStats) -> Tensors:
+    def _take(self, direction: int, action: Action, local: dict[tuple[int, int, int], Tensors],
+              clock: Callable[[], float], stats: StepStats) -> Tensors:
         s, mb = action.stage, action.microbatch
         key = (direction, s, mb)
         if key in local:
             return local.pop(key)
+        wanted = self._remote_message(action)
+        assert wanted is not None
+        inbox, msg = wanted
         start = clock()
-        if idx not in posted:
-            if direction == FORWARD and s not in self._in_meta:
-                work, header = self._header_recvs.pop(s)
-                work.wait()
-                self._in_meta[s] = decode_header(header)
-            pending = self._post_recv(action)
-            assert pending is not None
-            posted[idx] = pending
-        pending = posted.pop(idx)
+        self._post_until(inbox, msg, block=True)
+        pending = inbox.posted.pop(msg)
         for w in pending.works:
             w.wait()
         stats.events.append(Event(f"recv {action}", "recv", start, clock()))

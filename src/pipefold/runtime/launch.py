@@ -78,6 +78,8 @@ class Job:
     recompute: tuple[int, ...] | None = None
     """For each stage, how many of its first layers recompute their activations in backward."""
     timeout_s: float = 30.0
+    log_messages: bool = False
+    """Record every send and receive in each step's stats, in the order posted (to check the wire order)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -149,7 +151,8 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
         offloaded = [Offloaded(m, device, k=k, kprime=kprime) for m in chains.values()]
         modules = dict(zip(chains, offloaded, strict=True))
     recompute = {s: job.recompute[s] for s in modules} if job.recompute else None
-    executor = RankExecutor(job.schedule, rank, modules, job.loss_fn, device, recompute=recompute)
+    executor = RankExecutor(job.schedule, rank, modules, job.loss_fn, device, recompute=recompute,
+                            log_messages=job.log_messages)
     params = executor.parameters()
     opt = _optimizer(job, params)
     reports: list[StepStats] = []
