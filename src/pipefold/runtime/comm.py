@@ -87,17 +87,11 @@ class Links:
         self._pending_sends: list[tuple[dist.Work, torch.Tensor, int]] = []  # (work, tensor, direction)
         self.log: list[tuple[str, int, int]] | None = [] if log else None
 
-    def _isend(self, t: torch.Tensor, peer: int, tag: int) -> dist.Work:
+    def _post(self, op: str, t: torch.Tensor, peer: int, tag: int) -> dist.Work:
+        """Post one "send" or "recv" of ``t`` with ``peer``."""
         if self.log is not None:
-            self.log.append(("send", peer, tag))
-        work = dist.isend(t, peer, tag=tag)
-        assert work is not None
-        return work
-
-    def _irecv(self, t: torch.Tensor, peer: int, tag: int) -> dist.Work:
-        if self.log is not None:
-            self.log.append(("recv", peer, tag))
-        work = dist.irecv(t, peer, tag=tag)
+            self.log.append((op, peer, tag))
+        work = (dist.isend if op == "send" else dist.irecv)(t, peer, tag=tag)
         assert work is not None
         return work
 
@@ -109,7 +103,7 @@ class Links:
         """Post the sends; the tensors stay referenced until :meth:`wait_sends` sees them through."""
         for i, t in enumerate(tensors):
             t = t.contiguous()
-            work = self._isend(t, peer, self.tag(direction, stage, microbatch, i))
+            work = self._post("send", t, peer, self.tag(direction, stage, microbatch, i))
             self._pending_sends.append((work, t, direction))
 
     def recv(self, direction: int, stage: int, microbatch: int, metas: tuple[Meta, ...],
@@ -118,18 +112,18 @@ class Links:
         bufs = tuple(m.empty(self.device) for m in metas)
         works = []
         for i, b in enumerate(bufs):
-            works.append(self._irecv(b, peer, self.tag(direction, stage, microbatch, i)))
+            works.append(self._post("recv", b, peer, self.tag(direction, stage, microbatch, i)))
         return works, bufs
 
     def send_header(self, stage: int, metas: tuple[Meta, ...], peer: int) -> None:
         h = encode_header(metas).to(self.device)  # NCCL sends only tensors on the GPU
-        work = self._isend(h, peer, self.tag(HEADER, stage, 0, 0))
+        work = self._post("send", h, peer, self.tag(HEADER, stage, 0, 0))
         self._pending_sends.append((work, h, HEADER))
 
     def post_header_recv(self, stage: int, peer: int) -> tuple[dist.Work, torch.Tensor]:
         """Post the receive of a header; :func:`decode_header` reads it once the work is done."""
         h = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
-        return self._irecv(h, peer, self.tag(HEADER, stage, 0, 0)), h
+        return self._post("recv", h, peer, self.tag(HEADER, stage, 0, 0)), h
 
     def reap_sends(self) -> None:
         """Drop the sends that have completed, releasing their tensors."""
