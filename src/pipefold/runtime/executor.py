@@ -255,7 +255,8 @@ class RankExecutor:
                 if not (block or work.is_completed()):
                     return None
                 work.wait()
-                self._in_meta[s] = decode_header(inbox.headers.pop(s)[1])
+                del inbox.headers[s]
+                self._in_meta[s] = decode_header(header)
             return self._in_meta[s]
         if s not in self._out_meta:
             # A gradient comes only after this rank's forward sent what it is the gradient of.
