@@ -306,3 +306,22 @@ def test_cuda_offload_peak_memory_and_exactness() -> None:
     assert torch.equal(out, ref(x))
     layer = sum(p.numel() * 4 for p in layers[0].parameters())
     assert torch.cuda.max_memory_allocated() < 8 * layer  # far from the whole model's 8 layers plus activations
+
+
+def test_remove_gives_the_plain_model_back() -> None:
+    layers, x, target = _case("gpt")
+    ref = nn.Sequential(*copy.deepcopy(layers))
+    with Offloaded(layers, "cpu", k=2, kprime=1) as wrapped:
+        _loss("gpt", wrapped(x), target).backward()
+        events = len(wrapped.tracker.events)
+    model = wrapped.remove()  # a second remove is harmless
+    # No hook is left on the user's layers, and every parameter is a home (CPU) tensor with its gradient.
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
+    _loss("gpt", ref(x), target).backward()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert p.device.type == "cpu" and p.grad is not None and torch.equal(p.grad, q.grad)
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))
+    assert len(wrapped.tracker.events) == events  # the plain model fetches nothing
+    with pytest.raises(RuntimeError, match="this Offloaded was removed"):
+        wrapped(x)

@@ -221,6 +221,7 @@ class Offloaded(nn.Module):
         self._saved_hooks: list[torch.autograd.graph.saved_tensors_hooks] = []
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._handles: list[RemovableHandle] = []
+        self._removed = False
         for i, slot in enumerate(self._slots):
             self._handles.append(slot.module.register_forward_pre_hook(self._pre_forward(i)))
             self._handles.append(slot.module.register_forward_hook(self._post_forward(i), always_call=True))
@@ -241,10 +242,33 @@ class Offloaded(nn.Module):
         return [s.nbytes for s in self._slots]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._removed:
+            raise RuntimeError("this Offloaded was removed: run the model it returned instead")
         out = self.model(*args, **kwargs)
         if not _needs_backward(out):
             self.evict_all()  # no backward will come to do it, and the optimizer must see the home copies
         return out
+
+    def remove(self) -> nn.Module:
+        """Undo the wrapping and return the model, a plain module again.
+
+        Every layer goes home with its gradient and every hook is removed. The offloaded
+        layers' parameters stay in CPU memory, the rest on the device; ``model.to(...)``
+        puts them anywhere. Also what leaving a ``with Offloaded(...) as m:`` block does.
+        """
+        if not self._removed:
+            self.evict_all()
+            for handle in self._handles:
+                handle.remove()
+            self._handles.clear()
+            self._removed = True
+        return self.model
+
+    def __enter__(self) -> Offloaded:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
 
     def evict_all(self) -> None:
         """Evict every resident layer and give each parameter back its home gradient."""
