@@ -41,6 +41,12 @@ def _case(name: str) -> tuple[list[nn.Module], torch.Tensor, torch.Tensor]:
     return build_model("mlp", hidden=32, layers=6), torch.randn(4, 32, generator=gen), torch.randn(4, 32, generator=gen)
 
 
+def _with_reference(name: str) -> tuple[list[nn.Module], nn.Sequential, torch.Tensor, torch.Tensor]:
+    """Layers to wrap, an unwrapped copy of them to compare with, an input batch and its target."""
+    layers, x, y = _case(name)
+    return layers, nn.Sequential(*copy.deepcopy(layers)), x, y
+
+
 def _loss(name: str, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return gpt_loss(out, target) if name == "gpt" else mlp_loss(out, target)
 
@@ -53,8 +59,7 @@ def _window_bytes(layer_bytes: list[int], k: int) -> int:
 @pytest.mark.parametrize("name", ["gpt", "mlp"])
 @pytest.mark.parametrize(("k", "kprime"), KS)
 def test_forward_equals_unwrapped(name: str, k: int, kprime: int) -> None:
-    layers, x, _ = _case(name)
-    ref = nn.Sequential(*copy.deepcopy(layers))
+    layers, ref, x, _ = _with_reference(name)
     wrapped = Offloaded(layers, "cpu", k=k, kprime=kprime)
     with torch.no_grad():
         assert torch.equal(wrapped(x), ref(x))
@@ -65,8 +70,7 @@ def test_forward_equals_unwrapped(name: str, k: int, kprime: int) -> None:
 @pytest.mark.parametrize("name", ["gpt", "mlp"])
 @pytest.mark.parametrize(("k", "kprime"), KS)
 def test_gradients_equal_unwrapped(name: str, k: int, kprime: int) -> None:
-    layers, x, y = _case(name)
-    ref = nn.Sequential(*copy.deepcopy(layers))
+    layers, ref, x, y = _with_reference(name)
     wrapped = Offloaded(layers, "cpu", k=k, kprime=kprime)
     _loss(name, ref(x), y).backward()
     out = wrapped(x)
@@ -88,8 +92,7 @@ def test_gradients_equal_unwrapped(name: str, k: int, kprime: int) -> None:
 @pytest.mark.parametrize("name", ["gpt", "mlp"])
 @pytest.mark.parametrize(("k", "kprime"), [(1, 1), (2, 1), (3, 2)])
 def test_sgd_steps_equal_unwrapped(name: str, k: int, kprime: int) -> None:
-    layers, x, y = _case(name)
-    ref = nn.Sequential(*copy.deepcopy(layers))
+    layers, ref, x, y = _with_reference(name)
     wrapped = Offloaded(layers, "cpu", k=k, kprime=kprime)
     before = [p.detach().clone() for p in wrapped.parameters()]
     opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ref, wrapped)]
@@ -104,8 +107,7 @@ def test_sgd_steps_equal_unwrapped(name: str, k: int, kprime: int) -> None:
 
 
 def test_gradients_accumulate_over_two_backwards() -> None:
-    layers, x, y = _case("mlp")
-    ref = nn.Sequential(*copy.deepcopy(layers))
+    layers, ref, x, y = _with_reference("mlp")
     wrapped = Offloaded(layers, "cpu", k=2, kprime=2)
     for model in (ref, wrapped):
         for scale in (1.0, 0.5):
@@ -115,8 +117,7 @@ def test_gradients_accumulate_over_two_backwards() -> None:
 
 
 def test_grads_stay_on_device_until_gathered() -> None:
-    layers, x, y = _case("gpt")
-    ref = nn.Sequential(*copy.deepcopy(layers))
+    layers, ref, x, y = _with_reference("gpt")
     wrapped = Offloaded(layers, "cpu", k=2, kprime=1, grads_stay=True)
     gpt_loss(ref(x), y).backward()
     gpt_loss(wrapped(x), y).backward()
@@ -225,8 +226,7 @@ def test_choose_k_names_the_largest_layer() -> None:
 
 
 def test_choose_k_drives_offloaded() -> None:
-    layers, x, y = _case("mlp")
-    ref = nn.Sequential(*copy.deepcopy(layers))
+    layers, ref, x, y = _with_reference("mlp")
     budget = 2 * sum(p.nbytes for p in layers[0].parameters()) + 1
     wrapped = Offloaded(layers, "cpu", k=1, kprime=1)
     k, kprime = choose_k(wrapped.layer_bytes, budget)
@@ -309,8 +309,7 @@ def test_cuda_offload_peak_memory_and_exactness() -> None:
 
 
 def test_remove_gives_the_plain_model_back() -> None:
-    layers, x, target = _case("gpt")
-    ref = nn.Sequential(*copy.deepcopy(layers))
+    layers, ref, x, target = _with_reference("gpt")
     with Offloaded(layers, "cpu", k=2, kprime=1) as wrapped:
         _loss("gpt", wrapped(x), target).backward()
         events = len(wrapped.tracker.events)
