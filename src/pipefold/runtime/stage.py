@@ -147,7 +147,7 @@ class _Rebuild:
             # grad_fn, a cycle inside autograd that no collector frees, leaking every rerun.
             return t.detach()
 
-        xs = tuple(x.detach().requires_grad_(x.requires_grad) for x in self.inputs)
+        xs = as_leaves(self.inputs)  # fresh leaves: the rerun must not reach the forward's graph
         with torch.enable_grad(), _restored_rng(self.rng), torch.autograd.graph.saved_tensors_hooks(record, _same):
             run_layers(self.layers, xs)
         if len(saves) != self.count:
