@@ -129,8 +129,7 @@ class RankExecutor:
         self._out_meta: dict[int, tuple[Meta, ...]] = {}  # stage -> metas of its output
         self._last_shape: Any = None
         self._headers_sent: set[int] = set()  # stages whose input header went out this step
-        neighbours = sorted({d for s in modules for d in (self.device_of[max(s - 1, 0)],
-                                                          self.device_of[min(s + 1, schedule.stages - 1)])} - {rank})
+        neighbours = {self.device_of[t] for s in modules for t in (s - 1, s + 1) if 0 <= t < schedule.stages} - {rank}
         # What each neighbour sends, in its order: in a step with new shapes (headers first), and in any other.
         self._expected = {new: {src: messages_between(schedule, src, rank, headers=new) for src in neighbours}
                           for new in (True, False)}
