@@ -1,4 +1,8 @@
-"""Automatic partitioning: optimality against brute force, layer costs, one-line errors, the CLI's JSON."""
+"""Automatic partitioning: optimality against brute force, layer costs, one-line errors, the CLI's JSON.
+
+The memory-aware split is checked against every contiguous split, with each device's peak worked out
+here by replaying its action order, independently of the simulator.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +13,24 @@ import time
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
+from pipefold import schedules
 from pipefold.cli import main
 from pipefold.errors import ConfigError
-from pipefold.ir import looped_placement, v_placement
+from pipefold.ir import Kind, Schedule, looped_placement, v_placement
 from pipefold.models import split_layers
-from pipefold.partition import layer_costs, partition
+from pipefold.partition import (
+    layer_costs,
+    layer_memory,
+    layer_static_bytes,
+    memory_of_split,
+    partition,
+    partition_memory,
+)
+from pipefold.train import TrainConfig, make_job
 
 
 def _brute(costs: list[float], parts: int, placement: tuple[int, ...] | None) -> float:
@@ -124,9 +139,170 @@ def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
     result = json.loads(out)
     assert result["boundaries"][0] == 0 and len(result["boundaries"]) == 4
     assert len(result["cost"]) == 4 and result["placement"] == [0, 1, 0, 1]
+    assert result["schedule"] == "interleaved-1f1b:v=2" and len(result["device_peak_bytes"]) == 2
+    assert result["device_peak_bytes"] == pytest.approx(
+        [s + a for s, a in zip(result["device_static_bytes"], result["device_activation_bytes"], strict=True)])
+
+
+def test_cli_memory_json(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["partition", "--model", "mlp", "--layers", "8", "--hidden", "32", "--batch", "4", "--stages", "2",
+            "--schedule", "zb-v", "--by", "memory", "--json"]
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["by"] == "memory" and result["placement"] == [0, 1, 1, 0]
+    assert result["bottleneck"] == max(result["device_peak_bytes"]) and len(result["device_peak_bytes"]) == 2
+    # A stage's cost is its share of its device's peak, so a device's stages add up to its peak.
+    for d, peak in enumerate(result["device_peak_bytes"]):
+        assert sum(c for c, dev in zip(result["cost"], result["placement"], strict=True) if dev == d) == (
+            pytest.approx(peak))
+    assert max(result["device_time_s"]) <= 1.02 * result["time_optimal_s"] * (1 + 1e-9)
 
 
 def test_cli_error_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["partition", "--model", "mlp", "--layers", "4", "--hidden", "16", "--stages", "8"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "pipefold partition: error: cannot split 4 layers into 8 stages: at most 4"
+
+
+# --------------------------------------------------------------------------- memory-aware split
+
+
+def _replay_peak(schedule: Schedule, device: int, held: list[float], held_w: list[float]) -> float:
+    """Activation peak of one device's action order: F start +held, B end +(held_w - held), W end -held_w,
+    fused BW end -held (per stage and microbatch)."""
+    level = peak = 0.0
+    for a in schedule.actions[device]:
+        if a.kind is Kind.F:
+            level += held[a.stage]
+        peak = max(peak, level)
+        if a.kind is Kind.B:
+            level += held_w[a.stage] - held[a.stage]
+        elif a.kind is Kind.W:
+            level -= held_w[a.stage]
+        elif a.kind is Kind.BW:
+            level -= held[a.stage]
+        peak = max(peak, level)
+    return peak
+
+
+def _judge(schedule: Schedule, bounds: list[int], figures: list[list[int]]) -> tuple[float, float]:
+    """(largest device peak, largest device time) of one split, worked out from the action orders."""
+    times, held, held_w, static = ([sum(f[lo:hi]) for lo, hi in itertools.pairwise([*bounds, len(f)])]
+                                   for f in figures)
+    peaks, loads = [], []
+    for d in range(schedule.devices):
+        mine = [s for s, dev in enumerate(schedule.stage_to_device) if dev == d]
+        loads.append(sum(times[s] for s in mine))
+        peaks.append(sum(static[s] for s in mine) + _replay_peak(schedule, d, held, held_w))
+    return max(peaks), max(loads)
+
+
+def _brute_memory(schedule: Schedule, figures: list[list[int]], slack: float) -> tuple[float, float]:
+    """The least (peak, time) over every contiguous split within (1 + slack) of the least time."""
+    n, stages = len(figures[0]), schedule.stages
+    judged = [_judge(schedule, [0, *cut], figures) for cut in itertools.combinations(range(1, n), stages - 1)]
+    fastest = min(time for _, time in judged)
+    return min((peak, time) for peak, time in judged if time <= fastest * (1 + slack))
+
+
+MEMORY_SCHEDULES = [("1f1b", 2), ("1f1b", 3), ("zb-h1", 2), ("zb-h1", 3), ("gpipe", 2), ("zb-v", 2),
+                    ("v-half", 2), ("v-min", 2), ("interleaved-1f1b:v=2", 2), ("interleaved-1f1b:v=3", 2)]
+
+
+@pytest.mark.parametrize(("spec", "p"), MEMORY_SCHEDULES)
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_memory_split_against_brute_force(spec: str, p: int, data: st.DataObject) -> None:
+    name, _, option = spec.partition(":v=")
+    m = data.draw(st.integers(1, 3 * p), label="microbatches")
+    schedule = schedules.build(name, p, m, **({"v": int(option)} if option else {}))
+    n = data.draw(st.integers(max(6, schedule.stages), 9), label="layers")
+    figures = [data.draw(st.lists(st.integers(low, 9), min_size=n, max_size=n), label=label)
+               for label, low in (("times", 1), ("held", 0), ("held_w", 0), ("static", 0))]
+    slack = data.draw(st.sampled_from([0.0, 0.02, 0.25, 1.0]), label="slack")
+    split = partition_memory(*figures, schedule, slack=slack)
+    _check_cover(split.parts, split.boundaries, n)
+    assert (split.peak_bytes, split.bottleneck_time) == _brute_memory(schedule, figures, slack)
+    assert split.time_optimal == _brute(figures[0], schedule.stages, schedule.stage_to_device)
+    assert split.bottleneck_time <= split.time_optimal * (1 + slack) + 1e-9
+    # What it reports is its own split's, device by device; the weights rebuild each activation peak.
+    held, held_w = ([sum(f[i] for i in part) for part in split.parts] for f in figures[1:3])
+    for d in range(schedule.devices):
+        mine = schedule.stages_of(d)
+        assert split.device_activation_bytes[d] == _replay_peak(schedule, d, held, held_w)
+        assert split.device_activation_bytes[d] == sum(split.weights[s] * held[s] + split.weights_w[s] * held_w[s]
+                                                        for s in mine)
+
+
+def test_memory_split_unloads_the_long_lived_device() -> None:
+    """1F1B holds p-i microbatches on device i: with equal layers the time split gives device 0 the most."""
+    schedule = schedules.build("1f1b", 4, 8)
+    n = 16
+    times, held, held_w, static = [1.0] * n, [10.0] * n, [10.0] * n, [1.0] * n
+    by_time = memory_of_split(partition(times, 4).boundaries, times, held, held_w, static, schedule)
+    # One layer more on a device is 25% more time: allow that, or nothing can move.
+    split = partition_memory(times, held, held_w, static, schedule, slack=0.25)
+    assert [len(part) for part in by_time.parts] == [4, 4, 4, 4]
+    assert len(split.parts[0]) < 4 and split.peak_bytes < by_time.peak_bytes
+    assert by_time.device_peak_bytes[0] == 4 * (4 * 10.0) + 4 * 1.0  # 4 microbatches of 4 layers, and the weights
+    assert split.weights == [4, 3, 2, 1] and split.bottleneck_time <= 5.0
+    # Within 2% of the best time nothing can move here.
+    assert partition_memory(times, held, held_w, static, schedule).boundaries == [0, 4, 8, 12]
+
+
+def test_memory_split_v_first_chunk_lives_longer() -> None:
+    """Under zb-v a device's first chunk holds more microbatches at its peak than its second."""
+    schedule = schedules.build("zb-v", 4, 8)
+    split = partition_memory([1.0] * 32, [1.0] * 32, [1.0] * 32, [0.0] * 32, schedule, slack=0.5)
+    first, second = (sum(len(split.parts[s]) for s in range(lo, hi)) for lo, hi in ((0, 4), (4, 8)))
+    assert first < second
+    assert all(split.weights[d] > split.weights[7 - d] for d in range(3))
+
+
+def test_memory_split_bad_input() -> None:
+    schedule = schedules.build("1f1b", 2, 2)
+    good = [1.0, 2.0, 3.0]
+    cases = [
+        (([1.0, 2.0], good, good, good), "times 2, held 3, held_w 3, static 3"),
+        ((good, [1.0, -1.0, 2.0], good, good), r"held\[1\] must be a finite number >= 0 \(got -1.0\)"),
+        ((good, good, [1.0, float("nan"), 2.0], good), r"held_w\[1\] must be a finite number >= 0 \(got nan\)"),
+        ((good, good, good, [float("inf"), 1.0, 1.0]), r"static\[0\] must be a finite number >= 0"),
+    ]
+    for figures, message in cases:
+        with pytest.raises(ConfigError, match=message) as err:
+            partition_memory(*figures, schedule)
+        assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match=r"cannot split 3 layers into 4 stages: at most 3"):
+        partition_memory(good, good, good, good, schedules.build("zb-v", 2, 2))
+    with pytest.raises(ConfigError, match=r"slack .* >= 0 \(got -0.1\)"):
+        partition_memory(good, good, good, good, schedule, slack=-0.1)
+    with pytest.raises(ConfigError, match=r"boundaries \[0, 3\] do not split 3 layers into 2 non-empty stages"):
+        memory_of_split([0, 3], good, good, good, good, schedule)
+
+
+def test_layer_memory_and_static_bytes() -> None:
+    layers = [nn.Linear(4, 8), nn.Linear(8, 2)]
+    # Linear saves its input for the weight gradient: 3x4 then 3x8 floats.
+    assert [held for held, _ in layer_memory(layers, torch.randn(3, 4))] == [12 * 4, 24 * 4]
+    assert layer_static_bytes(layers) == [40 * 4 * 4.0, 18 * 4 * 4.0]  # weights, gradients, two AdamW moments
+    assert layer_static_bytes(layers, optimizer_factor=0.0) == [40 * 4 * 2.0, 18 * 4 * 2.0]
+
+
+def test_train_partition_memory_splits_by_the_schedule(monkeypatch: pytest.MonkeyPatch) -> None:
+    import pipefold.partition
+
+    seen: list[tuple[Schedule, list[float]]] = []
+
+    def recording(times: list[float], held: list[float], held_w: list[float], static: list[float],
+                  schedule: Schedule, **kw: float) -> pipefold.partition.MemoryPartition:
+        seen.append((schedule, static))
+        return partition_memory(times, held, held_w, static, schedule, **kw)
+
+    monkeypatch.setattr(pipefold.partition, "partition_memory", recording)
+    config = TrainConfig(model="mlp", layers=6, hidden=16, stages=2, schedule="zb-v", microbatches=4, batch=8,
+                         partition="memory", optimizer="sgd")
+    job = make_job(config)
+    (schedule, static), = seen
+    assert schedule.actions == job.schedule.actions  # the job's own schedule decides the in-flight counts
+    assert static[1] == 2128 * 4 * 2.0  # one block: 2,128 float parameters, their gradients, no SGD state
+    assert len(job.layer_stages) == 4 and [i for part in job.layer_stages for i in part] == list(range(6))

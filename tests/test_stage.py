@@ -51,6 +51,8 @@ def test_split_backward_equals_autograd(fused: bool) -> None:
     ys = [torch.randn(5, 4) for _ in range(3)]
     want = _reference(ref, xs, ys)
     runners = [StageRunner(m) for m in stages[:-1]] + [StageRunner(stages[-1], loss_fn=nn.functional.mse_loss)]
+    for r in runners:
+        r.meter.start(outside=[*xs, *ys])  # the batch exists before the step: not the runners' memory
     for mb, (x, y) in enumerate(zip(xs, ys, strict=True)):
         h: tuple[torch.Tensor, ...] = (x,)
         for r in runners[:-1]:
@@ -67,7 +69,9 @@ def test_split_backward_equals_autograd(fused: bool) -> None:
     got = [p.grad for m in stages for p in m.parameters()]
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
-    # Everything held for backward is released once the Ws have run.
+    # Everything held for backward is released once the Ws have run, and the last hand-overs are dropped
+    # (the meter follows each storage until it dies, whoever holds it).
+    del h, g
     assert all(r.meter.current == 0 and r.meter.peak > 0 and r.in_flight == 0 for r in runners)
 
 
@@ -93,15 +97,23 @@ def test_gpt_stages_split_exactly() -> None:
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=f"layer {i} {name}")
 
 
-def test_measured_memory_counts_saved_tensors() -> None:
-    lin = nn.Linear(64, 64)
-    r = StageRunner(lin)
-    x = torch.randn(32, 64)
-    r.forward(0, (x,))
-    # Linear keeps its input for the weight gradient: 32 x 64 float32.
-    assert r.meter.current >= 32 * 64 * 4
-    r.backward_input(0, (torch.ones(32, 64),))
-    assert r.meter.current > 0  # still held: W needs the input
+def test_memory_held_after_f_and_between_b_and_w() -> None:
+    # Linear -> GELU -> Linear on a 32 x 64 float32 input: every activation is one 8 KiB block.
+    block = 32 * 64 * 4
+    r = StageRunner(Chain(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)))
+    x, g = torch.randn(32, 64), torch.ones(32, 64)
+    r.meter.hold([x, g], "recv")  # as if received from the neighbours
+    out = r.forward(0, (x,))
+    del out  # handed on; the stage still keeps its output for B
+    # After F: the input (kept for the first weight gradient), the GELU input, the second Linear's input, the output.
+    assert r.memory_f == 4 * block and r.meter.current == 5 * block  # + g
+    dx = r.backward_input(0, (g,))
+    # B freed the GELU input and the output; W reads both Linear inputs and the gradients entering both Linears
+    # (g itself, and the one B computed at the first Linear).
+    assert r.memory_w == 4 * block
+    assert r.meter.current == 5 * block  # + dx
+    del dx, x, g
+    assert r.meter.current == 4 * block  # the pass holds x and g itself now
     r.backward_weight(0)
     assert r.meter.current == 0
 
@@ -117,6 +129,7 @@ def _run_with_recompute(r: int, fused: bool) -> tuple[list[torch.Tensor], list[t
     runner = StageRunner(stage, recompute=r)
     xs = [torch.randn(5, 8, generator=torch.Generator().manual_seed(i)) for i in range(3)]
     torch.manual_seed(7)  # dropout masks drawn in F; recomputation must draw the same ones
+    runner.meter.start(outside=xs)
     held = []
     for mb, x in enumerate(xs):
         runner.forward(mb, (x,))
@@ -126,7 +139,8 @@ def _run_with_recompute(r: int, fused: bool) -> tuple[list[torch.Tensor], list[t
         g = (torch.full((5, 8), 0.1 * (mb + 1)),)
         got = runner.backward(mb, g) if fused else runner.backward_input(mb, g)
         assert got is not None
-        dxs.append(got[0])
+        dxs.append(got[0].clone())  # a copy: the meter follows what the runner handed out
+    del g, got
     if not fused:
         for mb in range(3):
             runner.backward_weight(mb)
@@ -148,17 +162,20 @@ def test_recomputed_layers_give_identical_gradients(fused: bool) -> None:
         previous = held
 
 
-def test_recomputation_rebuilds_once_and_holds_until_w() -> None:
+def test_recomputation_keeps_the_input_and_b_frees_what_it_rebuilt() -> None:
+    block = 32 * 64 * 4
     lin = Chain(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
     runner = StageRunner(lin, recompute=2)
-    x = torch.randn(32, 64)
+    x, g = torch.randn(32, 64), torch.ones(32, 64)
     runner.forward(0, (x,))
-    after_f = runner.meter.current
-    # Only the input (32 x 64 float32) and what the last Linear keeps (its input, and the output) remain.
-    assert after_f == 3 * 32 * 64 * 4
-    runner.backward_input(0, (torch.ones(32, 64),))
-    assert runner.meter.current > after_f  # rebuilt for B, and kept: W reads the same tensors
+    # Only the input, what the last Linear keeps (its input) and the output remain; the GELU input is dropped.
+    assert runner.memory_f == 3 * block
+    runner.backward_input(0, (g,))
+    # B rebuilt the GELU input and freed it once read; W reads both Linears' inputs and the gradients into them,
+    # exactly as without recomputation.
+    assert runner.memory_w == 4 * block
     runner.backward_weight(0)
+    del x, g
     assert runner.meter.current == 0
 
 

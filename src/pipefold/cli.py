@@ -58,8 +58,9 @@ def _add_costs(p: argparse.ArgumentParser) -> None:
     g.add_argument("--b", type=float, default=1.0, help="input-gradient backward time B (default 1)")
     g.add_argument("--w", type=float, default=1.0, help="weight-gradient backward time W (default 1)")
     g.add_argument("--mem", type=float, default=1.0, help="activation memory M of one microbatch (default 1)")
-    g.add_argument("--b-release", type=float, default=0.0,
-                   help="fraction of activation memory freed by B; W frees the rest (default 0)")
+    g.add_argument("--mem-w", type=float, default=None, metavar="MEM",
+                   help="activation memory held between a stage's B and its W, per device share; "
+                        "default: the same as --mem; may exceed it")
     g.add_argument("--latency", type=float, default=0.0, help="point-to-point latency between devices (default 0)")
     g.add_argument("--bandwidth", type=float, default=math.inf,
                    help="point-to-point bytes per time unit (default unlimited)")
@@ -139,13 +140,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     _add_output(p)
 
-    p = sub.add_parser("partition", help="split a model's layers into stages of balanced measured cost")
+    p = sub.add_parser("partition", help="split a model's layers into stages: balanced measured cost, or least "
+                                         "predicted peak memory; show each device's predicted peak")
     _add_model(p, layers=8, layers_help="default 8", batch=8, batch_help="microbatch of the measurements")
     p.add_argument("--stages", "-p", type=int, default=4, metavar="P", help="pipeline devices (default 4)")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--chunks", type=int, default=None, metavar="V", help="V looped chunks per device")
+    g.add_argument("--chunks", type=int, default=None, metavar="V",
+                   help="V looped chunks per device, run as interleaved-1f1b (default: 1f1b)")
     g.add_argument("--schedule", default=None, help="split into this schedule's stages, with its placement")
-    p.add_argument("--by", choices=["params", "time", "memory"], default="time", help="layer cost (default time)")
+    p.add_argument("--microbatches", "-m", type=int, default=None, metavar="M",
+                   help="microbatches per step, for the predicted peaks (default 2P)")
+    p.add_argument("--by", choices=["params", "time", "memory"], default="time",
+                   help="balance parameters or time, or (memory) least predicted device peak within --slack of "
+                        "the best time (default time)")
+    p.add_argument("--slack", type=float, default=0.02,
+                   help="time the memory split may add to the busiest device, as a fraction (default 0.02)")
+    p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
+                   help="optimizer whose state the static bytes count (default adamw)")
     _add_output(p)
 
     p = sub.add_parser("train", help="train a model with a pipeline schedule, one local process per device")
@@ -245,7 +256,7 @@ def _cost_model(args: argparse.Namespace) -> CostModel:
             raise ConfigError(f"cannot read --stage-cost {item!r}: use S:F,B,W or S:F,B,W,MEM, e.g. 3:2,4,2")
         memory = numbers[3] if len(numbers) == 4 else None
         overrides[stage] = StageOverride(f=numbers[0], b=numbers[1], w=numbers[2], memory=memory)
-    return CostModel(f=args.f, b=args.b, w=args.w, memory=args.mem, b_release=args.b_release,
+    return CostModel(f=args.f, b=args.b, w=args.w, memory=args.mem, memory_w=args.mem_w,
                      latency=args.latency, bandwidth=args.bandwidth, activation_bytes=args.activation_bytes,
                      recompute=args.recompute, stage_overrides=overrides)
 
@@ -478,7 +489,12 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
             reports = gathered
         else:
             job, reports = train(config, check=args.check, on_step=on_step)
-    out = _train_summary(job, reports, config)
+    from pipefold.runtime.measure import measured_costs, measured_result
+
+    step = len(reports[0].steps) - 1  # the last step: warmed up
+    # The simulator fed with this run's own measured costs: what it predicts, next to what was measured.
+    predicted = simulate(job.schedule, measured_costs(job.schedule, reports, step))
+    out = _train_summary(job, reports, config, predicted)
     if args.check:
         out.update(compare(job, reports))
     if args.trace:
@@ -487,15 +503,12 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
         write_measured_trace(reports, args.trace)
         out["trace"] = args.trace
     if args.plot:
-        from pipefold.render import plot_gantt_pair
-        from pipefold.runtime.measure import measured_result
+        from pipefold.render import plot_run
 
-        step = len(reports[0].steps) - 1  # the last step: warmed up
         measured = measured_result(job.schedule, reports, step)
-        predicted = simulate(job.schedule)
-        plot_gantt_pair(measured, predicted, args.plot,
-                        titles=(f"measured, step {step} ({measured.makespan * 1e3:.1f} ms)",
-                                f"simulated, unit costs (makespan {predicted.makespan:g})"))
+        plot_run(measured, predicted, args.plot,
+                 titles=(f"measured, step {step} ({measured.makespan * 1e3:.1f} ms)",
+                         f"simulated from the measured costs ({predicted.makespan * 1e3:.1f} ms)"))
         out["plot"] = args.plot
     if args.json:
         print(json.dumps(out))
@@ -515,7 +528,7 @@ def _parse_offload(text: str) -> tuple[int, int]:
     return k, kprime
 
 
-def _train_summary(job: Any, reports: list[Any], config: Any) -> dict[str, Any]:
+def _train_summary(job: Any, reports: list[Any], config: Any, predicted: Any) -> dict[str, Any]:
     steps = len(reports[0].steps)
     losses = [sum(sum(r.steps[i].losses.values()) for r in reports) / job.schedule.microbatches
               for i in range(steps)]
@@ -528,11 +541,12 @@ def _train_summary(job: Any, reports: list[Any], config: Any) -> dict[str, Any]:
         "busy_s": [sum(s.busy for s in r.steps[1:] or r.steps) / max(1, len(r.steps[1:] or r.steps))
                    for r in reports],
         "peak_activation_bytes": [max(s.peak_activation_bytes for s in r.steps) for r in reports],
+        "predicted_peak_bytes": [round(x) for x in predicted.peak_memory],
+        "predicted_step_s": predicted.makespan,
+        "batch_bytes": [r.steps[-1].batch_bytes for r in reports],
         "peak_process_bytes": [r.peak_process_bytes for r in reports],
         **({"peak_resident_param_bytes": [r.resident_param_bytes for r in reports]} if job.offload else {}),
-        **({"recompute": job.extra["recompute"].to_dict(),
-            "peak_saved_bytes": [max(s.peak_saved_bytes for s in r.steps) for r in reports]}
-           if "recompute" in job.extra else {}),
+        **({"recompute": job.extra["recompute"].to_dict()} if "recompute" in job.extra else {}),
     }
 
 
@@ -542,16 +556,20 @@ def _print_train(out: dict[str, Any], console: Console) -> None:
     split = "evenly" if out["partition"] == "even" else f"balanced by {out['partition']}"
     console.print(f"stages start at layers {' '.join(map(str, out['boundaries']))} (split {split})")
     table = Table(show_edge=False)
-    for col in ("rank", "busy (s/step)", "idle (s/step)", "peak activation", "peak process memory"):
+    for col in ("rank", "busy (s/step)", "idle (s/step)", "peak held", "predicted", "peak process memory"):
         table.add_column(col, justify="right")
     typical = sorted(out["step_time_s"][1:] or out["step_time_s"])[len(out["step_time_s"][1:] or [0]) // 2]
     for rank, busy in enumerate(out["busy_s"]):
         table.add_row(str(rank), f"{busy:.3f}", f"{max(0.0, typical - busy):.3f}",
-                      format_bytes(out["peak_activation_bytes"][rank]), format_bytes(out["peak_process_bytes"][rank]))
+                      format_bytes(out["peak_activation_bytes"][rank]), format_bytes(out["predicted_peak_bytes"][rank]),
+                      format_bytes(out["peak_process_bytes"][rank]))
     console.print(table)
     if "recompute" in out:
-        _print_recompute(out["recompute"], out["peak_saved_bytes"], console)
-    console.print(f"median step {typical:.3f} s (first step {out['step_time_s'][0]:.3f} s)")
+        _print_recompute(out["recompute"], out["peak_activation_bytes"], console)
+    console.print(f"median step {typical:.3f} s (first step {out['step_time_s'][0]:.3f} s; simulated from the "
+                  f"measured costs {out['predicted_step_s']:.3f} s)")
+    console.print("peak held: every tensor a rank keeps during the step, counted once (saved for backward, outputs, "
+                  "gradients kept for W, receive buffers, sends in flight); the batch is apart")
     if "max_grad_rel_diff" in out:
         console.print(f"check against one process: loss rel diff {out['loss_rel_diff']:.2e}, "
                       f"max gradient rel diff {out['max_grad_rel_diff']:.2e}")
@@ -620,44 +638,94 @@ def cmd_offload(args: argparse.Namespace, console: Console) -> None:
 
 
 def cmd_partition(args: argparse.Namespace, console: Console) -> None:
-    from pipefold.ir import looped_placement
-    from pipefold.partition import layer_costs, model_sample, partition
+    from pipefold.partition import (
+        layer_costs,
+        layer_memory,
+        layer_static_bytes,
+        memory_of_split,
+        model_sample,
+        partition,
+        partition_memory,
+    )
+    from pipefold.recompute import OPTIMIZER_STATE
 
-    if args.stages < 1:
-        raise ConfigError(f"--stages must be at least 1 (got {args.stages})")
-    placement: tuple[int, ...] | None = None
-    if args.chunks is not None:
-        if args.chunks < 1:
-            raise ConfigError(f"--chunks must be at least 1 (got {args.chunks})")
-        placement = looped_placement(args.stages, args.chunks)
-    elif args.schedule is not None:
+    for flag, value in (("--stages", args.stages), ("--chunks", args.chunks), ("--microbatches", args.microbatches)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} must be at least 1 (got {value})")
+    if args.schedule is not None:
         name, options = _parse_spec(args.schedule)
-        least = schedules.get(name).min_microbatches(args.stages)
-        placement = schedules.build(name, args.stages, max(least, 1), **options).stage_to_device
+    elif args.chunks is not None and args.chunks > 1:
+        name, options = "interleaved-1f1b", {"v": args.chunks}
+    else:
+        name, options = "1f1b", {}
+    least = schedules.get(name).min_microbatches(args.stages)
+    m = args.microbatches if args.microbatches is not None else max(least, 2 * args.stages)
+    schedule = schedules.build(name, args.stages, m, **options)
     layers, sample = model_sample(args.model, layers=args.layers, hidden=args.hidden, heads=args.heads,
                                   batch=args.batch, seq=args.seq)
-    measured = {by: layer_costs(layers, sample, by=by) for by in ("params", "time", "memory")}
-    parts = len(placement) if placement is not None else args.stages
-    split = partition(measured[args.by], parts, placement=placement)
-    totals = {by: [sum(costs[i] for i in part) for part in split.parts] for by, costs in measured.items()}
-    devices = list(placement) if placement is not None else list(range(parts))
+    params, times = (layer_costs(layers, sample, by=by) for by in ("params", "time"))
+    held, held_w = (list(column) for column in zip(*layer_memory(layers, sample), strict=True))
+    static = layer_static_bytes(layers, optimizer_factor=OPTIMIZER_STATE[args.optimizer])
+    if args.by == "memory":
+        split = partition_memory(times, held, held_w, static, schedule, slack=args.slack)
+        by_time = memory_of_split(partition(times, schedule.stages, placement=schedule.stage_to_device).boundaries,
+                                  times, held, held_w, static, schedule, time_optimal=split.time_optimal)
+        compared = {"time_split": {"boundaries": by_time.boundaries, "device_peak_bytes": by_time.device_peak_bytes}}
+    else:
+        balanced = partition(params if args.by == "params" else times, schedule.stages,
+                             placement=schedule.stage_to_device)
+        split = memory_of_split(balanced.boundaries, times, held, held_w, static, schedule)
+    sums = {key: [sum(values[i] for i in part) for part in split.parts] for key, values in
+            (("params", params), ("time_s", times), ("held_bytes", held), ("held_w_bytes", held_w),
+             ("static_bytes", static))}
+    if args.by == "memory":  # a stage's share of its device's peak: its static bytes and what it holds then
+        cost = [sums["static_bytes"][s] + split.weights[s] * sums["held_bytes"][s]
+                + split.weights_w[s] * sums["held_w_bytes"][s] for s in range(schedule.stages)]
+        device_cost = split.device_peak_bytes
+    else:
+        cost, device_cost, compared = balanced.cost, balanced.device_cost, {}
+    devices = list(schedule.stage_to_device)
     if args.json:
-        print(json.dumps({"model": args.model, "layers": len(layers), "by": args.by, "stages": parts,
-                          "placement": devices, "boundaries": split.boundaries, "parts": split.parts,
-                          "cost": split.cost, "device_cost": split.device_cost, "bottleneck": split.bottleneck,
-                          "params": totals["params"], "time_s": totals["time"], "memory_bytes": totals["memory"]}))
+        print(json.dumps({"model": args.model, "layers": len(layers), "by": args.by, "schedule": _label(schedule),
+                          "microbatches": m, "stages": schedule.stages, "placement": devices,
+                          "boundaries": split.boundaries, "parts": split.parts, "cost": cost,
+                          "device_cost": device_cost, "bottleneck": max(device_cost), **sums,
+                          "device_time_s": split.device_time, "device_static_bytes": split.device_static_bytes,
+                          "device_activation_bytes": split.device_activation_bytes,
+                          "device_peak_bytes": split.device_peak_bytes, "time_optimal_s": split.time_optimal,
+                          "weights": split.weights, "weights_w": split.weights_w, **compared}))
         return
-    table = Table(title=f"{args.model} ({len(layers)} layers) split by {args.by}", title_justify="left")
-    for col in ("stage", "device", "layers", "params", "est. time", "est. memory"):
+
+    def span(part: list[int]) -> str:
+        return f"{part[0]}-{part[-1]}" if len(part) > 1 else str(part[0])
+
+    title = f"{args.model} ({len(layers)} layers) split by {args.by}, under {_label(schedule)} with {m} microbatches"
+    table = Table(title=title, title_justify="left")
+    for col in ("stage", "device", "layers", "params", "est. time", "act. / mb", "static"):
         table.add_column(col, justify="right")
     for s, part in enumerate(split.parts):
-        table.add_row(str(s), str(devices[s]), f"{part[0]}-{part[-1]}" if len(part) > 1 else str(part[0]),
-                      f"{int(totals['params'][s]):,}", f"{totals['time'][s] * 1e3:.2f} ms",
-                      format_bytes(totals["memory"][s]))
+        table.add_row(str(s), str(devices[s]), span(part), f"{int(sums['params'][s]):,}",
+                      f"{sums['time_s'][s] * 1e3:.2f} ms", format_bytes(sums["held_bytes"][s]),
+                      format_bytes(sums["static_bytes"][s]))
     console.print(table)
-    unit = {"params": "params", "time": "s", "memory": "bytes"}[args.by]
-    console.print(f"bottleneck (largest device {args.by}): {_fmt(split.bottleneck)} {unit}; "
-                  f"boundaries {split.boundaries}")
+    table = Table(title="predicted per device", title_justify="left")
+    for col in ("device", "layers", "est. time", "static", "peak act.", "peak total"):
+        table.add_column(col, justify="right")
+    for d in range(schedule.devices):
+        table.add_row(str(d), ", ".join(span(split.parts[s]) for s in schedule.stages_of(d)),
+                      f"{split.device_time[d] * 1e3:.2f} ms", format_bytes(split.device_static_bytes[d]),
+                      format_bytes(split.device_activation_bytes[d]), format_bytes(split.device_peak_bytes[d]))
+    console.print(table)
+    if args.by == "memory":
+        over = split.bottleneck_time / split.time_optimal - 1 if split.time_optimal else 0.0
+        console.print(f"largest predicted peak: {format_bytes(split.peak_bytes)}; busiest device time "
+                      f"{_fmt(split.bottleneck_time)} s, {over:+.1%} on the time-optimal split's; "
+                      f"boundaries {split.boundaries}")
+        console.print(f"the time-balanced split {by_time.boundaries} would peak at {format_bytes(by_time.peak_bytes)}")
+        return
+    unit = {"params": "params", "time": "s"}[args.by]
+    console.print(f"bottleneck (largest device {args.by}): {_fmt(max(device_cost))} {unit}; largest predicted "
+                  f"peak {format_bytes(split.peak_bytes)}; boundaries {split.boundaries}")
 
 
 COMMANDS = {"schedules": cmd_schedules, "simulate": cmd_simulate, "compare": cmd_compare,

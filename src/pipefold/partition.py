@@ -9,20 +9,25 @@ stages on devices, the largest device load, the sum of that device's chunks)::
 
 from __future__ import annotations
 
+import functools
+import math
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 from torch import nn
 
 from pipefold.errors import ConfigError
-from pipefold.ir import v_placement
+from pipefold.ir import Action, Kind, Schedule, looped_placement, v_placement
 from pipefold.runtime.stage import as_leaves, as_tuple
+from pipefold.simulate import StageCost, memory_deltas, peak_by_order
 
-__all__ = ["COST_KINDS", "Partition", "layer_costs", "model_sample", "partition"]
+__all__ = ["COST_KINDS", "MemoryPartition", "Partition", "layer_costs", "layer_memory", "layer_static_bytes",
+           "memory_of_split", "model_sample", "partition", "partition_memory"]
 
 COST_KINDS = ("params", "time", "memory")
 """What a layer's cost can measure."""
@@ -108,8 +113,13 @@ def _time_layer(layer: nn.Module, x: Values, repeats: int, _: float) -> tuple[fl
 
 def _memory_layer(layer: nn.Module, x: Values, _: int, optimizer_factor: float) -> tuple[float, Values]:
     """Bytes saved for backward (not the layer's weights) plus parameter bytes x (1 + optimizer_factor)."""
-    params = list(layer.parameters())
-    own = {p.data_ptr() for p in params}
+    saved, out = _saved_bytes(layer, x)
+    return float(saved + _param_bytes(layer) * (1 + optimizer_factor)), out
+
+
+def _saved_bytes(layer: nn.Module, x: Values) -> tuple[int, Values]:
+    """Bytes of the tensors one forward of ``layer`` saves for its backward, its own weights excluded."""
+    own = {p.data_ptr() for p in layer.parameters()}
     seen: set[tuple[int, tuple[int, ...]]] = set()
     saved = 0
 
@@ -123,8 +133,23 @@ def _memory_layer(layer: nn.Module, x: Values, _: int, optimizer_factor: float) 
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = _call(layer, x)
-    param_bytes = sum(p.numel() * p.element_size() for p in params)
-    return float(saved + param_bytes * (1 + optimizer_factor)), out
+    return saved, out
+
+
+def _param_bytes(layer: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in layer.parameters())
+
+
+def layer_static_bytes(layers: Sequence[nn.Module], *, optimizer_factor: float = 2.0) -> list[float]:
+    """Bytes each layer holds whatever the schedule: parameter bytes x (2 + ``optimizer_factor``).
+
+    Weights, their gradients and the optimizer state (``optimizer_factor`` parameter sizes: AdamW's
+    two moments make 2, plain SGD 0; see :data:`pipefold.recompute.OPTIMIZER_STATE`).
+    """
+    if not (isinstance(optimizer_factor, (int, float)) and math.isfinite(optimizer_factor) and optimizer_factor >= 0):
+        raise ConfigError(f"optimizer_factor counts parameter sizes of optimizer state: a number >= 0 "
+                          f"(got {optimizer_factor!r})")
+    return [float(_param_bytes(layer) * (2 + optimizer_factor)) for layer in layers]
 
 
 def model_sample(model: str, *, layers: int, hidden: int, heads: int, batch: int,
@@ -169,6 +194,8 @@ def partition(costs: Sequence[float], parts: int, *, placement: Sequence[int] | 
         bounds = _minmax_dp(prefix, parts)  # one part per device: device loads are the part costs
     elif mapping == v_placement(parts // 2):
         bounds = _v_dp(prefix, parts // 2)
+    elif mapping == looped_placement(parts // 2, 2):
+        bounds = _looped_dp(prefix, parts // 2)
     else:
         bounds = _branch_and_bound(prefix, mapping)
     return _result(values, prefix, bounds, mapping)
@@ -220,51 +247,143 @@ def _minmax_dp(prefix: list[float], parts: int) -> list[int]:
 
 
 def _v_dp(prefix: list[float], p: int) -> list[int]:
-    """Exact split for the V placement, from the outside in.
-
-    Device d holds chunks d and 2p-1-d, so choosing device 0's chunks, then device 1's, ... narrows
-    a window (L, R) of layers still to place; the state after device d is that window::
-
-        layers  |--chunk 0--|--chunk 1--| ...middle... |--chunk 2p-2--|--chunk 2p-1--|
-                0           L                          R                              n
-    """
-    n = len(prefix) - 1
+    """Exact split for the V placement: the least largest device load (see :func:`_pair_dp`)."""
     pre = np.asarray(prefix)
+
+    def load(_d: int, lo: int, hi: int, _ok: np.ndarray) -> np.ndarray:
+        return (pre[:, None] - pre[lo]) + (pre[hi] - pre[None, :])  # [l2, r2]: chunks lo..l2-1 and r2..hi-1
+
+    n = len(prefix) - 1
+    value, trace = _pair_dp(n, p, (0, n), _v_moves(n, p), load)
+    return _v_bounds(trace(*_v_end(value)))
+
+
+def _looped_dp(prefix: list[float], p: int) -> list[int]:
+    """Exact split for the looped placement with two chunks per device (see :func:`_pair_dp`).
+
+    Every first layer x of chunk p is tried. Loads above a cap are cut off, which keeps the states
+    few; the cap starts just above the even share and grows until a split fits under it, up to the
+    load of the balanced split that ignores the placement, which always fits.
+    """
+    pre = np.asarray(prefix)
+    n = len(prefix) - 1
+    upper = max(_loads(prefix, _minmax_dp(prefix, 2 * p), looped_placement(p, 2), p))
+    share = max(pre[n] / p, float(np.max(np.diff(pre), initial=0.0)))  # no split does better
+    caps = [c for c in (share * 1.01, share * 1.04, share * 1.16, share * 1.64) if c < upper] + [upper]
+    for cap in (c * (1 + _REL) + _EPS for c in caps):
+
+        def load(d: int, a: int, b: int, _ok: np.ndarray, x: int, cap: float = cap) -> np.ndarray:
+            # [a2, b2]: chunks a..a2-1 and b..b2-1, and what is left must fit on the later devices
+            loads = (pre[:, None] - pre[a]) + (pre[None, :] - pre[b])
+            left = (pre[x] - pre[:, None]) + (pre[n] - pre[None, :])
+            return np.where((loads <= cap) & (left <= (p - 1 - d) * cap), loads, np.inf)
+
+        best, bounds = np.inf, list(range(2 * p))
+        for x in range(p, n - p + 1):
+            value, trace = _pair_dp(n, p, (0, x), _looped_moves(n, p, x), functools.partial(load, x=x))
+            if value[x, n] < best - _EPS:
+                best, bounds = value[x, n], _looped_bounds(trace(x, n), x)
+        if np.isfinite(best):
+            return bounds
+    raise AssertionError("the balanced split's load always fits")
+
+
+# Two chunks per device (the V placement; looped with v=2) make a polynomial DP: device by device,
+# each device's chunks advance two positions (l, r) over the layers, and a device's cost depends on its
+# own two chunks only, so the state after device d is (l, r):
+#
+#   V (d holds chunks d, 2p-1-d), from both ends inwards:
+#       |-chunk 0-|-chunk 1-| ... |-chunk 2p-2-|-chunk 2p-1-|        (l, r): the window still to place
+#       0         l                            r            n
+#   looped (d holds chunks d, p+d), side by side from 0 and from x, the first layer of chunk p:
+#       |-chunk 0-|-chunk 1-| ... |-chunk p-|-chunk p+1-| ...        (l, r): the next layer of each run
+#       0         l               x         r                  n
+
+DeviceCost = Callable[[int, int, int, np.ndarray], np.ndarray]
+"""``cost(d, l, r, ok)``: device d's cost for every next state (l2, r2) from (l, r), an (n+1, n+1) array;
+only entries where the mask ``ok`` holds are read, and inf marks a move not allowed."""
+
+Moves = Callable[[int, int, int], np.ndarray]
+"""``moves(d, l, r)``: the (n+1, n+1) mask of the states (l2, r2) device d may move (l, r) to."""
+
+
+def _pair_dp(n: int, p: int, start: tuple[int, int], moves: Moves,
+             cost: DeviceCost) -> tuple[np.ndarray, Callable[[int, int], list[tuple[int, int]]]]:
+    """Least largest device cost for each final state, and a trace of the states that reach one.
+
+    ``value[l, r]`` is the least largest cost of devices 0..p-1 that ends in (l, r); ``trace(l, r)``
+    lists the states after devices 0..p-1 on the way there.
+    """
     inf = np.inf
-    # value[L, R]: the least largest load of devices 0..d that leaves layers L..R-1 for the rest.
     value = np.full((n + 1, n + 1), inf)
-    value[0, n] = 0.0
+    value[start] = 0.0
     backs: list[np.ndarray] = []
-    idx = np.arange(n + 1)
     for d in range(p):
-        rest = 2 * p - 2 - 2 * d  # chunks left inside the window afterwards
         new = np.full((n + 1, n + 1), inf)
         back = np.zeros((n + 1, n + 1, 2), dtype=np.int64)
         for lo, hi in zip(*np.nonzero(np.isfinite(value)), strict=True):
-            # new window (l2, r2): lo < l2, r2 < hi, r2 - l2 >= rest; the last device's two chunks meet (l2 == r2)
-            load = (pre[:, None] - pre[lo]) + (pre[hi] - pre[None, :])  # [l2, r2]
-            ok = (idx[:, None] > lo) & (idx[None, :] < hi)
-            ok &= (idx[None, :] - idx[:, None] >= rest) if rest else (idx[None, :] == idx[:, None])
-            cand = np.where(ok, np.maximum(value[lo, hi], load), inf)
+            ok = moves(d, int(lo), int(hi))
+            cand = np.where(ok, np.maximum(value[lo, hi], cost(d, int(lo), int(hi), ok)), inf)
             better = cand < new - _EPS
             new = np.where(better, cand, new)
             back[better] = (lo, hi)
         value = new
         backs.append(back)
+
+    def trace(lo: int, hi: int) -> list[tuple[int, int]]:
+        states = [(lo, hi)]
+        for back in reversed(backs[1:]):
+            lo, hi = int(back[lo, hi, 0]), int(back[lo, hi, 1])
+            states.append((lo, hi))
+        return states[::-1]
+
+    return value, trace
+
+
+def _v_moves(n: int, p: int) -> Moves:
+    idx = np.arange(n + 1)
+
+    def moves(d: int, lo: int, hi: int) -> np.ndarray:
+        # lo < l2, r2 < hi, r2 - l2 >= the chunks left inside; the last device's two chunks meet (l2 == r2)
+        rest = 2 * p - 2 - 2 * d
+        ok = (idx[:, None] > lo) & (idx[None, :] < hi)
+        return ok & ((idx[None, :] - idx[:, None] >= rest) if rest else (idx[None, :] == idx[:, None]))
+
+    return moves
+
+
+def _v_end(value: np.ndarray) -> tuple[int, int]:
     mid = int(np.argmin(np.diagonal(value)))
-    windows = [(mid, mid)]  # windows[k]: the window left after device p-1-k
-    for back in reversed(backs[1:]):
-        lo, hi = windows[-1]
-        windows.append((int(back[lo, hi, 0]), int(back[lo, hi, 1])))
-    windows.reverse()  # windows[d] = (first layer of chunk d+1, first layer of chunk 2p-1-d)
-    return [0] + [lo for lo, _ in windows] + [hi for _, hi in windows[-2::-1]]
+    return mid, mid
+
+
+def _v_bounds(states: list[tuple[int, int]]) -> list[int]:
+    # states[d] = (first layer of chunk d+1, first layer of chunk 2p-1-d)
+    return [0] + [lo for lo, _ in states] + [hi for _, hi in states[-2::-1]]
+
+
+def _looped_moves(n: int, p: int, x: int) -> Moves:
+    idx = np.arange(n + 1)
+
+    def moves(d: int, a: int, b: int) -> np.ndarray:
+        rest = p - 1 - d  # chunks left on each run afterwards, one layer at least each
+        if rest == 0:
+            return (idx[:, None] == x) & (idx[None, :] == n)
+        return (idx[:, None] > a) & (idx[:, None] <= x - rest) & (idx[None, :] > b) & (idx[None, :] <= n - rest)
+
+    return moves
+
+
+def _looped_bounds(states: list[tuple[int, int]], x: int) -> list[int]:
+    # states[d] = (first layer of chunk d+1, first layer of chunk p+d+1)
+    return [0] + [a for a, _ in states[:-1]] + [x] + [b for _, b in states[:-1]]
 
 
 def _branch_and_bound(prefix: list[float], mapping: tuple[int, ...]) -> list[int]:
     """Exact split for any placement: depth-first over boundaries, pruned by the best load found so far.
 
     Exponential in the worst case; quick for near-uniform costs (it stops once a split reaches the even
-    share) and for a few chunks per device. The V placement has its own polynomial search.
+    share) and for a few chunks per device. The V and two-chunk looped placements have polynomial searches.
     """
     n, parts = len(prefix) - 1, len(mapping)
     devices = max(mapping) + 1
@@ -312,3 +431,378 @@ def _loads(prefix: list[float], bounds: list[int], mapping: tuple[int, ...], dev
         loads[mapping[part]] += prefix[hi] - prefix[lo]
     return loads
 
+
+
+# --------------------------------------------------------------------------- memory-aware splitting
+
+
+@dataclass(frozen=True)
+class MemoryPartition:
+    """A split whose busiest device's predicted peak bytes are least, among the splits of nearly the best time."""
+
+    boundaries: list[int]
+    """First layer index of each stage; starts at 0."""
+    parts: list[list[int]]
+    """Layer indices of each stage: contiguous, covering every layer once."""
+    placement: tuple[int, ...]
+    """Device of each stage: the schedule's."""
+    device_time: list[float]
+    """Per device, the summed time of its layers (F+B+W of one microbatch through all its stages)."""
+    device_static_bytes: list[float]
+    """Per device, the parameter, gradient and optimizer-state bytes of its layers."""
+    device_peak_bytes: list[float]
+    """Per device, the predicted peak: its static bytes plus the activation peak of its action order."""
+    bottleneck_time: float
+    """The largest device time; at most (1 + slack) x ``time_optimal``."""
+    time_optimal: float
+    """The largest device time of the time-optimal split."""
+    weights: list[int]
+    """Per stage, how many microbatches' forward activations (``held``) it holds at its device's peak."""
+    weights_w: list[int]
+    """Per stage, how many microbatches between their B and W (``held_w``) it holds at its device's peak."""
+
+    @property
+    def peak_bytes(self) -> float:
+        """The largest predicted device peak: what the split minimises."""
+        return max(self.device_peak_bytes)
+
+    @property
+    def device_activation_bytes(self) -> list[float]:
+        """Per device, the predicted activation peak (the peak less the static bytes)."""
+        return [peak - static for peak, static in zip(self.device_peak_bytes, self.device_static_bytes, strict=True)]
+
+
+class _Prefix(NamedTuple):
+    """Prefix sums of the per-layer figures: layers lo..hi-1 sum to ``x[hi] - x[lo]``."""
+
+    time: np.ndarray
+    held: np.ndarray
+    held_w: np.ndarray
+    static: np.ndarray
+
+
+def partition_memory(times: Sequence[float], held: Sequence[float], held_w: Sequence[float],
+                     static: Sequence[float], schedule: Schedule, *, slack: float = 0.02) -> MemoryPartition:
+    """The contiguous split into ``schedule``'s stages with the least largest predicted device peak bytes.
+
+    Per layer: ``times`` (F+B+W seconds of one microbatch), ``held`` (activation bytes it holds from
+    its forward to its backward, per microbatch), ``held_w`` (bytes held from B to W) and ``static``
+    (parameter, gradient and optimizer-state bytes). A device's predicted peak is its layers' static
+    bytes plus the activation peak of its action order (:func:`pipefold.simulate.peak_by_order`),
+    which weighs each stage by how many microbatches it holds at once. Only splits whose busiest
+    device time is within (1 + ``slack``) of the time-optimal split's are allowed; among equal
+    peaks the faster split wins. Exact for every placement: polynomial for one stage per device and
+    for two (V, looped), a pruned depth-first search otherwise (see docs/partition.md).
+    """
+    figures = _check_figures(times, held, held_w, static)
+    n, stages = len(figures[0]), schedule.stages
+    if n < stages:
+        raise ConfigError(f"cannot split {n} layers into {stages} stages: at most {n}")
+    if not (isinstance(slack, (int, float)) and math.isfinite(slack) and slack >= 0):
+        raise ConfigError(f"slack is the time allowed above the time-optimal split: a number >= 0 (got {slack!r})")
+    mapping = schedule.stage_to_device
+    fastest = partition(figures[0], stages, placement=mapping)
+    limit = fastest.bottleneck * (1 + slack) * (1 + _REL) + _EPS
+    pre = _Prefix(*(np.concatenate([[0.0], np.cumsum(f)]) for f in figures))
+    moments = [_moments(schedule.actions[d], schedule.stages_of(d)) for d in range(schedule.devices)]
+    if len(set(mapping)) == stages:
+        bounds = _chain_search(pre, moments, mapping, limit)
+    elif stages % 2 == 0 and mapping in (v_placement(stages // 2), looped_placement(stages // 2, 2)):
+        bounds = _pair_search(pre, moments, stages // 2, limit, looped=mapping != v_placement(stages // 2))
+    else:
+        bounds = _tree_search(pre, moments, mapping, limit, fastest.boundaries)
+    return memory_of_split(bounds, *figures, schedule, time_optimal=fastest.bottleneck)
+
+
+def memory_of_split(boundaries: Sequence[int], times: Sequence[float], held: Sequence[float],
+                    held_w: Sequence[float], static: Sequence[float], schedule: Schedule, *,
+                    time_optimal: float | None = None) -> MemoryPartition:
+    """Per-device time, static bytes and predicted peak bytes of one split (e.g. the time-balanced one).
+
+    The figures are as for :func:`partition_memory`; ``time_optimal`` is worked out when not given.
+    """
+    times, held, held_w, static = _check_figures(times, held, held_w, static)
+    n, stages = len(times), schedule.stages
+    bounds = [int(b) for b in boundaries]
+    ends = bounds[1:] + [n]
+    if len(bounds) != stages or bounds[0] != 0 or any(lo >= hi for lo, hi in zip(bounds, ends, strict=True)):
+        raise ConfigError(f"boundaries {bounds} do not split {n} layers into {stages} non-empty stages")
+    parts = [list(range(lo, hi)) for lo, hi in zip(bounds, ends, strict=True)]
+    mapping = schedule.stage_to_device
+    if time_optimal is None:
+        time_optimal = partition(times, stages, placement=mapping).bottleneck
+    stage = [StageCost(f=0.0, b=0.0, w=0.0, memory=sum(held[i] for i in part), memory_w=sum(held_w[i] for i in part))
+             for part in parts]
+    device_time, device_static, device_peak = [], [], []
+    weights, weights_w = [0] * stages, [0] * stages
+    for d in range(schedule.devices):
+        mine = schedule.stages_of(d)
+        device_time.append(sum(times[i] for s in mine for i in parts[s]))
+        device_static.append(sum(static[i] for s in mine for i in parts[s]))
+        device_peak.append(device_static[-1] + peak_by_order(schedule.actions[d], {s: stage[s] for s in mine}))
+        at_peak = _moments(schedule.actions[d], mine)
+        row = at_peak[int(np.argmax(at_peak @ [x for s in mine for x in (stage[s].memory, stage[s].held_w)]))]
+        for c, s in enumerate(mine):
+            weights[s], weights_w[s] = round(row[2 * c]), round(row[2 * c + 1])
+    return MemoryPartition(boundaries=bounds, parts=parts, placement=tuple(mapping), device_time=device_time,
+                           device_static_bytes=device_static, device_peak_bytes=device_peak,
+                           bottleneck_time=max(device_time), time_optimal=time_optimal, weights=weights,
+                           weights_w=weights_w)
+
+
+_REL = 1e-9
+"""Relative tolerance of the time limit and of equal peaks: sums in another order differ in the last bits."""
+
+
+def _check_figures(*figures: Sequence[float]) -> tuple[list[float], list[float], list[float], list[float]]:
+    names = ("times", "held", "held_w", "static")
+    values = [[float(x) for x in f] for f in figures]
+    if len({len(v) for v in values}) > 1:
+        counts = ", ".join(f"{name} {len(v)}" for name, v in zip(names, values, strict=True))
+        raise ConfigError(f"give one figure per layer in each of times, held, held_w and static (got {counts})")
+    for name, v in zip(names, values, strict=True):
+        bad = next((i for i, x in enumerate(v) if not (math.isfinite(x) and x >= 0)), None)
+        if bad is not None:
+            raise ConfigError(f"{name}[{bad}] must be a finite number >= 0 (got {v[bad]!r})")
+    return values[0], values[1], values[2], values[3]
+
+
+def _moments(actions: Sequence[Action], stages: Sequence[int]) -> np.ndarray:
+    """The in-flight counts of a device's stages at each moment its activation memory may peak.
+
+    Row k, columns 2c and 2c+1: how many microbatches of the device's chunk c hold their forward
+    activations (``held``) and how many are between their B and W (``held_w``) at moment k. The
+    activation level then is the row times the chunks' (held, held_w), and the device's activation
+    peak is the largest such product: linear in each stage's figures at every moment, which is what
+    makes the split searchable exactly. The deltas are the simulator's (:func:`memory_deltas`, fed
+    unit figures); rows no larger than another row in every column never give the peak and are dropped.
+    """
+    chunk = {s: c for c, s in enumerate(stages)}
+    units = (StageCost(f=0.0, b=0.0, w=0.0, memory=1.0, memory_w=0.0),
+             StageCost(f=0.0, b=0.0, w=0.0, memory=0.0, memory_w=1.0))
+    deltas = {kind: [memory_deltas(kind, unit) for unit in units] for kind in Kind}
+    level = [0.0] * (2 * len(stages))
+    rows = {tuple(level)}
+    for a in actions:
+        c = chunk[a.stage]
+        (held_start, held_end), (w_start, w_end) = deltas[a.kind]
+        level[2 * c] += held_start
+        level[2 * c + 1] += w_start
+        rows.add(tuple(level))  # peak_by_order reads the level once each pass has started
+        level[2 * c] += held_end
+        level[2 * c + 1] += w_end
+    rows.add(tuple(level))
+    ordered = sorted(rows, key=sum, reverse=True)
+    kept: list[tuple[float, ...]] = []
+    for row in ordered:
+        if not any(all(x <= y for x, y in zip(row, other, strict=True)) for other in kept):
+            kept.append(row)
+    return np.array(kept, dtype=float).reshape(len(kept), 2 * len(stages))
+
+
+def _peaks(moments: np.ndarray, figures: np.ndarray) -> np.ndarray:
+    """Activation peaks of a device for many candidate splits: ``figures`` is (2 x chunks, candidates)."""
+    return (moments @ figures).max(axis=0)
+
+
+def _chain_search(pre: _Prefix, moments: list[np.ndarray], mapping: tuple[int, ...], limit: float) -> list[int]:
+    """Exact split when every stage has a device of its own: a device's peak is then its stage's alone.
+
+    Two passes of the min-max DP over boundaries: the least largest peak under the time limit, then
+    the least largest time among the splits that reach that peak.
+    """
+    n = len(pre.time) - 1
+    lo, hi = np.triu_indices(n + 1, 1)  # every candidate stage: layers lo..hi-1
+    time = np.full((n + 1, n + 1), np.inf)
+    time[lo, hi] = pre.time[hi] - pre.time[lo]
+    fits = time <= limit
+    figures = np.stack([pre.held[hi] - pre.held[lo], pre.held_w[hi] - pre.held_w[lo]])
+    peaks = []
+    for d in mapping:
+        peak = np.full((n + 1, n + 1), np.inf)
+        peak[lo, hi] = pre.static[hi] - pre.static[lo] + _peaks(moments[d], figures)
+        peaks.append(np.where(fits, peak, np.inf))
+    best, _ = _chain_dp(peaks)
+    cap = best * (1 + _REL) + _EPS
+    return _chain_dp([np.where(peak <= cap, time, np.inf) for peak in peaks])[1]
+
+
+def _chain_dp(costs: list[np.ndarray]) -> tuple[float, list[int]]:
+    """Boundaries minimising the largest cost, stage s on layers i..j-1 costing ``costs[s][i, j]``."""
+    n = costs[0].shape[0] - 1
+    best = np.full(n + 1, np.inf)
+    best[0] = 0.0
+    backs = []
+    for cost in costs:
+        cand = np.maximum(best[:, None], cost)  # [i, j]: stages so far end at i, this one at j
+        back = np.argmin(cand, axis=0)
+        best = cand[back, np.arange(n + 1)]
+        backs.append(back)
+    bounds, j = [], n
+    for back in reversed(backs):
+        j = int(back[j])
+        bounds.append(j)
+    return float(best[n]), bounds[::-1]
+
+
+def _pair_search(pre: _Prefix, moments: list[np.ndarray], p: int, limit: float, *, looped: bool) -> list[int]:
+    """Exact split for two chunks per device, V or looped: :func:`_pair_dp` twice.
+
+    First on the devices' peaks, then on their times among the splits that reach the least peak.
+    Looped tries every first layer x of chunk p.
+    """
+    n = len(pre.time) - 1
+    idx = np.arange(n + 1)
+    t = pre.time
+    found: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = {}
+    fits: dict[tuple[int, int], np.ndarray] = {}
+
+    def device(d: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        """Device d's peak and time for every next state (l2, r2) from (lo, hi); inf where over the time limit."""
+        if (d, lo, hi) not in found:
+            # its chunks: layers lo..l2-1 and, looped, hi..r2-1; V, r2..hi-1
+            second = (lambda x, r2: x[r2] - x[hi]) if looped else (lambda x, r2: x[hi] - x[r2])
+            time = (t[:, None] - t[lo]) + second(t, idx)[None, :]
+            ok = (idx[:, None] > lo) & (time <= limit)
+            ok &= (idx[None, :] > hi) if looped else (idx[None, :] < hi) & (idx[None, :] >= idx[:, None])
+            l2, r2 = np.nonzero(ok)
+            stacked = np.stack([pre.held[l2] - pre.held[lo], pre.held_w[l2] - pre.held_w[lo],
+                                second(pre.held, r2), second(pre.held_w, r2)])
+            peak = np.full((n + 1, n + 1), np.inf)
+            peak[l2, r2] = pre.static[l2] - pre.static[lo] + second(pre.static, r2) + _peaks(moments[d], stacked)
+            found[d, lo, hi] = peak, np.where(ok, time, np.inf)
+        return found[d, lo, hi]
+
+    def rest_fits(d: int, x: int) -> np.ndarray:
+        """Whether the layers left after device d fit on the devices after it under the time limit."""
+        if (d, x) not in fits:
+            left = (t[x] - t[:, None]) + (t[n] - t[None, :]) if looped else t[None, :] - t[:, None]
+            fits[d, x] = left <= (p - 1 - d) * limit
+        return fits[d, x]
+
+    def run(x: int, cost: Callable[[int, int, int], np.ndarray]) -> tuple[float, list[int]]:
+        """The least largest cost with chunk p starting at x (looped), and its boundaries."""
+        moves, start = (_looped_moves(n, p, x), (0, x)) if looped else (_v_moves(n, p), (0, n))
+        value, trace = _pair_dp(n, p, start, moves,
+                                lambda d, lo, hi, _ok: np.where(rest_fits(d, x), cost(d, lo, hi), np.inf))
+        end = (x, n) if looped else _v_end(value)
+        states = trace(*end)
+        return float(value[end]), _looped_bounds(states, x) if looped else _v_bounds(states)
+
+    xs = range(p, n - p + 1) if looped else range(n, n + 1)
+    least = {x: run(x, lambda d, lo, hi: device(d, lo, hi)[0])[0] for x in xs}
+    cap = min(least.values()) * (1 + _REL) + _EPS
+
+    def time_under_cap(d: int, lo: int, hi: int) -> np.ndarray:
+        peak, time = device(d, lo, hi)
+        return np.where(peak <= cap, time, np.inf)
+
+    return min((run(x, time_under_cap) for x in xs if least[x] <= cap), key=lambda result: result[0])[1]
+
+
+def _tree_search(pre: _Prefix, moments: list[np.ndarray], mapping: tuple[int, ...], limit: float,
+                 start: list[int]) -> list[int]:
+    """Exact split for any placement: depth-first over boundaries, stage by stage, pruned by the best split so far.
+
+    A split is judged by (largest device peak, largest device time), in that order. Placing a stage
+    can only raise its device's time and peak (every figure is non-negative), so the partial values
+    bound what any completion reaches, and a longer stage is never better than a shorter one that
+    already loses. ``start`` (the time-optimal split) is the first best. Exponential in the worst case.
+    """
+    n, stages = len(pre.time) - 1, len(mapping)
+    devices = len(moments)
+    chunk = [mapping[:s].count(mapping[s]) for s in range(stages)]
+    later = [set(mapping[s + 1:]) for s in range(stages)]
+    loads = [0.0] * devices
+    statics = [0.0] * devices
+    levels = [np.zeros(len(m)) for m in moments]
+    peaks = [0.0] * devices
+
+    def judge(bounds: list[int]) -> tuple[float, float]:
+        ends = bounds[1:] + [n]
+        load, static, level = [0.0] * devices, [0.0] * devices, [np.zeros(len(m)) for m in moments]
+        for s, (lo, hi) in enumerate(zip(bounds, ends, strict=True)):
+            d, c = mapping[s], chunk[s]
+            load[d] += pre.time[hi] - pre.time[lo]
+            static[d] += pre.static[hi] - pre.static[lo]
+            level[d] = level[d] + moments[d][:, 2 * c] * (pre.held[hi] - pre.held[lo])
+            level[d] = level[d] + moments[d][:, 2 * c + 1] * (pre.held_w[hi] - pre.held_w[lo])
+        return max(static[d] + level[d].max(initial=0.0) for d in range(devices)), max(load)
+
+    best_peak, best_time = judge(start)
+    best_bounds = list(start)
+    bounds = [0]
+
+    def loses(peak: float, time: float) -> bool:
+        cap = best_peak * (1 + _REL) + _EPS
+        return peak > cap or (peak >= best_peak * (1 - _REL) - _EPS and time >= best_time * (1 - _REL) - _EPS)
+
+    def search(s: int, i: int) -> None:
+        nonlocal best_peak, best_time, best_bounds
+        d, c = mapping[s], chunk[s]
+        load0, static0, level0, peak0 = loads[d], statics[d], levels[d], peaks[d]
+        last = s == stages - 1
+        for j in range(n if last else i + 1, n - (stages - s - 1) + 1):
+            load = load0 + pre.time[j] - pre.time[i]
+            if load > limit:
+                break
+            level = (level0 + moments[d][:, 2 * c] * (pre.held[j] - pre.held[i])
+                     + moments[d][:, 2 * c + 1] * (pre.held_w[j] - pre.held_w[i]))
+            peak = static0 + pre.static[j] - pre.static[i] + level.max(initial=0.0)
+            loads[d], peaks[d] = load, peak
+            top_peak, top_time = max(peaks), max(loads)
+            if loses(top_peak, top_time):
+                break  # a longer stage raises both
+            room = sum(limit - loads[e] for e in later[s])
+            if room < pre.time[n] - pre.time[j] - _EPS:
+                continue  # what is left cannot fit under the time limit
+            if last:
+                best_peak, best_time, best_bounds = top_peak, top_time, list(bounds)
+                continue
+            statics[d], levels[d] = static0 + pre.static[j] - pre.static[i], level
+            bounds.append(j)
+            search(s + 1, j)
+            bounds.pop()
+        loads[d], statics[d], levels[d], peaks[d] = load0, static0, level0, peak0
+
+    search(0, 0)
+    return best_bounds
+
+
+# --------------------------------------------------------------------------- TEMPORARY
+# A stand-in until the measurement on the real runtime's stage runner lands under this name: it
+# counts the saved-tensor bytes of one forward (as layer_costs' "memory" does) and takes the same
+# number for what is held between B and W.
+
+
+def layer_memory(layers: Sequence[nn.Module], sample: torch.Tensor | tuple[torch.Tensor, ...], *,
+                 loss_fn: Callable[..., torch.Tensor] | None = None, target: Any = None) -> list[tuple[int, int]]:
+    """Per layer, the bytes one microbatch holds after its F and between its B and its W, measured.
+
+    Each layer runs as a stage of its own on the runtime's stage runner and meter, fed the previous
+    layer's output (``sample`` for the first, whose input is the batch and not counted), so the
+    figures are what the runtime holds: after F the layer's input and what it saved (its output
+    only where it saved it too: the next layer holds it); between B and W what W reads, the
+    gradients it captured included. With ``loss_fn`` the last layer computes the loss against
+    ``target``, as the last stage does. A stage's figures are the sums over its layers.
+    """
+    from pipefold.runtime.stage import Chain, StageRunner
+
+    out: list[tuple[int, int]] = []
+    x: Values = tuple(sample) if isinstance(sample, (tuple, list)) else (sample,)
+    last = len(layers) - 1
+    for i, layer in enumerate(layers):
+        loss = loss_fn if i == last else None
+        runner = StageRunner(Chain(layer), loss_fn=loss, input_grads=i > 0)
+        runner.meter.start(outside=[*(x if i == 0 else ()), *([target] if loss is not None else [])])
+        runner.meter.hold(x, "recv")  # a stage's input is a receive buffer (the batch's is outside: not counted)
+        y = runner.forward(0, x, target if loss is not None else None)
+        held = runner.held_bytes(0, outputs=loss is not None)
+        grads = None if loss is not None else tuple(torch.ones_like(o) for o in y if o.is_floating_point())
+        runner.meter.hold(grads or (), "recv")
+        runner.backward_input(0, grads)
+        out.append((held, runner.memory_w))
+        runner.backward_weight(0)
+        layer.zero_grad(set_to_none=True)
+        x = tuple(t.detach() for t in y)
+    return out

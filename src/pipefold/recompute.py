@@ -55,13 +55,17 @@ class StageProfile:
     kept: tuple[int, ...]
     """Bytes one microbatch holds from its F until its backward starts, for each r."""
     total: tuple[int, ...]
-    """Bytes it holds while its backward runs (kept plus the rebuilt activations), for each r."""
+    """The most bytes it holds while B runs (kept, the rebuilt activations, the gradient it got), for each r."""
+    held_w: tuple[int, ...]
+    """Bytes it holds between B and W (what W reads), for each r."""
     rerun: tuple[float, ...]
     """Seconds its backward spends rebuilding the first r layers' activations, for each r (measured)."""
     times: tuple[float, float, float]
     """Seconds of the stage's F, B and W without recomputation (medians)."""
     static: int
     """Bytes of its weights, their gradients and the optimizer state."""
+    message: int = 0
+    """Bytes of its output for one microbatch: what it sends on, and the size of the gradient it gets back."""
 
 
 @dataclass(frozen=True)
@@ -76,7 +80,8 @@ class RecomputePlan:
     static: list[int]
     """Per device: bytes of weights, gradients and optimizer state."""
     activation_peak: list[int]
-    """Per device: predicted peak bytes of activations held for backward."""
+    """Per device: predicted peak bytes the step holds (its stages' activations, and a receive buffer posted
+    ahead), as the runtime's meter counts them."""
     budget: float | None
     step_time: float
     """Simulated step time with this recomputation, from each stage's measured F, B, W and rerun."""
@@ -116,25 +121,30 @@ def measure_stages(stages: Sequence[nn.Sequential], sample: torch.Tensor, target
     last = len(stages) - 1
     for s, stage in enumerate(stages):
         n = len(stage)
-        kept, total, backward = [], [], []
+        kept, total, held_w, backward = [], [], [], []
         times, h = (0.0, 0.0, 0.0), x
         for r in range(n + 1):
-            runner = StageRunner(stage, loss_fn=loss_fn if s == last else None, recompute=r)
+            runner = StageRunner(stage, loss_fn=loss_fn if s == last else None, recompute=r, input_grads=s > 0)
+            batch = [*(x if s == 0 else ()), *([target] if s == last and isinstance(target, torch.Tensor) else [])]
+            runner.meter.start(outside=batch)  # the batch's inputs and targets: the runtime does not count them
             runs = []
             for k in range(repeats + 1):  # the first run is a warm-up, and the one whose bytes count
                 t0 = time.perf_counter()
                 out = runner.forward(k, x, target if s == last else None, scale=1.0 / microbatches)
                 t1 = time.perf_counter()
                 if k == 0:
-                    kept.append(runner.meter.current)
-                    runner.meter.reset_peak()
+                    kept.append(runner.memory_f)
                 grads = None if s == last else tuple(torch.ones_like(o) for o in out if o.is_floating_point())
+                if k == 0:
+                    runner.meter.start(outside=batch)
+                    runner.meter.hold(grads or (), "recv")  # as the runtime's receive buffer
                 runner.backward_input(k, grads)
                 t2 = time.perf_counter()
                 runner.backward_weight(k)  # a first stage (integer input) rebuilds only here: B has nothing to do
                 runs.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
                 if k == 0:
                     total.append(runner.meter.peak)
+                    held_w.append(runner.memory_w)
             f, b, w = (statistics.median(v) for v in zip(*runs[1:], strict=True))
             backward.append(b + w)
             if r == 0:
@@ -145,7 +155,8 @@ def measure_stages(stages: Sequence[nn.Sequential], sample: torch.Tensor, target
         rerun = tuple(itertools.accumulate((max(0.0, t - backward[0]) for t in backward), max))
         params = sum(p.numel() * p.element_size() for p in stage.parameters())
         static = int(params * (2 + optimizer_factor))  # weights, gradients, optimizer state
-        profiles.append(StageProfile(n, tuple(kept), tuple(total), rerun, times, static))
+        message = 0 if s == last else sum(t.untyped_storage().nbytes() for t in h if t.is_floating_point())
+        profiles.append(StageProfile(n, tuple(kept), tuple(total), tuple(held_w), rerun, times, static, message))
         x = h
     return profiles
 
@@ -155,14 +166,15 @@ def measure_stages(stages: Sequence[nn.Sequential], sample: torch.Tensor, target
 
 def _memory(profiles: Sequence[StageProfile], stages: Sequence[int], counts: Sequence[int]) -> dict[int, StageCost]:
     """The memory each of ``stages`` holds with its count of recomputed layers (times play no part)."""
-    return {s: StageCost(f=0, b=0, w=0, memory=profiles[s].total[r], kept=profiles[s].kept[r])
+    return {s: StageCost(f=0, b=0, w=0, memory=profiles[s].total[r], kept=profiles[s].kept[r],
+                         memory_w=profiles[s].held_w[r])
             for s, r in zip(stages, counts, strict=True)}
 
 
 def _step_time(schedule: Schedule, profiles: Sequence[StageProfile], layers: Sequence[int]) -> float:
     """Simulated step time from the measured F, B and W of each stage plus its rerun."""
     over = {s: StageOverride(f=p.times[0], b=p.times[1], w=p.times[2], memory=float(p.total[r]),
-                             kept=float(p.kept[r]), recompute=p.rerun[r])
+                             kept=float(p.kept[r]), memory_w=float(p.held_w[r]), recompute=p.rerun[r])
             for s, (p, r) in enumerate(zip(profiles, layers, strict=True))}
     return simulate(schedule, CostModel(stage_overrides=over)).makespan
 
@@ -191,9 +203,10 @@ def plan_recompute(schedule: Schedule, profiles: Sequence[StageProfile], mode: s
         chosen = [0] * schedule.stages
         short = []  # (device, least total it can reach) for devices that cannot fit
         for d in devices:
-            counts, least = _fit_device(schedule.actions[d], owned[d], profiles, budget - static[d])
+            margin = _receive_margin(schedule, profiles, d)
+            counts, least = _fit_device(schedule.actions[d], owned[d], profiles, budget - static[d] - margin)
             if counts is None:
-                short.append((d, static[d] + least))
+                short.append((d, static[d] + margin + least))
                 continue
             for s, r in zip(owned[d], counts, strict=True):
                 chosen[s] = r
@@ -217,13 +230,23 @@ def smallest_budget(schedule: Schedule, profiles: Sequence[StageProfile]) -> flo
     for d in range(schedule.devices):
         owned = schedule.stages_of(d)
         least = _fit_device(schedule.actions[d], owned, profiles, 0.0)[1]
-        out = max(out, sum(profiles[s].static for s in owned) + least)
+        out = max(out, sum(profiles[s].static for s in owned) + _receive_margin(schedule, profiles, d) + least)
     return out
 
 
 def _peaks(schedule: Schedule, profiles: Sequence[StageProfile], layers: Sequence[int]) -> list[float]:
     costs = _memory(profiles, range(schedule.stages), layers)
-    return [peak_by_order(row, costs) for row in schedule.actions]
+    return [peak_by_order(row, costs) + _receive_margin(schedule, profiles, d)
+            for d, row in enumerate(schedule.actions)]
+
+
+def _receive_margin(schedule: Schedule, profiles: Sequence[StageProfile], device: int) -> int:
+    """The largest message ``device`` receives: the runtime posts a receive one action before the action that
+    reads it, so one such buffer can exist beside everything the stages hold."""
+    place, S = schedule.stage_to_device, schedule.stages
+    sizes = [profiles[s - 1].message for s in schedule.stages_of(device) if s > 0 and place[s - 1] != device]
+    sizes += [profiles[s].message for s in schedule.stages_of(device) if s + 1 < S and place[s + 1] != device]
+    return max(sizes, default=0)
 
 
 def _fit_device(actions: Sequence[Any], stages: list[int], profiles: Sequence[StageProfile],

@@ -474,21 +474,44 @@ def plot_frontier(points: Sequence[Point], frontier: Sequence[Point], budget: fl
     fig.clear()
 
 
-def plot_gantt_pair(top: SimResult, bottom: SimResult, path: str, *, titles: tuple[str, str]) -> None:
-    """Save two Gantt charts of the same schedule, one above the other on their own time axes.
+def plot_run(measured: SimResult, predicted: SimResult, path: str, *, titles: tuple[str, str]) -> None:
+    """Save a measured run above the simulator's prediction of it, and both memory curves on one axis.
 
-    Used to draw a measured run above the simulator's prediction.
+    ``measured`` and ``predicted`` are in the same units (seconds and bytes): the prediction comes from
+    the run's own measured costs (:func:`pipefold.runtime.measure.measured_costs`). The memory panel
+    draws each device's measured curve solid and its predicted one dashed, in the same colour.
     """
+    from matplotlib import colormaps
     from matplotlib.figure import Figure
 
     _check_figure_path(path, "a timeline")
-    devices = top.schedule.devices
+    devices = measured.schedule.devices
     h = 0.9 + 0.34 * devices
-    fig = Figure(figsize=(12, 2 * h + 0.6), layout="constrained")
-    axes = fig.subplots(2, 1)
-    for ax, result, title, pad in zip(axes, (top, bottom), titles, (30, 6), strict=True):
+    fig = Figure(figsize=(12, 2 * h + 3.4), layout="constrained")
+    axes = fig.subplots(3, 1, height_ratios=[h, h, 2.8])
+    for ax, result, title, pad in zip(axes[:2], (measured, predicted), titles, (30, 6), strict=True):
         draw_gantt(ax, result)
-        ax.set_title(title, fontsize=10, loc="left", pad=pad)  # the first leaves room for the legend
-    _gantt_legend(axes[0], top.schedule)
+        ax.set_title(title, fontsize=10, loc="left", pad=pad)
+        ax.set_xlabel("seconds")
+    _gantt_legend(axes[0], measured.schedule)
+    ax = axes[2]
+    cmap = colormaps["viridis"]
+    for d in range(devices):
+        color = cmap(0.85 * d / (devices - 1) if devices > 1 else 0.0)
+        for result, style, what in ((measured, "-", "measured"), (predicted, "--", "predicted")):
+            curve = result.memory_curve[d]
+            times = [t for t, _ in curve] + [result.makespan]
+            levels = [m / 2**20 for _, m in curve] + [curve[-1][1] / 2**20]
+            ax.step(times, levels, where="post", color=color, linestyle=style, linewidth=1.6,
+                    label=f"dev {d} {what} (peak {result.peak_memory[d] / 2**20:.1f} MiB)")
+    ax.set_xlim(0, max(measured.makespan, predicted.makespan, _EPS))
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("held (MiB)")
+    ax.set_title("memory each device holds: measured (solid) and predicted (dashed)", fontsize=10, loc="left")
+    ax.legend(fontsize=7, ncol=2, loc="upper left", frameon=False)
+    ax.grid(axis="y", color="#dddddd", linewidth=0.6)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
     fig.savefig(path, dpi=150)
     fig.clear()

@@ -9,15 +9,21 @@ Units. By default a cost is for one microbatch through one device's share of
 the model (1/p of it): F = B = W = 1 and memory M = 1. A schedule with v stages
 per device runs stages that are 1/v of a share, so each stage's times and
 memory are divided by v. Activation memory of a (stage, microbatch) is taken
-when its F starts; the fraction ``b_release`` is given back when its B ends and
-the rest when its W ends (all of it when a fused BW ends).
+when its F starts and given back when its W ends (all of it when a fused BW
+ends). Between its B and its W a stage holds ``M_w``, which may be less than M
+(B freed what only it needed) or more (B captured gradients for W and still
+keeps W's inputs); B's end steps from M to ``M_w``.
 
 Recomputation (activation checkpointing) trades time for memory: a stage that
 recomputes the fraction r of its forward keeps only ``kept = (1 - r) M``
 between its F and its backward, rebuilds the rest when its B (or BW) starts,
 and that B takes ``r F`` longer::
 
-    memory   F start: + kept      B start: + (M - kept)      B end: - b_release M      W end: - the rest
+    F start         B start           B end               W end
+    | + kept        | + (M - kept)    | + (M_w - M)       | - M_w
+    |---- kept -----|------- M -------|------- M_w -------| 0
+
+    a fused BW:  + (M - kept) when it starts, - M when it ends
 """
 
 from __future__ import annotations
@@ -49,6 +55,8 @@ class StageCost:
     """Activation memory while the backward runs: everything the stage saved, recomputed or not."""
     kept: float | None = None
     """Activation memory held from F until the backward starts; None means all of ``memory``."""
+    memory_w: float | None = None
+    """Activation memory held from the end of B to the end of W; None means ``memory``. May exceed it."""
 
     @property
     def bw(self) -> float:
@@ -57,7 +65,13 @@ class StageCost:
 
     @property
     def held(self) -> float:
+        """Activation memory held from F until the backward starts."""
         return self.memory if self.kept is None else self.kept
+
+    @property
+    def held_w(self) -> float:
+        """Activation memory held from the end of B to the end of W."""
+        return self.memory if self.memory_w is None else self.memory_w
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,7 +79,8 @@ class StageOverride:
     """Absolute times of one stage that replace the derived ones; memory too, unless left None.
 
     ``recompute`` is the forward time this stage spends again in each backward; ``kept`` the
-    activation memory it holds between F and the backward (None: all of ``memory``).
+    activation memory it holds between F and the backward (None: all of ``memory``);
+    ``memory_w`` what it holds between its B and its W (None: derived like ``memory``).
     """
 
     f: float
@@ -74,6 +89,7 @@ class StageOverride:
     memory: float | None = None
     recompute: float = 0.0
     kept: float | None = None
+    memory_w: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,8 +104,8 @@ class CostModel:
     """Weight-gradient backward time (W) for one device's share."""
     memory: float = 1.0
     """Activation memory of one microbatch on one device's share (the unit M)."""
-    b_release: float = 0.0
-    """Fraction of a stage's activation memory freed when its B ends; W frees the rest."""
+    memory_w: float | None = None
+    """Activation memory held between a stage's B and its W, per device share; None: ``memory``. May exceed it."""
     latency: float = 0.0
     """Fixed time of a point-to-point transfer between two devices."""
     bandwidth: float = math.inf
@@ -102,20 +118,20 @@ class CostModel:
     """Absolute per-stage costs that replace the derived ones for the given stages."""
 
     def __post_init__(self) -> None:
-        for name in ("f", "b", "w", "memory", "latency", "activation_bytes"):
+        for name in ("f", "b", "w", "memory", "memory_w", "latency", "activation_bytes"):
             value = getattr(self, name)
+            if value is None and name == "memory_w":
+                continue
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ConfigError(f"cost {name} must be a finite number >= 0 (got {value!r})")
-        if not 0 <= self.b_release <= 1:
-            raise ConfigError(f"b_release is a fraction of the activation memory: 0..1 (got {self.b_release!r})")
         if not 0 <= self.recompute <= 1:
             raise ConfigError(f"recompute is a fraction of the forward: 0..1 (got {self.recompute!r})")
         if not self.bandwidth > 0:
             raise ConfigError(f"bandwidth must be > 0 bytes per time unit (got {self.bandwidth!r})")
         for stage, cost in self.stage_overrides.items():
-            for name in ("f", "b", "w", "memory", "recompute", "kept"):
+            for name in ("f", "b", "w", "memory", "recompute", "kept", "memory_w"):
                 value = getattr(cost, name)
-                if value is None and name in ("memory", "kept"):
+                if value is None and name in ("memory", "kept", "memory_w"):
                     continue
                 if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                     raise ConfigError(f"stage {stage} cost {name} must be a finite number >= 0 (got {value!r})")
@@ -132,22 +148,25 @@ class CostModel:
         """Cost of ``stage`` in a pipeline of ``stages`` stages over ``devices`` devices."""
         share = devices / stages  # a stage is this fraction of one device's share of the model
         over = self.stage_overrides.get(stage)
+        memory_w = None if self.memory_w is None else self.memory_w * share
         if over is None:
             f, memory = self.f * share, self.memory * share
             kept = None if self.recompute == 0 else memory * (1.0 - self.recompute)
-            return StageCost(f=f, b=self.b * share + self.recompute * f, w=self.w * share, memory=memory, kept=kept)
+            return StageCost(f=f, b=self.b * share + self.recompute * f, w=self.w * share, memory=memory, kept=kept,
+                             memory_w=memory_w)
         memory = self.memory * share if over.memory is None else over.memory
         return StageCost(f=over.f, b=over.b + over.recompute, w=over.w, memory=memory,
-                         kept=None if over.kept is None else min(over.kept, memory))
+                         kept=None if over.kept is None else min(over.kept, memory),
+                         memory_w=memory_w if over.memory_w is None else over.memory_w)
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "f": self.f, "b": self.b, "w": self.w, "memory": self.memory, "b_release": self.b_release,
+            "f": self.f, "b": self.b, "w": self.w, "memory": self.memory, "memory_w": self.memory_w,
             "latency": self.latency,
             "bandwidth": None if math.isinf(self.bandwidth) else self.bandwidth,
             "activation_bytes": self.activation_bytes, "recompute": self.recompute,
             "stage_overrides": {str(s): {"f": c.f, "b": c.b, "w": c.w, "memory": c.memory,
-                                         "recompute": c.recompute, "kept": c.kept}
+                                         "recompute": c.recompute, "kept": c.kept, "memory_w": c.memory_w}
                                 for s, c in self.stage_overrides.items()},
         }
 
@@ -245,7 +264,7 @@ def simulate(schedule: Schedule, cost: CostModel | None = None) -> SimResult:
     # tuple.__new__ on zipped triples builds the Intervals without a Python call each (hundreds of thousands).
     make = functools.partial(tuple.__new__, Interval)
     timeline = tuple(tuple(map(make, zip(row, starts[d], ends[d], strict=True))) for d, row in enumerate(rows))
-    deltas = _delta_table(dict(enumerate(costs)), cost.b_release)
+    deltas = _delta_table(dict(enumerate(costs)))
     curves = tuple(_memory_curve(rows[d], starts[d], ends[d], deltas) for d in range(D))
     return SimResult(schedule, cost, timeline, curves)
 
@@ -359,39 +378,42 @@ def _memory_curve(row: tuple[Action, ...], starts: list[float], ends: list[float
     return tuple(curve)
 
 
-def memory_deltas(kind: Kind, cost: StageCost, b_release: float) -> tuple[float, float]:
+def memory_deltas(kind: Kind, cost: StageCost) -> tuple[float, float]:
     """How one pass changes its device's activation memory: (when it starts, when it ends).
 
-    F takes what the stage keeps; a backward first rebuilds what was recomputed; B gives back the
-    fraction ``b_release``, W the rest, a fused BW everything.
+    F takes what the stage keeps; a backward first rebuilds what was recomputed; B's end goes
+    from ``memory`` to ``memory_w`` (a step up or down); W gives back ``memory_w``, a fused BW
+    all of ``memory``.
     """
     if kind is Kind.F:
         return cost.held, 0.0
     rebuilt = cost.memory - cost.held
     if kind is Kind.B:
-        return rebuilt, -cost.memory * b_release
+        return rebuilt, cost.held_w - cost.memory
     if kind is Kind.W:
-        return 0.0, -cost.memory * (1.0 - b_release)
+        return 0.0, -cost.held_w
     return rebuilt, -cost.memory
 
 
-def _delta_table(costs: Mapping[int, StageCost], b_release: float) -> dict[tuple[int, Kind], tuple[float, float]]:
+def _delta_table(costs: Mapping[int, StageCost]) -> dict[tuple[int, Kind], tuple[float, float]]:
     """:func:`memory_deltas` of every (stage, kind), worked out once for a pass over many actions."""
-    return {(s, kind): memory_deltas(kind, c, b_release) for s, c in costs.items() for kind in Kind}
+    return {(s, kind): memory_deltas(kind, c) for s, c in costs.items() for kind in Kind}
 
 
-def peak_by_order(actions: Sequence[Action], costs: Mapping[int, StageCost], b_release: float = 0.0) -> float:
+def peak_by_order(actions: Sequence[Action], costs: Mapping[int, StageCost]) -> float:
     """The peak activation memory of one device running ``actions`` in order, without timing them.
 
     A device runs one pass at a time, so its memory depends on the order of its own passes
     only; this is :func:`simulate`'s peak for that device, at a fraction of the cost, for
     searches that try many memory costs on one schedule.
     """
-    deltas = _delta_table(costs, b_release)
+    deltas = _delta_table(costs)
     level = peak = 0.0
     for a in actions:
         at_start, at_end = deltas[a.stage, a.kind]
         level += at_start
         peak = max(peak, level)
         level += at_end
-    return peak
+    # A B may end higher than it ran (memory_w > memory); the next pass's start counts that level,
+    # but ``actions`` may stop at a B.
+    return max(peak, level)

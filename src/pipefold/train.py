@@ -126,7 +126,7 @@ def make_job(config: TrainConfig, *, save_grads_of_step: int | None = None,
     if decided is not None:
         layer_stages, plan = decided
     else:
-        layer_stages = _layer_stages(config, cfg, schedule)
+        layer_stages = _layer_stages(config, cfg, schedule, spec.loss, batch_at)
         if config.recompute != "none" or config.memory_budget is not None:
             plan = _plan_recompute(config, schedule, layer_stages, build, spec.loss, batch_at)
     recompute = None
@@ -155,15 +155,30 @@ def _plan_recompute(config: TrainConfig, schedule: Schedule, layer_stages: tuple
     return plan_recompute(schedule, profiles, config.recompute, config.memory_budget)
 
 
-def _layer_stages(config: TrainConfig, cfg: Any, schedule: Schedule) -> tuple[tuple[int, ...], ...]:
-    """Layers of each stage: an even split by count, or the partition that balances the chosen cost."""
+def _layer_stages(config: TrainConfig, cfg: Any, schedule: Schedule, loss_fn: Callable[..., torch.Tensor],
+                  batch_at: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> tuple[tuple[int, ...], ...]:
+    """Layers of each stage: even by count, balanced by the chosen cost, or ("memory") least peak under ``schedule``."""
     if config.partition == "even":
         return tuple(tuple(s) for s in split_layers(cfg.num_layers, schedule.stages))
-    from pipefold.partition import layer_costs, model_sample, partition
+    from pipefold.partition import (
+        layer_costs,
+        layer_memory,
+        layer_static_bytes,
+        model_sample,
+        partition,
+        partition_memory,
+    )
 
     layers, sample = model_sample(config.model, layers=config.layers, hidden=config.hidden, heads=config.heads,
                                   batch=max(1, config.batch // config.microbatches), seq=config.seq,
                                   seed=config.seed)
+    if config.partition == "memory":
+        times = layer_costs(layers, sample, by="time")
+        target = batch_at(0)[1].chunk(config.microbatches)[0]  # the last layer holds what the loss saves
+        held = layer_memory(layers, sample, loss_fn=loss_fn, target=target)
+        static = layer_static_bytes(layers, optimizer_factor=OPTIMIZER_STATE.get(config.optimizer, 2.0))
+        split_memory = partition_memory(times, [h for h, _ in held], [w for _, w in held], static, schedule)
+        return tuple(tuple(part) for part in split_memory.parts)
     costs = layer_costs(layers, sample, by=config.partition)
     # The objective is the busiest device's load, so a device holding two chunks (V) counts both.
     split = partition(costs, schedule.stages, placement=schedule.stage_to_device)

@@ -8,7 +8,11 @@ The rank reads the schedule only through the IR: for each action in its list,
     BW (s, j)  both at once
 
 Receives for the next few actions are posted before the current one runs, so
-transfers overlap compute; sends are posted and reaped as they complete.
+transfers overlap compute; each send is dropped as soon as it is delivered
+(see :mod:`pipefold.runtime.comm`). Before each action the rank also waits
+for the sends that the schedule says were received by then (an earlier
+action of this rank depends on the action that received them), so the bytes
+in flight on a link never exceed :func:`in_flight_bound` messages.
 Gradients are scaled by 1/M on the loss, so after the step they equal the
 gradients of the mean loss over the whole batch.
 
@@ -29,11 +33,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipefold.ir import Action, Kind, Schedule
+from pipefold.ir import Action, Kind, Schedule, execution_order
 from pipefold.runtime.comm import BACKWARD, FORWARD, HEADER, Links, Meta, decode_header, metas_of
-from pipefold.runtime.stage import MemoryMeter, StageRunner, Tensors
+from pipefold.runtime.meter import MemoryMeter
+from pipefold.runtime.stage import StageRunner, Tensors
 
-LOOKAHEAD = 3  # actions whose receives are posted ahead of time
+LOOKAHEAD = 2  # actions whose receives are posted ahead of time: this one and the next
 
 
 @dataclass
@@ -56,13 +61,27 @@ class StepStats:
     busy: float = 0.0
     wall: float = 0.0
     peak_activation_bytes: int = 0
-    """The most bytes held at once: tensors saved for backward, outputs kept, gradients in transit."""
-    peak_saved_bytes: int = 0
-    """The most bytes held at once for backward alone (saved tensors and kept outputs), without transit."""
+    """The most bytes held at once, each storage counted once: tensors saved for backward, outputs, gradients
+    kept for W, receive buffers and sends not yet delivered (see :mod:`pipefold.runtime.meter`)."""
+    peak_by_kind: dict[str, int] = field(default_factory=dict)
+    """What the bytes at the peak were, by kind ("saved", "output", "captured", "recv", "send")."""
+    batch_bytes: int = 0
+    """Bytes of the batch this rank reads (inputs and targets), which exist before the step: not in the peak."""
+    memory_curve: list[tuple[float, int]] = field(default_factory=list)
+    """(seconds from the step's start, bytes held from then on)."""
     started_at: float = 0.0
     """Wall-clock time (time.time()) of the step's start, to line ranks up in a trace."""
-    stage_bytes: dict[int, int] = field(default_factory=dict)
-    """Per stage of this rank, the bytes one microbatch's forward saved for backward."""
+    stage_memory: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+    """Per stage of this rank, the most bytes one microbatch held after its F, while its B ran, and between its
+    B and its W (the last two 0 where the stage ran no B)."""
+    link_bytes: dict[int, int] = field(default_factory=dict)
+    """Per peer this rank sends to, the most bytes in flight at once on that link."""
+    link_message_bytes: dict[int, int] = field(default_factory=dict)
+    """Per peer, the largest message (one microbatch's tensors) sent on that link."""
+    memory_check: dict[str, int] = field(default_factory=dict)
+    """In a step measured a second way (``Job.verify_memory_step``), by torch's MemTracker: the meter's and
+    the tracker's largest level after an action, their largest difference there, the tracker's peak over
+    the whole step (temporaries included) and, on CUDA, the allocator's (see ``launch._tracked_step``)."""
     messages: list[tuple[str, int, int]] = field(default_factory=list)
     """With message logging on: every send and receive as posted, ("send" or "recv", peer, tag)."""
 
@@ -97,6 +116,85 @@ def messages_between(schedule: Schedule, src: int, dst: int, *, headers: bool) -
     return out
 
 
+def received_by(schedule: Schedule, rank: int, *, headers: bool) -> dict[int, list[int]]:
+    """For each peer ``rank`` sends to: before its i-th action, how many of those sends have surely arrived.
+
+    A send has arrived once the peer's action that consumes it has started; any action of
+    ``rank`` that depends on that one, through the schedule's own dependencies, starts later.
+    So the count before position i is the longest run of first messages whose consumer is
+    an ancestor of one of ``rank``'s actions before i (``rank``'s list has ``len + 1``
+    positions: the last is the step's end).
+    """
+    S, rows, place = schedule.stages, schedule.actions, schedule.stage_to_device
+    where = {(a.kind is Kind.F, a.stage, a.microbatch): (d, i)
+             for d, row in enumerate(rows) for i, a in enumerate(row) if a.kind is not Kind.W}
+    n = len(rows[rank])
+    # reach[(d, i)]: the first position of ``rank`` that depends on action i of device d (n: none).
+    reach: dict[tuple[int, int], int] = {}
+    for d, i in reversed(execution_order(schedule)):
+        if d == rank:
+            reach[d, i] = i
+            continue
+        best = reach.get((d, i + 1), n)
+        a = rows[d][i]
+        if a.kind is Kind.F and a.stage + 1 < S and place[a.stage + 1] != d:
+            best = min(best, reach[where[True, a.stage + 1, a.microbatch]])
+        elif a.kind in (Kind.B, Kind.BW) and a.stage > 0 and place[a.stage - 1] != d:
+            best = min(best, reach[where[False, a.stage - 1, a.microbatch]])
+        reach[d, i] = best
+    out: dict[int, list[int]] = {}
+    for peer in sorted({place[t] for s in range(S) if place[s] == rank for t in (s - 1, s + 1) if 0 <= t < S}):
+        if peer == rank:
+            continue
+        messages = messages_between(schedule, rank, peer, headers=headers)
+        arrived = []
+        for k, msg in enumerate(messages):
+            nxt = messages[k + 1] if msg.direction == HEADER else msg  # a header arrives with its first message
+            arrived.append(reach[where[nxt.direction == FORWARD, nxt.stage, nxt.microbatch]])
+        counts = [0] * (n + 1)
+        for k, position in enumerate(arrived):
+            counts[position] = max(counts[position], k + 1)
+        for i in range(1, n + 1):
+            counts[i] = max(counts[i], counts[i - 1])
+        out[peer] = counts
+    return out
+
+
+def in_flight_bound(schedule: Schedule, rank: int, *, headers: bool = False) -> dict[int, int]:
+    """Per peer, the most messages ``rank`` can have in flight to it at once, from the schedule alone.
+
+    During action i the sends posted so far, less those :func:`received_by` settles before i.
+    """
+    out: dict[int, int] = {}
+    for peer, counts in received_by(schedule, rank, headers=headers).items():
+        sent = 0
+        worst = 0
+        sends = _sends_per_action(schedule, rank, peer, headers=headers)
+        for i, n in enumerate(sends):
+            sent += n
+            worst = max(worst, sent - counts[i])
+        out[peer] = worst
+    return out
+
+
+def _sends_per_action(schedule: Schedule, rank: int, peer: int, *, headers: bool) -> list[int]:
+    """How many messages each of ``rank``'s actions sends to ``peer`` (headers included)."""
+    S, place = schedule.stages, schedule.stage_to_device
+    headed: set[int] = set()
+    out = []
+    for a in schedule.actions[rank]:
+        n = 0
+        if a.kind is Kind.F and a.stage + 1 < S and place[a.stage + 1] == peer:
+            n = 1
+            if headers and a.stage + 1 not in headed:
+                headed.add(a.stage + 1)
+                n = 2
+        elif a.kind in (Kind.B, Kind.BW) and a.stage > 0 and place[a.stage - 1] == peer:
+            n = 1
+        out.append(n)
+    return out
+
+
 class _Inbox:
     """The receives from one neighbour in one step: posted strictly in its send order."""
 
@@ -113,18 +211,21 @@ class RankExecutor:
 
     def __init__(self, schedule: Schedule, rank: int, modules: Mapping[int, nn.Module],
                  loss_fn: Callable[..., torch.Tensor], device: torch.device, *,
-                 recompute: Mapping[int, int] | None = None, log_messages: bool = False) -> None:
+                 recompute: Mapping[int, int] | None = None, log_messages: bool = False,
+                 timeout: float | None = None) -> None:
         self.schedule, self.rank, self.device = schedule, rank, device
         self.meter = MemoryMeter()
         last = schedule.stages - 1
         recompute = recompute or {}
         self.runners = {
-            s: StageRunner(m, loss_fn=loss_fn if s == last else None, meter=self.meter, recompute=recompute.get(s, 0))
+            s: StageRunner(m, loss_fn=loss_fn if s == last else None, meter=self.meter, recompute=recompute.get(s, 0),
+                           input_grads=s > 0)
             for s, m in modules.items()
         }
         self.actions = list(schedule.actions[rank])
         self.device_of = schedule.stage_to_device
-        self.links = Links(schedule.stages, schedule.microbatches, device, log=log_messages)
+        self.links = Links(schedule.stages, schedule.microbatches, device, self.meter, log=log_messages,
+                           timeout=timeout)
         self._in_meta: dict[int, tuple[Meta, ...]] = {}  # stage -> metas of its input, when received
         self._out_meta: dict[int, tuple[Meta, ...]] = {}  # stage -> metas of its output
         self._last_shape: Any = None
@@ -134,18 +235,25 @@ class RankExecutor:
         self._expected = {new: {src: messages_between(schedule, src, rank, headers=new) for src in neighbours}
                           for new in (True, False)}
         self._inboxes: dict[int, _Inbox] = {}
+        # Before each action, how many sends to each peer have surely arrived (with and without headers).
+        self._received = {new: received_by(schedule, rank, headers=new) for new in (True, False)}
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for r in self.runners.values() for p in r.params]
 
+    def modules(self) -> list[nn.Module]:
+        """This rank's stage modules."""
+        return [r.module for r in self.runners.values()]
+
     # -- one step
 
-    def run_step(self, inputs: list[Tensors], targets: list[Any], shape_key: Any) -> StepStats:
+    def run_step(self, inputs: list[Tensors], targets: list[Any], shape_key: Any, *,
+                 probe: Callable[[], None] | None = None) -> StepStats:
         """Run every action of this rank for one batch of microbatches.
 
         ``inputs`` and ``targets`` are per microbatch (only the ranks holding
         the first and the last stage use them); ``shape_key`` is the same on
-        every rank and changes when the batch's shapes do.
+        every rank and changes when the batch's shapes do. ``probe`` is called after every action.
         """
         S, M = self.schedule.stages, self.schedule.microbatches
         new_shapes = shape_key != self._last_shape
@@ -157,15 +265,24 @@ class RankExecutor:
         self._out_meta.clear()  # recorded afresh by this step's forwards
         stats = StepStats(self.rank)
         local: dict[tuple[int, int, int], Tensors] = {}  # (direction, stage, mb) -> tensors handed over locally
-        self.meter.reset_peak()
-        peak = 0
+        for runner in self.runners.values():
+            runner.memory_f = runner.memory_b = runner.memory_w = 0
+        self.links.new_step()
+        # The batch exists before the step and after it: reported apart from what the step holds.
+        self.meter.start(outside=[t for ts in (*inputs, *targets) for t in _tensors(ts)])
+        received = self._received[new_shapes]
+        settled = dict.fromkeys(received, 0)
         stats.started_at = time.time()
-        t0 = time.perf_counter()
+        t0 = self.meter.t0
 
         def clock() -> float:
             return time.perf_counter() - t0
 
         for idx, action in enumerate(self.actions):
+            for peer, counts in received.items():
+                if counts[idx] > settled[peer]:  # the schedule says these sends have arrived: let them go
+                    self.links.settle(peer, counts[idx])
+                    settled[peer] = counts[idx]
             for ahead in self.actions[idx:idx + LOOKAHEAD]:
                 if (wanted := self._remote_message(ahead)) is not None:
                     self._post_until(*wanted, block=False)
@@ -175,11 +292,13 @@ class RankExecutor:
                 x = inputs[mb] if s == 0 else self._take(FORWARD, action, local, clock, stats)
                 start = clock()
                 out = runner.forward(mb, x, targets[mb] if s == S - 1 else None, scale=1.0 / M)
+                del x
                 stats.events.append(Event(str(action), "F", start, clock()))
                 if s < S - 1:
-                    self._hand_on(FORWARD, s + 1, mb, out, local, new_shapes)
+                    self._hand_on(FORWARD, s + 1, mb, out, local, new_shapes, stats)
                 else:
                     stats.losses[mb] = float(runner.losses.pop(mb))
+                del out
             elif action.kind is Kind.W:
                 start = clock()
                 runner.backward_weight(mb)
@@ -188,23 +307,25 @@ class RankExecutor:
                 dy = None if s == S - 1 else self._take(BACKWARD, action, local, clock, stats)
                 start = clock()
                 dx = runner.backward_input(mb, dy) if action.kind is Kind.B else runner.backward(mb, dy)
+                del dy
                 stats.events.append(Event(str(action), action.kind.value, start, clock()))
                 if s > 0 and dx is not None:
-                    self._hand_on(BACKWARD, s - 1, mb, dx, local, new_shapes)
+                    self._hand_on(BACKWARD, s - 1, mb, dx, local, new_shapes, stats)
+                del dx
             self.links.reap_sends()
-            # Activation memory: what the stages keep for backward (saved tensors and their outputs, which
-            # forward sends and hand-overs share), plus gradients on their way to the previous stage.
-            held = self.meter.current + self.links.bytes_in_flight(BACKWARD) + sum(
-                t.untyped_storage().nbytes() for (d, _, _), ts in local.items() if d == BACKWARD for t in ts)
-            peak = max(peak, held)
+            if probe is not None:
+                probe()
         start = clock()
         self.links.wait_sends()
         stats.events.append(Event("wait sends", "send", start, clock()))
         stats.wall = clock()
         stats.busy = sum(e.end - e.start for e in stats.events if e.kind in ("F", "B", "W", "BW"))
-        stats.peak_activation_bytes = max(peak, self.meter.peak)
-        stats.peak_saved_bytes = self.meter.peak
-        stats.stage_bytes = {s: r.bytes_per_microbatch for s, r in self.runners.items()}
+        stats.peak_activation_bytes = self.meter.peak
+        stats.peak_by_kind = dict(self.meter.peak_by_kind)
+        stats.batch_bytes = self.meter.outside_bytes
+        stats.memory_curve = list(self.meter.curve)
+        stats.stage_memory = {s: (r.memory_f, r.memory_b, r.memory_w) for s, r in self.runners.items()}
+        stats.link_bytes = {peer: box.max_bytes for peer, box in self.links.outboxes.items()}
         left = [(i.src, m) for i in self._inboxes.values() for m in [*i.messages[i.next:], *i.posted]]
         if left:
             raise RuntimeError(f"rank {self.rank} ended a step with messages not received: {left[:3]}")
@@ -282,7 +403,7 @@ class RankExecutor:
         return pending.tensors
 
     def _hand_on(self, direction: int, stage: int, mb: int, tensors: Tensors,
-                 local: dict[tuple[int, int, int], Tensors], new_shapes: bool) -> None:
+                 local: dict[tuple[int, int, int], Tensors], new_shapes: bool, stats: StepStats) -> None:
         """Give ``tensors`` to ``stage`` (the receiving stage): locally, or by a posted send."""
         if direction == FORWARD:
             self._out_meta[stage - 1] = metas_of(tensors)
@@ -294,6 +415,19 @@ class RankExecutor:
             self.links.send_header(stage, metas_of(tensors), peer)
             self._headers_sent.add(stage)
         self.links.send(direction, stage, mb, tensors, peer)
+        size = sum(t.untyped_storage().nbytes() for t in tensors)
+        stats.link_message_bytes[peer] = max(stats.link_message_bytes.get(peer, 0), size)
+
+    def close(self) -> None:
+        """Stop the links' threads (every send has been delivered at the end of a step)."""
+        self.links.close()
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    """The tensors in a microbatch's input or target (a tensor, or a tuple of them)."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    return [t for t in x if isinstance(t, torch.Tensor)] if isinstance(x, (tuple, list)) else []
 
 
 @dataclass

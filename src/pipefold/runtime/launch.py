@@ -79,6 +79,8 @@ class Job:
     """For each stage, how many of its first layers recompute their activations in backward."""
     timeout_s: float = 30.0
     log_messages: bool = False
+    verify_memory_step: int | None = None
+    """Measure this step's memory a second way too, with torch's own tracker (see :func:`tracked_activation_peak`)."""
     """Record every send and receive in each step's stats, in the order posted (to check the wire order)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -152,7 +154,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
         modules = dict(zip(chains, offloaded, strict=True))
     recompute = {s: job.recompute[s] for s in modules} if job.recompute else None
     executor = RankExecutor(job.schedule, rank, modules, job.loss_fn, device, recompute=recompute,
-                            log_messages=job.log_messages)
+                            log_messages=job.log_messages, timeout=job.timeout_s)
     params = executor.parameters()
     opt = _optimizer(job, params)
     reports: list[StepStats] = []
@@ -165,7 +167,10 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
         xs, ys = microbatches(x.to(device), m), microbatches(y.to(device), m)
         for p in params:
             p.grad = None
-        stats = executor.run_step([(t,) for t in xs], ys, tuple(x.shape))
+        if job.verify_memory_step == step:
+            stats = _tracked_step(executor, params, xs, ys, tuple(x.shape))
+        else:
+            stats = executor.run_step([(t,) for t in xs], ys, tuple(x.shape))
         for wrapper in offloaded:
             wrapper.evict_all()  # every layer home, with its gradient, before the optimizer reads it
         if job.clip is not None:
@@ -177,12 +182,86 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
         reports.append(stats)
         if on_step is not None and rank == loss_rank:
             on_step(step, sum(stats.losses.values()) / m, time.perf_counter() - started)
+    executor.close()
     resident = sum(w.tracker.peak_resident_bytes for w in offloaded)
     report = RankReport(rank, reports, grads, _peak_rss(), resident)
     if out_dir is not None:
         with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as fh:
             pickle.dump(report, fh)
     return report
+
+
+def _tracked_step(executor: RankExecutor, params: list[nn.Parameter], xs: list[torch.Tensor],
+                  ys: list[torch.Tensor], shape: tuple[int, ...]) -> StepStats:
+    """One step under torch's MemTracker too, which sees every tensor an operation returns and follows its
+    storage until it dies, whatever the runtime meant to keep; ``stats.memory_check`` gets its figures.
+
+    After every action both are read: what the meter says the rank holds, and what the tracker has
+    seen created during the step and still alive (between actions, an operation's temporaries are
+    gone). Within an action the tracker also sees those temporaries, so its peak over the whole step
+    (``tracker_peak``) is the meter's plus the largest temporaries at that moment. The parameters,
+    their gradients (made as zeros before the step: adding into a zero gradient gives the same values
+    bit for bit) and the batch are registered with it first, so that only what the step itself holds
+    counts. On CUDA the allocator's own peak over the step is recorded as well (``allocator_peak``).
+    """
+    try:
+        from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+    except ImportError as exc:  # torch < 2.5
+        raise ConfigError(f"checking memory needs torch.distributed._tools.mem_tracker (torch >= 2.5): {exc}") from exc
+
+    class NoModules:
+        """Stands in for MemTracker's module tracker: its per-module statistics allow a module one forward per
+        step (a stage runs one per microbatch) and its backward hooks do not work under ``autograd.grad``,
+        which B uses. The device totals need none of it."""
+
+        is_bw = False
+        parents = {"Global"}
+
+        def register_user_hooks(self, *args: Any) -> None:
+            pass
+
+        def clear_user_hooks(self) -> None:
+            pass
+
+        def __enter__(self) -> NoModules:
+            return self
+
+        def __exit__(self, *args: Any) -> None:
+            pass
+
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    cuda = executor.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(executor.device)
+        torch.cuda.reset_peak_memory_stats(executor.device)
+        before = torch.cuda.memory_allocated(executor.device)
+    tracker = MemTracker()
+    tracker._mod_tracker = NoModules()  # type: ignore[assignment]
+    outside = {_MemRefType.PARAM, _MemRefType.BUFFER, _MemRefType.GRAD, _MemRefType.OPT, _MemRefType.OTH}
+
+    def step_bytes(snapshot: dict[torch.device, dict[Any, int]]) -> int:
+        return sum(snap["Total"] - sum(v for k, v in snap.items() if k in outside) for snap in snapshot.values())
+
+    pairs: list[tuple[int, int]] = []  # (meter, tracker) after each action
+
+    def probe() -> None:
+        pairs.append((executor.meter.current, step_bytes(tracker.get_tracker_snapshot())))
+
+    with tracker:
+        tracker.track_external(*executor.modules(), *xs, *ys, *(p.grad for p in params if p.grad is not None))
+        stats = executor.run_step([(t,) for t in xs], ys, shape, probe=probe)
+    stats.memory_check = {
+        "meter_between_actions": max(m for m, _ in pairs),
+        "tracker_between_actions": max(t for _, t in pairs),
+        "largest_gap": max(abs(m - t) for m, t in pairs),
+        "tracker_peak": step_bytes(tracker.get_tracker_snapshot("peak")),
+    }
+    if cuda:
+        torch.cuda.synchronize(executor.device)
+        stats.memory_check["allocator_peak"] = torch.cuda.max_memory_allocated(executor.device) - before
+    return stats
 
 
 def _named(job: Job, modules: dict[int, nn.Module]) -> list[tuple[str, nn.Parameter]]:

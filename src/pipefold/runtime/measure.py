@@ -1,27 +1,56 @@
-"""Measured timelines: what the ranks recorded, as a trace file and in the simulator's result shape."""
+"""Measured timelines: what the ranks recorded, as a trace file, in the simulator's result shape, and as the
+cost model that lets the simulator predict the same run."""
 
 from __future__ import annotations
 
 import json
+import statistics
 from typing import Any
 
 from pipefold.ir import Action, Schedule
 from pipefold.runtime.launch import RankReport
-from pipefold.simulate import CostModel, Interval, SimResult
+from pipefold.simulate import CostModel, Interval, SimResult, StageOverride
 
 _COMPUTE = ("F", "B", "W", "BW")
 
 
 def measured_result(schedule: Schedule, reports: list[RankReport], step: int) -> SimResult:
-    """One step's measured compute intervals as a :class:`SimResult` (times in seconds from the earliest rank)."""
+    """One step's measured compute intervals and memory curves as a :class:`SimResult` (seconds from the earliest
+    rank's start, bytes)."""
     t0 = min(r.steps[step].started_at for r in reports)
-    rows = []
+    rows, curves = [], []
     for r in sorted(reports, key=lambda r: r.rank):
         s = r.steps[step]
         shift = s.started_at - t0
         rows.append(tuple(Interval(Action.parse(e.name), shift + e.start, shift + e.end)
                           for e in s.events if e.kind in _COMPUTE))
-    return SimResult(schedule, CostModel(), tuple(rows), tuple(((0.0, 0.0),) for _ in rows))
+        curves.append(((0.0, 0.0), *((shift + t, float(b)) for t, b in s.memory_curve)))
+    return SimResult(schedule, CostModel(), tuple(rows), tuple(curves))
+
+
+def measured_costs(schedule: Schedule, reports: list[RankReport], step: int) -> CostModel:
+    """The cost model of what the ranks measured in ``step``: per stage, the median seconds of its F, B and W
+    (a fused BW counts as B + W, split evenly) and the bytes one microbatch held after F, while B ran and
+    between B and W. The simulator fed with it predicts the run in seconds and bytes."""
+    seconds: dict[tuple[int, str], list[float]] = {}
+    memory: dict[int, tuple[int, int, int]] = {}
+    for r in reports:
+        st = r.steps[step]
+        memory.update(st.stage_memory)
+        for e in st.events:
+            if e.kind in _COMPUTE:
+                seconds.setdefault((Action.parse(e.name).stage, e.kind), []).append(e.end - e.start)
+    over = {}
+    for s in range(schedule.stages):
+        f = statistics.median(seconds.get((s, "F"), [0.0]))
+        if (s, "B") in seconds:
+            b, w = (statistics.median(seconds.get((s, k), [0.0])) for k in ("B", "W"))
+        else:  # fused: the simulator costs BW as B + W
+            b = w = statistics.median(seconds.get((s, "BW"), [0.0])) / 2
+        held, during_b, held_w = memory.get(s, (0, 0, 0))
+        over[s] = StageOverride(f=f, b=b, w=w, memory=float(max(held, during_b)), kept=float(held),
+                                memory_w=float(held_w or held))
+    return CostModel(stage_overrides=over)
 
 
 def measured_trace(reports: list[RankReport]) -> dict[str, Any]:

@@ -16,9 +16,16 @@ The backward is split with autograd itself, so it is correct for any module::
     path to x   AccumulateGrad(weight)      W starts at N and runs only this branch
 
 A stage whose input needs no gradient (the first stage) has nothing for B to
-do; W then runs the whole backward. Saved activations are released when W
-(or BW) ends, and the bytes held for backward are counted with saved-tensor
-hooks, so the runtime reports measured, not estimated, activation memory.
+do; W then runs the whole backward.
+
+Memory. Every tensor a forward saves is kept in a box. B frees the boxes of
+the nodes it runs that W will not run again (an activation function's input,
+attention scores, dropout masks), so between B and W a microbatch holds only
+what W reads: the saves of the crossing nodes and of the branches towards the
+parameters (a Linear's input), and the gradients B captured there. W (or BW)
+frees the rest. Each kept tensor is shown to the rank's
+:class:`~pipefold.runtime.meter.MemoryMeter`, which counts its storage until
+it really dies, so the runtime reports what it holds, not what it meant to.
 
 Recomputation (activation checkpointing) of the first r layers of a stage
 stays inside this one graph: during F those layers' saved tensors are replaced
@@ -37,6 +44,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, Node
+
+from pipefold.runtime.meter import MemoryMeter
 
 Tensors = tuple[torch.Tensor, ...]
 
@@ -65,22 +74,58 @@ class Chain(nn.Sequential):
         return run_layers(self, xs)
 
 
-class MemoryMeter:
-    """Bytes of tensors held for backward (via saved-tensor hooks) plus outputs kept for sending; and the peak."""
+class _Backward:
+    """What the autograd engine is running, as far as B's freeing needs to know.
+
+    During B (``in_b``) a node that W will not rerun may give up its saved tensors as it
+    reads them; the crossing nodes, which W reruns, are marked by hooks around their run.
+    """
+
+    __slots__ = ("at_crossing", "in_b")
 
     def __init__(self) -> None:
-        self.current = 0
-        self.peak = 0
+        self.in_b = False
+        self.at_crossing = False
 
-    def add(self, nbytes: int) -> None:
-        self.current += nbytes
-        self.peak = max(self.peak, self.current)
+    @property
+    def frees(self) -> bool:
+        return self.in_b and not self.at_crossing
 
-    def remove(self, nbytes: int) -> None:
-        self.current -= nbytes
 
-    def reset_peak(self) -> None:
-        self.peak = self.current
+class _Box:
+    """One tensor saved for backward, which B empties once read when W will not read it again."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor: torch.Tensor | None = tensor
+
+
+_FREED = ("a tensor saved for backward was freed by B and then needed again: the stage's backward ran a node "
+          "twice; please report this with the model")
+
+
+class _Unpack:
+    """The unpack hook of a stage's saved tensors: a box's tensor, the box emptied if B will not need it again.
+
+    It refers to nothing but the engine state: autograd keeps it in every saved tensor, so a
+    reference to the runner or a pass would hold them alive through the graph.
+    """
+
+    __slots__ = ("state",)
+
+    def __init__(self, state: _Backward) -> None:
+        self.state = state
+
+    def __call__(self, saved: Any) -> Any:
+        if not isinstance(saved, _Box):
+            return saved
+        t = saved.tensor
+        if t is None:
+            raise RuntimeError(_FREED)
+        if self.state.frees:
+            saved.tensor = None
+        return t
 
 
 @dataclass
@@ -88,13 +133,24 @@ class _Pass:
     """What one microbatch keeps between its F and its W."""
 
     inputs: Tensors
+    """The stage inputs as leaves; dropped after B."""
     outputs: Tensors
-    saved_bytes: int
-    kept_bytes: int = 0
+    """The outputs B starts from; after B, only those W starts from."""
+    boxes: list[_Box]
     cut: _Cut | None = None
     captured: dict[Node, tuple[torch.Tensor | None, ...]] = field(default_factory=dict)
     grads_out: list[torch.Tensor] = field(default_factory=list)
+    """The gradient of each output in ``outputs``."""
     rebuild: _Rebuild | None = None
+
+    def held_bytes(self, meter: MemoryMeter, *, outputs: bool = True) -> int:
+        """Bytes of the distinct storages this microbatch holds now, as ``meter`` counts them."""
+        held: list[torch.Tensor | None] = [*self.inputs, *(self.outputs if outputs else ()), *self.grads_out]
+        held += [b.tensor for b in self.boxes]
+        held += [g for grads in self.captured.values() for g in grads]
+        if self.rebuild is not None:
+            held += [*self.rebuild.inputs, *(self.rebuild.rebuilt or ())]
+        return meter.bytes_of(held)
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -108,16 +164,17 @@ class _Rebuild:
     saved tensor into its number; ``unpack`` of a number reruns the layers once from
     the inputs with the forward's random state, recording their saves in the same
     order, and hands out the one with that number. The rebuilt tensors stay until
-    :meth:`release` (W or BW), so B and W may both read them.
+    W (or BW) drops the pass, so B and W may both read them; B drops those that W
+    will not read, as for tensors kept in F.
     """
 
-    def __init__(self, layers: Sequence[nn.Module], inputs: Tensors, weights: set[int], meter: MemoryMeter) -> None:
-        self.layers, self.inputs, self.meter = layers, inputs, meter
+    def __init__(self, layers: Sequence[nn.Module], inputs: Tensors, weights: set[int], meter: MemoryMeter,
+                 state: _Backward) -> None:
+        self.layers, self.inputs, self.meter, self.state = layers, inputs, meter, state
         self.keep = weights | {_storage(x) for x in inputs}
         self.rng = _rng_state(inputs)
         self.count = 0
-        self.rebuilt: list[torch.Tensor] | None = None
-        self.rebuilt_bytes = 0
+        self.rebuilt: list[torch.Tensor | None] | None = None
 
     def _kept(self, t: torch.Tensor) -> bool:
         return t.device.type == "meta" or _storage(t) in self.keep
@@ -134,10 +191,15 @@ class _Rebuild:
         if self.rebuilt is None:
             self._rebuild()
         assert self.rebuilt is not None
-        return self.rebuilt[handle]
+        t = self.rebuilt[handle]
+        if t is None:
+            raise RuntimeError(_FREED)
+        if self.state.frees:
+            self.rebuilt[handle] = None
+        return t
 
     def _rebuild(self) -> None:
-        saves: list[torch.Tensor] = []
+        saves: list[torch.Tensor | None] = []
 
         def record(t: torch.Tensor) -> torch.Tensor:
             if not self._kept(t):
@@ -153,13 +215,8 @@ class _Rebuild:
         if len(saves) != self.count:
             raise RuntimeError(f"recomputing {len(self.layers)} layers saved {len(saves)} tensors where the forward "
                                f"saved {self.count}: the layers must run the same operations every time")
+        self.meter.hold(saves, "saved")
         self.rebuilt = saves
-        self.rebuilt_bytes = sum(t.untyped_storage().nbytes() for t in saves)
-        self.meter.add(self.rebuilt_bytes)
-
-    def release(self) -> None:
-        self.meter.remove(self.rebuilt_bytes)
-        self.rebuilt, self.rebuilt_bytes = None, 0
 
 
 def _same(t: Any) -> Any:
@@ -229,7 +286,7 @@ class _Cut:
         to_params = _ancestors([n for n in map(_grad_node, params) if n is not None and n in seen], parents)
         self.params = params
         self.outputs = [i for i, o in enumerate(outputs) if o.grad_fn not in on_path]
-        self.output_tensors = outputs
+        """The outputs off the path to the inputs: W starts from them too (B never runs their graph)."""
         # On-path node -> its edges into the off-path part that leads to parameters.
         self.edges: dict[Node, list[GradientEdge]] = {}
         for node in nodes:
@@ -253,10 +310,13 @@ class _Cut:
         return list(self.edges)
 
     def weight_grads(self, captured: dict[Node, tuple[torch.Tensor | None, ...]],
-                     grads_out: list[torch.Tensor]) -> None:
-        """Add this microbatch's weight gradients into the parameters' ``.grad``."""
-        roots: list[torch.Tensor | GradientEdge] = [self.output_tensors[i] for i in self.outputs]
-        root_grads = [grads_out[i] for i in self.outputs]
+                     outputs: Sequence[torch.Tensor], grads_out: Sequence[torch.Tensor]) -> None:
+        """Add this microbatch's weight gradients into the parameters' ``.grad``.
+
+        ``outputs`` and ``grads_out`` are the outputs off the path (:attr:`outputs`) and their gradients.
+        """
+        roots: list[torch.Tensor | GradientEdge] = list(outputs)
+        root_grads = list(grads_out)
         entering: dict[tuple[Node, int], torch.Tensor] = {}
         for node, edges in self.edges.items():
             seen_grads = captured.get(node)
@@ -333,9 +393,17 @@ def _ancestors(start: list[Node], parents: dict[Node, list[Node]]) -> set[Node]:
     return out
 
 
-def _capture(node: Node, store: dict[Node, tuple[torch.Tensor | None, ...]]) -> Callable[..., None]:
+def _capture(node: Node, store: dict[Node, tuple[torch.Tensor | None, ...]],
+             state: _Backward) -> Callable[..., None]:
     def hook(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
         store[node] = tuple(g.detach() if g is not None else None for g in grad_outputs)
+        state.at_crossing = True  # W reruns this node: it keeps what it saved
+    return hook
+
+
+def _left(state: _Backward) -> Callable[..., None]:
+    def hook(grad_inputs: Any, grad_outputs: Any) -> None:
+        state.at_crossing = False
     return hook
 
 
@@ -354,9 +422,11 @@ class StageRunner:
     """Runs F, B, W and BW of one stage module for any number of microbatches in flight."""
 
     def __init__(self, module: nn.Module, *, loss_fn: Callable[..., torch.Tensor] | None = None,
-                 meter: MemoryMeter | None = None, recompute: int = 0) -> None:
+                 meter: MemoryMeter | None = None, recompute: int = 0, input_grads: bool = True) -> None:
         self.module = module
         self.loss_fn = loss_fn  # set on the last stage: F then returns the loss
+        self.input_grads = input_grads
+        """False on the first stage: its inputs are the batch, whose gradient nobody needs."""
         self.meter = meter or MemoryMeter()
         layers = list(module) if isinstance(module, nn.Sequential) else None
         if recompute and (layers is None or hasattr(module, "on_saved")):
@@ -370,41 +440,50 @@ class StageRunner:
         self._tail = layers[recompute:] if layers is not None else []
         self.params = [p for p in module.parameters() if p.requires_grad]
         self._passes: dict[int, _Pass] = {}
+        self._state = _Backward()
+        self._unpack = _Unpack(self._state)
         self.losses: dict[int, torch.Tensor] = {}
-        self.bytes_per_microbatch = 0
-        """The most bytes one microbatch's forward saved for backward: this stage's activation size."""
+        self.memory_f = 0
+        """The most bytes one microbatch held after its F: saved tensors, outputs, inputs (its activation size)."""
+        self.memory_b = 0
+        """The most bytes one microbatch held while its B (or fused BW) ran: what F kept, what recomputation
+        rebuilt, the gradient it got, what it captured and the input gradient it made (0 until one has run)."""
+        self.memory_w = 0
+        """The most bytes one microbatch held between its B and its W (0 until a B has run)."""
 
     # -- forward
 
     def forward(self, mb: int, inputs: Tensors, target: Any = None, *, scale: float = 1.0) -> Tensors:
         """F: run the stage; keep what backward needs. On the last stage return (loss,) scaled by ``scale``."""
-        leaves = as_leaves(inputs)  # leaves, so B can ask for their gradient alone
-        saved = 0
-        # Weights saved for backward (a Linear keeps its weight) are not activation memory: skip them.
+        # Leaves, so B can ask for their gradient alone; the batch's is never asked for.
+        leaves = as_leaves(inputs) if self.input_grads else tuple(x.detach() for x in inputs)
+        boxes: list[_Box] = []
+        # Weights saved for backward (a Linear keeps its weight) are not activation memory: kept as they are.
         weights = {_storage(p) for p in self.module.parameters()}
+        meter = self.meter
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            nonlocal saved
-            if t.device.type != "meta" and _storage(t) not in weights:
-                saved += t.untyped_storage().nbytes()
+        def pack(t: torch.Tensor) -> Any:
+            if t.device.type == "meta" or _storage(t) in weights:
+                return t.detach()
+            meter.hold((t,), "saved")
             # Not ``t`` itself: a node that saves its own output would hold itself through the output's grad_fn.
-            # Backward frees that cycle as it runs a node, but B and W each run only part of the graph.
-            return t.detach()
+            box = _Box(t.detach())
+            boxes.append(box)
+            return box
 
         # An Offloaded stage's layers install saved-tensor hooks of their own, which hide their saves from
-        # ours: such a module reports each save to ``on_saved`` instead.
+        # ours: such a module reports each save to ``on_saved`` instead (and keeps it itself, until W).
         listener = self.module if hasattr(self.module, "on_saved") else None
         if listener is not None:
-            setattr(listener, "on_saved", pack)  # noqa: B010 (a plain attribute mypy does not see on nn.Module)
+            setattr(listener, "on_saved", lambda t: meter.hold((t,), "saved"))  # noqa: B010
         rebuild = None
         try:
             if self.recompute:
-                rebuild = _Rebuild(self._head, leaves, weights, self.meter)
+                rebuild = _Rebuild(self._head, leaves, weights, meter, self._state)
+                meter.hold(leaves, "saved")  # what the recomputed layers keep: their input, once
                 with torch.autograd.graph.saved_tensors_hooks(rebuild.pack, rebuild.unpack):
                     mid = run_layers(self._head, leaves)
-                # The stage inputs are all the recomputed layers keep (once, however often they are saved).
-                saved += sum({_storage(x): x.untyped_storage().nbytes() for x in leaves}.values())
-            with torch.autograd.graph.saved_tensors_hooks(pack, _same):
+            with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
                 if rebuild is not None:
                     out = as_tuple(run_layers(self._tail, mid if isinstance(mid, tuple) else (mid,)))
                 else:
@@ -416,48 +495,75 @@ class StageRunner:
         finally:
             if listener is not None:
                 setattr(listener, "on_saved", None)  # noqa: B010
-        # The outputs stay alive until backward too (they are the roots B starts from).
-        saved += sum(o.untyped_storage().nbytes() for o in out if _storage(o) not in weights)
-        self.meter.add(saved)
-        self.bytes_per_microbatch = max(self.bytes_per_microbatch, saved)
-        self._passes[mb] = _Pass(leaves, out, saved, rebuild=rebuild)
+        # The outputs stay alive until B: they are the roots it starts from.
+        meter.hold(out, "output")
+        p = _Pass(leaves, out, boxes, rebuild=rebuild)
+        self._passes[mb] = p
+        self.memory_f = max(self.memory_f, p.held_bytes(self.meter))
         return tuple(o.detach() for o in out)
 
     # -- backward
 
     def backward_input(self, mb: int, out_grads: Tensors | None) -> Tensors | None:
-        """B: gradient of the stage input only; record where W must start. None if no input takes one."""
+        """B: gradient of the stage input only; record where W must start. None if no input takes one.
+
+        What B read and W will not read again is freed as B runs; the gradients entering W's
+        starting points are kept until W.
+        """
         p = self._passes[mb]
         grads_out = self._grads_for(p, out_grads)
         outs = self._differentiable(p)
         wanted = [x for x in p.inputs if x.requires_grad]
         cut = _Cut(outs, wanted, self.params)
         captured: dict[Node, tuple[torch.Tensor | None, ...]] = {}
-        handles = [node.register_prehook(_capture(node, captured)) for node in cut.crossings]
+        state = self._state
+        handles = []
+        for node in cut.crossings:
+            handles.append(node.register_prehook(_capture(node, captured, state)))
+            handles.append(node.register_hook(_left(state)))
+        # What the rest of the rank holds: the window's peak less this is what the microbatch held during B.
+        before = self.meter.open_window() - p.held_bytes(self.meter) - self.meter.bytes_of(out_grads or ())
+        state.in_b = True
         try:
             dx = torch.autograd.grad(outs, wanted, grads_out, retain_graph=True, allow_unused=True) if wanted else ()
         finally:
+            state.in_b = state.at_crossing = False
             for h in handles:
                 h.remove()
-        p.cut, p.captured, p.grads_out = cut, captured, grads_out
-        return _input_grads(p.inputs, dx) if wanted else None
+        self.meter.hold((g for grads in captured.values() for g in grads), "captured")
+        p.cut, p.captured = cut, captured
+        # W starts from the crossings and from the outputs off the path: only those outputs stay.
+        p.outputs = tuple(outs[i] for i in cut.outputs)
+        p.grads_out = [grads_out[i] for i in cut.outputs]
+        self.meter.hold(p.grads_out, "captured")
+        inputs, p.inputs = p.inputs, ()
+        self.memory_w = max(self.memory_w, p.held_bytes(self.meter))
+        if not wanted:
+            self.memory_b = max(self.memory_b, self.meter.window_peak - before)
+            return None
+        grads = _input_grads(inputs, dx)
+        self.meter.hold(grads, "output")
+        self.memory_b = max(self.memory_b, self.meter.window_peak - before)
+        return grads
 
     def backward_weight(self, mb: int) -> None:
         """W: weight gradients from what B recorded; accumulate into ``.grad``; release the microbatch."""
         p = self._passes.pop(mb)
         if self.params and p.cut is not None:
-            p.cut.weight_grads(p.captured, p.grads_out)
-        self._release(p)
+            p.cut.weight_grads(p.captured, p.outputs, p.grads_out)
 
     def backward(self, mb: int, out_grads: Tensors | None) -> Tensors | None:
         """BW: input and weight gradients in one pass; release the microbatch."""
         p = self._passes.pop(mb)
         grads_out = self._grads_for(p, out_grads)
         wanted = [x for x in p.inputs if x.requires_grad]
+        before = self.meter.open_window() - p.held_bytes(self.meter) - self.meter.bytes_of(out_grads or ())
         # backward() adds straight into each parameter's .grad (and the input leaves' .grad): no copies.
         torch.autograd.backward(self._differentiable(p), grads_out, inputs=[*wanted, *self.params])
-        self._release(p)
-        return _input_grads(p.inputs, [x.grad for x in wanted]) if wanted else None
+        grads = _input_grads(p.inputs, [x.grad for x in wanted]) if wanted else None
+        self.meter.hold(grads or (), "output")
+        self.memory_b = max(self.memory_b, self.meter.window_peak - before)
+        return grads
 
     # -- helpers
 
@@ -475,10 +581,10 @@ class StageRunner:
             raise RuntimeError(f"stage backward got {n} output gradients for {len(outs)} differentiable outputs")
         return list(out_grads)
 
-    def _release(self, p: _Pass) -> None:
-        self.meter.remove(p.saved_bytes + p.kept_bytes)
-        if p.rebuild is not None:
-            p.rebuild.release()
+    def held_bytes(self, mb: int, *, outputs: bool = True) -> int:
+        """Bytes microbatch ``mb`` holds now (between its F and its W); without ``outputs``, its outputs only
+        count where it also saved them for backward."""
+        return self._passes[mb].held_bytes(self.meter, outputs=outputs)
 
     @property
     def in_flight(self) -> int:
