@@ -22,11 +22,28 @@ def _layers_for(name: str, p: int) -> int:
     return build(name, p, 2 * p).stages * 2  # two layers per stage
 
 
+@pytest.mark.parametrize("model", ["mlp", "gpt"])
 @pytest.mark.parametrize("ranks", [2, 4])
 @pytest.mark.parametrize("name", names())
-def test_every_schedule_matches_one_process(name: str, ranks: int) -> None:
-    cfg = TrainConfig(schedule=name, stages=ranks, microbatches=2 * ranks, steps=1, model="mlp",
-                      layers=_layers_for(name, ranks), hidden=16, batch=8)
+def test_every_schedule_matches_one_process(name: str, ranks: int, model: str) -> None:
+    # The GPT's embedding and head count as layers: its blocks are the rest.
+    layers = _layers_for(name, ranks) - (2 if model == "gpt" else 0)
+    cfg = TrainConfig(schedule=name, stages=ranks, microbatches=2 * ranks, steps=1, model=model, layers=layers,
+                      hidden=16, heads=2, seq=8, batch=2 * ranks, partition="even")
+    job, reports = train(cfg, check=True)
+    diff = compare(job, reports)
+    assert diff["max_grad_rel_diff"] < TOLERANCE and diff["loss_rel_diff"] < TOLERANCE
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-v", "v-half"])
+@pytest.mark.parametrize("memory", ["recompute", "offload"])
+def test_recomputed_and_offloaded_stages_match_one_process(name: str, ranks: int, memory: str) -> None:
+    # B frees what W will not read on split-backward schedules (zb-h1, zb-v, v-half), recomputed or offloaded.
+    options: dict[str, object] = {"recompute": "full"} if memory == "recompute" else {"offload": (1, 1)}
+    cfg = TrainConfig(schedule=name, stages=ranks, microbatches=2 * ranks, steps=1, model="gpt",
+                      layers=_layers_for(name, ranks), hidden=16, heads=2, seq=8, batch=2 * ranks,
+                      partition="even", **options)  # type: ignore[arg-type]
     job, reports = train(cfg, check=True)
     diff = compare(job, reports)
     assert diff["max_grad_rel_diff"] < TOLERANCE and diff["loss_rel_diff"] < TOLERANCE

@@ -174,10 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true",
                    help="also run one process with the same model and data; print the largest differences")
     p.add_argument("--trace", metavar="FILE", help="write the measured per-rank timeline as Chrome trace JSON")
-    p.add_argument("--plot", metavar="FILE", help="draw the measured Gantt chart above the simulated one")
+    p.add_argument("--plot", metavar="FILE", help="draw the measured Gantt chart above the one simulated from the "
+                                                  "run's own costs, and both memory curves")
     p.add_argument("--partition", choices=["time", "params", "memory", "even"], default="time",
                    help="split layers into stages balanced by measured forward+backward time (default), by "
-                        "parameters or memory, or evenly by count")
+                        "parameters, evenly by count, or (memory) for the least per-device peak under the "
+                        "schedule with time within 2%% of the time-balanced split")
     p.add_argument("--recompute", choices=["none", "full", "auto"], default="none",
                    help="activation recomputation: none, full (every layer), or auto: per stage just enough layers "
                         "that each device fits --memory-budget (default none)")

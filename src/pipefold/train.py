@@ -70,8 +70,8 @@ class TrainConfig:
     offload: tuple[int, int] | None = None
     """(k, k'): each stage keeps at most k of its layers' parameters on the device, evicting k' at once."""
     partition: str = "time"
-    """How layers are split into stages: balanced by measured 'time' (the default), 'params' or 'memory', or
-    'even' by count."""
+    """How layers are split into stages: balanced by measured 'time' (the default) or 'params', 'even' by count,
+    or 'memory': the least per-device peak under the schedule, time within 2% of the time-balanced split."""
     recompute: str = "none"
     """Activation recomputation: 'none', 'full' (every layer) or 'auto' (per stage, to fit ``memory_budget``)."""
     memory_budget: float | None = None

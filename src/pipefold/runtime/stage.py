@@ -36,6 +36,7 @@ keeps what they save until W. B and W then run exactly as without it.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -95,7 +96,7 @@ class _Backward:
 class _Box:
     """One tensor saved for backward, which B empties once read when W will not read it again."""
 
-    __slots__ = ("tensor",)
+    __slots__ = ("__weakref__", "tensor")
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor: torch.Tensor | None = tensor
@@ -136,7 +137,8 @@ class _Pass:
     """The stage inputs as leaves; dropped after B."""
     outputs: Tensors
     """The outputs B starts from; after B, only those W starts from."""
-    boxes: list[_Box]
+    boxes: list[weakref.ref[_Box]]
+    """What F saved, as autograd keeps it: a box dies with the node that saved it."""
     cut: _Cut | None = None
     captured: dict[Node, tuple[torch.Tensor | None, ...]] = field(default_factory=dict)
     grads_out: list[torch.Tensor] = field(default_factory=list)
@@ -146,7 +148,7 @@ class _Pass:
     def held_bytes(self, meter: MemoryMeter, *, outputs: bool = True) -> int:
         """Bytes of the distinct storages this microbatch holds now, as ``meter`` counts them."""
         held: list[torch.Tensor | None] = [*self.inputs, *(self.outputs if outputs else ()), *self.grads_out]
-        held += [b.tensor for b in self.boxes]
+        held += [b.tensor for ref in self.boxes if (b := ref()) is not None]
         held += [g for grads in self.captured.values() for g in grads]
         if self.rebuild is not None:
             held += [*self.rebuild.inputs, *(self.rebuild.rebuilt or ())]
@@ -309,6 +311,26 @@ class _Cut:
     def crossings(self) -> list[Node]:
         return list(self.edges)
 
+    def vector_crossings(self) -> list[Node]:
+        """Crossing nodes that own their parameters, all of them vectors (a norm's scale and shift, a bias alone).
+
+        Their weight gradients are sums over the batch, cheap next to a matrix's: B computes them at
+        once (:meth:`take_now`), and what they read (the norm's input, the gradient entering it) need
+        not wait for W.
+        """
+        return [node for node, params in self.owned.items() if params and all(p.dim() <= 1 for p in params)]
+
+    def take_now(self, node: Node, captured: dict[Node, tuple[torch.Tensor | None, ...]]) -> None:
+        """Run ``node``'s weight gradient now, from the gradient B captured there; W will not run it again."""
+        seen_grads = captured.pop(node, None)
+        del self.edges[node]
+        params = self.owned.pop(node)
+        if seen_grads is None:
+            return
+        ks = [k for k, g in enumerate(seen_grads) if g is not None]
+        if ks:
+            torch.autograd.backward([GradientEdge(node, k) for k in ks], [seen_grads[k] for k in ks], inputs=params)
+
     def weight_grads(self, captured: dict[Node, tuple[torch.Tensor | None, ...]],
                      outputs: Sequence[torch.Tensor], grads_out: Sequence[torch.Tensor]) -> None:
         """Add this microbatch's weight gradients into the parameters' ``.grad``.
@@ -457,7 +479,7 @@ class StageRunner:
         """F: run the stage; keep what backward needs. On the last stage return (loss,) scaled by ``scale``."""
         # Leaves, so B can ask for their gradient alone; the batch's is never asked for.
         leaves = as_leaves(inputs) if self.input_grads else tuple(x.detach() for x in inputs)
-        boxes: list[_Box] = []
+        boxes: list[weakref.ref[_Box]] = []
         # Weights saved for backward (a Linear keeps its weight) are not activation memory: kept as they are.
         weights = {_storage(p) for p in self.module.parameters()}
         meter = self.meter
@@ -468,7 +490,7 @@ class StageRunner:
             meter.hold((t,), "saved")
             # Not ``t`` itself: a node that saves its own output would hold itself through the output's grad_fn.
             box = _Box(t.detach())
-            boxes.append(box)
+            boxes.append(weakref.ref(box))
             return box
 
         # An Offloaded stage's layers install saved-tensor hooks of their own, which hide their saves from
@@ -530,6 +552,8 @@ class StageRunner:
             state.in_b = state.at_crossing = False
             for h in handles:
                 h.remove()
+        for node in cut.vector_crossings():  # cheap weight gradients: now, so B frees what they read
+            cut.take_now(node, captured)
         self.meter.hold((g for grads in captured.values() for g in grads), "captured")
         p.cut, p.captured = cut, captured
         # W starts from the crossings and from the outputs off the path: only those outputs stay.
