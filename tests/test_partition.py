@@ -282,8 +282,10 @@ def test_memory_split_bad_input() -> None:
 
 def test_layer_memory_and_static_bytes() -> None:
     layers = [nn.Linear(4, 8), nn.Linear(8, 2)]
-    # Linear saves its input for the weight gradient: 3x4 then 3x8 floats.
-    assert [held for held, _ in layer_memory(layers, torch.randn(3, 4))] == [12 * 4, 24 * 4]
+    # After F a Linear holds its input (3x8 floats for the second; the first's is the batch, not counted).
+    # Between B and W: the first layer keeps the gradient of its output (3x8) for W, which runs its whole backward
+    # (its input is the batch); the second keeps its input and the gradient entering it (3x2).
+    assert layer_memory(layers, torch.randn(3, 4)) == [(0, 24 * 4), (24 * 4, 24 * 4 + 6 * 4)]
     assert layer_static_bytes(layers) == [40 * 4 * 4.0, 18 * 4 * 4.0]  # weights, gradients, two AdamW moments
     assert layer_static_bytes(layers, optimizer_factor=0.0) == [40 * 4 * 2.0, 18 * 4 * 2.0]
 

@@ -66,6 +66,10 @@ def layer_costs(layers: Sequence[nn.Module], sample: torch.Tensor | tuple[torch.
     the activation bytes saved for backward (the layer's own weights excluded) plus the parameter
     bytes times 1 + ``optimizer_factor`` (weights, gradients and optimizer state; AdamW's two
     moments make 2 the default).
+
+    Layers that are the same computation (same type, parameter shapes and input shapes, as a
+    transformer's blocks) take the mean of their measured times: they cost the same, and
+    letting timing noise tell them apart would let it choose the split.
     """
     if by not in COST_KINDS:
         raise ConfigError(f"unknown cost {by!r}: choose one of {', '.join(COST_KINDS)}")
@@ -75,11 +79,20 @@ def layer_costs(layers: Sequence[nn.Module], sample: torch.Tensor | tuple[torch.
         raise ConfigError(f"repeats must be a positive integer (got {repeats!r})")
     measure = _time_layer if by == "time" else _memory_layer
     costs: list[float] = []
+    kinds: dict[tuple[Any, ...], list[int]] = {}
     x: Values = tuple(sample) if isinstance(sample, (tuple, list)) else (sample,)
-    for layer in layers:
+    for i, layer in enumerate(layers):
+        same = (type(layer).__qualname__, tuple((n, tuple(p.shape), p.dtype) for n, p in layer.named_parameters()),
+                tuple((tuple(t.shape), t.dtype) for t in x))
+        kinds.setdefault(same, []).append(i)
         cost, out = measure(layer, x, repeats, optimizer_factor)
         costs.append(cost)
         x = tuple(t.detach() for t in out)
+    if by == "time":
+        for group in kinds.values():
+            mean = statistics.fmean(costs[i] for i in group)
+            for i in group:
+                costs[i] = mean
     return costs
 
 
@@ -801,7 +814,9 @@ def layer_memory(layers: Sequence[nn.Module], sample: torch.Tensor | tuple[torch
         grads = None if loss is not None else tuple(torch.ones_like(o) for o in y if o.is_floating_point())
         runner.meter.hold(grads or (), "recv")
         runner.backward_input(0, grads)
-        out.append((held, runner.memory_w))
+        # What W reads; the outputs W starts from only where the layer saved them too (a first layer's backward
+        # runs entirely in W, from its outputs' nodes: in a stage the runtime keeps those, not the outputs).
+        out.append((held, runner.held_bytes(0, outputs=False)))
         runner.backward_weight(0)
         layer.zero_grad(set_to_none=True)
         x = tuple(t.detach() for t in y)

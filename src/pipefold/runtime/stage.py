@@ -144,10 +144,15 @@ class _Pass:
     grads_out: list[torch.Tensor] = field(default_factory=list)
     """The gradient of each output in ``outputs``."""
     rebuild: _Rebuild | None = None
+    lead: tuple[GradientEdge, ...] = ()
+    """On the first stage, its first layer's outputs as graph edges: where W ends (see ``StageRunner._lead``)."""
+    lead_grads: Tensors = ()
+    """Their gradients, from B."""
 
     def held_bytes(self, meter: MemoryMeter, *, outputs: bool = True) -> int:
         """Bytes of the distinct storages this microbatch holds now, as ``meter`` counts them."""
-        held: list[torch.Tensor | None] = [*self.inputs, *(self.outputs if outputs else ()), *self.grads_out]
+        held: list[torch.Tensor | None] = [*self.inputs, *(self.outputs if outputs else ()), *self.grads_out,
+                                           *self.lead_grads]
         held += [b.tensor for ref in self.boxes if (b := ref()) is not None]
         held += [g for grads in self.captured.values() for g in grads]
         if self.rebuild is not None:
@@ -460,6 +465,13 @@ class StageRunner:
         """How many of the stage's first layers rebuild their activations in backward instead of keeping them."""
         self._head = layers[:recompute] if layers is not None else []
         self._tail = layers[recompute:] if layers is not None else []
+        # The first stage's input is the batch, so its B would have nothing to do and W would run, and keep
+        # everything for, the whole backward. Its first layer (the embedding) is set apart instead: B runs the
+        # rest of the stage back to that layer's output, like any other stage, and W ends with that layer.
+        self._lead = (layers[:1] if layers is not None and len(layers) > 1 and not input_grads and not recompute
+                      and not hasattr(module, "on_saved") else [])
+        if self._lead:
+            self._tail = self._tail[1:]
         self.params = [p for p in module.parameters() if p.requires_grad]
         self._passes: dict[int, _Pass] = {}
         self._state = _Backward()
@@ -500,13 +512,23 @@ class StageRunner:
             setattr(listener, "on_saved", lambda t: meter.hold((t,), "saved"))  # noqa: B010
         rebuild = None
         try:
+            lead: tuple[Any, ...] = ()
+            if self._lead:
+                with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
+                    lead = as_tuple(run_layers(self._lead, leaves))
+                leaves = as_leaves(lead)  # the inputs B differentiates towards
+                mid = leaves
+                # Where W ends: the first layer's output nodes, without the outputs themselves (the rest of the
+                # stage holds them only as long as it reads them).
+                lead = tuple(GradientEdge(t.grad_fn, t.output_nr) for t in lead
+                             if t.grad_fn is not None)
             if self.recompute:
                 rebuild = _Rebuild(self._head, leaves, weights, meter, self._state)
                 meter.hold(leaves, "saved")  # what the recomputed layers keep: their input, once
                 with torch.autograd.graph.saved_tensors_hooks(rebuild.pack, rebuild.unpack):
                     mid = run_layers(self._head, leaves)
             with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
-                if rebuild is not None:
+                if rebuild is not None or self._lead:
                     out = as_tuple(run_layers(self._tail, mid if isinstance(mid, tuple) else (mid,)))
                 else:
                     out = as_tuple(self.module(*leaves))
@@ -519,7 +541,7 @@ class StageRunner:
                 setattr(listener, "on_saved", None)  # noqa: B010
         # The outputs stay alive until B: they are the roots it starts from.
         meter.hold(out, "output")
-        p = _Pass(leaves, out, boxes, rebuild=rebuild)
+        p = _Pass(leaves, out, boxes, rebuild=rebuild, lead=lead)
         self._passes[mb] = p
         self.memory_f = max(self.memory_f, p.held_bytes(self.meter))
         return tuple(o.detach() for o in out)
@@ -561,12 +583,11 @@ class StageRunner:
         p.grads_out = [grads_out[i] for i in cut.outputs]
         self.meter.hold(p.grads_out, "captured")
         inputs, p.inputs = p.inputs, ()
+        grads = _input_grads(inputs, dx) if wanted else None
+        if p.lead:
+            p.lead_grads, grads = grads or (), None  # for W to finish with the first layer
+        self.meter.hold(grads or p.lead_grads, "output" if grads else "captured")
         self.memory_w = max(self.memory_w, p.held_bytes(self.meter))
-        if not wanted:
-            self.memory_b = max(self.memory_b, self.meter.window_peak - before)
-            return None
-        grads = _input_grads(inputs, dx)
-        self.meter.hold(grads, "output")
         self.memory_b = max(self.memory_b, self.meter.window_peak - before)
         return grads
 
@@ -575,6 +596,7 @@ class StageRunner:
         p = self._passes.pop(mb)
         if self.params and p.cut is not None:
             p.cut.weight_grads(p.captured, p.outputs, p.grads_out)
+        self._finish_lead(p, p.lead_grads)
 
     def backward(self, mb: int, out_grads: Tensors | None) -> Tensors | None:
         """BW: input and weight gradients in one pass; release the microbatch."""
@@ -585,11 +607,20 @@ class StageRunner:
         # backward() adds straight into each parameter's .grad (and the input leaves' .grad): no copies.
         torch.autograd.backward(self._differentiable(p), grads_out, inputs=[*wanted, *self.params])
         grads = _input_grads(p.inputs, [x.grad for x in wanted]) if wanted else None
+        if p.lead:
+            self._finish_lead(p, grads or ())
+            grads = None
         self.meter.hold(grads or (), "output")
         self.memory_b = max(self.memory_b, self.meter.window_peak - before)
         return grads
 
     # -- helpers
+
+    @staticmethod
+    def _finish_lead(p: _Pass, grads: Tensors) -> None:
+        """The first stage's first layer: its backward, from the gradient of its output."""
+        if p.lead:
+            torch.autograd.backward(list(p.lead), list(grads))
 
     @staticmethod
     def _differentiable(p: _Pass) -> list[torch.Tensor]:
