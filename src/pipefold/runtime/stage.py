@@ -22,8 +22,11 @@ Memory. Every tensor a forward saves is kept in a box. B frees the boxes of
 the nodes it runs that W will not run again (an activation function's input,
 attention scores, dropout masks), so between B and W a microbatch holds only
 what W reads: the saves of the crossing nodes and of the branches towards the
-parameters (a Linear's input), and the gradients B captured there. W (or BW)
-frees the rest. Each kept tensor is shown to the rank's
+parameters (a Linear's input), and the gradients B captured there. B also
+takes at once the weight gradients of vector parameters (a norm's scale and
+shift), cheap sums over the batch, and frees what they read. W (or BW) frees
+the rest. On the first stage, whose input is the batch, B runs back to the
+first layer's output and W ends with that layer. Each kept tensor is shown to the rank's
 :class:`~pipefold.runtime.meter.MemoryMeter`, which counts its storage until
 it really dies, so the runtime reports what it holds, not what it meant to.
 
@@ -330,11 +333,8 @@ class _Cut:
         seen_grads = captured.pop(node, None)
         del self.edges[node]
         params = self.owned.pop(node)
-        if seen_grads is None:
-            return
-        ks = [k for k, g in enumerate(seen_grads) if g is not None]
-        if ks:
-            torch.autograd.backward([GradientEdge(node, k) for k in ks], [seen_grads[k] for k in ks], inputs=params)
+        if seen_grads is not None:
+            _owned_backward(node, seen_grads, params)
 
     def weight_grads(self, captured: dict[Node, tuple[torch.Tensor | None, ...]],
                      outputs: Sequence[torch.Tensor], grads_out: Sequence[torch.Tensor]) -> None:
@@ -350,9 +350,7 @@ class _Cut:
             if seen_grads is None or all(g is None for g in seen_grads):
                 continue
             if node in self.owned:
-                ks = [k for k, g in enumerate(seen_grads) if g is not None]
-                torch.autograd.backward([GradientEdge(node, k) for k in ks], [seen_grads[k] for k in ks],
-                                        inputs=self.owned[node])
+                _owned_backward(node, seen_grads, self.owned[node])
                 continue
             else:
                 # A crossing target is also reachable another way from this node (say, through the input
@@ -371,6 +369,14 @@ class _Cut:
         if roots:
             # Accumulates straight into each parameter's .grad.
             torch.autograd.backward(roots, root_grads, inputs=self.params)  # type: ignore[arg-type]
+
+
+def _owned_backward(node: Node, seen_grads: tuple[torch.Tensor | None, ...], params: list[nn.Parameter]) -> None:
+    """Restart autograd at ``node`` from the gradients B saw enter it; only the branches to ``params`` run."""
+    ks = [k for k, g in enumerate(seen_grads) if g is not None]
+    if ks:
+        torch.autograd.backward([GradientEdge(node, k) for k in ks], [seen_grads[k] for k in ks],
+                                inputs=params)
 
 
 def _reach(start: list[Node]) -> set[Node]:
