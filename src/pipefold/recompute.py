@@ -23,7 +23,7 @@ import itertools
 import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from pipefold.errors import ConfigError
-from pipefold.ir import Schedule
+from pipefold.ir import Kind, Schedule
 from pipefold.simulate import CostModel, StageCost, StageOverride, peak_by_order, simulate
 from pipefold.units import format_bytes
 
@@ -55,7 +55,8 @@ class StageProfile:
     kept: tuple[int, ...]
     """Bytes one microbatch holds from its F until its backward starts, for each r."""
     total: tuple[int, ...]
-    """The most bytes it holds while B runs (kept, the rebuilt activations, the gradient it got), for each r."""
+    """The most bytes it holds while B and then W run (kept, the rebuilt activations, the gradient it got, what
+    B captures), for each r."""
     held_w: tuple[int, ...]
     """Bytes it holds between B and W (what W reads), for each r."""
     rerun: tuple[float, ...]
@@ -66,6 +67,8 @@ class StageProfile:
     """Bytes of its weights, their gradients and the optimizer state."""
     message: int = 0
     """Bytes of its output for one microbatch: what it sends on, and the size of the gradient it gets back."""
+    total_fused: tuple[int, ...] = ()
+    """The most bytes it holds while a fused backward (BW) runs, for each r; empty: as ``total``."""
 
 
 @dataclass(frozen=True)
@@ -121,7 +124,7 @@ def measure_stages(stages: Sequence[nn.Sequential], sample: torch.Tensor, target
     last = len(stages) - 1
     for s, stage in enumerate(stages):
         n = len(stage)
-        kept, total, held_w, backward = [], [], [], []
+        kept, total, held_w, fused, backward = [], [], [], [], []
         times, h = (0.0, 0.0, 0.0), x
         for r in range(n + 1):
             runner = StageRunner(stage, loss_fn=loss_fn if s == last else None, recompute=r, input_grads=s > 0)
@@ -145,6 +148,13 @@ def measure_stages(stages: Sequence[nn.Sequential], sample: torch.Tensor, target
                 if k == 0:
                     total.append(runner.meter.peak)
                     held_w.append(runner.memory_w)
+            # Once more with a fused backward, whose peak a BW schedule meets instead.
+            out = runner.forward(repeats + 1, x, target if s == last else None, scale=1.0 / microbatches)
+            grads = None if s == last else tuple(torch.ones_like(o) for o in out if o.is_floating_point())
+            runner.meter.start(outside=batch)
+            runner.meter.hold(grads or (), "recv")
+            runner.backward(repeats + 1, grads)
+            fused.append(runner.meter.peak)
             f, b, w = (statistics.median(v) for v in zip(*runs[1:], strict=True))
             backward.append(b + w)
             if r == 0:
@@ -156,7 +166,8 @@ def measure_stages(stages: Sequence[nn.Sequential], sample: torch.Tensor, target
         params = sum(p.numel() * p.element_size() for p in stage.parameters())
         static = int(params * (2 + optimizer_factor))  # weights, gradients, optimizer state
         message = 0 if s == last else sum(t.untyped_storage().nbytes() for t in h if t.is_floating_point())
-        profiles.append(StageProfile(n, tuple(kept), tuple(total), tuple(held_w), rerun, times, static, message))
+        profiles.append(StageProfile(n, tuple(kept), tuple(total), tuple(held_w), rerun, times, static, message,
+                                     tuple(fused)))
         x = h
     return profiles
 
@@ -164,16 +175,28 @@ def measure_stages(stages: Sequence[nn.Sequential], sample: torch.Tensor, target
 # --------------------------------------------------------------------------- planning
 
 
-def _memory(profiles: Sequence[StageProfile], stages: Sequence[int], counts: Sequence[int]) -> dict[int, StageCost]:
-    """The memory each of ``stages`` holds with its count of recomputed layers (times play no part)."""
-    return {s: StageCost(f=0, b=0, w=0, memory=profiles[s].total[r], kept=profiles[s].kept[r],
+def _memory(profiles: Sequence[StageProfile], stages: Sequence[int], counts: Sequence[int],
+            fused: Collection[int] = ()) -> dict[int, StageCost]:
+    """The memory each of ``stages`` holds with its count of recomputed layers (times play no part); the
+    ``fused`` stages run their backward as BW."""
+    return {s: StageCost(f=0, b=0, w=0, memory=_total(profiles[s], r, s in fused), kept=profiles[s].kept[r],
                          memory_w=profiles[s].held_w[r])
             for s, r in zip(stages, counts, strict=True)}
 
 
+def _total(profile: StageProfile, r: int, fused: bool) -> float:
+    """What the stage holds at most during its backward: fused (BW) or split into B and W."""
+    return profile.total_fused[r] if fused and profile.total_fused else profile.total[r]
+
+
+def _fused(actions: Iterable[Any]) -> set[int]:
+    return {a.stage for a in actions if a.kind is Kind.BW}
+
+
 def _step_time(schedule: Schedule, profiles: Sequence[StageProfile], layers: Sequence[int]) -> float:
     """Simulated step time from the measured F, B and W of each stage plus its rerun."""
-    over = {s: StageOverride(f=p.times[0], b=p.times[1], w=p.times[2], memory=float(p.total[r]),
+    fused = _fused(a for row in schedule.actions for a in row)
+    over = {s: StageOverride(f=p.times[0], b=p.times[1], w=p.times[2], memory=float(_total(p, r, s in fused)),
                              kept=float(p.kept[r]), memory_w=float(p.held_w[r]), recompute=p.rerun[r])
             for s, (p, r) in enumerate(zip(profiles, layers, strict=True))}
     return simulate(schedule, CostModel(stage_overrides=over)).makespan
@@ -235,7 +258,7 @@ def smallest_budget(schedule: Schedule, profiles: Sequence[StageProfile]) -> flo
 
 
 def _peaks(schedule: Schedule, profiles: Sequence[StageProfile], layers: Sequence[int]) -> list[float]:
-    costs = _memory(profiles, range(schedule.stages), layers)
+    costs = _memory(profiles, range(schedule.stages), layers, _fused(a for row in schedule.actions for a in row))
     return [peak_by_order(row, costs) + _receive_margin(schedule, profiles, d)
             for d, row in enumerate(schedule.actions)]
 
@@ -257,8 +280,10 @@ def _fit_device(actions: Sequence[Any], stages: list[int], profiles: Sequence[St
     Recomputing more does not always hold less: a stage with one microbatch in flight keeps its
     input and rebuilds the rest anyway, so every combination is tried where there are few enough.
     """
+    fused = _fused(actions)
+
     def peak(counts: Sequence[int]) -> float:
-        return peak_by_order(actions, _memory(profiles, stages, counts))
+        return peak_by_order(actions, _memory(profiles, stages, counts, fused))
 
     def rerun(counts: Sequence[int]) -> float:
         return sum(profiles[s].rerun[r] for s, r in zip(stages, counts, strict=True))
