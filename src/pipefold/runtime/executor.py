@@ -24,6 +24,7 @@ needs late may so be received early; its buffer waits in the inbox.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -102,17 +103,22 @@ def messages_between(schedule: Schedule, src: int, dst: int, *, headers: bool) -
     for stage s+1 in a step whose shapes are new (``headers``); a backward (B or BW) of
     stage s sends its input gradient when stage s-1 is on ``dst``.
     """
+    return [msg for _, msg in _sends(schedule, src, dst, headers=headers)]
+
+
+def _sends(schedule: Schedule, src: int, dst: int, *, headers: bool) -> list[tuple[int, _Message]]:
+    """:func:`messages_between`, each message with the position of the action of ``src`` that sends it."""
     S, place = schedule.stages, schedule.stage_to_device
-    out: list[_Message] = []
+    out: list[tuple[int, _Message]] = []
     headed: set[int] = set()
-    for a in schedule.actions[src]:
+    for i, a in enumerate(schedule.actions[src]):
         if a.kind is Kind.F and a.stage + 1 < S and place[a.stage + 1] == dst:
             if headers and a.stage + 1 not in headed:
                 headed.add(a.stage + 1)
-                out.append(_Message(HEADER, a.stage + 1, 0))
-            out.append(_Message(FORWARD, a.stage + 1, a.microbatch))
+                out.append((i, _Message(HEADER, a.stage + 1, 0)))
+            out.append((i, _Message(FORWARD, a.stage + 1, a.microbatch)))
         elif a.kind in (Kind.B, Kind.BW) and a.stage > 0 and place[a.stage - 1] == dst:
-            out.append(_Message(BACKWARD, a.stage - 1, a.microbatch))
+            out.append((i, _Message(BACKWARD, a.stage - 1, a.microbatch)))
     return out
 
 
@@ -167,31 +173,10 @@ def in_flight_bound(schedule: Schedule, rank: int, *, headers: bool = False) -> 
     """
     out: dict[int, int] = {}
     for peer, counts in received_by(schedule, rank, headers=headers).items():
-        sent = 0
-        worst = 0
-        sends = _sends_per_action(schedule, rank, peer, headers=headers)
-        for i, n in enumerate(sends):
-            sent += n
-            worst = max(worst, sent - counts[i])
-        out[peer] = worst
-    return out
-
-
-def _sends_per_action(schedule: Schedule, rank: int, peer: int, *, headers: bool) -> list[int]:
-    """How many messages each of ``rank``'s actions sends to ``peer`` (headers included)."""
-    S, place = schedule.stages, schedule.stage_to_device
-    headed: set[int] = set()
-    out = []
-    for a in schedule.actions[rank]:
-        n = 0
-        if a.kind is Kind.F and a.stage + 1 < S and place[a.stage + 1] == peer:
-            n = 1
-            if headers and a.stage + 1 not in headed:
-                headed.add(a.stage + 1)
-                n = 2
-        elif a.kind in (Kind.B, Kind.BW) and a.stage > 0 and place[a.stage - 1] == peer:
-            n = 1
-        out.append(n)
+        sent = [0] * len(schedule.actions[rank])
+        for i, _ in _sends(schedule, rank, peer, headers=headers):
+            sent[i] += 1
+        out[peer] = max((total - counts[i] for i, total in enumerate(itertools.accumulate(sent))), default=0)
     return out
 
 
