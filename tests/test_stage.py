@@ -75,7 +75,9 @@ def test_split_backward_equals_autograd(fused: bool) -> None:
     assert all(r.meter.current == 0 and r.meter.peak > 0 and r.in_flight == 0 for r in runners)
 
 
-def test_gpt_stages_split_exactly() -> None:
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("input_grads", [True, False])
+def test_gpt_stages_split_exactly(fused: bool, input_grads: bool) -> None:
     cfg = GPTConfig(n_layer=2, n_embd=32, n_head=4, block_size=16)
     layers = build_gpt_layers(cfg, range(4), seed=1)
     ref = build_gpt_layers(cfg, range(4), seed=1)
@@ -83,15 +85,21 @@ def test_gpt_stages_split_exactly() -> None:
     y = torch.randint(0, 256, (2, 16))
     loss = nn.functional.cross_entropy(nn.Sequential(*ref.values())(x).flatten(0, 1), y.flatten())
     loss.backward()
-    first = StageRunner(nn.Sequential(layers[0], layers[1]))  # int tokens in: B has nothing to do, W everything
+    # Int tokens in. As the runtime builds the first stage (input_grads=False), B runs back to the embedding's
+    # output and W ends with the embedding; otherwise B has nothing to do and W runs everything.
+    first = StageRunner(nn.Sequential(layers[0], layers[1]), input_grads=input_grads)
+    assert bool(first._lead) is not input_grads
     last = StageRunner(nn.Sequential(layers[2], layers[3]),
                        loss_fn=lambda out, t: nn.functional.cross_entropy(out.flatten(0, 1), t.flatten()))
     h = first.forward(0, (x,))
     last.forward(0, h, y)
-    dh = last.backward_input(0, None)
-    assert first.backward_input(0, dh) is None
-    last.backward_weight(0)
-    first.backward_weight(0)
+    if fused:
+        assert first.backward(0, last.backward(0, None)) is None
+    else:
+        dh = last.backward_input(0, None)
+        assert first.backward_input(0, dh) is None
+        last.backward_weight(0)
+        first.backward_weight(0)
     for i in range(4):
         for (name, p), q in zip(layers[i].named_parameters(), ref[i].parameters(), strict=True):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=f"layer {i} {name}")
@@ -192,7 +200,7 @@ def _live_tensors() -> int:
 
 
 @pytest.mark.parametrize("fused", [False, True])
-@pytest.mark.parametrize("recompute", [0, 1, 3, "offloaded"])
+@pytest.mark.parametrize("recompute", [0, 1, 3, "offloaded", "first stage"])
 def test_a_released_microbatch_leaves_nothing_behind(fused: bool, recompute: int | str) -> None:
     # GPT blocks save their own outputs (layer norm, softmax, GELU). A saved-tensor hook that hands
     # the tensor itself back makes such a node hold itself, a cycle inside autograd that no collector
@@ -201,6 +209,8 @@ def test_a_released_microbatch_leaves_nothing_behind(fused: bool, recompute: int
     layers = build_gpt_layers(GPTConfig(n_layer=3, n_embd=32, n_head=4, block_size=16), [1, 2, 3])
     if recompute == "offloaded":  # its own saved-tensor hooks, the same care
         runner = StageRunner(Offloaded(Chain(*layers.values()), torch.device("cpu"), k=2, kprime=1))
+    elif recompute == "first stage":  # B runs back to the first layer's output, W ends with that layer
+        runner = StageRunner(Chain(*layers.values()), input_grads=False)
     else:
         runner = StageRunner(Chain(*layers.values()), recompute=int(recompute))
     x, g = torch.randn(2, 16, 32), torch.randn(2, 16, 32)
@@ -215,6 +225,8 @@ def test_a_released_microbatch_leaves_nothing_behind(fused: bool, recompute: int
                 runner.backward_input(mb, (g,))
                 runner.backward_weight(mb)
 
+    if recompute == "first stage":
+        assert runner._lead  # the path under test
     step(0)  # the first step creates what stays: gradients, caches
     before = _live_tensors()
     for i in range(1, 4):
