@@ -508,8 +508,9 @@ def plot_run(measured: SimResult, predicted: SimResult, path: str, *, titles: tu
     ax.set_ylim(bottom=0)
     ax.set_xlabel("seconds")
     ax.set_ylabel("held (MiB)")
-    ax.set_title("memory each device holds: measured (solid) and predicted (dashed)", fontsize=10, loc="left")
-    ax.legend(fontsize=7, ncol=2, loc="upper left", frameon=False)
+    ax.set_title("memory each device holds: measured (solid) and predicted (dashed), each on its own run's clock",
+                 fontsize=10, loc="left")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     ax.grid(axis="y", color="#dddddd", linewidth=0.6)
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
