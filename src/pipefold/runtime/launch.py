@@ -247,7 +247,14 @@ def _tracked_step(executor: RankExecutor, params: list[nn.Parameter], xs: list[t
     pairs: list[tuple[int, int]] = []  # (meter, tracker) after each action
 
     def probe() -> None:
-        pairs.append((executor.meter.current, step_bytes(tracker.get_tracker_snapshot())))
+        # A link's thread may drop a delivered send between two reads: read again until the tracker holds still.
+        for _ in range(10):
+            before = step_bytes(tracker.get_tracker_snapshot())
+            held = executor.meter.current
+            after = step_bytes(tracker.get_tracker_snapshot())
+            if before == after:
+                break
+        pairs.append((held, after))
 
     with tracker:
         tracker.track_external(*executor.modules(), *xs, *ys, *(p.grad for p in params if p.grad is not None))
