@@ -28,20 +28,11 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["KINDS", "MemoryMeter", "MemorySample"]
+__all__ = ["KINDS", "MemoryMeter"]
 
 KINDS = ("saved", "output", "captured", "recv", "send")
 """What the runtime holds: saved for backward, stage outputs and input gradients, gradients kept for W,
 receive buffers, copies made for sending."""
-
-
-@dataclass(frozen=True)
-class MemorySample:
-    """The meter's level at one moment: bytes in all, and per kind."""
-
-    time: float
-    total: int
-    kinds: dict[str, int]
 
 
 @dataclass
@@ -101,10 +92,6 @@ class MemoryMeter:
         with self._lock:
             self.window_peak = self.current
             return self.current
-
-    def sample(self) -> MemorySample:
-        with self._lock:
-            return MemorySample(self._clock() - self.t0, self.current, dict(self.by_kind))
 
     # -- holding
 
