@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pipefold import build, simulate
-from pipefold.simulate import CostModel, StageOverride
+from pipefold.runtime.measure import measured_costs
 from pipefold.train import TrainConfig, train
 from pipefold.units import format_bytes
 
@@ -35,14 +35,6 @@ MODELS = {
     "mlp": dict(model="mlp", layers=16, hidden=512, batch=256),
 }
 TARGETS = {"v-half": 0.80, "v-min": 0.55, "zb-v": 1.05}
-
-
-def predicted_peaks(schedule: object, stage_memory: dict[int, tuple[int, int, int]]) -> list[float]:
-    """Each device's peak as the simulator predicts it from the measured bytes per stage: held after F, while
-    B runs, between B and W (a stage that ran no B holds its F bytes until its fused backward)."""
-    over = {s: StageOverride(f=1, b=1, w=1, memory=float(max(f, b)), kept=float(f), memory_w=float(w or f))
-            for s, (f, b, w) in stage_memory.items()}
-    return simulate(schedule, CostModel(stage_overrides=over)).peak_memory  # type: ignore[arg-type]
 
 
 def measure(model: str, name: str, partition: str, runs: int) -> dict[str, object]:
@@ -55,8 +47,8 @@ def measure(model: str, name: str, partition: str, runs: int) -> dict[str, objec
                           **MODELS[model])  # type: ignore[arg-type]
         job, reports = train(cfg)
         measured.append([r.steps[-1].peak_activation_bytes for r in reports])
-        stage_memory = {s: fw for r in reports for s, fw in r.steps[-1].stage_memory.items()}
-        predicted.append(predicted_peaks(job.schedule, stage_memory))
+        # The simulator fed with the run's own figures (peaks depend on each device's order, not on times).
+        predicted.append(simulate(job.schedule, measured_costs(job.schedule, reports, -1)).peak_memory)
         splits.append(" ".join(str(len(part)) for part in job.layer_stages))
     return {"measured": measured, "predicted": predicted, "split": splits}
 

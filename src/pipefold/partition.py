@@ -799,7 +799,7 @@ def layer_memory(layers: Sequence[nn.Module], sample: torch.Tensor | tuple[torch
     gradients it captured included. With ``loss_fn`` the last layer computes the loss against
     ``target``, as the last stage does. A stage's figures are the sums over its layers.
     """
-    from pipefold.runtime.stage import Chain, StageRunner
+    from pipefold.runtime.stage import Chain, StageRunner, ones_for
 
     out: list[tuple[int, int]] = []
     x: Values = tuple(sample) if isinstance(sample, (tuple, list)) else (sample,)
@@ -811,7 +811,7 @@ def layer_memory(layers: Sequence[nn.Module], sample: torch.Tensor | tuple[torch
         runner.meter.hold(x, "recv")  # a stage's input is a receive buffer (the batch's is outside: not counted)
         y = runner.forward(0, x, target if loss is not None else None)
         held = runner.held_bytes(0, outputs=loss is not None)
-        grads = None if loss is not None else tuple(torch.ones_like(o) for o in y if o.is_floating_point())
+        grads = None if loss is not None else ones_for(y)
         runner.meter.hold(grads or (), "recv")
         runner.backward_input(0, grads)
         # What W reads; the outputs W starts from only where the layer saved them too (a first layer's backward

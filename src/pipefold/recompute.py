@@ -117,7 +117,7 @@ def measure_stages(stages: Sequence[nn.Sequential], sample: torch.Tensor, target
     from the stage runner's own meter; times are medians of ``repeats`` runs after a warm-up, and
     a count's rerun time is its backward's time beyond the backward without recomputation.
     """
-    from pipefold.runtime.stage import StageRunner
+    from pipefold.runtime.stage import StageRunner, ones_for
 
     profiles: list[StageProfile] = []
     x: tuple[torch.Tensor, ...] = (sample,)
@@ -130,6 +130,7 @@ def measure_stages(stages: Sequence[nn.Sequential], sample: torch.Tensor, target
             runner = StageRunner(stage, loss_fn=loss_fn if s == last else None, recompute=r, input_grads=s > 0)
             batch = [*(x if s == 0 else ()), *([target] if s == last and isinstance(target, torch.Tensor) else [])]
             runner.meter.start(outside=batch)  # the batch's inputs and targets: the runtime does not count them
+            runner.meter.hold(x, "recv")  # a later stage's input is a receive buffer, as in the runtime
             runs = []
             for k in range(repeats + 1):  # the first run is a warm-up, and the one whose bytes count
                 t0 = time.perf_counter()
@@ -137,7 +138,7 @@ def measure_stages(stages: Sequence[nn.Sequential], sample: torch.Tensor, target
                 t1 = time.perf_counter()
                 if k == 0:
                     kept.append(runner.memory_f)
-                grads = None if s == last else tuple(torch.ones_like(o) for o in out if o.is_floating_point())
+                grads = None if s == last else ones_for(out)
                 if k == 0:
                     runner.meter.start(outside=batch)
                     runner.meter.hold(grads or (), "recv")  # as the runtime's receive buffer
@@ -150,7 +151,7 @@ def measure_stages(stages: Sequence[nn.Sequential], sample: torch.Tensor, target
                     held_w.append(runner.memory_w)
             # Once more with a fused backward, whose peak a BW schedule meets instead.
             out = runner.forward(repeats + 1, x, target if s == last else None, scale=1.0 / microbatches)
-            grads = None if s == last else tuple(torch.ones_like(o) for o in out if o.is_floating_point())
+            grads = None if s == last else ones_for(out)
             runner.meter.start(outside=batch)
             runner.meter.hold(grads or (), "recv")
             runner.backward(repeats + 1, grads)

@@ -122,32 +122,20 @@ def _sends(schedule: Schedule, src: int, dst: int, *, headers: bool) -> list[tup
     return out
 
 
-def received_by(schedule: Schedule, rank: int, *, headers: bool) -> dict[int, list[int]]:
+def received_by(schedule: Schedule, rank: int, *, headers: bool,
+                reach: dict[tuple[int, int], int] | None = None) -> dict[int, list[int]]:
     """For each peer ``rank`` sends to: before its i-th action, how many of those sends have surely arrived.
 
     A send has arrived once the peer's action that consumes it has started; any action of
     ``rank`` that depends on that one, through the schedule's own dependencies, starts later.
     So the count before position i is the longest run of first messages whose consumer is
     an ancestor of one of ``rank``'s actions before i (``rank``'s list has ``len + 1``
-    positions: the last is the step's end).
+    positions: the last is the step's end). ``reach`` is :func:`_reach` of ``rank``, when known.
     """
     S, rows, place = schedule.stages, schedule.actions, schedule.stage_to_device
-    where = {(a.kind is Kind.F, a.stage, a.microbatch): (d, i)
-             for d, row in enumerate(rows) for i, a in enumerate(row) if a.kind is not Kind.W}
+    where = _consumers(schedule)
     n = len(rows[rank])
-    # reach[(d, i)]: the first position of ``rank`` that depends on action i of device d (n: none).
-    reach: dict[tuple[int, int], int] = {}
-    for d, i in reversed(execution_order(schedule)):
-        if d == rank:
-            reach[d, i] = i
-            continue
-        best = reach.get((d, i + 1), n)
-        a = rows[d][i]
-        if a.kind is Kind.F and a.stage + 1 < S and place[a.stage + 1] != d:
-            best = min(best, reach[where[True, a.stage + 1, a.microbatch]])
-        elif a.kind in (Kind.B, Kind.BW) and a.stage > 0 and place[a.stage - 1] != d:
-            best = min(best, reach[where[False, a.stage - 1, a.microbatch]])
-        reach[d, i] = best
+    reach = _reach(schedule, rank) if reach is None else reach
     out: dict[int, list[int]] = {}
     for peer in sorted({place[t] for s in range(S) if place[s] == rank for t in (s - 1, s + 1) if 0 <= t < S}):
         if peer == rank:
@@ -164,6 +152,32 @@ def received_by(schedule: Schedule, rank: int, *, headers: bool) -> dict[int, li
             counts[i] = max(counts[i], counts[i - 1])
         out[peer] = counts
     return out
+
+
+def _consumers(schedule: Schedule) -> dict[tuple[bool, int, int], tuple[int, int]]:
+    """(is a forward, stage, microbatch) -> (device, position) of the F, or of the B or BW, that runs it."""
+    return {(a.kind is Kind.F, a.stage, a.microbatch): (d, i)
+            for d, row in enumerate(schedule.actions) for i, a in enumerate(row) if a.kind is not Kind.W}
+
+
+def _reach(schedule: Schedule, rank: int) -> dict[tuple[int, int], int]:
+    """For each action (device, position): the first position of ``rank`` that depends on it (``len``: none)."""
+    S, rows, place = schedule.stages, schedule.actions, schedule.stage_to_device
+    where = _consumers(schedule)
+    n = len(rows[rank])
+    reach: dict[tuple[int, int], int] = {}
+    for d, i in reversed(execution_order(schedule)):
+        if d == rank:
+            reach[d, i] = i
+            continue
+        best = reach.get((d, i + 1), n)
+        a = rows[d][i]
+        if a.kind is Kind.F and a.stage + 1 < S and place[a.stage + 1] != d:
+            best = min(best, reach[where[True, a.stage + 1, a.microbatch]])
+        elif a.kind in (Kind.B, Kind.BW) and a.stage > 0 and place[a.stage - 1] != d:
+            best = min(best, reach[where[False, a.stage - 1, a.microbatch]])
+        reach[d, i] = best
+    return reach
 
 
 def in_flight_bound(schedule: Schedule, rank: int, *, headers: bool = False) -> dict[int, int]:
@@ -221,7 +235,8 @@ class RankExecutor:
                           for new in (True, False)}
         self._inboxes: dict[int, _Inbox] = {}
         # Before each action, how many sends to each peer have surely arrived (with and without headers).
-        self._received = {new: received_by(schedule, rank, headers=new) for new in (True, False)}
+        reach = _reach(schedule, rank)  # the same dependencies in both kinds of step
+        self._received = {new: received_by(schedule, rank, headers=new, reach=reach) for new in (True, False)}
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for r in self.runners.values() for p in r.params]

@@ -80,7 +80,7 @@ class Job:
     timeout_s: float = 30.0
     log_messages: bool = False
     verify_memory_step: int | None = None
-    """Measure this step's memory a second way too, with torch's own tracker (see :func:`tracked_activation_peak`)."""
+    """Measure this step's memory a second way too, with torch's own tracker (see ``_tracked_step``)."""
     """Record every send and receive in each step's stats, in the order posted (to check the wire order)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -249,10 +249,10 @@ def _tracked_step(executor: RankExecutor, params: list[nn.Parameter], xs: list[t
     def probe() -> None:
         # A link's thread may drop a delivered send between two reads: read again until the tracker holds still.
         for _ in range(10):
-            before = step_bytes(tracker.get_tracker_snapshot())
+            first = step_bytes(tracker.get_tracker_snapshot())
             held = executor.meter.current
             after = step_bytes(tracker.get_tracker_snapshot())
-            if before == after:
+            if first == after:
                 break
         pairs.append((held, after))
 

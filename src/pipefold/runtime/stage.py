@@ -440,6 +440,11 @@ def _left(state: _Backward) -> Callable[..., None]:
     return hook
 
 
+def ones_for(outputs: Tensors) -> Tensors:
+    """A gradient of ones for each floating output: what a measurement gives a stage in place of the next one's."""
+    return tuple(torch.ones_like(o) for o in outputs if o.is_floating_point())
+
+
 def _input_grads(inputs: Tensors, grads: Sequence[torch.Tensor | None]) -> Tensors:
     """One gradient per input that takes one (floating point), zeros where autograd found it unused."""
     it = iter(grads)
@@ -571,8 +576,7 @@ class StageRunner:
         for node in cut.crossings:
             handles.append(node.register_prehook(_capture(node, captured, state)))
             handles.append(node.register_hook(_left(state)))
-        # What the rest of the rank holds: the window's peak less this is what the microbatch held during B.
-        before = self.meter.open_window() - p.held_bytes(self.meter) - self.meter.bytes_of(out_grads or ())
+        before = self._rest_of_rank(p, out_grads)
         state.in_b = True
         try:
             dx = torch.autograd.grad(outs, wanted, grads_out, retain_graph=True, allow_unused=True) if wanted else ()
@@ -609,7 +613,7 @@ class StageRunner:
         p = self._passes.pop(mb)
         grads_out = self._grads_for(p, out_grads)
         wanted = [x for x in p.inputs if x.requires_grad]
-        before = self.meter.open_window() - p.held_bytes(self.meter) - self.meter.bytes_of(out_grads or ())
+        before = self._rest_of_rank(p, out_grads)
         # backward() adds straight into each parameter's .grad (and the input leaves' .grad): no copies.
         torch.autograd.backward(self._differentiable(p), grads_out, inputs=[*wanted, *self.params])
         grads = _input_grads(p.inputs, [x.grad for x in wanted]) if wanted else None
@@ -621,6 +625,11 @@ class StageRunner:
         return grads
 
     # -- helpers
+
+    def _rest_of_rank(self, p: _Pass, out_grads: Tensors | None) -> int:
+        """Open the meter's window for a backward of ``p``; return what the rest of the rank holds, so that the
+        window's peak less it is what the microbatch held during the backward (its gradient included)."""
+        return self.meter.open_window() - p.held_bytes(self.meter) - self.meter.bytes_of(out_grads or ())
 
     @staticmethod
     def _finish_lead(p: _Pass, grads: Tensors) -> None:
