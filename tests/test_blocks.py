@@ -39,7 +39,7 @@ def _alive_by_brute_force(block: BuildingBlock, repeats: int) -> list[int]:
     horizon = T * repeats + max(block.w) + 1
     peaks = []
     for d in range(block.devices):
-        stages = [s for s, dev in enumerate(block.stage_to_device) if dev == d]
+        stages = [s for s, dev in enumerate(block.placement) if dev == d]
         peaks.append(max(
             sum(1 for s in stages for j in range(repeats) if block.f[s] + j * T <= t < block.w[s] + 1 + j * T)
             for t in range(horizon)
@@ -98,19 +98,19 @@ def test_lifespan_bound_and_exact_prediction_can_differ() -> None:
 def test_blocks_reject_broken_offsets() -> None:
     place = linear_placement(2)
     with pytest.raises(ConfigError, match="F of stage 1 starts at 0, before F of stage 0 ends"):
-        BuildingBlock(devices=2, stage_to_device=place, f=(0, 0), b=(3, 2), w=(4, 3), interval=3)
+        BuildingBlock(devices=2, placement=place, f=(0, 0), b=(3, 2), w=(4, 3), interval=3)
     with pytest.raises(ConfigError, match="W of stage 0 starts at 3, before its B ends"):
-        BuildingBlock(devices=2, stage_to_device=place, f=(0, 1), b=(3, 2), w=(3, 3), interval=3)
+        BuildingBlock(devices=2, placement=place, f=(0, 1), b=(3, 2), w=(3, 3), interval=3)
     with pytest.raises(ConfigError, match="share a slot modulo T=3"):
-        BuildingBlock(devices=2, stage_to_device=place, f=(0, 1), b=(3, 2), w=(6, 3), interval=3)
+        BuildingBlock(devices=2, placement=place, f=(0, 1), b=(3, 2), w=(6, 3), interval=3)
     with pytest.raises(ConfigError, match="one F, B and W slot per stage"):
-        BuildingBlock(devices=2, stage_to_device=v_placement(2), f=(0, 1), b=(3, 2), w=(4, 3), interval=6)
+        BuildingBlock(devices=2, placement=v_placement(2), f=(0, 1), b=(3, 2), w=(4, 3), interval=6)
 
 
 def test_a_linear_block_expands_like_1f1b_with_split_backward() -> None:
     # Two devices, one stage each: the gradient of stage 1 goes upstream a slot after it is made.
     #   device 0: F@0 B@4 W@5   device 1: F@1 B@2 W@3   (residues mod 3 all distinct)
-    block = BuildingBlock(devices=2, stage_to_device=linear_placement(2), f=(0, 1), b=(4, 2), w=(5, 3), interval=3)
+    block = BuildingBlock(devices=2, placement=linear_placement(2), f=(0, 1), b=(4, 2), w=(5, 3), interval=3)
     assert block.predicted_peak() == [2.0, 1.0]
     s = block.to_schedule(9, "linear-block")
     validate(s)

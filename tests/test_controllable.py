@@ -23,7 +23,7 @@ def lower_bound(p: int, m: int, peak_m: float) -> float:
 def test_v_schedules_validate_within_their_memory(name: str, p: int, m: int) -> None:
     s = build(name, p, m)
     validate(s)
-    assert s.placement == ("v" if p > 1 else "looped") and s.stages == 2 * p
+    assert s.placement_name == ("v" if p > 1 else "looped") and s.stages == 2 * p
     r = simulate(s)
     assert max(r.peak_memory) <= CAPS[name](p)
 

@@ -24,7 +24,8 @@ def test_placements() -> None:
     assert v_placement(3) == (0, 1, 2, 2, 1, 0)
     assert describe_placement(v_placement(3), 3) == "v"
     assert describe_placement(looped_placement(4, 2), 4) == "looped"
-    assert describe_placement((1, 0), 2) == "1 0"
+    assert describe_placement((1, 0), 2) == "reversed"
+    assert describe_placement((1, 1), 2) == "1 1"
 
 
 def _two_stage(rows: list[list[Action]], m: int = 1) -> Schedule:
@@ -122,7 +123,7 @@ def test_files_in_every_format(tmp_path) -> None:
         path = str(tmp_path / f"s{suffix}")
         s.save(path)
         back = Schedule.load(path)
-        assert back.actions == s.actions and back.stage_to_device == s.stage_to_device
+        assert back.actions == s.actions and back.placement[0] == s.placement[0]
         if suffix != ".csv":
             assert back == s
     data = json.loads((tmp_path / "s.json").read_text())
@@ -131,7 +132,7 @@ def test_files_in_every_format(tmp_path) -> None:
 
 def test_csv_infers_placement_and_rejects_bad_cells() -> None:
     s = Schedule.from_csv("0F0,0F1,0BW0,0BW1\n1F0,1BW0,1F1,1BW1\n")
-    assert s.stage_to_device == (0, 1) and s.microbatches == 2
+    assert s.placement[0] == (0, 1) and s.microbatches == 2
     validate(s)
     with pytest.raises(ScheduleError, match="line 2: cannot read action 'oops'"):
         Schedule.from_csv("0F0,0BW0\n1F0,oops\n")

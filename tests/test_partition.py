@@ -172,14 +172,14 @@ def _replay_peak(schedule: Schedule, device: int, held: list[float], held_w: lis
     fused BW end -held (per stage and microbatch)."""
     level = peak = 0.0
     for a in schedule.actions[device]:
-        if a.kind is Kind.F:
+        if a.kind == Kind.F:
             level += held[a.stage]
         peak = max(peak, level)
-        if a.kind is Kind.B:
+        if a.kind == Kind.B:
             level += held_w[a.stage] - held[a.stage]
-        elif a.kind is Kind.W:
+        elif a.kind == Kind.W:
             level -= held_w[a.stage]
-        elif a.kind is Kind.BW:
+        elif a.kind == Kind.BW:
             level -= held[a.stage]
         peak = max(peak, level)
     return peak
@@ -191,7 +191,7 @@ def _judge(schedule: Schedule, bounds: list[int], figures: list[list[int]]) -> t
                                    for f in figures)
     peaks, loads = [], []
     for d in range(schedule.devices):
-        mine = [s for s, dev in enumerate(schedule.stage_to_device) if dev == d]
+        mine = [s for s, dev in enumerate(schedule.placement[0]) if dev == d]
         loads.append(sum(times[s] for s in mine))
         peaks.append(sum(static[s] for s in mine) + _replay_peak(schedule, d, held, held_w))
     return max(peaks), max(loads)
@@ -223,7 +223,7 @@ def test_memory_split_against_brute_force(spec: str, p: int, data: st.DataObject
     split = partition_memory(*figures, schedule, slack=slack)
     _check_cover(split.parts, split.boundaries, n)
     assert (split.peak_bytes, split.bottleneck_time) == _brute_memory(schedule, figures, slack)
-    assert split.time_optimal == _brute(figures[0], schedule.stages, schedule.stage_to_device)
+    assert split.time_optimal == _brute(figures[0], schedule.stages, schedule.placement[0])
     assert split.bottleneck_time <= split.time_optimal * (1 + slack) + 1e-9
     # What it reports is its own split's, device by device; the weights rebuild each activation peak.
     held, held_w = ([sum(f[i] for i in part) for part in split.parts] for f in figures[1:3])

@@ -36,7 +36,7 @@ def _brute_force(schedule: Schedule, profiles: list[StageProfile], budget: float
                                memory_w=float(p.held_w[r]))
                 for s, (p, r) in enumerate(zip(profiles, counts, strict=True))}
         peaks = simulate(schedule, CostModel(stage_overrides=over)).peak_memory
-        static = [sum(p.static for s, p in enumerate(profiles) if schedule.stage_to_device[s] == d)
+        static = [sum(p.static for s, p in enumerate(profiles) if schedule.placement[0][s] == d)
                   for d in range(schedule.devices)]
         if all(st + pk <= budget for st, pk in zip(static, peaks, strict=True)):
             cost = sum(p.rerun[r] for p, r in zip(profiles, counts, strict=True))

@@ -192,7 +192,7 @@ def test_chrome_trace_has_one_complete_event_per_action(us_per_unit: float) -> N
             e = by_key[(d, str(iv.action))]
             assert e["ts"] == pytest.approx(iv.start * us_per_unit)
             assert e["dur"] == pytest.approx((iv.end - iv.start) * us_per_unit)
-            assert e["cat"] == iv.action.kind.value and e["pid"] == 0
+            assert e["cat"] == iv.action.kind and e["pid"] == 0
             assert e["args"] == {"stage": iv.action.stage, "microbatch": iv.action.microbatch,
                                  "chunk": result.schedule.chunk_of(iv.action.stage)}
 

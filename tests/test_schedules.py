@@ -45,11 +45,11 @@ def test_every_schedule_is_valid_complete_and_round_trips(name: str, p: int, m: 
     assert set(per_pass) == {(st_, mb) for st_ in range(s.stages) for mb in range(m)}
     assert all(ks in ({Kind.F, Kind.BW}, {Kind.F, Kind.B, Kind.W}) for ks in kinds.values())
     # Actions sit on the device that holds their stage.
-    assert all(s.stage_to_device[a.stage] == d for d, row in enumerate(s.actions) for a in row)
+    assert all(s.placement[0][a.stage] == d for d, row in enumerate(s.actions) for a in row)
     # Text, JSON and CSV forms read back exactly.
     assert Schedule.from_text(s.to_text()) == s
     assert Schedule.from_json(s.dumps("json")) == s
-    assert Schedule.from_csv(s.to_csv(), name=s.name, options=s.options, stage_to_device=s.stage_to_device) == s
+    assert Schedule.from_csv(s.to_csv(), name=s.name, options=s.options, placement=s.placement) == s
 
 
 @given(p=STAGES, m=MICROBATCHES)

@@ -32,16 +32,16 @@ def _check_timeline(r: SimResult) -> None:
             dur = {Kind.F: c.f, Kind.B: c.b, Kind.W: c.w, Kind.BW: c.b + c.w}[a.kind]
             assert iv.end - iv.start == pytest.approx(dur)
             arrivals = [prev_end]
-            if a.kind is Kind.F and a.stage > 0:
+            if a.kind == Kind.F and a.stage > 0:
                 dep = Action(a.stage - 1, Kind.F, a.microbatch)
-                hop = cost.transfer_time if s.stage_to_device[a.stage - 1] != d else 0.0
+                hop = cost.transfer_time if s.placement[0][a.stage - 1] != d else 0.0
                 arrivals.append(end[dep] + hop)
             if a.kind in (Kind.B, Kind.BW):
                 arrivals.append(end[Action(a.stage, Kind.F, a.microbatch)])
                 if a.stage + 1 < s.stages:
-                    hop = cost.transfer_time if s.stage_to_device[a.stage + 1] != d else 0.0
+                    hop = cost.transfer_time if s.placement[0][a.stage + 1] != d else 0.0
                     arrivals.append(end[backward[(a.stage + 1, a.microbatch)]] + hop)
-            if a.kind is Kind.W:
+            if a.kind == Kind.W:
                 arrivals.append(end[Action(a.stage, Kind.B, a.microbatch)])
             assert iv.start == pytest.approx(max(arrivals))
             prev_end = iv.end

@@ -30,7 +30,7 @@ def _inner_idle(result: SimResult, device: int) -> float:
 @given(p=STAGES, m=MICROBATCHES)
 def test_valid_and_within_1f1b_memory(name: str, p: int, m: int) -> None:
     s = validate(build(name, p, m))
-    assert (s.stages, s.stage_to_device) == (2 * p, v_placement(p))
+    assert (s.stages, s.placement[0]) == (2 * p, v_placement(p))
     backward = {a.kind for row in s.actions for a in row} - {Kind.F}
     assert backward == ({Kind.B, Kind.W} if name == "zb-v" else {Kind.BW})
     r = simulate(s)

@@ -29,6 +29,7 @@ Turning a block into a schedule (``BuildingBlock.to_schedule``):
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections import deque
 from collections.abc import Sequence
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipefold.errors import ConfigError
-from pipefold.ir import Action, Kind, Schedule, v_placement
+from pipefold.ir import KINDS, Action, Kind, Schedule, v_placement
 
 __all__ = ["BuildingBlock", "v_block"]
 
@@ -47,7 +48,7 @@ class BuildingBlock:
     """Start slots of one microbatch's F, B and W on every stage, repeated every ``interval`` slots."""
 
     devices: int
-    stage_to_device: tuple[int, ...]
+    placement: tuple[int, ...]
     f: tuple[int, ...]
     """Start slot of each stage's forward."""
     b: tuple[int, ...]
@@ -58,7 +59,7 @@ class BuildingBlock:
     """T: slots between two consecutive microbatches' blocks."""
 
     def __post_init__(self) -> None:
-        S = len(self.stage_to_device)
+        S = len(self.placement)
         if not (len(self.f) == len(self.b) == len(self.w) == S):
             raise ConfigError(f"a building block needs one F, B and W slot per stage ({S} stages)")
         for s in range(S):
@@ -77,10 +78,10 @@ class BuildingBlock:
 
     @property
     def stages(self) -> int:
-        return len(self.stage_to_device)
+        return len(self.placement)
 
     def _stages_of(self, device: int) -> list[int]:
-        return [s for s, d in enumerate(self.stage_to_device) if d == device]
+        return [s for s, d in enumerate(self.placement) if d == device]
 
     def _slots_of(self, device: int) -> list[int]:
         return [t for s in self._stages_of(device) for t in (self.f[s], self.b[s], self.w[s])]
@@ -141,17 +142,22 @@ class _Expansion:
         self.S = S
         ids = np.arange(3 * S * m)
         kind, self.stage = ids // (S * m), (ids // m) % S
-        self.device: list[int] = np.asarray(block.stage_to_device)[self.stage].tolist()
+        self.device: list[int] = np.asarray(block.placement)[self.stage].tolist()
         offsets = np.array([block.f, block.b, block.w])
         # 1. Repeat: microbatch j's passes are the block's, j*T slots later.
         self.slot: list[int] = (offsets[kind, self.stage] + block.interval * (ids % m)).tolist()
-        # The passes whose results each pass needs (the dependency chain of pipefold.ir), at most
+        # The passes whose results each pass needs (by the kinds' rules, pipefold.ir.KINDS), at most
         # two, with len(ids) for none: that index holds a slot of -1, which never delays anything.
         none = len(ids)
-        first = np.where(kind == _F, ids - m, ids - S * m)
-        first[(kind == _F) & (self.stage == 0)] = none
-        second = np.where((kind == _B) & (self.stage + 1 < S), ids + m, none)
-        self.inputs: tuple[list[int], list[int]] = (first.tolist(), second.tolist())
+        inputs = [np.full(len(ids), none) for _ in range(2)]
+        for k, code in enumerate(_KINDS):
+            for slot_no, (name, offset) in enumerate(KINDS[code].needs):
+                mine = kind == k
+                target = self.stage + offset
+                dep = np.where(mine & (target >= 0) & (target < S), (_KINDS.index(name) * S + target) * m + ids % m,
+                               none)
+                inputs[slot_no] = np.where(mine, dep, inputs[slot_no])
+        self.inputs: tuple[list[int], list[int]] = (inputs[0].tolist(), inputs[1].tolist())
         self.slot.append(-1)
 
     def _in_slot_order(self, count: int) -> list[int]:
@@ -221,10 +227,10 @@ class _Expansion:
         # tuple.__new__ over zipped columns makes the Actions without a Python call each.
         make = functools.partial(tuple.__new__, Action)
         kinds = map(_KINDS.__getitem__, (order // (S * m)).tolist())
-        flat = list(map(make, zip(self.stage[order].tolist(), kinds, (order % m).tolist(), strict=True)))
+        flat = list(map(make, zip(self.stage[order].tolist(), kinds, (order % m).tolist(), itertools.repeat(()))))
         ends = np.cumsum(np.bincount(device, minlength=D)).tolist()
         actions = tuple(tuple(flat[a:b]) for a, b in zip([0, *ends], ends, strict=False))
-        return Schedule(name, D, S, m, self.block.stage_to_device, actions, options)
+        return Schedule(name, D, S, m, self.block.placement, actions, options)
 
 
 class _FillerMemory:
@@ -326,7 +332,7 @@ def v_block(devices: int, *, f_gaps: Sequence[int] = (1, 1), b_gaps: Sequence[in
         b = [first_b + x for x in b_rel]
         w = _place_weights(placement, p, f, b, T)
         if w is not None:
-            return BuildingBlock(devices=p, stage_to_device=placement, f=tuple(f), b=tuple(b), w=tuple(w),
+            return BuildingBlock(devices=p, placement=placement, f=tuple(f), b=tuple(b), w=tuple(w),
                                  interval=T)
     raise ConfigError(f"no collision-free V block with f_gaps={tuple(f_gaps)}, b_gaps={tuple(b_gaps)}, "
                       f"b_turn={b_turn} on {p} devices; try other gaps")

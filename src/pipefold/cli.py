@@ -327,7 +327,7 @@ def _print_result(result: SimResult, console: Console) -> None:
 
     s = result.schedule
     console.print(f"[bold]{_label(s)}[/]  devices={s.devices} stages={s.stages} microbatches={s.microbatches} "
-                  f"placement={s.placement}")
+                  f"placement={s.placement_name}")
     table = Table(show_edge=False)
     for col in ("device", "stages", "busy", "idle", "peak memory (M)"):
         table.add_column(col, justify="right")
@@ -670,12 +670,12 @@ def cmd_partition(args: argparse.Namespace, console: Console) -> None:
     static = layer_static_bytes(layers, optimizer_factor=OPTIMIZER_STATE[args.optimizer])
     if args.by == "memory":
         split = partition_memory(times, held, held_w, static, schedule, slack=args.slack)
-        by_time = memory_of_split(partition(times, schedule.stages, placement=schedule.stage_to_device).boundaries,
+        by_time = memory_of_split(partition(times, schedule.stages, placement=schedule.placement[0]).boundaries,
                                   times, held, held_w, static, schedule, time_optimal=split.time_optimal)
         compared = {"time_split": {"boundaries": by_time.boundaries, "device_peak_bytes": by_time.device_peak_bytes}}
     else:
         balanced = partition(params if args.by == "params" else times, schedule.stages,
-                             placement=schedule.stage_to_device)
+                             placement=schedule.placement[0])
         split = memory_of_split(balanced.boundaries, times, held, held_w, static, schedule)
     sums = {key: [sum(values[i] for i in part) for part in split.parts] for key, values in
             (("params", params), ("time_s", times), ("held_bytes", held), ("held_w_bytes", held_w),
@@ -686,7 +686,7 @@ def cmd_partition(args: argparse.Namespace, console: Console) -> None:
         device_cost = split.device_peak_bytes
     else:
         cost, device_cost, compared = balanced.cost, balanced.device_cost, {}
-    devices = list(schedule.stage_to_device)
+    devices = list(schedule.placement[0])
     if args.json:
         print(json.dumps({"model": args.model, "layers": len(layers), "by": args.by, "schedule": _label(schedule),
                           "microbatches": m, "stages": schedule.stages, "placement": devices,

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from pipefold.errors import ConfigError
-from pipefold.ir import Action, Kind, Schedule, looped_placement, v_placement
+from pipefold.ir import KINDS, Action, Schedule, looped_placement, v_placement
 from pipefold.runtime.stage import as_leaves, as_tuple
 from pipefold.simulate import StageCost, memory_deltas, peak_by_order
 
@@ -513,7 +513,7 @@ def partition_memory(times: Sequence[float], held: Sequence[float], held_w: Sequ
         raise ConfigError(f"cannot split {n} layers into {stages} stages: at most {n}")
     if not (isinstance(slack, (int, float)) and math.isfinite(slack) and slack >= 0):
         raise ConfigError(f"slack is the time allowed above the time-optimal split: a number >= 0 (got {slack!r})")
-    mapping = schedule.stage_to_device
+    mapping = schedule.placement[0]
     fastest = partition(figures[0], stages, placement=mapping)
     limit = fastest.bottleneck * (1 + slack) * (1 + _REL) + _EPS
     pre = _Prefix(*(np.concatenate([[0.0], np.cumsum(f)]) for f in figures))
@@ -541,7 +541,7 @@ def memory_of_split(boundaries: Sequence[int], times: Sequence[float], held: Seq
     if len(bounds) != stages or bounds[0] != 0 or any(lo >= hi for lo, hi in zip(bounds, ends, strict=True)):
         raise ConfigError(f"boundaries {bounds} do not split {n} layers into {stages} non-empty stages")
     parts = [list(range(lo, hi)) for lo, hi in zip(bounds, ends, strict=True)]
-    mapping = schedule.stage_to_device
+    mapping = schedule.placement[0]
     if time_optimal is None:
         time_optimal = partition(times, stages, placement=mapping).bottleneck
     stage = [StageCost(f=0.0, b=0.0, w=0.0, memory=sum(held[i] for i in part), memory_w=sum(held_w[i] for i in part))
@@ -593,17 +593,22 @@ def _moments(actions: Sequence[Action], stages: Sequence[int]) -> np.ndarray:
     chunk = {s: c for c, s in enumerate(stages)}
     units = (StageCost(f=0.0, b=0.0, w=0.0, memory=1.0, memory_w=0.0),
              StageCost(f=0.0, b=0.0, w=0.0, memory=0.0, memory_w=1.0))
-    deltas = {kind: [memory_deltas(kind, unit) for unit in units] for kind in Kind}
+    deltas = {kind: [memory_deltas(kind, unit) for unit in units] for kind, spec in KINDS.items() if not spec.composite}
     level = [0.0] * (2 * len(stages))
     rows = {tuple(level)}
-    for a in actions:
-        c = chunk[a.stage]
-        (held_start, held_end), (w_start, w_end) = deltas[a.kind]
-        level[2 * c] += held_start
-        level[2 * c + 1] += w_start
+    for act in actions:
+        parts = act.passes
+        for a in parts:
+            c = chunk[a.stage]
+            (held_start, _), (w_start, _) = deltas[a.kind]
+            level[2 * c] += held_start
+            level[2 * c + 1] += w_start
         rows.add(tuple(level))  # peak_by_order reads the level once each pass has started
-        level[2 * c] += held_end
-        level[2 * c + 1] += w_end
+        for a in parts:
+            c = chunk[a.stage]
+            (_, held_end), (_, w_end) = deltas[a.kind]
+            level[2 * c] += held_end
+            level[2 * c + 1] += w_end
     rows.add(tuple(level))
     ordered = sorted(rows, key=sum, reverse=True)
     kept: list[tuple[float, ...]] = []

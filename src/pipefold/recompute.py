@@ -191,7 +191,7 @@ def _total(profile: StageProfile, r: int, fused: bool) -> float:
 
 
 def _fused(actions: Iterable[Any]) -> set[int]:
-    return {a.stage for a in actions if a.kind is Kind.BW}
+    return {a.stage for a in actions if a.kind == Kind.BW}
 
 
 def _step_time(schedule: Schedule, profiles: Sequence[StageProfile], layers: Sequence[int]) -> float:
@@ -267,7 +267,7 @@ def _peaks(schedule: Schedule, profiles: Sequence[StageProfile], layers: Sequenc
 def _receive_margin(schedule: Schedule, profiles: Sequence[StageProfile], device: int) -> int:
     """The largest message ``device`` receives: the runtime posts a receive one action before the action that
     reads it, so one such buffer can exist beside everything the stages hold."""
-    place, S = schedule.stage_to_device, schedule.stages
+    place, S = schedule.placement[0], schedule.stages
     sizes = [profiles[s - 1].message for s in schedule.stages_of(device) if s > 0 and place[s - 1] != device]
     sizes += [profiles[s].message for s in schedule.stages_of(device) if s + 1 < S and place[s + 1] != device]
     return max(sizes, default=0)

@@ -27,7 +27,7 @@ from rich.style import Style
 from rich.text import Text
 
 from pipefold.errors import ConfigError
-from pipefold.ir import Kind, Schedule
+from pipefold.ir import KINDS, Action, Schedule
 from pipefold.simulate import Interval, SimResult
 
 if TYPE_CHECKING:
@@ -38,18 +38,6 @@ if TYPE_CHECKING:
 __all__ = ["ascii_timeline", "chrome_trace", "draw_gantt", "draw_memory", "plot_frontier", "plot_timeline",
            "write_chrome_trace"]
 
-_KIND_COLORS: dict[Kind, str] = {
-    Kind.F: "#0072B2",  # blue
-    Kind.B: "#E69F00",  # orange
-    Kind.W: "#009E73",  # bluish green
-    Kind.BW: "#CC79A7",  # reddish purple
-}
-_KIND_NAMES: dict[Kind, str] = {
-    Kind.F: "forward",
-    Kind.B: "input grad",
-    Kind.W: "weight grad",
-    Kind.BW: "full backward",
-}
 _LIGHTEST = 0.55  # the last chunk is mixed this far towards white
 _IDLE = "·"
 _EPS = 1e-9
@@ -67,9 +55,9 @@ def _chunk_table(schedule: Schedule) -> list[int]:
     return [schedule.chunk_of(s) for s in range(schedule.stages)]
 
 
-def _box_color(kind: Kind, chunk: int, chunks: int) -> str:
-    """Hex colour of a box: the kind's colour, lighter for later chunks."""
-    base = _KIND_COLORS[kind]
+def _box_color(kind: str, chunk: int, chunks: int) -> str:
+    """Hex colour of a box: the kind's colour (:data:`pipefold.ir.KINDS`), lighter for later chunks."""
+    base = KINDS[kind].color
     if chunks <= 1 or chunk == 0:
         return base
     mix = _LIGHTEST * chunk / (chunks - 1)
@@ -88,9 +76,21 @@ def _ink(background: str) -> str:
     return "#000000" if (lum + 0.05) / 0.05 >= 1.05 / (lum + 0.05) else "#ffffff"
 
 
-def _kinds_present(schedule: Schedule) -> list[Kind]:
+def _kinds_present(schedule: Schedule) -> list[str]:
     seen = {a.kind for row in schedule.actions for a in row}
-    return [k for k in Kind if k in seen]
+    return [k for k in KINDS if k in seen]
+
+
+def _chunk_of(action: Action, chunk_of: list[int]) -> int:
+    """The chunk an action's box is shaded as: its stage's, or its first part's."""
+    return chunk_of[(action.parts[0] if action.parts else action).stage]
+
+
+def _box_label(action: Action) -> str:
+    """What a box shows: the microbatch, or the kind of a whole-stage action."""
+    if action.parts:
+        return "+".join(str(p.microbatch) for p in action.parts)
+    return str(action.microbatch) if action.microbatch >= 0 else action.kind
 
 
 def _title(result: SimResult) -> str:
@@ -173,7 +173,7 @@ def _fit(number: int, cells: int) -> str:
     return digits.center(cells) if len(digits) <= cells else digits[-cells:]
 
 
-def _style(kind: Kind, chunk: int, chunks: int) -> Style:
+def _style(kind: str, chunk: int, chunks: int) -> Style:
     bg = _box_color(kind, chunk, chunks)
     return Style(color=_ink(bg), bgcolor=bg)
 
@@ -187,7 +187,7 @@ def _device_row(result: SimResult, device: int, scale: _Scale, chunk_of: list[in
             text.append(_IDLE * length, style="dim" if color else "")
             continue
         a = row[owner].action
-        text.append(_fit(a.microbatch, length), style=_style(a.kind, chunk_of[a.stage], chunks) if color else "")
+        text.append(_fit(_box_label(a), length), style=_style(a.kind, _chunk_of(a, chunk_of), chunks) if color else "")
     return text
 
 
@@ -205,8 +205,8 @@ def _legend(schedule: Schedule, scale: _Scale, width: int, color: bool) -> Text:
     for verbose in (True, False):
         text = Text()
         for kind in kinds:
-            text.append(f" {kind.value} ", style=_style(kind, 0, 1) if color else "")
-            text.append(f" {_KIND_NAMES[kind]}   " if verbose else " ")
+            text.append(f" {kind} ", style=_style(kind, 0, 1) if color else "")
+            text.append(f" {KINDS[kind].label}   " if verbose else " ")
         if chunks > 1:
             text.append("chunks " if verbose else "ch ")
             for c in range(chunks):
@@ -274,10 +274,10 @@ def _label_boxes(ax: Axes, result: SimResult, chunk_of: list[int], chunks: int) 
     pt_per_unit = 0.85 * w_pt / span  # 0.85: room for the layout pass that adds legends and labels
     for d, row in enumerate(result.timeline):
         for iv in row:
-            label = str(iv.action.microbatch)
+            label = _box_label(iv.action)
             if (iv.end - iv.start) * pt_per_unit < len(label) * size * 0.62 + 2:
                 continue
-            ink = _ink(_box_color(iv.action.kind, chunk_of[iv.action.stage], chunks))
+            ink = _ink(_box_color(iv.action.kind, _chunk_of(iv.action, chunk_of), chunks))
             ax.text((iv.start + iv.end) / 2, d, label, ha="center", va="center", fontsize=size, color=ink,
                     clip_on=True)
 
@@ -294,7 +294,7 @@ def draw_gantt(ax: Axes, result: SimResult, *, label_devices: bool = True) -> No
     for d, row in enumerate(result.timeline):
         for iv in row:
             verts.append(_box_verts(iv, d))
-            colors.append(_box_color(iv.action.kind, chunk_of[iv.action.stage], chunks))
+            colors.append(_box_color(iv.action.kind, _chunk_of(iv.action, chunk_of), chunks))
     background = [[(0, d - _ROW_HEIGHT / 2), (0, d + _ROW_HEIGHT / 2), (span, d + _ROW_HEIGHT / 2),
                    (span, d - _ROW_HEIGHT / 2)] for d in range(schedule.devices)]
     ax.add_collection(PolyCollection(background, facecolors=_IDLE_FILL, edgecolors="none", zorder=1))
@@ -346,7 +346,7 @@ def _gantt_legend(ax: Axes, schedule: Schedule) -> None:
     handles = []
     for c in range(chunks):
         for kind in _kinds_present(schedule):
-            label = f"{kind.value} {_KIND_NAMES[kind]}" + (f", chunk {c}" if chunks > 1 else "")
+            label = f"{kind} {KINDS[kind].label}" + (f", chunk {c}" if chunks > 1 else "")
             handles.append(Patch(facecolor=_box_color(kind, c, chunks), edgecolor="none", label=label))
     per_row = len(handles) if len(handles) <= 5 else len(_kinds_present(schedule))
     ax.legend(handles=handles, loc="lower left", bbox_to_anchor=(0, 1.0), ncol=per_row, frameon=False,
@@ -406,9 +406,9 @@ def chrome_trace(result: SimResult, *, us_per_unit: float = 1000.0) -> dict[str,
         for iv in row:
             a = iv.action
             events.append({
-                "name": str(a), "cat": a.kind.value, "ph": "X", "pid": 0, "tid": d,
+                "name": str(a), "cat": a.kind, "ph": "X", "pid": 0, "tid": d,
                 "ts": iv.start * us_per_unit, "dur": (iv.end - iv.start) * us_per_unit,
-                "args": {"stage": a.stage, "microbatch": a.microbatch, "chunk": chunk_of[a.stage]},
+                "args": {"stage": a.stage, "microbatch": a.microbatch, "chunk": _chunk_of(a, chunk_of)},
             })
     for d, curve in enumerate(result.memory_curve):
         for t, level in curve:

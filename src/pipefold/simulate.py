@@ -30,14 +30,13 @@ from __future__ import annotations
 
 import functools
 import math
-from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from pipefold._gc import paused_gc
 from pipefold.errors import ConfigError
-from pipefold.ir import Action, Kind, Schedule, check_structure, execution_order
+from pipefold.ir import KINDS, Action, Schedule, dependency_graph
 
 __all__ = ["CostModel", "Interval", "SimResult", "StageCost", "StageOverride", "memory_deltas", "peak_by_order",
            "simulate"]
@@ -57,6 +56,10 @@ class StageCost:
     """Activation memory held from F until the backward starts; None means all of ``memory``."""
     memory_w: float | None = None
     """Activation memory held from the end of B to the end of W; None means ``memory``. May exceed it."""
+    allreduce: float = 0.0
+    """Time of the all-reduce of this stage's gradients between its replicas (0 with one replica)."""
+    opt: float = 0.0
+    """Time of this stage's optimizer step."""
 
     @property
     def bw(self) -> float:
@@ -116,9 +119,15 @@ class CostModel:
     """Fraction of every stage's forward recomputed in its backward (activation checkpointing): 0..1."""
     stage_overrides: Mapping[int, StageOverride] = field(default_factory=dict)
     """Absolute per-stage costs that replace the derived ones for the given stages."""
+    grad_bytes: float = 0.0
+    """Bytes of the gradients of one device's share of the model: what replicas of a stage all-reduce."""
+    opt: float = 0.0
+    """Optimizer step time of one device's share."""
+    overlap: bool = False
+    """Whether a device runs the two parts of an overlapped pair (F+B) at once: it then costs max(F, B), else F + B."""
 
     def __post_init__(self) -> None:
-        for name in ("f", "b", "w", "memory", "memory_w", "latency", "activation_bytes"):
+        for name in ("f", "b", "w", "memory", "memory_w", "latency", "activation_bytes", "grad_bytes", "opt"):
             value = getattr(self, name)
             if value is None and name == "memory_w":
                 continue
@@ -144,20 +153,33 @@ class CostModel:
         """Time to move one activation (or its gradient) between two devices."""
         return self.latency + (self.activation_bytes / self.bandwidth if self.activation_bytes else 0.0)
 
-    def stage_cost(self, stage: int, stages: int, devices: int) -> StageCost:
-        """Cost of ``stage`` in a pipeline of ``stages`` stages over ``devices`` devices."""
+    def allreduce_time(self, nbytes: float, replicas: int) -> float:
+        """A ring all-reduce of ``nbytes`` among ``replicas`` devices: 2(n-1) steps of latency and n-th shares."""
+        if replicas < 2:
+            return 0.0
+        steps = 2 * (replicas - 1)
+        return steps * self.latency + (steps / replicas * nbytes / self.bandwidth if nbytes else 0.0)
+
+    def stage_cost(self, stage: int, stages: int, devices: int, *, replicas: int = 1) -> StageCost:
+        """Cost of ``stage`` in a pipeline of ``stages`` stages over ``devices`` devices, held ``replicas`` times.
+
+        A stage is 1/stages of the model whatever its replicas; the unit costs are for 1/devices of it.
+        Its all-reduce moves its share of ``grad_bytes`` between its replicas.
+        """
         share = devices / stages  # a stage is this fraction of one device's share of the model
         over = self.stage_overrides.get(stage)
         memory_w = None if self.memory_w is None else self.memory_w * share
+        allreduce = self.allreduce_time(self.grad_bytes * share, replicas)
+        opt = self.opt * share
         if over is None:
             f, memory = self.f * share, self.memory * share
             kept = None if self.recompute == 0 else memory * (1.0 - self.recompute)
             return StageCost(f=f, b=self.b * share + self.recompute * f, w=self.w * share, memory=memory, kept=kept,
-                             memory_w=memory_w)
+                             memory_w=memory_w, allreduce=allreduce, opt=opt)
         memory = self.memory * share if over.memory is None else over.memory
         return StageCost(f=over.f, b=over.b + over.recompute, w=over.w, memory=memory,
                          kept=None if over.kept is None else min(over.kept, memory),
-                         memory_w=memory_w if over.memory_w is None else over.memory_w)
+                         memory_w=memory_w if over.memory_w is None else over.memory_w, allreduce=allreduce, opt=opt)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -165,6 +187,7 @@ class CostModel:
             "latency": self.latency,
             "bandwidth": None if math.isinf(self.bandwidth) else self.bandwidth,
             "activation_bytes": self.activation_bytes, "recompute": self.recompute,
+            "grad_bytes": self.grad_bytes, "opt": self.opt, "overlap": self.overlap,
             "stage_overrides": {str(s): {"f": c.f, "b": c.b, "w": c.w, "memory": c.memory,
                                          "recompute": c.recompute, "kept": c.kept, "memory_w": c.memory_w}
                                 for s, c in self.stage_overrides.items()},
@@ -196,8 +219,9 @@ class SimResult:
 
     @property
     def busy(self) -> list[float]:
-        """Per device, the time spent running actions."""
-        return [sum(iv.end - iv.start for iv in row) for row in self.timeline]
+        """Per device, the time spent computing (communication actions such as an all-reduce run beside)."""
+        computes = {k for k, spec in KINDS.items() if spec.computes}
+        return [sum(iv.end - iv.start for iv in row if iv.action.kind in computes) for row in self.timeline]
 
     @property
     def idle(self) -> list[float]:
@@ -224,7 +248,7 @@ class SimResult:
             "devices": s.devices,
             "stages": s.stages,
             "microbatches": s.microbatches,
-            "placement": s.placement,
+            "placement": s.placement_name,
             "makespan": _round(self.makespan),
             "bubble_ratio": _round(self.bubble_ratio),
             "busy": [_round(x) for x in self.busy],
@@ -257,10 +281,16 @@ def simulate(schedule: Schedule, cost: CostModel | None = None) -> SimResult:
     outside = sorted(s for s in cost.stage_overrides if not 0 <= s < S)
     if outside:
         raise ConfigError(f"a stage cost override names stage {outside[0]}, but {schedule.name} has stages 0..{S - 1}")
-    check_structure(schedule)
-    costs = [cost.stage_cost(s, S, D) for s in range(S)]
-    starts, ends = _times(schedule, costs, cost.transfer_time)
+    costs = [cost.stage_cost(s, S, D, replicas=len(schedule.holders(s))) for s in range(S)]
+    table = {(s, k): spec.time(c) for s, c in enumerate(costs) for k, spec in KINDS.items() if not spec.composite}
+    durations = [table[a[0], a[1]] if not a[3] else action_time(a, costs, cost.overlap)
+                 for row in schedule.actions for a in row]
+    idle = frozenset(k for k, spec in KINDS.items() if not spec.computes)
+    graph = dependency_graph(schedule, durations, cost.transfer_time, idle)
     rows = schedule.actions
+    bounds = [*graph.offsets, schedule.num_actions]
+    starts = [graph.starts[bounds[d]:bounds[d + 1]] for d in range(D)]
+    ends = [graph.ends[bounds[d]:bounds[d + 1]] for d in range(D)]
     # tuple.__new__ on zipped triples builds the Intervals without a Python call each (hundreds of thousands).
     make = functools.partial(tuple.__new__, Interval)
     timeline = tuple(tuple(map(make, zip(row, starts[d], ends[d], strict=True))) for d, row in enumerate(rows))
@@ -269,96 +299,24 @@ def simulate(schedule: Schedule, cost: CostModel | None = None) -> SimResult:
     return SimResult(schedule, cost, timeline, curves)
 
 
-def _times(schedule: Schedule, costs: list[StageCost], transfer: float) -> tuple[list[list[float]], list[list[float]]]:
-    """Start and end of every action, per device and position; a schedule that cannot run raises.
+def action_time(action: Action, costs: Sequence[StageCost], overlap: bool) -> float:
+    """How long ``action`` keeps its device busy: its kind's time (:data:`pipefold.ir.KINDS`) for its stage.
 
-    The traversal of :func:`pipefold.ir.execution_order`, timing each pass as it goes: a device
-    runs its actions in order until one waits for a pass not yet done, and is woken when that
-    pass is done. Each pass starts when its device is free and its inputs have arrived. If the
-    traversal stops short, ``execution_order`` finds and reports the first violation.
+    An overlapped pair takes the longer of its two parts when ``overlap`` (the cost model says
+    the device runs them at once), their sum otherwise.
     """
-    S, D, M = schedule.stages, schedule.devices, schedule.microbatches
-    SM = S * M
-    rows, device_of = schedule.actions, schedule.stage_to_device
-    starts = [[0.0] * len(row) for row in rows]
-    ends = [[0.0] * len(row) for row in rows]
-    # End times indexed by stage * M + microbatch, -1 until done: of forwards, and of the
-    # backwards (B or BW) that send a gradient upstream. Waiting devices are keyed by the pass
-    # they wait for: idx for a forward, SM + idx for a backward.
-    f_end = [-1.0] * SM
-    b_end = [-1.0] * SM
-    free = [0.0] * D
-    heads = [0] * D
-    waiting: dict[int, list[int]] = {}
-    queue = deque(range(D))
-    F_, W_, B_ = Kind.F, Kind.W, Kind.B
-    done = 0
-    while queue:
-        device = queue.popleft()
-        row, pos, n = rows[device], heads[device], len(rows[device])
-        row_starts, row_ends = starts[device], ends[device]
-        ready = free[device]
-        while pos < n:
-            s, kind, mb = row[pos]
-            idx = s * M + mb
-            c = costs[s]
-            if kind is F_:
-                if s > 0:
-                    arrival = f_end[idx - M]
-                    if arrival < 0:
-                        waiting.setdefault(idx - M, []).append(device)
-                        break
-                    arrival += transfer if device_of[s - 1] != device else 0.0
-                    ready = arrival if arrival > ready else ready
-                end = ready + c.f
-                f_end[idx] = end
-                key = idx
-            elif kind is W_:
-                arrival = b_end[idx]
-                if arrival < 0:
-                    waiting.setdefault(SM + idx, []).append(device)
-                    break
-                ready = arrival if arrival > ready else ready
-                end = ready + c.w
-                key = -1  # nothing waits on a W
-            else:
-                arrival = f_end[idx]
-                if arrival < 0:
-                    waiting.setdefault(idx, []).append(device)
-                    break
-                if s + 1 < S:
-                    gradient = b_end[idx + M]
-                    if gradient < 0:
-                        waiting.setdefault(SM + idx + M, []).append(device)
-                        break
-                    gradient += transfer if device_of[s + 1] != device else 0.0
-                    arrival = gradient if gradient > arrival else arrival
-                ready = arrival if arrival > ready else ready
-                end = ready + (c.b if kind is B_ else c.bw)
-                b_end[idx] = end
-                key = SM + idx
-            row_starts[pos], row_ends[pos] = ready, end
-            ready = end
-            pos += 1
-            if key >= 0:
-                woken = waiting.pop(key, None)
-                if woken:
-                    queue.extend(woken)
-        free[device] = ready
-        done += pos - heads[device]
-        heads[device] = pos
-    if done != schedule.num_actions:
-        execution_order(schedule)  # raises ScheduleError naming the first violation
-        raise AssertionError(f"{schedule.name}: the traversal stopped but the schedule validates")
-    return starts, ends
+    if action.parts:
+        times = [KINDS[a.kind].time(costs[a.stage]) for a in action.parts]
+        return max(times) if overlap else sum(times)
+    return KINDS[action.kind].time(costs[action.stage])
 
 
 def _memory_curve(row: tuple[Action, ...], starts: list[float], ends: list[float],
-                  deltas: dict[tuple[int, Kind], tuple[float, float]]) -> tuple[tuple[float, float], ...]:
+                  deltas: dict[tuple[int, str], tuple[float, float]]) -> tuple[tuple[float, float], ...]:
     """Activation memory of one device over time, as (time, level) steps."""
     events: list[tuple[float, float]] = []
     for a, start, end in zip(row, starts, ends, strict=True):
-        at_start, at_end = deltas[a.stage, a.kind]
+        at_start, at_end = deltas[a[0], a[1]] if not a[3] else _deltas_of(a, deltas)
         if at_start:
             events.append((start, at_start))
         if at_end:
@@ -378,26 +336,26 @@ def _memory_curve(row: tuple[Action, ...], starts: list[float], ends: list[float
     return tuple(curve)
 
 
-def memory_deltas(kind: Kind, cost: StageCost) -> tuple[float, float]:
-    """How one pass changes its device's activation memory: (when it starts, when it ends).
+def memory_deltas(kind: str, cost: StageCost) -> tuple[float, float]:
+    """How one pass changes its device's activation memory: (when it starts, when it ends), from :data:`KINDS`.
 
     F takes what the stage keeps; a backward first rebuilds what was recomputed; B's end goes
     from ``memory`` to ``memory_w`` (a step up or down); W gives back ``memory_w``, a fused BW
     all of ``memory``.
     """
-    if kind is Kind.F:
-        return cost.held, 0.0
-    rebuilt = cost.memory - cost.held
-    if kind is Kind.B:
-        return rebuilt, cost.held_w - cost.memory
-    if kind is Kind.W:
-        return 0.0, -cost.held_w
-    return rebuilt, -cost.memory
+    return KINDS[kind].memory(cost)
 
 
-def _delta_table(costs: Mapping[int, StageCost]) -> dict[tuple[int, Kind], tuple[float, float]]:
+def _delta_table(costs: Mapping[int, StageCost]) -> dict[tuple[int, str], tuple[float, float]]:
     """:func:`memory_deltas` of every (stage, kind), worked out once for a pass over many actions."""
-    return {(s, kind): memory_deltas(kind, c) for s, c in costs.items() for kind in Kind}
+    return {(s, kind): spec.memory(c) for s, c in costs.items() for kind, spec in KINDS.items() if not spec.composite}
+
+
+def _deltas_of(a: Action, deltas: Mapping[tuple[int, str], tuple[float, float]]) -> tuple[float, float]:
+    if not a.parts:
+        return deltas[a.stage, a.kind]
+    starts, ends = zip(*(deltas[p.stage, p.kind] for p in a.parts), strict=True)
+    return sum(starts), sum(ends)
 
 
 def peak_by_order(actions: Sequence[Action], costs: Mapping[int, StageCost]) -> float:
@@ -410,7 +368,7 @@ def peak_by_order(actions: Sequence[Action], costs: Mapping[int, StageCost]) -> 
     deltas = _delta_table(costs)
     level = peak = 0.0
     for a in actions:
-        at_start, at_end = deltas[a.stage, a.kind]
+        at_start, at_end = _deltas_of(a, deltas)
         level += at_start
         peak = max(peak, level)
         level += at_end

@@ -181,7 +181,7 @@ def _layer_stages(config: TrainConfig, cfg: Any, schedule: Schedule, loss_fn: Ca
         return tuple(tuple(part) for part in split_memory.parts)
     costs = layer_costs(layers, sample, by=config.partition)
     # The objective is the busiest device's load, so a device holding two chunks (V) counts both.
-    split = partition(costs, schedule.stages, placement=schedule.stage_to_device)
+    split = partition(costs, schedule.stages, placement=schedule.placement[0])
     return tuple(tuple(part) for part in split.parts)
 
 

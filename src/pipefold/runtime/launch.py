@@ -111,7 +111,7 @@ class RankReport:
 
 def stage_modules(job: Job, rank: int) -> dict[int, nn.Module]:
     """The stage modules of ``rank``: only its own layers are ever built."""
-    stages = [s for s, d in enumerate(job.schedule.stage_to_device) if d == rank]
+    stages = job.schedule.stages_of(rank)
     wanted = sorted(i for s in stages for i in job.layer_stages[s])
     layers = job.build_layers(wanted)
     return {s: Chain(*(layers[i] for i in job.layer_stages[s])) for s in stages}
@@ -160,7 +160,9 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     reports: list[StepStats] = []
     grads = None
     m = job.schedule.microbatches
-    loss_rank = job.schedule.stage_to_device[-1]
+    loss_rank = job.schedule.holders(job.schedule.stages - 1)[0]
+    # A stage held by several replicas counts once in a global norm: by its first holder.
+    counted = [p for s, r in executor.runners.items() if job.schedule.holders(s)[0] == rank for p in r.params]
     for step in range(job.steps):
         started = time.perf_counter()
         x, y = job.batch_at(step)
@@ -174,14 +176,14 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
         for wrapper in offloaded:
             wrapper.evict_all()  # every layer home, with its gradient, before the optimizer reads it
         if job.clip is not None:
-            _clip_global(params, job.clip)
+            _clip_global(params, counted, job.clip)
         if job.save_grads_of_step == step:
             grads = {name: p.grad.detach().clone() for name, p in _named(job, chains) if p.grad is not None}
         if opt is not None:
             opt.step()
         reports.append(stats)
         if on_step is not None and rank == loss_rank:
-            on_step(step, sum(stats.losses.values()) / m, time.perf_counter() - started)
+            on_step(step, sum(stats.losses.values()) / len(stats.losses), time.perf_counter() - started)
     executor.close()
     resident = sum(w.tracker.peak_resident_bytes for w in offloaded)
     report = RankReport(rank, reports, grads, _peak_rss(), resident)
@@ -289,10 +291,10 @@ def _optimizer(job: Job, params: list[nn.Parameter]) -> torch.optim.Optimizer | 
     return OPTIMIZERS[job.optimizer](params, lr=job.lr)
 
 
-def _clip_global(params: list[nn.Parameter], max_norm: float) -> None:
-    """Clip by the norm over every rank's gradients: one all-reduce of the squared norms."""
+def _clip_global(params: list[nn.Parameter], counted: list[nn.Parameter], max_norm: float) -> None:
+    """Clip ``params`` by the norm over every rank's ``counted`` gradients: one all-reduce of the squared norms."""
     sq = torch.zeros(1)
-    for p in params:
+    for p in counted:
         if p.grad is not None:
             sq += p.grad.detach().pow(2).sum()
     dist.all_reduce(sq)
