@@ -72,6 +72,8 @@ class Job:
     """"adamw", "sgd", or any function that makes a torch.optim optimizer from a rank's parameters."""
     clip: float | None = None
     save_grads_of_step: int | None = None
+    save_weights: bool = False
+    """Send back every parameter after the last step (``RankReport.weights``)."""
     """Save each rank's parameter gradients after this step (for --check), before the optimizer runs."""
     offload: tuple[int, int] | None = None
     """(k, k'): every stage keeps at most k of its layers on the device (see pipefold.offload)."""
@@ -107,6 +109,8 @@ class RankReport:
     peak_process_bytes: int
     resident_param_bytes: int = 0
     """With offloading: the sum over this rank's stages of their peak resident parameter bytes."""
+    weights: dict[str, torch.Tensor] | None = None
+    """With ``Job.save_weights``: this rank's parameters after the last step, named as ``grads``."""
 
 
 def stage_modules(job: Job, rank: int) -> dict[int, nn.Module]:
@@ -186,7 +190,8 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
             on_step(step, sum(stats.losses.values()) / len(stats.losses), time.perf_counter() - started)
     executor.close()
     resident = sum(w.tracker.peak_resident_bytes for w in offloaded)
-    report = RankReport(rank, reports, grads, _peak_rss(), resident)
+    weights = {name: p.detach().clone() for name, p in _named(job, chains)} if job.save_weights else None
+    report = RankReport(rank, reports, grads, _peak_rss(), resident, weights)
     if out_dir is not None:
         with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as fh:
             pickle.dump(report, fh)

@@ -1,0 +1,81 @@
+"""Stages held by two replicas (Chimera, DualPipe): real gloo ranks against one process."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from pipefold import Schedule
+from pipefold.ir import BW, F, R, linear_placement, reversed_placement
+from pipefold.runtime.stage import Chain
+from pipefold.runtime.launch import OPTIMIZERS, run_local
+from pipefold.train import TrainConfig, compare, make_job
+
+TOLERANCE = 1e-5
+
+
+def _two_way(m: int) -> Schedule:
+    """p=2: even microbatches down (stage s on device s), odd ones up (stage s on device 1-s), GPipe-like."""
+    down, up = range(0, m, 2), range(1, m, 2)
+    rows = [
+        [*(F(0, j) for j in down), *(F(1, j) for j in up), *(BW(1, j) for j in up), *(BW(0, j) for j in down)],
+        [*(F(0, j) for j in up), *(F(1, j) for j in down), *(BW(1, j) for j in down), *(BW(0, j) for j in up)],
+    ]
+    rows = [[*row, R(0), R(1)] for row in rows]
+    return Schedule("two-way", 2, 2, m, (linear_placement(2), reversed_placement(2)), rows,
+                    routes=tuple(j % 2 for j in range(m)))
+
+
+def _job(steps: int, **more):
+    cfg = TrainConfig(schedule="gpipe", stages=2, microbatches=4, steps=steps, model="mlp", layers=4, hidden=16,
+                      batch=8, partition="even", lr=1e-2)
+    return replace(make_job(cfg, save_grads_of_step=0), schedule=_two_way(4), **more)
+
+
+def test_both_replicas_get_the_gradients_of_one_process() -> None:
+    job = _job(1)
+    reports = run_local(job)
+    # Each rank holds both stages (one per replica): every gradient is reported twice, and each matches.
+    assert all(len(r.grads or {}) == len(reports[0].grads or {}) for r in reports)
+    diff = compare(job, reports)
+    assert diff["max_grad_rel_diff"] < TOLERANCE and diff["loss_rel_diff"] < TOLERANCE
+
+
+def test_replicas_stay_identical_over_several_steps_and_train_as_one_process() -> None:
+    steps = 4
+    job = _job(steps, save_weights=True)
+    reports = run_local(job)
+    a, b = (r.weights or {} for r in reports)
+    assert set(a) == set(b) and a
+    for name in a:
+        assert torch.equal(a[name], b[name]), name  # bit for bit: the same sum, the same update
+    # One process with the same optimizer, the whole batch per step: the same weights.
+    n = job.extra["num_layers"]
+    layers = job.build_layers(list(range(n)))
+    model = Chain(*(layers[i] for i in range(n)))
+    opt = OPTIMIZERS[str(job.optimizer)](list(model.parameters()), lr=job.lr)
+    m = job.schedule.microbatches
+    for step in range(steps):
+        x, y = job.batch_at(step)
+        opt.zero_grad()
+        for xs, ys in zip(x.chunk(m), y.chunk(m), strict=True):
+            (job.loss_fn(model(xs), ys) / m).backward()
+        opt.step()
+    want = {f"{i}.{name}": p.detach() for i in range(n) for name, p in layers[i].named_parameters()}
+    for name, w in want.items():
+        torch.testing.assert_close(a[name], w, rtol=1e-5, atol=1e-6)
+    first = sum(sum(r.steps[0].losses.values()) for r in reports) / m
+    last = sum(sum(r.steps[-1].losses.values()) for r in reports) / m
+    assert last < first
+
+
+def test_the_runtime_refuses_kinds_it_cannot_run() -> None:
+    from pipefold.errors import ConfigError
+    from pipefold.ir import OPT
+    from pipefold.runtime.executor import RankExecutor
+
+    s = _two_way(2)
+    bad = s.with_actions([[*s.actions[0], OPT(0), OPT(1)], [*s.actions[1], OPT(0), OPT(1)]])
+    with pytest.raises(ConfigError, match="the runtime cannot run OPT actions"):
+        RankExecutor(bad, 0, {}, lambda *a: torch.zeros(()), torch.device("cpu"))
