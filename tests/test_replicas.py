@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 import torch
 
 from pipefold import Schedule
-from pipefold.ir import BW, F, R, linear_placement, reversed_placement
+from pipefold.ir import BW, OPT, F, R, linear_placement, reversed_placement
 from pipefold.runtime.stage import Chain
 from pipefold.runtime.launch import OPTIMIZERS, run_local
 from pipefold.train import TrainConfig, compare, make_job
@@ -30,7 +31,7 @@ def _two_way(m: int) -> Schedule:
 def _job(steps: int, **more):
     cfg = TrainConfig(schedule="gpipe", stages=2, microbatches=4, steps=steps, model="mlp", layers=4, hidden=16,
                       batch=8, partition="even", lr=1e-2)
-    return replace(make_job(cfg, save_grads_of_step=0), schedule=_two_way(4), **more)
+    return replace(make_job(cfg, save_grads_of_step=0), **{"schedule": _two_way(4), **more})
 
 
 def test_both_replicas_get_the_gradients_of_one_process() -> None:
@@ -70,12 +71,24 @@ def test_replicas_stay_identical_over_several_steps_and_train_as_one_process() -
     assert last < first
 
 
+def test_optimizer_steps_in_the_schedule_train_as_after_it() -> None:
+    """OPT actions step each stage's optimizer as soon as its gradients are reduced: the same weights."""
+    s = _two_way(4)
+    with_opt = s.with_actions([[*row, OPT(0), OPT(1)] for row in s.actions])
+    after = run_local(_job(3, save_weights=True))
+    inside = run_local(_job(3, save_weights=True, schedule=with_opt))
+    for a, b in zip(after, inside, strict=True):
+        for name, w in (a.weights or {}).items():
+            assert torch.equal(w, (b.weights or {})[name]), name
+
+
 def test_the_runtime_refuses_kinds_it_cannot_run() -> None:
     from pipefold.errors import ConfigError
-    from pipefold.ir import OPT
     from pipefold.runtime.executor import RankExecutor
 
     s = _two_way(2)
-    bad = s.with_actions([[*s.actions[0], OPT(0), OPT(1)], [*s.actions[1], OPT(0), OPT(1)]])
+    bad = s.with_actions([[*row, OPT(0), OPT(1)] for row in s.actions])
     with pytest.raises(ConfigError, match="the runtime cannot run OPT actions"):
         RankExecutor(bad, 0, {}, lambda *a: torch.zeros(()), torch.device("cpu"))
+    with pytest.raises(ConfigError, match="steps some stages' optimizers itself .* not stage 1 on device 0"):
+        _job(1, schedule=s.with_actions([[*s.actions[0], OPT(0)], [*s.actions[1], OPT(0), OPT(1)]]))

@@ -42,7 +42,7 @@ from pipefold.runtime.stage import StageRunner, Tensors
 
 LOOKAHEAD = 2  # actions whose receives are posted ahead of time: this one and the next
 _RUNS = (Kind.F, Kind.B, Kind.W, Kind.BW, Kind.R)
-"""The kinds the runtime runs (an overlapped pair runs its parts one after the other)."""
+"""The kinds the runtime runs (an overlapped pair runs its parts one after the other; OPT with optimizers)."""
 _COMPUTE = (Kind.F, Kind.B, Kind.W, Kind.BW)
 
 
@@ -220,7 +220,7 @@ class RankExecutor:
     def __init__(self, schedule: Schedule, rank: int, modules: Mapping[int, nn.Module],
                  loss_fn: Callable[..., torch.Tensor], device: torch.device, *,
                  recompute: Mapping[int, int] | None = None, log_messages: bool = False,
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = None, optimizers: Mapping[int, Callable[[], Any]] | None = None) -> None:
         self.schedule, self.rank, self.device = schedule, rank, device
         self.meter = MemoryMeter()
         last = schedule.stages - 1
@@ -231,10 +231,14 @@ class RankExecutor:
             for s, m in modules.items()
         }
         self.actions = list(schedule.actions[rank])
-        unknown = sorted({a.kind for act in self.actions for a in act.passes} - set(_RUNS))
+        self.optimizers = dict(optimizers or {})
+        """Per stage, what its OPT action calls: its optimizer's step."""
+        runs = set(_RUNS) | ({Kind.OPT} if self.optimizers else set())
+        unknown = sorted({a.kind for act in self.actions for a in act.passes} - runs)
         if unknown:
             raise ConfigError(f"the runtime cannot run {', '.join(unknown)} actions ("
-                              f"{'; '.join(KINDS[k].doc for k in unknown)}); it runs {', '.join(_RUNS)}")
+                              f"{'; '.join(KINDS[k].doc for k in unknown)}); it runs {', '.join(sorted(runs))}"
+                              + ("" if self.optimizers else ", and OPT when given an optimizer per stage"))
         graph = dependency_graph(schedule)
         self.links = Links(schedule.stages, schedule.microbatches, device, self.meter, log=log_messages,
                            timeout=timeout)
@@ -260,7 +264,7 @@ class RankExecutor:
                 group = dist.new_group(ranks=sorted(holders))
                 if rank in holders:
                     self._groups[s] = group
-        self._reductions: list[dist.Work] = []
+        self._reductions: dict[int, list[dist.Work]] = {}  # stage -> its all-reduce, until waited for
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for r in self.runners.values() for p in r.params]
@@ -316,8 +320,9 @@ class RankExecutor:
             if probe is not None:
                 probe()
         start = clock()
-        for work in self._reductions:
-            work.wait()
+        for works in self._reductions.values():
+            for work in works:
+                work.wait()
         self._reductions.clear()
         stats.events.append(Event("wait all-reduce", "comm", start, clock()))
         start = clock()
@@ -366,9 +371,16 @@ class RankExecutor:
             for p in runner.params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                # Started now, waited for at the step's end: the reduction overlaps what the rank does next.
-                self._reductions.append(dist.all_reduce(p.grad, group=self._groups[s], async_op=True))
+                # Started now, waited for by the stage's OPT or at the step's end: it overlaps what comes next.
+                self._reductions.setdefault(s, []).append(dist.all_reduce(p.grad, group=self._groups[s],
+                                                                          async_op=True))
             stats.events.append(Event(str(action), "R", start, clock()))
+        elif action.kind == Kind.OPT:
+            start = clock()
+            for work in self._reductions.pop(s, ()):
+                work.wait()
+            self.optimizers[s]()
+            stats.events.append(Event(str(action), "OPT", start, clock()))
         else:
             dy = None if s == S - 1 else self._take(BACKWARD, action, local, clock, stats)
             start = clock()

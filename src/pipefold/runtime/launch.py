@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipefold.errors import ConfigError
-from pipefold.ir import Schedule
+from pipefold.ir import Kind, Schedule
 from pipefold.runtime.executor import RankExecutor, StepStats
 from pipefold.runtime.stage import Chain
 
@@ -97,6 +97,16 @@ class Job:
         if not callable(self.optimizer) and self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"unknown optimizer {self.optimizer!r}: use {' or '.join(OPTIMIZERS)}, "
                               "or pass a function that makes one from a list of parameters")
+        steps = {(d, a.stage) for d, row in enumerate(self.schedule.actions) for a in row if a.kind == Kind.OPT}
+        if steps:
+            held = {(d, s) for d in range(self.schedule.devices) for s in self.schedule.stages_of(d)}
+            if held - steps:
+                d, s = min(held - steps)
+                raise ConfigError(f"the schedule steps some stages' optimizers itself (OPT actions) but not stage "
+                                  f"{s} on device {d}: give every stage its {s}OPT, or none")
+            if self.clip is not None or self.offload is not None:
+                raise ConfigError("clipping by the global norm and offloading step the optimizer after the whole "
+                                  "step: use a schedule without OPT actions with --clip or --offload")
 
 
 @dataclass
@@ -157,10 +167,15 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
         offloaded = [Offloaded(m, device, k=k, kprime=kprime) for m in chains.values()]
         modules = dict(zip(chains, offloaded, strict=True))
     recompute = {s: job.recompute[s] for s in modules} if job.recompute else None
+    # A schedule with OPT actions steps each stage's optimizer where it says; otherwise one optimizer steps
+    # all of this rank's parameters after the step.
+    in_schedule = any(a.kind == Kind.OPT for row in job.schedule.actions for a in row)
+    stage_opts = {s: _optimizer(job, list(m.parameters())) for s, m in modules.items()} if in_schedule else {}
     executor = RankExecutor(job.schedule, rank, modules, job.loss_fn, device, recompute=recompute,
-                            log_messages=job.log_messages, timeout=job.timeout_s)
+                            log_messages=job.log_messages, timeout=job.timeout_s,
+                            optimizers={s: o.step if o is not None else _nothing for s, o in stage_opts.items()})
     params = executor.parameters()
-    opt = _optimizer(job, params)
+    opt = None if in_schedule else _optimizer(job, params)
     reports: list[StepStats] = []
     grads = None
     m = job.schedule.microbatches
@@ -294,6 +309,10 @@ def _optimizer(job: Job, params: list[nn.Parameter]) -> torch.optim.Optimizer | 
     if callable(job.optimizer):
         return job.optimizer(params)
     return OPTIMIZERS[job.optimizer](params, lr=job.lr)
+
+
+def _nothing() -> None:
+    """The optimizer step of a stage without weights."""
 
 
 def _clip_global(params: list[nn.Parameter], counted: list[nn.Parameter], max_norm: float) -> None:
