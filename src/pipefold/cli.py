@@ -14,7 +14,7 @@ from typing import Any, NoReturn
 from rich.console import Console
 from rich.table import Table
 
-from pipefold import schedules
+from pipefold import interop, schedules
 from pipefold.errors import ConfigError, PipefoldError, ScheduleError
 from pipefold.ir import Schedule
 from pipefold.plan import PlanResult, one_f_one_b_peak, parse_budget, plan
@@ -88,6 +88,13 @@ def _add_output(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
+def _add_format(p: argparse.ArgumentParser) -> None:
+    """--format of the schedule files a command reads (generate's --format is its output's)."""
+    p.add_argument("--format", dest="input_format", choices=list(interop.FORMATS), default=None,
+                   help="format of schedule files: text, json, csv (pipefold's) or torch-csv "
+                        "(torch.distributed.pipelining's); default: from each file's suffix")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="pipefold", description="Pipeline-parallel schedules: generate, validate, simulate, draw.")
     parser.add_argument("--version", action="version", version=f"pipefold {_version()}")
@@ -103,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_shape(p)
     _add_costs(p)
     _add_output(p)
+    _add_format(p)
     p.add_argument("--plot", metavar="FILE", help="write a Gantt chart with memory curves (.png or .svg)")
     p.add_argument("--trace", metavar="FILE", help="write Chrome trace-event JSON (open in Perfetto)")
     p.add_argument("--width", type=int, default=None, help="columns of the ASCII timeline (default: terminal)")
@@ -112,12 +120,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_shape(p)
     _add_costs(p)
     _add_output(p)
+    _add_format(p)
 
     p = sub.add_parser("generate", help="write a schedule as text, JSON or CSV")
     p.add_argument("schedule", help="a registered name, optionally name:key=value,...")
     _add_shape(p)
-    p.add_argument("--format", choices=["text", "json", "csv"], default=None,
-                   help="output format (default: from the output file's suffix, else text)")
+    p.add_argument("--format", choices=list(interop.FORMATS), default=None,
+                   help="output format; torch-csv: torch.distributed.pipelining's CSV (default: from the output "
+                        "file's suffix, else text)")
     p.add_argument("--output", "-o", metavar="FILE", help="write to FILE instead of standard output")
 
     p = sub.add_parser("plan", help="the fastest schedule whose peak activation memory fits a budget")
@@ -193,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("validate", help="check schedule files (or generated schedules) and report the first problem")
     p.add_argument("schedule", nargs="+", help="schedule files or registered names")
     _add_shape(p)
+    _add_format(p)
     return parser
 
 
@@ -233,7 +244,7 @@ def _load_schedule(text: str, args: argparse.Namespace, *, strict_flags: bool) -
     if _looks_like_file(text):
         if not os.path.isfile(text):
             raise ConfigError(f"no such schedule file: {text}")
-        return Schedule.load(text)
+        return interop.load(text, getattr(args, "input_format", None))
     name, options = _parse_spec(text)
     spec = schedules.get(name)
     for key, value in _flag_options(args).items():
@@ -362,7 +373,7 @@ def cmd_generate(args: argparse.Namespace, console: Console) -> None:
     schedule = _load_schedule(args.schedule, args, strict_flags=True)
     fmt = args.format or ("json" if (args.output or "").endswith(".json")
                           else "csv" if (args.output or "").endswith(".csv") else "text")
-    text = schedule.dumps(fmt)
+    text = interop.dumps(schedule, fmt)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as fh:
             fh.write(text)
