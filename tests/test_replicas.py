@@ -9,8 +9,8 @@ import torch
 
 from pipefold import Schedule
 from pipefold.ir import BW, OPT, F, R, linear_placement, reversed_placement
-from pipefold.runtime.stage import Chain
 from pipefold.runtime.launch import OPTIMIZERS, run_local
+from pipefold.runtime.stage import Chain
 from pipefold.train import TrainConfig, compare, make_job
 
 TOLERANCE = 1e-5

@@ -230,7 +230,7 @@ class _Expansion:
         flat = list(map(make, zip(self.stage[order].tolist(), kinds, (order % m).tolist(), itertools.repeat(()))))
         ends = np.cumsum(np.bincount(device, minlength=D)).tolist()
         actions = tuple(tuple(flat[a:b]) for a, b in zip([0, *ends], ends, strict=False))
-        return Schedule(name, D, S, m, self.block.placement, actions, options)
+        return Schedule(name, D, S, m, (self.block.placement,), actions, options)
 
 
 class _FillerMemory:

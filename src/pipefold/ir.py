@@ -359,10 +359,7 @@ class Schedule:
     routes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        placement = tuple(self.placement)
-        if placement and not isinstance(placement[0], (tuple, list)):
-            placement = (placement,)
-        object.__setattr__(self, "placement", tuple(tuple(r) for r in placement))
+        object.__setattr__(self, "placement", _as_replicas(self.placement))
         object.__setattr__(self, "actions", tuple(tuple(row) for row in self.actions))
         object.__setattr__(self, "options", dict(self.options))
         for label, value in (("devices", self.devices), ("stages", self.stages),
@@ -617,7 +614,7 @@ class Schedule:
         routes: tuple[int, ...] = ()
         if placement is None:
             placement, routes = _infer_placement(rows, stages, microbatches)
-        return cls(name, len(rows), stages, microbatches, tuple(placement), tuple(rows), options or {}, routes)
+        return cls(name, len(rows), stages, microbatches, _as_replicas(placement), tuple(rows), options or {}, routes)
 
     # -- files
 
@@ -649,6 +646,14 @@ class Schedule:
             return cls.from_text(text)
         except ScheduleError as exc:
             raise ScheduleError(f"{path}: {exc.message}", exc.report) from None
+
+
+def _as_replicas(placement: Sequence[int] | Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+    """A placement as one tuple per replica; a flat sequence of devices is one replica."""
+    items = tuple(placement)
+    if items and not isinstance(items[0], (tuple, list)):
+        return (tuple(items),)  # type: ignore[arg-type]
+    return tuple(tuple(r) for r in items)  # type: ignore[arg-type]
 
 
 def _infer_placement(rows: Sequence[Sequence[Action]], stages: int,
@@ -1002,9 +1007,9 @@ def _traverse(schedule: Schedule, offsets: tuple[int, ...], inputs: tuple[tuple[
                     members.setdefault((a.kind, a.stage), []).append(offsets[d] + i)
                 if a.kind in idle:
                     quiet.add(offsets[d] + i)
-    for group in members.values():
-        for member in group:
-            peers[member] = tuple(group)
+    for together in members.values():
+        for member in together:
+            peers[member] = tuple(together)
     dev_of = [d for d, row in enumerate(rows) for _ in row]
     dur = durations if durations is not None else [0.0] * N
     done = bytearray(N)

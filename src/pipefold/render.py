@@ -167,9 +167,9 @@ def _runs(owners: list[int | None]) -> Iterator[tuple[int | None, int]]:
             start = c
 
 
-def _fit(number: int, cells: int) -> str:
-    """The microbatch number centred in ``cells``; its lowest digits if it does not fit."""
-    digits = str(number)
+def _fit(label: str, cells: int) -> str:
+    """A box's label (a microbatch number) centred in ``cells``; its last characters if it does not fit."""
+    digits = label
     return digits.center(cells) if len(digits) <= cells else digits[-cells:]
 
 

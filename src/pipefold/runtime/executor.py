@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipefold.ir import KINDS, Action, Graph, Kind, Schedule, dependency_graph
 from pipefold.errors import ConfigError
+from pipefold.ir import KINDS, Action, Graph, Kind, Schedule, dependency_graph
 from pipefold.runtime.comm import BACKWARD, FORWARD, HEADER, Links, Meta, decode_header, metas_of
 from pipefold.runtime.meter import MemoryMeter
 from pipefold.runtime.stage import StageRunner, Tensors
@@ -283,7 +283,6 @@ class RankExecutor:
         the first and the last stage use them); ``shape_key`` is the same on
         every rank and changes when the batch's shapes do. ``probe`` is called after every action.
         """
-        S, M = self.schedule.stages, self.schedule.microbatches
         new_shapes = shape_key != self._last_shape
         self._last_shape = shape_key
         if new_shapes:

@@ -28,7 +28,7 @@ def kfkb(devices: int, microbatches: int, k: int = 2, *, name: str = "kfkb") -> 
         # Device i needs p-1-i groups in flight before the first gradient can come back.
         rows.append(warmup_steady_cooldown(forwards, backwards, warmup=p - 1 - i))
     options = {"k": k} if name == "kfkb" else {}
-    return Schedule(name, p, p, m, linear_placement(p), tuple(map(tuple, rows)), options)
+    return Schedule(name, p, p, m, (linear_placement(p),), tuple(map(tuple, rows)), options)
 
 
 def one_f_one_b(devices: int, microbatches: int) -> Schedule:

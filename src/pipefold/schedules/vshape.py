@@ -123,7 +123,7 @@ def _v_schedule(devices: int, microbatches: int, *, split: bool, name: str) -> S
     # what a device holds at any point of its order.
     padded = max(m, 2 * p - 1)
     rows = [[a for a in _device_order(p, padded, d, split=split) if a.microbatch < m] for d in range(p)]
-    return Schedule(name, p, 2 * p, m, v_placement(p), tuple(map(tuple, rows)))
+    return Schedule(name, p, 2 * p, m, (v_placement(p),), tuple(map(tuple, rows)))
 
 
 def zb_v(devices: int, microbatches: int) -> Schedule:

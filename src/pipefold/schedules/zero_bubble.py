@@ -71,7 +71,7 @@ def zb_h(devices: int, microbatches: int, extra: int = 0, *, name: str = "zb-h")
         defer = i + min(extra - more_warmup, i)
         rows.append(_device_order(i, m, warmup=warmup, defer=min(defer, max(i, m - (p - i)))))
     options = {"extra": extra} if name == "zb-h" else {}
-    return Schedule(name, p, p, m, linear_placement(p), tuple(map(tuple, rows)), options)
+    return Schedule(name, p, p, m, (linear_placement(p),), tuple(map(tuple, rows)), options)
 
 
 def zb_h1(devices: int, microbatches: int) -> Schedule:
