@@ -1,6 +1,6 @@
 """Recomputation on real runs: memory saved and time paid by none, auto and full, side by side.
 
-    python benchmarks/bench_recompute.py [--schedule 1f1b] [--stages 4] [--steps 6]
+    python benchmarks/bench_recompute.py [--schedule 1f1b] [--devices 4] [--steps 6]
 
 Trains the same GPT three times on local ranks (gloo on CPU): keeping every
 activation, recomputing per stage to a budget halfway between the two
@@ -23,12 +23,12 @@ from pipefold.train import TrainConfig, build_schedule, make_job, train
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schedule", default="1f1b")
-    parser.add_argument("--stages", type=int, default=4)
+    parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    base = dict(schedule=args.schedule, stages=args.stages, microbatches=8, steps=args.steps, model="gpt",
+    base = dict(schedule=args.schedule, devices=args.devices, microbatches=8, steps=args.steps, model="gpt",
                 layers=10, hidden=128, heads=4, batch=32, seq=128, partition="params")
     full_plan = make_job(TrainConfig(**base, recompute="full")).extra["recompute"]  # type: ignore[arg-type]
     schedule = build_schedule(TrainConfig(**base))  # type: ignore[arg-type]

@@ -43,7 +43,7 @@ def measure(model: str, name: str, partition: str, runs: int) -> dict[str, objec
     predicted: list[list[float]] = []  # per run: the split is measured afresh, so it may differ between runs
     splits = []
     for _ in range(runs):
-        cfg = TrainConfig(schedule=name, stages=4, microbatches=16, steps=2, partition=partition,
+        cfg = TrainConfig(schedule=name, devices=4, microbatches=16, steps=2, partition=partition,
                           **MODELS[model])  # type: ignore[arg-type]
         job, reports = train(cfg)
         measured.append([r.steps[-1].peak_activation_bytes for r in reports])

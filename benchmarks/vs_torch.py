@@ -84,7 +84,7 @@ class _Run:
 
 
 def _run_pipefold(pair: _Pair, steps: int) -> _Run:
-    config = TrainConfig(schedule=pair.pipefold, options=pair.options, stages=WORLD, microbatches=MICROBATCHES,
+    config = TrainConfig(schedule=pair.pipefold, options=pair.options, devices=WORLD, microbatches=MICROBATCHES,
                          steps=steps, model="mlp", layers=LAYERS, hidden=HIDDEN, batch=BATCH, optimizer="sgd",
                          seed=SEED, partition="even")  # the same equal stages torch.distributed.pipelining gets
     try:

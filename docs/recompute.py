@@ -22,7 +22,7 @@ from pipefold.recompute import RecomputePlan, plan_recompute, smallest_budget  #
 from pipefold.train import TrainConfig, build_schedule, make_job  # noqa: E402
 
 FIGURE = Path(__file__).resolve().parent / "figures" / "recompute.png"
-CONFIG = TrainConfig(schedule="1f1b", stages=4, microbatches=8, model="gpt", layers=10, hidden=128, heads=4,
+CONFIG = TrainConfig(schedule="1f1b", devices=4, microbatches=8, model="gpt", layers=10, hidden=128, heads=4,
                      batch=32, seq=128, partition="params", recompute="full")
 
 

@@ -138,11 +138,18 @@ def test_deadlocked_file_shows_the_grid(capsys, tmp_path) -> None:
 
 
 def test_usage_mistake_is_one_line() -> None:
-    proc = subprocess.run([sys.executable, "-m", "pipefold", "simulate", "--stages", "four"],
+    proc = subprocess.run([sys.executable, "-m", "pipefold", "simulate", "--devices", "four"],
                           capture_output=True, text=True, check=False)
     assert proc.returncode == 2
-    assert "argument --stages/-p: invalid int value: 'four'" in proc.stderr
+    assert "argument --devices/-p: invalid int value: 'four'" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_the_old_stages_flag_says_what_it_became() -> None:
+    proc = subprocess.run([sys.executable, "-m", "pipefold", "simulate", "1f1b", "--stages", "4"],
+                          capture_output=True, text=True, check=False)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    assert "--stages was renamed --devices (-p): it counts devices" in proc.stderr
 
 
 def test_module_entry_point_runs() -> None:

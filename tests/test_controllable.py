@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from conftest import build_or_refused
 from pipefold import CostModel, build, names, simulate, validate
 from pipefold.plan import choose, evaluate
 
@@ -62,10 +63,14 @@ COSTS = [CostModel(f=1, b=2, w=1), CostModel(latency=0.3), CostModel(f=1, b=1.5,
 @pytest.mark.parametrize("cost", COSTS, ids=["F1B2W1", "latency", "mixed"])
 @pytest.mark.parametrize(("p", "m"), [(4, 8), (5, 7), (8, 16)])
 def test_unequal_costs_and_latency_still_run(name: str, cost: CostModel, p: int, m: int) -> None:
-    r = simulate(build(name, p, m), cost)
+    s = build_or_refused(name, p, m)
+    if s is None:
+        return
+    r = simulate(s, cost)
     busy = sum(r.busy)
-    # Every pass ran, each for its cost, and the step is no shorter than the busiest device's work.
-    assert busy == pytest.approx(sum(iv.end - iv.start for row in r.timeline for iv in row))
+    # Every pass ran, each for its cost, and the step is no shorter than the busiest device's work
+    # (an all-reduce runs beside the compute: not busy).
+    assert busy == pytest.approx(sum(iv.end - iv.start for row in r.timeline for iv in row if iv.action.kind != "R"))
     assert r.makespan >= max(r.busy) - 1e-9 and 0 <= r.bubble_ratio < 1
 
 

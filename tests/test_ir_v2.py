@@ -12,11 +12,11 @@ from pipefold.ir import (
     KINDS,
     OPT,
     Action,
+    B,
     F,
     KindSpec,
     R,
     W,
-    B,
     dependency_graph,
     linear_placement,
     overlap,
@@ -167,3 +167,13 @@ def test_a_registered_kind_is_validated_costed_and_drawn_from_its_entry() -> Non
         del KINDS["KX"]
     with pytest.raises(ScheduleError, match="cannot read action '0KX0'"):
         Schedule.from_text("devices: 1\nstages: 1\nmicrobatches: 1\ndevice 0: 0F0 0KX0 0BW0\n")
+
+
+def test_replicas_pay_for_their_weights_twice() -> None:
+    """Chimera holds two stages (one per replica) per device, 1F1B one: with weights w per device share,
+    Chimera's peaks rise by 2w, 1F1B's by w."""
+    w = 1.5
+    for name, copies in (("chimera", 2), ("1f1b", 1), ("zb-v", 1)):
+        s = build(name, 4, 8)
+        bare, heavy = simulate(s), simulate(s, CostModel(weights=w))
+        assert heavy.peak_memory == pytest.approx([x + copies * w for x in bare.peak_memory])

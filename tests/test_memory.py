@@ -23,7 +23,7 @@ MLP = dict(model="mlp", layers=8, hidden=512, batch=1024)
 
 def _run(model: dict[str, object], schedule: str, ranks: int, *, verify: bool = False, steps: int = 2,
          **options: object) -> tuple[object, list[RankReport]]:
-    config = TrainConfig(schedule=schedule, stages=ranks, microbatches=8, steps=steps, partition="even",
+    config = TrainConfig(schedule=schedule, devices=ranks, microbatches=8, steps=steps, partition="even",
                          **model, **options)  # type: ignore[arg-type]
     job = make_job(config)
     if verify:

@@ -131,7 +131,7 @@ def test_errors_are_one_line() -> None:
 
 
 def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["partition", "--model", "mlp", "--layers", "6", "--hidden", "32", "--batch", "4", "--stages", "2",
+    argv = ["partition", "--model", "mlp", "--layers", "6", "--hidden", "32", "--batch", "4", "--devices", "2",
             "--chunks", "2", "--by", "params", "--json"]
     assert main(argv) == 0
     out = capsys.readouterr().out
@@ -145,7 +145,7 @@ def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_cli_memory_json(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["partition", "--model", "mlp", "--layers", "8", "--hidden", "32", "--batch", "4", "--stages", "2",
+    argv = ["partition", "--model", "mlp", "--layers", "8", "--hidden", "32", "--batch", "4", "--devices", "2",
             "--schedule", "zb-v", "--by", "memory", "--json"]
     assert main(argv) == 0
     result = json.loads(capsys.readouterr().out)
@@ -159,7 +159,7 @@ def test_cli_memory_json(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_cli_error_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["partition", "--model", "mlp", "--layers", "4", "--hidden", "16", "--stages", "8"]) == 2
+    assert main(["partition", "--model", "mlp", "--layers", "4", "--hidden", "16", "--devices", "8"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "pipefold partition: error: cannot split 4 layers into 8 stages: at most 4"
 
@@ -301,7 +301,7 @@ def test_train_partition_memory_splits_by_the_schedule(monkeypatch: pytest.Monke
         return partition_memory(times, held, held_w, static, schedule, **kw)
 
     monkeypatch.setattr(pipefold.partition, "partition_memory", recording)
-    config = TrainConfig(model="mlp", layers=6, hidden=16, stages=2, schedule="zb-v", microbatches=4, batch=8,
+    config = TrainConfig(model="mlp", layers=6, hidden=16, devices=2, schedule="zb-v", microbatches=4, batch=8,
                          partition="memory", optimizer="sgd")
     job = make_job(config)
     (schedule, static), = seen

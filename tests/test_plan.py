@@ -239,7 +239,7 @@ def test_progress_counts_every_candidate() -> None:
 
 
 def test_bad_shapes_are_config_errors() -> None:
-    with pytest.raises(ConfigError, match="stages must be a positive integer"):
+    with pytest.raises(ConfigError, match="devices must be a positive integer"):
         evaluate(0, 4)
     with pytest.raises(ConfigError, match="microbatches must be a positive integer"):
         plan(4, -1, 4)
@@ -308,7 +308,7 @@ def test_plan_plots_png_and_svg(capsys, tmp_path) -> None:
     (["--memory", "0.5x"], "no schedule fits 2 M on 4 stages; the smallest reachable peak is 4 M (zb-h1)"),
     (["--memory", "3", "--f", "-1"], "cost f must be a finite number >= 0 (got -1.0)"),
     (["--memory", "4", "--plot", "out.pdf"], "use a file name ending in .png or .svg"),
-    (["--memory", "4", "-p", "0"], "stages must be a positive integer (got 0)"),
+    (["--memory", "4", "-p", "0"], "devices must be a positive integer (got 0)"),
     ([], "the following arguments are required: --memory"),
 ])
 @pytest.mark.usefixtures("builtin")

@@ -145,7 +145,7 @@ MLP = dict(model="mlp", layers=8, hidden=256, batch=1024, steps=2, optimizer="sg
 
 @pytest.mark.parametrize(("schedule", "stages"), [("1f1b", 4), ("interleaved-1f1b", 2), ("zb-v", 2)])
 def test_auto_fits_the_budget_on_real_runs_and_keeps_gradients(schedule: str, stages: int) -> None:
-    base = dict(schedule=schedule, stages=stages, **MLP)
+    base = dict(schedule=schedule, devices=stages, **MLP)
     # The range a budget can take: from recomputing every layer to recomputing none (measured, not run).
     full = make_job(TrainConfig(**base, recompute="full")).extra["recompute"]  # type: ignore[arg-type]
     sched = build(schedule, stages, 8)

@@ -29,7 +29,7 @@ def _two_way(m: int) -> Schedule:
 
 
 def _job(steps: int, **more):
-    cfg = TrainConfig(schedule="gpipe", stages=2, microbatches=4, steps=steps, model="mlp", layers=4, hidden=16,
+    cfg = TrainConfig(schedule="gpipe", devices=2, microbatches=4, steps=steps, model="mlp", layers=4, hidden=16,
                       batch=8, partition="even", lr=1e-2)
     return replace(make_job(cfg, save_grads_of_step=0), **{"schedule": _two_way(4), **more})
 

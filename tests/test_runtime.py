@@ -28,7 +28,7 @@ def _layers_for(name: str, p: int) -> int:
 def test_every_schedule_matches_one_process(name: str, ranks: int, model: str) -> None:
     # The GPT's embedding and head count as layers: its blocks are the rest.
     layers = _layers_for(name, ranks) - (2 if model == "gpt" else 0)
-    cfg = TrainConfig(schedule=name, stages=ranks, microbatches=2 * ranks, steps=1, model=model, layers=layers,
+    cfg = TrainConfig(schedule=name, devices=ranks, microbatches=2 * ranks, steps=1, model=model, layers=layers,
                       hidden=16, heads=2, seq=8, batch=2 * ranks, partition="even")
     job, reports = train(cfg, check=True)
     diff = compare(job, reports)
@@ -41,7 +41,7 @@ def test_every_schedule_matches_one_process(name: str, ranks: int, model: str) -
 def test_recomputed_and_offloaded_stages_match_one_process(name: str, ranks: int, memory: str) -> None:
     # B frees what W will not read on split-backward schedules (zb-h1, zb-v, v-half), recomputed or offloaded.
     options: dict[str, object] = {"recompute": "full"} if memory == "recompute" else {"offload": (1, 1)}
-    cfg = TrainConfig(schedule=name, stages=ranks, microbatches=2 * ranks, steps=1, model="gpt",
+    cfg = TrainConfig(schedule=name, devices=ranks, microbatches=2 * ranks, steps=1, model="gpt",
                       layers=_layers_for(name, ranks), hidden=16, heads=2, seq=8, batch=2 * ranks,
                       partition="even", **options)  # type: ignore[arg-type]
     job, reports = train(cfg, check=True)
@@ -50,7 +50,7 @@ def test_recomputed_and_offloaded_stages_match_one_process(name: str, ranks: int
 
 
 def test_gpt_on_v_shape_matches_and_learns() -> None:
-    cfg = TrainConfig(schedule="zb-v", stages=2, microbatches=4, steps=6, model="gpt", layers=2, hidden=32,
+    cfg = TrainConfig(schedule="zb-v", devices=2, microbatches=4, steps=6, model="gpt", layers=2, hidden=32,
                       heads=4, batch=8, seq=32, lr=3e-3)
     job, reports = train(cfg, check=True)
     diff = compare(job, reports)
@@ -86,8 +86,8 @@ def test_shapes_may_change_between_steps() -> None:
 
 def test_user_errors_are_config_errors() -> None:
     with pytest.raises(ConfigError, match="has 8 stages but the model has 4 layers, so at most 4 stages: "
-                                          "use --stages 2 or fewer"):
-        make_job(TrainConfig(schedule="v-half", stages=4, model="mlp", layers=4, batch=8))
+                                          "use --devices 2 or fewer"):
+        make_job(TrainConfig(schedule="v-half", devices=4, model="mlp", layers=4, batch=8))
     from pipefold.models import gpt_loss, mlp_loss
 
     with pytest.raises(ConfigError, match=r"the target has shape \(8, 3\) but the model's output has \(8, 4\)"):
@@ -95,10 +95,10 @@ def test_user_errors_are_config_errors() -> None:
     with pytest.raises(ConfigError, match=r"give one target token per position, shape \(2, 5\)"):
         gpt_loss(torch.zeros(2, 5, 256), torch.zeros(2, 4, dtype=torch.long))
     with pytest.raises(ConfigError, match="a batch of 10 does not split into 8 microbatches"):
-        make_job(TrainConfig(schedule="1f1b", stages=2, microbatches=8, model="mlp", layers=4, batch=10))
+        make_job(TrainConfig(schedule="1f1b", devices=2, microbatches=8, model="mlp", layers=4, batch=10))
     # Checked in the launcher, before any rank starts (they used to fail on every rank at once).
     with pytest.raises(ConfigError, match="unknown optimizer 'adam': use sgd or adamw, or pass a function"):
-        make_job(TrainConfig(schedule="1f1b", stages=2, model="mlp", layers=4, batch=8, optimizer="adam",
+        make_job(TrainConfig(schedule="1f1b", devices=2, model="mlp", layers=4, batch=8, optimizer="adam",
                              partition="even"))
 
 
@@ -176,7 +176,7 @@ def test_tuples_of_tensors_flow_between_stages() -> None:
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_cuda_nccl_matches_one_process() -> None:
-    cfg = TrainConfig(schedule="1f1b", stages=2, microbatches=4, steps=1, model="mlp", layers=4, hidden=16, batch=8)
+    cfg = TrainConfig(schedule="1f1b", devices=2, microbatches=4, steps=1, model="mlp", layers=4, hidden=16, batch=8)
     job, reports = train(cfg, check=True)
     assert compare(job, reports)["max_grad_rel_diff"] < 1e-4
 
@@ -189,7 +189,7 @@ def test_global_norm_clipping_and_any_optimizer() -> None:
     """The second step's loss shows the first update: clipped by the norm over all ranks, as in one process."""
     from dataclasses import replace
 
-    cfg = TrainConfig(schedule="1f1b", stages=2, microbatches=4, steps=2, model="mlp", layers=4, hidden=8, batch=8)
+    cfg = TrainConfig(schedule="1f1b", devices=2, microbatches=4, steps=2, model="mlp", layers=4, hidden=8, batch=8)
     job = replace(make_job(cfg), optimizer=_sgd, clip=1e-3)
     reports = run_local(job)
     pipe = [sum(sum(r.steps[i].losses.values()) for r in reports) / 4 for i in range(2)]
@@ -215,7 +215,7 @@ def test_global_norm_clipping_and_any_optimizer() -> None:
 
 @pytest.mark.parametrize("name", ["1f1b", "zb-v"])
 def test_offloading_stages_keep_the_gradients(name: str) -> None:
-    cfg = TrainConfig(schedule=name, stages=2, microbatches=4, steps=1, model="mlp", layers=_layers_for(name, 2) * 2,
+    cfg = TrainConfig(schedule=name, devices=2, microbatches=4, steps=1, model="mlp", layers=_layers_for(name, 2) * 2,
                       hidden=16, batch=8, offload=(1, 1))
     job, reports = train(cfg, check=True)
     diff = compare(job, reports)
@@ -229,7 +229,7 @@ def test_offloading_stages_keep_the_gradients(name: str) -> None:
 def test_stages_balanced_by_parameters_keep_the_gradients() -> None:
     from pipefold.partition import layer_costs, model_sample, partition
 
-    cfg = TrainConfig(schedule="zb-v", stages=2, microbatches=4, steps=1, model="gpt", layers=6, hidden=32, heads=4,
+    cfg = TrainConfig(schedule="zb-v", devices=2, microbatches=4, steps=1, model="gpt", layers=6, hidden=32, heads=4,
                       batch=8, seq=16, partition="params")
     job, reports = train(cfg, check=True)
     assert compare(job, reports)["max_grad_rel_diff"] < TOLERANCE

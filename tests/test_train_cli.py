@@ -13,7 +13,7 @@ import pytest
 
 from pipefold.cli import main
 
-SMALL = ["--model", "mlp", "--layers", "4", "--hidden", "16", "--batch", "8", "--stages", "2", "--microbatches", "4"]
+SMALL = ["--model", "mlp", "--layers", "4", "--hidden", "16", "--batch", "8", "--devices", "2", "--microbatches", "4"]
 
 
 def test_train_json_check_trace_plot(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -54,7 +54,7 @@ def test_train_table(capsys: pytest.CaptureFixture[str]) -> None:
     ],
 )
 def test_train_user_errors(capsys: pytest.CaptureFixture[str], argv: list[str], expected: str) -> None:
-    base = ["--model", "mlp", "--layers", "4", "--hidden", "16", "--batch", "8", "--stages", "2",
+    base = ["--model", "mlp", "--layers", "4", "--hidden", "16", "--batch", "8", "--devices", "2",
             "--microbatches", "4"]
     code = main(["train", *base, *argv])
     err = capsys.readouterr().err
@@ -108,7 +108,7 @@ def test_a_user_error_on_rank_0_stops_every_rank_under_torchrun(tmp_path: Path) 
 
 def test_train_recompute_table_and_json(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["train", "--schedule", "1f1b", "--steps", "1", "--model", "mlp", "--layers", "6", "--hidden", "256",
-            "--batch", "1024", "--stages", "2", "--microbatches", "8", "--partition", "even", "--recompute"]
+            "--batch", "1024", "--devices", "2", "--microbatches", "8", "--partition", "even", "--recompute"]
     # An even split: the default split by measured time may differ between the two runs.
     assert main([*argv, "full", "--json"]) == 0
     full = json.loads(capsys.readouterr().out)

@@ -22,7 +22,7 @@ from pipefold.simulate import CostModel, SimResult, StageOverride, simulate
 from pipefold.units import format_bytes, parse_bytes
 
 DEFAULT_SCHEDULE = "zb-h1"
-DEFAULT_STAGES = 4
+DEFAULT_DEVICES = 4
 DEFAULT_MICROBATCHES = 8
 
 
@@ -37,8 +37,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_shape(p: argparse.ArgumentParser, *, options: bool = True) -> None:
-    p.add_argument("--stages", "-p", type=int, default=DEFAULT_STAGES, metavar="P",
-                   help=f"pipeline stages, one per device (default {DEFAULT_STAGES})")
+    _devices_flag(p, DEFAULT_DEVICES)
     p.add_argument("--microbatches", "-m", type=int, default=DEFAULT_MICROBATCHES, metavar="M",
                    help=f"microbatches per step (default {DEFAULT_MICROBATCHES})")
     if not options:
@@ -66,6 +65,15 @@ def _add_costs(p: argparse.ArgumentParser) -> None:
                    help="point-to-point bytes per time unit (default unlimited)")
     g.add_argument("--activation-bytes", type=float, default=0.0,
                    help="bytes sent between stages per microbatch (default 0)")
+    g.add_argument("--grad-bytes", type=float, default=0.0, metavar="BYTES",
+                   help="gradient bytes of one device's share: what the replicas of a stage all-reduce, as a ring "
+                        "over --latency and --bandwidth (default 0)")
+    g.add_argument("--opt", type=float, default=0.0, help="optimizer step time of a device's share (default 0)")
+    g.add_argument("--weights", type=float, default=0.0, metavar="MEM",
+                   help="memory of a device's share of parameters, gradients and optimizer state, in M: added to "
+                        "the peaks once per stage held, so replicas pay it twice (default 0)")
+    g.add_argument("--overlap", action="store_true",
+                   help="a device runs an overlapped pair (F+B) at once: it costs max(F, B), not F + B")
     g.add_argument("--recompute", type=float, default=0.0, metavar="FRACTION",
                    help="fraction of each forward recomputed in its backward: keeps (1-r) M, B takes r F longer "
                         "(default 0)")
@@ -86,6 +94,21 @@ def _add_model(p: argparse.ArgumentParser, *, layers: int | None, layers_help: s
 
 def _add_output(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+
+
+class _Renamed(argparse.Action):
+    """A flag that was renamed: one line saying what to use instead."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        parser.error(f"{option_string} was renamed --devices (-p): it counts devices, and a device may hold "
+                     "several stages")
+
+
+def _devices_flag(p: argparse.ArgumentParser, default: int) -> None:
+    p.add_argument("--devices", "-p", type=int, default=default, metavar="P",
+                   help=f"pipeline devices (default {default}); a schedule may put several stages on each")
+    p.add_argument("--stages", action=_Renamed, help=argparse.SUPPRESS)
 
 
 def _add_format(p: argparse.ArgumentParser) -> None:
@@ -153,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("partition", help="split a model's layers into stages: balanced measured cost, or least "
                                          "predicted peak memory; show each device's predicted peak")
     _add_model(p, layers=8, layers_help="default 8", batch=8, batch_help="microbatch of the measurements")
-    p.add_argument("--stages", "-p", type=int, default=4, metavar="P", help="pipeline devices (default 4)")
+    _devices_flag(p, 4)
     g = p.add_mutually_exclusive_group()
     g.add_argument("--chunks", type=int, default=None, metavar="V",
                    help="V looped chunks per device, run as interleaved-1f1b (default: 1f1b)")
@@ -171,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train a model with a pipeline schedule, one local process per device")
     p.add_argument("--schedule", default="v-half", help="schedule name, optionally name:key=value,... (default v-half)")
-    p.add_argument("--stages", "-p", type=int, default=4, metavar="P", help="pipeline devices (default 4)")
+    _devices_flag(p, 4)
     p.add_argument("--microbatches", "-m", type=int, default=8, metavar="M", help="microbatches per step (default 8)")
     p.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
     _add_model(p, layers=None, layers_help="default: enough for 2 layers per stage", batch=16,
@@ -253,7 +276,7 @@ def _load_schedule(text: str, args: argparse.Namespace, *, strict_flags: bool) -
         elif strict_flags:
             takes = ", ".join(f"--{o.name}" for o in spec.options) or "none"
             raise ConfigError(f"schedule {name} takes no option --{key}; its options: {takes}")
-    return schedules.build(name, args.stages, args.microbatches, **options)
+    return schedules.build(name, args.devices, args.microbatches, **options)
 
 
 def _cost_model(args: argparse.Namespace) -> CostModel:
@@ -271,7 +294,8 @@ def _cost_model(args: argparse.Namespace) -> CostModel:
         overrides[stage] = StageOverride(f=numbers[0], b=numbers[1], w=numbers[2], memory=memory)
     return CostModel(f=args.f, b=args.b, w=args.w, memory=args.mem, memory_w=args.mem_w,
                      latency=args.latency, bandwidth=args.bandwidth, activation_bytes=args.activation_bytes,
-                     recompute=args.recompute, stage_overrides=overrides)
+                     recompute=args.recompute, stage_overrides=overrides, grad_bytes=args.grad_bytes, opt=args.opt,
+                     overlap=args.overlap, weights=args.weights)
 
 
 def _fmt(x: float) -> str:
@@ -303,7 +327,7 @@ def cmd_schedules(args: argparse.Namespace, console: Console) -> None:
     for name in sorted({o.name for s in schedules.REGISTRY.values() for o in s.options}):
         spec = next(o for s in schedules.REGISTRY.values() for o in s.options if o.name == name)
         console.print(f"  --{name}: {spec.help}")
-    console.print("p: stages (devices), m: microbatches, i: device index. Costs: see 'pipefold simulate --help'.")
+    console.print("p: devices, m: microbatches, i: device index. Costs: see 'pipefold simulate --help'.")
 
 
 def cmd_simulate(args: argparse.Namespace, console: Console) -> None:
@@ -355,11 +379,11 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> None:
     cost = _cost_model(args)
     results = [simulate(_load_schedule(text, args, strict_flags=False), cost) for text in args.schedule]
     if args.json:
-        print(json.dumps({"stages": args.stages, "microbatches": args.microbatches, "cost": cost.to_dict(),
+        print(json.dumps({"devices": args.devices, "microbatches": args.microbatches, "cost": cost.to_dict(),
                           "results": [r.to_dict() for r in results]}))
         return
     best = min(r.makespan for r in results)
-    table = Table(title=f"p={args.stages} m={args.microbatches}", title_justify="left")
+    table = Table(title=f"p={args.devices} m={args.microbatches}", title_justify="left")
     table.add_column("schedule", no_wrap=True)
     for col in ("makespan", "vs best", "bubble", "max peak (M)", "peak per device (M)"):
         table.add_column(col, justify="right")
@@ -394,10 +418,10 @@ def cmd_validate(args: argparse.Namespace, console: Console) -> None:
 
 def cmd_plan(args: argparse.Namespace, console: Console) -> None:
     cost = _cost_model(args)
-    budget = parse_budget(args.memory, one_f_one_b_peak(args.stages, args.microbatches, cost))
-    with _progress_bar(f"planning p={args.stages} m={args.microbatches}") as progress:
-        answer = plan(args.stages, args.microbatches, budget, cost, progress=progress)
-    title = (f"p={args.stages} m={args.microbatches}, budget {_fmt(budget)} M: {answer.spec}, "
+    budget = parse_budget(args.memory, one_f_one_b_peak(args.devices, args.microbatches, cost))
+    with _progress_bar(f"planning p={args.devices} m={args.microbatches}") as progress:
+        answer = plan(args.devices, args.microbatches, budget, cost, progress=progress)
+    title = (f"p={args.devices} m={args.microbatches}, budget {_fmt(budget)} M: {answer.spec}, "
              f"makespan {_fmt(answer.best.makespan)}, peak {_fmt(answer.best.memory)} M")
     if args.plot:
         from pipefold.render import plot_frontier
@@ -433,7 +457,7 @@ def _plan_dict(answer: PlanResult, args: argparse.Namespace, cost: CostModel) ->
     r = answer.result
     return {
         "schedule": answer.spec, "name": answer.name, "options": answer.options,
-        "stages": args.stages, "microbatches": args.microbatches,
+        "devices": args.devices, "microbatches": args.microbatches,
         "makespan": round(r.makespan, 9), "bubble_ratio": round(r.bubble_ratio, 9),
         "peak_memory": [round(x, 9) for x in r.peak_memory], "budget": round(answer.budget, 9),
         "evaluated": len(answer.points), "skipped": list(answer.skipped),
@@ -449,7 +473,7 @@ def _print_plan(answer: PlanResult, args: argparse.Namespace, console: Console) 
     console.print(f"[bold]{answer.spec}[/]  makespan [bold]{_fmt(r.makespan)}[/]  bubble ratio {r.bubble_ratio:.1%}  "
                   f"peak memory {' '.join(_fmt(x) for x in r.peak_memory)} M  (budget {_fmt(answer.budget)} M)")
     skipped = f", {len(answer.skipped)} could not run this shape" if answer.skipped else ""
-    table = Table(title=f"memory/makespan frontier, p={args.stages} m={args.microbatches} "
+    table = Table(title=f"memory/makespan frontier, p={args.devices} m={args.microbatches} "
                         f"({len(answer.points)} schedules evaluated{skipped})", title_justify="left")
     table.add_column("", no_wrap=True)
     for col in ("peak memory (M)", "makespan", "bubble"):
@@ -476,9 +500,9 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
         if getattr(args, label) < 1:
             raise ConfigError(f"--{label} must be at least 1 (got {getattr(args, label)})")
     offload = _parse_offload(args.offload) if args.offload else None
-    probe = schedules.build(name, args.stages, args.microbatches, **options)
+    probe = schedules.build(name, args.devices, args.microbatches, **options)
     layers = args.layers or max(1, probe.stages * 2 - (2 if args.model == "gpt" else 0))
-    config = TrainConfig(schedule=name, options=tuple(options.items()), stages=args.stages,
+    config = TrainConfig(schedule=name, options=tuple(options.items()), devices=args.devices,
                          microbatches=args.microbatches, steps=args.steps, model=args.model, layers=layers,
                          hidden=args.hidden, heads=args.heads, batch=args.batch, seq=args.seq, lr=args.lr,
                          optimizer=args.optimizer, clip=args.clip, data=args.data, seed=args.seed, offload=offload,
@@ -547,8 +571,8 @@ def _train_summary(job: Any, reports: list[Any], config: Any, predicted: Any) ->
               for i in range(steps)]
     step_time = [max(r.steps[i].wall for r in reports) for i in range(steps)]
     return {
-        "schedule": job.schedule.name, "options": dict(job.schedule.options), "stages": job.schedule.devices,
-        "model_stages": job.schedule.stages, "microbatches": job.schedule.microbatches, "model": config.model,
+        "schedule": job.schedule.name, "options": dict(job.schedule.options), "devices": job.schedule.devices,
+        "stages": job.schedule.stages, "microbatches": job.schedule.microbatches, "model": config.model,
         "layers": job.extra["num_layers"], "partition": config.partition,
         "boundaries": [stage[0] for stage in job.layer_stages], "loss": losses, "step_time_s": step_time,
         "busy_s": [sum(s.busy for s in r.steps[1:] or r.steps) / max(1, len(r.steps[1:] or r.steps))
@@ -564,7 +588,7 @@ def _train_summary(job: Any, reports: list[Any], config: Any, predicted: Any) ->
 
 
 def _print_train(out: dict[str, Any], console: Console) -> None:
-    console.print(f"[bold]{out['schedule']}[/] on {out['stages']} ranks, {out['microbatches']} microbatches, "
+    console.print(f"[bold]{out['schedule']}[/] on {out['devices']} ranks, {out['microbatches']} microbatches, "
                   f"{out['model']} with {out['layers']} layers: loss {out['loss'][0]:.4f} -> {out['loss'][-1]:.4f}")
     split = "evenly" if out["partition"] == "even" else f"balanced by {out['partition']}"
     console.print(f"stages start at layers {' '.join(map(str, out['boundaries']))} (split {split})")
@@ -662,7 +686,7 @@ def cmd_partition(args: argparse.Namespace, console: Console) -> None:
     )
     from pipefold.recompute import OPTIMIZER_STATE
 
-    for flag, value in (("--stages", args.stages), ("--chunks", args.chunks), ("--microbatches", args.microbatches)):
+    for flag, value in (("--devices", args.devices), ("--chunks", args.chunks), ("--microbatches", args.microbatches)):
         if value is not None and value < 1:
             raise ConfigError(f"{flag} must be at least 1 (got {value})")
     if args.schedule is not None:
@@ -671,9 +695,9 @@ def cmd_partition(args: argparse.Namespace, console: Console) -> None:
         name, options = "interleaved-1f1b", {"v": args.chunks}
     else:
         name, options = "1f1b", {}
-    least = schedules.get(name).min_microbatches(args.stages)
-    m = args.microbatches if args.microbatches is not None else max(least, 2 * args.stages)
-    schedule = schedules.build(name, args.stages, m, **options)
+    least = schedules.get(name).min_microbatches(args.devices)
+    m = args.microbatches if args.microbatches is not None else max(least, 2 * args.devices)
+    schedule = schedules.build(name, args.devices, m, **options)
     layers, sample = model_sample(args.model, layers=args.layers, hidden=args.hidden, heads=args.heads,
                                   batch=args.batch, seq=args.seq)
     params, times = (layer_costs(layers, sample, by=by) for by in ("params", "time"))

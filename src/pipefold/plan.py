@@ -167,7 +167,7 @@ def plan(p: int, m: int, budget: float, cost: CostModel | None = None, *,
 
 
 def _evaluate(p: int, m: int, cost: CostModel | None, progress: Progress | None) -> tuple[list[Point], list[str]]:
-    for label, value in (("stages", p), ("microbatches", m)):
+    for label, value in (("devices", p), ("microbatches", m)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(f"{label} must be a positive integer (got {value!r})")
     todo = candidates(p, m)

@@ -123,11 +123,15 @@ class CostModel:
     """Bytes of the gradients of one device's share of the model: what replicas of a stage all-reduce."""
     opt: float = 0.0
     """Optimizer step time of one device's share."""
+    weights: float = 0.0
+    """Memory of one device's share of the parameters, gradients and optimizer state, in units of M: held all
+    step, once per stage a device holds, so a replicated schedule (Chimera, DualPipe) pays it twice."""
     overlap: bool = False
     """Whether a device runs the two parts of an overlapped pair (F+B) at once: it then costs max(F, B), else F + B."""
 
     def __post_init__(self) -> None:
-        for name in ("f", "b", "w", "memory", "memory_w", "latency", "activation_bytes", "grad_bytes", "opt"):
+        for name in ("f", "b", "w", "memory", "memory_w", "latency", "activation_bytes", "grad_bytes", "opt",
+                     "weights"):
             value = getattr(self, name)
             if value is None and name == "memory_w":
                 continue
@@ -187,7 +191,7 @@ class CostModel:
             "latency": self.latency,
             "bandwidth": None if math.isinf(self.bandwidth) else self.bandwidth,
             "activation_bytes": self.activation_bytes, "recompute": self.recompute,
-            "grad_bytes": self.grad_bytes, "opt": self.opt, "overlap": self.overlap,
+            "grad_bytes": self.grad_bytes, "opt": self.opt, "overlap": self.overlap, "weights": self.weights,
             "stage_overrides": {str(s): {"f": c.f, "b": c.b, "w": c.w, "memory": c.memory,
                                          "recompute": c.recompute, "kept": c.kept, "memory_w": c.memory_w}
                                 for s, c in self.stage_overrides.items()},
@@ -236,8 +240,17 @@ class SimResult:
 
     @property
     def peak_memory(self) -> list[float]:
-        """Per device, the highest activation memory held at any time, in units of M."""
-        return [max(m for _, m in curve) for curve in self.memory_curve]
+        """Per device, the most memory held at any time, in units of M: the activations' peak plus
+        :attr:`static_memory` (0 unless the cost model gives ``weights``)."""
+        return [max(m for _, m in curve) + static for curve, static in zip(self.memory_curve, self.static_memory,
+                                                                            strict=True)]
+
+    @property
+    def static_memory(self) -> list[float]:
+        """Per device, what its stages' parameters, gradients and optimizer state take: ``weights`` per device
+        share, for every stage it holds (of any replica)."""
+        s, w = self.schedule, self.cost.weights
+        return [w * len(s.stages_of(d)) * s.devices / s.stages for d in range(s.devices)]
 
     def to_dict(self, *, timeline: bool = False) -> dict[str, Any]:
         """JSON-ready summary; with ``timeline`` also every action's start and end."""

@@ -43,7 +43,7 @@ class TrainConfig:
     """Schedule name (see ``pipefold schedules``)."""
     options: tuple[tuple[str, int], ...] = ()
     """Schedule options, as (name, value) pairs."""
-    stages: int = 4
+    devices: int = 4
     """Pipeline devices, one process each."""
     microbatches: int = 8
     """Microbatches per step."""
@@ -87,7 +87,7 @@ def _batch_mlp(cfg: MLPConfig, batch: int, seed: int, step: int) -> tuple[torch.
 
 
 def build_schedule(config: TrainConfig) -> Schedule:
-    return schedules.build(config.schedule, config.stages, config.microbatches, **dict(config.options))
+    return schedules.build(config.schedule, config.devices, config.microbatches, **dict(config.options))
 
 
 Decisions = tuple[tuple[tuple[int, ...], ...], RecomputePlan | None]
@@ -117,8 +117,8 @@ def make_job(config: TrainConfig, *, save_grads_of_step: int | None = None,
         batch_at = functools.partial(_batch_mlp, cfg, config.batch, config.seed)
     if schedule.stages > cfg.num_layers:
         per_device = schedule.stages // schedule.devices
-        raise ConfigError(f"{config.schedule} on {config.stages} devices has {schedule.stages} stages but the model "
-                          f"has {cfg.num_layers} layers, so at most {cfg.num_layers} stages: use --stages "
+        raise ConfigError(f"{config.schedule} on {config.devices} devices has {schedule.stages} stages but the model "
+                          f"has {cfg.num_layers} layers, so at most {cfg.num_layers} stages: use --devices "
                           f"{max(1, cfg.num_layers // per_device)} or fewer, or more --layers")
     build = functools.partial(spec.build_layers, cfg, seed=config.seed)
     extra: dict[str, Any] = {"num_layers": cfg.num_layers}

@@ -13,8 +13,10 @@ from typing import Any
 from pipefold._gc import paused_gc
 from pipefold.errors import ConfigError
 from pipefold.ir import Schedule
+from pipefold.schedules.bidirectional import chimera, dualpipe
 from pipefold.schedules.controllable import v_block_schedule, v_half, v_min, v_zb
-from pipefold.schedules.interleaved import interleaved_1f1b, looped_bfs
+from pipefold.schedules.dualpipe_v import dualpipev
+from pipefold.schedules.interleaved import interleaved_1f1b, interleaved_zb, looped_bfs
 from pipefold.schedules.kfkb import gpipe, kfkb, one_f_one_b
 from pipefold.schedules.vshape import one_f_one_b_v, zb_v
 from pipefold.schedules.zero_bubble import zb_h, zb_h1, zb_h2
@@ -70,6 +72,10 @@ REGISTRY: dict[str, ScheduleSpec] = {
                      description="1F1B / PipeDream-Flush: warm-up, then one forward one backward"),
         ScheduleSpec(name="interleaved-1f1b", build=interleaved_1f1b, options=(_V,), memory="~p+(p-1)/v",
                      description="Interleaved 1F1B (Megatron-LM): v looped chunks per device, bubble / v"),
+        ScheduleSpec(name="interleaved-zb", build=interleaved_zb, options=(_V,),
+                     memory="min(m,p+(v-1)(g-p)/v), g: microbatches per round, p when p divides m",
+                     description="Interleaved zero bubble (torch's ScheduleInterleavedZeroBubble): v looped "
+                                 "chunks, B/W split, 1F1B's memory"),
         ScheduleSpec(name="looped-bfs", build=looped_bfs, options=(_V,), memory="m",
                      description="Breadth-first looped (Lamy-Poirier 2022): all microbatches chunk by chunk"),
         ScheduleSpec(name="kfkb", build=kfkb, memory="min(m, k(p-i))",
@@ -88,6 +94,14 @@ REGISTRY: dict[str, ScheduleSpec] = {
                      description="Zero Bubble V: V placement, B/W split, W fills the gaps; 1F1B's memory, ~no bubble"),
         ScheduleSpec(name="1f1b-v", build=one_f_one_b_v, memory="(min(m,2p-1-i)+min(m,i+1))/2, p for m>=2p-1",
                      description="1F1B on the V placement: fused backward, warm-up of 2p-1 forwards, then 1F1B"),
+        ScheduleSpec(name="dualpipev", build=dualpipev, memory="p+1/2 (2p+1 chunks)", min_microbatches=lambda p: 2 * p,
+                     description="DualPipeV (DeepSeek): DualPipe cut in half, V placement, F&B overlap, B/W split"),
+        ScheduleSpec(name="chimera", build=chimera, memory="p/2+1+min(i,p-1-i)", min_microbatches=lambda p: p,
+                     description="Chimera (Li & Hoefler): down and up 1F1B pipelines merged, two replicas, "
+                                 "m a multiple of p"),
+        ScheduleSpec(name="dualpipe", build=dualpipe, memory="p+1", min_microbatches=lambda p: 2 * p,
+                     description="DualPipe (DeepSeek): two opposite pipelines, F of one overlapped with B of the "
+                                 "other, B/W split at the ends"),
         ScheduleSpec(name="v-zb", build=v_zb, memory="p",
                      description="V-ZB (controllable memory): V building block at 1F1B's memory, ~no bubble"),
         ScheduleSpec(name="v-half", build=v_half, memory="(p+2)//2",
@@ -118,22 +132,22 @@ def get(name: str) -> ScheduleSpec:
         raise ConfigError(f"unknown schedule {name!r}; known schedules: {', '.join(REGISTRY)}") from None
 
 
-def build(name: str, stages: int, microbatches: int, **options: Any) -> Schedule:
-    """Generate schedule ``name`` for ``stages`` pipeline devices and ``microbatches`` microbatches.
+def build(name: str, devices: int, microbatches: int, **options: Any) -> Schedule:
+    """Generate schedule ``name`` for ``devices`` pipeline devices and ``microbatches`` microbatches.
 
     ``options`` are the family's knobs (see :func:`get` and ``pipefold schedules``);
     omitted ones take their defaults.
     """
     spec = get(name)
-    _check_positive("stages", stages)
+    _check_positive("devices", devices)
     _check_positive("microbatches", microbatches)
-    least = spec.min_microbatches(stages)
+    least = spec.min_microbatches(devices)
     if microbatches < least:
-        raise ConfigError(f"{name} needs at least {least} microbatches on {stages} stages (got {microbatches}); "
+        raise ConfigError(f"{name} needs at least {least} microbatches on {devices} devices (got {microbatches}); "
                           f"use --microbatches {least} or more")
     resolved = _resolve_options(spec, options)
     with paused_gc():
-        return spec.build(stages, microbatches, **resolved)
+        return spec.build(devices, microbatches, **resolved)
 
 
 def _check_positive(label: str, value: Any) -> None:

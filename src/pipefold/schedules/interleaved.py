@@ -1,4 +1,4 @@
-"""Looped schedules with v stages (chunks) per device: interleaved 1F1B and breadth-first.
+"""Looped schedules with v stages (chunks) per device: interleaved 1F1B, its zero-bubble form, and breadth-first.
 
 Stage s lives on device s mod p, so each microbatch loops through the devices v
 times. Device i holds stages i, i+p, ..., i+(v-1)p (its chunks 0..v-1).
@@ -6,7 +6,10 @@ times. Device i holds stages i, i+p, ..., i+(v-1)p (its chunks 0..v-1).
 
 from __future__ import annotations
 
-from pipefold.ir import BW, Action, F, Schedule, looped_placement
+from collections import deque
+
+from pipefold.errors import ConfigError
+from pipefold.ir import BW, Action, B, F, Schedule, W, looped_placement
 from pipefold.schedules._phases import warmup_steady_cooldown
 
 
@@ -51,7 +54,7 @@ def interleaved_1f1b(devices: int, microbatches: int, v: int = 2) -> Schedule:
         # first gradient returns, plus 2 per device below i (forward there and backward back).
         warmup = (v - 1) * group_size(p, m) + 2 * (p - 1 - i)
         rows.append(warmup_steady_cooldown(forwards, backwards, warmup=warmup))
-    return Schedule("interleaved-1f1b", p, p * v, m, looped_placement(p, v), tuple(map(tuple, rows)), {"v": v})
+    return Schedule("interleaved-1f1b", p, p * v, m, (looped_placement(p, v),), tuple(map(tuple, rows)), {"v": v})
 
 
 def looped_bfs(devices: int, microbatches: int, v: int = 2) -> Schedule:
@@ -67,4 +70,68 @@ def looped_bfs(devices: int, microbatches: int, v: int = 2) -> Schedule:
         forwards = [F(s, j) for s in chunks for j in range(m)]
         backwards = [BW(s, j) for s in reversed(chunks) for j in range(m)]
         rows.append(forwards + backwards)
-    return Schedule("looped-bfs", p, p * v, m, looped_placement(p, v), tuple(map(tuple, rows)), {"v": v})
+    return Schedule("looped-bfs", p, p * v, m, (looped_placement(p, v),), tuple(map(tuple, rows)), {"v": v})
+
+
+def _interleaved_zb_order(i: int, p: int, m: int, v: int) -> list[Action]:
+    """Device i's passes in interleaved zero bubble (ZB1P, as torch's ScheduleInterleavedZeroBubble).
+
+    Passes are counted in rounds of g = :func:`group_size` microbatches: the k-th forward of
+    the device is for chunk (k // g) mod v, the k-th backward for chunk v-1 - (k // g) mod v,
+    each chunk's microbatches in order. Phases:
+
+        warm-up    (v-1)g + p-1-i  x  F          every chunk but the last takes a round, plus one
+                                                 slot per device below (a B is one slot, not BW's two)
+        steady     mv - warm-up    x  F B (W)    one forward, one input gradient
+        cool-down  warm-up         x  B (W)      the gradients still to come
+        tail                          W          the deferred ones
+
+    From the device's (i+1)-th B on, each B is followed by the oldest pending W, so i Ws
+    stay deferred to the tail (ZB-H1's deferral), filling the gaps while gradients drain.
+    Device i then peaks at (v-1)g + p chunk activations, p M when g = p (1F1B's memory).
+    """
+    g = group_size(p, m)
+    total = m * v
+    warmup = min((v - 1) * g + p - 1 - i, total)
+    next_f: dict[int, int] = {}
+    next_b: dict[int, int] = {}
+    deferred: deque[Action] = deque()
+    order: list[Action] = []
+
+    def forward(k: int) -> None:
+        stage = (k // g) % v * p + i
+        j = next_f.get(stage, 0)
+        next_f[stage] = j + 1
+        order.append(F(stage, j))
+
+    def backward(k: int) -> None:
+        stage = (v - 1 - (k // g) % v) * p + i
+        j = next_b.get(stage, 0)
+        next_b[stage] = j + 1
+        order.append(B(stage, j))
+        deferred.append(W(stage, j))
+
+    for k in range(warmup):
+        forward(k)
+    for k in range(total):  # steady while forwards remain, then cool-down
+        if warmup + k < total:
+            forward(warmup + k)
+        backward(k)
+        if k >= i:
+            order.append(deferred.popleft())
+    order += deferred
+    return order
+
+
+def interleaved_zb(devices: int, microbatches: int, v: int = 2) -> Schedule:
+    """Interleaved zero bubble (ZB1P on the looped placement): v chunks per device, B/W split.
+
+    torch's ScheduleInterleavedZeroBubble for every shape it builds (m a multiple of its
+    rounds); for other m the rounds are :func:`group_size` microbatches, as in interleaved 1F1B.
+    """
+    p, m = devices, microbatches
+    if p < 1 or m < 1 or v < 1:
+        raise ConfigError(f"interleaved-zb needs at least 1 device, microbatch and chunk per device "
+                          f"(got devices={p}, microbatches={m}, v={v})")
+    rows = tuple(tuple(_interleaved_zb_order(i, p, m, v)) for i in range(p))
+    return Schedule("interleaved-zb", p, p * v, m, (looped_placement(p, v),), rows, {"v": v})
