@@ -34,6 +34,22 @@ def _job(steps: int, **more):
     return replace(make_job(cfg, save_grads_of_step=0), **{"schedule": _two_way(4), **more})
 
 
+def _one_process_weights(job, steps: int) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
+    """The weights after ``steps`` steps of one process with the job's optimizer on the whole batch."""
+    n = job.extra["num_layers"]
+    layers = job.build_layers(list(range(n)))
+    model = Chain(*(layers[i] for i in range(n)))
+    opt = OPTIMIZERS[str(job.optimizer)](list(model.parameters()), lr=job.lr)
+    m = job.schedule.microbatches
+    for step in range(steps):
+        x, y = job.batch_at(step)
+        opt.zero_grad()
+        for xs, ys in zip(x.chunk(m), y.chunk(m), strict=True):
+            (job.loss_fn(model(xs), ys) / m).backward()
+        opt.step()
+    return {f"{i}.{name}": p.detach() for i in range(n) for name, p in layers[i].named_parameters()}
+
+
 def test_both_replicas_get_the_gradients_of_one_process() -> None:
     job = _job(1)
     reports = run_local(job)
@@ -52,20 +68,9 @@ def test_replicas_stay_identical_over_several_steps_and_train_as_one_process() -
     for name in a:
         assert torch.equal(a[name], b[name]), name  # bit for bit: the same sum, the same update
     # One process with the same optimizer, the whole batch per step: the same weights.
-    n = job.extra["num_layers"]
-    layers = job.build_layers(list(range(n)))
-    model = Chain(*(layers[i] for i in range(n)))
-    opt = OPTIMIZERS[str(job.optimizer)](list(model.parameters()), lr=job.lr)
-    m = job.schedule.microbatches
-    for step in range(steps):
-        x, y = job.batch_at(step)
-        opt.zero_grad()
-        for xs, ys in zip(x.chunk(m), y.chunk(m), strict=True):
-            (job.loss_fn(model(xs), ys) / m).backward()
-        opt.step()
-    want = {f"{i}.{name}": p.detach() for i in range(n) for name, p in layers[i].named_parameters()}
-    for name, w in want.items():
+    for name, w in _one_process_weights(job, steps).items():
         torch.testing.assert_close(a[name], w, rtol=1e-5, atol=1e-6)
+    m = job.schedule.microbatches
     first = sum(sum(r.steps[0].losses.values()) for r in reports) / m
     last = sum(sum(r.steps[-1].losses.values()) for r in reports) / m
     assert last < first
@@ -92,3 +97,23 @@ def test_the_runtime_refuses_kinds_it_cannot_run() -> None:
         RankExecutor(bad, 0, {}, lambda *a: torch.zeros(()), torch.device("cpu"))
     with pytest.raises(ConfigError, match="steps some stages' optimizers itself .* not stage 1 on device 0"):
         _job(1, schedule=s.with_actions([[*s.actions[0], OPT(0)], [*s.actions[1], OPT(0), OPT(1)]]))
+
+
+@pytest.mark.parametrize(("name", "p"), [("chimera", 2), ("dualpipe", 4)])
+def test_generated_replicated_schedules_keep_replicas_identical(name: str, p: int) -> None:
+    """After several optimizer steps each stage's two copies (on devices s and p-1-s) are equal bit for bit,
+    and equal to one process trained on the whole batch."""
+    m, steps = 2 * p, 3
+    cfg = TrainConfig(schedule=name, devices=p, microbatches=m, steps=steps, model="mlp", layers=2 * p, hidden=16,
+                      batch=2 * m, partition="even", lr=1e-2)
+    job = replace(make_job(cfg), save_weights=True)
+    reports = run_local(job)
+    copies: dict[str, list[torch.Tensor]] = {}
+    for r in reports:
+        for key, w in (r.weights or {}).items():
+            copies.setdefault(key, []).append(w)
+    assert copies and all(len(ws) == 2 for ws in copies.values())  # every stage on two devices
+    for key, (a, b) in copies.items():
+        assert torch.equal(a, b), key
+    for key, w in _one_process_weights(job, steps).items():
+        torch.testing.assert_close(copies[key][0], w, rtol=1e-5, atol=1e-6)

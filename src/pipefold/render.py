@@ -274,6 +274,8 @@ def _label_boxes(ax: Axes, result: SimResult, chunk_of: list[int], chunks: int) 
     pt_per_unit = 0.85 * w_pt / span  # 0.85: room for the layout pass that adds legends and labels
     for d, row in enumerate(result.timeline):
         for iv in row:
+            if not KINDS[iv.action.kind].computes:
+                continue  # drawn as a thin bar beside the compute: no room for a label
             label = _box_label(iv.action)
             if (iv.end - iv.start) * pt_per_unit < len(label) * size * 0.62 + 2:
                 continue
@@ -293,7 +295,14 @@ def draw_gantt(ax: Axes, result: SimResult, *, label_devices: bool = True) -> No
     verts, colors = [], []
     for d, row in enumerate(result.timeline):
         for iv in row:
-            verts.append(_box_verts(iv, d))
+            if not KINDS[iv.action.kind].computes:
+                # Communication beside the compute (an all-reduce): a thin bar in the lower third of the row,
+                # at least a sliver wide, so that a free or quick one still shows where it starts.
+                lo = d + _ROW_HEIGHT / 2
+                end = max(iv.end, iv.start + span * 0.004)
+                verts.append([(iv.start, lo - _ROW_HEIGHT / 3), (iv.start, lo), (end, lo), (end, lo - _ROW_HEIGHT / 3)])
+            else:
+                verts.append(_box_verts(iv, d))
             colors.append(_box_color(iv.action.kind, _chunk_of(iv.action, chunk_of), chunks))
     background = [[(0, d - _ROW_HEIGHT / 2), (0, d + _ROW_HEIGHT / 2), (span, d + _ROW_HEIGHT / 2),
                    (span, d - _ROW_HEIGHT / 2)] for d in range(schedule.devices)]
