@@ -325,19 +325,13 @@ def dumps(schedule: Schedule, fmt: str = "text") -> str:
 
 def load(path: str, fmt: str | None = None) -> Schedule:
     """Read a schedule file in ``fmt`` (one of :data:`FORMATS`), or, if None, as its suffix says."""
-    if fmt is None:
-        return Schedule.load(path)
-    if fmt not in FORMATS:
+    if fmt is not None and fmt not in FORMATS:
         raise ConfigError(f"unknown schedule format {fmt!r}: use {', '.join(FORMATS)}")
+    if fmt != "torch-csv":
+        return Schedule.load(path, fmt)
     with open(path, encoding="utf-8") as fh:
         text = fh.read()
     try:
-        if fmt == "torch-csv":
-            return from_torch_csv(text)
-        if fmt == "json":
-            return Schedule.from_json(text)
-        if fmt == "csv":
-            return Schedule.from_csv(text)
-        return Schedule.from_text(text)
+        return from_torch_csv(text)
     except ScheduleError as exc:
         raise ScheduleError(f"{path}: {exc.message}", exc.report) from None

@@ -633,11 +633,11 @@ class Schedule:
         raise ValueError(f"unknown schedule format {fmt!r}: use text, json or csv")
 
     @classmethod
-    def load(cls, path: str) -> Schedule:
-        """Read a schedule file written by :meth:`save` (or by hand)."""
+    def load(cls, path: str, fmt: str | None = None) -> Schedule:
+        """Read a schedule file written by :meth:`save` (or by hand), in ``fmt`` or as its suffix says."""
         with open(path, encoding="utf-8") as fh:
             text = fh.read()
-        fmt = _format_of(path)
+        fmt = _format_of(path) if fmt is None else fmt
         try:
             if fmt == "json":
                 return cls.from_json(text)
