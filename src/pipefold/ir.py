@@ -864,10 +864,23 @@ def _givers(schedule: Schedule, offsets: Sequence[int]) -> tuple[list[int], dict
     giver = [-1] * (wide0 + P * S * D)
     info = {code: (spec.microbatch, tuple((names[g] * S) * M for g in spec.gives),
                    tuple(wide0 + names[g] * S * D for g in spec.gives)) for code, spec in KINDS.items()}
+    # The common case first: a one-replica schedule's simple action of a known per-microbatch kind that gives
+    # one pass; anything else goes through the general loop below.
+    one = {code: gives[0] for code, (per_mb, gives, _) in info.items() if per_mb and len(gives) == 1}
+    home = placement[0] if len(placement) == 1 else None
     gid = 0
     for device, row in enumerate(schedule.actions):
         for position, act in enumerate(row):
-            for a in (act[3] or (act,)):
+            s, kind, m, parts = act
+            base = one.get(kind, -1)
+            if base >= 0 and home is not None and not parts and 0 <= s < S and 0 <= m < M and home[s] == device:
+                at = base + s * M + m
+                if giver[at] >= 0:
+                    _duplicate(schedule, device, position, act, giver[at], offsets)
+                giver[at] = gid
+                gid += 1
+                continue
+            for a in (parts or (act,)):
                 s, kind, m = a[0], a[1], a[2]
                 got = info.get(kind)
                 if got is None:
@@ -963,11 +976,20 @@ def _inputs(schedule: Schedule, giver: list[int], names: Mapping[str, int],
     append = out.append
     for device, row in enumerate(schedule.actions):
         for act in row:
-            if not act[3] and act[2] >= 0:  # the common case: one pass of one microbatch
+            if not act[3] and act[2] >= 0:  # the common case: one pass of one microbatch, one or two needs
                 s, kind, m = act[0], act[1], act[2]
                 at = s * M + m
-                ins = tuple(g for off, base in needs[kind] if 0 <= s + off < S and (g := giver[base + at]) >= 0)
-                append(ins)
+                nd = needs[kind]
+                off, base = nd[0] if nd else (-S, 0)
+                g = giver[base + at] if 0 <= s + off < S else -1
+                if len(nd) == 2:
+                    off, base = nd[1]
+                    g2 = giver[base + at] if 0 <= s + off < S else -1
+                    append((g, g2) if g >= 0 and g2 >= 0 else (g,) if g >= 0 else (g2,) if g2 >= 0 else ())
+                elif len(nd) < 2:
+                    append((g,) if g >= 0 else ())
+                else:
+                    append(tuple(g for off, base in nd if 0 <= s + off < S and (g := giver[base + at]) >= 0))
                 continue
             got: list[int] = []
             for a in act.passes:
@@ -1039,7 +1061,7 @@ def _traverse(schedule: Schedule, offsets: tuple[int, ...], inputs: tuple[tuple[
             if blocker >= 0:
                 waiting.setdefault(blocker, []).append(device)
                 break
-            if gid in peers:
+            if peers and gid in peers:
                 group = peers[gid]
                 late = next((m for m in group if m != gid and heads[dev_of[m]] + offsets[dev_of[m]] != m), -1)
                 if late >= 0:
@@ -1067,7 +1089,7 @@ def _traverse(schedule: Schedule, offsets: tuple[int, ...], inputs: tuple[tuple[
             ends[gid] = end
             done[gid] = 1
             order.append(gid)
-            ready0 = ready if gid in quiet else end
+            ready0 = ready if quiet and gid in quiet else end
             woken = waiting.pop(gid, None)
             if woken:
                 queue.extend(woken)
