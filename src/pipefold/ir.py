@@ -42,14 +42,12 @@ __all__ = [
     "KINDS",
     "Action",
     "Graph",
-    "Input",
     "Transfer",
     "Kind",
     "KindSpec",
     "Schedule",
     "dependency_graph",
     "describe_placement",
-    "execution_order",
     "linear_placement",
     "looped_placement",
     "parse_placement",
@@ -735,16 +733,6 @@ def _parse_actions(tokens: Iterable[Any], where: str) -> tuple[Action, ...]:
 # runtime all read.
 
 
-class Input(NamedTuple):
-    """Something an action waits for: the action at (``device``, ``position``) that gives ``pass_``."""
-
-    device: int
-    position: int
-    pass_: str
-    stage: int
-    microbatch: int
-
-
 @dataclass(frozen=True)
 class Graph:
     """A validated schedule's dependencies, a runnable order of its actions and, given durations, their times.
@@ -1158,12 +1146,6 @@ def _check_action_place(schedule: Schedule, device: int, position: int, a: Actio
     route = f" for microbatch {a.microbatch}" if schedule.replicas > 1 else ""
     _fail(schedule, f"device {device}, position {position}: action {a} runs stage {a.stage}, "
           f"which the placement puts on device {home}{route}", **where)
-
-
-def execution_order(schedule: Schedule) -> list[tuple[int, int]]:
-    """Validate ``schedule`` and return its actions as (device, position) in a runnable order."""
-    graph = dependency_graph(schedule)
-    return [graph.where(g) for g in graph.order]
 
 
 def validate(schedule: Schedule) -> Schedule:
