@@ -32,7 +32,8 @@ def _run(model: dict[str, object], schedule: str, ranks: int, *, verify: bool = 
 
 
 @pytest.mark.parametrize(("model", "schedule", "ranks"), [(GPT, "zb-v", 2), (GPT, "1f1b", 2), (MLP, "v-half", 2),
-                                                          (MLP, "zb-h1", 4)])
+                                                          (MLP, "zb-h1", 4), (GPT, "chimera", 2),
+                                                          (MLP, "dualpipev", 2)])
 def test_meter_agrees_with_torch_memtracker(model: dict[str, object], schedule: str, ranks: int) -> None:
     _, reports = _run(model, schedule, ranks, verify=True)
     for r in reports:
