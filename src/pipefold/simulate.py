@@ -1,9 +1,12 @@
 """Simulator: a cost model and a schedule give a timeline, bubbles and memory.
 
 Every device runs its action list in order; an action starts as soon as its
-device is free and its inputs have arrived. Inputs are the activation from the
-previous stage (for F) and the gradient from the next stage (for B/BW); they
-cost a point-to-point transfer when the two stages live on different devices.
+device is free and what it waits for is done, by the IR's kind table
+(:data:`pipefold.ir.KINDS`, which also gives each kind's time and memory effect).
+An activation from the previous stage (for F) or a gradient from the next (for
+B/BW) costs a point-to-point transfer when the two stages live on different
+devices. An all-reduce between replicas starts on all holders together and runs
+beside the compute; an overlapped pair lasts max(F, B) or F + B (``overlap``).
 
 Units. By default a cost is for one microbatch through one device's share of
 the model (1/p of it): F = B = W = 1 and memory M = 1. A schedule with v stages
