@@ -117,3 +117,11 @@ def test_generated_replicated_schedules_keep_replicas_identical(name: str, p: in
         assert torch.equal(a, b), key
     for key, w in _one_process_weights(job, steps).items():
         torch.testing.assert_close(copies[key][0], w, rtol=1e-5, atol=1e-6)
+
+
+def test_splitting_by_memory_refuses_replicas_in_one_line() -> None:
+    from pipefold.errors import ConfigError
+
+    cfg = TrainConfig(schedule="chimera", devices=2, microbatches=4, model="mlp", layers=4, batch=8, partition="memory")
+    with pytest.raises(ConfigError, match="chimera has 2 replicas: split chimera by time, params or even"):
+        make_job(cfg)

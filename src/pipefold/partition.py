@@ -508,6 +508,9 @@ def partition_memory(times: Sequence[float], held: Sequence[float], held_w: Sequ
     for two (V, looped), a pruned depth-first search otherwise (see docs/partition.md).
     """
     figures = _check_figures(times, held, held_w, static)
+    if schedule.replicas > 1:
+        raise ConfigError(f"splitting by memory searches one placement of the stages, and {schedule.name} has "
+                          f"{schedule.replicas} replicas: split {schedule.name} by time, params or even")
     n, stages = len(figures[0]), schedule.stages
     if n < stages:
         raise ConfigError(f"cannot split {n} layers into {stages} stages: at most {n}")

@@ -267,9 +267,10 @@ def _peaks(schedule: Schedule, profiles: Sequence[StageProfile], layers: Sequenc
 def _receive_margin(schedule: Schedule, profiles: Sequence[StageProfile], device: int) -> int:
     """The largest message ``device`` receives: the runtime posts a receive one action before the action that
     reads it, so one such buffer can exist beside everything the stages hold."""
-    place, S = schedule.placement[0], schedule.stages
-    sizes = [profiles[s - 1].message for s in schedule.stages_of(device) if s > 0 and place[s - 1] != device]
-    sizes += [profiles[s].message for s in schedule.stages_of(device) if s + 1 < S and place[s + 1] != device]
+    S = schedule.stages
+    mine = [(place, s) for place in schedule.placement for s in range(S) if place[s] == device]  # every replica's
+    sizes = [profiles[s - 1].message for place, s in mine if s > 0 and place[s - 1] != device]
+    sizes += [profiles[s].message for place, s in mine if s + 1 < S and place[s + 1] != device]
     return max(sizes, default=0)
 
 
