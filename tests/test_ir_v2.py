@@ -177,3 +177,15 @@ def test_replicas_pay_for_their_weights_twice() -> None:
         s = build(name, 4, 8)
         bare, heavy = simulate(s), simulate(s, CostModel(weights=w))
         assert heavy.peak_memory == pytest.approx([x + copies * w for x in bare.peak_memory])
+
+
+def test_files_written_before_replicas_still_load() -> None:
+    """A version-1 JSON file and a text file as pipefold wrote them before IR v2, byte for byte."""
+    v1 = ('{"format": "pipefold-schedule", "version": 1, "name": "1f1b", "options": {}, "devices": 2, "stages": 2, '
+          '"microbatches": 2, "placement": [0, 1], "actions": [["0F0", "0F1", "0BW0", "0BW1"], '
+          '["1F0", "1BW0", "1F1", "1BW1"]]}')
+    text = ("# pipefold schedule\nname: 1f1b\noptions: {}\ndevices: 2\nstages: 2\nmicrobatches: 2\n"
+            "placement: linear\ndevice 0: 0F0 0F1 0BW0 0BW1\ndevice 1: 1F0 1BW0 1F1 1BW1\n")
+    want = build("1f1b", 2, 2)
+    assert Schedule.from_json(v1) == want
+    assert Schedule.from_text(text) == want and want.to_text() == text
