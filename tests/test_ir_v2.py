@@ -54,6 +54,12 @@ def test_a_replicated_stage_needs_its_all_reduce_on_every_holder() -> None:
         validate(s.with_actions(rows))
 
 
+def test_an_all_reduce_of_a_stage_without_replicas_is_refused() -> None:
+    s = build("1f1b", 2, 2)
+    with pytest.raises(ScheduleError, match="1R runs between the replicas of stage 1, but the placement holds it once"):
+        validate(s.with_actions([s.actions[0], [*s.actions[1], R(1)]]))
+
+
 def test_an_action_on_the_wrong_replica_names_its_microbatch() -> None:
     s = _two_way()
     rows = [list(s.actions[0]), list(s.actions[1])]
@@ -132,6 +138,8 @@ def test_pairs_that_cannot_overlap_are_refused() -> None:
         Action.parse("0R3")
     with pytest.raises(ValueError, match="a F action names microbatch"):
         Action.parse("0F")
+    with pytest.raises(ValueError, match="an overlapped pair is two actions joined by"):
+        Action.parse("0F1+1B0+2F3")
 
 
 def test_optimizer_steps_wait_for_every_weight_gradient() -> None:

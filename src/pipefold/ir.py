@@ -221,6 +221,9 @@ class Action(NamedTuple):
         text = text.strip()
         if "+" in text:
             parts = tuple(cls.parse(t) for t in text.split("+"))
+            if len(parts) != 2:
+                raise ValueError(f"cannot read action {text!r}: an overlapped pair is two actions joined by +, "
+                                 "e.g. 0F3+5B1")
             return overlap(*parts)
         match = _ACTION_RE.match(text)
         spec = KINDS.get(match[2]) if match else None
@@ -886,6 +889,10 @@ def _givers(schedule: Schedule, offsets: Sequence[int]) -> tuple[list[int], dict
                 else:
                     if not (0 <= s < S and m == NO_MICROBATCH and device in schedule.holders(s)):
                         _check_action_place(schedule, device, position, a)
+                    if KINDS[kind].collective and len(schedule.holders(s)) < 2:
+                        _fail(schedule, f"device {device}, position {position}: {a} runs between the replicas of "
+                              f"stage {s}, but the placement holds it once (device {device}): remove it",
+                              device=device, position=position)
                     for base in wide:
                         if giver[base + s * D + device] >= 0:
                             _duplicate(schedule, device, position, a, giver[base + s * D + device], offsets)
