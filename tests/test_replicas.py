@@ -11,9 +11,7 @@ from pipefold import Schedule
 from pipefold.ir import BW, OPT, F, R, linear_placement, reversed_placement
 from pipefold.runtime.launch import OPTIMIZERS, run_local
 from pipefold.runtime.stage import Chain
-from pipefold.train import TrainConfig, compare, make_job
-
-TOLERANCE = 1e-5
+from pipefold.train import TrainConfig, make_job
 
 
 def _two_way(m: int) -> Schedule:
@@ -31,7 +29,7 @@ def _two_way(m: int) -> Schedule:
 def _job(steps: int, **more):
     cfg = TrainConfig(schedule="gpipe", devices=2, microbatches=4, steps=steps, model="mlp", layers=4, hidden=16,
                       batch=8, partition="even", lr=1e-2)
-    return replace(make_job(cfg, save_grads_of_step=0), **{"schedule": _two_way(4), **more})
+    return replace(make_job(cfg), **{"schedule": _two_way(4), **more})
 
 
 def _one_process_weights(job, steps: int) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
@@ -50,15 +48,6 @@ def _one_process_weights(job, steps: int) -> dict[str, torch.Tensor]:  # type: i
     return {f"{i}.{name}": p.detach() for i in range(n) for name, p in layers[i].named_parameters()}
 
 
-def test_both_replicas_get_the_gradients_of_one_process() -> None:
-    job = _job(1)
-    reports = run_local(job)
-    # Each rank holds both stages (one per replica): every gradient is reported twice, and each matches.
-    assert all(len(r.grads or {}) == len(reports[0].grads or {}) for r in reports)
-    diff = compare(job, reports)
-    assert diff["max_grad_rel_diff"] < TOLERANCE and diff["loss_rel_diff"] < TOLERANCE
-
-
 def test_replicas_stay_identical_over_several_steps_and_train_as_one_process() -> None:
     steps = 4
     job = _job(steps, save_weights=True)
@@ -69,7 +58,7 @@ def test_replicas_stay_identical_over_several_steps_and_train_as_one_process() -
         assert torch.equal(a[name], b[name]), name  # bit for bit: the same sum, the same update
     # One process with the same optimizer, the whole batch per step: the same weights.
     for name, w in _one_process_weights(job, steps).items():
-        torch.testing.assert_close(a[name], w, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a[name], w, rtol=1e-5, atol=1e-6)  # summation order only
     m = job.schedule.microbatches
     first = sum(sum(r.steps[0].losses.values()) for r in reports) / m
     last = sum(sum(r.steps[-1].losses.values()) for r in reports) / m
