@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import csv
+import functools
 import io
 import itertools
 import json
@@ -773,7 +774,12 @@ class Graph:
 
         Each names the pass it carries (``F``: an activation, ``B``: a gradient), the stage that
         gives it and the stage that takes it. A composite sends its parts' outputs in part order.
+        Worked out once per graph: the runtime asks for it once per peer and kind of step.
         """
+        return list(self._transfers)
+
+    @functools.cached_property
+    def _transfers(self) -> tuple[Transfer, ...]:
         S = self.schedule.stages
         out = []
         for d, row in enumerate(self.schedule.actions):
@@ -795,7 +801,7 @@ class Graph:
                                        if (p.stage, p.microbatch) == (t, a.microbatch) and name in KINDS[p.kind].gives)
                         out.append(Transfer(*self.where(g), d, i, name, t, a.stage, a.microbatch, part))
         out.sort(key=lambda x: (x.src, x.src_position, x.part))
-        return out
+        return tuple(out)
 
 
 class Transfer(NamedTuple):

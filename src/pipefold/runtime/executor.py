@@ -43,7 +43,8 @@ from pipefold.runtime.stage import StageRunner, Tensors
 LOOKAHEAD = 2  # actions whose receives are posted ahead of time: this one and the next
 _RUNS = (Kind.F, Kind.B, Kind.W, Kind.BW, Kind.R)
 """The kinds the runtime runs (an overlapped pair runs its parts one after the other; OPT with optimizers)."""
-_COMPUTE = (Kind.F, Kind.B, Kind.W, Kind.BW)
+COMPUTE_KINDS = (Kind.F, Kind.B, Kind.W, Kind.BW)
+"""The event kinds that are computation (busy time); the rest is waiting and communication."""
 
 
 @dataclass
@@ -328,7 +329,7 @@ class RankExecutor:
         self.links.wait_sends()
         stats.events.append(Event("wait sends", "send", start, clock()))
         stats.wall = clock()
-        stats.busy = sum(e.end - e.start for e in stats.events if e.kind in _COMPUTE)
+        stats.busy = sum(e.end - e.start for e in stats.events if e.kind in COMPUTE_KINDS)
         stats.peak_activation_bytes = self.meter.peak
         stats.peak_by_kind = dict(self.meter.peak_by_kind)
         stats.batch_bytes = self.meter.outside_bytes

@@ -8,10 +8,9 @@ import statistics
 from typing import Any
 
 from pipefold.ir import Action, Schedule
+from pipefold.runtime.executor import COMPUTE_KINDS
 from pipefold.runtime.launch import RankReport
 from pipefold.simulate import CostModel, Interval, SimResult, StageOverride
-
-_COMPUTE = ("F", "B", "W", "BW")
 
 
 def measured_result(schedule: Schedule, reports: list[RankReport], step: int) -> SimResult:
@@ -23,7 +22,7 @@ def measured_result(schedule: Schedule, reports: list[RankReport], step: int) ->
         s = r.steps[step]
         shift = s.started_at - t0
         rows.append(tuple(Interval(Action.parse(e.name), shift + e.start, shift + e.end)
-                          for e in s.events if e.kind in _COMPUTE))
+                          for e in s.events if e.kind in COMPUTE_KINDS))
         curves.append(((0.0, 0.0), *((shift + t, float(b)) for t, b in s.memory_curve)))
     return SimResult(schedule, CostModel(), tuple(rows), tuple(curves))
 
@@ -38,7 +37,7 @@ def measured_costs(schedule: Schedule, reports: list[RankReport], step: int) -> 
         st = r.steps[step]
         memory.update(st.stage_memory)
         for e in st.events:
-            if e.kind in _COMPUTE:
+            if e.kind in COMPUTE_KINDS:
                 seconds.setdefault((Action.parse(e.name).stage, e.kind), []).append(e.end - e.start)
     over = {}
     for s in range(schedule.stages):
