@@ -153,13 +153,37 @@ def build_parser() -> argparse.ArgumentParser:
                         "file's suffix, else text)")
     p.add_argument("--output", "-o", metavar="FILE", help="write to FILE instead of standard output")
 
-    p = sub.add_parser("plan", help="the fastest schedule whose peak activation memory fits a budget")
+    p = sub.add_parser("plan", help="the fastest schedule whose peak memory fits a budget: in units of M, or for a "
+                                    "profiled model in bytes, with its split and recomputation")
     _add_shape(p, options=False)
-    p.add_argument("--memory", required=True, metavar="BUDGET",
+    p.add_argument("--memory", metavar="BUDGET",
                    help="peak activation memory per device: in M (3) or as a multiple of 1F1B's peak (0.5x)")
+    p.add_argument("--profile", metavar="FILE",
+                   help="plan for the model measured in FILE (pipefold profile): seconds and bytes, with the split "
+                        "of layers into stages and per-stage recomputation; needs --memory-budget")
+    p.add_argument("--memory-budget", metavar="BYTES",
+                   help="with --profile: bytes per device for weights, gradients, optimizer state, activations and "
+                        "buffers, e.g. 2GiB or 60MB")
+    p.add_argument("--output", "-o", metavar="FILE", help="with --profile: write the plan that train --plan runs")
+    p.add_argument("--families", metavar="A,B", default=None,
+                   help="with --profile: search only these schedule families (default: every registered one)")
     _add_costs(p)
     _add_output(p)
     p.add_argument("--plot", metavar="FILE", help="draw the memory/makespan frontier (.png or .svg)")
+
+    p = sub.add_parser("profile", help="measure a model on this machine: per-layer times and bytes, the link between "
+                                       "two ranks, how ranks share the cores; the input of plan --profile")
+    _add_model(p, layers=4, layers_help="default 4", batch=16, batch_help="batch per step")
+    p.add_argument("--microbatches", "-m", type=int, default=8, metavar="M", help="microbatches per step (default 8)")
+    _devices_flag(p, 4)
+    p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=7, help="timed runs of each layer, after a warm-up (default 7)")
+    p.add_argument("--no-link", action="store_true", help="do not measure the link (free transfers)")
+    p.add_argument("--no-sharing", action="store_true",
+                   help="do not measure how ranks share this machine (each rank has a device of its own)")
+    p.add_argument("--output", "-o", metavar="FILE", help="write the profile to FILE (default: print it)")
+    _add_output(p)
 
     p = sub.add_parser("offload", help="run a model with at most k layers on the device; compare with the plain model")
     _add_model(p, layers=24, layers_help="default 24", batch=8, batch_help="batch")
@@ -221,6 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(with --recompute auto)")
     p.add_argument("--offload", metavar="K,K2", default=None,
                    help="each stage keeps at most K of its layers on the device, evicting K2 at once")
+    p.add_argument("--plan", metavar="FILE", default=None,
+                   help="run the plan in FILE (pipefold plan --profile ... -o FILE) as is: its model, schedule, "
+                        "split and recomputation; prints the prediction next to what was measured")
     _add_output(p)
 
     p = sub.add_parser("validate", help="check schedule files (or generated schedules) and report the first problem")
@@ -416,7 +443,56 @@ def cmd_validate(args: argparse.Namespace, console: Console) -> None:
                       f"{schedule.microbatches} microbatches, {schedule.num_actions} actions)")
 
 
+def cmd_profile(args: argparse.Namespace, console: Console) -> None:
+    from pipefold.files import check_writable
+    from pipefold.profile import profile_model
+
+    for label in ("layers", "hidden", "heads", "batch", "seq", "microbatches", "devices", "repeats"):
+        if getattr(args, label) < 1:
+            raise ConfigError(f"--{label} must be at least 1 (got {getattr(args, label)})")
+    if args.output:
+        check_writable(args.output, "profile")
+    with _stage_bar("profile") as progress:
+        prof = profile_model(model=args.model, layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq,
+                             batch=args.batch, microbatches=args.microbatches, optimizer=args.optimizer,
+                             seed=args.seed, devices=args.devices, repeats=args.repeats, link=not args.no_link,
+                             contention=not args.no_sharing, progress=progress)
+    if not args.output:
+        print(json.dumps(prof.to_dict(), indent=1))
+        return
+    prof.save(args.output)
+    if args.json:
+        print(json.dumps({"profile": args.output, "layers": len(prof.layers), "latency_s": prof.latency,
+                          "bandwidth_bytes_per_s": prof.bandwidth, "contention": list(prof.contention)}))
+        return
+    f, b, w = (sum(getattr(x, k) for x in prof.layers) for k in "fbw")
+    console.print(f"[bold]{args.output}[/]: {len(prof.layers)} layers of {args.model}, one microbatch of "
+                  f"{prof.microbatch_rows}: F {f * 1e3:.2f} ms, B {b * 1e3:.2f} ms, W {w * 1e3:.2f} ms in all; "
+                  f"{format_bytes(sum(x.params for x in prof.layers))} of parameters")
+    console.print(f"link: {prof.latency * 1e6:.0f} us + bytes at {prof.bandwidth / 2**30:.2f} GiB/s; ranks computing "
+                  f"at once 1..{len(prof.contention)} run each pass x{' x'.join(f'{c:.2f}' for c in prof.contention)}")
+
+
+@contextlib.contextmanager
+def _stage_bar(label: str) -> Iterator[Callable[[str, int, int], None] | None]:
+    """A progress bar on stderr (when it is a terminal) for work in named parts: progress(part, done, total)."""
+    with _progress_bar(label) as bar:
+        if bar is None:
+            yield None
+            return
+        yield lambda part, done, total: bar(done, total)
+
+
 def cmd_plan(args: argparse.Namespace, console: Console) -> None:
+    if args.profile is not None:
+        _plan_profiled(args, console)
+        return
+    if args.memory is None:
+        raise ConfigError("plan needs --memory BUDGET (in M, or 0.5x of 1F1B's peak), or --profile FILE with "
+                          "--memory-budget BYTES for a measured model")
+    if args.memory_budget is not None or args.output is not None or args.families is not None:
+        raise ConfigError("--memory-budget, --output and --families plan a measured model: give --profile FILE too "
+                          "(or --memory in M without them)")
     cost = _cost_model(args)
     budget = parse_budget(args.memory, one_f_one_b_peak(args.devices, args.microbatches, cost))
     with _progress_bar(f"planning p={args.devices} m={args.microbatches}") as progress:
@@ -436,6 +512,57 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> None:
     _print_plan(answer, args, console)
     if args.plot:
         console.print(f"wrote plot: {args.plot}")
+
+
+def _plan_profiled(args: argparse.Namespace, console: Console) -> None:
+    from pipefold.files import check_writable, write_text
+    from pipefold.plan import plan_model
+    from pipefold.profile import Profile
+
+    if args.memory is not None:
+        raise ConfigError("--memory is in units of M; with --profile give --memory-budget in bytes (e.g. 2GiB)")
+    if args.memory_budget is None:
+        raise ConfigError("plan --profile needs --memory-budget BYTES: what each device may hold, e.g. 2GiB")
+    if args.output:
+        check_writable(args.output, "plan")
+    profile = Profile.load(args.profile)
+    budget = parse_bytes(args.memory_budget)
+    m = args.microbatches if args.microbatches != DEFAULT_MICROBATCHES else None
+    with _progress_bar(f"planning p={args.devices}") as progress:
+        answer = plan_model(profile, args.devices, budget, microbatches=m, progress=progress,
+                            families=args.families.split(",") if args.families else None)
+    out = answer.to_dict()
+    if args.output:
+        write_text(args.output, json.dumps(out, indent=1) + "\n")
+    if args.plot:
+        from pipefold.render import plot_frontier
+
+        plot_frontier(answer.points, answer.frontier, budget, answer.best, args.plot, unit="bytes",
+                      title=f"{answer.best.spec}: {answer.best.makespan * 1e3:.1f} ms per step, peak "
+                            f"{format_bytes(answer.best.memory)} (budget {format_bytes(budget)})")
+    if args.json:
+        print(json.dumps({k: v for k, v in out.items() if k != "profile"} | {"output": args.output}))
+        return
+    b = answer.best
+    console.print(f"[bold]{b.spec}[/]  step [bold]{b.makespan * 1e3:.1f} ms[/] predicted  bubble ratio "
+                  f"{b.bubble_ratio:.1%}  (budget {format_bytes(budget)} per device)")
+    console.print(f"stages' layers: {' | '.join(f'{p[0]}-{p[-1]}' for p in b.layer_stages)} (split by {b.split}); "
+                  f"recomputed layers per stage: {' '.join(map(str, b.recompute))}")
+    console.print("peak per device: " + "  ".join(f"{format_bytes(x)}" for x in b.peak_memory)
+                  + "  (of which weights, gradients, optimizer state: "
+                  + " ".join(format_bytes(x) for x in b.static_bytes) + ")")
+    table = Table(title=f"memory/time frontier ({len(answer.points)} plans evaluated)", title_justify="left")
+    table.add_column("", no_wrap=True)
+    for col in ("peak per device", "step (ms)", "bubble", "schedule", "split", "recomputed"):
+        table.add_column(col, justify="right" if col in ("peak per device", "step (ms)", "bubble") else "left")
+    for pt in answer.frontier:
+        chosen = pt == b
+        style = "bold" if chosen else "dim" if pt.memory > budget else ""
+        table.add_row("▶" if chosen else "", format_bytes(pt.memory), f"{pt.makespan * 1e3:.1f}",
+                      f"{pt.bubble_ratio:.1%}", pt.spec, pt.split, str(sum(pt.recompute)), style=style)
+    console.print(table)
+    if args.output:
+        console.print(f"wrote plan: {args.output}  (run it: pipefold train --plan {args.output})")
 
 
 @contextlib.contextmanager
@@ -488,27 +615,85 @@ def _print_plan(answer: PlanResult, args: argparse.Namespace, console: Console) 
     console.print("▶ chosen; dim rows exceed the budget")
 
 
+_PLAN_FIXES = ("schedule", "devices", "microbatches", "model", "layers", "hidden", "heads", "batch", "seq",
+               "optimizer", "partition", "recompute", "memory_budget", "offload")
+"""Train flags a plan decides: given with --plan (or --schedule auto, for the schedule's own), they are refused."""
+
+
+def _planned_run(args: argparse.Namespace, console: Console) -> tuple[Any, Any, dict[str, Any]]:
+    """(config, decisions, plan) for --plan FILE, or for --schedule auto: profile here, plan, run the plan."""
+    from pipefold.plan import read_plan
+    from pipefold.train import from_plan
+
+    defaults = build_parser().parse_args(["train"])
+    run = {"steps": args.steps, "lr": args.lr, "clip": args.clip, "data": args.data}
+    if args.plan is not None:
+        given = [k for k in _PLAN_FIXES if getattr(args, k) != getattr(defaults, k)]
+        if given:
+            raise ConfigError(f"--plan fixes the model, schedule, split and memory; drop --{given[0].replace('_', '-')}"
+                              f" (or plan again with pipefold plan --profile)")
+        plan = read_plan(args.plan)
+        if args.seed != defaults.seed:
+            run["seed"] = args.seed
+        config, decided = from_plan(plan, **run)
+        return config, decided, plan
+    from pipefold.plan import plan_model
+    from pipefold.profile import profile_model
+
+    if args.memory_budget is None:
+        raise ConfigError("--schedule auto plans for --memory-budget BYTES per device (e.g. 64MB); give one")
+    for key in ("partition", "recompute", "offload"):
+        if getattr(args, key) != getattr(defaults, key):
+            raise ConfigError(f"--schedule auto chooses the split and recomputation itself; drop --{key}")
+    budget = parse_bytes(args.memory_budget)
+    layers = args.layers or 2 * args.devices
+    with _stage_bar("profiling the model") as progress:
+        profile = profile_model(model=args.model, layers=layers, hidden=args.hidden, heads=args.heads, seq=args.seq,
+                                batch=args.batch, microbatches=args.microbatches, optimizer=args.optimizer,
+                                seed=args.seed, devices=args.devices, progress=progress)
+    with _progress_bar(f"planning p={args.devices}") as bar:
+        answer = plan_model(profile, args.devices, budget, progress=bar)
+    plan = answer.to_dict()
+    config, decided = from_plan(plan, **run)
+    err = Console(stderr=True)
+    err.print(f"auto: {answer.best.spec}, layers per stage {' '.join(str(len(x)) for x in answer.best.layer_stages)},"
+              f" recomputed {' '.join(map(str, answer.best.recompute))}: predicted "
+              f"{answer.best.makespan * 1e3:.1f} ms per step, peak {format_bytes(answer.best.memory)} "
+              f"(budget {format_bytes(budget)})")
+    return config, decided, plan
+
+
 def cmd_train(args: argparse.Namespace, console: Console) -> None:
     from pipefold.runtime.launch import under_torchrun
     from pipefold.train import TrainConfig, compare, train, train_torchrun
 
-    name, options = _parse_spec(args.schedule)
-    schedules.get(name)
     if args.plot and not args.plot.lower().endswith((".png", ".svg")):
         raise ConfigError(f"cannot draw {args.plot}: use a .png or .svg file")
     for label in ("steps", "batch", "seq", "hidden", "heads"):
         if getattr(args, label) < 1:
             raise ConfigError(f"--{label} must be at least 1 (got {getattr(args, label)})")
-    offload = _parse_offload(args.offload) if args.offload else None
-    probe = schedules.build(name, args.devices, args.microbatches, **options)
-    layers = args.layers or max(1, probe.stages * 2 - (2 if args.model == "gpt" else 0))
-    config = TrainConfig(schedule=name, options=tuple(options.items()), devices=args.devices,
-                         microbatches=args.microbatches, steps=args.steps, model=args.model, layers=layers,
-                         hidden=args.hidden, heads=args.heads, batch=args.batch, seq=args.seq, lr=args.lr,
-                         optimizer=args.optimizer, clip=args.clip, data=args.data, seed=args.seed, offload=offload,
-                         partition=args.partition, recompute=args.recompute,
-                         memory_budget=None if args.memory_budget is None else parse_bytes(args.memory_budget))
-    tokens = args.batch * (args.seq if args.model == "gpt" else 1)
+    for label, path in (("trace", args.trace), ("plot", args.plot)):
+        if path:
+            from pipefold.files import check_writable
+
+            check_writable(path, label)
+    plan: dict[str, Any] | None = None
+    decided = None
+    if args.plan is not None or args.schedule == "auto":
+        config, decided, plan = _planned_run(args, console)
+    else:
+        name, options = _parse_spec(args.schedule)
+        schedules.get(name)
+        offload = _parse_offload(args.offload) if args.offload else None
+        probe = schedules.build(name, args.devices, args.microbatches, **options)
+        layers = args.layers or max(1, probe.stages * 2 - (2 if args.model == "gpt" else 0))
+        config = TrainConfig(schedule=name, options=tuple(options.items()), devices=args.devices,
+                             microbatches=args.microbatches, steps=args.steps, model=args.model, layers=layers,
+                             hidden=args.hidden, heads=args.heads, batch=args.batch, seq=args.seq, lr=args.lr,
+                             optimizer=args.optimizer, clip=args.clip, data=args.data, seed=args.seed, offload=offload,
+                             partition=args.partition, recompute=args.recompute,
+                             memory_budget=None if args.memory_budget is None else parse_bytes(args.memory_budget))
+    tokens = config.batch * (config.seq if config.model == "gpt" else 1)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     err = Console(stderr=True)
@@ -520,18 +705,37 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
             bar.update(task, advance=1, info=f"loss {loss:.4f}  {tokens / seconds:,.0f} tok/s")
 
         if under_torchrun():
+            if decided is not None:
+                raise ConfigError("--plan and --schedule auto run locally for now: under torchrun give the plan's "
+                                  "schedule and flags")
             job, gathered = train_torchrun(config, check=args.check)
             if gathered is None:
                 return  # rank 0 reports for everyone
             reports = gathered
         else:
-            job, reports = train(config, check=args.check, on_step=on_step)
-    from pipefold.runtime.measure import measured_costs, measured_result
+            job, reports = train(config, check=args.check, on_step=on_step, decided=decided)
+    from pipefold.runtime.measure import measured_costs, measured_result, measured_summary
 
     step = len(reports[0].steps) - 1  # the last step: warmed up
-    # The simulator fed with this run's own measured costs: what it predicts, next to what was measured.
-    predicted = simulate(job.schedule, measured_costs(job.schedule, reports, step))
+    if plan is not None:
+        from pipefold.plan import predict
+        from pipefold.profile import Profile
+
+        # The profile's prediction, made before the run, next to what the run measured.
+        predicted, peaks, _ = predict(Profile.from_dict(plan["profile"]), job.schedule, job.layer_stages,
+                                      job.recompute)
+        label = "predicted from the profile"
+    else:
+        # The simulator fed with this run's own measured costs: what it predicts, next to what was measured.
+        predicted = simulate(job.schedule, measured_costs(job.schedule, reports, step))
+        peaks = None
+        label = "simulated from the measured costs"
     out = _train_summary(job, reports, config, predicted)
+    if plan is not None:
+        out["plan"] = {"schedule": plan["schedule"], "predicted": {"step_time_s": predicted.makespan,
+                                                                   "bubble_ratio": predicted.bubble_ratio,
+                                                                   "peak_bytes": peaks},
+                       "measured": measured_summary(reports)}
     if args.check:
         out.update(compare(job, reports))
     if args.trace:
@@ -545,12 +749,33 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
         measured = measured_result(job.schedule, reports, step)
         plot_run(measured, predicted, args.plot,
                  titles=(f"measured, step {step} ({measured.makespan * 1e3:.1f} ms)",
-                         f"simulated from the measured costs ({predicted.makespan * 1e3:.1f} ms)"))
+                         f"{label} ({predicted.makespan * 1e3:.1f} ms)"))
         out["plot"] = args.plot
     if args.json:
         print(json.dumps(out))
         return
     _print_train(out, console)
+    if "plan" in out:
+        _print_prediction(out["plan"], console)
+
+
+def _print_prediction(plan: dict[str, Any], console: Console) -> None:
+    """The plan's prediction next to the run's measurement: step time, bubble ratio, each rank's peak."""
+    pred, meas = plan["predicted"], plan["measured"]
+    table = Table(title=f"{plan['schedule']}: predicted from the profile vs measured", title_justify="left",
+                  show_edge=False)
+    for col in ("", "predicted", "measured", "measured / predicted"):
+        table.add_column(col, justify="right")
+    lo, hi = meas["step_time_spread_s"]
+    table.add_row("step time", f"{pred['step_time_s'] * 1e3:.1f} ms",
+                  f"{meas['step_time_s'] * 1e3:.1f} ms ({lo * 1e3:.1f}..{hi * 1e3:.1f})",
+                  f"{meas['step_time_s'] / pred['step_time_s']:.3f}")
+    table.add_row("bubble ratio", f"{pred['bubble_ratio']:.1%}", f"{meas['bubble_ratio']:.1%}", "")
+    for rank, (p, m) in enumerate(zip(pred["peak_bytes"], meas["peak_bytes"], strict=True)):
+        table.add_row(f"rank {rank} peak", format_bytes(p), format_bytes(m), f"{m / p:.3f}" if p else "")
+    console.print(table)
+    console.print("peak: weights, gradients and optimizer state (measured from the tensors after the run) plus the "
+                  "step's activations and buffers (the runtime's meter)")
 
 
 def _parse_offload(text: str) -> tuple[int, int]:
@@ -766,7 +991,8 @@ def cmd_partition(args: argparse.Namespace, console: Console) -> None:
 
 
 COMMANDS = {"schedules": cmd_schedules, "simulate": cmd_simulate, "compare": cmd_compare,
-            "generate": cmd_generate, "plan": cmd_plan, "validate": cmd_validate, "train": cmd_train,
+            "generate": cmd_generate, "plan": cmd_plan, "profile": cmd_profile, "validate": cmd_validate,
+            "train": cmd_train,
             "offload": cmd_offload, "partition": cmd_partition}
 
 

@@ -15,16 +15,20 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
-import torch
-from torch import nn
 
 from pipefold.errors import ConfigError
 from pipefold.ir import KINDS, Action, Schedule, looped_placement, v_placement
-from pipefold.runtime.stage import as_leaves, as_tuple
 from pipefold.simulate import StageCost, memory_deltas, peak_by_order
+
+if TYPE_CHECKING:  # measuring needs torch; splitting measured figures does not (the planner loads without it)
+    import torch
+    from torch import nn
+
+    Values = tuple[torch.Tensor, ...]
+    """What flows between layers: one tensor, or several (a layer may return a tuple, spread into the next)."""
 
 __all__ = ["COST_KINDS", "MemoryPartition", "Partition", "layer_costs", "layer_memory", "layer_static_bytes",
            "memory_of_split", "model_sample", "partition", "partition_memory"]
@@ -96,16 +100,16 @@ def layer_costs(layers: Sequence[nn.Module], sample: torch.Tensor | tuple[torch.
     return costs
 
 
-Values = tuple[torch.Tensor, ...]
-"""What flows between layers: one tensor, or several (a layer may return a tuple, spread into the next)."""
-
-
 def _call(layer: nn.Module, x: Values) -> Values:
     """Run ``layer`` on fresh leaf copies of ``x``; floating inputs get a gradient so the backward includes it."""
+    from pipefold.runtime.stage import as_leaves, as_tuple
+
     return as_tuple(layer(*as_leaves(x)))
 
 
 def _forward_backward(layer: nn.Module, x: Values) -> Values:
+    import torch
+
     out = _call(layer, x)
     grads = [o for o in out if o.requires_grad]
     torch.autograd.backward(grads, [torch.ones_like(o) for o in grads])
@@ -132,6 +136,8 @@ def _memory_layer(layer: nn.Module, x: Values, _: int, optimizer_factor: float) 
 
 def _saved_bytes(layer: nn.Module, x: Values) -> tuple[int, Values]:
     """Bytes of the tensors one forward of ``layer`` saves for its backward, its own weights excluded."""
+    import torch
+
     own = {p.data_ptr() for p in layer.parameters()}
     seen: set[tuple[int, tuple[int, ...]]] = set()
     saved = 0
@@ -168,6 +174,8 @@ def layer_static_bytes(layers: Sequence[nn.Module], *, optimizer_factor: float =
 def model_sample(model: str, *, layers: int, hidden: int, heads: int, batch: int,
                  seq: int, seed: int = 0) -> tuple[list[nn.Module], torch.Tensor]:
     """The registered model as a flat layer list and one sample microbatch for it."""
+    import torch
+
     from pipefold.models import build_model, get_model, mlp_input
 
     spec = get_model(model)

@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from pipefold import schedules
 from pipefold.errors import ConfigError, ScheduleError
-from pipefold.simulate import CostModel, SimResult, simulate
+from pipefold.ir import Schedule
+from pipefold.profile import Profile
+from pipefold.recompute import StageProfile, device_peaks, plan_recompute
+from pipefold.simulate import CostModel, SimResult, StageOverride, simulate
+from pipefold.units import format_bytes
 
-__all__ = ["PlanResult", "Point", "candidates", "choose", "evaluate", "format_spec", "frontier",
-           "one_f_one_b_peak", "parse_budget", "plan"]
+__all__ = ["ModelPlan", "ModelPoint", "PlanResult", "Point", "candidates", "choose", "evaluate", "format_spec",
+           "frontier", "model_costs", "one_f_one_b_peak", "parse_budget", "plan", "plan_model", "predict", "read_plan",
+           "stage_profiles"]
 
 Progress = Callable[[int, int], None]
 """Called as ``progress(done, total)`` before the first candidate and after each one."""
@@ -206,3 +213,222 @@ def _too_small(points: Sequence[Point], budget: float) -> ConfigError:
     least = min(points, key=lambda q: (q.memory, *_order(q)))
     return ConfigError(f"no schedule fits {budget:.6g} M on {len(least.peak_memory)} stages; "
                        f"the smallest reachable peak is {least.memory:.6g} M ({least.spec})")
+
+
+# --------------------------------------------------------------------------- a measured model
+
+
+@dataclass(frozen=True)
+class ModelPoint(Point):
+    """A candidate for a measured model: schedule and options, how its layers split into stages, how many of each
+    stage's first layers recompute; ``makespan`` in seconds per step, ``peak_memory`` in bytes per device."""
+
+    split: str = "time"
+    """How the layers were split: ``time`` (balanced busiest device) or ``memory`` (least peak, time within 2%)."""
+    layer_stages: tuple[tuple[int, ...], ...] = field(default=(), hash=False)
+    recompute: tuple[int, ...] = field(default=(), hash=False)
+    static_bytes: tuple[int, ...] = field(default=(), hash=False)
+    """Per device: weights, gradients and optimizer state (part of ``peak_memory``)."""
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """The planner's answer for a measured model and a budget in bytes per device."""
+
+    best: ModelPoint
+    result: SimResult
+    """The simulation of ``best`` in seconds and bytes (activations; ``best.peak_memory`` adds the rest)."""
+    budget: float
+    points: tuple[ModelPoint, ...]
+    frontier: tuple[ModelPoint, ...]
+    skipped: tuple[str, ...]
+    profile: Profile
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan file ``pipefold train --plan`` runs: what to run, and what it is predicted to do."""
+        b = self.best
+        s = self.result.schedule
+        return {"version": PLAN_VERSION, "kind": "pipefold-plan", "schedule": b.spec, "devices": s.devices,
+                "microbatches": s.microbatches, "split": b.split,
+                "layer_stages": [list(x) for x in b.layer_stages], "recompute": list(b.recompute),
+                "budget_bytes": self.budget, "train": dict(self.profile.train),
+                "predicted": {"step_time_s": b.makespan, "bubble_ratio": b.bubble_ratio,
+                              "peak_bytes": [int(x) for x in b.peak_memory],
+                              "static_bytes": list(b.static_bytes)},
+                "frontier": [{"schedule": q.spec, "split": q.split, "recompute": list(q.recompute),
+                              "step_time_s": q.makespan, "peak_bytes": int(q.memory)} for q in self.frontier],
+                "candidates": len(self.points), "skipped": len(self.skipped), "profile": self.profile.to_dict()}
+
+
+PLAN_VERSION = 1
+
+
+def model_costs(profile: Profile, schedule: Schedule, layer_stages: Sequence[Sequence[int]],
+                recompute: Sequence[int] | None = None) -> CostModel:
+    """The cost model of ``schedule`` running ``layer_stages`` of the profiled model: per stage the sums of its
+    layers' measured seconds and bytes, the measured link, and how the ranks share the machine."""
+    rows = stage_profiles(profile, layer_stages)
+    counts = recompute or (0,) * len(rows)
+    over = {s: StageOverride(f=p.times[0], b=p.times[1], w=p.times[2], memory=float(p.total[r]), kept=float(p.kept[r]),
+                             memory_w=float(p.held_w[r]), recompute=p.rerun[r])
+            for s, (p, r) in enumerate(zip(rows, counts, strict=True))}
+    message = max((p.message for p in rows[:-1]), default=0)
+    params = sum(x.params for x in profile.layers)
+    return CostModel(stage_overrides=over, latency=profile.latency, bandwidth=profile.bandwidth,
+                     activation_bytes=float(message), grad_bytes=params / schedule.devices,
+                     contention=profile.contention[:schedule.devices])
+
+
+def stage_profiles(profile: Profile, layer_stages: Sequence[Sequence[int]]) -> list[StageProfile]:
+    """Each stage's figures from its layers': times and bytes add up; recomputing the first r layers keeps the
+    stage's input and the other layers' activations, and reruns the first r forwards in the backward."""
+    out = []
+    L = profile.layers
+    last = len(layer_stages) - 1
+    for s, part in enumerate(layer_stages):
+        mine = [L[i] for i in part]
+        into = L[part[0] - 1].out if part[0] > 0 else 0  # the first stage's input is the batch: not counted
+        held = sum(x.held for x in mine)
+        kept = tuple(sum(x.held for x in mine[r:]) + (into if r else 0) for r in range(len(mine) + 1))
+        rerun = tuple(itertools.accumulate((x.f for x in mine), initial=0.0))
+        out.append(StageProfile(layers=len(mine), kept=kept, total=(held,) * (len(mine) + 1),
+                                held_w=(sum(x.held_w for x in mine),) * (len(mine) + 1), rerun=rerun,
+                                times=(sum(x.f for x in mine), sum(x.b for x in mine), sum(x.w for x in mine)),
+                                static=sum(profile.static(i) for i in part),
+                                message=0 if s == last else mine[-1].out))
+    return out
+
+
+def plan_model(profile: Profile, p: int, budget: float, *, microbatches: int | None = None,
+               families: Sequence[str] | None = None, progress: Progress | None = None) -> ModelPlan:
+    """The fastest plan for the profiled model on p devices whose predicted per-device peak fits ``budget`` bytes.
+
+    Searched together: every registered schedule family and option (or ``families``), the split of
+    layers into its stages (balanced by time, and the least-memory split whose time is within 2%),
+    and per-stage recomputation (none, or the cheapest per-stage counts that fit the budget).
+    """
+    m = int(profile.train["microbatches"]) if microbatches is None else microbatches
+    if m != int(profile.train["microbatches"]):
+        raise ConfigError(f"the profile was measured with {profile.train['microbatches']} microbatches of "
+                          f"{profile.microbatch_rows} rows; profile again with --microbatches {m} "
+                          f"(or plan with -m {profile.train['microbatches']})")
+    if not (isinstance(budget, (int, float)) and math.isfinite(budget) and budget > 0):
+        raise ConfigError(f"the memory budget must be a positive number of bytes (got {budget!r})")
+    for label, value in (("devices", p), ("microbatches", m)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{label} must be a positive integer (got {value!r})")
+    todo = [c for c in candidates(p, m) if families is None or c[0] in families]
+    if families is not None:
+        unknown = sorted(set(families) - {n for n, _ in candidates(p, m)})
+        if unknown:
+            raise ConfigError(f"no schedule family {unknown[0]!r} runs {m} microbatches on {p} devices; "
+                              f"see pipefold schedules")
+    n = len(profile.layers)
+    points: list[ModelPoint] = []
+    skipped: list[str] = []
+    if progress is not None:
+        progress(0, len(todo))
+    for done, (name, options) in enumerate(todo, 1):
+        try:
+            schedule = schedules.build(name, p, m, **options)
+            if schedule.stages > n:
+                raise ConfigError(f"{schedule.stages} stages for {n} layers")
+            points.extend(_model_points(profile, schedule, budget))
+        except (ConfigError, ScheduleError):
+            skipped.append(format_spec(name, options))
+        if progress is not None:
+            progress(done, len(todo))
+    if not points:
+        raise ConfigError(f"no registered schedule runs {m} microbatches of this {n}-layer model on {p} devices "
+                          f"({len(skipped)} candidates tried)")
+    fits = [pt for pt in points if pt.memory <= budget]
+    if not fits:
+        least = min(points, key=lambda q: (q.memory, q.makespan))
+        raise ConfigError(f"no plan fits {format_bytes(budget)} per device on {p} devices; the smallest predicted "
+                          f"peak is {format_bytes(least.memory)} ({least.spec}, recomputing "
+                          f"{sum(least.recompute)} layers): raise --memory-budget or add devices")
+    best = min(fits, key=_model_order)
+    schedule = schedules.build(best.name, p, m, **best.options)
+    result = simulate(schedule, model_costs(profile, schedule, best.layer_stages, best.recompute))
+    front: list[ModelPoint] = []
+    for pt in sorted(points, key=lambda q: (q.memory, *_model_order(q))):
+        if not front or pt.makespan < front[-1].makespan:
+            front.append(pt)
+    return ModelPlan(best=best, result=result, budget=float(budget), points=tuple(points), frontier=tuple(front),
+                     skipped=tuple(skipped), profile=profile)
+
+
+def predict(profile: Profile, schedule: Schedule, layer_stages: Sequence[Sequence[int]],
+            recompute: Sequence[int] | None = None) -> tuple[SimResult, list[int], list[int]]:
+    """What the profile predicts for one plan: the simulation (seconds, activation bytes), each device's peak bytes
+    in all (weights, gradients, optimizer state, activations, a receive buffer) and its static part."""
+    rows = stage_profiles(profile, layer_stages)
+    counts = tuple(recompute or (0,) * len(rows))
+    static, activations = device_peaks(schedule, rows, counts)
+    result = simulate(schedule, model_costs(profile, schedule, layer_stages, counts))
+    return result, [int(st + a) for st, a in zip(static, activations, strict=True)], static
+
+
+def _model_points(profile: Profile, schedule: Schedule, budget: float) -> list[ModelPoint]:
+    """The candidate plans of one schedule: each split, without recomputation and (where that does not fit)
+    with the cheapest recomputation that does."""
+    from pipefold.partition import partition, partition_memory
+
+    L = profile.layers
+    times = [x.f + x.b + x.w for x in L]
+    splits = {"time": tuple(tuple(part) for part in partition(times, schedule.stages,
+                                                              placement=schedule.placement[0]).parts)}
+    if schedule.replicas == 1:
+        by_memory = partition_memory(times, [x.held for x in L], [x.held_w for x in L],
+                                     [profile.static(i) for i in range(len(L))], schedule)
+        split = tuple(tuple(part) for part in by_memory.parts)
+        if split != splits["time"]:
+            splits["memory"] = split
+    out = []
+    for how, layer_stages in splits.items():
+        rows = stage_profiles(profile, layer_stages)
+        tries = [plan_recompute(schedule, rows, "none")]
+        if max(tries[0].peak) > budget:
+            with contextlib.suppress(ConfigError):  # no recomputation fits: the point stays over budget
+                tries.append(plan_recompute(schedule, rows, "auto", budget))
+        for chosen in tries:
+            result = simulate(schedule, model_costs(profile, schedule, layer_stages, chosen.layers))
+            out.append(ModelPoint(name=schedule.name, options=dict(schedule.options),
+                                  makespan=round(result.makespan, 9), bubble_ratio=round(result.bubble_ratio, 9),
+                                  peak_memory=tuple(float(x) for x in chosen.peak), split=how,
+                                  layer_stages=layer_stages, recompute=chosen.layers,
+                                  static_bytes=tuple(chosen.static)))
+    return out
+
+
+def _model_order(pt: ModelPoint) -> tuple[Any, ...]:
+    return (*_order(pt), sum(pt.recompute), pt.split)
+
+
+def read_plan(path: str) -> dict[str, Any]:
+    """A plan file written by ``pipefold plan --profile ... -o``, checked: one ConfigError if it is not one."""
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except OSError as exc:
+        raise ConfigError(f"cannot read plan {path}: {exc.strerror or exc}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path} is not JSON ({exc}); give a file written by pipefold plan --profile -o") from None
+    if not isinstance(data, dict) or data.get("kind") != "pipefold-plan" or data.get("version") != PLAN_VERSION:
+        raise ConfigError(f"{path} is not a pipefold plan (version {PLAN_VERSION}); write one with "
+                          f"pipefold plan --profile PROFILE --memory-budget BYTES -o {path}")
+    try:
+        Profile.from_dict(data["profile"], f"the profile inside {path}")
+        stages = [tuple(int(i) for i in part) for part in data["layer_stages"]]
+        flat = [i for part in stages for i in part]
+        if flat != list(range(len(data["profile"]["layers"]))):
+            raise ConfigError(f"{path}: layer_stages must split layers 0..n-1 in order into contiguous stages")
+        if len(data["recompute"]) != len(stages) or any(not 0 <= int(r) <= len(part)
+                                                        for r, part in zip(data["recompute"], stages, strict=False)):
+            raise ConfigError(f"{path}: recompute needs one count per stage, at most that stage's layers")
+        int(data["devices"]), int(data["microbatches"]), str(data["schedule"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"{path} is not a valid pipefold plan ({type(exc).__name__}: {exc})") from None
+    return data

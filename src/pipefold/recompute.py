@@ -25,17 +25,18 @@ import statistics
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from pipefold.errors import ConfigError
 from pipefold.ir import Kind, Schedule
 from pipefold.simulate import CostModel, StageCost, StageOverride, peak_by_order, simulate
 from pipefold.units import format_bytes
 
-__all__ = ["MODES", "RecomputePlan", "StageProfile", "measure_stages", "plan_recompute",
+if TYPE_CHECKING:  # measuring needs torch; planning from measured figures does not (the planner loads without it)
+    import torch
+    from torch import nn
+
+__all__ = ["MODES", "RecomputePlan", "StageProfile", "device_peaks", "measure_stages", "plan_recompute",
            "smallest_budget"]
 
 MODES = ("none", "full", "auto")
@@ -117,6 +118,8 @@ def measure_stages(stages: Sequence[nn.Sequential], sample: torch.Tensor, target
     from the stage runner's own meter; times are medians of ``repeats`` runs after a warm-up, and
     a count's rerun time is its backward's time beyond the backward without recomputation.
     """
+    import torch
+
     from pipefold.runtime.stage import StageRunner, ones_for
 
     profiles: list[StageProfile] = []
@@ -256,6 +259,14 @@ def smallest_budget(schedule: Schedule, profiles: Sequence[StageProfile]) -> flo
         least = _fit_device(schedule.actions[d], owned, profiles, 0.0)[1]
         out = max(out, sum(profiles[s].static for s in owned) + _receive_margin(schedule, profiles, d) + least)
     return out
+
+
+def device_peaks(schedule: Schedule, profiles: Sequence[StageProfile],
+                 layers: Sequence[int]) -> tuple[list[int], list[float]]:
+    """Per device, with ``layers`` recomputed per stage: its static bytes (weights, gradients, optimizer state) and
+    its predicted activation peak (its stages' activations in its pass order, and a receive buffer posted ahead)."""
+    static = [sum(profiles[s].static for s in schedule.stages_of(d)) for d in range(schedule.devices)]
+    return static, _peaks(schedule, profiles, layers)
 
 
 def _peaks(schedule: Schedule, profiles: Sequence[StageProfile], layers: Sequence[int]) -> list[float]:

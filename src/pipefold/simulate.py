@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 
 from pipefold._gc import paused_gc
 from pipefold.errors import ConfigError
-from pipefold.ir import KINDS, Action, Schedule, dependency_graph
+from pipefold.ir import KINDS, Action, Graph, Schedule, dependency_graph
 
 __all__ = ["CostModel", "Interval", "SimResult", "StageCost", "StageOverride", "memory_deltas", "peak_by_order",
            "simulate"]
@@ -131,6 +131,9 @@ class CostModel:
     step, once per stage a device holds, so a replicated schedule (Chimera, DualPipe) pays it twice."""
     overlap: bool = False
     """Whether a device runs the two parts of an overlapped pair (F+B) at once: it then costs max(F, B), else F + B."""
+    contention: tuple[float, ...] = ()
+    """Devices that share one machine's cores: ``contention[k-1]`` is how many times longer a pass takes while k
+    devices compute at once (beyond the table, in proportion to k). Empty: every device computes on its own."""
 
     def __post_init__(self) -> None:
         for name in ("f", "b", "w", "memory", "memory_w", "latency", "activation_bytes", "grad_bytes", "opt",
@@ -140,6 +143,8 @@ class CostModel:
                 continue
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ConfigError(f"cost {name} must be a finite number >= 0 (got {value!r})")
+        if not all(isinstance(c, (int, float)) and math.isfinite(c) and c > 0 for c in self.contention):
+            raise ConfigError(f"contention factors must be finite numbers > 0 (got {self.contention!r})")
         if not 0 <= self.recompute <= 1:
             raise ConfigError(f"recompute is a fraction of the forward: 0..1 (got {self.recompute!r})")
         if not self.bandwidth > 0:
@@ -195,6 +200,7 @@ class CostModel:
             "bandwidth": None if math.isinf(self.bandwidth) else self.bandwidth,
             "activation_bytes": self.activation_bytes, "recompute": self.recompute,
             "grad_bytes": self.grad_bytes, "opt": self.opt, "overlap": self.overlap, "weights": self.weights,
+            "contention": list(self.contention),
             "stage_overrides": {str(s): {"f": c.f, "b": c.b, "w": c.w, "memory": c.memory,
                                          "recompute": c.recompute, "kept": c.kept, "memory_w": c.memory_w}
                                 for s, c in self.stage_overrides.items()},
@@ -302,17 +308,122 @@ def simulate(schedule: Schedule, cost: CostModel | None = None) -> SimResult:
     durations = [table[a[0], a[1]] if not a[3] else action_time(a, costs, cost.overlap)
                  for row in schedule.actions for a in row]
     idle = frozenset(k for k, spec in KINDS.items() if not spec.computes)
-    graph = dependency_graph(schedule, durations, cost.transfer_time, idle)
+    shared = any(c != 1.0 for c in cost.contention[:D]) or (len(cost.contention) < D and cost.contention)
+    graph = dependency_graph(schedule, None if shared else durations, cost.transfer_time, idle)
+    all_starts, all_ends = (_shared_times(graph, durations, cost.transfer_time, idle, cost.contention) if shared
+                            else (graph.starts, graph.ends))
     rows = schedule.actions
     bounds = [*graph.offsets, schedule.num_actions]
-    starts = [graph.starts[bounds[d]:bounds[d + 1]] for d in range(D)]
-    ends = [graph.ends[bounds[d]:bounds[d + 1]] for d in range(D)]
+    starts = [all_starts[bounds[d]:bounds[d + 1]] for d in range(D)]
+    ends = [all_ends[bounds[d]:bounds[d + 1]] for d in range(D)]
     # tuple.__new__ on zipped triples builds the Intervals without a Python call each (hundreds of thousands).
     make = functools.partial(tuple.__new__, Interval)
     timeline = tuple(tuple(map(make, zip(row, starts[d], ends[d], strict=True))) for d, row in enumerate(rows))
     deltas = _delta_table(dict(enumerate(costs)))
     curves = tuple(_memory_curve(rows[d], starts[d], ends[d], deltas) for d in range(D))
     return SimResult(schedule, cost, timeline, curves)
+
+
+def _slowdown(contention: Sequence[float], k: int) -> float:
+    """How many times longer a pass takes while k devices compute at once."""
+    if k <= len(contention):
+        return contention[k - 1]
+    return contention[-1] * k / len(contention)
+
+
+def _shared_times(graph: Graph, durations: Sequence[float], transfer: float, idle: frozenset[str],
+                  contention: Sequence[float]) -> tuple[list[float], list[float]]:
+    """Start and end of every action when the devices share cores (processor sharing).
+
+    The same rules as :func:`pipefold.ir.dependency_graph`'s timing (an action starts when its device is
+    free and its inputs are done, ``transfer`` later from another device; a collective's members start
+    together; communication leaves its device free), but a computing action advances at 1 / slowdown(k)
+    of its duration per second while k devices compute, so its end depends on what runs beside it.
+    """
+    schedule = graph.schedule
+    D, N = schedule.devices, schedule.num_actions
+    offsets, inputs, peers = graph.offsets, graph.inputs, graph.peers
+    lengths = [len(r) for r in schedule.actions]
+    dev_of = [d for d in range(D) for _ in range(lengths[d])]
+    quiet = {g for d, row in enumerate(schedule.actions) for i, a in enumerate(row)
+             if not a.parts and a.kind in idle for g in (offsets[d] + i,)}
+    starts, ends = [0.0] * N, [0.0] * N
+    done = bytearray(N)
+    heads = [0] * D
+    free = [0.0] * D  # when each idle device became free
+    running: dict[int, list[float]] = {}  # device -> [gid, work left in solo seconds]
+    t = 0.0
+    finished = 0
+
+    def ready(g: int) -> float | None:
+        d = dev_of[g]
+        at = free[d]
+        for i in inputs[g]:
+            if not done[i]:
+                return None
+            at = max(at, ends[i] + transfer if dev_of[i] != d else ends[i])
+        return at
+
+    while finished < N:
+        # Devices whose next action can start, and when.
+        soonest, starters = math.inf, []
+        for d in range(D):
+            if d in running or heads[d] >= lengths[d]:
+                continue
+            g = offsets[d] + heads[d]
+            if g in peers:
+                members = peers[g]
+                if any(heads[dev_of[m]] + offsets[dev_of[m]] != m or dev_of[m] in running for m in members):
+                    continue
+                times = [ready(m) for m in members]
+                if any(x is None for x in times):
+                    continue
+                at = max(x for x in times if x is not None)
+            else:
+                got = ready(g)
+                if got is None:
+                    continue
+                at = got
+            at = max(at, t)
+            if at < soonest - 1e-15:
+                soonest, starters = at, [g]
+            elif abs(at - soonest) <= 1e-15:
+                starters.append(g)
+        factor = _slowdown(contention, len(running)) if running else 1.0
+        finish = t + min(left for _, left in running.values()) * factor if running else math.inf
+        if not running and not starters:
+            raise RuntimeError("shared-core timing found no action to run: the schedule graph is inconsistent")
+        if soonest <= finish:
+            for state in running.values():
+                state[1] -= (soonest - t) / factor
+            t = soonest
+            for g in starters:
+                group = peers.get(g, (g,))
+                for m in group:
+                    if done[m]:
+                        continue
+                    d = dev_of[m]
+                    starts[m] = t
+                    if m in quiet:
+                        ends[m] = t + durations[m]
+                        done[m] = 1
+                        finished += 1
+                        heads[d] += 1
+                        free[d] = t
+                    else:
+                        running[d] = [m, durations[m]]
+        else:
+            for state in running.values():
+                state[1] -= (finish - t) / factor
+            t = finish
+        for d in [d for d, (g, left) in running.items() if left <= 1e-12]:
+            g = int(running.pop(d)[0])
+            ends[g] = t
+            done[g] = 1
+            finished += 1
+            heads[d] += 1
+            free[d] = t
+    return starts, ends
 
 
 def action_time(action: Action, costs: Sequence[StageCost], overlap: bool) -> float:

@@ -86,6 +86,19 @@ def _batch_mlp(cfg: MLPConfig, batch: int, seed: int, step: int) -> tuple[torch.
     return mlp_input(cfg, batch, seed + step), mlp_target(cfg, batch, seed)
 
 
+def model_batch(config: TrainConfig) -> tuple[Any, Callable[[int], tuple[torch.Tensor, torch.Tensor]]]:
+    """The model's config and the function giving each step's whole batch (inputs, targets)."""
+    spec = get_model(config.model)
+    if config.model == "gpt":
+        cfg: Any = spec.make_config(n_layer=config.layers, n_embd=config.hidden, n_head=config.heads,
+                                    block_size=max(config.seq, 1))
+        corpus = load_corpus(config.data)
+        batches = Batches(corpus.train, config.batch, config.seq, seed=config.seed)
+        return cfg, functools.partial(_batch_gpt, batches)
+    cfg = spec.make_config(layers=config.layers, hidden=config.hidden)
+    return cfg, functools.partial(_batch_mlp, cfg, config.batch, config.seed)
+
+
 def build_schedule(config: TrainConfig) -> Schedule:
     return schedules.build(config.schedule, config.devices, config.microbatches, **dict(config.options))
 
@@ -106,15 +119,7 @@ def make_job(config: TrainConfig, *, save_grads_of_step: int | None = None,
         raise ConfigError(f"a batch of {config.batch} does not split into {config.microbatches} microbatches; "
                           f"use a --batch that is a multiple of {config.microbatches}")
     spec = get_model(config.model)
-    if config.model == "gpt":
-        cfg: Any = spec.make_config(n_layer=config.layers, n_embd=config.hidden, n_head=config.heads,
-                                    block_size=max(config.seq, 1))
-        corpus = load_corpus(config.data)
-        batches = Batches(corpus.train, config.batch, config.seq, seed=config.seed)
-        batch_at: Any = functools.partial(_batch_gpt, batches)
-    else:
-        cfg = spec.make_config(layers=config.layers, hidden=config.hidden)
-        batch_at = functools.partial(_batch_mlp, cfg, config.batch, config.seed)
+    cfg, batch_at = model_batch(config)
     if schedule.stages > cfg.num_layers:
         per_device = schedule.stages // schedule.devices
         raise ConfigError(f"{config.schedule} on {config.devices} devices has {schedule.stages} stages but the model "
@@ -185,11 +190,40 @@ def _layer_stages(config: TrainConfig, cfg: Any, schedule: Schedule, loss_fn: Ca
     return tuple(tuple(part) for part in split.parts)
 
 
-def train(config: TrainConfig, *, check: bool = False,
-          on_step: Callable[[int, float, float], None] | None = None) -> tuple[Job, list[RankReport]]:
-    """Run the job on one local process per device; with ``check`` keep the first step's gradients."""
-    job = make_job(config, save_grads_of_step=0 if check else None)
+def train(config: TrainConfig, *, check: bool = False, on_step: Callable[[int, float, float], None] | None = None,
+          decided: Decisions | None = None) -> tuple[Job, list[RankReport]]:
+    """Run the job on one local process per device; with ``check`` keep the first step's gradients; ``decided``
+    gives the split and recomputation (from a plan) instead of measuring."""
+    job = make_job(config, save_grads_of_step=0 if check else None, decided=decided)
     return job, run_local(job, on_step)
+
+
+def from_plan(plan: dict[str, Any], **run: Any) -> tuple[TrainConfig, Decisions]:
+    """The run a plan file describes (:func:`pipefold.plan.read_plan`): its model and schedule, with its split and
+    recomputation decided; ``run`` sets what a plan leaves open (steps, lr, seed, clip, data)."""
+    from pipefold.plan import stage_profiles
+    from pipefold.profile import Profile
+    from pipefold.recompute import device_peaks
+
+    name, _, opts = str(plan["schedule"]).partition(":")
+    options = tuple((k, int(v)) for k, v in (kv.split("=") for kv in opts.split(",") if kv))
+    t = plan["train"]
+    config = TrainConfig(schedule=name, options=options, devices=int(plan["devices"]),
+                         microbatches=int(plan["microbatches"]), model=t["model"], layers=int(t["layers"]),
+                         hidden=int(t["hidden"]), heads=int(t["heads"]), batch=int(t["batch"]), seq=int(t["seq"]),
+                         optimizer=t["optimizer"], **{"seed": int(t["seed"]), **run})
+    layer_stages = tuple(tuple(int(i) for i in part) for part in plan["layer_stages"])
+    counts = tuple(int(r) for r in plan["recompute"])
+    recompute = None
+    if any(counts):
+        profile = Profile.from_dict(plan["profile"])
+        schedule = build_schedule(config)
+        rows = stage_profiles(profile, layer_stages)
+        static, activations = device_peaks(schedule, rows, counts)
+        step = float(plan["predicted"]["step_time_s"])
+        recompute = RecomputePlan("plan", counts, tuple(len(p) for p in layer_stages), static,
+                                  [int(a) for a in activations], plan.get("budget_bytes"), step, step)
+    return config, (layer_stages, recompute)
 
 
 def train_torchrun(config: TrainConfig, *, check: bool = False,

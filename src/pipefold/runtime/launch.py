@@ -121,6 +121,9 @@ class RankReport:
     """With offloading: the sum over this rank's stages of their peak resident parameter bytes."""
     weights: dict[str, torch.Tensor] | None = None
     """With ``Job.save_weights``: this rank's parameters after the last step, named as ``grads``."""
+    static_bytes: int = 0
+    """Bytes of this rank's parameters, their gradients and its optimizers' state after the last step, each
+    storage counted once (offloaded layers' homes included): what it holds besides the step's activations."""
 
 
 def stage_modules(job: Job, rank: int) -> dict[int, nn.Module]:
@@ -206,7 +209,8 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     executor.close()
     resident = sum(w.tracker.peak_resident_bytes for w in offloaded)
     weights = {name: p.detach().clone() for name, p in _named(job, chains)} if job.save_weights else None
-    report = RankReport(rank, reports, grads, _peak_rss(), resident, weights)
+    optimizers = [o for o in (opt, *stage_opts.values()) if o is not None]
+    report = RankReport(rank, reports, grads, _peak_rss(), resident, weights, _static_bytes(params, optimizers))
     if out_dir is not None:
         with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as fh:
             pickle.dump(report, fh)
@@ -327,6 +331,18 @@ def _clip_global(params: list[nn.Parameter], counted: list[nn.Parameter], max_no
         for p in params:
             if p.grad is not None:
                 p.grad.mul_(max_norm / (norm + 1e-6))
+
+
+def _static_bytes(params: list[nn.Parameter], optimizers: list[torch.optim.Optimizer]) -> int:
+    """Bytes of the distinct storages of the parameters, their gradients and every tensor in the optimizers' state."""
+    tensors = [t for p in params for t in (p, p.grad) if t is not None]
+    tensors += [v for o in optimizers for state in o.state.values() for v in state.values()
+                if isinstance(v, torch.Tensor)]
+    seen: dict[int, int] = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+    return sum(seen.values())
 
 
 def _peak_rss() -> int:

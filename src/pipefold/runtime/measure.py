@@ -69,3 +69,23 @@ def measured_trace(reports: list[RankReport]) -> dict[str, Any]:
 def write_measured_trace(reports: list[RankReport], path: str) -> None:
     with open(path, "w", encoding="utf-8") as fh:
         json.dump(measured_trace(reports), fh)
+
+
+def measured_summary(reports: list[RankReport]) -> dict[str, Any]:
+    """What a run measured, in the planner's terms, over the steps after the first (a warm-up):
+    - the median step time, from the first rank's start to the last rank's end (the optimizer step apart);
+    - the bubble ratio, 1 - busy / (ranks x step time);
+    - each rank's peak bytes: the most activations its meter held in any step, plus its parameters,
+      gradients and optimizer state."""
+    steps = len(reports[0].steps)
+    later = range(1, steps) if steps > 1 else range(steps)
+    # A step spans from the first rank's start to the last rank's end (ranks start apart: their clocks agree).
+    walls = [max(r.steps[i].started_at + r.steps[i].wall for r in reports) - min(r.steps[i].started_at for r in reports)
+             for i in later]
+    step = statistics.median(walls)
+    busy = [statistics.median(r.steps[i].busy for i in later) for r in reports]
+    return {"step_time_s": step, "step_time_spread_s": [min(walls), max(walls)],
+            "bubble_ratio": 1.0 - sum(busy) / (len(reports) * step) if step else 0.0,
+            "activation_peak_bytes": [max(s.peak_activation_bytes for s in r.steps) for r in reports],
+            "static_bytes": [r.static_bytes for r in reports],
+            "peak_bytes": [max(s.peak_activation_bytes for s in r.steps) + r.static_bytes for r in reports]}

@@ -1,0 +1,142 @@
+"""Does the planner's prediction hold on a real run? Profile a model, plan, run, compare.
+
+For each model (the issue's GPT: hidden 256, 16 blocks, seq 256, batch 32, 16 microbatches; and an MLP of
+width 512, 16 blocks, batch 256) on 4 local gloo ranks:
+
+1. profile it (``pipefold.profile.profile_model``), or read ``--profile-gpt/--profile-mlp``;
+2. for 1f1b, zb-h1, zb-v, v-half and v-min: plan that family alone with no memory limit (its best split),
+   run it, and put the profile's prediction next to the measurement: step time (median of the steps after
+   the first, with min..max), bubble ratio, every rank's peak bytes; the activation part of the peak is
+   also read by torch's MemTracker in one step (an independent tracker of every tensor);
+3. set a budget at 60% of 1F1B's measured peak, plan over every family, run the chosen plan, and run each
+   of the five families' own best plan under that budget (recomputing where it must): the chosen plan
+   must fit and be the fastest measured among those that fit.
+
+    OMP_NUM_THREADS=1 python benchmarks/plan_accuracy.py [--models gpt,mlp] [--steps 4] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+from pipefold.plan import plan_model, predict
+from pipefold.profile import Profile, profile_model
+from pipefold.runtime.launch import run_local
+from pipefold.runtime.measure import measured_summary
+from pipefold.train import from_plan, make_job
+
+FAMILIES = ("1f1b", "zb-h1", "zb-v", "v-half", "v-min")
+MODELS = {
+    "gpt": {"model": "gpt", "layers": 16, "hidden": 256, "heads": 4, "seq": 256, "batch": 32, "microbatches": 16},
+    "mlp": {"model": "mlp", "layers": 16, "hidden": 512, "heads": 4, "seq": 1, "batch": 256, "microbatches": 16},
+}
+DEVICES = 4
+
+
+def run_plan(plan: dict[str, Any], steps: int) -> dict[str, Any]:
+    """Run a plan file's dict; return the prediction, the measurement and MemTracker's reading."""
+    config, decided = from_plan(plan, steps=steps)
+    job = make_job(config, decided=decided)
+    job = type(job)(**{**job.__dict__, "verify_memory_step": steps - 1})
+    reports = run_local(job)
+    profile = Profile.from_dict(plan["profile"])
+    result, peaks, static = predict(profile, job.schedule, job.layer_stages, job.recompute)
+    got = measured_summary(reports)
+    checks = [r.steps[steps - 1].memory_check for r in reports]
+    return {"schedule": plan["schedule"], "layers_per_stage": [len(p) for p in job.layer_stages],
+            "recompute": list(job.recompute or ()),
+            "predicted": {"step_time_s": result.makespan, "bubble_ratio": result.bubble_ratio, "peak_bytes": peaks},
+            "measured": got,
+            "memtracker_activation_bytes": [c.get("tracker_between_actions", 0) for c in checks],
+            "meter_activation_bytes_same_step": [c.get("meter_between_actions", 0) for c in checks]}
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else math.nan
+
+
+def bench_model(name: str, profile: Profile, steps: int) -> dict[str, Any]:
+    rows = []
+    for family in FAMILIES:
+        plan = plan_model(profile, DEVICES, 1e15, families=[family]).to_dict()
+        rows.append(run_plan(plan, steps))
+        _report(name, rows[-1])
+    one_f_one_b = max(rows[0]["measured"]["peak_bytes"])
+    budget = 0.6 * one_f_one_b
+    chosen_plan = plan_model(profile, DEVICES, budget).to_dict()
+    chosen = run_plan(chosen_plan, steps)
+    _report(name, chosen, "chosen")
+    under = []
+    for family in FAMILIES:
+        try:
+            plan = plan_model(profile, DEVICES, budget, families=[family]).to_dict()
+        except Exception as exc:  # the family cannot fit the budget at all
+            under.append({"schedule": family, "fits": False, "why": str(exc)})
+            continue
+        if plan["schedule"] == chosen["schedule"] and plan["layer_stages"] == chosen_plan["layer_stages"] \
+                and plan["recompute"] == chosen["recompute"]:
+            row = chosen
+        else:
+            row = run_plan(plan, steps)
+            _report(name, row, "under budget")
+        under.append({**row, "fits": max(row["measured"]["peak_bytes"]) <= budget})
+    fitting = [r for r in under if r.get("fits")] + [chosen]
+    fastest = min(fitting, key=lambda r: r["measured"]["step_time_s"])
+    return {"model": name, "profile": profile.train, "machine": profile.machine, "schedules": rows,
+            "budget_bytes": budget, "one_f_one_b_peak_bytes": one_f_one_b, "chosen": chosen,
+            "chosen_fits": max(chosen["measured"]["peak_bytes"]) <= budget, "under_budget": under,
+            "fastest_measured_under_budget": fastest["schedule"],
+            "chosen_is_fastest": fastest is chosen or fastest["measured"]["step_time_s"]
+            >= chosen["measured"]["step_time_s"]}
+
+
+def _report(model: str, row: dict[str, Any], tag: str = "") -> None:
+    p, m = row["predicted"], row["measured"]
+    worst = max(abs(_ratio(a, b) - 1) for a, b in zip(m["peak_bytes"], p["peak_bytes"], strict=True))
+    lo, hi = m["step_time_spread_s"]
+    print(f"{model} {row['schedule']:<24} {tag:<12} step {m['step_time_s'] * 1e3:7.1f} ms "
+          f"({lo * 1e3:.0f}..{hi * 1e3:.0f}) vs {p['step_time_s'] * 1e3:7.1f} predicted "
+          f"({_ratio(m['step_time_s'], p['step_time_s']) - 1:+.1%}); bubble {m['bubble_ratio']:.1%} vs "
+          f"{p['bubble_ratio']:.1%}; worst rank peak {worst:+.1%} off; recompute {row['recompute']}",
+          flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="gpt,mlp")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--profile-gpt")
+    ap.add_argument("--profile-mlp")
+    ap.add_argument("--json", help="write every figure here")
+    args = ap.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    out = []
+    for name in args.models.split(","):
+        given = getattr(args, f"profile_{name}")
+        t0 = time.perf_counter()
+        profile = Profile.load(given) if given else profile_model(devices=DEVICES, **MODELS[name])
+        print(f"{name}: profile in {time.perf_counter() - t0:.1f} s; contention {profile.contention}", flush=True)
+        out.append(bench_model(name, profile, args.steps))
+    for r in out:
+        times = [abs(_ratio(x["measured"]["step_time_s"], x["predicted"]["step_time_s"]) - 1)
+                 for x in (*r["schedules"], r["chosen"])]
+        peaks = [abs(_ratio(a, b) - 1) for x in (*r["schedules"], r["chosen"])
+                 for a, b in zip(x["measured"]["peak_bytes"], x["predicted"]["peak_bytes"], strict=True)]
+        print(f"{r['model']}: step time off by at most {max(times):.1%} (median {statistics.median(times):.1%}); "
+              f"peaks off by at most {max(peaks):.1%}; budget {r['budget_bytes'] / 2**20:.1f} MiB: chosen "
+              f"{r['chosen']['schedule']} fits {r['chosen_fits']}, fastest measured that fits: "
+              f"{r['fastest_measured_under_budget']} (chosen is fastest: {r['chosen_is_fastest']})")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(out, fh, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,388 @@
+"""A model's profile on the machine it will train on: what each layer costs, what the link costs, how devices share.
+
+``pipefold profile`` measures, and :mod:`pipefold.plan` reads, three things::
+
+    layers      per layer, one microbatch: F, B, W seconds (medians of repeats on the runtime's own
+                stage runner), bytes held after F and between B and W (the runtime's meter),
+                parameter bytes, bytes of its output (what a stage boundary after it sends)
+    link        one-way time of a message between two gloo ranks: latency + bytes / bandwidth,
+                fitted to ping-pongs of 4 KiB .. 4 MiB
+    sharing     how much slower a pass runs when k ranks compute at once (k = 1..devices): 1.0
+                each on separate accelerators, about k / cores when k processes share fewer cores
+
+The file is JSON (``Profile.save`` / ``Profile.load``) and says which model, at which size, it is.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import socket
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from pipefold.errors import ConfigError
+
+if TYPE_CHECKING:  # measuring needs torch; reading a profile does not (the planner loads without it)
+    import torch
+
+__all__ = ["LayerProfile", "Profile", "measure_contention", "measure_layers", "measure_link", "profile_model"]
+
+VERSION = 1
+_LINK_SIZES = (4 << 10, 64 << 10, 512 << 10, 4 << 20)
+
+Progress = Callable[[str, int, int], None]
+"""Called as ``progress(what, done, total)`` while measuring."""
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """One layer's costs for one microbatch."""
+
+    f: float
+    """Forward seconds."""
+    b: float
+    """Input-gradient seconds."""
+    w: float
+    """Weight-gradient seconds."""
+    held: int
+    """Bytes held from the end of F until the backward: its input and what it saved."""
+    held_w: int
+    """Bytes held from the end of B until W: what W reads."""
+    params: int
+    """Parameter bytes."""
+    out: int
+    """Bytes of its output: what a stage ending with this layer sends (and gets back as a gradient)."""
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A model measured on one machine at one microbatch size; the planner's input."""
+
+    train: dict[str, Any]
+    """The model and its size as ``pipefold train`` takes them: model, layers, hidden, heads, seq, batch,
+    microbatches, optimizer, seed."""
+    layers: tuple[LayerProfile, ...]
+    latency: float
+    """Seconds of a message of no bytes between two ranks."""
+    bandwidth: float
+    """Bytes per second between two ranks."""
+    contention: tuple[float, ...]
+    """``contention[k-1]``: how many times longer a pass takes while k ranks compute at once."""
+    optimizer_factor: float
+    """Optimizer state per parameter, in parameter sizes (AdamW 2, SGD 0)."""
+    machine: dict[str, Any] = field(default_factory=dict)
+    """Where and when it was measured: host, cores, torch version, device, date, repeats."""
+
+    @property
+    def microbatch_rows(self) -> int:
+        return int(self.train["batch"]) // int(self.train["microbatches"])
+
+    def static(self, layer: int) -> int:
+        """Bytes a layer holds whatever the schedule: weights, gradients, optimizer state."""
+        return int(self.layers[layer].params * (2 + self.optimizer_factor))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": VERSION, "train": dict(self.train), "layers": [asdict(x) for x in self.layers],
+                "link": {"latency": self.latency, "bandwidth": self.bandwidth},
+                "contention": list(self.contention), "optimizer_factor": self.optimizer_factor,
+                "machine": dict(self.machine)}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "the profile") -> Profile:
+        """Read :meth:`to_dict`'s form; anything else is one ConfigError naming what is wrong."""
+        try:
+            if not isinstance(data, dict) or data.get("version") != VERSION:
+                raise ConfigError(f"{where} is not a pipefold profile (version {VERSION}): "
+                                  f"make one with pipefold profile -o FILE")
+            layers = tuple(LayerProfile(f=float(row["f"]), b=float(row["b"]), w=float(row["w"]), held=int(row["held"]),
+                                        held_w=int(row["held_w"]), params=int(row["params"]), out=int(row["out"]))
+                           for row in data["layers"])
+            link = data["link"]
+            out = cls(train=dict(data["train"]), layers=layers, latency=float(link["latency"]),
+                      bandwidth=float(link["bandwidth"]), contention=tuple(float(x) for x in data["contention"]),
+                      optimizer_factor=float(data["optimizer_factor"]), machine=dict(data.get("machine", {})))
+        except ConfigError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ConfigError(f"{where} is not a valid pipefold profile ({type(exc).__name__}: {exc}); "
+                              f"make one with pipefold profile -o FILE") from None
+        out.check(where)
+        return out
+
+    def check(self, where: str = "the profile") -> None:
+        if not self.layers:
+            raise ConfigError(f"{where} has no layers")
+        for i, x in enumerate(self.layers):
+            values = (x.f, x.b, x.w, x.held, x.held_w, x.params, x.out)
+            if not all(math.isfinite(v) and v >= 0 for v in values):
+                raise ConfigError(f"{where}: layer {i} has a negative or non-finite figure: {x}")
+        if not (math.isfinite(self.latency) and self.latency >= 0 and self.bandwidth > 0):
+            raise ConfigError(f"{where}: the link needs latency >= 0 and bandwidth > 0 "
+                              f"(got {self.latency}, {self.bandwidth})")
+        if not self.contention or not all(math.isfinite(c) and c > 0 for c in self.contention):
+            raise ConfigError(f"{where}: contention factors must be positive numbers (got {self.contention})")
+        for key in ("model", "batch", "microbatches"):
+            if key not in self.train:
+                raise ConfigError(f"{where} does not say its model's {key}")
+
+    def save(self, path: str) -> None:
+        from pipefold.files import write_text
+
+        write_text(path, json.dumps(self.to_dict(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str) -> Profile:
+        try:
+            with open(path, encoding="utf-8") as fh:
+                data = json.load(fh)
+        except OSError as exc:
+            raise ConfigError(f"cannot read profile {path}: {exc.strerror or exc}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{path} is not JSON ({exc}); give a file written by pipefold profile -o") from None
+        return cls.from_dict(data, path)
+
+
+# --------------------------------------------------------------------------- layers
+
+
+def measure_layers(layers: Sequence[torch.nn.Module], sample: Any, target: Any,
+                   loss_fn: Callable[..., torch.Tensor], *, microbatches: int = 1, repeats: int = 7,
+                   progress: Progress | None = None) -> list[LayerProfile]:
+    """Each layer as a stage of its own on the runtime's stage runner, fed the previous layer's output.
+
+    Times are medians of ``repeats`` runs after a warm-up; layers that are the same computation
+    (type, parameter shapes, input shapes) share their mean, so timing noise does not tell equal
+    blocks apart. Bytes come from :func:`pipefold.partition.layer_memory` (the runtime's meter).
+    """
+    from pipefold.partition import layer_memory
+    from pipefold.runtime.stage import Chain, StageRunner, ones_for
+
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ConfigError(f"repeats must be a positive integer (got {repeats!r})")
+    held = layer_memory(layers, sample, loss_fn=loss_fn, target=target)
+    x: tuple[torch.Tensor, ...] = tuple(sample) if isinstance(sample, (tuple, list)) else (sample,)
+    last = len(layers) - 1
+    times: list[tuple[float, float, float]] = []
+    outs: list[int] = []
+    kinds: dict[tuple[Any, ...], list[int]] = {}
+    for i, layer in enumerate(layers):
+        if progress is not None:
+            progress("layers", i, len(layers))
+        same = (type(layer).__qualname__, tuple((n, tuple(p.shape)) for n, p in layer.named_parameters()),
+                tuple(tuple(t.shape) for t in x), i == last, i == 0)
+        kinds.setdefault(same, []).append(i)
+        loss = loss_fn if i == last else None
+        runner = StageRunner(Chain(layer), loss_fn=loss, input_grads=i > 0)
+        runs = []
+        out: tuple[torch.Tensor, ...] = ()
+        for k in range(repeats + 1):
+            t0 = time.perf_counter()
+            out = runner.forward(k, x, target if loss is not None else None, scale=1.0 / microbatches)
+            t1 = time.perf_counter()
+            runner.backward_input(k, None if loss is not None else ones_for(out))
+            t2 = time.perf_counter()
+            runner.backward_weight(k)
+            runs.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
+        layer.zero_grad(set_to_none=True)
+        f, b, w = (statistics.median(v) for v in zip(*runs[1:], strict=True))
+        times.append((f, b, w))
+        outs.append(0 if loss is not None else sum(t.untyped_storage().nbytes() for t in out
+                                                  if t.is_floating_point()))
+        x = tuple(t.detach() for t in out)
+    if progress is not None:
+        progress("layers", len(layers), len(layers))
+    for group in kinds.values():
+        mean = tuple(statistics.fmean(times[i][j] for i in group) for j in range(3))
+        for i in group:
+            times[i] = mean  # type: ignore[assignment]
+    return [LayerProfile(f=t[0], b=t[1], w=t[2], held=int(h), held_w=int(hw),
+                         params=sum(p.numel() * p.element_size() for p in layer.parameters()), out=o)
+            for t, (h, hw), layer, o in zip(times, held, layers, outs, strict=True)]
+
+
+# --------------------------------------------------------------------------- the link
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _ping(rank: int, port: int, sizes: Sequence[int], rounds: int, out: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    try:
+        result = {}
+        for size in sizes:
+            buf = torch.zeros(size // 4, dtype=torch.float32)
+            trips = []
+            for k in range(rounds + 2):
+                t0 = time.perf_counter()
+                if rank == 0:
+                    dist.send(buf, 1)
+                    dist.recv(buf, 1)
+                else:
+                    dist.recv(buf, 0)
+                    dist.send(buf, 0)
+                if k >= 2:  # two warm-ups: connection setup and first allocations
+                    trips.append(time.perf_counter() - t0)
+            result[size] = statistics.median(trips) / 2
+        if rank == 0:
+            out.put(result)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_link(rounds: int = 20, sizes: Sequence[int] = _LINK_SIZES) -> tuple[float, float]:
+    """(latency seconds, bandwidth bytes/s) of a gloo link between two local processes: half the median
+    round trip of each size, fitted by least squares to latency + bytes / bandwidth."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.SimpleQueue()
+    mp.start_processes(_ping, args=(_free_port(), tuple(sizes), rounds, out), nprocs=2, start_method="spawn")
+    one_way: dict[int, float] = out.get()
+    return fit_link(one_way)
+
+
+def fit_link(one_way: dict[int, float]) -> tuple[float, float]:
+    """Least-squares fit of seconds = latency + bytes / bandwidth; latency floored at 0."""
+    xs, ys = list(one_way), [one_way[s] for s in one_way]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
+    if slope <= 0:
+        return max(my, 0.0), math.inf
+    return max(my - slope * mx, 0.0), 1.0 / slope
+
+
+# --------------------------------------------------------------------------- sharing the machine
+
+
+def _busy(rank: int, train: dict[str, Any], layer: int, seconds: float, start: Any, out: Any) -> None:
+    """One of k processes: run ``layer`` of the model's forward and backward on one microbatch for ``seconds``."""
+    import torch
+
+    from pipefold.models import get_model
+    from pipefold.runtime.stage import Chain, StageRunner, ones_for
+    from pipefold.train import TrainConfig, model_batch
+
+    torch.set_num_threads(1)
+    config = TrainConfig(**{k: train[k] for k in ("model", "layers", "hidden", "heads", "seq", "batch",
+                                                   "microbatches", "seed")})
+    spec = get_model(config.model)
+    cfg, batch_at = model_batch(config)
+    built = spec.build_layers(cfg, range(layer + 1), seed=config.seed)
+    x: Any = batch_at(0)[0].chunk(config.microbatches)[0]
+    with torch.no_grad():  # the layer's input: the layers before it run once
+        xs = (x,)
+        for i in range(layer):
+            y = Chain(built[i])(*xs)
+            xs = y if isinstance(y, tuple) else (y,)
+    runner = StageRunner(Chain(built[layer]), input_grads=layer > 0)
+
+    def once(k: int) -> None:
+        outs = runner.forward(k, xs)
+        runner.backward(k, ones_for(outs))
+
+    for k in range(2):  # warm-up
+        once(k)
+    start.wait()
+    t0 = time.perf_counter()
+    laps = 0
+    while time.perf_counter() - t0 < seconds:  # every process runs for the same window, all of it shared
+        once(laps)
+        laps += 1
+    out.put((time.perf_counter() - t0) / laps)
+
+
+def measure_contention(devices: int, train: dict[str, Any], layer: int, seconds: float = 1.0) -> tuple[float, ...]:
+    """For k = 1..devices: the time of one layer's forward and backward while k processes run it at once, over the
+    time with one (one thread each, as the runtime's ranks). Each process runs the same window of ``seconds``, and
+    its throughput over the window counts, not single passes: the operating system shares cores in slices of
+    milliseconds, so a single pass often runs alone and only the throughput shows the sharing."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    means = []
+    for k in range(1, devices + 1):
+        start, out = ctx.Barrier(k), ctx.SimpleQueue()
+        procs = [ctx.Process(target=_busy, args=(r, train, layer, seconds, start, out)) for r in range(k)]
+        for p in procs:
+            p.start()
+        got = [out.get() for _ in procs]
+        for p in procs:
+            p.join()
+        means.append(statistics.fmean(got))
+    return tuple(max(1.0, m / means[0]) for m in means)
+
+
+# --------------------------------------------------------------------------- the whole profile
+
+
+def profile_model(*, model: str = "gpt", layers: int = 4, hidden: int = 64, heads: int = 4, seq: int = 64,
+                  batch: int = 16, microbatches: int = 8, optimizer: str = "adamw", seed: int = 0,
+                  devices: int = 4, repeats: int = 7, link: bool = True, contention: bool = True,
+                  progress: Progress | None = None) -> Profile:
+    """Measure ``model`` at this size on this machine (see the module's docstring).
+
+    Without ``link`` the link is free (latency 0, infinite bandwidth); without ``contention``
+    every rank has a device of its own (factor 1 for any k).
+    """
+    import torch
+
+    from pipefold.models import get_model
+    from pipefold.recompute import OPTIMIZER_STATE
+    from pipefold.train import TrainConfig, model_batch
+
+    if batch % microbatches:
+        raise ConfigError(f"a batch of {batch} does not split into {microbatches} microbatches; "
+                          f"use a --batch that is a multiple of {microbatches}")
+    if optimizer not in OPTIMIZER_STATE:
+        raise ConfigError(f"unknown optimizer {optimizer!r}: use {' or '.join(OPTIMIZER_STATE)}")
+    config = TrainConfig(model=model, layers=layers, hidden=hidden, heads=heads, seq=seq, batch=batch,
+                         microbatches=microbatches, optimizer=optimizer, seed=seed, devices=devices)
+    spec = get_model(model)
+    cfg, batch_at = model_batch(config)
+    built = spec.build_layers(cfg, range(cfg.num_layers), seed=seed)
+    x, y = batch_at(0)
+    measured = measure_layers([built[i] for i in range(cfg.num_layers)], x.chunk(microbatches)[0],
+                              y.chunk(microbatches)[0], spec.loss, microbatches=microbatches, repeats=repeats,
+                              progress=progress)
+    latency, bandwidth = 0.0, math.inf
+    if link:
+        if progress is not None:
+            progress("link", 0, 1)
+        latency, bandwidth = measure_link()
+        if progress is not None:
+            progress("link", 1, 1)
+    train = {"model": model, "layers": layers, "hidden": hidden, "heads": heads, "seq": seq, "batch": batch,
+             "microbatches": microbatches, "optimizer": optimizer, "seed": seed}
+    factors: tuple[float, ...] = (1.0,) * devices
+    if contention:
+        if progress is not None:
+            progress("sharing", 0, 1)
+        # The layer that takes longest (a transformer block, not the embedding) stands for the model's work.
+        heaviest = max(range(len(measured)), key=lambda i: measured[i].f + measured[i].b + measured[i].w)
+        factors = measure_contention(devices, train, heaviest)
+        if progress is not None:
+            progress("sharing", 1, 1)
+    machine = {"host": platform.node(), "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+               else os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+               "device": "cpu", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "repeats": repeats}
+    return Profile(train=train, layers=tuple(measured), latency=latency,
+                   bandwidth=bandwidth if math.isfinite(bandwidth) else 1e30, contention=factors,
+                   optimizer_factor=OPTIMIZER_STATE[optimizer], machine=machine)

@@ -1,0 +1,246 @@
+"""Planning a measured model: shared-core timing, per-stage figures from per-layer ones, the search, the files,
+and the whole path profile -> plan -> train --plan on real ranks."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from pipefold import schedules
+from pipefold.errors import ConfigError
+from pipefold.ir import dependency_graph
+from pipefold.plan import ModelPoint, model_costs, plan_model, predict, read_plan, stage_profiles
+from pipefold.profile import LayerProfile, Profile, fit_link
+from pipefold.recompute import plan_recompute
+from pipefold.simulate import KINDS, CostModel, _shared_times, simulate
+
+
+def _profile(n: int = 8, *, contention: tuple[float, ...] = (1.0, 1.0, 1.0, 1.0), microbatches: int = 8) -> Profile:
+    """A made-up model: an embedding, n-2 equal blocks and a head, with figures of the size a small GPT has."""
+    layers = [LayerProfile(f=1e-4, b=1e-5, w=2e-4, held=1000, held_w=500, params=40_000, out=8192)]
+    layers += [LayerProfile(f=2e-3, b=3e-3, w=2e-3, held=200_000, held_w=150_000, params=100_000, out=8192)
+               for _ in range(n - 2)]
+    layers += [LayerProfile(f=1e-3, b=1e-3, w=5e-4, held=50_000, held_w=40_000, params=60_000, out=0)]
+    return Profile(train={"model": "gpt", "layers": n - 2, "hidden": 32, "heads": 2, "seq": 16, "batch": 16,
+                          "microbatches": microbatches, "optimizer": "adamw", "seed": 0},
+                   layers=tuple(layers), latency=5e-5, bandwidth=2e9, contention=contention, optimizer_factor=2.0)
+
+
+# --------------------------------------------------------------------------- shared cores
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-v", "chimera", "dualpipe", "interleaved-1f1b", "v-half"])
+def test_shared_timing_without_sharing_is_the_plain_timing(name: str) -> None:
+    s = schedules.build(name, 4, 8)
+    cost = CostModel(f=1.0, b=1.3, w=0.7, latency=0.1, grad_bytes=10, bandwidth=100)
+    plain = simulate(s, cost)
+    graph = dependency_graph(s)
+    durations = [iv.end - iv.start for row in plain.timeline for iv in row]
+    idle = frozenset(k for k, spec in KINDS.items() if not spec.computes)
+    starts, ends = _shared_times(graph, durations, cost.transfer_time, idle, (1.0,) * 4)
+    assert starts == pytest.approx([iv.start for row in plain.timeline for iv in row], abs=1e-9)
+    assert ends == pytest.approx([iv.end for row in plain.timeline for iv in row], abs=1e-9)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "gpipe", "zb-h1", "v-min"])
+@pytest.mark.parametrize("p", [2, 4])
+def test_one_shared_core_is_busy_until_all_work_is_done(name: str, p: int) -> None:
+    # Closed form: with k devices at 1/k speed each, the one core does one unit of work per second whenever any
+    # device computes; without transfer delays some device can always compute, so the step takes the total work.
+    s = schedules.build(name, p, 2 * p)
+    solo = simulate(s, CostModel(f=1.0, b=1.5, w=0.5))
+    shared = simulate(s, CostModel(f=1.0, b=1.5, w=0.5, contention=tuple(float(k) for k in range(1, p + 1))))
+    assert shared.makespan == pytest.approx(sum(solo.busy), rel=1e-9)
+
+
+def test_two_cores_for_four_devices_never_beat_half_the_work_nor_the_solo_timing() -> None:
+    s = schedules.build("1f1b", 4, 8)
+    solo = simulate(s, CostModel())
+    shared = simulate(s, CostModel(contention=(1.0, 1.0, 1.5, 2.0)))
+    assert shared.makespan >= max(solo.makespan, sum(solo.busy) / 2) - 1e-9
+    assert shared.makespan <= sum(solo.busy)
+
+
+def test_bad_contention_is_one_line() -> None:
+    with pytest.raises(ConfigError, match="contention factors"):
+        CostModel(contention=(1.0, -2.0))
+
+
+# --------------------------------------------------------------------------- stage figures from layer figures
+
+
+def test_stage_figures_are_sums_of_their_layers() -> None:
+    prof = _profile(8)
+    parts = [(0, 1, 2), (3, 4), (5, 6, 7)]
+    rows = stage_profiles(prof, parts)
+    for part, row in zip(parts, rows, strict=True):
+        mine = [prof.layers[i] for i in part]
+        assert row.times == pytest.approx((sum(x.f for x in mine), sum(x.b for x in mine), sum(x.w for x in mine)))
+        assert row.kept[0] == sum(x.held for x in mine)
+        assert row.static == sum(int(x.params * 4) for x in mine)  # weights, gradients, AdamW's two moments
+        into = prof.layers[part[0] - 1].out if part[0] else 0
+        for r in range(1, len(part) + 1):  # recomputing r layers keeps the stage's input and the later layers
+            assert row.kept[r] == into + sum(x.held for x in mine[r:])
+            assert row.rerun[r] == pytest.approx(sum(x.f for x in mine[:r]))
+    assert [r.message for r in rows] == [8192, 8192, 0]
+
+
+def test_transfers_cost_the_measured_link() -> None:
+    prof = _profile(8)
+    s = schedules.build("1f1b", 2, 8)
+    cost = model_costs(prof, s, [(0, 1, 2, 3), (4, 5, 6, 7)])
+    assert cost.transfer_time == pytest.approx(5e-5 + 8192 / 2e9)
+
+
+def test_link_fit_recovers_a_line() -> None:
+    lat, bw = fit_link({n: 1e-4 + n / 3e9 for n in (4096, 65536, 1 << 20, 4 << 20)})
+    assert lat == pytest.approx(1e-4)
+    assert bw == pytest.approx(3e9)
+
+
+# --------------------------------------------------------------------------- the search
+
+
+def test_plan_is_the_fastest_fitting_point_of_a_brute_force() -> None:
+    prof = _profile(8)
+    everything = plan_model(prof, 2, 1e12)
+    budget = sorted(pt.memory for pt in everything.points)[len(everything.points) // 3]
+    answer = plan_model(prof, 2, budget)
+    # Brute force over the families, every contiguous split, and no recomputation.
+    best = math.inf
+    for name in {pt.name for pt in answer.points}:
+        for options in {tuple(pt.options.items()) for pt in answer.points if pt.name == name}:
+            s = schedules.build(name, 2, 8, **dict(options))
+            for cuts in itertools.combinations(range(1, 8), s.stages - 1):
+                bounds = [0, *cuts, 8]
+                parts = [tuple(range(a, b)) for a, b in zip(bounds, bounds[1:], strict=False)]
+                result, peaks, _ = predict(prof, s, parts)
+                if max(peaks) <= budget:
+                    best = min(best, result.makespan)
+    assert answer.best.memory <= budget
+    # The planner tries two splits per schedule (time-balanced, memory-aware) and recomputation: never worse than
+    # 10% off the best contiguous split without recomputation, and usually equal.
+    assert answer.best.makespan <= best * 1.10 + 1e-12
+
+
+def test_plan_prediction_matches_predict() -> None:
+    prof = _profile(8)
+    answer = plan_model(prof, 2, 1e12)
+    s = schedules.build(answer.best.name, 2, 8, **answer.best.options)
+    result, peaks, static = predict(prof, s, answer.best.layer_stages, answer.best.recompute)
+    assert result.makespan == pytest.approx(answer.best.makespan)
+    assert peaks == [int(x) for x in answer.best.peak_memory]
+    assert static == list(answer.best.static_bytes)
+
+
+def test_a_tight_budget_recomputes_and_fits() -> None:
+    prof = _profile(10)
+    free = plan_model(prof, 2, 1e12, families=["1f1b"])
+    rows = stage_profiles(prof, free.best.layer_stages)
+    s = schedules.build("1f1b", 2, 8)
+    least = max(plan_recompute(s, rows, "full").peak)
+    budget = (least + max(free.best.peak_memory)) / 2
+    tight = plan_model(prof, 2, budget, families=["1f1b"])
+    assert tight.best.memory <= budget < free.best.memory
+    assert sum(tight.best.recompute) > 0
+    assert tight.best.makespan >= free.best.makespan
+
+
+def test_a_budget_nothing_fits_is_one_line() -> None:
+    with pytest.raises(ConfigError, match="no plan fits .* the smallest predicted peak is"):
+        plan_model(_profile(8), 2, 1000.0)
+
+
+def test_other_microbatches_than_profiled_are_refused() -> None:
+    with pytest.raises(ConfigError, match="profile again with --microbatches 4"):
+        plan_model(_profile(8), 2, 1e12, microbatches=4)
+
+
+def test_frontier_is_monotone_and_holds_the_best() -> None:
+    answer = plan_model(_profile(8), 2, 1e12)
+    mems = [pt.memory for pt in answer.frontier]
+    times = [pt.makespan for pt in answer.frontier]
+    assert mems == sorted(mems) and times == sorted(times, reverse=True)
+    assert answer.best in answer.frontier
+    assert all(isinstance(pt, ModelPoint) for pt in answer.points)
+
+
+# --------------------------------------------------------------------------- files
+
+
+def test_profile_round_trip(tmp_path) -> None:
+    prof = _profile(6)
+    path = tmp_path / "p.json"
+    prof.save(str(path))
+    assert Profile.load(str(path)) == prof
+
+
+@pytest.mark.parametrize("text,match", [("{", "is not JSON"), ('{"version": 9}', "not a pipefold profile"),
+                                        ('{"version": 1, "layers": 3}', "not a valid pipefold profile")])
+def test_bad_profiles_are_one_line(tmp_path, text: str, match: str) -> None:
+    path = tmp_path / "p.json"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=match):
+        Profile.load(str(path))
+
+
+def test_negative_figures_are_refused() -> None:
+    data = _profile(4).to_dict()
+    data["layers"][1]["f"] = -1.0
+    with pytest.raises(ConfigError, match="layer 1 has a negative"):
+        Profile.from_dict(data)
+
+
+def test_plan_file_round_trip_and_checks(tmp_path) -> None:
+    answer = plan_model(_profile(8), 2, 1e12)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(answer.to_dict()))
+    data = read_plan(str(path))
+    assert data["schedule"] == answer.best.spec
+    data["layer_stages"] = [[0, 2], [1, 3, 4, 5, 6, 7]]
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match="contiguous"):
+        read_plan(str(path))
+    path.write_text('{"kind": "something else"}')
+    with pytest.raises(ConfigError, match="not a pipefold plan"):
+        read_plan(str(path))
+
+
+def test_profile_dataclass_is_frozen() -> None:
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        _profile(4).latency = 1.0  # type: ignore[misc]
+
+
+# --------------------------------------------------------------------------- the whole path, on real ranks
+
+
+def _cli(*args: str, cwd) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pipefold", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=300)
+
+
+def test_profile_plan_train_runs_the_plan_with_exact_gradients_and_its_predicted_memory(tmp_path) -> None:
+    got = _cli("profile", "--model", "gpt", "--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "32",
+               "--batch", "8", "-m", "4", "-p", "2", "--repeats", "2", "--no-sharing", "-o", "prof.json",
+               cwd=tmp_path)
+    assert got.returncode == 0, got.stderr
+    prof = Profile.load(str(tmp_path / "prof.json"))
+    assert len(prof.layers) == 4 and prof.bandwidth > 0 and prof.latency >= 0
+    got = _cli("plan", "--profile", "prof.json", "-p", "2", "--memory-budget", "1GB", "--families", "1f1b,zb-h1",
+               "-o", "plan.json", cwd=tmp_path)
+    assert got.returncode == 0, got.stderr
+    got = _cli("train", "--plan", "plan.json", "--steps", "2", "--check", "--json", cwd=tmp_path)
+    assert got.returncode == 0, got.stderr
+    out = json.loads(got.stdout)
+    assert out["max_grad_rel_diff"] < 1e-5
+    pred, meas = out["plan"]["predicted"], out["plan"]["measured"]
+    for p, m in zip(pred["peak_bytes"], meas["peak_bytes"], strict=True):
+        assert m == pytest.approx(p, rel=0.10)
+    got = _cli("train", "--plan", "plan.json", "--hidden", "48", cwd=tmp_path)
+    assert got.returncode == 2 and "--plan fixes" in got.stderr and "Traceback" not in got.stderr
