@@ -37,7 +37,8 @@ MODELS = {
     "gpt": {"model": "gpt", "layers": 16, "hidden": 256, "heads": 4, "seq": 256, "batch": 32, "microbatches": 16},
     "mlp": {"model": "mlp", "layers": 16, "hidden": 512, "heads": 4, "seq": 1, "batch": 256, "microbatches": 16},
 }
-DEVICES = 4
+SETTINGS: dict[str, Any] = {"devices": 4, "families": FAMILIES}
+"""What main's flags set: the ranks and the schedules compared."""
 
 
 def run_plan(plan: dict[str, Any], steps: int) -> dict[str, Any]:
@@ -62,21 +63,24 @@ def _ratio(a: float, b: float) -> float:
     return a / b if b else math.nan
 
 
-def bench_model(name: str, profile: Profile, steps: int) -> dict[str, Any]:
+def bench_model(name: str, profile: Profile, steps: int, budgeted: bool = True) -> dict[str, Any]:
     rows = []
-    for family in FAMILIES:
-        plan = plan_model(profile, DEVICES, 1e15, families=[family]).to_dict()
+    for family in SETTINGS["families"]:
+        plan = plan_model(profile, SETTINGS['devices'], 1e15, families=[family]).to_dict()
         rows.append(run_plan(plan, steps))
         _report(name, rows[-1])
+    if not budgeted:
+        return {"model": name, "profile": profile.train, "machine": profile.machine, "schedules": rows,
+                "chosen": None}
     one_f_one_b = max(rows[0]["measured"]["peak_bytes"])
     budget = 0.6 * one_f_one_b
-    chosen_plan = plan_model(profile, DEVICES, budget).to_dict()
+    chosen_plan = plan_model(profile, SETTINGS['devices'], budget).to_dict()
     chosen = run_plan(chosen_plan, steps)
     _report(name, chosen, "chosen")
     under = []
-    for family in FAMILIES:
+    for family in SETTINGS["families"]:
         try:
-            plan = plan_model(profile, DEVICES, budget, families=[family]).to_dict()
+            plan = plan_model(profile, SETTINGS['devices'], budget, families=[family]).to_dict()
         except Exception as exc:  # the family cannot fit the budget at all
             under.append({"schedule": family, "fits": False, "why": str(exc)})
             continue
@@ -115,24 +119,32 @@ def main() -> None:
     ap.add_argument("--profile-gpt")
     ap.add_argument("--profile-mlp")
     ap.add_argument("--json", help="write every figure here")
+    ap.add_argument("--devices", type=int, default=4, help="ranks (default 4; 2 gives each rank a core here)")
+    ap.add_argument("--families", default=",".join(FAMILIES), help="schedules to compare (default: the issue's five)")
+    ap.add_argument("--no-budget", action="store_true", help="skip the 60%% budget part")
     args = ap.parse_args()
+    SETTINGS.update(devices=args.devices, families=tuple(args.families.split(",")))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     out = []
     for name in args.models.split(","):
         given = getattr(args, f"profile_{name}")
         t0 = time.perf_counter()
-        profile = Profile.load(given) if given else profile_model(devices=DEVICES, **MODELS[name])
+        profile = Profile.load(given) if given else profile_model(devices=SETTINGS['devices'], **MODELS[name])
+        if given is None:
+            profile.save(f"/tmp/pipefold-bench-{name}-p{SETTINGS['devices']}.json")
         print(f"{name}: profile in {time.perf_counter() - t0:.1f} s; contention {profile.contention}", flush=True)
-        out.append(bench_model(name, profile, args.steps))
+        out.append(bench_model(name, profile, args.steps, not args.no_budget))
     for r in out:
-        times = [abs(_ratio(x["measured"]["step_time_s"], x["predicted"]["step_time_s"]) - 1)
-                 for x in (*r["schedules"], r["chosen"])]
-        peaks = [abs(_ratio(a, b) - 1) for x in (*r["schedules"], r["chosen"])
+        runs = [*r["schedules"], *([r["chosen"]] if r["chosen"] else [])]
+        times = [abs(_ratio(x["measured"]["step_time_s"], x["predicted"]["step_time_s"]) - 1) for x in runs]
+        peaks = [abs(_ratio(a, b) - 1) for x in runs
                  for a, b in zip(x["measured"]["peak_bytes"], x["predicted"]["peak_bytes"], strict=True)]
-        print(f"{r['model']}: step time off by at most {max(times):.1%} (median {statistics.median(times):.1%}); "
-              f"peaks off by at most {max(peaks):.1%}; budget {r['budget_bytes'] / 2**20:.1f} MiB: chosen "
-              f"{r['chosen']['schedule']} fits {r['chosen_fits']}, fastest measured that fits: "
-              f"{r['fastest_measured_under_budget']} (chosen is fastest: {r['chosen_is_fastest']})")
+        print(f"{r['model']} on {SETTINGS['devices']} ranks: step time off by at most {max(times):.1%} (median "
+              f"{statistics.median(times):.1%}); peaks off by at most {max(peaks):.1%}")
+        if r["chosen"]:
+            print(f"  budget {r['budget_bytes'] / 2**20:.1f} MiB: chosen {r['chosen']['schedule']} fits "
+                  f"{r['chosen_fits']}, fastest measured that fits: {r['fastest_measured_under_budget']} "
+                  f"(chosen is fastest: {r['chosen_is_fastest']})")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(out, fh, indent=1)

@@ -309,7 +309,7 @@ def test_plan_plots_png_and_svg(capsys, tmp_path) -> None:
     (["--memory", "3", "--f", "-1"], "cost f must be a finite number >= 0 (got -1.0)"),
     (["--memory", "4", "--plot", "out.pdf"], "use a file name ending in .png or .svg"),
     (["--memory", "4", "-p", "0"], "devices must be a positive integer (got 0)"),
-    ([], "the following arguments are required: --memory"),
+    ([], "plan needs --memory BUDGET"),
 ])
 @pytest.mark.usefixtures("builtin")
 def test_plan_user_errors_are_one_line(capsys, argv: list[str], expected: str) -> None:

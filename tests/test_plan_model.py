@@ -244,3 +244,19 @@ def test_profile_plan_train_runs_the_plan_with_exact_gradients_and_its_predicted
         assert m == pytest.approx(p, rel=0.10)
     got = _cli("train", "--plan", "plan.json", "--hidden", "48", cwd=tmp_path)
     assert got.returncode == 2 and "--plan fixes" in got.stderr and "Traceback" not in got.stderr
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["train", "--schedule", "auto"], "--schedule auto plans for --memory-budget"),
+    (["train", "--schedule", "auto", "--memory-budget", "1GB", "--recompute", "full"], "drop --recompute"),
+    (["plan", "-p", "2"], "plan needs --memory BUDGET"),
+    (["plan", "-p", "2", "--memory", "3", "--memory-budget", "1GB"], "plan a measured model"),
+    (["plan", "--profile", "missing.json", "--memory-budget", "1GB"], "cannot read profile missing.json"),
+    (["train", "--plan", "missing.json"], "cannot read plan missing.json"),
+    (["profile", "--layers", "0"], "--layers must be at least 1"),
+])
+def test_planning_mistakes_are_one_line(tmp_path, args: list[str], message: str) -> None:
+    got = _cli(*args, cwd=tmp_path)
+    assert got.returncode == 2, got.stderr
+    lines = got.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0]

@@ -165,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --profile: bytes per device for weights, gradients, optimizer state, activations and "
                         "buffers, e.g. 2GiB or 60MB")
     p.add_argument("--output", "-o", metavar="FILE", help="with --profile: write the plan that train --plan runs")
+    p.add_argument("--headroom", type=float, default=None, metavar="FRACTION",
+                   help="with --profile: the part of the budget a plan leaves free for the prediction's error "
+                        "(default 0.05)")
     p.add_argument("--families", metavar="A,B", default=None,
                    help="with --profile: search only these schedule families (default: every registered one)")
     _add_costs(p)
@@ -490,8 +493,9 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> None:
     if args.memory is None:
         raise ConfigError("plan needs --memory BUDGET (in M, or 0.5x of 1F1B's peak), or --profile FILE with "
                           "--memory-budget BYTES for a measured model")
-    if args.memory_budget is not None or args.output is not None or args.families is not None:
-        raise ConfigError("--memory-budget, --output and --families plan a measured model: give --profile FILE too "
+    if any(x is not None for x in (args.memory_budget, args.output, args.families, args.headroom)):
+        raise ConfigError("--memory-budget, --output, --families and --headroom plan a measured model: give --profile "
+                          "FILE too "
                           "(or --memory in M without them)")
     cost = _cost_model(args)
     budget = parse_budget(args.memory, one_f_one_b_peak(args.devices, args.microbatches, cost))
@@ -516,7 +520,7 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> None:
 
 def _plan_profiled(args: argparse.Namespace, console: Console) -> None:
     from pipefold.files import check_writable, write_text
-    from pipefold.plan import plan_model
+    from pipefold.plan import HEADROOM, plan_model
     from pipefold.profile import Profile
 
     if args.memory is not None:
@@ -530,7 +534,8 @@ def _plan_profiled(args: argparse.Namespace, console: Console) -> None:
     m = args.microbatches if args.microbatches != DEFAULT_MICROBATCHES else None
     with _progress_bar(f"planning p={args.devices}") as progress:
         answer = plan_model(profile, args.devices, budget, microbatches=m, progress=progress,
-                            families=args.families.split(",") if args.families else None)
+                            families=args.families.split(",") if args.families else None,
+                            headroom=HEADROOM if args.headroom is None else args.headroom)
     out = answer.to_dict()
     if args.output:
         write_text(args.output, json.dumps(out, indent=1) + "\n")
@@ -557,7 +562,7 @@ def _plan_profiled(args: argparse.Namespace, console: Console) -> None:
         table.add_column(col, justify="right" if col in ("peak per device", "step (ms)", "bubble") else "left")
     for pt in answer.frontier:
         chosen = pt == b
-        style = "bold" if chosen else "dim" if pt.memory > budget else ""
+        style = "bold" if chosen else "dim" if pt.memory > answer.room else ""
         table.add_row("▶" if chosen else "", format_bytes(pt.memory), f"{pt.makespan * 1e3:.1f}",
                       f"{pt.bubble_ratio:.1%}", pt.spec, pt.split, str(sum(pt.recompute)), style=style)
     console.print(table)

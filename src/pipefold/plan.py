@@ -243,6 +243,8 @@ class ModelPlan:
     frontier: tuple[ModelPoint, ...]
     skipped: tuple[str, ...]
     profile: Profile
+    room: float = math.inf
+    """The most a plan's predicted peak may be: the budget less the headroom."""
 
     def to_dict(self) -> dict[str, Any]:
         """The plan file ``pipefold train --plan`` runs: what to run, and what it is predicted to do."""
@@ -251,7 +253,7 @@ class ModelPlan:
         return {"version": PLAN_VERSION, "kind": "pipefold-plan", "schedule": b.spec, "devices": s.devices,
                 "microbatches": s.microbatches, "split": b.split,
                 "layer_stages": [list(x) for x in b.layer_stages], "recompute": list(b.recompute),
-                "budget_bytes": self.budget, "train": dict(self.profile.train),
+                "budget_bytes": self.budget, "room_bytes": self.room, "train": dict(self.profile.train),
                 "predicted": {"step_time_s": b.makespan, "bubble_ratio": b.bubble_ratio,
                               "peak_bytes": [int(x) for x in b.peak_memory],
                               "static_bytes": list(b.static_bytes)},
@@ -261,6 +263,8 @@ class ModelPlan:
 
 
 PLAN_VERSION = 1
+HEADROOM = 0.05
+"""The fraction of a budget a plan leaves free by default: the memory prediction's measured error."""
 
 
 def model_costs(profile: Profile, schedule: Schedule, layer_stages: Sequence[Sequence[int]],
@@ -300,13 +304,18 @@ def stage_profiles(profile: Profile, layer_stages: Sequence[Sequence[int]]) -> l
 
 
 def plan_model(profile: Profile, p: int, budget: float, *, microbatches: int | None = None,
-               families: Sequence[str] | None = None, progress: Progress | None = None) -> ModelPlan:
+               families: Sequence[str] | None = None, headroom: float = HEADROOM,
+               progress: Progress | None = None) -> ModelPlan:
     """The fastest plan for the profiled model on p devices whose predicted per-device peak fits ``budget`` bytes.
 
     Searched together: every registered schedule family and option (or ``families``), the split of
     layers into its stages (balanced by time, and the least-memory split whose time is within 2%),
     and per-stage recomputation (none, or the cheapest per-stage counts that fit the budget).
+    A plan fits when its predicted peak times 1 + ``headroom`` does: the prediction's own error
+    (measured within 5% on real runs, see docs/plan.md) must not push a run over the budget.
     """
+    if not (isinstance(headroom, (int, float)) and 0 <= headroom < 1):
+        raise ConfigError(f"headroom is a fraction of the budget kept free: 0 <= headroom < 1 (got {headroom!r})")
     m = int(profile.train["microbatches"]) if microbatches is None else microbatches
     if m != int(profile.train["microbatches"]):
         raise ConfigError(f"the profile was measured with {profile.train['microbatches']} microbatches of "
@@ -333,7 +342,7 @@ def plan_model(profile: Profile, p: int, budget: float, *, microbatches: int | N
             schedule = schedules.build(name, p, m, **options)
             if schedule.stages > n:
                 raise ConfigError(f"{schedule.stages} stages for {n} layers")
-            points.extend(_model_points(profile, schedule, budget))
+            points.extend(_model_points(profile, schedule, budget / (1 + headroom)))
         except (ConfigError, ScheduleError):
             skipped.append(format_spec(name, options))
         if progress is not None:
@@ -341,12 +350,13 @@ def plan_model(profile: Profile, p: int, budget: float, *, microbatches: int | N
     if not points:
         raise ConfigError(f"no registered schedule runs {m} microbatches of this {n}-layer model on {p} devices "
                           f"({len(skipped)} candidates tried)")
-    fits = [pt for pt in points if pt.memory <= budget]
+    room = budget / (1 + headroom)
+    fits = [pt for pt in points if pt.memory <= room]
     if not fits:
         least = min(points, key=lambda q: (q.memory, q.makespan))
-        raise ConfigError(f"no plan fits {format_bytes(budget)} per device on {p} devices; the smallest predicted "
-                          f"peak is {format_bytes(least.memory)} ({least.spec}, recomputing "
-                          f"{sum(least.recompute)} layers): raise --memory-budget or add devices")
+        raise ConfigError(f"no plan fits {format_bytes(budget)} per device on {p} devices with {headroom:.0%} "
+                          f"headroom; the smallest predicted peak is {format_bytes(least.memory)} ({least.spec}, "
+                          f"recomputing {sum(least.recompute)} layers): raise --memory-budget or add devices")
     best = min(fits, key=_model_order)
     schedule = schedules.build(best.name, p, m, **best.options)
     result = simulate(schedule, model_costs(profile, schedule, best.layer_stages, best.recompute))
@@ -355,7 +365,7 @@ def plan_model(profile: Profile, p: int, budget: float, *, microbatches: int | N
         if not front or pt.makespan < front[-1].makespan:
             front.append(pt)
     return ModelPlan(best=best, result=result, budget=float(budget), points=tuple(points), frontier=tuple(front),
-                     skipped=tuple(skipped), profile=profile)
+                     skipped=tuple(skipped), profile=profile, room=room)
 
 
 def predict(profile: Profile, schedule: Schedule, layer_stages: Sequence[Sequence[int]],

@@ -238,7 +238,7 @@ def _ping(rank: int, port: int, sizes: Sequence[int], rounds: int, out: Any) -> 
                     dist.send(buf, 0)
                 if k >= 2:  # two warm-ups: connection setup and first allocations
                     trips.append(time.perf_counter() - t0)
-            result[size] = statistics.median(trips) / 2
+            result[size] = statistics.fmean(trips) / 2  # the mean: a transfer that waits for a core counts
         if rank == 0:
             out.put(result)
         dist.barrier()
@@ -246,15 +246,35 @@ def _ping(rank: int, port: int, sizes: Sequence[int], rounds: int, out: Any) -> 
         dist.destroy_process_group()
 
 
-def measure_link(rounds: int = 20, sizes: Sequence[int] = _LINK_SIZES) -> tuple[float, float]:
-    """(latency seconds, bandwidth bytes/s) of a gloo link between two local processes: half the median
-    round trip of each size, fitted by least squares to latency + bytes / bandwidth."""
+def measure_link(rounds: int = 20, sizes: Sequence[int] = _LINK_SIZES,
+                 load: tuple[dict[str, Any], int, int] | None = None) -> tuple[float, float]:
+    """(latency seconds, bandwidth bytes/s) of a gloo link between two local processes: half the mean round trip
+    of each size, fitted by least squares to latency + bytes / bandwidth.
+
+    With ``load = (train, layer, n)``, n more processes run that layer of the model meanwhile, as the other
+    ranks of a run do: where ranks share cores, a message's receiver then also waits for a core to wake up on,
+    and that wait is part of what a transfer costs.
+    """
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
-    mp.start_processes(_ping, args=(_free_port(), tuple(sizes), rounds, out), nprocs=2, start_method="spawn")
-    one_way: dict[int, float] = out.get()
+    helpers = []
+    stop = ctx.Event()
+    if load is not None and load[2] > 0:
+        train, layer, n = load
+        ready = ctx.Barrier(n + 1)
+        helpers = [ctx.Process(target=_load, args=(train, layer, ready, stop)) for _ in range(n)]
+        for h in helpers:
+            h.start()
+        ready.wait()
+    try:
+        mp.start_processes(_ping, args=(_free_port(), tuple(sizes), rounds, out), nprocs=2, start_method="spawn")
+        one_way: dict[int, float] = out.get()
+    finally:
+        stop.set()
+        for h in helpers:
+            h.join()
     return fit_link(one_way)
 
 
@@ -272,8 +292,8 @@ def fit_link(one_way: dict[int, float]) -> tuple[float, float]:
 # --------------------------------------------------------------------------- sharing the machine
 
 
-def _busy(rank: int, train: dict[str, Any], layer: int, seconds: float, start: Any, out: Any) -> None:
-    """One of k processes: run ``layer`` of the model's forward and backward on one microbatch for ``seconds``."""
+def _layer_loop(train: dict[str, Any], layer: int) -> Callable[[int], None]:
+    """A function running ``layer`` of the model's forward and backward on one microbatch (one thread)."""
     import torch
 
     from pipefold.models import get_model
@@ -300,6 +320,12 @@ def _busy(rank: int, train: dict[str, Any], layer: int, seconds: float, start: A
 
     for k in range(2):  # warm-up
         once(k)
+    return once
+
+
+def _busy(rank: int, train: dict[str, Any], layer: int, seconds: float, start: Any, out: Any) -> None:
+    """One of k processes: run the layer for a window of ``seconds`` shared by all; put its time per pass."""
+    once = _layer_loop(train, layer)
     start.wait()
     t0 = time.perf_counter()
     laps = 0
@@ -309,25 +335,43 @@ def _busy(rank: int, train: dict[str, Any], layer: int, seconds: float, start: A
     out.put((time.perf_counter() - t0) / laps)
 
 
-def measure_contention(devices: int, train: dict[str, Any], layer: int, seconds: float = 1.0) -> tuple[float, ...]:
+def _load(train: dict[str, Any], layer: int, ready: Any, stop: Any) -> None:
+    """Background work while the link is measured: the layer, again and again, until told to stop."""
+    once = _layer_loop(train, layer)
+    ready.wait()
+    k = 0
+    while not stop.is_set():
+        once(k)
+        k += 1
+
+
+def measure_contention(devices: int, train: dict[str, Any], layer: int, seconds: float = 1.0,
+                       rounds: int = 3) -> tuple[float, ...]:
     """For k = 1..devices: the time of one layer's forward and backward while k processes run it at once, over the
-    time with one (one thread each, as the runtime's ranks). Each process runs the same window of ``seconds``, and
-    its throughput over the window counts, not single passes: the operating system shares cores in slices of
-    milliseconds, so a single pass often runs alone and only the throughput shows the sharing."""
+    time with one (one thread each, as the runtime's ranks); the median over ``rounds`` rounds of k = 1..devices.
+
+    Each process runs the same window of ``seconds`` and its throughput over the window counts, not single passes:
+    the operating system shares cores in slices of milliseconds, so a single pass often runs alone and only the
+    throughput shows the sharing.
+    """
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    means = []
-    for k in range(1, devices + 1):
-        start, out = ctx.Barrier(k), ctx.SimpleQueue()
-        procs = [ctx.Process(target=_busy, args=(r, train, layer, seconds, start, out)) for r in range(k)]
-        for p in procs:
-            p.start()
-        got = [out.get() for _ in procs]
-        for p in procs:
-            p.join()
-        means.append(statistics.fmean(got))
-    return tuple(max(1.0, m / means[0]) for m in means)
+    ratios: list[list[float]] = [[] for _ in range(devices)]
+    for _ in range(rounds):
+        means = []
+        for k in range(1, devices + 1):
+            start, out = ctx.Barrier(k), ctx.SimpleQueue()
+            procs = [ctx.Process(target=_busy, args=(r, train, layer, seconds, start, out)) for r in range(k)]
+            for p in procs:
+                p.start()
+            got = [out.get() for _ in procs]
+            for p in procs:
+                p.join()
+            means.append(statistics.fmean(got))
+        for k in range(devices):
+            ratios[k].append(means[k] / means[0])
+    return tuple(max(1.0, statistics.median(r)) for r in ratios)
 
 
 # --------------------------------------------------------------------------- the whole profile
@@ -362,24 +406,25 @@ def profile_model(*, model: str = "gpt", layers: int = 4, hidden: int = 64, head
     measured = measure_layers([built[i] for i in range(cfg.num_layers)], x.chunk(microbatches)[0],
                               y.chunk(microbatches)[0], spec.loss, microbatches=microbatches, repeats=repeats,
                               progress=progress)
-    latency, bandwidth = 0.0, math.inf
-    if link:
-        if progress is not None:
-            progress("link", 0, 1)
-        latency, bandwidth = measure_link()
-        if progress is not None:
-            progress("link", 1, 1)
     train = {"model": model, "layers": layers, "hidden": hidden, "heads": heads, "seq": seq, "batch": batch,
              "microbatches": microbatches, "optimizer": optimizer, "seed": seed}
+    # The layer that takes longest (a transformer block, not the embedding) stands for the model's work.
+    heaviest = max(range(len(measured)), key=lambda i: measured[i].f + measured[i].b + measured[i].w)
     factors: tuple[float, ...] = (1.0,) * devices
     if contention:
         if progress is not None:
             progress("sharing", 0, 1)
-        # The layer that takes longest (a transformer block, not the embedding) stands for the model's work.
-        heaviest = max(range(len(measured)), key=lambda i: measured[i].f + measured[i].b + measured[i].w)
         factors = measure_contention(devices, train, heaviest)
         if progress is not None:
             progress("sharing", 1, 1)
+    latency, bandwidth = 0.0, math.inf
+    if link:
+        if progress is not None:
+            progress("link", 0, 1)
+        # Where ranks share cores, the other ranks compute while two of them talk.
+        latency, bandwidth = measure_link(load=(train, heaviest, devices - 2) if contention else None)
+        if progress is not None:
+            progress("link", 1, 1)
     machine = {"host": platform.node(), "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                else os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,
                "device": "cpu", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "repeats": repeats}
