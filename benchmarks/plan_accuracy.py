@@ -26,6 +26,7 @@ import sys
 import time
 from typing import Any
 
+from pipefold.errors import ConfigError
 from pipefold.plan import plan_model, predict
 from pipefold.profile import Profile, profile_model
 from pipefold.runtime.launch import run_local
@@ -74,14 +75,20 @@ def bench_model(name: str, profile: Profile, steps: int, budgeted: bool = True) 
                 "chosen": None}
     one_f_one_b = max(rows[0]["measured"]["peak_bytes"])
     budget = 0.6 * one_f_one_b
-    chosen_plan = plan_model(profile, SETTINGS['devices'], budget).to_dict()
+    try:
+        chosen_plan = plan_model(profile, SETTINGS['devices'], budget).to_dict()
+    except ConfigError as exc:  # weights and optimizer state alone may exceed 60% of 1F1B's peak
+        print(f"{name}: {exc}", flush=True)
+        return {"model": name, "profile": profile.train, "machine": profile.machine, "schedules": rows,
+                "budget_bytes": budget, "one_f_one_b_peak_bytes": one_f_one_b, "chosen": None,
+                "no_plan_fits": str(exc)}
     chosen = run_plan(chosen_plan, steps)
     _report(name, chosen, "chosen")
     under = []
     for family in SETTINGS["families"]:
         try:
             plan = plan_model(profile, SETTINGS['devices'], budget, families=[family]).to_dict()
-        except Exception as exc:  # the family cannot fit the budget at all
+        except ConfigError as exc:  # the family cannot fit the budget at all
             under.append({"schedule": family, "fits": False, "why": str(exc)})
             continue
         if plan["schedule"] == chosen["schedule"] and plan["layer_stages"] == chosen_plan["layer_stages"] \

@@ -79,16 +79,47 @@ def test_stage_figures_are_sums_of_their_layers() -> None:
     prof = _profile(8)
     parts = [(0, 1, 2), (3, 4), (5, 6, 7)]
     rows = stage_profiles(prof, parts)
-    for part, row in zip(parts, rows, strict=True):
+    for s, (part, row) in enumerate(zip(parts, rows, strict=True)):
         mine = [prof.layers[i] for i in part]
+        sent = mine[-1].out if s < 2 else 0  # a stage that sends on keeps its output until its backward
         assert row.times == pytest.approx((sum(x.f for x in mine), sum(x.b for x in mine), sum(x.w for x in mine)))
-        assert row.kept[0] == sum(x.held for x in mine)
+        assert row.kept[0] == sum(x.held for x in mine) + sent
         assert row.static == sum(int(x.params * 4) for x in mine)  # weights, gradients, AdamW's two moments
         into = prof.layers[part[0] - 1].out if part[0] else 0
         for r in range(1, len(part) + 1):  # recomputing r layers keeps the stage's input and the later layers
-            assert row.kept[r] == into + sum(x.held for x in mine[r:])
+            assert row.kept[r] == into + sum(x.held for x in mine[r:]) + sent
             assert row.rerun[r] == pytest.approx(sum(x.f for x in mine[:r]))
     assert [r.message for r in rows] == [8192, 8192, 0]
+
+
+def test_stage_figures_from_layers_match_stages_measured_whole() -> None:
+    # Independent of the composition: the recomputation planner's own measurement runs each whole stage with
+    # r = 0..n recomputed layers on the runtime's stage runner and reads the meter.
+    import torch
+
+    from pipefold.models import get_model
+    from pipefold.profile import measure_layers
+    from pipefold.recompute import measure_stages
+    from pipefold.runtime.stage import Chain
+    from pipefold.train import TrainConfig, model_batch
+
+    torch.manual_seed(0)
+    config = TrainConfig(model="gpt", layers=4, hidden=32, heads=2, seq=16, batch=8, microbatches=4)
+    spec = get_model("gpt")
+    cfg, batch_at = model_batch(config)
+    built = spec.build_layers(cfg, range(cfg.num_layers), seed=0)
+    layers = [built[i] for i in range(cfg.num_layers)]
+    x, y = batch_at(0)
+    sample, target = x.chunk(4)[0], y.chunk(4)[0]
+    prof = dataclasses.replace(_profile(6), layers=tuple(measure_layers(layers, sample, target, spec.loss,
+                                                                        microbatches=4, repeats=1)))
+    parts = [(0, 1, 2), (3, 4, 5)]
+    whole = measure_stages([Chain(*(layers[i] for i in p)) for p in parts], sample, target, spec.loss,
+                           microbatches=4, repeats=1)
+    composed = stage_profiles(prof, parts)
+    assert composed[0].kept == whole[0].kept  # every r, to the byte
+    assert composed[1].kept[:-1] == whole[1].kept[:-1]  # the last stage recomputing everything keeps a bit more
+    assert composed[0].held_w[0] == whole[0].held_w[0] and composed[1].held_w[0] == whole[1].held_w[0]
 
 
 def test_transfers_cost_the_measured_link() -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import math
 import re
@@ -285,15 +284,20 @@ def model_costs(profile: Profile, schedule: Schedule, layer_stages: Sequence[Seq
 
 def stage_profiles(profile: Profile, layer_stages: Sequence[Sequence[int]]) -> list[StageProfile]:
     """Each stage's figures from its layers': times and bytes add up; recomputing the first r layers keeps the
-    stage's input and the other layers' activations, and reruns the first r forwards in the backward."""
+    stage's input and the other layers' activations, and reruns the first r forwards in the backward.
+
+    A stage that sends on also keeps its output from F until its backward starts from it (a layer's own
+    figures leave it out: inside a stage the next layer holds it); measured stages agree to the byte with
+    these sums for every r (tests/test_plan_model.py)."""
     out = []
     L = profile.layers
     last = len(layer_stages) - 1
     for s, part in enumerate(layer_stages):
         mine = [L[i] for i in part]
         into = L[part[0] - 1].out if part[0] > 0 else 0  # the first stage's input is the batch: not counted
-        held = sum(x.held for x in mine)
-        kept = tuple(sum(x.held for x in mine[r:]) + (into if r else 0) for r in range(len(mine) + 1))
+        sent = mine[-1].out if s < last else 0
+        held = sum(x.held for x in mine) + sent
+        kept = tuple(sum(x.held for x in mine[r:]) + sent + (into if r else 0) for r in range(len(mine) + 1))
         rerun = tuple(itertools.accumulate((x.f for x in mine), initial=0.0))
         out.append(StageProfile(layers=len(mine), kept=kept, total=(held,) * (len(mine) + 1),
                                 held_w=(sum(x.held_w for x in mine),) * (len(mine) + 1), rerun=rerun,
@@ -399,8 +403,10 @@ def _model_points(profile: Profile, schedule: Schedule, budget: float) -> list[M
         rows = stage_profiles(profile, layer_stages)
         tries = [plan_recompute(schedule, rows, "none")]
         if max(tries[0].peak) > budget:
-            with contextlib.suppress(ConfigError):  # no recomputation fits: the point stays over budget
+            try:
                 tries.append(plan_recompute(schedule, rows, "auto", budget))
+            except ConfigError:  # nothing fits: recomputing everything is this split's least memory, for the frontier
+                tries.append(plan_recompute(schedule, rows, "full"))
         for chosen in tries:
             result = simulate(schedule, model_costs(profile, schedule, layer_stages, chosen.layers))
             out.append(ModelPoint(name=schedule.name, options=dict(schedule.options),

@@ -257,7 +257,9 @@ def measure_link(rounds: int = 20, sizes: Sequence[int] = _LINK_SIZES,
     """
     import torch.multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
+    from pipefold.runtime.launch import process_context
+
+    ctx = process_context()
     out = ctx.SimpleQueue()
     helpers = []
     stop = ctx.Event()
@@ -269,7 +271,8 @@ def measure_link(rounds: int = 20, sizes: Sequence[int] = _LINK_SIZES,
             h.start()
         ready.wait()
     try:
-        mp.start_processes(_ping, args=(_free_port(), tuple(sizes), rounds, out), nprocs=2, start_method="spawn")
+        mp.start_processes(_ping, args=(_free_port(), tuple(sizes), rounds, out), nprocs=2,
+                           start_method=ctx.get_start_method())
         one_way: dict[int, float] = out.get()
     finally:
         stop.set()
@@ -354,9 +357,9 @@ def measure_contention(devices: int, train: dict[str, Any], layer: int, seconds:
     the operating system shares cores in slices of milliseconds, so a single pass often runs alone and only the
     throughput shows the sharing.
     """
-    import torch.multiprocessing as mp
+    from pipefold.runtime.launch import process_context
 
-    ctx = mp.get_context("spawn")
+    ctx = process_context()  # as the runtime starts its ranks: from a fork server that has imported torch
     ratios: list[list[float]] = [[] for _ in range(devices)]
     for _ in range(rounds):
         means = []

@@ -372,7 +372,7 @@ def _spawned(rank: int, job: Job, world: int, port: int, out_dir: str, progress:
         leave_group()
 
 
-def _context() -> Any:
+def process_context() -> Any:
     """How local ranks start: from a fork server that has imported torch and the runtime once (a rank then starts
     in a fraction of a second instead of importing torch again), where the platform has one; else spawned.
 
@@ -386,7 +386,8 @@ def _context() -> Any:
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "pipefold.runtime.launch", "pipefold.train"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "pipefold.runtime.launch", "pipefold.train",
+                                "pipefold.profile"])
     return ctx
 
 
@@ -398,7 +399,7 @@ def run_local(job: Job, on_step: Callable[[int, float, float], None] | None = No
     """
 
     world = job.schedule.devices
-    queue = _context().SimpleQueue()
+    queue = process_context().SimpleQueue()
     # When a rank fails, torch logs a warning for each rank it then terminates; the RankError
     # raised below already says what happened, in one line.
     spawn_log = logging.getLogger("torch.multiprocessing.spawn")
@@ -416,7 +417,7 @@ def _run_spawned(job: Job, world: int, queue: Any, on_step: Callable[[int, float
 
     with tempfile.TemporaryDirectory(prefix="pipefold-") as out_dir:
         context = mp.start_processes(_spawned, args=(job, world, _free_port(), out_dir, queue), nprocs=world,
-                                     join=False, start_method=_context().get_start_method())
+                                     join=False, start_method=process_context().get_start_method())
         done = False
         while not done:
             try:
