@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
+from typing import Any
 
 from pipefold.errors import ConfigError
 
-__all__ = ["check_writable", "write_text"]
+__all__ = ["check_writable", "read_json", "write_text"]
 
 
 def write_text(path: str, text: str) -> None:
@@ -27,6 +29,17 @@ def write_text(path: str, text: str) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+def read_json(path: str, what: str, hint: str) -> Any:
+    """The JSON in ``path``, or one ConfigError naming ``what`` could not be read and ``hint`` (how to make one)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path} is not JSON ({exc}); {hint}") from None
 
 
 def check_writable(path: str, what: str = "output") -> None:

@@ -423,15 +423,9 @@ def _model_order(pt: ModelPoint) -> tuple[Any, ...]:
 
 def read_plan(path: str) -> dict[str, Any]:
     """A plan file written by ``pipefold plan --profile ... -o``, checked: one ConfigError if it is not one."""
-    import json
+    from pipefold.files import read_json
 
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except OSError as exc:
-        raise ConfigError(f"cannot read plan {path}: {exc.strerror or exc}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path} is not JSON ({exc}); give a file written by pipefold plan --profile -o") from None
+    data = read_json(path, "plan", "give a file written by pipefold plan --profile -o")
     if not isinstance(data, dict) or data.get("kind") != "pipefold-plan" or data.get("version") != PLAN_VERSION:
         raise ConfigError(f"{path} is not a pipefold plan (version {PLAN_VERSION}); write one with "
                           f"pipefold plan --profile PROFILE --memory-budget BYTES -o {path}")
@@ -444,7 +438,11 @@ def read_plan(path: str) -> dict[str, Any]:
         if len(data["recompute"]) != len(stages) or any(not 0 <= int(r) <= len(part)
                                                         for r, part in zip(data["recompute"], stages, strict=False)):
             raise ConfigError(f"{path}: recompute needs one count per stage, at most that stage's layers")
-        int(data["devices"]), int(data["microbatches"]), str(data["schedule"])
+        int(data["devices"]), int(data["microbatches"]), float(data["predicted"]["step_time_s"])
+        name, _, opts = str(data["schedule"]).partition(":")
+        schedules.get(name)
+        if opts and not re.fullmatch(r"\w+=-?\d+(,\w+=-?\d+)*", opts):
+            raise ConfigError(f"{path}: cannot read the schedule {data['schedule']!r}; write it as name:key=value,...")
     except (KeyError, TypeError, ValueError) as exc:
         raise ConfigError(f"{path} is not a valid pipefold plan ({type(exc).__name__}: {exc})") from None
     return data

@@ -139,14 +139,9 @@ class Profile:
 
     @classmethod
     def load(cls, path: str) -> Profile:
-        try:
-            with open(path, encoding="utf-8") as fh:
-                data = json.load(fh)
-        except OSError as exc:
-            raise ConfigError(f"cannot read profile {path}: {exc.strerror or exc}") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"{path} is not JSON ({exc}); give a file written by pipefold profile -o") from None
-        return cls.from_dict(data, path)
+        from pipefold.files import read_json
+
+        return cls.from_dict(read_json(path, "profile", "give a file written by pipefold profile -o"), path)
 
 
 # --------------------------------------------------------------------------- layers
@@ -216,13 +211,31 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _ping(rank: int, port: int, sizes: Sequence[int], rounds: int, out: Any) -> None:
+def _ping(rank: int, port: int, sizes: Sequence[int], rounds: int, out: Any,
+          work: tuple[dict[str, Any], tuple[int, int]] | None = None) -> None:
+    """One end of the ping-pong; with ``work``, this process also computes that layer in another thread meanwhile,
+    as a rank computes while its messages travel."""
+    import threading
+
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=60))
+    stop = threading.Event()
+    busy = None
+    if work is not None:
+        once = _layer_loop(*work)
+
+        def compute() -> None:
+            k = 0
+            while not stop.is_set():
+                once(k)
+                k += 1
+
+        busy = threading.Thread(target=compute, daemon=True)
+        busy.start()
     try:
         result = {}
         for size in sizes:
@@ -239,21 +252,26 @@ def _ping(rank: int, port: int, sizes: Sequence[int], rounds: int, out: Any) -> 
                 if k >= 2:  # two warm-ups: connection setup and first allocations
                     trips.append(time.perf_counter() - t0)
             result[size] = statistics.fmean(trips) / 2  # the mean: a transfer that waits for a core counts
+        stop.set()
+        if busy is not None:
+            busy.join()
         if rank == 0:
             out.put(result)
         dist.barrier()
     finally:
+        stop.set()
         dist.destroy_process_group()
 
 
 def measure_link(rounds: int = 20, sizes: Sequence[int] = _LINK_SIZES,
-                 load: tuple[dict[str, Any], int, int] | None = None) -> tuple[float, float]:
+                 load: tuple[dict[str, Any], tuple[int, int], int] | None = None) -> tuple[float, float]:
     """(latency seconds, bandwidth bytes/s) of a gloo link between two local processes: half the mean round trip
     of each size, fitted by least squares to latency + bytes / bandwidth.
 
-    With ``load = (train, layer, n)``, n more processes run that layer of the model meanwhile, as the other
-    ranks of a run do: where ranks share cores, a message's receiver then also waits for a core to wake up on,
-    and that wait is part of what a transfer costs.
+    With ``load = (train, (first, end), n)`` the two ends compute those layers of the model in another thread meanwhile,
+    and n more processes run it too, as the ranks of a run do: where ranks share cores, a message then waits
+    for a core (for gloo's threads at both ends, for the receiver to wake up), and that wait is part of what a
+    transfer costs.
     """
     import torch.multiprocessing as mp
 
@@ -263,6 +281,7 @@ def measure_link(rounds: int = 20, sizes: Sequence[int] = _LINK_SIZES,
     out = ctx.SimpleQueue()
     helpers = []
     stop = ctx.Event()
+    work = None if load is None else (load[0], load[1])
     if load is not None and load[2] > 0:
         train, layer, n = load
         ready = ctx.Barrier(n + 1)
@@ -271,7 +290,7 @@ def measure_link(rounds: int = 20, sizes: Sequence[int] = _LINK_SIZES,
             h.start()
         ready.wait()
     try:
-        mp.start_processes(_ping, args=(_free_port(), tuple(sizes), rounds, out), nprocs=2,
+        mp.start_processes(_ping, args=(_free_port(), tuple(sizes), rounds, out, work), nprocs=2,
                            start_method=ctx.get_start_method())
         one_way: dict[int, float] = out.get()
     finally:
@@ -295,8 +314,9 @@ def fit_link(one_way: dict[int, float]) -> tuple[float, float]:
 # --------------------------------------------------------------------------- sharing the machine
 
 
-def _layer_loop(train: dict[str, Any], layer: int) -> Callable[[int], None]:
-    """A function running ``layer`` of the model's forward and backward on one microbatch (one thread)."""
+def _layer_loop(train: dict[str, Any], layers: tuple[int, int]) -> Callable[[int], None]:
+    """A function running layers ``layers[0]..layers[1]-1`` of the model (a stage's worth) forward and backward on
+    one microbatch (one thread)."""
     import torch
 
     from pipefold.models import get_model
@@ -308,14 +328,15 @@ def _layer_loop(train: dict[str, Any], layer: int) -> Callable[[int], None]:
                                                    "microbatches", "seed")})
     spec = get_model(config.model)
     cfg, batch_at = model_batch(config)
-    built = spec.build_layers(cfg, range(layer + 1), seed=config.seed)
+    first, end = layers
+    built = spec.build_layers(cfg, range(end), seed=config.seed)
     x: Any = batch_at(0)[0].chunk(config.microbatches)[0]
-    with torch.no_grad():  # the layer's input: the layers before it run once
+    with torch.no_grad():  # the stage's input: the layers before it run once
         xs = (x,)
-        for i in range(layer):
+        for i in range(first):
             y = Chain(built[i])(*xs)
             xs = y if isinstance(y, tuple) else (y,)
-    runner = StageRunner(Chain(built[layer]), input_grads=layer > 0)
+    runner = StageRunner(Chain(*(built[i] for i in range(first, end))), input_grads=first > 0)
 
     def once(k: int) -> None:
         outs = runner.forward(k, xs)
@@ -326,9 +347,9 @@ def _layer_loop(train: dict[str, Any], layer: int) -> Callable[[int], None]:
     return once
 
 
-def _busy(rank: int, train: dict[str, Any], layer: int, seconds: float, start: Any, out: Any) -> None:
-    """One of k processes: run the layer for a window of ``seconds`` shared by all; put its time per pass."""
-    once = _layer_loop(train, layer)
+def _busy(rank: int, train: dict[str, Any], layers: tuple[int, int], seconds: float, start: Any, out: Any) -> None:
+    """One of k processes: run the layers for a window of ``seconds`` shared by all; put its time per pass."""
+    once = _layer_loop(train, layers)
     start.wait()
     t0 = time.perf_counter()
     laps = 0
@@ -338,9 +359,9 @@ def _busy(rank: int, train: dict[str, Any], layer: int, seconds: float, start: A
     out.put((time.perf_counter() - t0) / laps)
 
 
-def _load(train: dict[str, Any], layer: int, ready: Any, stop: Any) -> None:
-    """Background work while the link is measured: the layer, again and again, until told to stop."""
-    once = _layer_loop(train, layer)
+def _load(train: dict[str, Any], layers: tuple[int, int], ready: Any, stop: Any) -> None:
+    """Background work while the link is measured: the layers, again and again, until told to stop."""
+    once = _layer_loop(train, layers)
     ready.wait()
     k = 0
     while not stop.is_set():
@@ -348,10 +369,11 @@ def _load(train: dict[str, Any], layer: int, ready: Any, stop: Any) -> None:
         k += 1
 
 
-def measure_contention(devices: int, train: dict[str, Any], layer: int, seconds: float = 1.0,
+def measure_contention(devices: int, train: dict[str, Any], layers: tuple[int, int], seconds: float = 1.0,
                        rounds: int = 3) -> tuple[float, ...]:
-    """For k = 1..devices: the time of one layer's forward and backward while k processes run it at once, over the
-    time with one (one thread each, as the runtime's ranks); the median over ``rounds`` rounds of k = 1..devices.
+    """For k = 1..devices: the time of a stage's worth of layers (forward and backward) while k processes run it at
+    once, over the time with one (one thread each, as the runtime's ranks); the median over ``rounds`` rounds of
+    k = 1..devices.
 
     Each process runs the same window of ``seconds`` and its throughput over the window counts, not single passes:
     the operating system shares cores in slices of milliseconds, so a single pass often runs alone and only the
@@ -365,7 +387,7 @@ def measure_contention(devices: int, train: dict[str, Any], layer: int, seconds:
         means = []
         for k in range(1, devices + 1):
             start, out = ctx.Barrier(k), ctx.SimpleQueue()
-            procs = [ctx.Process(target=_busy, args=(r, train, layer, seconds, start, out)) for r in range(k)]
+            procs = [ctx.Process(target=_busy, args=(r, train, layers, seconds, start, out)) for r in range(k)]
             for p in procs:
                 p.start()
             got = [out.get() for _ in procs]
@@ -411,13 +433,15 @@ def profile_model(*, model: str = "gpt", layers: int = 4, hidden: int = 64, head
                               progress=progress)
     train = {"model": model, "layers": layers, "hidden": hidden, "heads": heads, "seq": seq, "batch": batch,
              "microbatches": microbatches, "optimizer": optimizer, "seed": seed}
-    # The layer that takes longest (a transformer block, not the embedding) stands for the model's work.
-    heaviest = max(range(len(measured)), key=lambda i: measured[i].f + measured[i].b + measured[i].w)
+    # A stage's worth of layers from the heaviest one (a transformer block, not the embedding) stands for a rank's
+    # work: its weights and activations, not one layer's, are what the ranks' caches and memory bus share.
+    heaviest = max(range(len(measured) - 1), key=lambda i: measured[i].f + measured[i].b + measured[i].w)
+    chunk = (heaviest, min(len(measured) - 1, heaviest + max(1, len(measured) // devices)))
     factors: tuple[float, ...] = (1.0,) * devices
     if contention:
         if progress is not None:
             progress("sharing", 0, 1)
-        factors = measure_contention(devices, train, heaviest)
+        factors = measure_contention(devices, train, chunk)
         if progress is not None:
             progress("sharing", 1, 1)
     latency, bandwidth = 0.0, math.inf
@@ -425,7 +449,7 @@ def profile_model(*, model: str = "gpt", layers: int = 4, hidden: int = 64, head
         if progress is not None:
             progress("link", 0, 1)
         # Where ranks share cores, the other ranks compute while two of them talk.
-        latency, bandwidth = measure_link(load=(train, heaviest, devices - 2) if contention else None)
+        latency, bandwidth = measure_link(load=(train, chunk, max(0, devices - 2)) if contention else None)
         if progress is not None:
             progress("link", 1, 1)
     machine = {"host": platform.node(), "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
