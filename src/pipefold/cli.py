@@ -17,7 +17,7 @@ from rich.table import Table
 from pipefold import interop, schedules
 from pipefold.errors import ConfigError, PipefoldError, ScheduleError
 from pipefold.ir import Schedule
-from pipefold.plan import PlanResult, one_f_one_b_peak, parse_budget, plan
+from pipefold.plan import PlanResult, one_f_one_b_peak, parse_budget, parse_spec, plan
 from pipefold.simulate import CostModel, SimResult, StageOverride, simulate
 from pipefold.units import format_bytes, parse_bytes
 
@@ -269,21 +269,6 @@ def _version() -> str:
 # --------------------------------------------------------------------------- helpers
 
 
-def _parse_spec(text: str) -> tuple[str, dict[str, int]]:
-    """'kfkb:k=3' -> ('kfkb', {'k': 3})."""
-    name, _, rest = text.partition(":")
-    options: dict[str, int] = {}
-    for item in filter(None, rest.split(",")):
-        key, eq, value = item.partition("=")
-        if not eq:
-            raise ConfigError(f"cannot read option {item!r} in {text!r}: use name:key=value,... e.g. kfkb:k=3")
-        try:
-            options[key.strip()] = int(value)
-        except ValueError:
-            raise ConfigError(f"option {key.strip()} in {text!r} must be an integer (got {value!r})") from None
-    return name, options
-
-
 def _flag_options(args: argparse.Namespace) -> dict[str, int]:
     return {k[4:]: v for k, v in vars(args).items() if k.startswith("opt_") and v is not None}
 
@@ -298,7 +283,7 @@ def _load_schedule(text: str, args: argparse.Namespace, *, strict_flags: bool) -
         if not os.path.isfile(text):
             raise ConfigError(f"no such schedule file: {text}")
         return interop.load(text, getattr(args, "input_format", None))
-    name, options = _parse_spec(text)
+    name, options = parse_spec(text)
     spec = schedules.get(name)
     for key, value in _flag_options(args).items():
         if spec.option(key) is not None:
@@ -687,7 +672,7 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
     if args.plan is not None or args.schedule == "auto":
         config, decided, plan = _planned_run(args, console)
     else:
-        name, options = _parse_spec(args.schedule)
+        name, options = parse_spec(args.schedule)
         schedules.get(name)
         offload = _parse_offload(args.offload) if args.offload else None
         probe = schedules.build(name, args.devices, args.microbatches, **options)
@@ -920,7 +905,7 @@ def cmd_partition(args: argparse.Namespace, console: Console) -> None:
         if value is not None and value < 1:
             raise ConfigError(f"{flag} must be at least 1 (got {value})")
     if args.schedule is not None:
-        name, options = _parse_spec(args.schedule)
+        name, options = parse_spec(args.schedule)
     elif args.chunks is not None and args.chunks > 1:
         name, options = "interleaved-1f1b", {"v": args.chunks}
     else:

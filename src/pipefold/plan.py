@@ -13,13 +13,13 @@ from pipefold import schedules
 from pipefold.errors import ConfigError, ScheduleError
 from pipefold.ir import Schedule
 from pipefold.profile import Profile
-from pipefold.recompute import StageProfile, device_peaks, plan_recompute
+from pipefold.recompute import StageProfile, choose_recompute, device_peaks
 from pipefold.simulate import CostModel, SimResult, StageOverride, simulate
 from pipefold.units import format_bytes
 
 __all__ = ["ModelPlan", "ModelPoint", "PlanResult", "Point", "candidates", "choose", "evaluate", "format_spec",
-           "frontier", "model_costs", "one_f_one_b_peak", "parse_budget", "plan", "plan_model", "predict", "read_plan",
-           "stage_profiles"]
+           "frontier", "model_costs", "one_f_one_b_peak", "parse_budget", "parse_spec", "plan", "plan_model", "predict",
+           "read_plan", "stage_profiles"]
 
 Progress = Callable[[int, int], None]
 """Called as ``progress(done, total)`` before the first candidate and after each one."""
@@ -86,6 +86,21 @@ def format_spec(name: str, options: Mapping[str, int]) -> str:
     return f"{name}:{opts}" if opts else name
 
 
+def parse_spec(text: str) -> tuple[str, dict[str, int]]:
+    """'kfkb:k=3' -> ('kfkb', {'k': 3}): what :func:`format_spec` writes."""
+    name, _, rest = text.partition(":")
+    options: dict[str, int] = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ConfigError(f"cannot read option {item!r} in {text!r}: use name:key=value,... e.g. kfkb:k=3")
+        try:
+            options[key.strip()] = int(value)
+        except ValueError:
+            raise ConfigError(f"option {key.strip()} in {text!r} must be an integer (got {value!r})") from None
+    return name, options
+
+
 def parse_budget(text: str, one_f_one_b_peak: float) -> float:
     """A memory budget in units of M: ``'3'`` (or ``'3M'``) is 3 M, ``'0.5x'`` is half of 1F1B's peak.
 
@@ -143,14 +158,15 @@ def choose(points: Sequence[Point], budget: float) -> Point:
     return min(fits, key=_order)
 
 
-def frontier(points: Iterable[Point]) -> list[Point]:
+def frontier(points: Iterable[Point], order: Callable[[Any], tuple[Any, ...]] | None = None) -> list[Any]:
     """Points not dominated in (peak memory, makespan), by increasing memory (and so decreasing makespan).
 
     Of points with equal memory and makespan only one is kept, the one
     :func:`choose` would pick, so a chosen point is always on the frontier.
     """
+    rank = order or _order
     out: list[Point] = []
-    for pt in sorted(points, key=lambda q: (q.memory, *_order(q))):
+    for pt in sorted(points, key=lambda q: (q.memory, *rank(q))):
         if not out or pt.makespan < out[-1].makespan:
             out.append(pt)
     return out
@@ -330,13 +346,15 @@ def plan_model(profile: Profile, p: int, budget: float, *, microbatches: int | N
     for label, value in (("devices", p), ("microbatches", m)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(f"{label} must be a positive integer (got {value!r})")
-    todo = [c for c in candidates(p, m) if families is None or c[0] in families]
+    every = candidates(p, m)
+    todo = [c for c in every if families is None or c[0] in families]
     if families is not None:
-        unknown = sorted(set(families) - {n for n, _ in candidates(p, m)})
+        unknown = sorted(set(families) - {n for n, _ in every})
         if unknown:
             raise ConfigError(f"no schedule family {unknown[0]!r} runs {m} microbatches on {p} devices; "
                               f"see pipefold schedules")
     n = len(profile.layers)
+    room = budget / (1 + headroom)
     points: list[ModelPoint] = []
     skipped: list[str] = []
     if progress is not None:
@@ -346,7 +364,7 @@ def plan_model(profile: Profile, p: int, budget: float, *, microbatches: int | N
             schedule = schedules.build(name, p, m, **options)
             if schedule.stages > n:
                 raise ConfigError(f"{schedule.stages} stages for {n} layers")
-            points.extend(_model_points(profile, schedule, budget / (1 + headroom)))
+            points.extend(_model_points(profile, schedule, room))
         except (ConfigError, ScheduleError):
             skipped.append(format_spec(name, options))
         if progress is not None:
@@ -354,7 +372,6 @@ def plan_model(profile: Profile, p: int, budget: float, *, microbatches: int | N
     if not points:
         raise ConfigError(f"no registered schedule runs {m} microbatches of this {n}-layer model on {p} devices "
                           f"({len(skipped)} candidates tried)")
-    room = budget / (1 + headroom)
     fits = [pt for pt in points if pt.memory <= room]
     if not fits:
         least = min(points, key=lambda q: (q.memory, q.makespan))
@@ -364,11 +381,8 @@ def plan_model(profile: Profile, p: int, budget: float, *, microbatches: int | N
     best = min(fits, key=_model_order)
     schedule = schedules.build(best.name, p, m, **best.options)
     result = simulate(schedule, model_costs(profile, schedule, best.layer_stages, best.recompute))
-    front: list[ModelPoint] = []
-    for pt in sorted(points, key=lambda q: (q.memory, *_model_order(q))):
-        if not front or pt.makespan < front[-1].makespan:
-            front.append(pt)
-    return ModelPlan(best=best, result=result, budget=float(budget), points=tuple(points), frontier=tuple(front),
+    return ModelPlan(best=best, result=result, budget=float(budget), points=tuple(points),
+                     frontier=tuple(frontier(points, _model_order)),
                      skipped=tuple(skipped), profile=profile, room=room)
 
 
@@ -401,19 +415,23 @@ def _model_points(profile: Profile, schedule: Schedule, budget: float) -> list[M
     out = []
     for how, layer_stages in splits.items():
         rows = stage_profiles(profile, layer_stages)
-        tries = [plan_recompute(schedule, rows, "none")]
-        if max(tries[0].peak) > budget:
+        none = (0,) * schedule.stages
+        static, activations = device_peaks(schedule, rows, none)
+        tries = [(none, activations)]
+        if max(st + int(a) for st, a in zip(static, activations, strict=True)) > budget:
             try:
-                tries.append(plan_recompute(schedule, rows, "auto", budget))
+                counts = choose_recompute(schedule, rows, "auto", budget)
             except ConfigError:  # nothing fits: recomputing everything is this split's least memory, for the frontier
-                tries.append(plan_recompute(schedule, rows, "full"))
-        for chosen in tries:
-            result = simulate(schedule, model_costs(profile, schedule, layer_stages, chosen.layers))
+                counts = choose_recompute(schedule, rows, "full")
+            tries.append((counts, device_peaks(schedule, rows, counts)[1]))
+        for counts, activations in tries:
+            result = simulate(schedule, model_costs(profile, schedule, layer_stages, counts))
             out.append(ModelPoint(name=schedule.name, options=dict(schedule.options),
                                   makespan=round(result.makespan, 9), bubble_ratio=round(result.bubble_ratio, 9),
-                                  peak_memory=tuple(float(x) for x in chosen.peak), split=how,
-                                  layer_stages=layer_stages, recompute=chosen.layers,
-                                  static_bytes=tuple(chosen.static)))
+                                  peak_memory=tuple(float(st + int(a)) for st, a in zip(static, activations,
+                                                                                          strict=True)),
+                                  split=how, layer_stages=layer_stages, recompute=counts,
+                                  static_bytes=tuple(static)))
     return out
 
 
@@ -439,10 +457,7 @@ def read_plan(path: str) -> dict[str, Any]:
                                                         for r, part in zip(data["recompute"], stages, strict=False)):
             raise ConfigError(f"{path}: recompute needs one count per stage, at most that stage's layers")
         int(data["devices"]), int(data["microbatches"]), float(data["predicted"]["step_time_s"])
-        name, _, opts = str(data["schedule"]).partition(":")
-        schedules.get(name)
-        if opts and not re.fullmatch(r"\w+=-?\d+(,\w+=-?\d+)*", opts):
-            raise ConfigError(f"{path}: cannot read the schedule {data['schedule']!r}; write it as name:key=value,...")
+        schedules.get(parse_spec(str(data["schedule"]))[0])
     except (KeyError, TypeError, ValueError) as exc:
         raise ConfigError(f"{path} is not a valid pipefold plan ({type(exc).__name__}: {exc})") from None
     return data

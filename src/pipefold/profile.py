@@ -19,7 +19,6 @@ import json
 import math
 import os
 import platform
-import socket
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -205,12 +204,6 @@ def measure_layers(layers: Sequence[torch.nn.Module], sample: Any, target: Any,
 # --------------------------------------------------------------------------- the link
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _ping(rank: int, port: int, sizes: Sequence[int], rounds: int, out: Any,
           work: tuple[dict[str, Any], tuple[int, int]] | None = None) -> None:
     """One end of the ping-pong; with ``work``, this process also computes that layer in another thread meanwhile,
@@ -275,7 +268,7 @@ def measure_link(rounds: int = 20, sizes: Sequence[int] = _LINK_SIZES,
     """
     import torch.multiprocessing as mp
 
-    from pipefold.runtime.launch import process_context
+    from pipefold.runtime.launch import free_port, process_context
 
     ctx = process_context()
     out = ctx.SimpleQueue()
@@ -290,7 +283,7 @@ def measure_link(rounds: int = 20, sizes: Sequence[int] = _LINK_SIZES,
             h.start()
         ready.wait()
     try:
-        mp.start_processes(_ping, args=(_free_port(), tuple(sizes), rounds, out, work), nprocs=2,
+        mp.start_processes(_ping, args=(free_port(), tuple(sizes), rounds, out, work), nprocs=2,
                            start_method=ctx.get_start_method())
         one_way: dict[int, float] = out.get()
     finally:

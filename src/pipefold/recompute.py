@@ -36,8 +36,8 @@ if TYPE_CHECKING:  # measuring needs torch; planning from measured figures does 
     import torch
     from torch import nn
 
-__all__ = ["MODES", "RecomputePlan", "StageProfile", "device_peaks", "measure_stages", "plan_recompute",
-           "smallest_budget"]
+__all__ = ["MODES", "RecomputePlan", "StageProfile", "choose_recompute", "device_peaks", "measure_stages",
+           "plan_recompute", "smallest_budget"]
 
 MODES = ("none", "full", "auto")
 """``none`` keeps every activation, ``full`` recomputes every layer, ``auto`` fits a budget."""
@@ -208,7 +208,18 @@ def _step_time(schedule: Schedule, profiles: Sequence[StageProfile], layers: Seq
 
 def plan_recompute(schedule: Schedule, profiles: Sequence[StageProfile], mode: str,
                    budget: float | None = None) -> RecomputePlan:
-    """Recomputed layers per stage: none, all, or (``auto``) the cheapest that fit ``budget`` bytes per device."""
+    """Recomputed layers per stage: none, all, or (``auto``) the cheapest that fit ``budget`` bytes per device;
+    with the peaks they lead to and the simulated step time with and without them."""
+    layers = choose_recompute(schedule, profiles, mode, budget)
+    static, peaks = device_peaks(schedule, profiles, layers)
+    return RecomputePlan(mode, layers, tuple(p.layers for p in profiles), static, [int(x) for x in peaks], budget,
+                         _step_time(schedule, profiles, layers),
+                         _step_time(schedule, profiles, (0,) * schedule.stages), tuple(profiles))
+
+
+def choose_recompute(schedule: Schedule, profiles: Sequence[StageProfile], mode: str,
+                     budget: float | None = None) -> tuple[int, ...]:
+    """:func:`plan_recompute`'s choice alone (no step times): how many layers each stage recomputes."""
     if mode not in MODES:
         raise ConfigError(f"unknown recomputation {mode!r}: choose one of {', '.join(MODES)}")
     if len(profiles) != schedule.stages:
@@ -245,10 +256,7 @@ def plan_recompute(schedule: Schedule, profiles: Sequence[StageProfile], mode: s
                 f"({static[d]} of them weights, gradients and optimizer state) however many layers it recomputes; "
                 f"the smallest reachable budget is {reachable:.0f} bytes ({format_bytes(reachable)})")
         layers = tuple(chosen)
-    peaks = _peaks(schedule, profiles, layers)
-    return RecomputePlan(mode, layers, every, static, [int(x) for x in peaks], budget,
-                         _step_time(schedule, profiles, layers),
-                         _step_time(schedule, profiles, (0,) * schedule.stages), tuple(profiles))
+    return layers
 
 
 def smallest_budget(schedule: Schedule, profiles: Sequence[StageProfile]) -> float:

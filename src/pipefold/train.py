@@ -201,12 +201,12 @@ def train(config: TrainConfig, *, check: bool = False, on_step: Callable[[int, f
 def from_plan(plan: dict[str, Any], **run: Any) -> tuple[TrainConfig, Decisions]:
     """The run a plan file describes (:func:`pipefold.plan.read_plan`): its model and schedule, with its split and
     recomputation decided; ``run`` sets what a plan leaves open (steps, lr, seed, clip, data)."""
-    from pipefold.plan import stage_profiles
+    from pipefold.plan import parse_spec, stage_profiles
     from pipefold.profile import Profile
     from pipefold.recompute import device_peaks
 
-    name, _, opts = str(plan["schedule"]).partition(":")
-    options = tuple((k, int(v)) for k, v in (kv.split("=") for kv in opts.split(",") if kv))
+    name, opts = parse_spec(str(plan["schedule"]))
+    options = tuple(opts.items())
     t = plan["train"]
     config = TrainConfig(schedule=name, options=options, devices=int(plan["devices"]),
                          microbatches=int(plan["microbatches"]), model=t["model"], layers=int(t["layers"]),

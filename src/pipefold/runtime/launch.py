@@ -354,7 +354,7 @@ def _peak_rss() -> int:
         return 0
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -416,7 +416,7 @@ def _run_spawned(job: Job, world: int, queue: Any, on_step: Callable[[int, float
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="pipefold-") as out_dir:
-        context = mp.start_processes(_spawned, args=(job, world, _free_port(), out_dir, queue), nprocs=world,
+        context = mp.start_processes(_spawned, args=(job, world, free_port(), out_dir, queue), nprocs=world,
                                      join=False, start_method=process_context().get_start_method())
         done = False
         while not done:
