@@ -266,9 +266,10 @@ def test_profile_plan_train_runs_the_plan_with_exact_gradients_and_its_predicted
     got = _cli("plan", "--profile", "prof.json", "-p", "2", "--memory-budget", "1GB", "--families", "1f1b,zb-h1",
                "-o", "plan.json", cwd=tmp_path)
     assert got.returncode == 0, got.stderr
-    got = _cli("train", "--plan", "plan.json", "--steps", "2", "--check", "--json", cwd=tmp_path)
+    got = _cli("train", "--plan", "plan.json", "--steps", "2", "--check", "--json", "--plot", "run.png", cwd=tmp_path)
     assert got.returncode == 0, got.stderr
     out = json.loads(got.stdout)
+    assert out["plot"] == "run.png" and (tmp_path / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert out["max_grad_rel_diff"] < 1e-5
     pred, meas = out["plan"]["predicted"], out["plan"]["measured"]
     for p, m in zip(pred["peak_bytes"], meas["peak_bytes"], strict=True):
