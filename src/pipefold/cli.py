@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -137,6 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="FILE", help="write a Gantt chart with memory curves (.png or .svg)")
     p.add_argument("--trace", metavar="FILE", help="write Chrome trace-event JSON (open in Perfetto)")
     p.add_argument("--width", type=int, default=None, help="columns of the ASCII timeline (default: terminal)")
+    p.add_argument("--network", metavar="SPEC", default=None,
+                   help="links whose latency and bandwidth change over time (times in seconds, so costs are "
+                        "seconds): a JSON/CSV profile, constant:latency=S,bandwidth=B or "
+                        "preempt:seed=N,idle=B,busy=B,on=S,off=S[,links=1-2]; messages are --activation-bytes")
+    p.add_argument("--at", type=float, default=0.0, metavar="SECONDS",
+                   help="with --network: start the step this many seconds into the network's timeline")
 
     p = sub.add_parser("compare", help="simulate several schedules side by side")
     p.add_argument("schedule", nargs="+", help="registered names, name:key=value,..., or schedule files")
@@ -251,6 +258,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", metavar="FILE", default=None,
                    help="run the plan in FILE (pipefold plan --profile ... -o FILE) as is: its model, schedule, "
                         "split and recomputation; prints the prediction next to what was measured")
+    p.add_argument("--network", metavar="SPEC", default=None,
+                   help="make the links between ranks behave like this network: a JSON/CSV profile (time -> "
+                        "latency, bandwidth), constant:latency=S,bandwidth=B, or "
+                        "preempt:seed=N,idle=B,busy=B,on=S,off=S[,links=1-2] (seeded on/off preemption); "
+                        "emulated in the runtime's links, or with --netns on real ones")
+    p.add_argument("--netns", action="store_true",
+                   help="run each rank in its own network namespace on veth links capped by tc at the "
+                        "network's idle bandwidth, its preempted periods made by flooding the links (needs root)")
+    p.add_argument("--adapt-every", type=int, default=2, metavar="N",
+                   help="with --schedule adaptive-kfkb: choose k again every N steps (default 2)")
     _add_output(p)
 
     p = sub.add_parser("validate", help="check schedule files (or generated schedules) and report the first problem")
@@ -350,7 +367,16 @@ def cmd_simulate(args: argparse.Namespace, console: Console) -> None:
         console = Console(width=args.width, soft_wrap=True)
     cost = _cost_model(args)
     schedule = _load_schedule(args.schedule, args, strict_flags=True)
-    result = simulate(schedule, cost)
+    network = None
+    if args.network is not None:
+        from pipefold.network import parse_network
+
+        network = parse_network(args.network)
+    elif args.at:
+        raise ConfigError("--at is a time in a --network's timeline: give --network too")
+    if not (math.isfinite(args.at) and args.at >= 0):
+        raise ConfigError(f"--at is seconds >= 0 (got {args.at})")
+    result = simulate(schedule, cost, network=network, at=args.at)
     written = []
     if args.plot:
         from pipefold.render import plot_timeline
@@ -672,17 +698,30 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
     if args.plan is not None or args.schedule == "auto":
         config, decided, plan = _planned_run(args, console)
     else:
+        from pipefold.train import ADAPTIVE
+
         name, options = parse_spec(args.schedule)
-        schedules.get(name)
+        if name == ADAPTIVE:
+            if args.microbatches < 1:
+                raise ConfigError(f"--microbatches must be at least 1 (got {args.microbatches})")
+            probe = schedules.build("kfkb", args.devices, args.microbatches, k=1)
+        else:
+            schedules.get(name)
+            probe = schedules.build(name, args.devices, args.microbatches, **options)
         offload = _parse_offload(args.offload) if args.offload else None
-        probe = schedules.build(name, args.devices, args.microbatches, **options)
         layers = args.layers or max(1, probe.stages * 2 - (2 if args.model == "gpt" else 0))
         config = TrainConfig(schedule=name, options=tuple(options.items()), devices=args.devices,
                              microbatches=args.microbatches, steps=args.steps, model=args.model, layers=layers,
                              hidden=args.hidden, heads=args.heads, batch=args.batch, seq=args.seq, lr=args.lr,
                              optimizer=args.optimizer, clip=args.clip, data=args.data, seed=args.seed, offload=offload,
                              partition=args.partition, recompute=args.recompute,
-                             memory_budget=None if args.memory_budget is None else parse_bytes(args.memory_budget))
+                             memory_budget=None if args.memory_budget is None else parse_bytes(args.memory_budget),
+                             network=args.network, netns=args.netns, adapt_every=args.adapt_every)
+    if args.adapt_every < 1:
+        raise ConfigError(f"--adapt-every must be at least 1 (got {args.adapt_every})")
+    if (args.network or args.netns) and (args.plan is not None or args.schedule == "auto"):
+        raise ConfigError("--network and --netns run a schedule you name: use them without --plan or --schedule "
+                          "auto")
     tokens = config.batch * (config.seq if config.model == "gpt" else 1)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -707,6 +746,7 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
     from pipefold.runtime.measure import measured_costs, measured_result, measured_summary
 
     step = len(reports[0].steps) - 1  # the last step: warmed up
+    last = _ran(job, reports[0].steps[step].schedule)
     if plan is not None:
         from pipefold.plan import predict
         from pipefold.profile import Profile
@@ -717,10 +757,23 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
         label = "predicted from the profile"
     else:
         # The simulator fed with this run's own measured costs: what it predicts, next to what was measured.
-        predicted = simulate(job.schedule, measured_costs(job.schedule, reports, step))
+        costs = measured_costs(last, reports, step)
+        at = 0.0
+        if job.network is not None and job.origin is not None:
+            # The step's own moment of the network, and its messages' size.
+            costs = dataclasses.replace(costs, activation_bytes=max(
+                (b for r in reports for b in r.steps[step].link_message_bytes.values()), default=0))
+            at = min(r.steps[step].started_at for r in reports) - job.origin
+        predicted = simulate(last, costs, network=job.network, at=at)
         peaks = None
         label = "simulated from the measured costs"
     out = _train_summary(job, reports, config, predicted)
+    if job.adaptive is not None or config.network is not None:
+        out["per_step"] = _per_step(reports)
+        out["network"] = config.network
+        out["netns"] = config.netns
+    if job.adaptive is not None:
+        out["decisions"] = [_decision(first, d) for first, d in reports[0].decisions]
     if plan is not None:
         out["plan"] = {"schedule": plan["schedule"], "predicted": {"step_time_s": predicted.makespan,
                                                                    "bubble_ratio": predicted.bubble_ratio,
@@ -733,10 +786,20 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
 
         write_measured_trace(reports, args.trace)
         out["trace"] = args.trace
-    if args.plot:
+    if args.plot and "per_step" in out:
+        from pipefold.network import parse_network
+        from pipefold.render import plot_adaptive
+
+        network = parse_network(config.network) if config.network else None
+        offset = min(r.steps[0].started_at for r in reports) - job.origin if job.origin is not None else 0.0
+        plot_adaptive(out["per_step"], out.get("decisions", []), network, args.plot, offset=offset,
+                      title=f"{config.schedule} on {job.schedule.devices} ranks, "
+                            f"{'network namespaces' if config.netns else 'emulated links'}: {config.network}")
+        out["plot"] = args.plot
+    elif args.plot:
         from pipefold.render import plot_run
 
-        measured = measured_result(job.schedule, reports, step)
+        measured = measured_result(last, reports, step)
         plot_run(measured, predicted, args.plot,
                  titles=(f"measured, step {step} ({measured.makespan * 1e3:.1f} ms)",
                          f"{label} ({predicted.makespan * 1e3:.1f} ms)"))
@@ -747,6 +810,56 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
     _print_train(out, console)
     if "plan" in out:
         _print_prediction(out["plan"], console)
+    if "per_step" in out:
+        _print_per_step(out, console)
+
+
+def _ran(job: Any, spec: str) -> Schedule:
+    """The schedule a step ran (an adaptive job switches between several)."""
+    from pipefold.runtime.launch import _spec
+
+    for each in (job.adaptive.schedules if job.adaptive is not None else (job.schedule,)):
+        if _spec(each) == spec:
+            return each
+    return job.schedule
+
+
+def _per_step(reports: list[Any]) -> list[dict[str, Any]]:
+    """Each step: the schedule it ran, the seconds the ranks waited on receives (mean over ranks), what the
+    policy predicted, what it took (the slowest rank), and when it started (seconds from the first step)."""
+    t0 = min(r.steps[0].started_at for r in reports)
+    rows = []
+    for i in range(len(reports[0].steps)):
+        steps = [r.steps[i] for r in reports]
+        waits = [sum(e.end - e.start for e in st.events if e.kind == "recv") for st in steps]
+        rows.append({"step": i, "schedule": steps[0].schedule, "wait_s": sum(waits) / len(waits),
+                     "predicted_s": steps[0].predicted, "measured_s": max(st.wall for st in steps),
+                     "started_s": min(st.started_at for st in steps) - t0})
+    return rows
+
+
+def _decision(first: int, d: Any) -> dict[str, Any]:
+    return {"from_step": first, "k": d.k, "reason": d.reason, "bandwidth": d.bandwidth,
+            "predicted_s": {str(k): v for k, v in d.predicted.items()},
+            "peak_bytes": {str(k): [round(x) for x in v] for k, v in d.peaks.items()},
+            "fits": {str(k): v for k, v in d.fits.items()}, "wait_s": d.wait}
+
+
+def _print_per_step(out: dict[str, Any], console: Console) -> None:
+    """Per step: k, the wait on receives, predicted vs measured step time; then each choice and its reasons."""
+    table = Table(title="per step", title_justify="left", show_edge=False)
+    for col in ("step", "schedule", "wait (s, mean/rank)", "predicted (s)", "measured (s)"):
+        table.add_column(col, justify="right")
+    for row in out["per_step"]:
+        pred = "-" if row["predicted_s"] is None else f"{row['predicted_s']:.3f}"
+        table.add_row(str(row["step"]), row["schedule"], f"{row['wait_s']:.3f}", pred, f"{row['measured_s']:.3f}")
+    console.print(table)
+    for d in out.get("decisions", []):
+        bw = min(d["bandwidth"].values(), default=float("inf"))
+        options = "  ".join(f"k={k}: {t:.3f} s{'' if d['fits'][k] else ' (over budget)'}"
+                            for k, t in d["predicted_s"].items())
+        console.print(f"from step {d['from_step']}: k={d['k']} ({d['reason']}); slowest link "
+                      f"{format_bytes(bw)}/s; predicted {options}")
 
 
 def _print_prediction(plan: dict[str, Any], console: Console) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -33,6 +33,7 @@ from pipefold.simulate import Interval, SimResult
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
+    from pipefold.network import Network
     from pipefold.plan import Point
 
 __all__ = ["ascii_timeline", "chrome_trace", "draw_gantt", "draw_memory", "plot_frontier", "plot_timeline",
@@ -545,3 +546,70 @@ def plot_run(measured: SimResult, predicted: SimResult, path: str, *, titles: tu
         ax.spines[side].set_visible(False)
     fig.savefig(path, dpi=150)
     fig.clear()
+
+
+def plot_adaptive(per_step: Sequence[Mapping[str, Any]], decisions: Sequence[Mapping[str, Any]],
+                  network: Network | None, path: str, *, offset: float = 0.0, title: str | None = None) -> None:
+    """Save a run on a changing network as a ``.png`` or ``.svg`` file: three panels over the run's time.
+
+    Top: the slowest link's bandwidth, as the network profile sets it (``network``, whose timeline starts
+    ``offset`` seconds before the first step) and as the ranks observed it at each choice of k (plotted
+    over the steps it was measured on). Middle: the k each step ran. Bottom: each step's measured time
+    (bars, over the time it ran) and what the policy predicted for it (dots).
+    """
+    from matplotlib.figure import Figure
+
+    _check_figure_path(path, "a run plot")
+    fig = Figure(figsize=(10, 7), layout="constrained")
+    ax_bw, ax_k, ax_t = fig.subplots(3, 1, sharex=True, height_ratios=(1.2, 0.7, 1.2))
+    starts = [row["started_s"] for row in per_step]
+    ends = [row["started_s"] + row["measured_s"] for row in per_step]
+    span = max(ends, default=1.0)
+    if network is not None:
+        links = sorted({link for link in network.links} | {(0, 1)})
+        grid = [span * i / 2000 for i in range(2001)]
+        slowest = [min(network.at(a, b, t + offset).bandwidth for a, b in links) for t in grid]
+        ax_bw.step(grid, [b / 1e6 for b in slowest], where="post", color="#4477aa", linewidth=1.4,
+                   label="profile (slowest link)")
+    by_step = {row["step"]: row for row in per_step}
+    for d in decisions:
+        # Observed over the steps just before the choice: drawn over the last of them.
+        last = by_step.get(int(d["from_step"]) - 1)
+        if not d["bandwidth"] or last is None:
+            continue
+        ax_bw.hlines(min(d["bandwidth"].values()) / 1e6, last["started_s"], last["started_s"] + last["measured_s"],
+                     color="#ee6677", linewidth=2.5)
+    ax_bw.plot([], [], color="#ee6677", linewidth=2.5, label="observed by the ranks")
+    ax_bw.set_yscale("log")
+    ax_bw.set_ylabel("bandwidth (MB/s)")
+    ax_bw.legend(loc="lower right", frameon=False, fontsize=8)
+    ks = [_k_of(row["schedule"]) for row in per_step]
+    ax_k.step(starts + ends[-1:], ks + ks[-1:], where="post", color="#228833", linewidth=1.6)
+    ax_k.set_ylabel("k")
+    ax_k.set_yticks(sorted(set(ks)))
+    ax_t.bar(starts, [row["measured_s"] for row in per_step], width=[e - s for s, e in zip(starts, ends,
+                                                                                        strict=True)],
+             align="edge", color="#bbbbbb", edgecolor="white", label="measured")
+    pred = [(s + (e - s) / 2, row["predicted_s"]) for s, e, row in zip(starts, ends, per_step, strict=True)
+            if row["predicted_s"] is not None]
+    if pred:
+        ax_t.scatter(*zip(*pred, strict=True), s=18, color="#aa3377", zorder=3, label="predicted")
+    ax_t.set_ylabel("step time (s)")
+    ax_t.set_xlabel("seconds from the first step")
+    ax_t.legend(loc="upper right", frameon=False, fontsize=8)
+    for ax in (ax_bw, ax_k, ax_t):
+        ax.grid(color="#dddddd", linewidth=0.6)
+        ax.set_axisbelow(True)
+        for side in ("top", "right"):
+            ax.spines[side].set_visible(False)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.savefig(path, dpi=150)
+
+
+def _k_of(spec: str) -> int:
+    """k of a kFkB spec ('kfkb:k=4' -> 4; '1f1b' -> 1)."""
+    for part in spec.partition(":")[2].split(","):
+        if part.startswith("k="):
+            return int(part[2:])
+    return 1

@@ -40,6 +40,7 @@ from typing import Any, NamedTuple
 from pipefold._gc import paused_gc
 from pipefold.errors import ConfigError
 from pipefold.ir import KINDS, Action, Graph, Schedule, dependency_graph
+from pipefold.network import Network, Wire
 
 __all__ = ["CostModel", "Interval", "SimResult", "StageCost", "StageOverride", "memory_deltas", "peak_by_order",
            "simulate"]
@@ -293,10 +294,16 @@ def _round(x: float) -> float:
 
 
 @paused_gc()
-def simulate(schedule: Schedule, cost: CostModel | None = None) -> SimResult:
+def simulate(schedule: Schedule, cost: CostModel | None = None, *, network: Network | None = None,
+             at: float = 0.0) -> SimResult:
     """Predict the timeline of ``schedule`` under ``cost`` (unit costs by default).
 
-    Raises :class:`~pipefold.errors.ScheduleError` if the schedule is invalid.
+    With ``network`` (times in seconds, so the cost model's times must be seconds too) a transfer
+    between devices is not ``cost.transfer_time`` but a message of ``cost.activation_bytes`` on its
+    link's :class:`~pipefold.network.Wire`: it leaves after the messages sent before it on that
+    link, at the bandwidth of each moment, and arrives a latency later; the step starts ``at``
+    seconds into the network's timeline. Raises :class:`~pipefold.errors.ScheduleError` if the
+    schedule is invalid.
     """
     cost = cost or CostModel()
     S, D = schedule.stages, schedule.devices
@@ -309,8 +316,13 @@ def simulate(schedule: Schedule, cost: CostModel | None = None) -> SimResult:
                  for row in schedule.actions for a in row]
     idle = frozenset(k for k, spec in KINDS.items() if not spec.computes)
     shared = any(c != 1.0 for c in cost.contention[:D]) or (len(cost.contention) < D and cost.contention)
-    graph = dependency_graph(schedule, None if shared else durations, cost.transfer_time, idle)
-    all_starts, all_ends = (_shared_times(graph, durations, cost.transfer_time, idle, cost.contention) if shared
+    event_driven = bool(shared) or network is not None
+    graph = dependency_graph(schedule, None if event_driven else durations, cost.transfer_time, idle)
+    if network is None:
+        transfer: float | _Links = cost.transfer_time
+    else:
+        transfer = _Links(network, at, cost.activation_bytes)
+    all_starts, all_ends = (_shared_times(graph, durations, transfer, idle, cost.contention) if event_driven
                             else (graph.starts, graph.ends))
     rows = schedule.actions
     bounds = [*graph.offsets, schedule.num_actions]
@@ -324,21 +336,42 @@ def simulate(schedule: Schedule, cost: CostModel | None = None) -> SimResult:
     return SimResult(schedule, cost, timeline, curves)
 
 
+class _Links:
+    """The simulator's side of a :class:`~pipefold.network.Network`: one wire per directed link, the step
+    starting ``at`` seconds into the network's timeline."""
+
+    def __init__(self, network: Network, at: float, nbytes: float) -> None:
+        self.network, self.at, self.nbytes = network, at, nbytes
+        self.wires: dict[tuple[int, int], Wire] = {}
+
+    def send(self, src: int, dst: int, t: float) -> float:
+        """A message sent at step time ``t``: when it arrives, in step time."""
+        wire = self.wires.get((src, dst))
+        if wire is None:
+            wire = self.wires[(src, dst)] = Wire(self.network.conditions(src, dst))
+        return wire.send(self.at + t, self.nbytes) - self.at
+
+
 def _slowdown(contention: Sequence[float], k: int) -> float:
     """How many times longer a pass takes while k devices compute at once."""
+    if not contention:
+        return 1.0
     if k <= len(contention):
         return contention[k - 1]
     return contention[-1] * k / len(contention)
 
 
-def _shared_times(graph: Graph, durations: Sequence[float], transfer: float, idle: frozenset[str],
+def _shared_times(graph: Graph, durations: Sequence[float], transfer: float | _Links, idle: frozenset[str],
                   contention: Sequence[float]) -> tuple[list[float], list[float]]:
-    """Start and end of every action when the devices share cores (processor sharing).
+    """Start and end of every action, event by event in time order: when the devices share cores
+    (processor sharing) or their links are :class:`_Links` with queues and time-varying conditions.
 
     The same rules as :func:`pipefold.ir.dependency_graph`'s timing (an action starts when its device is
     free and its inputs are done, ``transfer`` later from another device; a collective's members start
     together; communication leaves its device free), but a computing action advances at 1 / slowdown(k)
-    of its duration per second while k devices compute, so its end depends on what runs beside it.
+    of its duration per second while k devices compute, so its end depends on what runs beside it. With
+    :class:`_Links`, each action's output goes to each other device that needs it as one message, sent
+    when the action ends (actions end in time order, so each link's messages queue in the order sent).
     """
     schedule = graph.schedule
     D, N = schedule.devices, schedule.num_actions
@@ -355,14 +388,30 @@ def _shared_times(graph: Graph, durations: Sequence[float], transfer: float, idl
     t = 0.0
     finished = 0
 
+    links = transfer if isinstance(transfer, _Links) else None
+    delay = 0.0 if isinstance(transfer, _Links) else transfer
+    arrive: dict[tuple[int, int], float] = {}  # (action, device) -> when its output is there (with links)
+    remote: list[list[int]] = [[] for _ in range(N)]  # with links: the other devices that take each output
+    if links is not None:
+        for g in range(N):
+            for i in inputs[g]:
+                if dev_of[i] != dev_of[g] and dev_of[g] not in remote[i]:
+                    remote[i].append(dev_of[g])
+
     def ready(g: int) -> float | None:
         d = dev_of[g]
         at = free[d]
         for i in inputs[g]:
             if not done[i]:
                 return None
-            at = max(at, ends[i] + transfer if dev_of[i] != d else ends[i])
+            here = ends[i] if dev_of[i] == d else arrive[(i, d)] if links is not None else ends[i] + delay
+            at = max(at, here)
         return at
+
+    def sent(g: int) -> None:
+        if links is not None:
+            for d in remote[g]:
+                arrive[(g, d)] = links.send(dev_of[g], d, ends[g])
 
     while finished < N:
         # Devices whose next action can start, and when.
@@ -406,6 +455,7 @@ def _shared_times(graph: Graph, durations: Sequence[float], transfer: float, idl
                     starts[m] = t
                     if m in quiet:
                         ends[m] = t + durations[m]
+                        sent(m)
                         done[m] = 1
                         finished += 1
                         heads[d] += 1
@@ -419,6 +469,7 @@ def _shared_times(graph: Graph, durations: Sequence[float], transfer: float, idl
         for d in [d for d, (g, left) in running.items() if left <= 1e-12]:
             g = int(running.pop(d)[0])
             ends[g] = t
+            sent(g)
             done[g] = 1
             finished += 1
             heads[d] += 1

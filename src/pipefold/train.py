@@ -9,7 +9,11 @@ single process, from the same initial weights and data, which is what
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
+import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +28,7 @@ from pipefold.models.data import Batches, load_corpus
 from pipefold.models.mlp import MLPConfig, mlp_input, mlp_target
 from pipefold.recompute import MODES, OPTIMIZER_STATE, RecomputePlan, measure_stages, plan_recompute
 from pipefold.runtime.launch import (
+    Adaptive,
     Job,
     RankReport,
     agree,
@@ -75,7 +80,19 @@ class TrainConfig:
     recompute: str = "none"
     """Activation recomputation: 'none', 'full' (every layer) or 'auto' (per stage, to fit ``memory_budget``)."""
     memory_budget: float | None = None
-    """Bytes each device may use for weights, gradients, optimizer state and activations (with 'auto')."""
+    """Bytes each device may use for weights, gradients, optimizer state and activations (with 'auto', and the
+    cap on k with 'adaptive-kfkb')."""
+    network: str | None = None
+    """Link conditions (see :func:`pipefold.network.parse_network`): emulated in the runtime's links, or with
+    ``netns`` made real by tc on veth links and a traffic generator."""
+    netns: bool = False
+    """Run each rank in its own network namespace (needs root; see :mod:`pipefold.runtime.netns`)."""
+    adapt_every: int = 2
+    """With 'adaptive-kfkb': steps between two choices of k."""
+
+
+ADAPTIVE = "adaptive-kfkb"
+"""The schedule name that runs kFkB with k re-chosen as the run goes (see :mod:`pipefold.adapt`)."""
 
 
 def _batch_gpt(batches: Batches, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,7 +117,23 @@ def model_batch(config: TrainConfig) -> tuple[Any, Callable[[int], tuple[torch.T
 
 
 def build_schedule(config: TrainConfig) -> Schedule:
+    if config.schedule == ADAPTIVE:
+        return _adaptive(config).schedules[0]
     return schedules.build(config.schedule, config.devices, config.microbatches, **dict(config.options))
+
+
+def _adaptive(config: TrainConfig) -> Adaptive:
+    """kFkB for every k that divides the microbatches (``max_k`` caps it), rank 0 choosing every few steps."""
+    from pipefold import adapt
+
+    opts = dict(config.options)
+    unknown = sorted(set(opts) - {"max_k"})
+    if unknown:
+        raise ConfigError(f"{ADAPTIVE} takes the option max_k (the largest k to try), not {unknown[0]!r}")
+    ks = tuple(adapt.candidates(config.microbatches, opts.get("max_k")))
+    policy = adapt.Policy(config.devices, config.microbatches, ks, config.memory_budget)
+    return Adaptive(adapt.build(config.devices, config.microbatches, ks), config.adapt_every,
+                    adapt.summarize, policy.runtime_decide)
 
 
 Decisions = tuple[tuple[tuple[int, ...], ...], RecomputePlan | None]
@@ -127,19 +160,29 @@ def make_job(config: TrainConfig, *, save_grads_of_step: int | None = None,
                           f"{max(1, cfg.num_layers // per_device)} or fewer, or more --layers")
     build = functools.partial(spec.build_layers, cfg, seed=config.seed)
     extra: dict[str, Any] = {"num_layers": cfg.num_layers}
+    adaptive = _adaptive(config) if config.schedule == ADAPTIVE else None
     plan = None
     if decided is not None:
         layer_stages, plan = decided
     else:
         layer_stages = _layer_stages(config, cfg, schedule, spec.loss, batch_at)
-        if config.recompute != "none" or config.memory_budget is not None:
+        if config.recompute != "none" or (config.memory_budget is not None and adaptive is None):
             plan = _plan_recompute(config, schedule, layer_stages, build, spec.loss, batch_at)
     recompute = None
     if plan is not None:
         recompute, extra["recompute"] = plan.layers, plan
+    network = None
+    if config.network is not None:
+        from pipefold.network import parse_network
+
+        network = parse_network(config.network)
+    elif config.netns:
+        raise ConfigError("--netns needs --network: the conditions the namespaces' links emulate, such as "
+                          "constant:bandwidth=50MB or preempt:seed=1,idle=50MB,busy=5MB,on=4,off=4")
     return Job(schedule=schedule, layer_stages=layer_stages, build_layers=build, loss_fn=spec.loss,
                batch_at=batch_at, steps=config.steps, lr=config.lr, optimizer=config.optimizer, clip=config.clip,
-               save_grads_of_step=save_grads_of_step, offload=config.offload, recompute=recompute, extra=extra)
+               save_grads_of_step=save_grads_of_step, offload=config.offload, recompute=recompute, extra=extra,
+               network=network, adaptive=adaptive)
 
 
 def _plan_recompute(config: TrainConfig, schedule: Schedule, layer_stages: tuple[tuple[int, ...], ...],
@@ -195,7 +238,42 @@ def train(config: TrainConfig, *, check: bool = False, on_step: Callable[[int, f
     """Run the job on one local process per device; with ``check`` keep the first step's gradients; ``decided``
     gives the split and recomputation (from a plan) instead of measuring."""
     job = make_job(config, save_grads_of_step=0 if check else None, decided=decided)
+    if config.netns:
+        return _run_netns(job, on_step)
+    if job.network is not None:
+        job = dataclasses.replace(job, origin=time.time())
     return job, run_local(job, on_step)
+
+
+def _run_netns(job: Job, on_step: Callable[[int, float, float], None] | None) -> tuple[Job, list[RankReport]]:
+    """Run ``job`` with each rank in a network namespace: the links capped by tc at the network's fastest
+    bandwidth, and its preempted periods made real by flooding the preempted links (both ways).
+
+    What the flood leaves the job is the real, shared bandwidth: the network's busy bandwidth is not used, nor
+    its latency (tbf has none to add).
+    """
+    from pipefold.runtime import netns
+
+    assert job.network is not None
+    network = job.network
+    reason = netns.unavailable()
+    if reason is not None:
+        raise ConfigError(f"--netns cannot run here: {reason}; use --network alone to emulate the links in-process")
+    p = job.schedule.devices
+    rate = max(state.bandwidth for c in (network.default, *network.links.values()) for state in c.states)
+    if math.isinf(rate):
+        raise ConfigError("--netns needs a network with a finite bandwidth for tc to cap the links at")
+    horizon = 24 * 3600.0
+    pairs = sorted(network.links) if network.links else [(i, i + 1) for i in range(p - 1)]
+    pairs = [(a, b) for a, b in pairs if a < b and max(a, b) < p]
+    with netns.namespaces(p, rate) as topology, contextlib.ExitStack() as floods:
+        origin = time.time()
+        for a, b in pairs:
+            periods = network.preempted_periods(a, b, horizon)
+            if periods:
+                floods.enter_context(netns.Flood(topology, a, b, periods, origin, bidirectional=True))
+        job = dataclasses.replace(job, netns=topology, network=None, origin=origin)
+        return job, run_local(job, on_step)
 
 
 def from_plan(plan: dict[str, Any], **run: Any) -> tuple[TrainConfig, Decisions]:

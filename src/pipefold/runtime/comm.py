@@ -18,6 +18,17 @@ differs from the last one, which every rank knows because every rank reads the
 same batch. Gradients flow back along the same link with the shapes of the
 activations the receiver itself sent, so they never need a header.
 
+With a :class:`~pipefold.network.Network` (``Links(network=...)``), each link also behaves like one with
+that latency and bandwidth: a send is handed to gloo only once the emulated link would have carried it
+(its :class:`~pipefold.network.Wire`, on the wall clock from the job's agreed start), by the link's
+thread, in the order posted. The real transfer's own time comes on top.
+
+Each link also records, per message, when it was posted and delivered, and each receiver when it
+posted the receive (wall-clock): gloo moves a message only once both ends have posted, so a message's
+service time runs from the latest of the three (posted, receive posted, the message before it
+delivered) until it was delivered. Bytes over service time is the link's observed bandwidth, what
+``adaptive-kfkb`` decides with (:mod:`pipefold.adapt`).
+
 A send keeps its tensors alive until it is delivered, and no longer. NCCL's
 work handles say when (``is_completed``); gloo's do not until ``wait()`` is
 called, and ``wait()`` blocks until the receiver has posted its receive. So on
@@ -32,13 +43,18 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from pipefold.runtime.meter import MemoryMeter
+
+if TYPE_CHECKING:
+    from pipefold.network import Network, Wire
 
 MAX_TENSORS = 8
 MAX_DIMS = 8
@@ -89,8 +105,27 @@ def decode_header(h: torch.Tensor) -> tuple[Meta, ...]:
     return tuple(metas)
 
 
-_Send = tuple[dist.Work, tuple[torch.Tensor, ...], int]
-"""A posted send: its work handle, the tensors it reads, their bytes."""
+@dataclass(frozen=True)
+class _Deferred:
+    """A send the link's thread hands to gloo at wall-clock time ``due`` (an emulated slow link)."""
+
+    tensor: torch.Tensor
+    peer: int
+    tag: int
+    due: float
+
+    def post(self) -> dist.Work:
+        delay = self.due - time.time()
+        if delay > 0:
+            time.sleep(delay)
+        work = dist.isend(self.tensor, self.peer, tag=self.tag)
+        assert work is not None
+        return work
+
+
+_Send = tuple["dist.Work | _Deferred", tuple[torch.Tensor, ...], int, float, int]
+"""A send: its work handle (or the send to post later), the tensors it reads, their bytes, when it was posted
+(``time.time``), its tag."""
 
 
 class _Outbox:
@@ -104,6 +139,8 @@ class _Outbox:
         self.max_bytes = 0
         """The most bytes in flight at once on this link since :meth:`reset_max`."""
         self.error: BaseException | None = None
+        self.samples: list[tuple[int, int, float, float]] = []
+        """(tag, bytes, posted, delivered) of each message delivered since :meth:`take_samples`, wall-clock."""
         self._cond = threading.Condition()
         self._pending: deque[_Send] = deque()  # without a thread: posted, not yet seen delivered
         self._queue: queue.SimpleQueue[_Send | None] | None = None
@@ -122,18 +159,29 @@ class _Outbox:
         else:
             self._pending.append(send)
 
-    def _release(self, nbytes: int) -> None:
+    def _release(self, nbytes: int, posted_at: float, tag: int) -> None:
+        done = time.time()
         with self._cond:
             self.released += 1
             self.bytes -= nbytes
+            if nbytes:
+                self.samples.append((tag, nbytes, posted_at, done))
             self._cond.notify_all()
 
+    def take_samples(self) -> list[tuple[int, int, float, float]]:
+        with self._cond:
+            out, self.samples = self.samples, []
+        return out
+
     def _deliver(self) -> None:
-        """The link's thread: wait on each send in order, then let go of its tensors."""
+        """The link's thread: post each deferred send when due, wait on each send in order, let go of its tensors."""
         assert self._queue is not None
         while (item := self._queue.get()) is not None:
-            work, nbytes = item[0], item[2]  # not the tensors: a name bound to them would outlive the send
+            # Not the tensors: a name bound to them would outlive the send.
+            work, nbytes, posted_at, tag = item[0], item[2], item[3], item[4]
             try:
+                if isinstance(work, _Deferred):
+                    work = work.post()
                 work.wait()
             except BaseException as exc:  # noqa: BLE001 (reported on the rank's own thread by the next call)
                 with self._cond:
@@ -141,20 +189,21 @@ class _Outbox:
                     self._cond.notify_all()
                 return
             del item, work  # the tensors die here unless someone else holds them
-            self._release(nbytes)
+            self._release(nbytes, posted_at, tag)
 
     def poll(self) -> None:
         """Without a thread (NCCL): release the sends, in order, that report themselves completed."""
-        while self._pending and self._pending[0][0].is_completed():
-            self._release(self._pending.popleft()[2])
+        while self._pending and _work(self._pending[0]).is_completed():
+            send = self._pending.popleft()
+            self._release(send[2], send[3], send[4])
 
     def settle(self, count: int, timeout: float | None = None) -> None:
         """Return once the first ``count`` sends are released (delivered, their tensors dropped)."""
         if self._queue is None:
             while self.released < count:
-                work, _, nbytes = self._pending.popleft()
-                work.wait()
-                self._release(nbytes)
+                send = self._pending.popleft()
+                _work(send).wait()
+                self._release(send[2], send[3], send[4])
             return
         with self._cond:
             if not self._cond.wait_for(lambda: self.released >= count or self.error is not None, timeout):
@@ -174,20 +223,54 @@ class _Outbox:
             self._queue.put(None)
 
 
+def _work(send: _Send) -> dist.Work:
+    assert not isinstance(send[0], _Deferred), "emulated links are threaded"
+    return send[0]
+
+
 class Links:
     """The sends and receives of one rank: receive buffers and sends on the meter, each send freed on delivery.
 
     With ``log`` set, every send and receive is recorded as ("send" or "recv", peer, tag) when posted.
+    With ``network``, sends from ``rank`` cross emulated links whose timeline starts at wall-clock ``origin``.
     """
 
     def __init__(self, stages: int, microbatches: int, device: torch.device, meter: MemoryMeter, *,
-                 log: bool = False, timeout: float | None = None) -> None:
+                 log: bool = False, timeout: float | None = None, network: Network | None = None,
+                 rank: int = 0, origin: float = 0.0) -> None:
         self.S, self.M = stages, microbatches
         self.device = device
         self.meter = meter
         self.timeout = timeout
         self.outboxes: dict[int, _Outbox] = {}
         self.log: list[tuple[str, int, int]] | None = [] if log else None
+        if network is not None and device.type == "cuda":
+            raise ValueError("emulated network links run on gloo (CPU) only; on GPUs use real links or --netns")
+        self.network, self.rank, self.origin = network, rank, origin
+        self._wires: dict[int, Wire] = {}
+        self.recv_posted: dict[int, dict[int, float]] = {}
+        """Per peer, when the receive of each message (by its first tensor's tag) was posted."""
+
+    def _due(self, peer: int, nbytes: int) -> float:
+        """Wall-clock time at which a message of ``nbytes`` sent now to ``peer`` arrives over the emulated link."""
+        from pipefold.network import Wire
+
+        assert self.network is not None
+        wire = self._wires.get(peer)
+        if wire is None:
+            wire = self._wires[peer] = Wire(self.network.conditions(self.rank, peer))
+        return self.origin + wire.send(time.time() - self.origin, nbytes)
+
+    def _post_send(self, t: torch.Tensor, peer: int, tag: int, nbytes: int) -> None:
+        """Post a send now, or, over an emulated link, have the link's thread post it when it is due."""
+        outbox = self._outbox(peer)
+        posted_at = time.time()
+        if self.network is None:
+            outbox.post((self._post("send", t, peer, tag), (t,), nbytes, posted_at, tag))
+            return
+        if self.log is not None:
+            self.log.append(("send", peer, tag))
+        outbox.post((_Deferred(t, peer, tag, self._due(peer, nbytes)), (t,), nbytes, posted_at, tag))
 
     def _outbox(self, peer: int) -> _Outbox:
         if peer not in self.outboxes:
@@ -209,18 +292,17 @@ class Links:
     def send(self, direction: int, stage: int, microbatch: int, tensors: tuple[torch.Tensor, ...],
              peer: int) -> None:
         """Post the sends; the link keeps the tensors until they are delivered."""
-        outbox = self._outbox(peer)
         for i, t in enumerate(tensors):
             t = t.contiguous()
             self.meter.hold((t,), "send")  # a copy when ``t`` was not contiguous; already counted otherwise
-            work = self._post("send", t, peer, self.tag(direction, stage, microbatch, i))
-            outbox.post((work, (t,), t.untyped_storage().nbytes()))
+            self._post_send(t, peer, self.tag(direction, stage, microbatch, i), t.untyped_storage().nbytes())
 
     def recv(self, direction: int, stage: int, microbatch: int, metas: tuple[Meta, ...],
              peer: int) -> tuple[list[dist.Work], tuple[torch.Tensor, ...]]:
         """Post the receives into fresh buffers; the caller waits on the handles before use."""
         bufs = tuple(m.empty(self.device) for m in metas)
         self.meter.hold(bufs, "recv")
+        self.recv_posted.setdefault(peer, {})[self.tag(direction, stage, microbatch, 0)] = time.time()
         works = []
         for i, b in enumerate(bufs):
             works.append(self._post("recv", b, peer, self.tag(direction, stage, microbatch, i)))
@@ -228,8 +310,7 @@ class Links:
 
     def send_header(self, stage: int, metas: tuple[Meta, ...], peer: int) -> None:
         h = encode_header(metas).to(self.device)  # NCCL sends only tensors on the GPU
-        work = self._post("send", h, peer, self.tag(HEADER, stage, 0, 0))
-        self._outbox(peer).post((work, (h,), 0))  # a few bytes of metadata: not activation memory
+        self._post_send(h, peer, self.tag(HEADER, stage, 0, 0), 0)  # a few bytes of metadata: not activations
 
     def post_header_recv(self, stage: int, peer: int) -> tuple[dist.Work, torch.Tensor]:
         """Post the receive of a header; :func:`decode_header` reads it once the work is done."""
@@ -249,6 +330,13 @@ class Links:
         """Return once every send is delivered and released."""
         for outbox in self.outboxes.values():
             outbox.settle(outbox.posted, self.timeout)
+
+    def take_samples(self) -> tuple[dict[int, list[tuple[int, int, float, float]]], dict[int, dict[int, float]]]:
+        """Since the last call: per peer sent to, (tag, bytes, posted, delivered) of each message; per peer
+        received from, when the receive of each message (by tag) was posted. Wall-clock seconds."""
+        out = {peer: box.take_samples() for peer, box in self.outboxes.items()}
+        posted, self.recv_posted = self.recv_posted, {}
+        return out, posted
 
     def new_step(self) -> None:
         """Count sends and in-flight maxima from zero (every send of the last step has been released)."""

@@ -28,7 +28,7 @@ import itertools
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,9 @@ from torch import nn
 from pipefold.errors import ConfigError
 from pipefold.ir import KINDS, Action, Graph, Kind, Schedule, dependency_graph
 from pipefold.runtime.comm import BACKWARD, FORWARD, HEADER, Links, Meta, decode_header, metas_of
+
+if TYPE_CHECKING:
+    from pipefold.network import Network
 from pipefold.runtime.meter import MemoryMeter
 from pipefold.runtime.stage import StageRunner, Tensors
 
@@ -90,6 +93,14 @@ class StepStats:
     the whole step (temporaries included) and, on CUDA, the allocator's (see ``launch._tracked_step``)."""
     messages: list[tuple[str, int, int]] = field(default_factory=list)
     """With message logging on: every send and receive as posted, ("send" or "recv", peer, tag)."""
+    link_samples: dict[int, list[tuple[int, int, float, float]]] = field(default_factory=dict)
+    """Per peer this rank sends to, (tag, bytes, posted, delivered) of each message, wall-clock seconds."""
+    recv_posted: dict[int, dict[int, float]] = field(default_factory=dict)
+    """Per peer this rank receives from, when it posted the receive of each message, by tag (wall-clock)."""
+    schedule: str = ""
+    """The schedule that ran this step, as a spec (``kfkb:k=2``): it changes between steps with ``adaptive``."""
+    predicted: float | None = None
+    """What the policy that chose this step's schedule predicted its step time to be, seconds."""
 
 
 @dataclass(frozen=True)
@@ -221,7 +232,8 @@ class RankExecutor:
     def __init__(self, schedule: Schedule, rank: int, modules: Mapping[int, nn.Module],
                  loss_fn: Callable[..., torch.Tensor], device: torch.device, *,
                  recompute: Mapping[int, int] | None = None, log_messages: bool = False,
-                 timeout: float | None = None, optimizers: Mapping[int, Callable[[], Any]] | None = None) -> None:
+                 timeout: float | None = None, optimizers: Mapping[int, Callable[[], Any]] | None = None,
+                 network: Network | None = None, origin: float = 0.0) -> None:
         self.schedule, self.rank, self.device = schedule, rank, device
         self.meter = MemoryMeter()
         last = schedule.stages - 1
@@ -242,7 +254,7 @@ class RankExecutor:
                               + ("" if self.optimizers else ", and OPT when given an optimizer per stage"))
         graph = dependency_graph(schedule)
         self.links = Links(schedule.stages, schedule.microbatches, device, self.meter, log=log_messages,
-                           timeout=timeout)
+                           timeout=timeout, network=network, rank=rank, origin=origin)
         self._in_meta: dict[int, tuple[Meta, ...]] = {}  # stage -> metas of its input, when received
         self._out_meta: dict[int, tuple[Meta, ...]] = {}  # stage -> metas of its output
         self._last_shape: Any = None
@@ -336,6 +348,7 @@ class RankExecutor:
         stats.memory_curve = list(self.meter.curve)
         stats.stage_memory = {s: (r.memory_f, r.memory_b, r.memory_w) for s, r in self.runners.items()}
         stats.link_bytes = {peer: box.max_bytes for peer, box in self.links.outboxes.items()}
+        stats.link_samples, stats.recv_posted = self.links.take_samples()
         left = [(i.src, m) for i in self._inboxes.values() for m in [*i.messages[i.next:], *i.posted]]
         if left:
             raise RuntimeError(f"rank {self.rank} ended a step with messages not received: {left[:3]}")

@@ -37,7 +37,9 @@ from pipefold.runtime.executor import RankExecutor, StepStats
 from pipefold.runtime.stage import Chain
 
 if TYPE_CHECKING:
+    from pipefold.network import Network
     from pipefold.offload import Offloaded
+    from pipefold.runtime.netns import Topology
 
 
 class RankError(RuntimeError):
@@ -84,6 +86,14 @@ class Job:
     verify_memory_step: int | None = None
     """Measure this step's memory a second way too, with torch's own tracker (see ``_tracked_step``)."""
     """Record every send and receive in each step's stats, in the order posted (to check the wire order)."""
+    network: Network | None = None
+    """Emulated link conditions every send crosses (see :mod:`pipefold.runtime.comm`)."""
+    origin: float | None = None
+    """Wall-clock time (``time.time()``) at which the network's timeline starts; None: when the ranks start."""
+    adaptive: Adaptive | None = None
+    """Switch schedules between steps (``schedule`` must be ``adaptive.schedules[0]``)."""
+    netns: Topology | None = None
+    """Run each rank in its own network namespace of this topology (see :mod:`pipefold.runtime.netns`)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -97,6 +107,8 @@ class Job:
         if not callable(self.optimizer) and self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"unknown optimizer {self.optimizer!r}: use {' or '.join(OPTIMIZERS)}, "
                               "or pass a function that makes one from a list of parameters")
+        if self.adaptive is not None and self.adaptive.schedules[0] != self.schedule:
+            raise ConfigError("an adaptive job starts with its first schedule: give schedule=adaptive.schedules[0]")
         steps = {(d, a.stage) for d, row in enumerate(self.schedule.actions) for a in row if a.kind == Kind.OPT}
         if steps:
             held = {(d, s) for d in range(self.schedule.devices) for s in self.schedule.stages_of(d)}
@@ -124,6 +136,40 @@ class RankReport:
     static_bytes: int = 0
     """Bytes of this rank's parameters, their gradients and its optimizers' state after the last step, each
     storage counted once (offloaded layers' homes included): what it holds besides the step's activations."""
+    decisions: list[tuple[int, Any]] = field(default_factory=list)
+    """On rank 0 of an adaptive job: (the first step it applies to, what ``Adaptive.decide`` recorded)."""
+
+
+def _spec(schedule: Schedule) -> str:
+    """'kfkb:k=2', '1f1b': the schedule's name and options, as the command line writes them."""
+    opts = ",".join(f"{k}={v}" for k, v in sorted(schedule.options.items()))
+    return f"{schedule.name}:{opts}" if opts else schedule.name
+
+
+@dataclass(frozen=True)
+class Adaptive:
+    r"""Switch between schedules of the same stages at step boundaries, as a policy chooses.
+
+    Every ``every`` steps each rank ``summarize``\ s its last steps (its ``StepStats`` and the bytes of its
+    parameters, gradients and optimizer state) into something small and picklable; rank 0 gets them all
+    and ``decide(current index, summaries)`` returns (next index, its predicted step seconds or None, a
+    record for the report); every rank then runs ``schedules[index]`` from the next step on.
+    """
+
+    schedules: tuple[Schedule, ...]
+    every: int
+    summarize: Callable[[list[StepStats], int], Any]
+    decide: Callable[[int, list[Any]], tuple[int, float | None, Any]]
+
+    def __post_init__(self) -> None:
+        if self.every < 1:
+            raise ConfigError(f"adapt every N steps with N >= 1 (got {self.every})")
+        first = self.schedules[0]
+        for s in self.schedules:
+            if (s.devices, s.stages, s.microbatches, s.placement) != (first.devices, first.stages,
+                                                                       first.microbatches, first.placement):
+                raise ConfigError(f"adaptive schedules must share devices, stages, microbatches and placement: "
+                                  f"{s.name} differs from {first.name}")
 
 
 def stage_modules(job: Job, rank: int) -> dict[int, nn.Module]:
@@ -174,9 +220,24 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     # all of this rank's parameters after the step.
     in_schedule = any(a.kind == Kind.OPT for row in job.schedule.actions for a in row)
     stage_opts = {s: _optimizer(job, list(m.parameters())) for s, m in modules.items()} if in_schedule else {}
-    executor = RankExecutor(job.schedule, rank, modules, job.loss_fn, device, recompute=recompute,
-                            log_messages=job.log_messages, timeout=job.timeout_s,
-                            optimizers={s: o.step if o is not None else _nothing for s, o in stage_opts.items()})
+    origin = job.origin
+    if job.network is not None and origin is None:
+        origin = float(agree(time.time()))  # the network's timeline starts now on every rank
+    choices = job.adaptive.schedules if job.adaptive is not None else (job.schedule,)
+    executors: dict[int, RankExecutor] = {}
+
+    def executor_for(index: int) -> RankExecutor:
+        """The executor of schedule ``index``, made the first time it runs (same modules, same parameters)."""
+        if index not in executors:
+            executors[index] = RankExecutor(
+                choices[index], rank, modules, job.loss_fn, device, recompute=recompute,
+                log_messages=job.log_messages, timeout=job.timeout_s, network=job.network, origin=origin or 0.0,
+                optimizers={s: o.step if o is not None else _nothing for s, o in stage_opts.items()})
+        return executors[index]
+
+    current, predicted = 0, None
+    decisions: list[tuple[int, Any]] = []
+    executor = executor_for(current)
     params = executor.parameters()
     opt = None if in_schedule else _optimizer(job, params)
     reports: list[StepStats] = []
@@ -186,6 +247,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     # A stage held by several replicas counts once in a global norm: by its first holder.
     counted = [p for s, r in executor.runners.items() if job.schedule.holders(s)[0] == rank for p in r.params]
     for step in range(job.steps):
+        executor = executor_for(current)
         started = time.perf_counter()
         x, y = job.batch_at(step)
         xs, ys = microbatches(x.to(device), m), microbatches(y.to(device), m)
@@ -203,14 +265,27 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
             grads = {name: p.grad.detach().clone() for name, p in _named(job, chains) if p.grad is not None}
         if opt is not None:
             opt.step()
+        stats.schedule, stats.predicted = _spec(choices[current]), predicted
         reports.append(stats)
         if on_step is not None and rank == loss_rank:
             on_step(step, sum(stats.losses.values()) / len(stats.losses), time.perf_counter() - started)
-    executor.close()
+        adaptive = job.adaptive
+        if adaptive is not None and (step + 1) % adaptive.every == 0 and step + 1 < job.steps:
+            optimizers = [o for o in (opt, *stage_opts.values()) if o is not None]
+            summary = adaptive.summarize(reports[-adaptive.every:], _static_bytes(params, optimizers))
+            gathered: list[Any] = [None] * world if rank == 0 else []
+            dist.gather_object(summary, gathered if rank == 0 else None, dst=0)
+            choice = adaptive.decide(current, gathered) if rank == 0 else None
+            current, predicted, record = agree(choice)  # every rank switches at the same step boundary
+            if rank == 0:
+                decisions.append((step + 1, record))
+    for each in executors.values():
+        each.close()
     resident = sum(w.tracker.peak_resident_bytes for w in offloaded)
     weights = {name: p.detach().clone() for name, p in _named(job, chains)} if job.save_weights else None
     optimizers = [o for o in (opt, *stage_opts.values()) if o is not None]
-    report = RankReport(rank, reports, grads, _peak_rss(), resident, weights, _static_bytes(params, optimizers))
+    report = RankReport(rank, reports, grads, _peak_rss(), resident, weights, _static_bytes(params, optimizers),
+                        decisions)
     if out_dir is not None:
         with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as fh:
             pickle.dump(report, fh)
@@ -362,8 +437,14 @@ def free_port() -> int:
 
 def _spawned(rank: int, job: Job, world: int, port: int, out_dir: str, progress: Any) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    host = "127.0.0.1"
+    if job.netns is not None:
+        from pipefold.runtime.netns import enter
+
+        enter(job.netns, rank)  # before any socket: the group's connections then cross the namespaces' links
+        host = job.netns.addresses[0]
     torch.set_num_threads(1)
-    dist.init_process_group(_backend(), init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    dist.init_process_group(_backend(), init_method=f"tcp://{host}:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=job.timeout_s))
     try:
         run_rank(job, rank, world, out_dir, on_step=lambda *a: progress.put(a))

@@ -1,0 +1,203 @@
+"""Network conditions over time, and the simulator's links: closed forms and a brute force."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from pipefold import schedules
+from pipefold.errors import ConfigError
+from pipefold.ir import Schedule, dependency_graph
+from pipefold.network import Conditions, LinkState, Network, Wire, parse_network
+from pipefold.simulate import CostModel, StageOverride, simulate
+
+
+def test_finish_at_constant_bandwidth_is_bytes_over_bandwidth() -> None:
+    c = Conditions.constant(LinkState(0.0, 100.0))
+    assert c.finish(2.0, 250) == pytest.approx(4.5)
+
+
+def test_finish_across_a_change_of_bandwidth() -> None:
+    # 100 B/s until t = 1, then 50 B/s: 150 bytes from t = 0.5 send 50 by t = 1, the other 100 take 2 s more.
+    c = Conditions((0.0, 1.0), (LinkState(0.0, 100.0), LinkState(0.0, 50.0)))
+    assert c.finish(0.5, 150) == pytest.approx(3.0)
+
+
+def test_a_period_repeats_the_pattern() -> None:
+    c = Conditions((0.0, 1.0), (LinkState(0.0, 10.0), LinkState(0.0, 1.0)), period=3.0)
+    assert c.at(0.5).bandwidth == 10 and c.at(1.5).bandwidth == 1 and c.at(3.5).bandwidth == 10
+    assert c.at(7.2).bandwidth == 1
+    # From t = 2.5: 0.5 s at 1 B/s, then 1 s at 10 B/s: 10.5 bytes end at t = 4.
+    assert c.finish(2.5, 10.5) == pytest.approx(4.0)
+
+
+def test_a_wire_sends_one_message_at_a_time_in_order() -> None:
+    wire = Wire(Conditions.constant(LinkState(0.5, 100.0)))
+    assert wire.send(0.0, 100) == pytest.approx(1.5)
+    assert wire.send(0.0, 100) == pytest.approx(2.5)  # waits for the first to leave the wire
+    assert wire.send(10.0, 100) == pytest.approx(11.5)  # an idle wire: no waiting
+
+
+def test_preemption_is_seeded_and_has_the_mean_periods() -> None:
+    idle, busy = LinkState(1e-4, 1e9), LinkState(1e-4, 1e7)
+    a = Network.preemption(seed=3, idle=idle, preempted=busy, on=2.0, off=6.0, duration=20000)
+    b = Network.preemption(seed=3, idle=idle, preempted=busy, on=2.0, off=6.0, duration=20000)
+    assert a.default == b.default
+    periods = a.preempted_periods(0, 1, 20000)
+    on = [e - s for s, e in periods]
+    off = [s2 - e1 for (_, e1), (s2, _) in zip(periods, periods[1:], strict=False)]
+    assert statistics_mean(on) == pytest.approx(2.0, rel=0.1)
+    assert statistics_mean(off) == pytest.approx(6.0, rel=0.1)
+    assert a.at(0, 1, 0.0) == idle  # starts idle
+
+
+def statistics_mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def test_preemption_of_named_links_leaves_the_others_idle() -> None:
+    net = Network.preemption(seed=0, idle=LinkState(0, 1e9), preempted=LinkState(0, 1e6), on=1, off=1,
+                             duration=100, links=[(1, 2)])
+    assert net.preempted_periods(1, 2, 100) and net.preempted_periods(2, 1, 100)
+    assert net.preempted_periods(0, 1, 100) == []
+
+
+def test_profile_files_round_trip(tmp_path) -> None:
+    net = Network.preemption(seed=1, idle=LinkState(1e-4, 1e9), preempted=LinkState(2e-4, 5e6), on=3, off=4,
+                             duration=60, links=[(0, 1)])
+    path = tmp_path / "net.json"
+    net.save(path)
+    back = Network.load(path)
+    assert back.default == net.default and dict(back.links) == dict(net.links)
+    csv = tmp_path / "net.csv"
+    csv.write_text("# period=10\ntime,latency,bandwidth,link\n0,0.001,1e9,\n0,0,1e6,1-2\n5,0,2e6,1-2\n")
+    net = Network.load(csv)
+    assert net.at(1, 2, 6).bandwidth == 2e6 and net.at(1, 2, 11).bandwidth == 1e6
+    assert net.at(0, 1, 6) == LinkState(0.001, 1e9)
+
+
+@pytest.mark.parametrize("text, words", [
+    ("{", "not valid JSON"),
+    ('{"default": [[0, 0, 0]]}', "bandwidth"),
+    ('{"default": [[1, 0, 5]]}', "start at 0"),
+    ('{"default": [[0, 0, 5]], "links": {"a-b": [[0, 0, 1]]}}', "a link is named"),
+    ('"x"', "not a network profile"),
+])
+def test_bad_profiles_are_one_line(tmp_path, text: str, words: str) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=words) as err:
+        Network.load(path)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("preempt:seed=1,idle=1GB", "busy"),
+    ("constant:bandwidth=fast", "bandwidth"),
+    ("constant:speed=1", "unknown network option"),
+    ("nosuchfile.json", "no network profile"),
+    ("preempt:idle=1GB,busy=1MB,on=0", "on > 0"),
+])
+def test_bad_specs_are_one_line(spec: str, words: str) -> None:
+    with pytest.raises(ConfigError, match=words):
+        parse_network(spec)
+
+
+def test_specs() -> None:
+    net = parse_network("constant:latency=0.001,bandwidth=50MB")
+    assert net.at(0, 1, 99.0) == LinkState(0.001, 50e6)
+    net = parse_network("preempt:seed=2,idle=100MB,busy=5MB,on=4,off=4,links=1-2")
+    assert {s.bandwidth for s in net.conditions(1, 2).states} == {100e6, 5e6}
+    assert net.conditions(0, 1).states == (LinkState(0.0, 100e6),)
+
+
+# -- the simulator with a network
+
+
+@pytest.mark.parametrize("name, opts", [("1f1b", {}), ("kfkb", {"k": 2}), ("gpipe", {}), ("zb-h1", {}),
+                                        ("interleaved-1f1b", {}), ("zb-v", {})])
+def test_latency_only_network_is_the_plain_transfer_time(name: str, opts: dict[str, int]) -> None:
+    s = schedules.build(name, 4, 8, **opts)
+    cost = CostModel(f=1.0, b=1.5, w=0.7, latency=0.3)
+    plain = simulate(s, cost)
+    linked = simulate(s, CostModel(f=1.0, b=1.5, w=0.7, activation_bytes=1e6), network=Network.constant(0.3))
+    assert [t for row in linked.timeline for iv in row for t in (iv.start, iv.end)] == pytest.approx(
+        [t for row in plain.timeline for iv in row for t in (iv.start, iv.end)])
+
+
+def _relaxed_makespan(schedule: Schedule, f: float, bw: float, nbytes: float, network: Network,
+                      at: float = 0.0) -> float:
+    """A brute force: start every action at 0, then repeat until nothing moves: each action starts when its
+    device's previous action ended and its inputs arrived; each link sends its messages in the order its
+    sender runs them, each leaving once the one before it has left."""
+    graph = dependency_graph(schedule)
+    rows = schedule.actions
+    where = [(d, i) for d, row in enumerate(rows) for i in range(len(row))]
+    start = [0.0] * len(where)
+    end = [0.0] * len(where)
+    dur = [f if rows[d][i].kind == "F" else bw for d, i in where]
+    for _ in range(10 * len(where)):
+        before = list(end)
+        arrive: dict[tuple[int, int], float] = {}
+        for (src, dst), wire in _wires(schedule, graph, network):
+            last_free, last_arrival = -math.inf, 0.0
+            for g in wire:  # the sender's actions in its own order
+                leave = max(at + end[g], last_free)
+                last_free = network.conditions(src, dst).finish(leave, nbytes)
+                last_arrival = max(last_arrival, last_free + network.at(src, dst, leave).latency)
+                arrive[(g, dst)] = last_arrival - at
+        for g, (d, i) in enumerate(where):
+            t = end[g - 1] if i > 0 else 0.0
+            for j in graph.inputs[g]:
+                t = max(t, end[j] if where[j][0] == d else arrive[(j, d)])
+            start[g], end[g] = t, t + dur[g]
+        if end == before:
+            return max(end)
+    raise AssertionError("did not settle")
+
+
+def _wires(schedule: Schedule, graph, network: Network) -> list[tuple[tuple[int, int], list[int]]]:
+    out: dict[tuple[int, int], list[int]] = {}
+    where = [d for d, row in enumerate(schedule.actions) for _ in row]
+    for g, ins in enumerate(graph.inputs):
+        for j in ins:
+            if where[j] != where[g]:
+                out.setdefault((where[j], where[g]), [])
+                if j not in out[(where[j], where[g])]:
+                    out[(where[j], where[g])].append(j)
+    return [(link, sorted(gs)) for link, gs in out.items()]
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("network", [
+    Network.constant(0.05, 10.0),
+    Network(Conditions((0.0, 3.0, 6.0), (LinkState(0.01, 50.0), LinkState(0.2, 4.0), LinkState(0.01, 50.0)))),
+    Network.preemption(seed=5, idle=LinkState(0.0, 40.0), preempted=LinkState(0.0, 3.0), on=1.5, off=2.0,
+                       duration=100, links=[(1, 2)]),
+])
+def test_kfkb_under_a_network_matches_a_brute_force(k: int, network: Network) -> None:
+    s = schedules.build("kfkb", 4, 8, k=k)
+    cost = CostModel(stage_overrides={i: StageOverride(f=0.5, b=1.0, w=0.0) for i in range(4)}, activation_bytes=10.0)
+    for at in (0.0, 2.5):
+        got = simulate(s, cost, network=network, at=at).makespan
+        assert got == pytest.approx(_relaxed_makespan(s, 0.5, 1.0, 10.0, network, at))
+
+
+def test_a_slow_link_favours_larger_groups_and_an_idle_one_does_not() -> None:
+    cost = CostModel(stage_overrides={i: StageOverride(f=1.0, b=2.0, w=0.0) for i in range(4)}, activation_bytes=1.0)
+    slow, idle = Network.constant(0.0, 1 / 1.5), Network.constant(0.0, 1e9)
+    spans = {k: simulate(schedules.build("kfkb", 4, 8, k=k), cost, network=slow).makespan for k in (1, 2, 4)}
+    assert spans[2] < 0.85 * spans[1]
+    # With free links every k has 1F1B's bubble, (p - 1)(f + b): they differ only in memory.
+    for k in (1, 2, 4, 8):
+        span = simulate(schedules.build("kfkb", 4, 8, k=k), cost, network=idle).makespan
+        assert span == pytest.approx((8 + 3) * 3.0, rel=1e-6)
+
+
+def test_network_json_is_plain(tmp_path) -> None:
+    net = Network.constant(1e-3, math.inf)
+    data = json.loads(json.dumps(net.to_dict()))
+    assert data["default"] == [[0.0, 1e-3, None]]
+    assert Network.from_dict(data).at(0, 1, 5.0).bandwidth == math.inf
