@@ -201,3 +201,18 @@ def test_network_json_is_plain(tmp_path) -> None:
     data = json.loads(json.dumps(net.to_dict()))
     assert data["default"] == [[0.0, 1e-3, None]]
     assert Network.from_dict(data).at(0, 1, 5.0).bandwidth == math.inf
+
+
+def test_simulate_cli_takes_a_network(capsys) -> None:
+    from pipefold.cli import main
+
+    spec = "preempt:seed=1,idle=40MB,busy=6MB,on=20,off=10"
+    code = main(["simulate", "kfkb:k=2", "-p", "4", "-m", "8", "--f", "0.04", "--b", "0.08", "--w", "0",
+                 "--activation-bytes", "524288", "--network", spec, "--at", "30", "--json"])
+    assert code == 0
+    got = json.loads(capsys.readouterr().out)["makespan"]
+    cost = CostModel(f=0.04, b=0.08, w=0.0, activation_bytes=524288)
+    want = simulate(schedules.build("kfkb", 4, 8, k=2), cost, network=parse_network(spec), at=30.0).makespan
+    assert got == pytest.approx(want)
+    assert main(["simulate", "1f1b", "--at", "3"]) != 0
+    assert "--network" in capsys.readouterr().err

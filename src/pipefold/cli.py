@@ -743,7 +743,7 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
             reports = gathered
         else:
             job, reports = train(config, check=args.check, on_step=on_step, decided=decided)
-    from pipefold.runtime.measure import measured_costs, measured_result, measured_summary
+    from pipefold.runtime.measure import measured_costs, measured_result, measured_summary, per_step
 
     step = len(reports[0].steps) - 1  # the last step: warmed up
     last = _ran(job, reports[0].steps[step].schedule)
@@ -769,7 +769,7 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
         label = "simulated from the measured costs"
     out = _train_summary(job, reports, config, predicted)
     if job.adaptive is not None or config.network is not None:
-        out["per_step"] = _per_step(reports)
+        out["per_step"] = per_step(reports)
         out["network"] = config.network
         out["netns"] = config.netns
     if job.adaptive is not None:
@@ -822,20 +822,6 @@ def _ran(job: Any, spec: str) -> Schedule:
         if _spec(each) == spec:
             return each
     return job.schedule
-
-
-def _per_step(reports: list[Any]) -> list[dict[str, Any]]:
-    """Each step: the schedule it ran, the seconds the ranks waited on receives (mean over ranks), what the
-    policy predicted, what it took (the slowest rank), and when it started (seconds from the first step)."""
-    t0 = min(r.steps[0].started_at for r in reports)
-    rows = []
-    for i in range(len(reports[0].steps)):
-        steps = [r.steps[i] for r in reports]
-        waits = [sum(e.end - e.start for e in st.events if e.kind == "recv") for st in steps]
-        rows.append({"step": i, "schedule": steps[0].schedule, "wait_s": sum(waits) / len(waits),
-                     "predicted_s": steps[0].predicted, "measured_s": max(st.wall for st in steps),
-                     "started_s": min(st.started_at for st in steps) - t0})
-    return rows
 
 
 def _decision(first: int, d: Any) -> dict[str, Any]:

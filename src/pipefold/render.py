@@ -558,6 +558,8 @@ def plot_adaptive(per_step: Sequence[Mapping[str, Any]], decisions: Sequence[Map
     (bars, over the time it ran) and what the policy predicted for it (dots).
     """
     from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import FuncFormatter
 
     _check_figure_path(path, "a run plot")
     fig = Figure(figsize=(10, 7), layout="constrained")
@@ -572,31 +574,41 @@ def plot_adaptive(per_step: Sequence[Mapping[str, Any]], decisions: Sequence[Map
         ax_bw.step(grid, [b / 1e6 for b in slowest], where="post", color="#4477aa", linewidth=1.4,
                    label="profile (slowest link)")
     by_step = {row["step"]: row for row in per_step}
+    window_start = 0
     for d in decisions:
-        # Observed over the steps just before the choice: drawn over the last of them.
-        last = by_step.get(int(d["from_step"]) - 1)
-        if not d["bandwidth"] or last is None:
+        # Observed over the steps since the choice before: drawn over them.
+        first, last = by_step.get(window_start), by_step.get(int(d["from_step"]) - 1)
+        window_start = int(d["from_step"])
+        if not d["bandwidth"] or first is None or last is None:
             continue
-        ax_bw.hlines(min(d["bandwidth"].values()) / 1e6, last["started_s"], last["started_s"] + last["measured_s"],
+        ax_bw.hlines(min(d["bandwidth"].values()) / 1e6, first["started_s"], last["started_s"] + last["measured_s"],
                      color="#ee6677", linewidth=2.5)
-    ax_bw.plot([], [], color="#ee6677", linewidth=2.5, label="observed by the ranks")
+    ax_bw.plot([], [], color="#ee6677", linewidth=2.5, label="observed by the ranks (slowest link)")
     ax_bw.set_yscale("log")
+    lo, hi = ax_bw.get_ylim()
+    ax_bw.set_yticks([v for e in range(-3, 7) for v in (10.0 ** e, 2 * 10.0 ** e, 4 * 10.0 ** e, 6 * 10.0 ** e)
+                      if lo <= v <= hi])
+    ax_bw.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax_bw.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
     ax_bw.set_ylabel("bandwidth (MB/s)")
     ax_bw.legend(loc="lower right", frameon=False, fontsize=8)
     ks = [_k_of(row["schedule"]) for row in per_step]
     ax_k.step(starts + ends[-1:], ks + ks[-1:], where="post", color="#228833", linewidth=1.6)
     ax_k.set_ylabel("k")
     ax_k.set_yticks(sorted(set(ks)))
-    ax_t.bar(starts, [row["measured_s"] for row in per_step], width=[e - s for s, e in zip(starts, ends,
-                                                                                        strict=True)],
-             align="edge", color="#bbbbbb", edgecolor="white", label="measured")
+    # Each bar spans its step, up to the next step's start: the time between steps (choosing k) shows as gaps.
+    widths = [min(e, n) - s for s, e, n in zip(starts, ends, [*starts[1:], float("inf")], strict=True)]
+    ax_t.bar(starts, [row["measured_s"] for row in per_step], width=widths, align="edge", color="#bbbbbb",
+             edgecolor="white", linewidth=0.5)
     pred = [(s + (e - s) / 2, row["predicted_s"]) for s, e, row in zip(starts, ends, per_step, strict=True)
             if row["predicted_s"] is not None]
     if pred:
         ax_t.scatter(*zip(*pred, strict=True), s=18, color="#aa3377", zorder=3, label="predicted")
     ax_t.set_ylabel("step time (s)")
     ax_t.set_xlabel("seconds from the first step")
-    ax_t.legend(loc="upper right", frameon=False, fontsize=8)
+    handles, labels = ax_t.get_legend_handles_labels()
+    ax_t.legend([Patch(color="#bbbbbb"), *handles], ["measured (slowest rank)", *labels], loc="lower left",
+                frameon=True, framealpha=0.9, edgecolor="none", fontsize=8)
     for ax in (ax_bw, ax_k, ax_t):
         ax.grid(color="#dddddd", linewidth=0.6)
         ax.set_axisbelow(True)

@@ -14,7 +14,7 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
 
 def parse_bytes(text: str, what: str = "the memory budget") -> float:
     """'2000000', '2e6', '1.5MB', '64MiB' -> bytes; anything else, or not above zero, is a ConfigError."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*", str(text).lower())
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+]?[0-9]+)?)\s*([a-z]*)\s*", str(text).lower())
     if match is None or match.group(2) not in _UNITS or float(match.group(1)) <= 0:
         raise ConfigError(f"cannot read {what} {text!r}: give bytes such as 2000000, 2e6, 1.5MB or 64MiB")
     return float(match.group(1)) * _UNITS[match.group(2)]

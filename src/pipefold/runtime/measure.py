@@ -89,3 +89,17 @@ def measured_summary(reports: list[RankReport]) -> dict[str, Any]:
             "activation_peak_bytes": [max(s.peak_activation_bytes for s in r.steps) for r in reports],
             "static_bytes": [r.static_bytes for r in reports],
             "peak_bytes": [max(s.peak_activation_bytes for s in r.steps) + r.static_bytes for r in reports]}
+
+
+def per_step(reports: list[RankReport]) -> list[dict[str, Any]]:
+    """Each step: the schedule it ran, the seconds the ranks waited on receives (mean over ranks), what the
+    policy predicted, what it took (the slowest rank), and when it started (seconds from the first step)."""
+    t0 = min(r.steps[0].started_at for r in reports)
+    rows = []
+    for i in range(len(reports[0].steps)):
+        steps = [r.steps[i] for r in reports]
+        waits = [sum(e.end - e.start for e in st.events if e.kind == "recv") for st in steps]
+        rows.append({"step": i, "schedule": steps[0].schedule, "wait_s": sum(waits) / len(waits),
+                     "predicted_s": steps[0].predicted, "measured_s": max(st.wall for st in steps),
+                     "started_s": min(st.started_at for st in steps) - t0})
+    return rows
