@@ -734,6 +734,9 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
             bar.update(task, advance=1, info=f"loss {loss:.4f}  {tokens / seconds:,.0f} tok/s")
 
         if under_torchrun():
+            if config.netns:
+                raise ConfigError("--netns starts local ranks in namespaces it makes; under torchrun make them with "
+                                  "`python -m pipefold.runtime.netns up` and start each rank with `ip netns exec`")
             if decided is not None:
                 raise ConfigError("--plan and --schedule auto run locally for now: under torchrun give the plan's "
                                   "schedule and flags")
