@@ -155,16 +155,16 @@ def test_a_bad_rate_is_one_line() -> None:
         netns.parse_rate("quick")
 
 
-def test_train_over_namespaces_sees_the_capped_bandwidth() -> None:
-    # The ranks' own messages, timed from both ends, show the tbf rate: what the emulated links would give.
-    from pipefold import adapt
+def test_train_over_namespaces_is_held_to_the_capped_rate() -> None:
+    # Rank 0 sends four 512 KiB activations a step through a tbf of 8 MB/s: at least 0.26 s a step, whatever
+    # the socket buffers absorb (their few hundred KiB go at once; the rest waits for tokens).
     from pipefold.train import TrainConfig, train
 
-    config = TrainConfig(schedule="1f1b", devices=2, microbatches=4, steps=2, model="mlp", layers=4, hidden=256,
-                         batch=256, partition="even", optimizer="sgd", network="constant:bandwidth=8MB", netns=True)
+    config = TrainConfig(schedule="1f1b", devices=2, microbatches=4, steps=3, model="mlp", layers=4, hidden=512,
+                         batch=1024, partition="even", optimizer="sgd", network="constant:bandwidth=8MB", netns=True)
     job, reports = train(config)
     assert job.netns is not None and job.network is None
-    times = adapt.link_times([adapt.summarize(r.steps[1:], 0) for r in reports])
-    for nbytes, seconds in times.values():
-        assert nbytes / seconds == pytest.approx(8e6, rel=0.3)
+    sent = 4 * 256 * 512 * 4
+    for i in (1, 2):
+        assert max(r.steps[i].wall for r in reports) > 0.7 * sent / 8e6
     assert not {job.netns.namespace(0), job.netns.namespace(1)} & _namespaces()
