@@ -234,7 +234,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(p, layers=None, layers_help="default: enough for 2 layers per stage", batch=16,
                batch_help="batch per step")
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
-    p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    p.add_argument("--optimizer", choices=["adamw", "sgd", "kfac"], default="adamw",
+                   help="adamw (default), sgd, or kfac: K-FAC-preconditioned SGD with momentum 0.9, its work placed "
+                        "in the schedule as actions (see --fill-bubbles)")
+    p.add_argument("--fill-bubbles", action="store_true",
+                   help="with --optimizer kfac: put K-FAC's curvature, inversion and preconditioning in the "
+                        "schedule's bubbles, spread over steps (PipeFisher); without it they run right after the "
+                        "passes they read, every step")
+    p.add_argument("--damping", type=float, default=1e-3, help="K-FAC's damping (default 1e-3)")
+    p.add_argument("--ema", type=float, default=0.0,
+                   help="K-FAC's running-average decay of the factors, 0..1 (default 0: the newest only)")
     p.add_argument("--clip", type=float, default=None, help="clip gradients to this global norm")
     p.add_argument("--data", default=None, help="train the gpt on this text file instead of the built-in corpus")
     p.add_argument("--seed", type=int, default=0)
@@ -716,7 +725,8 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
                              optimizer=args.optimizer, clip=args.clip, data=args.data, seed=args.seed, offload=offload,
                              partition=args.partition, recompute=args.recompute,
                              memory_budget=None if args.memory_budget is None else parse_bytes(args.memory_budget),
-                             network=args.network, netns=args.netns, adapt_every=args.adapt_every)
+                             network=args.network, netns=args.netns, adapt_every=args.adapt_every,
+                             fill_bubbles=args.fill_bubbles, damping=args.damping, ema=args.ema)
     if args.adapt_every < 1:
         raise ConfigError(f"--adapt-every must be at least 1 (got {args.adapt_every})")
     if (args.network or args.netns) and (args.plan is not None or args.schedule == "auto"):
@@ -749,7 +759,7 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
     from pipefold.runtime.measure import measured_costs, measured_result, measured_summary, per_step
 
     step = len(reports[0].steps) - 1  # the last step: warmed up
-    last = _ran(job, reports[0].steps[step].schedule)
+    last = _ran(job, reports[0].steps[step].schedule, step)
     if plan is not None:
         from pipefold.plan import predict
         from pipefold.profile import Profile
@@ -761,6 +771,8 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
     else:
         # The simulator fed with this run's own measured costs: what it predicts, next to what was measured.
         costs = measured_costs(last, reports, step)
+        if "pipefisher" in job.extra:  # what K-FAC's curvature keeps until it runs: measured before the run
+            costs = _with_stash(costs, job.extra["pipefisher"].base.cost)
         at = 0.0
         if job.network is not None and job.origin is not None:
             # The step's own moment of the network, and its messages' size.
@@ -770,13 +782,19 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
         predicted = simulate(last, costs, network=job.network, at=at)
         peaks = None
         label = "simulated from the measured costs"
-    out = _train_summary(job, reports, config, predicted)
+    cycle_peaks = None
+    if job.cycle and plan is None:  # the steps of a cycle differ: each rank's peak is the most over them
+        each = [simulate(sched, costs).peak_memory for sched in job.cycle]
+        cycle_peaks = [max(col) for col in zip(*each, strict=True)]
+    out = _train_summary(job, reports, config, predicted, cycle_peaks)
     if job.adaptive is not None or config.network is not None:
         out["per_step"] = per_step(reports)
         out["network"] = config.network
         out["netns"] = config.netns
     if job.adaptive is not None:
         out["decisions"] = [_decision(first, d) for first, d in reports[0].decisions]
+    if "pipefisher" in job.extra:
+        out["kfac"] = _kfac_summary(job.extra["pipefisher"], reports, config)
     if plan is not None:
         out["plan"] = {"schedule": plan["schedule"], "predicted": {"step_time_s": predicted.makespan,
                                                                    "bubble_ratio": predicted.bubble_ratio,
@@ -815,12 +833,55 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
         _print_prediction(out["plan"], console)
     if "per_step" in out:
         _print_per_step(out, console)
+    if "kfac" in out:
+        _print_kfac(out["kfac"], console)
 
 
-def _ran(job: Any, spec: str) -> Schedule:
-    """The schedule a step ran (an adaptive job switches between several)."""
+def _with_stash(costs: CostModel, measured: CostModel) -> CostModel:
+    """``costs`` with each stage's K-FAC stash as ``measured`` has it."""
+    over = {s: dataclasses.replace(o, stash=measured.stage_overrides[s].stash)
+            for s, o in costs.stage_overrides.items()}
+    return dataclasses.replace(costs, stage_overrides=over)
+
+
+def _kfac_summary(filled: Any, reports: list[Any], config: Any) -> dict[str, Any]:
+    """K-FAC's placement as planned (simulated from the costs measured before the run) next to the run."""
+    from pipefold.pipefisher import utilization
+    from pipefold.runtime.measure import measured_summary
+
+    meas = measured_summary(reports)
+    return {"fill_bubbles": config.fill_bubbles, "cycle_steps": len(filled.steps),
+            "refreshes_per_cycle": list(filled.refreshes),
+            "predicted": {"plain_step_s": filled.base.makespan, "plain_utilization": utilization(filled.base),
+                          "step_s": filled.step_time, "utilization": filled.utilization},
+            "measured": {"step_s": meas["step_time_s"], "step_spread_s": meas["step_time_spread_s"],
+                         "utilization": 1.0 - meas["bubble_ratio"]}}
+
+
+def _print_kfac(k: dict[str, Any], console: Console) -> None:
+    pred, meas = k["predicted"], k["measured"]
+    how = "in the bubbles" if k["fill_bubbles"] else "after the passes it reads"
+    console.print(f"K-FAC {how}: a cycle of {k['cycle_steps']} step(s); factors inverted "
+                  f"{'/'.join(map(str, k['refreshes_per_cycle']))} time(s) per cycle, by stage")
+    table = Table(show_edge=False)
+    for col in ("", "plain schedule (predicted)", "with K-FAC (predicted)", "with K-FAC (measured)"):
+        table.add_column(col, justify="right")
+    lo, hi = meas["step_spread_s"]
+    table.add_row("step time", f"{pred['plain_step_s'] * 1e3:.1f} ms", f"{pred['step_s'] * 1e3:.1f} ms",
+                  f"{meas['step_s'] * 1e3:.1f} ms ({lo * 1e3:.1f}..{hi * 1e3:.1f})")
+    table.add_row("utilization", f"{pred['plain_utilization']:.1%}", f"{pred['utilization']:.1%}",
+                  f"{meas['utilization']:.1%}")
+    console.print(table)
+    console.print("utilization: busy time (passes and K-FAC's work) over ranks x step time; predicted from each "
+                  "stage's passes and K-FAC work timed on one microbatch before the run")
+
+
+def _ran(job: Any, spec: str, step: int) -> Schedule:
+    """The schedule a step ran (an adaptive job switches between several, a K-FAC job runs a cycle)."""
     from pipefold.runtime.launch import _spec
 
+    if job.cycle:
+        return job.cycle[step % len(job.cycle)]
     for each in (job.adaptive.schedules if job.adaptive is not None else (job.schedule,)):
         if _spec(each) == spec:
             return each
@@ -882,7 +943,8 @@ def _parse_offload(text: str) -> tuple[int, int]:
     return k, kprime
 
 
-def _train_summary(job: Any, reports: list[Any], config: Any, predicted: Any) -> dict[str, Any]:
+def _train_summary(job: Any, reports: list[Any], config: Any, predicted: Any,
+                   peaks: list[float] | None = None) -> dict[str, Any]:
     steps = len(reports[0].steps)
     losses = [sum(sum(r.steps[i].losses.values()) for r in reports) / job.schedule.microbatches
               for i in range(steps)]
@@ -895,7 +957,7 @@ def _train_summary(job: Any, reports: list[Any], config: Any, predicted: Any) ->
         "busy_s": [sum(s.busy for s in r.steps[1:] or r.steps) / max(1, len(r.steps[1:] or r.steps))
                    for r in reports],
         "peak_activation_bytes": [max(s.peak_activation_bytes for s in r.steps) for r in reports],
-        "predicted_peak_bytes": [round(x) for x in predicted.peak_memory],
+        "predicted_peak_bytes": [round(x) for x in (predicted.peak_memory if peaks is None else peaks)],
         "predicted_step_s": predicted.makespan,
         "batch_bytes": [r.steps[-1].batch_bytes for r in reports],
         "peak_process_bytes": [r.peak_process_bytes for r in reports],

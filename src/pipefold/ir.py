@@ -9,6 +9,10 @@ An action is one pass of one microbatch through one stage, or work of a whole st
     0F3+5B1  an overlapped pair: 0F3 and 5B1 run together (DualPipe's F&B overlap)
     3R       all-reduce of stage 3's gradients between the devices holding a replica of it
     3OPT     optimizer step of stage 3
+    1KA2     K-FAC curvature of stage 1 from microbatch 2's layer inputs (the A factors)
+    1KG2     K-FAC curvature of stage 1 from microbatch 2's output gradients (the G factors)
+    1KI      K-FAC inversion of stage 1's factors
+    1KP      K-FAC preconditioning of stage 1's gradient, before its optimizer step
 
 What each kind waits for, what it completes, what it costs and how it changes
 memory is written once, in :data:`KINDS`; validation, the simulator, the
@@ -76,6 +80,10 @@ class Kind:
     FB = "FB"  # an overlapped pair: a forward and a backward of other (stage, microbatch)s, run together
     R = "R"  # all-reduce of a replicated stage's gradients
     OPT = "OPT"  # optimizer step of one stage
+    KA = "KA"  # K-FAC: curvature from a microbatch's layer inputs (A = E[a a^T])
+    KG = "KG"  # K-FAC: curvature from a microbatch's output gradients (G = E[g g^T])
+    KI = "KI"  # K-FAC: inversion of a stage's damped factors
+    KP = "KP"  # K-FAC: preconditioning of a stage's gradient
 
 
 class _Costs(NamedTuple):
@@ -111,8 +119,9 @@ class KindSpec:
     gives: tuple[str, ...] = ()
     microbatch: bool = True
     gathers: tuple[str, ...] = ()
-    after_replicas: tuple[str, ...] = ()
-    """Stage-wide passes it waits for when its stage has replicas (the optimizer step waits for the all-reduce)."""
+    after: tuple[str, ...] = ()
+    """Stage-wide passes of its stage on its device that it waits for where the step has them (the optimizer
+    step waits for the all-reduce of a replicated stage, and for K-FAC's preconditioning where it runs)."""
     collective: bool = False
     """Runs together on every device holding a replica of its stage."""
     computes: bool = True
@@ -123,6 +132,9 @@ class KindSpec:
     """Its duration, from the stage's costs (a ``simulate.StageCost``)."""
     memory: Callable[[Any], tuple[float, float]] = _no_memory
     """How it changes its device's activation memory: (when it starts, when it ends)."""
+    stash: Callable[[Any], float] = lambda c: 0.0
+    """What a per-microbatch kind keeps of its microbatch until it runs: held beyond the activations when it
+    ends after its microbatch's weight gradient (W or BW) at its stage freed them (K-FAC's curvature)."""
     color: str = "#999999"
     label: str = ""
 
@@ -179,7 +191,19 @@ for _spec in (
              gives=("R",), collective=True, computes=False, time=lambda c: c.allreduce,
              color="#D55E00", label="grad all-reduce"),
     KindSpec(code=Kind.OPT, doc="optimizer step of one stage", microbatch=False, gathers=("W",),
-             after_replicas=("R",), gives=("OPT",), time=lambda c: c.opt, color="#666666", label="optimizer step"),
+             after=("R", "KP"), gives=("OPT",), time=lambda c: c.opt, color="#666666", label="optimizer step"),
+    # K-FAC (PipeFisher): work the cost model does not derive, so its times come from ``StageCost.work``.
+    KindSpec(code=Kind.KA, doc="K-FAC curvature from a microbatch's layer inputs", needs=(("F", 0),),
+             gives=("KA",), time=lambda c: c.work.get("KA", 0.0), stash=lambda c: c.stash.get("KA", 0.0),
+             color="#F0E442", label="K-FAC A"),
+    KindSpec(code=Kind.KG, doc="K-FAC curvature from a microbatch's output gradients", needs=(("B", 0),),
+             gives=("KG",), time=lambda c: c.work.get("KG", 0.0), stash=lambda c: c.stash.get("KG", 0.0),
+             color="#B8860B", label="K-FAC G"),
+    KindSpec(code=Kind.KI, doc="K-FAC inversion of a stage's factors", microbatch=False, gathers=("KA", "KG"),
+             gives=("KI",), time=lambda c: c.work.get("KI", 0.0), color="#8B4513", label="K-FAC inverse"),
+    KindSpec(code=Kind.KP, doc="K-FAC preconditioning of a stage's gradient", microbatch=False, gathers=("W",),
+             after=("R", "KI"), gives=("KP",), time=lambda c: c.work.get("KP", 0.0), color="#4B0082",
+             label="K-FAC precondition"),
 ):
     register_kind(_spec)
 
@@ -267,6 +291,26 @@ def R(stage: int) -> Action:
 def OPT(stage: int) -> Action:
     """Optimizer step of ``stage``."""
     return Action(stage, Kind.OPT, NO_MICROBATCH)
+
+
+def KA(stage: int, microbatch: int) -> Action:
+    """K-FAC curvature of ``stage`` from ``microbatch``'s layer inputs."""
+    return Action(stage, Kind.KA, microbatch)
+
+
+def KG(stage: int, microbatch: int) -> Action:
+    """K-FAC curvature of ``stage`` from ``microbatch``'s output gradients."""
+    return Action(stage, Kind.KG, microbatch)
+
+
+def KI(stage: int) -> Action:
+    """K-FAC inversion of ``stage``'s factors."""
+    return Action(stage, Kind.KI, NO_MICROBATCH)
+
+
+def KP(stage: int) -> Action:
+    """K-FAC preconditioning of ``stage``'s gradient."""
+    return Action(stage, Kind.KP, NO_MICROBATCH)
 
 
 def overlap(forward: Action, backward: Action) -> Action:
@@ -1002,11 +1046,10 @@ def _inputs(schedule: Schedule, giver: list[int], names: Mapping[str, int],
                 spec = KINDS[kind]
                 replica = schedule.replica_on(s, device)
                 for n in spec.gathers:
-                    got += [giver[names[n] * S * M + s * M + mb] for mb in by_replica.get(replica, ())]
-                if len(schedule.holders(s)) > 1:
-                    for n in spec.after_replicas:
-                        if (g := giver[wide0 + names[n] * S * D + s * D + device]) >= 0:
-                            got.append(g)
+                    got += [g for mb in by_replica.get(replica, ()) if (g := giver[names[n] * S * M + s * M + mb]) >= 0]
+                for n in spec.after:
+                    if (g := giver[wide0 + names[n] * S * D + s * D + device]) >= 0:
+                        got.append(g)
             append(tuple(got))
     return tuple(out)
 

@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 
 from pipefold._gc import paused_gc
 from pipefold.errors import ConfigError
-from pipefold.ir import KINDS, Action, Graph, Schedule, dependency_graph
+from pipefold.ir import KINDS, Action, Graph, Kind, Schedule, dependency_graph
 from pipefold.network import Network, Wire
 
 __all__ = ["CostModel", "Interval", "SimResult", "StageCost", "StageOverride", "memory_deltas", "peak_by_order",
@@ -64,6 +64,11 @@ class StageCost:
     """Time of the all-reduce of this stage's gradients between its replicas (0 with one replica)."""
     opt: float = 0.0
     """Time of this stage's optimizer step."""
+    work: Mapping[str, float] = field(default_factory=dict)
+    """Times of the kinds whose cost the model does not derive (K-FAC's KA, KG, KI, KP), by kind code."""
+    stash: Mapping[str, float] = field(default_factory=dict)
+    """Activation memory a per-microbatch kind keeps of its microbatch until it runs (K-FAC's layer inputs and
+    output gradients), by kind code: held beyond the activations once the microbatch's W freed them."""
 
     @property
     def bw(self) -> float:
@@ -97,6 +102,10 @@ class StageOverride:
     recompute: float = 0.0
     kept: float | None = None
     memory_w: float | None = None
+    work: Mapping[str, float] | None = None
+    """Times of K-FAC's (and other registered) kinds on this stage; None: derived from the model's ``work``."""
+    stash: Mapping[str, float] | None = None
+    """What those kinds keep until they run; None: derived from the model's ``stash``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,6 +144,11 @@ class CostModel:
     contention: tuple[float, ...] = ()
     """Devices that share one machine's cores: ``contention[k-1]`` is how many times longer a pass takes while k
     devices compute at once (beyond the table, in proportion to k). Empty: every device computes on its own."""
+    work: Mapping[str, float] = field(default_factory=dict)
+    """Times of kinds the model does not derive, per device share, by code: K-FAC's ``KA`` and ``KG`` per
+    microbatch, ``KI`` and ``KP`` per step (``--work KA=0.5,KI=2``)."""
+    stash: Mapping[str, float] = field(default_factory=dict)
+    """Memory, in units of M per device share, that ``KA`` or ``KG`` keeps of its microbatch until it runs."""
 
     def __post_init__(self) -> None:
         for name in ("f", "b", "w", "memory", "memory_w", "latency", "activation_bytes", "grad_bytes", "opt",
@@ -144,6 +158,13 @@ class CostModel:
                 continue
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ConfigError(f"cost {name} must be a finite number >= 0 (got {value!r})")
+        for label, table in (("work", self.work), ("stash", self.stash)):
+            for code, value in table.items():
+                if code not in KINDS:
+                    raise ConfigError(f"{label} names kind {code!r}, which is not registered: use one of "
+                                      f"{', '.join(KINDS)}")
+                if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                    raise ConfigError(f"{label} of {code} must be a finite number >= 0 (got {value!r})")
         if not all(isinstance(c, (int, float)) and math.isfinite(c) and c > 0 for c in self.contention):
             raise ConfigError(f"contention factors must be finite numbers > 0 (got {self.contention!r})")
         if not 0 <= self.recompute <= 1:
@@ -184,15 +205,18 @@ class CostModel:
         memory_w = None if self.memory_w is None else self.memory_w * share
         allreduce = self.allreduce_time(self.grad_bytes * share, replicas)
         opt = self.opt * share
+        work = {k: v * share for k, v in self.work.items()} if over is None or over.work is None else over.work
+        stash = {k: v * share for k, v in self.stash.items()} if over is None or over.stash is None else over.stash
         if over is None:
             f, memory = self.f * share, self.memory * share
             kept = None if self.recompute == 0 else memory * (1.0 - self.recompute)
             return StageCost(f=f, b=self.b * share + self.recompute * f, w=self.w * share, memory=memory, kept=kept,
-                             memory_w=memory_w, allreduce=allreduce, opt=opt)
+                             memory_w=memory_w, allreduce=allreduce, opt=opt, work=work, stash=stash)
         memory = self.memory * share if over.memory is None else over.memory
         return StageCost(f=over.f, b=over.b + over.recompute, w=over.w, memory=memory,
                          kept=None if over.kept is None else min(over.kept, memory),
-                         memory_w=memory_w if over.memory_w is None else over.memory_w, allreduce=allreduce, opt=opt)
+                         memory_w=memory_w if over.memory_w is None else over.memory_w, allreduce=allreduce, opt=opt,
+                         work=work, stash=stash)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -201,9 +225,11 @@ class CostModel:
             "bandwidth": None if math.isinf(self.bandwidth) else self.bandwidth,
             "activation_bytes": self.activation_bytes, "recompute": self.recompute,
             "grad_bytes": self.grad_bytes, "opt": self.opt, "overlap": self.overlap, "weights": self.weights,
-            "contention": list(self.contention),
+            "contention": list(self.contention), "work": dict(self.work), "stash": dict(self.stash),
             "stage_overrides": {str(s): {"f": c.f, "b": c.b, "w": c.w, "memory": c.memory,
-                                         "recompute": c.recompute, "kept": c.kept, "memory_w": c.memory_w}
+                                         "recompute": c.recompute, "kept": c.kept, "memory_w": c.memory_w,
+                                         "work": None if c.work is None else dict(c.work),
+                                         "stash": None if c.stash is None else dict(c.stash)}
                                 for s, c in self.stage_overrides.items()},
         }
 
@@ -332,8 +358,37 @@ def simulate(schedule: Schedule, cost: CostModel | None = None, *, network: Netw
     make = functools.partial(tuple.__new__, Interval)
     timeline = tuple(tuple(map(make, zip(row, starts[d], ends[d], strict=True))) for d, row in enumerate(rows))
     deltas = _delta_table(dict(enumerate(costs)))
-    curves = tuple(_memory_curve(rows[d], starts[d], ends[d], deltas) for d in range(D))
+    stashes = _stash_events(graph, costs, all_ends)
+    curves = tuple(_memory_curve(rows[d], starts[d], ends[d], deltas, stashes.get(d, ())) for d in range(D))
     return SimResult(schedule, cost, timeline, curves)
+
+
+def _stash_events(graph: Graph, costs: Sequence[StageCost],
+                  ends: Sequence[float]) -> dict[int, list[tuple[float, float]]]:
+    """Per device, the memory that actions with a ``stash`` (K-FAC's curvature) hold beyond the activations:
+    from the end of their microbatch's weight gradient at their stage, when they end after it, until they end."""
+    schedule = graph.schedule
+    wanted = {k for k, spec in KINDS.items() if spec.microbatch and not spec.composite
+              and any(spec.stash(c) for c in costs)}
+    if not wanted:
+        return {}
+    w_end: dict[tuple[int, int], float] = {}
+    pending = []
+    for d, row in enumerate(schedule.actions):
+        for i, act in enumerate(row):
+            g = graph.gid(d, i)
+            for a in act.passes:
+                if a.kind in (Kind.W, Kind.BW):
+                    w_end[a.stage, a.microbatch] = ends[g]
+                elif a.kind in wanted:
+                    pending.append((d, a, ends[g]))
+    out: dict[int, list[tuple[float, float]]] = {}
+    for d, a, end in pending:
+        freed = w_end.get((a.stage, a.microbatch), math.inf)
+        held = KINDS[a.kind].stash(costs[a.stage])
+        if end > freed and held:
+            out.setdefault(d, []).extend(((freed, held), (end, -held)))
+    return out
 
 
 class _Links:
@@ -490,9 +545,11 @@ def action_time(action: Action, costs: Sequence[StageCost], overlap: bool) -> fl
 
 
 def _memory_curve(row: tuple[Action, ...], starts: list[float], ends: list[float],
-                  deltas: dict[tuple[int, str], tuple[float, float]]) -> tuple[tuple[float, float], ...]:
-    """Activation memory of one device over time, as (time, level) steps."""
-    events: list[tuple[float, float]] = []
+                  deltas: dict[tuple[int, str], tuple[float, float]],
+                  stashes: Sequence[tuple[float, float]] = ()) -> tuple[tuple[float, float], ...]:
+    """Activation memory of one device over time, as (time, level) steps; ``stashes`` are further (time, change)
+    events (see :func:`_stash_events`)."""
+    events: list[tuple[float, float]] = list(stashes)
     for a, start, end in zip(row, starts, ends, strict=True):
         at_start, at_end = deltas[a[0], a[1]] if not a[3] else _deltas_of(a, deltas)
         if at_start:

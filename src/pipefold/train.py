@@ -89,6 +89,13 @@ class TrainConfig:
     """Run each rank in its own network namespace (needs root; see :mod:`pipefold.runtime.netns`)."""
     adapt_every: int = 2
     """With 'adaptive-kfkb': steps between two choices of k."""
+    fill_bubbles: bool = False
+    """With optimizer 'kfac': put K-FAC's work in the schedule's bubbles, spread over steps (PipeFisher); without,
+    it runs right after the passes it reads, every step."""
+    damping: float = 1e-3
+    """K-FAC's damping (optimizer 'kfac')."""
+    ema: float = 0.0
+    """K-FAC's running-average decay of the factors (optimizer 'kfac')."""
 
 
 ADAPTIVE = "adaptive-kfkb"
@@ -171,6 +178,20 @@ def make_job(config: TrainConfig, *, save_grads_of_step: int | None = None,
     recompute = None
     if plan is not None:
         recompute, extra["recompute"] = plan.layers, plan
+    cycle: tuple[Schedule, ...] = ()
+    kfac = None
+    if config.optimizer == "kfac":
+        from pipefold.kfac import KFACConfig
+
+        kfac = KFACConfig(damping=config.damping, ema=config.ema)
+        if adaptive is not None:
+            raise ConfigError(f"--optimizer kfac runs a cycle of schedules of its own: use a schedule other than "
+                              f"{ADAPTIVE}")
+        filled = _kfac_cycle(config, schedule, layer_stages, build, spec.loss, batch_at, kfac)
+        cycle = filled.cycle
+        schedule, extra["pipefisher"] = cycle[0], filled
+    elif config.fill_bubbles:
+        raise ConfigError("--fill-bubbles fills bubbles with K-FAC's work: add --optimizer kfac")
     network = None
     if config.network is not None:
         from pipefold.network import parse_network
@@ -182,7 +203,28 @@ def make_job(config: TrainConfig, *, save_grads_of_step: int | None = None,
     return Job(schedule=schedule, layer_stages=layer_stages, build_layers=build, loss_fn=spec.loss,
                batch_at=batch_at, steps=config.steps, lr=config.lr, optimizer=config.optimizer, clip=config.clip,
                save_grads_of_step=save_grads_of_step, offload=config.offload, recompute=recompute, extra=extra,
-               network=network, adaptive=adaptive)
+               network=network, adaptive=adaptive, cycle=cycle, kfac=kfac)
+
+
+def _kfac_cycle(config: TrainConfig, schedule: Schedule, layer_stages: tuple[tuple[int, ...], ...],
+                build: Callable[[list[int]], dict[int, Any]], loss_fn: Callable[..., torch.Tensor],
+                batch_at: Callable[[int], tuple[torch.Tensor, torch.Tensor]], kfac: Any) -> Any:
+    """Measure every stage's passes and K-FAC work on the first microbatch, then place the work: in the bubbles of
+    the simulated step (``fill_bubbles``), or right after the passes it reads."""
+    from pipefold import pipefisher
+    from pipefold.runtime.curvature import measure
+    from pipefold.simulate import CostModel, StageOverride
+
+    layers = build([i for part in layer_stages for i in part])
+    stages = [Chain(*(layers[i] for i in part)) for part in layer_stages]
+    x, y = batch_at(0)
+    m = config.microbatches
+    rows = measure(stages, x.chunk(m)[0], y.chunk(m)[0], loss_fn, microbatches=m, config=kfac)
+    cost = CostModel(stage_overrides={s: StageOverride(f=r["f"], b=r["b"], w=r["w"], memory=float(r["memory"]),
+                                                       work=r["work"], stash={k: float(v) for k, v in
+                                                                              r["stash"].items()})
+                                      for s, r in enumerate(rows)})
+    return pipefisher.fill(schedule, cost) if config.fill_bubbles else pipefisher.inline(schedule, cost)
 
 
 def _plan_recompute(config: TrainConfig, schedule: Schedule, layer_stages: tuple[tuple[int, ...], ...],
@@ -354,6 +396,55 @@ def reference_step(job: Job, step: int = 0) -> tuple[float, dict[str, torch.Tens
     grads = {f"{i}.{name}": p.grad.detach().clone() for i in range(n) for name, p in layers[i].named_parameters()
              if p.grad is not None}
     return total, grads
+
+
+def reference_kfac(job: Job, steps: int) -> dict[str, torch.Tensor]:
+    """``steps`` steps of the job's K-FAC in one process, from the initial weights: every stage's curvature,
+    inversions and preconditioning where the job's cycle of schedules puts them, then the same optimizer.
+    Returns the weights, named as ``RankReport.weights``."""
+    from pipefold.ir import Kind
+    from pipefold.runtime.curvature import StageCurvature
+    from pipefold.runtime.launch import OPTIMIZERS
+    from pipefold.runtime.meter import MemoryMeter
+    from pipefold.runtime.stage import as_tuple
+
+    assert job.kfac is not None, "reference_kfac needs a K-FAC job"
+    n = job.extra["num_layers"]
+    layers = job.build_layers(list(range(n)))
+    stages = [Chain(*(layers[i] for i in part)) for part in job.layer_stages]
+    m = job.schedule.microbatches
+    curv = [StageCurvature(stage, job.kfac, m) for stage in stages]
+    params = [p for i in range(n) for p in layers[i].parameters()]
+    opt = OPTIMIZERS["kfac"](params, lr=job.lr)
+    cycle = job.cycle or (job.schedule,)
+    kinds = (Kind.KA, Kind.KG, Kind.KI, Kind.KP)
+    for step in range(steps):
+        schedule = cycle[step % len(cycle)]
+        # Each stage's K-FAC actions in its device's order (the schedule orders them the same way on every run).
+        work = [[a for a in schedule.actions[schedule.device_of(s)] if a.stage == s and a.kind in kinds]
+                for s in range(len(stages))]
+        for s, c in enumerate(curv):
+            c.begin(work[s], s, MemoryMeter())
+        x, y = job.batch_at(step)
+        for j, (xs, ys) in enumerate(zip(x.chunk(m), y.chunk(m), strict=True)):
+            h: tuple[Any, ...] = (xs,)
+            for c, stage in zip(curv, stages, strict=True):
+                c.current = j
+                h = as_tuple(stage(*h))
+                c.current = None
+            (job.loss_fn(*h, ys) / m).backward()
+        for s, c in enumerate(curv):
+            for a in work[s]:
+                c.run(a)
+        if job.clip is not None:  # as the ranks clip: by the global norm, all-reduced there
+            norm = float(sum(p.grad.detach().pow(2).sum() for p in params if p.grad is not None) ** 0.5)
+            if norm > job.clip:
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.mul_(job.clip / (norm + 1e-6))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {f"{i}.{name}": p.detach().clone() for i in range(n) for name, p in layers[i].named_parameters()}
 
 
 def compare(job: Job, reports: list[RankReport]) -> dict[str, float]:

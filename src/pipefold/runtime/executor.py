@@ -24,11 +24,13 @@ needs late may so be received early; its buffer waits in the inbox.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -45,9 +47,26 @@ from pipefold.runtime.stage import StageRunner, Tensors
 
 LOOKAHEAD = 2  # actions whose receives are posted ahead of time: this one and the next
 _RUNS = (Kind.F, Kind.B, Kind.W, Kind.BW, Kind.R)
-"""The kinds the runtime runs (an overlapped pair runs its parts one after the other; OPT with optimizers)."""
-COMPUTE_KINDS = (Kind.F, Kind.B, Kind.W, Kind.BW)
-"""The event kinds that are computation (busy time); the rest is waiting and communication."""
+"""The kinds the runtime runs (an overlapped pair runs its parts one after the other; OPT with optimizers; other
+kinds with a :class:`StepWork` that runs them)."""
+COMPUTE_KINDS = frozenset(k for k, spec in KINDS.items() if spec.computes and not spec.composite)
+"""The event kinds that are computation (busy time, K-FAC's work included); the rest is waiting and
+communication."""
+
+
+class StepWork(Protocol):
+    """Work of kinds beyond the passes (K-FAC's: :class:`pipefold.runtime.curvature.RankCurvature`)."""
+
+    kinds: frozenset[str]
+
+    def begin(self, actions: Sequence[Action], meter: MemoryMeter) -> None:
+        """A step of this rank starts, with these actions; what it keeps is shown to ``meter``."""
+
+    def forward(self, action: Action) -> AbstractContextManager[Any]:
+        """Entered around every forward this rank runs."""
+
+    def run(self, action: Action) -> None:
+        """Run one action of its kinds."""
 
 
 @dataclass
@@ -73,7 +92,7 @@ class StepStats:
     """The most bytes held at once, each storage counted once: tensors saved for backward, outputs, gradients
     kept for W, receive buffers and sends not yet delivered (see :mod:`pipefold.runtime.meter`)."""
     peak_by_kind: dict[str, int] = field(default_factory=dict)
-    """What the bytes at the peak were, by kind ("saved", "output", "captured", "recv", "send")."""
+    """What the bytes at the peak were, by kind ("saved", "output", "captured", "recv", "send", "kfac")."""
     batch_bytes: int = 0
     """Bytes of the batch this rank reads (inputs and targets), which exist before the step: not in the peak."""
     memory_curve: list[tuple[float, int]] = field(default_factory=list)
@@ -233,7 +252,7 @@ class RankExecutor:
                  loss_fn: Callable[..., torch.Tensor], device: torch.device, *,
                  recompute: Mapping[int, int] | None = None, log_messages: bool = False,
                  timeout: float | None = None, optimizers: Mapping[int, Callable[[], Any]] | None = None,
-                 network: Network | None = None, origin: float = 0.0) -> None:
+                 network: Network | None = None, origin: float = 0.0, work: StepWork | None = None) -> None:
         self.schedule, self.rank, self.device = schedule, rank, device
         self.meter = MemoryMeter()
         last = schedule.stages - 1
@@ -246,12 +265,14 @@ class RankExecutor:
         self.actions = list(schedule.actions[rank])
         self.optimizers = dict(optimizers or {})
         """Per stage, what its OPT action calls: its optimizer's step."""
-        runs = set(_RUNS) | ({Kind.OPT} if self.optimizers else set())
+        self.work = work
+        runs = set(_RUNS) | ({Kind.OPT} if self.optimizers else set()) | set(work.kinds if work else ())
         unknown = sorted({a.kind for act in self.actions for a in act.passes} - runs)
         if unknown:
             raise ConfigError(f"the runtime cannot run {', '.join(unknown)} actions ("
                               f"{'; '.join(KINDS[k].doc for k in unknown)}); it runs {', '.join(sorted(runs))}"
-                              + ("" if self.optimizers else ", and OPT when given an optimizer per stage"))
+                              + ("" if self.optimizers else ", and OPT when given an optimizer per stage")
+                              + ("" if work else ", and K-FAC's when training with K-FAC (--optimizer kfac)"))
         graph = dependency_graph(schedule)
         self.links = Links(schedule.stages, schedule.microbatches, device, self.meter, log=log_messages,
                            timeout=timeout, network=network, rank=rank, origin=origin)
@@ -310,6 +331,8 @@ class RankExecutor:
         self.links.new_step()
         # The batch exists before the step and after it: reported apart from what the step holds.
         self.meter.start(outside=[t for ts in (*inputs, *targets) for t in _tensors(ts)])
+        if self.work is not None:
+            self.work.begin(self.actions, self.meter)
         received = self._received[new_shapes]
         settled = dict.fromkeys(received, 0)
         stats.started_at = time.time()
@@ -367,7 +390,8 @@ class RankExecutor:
         if action.kind == Kind.F:
             x = inputs[mb] if s == 0 else self._take(FORWARD, action, local, clock, stats)
             start = clock()
-            out = runner.forward(mb, x, targets[mb] if s == S - 1 else None, scale=1.0 / M)
+            with self.work.forward(action) if self.work is not None else contextlib.nullcontext():
+                out = runner.forward(mb, x, targets[mb] if s == S - 1 else None, scale=1.0 / M)
             del x
             stats.events.append(Event(str(action), "F", start, clock()))
             if s < S - 1:
@@ -394,6 +418,10 @@ class RankExecutor:
                 work.wait()
             self.optimizers[s]()
             stats.events.append(Event(str(action), "OPT", start, clock()))
+        elif self.work is not None and action.kind in self.work.kinds:
+            start = clock()
+            self.work.run(action)
+            stats.events.append(Event(str(action), action.kind, start, clock()))
         else:
             dy = None if s == S - 1 else self._take(BACKWARD, action, local, clock, stats)
             start = clock()

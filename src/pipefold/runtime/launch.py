@@ -37,6 +37,7 @@ from pipefold.runtime.executor import RankExecutor, StepStats
 from pipefold.runtime.stage import Chain
 
 if TYPE_CHECKING:
+    from pipefold.kfac import KFACConfig
     from pipefold.network import Network
     from pipefold.offload import Offloaded
     from pipefold.runtime.netns import Topology
@@ -52,8 +53,14 @@ class RankError(RuntimeError):
         self.details = details
 
 
-OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}
-"""The optimizers a Job names as text, each made with the Job's learning rate."""
+def _momentum_sgd(params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW,
+                                                               "kfac": _momentum_sgd}
+"""The optimizers a Job names as text, each made with the Job's learning rate. ``kfac`` is SGD with momentum 0.9
+on the gradient that the schedule's K-FAC actions precondition (``Job.kfac``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,6 +101,11 @@ class Job:
     """Switch schedules between steps (``schedule`` must be ``adaptive.schedules[0]``)."""
     netns: Topology | None = None
     """Run each rank in its own network namespace of this topology (see :mod:`pipefold.runtime.netns`)."""
+    cycle: tuple[Schedule, ...] = ()
+    """Step t runs ``cycle[t % len(cycle)]`` (K-FAC's work spread over steps, :mod:`pipefold.pipefisher`);
+    ``schedule`` must be ``cycle[0]``."""
+    kfac: KFACConfig | None = None
+    """Keep K-FAC's state per stage and run the schedule's KA, KG, KI and KP actions (``optimizer="kfac"``)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -109,6 +121,23 @@ class Job:
                               "or pass a function that makes one from a list of parameters")
         if self.adaptive is not None and self.adaptive.schedules[0] != self.schedule:
             raise ConfigError("an adaptive job starts with its first schedule: give schedule=adaptive.schedules[0]")
+        if self.cycle and (self.cycle[0] != self.schedule or self.adaptive is not None):
+            raise ConfigError("a job with a cycle of schedules starts with its first (schedule=cycle[0]) and does not "
+                              "adapt")
+        if (self.kfac is not None) != (self.optimizer == "kfac"):
+            raise ConfigError("K-FAC needs both its state (kfac=KFACConfig()) and its optimizer (optimizer='kfac'): "
+                              "give both or neither")
+        if self.kfac is not None:
+            for each in self.cycle or (self.schedule,):
+                have = {(d, a.stage) for d, row in enumerate(each.actions) for a in row if a.kind == Kind.KP}
+                held = {(d, st) for d in range(each.devices) for st in each.stages_of(d)}
+                if held - have:
+                    d, st = min(held - have)
+                    raise ConfigError(f"K-FAC preconditions every stage every step, but {each.name} has no {st}KP "
+                                      f"on device {d}: fill the schedule with pipefold.pipefisher (fill or inline)")
+            if self.offload is not None or self.recompute is not None:
+                raise ConfigError("K-FAC does not combine with offloading or recomputation yet: it keeps layer inputs "
+                                  "that those would drop; use one or the other")
         steps = {(d, a.stage) for d, row in enumerate(self.schedule.actions) for a in row if a.kind == Kind.OPT}
         if steps:
             held = {(d, s) for d in range(self.schedule.devices) for s in self.schedule.stages_of(d)}
@@ -223,7 +252,13 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     origin = job.origin
     if job.network is not None and origin is None:
         origin = float(agree(time.time()))  # the network's timeline starts now on every rank
-    choices = job.adaptive.schedules if job.adaptive is not None else (job.schedule,)
+    choices = job.adaptive.schedules if job.adaptive is not None else job.cycle or (job.schedule,)
+    work = None
+    if job.kfac is not None:
+        from pipefold.runtime.curvature import RankCurvature, StageCurvature
+
+        m = job.schedule.microbatches
+        work = RankCurvature({s: StageCurvature(mod, job.kfac, m) for s, mod in modules.items()})
     executors: dict[int, RankExecutor] = {}
 
     def executor_for(index: int) -> RankExecutor:
@@ -232,7 +267,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
             executors[index] = RankExecutor(
                 choices[index], rank, modules, job.loss_fn, device, recompute=recompute,
                 log_messages=job.log_messages, timeout=job.timeout_s, network=job.network, origin=origin or 0.0,
-                optimizers={s: o.step if o is not None else _nothing for s, o in stage_opts.items()})
+                optimizers={s: o.step if o is not None else _nothing for s, o in stage_opts.items()}, work=work)
         return executors[index]
 
     current, predicted = 0, None
@@ -247,12 +282,16 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     # A stage held by several replicas counts once in a global norm: by its first holder.
     counted = [p for s, r in executor.runners.items() if job.schedule.holders(s)[0] == rank for p in r.params]
     for step in range(job.steps):
+        if job.cycle:
+            current = step % len(job.cycle)
         executor = executor_for(current)
         started = time.perf_counter()
         x, y = job.batch_at(step)
         xs, ys = microbatches(x.to(device), m), microbatches(y.to(device), m)
         for p in params:
             p.grad = None
+        if work is not None:
+            work.record(job.save_grads_of_step == step)
         if job.verify_memory_step == step:
             stats = _tracked_step(executor, params, xs, ys, tuple(x.shape))
         else:
@@ -262,7 +301,10 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
         if job.clip is not None:
             _clip_global(params, counted, job.clip)
         if job.save_grads_of_step == step:
-            grads = {name: p.grad.detach().clone() for name, p in _named(job, chains) if p.grad is not None}
+            # With K-FAC, the gradients as the backward left them, before the schedule's KP preconditioned them.
+            raw = work.raw_grads() if work is not None else {}
+            grads = {name: raw.get(id(p), p.grad).detach().clone() for name, p in _named(job, chains)
+                     if p.grad is not None}
         if opt is not None:
             opt.step()
         stats.schedule, stats.predicted = _spec(choices[current]), predicted
@@ -284,7 +326,8 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     resident = sum(w.tracker.peak_resident_bytes for w in offloaded)
     weights = {name: p.detach().clone() for name, p in _named(job, chains)} if job.save_weights else None
     optimizers = [o for o in (opt, *stage_opts.values()) if o is not None]
-    report = RankReport(rank, reports, grads, _peak_rss(), resident, weights, _static_bytes(params, optimizers),
+    static = _static_bytes(params, optimizers) + (work.state_bytes() if work is not None else 0)
+    report = RankReport(rank, reports, grads, _peak_rss(), resident, weights, static,
                         decisions)
     if out_dir is not None:
         with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as fh:

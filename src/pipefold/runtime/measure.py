@@ -27,10 +27,15 @@ def measured_result(schedule: Schedule, reports: list[RankReport], step: int) ->
     return SimResult(schedule, CostModel(), tuple(rows), tuple(curves))
 
 
+_DERIVED = ("F", "B", "W", "BW", "OPT")
+"""Kinds whose time the cost model derives from f, b, w and opt."""
+
+
 def measured_costs(schedule: Schedule, reports: list[RankReport], step: int) -> CostModel:
     """The cost model of what the ranks measured in ``step``: per stage, the median seconds of its F, B and W
-    (a fused BW counts as B + W, split evenly) and the bytes one microbatch held after F, while B ran and
-    between B and W. The simulator fed with it predicts the run in seconds and bytes."""
+    (a fused BW counts as B + W, split evenly) and of any other work it ran (K-FAC's), and the bytes one
+    microbatch held after F, while B ran and between B and W. The simulator fed with it predicts the run in
+    seconds and bytes."""
     seconds: dict[tuple[int, str], list[float]] = {}
     memory: dict[int, tuple[int, int, int]] = {}
     for r in reports:
@@ -47,8 +52,10 @@ def measured_costs(schedule: Schedule, reports: list[RankReport], step: int) -> 
         else:  # fused: the simulator costs BW as B + W
             b = w = statistics.median(seconds.get((s, "BW"), [0.0])) / 2
         held, during_b, held_w = memory.get(s, (0, 0, 0))
+        # Other work the stage ran (K-FAC's), for the kinds whose time the cost model takes as given.
+        work = {k: statistics.median(v) for (st, k), v in seconds.items() if st == s and k not in _DERIVED}
         over[s] = StageOverride(f=f, b=b, w=w, memory=float(max(held, during_b)), kept=float(held),
-                                memory_w=float(held_w or held))
+                                memory_w=float(held_w or held), work=work or None)
     return CostModel(stage_overrides=over)
 
 

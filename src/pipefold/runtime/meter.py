@@ -30,9 +30,9 @@ import torch
 
 __all__ = ["KINDS", "MemoryMeter"]
 
-KINDS = ("saved", "output", "captured", "recv", "send")
+KINDS = ("saved", "output", "captured", "recv", "send", "kfac")
 """What the runtime holds: saved for backward, stage outputs and input gradients, gradients kept for W,
-receive buffers, copies made for sending."""
+receive buffers, copies made for sending, layer inputs and output gradients kept for K-FAC's curvature."""
 
 
 @dataclass

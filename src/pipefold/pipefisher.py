@@ -1,0 +1,296 @@
+"""PipeFisher: K-FAC's work placed in a schedule's bubbles, spilling into later steps when they are too small.
+
+K-FAC (:mod:`pipefold.kfac`) needs, per stage, curvature from every microbatch (``KA`` from its layer
+inputs after its F, ``KG`` from its output gradients after its backward), then an inversion of the
+factors (``KI``), and before every optimizer step the gradient preconditioned with the latest
+inverses (``KP``). :func:`fill` takes a schedule and its simulated timeline and puts that work into
+the idle time of each device, in time order::
+
+    device 0:  F0 F1 F2 F3 [KA0 KA1 KA2 KI] B0 F4 B1 ...        the bubble before the first backward
+    device 3:  [KI] F0 B0 KA0 KG0 F1 B1 ... B7 [KG6 KG7 KP]     the warm-up and the drain
+
+A piece of work goes into a gap only when what it reads is there (its microbatch's F or B has ended,
+or for ``KI`` all curvature of the refresh is placed) and it fits in what is left of the gap, so the
+step takes no longer: inserted work starts when its device would have idled and ends before the
+device's next action would have started. ``KP`` has to run every step after the stage's last weight
+gradient; where no gap after it is long enough, it goes last and lengthens the step. What one step
+cannot hold spills into the next: the result is a *cycle* of schedules, step t running
+``cycle[t % len(cycle)]``, in which every stage refreshes its factors at least once. Curvature a
+cycle leaves over counts towards the next refresh. Exact when devices do not share cores (with
+``CostModel.contention`` the gaps are those of the shared-core timeline, and inserted work slows the
+others); the result's simulated steps say what it costs either way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipefold.errors import ConfigError
+from pipefold.ir import KA, KG, KI, KP, Action, Kind, Schedule
+from pipefold.simulate import CostModel, SimResult, simulate
+
+__all__ = ["KFAC_KINDS", "Filled", "fill", "inline", "utilization"]
+
+KFAC_KINDS = (Kind.KA, Kind.KG, Kind.KI, Kind.KP)
+"""K-FAC's action kinds (see :mod:`pipefold.ir`)."""
+
+_EPS = 1e-9
+
+
+def utilization(result: SimResult) -> float:
+    """Busy time over devices x step time (1 - bubble ratio), K-FAC's work counted as busy."""
+    return 1.0 - result.bubble_ratio
+
+
+@dataclass(frozen=True)
+class Filled:
+    """A schedule with K-FAC's work in its bubbles: the plain step and the cycle of filled steps."""
+
+    base: SimResult
+    steps: tuple[SimResult, ...]
+    """One simulated step per schedule of the cycle."""
+    refreshes: tuple[int, ...] = field(default=())
+    """Per stage, how many times its factors are inverted in one cycle."""
+
+    @property
+    def cycle(self) -> tuple[Schedule, ...]:
+        return tuple(r.schedule for r in self.steps)
+
+    @property
+    def step_time(self) -> float:
+        """Mean simulated step time over the cycle."""
+        return sum(r.makespan for r in self.steps) / len(self.steps)
+
+    @property
+    def utilization(self) -> float:
+        """Busy time over devices x time, over the whole cycle."""
+        busy = sum(sum(r.busy) for r in self.steps)
+        return busy / (self.base.schedule.devices * sum(r.makespan for r in self.steps))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schedule": self.base.schedule.name, "devices": self.base.schedule.devices,
+            "microbatches": self.base.schedule.microbatches, "cycle_steps": len(self.steps),
+            "refreshes_per_cycle": list(self.refreshes),
+            "base": {"step_time": self.base.makespan, "utilization": utilization(self.base),
+                     "peak_memory": self.base.peak_memory},
+            "filled": {"step_time": self.step_time, "utilization": self.utilization,
+                       "step_times": [r.makespan for r in self.steps],
+                       "peak_memory": [max(r.peak_memory[d] for r in self.steps)
+                                       for d in range(self.base.schedule.devices)]},
+            "cycle": [[[str(a) for a in row] for row in r.schedule.actions] for r in self.steps],
+        }
+
+
+@dataclass
+class _Stage:
+    """What one stage's K-FAC still has to do in the refresh under way."""
+
+    device: int
+    ka_left: int
+    kg_left: int
+    refreshes: int = 0
+
+
+def fill(schedule: Schedule, cost: CostModel | None = None, *, slack: float = 0.0, max_steps: int = 16) -> Filled:
+    """Place K-FAC's work in the bubbles of ``schedule`` under ``cost`` (whose ``work`` gives its times).
+
+    ``slack`` lets each step grow by that fraction of the plain step (more room at the ends of the
+    devices); ``max_steps`` bounds the cycle. Raises ConfigError for a replicated schedule (its replicas
+    would gather different curvature), a schedule that already has K-FAC actions, or work that no
+    ``max_steps`` steps of bubbles can hold.
+    """
+    cost = cost or CostModel()
+    _check(schedule)
+    if not 0 <= slack < 10:
+        raise ConfigError(f"slack is a fraction of the step the filled step may add: 0..10 (got {slack!r})")
+    if max_steps < 1:
+        raise ConfigError(f"a cycle has at least one step (got max_steps={max_steps})")
+    base = simulate(schedule, cost)
+    limit = base.makespan * (1.0 + slack)
+    S, M = schedule.stages, schedule.microbatches
+    costs = [cost.stage_cost(s, S, schedule.devices) for s in range(S)]
+    times = {(s, k): costs[s].work.get(k, 0.0) for s in range(S) for k in KFAC_KINDS}
+    ready, grads_done = _ready_times(base)
+    gaps = _gaps(base, limit)
+    stages = [_Stage(schedule.device_of(s), M, M) for s in range(S)]
+    steps: list[SimResult] = []
+    while len(steps) < max_steps:
+        rows = _fill_step(schedule, stages, gaps, ready, grads_done, times, last=len(steps) == max_steps - 1)
+        steps.append(simulate(schedule.with_actions(rows), cost))
+        if all(st.refreshes for st in stages):
+            break
+    else:
+        late = [s for s, st in enumerate(stages) if not st.refreshes]
+        raise ConfigError(f"the bubbles of {max_steps} steps of {schedule.name} cannot hold a refresh of stage "
+                          f"{late[0]}'s K-FAC factors: allow more steps (max_steps) or a longer step (slack)")
+    counts = tuple(sum(1 for r in steps for a in r.schedule.actions[st.device] if a == KI(s))
+                   for s, st in enumerate(stages))
+    return Filled(base, tuple(steps), counts)
+
+
+def inline(schedule: Schedule, cost: CostModel | None = None) -> Filled:
+    """K-FAC without filling: curvature right after each pass it reads, inversion and preconditioning after the
+    step's last pass of each stage, every step (what K-FAC costs when its work waits for nobody's bubbles)."""
+    cost = cost or CostModel()
+    _check(schedule)
+    rows = []
+    for device, row in enumerate(schedule.actions):
+        out: list[Action] = []
+        for act in row:
+            out.append(act)
+            for a in act.passes:
+                if a.kind == Kind.F:
+                    out.append(KA(a.stage, a.microbatch))
+                elif a.kind in (Kind.B, Kind.BW):
+                    out.append(KG(a.stage, a.microbatch))
+        for s in schedule.stages_of(device):
+            out += [KI(s), KP(s)]
+        rows.append(out)
+    base = simulate(schedule, cost)
+    return Filled(base, (simulate(schedule.with_actions(rows), cost),), (1,) * schedule.stages)
+
+
+def _check(schedule: Schedule) -> None:
+    if schedule.replicas > 1:
+        raise ConfigError(f"{schedule.name} holds {schedule.replicas} replicas of each stage, whose K-FAC factors "
+                          "would differ: fill the bubbles of a schedule with one replica (1f1b, zb-h1, v-half, ...)")
+    if any(a.kind in (*KFAC_KINDS, Kind.OPT) for row in schedule.actions for act in row for a in act.passes):
+        raise ConfigError(f"{schedule.name} already has K-FAC or optimizer (OPT) actions: give the plain schedule, "
+                          "whose optimizer steps after the step")
+
+
+def _ready_times(base: SimResult) -> tuple[dict[tuple[str, int, int], float], dict[int, float]]:
+    """When each (pass, stage, microbatch) that K-FAC reads has ended, and when each stage's last W has."""
+    ready: dict[tuple[str, int, int], float] = {}
+    grads_done: dict[int, float] = {}
+    for row in base.timeline:
+        for iv in row:
+            for a in iv.action.passes:
+                if a.kind == Kind.F:
+                    ready["F", a.stage, a.microbatch] = iv.end
+                if a.kind in (Kind.B, Kind.BW):
+                    ready["B", a.stage, a.microbatch] = iv.end
+                if a.kind in (Kind.W, Kind.BW, Kind.R):
+                    grads_done[a.stage] = max(grads_done.get(a.stage, 0.0), iv.end)
+    return ready, grads_done
+
+
+def _gaps(base: SimResult, limit: float) -> list[list[tuple[int, float, float]]]:
+    """Per device, its idle intervals as (position in its list that work put there goes before, start, end)."""
+    out = []
+    for row in base.timeline:
+        gaps = []
+        t = 0.0
+        for i, iv in enumerate(row):
+            if iv.start - t > _EPS:
+                gaps.append((i, t, iv.start))
+            t = max(t, iv.end)
+        if limit - t > _EPS:
+            gaps.append((len(row), t, limit))
+        out.append(gaps)
+    return out
+
+
+def _fill_step(schedule: Schedule, stages: list[_Stage], gaps: list[list[tuple[int, float, float]]],
+               ready: dict[tuple[str, int, int], float], grads_done: dict[int, float],
+               times: dict[tuple[int, str], float], *, last: bool) -> list[list[Action]]:
+    """One step of the cycle: the plain action lists with K-FAC's work inserted where it fits.
+
+    A stage not yet refreshed in this cycle whose refresh made no progress in this step's gaps (its
+    bubbles cannot hold the next piece), or any such stage in the ``last`` step a cycle may have,
+    finishes its refresh at the end of its device's list (curvature, inversion, then its KP), and
+    that step grows.
+    """
+    M = schedule.microbatches
+    used: set[Action] = set()
+    preconditioned: set[int] = set()
+    inverted: set[int] = set()  # a KI waits for the step's curvature of its stage: none may follow it
+    progressed: set[int] = set()  # stages whose refresh went on in this step's gaps
+    inserts: list[list[tuple[int, Action]]] = [[] for _ in range(schedule.devices)]
+
+    def candidates(device: int, t: float) -> list[Action]:
+        """What may start on ``device`` at ``t``, most urgent first: KP, then KI, then curvature in time order."""
+        out: list[tuple[tuple[int, float], Action]] = []
+        for s in schedule.stages_of(device):
+            st = stages[s]
+            if s not in preconditioned and grads_done[s] <= t + _EPS:
+                out.append(((0, 0.0), KP(s)))
+            if s in inverted:
+                continue  # a KI waits for all of its step's curvature: none may come after it
+            if st.ka_left == 0 and st.kg_left == 0:
+                if s not in preconditioned:  # the KP of its step reads it: a KI after that KP waits a step
+                    out.append(((1, 0.0), KI(s)))
+                continue
+            for j in range(M):
+                for make, left, needs in ((KA, st.ka_left, "F"), (KG, st.kg_left, "B")):
+                    a = make(s, j)
+                    at = ready[needs, s, j]
+                    if left and a not in used and at <= t + _EPS:
+                        out.append(((2, at), a))
+        return [a for _, a in sorted(out, key=lambda x: x[0])]
+
+    def place(device: int, position: int, a: Action) -> None:
+        inserts[device].append((position, a))
+        used.add(a)
+        st = stages[a.stage]
+        if a.kind == Kind.KA:
+            st.ka_left -= 1
+        elif a.kind == Kind.KG:
+            st.kg_left -= 1
+        elif a.kind == Kind.KI:
+            inverted.add(a.stage)
+            st.refreshes += 1
+            st.ka_left = st.kg_left = M
+        else:
+            preconditioned.add(a.stage)
+
+    for device in range(schedule.devices):
+        for position, start, end in gaps[device]:
+            t = start
+            while True:
+                a = next((a for a in candidates(device, t) if times[a.stage, a.kind] <= end - t + _EPS), None)
+                if a is None:
+                    break
+                place(device, position, a)
+                if a.kind != Kind.KP:
+                    progressed.add(a.stage)
+                t += times[a.stage, a.kind]
+        # Preconditioning is due every step: where no gap after the last weight gradient holds it, it goes
+        # last and the step grows by it.
+        end = len(schedule.actions[device])
+        for s in schedule.stages_of(device):
+            st = stages[s]
+            if not st.refreshes and s not in inverted and (last or s not in progressed):
+                _finish_late(s, st, end, M, used, place)
+                if st.ka_left == st.kg_left == 0:
+                    inserts[device] = [(i, a) for i, a in inserts[device] if a != KP(s)]
+                    preconditioned.discard(s)
+                    place(device, end, KI(s))
+            if s not in preconditioned:
+                place(device, end, KP(s))
+    rows = []
+    for device, row in enumerate(schedule.actions):
+        out: list[Action] = []
+        by_position: dict[int, list[Action]] = {}
+        for position, a in inserts[device]:
+            by_position.setdefault(position, []).append(a)
+        for i, a in enumerate(row):
+            out += by_position.get(i, [])
+            out.append(a)
+        out += by_position.get(len(row), [])
+        rows.append(out)
+    return rows
+
+
+def _finish_late(stage: int, st: _Stage, end: int, microbatches: int, used: set[Action],
+                 place: Callable[[int, int, Action], None]) -> None:
+    """Curvature a late stage still needs, at the end of its device's list, from microbatches this step has not
+    used yet (a pass runs once a step)."""
+    for j in range(microbatches):
+        for make in (KA, KG):
+            a = make(stage, j)
+            if (st.ka_left if a.kind == Kind.KA else st.kg_left) and a not in used:
+                place(st.device, end, a)

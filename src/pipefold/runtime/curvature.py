@@ -1,0 +1,200 @@
+"""K-FAC's actions on one rank: capture what curvature reads, then KA, KG, KI and KP where the schedule puts them.
+
+A stage's ``nn.Linear`` layers get a forward hook. In a step whose list has ``sKAj`` (``sKGj``),
+the forward of (s, j) keeps each layer's input (and hooks its output for the gradient that the
+backward will pass through it); the curvature action folds what was kept into the factor sums and
+lets it go. Until then the rank's :class:`~pipefold.runtime.meter.MemoryMeter` counts it: a layer
+input is the very storage the backward saved, so it costs nothing extra until the microbatch's W
+frees the rest; an output gradient is kept where a fused backward would have dropped it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipefold.ir import Action, Kind
+from pipefold.kfac import KFAC, KFACConfig
+from pipefold.runtime.meter import MemoryMeter
+
+KINDS = frozenset({Kind.KA, Kind.KG, Kind.KI, Kind.KP})
+"""The action kinds this module runs."""
+
+
+class StageCurvature:
+    """K-FAC of one stage module, fed per microbatch."""
+
+    def __init__(self, module: nn.Module, config: KFACConfig, microbatches: int) -> None:
+        self.kfac = KFAC(module, config)
+        self.microbatches = microbatches
+        self.meter = MemoryMeter()
+        self.want_a: set[int] = set()
+        self.want_g: set[int] = set()
+        self.current: int | None = None
+        """The microbatch whose forward runs now (None outside a forward)."""
+        self.record = False
+        """Keep a copy of the gradients as KP finds them (before preconditioning), in ``raw``."""
+        self.raw: dict[int, torch.Tensor] = {}
+        """With ``record``: each parameter's gradient before preconditioning, by ``id(parameter)``."""
+        self._a: dict[int, list[torch.Tensor | None]] = {}
+        self._g: dict[int, list[torch.Tensor | None]] = {}
+        self._handles = [f.layer.register_forward_hook(self._hook(i)) for i, f in enumerate(self.kfac.layers)]
+
+    def _hook(self, index: int) -> Any:
+        def hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
+            mb = self.current
+            if mb is None:
+                return
+            if mb in self.want_a:
+                a = args[0].detach()
+                self._a.setdefault(mb, [None] * len(self.kfac.layers))[index] = a
+                self.meter.hold((a,), "kfac")
+            if mb in self.want_g and output.requires_grad:
+                output.register_hook(self._keep_g(mb, index))
+        return hook
+
+    def _keep_g(self, mb: int, index: int) -> Any:
+        def keep(g: torch.Tensor) -> None:
+            if mb not in self.want_g:
+                return  # its KG has run (a weight gradient that restarts at this layer passes here again)
+            g = g.detach()
+            self._g.setdefault(mb, [None] * len(self.kfac.layers))[index] = g
+            self.meter.hold((g,), "kfac")
+        return keep
+
+    def begin(self, actions: Sequence[Action], stage: int, meter: MemoryMeter) -> None:
+        """A step starts: capture for the microbatches whose curvature this rank's list has."""
+        self.meter = meter
+        self.want_a = {a.microbatch for a in actions if a.stage == stage and a.kind == Kind.KA}
+        self.want_g = {a.microbatch for a in actions if a.stage == stage and a.kind == Kind.KG}
+        self._a.clear()
+        self._g.clear()
+
+    def run(self, action: Action) -> None:
+        mb = action.microbatch
+        if action.kind == Kind.KA:
+            self.want_a.discard(mb)
+            for factors, a in zip(self.kfac.layers, self._a.pop(mb), strict=True):
+                if a is not None:
+                    factors.add_a(a)
+        elif action.kind == Kind.KG:
+            self.want_g.discard(mb)
+            for factors, g in zip(self.kfac.layers, self._g.pop(mb), strict=True):
+                if g is not None:
+                    # The backward's gradient is that of (mean over the g's rows) / microbatches: scaled back
+                    # to each row's own loss gradient.
+                    rows = g.numel() // g.shape[-1]
+                    factors.add_g(g, scale=float(self.microbatches * rows))
+        elif action.kind == Kind.KI:
+            self.kfac.invert()
+        else:
+            if self.record:
+                self.raw = {id(f.layer.weight): f.layer.weight.grad.clone() for f in self.kfac.layers
+                            if f.layer.weight.grad is not None}
+                self.raw.update({id(f.layer.bias): f.layer.bias.grad.clone() for f in self.kfac.layers
+                                 if f.layer.bias is not None and f.layer.bias.grad is not None})
+            self.kfac.precondition()
+
+
+class RankCurvature:
+    """The :class:`~pipefold.runtime.executor.RankExecutor`'s work for K-FAC's kinds, one stage curvature each."""
+
+    kinds = KINDS
+
+    def __init__(self, stages: Mapping[int, StageCurvature]) -> None:
+        self.stages = dict(stages)
+
+    def begin(self, actions: Sequence[Action], meter: MemoryMeter) -> None:
+        flat = [a for act in actions for a in act.passes]
+        for s, c in self.stages.items():
+            c.begin(flat, s, meter)
+
+    @contextlib.contextmanager
+    def forward(self, action: Action) -> Iterator[None]:
+        c = self.stages[action.stage]
+        c.current = action.microbatch
+        try:
+            yield
+        finally:
+            c.current = None
+
+    def run(self, action: Action) -> None:
+        self.stages[action.stage].run(action)
+
+    def state_bytes(self) -> int:
+        return sum(c.kfac.state_bytes() for c in self.stages.values())
+
+    def record(self, on: bool) -> None:
+        """Keep (or stop keeping) the gradients before preconditioning, for a check against one process."""
+        for c in self.stages.values():
+            c.record, c.raw = on, {}
+
+    def raw_grads(self) -> dict[int, torch.Tensor]:
+        """The gradients before preconditioning of the last step recorded, by ``id(parameter)``."""
+        return {k: v for c in self.stages.values() for k, v in c.raw.items()}
+
+
+def measure(stages: Sequence[nn.Module], sample: torch.Tensor, target: Any, loss_fn: Any, *, microbatches: int,
+            config: KFACConfig, repeats: int = 3) -> list[dict[str, Any]]:
+    """Time each stage's passes and K-FAC work on one sample microbatch, on one thread as a rank runs.
+
+    Per stage: ``f``, ``b``, ``w`` and the ``work`` of KA, KG, KI and KP in seconds (medians of
+    ``repeats`` runs after a warm-up), ``memory`` (bytes one microbatch holds after its F) and the
+    ``stash`` of KA and KG (bytes of its layer inputs and output gradients).
+    """
+    import statistics
+    import time
+
+    from pipefold.runtime.stage import StageRunner, ones_for
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out: list[dict[str, Any]] = []
+        x: tuple[torch.Tensor, ...] = (sample,)
+        last = len(stages) - 1
+        for s, stage in enumerate(stages):
+            runner = StageRunner(stage, loss_fn=loss_fn if s == last else None, input_grads=s > 0)
+            curv = StageCurvature(stage, config, microbatches)
+            runs: list[dict[str, float]] = []
+            memory = stash_a = stash_g = 0
+            h = x
+            for k in range(repeats + 1):
+                row = [Action(s, Kind.KA, k), Action(s, Kind.KG, k)]
+                curv.begin(row, s, runner.meter)
+                t: dict[str, float] = {}
+                t0 = time.perf_counter()
+                with RankCurvature({s: curv}).forward(Action(s, Kind.F, k)):
+                    h = runner.forward(k, x, target if s == last else None, scale=1.0 / microbatches)
+                t["F"] = time.perf_counter() - t0
+                memory = max(memory, runner.memory_f)
+                t0 = time.perf_counter()
+                runner.backward_input(k, None if s == last else ones_for(h))
+                t["B"] = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                runner.backward_weight(k)
+                t["W"] = time.perf_counter() - t0
+                stash_a = sum(a.untyped_storage().nbytes() for a in curv._a.get(k, ()) if a is not None)
+                stash_g = sum(g.untyped_storage().nbytes() for g in curv._g.get(k, ()) if g is not None)
+                for kind in (Kind.KA, Kind.KG, Kind.KI, Kind.KP):
+                    t0 = time.perf_counter()
+                    curv.run(Action(s, kind, k if kind in (Kind.KA, Kind.KG) else -1))
+                    t[kind] = time.perf_counter() - t0
+                if k:
+                    runs.append(t)
+                for p in runner.params:
+                    p.grad = None
+            for handle in curv._handles:
+                handle.remove()
+            med = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+            out.append({"f": med["F"], "b": med["B"], "w": med["W"], "memory": memory,
+                        "work": {k: med[k] for k in (Kind.KA, Kind.KG, Kind.KI, Kind.KP)},
+                        "stash": {Kind.KA: stash_a, Kind.KG: stash_g}})
+            x = tuple(t.detach() for t in h) if s < last else x
+        return out
+    finally:
+        torch.set_num_threads(threads)
