@@ -193,7 +193,7 @@ def test_partial_updates_and_untouched_gradients() -> None:
     A1 = _outer_mean(_with_one(a1))
     torch.testing.assert_close(lf.A, A1)
     assert lf.A_inv is not None and lf.G_inv is not None
-    assert lf.state_bytes() == 2 * (16 + 4) * 8
+    assert lf.state_bytes() == 3 * (16 + 4) * 8  # factors, inverses and the sums, kept zeroed for the next refresh
 
     a2 = torch.randn(6, 3, dtype=F64) * 2
     lf.add_a(a2)
@@ -262,7 +262,7 @@ def test_kfac_over_sequential_with_microbatches() -> None:
         grads.append(out.grad)
     torch.testing.assert_close(last.A, _outer_mean(inputs))
     torch.testing.assert_close(last.G, _outer_mean(grads))
-    assert kfac.state_bytes() == last.state_bytes() == 2 * (36 + 4) * 8
+    assert kfac.state_bytes() == last.state_bytes() == 3 * (36 + 4) * 8  # factors, inverses, zeroed sums
 
     model.zero_grad()
     ((model(x) - y) ** 2).mean().backward()

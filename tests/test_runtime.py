@@ -107,7 +107,7 @@ def test_user_errors_are_config_errors() -> None:
     with pytest.raises(ConfigError, match="a batch of 10 does not split into 8 microbatches"):
         make_job(TrainConfig(schedule="1f1b", devices=2, microbatches=8, model="mlp", layers=4, batch=10))
     # Checked in the launcher, before any rank starts (they used to fail on every rank at once).
-    with pytest.raises(ConfigError, match="unknown optimizer 'adam': use sgd or adamw, or pass a function"):
+    with pytest.raises(ConfigError, match="unknown optimizer 'adam': use sgd, adamw or kfac, or pass a function"):
         make_job(TrainConfig(schedule="1f1b", devices=2, model="mlp", layers=4, batch=8, optimizer="adam",
                              partition="even"))
 

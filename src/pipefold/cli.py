@@ -23,6 +23,8 @@ from pipefold.simulate import CostModel, SimResult, StageOverride, simulate
 from pipefold.units import format_bytes, parse_bytes
 
 DEFAULT_SCHEDULE = "zb-h1"
+DEFAULT_KFAC_WORK = "KA=0.5,KG=0.5,KI=2,KP=0.25"
+"""K-FAC's work per device share for `pipefold pipefisher`, against F = B = W = 1."""
 DEFAULT_DEVICES = 4
 DEFAULT_MICROBATCHES = 8
 
@@ -80,6 +82,12 @@ def _add_costs(p: argparse.ArgumentParser) -> None:
                         "(default 0)")
     g.add_argument("--stage-cost", action="append", default=[], metavar="S:F,B,W[,MEM]",
                    help="absolute costs of stage S, overriding the derived ones (repeatable)")
+    g.add_argument("--work", default="", metavar="KIND=T,...",
+                   help="times of K-FAC's actions per device share: KA and KG per microbatch, KI and KP per step, "
+                        "e.g. KA=0.5,KG=0.5,KI=2,KP=0.25 (default 0)")
+    g.add_argument("--stash", default="", metavar="KIND=MEM,...",
+                   help="memory (M) that KA or KG keeps of its microbatch until it runs, held beyond the "
+                        "activations once the microbatch's W freed them (default 0)")
 
 
 def _add_model(p: argparse.ArgumentParser, *, layers: int | None, layers_help: str, batch: int,
@@ -144,6 +152,22 @@ def build_parser() -> argparse.ArgumentParser:
                         "preempt:seed=N,idle=B,busy=B,on=S,off=S[,links=1-2]; messages are --activation-bytes")
     p.add_argument("--at", type=float, default=0.0, metavar="SECONDS",
                    help="with --network: start the step this many seconds into the network's timeline")
+
+    p = sub.add_parser("pipefisher", help="K-FAC's work in a schedule's bubbles (PipeFisher): the cycle of steps, "
+                                          "utilization and step time before and after")
+    p.add_argument("schedule", nargs="?", default="1f1b",
+                   help="a registered name (optionally name:key=value,...) or a schedule file; default 1f1b")
+    _add_shape(p)
+    _add_costs(p)
+    p.set_defaults(work=DEFAULT_KFAC_WORK)
+    p.add_argument("--slack", type=float, default=0.0,
+                   help="let each step grow by this fraction of the plain step to hold more work (default 0)")
+    p.add_argument("--max-steps", type=int, default=16, help="most steps a cycle may take (default 16)")
+    p.add_argument("--inline", action="store_true",
+                   help="no filling: curvature right after its pass, inversion and preconditioning every step")
+    p.add_argument("--plot", metavar="FILE", help="draw the plain step above each step of the cycle (.png or .svg)")
+    p.add_argument("--width", type=int, default=None, help="columns of the ASCII timelines (default: terminal)")
+    _add_output(p)
 
     p = sub.add_parser("compare", help="simulate several schedules side by side")
     p.add_argument("schedule", nargs="+", help="registered names, name:key=value,..., or schedule files")
@@ -336,7 +360,22 @@ def _cost_model(args: argparse.Namespace) -> CostModel:
     return CostModel(f=args.f, b=args.b, w=args.w, memory=args.mem, memory_w=args.mem_w,
                      latency=args.latency, bandwidth=args.bandwidth, activation_bytes=args.activation_bytes,
                      recompute=args.recompute, stage_overrides=overrides, grad_bytes=args.grad_bytes, opt=args.opt,
-                     overlap=args.overlap, weights=args.weights)
+                     overlap=args.overlap, weights=args.weights, work=_kind_table(args.work, "--work"),
+                     stash=_kind_table(args.stash, "--stash"))
+
+
+def _kind_table(text: str, flag: str) -> dict[str, float]:
+    """``KA=0.5,KI=2`` as {kind: number}."""
+    out: dict[str, float] = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        code, sep, value = item.partition("=")
+        try:
+            out[code.strip()] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep:
+            raise ConfigError(f"cannot read {flag} {item!r}: use KIND=NUMBER,..., e.g. KA=0.5,KG=0.5,KI=2,KP=0.25")
+    return out
 
 
 def _fmt(x: float) -> str:
@@ -423,6 +462,48 @@ def _print_result(result: SimResult, console: Console) -> None:
     console.print(f"makespan [bold]{_fmt(result.makespan)}[/]   bubble ratio [bold]{result.bubble_ratio:.1%}[/]   "
                   f"max peak memory [bold]{_fmt(max(result.peak_memory))}[/] M")
     console.print(ascii_timeline(result, width=console.width, color=console.is_terminal))
+
+
+def cmd_pipefisher(args: argparse.Namespace, console: Console) -> None:
+    from pipefold import pipefisher
+
+    if args.width:
+        console = Console(width=args.width, soft_wrap=True)
+    if args.plot:
+        from pipefold.files import check_writable
+
+        check_writable(args.plot, "plot")
+    cost = _cost_model(args)
+    schedule = _load_schedule(args.schedule, args, strict_flags=True)
+    filled = (pipefisher.inline(schedule, cost) if args.inline
+              else pipefisher.fill(schedule, cost, slack=args.slack, max_steps=args.max_steps))
+    if args.plot:
+        from pipefold.render import plot_cycle
+
+        plot_cycle(filled.base, filled.steps, args.plot,
+                   title=f"{_label(schedule)}: K-FAC's work {'inline' if args.inline else 'in the bubbles'}")
+    if args.json:
+        print(json.dumps({**filled.to_dict(), **({"plot": args.plot} if args.plot else {})}))
+        return
+    from pipefold.render import ascii_timeline
+
+    base = filled.base
+    console.print(f"[bold]{_label(schedule)}[/] with K-FAC {'inline' if args.inline else 'in the bubbles'}: "
+                  f"a cycle of {len(filled.steps)} step(s); factors inverted "
+                  f"{'/'.join(map(str, filled.refreshes))} time(s) per cycle, by stage")
+    table = Table(show_edge=False)
+    for col in ("", "step time", "utilization", "max peak memory (M)"):
+        table.add_column(col, justify="right")
+    table.add_row("plain", _fmt(base.makespan), f"{pipefisher.utilization(base):.1%}", _fmt(max(base.peak_memory)))
+    for i, r in enumerate(filled.steps):
+        table.add_row(f"step {i}", _fmt(r.makespan), f"{pipefisher.utilization(r):.1%}", _fmt(max(r.peak_memory)))
+    table.add_row("cycle", _fmt(filled.step_time), f"{filled.utilization:.1%}", "")
+    console.print(table)
+    for i, r in enumerate(filled.steps):
+        console.print(f"step {i}:")
+        console.print(ascii_timeline(r, width=console.width, color=console.is_terminal))
+    if args.plot:
+        console.print(f"wrote plot: {args.plot}")
 
 
 def cmd_compare(args: argparse.Namespace, console: Console) -> None:
@@ -783,8 +864,8 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
         peaks = None
         label = "simulated from the measured costs"
     cycle_peaks = None
-    if job.cycle and plan is None:  # the steps of a cycle differ: each rank's peak is the most over them
-        each = [simulate(sched, costs).peak_memory for sched in job.cycle]
+    if job.cycle and plan is None:  # the steps of a cycle differ: each rank's peak is the most over those that ran
+        each = [simulate(sched, costs).peak_memory for sched in job.cycle[:len(reports[0].steps)]]
         cycle_peaks = [max(col) for col in zip(*each, strict=True)]
     out = _train_summary(job, reports, config, predicted, cycle_peaks)
     if job.adaptive is not None or config.network is not None:
@@ -1146,7 +1227,7 @@ def cmd_partition(args: argparse.Namespace, console: Console) -> None:
 
 COMMANDS = {"schedules": cmd_schedules, "simulate": cmd_simulate, "compare": cmd_compare,
             "generate": cmd_generate, "plan": cmd_plan, "profile": cmd_profile, "validate": cmd_validate,
-            "train": cmd_train,
+            "train": cmd_train, "pipefisher": cmd_pipefisher,
             "offload": cmd_offload, "partition": cmd_partition}
 
 

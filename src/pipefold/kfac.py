@@ -47,6 +47,25 @@ def _sym(x: Tensor) -> Tensor:
     return (x + x.T) / 2
 
 
+def _spd_inverse(x: Tensor, shift: float) -> Tensor:
+    """``inv(x + shift I)`` for a symmetric positive semi-definite ``x`` and ``shift > 0``: by its Cholesky
+    factor, about twice as fast as a general inverse (the inversion is K-FAC's largest single piece of work)."""
+    eye = torch.eye(x.shape[0], dtype=x.dtype, device=x.device)
+    return torch.cholesky_inverse(torch.linalg.cholesky(x + shift * eye))
+
+
+def _fold(old: Tensor | None, new: Tensor, ema: float) -> Tensor:
+    """The running factor ``ema * old + (1 - ema) * new``, in ``old``'s storage (``new`` the first time)."""
+    if old is None:
+        return new
+    return old.mul_(ema).add_(new, alpha=1 - ema)
+
+
+def _put(old: Tensor | None, new: Tensor) -> Tensor:
+    """``new``, written into ``old``'s storage where there is one."""
+    return new if old is None else old.copy_(new)
+
+
 class LinearFactors:
     """One nn.Linear's K-FAC state: curvature sums since the last inversion, running factors, damped inverses."""
 
@@ -86,15 +105,19 @@ class LinearFactors:
         self._g_rows += rows.shape[0]
 
     def invert(self, config: KFACConfig) -> None:
-        """Fold the sums into the running factors, then recompute the damped inverses when both factors exist."""
+        """Fold the sums into the running factors, then recompute the damped inverses when both factors exist.
+
+        Every tensor of the state is made once and updated in place from then on: the state is allocated in
+        the first steps and stays (:meth:`state_bytes`), like an optimizer's, not a step's memory.
+        """
         if self._a_sum is not None and self._a_rows > 0:
-            new = self._a_sum / self._a_rows
-            self.A = new if self.A is None else config.ema * self.A + (1 - config.ema) * new
-            self._a_sum, self._a_rows = None, 0
+            self.A = _fold(self.A, self._a_sum / self._a_rows, config.ema)
+            self._a_sum.zero_()
+            self._a_rows = 0
         if self._g_sum is not None and self._g_rows > 0:
-            new = self._g_sum / self._g_rows
-            self.G = new if self.G is None else config.ema * self.G + (1 - config.ema) * new
-            self._g_sum, self._g_rows = None, 0
+            self.G = _fold(self.G, self._g_sum / self._g_rows, config.ema)
+            self._g_sum.zero_()
+            self._g_rows = 0
         if self.A is None or self.G is None:
             return
         A, G = _sym(self.A), _sym(self.G)
@@ -102,8 +125,8 @@ class LinearFactors:
         # pi balances the damping between the factors by their average eigenvalue (Martens & Grosse, sec. 6.3).
         pi = math.sqrt(tr_a / tr_g) if tr_a > 0 and tr_g > 0 else 1.0
         root = math.sqrt(config.damping)
-        self.A_inv = torch.linalg.inv(A + pi * root * torch.eye(A.shape[0], dtype=A.dtype, device=A.device))
-        self.G_inv = torch.linalg.inv(G + root / pi * torch.eye(G.shape[0], dtype=G.dtype, device=G.device))
+        self.A_inv = _put(self.A_inv, _spd_inverse(A, pi * root))
+        self.G_inv = _put(self.G_inv, _spd_inverse(G, root / pi))
 
     def precondition(self) -> None:
         """Replace the gradient of ``[W | b]`` by ``G_inv @ grad @ A_inv``, in place.
@@ -125,7 +148,7 @@ class LinearFactors:
             b.grad.copy_(out[:, -1])
 
     def state_bytes(self) -> int:
-        """Bytes of A, G, A_inv, G_inv and the sums currently allocated."""
+        """Bytes of A, G, A_inv, G_inv and the sums, as allocated so far."""
         held = (self.A, self.G, self.A_inv, self.G_inv, self._a_sum, self._g_sum)
         return sum(t.numel() * t.element_size() for t in held if t is not None)
 

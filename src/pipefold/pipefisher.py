@@ -212,7 +212,8 @@ def _fill_step(schedule: Schedule, stages: list[_Stage], gaps: list[list[tuple[i
     inserts: list[list[tuple[int, Action]]] = [[] for _ in range(schedule.devices)]
 
     def candidates(device: int, t: float) -> list[Action]:
-        """What may start on ``device`` at ``t``, most urgent first: KP, then KI, then curvature in time order."""
+        """What may start on ``device`` at ``t``, most urgent first: KP, then KI, then the G curvature (only gaps
+        after a backward can hold it), then the A curvature (the warm-up's gaps can), each in time order."""
         out: list[tuple[tuple[int, float], Action]] = []
         for s in schedule.stages_of(device):
             st = stages[s]
@@ -225,11 +226,11 @@ def _fill_step(schedule: Schedule, stages: list[_Stage], gaps: list[list[tuple[i
                     out.append(((1, 0.0), KI(s)))
                 continue
             for j in range(M):
-                for make, left, needs in ((KA, st.ka_left, "F"), (KG, st.kg_left, "B")):
+                for rank, make, left, needs in ((3, KA, st.ka_left, "F"), (2, KG, st.kg_left, "B")):
                     a = make(s, j)
                     at = ready[needs, s, j]
                     if left and a not in used and at <= t + _EPS:
-                        out.append(((2, at), a))
+                        out.append(((rank, at), a))
         return [a for _, a in sorted(out, key=lambda x: x[0])]
 
     def place(device: int, position: int, a: Action) -> None:

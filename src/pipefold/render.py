@@ -77,8 +77,8 @@ def _ink(background: str) -> str:
     return "#000000" if (lum + 0.05) / 0.05 >= 1.05 / (lum + 0.05) else "#ffffff"
 
 
-def _kinds_present(schedule: Schedule) -> list[str]:
-    seen = {a.kind for row in schedule.actions for a in row}
+def _kinds_present(*schedules: Schedule) -> list[str]:
+    seen = {a.kind for schedule in schedules for row in schedule.actions for a in row}
     return [k for k in KINDS if k in seen]
 
 
@@ -349,16 +349,18 @@ def draw_memory(ax: Axes, result: SimResult) -> None:
         ax.spines[side].set_visible(False)
 
 
-def _gantt_legend(ax: Axes, schedule: Schedule) -> None:
+def _gantt_legend(ax: Axes, schedule: Schedule, *others: Schedule) -> None:
+    """The legend of ``schedule``'s kinds (and those of ``others`` drawn beside it) above ``ax``."""
     from matplotlib.patches import Patch
 
     chunks = _chunk_count(schedule)
+    kinds = _kinds_present(schedule, *others)
     handles = []
     for c in range(chunks):
-        for kind in _kinds_present(schedule):
+        for kind in kinds:
             label = f"{kind} {KINDS[kind].label}" + (f", chunk {c}" if chunks > 1 else "")
             handles.append(Patch(facecolor=_box_color(kind, c, chunks), edgecolor="none", label=label))
-    per_row = len(handles) if len(handles) <= 5 else len(_kinds_present(schedule))
+    per_row = len(handles) if len(handles) <= 6 else len(kinds)
     ax.legend(handles=handles, loc="lower left", bbox_to_anchor=(0, 1.0), ncol=per_row, frameon=False,
               fontsize=8, handlelength=1.4, columnspacing=1.4, borderaxespad=0.3)
 
@@ -544,6 +546,31 @@ def plot_run(measured: SimResult, predicted: SimResult, path: str, *, titles: tu
     ax.grid(axis="y", color="#dddddd", linewidth=0.6)
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
+    fig.savefig(path, dpi=150)
+    fig.clear()
+
+
+def plot_cycle(base: SimResult, steps: Sequence[SimResult], path: str, *, title: str | None = None) -> None:
+    """Save the plain step above each step of a cycle that runs more work in its bubbles (K-FAC's,
+    :func:`pipefold.pipefisher.fill`), on one time axis, each titled with its step time and utilization."""
+    from matplotlib.figure import Figure
+
+    _check_figure_path(path, "a cycle of timelines")
+    devices = base.schedule.devices
+    results = [base, *steps]
+    h = 0.9 + 0.34 * devices
+    fig = Figure(figsize=(12, h * len(results) + 0.8), layout="constrained")
+    axes = fig.subplots(len(results), 1, squeeze=False)[:, 0]
+    span = max(r.makespan for r in results)
+    for i, (ax, result) in enumerate(zip(axes, results, strict=True)):
+        draw_gantt(ax, result)
+        ax.set_xlim(0, span)
+        what = "plain step" if i == 0 else f"step {i - 1} of the cycle"
+        ax.set_title(f"{what}: {result.makespan:.4g} long, utilization {1 - result.bubble_ratio:.1%}", fontsize=10,
+                     loc="left", pad=30 if i == 0 else 6)
+    _gantt_legend(axes[0], base.schedule, *(r.schedule for r in steps))
+    if title:
+        fig.suptitle(title, fontsize=11)
     fig.savefig(path, dpi=150)
     fig.clear()
 

@@ -128,6 +128,11 @@ class RankCurvature:
     def state_bytes(self) -> int:
         return sum(c.kfac.state_bytes() for c in self.stages.values())
 
+    def state(self) -> list[torch.Tensor]:
+        """Every stage's factors, inverses and sums: K-FAC's state, kept from step to step."""
+        return [t for c in self.stages.values() for f in c.kfac.layers
+                for t in (f.A, f.G, f.A_inv, f.G_inv, f._a_sum, f._g_sum) if t is not None]
+
     def record(self, on: bool) -> None:
         """Keep (or stop keeping) the gradients before preconditioning, for a check against one process."""
         for c in self.stages.values():

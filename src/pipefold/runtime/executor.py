@@ -68,6 +68,9 @@ class StepWork(Protocol):
     def run(self, action: Action) -> None:
         """Run one action of its kinds."""
 
+    def state(self) -> list[torch.Tensor]:
+        """The tensors it keeps from step to step, like an optimizer's state (not a step's memory)."""
+
 
 @dataclass
 class Event:
@@ -88,6 +91,9 @@ class StepStats:
     events: list[Event] = field(default_factory=list)
     busy: float = 0.0
     wall: float = 0.0
+    cpu: float = 0.0
+    """CPU seconds the rank's process spent in the step, by the operating system's count (``time.process_time``,
+    every thread): a check on ``busy`` that does not rely on the runtime's own events."""
     peak_activation_bytes: int = 0
     """The most bytes held at once, each storage counted once: tensors saved for backward, outputs, gradients
     kept for W, receive buffers and sends not yet delivered (see :mod:`pipefold.runtime.meter`)."""
@@ -336,6 +342,7 @@ class RankExecutor:
         received = self._received[new_shapes]
         settled = dict.fromkeys(received, 0)
         stats.started_at = time.time()
+        cpu0 = time.process_time()
         t0 = self.meter.t0
 
         def clock() -> float:
@@ -364,6 +371,7 @@ class RankExecutor:
         self.links.wait_sends()
         stats.events.append(Event("wait sends", "send", start, clock()))
         stats.wall = clock()
+        stats.cpu = time.process_time() - cpu0
         stats.busy = sum(e.end - e.start for e in stats.events if e.kind in COMPUTE_KINDS)
         stats.peak_activation_bytes = self.meter.peak
         stats.peak_by_kind = dict(self.meter.peak_by_kind)

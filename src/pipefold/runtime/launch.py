@@ -117,7 +117,8 @@ class Job:
         if self.clip is not None and not (math.isfinite(self.clip) and self.clip > 0):
             raise ConfigError(f"clip is the largest global gradient norm (--clip): a number > 0 (got {self.clip})")
         if not callable(self.optimizer) and self.optimizer not in OPTIMIZERS:
-            raise ConfigError(f"unknown optimizer {self.optimizer!r}: use {' or '.join(OPTIMIZERS)}, "
+            names = list(OPTIMIZERS)
+            raise ConfigError(f"unknown optimizer {self.optimizer!r}: use {', '.join(names[:-1])} or {names[-1]}, "
                               "or pass a function that makes one from a list of parameters")
         if self.adaptive is not None and self.adaptive.schedules[0] != self.schedule:
             raise ConfigError("an adaptive job starts with its first schedule: give schedule=adaptive.schedules[0]")
@@ -401,7 +402,10 @@ def _tracked_step(executor: RankExecutor, params: list[nn.Parameter], xs: list[t
         pairs.append((held, after))
 
     with tracker:
-        tracker.track_external(*executor.modules(), *xs, *ys, *(p.grad for p in params if p.grad is not None))
+        # What lives from step to step (parameters, gradients, K-FAC's state) is not the step's memory.
+        state = executor.work.state() if executor.work is not None else []
+        tracker.track_external(*executor.modules(), *xs, *ys, *(p.grad for p in params if p.grad is not None),
+                               *state)
         stats = executor.run_step([(t,) for t in xs], ys, shape, probe=probe)
     stats.memory_check = {
         "meter_between_actions": max(m for m, _ in pairs),

@@ -81,7 +81,8 @@ def write_measured_trace(reports: list[RankReport], path: str) -> None:
 def measured_summary(reports: list[RankReport]) -> dict[str, Any]:
     """What a run measured, in the planner's terms, over the steps after the first (a warm-up):
     - the median step time, from the first rank's start to the last rank's end (the optimizer step apart);
-    - the bubble ratio, 1 - busy / (ranks x step time);
+    - the bubble ratio, 1 - busy / (ranks x step time), and the CPU time the processes spent over ranks x step
+      time (the operating system's count, a check on busy time where each rank has a core of its own);
     - each rank's peak bytes: the most activations its meter held in any step, plus its parameters,
       gradients and optimizer state."""
     steps = len(reports[0].steps)
@@ -91,8 +92,10 @@ def measured_summary(reports: list[RankReport]) -> dict[str, Any]:
              for i in later]
     step = statistics.median(walls)
     busy = [statistics.median(r.steps[i].busy for i in later) for r in reports]
+    cpu = [statistics.median(r.steps[i].cpu for i in later) for r in reports]
     return {"step_time_s": step, "step_time_spread_s": [min(walls), max(walls)],
             "bubble_ratio": 1.0 - sum(busy) / (len(reports) * step) if step else 0.0,
+            "cpu_utilization": sum(cpu) / (len(reports) * step) if step else 0.0,
             "activation_peak_bytes": [max(s.peak_activation_bytes for s in r.steps) for r in reports],
             "static_bytes": [r.static_bytes for r in reports],
             "peak_bytes": [max(s.peak_activation_bytes for s in r.steps) + r.static_bytes for r in reports]}
