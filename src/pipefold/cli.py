@@ -265,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --optimizer kfac: put K-FAC's curvature, inversion and preconditioning in the "
                         "schedule's bubbles, spread over steps (PipeFisher); without it they run right after the "
                         "passes they read, every step")
-    p.add_argument("--damping", type=float, default=1e-3, help="K-FAC's damping (default 1e-3)")
+    p.add_argument("--damping", type=float, default=0.1, help="K-FAC's damping (default 0.1)")
     p.add_argument("--ema", type=float, default=0.0,
                    help="K-FAC's running-average decay of the factors, 0..1 (default 0: the newest only)")
     p.add_argument("--clip", type=float, default=None, help="clip gradients to this global norm")
@@ -931,10 +931,20 @@ def _kfac_summary(filled: Any, reports: list[Any], config: Any) -> dict[str, Any
     from pipefold.runtime.measure import measured_summary
 
     meas = measured_summary(reports)
-    return {"fill_bubbles": config.fill_bubbles, "cycle_steps": len(filled.steps),
-            "refreshes_per_cycle": list(filled.refreshes),
-            "predicted": {"plain_step_s": filled.base.makespan, "plain_utilization": utilization(filled.base),
-                          "step_s": filled.step_time, "utilization": filled.utilization},
+    walls = [max(r.steps[i].wall for r in reports) for i in range(len(reports[0].steps))]
+    placed = [(0, filled), *(d for r in reports if r.rank == 0 for d in r.decisions)]
+    per_step = []
+    for i, w in enumerate(walls):
+        first, now = max((p for p in placed if p[0] <= i), key=lambda p: p[0])
+        k = (i - first) % len(now.steps)
+        per_step.append({"step": i, "placement": placed.index((first, now)), "cycle_step": k,
+                         "predicted_s": now.steps[k].makespan, "measured_s": w})
+    last = placed[-1][1]
+    return {"fill_bubbles": config.fill_bubbles, "cycle_steps": len(last.steps), "per_step": per_step,
+            "placed_again_at": [p[0] for p in placed[1:]],
+            "refreshes_per_cycle": list(last.refreshes),
+            "predicted": {"plain_step_s": last.base.makespan, "plain_utilization": utilization(last.base),
+                          "step_s": last.step_time, "utilization": last.utilization},
             "measured": {"step_s": meas["step_time_s"], "step_spread_s": meas["step_time_spread_s"],
                          "utilization": 1.0 - meas["bubble_ratio"]}}
 
@@ -942,7 +952,9 @@ def _kfac_summary(filled: Any, reports: list[Any], config: Any) -> dict[str, Any
 def _print_kfac(k: dict[str, Any], console: Console) -> None:
     pred, meas = k["predicted"], k["measured"]
     how = "in the bubbles" if k["fill_bubbles"] else "after the passes it reads"
-    console.print(f"K-FAC {how}: a cycle of {k['cycle_steps']} step(s); factors inverted "
+    again = (f" (placed again from the ranks' own times at step {k['placed_again_at'][0]})"
+             if k["placed_again_at"] else "")
+    console.print(f"K-FAC {how}: a cycle of {k['cycle_steps']} step(s){again}; factors inverted "
                   f"{'/'.join(map(str, k['refreshes_per_cycle']))} time(s) per cycle, by stage")
     table = Table(show_edge=False)
     for col in ("", "plain schedule (predicted)", "with K-FAC (predicted)", "with K-FAC (measured)"):
@@ -953,8 +965,8 @@ def _print_kfac(k: dict[str, Any], console: Console) -> None:
     table.add_row("utilization", f"{pred['plain_utilization']:.1%}", f"{pred['utilization']:.1%}",
                   f"{meas['utilization']:.1%}")
     console.print(table)
-    console.print("utilization: busy time (passes and K-FAC's work) over ranks x step time; predicted from each "
-                  "stage's passes and K-FAC work timed on one microbatch before the run")
+    console.print("utilization: busy time (passes and K-FAC's work) over ranks x step time; predicted from the "
+                  "costs of the last placement (timed on one microbatch before the run, or on the ranks)")
 
 
 def _ran(job: Any, spec: str, step: int) -> Schedule:

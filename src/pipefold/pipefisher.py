@@ -29,9 +29,9 @@ from typing import Any
 
 from pipefold.errors import ConfigError
 from pipefold.ir import KA, KG, KI, KP, Action, Kind, Schedule
-from pipefold.simulate import CostModel, SimResult, simulate
+from pipefold.simulate import CostModel, SimResult, StageOverride, simulate, split_backward
 
-__all__ = ["KFAC_KINDS", "Filled", "fill", "inline", "utilization"]
+__all__ = ["KFAC_KINDS", "Filled", "Refill", "fill", "inline", "measured_cost", "plain", "utilization"]
 
 KFAC_KINDS = (Kind.KA, Kind.KG, Kind.KI, Kind.KP)
 """K-FAC's action kinds (see :mod:`pipefold.ir`)."""
@@ -151,6 +151,45 @@ def inline(schedule: Schedule, cost: CostModel | None = None) -> Filled:
         rows.append(out)
     base = simulate(schedule, cost)
     return Filled(base, (simulate(schedule.with_actions(rows), cost),), (1,) * schedule.stages)
+
+
+def plain(schedule: Schedule) -> Schedule:
+    """``schedule`` without its K-FAC actions."""
+    return schedule.with_actions([[a for a in row if a.kind not in KFAC_KINDS] for row in schedule.actions])
+
+
+def measured_cost(cost: CostModel, times: dict[int, dict[str, float]]) -> CostModel:
+    """``cost`` (whose stage overrides give each stage's memory and stash) with the times measured on the ranks:
+    per stage, median seconds by kind (F, B and W or BW, K-FAC's). A stage or kind not measured keeps its own."""
+    over = {}
+    for s, old in cost.stage_overrides.items():
+        got = times.get(s, {})
+        f, b, w = split_backward(got) if "F" in got else (old.f, old.b, old.w)
+        work = {**(old.work or {}), **{k: v for k, v in got.items() if k in KFAC_KINDS}}
+        over[s] = StageOverride(f=f, b=b, w=w, memory=old.memory, kept=old.kept, memory_w=old.memory_w,
+                                work=work, stash=old.stash)
+    return CostModel(stage_overrides=over, contention=cost.contention)
+
+
+@dataclass(frozen=True)
+class Refill:
+    """Place K-FAC's work again once the ranks have run ``after`` steps, in the gaps of the step simulated from
+    what they measured (:func:`measured_cost`) instead of from the costs timed before the run."""
+
+    after: int
+    schedule: Schedule
+    """The plain schedule."""
+    cost: CostModel
+    """The costs the first placement used (their memory and stash stay)."""
+    slack: float = 0.0
+    max_steps: int = 16
+
+    def __post_init__(self) -> None:
+        if self.after < 2:
+            raise ConfigError(f"refill after 2 steps or more: the first is a warm-up (got {self.after})")
+
+    def plan(self, times: dict[int, dict[str, float]]) -> Filled:
+        return fill(self.schedule, measured_cost(self.cost, times), slack=self.slack, max_steps=self.max_steps)
 
 
 def _check(schedule: Schedule) -> None:

@@ -43,7 +43,7 @@ from pipefold.ir import KINDS, Action, Graph, Kind, Schedule, dependency_graph
 from pipefold.network import Network, Wire
 
 __all__ = ["CostModel", "Interval", "SimResult", "StageCost", "StageOverride", "memory_deltas", "peak_by_order",
-           "simulate"]
+           "simulate", "split_backward"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -232,6 +232,14 @@ class CostModel:
                                          "stash": None if c.stash is None else dict(c.stash)}
                                 for s, c in self.stage_overrides.items()},
         }
+
+
+def split_backward(times: Mapping[str, float]) -> tuple[float, float, float]:
+    """F, B and W seconds from measured medians by kind: a fused BW counts as B + W, split evenly."""
+    f = times.get("F", 0.0)
+    if "B" in times:
+        return f, times["B"], times.get("W", 0.0)
+    return f, times.get("BW", 0.0) / 2, times.get("BW", 0.0) / 2
 
 
 class Interval(NamedTuple):

@@ -92,8 +92,8 @@ class TrainConfig:
     fill_bubbles: bool = False
     """With optimizer 'kfac': put K-FAC's work in the schedule's bubbles, spread over steps (PipeFisher); without,
     it runs right after the passes it reads, every step."""
-    damping: float = 1e-3
-    """K-FAC's damping (optimizer 'kfac')."""
+    damping: float = 0.1
+    """K-FAC's damping (optimizer 'kfac'): 0.1 trained the GPT best of 1e-3, 1e-2 and 0.1 (docs/pipefisher.md)."""
     ema: float = 0.0
     """K-FAC's running-average decay of the factors (optimizer 'kfac')."""
 
@@ -179,7 +179,7 @@ def make_job(config: TrainConfig, *, save_grads_of_step: int | None = None,
     if plan is not None:
         recompute, extra["recompute"] = plan.layers, plan
     cycle: tuple[Schedule, ...] = ()
-    kfac = None
+    kfac = refill = None
     if config.optimizer == "kfac":
         from pipefold.kfac import KFACConfig
 
@@ -190,6 +190,11 @@ def make_job(config: TrainConfig, *, save_grads_of_step: int | None = None,
         filled = _kfac_cycle(config, schedule, layer_stages, build, spec.loss, batch_at, kfac)
         cycle = filled.cycle
         schedule, extra["pipefisher"] = cycle[0], filled
+        if config.fill_bubbles:
+            # The gaps of the step the ranks really run: placed again from their own times after the first cycle.
+            from pipefold.pipefisher import Refill
+
+            refill = Refill(after=len(cycle) + 1, schedule=filled.base.schedule, cost=filled.base.cost)
     elif config.fill_bubbles:
         raise ConfigError("--fill-bubbles fills bubbles with K-FAC's work: add --optimizer kfac")
     network = None
@@ -203,7 +208,7 @@ def make_job(config: TrainConfig, *, save_grads_of_step: int | None = None,
     return Job(schedule=schedule, layer_stages=layer_stages, build_layers=build, loss_fn=spec.loss,
                batch_at=batch_at, steps=config.steps, lr=config.lr, optimizer=config.optimizer, clip=config.clip,
                save_grads_of_step=save_grads_of_step, offload=config.offload, recompute=recompute, extra=extra,
-               network=network, adaptive=adaptive, cycle=cycle, kfac=kfac)
+               network=network, adaptive=adaptive, cycle=cycle, kfac=kfac, refill=refill)
 
 
 def _kfac_cycle(config: TrainConfig, schedule: Schedule, layer_stages: tuple[tuple[int, ...], ...],
@@ -398,10 +403,11 @@ def reference_step(job: Job, step: int = 0) -> tuple[float, dict[str, torch.Tens
     return total, grads
 
 
-def reference_kfac(job: Job, steps: int) -> dict[str, torch.Tensor]:
+def reference_kfac(job: Job, steps: int, reports: list[RankReport] | None = None) -> dict[str, torch.Tensor]:
     """``steps`` steps of the job's K-FAC in one process, from the initial weights: every stage's curvature,
-    inversions and preconditioning where the job's cycle of schedules puts them, then the same optimizer.
-    Returns the weights, named as ``RankReport.weights``."""
+    inversions and preconditioning where the job's cycle of schedules puts them (and, with the run's
+    ``reports``, the cycles its rank 0 placed again as it ran), then the same optimizer. Returns the weights,
+    named as ``RankReport.weights``."""
     from pipefold.ir import Kind
     from pipefold.runtime.curvature import StageCurvature
     from pipefold.runtime.launch import OPTIMIZERS
@@ -416,10 +422,13 @@ def reference_kfac(job: Job, steps: int) -> dict[str, torch.Tensor]:
     curv = [StageCurvature(stage, job.kfac, m) for stage in stages]
     params = [p for i in range(n) for p in layers[i].parameters()]
     opt = OPTIMIZERS["kfac"](params, lr=job.lr)
-    cycle = job.cycle or (job.schedule,)
+    cycles: list[tuple[int, tuple[Schedule, ...]]] = [(0, job.cycle or (job.schedule,))]
+    if reports is not None and job.refill is not None:
+        cycles += [(first, filled.cycle) for r in reports if r.rank == 0 for first, filled in r.decisions]
     kinds = (Kind.KA, Kind.KG, Kind.KI, Kind.KP)
     for step in range(steps):
-        schedule = cycle[step % len(cycle)]
+        first, cycle = max((c for c in cycles if c[0] <= step), key=lambda c: c[0])
+        schedule = cycle[(step - first) % len(cycle)]
         # Each stage's K-FAC actions in its device's order (the schedule orders them the same way on every run).
         work = [[a for a in schedule.actions[schedule.device_of(s)] if a.stage == s and a.kind in kinds]
                 for s in range(len(stages))]

@@ -128,6 +128,21 @@ class StepStats:
     """What the policy that chose this step's schedule predicted its step time to be, seconds."""
 
 
+def kind_times(steps: Sequence[StepStats]) -> dict[int, dict[str, float]]:
+    """Per stage, the median seconds of each kind of computing action in ``steps`` (any ranks, any steps)."""
+    import statistics
+
+    seconds: dict[tuple[int, str], list[float]] = {}
+    for st in steps:
+        for e in st.events:
+            if e.kind in COMPUTE_KINDS:
+                seconds.setdefault((Action.parse(e.name).stage, e.kind), []).append(e.end - e.start)
+    out: dict[int, dict[str, float]] = {}
+    for (stage, kind), values in sorted(seconds.items()):
+        out.setdefault(stage, {})[kind] = statistics.median(values)
+    return out
+
+
 @dataclass(frozen=True)
 class _Message:
     """One message a neighbour sends: a header (the shapes of a stage's input) or one microbatch's tensors."""

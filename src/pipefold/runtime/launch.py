@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from pipefold.kfac import KFACConfig
     from pipefold.network import Network
     from pipefold.offload import Offloaded
+    from pipefold.pipefisher import Filled, Refill
     from pipefold.runtime.netns import Topology
 
 
@@ -106,6 +107,10 @@ class Job:
     ``schedule`` must be ``cycle[0]``."""
     kfac: KFACConfig | None = None
     """Keep K-FAC's state per stage and run the schedule's KA, KG, KI and KP actions (``optimizer="kfac"``)."""
+    refill: Refill | None = None
+    """After ``refill.after`` steps, rank 0 places K-FAC's work again from the times the ranks measured (steps
+    after the first) and every rank runs the new cycle from the next step on (recorded in rank 0's
+    ``RankReport.decisions`` as (first step, its :class:`~pipefold.pipefisher.Filled`))."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -125,6 +130,8 @@ class Job:
         if self.cycle and (self.cycle[0] != self.schedule or self.adaptive is not None):
             raise ConfigError("a job with a cycle of schedules starts with its first (schedule=cycle[0]) and does not "
                               "adapt")
+        if self.refill is not None and not (self.cycle and self.kfac is not None):
+            raise ConfigError("refilling places K-FAC's work again: it needs a K-FAC job with a cycle")
         if (self.kfac is not None) != (self.optimizer == "kfac"):
             raise ConfigError("K-FAC needs both its state (kfac=KFACConfig()) and its optimizer (optimizer='kfac'): "
                               "give both or neither")
@@ -254,6 +261,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     if job.network is not None and origin is None:
         origin = float(agree(time.time()))  # the network's timeline starts now on every rank
     choices = job.adaptive.schedules if job.adaptive is not None else job.cycle or (job.schedule,)
+    cycle_from = 0  # the step the cycle in ``choices`` started at
     work = None
     if job.kfac is not None:
         from pipefold.runtime.curvature import RankCurvature, StageCurvature
@@ -284,7 +292,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     counted = [p for s, r in executor.runners.items() if job.schedule.holders(s)[0] == rank for p in r.params]
     for step in range(job.steps):
         if job.cycle:
-            current = step % len(job.cycle)
+            current = (step - cycle_from) % len(choices)
         executor = executor_for(current)
         started = time.perf_counter()
         x, y = job.batch_at(step)
@@ -312,6 +320,14 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
         reports.append(stats)
         if on_step is not None and rank == loss_rank:
             on_step(step, sum(stats.losses.values()) / len(stats.losses), time.perf_counter() - started)
+        if job.refill is not None and step + 1 == job.refill.after and step + 1 < job.steps:
+            filled = _refill(job.refill, reports[1:], rank, world)
+            choices, cycle_from = filled.cycle, step + 1
+            for each in executors.values():
+                each.close()
+            executors.clear()
+            if rank == 0:
+                decisions.append((step + 1, filled))
         adaptive = job.adaptive
         if adaptive is not None and (step + 1) % adaptive.every == 0 and step + 1 < job.steps:
             optimizers = [o for o in (opt, *stage_opts.values()) if o is not None]
@@ -334,6 +350,16 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
         with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as fh:
             pickle.dump(report, fh)
     return report
+
+
+def _refill(refill: Refill, steps: list[StepStats], rank: int, world: int) -> Filled:
+    """Every rank's measured times to rank 0, which places K-FAC's work again; the new placement to every rank."""
+    from pipefold.runtime.executor import kind_times
+
+    gathered: list[Any] = [None] * world if rank == 0 else []
+    dist.gather_object(kind_times(steps), gathered if rank == 0 else None, dst=0)  # each rank its own stages
+    filled = refill.plan({s: t for each in gathered for s, t in each.items()}) if rank == 0 else None
+    return agree(filled)
 
 
 def _tracked_step(executor: RankExecutor, params: list[nn.Parameter], xs: list[torch.Tensor],

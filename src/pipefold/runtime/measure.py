@@ -8,9 +8,9 @@ import statistics
 from typing import Any
 
 from pipefold.ir import Action, Schedule
-from pipefold.runtime.executor import COMPUTE_KINDS
+from pipefold.runtime.executor import COMPUTE_KINDS, kind_times
 from pipefold.runtime.launch import RankReport
-from pipefold.simulate import CostModel, Interval, SimResult, StageOverride
+from pipefold.simulate import CostModel, Interval, SimResult, StageOverride, split_backward
 
 
 def measured_result(schedule: Schedule, reports: list[RankReport], step: int) -> SimResult:
@@ -36,24 +36,16 @@ def measured_costs(schedule: Schedule, reports: list[RankReport], step: int) -> 
     (a fused BW counts as B + W, split evenly) and of any other work it ran (K-FAC's), and the bytes one
     microbatch held after F, while B ran and between B and W. The simulator fed with it predicts the run in
     seconds and bytes."""
-    seconds: dict[tuple[int, str], list[float]] = {}
+    times = kind_times([r.steps[step] for r in reports])
     memory: dict[int, tuple[int, int, int]] = {}
     for r in reports:
-        st = r.steps[step]
-        memory.update(st.stage_memory)
-        for e in st.events:
-            if e.kind in COMPUTE_KINDS:
-                seconds.setdefault((Action.parse(e.name).stage, e.kind), []).append(e.end - e.start)
+        memory.update(r.steps[step].stage_memory)
     over = {}
     for s in range(schedule.stages):
-        f = statistics.median(seconds.get((s, "F"), [0.0]))
-        if (s, "B") in seconds:
-            b, w = (statistics.median(seconds.get((s, k), [0.0])) for k in ("B", "W"))
-        else:  # fused: the simulator costs BW as B + W
-            b = w = statistics.median(seconds.get((s, "BW"), [0.0])) / 2
+        f, b, w = split_backward(times.get(s, {}))
         held, during_b, held_w = memory.get(s, (0, 0, 0))
         # Other work the stage ran (K-FAC's), for the kinds whose time the cost model takes as given.
-        work = {k: statistics.median(v) for (st, k), v in seconds.items() if st == s and k not in _DERIVED}
+        work = {k: v for k, v in times.get(s, {}).items() if k not in _DERIVED}
         over[s] = StageOverride(f=f, b=b, w=w, memory=float(max(held, during_b)), kept=float(held),
                                 memory_w=float(held_w or held), work=work or None)
     return CostModel(stage_overrides=over)
