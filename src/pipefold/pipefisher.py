@@ -53,6 +53,9 @@ class Filled:
     """One simulated step per schedule of the cycle."""
     refreshes: tuple[int, ...] = field(default=())
     """Per stage, how many times its factors are inverted in one cycle."""
+    late: tuple[tuple[int, ...], ...] = field(default=())
+    """Per step of the cycle, the stages that finished a refresh the bubbles could not hold (at the end of their
+    device's list, the inversion moved to where it delays the step least): that step's passes may move."""
 
     @property
     def cycle(self) -> tuple[Schedule, ...]:
@@ -73,7 +76,7 @@ class Filled:
         return {
             "schedule": self.base.schedule.name, "devices": self.base.schedule.devices,
             "microbatches": self.base.schedule.microbatches, "cycle_steps": len(self.steps),
-            "refreshes_per_cycle": list(self.refreshes),
+            "refreshes_per_cycle": list(self.refreshes), "late_stages": [list(x) for x in self.late],
             "base": {"step_time": self.base.makespan, "utilization": utilization(self.base),
                      "peak_memory": self.base.peak_memory},
             "filled": {"step_time": self.step_time, "utilization": self.utilization,
@@ -117,9 +120,13 @@ def fill(schedule: Schedule, cost: CostModel | None = None, *, slack: float = 0.
     gaps = _gaps(base, limit)
     stages = [_Stage(schedule.device_of(s), M, M) for s in range(S)]
     steps: list[SimResult] = []
+    lates: list[tuple[int, ...]] = []
     while len(steps) < max_steps:
-        rows = _fill_step(schedule, stages, gaps, ready, grads_done, times, last=len(steps) == max_steps - 1)
+        rows, late = _fill_step(schedule, stages, gaps, ready, grads_done, times, last=len(steps) == max_steps - 1)
+        for stage in late:
+            _settle(schedule, rows, cost, stage)
         steps.append(simulate(schedule.with_actions(rows), cost))
+        lates.append(tuple(late))
         if all(st.refreshes for st in stages):
             break
     else:
@@ -128,7 +135,7 @@ def fill(schedule: Schedule, cost: CostModel | None = None, *, slack: float = 0.
                           f"{late[0]}'s K-FAC factors: allow more steps (max_steps) or a longer step (slack)")
     counts = tuple(sum(1 for r in steps for a in r.schedule.actions[st.device] if a == KI(s))
                    for s, st in enumerate(stages))
-    return Filled(base, tuple(steps), counts)
+    return Filled(base, tuple(steps), counts, tuple(lates))
 
 
 def inline(schedule: Schedule, cost: CostModel | None = None) -> Filled:
@@ -235,19 +242,20 @@ def _gaps(base: SimResult, limit: float) -> list[list[tuple[int, float, float]]]
 
 def _fill_step(schedule: Schedule, stages: list[_Stage], gaps: list[list[tuple[int, float, float]]],
                ready: dict[tuple[str, int, int], float], grads_done: dict[int, float],
-               times: dict[tuple[int, str], float], *, last: bool) -> list[list[Action]]:
+               times: dict[tuple[int, str], float], *, last: bool) -> tuple[list[list[Action]], list[int]]:
     """One step of the cycle: the plain action lists with K-FAC's work inserted where it fits.
 
     A stage not yet refreshed in this cycle whose refresh made no progress in this step's gaps (its
     bubbles cannot hold the next piece), or any such stage in the ``last`` step a cycle may have,
     finishes its refresh at the end of its device's list (curvature, inversion, then its KP), and
-    that step grows.
+    that step grows; such stages are returned too, for :func:`_settle` to move their inversion.
     """
     M = schedule.microbatches
     used: set[Action] = set()
     preconditioned: set[int] = set()
     inverted: set[int] = set()  # a KI waits for the step's curvature of its stage: none may follow it
     progressed: set[int] = set()  # stages whose refresh went on in this step's gaps
+    late: list[int] = []  # stages that finish their refresh at the end
     inserts: list[list[tuple[int, Action]]] = [[] for _ in range(schedule.devices)]
 
     def candidates(device: int, t: float) -> list[Action]:
@@ -309,6 +317,7 @@ def _fill_step(schedule: Schedule, stages: list[_Stage], gaps: list[list[tuple[i
                     inserts[device] = [(i, a) for i, a in inserts[device] if a != KP(s)]
                     preconditioned.discard(s)
                     place(device, end, KI(s))
+                    late.append(s)
             if s not in preconditioned:
                 place(device, end, KP(s))
     rows = []
@@ -322,7 +331,34 @@ def _fill_step(schedule: Schedule, stages: list[_Stage], gaps: list[list[tuple[i
             out.append(a)
         out += by_position.get(len(row), [])
         rows.append(out)
-    return rows
+    return rows, late
+
+
+def _settle(schedule: Schedule, rows: list[list[Action]], cost: CostModel, stage: int) -> None:
+    """Move a late stage's inversion, then its preconditioning, to where the simulated step is shortest.
+
+    No gap holds the inversion whole, but one may hold most of it: put there (after the step's
+    curvature of the stage), it delays what follows by less than it would at the end.
+    """
+    device = schedule.device_of(stage)
+    row = [a for a in rows[device] if a not in (KI(stage), KP(stage))]
+
+    def span(candidate: list[Action]) -> float:
+        trial = list(rows)
+        trial[device] = candidate
+        return simulate(schedule.with_actions(trial), cost).makespan
+
+    def best(row: list[Action], a: Action, lo: int, then: list[Action]) -> list[Action]:
+        at = min(range(lo, len(row) + 1), key=lambda i: (span(row[:i] + [a] + row[i:] + then), i))
+        return row[:at] + [a] + row[at:]
+
+    # After this step's curvature of the stage (which it folds in); the preconditioning waits at the end meanwhile.
+    curvature = [i + 1 for i, a in enumerate(row) if a.stage == stage and a.kind in (Kind.KA, Kind.KG)]
+    row = best(row, KI(stage), max(curvature, default=0), [KP(stage)])
+    # After the inversion and every weight gradient of the stage.
+    after = [i + 1 for i, act in enumerate(row) for a in act.passes
+             if a.stage == stage and a.kind in (Kind.KI, Kind.W, Kind.BW)]
+    rows[device] = best(row, KP(stage), max(after), [])
 
 
 def _finish_late(stage: int, st: _Stage, end: int, microbatches: int, used: set[Action],
