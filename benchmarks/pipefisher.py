@@ -44,8 +44,8 @@ WAYS = {"adamw": dict(optimizer="adamw"), "kfac-inline": dict(optimizer="kfac"),
         "kfac-fill": dict(optimizer="kfac", fill_bubbles=True)}
 
 
-def run(way: str, steps: int, lr: float, damping: float) -> dict[str, Any]:
-    config = TrainConfig(steps=steps, lr=lr, damping=damping, **MODEL, **WAYS[way])  # type: ignore[arg-type]
+def run(way: str, steps: int, lr: float, damping: float, ema: float) -> dict[str, Any]:
+    config = TrainConfig(steps=steps, lr=lr, damping=damping, ema=ema, **MODEL, **WAYS[way])  # type: ignore[arg-type]
     seconds: list[float] = []
     losses: list[float] = []
 
@@ -82,8 +82,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--lrs-adamw", default="1e-3,3e-3")
-    parser.add_argument("--lrs-kfac", default="0.1,0.3")
+    parser.add_argument("--lrs-kfac", default="0.05,0.1")
     parser.add_argument("--damping", type=float, default=0.1)
+    parser.add_argument("--ema", type=float, default=0.9)
     parser.add_argument("--util-steps", type=int, default=24, help="steps of each utilization run")
     parser.add_argument("--json", default=None)
     parser.add_argument("--figure", default=None)
@@ -96,7 +97,7 @@ def main() -> int:
     for rep in range(args.repeats):
         for way in WAYS:
             lr = lrs["adamw" if way == "adamw" else "kfac"][0]
-            r = run(way, args.util_steps, lr, args.damping)
+            r = run(way, args.util_steps, lr, args.damping, args.ema)
             util.setdefault(way, []).append(r)
             print(f"[{rep}] {way:12s} step {r['step_s'] * 1e3:7.1f} ms  utilization {r['utilization']:.1%} "
                   f"(cpu {r['cpu_utilization']:.1%})", file=sys.stderr, flush=True)
@@ -113,7 +114,7 @@ def main() -> int:
     for way, key in (("adamw", "adamw"), ("kfac-fill", "kfac")):
         best = None
         for lr in lrs[key]:
-            r = run(way, args.steps, lr, args.damping)
+            r = run(way, args.steps, lr, args.damping, args.ema)
             tail = statistics.mean(r["losses"][-5:])
             print(f"{way:12s} lr {lr:g}: final loss {tail:.4f} in {sum(r['step_seconds']):.1f} s", file=sys.stderr,
                   flush=True)
@@ -121,7 +122,7 @@ def main() -> int:
                 best = {"lr": lr, "final_loss": tail, "losses": r["losses"], "step_seconds": r["step_seconds"],
                         "wall_s": sum(r["step_seconds"])}
         curves[way] = best  # type: ignore[assignment]
-    out = {"model": MODEL, "steps": args.steps, "repeats": args.repeats, "damping": args.damping,
+    out = {"model": MODEL, "steps": args.steps, "repeats": args.repeats, "damping": args.damping, "ema": args.ema,
            "utilization": table, "loss_vs_time": curves}
     print(json.dumps(out, indent=1))
     if args.json:

@@ -52,12 +52,15 @@ def test_filled_steps_leave_every_pass_where_it_was(name: str, costs: dict[str, 
         # Every step preconditions every stage once, after its last weight gradient.
         assert sorted(a.stage for row in r.schedule.actions for a in row if a.kind == Kind.KP) == list(range(s.stages))
     assert all(n >= 1 for n in filled.refreshes)
-    # A refresh is M microbatches' curvature of each factor before its inversion, in the order of the cycle.
+    # A refresh is M microbatches' curvature of each factor before its inversion, in the order of the cycle, or,
+    # for a stage that finished late, what its bubbles held (one microbatch's at least).
     for stage in range(s.stages):
         device = s.device_of(stage)
         seq = [a.kind for r in filled.steps for a in r.schedule.actions[device] if a.stage == stage]
         first = seq.index(Kind.KI)
-        assert seq[:first].count(Kind.KA) >= s.microbatches and seq[:first].count(Kind.KG) >= s.microbatches
+        late = any(stage in x for x in filled.late)
+        least = 1 if late else s.microbatches
+        assert seq[:first].count(Kind.KA) >= least and seq[:first].count(Kind.KG) >= least
 
 
 def test_1f1b_utilization_closed_form() -> None:
@@ -89,7 +92,8 @@ def test_preconditioning_on_the_critical_device_lengthens_the_step_by_itself() -
 
 def test_work_that_no_bubble_holds_finishes_at_the_end() -> None:
     """GPipe's device 0 runs all its backwards last: its G curvature has no gap after its pass, so the stage
-    finishes its refresh at the end of a step (curvature, inversion, preconditioning), which grows by that."""
+    ends its refresh at the end of a step with one microbatch's G curvature, inverts and preconditions there,
+    and that step grows by that."""
     s = build("gpipe", 4, 8)
     filled = fill(s, CostModel(f=1, b=1, w=1, work=WORK))
     grown = [(r, late) for r, late in zip(filled.steps, filled.late, strict=True) if 0 in late]
@@ -98,9 +102,9 @@ def test_work_that_no_bubble_holds_finishes_at_the_end() -> None:
     assert r.makespan > filled.base.makespan + WORK["KP"] + 1e-9
     row = r.schedule.actions[0]
     tail = [a for a in row[row.index(s.actions[0][-1]) + 1:]]
-    # Its G curvature after its last backward; the inversion where it delays least (here last: GPipe's device 0
-    # has no gap after its first backward), then the preconditioning.
-    assert tail[-2:] == [KI(0), KP(0)] and {a.kind for a in tail[:-2]} == {Kind.KG}
+    # One microbatch's G curvature after its last backward; the inversion where it delays least (here last:
+    # GPipe's device 0 has no gap after its first backward), then the preconditioning.
+    assert tail == [KG(0, 0), KI(0), KP(0)]
 
 
 def test_inline_runs_the_work_after_its_passes() -> None:

@@ -266,8 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "schedule's bubbles, spread over steps (PipeFisher); without it they run right after the "
                         "passes they read, every step")
     p.add_argument("--damping", type=float, default=0.1, help="K-FAC's damping (default 0.1)")
-    p.add_argument("--ema", type=float, default=0.0,
-                   help="K-FAC's running-average decay of the factors, 0..1 (default 0: the newest only)")
+    p.add_argument("--ema", type=float, default=0.9,
+                   help="K-FAC's running-average decay of the factors, 0..1 (default 0.9; 0: the newest only)")
     p.add_argument("--clip", type=float, default=None, help="clip gradients to this global norm")
     p.add_argument("--data", default=None, help="train the gpt on this text file instead of the built-in corpus")
     p.add_argument("--seed", type=int, default=0)

@@ -10,12 +10,15 @@ the idle time of each device, in time order::
     device 3:  [KI] F0 B0 KA0 KG0 F1 B1 ... B7 [KG6 KG7 KP]     the warm-up and the drain
 
 A piece of work goes into a gap only when what it reads is there (its microbatch's F or B has ended,
-or for ``KI`` all curvature of the refresh is placed) and it fits in what is left of the gap, so the
-step takes no longer: inserted work starts when its device would have idled and ends before the
-device's next action would have started. ``KP`` has to run every step after the stage's last weight
-gradient; where no gap after it is long enough, it goes last and lengthens the step. What one step
+or for ``KI`` the curvature of the refresh, M microbatches' of each factor, is placed) and it fits in
+what is left of the gap, so the step takes no longer: inserted work starts when its device would
+have idled and ends before the device's next action would have started. ``KP`` has to run every
+step after the stage's last weight gradient; where no gap after it is long enough, it goes last and
+lengthens the step. What one step
 cannot hold spills into the next: the result is a *cycle* of schedules, step t running
-``cycle[t % len(cycle)]``, in which every stage refreshes its factors at least once. Curvature a
+``cycle[t % len(cycle)]``, in which every stage refreshes its factors at least once. A stage whose
+bubbles stop holding its next piece of work refreshes with the curvature it has (at least one
+microbatch's of each factor) and inverts where that delays the step least. Curvature a
 cycle leaves over counts towards the next refresh. Exact when devices do not share cores (with
 ``CostModel.contention`` the gaps are those of the shared-core timeline, and inserted work slows the
 others); the result's simulated steps say what it costs either way.
@@ -173,6 +176,10 @@ def measured_cost(cost: CostModel, times: dict[int, dict[str, float]]) -> CostMo
         got = times.get(s, {})
         f, b, w = split_backward(got) if "F" in got else (old.f, old.b, old.w)
         work = {**(old.work or {}), **{k: v for k, v in got.items() if k in KFAC_KINDS}}
+        # A KP before its stage's first inversion has nothing to do, so its median over the first steps can be
+        # near 0: the time it takes with an inverse, timed before the run, is the least it is taken to cost.
+        if old.work and Kind.KP in old.work:
+            work[Kind.KP] = max(work.get(Kind.KP, 0.0), old.work[Kind.KP])
         over[s] = StageOverride(f=f, b=b, w=w, memory=old.memory, kept=old.kept, memory_w=old.memory_w,
                                 work=work, stash=old.stash)
     return CostModel(stage_overrides=over, contention=cost.contention)
@@ -247,8 +254,9 @@ def _fill_step(schedule: Schedule, stages: list[_Stage], gaps: list[list[tuple[i
 
     A stage not yet refreshed in this cycle whose refresh made no progress in this step's gaps (its
     bubbles cannot hold the next piece), or any such stage in the ``last`` step a cycle may have,
-    finishes its refresh at the end of its device's list (curvature, inversion, then its KP), and
-    that step grows; such stages are returned too, for :func:`_settle` to move their inversion.
+    ends its refresh with the curvature it has (adding one microbatch's of a factor that has none,
+    at the end of its device's list), then inverts and preconditions; that step grows, and such
+    stages are returned for :func:`_settle` to move their inversion where it delays the step least.
     """
     M = schedule.microbatches
     used: set[Action] = set()
@@ -312,12 +320,13 @@ def _fill_step(schedule: Schedule, stages: list[_Stage], gaps: list[list[tuple[i
         for s in schedule.stages_of(device):
             st = stages[s]
             if not st.refreshes and s not in inverted and (last or s not in progressed):
+                # The refresh ends with the curvature the bubbles held (one microbatch's at least), so that the
+                # cycle ends; the inversion goes where it delays the step least (_settle).
                 _finish_late(s, st, end, M, used, place)
-                if st.ka_left == st.kg_left == 0:
-                    inserts[device] = [(i, a) for i, a in inserts[device] if a != KP(s)]
-                    preconditioned.discard(s)
-                    place(device, end, KI(s))
-                    late.append(s)
+                inserts[device] = [(i, a) for i, a in inserts[device] if a != KP(s)]
+                preconditioned.discard(s)
+                place(device, end, KI(s))
+                late.append(s)
             if s not in preconditioned:
                 place(device, end, KP(s))
     rows = []
@@ -363,10 +372,10 @@ def _settle(schedule: Schedule, rows: list[list[Action]], cost: CostModel, stage
 
 def _finish_late(stage: int, st: _Stage, end: int, microbatches: int, used: set[Action],
                  place: Callable[[int, int, Action], None]) -> None:
-    """Curvature a late stage still needs, at the end of its device's list, from microbatches this step has not
-    used yet (a pass runs once a step)."""
-    for j in range(microbatches):
-        for make in (KA, KG):
-            a = make(stage, j)
-            if (st.ka_left if a.kind == Kind.KA else st.kg_left) and a not in used:
-                place(st.device, end, a)
+    """At the end of its device's list, the curvature a late stage needs to invert at all: one microbatch's of
+    each factor that has none since the last inversion, from a microbatch this step has not used (a pass runs
+    once a step)."""
+    for make, left in ((KA, st.ka_left), (KG, st.kg_left)):
+        if left == microbatches:
+            a = next(a for j in range(microbatches) if (a := make(stage, j)) not in used)
+            place(st.device, end, a)

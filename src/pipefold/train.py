@@ -93,8 +93,8 @@ class TrainConfig:
     """With optimizer 'kfac': put K-FAC's work in the schedule's bubbles, spread over steps (PipeFisher); without,
     it runs right after the passes it reads, every step."""
     damping: float = 0.1
-    """K-FAC's damping (optimizer 'kfac'): 0.1 trained the GPT best of 1e-3, 1e-2 and 0.1 (docs/pipefisher.md)."""
-    ema: float = 0.0
+    """K-FAC's damping (optimizer 'kfac'); see docs/pipefisher.md for the values tried on the GPT."""
+    ema: float = 0.9
     """K-FAC's running-average decay of the factors (optimizer 'kfac')."""
 
 
