@@ -8,9 +8,9 @@ import pytest
 
 from pipefold.errors import ConfigError
 from pipefold.ir import KA, KG, KI, KP, Kind, Schedule, validate
-from pipefold.pipefisher import KFAC_KINDS, fill, inline, utilization
+from pipefold.pipefisher import KFAC_KINDS, Refill, fill, fit_latency, inline, measured_cost, utilization
 from pipefold.schedules import build
-from pipefold.simulate import CostModel, simulate
+from pipefold.simulate import CostModel, StageOverride, simulate
 
 WORK = {"KA": 0.3, "KG": 0.5, "KI": 2.0, "KP": 0.3}
 FAMILIES = ["1f1b", "gpipe", "kfkb", "zb-h1", "zb-v", "v-half", "v-min", "interleaved-1f1b", "looped-bfs",
@@ -181,3 +181,31 @@ def test_kg_waits_for_the_backward() -> None:
     assert [str(a) for a in s.actions[1]][:2] == ["1F0", "1BW0"]
     with pytest.raises(Exception, match="1KG0 comes before 1BW0"):
         validate(s.with_actions([s.actions[0], [s.actions[1][0], KG(1, 0), *s.actions[1][1:]]]))
+
+
+def test_fit_latency_recovers_the_latency_that_made_the_steps() -> None:
+    """Steps "measured" as the simulator times them with a latency of 0.35 per message: the fit finds 0.35 back;
+    steps no longer than the latency-free simulation give 0."""
+    cost = CostModel(work=WORK)
+    filled = fill(build("1f1b", 4, 8), cost)
+    ran = [(r.schedule, simulate(r.schedule, CostModel(work=WORK, latency=0.35)).makespan) for r in filled.steps]
+    assert fit_latency(cost, ran) == pytest.approx(0.35, rel=1e-4)
+    assert fit_latency(cost, [(s, r.makespan * 0.9) for s, r in zip(filled.cycle, filled.steps, strict=True)]) == 0
+    assert fit_latency(cost, []) == 0
+
+
+def test_refill_places_from_the_ranks_times() -> None:
+    """Measured times replace the ones the first placement used (stage memory and stash stay); a KP that found no
+    inverse yet, timed near 0, counts at least its first timing."""
+    s = build("1f1b", 2, 4)
+    first = CostModel(stage_overrides={st: StageOverride(f=1, b=1, w=1, memory=2.0, work=WORK, stash={"KA": 0.5})
+                                       for st in range(2)})
+    refill = Refill(after=3, schedule=s, cost=first)
+    times = {0: {"F": 2.0, "BW": 4.0, "KA": 0.1, "KP": 0.0}, 1: {"F": 2.0, "BW": 4.0}}
+    cost = measured_cost(first, times)
+    assert cost.stage_overrides[0] == StageOverride(f=2.0, b=2.0, w=2.0, memory=2.0, work={**WORK, "KA": 0.1},
+                                                    stash={"KA": 0.5})
+    filled = refill.plan(times)
+    assert filled.base.makespan == pytest.approx(simulate(s, cost).makespan)
+    with pytest.raises(ConfigError, match="refill after 2 steps or more"):
+        Refill(after=1, schedule=s, cost=first)

@@ -136,3 +136,29 @@ def test_train_recompute_errors(capsys: pytest.CaptureFixture[str], argv: list[s
     code = main(["train", *SMALL, *argv])
     err = capsys.readouterr().err
     assert code == 2 and expected in err and len(err.strip().splitlines()) == 1
+
+
+@needs_torchrun
+def test_kfac_in_the_bubbles_under_torchrun(tmp_path: Path) -> None:
+    """Rank 0 times the stages and places K-FAC's work; the other rank runs that placement, not its own."""
+    proc = _torchrun_train(tmp_path, 29543, ["--schedule", "1f1b", "--steps", "6", *SMALL,
+                                             "--optimizer", "kfac", "--fill-bubbles", "--lr", "0.05", "--check",
+                                             "--json"], timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["max_grad_rel_diff"] < 1e-5 and len(out["loss"]) == 6
+    k = out["kfac"]
+    assert k["cycle_steps"] >= 1 and len(k["per_step"]) == 6 and k["measured"]["utilization"] > 0
+
+
+def test_train_kfac_report(capsys: pytest.CaptureFixture[str]) -> None:
+    """The local run reports K-FAC's placement: predicted and measured step and utilization, per step."""
+    code = main(["train", "--schedule", "1f1b", "--steps", "3", *SMALL, "--optimizer", "kfac", "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    k = out["kfac"]
+    assert not k["fill_bubbles"] and k["cycle_steps"] == 1 and [r["cycle_step"] for r in k["per_step"]] == [0, 0, 0]
+    # Inline, the work waits for nobody's bubbles: the predicted step is longer than the plain one.
+    assert k["predicted"]["step_s"] > k["predicted"]["plain_step_s"]
+    assert main(["train", *SMALL, "--fill-bubbles"]) == 2
+    assert "add --optimizer kfac" in capsys.readouterr().err

@@ -26,7 +26,9 @@ others); the result's simulated steps say what it costs either way.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+import statistics
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +36,8 @@ from pipefold.errors import ConfigError
 from pipefold.ir import KA, KG, KI, KP, Action, Kind, Schedule
 from pipefold.simulate import CostModel, SimResult, StageOverride, simulate, split_backward
 
-__all__ = ["KFAC_KINDS", "Filled", "Refill", "fill", "inline", "measured_cost", "plain", "utilization"]
+__all__ = ["KFAC_KINDS", "Filled", "Refill", "fill", "fit_latency", "inline", "measured_cost", "plain",
+           "utilization"]
 
 KFAC_KINDS = (Kind.KA, Kind.KG, Kind.KI, Kind.KP)
 """K-FAC's action kinds (see :mod:`pipefold.ir`)."""
@@ -202,8 +205,32 @@ class Refill:
         if self.after < 2:
             raise ConfigError(f"refill after 2 steps or more: the first is a warm-up (got {self.after})")
 
-    def plan(self, times: dict[int, dict[str, float]]) -> Filled:
-        return fill(self.schedule, measured_cost(self.cost, times), slack=self.slack, max_steps=self.max_steps)
+    def plan(self, times: dict[int, dict[str, float]], ran: Sequence[tuple[Schedule, float]] = ()) -> Filled:
+        """Place the work in the step simulated from the ranks' ``times``, with the latency per message that
+        makes the steps that ``ran`` (each schedule with its measured seconds) last as long as they did."""
+        cost = measured_cost(self.cost, times)
+        cost = dataclasses.replace(cost, latency=fit_latency(cost, ran))
+        return fill(self.schedule, cost, slack=self.slack, max_steps=self.max_steps)
+
+
+def fit_latency(cost: CostModel, ran: Sequence[tuple[Schedule, float]]) -> float:
+    """The latency per message between devices at which the simulated steps of ``ran`` last, in the median, as
+    long as measured: what the ranks lose between passes (gloo's messages, Python) that per-kind times do not
+    hold. 0 when the simulation is already as long."""
+    if not ran:
+        return 0.0
+
+    def ratio(latency: float) -> float:
+        timed = dataclasses.replace(cost, latency=latency)
+        return statistics.median(simulate(s, timed).makespan / max(wall, 1e-12) for s, wall in ran)
+
+    if ratio(0.0) >= 1.0:
+        return 0.0
+    lo, hi = 0.0, max(wall for _, wall in ran)
+    for _ in range(30):  # the step grows with the latency: bisect to a thousandth of a percent
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if ratio(mid) < 1.0 else (lo, mid)
+    return lo
 
 
 def _check(schedule: Schedule) -> None:

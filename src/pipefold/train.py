@@ -148,11 +148,12 @@ Decisions = tuple[tuple[tuple[int, ...], ...], RecomputePlan | None]
 
 
 def make_job(config: TrainConfig, *, save_grads_of_step: int | None = None,
-             decided: Decisions | None = None) -> Job:
+             decided: Decisions | None = None, placed: Any = None) -> Job:
     """Check the configuration and describe the job every rank will run.
 
     Splitting by time and planning recomputation measure the model; ``decided`` passes in
-    what another process measured, so that every rank of one job runs the same split.
+    what another process measured, so that every rank of one job runs the same split; ``placed``, with
+    K-FAC, the placement of its work (a :class:`~pipefold.pipefisher.Filled`) that another process made.
     """
     schedule = build_schedule(config)
     if config.batch % config.microbatches:
@@ -187,7 +188,7 @@ def make_job(config: TrainConfig, *, save_grads_of_step: int | None = None,
         if adaptive is not None:
             raise ConfigError(f"--optimizer kfac runs a cycle of schedules of its own: use a schedule other than "
                               f"{ADAPTIVE}")
-        filled = _kfac_cycle(config, schedule, layer_stages, build, spec.loss, batch_at, kfac)
+        filled = placed or _kfac_cycle(config, schedule, layer_stages, build, spec.loss, batch_at, kfac)
         cycle = filled.cycle
         schedule, extra["pipefisher"] = cycle[0], filled
         if config.fill_bubbles:
@@ -355,8 +356,8 @@ def train_torchrun(config: TrainConfig, *, check: bool = False,
                    on_step: Callable[[int, float, float], None] | None = None) -> tuple[Job, list[RankReport] | None]:
     """This process's rank of the job, as torchrun started it; rank 0 gets every rank's report.
 
-    Rank 0 measures and decides the split and the recomputation; the others take its decisions
-    (measured times differ from process to process, and every rank must run the same split).
+    Rank 0 measures and decides the split, the recomputation and K-FAC's placement; the others take its
+    decisions (measured times differ from process to process, and every rank must run the same steps).
     """
     rank, _ = join_torchrun_group()
     grads_step = 0 if check else None
@@ -365,7 +366,8 @@ def train_torchrun(config: TrainConfig, *, check: bool = False,
     if rank == 0:
         try:
             job = make_job(config, save_grads_of_step=grads_step)
-            message: tuple[str, Any] = ("ok", (job.layer_stages, job.extra.get("recompute")))
+            message: tuple[str, Any] = ("ok", ((job.layer_stages, job.extra.get("recompute")),
+                                               job.extra.get("pipefisher")))
         except ConfigError as exc:
             message = ("error", str(exc))  # the other ranks stop with the same line instead of waiting
         except Exception as exc:  # anything else stops the other ranks too, then surfaces here unchanged
@@ -382,7 +384,7 @@ def train_torchrun(config: TrainConfig, *, check: bool = False,
             raise ConfigError(payload)
         raise RuntimeError(f"rank 0 failed while preparing the job: {payload}")
     if job is None:
-        job = make_job(config, save_grads_of_step=grads_step, decided=payload)
+        job = make_job(config, save_grads_of_step=grads_step, decided=payload[0], placed=payload[1])
     return job, run_torchrun(job, on_step)
 
 

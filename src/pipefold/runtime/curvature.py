@@ -66,6 +66,17 @@ class StageCurvature:
             self.meter.hold((g,), "kfac")
         return keep
 
+    def kept_bytes(self, mb: int) -> tuple[int, int]:
+        """Bytes of the layer inputs and of the output gradients kept for microbatch ``mb``'s curvature."""
+        a, g = (sum(t.untyped_storage().nbytes() for t in kept.get(mb, ()) if t is not None)
+                for kept in (self._a, self._g))
+        return a, g
+
+    def close(self) -> None:
+        """Take the hooks off the layers."""
+        for handle in self._handles:
+            handle.remove()
+
     def begin(self, actions: Sequence[Action], stage: int, meter: MemoryMeter) -> None:
         """A step starts: capture for the microbatches whose curvature this rank's list has."""
         self.meter = meter
@@ -173,8 +184,9 @@ def measure(stages: Sequence[nn.Module], sample: torch.Tensor, target: Any, loss
                 curv.begin(row, s, runner.meter)
                 t: dict[str, float] = {}
                 t0 = time.perf_counter()
-                with RankCurvature({s: curv}).forward(Action(s, Kind.F, k)):
-                    h = runner.forward(k, x, target if s == last else None, scale=1.0 / microbatches)
+                curv.current = k
+                h = runner.forward(k, x, target if s == last else None, scale=1.0 / microbatches)
+                curv.current = None
                 t["F"] = time.perf_counter() - t0
                 memory = max(memory, runner.memory_f)
                 t0 = time.perf_counter()
@@ -183,8 +195,7 @@ def measure(stages: Sequence[nn.Module], sample: torch.Tensor, target: Any, loss
                 t0 = time.perf_counter()
                 runner.backward_weight(k)
                 t["W"] = time.perf_counter() - t0
-                stash_a = sum(a.untyped_storage().nbytes() for a in curv._a.get(k, ()) if a is not None)
-                stash_g = sum(g.untyped_storage().nbytes() for g in curv._g.get(k, ()) if g is not None)
+                stash_a, stash_g = curv.kept_bytes(k)
                 for kind in (Kind.KA, Kind.KG, Kind.KI, Kind.KP):
                     t0 = time.perf_counter()
                     curv.run(Action(s, kind, k if kind in (Kind.KA, Kind.KG) else -1))
@@ -193,8 +204,7 @@ def measure(stages: Sequence[nn.Module], sample: torch.Tensor, target: Any, loss
                     runs.append(t)
                 for p in runner.params:
                     p.grad = None
-            for handle in curv._handles:
-                handle.remove()
+            curv.close()
             med = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
             out.append({"f": med["F"], "b": med["B"], "w": med["W"], "memory": memory,
                         "work": {k: med[k] for k in (Kind.KA, Kind.KG, Kind.KI, Kind.KP)},

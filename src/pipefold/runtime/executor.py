@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -130,8 +131,6 @@ class StepStats:
 
 def kind_times(steps: Sequence[StepStats]) -> dict[int, dict[str, float]]:
     """Per stage, the median seconds of each kind of computing action in ``steps`` (any ranks, any steps)."""
-    import statistics
-
     seconds: dict[tuple[int, str], list[float]] = {}
     for st in steps:
         for e in st.events:

@@ -137,25 +137,28 @@ class Job:
                               "give both or neither")
         if self.kfac is not None:
             for each in self.cycle or (self.schedule,):
-                have = {(d, a.stage) for d, row in enumerate(each.actions) for a in row if a.kind == Kind.KP}
-                held = {(d, st) for d in range(each.devices) for st in each.stages_of(d)}
-                if held - have:
-                    d, st = min(held - have)
+                if (missing := _without(each, Kind.KP)) is not None:
+                    d, st = missing
                     raise ConfigError(f"K-FAC preconditions every stage every step, but {each.name} has no {st}KP "
                                       f"on device {d}: fill the schedule with pipefold.pipefisher (fill or inline)")
             if self.offload is not None or self.recompute is not None:
                 raise ConfigError("K-FAC does not combine with offloading or recomputation yet: it keeps layer inputs "
                                   "that those would drop; use one or the other")
-        steps = {(d, a.stage) for d, row in enumerate(self.schedule.actions) for a in row if a.kind == Kind.OPT}
-        if steps:
-            held = {(d, s) for d in range(self.schedule.devices) for s in self.schedule.stages_of(d)}
-            if held - steps:
-                d, s = min(held - steps)
+        if any(a.kind == Kind.OPT for row in self.schedule.actions for a in row):
+            if (missing := _without(self.schedule, Kind.OPT)) is not None:
+                d, s = missing
                 raise ConfigError(f"the schedule steps some stages' optimizers itself (OPT actions) but not stage "
                                   f"{s} on device {d}: give every stage its {s}OPT, or none")
             if self.clip is not None or self.offload is not None:
                 raise ConfigError("clipping by the global norm and offloading step the optimizer after the whole "
                                   "step: use a schedule without OPT actions with --clip or --offload")
+
+
+def _without(schedule: Schedule, kind: str) -> tuple[int, int] | None:
+    """The first (device, stage it holds) with no action of ``kind`` for that stage, or None."""
+    have = {(d, a.stage) for d, row in enumerate(schedule.actions) for a in row if a.kind == kind}
+    held = {(d, s) for d in range(schedule.devices) for s in schedule.stages_of(d)}
+    return min(held - have) if held - have else None
 
 
 @dataclass
@@ -321,7 +324,8 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
         if on_step is not None and rank == loss_rank:
             on_step(step, sum(stats.losses.values()) / len(stats.losses), time.perf_counter() - started)
         if job.refill is not None and step + 1 == job.refill.after and step + 1 < job.steps:
-            filled = _refill(job.refill, reports[1:], rank, world)
+            ran = [choices[(i - cycle_from) % len(choices)] for i in range(1, step + 1)]
+            filled = _refill(job.refill, reports[1:], ran, rank, world)
             choices, cycle_from = filled.cycle, step + 1
             for each in executors.values():
                 each.close()
@@ -352,13 +356,23 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     return report
 
 
-def _refill(refill: Refill, steps: list[StepStats], rank: int, world: int) -> Filled:
-    """Every rank's measured times to rank 0, which places K-FAC's work again; the new placement to every rank."""
+def _refill(refill: Refill, steps: list[StepStats], ran: list[Schedule], rank: int, world: int) -> Filled:
+    """Every rank's measured times to rank 0, which places K-FAC's work again; the new placement to every rank.
+
+    ``steps`` are this rank's steps to learn from and ``ran`` the schedule each of them ran.
+    """
     from pipefold.runtime.executor import kind_times
 
+    mine = (kind_times(steps), [(st.started_at, st.wall) for st in steps])  # each rank times its own stages
     gathered: list[Any] = [None] * world if rank == 0 else []
-    dist.gather_object(kind_times(steps), gathered if rank == 0 else None, dst=0)  # each rank its own stages
-    filled = refill.plan({s: t for each in gathered for s, t in each.items()}) if rank == 0 else None
+    dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
+    filled = None
+    if rank == 0:
+        times = {s: t for each, _ in gathered for s, t in each.items()}
+        # A step lasts from the first rank's start to the last rank's end.
+        walls = [max(a + w for a, w in spans) - min(a for a, _ in spans)
+                 for spans in zip(*(spans for _, spans in gathered), strict=True)]
+        filled = refill.plan(times, list(zip(ran, walls, strict=True)))
     return agree(filled)
 
 
