@@ -209,3 +209,16 @@ def test_refill_places_from_the_ranks_times() -> None:
     assert filled.base.makespan == pytest.approx(simulate(s, cost).makespan)
     with pytest.raises(ConfigError, match="refill after 2 steps or more"):
         Refill(after=1, schedule=s, cost=first)
+
+
+def test_a_one_step_cycle_refreshes_every_stage_in_that_step() -> None:
+    """max_steps=1: whatever the bubbles cannot hold, every stage still inverts in the one step (late), after
+    at least one microbatch's curvature of each factor, and preconditions after that."""
+    s = build("gpipe", 4, 8)
+    filled = fill(s, CostModel(work=WORK), max_steps=1)
+    assert len(filled.steps) == 1 and filled.refreshes == (1, 1, 1, 1) and filled.late == ((0, 1, 2, 3),)
+    for stage in range(4):
+        row = [a for a in filled.steps[0].schedule.actions[stage] if a.stage == stage and a.kind in KFAC_KINDS]
+        kinds = [a.kind for a in row]
+        assert Kind.KA in kinds[:kinds.index(Kind.KI)] and Kind.KG in kinds[:kinds.index(Kind.KI)]
+        assert kinds.index(Kind.KI) < kinds.index(Kind.KP)

@@ -107,9 +107,9 @@ def fill(schedule: Schedule, cost: CostModel | None = None, *, slack: float = 0.
     """Place K-FAC's work in the bubbles of ``schedule`` under ``cost`` (whose ``work`` gives its times).
 
     ``slack`` lets each step grow by that fraction of the plain step (more room at the ends of the
-    devices); ``max_steps`` bounds the cycle. Raises ConfigError for a replicated schedule (its replicas
-    would gather different curvature), a schedule that already has K-FAC actions, or work that no
-    ``max_steps`` steps of bubbles can hold.
+    devices); ``max_steps`` bounds the cycle: a stage not refreshed by its last step ends its refresh
+    there. Raises ConfigError for a replicated schedule (its replicas would gather different
+    curvature) or a schedule that already has K-FAC actions.
     """
     cost = cost or CostModel()
     _check(schedule)
@@ -127,18 +127,13 @@ def fill(schedule: Schedule, cost: CostModel | None = None, *, slack: float = 0.
     stages = [_Stage(schedule.device_of(s), M, M) for s in range(S)]
     steps: list[SimResult] = []
     lates: list[tuple[int, ...]] = []
-    while len(steps) < max_steps:
+    # Every stage inverts by the last step a cycle may have (a late stage ends its refresh there at the latest).
+    while not (steps and all(st.refreshes for st in stages)):
         rows, late = _fill_step(schedule, stages, gaps, ready, grads_done, times, last=len(steps) == max_steps - 1)
         for stage in late:
             _settle(schedule, rows, cost, stage)
         steps.append(simulate(schedule.with_actions(rows), cost))
         lates.append(tuple(late))
-        if all(st.refreshes for st in stages):
-            break
-    else:
-        late = [s for s, st in enumerate(stages) if not st.refreshes]
-        raise ConfigError(f"the bubbles of {max_steps} steps of {schedule.name} cannot hold a refresh of stage "
-                          f"{late[0]}'s K-FAC factors: allow more steps (max_steps) or a longer step (slack)")
     counts = tuple(sum(1 for r in steps for a in r.schedule.actions[st.device] if a == KI(s))
                    for s, st in enumerate(stages))
     return Filled(base, tuple(steps), counts, tuple(lates))
