@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 import os
+import statistics
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
@@ -252,7 +253,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train a model with a pipeline schedule, one local process per device")
     p.add_argument("--schedule", default="v-half", help="schedule name, optionally name:key=value,... (default v-half)")
-    _devices_flag(p, 4)
+    p.add_argument("--devices", "--pp", "-p", type=int, default=4, metavar="P",
+                   help="pipeline devices (default 4); a schedule may put several stages on each")
+    p.add_argument("--stages", action=_Renamed, help=argparse.SUPPRESS)
+    p.add_argument("--dp", type=int, default=1, metavar="D",
+                   help="data-parallel copies of the pipeline (default 1): D x P processes, each pipeline on its "
+                        "shard of the batch, each stage's gradients averaged across them as soon as its last "
+                        "weight gradient is done")
     p.add_argument("--microbatches", "-m", type=int, default=8, metavar="M", help="microbatches per step (default 8)")
     p.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
     _add_model(p, layers=None, layers_help="default: enough for 2 layers per stage", batch=16,
@@ -807,7 +814,7 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
                              partition=args.partition, recompute=args.recompute,
                              memory_budget=None if args.memory_budget is None else parse_bytes(args.memory_budget),
                              network=args.network, netns=args.netns, adapt_every=args.adapt_every,
-                             fill_bubbles=args.fill_bubbles, damping=args.damping, ema=args.ema)
+                             fill_bubbles=args.fill_bubbles, damping=args.damping, ema=args.ema, dp=args.dp)
     if args.adapt_every < 1:
         raise ConfigError(f"--adapt-every must be at least 1 (got {args.adapt_every})")
     if (args.network or args.netns) and (args.plan is not None or args.schedule == "auto"):
@@ -839,6 +846,10 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
             job, reports = train(config, check=args.check, on_step=on_step, decided=decided)
     from pipefold.runtime.measure import measured_costs, measured_result, measured_summary, per_step
 
+    everyone = reports
+    # Per-device figures (tables, predictions, plots) are those of the first pipeline; with data parallelism the
+    # others run the same schedule on their shards, and the loss is the mean over every pipeline's microbatches.
+    reports = [r for r in reports if r.pipeline == 0]
     step = len(reports[0].steps) - 1  # the last step: warmed up
     last = _ran(job, reports[0].steps[step].schedule, step)
     if plan is not None:
@@ -868,6 +879,10 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
         each = [simulate(sched, costs).peak_memory for sched in job.cycle[:len(reports[0].steps)]]
         cycle_peaks = [max(col) for col in zip(*each, strict=True)]
     out = _train_summary(job, reports, config, predicted, cycle_peaks)
+    if job.dp > 1:
+        out["dp"] = job.dp
+        out["loss"] = [statistics.mean(v for r in everyone for v in r.steps[i].losses.values())
+                       for i in range(len(reports[0].steps))]
     if job.adaptive is not None or config.network is not None:
         out["per_step"] = per_step(reports)
         out["network"] = config.network
@@ -882,7 +897,7 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
                                                                    "peak_bytes": peaks},
                        "measured": measured_summary(reports)}
     if args.check:
-        out.update(compare(job, reports))
+        out.update(compare(job, everyone))
     if args.trace:
         from pipefold.runtime.measure import write_measured_trace
 
@@ -1060,8 +1075,11 @@ def _train_summary(job: Any, reports: list[Any], config: Any, predicted: Any,
 
 
 def _print_train(out: dict[str, Any], console: Console) -> None:
-    console.print(f"[bold]{out['schedule']}[/] on {out['devices']} ranks, {out['microbatches']} microbatches, "
-                  f"{out['model']} with {out['layers']} layers: loss {out['loss'][0]:.4f} -> {out['loss'][-1]:.4f}")
+    dp = out.get("dp", 1)
+    pipelines = f" x {dp} data-parallel pipelines (the table: the first; the loss: all)" if dp > 1 else ""
+    console.print(f"[bold]{out['schedule']}[/] on {out['devices']} ranks{pipelines}, {out['microbatches']} "
+                  f"microbatches, {out['model']} with {out['layers']} layers: loss {out['loss'][0]:.4f} -> "
+                  f"{out['loss'][-1]:.4f}")
     split = "evenly" if out["partition"] == "even" else f"balanced by {out['partition']}"
     console.print(f"stages start at layers {' '.join(map(str, out['boundaries']))} (split {split})")
     table = Table(show_edge=False)

@@ -9,6 +9,7 @@ An action is one pass of one microbatch through one stage, or work of a whole st
     0F3+5B1  an overlapped pair: 0F3 and 5B1 run together (DualPipe's F&B overlap)
     3R       all-reduce of stage 3's gradients between the devices holding a replica of it
     3OPT     optimizer step of stage 3
+    3DP      all-reduce of stage 3's gradients across the data-parallel copies of the whole pipeline
     1KA2     K-FAC curvature of stage 1 from microbatch 2's layer inputs (the A factors)
     1KG2     K-FAC curvature of stage 1 from microbatch 2's output gradients (the G factors)
     1KI      K-FAC inversion of stage 1's factors
@@ -80,6 +81,7 @@ class Kind:
     FB = "FB"  # an overlapped pair: a forward and a backward of other (stage, microbatch)s, run together
     R = "R"  # all-reduce of a replicated stage's gradients
     OPT = "OPT"  # optimizer step of one stage
+    DP = "DP"  # all-reduce of a stage's gradients across data-parallel pipelines
     KA = "KA"  # K-FAC: curvature from a microbatch's layer inputs (A = E[a a^T])
     KG = "KG"  # K-FAC: curvature from a microbatch's output gradients (G = E[g g^T])
     KI = "KI"  # K-FAC: inversion of a stage's damped factors
@@ -191,7 +193,11 @@ for _spec in (
              gives=("R",), collective=True, computes=False, time=lambda c: c.allreduce,
              color="#D55E00", label="grad all-reduce"),
     KindSpec(code=Kind.OPT, doc="optimizer step of one stage", microbatch=False, gathers=("W",),
-             after=("R", "KP"), gives=("OPT",), time=lambda c: c.opt, color="#666666", label="optimizer step"),
+             after=("R", "DP", "KP"), gives=("OPT",), time=lambda c: c.opt, color="#666666",
+             label="optimizer step"),
+    KindSpec(code=Kind.DP, doc="all-reduce of a stage's gradients across the data-parallel pipelines",
+             microbatch=False, gathers=("W",), after=("R",), gives=("DP",), computes=False,
+             time=lambda c: c.dp_reduce, color="#CC6677", label="data-parallel all-reduce"),
     # K-FAC (PipeFisher): work the cost model does not derive, so its times come from ``StageCost.work``.
     KindSpec(code=Kind.KA, doc="K-FAC curvature from a microbatch's layer inputs", needs=(("F", 0),),
              gives=("KA",), time=lambda c: c.work.get("KA", 0.0), stash=lambda c: c.stash.get("KA", 0.0),
@@ -291,6 +297,11 @@ def R(stage: int) -> Action:
 def OPT(stage: int) -> Action:
     """Optimizer step of ``stage``."""
     return Action(stage, Kind.OPT, NO_MICROBATCH)
+
+
+def DP(stage: int) -> Action:
+    """All-reduce of ``stage``'s gradients across the data-parallel pipelines."""
+    return Action(stage, Kind.DP, NO_MICROBATCH)
 
 
 def KA(stage: int, microbatch: int) -> Action:

@@ -64,6 +64,8 @@ class StageCost:
     """Time of the all-reduce of this stage's gradients between its replicas (0 with one replica)."""
     opt: float = 0.0
     """Time of this stage's optimizer step."""
+    dp_reduce: float = 0.0
+    """Time of the all-reduce of this stage's gradients across the data-parallel pipelines (``DP`` actions)."""
     work: Mapping[str, float] = field(default_factory=dict)
     """Times of the kinds whose cost the model does not derive (K-FAC's KA, KG, KI, KP), by kind code."""
     stash: Mapping[str, float] = field(default_factory=dict)
@@ -139,6 +141,9 @@ class CostModel:
     weights: float = 0.0
     """Memory of one device's share of the parameters, gradients and optimizer state, in units of M: held all
     step, once per stage a device holds, so a replicated schedule (Chimera, DualPipe) pays it twice."""
+    dp: int = 1
+    """Data-parallel copies of the whole pipeline: a ``DP`` action all-reduces its stage's share of
+    ``grad_bytes`` among them, as a ring over ``latency`` and ``bandwidth``."""
     overlap: bool = False
     """Whether a device runs the two parts of an overlapped pair (F+B) at once: it then costs max(F, B), else F + B."""
     contention: tuple[float, ...] = ()
@@ -165,6 +170,8 @@ class CostModel:
                                       f"{', '.join(KINDS)}")
                 if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                     raise ConfigError(f"{label} of {code} must be a finite number >= 0 (got {value!r})")
+        if not (isinstance(self.dp, int) and not isinstance(self.dp, bool) and self.dp >= 1):
+            raise ConfigError(f"dp is the number of data-parallel pipelines: an integer >= 1 (got {self.dp!r})")
         if not all(isinstance(c, (int, float)) and math.isfinite(c) and c > 0 for c in self.contention):
             raise ConfigError(f"contention factors must be finite numbers > 0 (got {self.contention!r})")
         if not 0 <= self.recompute <= 1:
@@ -204,6 +211,7 @@ class CostModel:
         over = self.stage_overrides.get(stage)
         memory_w = None if self.memory_w is None else self.memory_w * share
         allreduce = self.allreduce_time(self.grad_bytes * share, replicas)
+        dp_reduce = self.allreduce_time(self.grad_bytes * share, self.dp)
         opt = self.opt * share
         work = {k: v * share for k, v in self.work.items()} if over is None or over.work is None else over.work
         stash = {k: v * share for k, v in self.stash.items()} if over is None or over.stash is None else over.stash
@@ -211,12 +219,13 @@ class CostModel:
             f, memory = self.f * share, self.memory * share
             kept = None if self.recompute == 0 else memory * (1.0 - self.recompute)
             return StageCost(f=f, b=self.b * share + self.recompute * f, w=self.w * share, memory=memory, kept=kept,
-                             memory_w=memory_w, allreduce=allreduce, opt=opt, work=work, stash=stash)
+                             memory_w=memory_w, allreduce=allreduce, opt=opt, work=work, stash=stash,
+                             dp_reduce=dp_reduce)
         memory = self.memory * share if over.memory is None else over.memory
         return StageCost(f=over.f, b=over.b + over.recompute, w=over.w, memory=memory,
                          kept=None if over.kept is None else min(over.kept, memory),
                          memory_w=memory_w if over.memory_w is None else over.memory_w, allreduce=allreduce, opt=opt,
-                         work=work, stash=stash)
+                         work=work, stash=stash, dp_reduce=dp_reduce)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -225,7 +234,7 @@ class CostModel:
             "bandwidth": None if math.isinf(self.bandwidth) else self.bandwidth,
             "activation_bytes": self.activation_bytes, "recompute": self.recompute,
             "grad_bytes": self.grad_bytes, "opt": self.opt, "overlap": self.overlap, "weights": self.weights,
-            "contention": list(self.contention), "work": dict(self.work), "stash": dict(self.stash),
+            "contention": list(self.contention), "work": dict(self.work), "stash": dict(self.stash), "dp": self.dp,
             "stage_overrides": {str(s): {"f": c.f, "b": c.b, "w": c.w, "memory": c.memory,
                                          "recompute": c.recompute, "kept": c.kept, "memory_w": c.memory_w,
                                          "work": None if c.work is None else dict(c.work),

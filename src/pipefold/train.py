@@ -89,6 +89,9 @@ class TrainConfig:
     """Run each rank in its own network namespace (needs root; see :mod:`pipefold.runtime.netns`)."""
     adapt_every: int = 2
     """With 'adaptive-kfkb': steps between two choices of k."""
+    dp: int = 1
+    """Data-parallel copies of the pipeline (``devices`` ranks each): dp x devices processes, each pipeline on its
+    shard of the batch, gradients averaged across them per stage (``DP`` actions)."""
     fill_bubbles: bool = False
     """With optimizer 'kfac': put K-FAC's work in the schedule's bubbles, spread over steps (PipeFisher); without,
     it runs right after the passes it reads, every step."""
@@ -156,9 +159,22 @@ def make_job(config: TrainConfig, *, save_grads_of_step: int | None = None,
     K-FAC, the placement of its work (a :class:`~pipefold.pipefisher.Filled`) that another process made.
     """
     schedule = build_schedule(config)
-    if config.batch % config.microbatches:
-        raise ConfigError(f"a batch of {config.batch} does not split into {config.microbatches} microbatches; "
-                          f"use a --batch that is a multiple of {config.microbatches}")
+    if config.dp < 1:
+        raise ConfigError(f"--dp is the number of data-parallel pipelines: at least 1 (got {config.dp})")
+    if config.dp > 1:
+        unsupported = [flag for flag, on in (("--optimizer kfac", config.optimizer == "kfac"),
+                                             (f"--schedule {ADAPTIVE}", config.schedule == ADAPTIVE),
+                                             ("--network", config.network is not None), ("--netns", config.netns),
+                                             ("--offload", config.offload is not None)) if on]
+        if unsupported:
+            raise ConfigError(f"data-parallel pipelines (--dp {config.dp}) do not run with {unsupported[0]} yet: "
+                              "use --dp 1 with it")
+    shards = config.dp * config.microbatches
+    if config.batch % shards:
+        per = f"{config.dp} pipelines x {config.microbatches} microbatches" if config.dp > 1 else \
+            f"{config.microbatches} microbatches"
+        raise ConfigError(f"a batch of {config.batch} does not split into {per}; use a --batch that is a multiple "
+                          f"of {shards}")
     spec = get_model(config.model)
     cfg, batch_at = model_batch(config)
     if schedule.stages > cfg.num_layers:
@@ -206,10 +222,14 @@ def make_job(config: TrainConfig, *, save_grads_of_step: int | None = None,
     elif config.netns:
         raise ConfigError("--netns needs --network: the conditions the namespaces' links emulate, such as "
                           "constant:bandwidth=50MB or preempt:seed=1,idle=50MB,busy=5MB,on=4,off=4")
+    if config.dp > 1:
+        from pipefold.dataparallel import with_data_parallel
+
+        schedule = with_data_parallel(schedule)  # each stage's gradients averaged across the pipelines
     return Job(schedule=schedule, layer_stages=layer_stages, build_layers=build, loss_fn=spec.loss,
                batch_at=batch_at, steps=config.steps, lr=config.lr, optimizer=config.optimizer, clip=config.clip,
                save_grads_of_step=save_grads_of_step, offload=config.offload, recompute=recompute, extra=extra,
-               network=network, adaptive=adaptive, cycle=cycle, kfac=kfac, refill=refill)
+               network=network, adaptive=adaptive, cycle=cycle, kfac=kfac, refill=refill, dp=config.dp)
 
 
 def _kfac_cycle(config: TrainConfig, schedule: Schedule, layer_stages: tuple[tuple[int, ...], ...],
@@ -225,7 +245,8 @@ def _kfac_cycle(config: TrainConfig, schedule: Schedule, layer_stages: tuple[tup
     stages = [Chain(*(layers[i] for i in part)) for part in layer_stages]
     x, y = batch_at(0)
     m = config.microbatches
-    rows = measure(stages, x.chunk(m)[0], y.chunk(m)[0], loss_fn, microbatches=m, config=kfac)
+    n = m * config.dp  # a microbatch of a pipeline's shard
+    rows = measure(stages, x.chunk(n)[0], y.chunk(n)[0], loss_fn, microbatches=m, config=kfac)
     cost = CostModel(stage_overrides={s: StageOverride(f=r["f"], b=r["b"], w=r["w"], memory=float(r["memory"]),
                                                        work=r["work"], stash={k: float(v) for k, v in
                                                                               r["stash"].items()})
@@ -246,7 +267,8 @@ def _plan_recompute(config: TrainConfig, schedule: Schedule, layer_stages: tuple
     stages = [Chain(*(layers[i] for i in part)) for part in layer_stages]
     x, y = batch_at(0)
     m = config.microbatches
-    profiles = measure_stages(stages, x.chunk(m)[0], y.chunk(m)[0], loss_fn, microbatches=m,
+    n = m * config.dp  # a microbatch of a pipeline's shard
+    profiles = measure_stages(stages, x.chunk(n)[0], y.chunk(n)[0], loss_fn, microbatches=m,
                               optimizer_factor=OPTIMIZER_STATE.get(config.optimizer, 2.0))
     return plan_recompute(schedule, profiles, config.recompute, config.memory_budget)
 
@@ -266,11 +288,11 @@ def _layer_stages(config: TrainConfig, cfg: Any, schedule: Schedule, loss_fn: Ca
     )
 
     layers, sample = model_sample(config.model, layers=config.layers, hidden=config.hidden, heads=config.heads,
-                                  batch=max(1, config.batch // config.microbatches), seq=config.seq,
+                                  batch=max(1, config.batch // (config.dp * config.microbatches)), seq=config.seq,
                                   seed=config.seed)
     if config.partition == "memory":
         times = layer_costs(layers, sample, by="time")
-        target = batch_at(0)[1].chunk(config.microbatches)[0]  # the last layer holds what the loss saves
+        target = batch_at(0)[1].chunk(config.dp * config.microbatches)[0]  # the last layer holds what the loss saves
         held = layer_memory(layers, sample, loss_fn=loss_fn, target=target)
         static = layer_static_bytes(layers, optimizer_factor=OPTIMIZER_STATE.get(config.optimizer, 2.0))
         split_memory = partition_memory(times, [h for h, _ in held], [w for _, w in held], static, schedule)
@@ -464,7 +486,8 @@ def compare(job: Job, reports: list[RankReport]) -> dict[str, float]:
     A stage held by several replicas is compared on every rank that holds it (after their all-reduce).
     """
     ref_loss, ref_grads = reference_step(job)
-    pipe_loss = sum(sum(r.steps[0].losses.values()) for r in reports) / job.schedule.microbatches
+    losses = [loss for r in reports for loss in r.steps[0].losses.values()]  # every pipeline's microbatches
+    pipe_loss = sum(losses) / len(losses)
     got: dict[str, list[torch.Tensor]] = {}
     for r in reports:
         for name, g in (r.grads or {}).items():

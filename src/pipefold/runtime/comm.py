@@ -45,6 +45,7 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -237,8 +238,10 @@ class Links:
 
     def __init__(self, stages: int, microbatches: int, device: torch.device, meter: MemoryMeter, *,
                  log: bool = False, timeout: float | None = None, network: Network | None = None,
-                 rank: int = 0, origin: float = 0.0) -> None:
+                 rank: int = 0, origin: float = 0.0, ranks: Sequence[int] | None = None) -> None:
         self.S, self.M = stages, microbatches
+        self.ranks = ranks
+        """The process-group rank of each pipeline device (None: device d is rank d); peers are devices."""
         self.device = device
         self.meter = meter
         self.timeout = timeout
@@ -270,7 +273,7 @@ class Links:
             return
         if self.log is not None:
             self.log.append(("send", peer, tag))
-        outbox.post((_Deferred(t, peer, tag, self._due(peer, nbytes)), (t,), nbytes, posted_at, tag))
+        outbox.post((_Deferred(t, self._rank_of(peer), tag, self._due(peer, nbytes)), (t,), nbytes, posted_at, tag))
 
     def _outbox(self, peer: int) -> _Outbox:
         if peer not in self.outboxes:
@@ -282,9 +285,12 @@ class Links:
         """Post one "send" or "recv" of ``t`` with ``peer``."""
         if self.log is not None:
             self.log.append((op, peer, tag))
-        work = (dist.isend if op == "send" else dist.irecv)(t, peer, tag=tag)
+        work = (dist.isend if op == "send" else dist.irecv)(t, self._rank_of(peer), tag=tag)
         assert work is not None
         return work
+
+    def _rank_of(self, device: int) -> int:
+        return device if self.ranks is None else self.ranks[device]
 
     def tag(self, direction: int, stage: int, microbatch: int, index: int) -> int:
         return ((direction * self.S + stage) * self.M + microbatch) * MAX_TENSORS + index

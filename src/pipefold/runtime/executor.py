@@ -272,7 +272,8 @@ class RankExecutor:
                  loss_fn: Callable[..., torch.Tensor], device: torch.device, *,
                  recompute: Mapping[int, int] | None = None, log_messages: bool = False,
                  timeout: float | None = None, optimizers: Mapping[int, Callable[[], Any]] | None = None,
-                 network: Network | None = None, origin: float = 0.0, work: StepWork | None = None) -> None:
+                 network: Network | None = None, origin: float = 0.0, work: StepWork | None = None,
+                 pipelines: Sequence[Sequence[int]] | None = None, pipeline: int = 0, dp_group: Any = None) -> None:
         self.schedule, self.rank, self.device = schedule, rank, device
         self.meter = MemoryMeter()
         last = schedule.stages - 1
@@ -286,16 +287,23 @@ class RankExecutor:
         self.optimizers = dict(optimizers or {})
         """Per stage, what its OPT action calls: its optimizer's step."""
         self.work = work
-        runs = set(_RUNS) | ({Kind.OPT} if self.optimizers else set()) | set(work.kinds if work else ())
+        self.dp_group = dp_group
+        """The process group of this rank's stages' copies in the data-parallel pipelines (``DP`` actions)."""
+        runs = (set(_RUNS) | ({Kind.OPT} if self.optimizers else set()) | set(work.kinds if work else ())
+                | ({Kind.DP} if dp_group is not None else set()))
         unknown = sorted({a.kind for act in self.actions for a in act.passes} - runs)
         if unknown:
             raise ConfigError(f"the runtime cannot run {', '.join(unknown)} actions ("
                               f"{'; '.join(KINDS[k].doc for k in unknown)}); it runs {', '.join(sorted(runs))}"
                               + ("" if self.optimizers else ", and OPT when given an optimizer per stage")
-                              + ("" if work else ", and K-FAC's when training with K-FAC (--optimizer kfac)"))
+                              + ("" if work else ", and K-FAC's when training with K-FAC (--optimizer kfac)")
+                              + ("" if dp_group is not None else ", and DP with data-parallel pipelines (--dp)"))
         graph = dependency_graph(schedule)
+        # ``rank`` is this rank's device in its pipeline; ``pipelines`` give every pipeline's process-group ranks.
+        pipelines = pipelines or [list(range(schedule.devices))]
         self.links = Links(schedule.stages, schedule.microbatches, device, self.meter, log=log_messages,
-                           timeout=timeout, network=network, rank=rank, origin=origin)
+                           timeout=timeout, network=network, rank=rank, origin=origin,
+                           ranks=pipelines[pipeline] if len(pipelines) > 1 or pipeline else None)
         self._in_meta: dict[int, tuple[Meta, ...]] = {}  # stage -> metas of its input, when received
         self._out_meta: dict[int, tuple[Meta, ...]] = {}  # stage -> metas of its output
         self._last_shape: Any = None
@@ -312,12 +320,13 @@ class RankExecutor:
         # The replicas of a stage all-reduce their gradients in a group of their own (made in the same order on
         # every rank, as torch.distributed requires, even by ranks that are not in it).
         self._groups: dict[int, Any] = {}
-        for s in range(schedule.stages):
-            holders = schedule.holders(s)
-            if len(holders) > 1:
-                group = dist.new_group(ranks=sorted(holders))
-                if rank in holders:
-                    self._groups[s] = group
+        for q, ranks in enumerate(pipelines):
+            for s in range(schedule.stages):
+                holders = schedule.holders(s)
+                if len(holders) > 1:
+                    group = dist.new_group(ranks=sorted(ranks[h] for h in holders))
+                    if q == pipeline and rank in holders:
+                        self._groups[s] = group
         self._reductions: dict[int, list[dist.Work]] = {}  # stage -> its all-reduce, until waited for
 
     def parameters(self) -> list[nn.Parameter]:
@@ -434,6 +443,18 @@ class RankExecutor:
                 self._reductions.setdefault(s, []).append(dist.all_reduce(p.grad, group=self._groups[s],
                                                                           async_op=True))
             stats.events.append(Event(str(action), "R", start, clock()))
+        elif action.kind == Kind.DP:
+            start = clock()
+            for work in self._reductions.pop(s, ()):
+                work.wait()  # the all-reduce between replicas first: both write the same gradients
+            share = 1.0 / dist.get_world_size(self.dp_group)
+            for p in runner.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                p.grad.mul_(share)  # the mean over the pipelines, each having averaged over its own shard
+                self._reductions.setdefault(s, []).append(dist.all_reduce(p.grad, group=self.dp_group,
+                                                                          async_op=True))
+            stats.events.append(Event(str(action), "DP", start, clock()))
         elif action.kind == Kind.OPT:
             start = clock()
             for work in self._reductions.pop(s, ()):

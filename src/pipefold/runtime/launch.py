@@ -105,6 +105,10 @@ class Job:
     cycle: tuple[Schedule, ...] = ()
     """Step t runs ``cycle[t % len(cycle)]`` (K-FAC's work spread over steps, :mod:`pipefold.pipefisher`);
     ``schedule`` must be ``cycle[0]``."""
+    dp: int = 1
+    """Data-parallel copies of the whole pipeline: ranks dp x devices, rank r is device r % devices of pipeline
+    r // devices; each pipeline runs its shard of every step's batch, and its ``DP`` actions average each
+    stage's gradients across the pipelines (the schedule must have them: :mod:`pipefold.dataparallel`)."""
     kfac: KFACConfig | None = None
     """Keep K-FAC's state per stage and run the schedule's KA, KG, KI and KP actions (``optimizer="kfac"``)."""
     refill: Refill | None = None
@@ -130,6 +134,26 @@ class Job:
         if self.cycle and (self.cycle[0] != self.schedule or self.adaptive is not None):
             raise ConfigError("a job with a cycle of schedules starts with its first (schedule=cycle[0]) and does not "
                               "adapt")
+        if not (isinstance(self.dp, int) and self.dp >= 1):
+            raise ConfigError(f"dp is the number of data-parallel pipelines: an integer >= 1 (got {self.dp!r})")
+        if self.dp > 1:
+            if (missing := _without(self.schedule, Kind.DP)) is not None:
+                d, st = missing
+                raise ConfigError(f"with {self.dp} data-parallel pipelines every stage all-reduces its gradients, "
+                                  f"but {self.schedule.name} has no {st}DP on device {d}: add them with "
+                                  "pipefold.dataparallel.with_data_parallel")
+            unsupported = [what for what, on in (("adaptive schedules", self.adaptive is not None),
+                                                 ("K-FAC", self.kfac is not None),
+                                                 ("replicated stages (Chimera, DualPipe)", self.schedule.replicas > 1),
+                                                 ("emulated networks", self.network is not None),
+                                                 ("network namespaces", self.netns is not None),
+                                                 ("offloading", self.offload is not None)) if on]
+            if unsupported:
+                raise ConfigError(f"data-parallel pipelines (dp={self.dp}) do not run with {unsupported[0]} yet: "
+                                  "use dp=1 for them")
+        elif any(a.kind == Kind.DP for row in self.schedule.actions for a in row):
+            raise ConfigError(f"{self.schedule.name} all-reduces across data-parallel pipelines (DP actions) but the "
+                              "job has one pipeline: give dp > 1 or a schedule without DP")
         if self.refill is not None and not (self.cycle and self.kfac is not None):
             raise ConfigError("refilling places K-FAC's work again: it needs a K-FAC job with a cycle")
         if (self.kfac is not None) != (self.optimizer == "kfac"):
@@ -178,6 +202,13 @@ class RankReport:
     storage counted once (offloaded layers' homes included): what it holds besides the step's activations."""
     decisions: list[tuple[int, Any]] = field(default_factory=list)
     """On rank 0 of an adaptive job: (the first step it applies to, what ``Adaptive.decide`` recorded)."""
+    pipeline: int = 0
+    """Which data-parallel pipeline the rank belongs to (``rank`` is its process-group rank)."""
+
+    @property
+    def device(self) -> int:
+        """The rank's device in its pipeline."""
+        return self.steps[0].rank if self.steps else self.rank
 
 
 def _spec(schedule: Schedule) -> str:
@@ -241,9 +272,13 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
              on_step: Callable[[int, float, float], None] | None = None) -> RankReport:
     """The body of one rank: build, train for ``job.steps`` steps, report.
 
-    The rank that computes the loss calls ``on_step(step, loss, seconds)`` after every step.
+    The rank that computes the loss calls ``on_step(step, loss, seconds)`` after every step (of the first
+    pipeline, with data parallelism: the loss of its shard).
     """
-    device = _device(rank)
+    pipeline, rank = divmod(rank, job.schedule.devices)  # from here on ``rank`` is the device in the pipeline
+    global_rank = pipeline * job.schedule.devices + rank
+    device = _device(global_rank)
+    pipelines, dp_group = _mesh(job) if job.dp > 1 else (None, None)
     chains = stage_modules(job, rank)
     offloaded: list[Offloaded] = []
     if job.offload is None:
@@ -279,7 +314,8 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
             executors[index] = RankExecutor(
                 choices[index], rank, modules, job.loss_fn, device, recompute=recompute,
                 log_messages=job.log_messages, timeout=job.timeout_s, network=job.network, origin=origin or 0.0,
-                optimizers={s: o.step if o is not None else _nothing for s, o in stage_opts.items()}, work=work)
+                optimizers={s: o.step if o is not None else _nothing for s, o in stage_opts.items()}, work=work,
+                pipelines=pipelines, pipeline=pipeline, dp_group=dp_group)
         return executors[index]
 
     current, predicted = 0, None
@@ -291,14 +327,17 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     grads = None
     m = job.schedule.microbatches
     loss_rank = job.schedule.holders(job.schedule.stages - 1)[0]
-    # A stage held by several replicas counts once in a global norm: by its first holder.
-    counted = [p for s, r in executor.runners.items() if job.schedule.holders(s)[0] == rank for p in r.params]
+    # A stage held by several replicas counts once in a global norm: by its first holder, in the first pipeline.
+    counted = [p for s, r in executor.runners.items() if job.schedule.holders(s)[0] == rank and pipeline == 0
+               for p in r.params]
     for step in range(job.steps):
         if job.cycle:
             current = (step - cycle_from) % len(choices)
         executor = executor_for(current)
         started = time.perf_counter()
         x, y = job.batch_at(step)
+        if job.dp > 1:  # this pipeline's shard of the global batch
+            x, y = x.chunk(job.dp)[pipeline], y.chunk(job.dp)[pipeline]
         xs, ys = microbatches(x.to(device), m), microbatches(y.to(device), m)
         for p in params:
             p.grad = None
@@ -321,7 +360,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
             opt.step()
         stats.schedule, stats.predicted = _spec(choices[current]), predicted
         reports.append(stats)
-        if on_step is not None and rank == loss_rank:
+        if on_step is not None and rank == loss_rank and pipeline == 0:
             on_step(step, sum(stats.losses.values()) / len(stats.losses), time.perf_counter() - started)
         if job.refill is not None and step + 1 == job.refill.after and step + 1 < job.steps:
             ran = [choices[(i - cycle_from) % len(choices)] for i in range(1, step + 1)]
@@ -348,12 +387,22 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     weights = {name: p.detach().clone() for name, p in _named(job, chains)} if job.save_weights else None
     optimizers = [o for o in (opt, *stage_opts.values()) if o is not None]
     static = _static_bytes(params, optimizers) + (work.state_bytes() if work is not None else 0)
-    report = RankReport(rank, reports, grads, _peak_rss(), resident, weights, static,
-                        decisions)
+    report = RankReport(global_rank, reports, grads, _peak_rss(), resident, weights, static,
+                        decisions, pipeline)
     if out_dir is not None:
-        with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as fh:
+        with open(Path(out_dir) / f"rank{global_rank}.pkl", "wb") as fh:
             pickle.dump(report, fh)
     return report
+
+
+def _mesh(job: Job) -> tuple[list[list[int]], Any]:
+    """The dp x devices mesh of the job's ranks (torch's DeviceMesh): every pipeline's ranks, and the group of
+    this rank's copies across the pipelines."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (job.dp, job.schedule.devices),
+                            mesh_dim_names=("dp", "pp"))
+    return mesh.mesh.tolist(), mesh.get_group("dp")
 
 
 def _refill(refill: Refill, steps: list[StepStats], ran: list[Schedule], rank: int, world: int) -> Filled:
@@ -566,7 +615,7 @@ def run_local(job: Job, on_step: Callable[[int, float, float], None] | None = No
     on any rank terminates the others and is raised here, naming the rank.
     """
 
-    world = job.schedule.devices
+    world = job.dp * job.schedule.devices
     queue = process_context().SimpleQueue()
     # When a rank fails, torch logs a warning for each rank it then terminates; the RankError
     # raised below already says what happened, in one line.
@@ -628,14 +677,16 @@ def run_torchrun(job: Job, on_step: Callable[[int, float, float], None] | None =
     """Run this process's rank of ``job`` as torchrun started it; rank 0 gets every rank's report, others None.
 
     torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; the world must
-    have one process per device of the schedule, on one machine or several.
+    have one process per device of the schedule and data-parallel pipeline, on one machine or several.
     """
     rank, world = join_torchrun_group(max(job.timeout_s, 60.0))
     try:
-        if world != job.schedule.devices:
-            need = job.schedule.devices
-            raise ConfigError(f"torchrun started {world} processes but {job.schedule.name} runs on {need} devices; "
-                              f"set --nproc-per-node and --nnodes for {need} in all")
+        if world != job.dp * job.schedule.devices:
+            need = job.dp * job.schedule.devices
+            what = f" x {job.dp} data-parallel pipelines" if job.dp > 1 else ""
+            raise ConfigError(f"torchrun started {world} processes but {job.schedule.name} runs on "
+                              f"{job.schedule.devices} devices{what}; set --nproc-per-node and --nnodes for {need} "
+                              "in all")
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
         report = run_rank(job, rank, world, None, on_step)
         gathered: list[Any] = [None] * world if rank == 0 else []

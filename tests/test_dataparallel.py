@@ -1,0 +1,108 @@
+"""Data-parallel pipelines: the DP actions in the schedule, their cost, and exact training across dp x pp ranks.
+
+The references are independent of the code under test: closed forms for the all-reduce's time, and one
+process over the whole global batch (:func:`pipefold.train.reference_step`) for the gradients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from pipefold.dataparallel import with_data_parallel
+from pipefold.errors import ConfigError
+from pipefold.ir import DP, Kind, validate
+from pipefold.runtime.launch import run_local
+from pipefold.schedules import build
+from pipefold.simulate import CostModel, simulate
+from pipefold.train import TrainConfig, compare, make_job
+
+FAMILIES = ["1f1b", "gpipe", "zb-h1", "zb-v", "v-half", "v-min", "interleaved-1f1b", "looped-bfs", "dualpipev",
+            "chimera", "dualpipe"]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_each_stage_all_reduces_right_after_its_gradients_are_done(name: str) -> None:
+    s = build(name, 4, 8)
+    d = validate(with_data_parallel(s))
+    for device, row in enumerate(d.actions):
+        assert [a for a in row if a.kind != Kind.DP] == list(s.actions[device])
+        for stage in s.stages_of(device):
+            i = row.index(DP(stage))
+            done = [j for j, act in enumerate(row) for a in act.passes
+                    if a.stage == stage and a.kind in (Kind.W, Kind.BW, Kind.R)]
+            assert i == max(done) + 1 or row[max(done) + 1].kind == Kind.DP, (name, device, row[i - 2: i + 1])
+    with pytest.raises(ConfigError, match="already all-reduces"):
+        with_data_parallel(d)
+
+
+def test_the_all_reduce_runs_beside_the_tail_and_costs_a_ring() -> None:
+    """1F1B, p=2, m=2, F=B=W=1, fused backwards: device 1 ends its last backward at 7, device 0 at 9. A stage is
+    one device's share here, G=8 bytes; a ring among n=2 pipelines moves 2(n-1)/n x 8 = 8 bytes at bandwidth 2: 4
+    time units. Stage 1's all-reduce (7..11) starts under device 0's last backward; stage 0's (9..13) sets the
+    step: 13 against 9. With a latency L per message, a ring adds 2(n-1) L."""
+    s = with_data_parallel(build("1f1b", 2, 2))
+    r = simulate(s, CostModel(grad_bytes=8, bandwidth=2, dp=2))
+    times = {iv.action: (iv.start, iv.end) for row in r.timeline for iv in row}
+    plain = simulate(build("1f1b", 2, 2), CostModel())
+    assert plain.makespan == pytest.approx(9)
+    assert times[DP(1)] == pytest.approx((7, 11)) and times[DP(0)] == pytest.approx((9, 13))
+    assert r.makespan == pytest.approx(13)
+    assert r.busy == pytest.approx(plain.busy)  # it runs beside the compute
+    latent = CostModel(grad_bytes=8, bandwidth=2, dp=3, latency=0.5)
+    assert latent.stage_cost(0, 2, 2).dp_reduce == pytest.approx(2 * 2 * 0.5 + 2 * 2 / 3 * 8 / 2)
+    # One pipeline: nothing to reduce.
+    assert simulate(s, CostModel(grad_bytes=8, bandwidth=2)).makespan == pytest.approx(9)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-v", "v-half", "looped-bfs"])
+def test_dp2_pp2_matches_one_process_and_keeps_the_copies_identical(schedule: str) -> None:
+    config = TrainConfig(schedule=schedule, devices=2, dp=2, microbatches=4, steps=3, model="gpt", layers=4,
+                         hidden=32, heads=2, seq=32, batch=16, partition="even", optimizer="adamw")
+    job = dataclasses.replace(make_job(config, save_grads_of_step=0), save_weights=True)
+    reports = run_local(job)
+    assert sorted((r.pipeline, r.device) for r in reports) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    # The first step's gradients, on every rank of both pipelines, are those of one process over the global batch.
+    diffs = compare(job, reports)
+    assert diffs["loss_rel_diff"] < 1e-5 and diffs["max_grad_rel_diff"] < 1e-5, diffs
+    # After three AdamW steps the two copies of each stage hold the same weights, bit for bit.
+    by_name: dict[str, list[torch.Tensor]] = {}
+    for r in reports:
+        for name, w in (r.weights or {}).items():
+            by_name.setdefault(name, []).append(w)
+    assert all(len(ws) == 2 and torch.equal(ws[0], ws[1]) for ws in by_name.values())
+    # Each pipeline ran its own shard: the losses of its microbatches differ from the other's.
+    last = job.schedule.holders(job.schedule.stages - 1)[0]
+    shard = {r.pipeline: r.steps[0].losses for r in reports if r.device == last}
+    assert shard[0] != shard[1]
+
+
+def test_refusals_are_one_line() -> None:
+    base = dict(devices=2, dp=2, microbatches=2, steps=1, model="mlp", layers=4, hidden=8, batch=8)
+    with pytest.raises(ConfigError, match="does not split into 2 pipelines x 2 microbatches; use a --batch that is "
+                                          "a multiple of 4"):
+        make_job(TrainConfig(schedule="1f1b", **{**base, "batch": 6}))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="replicated stages"):
+        make_job(TrainConfig(schedule="chimera", **base))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"do not run with --optimizer kfac yet: use --dp 1 with it"):
+        make_job(TrainConfig(schedule="1f1b", optimizer="kfac", **base))  # type: ignore[arg-type]
+    job = make_job(TrainConfig(schedule="1f1b", **base))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="has no 0DP on device 0"):
+        dataclasses.replace(job, schedule=build("1f1b", 2, 2))
+    with pytest.raises(ConfigError, match="the job has one pipeline"):
+        dataclasses.replace(job, dp=1)
+
+
+def test_cli_dp(capsys: pytest.CaptureFixture[str]) -> None:
+    from pipefold.cli import main
+
+    code = main(["train", "--schedule", "zb-v", "--pp", "2", "--dp", "2", "--model", "mlp", "--layers", "4",
+                 "--hidden", "32", "--batch", "16", "-m", "4", "--steps", "2", "--check", "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["dp"] == 2 and out["max_grad_rel_diff"] < 1e-5 and len(out["busy_s"]) == 2
+    assert main(["train", "--pp", "2", "--dp", "0", "--model", "mlp", "--layers", "4", "--batch", "8"]) == 2
+    assert "--dp is the number of data-parallel pipelines" in capsys.readouterr().err
