@@ -8,6 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +20,7 @@ import torch
 from pipefold.dataparallel import with_data_parallel
 from pipefold.errors import ConfigError
 from pipefold.ir import DP, Kind, validate
-from pipefold.runtime.launch import run_local
+from pipefold.runtime.launch import free_port, run_local
 from pipefold.schedules import build
 from pipefold.simulate import CostModel, simulate
 from pipefold.train import TrainConfig, compare, make_job
@@ -106,3 +111,56 @@ def test_cli_dp(capsys: pytest.CaptureFixture[str]) -> None:
     assert out["dp"] == 2 and out["max_grad_rel_diff"] < 1e-5 and len(out["busy_s"]) == 2
     assert main(["train", "--pp", "2", "--dp", "0", "--model", "mlp", "--layers", "4", "--batch", "8"]) == 2
     assert "--dp is the number of data-parallel pipelines" in capsys.readouterr().err
+
+
+TORCHRUN = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+
+
+@pytest.mark.skipif(TORCHRUN is None, reason="no torchrun")
+def test_two_torchrun_agents_as_two_nodes(tmp_path: Path) -> None:
+    """Two torchrun agents on this machine as two nodes (c10d rendezvous on loopback), 2 processes each: dp=2 x pp=2
+    trains with the gradients of one process, as on two machines."""
+    assert TORCHRUN is not None
+    port = free_port()
+    argv = [TORCHRUN, "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "pipefold-test", "-m", "pipefold", "train",
+            "--schedule", "1f1b", "--pp", "2", "--dp", "2", "--model", "mlp", "--layers", "4", "--hidden", "32",
+            "--batch", "16", "-m", "4", "--steps", "2", "--check", "--json"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    agents = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                               cwd=tmp_path) for _ in range(2)]
+    outs = []
+    try:
+        for agent in agents:
+            out, err = agent.communicate(timeout=240)
+            assert agent.returncode == 0, err[-2000:]
+            outs.append(out)
+    finally:
+        for agent in agents:
+            agent.kill()
+    lines = [line for out in outs for line in out.strip().splitlines() if line.startswith("{")]
+    assert len(lines) == 1, outs  # rank 0 reports for everyone, on whichever node it ran
+    result = json.loads(lines[0])
+    assert result["dp"] == 2 and result["max_grad_rel_diff"] < 1e-5 and len(result["loss"]) == 2
+
+
+def test_zero1_shards_the_optimizer_state_and_changes_no_weight() -> None:
+    """ZeRO-1 at dp=2 x pp=2 (AdamW): the same weights as without it after three steps (each copy steps half the
+    parameters and sends them to the other), and each rank keeps less optimizer state. Without it a rank keeps
+    parameters P, gradients P and AdamW's two moments 2P (4P); with it the moments of its share only, about 3P."""
+    runs = {}
+    for zero1 in (False, True):
+        config = TrainConfig(schedule="1f1b", devices=2, dp=2, microbatches=2, steps=3, model="mlp", layers=4,
+                             hidden=64, batch=32, partition="even", optimizer="adamw", zero1=zero1)
+        job = dataclasses.replace(make_job(config), save_weights=True)
+        runs[zero1] = sorted(run_local(job), key=lambda r: r.rank)
+    for plain, sharded in zip(runs[False], runs[True], strict=True):
+        assert plain.weights is not None and sharded.weights is not None
+        for name, w in plain.weights.items():
+            torch.testing.assert_close(sharded.weights[name], w, rtol=1e-6, atol=1e-7)
+        params = sum(w.numel() * w.element_size() for w in plain.weights.values())
+        assert plain.static_bytes >= 4 * params
+        assert 3 * params <= sharded.static_bytes <= 3.3 * params, (sharded.static_bytes, params)
+    with pytest.raises(ConfigError, match="ZeRO-1 shards the optimizer state"):
+        make_job(TrainConfig(schedule="1f1b", devices=2, microbatches=2, model="mlp", layers=4, hidden=8, batch=8,
+                             zero1=True))

@@ -260,6 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="data-parallel copies of the pipeline (default 1): D x P processes, each pipeline on its "
                         "shard of the batch, each stage's gradients averaged across them as soon as its last "
                         "weight gradient is done")
+    p.add_argument("--zero1", action="store_true",
+                   help="with --dp: shard the optimizer state across the copies of each stage (ZeRO-1)")
     p.add_argument("--microbatches", "-m", type=int, default=8, metavar="M", help="microbatches per step (default 8)")
     p.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
     _add_model(p, layers=None, layers_help="default: enough for 2 layers per stage", batch=16,
@@ -814,7 +816,8 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
                              partition=args.partition, recompute=args.recompute,
                              memory_budget=None if args.memory_budget is None else parse_bytes(args.memory_budget),
                              network=args.network, netns=args.netns, adapt_every=args.adapt_every,
-                             fill_bubbles=args.fill_bubbles, damping=args.damping, ema=args.ema, dp=args.dp)
+                             fill_bubbles=args.fill_bubbles, damping=args.damping, ema=args.ema, dp=args.dp,
+                             zero1=args.zero1)
     if args.adapt_every < 1:
         raise ConfigError(f"--adapt-every must be at least 1 (got {args.adapt_every})")
     if (args.network or args.netns) and (args.plan is not None or args.schedule == "auto"):

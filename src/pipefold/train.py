@@ -92,6 +92,8 @@ class TrainConfig:
     dp: int = 1
     """Data-parallel copies of the pipeline (``devices`` ranks each): dp x devices processes, each pipeline on its
     shard of the batch, gradients averaged across them per stage (``DP`` actions)."""
+    zero1: bool = False
+    """With dp > 1: shard the optimizer state across the copies of each stage (ZeRO-1)."""
     fill_bubbles: bool = False
     """With optimizer 'kfac': put K-FAC's work in the schedule's bubbles, spread over steps (PipeFisher); without,
     it runs right after the passes it reads, every step."""
@@ -229,7 +231,8 @@ def make_job(config: TrainConfig, *, save_grads_of_step: int | None = None,
     return Job(schedule=schedule, layer_stages=layer_stages, build_layers=build, loss_fn=spec.loss,
                batch_at=batch_at, steps=config.steps, lr=config.lr, optimizer=config.optimizer, clip=config.clip,
                save_grads_of_step=save_grads_of_step, offload=config.offload, recompute=recompute, extra=extra,
-               network=network, adaptive=adaptive, cycle=cycle, kfac=kfac, refill=refill, dp=config.dp)
+               network=network, adaptive=adaptive, cycle=cycle, kfac=kfac, refill=refill, dp=config.dp,
+               zero1=config.zero1)
 
 
 def _kfac_cycle(config: TrainConfig, schedule: Schedule, layer_stages: tuple[tuple[int, ...], ...],

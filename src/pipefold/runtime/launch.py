@@ -105,6 +105,9 @@ class Job:
     cycle: tuple[Schedule, ...] = ()
     """Step t runs ``cycle[t % len(cycle)]`` (K-FAC's work spread over steps, :mod:`pipefold.pipefisher`);
     ``schedule`` must be ``cycle[0]``."""
+    zero1: bool = False
+    """With ``dp`` > 1: shard the optimizer state across the copies of each stage (ZeRO-1, torch's
+    ``ZeroRedundancyOptimizer``)."""
     dp: int = 1
     """Data-parallel copies of the whole pipeline: ranks dp x devices, rank r is device r % devices of pipeline
     r // devices; each pipeline runs its shard of every step's batch, and its ``DP`` actions average each
@@ -154,6 +157,10 @@ class Job:
         elif any(a.kind == Kind.DP for row in self.schedule.actions for a in row):
             raise ConfigError(f"{self.schedule.name} all-reduces across data-parallel pipelines (DP actions) but the "
                               "job has one pipeline: give dp > 1 or a schedule without DP")
+        in_schedule = any(a.kind == Kind.OPT for row in self.schedule.actions for a in row)
+        if self.zero1 and (self.dp < 2 or callable(self.optimizer) or self.optimizer == "kfac" or in_schedule):
+            raise ConfigError("ZeRO-1 shards the optimizer state across data-parallel pipelines: it needs dp >= 2, "
+                              "the adamw or sgd optimizer and a schedule without OPT actions")
         if self.refill is not None and not (self.cycle and self.kfac is not None):
             raise ConfigError("refilling places K-FAC's work again: it needs a K-FAC job with a cycle")
         if (self.kfac is not None) != (self.optimizer == "kfac"):
@@ -322,7 +329,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     decisions: list[tuple[int, Any]] = []
     executor = executor_for(current)
     params = executor.parameters()
-    opt = None if in_schedule else _optimizer(job, params)
+    opt = None if in_schedule else _optimizer(job, params, dp_group)
     reports: list[StepStats] = []
     grads = None
     m = job.schedule.microbatches
@@ -518,11 +525,18 @@ def _named(job: Job, modules: dict[int, nn.Module]) -> list[tuple[str, nn.Parame
     return out
 
 
-def _optimizer(job: Job, params: list[nn.Parameter]) -> torch.optim.Optimizer | None:
+def _optimizer(job: Job, params: list[nn.Parameter], dp_group: Any = None) -> torch.optim.Optimizer | None:
     if not params:
         return None  # a rank whose stages have no weights has nothing to step
     if callable(job.optimizer):
         return job.optimizer(params)
+    if job.zero1 and dp_group is not None:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        # ZeRO-1: each copy of a stage keeps the optimizer state of its share of the parameters, steps them,
+        # and sends them to the other copies.
+        return ZeroRedundancyOptimizer(params, optimizer_class=OPTIMIZERS[job.optimizer],  # type: ignore[arg-type]
+                                       process_group=dp_group, lr=job.lr)
     return OPTIMIZERS[job.optimizer](params, lr=job.lr)
 
 
@@ -547,7 +561,8 @@ def _clip_global(params: list[nn.Parameter], counted: list[nn.Parameter], max_no
 def _static_bytes(params: list[nn.Parameter], optimizers: list[torch.optim.Optimizer]) -> int:
     """Bytes of the distinct storages of the parameters, their gradients and every tensor in the optimizers' state."""
     tensors = [t for p in params for t in (p, p.grad) if t is not None]
-    tensors += [v for o in optimizers for state in o.state.values() for v in state.values()
+    # ZeRO-1 keeps its share of the state in the optimizer it wraps (``optim``).
+    tensors += [v for o in optimizers for state in getattr(o, "optim", o).state.values() for v in state.values()
                 if isinstance(v, torch.Tensor)]
     seen: dict[int, int] = {}
     for t in tensors:
