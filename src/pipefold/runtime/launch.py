@@ -175,7 +175,7 @@ class Job:
             if self.offload is not None or self.recompute is not None:
                 raise ConfigError("K-FAC does not combine with offloading or recomputation yet: it keeps layer inputs "
                                   "that those would drop; use one or the other")
-        if any(a.kind == Kind.OPT for row in self.schedule.actions for a in row):
+        if in_schedule:
             if (missing := _without(self.schedule, Kind.OPT)) is not None:
                 d, s = missing
                 raise ConfigError(f"the schedule steps some stages' optimizers itself (OPT actions) but not stage "
