@@ -19,7 +19,7 @@ import torch
 
 from pipefold.dataparallel import with_data_parallel
 from pipefold.errors import ConfigError
-from pipefold.ir import DP, Kind, validate
+from pipefold.ir import AG, DP, RS, Kind, validate
 from pipefold.runtime.launch import free_port, run_local
 from pipefold.schedules import build
 from pipefold.simulate import CostModel, simulate
@@ -40,7 +40,7 @@ def test_each_stage_all_reduces_right_after_its_gradients_are_done(name: str) ->
             done = [j for j, act in enumerate(row) for a in act.passes
                     if a.stage == stage and a.kind in (Kind.W, Kind.BW, Kind.R)]
             assert i == max(done) + 1 or row[max(done) + 1].kind == Kind.DP, (name, device, row[i - 2: i + 1])
-    with pytest.raises(ConfigError, match="already all-reduces"):
+    with pytest.raises(ConfigError, match="already reduces"):
         with_data_parallel(d)
 
 
@@ -63,11 +63,54 @@ def test_the_all_reduce_runs_beside_the_tail_and_costs_a_ring() -> None:
     assert simulate(s, CostModel(grad_bytes=8, bandwidth=2)).makespan == pytest.approx(9)
 
 
+@pytest.mark.parametrize("name", FAMILIES[:8])
+def test_sharded_stages_gather_before_their_first_forward_and_reduce_scatter_after_their_gradients(name: str) -> None:
+    s = build(name, 4, 8)
+    d = validate(with_data_parallel(s, shard=True))
+    for device, row in enumerate(d.actions):
+        assert [a for a in row if a.kind not in (Kind.AG, Kind.RS)] == list(s.actions[device])
+        assert not any(a.kind == Kind.DP for a in row)
+        for stage in s.stages_of(device):
+            first_f = next(i for i, a in enumerate(row) if a.stage == stage and a.kind == Kind.F)
+            gather = row.index(AG(stage))
+            between = [a for a in row[gather + 1:first_f] if a.kind != Kind.AG]
+            assert gather < first_f and len(between) <= 1, (name, device, row[gather:first_f + 1])
+            done = max(j for j, act in enumerate(row) for a in act.passes
+                       if a.stage == stage and a.kind in (Kind.W, Kind.BW))
+            assert all(a.kind == Kind.RS for a in row[done + 1:row.index(RS(stage)) + 1])
+    with pytest.raises(ConfigError, match="already reduces"):
+        with_data_parallel(d)
+
+
+def test_sharded_costs_half_rings_and_holds_a_shard_of_the_weights() -> None:
+    """1F1B, p=2, m=2, F=B=W=1, fused backwards, G=8 gradient bytes per stage, bandwidth 2, dp=2. An all-gather
+    or a reduce-scatter is half a ring: (n-1)/n x 8 / 2 = 2 time units. Both devices gather from 0 to 2, so the
+    plain timeline (device 0's last backward ending at 9) moves by 2: stage 1's RS runs 9..11, stage 0's 11..13.
+    Memory: the gathered parameters and gradients (gathered=3 M per device share) are held from AG to the end of
+    RS, on top of the activations' peak (2 M on device 0, 1 on device 1); the static weights (weights=4) are
+    halved."""
+    s = with_data_parallel(build("1f1b", 2, 2), shard=True)
+    r = simulate(s, CostModel(grad_bytes=8, bandwidth=2, dp=2, gathered=3, weights=4))
+    times = {iv.action: (iv.start, iv.end) for row in r.timeline for iv in row}
+    assert times[AG(0)] == pytest.approx((0, 2)) and times[AG(1)] == pytest.approx((0, 2))
+    assert times[RS(1)] == pytest.approx((9, 11)) and times[RS(0)] == pytest.approx((11, 13))
+    assert r.makespan == pytest.approx(13)
+    assert r.static_memory == pytest.approx([2, 2])
+    assert r.peak_memory == pytest.approx([2 + 3 + 2, 1 + 3 + 2])
+    assert r.memory_curve[0][-1][1] == pytest.approx(0)  # all of it given back by the end of the step
+    latent = CostModel(grad_bytes=8, bandwidth=2, dp=4, latency=0.5)
+    cost = latent.stage_cost(0, 2, 2)
+    assert cost.dp_gather == cost.dp_scatter == pytest.approx(3 * 0.5 + 3 / 4 * 8 / 2)
+    assert cost.dp_gather + cost.dp_scatter == pytest.approx(cost.dp_reduce)  # a ring all-reduce is both
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["all-reduce", "fsdp"])
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-v", "v-half", "looped-bfs"])
-def test_dp2_pp2_matches_one_process_and_keeps_the_copies_identical(schedule: str) -> None:
+def test_dp2_pp2_matches_one_process_and_keeps_the_copies_identical(schedule: str, fsdp: bool) -> None:
     config = TrainConfig(schedule=schedule, devices=2, dp=2, microbatches=4, steps=3, model="gpt", layers=4,
-                         hidden=32, heads=2, seq=32, batch=16, partition="even", optimizer="adamw")
+                         hidden=32, heads=2, seq=32, batch=16, partition="even", optimizer="adamw", fsdp=fsdp)
     job = dataclasses.replace(make_job(config, save_grads_of_step=0), save_weights=True)
+    assert any(a.kind == (Kind.RS if fsdp else Kind.DP) for row in job.schedule.actions for a in row)
     reports = run_local(job)
     assert sorted((r.pipeline, r.device) for r in reports) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     # The first step's gradients, on every rank of both pipelines, are those of one process over the global batch.
@@ -79,6 +122,22 @@ def test_dp2_pp2_matches_one_process_and_keeps_the_copies_identical(schedule: st
         for name, w in (r.weights or {}).items():
             by_name.setdefault(name, []).append(w)
     assert all(len(ws) == 2 and torch.equal(ws[0], ws[1]) for ws in by_name.values())
+    initial = job.build_layers(list(range(job.extra["num_layers"])))
+    moved = [name for name, ws in by_name.items()
+             if not torch.equal(ws[0], dict(initial[int(name.split(".")[0])].named_parameters())[
+                 name.split(".", 1)[1]])]
+    assert len(moved) == len(by_name)  # every weight was trained
+    # Each rank keeps parameters P, gradients P and AdamW's two moments 2P of its stages (4-byte floats), and
+    # AdamW's step count per parameter (a 4-byte tensor); sharded, a 1/dp share of the first four (a row more
+    # where dp does not divide a parameter's first dimension).
+    for r in reports:
+        mine = [p for i in (i for st in job.schedule.stages_of(r.device) for i in job.layer_stages[st])
+                for p in initial[i].parameters()]
+        held, steps = sum(p.numel() for p in mine) * 4 * 4, 4 * len(mine)
+        if fsdp:
+            assert held / 2 <= r.static_bytes - steps <= held / 2 * 1.05, (r.rank, r.static_bytes, held)
+        else:
+            assert r.static_bytes == held + steps
     # Each pipeline ran its own shard: the losses of its microbatches differ from the other's.
     last = job.schedule.holders(job.schedule.stages - 1)[0]
     shard = {r.pipeline: r.steps[0].losses for r in reports if r.device == last}
@@ -99,6 +158,20 @@ def test_refusals_are_one_line() -> None:
         dataclasses.replace(job, schedule=build("1f1b", 2, 2))
     with pytest.raises(ConfigError, match="the job has one pipeline"):
         dataclasses.replace(job, dp=1)
+    with pytest.raises(ConfigError, match="no 0AG on device 0: add them with pipefold.dataparallel.with_data_parallel"
+                                          r"\(schedule, shard=True\)"):
+        dataclasses.replace(job, fsdp=True)
+    with pytest.raises(ConfigError, match="--fsdp shards each stage across data-parallel pipelines: give --dp 2"):
+        make_job(TrainConfig(schedule="1f1b", fsdp=True, **{**base, "dp": 1}))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="drop --zero1"):
+        make_job(TrainConfig(schedule="1f1b", fsdp=True, zero1=True, **base))  # type: ignore[arg-type]
+    sharded = make_job(TrainConfig(schedule="1f1b", fsdp=True, **base))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="needs its DP, but 1f1b has no 0DP on device 0"):
+        dataclasses.replace(sharded, fsdp=False)
+    both = sharded.schedule.with_actions([[*row, *(DP(st) for st in sharded.schedule.stages_of(d))]
+                                          for d, row in enumerate(sharded.schedule.actions)])
+    with pytest.raises(ConfigError, match="has AG actions, which shard the stages"):
+        dataclasses.replace(sharded, schedule=both, fsdp=False)
 
 
 def test_cli_dp(capsys: pytest.CaptureFixture[str]) -> None:

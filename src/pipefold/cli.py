@@ -153,6 +153,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "preempt:seed=N,idle=B,busy=B,on=S,off=S[,links=1-2]; messages are --activation-bytes")
     p.add_argument("--at", type=float, default=0.0, metavar="SECONDS",
                    help="with --network: start the step this many seconds into the network's timeline")
+    g = p.add_argument_group("data-parallel pipelines")
+    g.add_argument("--dp", type=int, default=1, metavar="D",
+                   help="data-parallel copies of the pipeline (default 1): each stage all-reduces its --grad-bytes "
+                        "share among them right after its last weight gradient")
+    g.add_argument("--fsdp", action="store_true",
+                   help="with --dp: shard the stages instead (AG before a stage's first forward, RS after its last "
+                        "weight gradient): --weights is held 1/D, --gathered from AG to RS")
+    g.add_argument("--gathered", type=float, default=0.0, metavar="MEM",
+                   help="with --fsdp: memory (M) of a device's share of whole parameters and their gradients, held "
+                        "from a stage's AG to the end of its RS (default 0)")
 
     p = sub.add_parser("pipefisher", help="K-FAC's work in a schedule's bubbles (PipeFisher): the cycle of steps, "
                                           "utilization and step time before and after")
@@ -262,6 +272,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "weight gradient is done")
     p.add_argument("--zero1", action="store_true",
                    help="with --dp: shard the optimizer state across the copies of each stage (ZeRO-1)")
+    p.add_argument("--fsdp", action="store_true",
+                   help="with --dp: shard each stage's parameters, gradients and optimizer state across its copies "
+                        "(torch's fully_shard): gathered before the stage's first forward, reduce-scattered and freed "
+                        "after its last weight gradient")
     p.add_argument("--microbatches", "-m", type=int, default=8, metavar="M", help="microbatches per step (default 8)")
     p.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
     _add_model(p, layers=None, layers_help="default: enough for 2 layers per stage", batch=16,
@@ -433,6 +447,14 @@ def cmd_simulate(args: argparse.Namespace, console: Console) -> None:
         raise ConfigError("--at is a time in a --network's timeline: give --network too")
     if not (math.isfinite(args.at) and args.at >= 0):
         raise ConfigError(f"--at is seconds >= 0 (got {args.at})")
+    if args.fsdp and args.dp < 2 or args.gathered and not args.fsdp:
+        raise ConfigError("--fsdp shards stages across data-parallel pipelines: give --dp 2 or more, and --gathered "
+                          "only with --fsdp")
+    if args.dp != 1:
+        from pipefold.dataparallel import with_data_parallel
+
+        cost = dataclasses.replace(cost, dp=args.dp, gathered=args.gathered)
+        schedule = with_data_parallel(schedule, shard=args.fsdp)
     result = simulate(schedule, cost, network=network, at=args.at)
     written = []
     if args.plot:
@@ -817,7 +839,7 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
                              memory_budget=None if args.memory_budget is None else parse_bytes(args.memory_budget),
                              network=args.network, netns=args.netns, adapt_every=args.adapt_every,
                              fill_bubbles=args.fill_bubbles, damping=args.damping, ema=args.ema, dp=args.dp,
-                             zero1=args.zero1)
+                             zero1=args.zero1, fsdp=args.fsdp)
     if args.adapt_every < 1:
         raise ConfigError(f"--adapt-every must be at least 1 (got {args.adapt_every})")
     if (args.network or args.netns) and (args.plan is not None or args.schedule == "auto"):

@@ -10,6 +10,8 @@ An action is one pass of one microbatch through one stage, or work of a whole st
     3R       all-reduce of stage 3's gradients between the devices holding a replica of it
     3OPT     optimizer step of stage 3
     3DP      all-reduce of stage 3's gradients across the data-parallel copies of the whole pipeline
+    3AG      all-gather of stage 3's parameters from its sharded data-parallel copies (FSDP), before its forwards
+    3RS      reduce-scatter of stage 3's gradients to its sharded copies (FSDP); frees the gathered parameters
     1KA2     K-FAC curvature of stage 1 from microbatch 2's layer inputs (the A factors)
     1KG2     K-FAC curvature of stage 1 from microbatch 2's output gradients (the G factors)
     1KI      K-FAC inversion of stage 1's factors
@@ -82,6 +84,8 @@ class Kind:
     R = "R"  # all-reduce of a replicated stage's gradients
     OPT = "OPT"  # optimizer step of one stage
     DP = "DP"  # all-reduce of a stage's gradients across data-parallel pipelines
+    AG = "AG"  # all-gather of a stage's sharded parameters across data-parallel pipelines (FSDP)
+    RS = "RS"  # reduce-scatter of a stage's gradients across data-parallel pipelines (FSDP)
     KA = "KA"  # K-FAC: curvature from a microbatch's layer inputs (A = E[a a^T])
     KG = "KG"  # K-FAC: curvature from a microbatch's output gradients (G = E[g g^T])
     KI = "KI"  # K-FAC: inversion of a stage's damped factors
@@ -179,7 +183,7 @@ def _gives_anywhere() -> set[str]:
 
 
 for _spec in (
-    KindSpec(code=Kind.F, doc="forward", needs=(("F", -1),), gives=("F",), time=lambda c: c.f,
+    KindSpec(code=Kind.F, doc="forward", needs=(("F", -1),), gives=("F",), after=("AG",), time=lambda c: c.f,
              memory=_f_memory, color="#0072B2", label="forward"),
     KindSpec(code=Kind.B, doc="backward for the stage input only", needs=(("F", 0), ("B", 1)), gives=("B",),
              time=lambda c: c.b, memory=_b_memory, color="#E69F00", label="input grad"),
@@ -193,11 +197,21 @@ for _spec in (
              gives=("R",), collective=True, computes=False, time=lambda c: c.allreduce,
              color="#D55E00", label="grad all-reduce"),
     KindSpec(code=Kind.OPT, doc="optimizer step of one stage", microbatch=False, gathers=("W",),
-             after=("R", "DP", "KP"), gives=("OPT",), time=lambda c: c.opt, color="#666666",
+             after=("R", "DP", "RS", "KP"), gives=("OPT",), time=lambda c: c.opt, color="#666666",
              label="optimizer step"),
     KindSpec(code=Kind.DP, doc="all-reduce of a stage's gradients across the data-parallel pipelines",
              microbatch=False, gathers=("W",), after=("R",), gives=("DP",), computes=False,
              time=lambda c: c.dp_reduce, color="#CC6677", label="data-parallel all-reduce"),
+    # FSDP: each data-parallel copy of a stage keeps a 1/dp shard of its parameters, gradients and optimizer
+    # state; AG gathers the parameters before the stage's forwards, RS reduce-scatters the gradients once its
+    # last weight gradient is done and frees what AG gathered.
+    KindSpec(code=Kind.AG, doc="all-gather of a stage's sharded parameters across the data-parallel pipelines",
+             microbatch=False, gives=("AG",), computes=False, time=lambda c: c.dp_gather,
+             memory=lambda c: (c.gathered, 0.0), color="#88CCEE", label="FSDP all-gather"),
+    KindSpec(code=Kind.RS, doc="reduce-scatter of a stage's gradients across the data-parallel pipelines",
+             microbatch=False, gathers=("W",), after=("R", "AG"), gives=("RS",), computes=False,
+             time=lambda c: c.dp_scatter, memory=lambda c: (0.0, -c.gathered), color="#AA4499",
+             label="FSDP reduce-scatter"),
     # K-FAC (PipeFisher): work the cost model does not derive, so its times come from ``StageCost.work``.
     KindSpec(code=Kind.KA, doc="K-FAC curvature from a microbatch's layer inputs", needs=(("F", 0),),
              gives=("KA",), time=lambda c: c.work.get("KA", 0.0), stash=lambda c: c.stash.get("KA", 0.0),
@@ -302,6 +316,16 @@ def OPT(stage: int) -> Action:
 def DP(stage: int) -> Action:
     """All-reduce of ``stage``'s gradients across the data-parallel pipelines."""
     return Action(stage, Kind.DP, NO_MICROBATCH)
+
+
+def AG(stage: int) -> Action:
+    """All-gather of ``stage``'s parameters from its sharded data-parallel copies (FSDP)."""
+    return Action(stage, Kind.AG, NO_MICROBATCH)
+
+
+def RS(stage: int) -> Action:
+    """Reduce-scatter of ``stage``'s gradients to its sharded data-parallel copies (FSDP)."""
+    return Action(stage, Kind.RS, NO_MICROBATCH)
 
 
 def KA(stage: int, microbatch: int) -> Action:
@@ -1028,11 +1052,18 @@ def _inputs(schedule: Schedule, giver: list[int], names: Mapping[str, int],
         by_replica.setdefault(r, []).append(m)
     # Per kind: (stage offset, index of that pass at stage offset 0) for each need.
     needs = {code: tuple((off, names[n] * S * M + off * M) for n, off in spec.needs) for code, spec in KINDS.items()}
+    # Per-microbatch kinds that also wait for stage-wide passes (a forward for its stage's FSDP all-gather), where
+    # the schedule has any of those passes at all.
+    wide_afters = {code: tuple(wide0 + names[n] * S * D for n in spec.after) for code, spec in KINDS.items()
+                   if spec.microbatch and spec.after}
+    wide_afters = {code: bases for code, bases in wide_afters.items()
+                   if any(g >= 0 for base in bases for g in giver[base:base + S * D])}
     out: list[tuple[int, ...]] = []
     append = out.append
     for device, row in enumerate(schedule.actions):
         for act in row:
-            if not act[3] and act[2] >= 0:  # the common case: one pass of one microbatch, one or two needs
+            if not act[3] and act[2] >= 0 and act[1] not in wide_afters:  # the common case: one pass of one
+                # microbatch, one or two needs
                 s, kind, m = act[0], act[1], act[2]
                 at = s * M + m
                 nd = needs[kind]
@@ -1053,6 +1084,7 @@ def _inputs(schedule: Schedule, giver: list[int], names: Mapping[str, int],
                 if m >= 0:
                     at = s * M + m
                     got += [g for off, base in needs[kind] if 0 <= s + off < S and (g := giver[base + at]) >= 0]
+                    got += [g for base in wide_afters.get(kind, ()) if (g := giver[base + s * D + device]) >= 0]
                     continue
                 spec = KINDS[kind]
                 replica = schedule.replica_on(s, device)

@@ -66,6 +66,12 @@ class StageCost:
     """Time of this stage's optimizer step."""
     dp_reduce: float = 0.0
     """Time of the all-reduce of this stage's gradients across the data-parallel pipelines (``DP`` actions)."""
+    dp_gather: float = 0.0
+    """Time of the all-gather of this stage's sharded parameters across the data-parallel pipelines (``AG``)."""
+    dp_scatter: float = 0.0
+    """Time of the reduce-scatter of this stage's gradients across the data-parallel pipelines (``RS``)."""
+    gathered: float = 0.0
+    """Memory of this stage's whole parameters and their gradients, held from its ``AG`` to the end of its ``RS``."""
     work: Mapping[str, float] = field(default_factory=dict)
     """Times of the kinds whose cost the model does not derive (K-FAC's KA, KG, KI, KP), by kind code."""
     stash: Mapping[str, float] = field(default_factory=dict)
@@ -143,7 +149,11 @@ class CostModel:
     step, once per stage a device holds, so a replicated schedule (Chimera, DualPipe) pays it twice."""
     dp: int = 1
     """Data-parallel copies of the whole pipeline: a ``DP`` action all-reduces its stage's share of
-    ``grad_bytes`` among them, as a ring over ``latency`` and ``bandwidth``."""
+    ``grad_bytes`` among them, as a ring over ``latency`` and ``bandwidth``; sharded (FSDP), ``AG`` all-gathers
+    the parameters (as many bytes as the gradients) and ``RS`` reduce-scatters the gradients, each half a ring."""
+    gathered: float = 0.0
+    """Memory, in units of M, of one device's share of the whole parameters and their gradients: what a stage
+    sharded across the data-parallel pipelines holds from its ``AG`` to the end of its ``RS``."""
     overlap: bool = False
     """Whether a device runs the two parts of an overlapped pair (F+B) at once: it then costs max(F, B), else F + B."""
     contention: tuple[float, ...] = ()
@@ -157,7 +167,7 @@ class CostModel:
 
     def __post_init__(self) -> None:
         for name in ("f", "b", "w", "memory", "memory_w", "latency", "activation_bytes", "grad_bytes", "opt",
-                     "weights"):
+                     "weights", "gathered"):
             value = getattr(self, name)
             if value is None and name == "memory_w":
                 continue
@@ -201,6 +211,14 @@ class CostModel:
         steps = 2 * (replicas - 1)
         return steps * self.latency + (steps / replicas * nbytes / self.bandwidth if nbytes else 0.0)
 
+    def gather_time(self, nbytes: float, replicas: int) -> float:
+        """A ring all-gather (or reduce-scatter) of ``nbytes`` among ``replicas`` devices: half an all-reduce,
+        n-1 steps of latency and n-th shares."""
+        if replicas < 2:
+            return 0.0
+        steps = replicas - 1
+        return steps * self.latency + (steps / replicas * nbytes / self.bandwidth if nbytes else 0.0)
+
     def stage_cost(self, stage: int, stages: int, devices: int, *, replicas: int = 1) -> StageCost:
         """Cost of ``stage`` in a pipeline of ``stages`` stages over ``devices`` devices, held ``replicas`` times.
 
@@ -212,6 +230,9 @@ class CostModel:
         memory_w = None if self.memory_w is None else self.memory_w * share
         allreduce = self.allreduce_time(self.grad_bytes * share, replicas)
         dp_reduce = self.allreduce_time(self.grad_bytes * share, self.dp)
+        sharded = {"dp_reduce": dp_reduce, "dp_gather": self.gather_time(self.grad_bytes * share, self.dp),
+                   "dp_scatter": self.gather_time(self.grad_bytes * share, self.dp),
+                   "gathered": self.gathered * share}
         opt = self.opt * share
         work = {k: v * share for k, v in self.work.items()} if over is None or over.work is None else over.work
         stash = {k: v * share for k, v in self.stash.items()} if over is None or over.stash is None else over.stash
@@ -220,12 +241,12 @@ class CostModel:
             kept = None if self.recompute == 0 else memory * (1.0 - self.recompute)
             return StageCost(f=f, b=self.b * share + self.recompute * f, w=self.w * share, memory=memory, kept=kept,
                              memory_w=memory_w, allreduce=allreduce, opt=opt, work=work, stash=stash,
-                             dp_reduce=dp_reduce)
+                             **sharded)
         memory = self.memory * share if over.memory is None else over.memory
         return StageCost(f=over.f, b=over.b + over.recompute, w=over.w, memory=memory,
                          kept=None if over.kept is None else min(over.kept, memory),
                          memory_w=memory_w if over.memory_w is None else over.memory_w, allreduce=allreduce, opt=opt,
-                         work=work, stash=stash, dp_reduce=dp_reduce)
+                         work=work, stash=stash, **sharded)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -235,6 +256,7 @@ class CostModel:
             "activation_bytes": self.activation_bytes, "recompute": self.recompute,
             "grad_bytes": self.grad_bytes, "opt": self.opt, "overlap": self.overlap, "weights": self.weights,
             "contention": list(self.contention), "work": dict(self.work), "stash": dict(self.stash), "dp": self.dp,
+            "gathered": self.gathered,
             "stage_overrides": {str(s): {"f": c.f, "b": c.b, "w": c.w, "memory": c.memory,
                                          "recompute": c.recompute, "kept": c.kept, "memory_w": c.memory_w,
                                          "work": None if c.work is None else dict(c.work),
@@ -301,9 +323,12 @@ class SimResult:
     @property
     def static_memory(self) -> list[float]:
         """Per device, what its stages' parameters, gradients and optimizer state take: ``weights`` per device
-        share, for every stage it holds (of any replica)."""
-        s, w = self.schedule, self.cost.weights
-        return [w * len(s.stages_of(d)) * s.devices / s.stages for d in range(s.devices)]
+        share, for every stage it holds (of any replica); a stage sharded across the data-parallel pipelines
+        (it has an ``RS`` there) keeps 1/dp of it."""
+        s, w, dp = self.schedule, self.cost.weights, self.cost.dp
+        sharded = {(d, a.stage) for d, row in enumerate(s.actions) for a in row if a.kind == Kind.RS}
+        return [w * s.devices / s.stages * sum(1 / dp if (d, st) in sharded else 1 for st in s.stages_of(d))
+                for d in range(s.devices)]
 
     def to_dict(self, *, timeline: bool = False) -> dict[str, Any]:
         """JSON-ready summary; with ``timeline`` also every action's start and end."""

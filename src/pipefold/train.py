@@ -94,6 +94,8 @@ class TrainConfig:
     shard of the batch, gradients averaged across them per stage (``DP`` actions)."""
     zero1: bool = False
     """With dp > 1: shard the optimizer state across the copies of each stage (ZeRO-1)."""
+    fsdp: bool = False
+    """With dp > 1: shard each stage's parameters, gradients and optimizer state across its copies (FSDP)."""
     fill_bubbles: bool = False
     """With optimizer 'kfac': put K-FAC's work in the schedule's bubbles, spread over steps (PipeFisher); without,
     it runs right after the passes it reads, every step."""
@@ -163,6 +165,10 @@ def make_job(config: TrainConfig, *, save_grads_of_step: int | None = None,
     schedule = build_schedule(config)
     if config.dp < 1:
         raise ConfigError(f"--dp is the number of data-parallel pipelines: at least 1 (got {config.dp})")
+    if config.fsdp and config.dp < 2:
+        raise ConfigError("--fsdp shards each stage across data-parallel pipelines: give --dp 2 or more")
+    if config.fsdp and config.zero1:
+        raise ConfigError("--fsdp shards the optimizer state already: drop --zero1")
     if config.dp > 1:
         unsupported = [flag for flag, on in (("--optimizer kfac", config.optimizer == "kfac"),
                                              (f"--schedule {ADAPTIVE}", config.schedule == ADAPTIVE),
@@ -227,12 +233,13 @@ def make_job(config: TrainConfig, *, save_grads_of_step: int | None = None,
     if config.dp > 1:
         from pipefold.dataparallel import with_data_parallel
 
-        schedule = with_data_parallel(schedule)  # each stage's gradients averaged across the pipelines
+        # Each stage's gradients averaged across the pipelines; with FSDP, each stage sharded across them.
+        schedule = with_data_parallel(schedule, shard=config.fsdp)
     return Job(schedule=schedule, layer_stages=layer_stages, build_layers=build, loss_fn=spec.loss,
                batch_at=batch_at, steps=config.steps, lr=config.lr, optimizer=config.optimizer, clip=config.clip,
                save_grads_of_step=save_grads_of_step, offload=config.offload, recompute=recompute, extra=extra,
                network=network, adaptive=adaptive, cycle=cycle, kfac=kfac, refill=refill, dp=config.dp,
-               zero1=config.zero1)
+               zero1=config.zero1, fsdp=config.fsdp)
 
 
 def _kfac_cycle(config: TrainConfig, schedule: Schedule, layer_stages: tuple[tuple[int, ...], ...],

@@ -39,6 +39,7 @@ from torch import nn
 
 from pipefold.errors import ConfigError
 from pipefold.ir import KINDS, Action, Graph, Kind, Schedule, dependency_graph
+from pipefold.runtime import sharding
 from pipefold.runtime.comm import BACKWARD, FORWARD, HEADER, Links, Meta, decode_header, metas_of
 
 if TYPE_CHECKING:
@@ -273,7 +274,8 @@ class RankExecutor:
                  recompute: Mapping[int, int] | None = None, log_messages: bool = False,
                  timeout: float | None = None, optimizers: Mapping[int, Callable[[], Any]] | None = None,
                  network: Network | None = None, origin: float = 0.0, work: StepWork | None = None,
-                 pipelines: Sequence[Sequence[int]] | None = None, pipeline: int = 0, dp_group: Any = None) -> None:
+                 pipelines: Sequence[Sequence[int]] | None = None, pipeline: int = 0, dp_group: Any = None,
+                 sharded: bool = False) -> None:
         self.schedule, self.rank, self.device = schedule, rank, device
         self.meter = MemoryMeter()
         last = schedule.stages - 1
@@ -289,15 +291,19 @@ class RankExecutor:
         self.work = work
         self.dp_group = dp_group
         """The process group of this rank's stages' copies in the data-parallel pipelines (``DP`` actions)."""
+        self.sharded = sharded
+        """The stage modules are sharded across the data-parallel pipelines (FSDP: ``AG`` and ``RS`` actions)."""
         runs = (set(_RUNS) | ({Kind.OPT} if self.optimizers else set()) | set(work.kinds if work else ())
-                | ({Kind.DP} if dp_group is not None else set()))
+                | ({Kind.DP} if dp_group is not None and not sharded else set())
+                | ({Kind.AG, Kind.RS} if sharded else set()))
         unknown = sorted({a.kind for act in self.actions for a in act.passes} - runs)
         if unknown:
             raise ConfigError(f"the runtime cannot run {', '.join(unknown)} actions ("
                               f"{'; '.join(KINDS[k].doc for k in unknown)}); it runs {', '.join(sorted(runs))}"
                               + ("" if self.optimizers else ", and OPT when given an optimizer per stage")
                               + ("" if work else ", and K-FAC's when training with K-FAC (--optimizer kfac)")
-                              + ("" if dp_group is not None else ", and DP with data-parallel pipelines (--dp)"))
+                              + ("" if dp_group is not None else ", and DP with data-parallel pipelines (--dp)")
+                              + ("" if sharded else ", and AG and RS with sharded ones (--dp with --fsdp)"))
         graph = dependency_graph(schedule)
         # ``rank`` is this rank's device in its pipeline; ``pipelines`` give every pipeline's process-group ranks.
         pipelines = pipelines or [list(range(schedule.devices))]
@@ -328,6 +334,7 @@ class RankExecutor:
                     if q == pipeline and rank in holders:
                         self._groups[s] = group
         self._reductions: dict[int, list[dist.Work]] = {}  # stage -> its all-reduce, until waited for
+        self._gathers: dict[int, Any] = {}  # stage -> its parameters' all-gather (AG), until its first forward
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for r in self.runners.values() for p in r.params]
@@ -420,6 +427,10 @@ class RankExecutor:
         runner = self.runners[s]
         if action.kind == Kind.F:
             x = inputs[mb] if s == 0 else self._take(FORWARD, action, local, clock, stats)
+            if (gathering := self._gathers.pop(s, None)) is not None:
+                start = clock()
+                gathering.wait()
+                stats.events.append(Event(f"wait {s}{Kind.AG}", "comm", start, clock()))
             start = clock()
             with self.work.forward(action) if self.work is not None else contextlib.nullcontext():
                 out = runner.forward(mb, x, targets[mb] if s == S - 1 else None, scale=1.0 / M)
@@ -455,6 +466,16 @@ class RankExecutor:
                 self._reductions.setdefault(s, []).append(dist.all_reduce(p.grad, group=self.dp_group,
                                                                           async_op=True))
             stats.events.append(Event(str(action), "DP", start, clock()))
+        elif action.kind == Kind.AG:
+            start = clock()
+            self._gathers[s] = sharding.gather(runner.module)
+            stats.events.append(Event(str(action), Kind.AG, start, clock()))
+        elif action.kind == Kind.RS:
+            start = clock()
+            for work in self._reductions.pop(s, ()):
+                work.wait()
+            sharding.reduce_scatter(runner.module)
+            stats.events.append(Event(str(action), Kind.RS, start, clock()))
         elif action.kind == Kind.OPT:
             start = clock()
             for work in self._reductions.pop(s, ()):

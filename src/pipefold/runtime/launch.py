@@ -33,6 +33,7 @@ from torch import nn
 
 from pipefold.errors import ConfigError
 from pipefold.ir import Kind, Schedule
+from pipefold.runtime import sharding
 from pipefold.runtime.executor import RankExecutor, StepStats
 from pipefold.runtime.stage import Chain
 
@@ -108,6 +109,10 @@ class Job:
     zero1: bool = False
     """With ``dp`` > 1: shard the optimizer state across the copies of each stage (ZeRO-1, torch's
     ``ZeroRedundancyOptimizer``)."""
+    fsdp: bool = False
+    """With ``dp`` > 1: shard every stage across its copies with torch's ``fully_shard`` (1/dp of its parameters,
+    gradients and optimizer state each), gathered and reduce-scattered by the schedule's ``AG`` and ``RS``
+    actions (:func:`pipefold.dataparallel.with_data_parallel` with ``shard=True``) instead of all-reduced."""
     dp: int = 1
     """Data-parallel copies of the whole pipeline: ranks dp x devices, rank r is device r % devices of pipeline
     r // devices; each pipeline runs its shard of every step's batch, and its ``DP`` actions average each
@@ -139,12 +144,20 @@ class Job:
                               "adapt")
         if not (isinstance(self.dp, int) and self.dp >= 1):
             raise ConfigError(f"dp is the number of data-parallel pipelines: an integer >= 1 (got {self.dp!r})")
+        reducing = {a.kind for row in self.schedule.actions for a in row} & {Kind.DP, Kind.AG, Kind.RS}
         if self.dp > 1:
-            if (missing := _without(self.schedule, Kind.DP)) is not None:
-                d, st = missing
-                raise ConfigError(f"with {self.dp} data-parallel pipelines every stage all-reduces its gradients, "
-                                  f"but {self.schedule.name} has no {st}DP on device {d}: add them with "
-                                  "pipefold.dataparallel.with_data_parallel")
+            kinds, how = (((Kind.AG, Kind.RS), "with_data_parallel(schedule, shard=True)") if self.fsdp
+                          else ((Kind.DP,), "with_data_parallel(schedule)"))
+            for kind in kinds:
+                if (missing := _without(self.schedule, kind)) is not None:
+                    d, st = missing
+                    raise ConfigError(f"with {self.dp} data-parallel pipelines{' sharded' if self.fsdp else ''} "
+                                      f"every stage needs its {kind}, but {self.schedule.name} has no {st}{kind} on "
+                                      f"device {d}: add them with pipefold.dataparallel.{how}")
+            if wrong := sorted(reducing - set(kinds)):
+                raise ConfigError(f"{self.schedule.name} has {wrong[0]} actions, which "
+                                  f"{'do not shard' if self.fsdp else 'shard the stages (FSDP)'}: build it with "
+                                  f"pipefold.dataparallel.{how}")
             unsupported = [what for what, on in (("adaptive schedules", self.adaptive is not None),
                                                  ("K-FAC", self.kfac is not None),
                                                  ("replicated stages (Chimera, DualPipe)", self.schedule.replicas > 1),
@@ -154,9 +167,13 @@ class Job:
             if unsupported:
                 raise ConfigError(f"data-parallel pipelines (dp={self.dp}) do not run with {unsupported[0]} yet: "
                                   "use dp=1 for them")
-        elif any(a.kind == Kind.DP for row in self.schedule.actions for a in row):
-            raise ConfigError(f"{self.schedule.name} all-reduces across data-parallel pipelines (DP actions) but the "
-                              "job has one pipeline: give dp > 1 or a schedule without DP")
+        elif reducing:
+            kinds_text = ", ".join(sorted(reducing))
+            raise ConfigError(f"{self.schedule.name} reduces across data-parallel pipelines ({kinds_text} actions) "
+                              "but the job has one pipeline: give dp > 1 or a schedule without them")
+        if self.fsdp and (self.dp < 2 or self.zero1 or self.verify_memory_step is not None):
+            raise ConfigError("FSDP shards each stage across data-parallel pipelines: it needs dp >= 2, and takes "
+                              "neither ZeRO-1 (it shards the optimizer state already) nor a memory check")
         in_schedule = any(a.kind == Kind.OPT for row in self.schedule.actions for a in row)
         if self.zero1 and (self.dp < 2 or callable(self.optimizer) or self.optimizer == "kfac" or in_schedule):
             raise ConfigError("ZeRO-1 shards the optimizer state across data-parallel pipelines: it needs dp >= 2, "
@@ -285,7 +302,8 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     pipeline, rank = divmod(rank, job.schedule.devices)  # from here on ``rank`` is the device in the pipeline
     global_rank = pipeline * job.schedule.devices + rank
     device = _device(global_rank)
-    pipelines, dp_group = _mesh(job) if job.dp > 1 else (None, None)
+    pipelines, dp_mesh = _mesh(job) if job.dp > 1 else (None, None)
+    dp_group = dp_mesh.get_group() if dp_mesh is not None else None
     chains = stage_modules(job, rank)
     offloaded: list[Offloaded] = []
     if job.offload is None:
@@ -298,10 +316,13 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
         offloaded = [Offloaded(m, device, k=k, kprime=kprime) for m in chains.values()]
         modules = dict(zip(chains, offloaded, strict=True))
     recompute = {s: job.recompute[s] for s in modules} if job.recompute else None
+    # What the optimizers step: the parameters, or with FSDP their shards (the runners work on the gathered ones).
+    trained = {s: sharding.sharded_parameters(sharding.shard(m, dp_mesh)) if job.fsdp else list(m.parameters())
+               for s, m in modules.items()}
     # A schedule with OPT actions steps each stage's optimizer where it says; otherwise one optimizer steps
     # all of this rank's parameters after the step.
     in_schedule = any(a.kind == Kind.OPT for row in job.schedule.actions for a in row)
-    stage_opts = {s: _optimizer(job, list(m.parameters())) for s, m in modules.items()} if in_schedule else {}
+    stage_opts = {s: _optimizer(job, trained[s]) for s in modules} if in_schedule else {}
     origin = job.origin
     if job.network is not None and origin is None:
         origin = float(agree(time.time()))  # the network's timeline starts now on every rank
@@ -322,21 +343,24 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
                 choices[index], rank, modules, job.loss_fn, device, recompute=recompute,
                 log_messages=job.log_messages, timeout=job.timeout_s, network=job.network, origin=origin or 0.0,
                 optimizers={s: o.step if o is not None else _nothing for s, o in stage_opts.items()}, work=work,
-                pipelines=pipelines, pipeline=pipeline, dp_group=dp_group)
+                pipelines=pipelines, pipeline=pipeline, dp_group=dp_group, sharded=job.fsdp)
         return executors[index]
 
     current, predicted = 0, None
     decisions: list[tuple[int, Any]] = []
     executor = executor_for(current)
-    params = executor.parameters()
+    if not job.fsdp:
+        trained = {s: r.params for s, r in executor.runners.items()}
+    params = [p for ps in trained.values() for p in ps]
     opt = None if in_schedule else _optimizer(job, params, dp_group)
     reports: list[StepStats] = []
     grads = None
     m = job.schedule.microbatches
     loss_rank = job.schedule.holders(job.schedule.stages - 1)[0]
-    # A stage held by several replicas counts once in a global norm: by its first holder, in the first pipeline.
-    counted = [p for s, r in executor.runners.items() if job.schedule.holders(s)[0] == rank and pipeline == 0
-               for p in r.params]
+    # A stage held by several replicas counts once in a global norm: by its first holder, in the first pipeline
+    # (with FSDP, by every pipeline: each holds its own shard).
+    counted = [p for s, ps in trained.items() if job.schedule.holders(s)[0] == rank and (pipeline == 0 or job.fsdp)
+               for p in ps]
     for step in range(job.steps):
         if job.cycle:
             current = (step - cycle_from) % len(choices)
@@ -361,7 +385,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
         if job.save_grads_of_step == step:
             # With K-FAC, the gradients as the backward left them, before the schedule's KP preconditioned them.
             raw = work.raw_grads() if work is not None else {}
-            grads = {name: raw.get(id(p), p.grad).detach().clone() for name, p in _named(job, chains)
+            grads = {name: sharding.full(raw.get(id(p), p.grad)).detach().clone() for name, p in _named(job, chains)
                      if p.grad is not None}
         if opt is not None:
             opt.step()
@@ -391,7 +415,8 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     for each in executors.values():
         each.close()
     resident = sum(w.tracker.peak_resident_bytes for w in offloaded)
-    weights = {name: p.detach().clone() for name, p in _named(job, chains)} if job.save_weights else None
+    weights = ({name: sharding.full(p.detach()).clone() for name, p in _named(job, chains)}
+               if job.save_weights else None)
     optimizers = [o for o in (opt, *stage_opts.values()) if o is not None]
     static = _static_bytes(params, optimizers) + (work.state_bytes() if work is not None else 0)
     report = RankReport(global_rank, reports, grads, _peak_rss(), resident, weights, static,
@@ -403,13 +428,13 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
 
 
 def _mesh(job: Job) -> tuple[list[list[int]], Any]:
-    """The dp x devices mesh of the job's ranks (torch's DeviceMesh): every pipeline's ranks, and the group of
-    this rank's copies across the pipelines."""
+    """The dp x devices mesh of the job's ranks (torch's DeviceMesh): every pipeline's ranks, and the 1-D mesh
+    of this rank's copies across the pipelines."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (job.dp, job.schedule.devices),
                             mesh_dim_names=("dp", "pp"))
-    return mesh.mesh.tolist(), mesh.get_group("dp")
+    return mesh.mesh.tolist(), mesh["dp"]
 
 
 def _refill(refill: Refill, steps: list[StepStats], ran: list[Schedule], rank: int, world: int) -> Filled:
@@ -549,21 +574,21 @@ def _clip_global(params: list[nn.Parameter], counted: list[nn.Parameter], max_no
     sq = torch.zeros(1)
     for p in counted:
         if p.grad is not None:
-            sq += p.grad.detach().pow(2).sum()
+            sq += sharding.local(p.grad.detach()).pow(2).sum()  # a shard's part of the norm (FSDP)
     dist.all_reduce(sq)
     norm = float(sq.sqrt())
     if norm > max_norm:
         for p in params:
             if p.grad is not None:
-                p.grad.mul_(max_norm / (norm + 1e-6))
+                sharding.local(p.grad).mul_(max_norm / (norm + 1e-6))
 
 
 def _static_bytes(params: list[nn.Parameter], optimizers: list[torch.optim.Optimizer]) -> int:
     """Bytes of the distinct storages of the parameters, their gradients and every tensor in the optimizers' state."""
-    tensors = [t for p in params for t in (p, p.grad) if t is not None]
-    # ZeRO-1 keeps its share of the state in the optimizer it wraps (``optim``).
-    tensors += [v for o in optimizers for state in getattr(o, "optim", o).state.values() for v in state.values()
-                if isinstance(v, torch.Tensor)]
+    tensors = [sharding.local(t) for p in params for t in (p, p.grad) if t is not None]
+    # ZeRO-1 keeps its share of the state in the optimizer it wraps (``optim``); FSDP's state is sharded.
+    tensors += [sharding.local(v) for o in optimizers for state in getattr(o, "optim", o).state.values()
+                for v in state.values() if isinstance(v, torch.Tensor)]
     seen: dict[int, int] = {}
     for t in tensors:
         st = t.untyped_storage()

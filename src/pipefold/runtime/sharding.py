@@ -1,0 +1,94 @@
+"""FSDP for a pipeline stage: torch's ``fully_shard`` driven by the schedule's ``AG`` and ``RS`` actions.
+
+Each data-parallel copy of a stage keeps 1/dp of its parameters (DTensor shards, what the optimizer steps),
+their gradients and the optimizer state. FSDP's own hooks would gather before every forward and reduce after
+every backward; in a pipeline a stage runs many microbatches' forwards and backwards per step, split into B and
+W, so the schedule decides instead (the breadth-first pairing, Lamy-Poirier 2022):
+
+- ``sAG`` starts the all-gather of the stage's parameters (:func:`gather`); its first forward waits for it;
+- every B and W accumulates into the gathered parameters' gradients, nothing is reduced meanwhile;
+- ``sRS`` reduce-scatters the gradients into the shards' ``.grad`` and frees the gathered parameters
+  (:func:`reduce_scatter`): a mean over the copies, as FSDP's default.
+
+Between the two, gradient sync and resharding are off, so FSDP's hooks (where the runner calls the stage
+module) only keep its bookkeeping: the actions are the only place where parameters move. The gathered parameters are the same tensors from step to step (FSDP
+frees and refills their storage), so a :class:`~pipefold.runtime.stage.StageRunner` made while they are
+gathered keeps working on them.
+
+On CUDA, FSDP runs the collectives on streams of their own, beside the compute; on the CPU (gloo) the
+reduce-scatter runs in ``RS`` itself and the all-gather beside the actions until the stage's first forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["full", "gather", "local", "reduce_scatter", "shard", "sharded_parameters"]
+
+
+def shard(module: nn.Module, mesh: Any) -> nn.Module:
+    """``module`` sharded across the 1-D data-parallel ``mesh`` and gathered, ready for a runner to be made on
+    its gathered parameters; from then on only :func:`gather` and :func:`reduce_scatter` move them."""
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(module, mesh=mesh, reshard_after_forward=False)
+    # The runner may call the stage's layers rather than the stage module, so FSDP's forward hook may never run:
+    # the stage is made FSDP's root here, where that hook would have made it.
+    fully_shard.state(module)._lazy_init()  # type: ignore[attr-defined]
+    _accumulate(module)
+    module.unshard()  # type: ignore[operator]
+    return module
+
+
+def sharded_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The shards of a sharded stage: what its optimizer steps (DTensors), whether gathered or not."""
+    from torch.distributed.fsdp import fully_shard
+
+    state = fully_shard.state(module)  # type: ignore[attr-defined]
+    return [fp.sharded_param for group in _groups(state) for fp in group.fsdp_params]
+
+
+def gather(module: nn.Module) -> Any:
+    """Start gathering the stage's parameters; wait on what it returns before the stage's first forward."""
+    return module.unshard(async_op=True)  # type: ignore[operator]
+
+
+def reduce_scatter(module: nn.Module) -> None:
+    """Reduce-scatter the gathered gradients into the shards' ``.grad`` (mean over the copies, added to what is
+    there) and free the gathered parameters; then back to accumulating for the next step."""
+    from torch.distributed.fsdp import fully_shard
+
+    module.set_is_last_backward(True)  # type: ignore[operator]
+    module.set_reshard_after_backward(True)  # type: ignore[operator]
+    module.set_requires_gradient_sync(True)  # type: ignore[operator]
+    state = fully_shard.state(module)  # type: ignore[attr-defined]
+    for group in _groups(state):
+        group.post_backward()
+    state._root_post_backward_final_callback()  # waits for the reductions, resets FSDP's per-step state
+    _accumulate(module)
+
+
+def _accumulate(module: nn.Module) -> None:
+    """Backwards accumulate into the gathered gradients and keep the parameters gathered."""
+    module.set_is_last_backward(False)  # type: ignore[operator]
+    module.set_reshard_after_backward(False)  # type: ignore[operator]
+    module.set_requires_gradient_sync(False)  # type: ignore[operator]
+
+
+def _groups(state: Any) -> list[Any]:
+    return [g for each in state._state_ctx.all_states for g in each._fsdp_param_groups]
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: its shard for a DTensor, ``t`` itself otherwise."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole of ``t``: gathered from every shard for a DTensor (a collective), ``t`` itself otherwise."""
+    full_tensor = getattr(t, "full_tensor", None)
+    return full_tensor() if full_tensor is not None else t
