@@ -192,13 +192,13 @@ TORCHRUN = shutil.which("torchrun", path=os.path.dirname(sys.executable))
 @pytest.mark.skipif(TORCHRUN is None, reason="no torchrun")
 def test_two_torchrun_agents_as_two_nodes(tmp_path: Path) -> None:
     """Two torchrun agents on this machine as two nodes (c10d rendezvous on loopback), 2 processes each: dp=2 x pp=2
-    trains with the gradients of one process, as on two machines."""
+    with sharded stages (FSDP) trains with the gradients of one process, as on two machines."""
     assert TORCHRUN is not None
     port = free_port()
     argv = [TORCHRUN, "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "pipefold-test", "-m", "pipefold", "train",
             "--schedule", "1f1b", "--pp", "2", "--dp", "2", "--model", "mlp", "--layers", "4", "--hidden", "32",
-            "--batch", "16", "-m", "4", "--steps", "2", "--check", "--json"]
+            "--batch", "16", "-m", "4", "--steps", "2", "--fsdp", "--check", "--json"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     agents = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                cwd=tmp_path) for _ in range(2)]
@@ -214,7 +214,8 @@ def test_two_torchrun_agents_as_two_nodes(tmp_path: Path) -> None:
     lines = [line for out in outs for line in out.strip().splitlines() if line.startswith("{")]
     assert len(lines) == 1, outs  # rank 0 reports for everyone, on whichever node it ran
     result = json.loads(lines[0])
-    assert result["dp"] == 2 and result["max_grad_rel_diff"] < 1e-5 and len(result["loss"]) == 2
+    assert result["dp"] == 2 and result["sharding"] == "fsdp" and result["max_grad_rel_diff"] < 1e-5
+    assert len(result["loss"]) == 2
 
 
 def test_zero1_shards_the_optimizer_state_and_changes_no_weight() -> None:
@@ -237,3 +238,20 @@ def test_zero1_shards_the_optimizer_state_and_changes_no_weight() -> None:
     with pytest.raises(ConfigError, match="ZeRO-1 shards the optimizer state"):
         make_job(TrainConfig(schedule="1f1b", devices=2, microbatches=2, model="mlp", layers=4, hidden=8, batch=8,
                              zero1=True))
+
+
+def test_fsdp_clips_by_the_norm_over_every_shard() -> None:
+    """With --clip, a sharded rank's norm is the sum over every pipeline's shards: the weights after three clipped
+    SGD steps equal those of all-reduced copies (whose gradients every rank holds whole), and differ from
+    unclipped ones (the clip bit)."""
+    runs = {}
+    for fsdp, clip in ((False, 0.05), (True, 0.05), (True, None)):
+        config = TrainConfig(schedule="zb-h1", devices=2, dp=2, microbatches=2, steps=3, model="mlp", layers=4,
+                             hidden=64, batch=32, partition="even", optimizer="sgd", lr=0.5, clip=clip, fsdp=fsdp)
+        job = dataclasses.replace(make_job(config), save_weights=True)
+        runs[fsdp, clip] = {name: w for r in run_local(job) if r.pipeline == 0 for name, w in (r.weights or {}).items()}
+    plain, sharded, unclipped = runs[False, 0.05], runs[True, 0.05], runs[True, None]
+    assert plain.keys() == sharded.keys() and len(plain) == 16
+    for name, w in plain.items():
+        torch.testing.assert_close(sharded[name], w, rtol=1e-5, atol=1e-6)
+    assert any(not torch.allclose(unclipped[name], w, rtol=1e-3) for name, w in plain.items())

@@ -906,6 +906,7 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
     out = _train_summary(job, reports, config, predicted, cycle_peaks)
     if job.dp > 1:
         out["dp"] = job.dp
+        out["sharding"] = "fsdp" if job.fsdp else "zero1" if job.zero1 else "none"
         out["loss"] = [statistics.mean(v for r in everyone for v in r.steps[i].losses.values())
                        for i in range(len(reports[0].steps))]
     if job.adaptive is not None or config.network is not None:
@@ -1094,6 +1095,7 @@ def _train_summary(job: Any, reports: list[Any], config: Any, predicted: Any,
         "predicted_step_s": predicted.makespan,
         "batch_bytes": [r.steps[-1].batch_bytes for r in reports],
         "peak_process_bytes": [r.peak_process_bytes for r in reports],
+        "static_bytes": [r.static_bytes for r in reports],
         **({"peak_resident_param_bytes": [r.resident_param_bytes for r in reports]} if job.offload else {}),
         **({"recompute": job.extra["recompute"].to_dict()} if "recompute" in job.extra else {}),
     }
@@ -1101,20 +1103,23 @@ def _train_summary(job: Any, reports: list[Any], config: Any, predicted: Any,
 
 def _print_train(out: dict[str, Any], console: Console) -> None:
     dp = out.get("dp", 1)
-    pipelines = f" x {dp} data-parallel pipelines (the table: the first; the loss: all)" if dp > 1 else ""
+    sharded = {"fsdp": ", stages sharded (FSDP)", "zero1": ", optimizer state sharded (ZeRO-1)"}.get(
+        out.get("sharding", "none"), "")
+    pipelines = f" x {dp} data-parallel pipelines{sharded} (the table: the first; the loss: all)" if dp > 1 else ""
     console.print(f"[bold]{out['schedule']}[/] on {out['devices']} ranks{pipelines}, {out['microbatches']} "
                   f"microbatches, {out['model']} with {out['layers']} layers: loss {out['loss'][0]:.4f} -> "
                   f"{out['loss'][-1]:.4f}")
     split = "evenly" if out["partition"] == "even" else f"balanced by {out['partition']}"
     console.print(f"stages start at layers {' '.join(map(str, out['boundaries']))} (split {split})")
     table = Table(show_edge=False)
-    for col in ("rank", "busy (s/step)", "idle (s/step)", "peak held", "predicted", "peak process memory"):
+    for col in ("rank", "busy (s/step)", "idle (s/step)", "peak held", "predicted", "weights, grads, opt",
+                "peak process memory"):
         table.add_column(col, justify="right")
     typical = sorted(out["step_time_s"][1:] or out["step_time_s"])[len(out["step_time_s"][1:] or [0]) // 2]
     for rank, busy in enumerate(out["busy_s"]):
         table.add_row(str(rank), f"{busy:.3f}", f"{max(0.0, typical - busy):.3f}",
                       format_bytes(out["peak_activation_bytes"][rank]), format_bytes(out["predicted_peak_bytes"][rank]),
-                      format_bytes(out["peak_process_bytes"][rank]))
+                      format_bytes(out["static_bytes"][rank]), format_bytes(out["peak_process_bytes"][rank]))
     console.print(table)
     if "recompute" in out:
         _print_recompute(out["recompute"], out["peak_activation_bytes"], console)

@@ -11,9 +11,9 @@ W, so the schedule decides instead (the breadth-first pairing, Lamy-Poirier 2022
   (:func:`reduce_scatter`): a mean over the copies, as FSDP's default.
 
 Between the two, gradient sync and resharding are off, so FSDP's hooks (where the runner calls the stage
-module) only keep its bookkeeping: the actions are the only place where parameters move. The gathered parameters are the same tensors from step to step (FSDP
-frees and refills their storage), so a :class:`~pipefold.runtime.stage.StageRunner` made while they are
-gathered keeps working on them.
+module) only keep its bookkeeping: the actions are the only place where parameters move. The gathered
+parameters are the same tensors from step to step (FSDP frees and refills their storage), so a
+:class:`~pipefold.runtime.stage.StageRunner` made while they are gathered keeps working on them.
 
 On CUDA, FSDP runs the collectives on streams of their own, beside the compute; on the CPU (gloo) the
 reduce-scatter runs in ``RS`` itself and the all-gather beside the actions until the stage's first forward.
@@ -34,12 +34,17 @@ def shard(module: nn.Module, mesh: Any) -> nn.Module:
     its gathered parameters; from then on only :func:`gather` and :func:`reduce_scatter` move them."""
     from torch.distributed.fsdp import fully_shard
 
+    # One FSDP unit per layer under the stage's: a reduce-scatter then stages one layer's gradients at a time
+    # (FSDP copies them into a flat buffer first), not the whole stage's.
+    for layer in module.children():
+        if any(p.requires_grad for p in layer.parameters()):
+            fully_shard(layer, mesh=mesh, reshard_after_forward=False)
     fully_shard(module, mesh=mesh, reshard_after_forward=False)
     # The runner may call the stage's layers rather than the stage module, so FSDP's forward hook may never run:
     # the stage is made FSDP's root here, where that hook would have made it.
     fully_shard.state(module)._lazy_init()  # type: ignore[attr-defined]
     _accumulate(module)
-    module.unshard()  # type: ignore[operator]
+    gather(module).wait()
     return module
 
 
@@ -51,9 +56,23 @@ def sharded_parameters(module: nn.Module) -> list[nn.Parameter]:
     return [fp.sharded_param for group in _groups(state) for fp in group.fsdp_params]
 
 
-def gather(module: nn.Module) -> Any:
-    """Start gathering the stage's parameters; wait on what it returns before the stage's first forward."""
-    return module.unshard(async_op=True)  # type: ignore[operator]
+class _Gathering:
+    """The all-gathers of a stage's FSDP units, waited for together."""
+
+    def __init__(self, handles: list[Any]) -> None:
+        self.handles = handles
+
+    def wait(self) -> None:
+        for handle in self.handles:
+            handle.wait()
+
+
+def gather(module: nn.Module) -> _Gathering:
+    """Start gathering the stage's parameters (every FSDP unit in it); wait on what it returns before the
+    stage's first forward."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return _Gathering([m.unshard(async_op=True) for m in module.modules() if isinstance(m, FSDPModule)])
 
 
 def reduce_scatter(module: nn.Module) -> None:
