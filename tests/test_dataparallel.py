@@ -104,8 +104,10 @@ def test_sharded_costs_half_rings_and_holds_a_shard_of_the_weights() -> None:
     assert cost.dp_gather + cost.dp_scatter == pytest.approx(cost.dp_reduce)  # a ring all-reduce is both
 
 
-@pytest.mark.parametrize("fsdp", [False, True], ids=["all-reduce", "fsdp"])
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-v", "v-half", "looped-bfs"])
+@pytest.mark.parametrize(("schedule", "fsdp"), [
+    *((name, fsdp) for name in ("1f1b", "zb-v", "v-half", "looped-bfs") for fsdp in (False, True)),
+    ("chimera", True),  # each stage's two replicas all-reduce (R), then reduce-scatter across the pipelines
+], ids=lambda v: {False: "all-reduce", True: "fsdp"}.get(v, v) if isinstance(v, bool) else v)
 def test_dp2_pp2_matches_one_process_and_keeps_the_copies_identical(schedule: str, fsdp: bool) -> None:
     config = TrainConfig(schedule=schedule, devices=2, dp=2, microbatches=4, steps=3, model="gpt", layers=4,
                          hidden=32, heads=2, seq=32, batch=16, partition="even", optimizer="adamw", fsdp=fsdp)
@@ -121,7 +123,8 @@ def test_dp2_pp2_matches_one_process_and_keeps_the_copies_identical(schedule: st
     for r in reports:
         for name, w in (r.weights or {}).items():
             by_name.setdefault(name, []).append(w)
-    assert all(len(ws) == 2 and torch.equal(ws[0], ws[1]) for ws in by_name.values())
+    copies = 2 * job.schedule.replicas  # the pipelines' copies, and each pipeline's replicas of the stage
+    assert all(len(ws) == copies and all(torch.equal(ws[0], w) for w in ws) for ws in by_name.values())
     initial = job.build_layers(list(range(job.extra["num_layers"])))
     moved = [name for name, ws in by_name.items()
              if not torch.equal(ws[0], dict(initial[int(name.split(".")[0])].named_parameters())[
@@ -149,8 +152,6 @@ def test_refusals_are_one_line() -> None:
     with pytest.raises(ConfigError, match="does not split into 2 pipelines x 2 microbatches; use a --batch that is "
                                           "a multiple of 4"):
         make_job(TrainConfig(schedule="1f1b", **{**base, "batch": 6}))  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match="replicated stages"):
-        make_job(TrainConfig(schedule="chimera", **base))  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"do not run with --optimizer kfac yet: use --dp 1 with it"):
         make_job(TrainConfig(schedule="1f1b", optimizer="kfac", **base))  # type: ignore[arg-type]
     job = make_job(TrainConfig(schedule="1f1b", **base))  # type: ignore[arg-type]

@@ -160,7 +160,6 @@ class Job:
                                   f"pipefold.dataparallel.{how}")
             unsupported = [what for what, on in (("adaptive schedules", self.adaptive is not None),
                                                  ("K-FAC", self.kfac is not None),
-                                                 ("replicated stages (Chimera, DualPipe)", self.schedule.replicas > 1),
                                                  ("emulated networks", self.network is not None),
                                                  ("network namespaces", self.netns is not None),
                                                  ("offloading", self.offload is not None)) if on]
