@@ -15,7 +15,6 @@ The file is JSON (``Profile.save`` / ``Profile.load``) and says which model, at 
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import platform
@@ -132,9 +131,9 @@ class Profile:
                 raise ConfigError(f"{where} does not say its model's {key}")
 
     def save(self, path: str) -> None:
-        from pipefold.files import write_text
+        from pipefold.files import write_json
 
-        write_text(path, json.dumps(self.to_dict(), indent=1) + "\n")
+        write_json(path, self.to_dict(), indent=1)
 
     @classmethod
     def load(cls, path: str) -> Profile:
