@@ -39,7 +39,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pipefold.errors import ConfigError, ScheduleError
-from pipefold.ir import Action, Kind, Schedule, overlap
+from pipefold.ir import Action, Kind, Schedule, overlap, read_schedule_text
 
 if TYPE_CHECKING:  # torch is imported only where a torch object is made
     from torch.distributed.pipelining.schedules import _Action
@@ -329,8 +329,7 @@ def load(path: str, fmt: str | None = None) -> Schedule:
         raise ConfigError(f"unknown schedule format {fmt!r}: use {', '.join(FORMATS)}")
     if fmt != "torch-csv":
         return Schedule.load(path, fmt)
-    with open(path, encoding="utf-8") as fh:
-        text = fh.read()
+    text = read_schedule_text(path)
     try:
         return from_torch_csv(text)
     except ScheduleError as exc:
