@@ -106,6 +106,9 @@ def test_csv_cell_with_a_huge_index(capsys: pytest.CaptureFixture[str], tmp_path
     path.write_text(build("1f1b", 2, 2).to_csv().replace("0F0,", "0F99999999999,", 1))
     line = one_line_error(capsys, ["simulate", str(path)])
     assert "largest microbatch 99,999,999,999" in line and "over pipefold's limit" in line
+    path.write_text("0F0,99999999999F0\n")  # torch's CSV: a stage index as large
+    line = one_line_error(capsys, ["simulate", str(path), "--format", "torch-csv"])
+    assert "largest stage index 99,999,999,999" in line and "use at most 250,000 stages" in line
 
 
 def test_generate_with_an_upper_case_suffix_reads_back(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

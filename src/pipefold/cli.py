@@ -845,6 +845,7 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
         task = bar.add_task("train", total=config.steps, info="starting ranks")
 
         def on_step(step: int, loss: float, seconds: float) -> None:
+            seconds = max(seconds, 1e-9)
             if err.is_terminal:
                 bar.update(task, advance=1, info=f"loss {loss:.4f}  {tokens / seconds:,.0f} tok/s")
             else:  # redirected: one plain line per step, so a log shows the run as it goes
