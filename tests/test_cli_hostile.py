@@ -172,10 +172,9 @@ def test_an_option_given_twice_must_agree(capsys: pytest.CaptureFixture[str]) ->
 )
 def test_train_outputs_are_checked_before_training(capsys: pytest.CaptureFixture[str], tmp_path: Path, flag: str,
                                                    value: str, expected: str) -> None:
-    started = time.perf_counter()
-    line = one_line_error(capsys, ["train", *TINY, flag, value.format(tmp=tmp_path)])
+    # A million steps would run for hours: the answer within one_line_error's 30 s says nothing was trained.
+    line = one_line_error(capsys, ["train", *TINY, "--steps", "1000000", flag, value.format(tmp=tmp_path)])
     assert expected.format(tmp=tmp_path) in line
-    assert time.perf_counter() - started < 2  # no ranks were started
 
 
 @pytest.mark.parametrize("argv", [["simulate", "--trace", "{tmp}/no/t.json"], ["simulate", "--plot", "{tmp}/t.txt"],

@@ -539,7 +539,7 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> None:
     results = [simulate(_load_schedule(text, args, strict_flags=False), cost) for text in args.schedule]
     if args.json:
         print(jsonout.dumps({"devices": args.devices, "microbatches": args.microbatches, "cost": cost.to_dict(),
-                          "results": [r.to_dict() for r in results]}))
+                             "results": [r.to_dict() for r in results]}))
         return
     best = min(r.makespan for r in results)
     table = Table(title=f"p={args.devices} m={args.microbatches}", title_justify="left")
@@ -596,7 +596,7 @@ def cmd_profile(args: argparse.Namespace, console: Console) -> None:
     prof.save(args.output)
     if args.json:
         print(jsonout.dumps({"profile": args.output, "layers": len(prof.layers), "latency_s": prof.latency,
-                          "bandwidth_bytes_per_s": prof.bandwidth, "contention": list(prof.contention)}))
+                             "bandwidth_bytes_per_s": prof.bandwidth, "contention": list(prof.contention)}))
         return
     f, b, w = (sum(getattr(x, k) for x in prof.layers) for k in "fbw")
     console.print(f"[bold]{args.output}[/]: {len(prof.layers)} layers of {args.model}, one microbatch of "
@@ -1235,13 +1235,13 @@ def cmd_partition(args: argparse.Namespace, console: Console) -> None:
     devices = list(schedule.placement[0])
     if args.json:
         print(jsonout.dumps({"model": args.model, "layers": len(layers), "by": args.by, "schedule": _label(schedule),
-                          "microbatches": m, "stages": schedule.stages, "placement": devices,
-                          "boundaries": split.boundaries, "parts": split.parts, "cost": cost,
-                          "device_cost": device_cost, "bottleneck": max(device_cost), **sums,
-                          "device_time_s": split.device_time, "device_static_bytes": split.device_static_bytes,
-                          "device_activation_bytes": split.device_activation_bytes,
-                          "device_peak_bytes": split.device_peak_bytes, "time_optimal_s": split.time_optimal,
-                          "weights": split.weights, "weights_w": split.weights_w, **compared}))
+                             "microbatches": m, "stages": schedule.stages, "placement": devices,
+                             "boundaries": split.boundaries, "parts": split.parts, "cost": cost,
+                             "device_cost": device_cost, "bottleneck": max(device_cost), **sums,
+                             "device_time_s": split.device_time, "device_static_bytes": split.device_static_bytes,
+                             "device_activation_bytes": split.device_activation_bytes,
+                             "device_peak_bytes": split.device_peak_bytes, "time_optimal_s": split.time_optimal,
+                             "weights": split.weights, "weights_w": split.weights_w, **compared}))
         return
 
     def span(part: list[int]) -> str:
