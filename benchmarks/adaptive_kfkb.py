@@ -25,7 +25,6 @@ static k chosen in hindsight; on an idle network at most 2% slower than 1F1B.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -34,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pipefold.files import save_figure, write_json
 from pipefold.network import Conditions, LinkState, Network
 from pipefold.runtime.measure import per_step
 from pipefold.train import TrainConfig, train
@@ -131,7 +131,7 @@ def figure(results: list[dict[str, Any]], path: str) -> None:
         for side in ("top", "right"):
             ax.spines[side].set_visible(False)
     fig.suptitle("GPT on 4 gloo ranks, 8 microbatches: 1F1B (k=1), static kFkB and adaptive kFkB", fontsize=10)
-    fig.savefig(path, dpi=150)
+    save_figure(fig, path)
 
 
 def main() -> None:
@@ -158,7 +158,7 @@ def main() -> None:
             results.append(bench(mode, args.steps, args.repeats, Path(tmp)))
             print("\n".join(summarize(results[-1])), flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        write_json(args.json, results, indent=1)
     if args.figure:
         figure(results, args.figure)
     if args.run_figure and results and results[0]["mode"] == "emulated":

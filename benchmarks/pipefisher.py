@@ -35,6 +35,7 @@ import statistics
 import sys
 from typing import Any
 
+from pipefold.files import save_figure, write_json
 from pipefold.runtime.measure import measured_summary
 from pipefold.train import TrainConfig, train
 
@@ -126,8 +127,7 @@ def main() -> int:
            "utilization": table, "loss_vs_time": curves}
     print(json.dumps(out, indent=1))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump(out, fh, indent=1)
+        write_json(args.json, out, indent=1)
     if args.figure:
         _figure(curves, table, args.figure)
     if args.cycle_figure:
@@ -169,7 +169,7 @@ def _figure(curves: dict[str, dict[str, Any]], table: dict[str, Any], path: str)
     for a in (ax, bx):
         for side in ("top", "right"):
             a.spines[side].set_visible(False)
-    fig.savefig(path, dpi=150)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

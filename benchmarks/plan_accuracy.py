@@ -18,7 +18,6 @@ width 512, 16 blocks, batch 256) on 4 local gloo ranks:
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -27,6 +26,7 @@ import time
 from typing import Any
 
 from pipefold.errors import ConfigError
+from pipefold.files import write_json
 from pipefold.plan import plan_model, predict
 from pipefold.profile import Profile, profile_model
 from pipefold.runtime.launch import run_local
@@ -153,8 +153,7 @@ def main() -> None:
                   f"{r['chosen_fits']}, fastest measured that fits: {r['fastest_measured_under_budget']} "
                   f"(chosen is fastest: {r['chosen_is_fastest']})")
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump(out, fh, indent=1)
+        write_json(args.json, out, indent=1)
 
 
 if __name__ == "__main__":

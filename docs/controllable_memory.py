@@ -12,6 +12,7 @@ from pathlib import Path
 
 from pipefold import CostModel, build, simulate
 from pipefold.blocks import v_block
+from pipefold.files import write_text
 from pipefold.plan import choose, evaluate, frontier
 from pipefold.render import plot_frontier, plot_timeline
 from pipefold.schedules.controllable import V_HALF, V_MIN, V_ZB
@@ -156,7 +157,7 @@ def main() -> None:
     text += ["## Timelines at p = 4, m = 8 (unit costs)", ""]
     for name in SCHEDULES:
         text += [f"### `{name}`", "", f"![{name}](figures/cm-{name}.png)", ""]
-    (DOCS / "controllable-memory.md").write_text("\n".join(text))
+    write_text(DOCS / "controllable-memory.md", "\n".join(text))
     print(f"wrote {DOCS / 'controllable-memory.md'}")
 
 

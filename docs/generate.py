@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipefold import CostModel, build, names, simulate
+from pipefold.files import write_text
 from pipefold.render import plot_timeline
 from pipefold.schedules import get
 
@@ -69,7 +70,7 @@ def main() -> None:
         plot_timeline(r, str(figure))
         lines += [f"### `{name}`", "", get(name).description + ".", "",
                   f"![{name}, p={P} m={M}](figures/{figure.name})", ""]
-    (DOCS / "schedules.md").write_text("\n".join(lines))
+    write_text(DOCS / "schedules.md", "\n".join(lines))
     print(f"wrote {DOCS / 'schedules.md'} and {len(names())} figures")
 
 

@@ -18,6 +18,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from pipefold.files import save_figure  # noqa: E402
 from pipefold.recompute import RecomputePlan, plan_recompute, smallest_budget  # noqa: E402
 from pipefold.train import TrainConfig, build_schedule, make_job  # noqa: E402
 
@@ -55,7 +56,7 @@ def draw(found: dict[str, RecomputePlan], budget: float, path: Path) -> None:
     ax.legend(fontsize=8, loc="upper right", frameon=False)
     ax.spines[["top", "right"]].set_visible(False)
     fig.tight_layout()
-    fig.savefig(path, dpi=130)
+    save_figure(fig, path, dpi=130)
     plt.close(fig)
 
 

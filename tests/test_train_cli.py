@@ -46,7 +46,7 @@ def test_train_table(capsys: pytest.CaptureFixture[str]) -> None:
         (["--schedule", "nope"], "unknown schedule 'nope'"),
         (["--schedule", "v-half", "--layers", "3"], "v-half on 2 devices has 4 stages but the model has 3 layers"),
         (["--batch", "6"], "a batch of 6 does not split into 4 microbatches"),
-        (["--plot", "x.pdf"], "use a .png or .svg file"),
+        (["--plot", "x.pdf"], "use a file name ending in .png or .svg"),
         (["--steps", "0"], "--steps must be at least 1"),
         (["--lr", "-1"], "the learning rate must be a finite number >= 0 (got -1.0)"),
         (["--lr", "nan"], "the learning rate must be a finite number >= 0 (got nan)"),

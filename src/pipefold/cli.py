@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import statistics
@@ -16,7 +15,7 @@ from typing import Any, NoReturn
 from rich.console import Console
 from rich.table import Table
 
-from pipefold import interop, schedules
+from pipefold import interop, jsonout, schedules
 from pipefold.errors import ConfigError, PipefoldError, ScheduleError
 from pipefold.ir import Schedule
 from pipefold.plan import PlanResult, one_f_one_b_peak, parse_budget, parse_spec, plan
@@ -347,7 +346,17 @@ def _flag_options(args: argparse.Namespace) -> dict[str, int]:
 
 
 def _looks_like_file(text: str) -> bool:
-    return os.path.sep in text or text.lower().endswith((".txt", ".json", ".csv")) or os.path.isfile(text)
+    """Whether ``text`` names a schedule file rather than a registered schedule.
+
+    A path (with a folder separator) or a name ending in a schedule suffix (any case) is a file; a
+    registered name (``1f1b``, ``kfkb:k=3``) is the registered schedule even when a file of that name is
+    in the current folder (give the file as ``./1f1b``); anything else is a file if one exists.
+    """
+    if os.path.sep in text or "/" in text or text.lower().endswith((".txt", ".json", ".csv")):
+        return True
+    if text.partition(":")[0] in schedules.REGISTRY:
+        return False
+    return os.path.isfile(text)
 
 
 def _load_schedule(text: str, args: argparse.Namespace, *, strict_flags: bool) -> Schedule:
@@ -360,6 +369,9 @@ def _load_schedule(text: str, args: argparse.Namespace, *, strict_flags: bool) -
     spec = schedules.get(name)
     for key, value in _flag_options(args).items():
         if spec.option(key) is not None:
+            if key in options and options[key] != value:
+                raise ConfigError(f"{text} sets {key}={options[key]} but --{key} {value} says otherwise: give "
+                                  f"{key} once")
             options.setdefault(key, value)
         elif strict_flags:
             takes = ", ".join(f"--{o.name}" for o in spec.options) or "none"
@@ -418,7 +430,7 @@ def cmd_schedules(args: argparse.Namespace, console: Console) -> None:
         rows = [{"name": s.name, "description": s.description, "peak_memory": s.memory,
                  "options": [{"name": o.name, "default": o.default, "help": o.help} for o in s.options]}
                 for s in schedules.REGISTRY.values()]
-        print(json.dumps(rows))
+        print(jsonout.dumps(rows))
         return
     table = Table(title="pipefold schedules", title_justify="left", show_lines=True)
     table.add_column("name", style="bold", no_wrap=True)
@@ -433,9 +445,19 @@ def cmd_schedules(args: argparse.Namespace, console: Console) -> None:
     console.print("p: devices, m: microbatches, i: device index. Costs: see 'pipefold simulate --help'.")
 
 
+def _check_outputs(*outputs: tuple[str, str | None, bool]) -> None:
+    """Refuse, before any work, each (what, path, is a figure) that cannot be written."""
+    from pipefold.files import check_writable
+
+    for what, path, figure in outputs:
+        if path is not None:
+            check_writable(path, what, figure=figure)
+
+
 def cmd_simulate(args: argparse.Namespace, console: Console) -> None:
     if args.width:
         console = Console(width=args.width, soft_wrap=True)
+    _check_outputs(("plot", args.plot, True), ("trace", args.trace, False))
     cost = _cost_model(args)
     schedule = _load_schedule(args.schedule, args, strict_flags=True)
     network = None
@@ -470,7 +492,7 @@ def cmd_simulate(args: argparse.Namespace, console: Console) -> None:
     if args.json:
         out = result.to_dict()
         out.update({k: v for k, v in written})
-        print(json.dumps(out))
+        print(jsonout.dumps(out))
         return
     _print_result(result, console)
     for kind, path in written:
@@ -500,10 +522,7 @@ def cmd_pipefisher(args: argparse.Namespace, console: Console) -> None:
 
     if args.width:
         console = Console(width=args.width, soft_wrap=True)
-    if args.plot:
-        from pipefold.files import check_writable
-
-        check_writable(args.plot, "plot")
+    _check_outputs(("plot", args.plot, True))
     cost = _cost_model(args)
     schedule = _load_schedule(args.schedule, args, strict_flags=True)
     filled = (pipefisher.inline(schedule, cost) if args.inline
@@ -514,7 +533,7 @@ def cmd_pipefisher(args: argparse.Namespace, console: Console) -> None:
         plot_cycle(filled.base, filled.steps, args.plot,
                    title=f"{_label(schedule)}: K-FAC's work {'inline' if args.inline else 'in the bubbles'}")
     if args.json:
-        print(json.dumps({**filled.to_dict(), **({"plot": args.plot} if args.plot else {})}))
+        print(jsonout.dumps({**filled.to_dict(), **({"plot": args.plot} if args.plot else {})}))
         return
     from pipefold.render import ascii_timeline
 
@@ -541,8 +560,8 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> None:
     cost = _cost_model(args)
     results = [simulate(_load_schedule(text, args, strict_flags=False), cost) for text in args.schedule]
     if args.json:
-        print(json.dumps({"devices": args.devices, "microbatches": args.microbatches, "cost": cost.to_dict(),
-                          "results": [r.to_dict() for r in results]}))
+        print(jsonout.dumps({"devices": args.devices, "microbatches": args.microbatches, "cost": cost.to_dict(),
+                             "results": [r.to_dict() for r in results]}))
         return
     best = min(r.makespan for r in results)
     table = Table(title=f"p={args.devices} m={args.microbatches}", title_justify="left")
@@ -556,13 +575,16 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> None:
 
 
 def cmd_generate(args: argparse.Namespace, console: Console) -> None:
+    from pipefold.files import check_writable, write_text
+    from pipefold.ir import format_of
+
+    if args.output:
+        check_writable(args.output, "schedule")
     schedule = _load_schedule(args.schedule, args, strict_flags=True)
-    fmt = args.format or ("json" if (args.output or "").endswith(".json")
-                          else "csv" if (args.output or "").endswith(".csv") else "text")
+    fmt = args.format or (format_of(args.output) if args.output else "text")
     text = interop.dumps(schedule, fmt)
     if args.output:
-        with open(args.output, "w", encoding="utf-8") as fh:
-            fh.write(text)
+        write_text(args.output, text)
         console.print(f"wrote {fmt} schedule: {args.output}")
     else:
         sys.stdout.write(text)
@@ -579,26 +601,24 @@ def cmd_validate(args: argparse.Namespace, console: Console) -> None:
 
 
 def cmd_profile(args: argparse.Namespace, console: Console) -> None:
-    from pipefold.files import check_writable
     from pipefold.profile import profile_model
 
     for label in ("layers", "hidden", "heads", "batch", "seq", "microbatches", "devices", "repeats"):
         if getattr(args, label) < 1:
             raise ConfigError(f"--{label} must be at least 1 (got {getattr(args, label)})")
-    if args.output:
-        check_writable(args.output, "profile")
+    _check_outputs(("profile", args.output, False))
     with _stage_bar("profile") as progress:
         prof = profile_model(model=args.model, layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq,
                              batch=args.batch, microbatches=args.microbatches, optimizer=args.optimizer,
                              seed=args.seed, devices=args.devices, repeats=args.repeats, link=not args.no_link,
                              contention=not args.no_sharing, progress=progress)
     if not args.output:
-        print(json.dumps(prof.to_dict(), indent=1))
+        print(jsonout.dumps(prof.to_dict(), indent=1))
         return
     prof.save(args.output)
     if args.json:
-        print(json.dumps({"profile": args.output, "layers": len(prof.layers), "latency_s": prof.latency,
-                          "bandwidth_bytes_per_s": prof.bandwidth, "contention": list(prof.contention)}))
+        print(jsonout.dumps({"profile": args.output, "layers": len(prof.layers), "latency_s": prof.latency,
+                             "bandwidth_bytes_per_s": prof.bandwidth, "contention": list(prof.contention)}))
         return
     f, b, w = (sum(getattr(x, k) for x in prof.layers) for k in "fbw")
     console.print(f"[bold]{args.output}[/]: {len(prof.layers)} layers of {args.model}, one microbatch of "
@@ -619,6 +639,7 @@ def _stage_bar(label: str) -> Iterator[Callable[[str, int, int], None] | None]:
 
 
 def cmd_plan(args: argparse.Namespace, console: Console) -> None:
+    _check_outputs(("plot", args.plot, True), ("plan", args.output, False))
     if args.profile is not None:
         _plan_profiled(args, console)
         return
@@ -643,7 +664,7 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> None:
         out = _plan_dict(answer, args, cost)
         if args.plot:
             out["plot"] = args.plot
-        print(json.dumps(out))
+        print(jsonout.dumps(out))
         return
     _print_plan(answer, args, console)
     if args.plot:
@@ -651,7 +672,7 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> None:
 
 
 def _plan_profiled(args: argparse.Namespace, console: Console) -> None:
-    from pipefold.files import check_writable, write_text
+    from pipefold.files import write_json
     from pipefold.plan import HEADROOM, plan_model
     from pipefold.profile import Profile
 
@@ -659,8 +680,6 @@ def _plan_profiled(args: argparse.Namespace, console: Console) -> None:
         raise ConfigError("--memory is in units of M; with --profile give --memory-budget in bytes (e.g. 2GiB)")
     if args.memory_budget is None:
         raise ConfigError("plan --profile needs --memory-budget BYTES: what each device may hold, e.g. 2GiB")
-    if args.output:
-        check_writable(args.output, "plan")
     profile = Profile.load(args.profile)
     budget = parse_bytes(args.memory_budget)
     m = args.microbatches if args.microbatches != DEFAULT_MICROBATCHES else None
@@ -670,7 +689,7 @@ def _plan_profiled(args: argparse.Namespace, console: Console) -> None:
                             headroom=HEADROOM if args.headroom is None else args.headroom)
     out = answer.to_dict()
     if args.output:
-        write_text(args.output, json.dumps(out, indent=1) + "\n")
+        write_json(args.output, out, indent=1)
     if args.plot:
         from pipefold.render import plot_frontier
 
@@ -678,7 +697,7 @@ def _plan_profiled(args: argparse.Namespace, console: Console) -> None:
                       title=f"{answer.best.spec}: {answer.best.makespan * 1e3:.1f} ms per step, peak "
                             f"{format_bytes(answer.best.memory)} (budget {format_bytes(budget)})")
     if args.json:
-        print(json.dumps({k: v for k, v in out.items() if k != "profile"} | {"output": args.output}))
+        print(jsonout.dumps({k: v for k, v in out.items() if k != "profile"} | {"output": args.output}))
         return
     b = answer.best
     console.print(f"[bold]{b.spec}[/]  step [bold]{b.makespan * 1e3:.1f} ms[/] predicted  bubble ratio "
@@ -804,16 +823,10 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
     from pipefold.runtime.launch import under_torchrun
     from pipefold.train import TrainConfig, compare, train, train_torchrun
 
-    if args.plot and not args.plot.lower().endswith((".png", ".svg")):
-        raise ConfigError(f"cannot draw {args.plot}: use a .png or .svg file")
+    _check_outputs(("plot", args.plot, True), ("trace", args.trace, False))
     for label in ("steps", "batch", "seq", "hidden", "heads"):
         if getattr(args, label) < 1:
             raise ConfigError(f"--{label} must be at least 1 (got {getattr(args, label)})")
-    for label, path in (("trace", args.trace), ("plot", args.plot)):
-        if path:
-            from pipefold.files import check_writable
-
-            check_writable(path, label)
     plan: dict[str, Any] | None = None
     decided = None
     if args.plan is not None or args.schedule == "auto":
@@ -851,10 +864,15 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
     err = Console(stderr=True)
     with Progress(TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                   TimeElapsedColumn(), console=err, disable=args.json or not err.is_terminal) as bar:
-        task = bar.add_task("train", total=args.steps, info="starting ranks")
+        task = bar.add_task("train", total=config.steps, info="starting ranks")
 
         def on_step(step: int, loss: float, seconds: float) -> None:
-            bar.update(task, advance=1, info=f"loss {loss:.4f}  {tokens / seconds:,.0f} tok/s")
+            seconds = max(seconds, 1e-9)
+            if err.is_terminal:
+                bar.update(task, advance=1, info=f"loss {loss:.4f}  {tokens / seconds:,.0f} tok/s")
+            else:  # redirected: one plain line per step, so a log shows the run as it goes
+                print(f"step {step + 1}/{config.steps} loss {loss:.4f} ({seconds:.3f} s, "
+                      f"{tokens / seconds:,.0f} tok/s)", file=sys.stderr, flush=True)
 
         if under_torchrun():
             if config.netns:
@@ -948,7 +966,7 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
                          f"{label} ({predicted.makespan * 1e3:.1f} ms)"))
         out["plot"] = args.plot
     if args.json:
-        print(json.dumps(out))
+        print(jsonout.dumps(out))
         return
     _print_train(out, console)
     if "plan" in out:
@@ -1172,7 +1190,7 @@ def cmd_offload(args: argparse.Namespace, console: Console) -> None:
     if budget is not None:
         out["budget"] = budget
     if args.json:
-        print(json.dumps(out))
+        print(jsonout.dumps(out))
         return
     t = out["step_time_s"]
     console.print(f"[bold]{out['model']}[/] with {out['layers']} blocks, width {out['hidden']}, on {out['device']}: "
@@ -1243,14 +1261,14 @@ def cmd_partition(args: argparse.Namespace, console: Console) -> None:
         cost, device_cost, compared = balanced.cost, balanced.device_cost, {}
     devices = list(schedule.placement[0])
     if args.json:
-        print(json.dumps({"model": args.model, "layers": len(layers), "by": args.by, "schedule": _label(schedule),
-                          "microbatches": m, "stages": schedule.stages, "placement": devices,
-                          "boundaries": split.boundaries, "parts": split.parts, "cost": cost,
-                          "device_cost": device_cost, "bottleneck": max(device_cost), **sums,
-                          "device_time_s": split.device_time, "device_static_bytes": split.device_static_bytes,
-                          "device_activation_bytes": split.device_activation_bytes,
-                          "device_peak_bytes": split.device_peak_bytes, "time_optimal_s": split.time_optimal,
-                          "weights": split.weights, "weights_w": split.weights_w, **compared}))
+        print(jsonout.dumps({"model": args.model, "layers": len(layers), "by": args.by, "schedule": _label(schedule),
+                             "microbatches": m, "stages": schedule.stages, "placement": devices,
+                             "boundaries": split.boundaries, "parts": split.parts, "cost": cost,
+                             "device_cost": device_cost, "bottleneck": max(device_cost), **sums,
+                             "device_time_s": split.device_time, "device_static_bytes": split.device_static_bytes,
+                             "device_activation_bytes": split.device_activation_bytes,
+                             "device_peak_bytes": split.device_peak_bytes, "time_optimal_s": split.time_optimal,
+                             "weights": split.weights, "weights_w": split.weights_w, **compared}))
         return
 
     def span(part: list[int]) -> str:

@@ -1,34 +1,137 @@
-"""Writing files so that a failure never destroys what was there: a temporary file beside it, then a rename."""
+"""Writing files so that a failure never destroys what was there, and checking output paths before any work.
+
+Every file pipefold writes (schedules, profiles, plans, network profiles, Chrome traces, figures) goes
+through :func:`atomic`: the bytes go to a temporary file beside the target, are flushed and fsynced,
+and only then renamed over it (``os.replace``, atomic on POSIX). Readers see the old file or the whole
+new one, never a part; a failure (a full disk, a serializer that raises, Ctrl-C) leaves the old file
+byte for byte as it was and removes the temporary file. JSON goes through :mod:`pipefold.jsonout`.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
-from typing import Any
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any, Literal, overload
 
 from pipefold.errors import ConfigError
 
-__all__ = ["check_writable", "read_json", "write_text"]
+__all__ = ["FIGURE_SUFFIXES", "atomic", "check_writable", "read_json", "save_figure", "write_bytes", "write_json",
+           "write_text"]
+
+FIGURE_SUFFIXES = (".png", ".svg")
+"""The figure formats pipefold draws, chosen by the file's suffix (any case)."""
+
+_PREFIX = ".pipefold-"
+_SUFFIX = ".tmp"
 
 
-def write_text(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` atomically: readers see the old file or the whole new one, never a part."""
-    folder = os.path.dirname(os.path.abspath(path))
+@overload
+def atomic(path: str | os.PathLike[str], *, binary: Literal[False] = ...) -> contextlib.AbstractContextManager[
+    IO[str]]: ...
+
+
+@overload
+def atomic(path: str | os.PathLike[str], *, binary: Literal[True]) -> contextlib.AbstractContextManager[
+    IO[bytes]]: ...
+
+
+def atomic(path: str | os.PathLike[str], *, binary: bool = False) -> contextlib.AbstractContextManager[IO[Any]]:
+    """A file handle whose contents replace ``path`` when the ``with`` block ends without an error.
+
+    The handle is a temporary file in ``path``'s folder; at the end it is flushed, fsynced, given the
+    permissions the old file had (or a new file's, by the umask) and renamed over ``path``. If the
+    block raises, or the write, flush or rename fails, the temporary file is removed and ``path`` is
+    left untouched; an ``OSError`` becomes one :class:`~pipefold.errors.ConfigError` naming the path.
+    A symbolic link is written through (the file it points to is replaced, the link kept).
+    """
+    return _atomic(os.fspath(path), binary)
+
+
+@contextlib.contextmanager
+def _atomic(path: str, binary: bool) -> Iterator[IO[Any]]:
+    target = os.path.realpath(path)
+    folder, name = os.path.split(target)
     try:
-        fd, tmp = tempfile.mkstemp(prefix=".pipefold-", suffix=".tmp", dir=folder)
+        fd, tmp = tempfile.mkstemp(prefix=f"{_PREFIX}{name}-", suffix=_SUFFIX, dir=folder)
     except OSError as exc:
         raise ConfigError(f"cannot write {path}: {exc.strerror or exc}") from None
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
+        with os.fdopen(fd, "wb" if binary else "w", encoding=None if binary else "utf-8") as fh:
+            yield fh
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, _mode_for(target))
+        os.replace(tmp, target)
     except OSError as exc:
-        os.unlink(tmp)
+        _remove(tmp)
         raise ConfigError(f"cannot write {path}: {exc.strerror or exc}") from None
     except BaseException:
-        os.unlink(tmp)
+        _remove(tmp)
         raise
+    _sync_folder(folder)
+
+
+def _mode_for(target: str) -> int:
+    """The old file's permission bits, or those ``open()`` would give a new file under this umask."""
+    try:
+        return os.stat(target).st_mode & 0o7777
+    except OSError:
+        umask = os.umask(0o022)
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
+def _remove(tmp: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(tmp)
+
+
+def _sync_folder(folder: str) -> None:
+    """Make the rename itself durable (best effort: some filesystems cannot fsync a folder)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def write_text(path: str | os.PathLike[str], text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` atomically: readers see the old file or the whole new one, never a part."""
+    with atomic(path) as fh:
+        fh.write(text)
+
+
+def write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically."""
+    with atomic(path, binary=True) as fh:
+        fh.write(data)
+
+
+def write_json(path: str | os.PathLike[str], obj: Any, *, indent: int | None = None) -> None:
+    """Write ``obj`` as JSON to ``path`` atomically, non-finite numbers as null (see :mod:`pipefold.jsonout`)."""
+    from pipefold.jsonout import dumps
+
+    write_text(path, dumps(obj, indent=indent) + "\n")
+
+
+def save_figure(fig: Any, path: str | os.PathLike[str], *, dpi: int = 150) -> None:
+    """Save a matplotlib figure to ``path`` atomically, in the format its suffix names (.png or .svg)."""
+    suffix = _figure_suffix(os.fspath(path), "figure")
+    with atomic(path, binary=True) as fh:
+        fig.savefig(fh, format=suffix[1:], dpi=dpi)
+
+
+def _figure_suffix(path: str, what: str) -> str:
+    suffix = Path(path).suffix.lower()
+    if suffix not in FIGURE_SUFFIXES:
+        raise ConfigError(f"cannot write the {what} {path}: use a file name ending in "
+                          f"{' or '.join(FIGURE_SUFFIXES)}")
+    return suffix
 
 
 def read_json(path: str, what: str, hint: str) -> Any:
@@ -40,14 +143,28 @@ def read_json(path: str, what: str, hint: str) -> Any:
         raise ConfigError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path} is not JSON ({exc}); {hint}") from None
+    except RecursionError:
+        raise ConfigError(f"{path} nests too deeply to be a {what}; {hint}") from None
 
 
-def check_writable(path: str, what: str = "output") -> None:
-    """Refuse, before any work, a path that cannot be written: a directory, or in a folder that does not exist."""
+def check_writable(path: str | os.PathLike[str], what: str = "output", *, figure: bool = False) -> None:
+    """Refuse, before any work, a path that cannot be written: a directory, a folder that does not exist or
+    cannot take a new file, or (``figure``) a suffix other than .png or .svg. Nothing is left behind."""
+    path = os.fspath(path)
+    if not path:
+        raise ConfigError(f"the {what} file name is empty: give a file name")
     if os.path.isdir(path):
-        raise ConfigError(f"the {what} file {path} is a directory; give a file name")
-    folder = os.path.dirname(os.path.abspath(path))
+        raise ConfigError(f"the {what} file {path} is a directory: give a file name")
+    if figure:
+        _figure_suffix(path, what)
+    folder = os.path.dirname(os.path.realpath(path))
     if not os.path.isdir(folder):
         raise ConfigError(f"cannot write the {what} file {path}: folder {folder} does not exist")
-    if not os.access(folder, os.W_OK):
-        raise ConfigError(f"cannot write the {what} file {path}: folder {folder} is not writable")
+    # Try what the write will do: make a temporary file beside it (os.access says yes to root on read-only
+    # places such as /proc, and knows nothing of a full inode table).
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=_PREFIX, suffix=_SUFFIX, dir=folder)
+    except OSError as exc:
+        raise ConfigError(f"cannot write the {what} file {path}: folder {folder}: {exc.strerror or exc}") from None
+    os.close(fd)
+    _remove(tmp)

@@ -39,7 +39,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pipefold.errors import ConfigError, ScheduleError
-from pipefold.ir import Action, Kind, Schedule, overlap
+from pipefold.ir import Action, Kind, Schedule, check_size, overlap, read_schedule_text
 
 if TYPE_CHECKING:  # torch is imported only where a torch object is made
     from torch.distributed.pipelining.schedules import _Action
@@ -196,6 +196,9 @@ def _assemble(rows: Sequence[Sequence[tuple[Action, str]]], name: str, renumber:
     if not home:
         raise ScheduleError("the torch schedule has no compute actions (F, I, W, B or OVERLAP_F_B)")
     stages = 1 + max(home)
+    most = 1 + max(a.microbatch for row in rows for action, _ in row for a in action.passes)
+    check_size(stages, most, f"the torch schedule (largest stage index {stages - 1:,}, largest microbatch "
+                             f"{most - 1:,})", devices=len(rows))
     absent = [s for s in range(stages) if s not in home]
     if absent:
         raise ScheduleError(f"no rank runs stage {absent[0]}, though stage {stages - 1} is run: "
@@ -329,8 +332,7 @@ def load(path: str, fmt: str | None = None) -> Schedule:
         raise ConfigError(f"unknown schedule format {fmt!r}: use {', '.join(FORMATS)}")
     if fmt != "torch-csv":
         return Schedule.load(path, fmt)
-    with open(path, encoding="utf-8") as fh:
-        text = fh.read()
+    text = read_schedule_text(path)
     try:
         return from_torch_csv(text)
     except ScheduleError as exc:

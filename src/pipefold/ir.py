@@ -44,27 +44,59 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from pipefold.errors import ScheduleError
+from pipefold.errors import ConfigError, ScheduleError
 
 __all__ = [
     "KINDS",
     "Action",
     "Graph",
+    "MAX_DEVICES",
+    "MAX_STAGE_MICROBATCHES",
     "Transfer",
     "Kind",
     "KindSpec",
     "Schedule",
     "dependency_graph",
     "describe_placement",
+    "format_of",
+    "check_size",
     "linear_placement",
     "looped_placement",
     "parse_placement",
+    "read_schedule_text",
     "register_kind",
     "reversed_placement",
     "render_grid",
     "v_placement",
     "validate",
 ]
+
+MAX_STAGE_MICROBATCHES = 250_000
+"""The most (stage, microbatch) pairs a schedule may have: stages x microbatches, each pair two or three passes.
+At the limit a schedule has up to 750,000 actions, which take seconds and about 350 MB to generate and simulate
+(zb-h1 on 4 devices with 62,500 microbatches, 1f1b on 500 devices with 500); beyond it a command would seem to
+hang. Generating (:func:`pipefold.schedules.build`) and reading a file refuse more with one line."""
+
+MAX_DEVICES = 512
+"""The most devices a schedule may have: the dependency graph keeps a table per (stage, device), so time and
+memory grow with the square of the devices (zb-v on 512 devices takes seconds even with one microbatch)."""
+
+
+def check_size(stages: int, microbatches: int, what: str, *, devices: int = 0) -> None:
+    """Refuse ``what`` (a schedule to generate or read) with more than :data:`MAX_DEVICES` devices or
+    :data:`MAX_STAGE_MICROBATCHES` (stage, microbatch) pairs, with one line naming the limit."""
+    if devices > MAX_DEVICES:
+        raise ConfigError(f"{what}: {devices:,} devices is over pipefold's limit of {MAX_DEVICES} (the schedule's "
+                          f"tables grow with the square of the devices): use --devices {MAX_DEVICES} or fewer")
+    stages = max(stages, devices)
+    pairs = stages * microbatches
+    if pairs > MAX_STAGE_MICROBATCHES:
+        fix = (f"use at most {MAX_STAGE_MICROBATCHES // stages:,} microbatches with {stages:,} stages"
+               if stages <= MAX_STAGE_MICROBATCHES else f"use at most {MAX_STAGE_MICROBATCHES:,} stages")
+        raise ConfigError(f"{what}: {stages:,} stages x {microbatches:,} microbatches is {pairs:,} "
+                          f"stage-microbatch pairs, over pipefold's limit of {MAX_STAGE_MICROBATCHES:,} (seconds to "
+                          f"generate and simulate): {fix}")
+
 
 NO_MICROBATCH = -1
 """The microbatch of an action that runs for a whole stage (an all-reduce, an optimizer step)."""
@@ -447,6 +479,7 @@ class Schedule:
                              ("microbatches", self.microbatches)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ScheduleError(f"{label} must be a positive integer (got {value!r})")
+        check_size(self.stages, self.microbatches, f"schedule {self.name}", devices=self.devices)
         if not self.placement:
             raise ScheduleError("the placement is empty: give the device of every stage")
         for replica, mapping in enumerate(self.placement):
@@ -575,6 +608,7 @@ class Schedule:
             except ValueError:
                 raise ScheduleError(f"line {lineno}: {key} must be an integer, got {value!r}") from None
         devices, stages = counts["devices"], counts["stages"]
+        check_size(stages, counts["microbatches"], "the schedule", devices=devices)
         lineno, placement_text = header.get("placement", (0, "linear"))
         try:
             placement = tuple(parse_placement(part, devices, stages) for part in placement_text.split("|"))
@@ -634,6 +668,8 @@ class Schedule:
                 data = json.loads(data)
             except json.JSONDecodeError as exc:
                 raise ScheduleError(f"line {exc.lineno}: not valid JSON ({exc.msg})") from None
+            except RecursionError:
+                raise ScheduleError("the JSON nests too deeply to be a schedule") from None
         if not isinstance(data, Mapping):
             raise ScheduleError("schedule JSON must be an object")
         missing = [k for k in ("devices", "stages", "microbatches", "placement", "actions") if k not in data]
@@ -644,6 +680,9 @@ class Schedule:
             raise ScheduleError("schedule JSON 'actions' must be a list of lists of strings, one per device")
         actions = tuple(_parse_actions(row, f"device {d}") for d, row in enumerate(rows))
         placement = data["placement"]
+        sizes = [data[key] for key in ("devices", "stages", "microbatches")]
+        if all(isinstance(n, int) and not isinstance(n, bool) for n in sizes):
+            check_size(sizes[1], sizes[2], "the schedule", devices=sizes[0])
         if isinstance(placement, str):
             try:
                 placement = tuple(parse_placement(p, int(data["devices"]), int(data["stages"]))
@@ -692,6 +731,8 @@ class Schedule:
         simple = [(d, a) for d, row in enumerate(rows) for act in row for a in act.passes]
         stages = 1 + max((a.stage for _, a in simple), default=0)
         microbatches = 1 + max((a.microbatch for _, a in simple), default=0)
+        check_size(stages, microbatches, f"the CSV schedule (largest stage index {stages - 1:,}, largest "
+                                         f"microbatch {microbatches - 1:,})")
         routes: tuple[int, ...] = ()
         if placement is None:
             placement, routes = _infer_placement(rows, stages, microbatches)
@@ -700,13 +741,17 @@ class Schedule:
     # -- files
 
     def save(self, path: str) -> None:
-        """Write the schedule, in the format named by the file's suffix (.json, .csv, else text)."""
-        with open(path, "w", encoding="utf-8") as fh:
-            fh.write(self.dumps(_format_of(path)))
+        """Write the schedule atomically, in the format named by the file's suffix (.json, .csv, else text; any
+        case)."""
+        from pipefold.files import write_text
+
+        write_text(path, self.dumps(format_of(path)))
 
     def dumps(self, fmt: str = "text") -> str:
         if fmt == "json":
-            return json.dumps(self.to_json(), indent=1) + "\n"
+            from pipefold.jsonout import dumps
+
+            return dumps(self.to_json(), indent=1) + "\n"
         if fmt == "csv":
             return self.to_csv()
         if fmt == "text":
@@ -716,9 +761,8 @@ class Schedule:
     @classmethod
     def load(cls, path: str, fmt: str | None = None) -> Schedule:
         """Read a schedule file written by :meth:`save` (or by hand), in ``fmt`` or as its suffix says."""
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
-        fmt = _format_of(path) if fmt is None else fmt
+        text = read_schedule_text(path)
+        fmt = format_of(path) if fmt is None else fmt
         try:
             if fmt == "json":
                 return cls.from_json(text)
@@ -782,7 +826,20 @@ def _infer_placement(rows: Sequence[Sequence[Action]], stages: int,
     return tuple(replicas), tuple(routes) if len(replicas) > 1 else ()
 
 
-def _format_of(path: str) -> str:
+def read_schedule_text(path: str) -> str:
+    """The text of a schedule file; one ConfigError if it is not UTF-8 text (a binary file, an image)."""
+    with open(path, "rb") as fh:
+        data = fh.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path} is not a schedule file: byte {data[exc.start]:#04x} at offset {exc.start} is "
+                            "not UTF-8 text; schedule files are text, JSON or CSV (pipefold generate -o FILE "
+                            "writes one)") from None
+
+
+def format_of(path: str) -> str:
+    """The schedule format a file's suffix names: json (.json), csv (.csv) or text, in any case."""
     lower = path.lower()
     if lower.endswith(".json"):
         return "json"

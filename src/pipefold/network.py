@@ -208,9 +208,9 @@ class Network:
         return cls(default, links, name=str(data.get("name", Path(where).name)))
 
     def save(self, path: str | Path) -> None:
-        from pipefold.files import write_text
+        from pipefold.files import write_json
 
-        write_text(str(path), json.dumps(self.to_dict(), indent=1) + "\n")
+        write_json(path, self.to_dict(), indent=1)
 
     @classmethod
     def load(cls, path: str | Path) -> Network:

@@ -100,6 +100,11 @@ def make_case(model: str, layers: int, hidden: int, heads: int, batch: int, seq:
             raise ConfigError(f"--{name} must be at least 1 (got {value})")
     if model == "gpt" and hidden % heads:
         raise ConfigError(f"--hidden {hidden} must be a multiple of --heads {heads}")
+    from pipefold.models.size import Shape, check_fits
+
+    # Two models (plain and offloaded), each with its gradients.
+    check_fits(Shape(model=model, layers=layers, hidden=hidden, heads=heads, batch=batch, seq=seq), copies=4,
+               what=f"offloading {model}")
     return Case(model, layers, hidden, heads, batch, seq, seed)
 
 

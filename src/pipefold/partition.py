@@ -182,6 +182,10 @@ def model_sample(model: str, *, layers: int, hidden: int, heads: int, batch: int
     for name, value in (("layers", layers), ("hidden", hidden), ("heads", heads), ("batch", batch), ("seq", seq)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"--{name} must be at least 1 (got {value!r})")
+    from pipefold.models.size import Shape, check_fits
+
+    check_fits(Shape(model=model, layers=layers, hidden=hidden, heads=heads, batch=batch, seq=seq),
+               what=f"measuring {model}'s layers")
     if spec.name == "gpt":
         flat = build_model("gpt", seed=seed, n_layer=layers, n_embd=hidden, n_head=heads, block_size=max(128, seq))
         gen = torch.Generator().manual_seed(seed)

@@ -15,7 +15,6 @@ The file is JSON (``Profile.save`` / ``Profile.load``) and says which model, at 
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import platform
@@ -132,9 +131,9 @@ class Profile:
                 raise ConfigError(f"{where} does not say its model's {key}")
 
     def save(self, path: str) -> None:
-        from pipefold.files import write_text
+        from pipefold.files import write_json
 
-        write_text(path, json.dumps(self.to_dict(), indent=1) + "\n")
+        write_json(path, self.to_dict(), indent=1)
 
     @classmethod
     def load(cls, path: str) -> Profile:
@@ -417,6 +416,11 @@ def profile_model(*, model: str = "gpt", layers: int = 4, hidden: int = 64, head
         raise ConfigError(f"unknown optimizer {optimizer!r}: use {' or '.join(OPTIMIZER_STATE)}")
     config = TrainConfig(model=model, layers=layers, hidden=hidden, heads=heads, seq=seq, batch=batch,
                          microbatches=microbatches, optimizer=optimizer, seed=seed, devices=devices)
+    from pipefold.models.size import Shape, check_fits
+
+    # The whole model here and, to measure how ranks share the cores, a stage's worth on each of the devices.
+    check_fits(Shape(model=model, layers=layers, hidden=hidden, heads=heads, batch=batch, seq=seq),
+               microbatches=microbatches, ranks=devices if contention else 0, copies=2, what=f"profiling {model}")
     spec = get_model(model)
     cfg, batch_at = model_batch(config)
     built = spec.build_layers(cfg, range(cfg.num_layers), seed=seed)

@@ -15,7 +15,6 @@ like this (each box is a run of background colour in the terminal)::
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from rich.style import Style
 from rich.text import Text
 
 from pipefold.errors import ConfigError
+from pipefold.files import FIGURE_SUFFIXES, save_figure, write_json
 from pipefold.ir import KINDS, Action, Schedule
 from pipefold.simulate import Interval, SimResult
 
@@ -367,7 +367,7 @@ def _gantt_legend(ax: Axes, schedule: Schedule, *others: Schedule) -> None:
 
 def _check_figure_path(path: str, what: str) -> None:
     """Figures are written as PNG or SVG, chosen by the file's suffix."""
-    if Path(path).suffix.lower() not in (".png", ".svg"):
+    if Path(path).suffix.lower() not in FIGURE_SUFFIXES:
         raise ConfigError(f"cannot write {what} to {path!r}: use a file name ending in .png or .svg")
 
 
@@ -390,7 +390,7 @@ def plot_timeline(result: SimResult, path: str, *, title: str | None = None) -> 
     memory.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=7.5,
                   ncol=1 if devices <= 10 else 2, borderaxespad=0.0)
     fig.suptitle(_title(result) if title is None else title, fontsize=11, x=0.01, ha="left")
-    fig.savefig(path, dpi=150)
+    save_figure(fig, path)
     fig.clear()  # drop the artists now; a bare Figure is not in pyplot's registry, so there is nothing to close
 
 
@@ -431,7 +431,7 @@ def chrome_trace(result: SimResult, *, us_per_unit: float = 1000.0) -> dict[str,
 
 def write_chrome_trace(result: SimResult, path: str, *, us_per_unit: float = 1000.0) -> None:
     """Write :func:`chrome_trace` of ``result`` to ``path`` as JSON."""
-    Path(path).write_text(json.dumps(chrome_trace(result, us_per_unit=us_per_unit)) + "\n")
+    write_json(path, chrome_trace(result, us_per_unit=us_per_unit))
 
 
 # --------------------------------------------------------------------------- planner frontier
@@ -502,7 +502,7 @@ def plot_frontier(points: Sequence[Point], frontier: Sequence[Point], budget: fl
         title = (f"p={len(chosen.peak_memory)}, budget {budget:.4g} M: {chosen.spec}, "
                  f"makespan {chosen.makespan:.4g}, peak {chosen.memory:.4g} M")
     ax.set_title(title, fontsize=10, loc="left")
-    fig.savefig(path, dpi=150)
+    save_figure(fig, path)
     fig.clear()
 
 
@@ -546,7 +546,7 @@ def plot_run(measured: SimResult, predicted: SimResult, path: str, *, titles: tu
     ax.grid(axis="y", color="#dddddd", linewidth=0.6)
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
-    fig.savefig(path, dpi=150)
+    save_figure(fig, path)
     fig.clear()
 
 
@@ -571,7 +571,7 @@ def plot_cycle(base: SimResult, steps: Sequence[SimResult], path: str, *, title:
     _gantt_legend(axes[0], base.schedule, *(r.schedule for r in steps))
     if title:
         fig.suptitle(title, fontsize=11)
-    fig.savefig(path, dpi=150)
+    save_figure(fig, path)
     fig.clear()
 
 
@@ -643,7 +643,7 @@ def plot_adaptive(per_step: Sequence[Mapping[str, Any]], decisions: Sequence[Map
             ax.spines[side].set_visible(False)
     if title:
         fig.suptitle(title, fontsize=10)
-    fig.savefig(path, dpi=150)
+    save_figure(fig, path)
 
 
 def _k_of(spec: str) -> int:

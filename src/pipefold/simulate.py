@@ -310,8 +310,9 @@ class SimResult:
     @property
     def bubble_ratio(self) -> float:
         """1 - busy time / (devices x makespan)."""
-        span = self.makespan * self.schedule.devices
-        return 1.0 - sum(self.busy) / span if span else 0.0
+        span = self.makespan
+        # The mean busy time over the makespan: the same ratio, without overflowing near the largest float.
+        return 1.0 - sum(b / self.schedule.devices for b in self.busy) / span if span else 0.0
 
     @property
     def peak_memory(self) -> list[float]:
@@ -392,6 +393,10 @@ def simulate(schedule: Schedule, cost: CostModel | None = None, *, network: Netw
         transfer = _Links(network, at, cost.activation_bytes)
     all_starts, all_ends = (_shared_times(graph, durations, transfer, idle, cost.contention) if event_driven
                             else (graph.starts, graph.ends))
+    if not math.isfinite(max(all_ends, default=0.0)):
+        raise ConfigError(f"the costs overflow: {schedule.name}'s step would last longer than the largest float "
+                          "(about 1.8e308 time units); give smaller times (--f, --b, --w, --latency, ...), e.g. in "
+                          "seconds or milliseconds instead")
     rows = schedule.actions
     bounds = [*graph.offsets, schedule.num_actions]
     starts = [all_starts[bounds[d]:bounds[d + 1]] for d in range(D)]
@@ -402,7 +407,12 @@ def simulate(schedule: Schedule, cost: CostModel | None = None, *, network: Netw
     deltas = _delta_table(dict(enumerate(costs)))
     stashes = _stash_events(graph, costs, all_ends)
     curves = tuple(_memory_curve(rows[d], starts[d], ends[d], deltas, stashes.get(d, ())) for d in range(D))
-    return SimResult(schedule, cost, timeline, curves)
+    result = SimResult(schedule, cost, timeline, curves)
+    if not all(math.isfinite(level) for curve in curves for _, level in curve) or \
+            not all(math.isfinite(x) for x in result.peak_memory):
+        raise ConfigError(f"the memory costs overflow: {schedule.name}'s memory would add up beyond the largest "
+                          "float; give a smaller --mem or --weights (e.g. in MB or GB instead of bytes)")
+    return result
 
 
 def _stash_events(graph: Graph, costs: Sequence[StageCost],
@@ -590,26 +600,42 @@ def _memory_curve(row: tuple[Action, ...], starts: list[float], ends: list[float
                   deltas: dict[tuple[int, str], tuple[float, float]],
                   stashes: Sequence[tuple[float, float]] = ()) -> tuple[tuple[float, float], ...]:
     """Activation memory of one device over time, as (time, level) steps; ``stashes`` are further (time, change)
-    events (see :func:`_stash_events`)."""
-    events: list[tuple[float, float]] = list(stashes)
+    events (see :func:`_stash_events`).
+
+    A device runs its passes one after another, so at equal times its own events keep their run order
+    (a pass's start before its end, one pass's end before the next one's start); a stash is given back
+    before them and taken after them. Several levels at one time keep the highest, then the last: a pass
+    that takes no time still holds its memory for that instant, so the peak does not depend on the times
+    (it is :func:`peak_by_order`'s), and the curve goes back down at the same time.
+    """
+    events: list[tuple[float, int, float]] = [(t, 0 if delta < 0 else 2, delta) for t, delta in stashes]
     for a, start, end in zip(row, starts, ends, strict=True):
         at_start, at_end = deltas[a[0], a[1]] if not a[3] else _deltas_of(a, deltas)
         if at_start:
-            events.append((start, at_start))
+            events.append((start, 1, at_start))
         if at_end:
-            events.append((end, at_end))
-    # At equal times a release comes first: the device ended one pass before starting the next.
-    events.sort()
+            events.append((end, 1, at_end))
+    # Stable: the device's own events at one time stay in the order it ran them.
+    events.sort(key=lambda e: (e[0], e[1]))
     curve = [(0.0, 0.0)]
     level = 0.0
-    for t, delta in events:
+    high = -math.inf  # the highest level so far at the time of the last point
+    for t, _, delta in events:
         level += delta
         if abs(level) < 1e-12:
             level = 0.0
-        if curve[-1][0] == t:
-            curve[-1] = (t, level)
-        else:
+        if curve[-1][0] != t:
             curve.append((t, level))
+            high = level
+        elif level >= high:  # a new high at this time: it replaces the lower levels there
+            high = level
+            if len(curve) > 1 and curve[-2][0] == t:
+                curve.pop()
+            curve[-1] = (t, level)
+        elif curve[-1][1] == high and (len(curve) < 2 or curve[-2][0] != t):
+            curve.append((t, level))  # down from this time's high: keep the high, then the level after it
+        else:
+            curve[-1] = (t, level)
     return tuple(curve)
 
 

@@ -163,6 +163,7 @@ def make_job(config: TrainConfig, *, save_grads_of_step: int | None = None,
     K-FAC, the placement of its work (a :class:`~pipefold.pipefisher.Filled`) that another process made.
     """
     schedule = build_schedule(config)
+    check_size(config, schedule, builds_model=decided is None or placed is None and config.optimizer == "kfac")
     if config.dp < 1:
         raise ConfigError(f"--dp is the number of data-parallel pipelines: at least 1 (got {config.dp})")
     if config.fsdp and config.dp < 2:
@@ -240,6 +241,31 @@ def make_job(config: TrainConfig, *, save_grads_of_step: int | None = None,
                save_grads_of_step=save_grads_of_step, offload=config.offload, recompute=recompute, extra=extra,
                network=network, adaptive=adaptive, cycle=cycle, kfac=kfac, refill=refill, dp=config.dp,
                zero1=config.zero1, fsdp=config.fsdp)
+
+
+def check_size(config: TrainConfig, schedule: Schedule, *, builds_model: bool = True) -> None:
+    """Refuse, before anything is built, a run this machine cannot hold or would take minutes per step on
+    (see :mod:`pipefold.models.size`): the processes that start here, the parameters as often as they are held
+    (weights, gradients, optimizer state on every copy of a stage; the whole model once more in this process when
+    it measures the layers, ``builds_model``) and one microbatch's activations."""
+    import os
+
+    from pipefold.models.size import Shape, check_fits
+    from pipefold.runtime.launch import under_torchrun
+
+    if config.dp < 1 or config.microbatches < 1:
+        return  # make_job says what is wrong with them
+    shape = Shape(model=config.model, layers=config.layers, hidden=config.hidden, heads=config.heads,
+                  batch=config.batch, seq=config.seq)
+    held = (2 + OPTIMIZER_STATE.get(config.optimizer, 2.0)) * schedule.replicas * config.dp
+    ranks = schedule.devices * config.dp
+    if under_torchrun():  # only this machine's ranks, and their share of the model
+        here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        held, ranks = held * here / max(1, int(os.environ.get("WORLD_SIZE", "1"))), here
+    measures = builds_model and (config.partition != "even" or config.recompute != "none"
+                                 or config.optimizer == "kfac" or config.memory_budget is not None)
+    check_fits(shape, microbatches=config.microbatches * config.dp, ranks=ranks, copies=held + measures,
+               what=f"training {config.model}")
 
 
 def _kfac_cycle(config: TrainConfig, schedule: Schedule, layer_stages: tuple[tuple[int, ...], ...],

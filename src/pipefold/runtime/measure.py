@@ -3,7 +3,6 @@ cost model that lets the simulator predict the same run."""
 
 from __future__ import annotations
 
-import json
 import statistics
 from typing import Any
 
@@ -66,8 +65,10 @@ def measured_trace(reports: list[RankReport]) -> dict[str, Any]:
 
 
 def write_measured_trace(reports: list[RankReport], path: str) -> None:
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(measured_trace(reports), fh)
+    """Write :func:`measured_trace` to ``path`` atomically."""
+    from pipefold.files import write_json
+
+    write_json(path, measured_trace(reports))
 
 
 def measured_summary(reports: list[RankReport]) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from typing import Any
 
 from pipefold._gc import paused_gc
 from pipefold.errors import ConfigError
-from pipefold.ir import Schedule
+from pipefold.ir import Schedule, check_size
 from pipefold.schedules.bidirectional import chimera, dualpipe
 from pipefold.schedules.controllable import v_block_schedule, v_half, v_min, v_zb
 from pipefold.schedules.dualpipe_v import dualpipev
@@ -52,6 +52,9 @@ class ScheduleSpec:
     """Peak activation memory per device in units of M, as a formula for the docs and listings."""
     min_microbatches: Callable[[int], int] = lambda p: 1
     """The fewest microbatches the family can schedule on p devices."""
+    stages_per_device: Callable[[Mapping[str, Any]], int] = lambda options: 1
+    """Stages each device holds, from the resolved options (v for looped chunks, 2 for the V shape): what
+    :func:`build` checks against :data:`pipefold.ir.MAX_STAGE_MICROBATCHES` before generating."""
 
     def option(self, name: str) -> Option | None:
         return next((o for o in self.options if o.name == name), None)
@@ -63,6 +66,14 @@ def _gap(name: str, help: str, most: int = 3) -> Option:
 
 _V = Option(name="v", default=2, help="stages (model chunks) per device", search=lambda p, m: (2, 3, 4))
 
+
+def _chunks(options: Mapping[str, Any]) -> int:
+    return int(options["v"])
+
+
+def _two(options: Mapping[str, Any]) -> int:
+    return 2
+
 REGISTRY: dict[str, ScheduleSpec] = {
     spec.name: spec
     for spec in [
@@ -70,13 +81,14 @@ REGISTRY: dict[str, ScheduleSpec] = {
                      description="GPipe: all forwards, then all backwards (Huang et al. 2019)"),
         ScheduleSpec(name="1f1b", build=one_f_one_b, memory="p-i",
                      description="1F1B / PipeDream-Flush: warm-up, then one forward one backward"),
-        ScheduleSpec(name="interleaved-1f1b", build=interleaved_1f1b, options=(_V,), memory="~p+(p-1)/v",
+        ScheduleSpec(name="interleaved-1f1b", stages_per_device=_chunks, build=interleaved_1f1b, options=(_V,),
+                     memory="~p+(p-1)/v",
                      description="Interleaved 1F1B (Megatron-LM): v looped chunks per device, bubble / v"),
-        ScheduleSpec(name="interleaved-zb", build=interleaved_zb, options=(_V,),
+        ScheduleSpec(name="interleaved-zb", stages_per_device=_chunks, build=interleaved_zb, options=(_V,),
                      memory="min(m,p+(v-1)(g-p)/v), g: microbatches per round, p when p divides m",
                      description="Interleaved zero bubble (torch's ScheduleInterleavedZeroBubble): v looped "
                                  "chunks, B/W split, 1F1B's memory"),
-        ScheduleSpec(name="looped-bfs", build=looped_bfs, options=(_V,), memory="m",
+        ScheduleSpec(name="looped-bfs", stages_per_device=_chunks, build=looped_bfs, options=(_V,), memory="m",
                      description="Breadth-first looped (Lamy-Poirier 2022): all microbatches chunk by chunk"),
         ScheduleSpec(name="kfkb", build=kfkb, memory="min(m, k(p-i))",
                      options=(Option(name="k", default=2, help="microbatches per group",
@@ -90,11 +102,14 @@ REGISTRY: dict[str, ScheduleSpec] = {
                      options=(Option(name="extra", default=0, minimum=0, search=lambda p, m: range(p),
                                      help="extra warm-up forwards and deferred Ws (0: zb-h1, p-1: zb-h2)"),),
                      description="Zero Bubble between H1 and H2: memory p+extra buys a shorter start-up"),
-        ScheduleSpec(name="zb-v", build=zb_v, memory="(min(m,2p-1-i)+min(m,i+1))/2, p for m>=2p-1",
+        ScheduleSpec(name="zb-v", stages_per_device=_two, build=zb_v,
+                     memory="(min(m,2p-1-i)+min(m,i+1))/2, p for m>=2p-1",
                      description="Zero Bubble V: V placement, B/W split, W fills the gaps; 1F1B's memory, ~no bubble"),
-        ScheduleSpec(name="1f1b-v", build=one_f_one_b_v, memory="(min(m,2p-1-i)+min(m,i+1))/2, p for m>=2p-1",
+        ScheduleSpec(name="1f1b-v", stages_per_device=_two, build=one_f_one_b_v,
+                     memory="(min(m,2p-1-i)+min(m,i+1))/2, p for m>=2p-1",
                      description="1F1B on the V placement: fused backward, warm-up of 2p-1 forwards, then 1F1B"),
-        ScheduleSpec(name="dualpipev", build=dualpipev, memory="p+1/2 (2p+1 chunks)", min_microbatches=lambda p: 2 * p,
+        ScheduleSpec(name="dualpipev", stages_per_device=_two, build=dualpipev, memory="p+1/2 (2p+1 chunks)",
+                     min_microbatches=lambda p: 2 * p,
                      description="DualPipeV (DeepSeek): DualPipe cut in half, V placement, F&B overlap, B/W split"),
         ScheduleSpec(name="chimera", build=chimera, memory="p/2+1+min(i,p-1-i)", min_microbatches=lambda p: p,
                      description="Chimera (Li & Hoefler): down and up 1F1B pipelines merged, two replicas, "
@@ -102,13 +117,13 @@ REGISTRY: dict[str, ScheduleSpec] = {
         ScheduleSpec(name="dualpipe", build=dualpipe, memory="p+1", min_microbatches=lambda p: 2 * p,
                      description="DualPipe (DeepSeek): two opposite pipelines, F of one overlapped with B of the "
                                  "other, B/W split at the ends"),
-        ScheduleSpec(name="v-zb", build=v_zb, memory="p",
+        ScheduleSpec(name="v-zb", stages_per_device=_two, build=v_zb, memory="p",
                      description="V-ZB (controllable memory): V building block at 1F1B's memory, ~no bubble"),
-        ScheduleSpec(name="v-half", build=v_half, memory="(p+2)//2",
+        ScheduleSpec(name="v-half", stages_per_device=_two, build=v_half, memory="(p+2)//2",
                      description="V-Half (controllable memory): V building block at half of 1F1B's memory"),
-        ScheduleSpec(name="v-min", build=v_min, memory="(p+4)//3",
+        ScheduleSpec(name="v-min", stages_per_device=_two, build=v_min, memory="(p+4)//3",
                      description="V-Min (controllable memory): V building block at a third of 1F1B's memory"),
-        ScheduleSpec(name="v-block", build=v_block_schedule, memory="sum of ceil(lifespan/T)",
+        ScheduleSpec(name="v-block", stages_per_device=_two, build=v_block_schedule, memory="sum of ceil(lifespan/T)",
                      options=(_gap("f0", "slots per hop of the chunk-0 forward chain"),
                               _gap("f1", "slots per hop of the chunk-1 forward chain"),
                               _gap("b0", "slots per hop of the chunk-0 backward chain", most=4),
@@ -146,6 +161,8 @@ def build(name: str, devices: int, microbatches: int, **options: Any) -> Schedul
         raise ConfigError(f"{name} needs at least {least} microbatches on {devices} devices (got {microbatches}); "
                           f"use --microbatches {least} or more")
     resolved = _resolve_options(spec, options)
+    check_size(devices * spec.stages_per_device(resolved), microbatches,
+               f"{name} on {devices:,} devices with {microbatches:,} microbatches", devices=devices)
     with paused_gc():
         return spec.build(devices, microbatches, **resolved)
 

@@ -1,0 +1,206 @@
+"""Issue 15's hostile inputs, each through the real command line: one line and exit 2 (or the right answer),
+never a traceback, a hang or a silently wrong result."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipefold import build, simulate
+from pipefold.cli import main
+from pipefold.ir import MAX_DEVICES, MAX_STAGE_MICROBATCHES, Schedule, check_size
+from pipefold.simulate import CostModel, peak_by_order
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+TINY = ["--model", "mlp", "--schedule", "1f1b", "--devices", "2", "-m", "2", "--batch", "4", "--hidden", "8",
+        "--layers", "2", "--partition", "even"]
+
+
+def one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str], code: int = 2) -> str:
+    """Run the CLI; expect exit ``code`` and a single stderr line ``pipefold <command>: error: ...``."""
+    started = time.perf_counter()
+    try:
+        got = main(argv)
+    except SystemExit as exc:  # argparse's own refusals
+        got = exc.code  # type: ignore[assignment]
+    out, err = capsys.readouterr()
+    assert got == code, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"pipefold {argv[0]}: error: "), err
+    assert time.perf_counter() - started < 30  # refused up front, not after the work
+    return lines[0]
+
+
+def test_binary_schedule_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "zb.txt"
+    path.write_bytes(bytes(range(256)) * 4)
+    for command in ("simulate", "validate", "compare"):
+        line = one_line_error(capsys, [command, str(path)])
+        assert "is not a schedule file: byte 0x80 at offset 128 is not UTF-8 text" in line
+    assert "not UTF-8" in one_line_error(capsys, ["simulate", str(path), "--format", "torch-csv"])
+
+
+def test_options_that_are_not_an_object(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    data = build("1f1b", 2, 2).to_json()
+    data["options"] = "notadict"
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    for command in ("simulate", "validate", "compare"):  # a malformed schedule: exit 1, as validate reports one
+        line = one_line_error(capsys, [command, str(path)], code=1)
+        assert "'options' must be an object, got 'notadict'" in line
+
+
+@pytest.mark.parametrize("argv", [["--f", "1e308", "--b", "1e308"], ["--f", "1e308", "--b", "1e308", "--w", "1e308",
+                                                                     "--json"], ["--latency", "1e308"]])
+def test_costs_that_overflow(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    assert "the costs overflow" in one_line_error(capsys, ["simulate", *argv])
+
+
+def test_memory_that_overflows(capsys: pytest.CaptureFixture[str]) -> None:
+    assert "the memory costs overflow" in one_line_error(capsys, ["simulate", "gpipe", "--mem", "1e308"])
+
+
+def test_offload_budget_beyond_a_float(capsys: pytest.CaptureFixture[str]) -> None:
+    assert "more than any machine has" in one_line_error(capsys, ["offload", "--budget", "1e999"])
+
+
+def test_train_too_wide_is_refused_before_allocating(capsys: pytest.CaptureFixture[str]) -> None:
+    # 4 blocks of width 100,000: 4.8e11 parameters, 1.9 TB as float32 before gradients and AdamW.
+    line = one_line_error(capsys, ["train", "--model", "gpt", "--layers", "4", "--hidden", "100000"])
+    assert "would need at least" in line and "480,063,000,000 parameters" in line and "use --hidden" in line
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["train", "--seq", "100000"], "use --seq"),
+        (["train", "--devices", "100000", "--layers", "8"], "over pipefold's limit of 512"),
+        (["train", "--stages", "100000", "--layers", "8"], "--stages was renamed --devices"),
+        (["simulate", "-m", "10000000"], f"over pipefold's limit of {MAX_STAGE_MICROBATCHES:,}"),
+        (["simulate", "interleaved-1f1b", "--v", "1000000"], "use at most 250,000 stages"),
+        (["simulate", "-p", "100000", "-m", "1"], "use --devices 512 or fewer"),
+        (["partition", "--hidden", "100000"], "use --hidden"),
+    ],
+)
+def test_sizes_that_would_hang_or_exhaust_memory(capsys: pytest.CaptureFixture[str], argv: list[str],
+                                                 expected: str) -> None:
+    assert expected in one_line_error(capsys, argv)
+
+
+def test_the_limit_is_exact(capsys: pytest.CaptureFixture[str]) -> None:
+    m = MAX_STAGE_MICROBATCHES // 4
+    check_size(4, m, "at the limit")  # allowed (generating and simulating it takes seconds: docs/simulator.md)
+    check_size(1, 1, "small", devices=MAX_DEVICES)
+    line = one_line_error(capsys, ["simulate", "1f1b", "-p", "4", "-m", str(m + 1)])
+    assert f"use at most {m:,} microbatches with 4 stages" in line
+
+
+def test_csv_cell_with_a_huge_index(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "big.csv"
+    path.write_text(build("1f1b", 2, 2).to_csv().replace("0F0,", "0F99999999999,", 1))
+    line = one_line_error(capsys, ["simulate", str(path)])
+    assert "largest microbatch 99,999,999,999" in line and "over pipefold's limit" in line
+    path.write_text("0F0,99999999999F0\n")  # torch's CSV: a stage index as large
+    line = one_line_error(capsys, ["simulate", str(path), "--format", "torch-csv"])
+    assert "largest stage index 99,999,999,999" in line and "use at most 250,000 stages" in line
+
+
+def test_generate_with_an_upper_case_suffix_reads_back(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    for name, head in (("out.JSON", "{"), ("out.Csv", "0F0")):
+        path = tmp_path / name
+        assert main(["generate", "zb-h1", "-p", "3", "-m", "6", "-o", str(path)]) == 0
+        assert path.read_text().startswith(head)
+        assert Schedule.load(str(path)).actions == build("zb-h1", 3, 6).actions
+        capsys.readouterr()
+        assert main(["simulate", str(path), "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["makespan"] == simulate(build("zb-h1", 3, 6)).makespan
+
+
+def test_a_file_named_like_a_schedule_does_not_take_its_place(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    build("gpipe", 2, 2).save("1f1b")  # text, in the current folder
+    assert main(["compare", "1f1b", "-p", "3", "-m", "6", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)["results"][0]
+    assert (result["schedule"], result["devices"], result["microbatches"]) == ("1f1b", 3, 6)
+    assert main(["compare", "./1f1b", "--json"]) == 0  # the file, named as a path
+    result = json.loads(capsys.readouterr().out)["results"][0]
+    assert (result["schedule"], result["devices"], result["microbatches"]) == ("gpipe", 2, 2)
+
+
+def test_zero_times_keep_the_peak_memory(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "1f1b", "-p", "4", "-m", "8", "--f", "0", "--b", "0", "--w", "0", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["peak_memory"] == [4, 3, 2, 1] and out["makespan"] == 0  # 1F1B's p - i, whatever the times
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1", "zb-h2", "interleaved-1f1b", "zb-v", "dualpipev",
+                                  "chimera", "dualpipe", "v-min", "looped-bfs"])
+def test_peak_does_not_depend_on_the_times(name: str) -> None:
+    schedule = build(name, 4, 8)
+    for cost in (CostModel(f=0, b=0, w=0), CostModel(f=0, b=0, w=0, memory_w=2.5), CostModel(w=0, memory_w=0.5)):
+        costs = {s: cost.stage_cost(s, schedule.stages, schedule.devices, replicas=len(schedule.holders(s)))
+                 for s in range(schedule.stages)}
+        by_order = [peak_by_order(schedule.actions[d], costs) for d in range(schedule.devices)]
+        assert simulate(schedule, cost).peak_memory == pytest.approx(by_order)
+    unit = simulate(schedule).peak_memory
+    assert simulate(schedule, CostModel(f=0, b=0, w=0)).peak_memory == pytest.approx(unit)
+
+
+def test_an_option_given_twice_must_agree(capsys: pytest.CaptureFixture[str]) -> None:
+    line = one_line_error(capsys, ["simulate", "kfkb:k=2", "--k", "3"])
+    assert "kfkb:k=2 sets k=2 but --k 3 says otherwise" in line
+    assert "k=2" in one_line_error(capsys, ["compare", "kfkb:k=2", "zb-h1", "--k", "3"])
+    assert main(["simulate", "kfkb:k=2", "--k", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["options"] == {"k": 2}
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "expected"),
+    [
+        ("--trace", "{tmp}/missing/run.json", "folder {tmp}/missing does not exist"),
+        ("--plot", "{tmp}", "is a directory"),
+        ("--trace", "/proc/run.json", "cannot write the trace file /proc/run.json"),
+        ("--plot", "{tmp}/run.PDF", "ending in .png or .svg"),
+    ],
+)
+def test_train_outputs_are_checked_before_training(capsys: pytest.CaptureFixture[str], tmp_path: Path, flag: str,
+                                                   value: str, expected: str) -> None:
+    # A million steps would run for hours: the answer within one_line_error's 30 s says nothing was trained.
+    line = one_line_error(capsys, ["train", *TINY, "--steps", "1000000", flag, value.format(tmp=tmp_path)])
+    assert expected.format(tmp=tmp_path) in line
+
+
+@pytest.mark.parametrize("argv", [["simulate", "--trace", "{tmp}/no/t.json"], ["simulate", "--plot", "{tmp}/t.txt"],
+                                  ["generate", "1f1b", "-o", "{tmp}"], ["plan", "--memory", "4", "--plot", "{tmp}"],
+                                  ["pipefisher", "--plot", "{tmp}/no/p.png"], ["profile", "-o", "{tmp}/no/p.json"]])
+def test_every_command_checks_its_outputs(capsys: pytest.CaptureFixture[str], tmp_path: Path, argv: list[str]) -> None:
+    one_line_error(capsys, [a.format(tmp=tmp_path) for a in argv])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_redirected_train_prints_a_line_per_step(tmp_path: Path) -> None:
+    steps = 20
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "pipefold", "train", *TINY, "--steps", str(steps), "--json"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None and proc.stdout is not None
+    first = proc.stderr.readline()
+    still_running = proc.poll() is None  # the line came as the step ended, not with the summary at the end
+    rest = proc.stderr.read()  # to the end (the JSON on stdout is far smaller than a pipe's buffer)
+    out = proc.stdout.read()
+    assert proc.wait(timeout=240) == 0, first + rest
+    lines = [first, *rest.splitlines()]
+    assert still_running and first.startswith(f"step 1/{steps} loss ")
+    losses = json.loads(out)["loss"]  # the run's own summary is the reference
+    assert len(lines) == steps and "\r" not in first + rest and "━" not in first + rest
+    for i, line in enumerate(lines):
+        words = line.split()
+        assert words[:2] == ["step", f"{i + 1}/{steps}"] and words[2] == "loss"
+        assert float(words[3]) == pytest.approx(losses[i], abs=6e-5)
