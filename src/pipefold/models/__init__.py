@@ -3,7 +3,8 @@ layer-to-stage splits.
 
 Nothing here knows about pipelining: a stage is just a contiguous run of layers, applied in order. The interface
 every model gives the pipeline is :class:`~pipefold.models.base.Model`; :data:`REGISTRY` holds the models by name:
-``gpt`` and ``mlp`` built in. Importing this package imports no torch: the modules that build models load
+``gpt`` and ``mlp`` built in, and the Hugging Face causal LMs ``gpt2`` and ``llama`` of :mod:`pipefold.models.hf`
+(``pip install 'pipefold[hf]'``). Importing this package imports no torch: the modules that build models load
 when a model is made or one of their names is used.
 """
 
@@ -76,6 +77,11 @@ register(Family(name="gpt", make=_maker("gpt"), blocks_for=lambda stages: max(1,
 register(Family(name="mlp", make=_maker("mlp"), blocks_for=lambda stages: 2 * stages, sequences=False,
                 description="benchmark stack of identical MLP blocks with a fixed random regression target (4 "
                             "blocks, width 64 by default)"))
+for _arch, _tiny in (("gpt2", "gpt2-tiny"), ("llama", "llama-tiny")):
+    register(Family(name=_arch, make=_maker("hf", _arch), blocks_for=lambda stages: None, hf=True,
+                    description=f"Hugging Face transformers {_arch} causal LM built from a config (--hf-config: a "
+                                f"config.json or a shipped name; default {_tiny})"))
+
 
 def split_layers(layers: int | Sequence[object], num_stages: int) -> list[list[int]]:
     """Layer indices of each stage: contiguous runs covering every layer once, sizes differing by at most 1.
