@@ -1,6 +1,7 @@
 """Tests for the models: per-layer builds, forward passes against references, splits, corpus and batches."""
 
 import math
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -372,3 +373,14 @@ def test_config_errors_are_one_line_with_the_value(make, expected):
     with pytest.raises(ConfigError) as err:
         make()
     assert expected in _one_line(err)
+
+
+def test_hf_models_without_transformers_say_how_to_install(monkeypatch, capsys):
+    from pipefold.cli import main
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed: importing it fails
+    with pytest.raises(ConfigError, match=r"need the transformers package: pip install 'pipefold\[hf\]'"):
+        make_model("gpt2")
+    assert main(["partition", "--hf", "llama"]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'pipefold[hf]'" in err and len(err.strip().splitlines()) == 1
