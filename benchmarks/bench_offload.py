@@ -24,7 +24,7 @@ from rich.table import Table
 from torch import nn
 
 from pipefold.offload import Offloaded
-from pipefold.offload_check import Case, default_device
+from pipefold.offload_check import Case, default_device, make_case
 
 
 def _median_steps(models: list[nn.Module], case: Case, device: str, steps: int) -> list[float]:
@@ -32,14 +32,15 @@ def _median_steps(models: list[nn.Module], case: Case, device: str, steps: int) 
     machine hits every model alike; the first step of each is a warm-up and not counted."""
     times: list[list[float]] = [[] for _ in models]
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
-    x, y = (t.to(device) for t in case.data())
+    xs, y = case.data()
+    x, y = tuple(t.to(device) for t in xs), y.to(device)
     for _ in range(steps + 1):
         for model, opt, seconds in zip(models, opts, times, strict=True):
             if device != "cpu":
                 torch.cuda.synchronize()
             start = time.perf_counter()
             opt.zero_grad(set_to_none=True)
-            case.loss(model(x), y).backward()
+            case.loss(model(*x), y).backward()
             opt.step()
             if device != "cpu":
                 torch.cuda.synchronize()
@@ -57,7 +58,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 8])
     args = parser.parse_args()
-    case = Case("gpt", args.layers, args.hidden, args.heads, args.batch, args.seq)
+    case = make_case("gpt", layers=args.layers, hidden=args.hidden, heads=args.heads, batch=args.batch, seq=args.seq)
     device = default_device()
     console = Console()
 

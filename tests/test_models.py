@@ -1,6 +1,7 @@
 """Tests for the models: per-layer builds, forward passes against references, splits, corpus and batches."""
 
 import math
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -20,10 +21,9 @@ from pipefold.models import (
     build_gpt_layers,
     build_mlp,
     build_mlp_layers,
-    build_model,
-    get_model,
     gpt_loss,
     load_corpus,
+    make_model,
     mlp_input,
     mlp_loss,
     mlp_target,
@@ -215,13 +215,23 @@ def test_mlp_inputs_and_targets_are_fixed():
 
 
 def test_registry_builds_by_name():
-    layers = build_model("gpt", seed=4, n_layer=2, n_embd=32, n_head=2)
-    reference = build_gpt(GPTConfig(n_layer=2, n_embd=32, n_head=2), seed=4)
-    assert len(layers) == 4
+    gpt = make_model("gpt", seed=4, layers=2, hidden=32, heads=2, seq=16, batch=3)
+    reference = build_gpt(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16), seed=4)
+    layers = gpt.build()
+    assert len(layers) == gpt.num_layers == 4 and (gpt.embedding_layers, gpt.head_layers) == (1, 1)
     for a, b in zip(layers, reference, strict=True):
         _assert_same_weights(a, b)
-    assert len(build_model("mlp", hidden=8, layers=3)) == 3
-    assert get_model("mlp").loss is mlp_loss
+    x, y = gpt.batch_at(5)
+    assert x.shape == y.shape == (3, 16) and torch.equal(x[:, 1:], y[:, :-1])  # next-token targets
+    assert torch.equal(gpt.batch_at(5)[0], x) and not torch.equal(gpt.batch_at(6)[0], x)  # a function of the step
+    mlp = make_model("mlp", hidden=8, layers=3, batch=4, seed=2)
+    assert len(mlp.build()) == mlp.num_layers == 3 and list(mlp.blocks) == [0, 1, 2]
+    x, y = mlp.batch_at(1)
+    assert torch.equal(x, mlp_input(MLPConfig(hidden=8, layers=3), 4, seed=3))  # step t draws seed + t
+    assert torch.equal(y, mlp_target(MLPConfig(hidden=8, layers=3), 4, seed=2))
+    assert mlp.loss(y, y).item() == 0.0 and mlp_loss(x, y).item() == mlp.loss(x, y).item()
+    assert gpt.layer_name(0) == "layer 0 (embedding)" and gpt.layer_name(2) == "layer 2 (block 1)"
+    assert mlp.layer_name(2) == "layer 2"
 
 
 # --------------------------------------------------------------------------- split_layers
@@ -352,8 +362,10 @@ def test_gpt_learns_the_corpus(corpus):
      "GPTConfig.block_size must be a positive integer (got 2.5)"),
     (lambda: GPTConfig(dropout=1.0), "dropout must be a probability in [0, 1) (got 1.0)"),
     (lambda: MLPConfig(hidden=0), "MLPConfig.hidden must be a positive integer (got 0)"),
-    (lambda: build_model("resnet"), "unknown model 'resnet'; known models: gpt, mlp"),
-    (lambda: build_model("gpt", n_layers=2), "model gpt has no setting 'n_layers'"),
+    (lambda: make_model("resnet"), "unknown model 'resnet'; known models: gpt, mlp, gpt2, llama"),
+    (lambda: make_model("gpt", n_layers=2), "models take no setting 'n_layers'"),
+    (lambda: make_model("gpt", layers=0), "--layers must be at least 1 (got 0)"),
+    (lambda: make_model("mlp", config="gpt2-tiny"), "--hf-config configures a Hugging Face model"),
     (lambda: build_gpt_layers(TINY, [5]), "layer index 5 is out of range: this model has layers 0..4"),
     (lambda: build_mlp_layers(MLPConfig(layers=2), [-1]), "layer index -1 is out of range"),
 ])
@@ -361,3 +373,14 @@ def test_config_errors_are_one_line_with_the_value(make, expected):
     with pytest.raises(ConfigError) as err:
         make()
     assert expected in _one_line(err)
+
+
+def test_hf_models_without_transformers_say_how_to_install(monkeypatch, capsys):
+    from pipefold.cli import main
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed: importing it fails
+    with pytest.raises(ConfigError, match=r"need the transformers package: pip install 'pipefold\[hf\]'"):
+        make_model("gpt2")
+    assert main(["partition", "--hf", "llama"]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'pipefold[hf]'" in err and len(err.strip().splitlines()) == 1

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from pipefold.errors import ConfigError
-from pipefold.models import GPTConfig, build_gpt, build_model, gpt_loss, mlp_loss
+from pipefold.models import GPTConfig, MLPConfig, build_gpt, build_mlp, gpt_loss, mlp_loss
 from pipefold.offload import Offloaded, choose_k
 
 KS = [(1, 1), (2, 1), (3, 2), (3, 3), (20, 4)]  # (k, k'); k=20 is more than there are layers
@@ -37,8 +37,9 @@ def _case(name: str) -> tuple[list[nn.Module], torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(1)
     if name == "gpt":
         idx = torch.randint(0, 256, (2, 16), generator=gen)
-        return build_model("gpt", n_layer=6), idx, torch.randint(0, 256, (2, 16), generator=gen)
-    return build_model("mlp", hidden=32, layers=6), torch.randn(4, 32, generator=gen), torch.randn(4, 32, generator=gen)
+        return build_gpt(GPTConfig(n_layer=6)), idx, torch.randint(0, 256, (2, 16), generator=gen)
+    return (build_mlp(MLPConfig(hidden=32, layers=6)), torch.randn(4, 32, generator=gen),
+            torch.randn(4, 32, generator=gen))
 
 
 def _with_reference(name: str) -> tuple[list[nn.Module], nn.Sequential, torch.Tensor, torch.Tensor]:
@@ -143,7 +144,7 @@ def test_residency_stays_within_k(name: str, k: int, kprime: int) -> None:
 
 
 def test_tracker_refuses_more_than_k() -> None:
-    wrapped = Offloaded(build_model("mlp", hidden=8, layers=3), "cpu", k=1, kprime=1)
+    wrapped = Offloaded(build_mlp(MLPConfig(hidden=8, layers=3)), "cpu", k=1, kprime=1)
     with pytest.raises(AssertionError, match="more than k=1"):
         wrapped.tracker.record("fetch", 1, {0: 8, 1: 8})
 
@@ -201,7 +202,7 @@ def test_tied_weights_are_refused() -> None:
 ])
 def test_bad_k_is_refused(k: int, kprime: int, match: str) -> None:
     with pytest.raises(ConfigError, match=match) as err:
-        Offloaded(build_model("mlp", hidden=8, layers=2), "cpu", k=k, kprime=kprime)
+        Offloaded(build_mlp(MLPConfig(hidden=8, layers=2)), "cpu", k=k, kprime=kprime)
     assert "\n" not in str(err.value)
 
 
@@ -285,7 +286,7 @@ def test_backward_fetches_weights_again_instead_of_keeping_them() -> None:
 
 
 def test_activations_kept_on_the_cpu_give_the_same_gradients() -> None:
-    layers = build_model("mlp", hidden=16, layers=4)
+    layers = build_mlp(MLPConfig(hidden=16, layers=4))
     ref = torch.nn.Sequential(*copy.deepcopy(layers))
     wrapped = Offloaded(torch.nn.Sequential(*layers), "cpu", k=1, kprime=1, activations_to_cpu=True)
     x, y = torch.randn(4, 16), torch.randn(4, 16)
@@ -297,9 +298,9 @@ def test_activations_kept_on_the_cpu_give_the_same_gradients() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_offload_peak_memory_and_exactness() -> None:
-    layers = build_model("mlp", hidden=256, layers=8)
+    layers = build_mlp(MLPConfig(hidden=256, layers=8))
     x = torch.randn(8, 256, device="cuda")
-    ref = torch.nn.Sequential(*[torch.nn.Sequential(m).to("cuda") for m in build_model("mlp", hidden=256, layers=8)])
+    ref = torch.nn.Sequential(*[torch.nn.Sequential(m).to("cuda") for m in build_mlp(MLPConfig(hidden=256, layers=8))])
     torch.cuda.reset_peak_memory_stats()
     wrapped = Offloaded(torch.nn.Sequential(*layers), "cuda", k=2, kprime=1)
     out = wrapped(x)

@@ -26,7 +26,7 @@ def test_json_keys_and_24_block_gpt_residency(capsys: pytest.CaptureFixture[str]
         assert key in out
     assert set(out["step_time_s"]) == {"offloaded", "plain"}
     assert all(t > 0 for t in out["step_time_s"].values())
-    assert (out["model"], out["layers"], out["hidden"], out["k"], out["kprime"]) == ("gpt", 24, 64, 2, 1)
+    assert (out["model"], out["layers"], out["seq"], out["k"], out["kprime"]) == ("gpt", 24, 16, 2, 1)
     assert out["peak_resident_layers"] == 2
     # Embedding and head count as resident: the peak is them plus two blocks.
     assert out["peak_resident_bytes"] == out["resident_static_bytes"] + 2 * out["largest_layer_bytes"]

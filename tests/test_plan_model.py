@@ -97,24 +97,20 @@ def test_stage_figures_from_layers_match_stages_measured_whole() -> None:
     # r = 0..n recomputed layers on the runtime's stage runner and reads the meter.
     import torch
 
-    from pipefold.models import get_model
+    from pipefold.models import make_model
     from pipefold.profile import measure_layers
     from pipefold.recompute import measure_stages
     from pipefold.runtime.stage import Chain
-    from pipefold.train import TrainConfig, model_batch
 
     torch.manual_seed(0)
-    config = TrainConfig(model="gpt", layers=4, hidden=32, heads=2, seq=16, batch=8, microbatches=4)
-    spec = get_model("gpt")
-    cfg, batch_at = model_batch(config)
-    built = spec.build_layers(cfg, range(cfg.num_layers), seed=0)
-    layers = [built[i] for i in range(cfg.num_layers)]
-    x, y = batch_at(0)
+    model = make_model("gpt", layers=4, hidden=32, heads=2, seq=16, batch=8)
+    layers = model.build()
+    x, y = model.batch_at(0)
     sample, target = x.chunk(4)[0], y.chunk(4)[0]
-    prof = dataclasses.replace(_profile(6), layers=tuple(measure_layers(layers, sample, target, spec.loss,
+    prof = dataclasses.replace(_profile(6), layers=tuple(measure_layers(layers, sample, target, model.loss,
                                                                         microbatches=4, repeats=1)))
     parts = [(0, 1, 2), (3, 4, 5)]
-    whole = measure_stages([Chain(*(layers[i] for i in p)) for p in parts], sample, target, spec.loss,
+    whole = measure_stages([Chain(*(layers[i] for i in p)) for p in parts], sample, target, model.loss,
                            microbatches=4, repeats=1)
     composed = stage_profiles(prof, parts)
     assert composed[0].kept == whole[0].kept  # every r, to the byte

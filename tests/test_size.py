@@ -8,9 +8,9 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from pipefold.errors import ConfigError
-from pipefold.models import get_model
+from pipefold.models import make_model
 from pipefold.models.gpt import GPTConfig, _make_layer
-from pipefold.models.mlp import MLPBlock, MLPConfig, mlp_input, mlp_target
+from pipefold.models.mlp import MLPBlock, MLPConfig
 from pipefold.models.size import (
     MAX_STEP_FLOPS,
     RANK_BYTES,
@@ -40,24 +40,21 @@ def test_parameters_are_those_of_the_model_built_on_the_meta_device(shape: Shape
     assert parameters(shape) == sum(p.numel() for layer in layers for p in layer.parameters())
 
 
-def _model(shape: Shape) -> tuple[list[torch.nn.Module], torch.Tensor, torch.Tensor]:
-    from pipefold.models import build_model
-
-    if shape.model == "gpt":
-        layers = build_model("gpt", n_layer=shape.layers, n_embd=shape.hidden, n_head=shape.heads,
-                             block_size=shape.seq)
-        gen = torch.Generator().manual_seed(0)
-        x = torch.randint(0, 256, (shape.batch, shape.seq), generator=gen)
-        return layers, x, torch.randint(0, 256, (shape.batch, shape.seq), generator=gen)
-    cfg = MLPConfig(hidden=shape.hidden, layers=shape.layers)
-    return build_model("mlp", hidden=shape.hidden, layers=shape.layers), mlp_input(cfg, shape.batch, 0), \
-        mlp_target(cfg, shape.batch, 0)
+def _model(shape: Shape) -> tuple[list[torch.nn.Module], torch.Tensor, torch.Tensor, object]:
+    """The registered model of ``shape``, built through the model interface; its size is ``shape``."""
+    model = make_model(shape.model, layers=shape.layers, hidden=shape.hidden, heads=shape.heads, seq=shape.seq,
+                       batch=shape.batch)
+    assert model.size() == (shape if shape.model == "gpt" else Shape(model="mlp", layers=shape.layers,
+                                                                     hidden=shape.hidden, batch=shape.batch))
+    x, target = model.batch_at(0)
+    assert isinstance(x, torch.Tensor)
+    return model.build(), x, target, model.loss
 
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_estimates_against_the_meter_and_torchs_flop_counter(shape: Shape) -> None:
-    layers, x, target = _model(shape)
-    loss_fn = get_model(shape.model).loss
+    layers, x, target, loss_fn = _model(shape)
+    assert callable(loss_fn)
     held = sum(h for h, _ in layer_memory(layers, x, loss_fn=loss_fn, target=target))
     assert 0.8 <= activation_bytes(shape, shape.batch) / held <= 1.5
     with FlopCounterMode(display=False) as counter:

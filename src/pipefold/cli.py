@@ -92,13 +92,25 @@ def _add_costs(p: argparse.ArgumentParser) -> None:
 
 def _add_model(p: argparse.ArgumentParser, *, layers: int | None, layers_help: str, batch: int,
                batch_help: str) -> None:
-    """The model and its size, as train, offload and partition take them."""
-    p.add_argument("--model", choices=["gpt", "mlp"], default="gpt", help="model (default gpt)")
-    p.add_argument("--layers", type=int, default=layers, help=f"transformer blocks (gpt) or MLP blocks ({layers_help})")
-    p.add_argument("--hidden", type=int, default=64, help="width (default 64)")
-    p.add_argument("--heads", type=int, default=4, help="attention heads of the gpt (default 4)")
+    """The model and its size, as train, profile, offload and partition take them (choices from the registry)."""
+    from pipefold.models import REGISTRY
+
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--model", choices=[n for n, f in REGISTRY.items() if not f.hf], default="gpt",
+                   help="model (default gpt)")
+    g.add_argument("--hf", choices=[n for n, f in REGISTRY.items() if f.hf], default=None, metavar="NAME",
+                   help=f"a Hugging Face transformers causal LM instead, built from --hf-config (needs pip install "
+                        f"'pipefold[hf]'): {', '.join(n for n, f in REGISTRY.items() if f.hf)}")
+    p.add_argument("--hf-config", default=None, metavar="CONFIG",
+                   help="with --hf: a transformers config.json, or a config pipefold ships (gpt2-tiny, llama-tiny; "
+                        "default: NAME-tiny)")
+    p.add_argument("--layers", type=int, default=None,
+                   help=f"transformer blocks or MLP blocks ({layers_help}; with --hf: the config's)")
+    p.set_defaults(default_layers=layers)
+    p.add_argument("--hidden", type=int, default=None, help="width (default 64; with --hf: set in the config)")
+    p.add_argument("--heads", type=int, default=None, help="attention heads of the gpt (default 4)")
     p.add_argument("--batch", type=int, default=batch, help=f"{batch_help} (default {batch})")
-    p.add_argument("--seq", type=int, default=64, help="sequence length of the gpt (default 64)")
+    p.add_argument("--seq", type=int, default=64, help="sequence length of a language model (default 64)")
 
 
 def _add_output(p: argparse.ArgumentParser) -> None:
@@ -604,11 +616,12 @@ def cmd_profile(args: argparse.Namespace, console: Console) -> None:
     from pipefold.profile import profile_model
 
     for label in ("layers", "hidden", "heads", "batch", "seq", "microbatches", "devices", "repeats"):
-        if getattr(args, label) < 1:
+        if getattr(args, label) is not None and getattr(args, label) < 1:
             raise ConfigError(f"--{label} must be at least 1 (got {getattr(args, label)})")
     _check_outputs(("profile", args.output, False))
     with _stage_bar("profile") as progress:
-        prof = profile_model(model=args.model, layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq,
+        prof = profile_model(model=args.model, layers=args.layers, hidden=args.hidden, heads=args.heads,
+                             model_config=args.hf_config, seq=args.seq,
                              batch=args.batch, microbatches=args.microbatches, optimizer=args.optimizer,
                              seed=args.seed, devices=args.devices, repeats=args.repeats, link=not args.no_link,
                              contention=not args.no_sharing, progress=progress)
@@ -771,8 +784,8 @@ def _print_plan(answer: PlanResult, args: argparse.Namespace, console: Console) 
     console.print("▶ chosen; dim rows exceed the budget")
 
 
-_PLAN_FIXES = ("schedule", "devices", "microbatches", "model", "layers", "hidden", "heads", "batch", "seq",
-               "optimizer", "partition", "recompute", "memory_budget", "offload")
+_PLAN_FIXES = ("schedule", "devices", "microbatches", "model", "hf_config", "layers", "hidden", "heads", "batch",
+               "seq", "optimizer", "partition", "recompute", "memory_budget", "offload")
 """Train flags a plan decides: given with --plan (or --schedule auto, for the schedule's own), they are refused."""
 
 
@@ -801,10 +814,13 @@ def _planned_run(args: argparse.Namespace, console: Console) -> tuple[Any, Any, 
     for key in ("partition", "recompute", "offload"):
         if getattr(args, key) != getattr(defaults, key):
             raise ConfigError(f"--schedule auto chooses the split and recomputation itself; drop --{key}")
+    from pipefold.models import REGISTRY
+
     budget = parse_bytes(args.memory_budget)
-    layers = args.layers or 2 * args.devices
+    layers = args.layers or REGISTRY[args.model].blocks_for(args.devices)
     with _stage_bar("profiling the model") as progress:
-        profile = profile_model(model=args.model, layers=layers, hidden=args.hidden, heads=args.heads, seq=args.seq,
+        profile = profile_model(model=args.model, layers=layers, hidden=args.hidden, heads=args.heads,
+                                model_config=args.hf_config, seq=args.seq,
                                 batch=args.batch, microbatches=args.microbatches, optimizer=args.optimizer,
                                 seed=args.seed, devices=args.devices, progress=progress)
     with _progress_bar(f"planning p={args.devices}") as bar:
@@ -820,12 +836,13 @@ def _planned_run(args: argparse.Namespace, console: Console) -> tuple[Any, Any, 
 
 
 def cmd_train(args: argparse.Namespace, console: Console) -> None:
+    from pipefold.models import REGISTRY
     from pipefold.runtime.launch import under_torchrun
     from pipefold.train import TrainConfig, compare, train, train_torchrun
 
     _check_outputs(("plot", args.plot, True), ("trace", args.trace, False))
     for label in ("steps", "batch", "seq", "hidden", "heads"):
-        if getattr(args, label) < 1:
+        if getattr(args, label) is not None and getattr(args, label) < 1:
             raise ConfigError(f"--{label} must be at least 1 (got {getattr(args, label)})")
     plan: dict[str, Any] | None = None
     decided = None
@@ -843,10 +860,11 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
             schedules.get(name)
             probe = schedules.build(name, args.devices, args.microbatches, **options)
         offload = _parse_offload(args.offload) if args.offload else None
-        layers = args.layers or max(1, probe.stages * 2 - (2 if args.model == "gpt" else 0))
+        layers = args.layers or REGISTRY[args.model].blocks_for(probe.stages)
         config = TrainConfig(schedule=name, options=tuple(options.items()), devices=args.devices,
                              microbatches=args.microbatches, steps=args.steps, model=args.model, layers=layers,
-                             hidden=args.hidden, heads=args.heads, batch=args.batch, seq=args.seq, lr=args.lr,
+                             hidden=args.hidden, heads=args.heads, model_config=args.hf_config, batch=args.batch,
+                             seq=args.seq, lr=args.lr,
                              optimizer=args.optimizer, clip=args.clip, data=args.data, seed=args.seed, offload=offload,
                              partition=args.partition, recompute=args.recompute,
                              memory_budget=None if args.memory_budget is None else parse_bytes(args.memory_budget),
@@ -858,7 +876,7 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
     if (args.network or args.netns) and (args.plan is not None or args.schedule == "auto"):
         raise ConfigError("--network and --netns run a schedule you name: use them without --plan or --schedule "
                           "auto")
-    tokens = config.batch * (config.seq if config.model == "gpt" else 1)
+    tokens = config.batch * (config.seq if REGISTRY[config.model].sequences else 1)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     err = Console(stderr=True)
@@ -1171,7 +1189,8 @@ def _print_recompute(plan: dict[str, Any], measured: list[int], console: Console
 def cmd_offload(args: argparse.Namespace, console: Console) -> None:
     from pipefold.offload_check import make_case, pick_k, run_check
 
-    case = make_case(args.model, args.layers, args.hidden, args.heads, args.batch, args.seq, args.seed)
+    case = make_case(args.model, layers=args.layers, hidden=args.hidden, heads=args.heads, batch=args.batch,
+                     seq=args.seq, config=args.hf_config, seed=args.seed)
     if args.steps < 1:
         raise ConfigError(f"--steps must be at least 1 (got {args.steps})")
     budget = None if args.budget is None else int(parse_bytes(args.budget, "--budget"))
@@ -1193,7 +1212,8 @@ def cmd_offload(args: argparse.Namespace, console: Console) -> None:
         print(jsonout.dumps(out))
         return
     t = out["step_time_s"]
-    console.print(f"[bold]{out['model']}[/] with {out['layers']} blocks, width {out['hidden']}, on {out['device']}: "
+    rows = f"batch {out['batch']} x {out['seq']} tokens" if out["seq"] else f"batch {out['batch']}"
+    console.print(f"[bold]{out['model']}[/] with {out['layers']} blocks, {rows}, on {out['device']}: "
                   f"k={k}, k'={kprime}" + (f" (picked for a budget of {format_bytes(budget)})" if budget else ""))
     table = Table(show_edge=False)
     table.add_column("")
@@ -1213,12 +1233,13 @@ def cmd_offload(args: argparse.Namespace, console: Console) -> None:
 
 
 def cmd_partition(args: argparse.Namespace, console: Console) -> None:
+    from pipefold.models import make_model
+    from pipefold.models.size import check_model
     from pipefold.partition import (
         layer_costs,
         layer_memory,
         layer_static_bytes,
         memory_of_split,
-        model_sample,
         partition,
         partition_memory,
     )
@@ -1236,8 +1257,10 @@ def cmd_partition(args: argparse.Namespace, console: Console) -> None:
     least = schedules.get(name).min_microbatches(args.devices)
     m = args.microbatches if args.microbatches is not None else max(least, 2 * args.devices)
     schedule = schedules.build(name, args.devices, m, **options)
-    layers, sample = model_sample(args.model, layers=args.layers, hidden=args.hidden, heads=args.heads,
-                                  batch=args.batch, seq=args.seq)
+    model = make_model(args.model, layers=args.layers, hidden=args.hidden, heads=args.heads, batch=args.batch,
+                       seq=args.seq, config=args.hf_config)
+    check_model(model, what=f"measuring {args.model}'s layers")
+    layers, sample = model.build(), model.batch_at(0)[0]  # one microbatch of --batch rows
     params, times = (layer_costs(layers, sample, by=by) for by in ("params", "time"))
     held, held_w = (list(column) for column in zip(*layer_memory(layers, sample), strict=True))
     static = layer_static_bytes(layers, optimizer_factor=OPTIMIZER_STATE[args.optimizer])
@@ -1311,6 +1334,10 @@ COMMANDS = {"schedules": cmd_schedules, "simulate": cmd_simulate, "compare": cmd
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "hf", None):
+        args.model = args.hf  # one name for the model from here on; its config sizes it
+    elif getattr(args, "layers", 0) is None:
+        args.layers = args.default_layers
     console = Console(soft_wrap=True)
     try:
         COMMANDS[args.command](args, console)

@@ -1,12 +1,13 @@
 """Run a model with and without :class:`~pipefold.offload.Offloaded` and compare: residency, time, exactness.
 
 Used by ``pipefold offload`` and ``benchmarks/bench_offload.py``. The model is built twice from the
-same seed as a :class:`Stacked` module (the layers before the blocks, one nn.ModuleList of blocks,
-the layers after), so only the blocks are offloaded and the embedding and head stay resident.
+same seed as a :class:`Stacked` module (its embedding layers, one nn.ModuleList of its blocks,
+its head layers), so only the blocks are offloaded and the embedding and head stay resident.
 """
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -17,15 +18,18 @@ import torch
 from torch import nn
 
 from pipefold.errors import ConfigError
-from pipefold.models import GPTConfig, build_model, get_model, mlp_input, mlp_target
-from pipefold.models._build import generator
+from pipefold.models import Model, make_model
 from pipefold.offload import Offloaded, choose_k
+from pipefold.runtime.stage import as_tuple, run_layers
 
 __all__ = ["Case", "Stacked", "default_device", "make_case", "pick_k", "run_check", "step_times"]
 
 
 class Stacked(nn.Module):
-    """``pre`` layers, then ``blocks`` (one nn.ModuleList: what Offloaded offloads), then ``post`` layers."""
+    """``pre`` layers, then ``blocks`` (one nn.ModuleList: what Offloaded offloads), then ``post`` layers.
+
+    A layer may take and return a tuple of tensors (token ids and an attention mask), as in a pipeline stage.
+    """
 
     def __init__(self, pre: list[nn.Module], blocks: list[nn.Module], post: list[nn.Module]) -> None:
         super().__init__()
@@ -33,11 +37,11 @@ class Stacked(nn.Module):
         self.blocks = nn.ModuleList(blocks)
         self.post = nn.Sequential(*post)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.pre(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.post(x)
+    def forward(self, *xs: torch.Tensor) -> Any:
+        out: Any = xs
+        for part in (self.pre, self.blocks, self.post):
+            out = run_layers(part, as_tuple(out))
+        return out[0] if isinstance(out, tuple) and len(out) == 1 else out
 
     @property
     def static_bytes(self) -> int:
@@ -55,57 +59,41 @@ class Stacked(nn.Module):
 
 @dataclass(frozen=True)
 class Case:
-    """How to build one model, and its input, target and loss."""
+    """How to build one model, and its input, target and loss: a registered model's first batch."""
 
-    model: str
-    layers: int
-    hidden: int
-    heads: int
-    batch: int
-    seq: int
-    seed: int = 0
+    model: Model
 
     def build(self) -> Stacked:
         """A fresh model on the CPU: the same weights every call."""
-        if self.model == "gpt":
-            flat = build_model("gpt", seed=self.seed, n_layer=self.layers, n_embd=self.hidden, n_head=self.heads,
-                               block_size=max(128, self.seq))
-            return Stacked(flat[:1], flat[1:-1], flat[-1:])
-        flat = build_model("mlp", seed=self.seed, hidden=self.hidden, layers=self.layers)
-        return Stacked([], flat, [])
+        flat, m = self.model.build(), self.model
+        return Stacked(flat[:m.embedding_layers], flat[m.embedding_layers:m.num_layers - m.head_layers],
+                       flat[m.num_layers - m.head_layers:])
 
-    def data(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Input and target of one batch (the same every step)."""
-        if self.model == "gpt":
-            gen = generator("offload-data", self.seed)
-            idx = torch.randint(0, GPTConfig().vocab_size, (self.batch, self.seq + 1), generator=gen)
-            return idx[:, :-1], idx[:, 1:]
-        cfg = get_model("mlp").make_config(hidden=self.hidden, layers=self.layers)
-        return mlp_input(cfg, self.batch, self.seed), mlp_target(cfg, self.batch, self.seed)
+    @functools.cached_property
+    def batch(self) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        x, y = self.model.batch_at(0)
+        return as_tuple(x), y
+
+    def data(self) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """Inputs (a tuple) and target of one batch (the same every step)."""
+        return self.batch
 
     def loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return get_model(self.model).loss(out, target)
+        return self.model.loss(out, target)
 
     def layer_name(self, block: int) -> str:
         """A block's name for messages, with its index in the flat model."""
-        return f"layer {block + 1} (block {block})" if self.model == "gpt" else f"layer {block}"
+        return self.model.layer_name(self.model.embedding_layers + block)
 
 
-def make_case(model: str, layers: int, hidden: int, heads: int, batch: int, seq: int, seed: int = 0) -> Case:
-    """A Case, checking the numbers (one-line ConfigError on a bad one)."""
-    if model not in ("gpt", "mlp"):
-        raise ConfigError(f"unknown model {model!r}: use gpt or mlp")
-    for name, value in (("layers", layers), ("hidden", hidden), ("heads", heads), ("batch", batch), ("seq", seq)):
-        if value < 1:
-            raise ConfigError(f"--{name} must be at least 1 (got {value})")
-    if model == "gpt" and hidden % heads:
-        raise ConfigError(f"--hidden {hidden} must be a multiple of --heads {heads}")
-    from pipefold.models.size import Shape, check_fits
+def make_case(model: str, *, seed: int = 0, **args: Any) -> Case:
+    """The Case of registered model ``model`` made from :class:`~pipefold.models.ModelArgs` keywords (one-line
+    ConfigError on a bad one, or on a model this machine cannot hold twice with its gradients)."""
+    from pipefold.models.size import check_model
 
-    # Two models (plain and offloaded), each with its gradients.
-    check_fits(Shape(model=model, layers=layers, hidden=hidden, heads=heads, batch=batch, seq=seq), copies=4,
-               what=f"offloading {model}")
-    return Case(model, layers, hidden, heads, batch, seq, seed)
+    case = Case(make_model(model, seed=seed, **args))
+    check_model(case.model, copies=4, what=f"offloading {model}")  # two models, plain and offloaded, and gradients
+    return case
 
 
 def default_device() -> str:
@@ -137,7 +125,8 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 def step_times(model: nn.Module, case: Case, device: str, steps: int, *, train: bool, lr: float = 0.1,
                on_step: Callable[[int, torch.Tensor], None] | None = None) -> list[float]:
     """Seconds of each of ``steps`` steps: forward only, or forward, backward and an SGD step with ``train``."""
-    x, y = (t.to(device) for t in case.data())
+    xs, y = case.data()
+    x, y = tuple(t.to(device) for t in xs), y.to(device)
     opt = torch.optim.SGD(model.parameters(), lr=lr) if train else None
     times = []
     for i in range(steps):
@@ -145,10 +134,10 @@ def step_times(model: nn.Module, case: Case, device: str, steps: int, *, train: 
         start = time.perf_counter()
         if opt is None:
             with torch.no_grad():
-                out = model(x)
+                out = model(*x)
         else:
             opt.zero_grad(set_to_none=True)
-            out = model(x)
+            out = model(*x)
             case.loss(out, y).backward()
             opt.step()
         _sync(device)
@@ -172,7 +161,8 @@ def run_check(case: Case, k: int, kprime: int, *, device: str | None = None, tra
     wrapped = Offloaded(stacked, device, k=k, kprime=kprime)
     plain_params = list(plain.parameters())
     wrapped_params = list(wrapped.parameters())
-    x, y = (t.to(device) for t in case.data())
+    xs, y = case.data()
+    x, y = tuple(t.to(device) for t in xs), y.to(device)
     out_diff = grad_diff = weight_diff = 0.0
     times: dict[str, list[float]] = {"plain": [], "offloaded": []}
     opts = {"plain": torch.optim.SGD(plain_params, lr=lr), "offloaded": torch.optim.SGD(wrapped_params, lr=lr)}
@@ -184,11 +174,11 @@ def run_check(case: Case, k: int, kprime: int, *, device: str | None = None, tra
             start = time.perf_counter()
             if train:
                 opts[name].zero_grad(set_to_none=True)
-                outs[name] = model(x)
+                outs[name] = model(*x)
                 case.loss(outs[name], y).backward()
             else:
                 with torch.no_grad():
-                    outs[name] = model(x)
+                    outs[name] = model(*x)
             _sync(device)
             times[name].append(time.perf_counter() - start)
         out_diff = max(out_diff, _max_diff(outs["plain"], outs["offloaded"]))
@@ -209,8 +199,8 @@ def run_check(case: Case, k: int, kprime: int, *, device: str | None = None, tra
             weight_diff = max(weight_diff, _max_diff(p_ref, p))
     tracker = wrapped.tracker
     out: dict[str, Any] = {
-        "model": case.model, "layers": case.layers, "hidden": case.hidden, "batch": case.batch,
-        "seq": case.seq if case.model == "gpt" else None, "device": str(torch.device(device)),
+        "model": case.model.name, "layers": len(case.model.blocks), "batch": int(y.shape[0]),
+        "seq": case.model.seq, "device": str(torch.device(device)),
         "k": k, "kprime": kprime, "train": train, "steps": steps,
         "peak_resident_bytes": tracker.peak_resident_bytes, "peak_resident_layers": tracker.peak_resident_layers,
         "resident_static_bytes": tracker.static_bytes, "largest_layer_bytes": max(wrapped.layer_bytes),

@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # measuring needs torch; splitting measured figures does not 
     """What flows between layers: one tensor, or several (a layer may return a tuple, spread into the next)."""
 
 __all__ = ["COST_KINDS", "MemoryPartition", "Partition", "layer_costs", "layer_memory", "layer_static_bytes",
-           "memory_of_split", "model_sample", "partition", "partition_memory"]
+           "memory_of_split", "partition", "partition_memory"]
 
 COST_KINDS = ("params", "time", "memory")
 """What a layer's cost can measure."""
@@ -169,29 +169,6 @@ def layer_static_bytes(layers: Sequence[nn.Module], *, optimizer_factor: float =
         raise ConfigError(f"optimizer_factor counts parameter sizes of optimizer state: a number >= 0 "
                           f"(got {optimizer_factor!r})")
     return [float(_param_bytes(layer) * (2 + optimizer_factor)) for layer in layers]
-
-
-def model_sample(model: str, *, layers: int, hidden: int, heads: int, batch: int,
-                 seq: int, seed: int = 0) -> tuple[list[nn.Module], torch.Tensor]:
-    """The registered model as a flat layer list and one sample microbatch for it."""
-    import torch
-
-    from pipefold.models import build_model, get_model, mlp_input
-
-    spec = get_model(model)
-    for name, value in (("layers", layers), ("hidden", hidden), ("heads", heads), ("batch", batch), ("seq", seq)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"--{name} must be at least 1 (got {value!r})")
-    from pipefold.models.size import Shape, check_fits
-
-    check_fits(Shape(model=model, layers=layers, hidden=hidden, heads=heads, batch=batch, seq=seq),
-               what=f"measuring {model}'s layers")
-    if spec.name == "gpt":
-        flat = build_model("gpt", seed=seed, n_layer=layers, n_embd=hidden, n_head=heads, block_size=max(128, seq))
-        gen = torch.Generator().manual_seed(seed)
-        return flat, torch.randint(0, 256, (batch, seq), generator=gen)  # (B, T) token ids
-    cfg = spec.make_config(hidden=hidden, layers=layers)
-    return build_model("mlp", seed=seed, hidden=hidden, layers=layers), mlp_input(cfg, batch, seed)  # (B, H)
 
 
 # --------------------------------------------------------------------------- splitting

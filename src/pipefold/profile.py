@@ -311,20 +311,18 @@ def _layer_loop(train: dict[str, Any], layers: tuple[int, int]) -> Callable[[int
     one microbatch (one thread)."""
     import torch
 
-    from pipefold.models import get_model
-    from pipefold.runtime.stage import Chain, StageRunner, ones_for
-    from pipefold.train import TrainConfig, model_batch
+    from pipefold.runtime.stage import Chain, StageRunner, ones_for, split_batch
+    from pipefold.train import TrainConfig, model_of
 
     torch.set_num_threads(1)
-    config = TrainConfig(**{k: train[k] for k in ("model", "layers", "hidden", "heads", "seq", "batch",
-                                                   "microbatches", "seed")})
-    spec = get_model(config.model)
-    cfg, batch_at = model_batch(config)
+    config = TrainConfig(model=train["model"], layers=train.get("layers"), hidden=train.get("hidden"),
+                         heads=train.get("heads"), model_config=train.get("model_config"), seq=train["seq"],
+                         batch=train["batch"], microbatches=train["microbatches"], seed=train["seed"])
+    model = model_of(config)
     first, end = layers
-    built = spec.build_layers(cfg, range(end), seed=config.seed)
-    x: Any = batch_at(0)[0].chunk(config.microbatches)[0]
+    built = model.build_layers(range(end))
     with torch.no_grad():  # the stage's input: the layers before it run once
-        xs = (x,)
+        xs = split_batch(model.batch_at(0)[0], config.microbatches)[0]
         for i in range(first):
             y = Chain(built[i])(*xs)
             xs = y if isinstance(y, tuple) else (y,)
@@ -394,42 +392,42 @@ def measure_contention(devices: int, train: dict[str, Any], layers: tuple[int, i
 # --------------------------------------------------------------------------- the whole profile
 
 
-def profile_model(*, model: str = "gpt", layers: int = 4, hidden: int = 64, heads: int = 4, seq: int = 64,
+def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int | None = None,
+                  heads: int | None = None, model_config: str | None = None, seq: int = 64,
                   batch: int = 16, microbatches: int = 8, optimizer: str = "adamw", seed: int = 0,
                   devices: int = 4, repeats: int = 7, link: bool = True, contention: bool = True,
                   progress: Progress | None = None) -> Profile:
     """Measure ``model`` at this size on this machine (see the module's docstring).
 
     Without ``link`` the link is free (latency 0, infinite bandwidth); without ``contention``
-    every rank has a device of its own (factor 1 for any k).
+    every rank has a device of its own (factor 1 for any k). ``layers``, ``hidden`` and ``heads`` None: the model's
+    defaults; ``model_config``: a Hugging Face model's config.
     """
     import torch
 
-    from pipefold.models import get_model
+    from pipefold.models.size import check_model
     from pipefold.recompute import OPTIMIZER_STATE
-    from pipefold.train import TrainConfig, model_batch
+    from pipefold.runtime.stage import split_batch
+    from pipefold.train import TrainConfig, model_of
 
     if batch % microbatches:
         raise ConfigError(f"a batch of {batch} does not split into {microbatches} microbatches; "
                           f"use a --batch that is a multiple of {microbatches}")
     if optimizer not in OPTIMIZER_STATE:
         raise ConfigError(f"unknown optimizer {optimizer!r}: use {' or '.join(OPTIMIZER_STATE)}")
-    config = TrainConfig(model=model, layers=layers, hidden=hidden, heads=heads, seq=seq, batch=batch,
-                         microbatches=microbatches, optimizer=optimizer, seed=seed, devices=devices)
-    from pipefold.models.size import Shape, check_fits
-
+    config = TrainConfig(model=model, layers=layers, hidden=hidden, heads=heads, model_config=model_config, seq=seq,
+                         batch=batch, microbatches=microbatches, optimizer=optimizer, seed=seed, devices=devices)
+    built = model_of(config)
     # The whole model here and, to measure how ranks share the cores, a stage's worth on each of the devices.
-    check_fits(Shape(model=model, layers=layers, hidden=hidden, heads=heads, batch=batch, seq=seq),
-               microbatches=microbatches, ranks=devices if contention else 0, copies=2, what=f"profiling {model}")
-    spec = get_model(model)
-    cfg, batch_at = model_batch(config)
-    built = spec.build_layers(cfg, range(cfg.num_layers), seed=seed)
-    x, y = batch_at(0)
-    measured = measure_layers([built[i] for i in range(cfg.num_layers)], x.chunk(microbatches)[0],
-                              y.chunk(microbatches)[0], spec.loss, microbatches=microbatches, repeats=repeats,
-                              progress=progress)
+    check_model(built, microbatches=microbatches, ranks=devices if contention else 0, copies=2,
+                what=f"profiling {model}")
+    x, y = built.batch_at(0)
+    measured = measure_layers(built.build(), split_batch(x, microbatches)[0], y.chunk(microbatches)[0], built.loss,
+                              microbatches=microbatches, repeats=repeats, progress=progress)
     train = {"model": model, "layers": layers, "hidden": hidden, "heads": heads, "seq": seq, "batch": batch,
              "microbatches": microbatches, "optimizer": optimizer, "seed": seed}
+    if model_config is not None:
+        train["model_config"] = model_config
     # A stage's worth of layers from the heaviest one (a transformer block, not the embedding) stands for a rank's
     # work: its weights and activations, not one layer's, are what the ranks' caches and memory bus share.
     heaviest = max(range(len(measured) - 1), key=lambda i: measured[i].f + measured[i].b + measured[i].w)

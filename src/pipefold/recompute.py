@@ -108,22 +108,23 @@ class RecomputePlan:
 # --------------------------------------------------------------------------- measuring
 
 
-def measure_stages(stages: Sequence[nn.Sequential], sample: torch.Tensor, target: Any,
+def measure_stages(stages: Sequence[nn.Sequential], sample: torch.Tensor | Sequence[torch.Tensor], target: Any,
                    loss_fn: Callable[..., torch.Tensor], *, microbatches: int = 1,
                    optimizer_factor: float = 2.0, repeats: int = 5) -> list[StageProfile]:
     """Run each stage on one sample microbatch with r = 0..layers recomputed layers, as the runtime would.
 
     ``stages`` are the model's stages in pipeline order (the last computes ``loss_fn`` against
-    ``target``); each stage is fed the previous stage's output. Kept and total bytes are read
+    ``target``); each stage is fed the previous stage's output, the first ``sample`` (a tensor or
+    a tuple of them). Kept and total bytes are read
     from the stage runner's own meter; times are medians of ``repeats`` runs after a warm-up, and
     a count's rerun time is its backward's time beyond the backward without recomputation.
     """
     import torch
 
-    from pipefold.runtime.stage import StageRunner, ones_for
+    from pipefold.runtime.stage import StageRunner, as_tuple, ones_for
 
     profiles: list[StageProfile] = []
-    x: tuple[torch.Tensor, ...] = (sample,)
+    x: tuple[torch.Tensor, ...] = as_tuple(sample)
     last = len(stages) - 1
     for s, stage in enumerate(stages):
         n = len(stage)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import math
 import time
 from collections.abc import Callable
@@ -23,9 +22,7 @@ import torch
 from pipefold import schedules
 from pipefold.errors import ConfigError
 from pipefold.ir import Schedule
-from pipefold.models import get_model, split_layers
-from pipefold.models.data import Batches, load_corpus
-from pipefold.models.mlp import MLPConfig, mlp_input, mlp_target
+from pipefold.models import Model, make_model, split_layers
 from pipefold.recompute import MODES, OPTIMIZER_STATE, RecomputePlan, measure_stages, plan_recompute
 from pipefold.runtime.launch import (
     Adaptive,
@@ -37,7 +34,7 @@ from pipefold.runtime.launch import (
     run_local,
     run_torchrun,
 )
-from pipefold.runtime.stage import Chain
+from pipefold.runtime.stage import Chain, split_batch
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,17 +52,20 @@ class TrainConfig:
     steps: int = 20
     """Optimizer steps."""
     model: str = "gpt"
-    """'gpt' (on the embedded corpus or --data) or 'mlp' (random regression)."""
-    layers: int = 4
-    """Transformer blocks (gpt) or MLP blocks (mlp)."""
-    hidden: int = 64
-    """Embedding width (gpt) or block width H (mlp)."""
-    heads: int = 4
-    """Attention heads (gpt)."""
+    """A registered model (:data:`pipefold.models.REGISTRY`): 'gpt' (on the embedded corpus or --data), 'mlp'
+    (random regression), or a Hugging Face causal LM such as 'gpt2' or 'llama' (see ``model_config``)."""
+    layers: int | None = None
+    """Blocks: transformer blocks or MLP blocks (None: the model's default, 4; a Hugging Face model's config)."""
+    hidden: int | None = None
+    """Width (None: 64; a Hugging Face model's from its config)."""
+    heads: int | None = None
+    """Attention heads (None: 4; a Hugging Face model's from its config)."""
+    model_config: str | None = None
+    """A Hugging Face model's config: a name pipefold ships (gpt2-tiny, llama-tiny) or a config.json file."""
     batch: int = 16
-    """Sequences (gpt) or rows (mlp) per step, split into the microbatches."""
+    """Sequences (language models) or rows (mlp) per step, split into the microbatches."""
     seq: int = 64
-    """Sequence length (gpt)."""
+    """Sequence length (language models)."""
     lr: float = 1e-3
     optimizer: str = "adamw"
     clip: float | None = None
@@ -109,25 +109,10 @@ ADAPTIVE = "adaptive-kfkb"
 """The schedule name that runs kFkB with k re-chosen as the run goes (see :mod:`pipefold.adapt`)."""
 
 
-def _batch_gpt(batches: Batches, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return batches.batch_at(step)
-
-
-def _batch_mlp(cfg: MLPConfig, batch: int, seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return mlp_input(cfg, batch, seed + step), mlp_target(cfg, batch, seed)
-
-
-def model_batch(config: TrainConfig) -> tuple[Any, Callable[[int], tuple[torch.Tensor, torch.Tensor]]]:
-    """The model's config and the function giving each step's whole batch (inputs, targets)."""
-    spec = get_model(config.model)
-    if config.model == "gpt":
-        cfg: Any = spec.make_config(n_layer=config.layers, n_embd=config.hidden, n_head=config.heads,
-                                    block_size=max(config.seq, 1))
-        corpus = load_corpus(config.data)
-        batches = Batches(corpus.train, config.batch, config.seq, seed=config.seed)
-        return cfg, functools.partial(_batch_gpt, batches)
-    cfg = spec.make_config(layers=config.layers, hidden=config.hidden)
-    return cfg, functools.partial(_batch_mlp, cfg, config.batch, config.seed)
+def model_of(config: TrainConfig) -> Model:
+    """The registered model the run trains, with its data (see :mod:`pipefold.models.base`)."""
+    return make_model(config.model, layers=config.layers, hidden=config.hidden, heads=config.heads, seq=config.seq,
+                      batch=config.batch, seed=config.seed, data=config.data, config=config.model_config)
 
 
 def build_schedule(config: TrainConfig) -> Schedule:
@@ -163,7 +148,6 @@ def make_job(config: TrainConfig, *, save_grads_of_step: int | None = None,
     K-FAC, the placement of its work (a :class:`~pipefold.pipefisher.Filled`) that another process made.
     """
     schedule = build_schedule(config)
-    check_size(config, schedule, builds_model=decided is None or placed is None and config.optimizer == "kfac")
     if config.dp < 1:
         raise ConfigError(f"--dp is the number of data-parallel pipelines: at least 1 (got {config.dp})")
     if config.fsdp and config.dp < 2:
@@ -184,23 +168,24 @@ def make_job(config: TrainConfig, *, save_grads_of_step: int | None = None,
             f"{config.microbatches} microbatches"
         raise ConfigError(f"a batch of {config.batch} does not split into {per}; use a --batch that is a multiple "
                           f"of {shards}")
-    spec = get_model(config.model)
-    cfg, batch_at = model_batch(config)
-    if schedule.stages > cfg.num_layers:
+    model = model_of(config)
+    check_size(config, model, schedule,
+               builds_model=decided is None or placed is None and config.optimizer == "kfac")
+    if schedule.stages > model.num_layers:
         per_device = schedule.stages // schedule.devices
         raise ConfigError(f"{config.schedule} on {config.devices} devices has {schedule.stages} stages but the model "
-                          f"has {cfg.num_layers} layers, so at most {cfg.num_layers} stages: use --devices "
-                          f"{max(1, cfg.num_layers // per_device)} or fewer, or more --layers")
-    build = functools.partial(spec.build_layers, cfg, seed=config.seed)
-    extra: dict[str, Any] = {"num_layers": cfg.num_layers}
+                          f"has {model.num_layers} layers, so at most {model.num_layers} stages: use --devices "
+                          f"{max(1, model.num_layers // per_device)} or fewer, or more --layers")
+    build, loss_fn, batch_at = model.build_layers, model.loss, model.batch_at
+    extra: dict[str, Any] = {"num_layers": model.num_layers}
     adaptive = _adaptive(config) if config.schedule == ADAPTIVE else None
     plan = None
     if decided is not None:
         layer_stages, plan = decided
     else:
-        layer_stages = _layer_stages(config, cfg, schedule, spec.loss, batch_at)
+        layer_stages = _layer_stages(config, model, schedule)
         if config.recompute != "none" or (config.memory_budget is not None and adaptive is None):
-            plan = _plan_recompute(config, schedule, layer_stages, build, spec.loss, batch_at)
+            plan = _plan_recompute(config, schedule, layer_stages, build, loss_fn, batch_at)
     recompute = None
     if plan is not None:
         recompute, extra["recompute"] = plan.layers, plan
@@ -213,7 +198,7 @@ def make_job(config: TrainConfig, *, save_grads_of_step: int | None = None,
         if adaptive is not None:
             raise ConfigError(f"--optimizer kfac runs a cycle of schedules of its own: use a schedule other than "
                               f"{ADAPTIVE}")
-        filled = placed or _kfac_cycle(config, schedule, layer_stages, build, spec.loss, batch_at, kfac)
+        filled = placed or _kfac_cycle(config, schedule, layer_stages, build, loss_fn, batch_at, kfac)
         cycle = filled.cycle
         schedule, extra["pipefisher"] = cycle[0], filled
         if config.fill_bubbles:
@@ -236,27 +221,24 @@ def make_job(config: TrainConfig, *, save_grads_of_step: int | None = None,
 
         # Each stage's gradients averaged across the pipelines; with FSDP, each stage sharded across them.
         schedule = with_data_parallel(schedule, shard=config.fsdp)
-    return Job(schedule=schedule, layer_stages=layer_stages, build_layers=build, loss_fn=spec.loss,
+    return Job(schedule=schedule, layer_stages=layer_stages, build_layers=build, loss_fn=loss_fn,
                batch_at=batch_at, steps=config.steps, lr=config.lr, optimizer=config.optimizer, clip=config.clip,
                save_grads_of_step=save_grads_of_step, offload=config.offload, recompute=recompute, extra=extra,
                network=network, adaptive=adaptive, cycle=cycle, kfac=kfac, refill=refill, dp=config.dp,
-               zero1=config.zero1, fsdp=config.fsdp)
+               zero1=config.zero1, fsdp=config.fsdp, tied=model.tied, preload=model.preload)
 
 
-def check_size(config: TrainConfig, schedule: Schedule, *, builds_model: bool = True) -> None:
-    """Refuse, before anything is built, a run this machine cannot hold or would take minutes per step on
+def check_size(config: TrainConfig, model: Model, schedule: Schedule, *, builds_model: bool = True) -> None:
+    """Refuse, before any layer is built, a run this machine cannot hold or would take minutes per step on
     (see :mod:`pipefold.models.size`): the processes that start here, the parameters as often as they are held
     (weights, gradients, optimizer state on every copy of a stage; the whole model once more in this process when
-    it measures the layers, ``builds_model``) and one microbatch's activations."""
+    it measures the layers, ``builds_model``) and one microbatch's activations. A model that gives no size
+    (:meth:`~pipefold.models.base.Model.size`) is not checked."""
     import os
 
-    from pipefold.models.size import Shape, check_fits
+    from pipefold.models.size import check_model
     from pipefold.runtime.launch import under_torchrun
 
-    if config.dp < 1 or config.microbatches < 1:
-        return  # make_job says what is wrong with them
-    shape = Shape(model=config.model, layers=config.layers, hidden=config.hidden, heads=config.heads,
-                  batch=config.batch, seq=config.seq)
     held = (2 + OPTIMIZER_STATE.get(config.optimizer, 2.0)) * schedule.replicas * config.dp
     ranks = schedule.devices * config.dp
     if under_torchrun():  # only this machine's ranks, and their share of the model
@@ -264,13 +246,13 @@ def check_size(config: TrainConfig, schedule: Schedule, *, builds_model: bool = 
         held, ranks = held * here / max(1, int(os.environ.get("WORLD_SIZE", "1"))), here
     measures = builds_model and (config.partition != "even" or config.recompute != "none"
                                  or config.optimizer == "kfac" or config.memory_budget is not None)
-    check_fits(shape, microbatches=config.microbatches * config.dp, ranks=ranks, copies=held + measures,
-               what=f"training {config.model}")
+    check_model(model, microbatches=config.microbatches * config.dp, ranks=ranks, copies=held + measures,
+                what=f"training {config.model}")
 
 
 def _kfac_cycle(config: TrainConfig, schedule: Schedule, layer_stages: tuple[tuple[int, ...], ...],
                 build: Callable[[list[int]], dict[int, Any]], loss_fn: Callable[..., torch.Tensor],
-                batch_at: Callable[[int], tuple[torch.Tensor, torch.Tensor]], kfac: Any) -> Any:
+                batch_at: Callable[[int], tuple[Any, torch.Tensor]], kfac: Any) -> Any:
     """Measure every stage's passes and K-FAC work on the first microbatch, then place the work: in the bubbles of
     the simulated step (``fill_bubbles``), or right after the passes it reads."""
     from pipefold import pipefisher
@@ -282,7 +264,7 @@ def _kfac_cycle(config: TrainConfig, schedule: Schedule, layer_stages: tuple[tup
     x, y = batch_at(0)
     m = config.microbatches
     n = m * config.dp  # a microbatch of a pipeline's shard
-    rows = measure(stages, x.chunk(n)[0], y.chunk(n)[0], loss_fn, microbatches=m, config=kfac)
+    rows = measure(stages, split_batch(x, n)[0], y.chunk(n)[0], loss_fn, microbatches=m, config=kfac)
     cost = CostModel(stage_overrides={s: StageOverride(f=r["f"], b=r["b"], w=r["w"], memory=float(r["memory"]),
                                                        work=r["work"], stash={k: float(v) for k, v in
                                                                               r["stash"].items()})
@@ -292,7 +274,7 @@ def _kfac_cycle(config: TrainConfig, schedule: Schedule, layer_stages: tuple[tup
 
 def _plan_recompute(config: TrainConfig, schedule: Schedule, layer_stages: tuple[tuple[int, ...], ...],
                     build: Callable[[list[int]], dict[int, Any]], loss_fn: Callable[..., torch.Tensor],
-                    batch_at: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> RecomputePlan:
+                    batch_at: Callable[[int], tuple[Any, torch.Tensor]]) -> RecomputePlan:
     """Measure every stage on the first microbatch and choose its recomputed layers (see pipefold.recompute)."""
     if config.offload is not None:
         raise ConfigError("--recompute and --offload do not combine yet: an offloaded stage keeps its activations; "
@@ -304,32 +286,25 @@ def _plan_recompute(config: TrainConfig, schedule: Schedule, layer_stages: tuple
     x, y = batch_at(0)
     m = config.microbatches
     n = m * config.dp  # a microbatch of a pipeline's shard
-    profiles = measure_stages(stages, x.chunk(n)[0], y.chunk(n)[0], loss_fn, microbatches=m,
+    profiles = measure_stages(stages, split_batch(x, n)[0], y.chunk(n)[0], loss_fn, microbatches=m,
                               optimizer_factor=OPTIMIZER_STATE.get(config.optimizer, 2.0))
     return plan_recompute(schedule, profiles, config.recompute, config.memory_budget)
 
 
-def _layer_stages(config: TrainConfig, cfg: Any, schedule: Schedule, loss_fn: Callable[..., torch.Tensor],
-                  batch_at: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> tuple[tuple[int, ...], ...]:
+def _layer_stages(config: TrainConfig, model: Model, schedule: Schedule) -> tuple[tuple[int, ...], ...]:
     """Layers of each stage: even by count, balanced by the chosen cost, or ("memory") least peak under ``schedule``."""
     if config.partition == "even":
-        return tuple(tuple(s) for s in split_layers(cfg.num_layers, schedule.stages))
-    from pipefold.partition import (
-        layer_costs,
-        layer_memory,
-        layer_static_bytes,
-        model_sample,
-        partition,
-        partition_memory,
-    )
+        return tuple(tuple(s) for s in split_layers(model.num_layers, schedule.stages))
+    from pipefold.partition import layer_costs, layer_memory, layer_static_bytes, partition, partition_memory
 
-    layers, sample = model_sample(config.model, layers=config.layers, hidden=config.hidden, heads=config.heads,
-                                  batch=max(1, config.batch // (config.dp * config.microbatches)), seq=config.seq,
-                                  seed=config.seed)
+    layers = model.build()
+    x, y = model.batch_at(0)
+    n = config.dp * config.microbatches
+    sample = split_batch(x, n)[0]  # a microbatch of a pipeline's shard
     if config.partition == "memory":
         times = layer_costs(layers, sample, by="time")
-        target = batch_at(0)[1].chunk(config.dp * config.microbatches)[0]  # the last layer holds what the loss saves
-        held = layer_memory(layers, sample, loss_fn=loss_fn, target=target)
+        target = y.chunk(n)[0]  # the last layer holds what the loss saves
+        held = layer_memory(layers, sample, loss_fn=model.loss, target=target)
         static = layer_static_bytes(layers, optimizer_factor=OPTIMIZER_STATE.get(config.optimizer, 2.0))
         split_memory = partition_memory(times, [h for h, _ in held], [w for _, w in held], static, schedule)
         return tuple(tuple(part) for part in split_memory.parts)
@@ -392,9 +367,10 @@ def from_plan(plan: dict[str, Any], **run: Any) -> tuple[TrainConfig, Decisions]
     name, opts = parse_spec(str(plan["schedule"]))
     options = tuple(opts.items())
     t = plan["train"]
+    layers, hidden, heads = (None if t.get(k) is None else int(t[k]) for k in ("layers", "hidden", "heads"))
     config = TrainConfig(schedule=name, options=options, devices=int(plan["devices"]),
-                         microbatches=int(plan["microbatches"]), model=t["model"], layers=int(t["layers"]),
-                         hidden=int(t["hidden"]), heads=int(t["heads"]), batch=int(t["batch"]), seq=int(t["seq"]),
+                         microbatches=int(plan["microbatches"]), model=t["model"], layers=layers, hidden=hidden,
+                         heads=heads, model_config=t.get("model_config"), batch=int(t["batch"]), seq=int(t["seq"]),
                          optimizer=t["optimizer"], **{"seed": int(t["seed"]), **run})
     layer_stages = tuple(tuple(int(i) for i in part) for part in plan["layer_stages"])
     counts = tuple(int(r) for r in plan["recompute"])
@@ -454,8 +430,8 @@ def reference_step(job: Job, step: int = 0) -> tuple[float, dict[str, torch.Tens
     m = job.schedule.microbatches
     x, y = job.batch_at(step)
     total = 0.0
-    for xs, ys in zip(x.chunk(m), y.chunk(m), strict=True):
-        loss = job.loss_fn(model(xs), ys)
+    for xs, ys in zip(split_batch(x, m), y.chunk(m), strict=True):
+        loss = job.loss_fn(model(*xs), ys)
         (loss / m).backward()
         total += float(loss.detach()) / m
     grads = {f"{i}.{name}": p.grad.detach().clone() for i in range(n) for name, p in layers[i].named_parameters()
@@ -495,8 +471,8 @@ def reference_kfac(job: Job, steps: int, reports: list[RankReport] | None = None
         for s, c in enumerate(curv):
             c.begin(work[s], s, MemoryMeter())
         x, y = job.batch_at(step)
-        for j, (xs, ys) in enumerate(zip(x.chunk(m), y.chunk(m), strict=True)):
-            h: tuple[Any, ...] = (xs,)
+        for j, (xs, ys) in enumerate(zip(split_batch(x, m), y.chunk(m), strict=True)):
+            h: tuple[Any, ...] = xs
             for c, stage in zip(curv, stages, strict=True):
                 c.current = j
                 h = as_tuple(stage(*h))

@@ -1,90 +1,86 @@
-"""Models as flat lists of layers (one tensor in, one tensor out), a registry by name, and layer-to-stage splits.
+"""Models as flat lists of layers (embedding layers, repeated blocks, head layers), a registry by name, and
+layer-to-stage splits.
 
-Nothing here knows about pipelining: a stage is just a contiguous run of layers, applied in order.
+Nothing here knows about pipelining: a stage is just a contiguous run of layers, applied in order. The interface
+every model gives the pipeline is :class:`~pipefold.models.base.Model`; :data:`REGISTRY` holds the models by name:
+``gpt`` and ``mlp`` built in, and the Hugging Face causal LMs ``gpt2`` and ``llama`` of :mod:`pipefold.models.hf`
+(``pip install 'pipefold[hf]'``). Importing this package imports no torch: the modules that build models load
+when a model is made or one of their names is used.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import importlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from pipefold.errors import ConfigError
-from pipefold.models.data import Batches, Corpus, load_corpus
-from pipefold.models.gpt import GPTConfig, build_gpt, build_gpt_layers, gpt_loss
-from pipefold.models.mlp import MLPConfig, build_mlp, build_mlp_layers, mlp_input, mlp_loss, mlp_target
+from pipefold.models.base import REGISTRY, Family, Model, ModelArgs, Tie, make_model, register
+
+if TYPE_CHECKING:
+    from pipefold.models.data import Batches, Corpus, load_corpus
+    from pipefold.models.gpt import GPT, GPTConfig, build_gpt, build_gpt_layers, gpt_loss
+    from pipefold.models.mlp import MLP, MLPConfig, build_mlp, build_mlp_layers, mlp_input, mlp_loss, mlp_target
 
 __all__ = [
-    "MODELS",
+    "GPT",
+    "MLP",
+    "REGISTRY",
     "Batches",
     "Corpus",
+    "Family",
     "GPTConfig",
     "MLPConfig",
-    "ModelSpec",
+    "Model",
+    "ModelArgs",
+    "Tie",
     "build_gpt",
     "build_gpt_layers",
     "build_mlp",
     "build_mlp_layers",
-    "build_model",
-    "get_model",
     "gpt_loss",
     "load_corpus",
+    "make_model",
     "mlp_input",
     "mlp_loss",
     "mlp_target",
+    "register",
     "split_layers",
 ]
 
-
-@dataclass(frozen=True, kw_only=True)
-class ModelSpec:
-    """A registered model: its config class, how to build some of its layers, and its loss."""
-
-    name: str
-    config: type[GPTConfig] | type[MLPConfig]
-    build_layers: Callable[..., dict[int, nn.Module]]
-    """``build_layers(cfg, indices, *, seed=0, device='cpu')``: only the layers at ``indices``."""
-    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    description: str
-
-    def make_config(self, **kwargs: Any) -> Any:
-        """The config from keyword arguments, with a one-line error naming the fields on an unknown one."""
-        fields = [f.name for f in dataclasses.fields(self.config)]
-        unknown = sorted(set(kwargs) - set(fields))
-        if unknown:
-            raise ConfigError(f"model {self.name} has no setting {unknown[0]!r}; its settings: {', '.join(fields)}")
-        return self.config(**kwargs)
-
-
-MODELS: dict[str, ModelSpec] = {
-    spec.name: spec
-    for spec in [
-        ModelSpec(name="gpt", config=GPTConfig, build_layers=build_gpt_layers, loss=gpt_loss,
-                  description="nanoGPT-like byte-level decoder: embedding, n_layer blocks, head"),
-        ModelSpec(name="mlp", config=MLPConfig, build_layers=build_mlp_layers, loss=mlp_loss,
-                  description="benchmark stack of identical MLP blocks with a fixed random regression target"),
-    ]
+_LAZY = {
+    **dict.fromkeys(("Batches", "Corpus", "load_corpus"), "data"),
+    **dict.fromkeys(("GPT", "GPTConfig", "build_gpt", "build_gpt_layers", "gpt_loss"), "gpt"),
+    **dict.fromkeys(("MLP", "MLPConfig", "build_mlp", "build_mlp_layers", "mlp_input", "mlp_loss", "mlp_target"),
+                    "mlp"),
 }
 
 
-def get_model(name: str) -> ModelSpec:
-    """The registered model called ``name``."""
-    try:
-        return MODELS[name]
-    except KeyError:
-        raise ConfigError(f"unknown model {name!r}; known models: {', '.join(MODELS)}") from None
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pipefold.models' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"pipefold.models.{module}"), name)
 
 
-def build_model(name: str, *, seed: int = 0, **config: Any) -> list[nn.Module]:
-    """The whole model ``name`` as a flat list of layers, configured by keywords: ``build_model('gpt', n_layer=2)``."""
-    spec = get_model(name)
-    cfg = spec.make_config(**config)
-    layers = spec.build_layers(cfg, range(cfg.num_layers), seed=seed)
-    return [layers[i] for i in range(cfg.num_layers)]
+def _maker(module: str, *args: Any) -> Callable[[ModelArgs], Model]:
+    """``pipefold.models.<module>.make(*args, model_args)``, imported when first called."""
+    def make(model_args: ModelArgs) -> Model:
+        made: Model = importlib.import_module(f"pipefold.models.{module}").make(*args, model_args)
+        return made
+    return make
+
+
+register(Family(name="gpt", make=_maker("gpt"), blocks_for=lambda stages: max(1, 2 * stages - 2),
+                description="nanoGPT-like byte-level decoder: embedding, blocks, head (4 blocks, width 64, 4 heads "
+                            "by default)"))
+register(Family(name="mlp", make=_maker("mlp"), blocks_for=lambda stages: 2 * stages, sequences=False,
+                description="benchmark stack of identical MLP blocks with a fixed random regression target (4 "
+                            "blocks, width 64 by default)"))
+for _arch, _tiny in (("gpt2", "gpt2-tiny"), ("llama", "llama-tiny")):
+    register(Family(name=_arch, make=_maker("hf", _arch), blocks_for=lambda stages: None, hf=True,
+                    description=f"Hugging Face transformers {_arch} causal LM built from a config (--hf-config: a "
+                                f"config.json or a shipped name; default {_tiny})"))
 
 
 def split_layers(layers: int | Sequence[object], num_stages: int) -> list[list[int]]:
@@ -105,5 +101,3 @@ def split_layers(layers: int | Sequence[object], num_stages: int) -> list[list[i
     for s in range(num_stages):
         bounds.append(bounds[-1] + size + (s < extra))
     return [list(range(lo, hi)) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
-
-

@@ -6,6 +6,7 @@ same step without communicating, and a rerun sees the same data.
 
 from __future__ import annotations
 
+import functools
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -63,13 +64,19 @@ def _split(data: bytes, source: str) -> Corpus:
     return Corpus(train=tokens[:n_train], val=tokens[n_train:], source=source)
 
 
+@functools.lru_cache(maxsize=2)
+def _stdlib_corpus(cap: int) -> Corpus:
+    """The default corpus, read once per process (a model made again reuses it)."""
+    return _split(stdlib_source(cap), f"Python standard library source ({sysconfig.get_paths()['stdlib']})")
+
+
 def load_corpus(path: str | None = None, *, cap: int = DEFAULT_CAP) -> Corpus:
     """The bytes of the text file at ``path`` (read whole), or by default the standard library's source up to ``cap``.
 
     ``cap`` applies only to the default corpus: a file the user names is used whole.
     """
     if path is None:
-        return _split(stdlib_source(cap), f"Python standard library source ({sysconfig.get_paths()['stdlib']})")
+        return _stdlib_corpus(cap)
     try:
         data = Path(path).read_bytes()
     except OSError as err:

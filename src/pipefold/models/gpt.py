@@ -18,8 +18,11 @@ from torch import nn
 
 from pipefold.errors import ConfigError
 from pipefold.models._build import check_positive_int, materialize, normal_
+from pipefold.models.base import Model, ModelArgs
+from pipefold.models.data import Batches, load_corpus
+from pipefold.models.size import Shape
 
-__all__ = ["Block", "Embedding", "GPTConfig", "Head", "build_gpt", "build_gpt_layers", "gpt_loss"]
+__all__ = ["GPT", "Block", "Embedding", "GPTConfig", "Head", "build_gpt", "build_gpt_layers", "gpt_loss"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -193,3 +196,42 @@ def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         raise ConfigError(f"the targets have shape {tuple(targets.shape)} but the logits are {tuple(logits.shape)}; "
                           f"give one target token per position, shape {want}")
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))  # over B*T positions
+
+
+class GPT(Model):
+    """The GPT as a :class:`~pipefold.models.base.Model`: its layers, its loss, and byte-level batches of a corpus."""
+
+    name = "gpt"
+    embedding_layers = 1
+    head_layers = 1
+
+    def __init__(self, cfg: GPTConfig, batches: Batches, *, seed: int = 0) -> None:
+        self.cfg, self.batches, self.seed = cfg, batches, seed
+        self.num_layers = cfg.num_layers
+        self.seq = batches.seq
+
+    def build_layers(self, indices: Iterable[int], *, device: str | torch.device = "cpu") -> dict[int, nn.Module]:
+        return build_gpt_layers(self.cfg, indices, seed=self.seed, device=device)
+
+    def loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return gpt_loss(out, target)
+
+    def batch_at(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.batches.batch_at(step)
+
+    def size(self) -> Shape:
+        return Shape(model="gpt", layers=self.cfg.n_layer, hidden=self.cfg.n_embd, heads=self.cfg.n_head,
+                     batch=self.batches.batch, seq=self.batches.seq)
+
+
+def make(args: ModelArgs) -> GPT:
+    if args.config is not None:
+        raise ConfigError("the gpt is sized by --layers, --hidden, --heads and --seq: --hf-config configures a "
+                          "Hugging Face model (--hf NAME)")
+    hidden, heads = args.hidden or 64, args.heads or 4
+    if hidden % heads:
+        raise ConfigError(f"--hidden {hidden} must be a multiple of --heads {heads}: each head gets an equal share")
+    cfg = GPTConfig(n_layer=args.layers or 4, n_embd=hidden, n_head=heads, block_size=args.seq)
+    batches = Batches(load_corpus(args.data).train, args.batch, args.seq, seed=args.seed)
+    return GPT(cfg, batches, seed=args.seed)
+

@@ -12,8 +12,10 @@ from torch import nn
 
 from pipefold.errors import ConfigError
 from pipefold.models._build import check_positive_int, generator, materialize, normal_
+from pipefold.models.base import Model, ModelArgs
+from pipefold.models.size import Shape
 
-__all__ = ["MLPBlock", "MLPConfig", "build_mlp", "build_mlp_layers", "mlp_input", "mlp_loss", "mlp_target"]
+__all__ = ["MLP", "MLPBlock", "MLPConfig", "build_mlp", "build_mlp_layers", "mlp_input", "mlp_loss", "mlp_target"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,3 +93,35 @@ def mlp_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         raise ConfigError(f"the target has shape {tuple(target.shape)} but the model's output has "
                           f"{tuple(out.shape)}; give a target of the output's shape")
     return F.mse_loss(out, target)
+
+
+class MLP(Model):
+    """The benchmark MLP as a :class:`~pipefold.models.base.Model`: step t's input is ``mlp_input`` of seed + t, its
+    target the fixed ``mlp_target``."""
+
+    name = "mlp"
+
+    def __init__(self, cfg: MLPConfig, batch: int, *, seed: int = 0) -> None:
+        check_positive_int("MLP", "batch", batch)
+        self.cfg, self.batch, self.seed = cfg, batch, seed
+        self.num_layers = cfg.num_layers
+
+    def build_layers(self, indices: Iterable[int], *, device: str | torch.device = "cpu") -> dict[int, nn.Module]:
+        return build_mlp_layers(self.cfg, indices, seed=self.seed, device=device)
+
+    def loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return mlp_loss(out, target)
+
+    def batch_at(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return mlp_input(self.cfg, self.batch, self.seed + step), mlp_target(self.cfg, self.batch, self.seed)
+
+    def size(self) -> Shape:
+        return Shape(model="mlp", layers=self.cfg.layers, hidden=self.cfg.hidden, batch=self.batch)
+
+
+def make(args: ModelArgs) -> MLP:
+    if args.config is not None:
+        raise ConfigError("the mlp is sized by --layers and --hidden: --hf-config configures a Hugging Face model "
+                          "(--hf NAME)")
+    return MLP(MLPConfig(layers=args.layers or 4, hidden=args.hidden or 64), args.batch, seed=args.seed)
+

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 from pipefold.errors import ConfigError
 from pipefold.units import format_bytes
 
 __all__ = ["MAX_STEP_FLOPS", "RANK_BYTES", "Shape", "activation_bytes", "available_memory", "check_fits",
-           "parameters", "step_flops"]
+           "check_model", "parameters", "step_flops"]
 
 MAX_STEP_FLOPS = 1e13
 """The most floating-point operations one step may take: about two minutes on one CPU core doing 85 GFLOP/s
@@ -200,3 +201,11 @@ def _largest(fits: Callable[[int], bool], upper: int) -> int | None:
         else:
             hi = mid - 1
     return lo
+
+
+def check_model(model: Any, **kwargs: Any) -> None:
+    """:func:`check_fits` for a :class:`~pipefold.models.base.Model` that gives its size (``Model.size``); one that
+    does not is not checked."""
+    shape = model.size()
+    if shape is not None:
+        check_fits(shape, **kwargs)

@@ -154,7 +154,8 @@ class RankCurvature:
         return {k: v for c in self.stages.values() for k, v in c.raw.items()}
 
 
-def measure(stages: Sequence[nn.Module], sample: torch.Tensor, target: Any, loss_fn: Any, *, microbatches: int,
+def measure(stages: Sequence[nn.Module], sample: torch.Tensor | Sequence[torch.Tensor], target: Any, loss_fn: Any, *,
+            microbatches: int,
             config: KFACConfig, repeats: int = 3) -> list[dict[str, Any]]:
     """Time each stage's passes and K-FAC work on one sample microbatch, on one thread as a rank runs.
 
@@ -165,13 +166,13 @@ def measure(stages: Sequence[nn.Module], sample: torch.Tensor, target: Any, loss
     import statistics
     import time
 
-    from pipefold.runtime.stage import StageRunner, ones_for
+    from pipefold.runtime.stage import StageRunner, as_tuple, ones_for
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         out: list[dict[str, Any]] = []
-        x: tuple[torch.Tensor, ...] = (sample,)
+        x: tuple[torch.Tensor, ...] = as_tuple(sample)
         last = len(stages) - 1
         for s, stage in enumerate(stages):
             runner = StageRunner(stage, loss_fn=loss_fn if s == last else None, input_grads=s > 0)

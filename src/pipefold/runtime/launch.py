@@ -21,7 +21,7 @@ import pickle
 import socket
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -35,7 +35,8 @@ from pipefold.errors import ConfigError
 from pipefold.ir import Kind, Schedule
 from pipefold.runtime import sharding
 from pipefold.runtime.executor import RankExecutor, StepStats
-from pipefold.runtime.stage import Chain
+from pipefold.runtime.stage import Chain, Tensors, as_tuple, split_batch
+from pipefold.runtime.tied import TiedGrads, spans_stages, untie
 
 if TYPE_CHECKING:
     from pipefold.kfac import KFACConfig
@@ -75,8 +76,9 @@ class Job:
     build_layers: Callable[[list[int]], dict[int, nn.Module]]
     """Builds only the given layers, with the same weights whichever rank builds them."""
     loss_fn: Callable[..., torch.Tensor]
-    batch_at: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
-    """The whole batch (inputs, targets) of a step; every rank gets the same one."""
+    batch_at: Callable[[int], tuple[Any, torch.Tensor]]
+    """The whole batch (inputs, targets) of a step; every rank gets the same one. The inputs are a tensor or a
+    tuple of tensors (token ids and an attention mask), split into microbatches along dimension 0."""
     steps: int = 1
     lr: float = 1e-3
     optimizer: str | Callable[[list[nn.Parameter]], torch.optim.Optimizer] = "adamw"
@@ -123,6 +125,12 @@ class Job:
     """After ``refill.after`` steps, rank 0 places K-FAC's work again from the times the ranks measured (steps
     after the first) and every rank runs the new cycle from the next step on (recorded in rank 0's
     ``RankReport.decisions`` as (first step, its :class:`~pipefold.pipefisher.Filled`))."""
+    tied: tuple[tuple[tuple[int, str], ...], ...] = ()
+    """Weights several layers share, each as its (layer index, parameter name) pairs (``Model.tied``): where they
+    fall in different stages each stage holds a copy and their gradients are summed after the step
+    (:mod:`pipefold.runtime.tied`)."""
+    preload: tuple[str, ...] = ()
+    """Modules the local ranks' processes import before they start (``Model.preload``)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -191,6 +199,20 @@ class Job:
             if self.offload is not None or self.recompute is not None:
                 raise ConfigError("K-FAC does not combine with offloading or recomputation yet: it keeps layer inputs "
                                   "that those would drop; use one or the other")
+        split = [tie for tie in self.tied if spans_stages(tie, self.layer_stages)]
+        if split:
+            (i, a), (j, b) = split[0][:2]
+            what = (f"tied weights (layer {i}'s {a} is layer {j}'s {b}) on different stages have their gradients "
+                    "summed after the step")
+            if in_schedule:
+                raise ConfigError(f"{what}, but the schedule steps optimizers itself (OPT actions): use a schedule "
+                                  "without OPT actions, or untie them in the model's config")
+            if self.kfac is not None:
+                raise ConfigError(f"{what}, but K-FAC preconditions them during the step: use another optimizer, "
+                                  "or untie them in the model's config")
+            if self.fsdp:
+                raise ConfigError(f"{what}, but FSDP shards each copy on its own: use --dp without --fsdp, or untie "
+                                  "them in the model's config")
         if in_schedule:
             if (missing := _without(self.schedule, Kind.OPT)) is not None:
                 d, s = missing
@@ -267,17 +289,25 @@ class Adaptive:
 
 
 def stage_modules(job: Job, rank: int) -> dict[int, nn.Module]:
-    """The stage modules of ``rank``: only its own layers are ever built."""
+    """The stage modules of ``rank``: only its own layers are ever built; a weight that several of its stages
+    share is copied into each (see :mod:`pipefold.runtime.tied`)."""
     stages = job.schedule.stages_of(rank)
     wanted = sorted(i for s in stages for i in job.layer_stages[s])
     layers = job.build_layers(wanted)
-    return {s: Chain(*(layers[i] for i in job.layer_stages[s])) for s in stages}
+    chains: dict[int, nn.Module] = {s: Chain(*(layers[i] for i in job.layer_stages[s])) for s in stages}
+    untie(chains)
+    return chains
 
 
 def microbatches(x: torch.Tensor, m: int) -> list[torch.Tensor]:
     if x.shape[0] % m:
         raise ValueError(f"a batch of {x.shape[0]} does not split into {m} equal microbatches")
     return list(x.chunk(m))
+
+
+def _shapes(x: Any) -> tuple[tuple[int, ...], ...]:
+    """The shapes of a batch's input tensors: the ranks agree on new receive buffers when they change."""
+    return tuple(tuple(t.shape) for t in as_tuple(x))
 
 
 def _device(rank: int) -> torch.device:
@@ -304,6 +334,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     pipelines, dp_mesh = _mesh(job) if job.dp > 1 else (None, None)
     dp_group = dp_mesh.get_group() if dp_mesh is not None else None
     chains = stage_modules(job, rank)
+    tied = TiedGrads(job.tied, job.schedule, job.layer_stages, rank, chains, device, pipelines, pipeline)
     offloaded: list[Offloaded] = []
     if job.offload is None:
         modules: dict[int, nn.Module] = {s: m.to(device) for s, m in chains.items()}
@@ -357,9 +388,9 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     m = job.schedule.microbatches
     loss_rank = job.schedule.holders(job.schedule.stages - 1)[0]
     # A stage held by several replicas counts once in a global norm: by its first holder, in the first pipeline
-    # (with FSDP, by every pipeline: each holds its own shard).
+    # (with FSDP, by every pipeline: each holds its own shard); a tied weight's copies count once.
     counted = [p for s, ps in trained.items() if job.schedule.holders(s)[0] == rank and (pipeline == 0 or job.fsdp)
-               for p in ps]
+               for p in ps if id(p) not in tied.copies]
     for step in range(job.steps):
         if job.cycle:
             current = (step - cycle_from) % len(choices)
@@ -367,18 +398,20 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
         started = time.perf_counter()
         x, y = job.batch_at(step)
         if job.dp > 1:  # this pipeline's shard of the global batch
-            x, y = x.chunk(job.dp)[pipeline], y.chunk(job.dp)[pipeline]
-        xs, ys = microbatches(x.to(device), m), microbatches(y.to(device), m)
+            x, y = split_batch(x, job.dp)[pipeline], y.chunk(job.dp)[pipeline]
+        xs = split_batch(tuple(t.to(device) for t in as_tuple(x)), m)
+        ys = microbatches(y.to(device), m)
         for p in params:
             p.grad = None
         if work is not None:
             work.record(job.save_grads_of_step == step)
         if job.verify_memory_step == step:
-            stats = _tracked_step(executor, params, xs, ys, tuple(x.shape))
+            stats = _tracked_step(executor, params, xs, ys, _shapes(x))
         else:
-            stats = executor.run_step([(t,) for t in xs], ys, tuple(x.shape))
+            stats = executor.run_step(xs, ys, _shapes(x))
         for wrapper in offloaded:
             wrapper.evict_all()  # every layer home, with its gradient, before the optimizer reads it
+        tied.reduce()  # copies of a shared weight on several stages: each gets the sum of their gradients
         if job.clip is not None:
             _clip_global(params, counted, job.clip)
         if job.save_grads_of_step == step:
@@ -456,8 +489,8 @@ def _refill(refill: Refill, steps: list[StepStats], ran: list[Schedule], rank: i
     return agree(filled)
 
 
-def _tracked_step(executor: RankExecutor, params: list[nn.Parameter], xs: list[torch.Tensor],
-                  ys: list[torch.Tensor], shape: tuple[int, ...]) -> StepStats:
+def _tracked_step(executor: RankExecutor, params: list[nn.Parameter], xs: list[Tensors],
+                  ys: list[torch.Tensor], shape: Any) -> StepStats:
     """One step under torch's MemTracker too, which sees every tensor an operation returns and follows its
     storage until it dies, whatever the runtime meant to keep; ``stats.memory_check`` gets its figures.
 
@@ -524,9 +557,9 @@ def _tracked_step(executor: RankExecutor, params: list[nn.Parameter], xs: list[t
     with tracker:
         # What lives from step to step (parameters, gradients, K-FAC's state) is not the step's memory.
         state = executor.work.state() if executor.work is not None else []
-        tracker.track_external(*executor.modules(), *xs, *ys, *(p.grad for p in params if p.grad is not None),
-                               *state)
-        stats = executor.run_step([(t,) for t in xs], ys, shape, probe=probe)
+        tracker.track_external(*executor.modules(), *(t for mb in xs for t in mb), *ys,
+                               *(p.grad for p in params if p.grad is not None), *state)
+        stats = executor.run_step(xs, ys, shape, probe=probe)
     stats.memory_check = {
         "meter_between_actions": max(m for m, _ in pairs),
         "tracker_between_actions": max(t for _, t in pairs),
@@ -628,12 +661,13 @@ def _spawned(rank: int, job: Job, world: int, port: int, out_dir: str, progress:
         leave_group()
 
 
-def process_context() -> Any:
+def process_context(preload: Sequence[str] = ()) -> Any:
     """How local ranks start: from a fork server that has imported torch and the runtime once (a rank then starts
     in a fraction of a second instead of importing torch again), where the platform has one; else spawned.
 
     The server is started by this process's first job and serves every later one; it runs no torch code, so
-    no thread pool or CUDA context is copied into the ranks.
+    no thread pool or CUDA context is copied into the ranks. ``preload`` adds modules for it to import (a
+    model's, such as transformers'): only the first job's count.
     """
     import multiprocessing
 
@@ -643,7 +677,7 @@ def process_context() -> Any:
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "pipefold.runtime.launch", "pipefold.train",
-                                "pipefold.profile"])
+                                "pipefold.profile", *preload])
     return ctx
 
 
@@ -655,7 +689,7 @@ def run_local(job: Job, on_step: Callable[[int, float, float], None] | None = No
     """
 
     world = job.dp * job.schedule.devices
-    queue = process_context().SimpleQueue()
+    queue = process_context(job.preload).SimpleQueue()
     # When a rank fails, torch logs a warning for each rank it then terminates; the RankError
     # raised below already says what happened, in one line.
     spawn_log = logging.getLogger("torch.multiprocessing.spawn")
@@ -673,7 +707,7 @@ def _run_spawned(job: Job, world: int, queue: Any, on_step: Callable[[int, float
 
     with tempfile.TemporaryDirectory(prefix="pipefold-") as out_dir:
         context = mp.start_processes(_spawned, args=(job, world, free_port(), out_dir, queue), nprocs=world,
-                                     join=False, start_method=process_context().get_start_method())
+                                     join=False, start_method=process_context(job.preload).get_start_method())
         done = False
         while not done:
             try:

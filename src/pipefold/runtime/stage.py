@@ -58,6 +58,19 @@ def as_tuple(x: torch.Tensor | Sequence[torch.Tensor]) -> Tensors:
     return (x,) if isinstance(x, torch.Tensor) else tuple(x)
 
 
+def split_batch(x: torch.Tensor | Sequence[torch.Tensor], parts: int) -> list[Tensors]:
+    """A batch's inputs (a tensor, or several such as token ids and an attention mask) as ``parts`` equal
+    microbatches along dimension 0, each a tuple of tensors: what a first stage takes."""
+    xs = as_tuple(x)
+    rows = {t.shape[0] for t in xs}
+    if len(rows) != 1:
+        raise ValueError(f"a batch's input tensors must have the same rows (dimension 0), got {sorted(rows)}")
+    n = rows.pop()
+    if n % parts:
+        raise ValueError(f"a batch of {n} does not split into {parts} equal microbatches")
+    return list(zip(*(t.chunk(parts) for t in xs), strict=True))
+
+
 def as_leaves(xs: Sequence[torch.Tensor]) -> Tensors:
     """Fresh leaf copies of ``xs``; the floating ones take a gradient, so a backward can ask for theirs alone."""
     return tuple(x.detach().requires_grad_(x.is_floating_point()) for x in xs)

@@ -1,0 +1,170 @@
+"""The model interface: what the pipeline needs of a model, and the registry of models by name.
+
+A :class:`Model` is a flat list of layers, ``embedding_layers`` of them first, then the repeated
+blocks, then ``head_layers`` (the head computes what :meth:`Model.loss` takes). Each layer takes the
+previous layer's output (one tensor, or a tuple of tensors spread as arguments) and returns its own,
+so any contiguous run of layers is a pipeline stage. Besides its layers a model gives its loss, its
+data (the whole batch of any step, a pure function of its seed and the step) and the weights its
+layers share (tied embeddings). Train, partition, profile, offload and the CLI use only this.
+
+A family in :data:`REGISTRY` makes a model from :class:`ModelArgs`, the settings a user gives on the
+command line. This module imports no torch (the command line reads the registry to list its choices); a
+family's ``make`` imports what its model needs.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pipefold.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from pipefold.models.size import Shape
+
+    Inputs = torch.Tensor | tuple[torch.Tensor, ...]
+    """A batch's inputs: one tensor, or several (token ids and an attention mask); dimension 0 is the rows."""
+    Batch = tuple[Inputs, torch.Tensor]
+    """(inputs, targets) of one step, split into microbatches along dimension 0."""
+
+__all__ = ["REGISTRY", "Family", "Model", "ModelArgs", "Tie", "make_model", "register"]
+
+Tie = tuple[tuple[int, str], ...]
+"""One weight that several layers share, as (layer index, parameter name in that layer) of each."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelArgs:
+    """What a user says about a model (``pipefold train --layers ... --hf-config ...``); None: the model's default."""
+
+    layers: int | None = None
+    """Repeated blocks (transformer blocks, MLP blocks)."""
+    hidden: int | None = None
+    """Width."""
+    heads: int | None = None
+    """Attention heads."""
+    seq: int = 64
+    """Tokens per row, for language models."""
+    batch: int = 16
+    """Rows per step (all microbatches)."""
+    seed: int = 0
+    """Initial weights and data."""
+    data: str | None = None
+    """A text file to train a language model on instead of the built-in corpus."""
+    config: str | None = None
+    """The model's own configuration: a config name the model ships or a JSON file (Hugging Face models)."""
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden", "heads"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"--{name} must be at least 1 (got {value!r})")
+        for name in ("seq", "batch"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"--{name} must be at least 1 (got {value!r})")
+
+
+class Model(abc.ABC):
+    """A model the pipeline runs: layers ``0..num_layers-1``, built any subset at a time, its loss and its data.
+
+    Layer ``i`` gets the same initial weights whichever other layers are built with it, so a pipeline rank
+    builds only its own stages and still matches the whole model built in one process.
+    """
+
+    name: str
+    """The registry name."""
+    num_layers: int
+    """Layers in the flat list: embedding layers, blocks, head layers."""
+    embedding_layers: int = 0
+    """Layers before the blocks."""
+    head_layers: int = 0
+    """Layers after the blocks."""
+    seq: int | None = None
+    """Tokens per row of the data (language models), None where a row is one sample."""
+    tied: tuple[Tie, ...] = ()
+    """Weights shared by several layers (a language model's input and output embeddings). Where they land on
+    different stages each stage holds a copy, and the runtime sums their gradients after the step."""
+    preload: tuple[str, ...] = ()
+    """Modules the ranks import to build the layers (loaded once into the processes that start them)."""
+
+    @abc.abstractmethod
+    def build_layers(self, indices: Iterable[int], *, device: str | torch.device = "cpu") -> dict[int, nn.Module]:
+        """Only the layers at ``indices``, on ``device``."""
+
+    @abc.abstractmethod
+    def loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The loss of one microbatch: the last layer's output against its targets (a mean over the microbatch)."""
+
+    @abc.abstractmethod
+    def batch_at(self, step: int) -> Batch:
+        """The whole batch of training step ``step``: the same in every process for the same seed and step."""
+
+    def size(self) -> Shape | None:
+        """The model's size for :mod:`pipefold.models.size`, which refuses before any layer is built a run this
+        machine cannot hold or would take minutes per step on; None (the default): the model is not checked."""
+        return None
+
+    def build(self) -> list[nn.Module]:
+        """Every layer, in order, on the CPU."""
+        layers = self.build_layers(range(self.num_layers))
+        return [layers[i] for i in range(self.num_layers)]
+
+    @property
+    def blocks(self) -> range:
+        """Indices of the repeated blocks."""
+        return range(self.embedding_layers, self.num_layers - self.head_layers)
+
+    def layer_name(self, index: int) -> str:
+        """Layer ``index`` for messages: 'layer 3 (block 2)', 'layer 0 (embedding)'."""
+        if index < self.embedding_layers:
+            return f"layer {index} (embedding)"
+        if index >= self.num_layers - self.head_layers:
+            return f"layer {index} (head)"
+        return f"layer {index} (block {index - self.embedding_layers})" if self.embedding_layers else f"layer {index}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Family:
+    """A registered model: how to make it from the user's settings."""
+
+    name: str
+    description: str
+    make: Callable[[ModelArgs], Model]
+    blocks_for: Callable[[int], int | None]
+    """The default number of blocks for a pipeline of this many stages (two layers per stage); None: the model's
+    own configuration decides."""
+    sequences: bool = True
+    """Its rows are sequences of ``seq`` tokens (a language model), not single samples."""
+    hf: bool = False
+    """A Hugging Face model (``--hf NAME``), its shape from its config (``--hf-config``)."""
+
+
+REGISTRY: dict[str, Family] = {}
+"""Every model by name; ``pipefold.models`` registers the built-in ones and the Hugging Face ones."""
+
+
+def register(family: Family) -> Family:
+    """Add ``family`` to :data:`REGISTRY` (a name is registered once)."""
+    if family.name in REGISTRY:
+        raise ValueError(f"a model called {family.name!r} is registered already")
+    REGISTRY[family.name] = family
+    return family
+
+
+def make_model(name: str, **args: object) -> Model:
+    """The registered model ``name`` made from :class:`ModelArgs` keywords: ``make_model('gpt', layers=2)``."""
+    family = REGISTRY.get(name)
+    if family is None:
+        raise ConfigError(f"unknown model {name!r}; known models: {', '.join(REGISTRY)}")
+    fields = {f.name for f in dataclasses.fields(ModelArgs)}
+    unknown = sorted(set(args) - fields)
+    if unknown:
+        raise ConfigError(f"models take no setting {unknown[0]!r}; their settings: {', '.join(sorted(fields))}")
+    return family.make(ModelArgs(**args))  # type: ignore[arg-type]

@@ -1,0 +1,368 @@
+"""Hugging Face ``transformers`` causal LMs, unchanged, as pipeline layers: GPT-2 and LLaMA built from a config.
+
+The model is the ``transformers`` object as its own class builds it (``AutoModelForCausalLM.from_config``, no
+download). Its parts are found on it and wrapped, without touching its code::
+
+    layer 0          HFEmbedding   the token embedding (GPT-2: + learned positions, dropout)
+    layers 1..N      HFBlock       one block of ``transformer.h`` / ``model.layers`` each, called as the model
+                                   calls it: the causal (and padding) mask from the model's own mask function,
+                                   LLaMA's rotary position embeddings from the model's own ``rotary_emb``
+    layer N+1        HFHead        the final norm and ``lm_head``
+
+A batch's inputs are the token ids, or (token ids, attention mask) with 1 for real tokens and 0 for padding;
+the mask travels with the activations from stage to stage. Sequence lengths may change from step to step.
+
+Every part is built on its own: the model is made on the meta device and only the wanted parts get memory, each
+module's initial weights drawn by the model's own ``_init_weights`` from a stream seeded by (seed, module name).
+A pipeline rank so builds only its own layers and matches the whole model built in one process. A weight two
+parts share (GPT-2's ``lm_head`` is its ``wte``; LLaMA's with ``tie_word_embeddings``) stays one parameter in a
+whole model and is listed in :attr:`HFCausalLM.tied`; split across stages, each stage holds a copy and the
+runtime sums their gradients (:mod:`pipefold.runtime.tied`).
+
+Needs ``pip install 'pipefold[hf]'``; ``pipefold.models`` registers the names without it, and making one
+without it says so.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipefold.errors import ConfigError
+from pipefold.models._build import check_indices, derive_seed
+from pipefold.models.base import Model, ModelArgs, Tie
+from pipefold.models.data import Batches, load_corpus
+
+__all__ = ["ARCHS", "HFBlock", "HFCausalLM", "HFEmbedding", "HFHead", "available", "config_names", "read_config"]
+
+IGNORE = -100
+"""A target that counts for nothing in the loss (padding), as in ``transformers``."""
+
+
+@dataclass(frozen=True)
+class Arch:
+    """Where a family's parts sit on its ``transformers`` model (attributes of ``model.base_model``)."""
+
+    name: str
+    """The config's ``model_type``."""
+    default_config: str
+    """The config this package ships for it, used when none is given."""
+    embedding: tuple[str, ...]
+    """Modules the embedding layer runs, in order: token embedding first."""
+    blocks: str
+    """The nn.ModuleList of blocks."""
+    norm: str
+    """The final norm, which the head layer runs before ``lm_head``."""
+    rotary: str | None = None
+    """The rotary position embedding that every block is given (LLaMA)."""
+
+
+ARCHS: dict[str, Arch] = {
+    "gpt2": Arch("gpt2", "gpt2-tiny", embedding=("wte", "wpe", "drop"), blocks="h", norm="ln_f"),
+    "llama": Arch("llama", "llama-tiny", embedding=("embed_tokens",), blocks="layers", norm="norm",
+                  rotary="rotary_emb"),
+}
+
+
+def available() -> bool:
+    """Whether ``transformers`` can be imported."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _require() -> None:
+    if not available():
+        raise ConfigError("Hugging Face models need the transformers package: pip install 'pipefold[hf]'")
+
+
+# --------------------------------------------------------------------------- configs
+
+
+def _shipped() -> Any:
+    return resources.files("pipefold.models").joinpath("hf_configs")
+
+
+def config_names() -> list[str]:
+    """The configs this package ships (``--hf-config NAME``)."""
+    return sorted(p.name[:-5] for p in _shipped().iterdir() if p.name.endswith(".json"))
+
+
+def read_config(arch: str, given: str | None) -> dict[str, Any]:
+    """The config of ``arch`` as a dict: a shipped config's name, a JSON file, or by default the arch's tiny one."""
+    if arch not in ARCHS:
+        raise ConfigError(f"unknown Hugging Face model {arch!r}: use one of {', '.join(ARCHS)}")
+    name = given or ARCHS[arch].default_config
+    if name in config_names():
+        text, where = _shipped().joinpath(f"{name}.json").read_text(encoding="utf-8"), f"config {name}"
+    else:
+        path = Path(name)
+        if not path.is_file():
+            raise ConfigError(f"--hf-config {name!r} is neither a config pipefold ships ({', '.join(config_names())})"
+                              " nor a JSON file")
+        try:
+            text, where = path.read_text(encoding="utf-8"), f"--hf-config {name}"
+        except (OSError, UnicodeDecodeError) as err:
+            raise ConfigError(f"cannot read --hf-config {name!r}: {err}") from None
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{where} is not JSON ({err.msg} at line {err.lineno}): give a transformers "
+                          "config.json") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{where} is not a JSON object of config settings: give a transformers config.json")
+    kind = config.setdefault("model_type", arch)
+    if kind != arch:
+        raise ConfigError(f"{where} configures a {kind!r} model, not {arch!r}: use --hf {kind} or another config")
+    return config
+
+
+# --------------------------------------------------------------------------- the layers
+
+
+def _mask_function() -> Any:
+    """``transformers``' causal mask maker, and the name of its (no-)cache argument in this version."""
+    from transformers.masking_utils import create_causal_mask
+
+    params = inspect.signature(create_causal_mask).parameters
+    return create_causal_mask, "cache" if "cache" in params else "past_key_values"
+
+
+class HFEmbedding(nn.Module):
+    """Layer 0: the token embedding, plus (GPT-2) the learned positions and the embedding dropout."""
+
+    def __init__(self, modules: dict[str, nn.Module]) -> None:
+        super().__init__()
+        for name, module in modules.items():
+            self.add_module(name, module)
+        self.order = list(modules)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor | None = None) -> Any:
+        tokens, *rest = (getattr(self, n) for n in self.order)
+        h = tokens(ids)  # (B, T, C)
+        for module in rest:
+            if isinstance(module, nn.Embedding):  # learned positions 0..T-1, as the model numbers them
+                h = h + module(torch.arange(ids.shape[1], device=ids.device)[None])
+            else:
+                h = module(h)
+        return h if mask is None else (h, mask)
+
+
+class HFBlock(nn.Module):
+    """One of the model's blocks, called with the mask and positions the model itself would give it."""
+
+    def __init__(self, block: nn.Module, config: Any, rotary: nn.Module | None) -> None:
+        super().__init__()
+        self.block = block
+        self.rotary = rotary
+        self.config = config  # the model's config: its attention implementation decides the mask's form
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor | None = None) -> Any:
+        make_mask, cache = _mask_function()
+        positions = torch.arange(h.shape[1], device=h.device)[None]  # (1, T)
+        causal = make_mask(config=self.config, inputs_embeds=h, attention_mask=mask, position_ids=positions,
+                           **{cache: None})
+        extra = {} if self.rotary is None else {"position_embeddings": self.rotary(h, position_ids=positions)}
+        out = self.block(h, attention_mask=causal, position_ids=positions, **extra)
+        out = out[0] if isinstance(out, tuple) else out
+        return out if mask is None else (out, mask)
+
+
+class HFHead(nn.Module):
+    """The last layer: the final norm and ``lm_head``, giving logits (B, T, V)."""
+
+    def __init__(self, norm: nn.Module, lm_head: nn.Module) -> None:
+        super().__init__()
+        self.norm = norm
+        self.lm_head = lm_head
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.lm_head(self.norm(h))
+
+
+def hf_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross entropy of (B, T, V) logits against (B, T) next tokens, over the targets that are not IGNORE."""
+    if targets.shape != logits.shape[:-1]:
+        raise ConfigError(f"the targets have shape {tuple(targets.shape)} but the logits are {tuple(logits.shape)}; "
+                          f"give one target token per position, shape {tuple(logits.shape[:-1])}")
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=IGNORE)
+
+
+# --------------------------------------------------------------------------- the model
+
+
+class HFCausalLM(Model):
+    """A ``transformers`` causal LM of ``arch`` with ``config``, as embedding, blocks and head layers.
+
+    :meth:`build_hf` gives the ``transformers`` model object itself (the wanted parts built), :meth:`wrap` its
+    parts as layers that use its own modules; :meth:`build_layers` is the two together.
+    """
+
+    embedding_layers = 1
+    head_layers = 1
+
+    def __init__(self, arch: str, config: dict[str, Any], batches: Batches, *, seed: int = 0) -> None:
+        _require()
+        self.arch, self.config, self.batches, self.seed = ARCHS[arch], dict(config), batches, seed
+        self.name = arch
+        meta = self._meta()
+        self.preload = ("pipefold.models.hf", type(meta).__module__)
+        hf: Any = meta.config
+        self.num_layers = len(self._blocks(meta)) + 2
+        self.seq = batches.seq
+        if hf.vocab_size < 256:
+            raise ConfigError(f"the corpus is bytes (ids 0..255) but the config's vocab_size is {hf.vocab_size}: "
+                              "give a config with vocab_size >= 256")
+        most = getattr(hf, "max_position_embeddings", None)
+        if most is not None and batches.seq > most:
+            raise ConfigError(f"--seq {batches.seq} is longer than the config's max_position_embeddings {most}: use "
+                              f"--seq {most} or less, or a config with more positions")
+        # Weights that several layers hold (tied embeddings): the same parameter object on the meta model.
+        holders: dict[int, list[tuple[int, str]]] = {}
+        for i, layer in enumerate(self.wrap(meta)):
+            for name, p in layer.named_parameters():
+                holders.setdefault(id(p), []).append((i, name))
+        self.tied: tuple[Tie, ...] = tuple(tuple(h) for h in holders.values() if len({i for i, _ in h}) > 1)
+
+    # -- building
+
+    def hf_config(self) -> Any:
+        """A fresh ``transformers`` config object (caches off: training runs whole sequences)."""
+        from transformers import AutoConfig
+
+        settings = {k: v for k, v in self.config.items() if k != "model_type"}
+        try:
+            config = AutoConfig.for_model(self.arch.name, **settings)
+        except (TypeError, ValueError) as err:
+            raise ConfigError(f"transformers rejects the {self.arch.name} config: {err}") from None
+        config.use_cache = False
+        return config
+
+    def _meta(self) -> Any:
+        """The whole model on the meta device: shapes only, no memory."""
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(self.hf_config())
+
+    def _blocks(self, model: Any) -> nn.ModuleList:
+        base = model.base_model
+        for name in (*self.arch.embedding, self.arch.blocks, self.arch.norm, *filter(None, [self.arch.rotary])):
+            if not hasattr(base, name):
+                raise ConfigError(f"{type(model).__name__} has no {type(base).__name__}.{name}: this transformers "
+                                  f"version lays out {self.arch.name} differently from what pipefold knows")
+        blocks = getattr(base, self.arch.blocks)
+        assert isinstance(blocks, nn.ModuleList)
+        return blocks
+
+    def _units(self, model: Any) -> list[list[str]]:
+        """For each layer, the qualified names of the model's modules it runs."""
+        prefix = model.base_model_prefix
+        head = [n for n, m in model.named_modules() if m is model.get_output_embeddings()][0]
+        rotary = [f"{prefix}.{self.arch.rotary}"] if self.arch.rotary else []
+        return [[f"{prefix}.{n}" for n in self.arch.embedding],
+                *([f"{prefix}.{self.arch.blocks}.{i}", *rotary] for i in range(len(self._blocks(model)))),
+                [f"{prefix}.{self.arch.norm}", head]]
+
+    def build_hf(self, indices: Iterable[int] | None = None) -> Any:
+        """The ``transformers`` model object with the modules of layers ``indices`` (all by default) built on the
+        CPU and initialised, the rest left on the meta device."""
+        model = self._meta()
+        units = self._units(model)
+        wanted = range(len(units)) if indices is None else check_indices(
+            indices, len(units), f"0 = embedding, 1..{len(units) - 2} = blocks, {len(units) - 1} = head")
+        modules = dict(model.named_modules())
+        chosen = {id(sub): sub for i in wanted for name in units[i] for sub in modules[name].modules()}
+        # A parameter shared with a module outside (a tied lm_head) is built with, and initialised by, its holders.
+        while True:
+            params = {id(p) for m in chosen.values() for p in m.parameters(recurse=False)}
+            more = {id(m): m for m in modules.values() if id(m) not in chosen
+                    and any(id(p) in params for p in m.parameters(recurse=False))}
+            if not more:
+                break
+            chosen.update(more)
+        made: dict[int, nn.Parameter] = {}
+        for m in chosen.values():
+            for key, p in m._parameters.items():
+                if p is not None:
+                    if id(p) not in made:
+                        made[id(p)] = nn.Parameter(torch.empty_like(p, device="cpu"), requires_grad=p.requires_grad)
+                    m._parameters[key] = made[id(p)]
+            for key, b in m._buffers.items():
+                if b is not None:
+                    m._buffers[key] = torch.empty_like(b, device="cpu")
+        self._initialise(model, chosen)
+        names = {id(m): n for n, m in modules.items()}
+        for m in chosen.values():
+            for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)):
+                if t.is_meta:
+                    raise ConfigError(f"{names[id(m)]} of {type(model).__name__} kept a tensor without values "
+                                      "after initialisation: pipefold cannot build this model part by part")
+        return model
+
+    def _initialise(self, model: Any, chosen: dict[int, nn.Module]) -> None:
+        """Each chosen module's weights from the model's own ``_init_weights``, children before parents as
+        ``transformers`` runs it, each from a random stream seeded by (seed, the module's name)."""
+        from transformers import PreTrainedModel
+        from transformers import initialization as init
+
+        def post_order(module: nn.Module, name: str, owner: Any) -> Iterator[tuple[nn.Module, str, Any]]:
+            for child_name, child in module.named_children():
+                sub = child if isinstance(child, PreTrainedModel) else owner
+                yield from post_order(child, f"{name}.{child_name}" if name else child_name, sub)
+            yield module, name, owner
+
+        with torch.no_grad(), init.guard_torch_init_functions():
+            for module, name, owner in post_order(model, "", model):
+                if id(module) in chosen:
+                    with torch.random.fork_rng(devices=[]):
+                        torch.manual_seed(derive_seed("hf", self.arch.name, self.seed, name))
+                        owner._init_weights(module)
+
+    def wrap(self, model: Any) -> list[nn.Module]:
+        """The layers of ``model`` (a model :meth:`build_hf` made): they run its own modules, shared, not copied."""
+        base = model.base_model
+        blocks = self._blocks(model)
+        rotary = getattr(base, self.arch.rotary) if self.arch.rotary else None
+        head = model.get_output_embeddings()
+        return [HFEmbedding({n: getattr(base, n) for n in self.arch.embedding}),
+                *(HFBlock(block, model.config, rotary) for block in blocks),
+                HFHead(getattr(base, self.arch.norm), head)]
+
+    def build_layers(self, indices: Iterable[int], *, device: str | torch.device = "cpu") -> dict[int, nn.Module]:
+        chosen = list(indices)
+        layers = self.wrap(self.build_hf(chosen))
+        return {i: layers[i].to(device) for i in chosen}
+
+    # -- loss and data
+
+    def loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return hf_loss(out, target)
+
+    def batch_at(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.batches.batch_at(step)
+
+
+def make(arch: str, args: ModelArgs) -> HFCausalLM:
+    _require()
+    given = [f"--{n}" for n in ("hidden", "heads") if getattr(args, n) is not None]
+    if given:
+        raise ConfigError(f"a Hugging Face model's shape comes from its config: drop {given[0]} and set it in the "
+                          "--hf-config file (--layers may override the number of blocks)")
+    config = read_config(arch, args.config)
+    if args.layers is not None:
+        config["num_hidden_layers"] = args.layers
+    batches = Batches(load_corpus(args.data).train, args.batch, args.seq, seed=args.seed)
+    return HFCausalLM(arch, config, batches, seed=args.seed)
+
