@@ -204,3 +204,20 @@ def test_redirected_train_prints_a_line_per_step(tmp_path: Path) -> None:
         words = line.split()
         assert words[:2] == ["step", f"{i + 1}/{steps}"] and words[2] == "loss"
         assert float(words[3]) == pytest.approx(losses[i], abs=6e-5)
+
+
+@pytest.mark.parametrize(("train", "expected"), [("notadict", "'train' must be an object, got 'notadict'"),
+                                                 ({"model": "mlp"}, "KeyError: 'layers'")])
+def test_a_plan_whose_train_is_not_an_object(capsys: pytest.CaptureFixture[str], tmp_path: Path, train: object,
+                                             expected: str) -> None:
+    from pipefold.plan import plan_model
+    from pipefold.profile import LayerProfile, Profile
+
+    layer = LayerProfile(f=1e-3, b=1e-3, w=1e-3, held=1000, held_w=800, params=100, out=100)
+    profile = Profile(train={"model": "mlp", "layers": 6, "hidden": 16, "heads": 4, "seq": 8, "batch": 8,
+                             "microbatches": 4, "optimizer": "sgd", "seed": 0}, layers=(layer,) * 6, latency=1e-5,
+                      bandwidth=1e9, contention=(1.0, 1.0), optimizer_factor=0.0)
+    plan = {**plan_model(profile, 2, 1e9).to_dict(), "train": train}
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    assert expected in one_line_error(capsys, ["train", "--plan", str(path), "--steps", "1000000"])

@@ -458,6 +458,13 @@ def read_plan(path: str) -> dict[str, Any]:
             raise ConfigError(f"{path}: recompute needs one count per stage, at most that stage's layers")
         int(data["devices"]), int(data["microbatches"]), float(data["predicted"]["step_time_s"])
         schedules.get(parse_spec(str(data["schedule"]))[0])
+        train = data["train"]  # the model and its size, as train takes them
+        if not isinstance(train, dict):
+            raise TypeError(f"'train' must be an object, got {train!r}")
+        for key in ("layers", "hidden", "heads", "batch", "seq", "seed"):
+            int(train[key])
+        if not isinstance(train["model"], str) or not isinstance(train["optimizer"], str):
+            raise TypeError("'train' must name its model and optimizer")
     except (KeyError, TypeError, ValueError) as exc:
         raise ConfigError(f"{path} is not a valid pipefold plan ({type(exc).__name__}: {exc})") from None
     return data
