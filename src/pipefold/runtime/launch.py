@@ -436,9 +436,9 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
             bad_run += 1
             if bad_run >= job.max_bad_steps:
                 first = step - bad_run + 1
-                stopped = (f"the loss or the gradients were NaN or inf in {bad_run} steps in a row "
-                           f"({f'steps {first} to {step}' if bad_run > 1 else f'step {step}'}); the weights are "
-                           f"those before step {first}: lower --lr, add --clip, or check the data")
+                where = f"{bad_run} steps in a row (steps {first} to {step})" if bad_run > 1 else f"step {step}"
+                stopped = (f"the loss or the gradients were NaN or inf in {where}; the weights are those before "
+                           f"step {first}: lower --lr, add --clip, or check the data")
                 break
             if global_rank == 0:
                 from pipefold.runtime.checkpoint import warn
