@@ -335,6 +335,25 @@ def build_parser() -> argparse.ArgumentParser:
                         "network's idle bandwidth, its preempted periods made by flooding the links (needs root)")
     p.add_argument("--adapt-every", type=int, default=2, metavar="N",
                    help="with --schedule adaptive-kfkb: choose k again every N steps (default 2)")
+    p.add_argument("--checkpoint-dir", metavar="D", default=None,
+                   help="save checkpoints into folder D (torch.distributed.checkpoint, each rank its own part): "
+                        "after the last step, and every N steps with --checkpoint-every; a save is atomic")
+    p.add_argument("--checkpoint-every", type=int, metavar="N", default=None,
+                   help="with --checkpoint-dir: also save after every N steps")
+    p.add_argument("--resume", nargs="?", const="", default=None, metavar="CKPT",
+                   help="start from the newest good checkpoint in --checkpoint-dir, or from CKPT (a D/step-N folder, "
+                        "or a folder of them): weights, optimizer state, data position and random state as saved; "
+                        "--steps counts from the first run's start. Under torchrun, restarted workers "
+                        "(--max-restarts) resume by themselves")
+    p.add_argument("--save-model", metavar="FILE", default=None,
+                   help="after the last step write the whole model's state_dict to FILE (torch.save), named as the "
+                        "plain model nn.Sequential(*pipefold.models.make_model(...).build()) names it")
+    p.add_argument("--post-validate", action="store_true",
+                   help="step the optimizer before the global NaN/inf and gradient-norm check completes, and roll "
+                        "the step back when it fails or needs clipping (Zero Bubble's post-validation)")
+    p.add_argument("--max-bad-steps", type=int, default=3, metavar="K",
+                   help="a step whose loss or gradients are NaN or inf is skipped with a warning; stop after K "
+                        "such steps in a row (default 3)")
     _add_output(p)
 
     p = sub.add_parser("validate", help="check schedule files (or generated schedules) and report the first problem")
@@ -795,7 +814,7 @@ def _planned_run(args: argparse.Namespace, console: Console) -> tuple[Any, Any, 
     from pipefold.train import from_plan
 
     defaults = build_parser().parse_args(["train"])
-    run = {"steps": args.steps, "lr": args.lr, "clip": args.clip, "data": args.data}
+    run = {"steps": args.steps, "lr": args.lr, "clip": args.clip, "data": args.data, **_reliability(args)}
     if args.plan is not None:
         given = [k for k in _PLAN_FIXES if getattr(args, k) != getattr(defaults, k)]
         if given:
@@ -835,15 +854,27 @@ def _planned_run(args: argparse.Namespace, console: Console) -> tuple[Any, Any, 
     return config, decided, plan
 
 
+def _reliability(args: argparse.Namespace) -> dict[str, Any]:
+    """The TrainConfig fields of checkpoints and numerics, from the flags."""
+    return {"checkpoint_dir": args.checkpoint_dir, "checkpoint_every": args.checkpoint_every,
+            "resume": args.resume is not None, "resume_from": args.resume or None, "save_model": args.save_model,
+            "post_validate": args.post_validate, "max_bad_steps": args.max_bad_steps}
+
+
 def cmd_train(args: argparse.Namespace, console: Console) -> None:
     from pipefold.models import REGISTRY
     from pipefold.runtime.launch import under_torchrun
     from pipefold.train import TrainConfig, compare, train, train_torchrun
 
     _check_outputs(("plot", args.plot, True), ("trace", args.trace, False))
-    for label in ("steps", "batch", "seq", "hidden", "heads"):
+    for label in ("steps", "batch", "seq", "hidden", "heads", "max_bad_steps"):
         if getattr(args, label) is not None and getattr(args, label) < 1:
-            raise ConfigError(f"--{label} must be at least 1 (got {getattr(args, label)})")
+            raise ConfigError(f"--{label.replace('_', '-')} must be at least 1 (got {getattr(args, label)})")
+    if args.check and args.resume is not None:
+        raise ConfigError("--check compares the first step, from the initial weights, with one process: drop it "
+                          "with --resume")
+    if args.checkpoint_every is not None and args.checkpoint_every < 1:
+        raise ConfigError(f"--checkpoint-every must be at least 1 (got {args.checkpoint_every})")
     plan: dict[str, Any] | None = None
     decided = None
     if args.plan is not None or args.schedule == "auto":
@@ -870,7 +901,7 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
                              memory_budget=None if args.memory_budget is None else parse_bytes(args.memory_budget),
                              network=args.network, netns=args.netns, adapt_every=args.adapt_every,
                              fill_bubbles=args.fill_bubbles, damping=args.damping, ema=args.ema, dp=args.dp,
-                             zero1=args.zero1, fsdp=args.fsdp)
+                             zero1=args.zero1, fsdp=args.fsdp, **_reliability(args))
     if args.adapt_every < 1:
         raise ConfigError(f"--adapt-every must be at least 1 (got {args.adapt_every})")
     if (args.network or args.netns) and (args.plan is not None or args.schedule == "auto"):
@@ -943,7 +974,7 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
     if job.dp > 1:
         out["dp"] = job.dp
         out["sharding"] = "fsdp" if job.fsdp else "zero1" if job.zero1 else "none"
-        out["loss"] = [statistics.mean(v for r in everyone for v in r.steps[i].losses.values())
+        out["loss"] = [_finite(statistics.mean(v for r in everyone for v in r.steps[i].losses.values()))
                        for i in range(len(reports[0].steps))]
     if job.adaptive is not None or config.network is not None:
         out["per_step"] = per_step(reports)
@@ -1113,11 +1144,19 @@ def _parse_offload(text: str) -> tuple[int, int]:
     return k, kprime
 
 
+def _finite(x: float) -> float | None:
+    """``x``, or None (JSON null) where it is NaN or inf."""
+    return x if math.isfinite(x) else None
+
+
 def _train_summary(job: Any, reports: list[Any], config: Any, predicted: Any,
                    peaks: list[float] | None = None) -> dict[str, Any]:
     steps = len(reports[0].steps)
-    losses = [sum(sum(r.steps[i].losses.values()) for r in reports) / job.schedule.microbatches
+    # A NaN or inf loss is null: its step is in skipped_steps.
+    losses = [_finite(sum(sum(r.steps[i].losses.values()) for r in reports) / job.schedule.microbatches)
               for i in range(steps)]
+    first = reports[0].first_step
+    numbered = list(range(first, first + steps))
     step_time = [max(r.steps[i].wall for r in reports) for i in range(steps)]
     return {
         "schedule": job.schedule.name, "options": dict(job.schedule.options), "devices": job.schedule.devices,
@@ -1134,6 +1173,15 @@ def _train_summary(job: Any, reports: list[Any], config: Any, predicted: Any,
         "static_bytes": [r.static_bytes for r in reports],
         **({"peak_resident_param_bytes": [r.resident_param_bytes for r in reports]} if job.offload else {}),
         **({"recompute": job.extra["recompute"].to_dict()} if "recompute" in job.extra else {}),
+        "first_step": first,
+        "grad_norm": [_finite(s.grad_norm) for s in reports[0].steps],
+        "skipped_steps": list(reports[0].skipped),
+        "clipped_steps": [i for i, s in zip(numbered, reports[0].steps, strict=True) if s.clipped],
+        "rolled_back_steps": [i for i, s in zip(numbered, reports[0].steps, strict=True) if s.rolled_back],
+        "post_validate": job.post_validate,
+        "resumed_from": reports[0].resumed_from,
+        "checkpoints": list(reports[0].checkpoints),
+        "saved_model": job.save_model,
     }
 
 
@@ -1142,9 +1190,18 @@ def _print_train(out: dict[str, Any], console: Console) -> None:
     sharded = {"fsdp": ", stages sharded (FSDP)", "zero1": ", optimizer state sharded (ZeRO-1)"}.get(
         out.get("sharding", "none"), "")
     pipelines = f" x {dp} data-parallel pipelines{sharded} (the table: the first; the loss: all)" if dp > 1 else ""
+    first, last = (f"{x:.4f}" if x is not None else "NaN/inf" for x in (out["loss"][0], out["loss"][-1]))
+    steps = f" (steps {out['first_step']} to {out['first_step'] + len(out['loss']) - 1})" if out["first_step"] else ""
     console.print(f"[bold]{out['schedule']}[/] on {out['devices']} ranks{pipelines}, {out['microbatches']} "
-                  f"microbatches, {out['model']} with {out['layers']} layers: loss {out['loss'][0]:.4f} -> "
-                  f"{out['loss'][-1]:.4f}")
+                  f"microbatches, {out['model']} with {out['layers']} layers: loss {first} -> {last}{steps}")
+    if out["resumed_from"]:
+        console.print(f"resumed from {out['resumed_from']}")
+    if out["skipped_steps"]:
+        console.print(f"skipped (loss or gradients NaN or inf): steps {' '.join(map(str, out['skipped_steps']))}")
+    if out["checkpoints"]:
+        console.print(f"checkpoints: {', '.join(out['checkpoints'])}")
+    if out["saved_model"]:
+        console.print(f"model saved to {out['saved_model']}")
     split = "evenly" if out["partition"] == "even" else f"balanced by {out['partition']}"
     console.print(f"stages start at layers {' '.join(map(str, out['boundaries']))} (split {split})")
     table = Table(show_edge=False)
@@ -1350,9 +1407,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"pipefold {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except RuntimeError as exc:
-        from pipefold.runtime.launch import RankError
+        from pipefold.runtime.launch import Diverged, RankError
 
-        if not isinstance(exc, RankError):
+        if not isinstance(exc, (RankError, Diverged)):
             raise
         print(f"pipefold {args.command}: error: {exc}", file=sys.stderr)
         return 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from pipefold.errors import ConfigError
 from pipefold.ir import Schedule
 from pipefold.models import Model, make_model, split_layers
 from pipefold.recompute import MODES, OPTIMIZER_STATE, RecomputePlan, measure_stages, plan_recompute
+from pipefold.runtime.checkpoint import Checkpointing
 from pipefold.runtime.launch import (
     Adaptive,
     Job,
@@ -103,6 +105,21 @@ class TrainConfig:
     """K-FAC's damping (optimizer 'kfac'); see docs/pipefisher.md for the values tried on the GPT."""
     ema: float = 0.9
     """K-FAC's running-average decay of the factors (optimizer 'kfac')."""
+    checkpoint_dir: str | None = None
+    """Save checkpoints into this folder (the last step's always; see :mod:`pipefold.runtime.checkpoint`)."""
+    checkpoint_every: int | None = None
+    """Also save one after every N steps."""
+    resume: bool = False
+    """Start from the newest good checkpoint in ``checkpoint_dir``, or from ``resume_from``."""
+    resume_from: str | None = None
+    """With ``resume``: a checkpoint (``D/step-00000004``) or a folder of them to start from."""
+    save_model: str | None = None
+    """After the last step, write the whole model's state_dict here (``torch.save``; load it into
+    ``nn.Sequential(*pipefold.models.make_model(...).build())``)."""
+    post_validate: bool = False
+    """Step the optimizer before the global NaN/inf and norm check completes; roll back when it fails."""
+    max_bad_steps: int = 3
+    """Stop after this many steps in a row with a NaN or inf loss or gradient (each one skipped)."""
 
 
 ADAPTIVE = "adaptive-kfkb"
@@ -140,12 +157,14 @@ Decisions = tuple[tuple[tuple[int, ...], ...], RecomputePlan | None]
 
 
 def make_job(config: TrainConfig, *, save_grads_of_step: int | None = None,
-             decided: Decisions | None = None, placed: Any = None) -> Job:
+             decided: Decisions | None = None, placed: Any = None, checkpointing: Checkpointing | None = None) -> Job:
     """Check the configuration and describe the job every rank will run.
 
     Splitting by time and planning recomputation measure the model; ``decided`` passes in
     what another process measured, so that every rank of one job runs the same split; ``placed``, with
-    K-FAC, the placement of its work (a :class:`~pipefold.pipefisher.Filled`) that another process made.
+    K-FAC, the placement of its work (a :class:`~pipefold.pipefisher.Filled`) that another process made;
+    ``checkpointing`` the checkpoint folder and the checkpoint to resume that another process found (else
+    they come from ``config``, and finding the checkpoint reads the folder).
     """
     schedule = build_schedule(config)
     if config.dp < 1:
@@ -171,6 +190,14 @@ def make_job(config: TrainConfig, *, save_grads_of_step: int | None = None,
     model = model_of(config)
     check_size(config, model, schedule,
                builds_model=decided is None or placed is None and config.optimizer == "kfac")
+    if checkpointing is None:
+        checkpointing = _checkpointing(config)
+    save_model = None
+    if config.save_model is not None:
+        from pipefold.files import check_writable
+
+        check_writable(config.save_model, "model")
+        save_model = os.path.abspath(config.save_model)  # the ranks may start in another folder
     if schedule.stages > model.num_layers:
         per_device = schedule.stages // schedule.devices
         raise ConfigError(f"{config.schedule} on {config.devices} devices has {schedule.stages} stages but the model "
@@ -225,7 +252,9 @@ def make_job(config: TrainConfig, *, save_grads_of_step: int | None = None,
                batch_at=batch_at, steps=config.steps, lr=config.lr, optimizer=config.optimizer, clip=config.clip,
                save_grads_of_step=save_grads_of_step, offload=config.offload, recompute=recompute, extra=extra,
                network=network, adaptive=adaptive, cycle=cycle, kfac=kfac, refill=refill, dp=config.dp,
-               zero1=config.zero1, fsdp=config.fsdp, tied=model.tied, preload=model.preload)
+               zero1=config.zero1, fsdp=config.fsdp, tied=model.tied, preload=model.preload,
+               checkpoint=checkpointing, save_model=save_model, post_validate=config.post_validate,
+               max_bad_steps=config.max_bad_steps)
 
 
 def check_size(config: TrainConfig, model: Model, schedule: Schedule, *, builds_model: bool = True) -> None:
@@ -248,6 +277,48 @@ def check_size(config: TrainConfig, model: Model, schedule: Schedule, *, builds_
                                  or config.optimizer == "kfac" or config.memory_budget is not None)
     check_model(model, microbatches=config.microbatches * config.dp, ranks=ranks, copies=held + measures,
                 what=f"training {config.model}")
+
+
+def restarted() -> bool:
+    """Whether torchrun restarted this process's workers after a failure (``--max-restarts``)."""
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+    except ValueError:
+        return False
+
+
+def _checkpointing(config: TrainConfig) -> Checkpointing | None:
+    """The checkpoint folder (made if needed) and the checkpoint to start from: the one ``--resume`` names, or
+    the newest good one; after torchrun restarted the workers, the newest good one if there is any."""
+    from pipefold.runtime import checkpoint
+
+    if config.checkpoint_dir is None and not config.resume and config.checkpoint_every is None:
+        return None
+    if config.optimizer == "kfac":
+        raise ConfigError("checkpoints do not save K-FAC's curvature and its placement yet: train --optimizer kfac "
+                          "without --checkpoint-dir and --resume")
+    if config.checkpoint_every is not None and config.checkpoint_every < 1:
+        raise ConfigError(f"--checkpoint-every N saves every N steps: N >= 1 (got {config.checkpoint_every})")
+    directory = checkpoint.prepare(config.checkpoint_dir) if config.checkpoint_dir is not None else None
+    identity: dict[str, Any] = {"model": config.model, "layers": config.layers, "hidden": config.hidden,
+                                "heads": config.heads, "seq": config.seq, "model_config": config.model_config,
+                                "optimizer": config.optimizer}
+    resume = None
+    if config.resume:
+        where = config.resume_from or directory
+        if where is None:
+            raise ConfigError("--resume needs --checkpoint-dir D, or the checkpoint to start from: "
+                              "--resume D/step-00000004")
+        resume = checkpoint.find(where)
+    elif directory is not None and restarted():
+        resume = checkpoint.find(directory, required=False)
+        if resume is None:
+            checkpoint.note(f"restarted by torchrun with no good checkpoint in {directory} yet: starting over")
+    if resume is not None:
+        checkpoint.check_identity(resume, identity, config.steps)
+        checkpoint.note(f"resuming from {resume.path} ({resume.step} steps done)")
+    return checkpoint.Checkpointing(directory=directory, every=config.checkpoint_every, resume=resume,
+                                    identity=identity)
 
 
 def _kfac_cycle(config: TrainConfig, schedule: Schedule, layer_stages: tuple[tuple[int, ...], ...],
@@ -401,7 +472,7 @@ def train_torchrun(config: TrainConfig, *, check: bool = False,
         try:
             job = make_job(config, save_grads_of_step=grads_step)
             message: tuple[str, Any] = ("ok", ((job.layer_stages, job.extra.get("recompute")),
-                                               job.extra.get("pipefisher")))
+                                               job.extra.get("pipefisher"), job.checkpoint))
         except ConfigError as exc:
             message = ("error", str(exc))  # the other ranks stop with the same line instead of waiting
         except Exception as exc:  # anything else stops the other ranks too, then surfaces here unchanged
@@ -418,7 +489,8 @@ def train_torchrun(config: TrainConfig, *, check: bool = False,
             raise ConfigError(payload)
         raise RuntimeError(f"rank 0 failed while preparing the job: {payload}")
     if job is None:
-        job = make_job(config, save_grads_of_step=grads_step, decided=payload[0], placed=payload[1])
+        job = make_job(config, save_grads_of_step=grads_step, decided=payload[0], placed=payload[1],
+                       checkpointing=payload[2])
     return job, run_torchrun(job, on_step)
 
 

@@ -144,6 +144,24 @@ class RankCurvature:
         return [t for c in self.stages.values() for f in c.kfac.layers
                 for t in (f.A, f.G, f.A_inv, f.G_inv, f._a_sum, f._g_sum) if t is not None]
 
+    _STATE = ("A", "G", "A_inv", "G_inv", "_a_sum", "_g_sum", "_a_rows", "_g_rows")
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """A copy of every layer's factors, inverses and sums, to roll a skipped step back (:meth:`restore`)."""
+        out = []
+        for c in self.stages.values():
+            for f in c.kfac.layers:
+                values = {k: getattr(f, k) for k in self._STATE}
+                out.append({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in values.items()})
+        return out
+
+    def restore(self, saved: list[dict[str, Any]]) -> None:
+        """Put back what :meth:`snapshot` copied."""
+        layers = [f for c in self.stages.values() for f in c.kfac.layers]
+        for f, state in zip(layers, saved, strict=True):
+            for k, v in state.items():
+                setattr(f, k, v)
+
     def record(self, on: bool) -> None:
         """Keep (or stop keeping) the gradients before preconditioning, for a check against one process."""
         for c in self.stages.values():

@@ -128,6 +128,16 @@ class StepStats:
     """The schedule that ran this step, as a spec (``kfkb:k=2``): it changes between steps with ``adaptive``."""
     predicted: float | None = None
     """What the policy that chose this step's schedule predicted its step time to be, seconds."""
+    grad_norm: float = 0.0
+    """The global gradient norm of the step (every rank's gradients, each stage once), before any clipping;
+    NaN or inf in a bad step."""
+    skipped: bool = False
+    """The loss or a gradient was NaN or inf: the optimizer did not step (see :mod:`pipefold.runtime.numerics`)."""
+    clipped: bool = False
+    """The gradients were scaled down to the clipping norm."""
+    rolled_back: bool = False
+    """The optimizer had stepped before the global check (post-validation, or a schedule's OPT actions) and the
+    step was undone: to be skipped, or redone with clipped gradients."""
 
 
 def kind_times(steps: Sequence[StepStats]) -> dict[int, dict[str, float]]:

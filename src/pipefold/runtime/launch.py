@@ -35,6 +35,7 @@ from pipefold.errors import ConfigError
 from pipefold.ir import Kind, Schedule
 from pipefold.runtime import sharding
 from pipefold.runtime.executor import RankExecutor, StepStats
+from pipefold.runtime.numerics import Snapshot, clip_factor, local_check, scale_grads, verdict
 from pipefold.runtime.stage import Chain, Tensors, as_tuple, split_batch
 from pipefold.runtime.tied import TiedGrads, spans_stages, untie
 
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
     from pipefold.network import Network
     from pipefold.offload import Offloaded
     from pipefold.pipefisher import Filled, Refill
+    from pipefold.runtime.checkpoint import Checkpointing
     from pipefold.runtime.netns import Topology
 
 
@@ -54,6 +56,15 @@ class RankError(RuntimeError):
         super().__init__(f"rank {rank} failed: {lines[-1].strip() if lines else 'unknown error'}")
         self.rank = rank
         self.details = details
+
+
+class Diverged(RuntimeError):
+    """The run stopped early: its loss or gradients were NaN or inf in ``Job.max_bad_steps`` steps in a row.
+    ``str()`` is one line; ``reports`` holds what the ranks reported (``RankReport.stopped`` says the same)."""
+
+    def __init__(self, message: str, reports: list[RankReport]) -> None:
+        super().__init__(message)
+        self.reports = reports
 
 
 def _momentum_sgd(params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:
@@ -85,9 +96,9 @@ class Job:
     """"adamw", "sgd", or any function that makes a torch.optim optimizer from a rank's parameters."""
     clip: float | None = None
     save_grads_of_step: int | None = None
+    """Save each rank's parameter gradients after this step (for --check), before the optimizer runs."""
     save_weights: bool = False
     """Send back every parameter after the last step (``RankReport.weights``)."""
-    """Save each rank's parameter gradients after this step (for --check), before the optimizer runs."""
     offload: tuple[int, int] | None = None
     """(k, k'): every stage keeps at most k of its layers on the device (see pipefold.offload)."""
     recompute: tuple[int, ...] | None = None
@@ -131,6 +142,16 @@ class Job:
     (:mod:`pipefold.runtime.tied`)."""
     preload: tuple[str, ...] = ()
     """Modules the local ranks' processes import before they start (``Model.preload``)."""
+    checkpoint: Checkpointing | None = None
+    """Save checkpoints as the run goes, and/or start from one (see :mod:`pipefold.runtime.checkpoint`)."""
+    save_model: str | None = None
+    """After the last step, rank 0 writes the whole model's ``state_dict`` here (``torch.save``, named as the plain
+    model ``nn.Sequential(*layers)`` names it; an absolute path: the ranks may run elsewhere)."""
+    post_validate: bool = False
+    """Step the optimizer before the global NaN/inf and norm check completes, rolling the step back when it
+    fails (Zero Bubble's post-validation, :mod:`pipefold.runtime.numerics`)."""
+    max_bad_steps: int = 3
+    """Stop the run after this many steps in a row whose loss or gradients were NaN or inf (each skipped)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -141,6 +162,17 @@ class Job:
             raise ConfigError(f"the learning rate must be a finite number >= 0 (got {self.lr})")
         if self.clip is not None and not (math.isfinite(self.clip) and self.clip > 0):
             raise ConfigError(f"clip is the largest global gradient norm (--clip): a number > 0 (got {self.clip})")
+        if not (isinstance(self.max_bad_steps, int) and self.max_bad_steps >= 1):
+            raise ConfigError(f"the run stops after K bad steps in a row (--max-bad-steps K): K must be an integer "
+                              f">= 1 (got {self.max_bad_steps!r})")
+        if self.checkpoint is not None:
+            if self.kfac is not None:
+                raise ConfigError("checkpoints do not save K-FAC's curvature and its placement yet: train "
+                                  "--optimizer kfac without --checkpoint-dir and --resume")
+            resume = self.checkpoint.resume
+            if resume is not None and resume.step >= self.steps:
+                raise ConfigError(f"checkpoint {resume.path} has done {resume.step} steps and the run has "
+                                  f"{self.steps}: nothing left to train; give --steps above {resume.step}")
         if not callable(self.optimizer) and self.optimizer not in OPTIMIZERS:
             names = list(OPTIMIZERS)
             raise ConfigError(f"unknown optimizer {self.optimizer!r}: use {', '.join(names[:-1])} or {names[-1]}, "
@@ -218,9 +250,9 @@ class Job:
                 d, s = missing
                 raise ConfigError(f"the schedule steps some stages' optimizers itself (OPT actions) but not stage "
                                   f"{s} on device {d}: give every stage its {s}OPT, or none")
-            if self.clip is not None or self.offload is not None:
-                raise ConfigError("clipping by the global norm and offloading step the optimizer after the whole "
-                                  "step: use a schedule without OPT actions with --clip or --offload")
+            if self.offload is not None:
+                raise ConfigError("offloading steps the optimizer after the whole step: use a schedule without OPT "
+                                  "actions with --offload")
 
 
 def _without(schedule: Schedule, kind: str) -> tuple[int, int] | None:
@@ -249,6 +281,16 @@ class RankReport:
     """On rank 0 of an adaptive job: (the first step it applies to, what ``Adaptive.decide`` recorded)."""
     pipeline: int = 0
     """Which data-parallel pipeline the rank belongs to (``rank`` is its process-group rank)."""
+    first_step: int = 0
+    """The step the run started at: ``steps[i]`` is step ``first_step + i`` (> 0 when resumed)."""
+    resumed_from: str | None = None
+    """The checkpoint the run started from."""
+    skipped: list[int] = field(default_factory=list)
+    """Steps skipped because their loss or gradients were NaN or inf (weights and optimizer state untouched)."""
+    stopped: str | None = None
+    """Why the run stopped early (too many bad steps in a row), or None when it ran every step."""
+    checkpoints: list[str] = field(default_factory=list)
+    """The checkpoints saved, in order (on every rank)."""
 
     @property
     def device(self) -> int:
@@ -353,6 +395,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     # all of this rank's parameters after the step.
     in_schedule = any(a.kind == Kind.OPT for row in job.schedule.actions for a in row)
     stage_opts = {s: _optimizer(job, trained[s]) for s in modules} if in_schedule else {}
+    stage_snaps: dict[int, Snapshot] = {}  # each stage's state before its OPT stepped, until the step is validated
     origin = job.origin
     if job.network is not None and origin is None:
         origin = float(agree(time.time()))  # the network's timeline starts now on every rank
@@ -372,7 +415,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
             executors[index] = RankExecutor(
                 choices[index], rank, modules, job.loss_fn, device, recompute=recompute,
                 log_messages=job.log_messages, timeout=job.timeout_s, network=job.network, origin=origin or 0.0,
-                optimizers={s: o.step if o is not None else _nothing for s, o in stage_opts.items()}, work=work,
+                optimizers={s: _speculative(s, o, modules[s], stage_snaps) for s, o in stage_opts.items()}, work=work,
                 pipelines=pipelines, pipeline=pipeline, dp_group=dp_group, sharded=job.fsdp)
         return executors[index]
 
@@ -391,7 +434,23 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     # (with FSDP, by every pipeline: each holds its own shard); a tied weight's copies count once.
     counted = [p for s, ps in trained.items() if job.schedule.holders(s)[0] == rank and (pipeline == 0 or job.fsdp)
                for p in ps if id(p) not in tied.copies]
-    for step in range(job.steps):
+    optimizers = [o for o in (opt, *stage_opts.values()) if o is not None]
+    names = {id(p): name for name, p in _named(job, chains)}
+    state = _state_named(job, chains)
+    checkpointing, start, resumed_from = job.checkpoint, 0, None
+    if checkpointing is not None and checkpointing.resume is not None:
+        from pipefold.runtime import checkpoint
+
+        progress = checkpoint.load(checkpointing.resume, model=state, optimizers=optimizers, names=names,
+                                   rank=global_rank, device=device)
+        start, resumed_from = int(progress["step"]), checkpointing.resume.path
+        current = int(progress.get("schedule_index") or 0)
+    hooks = _TestHooks.read()
+    bad_run, skipped, saved = 0, [], []
+    stopped = None
+    for step in range(start, job.steps):
+        if hooks.die == (step, "step") and global_rank == world - 1:
+            os._exit(13)
         if job.cycle:
             current = (step - cycle_from) % len(choices)
         executor = executor_for(current)
@@ -401,10 +460,15 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
             x, y = split_batch(x, job.dp)[pipeline], y.chunk(job.dp)[pipeline]
         xs = split_batch(tuple(t.to(device) for t in as_tuple(x)), m)
         ys = microbatches(y.to(device), m)
+        if step in hooks.nan and xs[0][0].is_floating_point():
+            poisoned = xs[0][0].clone()
+            poisoned.view(-1)[0] = math.nan
+            xs[0] = (poisoned, *xs[0][1:])
         for p in params:
             p.grad = None
         if work is not None:
             work.record(job.save_grads_of_step == step)
+        before = work.snapshot() if work is not None else None  # K-FAC's state, in case the step is skipped
         if job.verify_memory_step == step:
             stats = _tracked_step(executor, params, xs, ys, _shapes(x))
         else:
@@ -412,19 +476,34 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
         for wrapper in offloaded:
             wrapper.evict_all()  # every layer home, with its gradient, before the optimizer reads it
         tied.reduce()  # copies of a shared weight on several stages: each gets the sum of their gradients
-        if job.clip is not None:
-            _clip_global(params, counted, job.clip)
+        _update(job, params, counted, opt, stage_opts, stage_snaps, stats, device)
+        if stats.skipped and work is not None and before is not None:
+            work.restore(before)
         if job.save_grads_of_step == step:
             # With K-FAC, the gradients as the backward left them, before the schedule's KP preconditioned them.
             raw = work.raw_grads() if work is not None else {}
             grads = {name: sharding.full(raw.get(id(p), p.grad)).detach().clone() for name, p in _named(job, chains)
                      if p.grad is not None}
-        if opt is not None:
-            opt.step()
         stats.schedule, stats.predicted = _spec(choices[current]), predicted
         reports.append(stats)
         if on_step is not None and rank == loss_rank and pipeline == 0:
             on_step(step, sum(stats.losses.values()) / len(stats.losses), time.perf_counter() - started)
+        if stats.skipped:
+            skipped.append(step)
+            bad_run += 1
+            if bad_run >= job.max_bad_steps:
+                first = step - bad_run + 1
+                where = f"{bad_run} steps in a row (steps {first} to {step})" if bad_run > 1 else f"step {step}"
+                stopped = (f"the loss or the gradients were NaN or inf in {where}; the weights are those before "
+                           f"step {first}: lower --lr, add --clip, or check the data")
+                break
+            if global_rank == 0:
+                from pipefold.runtime.checkpoint import warn
+
+                warn(f"step {step}: the loss or a gradient is NaN or inf; step skipped, weights and optimizer "
+                     f"state unchanged ({bad_run} in a row; the run stops at {job.max_bad_steps})")
+        else:
+            bad_run = 0
         if job.refill is not None and step + 1 == job.refill.after and step + 1 < job.steps:
             ran = [choices[(i - cycle_from) % len(choices)] for i in range(1, step + 1)]
             filled = _refill(job.refill, reports[1:], ran, rank, world)
@@ -436,7 +515,6 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
                 decisions.append((step + 1, filled))
         adaptive = job.adaptive
         if adaptive is not None and (step + 1) % adaptive.every == 0 and step + 1 < job.steps:
-            optimizers = [o for o in (opt, *stage_opts.values()) if o is not None]
             summary = adaptive.summarize(reports[-adaptive.every:], _static_bytes(params, optimizers))
             gathered: list[Any] = [None] * world if rank == 0 else []
             dist.gather_object(summary, gathered if rank == 0 else None, dst=0)
@@ -444,15 +522,24 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
             current, predicted, record = agree(choice)  # every rank switches at the same step boundary
             if rank == 0:
                 decisions.append((step + 1, record))
+        if checkpointing is not None and checkpointing.due(step + 1, job.steps):
+            from pipefold.runtime import checkpoint
+
+            die = hooks.die == (step + 1, "save") and global_rank == world - 1
+            saved.append(checkpoint.save(checkpointing, step + 1, model=state, optimizers=optimizers, names=names,
+                                         progress={"step": step + 1, "schedule_index": current}, rank=global_rank,
+                                         device=device, written=(lambda: os._exit(13)) if die else None))
     for each in executors.values():
         each.close()
+    if job.save_model is not None and stopped is None:
+        _save_model(job, chains, job.save_model, global_rank, pipeline, world)
     resident = sum(w.tracker.peak_resident_bytes for w in offloaded)
     weights = ({name: sharding.full(p.detach()).clone() for name, p in _named(job, chains)}
                if job.save_weights else None)
-    optimizers = [o for o in (opt, *stage_opts.values()) if o is not None]
     static = _static_bytes(params, optimizers) + (work.state_bytes() if work is not None else 0)
     report = RankReport(global_rank, reports, grads, _peak_rss(), resident, weights, static,
-                        decisions, pipeline)
+                        decisions, pipeline, first_step=start, resumed_from=resumed_from, skipped=skipped,
+                        stopped=stopped, checkpoints=saved)
     if out_dir is not None:
         with open(Path(out_dir) / f"rank{global_rank}.pkl", "wb") as fh:
             pickle.dump(report, fh)
@@ -572,6 +659,70 @@ def _tracked_step(executor: RankExecutor, params: list[nn.Parameter], xs: list[T
     return stats
 
 
+def _state_named(job: Job, modules: dict[int, nn.Module]) -> dict[str, torch.Tensor]:
+    """Parameters and buffers named by model layer index, as the plain model ``nn.Sequential(*layers)`` names them."""
+    out = {}
+    for s, module in modules.items():
+        for pos, layer in enumerate(module.children()):
+            index = job.layer_stages[s][pos]
+            out.update({f"{index}.{name}": t for name, t in layer.state_dict(keep_vars=True).items()})
+    return out
+
+
+def _save_model(job: Job, modules: dict[int, nn.Module], path: str, global_rank: int, pipeline: int,
+                world: int) -> None:
+    """Gather the first pipeline's layers on rank 0, which writes the whole model's state_dict to ``path``
+    (a temporary file beside it, then a rename)."""
+    mine: dict[int, dict[str, torch.Tensor]] = {}
+    for s, module in modules.items():
+        for pos, layer in enumerate(module.children()):
+            # With FSDP each copy gathers its shards (a collective of every pipeline); the first one keeps them.
+            whole = {k: sharding.full(v.detach()).cpu() for k, v in layer.state_dict().items()}
+            if pipeline == 0:
+                mine[job.layer_stages[s][pos]] = whole
+    gathered: list[Any] = [None] * world if global_rank == 0 else []
+    dist.gather_object(mine, gathered if global_rank == 0 else None, dst=0)
+    if global_rank != 0:
+        return
+    layers: dict[int, dict[str, torch.Tensor]] = {}
+    for part in gathered:
+        layers.update(part)  # a stage held by several ranks (replicas) holds the same weights
+    full = {f"{i}.{k}": v for i in sorted(layers) for k, v in layers[i].items()}
+    folder = os.path.dirname(path) or "."
+    fd, tmp = tempfile.mkstemp(prefix=".pipefold-", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            torch.save(full, fh)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+@dataclass(frozen=True)
+class _TestHooks:
+    """Faults the tests inject into real runs, read from the environment (never set in normal use):
+
+    ``PIPEFOLD_TEST_DIE_AT_STEP=N`` makes the last rank exit (code 13) as step N starts, and ``N:save`` while it
+    saves the checkpoint of step N (its files written, the checkpoint not yet committed); only in a first
+    attempt, not in a restart by torchrun (``TORCHELASTIC_RESTART_COUNT`` > 0).
+    ``PIPEFOLD_TEST_NAN_AT_STEP=N[,N...]`` puts a NaN in the first input of microbatch 0 at those steps
+    (a model with float inputs)."""
+
+    die: tuple[int, str] | None = None
+    nan: frozenset[int] = frozenset()
+
+    @staticmethod
+    def read() -> _TestHooks:
+        die = None
+        text = os.environ.get("PIPEFOLD_TEST_DIE_AT_STEP")
+        if text and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) == 0:
+            step, _, where = text.partition(":")
+            die = (int(step), where or "step")
+        nan = os.environ.get("PIPEFOLD_TEST_NAN_AT_STEP", "")
+        return _TestHooks(die, frozenset(int(x) for x in nan.split(",") if x.strip()))
+
+
 def _named(job: Job, modules: dict[int, nn.Module]) -> list[tuple[str, nn.Parameter]]:
     """Parameters named by model layer index, so the launcher can match them with a reference model."""
     out = []
@@ -601,18 +752,55 @@ def _nothing() -> None:
     """The optimizer step of a stage without weights."""
 
 
-def _clip_global(params: list[nn.Parameter], counted: list[nn.Parameter], max_norm: float) -> None:
-    """Clip ``params`` by the norm over every rank's ``counted`` gradients: one all-reduce of the squared norms."""
-    sq = torch.zeros(1)
-    for p in counted:
-        if p.grad is not None:
-            sq += sharding.local(p.grad.detach()).pow(2).sum()  # a shard's part of the norm (FSDP)
-    dist.all_reduce(sq)
-    norm = float(sq.sqrt())
-    if norm > max_norm:
-        for p in params:
-            if p.grad is not None:
-                sharding.local(p.grad).mul_(max_norm / (norm + 1e-6))
+def _speculative(stage: int, opt: torch.optim.Optimizer | None, module: nn.Module,
+                 snapshots: dict[int, Snapshot]) -> Callable[[], None]:
+    """The step a schedule's OPT action of ``stage`` runs: a copy of the stage's state first, then the step, which
+    the global check after the step validates (and rolls back with the copy when it fails)."""
+    if opt is None:
+        return _nothing
+
+    def step() -> None:
+        snapshots[stage] = Snapshot(list(module.parameters()), [opt])
+        opt.step()
+    return step
+
+
+def _update(job: Job, params: list[nn.Parameter], counted: list[nn.Parameter], opt: torch.optim.Optimizer | None,
+            stage_opts: dict[int, torch.optim.Optimizer | None], stage_snaps: dict[int, Snapshot], stats: StepStats,
+            device: torch.device) -> None:
+    """After the step's passes: the global NaN/inf and norm check (one all-reduce), then the optimizer step,
+    clipped, or skipped when the step is bad (see :mod:`pipefold.runtime.numerics`).
+
+    Without post-validation the optimizer waits for the check. With it (``job.post_validate``), and always
+    when the schedule's OPT actions have stepped already, the step is taken first and rolled back when the
+    check says it was bad or needed clipping. ``stats`` gets the norm and what happened.
+    """
+    check = local_check(counted, stats.losses.values(), device)
+    speculative = None
+    if opt is not None and job.post_validate:
+        pending = dist.all_reduce(check, async_op=True)
+        speculative = Snapshot(params, [opt])
+        opt.step()  # while the check is in flight
+        pending.wait()
+    else:
+        dist.all_reduce(check)
+    stepped = speculative is not None or bool(stage_snaps)
+    norm, bad = verdict(check)
+    factor = None if bad else clip_factor(norm, job.clip)
+    stats.grad_norm, stats.skipped, stats.clipped = norm, bad, factor is not None
+    if stepped and (bad or factor is not None):
+        for snap in (speculative, *stage_snaps.values()):
+            if snap is not None:
+                snap.restore()
+        stats.rolled_back = True
+    stage_snaps.clear()
+    if bad or (stepped and factor is None):
+        return
+    if factor is not None:
+        scale_grads(params, factor)
+    for each in (opt, *stage_opts.values()):
+        if each is not None:
+            each.step()
 
 
 def _static_bytes(params: list[nn.Parameter], optimizers: list[torch.optim.Optimizer]) -> int:
@@ -724,7 +912,14 @@ def _run_spawned(job: Job, world: int, queue: Any, on_step: Callable[[int, float
         for rank in range(world):
             with open(Path(out_dir) / f"rank{rank}.pkl", "rb") as fh:
                 reports.append(pickle.load(fh))
+    _raise_if_stopped(reports)
     return reports
+
+
+def _raise_if_stopped(reports: list[RankReport]) -> None:
+    for r in reports:
+        if r.stopped is not None:
+            raise Diverged(r.stopped, reports)
 
 
 def under_torchrun() -> bool:
@@ -764,6 +959,7 @@ def run_torchrun(job: Job, on_step: Callable[[int, float, float], None] | None =
         report = run_rank(job, rank, world, None, on_step)
         gathered: list[Any] = [None] * world if rank == 0 else []
         dist.gather_object(report, gathered if rank == 0 else None, dst=0)
+        _raise_if_stopped(gathered if rank == 0 else [report])  # every rank stopped at the same step
         return gathered if rank == 0 else None
     finally:
         leave_group()

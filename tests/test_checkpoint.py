@@ -1,0 +1,171 @@
+"""Checkpoints on real ranks and real files: resume bit for bit, crashes mid-save, corrupt files, torchrun restarts,
+and the saved model loaded into the plain one."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from pipefold.cli import main
+from pipefold.models import make_model
+from pipefold.models.data import Batches, load_corpus
+
+GPT = ["--model", "gpt", "--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "16", "--batch", "8",
+       "--devices", "2", "--microbatches", "4", "--partition", "even"]
+MLP = ["--model", "mlp", "--layers", "4", "--hidden", "16", "--batch", "8", "--devices", "2", "--microbatches", "4",
+       "--partition", "even", "--schedule", "1f1b"]
+
+
+def _train(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:  # type: ignore[type-arg]
+    code = main(["train", *argv, "--json"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    return json.loads(captured.out)
+
+
+def _cli(cwd: Path, *argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``pipefold train ARGV`` in a process of its own (the test hooks are read from its environment)."""
+    return subprocess.run([sys.executable, "-m", "pipefold", "train", *argv], capture_output=True, text=True,
+                          cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, timeout=240,
+                          check=False)
+
+
+def _plain_gpt(seed: int = 0) -> nn.Sequential:
+    return nn.Sequential(*make_model("gpt", layers=2, hidden=32, heads=2, seq=16, seed=seed).build())
+
+
+def _one_process(steps: int) -> nn.Sequential:
+    """The GPT of ``GPT`` trained ``steps`` steps in one process: AdamW (lr 1e-3) on the whole batch."""
+    model = _plain_gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batches = Batches(load_corpus().train, 8, 16, seed=0)
+    loss_fn = make_model("gpt", layers=2, hidden=32, heads=2, seq=16).loss
+    for step in range(steps):
+        x, y = batches.batch_at(step)
+        opt.zero_grad()
+        for xs, ys in zip(x.chunk(4), y.chunk(4), strict=True):  # the mean over the microbatches, as the ranks
+            (loss_fn(model(xs), ys) / 4).backward()
+        opt.step()
+    return model
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_resume_continues_bit_for_bit(capsys: pytest.CaptureFixture[str], tmp_path: Path, schedule: str) -> None:
+    """6 steps in one run equal 3 steps then a resumed run of 3 more: every loss and every weight, bit for bit."""
+    whole, resumed, ckpt = tmp_path / "whole.pt", tmp_path / "resumed.pt", tmp_path / "ckpt"
+    args = [*GPT, "--schedule", schedule]
+    straight = _train(capsys, *args, "--steps", "6", "--save-model", str(whole))
+    first = _train(capsys, *args, "--steps", "3", "--checkpoint-dir", str(ckpt))
+    assert first["checkpoints"] == [str(ckpt / "step-00000003")]
+    assert (ckpt / "latest").read_text().strip() == "step-00000003"
+    code = main(["train", *args, "--steps", "6", "--checkpoint-dir", str(ckpt), "--resume", "--save-model",
+                 str(resumed), "--json"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    second = json.loads(captured.out)
+    assert f"resuming from {ckpt / 'step-00000003'} (3 steps done)" in captured.err
+    assert second["first_step"] == 3 and second["resumed_from"] == str(ckpt / "step-00000003")
+    assert first["loss"] + second["loss"] == straight["loss"]  # exactly equal floats
+    a, b = torch.load(whole), torch.load(resumed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # The file is the plain model's state_dict: it loads (strictly) into the one-device model, and equals that
+    # model trained in one process, up to the order of float sums.
+    plain = _plain_gpt()
+    plain.load_state_dict(b)
+    reference = _one_process(6).state_dict()
+    assert plain.state_dict().keys() == reference.keys()
+    for name, w in plain.state_dict().items():
+        torch.testing.assert_close(w, reference[name], rtol=1e-4, atol=1e-5)
+    assert any(not torch.equal(w, _plain_gpt().state_dict()[k]) for k, w in b.items())  # it did train
+
+
+def test_crash_mid_save_and_corrupt_checkpoints(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    straight = _train(capsys, *MLP, "--steps", "8")["loss"]
+    # The last rank dies while the checkpoint of step 4 is being saved, after writing its own files.
+    crashed = _cli(tmp_path, *MLP, "--steps", "6", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
+                   env={"PIPEFOLD_TEST_DIE_AT_STEP": "4:save"})
+    assert crashed.returncode == 1 and "pipefold train: error: rank" in crashed.stderr, crashed.stderr
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step-00000002", "step-00000004.tmp"]
+    assert (ckpt / "latest").read_text().strip() == "step-00000002"
+    assert not (ckpt / "step-00000004.tmp" / "manifest.json").exists()
+    # Resuming takes the last good one; the interrupted save is cleaned up by the next one.
+    out = _train(capsys, *MLP, "--steps", "6", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--resume")
+    assert out["first_step"] == 2 and out["loss"] == straight[2:6]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step-00000002", "step-00000004", "step-00000006"]
+    # One byte changed in a rank's file of the newest checkpoint: skipped with a warning naming it.
+    data = ckpt / "step-00000006" / "__1_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    code = main(["train", *MLP, "--steps", "8", "--checkpoint-dir", str(tmp_path / "next"), "--resume",
+                 str(ckpt), "--json"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert (f"pipefold: warning: checkpoint {ckpt / 'step-00000006'} is incomplete or corrupt (__1_0.distcp does "
+            "not match its SHA-256 in the manifest): skipped") in captured.err
+    out = json.loads(captured.out)
+    assert out["resumed_from"] == str(ckpt / "step-00000004") and out["loss"] == straight[4:8]
+    # Naming a corrupt checkpoint when no older one is good: one line, exit 2, nothing run.
+    (ckpt / "step-00000004" / ".metadata").write_bytes(b"")
+    shutil.rmtree(ckpt / "step-00000002")
+    code = main(["train", *MLP, "--steps", "8", "--resume", str(ckpt / "step-00000006")])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert (f"cannot resume: checkpoint {ckpt / 'step-00000006'} is incomplete or corrupt (__1_0.distcp does not "
+            "match its SHA-256 in the manifest) and no older one is good") in err
+
+
+def test_checkpoint_user_errors(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    _train(capsys, *MLP, "--steps", "2", "--checkpoint-dir", str(ckpt))
+    (tmp_path / "file").write_text("x")
+    cases = [
+        (["--checkpoint-every", "2"], "--checkpoint-every needs --checkpoint-dir D"),
+        (["--checkpoint-dir", str(ckpt), "--checkpoint-every", "0"], "--checkpoint-every must be at least 1"),
+        (["--resume"], "--resume needs --checkpoint-dir D, or the checkpoint to start from"),
+        (["--resume", str(tmp_path / "empty")], f"no checkpoint folder {tmp_path / 'empty'}"),
+        (["--resume", str(tmp_path)], f"no checkpoint to resume from in {tmp_path}"),
+        (["--resume", str(ckpt / "step-00000009")], f"no checkpoint {ckpt / 'step-00000009'}"),
+        (["--checkpoint-dir", str(tmp_path / "file")], "is a file; give a folder"),
+        (["--checkpoint-dir", str(ckpt), "--resume", "--steps", "2"], "has done 2 steps and the run has 2: nothing "
+                                                                      "left to train; give --steps above 2"),
+        (["--resume", str(ckpt), "--hidden", "32"], "was saved with hidden 16, this run has 32"),
+        (["--resume", str(ckpt), "--optimizer", "sgd"], "was saved with optimizer adamw, this run has sgd"),
+        (["--resume", str(ckpt), "--check"], "--check compares the first step"),
+        (["--checkpoint-dir", str(ckpt), "--optimizer", "kfac"], "checkpoints do not save K-FAC's curvature"),
+        (["--save-model", str(tmp_path / "no" / "m.pt")], "folder"),
+    ]
+    for argv, expected in cases:
+        code = main(["train", *MLP, "--steps", "4", *argv])
+        err = capsys.readouterr().err
+        assert code == 2 and expected in err and len(err.strip().splitlines()) == 1, (argv, err)
+
+
+TORCHRUN_MODULE = [sys.executable, "-m", "torch.distributed.run"]
+
+
+def test_torchrun_restart_resumes_from_the_last_checkpoint(capsys: pytest.CaptureFixture[str],
+                                                          tmp_path: Path) -> None:
+    """torchrun --max-restarts 1: a worker dies at step 3; the restarted workers resume from the checkpoint of
+    step 2 by themselves, and the run ends with the losses and weights of an uninterrupted one."""
+    straight = _train(capsys, *MLP, "--steps", "5", "--save-model", str(tmp_path / "straight.pt"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PIPEFOLD_TEST_DIE_AT_STEP": "3"}
+    proc = subprocess.run([*TORCHRUN_MODULE, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+                           "-m", "pipefold", "train", *MLP, "--steps", "5", "--checkpoint-dir", "ckpt",
+                           "--checkpoint-every", "2", "--save-model", "restarted.pt", "--json"],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=240, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert f"resuming from {tmp_path / 'ckpt' / 'step-00000002'} (2 steps done)" in proc.stderr
+    assert out["first_step"] == 2 and out["loss"] == straight["loss"][2:]
+    a, b = torch.load(tmp_path / "straight.pt"), torch.load(tmp_path / "restarted.pt")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
