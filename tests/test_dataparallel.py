@@ -147,7 +147,7 @@ def test_dp2_pp2_matches_one_process_and_keeps_the_copies_identical(schedule: st
     assert shard[0] != shard[1]
 
 
-def test_refusals_are_one_line() -> None:
+def test_refusals_are_one_line(tmp_path: Path) -> None:
     base = dict(devices=2, dp=2, microbatches=2, steps=1, model="mlp", layers=4, hidden=8, batch=8)
     with pytest.raises(ConfigError, match="does not split into 2 pipelines x 2 microbatches; use a --batch that is "
                                           "a multiple of 4"):
@@ -164,6 +164,8 @@ def test_refusals_are_one_line() -> None:
         dataclasses.replace(job, fsdp=True)
     with pytest.raises(ConfigError, match="--fsdp shards each stage across data-parallel pipelines: give --dp 2"):
         make_job(TrainConfig(schedule="1f1b", fsdp=True, **{**base, "dp": 1}))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="checkpoints of stages sharded with FSDP are not written yet"):
+        make_job(TrainConfig(schedule="1f1b", fsdp=True, checkpoint_dir=str(tmp_path), **base))  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="drop --zero1"):
         make_job(TrainConfig(schedule="1f1b", fsdp=True, zero1=True, **base))  # type: ignore[arg-type]
     sharded = make_job(TrainConfig(schedule="1f1b", fsdp=True, **base))  # type: ignore[arg-type]

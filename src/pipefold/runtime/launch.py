@@ -210,6 +210,9 @@ class Job:
             kinds_text = ", ".join(sorted(reducing))
             raise ConfigError(f"{self.schedule.name} reduces across data-parallel pipelines ({kinds_text} actions) "
                               "but the job has one pipeline: give dp > 1 or a schedule without them")
+        if self.fsdp and self.checkpoint is not None:
+            raise ConfigError("checkpoints of stages sharded with FSDP are not written yet: use --dp without --fsdp "
+                              "with --checkpoint-dir, or no checkpoints with --fsdp")
         if self.fsdp and (self.dp < 2 or self.zero1 or self.verify_memory_step is not None):
             raise ConfigError("FSDP shards each stage across data-parallel pipelines: it needs dp >= 2, and takes "
                               "neither ZeRO-1 (it shards the optimizer state already) nor a memory check")
