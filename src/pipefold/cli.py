@@ -8,8 +8,10 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import statistics
 import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
@@ -17,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pipefold import interop, schedules
-from pipefold.errors import ConfigError, PipefoldError, ScheduleError
+from pipefold.errors import ConfigError, Interrupted, PipefoldError, ScheduleError
 from pipefold.ir import Schedule
 from pipefold.plan import PlanResult, one_f_one_b_peak, parse_budget, parse_spec, plan
 from pipefold.simulate import CostModel, SimResult, StageOverride, simulate
@@ -310,6 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "network's idle bandwidth, its preempted periods made by flooding the links (needs root)")
     p.add_argument("--adapt-every", type=int, default=2, metavar="N",
                    help="with --schedule adaptive-kfkb: choose k again every N steps (default 2)")
+    p.add_argument("--action-timeout", type=float, default=20.0, metavar="SECONDS",
+                   help="stop the job, naming the rank, when an action runs this long or a rank waits this long "
+                        "for one that makes no progress, or stops responding (default 20)")
     _add_output(p)
 
     p = sub.add_parser("validate", help="check schedule files (or generated schedules) and report the first problem")
@@ -741,7 +746,8 @@ def _planned_run(args: argparse.Namespace, console: Console) -> tuple[Any, Any, 
     from pipefold.train import from_plan
 
     defaults = build_parser().parse_args(["train"])
-    run = {"steps": args.steps, "lr": args.lr, "clip": args.clip, "data": args.data}
+    run = {"steps": args.steps, "lr": args.lr, "clip": args.clip, "data": args.data,
+           "action_timeout": args.action_timeout}
     if args.plan is not None:
         given = [k for k in _PLAN_FIXES if getattr(args, k) != getattr(defaults, k)]
         if given:
@@ -787,6 +793,9 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
     for label in ("steps", "batch", "seq", "hidden", "heads"):
         if getattr(args, label) < 1:
             raise ConfigError(f"--{label} must be at least 1 (got {getattr(args, label)})")
+    if not (math.isfinite(args.action_timeout) and 0 < args.action_timeout <= 86400):
+        raise ConfigError(f"--action-timeout is in seconds: a number > 0 and at most a day, such as 20 or 120 (got "
+                          f"{args.action_timeout:g})")
     for label, path in (("trace", args.trace), ("plot", args.plot)):
         if path:
             from pipefold.files import check_writable
@@ -817,7 +826,7 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
                              memory_budget=None if args.memory_budget is None else parse_bytes(args.memory_budget),
                              network=args.network, netns=args.netns, adapt_every=args.adapt_every,
                              fill_bubbles=args.fill_bubbles, damping=args.damping, ema=args.ema, dp=args.dp,
-                             zero1=args.zero1)
+                             zero1=args.zero1, action_timeout=args.action_timeout)
     if args.adapt_every < 1:
         raise ConfigError(f"--adapt-every must be at least 1 (got {args.adapt_every})")
     if (args.network or args.netns) and (args.plan is not None or args.schedule == "auto"):
@@ -1258,6 +1267,24 @@ def cmd_partition(args: argparse.Namespace, console: Console) -> None:
                   f"peak {format_bytes(split.peak_bytes)}; boundaries {split.boundaries}")
 
 
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM ends a command as SIGINT does (an exception, so that what it started is cleaned up), where this is
+    the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise Interrupted(signum)
+
+    before = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 COMMANDS = {"schedules": cmd_schedules, "simulate": cmd_simulate, "compare": cmd_compare,
             "generate": cmd_generate, "plan": cmd_plan, "profile": cmd_profile, "validate": cmd_validate,
             "train": cmd_train, "pipefisher": cmd_pipefisher,
@@ -1268,7 +1295,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console = Console(soft_wrap=True)
     try:
-        COMMANDS[args.command](args, console)
+        with _sigterm_interrupts():
+            COMMANDS[args.command](args, console)
+    except KeyboardInterrupt as exc:
+        # SIGINT or SIGTERM: the launcher has stopped its ranks (and says how many); one line, the shell's code.
+        what = exc if isinstance(exc, Interrupted) else Interrupted(signal.SIGINT)
+        print(f"pipefold {args.command}: {what}", file=sys.stderr)
+        return what.exit_code
     except ScheduleError as exc:
         print(f"pipefold {args.command}: error: {exc.message}", file=sys.stderr)
         if exc.report:

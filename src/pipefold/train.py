@@ -36,8 +36,10 @@ from pipefold.runtime.launch import (
     leave_group,
     run_local,
     run_torchrun,
+    torchrun_activity,
 )
 from pipefold.runtime.stage import Chain
+from pipefold.runtime.watch import DEFAULT_ACTION_TIMEOUT
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,6 +103,9 @@ class TrainConfig:
     """K-FAC's damping (optimizer 'kfac'); see docs/pipefisher.md for the values tried on the GPT."""
     ema: float = 0.9
     """K-FAC's running-average decay of the factors (optimizer 'kfac')."""
+    action_timeout: float = DEFAULT_ACTION_TIMEOUT
+    """Seconds an action may run (or a rank wait for one that makes no progress) before the job is taken as hung
+    and stopped, naming the rank (see :mod:`pipefold.runtime.watch`)."""
 
 
 ADAPTIVE = "adaptive-kfkb"
@@ -232,7 +237,7 @@ def make_job(config: TrainConfig, *, save_grads_of_step: int | None = None,
                batch_at=batch_at, steps=config.steps, lr=config.lr, optimizer=config.optimizer, clip=config.clip,
                save_grads_of_step=save_grads_of_step, offload=config.offload, recompute=recompute, extra=extra,
                network=network, adaptive=adaptive, cycle=cycle, kfac=kfac, refill=refill, dp=config.dp,
-               zero1=config.zero1)
+               zero1=config.zero1, action_timeout_s=config.action_timeout)
 
 
 def _kfac_cycle(config: TrainConfig, schedule: Schedule, layer_stages: tuple[tuple[int, ...], ...],
@@ -384,11 +389,16 @@ def train_torchrun(config: TrainConfig, *, check: bool = False,
     Rank 0 measures and decides the split, the recomputation and K-FAC's placement; the others take its
     decisions (measured times differ from process to process, and every rank must run the same steps).
     """
-    rank, _ = join_torchrun_group()
+    if not (math.isfinite(config.action_timeout) and 0 < config.action_timeout <= 86400):
+        raise ConfigError(f"--action-timeout is in seconds: a number > 0 and at most a day (got "
+                          f"{config.action_timeout})")
+    rank, _ = join_torchrun_group(config.action_timeout)
+    activity = torchrun_activity()
     grads_step = 0 if check else None
     job = None
     failure: Exception | None = None
     if rank == 0:
+        activity.run("preparing the job (measuring the model)", action=False)
         try:
             job = make_job(config, save_grads_of_step=grads_step)
             message: tuple[str, Any] = ("ok", ((job.layer_stages, job.extra.get("recompute")),
@@ -399,6 +409,7 @@ def train_torchrun(config: TrainConfig, *, check: bool = False,
             failure, message = exc, ("crash", f"{type(exc).__name__}: {exc}")
         message = agree(message)
     else:
+        activity.wait("preparing the job", "rank 0's split of the model", (0,), action=False)
         message = agree(None)
     status, payload = message
     if status != "ok":
