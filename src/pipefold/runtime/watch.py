@@ -283,6 +283,7 @@ def find_hang(snaps: Mapping[int, Snapshot | None], ages: Mapping[int, float], f
         return Hang(r, f"rank {r} hung in {at}: {frozen[r]}{tail}")
     for start in sorted(snaps):
         path = [start]
+        cycle: list[int] = []
         while True:
             s = snaps[path[-1]]
             if s is None or s.done or not s.waits:
@@ -292,15 +293,19 @@ def find_hang(snaps: Mapping[int, Snapshot | None], ages: Mapping[int, float], f
                 break
             if nxt in path:  # a cycle: each waits for the next
                 cycle = path[path.index(nxt):]
-                if all(ages[c] > limit(snaps[c], timeout) for c in cycle):
-                    first = max(cycle, key=lambda c: ages[c])  # the one that has waited longest started it
-                    return Hang(first, _waiting_line(first, snaps, ages, timeout))
                 break
             path.append(nxt)
-        end = path[-1]
-        s = snaps[end]
-        if s is not None and s.done:
+        if cycle:
+            if all(ages[c] > limit(snaps[c], timeout) for c in cycle):
+                first = max(cycle, key=lambda c: ages[c])  # the one that has waited longest started it
+                return Hang(first, _waiting_line(first, snaps, ages, timeout))
             continue
+        end = path[-1]
+        if (last := snaps[end]) is not None and last.done:
+            if len(path) == 1:
+                continue
+            end = path[-2]  # it waits for a rank that has finished: nobody will answer
+        s = snaps[end]
         if ages[end] <= limit(s, timeout):
             continue
         if s is None:
@@ -316,9 +321,9 @@ def _waiting_line(rank: int, snaps: Mapping[int, Snapshot | None], ages: Mapping
     s = snaps[rank]
     assert s is not None
     peers = [r for r in s.waits if r != rank]
-    source = f" from {_ranks(peers)}" if peers and len(peers) <= 4 else ""
-    return (f"rank {rank} hung in {s.at()}: waiting for {s.what or 'its peers'}{source} for {ages[rank]:.0f} s "
-            f"(action timeout {timeout:g} s)")
+    whom = _ranks(peers) if peers and len(peers) <= 4 else "its peers"
+    what = f"{s.what} from {whom}" if s.what else whom
+    return f"rank {rank} hung in {s.at()}: waiting for {what} for {ages[rank]:.0f} s (action timeout {timeout:g} s)"
 
 
 def process_state(pid: int) -> str | None:
