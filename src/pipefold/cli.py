@@ -893,7 +893,7 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
     out = _train_summary(job, reports, config, predicted, cycle_peaks)
     if job.dp > 1:
         out["dp"] = job.dp
-        out["loss"] = [statistics.mean(v for r in everyone for v in r.steps[i].losses.values())
+        out["loss"] = [sum(r.steps.loss_sum[i] for r in everyone) / sum(r.steps.loss_count[i] for r in everyone)
                        for i in range(len(reports[0].steps))]
     if job.adaptive is not None or config.network is not None:
         out["per_step"] = per_step(reports)
@@ -958,7 +958,7 @@ def _kfac_summary(filled: Any, reports: list[Any], config: Any) -> dict[str, Any
     from pipefold.runtime.measure import measured_summary
 
     meas = measured_summary(reports)
-    walls = [max(r.steps[i].wall for r in reports) for i in range(len(reports[0].steps))]
+    walls = [max(r.steps.wall[i] for r in reports) for i in range(len(reports[0].steps))]
     placed = [(0, filled), *(d for r in reports if r.rank == 0 for d in r.decisions)]
     per_step = []
     for i, w in enumerate(walls):
@@ -1066,17 +1066,15 @@ def _parse_offload(text: str) -> tuple[int, int]:
 def _train_summary(job: Any, reports: list[Any], config: Any, predicted: Any,
                    peaks: list[float] | None = None) -> dict[str, Any]:
     steps = len(reports[0].steps)
-    losses = [sum(sum(r.steps[i].losses.values()) for r in reports) / job.schedule.microbatches
-              for i in range(steps)]
-    step_time = [max(r.steps[i].wall for r in reports) for i in range(steps)]
+    losses = [sum(r.steps.loss_sum[i] for r in reports) / job.schedule.microbatches for i in range(steps)]
+    step_time = [max(r.steps.wall[i] for r in reports) for i in range(steps)]
     return {
         "schedule": job.schedule.name, "options": dict(job.schedule.options), "devices": job.schedule.devices,
         "stages": job.schedule.stages, "microbatches": job.schedule.microbatches, "model": config.model,
         "layers": job.extra["num_layers"], "partition": config.partition,
         "boundaries": [stage[0] for stage in job.layer_stages], "loss": losses, "step_time_s": step_time,
-        "busy_s": [sum(s.busy for s in r.steps[1:] or r.steps) / max(1, len(r.steps[1:] or r.steps))
-                   for r in reports],
-        "peak_activation_bytes": [max(s.peak_activation_bytes for s in r.steps) for r in reports],
+        "busy_s": [statistics.fmean(r.steps.busy[1:] or r.steps.busy) for r in reports],
+        "peak_activation_bytes": [r.steps.peak_activation_bytes for r in reports],
         "predicted_peak_bytes": [round(x) for x in (predicted.peak_memory if peaks is None else peaks)],
         "predicted_step_s": predicted.makespan,
         "batch_bytes": [r.steps[-1].batch_bytes for r in reports],

@@ -16,6 +16,7 @@ SIGINT and SIGTERM to the spawning parent stop every rank (:class:`Interrupted`)
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 import json
@@ -42,6 +43,7 @@ from torch import nn
 from pipefold.errors import ConfigError, Interrupted
 from pipefold.ir import Kind, Schedule
 from pipefold.runtime.executor import RankExecutor, StepStats
+from pipefold.runtime.history import KEEP_FIRST, StepHistory
 from pipefold.runtime.stage import Chain
 from pipefold.runtime.watch import (
     DEFAULT_ACTION_TIMEOUT,
@@ -117,6 +119,10 @@ class Job:
     action_timeout_s: float = DEFAULT_ACTION_TIMEOUT
     """Seconds an action (or a phase between actions) may run before the job is taken as hung and stopped, naming
     the rank (see :mod:`pipefold.runtime.watch`); the process group's timeout is this plus a margin."""
+    keep_steps: int = KEEP_FIRST
+    """Each rank keeps the full record of its first ``keep_steps`` steps (their timelines: ``--trace``), of the
+    last one and of those it is asked to check; of every other step a few numbers (:mod:`pipefold.runtime.history`),
+    so that its memory stays flat over a long run."""
     log_messages: bool = False
     verify_memory_step: int | None = None
     """Measure this step's memory a second way too, with torch's own tracker (see ``_tracked_step``)."""
@@ -151,6 +157,9 @@ class Job:
         # Checked here, in the launcher, so that a bad value is one line before any rank starts.
         if self.steps < 1:
             raise ConfigError(f"steps must be at least 1 (got {self.steps})")
+        if self.keep_steps < 1:
+            raise ConfigError(f"keep_steps is how many first steps each rank keeps in full: at least 1 (got "
+                              f"{self.keep_steps})")
         if not (math.isfinite(self.action_timeout_s) and 0 < self.action_timeout_s <= 86400):
             raise ConfigError(f"the action timeout is in seconds: a number > 0 and at most a day (got "
                               f"{self.action_timeout_s})")
@@ -227,7 +236,9 @@ class RankReport:
     """What one rank sends back to the launcher."""
 
     rank: int
-    steps: list[StepStats]
+    steps: StepHistory
+    """Every step's numbers (losses, times, peak bytes: its columns) and the full records of some steps (the
+    first ``Job.keep_steps``, the last, and those ``--check`` or a memory check need), by step number."""
     grads: dict[str, torch.Tensor] | None
     peak_process_bytes: int
     resident_param_bytes: int = 0
@@ -371,7 +382,11 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     executor = executor_for(current)
     params = executor.parameters()
     opt = None if in_schedule else _optimizer(job, params, dp_group)
-    reports: list[StepStats] = []
+    keep = {s for s in (job.save_grads_of_step, job.verify_memory_step) if s is not None}
+    history = StepHistory(job.keep_steps, keep)  # every step's numbers; in full only the steps that need it
+    # What refilling K-FAC's placement and adapting the schedule learn from: their own windows of full records.
+    learning: list[StepStats] = []
+    recent: collections.deque[StepStats] = collections.deque(maxlen=job.adaptive.every if job.adaptive else 1)
     grads = None
     m = job.schedule.microbatches
     loss_rank = job.schedule.holders(job.schedule.stages - 1)[0]
@@ -414,13 +429,18 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
             opt.step()
         activity.run("the step's report", action=False)
         stats.schedule, stats.predicted = _spec(choices[current]), predicted
-        reports.append(stats)
+        history.add(stats)
+        if job.refill is not None and 1 <= step < job.refill.after:
+            learning.append(stats)
+        if job.adaptive is not None:
+            recent.append(stats)
         if on_step is not None and rank == loss_rank and pipeline == 0:
             on_step(step, sum(stats.losses.values()) / len(stats.losses), time.perf_counter() - started)
         if job.refill is not None and step + 1 == job.refill.after and step + 1 < job.steps:
             ran = [choices[(i - cycle_from) % len(choices)] for i in range(1, step + 1)]
             activity.wait("placing K-FAC's work again", "every rank's times", everyone, action=False)
-            filled = _refill(job.refill, reports[1:], ran, rank, world)
+            filled = _refill(job.refill, learning, ran, rank, world)
+            learning.clear()
             choices, cycle_from = filled.cycle, step + 1
             for each in executors.values():
                 each.close()
@@ -430,7 +450,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
         adaptive = job.adaptive
         if adaptive is not None and (step + 1) % adaptive.every == 0 and step + 1 < job.steps:
             optimizers = [o for o in (opt, *stage_opts.values()) if o is not None]
-            summary = adaptive.summarize(reports[-adaptive.every:], _static_bytes(params, optimizers))
+            summary = adaptive.summarize(list(recent), _static_bytes(params, optimizers))
             activity.wait("choosing the next schedule", "every rank's summary", everyone, action=False)
             gathered: list[Any] = [None] * world if rank == 0 else []
             dist.gather_object(summary, gathered if rank == 0 else None, dst=0)
@@ -445,7 +465,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     weights = {name: p.detach().clone() for name, p in _named(job, chains)} if job.save_weights else None
     optimizers = [o for o in (opt, *stage_opts.values()) if o is not None]
     static = _static_bytes(params, optimizers) + (work.state_bytes() if work is not None else 0)
-    report = RankReport(global_rank, reports, grads, _peak_rss(), resident, weights, static,
+    report = RankReport(global_rank, history, grads, _peak_rss(), resident, weights, static,
                         decisions, pipeline)
     if out_dir is not None:
         with open(Path(out_dir) / f"rank{global_rank}.pkl", "wb") as fh:
