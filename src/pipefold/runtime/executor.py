@@ -461,7 +461,7 @@ class RankExecutor:
         elif action.kind == Kind.DP:
             start = clock()
             if s in self._reductions:
-                self.activity.wait(where, f"the all-reduce of stage {s}", self._group_ranks[s])
+                self.activity.wait(where, f"the all-reduce of stage {s}", self._group_ranks.get(s, ()))
             for work in self._reductions.pop(s, ()):
                 work.wait()  # the all-reduce between replicas first: both write the same gradients
             self.activity.resume(where)

@@ -731,33 +731,62 @@ def run_local(job: Job, on_step: Callable[[int, float, float], None] | None = No
     :class:`Interrupted`; the ranks' temporary files are removed either way.
     """
     world = job.dp * job.schedule.devices
-    with _signals_interrupt():
-        return _run_spawned(job, world, on_step)
+    with _Signals() as signals:
+        return _run_spawned(job, world, on_step, signals)
 
 
-@contextlib.contextmanager
-def _signals_interrupt() -> Iterator[None]:
-    """SIGINT and SIGTERM raise :class:`Interrupted` (once) while the job runs, where this is the main thread."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    raised = False
+class _Signals:
+    """While entered (in the main thread): SIGINT and SIGTERM raise :class:`Interrupted`, once; inside
+    :meth:`held` they wait until it ends, so that the ranks being started are all known and can be stopped.
 
-    def handler(signum: int, frame: Any) -> None:
-        nonlocal raised
-        if not raised:  # a second signal while the ranks are being stopped changes nothing
-            raised = True
-            raise Interrupted(signum)
+    Inside :meth:`held` SIGINT is also blocked, not only deferred: the fork server (started by the first job)
+    and the ranks inherit the blocked signal, so that Ctrl-C in a terminal, which reaches every process of the
+    group, cannot end them while they import torch or unpickle the job, with a traceback each; the launcher
+    alone acts on it.
+    """
 
-    before = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, old in before.items():
+    def __init__(self) -> None:
+        self.pending: int | None = None
+        self.holding = self.raised = False
+        self._before: dict[int, Any] = {}
+
+    def __enter__(self) -> _Signals:
+        if threading.current_thread() is threading.main_thread():
+            self._before = {sig: signal.signal(sig, self._handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, old in self._before.items():
             signal.signal(sig, old)
 
+    def _handler(self, signum: int, frame: Any) -> None:
+        if self.raised:
+            return  # a second signal while the ranks are being stopped changes nothing
+        if self.holding:
+            self.pending = signum
+            return
+        self.raised = True
+        raise Interrupted(signum)
 
-def _run_spawned(job: Job, world: int, on_step: Callable[[int, float, float], None] | None) -> list[RankReport]:
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        block = bool(self._before) and hasattr(signal, "pthread_sigmask")
+        if block:
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        self.holding = True
+        try:
+            yield
+        finally:
+            if block:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # one that came is handled now
+            self.holding = False
+        if self.pending is not None and not self.raised:
+            self.raised = True
+            raise Interrupted(self.pending)
+
+
+def _run_spawned(job: Job, world: int, on_step: Callable[[int, float, float], None] | None,
+                 signals: _Signals) -> list[RankReport]:
     ctx = process_context()
     queue = ctx.SimpleQueue()
     board = SharedBoard(ctx, world)
@@ -766,12 +795,13 @@ def _run_spawned(job: Job, world: int, on_step: Callable[[int, float, float], No
         ranks: list[Any] = []
         try:
             port = free_port()
-            for rank in range(world):
-                proc = ctx.Process(target=_spawned, args=(rank, job, world, port, out_dir, queue, board, lifeline),
-                                   name=f"pipefold-rank-{rank}")
-                proc.start()
-                ranks.append(proc)
-            lifeline.close()
+            with signals.held():  # a signal now would leave a rank half started, unknown to us
+                for rank in range(world):
+                    proc = ctx.Process(target=_spawned, args=(rank, job, world, port, out_dir, queue, board,
+                                                              lifeline), name=f"pipefold-rank-{rank}")
+                    proc.start()
+                    ranks.append(proc)
+                lifeline.close()
             _supervise(job, ranks, queue, board, Path(out_dir), on_step)
         except Interrupted as exc:
             raise Interrupted(exc.signum, _stop(ranks)) from None
