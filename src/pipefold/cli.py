@@ -284,7 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--check", action="store_true",
                    help="also run one process with the same model and data; print the largest differences")
-    p.add_argument("--trace", metavar="FILE", help="write the measured per-rank timeline as Chrome trace JSON")
+    p.add_argument("--trace", metavar="FILE", help="write the measured per-rank timeline as Chrome trace JSON (the "
+                                                   "first 20 steps and the last)")
     p.add_argument("--plot", metavar="FILE", help="draw the measured Gantt chart above the one simulated from the "
                                                   "run's own costs, and both memory curves")
     p.add_argument("--partition", choices=["time", "params", "memory", "even"], default="time",
