@@ -59,9 +59,9 @@ def run(schedule: str, network: str, mode: str, steps: int) -> dict[str, Any]:
     job, reports = train(config)
     first = min(r.steps[0].started_at for r in reports)
     last = max(r.steps[-1].started_at + r.steps[-1].wall for r in reports)
-    ran = [st.schedule for st in reports[0].steps]
+    ran = [reports[0].steps.schedule(i) for i in range(len(reports[0].steps))]
     out = {"schedule": schedule, "mean_step_s": (last - first) / steps, "wall_s": time.time() - started,
-           "ks": ran, "step_s": [max(r.steps[i].wall for r in reports) for i in range(steps)]}
+           "ks": ran, "step_s": [max(r.steps.wall[i] for r in reports) for i in range(steps)]}
     if job.adaptive is not None:
         out["decisions"] = [{"from_step": f, "k": d.k, "reason": d.reason,
                              "slowest_link_Bps": min(d.bandwidth.values(), default=None),

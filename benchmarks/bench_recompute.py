@@ -39,7 +39,7 @@ def main() -> None:
         extra = {"memory_budget": budget} if mode == "auto" else {}
         job, reports = train(TrainConfig(**base, recompute=mode, **extra))  # type: ignore[arg-type]
         plan = job.extra.get("recompute") or none_plan
-        saved = [max(s.peak_activation_bytes for s in r.steps) for r in reports]
+        saved = [r.steps.peak_activation_bytes for r in reports]
         steps = [max(r.steps[i].wall for r in reports) for i in range(1, args.steps)]
         rows[mode] = {"layers": list(plan.layers), "peak_bytes": [st + sv for st, sv in zip(plan.static, saved,
                                                                                               strict=True)],

@@ -28,7 +28,6 @@ with the step within 5% of plain 1F1B; loss against wall time no worse than Adam
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -58,7 +57,7 @@ def run(way: str, steps: int, lr: float, damping: float, ema: float) -> dict[str
     # K-FAC in the bubbles is placed again from the ranks' own times after its first cycle: measured from then on
     # (measured_summary leaves out the first step it is given, here the one before the new placement).
     first = max((f for r in reports if r.rank == 0 for f, _ in r.decisions), default=1)
-    meas = measured_summary([dataclasses.replace(r, steps=r.steps[first - 1:]) for r in reports])
+    meas = measured_summary(reports, warmup=first)
     out: dict[str, Any] = {"way": way, "lr": lr, "step_s": meas["step_time_s"],
                            "utilization": 1.0 - meas["bubble_ratio"], "cpu_utilization": meas["cpu_utilization"],
                            "losses": losses, "step_seconds": seconds,

@@ -91,7 +91,7 @@ def _run_pipefold(pair: _Pair, steps: int) -> _Run:
         _, reports = train(config)
     except (RankError, RuntimeError, ValueError) as exc:
         return _Run(error=_one_line(exc))
-    walls = [max(r.steps[i].wall for r in reports) for i in range(steps)]
+    walls = [max(r.steps.wall[i] for r in reports) for i in range(steps)]
     first_loss = sum(sum(r.steps[0].losses.values()) for r in reports) / MICROBATCHES
     return _Run(walls, first_loss)
 

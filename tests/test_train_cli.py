@@ -51,6 +51,9 @@ def test_train_table(capsys: pytest.CaptureFixture[str]) -> None:
         (["--lr", "-1"], "the learning rate must be a finite number >= 0 (got -1.0)"),
         (["--lr", "nan"], "the learning rate must be a finite number >= 0 (got nan)"),
         (["--clip", "0"], "clip is the largest global gradient norm (--clip): a number > 0 (got 0.0)"),
+        (["--action-timeout", "0"], "--action-timeout is in seconds: a number > 0 and at most a day"),
+        (["--action-timeout", "nan"], "--action-timeout is in seconds: a number > 0 and at most a day"),
+        (["--action-timeout", "1e9"], "--action-timeout is in seconds: a number > 0 and at most a day"),
     ],
 )
 def test_train_user_errors(capsys: pytest.CaptureFixture[str], argv: list[str], expected: str) -> None:

@@ -7,8 +7,10 @@ import contextlib
 import dataclasses
 import math
 import os
+import signal
 import statistics
 import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
@@ -16,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pipefold import interop, jsonout, schedules
-from pipefold.errors import ConfigError, PipefoldError, ScheduleError
+from pipefold.errors import ConfigError, Interrupted, PipefoldError, ScheduleError
 from pipefold.ir import Schedule
 from pipefold.plan import PlanResult, one_f_one_b_peak, parse_budget, parse_spec, plan
 from pipefold.simulate import CostModel, SimResult, StageOverride, simulate
@@ -307,7 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--check", action="store_true",
                    help="also run one process with the same model and data; print the largest differences")
-    p.add_argument("--trace", metavar="FILE", help="write the measured per-rank timeline as Chrome trace JSON")
+    p.add_argument("--trace", metavar="FILE", help="write the measured per-rank timeline as Chrome trace JSON (the "
+                                                   "first 20 steps and the last)")
     p.add_argument("--plot", metavar="FILE", help="draw the measured Gantt chart above the one simulated from the "
                                                   "run's own costs, and both memory curves")
     p.add_argument("--partition", choices=["time", "params", "memory", "even"], default="time",
@@ -354,6 +357,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-bad-steps", type=int, default=3, metavar="K",
                    help="a step whose loss or gradients are NaN or inf is skipped with a warning; stop after K "
                         "such steps in a row (default 3)")
+    p.add_argument("--action-timeout", type=float, default=20.0, metavar="SECONDS",
+                   help="stop the job, naming the rank, when an action runs this long or a rank waits this long "
+                        "for one that makes no progress, or stops responding (default 20)")
     _add_output(p)
 
     p = sub.add_parser("validate", help="check schedule files (or generated schedules) and report the first problem")
@@ -814,7 +820,8 @@ def _planned_run(args: argparse.Namespace, console: Console) -> tuple[Any, Any, 
     from pipefold.train import from_plan
 
     defaults = build_parser().parse_args(["train"])
-    run = {"steps": args.steps, "lr": args.lr, "clip": args.clip, "data": args.data, **_reliability(args)}
+    run = {"steps": args.steps, "lr": args.lr, "clip": args.clip, "data": args.data, **_reliability(args),
+           "action_timeout": args.action_timeout}
     if args.plan is not None:
         given = [k for k in _PLAN_FIXES if getattr(args, k) != getattr(defaults, k)]
         if given:
@@ -875,6 +882,9 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
                           "with --resume")
     if args.checkpoint_every is not None and args.checkpoint_every < 1:
         raise ConfigError(f"--checkpoint-every must be at least 1 (got {args.checkpoint_every})")
+    if not (math.isfinite(args.action_timeout) and 0 < args.action_timeout <= 86400):
+        raise ConfigError(f"--action-timeout is in seconds: a number > 0 and at most a day, such as 20 or 120 (got "
+                          f"{args.action_timeout:g})")
     plan: dict[str, Any] | None = None
     decided = None
     if args.plan is not None or args.schedule == "auto":
@@ -901,7 +911,8 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
                              memory_budget=None if args.memory_budget is None else parse_bytes(args.memory_budget),
                              network=args.network, netns=args.netns, adapt_every=args.adapt_every,
                              fill_bubbles=args.fill_bubbles, damping=args.damping, ema=args.ema, dp=args.dp,
-                             zero1=args.zero1, fsdp=args.fsdp, **_reliability(args))
+                             zero1=args.zero1, fsdp=args.fsdp, action_timeout=args.action_timeout,
+                             **_reliability(args))
     if args.adapt_every < 1:
         raise ConfigError(f"--adapt-every must be at least 1 (got {args.adapt_every})")
     if (args.network or args.netns) and (args.plan is not None or args.schedule == "auto"):
@@ -974,8 +985,8 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
     if job.dp > 1:
         out["dp"] = job.dp
         out["sharding"] = "fsdp" if job.fsdp else "zero1" if job.zero1 else "none"
-        out["loss"] = [_finite(statistics.mean(v for r in everyone for v in r.steps[i].losses.values()))
-                       for i in range(len(reports[0].steps))]
+        out["loss"] = [_finite(sum(r.steps.loss_sum[i] for r in everyone)
+                               / sum(r.steps.loss_count[i] for r in everyone)) for i in range(len(reports[0].steps))]
     if job.adaptive is not None or config.network is not None:
         out["per_step"] = per_step(reports)
         out["network"] = config.network
@@ -1039,7 +1050,7 @@ def _kfac_summary(filled: Any, reports: list[Any], config: Any) -> dict[str, Any
     from pipefold.runtime.measure import measured_summary
 
     meas = measured_summary(reports)
-    walls = [max(r.steps[i].wall for r in reports) for i in range(len(reports[0].steps))]
+    walls = [max(r.steps.wall[i] for r in reports) for i in range(len(reports[0].steps))]
     placed = [(0, filled), *(d for r in reports if r.rank == 0 for d in r.decisions)]
     per_step = []
     for i, w in enumerate(walls):
@@ -1153,19 +1164,17 @@ def _train_summary(job: Any, reports: list[Any], config: Any, predicted: Any,
                    peaks: list[float] | None = None) -> dict[str, Any]:
     steps = len(reports[0].steps)
     # A NaN or inf loss is null: its step is in skipped_steps.
-    losses = [_finite(sum(sum(r.steps[i].losses.values()) for r in reports) / job.schedule.microbatches)
-              for i in range(steps)]
+    losses = [_finite(sum(r.steps.loss_sum[i] for r in reports) / job.schedule.microbatches) for i in range(steps)]
     first = reports[0].first_step
     numbered = list(range(first, first + steps))
-    step_time = [max(r.steps[i].wall for r in reports) for i in range(steps)]
+    step_time = [max(r.steps.wall[i] for r in reports) for i in range(steps)]
     return {
         "schedule": job.schedule.name, "options": dict(job.schedule.options), "devices": job.schedule.devices,
         "stages": job.schedule.stages, "microbatches": job.schedule.microbatches, "model": config.model,
         "layers": job.extra["num_layers"], "partition": config.partition,
         "boundaries": [stage[0] for stage in job.layer_stages], "loss": losses, "step_time_s": step_time,
-        "busy_s": [sum(s.busy for s in r.steps[1:] or r.steps) / max(1, len(r.steps[1:] or r.steps))
-                   for r in reports],
-        "peak_activation_bytes": [max(s.peak_activation_bytes for s in r.steps) for r in reports],
+        "busy_s": [statistics.fmean(r.steps.busy[1:] or r.steps.busy) for r in reports],
+        "peak_activation_bytes": [r.steps.peak_activation_bytes for r in reports],
         "predicted_peak_bytes": [round(x) for x in (predicted.peak_memory if peaks is None else peaks)],
         "predicted_step_s": predicted.makespan,
         "batch_bytes": [r.steps[-1].batch_bytes for r in reports],
@@ -1383,6 +1392,24 @@ def cmd_partition(args: argparse.Namespace, console: Console) -> None:
                   f"peak {format_bytes(split.peak_bytes)}; boundaries {split.boundaries}")
 
 
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM ends a command as SIGINT does (an exception, so that what it started is cleaned up), where this is
+    the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise Interrupted(signum)
+
+    before = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 COMMANDS = {"schedules": cmd_schedules, "simulate": cmd_simulate, "compare": cmd_compare,
             "generate": cmd_generate, "plan": cmd_plan, "profile": cmd_profile, "validate": cmd_validate,
             "train": cmd_train, "pipefisher": cmd_pipefisher,
@@ -1397,7 +1424,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.layers = args.default_layers
     console = Console(soft_wrap=True)
     try:
-        COMMANDS[args.command](args, console)
+        with _sigterm_interrupts():
+            COMMANDS[args.command](args, console)
+    except KeyboardInterrupt as exc:
+        # SIGINT or SIGTERM: the launcher has stopped its ranks (and says how many); one line, the shell's code.
+        what = exc if isinstance(exc, Interrupted) else Interrupted(signal.SIGINT)
+        print(f"pipefold {args.command}: {what}", file=sys.stderr)
+        return what.exit_code
     except ScheduleError as exc:
         print(f"pipefold {args.command}: error: {exc.message}", file=sys.stderr)
         if exc.report:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+
 
 class PipefoldError(ValueError):
     """Base class: a problem with the user's input, reported as one clear line."""
@@ -28,3 +30,18 @@ class ScheduleError(PipefoldError):
 
     def __str__(self) -> str:
         return f"{self.message}\n{self.report}" if self.report else self.message
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM ended a command; a launcher stopped its ranks first (``stopped``, when it had any).
+    ``str()`` says so in one line."""
+
+    def __init__(self, signum: int, stopped: int | None = None) -> None:
+        self.signum, self.stopped = int(signum), stopped
+        ranks = "" if stopped is None else f"; stopped {stopped} rank{'s' if stopped != 1 else ''}"
+        super().__init__(f"interrupted ({signal.Signals(signum).name}){ranks}")
+
+    @property
+    def exit_code(self) -> int:
+        """What a shell expects of a process ended by the signal: 128 + its number (130, 143)."""
+        return 128 + self.signum

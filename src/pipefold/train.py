@@ -35,8 +35,10 @@ from pipefold.runtime.launch import (
     leave_group,
     run_local,
     run_torchrun,
+    torchrun_activity,
 )
 from pipefold.runtime.stage import Chain, split_batch
+from pipefold.runtime.watch import DEFAULT_ACTION_TIMEOUT
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,6 +122,9 @@ class TrainConfig:
     """Step the optimizer before the global NaN/inf and norm check completes; roll back when it fails."""
     max_bad_steps: int = 3
     """Stop after this many steps in a row with a NaN or inf loss or gradient (each one skipped)."""
+    action_timeout: float = DEFAULT_ACTION_TIMEOUT
+    """Seconds an action may run (or a rank wait for one that makes no progress) before the job is taken as hung
+    and stopped, naming the rank (see :mod:`pipefold.runtime.watch`)."""
 
 
 ADAPTIVE = "adaptive-kfkb"
@@ -254,7 +259,7 @@ def make_job(config: TrainConfig, *, save_grads_of_step: int | None = None,
                network=network, adaptive=adaptive, cycle=cycle, kfac=kfac, refill=refill, dp=config.dp,
                zero1=config.zero1, fsdp=config.fsdp, tied=model.tied, preload=model.preload,
                checkpoint=checkpointing, save_model=save_model, post_validate=config.post_validate,
-               max_bad_steps=config.max_bad_steps)
+               max_bad_steps=config.max_bad_steps, action_timeout_s=config.action_timeout)
 
 
 def check_size(config: TrainConfig, model: Model, schedule: Schedule, *, builds_model: bool = True) -> None:
@@ -464,11 +469,16 @@ def train_torchrun(config: TrainConfig, *, check: bool = False,
     Rank 0 measures and decides the split, the recomputation and K-FAC's placement; the others take its
     decisions (measured times differ from process to process, and every rank must run the same steps).
     """
-    rank, _ = join_torchrun_group()
+    if not (math.isfinite(config.action_timeout) and 0 < config.action_timeout <= 86400):
+        raise ConfigError(f"--action-timeout is in seconds: a number > 0 and at most a day (got "
+                          f"{config.action_timeout})")
+    rank, _ = join_torchrun_group(config.action_timeout)
+    activity = torchrun_activity()
     grads_step = 0 if check else None
     job = None
     failure: Exception | None = None
     if rank == 0:
+        activity.run("preparing the job (measuring the model)", action=False)
         try:
             job = make_job(config, save_grads_of_step=grads_step)
             message: tuple[str, Any] = ("ok", ((job.layer_stages, job.extra.get("recompute")),
@@ -479,6 +489,7 @@ def train_torchrun(config: TrainConfig, *, check: bool = False,
             failure, message = exc, ("crash", f"{type(exc).__name__}: {exc}")
         message = agree(message)
     else:
+        activity.wait("preparing the job", "rank 0's split of the model", (0,), action=False)
         message = agree(None)
     status, payload = message
     if status != "ok":

@@ -273,7 +273,7 @@ class Links:
             return
         if self.log is not None:
             self.log.append(("send", peer, tag))
-        outbox.post((_Deferred(t, self._rank_of(peer), tag, self._due(peer, nbytes)), (t,), nbytes, posted_at, tag))
+        outbox.post((_Deferred(t, self.rank_of(peer), tag, self._due(peer, nbytes)), (t,), nbytes, posted_at, tag))
 
     def _outbox(self, peer: int) -> _Outbox:
         if peer not in self.outboxes:
@@ -285,11 +285,12 @@ class Links:
         """Post one "send" or "recv" of ``t`` with ``peer``."""
         if self.log is not None:
             self.log.append((op, peer, tag))
-        work = (dist.isend if op == "send" else dist.irecv)(t, self._rank_of(peer), tag=tag)
+        work = (dist.isend if op == "send" else dist.irecv)(t, self.rank_of(peer), tag=tag)
         assert work is not None
         return work
 
-    def _rank_of(self, device: int) -> int:
+    def rank_of(self, device: int) -> int:
+        """The process-group rank of a pipeline device."""
         return device if self.ranks is None else self.ranks[device]
 
     def tag(self, direction: int, stage: int, microbatch: int, index: int) -> int:

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from pipefold.network import Network
 from pipefold.runtime.meter import MemoryMeter
 from pipefold.runtime.stage import StageRunner, Tensors
+from pipefold.runtime.watch import Activity
 
 LOOKAHEAD = 2  # actions whose receives are posted ahead of time: this one and the next
 _RUNS = (Kind.F, Kind.B, Kind.W, Kind.BW, Kind.R)
@@ -285,8 +286,10 @@ class RankExecutor:
                  timeout: float | None = None, optimizers: Mapping[int, Callable[[], Any]] | None = None,
                  network: Network | None = None, origin: float = 0.0, work: StepWork | None = None,
                  pipelines: Sequence[Sequence[int]] | None = None, pipeline: int = 0, dp_group: Any = None,
-                 sharded: bool = False) -> None:
+                 sharded: bool = False, activity: Activity | None = None) -> None:
         self.schedule, self.rank, self.device = schedule, rank, device
+        self.activity = activity if activity is not None else Activity(rank)
+        """What the rank is doing, for the job's watch (:mod:`pipefold.runtime.watch`): each action, each wait."""
         self.meter = MemoryMeter()
         last = schedule.stages - 1
         recompute = recompute or {}
@@ -345,6 +348,9 @@ class RankExecutor:
                         self._groups[s] = group
         self._reductions: dict[int, list[dist.Work]] = {}  # stage -> its all-reduce, until waited for
         self._gathers: dict[int, Any] = {}  # stage -> its parameters' all-gather (AG), until its first forward
+        self._group_ranks = {s: tuple(dist.get_process_group_ranks(g)) for s, g in self._groups.items()}
+        if dp_group is not None:
+            self._dp_ranks = tuple(dist.get_process_group_ranks(dp_group))
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for r in self.runners.values() for p in r.params]
@@ -388,9 +394,11 @@ class RankExecutor:
         def clock() -> float:
             return time.perf_counter() - t0
 
+        activity = self.activity
         for idx, action in enumerate(self.actions):
             for peer, counts in received.items():
                 if counts[idx] > settled[peer]:  # the schedule says these sends have arrived: let them go
+                    activity.wait(str(action), "the delivery of its sends", (self.links.rank_of(peer),))
                     self.links.settle(peer, counts[idx])
                     settled[peer] = counts[idx]
             for ahead in self.actions[idx:idx + LOOKAHEAD]:
@@ -402,13 +410,17 @@ class RankExecutor:
             if probe is not None:
                 probe()
         start = clock()
-        for works in self._reductions.values():
+        for s, works in self._reductions.items():
+            activity.wait("the end of the step", f"the all-reduce of stage {s}", self._reduce_ranks(s), action=False)
             for work in works:
                 work.wait()
         self._reductions.clear()
         stats.events.append(Event("wait all-reduce", "comm", start, clock()))
         start = clock()
+        activity.wait("the end of the step", "the delivery of its sends",
+                      tuple(self.links.rank_of(p) for p in self.links.outboxes), action=False)
         self.links.wait_sends()
+        activity.resume("the end of the step", action=False)
         stats.events.append(Event("wait sends", "send", start, clock()))
         stats.wall = clock()
         stats.cpu = time.process_time() - cpu0
@@ -435,6 +447,8 @@ class RankExecutor:
         S, M = self.schedule.stages, self.schedule.microbatches
         s, mb = action.stage, action.microbatch
         runner = self.runners[s]
+        where = str(action)
+        self.activity.run(where)
         if action.kind == Kind.F:
             x = inputs[mb] if s == 0 else self._take(FORWARD, action, local, clock, stats)
             if (gathering := self._gathers.pop(s, None)) is not None:
@@ -466,8 +480,11 @@ class RankExecutor:
             stats.events.append(Event(str(action), "R", start, clock()))
         elif action.kind == Kind.DP:
             start = clock()
+            if s in self._reductions:
+                self.activity.wait(where, f"the all-reduce of stage {s}", self._group_ranks.get(s, ()))
             for work in self._reductions.pop(s, ()):
                 work.wait()  # the all-reduce between replicas first: both write the same gradients
+            self.activity.resume(where)
             share = 1.0 / dist.get_world_size(self.dp_group)
             for p in runner.params:
                 if p.grad is None:
@@ -488,8 +505,11 @@ class RankExecutor:
             stats.events.append(Event(str(action), Kind.RS, start, clock()))
         elif action.kind == Kind.OPT:
             start = clock()
+            if s in self._reductions:
+                self.activity.wait(where, f"the all-reduce of stage {s}", self._reduce_ranks(s))
             for work in self._reductions.pop(s, ()):
                 work.wait()
+            self.activity.resume(where)
             self.optimizers[s]()
             stats.events.append(Event(str(action), "OPT", start, clock()))
         elif self.work is not None and action.kind in self.work.kinds:
@@ -569,10 +589,14 @@ class RankExecutor:
             return local.pop(key)
         inbox, msg = next(w for w in self._remote_messages(action) if w[1].direction == direction)
         start = clock()
+        where = str(action)
+        self.activity.wait(where, "an activation" if direction == FORWARD else "a gradient",
+                           (self.links.rank_of(inbox.src),))
         self._post_until(inbox, msg, block=True)
         pending = inbox.posted.pop(msg)
         for w in pending.works:
             w.wait()
+        self.activity.resume(where)
         stats.events.append(Event(f"recv {action}", "recv", start, clock()))
         return pending.tensors
 
@@ -591,6 +615,14 @@ class RankExecutor:
         self.links.send(direction, stage, mb, tensors, peer)
         size = sum(t.untyped_storage().nbytes() for t in tensors)
         stats.link_message_bytes[peer] = max(stats.link_message_bytes.get(peer, 0), size)
+
+    def _reduce_ranks(self, stage: int) -> tuple[int, ...]:
+        """The ranks of the all-reduce a stage waits for: across the data-parallel pipelines (after its DP action), or
+        among its replicas."""
+        if self.dp_group is not None and any(a.kind == Kind.DP and a.stage == stage for act in self.actions
+                                             for a in act.passes):
+            return self._dp_ranks
+        return self._group_ranks.get(stage, ())
 
     def close(self) -> None:
         """Stop the links' threads (every send has been delivered at the end of a step)."""

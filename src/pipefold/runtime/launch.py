@@ -7,21 +7,30 @@ machine (gloo on CPU, NCCL with CUDA); :func:`run_rank` is what each process
 runs, and is also the entry point under torchrun, which sets RANK,
 WORLD_SIZE, MASTER_ADDR and MASTER_PORT.
 
-An exception on any rank ends the job: the spawning parent terminates the
-other ranks and re-raises the original error with the rank that raised it.
+Any rank that raises, dies or hangs ends the job (:class:`RankError`, one line naming the rank and what it
+was doing): each rank publishes what it is doing (:mod:`pipefold.runtime.watch`), the spawning parent
+watches them all and decides which rank is to blame, then stops the others. Under torchrun each rank's
+heartbeat thread watches its own progress and, when it has waited too long, the others' in the job's store.
+SIGINT and SIGTERM to the spawning parent stop every rank (:class:`Interrupted`).
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import gc
-import logging
+import json
 import math
 import os
 import pickle
+import signal
 import socket
+import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable, Sequence
+import traceback
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -31,13 +40,31 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipefold.errors import ConfigError
+from pipefold.errors import ConfigError, Interrupted
 from pipefold.ir import Kind, Schedule
-from pipefold.runtime import sharding
+from pipefold.runtime import numerics, sharding
 from pipefold.runtime.executor import RankExecutor, StepStats
-from pipefold.runtime.numerics import Snapshot, clip_factor, local_check, scale_grads, verdict
+from pipefold.runtime.history import KEEP_FIRST, StepHistory
+from pipefold.runtime.numerics import clip_factor, local_check, scale_grads, verdict
 from pipefold.runtime.stage import Chain, Tensors, as_tuple, split_batch
 from pipefold.runtime.tied import TiedGrads, spans_stages, untie
+from pipefold.runtime.watch import (
+    DEFAULT_ACTION_TIMEOUT,
+    PERIOD,
+    Activity,
+    Heartbeat,
+    SharedBoard,
+    Snapshot,
+    StoreBoard,
+    die_with_parent,
+    exit_when_closed,
+    find_hang,
+    limit,
+    name_process,
+    pg_timeout,
+    process_state,
+    why_silent,
+)
 
 if TYPE_CHECKING:
     from pipefold.kfac import KFACConfig
@@ -49,11 +76,11 @@ if TYPE_CHECKING:
 
 
 class RankError(RuntimeError):
-    """A rank raised: ``str()`` is one line naming the rank and the original error; ``details`` its traceback."""
+    """A rank raised, died or hung: ``str()`` is one line naming the rank and what it was doing; ``details`` the
+    rank's traceback, where it raised."""
 
-    def __init__(self, rank: int, details: str) -> None:
-        lines = [line for line in details.strip().splitlines() if line.strip()]
-        super().__init__(f"rank {rank} failed: {lines[-1].strip() if lines else 'unknown error'}")
+    def __init__(self, rank: int, message: str, details: str = "") -> None:
+        super().__init__(message)
         self.rank = rank
         self.details = details
 
@@ -103,7 +130,13 @@ class Job:
     """(k, k'): every stage keeps at most k of its layers on the device (see pipefold.offload)."""
     recompute: tuple[int, ...] | None = None
     """For each stage, how many of its first layers recompute their activations in backward."""
-    timeout_s: float = 30.0
+    action_timeout_s: float = DEFAULT_ACTION_TIMEOUT
+    """Seconds an action (or a phase between actions) may run before the job is taken as hung and stopped, naming
+    the rank (see :mod:`pipefold.runtime.watch`); the process group's timeout is this plus a margin."""
+    keep_steps: int = KEEP_FIRST
+    """Each rank keeps the full record of its first ``keep_steps`` steps (their timelines: ``--trace``), of the
+    last one and of those it is asked to check; of every other step a few numbers (:mod:`pipefold.runtime.history`),
+    so that its memory stays flat over a long run."""
     log_messages: bool = False
     verify_memory_step: int | None = None
     """Measure this step's memory a second way too, with torch's own tracker (see ``_tracked_step``)."""
@@ -158,6 +191,12 @@ class Job:
         # Checked here, in the launcher, so that a bad value is one line before any rank starts.
         if self.steps < 1:
             raise ConfigError(f"steps must be at least 1 (got {self.steps})")
+        if self.keep_steps < 1:
+            raise ConfigError(f"keep_steps is how many first steps each rank keeps in full: at least 1 (got "
+                              f"{self.keep_steps})")
+        if not (math.isfinite(self.action_timeout_s) and 0 < self.action_timeout_s <= 86400):
+            raise ConfigError(f"the action timeout is in seconds: a number > 0 and at most a day (got "
+                              f"{self.action_timeout_s})")
         if not (math.isfinite(self.lr) and self.lr >= 0):
             raise ConfigError(f"the learning rate must be a finite number >= 0 (got {self.lr})")
         if self.clip is not None and not (math.isfinite(self.clip) and self.clip > 0):
@@ -270,7 +309,9 @@ class RankReport:
     """What one rank sends back to the launcher."""
 
     rank: int
-    steps: list[StepStats]
+    steps: StepHistory
+    """Every step's numbers (losses, times, peak bytes: its columns) and the full records of some steps (the
+    first ``Job.keep_steps``, the last, and those ``--check`` or a memory check need), by step number."""
     grads: dict[str, torch.Tensor] | None
     peak_process_bytes: int
     resident_param_bytes: int = 0
@@ -367,17 +408,24 @@ def _backend() -> str:
 
 
 def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
-             on_step: Callable[[int, float, float], None] | None = None) -> RankReport:
+             on_step: Callable[[int, float, float], None] | None = None,
+             activity: Activity | None = None) -> RankReport:
     """The body of one rank: build, train for ``job.steps`` steps, report.
 
     The rank that computes the loss calls ``on_step(step, loss, seconds)`` after every step (of the first
-    pipeline, with data parallelism: the loss of its shard).
+    pipeline, with data parallelism: the loss of its shard). ``activity`` is told what the rank is doing, for
+    the job's watch.
     """
     pipeline, rank = divmod(rank, job.schedule.devices)  # from here on ``rank`` is the device in the pipeline
     global_rank = pipeline * job.schedule.devices + rank
+    activity = activity if activity is not None else Activity(global_rank)
+    everyone = tuple(r for r in range(world) if r != global_rank)
     device = _device(global_rank)
+    if job.dp > 1:
+        activity.wait("start-up", "the device mesh", everyone, action=False)
     pipelines, dp_mesh = _mesh(job) if job.dp > 1 else (None, None)
     dp_group = dp_mesh.get_group() if dp_mesh is not None else None
+    activity.run("start-up (building its layers)", action=False)
     chains = stage_modules(job, rank)
     tied = TiedGrads(job.tied, job.schedule, job.layer_stages, rank, chains, device, pipelines, pipeline)
     offloaded: list[Offloaded] = []
@@ -398,9 +446,11 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     # all of this rank's parameters after the step.
     in_schedule = any(a.kind == Kind.OPT for row in job.schedule.actions for a in row)
     stage_opts = {s: _optimizer(job, trained[s]) for s in modules} if in_schedule else {}
-    stage_snaps: dict[int, Snapshot] = {}  # each stage's state before its OPT stepped, until the step is validated
+    # Each stage's state before its OPT stepped, until the step is validated.
+    stage_snaps: dict[int, numerics.Snapshot] = {}
     origin = job.origin
     if job.network is not None and origin is None:
+        activity.wait("start-up", "the network's start time", everyone, action=False)
         origin = float(agree(time.time()))  # the network's timeline starts now on every rank
     choices = job.adaptive.schedules if job.adaptive is not None else job.cycle or (job.schedule,)
     cycle_from = 0  # the step the cycle in ``choices`` started at
@@ -415,11 +465,14 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     def executor_for(index: int) -> RankExecutor:
         """The executor of schedule ``index``, made the first time it runs (same modules, same parameters)."""
         if index not in executors:
+            activity.wait("start-up" if activity.step < 0 else "a new schedule", "its process groups", everyone,
+                          action=False)
             executors[index] = RankExecutor(
                 choices[index], rank, modules, job.loss_fn, device, recompute=recompute,
-                log_messages=job.log_messages, timeout=job.timeout_s, network=job.network, origin=origin or 0.0,
+                log_messages=job.log_messages, timeout=pg_timeout(job.action_timeout_s), network=job.network,
+                origin=origin or 0.0,
                 optimizers={s: _speculative(s, o, modules[s], stage_snaps) for s, o in stage_opts.items()}, work=work,
-                pipelines=pipelines, pipeline=pipeline, dp_group=dp_group, sharded=job.fsdp)
+                pipelines=pipelines, pipeline=pipeline, dp_group=dp_group, sharded=job.fsdp, activity=activity)
         return executors[index]
 
     current, predicted = 0, None
@@ -429,7 +482,11 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
         trained = {s: r.params for s, r in executor.runners.items()}
     params = [p for ps in trained.values() for p in ps]
     opt = None if in_schedule else _optimizer(job, params, dp_group)
-    reports: list[StepStats] = []
+    keep = {s for s in (job.save_grads_of_step, job.verify_memory_step) if s is not None}
+    history = StepHistory(job.keep_steps, keep)  # every step's numbers; in full only the steps that need it
+    # What refilling K-FAC's placement and adapting the schedule learn from: their own windows of full records.
+    learning: list[StepStats] = []
+    recent: collections.deque[StepStats] = collections.deque(maxlen=job.adaptive.every if job.adaptive else 1)
     grads = None
     m = job.schedule.microbatches
     loss_rank = job.schedule.holders(job.schedule.stages - 1)[0]
@@ -457,6 +514,8 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
         if job.cycle:
             current = (step - cycle_from) % len(choices)
         executor = executor_for(current)
+        activity.step = step
+        activity.run("the batch", action=False)
         started = time.perf_counter()
         x, y = job.batch_at(step)
         if job.dp > 1:  # this pipeline's shard of the global batch
@@ -479,6 +538,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
         for wrapper in offloaded:
             wrapper.evict_all()  # every layer home, with its gradient, before the optimizer reads it
         tied.reduce()  # copies of a shared weight on several stages: each gets the sum of their gradients
+        activity.wait("the step's check", "the all-reduce of the gradient norm", everyone, action=False)
         _update(job, params, counted, opt, stage_opts, stage_snaps, stats, device)
         if stats.skipped and work is not None and before is not None:
             work.restore(before)
@@ -487,8 +547,13 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
             raw = work.raw_grads() if work is not None else {}
             grads = {name: sharding.full(raw.get(id(p), p.grad)).detach().clone() for name, p in _named(job, chains)
                      if p.grad is not None}
+        activity.run("the step's report", action=False)
         stats.schedule, stats.predicted = _spec(choices[current]), predicted
-        reports.append(stats)
+        history.add(stats)
+        if job.refill is not None and 1 <= step < job.refill.after:
+            learning.append(stats)
+        if job.adaptive is not None:
+            recent.append(stats)
         if on_step is not None and rank == loss_rank and pipeline == 0:
             on_step(step, sum(stats.losses.values()) / len(stats.losses), time.perf_counter() - started)
         if stats.skipped:
@@ -509,7 +574,9 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
             bad_run = 0
         if job.refill is not None and step + 1 == job.refill.after and step + 1 < job.steps:
             ran = [choices[(i - cycle_from) % len(choices)] for i in range(1, step + 1)]
-            filled = _refill(job.refill, reports[1:], ran, rank, world)
+            activity.wait("placing K-FAC's work again", "every rank's times", everyone, action=False)
+            filled = _refill(job.refill, learning, ran, rank, world)
+            learning.clear()
             choices, cycle_from = filled.cycle, step + 1
             for each in executors.values():
                 each.close()
@@ -518,7 +585,9 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
                 decisions.append((step + 1, filled))
         adaptive = job.adaptive
         if adaptive is not None and (step + 1) % adaptive.every == 0 and step + 1 < job.steps:
-            summary = adaptive.summarize(reports[-adaptive.every:], _static_bytes(params, optimizers))
+            optimizers = [o for o in (opt, *stage_opts.values()) if o is not None]
+            summary = adaptive.summarize(list(recent), _static_bytes(params, optimizers))
+            activity.wait("choosing the next schedule", "every rank's summary", everyone, action=False)
             gathered: list[Any] = [None] * world if rank == 0 else []
             dist.gather_object(summary, gathered if rank == 0 else None, dst=0)
             choice = adaptive.decide(current, gathered) if rank == 0 else None
@@ -532,6 +601,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
             saved.append(checkpoint.save(checkpointing, step + 1, model=state, optimizers=optimizers, names=names,
                                          progress={"step": step + 1, "schedule_index": current}, rank=global_rank,
                                          device=device, written=(lambda: os._exit(13)) if die else None))
+    activity.run("its report", action=False)
     for each in executors.values():
         each.close()
     if job.save_model is not None and stopped is None:
@@ -540,7 +610,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     weights = ({name: sharding.full(p.detach()).clone() for name, p in _named(job, chains)}
                if job.save_weights else None)
     static = _static_bytes(params, optimizers) + (work.state_bytes() if work is not None else 0)
-    report = RankReport(global_rank, reports, grads, _peak_rss(), resident, weights, static,
+    report = RankReport(global_rank, history, grads, _peak_rss(), resident, weights, static,
                         decisions, pipeline, first_step=start, resumed_from=resumed_from, skipped=skipped,
                         stopped=stopped, checkpoints=saved)
     if out_dir is not None:
@@ -756,21 +826,21 @@ def _nothing() -> None:
 
 
 def _speculative(stage: int, opt: torch.optim.Optimizer | None, module: nn.Module,
-                 snapshots: dict[int, Snapshot]) -> Callable[[], None]:
+                 snapshots: dict[int, numerics.Snapshot]) -> Callable[[], None]:
     """The step a schedule's OPT action of ``stage`` runs: a copy of the stage's state first, then the step, which
     the global check after the step validates (and rolls back with the copy when it fails)."""
     if opt is None:
         return _nothing
 
     def step() -> None:
-        snapshots[stage] = Snapshot(list(module.parameters()), [opt])
+        snapshots[stage] = numerics.Snapshot(list(module.parameters()), [opt])
         opt.step()
     return step
 
 
 def _update(job: Job, params: list[nn.Parameter], counted: list[nn.Parameter], opt: torch.optim.Optimizer | None,
-            stage_opts: dict[int, torch.optim.Optimizer | None], stage_snaps: dict[int, Snapshot], stats: StepStats,
-            device: torch.device) -> None:
+            stage_opts: dict[int, torch.optim.Optimizer | None], stage_snaps: dict[int, numerics.Snapshot],
+            stats: StepStats, device: torch.device) -> None:
     """After the step's passes: the global NaN/inf and norm check (one all-reduce), then the optimizer step,
     clipped, or skipped when the step is bad (see :mod:`pipefold.runtime.numerics`).
 
@@ -782,7 +852,7 @@ def _update(job: Job, params: list[nn.Parameter], counted: list[nn.Parameter], o
     speculative = None
     if opt is not None and job.post_validate:
         pending = dist.all_reduce(check, async_op=True)
-        speculative = Snapshot(params, [opt])
+        speculative = numerics.Snapshot(params, [opt])
         opt.step()  # while the check is in flight
         pending.wait()
     else:
@@ -834,22 +904,49 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _spawned(rank: int, job: Job, world: int, port: int, out_dir: str, progress: Any) -> None:
+def _spawned(rank: int, job: Job, world: int, port: int, out_dir: str, progress: Any, board: SharedBoard,
+             launcher: Any) -> None:
+    """One local rank. What it is doing goes to ``board`` for the launcher; an exception that ends it, to
+    ``error-RANK.json`` in ``out_dir`` (then it exits at once, with code 1: the launcher decides what to say).
+    ``launcher`` is the end of a pipe that closes when the launcher dies."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every process of the terminal: the launcher stops us
+    exit_when_closed(launcher)
+    name_process(f"pipefold-rank{rank}")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    host = "127.0.0.1"
-    if job.netns is not None:
-        from pipefold.runtime.netns import enter
-
-        enter(job.netns, rank)  # before any socket: the group's connections then cross the namespaces' links
-        host = job.netns.addresses[0]
-    torch.set_num_threads(1)
-    dist.init_process_group(_backend(), init_method=f"tcp://{host}:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=job.timeout_s))
+    activity = Activity(rank)
+    heartbeat = Heartbeat(activity, board).start()
+    others = tuple(r for r in range(world) if r != rank)
     try:
-        run_rank(job, rank, world, out_dir, on_step=lambda *a: progress.put(a))
+        host = "127.0.0.1"
+        if job.netns is not None:
+            from pipefold.runtime.netns import enter
+
+            enter(job.netns, rank)  # before any socket: the group's connections then cross the namespaces' links
+            host = job.netns.addresses[0]
+        torch.set_num_threads(1)
+        activity.wait("start-up", "the process group", others, action=False)
+        dist.init_process_group(_backend(), init_method=f"tcp://{host}:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=pg_timeout(job.action_timeout_s)))
+        run_rank(job, rank, world, out_dir, on_step=lambda *a: progress.put(a), activity=activity)
+        activity.wait("the end of the job", "every rank to finish", others, action=False)
         dist.barrier()
-    finally:
+        activity.finish()
+        heartbeat.beat()
         leave_group()
+    except BaseException as exc:  # noqa: BLE001 (reported to the launcher, which names the rank to blame)
+        _write_failure(Path(out_dir) / f"error-{rank}.json", exc, activity)
+        os._exit(1)
+    heartbeat.stop()
+
+
+def _write_failure(path: Path, exc: BaseException, activity: Activity) -> None:
+    details = "".join(traceback.format_exception(exc))
+    line = f"{type(exc).__name__}: {exc}".strip().splitlines()
+    record = {"line": line[0] if line else type(exc).__name__, "details": details, "time": time.time(),
+              "snapshot": activity.snapshot(0).to_json().decode()}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record), encoding="utf-8")
+    os.replace(tmp, path)  # the launcher reads a whole file or none
 
 
 def process_context(preload: Sequence[str] = ()) -> Any:
@@ -867,50 +964,97 @@ def process_context(preload: Sequence[str] = ()) -> Any:
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "pipefold.runtime.launch", "pipefold.train",
-                                "pipefold.profile", *preload])
+    # torch._dynamo: what making the first optimizer imports (some 800 modules, seconds per rank otherwise).
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "pipefold.runtime.launch",
+                                "pipefold.train", "pipefold.profile", *preload])
     return ctx
 
 
 def run_local(job: Job, on_step: Callable[[int, float, float], None] | None = None) -> list[RankReport]:
     """Spawn one process per device on this machine, run the job, and collect every rank's report.
 
-    ``on_step(step, loss, seconds)`` is called in this process as the steps complete. An exception
-    on any rank terminates the others and is raised here, naming the rank.
+    ``on_step(step, loss, seconds)`` is called in this process as the steps complete. A rank that raises, dies
+    or hangs (an action longer than ``job.action_timeout_s``) stops the others: :class:`RankError` names it and
+    what it was doing. SIGINT or SIGTERM (from the main thread's point of view) stops every rank and raises
+    :class:`Interrupted`; the ranks' temporary files are removed either way.
+    """
+    world = job.dp * job.schedule.devices
+    with _Signals() as signals:
+        return _run_spawned(job, world, on_step, signals)
+
+
+class _Signals:
+    """While entered (in the main thread): SIGINT and SIGTERM raise :class:`Interrupted`, once; inside
+    :meth:`held` they wait until it ends, so that the ranks being started are all known and can be stopped.
+
+    Inside :meth:`held` SIGINT is also blocked, not only deferred: the fork server (started by the first job)
+    and the ranks inherit the blocked signal, so that Ctrl-C in a terminal, which reaches every process of the
+    group, cannot end them while they import torch or unpickle the job, with a traceback each; the launcher
+    alone acts on it.
     """
 
-    world = job.dp * job.schedule.devices
-    queue = process_context(job.preload).SimpleQueue()
-    # When a rank fails, torch logs a warning for each rank it then terminates; the RankError
-    # raised below already says what happened, in one line.
-    spawn_log = logging.getLogger("torch.multiprocessing.spawn")
-    level = spawn_log.level
-    spawn_log.setLevel(logging.ERROR)
-    try:
-        return _run_spawned(job, world, queue, on_step)
-    finally:
-        spawn_log.setLevel(level)
+    def __init__(self) -> None:
+        self.pending: int | None = None
+        self.holding = self.raised = False
+        self._before: dict[int, Any] = {}
+
+    def __enter__(self) -> _Signals:
+        if threading.current_thread() is threading.main_thread():
+            self._before = {sig: signal.signal(sig, self._handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, old in self._before.items():
+            signal.signal(sig, old)
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        if self.raised:
+            return  # a second signal while the ranks are being stopped changes nothing
+        if self.holding:
+            self.pending = signum
+            return
+        self.raised = True
+        raise Interrupted(signum)
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        block = bool(self._before) and hasattr(signal, "pthread_sigmask")
+        if block:
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        self.holding = True
+        try:
+            yield
+        finally:
+            if block:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # one that came is handled now
+            self.holding = False
+        if self.pending is not None and not self.raised:
+            self.raised = True
+            raise Interrupted(self.pending)
 
 
-def _run_spawned(job: Job, world: int, queue: Any, on_step: Callable[[int, float, float], None] | None
-                 ) -> list[RankReport]:
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory(prefix="pipefold-") as out_dir:
-        context = mp.start_processes(_spawned, args=(job, world, free_port(), out_dir, queue), nprocs=world,
-                                     join=False, start_method=process_context(job.preload).get_start_method())
-        done = False
-        while not done:
-            try:
-                done = context.join(timeout=0.1)  # on a failure it terminates the other ranks, then raises
-            except mp.ProcessRaisedException as exc:
-                raise RankError(exc.error_index, exc.msg) from None
-            except mp.ProcessExitedException as exc:
-                raise RankError(exc.error_index, f"exited with code {exc.exit_code}") from None
-            while not queue.empty():
-                step = queue.get()
-                if on_step is not None:
-                    on_step(*step)
+def _run_spawned(job: Job, world: int, on_step: Callable[[int, float, float], None] | None,
+                 signals: _Signals) -> list[RankReport]:
+    ctx = process_context(job.preload)
+    queue = ctx.SimpleQueue()
+    board = SharedBoard(ctx, world)
+    lifeline, mine = ctx.Pipe(duplex=False)  # the ranks get the reading end; only this process holds the other
+    with tempfile.TemporaryDirectory(prefix="pipefold-") as out_dir, mine:
+        ranks: list[Any] = []
+        try:
+            port = free_port()
+            with signals.held():  # a signal now would leave a rank half started, unknown to us
+                for rank in range(world):
+                    proc = ctx.Process(target=_spawned, args=(rank, job, world, port, out_dir, queue, board,
+                                                              lifeline), name=f"pipefold-rank-{rank}")
+                    proc.start()
+                    ranks.append(proc)
+                lifeline.close()
+            _supervise(job, ranks, queue, board, Path(out_dir), on_step)
+        except Interrupted as exc:
+            raise Interrupted(exc.signum, _stop(ranks)) from None
+        finally:
+            _stop(ranks)
         reports = []
         for rank in range(world):
             with open(Path(out_dir) / f"rank{rank}.pkl", "rb") as fh:
@@ -925,16 +1069,181 @@ def _raise_if_stopped(reports: list[RankReport]) -> None:
             raise Diverged(r.stopped, reports)
 
 
+def _supervise(job: Job, ranks: list[Any], queue: Any, board: SharedBoard, out_dir: Path,
+               on_step: Callable[[int, float, float], None] | None) -> None:
+    """Wait for every rank to finish, passing on the steps they report; raise :class:`RankError` as soon as one
+    fails or the job hangs."""
+    from multiprocessing.connection import wait
+
+    started = time.time()
+    exited: dict[int, float] = {}  # rank -> when it was seen gone
+
+    def drain() -> None:
+        while not queue.empty():
+            step = queue.get()
+            if on_step is not None:
+                on_step(*step)
+
+    while True:
+        alive = [p.sentinel for p in ranks if p.exitcode is None]
+        if alive:
+            wait(alive, timeout=PERIOD)
+        drain()
+        now = time.time()
+        for rank, p in enumerate(ranks):
+            if p.exitcode is not None:
+                exited.setdefault(rank, now)
+        if all(p.exitcode == 0 for p in ranks):
+            drain()
+            return
+        if any(p.exitcode not in (None, 0) for p in ranks):
+            raise _failure(ranks, board, out_dir, exited)
+        hang = _hang(ranks, board, started, job.action_timeout_s)
+        if hang is not None:
+            raise hang
+
+
+def _hang(ranks: list[Any], board: SharedBoard, started: float, timeout: float) -> RankError | None:
+    """The job's hang, if it is hung (see :func:`pipefold.runtime.watch.find_hang`)."""
+    now = time.time()
+    snaps = {r: board.read(r) for r in range(len(ranks))}
+    ages = {r: now - (s.since if s is not None else started) for r, s in snaps.items()}
+    frozen = {}
+    for r, s in snaps.items():
+        silent = now - (s.beat if s is not None else started)
+        if ranks[r].exitcode is None and silent > timeout:
+            frozen[r] = why_silent(ranks[r].pid, silent)
+    hang = find_hang(snaps, ages, frozen, timeout)
+    return None if hang is None else RankError(hang.rank, hang.line)
+
+
+def _failure(ranks: list[Any], board: SharedBoard, out_dir: Path, exited: dict[int, float]) -> RankError:
+    """The rank to blame once one has ended badly: one that died or raised while computing before one that raised
+    while waiting for a peer (its peer's failure reached it), the earliest first."""
+    from multiprocessing.connection import wait
+
+    deadline = time.time() + 1.0  # the others' own failures, if they come at once, tell who came first
+    while (alive := [p.sentinel for p in ranks if p.exitcode is None]) and time.time() < deadline:
+        wait(alive, timeout=deadline - time.time())
+    now = time.time()
+    causes: list[tuple[int, float, int, str, str]] = []  # (waiting, when, rank, line, details)
+    for rank, p in enumerate(ranks):
+        if p.exitcode in (None, 0):
+            continue
+        path = out_dir / f"error-{rank}.json"
+        if path.exists():
+            record = json.loads(path.read_text(encoding="utf-8"))
+            snap = Snapshot.from_json(record["snapshot"].encode())
+            peers = [r for r in snap.waits if r != rank]
+            waiting = f" (waiting for {snap.what} from rank {peers[0]})" if len(peers) == 1 else ""
+            causes.append((int(bool(snap.waits)), record["time"], rank,
+                           f"rank {rank} failed in {snap.at()}{waiting}: {record['line']}", record["details"]))
+        else:
+            code = p.exitcode
+            how = f"signal {-code}, {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            last = board.read(rank)
+            at = last.at() if last is not None else "start-up"
+            causes.append((0, exited.get(rank, now), rank, f"rank {rank} died ({how}) during {at}", ""))
+    _, _, rank, line, details = min(causes)
+    return RankError(rank, line, details)
+
+
+def _stop(ranks: list[Any]) -> int:
+    """Stop every rank still running (SIGTERM, SIGKILL to a stopped one or one that lingers); how many there were."""
+    running = [p for p in ranks if p.exitcode is None]
+    for p in running:
+        if process_state(p.pid) in ("T", "t"):
+            p.kill()  # a stopped process takes no SIGTERM until it runs again
+        else:
+            p.terminate()
+    deadline = time.time() + 3.0
+    for p in running:
+        p.join(max(0.0, deadline - time.time()))
+        if p.exitcode is None:
+            p.kill()
+            p.join()
+    return len(running)
+
+
 def under_torchrun() -> bool:
     """True when torchrun (or another launcher) has set this process's rank and world size."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def join_torchrun_group(timeout_s: float = 1800.0) -> tuple[int, int]:
-    """Join the process group torchrun set up for this process (once); return (rank, world size)."""
+class _TorchrunWatch:
+    """A torchrun rank's watch: its heartbeat thread publishes what the rank does to the job's store and checks
+    the rank's own progress. When the rank has waited longer than the action timeout, it reads every rank's
+    publications twice, :data:`LOOK` seconds apart (a count that did not move is a rank that stopped), and if
+    the job is hung, the first rank to see it prints the line; every rank that sees it exits (torchrun's agent
+    then stops the rest), and a stopped rank to blame on this machine is killed."""
+
+    LOOK = 3.0
+
+    def __init__(self, rank: int, world: int, timeout: float) -> None:
+        self.rank, self.world, self.timeout = rank, world, timeout
+        self.activity = Activity(rank)
+        self.board = StoreBoard(dist.distributed_c10d._get_default_store())
+        self._not_before = 0.0
+        self.heartbeat = Heartbeat(self.activity, self.board, period=0.25, check=self.check).start()
+
+    def check(self) -> None:
+        mine = self.activity.snapshot(self.heartbeat.seq)
+        if mine.done or mine.age <= limit(mine, self.timeout) or time.time() < self._not_before:
+            return
+        if not mine.waits:
+            hang = find_hang({self.rank: mine}, {self.rank: mine.age}, {}, self.timeout)
+        else:
+            first = {r: self.board.read(r) for r in range(self.world)}
+            time.sleep(self.LOOK)
+            snaps = {r: self.board.read(r) for r in range(self.world)}
+            snaps[self.rank] = self.activity.snapshot(self.heartbeat.seq)
+            frozen = {}
+            for r, s in snaps.items():
+                before = first[r]
+                if r != self.rank and (s is None or (not s.done and before is not None and before.seq == s.seq)):
+                    local = s is not None and s.host == socket.gethostname()
+                    frozen[r] = (why_silent(s.pid, time.time() - s.beat) if local and s is not None
+                                 else f"no heartbeat for over {self.LOOK:g} s")
+            ages = {r: s.age if s is not None else self.timeout for r, s in snaps.items()}
+            hang = find_hang(snaps, ages, frozen, self.timeout)
+            if hang is not None and hang.rank in frozen:
+                s = snaps[hang.rank]
+                if s is not None and s.host == socket.gethostname():
+                    with contextlib.suppress(OSError):
+                        os.kill(s.pid, signal.SIGKILL)  # stopped: torchrun's SIGTERM would wait for it 30 s
+        if hang is None:
+            self._not_before = time.time() + 2.0
+            return
+        with contextlib.suppress(Exception):
+            if self.board.first_to_abort():
+                print(f"pipefold: error: {hang.line}", file=sys.stderr, flush=True)
+        os._exit(1)
+
+
+_WATCH: _TorchrunWatch | None = None
+
+
+def join_torchrun_group(action_timeout_s: float = DEFAULT_ACTION_TIMEOUT) -> tuple[int, int]:
+    """Join the process group torchrun set up for this process (once), with the timeout that goes with the action
+    timeout (:func:`pipefold.runtime.watch.pg_timeout`), and start the rank's watch; return (rank, world size).
+
+    The process also ends if torchrun's agent dies (the kernel's parent-death signal, on Linux)."""
+    global _WATCH
     if not dist.is_initialized():
-        dist.init_process_group(_backend(), timeout=timedelta(seconds=timeout_s))
-    return dist.get_rank(), dist.get_world_size()
+        die_with_parent()
+        dist.init_process_group(_backend(), timeout=timedelta(seconds=pg_timeout(action_timeout_s)))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if _WATCH is None or _WATCH.world != world or _WATCH.rank != rank:
+        _WATCH = _TorchrunWatch(rank, world, action_timeout_s)
+        name_process(f"pipefold-rank{rank}")
+    _WATCH.timeout = action_timeout_s
+    return rank, world
+
+
+def torchrun_activity() -> Activity:
+    """What this torchrun rank is doing, as its watch publishes it (after :func:`join_torchrun_group`)."""
+    assert _WATCH is not None, "join_torchrun_group() first"
+    return _WATCH.activity
 
 
 def agree(value: Any, src: int = 0) -> Any:
@@ -949,8 +1258,10 @@ def run_torchrun(job: Job, on_step: Callable[[int, float, float], None] | None =
 
     torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; the world must
     have one process per device of the schedule and data-parallel pipeline, on one machine or several.
+    An exception ends the rank with :class:`RankError` (one line: the rank, what it was doing, the error).
     """
-    rank, world = join_torchrun_group(max(job.timeout_s, 60.0))
+    rank, world = join_torchrun_group(job.action_timeout_s)
+    activity = torchrun_activity()
     try:
         if world != job.dp * job.schedule.devices:
             need = job.dp * job.schedule.devices
@@ -959,10 +1270,23 @@ def run_torchrun(job: Job, on_step: Callable[[int, float, float], None] | None =
                               f"{job.schedule.devices} devices{what}; set --nproc-per-node and --nnodes for {need} "
                               "in all")
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
-        report = run_rank(job, rank, world, None, on_step)
-        gathered: list[Any] = [None] * world if rank == 0 else []
-        dist.gather_object(report, gathered if rank == 0 else None, dst=0)
-        _raise_if_stopped(gathered if rank == 0 else [report])  # every rank stopped at the same step
+        try:
+            report = run_rank(job, rank, world, None, on_step, activity=activity)
+            activity.wait("the end of the job", "every rank's report", [r for r in range(world) if r != rank],
+                          action=False)
+            gathered: list[Any] = [None] * world if rank == 0 else []
+            dist.gather_object(report, gathered if rank == 0 else None, dst=0)
+            activity.finish()
+            _raise_if_stopped(gathered if rank == 0 else [report])  # every rank stopped at the same step
+        except (ConfigError, KeyboardInterrupt):
+            raise
+        except Exception as exc:
+            snap = activity.snapshot(0)
+            peers = [r for r in snap.waits if r != rank]
+            waiting = f" (waiting for {snap.what} from rank {peers[0]})" if len(peers) == 1 else ""
+            line = f"{type(exc).__name__}: {exc}".strip().splitlines()
+            raise RankError(rank, f"rank {rank} failed in {snap.at()}{waiting}: {line[0]}",
+                            "".join(traceback.format_exception(exc))) from None
         return gathered if rank == 0 else None
     finally:
         leave_group()

@@ -51,12 +51,14 @@ def measured_costs(schedule: Schedule, reports: list[RankReport], step: int) -> 
 
 
 def measured_trace(reports: list[RankReport]) -> dict[str, Any]:
-    """Chrome trace-event JSON of every rank's F/B/W/send/recv events over all steps (Perfetto opens it)."""
+    """Chrome trace-event JSON of every rank's F/B/W/send/recv events over the steps it kept in full (the first
+    ``Job.keep_steps`` and the last; Perfetto opens it)."""
     t0 = min(r.steps[0].started_at for r in reports)
     events: list[dict[str, Any]] = [{"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "pipefold train"}}]
     for r in reports:
         events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": r.rank, "args": {"name": f"rank {r.rank}"}})
-        for i, s in enumerate(r.steps):
+        for i in r.steps.kept():
+            s = r.steps[i]
             base = (s.started_at - t0) * 1e6
             for e in s.events:
                 events.append({"ph": "X", "name": e.name, "cat": e.kind, "pid": 0, "tid": r.rank,
@@ -71,38 +73,37 @@ def write_measured_trace(reports: list[RankReport], path: str) -> None:
     write_json(path, measured_trace(reports))
 
 
-def measured_summary(reports: list[RankReport]) -> dict[str, Any]:
-    """What a run measured, in the planner's terms, over the steps after the first (a warm-up):
+def measured_summary(reports: list[RankReport], warmup: int = 1) -> dict[str, Any]:
+    """What a run measured, in the planner's terms, over the steps after the first ``warmup`` ones:
     - the median step time, from the first rank's start to the last rank's end (the optimizer step apart);
     - the bubble ratio, 1 - busy / (ranks x step time), and the CPU time the processes spent over ranks x step
       time (the operating system's count, a check on busy time where each rank has a core of its own);
     - each rank's peak bytes: the most activations its meter held in any step, plus its parameters,
       gradients and optimizer state."""
     steps = len(reports[0].steps)
-    later = range(1, steps) if steps > 1 else range(steps)
+    later = range(warmup, steps) if steps > warmup else range(steps - 1, steps)
     # A step spans from the first rank's start to the last rank's end (ranks start apart: their clocks agree).
-    walls = [max(r.steps[i].started_at + r.steps[i].wall for r in reports) - min(r.steps[i].started_at for r in reports)
+    walls = [max(r.steps.started_at[i] + r.steps.wall[i] for r in reports) - min(r.steps.started_at[i] for r in reports)
              for i in later]
     step = statistics.median(walls)
-    busy = [statistics.median(r.steps[i].busy for i in later) for r in reports]
-    cpu = [statistics.median(r.steps[i].cpu for i in later) for r in reports]
+    busy = [statistics.median(r.steps.busy[i] for i in later) for r in reports]
+    cpu = [statistics.median(r.steps.cpu[i] for i in later) for r in reports]
     return {"step_time_s": step, "step_time_spread_s": [min(walls), max(walls)],
             "bubble_ratio": 1.0 - sum(busy) / (len(reports) * step) if step else 0.0,
             "cpu_utilization": sum(cpu) / (len(reports) * step) if step else 0.0,
-            "activation_peak_bytes": [max(s.peak_activation_bytes for s in r.steps) for r in reports],
+            "activation_peak_bytes": [r.steps.peak_activation_bytes for r in reports],
             "static_bytes": [r.static_bytes for r in reports],
-            "peak_bytes": [max(s.peak_activation_bytes for s in r.steps) + r.static_bytes for r in reports]}
+            "peak_bytes": [r.steps.peak_activation_bytes + r.static_bytes for r in reports]}
 
 
 def per_step(reports: list[RankReport]) -> list[dict[str, Any]]:
     """Each step: the schedule it ran, the seconds the ranks waited on receives (mean over ranks), what the
     policy predicted, what it took (the slowest rank), and when it started (seconds from the first step)."""
-    t0 = min(r.steps[0].started_at for r in reports)
+    t0 = min(r.steps.started_at[0] for r in reports)
     rows = []
     for i in range(len(reports[0].steps)):
-        steps = [r.steps[i] for r in reports]
-        waits = [sum(e.end - e.start for e in st.events if e.kind == "recv") for st in steps]
-        rows.append({"step": i, "schedule": steps[0].schedule, "wait_s": sum(waits) / len(waits),
-                     "predicted_s": steps[0].predicted, "measured_s": max(st.wall for st in steps),
-                     "started_s": min(st.started_at for st in steps) - t0})
+        rows.append({"step": i, "schedule": reports[0].steps.schedule(i),
+                     "wait_s": sum(r.steps.wait[i] for r in reports) / len(reports),
+                     "predicted_s": reports[0].steps.prediction(i), "measured_s": max(r.steps.wall[i] for r in reports),
+                     "started_s": min(r.steps.started_at[i] for r in reports) - t0})
     return rows

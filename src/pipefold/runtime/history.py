@@ -1,0 +1,126 @@
+"""What a rank keeps of its steps: a few numbers for every step, the full record only for the steps that need it.
+
+A step's full record (:class:`~pipefold.runtime.executor.StepStats`: the timeline of its actions, its memory
+curve, every message's timings) takes kilobytes, so a rank that kept every one grew by about 17 kB a step.
+:class:`StepHistory` keeps
+
+- for every step, in flat arrays of 8-byte numbers (about 70 bytes a step): the sum and count of its
+  losses, its wall, busy and CPU seconds, its start, the seconds it waited on receives, the most bytes of
+  activations it held, the schedule it ran and the policy's prediction;
+- in full, the first ``keep_first`` steps (the first is the warm-up and what ``--check`` compares), any step
+  asked for by number, and the latest step (the one tables and plots describe), replaced as the next comes.
+
+Indexing gives a step's full record, and raises :class:`StepNotKept` (a LookupError, not an IndexError, so
+that iteration cannot stop early in silence) for a step whose record was dropped; the columns hold every step.
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from collections.abc import Iterable, Iterator, Sequence
+from typing import overload
+
+from pipefold.runtime.executor import StepStats
+
+KEEP_FIRST = 20
+"""Steps kept in full from the start by default (a run of the CLI's default 20 steps keeps all of them)."""
+
+
+class StepNotKept(LookupError):
+    """The full record of this step was not kept; its numbers are in the history's columns."""
+
+
+class StepHistory(Sequence[StepStats]):
+    """One rank's steps: per-step numbers for all, full records for some (see the module's text)."""
+
+    def __init__(self, keep_first: int = KEEP_FIRST, keep: Iterable[int] = ()) -> None:
+        self.keep_first = keep_first
+        self.keep = frozenset(keep)
+        self._full: dict[int, StepStats] = {}
+        self._count = 0
+        self.loss_sum = array("d")
+        """Per step: the sum of the losses this rank computed (0 where it computes none)."""
+        self.loss_count = array("I")
+        """Per step: how many losses (microbatches of the last stage) this rank computed."""
+        self.wall = array("d")
+        """Per step: seconds from this rank's start of the step to its end (the optimizer step apart)."""
+        self.started_at = array("d")
+        """Per step: wall-clock time (``time.time()``) this rank started it."""
+        self.busy = array("d")
+        """Per step: seconds of computation (F, B, W and the like)."""
+        self.cpu = array("d")
+        """Per step: CPU seconds of the process, by the operating system's count."""
+        self.wait = array("d")
+        """Per step: seconds waiting on receives."""
+        self.peak = array("q")
+        """Per step: the most bytes of activations held at once (the meter's peak)."""
+        self.predicted = array("d")
+        """Per step: the step time the policy predicted (NaN: none)."""
+        self._schedule = array("H")
+        self._schedules: list[str] = []
+
+    def add(self, stats: StepStats) -> None:
+        """Record the next step."""
+        step = self._count
+        self._count += 1
+        self.loss_sum.append(math.fsum(stats.losses.values()))
+        self.loss_count.append(len(stats.losses))
+        self.wall.append(stats.wall)
+        self.started_at.append(stats.started_at)
+        self.busy.append(stats.busy)
+        self.cpu.append(stats.cpu)
+        self.wait.append(math.fsum(e.end - e.start for e in stats.events if e.kind == "recv"))
+        self.peak.append(stats.peak_activation_bytes)
+        self.predicted.append(math.nan if stats.predicted is None else stats.predicted)
+        if stats.schedule not in self._schedules:
+            self._schedules.append(stats.schedule)
+        self._schedule.append(self._schedules.index(stats.schedule))
+        previous = step - 1
+        if previous >= 0 and not self._wanted(previous):
+            self._full.pop(previous, None)  # it was kept as the latest only
+        self._full[step] = stats
+
+    def _wanted(self, step: int) -> bool:
+        return step < self.keep_first or step in self.keep
+
+    def kept(self) -> list[int]:
+        """The steps whose full record is kept, in order."""
+        return sorted(self._full)
+
+    def schedule(self, step: int) -> str:
+        """The schedule step ``step`` ran, as a spec (``kfkb:k=2``)."""
+        return self._schedules[self._schedule[step]]
+
+    def prediction(self, step: int) -> float | None:
+        value = self.predicted[step]
+        return None if math.isnan(value) else value
+
+    @property
+    def peak_activation_bytes(self) -> int:
+        """The most bytes of activations held at once in any step."""
+        return max(self.peak, default=0)
+
+    def __len__(self) -> int:
+        return self._count
+
+    @overload
+    def __getitem__(self, index: int) -> StepStats: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[StepStats]: ...
+
+    def __getitem__(self, index: int | slice) -> StepStats | list[StepStats]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self._count))]
+        step = index + self._count if index < 0 else index
+        if not 0 <= step < self._count:
+            raise IndexError(f"step {index} out of range: {self._count} steps ran")
+        if step not in self._full:
+            raise StepNotKept(f"the full record of step {step} was not kept (kept: the first {self.keep_first}, "
+                              f"the last, and {sorted(self.keep) or 'no other'}); its figures are in the columns")
+        return self._full[step]
+
+    def __iter__(self) -> Iterator[StepStats]:
+        for step in range(self._count):
+            yield self[step]

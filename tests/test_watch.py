@@ -1,0 +1,83 @@
+"""Whom a hung job is blamed on, from the ranks' published activities (the processes' side is in test_faults)."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+from pipefold.runtime.watch import Activity, Hang, SharedBoard, Snapshot, find_hang
+
+
+def _snap(rank: int, where: str, *, waits: tuple[int, ...] = (), what: str = "", step: int = 4,
+          age: float = 0.0, done: bool = False, action: bool = True) -> Snapshot:
+    return Snapshot(rank=rank, pid=100 + rank, host="h", seq=1, beat=1000.0, step=step, where=where,
+                    is_action=action, what=what, waits=waits, since=1000.0 - age, done=done)
+
+
+def _hang(*snaps: Snapshot, frozen: dict[int, str] | None = None, timeout: float = 20.0) -> Hang | None:
+    by_rank = {s.rank: s for s in snaps}
+    return find_hang(by_rank, {r: s.age for r, s in by_rank.items()}, frozen or {}, timeout)
+
+
+def test_a_long_wait_for_a_rank_that_makes_progress_is_no_hang() -> None:
+    """GPipe's first rank waits for the first gradient while the others run their forwards, one after another."""
+    assert _hang(_snap(0, "0B0", waits=(1,), what="a gradient", age=60),
+                 _snap(1, "1F7", age=0.5)) is None
+
+
+def test_the_blame_goes_to_the_end_of_the_chain() -> None:
+    hang = _hang(_snap(0, "0B1", waits=(1,), what="a gradient", age=40),
+                 _snap(1, "1B1", waits=(2,), what="a gradient", age=30),
+                 _snap(2, "2F3", age=25))
+    assert hang == Hang(2, "rank 2 hung in 2F3 of step 4: running for 25 s, longer than the action timeout of 20 s "
+                           "(--action-timeout)")
+
+
+def test_a_rank_that_stopped_publishing_is_blamed_with_who_waits_for_it() -> None:
+    hang = _hang(_snap(0, "0F2", waits=(1,), what="a gradient", age=21), _snap(1, "1F1", age=25),
+                 _snap(2, "2F1", waits=(1,), what="an activation", age=22),
+                 frozen={1: "its process is stopped (SIGSTOP or a debugger), no heartbeat for 25 s"})
+    assert hang == Hang(1, "rank 1 hung in 1F1 of step 4: its process is stopped (SIGSTOP or a debugger), no "
+                           "heartbeat for 25 s; ranks 0, 2 wait for it")
+
+
+def test_a_cycle_of_waits_blames_the_rank_that_waited_first() -> None:
+    hang = _hang(_snap(0, "0B3", waits=(1,), what="a gradient", age=31),
+                 _snap(1, "1F4", waits=(0,), what="an activation", age=24))
+    assert hang == Hang(0, "rank 0 hung in 0B3 of step 4: waiting for a gradient from rank 1 for 31 s (action "
+                           "timeout 20 s)")
+    # Not while one of them has waited less than the timeout: snapshots lag, a cycle can be a moment's picture.
+    assert _hang(_snap(0, "0B3", waits=(1,), age=31), _snap(1, "1F4", waits=(0,), age=2)) is None
+
+
+def test_a_collective_is_held_up_by_the_member_that_has_not_come() -> None:
+    waiting = [_snap(r, "clipping", waits=tuple(x for x in range(4) if x != r), what="the all-reduce", age=30,
+                     action=False) for r in range(3)]
+    assert _hang(*waiting, _snap(3, "3W7", age=1)) is None
+    hang = _hang(*waiting, _snap(3, "3W7", age=21))
+    assert hang is not None and hang.rank == 3
+
+
+def test_waiting_for_a_rank_that_has_finished() -> None:
+    hang = _hang(_snap(0, "0F9", waits=(1,), what="a gradient", age=22),
+                 _snap(1, "the end of the job", waits=(0,), age=22, done=True, action=False))
+    assert hang is not None and hang.rank == 0 and "waiting for a gradient from rank 1" in hang.line
+
+
+def test_start_up_gets_at_least_the_default_timeout() -> None:
+    """Before the first step (imports, building the layers) a small action timeout does not apply."""
+    assert _hang(_snap(0, "start-up", step=-1, age=10, action=False), timeout=3) is None
+    hang = _hang(_snap(0, "start-up", step=-1, age=25, action=False), timeout=3)
+    assert hang is not None and hang.line.startswith("rank 0 hung in start-up: running for 25 s")
+
+
+def test_the_board_gives_back_what_a_rank_published() -> None:
+    board = SharedBoard(multiprocessing.get_context("spawn"), 3)
+    assert board.read(1) is None
+    activity = Activity(1)
+    activity.step = 7
+    activity.wait("1B2", "a gradient", (2,))
+    for seq in (1, 2, 3):  # both halves of the slot, in turn
+        board.publish(activity.snapshot(seq))
+        got = board.read(1)
+        assert got is not None and (got.seq, got.where, got.waits, got.step) == (seq, "1B2", (2,), 7)
+    assert board.read(0) is None and board.read(2) is None
