@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from pipefold.errors import ConfigError
+from pipefold.files import write_text
 
 __all__ = ["FORMAT", "Checkpointing", "Resume", "find", "load", "problem", "save", "step_name"]
 
@@ -316,21 +317,12 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
 def _commit(tmp: Path, final: Path, step: int, identity: dict[str, Any], world: int) -> None:
     """The manifest (last, listing every file), then the rename, then ``latest``; the debris of old saves removed."""
     files = {f.name: {"bytes": f.stat().st_size, "sha256": _sha256(f)} for f in sorted(tmp.iterdir()) if f.is_file()}
     manifest = {"format": FORMAT, "step": step, "identity": identity, "world_size": world,
                 "saved_at": time.time(), "files": files}
-    _write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
+    write_text(tmp / MANIFEST, json.dumps(manifest, indent=1))
     _fsync_dir(tmp)
     root = final.parent
     old = root / f"{final.name}.old"
@@ -338,7 +330,7 @@ def _commit(tmp: Path, final: Path, step: int, identity: dict[str, Any], world: 
         shutil.rmtree(old, ignore_errors=True)
         os.rename(final, old)
     os.rename(tmp, final)
-    _write_atomic(root / LATEST, final.name + "\n")
+    write_text(root / LATEST, final.name + "\n")
     _fsync_dir(root)
     for p in root.iterdir():  # interrupted saves and replaced checkpoints
         if p.is_dir() and p.suffix in (".tmp", ".old") and _STEP.match(p.stem):

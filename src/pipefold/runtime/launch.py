@@ -761,15 +761,10 @@ def _save_model(job: Job, modules: dict[int, nn.Module], path: str, global_rank:
     for part in gathered:
         layers.update(part)  # a stage held by several ranks (replicas) holds the same weights
     full = {f"{i}.{k}": v for i in sorted(layers) for k, v in layers[i].items()}
-    folder = os.path.dirname(path) or "."
-    fd, tmp = tempfile.mkstemp(prefix=".pipefold-", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            torch.save(full, fh)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    from pipefold.files import atomic
+
+    with atomic(path, binary=True) as fh:
+        torch.save(full, fh)
 
 
 @dataclass(frozen=True)
