@@ -73,9 +73,10 @@ __all__ = [
 
 MAX_STAGE_MICROBATCHES = 250_000
 """The most (stage, microbatch) pairs a schedule may have: stages x microbatches, each pair two or three passes.
-At the limit a schedule has up to 750,000 actions, which take seconds and about 350 MB to generate and simulate
-(zb-h1 on 4 devices with 62,500 microbatches, 1f1b on 500 devices with 500); beyond it a command would seem to
-hang. Generating (:func:`pipefold.schedules.build`) and reading a file refuse more with one line."""
+At the limit a schedule has up to 750,000 actions, which take 3 to 8 s and at most 360 MB to generate and simulate
+(zb-h1 on 4 devices with 62,500 microbatches, 1f1b on 500 devices with 500, zb-v on 512 with 244: docs/simulator.md);
+beyond it a command would seem to hang. Generating (:func:`pipefold.schedules.build`) and reading a file refuse more
+with one line."""
 
 MAX_DEVICES = 512
 """The most devices a schedule may have: the dependency graph keeps a table per (stage, device), so time and
