@@ -106,7 +106,8 @@ def test_a_user_error_on_rank_0_stops_every_rank_under_torchrun(tmp_path: Path) 
     proc = _torchrun_train(tmp_path, 29543, ["--schedule", "1f1b", "--steps", "1", *SMALL, "--recompute", "auto",
                                              "--memory-budget", "1000"], timeout=120)
     assert proc.returncode != 0
-    assert proc.stderr.count("pipefold train: error: no recomputation fits 1000 bytes per device") == 2
+    # Each worker that meets the error says it; the watch may stop the second one first (one line then).
+    assert proc.stderr.count("pipefold train: error: no recomputation fits 1000 bytes per device") in (1, 2)
 
 
 def test_train_recompute_table_and_json(capsys: pytest.CaptureFixture[str]) -> None:

@@ -57,6 +57,12 @@ class StepHistory(Sequence[StepStats]):
         """Per step: the most bytes of activations held at once (the meter's peak)."""
         self.predicted = array("d")
         """Per step: the step time the policy predicted (NaN: none)."""
+        self.grad_norm = array("d")
+        """Per step: the global gradient norm the step's check found (NaN: not checked, or not finite)."""
+        self.clipped = array("b")
+        """Per step: 1 where the gradients were clipped."""
+        self.rolled_back = array("b")
+        """Per step: 1 where an optimizer step taken before the check was rolled back (post-validation)."""
         self._schedule = array("H")
         self._schedules: list[str] = []
 
@@ -73,6 +79,9 @@ class StepHistory(Sequence[StepStats]):
         self.wait.append(math.fsum(e.end - e.start for e in stats.events if e.kind == "recv"))
         self.peak.append(stats.peak_activation_bytes)
         self.predicted.append(math.nan if stats.predicted is None else stats.predicted)
+        self.grad_norm.append(math.nan if stats.grad_norm is None else stats.grad_norm)
+        self.clipped.append(int(bool(stats.clipped)))
+        self.rolled_back.append(int(bool(stats.rolled_back)))
         if stats.schedule not in self._schedules:
             self._schedules.append(stats.schedule)
         self._schedule.append(self._schedules.index(stats.schedule))

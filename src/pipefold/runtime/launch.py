@@ -1227,7 +1227,18 @@ def join_torchrun_group(action_timeout_s: float = DEFAULT_ACTION_TIMEOUT) -> tup
     global _WATCH
     if not dist.is_initialized():
         die_with_parent()
-        dist.init_process_group(_backend(), timeout=timedelta(seconds=pg_timeout(action_timeout_s)))
+        timeout = timedelta(seconds=pg_timeout(action_timeout_s))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        if attempt not in ("", "0") and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # Restarted workers meet in the agent's store, the same one as the failed attempt's: under a prefix of
+            # their own, or a rank could read a dead peer's address left there (gloo: "connection refused").
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                                  timeout=timeout)
+            dist.init_process_group(_backend(), store=dist.PrefixStore(f"pipefold/attempt-{attempt}", store),
+                                    rank=rank, world_size=world, timeout=timeout)
+        else:
+            dist.init_process_group(_backend(), timeout=timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     if _WATCH is None or _WATCH.world != world or _WATCH.rank != rank:
         _WATCH = _TorchrunWatch(rank, world, action_timeout_s)
