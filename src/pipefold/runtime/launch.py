@@ -869,7 +869,18 @@ def under_torchrun() -> bool:
 def join_torchrun_group(timeout_s: float = 1800.0) -> tuple[int, int]:
     """Join the process group torchrun set up for this process (once); return (rank, world size)."""
     if not dist.is_initialized():
-        dist.init_process_group(_backend(), timeout=timedelta(seconds=timeout_s))
+        timeout = timedelta(seconds=timeout_s)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        if attempt not in ("", "0") and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # Restarted workers meet in the agent's store, the same one as the failed attempt's: under a prefix of
+            # their own, or a rank could read a dead peer's address left there (gloo: "connection refused").
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                                  timeout=timeout)
+            dist.init_process_group(_backend(), store=dist.PrefixStore(f"pipefold/attempt-{attempt}", store),
+                                    rank=rank, world_size=world, timeout=timeout)
+        else:
+            dist.init_process_group(_backend(), timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
 
 
