@@ -6,7 +6,10 @@ VENV   ?= .venv
 TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 
-.PHONY: setup demo test lint bench clean
+# The GPU check runs on a machine's own CUDA build of torch (no virtual environment, nothing installed).
+GPU_PYTHON ?= python3
+
+.PHONY: setup demo test lint bench gpu-check clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +31,9 @@ test: lint
 
 bench: setup
 	$(BIN)/python benchmarks/bench_simulate.py
+
+gpu-check:
+	PYTHONPATH=src OMP_NUM_THREADS=1 $(GPU_PYTHON) benchmarks/gpu_check.py --out gpu-report
 
 clean:
 	rm -rf $(VENV) pipefold-timeline.png

@@ -11,6 +11,11 @@ reported apart and left out of the median. Run:
     python benchmarks/vs_torch.py            # 10 steps per run, about a minute on 2 cores
     python benchmarks/vs_torch.py --quick    # 4 steps per run
     python benchmarks/vs_torch.py --json     # one JSON object
+    python benchmarks/vs_torch.py --device cuda --hidden 4096   # on a GPU the ranks share (gloo on both sides)
+
+On a GPU, both runtimes' ranks share it over gloo (NCCL refuses two ranks on one device); torch's side moves
+its GPU tensors with gloo as its schedules post them, pipefold stages them through pinned host memory
+(:mod:`pipefold.runtime.devices`). A run that fails is reported with its one-line reason.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from pipefold.runtime.launch import RankError
 from pipefold.train import TrainConfig, train
 
 WORLD, HIDDEN, LAYERS, BATCH, MICROBATCHES, SEED = 2, 512, 8, 64, 8, 0
+DEVICE = "cpu"  # --device; set in main() before any rank starts (spawned ranks get it as an argument)
 RUN_TIMEOUT_S = 120.0  # one torch run; a hung schedule is reported as failed, not waited on forever
 
 
@@ -86,7 +92,8 @@ class _Run:
 def _run_pipefold(pair: _Pair, steps: int) -> _Run:
     config = TrainConfig(schedule=pair.pipefold, options=pair.options, devices=WORLD, microbatches=MICROBATCHES,
                          steps=steps, model="mlp", layers=LAYERS, hidden=HIDDEN, batch=BATCH, optimizer="sgd",
-                         seed=SEED, partition="even")  # the same equal stages torch.distributed.pipelining gets
+                         seed=SEED, partition="even",  # the same equal stages torch.distributed.pipelining gets
+                         device=DEVICE, backend="gloo")
     try:
         _, reports = train(config)
     except (RankError, RuntimeError, ValueError) as exc:
@@ -107,10 +114,12 @@ def _stage_indices(placement: str, rank: int) -> list[int]:
     return [rank, 2 * WORLD - 1 - rank]  # 'v': down the devices, then back up
 
 
-def _torch_schedule(pair: _Pair, rank: int) -> tuple[Any, list[int], list[torch.nn.Module]]:
+def _torch_schedule(pair: _Pair, rank: int, sizes: tuple[int, int, int, int],
+                    device: torch.device) -> tuple[Any, list[int], list[torch.nn.Module]]:
     """Build this rank's stages (same layers, same weights as pipefold's) and the schedule over them."""
     from torch.distributed import pipelining
 
+    HIDDEN, LAYERS, _, MICROBATCHES = sizes  # noqa: N806 (the spawned rank's copy of the module's sizes)
     cfg = MLPConfig(hidden=HIDDEN, layers=LAYERS)
     indices = _stage_indices(pair.placement, rank)
     num_stages = WORLD * (1 if pair.placement == "single" else 2)
@@ -118,35 +127,43 @@ def _torch_schedule(pair: _Pair, rank: int) -> tuple[Any, list[int], list[torch.
     modules, stages = [], []
     for s in indices:
         layers = build_mlp_layers(cfg, split[s], seed=SEED)
-        module = torch.nn.Sequential(*(layers[i] for i in split[s]))
+        module = torch.nn.Sequential(*(layers[i] for i in split[s])).to(device)
         modules.append(module)
-        stages.append(pipelining.PipelineStage(module, s, num_stages, torch.device("cpu")))
+        stages.append(pipelining.PipelineStage(module, s, num_stages, device))
     cls = getattr(pipelining, pair.torch_class)
     if pair.placement == "single":
         return cls(stages[0], n_microbatches=MICROBATCHES, loss_fn=mlp_loss), indices, modules
     return cls(stages, n_microbatches=MICROBATCHES, loss_fn=mlp_loss), indices, modules
 
 
-def _torch_rank(rank: int, pair: _Pair, steps: int, port: int, results: Any) -> None:
+def _torch_rank(rank: int, pair: _Pair, steps: int, port: int, results: Any, sizes: tuple[int, int, int, int],
+                where: str) -> None:
     """One spawned rank: train ``steps`` steps, put (rank, per-step seconds, losses of step 0) on ``results``."""
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
+    HIDDEN, LAYERS, BATCH, MICROBATCHES = sizes  # noqa: N806
+    device = torch.device(where)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=60))
     try:
-        schedule, indices, modules = _torch_schedule(pair, rank)
+        schedule, indices, modules = _torch_schedule(pair, rank, sizes, device)
         params = [p for m in modules for p in m.parameters()]
         opt = torch.optim.SGD(params, lr=TrainConfig().lr)
         cfg = MLPConfig(hidden=HIDDEN, layers=LAYERS)
-        target = mlp_target(cfg, BATCH, SEED)
+        target = mlp_target(cfg, BATCH, SEED).to(device)
         first, last = 0 in indices, WORLD * len(indices) - 1 in indices
         walls, first_losses = [], []
         for step in range(steps):
-            x = mlp_input(cfg, BATCH, SEED + step)  # the batch pipefold's mlp job gives this step
+            x = mlp_input(cfg, BATCH, SEED + step).to(device)  # the batch pipefold's mlp job gives this step
             losses: list[torch.Tensor] = []
+            sync()
             t0 = time.perf_counter()
             schedule.step(*((x,) if first else ()), target=target if last else None,
                           losses=losses if last else None)
+            sync()
             walls.append(time.perf_counter() - t0)
             if step == 0:
                 first_losses = [float(v.detach()) for v in losses]
@@ -162,7 +179,10 @@ def _run_torch(pair: _Pair, steps: int) -> _Run:
     """Spawn the ranks; any rank's exception or a hang becomes a failed run with a one-line reason."""
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
-    context = mp.spawn(_torch_rank, args=(pair, steps, _free_port(), results), nprocs=WORLD, join=False)
+    sizes = (HIDDEN, LAYERS, BATCH, MICROBATCHES)
+    where = "cuda:0" if DEVICE == "cuda" else "cpu"
+    context = mp.spawn(_torch_rank, args=(pair, steps, _free_port(), results, sizes, where), nprocs=WORLD,
+                       join=False)
     deadline = time.monotonic() + RUN_TIMEOUT_S
     try:
         while not context.join(timeout=0.2):
@@ -245,7 +265,8 @@ def _table(rows: list[tuple[_Pair, _Run, _Run]], steps: int) -> Table:
 def _json(rows: list[tuple[_Pair, _Run, _Run]], steps: int, seconds: float,
           load: tuple[float, float, float]) -> dict[str, Any]:
     return {
-        "torch_version": torch.__version__, "cpus": os.cpu_count(), "backend": "gloo", "world": WORLD, "steps": steps,
+        "torch_version": torch.__version__, "cpus": os.cpu_count(), "backend": "gloo", "device": DEVICE,
+        "gpu": torch.cuda.get_device_name(0) if DEVICE == "cuda" else None, "world": WORLD, "steps": steps,
         "model": {"name": "mlp", "hidden": HIDDEN, "layers": LAYERS, "batch": BATCH, "microbatches": MICROBATCHES},
         "seconds": round(seconds, 1), "load_average": [round(v, 2) for v in load],
         "schedules": [{"schedule": pair.pipefold, "options": dict(pair.options), "torch_class": pair.torch_class,
@@ -257,11 +278,23 @@ def _json(rows: list[tuple[_Pair, _Run, _Run]], steps: int, seconds: float,
 
 
 def main() -> None:
+    global DEVICE, HIDDEN, LAYERS, BATCH, MICROBATCHES
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10, help="steps per run, the first one excluded (default 10)")
     parser.add_argument("--quick", action="store_true", help="4 steps per run")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where both runtimes' ranks compute")
+    parser.add_argument("--hidden", type=int, default=HIDDEN)
+    parser.add_argument("--layers", type=int, default=LAYERS)
+    parser.add_argument("--batch", type=int, default=BATCH)
+    parser.add_argument("--microbatches", type=int, default=MICROBATCHES)
+    parser.add_argument("--schedules", nargs="+", default=[p.label for p in PAIRS], metavar="LABEL",
+                        help="which pairs to run (default all)")
     args = parser.parse_args()
+    DEVICE, HIDDEN, LAYERS, BATCH, MICROBATCHES = args.device, args.hidden, args.layers, args.batch, args.microbatches
+    unknown = sorted(set(args.schedules) - {p.label for p in PAIRS})
+    if unknown:
+        parser.error(f"unknown schedule {unknown[0]!r}: choose from {', '.join(p.label for p in PAIRS)}")
     steps = 4 if args.quick else args.steps
     if steps < 2:
         parser.error(f"--steps must be at least 2 so a step is left after the first ({steps} < 2)")
@@ -272,7 +305,7 @@ def main() -> None:
         console.width = 120  # piped into a file or a doc: do not wrap the table at 80 columns
     started = time.perf_counter()
     rows = []
-    for pair in PAIRS:  # one schedule under both runtimes back to back, so drift in the machine hits both alike
+    for pair in (p for p in PAIRS if p.label in args.schedules):  # both runtimes back to back: drift hits both
         console.print(f"[dim]{pair.label}: pipefold ...[/dim]")
         ours = _run_pipefold(pair, steps)
         console.print(f"[dim]{pair.label}: torch ...[/dim]")

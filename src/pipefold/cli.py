@@ -360,6 +360,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--action-timeout", type=float, default=20.0, metavar="SECONDS",
                    help="stop the job, naming the rank, when an action runs this long or a rank waits this long "
                         "for one that makes no progress, or stops responding (default 20)")
+    g = p.add_argument_group("devices")
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="where the ranks compute: a GPU when torch sees one (auto, the default), or the CPU")
+    g.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
+                   help="nccl: a GPU per rank; gloo: the CPU, or GPUs the ranks share (tensors staged through "
+                        "pinned host memory); auto: nccl when every rank has a GPU of its own")
+    g.add_argument("--no-overlap", action="store_true",
+                   help="on a GPU, run an overlapped pair's (dualpipe's F+B) forward and then its backward, "
+                        "instead of both at once on two streams")
     _add_output(p)
 
     p = sub.add_parser("validate", help="check schedule files (or generated schedules) and report the first problem")
@@ -862,10 +871,11 @@ def _planned_run(args: argparse.Namespace, console: Console) -> tuple[Any, Any, 
 
 
 def _reliability(args: argparse.Namespace) -> dict[str, Any]:
-    """The TrainConfig fields of checkpoints and numerics, from the flags."""
+    """The TrainConfig fields of checkpoints, numerics and the devices, from the flags."""
     return {"checkpoint_dir": args.checkpoint_dir, "checkpoint_every": args.checkpoint_every,
             "resume": args.resume is not None, "resume_from": args.resume or None, "save_model": args.save_model,
-            "post_validate": args.post_validate, "max_bad_steps": args.max_bad_steps}
+            "post_validate": args.post_validate, "max_bad_steps": args.max_bad_steps, "device": args.device,
+            "backend": args.backend, "overlap": not args.no_overlap}
 
 
 def cmd_train(args: argparse.Namespace, console: Console) -> None:

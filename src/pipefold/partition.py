@@ -118,11 +118,17 @@ def _forward_backward(layer: nn.Module, x: Values) -> Values:
 
 def _time_layer(layer: nn.Module, x: Values, repeats: int, _: float) -> tuple[float, Values]:
     """Median forward+backward seconds over ``repeats`` runs after one warm-up."""
+    import torch
+
+    cuda = any(t.is_cuda for t in x) or any(p.is_cuda for p in layer.parameters())
+    sync = torch.cuda.synchronize if cuda else (lambda: None)  # a GPU runs what it is given later: wait for it
     out = _forward_backward(layer, x)  # warm-up: allocator and kernel caches
     times = []
     for _run in range(repeats):
+        sync()
         start = time.perf_counter()
         _forward_backward(layer, x)
+        sync()
         times.append(time.perf_counter() - start)
     layer.zero_grad(set_to_none=True)
     return statistics.median(times), out

@@ -37,7 +37,7 @@ from pipefold.runtime.launch import (
     run_torchrun,
     torchrun_activity,
 )
-from pipefold.runtime.stage import Chain, split_batch
+from pipefold.runtime.stage import Chain, as_tuple, split_batch
 from pipefold.runtime.watch import DEFAULT_ACTION_TIMEOUT
 
 
@@ -125,6 +125,12 @@ class TrainConfig:
     action_timeout: float = DEFAULT_ACTION_TIMEOUT
     """Seconds an action may run (or a rank wait for one that makes no progress) before the job is taken as hung
     and stopped, naming the rank (see :mod:`pipefold.runtime.watch`)."""
+    device: str = "auto"
+    """Where the ranks compute: 'cpu', 'cuda' or 'auto' (a GPU when torch sees one; :mod:`pipefold.runtime.devices`)."""
+    backend: str = "auto"
+    """'nccl' (a GPU per rank), 'gloo' (the CPU, or GPUs the ranks share, through pinned host memory) or 'auto'."""
+    overlap: bool = True
+    """On a GPU, run each overlapped pair's (FB) forward and backward at once, on two streams."""
 
 
 ADAPTIVE = "adaptive-kfkb"
@@ -172,6 +178,14 @@ def make_job(config: TrainConfig, *, save_grads_of_step: int | None = None,
     they come from ``config``, and finding the checkpoint reads the folder).
     """
     schedule = build_schedule(config)
+    from pipefold.runtime.devices import place
+    from pipefold.runtime.launch import under_torchrun
+
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if under_torchrun() else schedule.devices * config.dp
+    where = place(config.device, config.backend, ranks=ranks)  # one line for a device this machine lacks
+    if where.device == "cuda" and (config.network is not None or config.netns):
+        raise ConfigError("--network and --netns emulate links between CPU ranks over gloo: use --device cpu with "
+                          "them")
     if config.dp < 1:
         raise ConfigError(f"--dp is the number of data-parallel pipelines: at least 1 (got {config.dp})")
     if config.fsdp and config.dp < 2:
@@ -194,7 +208,7 @@ def make_job(config: TrainConfig, *, save_grads_of_step: int | None = None,
                           f"of {shards}")
     model = model_of(config)
     check_size(config, model, schedule,
-               builds_model=decided is None or placed is None and config.optimizer == "kfac")
+               builds_model=decided is None or placed is None and config.optimizer == "kfac", gpus=where.gpus)
     if checkpointing is None:
         checkpointing = _checkpointing(config)
     save_model = None
@@ -259,10 +273,12 @@ def make_job(config: TrainConfig, *, save_grads_of_step: int | None = None,
                network=network, adaptive=adaptive, cycle=cycle, kfac=kfac, refill=refill, dp=config.dp,
                zero1=config.zero1, fsdp=config.fsdp, tied=model.tied, preload=model.preload,
                checkpoint=checkpointing, save_model=save_model, post_validate=config.post_validate,
-               max_bad_steps=config.max_bad_steps, action_timeout_s=config.action_timeout)
+               max_bad_steps=config.max_bad_steps, action_timeout_s=config.action_timeout, device=config.device,
+               backend=config.backend, overlap=config.overlap)
 
 
-def check_size(config: TrainConfig, model: Model, schedule: Schedule, *, builds_model: bool = True) -> None:
+def check_size(config: TrainConfig, model: Model, schedule: Schedule, *, builds_model: bool = True,
+               gpus: int = 0) -> None:
     """Refuse, before any layer is built, a run this machine cannot hold or would take minutes per step on
     (see :mod:`pipefold.models.size`): the processes that start here, the parameters as often as they are held
     (weights, gradients, optimizer state on every copy of a stage; the whole model once more in this process when
@@ -280,8 +296,16 @@ def check_size(config: TrainConfig, model: Model, schedule: Schedule, *, builds_
         held, ranks = held * here / max(1, int(os.environ.get("WORLD_SIZE", "1"))), here
     measures = builds_model and (config.partition != "even" or config.recompute != "none"
                                  or config.optimizer == "kfac" or config.memory_budget is not None)
-    check_model(model, microbatches=config.microbatches * config.dp, ranks=ranks, copies=held + measures,
-                what=f"training {config.model}")
+    what = f"training {config.model}"
+    if not gpus:
+        check_model(model, microbatches=config.microbatches * config.dp, ranks=ranks, copies=held + measures,
+                    what=what)
+        return
+    import torch
+
+    gpu_bytes = torch.cuda.get_device_properties(0).total_memory
+    check_model(model, gpu=(min(gpus, ranks), gpu_bytes), microbatches=config.microbatches * config.dp, ranks=ranks,
+                copies=held, measures=measures, what=what)
 
 
 def restarted() -> bool:
@@ -377,6 +401,12 @@ def _layer_stages(config: TrainConfig, model: Model, schedule: Schedule) -> tupl
     x, y = model.batch_at(0)
     n = config.dp * config.microbatches
     sample = split_batch(x, n)[0]  # a microbatch of a pipeline's shard
+    if config.partition == "time":  # timed where the ranks will run: on their GPU, if they have one
+        from pipefold.runtime.devices import place
+
+        device = place(config.device, config.backend, ranks=schedule.devices * config.dp).device_of(0)
+        layers = [layer.to(device) for layer in layers]
+        sample = tuple(t.to(device) for t in sample)
     if config.partition == "memory":
         times = layer_costs(layers, sample, by="time")
         target = y.chunk(n)[0]  # the last layer holds what the loss saves
@@ -385,6 +415,11 @@ def _layer_stages(config: TrainConfig, model: Model, schedule: Schedule) -> tupl
         split_memory = partition_memory(times, [h for h, _ in held], [w for _, w in held], static, schedule)
         return tuple(tuple(part) for part in split_memory.parts)
     costs = layer_costs(layers, sample, by=config.partition)
+    if any(p.is_cuda for layer in layers for p in layer.parameters()):
+        del layers, sample
+        import torch
+
+        torch.cuda.empty_cache()  # the ranks have the GPU from here on
     # The objective is the busiest device's load, so a device holding two chunks (V) counts both.
     split = partition(costs, schedule.stages, placement=schedule.placement[0])
     return tuple(tuple(part) for part in split.parts)
@@ -472,7 +507,7 @@ def train_torchrun(config: TrainConfig, *, check: bool = False,
     if not (math.isfinite(config.action_timeout) and 0 < config.action_timeout <= 86400):
         raise ConfigError(f"--action-timeout is in seconds: a number > 0 and at most a day (got "
                           f"{config.action_timeout})")
-    rank, _ = join_torchrun_group(config.action_timeout)
+    rank, _ = join_torchrun_group(config.action_timeout, config.device, config.backend)
     activity = torchrun_activity()
     grads_step = 0 if check else None
     job = None
@@ -506,19 +541,24 @@ def train_torchrun(config: TrainConfig, *, check: bool = False,
 
 
 def reference_step(job: Job, step: int = 0) -> tuple[float, dict[str, torch.Tensor]]:
-    """One step in one process, from the initial weights: mean loss over the microbatches and every gradient."""
+    """One step in one process, from the initial weights, on the device the job's first rank computes on (the
+    same GPU): mean loss over the microbatches and every gradient (on the CPU)."""
+    from pipefold.runtime.launch import placement
+
+    device = placement(job).device_of(0)
     n = job.extra["num_layers"]
     layers = job.build_layers(list(range(n)))
-    model = Chain(*(layers[i] for i in range(n)))
+    model = Chain(*(layers[i] for i in range(n))).to(device)
     m = job.schedule.microbatches
     x, y = job.batch_at(step)
+    xs_all = tuple(t.to(device) for t in as_tuple(x))
     total = 0.0
-    for xs, ys in zip(split_batch(x, m), y.chunk(m), strict=True):
+    for xs, ys in zip(split_batch(xs_all, m), y.to(device).chunk(m), strict=True):
         loss = job.loss_fn(model(*xs), ys)
         (loss / m).backward()
         total += float(loss.detach()) / m
-    grads = {f"{i}.{name}": p.grad.detach().clone() for i in range(n) for name, p in layers[i].named_parameters()
-             if p.grad is not None}
+    grads = {f"{i}.{name}": p.grad.detach().to("cpu", copy=True) for i in range(n)
+             for name, p in layers[i].named_parameters() if p.grad is not None}
     return total, grads
 
 
@@ -531,7 +571,6 @@ def reference_kfac(job: Job, steps: int, reports: list[RankReport] | None = None
     from pipefold.runtime.curvature import StageCurvature
     from pipefold.runtime.launch import OPTIMIZERS
     from pipefold.runtime.meter import MemoryMeter
-    from pipefold.runtime.stage import as_tuple
 
     assert job.kfac is not None, "reference_kfac needs a K-FAC job"
     n = job.extra["num_layers"]

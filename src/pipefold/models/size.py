@@ -24,12 +24,19 @@ from typing import Any
 from pipefold.errors import ConfigError
 from pipefold.units import format_bytes
 
-__all__ = ["MAX_STEP_FLOPS", "RANK_BYTES", "Shape", "activation_bytes", "available_memory", "check_fits",
-           "check_model", "parameters", "step_flops"]
+__all__ = ["CONTEXT_BYTES", "GPU_STEP_FLOPS", "MAX_STEP_FLOPS", "RANK_BYTES", "Shape", "activation_bytes",
+           "available_memory", "check_fits", "check_fits_gpu", "check_model", "parameters", "step_flops"]
 
 MAX_STEP_FLOPS = 1e13
 """The most floating-point operations one step may take: about two minutes on one CPU core doing 85 GFLOP/s
 (measured with a 1024 x 1024 matmul on the CI machine). pipefold's default GPT takes 1.7e9 per step."""
+
+GPU_STEP_FLOPS = 1e16
+"""The same limit for ranks on GPUs: about three minutes at 50 TFLOP/s (an H100's float32 without tensor cores)."""
+
+CONTEXT_BYTES = 600 * 2**20
+"""GPU memory a rank's process takes before its model: its CUDA context and the libraries' workspaces (about
+500 MiB on an H100 with torch 2.11)."""
 
 RANK_BYTES = 300 * 2**20
 """Memory of one rank's process before its model: the interpreter, torch and gloo (270 to 290 MiB measured)."""
@@ -159,6 +166,33 @@ def check_fits(shape: Shape, *, microbatches: int = 1, ranks: int = 0, copies: f
                           f"a CPU core){fix}")
 
 
+def check_fits_gpu(shape: Shape, *, microbatches: int = 1, ranks: int = 1, gpus: int = 1, copies: float = 1.0,
+                   gpu_bytes: int, what: str = "the run") -> None:
+    """Refuse a run whose ranks cannot hold their part of the model on ``gpus`` GPUs of ``gpu_bytes`` each: per
+    GPU, the CUDA contexts of the ranks that share it (:data:`CONTEXT_BYTES`), its share of the parameters held
+    ``copies`` times and one microbatch's activations; or whose step is over :data:`GPU_STEP_FLOPS`."""
+    gpus = max(1, gpus)
+    per_gpu = -(-ranks // gpus)
+
+    def need(s: Shape) -> float:
+        rows = max(1, s.batch // microbatches)
+        return per_gpu * CONTEXT_BYTES + copies * parameters(s) * FLOAT_BYTES / gpus + activation_bytes(s, rows)
+
+    total = need(shape)
+    if total > gpu_bytes:
+        fix = _fix(shape, lambda s: need(s) <= gpu_bytes)
+        if per_gpu * CONTEXT_BYTES > gpu_bytes:
+            fix = f": use at most {max(1, gpus * (gpu_bytes // CONTEXT_BYTES))} ranks"
+        raise ConfigError(f"{what} would need at least {format_bytes(total)} on each GPU ({_describe(shape)}; "
+                          f"{ranks} ranks on {gpus} GPU{'s' if gpus > 1 else ''}; parameters held {copies:g} times; "
+                          f"one microbatch's activations) but a GPU here has {format_bytes(gpu_bytes)}{fix}")
+    flops = step_flops(shape)
+    if flops > GPU_STEP_FLOPS:
+        fix = _fix(shape, lambda s: step_flops(s) <= GPU_STEP_FLOPS)
+        raise ConfigError(f"{what} would take about {flops:.1e} floating-point operations per step "
+                          f"({_describe(shape)}), over pipefold's limit of {GPU_STEP_FLOPS:.0e} on GPUs{fix}")
+
+
 def _describe(shape: Shape) -> str:
     if shape.model == "gpt":
         return (f"gpt with {shape.layers} blocks of width {shape.hidden}, batch {shape.batch} x sequence "
@@ -203,9 +237,23 @@ def _largest(fits: Callable[[int], bool], upper: int) -> int | None:
     return lo
 
 
-def check_model(model: Any, **kwargs: Any) -> None:
+def check_model(model: Any, *, gpu: tuple[int, int] | None = None, **kwargs: Any) -> None:
     """:func:`check_fits` for a :class:`~pipefold.models.base.Model` that gives its size (``Model.size``); one that
-    does not is not checked."""
+    does not is not checked. With ``gpu`` (GPUs, bytes of each) the ranks run there: :func:`check_fits_gpu`,
+    and the host holds only the processes and what the launcher builds to measure (``measures`` copies)."""
     shape = model.size()
-    if shape is not None:
+    if shape is None:
+        return
+    if gpu is None:
+        kwargs.pop("measures", None)
         check_fits(shape, **kwargs)
+        return
+    gpus, gpu_bytes = gpu
+    measures = kwargs.pop("measures", 0)
+    check_fits_gpu(shape, gpus=gpus, gpu_bytes=gpu_bytes, **kwargs)
+    available = available_memory()
+    host = kwargs.get("ranks", 0) * RANK_BYTES + measures * parameters(shape) * FLOAT_BYTES
+    if available is not None and host > available:
+        raise ConfigError(f"{kwargs.get('what', 'the run')} would need at least {format_bytes(host)} of host memory "
+                          f"(its processes, and the model built once to measure it) but this machine has "
+                          f"{format_bytes(available)} available: use --partition even or fewer ranks")

@@ -29,6 +29,14 @@ service time runs from the latest of the three (posted, receive posted, the mess
 delivered) until it was delivered. Bytes over service time is the link's observed bandwidth, what
 ``adaptive-kfkb`` decides with (:mod:`pipefold.adapt`).
 
+On GPUs that ranks share (gloo, which moves host memory only: ``Links(staged=True)``), a send is copied
+into pinned host memory on the rank's communication stream, after the compute stream's work so far; the
+link's thread waits for that copy, lets go of the GPU tensor and hands the host copy to gloo. A receive
+lands in pinned host memory and is copied onto the GPU on the communication stream when it is taken, the
+compute stream waiting for the copy only. So on the GPU a message holds device memory from its
+production until its copy out, and from its copy in until its consumer is done; the bytes in flight
+sit in host memory, which the meter does not count (it counts the device's).
+
 A send keeps its tensors alive until it is delivered, and no longer. NCCL's
 work handles say when (``is_completed``); gloo's do not until ``wait()`` is
 called, and ``wait()`` blocks until the receiver has posted its receive. So on
@@ -124,7 +132,47 @@ class _Deferred:
         return work
 
 
-_Send = tuple["dist.Work | _Deferred", tuple[torch.Tensor, ...], int, float, int]
+class _Staged:
+    """A send of a GPU tensor over gloo: copied into pinned host memory on the communication stream now; the
+    link's thread waits for the copy, drops the GPU tensor and sends the host copy. (Without a stream, on the
+    CPU, the copy is made at once: the same path, for the tests of machines without a GPU.)"""
+
+    def __init__(self, tensor: torch.Tensor, peer: int, tag: int, stream: torch.cuda.Stream | None) -> None:
+        self.peer, self.tag = peer, tag
+        self.copied: torch.cuda.Event | None = None
+        if stream is None:
+            self.host = tensor.clone()
+        else:
+            self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            stream.wait_stream(torch.cuda.current_stream(tensor.device))  # after what produced the tensor
+            with torch.cuda.stream(stream):
+                self.host.copy_(tensor, non_blocking=True)
+                self.copied = torch.cuda.Event()
+                self.copied.record(stream)
+        self.tensor: torch.Tensor | None = tensor  # alive until copied out
+
+    def post(self) -> dist.Work:
+        if self.copied is not None:
+            self.copied.synchronize()
+        self.tensor = None  # the device's bytes are free from here on; the host copy travels
+        work = dist.isend(self.host, self.peer, tag=self.tag)
+        assert work is not None
+        return work
+
+
+class Incoming:
+    """A posted receive: :meth:`wait` returns its tensors, on the rank's device."""
+
+    def __init__(self, works: list[dist.Work], buffers: tuple[torch.Tensor, ...], links: Links) -> None:
+        self.works, self.buffers, self._links = works, buffers, links
+
+    def wait(self) -> tuple[torch.Tensor, ...]:
+        for w in self.works:
+            w.wait()
+        return self._links.land(self.buffers) if self._links.staged else self.buffers
+
+
+_Send = tuple["dist.Work | _Deferred | _Staged", tuple[torch.Tensor, ...], int, float, int]
 """A send: its work handle (or the send to post later), the tensors it reads, their bytes, when it was posted
 (``time.time``), its tag."""
 
@@ -181,7 +229,7 @@ class _Outbox:
             # Not the tensors: a name bound to them would outlive the send.
             work, nbytes, posted_at, tag = item[0], item[2], item[3], item[4]
             try:
-                if isinstance(work, _Deferred):
+                if isinstance(work, (_Deferred, _Staged)):
                     work = work.post()
                 work.wait()
             except BaseException as exc:  # noqa: BLE001 (reported on the rank's own thread by the next call)
@@ -225,7 +273,7 @@ class _Outbox:
 
 
 def _work(send: _Send) -> dist.Work:
-    assert not isinstance(send[0], _Deferred), "emulated links are threaded"
+    assert not isinstance(send[0], (_Deferred, _Staged)), "emulated and staged links are threaded"
     return send[0]
 
 
@@ -238,8 +286,13 @@ class Links:
 
     def __init__(self, stages: int, microbatches: int, device: torch.device, meter: MemoryMeter, *,
                  log: bool = False, timeout: float | None = None, network: Network | None = None,
-                 rank: int = 0, origin: float = 0.0, ranks: Sequence[int] | None = None) -> None:
+                 rank: int = 0, origin: float = 0.0, ranks: Sequence[int] | None = None,
+                 staged: bool = False) -> None:
         self.S, self.M = stages, microbatches
+        self.staged = staged
+        """GPU tensors over gloo: through pinned host memory, copied on :attr:`stream`."""
+        self.stream = torch.cuda.Stream(device) if staged and device.type == "cuda" else None
+        """The communication stream: copies to and from host memory (staged links on a GPU)."""
         self.ranks = ranks
         """The process-group rank of each pipeline device (None: device d is rank d); peers are devices."""
         self.device = device
@@ -268,6 +321,11 @@ class Links:
         """Post a send now, or, over an emulated link, have the link's thread post it when it is due."""
         outbox = self._outbox(peer)
         posted_at = time.time()
+        if self.staged:
+            if self.log is not None:
+                self.log.append(("send", peer, tag))
+            outbox.post((_Staged(t, self.rank_of(peer), tag, self.stream), (), nbytes, posted_at, tag))
+            return
         if self.network is None:
             outbox.post((self._post("send", t, peer, tag), (t,), nbytes, posted_at, tag))
             return
@@ -278,7 +336,7 @@ class Links:
     def _outbox(self, peer: int) -> _Outbox:
         if peer not in self.outboxes:
             # gloo's handles report completion only through wait(): a thread per link waits on them.
-            self.outboxes[peer] = _Outbox(peer, threaded=self.device.type != "cuda")
+            self.outboxes[peer] = _Outbox(peer, threaded=self.device.type != "cuda" or self.staged)
         return self.outboxes[peer]
 
     def _post(self, op: str, t: torch.Tensor, peer: int, tag: int) -> dist.Work:
@@ -304,24 +362,52 @@ class Links:
             self.meter.hold((t,), "send")  # a copy when ``t`` was not contiguous; already counted otherwise
             self._post_send(t, peer, self.tag(direction, stage, microbatch, i), t.untyped_storage().nbytes())
 
-    def recv(self, direction: int, stage: int, microbatch: int, metas: tuple[Meta, ...],
-             peer: int) -> tuple[list[dist.Work], tuple[torch.Tensor, ...]]:
-        """Post the receives into fresh buffers; the caller waits on the handles before use."""
-        bufs = tuple(m.empty(self.device) for m in metas)
-        self.meter.hold(bufs, "recv")
+    def recv(self, direction: int, stage: int, microbatch: int, metas: tuple[Meta, ...], peer: int) -> Incoming:
+        """Post the receives into fresh buffers (pinned host memory on a staged link); the caller takes the
+        tensors with :meth:`Incoming.wait`."""
+        if self.staged:
+            bufs = tuple(torch.empty(m.shape, dtype=m.dtype, pin_memory=self.stream is not None) for m in metas)
+        else:
+            bufs = tuple(m.empty(self.device) for m in metas)
+            self.meter.hold(bufs, "recv")
         self.recv_posted.setdefault(peer, {})[self.tag(direction, stage, microbatch, 0)] = time.time()
         works = []
         for i, b in enumerate(bufs):
             works.append(self._post("recv", b, peer, self.tag(direction, stage, microbatch, i)))
-        return works, bufs
+        return Incoming(works, bufs, self)
+
+    def land(self, host: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """Received host buffers onto the device, copied on the communication stream; the current (compute)
+        stream waits for the copies, and the copies' memory for the compute stream's use of them."""
+        if self.stream is None:  # staged on the CPU (tests): the copy the GPU would make
+            out = tuple(b.clone() for b in host)
+            self.meter.hold(out, "recv")
+            return out
+        compute = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.stream):
+            out = tuple(b.to(self.device, non_blocking=True) for b in host)
+        compute.wait_stream(self.stream)
+        for t in out:
+            t.record_stream(compute)  # allocated on the copy stream, read and freed on the compute stream
+        self.meter.hold(out, "recv")
+        return out
+
+    @property
+    def _header_device(self) -> torch.device:
+        """NCCL sends only tensors on the GPU; gloo only host memory."""
+        return torch.device("cpu") if self.staged else self.device
 
     def send_header(self, stage: int, metas: tuple[Meta, ...], peer: int) -> None:
-        h = encode_header(metas).to(self.device)  # NCCL sends only tensors on the GPU
-        self._post_send(h, peer, self.tag(HEADER, stage, 0, 0), 0)  # a few bytes of metadata: not activations
+        h = encode_header(metas).to(self._header_device)
+        tag = self.tag(HEADER, stage, 0, 0)
+        if self.staged:  # a host tensor already: straight to gloo, no copy
+            self._outbox(peer).post((self._post("send", h, peer, tag), (h,), 0, time.time(), tag))
+            return
+        self._post_send(h, peer, tag, 0)  # a few bytes of metadata: not activations
 
     def post_header_recv(self, stage: int, peer: int) -> tuple[dist.Work, torch.Tensor]:
         """Post the receive of a header; :func:`decode_header` reads it once the work is done."""
-        h = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
+        h = torch.zeros(_HEADER, dtype=torch.int64, device=self._header_device)
         return self._post("recv", h, peer, self.tag(HEADER, stage, 0, 0)), h
 
     def reap_sends(self) -> None:

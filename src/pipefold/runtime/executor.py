@@ -40,7 +40,7 @@ from torch import nn
 from pipefold.errors import ConfigError
 from pipefold.ir import KINDS, Action, Graph, Kind, Schedule, dependency_graph
 from pipefold.runtime import sharding
-from pipefold.runtime.comm import BACKWARD, FORWARD, HEADER, Links, Meta, decode_header, metas_of
+from pipefold.runtime.comm import BACKWARD, FORWARD, HEADER, Incoming, Links, Meta, decode_header, metas_of
 
 if TYPE_CHECKING:
     from pipefold.network import Network
@@ -273,7 +273,7 @@ class _Inbox:
         self.src, self.messages = src, messages
         self.position = {msg: i for i, msg in enumerate(messages)}
         self.next = 0  # messages[:next] have been posted
-        self.posted: dict[_Message, _Pending] = {}  # posted, not yet taken
+        self.posted: dict[_Message, Incoming] = {}  # posted, not yet taken
         self.headers: dict[int, tuple[dist.Work, torch.Tensor]] = {}  # stage -> its header's receive
 
 
@@ -286,8 +286,14 @@ class RankExecutor:
                  timeout: float | None = None, optimizers: Mapping[int, Callable[[], Any]] | None = None,
                  network: Network | None = None, origin: float = 0.0, work: StepWork | None = None,
                  pipelines: Sequence[Sequence[int]] | None = None, pipeline: int = 0, dp_group: Any = None,
-                 sharded: bool = False, activity: Activity | None = None) -> None:
+                 sharded: bool = False, activity: Activity | None = None, staged: bool = False,
+                 overlap: bool = True) -> None:
         self.schedule, self.rank, self.device = schedule, rank, device
+        cuda = device.type == "cuda"
+        self._side = torch.cuda.Stream(device) if cuda and overlap else None
+        self._losses: dict[int, torch.Tensor] = {}  # the step's losses, by microbatch, read at its end
+        """On a GPU: the stream an overlapped pair's forward runs on while its backward runs on the compute stream
+        (None: the parts run one after the other)."""
         self.activity = activity if activity is not None else Activity(rank)
         """What the rank is doing, for the job's watch (:mod:`pipefold.runtime.watch`): each action, each wait."""
         self.meter = MemoryMeter()
@@ -322,7 +328,7 @@ class RankExecutor:
         pipelines = pipelines or [list(range(schedule.devices))]
         self.links = Links(schedule.stages, schedule.microbatches, device, self.meter, log=log_messages,
                            timeout=timeout, network=network, rank=rank, origin=origin,
-                           ranks=pipelines[pipeline] if len(pipelines) > 1 or pipeline else None)
+                           ranks=pipelines[pipeline] if len(pipelines) > 1 or pipeline else None, staged=staged)
         self._in_meta: dict[int, tuple[Meta, ...]] = {}  # stage -> metas of its input, when received
         self._out_meta: dict[int, tuple[Meta, ...]] = {}  # stage -> metas of its output
         self._last_shape: Any = None
@@ -387,12 +393,11 @@ class RankExecutor:
             self.work.begin(self.actions, self.meter)
         received = self._received[new_shapes]
         settled = dict.fromkeys(received, 0)
+        self._losses = {}
+        clock = _Clock(self.device, self.meter.t0)
+        self.meter.t0 = clock.t0  # the memory curve counts from the same moment
         stats.started_at = time.time()
         cpu0 = time.process_time()
-        t0 = self.meter.t0
-
-        def clock() -> float:
-            return time.perf_counter() - t0
 
         activity = self.activity
         for idx, action in enumerate(self.actions):
@@ -404,8 +409,7 @@ class RankExecutor:
             for ahead in self.actions[idx:idx + LOOKAHEAD]:
                 for wanted in self._remote_messages(ahead):
                     self._post_until(*wanted, block=False)
-            for part in action.passes:  # an overlapped pair runs its forward, then its backward
-                self._run(part, inputs, targets, local, new_shapes, clock, stats)
+            self._run_action(action, inputs, targets, local, new_shapes, clock, stats)
             self.links.reap_sends()
             if probe is not None:
                 probe()
@@ -422,6 +426,8 @@ class RankExecutor:
         self.links.wait_sends()
         activity.resume("the end of the step", action=False)
         stats.events.append(Event("wait sends", "send", start, clock()))
+        clock.finish(stats.events)  # on a GPU: waits for it, then reads its events
+        stats.losses = {mb: float(loss) for mb, loss in sorted(self._losses.items())}  # one sync, at the end
         stats.wall = clock()
         stats.cpu = time.process_time() - cpu0
         stats.busy = sum(e.end - e.start for e in stats.events if e.kind in COMPUTE_KINDS)
@@ -440,8 +446,30 @@ class RankExecutor:
             self.links.log.clear()
         return stats
 
+    def _run_action(self, action: Action, inputs: list[Tensors], targets: list[Any],
+                    local: dict[tuple[int, int, int], Tensors], new_shapes: bool, clock: _Clock,
+                    stats: StepStats) -> None:
+        """Run one action. An overlapped pair (``FB``) on a GPU runs its forward on a side stream while its
+        backward runs on the compute stream, so that one's kernels fill the other's gaps (DualPipe's overlap);
+        elsewhere it runs its forward, then its backward."""
+        parts = action.passes
+        if len(parts) == 1 or self._side is None:
+            for part in parts:
+                self._run(part, inputs, targets, local, new_shapes, clock, stats)
+            return
+        compute = torch.cuda.current_stream(self.device)
+        forward, backward = parts
+        self._side.wait_stream(compute)  # what the forward reads was made on the compute stream
+        with torch.cuda.stream(self._side):
+            # The forward's kernels are queued first, then the backward's on the other stream: the GPU runs them
+            # side by side. Autograd runs this forward's own backward later on this same stream, and makes the
+            # calling stream wait for it.
+            self._run(forward, inputs, targets, local, new_shapes, clock, stats)
+        self._run(backward, inputs, targets, local, new_shapes, clock, stats)
+        compute.wait_stream(self._side)  # what comes next may read the forward's output
+
     def _run(self, action: Action, inputs: list[Tensors], targets: list[Any],
-             local: dict[tuple[int, int, int], Tensors], new_shapes: bool, clock: Callable[[], float],
+             local: dict[tuple[int, int, int], Tensors], new_shapes: bool, clock: _Clock,
              stats: StepStats) -> None:
         """Run one simple action (not a composite) on its stage."""
         S, M = self.schedule.stages, self.schedule.microbatches
@@ -455,31 +483,31 @@ class RankExecutor:
                 start = clock()
                 gathering.wait()
                 stats.events.append(Event(f"wait {s}{Kind.AG}", "comm", start, clock()))
-            start = clock()
+            start = clock.mark()
             with self.work.forward(action) if self.work is not None else contextlib.nullcontext():
                 out = runner.forward(mb, x, targets[mb] if s == S - 1 else None, scale=1.0 / M)
             del x
-            stats.events.append(Event(str(action), "F", start, clock()))
+            clock.interval(stats.events, str(action), "F", start)
             if s < S - 1:
                 self._hand_on(FORWARD, s + 1, mb, out, local, new_shapes, stats)
             else:
-                stats.losses[mb] = float(runner.losses.pop(mb))
+                self._losses[mb] = runner.losses.pop(mb)  # read after the step: no wait for the GPU here
             del out
         elif action.kind == Kind.W:
-            start = clock()
+            start = clock.mark()
             runner.backward_weight(mb)
-            stats.events.append(Event(str(action), "W", start, clock()))
+            clock.interval(stats.events, str(action), "W", start)
         elif action.kind == Kind.R:
-            start = clock()
+            start = clock.mark()
             for p in runner.params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 # Started now, waited for by the stage's OPT or at the step's end: it overlaps what comes next.
                 self._reductions.setdefault(s, []).append(dist.all_reduce(p.grad, group=self._groups[s],
                                                                           async_op=True))
-            stats.events.append(Event(str(action), "R", start, clock()))
+            clock.interval(stats.events, str(action), "R", start)
         elif action.kind == Kind.DP:
-            start = clock()
+            start = clock.mark()
             if s in self._reductions:
                 self.activity.wait(where, f"the all-reduce of stage {s}", self._group_ranks.get(s, ()))
             for work in self._reductions.pop(s, ()):
@@ -492,36 +520,36 @@ class RankExecutor:
                 p.grad.mul_(share)  # the mean over the pipelines, each having averaged over its own shard
                 self._reductions.setdefault(s, []).append(dist.all_reduce(p.grad, group=self.dp_group,
                                                                           async_op=True))
-            stats.events.append(Event(str(action), "DP", start, clock()))
+            clock.interval(stats.events, str(action), "DP", start)
         elif action.kind == Kind.AG:
-            start = clock()
+            start = clock.mark()
             self._gathers[s] = sharding.gather(runner.module)
-            stats.events.append(Event(str(action), Kind.AG, start, clock()))
+            clock.interval(stats.events, str(action), Kind.AG, start)
         elif action.kind == Kind.RS:
-            start = clock()
+            start = clock.mark()
             for work in self._reductions.pop(s, ()):
                 work.wait()
             sharding.reduce_scatter(runner.module)
-            stats.events.append(Event(str(action), Kind.RS, start, clock()))
+            clock.interval(stats.events, str(action), Kind.RS, start)
         elif action.kind == Kind.OPT:
-            start = clock()
+            start = clock.mark()
             if s in self._reductions:
                 self.activity.wait(where, f"the all-reduce of stage {s}", self._reduce_ranks(s))
             for work in self._reductions.pop(s, ()):
                 work.wait()
             self.activity.resume(where)
             self.optimizers[s]()
-            stats.events.append(Event(str(action), "OPT", start, clock()))
+            clock.interval(stats.events, str(action), "OPT", start)
         elif self.work is not None and action.kind in self.work.kinds:
-            start = clock()
+            start = clock.mark()
             self.work.run(action)
-            stats.events.append(Event(str(action), action.kind, start, clock()))
+            clock.interval(stats.events, str(action), action.kind, start)
         else:
             dy = None if s == S - 1 else self._take(BACKWARD, action, local, clock, stats)
-            start = clock()
+            start = clock.mark()
             dx = runner.backward_input(mb, dy) if action.kind == Kind.B else runner.backward(mb, dy)
             del dy
-            stats.events.append(Event(str(action), action.kind, start, clock()))
+            clock.interval(stats.events, str(action), action.kind, start)
             if s > 0 and dx is not None:
                 self._hand_on(BACKWARD, s - 1, mb, dx, local, new_shapes, stats)
             del dx
@@ -559,8 +587,7 @@ class RankExecutor:
                 metas = self._metas(inbox, msg, block=block)
                 if metas is None:
                     return
-                inbox.posted[msg] = _Pending(*self.links.recv(msg.direction, msg.stage, msg.microbatch, metas,
-                                                               inbox.src))
+                inbox.posted[msg] = self.links.recv(msg.direction, msg.stage, msg.microbatch, metas, inbox.src)
             inbox.next += 1
 
     def _metas(self, inbox: _Inbox, msg: _Message, *, block: bool) -> tuple[Meta, ...] | None:
@@ -582,7 +609,7 @@ class RankExecutor:
         return tuple(m for m in self._out_meta[s] if m.dtype.is_floating_point)
 
     def _take(self, direction: int, action: Action, local: dict[tuple[int, int, int], Tensors],
-              clock: Callable[[], float], stats: StepStats) -> Tensors:
+              clock: _Clock, stats: StepStats) -> Tensors:
         s, mb = action.stage, action.microbatch
         key = (direction, s, mb)
         if key in local:
@@ -593,12 +620,10 @@ class RankExecutor:
         self.activity.wait(where, "an activation" if direction == FORWARD else "a gradient",
                            (self.links.rank_of(inbox.src),))
         self._post_until(inbox, msg, block=True)
-        pending = inbox.posted.pop(msg)
-        for w in pending.works:
-            w.wait()
+        tensors = inbox.posted.pop(msg).wait()
         self.activity.resume(where)
         stats.events.append(Event(f"recv {action}", "recv", start, clock()))
-        return pending.tensors
+        return tensors
 
     def _hand_on(self, direction: int, stage: int, mb: int, tensors: Tensors,
                  local: dict[tuple[int, int, int], Tensors], new_shapes: bool, stats: StepStats) -> None:
@@ -636,9 +661,55 @@ def _tensors(x: Any) -> list[torch.Tensor]:
     return [t for t in x if isinstance(t, torch.Tensor)] if isinstance(x, (tuple, list)) else []
 
 
-@dataclass
-class _Pending:
-    """A posted receive: its work handles and the buffers it fills."""
+class _Clock:
+    """The step's times, in seconds from its start.
 
-    works: list[dist.Work]
-    tensors: Tensors
+    On the CPU every interval is read from the host's clock. On a GPU the host only queues kernels, so an
+    action's interval is bounded by CUDA events recorded on the stream it runs on, read once the step is
+    over (:meth:`finish`): the intervals are when the GPU ran them. Waits (for a receive, an all-reduce)
+    are the host's; the step starts after the GPU finished what came before, so both count from the same
+    moment.
+    """
+
+    def __init__(self, device: torch.device, t0: float) -> None:
+        self.t0 = t0
+        self.cuda = device.type == "cuda"
+        self._zero: Any = None
+        self._pending: list[tuple[Event, Any, Any]] = []
+        if self.cuda:
+            torch.cuda.synchronize(device)
+            self._zero = torch.cuda.Event(enable_timing=True)
+            self._zero.record()
+            self.t0 = time.perf_counter()
+
+    def __call__(self) -> float:
+        """Host seconds since the step's start."""
+        return time.perf_counter() - self.t0
+
+    def mark(self) -> Any:
+        """The start of an action: the host time, or an event on the current stream."""
+        if not self.cuda:
+            return self()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def interval(self, events: list[Event], name: str, kind: str, start: Any) -> None:
+        """Record an action that began at ``start`` (:meth:`mark`) and ends now."""
+        if not self.cuda:
+            events.append(Event(name, kind, start, self()))
+            return
+        event = Event(name, kind, 0.0, 0.0)
+        events.append(event)
+        self._pending.append((event, start, self.mark()))
+
+    def finish(self, events: list[Event]) -> None:
+        """Wait for the GPU and fill in the actions' intervals from their events."""
+        if not self.cuda:
+            return
+        torch.cuda.synchronize()
+        for event, start, end in self._pending:
+            event.start = self._zero.elapsed_time(start) / 1e3
+            event.end = self._zero.elapsed_time(end) / 1e3
+        self._pending.clear()
+        events.sort(key=lambda e: e.start)

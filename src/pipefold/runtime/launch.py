@@ -43,6 +43,7 @@ from torch import nn
 from pipefold.errors import ConfigError, Interrupted
 from pipefold.ir import Kind, Schedule
 from pipefold.runtime import numerics, sharding
+from pipefold.runtime.devices import Placement, place
 from pipefold.runtime.executor import RankExecutor, StepStats
 from pipefold.runtime.history import KEEP_FIRST, StepHistory
 from pipefold.runtime.numerics import clip_factor, local_check, scale_grads, verdict
@@ -185,12 +186,25 @@ class Job:
     fails (Zero Bubble's post-validation, :mod:`pipefold.runtime.numerics`)."""
     max_bad_steps: int = 3
     """Stop the run after this many steps in a row whose loss or gradients were NaN or inf (each skipped)."""
+    device: str = "auto"
+    """Where the ranks compute: "cpu", "cuda", or "auto" (a GPU when torch sees one); see
+    :mod:`pipefold.runtime.devices`."""
+    backend: str = "auto"
+    """How their tensors cross: "nccl" (a GPU per rank), "gloo" (the CPU, or GPUs that ranks share, through host
+    memory) or "auto"."""
+    overlap: bool = True
+    """On a GPU, run an overlapped pair's (``FB``) forward and backward at once on two streams; False: one after
+    the other, as on the CPU."""
     extra: dict[str, Any] = field(default_factory=dict)
+    """What the launcher passes through (the model's layer count, the recomputation plan...). For the tests of
+    machines without a GPU, ``extra["stage_through_host"]`` makes CPU ranks send the way ranks sharing a GPU do
+    (a copy made to send, off the meter once made; a copy made on arrival; :mod:`pipefold.runtime.comm`)."""
 
     def __post_init__(self) -> None:
         # Checked here, in the launcher, so that a bad value is one line before any rank starts.
         if self.steps < 1:
             raise ConfigError(f"steps must be at least 1 (got {self.steps})")
+        placement(self)  # a device or backend this machine cannot give: one line, before any rank starts
         if self.keep_steps < 1:
             raise ConfigError(f"keep_steps is how many first steps each rank keeps in full: at least 1 (got "
                               f"{self.keep_steps})")
@@ -396,15 +410,16 @@ def _shapes(x: Any) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(t.shape) for t in as_tuple(x))
 
 
-def _device(rank: int) -> torch.device:
-    """This rank's compute device: a GPU of its own when there are any (NCCL), else the CPU (gloo)."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", rank % torch.cuda.device_count())
-    return torch.device("cpu")
+def placement(job: Job) -> Placement:
+    """Where the job's ranks on this machine compute and how they talk (:func:`pipefold.runtime.devices.place`):
+    every rank of a local job, this node's under torchrun."""
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) if under_torchrun() else 0
+    return place(job.device, job.backend, ranks=ranks or job.dp * job.schedule.devices)
 
 
-def _backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+def local_rank(rank: int) -> int:
+    """This process's rank on its node (torchrun's LOCAL_RANK; the rank itself when spawned here)."""
+    return int(os.environ.get("LOCAL_RANK", rank)) if under_torchrun() else rank
 
 
 def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
@@ -420,7 +435,10 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     global_rank = pipeline * job.schedule.devices + rank
     activity = activity if activity is not None else Activity(global_rank)
     everyone = tuple(r for r in range(world) if r != global_rank)
-    device = _device(global_rank)
+    placed = placement(job)
+    device = placed.device_of(local_rank(global_rank))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if job.dp > 1:
         activity.wait("start-up", "the device mesh", everyone, action=False)
     pipelines, dp_mesh = _mesh(job) if job.dp > 1 else (None, None)
@@ -472,7 +490,8 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
                 log_messages=job.log_messages, timeout=pg_timeout(job.action_timeout_s), network=job.network,
                 origin=origin or 0.0,
                 optimizers={s: _speculative(s, o, modules[s], stage_snaps) for s, o in stage_opts.items()}, work=work,
-                pipelines=pipelines, pipeline=pipeline, dp_group=dp_group, sharded=job.fsdp, activity=activity)
+                pipelines=pipelines, pipeline=pipeline, dp_group=dp_group, sharded=job.fsdp, activity=activity,
+                staged=placed.staged or bool(job.extra.get("stage_through_host")), overlap=job.overlap)
         return executors[index]
 
     current, predicted = 0, None
@@ -545,8 +564,8 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
         if job.save_grads_of_step == step:
             # With K-FAC, the gradients as the backward left them, before the schedule's KP preconditioned them.
             raw = work.raw_grads() if work is not None else {}
-            grads = {name: sharding.full(raw.get(id(p), p.grad)).detach().clone() for name, p in _named(job, chains)
-                     if p.grad is not None}
+            grads = {name: sharding.full(raw.get(id(p), p.grad)).detach().to("cpu", copy=True)
+                     for name, p in _named(job, chains) if p.grad is not None}
         activity.run("the step's report", action=False)
         stats.schedule, stats.predicted = _spec(choices[current]), predicted
         history.add(stats)
@@ -607,7 +626,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     if job.save_model is not None and stopped is None:
         _save_model(job, chains, job.save_model, global_rank, pipeline, world)
     resident = sum(w.tracker.peak_resident_bytes for w in offloaded)
-    weights = ({name: sharding.full(p.detach()).clone() for name, p in _named(job, chains)}
+    weights = ({name: sharding.full(p.detach()).to("cpu", copy=True) for name, p in _named(job, chains)}
                if job.save_weights else None)
     static = _static_bytes(params, optimizers) + (work.state_bytes() if work is not None else 0)
     report = RankReport(global_rank, history, grads, _peak_rss(), resident, weights, static,
@@ -624,8 +643,7 @@ def _mesh(job: Job) -> tuple[list[list[int]], Any]:
     of this rank's copies across the pipelines."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (job.dp, job.schedule.devices),
-                            mesh_dim_names=("dp", "pp"))
+    mesh = init_device_mesh(placement(job).device, (job.dp, job.schedule.devices), mesh_dim_names=("dp", "pp"))
     return mesh.mesh.tolist(), mesh["dp"]
 
 
@@ -703,6 +721,7 @@ def _tracked_step(executor: RankExecutor, params: list[nn.Parameter], xs: list[T
         return sum(snap["Total"] - sum(v for k, v in snap.items() if k in outside) for snap in snapshot.values())
 
     pairs: list[tuple[int, int]] = []  # (meter, tracker) after each action
+    allocated: list[int] = []  # on CUDA, the allocator's bytes beyond those before the step, after each action
 
     def probe() -> None:
         # A link's thread may drop a delivered send between two reads: read again until the tracker holds still.
@@ -713,6 +732,8 @@ def _tracked_step(executor: RankExecutor, params: list[nn.Parameter], xs: list[T
             if first == after:
                 break
         pairs.append((held, after))
+        if cuda:
+            allocated.append(torch.cuda.memory_allocated(executor.device) - before)
 
     with tracker:
         # What lives from step to step (parameters, gradients, K-FAC's state) is not the step's memory.
@@ -729,6 +750,7 @@ def _tracked_step(executor: RankExecutor, params: list[nn.Parameter], xs: list[T
     if cuda:
         torch.cuda.synchronize(executor.device)
         stats.memory_check["allocator_peak"] = torch.cuda.max_memory_allocated(executor.device) - before
+        stats.memory_check["allocator_between_actions"] = max(allocated)
     return stats
 
 
@@ -920,7 +942,10 @@ def _spawned(rank: int, job: Job, world: int, port: int, out_dir: str, progress:
             host = job.netns.addresses[0]
         torch.set_num_threads(1)
         activity.wait("start-up", "the process group", others, action=False)
-        dist.init_process_group(_backend(), init_method=f"tcp://{host}:{port}", rank=rank, world_size=world,
+        where = placement(job)
+        if where.device == "cuda":
+            torch.cuda.set_device(where.device_of(rank))
+        dist.init_process_group(where.backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=pg_timeout(job.action_timeout_s)))
         run_rank(job, rank, world, out_dir, on_step=lambda *a: progress.put(a), activity=activity)
         activity.wait("the end of the job", "every rank to finish", others, action=False)
@@ -1219,13 +1244,18 @@ class _TorchrunWatch:
 _WATCH: _TorchrunWatch | None = None
 
 
-def join_torchrun_group(action_timeout_s: float = DEFAULT_ACTION_TIMEOUT) -> tuple[int, int]:
+def join_torchrun_group(action_timeout_s: float = DEFAULT_ACTION_TIMEOUT, device: str = "auto",
+                        backend: str = "auto") -> tuple[int, int]:
     """Join the process group torchrun set up for this process (once), with the timeout that goes with the action
-    timeout (:func:`pipefold.runtime.watch.pg_timeout`), and start the rank's watch; return (rank, world size).
+    timeout (:func:`pipefold.runtime.watch.pg_timeout`) and the backend that ``device`` and ``backend`` give on
+    this node (:func:`pipefold.runtime.devices.place`), and start the rank's watch; return (rank, world size).
 
     The process also ends if torchrun's agent dies (the kernel's parent-death signal, on Linux)."""
     global _WATCH
     if not dist.is_initialized():
+        where = place(device, backend, ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        if where.device == "cuda":
+            torch.cuda.set_device(where.device_of(int(os.environ.get("LOCAL_RANK", "0"))))
         die_with_parent()
         timeout = timedelta(seconds=pg_timeout(action_timeout_s))
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -1235,10 +1265,10 @@ def join_torchrun_group(action_timeout_s: float = DEFAULT_ACTION_TIMEOUT) -> tup
             rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
             store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
                                   timeout=timeout)
-            dist.init_process_group(_backend(), store=dist.PrefixStore(f"pipefold/attempt-{attempt}", store),
+            dist.init_process_group(where.backend, store=dist.PrefixStore(f"pipefold/attempt-{attempt}", store),
                                     rank=rank, world_size=world, timeout=timeout)
         else:
-            dist.init_process_group(_backend(), timeout=timeout)
+            dist.init_process_group(where.backend, timeout=timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     if _WATCH is None or _WATCH.world != world or _WATCH.rank != rank:
         _WATCH = _TorchrunWatch(rank, world, action_timeout_s)
@@ -1267,7 +1297,7 @@ def run_torchrun(job: Job, on_step: Callable[[int, float, float], None] | None =
     have one process per device of the schedule and data-parallel pipeline, on one machine or several.
     An exception ends the rank with :class:`RankError` (one line: the rank, what it was doing, the error).
     """
-    rank, world = join_torchrun_group(job.action_timeout_s)
+    rank, world = join_torchrun_group(job.action_timeout_s, job.device, job.backend)
     activity = torchrun_activity()
     try:
         if world != job.dp * job.schedule.devices:

@@ -1,0 +1,280 @@
+"""Everything pipefold claims on a CUDA GPU, checked and measured in one call: ``make gpu-check``.
+
+Sections (``--only`` picks some; each runs on its own, so one failing does not hide the others):
+
+    tests     pytest tests/test_cuda.py: every schedule's gradients against one process on the same GPU,
+              overlapped pairs on two streams, recomputation, offloading, replicas, K-FAC, dp, ZeRO-1,
+              FSDP, the meter against the caching allocator
+    memory    the GPT where activations dominate (16 blocks, hidden 1024, sequence 1024, 16 microbatches,
+              4 ranks, time-balanced split): per rank the meter's peak, the allocator's level between
+              actions and its peak (``torch.cuda.max_memory_allocated``), the simulator's prediction; the
+              V-shape schedules' peaks over 1F1B's against the papers' 0.75 / 0.5 / 1.0
+    overlap   dualpipev and dualpipe with their F+B pairs on two streams and one after the other
+    speed     step time against torch.distributed.pipelining on the same GPU (benchmarks/vs_torch.py
+              --device cuda) and against one process training the same model on the GPU
+    offload   benchmarks/offload_gpu.py: peak device memory and step time with layers offloaded,
+              beside accelerate's cpu_offload
+
+It writes ``OUT/report.md`` (one markdown table per section), ``OUT/report.json`` and figures beside
+them. On one GPU the ranks share it, and gloo moves their tensors through pinned host memory
+(:mod:`pipefold.runtime.devices`); every figure says so.
+
+    python benchmarks/gpu_check.py --out gpu-report            # everything (about 8 minutes on an H100)
+    python benchmarks/gpu_check.py --only memory --quick       # smaller sizes
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+SECTIONS = ("tests", "memory", "overlap", "speed", "offload")
+PAPER = {"1f1b": 1.0, "v-half": 0.75, "v-min": 0.5, "zb-v": 1.0}
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.1f}"
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(out)
+
+
+# -- sections
+
+
+def tests(out: Path, quick: bool) -> dict[str, Any]:
+    """The CUDA tests, as a subprocess: its summary line and the failures."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", str(ROOT / "tests" / "test_cuda.py")]
+    if quick:
+        cmd += ["-k", "not 4]"]
+    started = time.perf_counter()
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
+    (out / "tests.log").write_text(run.stdout + run.stderr, encoding="utf-8")
+    lines = [line for line in run.stdout.splitlines() if line.strip()]
+    summary = lines[-1] if lines else run.stderr.strip().splitlines()[-1:]
+    failed = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
+    md = f"`pytest tests/test_cuda.py`: **{summary}** ({time.perf_counter() - started:.0f} s)\n"
+    if failed:
+        md += "\n" + "\n".join(f"- {line[:300]}" for line in failed) + "\n"
+    return {"summary": summary, "failed": failed, "returncode": run.returncode, "md": md}
+
+
+def memory(out: Path, quick: bool) -> dict[str, Any]:
+    """Per rank: the meter, the allocator between actions and at its peak, the simulator; ratios over 1F1B."""
+    from pipefold import simulate
+    from pipefold.runtime.launch import run_local
+    from pipefold.runtime.measure import measured_costs
+    from pipefold.train import TrainConfig, make_job
+
+    size = (dict(layers=8, hidden=512, heads=8, seq=512) if quick
+            else dict(layers=16, hidden=1024, heads=16, seq=1024))
+    rows: dict[str, Any] = {}
+    for name in ("1f1b", "v-half", "v-min", "zb-v"):
+        config = TrainConfig(schedule=name, devices=4, microbatches=16, batch=16, steps=2, model="gpt",
+                             partition="time", optimizer="sgd", device="cuda", action_timeout=300.0,
+                             **size)  # type: ignore[arg-type]
+        job = dataclasses.replace(make_job(config), verify_memory_step=1)
+        reports = sorted(run_local(job), key=lambda r: r.rank)
+        predicted = simulate(job.schedule, measured_costs(job.schedule, reports, 1)).peak_memory
+        ranks = []
+        for r, pred in zip(reports, predicted, strict=True):
+            step = r.steps[1]
+            check = step.memory_check
+            ranks.append({"meter": step.peak_activation_bytes, "allocator_between": check["allocator_between_actions"],
+                          "allocator_peak": check["allocator_peak"], "tracker_peak": check["tracker_peak"],
+                          "predicted": pred, "wall_s": step.wall})
+        rows[name] = {"ranks": ranks, "split": [len(p) for p in job.layer_stages]}
+    base = {k: max(r[k] for r in rows["1f1b"]["ranks"]) for k in ("meter", "allocator_between", "predicted")}
+    table = []
+    for name, res in rows.items():
+        for i, r in enumerate(res["ranks"]):
+            gap = r["allocator_between"] / r["meter"] - 1
+            table.append([name if i == 0 else "", i, _mib(r["meter"]), _mib(r["allocator_between"]), f"{gap:+.1%}",
+                          _mib(r["allocator_peak"]), _mib(r["predicted"]), f"{r['meter'] / r['predicted'] - 1:+.1%}"])
+        res["ratio"] = {k: max(r[k] for r in res["ranks"]) / base[k] for k in base}
+    ratios = [[name, " ".join(map(str, res["split"])), f"{res['ratio']['meter']:.3f}",
+               f"{res['ratio']['allocator_between']:.3f}", f"{res['ratio']['predicted']:.3f}", f"{PAPER[name]:.2f}"]
+              for name, res in rows.items()]
+    md = (f"GPT {size['layers']} blocks, hidden {size['hidden']}, {size['heads']} heads, sequence {size['seq']}, "
+          "16 microbatches of 1 sequence, 4 ranks sharing the GPU, time-balanced split, float32. MiB of the step's "
+          "own memory (activations, buffers, sends; parameters, gradients and optimizer state excluded).\n\n"
+          + _table(["schedule", "rank", "meter peak", "allocator between actions", "allocator vs meter",
+                    "allocator peak (temporaries too)", "simulated", "meter vs simulated"], table)
+          + "\n\nHighest rank's peak over 1F1B's:\n\n"
+          + _table(["schedule", "layers per stage", "meter", "allocator", "simulated", "paper"], ratios) + "\n")
+    _memory_figure(rows, out / "memory.png")
+    return {"rows": rows, "md": md + "\n![memory](memory.png)\n"}
+
+
+def _memory_figure(rows: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4))
+    names = list(rows)
+    width = 0.2
+    for k, (key, label) in enumerate((("meter", "pipefold's meter"), ("allocator_between", "CUDA allocator"),
+                                      ("allocator_peak", "allocator peak (temporaries)"),
+                                      ("predicted", "simulator"))):
+        for i, name in enumerate(names):
+            values = [r[key] / 2**30 for r in rows[name]["ranks"]]
+            xs = [i * 5 + j + (k - 1.5) * width for j in range(len(values))]
+            ax.bar(xs, values, width, color=f"C{k}", label=label if i == 0 else None)
+    ax.set_xticks([i * 5 + 1.5 for i in range(len(names))], names)
+    ax.set_ylabel("GiB per rank (ranks 0..3)")
+    ax.set_title("A step's memory per rank: meter, allocator and simulator")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _median_wall(reports: list[Any]) -> tuple[float, float]:
+    """Median over the steps after the first of the slowest rank's step time, and the spread (max - min)."""
+    walls = [max(r.steps.wall[i] for r in reports) for i in range(1, len(reports[0].steps.wall))]
+    return statistics.median(walls), max(walls) - min(walls)
+
+
+def overlap(out: Path, quick: bool) -> dict[str, Any]:
+    """dualpipev and dualpipe, pairs on two streams and one after the other, runs interleaved."""
+    from pipefold.train import TrainConfig, train
+
+    size = dict(layers=6, hidden=512, heads=8, seq=256) if quick else dict(layers=14, hidden=1024, heads=16, seq=512)
+    rows = []
+    results: dict[str, list[float]] = {}
+    for _ in range(1 if quick else 2):
+        for name in ("dualpipev", "dualpipe"):
+            for on in (True, False):
+                config = TrainConfig(schedule=name, devices=4, microbatches=16, batch=16, steps=6, model="gpt",
+                                     partition="even", optimizer="sgd", device="cuda", overlap=on,
+                                     **size)  # type: ignore[arg-type]
+                _, reports = train(config)
+                results.setdefault(f"{name} {'overlap' if on else 'serial'}", []).append(_median_wall(reports)[0])
+    for name in ("dualpipev", "dualpipe"):
+        a, b = results[f"{name} overlap"], results[f"{name} serial"]
+        rows.append([name, f"{1e3 * statistics.median(a):.1f}", f"{1e3 * statistics.median(b):.1f}",
+                     f"{statistics.median(a) / statistics.median(b):.3f}",
+                     " ".join(f"{1e3 * v:.1f}" for v in a + b)])
+    md = (f"GPT {size['layers']} blocks, hidden {size['hidden']}, sequence {size['seq']}, 16 microbatches, 4 ranks "
+          "sharing the GPU; median step (ms) of steps 2..6, runs interleaved.\n\n"
+          + _table(["schedule", "F+B on two streams", "one after the other", "ratio", "every run (ms)"], rows) + "\n")
+    return {"results": results, "md": md}
+
+
+def speed(out: Path, quick: bool) -> dict[str, Any]:
+    """benchmarks/vs_torch.py on the GPU, and pipefold against one process training the same model there."""
+    args = ["--device", "cuda", "--json", "--hidden", "1024" if quick else "4096", "--layers", "8",
+            "--batch", "64", "--microbatches", "8", "--steps", "4" if quick else "8"]
+    run = subprocess.run([sys.executable, str(HERE / "vs_torch.py"), *args], cwd=ROOT, capture_output=True, text=True,
+                         check=False, timeout=600)
+    (out / "vs_torch.log").write_text(run.stdout + run.stderr, encoding="utf-8")
+    try:
+        result = json.loads(run.stdout.strip().splitlines()[-1])
+    except (json.JSONDecodeError, IndexError):
+        return {"md": f"vs_torch.py failed ({run.returncode}): {run.stderr.strip()[-500:]}\n"}
+    rows = []
+    for s in result["schedules"]:
+        rows.append([s["schedule"] + "".join(f" {k}={v}" for k, v in s["options"].items()),
+                     s["pipefold"]["median_ms"] if s["pipefold"]["median_ms"] is not None else s["pipefold"]["error"],
+                     s["torch"]["median_ms"] if s["torch"]["median_ms"] is not None else s["torch"]["error"],
+                     s["ratio"] if s["ratio"] is not None else "-", "; ".join(s["notes"])])
+    single = _single_process(result["model"], quick)
+    md = (f"`python benchmarks/vs_torch.py {' '.join(args)}`: MLP hidden {result['model']['hidden']}, "
+          f"{result['model']['layers']} layers, batch {result['model']['batch']} in "
+          f"{result['model']['microbatches']} microbatches, 2 ranks sharing the GPU, SGD.\n\n"
+          + _table(["schedule", "pipefold (ms)", "torch.distributed.pipelining (ms)", "pipefold/torch", "notes"], rows)
+          + f"\n\nOne process training the same model on the GPU (no pipeline, same microbatches): "
+            f"{single:.1f} ms per step.\n")
+    return {"vs_torch": result, "single_process_ms": single, "md": md}
+
+
+def _single_process(model: dict[str, int], quick: bool) -> float:
+    """Median ms of one process's step (forward and backward of every microbatch, no optimizer) on the GPU."""
+    from pipefold.models.mlp import MLPConfig, build_mlp_layers, mlp_input, mlp_loss, mlp_target
+
+    cfg = MLPConfig(hidden=model["hidden"], layers=model["layers"])
+    layers = build_mlp_layers(cfg, list(range(cfg.num_layers)), seed=0)
+    net = torch.nn.Sequential(*(layers[i] for i in range(cfg.num_layers))).cuda()
+    x, y = mlp_input(cfg, model["batch"], 0).cuda(), mlp_target(cfg, model["batch"], 0).cuda()
+    times = []
+    for _ in range(10):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for xs, ys in zip(x.chunk(model["microbatches"]), y.chunk(model["microbatches"]), strict=True):
+            (mlp_loss(net(xs), ys) / model["microbatches"]).backward()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times[2:])
+
+
+def offload(out: Path, quick: bool) -> dict[str, Any]:
+    """benchmarks/offload_gpu.py, its JSON into the report."""
+    path = out / "offload.json"
+    args = ["--json", str(path)] + (["--quick"] if quick else [])
+    run = subprocess.run([sys.executable, str(HERE / "offload_gpu.py"), *args], cwd=ROOT, capture_output=True,
+                         text=True, check=False, timeout=600)
+    (out / "offload.log").write_text(run.stdout + run.stderr, encoding="utf-8")
+    body = run.stdout.strip()
+    return {"returncode": run.returncode, "md": f"`python benchmarks/offload_gpu.py {' '.join(args)}`:\n\n```\n"
+                                                 f"{body[-6000:]}\n```\n"}
+
+
+# -- the report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="gpu-report", help="folder for report.md, report.json and the figures")
+    parser.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    parser.add_argument("--quick", action="store_true", help="smaller models and fewer runs")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu-check: torch sees no CUDA GPU here; run it on a machine with one (the CUDA tests are skipped "
+              "in `make test`)", file=sys.stderr)
+        sys.exit(2)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    props = torch.cuda.get_device_properties(0)
+    head = (f"# pipefold on a GPU\n\n{props.name}, {props.total_memory / 2**30:.0f} GiB, torch {torch.__version__}, "
+            f"CUDA {torch.version.cuda}, {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M')}\n")
+    report: dict[str, Any] = {"gpu": props.name, "torch": torch.__version__}
+    parts = [head]
+    for name in args.only:
+        started = time.perf_counter()
+        print(f"gpu-check: {name} ...", flush=True)
+        try:
+            result = globals()[name](out, args.quick)
+        except Exception as exc:  # noqa: BLE001 (a section's failure is reported, the others still run)
+            result = {"error": f"{type(exc).__name__}: {exc}", "md": f"**failed**: `{type(exc).__name__}: {exc}`\n"}
+            (out / f"{name}.error.log").write_text(traceback.format_exc(), encoding="utf-8")
+        seconds = time.perf_counter() - started
+        result["seconds"] = round(seconds, 1)
+        report[name] = {k: v for k, v in result.items() if k != "md"}
+        parts.append(f"\n## {name} ({seconds:.0f} s)\n\n{result['md']}")
+        print(result["md"], flush=True)
+        (out / "report.md").write_text("\n".join(parts), encoding="utf-8")
+        (out / "report.json").write_text(json.dumps(report, indent=1, default=str), encoding="utf-8")
+    print(f"gpu-check: wrote {out / 'report.md'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,211 @@
+"""Ranks on a CUDA GPU: every schedule's gradients equal one process's on the same GPU, the B/W split,
+recomputation, offloading, replicas, overlapped pairs on two streams, K-FAC and data parallelism included;
+the memory meter against the caching allocator.
+
+Tests marked ``cuda`` are skipped where torch sees no GPU (CI); ``make gpu-check`` runs them on a machine with
+one. On one GPU the ranks share it: gloo moves their tensors through pinned host memory
+(:mod:`pipefold.runtime.devices`). The device and backend refusals run everywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from pipefold import names
+from pipefold.errors import ConfigError
+from pipefold.ir import Kind
+from pipefold.runtime.devices import place
+from pipefold.runtime.launch import Job, RankReport, run_local
+from pipefold.schedules import build
+from pipefold.train import TrainConfig, compare, make_job, reference_kfac, train
+
+GPU = torch.cuda.is_available()
+cuda = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU: run `make gpu-check` on a machine with one")
+TOLERANCE = 1e-5
+# Sizes stay small: every run starts its ranks' CUDA contexts. PIPEFOLD_GPU_TEST_SCALE=2 doubles the widths.
+SCALE = int(os.environ.get("PIPEFOLD_GPU_TEST_SCALE", "1"))
+
+
+def _gpt(name: str, ranks: int, **options: int) -> TrainConfig:
+    stages = build(name, ranks, 2 * ranks, **options).stages
+    return TrainConfig(schedule=name, options=tuple(options.items()), devices=ranks, microbatches=2 * ranks,
+                       steps=1, model="gpt", layers=2 * stages - 2, hidden=32 * SCALE, heads=2, seq=32,
+                       batch=2 * ranks, partition="even", device="cuda")
+
+
+# -- refusals: one line each, on any machine
+
+def test_cuda_without_a_gpu_is_one_line() -> None:
+    with pytest.raises(ConfigError, match="torch sees no CUDA GPU") as info:
+        place("cuda", ranks=2, gpus=0)
+    assert "\n" not in str(info.value) and "--device cpu" in str(info.value)
+
+
+def test_nccl_wants_a_gpu_per_rank_and_the_gpu() -> None:
+    with pytest.raises(ConfigError, match="4 ranks on 1 GPU") as info:
+        place("cuda", "nccl", ranks=4, gpus=1)
+    assert "--backend gloo" in str(info.value)
+    with pytest.raises(ConfigError, match="NCCL moves GPU tensors only"):
+        place("cpu", "nccl", ranks=2)
+    with pytest.raises(ConfigError, match="unknown device 'tpu'"):
+        place("tpu")
+
+
+def test_auto_picks_by_what_is_there() -> None:
+    assert place("auto", ranks=4, gpus=0) == place("cpu")
+    assert (place("auto", ranks=4, gpus=1).backend, place("auto", ranks=4, gpus=1).staged) == ("gloo", True)
+    assert (place("auto", ranks=4, gpus=8).backend, place("auto", ranks=4, gpus=8).staged) == ("nccl", False)
+    assert [place("cuda", ranks=4, gpus=2).device_of(r).index for r in range(4)] == [0, 1, 0, 1]
+
+
+@pytest.mark.skipif(GPU, reason="checks the refusal on a machine without a GPU")
+def test_train_device_cuda_refused_without_a_gpu() -> None:
+    with pytest.raises(ConfigError, match="torch sees no CUDA GPU"):
+        make_job(dataclasses.replace(_gpt("1f1b", 2), device="cuda"))
+
+
+@pytest.mark.skipif(GPU, reason="checks the refusals of a machine without a GPU")
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["--device", "cuda"], "torch sees no CUDA GPU"),
+    (["--backend", "nccl"], "NCCL moves GPU tensors only"),
+    (["--device", "cpu", "--backend", "nccl"], "NCCL moves GPU tensors only"),
+    (["--device", "cuda", "--backend", "nccl", "--no-overlap"], "torch sees no CUDA GPU"),
+    (["--device", "tpu"], "invalid choice: 'tpu'"),
+])
+def test_cli_device_refusals_are_one_line(capsys: pytest.CaptureFixture[str], argv: list[str],
+                                          expected: str) -> None:
+    from pipefold.cli import main
+
+    try:
+        code = main(["train", "--model", "mlp", "--layers", "4", "--hidden", "16", "--batch", "8", "--devices", "2",
+                     "--microbatches", "4", *argv])
+    except SystemExit as exc:  # argparse's own refusal of a choice
+        code = exc.code  # type: ignore[assignment]
+    err = capsys.readouterr().err
+    assert code == 2 and expected in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_model_too_big_for_the_gpu_is_one_line() -> None:
+    from pipefold.models import make_model
+    from pipefold.models.size import check_model
+
+    model = make_model("gpt", layers=64, hidden=8192, heads=64, seq=2048, batch=8, seed=0)
+    with pytest.raises(ConfigError, match="on each GPU") as info:
+        check_model(model, gpu=(1, 80 * 2**30), microbatches=8, ranks=4, copies=4, what="training gpt")
+    assert "\n" not in str(info.value) and "or less" in str(info.value)
+
+
+# -- the shared-GPU transport's path, on the CPU: a copy to send, a copy on arrival
+
+
+def _staged(job: Job) -> Job:
+    return dataclasses.replace(job, extra={**job.extra, "stage_through_host": True})
+
+
+@pytest.mark.parametrize(("name", "ranks"), [("1f1b", 2), ("zb-v", 2), ("dualpipev", 4), ("chimera", 4),
+                                             ("interleaved-1f1b", 2)])
+def test_sends_staged_through_host_copies_keep_the_gradients(name: str, ranks: int) -> None:
+    config = dataclasses.replace(_gpt(name, ranks), device="cpu", steps=2)
+    job = _staged(make_job(config, save_grads_of_step=0))
+    reports = run_local(job)
+    diff = compare(job, reports)
+    assert diff["max_grad_rel_diff"] < TOLERANCE and diff["loss_rel_diff"] < TOLERANCE, diff
+
+
+def test_staged_receives_hold_device_memory_only_once_landed() -> None:
+    """Through host memory, a message takes the receiver's device memory only when it is taken (copied in), not
+    while it is posted ahead and in flight: rank 0's receive buffers at its peak are fewer than with direct
+    receives, whose buffers are on the device from their posting. The gradients are the same either way."""
+    config = dataclasses.replace(_gpt("gpipe", 2), device="cpu", microbatches=8, batch=8, hidden=64, seq=64)
+    job = make_job(config, save_grads_of_step=0)
+    direct, staged = run_local(job), run_local(_staged(job))
+    recv = [next(r for r in reports if r.rank == 0).steps[0].peak_by_kind["recv"] for reports in (direct, staged)]
+    message = 8 // 8 * 64 * 64 * 4  # one microbatch's activation gradient: 1 x 64 x 64 float32
+    assert recv == [2 * message, message]  # posted one action ahead, against only the one being used
+    assert compare(job, staged)["max_grad_rel_diff"] < TOLERANCE
+
+
+# -- on the GPU
+
+_ON_4 = ("1f1b", "zb-v", "v-half", "dualpipev", "chimera")
+
+
+@cuda
+@pytest.mark.parametrize(("name", "ranks"), [(n, 2) for n in names()] + [(n, 4) for n in _ON_4])
+def test_every_schedule_matches_one_process_on_the_gpu(name: str, ranks: int) -> None:
+    job, reports = train(_gpt(name, ranks), check=True)
+    diff = compare(job, reports)
+    assert diff["max_grad_rel_diff"] < TOLERANCE and diff["loss_rel_diff"] < TOLERANCE, diff
+
+
+@cuda
+@pytest.mark.parametrize("name", ["dualpipev", "dualpipe"])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_overlapped_pairs_on_two_streams_match(name: str, overlap: bool) -> None:
+    job, reports = train(dataclasses.replace(_gpt(name, 4), overlap=overlap, steps=2), check=True)
+    assert any(len(a.passes) == 2 for row in job.schedule.actions for a in row)
+    diff = compare(job, reports)
+    assert diff["max_grad_rel_diff"] < TOLERANCE and diff["loss_rel_diff"] < TOLERANCE, diff
+
+
+@cuda
+@pytest.mark.parametrize("memory", ["recompute", "offload"])
+@pytest.mark.parametrize("name", ["1f1b", "zb-v"])
+def test_recomputed_and_offloaded_stages_on_the_gpu(name: str, memory: str) -> None:
+    extra = {"recompute": "full"} if memory == "recompute" else {"offload": (1, 1)}
+    job, reports = train(dataclasses.replace(_gpt(name, 2), **extra), check=True)  # type: ignore[arg-type]
+    diff = compare(job, reports)
+    assert diff["max_grad_rel_diff"] < TOLERANCE and diff["loss_rel_diff"] < TOLERANCE, diff
+
+
+@cuda
+@pytest.mark.parametrize(("schedule", "how"), [("1f1b", "all-reduce"), ("zb-v", "zero1"), ("1f1b", "fsdp")])
+def test_data_parallel_pipelines_on_the_gpu(schedule: str, how: str) -> None:
+    config = dataclasses.replace(_gpt(schedule, 2), dp=2, batch=8, zero1=how == "zero1", fsdp=how == "fsdp",
+                                 steps=2)
+    job = dataclasses.replace(make_job(config, save_grads_of_step=0), save_weights=True)
+    reports = run_local(job)
+    diff = compare(job, reports)
+    assert diff["max_grad_rel_diff"] < TOLERANCE and diff["loss_rel_diff"] < TOLERANCE, diff
+    weights: dict[str, list[torch.Tensor]] = {}
+    for r in reports:
+        for k, w in (r.weights or {}).items():
+            weights.setdefault(k, []).append(w)
+    assert all(torch.equal(ws[0], w) for ws in weights.values() for w in ws)  # the copies stay identical
+
+
+def _weights(reports: list[RankReport]) -> dict[str, torch.Tensor]:
+    return {k: v for r in reports for k, v in (r.weights or {}).items()}
+
+
+@cuda
+def test_kfac_in_the_bubbles_on_the_gpu() -> None:
+    config = dataclasses.replace(_gpt("1f1b", 2), optimizer="kfac", fill_bubbles=True, lr=0.02, damping=0.05)
+    job = make_job(config, save_grads_of_step=0)
+    steps = 2 * len(job.cycle) + 2
+    job = dataclasses.replace(job, steps=steps, save_weights=True)
+    assert any(a.kind == Kind.KI for s in job.cycle for row in s.actions for a in row)
+    reports = run_local(job)
+    diff = compare(job, reports)
+    assert diff["max_grad_rel_diff"] < TOLERANCE and diff["loss_rel_diff"] < TOLERANCE, diff
+    got, want = _weights(reports), reference_kfac(job, steps, reports)  # the reference on the CPU
+    worst = max(float((got[k] - w).abs().max() / (w.abs().max() + 1e-12)) for k, w in want.items())
+    assert worst < 1e-3, worst
+
+
+@cuda
+@pytest.mark.parametrize("name", ["1f1b", "v-half", "zb-v"])
+def test_meter_and_allocator_agree_between_actions(name: str) -> None:
+    """Between two actions the caching allocator holds what the meter says the step holds (no temporaries are
+    alive then), within 5%; its peak over the step, temporaries included, is at least the meter's."""
+    config = dataclasses.replace(_gpt(name, 2), hidden=256, seq=128, batch=8, microbatches=4, steps=2)
+    job: Job = dataclasses.replace(make_job(config), verify_memory_step=1)
+    for r in run_local(job):
+        check = r.steps[1].memory_check
+        meter, allocator = check["meter_between_actions"], check["allocator_between_actions"]
+        assert abs(allocator - meter) <= 0.05 * meter, check
+        assert check["allocator_peak"] >= meter, check
