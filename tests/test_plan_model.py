@@ -239,6 +239,37 @@ def test_plan_file_round_trip_and_checks(tmp_path) -> None:
         read_plan(str(path))
 
 
+@pytest.mark.parametrize(("change", "message"), [
+    ({"heads": None}, None),  # an MLP's plan: sizes the model takes as its defaults are null
+    ({"heads": None, "hidden": None, "layers": None}, None),
+    ({"model": "resnet"}, "names the model 'resnet', which this pipefold does not know"),
+    ({"batch": None}, "not a valid pipefold plan (TypeError"),
+    ({"seq": "long"}, "not a valid pipefold plan (ValueError"),
+    ({"layers": [4]}, "not a valid pipefold plan (TypeError"),
+])
+def test_plan_file_train_section_checked_whole(tmp_path, change: dict[str, object], message: str | None) -> None:
+    data = plan_model(_profile(8), 2, 1e12).to_dict()
+    data["train"] = {**data["train"], **change}
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    if message is None:
+        assert read_plan(str(path))["train"] == data["train"]
+        return
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")) as info:
+        read_plan(str(path))
+    assert "\n" not in str(info.value)
+
+
+def test_plan_file_stages_checked_against_its_schedule(tmp_path) -> None:
+    data = plan_model(_profile(8), 2, 1e12).to_dict()
+    data["schedule"], data["devices"] = "zb-v", 2  # 4 stages, and the plan splits the layers into 2
+    data["layer_stages"], data["recompute"] = [[0, 1, 2, 3], [4, 5, 6, 7]], [0, 0]
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match="zb-v on 2 devices has 4 stages but the plan splits the layers into 2"):
+        read_plan(str(path))
+
+
 def test_profile_dataclass_is_frozen() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         _profile(4).latency = 1.0  # type: ignore[misc]
@@ -272,6 +303,20 @@ def test_profile_plan_train_runs_the_plan_with_exact_gradients_and_its_predicted
         assert m == pytest.approx(p, rel=0.10)
     got = _cli("train", "--plan", "plan.json", "--hidden", "48", cwd=tmp_path)
     assert got.returncode == 2 and "--plan fixes" in got.stderr and "Traceback" not in got.stderr
+
+
+def test_the_readme_flow_with_an_mlp_profiled_without_heads(tmp_path) -> None:
+    """The MLP has no heads: its profile's and plan's ``heads`` are null, and the plan still trains."""
+    got = _cli("profile", "--model", "mlp", "--layers", "4", "--hidden", "32", "--batch", "16", "-m", "4", "-p", "2",
+               "--repeats", "2", "--no-sharing", "-o", "prof.json", cwd=tmp_path)
+    assert got.returncode == 0, got.stderr
+    got = _cli("plan", "--profile", "prof.json", "-p", "2", "--memory-budget", "50MiB", "-o", "plan.json",
+               cwd=tmp_path)
+    assert got.returncode == 0, got.stderr
+    assert json.loads((tmp_path / "plan.json").read_text())["train"]["heads"] is None
+    got = _cli("train", "--plan", "plan.json", "--steps", "2", "--check", "--json", cwd=tmp_path)
+    assert got.returncode == 0, got.stderr
+    assert json.loads(got.stdout)["max_grad_rel_diff"] < 1e-5
 
 
 @pytest.mark.parametrize(("args", "message"), [

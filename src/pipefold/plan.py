@@ -456,15 +456,29 @@ def read_plan(path: str) -> dict[str, Any]:
         if len(data["recompute"]) != len(stages) or any(not 0 <= int(r) <= len(part)
                                                         for r, part in zip(data["recompute"], stages, strict=False)):
             raise ConfigError(f"{path}: recompute needs one count per stage, at most that stage's layers")
-        int(data["devices"]), int(data["microbatches"]), float(data["predicted"]["step_time_s"])
-        schedules.get(parse_spec(str(data["schedule"]))[0])
+        devices, microbatches = int(data["devices"]), int(data["microbatches"])
+        float(data["predicted"]["step_time_s"])
+        name, options = parse_spec(str(data["schedule"]))
+        schedules.get(name)
         train = data["train"]  # the model and its size, as train takes them
         if not isinstance(train, dict):
             raise TypeError(f"'train' must be an object, got {train!r}")
-        for key in ("layers", "hidden", "heads", "batch", "seq", "seed"):
+        for key in ("batch", "seq", "seed"):
             int(train[key])
+        for key in ("layers", "hidden", "heads"):  # null: the model's own default (an MLP has no heads)
+            if train.get(key) is not None:
+                int(train[key])
         if not isinstance(train["model"], str) or not isinstance(train["optimizer"], str):
             raise TypeError("'train' must name its model and optimizer")
     except (KeyError, TypeError, ValueError) as exc:
         raise ConfigError(f"{path} is not a valid pipefold plan ({type(exc).__name__}: {exc})") from None
+    from pipefold.models import REGISTRY
+
+    if train["model"] not in REGISTRY:
+        raise ConfigError(f"{path} names the model {train['model']!r}, which this pipefold does not know: it knows "
+                          f"{', '.join(sorted(REGISTRY))}")
+    built = schedules.build(name, devices, microbatches, **options)  # a bad shape: the schedule's own one line
+    if built.stages != len(stages):
+        raise ConfigError(f"{path}: {data['schedule']} on {devices} devices has {built.stages} stages but the plan "
+                          f"splits the layers into {len(stages)}; write the plan again with pipefold plan --profile")
     return data
