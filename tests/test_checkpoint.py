@@ -182,3 +182,29 @@ def test_torchrun_restart_resumes_from_the_last_checkpoint(capsys: pytest.Captur
     assert out["first_step"] == 2 and out["loss"] == straight["loss"][2:]
     a, b = torch.load(tmp_path / "straight.pt"), torch.load(tmp_path / "restarted.pt")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_keep_last_keeps_the_newest_and_resumes_from_them(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    out = _train(capsys, *MLP, "--steps", "5", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1",
+                 "--keep-last", "2")
+    assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == ["step-00000004", "step-00000005"]
+    assert (ckpt / "latest").read_text().strip() == "step-00000005" and len(out["loss"]) == 5
+    again = _train(capsys, *MLP, "--steps", "6", "--checkpoint-dir", str(ckpt), "--resume", "--keep-last", "1")
+    assert len(again["loss"]) == 1
+    assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == ["step-00000006"]
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--keep-last", "0", "--checkpoint-dir", "{tmp}/c"], "--keep-last N keeps the N newest checkpoints: N >= 1"),
+    (["--keep-last", "2"], "--keep-last needs --checkpoint-dir D"),
+    (["--checkpoint-dir", "{tmp}/missing/c"], "folder {tmp}/missing does not exist"),
+    (["--checkpoint-dir", "{tmp}/file"], "is a file; give a folder"),
+])
+def test_checkpoint_folder_rules_are_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path, argv: list[str],
+                                              message: str) -> None:
+    (tmp_path / "file").write_text("mine")
+    code = main(["train", *MLP, "--steps", "1", *(a.format(tmp=tmp_path) for a in argv)])
+    err = capsys.readouterr().err
+    assert code == 2 and message.format(tmp=tmp_path) in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "missing").exists() and (tmp_path / "file").read_text() == "mine"

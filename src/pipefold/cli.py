@@ -343,6 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "after the last step, and every N steps with --checkpoint-every; a save is atomic")
     p.add_argument("--checkpoint-every", type=int, metavar="N", default=None,
                    help="with --checkpoint-dir: also save after every N steps")
+    p.add_argument("--keep-last", type=int, metavar="N", default=None,
+                   help="with --checkpoint-dir: keep only the N newest checkpoints (default: all)")
     p.add_argument("--resume", nargs="?", const="", default=None, metavar="CKPT",
                    help="start from the newest good checkpoint in --checkpoint-dir, or from CKPT (a D/step-N folder, "
                         "or a folder of them): weights, optimizer state, data position and random state as saved; "
@@ -873,6 +875,7 @@ def _planned_run(args: argparse.Namespace, console: Console) -> tuple[Any, Any, 
 def _reliability(args: argparse.Namespace) -> dict[str, Any]:
     """The TrainConfig fields of checkpoints, numerics and the devices, from the flags."""
     return {"checkpoint_dir": args.checkpoint_dir, "checkpoint_every": args.checkpoint_every,
+            "keep_last": args.keep_last,
             "resume": args.resume is not None, "resume_from": args.resume or None, "save_model": args.save_model,
             "post_validate": args.post_validate, "max_bad_steps": args.max_bad_steps, "device": args.device,
             "backend": args.backend, "overlap": not args.no_overlap}

@@ -5,6 +5,11 @@ through :func:`atomic`: the bytes go to a temporary file beside the target, are 
 and only then renamed over it (``os.replace``, atomic on POSIX). Readers see the old file or the whole
 new one, never a part; a failure (a full disk, a serializer that raises, Ctrl-C) leaves the old file
 byte for byte as it was and removes the temporary file. JSON goes through :mod:`pipefold.jsonout`.
+
+Only a regular file (or a new one) is replaced. A path that names something else is never renamed
+over: a character device (``/dev/null``, a terminal) or a FIFO with a reader (``/dev/stdout`` piped)
+is written into, as ``open`` would; a FIFO that nobody reads (writing would wait forever), a socket,
+a block device or a folder is refused in one line, before any work (:func:`check_writable`).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -51,8 +57,41 @@ def atomic(path: str | os.PathLike[str], *, binary: bool = False) -> contextlib.
     return _atomic(os.fspath(path), binary)
 
 
+def _special(path: str, what: str = "output") -> int | None:
+    """For a path that names an existing file other than a regular one: a descriptor open for writing into it
+    (a character device, a FIFO someone reads), or one ConfigError (anything else). None for a regular or
+    missing file."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        raise ConfigError(f"the {what} file {path} is a directory: give a file name")
+    if stat.S_ISCHR(mode) or stat.S_ISFIFO(mode):
+        try:  # without a reader a FIFO refuses at once here, instead of blocking the write
+            fd = os.open(path, os.O_WRONLY | (os.O_NONBLOCK if stat.S_ISFIFO(mode) else 0))
+        except OSError as exc:
+            why = "no process reads it" if exc.errno == 6 else exc.strerror or str(exc)  # ENXIO
+            raise ConfigError(f"cannot write the {what} file {path}: {why}; give a regular file") from None
+        if stat.S_ISFIFO(mode):
+            os.set_blocking(fd, True)
+        return fd
+    kind = "socket" if stat.S_ISSOCK(mode) else "block device" if stat.S_ISBLK(mode) else "special file"
+    raise ConfigError(f"the {what} file {path} is a {kind}, which pipefold does not write into: give a regular file")
+
+
 @contextlib.contextmanager
 def _atomic(path: str, binary: bool) -> Iterator[IO[Any]]:
+    fd = _special(path)
+    if fd is not None:  # a device or a FIFO: written into, never replaced
+        try:
+            with os.fdopen(fd, "wb" if binary else "w", encoding=None if binary else "utf-8") as fh:
+                yield fh
+        except OSError as exc:
+            raise ConfigError(f"cannot write {path}: {exc.strerror or exc}") from None
+        return
     target = os.path.realpath(path)
     folder, name = os.path.split(target)
     try:
@@ -153,10 +192,12 @@ def check_writable(path: str | os.PathLike[str], what: str = "output", *, figure
     path = os.fspath(path)
     if not path:
         raise ConfigError(f"the {what} file name is empty: give a file name")
-    if os.path.isdir(path):
-        raise ConfigError(f"the {what} file {path} is a directory: give a file name")
     if figure:
         _figure_suffix(path, what)
+    fd = _special(path, what)
+    if fd is not None:  # a device or a read FIFO: it will be written into, nothing to try beside it
+        os.close(fd)
+        return
     folder = os.path.dirname(os.path.realpath(path))
     if not os.path.isdir(folder):
         raise ConfigError(f"cannot write the {what} file {path}: folder {folder} does not exist")

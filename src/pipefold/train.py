@@ -111,6 +111,8 @@ class TrainConfig:
     """Save checkpoints into this folder (the last step's always; see :mod:`pipefold.runtime.checkpoint`)."""
     checkpoint_every: int | None = None
     """Also save one after every N steps."""
+    keep_last: int | None = None
+    """Keep only the N newest checkpoints of ``checkpoint_dir`` (None: all)."""
     resume: bool = False
     """Start from the newest good checkpoint in ``checkpoint_dir``, or from ``resume_from``."""
     resume_from: str | None = None
@@ -321,7 +323,8 @@ def _checkpointing(config: TrainConfig) -> Checkpointing | None:
     the newest good one; after torchrun restarted the workers, the newest good one if there is any."""
     from pipefold.runtime import checkpoint
 
-    if config.checkpoint_dir is None and not config.resume and config.checkpoint_every is None:
+    if (config.checkpoint_dir is None and not config.resume and config.checkpoint_every is None
+            and config.keep_last is None):
         return None
     if config.optimizer == "kfac":
         raise ConfigError("checkpoints do not save K-FAC's curvature and its placement yet: train --optimizer kfac "
@@ -347,6 +350,7 @@ def _checkpointing(config: TrainConfig) -> Checkpointing | None:
         checkpoint.check_identity(resume, identity, config.steps)
         checkpoint.note(f"resuming from {resume.path} ({resume.step} steps done)")
     return checkpoint.Checkpointing(directory=directory, every=config.checkpoint_every, resume=resume,
+                                    keep_last=config.keep_last,
                                     identity=identity)
 
 

@@ -82,8 +82,15 @@ class Checkpointing:
     """Start from this checkpoint (its step, weights, optimizer state and random state)."""
     identity: dict[str, Any] = field(default_factory=dict)
     """What must match to resume (the model's sizes, the optimizer): written into every manifest."""
+    keep_last: int | None = None
+    """After each save, remove all but the newest ``keep_last`` checkpoints of the folder. None: keep them all."""
 
     def __post_init__(self) -> None:
+        if self.keep_last is not None:
+            if not (isinstance(self.keep_last, int) and self.keep_last >= 1):
+                raise ConfigError(f"--keep-last N keeps the N newest checkpoints: N >= 1 (got {self.keep_last!r})")
+            if self.directory is None:
+                raise ConfigError("--keep-last needs --checkpoint-dir D: the folder whose checkpoints it keeps")
         if self.every is not None:
             if not (isinstance(self.every, int) and self.every >= 1):
                 raise ConfigError(f"save a checkpoint every N steps with N >= 1 (got {self.every!r})")
@@ -230,10 +237,16 @@ def check_identity(resume: Resume, identity: dict[str, Any], steps: int) -> None
 
 
 def prepare(directory: str) -> str:
-    """Make the checkpoint folder if needed; its absolute path (a ConfigError when it cannot be a folder)."""
+    """Make the checkpoint folder if needed; its absolute path (a ConfigError when it cannot be a folder).
+
+    The rule of every output (:func:`pipefold.files.check_writable`): the folder it goes into must exist. So
+    the checkpoint folder itself is made, but not a missing parent (a mistyped path makes no tree)."""
     path = os.path.abspath(directory)
     if os.path.exists(path) and not os.path.isdir(path):
         raise ConfigError(f"the checkpoint folder {directory} is a file; give a folder")
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        raise ConfigError(f"cannot make the checkpoint folder {directory}: folder {parent} does not exist")
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as exc:
@@ -301,7 +314,20 @@ def save(checkpointing: Checkpointing, step: int, *, model: dict[str, torch.Tens
     dist.barrier()  # every rank's files are written: the checkpoint is complete
     if rank == 0:
         _commit(tmp, final, step, checkpointing.identity, dist.get_world_size())
+        if checkpointing.keep_last is not None:
+            prune(root, checkpointing.keep_last)
     return str(final)
+
+
+def prune(root: Path, keep: int) -> list[Path]:
+    """Remove all but the newest ``keep`` checkpoints in ``root`` (by step; ``latest``'s is always kept); return
+    those removed."""
+    steps = [p for _, p in sorted(_steps_in(root), key=lambda item: item[0])]
+    latest = _latest(root)
+    removed = [p for p in steps[:-keep] if p != latest]
+    for p in removed:
+        shutil.rmtree(p, ignore_errors=True)
+    return removed
 
 
 def _fsync_dir(path: Path) -> None:
