@@ -59,6 +59,18 @@ def test_one_shared_core_is_busy_until_all_work_is_done(name: str, p: int) -> No
     assert shared.makespan == pytest.approx(sum(solo.busy), rel=1e-9)
 
 
+@pytest.mark.parametrize("scale", [1e4, 1e6, 1e9, 3.7e12])
+@pytest.mark.parametrize("name", ["1f1b", "zb-v"])
+def test_shared_timing_of_huge_times_ends_and_scales(name: str, scale: float) -> None:
+    """Layers of hours or years: the event loop still ends (it spun forever from 1e4 s on: a rounding crumb of
+    work never finished), and the step scales with the times, as a closed form says it must."""
+    s = schedules.build(name, 4, 8)
+    contention = (1.0, 1.7, 2.2, 2.9)
+    unit = simulate(s, CostModel(f=1.0, b=1.5, w=0.5, contention=contention))
+    huge = simulate(s, CostModel(f=scale, b=1.5 * scale, w=0.5 * scale, contention=contention))
+    assert huge.makespan == pytest.approx(scale * unit.makespan, rel=1e-9)
+
+
 def test_two_cores_for_four_devices_never_beat_half_the_work_nor_the_solo_timing() -> None:
     s = schedules.build("1f1b", 4, 8)
     solo = simulate(s, CostModel())

@@ -570,10 +570,13 @@ def _shared_times(graph: Graph, durations: Sequence[float], transfer: float | _L
                     else:
                         running[d] = [m, durations[m]]
         else:
+            # By the work left, not by (finish - t) / factor: at t of 1e4 s and more that difference rounds, and an
+            # action left with a crumb of work would never end. The actions that end now end exactly.
+            least = min(left for _, left in running.values())
             for state in running.values():
-                state[1] -= (finish - t) / factor
+                state[1] = 0.0 if state[1] - least <= 1e-12 * max(1.0, least) else state[1] - least
             t = finish
-        for d in [d for d, (g, left) in running.items() if left <= 1e-12]:
+        for d in [d for d, (g, left) in running.items() if left <= 1e-12 * max(1.0, durations[int(g)])]:
             g = int(running.pop(d)[0])
             ends[g] = t
             sent(g)
