@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -292,3 +293,37 @@ def test_registry_names_the_command_line_choices() -> None:
     choices = {a.dest: a.choices for a in build_parser()._subparsers._group_actions[0].choices["train"]._actions}
     assert choices["model"] == [n for n, f in REGISTRY.items() if not f.hf] == ["gpt", "mlp"]
     assert choices["hf"] == [n for n, f in REGISTRY.items() if f.hf] == ["gpt2", "llama"]
+
+
+@pytest.mark.parametrize(("arch", "change", "message"), [
+    ("gpt2", {"n_embd": 60, "n_head": 7}, "n_embd 60 is not a multiple of n_head 7"),
+    ("gpt2", {"n_layer": -2}, "n_layer must be a whole number >= 1 (got -2)"),
+    ("gpt2", {"n_head": 0}, "n_head must be a whole number >= 1"),
+    ("llama", {"vocab_size": 2.5}, "vocab_size must be a whole number >= 1 (got 2.5)"),
+    ("llama", {"num_attention_heads": 4, "num_key_value_heads": 3}, "is not a multiple of num_key_value_heads 3"),
+    ("llama", {"intermediate_size": True}, "intermediate_size must be a whole number"),
+])
+def test_bad_config_sizes_are_one_line_before_transformers(tmp_path: Path, arch: str, change: dict[str, object],
+                                                           message: str) -> None:
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({**read_config(arch, None), **change}))
+    with pytest.raises(ConfigError, match=re.escape(message)) as info:
+        read_config(arch, str(path))
+    assert "\n" not in str(info.value)
+
+
+def test_a_model_too_big_for_the_machine_is_refused_before_it_is_built(tmp_path: Path) -> None:
+    """The size check covers Hugging Face models through the model interface: their exact parameter count from
+    the meta device (tied weights once), checked before any layer is built."""
+    from pipefold.models.size import check_model, parameters
+
+    small = make_model("gpt2", layers=None, hidden=None, heads=None, seq=16, batch=4, seed=0, config="gpt2-tiny")
+    assert parameters(small.size()) == sum(p.numel() for p in {id(p): p for layer in small.build()
+                                                                 for p in layer.parameters()}.values())
+    path = tmp_path / "big.json"
+    path.write_text(json.dumps({**read_config("gpt2", None), "n_embd": 8192, "n_layer": 48, "n_head": 64}))
+    big = make_model("gpt2", layers=None, hidden=None, heads=None, seq=16, batch=4, seed=0, config=str(path))
+    assert parameters(big.size()) > 3.8e10
+    with pytest.raises(ConfigError, match="would need at least") as info:
+        check_model(big, ranks=2, copies=5, available=16 * 2**30, what="training gpt2")
+    assert "\n" not in str(info.value)

@@ -41,6 +41,7 @@ from pipefold.errors import ConfigError
 from pipefold.models._build import check_indices, derive_seed
 from pipefold.models.base import Model, ModelArgs, Tie
 from pipefold.models.data import Batches, load_corpus
+from pipefold.models.size import Shape
 
 __all__ = ["ARCHS", "HFBlock", "HFCausalLM", "HFEmbedding", "HFHead", "available", "config_names", "read_config"]
 
@@ -125,7 +126,45 @@ def read_config(arch: str, given: str | None) -> dict[str, Any]:
     kind = config.setdefault("model_type", arch)
     if kind != arch:
         raise ConfigError(f"{where} configures a {kind!r} model, not {arch!r}: use --hf {kind} or another config")
+    check_sizes(config, where)
     return config
+
+
+SIZES = {"hidden": ("hidden_size", "n_embd"), "heads": ("num_attention_heads", "n_head"),
+         "layers": ("num_hidden_layers", "n_layer"), "vocab": ("vocab_size",),
+         "inner": ("intermediate_size", "n_inner"), "kv_heads": ("num_key_value_heads",),
+         "positions": ("max_position_embeddings", "n_positions")}
+"""The size settings of the configs pipefold reads (LLaMA's names, then GPT-2's)."""
+
+
+def _size(config: dict[str, Any], what: str) -> tuple[str, Any] | None:
+    for key in SIZES[what]:
+        if key in config and config[key] is not None:
+            return key, config[key]
+    return None
+
+
+def check_sizes(config: dict[str, Any], where: str) -> None:
+    """Refuse, in one line and before ``transformers`` sees it, a config whose sizes are not whole numbers >= 1 or
+    whose attention heads do not divide the width (or key-value heads the heads)."""
+    found = {}
+    for what in SIZES:
+        got = _size(config, what)
+        if got is None:
+            continue
+        key, value = got
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{where}: {key} must be a whole number >= 1 (got {value!r})")
+        found[what] = (key, value)
+    if "hidden" in found and "heads" in found and found["hidden"][1] % found["heads"][1]:
+        (hk, h), (nk, n) = found["hidden"], found["heads"]
+        raise ConfigError(f"{where}: {hk} {h} is not a multiple of {nk} {n}: each head gets an equal share of the "
+                          f"width; use {nk} {max(d for d in range(1, n + 1) if h % d == 0)} or {hk} "
+                          f"{(h // n + 1) * n}")
+    if "heads" in found and "kv_heads" in found and found["heads"][1] % found["kv_heads"][1]:
+        (nk, n), (kk, k) = found["heads"], found["kv_heads"]
+        raise ConfigError(f"{where}: {nk} {n} is not a multiple of {kk} {k}: each key-value head serves an equal "
+                          f"group of heads")
 
 
 # --------------------------------------------------------------------------- the layers
@@ -216,9 +255,12 @@ class HFCausalLM(Model):
         _require()
         self.arch, self.config, self.batches, self.seed = ARCHS[arch], dict(config), batches, seed
         self.name = arch
+        check_sizes(self.config, f"the {arch} config")
         meta = self._meta()
         self.preload = ("pipefold.models.hf", type(meta).__module__)
         hf: Any = meta.config
+        self._sizes = (int(hf.hidden_size), int(hf.num_attention_heads), int(hf.vocab_size),
+                       sum(p.numel() for p in meta.parameters()))  # parameters() gives a tied weight once
         self.num_layers = len(self._blocks(meta)) + 2
         self.seq = batches.seq
         if hf.vocab_size < 256:
@@ -236,6 +278,12 @@ class HFCausalLM(Model):
         self.tied: tuple[Tie, ...] = tuple(tuple(h) for h in holders.values() if len({i for i, _ in h}) > 1)
 
     # -- building
+
+    def size(self) -> Shape:
+        """Sized from the config, with the parameter count of the model on the meta device (exact)."""
+        hidden, heads, vocab, params = self._sizes
+        return Shape(model="gpt", layers=self.num_layers - 2, hidden=hidden, heads=heads, batch=self.batches.batch,
+                     seq=self.batches.seq, vocab=vocab, params=params)
 
     def hf_config(self) -> Any:
         """A fresh ``transformers`` config object (caches off: training runs whole sequences)."""

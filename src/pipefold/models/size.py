@@ -57,11 +57,18 @@ class Shape:
     heads: int = 4
     batch: int = 16
     seq: int = 64
+    vocab: int = 256
+    """The vocabulary (a transformer's logits per token)."""
+    params: int | None = None
+    """The exact parameter count where the model gives it (a Hugging Face model, counted on the meta device);
+    None: from the GPT's or the MLP's formula."""
 
 
 def parameters(shape: Shape) -> int:
     """The model's parameters, exactly: GPT (embedding with ``seq`` positions, blocks, head; biases on), or the
-    MLP's blocks of H -> 4H -> H."""
+    MLP's blocks of H -> 4H -> H; a model that counted its own, that count."""
+    if shape.params is not None:
+        return shape.params
     c, n = shape.hidden, shape.layers
     if shape.model == "gpt":
         return n * (12 * c * c + 13 * c) + (VOCAB + shape.seq) * c + 2 * c + c * VOCAB
@@ -79,7 +86,7 @@ def activation_bytes(shape: Shape, rows: int) -> float:
     c = shape.hidden
     if shape.model == "gpt":
         tokens = rows * shape.seq
-        per_token = shape.layers * (18 * c + 2 * shape.heads) + c + 2 * c + 2 * VOCAB
+        per_token = shape.layers * (18 * c + 2 * shape.heads) + c + 2 * c + 2 * shape.vocab
         return float(tokens) * per_token * FLOAT_BYTES
     return float(rows) * shape.layers * 9 * c * FLOAT_BYTES
 
@@ -91,7 +98,7 @@ def step_flops(shape: Shape, rows: int | None = None) -> float:
     c = shape.hidden
     if shape.model == "gpt":
         tokens = float(rows) * shape.seq
-        dense = shape.layers * 12 * c * c + c * VOCAB
+        dense = shape.layers * 12 * c * c + c * shape.vocab
         return 6.0 * dense * tokens + 12.0 * shape.layers * rows * float(shape.seq) ** 2 * c
     return 6.0 * shape.layers * 8 * c * c * rows
 
