@@ -491,7 +491,8 @@ class RankExecutor:
             if s < S - 1:
                 self._hand_on(FORWARD, s + 1, mb, out, local, new_shapes, stats)
             else:
-                self._losses[mb] = runner.losses.pop(mb)  # read after the step: no wait for the GPU here
+                # Read after the step (no wait for the GPU here); a copy: the loss may share a larger storage.
+                self._losses[mb] = runner.losses.pop(mb).clone()
             del out
         elif action.kind == Kind.W:
             start = clock.mark()
