@@ -345,3 +345,24 @@ def test_planning_mistakes_are_one_line(tmp_path, args: list[str], message: str)
     assert got.returncode == 2, got.stderr
     lines = got.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0]
+
+
+def test_ctrl_c_anywhere_in_profile_is_one_line(tmp_path) -> None:
+    """SIGINT at moments spread over a profile (measuring layers, starting the link's and the sharing's helper
+    processes, waiting on them) stops it with one line and code 130, or it had finished: never a traceback, from
+    it or from a helper process left behind."""
+    import signal
+    import time
+
+    for delay in (1.0, 2.0, 2.6, 3.2, 4.5):
+        proc = subprocess.Popen([sys.executable, "-m", "pipefold", "profile", "--model", "gpt", "--layers", "4",
+                                 "--hidden", "64", "--seq", "64", "--batch", "16", "-m", "4", "-p", "2", "-o", "p.json"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+        time.sleep(0.5)  # a helper left behind would print after its parent exited
+        assert "Traceback" not in err and len(err.strip().splitlines()) <= 1, (delay, err)
+        assert proc.returncode in (0, 130), (delay, proc.returncode, err)
+        if proc.returncode == 130:
+            assert err.strip() == "pipefold profile: interrupted (SIGINT)"

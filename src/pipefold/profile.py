@@ -267,28 +267,34 @@ def measure_link(rounds: int = 20, sizes: Sequence[int] = _LINK_SIZES,
     """
     import torch.multiprocessing as mp
 
-    from pipefold.runtime.launch import free_port, process_context
+    from pipefold.runtime.launch import free_port, process_context, starting, stopped_on_error
 
     ctx = process_context()
     out = ctx.SimpleQueue()
-    helpers = []
+    helpers: list[Any] = []
+    pingers: list[Any] = []
     stop = ctx.Event()
     work = None if load is None else (load[0], load[1])
-    if load is not None and load[2] > 0:
-        train, layer, n = load
-        ready = ctx.Barrier(n + 1)
-        helpers = [ctx.Process(target=_load, args=(train, layer, ready, stop)) for _ in range(n)]
-        for h in helpers:
-            h.start()
-        ready.wait()
-    try:
-        mp.start_processes(_ping, args=(free_port(), tuple(sizes), rounds, out, work), nprocs=2,
-                           start_method=ctx.get_start_method())
-        one_way: dict[int, float] = out.get()
-    finally:
-        stop.set()
-        for h in helpers:
-            h.join()
+    with stopped_on_error(helpers), stopped_on_error(pingers):
+        if load is not None and load[2] > 0:
+            train, layer, n = load
+            ready = ctx.Barrier(n + 1)
+            with starting():
+                for h in helpers:
+                    h.start()
+            ready.wait()
+        try:
+            with starting():
+                pings = mp.start_processes(_ping, args=(free_port(), tuple(sizes), rounds, out, work), nprocs=2,
+                                           start_method=ctx.get_start_method(), join=False)
+                pingers += pings.processes
+            while not pings.join():
+                pass
+            one_way: dict[int, float] = out.get()
+        finally:
+            stop.set()
+            for h in helpers:
+                h.join()
     return fit_link(one_way)
 
 
@@ -369,7 +375,7 @@ def measure_contention(devices: int, train: dict[str, Any], layers: tuple[int, i
     the operating system shares cores in slices of milliseconds, so a single pass often runs alone and only the
     throughput shows the sharing.
     """
-    from pipefold.runtime.launch import process_context
+    from pipefold.runtime.launch import process_context, starting, stopped_on_error
 
     ctx = process_context()  # as the runtime starts its ranks: from a fork server that has imported torch
     ratios: list[list[float]] = [[] for _ in range(devices)]
@@ -378,11 +384,13 @@ def measure_contention(devices: int, train: dict[str, Any], layers: tuple[int, i
         for k in range(1, devices + 1):
             start, out = ctx.Barrier(k), ctx.SimpleQueue()
             procs = [ctx.Process(target=_busy, args=(r, train, layers, seconds, start, out)) for r in range(k)]
-            for p in procs:
-                p.start()
-            got = [out.get() for _ in procs]
-            for p in procs:
-                p.join()
+            with stopped_on_error(procs):
+                with starting():
+                    for p in procs:
+                        p.start()
+                got = [out.get() for _ in procs]
+                for p in procs:
+                    p.join()
             means.append(statistics.fmean(got))
         for k in range(devices):
             ratios[k].append(means[k] / means[0])

@@ -1169,6 +1169,40 @@ def _failure(ranks: list[Any], board: SharedBoard, out_dir: Path, exited: dict[i
     return RankError(rank, line, details)
 
 
+@contextlib.contextmanager
+def starting() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM (blocked, delivered when the block ends) while processes are started: a signal in
+    the middle of ``Process.start()`` would leave a child forked whose pid nobody knows, which nobody could stop
+    and which, finding its parent gone, prints a traceback of its own. Pair it with :func:`stopped_on_error`."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)  # a signal that came is handled now
+
+
+@contextlib.contextmanager
+def stopped_on_error(processes: Sequence[Any]) -> Iterator[None]:
+    """Around the life of helper processes started from the fork server: when the block raises (Ctrl-C, an error),
+    every one still running is stopped and waited for before the exception goes on, so that none outlives the
+    queues and barriers it was given, and none prints a traceback of its own (a process still unpickling its
+    arguments would fail to find them). Used by every command that starts helpers (profile's measurements)."""
+    try:
+        yield
+    except BaseException:
+        for p in processes:
+            if p.pid is not None and p.exitcode is None:
+                p.kill()  # SIGKILL: quiet, wherever it is
+        for p in processes:
+            if p.pid is not None:
+                p.join(5)
+        raise
+
+
 def _stop(ranks: list[Any]) -> int:
     """Stop every rank still running (SIGTERM, SIGKILL to a stopped one or one that lingers); how many there were."""
     running = [p for p in ranks if p.exitcode is None]
