@@ -355,9 +355,10 @@ def test_ctrl_c_anywhere_in_profile_is_one_line(tmp_path) -> None:
     import time
 
     for delay in (1.0, 2.0, 2.6, 3.2, 4.5):
-        proc = subprocess.Popen([sys.executable, "-m", "pipefold", "profile", "--model", "gpt", "--layers", "4",
-                                 "--hidden", "64", "--seq", "64", "--batch", "16", "-m", "4", "-p", "2", "-o", "p.json"],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+        argv = ["profile", "--model", "gpt", "--layers", "4", "--hidden", "64", "--seq", "64", "--batch", "16",
+                "-m", "4", "-p", "2", "-o", "p.json"]
+        proc = subprocess.Popen([sys.executable, "-m", "pipefold", *argv], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, cwd=tmp_path)
         time.sleep(delay)
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=120)
