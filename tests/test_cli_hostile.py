@@ -207,7 +207,7 @@ def test_redirected_train_prints_a_line_per_step(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("train", "expected"), [("notadict", "'train' must be an object, got 'notadict'"),
-                                                 ({"model": "mlp"}, "KeyError: 'layers'")])
+                                                 ({"model": "mlp"}, "KeyError: 'batch'")])
 def test_a_plan_whose_train_is_not_an_object(capsys: pytest.CaptureFixture[str], tmp_path: Path, train: object,
                                              expected: str) -> None:
     from pipefold.plan import plan_model

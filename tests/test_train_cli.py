@@ -166,3 +166,42 @@ def test_train_kfac_report(capsys: pytest.CaptureFixture[str]) -> None:
     assert k["predicted"]["step_s"] > k["predicted"]["plain_step_s"]
     assert main(["train", *SMALL, "--fill-bubbles"]) == 2
     assert "add --optimizer kfac" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["train", "--damping", "0.2"], "--damping tunes K-FAC: add --optimizer kfac"),
+    (["train", "--ema", "0.5"], "--ema tunes K-FAC"),
+    (["train", "--fill-bubbles"], "--fill-bubbles tunes K-FAC"),
+    (["train", "--adapt-every", "3"], "--adapt-every spaces adaptive-kfkb's choices of k"),
+    (["train", "--heads", "2"], "--heads sizes a language model, and the mlp has no attention"),
+    (["train", "--seq", "32"], "--seq sizes a language model"),
+    (["train", "--data", "x.txt"], "--data sizes a language model"),
+    (["train", "--plan", "p.json", "--dp", "2"], "--dp lays out data-parallel copies"),
+    (["train", "--schedule", "auto", "--memory-budget", "1GB", "--fsdp"], "--fsdp lays out data-parallel copies"),
+    (["train", "--keep-last", "2"], "--keep-last saves into --checkpoint-dir D"),
+    (["train", "--checkpoint-every", "2"], "--checkpoint-every saves into --checkpoint-dir D"),
+    (["train", "--layers", "0"], "--layers must be at least 1"),
+    (["plan", "--profile", "p.json", "--memory-budget", "1GB", "--f", "2"], "--f sets the cost model"),
+    (["plan", "--profile", "p.json", "--memory-budget", "1GB", "--latency", "1"], "--latency sets the cost model"),
+    (["plan", "--profile", "p.json", "--memory-budget", "1GB", "--overlap"], "--overlap sets the cost model"),
+])
+def test_an_option_outside_its_mode_is_refused(capsys: pytest.CaptureFixture[str], argv: list[str],
+                                               expected: str) -> None:
+    mlp = ["--model", "mlp", "--layers", "4", "--hidden", "16", "--batch", "8", "--devices", "2",
+           "--microbatches", "4"] if argv[0] == "train" and "--layers" not in argv else []
+    code = main([*argv[:1], *mlp, *argv[1:]])
+    err = capsys.readouterr().err
+    assert code == 2 and expected in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_the_table_names_only_real_options() -> None:
+    """Every option of the table is one of its command's options (a renamed flag cannot hide there)."""
+    import argparse
+
+    from pipefold.cli import APPLIES, build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for rule in APPLIES:
+        dests = {a.dest for a in sub.choices[rule.command]._actions}
+        assert set(rule.options) <= dests, (rule.command, set(rule.options) - dests)

@@ -12,6 +12,7 @@ import statistics
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from rich.console import Console
@@ -887,7 +888,7 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
     from pipefold.train import TrainConfig, compare, train, train_torchrun
 
     _check_outputs(("plot", args.plot, True), ("trace", args.trace, False))
-    for label in ("steps", "batch", "seq", "hidden", "heads", "max_bad_steps"):
+    for label in ("steps", "batch", "seq", "hidden", "heads", "layers", "max_bad_steps"):
         if getattr(args, label) is not None and getattr(args, label) < 1:
             raise ConfigError(f"--{label.replace('_', '-')} must be at least 1 (got {getattr(args, label)})")
     if args.check and args.resume is not None:
@@ -1429,14 +1430,71 @@ COMMANDS = {"schedules": cmd_schedules, "simulate": cmd_simulate, "compare": cmd
             "offload": cmd_offload, "partition": cmd_partition}
 
 
+@dataclass(frozen=True)
+class Applies:
+    """Options of a command that mean something in one of its modes only: given in another, they are refused in one
+    line (never silently ignored). ``options`` are argparse destinations; given means not the parser's default."""
+
+    command: str
+    options: tuple[str, ...]
+    when: Callable[[argparse.Namespace], bool]
+    """The mode in which they apply."""
+    otherwise: str
+    """What to do instead, after "--option ...": why it does not apply and what would."""
+
+
+def _sequences(args: argparse.Namespace) -> bool:
+    from pipefold.models import REGISTRY
+
+    return REGISTRY[args.model].sequences
+
+
+_COSTS = ("f", "b", "w", "mem", "mem_w", "latency", "bandwidth", "activation_bytes", "grad_bytes", "opt", "weights",
+          "overlap", "recompute", "stage_cost", "work", "stash")
+
+APPLIES: tuple[Applies, ...] = (
+    Applies("train", ("damping", "ema", "fill_bubbles"), lambda a: a.optimizer == "kfac",
+            "tunes K-FAC: add --optimizer kfac, or drop it"),
+    Applies("train", ("adapt_every",), lambda a: a.schedule.partition(":")[0] == "adaptive-kfkb",
+            "spaces adaptive-kfkb's choices of k: use --schedule adaptive-kfkb, or drop it"),
+    Applies("train", ("heads", "seq", "data"), _sequences,
+            "sizes a language model, and the mlp has no attention, sequences or text: use --model gpt, or drop it"),
+    Applies("train", ("dp", "fsdp", "zero1"), lambda a: a.plan is None and a.schedule != "auto",
+            "lays out data-parallel copies, and a plan (--plan, --schedule auto) runs the one pipeline it planned: "
+            "name a schedule with --schedule, or drop it"),
+    Applies("train", ("keep_last", "checkpoint_every"), lambda a: a.checkpoint_dir is not None,
+            "saves into --checkpoint-dir D: give one, or drop it"),
+    Applies("plan", _COSTS, lambda a: a.profile is None,
+            "sets the cost model, and a plan from --profile uses the measured costs: drop it, or plan without "
+            "--profile"),
+)
+"""Which options go with which modes, read by :func:`main` for every command: a new option that belongs to one
+mode is refused in the others by adding it here."""
+
+
+def check_applies(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Refuse, in one line, an option given where it does not apply (:data:`APPLIES`)."""
+    sub = next((a.choices[args.command] for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+    if sub is None:
+        return
+    for rule in APPLIES:
+        if rule.command != args.command or rule.when(args):
+            continue
+        for dest in rule.options:
+            if getattr(args, dest, None) != sub.get_default(dest):
+                raise ConfigError(f"--{dest.replace('_', '-')} {rule.otherwise}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if getattr(args, "hf", None):
         args.model = args.hf  # one name for the model from here on; its config sizes it
     elif getattr(args, "layers", 0) is None:
         args.layers = args.default_layers
     console = Console(soft_wrap=True)
     try:
+        check_applies(args, parser)
         with _sigterm_interrupts():
             COMMANDS[args.command](args, console)
     except KeyboardInterrupt as exc:

@@ -192,6 +192,8 @@ def check_writable(path: str | os.PathLike[str], what: str = "output", *, figure
     path = os.fspath(path)
     if not path:
         raise ConfigError(f"the {what} file name is empty: give a file name")
+    if os.path.isdir(path):
+        raise ConfigError(f"the {what} file {path} is a directory: give a file name")
     if figure:
         _figure_suffix(path, what)
     fd = _special(path, what)
