@@ -133,7 +133,7 @@ def test_checkpoint_user_errors(capsys: pytest.CaptureFixture[str], tmp_path: Pa
     _train(capsys, *MLP, "--steps", "2", "--checkpoint-dir", str(ckpt))
     (tmp_path / "file").write_text("x")
     cases = [
-        (["--checkpoint-every", "2"], "--checkpoint-every needs --checkpoint-dir D"),
+        (["--checkpoint-every", "2"], "--checkpoint-every saves into --checkpoint-dir D"),
         (["--checkpoint-dir", str(ckpt), "--checkpoint-every", "0"], "--checkpoint-every must be at least 1"),
         (["--resume"], "--resume needs --checkpoint-dir D, or the checkpoint to start from"),
         (["--resume", str(tmp_path / "empty")], f"no checkpoint folder {tmp_path / 'empty'}"),
@@ -197,7 +197,7 @@ def test_keep_last_keeps_the_newest_and_resumes_from_them(capsys: pytest.Capture
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["--keep-last", "0", "--checkpoint-dir", "{tmp}/c"], "--keep-last N keeps the N newest checkpoints: N >= 1"),
-    (["--keep-last", "2"], "--keep-last needs --checkpoint-dir D"),
+    (["--keep-last", "2"], "--keep-last saves into --checkpoint-dir D"),
     (["--checkpoint-dir", "{tmp}/missing/c"], "folder {tmp}/missing does not exist"),
     (["--checkpoint-dir", "{tmp}/file"], "is a file; give a folder"),
 ])
