@@ -319,3 +319,26 @@ def test_interop_loads_without_torch() -> None:
     code = "import sys, pipefold.interop, pipefold.cli; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+@pytest.mark.parametrize(("text", "torch"), [
+    ("0F0,0I0,0W0\n1F0,1I0,1W0\n", True),  # torch's input-gradient backward
+    ("0F0,(0F1;1B0)OVERLAP_F_B\n", True),
+    ("0F0,0SEND_F0\n1RECV_F0,1F0\n", True),
+    ("0F0,0F1,0B0,0B1\n1F0,1B0,1F1,1B1\n", True),  # full backwards only: torch's B
+    ("0F0,0F1,0BW0,0BW1\n1F0,1BW0,1F1,1BW1\n", False),  # pipefold's fused backward
+    ("0F0,0B0,0W0\n1F0,1B0,1W0\n", False),  # pipefold's B, with its W
+])
+def test_the_torch_dialect_is_told_by_its_content(tmp_path, text: str, torch: bool) -> None:
+    from pipefold.interop import torch_dialect
+
+    assert torch_dialect(text) is torch
+
+
+def test_validate_and_simulate_read_torch_csv_without_the_flag(tmp_path) -> None:
+    from pipefold.cli import main
+
+    path = tmp_path / "zbv.csv"
+    assert main(["generate", "zb-v", "-p", "2", "-m", "4", "--format", "torch-csv", "-o", str(path)]) == 0
+    assert main(["validate", str(path)]) == 0
+    assert main(["simulate", str(path), "--json"]) == 0

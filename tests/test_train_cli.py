@@ -205,3 +205,43 @@ def test_the_table_names_only_real_options() -> None:
     for rule in APPLIES:
         dests = {a.dest for a in sub.choices[rule.command]._actions}
         assert set(rule.options) <= dests, (rule.command, set(rule.options) - dests)
+
+
+HAND_WRITTEN = """# pipefold schedule
+name: by-hand
+devices: 2
+stages: 2
+microbatches: 2
+placement: linear
+device 0: 0F0 0F1 0B0 0W0 0B1 0W1
+device 1: 1F0 1B0 1F1 1B1 1W0 1W1
+"""
+
+
+@pytest.mark.parametrize("how", ["text", "json", "csv", "torch-csv", "by-hand"])
+def test_train_runs_a_schedule_file(capsys: pytest.CaptureFixture[str], tmp_path: Path, how: str) -> None:
+    """Any valid schedule file trains, with the gradients of one process: pipefold's three formats, torch's CSV
+    told apart by its content (no --format), and one written by hand; its devices and microbatches are the run's."""
+    if how == "by-hand":
+        path = tmp_path / "mine.txt"
+        path.write_text(HAND_WRITTEN)
+    else:
+        path = tmp_path / f"s.{ {'text': 'txt', 'json': 'json'}.get(how, 'csv') }"
+        fmt = ["--format", "torch-csv"] if how == "torch-csv" else []
+        assert main(["generate", "zb-v", "-p", "2", "-m", "4", "-o", str(path), *fmt]) == 0
+    capsys.readouterr()
+    code = main(["train", "--schedule", str(path), "--model", "mlp", "--layers", "4", "--hidden", "16", "--batch", "8",
+                 "--steps", "1", "--check", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["max_grad_rel_diff"] < 1e-5
+    assert (out["devices"], out["microbatches"]) == ((2, 2) if how == "by-hand" else (2, 4))
+
+
+def test_a_schedule_file_keeps_its_shape(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "s.csv"
+    assert main(["generate", "1f1b", "-p", "2", "-m", "4", "-o", str(path)]) == 0
+    capsys.readouterr()
+    for flag, value in (("--devices", "3"), ("--microbatches", "6")):
+        code = main(["train", "--schedule", str(path), flag, value, "--model", "mlp", "--layers", "4"])
+        err = capsys.readouterr().err
+        assert code == 2 and f"drop {flag} {value}, or give the file's" in err and len(err.strip().splitlines()) == 1

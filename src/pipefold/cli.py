@@ -394,6 +394,11 @@ def _flag_options(args: argparse.Namespace) -> dict[str, int]:
     return {k[4:]: v for k, v in vars(args).items() if k.startswith("opt_") and v is not None}
 
 
+def build_parser_default(flag: str) -> Any:
+    """pipefold train's default for ``flag`` (a schedule file's shape wins over an option left at it)."""
+    return {"--devices": 4, "--microbatches": 8}[flag]
+
+
 def _looks_like_file(text: str) -> bool:
     """Whether ``text`` names a schedule file rather than a registered schedule.
 
@@ -906,8 +911,20 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
     else:
         from pipefold.train import ADAPTIVE
 
-        name, options = parse_spec(args.schedule)
-        if name == ADAPTIVE:
+        name, options = parse_spec(args.schedule) if not _looks_like_file(args.schedule) else ("", {})
+        if not name:  # a schedule file (pipefold's text, JSON or CSV, or torch's CSV): its devices and microbatches
+            from pipefold.ir import validate
+
+            probe = _load_schedule(args.schedule, args, strict_flags=False)
+            validate(probe)
+            for flag, value, theirs in (("--devices", args.devices, probe.devices),
+                                        ("--microbatches", args.microbatches, probe.microbatches)):
+                if value not in (build_parser_default(flag), theirs):
+                    raise ConfigError(f"{args.schedule} runs on {probe.devices} devices with {probe.microbatches} "
+                                      f"microbatches: drop {flag} {value}, or give the file's")
+            name = os.path.abspath(args.schedule)
+            args.devices, args.microbatches = probe.devices, probe.microbatches
+        elif name == ADAPTIVE:
             if args.microbatches < 1:
                 raise ConfigError(f"--microbatches must be at least 1 (got {args.microbatches})")
             probe = schedules.build("kfkb", args.devices, args.microbatches, k=1)

@@ -326,10 +326,27 @@ def dumps(schedule: Schedule, fmt: str = "text") -> str:
     return schedule.dumps(fmt)
 
 
+_TORCH_ONLY = re.compile(r"(?:^|[,(;])\s*\d+I\d+\b|OVERLAP_F_B|SEND_[FB]|RECV_[FB]|UNSHARD|RESHARD|REDUCE_GRAD",
+                         re.MULTILINE)
+
+
+def torch_dialect(text: str) -> bool:
+    """Whether a CSV schedule is torch's: it has a cell only torch writes (``2I0``, an ``OVERLAP_F_B`` pair, a
+    send or receive, FSDP's and the gradient reduction's), or full backwards (``B``) with no ``W`` nor ``BW``
+    anywhere (pipefold's ``B`` is the input gradient, which needs its ``W``)."""
+    if _TORCH_ONLY.search(text):
+        return True
+    cells = re.findall(r"\d+(BW|B|W)\d+", text)
+    return "B" in cells and "W" not in cells and "BW" not in cells
+
+
 def load(path: str, fmt: str | None = None) -> Schedule:
-    """Read a schedule file in ``fmt`` (one of :data:`FORMATS`), or, if None, as its suffix says."""
+    """Read a schedule file in ``fmt`` (one of :data:`FORMATS`), or, if None, as its suffix says; a ``.csv`` in
+    torch's dialect is told from pipefold's by its content (:func:`torch_dialect`)."""
     if fmt is not None and fmt not in FORMATS:
         raise ConfigError(f"unknown schedule format {fmt!r}: use {', '.join(FORMATS)}")
+    if fmt is None and path.lower().endswith(".csv") and torch_dialect(read_schedule_text(path)):
+        fmt = "torch-csv"
     if fmt != "torch-csv":
         return Schedule.load(path, fmt)
     text = read_schedule_text(path)

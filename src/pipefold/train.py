@@ -146,8 +146,20 @@ def model_of(config: TrainConfig) -> Model:
 
 
 def build_schedule(config: TrainConfig) -> Schedule:
+    """The run's schedule: registered by name, or read from a file (pipefold's formats or torch's CSV), whose
+    devices and microbatches must be the run's."""
     if config.schedule == ADAPTIVE:
         return _adaptive(config).schedules[0]
+    if config.schedule not in schedules.REGISTRY and os.path.isfile(config.schedule):
+        from pipefold.interop import load
+        from pipefold.ir import validate
+
+        schedule = load(config.schedule)
+        validate(schedule)
+        if (schedule.devices, schedule.microbatches) != (config.devices, config.microbatches):
+            raise ConfigError(f"{config.schedule} runs on {schedule.devices} devices with {schedule.microbatches} "
+                              f"microbatches, not {config.devices} and {config.microbatches}")
+        return schedule
     return schedules.build(config.schedule, config.devices, config.microbatches, **dict(config.options))
 
 
