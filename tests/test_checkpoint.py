@@ -208,3 +208,21 @@ def test_checkpoint_folder_rules_are_one_line(capsys: pytest.CaptureFixture[str]
     err = capsys.readouterr().err
     assert code == 2 and message.format(tmp=tmp_path) in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "missing").exists() and (tmp_path / "file").read_text() == "mine"
+
+
+def test_the_save_model_snippet_of_the_docs_runs_as_written(tmp_path: Path) -> None:
+    """docs/runtime.md's --save-model command and its loading snippet, as written (the run shortened to one step)."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "runtime.md").read_text(encoding="utf-8")
+    section = text[text.index("`--save-model FILE` writes"):]
+    command = section[section.index("```sh\n") + 6:].split("```")[0].strip()
+    snippet = section[section.index("```python\n") + 10:].split("```")[0]
+    argv = command.split()[1:]
+    assert argv[0] == "train" and "--save-model" in argv
+    got = _cli(tmp_path, *argv[1:], "--steps", "1")
+    assert got.returncode == 0, got.stderr
+    check = "\nprint(repr(sum(float(v.double().sum()) for v in model.state_dict().values())))"
+    run = subprocess.run([sys.executable, "-c", snippet + check], capture_output=True, text=True, cwd=tmp_path,
+                         timeout=120, check=False)
+    assert run.returncode == 0, run.stderr  # load_state_dict is strict: every name matched, none left over
+    saved = torch.load(tmp_path / "model.pt")
+    assert float(run.stdout.strip()) == sum(float(v.double().sum()) for v in saved.values())
