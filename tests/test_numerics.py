@@ -135,9 +135,9 @@ def test_the_check_and_the_snapshot() -> None:
     model = torch.nn.Linear(4, 3)
     model(torch.randn(5, 4)).sum().backward()
     params = list(model.parameters())
-    norm, bad = verdict(local_check(params, [1.0, 2.0], torch.device("cpu")))
+    norm, bad, mean = verdict(local_check(params, [1.0, 2.0], torch.device("cpu")))
     expected = float(torch.nn.utils.get_total_norm([p.grad for p in params]))
-    assert not bad and norm == pytest.approx(expected, rel=1e-6)
+    assert not bad and norm == pytest.approx(expected, rel=1e-6) and mean == 1.5
     assert verdict(local_check(params, [1.0, math.inf], torch.device("cpu")))[1]
     assert clip_factor(norm, norm * 2) is None and clip_factor(norm, norm / 2) == pytest.approx(0.5, rel=1e-5)
     opt = torch.optim.AdamW(params, lr=0.1)
@@ -152,3 +152,21 @@ def test_the_check_and_the_snapshot() -> None:
     assert all(torch.equal(opt.state[params[0]][k], v) for k, v in state.items())
     params[0].grad[0, 0] = math.nan
     assert verdict(local_check(params, [], torch.device("cpu")))[1]
+
+
+@pytest.mark.parametrize(("schedule", "dp"), [("chimera", 1), ("1f1b", 2), ("dualpipev", 1), ("zb-v", 2)])
+def test_the_live_loss_is_the_global_loss(schedule: str, dp: int) -> None:
+    """What the progress line shows each step is the mean over every microbatch of every pipeline and replica,
+    the loss the run reports, not the loss of the one rank that calls back (Chimera's other direction, another
+    data-parallel pipeline)."""
+    from pipefold.train import TrainConfig, train
+
+    live: dict[int, float] = {}
+    config = TrainConfig(schedule=schedule, devices=2, dp=dp, microbatches=4, batch=8 * dp, steps=2, model="mlp",
+                         layers=4, hidden=16, partition="even")
+    _, reports = train(config, on_step=lambda step, loss, _s: live.__setitem__(step, loss))
+    for step in range(2):
+        every = [v for r in reports for v in r.steps[step].losses.values()]
+        assert len(every) == 4 * dp
+        assert live[step] == pytest.approx(sum(every) / len(every), rel=1e-12)
+        assert all(r.steps[step].loss == live[step] for r in reports)  # every rank knows it

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -129,6 +130,9 @@ class StepStats:
     """The schedule that ran this step, as a spec (``kfkb:k=2``): it changes between steps with ``adaptive``."""
     predicted: float | None = None
     """What the policy that chose this step's schedule predicted its step time to be, seconds."""
+    loss: float = math.nan
+    """The mean loss of the step over every microbatch of every pipeline (all ranks agree on it: it comes with the
+    global gradient check's all-reduce); NaN in a bad step."""
     grad_norm: float = 0.0
     """The global gradient norm of the step (every rank's gradients, each stage once), before any clipping;
     NaN or inf in a bad step."""

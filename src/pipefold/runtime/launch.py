@@ -574,7 +574,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
         if job.adaptive is not None:
             recent.append(stats)
         if on_step is not None and rank == loss_rank and pipeline == 0:
-            on_step(step, sum(stats.losses.values()) / len(stats.losses), time.perf_counter() - started)
+            on_step(step, stats.loss, time.perf_counter() - started)  # the global loss: every pipeline, replica
         if stats.skipped:
             skipped.append(step)
             bad_run += 1
@@ -875,7 +875,7 @@ def _update(job: Job, params: list[nn.Parameter], counted: list[nn.Parameter], o
     else:
         dist.all_reduce(check)
     stepped = speculative is not None or bool(stage_snaps)
-    norm, bad = verdict(check)
+    norm, bad, stats.loss = verdict(check)
     factor = None if bad else clip_factor(norm, job.clip)
     stats.grad_norm, stats.skipped, stats.clipped = norm, bad, factor is not None
     if stepped and (bad or factor is not None):

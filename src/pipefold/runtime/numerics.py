@@ -31,19 +31,24 @@ __all__ = ["Snapshot", "clip_factor", "local_check", "scale_grads", "verdict"]
 
 
 def local_check(counted: Iterable[nn.Parameter], losses: Iterable[float], device: torch.device) -> torch.Tensor:
-    """This rank's [sum of squared gradients, number of non-finite losses], to be summed over the ranks."""
-    sq = torch.zeros(1, device=device)
+    """This rank's [sum of squared gradients, number of non-finite losses, sum and number of the finite losses], to
+    be summed over the ranks (every microbatch's loss is computed on exactly one rank)."""
+    sq = torch.zeros(1, device=device, dtype=torch.float64)  # the losses summed exactly enough to report
     for p in counted:
         if p.grad is not None:
             sq += local(p.grad.detach()).pow(2).sum()  # a shard's part of the norm (FSDP)
-    bad = sum(1 for v in losses if not math.isfinite(v))
-    return torch.cat([sq, torch.tensor([float(bad)], device=device)])
+    values = list(losses)
+    finite = [v for v in values if math.isfinite(v)]
+    rest = [float(len(values) - len(finite)), math.fsum(finite), float(len(finite))]
+    return torch.cat([sq, torch.tensor(rest, device=device, dtype=sq.dtype)])
 
 
-def verdict(summed: torch.Tensor) -> tuple[float, bool]:
-    """(global gradient norm, whether the step is bad) from the all-reduced :func:`local_check`."""
-    sq, bad_losses = (float(v) for v in summed.tolist())
-    return math.sqrt(sq) if sq >= 0 else math.nan, not math.isfinite(sq) or bad_losses > 0
+def verdict(summed: torch.Tensor) -> tuple[float, bool, float]:
+    """(global gradient norm, whether the step is bad, the mean loss over every microbatch of every pipeline) from
+    the all-reduced :func:`local_check` (the mean NaN when no loss was finite)."""
+    sq, bad_losses, loss_sum, loss_count = (float(v) for v in summed.tolist())
+    mean = loss_sum / loss_count if loss_count and not bad_losses else math.nan
+    return math.sqrt(sq) if sq >= 0 else math.nan, not math.isfinite(sq) or bad_losses > 0, mean
 
 
 def clip_factor(norm: float, clip: float | None) -> float | None:
