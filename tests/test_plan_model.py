@@ -367,3 +367,23 @@ def test_ctrl_c_anywhere_in_profile_is_one_line(tmp_path) -> None:
         assert proc.returncode in (0, 130), (delay, proc.returncode, err)
         if proc.returncode == 130:
             assert err.strip() == "pipefold profile: interrupted (SIGINT)"
+
+
+@pytest.mark.parametrize(("predicted", "measured", "says"), [
+    (0.0806, 0.1337, "1.66x the plan's prediction"),  # layers of a millisecond: the runtime's per-action work
+    (0.100, 0.126, "1.26x"),
+    (0.100, 0.060, "0.60x"),
+    (0.100, 0.124, None),
+    (0.100, 0.080, None),
+])
+def test_a_far_prediction_is_pointed_out_with_its_likely_cause(predicted: float, measured: float,
+                                                               says: str | None) -> None:
+    from pipefold.cli import prediction_note
+
+    note = prediction_note(predicted, measured, 24)
+    if says is None:
+        assert note is None
+        return
+    assert note is not None and says in note and "\n" not in note
+    if measured > predicted:
+        assert f"{(measured - predicted) / 24 * 1e3:.2f} ms more per action" in note

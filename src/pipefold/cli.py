@@ -1031,6 +1031,10 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
                                                                    "bubble_ratio": predicted.bubble_ratio,
                                                                    "peak_bytes": peaks},
                        "measured": measured_summary(reports)}
+        actions = max(len(row) for row in job.schedule.actions)
+        note = prediction_note(predicted.makespan, out["plan"]["measured"]["step_time_s"], actions)
+        if note is not None:
+            out["plan"]["note"] = note
     if args.check:
         out.update(compare(job, everyone))
     if args.trace:
@@ -1155,6 +1159,27 @@ def _print_per_step(out: dict[str, Any], console: Console) -> None:
                       f"{format_bytes(bw)}/s; predicted {options}")
 
 
+FAR_OFF = 0.25
+"""A measured step further than this from the plan's prediction (as a fraction) is pointed out after the run."""
+
+
+def prediction_note(predicted: float, measured: float, actions: int) -> str | None:
+    """One line when the run's step time is more than :data:`FAR_OFF` from the prediction, with the likely cause;
+    None when it is close. ``actions``: the most actions a rank runs in a step."""
+    if not (predicted > 0 and measured > 0) or abs(measured / predicted - 1) <= FAR_OFF:
+        return None
+    gap = measured - predicted
+    per = gap / max(1, actions)
+    if gap > 0:
+        return (f"the step took {measured / predicted:.2f}x the plan's prediction ({measured * 1e3:.1f} ms against "
+                f"{predicted * 1e3:.1f} ms): {per * 1e3:.2f} ms more per action of the busiest rank ({actions}), most "
+                "likely the runtime's own work per action (receives, sends, bookkeeping), which the profile's layer "
+                "times leave out and which matters on layers of a millisecond or so (docs/plan.md)")
+    return (f"the step took {measured / predicted:.2f}x the plan's prediction ({measured * 1e3:.1f} ms against "
+            f"{predicted * 1e3:.1f} ms): the profile was taken under other load, or the ranks share fewer cores "
+            "than it measured; profile again on an idle machine")
+
+
 def _print_prediction(plan: dict[str, Any], console: Console) -> None:
     """The plan's prediction next to the run's measurement: step time, bubble ratio, each rank's peak."""
     pred, meas = plan["predicted"], plan["measured"]
@@ -1172,6 +1197,8 @@ def _print_prediction(plan: dict[str, Any], console: Console) -> None:
     console.print(table)
     console.print("peak: weights, gradients and optimizer state (measured from the tensors after the run) plus the "
                   "step's activations and buffers (the runtime's meter)")
+    if "note" in plan:
+        console.print(f"[yellow]note:[/yellow] {plan['note']}")
 
 
 def _parse_offload(text: str) -> tuple[int, int]:
