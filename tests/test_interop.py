@@ -342,3 +342,24 @@ def test_validate_and_simulate_read_torch_csv_without_the_flag(tmp_path) -> None
     assert main(["generate", "zb-v", "-p", "2", "-m", "4", "--format", "torch-csv", "-o", str(path)]) == 0
     assert main(["validate", str(path)]) == 0
     assert main(["simulate", str(path), "--json"]) == 0
+
+
+ONE_BASED = "0F0,0F1,0I0,0W0,0I1,0W1\n1F1,1B1,1F2,1B2\n"
+"""A torch CSV as torch 2.13's Schedule1F1B writes one: its last rank numbers its microbatches 1..m."""
+
+
+def test_renumber_on_the_command_line(tmp_path, capsys) -> None:
+    from pipefold.cli import main
+
+    path = tmp_path / "torch-1f1b.csv"
+    path.write_text(ONE_BASED)
+    assert main(["validate", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "numbered 1..2" in err and "give --renumber" in err
+    assert main(["validate", str(path), "--renumber"]) == 0
+    assert main(["simulate", str(path), "--renumber", "--json"]) == 0
+    capsys.readouterr()
+    code = main(["train", "--schedule", str(path), "--renumber", "--model", "mlp", "--layers", "4", "--hidden", "16",
+                 "--batch", "4", "--steps", "1", "--check", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["max_grad_rel_diff"] < 1e-5 and out["microbatches"] == 2

@@ -139,7 +139,15 @@ def _add_format(p: argparse.ArgumentParser) -> None:
     """--format of the schedule files a command reads (generate's --format is its output's)."""
     p.add_argument("--format", dest="input_format", choices=list(interop.FORMATS), default=None,
                    help="format of schedule files: text, json, csv (pipefold's) or torch-csv "
-                        "(torch.distributed.pipelining's); default: from each file's suffix")
+                        "(torch.distributed.pipelining's); default: from each file's suffix, and torch's CSV "
+                        "told by its content")
+    _add_renumber(p)
+
+
+def _add_renumber(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--renumber", action="store_true",
+                   help="a torch CSV whose last rank numbers its microbatches 1..m (torch's Schedule1F1B writes "
+                        "so): shift them to 0..m-1")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -363,6 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--action-timeout", type=float, default=20.0, metavar="SECONDS",
                    help="stop the job, naming the rank, when an action runs this long or a rank waits this long "
                         "for one that makes no progress, or stops responding (default 20)")
+    _add_renumber(p)
     g = p.add_argument_group("devices")
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="where the ranks compute: a GPU when torch sees one (auto, the default), or the CPU")
@@ -418,7 +427,7 @@ def _load_schedule(text: str, args: argparse.Namespace, *, strict_flags: bool) -
     if _looks_like_file(text):
         if not os.path.isfile(text):
             raise ConfigError(f"no such schedule file: {text}")
-        return interop.load(text, getattr(args, "input_format", None))
+        return interop.load(text, getattr(args, "input_format", None), renumber=getattr(args, "renumber", False))
     name, options = parse_spec(text)
     spec = schedules.get(name)
     for key, value in _flag_options(args).items():
@@ -922,7 +931,7 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
                 if value not in (build_parser_default(flag), theirs):
                     raise ConfigError(f"{args.schedule} runs on {probe.devices} devices with {probe.microbatches} "
                                       f"microbatches: drop {flag} {value}, or give the file's")
-            name = os.path.abspath(args.schedule)
+            name, options = os.path.abspath(args.schedule), {"renumber": 1} if args.renumber else {}
             args.devices, args.microbatches = probe.devices, probe.microbatches
         elif name == ADAPTIVE:
             if args.microbatches < 1:

@@ -211,7 +211,7 @@ def _assemble(rows: Sequence[Sequence[tuple[Action, str]]], name: str, renumber:
             raise ScheduleError(
                 f"rank {rank}: stage {stage}'s {what} are numbered 1..{n} where the rest of the schedule uses "
                 f"0..{n - 1} (torch's Schedule1F1B numbers its last rank so, and its own validator rejects it); "
-                f"pass renumber=True to shift them to 0..{n - 1}")
+                f"give --renumber (renumber=True in Python) to shift them to 0..{n - 1}")
         rows = [[(_shift(action, shifted), where) for action, where in row] for row in rows]
     microbatches = 1 + max(a.microbatch for row in rows for action, _ in row for a in action.passes)
     placement = (tuple(home[s][0] for s in range(stages)),)
@@ -340,9 +340,10 @@ def torch_dialect(text: str) -> bool:
     return "B" in cells and "W" not in cells and "BW" not in cells
 
 
-def load(path: str, fmt: str | None = None) -> Schedule:
+def load(path: str, fmt: str | None = None, *, renumber: bool = False) -> Schedule:
     """Read a schedule file in ``fmt`` (one of :data:`FORMATS`), or, if None, as its suffix says; a ``.csv`` in
-    torch's dialect is told from pipefold's by its content (:func:`torch_dialect`)."""
+    torch's dialect is told from pipefold's by its content (:func:`torch_dialect`). ``renumber``: see
+    :func:`from_torch_order` (torch's CSV only)."""
     if fmt is not None and fmt not in FORMATS:
         raise ConfigError(f"unknown schedule format {fmt!r}: use {', '.join(FORMATS)}")
     if fmt is None and path.lower().endswith(".csv") and torch_dialect(read_schedule_text(path)):
@@ -351,6 +352,6 @@ def load(path: str, fmt: str | None = None) -> Schedule:
         return Schedule.load(path, fmt)
     text = read_schedule_text(path)
     try:
-        return from_torch_csv(text)
+        return from_torch_csv(text, renumber=renumber)
     except ScheduleError as exc:
         raise ScheduleError(f"{path}: {exc.message}", exc.report) from None

@@ -154,7 +154,7 @@ def build_schedule(config: TrainConfig) -> Schedule:
         from pipefold.interop import load
         from pipefold.ir import validate
 
-        schedule = load(config.schedule)
+        schedule = load(config.schedule, renumber=bool(dict(config.options).get("renumber")))
         validate(schedule)
         if (schedule.devices, schedule.microbatches) != (config.devices, config.microbatches):
             raise ConfigError(f"{config.schedule} runs on {schedule.devices} devices with {schedule.microbatches} "
