@@ -245,3 +245,17 @@ def test_a_schedule_file_keeps_its_shape(capsys: pytest.CaptureFixture[str], tmp
         code = main(["train", "--schedule", str(path), flag, value, "--model", "mlp", "--layers", "4"])
         err = capsys.readouterr().err
         assert code == 2 and f"drop {flag} {value}, or give the file's" in err and len(err.strip().splitlines()) == 1
+
+
+def test_schedule_auto_under_torchrun_is_refused_at_once(capsys: pytest.CaptureFixture[str],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every worker would profile on its own while the others time out waiting: refused before any work."""
+    import time
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    started = time.perf_counter()
+    code = main(["train", "--schedule", "auto", "--memory-budget", "1GB", "--model", "mlp", "--layers", "4"])
+    err = capsys.readouterr().err
+    assert code == 2 and "then torchrun ... -m pipefold train --plan plan.json" in err
+    assert len(err.strip().splitlines()) == 1 and time.perf_counter() - started < 5

@@ -915,6 +915,11 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
                           f"{args.action_timeout:g})")
     plan: dict[str, Any] | None = None
     decided = None
+    if args.schedule == "auto" and under_torchrun():
+        # Each worker would profile on its own, for minutes, while the others wait for it in the store.
+        raise ConfigError("--schedule auto profiles and plans on one machine: run pipefold plan --profile PROFILE "
+                          "--memory-budget BYTES -o plan.json first, then torchrun ... -m pipefold train --plan "
+                          "plan.json")
     if args.plan is not None or args.schedule == "auto":
         config, decided, plan = _planned_run(args, console)
     else:
