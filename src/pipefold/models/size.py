@@ -165,12 +165,16 @@ def check_fits(shape: Shape, *, microbatches: int = 1, ranks: int = 0, copies: f
         raise ConfigError(f"{what} would need at least {format_bytes(total)} of memory ({_describe(shape)}; {parts}; "
                           f"one microbatch's activations) but this machine has {format_bytes(available)} "
                           f"available{fix}")
+    _check_flops(shape, MAX_STEP_FLOPS, "minutes per step on a CPU core", what)
+
+
+def _check_flops(shape: Shape, limit: float, why: str, what: str) -> None:
+    """Refuse a step of more than ``limit`` floating-point operations, naming the setting that would fit."""
     flops = step_flops(shape)
-    if flops > MAX_STEP_FLOPS:
-        fix = _fix(shape, lambda s: step_flops(s) <= MAX_STEP_FLOPS)
+    if flops > limit:
+        fix = _fix(shape, lambda s: step_flops(s) <= limit)
         raise ConfigError(f"{what} would take about {flops:.1e} floating-point operations per step "
-                          f"({_describe(shape)}), over pipefold's limit of {MAX_STEP_FLOPS:.0e} (minutes per step on "
-                          f"a CPU core){fix}")
+                          f"({_describe(shape)}), over pipefold's limit of {limit:.0e} ({why}){fix}")
 
 
 def check_fits_gpu(shape: Shape, *, microbatches: int = 1, ranks: int = 1, gpus: int = 1, copies: float = 1.0,
@@ -193,11 +197,7 @@ def check_fits_gpu(shape: Shape, *, microbatches: int = 1, ranks: int = 1, gpus:
         raise ConfigError(f"{what} would need at least {format_bytes(total)} on each GPU ({_describe(shape)}; "
                           f"{ranks} ranks on {gpus} GPU{'s' if gpus > 1 else ''}; parameters held {copies:g} times; "
                           f"one microbatch's activations) but a GPU here has {format_bytes(gpu_bytes)}{fix}")
-    flops = step_flops(shape)
-    if flops > GPU_STEP_FLOPS:
-        fix = _fix(shape, lambda s: step_flops(s) <= GPU_STEP_FLOPS)
-        raise ConfigError(f"{what} would take about {flops:.1e} floating-point operations per step "
-                          f"({_describe(shape)}), over pipefold's limit of {GPU_STEP_FLOPS:.0e} on GPUs{fix}")
+    _check_flops(shape, GPU_STEP_FLOPS, "minutes per step on a GPU", what)
 
 
 def _describe(shape: Shape) -> str:
