@@ -51,7 +51,8 @@ from pipefold.runtime.watch import Activity
 
 LOOKAHEAD = 2  # actions whose receives are posted ahead of time: this one and the next
 _RUNS = (Kind.F, Kind.B, Kind.W, Kind.BW, Kind.R)
-"""The kinds the runtime runs (an overlapped pair runs its parts one after the other; OPT with optimizers; other
+"""The kinds the runtime runs (an overlapped pair runs its parts on two streams of a GPU, elsewhere one after the
+other; OPT with optimizers; other
 kinds with a :class:`StepWork` that runs them)."""
 COMPUTE_KINDS = frozenset(k for k, spec in KINDS.items() if spec.computes and not spec.composite)
 """The event kinds that are computation (busy time, K-FAC's work included); the rest is waiting and
@@ -295,9 +296,9 @@ class RankExecutor:
         self.schedule, self.rank, self.device = schedule, rank, device
         cuda = device.type == "cuda"
         self._side = torch.cuda.Stream(device) if cuda and overlap else None
-        self._losses: dict[int, torch.Tensor] = {}  # the step's losses, by microbatch, read at its end
         """On a GPU: the stream an overlapped pair's forward runs on while its backward runs on the compute stream
         (None: the parts run one after the other)."""
+        self._losses: dict[int, torch.Tensor] = {}  # the step's losses, by microbatch, read at its end
         self.activity = activity if activity is not None else Activity(rank)
         """What the rank is doing, for the job's watch (:mod:`pipefold.runtime.watch`): each action, each wait."""
         self.meter = MemoryMeter()
