@@ -216,3 +216,23 @@ def test_simulate_cli_takes_a_network(capsys) -> None:
     assert got == pytest.approx(want)
     assert main(["simulate", "1f1b", "--at", "3"]) != 0
     assert "--network" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "link"), [
+    (["simulate", "1f1b", "-p", "2", "-m", "4", "--network", "examples/profile.json"], "1-2"),
+    (["simulate", "1f1b", "-p", "2", "-m", "4", "--network", "preempt:seed=1,idle=10MB,busy=1MB,links=2-3"], "2-3"),
+    (["simulate", "zb-v", "-p", "3", "-m", "6", "--network", "preempt:seed=1,idle=10MB,busy=1MB,links=0-1+3-0"],
+     "0-3"),
+    (["train", "--model", "mlp", "--layers", "4", "--devices", "2", "--microbatches", "4", "--batch", "8",
+      "--network", "examples/profile.json"], "1-2"),
+])
+def test_a_network_naming_a_missing_link_is_refused(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+                                                     argv: list[str], link: str) -> None:
+    from pathlib import Path
+
+    from pipefold.cli import main
+
+    monkeypatch.chdir(Path(__file__).resolve().parent.parent)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"names link {link} but the run has devices" in err and len(err.strip().splitlines()) == 1, err

@@ -528,6 +528,7 @@ def cmd_simulate(args: argparse.Namespace, console: Console) -> None:
         from pipefold.network import parse_network
 
         network = parse_network(args.network)
+        network.check_devices(schedule.devices)
     elif args.at:
         raise ConfigError("--at is a time in a --network's timeline: give --network too")
     if not (math.isfinite(args.at) and args.at >= 0):

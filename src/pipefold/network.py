@@ -163,6 +163,14 @@ class Network:
     def conditions(self, src: int, dst: int) -> Conditions:
         return self.links.get((src, dst), self.default)
 
+    def check_devices(self, devices: int) -> None:
+        """Refuse, in one line, a network that names a link to a device the run does not have (it would be ignored)."""
+        wrong = sorted((a, b) for a, b in self.links if max(a, b) >= devices)
+        if wrong:
+            a, b = wrong[0]
+            raise ConfigError(f"the network {self.name} names link {a}-{b} but the run has devices 0..{devices - 1}: "
+                              f"name links between those devices, or run on {max(a, b) + 1} or more")
+
     def at(self, src: int, dst: int, t: float) -> LinkState:
         return self.conditions(src, dst).at(t)
 

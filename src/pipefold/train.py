@@ -273,6 +273,7 @@ def make_job(config: TrainConfig, *, save_grads_of_step: int | None = None,
         from pipefold.network import parse_network
 
         network = parse_network(config.network)
+        network.check_devices(schedule.devices)
     elif config.netns:
         raise ConfigError("--netns needs --network: the conditions the namespaces' links emulate, such as "
                           "constant:bandwidth=50MB or preempt:seed=1,idle=50MB,busy=5MB,on=4,off=4")
