@@ -387,3 +387,17 @@ def test_a_far_prediction_is_pointed_out_with_its_likely_cause(predicted: float,
     assert note is not None and says in note and "\n" not in note
     if measured > predicted:
         assert f"{(measured - predicted) / 24 * 1e3:.2f} ms more per action" in note
+
+
+@pytest.mark.parametrize("layers", [3, 9])
+def test_a_plan_whose_layers_are_not_its_models_is_refused(tmp_path, layers: int) -> None:
+    """The profile says 8 layers (a GPT of 6 blocks); a plan edited to say other blocks is refused before any rank
+    starts, naming both counts."""
+    from pipefold.train import from_plan
+
+    data = plan_model(_profile(8), 2, 1e12).to_dict()
+    data["train"] = {**data["train"], "layers": layers}
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match=f"the plan splits 8 layers but its model .* has {layers + 2}"):
+        from_plan(read_plan(str(path)))

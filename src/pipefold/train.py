@@ -501,6 +501,11 @@ def from_plan(plan: dict[str, Any], **run: Any) -> tuple[TrainConfig, Decisions]
                          heads=heads, model_config=t.get("model_config"), batch=int(t["batch"]), seq=int(t["seq"]),
                          optimizer=t["optimizer"], **{"seed": int(t["seed"]), **run})
     layer_stages = tuple(tuple(int(i) for i in part) for part in plan["layer_stages"])
+    have = model_of(config).num_layers  # built on no device: the layer count only
+    if have != sum(len(part) for part in layer_stages):
+        raise ConfigError(f"the plan splits {sum(len(part) for part in layer_stages)} layers but its model "
+                          f"({config.model}, its sizes as the plan gives them) has {have}: write the plan again with "
+                          "pipefold plan --profile")
     counts = tuple(int(r) for r in plan["recompute"])
     recompute = None
     if any(counts):
