@@ -84,6 +84,10 @@ def test_same_command_under_torchrun(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["schedule"] == "v-half" and out["max_grad_rel_diff"] < 1e-5 and len(out["loss"]) == 2
+    # Progress under torchrun: rank 0's lines, once per step, with the loss the run reports.
+    progress = [line for line in proc.stderr.splitlines() if " loss " in line and line.lstrip().startswith("step ")]
+    assert [line.split()[1] for line in progress] == ["1/2", "2/2"], proc.stderr[-2000:]
+    assert [line.split()[3] for line in progress] == [f"{v:.4f}" for v in out["loss"]]
     # Rank 0 measured the split (by time, the default) and the recomputation; every rank ran them.
     assert out["recompute"]["layers"] == out["recompute"]["stage_layers"] and sum(out["recompute"]["layers"]) == 8
     # The simulator fed with the run's own per-stage figures predicts each rank's peak, and the plan made before
@@ -257,5 +261,5 @@ def test_schedule_auto_under_torchrun_is_refused_at_once(capsys: pytest.CaptureF
     started = time.perf_counter()
     code = main(["train", "--schedule", "auto", "--memory-budget", "1GB", "--model", "mlp", "--layers", "4"])
     err = capsys.readouterr().err
-    assert code == 2 and "then torchrun ... -m pipefold train --plan plan.json" in err
+    assert code == 2 and "then give torchrun the plan's schedule and flags" in err
     assert len(err.strip().splitlines()) == 1 and time.perf_counter() - started < 5

@@ -918,9 +918,9 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
     decided = None
     if args.schedule == "auto" and under_torchrun():
         # Each worker would profile on its own, for minutes, while the others wait for it in the store.
-        raise ConfigError("--schedule auto profiles and plans on one machine: run pipefold plan --profile PROFILE "
-                          "--memory-budget BYTES -o plan.json first, then torchrun ... -m pipefold train --plan "
-                          "plan.json")
+        raise ConfigError("--schedule auto profiles and plans on one machine and runs locally for now: run pipefold "
+                          "profile and pipefold plan --profile PROFILE --memory-budget BYTES first, then give torchrun "
+                          "the plan's schedule and flags")
     if args.plan is not None or args.schedule == "auto":
         config, decided, plan = _planned_run(args, console)
     else:
@@ -987,7 +987,7 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
             if decided is not None:
                 raise ConfigError("--plan and --schedule auto run locally for now: under torchrun give the plan's "
                                   "schedule and flags")
-            job, gathered = train_torchrun(config, check=args.check)
+            job, gathered = train_torchrun(config, check=args.check, on_step=on_step)  # rank 0 shows progress
             if gathered is None:
                 return  # rank 0 reports for everyone
             reports = gathered

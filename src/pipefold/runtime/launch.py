@@ -427,9 +427,9 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
              activity: Activity | None = None) -> RankReport:
     """The body of one rank: build, train for ``job.steps`` steps, report.
 
-    The rank that computes the loss calls ``on_step(step, loss, seconds)`` after every step (of the first
-    pipeline, with data parallelism: the loss of its shard). ``activity`` is told what the rank is doing, for
-    the job's watch.
+    Rank 0 calls ``on_step(step, loss, seconds)`` after every step, with the step's global loss (every microbatch
+    of every pipeline and replica: :attr:`StepStats.loss`). ``activity`` is told what the rank is doing, for the
+    job's watch.
     """
     pipeline, rank = divmod(rank, job.schedule.devices)  # from here on ``rank`` is the device in the pipeline
     global_rank = pipeline * job.schedule.devices + rank
@@ -508,7 +508,6 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     recent: collections.deque[StepStats] = collections.deque(maxlen=job.adaptive.every if job.adaptive else 1)
     grads = None
     m = job.schedule.microbatches
-    loss_rank = job.schedule.holders(job.schedule.stages - 1)[0]
     # A stage held by several replicas counts once in a global norm: by its first holder, in the first pipeline
     # (with FSDP, by every pipeline: each holds its own shard); a tied weight's copies count once.
     counted = [p for s, ps in trained.items() if job.schedule.holders(s)[0] == rank and (pipeline == 0 or job.fsdp)
@@ -573,8 +572,8 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
             learning.append(stats)
         if job.adaptive is not None:
             recent.append(stats)
-        if on_step is not None and rank == loss_rank and pipeline == 0:
-            on_step(step, stats.loss, time.perf_counter() - started)  # the global loss: every pipeline, replica
+        if on_step is not None and global_rank == 0:  # the global loss (every pipeline, replica): rank 0 knows it
+            on_step(step, stats.loss, time.perf_counter() - started)
         if stats.skipped:
             skipped.append(step)
             bad_run += 1
