@@ -364,8 +364,9 @@ def test_ctrl_c_anywhere_in_profile_is_one_line(tmp_path) -> None:
         _, err = proc.communicate(timeout=120)
         time.sleep(0.5)  # a helper left behind would print after its parent exited
         assert "Traceback" not in err and len(err.strip().splitlines()) <= 1, (delay, err)
-        assert proc.returncode in (0, 130), (delay, proc.returncode, err)
-        if proc.returncode == 130:
+        # 130, or ended by the SIGINT itself as the interpreter exits (-2 here; 130 to a shell, all the same to it).
+        assert proc.returncode in (0, 130, -signal.SIGINT), (delay, proc.returncode, err)
+        if proc.returncode != 0:
             assert err.strip() == "pipefold profile: interrupted (SIGINT)"
 
 
