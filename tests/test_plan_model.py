@@ -318,11 +318,13 @@ def test_profile_plan_train_runs_the_plan_with_exact_gradients_and_its_predicted
 
 
 def test_the_readme_flow_with_an_mlp_profiled_without_heads(tmp_path) -> None:
-    """The MLP has no heads: its profile's and plan's ``heads`` are null, and the plan still trains."""
-    got = _cli("profile", "--model", "mlp", "--layers", "4", "--hidden", "32", "--batch", "16", "-m", "4", "-p", "2",
-               "--repeats", "2", "--no-sharing", "-o", "prof.json", cwd=tmp_path)
+    """The MLP has no heads: its profile's and plan's ``heads`` are null, and the plan still trains. Profiled with
+    core sharing on 3 devices, so the link is measured with a third process computing beside it (its helper)."""
+    got = _cli("profile", "--model", "mlp", "--layers", "4", "--hidden", "32", "--batch", "16", "-m", "4", "-p", "3",
+               "--repeats", "2", "-o", "prof.json", cwd=tmp_path)
     assert got.returncode == 0, got.stderr
-    got = _cli("plan", "--profile", "prof.json", "-p", "2", "--memory-budget", "50MiB", "-o", "plan.json",
+    assert len(Profile.load(str(tmp_path / "prof.json")).contention) == 3
+    got = _cli("plan", "--profile", "prof.json", "-p", "3", "--memory-budget", "50MiB", "-o", "plan.json",
                cwd=tmp_path)
     assert got.returncode == 0, got.stderr
     assert json.loads((tmp_path / "plan.json").read_text())["train"]["heads"] is None

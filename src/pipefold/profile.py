@@ -279,6 +279,7 @@ def measure_link(rounds: int = 20, sizes: Sequence[int] = _LINK_SIZES,
         if load is not None and load[2] > 0:
             train, layer, n = load
             ready = ctx.Barrier(n + 1)
+            helpers += [ctx.Process(target=_load, args=(train, layer, ready, stop)) for _ in range(n)]
             with starting():
                 for h in helpers:
                     h.start()
