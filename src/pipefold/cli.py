@@ -403,11 +403,6 @@ def _flag_options(args: argparse.Namespace) -> dict[str, int]:
     return {k[4:]: v for k, v in vars(args).items() if k.startswith("opt_") and v is not None}
 
 
-def build_parser_default(flag: str) -> Any:
-    """pipefold train's default for ``flag`` (a schedule file's shape wins over an option left at it)."""
-    return {"--devices": 4, "--microbatches": 8}[flag]
-
-
 def _looks_like_file(text: str) -> bool:
     """Whether ``text`` names a schedule file rather than a registered schedule.
 
@@ -894,7 +889,7 @@ def _reliability(args: argparse.Namespace) -> dict[str, Any]:
             "keep_last": args.keep_last,
             "resume": args.resume is not None, "resume_from": args.resume or None, "save_model": args.save_model,
             "post_validate": args.post_validate, "max_bad_steps": args.max_bad_steps, "device": args.device,
-            "backend": args.backend, "overlap": not args.no_overlap}
+            "backend": args.backend, "overlap": not args.no_overlap, "renumber": args.renumber}
 
 
 def cmd_train(args: argparse.Namespace, console: Console) -> None:
@@ -916,36 +911,36 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
                           f"{args.action_timeout:g})")
     plan: dict[str, Any] | None = None
     decided = None
-    if args.schedule == "auto" and under_torchrun():
-        # Each worker would profile on its own, for minutes, while the others wait for it in the store.
-        raise ConfigError("--schedule auto profiles and plans on one machine and runs locally for now: run pipefold "
-                          "profile and pipefold plan --profile PROFILE --memory-budget BYTES first, then give torchrun "
-                          "the plan's schedule and flags")
+    if under_torchrun() and (args.plan is not None or args.schedule == "auto"):
+        # Before planning: each worker would profile on its own, for minutes, while the others wait in the store.
+        raise ConfigError("--plan and --schedule auto run locally for now: plan with pipefold profile and pipefold "
+                          "plan --profile PROFILE --memory-budget BYTES, then give torchrun the plan's schedule and "
+                          "flags")
     if args.plan is not None or args.schedule == "auto":
         config, decided, plan = _planned_run(args, console)
     else:
         from pipefold.train import ADAPTIVE
 
-        name, options = parse_spec(args.schedule) if not _looks_like_file(args.schedule) else ("", {})
-        if not name:  # a schedule file (pipefold's text, JSON or CSV, or torch's CSV): its devices and microbatches
+        if _looks_like_file(args.schedule):  # pipefold's text, JSON or CSV, or torch's CSV: its devices, microbatches
             from pipefold.ir import validate
 
             probe = _load_schedule(args.schedule, args, strict_flags=False)
             validate(probe)
-            for flag, value, theirs in (("--devices", args.devices, probe.devices),
-                                        ("--microbatches", args.microbatches, probe.microbatches)):
-                if value not in (build_parser_default(flag), theirs):
+            for dest, theirs in (("devices", probe.devices), ("microbatches", probe.microbatches)):
+                if dest in args.given and getattr(args, dest) != theirs:
                     raise ConfigError(f"{args.schedule} runs on {probe.devices} devices with {probe.microbatches} "
-                                      f"microbatches: drop {flag} {value}, or give the file's")
-            name, options = os.path.abspath(args.schedule), {"renumber": 1} if args.renumber else {}
+                                      f"microbatches: drop --{dest} {getattr(args, dest)}, or give the file's")
             args.devices, args.microbatches = probe.devices, probe.microbatches
-        elif name == ADAPTIVE:
-            if args.microbatches < 1:
-                raise ConfigError(f"--microbatches must be at least 1 (got {args.microbatches})")
-            probe = schedules.build("kfkb", args.devices, args.microbatches, k=1)
+            name, options = os.path.abspath(args.schedule), dict[str, int]()
         else:
-            schedules.get(name)
-            probe = schedules.build(name, args.devices, args.microbatches, **options)
+            name, options = parse_spec(args.schedule)
+            if name == ADAPTIVE:
+                if args.microbatches < 1:
+                    raise ConfigError(f"--microbatches must be at least 1 (got {args.microbatches})")
+                probe = schedules.build("kfkb", args.devices, args.microbatches, k=1)
+            else:
+                schedules.get(name)
+                probe = schedules.build(name, args.devices, args.microbatches, **options)
         offload = _parse_offload(args.offload) if args.offload else None
         layers = args.layers or REGISTRY[args.model].blocks_for(probe.stages)
         config = TrainConfig(schedule=name, options=tuple(options.items()), devices=args.devices,
@@ -984,9 +979,6 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
             if config.netns:
                 raise ConfigError("--netns starts local ranks in namespaces it makes; under torchrun make them with "
                                   "`python -m pipefold.runtime.netns up` and start each rank with `ip netns exec`")
-            if decided is not None:
-                raise ConfigError("--plan and --schedule auto run locally for now: under torchrun give the plan's "
-                                  "schedule and flags")
             job, gathered = train_torchrun(config, check=args.check, on_step=on_step)  # rank 0 shows progress
             if gathered is None:
                 return  # rank 0 reports for everyone
@@ -1531,29 +1523,35 @@ APPLIES: tuple[Applies, ...] = (
 mode is refused in the others by adding it here."""
 
 
-def check_applies(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    """Refuse, in one line, an option given where it does not apply (:data:`APPLIES`)."""
+def given(args: argparse.Namespace, parser: argparse.ArgumentParser) -> frozenset[str]:
+    """The options of ``args`` (destinations) that were given a value other than their command's default."""
     sub = next((a.choices[args.command] for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
     if sub is None:
-        return
+        return frozenset()
+    return frozenset(dest for dest, value in vars(args).items() if value != sub.get_default(dest))
+
+
+def check_applies(args: argparse.Namespace) -> None:
+    """Refuse, in one line, an option given where it does not apply (:data:`APPLIES`)."""
     for rule in APPLIES:
         if rule.command != args.command or rule.when(args):
             continue
         for dest in rule.options:
-            if getattr(args, dest, None) != sub.get_default(dest):
+            if dest in args.given:
                 raise ConfigError(f"--{dest.replace('_', '-')} {rule.otherwise}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.given = given(args, parser)  # before any option is filled in from another
     if getattr(args, "hf", None):
         args.model = args.hf  # one name for the model from here on; its config sizes it
     elif getattr(args, "layers", 0) is None:
         args.layers = args.default_layers
     console = Console(soft_wrap=True)
     try:
-        check_applies(args, parser)
+        check_applies(args)
         with _sigterm_interrupts():
             COMMANDS[args.command](args, console)
     except KeyboardInterrupt as exc:

@@ -49,6 +49,8 @@ class TrainConfig:
     """Schedule name (see ``pipefold schedules``)."""
     options: tuple[tuple[str, int], ...] = ()
     """Schedule options, as (name, value) pairs."""
+    renumber: bool = False
+    """With a schedule file in torch's CSV whose last rank numbers its microbatches 1..m: shift them to 0..m-1."""
     devices: int = 4
     """Pipeline devices, one process each."""
     microbatches: int = 8
@@ -154,7 +156,7 @@ def build_schedule(config: TrainConfig) -> Schedule:
         from pipefold.interop import load
         from pipefold.ir import validate
 
-        schedule = load(config.schedule, renumber=bool(dict(config.options).get("renumber")))
+        schedule = load(config.schedule, renumber=config.renumber)
         validate(schedule)
         if (schedule.devices, schedule.microbatches) != (config.devices, config.microbatches):
             raise ConfigError(f"{config.schedule} runs on {schedule.devices} devices with {schedule.microbatches} "
@@ -192,11 +194,10 @@ def make_job(config: TrainConfig, *, save_grads_of_step: int | None = None,
     they come from ``config``, and finding the checkpoint reads the folder).
     """
     schedule = build_schedule(config)
-    from pipefold.runtime.devices import place
-    from pipefold.runtime.launch import under_torchrun
+    from pipefold.runtime.launch import local_placement
 
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if under_torchrun() else schedule.devices * config.dp
-    where = place(config.device, config.backend, ranks=ranks)  # one line for a device this machine lacks
+    # One line for a device this machine lacks.
+    where = local_placement(config.device, config.backend, schedule.devices * config.dp)
     if where.device == "cuda" and (config.network is not None or config.netns):
         raise ConfigError("--network and --netns emulate links between CPU ranks over gloo: use --device cpu with "
                           "them")
@@ -243,7 +244,7 @@ def make_job(config: TrainConfig, *, save_grads_of_step: int | None = None,
     if decided is not None:
         layer_stages, plan = decided
     else:
-        layer_stages = _layer_stages(config, model, schedule)
+        layer_stages = _layer_stages(config, model, schedule, where.device_of(0))
         if config.recompute != "none" or (config.memory_budget is not None and adaptive is None):
             plan = _plan_recompute(config, schedule, layer_stages, build, loss_fn, batch_at)
     recompute = None
@@ -408,7 +409,8 @@ def _plan_recompute(config: TrainConfig, schedule: Schedule, layer_stages: tuple
     return plan_recompute(schedule, profiles, config.recompute, config.memory_budget)
 
 
-def _layer_stages(config: TrainConfig, model: Model, schedule: Schedule) -> tuple[tuple[int, ...], ...]:
+def _layer_stages(config: TrainConfig, model: Model, schedule: Schedule,
+                  device: torch.device) -> tuple[tuple[int, ...], ...]:
     """Layers of each stage: even by count, balanced by the chosen cost, or ("memory") least peak under ``schedule``."""
     if config.partition == "even":
         return tuple(tuple(s) for s in split_layers(model.num_layers, schedule.stages))
@@ -418,10 +420,7 @@ def _layer_stages(config: TrainConfig, model: Model, schedule: Schedule) -> tupl
     x, y = model.batch_at(0)
     n = config.dp * config.microbatches
     sample = split_batch(x, n)[0]  # a microbatch of a pipeline's shard
-    if config.partition == "time":  # timed where the ranks will run: on their GPU, if they have one
-        from pipefold.runtime.devices import place
-
-        device = place(config.device, config.backend, ranks=schedule.devices * config.dp).device_of(0)
+    if config.partition == "time":  # timed where the ranks will run (``device``): on their GPU, if they have one
         layers = [layer.to(device) for layer in layers]
         sample = tuple(t.to(device) for t in sample)
     if config.partition == "memory":
@@ -432,10 +431,8 @@ def _layer_stages(config: TrainConfig, model: Model, schedule: Schedule) -> tupl
         split_memory = partition_memory(times, [h for h, _ in held], [w for _, w in held], static, schedule)
         return tuple(tuple(part) for part in split_memory.parts)
     costs = layer_costs(layers, sample, by=config.partition)
-    if any(p.is_cuda for layer in layers for p in layer.parameters()):
+    if device.type == "cuda" and config.partition == "time":
         del layers, sample
-        import torch
-
         torch.cuda.empty_cache()  # the ranks have the GPU from here on
     # The objective is the busiest device's load, so a device holding two chunks (V) counts both.
     split = partition(costs, schedule.stages, placement=schedule.placement[0])

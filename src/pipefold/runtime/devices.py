@@ -48,15 +48,6 @@ class Placement:
             return torch.device("cpu")
         return torch.device("cuda", local_rank % max(1, self.gpus))
 
-    def describe(self, ranks: int) -> str:
-        """One line: where ``ranks`` ranks of this node run and how they talk."""
-        if self.device == "cpu":
-            return f"{ranks} ranks on the CPU, gloo"
-        if self.staged:
-            share = f"{ranks} ranks sharing {self.gpus} GPU{'s' if self.gpus > 1 else ''}"
-            return f"{share}, gloo through pinned host memory"
-        return f"{ranks} ranks on {ranks} GPUs, NCCL"
-
 
 def cuda_gpus() -> int:
     """GPUs torch sees (0 without a CUDA build or a driver); does not create a CUDA context."""

@@ -410,11 +410,16 @@ def _shapes(x: Any) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(t.shape) for t in as_tuple(x))
 
 
-def placement(job: Job) -> Placement:
-    """Where the job's ranks on this machine compute and how they talk (:func:`pipefold.runtime.devices.place`):
-    every rank of a local job, this node's under torchrun."""
+def local_placement(device: str, backend: str, world: int) -> Placement:
+    """Where the ranks on this machine compute and how they talk (:func:`pipefold.runtime.devices.place`): all
+    ``world`` ranks of a local job, this node's (LOCAL_WORLD_SIZE) under torchrun."""
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) if under_torchrun() else 0
-    return place(job.device, job.backend, ranks=ranks or job.dp * job.schedule.devices)
+    return place(device, backend, ranks=ranks or world)
+
+
+def placement(job: Job) -> Placement:
+    """:func:`local_placement` of the job's ranks."""
+    return local_placement(job.device, job.backend, job.dp * job.schedule.devices)
 
 
 def local_rank(rank: int) -> int:
@@ -436,12 +441,10 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     activity = activity if activity is not None else Activity(global_rank)
     everyone = tuple(r for r in range(world) if r != global_rank)
     placed = placement(job)
-    device = placed.device_of(local_rank(global_rank))
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device = placed.device_of(local_rank(global_rank))  # current already: set before the process group was made
     if job.dp > 1:
         activity.wait("start-up", "the device mesh", everyone, action=False)
-    pipelines, dp_mesh = _mesh(job) if job.dp > 1 else (None, None)
+    pipelines, dp_mesh = _mesh(job, placed.device) if job.dp > 1 else (None, None)
     dp_group = dp_mesh.get_group() if dp_mesh is not None else None
     activity.run("start-up (building its layers)", action=False)
     chains = stage_modules(job, rank)
@@ -637,12 +640,12 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     return report
 
 
-def _mesh(job: Job) -> tuple[list[list[int]], Any]:
+def _mesh(job: Job, device_type: str) -> tuple[list[list[int]], Any]:
     """The dp x devices mesh of the job's ranks (torch's DeviceMesh): every pipeline's ranks, and the 1-D mesh
     of this rank's copies across the pipelines."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(placement(job).device, (job.dp, job.schedule.devices), mesh_dim_names=("dp", "pp"))
+    mesh = init_device_mesh(device_type, (job.dp, job.schedule.devices), mesh_dim_names=("dp", "pp"))
     return mesh.mesh.tolist(), mesh["dp"]
 
 
@@ -1286,7 +1289,7 @@ def join_torchrun_group(action_timeout_s: float = DEFAULT_ACTION_TIMEOUT, device
     The process also ends if torchrun's agent dies (the kernel's parent-death signal, on Linux)."""
     global _WATCH
     if not dist.is_initialized():
-        where = place(device, backend, ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        where = local_placement(device, backend, 1)
         if where.device == "cuda":
             torch.cuda.set_device(where.device_of(int(os.environ.get("LOCAL_RANK", "0"))))
         die_with_parent()
