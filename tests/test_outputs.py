@@ -71,6 +71,31 @@ def test_a_fifo_nobody_reads_is_refused_at_once_and_one_read_is_written(tmp_path
     assert got == [b"through the pipe\n"] and stat.S_ISFIFO(os.stat(fifo).st_mode)
 
 
+def test_a_fifo_checked_first_keeps_its_one_shot_reader(tmp_path: Path) -> None:
+    """Checking a FIFO before the work must not end its reader's stream: the reader reads to its end once and
+    gets the whole file, written after the check."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got: list[bytes] = []
+
+    def read() -> None:
+        with open(fifo, "rb") as fh:
+            got.append(fh.read())
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    for _ in range(500):  # until the reader's open is waiting for a writer
+        try:
+            check_writable(fifo, "schedule")
+            break
+        except ConfigError:
+            threading.Event().wait(0.01)
+    threading.Event().wait(0.3)  # the work between the check and the write: the reader is reading meanwhile
+    write_text(fifo, "after the check\n")
+    reader.join(5)
+    assert got == [b"after the check\n"]
+
+
 def test_a_socket_or_a_folder_is_refused(tmp_path: Path) -> None:
     import socket
 

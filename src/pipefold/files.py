@@ -57,10 +57,18 @@ def atomic(path: str | os.PathLike[str], *, binary: bool = False) -> contextlib.
     return _atomic(os.fspath(path), binary)
 
 
+_CHECKED: dict[str, int] = {}
+"""Descriptors :func:`check_writable` opened on special files, kept until the write takes them: closing one would
+tell a FIFO's reader the stream had ended before anything was written."""
+
+
 def _special(path: str, what: str = "output") -> int | None:
     """For a path that names an existing file other than a regular one: a descriptor open for writing into it
     (a character device, a FIFO someone reads), or one ConfigError (anything else). None for a regular or
     missing file."""
+    held = _CHECKED.pop(os.path.realpath(path), None)
+    if held is not None:
+        return held
     try:
         mode = os.stat(path).st_mode
     except OSError:
@@ -197,8 +205,8 @@ def check_writable(path: str | os.PathLike[str], what: str = "output", *, figure
     if figure:
         _figure_suffix(path, what)
     fd = _special(path, what)
-    if fd is not None:  # a device or a read FIFO: it will be written into, nothing to try beside it
-        os.close(fd)
+    if fd is not None:  # a device or a read FIFO: it will be written into, through this descriptor
+        _CHECKED[os.path.realpath(path)] = fd
         return
     folder = os.path.dirname(os.path.realpath(path))
     if not os.path.isdir(folder):
