@@ -312,16 +312,9 @@ def check_size(config: TrainConfig, model: Model, schedule: Schedule, *, builds_
         held, ranks = held * here / max(1, int(os.environ.get("WORLD_SIZE", "1"))), here
     measures = builds_model and (config.partition != "even" or config.recompute != "none"
                                  or config.optimizer == "kfac" or config.memory_budget is not None)
-    what = f"training {config.model}"
-    if not gpus:
-        check_model(model, microbatches=config.microbatches * config.dp, ranks=ranks, copies=held + measures,
-                    what=what)
-        return
-    import torch
-
-    gpu_bytes = torch.cuda.get_device_properties(0).total_memory
-    check_model(model, gpu=(min(gpus, ranks), gpu_bytes), microbatches=config.microbatches * config.dp, ranks=ranks,
-                copies=held, measures=measures, what=what)
+    gpu = (min(gpus, ranks), torch.cuda.get_device_properties(0).total_memory) if gpus else None
+    check_model(model, gpu=gpu, microbatches=config.microbatches * config.dp, ranks=ranks, copies=held,
+                measures=measures, what=f"training {config.model}")
 
 
 def restarted() -> bool:

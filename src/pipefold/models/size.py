@@ -244,19 +244,18 @@ def _largest(fits: Callable[[int], bool], upper: int) -> int | None:
     return lo
 
 
-def check_model(model: Any, *, gpu: tuple[int, int] | None = None, **kwargs: Any) -> None:
+def check_model(model: Any, *, gpu: tuple[int, int] | None = None, measures: float = 0.0, **kwargs: Any) -> None:
     """:func:`check_fits` for a :class:`~pipefold.models.base.Model` that gives its size (``Model.size``); one that
-    does not is not checked. With ``gpu`` (GPUs, bytes of each) the ranks run there: :func:`check_fits_gpu`,
-    and the host holds only the processes and what the launcher builds to measure (``measures`` copies)."""
+    does not is not checked. ``measures``: copies of the model the launcher builds on the host to measure it, on
+    top of ``copies``. With ``gpu`` (GPUs, bytes of each) the ranks run there: :func:`check_fits_gpu`, and the
+    host holds only the processes and those copies."""
     shape = model.size()
     if shape is None:
         return
     if gpu is None:
-        kwargs.pop("measures", None)
-        check_fits(shape, **kwargs)
+        check_fits(shape, **{**kwargs, "copies": kwargs.get("copies", 1.0) + measures})
         return
     gpus, gpu_bytes = gpu
-    measures = kwargs.pop("measures", 0)
     check_fits_gpu(shape, gpus=gpus, gpu_bytes=gpu_bytes, **kwargs)
     available = available_memory()
     host = kwargs.get("ranks", 0) * RANK_BYTES + measures * parameters(shape) * FLOAT_BYTES

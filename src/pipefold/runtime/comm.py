@@ -381,14 +381,13 @@ class Links:
         stream waits for the copies, and the copies' memory for the compute stream's use of them."""
         if self.stream is None:  # staged on the CPU (tests): the copy the GPU would make
             out = tuple(b.clone() for b in host)
-            self.meter.hold(out, "recv")
-            return out
-        compute = torch.cuda.current_stream(self.device)
-        with torch.cuda.stream(self.stream):
-            out = tuple(b.to(self.device, non_blocking=True) for b in host)
-        compute.wait_stream(self.stream)
-        for t in out:
-            t.record_stream(compute)  # allocated on the copy stream, read and freed on the compute stream
+        else:
+            compute = torch.cuda.current_stream(self.device)
+            with torch.cuda.stream(self.stream):
+                out = tuple(b.to(self.device, non_blocking=True) for b in host)
+            compute.wait_stream(self.stream)
+            for t in out:
+                t.record_stream(compute)  # allocated on the copy stream, read and freed on the compute stream
         self.meter.hold(out, "recv")
         return out
 
