@@ -53,3 +53,24 @@ def test_the_llama_config_is_read_with_its_own_sizes() -> None:
     shape = model.size()
     assert (model.num_layers, shape.hidden, shape.heads) == (4 + 2, 128, 8)
     assert shape.params == sum(p.numel() for layer in model.build() for p in layer.parameters())
+
+
+def test_the_torch_csv_is_the_one_torch_computes() -> None:
+    """examples/torch-1f1b.csv is Schedule1F1B's own order (4 ranks, 8 microbatches), made again here from torch."""
+    import csv
+    import io
+    import logging
+    import types
+
+    torch = pytest.importorskip("torch")
+    from torch.distributed.pipelining import schedules
+
+    stage = types.SimpleNamespace(group_size=4, group_rank=0, num_stages=4, submod=torch.nn.Identity(),
+                                  stage_index=0)
+    logging.getLogger("torch.distributed.pipelining.schedules").setLevel(logging.ERROR)
+    order = schedules.Schedule1F1B(stage, n_microbatches=8, loss_fn=lambda out, target: out).pipeline_order
+    text = io.StringIO()
+    writer = csv.writer(text)  # as torch's own _dump_csv writes pipeline_order
+    for rank in order:
+        writer.writerow(order[rank])
+    assert (ROOT / "examples/torch-1f1b.csv").read_text(encoding="utf-8") == text.getvalue().replace("\r\n", "\n")

@@ -1,0 +1,309 @@
+"""Every command block of the README and docs/, run as written, in the order the page shows it.
+
+The text is never edited for the test. One setting, :data:`SHRINK`, scales what would take minutes on a laptop
+down to seconds: widths and sequence lengths above a cap come down to it, and step counts (with the checkpoint
+intervals and checkpoint names that count steps) are divided by one factor per page, so that a flow that trains
+100 steps, checkpoints every 10 and resumes to 200 still checkpoints and resumes. A training command with no
+``--steps`` runs 2 steps. Nothing else is changed: schedules, devices, microbatches, layers, budgets, files and
+every other option run as the page gives them.
+
+Each page runs in a folder of its own (with ``examples/`` and ``benchmarks/`` beside it), block after block, so a
+command finds the files an earlier one wrote (a schedule file, a profile, a plan, a checkpoint, a saved model).
+Every command must exit 0 (or, where the page says it fails, exit non-zero with the one line the page promises),
+print no traceback, write the files it names, and, with ``--check``, match the one-process reference.
+
+Blocks fenced as ```python run as programs in the same folder; ```python fragment marks a few lines completed by
+a later block of the same page. What cannot run here is skipped with the reason: CUDA without a GPU, network
+namespaces where they cannot be made, ``make test`` (this suite).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+@dataclass(frozen=True)
+class Shrink:
+    """How the pages' sizes are scaled down for the test (the one setting)."""
+
+    width: int = 64
+    """``--hidden`` and ``--seq`` above this come down to it (a Hugging Face config keeps its own sizes)."""
+    steps: int = 4
+    """The most steps a page's longest training command runs; every step count of the page is divided by one
+    factor so that it does (and intervals and checkpoint names with it)."""
+    default_steps: int = 2
+    """Steps for a training command that gives none."""
+
+
+SHRINK = Shrink()
+TRAINS = {"train"}
+SIZED = {"train", "profile", "partition", "offload"}
+OUTPUTS = ("-o", "--output", "--plot", "--trace", "--save-model")
+FAILS = {"--memory-budget 1MB": "the smallest reachable budget is"}
+"""Commands a page shows failing (by a part of the command), with a part of the one line they must print."""
+
+
+@dataclass(frozen=True)
+class Block:
+    page: str
+    line: int
+    info: str
+    body: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.page}:{self.line}"
+
+
+def blocks(page: Path) -> list[Block]:
+    out, lines, i = [], page.read_text(encoding="utf-8").splitlines(), 0
+    while i < len(lines):
+        if lines[i].startswith("```"):
+            info, start = lines[i][3:].strip(), i
+            i += 1
+            body = []
+            while not lines[i].startswith("```"):
+                body.append(lines[i])
+                i += 1
+            out.append(Block(str(page.relative_to(ROOT)), start + 1, info, "\n".join(body) + "\n"))
+        i += 1
+    return out
+
+
+def commands(body: str) -> list[list[str]]:
+    """The block's commands as argument lists: a backslash or an open quote continues a line; comments dropped."""
+    out, pending = [], ""
+    for line in body.splitlines():
+        if line.rstrip().endswith("\\"):
+            pending += line.rstrip()[:-1] + " "
+            continue
+        pending += line + "\n"
+        try:
+            words = shlex.split(pending, comments=True)
+        except ValueError:  # a quotation open over several lines (a `python -c '...'` program)
+            continue
+        if words:
+            out.append(words)
+        pending = ""
+    assert not pending.strip(), f"unfinished command: {pending!r}"
+    return out
+
+
+def _value(argv: list[str], *names: str) -> str | None:
+    for i, word in enumerate(argv):
+        for name in names:
+            if word == name and i + 1 < len(argv):
+                return argv[i + 1]
+            if word.startswith(name + "="):
+                return word.split("=", 1)[1]
+    return None
+
+
+def step_factor(page_commands: list[list[str]]) -> float:
+    """One factor for the page: its largest --steps comes down to SHRINK.steps."""
+    most = max((int(v) for argv in page_commands if (v := _value(argv, "--steps")) is not None
+                and _pipefold_argv(argv) and _pipefold_argv(argv)[0] in TRAINS), default=0)
+    return max(1.0, most / SHRINK.steps)
+
+
+def shrink(argv: list[str], factor: float) -> list[str]:
+    """A pipefold command's arguments (after ``pipefold``) with SHRINK applied."""
+    out = list(argv)
+    command = out[0] if out else ""
+    hf = "--hf" in out
+    for i in range(1, len(out) - 1):
+        name, value = out[i], out[i + 1]
+        if command in SIZED and not hf and name in ("--hidden", "--seq") and int(value) > SHRINK.width:
+            out[i + 1] = str(SHRINK.width)
+        elif command in TRAINS and name == "--steps":
+            out[i + 1] = str(max(1, math.ceil(int(value) / factor)))
+        elif command in TRAINS and name == "--checkpoint-every":
+            out[i + 1] = str(max(1, int(int(value) / factor)))
+        elif command in TRAINS and name == "--resume":
+            out[i + 1] = re.sub(r"step-(\d+)", lambda mt: f"step-{max(1, int(int(mt[1]) / factor)):08d}", value)
+    if command in TRAINS and _value(out, "--steps") is None:
+        out += ["--steps", str(SHRINK.default_steps)]
+    return out
+
+
+def _pipefold_argv(argv: list[str]) -> list[str] | None:
+    """The arguments after ``pipefold`` (or ``-m pipefold`` under torchrun), or None."""
+    if argv[0] == "pipefold":
+        return argv[1:]
+    if argv[0] == "torchrun" and "pipefold" in argv:
+        return argv[argv.index("pipefold") + 1:]
+    return None
+
+
+def _skip_reason(argv: list[str]) -> str | None:
+    import torch
+
+    text = " ".join(argv)
+    if ("--device cuda" in text or argv[:2] == ["make", "gpu-check"]) and not torch.cuda.is_available():
+        return "needs a GPU (make gpu-check runs it on one)"
+    if argv[:2] == ["make", "test"]:
+        return "this suite"
+    if "--netns" in argv:
+        from pipefold.runtime import netns
+
+        if (why := netns.unavailable()) is not None:
+            return f"network namespaces cannot be made here: {why}"
+    if argv[:2] == ["make", "demo"] and subprocess.run(["make", "-q", "setup"], cwd=ROOT).returncode != 0:
+        return "make demo would build a new .venv (the suite runs outside the project's own)"
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _run(argv: list[str], cwd: Path, factor: float) -> list[subprocess.CompletedProcess[str]]:
+    """Run one command as written (with SHRINK); several processes for a multi-node torchrun."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    while argv and re.fullmatch(r"[A-Z_]+=\S*", argv[0]):
+        key, value = argv.pop(0).split("=", 1)
+        env[key] = value
+    py = [sys.executable]
+    if argv[0] == "pipefold":
+        runs = [[*py, "-m", "pipefold", *shrink(argv[1:], factor)]]
+    elif argv[0] == "torchrun":
+        at = argv.index("pipefold")
+        launcher = [a.replace("HOST:29500", f"127.0.0.1:{_free_port()}") for a in argv[1:at - 1]]
+        nodes = int(_value(launcher, "--nnodes") or 1)
+        command = [*py, "-m", "torch.distributed.run", *launcher, "-m", "pipefold", *shrink(argv[at + 1:], factor)]
+        runs = [command] * nodes
+    elif argv[0] in ("python", ".venv/bin/python"):
+        runs = [[*py, *argv[1:]]]
+    elif argv[0] == "make":
+        runs = [["make", "-C", str(ROOT), *argv[1:]]]
+    else:
+        raise AssertionError(f"a command the test cannot run: {shlex.join(argv)}")
+    procs = [subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for cmd in runs]
+    done = []
+    for cmd, proc in zip(runs, procs, strict=True):
+        try:
+            out, err = proc.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            for each in procs:
+                each.kill()
+            raise AssertionError(f"{shlex.join(cmd)} ran for over 300 s") from None
+        done.append(subprocess.CompletedProcess(cmd, proc.returncode, out, err))
+    return done
+
+
+def _check(argv: list[str], got: subprocess.CompletedProcess[str], cwd: Path, started: float) -> None:
+    text = " ".join(argv)
+    shown = shlex.join(got.args)
+    assert "Traceback" not in got.stderr, f"{shown}\n{got.stderr}"
+    failing = next((why for part, why in FAILS.items() if part in text), None)
+    if failing is not None:
+        lines = got.stderr.strip().splitlines()
+        assert got.returncode != 0 and len(lines) == 1 and failing in lines[0], f"{shown}\n{got.stderr}"
+        return
+    assert got.returncode == 0, f"{shown}\nexit {got.returncode}\n{got.stdout[-3000:]}\n{got.stderr[-3000:]}"
+    for name in OUTPUTS:
+        path = _value(argv, name)
+        if path is not None and not path.startswith("/dev/"):
+            written = cwd / path
+            assert written.is_file() and written.stat().st_size > 0, f"{shown}: {path} not written"
+            assert written.stat().st_mtime >= started - 1, f"{shown}: {path} not written by this command"
+    if "--json" in argv and _pipefold_argv(argv) is not None:
+        out = json.loads(got.stdout)
+        if "--check" in argv:
+            assert out["max_grad_rel_diff"] < 1e-4, f"{shown}: {out['max_grad_rel_diff']}"
+    elif "--check" in argv:
+        diff = re.search(r"max gradient rel diff (\S+)", got.stdout)
+        assert diff is not None and float(diff[1]) < 1e-4, f"{shown}\n{got.stdout[-2000:]}"
+
+
+def _runnable(block: Block) -> bool:
+    return block.info == "sh" or block.info == "python"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
+def test_every_command_of_the_page_runs_as_written(page: Path, tmp_path: Path) -> None:
+    found = [b for b in blocks(page) if _runnable(b)]
+    if not found:
+        pytest.skip("no command blocks")
+    for name in ("examples", "benchmarks"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    (tmp_path / "docs" / "figures").mkdir(parents=True)
+    factor = step_factor([argv for b in found if b.info == "sh" for argv in commands(b.body)])
+    skipped = []
+    for block in found:
+        if block.info == "python":
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+            got = subprocess.run([sys.executable, "-c", block.body], cwd=tmp_path, env=env, capture_output=True,
+                                 text=True, timeout=300, check=False)
+            assert got.returncode == 0, f"{block.id}\n{got.stderr}"
+            continue
+        for argv in commands(block.body):
+            if (why := _skip_reason(argv)) is not None:
+                skipped.append(f"{block.id} {shlex.join(argv)}: {why}")
+                continue
+            started = time.time()
+            for got in _run(list(argv), tmp_path, factor):
+                _check(argv, got, tmp_path, started)
+    if skipped:
+        print("skipped:\n" + "\n".join(skipped))
+
+
+def test_the_pages_show_no_placeholder_commands() -> None:
+    """A command a page shows is whole: no '...' standing for options, every fence marked with what it holds."""
+    for page in PAGES:
+        for block in blocks(page):
+            assert block.info in ("sh", "python", "python fragment", "", "text"), f"{block.id}: ```{block.info}"
+            if block.info == "sh":
+                for argv in commands(block.body):
+                    assert "..." not in argv, f"{block.id}: {shlex.join(argv)}"
+
+
+@pytest.mark.parametrize(("argv", "factor", "expected"), [
+    (["train", "--hidden", "256", "--seq", "128", "--steps", "100", "--checkpoint-every", "10"], 50,
+     ["train", "--hidden", "64", "--seq", "64", "--steps", "2", "--checkpoint-every", "1"]),
+    (["train", "--steps", "2000", "--resume", "ckpt/step-00000500"], 500,
+     ["train", "--steps", "4", "--resume", "ckpt/step-00000001"]),
+    (["train", "--hf", "gpt2", "--hidden", "768"], 1, ["train", "--hf", "gpt2", "--hidden", "768", "--steps", "2"]),
+    (["train", "--hidden", "64", "--heads", "4"], 1, ["train", "--hidden", "64", "--heads", "4", "--steps", "2"]),
+    (["simulate", "1f1b", "--steps", "9"], 3, ["simulate", "1f1b", "--steps", "9"]),
+    (["profile", "--hidden", "256", "--seq", "256"], 1, ["profile", "--hidden", "64", "--seq", "64"]),
+])
+def test_the_setting_scales_only_sizes_and_steps(argv: list[str], factor: float, expected: list[str]) -> None:
+    assert shrink(argv, factor) == expected
+
+
+def test_commands_are_read_as_a_shell_reads_them() -> None:
+    body = ("pipefold a --x 1   # a comment\n"
+            "pipefold b \\\n    --y 2\n"
+            "# only a comment\n"
+            "python -c '\nimport sys  # kept: inside the quotes\nprint(1)\n'\n")
+    assert commands(body) == [["pipefold", "a", "--x", "1"], ["pipefold", "b", "--y", "2"],
+                              ["python", "-c", "\nimport sys  # kept: inside the quotes\nprint(1)\n"]]
+
+
+def test_every_runnable_block_is_found() -> None:
+    """The reader sees the blocks a page has (counted here by a second, plain reading of the fences)."""
+    for page in PAGES:
+        fences = [line for line in page.read_text(encoding="utf-8").splitlines() if line.startswith("```")]
+        assert len(fences) == 2 * len(blocks(page)), page
+    assert sum(len(commands(b.body)) for p in PAGES for b in blocks(p) if b.info == "sh") > 60
+    assert shutil.which("make") is not None
