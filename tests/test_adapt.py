@@ -179,7 +179,8 @@ def test_cli_reports_each_step_and_draws_the_run(tmp_path, capsys) -> None:
                  "--plot", str(plot), "--json"])
     assert code == 0
     out = json.loads(capsys.readouterr().out)
-    assert [row["step"] for row in out["per_step"]] == [0, 1, 2]
+    assert [row["step"] for row in out["per_step"]] == [1, 2, 3]  # numbered from 1, as the progress lines
+    assert out["decisions"][0]["from_step"] == 3  # chosen after 2 steps (--adapt-every 2): the third runs it
     assert out["per_step"][2]["predicted_s"] == pytest.approx(
         out["decisions"][0]["predicted_s"][str(out["decisions"][0]["k"])])
     assert all(row["wait_s"] >= 0 and row["measured_s"] > 0 for row in out["per_step"])

@@ -73,7 +73,7 @@ def test_resume_continues_bit_for_bit(capsys: pytest.CaptureFixture[str], tmp_pa
     assert code == 0, captured.err
     second = json.loads(captured.out)
     assert f"resuming from {ckpt / 'step-00000003'} (3 steps done)" in captured.err
-    assert second["first_step"] == 3 and second["resumed_from"] == str(ckpt / "step-00000003")
+    assert second["first_step"] == 4 and second["resumed_from"] == str(ckpt / "step-00000003")
     assert first["loss"] + second["loss"] == straight["loss"]  # exactly equal floats
     a, b = torch.load(whole), torch.load(resumed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -100,7 +100,7 @@ def test_crash_mid_save_and_corrupt_checkpoints(capsys: pytest.CaptureFixture[st
     assert not (ckpt / "step-00000004.tmp" / "manifest.json").exists()
     # Resuming takes the last good one; the interrupted save is cleaned up by the next one.
     out = _train(capsys, *MLP, "--steps", "6", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--resume")
-    assert out["first_step"] == 2 and out["loss"] == straight[2:6]
+    assert out["first_step"] == 3 and out["loss"] == straight[2:6]  # steps 3..6 (numbered from 1)
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step-00000002", "step-00000004", "step-00000006"]
     # One byte changed in a rank's file of the newest checkpoint: skipped with a warning naming it.
     data = ckpt / "step-00000006" / "__1_0.distcp"
@@ -179,7 +179,7 @@ def test_torchrun_restart_resumes_from_the_last_checkpoint(capsys: pytest.Captur
     # The first attempt died after saving step 2; the restarted workers found that checkpoint by themselves.
     assert "failed (exitcode: 13) local_rank: 1" in stderr
     assert f"resuming from {tmp_path / 'ckpt' / 'step-00000002'} (2 steps done)" in stderr
-    assert out["first_step"] == 2 and out["loss"] == straight["loss"][2:]
+    assert out["first_step"] == 3 and out["loss"] == straight["loss"][2:]
     a, b = torch.load(tmp_path / "straight.pt"), torch.load(tmp_path / "restarted.pt")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 

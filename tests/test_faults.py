@@ -228,7 +228,7 @@ def test_a_rank_computing_forever_is_named() -> None:
     job = Job(schedule=build("1f1b", 3, 2), layer_stages=((0,), (1,), (2,)), build_layers=_layers_with_a_sleeper,
               loss_fn=torch.nn.functional.mse_loss, batch_at=_batch, steps=3, optimizer="sgd", action_timeout_s=2.0)
     start = time.time()
-    with pytest.raises(RankError, match=r"^rank 1 hung in 1F0 of step 1: running for \d+ s, longer than the action "
+    with pytest.raises(RankError, match=r"^rank 1 hung in 1F0 of step 2: running for \d+ s, longer than the action "
                                         r"timeout of 2 s \(--action-timeout\)$") as err:
         run_local(job)
     assert err.value.rank == 1 and time.time() - start < 30

@@ -51,15 +51,18 @@ def _one_process(steps: int, skip: set[int]) -> dict[str, torch.Tensor]:
 
 
 def test_a_nan_step_is_skipped_with_one_warning(tmp_path: Path) -> None:
-    proc = _cli(tmp_path, *MLP, "--schedule", "1f1b", "--steps", "5", "--json", "--save-model", "m.pt", nan="2")
+    proc = _cli(tmp_path, *MLP, "--schedule", "1f1b", "--steps", "5", "--json", "--save-model", "m.pt", nan="3")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
-    assert out["skipped_steps"] == [2] and out["loss"][2] is None and out["grad_norm"][2] is None
+    # Step 3 (numbered from 1, as everywhere the user sees steps): the third entry of the per-step lists.
+    assert out["skipped_steps"] == [3] and out["loss"][2] is None and out["grad_norm"][2] is None
     assert all(isinstance(x, float) and math.isfinite(x) for i, x in enumerate(out["loss"]) if i != 2)
     warnings = [line for line in proc.stderr.splitlines() if "warning" in line]
-    assert warnings == ["pipefold: warning: step 2: the loss or a gradient is NaN or inf; step skipped, weights and "
+    assert warnings == ["pipefold: warning: step 3: the loss or a gradient is NaN or inf; step skipped, weights and "
                         "optimizer state unchanged (1 in a row; the run stops at 3)"]
-    # Weights and optimizer state untouched by step 2: the same as one process that never ran it.
+    progress = [line.split()[1] for line in proc.stderr.splitlines() if line.startswith("step ")]
+    assert progress == ["1/5", "2/5", "3/5", "4/5", "5/5"]
+    # Weights and optimizer state untouched by step 3: the same as one process that never ran it.
     saved = torch.load(tmp_path / "m.pt")
     reference = _one_process(5, skip={2})
     assert saved.keys() == reference.keys()
@@ -68,21 +71,23 @@ def test_a_nan_step_is_skipped_with_one_warning(tmp_path: Path) -> None:
 
 
 def test_a_diverging_run_stops_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """--lr 1e30: the first step's update overflows the next forward; three bad steps later the run stops."""
+    """--lr 1e30: the first step's update overflows the next forward; three bad steps later (steps 2 to 4, numbered
+    from 1 as the progress lines number them) the run stops."""
     proc = _cli(tmp_path, *MLP, "--schedule", "1f1b", "--steps", "8", "--lr", "1e30", "--json")
     assert proc.returncode == 1 and proc.stdout == ""
     lines = proc.stderr.strip().splitlines()
     assert lines[-1] == ("pipefold train: error: the loss or the gradients were NaN or inf in 3 steps in a row "
-                         "(steps 1 to 3); the weights are those before step 1: lower --lr, add --clip, or check the "
+                         "(steps 2 to 4); the weights are those before step 2: lower --lr, add --clip, or check the "
                          "data")
     assert [line for line in lines if "warning" in line] == [
         f"pipefold: warning: step {s}: the loss or a gradient is NaN or inf; step skipped, weights and optimizer "
-        f"state unchanged ({s} in a row; the run stops at 3)" for s in (1, 2)]
+        f"state unchanged ({s - 1} in a row; the run stops at 3)" for s in (2, 3)]
+    assert [line.split()[1] for line in lines if line.startswith("step ")] == ["1/8", "2/8", "3/8", "4/8"]
     assert main(["train", *MLP, "--schedule", "1f1b", "--steps", "3", "--lr", "1e30", "--max-bad-steps", "1"]) == 1
     # Captured stderr is no terminal: a progress line per step precedes the error, which is the one other line.
     assert [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("step ")] == [
-        "pipefold train: error: the loss or the gradients were NaN or inf in step 1; the weights are those before "
-        "step 1: lower --lr, add --clip, or check the data"]
+        "pipefold train: error: the loss or the gradients were NaN or inf in step 2; the weights are those before "
+        "step 2: lower --lr, add --clip, or check the data"]
     assert main(["train", *MLP, "--max-bad-steps", "0"]) == 2
     assert "--max-bad-steps must be at least 1 (got 0)" in capsys.readouterr().err
 
@@ -107,10 +112,10 @@ _COMPARE = textwrap.dedent("""
 
 
 def test_post_validation_gives_the_weights_of_the_synchronous_check(tmp_path: Path) -> None:
-    """Steps that need clipping, a step with a NaN (step 2) and plain steps: with post-validation the optimizer
+    """Steps that need clipping, a step with a NaN (step 3: index 2) and plain steps: with post-validation the optimizer
     steps first and is rolled back where the check says so, and a schedule whose OPT actions step each stage
     inside the step is validated after the fact; both give the weights of checking first, bit for bit."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PIPEFOLD_TEST_NAN_AT_STEP": "2"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PIPEFOLD_TEST_NAN_AT_STEP": "3"}
     proc = subprocess.run([sys.executable, "-c", _COMPARE, str(tmp_path / "w.pt")], capture_output=True, text=True,
                           env=env, timeout=240, check=False)
     assert proc.returncode == 0, proc.stderr
@@ -165,8 +170,9 @@ def test_the_live_loss_is_the_global_loss(schedule: str, dp: int) -> None:
     config = TrainConfig(schedule=schedule, devices=2, dp=dp, microbatches=4, batch=8 * dp, steps=2, model="mlp",
                          layers=4, hidden=16, partition="even")
     _, reports = train(config, on_step=lambda step, loss, _s: live.__setitem__(step, loss))
+    assert sorted(live) == [1, 2]  # steps numbered from 1, as the progress line shows them
     for step in range(2):
         every = [v for r in reports for v in r.steps[step].losses.values()]
         assert len(every) == 4 * dp
-        assert live[step] == pytest.approx(sum(every) / len(every), rel=1e-12)
-        assert all(r.steps[step].loss == live[step] for r in reports)  # every rank knows it
+        assert live[step + 1] == pytest.approx(sum(every) / len(every), rel=1e-12)
+        assert all(r.steps[step].loss == live[step + 1] for r in reports)  # every rank knows it

@@ -605,11 +605,11 @@ def cmd_pipefisher(args: argparse.Namespace, console: Console) -> None:
         table.add_column(col, justify="right")
     table.add_row("plain", _fmt(base.makespan), f"{pipefisher.utilization(base):.1%}", _fmt(max(base.peak_memory)))
     for i, r in enumerate(filled.steps):
-        table.add_row(f"step {i}", _fmt(r.makespan), f"{pipefisher.utilization(r):.1%}", _fmt(max(r.peak_memory)))
+        table.add_row(f"step {i + 1}", _fmt(r.makespan), f"{pipefisher.utilization(r):.1%}", _fmt(max(r.peak_memory)))
     table.add_row("cycle", _fmt(filled.step_time), f"{filled.utilization:.1%}", "")
     console.print(table)
     for i, r in enumerate(filled.steps):
-        console.print(f"step {i}:")
+        console.print(f"step {i + 1} of the cycle:")
         console.print(ascii_timeline(r, width=console.width, color=console.is_terminal))
     if args.plot:
         console.print(f"wrote plot: {args.plot}")
@@ -967,12 +967,12 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
                   TimeElapsedColumn(), console=err, disable=args.json or not err.is_terminal) as bar:
         task = bar.add_task("train", total=config.steps, info="starting ranks")
 
-        def on_step(step: int, loss: float, seconds: float) -> None:
+        def on_step(number: int, loss: float, seconds: float) -> None:
             seconds = max(seconds, 1e-9)
             if err.is_terminal:
                 bar.update(task, advance=1, info=f"loss {loss:.4f}  {tokens / seconds:,.0f} tok/s")
             else:  # redirected: one plain line per step, so a log shows the run as it goes
-                print(f"step {step + 1}/{config.steps} loss {loss:.4f} ({seconds:.3f} s, "
+                print(f"step {number}/{config.steps} loss {loss:.4f} ({seconds:.3f} s, "
                       f"{tokens / seconds:,.0f} tok/s)", file=sys.stderr, flush=True)
 
         if under_torchrun():
@@ -985,6 +985,7 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
             reports = gathered
         else:
             job, reports = train(config, check=args.check, on_step=on_step, decided=decided)
+    from pipefold.runtime.history import step_number
     from pipefold.runtime.measure import measured_costs, measured_result, measured_summary, per_step
 
     everyone = reports
@@ -1030,7 +1031,8 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
         out["network"] = config.network
         out["netns"] = config.netns
     if job.adaptive is not None:
-        out["decisions"] = [_decision(first, d) for first, d in reports[0].decisions]
+        first_step = reports[0].first_step
+        out["decisions"] = [_decision(step_number(first_step + first), d) for first, d in reports[0].decisions]
     if "pipefisher" in job.extra:
         out["kfac"] = _kfac_summary(job.extra["pipefisher"], reports, config)
     if plan is not None:
@@ -1063,8 +1065,9 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
         from pipefold.render import plot_run
 
         measured = measured_result(last, reports, step)
+        number = step_number(reports[0].first_step + step)
         plot_run(measured, predicted, args.plot,
-                 titles=(f"measured, step {step} ({measured.makespan * 1e3:.1f} ms)",
+                 titles=(f"measured, step {number} ({measured.makespan * 1e3:.1f} ms)",
                          f"{label} ({predicted.makespan * 1e3:.1f} ms)"))
         out["plot"] = args.plot
     if args.json:
@@ -1089,6 +1092,7 @@ def _with_stash(costs: CostModel, measured: CostModel) -> CostModel:
 def _kfac_summary(filled: Any, reports: list[Any], config: Any) -> dict[str, Any]:
     """K-FAC's placement as planned (simulated from the costs measured before the run) next to the run."""
     from pipefold.pipefisher import utilization
+    from pipefold.runtime.history import step_number
     from pipefold.runtime.measure import measured_summary
 
     meas = measured_summary(reports)
@@ -1098,11 +1102,11 @@ def _kfac_summary(filled: Any, reports: list[Any], config: Any) -> dict[str, Any
     for i, w in enumerate(walls):
         first, now = max((p for p in placed if p[0] <= i), key=lambda p: p[0])
         k = (i - first) % len(now.steps)
-        per_step.append({"step": i, "placement": placed.index((first, now)), "cycle_step": k,
-                         "predicted_s": now.steps[k].makespan, "measured_s": w})
+        per_step.append({"step": step_number(reports[0].first_step + i), "placement": placed.index((first, now)),
+                         "cycle_step": k, "predicted_s": now.steps[k].makespan, "measured_s": w})
     last = placed[-1][1]
     return {"fill_bubbles": config.fill_bubbles, "cycle_steps": len(last.steps), "per_step": per_step,
-            "placed_again_at": [p[0] for p in placed[1:]],
+            "placed_again_at": [step_number(reports[0].first_step + p[0]) for p in placed[1:]],
             "refreshes_per_cycle": list(last.refreshes),
             "predicted": {"plain_step_s": last.base.makespan, "plain_utilization": utilization(last.base),
                           "step_s": last.step_time, "utilization": last.utilization},
@@ -1227,11 +1231,13 @@ def _finite(x: float) -> float | None:
 
 def _train_summary(job: Any, reports: list[Any], config: Any, predicted: Any,
                    peaks: list[float] | None = None) -> dict[str, Any]:
+    from pipefold.runtime.history import step_number
+
     steps = len(reports[0].steps)
     # A NaN or inf loss is null: its step is in skipped_steps.
     losses = [_finite(sum(r.steps.loss_sum[i] for r in reports) / job.schedule.microbatches) for i in range(steps)]
     first = reports[0].first_step
-    numbered = list(range(first, first + steps))
+    numbered = [step_number(i) for i in range(first, first + steps)]
     step_time = [max(r.steps.wall[i] for r in reports) for i in range(steps)]
     return {
         "schedule": job.schedule.name, "options": dict(job.schedule.options), "devices": job.schedule.devices,
@@ -1247,7 +1253,7 @@ def _train_summary(job: Any, reports: list[Any], config: Any, predicted: Any,
         "static_bytes": [r.static_bytes for r in reports],
         **({"peak_resident_param_bytes": [r.resident_param_bytes for r in reports]} if job.offload else {}),
         **({"recompute": job.extra["recompute"].to_dict()} if "recompute" in job.extra else {}),
-        "first_step": first,
+        "first_step": numbered[0],
         "grad_norm": [_finite(x) for x in reports[0].steps.grad_norm],
         "skipped_steps": list(reports[0].skipped),
         "clipped_steps": [i for i, c in zip(numbered, reports[0].steps.clipped, strict=True) if c],
@@ -1265,7 +1271,8 @@ def _print_train(out: dict[str, Any], console: Console) -> None:
         out.get("sharding", "none"), "")
     pipelines = f" x {dp} data-parallel pipelines{sharded} (the table: the first; the loss: all)" if dp > 1 else ""
     first, last = (f"{x:.4f}" if x is not None else "NaN/inf" for x in (out["loss"][0], out["loss"][-1]))
-    steps = f" (steps {out['first_step']} to {out['first_step'] + len(out['loss']) - 1})" if out["first_step"] else ""
+    steps = (f" (steps {out['first_step']} to {out['first_step'] + len(out['loss']) - 1})" if out["first_step"] > 1
+             else "")
     console.print(f"[bold]{out['schedule']}[/] on {out['devices']} ranks{pipelines}, {out['microbatches']} "
                   f"microbatches, {out['model']} with {out['layers']} layers: loss {first} -> {last}{steps}")
     if out["resumed_from"]:

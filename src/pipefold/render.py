@@ -565,7 +565,7 @@ def plot_cycle(base: SimResult, steps: Sequence[SimResult], path: str, *, title:
     for i, (ax, result) in enumerate(zip(axes, results, strict=True)):
         draw_gantt(ax, result)
         ax.set_xlim(0, span)
-        what = "plain step" if i == 0 else f"step {i - 1} of the cycle"
+        what = "plain step" if i == 0 else f"step {i} of the cycle"
         ax.set_title(f"{what}: {result.makespan:.4g} long, utilization {1 - result.bubble_ratio:.1%}", fontsize=10,
                      loc="left", pad=30 if i == 0 else 6)
     _gantt_legend(axes[0], base.schedule, *(r.schedule for r in steps))
@@ -601,7 +601,7 @@ def plot_adaptive(per_step: Sequence[Mapping[str, Any]], decisions: Sequence[Map
         ax_bw.step(grid, [b / 1e6 for b in slowest], where="post", color="#4477aa", linewidth=1.4,
                    label="profile (slowest link)")
     by_step = {row["step"]: row for row in per_step}
-    window_start = 0
+    window_start = per_step[0]["step"] if per_step else 1  # steps numbered from 1
     for d in decisions:
         # Observed over the steps since the choice before: drawn over them.
         first, last = by_step.get(window_start), by_step.get(int(d["from_step"]) - 1)

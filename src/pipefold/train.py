@@ -184,14 +184,17 @@ Decisions = tuple[tuple[tuple[int, ...], ...], RecomputePlan | None]
 
 
 def make_job(config: TrainConfig, *, save_grads_of_step: int | None = None,
-             decided: Decisions | None = None, placed: Any = None, checkpointing: Checkpointing | None = None) -> Job:
+             decided: Decisions | None = None, placed: Any = None, checkpointing: Checkpointing | None = None,
+             local: bool = False) -> Job:
     """Check the configuration and describe the job every rank will run.
 
     Splitting by time and planning recomputation measure the model; ``decided`` passes in
     what another process measured, so that every rank of one job runs the same split; ``placed``, with
     K-FAC, the placement of its work (a :class:`~pipefold.pipefisher.Filled`) that another process made;
     ``checkpointing`` the checkpoint folder and the checkpoint to resume that another process found (else
-    they come from ``config``, and finding the checkpoint reads the folder).
+    they come from ``config``, and finding the checkpoint reads the folder). ``local``: the ranks will be
+    started here, from a fork server that this starts as soon as the model is known, so that its imports run
+    on another core while this process measures the model.
     """
     schedule = build_schedule(config)
     from pipefold.runtime.launch import local_placement
@@ -222,6 +225,10 @@ def make_job(config: TrainConfig, *, save_grads_of_step: int | None = None,
         raise ConfigError(f"a batch of {config.batch} does not split into {per}; use a --batch that is a multiple "
                           f"of {shards}")
     model = model_of(config)
+    if local:
+        from pipefold.runtime.launch import start_server
+
+        start_server(model.preload)
     check_size(config, model, schedule,
                builds_model=decided is None or placed is None and config.optimizer == "kfac", gpus=where.gpus)
     if checkpointing is None:
@@ -436,7 +443,7 @@ def train(config: TrainConfig, *, check: bool = False, on_step: Callable[[int, f
           decided: Decisions | None = None) -> tuple[Job, list[RankReport]]:
     """Run the job on one local process per device; with ``check`` keep the first step's gradients; ``decided``
     gives the split and recomputation (from a plan) instead of measuring."""
-    job = make_job(config, save_grads_of_step=0 if check else None, decided=decided)
+    job = make_job(config, save_grads_of_step=0 if check else None, decided=decided, local=not config.netns)
     if config.netns:
         return _run_netns(job, on_step)
     if job.network is not None:

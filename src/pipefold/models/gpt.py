@@ -66,8 +66,10 @@ class Embedding(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.block_size = cfg.block_size
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        # Weights left empty: _init_layer draws every one. (torch's own draw on the meta device, where materialize
+        # builds layers, would import torch._dynamo: a second of every launch.)
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd, _weight=torch.empty(cfg.vocab_size, cfg.n_embd))
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd, _weight=torch.empty(cfg.block_size, cfg.n_embd))
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

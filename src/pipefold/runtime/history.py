@@ -27,6 +27,13 @@ KEEP_FIRST = 20
 """Steps kept in full from the start by default (a run of the CLI's default 20 steps keeps all of them)."""
 
 
+def step_number(index: int) -> int:
+    """The number a user sees for the step at 0-based ``index`` of a run, resumed steps counted: steps are numbered
+    from 1 in every progress line, summary, error, warning and figure ('step 3/20', 'rank 1 hung in 1F0 of step 3'),
+    and a checkpoint named ``step-N`` holds the weights after step N, so resuming from it runs step N + 1 next."""
+    return index + 1
+
+
 class StepNotKept(LookupError):
     """The full record of this step was not kept; its numbers are in the history's columns."""
 

@@ -45,7 +45,7 @@ from pipefold.ir import Kind, Schedule
 from pipefold.runtime import numerics, sharding
 from pipefold.runtime.devices import Placement, place
 from pipefold.runtime.executor import RankExecutor, StepStats
-from pipefold.runtime.history import KEEP_FIRST, StepHistory
+from pipefold.runtime.history import KEEP_FIRST, StepHistory, step_number
 from pipefold.runtime.numerics import clip_factor, local_check, scale_grads, verdict
 from pipefold.runtime.stage import Chain, Tensors, as_tuple, split_batch
 from pipefold.runtime.tied import TiedGrads, spans_stages, untie
@@ -344,7 +344,8 @@ class RankReport:
     resumed_from: str | None = None
     """The checkpoint the run started from."""
     skipped: list[int] = field(default_factory=list)
-    """Steps skipped because their loss or gradients were NaN or inf (weights and optimizer state untouched)."""
+    """The numbers (:func:`~pipefold.runtime.history.step_number`) of the steps skipped because their loss or
+    gradients were NaN or inf (weights and optimizer state untouched)."""
     stopped: str | None = None
     """Why the run stopped early (too many bad steps in a row), or None when it ran every step."""
     checkpoints: list[str] = field(default_factory=list)
@@ -432,7 +433,8 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
              activity: Activity | None = None) -> RankReport:
     """The body of one rank: build, train for ``job.steps`` steps, report.
 
-    Rank 0 calls ``on_step(step, loss, seconds)`` after every step, with the step's global loss (every microbatch
+    Rank 0 calls ``on_step(number, loss, seconds)`` after every step (its number: from 1, resumed steps
+    counted, :func:`~pipefold.runtime.history.step_number`), with the step's global loss (every microbatch
     of every pipeline and replica: :attr:`StepStats.loss`). ``activity`` is told what the rank is doing, for the
     job's watch.
     """
@@ -530,12 +532,12 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     bad_run, skipped, saved = 0, [], []
     stopped = None
     for step in range(start, job.steps):
-        if hooks.die == (step, "step") and global_rank == world - 1:
+        if hooks.die == (step_number(step), "step") and global_rank == world - 1:
             os._exit(13)
         if job.cycle:
             current = (step - cycle_from) % len(choices)
         executor = executor_for(current)
-        activity.step = step
+        activity.step = step_number(step)
         activity.run("the batch", action=False)
         started = time.perf_counter()
         x, y = job.batch_at(step)
@@ -543,7 +545,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
             x, y = split_batch(x, job.dp)[pipeline], y.chunk(job.dp)[pipeline]
         xs = split_batch(tuple(t.to(device) for t in as_tuple(x)), m)
         ys = microbatches(y.to(device), m)
-        if step in hooks.nan and xs[0][0].is_floating_point():
+        if step_number(step) in hooks.nan and xs[0][0].is_floating_point():
             poisoned = xs[0][0].clone()
             poisoned.view(-1)[0] = math.nan
             xs[0] = (poisoned, *xs[0][1:])
@@ -576,21 +578,21 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
         if job.adaptive is not None:
             recent.append(stats)
         if on_step is not None and global_rank == 0:  # the global loss (every pipeline, replica): rank 0 knows it
-            on_step(step, stats.loss, time.perf_counter() - started)
+            on_step(step_number(step), stats.loss, time.perf_counter() - started)
         if stats.skipped:
-            skipped.append(step)
+            skipped.append(step_number(step))
             bad_run += 1
             if bad_run >= job.max_bad_steps:
-                first = step - bad_run + 1
-                where = f"{bad_run} steps in a row (steps {first} to {step})" if bad_run > 1 else f"step {step}"
+                first, last = step_number(step - bad_run + 1), step_number(step)
+                where = f"{bad_run} steps in a row (steps {first} to {last})" if bad_run > 1 else f"step {last}"
                 stopped = (f"the loss or the gradients were NaN or inf in {where}; the weights are those before "
                            f"step {first}: lower --lr, add --clip, or check the data")
                 break
             if global_rank == 0:
                 from pipefold.runtime.checkpoint import warn
 
-                warn(f"step {step}: the loss or a gradient is NaN or inf; step skipped, weights and optimizer "
-                     f"state unchanged ({bad_run} in a row; the run stops at {job.max_bad_steps})")
+                warn(f"step {step_number(step)}: the loss or a gradient is NaN or inf; step skipped, weights and "
+                     f"optimizer state unchanged ({bad_run} in a row; the run stops at {job.max_bad_steps})")
         else:
             bad_run = 0
         if job.refill is not None and step + 1 == job.refill.after and step + 1 < job.steps:
@@ -795,6 +797,7 @@ def _save_model(job: Job, modules: dict[int, nn.Module], path: str, global_rank:
 class _TestHooks:
     """Faults the tests inject into real runs, read from the environment (never set in normal use):
 
+    Steps are counted as users see them (:func:`~pipefold.runtime.history.step_number`: from 1).
     ``PIPEFOLD_TEST_DIE_AT_STEP=N`` makes the last rank exit (code 13) as step N starts, and ``N:save`` while it
     saves the checkpoint of step N (its files written, the checkpoint not yet committed); only in a first
     attempt, not in a restart by torchrun (``TORCHELASTIC_RESTART_COUNT`` > 0).
@@ -972,6 +975,17 @@ def _write_failure(path: Path, exc: BaseException, activity: Activity) -> None:
     os.replace(tmp, path)  # the launcher reads a whole file or none
 
 
+def start_server(preload: Sequence[str] = ()) -> None:
+    """Start the fork server the local ranks come from now, without waiting for its imports: they run on another
+    core while this process goes on (measuring the model, planning). Nothing where ranks are spawned, or once the
+    server runs."""
+    ctx = process_context(preload)
+    if ctx.get_start_method() == "forkserver":
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
+
+
 def process_context(preload: Sequence[str] = ()) -> Any:
     """How local ranks start: from a fork server that has imported torch and the runtime once (a rank then starts
     in a fraction of a second instead of importing torch again), where the platform has one; else spawned.
@@ -996,10 +1010,10 @@ def process_context(preload: Sequence[str] = ()) -> Any:
 def run_local(job: Job, on_step: Callable[[int, float, float], None] | None = None) -> list[RankReport]:
     """Spawn one process per device on this machine, run the job, and collect every rank's report.
 
-    ``on_step(step, loss, seconds)`` is called in this process as the steps complete. A rank that raises, dies
-    or hangs (an action longer than ``job.action_timeout_s``) stops the others: :class:`RankError` names it and
-    what it was doing. SIGINT or SIGTERM (from the main thread's point of view) stops every rank and raises
-    :class:`Interrupted`; the ranks' temporary files are removed either way.
+    ``on_step(number, loss, seconds)`` is called in this process as the steps complete (:func:`run_rank`). A
+    rank that raises, dies or hangs (an action longer than ``job.action_timeout_s``) stops the others:
+    :class:`RankError` names it and what it was doing. SIGINT or SIGTERM (from the main thread's point of view)
+    stops every rank and raises :class:`Interrupted`; the ranks' temporary files are removed either way.
     """
     world = job.dp * job.schedule.devices
     with _Signals() as signals:

@@ -8,6 +8,7 @@ from typing import Any
 
 from pipefold.ir import Action, Schedule
 from pipefold.runtime.executor import COMPUTE_KINDS, kind_times
+from pipefold.runtime.history import step_number
 from pipefold.runtime.launch import RankReport
 from pipefold.simulate import CostModel, Interval, SimResult, StageOverride, split_backward
 
@@ -58,11 +59,11 @@ def measured_trace(reports: list[RankReport]) -> dict[str, Any]:
     for r in reports:
         events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": r.rank, "args": {"name": f"rank {r.rank}"}})
         for i in r.steps.kept():
-            s = r.steps[i]
+            s, number = r.steps[i], step_number(r.first_step + i)
             base = (s.started_at - t0) * 1e6
             for e in s.events:
                 events.append({"ph": "X", "name": e.name, "cat": e.kind, "pid": 0, "tid": r.rank,
-                               "ts": base + e.start * 1e6, "dur": (e.end - e.start) * 1e6, "args": {"step": i}})
+                               "ts": base + e.start * 1e6, "dur": (e.end - e.start) * 1e6, "args": {"step": number}})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
@@ -102,7 +103,7 @@ def per_step(reports: list[RankReport]) -> list[dict[str, Any]]:
     t0 = min(r.steps.started_at[0] for r in reports)
     rows = []
     for i in range(len(reports[0].steps)):
-        rows.append({"step": i, "schedule": reports[0].steps.schedule(i),
+        rows.append({"step": step_number(reports[0].first_step + i), "schedule": reports[0].steps.schedule(i),
                      "wait_s": sum(r.steps.wait[i] for r in reports) / len(reports),
                      "predicted_s": reports[0].steps.prediction(i), "measured_s": max(r.steps.wall[i] for r in reports),
                      "started_s": min(r.steps.started_at[i] for r in reports) - t0})

@@ -62,7 +62,8 @@ class Snapshot:
     beat: float
     """When it was published (the rank's ``time.time()``)."""
     step: int
-    """The step it is in (-1 before the first)."""
+    """The number of the step it is in (:func:`~pipefold.runtime.history.step_number`: from 1; 0 before the
+    first)."""
     where: str
     """An action (``1B3``) or a phase (``start-up``, ``the optimizer step``)."""
     is_action: bool
@@ -82,7 +83,7 @@ class Snapshot:
 
     def at(self) -> str:
         """'2F4 of step 3', 'the optimizer step (step 3)', 'start-up'."""
-        if self.step < 0:
+        if self.step < 1:
             return self.where
         return f"{self.where} of step {self.step}" if self.is_action else f"{self.where} (step {self.step})"
 
@@ -105,7 +106,7 @@ class Activity:
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
-        self.step = -1
+        self.step = 0  # before the first step (steps are numbered from 1)
         self.done = False
         self._now: tuple[str, bool, str, tuple[int, ...], float] = ("start-up", False, "", (), time.time())
 
