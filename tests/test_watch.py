@@ -81,3 +81,33 @@ def test_the_board_gives_back_what_a_rank_published() -> None:
         got = board.read(1)
         assert got is not None and (got.seq, got.where, got.waits, got.step) == (seq, "1B2", (2,), 7)
     assert board.read(0) is None and board.read(2) is None
+
+
+class _SlowBoard:
+    """A board whose every publication takes a while (a store call over the network)."""
+
+    def __init__(self) -> None:
+        self.published: list[Snapshot] = []
+
+    def publish(self, snap: Snapshot) -> None:
+        import time
+
+        time.sleep(0.3)
+        self.published.append(snap)
+
+
+def test_stopping_the_heartbeat_waits_for_its_thread() -> None:
+    """A heartbeat thread left inside a store call while the process exits aborted torchrun ranks at exit now and
+    then (SIGABRT); stop() returns only once the thread is out, after its last publication."""
+    from pipefold.runtime.watch import Heartbeat
+
+    board = _SlowBoard()
+    beat = Heartbeat(Activity(0), board, period=0.01).start()  # type: ignore[arg-type]
+    import time
+
+    time.sleep(0.35)  # the thread is inside a publication now
+    beat.stop()
+    assert not beat._thread.is_alive()
+    count = len(board.published)
+    time.sleep(0.4)
+    assert len(board.published) == count  # nothing published after stop() returned

@@ -1380,7 +1380,12 @@ def run_torchrun(job: Job, on_step: Callable[[int, float, float], None] | None =
 
 
 def leave_group() -> None:
-    """Destroy the process group, if any, once nothing holds its work handles any more (spawned or torchrun)."""
+    """Destroy the process group, if any, once nothing holds its work handles any more (spawned or torchrun);
+    under torchrun the watch's heartbeat thread, which talks to the job's store, is stopped first."""
+    global _WATCH
+    if _WATCH is not None:
+        _WATCH.heartbeat.stop()
+        _WATCH = None
     if dist.is_initialized():
         gc.collect()  # drop work handles still held in a cycle, or the group's threads abort the exit
         dist.destroy_process_group()

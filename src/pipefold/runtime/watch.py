@@ -233,7 +233,11 @@ class Heartbeat:
                 self.check()
 
     def stop(self) -> None:
+        """Stop the thread and wait for it: one left inside a store call while the process exits made the
+        process abort (SIGABRT) at exit, now and then, under torchrun."""
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.period + 10.0)
 
 
 @dataclass(frozen=True)
