@@ -248,7 +248,8 @@ def test_every_command_of_the_page_runs_as_written(page: Path, tmp_path: Path) -
         (tmp_path / name).symlink_to(ROOT / name)
     (tmp_path / "docs" / "figures").mkdir(parents=True)
     factor = step_factor([argv for b in found if b.info == "sh" for argv in commands(b.body)])
-    skipped = []
+    skipped: list[str] = []
+    took: list[tuple[float, str]] = []
     for block in found:
         if block.info == "python":
             env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
@@ -263,6 +264,8 @@ def test_every_command_of_the_page_runs_as_written(page: Path, tmp_path: Path) -
             started = time.time()
             for got in _run(list(argv), tmp_path, factor):
                 _check(argv, got, tmp_path, started)
+            took.append((time.time() - started, f"{block.id} {shlex.join(argv)}"))
+    print("slowest:\n" + "\n".join(f"{s:6.1f} s  {what[:150]}" for s, what in sorted(took, reverse=True)[:8]))
     if skipped:
         print("skipped:\n" + "\n".join(skipped))
 
