@@ -49,6 +49,9 @@ class Shrink:
     factor so that it does (and intervals and checkpoint names with it)."""
     default_steps: int = 2
     """Steps for a training command that gives none."""
+    benchmark_steps: int = 2
+    """``--steps`` of a benchmark (``python benchmarks/...``) come down to this: a benchmark's steps are repeats of
+    one measurement, not a flow whose later commands count on them."""
 
 
 SHRINK = Shrink()
@@ -142,6 +145,25 @@ def shrink(argv: list[str], factor: float) -> list[str]:
     return out
 
 
+def shrink_benchmark(argv: list[str], options: str | None = None) -> list[str]:
+    """A ``python`` command's arguments, with SHRINK applied where it runs a benchmark: its ``--steps`` capped at
+    SHRINK.benchmark_steps and its ``--hidden`` and ``--seq`` at SHRINK.width, given or not (a benchmark run on
+    its defaults gets these options where it declares them; ``options`` is its source, read by default)."""
+    out = list(argv)
+    if not out or not out[0].startswith("benchmarks/"):
+        return out
+    source = options if options is not None else (ROOT / out[0]).read_text(encoding="utf-8")
+    caps = {"--steps": SHRINK.benchmark_steps, "--hidden": SHRINK.width, "--seq": SHRINK.width}
+    for name, cap in caps.items():
+        if name in out[1:-1]:
+            i = out.index(name)
+            out[i + 1] = str(min(int(out[i + 1]), cap))
+        elif ((m := re.search(rf'add_argument\("{name}"[^)]*?default=(\w+)', source)) is not None
+              and (not m[1].isdigit() or int(m[1]) > cap)):
+            out += [name, str(cap)]
+    return out
+
+
 def _pipefold_argv(argv: list[str]) -> list[str] | None:
     """The arguments after ``pipefold`` (or ``-m pipefold`` under torchrun), or None."""
     if argv[0] == "pipefold":
@@ -191,7 +213,7 @@ def _run(argv: list[str], cwd: Path, factor: float) -> list[subprocess.Completed
         command = [*py, "-m", "torch.distributed.run", *launcher, "-m", "pipefold", *shrink(argv[at + 1:], factor)]
         runs = [command] * nodes
     elif argv[0] in ("python", ".venv/bin/python"):
-        runs = [[*py, *argv[1:]]]
+        runs = [[*py, *shrink_benchmark(argv[1:])]]
     elif argv[0] == "make":
         runs = [["make", "-C", str(ROOT), *argv[1:]]]
     else:
@@ -292,6 +314,24 @@ def test_the_pages_show_no_placeholder_commands() -> None:
 ])
 def test_the_setting_scales_only_sizes_and_steps(argv: list[str], factor: float, expected: list[str]) -> None:
     assert shrink(argv, factor) == expected
+
+
+@pytest.mark.parametrize(("argv", "options", "expected"), [
+    (["benchmarks/b.py", "--steps", "20"], 'add_argument("--steps", type=int, default=3)\n',
+     ["benchmarks/b.py", "--steps", "2"]),
+    (["benchmarks/b.py", "--steps", "1", "--runs", "5"], "", ["benchmarks/b.py", "--steps", "1", "--runs", "5"]),
+    (["benchmarks/b.py"], 'add_argument("--hidden", type=int, default=HIDDEN)\nadd_argument("--steps", default=3)\n'
+     'add_argument("--seq", type=int, default=32)\n', ["benchmarks/b.py", "--steps", "2", "--hidden", "64"]),
+    (["-c", "--steps", "20"], "", ["-c", "--steps", "20"]),
+])
+def test_the_setting_shrinks_a_benchmark(argv: list[str], options: str, expected: list[str]) -> None:
+    assert shrink_benchmark(argv, options) == expected
+
+
+def test_the_benchmarks_the_pages_run_take_the_options_the_setting_gives() -> None:
+    for argv in (["benchmarks/vs_torch.py", "--steps", "20"], ["benchmarks/bench_offload.py"]):
+        shrunk = shrink_benchmark(argv)
+        assert "--hidden" in shrunk and "--steps" in shrunk, shrunk
 
 
 def test_commands_are_read_as_a_shell_reads_them() -> None:

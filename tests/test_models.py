@@ -29,7 +29,7 @@ from pipefold.models import (
     mlp_target,
     split_layers,
 )
-from pipefold.models.data import stdlib_source
+from pipefold.models.data import _sources, stdlib_source
 
 TINY = GPTConfig(n_layer=3, n_head=4, n_embd=32, block_size=16)
 
@@ -276,6 +276,22 @@ def test_default_corpus_is_the_stdlib_source_and_deterministic(corpus):
     first = min((p for p in root.rglob("*.py") if "site-packages" not in p.parts),
                 key=lambda p: p.relative_to(root).as_posix())
     assert raw.startswith(first.read_bytes())
+
+
+def test_sources_walk_lazily_in_the_order_of_whole_paths(tmp_path):
+    # Names that order differently as names and as paths: "a-b.py" < "a/..." < "a.py"? ("-" < "." < "/").
+    for name in ["a/x.py", "a-b.py", "a.py", "a/b/c.py", "a.b/z.py", "ab.py", "a/site-packages/no.py",
+                 "dist-packages/no.py", "b/.hidden.py", "b/readme.txt", "A.py", "a0/y.py", "a/ä.py"]:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(name)
+    brute = sorted((p for p in tmp_path.rglob("*.py") if not {"site-packages", "dist-packages"} & set(p.parts)),
+                   key=lambda p: p.relative_to(tmp_path).as_posix())
+    assert list(_sources(tmp_path)) == brute
+    root = Path(sysconfig.get_paths()["stdlib"])  # and on the standard library itself, as far as the corpus reads
+    walked = [p for _, p in zip(range(200), _sources(root), strict=False)]
+    everything = sorted((p for p in root.rglob("*.py") if not {"site-packages", "dist-packages"} & set(p.parts)),
+                        key=lambda p: p.relative_to(root).as_posix())
+    assert walked == everything[:200]
 
 
 def test_corpus_cap():

@@ -344,16 +344,21 @@ def _layer_loop(train: dict[str, Any], layers: tuple[int, int]) -> Callable[[int
     return once
 
 
-def _busy(rank: int, train: dict[str, Any], layers: tuple[int, int], seconds: float, start: Any, out: Any) -> None:
-    """One of k processes: run the layers for a window of ``seconds`` shared by all; put its time per pass."""
+def _sharer(train: dict[str, Any], layers: tuple[int, int], conn: Any) -> None:
+    """One of the processes sharing the machine: build the layers once, then for each window it is sent (a start on
+    the monotonic clock every process reads, and a length), run them from that start for that long and send back
+    the time per pass over the window. None ends it."""
     once = _layer_loop(train, layers)
-    start.wait()
-    t0 = time.perf_counter()
-    laps = 0
-    while time.perf_counter() - t0 < seconds:  # every process runs for the same window, all of it shared
-        once(laps)
-        laps += 1
-    out.put((time.perf_counter() - t0) / laps)
+    conn.send("ready")
+    while (window := conn.recv()) is not None:
+        start, seconds = window
+        time.sleep(max(0.0, start - time.monotonic()))
+        t0 = time.monotonic()
+        laps = 0
+        while time.monotonic() - t0 < seconds:  # every process runs the same window, all of it shared
+            once(laps)
+            laps += 1
+        conn.send((time.monotonic() - t0) / laps)
 
 
 def _load(train: dict[str, Any], layers: tuple[int, int], ready: Any, stop: Any) -> None:
@@ -367,34 +372,60 @@ def _load(train: dict[str, Any], layers: tuple[int, int], ready: Any, stop: Any)
 
 
 def measure_contention(devices: int, train: dict[str, Any], layers: tuple[int, int], seconds: float = 1.0,
-                       rounds: int = 3) -> tuple[float, ...]:
+                       rounds: int = 3, laps: int = 40) -> tuple[float, ...]:
     """For k = 1..devices: the time of a stage's worth of layers (forward and backward) while k processes run it at
     once, over the time with one (one thread each, as the runtime's ranks); the median over ``rounds`` rounds of
     k = 1..devices.
 
-    Each process runs the same window of ``seconds`` and its throughput over the window counts, not single passes:
-    the operating system shares cores in slices of milliseconds, so a single pass often runs alone and only the
-    throughput shows the sharing.
+    Each process runs the same window and its throughput over the window counts, not single passes: the
+    operating system shares cores in slices of milliseconds, so a single pass often runs alone and only the
+    throughput shows the sharing. A window is ``laps`` passes of one process alone (at least 0.2 s, at most
+    ``seconds``): hundreds of the scheduler's slices. The ``devices`` processes are started once and build the
+    layers once; those not in a window wait without computing.
     """
+    from multiprocessing.connection import wait
+
     from pipefold.runtime.launch import process_context, starting, stopped_on_error
 
     ctx = process_context()  # as the runtime starts its ranks: from a fork server that has imported torch
-    ratios: list[list[float]] = [[] for _ in range(devices)]
-    for _ in range(rounds):
-        means = []
-        for k in range(1, devices + 1):
-            start, out = ctx.Barrier(k), ctx.SimpleQueue()
-            procs = [ctx.Process(target=_busy, args=(r, train, layers, seconds, start, out)) for r in range(k)]
-            with stopped_on_error(procs):
-                with starting():
-                    for p in procs:
-                        p.start()
-                got = [out.get() for _ in procs]
-                for p in procs:
-                    p.join()
-            means.append(statistics.fmean(got))
-        for k in range(devices):
-            ratios[k].append(means[k] / means[0])
+    pipes = [ctx.Pipe() for _ in range(devices)]
+    procs = [ctx.Process(target=_sharer, args=(train, layers, child)) for _, child in pipes]
+    conns = [parent for parent, _ in pipes]
+
+    def answers(ask: list[Any]) -> list[Any]:
+        """One answer from each of ``ask``; a process that ended instead is an error, not a wait forever."""
+        got: dict[Any, Any] = {}
+        sentinels = {p.sentinel: p for p in procs}
+        while len(got) < len(ask):
+            for ready in wait([c for c in ask if c not in got] + list(sentinels)):
+                if ready in sentinels:
+                    raise RuntimeError(f"a process measuring how ranks share the cores ended "
+                                       f"(exit code {sentinels[ready].exitcode})")
+                got[ready] = ready.recv()
+        return [got[c] for c in ask]
+
+    def window(k: int, length: float) -> float:
+        start = time.monotonic() + 0.02
+        for c in conns[:k]:
+            c.send((start, length))
+        return statistics.fmean(answers(conns[:k]))
+
+    with stopped_on_error(procs):
+        with starting():
+            for p in procs:
+                p.start()
+        answers(conns)
+        alone = window(1, 0.2)
+        length = min(seconds, max(0.2, laps * alone))
+        ratios: list[list[float]] = [[] for _ in range(devices)]
+        for _ in range(rounds):
+            means = [window(k, length) for k in range(1, devices + 1)]
+            for k in range(devices):
+                ratios[k].append(means[k] / means[0])
+        for c in conns:
+            c.send(None)
+        for p in procs:
+            p.join()
     return tuple(max(1.0, statistics.median(r)) for r in ratios)
 
 

@@ -7,6 +7,7 @@ same step without communicating, and a rerun sees the same data.
 from __future__ import annotations
 
 import functools
+import os
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -41,12 +42,9 @@ def stdlib_source(cap: int = DEFAULT_CAP) -> bytes:
     """The standard library's ``*.py`` files, sorted by relative path and concatenated, cut at ``cap`` bytes."""
     check_positive_int("stdlib_source", "cap", cap)
     root = Path(sysconfig.get_paths()["stdlib"])
-    # Third-party packages installed next to the standard library differ between machines; leave them out.
-    files = sorted((p for p in root.rglob("*.py") if not {"site-packages", "dist-packages"} & set(p.parts)),
-                   key=lambda p: p.relative_to(root).as_posix())
     chunks: list[bytes] = []
     size = 0
-    for path in files:
+    for path in _sources(root):
         chunks.append(path.read_bytes())
         size += len(chunks[-1])
         if size >= cap:
@@ -55,6 +53,23 @@ def stdlib_source(cap: int = DEFAULT_CAP) -> bytes:
         raise ConfigError(f"no Python source found in the standard library at {root}: "
                           "pass a text file with --data FILE")
     return b"".join(chunks)[:cap]
+
+
+def _sources(folder: Path) -> Iterator[Path]:
+    """The ``*.py`` files under ``folder`` in the order of their relative paths, found lazily (the walk stops where
+    the reader does). A folder's entries sorted by name, with a ``/`` after a folder's, visit the files in exactly
+    the sorted order of their whole paths. Third-party packages installed next to the standard library differ
+    between machines; they are left out."""
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return
+    for entry in sorted(entries, key=lambda e: e.name + "/" if e.is_dir(follow_symlinks=False) else e.name):
+        if entry.is_dir(follow_symlinks=False):
+            if entry.name not in ("site-packages", "dist-packages"):
+                yield from _sources(Path(entry.path))
+        elif entry.name.endswith(".py") and entry.is_file():
+            yield Path(entry.path)
 
 
 def _split(data: bytes, source: str) -> Corpus:
