@@ -34,9 +34,9 @@ from pathlib import Path
 from typing import Any
 
 from pipefold.files import save_figure, write_json
-from pipefold.network import Conditions, LinkState, Network
 from pipefold.runtime.measure import per_step
-from pipefold.train import TrainConfig, train
+from pipefold.sim.network import Conditions, LinkState, Network
+from pipefold.train.run import TrainConfig, train
 
 MODEL = dict(devices=4, microbatches=8, model="gpt", layers=8, hidden=256, heads=4, batch=32, seq=128,
              partition="even", optimizer="adamw")
@@ -162,7 +162,7 @@ def main() -> None:
     if args.figure:
         figure(results, args.figure)
     if args.run_figure and results and results[0]["mode"] == "emulated":
-        from pipefold.render import plot_adaptive
+        from pipefold.sim.render import plot_adaptive
 
         row = results[0]["runs"]["alternating"]["adaptive-kfkb"][0]
         plot_adaptive(row["per_step"], [dict(d, bandwidth={"slowest": d["slowest_link_Bps"]})

@@ -23,8 +23,8 @@ from rich.console import Console
 from rich.table import Table
 from torch import nn
 
-from pipefold.offload import Offloaded
-from pipefold.offload_check import Case, default_device, make_case
+from pipefold.runtime.offload import Offloaded
+from pipefold.train.offload_check import Case, default_device, make_case
 
 
 def _median_steps(models: list[nn.Module], case: Case, device: str, steps: int) -> list[float]:

@@ -16,8 +16,8 @@ import json
 import os
 import statistics
 
-from pipefold.recompute import plan_recompute, smallest_budget
-from pipefold.train import TrainConfig, build_schedule, make_job, train
+from pipefold.plan.recompute import plan_recompute, smallest_budget
+from pipefold.train.run import TrainConfig, build_schedule, make_job, train
 
 
 def main() -> None:

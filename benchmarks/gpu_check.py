@@ -80,7 +80,7 @@ def memory(out: Path, quick: bool) -> dict[str, Any]:
     from pipefold import simulate
     from pipefold.runtime.launch import run_local
     from pipefold.runtime.measure import measured_costs
-    from pipefold.train import TrainConfig, make_job
+    from pipefold.train.run import TrainConfig, make_job
 
     size = (dict(layers=8, hidden=512, heads=8, seq=512) if quick
             else dict(layers=16, hidden=1024, heads=16, seq=1024))
@@ -155,7 +155,7 @@ def _median_wall(reports: list[Any]) -> tuple[float, float]:
 
 def overlap(out: Path, quick: bool) -> dict[str, Any]:
     """dualpipev and dualpipe, pairs on two streams and one after the other, runs interleaved."""
-    from pipefold.train import TrainConfig, train
+    from pipefold.train.run import TrainConfig, train
 
     size = dict(layers=6, hidden=512, heads=8, seq=256) if quick else dict(layers=14, hidden=1024, heads=16, seq=512)
     rows = []

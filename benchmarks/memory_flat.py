@@ -56,7 +56,7 @@ class Probe:
 
 def run(steps: int, trace: bool) -> dict[str, Any]:
     from pipefold.runtime.launch import run_local
-    from pipefold.train import TrainConfig, make_job
+    from pipefold.train.run import TrainConfig, make_job
 
     first = steps // 10
     config = TrainConfig(schedule="1f1b", devices=2, microbatches=4, model="mlp", layers=4, hidden=32, batch=8,

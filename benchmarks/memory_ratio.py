@@ -27,7 +27,7 @@ from rich.table import Table
 
 from pipefold import build, simulate
 from pipefold.runtime.measure import measured_costs
-from pipefold.train import TrainConfig, train
+from pipefold.train.run import TrainConfig, train
 from pipefold.units import format_bytes
 
 MODELS = {

@@ -1,5 +1,5 @@
 """Layer offloading on a GPU: peak device memory from the CUDA allocator and time per training step of the plain
-model, :class:`~pipefold.offload.Offloaded` at several k, and ``accelerate.cpu_offload``; gradients and weights
+model, :class:`~pipefold.runtime.offload.Offloaded` at several k, and ``accelerate.cpu_offload``; gradients and weights
 compared with the plain model's.
 
 What runs: one GPT (default 16 blocks of width 2048, 16 heads, batch 4 x 1024 tokens, float32, so that each
@@ -8,7 +8,7 @@ into every configuration, so all start from the same weights and see the same ba
 
 - ``plain``: the whole model on the device;
 - ``Offloaded k=K, k'=1`` for each K of ``--ks`` (default 1, 2, 4) and the "half" k, the largest k whose every
-  window of k blocks holds at most half the blocks' parameter bytes (:func:`pipefold.offload.choose_k`);
+  window of k blocks holds at most half the blocks' parameter bytes (:func:`pipefold.runtime.offload.choose_k`);
   the embedding and the head stay on the device, the blocks live in pinned CPU memory;
 - ``accelerate.cpu_offload`` (when ``accelerate`` is installed): its hooks copy each module's weights to the
   device for its forward and drop the copy after. It has no training path of its own: the gradients land on
@@ -71,8 +71,8 @@ from rich.console import Console
 from rich.table import Table
 from torch import nn
 
-from pipefold.offload import Offloaded, choose_k
-from pipefold.offload_check import Case, Stacked, make_case
+from pipefold.runtime.offload import Offloaded, choose_k
+from pipefold.train.offload_check import Case, Stacked, make_case
 
 WARMUPS = 2
 FULL = {"layers": 16, "hidden": 2048, "heads": 16, "batch": 4, "seq": 1024, "steps": 10}

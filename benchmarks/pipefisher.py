@@ -36,7 +36,7 @@ from typing import Any
 
 from pipefold.files import save_figure, write_json
 from pipefold.runtime.measure import measured_summary
-from pipefold.train import TrainConfig, train
+from pipefold.train.run import TrainConfig, train
 
 MODEL = dict(schedule="1f1b", devices=4, microbatches=8, model="gpt", layers=8, hidden=128, heads=4, batch=32,
              seq=128, partition="time", clip=1.0)
@@ -130,7 +130,7 @@ def main() -> int:
     if args.figure:
         _figure(curves, table, args.figure)
     if args.cycle_figure:
-        from pipefold.render import plot_cycle
+        from pipefold.sim.render import plot_cycle
 
         filled = util["kfac-fill"][0]["filled"]
         plot_cycle(filled.base, filled.steps, args.cycle_figure,

@@ -13,8 +13,8 @@ import argparse
 import statistics
 import time
 
-from pipefold.plan import plan_model
-from pipefold.profile import Profile, profile_model
+from pipefold.plan.budget import plan_model
+from pipefold.plan.profile import Profile, profile_model
 
 
 def main() -> None:

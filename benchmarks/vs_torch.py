@@ -39,7 +39,7 @@ from rich.table import Table
 from pipefold.models import split_layers
 from pipefold.models.mlp import MLPConfig, build_mlp_layers, mlp_input, mlp_loss, mlp_target
 from pipefold.runtime.launch import RankError
-from pipefold.train import TrainConfig, train
+from pipefold.train.run import TrainConfig, train
 
 WORLD, HIDDEN, LAYERS, BATCH, MICROBATCHES, SEED = 2, 512, 8, 64, 8, 0
 DEVICE = "cpu"  # --device; set in main() before any rank starts (spawned ranks get it as an argument)

@@ -11,11 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipefold import CostModel, build, simulate
-from pipefold.blocks import v_block
 from pipefold.files import write_text
-from pipefold.plan import choose, evaluate, frontier
-from pipefold.render import plot_frontier, plot_timeline
+from pipefold.plan.budget import choose, evaluate, frontier
+from pipefold.plan.figures import plot_frontier
+from pipefold.schedules.blocks import v_block
 from pipefold.schedules.controllable import V_HALF, V_MIN, V_ZB
+from pipefold.sim.render import plot_timeline
 
 DOCS = Path(__file__).resolve().parent
 FIGURES = DOCS / "figures"
@@ -100,10 +101,10 @@ def main() -> None:
         "microbatch's passes, a *building block*, repeated every T slots. The lifespan of a stage (from its F",
         "start to the end of its W) bounds how many microbatches it holds, ceil(lifespan / T), and so the peak",
         "memory. pipefold builds V-shape blocks (device d holds stages d and 2p-1-d) from the gaps between",
-        "consecutive passes of one microbatch (`pipefold.blocks.v_block`), predicts their memory from the block",
-        "alone, and expands them to full schedules: repeat, squeeze, then pull passes into the idle slots of the",
-        "warm-up and cool-down while the schedule's peak memory does not rise, with each W filling the first idle",
-        "slot after its B.",
+        "consecutive passes of one microbatch (`pipefold.schedules.blocks.v_block`), predicts their memory from",
+        "the block alone, and expands them to full schedules: repeat, squeeze, then pull passes into the idle",
+        "slots of the warm-up and cool-down while the schedule's peak memory does not rise, with each W filling",
+        "the first idle slot after its B.",
         "",
         "Units: p devices, m microbatches, unit costs (F = B = W = 1 per device share; a chunk pass is 0.5),",
         "zero communication; memory in M, one microbatch's activations on one device's share.",

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from pipefold import CostModel, build, names, simulate
 from pipefold.files import write_text
-from pipefold.render import plot_timeline
 from pipefold.schedules import get
+from pipefold.sim.render import plot_timeline
 
 DOCS = Path(__file__).resolve().parent
 P, M = 4, 8

@@ -19,8 +19,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from pipefold.files import save_figure  # noqa: E402
-from pipefold.recompute import RecomputePlan, plan_recompute, smallest_budget  # noqa: E402
-from pipefold.train import TrainConfig, build_schedule, make_job  # noqa: E402
+from pipefold.plan.recompute import RecomputePlan, plan_recompute, smallest_budget  # noqa: E402
+from pipefold.train.run import TrainConfig, build_schedule, make_job  # noqa: E402
 
 FIGURE = Path(__file__).resolve().parent / "figures" / "recompute.png"
 CONFIG = TrainConfig(schedule="1f1b", devices=4, microbatches=8, model="gpt", layers=10, hidden=128, heads=4,

@@ -9,14 +9,15 @@ import time
 import pytest
 import torch
 
-from pipefold import adapt, schedules
-from pipefold.cli import main
+from pipefold import schedules
+from pipefold.cli.main import main
 from pipefold.errors import ConfigError
-from pipefold.network import Network
+from pipefold.plan import adapt
 from pipefold.runtime.launch import Adaptive, run_local
 from pipefold.runtime.stage import Chain
-from pipefold.simulate import CostModel, StageOverride, simulate
-from pipefold.train import TrainConfig, make_job
+from pipefold.sim.network import Network
+from pipefold.sim.simulate import CostModel, StageOverride, simulate
+from pipefold.train.run import TrainConfig, make_job
 
 P, M = 4, 8
 NBYTES = 524288

@@ -10,9 +10,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pipefold import ConfigError, build, simulate, validate
-from pipefold.blocks import BuildingBlock, v_block
 from pipefold.ir import linear_placement, v_placement
 from pipefold.schedules import get
+from pipefold.schedules.blocks import BuildingBlock, v_block
 
 
 def _block(p: int, gaps: tuple[int, ...]) -> BuildingBlock:

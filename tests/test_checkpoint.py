@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipefold.cli import main
+from pipefold.cli.main import main
 from pipefold.models import make_model
 from pipefold.models.data import Batches, load_corpus
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from pipefold import Schedule, build, simulate
-from pipefold.cli import main
+from pipefold.cli.main import main
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -38,7 +38,7 @@ def test_simulate_costs_and_spec_options(capsys) -> None:
     code, out, _ = run(capsys, "simulate", "kfkb:k=3", "-p", "3", "-m", "9", "--f", "2", "--b", "1", "--w", "0.5",
                        "--latency", "0.25", "--json")
     assert code == 0
-    from pipefold.simulate import CostModel
+    from pipefold.sim.simulate import CostModel
 
     want = simulate(build("kfkb", 3, 9, k=3), CostModel(f=2, b=1, w=0.5, latency=0.25))
     assert json.loads(out)["makespan"] == pytest.approx(want.makespan)

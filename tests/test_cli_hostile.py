@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from pipefold import build, simulate
-from pipefold.cli import main
+from pipefold.cli.main import main
 from pipefold.ir import MAX_DEVICES, MAX_STAGE_MICROBATCHES, Schedule, check_size
-from pipefold.simulate import CostModel, peak_by_order
+from pipefold.sim.simulate import CostModel, peak_by_order
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 TINY = ["--model", "mlp", "--schedule", "1f1b", "--devices", "2", "-m", "2", "--batch", "4", "--hidden", "8",
@@ -210,8 +210,8 @@ def test_redirected_train_prints_a_line_per_step(tmp_path: Path) -> None:
                                                  ({"model": "mlp"}, "KeyError: 'batch'")])
 def test_a_plan_whose_train_is_not_an_object(capsys: pytest.CaptureFixture[str], tmp_path: Path, train: object,
                                              expected: str) -> None:
-    from pipefold.plan import plan_model
-    from pipefold.profile import LayerProfile, Profile
+    from pipefold.plan.budget import plan_model
+    from pipefold.plan.profile import LayerProfile, Profile
 
     layer = LayerProfile(f=1e-3, b=1e-3, w=1e-3, held=1000, held_w=800, params=100, out=100)
     profile = Profile(train={"model": "mlp", "layers": 6, "hidden": 16, "heads": 4, "seq": 8, "batch": 8,

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from conftest import build_or_refused
 from pipefold import CostModel, build, names, simulate, validate
-from pipefold.plan import choose, evaluate
+from pipefold.plan.budget import choose, evaluate
 
 CAPS = {"v-min": lambda p: (p + 4) // 3, "v-half": lambda p: (p + 2) // 2, "v-zb": lambda p: p, "zb-v": lambda p: p}
 

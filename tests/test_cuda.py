@@ -21,7 +21,7 @@ from pipefold.ir import Kind
 from pipefold.runtime.devices import place
 from pipefold.runtime.launch import Job, RankReport, run_local
 from pipefold.schedules import build
-from pipefold.train import TrainConfig, compare, make_job, reference_kfac, train
+from pipefold.train.run import TrainConfig, compare, make_job, reference_kfac, train
 
 GPU = torch.cuda.is_available()
 cuda = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU: run `make gpu-check` on a machine with one")
@@ -78,7 +78,7 @@ def test_train_device_cuda_refused_without_a_gpu() -> None:
 ])
 def test_cli_device_refusals_are_one_line(capsys: pytest.CaptureFixture[str], argv: list[str],
                                           expected: str) -> None:
-    from pipefold.cli import main
+    from pipefold.cli.main import main
 
     try:
         code = main(["train", "--model", "mlp", "--layers", "4", "--hidden", "16", "--batch", "8", "--devices", "2",

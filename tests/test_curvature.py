@@ -1,7 +1,7 @@
 """K-FAC on real ranks: gradients before preconditioning and weights after it against one process, memory.
 
-Real gloo ranks and real models; the references are single-process: :func:`pipefold.train.reference_step`
-(plain gradients) and :func:`pipefold.train.reference_kfac` (K-FAC with the same cycle of refreshes), and
+Real gloo ranks and real models; the references are single-process: :func:`pipefold.train.run.reference_step`
+(plain gradients) and :func:`pipefold.train.run.reference_kfac` (K-FAC with the same cycle of refreshes), and
 torch's MemTracker for what a rank holds.
 """
 
@@ -16,8 +16,8 @@ from pipefold.errors import ConfigError
 from pipefold.ir import Kind
 from pipefold.runtime.launch import Job, RankReport, run_local
 from pipefold.runtime.measure import measured_costs
-from pipefold.simulate import simulate
-from pipefold.train import TrainConfig, compare, make_job, reference_kfac
+from pipefold.sim.simulate import simulate
+from pipefold.train.run import TrainConfig, compare, make_job, reference_kfac
 
 
 def _worst(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:

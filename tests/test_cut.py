@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from pipefold.cut import cut_model, cut_points
 from pipefold.errors import ConfigError
-from pipefold.partition import layer_costs, partition
+from pipefold.models.cut import cut_model, cut_points
+from pipefold.plan.partition import layer_costs, partition
 from pipefold.runtime.stage import Chain, StageRunner, run_layers
 
 

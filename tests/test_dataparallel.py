@@ -1,7 +1,7 @@
 """Data-parallel pipelines: the DP actions in the schedule, their cost, and exact training across dp x pp ranks.
 
 The references are independent of the code under test: closed forms for the all-reduce's time, and one
-process over the whole global batch (:func:`pipefold.train.reference_step`) for the gradients.
+process over the whole global batch (:func:`pipefold.train.run.reference_step`) for the gradients.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipefold.dataparallel import with_data_parallel
 from pipefold.errors import ConfigError
 from pipefold.ir import AG, DP, RS, Kind, validate
 from pipefold.runtime.launch import free_port, run_local
 from pipefold.schedules import build
-from pipefold.simulate import CostModel, simulate
-from pipefold.train import TrainConfig, compare, make_job
+from pipefold.schedules.dataparallel import with_data_parallel
+from pipefold.sim.simulate import CostModel, simulate
+from pipefold.train.run import TrainConfig, compare, make_job
 
 FAMILIES = ["1f1b", "gpipe", "zb-h1", "zb-v", "v-half", "v-min", "interleaved-1f1b", "looped-bfs", "dualpipev",
             "chimera", "dualpipe"]
@@ -159,7 +159,8 @@ def test_refusals_are_one_line(tmp_path: Path) -> None:
         dataclasses.replace(job, schedule=build("1f1b", 2, 2))
     with pytest.raises(ConfigError, match="the job has one pipeline"):
         dataclasses.replace(job, dp=1)
-    with pytest.raises(ConfigError, match="no 0AG on device 0: add them with pipefold.dataparallel.with_data_parallel"
+    with pytest.raises(ConfigError, match="no 0AG on device 0: add them with "
+                                          "pipefold.schedules.dataparallel.with_data_parallel"
                                           r"\(schedule, shard=True\)"):
         dataclasses.replace(job, fsdp=True)
     with pytest.raises(ConfigError, match="--fsdp shards each stage across data-parallel pipelines: give --dp 2"):
@@ -178,7 +179,7 @@ def test_refusals_are_one_line(tmp_path: Path) -> None:
 
 
 def test_cli_dp(capsys: pytest.CaptureFixture[str]) -> None:
-    from pipefold.cli import main
+    from pipefold.cli.main import main
 
     code = main(["train", "--schedule", "zb-v", "--pp", "2", "--dp", "2", "--model", "mlp", "--layers", "4",
                  "--hidden", "32", "--batch", "16", "-m", "4", "--steps", "2", "--check", "--json"])

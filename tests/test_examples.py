@@ -32,7 +32,7 @@ def test_every_example_file_the_docs_name_is_shipped(name: str) -> None:
 
 
 def test_the_network_profile_loads_and_simulates_as_written() -> None:
-    from pipefold.network import parse_network
+    from pipefold.sim.network import parse_network
 
     net = parse_network(str(ROOT / "examples/profile.json"))
     assert net.conditions(0, 1).states  # a profile, not a constant

@@ -205,7 +205,7 @@ def test_replicated_stages_with_tied_weights() -> None:
 
 def test_data_parallel_pipelines_with_tied_weights() -> None:
     # 2 pipelines x 2 devices: each pipeline sums its copies among its own ranks, after averaging across pipelines.
-    from pipefold.dataparallel import with_data_parallel
+    from pipefold.schedules.dataparallel import with_data_parallel
 
     model = _model("gpt2", blocks=2)
     sched = with_data_parallel(schedules.build("1f1b", 2, 2))
@@ -235,7 +235,7 @@ def test_tied_copies_stay_identical_under_adamw() -> None:
 
 
 def test_train_command_with_a_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from pipefold.cli import main
+    from pipefold.cli.main import main
 
     config = tmp_path / "small.json"
     config.write_text(json.dumps({**read_config("gpt2", None), "n_layer": 3, "n_embd": 32}))
@@ -247,7 +247,7 @@ def test_train_command_with_a_config_file(tmp_path: Path, capsys: pytest.Capture
 
 
 def test_offload_command_is_exact(capsys: pytest.CaptureFixture[str]) -> None:
-    from pipefold.cli import main
+    from pipefold.cli.main import main
 
     assert main(["offload", "--hf", "llama", "--hf-config", "llama-tiny", "--batch", "2", "--seq", "16", "--train",
                  "--steps", "2", "--k", "1", "--json"]) == 0
@@ -263,7 +263,7 @@ def test_offload_command_is_exact(capsys: pytest.CaptureFixture[str]) -> None:
     (["--seq", "500"], "--seq 500 is longer than the config's max_position_embeddings 128"),
 ])
 def test_command_line_errors_are_one_line(argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from pipefold.cli import main
+    from pipefold.cli.main import main
 
     assert main(["partition", "--hf", "gpt2", *argv]) == 2
     err = capsys.readouterr().err
@@ -287,7 +287,7 @@ def test_config_file_errors(tmp_path: Path) -> None:
 
 
 def test_registry_names_the_command_line_choices() -> None:
-    from pipefold.cli import build_parser
+    from pipefold.cli.main import build_parser
     from pipefold.models import REGISTRY
 
     choices = {a.dest: a.choices for a in build_parser()._subparsers._group_actions[0].choices["train"]._actions}

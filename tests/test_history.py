@@ -92,7 +92,7 @@ def test_memory_is_flat_in_the_number_of_steps() -> None:
 def test_a_long_run_keeps_the_first_and_last_steps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A run of 25 steps (more than the 20 kept in full): the summary has every step's loss and time, the loss of
     the first step is the one-process reference's, and the trace has the steps kept in full."""
-    from pipefold.cli import main
+    from pipefold.cli.main import main
 
     trace = tmp_path / "run.json"
     code = main(["train", "--schedule", "1f1b", "--devices", "2", "--model", "mlp", "--layers", "4", "--hidden",

@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 
 from pipefold import ConfigError, Schedule, ScheduleError, build, names, schedules, simulate, validate
-from pipefold.cli import main
-from pipefold.interop import from_torch_csv, from_torch_order, to_torch_actions, to_torch_csv
+from pipefold.cli.main import main
 from pipefold.ir import BW, OPT, B, F, R, W, overlap
-from pipefold.plan import choose, one_f_one_b_peak, parse_budget, plan
+from pipefold.ir.interop import from_torch_csv, from_torch_order, to_torch_actions, to_torch_csv
+from pipefold.plan.budget import choose, one_f_one_b_peak, parse_budget, plan
 
 torch = pytest.importorskip("torch")
 pipelining = pytest.importorskip("torch.distributed.pipelining")
@@ -316,7 +316,7 @@ def test_cli_reports_a_bad_torch_cell_in_one_line(capsys: pytest.CaptureFixture[
 
 
 def test_interop_loads_without_torch() -> None:
-    code = "import sys, pipefold.interop, pipefold.cli; print('torch' in sys.modules)"
+    code = "import sys, pipefold.ir.interop, pipefold.cli.main; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 
@@ -330,13 +330,13 @@ def test_interop_loads_without_torch() -> None:
     ("0F0,0B0,0W0\n1F0,1B0,1W0\n", False),  # pipefold's B, with its W
 ])
 def test_the_torch_dialect_is_told_by_its_content(tmp_path, text: str, torch: bool) -> None:
-    from pipefold.interop import torch_dialect
+    from pipefold.ir.interop import torch_dialect
 
     assert torch_dialect(text) is torch
 
 
 def test_validate_and_simulate_read_torch_csv_without_the_flag(tmp_path) -> None:
-    from pipefold.cli import main
+    from pipefold.cli.main import main
 
     path = tmp_path / "zbv.csv"
     assert main(["generate", "zb-v", "-p", "2", "-m", "4", "--format", "torch-csv", "-o", str(path)]) == 0
@@ -349,7 +349,7 @@ ONE_BASED = "0F0,0F1,0I0,0W0,0I1,0W1\n1F1,1B1,1F2,1B2\n"
 
 
 def test_renumber_on_the_command_line(tmp_path, capsys) -> None:
-    from pipefold.cli import main
+    from pipefold.cli.main import main
 
     path = tmp_path / "torch-1f1b.csv"
     path.write_text(ONE_BASED)

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from pipefold import build
-from pipefold.cli import main
+from pipefold.cli.main import main
 from pipefold.jsonout import NONFINITE, dumps
 
 

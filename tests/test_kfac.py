@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
 from pipefold.errors import ConfigError
-from pipefold.kfac import KFAC, KFACConfig, LinearFactors, dense_fisher_block
+from pipefold.runtime.kfac import KFAC, KFACConfig, LinearFactors, dense_fisher_block
 
 F64 = torch.float64
 

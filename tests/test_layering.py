@@ -1,37 +1,201 @@
-"""The layering the project promises: schedules and the simulator never need torch; the library never needs the CLI."""
+"""The layering the project promises, checked on the import graph itself.
+
+Every import statement of every module counts, the lazy ones inside functions and the type-only ones under
+``TYPE_CHECKING`` included: a module may import from its own layer or from a layer below, never from one above,
+and no modules import each other round in a circle. The layers, bottom up:
+
+    base (errors, units, files, jsonout, _gc) < ir < schedules < sim < models < plan < runtime < train < cli
+
+Besides the order: the models stand on the base alone (free of any parallelism), the runtime reads schedules only
+through the IR, and the schedules, the simulator, the planner's pure parts and the figures load without torch.
+"""
 
 from __future__ import annotations
 
 import ast
+import itertools
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SRC = Path(__file__).resolve().parents[1] / "src" / "pipefold"
+LAYERS = ("base", "ir", "schedules", "sim", "models", "plan", "runtime", "train", "cli")
+BASE = {"errors", "units", "files", "jsonout", "_gc"}
+
+KNOWN_UPWARD: set[tuple[str, str]] = {
+    # The planner still times layers with the runtime's stage runner, and profile makes its model through the
+    # training package: to go, with one measurement module below both (issue 26).
+    ("pipefold.plan.partition", "pipefold.runtime.stage"),
+    ("pipefold.plan.recompute", "pipefold.runtime.stage"),
+    ("pipefold.plan.profile", "pipefold.runtime.launch"),
+    ("pipefold.plan.profile", "pipefold.runtime.stage"),
+    ("pipefold.plan.profile", "pipefold.train.run"),
+}
+"""Upward edges known and still to remove. The test fails on any other, and on one of these once it is gone
+(strike it from the list then)."""
+KNOWN_CIRCLES: list[list[str]] = [["pipefold.plan.budget", "pipefold.plan.profile", "pipefold.train.run"]]
+"""Circles known and still to break (the same way)."""
+
+
+def module_name(path: Path, src: Path) -> str:
+    parts = list(path.relative_to(src.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(src: Path) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports anywhere in its text (``from a import b`` counts as ``a.b``
+    where that is a module, else as ``a``; relative imports resolved). The root package is left out as a
+    target: Python imports it first whatever is imported."""
+    modules = {module_name(p, src): p for p in src.rglob("*.py")}
+    root = src.name
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([node.module] if node.module else []))
+                found |= {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names}
+        graph[name] = {m for m in found if m in modules and m not in (name, root)}
+    return graph
+
+
+def layer(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "sim"  # the root package: what it re-exports (ir, schedules, the simulator)
+    if parts[1] in BASE:
+        return "base"
+    if parts[1] == "__main__":
+        return "cli"
+    return parts[1]
+
+
+def upward(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    return {(a, b) for a, targets in graph.items() for b in targets
+            if LAYERS.index(layer(b)) > LAYERS.index(layer(a))}
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    counter = itertools.count()
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = next(counter)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+GRAPH = import_graph(SRC)
+
+
+def test_every_module_sits_in_a_known_layer() -> None:
+    assert {layer(m) for m in GRAPH} <= set(LAYERS)
+    assert len(GRAPH) > 50
+
+
+def test_no_module_imports_from_a_layer_above_its_own() -> None:
+    assert upward(GRAPH) == KNOWN_UPWARD
+
+
+def test_no_modules_import_each_other_in_a_circle() -> None:
+    assert circles(GRAPH) == KNOWN_CIRCLES
+
+
+def _edges(source: str, *targets: str) -> set[tuple[str, str]]:
+    return {(a, b) for a, bs in GRAPH.items() for b in bs if layer(a) == source and layer(b) in targets}
+
+
+def test_the_models_stand_on_the_base_alone() -> None:
+    assert _edges("models", *(set(LAYERS) - {"base", "models"})) == set()
+
+
+def test_the_runtime_reads_schedules_only_through_the_ir() -> None:
+    assert _edges("runtime", "schedules") == set()
 
 
 def test_schedules_simulator_planner_and_figures_load_without_torch() -> None:
-    code = ("import sys, pipefold, pipefold.ir, pipefold.schedules, pipefold.simulate, pipefold.blocks, "
-            "pipefold.plan, pipefold.render; print('torch' in sys.modules)")
+    code = ("import sys, pipefold, pipefold.ir, pipefold.schedules, pipefold.sim.simulate, pipefold.schedules.blocks, "
+            "pipefold.plan.budget, pipefold.sim.render; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 
 
-def test_the_library_never_imports_the_cli() -> None:
-    offenders = []
-    for path in SRC.rglob("*.py"):
-        if path.name in ("cli.py", "__main__.py"):
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
-            if isinstance(node, ast.ImportFrom) and node.module:
-                names = [node.module]
-            offenders += [f"{path.name}: {n}" for n in names if n.startswith("pipefold.cli")]
-    assert offenders == []
+# --------------------------------------------------------------------------- the checker itself, on a made-up package
 
 
-def test_the_runtime_reads_schedules_only_through_the_ir() -> None:
-    for path in (SRC / "runtime").glob("*.py"):
-        tree = ast.parse(path.read_text())
-        modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-        assert not any(m.startswith("pipefold.schedules") for m in modules), path.name
+def _package(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+@pytest.fixture
+def toy(tmp_path: Path) -> Path:
+    """pipefold-shaped: an upward lazy import, an upward type-only one, a relative one, a circle."""
+    return _package(tmp_path / "pipefold", {
+        "__init__.py": "from pipefold.sim.simulate import run\n",
+        "errors.py": "",
+        "ir/__init__.py": "from ..errors import E\n",
+        "sim/__init__.py": "",
+        "sim/simulate.py": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                            "    from pipefold.plan.budget import P\nfrom pipefold import ir\n"),
+        "plan/__init__.py": "",
+        "plan/budget.py": "def f():\n    from pipefold.train import run\n",
+        "train/__init__.py": "",
+        "train/run.py": "import pipefold.plan.budget\nfrom . import helper\n",
+        "train/helper.py": "from .run import x\n",
+    })
+
+
+def test_the_checker_finds_lazy_type_only_and_relative_imports(toy: Path) -> None:
+    graph = import_graph(toy)
+    assert graph["pipefold.ir"] == {"pipefold.errors"}
+    assert graph["pipefold.sim.simulate"] == {"pipefold.plan.budget", "pipefold.ir"}
+    assert graph["pipefold.plan.budget"] == {"pipefold.train.run"}
+    assert graph["pipefold.train.run"] == {"pipefold.plan.budget", "pipefold.train.helper"}
+    assert upward(graph) == {("pipefold.sim.simulate", "pipefold.plan.budget"),
+                             ("pipefold.plan.budget", "pipefold.train.run")}
+    assert circles(graph) == [["pipefold.plan.budget", "pipefold.train.helper", "pipefold.train.run"]]
+
+
+def test_a_layered_package_passes(toy: Path) -> None:
+    _package(toy, {"sim/simulate.py": "from pipefold import ir\n",
+                   "plan/budget.py": "from pipefold.sim import simulate\n", "train/helper.py": ""})
+    graph = import_graph(toy)
+    assert upward(graph) == set() and circles(graph) == []
+

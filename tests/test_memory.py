@@ -15,7 +15,7 @@ from pipefold.runtime.executor import in_flight_bound
 from pipefold.runtime.launch import RankReport, run_local
 from pipefold.runtime.stage import Chain, StageRunner
 from pipefold.schedules import build
-from pipefold.train import TrainConfig, make_job
+from pipefold.train.run import TrainConfig, make_job
 
 GPT = dict(model="gpt", layers=6, hidden=128, heads=4, seq=128, batch=16)
 MLP = dict(model="mlp", layers=8, hidden=512, batch=1024)

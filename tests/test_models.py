@@ -392,7 +392,7 @@ def test_config_errors_are_one_line_with_the_value(make, expected):
 
 
 def test_hf_models_without_transformers_say_how_to_install(monkeypatch, capsys):
-    from pipefold.cli import main
+    from pipefold.cli.main import main
 
     monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed: importing it fails
     with pytest.raises(ConfigError, match=r"need the transformers package: pip install 'pipefold\[hf\]'"):

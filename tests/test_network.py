@@ -10,8 +10,8 @@ import pytest
 from pipefold import schedules
 from pipefold.errors import ConfigError
 from pipefold.ir import Schedule, dependency_graph
-from pipefold.network import Conditions, LinkState, Network, Wire, parse_network
-from pipefold.simulate import CostModel, StageOverride, simulate
+from pipefold.sim.network import Conditions, LinkState, Network, Wire, parse_network
+from pipefold.sim.simulate import CostModel, StageOverride, simulate
 
 
 def test_finish_at_constant_bandwidth_is_bytes_over_bandwidth() -> None:
@@ -204,7 +204,7 @@ def test_network_json_is_plain(tmp_path) -> None:
 
 
 def test_simulate_cli_takes_a_network(capsys) -> None:
-    from pipefold.cli import main
+    from pipefold.cli.main import main
 
     spec = "preempt:seed=1,idle=40MB,busy=6MB,on=20,off=10"
     code = main(["simulate", "kfkb:k=2", "-p", "4", "-m", "8", "--f", "0.04", "--b", "0.08", "--w", "0",
@@ -230,7 +230,7 @@ def test_a_network_naming_a_missing_link_is_refused(capsys: pytest.CaptureFixtur
                                                      argv: list[str], link: str) -> None:
     from pathlib import Path
 
-    from pipefold.cli import main
+    from pipefold.cli.main import main
 
     monkeypatch.chdir(Path(__file__).resolve().parent.parent)
     assert main(argv) == 2

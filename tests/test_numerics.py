@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipefold.cli import main
+from pipefold.cli.main import main
 from pipefold.runtime.numerics import Snapshot, clip_factor, local_check, verdict
 
 MLP = ["--model", "mlp", "--layers", "4", "--hidden", "16", "--batch", "8", "--devices", "2", "--microbatches", "4",
@@ -96,7 +96,7 @@ _COMPARE = textwrap.dedent("""
     import dataclasses, sys, torch
     from pipefold.ir import OPT
     from pipefold.runtime.launch import run_local
-    from pipefold.train import TrainConfig, make_job
+    from pipefold.train.run import TrainConfig, make_job
     cfg = TrainConfig(schedule="zb-h1", devices=2, microbatches=4, steps=6, model="mlp", layers=4, hidden=16,
                       batch=8, partition="even", clip=3.0)
     job = dataclasses.replace(make_job(cfg), save_weights=True)
@@ -164,7 +164,7 @@ def test_the_live_loss_is_the_global_loss(schedule: str, dp: int) -> None:
     """What the progress line shows each step is the mean over every microbatch of every pipeline and replica,
     the loss the run reports, not the loss of the one rank that calls back (Chimera's other direction, another
     data-parallel pipeline)."""
-    from pipefold.train import TrainConfig, train
+    from pipefold.train.run import TrainConfig, train
 
     live: dict[int, float] = {}
     config = TrainConfig(schedule=schedule, devices=2, dp=dp, microbatches=4, batch=8 * dp, steps=2, model="mlp",

@@ -10,7 +10,7 @@ from torch import nn
 
 from pipefold.errors import ConfigError
 from pipefold.models import GPTConfig, MLPConfig, build_gpt, build_mlp, gpt_loss, mlp_loss
-from pipefold.offload import Offloaded, choose_k
+from pipefold.runtime.offload import Offloaded, choose_k
 
 KS = [(1, 1), (2, 1), (3, 2), (3, 3), (20, 4)]  # (k, k'); k=20 is more than there are layers
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pipefold.cli import main
+from pipefold.cli.main import main
 
 SMALL = ["--batch", "2", "--seq", "16"]  # the 24-block, width-64 default model on a tiny batch: fast
 

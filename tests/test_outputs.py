@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pipefold.cli import main
+from pipefold.cli.main import main
 from pipefold.errors import ConfigError
 from pipefold.files import check_writable, write_text
 

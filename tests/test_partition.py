@@ -18,11 +18,11 @@ from hypothesis import strategies as st
 from torch import nn
 
 from pipefold import schedules
-from pipefold.cli import main
+from pipefold.cli.main import main
 from pipefold.errors import ConfigError
 from pipefold.ir import Kind, Schedule, looped_placement, v_placement
 from pipefold.models import split_layers
-from pipefold.partition import (
+from pipefold.plan.partition import (
     layer_costs,
     layer_memory,
     layer_static_bytes,
@@ -30,7 +30,7 @@ from pipefold.partition import (
     partition,
     partition_memory,
 )
-from pipefold.train import TrainConfig, make_job
+from pipefold.train.run import TrainConfig, make_job
 
 
 def _brute(costs: list[float], parts: int, placement: tuple[int, ...] | None) -> float:
@@ -291,16 +291,16 @@ def test_layer_memory_and_static_bytes() -> None:
 
 
 def test_train_partition_memory_splits_by_the_schedule(monkeypatch: pytest.MonkeyPatch) -> None:
-    import pipefold.partition
+    import pipefold.plan.partition
 
     seen: list[tuple[Schedule, list[float]]] = []
 
     def recording(times: list[float], held: list[float], held_w: list[float], static: list[float],
-                  schedule: Schedule, **kw: float) -> pipefold.partition.MemoryPartition:
+                  schedule: Schedule, **kw: float) -> pipefold.plan.partition.MemoryPartition:
         seen.append((schedule, static))
         return partition_memory(times, held, held_w, static, schedule, **kw)
 
-    monkeypatch.setattr(pipefold.partition, "partition_memory", recording)
+    monkeypatch.setattr(pipefold.plan.partition, "partition_memory", recording)
     config = TrainConfig(model="mlp", layers=6, hidden=16, devices=2, schedule="zb-v", microbatches=4, batch=8,
                          partition="memory", optimizer="sgd")
     job = make_job(config)

@@ -8,9 +8,9 @@ import pytest
 
 from pipefold.errors import ConfigError
 from pipefold.ir import KA, KG, KI, KP, Kind, Schedule, validate
-from pipefold.pipefisher import KFAC_KINDS, Refill, fill, fit_latency, inline, measured_cost, utilization
+from pipefold.plan.pipefisher import KFAC_KINDS, Refill, fill, fit_latency, inline, measured_cost, utilization
 from pipefold.schedules import build
-from pipefold.simulate import CostModel, StageOverride, simulate
+from pipefold.sim.simulate import CostModel, StageOverride, simulate
 
 WORK = {"KA": 0.3, "KG": 0.5, "KI": 2.0, "KP": 0.3}
 FAMILIES = ["1f1b", "gpipe", "kfkb", "zb-h1", "zb-v", "v-half", "v-min", "interleaved-1f1b", "looped-bfs",
@@ -161,7 +161,7 @@ def test_bad_input_is_one_line() -> None:
 def test_cli(tmp_path: object, capsys: pytest.CaptureFixture[str]) -> None:
     from pathlib import Path
 
-    from pipefold.cli import main
+    from pipefold.cli.main import main
 
     plot = Path(str(tmp_path)) / "cycle.png"
     assert main(["pipefisher", "1f1b", "-p", "4", "-m", "8", "--json", "--plot", str(plot)]) == 0

@@ -10,8 +10,8 @@ import random
 import pytest
 
 from pipefold import ConfigError, CostModel, Schedule, ScheduleError, SimResult, build, schedules, simulate
-from pipefold.cli import main
-from pipefold.plan import (
+from pipefold.cli.main import main
+from pipefold.plan.budget import (
     Point,
     candidates,
     choose,

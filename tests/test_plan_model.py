@@ -15,10 +15,10 @@ import pytest
 from pipefold import schedules
 from pipefold.errors import ConfigError
 from pipefold.ir import dependency_graph
-from pipefold.plan import ModelPoint, model_costs, plan_model, predict, read_plan, stage_profiles
-from pipefold.profile import LayerProfile, Profile, fit_link
-from pipefold.recompute import plan_recompute
-from pipefold.simulate import KINDS, CostModel, _shared_times, simulate
+from pipefold.plan.budget import ModelPoint, model_costs, plan_model, predict, read_plan, stage_profiles
+from pipefold.plan.profile import LayerProfile, Profile, fit_link
+from pipefold.plan.recompute import plan_recompute
+from pipefold.sim.simulate import KINDS, CostModel, _shared_times, simulate
 
 
 def _profile(n: int = 8, *, contention: tuple[float, ...] = (1.0, 1.0, 1.0, 1.0), microbatches: int = 8) -> Profile:
@@ -110,8 +110,8 @@ def test_stage_figures_from_layers_match_stages_measured_whole() -> None:
     import torch
 
     from pipefold.models import make_model
-    from pipefold.profile import measure_layers
-    from pipefold.recompute import measure_stages
+    from pipefold.plan.profile import measure_layers
+    from pipefold.plan.recompute import measure_stages
     from pipefold.runtime.stage import Chain
 
     torch.manual_seed(0)
@@ -381,7 +381,7 @@ def test_ctrl_c_anywhere_in_profile_is_one_line(tmp_path) -> None:
 ])
 def test_a_far_prediction_is_pointed_out_with_its_likely_cause(predicted: float, measured: float,
                                                                says: str | None) -> None:
-    from pipefold.cli import prediction_note
+    from pipefold.cli.main import prediction_note
 
     note = prediction_note(predicted, measured, 24)
     if says is None:
@@ -396,7 +396,7 @@ def test_a_far_prediction_is_pointed_out_with_its_likely_cause(predicted: float,
 def test_a_plan_whose_layers_are_not_its_models_is_refused(tmp_path, layers: int) -> None:
     """The profile says 8 layers (a GPT of 6 blocks); a plan edited to say other blocks is refused before any rank
     starts, naming both counts."""
-    from pipefold.train import from_plan
+    from pipefold.train.run import from_plan
 
     data = plan_model(_profile(8), 2, 1e12).to_dict()
     data["train"] = {**data["train"], "layers": layers}

@@ -11,11 +11,11 @@ from hypothesis import strategies as st
 
 from pipefold.errors import ConfigError
 from pipefold.ir import Schedule
-from pipefold.recompute import StageProfile, measure_stages, plan_recompute, smallest_budget
+from pipefold.plan.recompute import StageProfile, measure_stages, plan_recompute, smallest_budget
 from pipefold.runtime.stage import Chain
 from pipefold.schedules import build
-from pipefold.simulate import CostModel, StageOverride, simulate
-from pipefold.train import TrainConfig, compare, make_job, train
+from pipefold.sim.simulate import CostModel, StageOverride, simulate
+from pipefold.train.run import TrainConfig, compare, make_job, train
 from pipefold.units import format_bytes, parse_bytes
 
 
@@ -170,7 +170,7 @@ def test_auto_fits_the_budget_on_real_runs_and_keeps_gradients(schedule: str, st
 @pytest.mark.parametrize(("name", "p", "m", "options"), CASES)
 def test_greedy_plan_for_many_combinations_still_fits(name: str, p: int, m: int, options: dict[str, int],
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    import pipefold.recompute as recompute
+    import pipefold.plan.recompute as recompute
 
     schedule = build(name, p, m, **options)
     profiles = [_profile(3, 100, 30, 500, 1.0 + s % 2) for s in range(schedule.stages)]

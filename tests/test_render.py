@@ -13,7 +13,7 @@ from matplotlib.figure import Figure
 from rich.console import Console
 
 from pipefold import ConfigError, CostModel, SimResult, build, simulate
-from pipefold.render import (
+from pipefold.sim.render import (
     ascii_timeline,
     chrome_trace,
     draw_gantt,
@@ -225,5 +225,5 @@ def test_chrome_trace_refuses_non_positive_scale() -> None:
 
 
 def test_render_does_not_import_the_cli() -> None:
-    source = Path(__file__).parents[1].joinpath("src", "pipefold", "render.py").read_text()
+    source = Path(__file__).parents[1].joinpath("src", "pipefold", "sim", "render.py").read_text()
     assert not re.search(r"^\s*(from|import)\s+pipefold\.cli", source, re.MULTILINE)

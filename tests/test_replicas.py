@@ -11,7 +11,7 @@ from pipefold import Schedule
 from pipefold.ir import BW, OPT, F, R, linear_placement, reversed_placement
 from pipefold.runtime.launch import OPTIMIZERS, run_local
 from pipefold.runtime.stage import Chain
-from pipefold.train import TrainConfig, make_job
+from pipefold.train.run import TrainConfig, make_job
 
 
 def _two_way(m: int) -> Schedule:

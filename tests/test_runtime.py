@@ -13,7 +13,7 @@ from pipefold.models import GPTConfig, build_gpt_layers, gpt_loss, split_layers
 from pipefold.runtime.comm import HEADER, MAX_TENSORS
 from pipefold.runtime.launch import Job, run_local
 from pipefold.schedules import build
-from pipefold.train import TrainConfig, compare, make_job, reference_step, train
+from pipefold.train.run import TrainConfig, compare, make_job, reference_step, train
 
 TOLERANCE = 1e-5
 
@@ -238,7 +238,7 @@ def test_offloading_stages_keep_the_gradients(name: str) -> None:
 
 def test_stages_balanced_by_parameters_keep_the_gradients() -> None:
     from pipefold.models import make_model
-    from pipefold.partition import layer_costs, partition
+    from pipefold.plan.partition import layer_costs, partition
 
     cfg = TrainConfig(schedule="zb-v", devices=2, microbatches=4, steps=1, model="gpt", layers=6, hidden=32, heads=4,
                       batch=8, seq=16, partition="params")

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from conftest import build_or_refused
 from pipefold import ConfigError, CostModel, Kind, build, names, simulate
 from pipefold.ir import Action
-from pipefold.simulate import SimResult, StageOverride, peak_by_order
+from pipefold.sim.simulate import SimResult, StageOverride, peak_by_order
 
 
 def _check_timeline(r: SimResult) -> None:

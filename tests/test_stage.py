@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from pipefold.models import GPTConfig, build_gpt_layers
-from pipefold.offload import Offloaded
+from pipefold.runtime.offload import Offloaded
 from pipefold.runtime.stage import Chain, StageRunner
 
 

@@ -3,7 +3,7 @@
 from pipefold.errors import ConfigError, PipefoldError, ScheduleError
 from pipefold.ir import Action, Kind, Schedule, validate
 from pipefold.schedules import build, names
-from pipefold.simulate import CostModel, SimResult, simulate
+from pipefold.sim.simulate import CostModel, SimResult, simulate
 
 __version__ = "0.1.0"
 

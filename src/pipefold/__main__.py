@@ -2,6 +2,6 @@
 
 import sys
 
-from pipefold.cli import main
+from pipefold.cli.main import main
 
 sys.exit(main())

@@ -25,8 +25,8 @@ from typing import IO, Any, Literal, overload
 
 from pipefold.errors import ConfigError
 
-__all__ = ["FIGURE_SUFFIXES", "atomic", "check_writable", "read_json", "save_figure", "write_bytes", "write_json",
-           "write_text"]
+__all__ = ["FIGURE_SUFFIXES", "atomic", "check_figure_path", "check_writable", "read_json", "save_figure",
+           "write_bytes", "write_json", "write_text"]
 
 FIGURE_SUFFIXES = (".png", ".svg")
 """The figure formats pipefold draws, chosen by the file's suffix (any case)."""
@@ -168,12 +168,14 @@ def write_json(path: str | os.PathLike[str], obj: Any, *, indent: int | None = N
 
 def save_figure(fig: Any, path: str | os.PathLike[str], *, dpi: int = 150) -> None:
     """Save a matplotlib figure to ``path`` atomically, in the format its suffix names (.png or .svg)."""
-    suffix = _figure_suffix(os.fspath(path), "figure")
+    suffix = check_figure_path(path, "figure")
     with atomic(path, binary=True) as fh:
         fig.savefig(fh, format=suffix[1:], dpi=dpi)
 
 
-def _figure_suffix(path: str, what: str) -> str:
+def check_figure_path(path: str | os.PathLike[str], what: str) -> str:
+    """The suffix of a figure's file name (a figure is written as PNG or SVG, by its suffix), or one ConfigError
+    naming ``what`` the figure is."""
     suffix = Path(path).suffix.lower()
     if suffix not in FIGURE_SUFFIXES:
         raise ConfigError(f"cannot write the {what} {path}: use a file name ending in "
@@ -203,7 +205,7 @@ def check_writable(path: str | os.PathLike[str], what: str = "output", *, figure
     if os.path.isdir(path):
         raise ConfigError(f"the {what} file {path} is a directory: give a file name")
     if figure:
-        _figure_suffix(path, what)
+        check_figure_path(path, what)
     fd = _special(path, what)
     if fd is not None:  # a device or a read FIFO: it will be written into, through this descriptor
         _CHECKED[os.path.realpath(path)] = fd

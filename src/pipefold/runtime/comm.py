@@ -18,16 +18,16 @@ differs from the last one, which every rank knows because every rank reads the
 same batch. Gradients flow back along the same link with the shapes of the
 activations the receiver itself sent, so they never need a header.
 
-With a :class:`~pipefold.network.Network` (``Links(network=...)``), each link also behaves like one with
+With a :class:`~pipefold.sim.network.Network` (``Links(network=...)``), each link also behaves like one with
 that latency and bandwidth: a send is handed to gloo only once the emulated link would have carried it
-(its :class:`~pipefold.network.Wire`, on the wall clock from the job's agreed start), by the link's
+(its :class:`~pipefold.sim.network.Wire`, on the wall clock from the job's agreed start), by the link's
 thread, in the order posted. The real transfer's own time comes on top.
 
 Each link also records, per message, when it was posted and delivered, and each receiver when it
 posted the receive (wall-clock): gloo moves a message only once both ends have posted, so a message's
 service time runs from the latest of the three (posted, receive posted, the message before it
 delivered) until it was delivered. Bytes over service time is the link's observed bandwidth, what
-``adaptive-kfkb`` decides with (:mod:`pipefold.adapt`).
+``adaptive-kfkb`` decides with (:mod:`pipefold.plan.adapt`).
 
 On GPUs that ranks share (gloo, which moves host memory only: ``Links(staged=True)``), a send is copied
 into pinned host memory on the rank's communication stream, after the compute stream's work so far; the
@@ -63,7 +63,7 @@ import torch.distributed as dist
 from pipefold.runtime.meter import MemoryMeter
 
 if TYPE_CHECKING:
-    from pipefold.network import Network, Wire
+    from pipefold.sim.network import Network, Wire
 
 MAX_TENSORS = 8
 MAX_DIMS = 8
@@ -309,7 +309,7 @@ class Links:
 
     def _due(self, peer: int, nbytes: int) -> float:
         """Wall-clock time at which a message of ``nbytes`` sent now to ``peer`` arrives over the emulated link."""
-        from pipefold.network import Wire
+        from pipefold.sim.network import Wire
 
         assert self.network is not None
         wire = self._wires.get(peer)

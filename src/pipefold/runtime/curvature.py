@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from pipefold.ir import Action, Kind
-from pipefold.kfac import KFAC, KFACConfig
+from pipefold.runtime.kfac import KFAC, KFACConfig
 from pipefold.runtime.meter import MemoryMeter
 
 KINDS = frozenset({Kind.KA, Kind.KG, Kind.KI, Kind.KP})

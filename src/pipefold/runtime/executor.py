@@ -44,7 +44,7 @@ from pipefold.runtime import sharding
 from pipefold.runtime.comm import BACKWARD, FORWARD, HEADER, Incoming, Links, Meta, decode_header, metas_of
 
 if TYPE_CHECKING:
-    from pipefold.network import Network
+    from pipefold.sim.network import Network
 from pipefold.runtime.meter import MemoryMeter
 from pipefold.runtime.stage import StageRunner, Tensors
 from pipefold.runtime.watch import Activity

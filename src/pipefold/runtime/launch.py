@@ -68,12 +68,12 @@ from pipefold.runtime.watch import (
 )
 
 if TYPE_CHECKING:
-    from pipefold.kfac import KFACConfig
-    from pipefold.network import Network
-    from pipefold.offload import Offloaded
-    from pipefold.pipefisher import Filled, Refill
+    from pipefold.plan.pipefisher import Filled, Refill
     from pipefold.runtime.checkpoint import Checkpointing
+    from pipefold.runtime.kfac import KFACConfig
     from pipefold.runtime.netns import Topology
+    from pipefold.runtime.offload import Offloaded
+    from pipefold.sim.network import Network
 
 
 class RankError(RuntimeError):
@@ -128,7 +128,7 @@ class Job:
     save_weights: bool = False
     """Send back every parameter after the last step (``RankReport.weights``)."""
     offload: tuple[int, int] | None = None
-    """(k, k'): every stage keeps at most k of its layers on the device (see pipefold.offload)."""
+    """(k, k'): every stage keeps at most k of its layers on the device (see pipefold.runtime.offload)."""
     recompute: tuple[int, ...] | None = None
     """For each stage, how many of its first layers recompute their activations in backward."""
     action_timeout_s: float = DEFAULT_ACTION_TIMEOUT
@@ -151,7 +151,7 @@ class Job:
     netns: Topology | None = None
     """Run each rank in its own network namespace of this topology (see :mod:`pipefold.runtime.netns`)."""
     cycle: tuple[Schedule, ...] = ()
-    """Step t runs ``cycle[t % len(cycle)]`` (K-FAC's work spread over steps, :mod:`pipefold.pipefisher`);
+    """Step t runs ``cycle[t % len(cycle)]`` (K-FAC's work spread over steps, :mod:`pipefold.plan.pipefisher`);
     ``schedule`` must be ``cycle[0]``."""
     zero1: bool = False
     """With ``dp`` > 1: shard the optimizer state across the copies of each stage (ZeRO-1, torch's
@@ -159,17 +159,17 @@ class Job:
     fsdp: bool = False
     """With ``dp`` > 1: shard every stage across its copies with torch's ``fully_shard`` (1/dp of its parameters,
     gradients and optimizer state each), gathered and reduce-scattered by the schedule's ``AG`` and ``RS``
-    actions (:func:`pipefold.dataparallel.with_data_parallel` with ``shard=True``) instead of all-reduced."""
+    actions (:func:`pipefold.schedules.dataparallel.with_data_parallel` with ``shard=True``) instead of all-reduced."""
     dp: int = 1
     """Data-parallel copies of the whole pipeline: ranks dp x devices, rank r is device r % devices of pipeline
     r // devices; each pipeline runs its shard of every step's batch, and its ``DP`` actions average each
-    stage's gradients across the pipelines (the schedule must have them: :mod:`pipefold.dataparallel`)."""
+    stage's gradients across the pipelines (the schedule must have them: :mod:`pipefold.schedules.dataparallel`)."""
     kfac: KFACConfig | None = None
     """Keep K-FAC's state per stage and run the schedule's KA, KG, KI and KP actions (``optimizer="kfac"``)."""
     refill: Refill | None = None
     """After ``refill.after`` steps, rank 0 places K-FAC's work again from the times the ranks measured (steps
     after the first) and every rank runs the new cycle from the next step on (recorded in rank 0's
-    ``RankReport.decisions`` as (first step, its :class:`~pipefold.pipefisher.Filled`))."""
+    ``RankReport.decisions`` as (first step, its :class:`~pipefold.plan.pipefisher.Filled`))."""
     tied: tuple[tuple[tuple[int, str], ...], ...] = ()
     """Weights several layers share, each as its (layer index, parameter name) pairs (``Model.tied``): where they
     fall in different stages each stage holds a copy and their gradients are summed after the step
@@ -246,11 +246,11 @@ class Job:
                     d, st = missing
                     raise ConfigError(f"with {self.dp} data-parallel pipelines{' sharded' if self.fsdp else ''} "
                                       f"every stage needs its {kind}, but {self.schedule.name} has no {st}{kind} on "
-                                      f"device {d}: add them with pipefold.dataparallel.{how}")
+                                      f"device {d}: add them with pipefold.schedules.dataparallel.{how}")
             if wrong := sorted(reducing - set(kinds)):
                 raise ConfigError(f"{self.schedule.name} has {wrong[0]} actions, which "
                                   f"{'do not shard' if self.fsdp else 'shard the stages (FSDP)'}: build it with "
-                                  f"pipefold.dataparallel.{how}")
+                                  f"pipefold.schedules.dataparallel.{how}")
             unsupported = [what for what, on in (("adaptive schedules", self.adaptive is not None),
                                                  ("K-FAC", self.kfac is not None),
                                                  ("emulated networks", self.network is not None),
@@ -282,8 +282,9 @@ class Job:
             for each in self.cycle or (self.schedule,):
                 if (missing := _without(each, Kind.KP)) is not None:
                     d, st = missing
-                    raise ConfigError(f"K-FAC preconditions every stage every step, but {each.name} has no {st}KP "
-                                      f"on device {d}: fill the schedule with pipefold.pipefisher (fill or inline)")
+                    raise ConfigError(f"K-FAC preconditions every stage every step, but {each.name} has "
+                                      f"no {st}KP on device {d}: fill the schedule with pipefold.plan.pipefisher "
+                                      "(fill or inline)")
             if self.offload is not None or self.recompute is not None:
                 raise ConfigError("K-FAC does not combine with offloading or recomputation yet: it keeps layer inputs "
                                   "that those would drop; use one or the other")
@@ -455,7 +456,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     if job.offload is None:
         modules: dict[int, nn.Module] = {s: m.to(device) for s, m in chains.items()}
     else:
-        from pipefold.offload import Offloaded
+        from pipefold.runtime.offload import Offloaded
 
         k, kprime = job.offload
         # Each stage offloads its own layers: parameters live on the CPU, at most k of them on the device.
@@ -1003,7 +1004,7 @@ def process_context(preload: Sequence[str] = ()) -> Any:
     ctx = mp.get_context("forkserver")
     # torch._dynamo: what making the first optimizer imports (some 800 modules, seconds per rank otherwise).
     ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "pipefold.runtime.launch",
-                                "pipefold.train", "pipefold.profile", *preload])
+                                "pipefold.train.run", "pipefold.plan.profile", *preload])
     return ctx
 
 

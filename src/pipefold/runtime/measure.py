@@ -10,7 +10,7 @@ from pipefold.ir import Action, Schedule
 from pipefold.runtime.executor import COMPUTE_KINDS, kind_times
 from pipefold.runtime.history import step_number
 from pipefold.runtime.launch import RankReport
-from pipefold.simulate import CostModel, Interval, SimResult, StageOverride, split_backward
+from pipefold.sim.simulate import CostModel, Interval, SimResult, StageOverride, split_backward
 
 
 def measured_result(schedule: Schedule, reports: list[RankReport], step: int) -> SimResult:

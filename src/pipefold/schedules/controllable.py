@@ -1,6 +1,6 @@
 """V-shape schedules with controllable memory, built from repeated building blocks (Qi et al., 2024).
 
-Each schedule is one V-shape building block (see :mod:`pipefold.blocks`)
+Each schedule is one V-shape building block (see :mod:`pipefold.schedules.blocks`)
 repeated for every microbatch. The gaps between consecutive passes of one
 microbatch set each stage's lifespan, and so the memory:
 
@@ -17,8 +17,8 @@ half-M steps.
 
 from __future__ import annotations
 
-from pipefold.blocks import v_block
 from pipefold.ir import Schedule
+from pipefold.schedules.blocks import v_block
 
 V_MIN = (1, 1, 1, 1, 1)
 V_HALF = (2, 1, 1, 2, 2)

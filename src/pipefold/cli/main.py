@@ -18,11 +18,11 @@ from typing import Any, NoReturn
 from rich.console import Console
 from rich.table import Table
 
-from pipefold import interop, jsonout, schedules
+from pipefold import jsonout, schedules
 from pipefold.errors import ConfigError, Interrupted, PipefoldError, ScheduleError
-from pipefold.ir import Schedule
-from pipefold.plan import PlanResult, one_f_one_b_peak, parse_budget, parse_spec, plan
-from pipefold.simulate import CostModel, SimResult, StageOverride, simulate
+from pipefold.ir import Schedule, interop
+from pipefold.plan.budget import PlanResult, one_f_one_b_peak, parse_budget, parse_spec, plan
+from pipefold.sim.simulate import CostModel, SimResult, StageOverride, simulate
 from pipefold.units import format_bytes, parse_bytes
 
 DEFAULT_SCHEDULE = "zb-h1"
@@ -520,7 +520,7 @@ def cmd_simulate(args: argparse.Namespace, console: Console) -> None:
     schedule = _load_schedule(args.schedule, args, strict_flags=True)
     network = None
     if args.network is not None:
-        from pipefold.network import parse_network
+        from pipefold.sim.network import parse_network
 
         network = parse_network(args.network)
         network.check_devices(schedule.devices)
@@ -532,19 +532,19 @@ def cmd_simulate(args: argparse.Namespace, console: Console) -> None:
         raise ConfigError("--fsdp shards stages across data-parallel pipelines: give --dp 2 or more, and --gathered "
                           "only with --fsdp")
     if args.dp != 1:
-        from pipefold.dataparallel import with_data_parallel
+        from pipefold.schedules.dataparallel import with_data_parallel
 
         cost = dataclasses.replace(cost, dp=args.dp, gathered=args.gathered)
         schedule = with_data_parallel(schedule, shard=args.fsdp)
     result = simulate(schedule, cost, network=network, at=args.at)
     written = []
     if args.plot:
-        from pipefold.render import plot_timeline
+        from pipefold.sim.render import plot_timeline
 
         plot_timeline(result, args.plot)
         written.append(("plot", args.plot))
     if args.trace:
-        from pipefold.render import write_chrome_trace
+        from pipefold.sim.render import write_chrome_trace
 
         write_chrome_trace(result, args.trace)
         written.append(("trace", args.trace))
@@ -559,7 +559,7 @@ def cmd_simulate(args: argparse.Namespace, console: Console) -> None:
 
 
 def _print_result(result: SimResult, console: Console) -> None:
-    from pipefold.render import ascii_timeline
+    from pipefold.sim.render import ascii_timeline
 
     s = result.schedule
     console.print(f"[bold]{_label(s)}[/]  devices={s.devices} stages={s.stages} microbatches={s.microbatches} "
@@ -577,7 +577,7 @@ def _print_result(result: SimResult, console: Console) -> None:
 
 
 def cmd_pipefisher(args: argparse.Namespace, console: Console) -> None:
-    from pipefold import pipefisher
+    from pipefold.plan import pipefisher
 
     if args.width:
         console = Console(width=args.width, soft_wrap=True)
@@ -587,14 +587,14 @@ def cmd_pipefisher(args: argparse.Namespace, console: Console) -> None:
     filled = (pipefisher.inline(schedule, cost) if args.inline
               else pipefisher.fill(schedule, cost, slack=args.slack, max_steps=args.max_steps))
     if args.plot:
-        from pipefold.render import plot_cycle
+        from pipefold.sim.render import plot_cycle
 
         plot_cycle(filled.base, filled.steps, args.plot,
                    title=f"{_label(schedule)}: K-FAC's work {'inline' if args.inline else 'in the bubbles'}")
     if args.json:
         print(jsonout.dumps({**filled.to_dict(), **({"plot": args.plot} if args.plot else {})}))
         return
-    from pipefold.render import ascii_timeline
+    from pipefold.sim.render import ascii_timeline
 
     base = filled.base
     console.print(f"[bold]{_label(schedule)}[/] with K-FAC {'inline' if args.inline else 'in the bubbles'}: "
@@ -660,7 +660,7 @@ def cmd_validate(args: argparse.Namespace, console: Console) -> None:
 
 
 def cmd_profile(args: argparse.Namespace, console: Console) -> None:
-    from pipefold.profile import profile_model
+    from pipefold.plan.profile import profile_model
 
     for label in ("layers", "hidden", "heads", "batch", "seq", "microbatches", "devices", "repeats"):
         if getattr(args, label) is not None and getattr(args, label) < 1:
@@ -717,7 +717,7 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> None:
     title = (f"p={args.devices} m={args.microbatches}, budget {_fmt(budget)} M: {answer.spec}, "
              f"makespan {_fmt(answer.best.makespan)}, peak {_fmt(answer.best.memory)} M")
     if args.plot:
-        from pipefold.render import plot_frontier
+        from pipefold.plan.figures import plot_frontier
 
         plot_frontier(answer.points, answer.frontier, budget, answer.best, args.plot, title=title)
     if args.json:
@@ -733,8 +733,8 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> None:
 
 def _plan_profiled(args: argparse.Namespace, console: Console) -> None:
     from pipefold.files import write_json
-    from pipefold.plan import HEADROOM, plan_model
-    from pipefold.profile import Profile
+    from pipefold.plan.budget import HEADROOM, plan_model
+    from pipefold.plan.profile import Profile
 
     if args.memory is not None:
         raise ConfigError("--memory is in units of M; with --profile give --memory-budget in bytes (e.g. 2GiB)")
@@ -751,7 +751,7 @@ def _plan_profiled(args: argparse.Namespace, console: Console) -> None:
     if args.output:
         write_json(args.output, out, indent=1)
     if args.plot:
-        from pipefold.render import plot_frontier
+        from pipefold.plan.figures import plot_frontier
 
         plot_frontier(answer.points, answer.frontier, budget, answer.best, args.plot, unit="bytes",
                       title=f"{answer.best.spec}: {answer.best.makespan * 1e3:.1f} ms per step, peak "
@@ -838,8 +838,8 @@ _PLAN_FIXES = ("schedule", "devices", "microbatches", "model", "hf_config", "lay
 
 def _planned_run(args: argparse.Namespace, console: Console) -> tuple[Any, Any, dict[str, Any]]:
     """(config, decisions, plan) for --plan FILE, or for --schedule auto: profile here, plan, run the plan."""
-    from pipefold.plan import read_plan
-    from pipefold.train import from_plan
+    from pipefold.plan.budget import read_plan
+    from pipefold.train.run import from_plan
 
     defaults = build_parser().parse_args(["train"])
     run = {"steps": args.steps, "lr": args.lr, "clip": args.clip, "data": args.data, **_reliability(args),
@@ -854,8 +854,8 @@ def _planned_run(args: argparse.Namespace, console: Console) -> tuple[Any, Any, 
             run["seed"] = args.seed
         config, decided = from_plan(plan, **run)
         return config, decided, plan
-    from pipefold.plan import plan_model
-    from pipefold.profile import profile_model
+    from pipefold.plan.budget import plan_model
+    from pipefold.plan.profile import profile_model
 
     if args.memory_budget is None:
         raise ConfigError("--schedule auto plans for --memory-budget BYTES per device (e.g. 64MB); give one")
@@ -895,7 +895,7 @@ def _reliability(args: argparse.Namespace) -> dict[str, Any]:
 def cmd_train(args: argparse.Namespace, console: Console) -> None:
     from pipefold.models import REGISTRY
     from pipefold.runtime.launch import under_torchrun
-    from pipefold.train import TrainConfig, compare, train, train_torchrun
+    from pipefold.train.run import TrainConfig, compare, train, train_torchrun
 
     _check_outputs(("plot", args.plot, True), ("trace", args.trace, False))
     for label in ("steps", "batch", "seq", "hidden", "heads", "layers", "max_bad_steps"):
@@ -919,7 +919,7 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
     if args.plan is not None or args.schedule == "auto":
         config, decided, plan = _planned_run(args, console)
     else:
-        from pipefold.train import ADAPTIVE
+        from pipefold.train.run import ADAPTIVE
 
         if _looks_like_file(args.schedule):  # pipefold's text, JSON or CSV, or torch's CSV: its devices, microbatches
             from pipefold.ir import validate
@@ -995,8 +995,8 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
     step = len(reports[0].steps) - 1  # the last step: warmed up
     last = _ran(job, reports[0].steps[step].schedule, step)
     if plan is not None:
-        from pipefold.plan import predict
-        from pipefold.profile import Profile
+        from pipefold.plan.budget import predict
+        from pipefold.plan.profile import Profile
 
         # The profile's prediction, made before the run, next to what the run measured.
         predicted, peaks, _ = predict(Profile.from_dict(plan["profile"]), job.schedule, job.layer_stages,
@@ -1052,8 +1052,8 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
         write_measured_trace(reports, args.trace)
         out["trace"] = args.trace
     if args.plot and "per_step" in out:
-        from pipefold.network import parse_network
-        from pipefold.render import plot_adaptive
+        from pipefold.sim.network import parse_network
+        from pipefold.sim.render import plot_adaptive
 
         network = parse_network(config.network) if config.network else None
         offset = min(r.steps[0].started_at for r in reports) - job.origin if job.origin is not None else 0.0
@@ -1062,7 +1062,7 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
                             f"{'network namespaces' if config.netns else 'emulated links'}: {config.network}")
         out["plot"] = args.plot
     elif args.plot:
-        from pipefold.render import plot_run
+        from pipefold.sim.render import plot_run
 
         measured = measured_result(last, reports, step)
         number = step_number(reports[0].first_step + step)
@@ -1091,7 +1091,7 @@ def _with_stash(costs: CostModel, measured: CostModel) -> CostModel:
 
 def _kfac_summary(filled: Any, reports: list[Any], config: Any) -> dict[str, Any]:
     """K-FAC's placement as planned (simulated from the costs measured before the run) next to the run."""
-    from pipefold.pipefisher import utilization
+    from pipefold.plan.pipefisher import utilization
     from pipefold.runtime.history import step_number
     from pipefold.runtime.measure import measured_summary
 
@@ -1325,7 +1325,7 @@ def _print_recompute(plan: dict[str, Any], measured: list[int], console: Console
 
 
 def cmd_offload(args: argparse.Namespace, console: Console) -> None:
-    from pipefold.offload_check import make_case, pick_k, run_check
+    from pipefold.train.offload_check import make_case, pick_k, run_check
 
     case = make_case(args.model, layers=args.layers, hidden=args.hidden, heads=args.heads, batch=args.batch,
                      seq=args.seq, config=args.hf_config, seed=args.seed)
@@ -1373,7 +1373,7 @@ def cmd_offload(args: argparse.Namespace, console: Console) -> None:
 def cmd_partition(args: argparse.Namespace, console: Console) -> None:
     from pipefold.models import make_model
     from pipefold.models.size import check_model
-    from pipefold.partition import (
+    from pipefold.plan.partition import (
         layer_costs,
         layer_memory,
         layer_static_bytes,
@@ -1381,7 +1381,7 @@ def cmd_partition(args: argparse.Namespace, console: Console) -> None:
         partition,
         partition_memory,
     )
-    from pipefold.recompute import OPTIMIZER_STATE
+    from pipefold.plan.recompute import OPTIMIZER_STATE
 
     for flag, value in (("--devices", args.devices), ("--chunks", args.chunks), ("--microbatches", args.microbatches)):
         if value is not None and value < 1:

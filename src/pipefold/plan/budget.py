@@ -12,9 +12,9 @@ from typing import Any
 from pipefold import schedules
 from pipefold.errors import ConfigError, ScheduleError
 from pipefold.ir import Schedule
-from pipefold.profile import Profile
-from pipefold.recompute import StageProfile, choose_recompute, device_peaks
-from pipefold.simulate import CostModel, SimResult, StageOverride, simulate
+from pipefold.plan.profile import Profile
+from pipefold.plan.recompute import StageProfile, choose_recompute, device_peaks
+from pipefold.sim.simulate import CostModel, SimResult, StageOverride, simulate
 from pipefold.units import format_bytes
 
 __all__ = ["ModelPlan", "ModelPoint", "PlanResult", "Point", "candidates", "choose", "evaluate", "format_spec",
@@ -400,7 +400,7 @@ def predict(profile: Profile, schedule: Schedule, layer_stages: Sequence[Sequenc
 def _model_points(profile: Profile, schedule: Schedule, budget: float) -> list[ModelPoint]:
     """The candidate plans of one schedule: each split, without recomputation and (where that does not fit)
     with the cheapest recomputation that does."""
-    from pipefold.partition import partition, partition_memory
+    from pipefold.plan.partition import partition, partition_memory
 
     L = profile.layers
     times = [x.f + x.b + x.w for x in L]

@@ -21,7 +21,7 @@ import numpy as np
 
 from pipefold.errors import ConfigError
 from pipefold.ir import KINDS, Action, Schedule, looped_placement, v_placement
-from pipefold.simulate import StageCost, memory_deltas, peak_by_order
+from pipefold.sim.simulate import StageCost, memory_deltas, peak_by_order
 
 if TYPE_CHECKING:  # measuring needs torch; splitting measured figures does not (the planner loads without it)
     import torch
@@ -66,7 +66,7 @@ def layer_costs(layers: Sequence[nn.Module], sample: torch.Tensor | tuple[torch.
 
     ``time`` and ``memory`` run the layers in order on ``sample`` (one microbatch: a tensor, or a
     tuple for a first layer with several inputs), each fed the previous layer's output (spread
-    when it is a tuple, as from the segments of :func:`pipefold.cut.cut_model`). ``memory`` is
+    when it is a tuple, as from the segments of :func:`pipefold.models.cut.cut_model`). ``memory`` is
     the activation bytes saved for backward (the layer's own weights excluded) plus the parameter
     bytes times 1 + ``optimizer_factor`` (weights, gradients and optimizer state; AdamW's two
     moments make 2 the default).
@@ -169,7 +169,7 @@ def layer_static_bytes(layers: Sequence[nn.Module], *, optimizer_factor: float =
     """Bytes each layer holds whatever the schedule: parameter bytes x (2 + ``optimizer_factor``).
 
     Weights, their gradients and the optimizer state (``optimizer_factor`` parameter sizes: AdamW's
-    two moments make 2, plain SGD 0; see :data:`pipefold.recompute.OPTIMIZER_STATE`).
+    two moments make 2, plain SGD 0; see :data:`pipefold.plan.recompute.OPTIMIZER_STATE`).
     """
     if not (isinstance(optimizer_factor, (int, float)) and math.isfinite(optimizer_factor) and optimizer_factor >= 0):
         raise ConfigError(f"optimizer_factor counts parameter sizes of optimizer state: a number >= 0 "
@@ -496,7 +496,7 @@ def partition_memory(times: Sequence[float], held: Sequence[float], held_w: Sequ
     Per layer: ``times`` (F+B+W seconds of one microbatch), ``held`` (activation bytes it holds from
     its forward to its backward, per microbatch), ``held_w`` (bytes held from B to W) and ``static``
     (parameter, gradient and optimizer-state bytes). A device's predicted peak is its layers' static
-    bytes plus the activation peak of its action order (:func:`pipefold.simulate.peak_by_order`),
+    bytes plus the activation peak of its action order (:func:`pipefold.sim.simulate.peak_by_order`),
     which weighs each stage by how many microbatches it holds at once. Only splits whose busiest
     device time is within (1 + ``slack``) of the time-optimal split's are allowed; among equal
     peaks the faster split wins. Exact for every placement: polynomial for one stage per device and

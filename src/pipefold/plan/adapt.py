@@ -12,8 +12,8 @@ when it was posted and delivered, and per message it received, when it posted th
 receive (:func:`link_times` joins the two into each link's service time, see
 :mod:`pipefold.runtime.comm`); the time spent waiting on receives; and the bytes held.
 Rank 0 :func:`decide`\\ s: for every candidate k it simulates kFkB with those compute
-times over links of the observed bandwidth (:func:`pipefold.simulate.simulate` with a
-:class:`~pipefold.network.Network`), scales the measured activation peak by the
+times over links of the observed bandwidth (:func:`pipefold.sim.simulate.simulate` with a
+:class:`~pipefold.sim.network.Network`), scales the measured activation peak by the
 schedule's own peak in microbatches, and picks the fastest k that fits the budget.
 It moves away from the current k only for a predicted gain of more than
 ``hysteresis``. The runtime switches schedules at step boundaries only, so every
@@ -34,8 +34,8 @@ from typing import Any
 from pipefold import schedules
 from pipefold.errors import ConfigError
 from pipefold.ir import Action, Schedule
-from pipefold.network import Conditions, LinkState, Network
-from pipefold.simulate import CostModel, StageOverride, simulate
+from pipefold.sim.network import Conditions, LinkState, Network
+from pipefold.sim.simulate import CostModel, StageOverride, simulate
 
 HYSTERESIS = 0.03
 """Leave the current k only for a predicted step at least this fraction shorter."""

@@ -24,7 +24,7 @@ from pipefold import schedules
 from pipefold.errors import ConfigError
 from pipefold.ir import Schedule
 from pipefold.models import Model, make_model, split_layers
-from pipefold.recompute import MODES, OPTIMIZER_STATE, RecomputePlan, measure_stages, plan_recompute
+from pipefold.plan.recompute import MODES, OPTIMIZER_STATE, RecomputePlan, measure_stages, plan_recompute
 from pipefold.runtime.checkpoint import Checkpointing
 from pipefold.runtime.launch import (
     Adaptive,
@@ -89,7 +89,7 @@ class TrainConfig:
     """Bytes each device may use for weights, gradients, optimizer state and activations (with 'auto', and the
     cap on k with 'adaptive-kfkb')."""
     network: str | None = None
-    """Link conditions (see :func:`pipefold.network.parse_network`): emulated in the runtime's links, or with
+    """Link conditions (see :func:`pipefold.sim.network.parse_network`): emulated in the runtime's links, or with
     ``netns`` made real by tc on veth links and a traffic generator."""
     netns: bool = False
     """Run each rank in its own network namespace (needs root; see :mod:`pipefold.runtime.netns`)."""
@@ -138,7 +138,7 @@ class TrainConfig:
 
 
 ADAPTIVE = "adaptive-kfkb"
-"""The schedule name that runs kFkB with k re-chosen as the run goes (see :mod:`pipefold.adapt`)."""
+"""The schedule name that runs kFkB with k re-chosen as the run goes (see :mod:`pipefold.plan.adapt`)."""
 
 
 def model_of(config: TrainConfig) -> Model:
@@ -153,8 +153,8 @@ def build_schedule(config: TrainConfig) -> Schedule:
     if config.schedule == ADAPTIVE:
         return _adaptive(config).schedules[0]
     if config.schedule not in schedules.REGISTRY and os.path.isfile(config.schedule):
-        from pipefold.interop import load
         from pipefold.ir import validate
+        from pipefold.ir.interop import load
 
         schedule = load(config.schedule, renumber=config.renumber)
         validate(schedule)
@@ -167,7 +167,7 @@ def build_schedule(config: TrainConfig) -> Schedule:
 
 def _adaptive(config: TrainConfig) -> Adaptive:
     """kFkB for every k that divides the microbatches (``max_k`` caps it), rank 0 choosing every few steps."""
-    from pipefold import adapt
+    from pipefold.plan import adapt
 
     opts = dict(config.options)
     unknown = sorted(set(opts) - {"max_k"})
@@ -190,7 +190,7 @@ def make_job(config: TrainConfig, *, save_grads_of_step: int | None = None,
 
     Splitting by time and planning recomputation measure the model; ``decided`` passes in
     what another process measured, so that every rank of one job runs the same split; ``placed``, with
-    K-FAC, the placement of its work (a :class:`~pipefold.pipefisher.Filled`) that another process made;
+    K-FAC, the placement of its work (a :class:`~pipefold.plan.pipefisher.Filled`) that another process made;
     ``checkpointing`` the checkpoint folder and the checkpoint to resume that another process found (else
     they come from ``config``, and finding the checkpoint reads the folder). ``local``: the ranks will be
     started here, from a fork server that this starts as soon as the model is known, so that its imports run
@@ -260,7 +260,7 @@ def make_job(config: TrainConfig, *, save_grads_of_step: int | None = None,
     cycle: tuple[Schedule, ...] = ()
     kfac = refill = None
     if config.optimizer == "kfac":
-        from pipefold.kfac import KFACConfig
+        from pipefold.runtime.kfac import KFACConfig
 
         kfac = KFACConfig(damping=config.damping, ema=config.ema)
         if adaptive is not None:
@@ -271,14 +271,14 @@ def make_job(config: TrainConfig, *, save_grads_of_step: int | None = None,
         schedule, extra["pipefisher"] = cycle[0], filled
         if config.fill_bubbles:
             # The gaps of the step the ranks really run: placed again from their own times after the first cycle.
-            from pipefold.pipefisher import Refill
+            from pipefold.plan.pipefisher import Refill
 
             refill = Refill(after=len(cycle) + 1, schedule=filled.base.schedule, cost=filled.base.cost)
     elif config.fill_bubbles:
         raise ConfigError("--fill-bubbles fills bubbles with K-FAC's work: add --optimizer kfac")
     network = None
     if config.network is not None:
-        from pipefold.network import parse_network
+        from pipefold.sim.network import parse_network
 
         network = parse_network(config.network)
         network.check_devices(schedule.devices)
@@ -286,7 +286,7 @@ def make_job(config: TrainConfig, *, save_grads_of_step: int | None = None,
         raise ConfigError("--netns needs --network: the conditions the namespaces' links emulate, such as "
                           "constant:bandwidth=50MB or preempt:seed=1,idle=50MB,busy=5MB,on=4,off=4")
     if config.dp > 1:
-        from pipefold.dataparallel import with_data_parallel
+        from pipefold.schedules.dataparallel import with_data_parallel
 
         # Each stage's gradients averaged across the pipelines; with FSDP, each stage sharded across them.
         schedule = with_data_parallel(schedule, shard=config.fsdp)
@@ -373,9 +373,9 @@ def _kfac_cycle(config: TrainConfig, schedule: Schedule, layer_stages: tuple[tup
                 batch_at: Callable[[int], tuple[Any, torch.Tensor]], kfac: Any) -> Any:
     """Measure every stage's passes and K-FAC work on the first microbatch, then place the work: in the bubbles of
     the simulated step (``fill_bubbles``), or right after the passes it reads."""
-    from pipefold import pipefisher
+    from pipefold.plan import pipefisher
     from pipefold.runtime.curvature import measure
-    from pipefold.simulate import CostModel, StageOverride
+    from pipefold.sim.simulate import CostModel, StageOverride
 
     layers = build([i for part in layer_stages for i in part])
     stages = [Chain(*(layers[i] for i in part)) for part in layer_stages]
@@ -393,7 +393,7 @@ def _kfac_cycle(config: TrainConfig, schedule: Schedule, layer_stages: tuple[tup
 def _plan_recompute(config: TrainConfig, schedule: Schedule, layer_stages: tuple[tuple[int, ...], ...],
                     build: Callable[[list[int]], dict[int, Any]], loss_fn: Callable[..., torch.Tensor],
                     batch_at: Callable[[int], tuple[Any, torch.Tensor]]) -> RecomputePlan:
-    """Measure every stage on the first microbatch and choose its recomputed layers (see pipefold.recompute)."""
+    """Measure every stage on the first microbatch and choose its recomputed layers (see pipefold.plan.recompute)."""
     if config.offload is not None:
         raise ConfigError("--recompute and --offload do not combine yet: an offloaded stage keeps its activations; "
                           "use one or the other")
@@ -414,7 +414,7 @@ def _layer_stages(config: TrainConfig, model: Model, schedule: Schedule,
     """Layers of each stage: even by count, balanced by the chosen cost, or ("memory") least peak under ``schedule``."""
     if config.partition == "even":
         return tuple(tuple(s) for s in split_layers(model.num_layers, schedule.stages))
-    from pipefold.partition import layer_costs, layer_memory, layer_static_bytes, partition, partition_memory
+    from pipefold.plan.partition import layer_costs, layer_memory, layer_static_bytes, partition, partition_memory
 
     layers = model.build()
     x, y = model.batch_at(0)
@@ -483,11 +483,11 @@ def _run_netns(job: Job, on_step: Callable[[int, float, float], None] | None) ->
 
 
 def from_plan(plan: dict[str, Any], **run: Any) -> tuple[TrainConfig, Decisions]:
-    """The run a plan file describes (:func:`pipefold.plan.read_plan`): its model and schedule, with its split and
-    recomputation decided; ``run`` sets what a plan leaves open (steps, lr, seed, clip, data)."""
-    from pipefold.plan import parse_spec, stage_profiles
-    from pipefold.profile import Profile
-    from pipefold.recompute import device_peaks
+    """The run a plan file describes (:func:`pipefold.plan.budget.read_plan`): its model and schedule, with its split
+    and recomputation decided; ``run`` sets what a plan leaves open (steps, lr, seed, clip, data)."""
+    from pipefold.plan.budget import parse_spec, stage_profiles
+    from pipefold.plan.profile import Profile
+    from pipefold.plan.recompute import device_peaks
 
     name, opts = parse_spec(str(plan["schedule"]))
     options = tuple(opts.items())

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipefold.errors import ConfigError
 from pipefold.ir import Kind, Schedule
-from pipefold.simulate import CostModel, StageCost, StageOverride, peak_by_order, simulate
+from pipefold.sim.simulate import CostModel, StageCost, StageOverride, peak_by_order, simulate
 from pipefold.units import format_bytes
 
 if TYPE_CHECKING:  # measuring needs torch; planning from measured figures does not (the planner loads without it)

@@ -1,6 +1,6 @@
 """A model's profile on the machine it will train on: what each layer costs, what the link costs, how devices share.
 
-``pipefold profile`` measures, and :mod:`pipefold.plan` reads, three things::
+``pipefold profile`` measures, and :mod:`pipefold.plan.budget` reads, three things::
 
     layers      per layer, one microbatch: F, B, W seconds (medians of repeats on the runtime's own
                 stage runner), bytes held after F and between B and W (the runtime's meter),
@@ -152,9 +152,9 @@ def measure_layers(layers: Sequence[torch.nn.Module], sample: Any, target: Any,
 
     Times are medians of ``repeats`` runs after a warm-up; layers that are the same computation
     (type, parameter shapes, input shapes) share their mean, so timing noise does not tell equal
-    blocks apart. Bytes come from :func:`pipefold.partition.layer_memory` (the runtime's meter).
+    blocks apart. Bytes come from :func:`pipefold.plan.partition.layer_memory` (the runtime's meter).
     """
-    from pipefold.partition import layer_memory
+    from pipefold.plan.partition import layer_memory
     from pipefold.runtime.stage import Chain, StageRunner, ones_for
 
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
@@ -319,7 +319,7 @@ def _layer_loop(train: dict[str, Any], layers: tuple[int, int]) -> Callable[[int
     import torch
 
     from pipefold.runtime.stage import Chain, StageRunner, ones_for, split_batch
-    from pipefold.train import TrainConfig, model_of
+    from pipefold.train.run import TrainConfig, model_of
 
     torch.set_num_threads(1)
     config = TrainConfig(model=train["model"], layers=train.get("layers"), hidden=train.get("hidden"),
@@ -383,7 +383,7 @@ def measure_contention(devices: int, train: dict[str, Any], layers: tuple[int, i
     ``seconds``): hundreds of the scheduler's slices. The ``devices`` processes are started once and build the
     layers once; those not in a window wait without computing.
     """
-    from multiprocessing.connection import wait
+    from multiprocessing.connection import Connection, wait
 
     from pipefold.runtime.launch import process_context, starting, stopped_on_error
 
@@ -392,16 +392,17 @@ def measure_contention(devices: int, train: dict[str, Any], layers: tuple[int, i
     procs = [ctx.Process(target=_sharer, args=(train, layers, child)) for _, child in pipes]
     conns = [parent for parent, _ in pipes]
 
-    def answers(ask: list[Any]) -> list[Any]:
+    def answers(ask: list[Connection]) -> list[Any]:
         """One answer from each of ``ask``; a process that ended instead is an error, not a wait forever."""
-        got: dict[Any, Any] = {}
+        got: dict[Connection, Any] = {}
         sentinels = {p.sentinel: p for p in procs}
         while len(got) < len(ask):
             for ready in wait([c for c in ask if c not in got] + list(sentinels)):
                 if ready in sentinels:
                     raise RuntimeError(f"a process measuring how ranks share the cores ended "
                                        f"(exit code {sentinels[ready].exitcode})")
-                got[ready] = ready.recv()
+                conn = next(c for c in ask if c is ready)
+                got[conn] = conn.recv()
         return [got[c] for c in ask]
 
     def window(k: int, length: float) -> float:
@@ -446,9 +447,9 @@ def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int 
     import torch
 
     from pipefold.models.size import check_model
-    from pipefold.recompute import OPTIMIZER_STATE
+    from pipefold.plan.recompute import OPTIMIZER_STATE
     from pipefold.runtime.stage import split_batch
-    from pipefold.train import TrainConfig, model_of
+    from pipefold.train.run import TrainConfig, model_of
 
     if batch % microbatches:
         raise ConfigError(f"a batch of {batch} does not split into {microbatches} microbatches; "

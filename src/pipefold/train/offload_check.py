@@ -1,4 +1,4 @@
-"""Run a model with and without :class:`~pipefold.offload.Offloaded` and compare: residency, time, exactness.
+"""Run a model with and without :class:`~pipefold.runtime.offload.Offloaded` and compare: residency, time, exactness.
 
 Used by ``pipefold offload`` and ``benchmarks/bench_offload.py``. The model is built twice from the
 same seed as a :class:`Stacked` module (its embedding layers, one nn.ModuleList of its blocks,
@@ -19,7 +19,7 @@ from torch import nn
 
 from pipefold.errors import ConfigError
 from pipefold.models import Model, make_model
-from pipefold.offload import Offloaded, choose_k
+from pipefold.runtime.offload import Offloaded, choose_k
 from pipefold.runtime.stage import as_tuple, run_layers
 
 __all__ = ["Case", "Stacked", "default_device", "make_case", "pick_k", "run_check", "step_times"]

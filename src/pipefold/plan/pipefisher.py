@@ -1,6 +1,6 @@
 """PipeFisher: K-FAC's work placed in a schedule's bubbles, spilling into later steps when they are too small.
 
-K-FAC (:mod:`pipefold.kfac`) needs, per stage, curvature from every microbatch (``KA`` from its layer
+K-FAC (:mod:`pipefold.runtime.kfac`) needs, per stage, curvature from every microbatch (``KA`` from its layer
 inputs after its F, ``KG`` from its output gradients after its backward), then an inversion of the
 factors (``KI``), and before every optimizer step the gradient preconditioned with the latest
 inverses (``KP``). :func:`fill` takes a schedule and its simulated timeline and puts that work into
@@ -34,7 +34,7 @@ from typing import Any
 
 from pipefold.errors import ConfigError
 from pipefold.ir import KA, KG, KI, KP, Action, Kind, Schedule
-from pipefold.simulate import CostModel, SimResult, StageOverride, simulate, split_backward
+from pipefold.sim.simulate import CostModel, SimResult, StageOverride, simulate, split_backward
 
 __all__ = ["KFAC_KINDS", "Filled", "Refill", "fill", "fit_latency", "inline", "measured_cost", "plain",
            "utilization"]

@@ -91,7 +91,7 @@ def _find(gm: fx.GraphModule, name: str, body: list[fx.Node]) -> fx.Node:
     times = max((sum(m.target == n.target for m in calls) for n in calls), default=1)
     if times > 1:
         raise ConfigError(f"submodule {name} is called {times} times, so 'after {name}' is ambiguous: name a node "
-                          f"that follows the call you mean (pipefold.cut.cut_points lists them)")
+                          f"that follows the call you mean (pipefold.models.cut.cut_points lists them)")
     by_name = {n.name: n for n in body}
     if name in by_name:
         return by_name[name]
@@ -99,7 +99,7 @@ def _find(gm: fx.GraphModule, name: str, body: list[fx.Node]) -> fx.Node:
         return inside[-1]
     near = [n.name for n in body][:8]
     raise ConfigError(f"no node or submodule named {name!r} to cut after; nodes start {', '.join(near)}, ... "
-                      f"(pipefold.cut.cut_points lists them all)")
+                      f"(pipefold.models.cut.cut_points lists them all)")
 
 
 def _args_of(node: fx.Node) -> list[fx.Node]:

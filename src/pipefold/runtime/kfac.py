@@ -5,7 +5,7 @@ A Linear layer's Fisher block over its ``[W | b]`` matrix is approximated by ``k
 per-row gradients of the loss w.r.t. its output. The pipeline runtime calls :meth:`LinearFactors.add_a`
 after a microbatch's forward (``KA``), :meth:`LinearFactors.add_g` after its backward (``KG``),
 :meth:`LinearFactors.invert` when a refresh is complete (``KI``) and :meth:`LinearFactors.precondition`
-before each optimizer step (``KP``); see :mod:`pipefold.pipefisher` for where that work is placed.
+before each optimizer step (``KP``); see :mod:`pipefold.plan.pipefisher` for where that work is placed.
 """
 
 from __future__ import annotations

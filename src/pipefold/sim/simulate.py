@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 from pipefold._gc import paused_gc
 from pipefold.errors import ConfigError
 from pipefold.ir import KINDS, Action, Graph, Kind, Schedule, dependency_graph
-from pipefold.network import Network, Wire
+from pipefold.sim.network import Network, Wire
 
 __all__ = ["CostModel", "Interval", "SimResult", "StageCost", "StageOverride", "memory_deltas", "peak_by_order",
            "simulate", "split_backward"]
@@ -369,7 +369,7 @@ def simulate(schedule: Schedule, cost: CostModel | None = None, *, network: Netw
 
     With ``network`` (times in seconds, so the cost model's times must be seconds too) a transfer
     between devices is not ``cost.transfer_time`` but a message of ``cost.activation_bytes`` on its
-    link's :class:`~pipefold.network.Wire`: it leaves after the messages sent before it on that
+    link's :class:`~pipefold.sim.network.Wire`: it leaves after the messages sent before it on that
     link, at the bandwidth of each moment, and arrives a latency later; the step starts ``at``
     seconds into the network's timeline. Raises :class:`~pipefold.errors.ScheduleError` if the
     schedule is invalid.
@@ -444,7 +444,7 @@ def _stash_events(graph: Graph, costs: Sequence[StageCost],
 
 
 class _Links:
-    """The simulator's side of a :class:`~pipefold.network.Network`: one wire per directed link, the step
+    """The simulator's side of a :class:`~pipefold.sim.network.Network`: one wire per directed link, the step
     starting ``at`` seconds into the network's timeline."""
 
     def __init__(self, network: Network, at: float, nbytes: float) -> None:

@@ -3,7 +3,7 @@
 A :class:`Network` says, for every directed link between two devices, what its
 latency (seconds) and bandwidth (bytes per second) are at each moment of a run,
 counted in seconds from the run's start. It is what the simulator predicts
-with (:func:`pipefold.simulate.simulate` with ``network=``), what the runtime's
+with (:func:`pipefold.sim.simulate.simulate` with ``network=``), what the runtime's
 links inject into real transfers (``pipefold train --network``), and what the
 network namespaces of ``pipefold train --netns`` emulate with ``tc``.
 

@@ -1,6 +1,6 @@
 """Drawings of a simulated timeline: a coloured terminal timeline, a Gantt + memory figure, a Chrome trace.
 
-All three read a :class:`~pipefold.simulate.SimResult` and share one palette:
+All three read a :class:`~pipefold.sim.simulate.SimResult` and share one palette:
 forward blue, input-gradient backward orange, weight-gradient backward green,
 fused backward purple (the Okabe-Ito colours, safe for colour-blind readers).
 On a device holding several stages, later chunks are lighter shades of the
@@ -19,24 +19,22 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.style import Style
 from rich.text import Text
 
 from pipefold.errors import ConfigError
-from pipefold.files import FIGURE_SUFFIXES, save_figure, write_json
+from pipefold.files import check_figure_path, save_figure, write_json
 from pipefold.ir import KINDS, Action, Schedule
-from pipefold.simulate import Interval, SimResult
+from pipefold.sim.simulate import Interval, SimResult
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-    from pipefold.network import Network
-    from pipefold.plan import Point
+    from pipefold.sim.network import Network
 
-__all__ = ["ascii_timeline", "chrome_trace", "draw_gantt", "draw_memory", "plot_frontier", "plot_timeline",
+__all__ = ["ascii_timeline", "chrome_trace", "draw_gantt", "draw_memory", "plot_timeline",
            "write_chrome_trace"]
 
 _LIGHTEST = 0.55  # the last chunk is mixed this far towards white
@@ -365,17 +363,11 @@ def _gantt_legend(ax: Axes, schedule: Schedule, *others: Schedule) -> None:
               fontsize=8, handlelength=1.4, columnspacing=1.4, borderaxespad=0.3)
 
 
-def _check_figure_path(path: str, what: str) -> None:
-    """Figures are written as PNG or SVG, chosen by the file's suffix."""
-    if Path(path).suffix.lower() not in FIGURE_SUFFIXES:
-        raise ConfigError(f"cannot write {what} to {path!r}: use a file name ending in .png or .svg")
-
-
 def plot_timeline(result: SimResult, path: str, *, title: str | None = None) -> None:
     """Save a Gantt chart of ``result`` above its per-device memory curves as a ``.png`` or ``.svg`` file."""
     from matplotlib.figure import Figure  # a bare Figure needs no GUI backend and leaves pyplot's state alone
 
-    _check_figure_path(path, "a timeline")
+    check_figure_path(path, "a timeline")
     devices = result.schedule.devices
     gantt_h = 0.6 + 0.34 * devices
     memory_h = 2.4 + (0.08 * devices if devices > 8 else 0.0)
@@ -434,78 +426,6 @@ def write_chrome_trace(result: SimResult, path: str, *, us_per_unit: float = 100
     write_json(path, chrome_trace(result, us_per_unit=us_per_unit))
 
 
-# --------------------------------------------------------------------------- planner frontier
-
-_FRONTIER_COLOR = "#0072B2"  # blue, as forwards
-_BUDGET_COLOR = "#D55E00"  # vermillion: the constraint and the answer it picks
-
-
-def plot_frontier(points: Sequence[Point], frontier: Sequence[Point], budget: float, chosen: Point, path: str, *,
-                  title: str | None = None, unit: str = "M") -> None:
-    """Save the planner's memory/makespan trade-off as a ``.png`` or ``.svg`` file.
-
-    x is peak memory per device (in M, or with ``unit="bytes"`` in MiB of everything a device holds), y
-    makespan (or seconds per step). Every evaluated point is a
-    faint dot; the frontier is a step line (the best makespan any budget up to
-    x buys) with each of its points labelled; the budget is a dashed vertical
-    line and the chosen point a large marker.
-    """
-    from matplotlib.figure import Figure
-
-    _check_figure_path(path, "a frontier plot")
-    fig = Figure(figsize=(9, 5.5), layout="constrained")
-    ax = fig.add_subplot()
-    if unit == "bytes":  # a measured model's plans: MiB and milliseconds read better than bytes and seconds
-        scale = 1 / 2**20
-
-        def mem(pt: Point) -> float:
-            return pt.memory * scale
-
-        def span(pt: Point) -> float:
-            return pt.makespan * 1e3
-        budget = budget * scale
-        units = ("MiB", "peak memory per device (MiB): weights, gradients, optimizer state, activations",
-                 "step time (ms)")
-    else:
-        def mem(pt: Point) -> float:
-            return pt.memory
-
-        def span(pt: Point) -> float:
-            return pt.makespan
-        units = ("M", "peak activation memory per device (M)", "makespan")
-    right = max([mem(pt) for pt in points] + [budget]) * 1.04
-    ax.axvspan(budget, right, color=_BUDGET_COLOR, alpha=0.05, linewidth=0, zorder=0)
-    ax.axvline(budget, color=_BUDGET_COLOR, linestyle="--", linewidth=1.2, zorder=1,
-               label=f"budget {budget:.4g} {units[0]}")
-    ax.scatter([mem(pt) for pt in points], [span(pt) for pt in points], s=14, color="#888888", alpha=0.3,
-               linewidths=0, zorder=2, label=f"{len(points)} evaluated")
-    xs, ys = [mem(pt) for pt in frontier], [span(pt) for pt in frontier]
-    ax.step(xs + [right], ys + ys[-1:], where="post", color=_FRONTIER_COLOR, linewidth=1.6, zorder=3,
-            label="frontier")
-    ax.scatter(xs, ys, s=22, color=_FRONTIER_COLOR, zorder=4)
-    for i, pt in enumerate(frontier):
-        # Alternate above and below: neighbouring frontier points are often close in both axes.
-        dy = 5 if i % 2 == 0 else -11
-        ax.annotate(pt.spec, (mem(pt), span(pt)), xytext=(4, dy), textcoords="offset points", fontsize=7.5,
-                    color=_BUDGET_COLOR if pt == chosen else "#333333")
-    ax.scatter([mem(chosen)], [span(chosen)], s=140, marker="*", color=_BUDGET_COLOR, edgecolors="white",
-               linewidths=0.6, zorder=5, label=f"chosen {chosen.spec}")
-    ax.set_xlim(0, right)
-    ax.set_xlabel(units[1])
-    ax.set_ylabel(units[2])
-    ax.grid(color="#dddddd", linewidth=0.6)
-    ax.set_axisbelow(True)
-    for side in ("top", "right"):
-        ax.spines[side].set_visible(False)
-    ax.legend(loc="upper right", frameon=False, fontsize=8)
-    if title is None:
-        title = (f"p={len(chosen.peak_memory)}, budget {budget:.4g} M: {chosen.spec}, "
-                 f"makespan {chosen.makespan:.4g}, peak {chosen.memory:.4g} M")
-    ax.set_title(title, fontsize=10, loc="left")
-    save_figure(fig, path)
-    fig.clear()
-
-
 def plot_run(measured: SimResult, predicted: SimResult, path: str, *, titles: tuple[str, str]) -> None:
     """Save a measured run above the simulator's prediction of it, and both memory curves on one axis.
 
@@ -516,7 +436,7 @@ def plot_run(measured: SimResult, predicted: SimResult, path: str, *, titles: tu
     from matplotlib import colormaps
     from matplotlib.figure import Figure
 
-    _check_figure_path(path, "a timeline")
+    check_figure_path(path, "a timeline")
     devices = measured.schedule.devices
     h = 0.9 + 0.34 * devices
     fig = Figure(figsize=(12, 2 * h + 3.4), layout="constrained")
@@ -552,10 +472,10 @@ def plot_run(measured: SimResult, predicted: SimResult, path: str, *, titles: tu
 
 def plot_cycle(base: SimResult, steps: Sequence[SimResult], path: str, *, title: str | None = None) -> None:
     """Save the plain step above each step of a cycle that runs more work in its bubbles (K-FAC's,
-    :func:`pipefold.pipefisher.fill`), on one time axis, each titled with its step time and utilization."""
+    :func:`pipefold.plan.pipefisher.fill`), on one time axis, each titled with its step time and utilization."""
     from matplotlib.figure import Figure
 
-    _check_figure_path(path, "a cycle of timelines")
+    check_figure_path(path, "a cycle of timelines")
     devices = base.schedule.devices
     results = [base, *steps]
     h = 0.9 + 0.34 * devices
@@ -588,7 +508,7 @@ def plot_adaptive(per_step: Sequence[Mapping[str, Any]], decisions: Sequence[Map
     from matplotlib.patches import Patch
     from matplotlib.ticker import FuncFormatter
 
-    _check_figure_path(path, "a run plot")
+    check_figure_path(path, "a run plot")
     fig = Figure(figsize=(10, 7), layout="constrained")
     ax_bw, ax_k, ax_t = fig.subplots(3, 1, sharex=True, height_ratios=(1.2, 0.7, 1.2))
     starts = [row["started_s"] for row in per_step]
