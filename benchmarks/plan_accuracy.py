@@ -3,7 +3,7 @@
 For each model (the issue's GPT: hidden 256, 16 blocks, seq 256, batch 32, 16 microbatches; and an MLP of
 width 512, 16 blocks, batch 256) on 4 local gloo ranks:
 
-1. profile it (``pipefold.plan.profile.profile_model``), or read ``--profile-gpt/--profile-mlp``;
+1. profile it (``pipefold.runtime.profiling.profile_model``), or read ``--profile-gpt/--profile-mlp``;
 2. for 1f1b, zb-h1, zb-v, v-half and v-min: plan that family alone with no memory limit (its best split),
    run it, and put the profile's prediction next to the measurement: step time (median of the steps after
    the first, with min..max), bubble ratio, every rank's peak bytes; the activation part of the peak is
@@ -28,9 +28,10 @@ from typing import Any
 from pipefold.errors import ConfigError
 from pipefold.files import write_json
 from pipefold.plan.budget import plan_model, predict
-from pipefold.plan.profile import Profile, profile_model
+from pipefold.plan.profile import Profile
 from pipefold.runtime.launch import run_local
 from pipefold.runtime.measure import measured_summary
+from pipefold.runtime.profiling import profile_model
 from pipefold.train.run import from_plan, make_job
 
 FAMILIES = ("1f1b", "zb-h1", "zb-v", "v-half", "v-min")

@@ -14,7 +14,8 @@ import statistics
 import time
 
 from pipefold.plan.budget import plan_model
-from pipefold.plan.profile import Profile, profile_model
+from pipefold.plan.profile import Profile
+from pipefold.runtime.profiling import profile_model
 
 
 def main() -> None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -39,6 +38,7 @@ from rich.table import Table
 from pipefold.models import split_layers
 from pipefold.models.mlp import MLPConfig, build_mlp_layers, mlp_input, mlp_loss, mlp_target
 from pipefold.runtime.launch import RankError
+from pipefold.runtime.processes import free_port
 from pipefold.train.run import TrainConfig, train
 
 WORLD, HIDDEN, LAYERS, BATCH, MICROBATCHES, SEED = 2, 512, 8, 64, 8, 0
@@ -181,7 +181,7 @@ def _run_torch(pair: _Pair, steps: int) -> _Run:
     results = ctx.SimpleQueue()
     sizes = (HIDDEN, LAYERS, BATCH, MICROBATCHES)
     where = "cuda:0" if DEVICE == "cuda" else "cpu"
-    context = mp.spawn(_torch_rank, args=(pair, steps, _free_port(), results, sizes, where), nprocs=WORLD,
+    context = mp.spawn(_torch_rank, args=(pair, steps, free_port(), results, sizes, where), nprocs=WORLD,
                        join=False)
     deadline = time.monotonic() + RUN_TIMEOUT_S
     try:
@@ -209,11 +209,6 @@ def _terminate(context: Any) -> None:
     for process in context.processes:
         process.join(5)
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _last_line(text: str) -> str:

@@ -8,7 +8,8 @@ from torch import nn
 
 from pipefold.errors import ConfigError
 from pipefold.models.cut import cut_model, cut_points
-from pipefold.plan.partition import layer_costs, partition
+from pipefold.plan.partition import partition
+from pipefold.runtime.profiling import layer_costs
 from pipefold.runtime.stage import Chain, StageRunner, run_layers
 
 
@@ -55,7 +56,10 @@ def test_segments_compute_exactly_the_model() -> None:
         assert torch.equal(p.grad, ref[n]), n
 
 
-def test_segments_run_as_pipeline_stages_with_the_split_backward() -> None:
+@pytest.mark.parametrize("first_input_grads", [True, False])
+def test_segments_run_as_pipeline_stages_with_the_split_backward(first_input_grads: bool) -> None:
+    # Without input gradients on the first stage (as the runtime runs it) the second input passes the cut as a
+    # floating tensor that needs no gradient: the next stage still sends one for it, which the first drops.
     model = SkipNet()
     x, bias = _inputs()
     target = torch.randn(5, 3)
@@ -63,7 +67,7 @@ def test_segments_run_as_pipeline_stages_with_the_split_backward() -> None:
     ref = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
     seg = cut_model(model, ["add_1"])  # after the first residual add
-    first = StageRunner(Chain(seg[0]))
+    first = StageRunner(Chain(seg[0]), input_grads=first_input_grads)
     last = StageRunner(Chain(seg[1]), loss_fn=nn.functional.mse_loss)
     last.forward(0, first.forward(0, (x, bias)), target)
     grads = last.backward_input(0, None)

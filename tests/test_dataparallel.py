@@ -19,7 +19,8 @@ import torch
 
 from pipefold.errors import ConfigError
 from pipefold.ir import AG, DP, RS, Kind, validate
-from pipefold.runtime.launch import free_port, run_local
+from pipefold.runtime.launch import run_local
+from pipefold.runtime.processes import free_port
 from pipefold.schedules import build
 from pipefold.schedules.dataparallel import with_data_parallel
 from pipefold.sim.simulate import CostModel, simulate

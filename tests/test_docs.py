@@ -25,7 +25,6 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -33,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from pipefold.runtime.processes import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -191,11 +192,6 @@ def _skip_reason(argv: list[str]) -> str | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def _run(argv: list[str], cwd: Path, factor: float) -> list[subprocess.CompletedProcess[str]]:
     """Run one command as written (with SHRINK); several processes for a multi-node torchrun."""
@@ -208,7 +204,7 @@ def _run(argv: list[str], cwd: Path, factor: float) -> list[subprocess.Completed
         runs = [[*py, "-m", "pipefold", *shrink(argv[1:], factor)]]
     elif argv[0] == "torchrun":
         at = argv.index("pipefold")
-        launcher = [a.replace("HOST:29500", f"127.0.0.1:{_free_port()}") for a in argv[1:at - 1]]
+        launcher = [a.replace("HOST:29500", f"127.0.0.1:{free_port()}") for a in argv[1:at - 1]]
         nodes = int(_value(launcher, "--nnodes") or 1)
         command = [*py, "-m", "torch.distributed.run", *launcher, "-m", "pipefold", *shrink(argv[at + 1:], factor)]
         runs = [command] * nodes

@@ -23,13 +23,11 @@ from pipefold.errors import ConfigError
 from pipefold.ir import Kind, Schedule, looped_placement, v_placement
 from pipefold.models import split_layers
 from pipefold.plan.partition import (
-    layer_costs,
-    layer_memory,
-    layer_static_bytes,
     memory_of_split,
     partition,
     partition_memory,
 )
+from pipefold.runtime.profiling import layer_costs, layer_memory, layer_static_bytes
 from pipefold.train.run import TrainConfig, make_job
 
 

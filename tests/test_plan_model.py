@@ -110,8 +110,7 @@ def test_stage_figures_from_layers_match_stages_measured_whole() -> None:
     import torch
 
     from pipefold.models import make_model
-    from pipefold.plan.profile import measure_layers
-    from pipefold.plan.recompute import measure_stages
+    from pipefold.runtime.profiling import measure_layers, measure_stages
     from pipefold.runtime.stage import Chain
 
     torch.manual_seed(0)

@@ -238,7 +238,8 @@ def test_offloading_stages_keep_the_gradients(name: str) -> None:
 
 def test_stages_balanced_by_parameters_keep_the_gradients() -> None:
     from pipefold.models import make_model
-    from pipefold.plan.partition import layer_costs, partition
+    from pipefold.plan.partition import partition
+    from pipefold.runtime.profiling import layer_costs
 
     cfg = TrainConfig(schedule="zb-v", devices=2, microbatches=4, steps=1, model="gpt", layers=6, hidden=32, heads=4,
                       batch=8, seq=16, partition="params")

@@ -660,7 +660,7 @@ def cmd_validate(args: argparse.Namespace, console: Console) -> None:
 
 
 def cmd_profile(args: argparse.Namespace, console: Console) -> None:
-    from pipefold.plan.profile import profile_model
+    from pipefold.runtime.profiling import profile_model
 
     for label in ("layers", "hidden", "heads", "batch", "seq", "microbatches", "devices", "repeats"):
         if getattr(args, label) is not None and getattr(args, label) < 1:
@@ -855,7 +855,7 @@ def _planned_run(args: argparse.Namespace, console: Console) -> tuple[Any, Any, 
         config, decided = from_plan(plan, **run)
         return config, decided, plan
     from pipefold.plan.budget import plan_model
-    from pipefold.plan.profile import profile_model
+    from pipefold.runtime.profiling import profile_model
 
     if args.memory_budget is None:
         raise ConfigError("--schedule auto plans for --memory-budget BYTES per device (e.g. 64MB); give one")
@@ -1374,14 +1374,12 @@ def cmd_partition(args: argparse.Namespace, console: Console) -> None:
     from pipefold.models import make_model
     from pipefold.models.size import check_model
     from pipefold.plan.partition import (
-        layer_costs,
-        layer_memory,
-        layer_static_bytes,
         memory_of_split,
         partition,
         partition_memory,
     )
     from pipefold.plan.recompute import OPTIMIZER_STATE
+    from pipefold.runtime.profiling import layer_costs, layer_memory, layer_static_bytes
 
     for flag, value in (("--devices", args.devices), ("--chunks", args.chunks), ("--microbatches", args.microbatches)):
         if value is not None and value < 1:

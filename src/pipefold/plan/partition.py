@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import functools
 import math
-import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -25,13 +23,11 @@ from pipefold.sim.simulate import StageCost, memory_deltas, peak_by_order
 
 if TYPE_CHECKING:  # measuring needs torch; splitting measured figures does not (the planner loads without it)
     import torch
-    from torch import nn
 
     Values = tuple[torch.Tensor, ...]
     """What flows between layers: one tensor, or several (a layer may return a tuple, spread into the next)."""
 
-__all__ = ["COST_KINDS", "MemoryPartition", "Partition", "layer_costs", "layer_memory", "layer_static_bytes",
-           "memory_of_split", "partition", "partition_memory"]
+__all__ = ["COST_KINDS", "MemoryPartition", "Partition", "memory_of_split", "partition", "partition_memory"]
 
 COST_KINDS = ("params", "time", "memory")
 """What a layer's cost can measure."""
@@ -55,126 +51,6 @@ class Partition:
     """The largest device cost: what the split minimises."""
     placement: tuple[int, ...] | None = None
     """Device of each part, when one was given."""
-
-
-# --------------------------------------------------------------------------- measuring
-
-
-def layer_costs(layers: Sequence[nn.Module], sample: torch.Tensor | tuple[torch.Tensor, ...], *, by: str,
-                repeats: int = 5, optimizer_factor: float = 2.0) -> list[float]:
-    """Cost of each layer: ``params`` (parameter count), ``time`` (forward+backward seconds) or ``memory`` (bytes).
-
-    ``time`` and ``memory`` run the layers in order on ``sample`` (one microbatch: a tensor, or a
-    tuple for a first layer with several inputs), each fed the previous layer's output (spread
-    when it is a tuple, as from the segments of :func:`pipefold.models.cut.cut_model`). ``memory`` is
-    the activation bytes saved for backward (the layer's own weights excluded) plus the parameter
-    bytes times 1 + ``optimizer_factor`` (weights, gradients and optimizer state; AdamW's two
-    moments make 2 the default).
-
-    Layers that are the same computation (same type, parameter shapes and input shapes, as a
-    transformer's blocks) take the mean of their measured times: they cost the same, and
-    letting timing noise tell them apart would let it choose the split.
-    """
-    if by not in COST_KINDS:
-        raise ConfigError(f"unknown cost {by!r}: choose one of {', '.join(COST_KINDS)}")
-    if by == "params":
-        return [float(sum(p.numel() for p in layer.parameters())) for layer in layers]
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ConfigError(f"repeats must be a positive integer (got {repeats!r})")
-    measure = _time_layer if by == "time" else _memory_layer
-    costs: list[float] = []
-    kinds: dict[tuple[Any, ...], list[int]] = {}
-    x: Values = tuple(sample) if isinstance(sample, (tuple, list)) else (sample,)
-    for i, layer in enumerate(layers):
-        same = (type(layer).__qualname__, tuple((n, tuple(p.shape), p.dtype) for n, p in layer.named_parameters()),
-                tuple((tuple(t.shape), t.dtype) for t in x))
-        kinds.setdefault(same, []).append(i)
-        cost, out = measure(layer, x, repeats, optimizer_factor)
-        costs.append(cost)
-        x = tuple(t.detach() for t in out)
-    if by == "time":
-        for group in kinds.values():
-            mean = statistics.fmean(costs[i] for i in group)
-            for i in group:
-                costs[i] = mean
-    return costs
-
-
-def _call(layer: nn.Module, x: Values) -> Values:
-    """Run ``layer`` on fresh leaf copies of ``x``; floating inputs get a gradient so the backward includes it."""
-    from pipefold.runtime.stage import as_leaves, as_tuple
-
-    return as_tuple(layer(*as_leaves(x)))
-
-
-def _forward_backward(layer: nn.Module, x: Values) -> Values:
-    import torch
-
-    out = _call(layer, x)
-    grads = [o for o in out if o.requires_grad]
-    torch.autograd.backward(grads, [torch.ones_like(o) for o in grads])
-    return out
-
-
-def _time_layer(layer: nn.Module, x: Values, repeats: int, _: float) -> tuple[float, Values]:
-    """Median forward+backward seconds over ``repeats`` runs after one warm-up."""
-    import torch
-
-    cuda = any(t.is_cuda for t in x) or any(p.is_cuda for p in layer.parameters())
-    sync = torch.cuda.synchronize if cuda else (lambda: None)  # a GPU runs what it is given later: wait for it
-    out = _forward_backward(layer, x)  # warm-up: allocator and kernel caches
-    times = []
-    for _run in range(repeats):
-        sync()
-        start = time.perf_counter()
-        _forward_backward(layer, x)
-        sync()
-        times.append(time.perf_counter() - start)
-    layer.zero_grad(set_to_none=True)
-    return statistics.median(times), out
-
-
-def _memory_layer(layer: nn.Module, x: Values, _: int, optimizer_factor: float) -> tuple[float, Values]:
-    """Bytes saved for backward (not the layer's weights) plus parameter bytes x (1 + optimizer_factor)."""
-    saved, out = _saved_bytes(layer, x)
-    return float(saved + _param_bytes(layer) * (1 + optimizer_factor)), out
-
-
-def _saved_bytes(layer: nn.Module, x: Values) -> tuple[int, Values]:
-    """Bytes of the tensors one forward of ``layer`` saves for its backward, its own weights excluded."""
-    import torch
-
-    own = {p.data_ptr() for p in layer.parameters()}
-    seen: set[tuple[int, tuple[int, ...]]] = set()
-    saved = 0
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal saved
-        key = (t.data_ptr(), tuple(t.shape))
-        if t.data_ptr() not in own and key not in seen:
-            seen.add(key)
-            saved += t.numel() * t.element_size()
-        return t.detach()  # the graph is dropped unused: it must not hold itself through a saved output
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = _call(layer, x)
-    return saved, out
-
-
-def _param_bytes(layer: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in layer.parameters())
-
-
-def layer_static_bytes(layers: Sequence[nn.Module], *, optimizer_factor: float = 2.0) -> list[float]:
-    """Bytes each layer holds whatever the schedule: parameter bytes x (2 + ``optimizer_factor``).
-
-    Weights, their gradients and the optimizer state (``optimizer_factor`` parameter sizes: AdamW's
-    two moments make 2, plain SGD 0; see :data:`pipefold.plan.recompute.OPTIMIZER_STATE`).
-    """
-    if not (isinstance(optimizer_factor, (int, float)) and math.isfinite(optimizer_factor) and optimizer_factor >= 0):
-        raise ConfigError(f"optimizer_factor counts parameter sizes of optimizer state: a number >= 0 "
-                          f"(got {optimizer_factor!r})")
-    return [float(_param_bytes(layer) * (2 + optimizer_factor)) for layer in layers]
 
 
 # --------------------------------------------------------------------------- splitting
@@ -438,7 +314,6 @@ def _loads(prefix: list[float], bounds: list[int], mapping: tuple[int, ...], dev
     for part, (lo, hi) in enumerate(zip(bounds, ends, strict=True)):
         loads[mapping[part]] += prefix[hi] - prefix[lo]
     return loads
-
 
 
 # --------------------------------------------------------------------------- memory-aware splitting
@@ -785,42 +660,3 @@ def _tree_search(pre: _Prefix, moments: list[np.ndarray], mapping: tuple[int, ..
     return best_bounds
 
 
-# --------------------------------------------------------------------------- TEMPORARY
-# A stand-in until the measurement on the real runtime's stage runner lands under this name: it
-# counts the saved-tensor bytes of one forward (as layer_costs' "memory" does) and takes the same
-# number for what is held between B and W.
-
-
-def layer_memory(layers: Sequence[nn.Module], sample: torch.Tensor | tuple[torch.Tensor, ...], *,
-                 loss_fn: Callable[..., torch.Tensor] | None = None, target: Any = None) -> list[tuple[int, int]]:
-    """Per layer, the bytes one microbatch holds after its F and between its B and its W, measured.
-
-    Each layer runs as a stage of its own on the runtime's stage runner and meter, fed the previous
-    layer's output (``sample`` for the first, whose input is the batch and not counted), so the
-    figures are what the runtime holds: after F the layer's input and what it saved (its output
-    only where it saved it too: the next layer holds it); between B and W what W reads, the
-    gradients it captured included. With ``loss_fn`` the last layer computes the loss against
-    ``target``, as the last stage does. A stage's figures are the sums over its layers.
-    """
-    from pipefold.runtime.stage import Chain, StageRunner, ones_for
-
-    out: list[tuple[int, int]] = []
-    x: Values = tuple(sample) if isinstance(sample, (tuple, list)) else (sample,)
-    last = len(layers) - 1
-    for i, layer in enumerate(layers):
-        loss = loss_fn if i == last else None
-        runner = StageRunner(Chain(layer), loss_fn=loss, input_grads=i > 0)
-        runner.meter.start(outside=[*(x if i == 0 else ()), *([target] if loss is not None else [])])
-        runner.meter.hold(x, "recv")  # a stage's input is a receive buffer (the batch's is outside: not counted)
-        y = runner.forward(0, x, target if loss is not None else None)
-        held = runner.held_bytes(0, outputs=loss is not None)
-        grads = None if loss is not None else ones_for(y)
-        runner.meter.hold(grads or (), "recv")
-        runner.backward_input(0, grads)
-        # What W reads; the outputs W starts from only where the layer saved them too (a first layer's backward
-        # runs entirely in W, from its outputs' nodes: in a stage the runtime keeps those, not the outputs).
-        out.append((held, runner.held_bytes(0, outputs=False)))
-        runner.backward_weight(0)
-        layer.zero_grad(set_to_none=True)
-        x = tuple(t.detach() for t in y)
-    return out

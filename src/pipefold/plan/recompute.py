@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import itertools
 import math
-import statistics
-import time
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -33,11 +31,10 @@ from pipefold.sim.simulate import CostModel, StageCost, StageOverride, peak_by_o
 from pipefold.units import format_bytes
 
 if TYPE_CHECKING:  # measuring needs torch; planning from measured figures does not (the planner loads without it)
-    import torch
-    from torch import nn
+    pass
 
-__all__ = ["MODES", "RecomputePlan", "StageProfile", "choose_recompute", "device_peaks", "measure_stages",
-           "plan_recompute", "smallest_budget"]
+__all__ = ["MODES", "RecomputePlan", "StageProfile", "choose_recompute", "device_peaks", "plan_recompute",
+           "smallest_budget"]
 
 MODES = ("none", "full", "auto")
 """``none`` keeps every activation, ``full`` recomputes every layer, ``auto`` fits a budget."""
@@ -103,78 +100,6 @@ class RecomputePlan:
         return {"mode": self.mode, "layers": list(self.layers), "stage_layers": list(self.stage_layers),
                 "budget": self.budget, "static_bytes": self.static, "activation_peak_bytes": self.activation_peak,
                 "peak_bytes": self.peak, "step_time": self.step_time, "step_time_without": self.step_time_without}
-
-
-# --------------------------------------------------------------------------- measuring
-
-
-def measure_stages(stages: Sequence[nn.Sequential], sample: torch.Tensor | Sequence[torch.Tensor], target: Any,
-                   loss_fn: Callable[..., torch.Tensor], *, microbatches: int = 1,
-                   optimizer_factor: float = 2.0, repeats: int = 5) -> list[StageProfile]:
-    """Run each stage on one sample microbatch with r = 0..layers recomputed layers, as the runtime would.
-
-    ``stages`` are the model's stages in pipeline order (the last computes ``loss_fn`` against
-    ``target``); each stage is fed the previous stage's output, the first ``sample`` (a tensor or
-    a tuple of them). Kept and total bytes are read
-    from the stage runner's own meter; times are medians of ``repeats`` runs after a warm-up, and
-    a count's rerun time is its backward's time beyond the backward without recomputation.
-    """
-    import torch
-
-    from pipefold.runtime.stage import StageRunner, as_tuple, ones_for
-
-    profiles: list[StageProfile] = []
-    x: tuple[torch.Tensor, ...] = as_tuple(sample)
-    last = len(stages) - 1
-    for s, stage in enumerate(stages):
-        n = len(stage)
-        kept, total, held_w, fused, backward = [], [], [], [], []
-        times, h = (0.0, 0.0, 0.0), x
-        for r in range(n + 1):
-            runner = StageRunner(stage, loss_fn=loss_fn if s == last else None, recompute=r, input_grads=s > 0)
-            batch = [*(x if s == 0 else ()), *([target] if s == last and isinstance(target, torch.Tensor) else [])]
-            runner.meter.start(outside=batch)  # the batch's inputs and targets: the runtime does not count them
-            runner.meter.hold(x, "recv")  # a later stage's input is a receive buffer, as in the runtime
-            runs = []
-            for k in range(repeats + 1):  # the first run is a warm-up, and the one whose bytes count
-                t0 = time.perf_counter()
-                out = runner.forward(k, x, target if s == last else None, scale=1.0 / microbatches)
-                t1 = time.perf_counter()
-                if k == 0:
-                    kept.append(runner.memory_f)
-                grads = None if s == last else ones_for(out)
-                if k == 0:
-                    runner.meter.start(outside=batch)
-                    runner.meter.hold(grads or (), "recv")  # as the runtime's receive buffer
-                runner.backward_input(k, grads)
-                t2 = time.perf_counter()
-                runner.backward_weight(k)  # a first stage (integer input) rebuilds only here: B has nothing to do
-                runs.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
-                if k == 0:
-                    total.append(runner.meter.peak)
-                    held_w.append(runner.memory_w)
-            # Once more with a fused backward, whose peak a BW schedule meets instead.
-            out = runner.forward(repeats + 1, x, target if s == last else None, scale=1.0 / microbatches)
-            grads = None if s == last else ones_for(out)
-            runner.meter.start(outside=batch)
-            runner.meter.hold(grads or (), "recv")
-            runner.backward(repeats + 1, grads)
-            fused.append(runner.meter.peak)
-            f, b, w = (statistics.median(v) for v in zip(*runs[1:], strict=True))
-            backward.append(b + w)
-            if r == 0:
-                times, h = (f, b, w), out
-        stage.zero_grad(set_to_none=True)
-        # What the backward spends on rebuilding: its time beyond the backward that keeps everything.
-        # More recomputed layers never cost less, so noise is evened out upwards.
-        rerun = tuple(itertools.accumulate((max(0.0, t - backward[0]) for t in backward), max))
-        params = sum(p.numel() * p.element_size() for p in stage.parameters())
-        static = int(params * (2 + optimizer_factor))  # weights, gradients, optimizer state
-        message = 0 if s == last else sum(t.untyped_storage().nbytes() for t in h if t.is_floating_point())
-        profiles.append(StageProfile(n, tuple(kept), tuple(total), tuple(held_w), rerun, times, static, message,
-                                     tuple(fused)))
-        x = h
-    return profiles
 
 
 # --------------------------------------------------------------------------- planning

@@ -11,6 +11,7 @@ frees the rest; an output gradient is kept where a fused backward would have dro
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -43,6 +44,15 @@ class StageCurvature:
         self._a: dict[int, list[torch.Tensor | None]] = {}
         self._g: dict[int, list[torch.Tensor | None]] = {}
         self._handles = [f.layer.register_forward_hook(self._hook(i)) for i, f in enumerate(self.kfac.layers)]
+
+    @contextlib.contextmanager
+    def recording(self, mb: int) -> Iterator[None]:
+        """Around the forward of microbatch ``mb``: the layers' inputs and output gradients it wants are kept."""
+        self.current = mb
+        try:
+            yield
+        finally:
+            self.current = None
 
     def _hook(self, index: int) -> Any:
         def hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
@@ -126,12 +136,8 @@ class RankCurvature:
 
     @contextlib.contextmanager
     def forward(self, action: Action) -> Iterator[None]:
-        c = self.stages[action.stage]
-        c.current = action.microbatch
-        try:
+        with self.stages[action.stage].recording(action.microbatch):
             yield
-        finally:
-            c.current = None
 
     def run(self, action: Action) -> None:
         self.stages[action.stage].run(action)
@@ -184,7 +190,8 @@ def measure(stages: Sequence[nn.Module], sample: torch.Tensor | Sequence[torch.T
     import statistics
     import time
 
-    from pipefold.runtime.stage import StageRunner, as_tuple, ones_for
+    from pipefold.runtime.profiling import run_passes
+    from pipefold.runtime.stage import StageRunner, as_tuple
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -201,19 +208,10 @@ def measure(stages: Sequence[nn.Module], sample: torch.Tensor | Sequence[torch.T
             for k in range(repeats + 1):
                 row = [Action(s, Kind.KA, k), Action(s, Kind.KG, k)]
                 curv.begin(row, s, runner.meter)
-                t: dict[str, float] = {}
-                t0 = time.perf_counter()
-                curv.current = k
-                h = runner.forward(k, x, target if s == last else None, scale=1.0 / microbatches)
-                curv.current = None
-                t["F"] = time.perf_counter() - t0
+                (f, b, w), h = run_passes(runner, k, x, target, scale=1.0 / microbatches,
+                                          forward=functools.partial(curv.recording, k))
+                t: dict[str, float] = {"F": f, "B": b, "W": w}
                 memory = max(memory, runner.memory_f)
-                t0 = time.perf_counter()
-                runner.backward_input(k, None if s == last else ones_for(h))
-                t["B"] = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                runner.backward_weight(k)
-                t["W"] = time.perf_counter() - t0
                 stash_a, stash_g = curv.kept_bytes(k)
                 for kind in (Kind.KA, Kind.KG, Kind.KI, Kind.KP):
                     t0 = time.perf_counter()

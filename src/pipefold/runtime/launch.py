@@ -30,7 +30,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -47,6 +47,7 @@ from pipefold.runtime.devices import Placement, place
 from pipefold.runtime.executor import RankExecutor, StepStats
 from pipefold.runtime.history import KEEP_FIRST, StepHistory, step_number
 from pipefold.runtime.numerics import clip_factor, local_check, scale_grads, verdict
+from pipefold.runtime.processes import free_port, process_context
 from pipefold.runtime.stage import Chain, Tensors, as_tuple, split_batch
 from pipefold.runtime.tied import TiedGrads, spans_stages, untie
 from pipefold.runtime.watch import (
@@ -921,12 +922,6 @@ def _peak_rss() -> int:
         return 0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _spawned(rank: int, job: Job, world: int, port: int, out_dir: str, progress: Any, board: SharedBoard,
              launcher: Any) -> None:
     """One local rank. What it is doing goes to ``board`` for the launcher; an exception that ends it, to
@@ -974,38 +969,6 @@ def _write_failure(path: Path, exc: BaseException, activity: Activity) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(record), encoding="utf-8")
     os.replace(tmp, path)  # the launcher reads a whole file or none
-
-
-def start_server(preload: Sequence[str] = ()) -> None:
-    """Start the fork server the local ranks come from now, without waiting for its imports: they run on another
-    core while this process goes on (measuring the model, planning). Nothing where ranks are spawned, or once the
-    server runs."""
-    ctx = process_context(preload)
-    if ctx.get_start_method() == "forkserver":
-        from multiprocessing import forkserver
-
-        forkserver.ensure_running()
-
-
-def process_context(preload: Sequence[str] = ()) -> Any:
-    """How local ranks start: from a fork server that has imported torch and the runtime once (a rank then starts
-    in a fraction of a second instead of importing torch again), where the platform has one; else spawned.
-
-    The server is started by this process's first job and serves every later one; it runs no torch code, so
-    no thread pool or CUDA context is copied into the ranks. ``preload`` adds modules for it to import (a
-    model's, such as transformers'): only the first job's count.
-    """
-    import multiprocessing
-
-    import torch.multiprocessing as mp
-
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    # torch._dynamo: what making the first optimizer imports (some 800 modules, seconds per rank otherwise).
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "pipefold.runtime.launch",
-                                "pipefold.train.run", "pipefold.plan.profile", *preload])
-    return ctx
 
 
 def run_local(job: Job, on_step: Callable[[int, float, float], None] | None = None) -> list[RankReport]:
@@ -1184,40 +1147,6 @@ def _failure(ranks: list[Any], board: SharedBoard, out_dir: Path, exited: dict[i
             causes.append((0, exited.get(rank, now), rank, f"rank {rank} died ({how}) during {at}", ""))
     _, _, rank, line, details = min(causes)
     return RankError(rank, line, details)
-
-
-@contextlib.contextmanager
-def starting() -> Iterator[None]:
-    """Hold SIGINT and SIGTERM (blocked, delivered when the block ends) while processes are started: a signal in
-    the middle of ``Process.start()`` would leave a child forked whose pid nobody knows, which nobody could stop
-    and which, finding its parent gone, prints a traceback of its own. Pair it with :func:`stopped_on_error`."""
-    held = {signal.SIGINT, signal.SIGTERM}
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
-        yield
-        return
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, before)  # a signal that came is handled now
-
-
-@contextlib.contextmanager
-def stopped_on_error(processes: Sequence[Any]) -> Iterator[None]:
-    """Around the life of helper processes started from the fork server: when the block raises (Ctrl-C, an error),
-    every one still running is stopped and waited for before the exception goes on, so that none outlives the
-    queues and barriers it was given, and none prints a traceback of its own (a process still unpickling its
-    arguments would fail to find them). Used by every command that starts helpers (profile's measurements)."""
-    try:
-        yield
-    except BaseException:
-        for p in processes:
-            if p.pid is not None and p.exitcode is None:
-                p.kill()  # SIGKILL: quiet, wherever it is
-        for p in processes:
-            if p.pid is not None:
-                p.join(5)
-        raise
 
 
 def _stop(ranks: list[Any]) -> int:

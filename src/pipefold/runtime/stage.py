@@ -655,14 +655,18 @@ class StageRunner:
         return [o for o in p.outputs if o.requires_grad]
 
     def _grads_for(self, p: _Pass, out_grads: Tensors | None) -> list[torch.Tensor]:
-        """The gradient for each differentiable output: given by the next stage, or 1 for the loss."""
-        outs = self._differentiable(p)
+        """The gradient for each differentiable output: given by the next stage, or 1 for the loss.
+
+        The next stage gives one for every floating output (its inputs, made leaves, all take one); those of
+        outputs that need none (a floating input passed on untouched by a stage whose input takes no gradient)
+        are dropped here."""
         if self.loss_fn is not None:
-            return [torch.ones_like(outs[0])]
-        if out_grads is None or len(out_grads) != len(outs):
+            return [torch.ones_like(self._differentiable(p)[0])]
+        floating = [o for o in p.outputs if o.is_floating_point()]
+        if out_grads is None or len(out_grads) != len(floating):
             n = 0 if out_grads is None else len(out_grads)
-            raise RuntimeError(f"stage backward got {n} output gradients for {len(outs)} differentiable outputs")
-        return list(out_grads)
+            raise RuntimeError(f"stage backward got {n} output gradients for {len(floating)} floating outputs")
+        return [g for o, g in zip(floating, out_grads, strict=True) if o.requires_grad]
 
     def held_bytes(self, mb: int, *, outputs: bool = True) -> int:
         """Bytes microbatch ``mb`` holds now (between its F and its W); without ``outputs``, its outputs only

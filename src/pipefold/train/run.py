@@ -24,7 +24,7 @@ from pipefold import schedules
 from pipefold.errors import ConfigError
 from pipefold.ir import Schedule
 from pipefold.models import Model, make_model, split_layers
-from pipefold.plan.recompute import MODES, OPTIMIZER_STATE, RecomputePlan, measure_stages, plan_recompute
+from pipefold.plan.recompute import MODES, OPTIMIZER_STATE, RecomputePlan, plan_recompute
 from pipefold.runtime.checkpoint import Checkpointing
 from pipefold.runtime.launch import (
     Adaptive,
@@ -226,7 +226,7 @@ def make_job(config: TrainConfig, *, save_grads_of_step: int | None = None,
                           f"of {shards}")
     model = model_of(config)
     if local:
-        from pipefold.runtime.launch import start_server
+        from pipefold.runtime.processes import start_server
 
         start_server(model.preload)
     check_size(config, model, schedule,
@@ -394,6 +394,8 @@ def _plan_recompute(config: TrainConfig, schedule: Schedule, layer_stages: tuple
                     build: Callable[[list[int]], dict[int, Any]], loss_fn: Callable[..., torch.Tensor],
                     batch_at: Callable[[int], tuple[Any, torch.Tensor]]) -> RecomputePlan:
     """Measure every stage on the first microbatch and choose its recomputed layers (see pipefold.plan.recompute)."""
+    from pipefold.runtime.profiling import measure_stages
+
     if config.offload is not None:
         raise ConfigError("--recompute and --offload do not combine yet: an offloaded stage keeps its activations; "
                           "use one or the other")
@@ -414,7 +416,8 @@ def _layer_stages(config: TrainConfig, model: Model, schedule: Schedule,
     """Layers of each stage: even by count, balanced by the chosen cost, or ("memory") least peak under ``schedule``."""
     if config.partition == "even":
         return tuple(tuple(s) for s in split_layers(model.num_layers, schedule.stages))
-    from pipefold.plan.partition import layer_costs, layer_memory, layer_static_bytes, partition, partition_memory
+    from pipefold.plan.partition import partition, partition_memory
+    from pipefold.runtime.profiling import layer_costs, layer_memory, layer_static_bytes
 
     layers = model.build()
     x, y = model.batch_at(0)

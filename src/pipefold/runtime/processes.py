@@ -1,0 +1,101 @@
+"""Local processes started from this one: how they start (a fork server that has imported torch and the runtime,
+where the platform has one), a free port for their rendezvous, and starting and stopping them so that a signal or
+an error never leaves one behind. Used by the ranks' launcher and by the profile's measuring processes."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import socket
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+__all__ = ["free_port", "process_context", "start_server", "starting", "stopped_on_error"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_server(preload: Sequence[str] = ()) -> None:
+    """Start the fork server the local ranks come from now, without waiting for its imports: they run on another
+    core while this process goes on (measuring the model, planning). Nothing where ranks are spawned, or once the
+    server runs."""
+    ctx = process_context(preload)
+    if ctx.get_start_method() == "forkserver":
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
+
+
+def process_context(preload: Sequence[str] = ()) -> Any:
+    """How local ranks start: from a fork server that has imported torch and the runtime once (a rank then starts
+    in a fraction of a second instead of importing torch again), where the platform has one; else spawned.
+
+    The server is started by this process's first job and serves every later one; it runs no torch code, so
+    no thread pool or CUDA context is copied into the ranks. ``preload`` adds modules for it to import (a
+    model's, such as transformers'): only the first job's count.
+    """
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    # torch._dynamo: what making the first optimizer imports (some 800 modules, seconds per rank otherwise).
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "pipefold.runtime.launch",
+                                "pipefold.runtime.profiling", *preload])
+    return ctx
+
+
+@contextlib.contextmanager
+def starting() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM while processes are started (each is handled when the block ends, by the handler
+    that was there): a signal in the middle of ``Process.start()`` would leave a child forked whose pid nobody
+    knows, which nobody could stop and which, finding its parent gone, prints a traceback of its own. Pair it with
+    :func:`stopped_on_error`.
+
+    The signals are blocked (children started meanwhile inherit the block, so Ctrl-C in a terminal cannot end
+    them half-started) and, in case something unblocks them inside (multiprocessing's resource tracker does when
+    it starts; it is started before the block for that reason), caught by a handler that only notes them.
+    """
+    held = (signal.SIGINT, signal.SIGTERM)
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+    came: list[int] = []
+    handlers = {sig: signal.signal(sig, lambda signum, frame: came.append(signum)) for sig in held}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # one still pending arrives now, and is noted
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        if came:
+            signal.raise_signal(came[0])  # handled now, as it would have been
+
+
+@contextlib.contextmanager
+def stopped_on_error(processes: Sequence[Any]) -> Iterator[None]:
+    """Around the life of helper processes started from the fork server: when the block raises (Ctrl-C, an error),
+    every one still running is stopped and waited for before the exception goes on, so that none outlives the
+    queues and barriers it was given, and none prints a traceback of its own (a process still unpickling its
+    arguments would fail to find them). Used by every command that starts helpers (profile's measurements)."""
+    try:
+        yield
+    except BaseException:
+        for p in processes:
+            if p.pid is not None and p.exitcode is None:
+                p.kill()  # SIGKILL: quiet, wherever it is
+        for p in processes:
+            if p.pid is not None:
+                p.join(5)
+        raise

@@ -1,0 +1,598 @@
+"""Measuring on this machine: what a layer or a stage costs, what the link costs, how ranks share the cores.
+
+Everything :mod:`pipefold.plan` decides from is measured here, on the runtime's own parts, and handed to it as
+numbers (a :class:`~pipefold.plan.profile.Profile`, per-layer costs, per-stage
+:class:`~pipefold.plan.recompute.StageProfile`), so the planner never runs a model. One pass timer
+(:func:`run_passes`: F, B and W of one microbatch on a :class:`~pipefold.runtime.stage.StageRunner`, each timed,
+synchronized with the device where it computes) serves the profile, the split by time, recomputation's stage
+figures and K-FAC's work (:func:`pipefold.runtime.curvature.measure`); each walks its layers or stages in order,
+feeding each the previous one's output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipefold.errors import ConfigError
+from pipefold.models import Model, make_model
+from pipefold.models.size import check_model
+from pipefold.plan.partition import COST_KINDS
+from pipefold.plan.profile import LayerProfile, Profile, Progress, fit_link
+from pipefold.plan.recompute import OPTIMIZER_STATE, StageProfile
+from pipefold.runtime.processes import free_port, process_context, starting, stopped_on_error
+from pipefold.runtime.stage import Chain, StageRunner, as_leaves, as_tuple, ones_for, split_batch
+
+__all__ = ["layer_costs", "layer_memory", "layer_static_bytes", "measure_contention", "measure_layers",
+           "measure_link", "measure_stages", "profile_model", "run_passes"]
+
+Values = tuple[torch.Tensor, ...]
+_LINK_SIZES = (4 << 10, 64 << 10, 512 << 10, 4 << 20)
+
+
+# --------------------------------------------------------------------------- the pass timer
+
+
+def run_passes(runner: StageRunner, k: int, x: Values, target: Any = None, *, scale: float = 1.0,
+               forward: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+               before_backward: Callable[[Values | None], None] | None = None,
+               ) -> tuple[tuple[float, float, float], Values]:
+    """Microbatch ``k`` through F, B and W of ``runner``, each pass timed: ((f, b, w) seconds, F's outputs).
+
+    A stage with a loss computes it against ``target`` and B starts from it; any other stage's B starts from
+    gradients of ones. ``forward()`` is a context around F (K-FAC records its inputs there);
+    ``before_backward(grads)`` runs untimed between F and B. Where the stage computes on a GPU, each pass is
+    timed to its end (the device is synchronized), not to the moment it was queued.
+    """
+    cuda = any(t.is_cuda for t in x) or any(p.is_cuda for p in runner.params)
+    sync = torch.cuda.synchronize if cuda else _nothing
+    last = runner.loss_fn is not None
+    sync()
+    t0 = time.perf_counter()
+    with forward():
+        out = runner.forward(k, x, target if last else None, scale=scale)
+    sync()
+    f = time.perf_counter() - t0
+    grads = None if last else ones_for(out)
+    if before_backward is not None:
+        before_backward(grads)
+    t0 = time.perf_counter()
+    runner.backward_input(k, grads)
+    sync()
+    b = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    runner.backward_weight(k)  # a first stage (integer input) runs its whole backward here: B has nothing to do
+    sync()
+    return (f, b, time.perf_counter() - t0), out
+
+
+def _nothing() -> None:
+    pass
+
+
+def medians(runs: Sequence[tuple[float, ...]]) -> tuple[float, ...]:
+    """The median of each position over ``runs``."""
+    return tuple(statistics.median(v) for v in zip(*runs, strict=True))
+
+
+def _check_repeats(repeats: object) -> None:
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ConfigError(f"repeats must be a positive integer (got {repeats!r})")
+
+
+def _output_bytes(out: Values) -> int:
+    """Bytes a stage boundary after these outputs sends: their floating storages."""
+    return sum(t.untyped_storage().nbytes() for t in out if t.is_floating_point())
+
+
+def _param_bytes(layer: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in layer.parameters())
+
+
+
+def _kind(layer: nn.Module, x: Values, *more: object) -> tuple[Any, ...]:
+    """What makes two layers the same computation: type, parameter shapes and dtypes, input shapes and dtypes."""
+    return (type(layer).__qualname__, tuple((n, tuple(p.shape), p.dtype) for n, p in layer.named_parameters()),
+            tuple((tuple(t.shape), t.dtype) for t in x), *more)
+
+
+def _shared_means(values: list[tuple[float, ...]], kinds: dict[tuple[Any, ...], list[int]]) -> None:
+    """Layers of one kind take the mean of their measured figures (in place): they cost the same, and timing
+    noise must not tell them apart (it would choose the split)."""
+    for group in kinds.values():
+        mean = tuple(statistics.fmean(values[i][j] for i in group) for j in range(len(values[group[0]])))
+        for i in group:
+            values[i] = mean
+
+
+# --------------------------------------------------------------------------- layers
+
+
+def measure_layers(layers: Sequence[nn.Module], sample: Any, target: Any, loss_fn: Callable[..., torch.Tensor], *,
+                   microbatches: int = 1, repeats: int = 7, progress: Progress | None = None) -> list[LayerProfile]:
+    """Each layer as a stage of its own on the runtime's stage runner, fed the previous layer's output.
+
+    Times are medians of ``repeats`` runs after a warm-up; layers that are the same computation (type,
+    parameter shapes, input shapes) share their mean. Bytes come from :func:`layer_memory` (the runtime's meter).
+    """
+    _check_repeats(repeats)
+    held = layer_memory(layers, sample, loss_fn=loss_fn, target=target)
+    x: Values = as_tuple(sample)
+    last = len(layers) - 1
+    times: list[tuple[float, ...]] = []
+    outs: list[int] = []
+    kinds: dict[tuple[Any, ...], list[int]] = {}
+    for i, layer in enumerate(layers):
+        if progress is not None:
+            progress("layers", i, len(layers))
+        kinds.setdefault(_kind(layer, x, i == last, i == 0), []).append(i)
+        runner = StageRunner(Chain(layer), loss_fn=loss_fn if i == last else None, input_grads=i > 0)
+        runs = []
+        out: Values = ()
+        for k in range(repeats + 1):
+            passes, out = run_passes(runner, k, x, target, scale=1.0 / microbatches)
+            runs.append(passes)
+        layer.zero_grad(set_to_none=True)
+        times.append(medians(runs[1:]))
+        outs.append(0 if i == last else _output_bytes(out))
+        x = tuple(t.detach() for t in out)
+    if progress is not None:
+        progress("layers", len(layers), len(layers))
+    _shared_means(times, kinds)
+    return [LayerProfile(f=t[0], b=t[1], w=t[2], held=int(h), held_w=int(hw), params=_param_bytes(layer), out=o)
+            for t, (h, hw), layer, o in zip(times, held, layers, outs, strict=True)]
+
+
+def layer_costs(layers: Sequence[nn.Module], sample: torch.Tensor | tuple[torch.Tensor, ...], *, by: str,
+                repeats: int = 5, optimizer_factor: float = 2.0) -> list[float]:
+    """Cost of each layer: ``params`` (parameter count), ``time`` (F + B + W seconds) or ``memory`` (bytes).
+
+    ``time`` and ``memory`` run the layers in order on ``sample`` (one microbatch: a tensor, or a tuple for a
+    first layer with several inputs), each fed the previous layer's output (spread when it is a tuple, as from
+    the segments of :func:`pipefold.models.cut.cut_model`). ``time`` is the median over ``repeats`` runs after a
+    warm-up of the layer's passes on the runtime's stage runner; layers that are the same computation (as a
+    transformer's blocks) take the mean of their times. ``memory`` is the activation bytes saved for backward
+    (the layer's own weights excluded) plus the parameter bytes times 1 + ``optimizer_factor`` (weights,
+    gradients and optimizer state; AdamW's two moments make 2 the default).
+    """
+    if by not in COST_KINDS:
+        raise ConfigError(f"unknown cost {by!r}: choose one of {', '.join(COST_KINDS)}")
+    if by == "params":
+        return [float(sum(p.numel() for p in layer.parameters())) for layer in layers]
+    _check_repeats(repeats)
+    costs: list[tuple[float, ...]] = []
+    kinds: dict[tuple[Any, ...], list[int]] = {}
+    x: Values = as_tuple(sample)
+    for i, layer in enumerate(layers):
+        if by == "time":
+            kinds.setdefault(_kind(layer, x), []).append(i)
+            runner = StageRunner(Chain(layer), input_grads=i > 0)
+            runs = []
+            for k in range(repeats + 1):
+                passes, out = run_passes(runner, k, x)
+                runs.append((sum(passes),))
+            layer.zero_grad(set_to_none=True)
+            costs.append(medians(runs[1:]))
+        else:
+            saved, out = _saved_bytes(layer, x)
+            costs.append((float(saved + _param_bytes(layer) * (1 + optimizer_factor)),))
+        x = tuple(t.detach() for t in out)
+    _shared_means(costs, kinds)
+    return [c[0] for c in costs]
+
+
+def _saved_bytes(layer: nn.Module, x: Values) -> tuple[int, Values]:
+    """Bytes of the tensors one forward of ``layer`` saves for its backward, its own weights excluded (on fresh
+    leaf copies of ``x``: floating inputs get a gradient, so the backward includes it)."""
+    own = {p.data_ptr() for p in layer.parameters()}
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    saved = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal saved
+        key = (t.data_ptr(), tuple(t.shape))
+        if t.data_ptr() not in own and key not in seen:
+            seen.add(key)
+            saved += t.numel() * t.element_size()
+        return t.detach()  # the graph is dropped unused: it must not hold itself through a saved output
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = as_tuple(layer(*as_leaves(x)))
+    return saved, out
+
+
+def layer_static_bytes(layers: Sequence[nn.Module], *, optimizer_factor: float = 2.0) -> list[float]:
+    """Bytes each layer holds whatever the schedule: parameter bytes x (2 + ``optimizer_factor``).
+
+    Weights, their gradients and the optimizer state (``optimizer_factor`` parameter sizes: AdamW's
+    two moments make 2, plain SGD 0; see :data:`pipefold.plan.recompute.OPTIMIZER_STATE`).
+    """
+    if not (isinstance(optimizer_factor, (int, float)) and math.isfinite(optimizer_factor) and optimizer_factor >= 0):
+        raise ConfigError(f"optimizer_factor counts parameter sizes of optimizer state: a number >= 0 "
+                          f"(got {optimizer_factor!r})")
+    return [float(_param_bytes(layer) * (2 + optimizer_factor)) for layer in layers]
+
+
+def layer_memory(layers: Sequence[nn.Module], sample: torch.Tensor | tuple[torch.Tensor, ...], *,
+                 loss_fn: Callable[..., torch.Tensor] | None = None, target: Any = None) -> list[tuple[int, int]]:
+    """Per layer, the bytes one microbatch holds after its F and between its B and its W, measured.
+
+    Each layer runs as a stage of its own on the runtime's stage runner and meter, fed the previous
+    layer's output (``sample`` for the first, whose input is the batch and not counted), so the
+    figures are what the runtime holds: after F the layer's input and what it saved (its output
+    only where it saved it too: the next layer holds it); between B and W what W reads, the
+    gradients it captured included. With ``loss_fn`` the last layer computes the loss against
+    ``target``, as the last stage does. A stage's figures are the sums over its layers.
+    """
+    out: list[tuple[int, int]] = []
+    x: Values = as_tuple(sample)
+    last = len(layers) - 1
+    for i, layer in enumerate(layers):
+        loss = loss_fn if i == last else None
+        runner = StageRunner(Chain(layer), loss_fn=loss, input_grads=i > 0)
+        runner.meter.start(outside=[*(x if i == 0 else ()), *([target] if loss is not None else [])])
+        runner.meter.hold(x, "recv")  # a stage's input is a receive buffer (the batch's is outside: not counted)
+        y = runner.forward(0, x, target if loss is not None else None)
+        held = runner.held_bytes(0, outputs=loss is not None)
+        grads = None if loss is not None else ones_for(y)
+        runner.meter.hold(grads or (), "recv")
+        runner.backward_input(0, grads)
+        # What W reads; the outputs W starts from only where the layer saved them too (a first layer's backward
+        # runs entirely in W, from its outputs' nodes: in a stage the runtime keeps those, not the outputs).
+        out.append((held, runner.held_bytes(0, outputs=False)))
+        runner.backward_weight(0)
+        layer.zero_grad(set_to_none=True)
+        x = tuple(t.detach() for t in y)
+    return out
+
+
+# --------------------------------------------------------------------------- stages
+
+
+def measure_stages(stages: Sequence[nn.Sequential], sample: torch.Tensor | Sequence[torch.Tensor], target: Any,
+                   loss_fn: Callable[..., torch.Tensor], *, microbatches: int = 1,
+                   optimizer_factor: float = 2.0, repeats: int = 5) -> list[StageProfile]:
+    """Run each stage on one sample microbatch with r = 0..layers recomputed layers, as the runtime would.
+
+    ``stages`` are the model's stages in pipeline order (the last computes ``loss_fn`` against
+    ``target``); each stage is fed the previous stage's output, the first ``sample`` (a tensor or
+    a tuple of them). Kept and total bytes are read
+    from the stage runner's own meter; times are medians of ``repeats`` runs after a warm-up, and
+    a count's rerun time is its backward's time beyond the backward without recomputation.
+    """
+    _check_repeats(repeats)
+    profiles: list[StageProfile] = []
+    x: Values = as_tuple(sample)
+    last = len(stages) - 1
+    for s, stage in enumerate(stages):
+        n = len(stage)
+        kept: list[int] = []
+        total, held_w, fused, backward = [], [], [], []
+        times, h = (0.0, 0.0, 0.0), x
+        for r in range(n + 1):
+            runner = StageRunner(stage, loss_fn=loss_fn if s == last else None, recompute=r, input_grads=s > 0)
+            batch = [*(x if s == 0 else ()), *([target] if s == last and isinstance(target, torch.Tensor) else [])]
+            runner.meter.start(outside=batch)  # the batch's inputs and targets: the runtime does not count them
+            runner.meter.hold(x, "recv")  # a later stage's input is a receive buffer, as in the runtime
+            runs = []
+            for k in range(repeats + 1):  # the first run is a warm-up, and the one whose bytes count
+                count = functools.partial(_count_after_forward, runner, batch, kept) if k == 0 else None
+                passes, out = run_passes(runner, k, x, target, scale=1.0 / microbatches, before_backward=count)
+                runs.append(passes)
+                if k == 0:
+                    total.append(runner.meter.peak)
+                    held_w.append(runner.memory_w)
+            # Once more with a fused backward, whose peak a BW schedule meets instead.
+            out = runner.forward(repeats + 1, x, target if s == last else None, scale=1.0 / microbatches)
+            grads = None if s == last else ones_for(out)
+            runner.meter.start(outside=batch)
+            runner.meter.hold(grads or (), "recv")
+            runner.backward(repeats + 1, grads)
+            fused.append(runner.meter.peak)
+            f, b, w = medians(runs[1:])
+            backward.append(b + w)
+            if r == 0:
+                times, h = (f, b, w), out
+        stage.zero_grad(set_to_none=True)
+        # What the backward spends on rebuilding: its time beyond the backward that keeps everything.
+        # More recomputed layers never cost less, so noise is evened out upwards.
+        rerun = tuple(itertools.accumulate((max(0.0, t - backward[0]) for t in backward), max))
+        static = int(_param_bytes(stage) * (2 + optimizer_factor))  # weights, gradients, optimizer state
+        message = 0 if s == last else _output_bytes(h)
+        profiles.append(StageProfile(n, tuple(kept), tuple(total), tuple(held_w), rerun, times, static, message,
+                                     tuple(fused)))
+        x = h
+    return profiles
+
+
+def _count_after_forward(runner: StageRunner, batch: list[Any], kept: list[int], grads: Values | None) -> None:
+    """Between the first F and B of a stage: what F kept, and the meter counting again from the gradients that
+    arrive (a receive buffer in the runtime)."""
+    kept.append(runner.memory_f)
+    runner.meter.start(outside=batch)
+    runner.meter.hold(grads or (), "recv")
+
+
+# --------------------------------------------------------------------------- the link
+
+
+def _ping(rank: int, port: int, sizes: Sequence[int], rounds: int, out: Any,
+          work: tuple[dict[str, Any], tuple[int, int]] | None = None) -> None:
+    """One end of the ping-pong; with ``work``, this process also computes that layer in another thread meanwhile,
+    as a rank computes while its messages travel."""
+    import threading
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    stop = threading.Event()
+    busy = None
+    if work is not None:
+        once = _layer_loop(*work)
+
+        def compute() -> None:
+            k = 0
+            while not stop.is_set():
+                once(k)
+                k += 1
+
+        busy = threading.Thread(target=compute, daemon=True)
+        busy.start()
+    try:
+        result = {}
+        for size in sizes:
+            buf = torch.zeros(size // 4, dtype=torch.float32)
+            trips = []
+            for k in range(rounds + 2):
+                t0 = time.perf_counter()
+                if rank == 0:
+                    dist.send(buf, 1)
+                    dist.recv(buf, 1)
+                else:
+                    dist.recv(buf, 0)
+                    dist.send(buf, 0)
+                if k >= 2:  # two warm-ups: connection setup and first allocations
+                    trips.append(time.perf_counter() - t0)
+            result[size] = statistics.fmean(trips) / 2  # the mean: a transfer that waits for a core counts
+        stop.set()
+        if busy is not None:
+            busy.join()
+        if rank == 0:
+            out.put(result)
+        dist.barrier()
+    finally:
+        stop.set()
+        dist.destroy_process_group()
+
+
+def measure_link(rounds: int = 20, sizes: Sequence[int] = _LINK_SIZES,
+                 load: tuple[dict[str, Any], tuple[int, int], int] | None = None) -> tuple[float, float]:
+    """(latency seconds, bandwidth bytes/s) of a gloo link between two local processes: half the mean round trip
+    of each size, fitted by least squares to latency + bytes / bandwidth.
+
+    With ``load = (train, (first, end), n)`` the two ends compute those layers of the model in another thread meanwhile,
+    and n more processes run it too, as the ranks of a run do: where ranks share cores, a message then waits
+    for a core (for gloo's threads at both ends, for the receiver to wake up), and that wait is part of what a
+    transfer costs.
+    """
+    import torch.multiprocessing as mp
+
+
+    ctx = process_context()
+    out = ctx.SimpleQueue()
+    helpers: list[Any] = []
+    pingers: list[Any] = []
+    stop = ctx.Event()
+    work = None if load is None else (load[0], load[1])
+    with stopped_on_error(helpers), stopped_on_error(pingers):
+        if load is not None and load[2] > 0:
+            train, layer, n = load
+            ready = ctx.Barrier(n + 1)
+            helpers += [ctx.Process(target=_load, args=(train, layer, ready, stop)) for _ in range(n)]
+            with starting():
+                for h in helpers:
+                    h.start()
+            ready.wait()
+        try:
+            with starting():
+                pings = mp.start_processes(_ping, args=(free_port(), tuple(sizes), rounds, out, work), nprocs=2,
+                                           start_method=ctx.get_start_method(), join=False)
+                pingers += pings.processes
+            while not pings.join():
+                pass
+            one_way: dict[int, float] = out.get()
+        finally:
+            stop.set()
+            for h in helpers:
+                h.join()
+    return fit_link(one_way)
+
+
+# --------------------------------------------------------------------------- sharing the machine
+
+
+def _model(train: dict[str, Any]) -> Model:
+    """The model a profile's ``train`` section names, at its size."""
+    return make_model(train["model"], layers=train.get("layers"), hidden=train.get("hidden"),
+                      heads=train.get("heads"), seq=train["seq"], batch=train["batch"], seed=train["seed"],
+                      config=train.get("model_config"))
+
+
+def _layer_loop(train: dict[str, Any], layers: tuple[int, int]) -> Callable[[int], None]:
+    """A function running layers ``layers[0]..layers[1]-1`` of the model (a stage's worth) forward and backward on
+    one microbatch (one thread)."""
+
+    torch.set_num_threads(1)
+    model = _model(train)
+    first, end = layers
+    built = model.build_layers(range(end))
+    with torch.no_grad():  # the stage's input: the layers before it run once
+        xs = split_batch(model.batch_at(0)[0], train["microbatches"])[0]
+        for i in range(first):
+            y = Chain(built[i])(*xs)
+            xs = y if isinstance(y, tuple) else (y,)
+    runner = StageRunner(Chain(*(built[i] for i in range(first, end))), input_grads=first > 0)
+
+    def once(k: int) -> None:
+        outs = runner.forward(k, xs)
+        runner.backward(k, ones_for(outs))
+
+    for k in range(2):  # warm-up
+        once(k)
+    return once
+
+
+def _sharer(train: dict[str, Any], layers: tuple[int, int], conn: Any) -> None:
+    """One of the processes sharing the machine: build the layers once, then for each window it is sent (a start on
+    the monotonic clock every process reads, and a length), run them from that start for that long and send back
+    the time per pass over the window. None ends it."""
+    once = _layer_loop(train, layers)
+    conn.send("ready")
+    while (window := conn.recv()) is not None:
+        start, seconds = window
+        time.sleep(max(0.0, start - time.monotonic()))
+        t0 = time.monotonic()
+        laps = 0
+        while time.monotonic() - t0 < seconds:  # every process runs the same window, all of it shared
+            once(laps)
+            laps += 1
+        conn.send((time.monotonic() - t0) / laps)
+
+
+def _load(train: dict[str, Any], layers: tuple[int, int], ready: Any, stop: Any) -> None:
+    """Background work while the link is measured: the layers, again and again, until told to stop."""
+    once = _layer_loop(train, layers)
+    ready.wait()
+    k = 0
+    while not stop.is_set():
+        once(k)
+        k += 1
+
+
+def measure_contention(devices: int, train: dict[str, Any], layers: tuple[int, int], seconds: float = 1.0,
+                       rounds: int = 3, laps: int = 40) -> tuple[float, ...]:
+    """For k = 1..devices: the time of a stage's worth of layers (forward and backward) while k processes run it at
+    once, over the time with one (one thread each, as the runtime's ranks); the median over ``rounds`` rounds of
+    k = 1..devices.
+
+    Each process runs the same window and its throughput over the window counts, not single passes: the
+    operating system shares cores in slices of milliseconds, so a single pass often runs alone and only the
+    throughput shows the sharing. A window is ``laps`` passes of one process alone (at least 0.2 s, at most
+    ``seconds``): hundreds of the scheduler's slices. The ``devices`` processes are started once and build the
+    layers once; those not in a window wait without computing.
+    """
+    from multiprocessing.connection import Connection, wait
+
+
+    ctx = process_context()  # as the runtime starts its ranks: from a fork server that has imported torch
+    pipes = [ctx.Pipe() for _ in range(devices)]
+    procs = [ctx.Process(target=_sharer, args=(train, layers, child)) for _, child in pipes]
+    conns = [parent for parent, _ in pipes]
+
+    def answers(ask: list[Connection]) -> list[Any]:
+        """One answer from each of ``ask``; a process that ended instead is an error, not a wait forever."""
+        got: dict[Connection, Any] = {}
+        sentinels = {p.sentinel: p for p in procs}
+        while len(got) < len(ask):
+            for ready in wait([c for c in ask if c not in got] + list(sentinels)):
+                if ready in sentinels:
+                    raise RuntimeError(f"a process measuring how ranks share the cores ended "
+                                       f"(exit code {sentinels[ready].exitcode})")
+                conn = next(c for c in ask if c is ready)
+                got[conn] = conn.recv()
+        return [got[c] for c in ask]
+
+    def window(k: int, length: float) -> float:
+        start = time.monotonic() + 0.02
+        for c in conns[:k]:
+            c.send((start, length))
+        return statistics.fmean(answers(conns[:k]))
+
+    with stopped_on_error(procs):
+        with starting():
+            for p in procs:
+                p.start()
+        answers(conns)
+        alone = window(1, 0.2)
+        length = min(seconds, max(0.2, laps * alone))
+        ratios: list[list[float]] = [[] for _ in range(devices)]
+        for _ in range(rounds):
+            means = [window(k, length) for k in range(1, devices + 1)]
+            for k in range(devices):
+                ratios[k].append(means[k] / means[0])
+        for c in conns:
+            c.send(None)
+        for p in procs:
+            p.join()
+    return tuple(max(1.0, statistics.median(r)) for r in ratios)
+
+
+# --------------------------------------------------------------------------- the whole profile
+
+
+def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int | None = None,
+                  heads: int | None = None, model_config: str | None = None, seq: int = 64,
+                  batch: int = 16, microbatches: int = 8, optimizer: str = "adamw", seed: int = 0,
+                  devices: int = 4, repeats: int = 7, link: bool = True, contention: bool = True,
+                  progress: Progress | None = None) -> Profile:
+    """Measure ``model`` at this size on this machine (see the module's docstring).
+
+    Without ``link`` the link is free (latency 0, infinite bandwidth); without ``contention``
+    every rank has a device of its own (factor 1 for any k). ``layers``, ``hidden`` and ``heads`` None: the model's
+    defaults; ``model_config``: a Hugging Face model's config.
+    """
+    if batch % microbatches:
+        raise ConfigError(f"a batch of {batch} does not split into {microbatches} microbatches; "
+                          f"use a --batch that is a multiple of {microbatches}")
+    if optimizer not in OPTIMIZER_STATE:
+        raise ConfigError(f"unknown optimizer {optimizer!r}: use {' or '.join(OPTIMIZER_STATE)}")
+    train = {"model": model, "layers": layers, "hidden": hidden, "heads": heads, "seq": seq, "batch": batch,
+             "microbatches": microbatches, "optimizer": optimizer, "seed": seed}
+    if model_config is not None:
+        train["model_config"] = model_config
+    built = _model(train)
+    # The whole model here and, to measure how ranks share the cores, a stage's worth on each of the devices.
+    check_model(built, microbatches=microbatches, ranks=devices if contention else 0, copies=2,
+                what=f"profiling {model}")
+    x, y = built.batch_at(0)
+    measured = measure_layers(built.build(), split_batch(x, microbatches)[0], y.chunk(microbatches)[0], built.loss,
+                              microbatches=microbatches, repeats=repeats, progress=progress)
+    # A stage's worth of layers from the heaviest one (a transformer block, not the embedding) stands for a rank's
+    # work: its weights and activations, not one layer's, are what the ranks' caches and memory bus share.
+    heaviest = max(range(len(measured) - 1), key=lambda i: measured[i].f + measured[i].b + measured[i].w)
+    chunk = (heaviest, min(len(measured) - 1, heaviest + max(1, len(measured) // devices)))
+    factors: tuple[float, ...] = (1.0,) * devices
+    if contention:
+        if progress is not None:
+            progress("sharing", 0, 1)
+        factors = measure_contention(devices, train, chunk)
+        if progress is not None:
+            progress("sharing", 1, 1)
+    latency, bandwidth = 0.0, math.inf
+    if link:
+        if progress is not None:
+            progress("link", 0, 1)
+        # Where ranks share cores, the other ranks compute while two of them talk.
+        latency, bandwidth = measure_link(load=(train, chunk, max(0, devices - 2)) if contention else None)
+        if progress is not None:
+            progress("link", 1, 1)
+    machine = {"host": platform.node(), "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+               else os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+               "device": "cpu", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "repeats": repeats}
+    return Profile(train=train, layers=tuple(measured), latency=latency,
+                   bandwidth=bandwidth if math.isfinite(bandwidth) else 1e30, contention=factors,
+                   optimizer_factor=OPTIMIZER_STATE[optimizer], machine=machine)
