@@ -136,7 +136,7 @@ def test_plot_timeline_writes_svg_with_default_title(tmp_path: Path) -> None:
         plot_timeline(_sim("interleaved-1f1b", 4, 8, v=2), str(path))
     svg = path.read_text()
     assert "<svg" in svg
-    assert "interleaved-1f1b  p=4 m=8 v=2  makespan 28.5  bubble 15.8%" in svg
+    assert "interleaved-1f1b:v=2  p=4 m=8  makespan 28.5  bubble 15.8%" in svg
     assert "activation memory (M)" in svg
 
 

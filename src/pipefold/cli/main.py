@@ -21,7 +21,8 @@ from rich.table import Table
 from pipefold import jsonout, schedules
 from pipefold.errors import ConfigError, Interrupted, PipefoldError, ScheduleError
 from pipefold.ir import Schedule, interop
-from pipefold.plan.budget import PlanResult, one_f_one_b_peak, parse_budget, parse_spec, plan
+from pipefold.ir.ref import ScheduleRef
+from pipefold.plan.budget import PlanResult, one_f_one_b_peak, parse_budget, plan
 from pipefold.sim.simulate import CostModel, SimResult, StageOverride, simulate
 from pipefold.units import format_bytes, parse_bytes
 
@@ -423,7 +424,8 @@ def _load_schedule(text: str, args: argparse.Namespace, *, strict_flags: bool) -
         if not os.path.isfile(text):
             raise ConfigError(f"no such schedule file: {text}")
         return interop.load(text, getattr(args, "input_format", None), renumber=getattr(args, "renumber", False))
-    name, options = parse_spec(text)
+    ref = ScheduleRef.parse(text)
+    name, options = ref.name, ref.kwargs
     spec = schedules.get(name)
     for key, value in _flag_options(args).items():
         if spec.option(key) is not None:
@@ -473,11 +475,6 @@ def _kind_table(text: str, flag: str) -> dict[str, float]:
 
 def _fmt(x: float) -> str:
     return f"{x:.6g}"
-
-
-def _label(schedule: Schedule) -> str:
-    opts = ",".join(f"{k}={v}" for k, v in schedule.options.items())
-    return f"{schedule.name}:{opts}" if opts else schedule.name
 
 
 # --------------------------------------------------------------------------- commands
@@ -562,7 +559,7 @@ def _print_result(result: SimResult, console: Console) -> None:
     from pipefold.sim.render import ascii_timeline
 
     s = result.schedule
-    console.print(f"[bold]{_label(s)}[/]  devices={s.devices} stages={s.stages} microbatches={s.microbatches} "
+    console.print(f"[bold]{ScheduleRef.of(s)}[/]  devices={s.devices} stages={s.stages} microbatches={s.microbatches} "
                   f"placement={s.placement_name}")
     table = Table(show_edge=False)
     for col in ("device", "stages", "busy", "idle", "peak memory (M)"):
@@ -590,14 +587,14 @@ def cmd_pipefisher(args: argparse.Namespace, console: Console) -> None:
         from pipefold.sim.render import plot_cycle
 
         plot_cycle(filled.base, filled.steps, args.plot,
-                   title=f"{_label(schedule)}: K-FAC's work {'inline' if args.inline else 'in the bubbles'}")
+                   title=f"{ScheduleRef.of(schedule)}: K-FAC's work {'inline' if args.inline else 'in the bubbles'}")
     if args.json:
         print(jsonout.dumps({**filled.to_dict(), **({"plot": args.plot} if args.plot else {})}))
         return
     from pipefold.sim.render import ascii_timeline
 
     base = filled.base
-    console.print(f"[bold]{_label(schedule)}[/] with K-FAC {'inline' if args.inline else 'in the bubbles'}: "
+    console.print(f"[bold]{ScheduleRef.of(schedule)}[/] with K-FAC {'inline' if args.inline else 'in the bubbles'}: "
                   f"a cycle of {len(filled.steps)} step(s); factors inverted "
                   f"{'/'.join(map(str, filled.refreshes))} time(s) per cycle, by stage")
     table = Table(show_edge=False)
@@ -628,7 +625,7 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> None:
     for col in ("makespan", "vs best", "bubble", "max peak (M)", "peak per device (M)"):
         table.add_column(col, justify="right")
     for r in results:
-        table.add_row(_label(r.schedule), _fmt(r.makespan), f"{r.makespan / best:.3f}x" if best else "-",
+        table.add_row(str(ScheduleRef.of(r.schedule)), _fmt(r.makespan), f"{r.makespan / best:.3f}x" if best else "-",
                       f"{r.bubble_ratio:.1%}", _fmt(max(r.peak_memory)), " ".join(_fmt(x) for x in r.peak_memory))
     console.print(table)
 
@@ -933,7 +930,8 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
             args.devices, args.microbatches = probe.devices, probe.microbatches
             name, options = os.path.abspath(args.schedule), dict[str, int]()
         else:
-            name, options = parse_spec(args.schedule)
+            ref = ScheduleRef.parse(args.schedule)
+            name, options = ref.name, ref.kwargs
             if name == ADAPTIVE:
                 if args.microbatches < 1:
                     raise ConfigError(f"--microbatches must be at least 1 (got {args.microbatches})")
@@ -1136,12 +1134,10 @@ def _print_kfac(k: dict[str, Any], console: Console) -> None:
 
 def _ran(job: Any, spec: str, step: int) -> Schedule:
     """The schedule a step ran (an adaptive job switches between several, a K-FAC job runs a cycle)."""
-    from pipefold.runtime.launch import _spec
-
     if job.cycle:
         return job.cycle[step % len(job.cycle)]
     for each in (job.adaptive.schedules if job.adaptive is not None else (job.schedule,)):
-        if _spec(each) == spec:
+        if str(ScheduleRef.of(each)) == spec:
             return each
     return job.schedule
 
@@ -1385,7 +1381,8 @@ def cmd_partition(args: argparse.Namespace, console: Console) -> None:
         if value is not None and value < 1:
             raise ConfigError(f"{flag} must be at least 1 (got {value})")
     if args.schedule is not None:
-        name, options = parse_spec(args.schedule)
+        ref = ScheduleRef.parse(args.schedule)
+        name, options = ref.name, ref.kwargs
     elif args.chunks is not None and args.chunks > 1:
         name, options = "interleaved-1f1b", {"v": args.chunks}
     else:
@@ -1420,8 +1417,9 @@ def cmd_partition(args: argparse.Namespace, console: Console) -> None:
         cost, device_cost, compared = balanced.cost, balanced.device_cost, {}
     devices = list(schedule.placement[0])
     if args.json:
-        print(jsonout.dumps({"model": args.model, "layers": len(layers), "by": args.by, "schedule": _label(schedule),
-                             "microbatches": m, "stages": schedule.stages, "placement": devices,
+        print(jsonout.dumps({"model": args.model, "layers": len(layers), "by": args.by,
+                             "schedule": str(ScheduleRef.of(schedule)), "microbatches": m, "stages": schedule.stages,
+                             "placement": devices,
                              "boundaries": split.boundaries, "parts": split.parts, "cost": cost,
                              "device_cost": device_cost, "bottleneck": max(device_cost), **sums,
                              "device_time_s": split.device_time, "device_static_bytes": split.device_static_bytes,
@@ -1433,7 +1431,8 @@ def cmd_partition(args: argparse.Namespace, console: Console) -> None:
     def span(part: list[int]) -> str:
         return f"{part[0]}-{part[-1]}" if len(part) > 1 else str(part[0])
 
-    title = f"{args.model} ({len(layers)} layers) split by {args.by}, under {_label(schedule)} with {m} microbatches"
+    title = (f"{args.model} ({len(layers)} layers) split by {args.by}, under {ScheduleRef.of(schedule)} "
+             f"with {m} microbatches")
     table = Table(title=title, title_justify="left")
     for col in ("stage", "device", "layers", "params", "est. time", "act. / mb", "static"):
         table.add_column(col, justify="right")

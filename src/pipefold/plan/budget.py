@@ -5,21 +5,22 @@ from __future__ import annotations
 import itertools
 import math
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from pipefold import schedules
 from pipefold.errors import ConfigError, ScheduleError
 from pipefold.ir import Schedule
+from pipefold.ir.ref import ScheduleRef
 from pipefold.plan.profile import Profile
 from pipefold.plan.recompute import StageProfile, choose_recompute, device_peaks
 from pipefold.sim.simulate import CostModel, SimResult, StageOverride, simulate
 from pipefold.units import format_bytes
 
-__all__ = ["ModelPlan", "ModelPoint", "PlanResult", "Point", "candidates", "choose", "evaluate", "format_spec",
-           "frontier", "model_costs", "one_f_one_b_peak", "parse_budget", "parse_spec", "plan", "plan_model", "predict",
-           "read_plan", "stage_profiles"]
+__all__ = ["ModelPlan", "ModelPoint", "PlanResult", "Point", "candidates", "choose", "evaluate", "frontier",
+           "model_costs", "one_f_one_b_peak", "parse_budget", "plan", "plan_model", "predict", "read_plan",
+           "stage_profiles"]
 
 Progress = Callable[[int, int], None]
 """Called as ``progress(done, total)`` before the first candidate and after each one."""
@@ -47,7 +48,7 @@ class Point:
     @property
     def spec(self) -> str:
         """The ``name:key=value,...`` text that ``pipefold simulate`` accepts."""
-        return format_spec(self.name, self.options)
+        return str(ScheduleRef.named(self.name, self.options))
 
 
 @dataclass(frozen=True)
@@ -78,27 +79,6 @@ class PlanResult:
     @property
     def spec(self) -> str:
         return self.best.spec
-
-
-def format_spec(name: str, options: Mapping[str, int]) -> str:
-    """('kfkb', {'k': 3}) -> 'kfkb:k=3'; no options -> the bare name."""
-    opts = ",".join(f"{k}={v}" for k, v in options.items())
-    return f"{name}:{opts}" if opts else name
-
-
-def parse_spec(text: str) -> tuple[str, dict[str, int]]:
-    """'kfkb:k=3' -> ('kfkb', {'k': 3}): what :func:`format_spec` writes."""
-    name, _, rest = text.partition(":")
-    options: dict[str, int] = {}
-    for item in filter(None, rest.split(",")):
-        key, eq, value = item.partition("=")
-        if not eq:
-            raise ConfigError(f"cannot read option {item!r} in {text!r}: use name:key=value,... e.g. kfkb:k=3")
-        try:
-            options[key.strip()] = int(value)
-        except ValueError:
-            raise ConfigError(f"option {key.strip()} in {text!r} must be an integer (got {value!r})") from None
-    return name, options
 
 
 def parse_budget(text: str, one_f_one_b_peak: float) -> float:
@@ -201,7 +181,7 @@ def _evaluate(p: int, m: int, cost: CostModel | None, progress: Progress | None)
         try:
             points.append(_point(name, options, simulate(schedules.build(name, p, m, **options), cost)))
         except (ConfigError, ScheduleError):
-            skipped.append(format_spec(name, options))
+            skipped.append(str(ScheduleRef.named(name, options)))
         if progress is not None:
             progress(done, len(todo))
     if not points:
@@ -366,7 +346,7 @@ def plan_model(profile: Profile, p: int, budget: float, *, microbatches: int | N
                 raise ConfigError(f"{schedule.stages} stages for {n} layers")
             points.extend(_model_points(profile, schedule, room))
         except (ConfigError, ScheduleError):
-            skipped.append(format_spec(name, options))
+            skipped.append(str(ScheduleRef.named(name, options)))
         if progress is not None:
             progress(done, len(todo))
     if not points:
@@ -458,8 +438,8 @@ def read_plan(path: str) -> dict[str, Any]:
             raise ConfigError(f"{path}: recompute needs one count per stage, at most that stage's layers")
         devices, microbatches = int(data["devices"]), int(data["microbatches"])
         float(data["predicted"]["step_time_s"])
-        name, options = parse_spec(str(data["schedule"]))
-        schedules.get(name)
+        ref = ScheduleRef.parse(str(data["schedule"]))
+        schedules.get(ref.name)
         train = data["train"]  # the model and its size, as train takes them
         if not isinstance(train, dict):
             raise TypeError(f"'train' must be an object, got {train!r}")
@@ -477,7 +457,7 @@ def read_plan(path: str) -> dict[str, Any]:
     if train["model"] not in REGISTRY:
         raise ConfigError(f"{path} names the model {train['model']!r}, which this pipefold does not know: it knows "
                           f"{', '.join(sorted(REGISTRY))}")
-    built = schedules.build(name, devices, microbatches, **options)  # a bad shape: the schedule's own one line
+    built = schedules.build(ref.name, devices, microbatches, **ref.kwargs)  # a bad shape: the schedule's own one line
     if built.stages != len(stages):
         raise ConfigError(f"{path}: {data['schedule']} on {devices} devices has {built.stages} stages but the plan "
                           f"splits the layers into {len(stages)}; write the plan again with pipefold plan --profile")

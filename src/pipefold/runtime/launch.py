@@ -42,6 +42,7 @@ from torch import nn
 
 from pipefold.errors import ConfigError, Interrupted
 from pipefold.ir import Kind, Schedule
+from pipefold.ir.ref import ScheduleRef
 from pipefold.runtime import numerics, sharding
 from pipefold.runtime.devices import Placement, place
 from pipefold.runtime.executor import RankExecutor, StepStats
@@ -359,12 +360,6 @@ class RankReport:
         return self.steps[0].rank if self.steps else self.rank
 
 
-def _spec(schedule: Schedule) -> str:
-    """'kfkb:k=2', '1f1b': the schedule's name and options, as the command line writes them."""
-    opts = ",".join(f"{k}={v}" for k, v in sorted(schedule.options.items()))
-    return f"{schedule.name}:{opts}" if opts else schedule.name
-
-
 @dataclass(frozen=True)
 class Adaptive:
     r"""Switch between schedules of the same stages at step boundaries, as a policy chooses.
@@ -573,7 +568,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
             grads = {name: sharding.full(raw.get(id(p), p.grad)).detach().to("cpu", copy=True)
                      for name, p in _named(job, chains) if p.grad is not None}
         activity.run("the step's report", action=False)
-        stats.schedule, stats.predicted = _spec(choices[current]), predicted
+        stats.schedule, stats.predicted = str(ScheduleRef.of(choices[current])), predicted
         history.add(stats)
         if job.refill is not None and 1 <= step < job.refill.after:
             learning.append(stats)

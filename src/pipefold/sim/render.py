@@ -27,6 +27,7 @@ from rich.text import Text
 from pipefold.errors import ConfigError
 from pipefold.files import check_figure_path, save_figure, write_json
 from pipefold.ir import KINDS, Action, Schedule
+from pipefold.ir.ref import ScheduleRef
 from pipefold.sim.simulate import Interval, SimResult
 
 if TYPE_CHECKING:
@@ -94,8 +95,7 @@ def _box_label(action: Action) -> str:
 
 def _title(result: SimResult) -> str:
     s = result.schedule
-    opts = "".join(f" {k}={v}" for k, v in sorted(s.options.items()))
-    return (f"{s.name}  p={s.devices} m={s.microbatches}{opts}  "
+    return (f"{ScheduleRef.of(s)}  p={s.devices} m={s.microbatches}  "
             f"makespan {result.makespan:.4g}  bubble {result.bubble_ratio:.1%}")
 
 
@@ -539,7 +539,7 @@ def plot_adaptive(per_step: Sequence[Mapping[str, Any]], decisions: Sequence[Map
     ax_bw.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
     ax_bw.set_ylabel("bandwidth (MB/s)")
     ax_bw.legend(loc="lower right", frameon=False, fontsize=8)
-    ks = [_k_of(row["schedule"]) for row in per_step]
+    ks = [int(ScheduleRef.parse(row["schedule"]).option("k", 1)) for row in per_step]
     ax_k.step(starts + ends[-1:], ks + ks[-1:], where="post", color="#228833", linewidth=1.6)
     ax_k.set_ylabel("k")
     ax_k.set_yticks(sorted(set(ks)))
@@ -564,11 +564,3 @@ def plot_adaptive(per_step: Sequence[Mapping[str, Any]], decisions: Sequence[Map
     if title:
         fig.suptitle(title, fontsize=10)
     save_figure(fig, path)
-
-
-def _k_of(spec: str) -> int:
-    """k of a kFkB spec ('kfkb:k=4' -> 4; '1f1b' -> 1)."""
-    for part in spec.partition(":")[2].split(","):
-        if part.startswith("k="):
-            return int(part[2:])
-    return 1

@@ -488,15 +488,15 @@ def _run_netns(job: Job, on_step: Callable[[int, float, float], None] | None) ->
 def from_plan(plan: dict[str, Any], **run: Any) -> tuple[TrainConfig, Decisions]:
     """The run a plan file describes (:func:`pipefold.plan.budget.read_plan`): its model and schedule, with its split
     and recomputation decided; ``run`` sets what a plan leaves open (steps, lr, seed, clip, data)."""
-    from pipefold.plan.budget import parse_spec, stage_profiles
+    from pipefold.ir.ref import ScheduleRef
+    from pipefold.plan.budget import stage_profiles
     from pipefold.plan.profile import Profile
     from pipefold.plan.recompute import device_peaks
 
-    name, opts = parse_spec(str(plan["schedule"]))
-    options = tuple(opts.items())
+    ref = ScheduleRef.parse(str(plan["schedule"]))
     t = plan["train"]
     layers, hidden, heads = (None if t.get(k) is None else int(t[k]) for k in ("layers", "hidden", "heads"))
-    config = TrainConfig(schedule=name, options=options, devices=int(plan["devices"]),
+    config = TrainConfig(schedule=ref.name, options=ref.options, devices=int(plan["devices"]),
                          microbatches=int(plan["microbatches"]), model=t["model"], layers=layers, hidden=hidden,
                          heads=heads, model_config=t.get("model_config"), batch=int(t["batch"]), seq=int(t["seq"]),
                          optimizer=t["optimizer"], **{"seed": int(t["seed"]), **run})
