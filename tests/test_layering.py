@@ -13,6 +13,7 @@ through the IR, and the schedules, the simulator, the planner's pure parts and t
 from __future__ import annotations
 
 import ast
+import re
 import itertools
 import subprocess
 import sys
@@ -132,6 +133,26 @@ def test_the_models_stand_on_the_base_alone() -> None:
 
 def test_the_runtime_reads_schedules_only_through_the_ir() -> None:
     assert _edges("runtime", "schedules") == set()
+
+
+def test_the_architecture_drawing_shows_every_module_in_its_layer() -> None:
+    """docs/architecture.md draws the layers top down, each folder with its modules in the second column: the
+    same order as LAYERS, and every module of the package named in its own folder's rows."""
+    text = (SRC.parents[1] / "docs" / "architecture.md").read_text(encoding="utf-8")
+    drawing = text.split("```text\n", 1)[1].split("```", 1)[0]
+    named: dict[str, set[str]] = {}
+    folder = ""
+    for line in drawing.splitlines():
+        if re.fullmatch(r"\w+/?", line[2:14].strip()):
+            folder = line[2:14].strip().rstrip("/")
+            named[folder] = set()
+        named[folder] |= set(re.findall(r"\w+", line[14:40]))
+    assert list(named) == list(reversed(LAYERS))
+    for module in GRAPH:
+        parts = module.split(".")[1:]
+        if parts in ([], ["__main__"]) or (len(parts) == 1 and parts[0] in LAYERS):
+            continue  # the root package, ``python -m``, a folder's own package
+        assert parts[-1] in named[layer(module)], module
 
 
 def test_schedules_simulator_planner_and_figures_load_without_torch() -> None:
