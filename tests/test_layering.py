@@ -13,8 +13,8 @@ through the IR, and the schedules, the simulator, the planner's pure parts and t
 from __future__ import annotations
 
 import ast
-import re
 import itertools
+import re
 import subprocess
 import sys
 from pathlib import Path
