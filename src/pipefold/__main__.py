@@ -1,7 +1,5 @@
 """``python -m pipefold`` runs the command line."""
 
-import sys
+from pipefold.cli.main import entry
 
-from pipefold.cli.main import main
-
-sys.exit(main())
+entry()

@@ -50,7 +50,6 @@ from pipefold.runtime.stage import StageRunner, Tensors
 from pipefold.runtime.watch import Activity
 
 LOOKAHEAD = 2  # actions whose receives are posted ahead of time: this one and the next
-_RUNS = (Kind.F, Kind.B, Kind.W, Kind.BW, Kind.R)
 """The kinds the runtime runs (an overlapped pair runs its parts on two streams of a GPU, elsewhere one after the
 other; OPT with optimizers; other
 kinds with a :class:`StepWork` that runs them)."""
@@ -317,9 +316,9 @@ class RankExecutor:
         """The process group of this rank's stages' copies in the data-parallel pipelines (``DP`` actions)."""
         self.sharded = sharded
         """The stage modules are sharded across the data-parallel pipelines (FSDP: ``AG`` and ``RS`` actions)."""
-        runs = (set(_RUNS) | ({Kind.OPT} if self.optimizers else set()) | set(work.kinds if work else ())
-                | ({Kind.DP} if dp_group is not None and not sharded else set())
-                | ({Kind.AG, Kind.RS} if sharded else set()))
+        self._handlers = self._handler_table()
+        """What runs each kind of simple action this rank can run (a kind is one entry here)."""
+        runs = set(self._handlers)
         unknown = sorted({a.kind for act in self.actions for a in act.passes} - runs)
         if unknown:
             raise ConfigError(f"the runtime cannot run {', '.join(unknown)} actions ("
@@ -414,7 +413,7 @@ class RankExecutor:
             for ahead in self.actions[idx:idx + LOOKAHEAD]:
                 for wanted in self._remote_messages(ahead):
                     self._post_until(*wanted, block=False)
-            self._run_action(action, inputs, targets, local, new_shapes, clock, stats)
+            self._run_action(action, _Step(inputs, targets, local, new_shapes, clock, stats))
             self.links.reap_sends()
             if probe is not None:
                 probe()
@@ -451,16 +450,14 @@ class RankExecutor:
             self.links.log.clear()
         return stats
 
-    def _run_action(self, action: Action, inputs: list[Tensors], targets: list[Any],
-                    local: dict[tuple[int, int, int], Tensors], new_shapes: bool, clock: _Clock,
-                    stats: StepStats) -> None:
+    def _run_action(self, action: Action, step: _Step) -> None:
         """Run one action. An overlapped pair (``FB``) on a GPU runs its forward on a side stream while its
         backward runs on the compute stream, so that one's kernels fill the other's gaps (DualPipe's overlap);
         elsewhere it runs its forward, then its backward."""
         parts = action.passes
         if len(parts) == 1 or self._side is None:
             for part in parts:
-                self._run(part, inputs, targets, local, new_shapes, clock, stats)
+                self._run(part, step)
             return
         compute = torch.cuda.current_stream(self.device)
         forward, backward = parts
@@ -469,96 +466,124 @@ class RankExecutor:
             # The forward's kernels are queued first, then the backward's on the other stream: the GPU runs them
             # side by side. Autograd runs this forward's own backward later on this same stream, and makes the
             # calling stream wait for it.
-            self._run(forward, inputs, targets, local, new_shapes, clock, stats)
-        self._run(backward, inputs, targets, local, new_shapes, clock, stats)
+            self._run(forward, step)
+        self._run(backward, step)
         compute.wait_stream(self._side)  # what comes next may read the forward's output
 
-    def _run(self, action: Action, inputs: list[Tensors], targets: list[Any],
-             local: dict[tuple[int, int, int], Tensors], new_shapes: bool, clock: _Clock,
-             stats: StepStats) -> None:
-        """Run one simple action (not a composite) on its stage."""
-        S, M = self.schedule.stages, self.schedule.microbatches
-        s, mb = action.stage, action.microbatch
-        runner = self.runners[s]
-        where = str(action)
-        self.activity.run(where)
-        if action.kind == Kind.F:
-            x = inputs[mb] if s == 0 else self._take(FORWARD, action, local, clock, stats)
-            if (gathering := self._gathers.pop(s, None)) is not None:
-                start = clock()
-                gathering.wait()
-                stats.events.append(Event(f"wait {s}{Kind.AG}", "comm", start, clock()))
-            start = clock.mark()
-            with self.work.forward(action) if self.work is not None else contextlib.nullcontext():
-                out = runner.forward(mb, x, targets[mb] if s == S - 1 else None, scale=1.0 / M)
-            del x
-            clock.interval(stats.events, str(action), "F", start)
-            if s < S - 1:
-                self._hand_on(FORWARD, s + 1, mb, out, local, new_shapes, stats)
-            else:
-                # Read after the step (no wait for the GPU here); a copy: the loss may share a larger storage.
-                self._losses[mb] = runner.losses.pop(mb).clone()
-            del out
-        elif action.kind == Kind.W:
-            start = clock.mark()
-            runner.backward_weight(mb)
-            clock.interval(stats.events, str(action), "W", start)
-        elif action.kind == Kind.R:
-            start = clock.mark()
-            for p in runner.params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                # Started now, waited for by the stage's OPT or at the step's end: it overlaps what comes next.
-                self._reductions.setdefault(s, []).append(dist.all_reduce(p.grad, group=self._groups[s],
-                                                                          async_op=True))
-            clock.interval(stats.events, str(action), "R", start)
-        elif action.kind == Kind.DP:
-            start = clock.mark()
-            if s in self._reductions:
-                self.activity.wait(where, f"the all-reduce of stage {s}", self._group_ranks.get(s, ()))
-            for work in self._reductions.pop(s, ()):
-                work.wait()  # the all-reduce between replicas first: both write the same gradients
-            self.activity.resume(where)
-            share = 1.0 / dist.get_world_size(self.dp_group)
-            for p in runner.params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                p.grad.mul_(share)  # the mean over the pipelines, each having averaged over its own shard
-                self._reductions.setdefault(s, []).append(dist.all_reduce(p.grad, group=self.dp_group,
-                                                                          async_op=True))
-            clock.interval(stats.events, str(action), "DP", start)
-        elif action.kind == Kind.AG:
-            start = clock.mark()
-            self._gathers[s] = sharding.gather(runner.module)
-            clock.interval(stats.events, str(action), Kind.AG, start)
-        elif action.kind == Kind.RS:
-            start = clock.mark()
-            for work in self._reductions.pop(s, ()):
-                work.wait()
-            sharding.reduce_scatter(runner.module)
-            clock.interval(stats.events, str(action), Kind.RS, start)
-        elif action.kind == Kind.OPT:
-            start = clock.mark()
-            if s in self._reductions:
-                self.activity.wait(where, f"the all-reduce of stage {s}", self._reduce_ranks(s))
-            for work in self._reductions.pop(s, ()):
-                work.wait()
-            self.activity.resume(where)
-            self.optimizers[s]()
-            clock.interval(stats.events, str(action), "OPT", start)
-        elif self.work is not None and action.kind in self.work.kinds:
-            start = clock.mark()
-            self.work.run(action)
-            clock.interval(stats.events, str(action), action.kind, start)
+    def _run(self, action: Action, step: _Step) -> None:
+        """Run one simple action (not a composite) on its stage, by its kind's handler."""
+        self.activity.run(str(action))
+        self._handlers[action.kind](action, step)
+
+    def _handler_table(self) -> dict[str, Callable[[Action, _Step], None]]:
+        """Each kind this rank runs, and its handler: the passes always; OPT with an optimizer per stage; K-FAC's
+        work with K-FAC; DP between data-parallel pipelines, or AG and RS where they are sharded."""
+        table: dict[str, Callable[[Action, _Step], None]] = {
+            Kind.F: self._forward, Kind.B: self._backward, Kind.BW: self._backward, Kind.W: self._weight,
+            Kind.R: self._reduce_replicas,
+        }
+        if self.optimizers:
+            table[Kind.OPT] = self._optimize
+        if self.work is not None:
+            table.update(dict.fromkeys(self.work.kinds, self._work))
+        if self.dp_group is not None and not self.sharded:
+            table[Kind.DP] = self._reduce_pipelines
+        if self.sharded:
+            table.update({Kind.AG: self._gather, Kind.RS: self._reduce_scatter})
+        return table
+
+    def _forward(self, action: Action, step: _Step) -> None:
+        S, M, s, mb = self.schedule.stages, self.schedule.microbatches, action.stage, action.microbatch
+        runner, clock, stats = self.runners[s], step.clock, step.stats
+        x = step.inputs[mb] if s == 0 else self._take(FORWARD, action, step.local, clock, stats)
+        if (gathering := self._gathers.pop(s, None)) is not None:
+            start = clock()
+            gathering.wait()
+            stats.events.append(Event(f"wait {s}{Kind.AG}", "comm", start, clock()))
+        start = clock.mark()
+        with self.work.forward(action) if self.work is not None else contextlib.nullcontext():
+            out = runner.forward(mb, x, step.targets[mb] if s == S - 1 else None, scale=1.0 / M)
+        del x
+        clock.interval(stats.events, str(action), "F", start)
+        if s < S - 1:
+            self._hand_on(FORWARD, s + 1, mb, out, step.local, step.new_shapes, stats)
         else:
-            dy = None if s == S - 1 else self._take(BACKWARD, action, local, clock, stats)
-            start = clock.mark()
-            dx = runner.backward_input(mb, dy) if action.kind == Kind.B else runner.backward(mb, dy)
-            del dy
-            clock.interval(stats.events, str(action), action.kind, start)
-            if s > 0 and dx is not None:
-                self._hand_on(BACKWARD, s - 1, mb, dx, local, new_shapes, stats)
-            del dx
+            # Read after the step (no wait for the GPU here); a copy: the loss may share a larger storage.
+            self._losses[mb] = runner.losses.pop(mb).clone()
+        del out
+
+    def _backward(self, action: Action, step: _Step) -> None:
+        """B (the input's gradient, W later) or BW (both at once), handing the input's gradient on."""
+        s, mb, clock = action.stage, action.microbatch, step.clock
+        runner = self.runners[s]
+        dy = None if s == self.schedule.stages - 1 else self._take(BACKWARD, action, step.local, clock, step.stats)
+        start = clock.mark()
+        dx = runner.backward_input(mb, dy) if action.kind == Kind.B else runner.backward(mb, dy)
+        del dy
+        clock.interval(step.stats.events, str(action), action.kind, start)
+        if s > 0 and dx is not None:
+            self._hand_on(BACKWARD, s - 1, mb, dx, step.local, step.new_shapes, step.stats)
+        del dx
+
+    def _weight(self, action: Action, step: _Step) -> None:
+        start = step.clock.mark()
+        self.runners[action.stage].backward_weight(action.microbatch)
+        step.clock.interval(step.stats.events, str(action), "W", start)
+
+    def _reduce_replicas(self, action: Action, step: _Step) -> None:
+        """R: start the all-reduce of the stage's gradients among its replicas in this pipeline."""
+        s, start = action.stage, step.clock.mark()
+        for p in self.runners[s].params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            # Started now, waited for by the stage's OPT or at the step's end: it overlaps what comes next.
+            self._reductions.setdefault(s, []).append(dist.all_reduce(p.grad, group=self._groups[s], async_op=True))
+        step.clock.interval(step.stats.events, str(action), "R", start)
+
+    def _reduce_pipelines(self, action: Action, step: _Step) -> None:
+        """DP: start the all-reduce of the stage's gradients among the data-parallel pipelines (their mean)."""
+        s, where, start = action.stage, str(action), step.clock.mark()
+        if s in self._reductions:
+            self.activity.wait(where, f"the all-reduce of stage {s}", self._group_ranks.get(s, ()))
+        for work in self._reductions.pop(s, ()):
+            work.wait()  # the all-reduce between replicas first: both write the same gradients
+        self.activity.resume(where)
+        share = 1.0 / dist.get_world_size(self.dp_group)
+        for p in self.runners[s].params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            p.grad.mul_(share)  # the mean over the pipelines, each having averaged over its own shard
+            self._reductions.setdefault(s, []).append(dist.all_reduce(p.grad, group=self.dp_group, async_op=True))
+        step.clock.interval(step.stats.events, str(action), "DP", start)
+
+    def _gather(self, action: Action, step: _Step) -> None:
+        start = step.clock.mark()
+        self._gathers[action.stage] = sharding.gather(self.runners[action.stage].module)
+        step.clock.interval(step.stats.events, str(action), Kind.AG, start)
+
+    def _reduce_scatter(self, action: Action, step: _Step) -> None:
+        start = step.clock.mark()
+        for work in self._reductions.pop(action.stage, ()):
+            work.wait()
+        sharding.reduce_scatter(self.runners[action.stage].module)
+        step.clock.interval(step.stats.events, str(action), Kind.RS, start)
+
+    def _optimize(self, action: Action, step: _Step) -> None:
+        s, where, start = action.stage, str(action), step.clock.mark()
+        if s in self._reductions:
+            self.activity.wait(where, f"the all-reduce of stage {s}", self._reduce_ranks(s))
+        for work in self._reductions.pop(s, ()):
+            work.wait()
+        self.activity.resume(where)
+        self.optimizers[s]()
+        step.clock.interval(step.stats.events, str(action), "OPT", start)
+
+    def _work(self, action: Action, step: _Step) -> None:
+        """K-FAC's work (KA, KG, KI, KP)."""
+        assert self.work is not None
+        start = step.clock.mark()
+        self.work.run(action)
+        step.clock.interval(step.stats.events, str(action), action.kind, start)
 
     # -- moving tensors
 
@@ -658,6 +683,19 @@ class RankExecutor:
     def close(self) -> None:
         """Stop the links' threads (every send has been delivered at the end of a step)."""
         self.links.close()
+
+
+@dataclass
+class _Step:
+    """What the actions of one step share: the batch's microbatches and targets, the tensors handed between
+    stages on this rank, whether shapes are new (headers go with the first messages), the clock and the stats."""
+
+    inputs: list[Tensors]
+    targets: list[Any]
+    local: dict[tuple[int, int, int], Tensors]
+    new_shapes: bool
+    clock: _Clock
+    stats: StepStats
 
 
 def _tensors(x: Any) -> list[torch.Tensor]:

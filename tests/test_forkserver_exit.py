@@ -1,0 +1,46 @@
+"""The ranks' fork server leaves at once when its parent ends, and so does the ``pipefold`` command: neither
+tears down the modules it imported (most of a second with torch), which would keep a reader of their output
+waiting. Checked by what teardown would have done: an object's finalizer, which runs in teardown and not after
+``os._exit``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+FINALIZER = "class Loud:\n    def __del__(self):\n        print('torn down', flush=True)\nkept = Loud()\n"
+
+
+def test_importing_the_servers_module_skips_teardown() -> None:
+    code = FINALIZER + "import pipefold.runtime._forkserver\nprint('done', flush=True)\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["done"]
+
+
+def test_the_command_runs_exit_handlers_and_skips_teardown() -> None:
+    code = (FINALIZER + "import atexit, sys\natexit.register(lambda: print('handlers ran', flush=True))\n"
+            "sys.argv = ['pipefold', 'simulate', '1f1b', '--json']\nfrom pipefold.cli.main import entry\nentry()\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().endswith("handlers ran") and "torn down" not in out
+
+
+def test_without_it_teardown_runs() -> None:  # the reference: the finalizer does print when Python tears down
+    out = subprocess.run([sys.executable, "-c", FINALIZER], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["torn", "down"]
+
+
+def test_the_fork_server_imports_it_last() -> None:
+    from multiprocessing import forkserver
+
+    from pipefold.runtime.processes import process_context
+
+    process_context(("some.model",))
+    assert forkserver._forkserver._preload_modules[-2:] == ["some.model", "pipefold.runtime._forkserver"]
+
+
+def test_the_command_flushes_its_output_and_exits_with_its_code() -> None:
+    got = subprocess.run([sys.executable, "-m", "pipefold", "simulate", "1f1b", "--json"], capture_output=True,
+                         text=True)
+    assert got.returncode == 0 and got.stdout.strip().startswith("{") and got.stdout.strip().endswith("}")
+    bad = subprocess.run([sys.executable, "-m", "pipefold", "simulate", "nope"], capture_output=True, text=True)
+    assert bad.returncode != 0 and len(bad.stderr.strip().splitlines()) == 1
