@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from pipefold import ConfigError, CostModel, Kind, Schedule, SimResult, build, simulate, validate
-from pipefold.ir import Action, linear_placement, reversed_placement
+from pipefold.ir import Action, dumps, linear_placement, reversed_placement
 from pipefold.schedules.bidirectional import chimera, dualpipe
 
 EVEN = (2, 4, 6, 8)
@@ -51,7 +51,7 @@ def _check_shape(s: Schedule) -> None:
     # Text, JSON and CSV forms read back exactly (the CSV infers both replicas and the routes).
     assert Schedule.from_text(s.to_text()) == s
     assert Schedule.from_json(s.to_json()) == s
-    assert Schedule.from_json(s.dumps("json")) == s
+    assert Schedule.from_json(dumps(s, "json")) == s
     assert Schedule.from_csv(s.to_csv(), name=s.name) == s
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from pipefold import Schedule, build, simulate
 from pipefold.cli.main import main
+from pipefold.ir import load
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -83,7 +84,7 @@ def test_schedules_lists_every_name(capsys) -> None:
 def test_generate_then_simulate_and_validate_a_file(capsys, tmp_path, suffix: str) -> None:
     path = tmp_path / f"s{suffix}"
     assert run(capsys, "generate", "zb-h1", "-p", "3", "-m", "6", "-o", str(path))[0] == 0
-    assert Schedule.load(str(path)).actions == build("zb-h1", 3, 6).actions
+    assert load(str(path)).actions == build("zb-h1", 3, 6).actions
     code, out, _ = run(capsys, "simulate", str(path), "--json")
     assert code == 0 and json.loads(out)["makespan"] == simulate(build("zb-h1", 3, 6)).makespan
     code, out, _ = run(capsys, "validate", str(path))

@@ -14,7 +14,7 @@ import pytest
 
 from pipefold import build, simulate
 from pipefold.cli.main import main
-from pipefold.ir import MAX_DEVICES, MAX_STAGE_MICROBATCHES, Schedule, check_size
+from pipefold.ir import MAX_DEVICES, MAX_STAGE_MICROBATCHES, check_size, load, save
 from pipefold.sim.simulate import CostModel, peak_by_order
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -116,7 +116,7 @@ def test_generate_with_an_upper_case_suffix_reads_back(capsys: pytest.CaptureFix
         path = tmp_path / name
         assert main(["generate", "zb-h1", "-p", "3", "-m", "6", "-o", str(path)]) == 0
         assert path.read_text().startswith(head)
-        assert Schedule.load(str(path)).actions == build("zb-h1", 3, 6).actions
+        assert load(str(path)).actions == build("zb-h1", 3, 6).actions
         capsys.readouterr()
         assert main(["simulate", str(path), "--json"]) == 0
         assert json.loads(capsys.readouterr().out)["makespan"] == simulate(build("zb-h1", 3, 6)).makespan
@@ -125,7 +125,7 @@ def test_generate_with_an_upper_case_suffix_reads_back(capsys: pytest.CaptureFix
 def test_a_file_named_like_a_schedule_does_not_take_its_place(capsys: pytest.CaptureFixture[str], tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    build("gpipe", 2, 2).save("1f1b")  # text, in the current folder
+    save(build("gpipe", 2, 2), "1f1b")  # text, in the current folder
     assert main(["compare", "1f1b", "-p", "3", "-m", "6", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)["results"][0]
     assert (result["schedule"], result["devices"], result["microbatches"]) == ("1f1b", 3, 6)

@@ -330,7 +330,7 @@ def test_interop_loads_without_torch() -> None:
     ("0F0,0B0,0W0\n1F0,1B0,1W0\n", False),  # pipefold's B, with its W
 ])
 def test_the_torch_dialect_is_told_by_its_content(tmp_path, text: str, torch: bool) -> None:
-    from pipefold.ir.interop import torch_dialect
+    from pipefold.ir.formats import torch_dialect
 
     assert torch_dialect(text) is torch
 

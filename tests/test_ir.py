@@ -7,7 +7,19 @@ import json
 import pytest
 
 from pipefold import Action, Schedule, ScheduleError, build, simulate, validate
-from pipefold.ir import BW, B, F, W, describe_placement, linear_placement, looped_placement, render_grid, v_placement
+from pipefold.ir import (
+    BW,
+    B,
+    F,
+    W,
+    describe_placement,
+    linear_placement,
+    load,
+    looped_placement,
+    render_grid,
+    save,
+    v_placement,
+)
 
 
 def test_action_text_round_trips() -> None:
@@ -121,8 +133,8 @@ def test_files_in_every_format(tmp_path) -> None:
     s = build("zb-h1", 3, 5)
     for suffix in (".txt", ".json", ".csv"):
         path = str(tmp_path / f"s{suffix}")
-        s.save(path)
-        back = Schedule.load(path)
+        save(s, path)
+        back = load(path)
         assert back.actions == s.actions and back.placement[0] == s.placement[0]
         if suffix != ".csv":
             assert back == s

@@ -20,7 +20,7 @@ from rich.table import Table
 
 from pipefold import jsonout, schedules
 from pipefold.errors import ConfigError, Interrupted, PipefoldError, ScheduleError
-from pipefold.ir import Schedule, interop
+from pipefold.ir import Schedule, formats
 from pipefold.ir.ref import ScheduleRef
 from pipefold.plan.budget import PlanResult, one_f_one_b_peak, parse_budget, plan
 from pipefold.sim.simulate import CostModel, SimResult, StageOverride, simulate
@@ -138,7 +138,7 @@ def _devices_flag(p: argparse.ArgumentParser, default: int) -> None:
 
 def _add_format(p: argparse.ArgumentParser) -> None:
     """--format of the schedule files a command reads (generate's --format is its output's)."""
-    p.add_argument("--format", dest="input_format", choices=list(interop.FORMATS), default=None,
+    p.add_argument("--format", dest="input_format", choices=list(formats.FORMATS), default=None,
                    help="format of schedule files: text, json, csv (pipefold's) or torch-csv "
                         "(torch.distributed.pipelining's); default: from each file's suffix, and torch's CSV "
                         "told by its content")
@@ -213,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="write a schedule as text, JSON or CSV")
     p.add_argument("schedule", help="a registered name, optionally name:key=value,...")
     _add_shape(p)
-    p.add_argument("--format", choices=list(interop.FORMATS), default=None,
+    p.add_argument("--format", choices=list(formats.FORMATS), default=None,
                    help="output format; torch-csv: torch.distributed.pipelining's CSV (default: from the output "
                         "file's suffix, else text)")
     p.add_argument("--output", "-o", metavar="FILE", help="write to FILE instead of standard output")
@@ -423,7 +423,7 @@ def _load_schedule(text: str, args: argparse.Namespace, *, strict_flags: bool) -
     if _looks_like_file(text):
         if not os.path.isfile(text):
             raise ConfigError(f"no such schedule file: {text}")
-        return interop.load(text, getattr(args, "input_format", None), renumber=getattr(args, "renumber", False))
+        return formats.load(text, getattr(args, "input_format", None), renumber=getattr(args, "renumber", False))
     ref = ScheduleRef.parse(text)
     name, options = ref.name, ref.kwargs
     spec = schedules.get(name)
@@ -638,7 +638,7 @@ def cmd_generate(args: argparse.Namespace, console: Console) -> None:
         check_writable(args.output, "schedule")
     schedule = _load_schedule(args.schedule, args, strict_flags=True)
     fmt = args.format or (format_of(args.output) if args.output else "text")
-    text = interop.dumps(schedule, fmt)
+    text = formats.dumps(schedule, fmt)
     if args.output:
         write_text(args.output, text)
         console.print(f"wrote {fmt} schedule: {args.output}")

@@ -39,14 +39,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pipefold.errors import ConfigError, ScheduleError
-from pipefold.ir import Action, Kind, Schedule, check_size, overlap, read_schedule_text
+from pipefold.ir.kinds import Action, Kind, check_size, overlap
+from pipefold.ir.schedule import Schedule
 
 if TYPE_CHECKING:  # torch is imported only where a torch object is made
     from torch.distributed.pipelining.schedules import _Action
 
-__all__ = ["FORMATS", "dumps", "from_torch_csv", "from_torch_order", "load", "to_torch_actions", "to_torch_csv"]
+__all__ = ["from_torch_csv", "from_torch_order", "to_torch_actions", "to_torch_csv"]
 
-FORMATS = ("text", "json", "csv", "torch-csv")
 """The schedule file formats: pipefold's text, JSON and CSV, and torch.distributed.pipelining's CSV."""
 
 _TO_PIPEFOLD = {"F": Kind.F, "I": Kind.B, "W": Kind.W, "B": Kind.BW}
@@ -315,43 +315,3 @@ def _cell(t: _Torch) -> str:
 
 
 # --------------------------------------------------------------------------- files in any format
-
-
-def dumps(schedule: Schedule, fmt: str = "text") -> str:
-    """``schedule`` in one of :data:`FORMATS`."""
-    if fmt == "torch-csv":
-        return to_torch_csv(schedule)
-    if fmt not in FORMATS:
-        raise ConfigError(f"unknown schedule format {fmt!r}: use {', '.join(FORMATS)}")
-    return schedule.dumps(fmt)
-
-
-_TORCH_ONLY = re.compile(r"(?:^|[,(;])\s*\d+I\d+\b|OVERLAP_F_B|SEND_[FB]|RECV_[FB]|UNSHARD|RESHARD|REDUCE_GRAD",
-                         re.MULTILINE)
-
-
-def torch_dialect(text: str) -> bool:
-    """Whether a CSV schedule is torch's: it has a cell only torch writes (``2I0``, an ``OVERLAP_F_B`` pair, a
-    send or receive, FSDP's and the gradient reduction's), or full backwards (``B``) with no ``W`` nor ``BW``
-    anywhere (pipefold's ``B`` is the input gradient, which needs its ``W``)."""
-    if _TORCH_ONLY.search(text):
-        return True
-    cells = re.findall(r"\d+(BW|B|W)\d+", text)
-    return "B" in cells and "W" not in cells and "BW" not in cells
-
-
-def load(path: str, fmt: str | None = None, *, renumber: bool = False) -> Schedule:
-    """Read a schedule file in ``fmt`` (one of :data:`FORMATS`), or, if None, as its suffix says; a ``.csv`` in
-    torch's dialect is told from pipefold's by its content (:func:`torch_dialect`). ``renumber``: see
-    :func:`from_torch_order` (torch's CSV only)."""
-    if fmt is not None and fmt not in FORMATS:
-        raise ConfigError(f"unknown schedule format {fmt!r}: use {', '.join(FORMATS)}")
-    if fmt is None and path.lower().endswith(".csv") and torch_dialect(read_schedule_text(path)):
-        fmt = "torch-csv"
-    if fmt != "torch-csv":
-        return Schedule.load(path, fmt)
-    text = read_schedule_text(path)
-    try:
-        return from_torch_csv(text, renumber=renumber)
-    except ScheduleError as exc:
-        raise ScheduleError(f"{path}: {exc.message}", exc.report) from None

@@ -153,8 +153,7 @@ def build_schedule(config: TrainConfig) -> Schedule:
     if config.schedule == ADAPTIVE:
         return _adaptive(config).schedules[0]
     if config.schedule not in schedules.REGISTRY and os.path.isfile(config.schedule):
-        from pipefold.ir import validate
-        from pipefold.ir.interop import load
+        from pipefold.ir import load, validate
 
         schedule = load(config.schedule, renumber=config.renumber)
         validate(schedule)
