@@ -32,11 +32,15 @@ def _train(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:  # type: ign
     return json.loads(captured.out)
 
 
-def _cli(cwd: Path, *argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """``pipefold train ARGV`` in a process of its own (the test hooks are read from its environment)."""
-    return subprocess.run([sys.executable, "-m", "pipefold", "train", *argv], capture_output=True, text=True,
-                          cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, timeout=240,
-                          check=False)
+FAULTY = str(Path(__file__).with_name("faulty.py"))
+"""Runs the command with faults injected into its job (see tests/faulty.py)."""
+
+
+def _cli(cwd: Path, *argv: str, faults: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    """``pipefold train ARGV`` in a process of its own; ``faults``: tests/faulty.py's options."""
+    command = [FAULTY, *faults, "--"] if faults else ["-m", "pipefold"]
+    return subprocess.run([sys.executable, *command, "train", *argv], capture_output=True, text=True,
+                          cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=240, check=False)
 
 
 def _plain_gpt(seed: int = 0) -> nn.Sequential:
@@ -93,7 +97,7 @@ def test_crash_mid_save_and_corrupt_checkpoints(capsys: pytest.CaptureFixture[st
     straight = _train(capsys, *MLP, "--steps", "8")["loss"]
     # The last rank dies while the checkpoint of step 4 is being saved, after writing its own files.
     crashed = _cli(tmp_path, *MLP, "--steps", "6", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
-                   env={"PIPEFOLD_TEST_DIE_AT_STEP": "4:save"})
+                   faults=("--die-at", "4:save"))
     assert crashed.returncode == 1 and "pipefold train: error: rank" in crashed.stderr, crashed.stderr
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step-00000002", "step-00000004.tmp"]
     assert (ckpt / "latest").read_text().strip() == "step-00000002"
@@ -162,9 +166,9 @@ def test_torchrun_restart_resumes_from_the_last_checkpoint(capsys: pytest.Captur
     """torchrun --max-restarts 1: a worker dies at step 3; the restarted workers resume from the checkpoint of
     step 2 by themselves, and the run ends with the losses and weights of an uninterrupted one."""
     straight = _train(capsys, *MLP, "--steps", "5", "--save-model", str(tmp_path / "straight.pt"))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PIPEFOLD_TEST_DIE_AT_STEP": "3"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([*TORCHRUN_MODULE, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
-                             "-m", "pipefold", "train", *MLP, "--steps", "5", "--checkpoint-dir", "ckpt",
+                             FAULTY, "--die-at", "3", "--", "train", *MLP, "--steps", "5", "--checkpoint-dir", "ckpt",
                              "--checkpoint-every", "2", "--save-model", "restarted.pt", "--json"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
                             start_new_session=True)

@@ -24,9 +24,9 @@ MLP = ["--model", "mlp", "--layers", "4", "--hidden", "16", "--batch", "8", "--d
 def _cli(cwd: Path, *argv: str, nan: str | None = None) -> subprocess.CompletedProcess[str]:
     """``pipefold train ARGV`` in a process of its own; ``nan``: the steps whose first microbatch gets a NaN."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    if nan is not None:
-        env["PIPEFOLD_TEST_NAN_AT_STEP"] = nan
-    return subprocess.run([sys.executable, "-m", "pipefold", "train", *argv], capture_output=True, text=True,
+    faulty = str(Path(__file__).with_name("faulty.py"))  # injects the faults into the command's job
+    command = [faulty, "--nan-at", nan, "--"] if nan is not None else ["-m", "pipefold"]
+    return subprocess.run([sys.executable, *command, "train", *argv], capture_output=True, text=True,
                           cwd=cwd, env=env, timeout=240, check=False)
 
 
@@ -95,11 +95,12 @@ def test_a_diverging_run_stops_with_one_line(tmp_path: Path, capsys: pytest.Capt
 _COMPARE = textwrap.dedent("""
     import dataclasses, sys, torch
     from pipefold.ir import OPT
+    from pipefold.runtime.faults import Faults
     from pipefold.runtime.launch import run_local
     from pipefold.train.run import TrainConfig, make_job
     cfg = TrainConfig(schedule="zb-h1", devices=2, microbatches=4, steps=6, model="mlp", layers=4, hidden=16,
                       batch=8, partition="even", clip=3.0)
-    job = dataclasses.replace(make_job(cfg), save_weights=True)
+    job = dataclasses.replace(make_job(cfg), save_weights=True, faults=Faults(nan=frozenset({3})))
     inside = job.schedule.with_actions([[*row, OPT(s)] for s, row in enumerate(job.schedule.actions)])
     out = {}
     for name, j in (("sync", job), ("post", dataclasses.replace(job, post_validate=True)),
@@ -115,7 +116,7 @@ def test_post_validation_gives_the_weights_of_the_synchronous_check(tmp_path: Pa
     """Steps that need clipping, a step with a NaN (step 3: index 2) and plain steps: with post-validation the optimizer
     steps first and is rolled back where the check says so, and a schedule whose OPT actions step each stage
     inside the step is validated after the fact; both give the weights of checking first, bit for bit."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PIPEFOLD_TEST_NAN_AT_STEP": "3"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", _COMPARE, str(tmp_path / "w.pt")], capture_output=True, text=True,
                           env=env, timeout=240, check=False)
     assert proc.returncode == 0, proc.stderr

@@ -46,6 +46,7 @@ from pipefold.ir.ref import ScheduleRef
 from pipefold.runtime import numerics, sharding
 from pipefold.runtime.devices import Placement, place
 from pipefold.runtime.executor import RankExecutor, StepStats
+from pipefold.runtime.faults import Faults
 from pipefold.runtime.history import KEEP_FIRST, StepHistory, step_number
 from pipefold.runtime.numerics import clip_factor, local_check, scale_grads, verdict
 from pipefold.runtime.processes import free_port, process_context
@@ -197,6 +198,8 @@ class Job:
     overlap: bool = True
     """On a GPU, run an overlapped pair's (``FB``) forward and backward at once on two streams; False: one after
     the other, as on the CPU."""
+    faults: Faults | None = None
+    """Faults a test injects (:mod:`pipefold.runtime.faults`); None in normal use."""
     extra: dict[str, Any] = field(default_factory=dict)
     """What the launcher passes through (the model's layer count, the recomputation plan...). For the tests of
     machines without a GPU, ``extra["stage_through_host"]`` makes CPU ranks send the way ranks sharing a GPU do
@@ -525,11 +528,11 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
                                    rank=global_rank, device=device)
         start, resumed_from = int(progress["step"]), checkpointing.resume.path
         current = int(progress.get("schedule_index") or 0)
-    hooks = _TestHooks.read()
+    faults = job.faults or Faults()
     bad_run, skipped, saved = 0, [], []
     stopped = None
     for step in range(start, job.steps):
-        if hooks.die == (step_number(step), "step") and global_rank == world - 1:
+        if faults.die == (step_number(step), "step") and global_rank == world - 1:
             os._exit(13)
         if job.cycle:
             current = (step - cycle_from) % len(choices)
@@ -542,7 +545,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
             x, y = split_batch(x, job.dp)[pipeline], y.chunk(job.dp)[pipeline]
         xs = split_batch(tuple(t.to(device) for t in as_tuple(x)), m)
         ys = microbatches(y.to(device), m)
-        if step_number(step) in hooks.nan and xs[0][0].is_floating_point():
+        if step_number(step) in faults.nan and xs[0][0].is_floating_point():
             poisoned = xs[0][0].clone()
             poisoned.view(-1)[0] = math.nan
             xs[0] = (poisoned, *xs[0][1:])
@@ -617,7 +620,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
         if checkpointing is not None and checkpointing.due(step + 1, job.steps):
             from pipefold.runtime import checkpoint
 
-            die = hooks.die == (step + 1, "save") and global_rank == world - 1
+            die = faults.die == (step + 1, "save") and global_rank == world - 1
             saved.append(checkpoint.save(checkpointing, step + 1, model=state, optimizers=optimizers, names=names,
                                          progress={"step": step + 1, "schedule_index": current}, rank=global_rank,
                                          device=device, written=(lambda: os._exit(13)) if die else None))
@@ -788,31 +791,6 @@ def _save_model(job: Job, modules: dict[int, nn.Module], path: str, global_rank:
 
     with atomic(path, binary=True) as fh:
         torch.save(full, fh)
-
-
-@dataclass(frozen=True)
-class _TestHooks:
-    """Faults the tests inject into real runs, read from the environment (never set in normal use):
-
-    Steps are counted as users see them (:func:`~pipefold.runtime.history.step_number`: from 1).
-    ``PIPEFOLD_TEST_DIE_AT_STEP=N`` makes the last rank exit (code 13) as step N starts, and ``N:save`` while it
-    saves the checkpoint of step N (its files written, the checkpoint not yet committed); only in a first
-    attempt, not in a restart by torchrun (``TORCHELASTIC_RESTART_COUNT`` > 0).
-    ``PIPEFOLD_TEST_NAN_AT_STEP=N[,N...]`` puts a NaN in the first input of microbatch 0 at those steps
-    (a model with float inputs)."""
-
-    die: tuple[int, str] | None = None
-    nan: frozenset[int] = frozenset()
-
-    @staticmethod
-    def read() -> _TestHooks:
-        die = None
-        text = os.environ.get("PIPEFOLD_TEST_DIE_AT_STEP")
-        if text and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) == 0:
-            step, _, where = text.partition(":")
-            die = (int(step), where or "step")
-        nan = os.environ.get("PIPEFOLD_TEST_NAN_AT_STEP", "")
-        return _TestHooks(die, frozenset(int(x) for x in nan.split(",") if x.strip()))
 
 
 def _named(job: Job, modules: dict[int, nn.Module]) -> list[tuple[str, nn.Parameter]]:

@@ -182,6 +182,11 @@ Decisions = tuple[tuple[tuple[int, ...], ...], RecomputePlan | None]
 """What make_job measures and decides: the layers of each stage and the recomputation plan."""
 
 
+JOB_HOOKS: list[Callable[[Job], Job]] = []
+"""Functions every job made by :func:`make_job` passes through, in order: the way in for what the command line
+does not set (the tests' injected faults, :mod:`pipefold.runtime.faults`). Empty in normal use."""
+
+
 def make_job(config: TrainConfig, *, save_grads_of_step: int | None = None,
              decided: Decisions | None = None, placed: Any = None, checkpointing: Checkpointing | None = None,
              local: bool = False) -> Job:
@@ -289,7 +294,7 @@ def make_job(config: TrainConfig, *, save_grads_of_step: int | None = None,
 
         # Each stage's gradients averaged across the pipelines; with FSDP, each stage sharded across them.
         schedule = with_data_parallel(schedule, shard=config.fsdp)
-    return Job(schedule=schedule, layer_stages=layer_stages, build_layers=build, loss_fn=loss_fn,
+    job = Job(schedule=schedule, layer_stages=layer_stages, build_layers=build, loss_fn=loss_fn,
                batch_at=batch_at, steps=config.steps, lr=config.lr, optimizer=config.optimizer, clip=config.clip,
                save_grads_of_step=save_grads_of_step, offload=config.offload, recompute=recompute, extra=extra,
                network=network, adaptive=adaptive, cycle=cycle, kfac=kfac, refill=refill, dp=config.dp,
@@ -297,6 +302,9 @@ def make_job(config: TrainConfig, *, save_grads_of_step: int | None = None,
                checkpoint=checkpointing, save_model=save_model, post_validate=config.post_validate,
                max_bad_steps=config.max_bad_steps, action_timeout_s=config.action_timeout, device=config.device,
                backend=config.backend, overlap=config.overlap)
+    for hook in JOB_HOOKS:
+        job = hook(job)
+    return job
 
 
 def check_size(config: TrainConfig, model: Model, schedule: Schedule, *, builds_model: bool = True,
