@@ -78,7 +78,7 @@ def tests(out: Path, quick: bool) -> dict[str, Any]:
 def memory(out: Path, quick: bool) -> dict[str, Any]:
     """Per rank: the meter, the allocator between actions and at its peak, the simulator; ratios over 1F1B."""
     from pipefold import simulate
-    from pipefold.runtime.launch import run_local
+    from pipefold.runtime.local import run_local
     from pipefold.runtime.measure import measured_costs
     from pipefold.train.run import TrainConfig, make_job
 

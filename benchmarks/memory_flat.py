@@ -55,7 +55,7 @@ class Probe:
 
 
 def run(steps: int, trace: bool) -> dict[str, Any]:
-    from pipefold.runtime.launch import run_local
+    from pipefold.runtime.local import run_local
     from pipefold.train.run import TrainConfig, make_job
 
     first = steps // 10

@@ -29,7 +29,7 @@ from pipefold.errors import ConfigError
 from pipefold.files import write_json
 from pipefold.plan.budget import plan_model, predict
 from pipefold.plan.profile import Profile
-from pipefold.runtime.launch import run_local
+from pipefold.runtime.local import run_local
 from pipefold.runtime.measure import measured_summary
 from pipefold.runtime.profiling import profile_model
 from pipefold.train.run import from_plan, make_job

@@ -37,7 +37,7 @@ from rich.table import Table
 
 from pipefold.models import split_layers
 from pipefold.models.mlp import MLPConfig, build_mlp_layers, mlp_input, mlp_loss, mlp_target
-from pipefold.runtime.launch import RankError
+from pipefold.runtime.job import RankError
 from pipefold.runtime.processes import free_port
 from pipefold.train.run import TrainConfig, train
 

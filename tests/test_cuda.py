@@ -19,7 +19,8 @@ from pipefold import names
 from pipefold.errors import ConfigError
 from pipefold.ir import Kind
 from pipefold.runtime.devices import place
-from pipefold.runtime.launch import Job, RankReport, run_local
+from pipefold.runtime.job import Job, RankReport
+from pipefold.runtime.local import run_local
 from pipefold.schedules import build
 from pipefold.train.run import TrainConfig, compare, make_job, reference_kfac, train
 

@@ -14,7 +14,8 @@ import torch
 
 from pipefold.errors import ConfigError
 from pipefold.ir import Kind
-from pipefold.runtime.launch import Job, RankReport, run_local
+from pipefold.runtime.job import Job, RankReport
+from pipefold.runtime.local import run_local
 from pipefold.runtime.measure import measured_costs
 from pipefold.sim.simulate import simulate
 from pipefold.train.run import TrainConfig, compare, make_job, reference_kfac

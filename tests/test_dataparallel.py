@@ -19,7 +19,7 @@ import torch
 
 from pipefold.errors import ConfigError
 from pipefold.ir import AG, DP, RS, Kind, validate
-from pipefold.runtime.launch import run_local
+from pipefold.runtime.local import run_local
 from pipefold.runtime.processes import free_port
 from pipefold.schedules import build
 from pipefold.schedules.dataparallel import with_data_parallel

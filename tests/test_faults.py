@@ -26,7 +26,8 @@ import pytest
 import torch
 
 from pipefold import build
-from pipefold.runtime.launch import Job, RankError, run_local
+from pipefold.runtime.job import Job, RankError
+from pipefold.runtime.local import run_local
 from pipefold.runtime.processes import free_port
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc and uses Linux signals")

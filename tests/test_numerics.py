@@ -96,7 +96,7 @@ _COMPARE = textwrap.dedent("""
     import dataclasses, sys, torch
     from pipefold.ir import OPT
     from pipefold.runtime.faults import Faults
-    from pipefold.runtime.launch import run_local
+    from pipefold.runtime.local import run_local
     from pipefold.train.run import TrainConfig, make_job
     cfg = TrainConfig(schedule="zb-h1", devices=2, microbatches=4, steps=6, model="mlp", layers=4, hidden=16,
                       batch=8, partition="even", clip=3.0)

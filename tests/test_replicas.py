@@ -9,7 +9,8 @@ import torch
 
 from pipefold import Schedule
 from pipefold.ir import BW, OPT, F, R, linear_placement, reversed_placement
-from pipefold.runtime.launch import OPTIMIZERS, run_local
+from pipefold.runtime.job import OPTIMIZERS
+from pipefold.runtime.local import run_local
 from pipefold.runtime.stage import Chain
 from pipefold.train.run import TrainConfig, make_job
 

@@ -11,7 +11,8 @@ from pipefold import names
 from pipefold.errors import ConfigError
 from pipefold.models import GPTConfig, build_gpt_layers, gpt_loss, split_layers
 from pipefold.runtime.comm import HEADER, MAX_TENSORS
-from pipefold.runtime.launch import Job, run_local
+from pipefold.runtime.job import Job
+from pipefold.runtime.local import run_local
 from pipefold.schedules import build
 from pipefold.train.run import TrainConfig, compare, make_job, reference_step, train
 
@@ -127,7 +128,7 @@ def _layers_with_a_bomb(indices: list[int]) -> dict[int, torch.nn.Module]:
 def test_an_error_on_one_rank_stops_them_all(caplog: pytest.LogCaptureFixture) -> None:
     import time
 
-    from pipefold.runtime.launch import RankError
+    from pipefold.runtime.job import RankError
 
     job = Job(schedule=build("1f1b", 4, 4), layer_stages=((0,), (1,), (2,), (3,)), build_layers=_layers_with_a_bomb,
               loss_fn=torch.nn.functional.mse_loss, batch_at=_linear_batch, steps=1)

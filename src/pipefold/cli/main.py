@@ -891,7 +891,7 @@ def _reliability(args: argparse.Namespace) -> dict[str, Any]:
 
 def cmd_train(args: argparse.Namespace, console: Console) -> None:
     from pipefold.models import REGISTRY
-    from pipefold.runtime.launch import under_torchrun
+    from pipefold.runtime.job import under_torchrun
     from pipefold.train.run import TrainConfig, compare, train, train_torchrun
 
     _check_outputs(("plot", args.plot, True), ("trace", args.trace, False))
@@ -1587,7 +1587,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"pipefold {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except RuntimeError as exc:
-        from pipefold.runtime.launch import Diverged, RankError
+        from pipefold.runtime.job import Diverged, RankError
 
         if not isinstance(exc, (RankError, Diverged)):
             raise

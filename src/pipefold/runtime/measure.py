@@ -9,7 +9,7 @@ from typing import Any
 from pipefold.ir import Action, Schedule
 from pipefold.runtime.executor import COMPUTE_KINDS, kind_times
 from pipefold.runtime.history import step_number
-from pipefold.runtime.launch import RankReport
+from pipefold.runtime.job import RankReport
 from pipefold.sim.simulate import CostModel, Interval, SimResult, StageOverride, split_backward
 
 

@@ -47,7 +47,7 @@ def process_context(preload: Sequence[str] = ()) -> Any:
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     # torch._dynamo: what making the first optimizer imports (some 800 modules, seconds per rank otherwise).
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "pipefold.runtime.launch",
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "pipefold.runtime.local",
                                 "pipefold.runtime.profiling", *preload, "pipefold.runtime._forkserver"])
     return ctx
 

@@ -1,7 +1,7 @@
 """Train a model with a pipeline schedule: build the job, run the ranks, compare with one process.
 
 :func:`make_job` turns a model name, its size, a schedule and the data into a
-:class:`~pipefold.runtime.launch.Job`; :func:`train` runs it locally on one
+:class:`~pipefold.runtime.job.Job`; :func:`train` runs it locally on one
 process per device; :func:`reference_step` computes the same first step in a
 single process, from the same initial weights and data, which is what
 ``pipefold train --check`` compares against.
@@ -26,18 +26,11 @@ from pipefold.ir import Schedule
 from pipefold.models import Model, make_model, split_layers
 from pipefold.plan.recompute import MODES, OPTIMIZER_STATE, RecomputePlan, plan_recompute
 from pipefold.runtime.checkpoint import Checkpointing
-from pipefold.runtime.launch import (
-    Adaptive,
-    Job,
-    RankReport,
-    agree,
-    join_torchrun_group,
-    leave_group,
-    run_local,
-    run_torchrun,
-    torchrun_activity,
-)
+from pipefold.runtime.job import Adaptive, Job, RankReport
+from pipefold.runtime.local import run_local
+from pipefold.runtime.rank import agree
 from pipefold.runtime.stage import Chain, as_tuple, split_batch
+from pipefold.runtime.torchrun import join_torchrun_group, leave_group, run_torchrun, torchrun_activity
 from pipefold.runtime.watch import DEFAULT_ACTION_TIMEOUT
 
 
@@ -201,7 +194,7 @@ def make_job(config: TrainConfig, *, save_grads_of_step: int | None = None,
     on another core while this process measures the model.
     """
     schedule = build_schedule(config)
-    from pipefold.runtime.launch import local_placement
+    from pipefold.runtime.job import local_placement
 
     # One line for a device this machine lacks.
     where = local_placement(config.device, config.backend, schedule.devices * config.dp)
@@ -317,7 +310,7 @@ def check_size(config: TrainConfig, model: Model, schedule: Schedule, *, builds_
     import os
 
     from pipefold.models.size import check_model
-    from pipefold.runtime.launch import under_torchrun
+    from pipefold.runtime.job import under_torchrun
 
     held = (2 + OPTIMIZER_STATE.get(config.optimizer, 2.0)) * schedule.replicas * config.dp
     ranks = schedule.devices * config.dp
@@ -572,7 +565,7 @@ def train_torchrun(config: TrainConfig, *, check: bool = False,
 def reference_step(job: Job, step: int = 0) -> tuple[float, dict[str, torch.Tensor]]:
     """One step in one process, from the initial weights, on the device the job's first rank computes on (the
     same GPU): mean loss over the microbatches and every gradient (on the CPU)."""
-    from pipefold.runtime.launch import placement
+    from pipefold.runtime.job import placement
 
     device = placement(job).device_of(0)
     n = job.extra["num_layers"]
@@ -598,7 +591,7 @@ def reference_kfac(job: Job, steps: int, reports: list[RankReport] | None = None
     named as ``RankReport.weights``."""
     from pipefold.ir import Kind
     from pipefold.runtime.curvature import StageCurvature
-    from pipefold.runtime.launch import OPTIMIZERS
+    from pipefold.runtime.job import OPTIMIZERS
     from pipefold.runtime.meter import MemoryMeter
 
     assert job.kfac is not None, "reference_kfac needs a K-FAC job"

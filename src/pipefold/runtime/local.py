@@ -1,0 +1,287 @@
+"""Ranks on this machine: one process per device from the fork server, and the parent that supervises them.
+
+Any rank that raises, dies or hangs ends the job (:class:`~pipefold.runtime.job.RankError`, one line naming the
+rank and what it was doing): each rank publishes what it is doing (:mod:`pipefold.runtime.watch`), the parent
+watches them all and decides which rank is to blame, then stops the others. SIGINT and SIGTERM to the parent stop
+every rank (:class:`~pipefold.errors.Interrupted`).
+"""
+
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+import signal
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from pipefold.errors import Interrupted
+from pipefold.runtime.processes import free_port, process_context
+from pipefold.runtime.watch import (
+    PERIOD,
+    Activity,
+    Heartbeat,
+    SharedBoard,
+    Snapshot,
+    exit_when_closed,
+    find_hang,
+    name_process,
+    pg_timeout,
+    process_state,
+    why_silent,
+)
+
+if TYPE_CHECKING:
+    pass
+from pipefold.runtime.job import Job, RankError, RankReport, placement, raise_if_stopped
+from pipefold.runtime.rank import run_rank
+from pipefold.runtime.torchrun import leave_group
+
+
+def _spawned(rank: int, job: Job, world: int, port: int, out_dir: str, progress: Any, board: SharedBoard,
+             launcher: Any) -> None:
+    """One local rank. What it is doing goes to ``board`` for the launcher; an exception that ends it, to
+    ``error-RANK.json`` in ``out_dir`` (then it exits at once, with code 1: the launcher decides what to say).
+    ``launcher`` is the end of a pipe that closes when the launcher dies."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every process of the terminal: the launcher stops us
+    exit_when_closed(launcher)
+    name_process(f"pipefold-rank{rank}")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    activity = Activity(rank)
+    heartbeat = Heartbeat(activity, board).start()
+    others = tuple(r for r in range(world) if r != rank)
+    try:
+        host = "127.0.0.1"
+        if job.netns is not None:
+            from pipefold.runtime.netns import enter
+
+            enter(job.netns, rank)  # before any socket: the group's connections then cross the namespaces' links
+            host = job.netns.addresses[0]
+        torch.set_num_threads(1)
+        activity.wait("start-up", "the process group", others, action=False)
+        where = placement(job)
+        if where.device == "cuda":
+            torch.cuda.set_device(where.device_of(rank))
+        dist.init_process_group(where.backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=pg_timeout(job.action_timeout_s)))
+        run_rank(job, rank, world, out_dir, on_step=lambda *a: progress.put(a), activity=activity)
+        activity.wait("the end of the job", "every rank to finish", others, action=False)
+        dist.barrier()
+        activity.finish()
+        heartbeat.beat()
+        leave_group()
+    except BaseException as exc:  # noqa: BLE001 (reported to the launcher, which names the rank to blame)
+        with contextlib.suppress(Exception):  # unwritable: the launcher reports an exit with code 1 instead
+            _write_failure(Path(out_dir) / f"error-{rank}.json", exc, activity)
+        os._exit(1)
+    heartbeat.stop()
+
+
+def _write_failure(path: Path, exc: BaseException, activity: Activity) -> None:
+    details = "".join(traceback.format_exception(exc))
+    line = f"{type(exc).__name__}: {exc}".strip().splitlines()
+    record = {"line": line[0] if line else type(exc).__name__, "details": details, "time": time.time(),
+              "snapshot": activity.snapshot(0).to_json().decode()}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record), encoding="utf-8")
+    os.replace(tmp, path)  # the launcher reads a whole file or none
+
+
+def run_local(job: Job, on_step: Callable[[int, float, float], None] | None = None) -> list[RankReport]:
+    """Spawn one process per device on this machine, run the job, and collect every rank's report.
+
+    ``on_step(number, loss, seconds)`` is called in this process as the steps complete (:func:`run_rank`). A
+    rank that raises, dies or hangs (an action longer than ``job.action_timeout_s``) stops the others:
+    :class:`RankError` names it and what it was doing. SIGINT or SIGTERM (from the main thread's point of view)
+    stops every rank and raises :class:`Interrupted`; the ranks' temporary files are removed either way.
+    """
+    world = job.dp * job.schedule.devices
+    with _Signals() as signals:
+        return _run_spawned(job, world, on_step, signals)
+
+
+class _Signals:
+    """While entered (in the main thread): SIGINT and SIGTERM raise :class:`Interrupted`, once; inside
+    :meth:`held` they wait until it ends, so that the ranks being started are all known and can be stopped.
+
+    Inside :meth:`held` SIGINT is also blocked, not only deferred: the fork server (started by the first job)
+    and the ranks inherit the blocked signal, so that Ctrl-C in a terminal, which reaches every process of the
+    group, cannot end them while they import torch or unpickle the job, with a traceback each; the launcher
+    alone acts on it.
+    """
+
+    def __init__(self) -> None:
+        self.pending: int | None = None
+        self.holding = self.raised = False
+        self._before: dict[int, Any] = {}
+
+    def __enter__(self) -> _Signals:
+        if threading.current_thread() is threading.main_thread():
+            self._before = {sig: signal.signal(sig, self._handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, old in self._before.items():
+            signal.signal(sig, old)
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        if self.raised:
+            return  # a second signal while the ranks are being stopped changes nothing
+        if self.holding:
+            self.pending = signum
+            return
+        self.raised = True
+        raise Interrupted(signum)
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        block = bool(self._before) and hasattr(signal, "pthread_sigmask")
+        if block:
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        self.holding = True
+        try:
+            yield
+        finally:
+            if block:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # one that came is handled now
+            self.holding = False
+        if self.pending is not None and not self.raised:
+            self.raised = True
+            raise Interrupted(self.pending)
+
+
+def _run_spawned(job: Job, world: int, on_step: Callable[[int, float, float], None] | None,
+                 signals: _Signals) -> list[RankReport]:
+    ctx = process_context(job.preload)
+    queue = ctx.SimpleQueue()
+    board = SharedBoard(ctx, world)
+    lifeline, mine = ctx.Pipe(duplex=False)  # the ranks get the reading end; only this process holds the other
+    with tempfile.TemporaryDirectory(prefix="pipefold-") as out_dir, mine:
+        ranks: list[Any] = []
+        try:
+            port = free_port()
+            with signals.held():  # a signal now would leave a rank half started, unknown to us
+                for rank in range(world):
+                    proc = ctx.Process(target=_spawned, args=(rank, job, world, port, out_dir, queue, board,
+                                                              lifeline), name=f"pipefold-rank-{rank}")
+                    proc.start()
+                    ranks.append(proc)
+                lifeline.close()
+            _supervise(job, ranks, queue, board, Path(out_dir), on_step)
+        except Interrupted as exc:
+            raise Interrupted(exc.signum, _stop(ranks)) from None
+        finally:
+            _stop(ranks)
+        reports = []
+        for rank in range(world):
+            with open(Path(out_dir) / f"rank{rank}.pkl", "rb") as fh:
+                reports.append(pickle.load(fh))
+    raise_if_stopped(reports)
+    return reports
+
+
+def _supervise(job: Job, ranks: list[Any], queue: Any, board: SharedBoard, out_dir: Path,
+               on_step: Callable[[int, float, float], None] | None) -> None:
+    """Wait for every rank to finish, passing on the steps they report; raise :class:`RankError` as soon as one
+    fails or the job hangs."""
+    from multiprocessing.connection import wait
+
+    started = time.time()
+    exited: dict[int, float] = {}  # rank -> when it was seen gone
+
+    def drain() -> None:
+        while not queue.empty():
+            step = queue.get()
+            if on_step is not None:
+                on_step(*step)
+
+    while True:
+        alive = [p.sentinel for p in ranks if p.exitcode is None]
+        if alive:
+            wait(alive, timeout=PERIOD)
+        drain()
+        now = time.time()
+        for rank, p in enumerate(ranks):
+            if p.exitcode is not None:
+                exited.setdefault(rank, now)
+        if all(p.exitcode == 0 for p in ranks):
+            drain()
+            return
+        if any(p.exitcode not in (None, 0) for p in ranks):
+            raise _failure(ranks, board, out_dir, exited)
+        hang = _hang(ranks, board, started, job.action_timeout_s)
+        if hang is not None:
+            raise hang
+
+
+def _hang(ranks: list[Any], board: SharedBoard, started: float, timeout: float) -> RankError | None:
+    """The job's hang, if it is hung (see :func:`pipefold.runtime.watch.find_hang`)."""
+    now = time.time()
+    snaps = {r: board.read(r) for r in range(len(ranks))}
+    ages = {r: now - (s.since if s is not None else started) for r, s in snaps.items()}
+    frozen = {}
+    for r, s in snaps.items():
+        silent = now - (s.beat if s is not None else started)
+        if ranks[r].exitcode is None and silent > timeout:
+            frozen[r] = why_silent(ranks[r].pid, silent)
+    hang = find_hang(snaps, ages, frozen, timeout)
+    return None if hang is None else RankError(hang.rank, hang.line)
+
+
+def _failure(ranks: list[Any], board: SharedBoard, out_dir: Path, exited: dict[int, float]) -> RankError:
+    """The rank to blame once one has ended badly: one that died or raised while computing before one that raised
+    while waiting for a peer (its peer's failure reached it), the earliest first."""
+    from multiprocessing.connection import wait
+
+    deadline = time.time() + 1.0  # the others' own failures, if they come at once, tell who came first
+    while (alive := [p.sentinel for p in ranks if p.exitcode is None]) and time.time() < deadline:
+        wait(alive, timeout=deadline - time.time())
+    now = time.time()
+    causes: list[tuple[int, float, int, str, str]] = []  # (waiting, when, rank, line, details)
+    for rank, p in enumerate(ranks):
+        if p.exitcode in (None, 0):
+            continue
+        path = out_dir / f"error-{rank}.json"
+        if path.exists():
+            record = json.loads(path.read_text(encoding="utf-8"))
+            snap = Snapshot.from_json(record["snapshot"].encode())
+            peers = [r for r in snap.waits if r != rank]
+            waiting = f" (waiting for {snap.what} from rank {peers[0]})" if len(peers) == 1 else ""
+            causes.append((int(bool(snap.waits)), record["time"], rank,
+                           f"rank {rank} failed in {snap.at()}{waiting}: {record['line']}", record["details"]))
+        else:
+            code = p.exitcode
+            how = f"signal {-code}, {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            last = board.read(rank)
+            at = last.at() if last is not None else "start-up"
+            causes.append((0, exited.get(rank, now), rank, f"rank {rank} died ({how}) during {at}", ""))
+    _, _, rank, line, details = min(causes)
+    return RankError(rank, line, details)
+
+
+def _stop(ranks: list[Any]) -> int:
+    """Stop every rank still running (SIGTERM, SIGKILL to a stopped one or one that lingers); how many there were."""
+    running = [p for p in ranks if p.exitcode is None]
+    for p in running:
+        if process_state(p.pid) in ("T", "t"):
+            p.kill()  # a stopped process takes no SIGTERM until it runs again
+        else:
+            p.terminate()
+    deadline = time.time() + 3.0
+    for p in running:
+        p.join(max(0.0, deadline - time.time()))
+        if p.exitcode is None:
+            p.kill()
+            p.join()
+    return len(running)

@@ -1,0 +1,534 @@
+"""The body of one rank, spawned or under torchrun: build its stages, train for the job's steps (schedules
+switched as the job says, gradients checked for NaN and clipped, optimizer steps, checkpoints), report."""
+
+
+from __future__ import annotations
+
+import collections
+import math
+import os
+import pickle
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipefold.errors import ConfigError
+from pipefold.ir import Kind, Schedule
+from pipefold.ir.ref import ScheduleRef
+from pipefold.runtime import numerics, sharding
+from pipefold.runtime.executor import RankExecutor, StepStats
+from pipefold.runtime.faults import Faults
+from pipefold.runtime.history import StepHistory, step_number
+from pipefold.runtime.numerics import clip_factor, local_check, scale_grads, verdict
+from pipefold.runtime.stage import Chain, Tensors, as_tuple, split_batch
+from pipefold.runtime.tied import TiedGrads, untie
+from pipefold.runtime.watch import (
+    Activity,
+    pg_timeout,
+)
+
+if TYPE_CHECKING:
+    from pipefold.plan.pipefisher import Filled, Refill
+    from pipefold.runtime.offload import Offloaded
+from pipefold.runtime.job import OPTIMIZERS, Job, RankReport, local_rank, placement
+
+
+def stage_modules(job: Job, rank: int) -> dict[int, nn.Module]:
+    """The stage modules of ``rank``: only its own layers are ever built; a weight that several of its stages
+    share is copied into each (see :mod:`pipefold.runtime.tied`)."""
+    stages = job.schedule.stages_of(rank)
+    wanted = sorted(i for s in stages for i in job.layer_stages[s])
+    layers = job.build_layers(wanted)
+    chains: dict[int, nn.Module] = {s: Chain(*(layers[i] for i in job.layer_stages[s])) for s in stages}
+    untie(chains)
+    return chains
+
+
+def microbatches(x: torch.Tensor, m: int) -> list[torch.Tensor]:
+    if x.shape[0] % m:
+        raise ValueError(f"a batch of {x.shape[0]} does not split into {m} equal microbatches")
+    return list(x.chunk(m))
+
+
+def _shapes(x: Any) -> tuple[tuple[int, ...], ...]:
+    """The shapes of a batch's input tensors: the ranks agree on new receive buffers when they change."""
+    return tuple(tuple(t.shape) for t in as_tuple(x))
+
+
+def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
+             on_step: Callable[[int, float, float], None] | None = None,
+             activity: Activity | None = None) -> RankReport:
+    """The body of one rank: build, train for ``job.steps`` steps, report.
+
+    Rank 0 calls ``on_step(number, loss, seconds)`` after every step (its number: from 1, resumed steps
+    counted, :func:`~pipefold.runtime.history.step_number`), with the step's global loss (every microbatch
+    of every pipeline and replica: :attr:`StepStats.loss`). ``activity`` is told what the rank is doing, for the
+    job's watch.
+    """
+    pipeline, rank = divmod(rank, job.schedule.devices)  # from here on ``rank`` is the device in the pipeline
+    global_rank = pipeline * job.schedule.devices + rank
+    activity = activity if activity is not None else Activity(global_rank)
+    everyone = tuple(r for r in range(world) if r != global_rank)
+    placed = placement(job)
+    device = placed.device_of(local_rank(global_rank))  # current already: set before the process group was made
+    if job.dp > 1:
+        activity.wait("start-up", "the device mesh", everyone, action=False)
+    pipelines, dp_mesh = _mesh(job, placed.device) if job.dp > 1 else (None, None)
+    dp_group = dp_mesh.get_group() if dp_mesh is not None else None
+    activity.run("start-up (building its layers)", action=False)
+    chains = stage_modules(job, rank)
+    tied = TiedGrads(job.tied, job.schedule, job.layer_stages, rank, chains, device, pipelines, pipeline)
+    offloaded: list[Offloaded] = []
+    if job.offload is None:
+        modules: dict[int, nn.Module] = {s: m.to(device) for s, m in chains.items()}
+    else:
+        from pipefold.runtime.offload import Offloaded
+
+        k, kprime = job.offload
+        # Each stage offloads its own layers: parameters live on the CPU, at most k of them on the device.
+        offloaded = [Offloaded(m, device, k=k, kprime=kprime) for m in chains.values()]
+        modules = dict(zip(chains, offloaded, strict=True))
+    recompute = {s: job.recompute[s] for s in modules} if job.recompute else None
+    # What the optimizers step: the parameters, or with FSDP their shards (the runners work on the gathered ones).
+    trained = {s: sharding.sharded_parameters(sharding.shard(m, dp_mesh)) if job.fsdp else list(m.parameters())
+               for s, m in modules.items()}
+    # A schedule with OPT actions steps each stage's optimizer where it says; otherwise one optimizer steps
+    # all of this rank's parameters after the step.
+    in_schedule = any(a.kind == Kind.OPT for row in job.schedule.actions for a in row)
+    stage_opts = {s: _optimizer(job, trained[s]) for s in modules} if in_schedule else {}
+    # Each stage's state before its OPT stepped, until the step is validated.
+    stage_snaps: dict[int, numerics.Snapshot] = {}
+    origin = job.origin
+    if job.network is not None and origin is None:
+        activity.wait("start-up", "the network's start time", everyone, action=False)
+        origin = float(agree(time.time()))  # the network's timeline starts now on every rank
+    choices = job.adaptive.schedules if job.adaptive is not None else job.cycle or (job.schedule,)
+    cycle_from = 0  # the step the cycle in ``choices`` started at
+    work = None
+    if job.kfac is not None:
+        from pipefold.runtime.curvature import RankCurvature, StageCurvature
+
+        m = job.schedule.microbatches
+        work = RankCurvature({s: StageCurvature(mod, job.kfac, m) for s, mod in modules.items()})
+    executors: dict[int, RankExecutor] = {}
+
+    def executor_for(index: int) -> RankExecutor:
+        """The executor of schedule ``index``, made the first time it runs (same modules, same parameters)."""
+        if index not in executors:
+            activity.wait("start-up" if activity.step < 0 else "a new schedule", "its process groups", everyone,
+                          action=False)
+            executors[index] = RankExecutor(
+                choices[index], rank, modules, job.loss_fn, device, recompute=recompute,
+                log_messages=job.log_messages, timeout=pg_timeout(job.action_timeout_s), network=job.network,
+                origin=origin or 0.0,
+                optimizers={s: _speculative(s, o, modules[s], stage_snaps) for s, o in stage_opts.items()}, work=work,
+                pipelines=pipelines, pipeline=pipeline, dp_group=dp_group, sharded=job.fsdp, activity=activity,
+                staged=placed.staged or bool(job.extra.get("stage_through_host")), overlap=job.overlap)
+        return executors[index]
+
+    current, predicted = 0, None
+    decisions: list[tuple[int, Any]] = []
+    executor = executor_for(current)
+    if not job.fsdp:
+        trained = {s: r.params for s, r in executor.runners.items()}
+    params = [p for ps in trained.values() for p in ps]
+    opt = None if in_schedule else _optimizer(job, params, dp_group)
+    keep = {s for s in (job.save_grads_of_step, job.verify_memory_step) if s is not None}
+    history = StepHistory(job.keep_steps, keep)  # every step's numbers; in full only the steps that need it
+    # What refilling K-FAC's placement and adapting the schedule learn from: their own windows of full records.
+    learning: list[StepStats] = []
+    recent: collections.deque[StepStats] = collections.deque(maxlen=job.adaptive.every if job.adaptive else 1)
+    grads = None
+    m = job.schedule.microbatches
+    # A stage held by several replicas counts once in a global norm: by its first holder, in the first pipeline
+    # (with FSDP, by every pipeline: each holds its own shard); a tied weight's copies count once.
+    counted = [p for s, ps in trained.items() if job.schedule.holders(s)[0] == rank and (pipeline == 0 or job.fsdp)
+               for p in ps if id(p) not in tied.copies]
+    optimizers = [o for o in (opt, *stage_opts.values()) if o is not None]
+    names = {id(p): name for name, p in _named(job, chains)}
+    state = _state_named(job, chains)
+    checkpointing, start, resumed_from = job.checkpoint, 0, None
+    if checkpointing is not None and checkpointing.resume is not None:
+        from pipefold.runtime import checkpoint
+
+        progress = checkpoint.load(checkpointing.resume, model=state, optimizers=optimizers, names=names,
+                                   rank=global_rank, device=device)
+        start, resumed_from = int(progress["step"]), checkpointing.resume.path
+        current = int(progress.get("schedule_index") or 0)
+    faults = job.faults or Faults()
+    bad_run, skipped, saved = 0, [], []
+    stopped = None
+    for step in range(start, job.steps):
+        if faults.die == (step_number(step), "step") and global_rank == world - 1:
+            os._exit(13)
+        if job.cycle:
+            current = (step - cycle_from) % len(choices)
+        executor = executor_for(current)
+        activity.step = step_number(step)
+        activity.run("the batch", action=False)
+        started = time.perf_counter()
+        x, y = job.batch_at(step)
+        if job.dp > 1:  # this pipeline's shard of the global batch
+            x, y = split_batch(x, job.dp)[pipeline], y.chunk(job.dp)[pipeline]
+        xs = split_batch(tuple(t.to(device) for t in as_tuple(x)), m)
+        ys = microbatches(y.to(device), m)
+        if step_number(step) in faults.nan and xs[0][0].is_floating_point():
+            poisoned = xs[0][0].clone()
+            poisoned.view(-1)[0] = math.nan
+            xs[0] = (poisoned, *xs[0][1:])
+        for p in params:
+            p.grad = None
+        if work is not None:
+            work.record(job.save_grads_of_step == step)
+        before = work.snapshot() if work is not None else None  # K-FAC's state, in case the step is skipped
+        if job.verify_memory_step == step:
+            stats = _tracked_step(executor, params, xs, ys, _shapes(x))
+        else:
+            stats = executor.run_step(xs, ys, _shapes(x))
+        for wrapper in offloaded:
+            wrapper.evict_all()  # every layer home, with its gradient, before the optimizer reads it
+        tied.reduce()  # copies of a shared weight on several stages: each gets the sum of their gradients
+        activity.wait("the step's check", "the all-reduce of the gradient norm", everyone, action=False)
+        _update(job, params, counted, opt, stage_opts, stage_snaps, stats, device)
+        if stats.skipped and work is not None and before is not None:
+            work.restore(before)
+        if job.save_grads_of_step == step:
+            # With K-FAC, the gradients as the backward left them, before the schedule's KP preconditioned them.
+            raw = work.raw_grads() if work is not None else {}
+            grads = {name: sharding.full(raw.get(id(p), p.grad)).detach().to("cpu", copy=True)
+                     for name, p in _named(job, chains) if p.grad is not None}
+        activity.run("the step's report", action=False)
+        stats.schedule, stats.predicted = str(ScheduleRef.of(choices[current])), predicted
+        history.add(stats)
+        if job.refill is not None and 1 <= step < job.refill.after:
+            learning.append(stats)
+        if job.adaptive is not None:
+            recent.append(stats)
+        if on_step is not None and global_rank == 0:  # the global loss (every pipeline, replica): rank 0 knows it
+            on_step(step_number(step), stats.loss, time.perf_counter() - started)
+        if stats.skipped:
+            skipped.append(step_number(step))
+            bad_run += 1
+            if bad_run >= job.max_bad_steps:
+                first, last = step_number(step - bad_run + 1), step_number(step)
+                where = f"{bad_run} steps in a row (steps {first} to {last})" if bad_run > 1 else f"step {last}"
+                stopped = (f"the loss or the gradients were NaN or inf in {where}; the weights are those before "
+                           f"step {first}: lower --lr, add --clip, or check the data")
+                break
+            if global_rank == 0:
+                from pipefold.runtime.checkpoint import warn
+
+                warn(f"step {step_number(step)}: the loss or a gradient is NaN or inf; step skipped, weights and "
+                     f"optimizer state unchanged ({bad_run} in a row; the run stops at {job.max_bad_steps})")
+        else:
+            bad_run = 0
+        if job.refill is not None and step + 1 == job.refill.after and step + 1 < job.steps:
+            ran = [choices[(i - cycle_from) % len(choices)] for i in range(1, step + 1)]
+            activity.wait("placing K-FAC's work again", "every rank's times", everyone, action=False)
+            filled = _refill(job.refill, learning, ran, rank, world)
+            learning.clear()
+            choices, cycle_from = filled.cycle, step + 1
+            for each in executors.values():
+                each.close()
+            executors.clear()
+            if rank == 0:
+                decisions.append((step + 1, filled))
+        adaptive = job.adaptive
+        if adaptive is not None and (step + 1) % adaptive.every == 0 and step + 1 < job.steps:
+            optimizers = [o for o in (opt, *stage_opts.values()) if o is not None]
+            summary = adaptive.summarize(list(recent), _static_bytes(params, optimizers))
+            activity.wait("choosing the next schedule", "every rank's summary", everyone, action=False)
+            gathered: list[Any] = [None] * world if rank == 0 else []
+            dist.gather_object(summary, gathered if rank == 0 else None, dst=0)
+            choice = adaptive.decide(current, gathered) if rank == 0 else None
+            current, predicted, record = agree(choice)  # every rank switches at the same step boundary
+            if rank == 0:
+                decisions.append((step + 1, record))
+        if checkpointing is not None and checkpointing.due(step + 1, job.steps):
+            from pipefold.runtime import checkpoint
+
+            die = faults.die == (step + 1, "save") and global_rank == world - 1
+            saved.append(checkpoint.save(checkpointing, step + 1, model=state, optimizers=optimizers, names=names,
+                                         progress={"step": step + 1, "schedule_index": current}, rank=global_rank,
+                                         device=device, written=(lambda: os._exit(13)) if die else None))
+    activity.run("its report", action=False)
+    for each in executors.values():
+        each.close()
+    if job.save_model is not None and stopped is None:
+        _save_model(job, chains, job.save_model, global_rank, pipeline, world)
+    resident = sum(w.tracker.peak_resident_bytes for w in offloaded)
+    weights = ({name: sharding.full(p.detach()).to("cpu", copy=True) for name, p in _named(job, chains)}
+               if job.save_weights else None)
+    static = _static_bytes(params, optimizers) + (work.state_bytes() if work is not None else 0)
+    report = RankReport(global_rank, history, grads, _peak_rss(), resident, weights, static,
+                        decisions, pipeline, first_step=start, resumed_from=resumed_from, skipped=skipped,
+                        stopped=stopped, checkpoints=saved)
+    if out_dir is not None:
+        with open(Path(out_dir) / f"rank{global_rank}.pkl", "wb") as fh:
+            pickle.dump(report, fh)
+    return report
+
+
+def _mesh(job: Job, device_type: str) -> tuple[list[list[int]], Any]:
+    """The dp x devices mesh of the job's ranks (torch's DeviceMesh): every pipeline's ranks, and the 1-D mesh
+    of this rank's copies across the pipelines."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device_type, (job.dp, job.schedule.devices), mesh_dim_names=("dp", "pp"))
+    return mesh.mesh.tolist(), mesh["dp"]
+
+
+def _refill(refill: Refill, steps: list[StepStats], ran: list[Schedule], rank: int, world: int) -> Filled:
+    """Every rank's measured times to rank 0, which places K-FAC's work again; the new placement to every rank.
+
+    ``steps`` are this rank's steps to learn from and ``ran`` the schedule each of them ran.
+    """
+    from pipefold.runtime.executor import kind_times
+
+    mine = (kind_times(steps), [(st.started_at, st.wall) for st in steps])  # each rank times its own stages
+    gathered: list[Any] = [None] * world if rank == 0 else []
+    dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
+    filled = None
+    if rank == 0:
+        times = {s: t for each, _ in gathered for s, t in each.items()}
+        # A step lasts from the first rank's start to the last rank's end.
+        walls = [max(a + w for a, w in spans) - min(a for a, _ in spans)
+                 for spans in zip(*(spans for _, spans in gathered), strict=True)]
+        filled = refill.plan(times, list(zip(ran, walls, strict=True)))
+    return agree(filled)
+
+
+def _tracked_step(executor: RankExecutor, params: list[nn.Parameter], xs: list[Tensors],
+                  ys: list[torch.Tensor], shape: Any) -> StepStats:
+    """One step under torch's MemTracker too, which sees every tensor an operation returns and follows its
+    storage until it dies, whatever the runtime meant to keep; ``stats.memory_check`` gets its figures.
+
+    After every action both are read: what the meter says the rank holds, and what the tracker has
+    seen created during the step and still alive (between actions, an operation's temporaries are
+    gone). Within an action the tracker also sees those temporaries, so its peak over the whole step
+    (``tracker_peak``) is the meter's plus the largest temporaries at that moment. The parameters,
+    their gradients (made as zeros before the step: adding into a zero gradient gives the same values
+    bit for bit) and the batch are registered with it first, so that only what the step itself holds
+    counts. On CUDA the allocator's own peak over the step is recorded as well (``allocator_peak``).
+    """
+    try:
+        from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+    except ImportError as exc:  # torch < 2.5
+        raise ConfigError(f"checking memory needs torch.distributed._tools.mem_tracker (torch >= 2.5): {exc}") from exc
+
+    class NoModules:
+        """Stands in for MemTracker's module tracker: its per-module statistics allow a module one forward per
+        step (a stage runs one per microbatch) and its backward hooks do not work under ``autograd.grad``,
+        which B uses. The device totals need none of it."""
+
+        is_bw = False
+        parents = {"Global"}
+
+        def register_user_hooks(self, *args: Any) -> None:
+            pass
+
+        def clear_user_hooks(self) -> None:
+            pass
+
+        def __enter__(self) -> NoModules:
+            return self
+
+        def __exit__(self, *args: Any) -> None:
+            pass
+
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    cuda = executor.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(executor.device)
+        torch.cuda.reset_peak_memory_stats(executor.device)
+        before = torch.cuda.memory_allocated(executor.device)
+    tracker = MemTracker()
+    tracker._mod_tracker = NoModules()  # type: ignore[assignment]
+    outside = {_MemRefType.PARAM, _MemRefType.BUFFER, _MemRefType.GRAD, _MemRefType.OPT, _MemRefType.OTH}
+
+    def step_bytes(snapshot: dict[torch.device, dict[Any, int]]) -> int:
+        return sum(snap["Total"] - sum(v for k, v in snap.items() if k in outside) for snap in snapshot.values())
+
+    pairs: list[tuple[int, int]] = []  # (meter, tracker) after each action
+    allocated: list[int] = []  # on CUDA, the allocator's bytes beyond those before the step, after each action
+
+    def probe() -> None:
+        # A link's thread may drop a delivered send between two reads: read again until the tracker holds still.
+        for _ in range(10):
+            first = step_bytes(tracker.get_tracker_snapshot())
+            held = executor.meter.current
+            after = step_bytes(tracker.get_tracker_snapshot())
+            if first == after:
+                break
+        pairs.append((held, after))
+        if cuda:
+            allocated.append(torch.cuda.memory_allocated(executor.device) - before)
+
+    with tracker:
+        # What lives from step to step (parameters, gradients, K-FAC's state) is not the step's memory.
+        state = executor.work.state() if executor.work is not None else []
+        tracker.track_external(*executor.modules(), *(t for mb in xs for t in mb), *ys,
+                               *(p.grad for p in params if p.grad is not None), *state)
+        stats = executor.run_step(xs, ys, shape, probe=probe)
+    stats.memory_check = {
+        "meter_between_actions": max(m for m, _ in pairs),
+        "tracker_between_actions": max(t for _, t in pairs),
+        "largest_gap": max(abs(m - t) for m, t in pairs),
+        "tracker_peak": step_bytes(tracker.get_tracker_snapshot("peak")),
+    }
+    if cuda:
+        torch.cuda.synchronize(executor.device)
+        stats.memory_check["allocator_peak"] = torch.cuda.max_memory_allocated(executor.device) - before
+        stats.memory_check["allocator_between_actions"] = max(allocated)
+    return stats
+
+
+def _state_named(job: Job, modules: dict[int, nn.Module]) -> dict[str, torch.Tensor]:
+    """Parameters and buffers named by model layer index, as the plain model ``nn.Sequential(*layers)`` names them."""
+    out = {}
+    for s, module in modules.items():
+        for pos, layer in enumerate(module.children()):
+            index = job.layer_stages[s][pos]
+            out.update({f"{index}.{name}": t for name, t in layer.state_dict(keep_vars=True).items()})
+    return out
+
+
+def _save_model(job: Job, modules: dict[int, nn.Module], path: str, global_rank: int, pipeline: int,
+                world: int) -> None:
+    """Gather the first pipeline's layers on rank 0, which writes the whole model's state_dict to ``path``
+    (a temporary file beside it, then a rename)."""
+    mine: dict[int, dict[str, torch.Tensor]] = {}
+    for s, module in modules.items():
+        for pos, layer in enumerate(module.children()):
+            # With FSDP each copy gathers its shards (a collective of every pipeline); the first one keeps them.
+            whole = {k: sharding.full(v.detach()).cpu() for k, v in layer.state_dict().items()}
+            if pipeline == 0:
+                mine[job.layer_stages[s][pos]] = whole
+    gathered: list[Any] = [None] * world if global_rank == 0 else []
+    dist.gather_object(mine, gathered if global_rank == 0 else None, dst=0)
+    if global_rank != 0:
+        return
+    layers: dict[int, dict[str, torch.Tensor]] = {}
+    for part in gathered:
+        layers.update(part)  # a stage held by several ranks (replicas) holds the same weights
+    full = {f"{i}.{k}": v for i in sorted(layers) for k, v in layers[i].items()}
+    from pipefold.files import atomic
+
+    with atomic(path, binary=True) as fh:
+        torch.save(full, fh)
+
+
+def _named(job: Job, modules: dict[int, nn.Module]) -> list[tuple[str, nn.Parameter]]:
+    """Parameters named by model layer index, so the launcher can match them with a reference model."""
+    out = []
+    for s, module in modules.items():
+        for pos, layer in enumerate(module.children()):
+            index = job.layer_stages[s][pos]
+            out += [(f"{index}.{name}", p) for name, p in layer.named_parameters()]
+    return out
+
+
+def _optimizer(job: Job, params: list[nn.Parameter], dp_group: Any = None) -> torch.optim.Optimizer | None:
+    if not params:
+        return None  # a rank whose stages have no weights has nothing to step
+    if callable(job.optimizer):
+        return job.optimizer(params)
+    if job.zero1 and dp_group is not None:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        # ZeRO-1: each copy of a stage keeps the optimizer state of its share of the parameters, steps them,
+        # and sends them to the other copies.
+        return ZeroRedundancyOptimizer(params, optimizer_class=OPTIMIZERS[job.optimizer],  # type: ignore[arg-type]
+                                       process_group=dp_group, lr=job.lr)
+    return OPTIMIZERS[job.optimizer](params, lr=job.lr)
+
+
+def _nothing() -> None:
+    """The optimizer step of a stage without weights."""
+
+
+def _speculative(stage: int, opt: torch.optim.Optimizer | None, module: nn.Module,
+                 snapshots: dict[int, numerics.Snapshot]) -> Callable[[], None]:
+    """The step a schedule's OPT action of ``stage`` runs: a copy of the stage's state first, then the step, which
+    the global check after the step validates (and rolls back with the copy when it fails)."""
+    if opt is None:
+        return _nothing
+
+    def step() -> None:
+        snapshots[stage] = numerics.Snapshot(list(module.parameters()), [opt])
+        opt.step()
+    return step
+
+
+def _update(job: Job, params: list[nn.Parameter], counted: list[nn.Parameter], opt: torch.optim.Optimizer | None,
+            stage_opts: dict[int, torch.optim.Optimizer | None], stage_snaps: dict[int, numerics.Snapshot],
+            stats: StepStats, device: torch.device) -> None:
+    """After the step's passes: the global NaN/inf and norm check (one all-reduce), then the optimizer step,
+    clipped, or skipped when the step is bad (see :mod:`pipefold.runtime.numerics`).
+
+    Without post-validation the optimizer waits for the check. With it (``job.post_validate``), and always
+    when the schedule's OPT actions have stepped already, the step is taken first and rolled back when the
+    check says it was bad or needed clipping. ``stats`` gets the norm and what happened.
+    """
+    check = local_check(counted, stats.losses.values(), device)
+    speculative = None
+    if opt is not None and job.post_validate:
+        pending = dist.all_reduce(check, async_op=True)
+        speculative = numerics.Snapshot(params, [opt])
+        opt.step()  # while the check is in flight
+        pending.wait()
+    else:
+        dist.all_reduce(check)
+    stepped = speculative is not None or bool(stage_snaps)
+    norm, bad, stats.loss = verdict(check)
+    factor = None if bad else clip_factor(norm, job.clip)
+    stats.grad_norm, stats.skipped, stats.clipped = norm, bad, factor is not None
+    if stepped and (bad or factor is not None):
+        for snap in (speculative, *stage_snaps.values()):
+            if snap is not None:
+                snap.restore()
+        stats.rolled_back = True
+    stage_snaps.clear()
+    if bad or (stepped and factor is None):
+        return
+    if factor is not None:
+        scale_grads(params, factor)
+    for each in (opt, *stage_opts.values()):
+        if each is not None:
+            each.step()
+
+
+def _static_bytes(params: list[nn.Parameter], optimizers: list[torch.optim.Optimizer]) -> int:
+    """Bytes of the distinct storages of the parameters, their gradients and every tensor in the optimizers' state."""
+    tensors = [sharding.local(t) for p in params for t in (p, p.grad) if t is not None]
+    # ZeRO-1 keeps its share of the state in the optimizer it wraps (``optim``); FSDP's state is sharded.
+    tensors += [sharding.local(v) for o in optimizers for state in getattr(o, "optim", o).state.values()
+                for v in state.values() if isinstance(v, torch.Tensor)]
+    seen: dict[int, int] = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+    return sum(seen.values())
+
+
+def _peak_rss() -> int:
+    try:
+        import resource
+
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    except (ImportError, OSError):
+        return 0
+
+
+def agree(value: Any, src: int = 0) -> Any:
+    """Every rank gets rank ``src``'s ``value`` (any picklable object)."""
+    box = [value]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]

@@ -1,0 +1,183 @@
+"""A rank started by torchrun: join the process group torchrun describes (a restarted attempt under a prefix of
+its own in the agent's store), watch it with a heartbeat in the job's store, run the rank, gather the reports on
+rank 0, leave."""
+
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from pipefold.errors import ConfigError
+from pipefold.runtime.watch import (
+    DEFAULT_ACTION_TIMEOUT,
+    Activity,
+    Heartbeat,
+    StoreBoard,
+    die_with_parent,
+    find_hang,
+    limit,
+    name_process,
+    pg_timeout,
+    why_silent,
+)
+
+if TYPE_CHECKING:
+    pass
+from pipefold.runtime.job import Job, RankError, RankReport, local_placement, raise_if_stopped
+from pipefold.runtime.rank import run_rank
+
+
+class _TorchrunWatch:
+    """A torchrun rank's watch: its heartbeat thread publishes what the rank does to the job's store and checks
+    the rank's own progress. When the rank has waited longer than the action timeout, it reads every rank's
+    publications twice, :data:`LOOK` seconds apart (a count that did not move is a rank that stopped), and if
+    the job is hung, the first rank to see it prints the line; every rank that sees it exits (torchrun's agent
+    then stops the rest), and a stopped rank to blame on this machine is killed."""
+
+    LOOK = 3.0
+
+    def __init__(self, rank: int, world: int, timeout: float) -> None:
+        self.rank, self.world, self.timeout = rank, world, timeout
+        self.activity = Activity(rank)
+        self.board = StoreBoard(dist.distributed_c10d._get_default_store())
+        self._not_before = 0.0
+        self.heartbeat = Heartbeat(self.activity, self.board, period=0.25, check=self.check).start()
+
+    def check(self) -> None:
+        mine = self.activity.snapshot(self.heartbeat.seq)
+        if mine.done or mine.age <= limit(mine, self.timeout) or time.time() < self._not_before:
+            return
+        if not mine.waits:
+            hang = find_hang({self.rank: mine}, {self.rank: mine.age}, {}, self.timeout)
+        else:
+            first = {r: self.board.read(r) for r in range(self.world)}
+            time.sleep(self.LOOK)
+            snaps = {r: self.board.read(r) for r in range(self.world)}
+            snaps[self.rank] = self.activity.snapshot(self.heartbeat.seq)
+            frozen = {}
+            for r, s in snaps.items():
+                before = first[r]
+                if r != self.rank and (s is None or (not s.done and before is not None and before.seq == s.seq)):
+                    local = s is not None and s.host == socket.gethostname()
+                    frozen[r] = (why_silent(s.pid, time.time() - s.beat) if local and s is not None
+                                 else f"no heartbeat for over {self.LOOK:g} s")
+            ages = {r: s.age if s is not None else self.timeout for r, s in snaps.items()}
+            hang = find_hang(snaps, ages, frozen, self.timeout)
+            if hang is not None and hang.rank in frozen:
+                s = snaps[hang.rank]
+                if s is not None and s.host == socket.gethostname():
+                    with contextlib.suppress(OSError):
+                        os.kill(s.pid, signal.SIGKILL)  # stopped: torchrun's SIGTERM would wait for it 30 s
+        if hang is None:
+            self._not_before = time.time() + 2.0
+            return
+        with contextlib.suppress(Exception):
+            if self.board.first_to_abort():
+                print(f"pipefold: error: {hang.line}", file=sys.stderr, flush=True)
+        os._exit(1)
+
+
+_WATCH: _TorchrunWatch | None = None
+
+
+def join_torchrun_group(action_timeout_s: float = DEFAULT_ACTION_TIMEOUT, device: str = "auto",
+                        backend: str = "auto") -> tuple[int, int]:
+    """Join the process group torchrun set up for this process (once), with the timeout that goes with the action
+    timeout (:func:`pipefold.runtime.watch.pg_timeout`) and the backend that ``device`` and ``backend`` give on
+    this node (:func:`pipefold.runtime.devices.place`), and start the rank's watch; return (rank, world size).
+
+    The process also ends if torchrun's agent dies (the kernel's parent-death signal, on Linux)."""
+    global _WATCH
+    if not dist.is_initialized():
+        where = local_placement(device, backend, 1)
+        if where.device == "cuda":
+            torch.cuda.set_device(where.device_of(int(os.environ.get("LOCAL_RANK", "0"))))
+        die_with_parent()
+        timeout = timedelta(seconds=pg_timeout(action_timeout_s))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        if attempt not in ("", "0") and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # Restarted workers meet in the agent's store, the same one as the failed attempt's: under a prefix of
+            # their own, or a rank could read a dead peer's address left there (gloo: "connection refused").
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                                  timeout=timeout)
+            dist.init_process_group(where.backend, store=dist.PrefixStore(f"pipefold/attempt-{attempt}", store),
+                                    rank=rank, world_size=world, timeout=timeout)
+        else:
+            dist.init_process_group(where.backend, timeout=timeout)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if _WATCH is None or _WATCH.world != world or _WATCH.rank != rank:
+        _WATCH = _TorchrunWatch(rank, world, action_timeout_s)
+        name_process(f"pipefold-rank{rank}")
+    _WATCH.timeout = action_timeout_s
+    return rank, world
+
+
+def torchrun_activity() -> Activity:
+    """What this torchrun rank is doing, as its watch publishes it (after :func:`join_torchrun_group`)."""
+    assert _WATCH is not None, "join_torchrun_group() first"
+    return _WATCH.activity
+
+
+def run_torchrun(job: Job, on_step: Callable[[int, float, float], None] | None = None) -> list[RankReport] | None:
+    """Run this process's rank of ``job`` as torchrun started it; rank 0 gets every rank's report, others None.
+
+    torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; the world must
+    have one process per device of the schedule and data-parallel pipeline, on one machine or several.
+    An exception ends the rank with :class:`RankError` (one line: the rank, what it was doing, the error).
+    """
+    rank, world = join_torchrun_group(job.action_timeout_s, job.device, job.backend)
+    activity = torchrun_activity()
+    try:
+        if world != job.dp * job.schedule.devices:
+            need = job.dp * job.schedule.devices
+            what = f" x {job.dp} data-parallel pipelines" if job.dp > 1 else ""
+            raise ConfigError(f"torchrun started {world} processes but {job.schedule.name} runs on "
+                              f"{job.schedule.devices} devices{what}; set --nproc-per-node and --nnodes for {need} "
+                              "in all")
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+        try:
+            report = run_rank(job, rank, world, None, on_step, activity=activity)
+            activity.wait("the end of the job", "every rank's report", [r for r in range(world) if r != rank],
+                          action=False)
+            gathered: list[Any] = [None] * world if rank == 0 else []
+            dist.gather_object(report, gathered if rank == 0 else None, dst=0)
+            activity.finish()
+            raise_if_stopped(gathered if rank == 0 else [report])  # every rank stopped at the same step
+        except (ConfigError, KeyboardInterrupt):
+            raise
+        except Exception as exc:
+            snap = activity.snapshot(0)
+            peers = [r for r in snap.waits if r != rank]
+            waiting = f" (waiting for {snap.what} from rank {peers[0]})" if len(peers) == 1 else ""
+            line = f"{type(exc).__name__}: {exc}".strip().splitlines()
+            raise RankError(rank, f"rank {rank} failed in {snap.at()}{waiting}: {line[0]}",
+                            "".join(traceback.format_exception(exc))) from None
+        return gathered if rank == 0 else None
+    finally:
+        leave_group()
+
+
+def leave_group() -> None:
+    """Destroy the process group, if any, once nothing holds its work handles any more (spawned or torchrun);
+    under torchrun the watch's heartbeat thread, which talks to the job's store, is stopped first."""
+    global _WATCH
+    if _WATCH is not None:
+        _WATCH.heartbeat.stop()
+        _WATCH = None
+    if dist.is_initialized():
+        gc.collect()  # drop work handles still held in a cycle, or the group's threads abort the exit
+        dist.destroy_process_group()
