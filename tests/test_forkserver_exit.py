@@ -44,3 +44,11 @@ def test_the_command_flushes_its_output_and_exits_with_its_code() -> None:
     assert got.returncode == 0 and got.stdout.strip().startswith("{") and got.stdout.strip().endswith("}")
     bad = subprocess.run([sys.executable, "-m", "pipefold", "simulate", "nope"], capture_output=True, text=True)
     assert bad.returncode != 0 and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_the_command_waits_for_threads_still_running() -> None:
+    code = ("import sys, threading, time\n"
+            "threading.Thread(target=lambda: (time.sleep(0.3), print('thread done', flush=True))).start()\n"
+            "sys.argv = ['pipefold', 'simulate', '1f1b', '--json']\nfrom pipefold.cli.main import entry\nentry()\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().endswith("thread done")

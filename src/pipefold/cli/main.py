@@ -1546,12 +1546,16 @@ def check_applies(args: argparse.Namespace) -> None:
 
 
 def entry() -> NoReturn:
-    """The ``pipefold`` command: :func:`main`, then out at once. Output is flushed and exit handlers run (what
-    multiprocessing and the library registered), but Python's own teardown of the modules, most of a second with
-    torch loaded, is skipped: the command has nothing left to clean up."""
+    """The ``pipefold`` command: :func:`main`, then out at once. Threads still running are waited for, output is
+    flushed and exit handlers run (what multiprocessing and the library registered), as Python's own exit does;
+    its teardown of the modules, most of a second with torch loaded, is skipped: nothing is left to clean up."""
     import atexit
+    import threading
 
     code = main()
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
     sys.stdout.flush()
     sys.stderr.flush()
     atexit._run_exitfuncs()
