@@ -288,7 +288,7 @@ def test_config_file_errors(tmp_path: Path) -> None:
 
 
 def test_registry_names_the_command_line_choices() -> None:
-    from pipefold.cli.main import build_parser
+    from pipefold.cli.args import build_parser
     from pipefold.models import REGISTRY
 
     choices = {a.dest: a.choices for a in build_parser()._subparsers._group_actions[0].choices["train"]._actions}

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from pipefold import build
+from pipefold import build, ir
 from pipefold.cli.main import main
 from pipefold.jsonout import NONFINITE, dumps
 
@@ -42,7 +42,7 @@ def test_non_finite_numbers_become_null_with_their_paths() -> None:
 
 def test_cli_json_of_a_schedule_with_an_infinite_option(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     # 1e999 is a valid JSON number that Python reads as infinity; it used to come back out as bare Infinity.
-    text = build("1f1b", 2, 4).dumps("json").replace('"options": {}', '"options": {"weight": 1e999}')
+    text = ir.dumps(build("1f1b", 2, 4), "json").replace('"options": {}', '"options": {"weight": 1e999}')
     path = tmp_path / "inf.json"
     path.write_text(text)
     assert main(["simulate", str(path), "--json"]) == 0

@@ -380,7 +380,7 @@ def test_ctrl_c_anywhere_in_profile_is_one_line(tmp_path) -> None:
 ])
 def test_a_far_prediction_is_pointed_out_with_its_likely_cause(predicted: float, measured: float,
                                                                says: str | None) -> None:
-    from pipefold.cli.main import prediction_note
+    from pipefold.cli.train_cmds import prediction_note
 
     note = prediction_note(predicted, measured, 24)
     if says is None:

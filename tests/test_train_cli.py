@@ -202,7 +202,7 @@ def test_the_table_names_only_real_options() -> None:
     """Every option of the table is one of its command's options (a renamed flag cannot hide there)."""
     import argparse
 
-    from pipefold.cli.main import APPLIES, build_parser
+    from pipefold.cli.args import APPLIES, build_parser
 
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))

@@ -1,0 +1,449 @@
+"""The command line's arguments: shared argument groups, the parser, and the table of which options go with
+which modes (read by the parser, so that a new option cannot forget it)."""
+
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+from pipefold import schedules
+from pipefold.errors import ConfigError
+from pipefold.ir import formats
+
+DEFAULT_SCHEDULE = "zb-h1"
+
+
+DEFAULT_KFAC_WORK = "KA=0.5,KG=0.5,KI=2,KP=0.25"
+"""K-FAC's work per device share for `pipefold pipefisher`, against F = B = W = 1."""
+
+
+DEFAULT_DEVICES = 4
+
+
+DEFAULT_MICROBATCHES = 8
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage mistake as one line, not a usage dump."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+def _add_shape(p: argparse.ArgumentParser, *, options: bool = True) -> None:
+    _devices_flag(p, DEFAULT_DEVICES)
+    p.add_argument("--microbatches", "-m", type=int, default=DEFAULT_MICROBATCHES, metavar="M",
+                   help=f"microbatches per step (default {DEFAULT_MICROBATCHES})")
+    if not options:
+        return
+    names = sorted({o.name for spec in schedules.REGISTRY.values() for o in spec.options})
+    for name in names:
+        helps = {f"{o.help} ({s.name}, default {o.default})"
+                 for s in schedules.REGISTRY.values() for o in s.options if o.name == name}
+        flags = ["--v", "--chunks"] if name == "v" else [f"--{name}"]
+        p.add_argument(*flags, dest=f"opt_{name}", type=int, default=None, metavar=name.upper(),
+                       help="; ".join(sorted(helps)))
+
+
+def _add_costs(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("cost model (per microbatch, per device's share of the model)")
+    g.add_argument("--f", type=float, default=1.0, help="forward time (default 1)")
+    g.add_argument("--b", type=float, default=1.0, help="input-gradient backward time B (default 1)")
+    g.add_argument("--w", type=float, default=1.0, help="weight-gradient backward time W (default 1)")
+    g.add_argument("--mem", type=float, default=1.0, help="activation memory M of one microbatch (default 1)")
+    g.add_argument("--mem-w", type=float, default=None, metavar="MEM",
+                   help="activation memory held between a stage's B and its W, per device share; "
+                        "default: the same as --mem; may exceed it")
+    g.add_argument("--latency", type=float, default=0.0, help="point-to-point latency between devices (default 0)")
+    g.add_argument("--bandwidth", type=float, default=math.inf,
+                   help="point-to-point bytes per time unit (default unlimited)")
+    g.add_argument("--activation-bytes", type=float, default=0.0,
+                   help="bytes sent between stages per microbatch (default 0)")
+    g.add_argument("--grad-bytes", type=float, default=0.0, metavar="BYTES",
+                   help="gradient bytes of one device's share: what the replicas of a stage all-reduce, as a ring "
+                        "over --latency and --bandwidth (default 0)")
+    g.add_argument("--opt", type=float, default=0.0, help="optimizer step time of a device's share (default 0)")
+    g.add_argument("--weights", type=float, default=0.0, metavar="MEM",
+                   help="memory of a device's share of parameters, gradients and optimizer state, in M: added to "
+                        "the peaks once per stage held, so replicas pay it twice (default 0)")
+    g.add_argument("--overlap", action="store_true",
+                   help="a device runs an overlapped pair (F+B) at once: it costs max(F, B), not F + B")
+    g.add_argument("--recompute", type=float, default=0.0, metavar="FRACTION",
+                   help="fraction of each forward recomputed in its backward: keeps (1-r) M, B takes r F longer "
+                        "(default 0)")
+    g.add_argument("--stage-cost", action="append", default=[], metavar="S:F,B,W[,MEM]",
+                   help="absolute costs of stage S, overriding the derived ones (repeatable)")
+    g.add_argument("--work", default="", metavar="KIND=T,...",
+                   help="times of K-FAC's actions per device share: KA and KG per microbatch, KI and KP per step, "
+                        "e.g. KA=0.5,KG=0.5,KI=2,KP=0.25 (default 0)")
+    g.add_argument("--stash", default="", metavar="KIND=MEM,...",
+                   help="memory (M) that KA or KG keeps of its microbatch until it runs, held beyond the "
+                        "activations once the microbatch's W freed them (default 0)")
+
+
+def _add_model(p: argparse.ArgumentParser, *, layers: int | None, layers_help: str, batch: int,
+               batch_help: str) -> None:
+    """The model and its size, as train, profile, offload and partition take them (choices from the registry)."""
+    from pipefold.models import REGISTRY
+
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--model", choices=[n for n, f in REGISTRY.items() if not f.hf], default="gpt",
+                   help="model (default gpt)")
+    g.add_argument("--hf", choices=[n for n, f in REGISTRY.items() if f.hf], default=None, metavar="NAME",
+                   help=f"a Hugging Face transformers causal LM instead, built from --hf-config (needs pip install "
+                        f"'pipefold[hf]'): {', '.join(n for n, f in REGISTRY.items() if f.hf)}")
+    p.add_argument("--hf-config", default=None, metavar="CONFIG",
+                   help="with --hf: a transformers config.json, or a config pipefold ships (gpt2-tiny, llama-tiny; "
+                        "default: NAME-tiny)")
+    p.add_argument("--layers", type=int, default=None,
+                   help=f"transformer blocks or MLP blocks ({layers_help}; with --hf: the config's)")
+    p.set_defaults(default_layers=layers)
+    p.add_argument("--hidden", type=int, default=None, help="width (default 64; with --hf: set in the config)")
+    p.add_argument("--heads", type=int, default=None, help="attention heads of the gpt (default 4)")
+    p.add_argument("--batch", type=int, default=batch, help=f"{batch_help} (default {batch})")
+    p.add_argument("--seq", type=int, default=64, help="sequence length of a language model (default 64)")
+
+
+def _add_output(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+
+
+class _Renamed(argparse.Action):
+    """A flag that was renamed: one line saying what to use instead."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        parser.error(f"{option_string} was renamed --devices (-p): it counts devices, and a device may hold "
+                     "several stages")
+
+
+def _devices_flag(p: argparse.ArgumentParser, default: int) -> None:
+    p.add_argument("--devices", "-p", type=int, default=default, metavar="P",
+                   help=f"pipeline devices (default {default}); a schedule may put several stages on each")
+    p.add_argument("--stages", action=_Renamed, help=argparse.SUPPRESS)
+
+
+def _add_format(p: argparse.ArgumentParser) -> None:
+    """--format of the schedule files a command reads (generate's --format is its output's)."""
+    p.add_argument("--format", dest="input_format", choices=list(formats.FORMATS), default=None,
+                   help="format of schedule files: text, json, csv (pipefold's) or torch-csv "
+                        "(torch.distributed.pipelining's); default: from each file's suffix, and torch's CSV "
+                        "told by its content")
+    _add_renumber(p)
+
+
+def _add_renumber(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--renumber", action="store_true",
+                   help="a torch CSV whose last rank numbers its microbatches 1..m (torch's Schedule1F1B writes "
+                        "so): shift them to 0..m-1")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="pipefold", description="Pipeline-parallel schedules: generate, validate, simulate, draw.")
+    parser.add_argument("--version", action="version", version=f"pipefold {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    p = sub.add_parser("schedules", help="list the schedule families and their options")
+    _add_output(p)
+
+    p = sub.add_parser("simulate", help="simulate one schedule: timeline, bubbles, memory")
+    p.add_argument("schedule", nargs="?", default=DEFAULT_SCHEDULE,
+                   help=f"a registered name (optionally name:key=value,...) or a schedule file "
+                        f"(.txt, .json, .csv); default {DEFAULT_SCHEDULE}")
+    _add_shape(p)
+    _add_costs(p)
+    _add_output(p)
+    _add_format(p)
+    p.add_argument("--plot", metavar="FILE", help="write a Gantt chart with memory curves (.png or .svg)")
+    p.add_argument("--trace", metavar="FILE", help="write Chrome trace-event JSON (open in Perfetto)")
+    p.add_argument("--width", type=int, default=None, help="columns of the ASCII timeline (default: terminal)")
+    p.add_argument("--network", metavar="SPEC", default=None,
+                   help="links whose latency and bandwidth change over time (times in seconds, so costs are "
+                        "seconds): a JSON/CSV profile, constant:latency=S,bandwidth=B or "
+                        "preempt:seed=N,idle=B,busy=B,on=S,off=S[,links=1-2]; messages are --activation-bytes")
+    p.add_argument("--at", type=float, default=0.0, metavar="SECONDS",
+                   help="with --network: start the step this many seconds into the network's timeline")
+    g = p.add_argument_group("data-parallel pipelines")
+    g.add_argument("--dp", type=int, default=1, metavar="D",
+                   help="data-parallel copies of the pipeline (default 1): each stage all-reduces its --grad-bytes "
+                        "share among them right after its last weight gradient")
+    g.add_argument("--fsdp", action="store_true",
+                   help="with --dp: shard the stages instead (AG before a stage's first forward, RS after its last "
+                        "weight gradient): --weights is held 1/D, --gathered from AG to RS")
+    g.add_argument("--gathered", type=float, default=0.0, metavar="MEM",
+                   help="with --fsdp: memory (M) of a device's share of whole parameters and their gradients, held "
+                        "from a stage's AG to the end of its RS (default 0)")
+
+    p = sub.add_parser("pipefisher", help="K-FAC's work in a schedule's bubbles (PipeFisher): the cycle of steps, "
+                                          "utilization and step time before and after")
+    p.add_argument("schedule", nargs="?", default="1f1b",
+                   help="a registered name (optionally name:key=value,...) or a schedule file; default 1f1b")
+    _add_shape(p)
+    _add_costs(p)
+    p.set_defaults(work=DEFAULT_KFAC_WORK)
+    p.add_argument("--slack", type=float, default=0.0,
+                   help="let each step grow by this fraction of the plain step to hold more work (default 0)")
+    p.add_argument("--max-steps", type=int, default=16, help="most steps a cycle may take (default 16)")
+    p.add_argument("--inline", action="store_true",
+                   help="no filling: curvature right after its pass, inversion and preconditioning every step")
+    p.add_argument("--plot", metavar="FILE", help="draw the plain step above each step of the cycle (.png or .svg)")
+    p.add_argument("--width", type=int, default=None, help="columns of the ASCII timelines (default: terminal)")
+    _add_output(p)
+
+    p = sub.add_parser("compare", help="simulate several schedules side by side")
+    p.add_argument("schedule", nargs="+", help="registered names, name:key=value,..., or schedule files")
+    _add_shape(p)
+    _add_costs(p)
+    _add_output(p)
+    _add_format(p)
+
+    p = sub.add_parser("generate", help="write a schedule as text, JSON or CSV")
+    p.add_argument("schedule", help="a registered name, optionally name:key=value,...")
+    _add_shape(p)
+    p.add_argument("--format", choices=list(formats.FORMATS), default=None,
+                   help="output format; torch-csv: torch.distributed.pipelining's CSV (default: from the output "
+                        "file's suffix, else text)")
+    p.add_argument("--output", "-o", metavar="FILE", help="write to FILE instead of standard output")
+
+    p = sub.add_parser("plan", help="the fastest schedule whose peak memory fits a budget: in units of M, or for a "
+                                    "profiled model in bytes, with its split and recomputation")
+    _add_shape(p, options=False)
+    p.add_argument("--memory", metavar="BUDGET",
+                   help="peak activation memory per device: in M (3) or as a multiple of 1F1B's peak (0.5x)")
+    p.add_argument("--profile", metavar="FILE",
+                   help="plan for the model measured in FILE (pipefold profile): seconds and bytes, with the split "
+                        "of layers into stages and per-stage recomputation; needs --memory-budget")
+    p.add_argument("--memory-budget", metavar="BYTES",
+                   help="with --profile: bytes per device for weights, gradients, optimizer state, activations and "
+                        "buffers, e.g. 2GiB or 60MB")
+    p.add_argument("--output", "-o", metavar="FILE", help="with --profile: write the plan that train --plan runs")
+    p.add_argument("--headroom", type=float, default=None, metavar="FRACTION",
+                   help="with --profile: the part of the budget a plan leaves free for the prediction's error "
+                        "(default 0.05)")
+    p.add_argument("--families", metavar="A,B", default=None,
+                   help="with --profile: search only these schedule families (default: every registered one)")
+    _add_costs(p)
+    _add_output(p)
+    p.add_argument("--plot", metavar="FILE", help="draw the memory/makespan frontier (.png or .svg)")
+
+    p = sub.add_parser("profile", help="measure a model on this machine: per-layer times and bytes, the link between "
+                                       "two ranks, how ranks share the cores; the input of plan --profile")
+    _add_model(p, layers=4, layers_help="default 4", batch=16, batch_help="batch per step")
+    p.add_argument("--microbatches", "-m", type=int, default=8, metavar="M", help="microbatches per step (default 8)")
+    _devices_flag(p, 4)
+    p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=7, help="timed runs of each layer, after a warm-up (default 7)")
+    p.add_argument("--no-link", action="store_true", help="do not measure the link (free transfers)")
+    p.add_argument("--no-sharing", action="store_true",
+                   help="do not measure how ranks share this machine (each rank has a device of its own)")
+    p.add_argument("--output", "-o", metavar="FILE", help="write the profile to FILE (default: print it)")
+    _add_output(p)
+
+    p = sub.add_parser("offload", help="run a model with at most k layers on the device; compare with the plain model")
+    _add_model(p, layers=24, layers_help="default 24", batch=8, batch_help="batch")
+    p.add_argument("--k", type=int, default=None, help="most offloaded layers on the device at once (default 2)")
+    p.add_argument("--kprime", type=int, default=None, help="layers evicted together, 1..k (default 1)")
+    p.add_argument("--budget", default=None, metavar="BYTES",
+                   help="parameter bytes allowed on the device, embedding and head included (2e6, 1.5MB, 64MiB): "
+                        "picks k and k'")
+    p.add_argument("--train", action="store_true", help="also run SGD steps and compare gradients and weights")
+    p.add_argument("--steps", type=int, default=3, help="steps to run and time (default 3)")
+    p.add_argument("--seed", type=int, default=0)
+    _add_output(p)
+
+    p = sub.add_parser("partition", help="split a model's layers into stages: balanced measured cost, or least "
+                                         "predicted peak memory; show each device's predicted peak")
+    _add_model(p, layers=8, layers_help="default 8", batch=8, batch_help="microbatch of the measurements")
+    _devices_flag(p, 4)
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--chunks", type=int, default=None, metavar="V",
+                   help="V looped chunks per device, run as interleaved-1f1b (default: 1f1b)")
+    g.add_argument("--schedule", default=None, help="split into this schedule's stages, with its placement")
+    p.add_argument("--microbatches", "-m", type=int, default=None, metavar="M",
+                   help="microbatches per step, for the predicted peaks (default 2P)")
+    p.add_argument("--by", choices=["params", "time", "memory"], default="time",
+                   help="balance parameters or time, or (memory) least predicted device peak within --slack of "
+                        "the best time (default time)")
+    p.add_argument("--slack", type=float, default=0.02,
+                   help="time the memory split may add to the busiest device, as a fraction (default 0.02)")
+    p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
+                   help="optimizer whose state the static bytes count (default adamw)")
+    _add_output(p)
+
+    p = sub.add_parser("train", help="train a model with a pipeline schedule, one local process per device")
+    p.add_argument("--schedule", default="v-half", help="schedule name, optionally name:key=value,... (default v-half)")
+    p.add_argument("--devices", "--pp", "-p", type=int, default=4, metavar="P",
+                   help="pipeline devices (default 4); a schedule may put several stages on each")
+    p.add_argument("--stages", action=_Renamed, help=argparse.SUPPRESS)
+    p.add_argument("--dp", type=int, default=1, metavar="D",
+                   help="data-parallel copies of the pipeline (default 1): D x P processes, each pipeline on its "
+                        "shard of the batch, each stage's gradients averaged across them as soon as its last "
+                        "weight gradient is done")
+    p.add_argument("--zero1", action="store_true",
+                   help="with --dp: shard the optimizer state across the copies of each stage (ZeRO-1)")
+    p.add_argument("--fsdp", action="store_true",
+                   help="with --dp: shard each stage's parameters, gradients and optimizer state across its copies "
+                        "(torch's fully_shard): gathered before the stage's first forward, reduce-scattered and freed "
+                        "after its last weight gradient")
+    p.add_argument("--microbatches", "-m", type=int, default=8, metavar="M", help="microbatches per step (default 8)")
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
+    _add_model(p, layers=None, layers_help="default: enough for 2 layers per stage", batch=16,
+               batch_help="batch per step")
+    p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
+    p.add_argument("--optimizer", choices=["adamw", "sgd", "kfac"], default="adamw",
+                   help="adamw (default), sgd, or kfac: K-FAC-preconditioned SGD with momentum 0.9, its work placed "
+                        "in the schedule as actions (see --fill-bubbles)")
+    p.add_argument("--fill-bubbles", action="store_true",
+                   help="with --optimizer kfac: put K-FAC's curvature, inversion and preconditioning in the "
+                        "schedule's bubbles, spread over steps (PipeFisher); without it they run right after the "
+                        "passes they read, every step")
+    p.add_argument("--damping", type=float, default=0.1, help="K-FAC's damping (default 0.1)")
+    p.add_argument("--ema", type=float, default=0.9,
+                   help="K-FAC's running-average decay of the factors, 0..1 (default 0.9; 0: the newest only)")
+    p.add_argument("--clip", type=float, default=None, help="clip gradients to this global norm")
+    p.add_argument("--data", default=None, help="train the gpt on this text file instead of the built-in corpus")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--check", action="store_true",
+                   help="also run one process with the same model and data; print the largest differences")
+    p.add_argument("--trace", metavar="FILE", help="write the measured per-rank timeline as Chrome trace JSON (the "
+                                                   "first 20 steps and the last)")
+    p.add_argument("--plot", metavar="FILE", help="draw the measured Gantt chart above the one simulated from the "
+                                                  "run's own costs, and both memory curves")
+    p.add_argument("--partition", choices=["time", "params", "memory", "even"], default="time",
+                   help="split layers into stages balanced by measured forward+backward time (default), by "
+                        "parameters, evenly by count, or (memory) for the least per-device peak under the "
+                        "schedule with time within 2%% of the time-balanced split")
+    p.add_argument("--recompute", choices=["none", "full", "auto"], default="none",
+                   help="activation recomputation: none, full (every layer), or auto: per stage just enough layers "
+                        "that each device fits --memory-budget (default none)")
+    p.add_argument("--memory-budget", metavar="BYTES", default=None,
+                   help="bytes per device for weights, gradients, optimizer state and activations, e.g. 64MB "
+                        "(with --recompute auto)")
+    p.add_argument("--offload", metavar="K,K2", default=None,
+                   help="each stage keeps at most K of its layers on the device, evicting K2 at once")
+    p.add_argument("--plan", metavar="FILE", default=None,
+                   help="run the plan in FILE (pipefold plan --profile ... -o FILE) as is: its model, schedule, "
+                        "split and recomputation; prints the prediction next to what was measured")
+    p.add_argument("--network", metavar="SPEC", default=None,
+                   help="make the links between ranks behave like this network: a JSON/CSV profile (time -> "
+                        "latency, bandwidth), constant:latency=S,bandwidth=B, or "
+                        "preempt:seed=N,idle=B,busy=B,on=S,off=S[,links=1-2] (seeded on/off preemption); "
+                        "emulated in the runtime's links, or with --netns on real ones")
+    p.add_argument("--netns", action="store_true",
+                   help="run each rank in its own network namespace on veth links capped by tc at the "
+                        "network's idle bandwidth, its preempted periods made by flooding the links (needs root)")
+    p.add_argument("--adapt-every", type=int, default=2, metavar="N",
+                   help="with --schedule adaptive-kfkb: choose k again every N steps (default 2)")
+    p.add_argument("--checkpoint-dir", metavar="D", default=None,
+                   help="save checkpoints into folder D (torch.distributed.checkpoint, each rank its own part): "
+                        "after the last step, and every N steps with --checkpoint-every; a save is atomic")
+    p.add_argument("--checkpoint-every", type=int, metavar="N", default=None,
+                   help="with --checkpoint-dir: also save after every N steps")
+    p.add_argument("--keep-last", type=int, metavar="N", default=None,
+                   help="with --checkpoint-dir: keep only the N newest checkpoints (default: all)")
+    p.add_argument("--resume", nargs="?", const="", default=None, metavar="CKPT",
+                   help="start from the newest good checkpoint in --checkpoint-dir, or from CKPT (a D/step-N folder, "
+                        "or a folder of them): weights, optimizer state, data position and random state as saved; "
+                        "--steps counts from the first run's start. Under torchrun, restarted workers "
+                        "(--max-restarts) resume by themselves")
+    p.add_argument("--save-model", metavar="FILE", default=None,
+                   help="after the last step write the whole model's state_dict to FILE (torch.save), named as the "
+                        "plain model nn.Sequential(*pipefold.models.make_model(...).build()) names it")
+    p.add_argument("--post-validate", action="store_true",
+                   help="step the optimizer before the global NaN/inf and gradient-norm check completes, and roll "
+                        "the step back when it fails or needs clipping (Zero Bubble's post-validation)")
+    p.add_argument("--max-bad-steps", type=int, default=3, metavar="K",
+                   help="a step whose loss or gradients are NaN or inf is skipped with a warning; stop after K "
+                        "such steps in a row (default 3)")
+    p.add_argument("--action-timeout", type=float, default=20.0, metavar="SECONDS",
+                   help="stop the job, naming the rank, when an action runs this long or a rank waits this long "
+                        "for one that makes no progress, or stops responding (default 20)")
+    _add_renumber(p)
+    g = p.add_argument_group("devices")
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="where the ranks compute: a GPU when torch sees one (auto, the default), or the CPU")
+    g.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
+                   help="nccl: a GPU per rank; gloo: the CPU, or GPUs the ranks share (tensors staged through "
+                        "pinned host memory); auto: nccl when every rank has a GPU of its own")
+    g.add_argument("--no-overlap", action="store_true",
+                   help="on a GPU, run an overlapped pair's (dualpipe's F+B) forward and then its backward, "
+                        "instead of both at once on two streams")
+    _add_output(p)
+
+    p = sub.add_parser("validate", help="check schedule files (or generated schedules) and report the first problem")
+    p.add_argument("schedule", nargs="+", help="schedule files or registered names")
+    _add_shape(p)
+    _add_format(p)
+    return parser
+
+
+def _version() -> str:
+    from pipefold import __version__
+
+    return __version__
+
+
+@dataclass(frozen=True)
+class Applies:
+    """Options of a command that mean something in one of its modes only: given in another, they are refused in one
+    line (never silently ignored). ``options`` are argparse destinations; given means not the parser's default."""
+
+    command: str
+    options: tuple[str, ...]
+    when: Callable[[argparse.Namespace], bool]
+    """The mode in which they apply."""
+    otherwise: str
+    """What to do instead, after "--option ...": why it does not apply and what would."""
+
+
+def _sequences(args: argparse.Namespace) -> bool:
+    from pipefold.models import REGISTRY
+
+    return REGISTRY[args.model].sequences
+
+
+_COSTS = ("f", "b", "w", "mem", "mem_w", "latency", "bandwidth", "activation_bytes", "grad_bytes", "opt", "weights",
+          "overlap", "recompute", "stage_cost", "work", "stash")
+
+
+APPLIES: tuple[Applies, ...] = (
+    Applies("train", ("damping", "ema", "fill_bubbles"), lambda a: a.optimizer == "kfac",
+            "tunes K-FAC: add --optimizer kfac, or drop it"),
+    Applies("train", ("adapt_every",), lambda a: a.schedule.partition(":")[0] == "adaptive-kfkb",
+            "spaces adaptive-kfkb's choices of k: use --schedule adaptive-kfkb, or drop it"),
+    Applies("train", ("heads", "seq", "data"), _sequences,
+            "sizes a language model, and the mlp has no attention, sequences or text: use --model gpt, or drop it"),
+    Applies("train", ("dp", "fsdp", "zero1"), lambda a: a.plan is None and a.schedule != "auto",
+            "lays out data-parallel copies, and a plan (--plan, --schedule auto) runs the one pipeline it planned: "
+            "name a schedule with --schedule, or drop it"),
+    Applies("train", ("keep_last", "checkpoint_every"), lambda a: a.checkpoint_dir is not None,
+            "saves into --checkpoint-dir D: give one, or drop it"),
+    Applies("plan", _COSTS, lambda a: a.profile is None,
+            "sets the cost model, and a plan from --profile uses the measured costs: drop it, or plan without "
+            "--profile"),
+)
+"""Which options go with which modes, read by :func:`main` for every command: a new option that belongs to one
+mode is refused in the others by adding it here."""
+
+
+def given(args: argparse.Namespace, parser: argparse.ArgumentParser) -> frozenset[str]:
+    """The options of ``args`` (destinations) that were given a value other than their command's default."""
+    sub = next((a.choices[args.command] for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+    if sub is None:
+        return frozenset()
+    return frozenset(dest for dest, value in vars(args).items() if value != sub.get_default(dest))
+
+
+def check_applies(args: argparse.Namespace) -> None:
+    """Refuse, in one line, an option given where it does not apply (:data:`APPLIES`)."""
+    for rule in APPLIES:
+        if rule.command != args.command or rule.when(args):
+            continue
+        for dest in rule.options:
+            if dest in args.given:
+                raise ConfigError(f"--{dest.replace('_', '-')} {rule.otherwise}")

@@ -1,0 +1,129 @@
+"""What several commands share: reading a schedule from a name or a file, a cost model from the flags, number
+formats, output checks before any work, progress bars."""
+
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+
+from rich.console import Console
+
+from pipefold import schedules
+from pipefold.errors import ConfigError
+from pipefold.ir import Schedule, formats
+from pipefold.ir.ref import ScheduleRef
+from pipefold.sim.simulate import CostModel, StageOverride
+
+
+def flag_options(args: argparse.Namespace) -> dict[str, int]:
+    return {k[4:]: v for k, v in vars(args).items() if k.startswith("opt_") and v is not None}
+
+
+def looks_like_file(text: str) -> bool:
+    """Whether ``text`` names a schedule file rather than a registered schedule.
+
+    A path (with a folder separator) or a name ending in a schedule suffix (any case) is a file; a
+    registered name (``1f1b``, ``kfkb:k=3``) is the registered schedule even when a file of that name is
+    in the current folder (give the file as ``./1f1b``); anything else is a file if one exists.
+    """
+    if os.path.sep in text or "/" in text or text.lower().endswith((".txt", ".json", ".csv")):
+        return True
+    if text.partition(":")[0] in schedules.REGISTRY:
+        return False
+    return os.path.isfile(text)
+
+
+def load_schedule(text: str, args: argparse.Namespace, *, strict_flags: bool) -> Schedule:
+    """A schedule from a file, or generated from a registered name and the shape flags."""
+    if looks_like_file(text):
+        if not os.path.isfile(text):
+            raise ConfigError(f"no such schedule file: {text}")
+        return formats.load(text, getattr(args, "input_format", None), renumber=getattr(args, "renumber", False))
+    ref = ScheduleRef.parse(text)
+    name, options = ref.name, ref.kwargs
+    spec = schedules.get(name)
+    for key, value in flag_options(args).items():
+        if spec.option(key) is not None:
+            if key in options and options[key] != value:
+                raise ConfigError(f"{text} sets {key}={options[key]} but --{key} {value} says otherwise: give "
+                                  f"{key} once")
+            options.setdefault(key, value)
+        elif strict_flags:
+            takes = ", ".join(f"--{o.name}" for o in spec.options) or "none"
+            raise ConfigError(f"schedule {name} takes no option --{key}; its options: {takes}")
+    return schedules.build(name, args.devices, args.microbatches, **options)
+
+
+def cost_model(args: argparse.Namespace) -> CostModel:
+    overrides = {}
+    for item in args.stage_cost:
+        stage_text, _, values = item.partition(":")
+        try:
+            stage = int(stage_text)
+            numbers = [float(x) for x in values.split(",")]
+        except ValueError:
+            numbers = []
+        if len(numbers) not in (3, 4):
+            raise ConfigError(f"cannot read --stage-cost {item!r}: use S:F,B,W or S:F,B,W,MEM, e.g. 3:2,4,2")
+        memory = numbers[3] if len(numbers) == 4 else None
+        overrides[stage] = StageOverride(f=numbers[0], b=numbers[1], w=numbers[2], memory=memory)
+    return CostModel(f=args.f, b=args.b, w=args.w, memory=args.mem, memory_w=args.mem_w,
+                     latency=args.latency, bandwidth=args.bandwidth, activation_bytes=args.activation_bytes,
+                     recompute=args.recompute, stage_overrides=overrides, grad_bytes=args.grad_bytes, opt=args.opt,
+                     overlap=args.overlap, weights=args.weights, work=kind_table(args.work, "--work"),
+                     stash=kind_table(args.stash, "--stash"))
+
+
+def kind_table(text: str, flag: str) -> dict[str, float]:
+    """``KA=0.5,KI=2`` as {kind: number}."""
+    out: dict[str, float] = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        code, sep, value = item.partition("=")
+        try:
+            out[code.strip()] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep:
+            raise ConfigError(f"cannot read {flag} {item!r}: use KIND=NUMBER,..., e.g. KA=0.5,KG=0.5,KI=2,KP=0.25")
+    return out
+
+
+def num(x: float) -> str:
+    return f"{x:.6g}"
+
+
+def check_outputs(*outputs: tuple[str, str | None, bool]) -> None:
+    """Refuse, before any work, each (what, path, is a figure) that cannot be written."""
+    from pipefold.files import check_writable
+
+    for what, path, figure in outputs:
+        if path is not None:
+            check_writable(path, what, figure=figure)
+
+
+@contextlib.contextmanager
+def stage_bar(label: str) -> Iterator[Callable[[str, int, int], None] | None]:
+    """A progress bar on stderr (when it is a terminal) for work in named parts: progress(part, done, total)."""
+    with progress_bar(label) as bar:
+        if bar is None:
+            yield None
+            return
+        yield lambda part, done, total: bar(done, total)
+
+
+@contextlib.contextmanager
+def progress_bar(label: str) -> Iterator[Callable[[int, int], None] | None]:
+    """A transient progress bar on stderr when it is a terminal; otherwise no callback at all."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    err = Console(stderr=True)
+    if not err.is_terminal:
+        yield None
+        return
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err, transient=True) as bar:
+        task = bar.add_task(label, total=None)
+        yield lambda done, total: bar.update(task, completed=done, total=total)

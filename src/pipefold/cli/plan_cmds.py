@@ -1,0 +1,260 @@
+"""Commands that measure and plan: profile a model, plan under a memory budget, partition a model's layers."""
+
+
+from __future__ import annotations
+
+import argparse
+
+from rich.console import Console
+from rich.table import Table
+
+from pipefold import jsonout, schedules
+from pipefold.cli.args import DEFAULT_MICROBATCHES
+from pipefold.cli.common import check_outputs, cost_model, num, progress_bar, stage_bar
+from pipefold.errors import ConfigError
+from pipefold.ir.ref import ScheduleRef
+from pipefold.plan.budget import PlanResult, one_f_one_b_peak, parse_budget, plan
+from pipefold.sim.simulate import CostModel
+from pipefold.units import format_bytes, parse_bytes
+
+
+def cmd_profile(args: argparse.Namespace, console: Console) -> None:
+    from pipefold.runtime.profiling import profile_model
+
+    for label in ("layers", "hidden", "heads", "batch", "seq", "microbatches", "devices", "repeats"):
+        if getattr(args, label) is not None and getattr(args, label) < 1:
+            raise ConfigError(f"--{label} must be at least 1 (got {getattr(args, label)})")
+    check_outputs(("profile", args.output, False))
+    with stage_bar("profile") as progress:
+        prof = profile_model(model=args.model, layers=args.layers, hidden=args.hidden, heads=args.heads,
+                             model_config=args.hf_config, seq=args.seq,
+                             batch=args.batch, microbatches=args.microbatches, optimizer=args.optimizer,
+                             seed=args.seed, devices=args.devices, repeats=args.repeats, link=not args.no_link,
+                             contention=not args.no_sharing, progress=progress)
+    if not args.output:
+        print(jsonout.dumps(prof.to_dict(), indent=1))
+        return
+    prof.save(args.output)
+    if args.json:
+        print(jsonout.dumps({"profile": args.output, "layers": len(prof.layers), "latency_s": prof.latency,
+                             "bandwidth_bytes_per_s": prof.bandwidth, "contention": list(prof.contention)}))
+        return
+    f, b, w = (sum(getattr(x, k) for x in prof.layers) for k in "fbw")
+    console.print(f"[bold]{args.output}[/]: {len(prof.layers)} layers of {args.model}, one microbatch of "
+                  f"{prof.microbatch_rows}: F {f * 1e3:.2f} ms, B {b * 1e3:.2f} ms, W {w * 1e3:.2f} ms in all; "
+                  f"{format_bytes(sum(x.params for x in prof.layers))} of parameters")
+    console.print(f"link: {prof.latency * 1e6:.0f} us + bytes at {prof.bandwidth / 2**30:.2f} GiB/s; ranks computing "
+                  f"at once 1..{len(prof.contention)} run each pass x{' x'.join(f'{c:.2f}' for c in prof.contention)}")
+
+
+def cmd_plan(args: argparse.Namespace, console: Console) -> None:
+    check_outputs(("plot", args.plot, True), ("plan", args.output, False))
+    if args.profile is not None:
+        _plan_profiled(args, console)
+        return
+    if args.memory is None:
+        raise ConfigError("plan needs --memory BUDGET (in M, or 0.5x of 1F1B's peak), or --profile FILE with "
+                          "--memory-budget BYTES for a measured model")
+    if any(x is not None for x in (args.memory_budget, args.output, args.families, args.headroom)):
+        raise ConfigError("--memory-budget, --output, --families and --headroom plan a measured model: give --profile "
+                          "FILE too "
+                          "(or --memory in M without them)")
+    cost = cost_model(args)
+    budget = parse_budget(args.memory, one_f_one_b_peak(args.devices, args.microbatches, cost))
+    with progress_bar(f"planning p={args.devices} m={args.microbatches}") as progress:
+        answer = plan(args.devices, args.microbatches, budget, cost, progress=progress)
+    title = (f"p={args.devices} m={args.microbatches}, budget {num(budget)} M: {answer.spec}, "
+             f"makespan {num(answer.best.makespan)}, peak {num(answer.best.memory)} M")
+    if args.plot:
+        from pipefold.plan.figures import plot_frontier
+
+        plot_frontier(answer.points, answer.frontier, budget, answer.best, args.plot, title=title)
+    if args.json:
+        out = _plan_dict(answer, args, cost)
+        if args.plot:
+            out["plot"] = args.plot
+        print(jsonout.dumps(out))
+        return
+    _print_plan(answer, args, console)
+    if args.plot:
+        console.print(f"wrote plot: {args.plot}")
+
+
+def _plan_profiled(args: argparse.Namespace, console: Console) -> None:
+    from pipefold.files import write_json
+    from pipefold.plan.budget import HEADROOM, plan_model
+    from pipefold.plan.profile import Profile
+
+    if args.memory is not None:
+        raise ConfigError("--memory is in units of M; with --profile give --memory-budget in bytes (e.g. 2GiB)")
+    if args.memory_budget is None:
+        raise ConfigError("plan --profile needs --memory-budget BYTES: what each device may hold, e.g. 2GiB")
+    profile = Profile.load(args.profile)
+    budget = parse_bytes(args.memory_budget)
+    m = args.microbatches if args.microbatches != DEFAULT_MICROBATCHES else None
+    with progress_bar(f"planning p={args.devices}") as progress:
+        answer = plan_model(profile, args.devices, budget, microbatches=m, progress=progress,
+                            families=args.families.split(",") if args.families else None,
+                            headroom=HEADROOM if args.headroom is None else args.headroom)
+    out = answer.to_dict()
+    if args.output:
+        write_json(args.output, out, indent=1)
+    if args.plot:
+        from pipefold.plan.figures import plot_frontier
+
+        plot_frontier(answer.points, answer.frontier, budget, answer.best, args.plot, unit="bytes",
+                      title=f"{answer.best.spec}: {answer.best.makespan * 1e3:.1f} ms per step, peak "
+                            f"{format_bytes(answer.best.memory)} (budget {format_bytes(budget)})")
+    if args.json:
+        print(jsonout.dumps({k: v for k, v in out.items() if k != "profile"} | {"output": args.output}))
+        return
+    b = answer.best
+    console.print(f"[bold]{b.spec}[/]  step [bold]{b.makespan * 1e3:.1f} ms[/] predicted  bubble ratio "
+                  f"{b.bubble_ratio:.1%}  (budget {format_bytes(budget)} per device)")
+    console.print(f"stages' layers: {' | '.join(f'{p[0]}-{p[-1]}' for p in b.layer_stages)} (split by {b.split}); "
+                  f"recomputed layers per stage: {' '.join(map(str, b.recompute))}")
+    console.print("peak per device: " + "  ".join(f"{format_bytes(x)}" for x in b.peak_memory)
+                  + "  (of which weights, gradients, optimizer state: "
+                  + " ".join(format_bytes(x) for x in b.static_bytes) + ")")
+    table = Table(title=f"memory/time frontier ({len(answer.points)} plans evaluated)", title_justify="left")
+    table.add_column("", no_wrap=True)
+    for col in ("peak per device", "step (ms)", "bubble", "schedule", "split", "recomputed"):
+        table.add_column(col, justify="right" if col in ("peak per device", "step (ms)", "bubble") else "left")
+    for pt in answer.frontier:
+        chosen = pt == b
+        style = "bold" if chosen else "dim" if pt.memory > answer.room else ""
+        table.add_row("▶" if chosen else "", format_bytes(pt.memory), f"{pt.makespan * 1e3:.1f}",
+                      f"{pt.bubble_ratio:.1%}", pt.spec, pt.split, str(sum(pt.recompute)), style=style)
+    console.print(table)
+    if args.output:
+        console.print(f"wrote plan: {args.output}  (run it: pipefold train --plan {args.output})")
+
+
+def _plan_dict(answer: PlanResult, args: argparse.Namespace, cost: CostModel) -> dict[str, object]:
+    r = answer.result
+    return {
+        "schedule": answer.spec, "name": answer.name, "options": answer.options,
+        "devices": args.devices, "microbatches": args.microbatches,
+        "makespan": round(r.makespan, 9), "bubble_ratio": round(r.bubble_ratio, 9),
+        "peak_memory": [round(x, 9) for x in r.peak_memory], "budget": round(answer.budget, 9),
+        "evaluated": len(answer.points), "skipped": list(answer.skipped),
+        "frontier": [{"schedule": pt.spec, "name": pt.name, "options": pt.options, "memory": pt.memory,
+                      "makespan": pt.makespan, "bubble_ratio": pt.bubble_ratio, "peak_memory": list(pt.peak_memory),
+                      "chosen": pt == answer.best} for pt in answer.frontier],
+        "cost": cost.to_dict(),
+    }
+
+
+def _print_plan(answer: PlanResult, args: argparse.Namespace, console: Console) -> None:
+    r = answer.result
+    console.print(f"[bold]{answer.spec}[/]  makespan [bold]{num(r.makespan)}[/]  bubble ratio {r.bubble_ratio:.1%}  "
+                  f"peak memory {' '.join(num(x) for x in r.peak_memory)} M  (budget {num(answer.budget)} M)")
+    skipped = f", {len(answer.skipped)} could not run this shape" if answer.skipped else ""
+    table = Table(title=f"memory/makespan frontier, p={args.devices} m={args.microbatches} "
+                        f"({len(answer.points)} schedules evaluated{skipped})", title_justify="left")
+    table.add_column("", no_wrap=True)
+    for col in ("peak memory (M)", "makespan", "bubble"):
+        table.add_column(col, justify="right")
+    table.add_column("schedule", no_wrap=True)
+    for pt in answer.frontier:
+        chosen = pt == answer.best
+        style = "bold" if chosen else "dim" if pt.memory > answer.budget + 1e-9 else ""
+        table.add_row("▶" if chosen else "", num(pt.memory), num(pt.makespan), f"{pt.bubble_ratio:.1%}", pt.spec,
+                      style=style)
+    console.print(table)
+    console.print("▶ chosen; dim rows exceed the budget")
+
+
+def cmd_partition(args: argparse.Namespace, console: Console) -> None:
+    from pipefold.models import make_model
+    from pipefold.models.size import check_model
+    from pipefold.plan.partition import (
+        memory_of_split,
+        partition,
+        partition_memory,
+    )
+    from pipefold.plan.recompute import OPTIMIZER_STATE
+    from pipefold.runtime.profiling import layer_costs, layer_memory, layer_static_bytes
+
+    for flag, value in (("--devices", args.devices), ("--chunks", args.chunks), ("--microbatches", args.microbatches)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} must be at least 1 (got {value})")
+    if args.schedule is not None:
+        ref = ScheduleRef.parse(args.schedule)
+        name, options = ref.name, ref.kwargs
+    elif args.chunks is not None and args.chunks > 1:
+        name, options = "interleaved-1f1b", {"v": args.chunks}
+    else:
+        name, options = "1f1b", {}
+    least = schedules.get(name).min_microbatches(args.devices)
+    m = args.microbatches if args.microbatches is not None else max(least, 2 * args.devices)
+    schedule = schedules.build(name, args.devices, m, **options)
+    model = make_model(args.model, layers=args.layers, hidden=args.hidden, heads=args.heads, batch=args.batch,
+                       seq=args.seq, config=args.hf_config)
+    check_model(model, what=f"measuring {args.model}'s layers")
+    layers, sample = model.build(), model.batch_at(0)[0]  # one microbatch of --batch rows
+    params, times = (layer_costs(layers, sample, by=by) for by in ("params", "time"))
+    held, held_w = (list(column) for column in zip(*layer_memory(layers, sample), strict=True))
+    static = layer_static_bytes(layers, optimizer_factor=OPTIMIZER_STATE[args.optimizer])
+    if args.by == "memory":
+        split = partition_memory(times, held, held_w, static, schedule, slack=args.slack)
+        by_time = memory_of_split(partition(times, schedule.stages, placement=schedule.placement[0]).boundaries,
+                                  times, held, held_w, static, schedule, time_optimal=split.time_optimal)
+        compared = {"time_split": {"boundaries": by_time.boundaries, "device_peak_bytes": by_time.device_peak_bytes}}
+    else:
+        balanced = partition(params if args.by == "params" else times, schedule.stages,
+                             placement=schedule.placement[0])
+        split = memory_of_split(balanced.boundaries, times, held, held_w, static, schedule)
+    sums = {key: [sum(values[i] for i in part) for part in split.parts] for key, values in
+            (("params", params), ("time_s", times), ("held_bytes", held), ("held_w_bytes", held_w),
+             ("static_bytes", static))}
+    if args.by == "memory":  # a stage's share of its device's peak: its static bytes and what it holds then
+        cost = [sums["static_bytes"][s] + split.weights[s] * sums["held_bytes"][s]
+                + split.weights_w[s] * sums["held_w_bytes"][s] for s in range(schedule.stages)]
+        device_cost = split.device_peak_bytes
+    else:
+        cost, device_cost, compared = balanced.cost, balanced.device_cost, {}
+    devices = list(schedule.placement[0])
+    if args.json:
+        print(jsonout.dumps({"model": args.model, "layers": len(layers), "by": args.by,
+                             "schedule": str(ScheduleRef.of(schedule)), "microbatches": m, "stages": schedule.stages,
+                             "placement": devices,
+                             "boundaries": split.boundaries, "parts": split.parts, "cost": cost,
+                             "device_cost": device_cost, "bottleneck": max(device_cost), **sums,
+                             "device_time_s": split.device_time, "device_static_bytes": split.device_static_bytes,
+                             "device_activation_bytes": split.device_activation_bytes,
+                             "device_peak_bytes": split.device_peak_bytes, "time_optimal_s": split.time_optimal,
+                             "weights": split.weights, "weights_w": split.weights_w, **compared}))
+        return
+
+    def span(part: list[int]) -> str:
+        return f"{part[0]}-{part[-1]}" if len(part) > 1 else str(part[0])
+
+    title = (f"{args.model} ({len(layers)} layers) split by {args.by}, under {ScheduleRef.of(schedule)} "
+             f"with {m} microbatches")
+    table = Table(title=title, title_justify="left")
+    for col in ("stage", "device", "layers", "params", "est. time", "act. / mb", "static"):
+        table.add_column(col, justify="right")
+    for s, part in enumerate(split.parts):
+        table.add_row(str(s), str(devices[s]), span(part), f"{int(sums['params'][s]):,}",
+                      f"{sums['time_s'][s] * 1e3:.2f} ms", format_bytes(sums["held_bytes"][s]),
+                      format_bytes(sums["static_bytes"][s]))
+    console.print(table)
+    table = Table(title="predicted per device", title_justify="left")
+    for col in ("device", "layers", "est. time", "static", "peak act.", "peak total"):
+        table.add_column(col, justify="right")
+    for d in range(schedule.devices):
+        table.add_row(str(d), ", ".join(span(split.parts[s]) for s in schedule.stages_of(d)),
+                      f"{split.device_time[d] * 1e3:.2f} ms", format_bytes(split.device_static_bytes[d]),
+                      format_bytes(split.device_activation_bytes[d]), format_bytes(split.device_peak_bytes[d]))
+    console.print(table)
+    if args.by == "memory":
+        over = split.bottleneck_time / split.time_optimal - 1 if split.time_optimal else 0.0
+        console.print(f"largest predicted peak: {format_bytes(split.peak_bytes)}; busiest device time "
+                      f"{num(split.bottleneck_time)} s, {over:+.1%} on the time-optimal split's; "
+                      f"boundaries {split.boundaries}")
+        console.print(f"the time-balanced split {by_time.boundaries} would peak at {format_bytes(by_time.peak_bytes)}")
+        return
+    unit = {"params": "params", "time": "s"}[args.by]
+    console.print(f"bottleneck (largest device {args.by}): {num(max(device_cost))} {unit}; largest predicted "
+                  f"peak {format_bytes(split.peak_bytes)}; boundaries {split.boundaries}")
