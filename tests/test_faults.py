@@ -29,6 +29,7 @@ from pipefold import build
 from pipefold.runtime.job import Job, RankError
 from pipefold.runtime.local import run_local
 from pipefold.runtime.processes import free_port
+from pipefold.runtime.watch import PERIOD
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc and uses Linux signals")
 
@@ -173,7 +174,9 @@ def test_a_stopped_rank_is_named_not_its_peers(tmp_path: Path) -> None:
     code, _ = run.finish()
     took = time.time() - stopped
     line = _one_error(run)
-    assert code == 1 and 3 <= took < 30, (code, took)
+    # Silence is counted from the rank's last heartbeat, a few periods (PERIOD, 0.1 s) before the SIGSTOP at most:
+    # not blamed early, and blamed well within 30 s.
+    assert code == 1 and 3 - 5 * PERIOD <= took < 30, (code, took)
     assert re.match(r"pipefold train: error: rank 1 hung in \S+.*: its process is stopped", line), line
     assert "ranks 0, 2 wait for it" in line or "rank 0 waits for it" in line or "rank 2 waits for it" in line, line
     assert not run.leftovers()  # the stopped rank too: it gets SIGKILL

@@ -52,3 +52,13 @@ def test_the_command_waits_for_threads_still_running() -> None:
             "sys.argv = ['pipefold', 'simulate', '1f1b', '--json']\nfrom pipefold.cli.main import entry\nentry()\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().endswith("thread done")
+
+
+def test_a_signal_as_the_command_exits_changes_nothing() -> None:
+    """SIGINT while the exit handlers run (the command has finished): no traceback, the command's own code."""
+    code = ("import atexit, os, signal, sys, time\n"
+            "def late():\n    os.kill(os.getpid(), signal.SIGINT)\n    time.sleep(0.2)\n    print('handler done')\n"
+            "atexit.register(late)\n"
+            "sys.argv = ['pipefold', 'simulate', '1f1b', '--json']\nfrom pipefold.cli.main import entry\nentry()\n")
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert got.returncode == 0 and "Traceback" not in got.stderr and got.stdout.strip().endswith("handler done")

@@ -55,10 +55,20 @@ COMMANDS = {"schedules": cmd_schedules, "simulate": cmd_simulate, "compare": cmd
 def entry() -> NoReturn:
     """The ``pipefold`` command: :func:`main`, then out at once. Threads still running are waited for, output is
     flushed and exit handlers run (what multiprocessing and the library registered), as Python's own exit does;
-    its teardown of the modules, most of a second with torch loaded, is skipped: nothing is left to clean up."""
+    its teardown of the modules, most of a second with torch loaded, is skipped: nothing is left to clean up.
+
+    Once the command is done, SIGINT and SIGTERM are held off: a Ctrl-C as it exits changes nothing, and must not
+    break into an exit handler with a traceback."""
     import atexit
 
-    code = main()
+    code = 130  # a signal that lands as main returns, after its own handling: it was interrupted
+    try:
+        code = main()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if hasattr(signal, "pthread_sigmask"):
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     for thread in threading.enumerate():
         if thread is not threading.main_thread() and not thread.daemon:
             thread.join()
