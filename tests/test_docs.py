@@ -192,7 +192,6 @@ def _skip_reason(argv: list[str]) -> str | None:
     return None
 
 
-
 def _run(argv: list[str], cwd: Path, factor: float) -> list[subprocess.CompletedProcess[str]]:
     """Run one command as written (with SHRINK); several processes for a multi-node torchrun."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}

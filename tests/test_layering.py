@@ -26,7 +26,6 @@ LAYERS = ("base", "ir", "schedules", "sim", "models", "plan", "runtime", "train"
 BASE = {"errors", "units", "files", "jsonout", "_gc"}
 
 
-
 def module_name(path: Path, src: Path) -> str:
     parts = list(path.relative_to(src.parent).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)

@@ -101,7 +101,6 @@ def _param_bytes(layer: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in layer.parameters())
 
 
-
 def _kind(layer: nn.Module, x: Values, *more: object) -> tuple[Any, ...]:
     """What makes two layers the same computation: type, parameter shapes and dtypes, input shapes and dtypes."""
     return (type(layer).__qualname__, tuple((n, tuple(p.shape), p.dtype) for n, p in layer.named_parameters()),
