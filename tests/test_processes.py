@@ -44,3 +44,16 @@ def test_no_signal_no_change() -> None:
         pass
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     assert signal.pthread_sigmask(signal.SIG_BLOCK, set()) == mask
+
+
+def test_a_child_started_inside_inherits_a_blocked_sigint_but_not_sigterm() -> None:
+    """Ctrl-C in a terminal must not end a half-started child; SIGTERM is how the parent stops it."""
+    import subprocess
+    import sys
+
+    with starting():
+        out = subprocess.run([sys.executable, "-c", "print(open('/proc/self/status').read())"],
+                             capture_output=True, text=True, check=True).stdout
+    blocked = int(next(line.split()[1] for line in out.splitlines() if line.startswith("SigBlk:")), 16)
+    assert blocked & (1 << (signal.SIGINT - 1))
+    assert not blocked & (1 << (signal.SIGTERM - 1))

@@ -18,7 +18,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from pipefold.errors import Interrupted
-from pipefold.runtime.processes import free_port, process_context
+from pipefold.runtime.processes import free_port, process_context, starting
 from pipefold.runtime.watch import (
     PERIOD,
     Activity,
@@ -107,23 +107,17 @@ def run_local(job: Job, on_step: Callable[[int, float, float], None] | None = No
     stops every rank and raises :class:`Interrupted`; the ranks' temporary files are removed either way.
     """
     world = job.dp * job.schedule.devices
-    with _Signals() as signals:
-        return _run_spawned(job, world, on_step, signals)
+    with _Signals():
+        return _run_spawned(job, world, on_step)
 
 
 class _Signals:
-    """While entered (in the main thread): SIGINT and SIGTERM raise :class:`Interrupted`, once; inside
-    :meth:`held` they wait until it ends, so that the ranks being started are all known and can be stopped.
-
-    Inside :meth:`held` SIGINT is also blocked, not only deferred: the fork server (started by the first job)
-    and the ranks inherit the blocked signal, so that Ctrl-C in a terminal, which reaches every process of the
-    group, cannot end them while they import torch or unpickle the job, with a traceback each; the launcher
-    alone acts on it.
-    """
+    """While entered (in the main thread): SIGINT and SIGTERM raise :class:`Interrupted`, once. While the ranks
+    start (:func:`~pipefold.runtime.processes.starting`) a signal waits until they are all known and can be
+    stopped."""
 
     def __init__(self) -> None:
-        self.pending: int | None = None
-        self.holding = self.raised = False
+        self.raised = False
         self._before: dict[int, Any] = {}
 
     def __enter__(self) -> _Signals:
@@ -138,31 +132,11 @@ class _Signals:
     def _handler(self, signum: int, frame: Any) -> None:
         if self.raised:
             return  # a second signal while the ranks are being stopped changes nothing
-        if self.holding:
-            self.pending = signum
-            return
         self.raised = True
         raise Interrupted(signum)
 
-    @contextlib.contextmanager
-    def held(self) -> Iterator[None]:
-        block = bool(self._before) and hasattr(signal, "pthread_sigmask")
-        if block:
-            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        self.holding = True
-        try:
-            yield
-        finally:
-            if block:
-                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # one that came is handled now
-            self.holding = False
-        if self.pending is not None and not self.raised:
-            self.raised = True
-            raise Interrupted(self.pending)
 
-
-def _run_spawned(job: Job, world: int, on_step: Callable[[int, float, float], None] | None,
-                 signals: _Signals) -> list[RankReport]:
+def _run_spawned(job: Job, world: int, on_step: Callable[[int, float, float], None] | None) -> list[RankReport]:
     ctx = process_context(job.preload)
     queue = ctx.SimpleQueue()
     board = SharedBoard(ctx, world)
@@ -171,7 +145,7 @@ def _run_spawned(job: Job, world: int, on_step: Callable[[int, float, float], No
         ranks: list[Any] = []
         try:
             port = free_port()
-            with signals.held():  # a signal now would leave a rank half started, unknown to us
+            with starting():  # a signal now would leave a rank half started, unknown to us
                 for rank in range(world):
                     proc = ctx.Process(target=_spawned, args=(rank, job, world, port, out_dir, queue, board,
                                                               lifeline), name=f"pipefold-rank-{rank}")

@@ -56,12 +56,13 @@ def process_context(preload: Sequence[str] = ()) -> Any:
 def starting() -> Iterator[None]:
     """Hold SIGINT and SIGTERM while processes are started (each is handled when the block ends, by the handler
     that was there): a signal in the middle of ``Process.start()`` would leave a child forked whose pid nobody
-    knows, which nobody could stop and which, finding its parent gone, prints a traceback of its own. Pair it with
-    :func:`stopped_on_error`.
+    knows, which nobody could stop and which, finding its parent gone, prints a traceback of its own. Used by the
+    ranks' launcher and by the profile's helpers; pair it with :func:`stopped_on_error`.
 
-    The signals are blocked (children started meanwhile inherit the block, so Ctrl-C in a terminal cannot end
-    them half-started) and, in case something unblocks them inside (multiprocessing's resource tracker does when
-    it starts; it is started before the block for that reason), caught by a handler that only notes them.
+    Both are caught by a handler that only notes them. SIGINT is also blocked: a fork server started meanwhile
+    and its children inherit the block, so that Ctrl-C in a terminal, which reaches every process of the group,
+    cannot end them half-started, each with a traceback (the parent alone acts on it). SIGTERM is not: it is how
+    the parent stops them. multiprocessing's resource tracker unblocks both when it starts; it is started before.
     """
     held = (signal.SIGINT, signal.SIGTERM)
     if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
@@ -72,7 +73,7 @@ def starting() -> Iterator[None]:
     resource_tracker.ensure_running()
     came: list[int] = []
     handlers = {sig: signal.signal(sig, lambda signum, frame: came.append(signum)) for sig in held}
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield
     finally:
