@@ -36,7 +36,8 @@ from typing import Any
 from pipefold.files import save_figure, write_json
 from pipefold.runtime.measure import per_step
 from pipefold.sim.network import Conditions, LinkState, Network
-from pipefold.train.run import TrainConfig, train
+from pipefold.train.run import train
+from pipefold.train.spec import RunSpec
 
 MODEL = dict(devices=4, microbatches=8, model="gpt", layers=8, hidden=256, heads=4, batch=32, seq=128,
              partition="even", optimizer="adamw")
@@ -51,9 +52,7 @@ def alternating(idle_s: float = 10.0, busy_s: float = 20.0) -> Network:
 
 
 def run(schedule: str, network: str, mode: str, steps: int) -> dict[str, Any]:
-    name, _, opt = schedule.partition(":")
-    options = tuple((k, int(v)) for k, v in (o.split("=") for o in opt.split(",") if o))
-    config = TrainConfig(schedule=name, options=options, steps=steps, network=network, netns=mode == "netns",
+    config = RunSpec.flat(schedule=schedule, steps=steps, network=network, netns=mode == "netns",
                          adapt_every=2, **MODEL)  # type: ignore[arg-type]
     started = time.time()
     job, reports = train(config)

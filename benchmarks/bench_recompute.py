@@ -17,7 +17,9 @@ import os
 import statistics
 
 from pipefold.plan.recompute import plan_recompute, smallest_budget
-from pipefold.train.run import TrainConfig, build_schedule, make_job, train
+from pipefold.train.prepare import make_job
+from pipefold.train.run import train
+from pipefold.train.spec import RunSpec
 
 
 def main() -> None:
@@ -30,14 +32,14 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     base = dict(schedule=args.schedule, devices=args.devices, microbatches=8, steps=args.steps, model="gpt",
                 layers=10, hidden=128, heads=4, batch=32, seq=128, partition="params")
-    full_plan = make_job(TrainConfig(**base, recompute="full")).extra["recompute"]  # type: ignore[arg-type]
-    schedule = build_schedule(TrainConfig(**base))  # type: ignore[arg-type]
+    full_plan = make_job(RunSpec.flat(**base, recompute="full")).extra["recompute"]  # type: ignore[arg-type]
+    schedule = RunSpec.flat(**base).schedule.built  # type: ignore[arg-type]
     none_plan = plan_recompute(schedule, full_plan.profiles, "none")
     budget = (smallest_budget(schedule, full_plan.profiles) + max(none_plan.peak)) / 2
     rows = {}
     for mode in ("none", "auto", "full"):
         extra = {"memory_budget": budget} if mode == "auto" else {}
-        job, reports = train(TrainConfig(**base, recompute=mode, **extra))  # type: ignore[arg-type]
+        job, reports = train(RunSpec.flat(**base, recompute=mode, **extra))  # type: ignore[arg-type]
         plan = job.extra.get("recompute") or none_plan
         saved = [r.steps.peak_activation_bytes for r in reports]
         steps = [max(r.steps[i].wall for r in reports) for i in range(1, args.steps)]

@@ -76,9 +76,10 @@ def _median_step(result: dict[str, object]) -> float:
 
 def parameters_per_rank() -> list[int]:
     """P of each device's layers under the even split, counted on the model itself."""
-    from pipefold.train.run import TrainConfig, make_job
+    from pipefold.train.prepare import make_job
+    from pipefold.train.spec import RunSpec
 
-    config = TrainConfig(schedule="1f1b", devices=PP, microbatches=MICROBATCHES, steps=1, model="gpt", layers=8,
+    config = RunSpec.flat(schedule="1f1b", devices=PP, microbatches=MICROBATCHES, steps=1, model="gpt", layers=8,
                          hidden=512, heads=8, seq=16, batch=PER_PIPELINE, partition="even")
     job = make_job(config)
     layers = job.build_layers(list(range(job.extra["num_layers"])))

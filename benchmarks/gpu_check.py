@@ -80,13 +80,14 @@ def memory(out: Path, quick: bool) -> dict[str, Any]:
     from pipefold import simulate
     from pipefold.runtime.local import run_local
     from pipefold.runtime.measure import measured_costs
-    from pipefold.train.run import TrainConfig, make_job
+    from pipefold.train.prepare import make_job
+    from pipefold.train.spec import RunSpec
 
     size = (dict(layers=8, hidden=512, heads=8, seq=512) if quick
             else dict(layers=16, hidden=1024, heads=16, seq=1024))
     rows: dict[str, Any] = {}
     for name in ("1f1b", "v-half", "v-min", "zb-v"):
-        config = TrainConfig(schedule=name, devices=4, microbatches=16, batch=16, steps=2, model="gpt",
+        config = RunSpec.flat(schedule=name, devices=4, microbatches=16, batch=16, steps=2, model="gpt",
                              partition="time", optimizer="sgd", device="cuda", action_timeout=300.0,
                              **size)  # type: ignore[arg-type]
         job = dataclasses.replace(make_job(config), verify_memory_step=1)
@@ -155,7 +156,8 @@ def _median_wall(reports: list[Any]) -> tuple[float, float]:
 
 def overlap(out: Path, quick: bool) -> dict[str, Any]:
     """dualpipev and dualpipe, pairs on two streams and one after the other, runs interleaved."""
-    from pipefold.train.run import TrainConfig, train
+    from pipefold.train.run import train
+    from pipefold.train.spec import RunSpec
 
     size = dict(layers=6, hidden=512, heads=8, seq=256) if quick else dict(layers=14, hidden=1024, heads=16, seq=512)
     rows = []
@@ -163,7 +165,7 @@ def overlap(out: Path, quick: bool) -> dict[str, Any]:
     for _ in range(1 if quick else 2):
         for name in ("dualpipev", "dualpipe"):
             for on in (True, False):
-                config = TrainConfig(schedule=name, devices=4, microbatches=16, batch=16, steps=6, model="gpt",
+                config = RunSpec.flat(schedule=name, devices=4, microbatches=16, batch=16, steps=6, model="gpt",
                                      partition="even", optimizer="sgd", device="cuda", overlap=on,
                                      **size)  # type: ignore[arg-type]
                 _, reports = train(config)

@@ -56,10 +56,11 @@ class Probe:
 
 def run(steps: int, trace: bool) -> dict[str, Any]:
     from pipefold.runtime.local import run_local
-    from pipefold.train.run import TrainConfig, make_job
+    from pipefold.train.prepare import make_job
+    from pipefold.train.spec import RunSpec
 
     first = steps // 10
-    config = TrainConfig(schedule="1f1b", devices=2, microbatches=4, model="mlp", layers=4, hidden=32, batch=8,
+    config = RunSpec.flat(schedule="1f1b", devices=2, microbatches=4, model="mlp", layers=4, hidden=32, batch=8,
                          steps=steps + 1, partition="even", optimizer="sgd", lr=1e-3)
     job = make_job(config)
     with tempfile.TemporaryDirectory() as out:

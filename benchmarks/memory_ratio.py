@@ -27,7 +27,8 @@ from rich.table import Table
 
 from pipefold import build, simulate
 from pipefold.runtime.measure import measured_costs
-from pipefold.train.run import TrainConfig, train
+from pipefold.train.run import train
+from pipefold.train.spec import RunSpec
 from pipefold.units import format_bytes
 
 MODELS = {
@@ -43,7 +44,7 @@ def measure(model: str, name: str, partition: str, runs: int) -> dict[str, objec
     predicted: list[list[float]] = []  # per run: the split is measured afresh, so it may differ between runs
     splits = []
     for _ in range(runs):
-        cfg = TrainConfig(schedule=name, devices=4, microbatches=16, steps=2, partition=partition,
+        cfg = RunSpec.flat(schedule=name, devices=4, microbatches=16, steps=2, partition=partition,
                           **MODELS[model])  # type: ignore[arg-type]
         job, reports = train(cfg)
         measured.append([r.steps[-1].peak_activation_bytes for r in reports])

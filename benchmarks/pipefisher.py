@@ -36,7 +36,8 @@ from typing import Any
 
 from pipefold.files import save_figure, write_json
 from pipefold.runtime.measure import measured_summary
-from pipefold.train.run import TrainConfig, train
+from pipefold.train.run import train
+from pipefold.train.spec import RunSpec
 
 MODEL = dict(schedule="1f1b", devices=4, microbatches=8, model="gpt", layers=8, hidden=128, heads=4, batch=32,
              seq=128, partition="time", clip=1.0)
@@ -45,7 +46,7 @@ WAYS = {"adamw": dict(optimizer="adamw"), "kfac-inline": dict(optimizer="kfac"),
 
 
 def run(way: str, steps: int, lr: float, damping: float, ema: float) -> dict[str, Any]:
-    config = TrainConfig(steps=steps, lr=lr, damping=damping, ema=ema, **MODEL, **WAYS[way])  # type: ignore[arg-type]
+    config = RunSpec.flat(steps=steps, lr=lr, damping=damping, ema=ema, **MODEL, **WAYS[way])  # type: ignore[arg-type]
     seconds: list[float] = []
     losses: list[float] = []
 

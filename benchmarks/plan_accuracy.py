@@ -27,12 +27,14 @@ from typing import Any
 
 from pipefold.errors import ConfigError
 from pipefold.files import write_json
-from pipefold.plan.budget import plan_model, predict
+from pipefold.plan.budget import RunPlan, plan_model, predict
 from pipefold.plan.profile import Profile
 from pipefold.runtime.local import run_local
 from pipefold.runtime.measure import measured_summary
 from pipefold.runtime.profiling import profile_model
-from pipefold.train.run import from_plan, make_job
+from pipefold.train.planned import from_plan
+from pipefold.train.prepare import make_job
+from pipefold.train.spec import RunSpec
 
 FAMILIES = ("1f1b", "zb-h1", "zb-v", "v-half", "v-min")
 MODELS = {
@@ -45,8 +47,8 @@ SETTINGS: dict[str, Any] = {"devices": 4, "families": FAMILIES}
 
 def run_plan(plan: dict[str, Any], steps: int) -> dict[str, Any]:
     """Run a plan file's dict; return the prediction, the measurement and MemTracker's reading."""
-    config, decided = from_plan(plan, steps=steps)
-    job = make_job(config, decided=decided)
+    planned = from_plan(RunPlan.from_dict(plan), RunSpec.flat(steps=steps))
+    job = make_job(planned.spec, decided=planned.decided)
     job = type(job)(**{**job.__dict__, "verify_memory_step": steps - 1})
     reports = run_local(job)
     profile = Profile.from_dict(plan["profile"])

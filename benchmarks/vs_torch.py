@@ -35,11 +35,13 @@ import torch.multiprocessing as mp
 from rich.console import Console
 from rich.table import Table
 
+from pipefold.ir.ref import ScheduleRef
 from pipefold.models import split_layers
 from pipefold.models.mlp import MLPConfig, build_mlp_layers, mlp_input, mlp_loss, mlp_target
 from pipefold.runtime.job import RankError
 from pipefold.runtime.processes import free_port
-from pipefold.train.run import TrainConfig, train
+from pipefold.train.run import train
+from pipefold.train.spec import RunSpec
 
 WORLD, HIDDEN, LAYERS, BATCH, MICROBATCHES, SEED = 2, 512, 8, 64, 8, 0
 DEVICE = "cpu"  # --device; set in main() before any rank starts (spawned ranks get it as an argument)
@@ -90,7 +92,8 @@ class _Run:
 
 
 def _run_pipefold(pair: _Pair, steps: int) -> _Run:
-    config = TrainConfig(schedule=pair.pipefold, options=pair.options, devices=WORLD, microbatches=MICROBATCHES,
+    config = RunSpec.flat(schedule=str(ScheduleRef(pair.pipefold, pair.options)), devices=WORLD,
+                          microbatches=MICROBATCHES,
                          steps=steps, model="mlp", layers=LAYERS, hidden=HIDDEN, batch=BATCH, optimizer="sgd",
                          seed=SEED, partition="even",  # the same equal stages torch.distributed.pipelining gets
                          device=DEVICE, backend="gloo")
@@ -151,7 +154,7 @@ def _torch_rank(rank: int, pair: _Pair, steps: int, port: int, results: Any, siz
     try:
         schedule, indices, modules = _torch_schedule(pair, rank, sizes, device)
         params = [p for m in modules for p in m.parameters()]
-        opt = torch.optim.SGD(params, lr=TrainConfig().lr)
+        opt = torch.optim.SGD(params, lr=RunSpec.flat().lr)
         cfg = MLPConfig(hidden=HIDDEN, layers=LAYERS)
         target = mlp_target(cfg, BATCH, SEED).to(device)
         first, last = 0 in indices, WORLD * len(indices) - 1 in indices

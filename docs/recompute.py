@@ -20,16 +20,17 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from pipefold.files import save_figure  # noqa: E402
 from pipefold.plan.recompute import RecomputePlan, plan_recompute, smallest_budget  # noqa: E402
-from pipefold.train.run import TrainConfig, build_schedule, make_job  # noqa: E402
+from pipefold.train.prepare import make_job  # noqa: E402
+from pipefold.train.spec import RunSpec  # noqa: E402
 
 FIGURE = Path(__file__).resolve().parent / "figures" / "recompute.png"
-CONFIG = TrainConfig(schedule="1f1b", devices=4, microbatches=8, model="gpt", layers=10, hidden=128, heads=4,
+CONFIG = RunSpec.flat(schedule="1f1b", devices=4, microbatches=8, model="gpt", layers=10, hidden=128, heads=4,
                      batch=32, seq=128, partition="params", recompute="full")
 
 
 def plans() -> tuple[dict[str, RecomputePlan], float]:
     full = make_job(CONFIG).extra["recompute"]
-    schedule = build_schedule(CONFIG)
+    schedule = CONFIG.schedule.built
     none = plan_recompute(schedule, full.profiles, "none")
     budget = (smallest_budget(schedule, full.profiles) + max(none.peak)) / 2
     auto = plan_recompute(schedule, full.profiles, "auto", budget)

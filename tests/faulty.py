@@ -5,7 +5,7 @@
 
 ``--die-at``: the last rank exits as step N starts (``N:save``: while it saves the checkpoint of step N), in a
 first attempt only (not in a restart by torchrun); ``--nan-at``: a NaN in microbatch 0's input at those steps.
-The faults reach the job through :data:`pipefold.train.run.JOB_HOOKS` (:mod:`pipefold.runtime.faults`).
+The faults reach the job through :data:`pipefold.train.prepare.JOB_HOOKS` (:mod:`pipefold.runtime.faults`).
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ def main() -> None:
         die = None  # a restarted attempt runs clean
 
     from pipefold.runtime.faults import Faults
-    from pipefold.train import run
+    from pipefold.train import prepare
 
     faults = Faults(die=die, nan=nan)
-    run.JOB_HOOKS.append(lambda job: dataclasses.replace(job, faults=faults))
+    prepare.JOB_HOOKS.append(lambda job: dataclasses.replace(job, faults=faults))
     sys.argv = ["pipefold", *command]
     from pipefold.cli.main import entry
 

@@ -18,7 +18,8 @@ from pipefold.runtime.local import run_local
 from pipefold.runtime.stage import Chain
 from pipefold.sim.network import Network
 from pipefold.sim.simulate import CostModel, StageOverride, simulate
-from pipefold.train.run import TrainConfig, make_job
+from pipefold.train.prepare import make_job
+from pipefold.train.spec import RunSpec
 
 P, M = 4, 8
 NBYTES = 524288
@@ -102,11 +103,11 @@ def test_hysteresis_keeps_the_current_k_for_a_small_gain() -> None:
 # -- real ranks
 
 
-def _mlp(**kw) -> TrainConfig:
+def _mlp(**kw) -> RunSpec:
     base = dict(schedule="1f1b", devices=2, microbatches=4, steps=4, model="mlp", layers=4, hidden=256, batch=256,
                 partition="even", optimizer="sgd", lr=0.05)
     base.update(kw)
-    return TrainConfig(**base)
+    return RunSpec.flat(**base)
 
 
 def test_emulated_link_has_the_bandwidth_it_was_given() -> None:
@@ -145,7 +146,7 @@ def _next_k(index: int, summaries: list) -> tuple[int, float | None, str]:
 
 
 def test_the_runtime_switches_schedules_between_steps_with_exact_training() -> None:
-    config = _mlp(network="constant:latency=0.002,bandwidth=20MB", steps=5, schedule="kfkb", options=(("k", 1),))
+    config = _mlp(network="constant:latency=0.002,bandwidth=20MB", steps=5, schedule="kfkb:k=1")
     choices = adapt.build(2, 4, (1, 2, 4))
     job = make_job(config)
     job = dataclasses.replace(job, origin=time.time(), save_weights=True, schedule=choices[0],

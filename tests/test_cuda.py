@@ -18,11 +18,15 @@ import torch
 from pipefold import names
 from pipefold.errors import ConfigError
 from pipefold.ir import Kind
+from pipefold.ir.ref import ScheduleRef
 from pipefold.runtime.devices import place
 from pipefold.runtime.job import Job, RankReport
 from pipefold.runtime.local import run_local
 from pipefold.schedules import build
-from pipefold.train.run import TrainConfig, compare, make_job, reference_kfac, train
+from pipefold.train.prepare import make_job
+from pipefold.train.reference import compare, reference_kfac
+from pipefold.train.run import train
+from pipefold.train.spec import RunSpec
 
 GPU = torch.cuda.is_available()
 cuda = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU: run `make gpu-check` on a machine with one")
@@ -31,9 +35,9 @@ TOLERANCE = 1e-5
 SCALE = int(os.environ.get("PIPEFOLD_GPU_TEST_SCALE", "1"))
 
 
-def _gpt(name: str, ranks: int, **options: int) -> TrainConfig:
+def _gpt(name: str, ranks: int, **options: int) -> RunSpec:
     stages = build(name, ranks, 2 * ranks, **options).stages
-    return TrainConfig(schedule=name, options=tuple(options.items()), devices=ranks, microbatches=2 * ranks,
+    return RunSpec.flat(schedule=str(ScheduleRef.named(name, options)), devices=ranks, microbatches=2 * ranks,
                        steps=1, model="gpt", layers=2 * stages - 2, hidden=32 * SCALE, heads=2, seq=32,
                        batch=2 * ranks, partition="even", device="cuda")
 
@@ -66,7 +70,7 @@ def test_auto_picks_by_what_is_there() -> None:
 @pytest.mark.skipif(GPU, reason="checks the refusal on a machine without a GPU")
 def test_train_device_cuda_refused_without_a_gpu() -> None:
     with pytest.raises(ConfigError, match="torch sees no CUDA GPU"):
-        make_job(dataclasses.replace(_gpt("1f1b", 2), device="cuda"))
+        make_job(_gpt("1f1b", 2).replace(device="cuda"))
 
 
 @pytest.mark.skipif(GPU, reason="checks the refusals of a machine without a GPU")
@@ -110,8 +114,8 @@ def _staged(job: Job) -> Job:
 @pytest.mark.parametrize(("name", "ranks"), [("1f1b", 2), ("zb-v", 2), ("dualpipev", 4), ("chimera", 4),
                                              ("interleaved-1f1b", 2)])
 def test_sends_staged_through_host_copies_keep_the_gradients(name: str, ranks: int) -> None:
-    config = dataclasses.replace(_gpt(name, ranks), device="cpu", steps=2)
-    job = _staged(make_job(config, save_grads_of_step=0))
+    config = _gpt(name, ranks).replace(device="cpu", steps=2)
+    job = _staged(make_job(config.replace(check=True)))
     reports = run_local(job)
     diff = compare(job, reports)
     assert diff["max_grad_rel_diff"] < TOLERANCE and diff["loss_rel_diff"] < TOLERANCE, diff
@@ -121,8 +125,8 @@ def test_staged_receives_hold_device_memory_only_once_landed() -> None:
     """Through host memory, a message takes the receiver's device memory only when it is taken (copied in), not
     while it is posted ahead and in flight: rank 0's receive buffers at its peak are fewer than with direct
     receives, whose buffers are on the device from their posting. The gradients are the same either way."""
-    config = dataclasses.replace(_gpt("gpipe", 2), device="cpu", microbatches=8, batch=8, hidden=64, seq=64)
-    job = make_job(config, save_grads_of_step=0)
+    config = _gpt("gpipe", 2).replace(device="cpu", microbatches=8, batch=8, hidden=64, seq=64)
+    job = make_job(config.replace(check=True))
     direct, staged = run_local(job), run_local(_staged(job))
     recv = [next(r for r in reports if r.rank == 0).steps[0].peak_by_kind["recv"] for reports in (direct, staged)]
     message = 8 // 8 * 64 * 64 * 4  # one microbatch's activation gradient: 1 x 64 x 64 float32
@@ -138,7 +142,7 @@ _ON_4 = ("1f1b", "zb-v", "v-half", "dualpipev", "chimera")
 @cuda
 @pytest.mark.parametrize(("name", "ranks"), [(n, 2) for n in names()] + [(n, 4) for n in _ON_4])
 def test_every_schedule_matches_one_process_on_the_gpu(name: str, ranks: int) -> None:
-    job, reports = train(_gpt(name, ranks), check=True)
+    job, reports = train(_gpt(name, ranks).replace(check=True))
     diff = compare(job, reports)
     assert diff["max_grad_rel_diff"] < TOLERANCE and diff["loss_rel_diff"] < TOLERANCE, diff
 
@@ -147,7 +151,7 @@ def test_every_schedule_matches_one_process_on_the_gpu(name: str, ranks: int) ->
 @pytest.mark.parametrize("name", ["dualpipev", "dualpipe"])
 @pytest.mark.parametrize("overlap", [True, False])
 def test_overlapped_pairs_on_two_streams_match(name: str, overlap: bool) -> None:
-    job, reports = train(dataclasses.replace(_gpt(name, 4), overlap=overlap, steps=2), check=True)
+    job, reports = train(_gpt(name, 4).replace(overlap=overlap, steps=2, check=True))
     assert any(len(a.passes) == 2 for row in job.schedule.actions for a in row)
     diff = compare(job, reports)
     assert diff["max_grad_rel_diff"] < TOLERANCE and diff["loss_rel_diff"] < TOLERANCE, diff
@@ -158,7 +162,7 @@ def test_overlapped_pairs_on_two_streams_match(name: str, overlap: bool) -> None
 @pytest.mark.parametrize("name", ["1f1b", "zb-v"])
 def test_recomputed_and_offloaded_stages_on_the_gpu(name: str, memory: str) -> None:
     extra = {"recompute": "full"} if memory == "recompute" else {"offload": (1, 1)}
-    job, reports = train(dataclasses.replace(_gpt(name, 2), **extra), check=True)  # type: ignore[arg-type]
+    job, reports = train(_gpt(name, 2).replace(**extra, check=True))  # type: ignore[arg-type]
     diff = compare(job, reports)
     assert diff["max_grad_rel_diff"] < TOLERANCE and diff["loss_rel_diff"] < TOLERANCE, diff
 
@@ -166,9 +170,9 @@ def test_recomputed_and_offloaded_stages_on_the_gpu(name: str, memory: str) -> N
 @cuda
 @pytest.mark.parametrize(("schedule", "how"), [("1f1b", "all-reduce"), ("zb-v", "zero1"), ("1f1b", "fsdp")])
 def test_data_parallel_pipelines_on_the_gpu(schedule: str, how: str) -> None:
-    config = dataclasses.replace(_gpt(schedule, 2), dp=2, batch=8, zero1=how == "zero1", fsdp=how == "fsdp",
+    config = _gpt(schedule, 2).replace(dp=2, batch=8, zero1=how == "zero1", fsdp=how == "fsdp",
                                  steps=2)
-    job = dataclasses.replace(make_job(config, save_grads_of_step=0), save_weights=True)
+    job = dataclasses.replace(make_job(config.replace(check=True)), save_weights=True)
     reports = run_local(job)
     diff = compare(job, reports)
     assert diff["max_grad_rel_diff"] < TOLERANCE and diff["loss_rel_diff"] < TOLERANCE, diff
@@ -185,8 +189,8 @@ def _weights(reports: list[RankReport]) -> dict[str, torch.Tensor]:
 
 @cuda
 def test_kfac_in_the_bubbles_on_the_gpu() -> None:
-    config = dataclasses.replace(_gpt("1f1b", 2), optimizer="kfac", fill_bubbles=True, lr=0.02, damping=0.05)
-    job = make_job(config, save_grads_of_step=0)
+    config = _gpt("1f1b", 2).replace(optimizer="kfac", fill_bubbles=True, lr=0.02, damping=0.05)
+    job = make_job(config.replace(check=True))
     steps = 2 * len(job.cycle) + 2
     job = dataclasses.replace(job, steps=steps, save_weights=True)
     assert any(a.kind == Kind.KI for s in job.cycle for row in s.actions for a in row)
@@ -203,7 +207,7 @@ def test_kfac_in_the_bubbles_on_the_gpu() -> None:
 def test_meter_and_allocator_agree_between_actions(name: str) -> None:
     """Between two actions the caching allocator holds what the meter says the step holds (no temporaries are
     alive then), within 5%; its peak over the step, temporaries included, is at least the meter's."""
-    config = dataclasses.replace(_gpt(name, 2), hidden=256, seq=128, batch=8, microbatches=4, steps=2)
+    config = _gpt(name, 2).replace(hidden=256, seq=128, batch=8, microbatches=4, steps=2)
     job: Job = dataclasses.replace(make_job(config), verify_memory_step=1)
     for r in run_local(job):
         check = r.steps[1].memory_check

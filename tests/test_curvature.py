@@ -1,7 +1,7 @@
 """K-FAC on real ranks: gradients before preconditioning and weights after it against one process, memory.
 
-Real gloo ranks and real models; the references are single-process: :func:`pipefold.train.run.reference_step`
-(plain gradients) and :func:`pipefold.train.run.reference_kfac` (K-FAC with the same cycle of refreshes), and
+Real gloo ranks and real models; the references are single-process: :func:`pipefold.train.reference.reference_step`
+(plain gradients) and :func:`pipefold.train.reference.reference_kfac` (K-FAC with the same cycle of refreshes), and
 torch's MemTracker for what a rank holds.
 """
 
@@ -17,8 +17,11 @@ from pipefold.ir import Kind
 from pipefold.runtime.job import Job, RankReport
 from pipefold.runtime.local import run_local
 from pipefold.runtime.measure import measured_costs
+from pipefold.runtime.settings import Optimizer
 from pipefold.sim.simulate import simulate
-from pipefold.train.run import TrainConfig, compare, make_job, reference_kfac
+from pipefold.train.prepare import make_job
+from pipefold.train.reference import compare, reference_kfac
+from pipefold.train.spec import RunSpec
 
 
 def _worst(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
@@ -41,9 +44,9 @@ def _without_inversions(job: Job) -> Job:
     (dict(model="gpt", layers=6, hidden=32, heads=2, seq=32, batch=8), "v-half", True, 2),
 ])
 def test_kfac_matches_one_process(model: dict[str, object], schedule: str, fill: bool, ranks: int) -> None:
-    config = TrainConfig(schedule=schedule, devices=ranks, microbatches=4, steps=1, optimizer="kfac",
+    config = RunSpec.flat(schedule=schedule, devices=ranks, microbatches=4, steps=1, optimizer="kfac",
                          fill_bubbles=fill, lr=0.02, damping=0.05, partition="even", **model)  # type: ignore[arg-type]
-    job = make_job(config, save_grads_of_step=0)
+    job = make_job(config.replace(check=True))
     # Two refreshes of every stage and the preconditioning between; a fill places the work again after the first.
     steps = 2 * len(job.cycle) + 2
     job = dataclasses.replace(job, steps=steps, save_weights=True)
@@ -65,7 +68,7 @@ def test_kfac_memory_meter_simulator_and_memtracker_agree() -> None:
     """A GPT of width 128 over 128 tokens per microbatch (layer inputs of 64 kB to 256 kB each): in a step
     whose curvature is kept past the backward, the meter agrees with torch's MemTracker, and each rank's
     peak with the simulator's from the measured costs and stash."""
-    config = TrainConfig(schedule="1f1b", devices=2, microbatches=8, steps=1, model="gpt", layers=4, hidden=128,
+    config = RunSpec.flat(schedule="1f1b", devices=2, microbatches=8, steps=1, model="gpt", layers=4, hidden=128,
                          heads=4, seq=128, batch=8, optimizer="kfac", fill_bubbles=True, partition="even")
     job = make_job(config)
     cycle = len(job.cycle)
@@ -94,15 +97,15 @@ def test_kfac_memory_meter_simulator_and_memtracker_agree() -> None:
 
 def test_kfac_refusals() -> None:
     base = dict(schedule="1f1b", devices=2, microbatches=2, steps=1, model="mlp", layers=2, hidden=8, batch=4)
-    with pytest.raises(ConfigError, match="--fill-bubbles fills bubbles with K-FAC's work"):
-        make_job(TrainConfig(**base, fill_bubbles=True))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="--fill-bubbles tunes K-FAC: add --optimizer kfac"):
+        make_job(RunSpec.flat(**base, fill_bubbles=True))  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="replicas"):
-        make_job(TrainConfig(**{**base, "schedule": "chimera"}, optimizer="kfac"))  # type: ignore[arg-type]
+        make_job(RunSpec.flat(**{**base, "schedule": "chimera"}, optimizer="kfac"))  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="damping must be"):
-        make_job(TrainConfig(**base, optimizer="kfac", damping=0.0))  # type: ignore[arg-type]
-    job = make_job(TrainConfig(**base, optimizer="kfac"))  # type: ignore[arg-type]
+        make_job(RunSpec.flat(**base, optimizer="kfac", damping=0.0))  # type: ignore[arg-type]
+    job = make_job(RunSpec.flat(**base, optimizer="kfac"))  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="no 0KP on device 0"):
         dataclasses.replace(job, cycle=(), schedule=job.schedule.with_actions(
             [[a for a in row if a.kind != Kind.KP] for row in job.schedule.actions]))
     with pytest.raises(ConfigError, match="give both or neither"):
-        dataclasses.replace(job, optimizer="sgd")
+        dataclasses.replace(job, optimizer=Optimizer(name="sgd"))

@@ -1,7 +1,7 @@
 """Data-parallel pipelines: the DP actions in the schedule, their cost, and exact training across dp x pp ranks.
 
 The references are independent of the code under test: closed forms for the all-reduce's time, and one
-process over the whole global batch (:func:`pipefold.train.run.reference_step`) for the gradients.
+process over the whole global batch (:func:`pipefold.train.reference.reference_step`) for the gradients.
 """
 
 from __future__ import annotations
@@ -21,10 +21,13 @@ from pipefold.errors import ConfigError
 from pipefold.ir import AG, DP, RS, Kind, validate
 from pipefold.runtime.local import run_local
 from pipefold.runtime.processes import free_port
+from pipefold.runtime.settings import Parallel
 from pipefold.schedules import build
 from pipefold.schedules.dataparallel import with_data_parallel
 from pipefold.sim.simulate import CostModel, simulate
-from pipefold.train.run import TrainConfig, compare, make_job
+from pipefold.train.prepare import make_job
+from pipefold.train.reference import compare
+from pipefold.train.spec import RunSpec
 
 FAMILIES = ["1f1b", "gpipe", "zb-h1", "zb-v", "v-half", "v-min", "interleaved-1f1b", "looped-bfs", "dualpipev",
             "chimera", "dualpipe"]
@@ -110,9 +113,9 @@ def test_sharded_costs_half_rings_and_holds_a_shard_of_the_weights() -> None:
     ("chimera", True),  # each stage's two replicas all-reduce (R), then reduce-scatter across the pipelines
 ], ids=lambda v: {False: "all-reduce", True: "fsdp"}.get(v, v) if isinstance(v, bool) else v)
 def test_dp2_pp2_matches_one_process_and_keeps_the_copies_identical(schedule: str, fsdp: bool) -> None:
-    config = TrainConfig(schedule=schedule, devices=2, dp=2, microbatches=4, steps=3, model="gpt", layers=4,
+    config = RunSpec.flat(schedule=schedule, devices=2, dp=2, microbatches=4, steps=3, model="gpt", layers=4,
                          hidden=32, heads=2, seq=32, batch=16, partition="even", optimizer="adamw", fsdp=fsdp)
-    job = dataclasses.replace(make_job(config, save_grads_of_step=0), save_weights=True)
+    job = dataclasses.replace(make_job(config.replace(check=True)), save_weights=True)
     assert any(a.kind == (Kind.RS if fsdp else Kind.DP) for row in job.schedule.actions for a in row)
     reports = run_local(job)
     assert sorted((r.pipeline, r.device) for r in reports) == [(0, 0), (0, 1), (1, 0), (1, 1)]
@@ -152,31 +155,31 @@ def test_refusals_are_one_line(tmp_path: Path) -> None:
     base = dict(devices=2, dp=2, microbatches=2, steps=1, model="mlp", layers=4, hidden=8, batch=8)
     with pytest.raises(ConfigError, match="does not split into 2 pipelines x 2 microbatches; use a --batch that is "
                                           "a multiple of 4"):
-        make_job(TrainConfig(schedule="1f1b", **{**base, "batch": 6}))  # type: ignore[arg-type]
+        make_job(RunSpec.flat(schedule="1f1b", **{**base, "batch": 6}))  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"do not run with --optimizer kfac yet: use --dp 1 with it"):
-        make_job(TrainConfig(schedule="1f1b", optimizer="kfac", **base))  # type: ignore[arg-type]
-    job = make_job(TrainConfig(schedule="1f1b", **base))  # type: ignore[arg-type]
+        make_job(RunSpec.flat(schedule="1f1b", optimizer="kfac", **base))  # type: ignore[arg-type]
+    job = make_job(RunSpec.flat(schedule="1f1b", **base))  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="has no 0DP on device 0"):
         dataclasses.replace(job, schedule=build("1f1b", 2, 2))
     with pytest.raises(ConfigError, match="the job has one pipeline"):
-        dataclasses.replace(job, dp=1)
+        dataclasses.replace(job, parallel=Parallel())
     with pytest.raises(ConfigError, match="no 0AG on device 0: add them with "
                                           "pipefold.schedules.dataparallel.with_data_parallel"
                                           r"\(schedule, shard=True\)"):
-        dataclasses.replace(job, fsdp=True)
+        dataclasses.replace(job, parallel=Parallel(dp=2, fsdp=True))
     with pytest.raises(ConfigError, match="--fsdp shards each stage across data-parallel pipelines: give --dp 2"):
-        make_job(TrainConfig(schedule="1f1b", fsdp=True, **{**base, "dp": 1}))  # type: ignore[arg-type]
+        make_job(RunSpec.flat(schedule="1f1b", fsdp=True, **{**base, "dp": 1}))  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="checkpoints of stages sharded with FSDP are not written yet"):
-        make_job(TrainConfig(schedule="1f1b", fsdp=True, checkpoint_dir=str(tmp_path), **base))  # type: ignore[arg-type]
+        make_job(RunSpec.flat(schedule="1f1b", fsdp=True, checkpoint_dir=str(tmp_path), **base))  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="drop --zero1"):
-        make_job(TrainConfig(schedule="1f1b", fsdp=True, zero1=True, **base))  # type: ignore[arg-type]
-    sharded = make_job(TrainConfig(schedule="1f1b", fsdp=True, **base))  # type: ignore[arg-type]
+        make_job(RunSpec.flat(schedule="1f1b", fsdp=True, zero1=True, **base))  # type: ignore[arg-type]
+    sharded = make_job(RunSpec.flat(schedule="1f1b", fsdp=True, **base))  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="needs its DP, but 1f1b has no 0DP on device 0"):
-        dataclasses.replace(sharded, fsdp=False)
+        dataclasses.replace(sharded, parallel=Parallel(dp=2))
     both = sharded.schedule.with_actions([[*row, *(DP(st) for st in sharded.schedule.stages_of(d))]
                                           for d, row in enumerate(sharded.schedule.actions)])
     with pytest.raises(ConfigError, match="has AG actions, which shard the stages"):
-        dataclasses.replace(sharded, schedule=both, fsdp=False)
+        dataclasses.replace(sharded, schedule=both, parallel=Parallel(dp=2))
 
 
 def test_cli_dp(capsys: pytest.CaptureFixture[str]) -> None:
@@ -229,7 +232,7 @@ def test_zero1_shards_the_optimizer_state_and_changes_no_weight() -> None:
     parameters P, gradients P and AdamW's two moments 2P (4P); with it the moments of its share only, about 3P."""
     runs = {}
     for zero1 in (False, True):
-        config = TrainConfig(schedule="1f1b", devices=2, dp=2, microbatches=2, steps=3, model="mlp", layers=4,
+        config = RunSpec.flat(schedule="1f1b", devices=2, dp=2, microbatches=2, steps=3, model="mlp", layers=4,
                              hidden=64, batch=32, partition="even", optimizer="adamw", zero1=zero1)
         job = dataclasses.replace(make_job(config), save_weights=True)
         runs[zero1] = sorted(run_local(job), key=lambda r: r.rank)
@@ -241,7 +244,7 @@ def test_zero1_shards_the_optimizer_state_and_changes_no_weight() -> None:
         assert plain.static_bytes >= 4 * params
         assert 3 * params <= sharded.static_bytes <= 3.3 * params, (sharded.static_bytes, params)
     with pytest.raises(ConfigError, match="ZeRO-1 shards the optimizer state"):
-        make_job(TrainConfig(schedule="1f1b", devices=2, microbatches=2, model="mlp", layers=4, hidden=8, batch=8,
+        make_job(RunSpec.flat(schedule="1f1b", devices=2, microbatches=2, model="mlp", layers=4, hidden=8, batch=8,
                              zero1=True))
 
 
@@ -251,7 +254,7 @@ def test_fsdp_clips_by_the_norm_over_every_shard() -> None:
     unclipped ones (the clip bit)."""
     runs = {}
     for fsdp, clip in ((False, 0.05), (True, 0.05), (True, None)):
-        config = TrainConfig(schedule="zb-h1", devices=2, dp=2, microbatches=2, steps=3, model="mlp", layers=4,
+        config = RunSpec.flat(schedule="zb-h1", devices=2, dp=2, microbatches=2, steps=3, model="mlp", layers=4,
                              hidden=64, batch=32, partition="even", optimizer="sgd", lr=0.5, clip=clip, fsdp=fsdp)
         job = dataclasses.replace(make_job(config), save_weights=True)
         runs[fsdp, clip] = {name: w for r in run_local(job) if r.pipeline == 0 for name, w in (r.weights or {}).items()}

@@ -29,6 +29,7 @@ from pipefold import build
 from pipefold.runtime.job import Job, RankError
 from pipefold.runtime.local import run_local
 from pipefold.runtime.processes import free_port
+from pipefold.runtime.settings import Optimizer, Reliability
 from pipefold.runtime.watch import PERIOD
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc and uses Linux signals")
@@ -231,7 +232,8 @@ def test_a_rank_computing_forever_is_named() -> None:
     """A rank alive (its heartbeat goes on) but stuck in its forward: the per-action timeout names it and the
     action, not the ranks that wait for it."""
     job = Job(schedule=build("1f1b", 3, 2), layer_stages=((0,), (1,), (2,)), build_layers=_layers_with_a_sleeper,
-              loss_fn=torch.nn.functional.mse_loss, batch_at=_batch, steps=3, optimizer="sgd", action_timeout_s=2.0)
+              loss_fn=torch.nn.functional.mse_loss, batch_at=_batch, steps=3, optimizer=Optimizer(name="sgd"),
+              reliability=Reliability(action_timeout=2.0))
     start = time.time()
     with pytest.raises(RankError, match=r"^rank 1 hung in 1F0 of step 2: running for \d+ s, longer than the action "
                                         r"timeout of 2 s \(--action-timeout\)$") as err:

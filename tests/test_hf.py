@@ -25,6 +25,7 @@ from pipefold.models import Batches, make_model, split_layers  # noqa: E402
 from pipefold.models.hf import HFCausalLM, config_names, read_config  # noqa: E402
 from pipefold.runtime.job import Job
 from pipefold.runtime.local import run_local  # noqa: E402
+from pipefold.runtime.settings import Optimizer, Parallel  # noqa: E402
 
 TOLERANCE = 1e-5
 SEQS = (16, 24, 12)
@@ -109,7 +110,8 @@ def _run(model: HFCausalLM, schedule: str, devices: int, *, steps: int = 3, lr: 
     sched = schedules.build(schedule, devices, 2 * devices)
     return run_local(Job(schedule=sched, layer_stages=tuple(map(tuple, split_layers(model.num_layers, sched.stages))),
                          build_layers=model.build_layers, loss_fn=model.loss,
-                         batch_at=functools.partial(padded_batch, rows=8), steps=steps, lr=lr, optimizer=optimizer,
+                         batch_at=functools.partial(padded_batch, rows=8), steps=steps,
+                         optimizer=Optimizer(name=optimizer, lr=lr),
                          save_grads_of_step=1, save_weights=True, tied=model.tied, preload=model.preload,
                          **job))  # type: ignore[arg-type]
 
@@ -211,7 +213,8 @@ def test_data_parallel_pipelines_with_tied_weights() -> None:
     model = _model("gpt2", blocks=2)
     sched = with_data_parallel(schedules.build("1f1b", 2, 2))
     reports = run_local(Job(schedule=sched, layer_stages=((0, 1), (2, 3)), build_layers=model.build_layers,
-                            loss_fn=model.loss, batch_at=padded_batch, steps=3, lr=0.1, optimizer="sgd", dp=2,
+                            loss_fn=model.loss, batch_at=padded_batch, steps=3, optimizer=Optimizer(name="sgd", lr=0.1),
+                            parallel=Parallel(dp=2),
                             save_grads_of_step=1, save_weights=True, tied=model.tied, preload=model.preload))
     _check_against_reference(model, reports, 4)
 

@@ -16,7 +16,8 @@ from pipefold.runtime.job import RankReport
 from pipefold.runtime.local import run_local
 from pipefold.runtime.stage import Chain, StageRunner
 from pipefold.schedules import build
-from pipefold.train.run import TrainConfig, make_job
+from pipefold.train.prepare import make_job
+from pipefold.train.spec import RunSpec
 
 GPT = dict(model="gpt", layers=6, hidden=128, heads=4, seq=128, batch=16)
 MLP = dict(model="mlp", layers=8, hidden=512, batch=1024)
@@ -24,7 +25,7 @@ MLP = dict(model="mlp", layers=8, hidden=512, batch=1024)
 
 def _run(model: dict[str, object], schedule: str, ranks: int, *, verify: bool = False, steps: int = 2,
          **options: object) -> tuple[object, list[RankReport]]:
-    config = TrainConfig(schedule=schedule, devices=ranks, microbatches=8, steps=steps, partition="even",
+    config = RunSpec.flat(schedule=schedule, devices=ranks, microbatches=8, steps=steps, partition="even",
                          **model, **options)  # type: ignore[arg-type]
     job = make_job(config)
     if verify:

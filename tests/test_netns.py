@@ -158,9 +158,10 @@ def test_a_bad_rate_is_one_line() -> None:
 def test_train_over_namespaces_is_held_to_the_capped_rate() -> None:
     # Rank 0 sends four 512 KiB activations a step through a tbf of 8 MB/s: at least 0.26 s a step, whatever
     # the socket buffers absorb (their few hundred KiB go at once; the rest waits for tokens).
-    from pipefold.train.run import TrainConfig, train
+    from pipefold.train.run import train
+    from pipefold.train.spec import RunSpec
 
-    config = TrainConfig(schedule="1f1b", devices=2, microbatches=4, steps=3, model="mlp", layers=4, hidden=512,
+    config = RunSpec.flat(schedule="1f1b", devices=2, microbatches=4, steps=3, model="mlp", layers=4, hidden=512,
                          batch=1024, partition="even", optimizer="sgd", network="constant:bandwidth=8MB", netns=True)
     job, reports = train(config)
     assert job.netns is not None and job.network is None

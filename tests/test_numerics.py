@@ -97,13 +97,15 @@ _COMPARE = textwrap.dedent("""
     from pipefold.ir import OPT
     from pipefold.runtime.faults import Faults
     from pipefold.runtime.local import run_local
-    from pipefold.train.run import TrainConfig, make_job
-    cfg = TrainConfig(schedule="zb-h1", devices=2, microbatches=4, steps=6, model="mlp", layers=4, hidden=16,
+    from pipefold.runtime.settings import Reliability
+    from pipefold.train.prepare import make_job
+    from pipefold.train.spec import RunSpec
+    cfg = RunSpec.flat(schedule="zb-h1", devices=2, microbatches=4, steps=6, model="mlp", layers=4, hidden=16,
                       batch=8, partition="even", clip=3.0)
     job = dataclasses.replace(make_job(cfg), save_weights=True, faults=Faults(nan=frozenset({3})))
     inside = job.schedule.with_actions([[*row, OPT(s)] for s, row in enumerate(job.schedule.actions)])
     out = {}
-    for name, j in (("sync", job), ("post", dataclasses.replace(job, post_validate=True)),
+    for name, j in (("sync", job), ("post", dataclasses.replace(job, reliability=Reliability(post_validate=True))),
                     ("opt", dataclasses.replace(job, schedule=inside))):
         reports = run_local(j)
         out[name] = ({k: v for r in reports for k, v in (r.weights or {}).items()},
@@ -165,10 +167,11 @@ def test_the_live_loss_is_the_global_loss(schedule: str, dp: int) -> None:
     """What the progress line shows each step is the mean over every microbatch of every pipeline and replica,
     the loss the run reports, not the loss of the one rank that calls back (Chimera's other direction, another
     data-parallel pipeline)."""
-    from pipefold.train.run import TrainConfig, train
+    from pipefold.train.run import train
+    from pipefold.train.spec import RunSpec
 
     live: dict[int, float] = {}
-    config = TrainConfig(schedule=schedule, devices=2, dp=dp, microbatches=4, batch=8 * dp, steps=2, model="mlp",
+    config = RunSpec.flat(schedule=schedule, devices=2, dp=dp, microbatches=4, batch=8 * dp, steps=2, model="mlp",
                          layers=4, hidden=16, partition="even")
     _, reports = train(config, on_step=lambda step, loss, _s: live.__setitem__(step, loss))
     assert sorted(live) == [1, 2]  # steps numbered from 1, as the progress line shows them

@@ -28,7 +28,8 @@ from pipefold.plan.partition import (
     partition_memory,
 )
 from pipefold.runtime.profiling import layer_costs, layer_memory, layer_static_bytes
-from pipefold.train.run import TrainConfig, make_job
+from pipefold.train.prepare import make_job
+from pipefold.train.spec import RunSpec
 
 
 def _brute(costs: list[float], parts: int, placement: tuple[int, ...] | None) -> float:
@@ -299,7 +300,7 @@ def test_train_partition_memory_splits_by_the_schedule(monkeypatch: pytest.Monke
         return partition_memory(times, held, held_w, static, schedule, **kw)
 
     monkeypatch.setattr(pipefold.plan.partition, "partition_memory", recording)
-    config = TrainConfig(model="mlp", layers=6, hidden=16, devices=2, schedule="zb-v", microbatches=4, batch=8,
+    config = RunSpec.flat(model="mlp", layers=6, hidden=16, devices=2, schedule="zb-v", microbatches=4, batch=8,
                          partition="memory", optimizer="sgd")
     job = make_job(config)
     (schedule, static), = seen

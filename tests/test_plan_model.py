@@ -380,7 +380,7 @@ def test_ctrl_c_anywhere_in_profile_is_one_line(tmp_path) -> None:
 ])
 def test_a_far_prediction_is_pointed_out_with_its_likely_cause(predicted: float, measured: float,
                                                                says: str | None) -> None:
-    from pipefold.cli.train_cmds import prediction_note
+    from pipefold.train.summary import prediction_note
 
     note = prediction_note(predicted, measured, 24)
     if says is None:
@@ -395,11 +395,12 @@ def test_a_far_prediction_is_pointed_out_with_its_likely_cause(predicted: float,
 def test_a_plan_whose_layers_are_not_its_models_is_refused(tmp_path, layers: int) -> None:
     """The profile says 8 layers (a GPT of 6 blocks); a plan edited to say other blocks is refused before any rank
     starts, naming both counts."""
-    from pipefold.train.run import from_plan
+    from pipefold.plan.budget import RunPlan
+    from pipefold.train.planned import from_plan
 
     data = plan_model(_profile(8), 2, 1e12).to_dict()
     data["train"] = {**data["train"], "layers": layers}
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(data))
     with pytest.raises(ConfigError, match=f"the plan splits 8 layers but its model .* has {layers + 2}"):
-        from_plan(read_plan(str(path)))
+        from_plan(RunPlan.from_dict(read_plan(str(path))))

@@ -16,7 +16,10 @@ from pipefold.runtime.profiling import measure_stages
 from pipefold.runtime.stage import Chain
 from pipefold.schedules import build
 from pipefold.sim.simulate import CostModel, StageOverride, simulate
-from pipefold.train.run import TrainConfig, compare, make_job, train
+from pipefold.train.prepare import make_job
+from pipefold.train.reference import compare
+from pipefold.train.run import train
+from pipefold.train.spec import RunSpec
 from pipefold.units import format_bytes, parse_bytes
 
 
@@ -148,14 +151,14 @@ MLP = dict(model="mlp", layers=8, hidden=256, batch=1024, steps=2, optimizer="sg
 def test_auto_fits_the_budget_on_real_runs_and_keeps_gradients(schedule: str, stages: int) -> None:
     base = dict(schedule=schedule, devices=stages, **MLP)
     # The range a budget can take: from recomputing every layer to recomputing none (measured, not run).
-    full = make_job(TrainConfig(**base, recompute="full")).extra["recompute"]  # type: ignore[arg-type]
+    full = make_job(RunSpec.flat(**base, recompute="full")).extra["recompute"]  # type: ignore[arg-type]
     sched = build(schedule, stages, 8)
     none = plan_recompute(sched, full.profiles, "none")
     smallest = smallest_budget(sched, full.profiles)
     assert smallest < max(none.peak)  # recomputation has something to give here
     budget = (smallest + max(none.peak)) / 2
-    job, reports = train(TrainConfig(**base, recompute="auto", memory_budget=budget),  # type: ignore[arg-type]
-                         check=True)
+    job, reports = train(RunSpec.flat(**base, recompute="auto", memory_budget=budget,  # type: ignore[arg-type]
+                                      check=True))
     plan = job.extra["recompute"]
     measured = [max(s.peak_activation_bytes for s in r.steps) for r in reports]
     # What the plan predicted is what the runtime held (the runtime also holds the receive buffer it posts an

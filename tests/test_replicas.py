@@ -9,10 +9,11 @@ import torch
 
 from pipefold import Schedule
 from pipefold.ir import BW, OPT, F, R, linear_placement, reversed_placement
-from pipefold.runtime.job import OPTIMIZERS
 from pipefold.runtime.local import run_local
+from pipefold.runtime.settings import OPTIMIZERS
 from pipefold.runtime.stage import Chain
-from pipefold.train.run import TrainConfig, make_job
+from pipefold.train.prepare import make_job
+from pipefold.train.spec import RunSpec
 
 
 def _two_way(m: int) -> Schedule:
@@ -28,7 +29,7 @@ def _two_way(m: int) -> Schedule:
 
 
 def _job(steps: int, **more):
-    cfg = TrainConfig(schedule="gpipe", devices=2, microbatches=4, steps=steps, model="mlp", layers=4, hidden=16,
+    cfg = RunSpec.flat(schedule="gpipe", devices=2, microbatches=4, steps=steps, model="mlp", layers=4, hidden=16,
                       batch=8, partition="even", lr=1e-2)
     return replace(make_job(cfg), **{"schedule": _two_way(4), **more})
 
@@ -38,7 +39,7 @@ def _one_process_weights(job, steps: int) -> dict[str, torch.Tensor]:  # type: i
     n = job.extra["num_layers"]
     layers = job.build_layers(list(range(n)))
     model = Chain(*(layers[i] for i in range(n)))
-    opt = OPTIMIZERS[str(job.optimizer)](list(model.parameters()), lr=job.lr)
+    opt = OPTIMIZERS[str(job.optimizer.name)](list(model.parameters()), lr=job.optimizer.lr)
     m = job.schedule.microbatches
     for step in range(steps):
         x, y = job.batch_at(step)
@@ -94,7 +95,7 @@ def test_generated_replicated_schedules_keep_replicas_identical(name: str, p: in
     """After several optimizer steps each stage's two copies (on devices s and p-1-s) are equal bit for bit,
     and equal to one process trained on the whole batch."""
     m, steps = 2 * p, 3
-    cfg = TrainConfig(schedule=name, devices=p, microbatches=m, steps=steps, model="mlp", layers=2 * p, hidden=16,
+    cfg = RunSpec.flat(schedule=name, devices=p, microbatches=m, steps=steps, model="mlp", layers=2 * p, hidden=16,
                       batch=2 * m, partition="even", lr=1e-2)
     job = replace(make_job(cfg), save_weights=True)
     reports = run_local(job)
@@ -112,6 +113,7 @@ def test_generated_replicated_schedules_keep_replicas_identical(name: str, p: in
 def test_splitting_by_memory_refuses_replicas_in_one_line() -> None:
     from pipefold.errors import ConfigError
 
-    cfg = TrainConfig(schedule="chimera", devices=2, microbatches=4, model="mlp", layers=4, batch=8, partition="memory")
+    cfg = RunSpec.flat(schedule="chimera", devices=2, microbatches=4, model="mlp", layers=4, batch=8,
+                       partition="memory")
     with pytest.raises(ConfigError, match="chimera has 2 replicas: split chimera by time, params or even"):
         make_job(cfg)

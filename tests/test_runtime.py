@@ -13,8 +13,12 @@ from pipefold.models import GPTConfig, build_gpt_layers, gpt_loss, split_layers
 from pipefold.runtime.comm import HEADER, MAX_TENSORS
 from pipefold.runtime.job import Job
 from pipefold.runtime.local import run_local
+from pipefold.runtime.settings import Optimizer
 from pipefold.schedules import build
-from pipefold.train.run import TrainConfig, compare, make_job, reference_step, train
+from pipefold.train.prepare import make_job
+from pipefold.train.reference import compare, reference_step
+from pipefold.train.run import train
+from pipefold.train.spec import RunSpec
 
 TOLERANCE = 1e-5
 
@@ -39,9 +43,10 @@ _EVERY = ([(name, 4, "mlp") for name in names() if name not in _SHARED]
 def test_every_schedule_matches_one_process(name: str, ranks: int, model: str) -> None:
     # The GPT's embedding and head count as layers: its blocks are the rest.
     layers = _layers_for(name, ranks) - (2 if model == "gpt" else 0)
-    cfg = TrainConfig(schedule=name, devices=ranks, microbatches=2 * ranks, steps=1, model=model, layers=layers,
-                      hidden=16, heads=2, seq=8, batch=2 * ranks, partition="even")
-    job, reports = train(cfg, check=True)
+    sizes = {"heads": 2, "seq": 8} if model == "gpt" else {}  # an MLP has neither
+    cfg = RunSpec.flat(schedule=name, devices=ranks, microbatches=2 * ranks, steps=1, model=model, layers=layers,
+                       hidden=16, batch=2 * ranks, partition="even", **sizes)
+    job, reports = train(cfg.replace(check=True))
     diff = compare(job, reports)
     assert diff["max_grad_rel_diff"] < TOLERANCE and diff["loss_rel_diff"] < TOLERANCE
 
@@ -52,18 +57,18 @@ def test_every_schedule_matches_one_process(name: str, ranks: int, model: str) -
 def test_recomputed_and_offloaded_stages_match_one_process(name: str, ranks: int, memory: str) -> None:
     # B frees what W will not read on split-backward schedules (zb-h1, zb-v, v-half), recomputed or offloaded.
     options: dict[str, object] = {"recompute": "full"} if memory == "recompute" else {"offload": (1, 1)}
-    cfg = TrainConfig(schedule=name, devices=ranks, microbatches=2 * ranks, steps=1, model="gpt",
+    cfg = RunSpec.flat(schedule=name, devices=ranks, microbatches=2 * ranks, steps=1, model="gpt",
                       layers=_layers_for(name, ranks), hidden=16, heads=2, seq=8, batch=2 * ranks,
                       partition="even", **options)  # type: ignore[arg-type]
-    job, reports = train(cfg, check=True)
+    job, reports = train(cfg.replace(check=True))
     diff = compare(job, reports)
     assert diff["max_grad_rel_diff"] < TOLERANCE and diff["loss_rel_diff"] < TOLERANCE
 
 
 def test_gpt_on_v_shape_matches_and_learns() -> None:
-    cfg = TrainConfig(schedule="zb-v", devices=2, microbatches=4, steps=6, model="gpt", layers=2, hidden=32,
+    cfg = RunSpec.flat(schedule="zb-v", devices=2, microbatches=4, steps=6, model="gpt", layers=2, hidden=32,
                       heads=4, batch=8, seq=32, lr=3e-3)
-    job, reports = train(cfg, check=True)
+    job, reports = train(cfg.replace(check=True))
     diff = compare(job, reports)
     assert diff["max_grad_rel_diff"] < TOLERANCE
     losses = [sum(r.steps[i].losses.get(j, 0.0) for r in reports for j in range(4)) / 4 for i in range(6)]
@@ -86,7 +91,8 @@ def test_shapes_may_change_between_steps() -> None:
     for step in (1, 2):  # steps whose shapes differ from the one before
         job = Job(schedule=schedule, layer_stages=layer_stages,
                   build_layers=functools.partial(build_gpt_layers, cfg, seed=3), loss_fn=gpt_loss,
-                  batch_at=_varying_batch, steps=step + 1, lr=0.0, optimizer="sgd", save_grads_of_step=step,
+                  batch_at=_varying_batch, steps=step + 1, optimizer=Optimizer(name="sgd", lr=0.0),
+                  save_grads_of_step=step,
                   extra={"num_layers": 4})
         reports = run_local(job)
         _, want = reference_step(job, step)
@@ -98,7 +104,7 @@ def test_shapes_may_change_between_steps() -> None:
 def test_user_errors_are_config_errors() -> None:
     with pytest.raises(ConfigError, match="has 8 stages but the model has 4 layers, so at most 4 stages: "
                                           "use --devices 2 or fewer"):
-        make_job(TrainConfig(schedule="v-half", devices=4, model="mlp", layers=4, batch=8))
+        make_job(RunSpec.flat(schedule="v-half", devices=4, model="mlp", layers=4, batch=8))
     from pipefold.models import gpt_loss, mlp_loss
 
     with pytest.raises(ConfigError, match=r"the target has shape \(8, 3\) but the model's output has \(8, 4\)"):
@@ -106,10 +112,10 @@ def test_user_errors_are_config_errors() -> None:
     with pytest.raises(ConfigError, match=r"give one target token per position, shape \(2, 5\)"):
         gpt_loss(torch.zeros(2, 5, 256), torch.zeros(2, 4, dtype=torch.long))
     with pytest.raises(ConfigError, match="a batch of 10 does not split into 8 microbatches"):
-        make_job(TrainConfig(schedule="1f1b", devices=2, microbatches=8, model="mlp", layers=4, batch=10))
+        make_job(RunSpec.flat(schedule="1f1b", devices=2, microbatches=8, model="mlp", layers=4, batch=10))
     # Checked in the launcher, before any rank starts (they used to fail on every rank at once).
     with pytest.raises(ConfigError, match="unknown optimizer 'adam': use sgd, adamw or kfac, or pass a function"):
-        make_job(TrainConfig(schedule="1f1b", devices=2, model="mlp", layers=4, batch=8, optimizer="adam",
+        make_job(RunSpec.flat(schedule="1f1b", devices=2, model="mlp", layers=4, batch=8, optimizer="adam",
                              partition="even"))
 
 
@@ -187,8 +193,8 @@ def test_tuples_of_tensors_flow_between_stages() -> None:
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_cuda_nccl_matches_one_process() -> None:
-    cfg = TrainConfig(schedule="1f1b", devices=2, microbatches=4, steps=1, model="mlp", layers=4, hidden=16, batch=8)
-    job, reports = train(cfg, check=True)
+    cfg = RunSpec.flat(schedule="1f1b", devices=2, microbatches=4, steps=1, model="mlp", layers=4, hidden=16, batch=8)
+    job, reports = train(cfg.replace(check=True))
     assert compare(job, reports)["max_grad_rel_diff"] < 1e-4
 
 
@@ -200,8 +206,8 @@ def test_global_norm_clipping_and_any_optimizer() -> None:
     """The second step's loss shows the first update: clipped by the norm over all ranks, as in one process."""
     from dataclasses import replace
 
-    cfg = TrainConfig(schedule="1f1b", devices=2, microbatches=4, steps=2, model="mlp", layers=4, hidden=8, batch=8)
-    job = replace(make_job(cfg), optimizer=_sgd, clip=1e-3)
+    cfg = RunSpec.flat(schedule="1f1b", devices=2, microbatches=4, steps=2, model="mlp", layers=4, hidden=8, batch=8)
+    job = replace(make_job(cfg), optimizer=Optimizer(name=_sgd, clip=1e-3))
     reports = run_local(job)
     pipe = [sum(sum(r.steps[i].losses.values()) for r in reports) / 4 for i in range(2)]
     n = job.extra["num_layers"]
@@ -226,9 +232,9 @@ def test_global_norm_clipping_and_any_optimizer() -> None:
 
 @pytest.mark.parametrize("name", ["1f1b", "zb-v"])
 def test_offloading_stages_keep_the_gradients(name: str) -> None:
-    cfg = TrainConfig(schedule=name, devices=2, microbatches=4, steps=1, model="mlp", layers=_layers_for(name, 2) * 2,
+    cfg = RunSpec.flat(schedule=name, devices=2, microbatches=4, steps=1, model="mlp", layers=_layers_for(name, 2) * 2,
                       hidden=16, batch=8, offload=(1, 1))
-    job, reports = train(cfg, check=True)
+    job, reports = train(cfg.replace(check=True))
     diff = compare(job, reports)
     assert diff["max_grad_rel_diff"] < TOLERANCE and diff["loss_rel_diff"] < TOLERANCE
     # Each stage kept one of its layers on the device at a time: 1 layer's bytes per stage.
@@ -242,9 +248,9 @@ def test_stages_balanced_by_parameters_keep_the_gradients() -> None:
     from pipefold.plan.partition import partition
     from pipefold.runtime.profiling import layer_costs
 
-    cfg = TrainConfig(schedule="zb-v", devices=2, microbatches=4, steps=1, model="gpt", layers=6, hidden=32, heads=4,
+    cfg = RunSpec.flat(schedule="zb-v", devices=2, microbatches=4, steps=1, model="gpt", layers=6, hidden=32, heads=4,
                       batch=8, seq=16, partition="params")
-    job, reports = train(cfg, check=True)
+    job, reports = train(cfg.replace(check=True))
     assert compare(job, reports)["max_grad_rel_diff"] < TOLERANCE
     model = make_model("gpt", layers=6, hidden=32, heads=4, batch=2, seq=16)
     want = partition(layer_costs(model.build(), model.batch_at(0)[0], by="params"), 4,

@@ -96,7 +96,7 @@ def _add_model(p: argparse.ArgumentParser, *, layers: int | None, layers_help: s
     g.add_argument("--hf", choices=[n for n, f in REGISTRY.items() if f.hf], default=None, metavar="NAME",
                    help=f"a Hugging Face transformers causal LM instead, built from --hf-config (needs pip install "
                         f"'pipefold[hf]'): {', '.join(n for n, f in REGISTRY.items() if f.hf)}")
-    p.add_argument("--hf-config", default=None, metavar="CONFIG",
+    p.add_argument("--hf-config", dest="model_config", default=None, metavar="CONFIG",
                    help="with --hf: a transformers config.json, or a config pipefold ships (gpt2-tiny, llama-tiny; "
                         "default: NAME-tiny)")
     p.add_argument("--layers", type=int, default=None,
@@ -370,7 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
                    help="nccl: a GPU per rank; gloo: the CPU, or GPUs the ranks share (tensors staged through "
                         "pinned host memory); auto: nccl when every rank has a GPU of its own")
-    g.add_argument("--no-overlap", action="store_true",
+    g.add_argument("--no-overlap", dest="overlap", action="store_false",
                    help="on a GPU, run an overlapped pair's (dualpipe's F+B) forward and then its backward, "
                         "instead of both at once on two streams")
     _add_output(p)
@@ -401,34 +401,18 @@ class Applies:
     """What to do instead, after "--option ...": why it does not apply and what would."""
 
 
-def _sequences(args: argparse.Namespace) -> bool:
-    from pipefold.models import REGISTRY
-
-    return REGISTRY[args.model].sequences
-
-
 _COSTS = ("f", "b", "w", "mem", "mem_w", "latency", "bandwidth", "activation_bytes", "grad_bytes", "opt", "weights",
           "overlap", "recompute", "stage_cost", "work", "stash")
 
 
 APPLIES: tuple[Applies, ...] = (
-    Applies("train", ("damping", "ema", "fill_bubbles"), lambda a: a.optimizer == "kfac",
-            "tunes K-FAC: add --optimizer kfac, or drop it"),
-    Applies("train", ("adapt_every",), lambda a: a.schedule.partition(":")[0] == "adaptive-kfkb",
-            "spaces adaptive-kfkb's choices of k: use --schedule adaptive-kfkb, or drop it"),
-    Applies("train", ("heads", "seq", "data"), _sequences,
-            "sizes a language model, and the mlp has no attention, sequences or text: use --model gpt, or drop it"),
-    Applies("train", ("dp", "fsdp", "zero1"), lambda a: a.plan is None and a.schedule != "auto",
-            "lays out data-parallel copies, and a plan (--plan, --schedule auto) runs the one pipeline it planned: "
-            "name a schedule with --schedule, or drop it"),
-    Applies("train", ("keep_last", "checkpoint_every"), lambda a: a.checkpoint_dir is not None,
-            "saves into --checkpoint-dir D: give one, or drop it"),
     Applies("plan", _COSTS, lambda a: a.profile is None,
             "sets the cost model, and a plan from --profile uses the measured costs: drop it, or plan without "
             "--profile"),
 )
 """Which options go with which modes, read by :func:`main` for every command: a new option that belongs to one
-mode is refused in the others by adding it here."""
+mode is refused in the others by adding it here. ``pipefold train``'s are its run spec's
+(:data:`pipefold.train.spec.RULES`), checked where the spec is made."""
 
 
 def given(args: argparse.Namespace, parser: argparse.ArgumentParser) -> frozenset[str]:

@@ -22,23 +22,9 @@ def flag_options(args: argparse.Namespace) -> dict[str, int]:
     return {k[4:]: v for k, v in vars(args).items() if k.startswith("opt_") and v is not None}
 
 
-def looks_like_file(text: str) -> bool:
-    """Whether ``text`` names a schedule file rather than a registered schedule.
-
-    A path (with a folder separator) or a name ending in a schedule suffix (any case) is a file; a
-    registered name (``1f1b``, ``kfkb:k=3``) is the registered schedule even when a file of that name is
-    in the current folder (give the file as ``./1f1b``); anything else is a file if one exists.
-    """
-    if os.path.sep in text or "/" in text or text.lower().endswith((".txt", ".json", ".csv")):
-        return True
-    if text.partition(":")[0] in schedules.REGISTRY:
-        return False
-    return os.path.isfile(text)
-
-
 def load_schedule(text: str, args: argparse.Namespace, *, strict_flags: bool) -> Schedule:
     """A schedule from a file, or generated from a registered name and the shape flags."""
-    if looks_like_file(text):
+    if schedules.looks_like_file(text):
         if not os.path.isfile(text):
             raise ConfigError(f"no such schedule file: {text}")
         return formats.load(text, getattr(args, "input_format", None), renumber=getattr(args, "renumber", False))

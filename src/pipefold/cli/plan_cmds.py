@@ -27,7 +27,7 @@ def cmd_profile(args: argparse.Namespace, console: Console) -> None:
     check_outputs(("profile", args.output, False))
     with stage_bar("profile") as progress:
         prof = profile_model(model=args.model, layers=args.layers, hidden=args.hidden, heads=args.heads,
-                             model_config=args.hf_config, seq=args.seq,
+                             model_config=args.model_config, seq=args.seq,
                              batch=args.batch, microbatches=args.microbatches, optimizer=args.optimizer,
                              seed=args.seed, devices=args.devices, repeats=args.repeats, link=not args.no_link,
                              contention=not args.no_sharing, progress=progress)
@@ -168,13 +168,8 @@ def _print_plan(answer: PlanResult, args: argparse.Namespace, console: Console) 
 def cmd_partition(args: argparse.Namespace, console: Console) -> None:
     from pipefold.models import make_model
     from pipefold.models.size import check_model
-    from pipefold.plan.partition import (
-        memory_of_split,
-        partition,
-        partition_memory,
-    )
-    from pipefold.plan.recompute import OPTIMIZER_STATE
-    from pipefold.runtime.profiling import layer_costs, layer_memory, layer_static_bytes
+    from pipefold.plan.partition import MemoryPartition, memory_of_split, partition, split_by
+    from pipefold.runtime.profiling import split_figures
 
     for flag, value in (("--devices", args.devices), ("--chunks", args.chunks), ("--microbatches", args.microbatches)):
         if value is not None and value < 1:
@@ -190,21 +185,20 @@ def cmd_partition(args: argparse.Namespace, console: Console) -> None:
     m = args.microbatches if args.microbatches is not None else max(least, 2 * args.devices)
     schedule = schedules.build(name, args.devices, m, **options)
     model = make_model(args.model, layers=args.layers, hidden=args.hidden, heads=args.heads, batch=args.batch,
-                       seq=args.seq, config=args.hf_config)
+                       seq=args.seq, config=args.model_config)
     check_model(model, what=f"measuring {args.model}'s layers")
-    layers, sample = model.build(), model.batch_at(0)[0]  # one microbatch of --batch rows
-    params, times = (layer_costs(layers, sample, by=by) for by in ("params", "time"))
-    held, held_w = (list(column) for column in zip(*layer_memory(layers, sample), strict=True))
-    static = layer_static_bytes(layers, optimizer_factor=OPTIMIZER_STATE[args.optimizer])
+    layers, (sample, target) = model.build(), model.batch_at(0)  # one microbatch of --batch rows
+    figures = split_figures(layers, sample, by="all", loss_fn=model.loss, target=target, optimizer=args.optimizer)
+    params, times, held, held_w, static = (figures.params, figures.times, figures.held, figures.held_w,
+                                           figures.static)
+    assert times is not None and held is not None and held_w is not None and static is not None
+    split = split_by(figures, schedule, args.by, slack=args.slack)
+    assert isinstance(split, MemoryPartition)
+    compared = {}
     if args.by == "memory":
-        split = partition_memory(times, held, held_w, static, schedule, slack=args.slack)
         by_time = memory_of_split(partition(times, schedule.stages, placement=schedule.placement[0]).boundaries,
                                   times, held, held_w, static, schedule, time_optimal=split.time_optimal)
         compared = {"time_split": {"boundaries": by_time.boundaries, "device_peak_bytes": by_time.device_peak_bytes}}
-    else:
-        balanced = partition(params if args.by == "params" else times, schedule.stages,
-                             placement=schedule.placement[0])
-        split = memory_of_split(balanced.boundaries, times, held, held_w, static, schedule)
     sums = {key: [sum(values[i] for i in part) for part in split.parts] for key, values in
             (("params", params), ("time_s", times), ("held_bytes", held), ("held_w_bytes", held_w),
              ("static_bytes", static))}
@@ -212,8 +206,10 @@ def cmd_partition(args: argparse.Namespace, console: Console) -> None:
         cost = [sums["static_bytes"][s] + split.weights[s] * sums["held_bytes"][s]
                 + split.weights_w[s] * sums["held_w_bytes"][s] for s in range(schedule.stages)]
         device_cost = split.device_peak_bytes
-    else:
-        cost, device_cost, compared = balanced.cost, balanced.device_cost, {}
+    else:  # the balanced figure, summed per stage and per device
+        cost = sums["params" if args.by == "params" else "time_s"]
+        device_cost = [sum(c for c, d in zip(cost, schedule.placement[0], strict=True) if d == device)
+                       for device in range(schedule.devices)]
     devices = list(schedule.placement[0])
     if args.json:
         print(jsonout.dumps({"model": args.model, "layers": len(layers), "by": args.by,

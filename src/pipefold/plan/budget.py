@@ -18,8 +18,8 @@ from pipefold.plan.recompute import StageProfile, choose_recompute, device_peaks
 from pipefold.sim.simulate import CostModel, SimResult, StageOverride, simulate
 from pipefold.units import format_bytes
 
-__all__ = ["ModelPlan", "ModelPoint", "PlanResult", "Point", "candidates", "choose", "evaluate", "frontier",
-           "model_costs", "one_f_one_b_peak", "parse_budget", "plan", "plan_model", "predict", "read_plan",
+__all__ = ["ModelPlan", "ModelPoint", "PlanResult", "Point", "RunPlan", "candidates", "choose", "evaluate",
+           "frontier", "model_costs", "one_f_one_b_peak", "parse_budget", "plan", "plan_model", "predict", "read_plan",
            "stage_profiles"]
 
 Progress = Callable[[int, int], None]
@@ -241,20 +241,75 @@ class ModelPlan:
     room: float = math.inf
     """The most a plan's predicted peak may be: the budget less the headroom."""
 
-    def to_dict(self) -> dict[str, Any]:
-        """The plan file ``pipefold train --plan`` runs: what to run, and what it is predicted to do."""
+    @property
+    def run_plan(self) -> RunPlan:
+        """What ``pipefold train`` runs of this answer: the best point and its prediction."""
         b = self.best
         s = self.result.schedule
-        return {"version": PLAN_VERSION, "kind": "pipefold-plan", "schedule": b.spec, "devices": s.devices,
-                "microbatches": s.microbatches, "split": b.split,
-                "layer_stages": [list(x) for x in b.layer_stages], "recompute": list(b.recompute),
-                "budget_bytes": self.budget, "room_bytes": self.room, "train": dict(self.profile.train),
-                "predicted": {"step_time_s": b.makespan, "bubble_ratio": b.bubble_ratio,
-                              "peak_bytes": [int(x) for x in b.peak_memory],
-                              "static_bytes": list(b.static_bytes)},
+        return RunPlan(schedule=b.spec, devices=s.devices, microbatches=s.microbatches, split=b.split,
+                       layer_stages=b.layer_stages, recompute=b.recompute, budget=self.budget, room=self.room,
+                       train=dict(self.profile.train), step_time=b.makespan, bubble_ratio=b.bubble_ratio,
+                       peak_bytes=tuple(int(x) for x in b.peak_memory), static_bytes=tuple(b.static_bytes),
+                       profile=self.profile)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan file ``pipefold train --plan`` runs: what to run, and what it is predicted to do; with the
+        frontier and the count of candidates, for people."""
+        return {**self.run_plan.to_dict(),
                 "frontier": [{"schedule": q.spec, "split": q.split, "recompute": list(q.recompute),
                               "step_time_s": q.makespan, "peak_bytes": int(q.memory)} for q in self.frontier],
-                "candidates": len(self.points), "skipped": len(self.skipped), "profile": self.profile.to_dict()}
+                "candidates": len(self.points), "skipped": len(self.skipped)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunPlan:
+    """A plan to run: the schedule, the split of the layers and the recomputation chosen for a profiled model, and
+    what they are predicted to do. In memory from the planner (:attr:`ModelPlan.run_plan`), or read from a plan
+    file (:meth:`from_dict` of :func:`read_plan`'s checked contents)."""
+
+    schedule: str
+    """The schedule with its options (``name:k=v``)."""
+    devices: int
+    microbatches: int
+    split: str
+    """How the layers were split: ``time`` or ``memory``."""
+    layer_stages: tuple[tuple[int, ...], ...]
+    recompute: tuple[int, ...]
+    """Per stage, how many of its first layers recompute."""
+    budget: float | None
+    room: float | None
+    train: dict[str, Any]
+    """The model and its size, as ``pipefold train`` takes them (the profile's)."""
+    step_time: float
+    """Predicted seconds per step."""
+    bubble_ratio: float
+    peak_bytes: tuple[int, ...]
+    """Predicted peak per device: weights, gradients, optimizer state, activations and buffers."""
+    static_bytes: tuple[int, ...]
+    profile: Profile
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": PLAN_VERSION, "kind": "pipefold-plan", "schedule": self.schedule, "devices": self.devices,
+                "microbatches": self.microbatches, "split": self.split,
+                "layer_stages": [list(x) for x in self.layer_stages], "recompute": list(self.recompute),
+                "budget_bytes": self.budget, "room_bytes": self.room, "train": dict(self.train),
+                "predicted": {"step_time_s": self.step_time, "bubble_ratio": self.bubble_ratio,
+                              "peak_bytes": list(self.peak_bytes), "static_bytes": list(self.static_bytes)},
+                "profile": self.profile.to_dict()}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunPlan:
+        """The plan in ``data``, as :func:`read_plan` returns a file's checked contents."""
+        predicted = data["predicted"]
+        return cls(schedule=str(data["schedule"]), devices=int(data["devices"]),
+                   microbatches=int(data["microbatches"]), split=str(data.get("split", "time")),
+                   layer_stages=tuple(tuple(int(i) for i in part) for part in data["layer_stages"]),
+                   recompute=tuple(int(r) for r in data["recompute"]), budget=data.get("budget_bytes"),
+                   room=data.get("room_bytes"), train=dict(data["train"]),
+                   step_time=float(predicted["step_time_s"]), bubble_ratio=float(predicted.get("bubble_ratio", 0.0)),
+                   peak_bytes=tuple(int(x) for x in predicted.get("peak_bytes", ())),
+                   static_bytes=tuple(int(x) for x in predicted.get("static_bytes", ())),
+                   profile=Profile.from_dict(data["profile"]))
 
 
 PLAN_VERSION = 1

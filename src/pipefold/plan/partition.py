@@ -27,7 +27,8 @@ if TYPE_CHECKING:  # measuring needs torch; splitting measured figures does not 
     Values = tuple[torch.Tensor, ...]
     """What flows between layers: one tensor, or several (a layer may return a tuple, spread into the next)."""
 
-__all__ = ["COST_KINDS", "MemoryPartition", "Partition", "memory_of_split", "partition", "partition_memory"]
+__all__ = ["COST_KINDS", "LayerFigures", "MemoryPartition", "Partition", "memory_of_split", "partition",
+           "partition_memory", "split_by"]
 
 COST_KINDS = ("params", "time", "memory")
 """What a layer's cost can measure."""
@@ -659,4 +660,43 @@ def _tree_search(pre: _Prefix, moments: list[np.ndarray], mapping: tuple[int, ..
     search(0, 0)
     return best_bounds
 
+
+@dataclass(frozen=True)
+class LayerFigures:
+    """Per layer, what a split weighs (measured by :func:`pipefold.runtime.profiling.split_figures`, one microbatch
+    through the layers in order, the last computing the loss as the last stage does). A figure that the split asked
+    for does not need is None."""
+
+    params: list[float]
+    """Parameter count."""
+    times: list[float] | None = None
+    """F + B + W seconds."""
+    held: list[float] | None = None
+    """Bytes held from the forward to the backward."""
+    held_w: list[float] | None = None
+    """Bytes held from B to W."""
+    static: list[float] | None = None
+    """Parameter, gradient and optimizer-state bytes."""
+
+    @staticmethod
+    def needs(by: str) -> tuple[bool, bool]:
+        """(times, memory): what splitting ``by`` (or 'all') reads besides the parameter counts."""
+        return by in ("time", "memory", "all"), by in ("memory", "all")
+
+
+def split_by(figures: LayerFigures, schedule: Schedule, by: str, *, slack: float = 0.02) -> Partition | MemoryPartition:
+    """The layers split into ``schedule``'s stages: balanced by ``time`` or ``params`` (the busiest device's load,
+    a device holding two chunks counting both), or (``memory``) the least predicted device peak within ``slack`` of
+    the time-balanced split's time. With the memory figures measured the answer is a :class:`MemoryPartition`,
+    every device's predicted peak with it."""
+    if by == "memory":
+        assert figures.times and figures.held and figures.held_w and figures.static, "splitting by memory measures"
+        return partition_memory(figures.times, figures.held, figures.held_w, figures.static, schedule, slack=slack)
+    costs = figures.params if by == "params" else figures.times
+    if costs is None or by not in ("params", "time"):
+        raise ConfigError(f"split by params, time or memory (got {by!r})")
+    balanced = partition(costs, schedule.stages, placement=schedule.placement[0])
+    if figures.held is None or figures.held_w is None or figures.static is None or figures.times is None:
+        return balanced
+    return memory_of_split(balanced.boundaries, figures.times, figures.held, figures.held_w, figures.static, schedule)
 

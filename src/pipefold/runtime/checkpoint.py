@@ -72,7 +72,9 @@ class Resume:
 
 @dataclass(frozen=True, kw_only=True)
 class Checkpointing:
-    """Where and how often a job saves checkpoints, and the one it starts from."""
+    """Where and how often a job saves checkpoints, and the one it starts from: made by
+    :mod:`pipefold.train.prepare` from a run spec, whose :class:`~pipefold.train.spec.CheckpointSpec` checked the
+    settings."""
 
     directory: str | None = None
     """The checkpoint folder (an absolute path); None: save nothing."""
@@ -84,18 +86,6 @@ class Checkpointing:
     """What must match to resume (the model's sizes, the optimizer): written into every manifest."""
     keep_last: int | None = None
     """After each save, remove all but the newest ``keep_last`` checkpoints of the folder. None: keep them all."""
-
-    def __post_init__(self) -> None:
-        if self.keep_last is not None:
-            if not (isinstance(self.keep_last, int) and self.keep_last >= 1):
-                raise ConfigError(f"--keep-last N keeps the N newest checkpoints: N >= 1 (got {self.keep_last!r})")
-            if self.directory is None:
-                raise ConfigError("--keep-last needs --checkpoint-dir D: the folder whose checkpoints it keeps")
-        if self.every is not None:
-            if not (isinstance(self.every, int) and self.every >= 1):
-                raise ConfigError(f"save a checkpoint every N steps with N >= 1 (got {self.every!r})")
-            if self.directory is None:
-                raise ConfigError("--checkpoint-every needs --checkpoint-dir D: the folder to save them in")
 
     def due(self, done: int, steps: int) -> bool:
         """Whether to save after ``done`` steps of a run of ``steps``."""

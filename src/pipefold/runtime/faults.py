@@ -3,7 +3,7 @@ a step or while it saves a checkpoint, a NaN in a step's input.
 
 A :class:`Faults` value rides on the job (``Job.faults``). Nothing in pipefold makes one and no environment
 variable is read for it: a test puts it on a job it builds, or, for a run made by the command line, adds a hook to
-:data:`pipefold.train.run.JOB_HOOKS` (``tests/faulty.py`` runs the command so, also under torchrun).
+:data:`pipefold.train.prepare.JOB_HOOKS` (``tests/faulty.py`` runs the command so, also under torchrun).
 """
 
 from __future__ import annotations

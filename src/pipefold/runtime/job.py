@@ -5,7 +5,6 @@ reports (:class:`RankReport`); the errors that end a job; and where ranks comput
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,27 +19,14 @@ from pipefold.runtime.devices import Placement, place
 from pipefold.runtime.executor import StepStats
 from pipefold.runtime.faults import Faults
 from pipefold.runtime.history import KEEP_FIRST, StepHistory
+from pipefold.runtime.settings import Devices, Optimizer, Parallel, Reliability, check_together
 from pipefold.runtime.tied import spans_stages
-from pipefold.runtime.watch import (
-    DEFAULT_ACTION_TIMEOUT,
-)
 
 if TYPE_CHECKING:
     from pipefold.plan.pipefisher import Refill
     from pipefold.runtime.checkpoint import Checkpointing
-    from pipefold.runtime.kfac import KFACConfig
     from pipefold.runtime.netns import Topology
     from pipefold.sim.network import Network
-
-
-def _momentum_sgd(params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=lr, momentum=0.9)
-
-
-OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW,
-                                                               "kfac": _momentum_sgd}
-"""The optimizers a Job names as text, each made with the Job's learning rate. ``kfac`` is SGD with momentum 0.9
-on the gradient that the schedule's K-FAC actions precondition (``Job.kfac``)."""
 
 
 class RankError(RuntimeError):
@@ -54,7 +40,7 @@ class RankError(RuntimeError):
 
 
 class Diverged(RuntimeError):
-    """The run stopped early: its loss or gradients were NaN or inf in ``Job.max_bad_steps`` steps in a row.
+    """The run stopped early: its loss or gradients were NaN or inf in ``Reliability.max_bad_steps`` steps in a row.
     ``str()`` is one line; ``reports`` holds what the ranks reported (``RankReport.stopped`` says the same)."""
 
     def __init__(self, message: str, reports: list[RankReport]) -> None:
@@ -76,10 +62,18 @@ class Job:
     """The whole batch (inputs, targets) of a step; every rank gets the same one. The inputs are a tensor or a
     tuple of tensors (token ids and an attention mask), split into microbatches along dimension 0."""
     steps: int = 1
-    lr: float = 1e-3
-    optimizer: str | Callable[[list[nn.Parameter]], torch.optim.Optimizer] = "adamw"
-    """"adamw", "sgd", or any function that makes a torch.optim optimizer from a rank's parameters."""
-    clip: float | None = None
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    """How the weights are stepped (the run spec's section, unchanged); with 'kfac' every stage keeps K-FAC's state
+    and runs the schedule's KA, KG, KI and KP actions."""
+    parallel: Parallel = field(default_factory=Parallel)
+    """Data-parallel copies of the whole pipeline: ranks dp x devices, rank r is device r % devices of pipeline
+    r // devices; each pipeline runs its shard of every step's batch, and its ``DP`` actions average each stage's
+    gradients across the pipelines (the schedule must have them: :mod:`pipefold.schedules.dataparallel`); with
+    ``fsdp`` its ``AG`` and ``RS`` actions gather and reduce-scatter the sharded stages instead."""
+    reliability: Reliability = field(default_factory=Reliability)
+    """Bad steps, hangs (the action timeout), the model written at the end."""
+    devices: Devices = field(default_factory=Devices)
+    """Where the ranks compute and how their tensors cross."""
     save_grads_of_step: int | None = None
     """Save each rank's parameter gradients after this step (for --check), before the optimizer runs."""
     save_weights: bool = False
@@ -88,17 +82,14 @@ class Job:
     """(k, k'): every stage keeps at most k of its layers on the device (see pipefold.runtime.offload)."""
     recompute: tuple[int, ...] | None = None
     """For each stage, how many of its first layers recompute their activations in backward."""
-    action_timeout_s: float = DEFAULT_ACTION_TIMEOUT
-    """Seconds an action (or a phase between actions) may run before the job is taken as hung and stopped, naming
-    the rank (see :mod:`pipefold.runtime.watch`); the process group's timeout is this plus a margin."""
     keep_steps: int = KEEP_FIRST
     """Each rank keeps the full record of its first ``keep_steps`` steps (their timelines: ``--trace``), of the
     last one and of those it is asked to check; of every other step a few numbers (:mod:`pipefold.runtime.history`),
     so that its memory stays flat over a long run."""
     log_messages: bool = False
+    """Record every send and receive in each step's stats, in the order posted (to check the wire order)."""
     verify_memory_step: int | None = None
     """Measure this step's memory a second way too, with torch's own tracker (see ``_tracked_step``)."""
-    """Record every send and receive in each step's stats, in the order posted (to check the wire order)."""
     network: Network | None = None
     """Emulated link conditions every send crosses (see :mod:`pipefold.runtime.comm`)."""
     origin: float | None = None
@@ -110,19 +101,6 @@ class Job:
     cycle: tuple[Schedule, ...] = ()
     """Step t runs ``cycle[t % len(cycle)]`` (K-FAC's work spread over steps, :mod:`pipefold.plan.pipefisher`);
     ``schedule`` must be ``cycle[0]``."""
-    zero1: bool = False
-    """With ``dp`` > 1: shard the optimizer state across the copies of each stage (ZeRO-1, torch's
-    ``ZeroRedundancyOptimizer``)."""
-    fsdp: bool = False
-    """With ``dp`` > 1: shard every stage across its copies with torch's ``fully_shard`` (1/dp of its parameters,
-    gradients and optimizer state each), gathered and reduce-scattered by the schedule's ``AG`` and ``RS``
-    actions (:func:`pipefold.schedules.dataparallel.with_data_parallel` with ``shard=True``) instead of all-reduced."""
-    dp: int = 1
-    """Data-parallel copies of the whole pipeline: ranks dp x devices, rank r is device r % devices of pipeline
-    r // devices; each pipeline runs its shard of every step's batch, and its ``DP`` actions average each
-    stage's gradients across the pipelines (the schedule must have them: :mod:`pipefold.schedules.dataparallel`)."""
-    kfac: KFACConfig | None = None
-    """Keep K-FAC's state per stage and run the schedule's KA, KG, KI and KP actions (``optimizer="kfac"``)."""
     refill: Refill | None = None
     """After ``refill.after`` steps, rank 0 places K-FAC's work again from the times the ranks measured (steps
     after the first) and every rank runs the new cycle from the next step on (recorded in rank 0's
@@ -135,23 +113,6 @@ class Job:
     """Modules the local ranks' processes import before they start (``Model.preload``)."""
     checkpoint: Checkpointing | None = None
     """Save checkpoints as the run goes, and/or start from one (see :mod:`pipefold.runtime.checkpoint`)."""
-    save_model: str | None = None
-    """After the last step, rank 0 writes the whole model's ``state_dict`` here (``torch.save``, named as the plain
-    model ``nn.Sequential(*layers)`` names it; an absolute path: the ranks may run elsewhere)."""
-    post_validate: bool = False
-    """Step the optimizer before the global NaN/inf and norm check completes, rolling the step back when it
-    fails (Zero Bubble's post-validation, :mod:`pipefold.runtime.numerics`)."""
-    max_bad_steps: int = 3
-    """Stop the run after this many steps in a row whose loss or gradients were NaN or inf (each skipped)."""
-    device: str = "auto"
-    """Where the ranks compute: "cpu", "cuda", or "auto" (a GPU when torch sees one); see
-    :mod:`pipefold.runtime.devices`."""
-    backend: str = "auto"
-    """How their tensors cross: "nccl" (a GPU per rank), "gloo" (the CPU, or GPUs that ranks share, through host
-    memory) or "auto"."""
-    overlap: bool = True
-    """On a GPU, run an overlapped pair's (``FB``) forward and backward at once on two streams; False: one after
-    the other, as on the CPU."""
     faults: Faults | None = None
     """Faults a test injects (:mod:`pipefold.runtime.faults`); None in normal use."""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -160,93 +121,68 @@ class Job:
     (a copy made to send, off the meter once made; a copy made on arrival; :mod:`pipefold.runtime.comm`)."""
 
     def __post_init__(self) -> None:
-        # Checked here, in the launcher, so that a bad value is one line before any rank starts.
+        # What the sections are together, and what the schedule, the split and the resolved pieces must agree
+        # with: checked here, so that a job made by hand is one line before any rank starts too.
         if self.steps < 1:
             raise ConfigError(f"steps must be at least 1 (got {self.steps})")
         placement(self)  # a device or backend this machine cannot give: one line, before any rank starts
         if self.keep_steps < 1:
             raise ConfigError(f"keep_steps is how many first steps each rank keeps in full: at least 1 (got "
                               f"{self.keep_steps})")
-        if not (math.isfinite(self.action_timeout_s) and 0 < self.action_timeout_s <= 86400):
-            raise ConfigError(f"the action timeout is in seconds: a number > 0 and at most a day (got "
-                              f"{self.action_timeout_s})")
-        if not (math.isfinite(self.lr) and self.lr >= 0):
-            raise ConfigError(f"the learning rate must be a finite number >= 0 (got {self.lr})")
-        if self.clip is not None and not (math.isfinite(self.clip) and self.clip > 0):
-            raise ConfigError(f"clip is the largest global gradient norm (--clip): a number > 0 (got {self.clip})")
-        if not (isinstance(self.max_bad_steps, int) and self.max_bad_steps >= 1):
-            raise ConfigError(f"the run stops after K bad steps in a row (--max-bad-steps K): K must be an integer "
-                              f">= 1 (got {self.max_bad_steps!r})")
+        check_together(self.parallel, self.optimizer, adaptive=self.adaptive is not None,
+                       network=self.network is not None, netns=self.netns is not None,
+                       offload=self.offload is not None, recompute=self.recompute is not None,
+                       checkpoints=self.checkpoint is not None)
         if self.checkpoint is not None:
-            if self.kfac is not None:
-                raise ConfigError("checkpoints do not save K-FAC's curvature and its placement yet: train "
-                                  "--optimizer kfac without --checkpoint-dir and --resume")
             resume = self.checkpoint.resume
             if resume is not None and resume.step >= self.steps:
                 raise ConfigError(f"checkpoint {resume.path} has done {resume.step} steps and the run has "
                                   f"{self.steps}: nothing left to train; give --steps above {resume.step}")
-        if not callable(self.optimizer) and self.optimizer not in OPTIMIZERS:
-            names = list(OPTIMIZERS)
-            raise ConfigError(f"unknown optimizer {self.optimizer!r}: use {', '.join(names[:-1])} or {names[-1]}, "
-                              "or pass a function that makes one from a list of parameters")
         if self.adaptive is not None and self.adaptive.schedules[0] != self.schedule:
             raise ConfigError("an adaptive job starts with its first schedule: give schedule=adaptive.schedules[0]")
         if self.cycle and (self.cycle[0] != self.schedule or self.adaptive is not None):
             raise ConfigError("a job with a cycle of schedules starts with its first (schedule=cycle[0]) and does not "
                               "adapt")
-        if not (isinstance(self.dp, int) and self.dp >= 1):
-            raise ConfigError(f"dp is the number of data-parallel pipelines: an integer >= 1 (got {self.dp!r})")
+        dp, fsdp = self.parallel.dp, self.parallel.fsdp
         reducing = {a.kind for row in self.schedule.actions for a in row} & {Kind.DP, Kind.AG, Kind.RS}
-        if self.dp > 1:
-            kinds, how = (((Kind.AG, Kind.RS), "with_data_parallel(schedule, shard=True)") if self.fsdp
+        if dp > 1:
+            kinds, how = (((Kind.AG, Kind.RS), "with_data_parallel(schedule, shard=True)") if fsdp
                           else ((Kind.DP,), "with_data_parallel(schedule)"))
             for kind in kinds:
                 if (missing := _without(self.schedule, kind)) is not None:
                     d, st = missing
-                    raise ConfigError(f"with {self.dp} data-parallel pipelines{' sharded' if self.fsdp else ''} "
+                    raise ConfigError(f"with {dp} data-parallel pipelines{' sharded' if fsdp else ''} "
                                       f"every stage needs its {kind}, but {self.schedule.name} has no {st}{kind} on "
                                       f"device {d}: add them with pipefold.schedules.dataparallel.{how}")
             if wrong := sorted(reducing - set(kinds)):
                 raise ConfigError(f"{self.schedule.name} has {wrong[0]} actions, which "
-                                  f"{'do not shard' if self.fsdp else 'shard the stages (FSDP)'}: build it with "
+                                  f"{'do not shard' if fsdp else 'shard the stages (FSDP)'}: build it with "
                                   f"pipefold.schedules.dataparallel.{how}")
-            unsupported = [what for what, on in (("adaptive schedules", self.adaptive is not None),
-                                                 ("K-FAC", self.kfac is not None),
-                                                 ("emulated networks", self.network is not None),
-                                                 ("network namespaces", self.netns is not None),
-                                                 ("offloading", self.offload is not None)) if on]
-            if unsupported:
-                raise ConfigError(f"data-parallel pipelines (dp={self.dp}) do not run with {unsupported[0]} yet: "
-                                  "use dp=1 for them")
         elif reducing:
             kinds_text = ", ".join(sorted(reducing))
             raise ConfigError(f"{self.schedule.name} reduces across data-parallel pipelines ({kinds_text} actions) "
                               "but the job has one pipeline: give dp > 1 or a schedule without them")
-        if self.fsdp and self.checkpoint is not None:
-            raise ConfigError("checkpoints of stages sharded with FSDP are not written yet: use --dp without --fsdp "
-                              "with --checkpoint-dir, or no checkpoints with --fsdp")
-        if self.fsdp and (self.dp < 2 or self.zero1 or self.verify_memory_step is not None):
-            raise ConfigError("FSDP shards each stage across data-parallel pipelines: it needs dp >= 2, and takes "
-                              "neither ZeRO-1 (it shards the optimizer state already) nor a memory check")
+        if fsdp and self.verify_memory_step is not None:
+            raise ConfigError("FSDP shards each stage across data-parallel pipelines: it takes no memory check")
         in_schedule = any(a.kind == Kind.OPT for row in self.schedule.actions for a in row)
-        if self.zero1 and (self.dp < 2 or callable(self.optimizer) or self.optimizer == "kfac" or in_schedule):
+        if self.parallel.zero1 and in_schedule:
             raise ConfigError("ZeRO-1 shards the optimizer state across data-parallel pipelines: it needs dp >= 2, "
                               "the adamw or sgd optimizer and a schedule without OPT actions")
-        if self.refill is not None and not (self.cycle and self.kfac is not None):
+        kfac = self.optimizer.name == "kfac"
+        if self.refill is not None and not (self.cycle and kfac):
             raise ConfigError("refilling places K-FAC's work again: it needs a K-FAC job with a cycle")
-        if (self.kfac is not None) != (self.optimizer == "kfac"):
-            raise ConfigError("K-FAC needs both its state (kfac=KFACConfig()) and its optimizer (optimizer='kfac'): "
+        has_kfac = {a.kind for each in self.cycle or (self.schedule,) for row in each.actions for a in row} & {
+            Kind.KA, Kind.KG, Kind.KI, Kind.KP}
+        if has_kfac and not kfac:
+            raise ConfigError("K-FAC needs both its actions in the schedule and its optimizer (optimizer='kfac'): "
                               "give both or neither")
-        if self.kfac is not None:
+        if kfac:
             for each in self.cycle or (self.schedule,):
                 if (missing := _without(each, Kind.KP)) is not None:
                     d, st = missing
                     raise ConfigError(f"K-FAC preconditions every stage every step, but {each.name} has "
                                       f"no {st}KP on device {d}: fill the schedule with pipefold.plan.pipefisher "
                                       "(fill or inline)")
-            if self.offload is not None or self.recompute is not None:
-                raise ConfigError("K-FAC does not combine with offloading or recomputation yet: it keeps layer inputs "
-                                  "that those would drop; use one or the other")
         split = [tie for tie in self.tied if spans_stages(tie, self.layer_stages)]
         if split:
             (i, a), (j, b) = split[0][:2]
@@ -255,10 +191,10 @@ class Job:
             if in_schedule:
                 raise ConfigError(f"{what}, but the schedule steps optimizers itself (OPT actions): use a schedule "
                                   "without OPT actions, or untie them in the model's config")
-            if self.kfac is not None:
+            if kfac:
                 raise ConfigError(f"{what}, but K-FAC preconditions them during the step: use another optimizer, "
                                   "or untie them in the model's config")
-            if self.fsdp:
+            if fsdp:
                 raise ConfigError(f"{what}, but FSDP shards each copy on its own: use --dp without --fsdp, or untie "
                                   "them in the model's config")
         if in_schedule:
@@ -269,6 +205,11 @@ class Job:
             if self.offload is not None:
                 raise ConfigError("offloading steps the optimizer after the whole step: use a schedule without OPT "
                                   "actions with --offload")
+
+    @property
+    def world(self) -> int:
+        """Ranks of the job: the pipeline's devices times its data-parallel copies."""
+        return self.parallel.dp * self.schedule.devices
 
 
 def _without(schedule: Schedule, kind: str) -> tuple[int, int] | None:
@@ -357,7 +298,7 @@ def local_placement(device: str, backend: str, world: int) -> Placement:
 
 def placement(job: Job) -> Placement:
     """:func:`local_placement` of the job's ranks."""
-    return local_placement(job.device, job.backend, job.dp * job.schedule.devices)
+    return local_placement(job.devices.device, job.devices.backend, job.world)
 
 
 def local_rank(rank: int) -> int:

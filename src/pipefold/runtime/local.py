@@ -74,7 +74,7 @@ def _spawned(rank: int, job: Job, world: int, port: int, out_dir: str, progress:
         if where.device == "cuda":
             torch.cuda.set_device(where.device_of(rank))
         dist.init_process_group(where.backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=pg_timeout(job.action_timeout_s)))
+                                timeout=timedelta(seconds=pg_timeout(job.reliability.action_timeout)))
         run_rank(job, rank, world, out_dir, on_step=lambda *a: progress.put(a), activity=activity)
         activity.wait("the end of the job", "every rank to finish", others, action=False)
         dist.barrier()
@@ -102,11 +102,11 @@ def run_local(job: Job, on_step: Callable[[int, float, float], None] | None = No
     """Spawn one process per device on this machine, run the job, and collect every rank's report.
 
     ``on_step(number, loss, seconds)`` is called in this process as the steps complete (:func:`run_rank`). A
-    rank that raises, dies or hangs (an action longer than ``job.action_timeout_s``) stops the others:
+    rank that raises, dies or hangs (an action longer than ``job.reliability.action_timeout``) stops the others:
     :class:`RankError` names it and what it was doing. SIGINT or SIGTERM (from the main thread's point of view)
     stops every rank and raises :class:`Interrupted`; the ranks' temporary files are removed either way.
     """
-    world = job.dp * job.schedule.devices
+    world = job.world
     with _Signals():
         return _run_spawned(job, world, on_step)
 
@@ -194,7 +194,7 @@ def _supervise(job: Job, ranks: list[Any], queue: Any, board: SharedBoard, out_d
             return
         if any(p.exitcode not in (None, 0) for p in ranks):
             raise _failure(ranks, board, out_dir, exited)
-        hang = _hang(ranks, board, started, job.action_timeout_s)
+        hang = _hang(ranks, board, started, job.reliability.action_timeout)
         if hang is not None:
             raise hang
 

@@ -29,14 +29,14 @@ from torch import nn
 from pipefold.errors import ConfigError
 from pipefold.models import Model, make_model
 from pipefold.models.size import check_model
-from pipefold.plan.partition import COST_KINDS
+from pipefold.plan.partition import COST_KINDS, LayerFigures
 from pipefold.plan.profile import LayerProfile, Profile, Progress, fit_link
 from pipefold.plan.recompute import OPTIMIZER_STATE, StageProfile
 from pipefold.runtime.processes import free_port, process_context, starting, stopped_on_error
 from pipefold.runtime.stage import Chain, StageRunner, as_leaves, as_tuple, ones_for, split_batch
 
 __all__ = ["layer_costs", "layer_memory", "layer_static_bytes", "measure_contention", "measure_layers",
-           "measure_link", "measure_stages", "profile_model", "run_passes"]
+           "measure_link", "measure_stages", "profile_model", "run_passes", "split_figures"]
 
 Values = tuple[torch.Tensor, ...]
 _LINK_SIZES = (4 << 10, 64 << 10, 512 << 10, 4 << 20)
@@ -210,6 +210,25 @@ def _saved_bytes(layer: nn.Module, x: Values) -> tuple[int, Values]:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = as_tuple(layer(*as_leaves(x)))
     return saved, out
+
+
+def split_figures(layers: Sequence[nn.Module], sample: torch.Tensor | tuple[torch.Tensor, ...], *, by: str,
+                  loss_fn: Callable[..., torch.Tensor], target: Any, optimizer: str = "adamw") -> LayerFigures:
+    """What splitting the layers ``by`` 'params', 'time', 'memory' (or 'all' of them) weighs, measured on one
+    microbatch (``sample`` and its ``target``) where ``layers`` are: parameter counts; F + B + W times; the bytes
+    each holds from F to B and from B to W, the last layer computing the loss as the last stage does; and the
+    static bytes with ``optimizer``'s state. The one measurement behind ``pipefold partition`` and the split of
+    ``pipefold train``."""
+    times, memory = LayerFigures.needs(by)
+    params = layer_costs(layers, sample, by="params")
+    if not times:
+        return LayerFigures(params)
+    measured = layer_costs(layers, sample, by="time")
+    if not memory:
+        return LayerFigures(params, measured)
+    held = layer_memory(layers, sample, loss_fn=loss_fn, target=target)
+    static = layer_static_bytes(layers, optimizer_factor=OPTIMIZER_STATE.get(optimizer, 2.0))
+    return LayerFigures(params, measured, [float(h) for h, _ in held], [float(w) for _, w in held], static)
 
 
 def layer_static_bytes(layers: Sequence[nn.Module], *, optimizer_factor: float = 2.0) -> list[float]:

@@ -35,7 +35,8 @@ from pipefold.runtime.watch import (
 if TYPE_CHECKING:
     from pipefold.plan.pipefisher import Filled, Refill
     from pipefold.runtime.offload import Offloaded
-from pipefold.runtime.job import OPTIMIZERS, Job, RankReport, local_rank, placement
+from pipefold.runtime.job import Job, RankReport, local_rank, placement
+from pipefold.runtime.settings import OPTIMIZERS
 
 
 def stage_modules(job: Job, rank: int) -> dict[int, nn.Module]:
@@ -76,9 +77,9 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     everyone = tuple(r for r in range(world) if r != global_rank)
     placed = placement(job)
     device = placed.device_of(local_rank(global_rank))  # current already: set before the process group was made
-    if job.dp > 1:
+    if job.parallel.dp > 1:
         activity.wait("start-up", "the device mesh", everyone, action=False)
-    pipelines, dp_mesh = _mesh(job, placed.device) if job.dp > 1 else (None, None)
+    pipelines, dp_mesh = _mesh(job, placed.device) if job.parallel.dp > 1 else (None, None)
     dp_group = dp_mesh.get_group() if dp_mesh is not None else None
     activity.run("start-up (building its layers)", action=False)
     chains = stage_modules(job, rank)
@@ -95,7 +96,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
         modules = dict(zip(chains, offloaded, strict=True))
     recompute = {s: job.recompute[s] for s in modules} if job.recompute else None
     # What the optimizers step: the parameters, or with FSDP their shards (the runners work on the gathered ones).
-    trained = {s: sharding.sharded_parameters(sharding.shard(m, dp_mesh)) if job.fsdp else list(m.parameters())
+    trained = {s: sharding.sharded_parameters(sharding.shard(m, dp_mesh)) if job.parallel.fsdp else list(m.parameters())
                for s, m in modules.items()}
     # A schedule with OPT actions steps each stage's optimizer where it says; otherwise one optimizer steps
     # all of this rank's parameters after the step.
@@ -110,11 +111,11 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     choices = job.adaptive.schedules if job.adaptive is not None else job.cycle or (job.schedule,)
     cycle_from = 0  # the step the cycle in ``choices`` started at
     work = None
-    if job.kfac is not None:
+    if job.optimizer.kfac is not None:
         from pipefold.runtime.curvature import RankCurvature, StageCurvature
 
         m = job.schedule.microbatches
-        work = RankCurvature({s: StageCurvature(mod, job.kfac, m) for s, mod in modules.items()})
+        work = RankCurvature({s: StageCurvature(mod, job.optimizer.kfac, m) for s, mod in modules.items()})
     executors: dict[int, RankExecutor] = {}
 
     def executor_for(index: int) -> RankExecutor:
@@ -124,17 +125,17 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
                           action=False)
             executors[index] = RankExecutor(
                 choices[index], rank, modules, job.loss_fn, device, recompute=recompute,
-                log_messages=job.log_messages, timeout=pg_timeout(job.action_timeout_s), network=job.network,
+                log_messages=job.log_messages, timeout=pg_timeout(job.reliability.action_timeout), network=job.network,
                 origin=origin or 0.0,
                 optimizers={s: _speculative(s, o, modules[s], stage_snaps) for s, o in stage_opts.items()}, work=work,
-                pipelines=pipelines, pipeline=pipeline, dp_group=dp_group, sharded=job.fsdp, activity=activity,
-                staged=placed.staged or bool(job.extra.get("stage_through_host")), overlap=job.overlap)
+                pipelines=pipelines, pipeline=pipeline, dp_group=dp_group, sharded=job.parallel.fsdp, activity=activity,
+                staged=placed.staged or bool(job.extra.get("stage_through_host")), overlap=job.devices.overlap)
         return executors[index]
 
     current, predicted = 0, None
     decisions: list[tuple[int, Any]] = []
     executor = executor_for(current)
-    if not job.fsdp:
+    if not job.parallel.fsdp:
         trained = {s: r.params for s, r in executor.runners.items()}
     params = [p for ps in trained.values() for p in ps]
     opt = None if in_schedule else _optimizer(job, params, dp_group)
@@ -147,7 +148,8 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     m = job.schedule.microbatches
     # A stage held by several replicas counts once in a global norm: by its first holder, in the first pipeline
     # (with FSDP, by every pipeline: each holds its own shard); a tied weight's copies count once.
-    counted = [p for s, ps in trained.items() if job.schedule.holders(s)[0] == rank and (pipeline == 0 or job.fsdp)
+    counted = [p for s, ps in trained.items()
+               if job.schedule.holders(s)[0] == rank and (pipeline == 0 or job.parallel.fsdp)
                for p in ps if id(p) not in tied.copies]
     optimizers = [o for o in (opt, *stage_opts.values()) if o is not None]
     names = {id(p): name for name, p in _named(job, chains)}
@@ -173,8 +175,8 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
         activity.run("the batch", action=False)
         started = time.perf_counter()
         x, y = job.batch_at(step)
-        if job.dp > 1:  # this pipeline's shard of the global batch
-            x, y = split_batch(x, job.dp)[pipeline], y.chunk(job.dp)[pipeline]
+        if job.parallel.dp > 1:  # this pipeline's shard of the global batch
+            x, y = split_batch(x, job.parallel.dp)[pipeline], y.chunk(job.parallel.dp)[pipeline]
         xs = split_batch(tuple(t.to(device) for t in as_tuple(x)), m)
         ys = microbatches(y.to(device), m)
         if step_number(step) in faults.nan and xs[0][0].is_floating_point():
@@ -214,7 +216,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
         if stats.skipped:
             skipped.append(step_number(step))
             bad_run += 1
-            if bad_run >= job.max_bad_steps:
+            if bad_run >= job.reliability.max_bad_steps:
                 first, last = step_number(step - bad_run + 1), step_number(step)
                 where = f"{bad_run} steps in a row (steps {first} to {last})" if bad_run > 1 else f"step {last}"
                 stopped = (f"the loss or the gradients were NaN or inf in {where}; the weights are those before "
@@ -224,7 +226,8 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
                 from pipefold.runtime.checkpoint import warn
 
                 warn(f"step {step_number(step)}: the loss or a gradient is NaN or inf; step skipped, weights and "
-                     f"optimizer state unchanged ({bad_run} in a row; the run stops at {job.max_bad_steps})")
+                     f"optimizer state unchanged ({bad_run} in a row; the run stops at "
+                     f"{job.reliability.max_bad_steps})")
         else:
             bad_run = 0
         if job.refill is not None and step + 1 == job.refill.after and step + 1 < job.steps:
@@ -259,8 +262,8 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     activity.run("its report", action=False)
     for each in executors.values():
         each.close()
-    if job.save_model is not None and stopped is None:
-        _save_model(job, chains, job.save_model, global_rank, pipeline, world)
+    if job.reliability.save_model is not None and stopped is None:
+        _save_model(job, chains, job.reliability.save_model, global_rank, pipeline, world)
     resident = sum(w.tracker.peak_resident_bytes for w in offloaded)
     weights = ({name: sharding.full(p.detach()).to("cpu", copy=True) for name, p in _named(job, chains)}
                if job.save_weights else None)
@@ -279,7 +282,7 @@ def _mesh(job: Job, device_type: str) -> tuple[list[list[int]], Any]:
     of this rank's copies across the pipelines."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device_type, (job.dp, job.schedule.devices), mesh_dim_names=("dp", "pp"))
+    mesh = init_device_mesh(device_type, (job.parallel.dp, job.schedule.devices), mesh_dim_names=("dp", "pp"))
     return mesh.mesh.tolist(), mesh["dp"]
 
 
@@ -438,16 +441,15 @@ def _named(job: Job, modules: dict[int, nn.Module]) -> list[tuple[str, nn.Parame
 def _optimizer(job: Job, params: list[nn.Parameter], dp_group: Any = None) -> torch.optim.Optimizer | None:
     if not params:
         return None  # a rank whose stages have no weights has nothing to step
-    if callable(job.optimizer):
-        return job.optimizer(params)
-    if job.zero1 and dp_group is not None:
+    optimizer = job.optimizer
+    if job.parallel.zero1 and dp_group is not None and not callable(optimizer.name):
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         # ZeRO-1: each copy of a stage keeps the optimizer state of its share of the parameters, steps them,
         # and sends them to the other copies.
-        return ZeroRedundancyOptimizer(params, optimizer_class=OPTIMIZERS[job.optimizer],  # type: ignore[arg-type]
-                                       process_group=dp_group, lr=job.lr)
-    return OPTIMIZERS[job.optimizer](params, lr=job.lr)
+        return ZeroRedundancyOptimizer(params, optimizer_class=OPTIMIZERS[optimizer.name],  # type: ignore[arg-type]
+                                       process_group=dp_group, lr=optimizer.lr)
+    return optimizer.make(params)
 
 
 def _nothing() -> None:
@@ -473,13 +475,13 @@ def _update(job: Job, params: list[nn.Parameter], counted: list[nn.Parameter], o
     """After the step's passes: the global NaN/inf and norm check (one all-reduce), then the optimizer step,
     clipped, or skipped when the step is bad (see :mod:`pipefold.runtime.numerics`).
 
-    Without post-validation the optimizer waits for the check. With it (``job.post_validate``), and always
+    Without post-validation the optimizer waits for the check. With it (``job.reliability.post_validate``), and always
     when the schedule's OPT actions have stepped already, the step is taken first and rolled back when the
     check says it was bad or needed clipping. ``stats`` gets the norm and what happened.
     """
     check = local_check(counted, stats.losses.values(), device)
     speculative = None
-    if opt is not None and job.post_validate:
+    if opt is not None and job.reliability.post_validate:
         pending = dist.all_reduce(check, async_op=True)
         speculative = numerics.Snapshot(params, [opt])
         opt.step()  # while the check is in flight
@@ -488,7 +490,7 @@ def _update(job: Job, params: list[nn.Parameter], counted: list[nn.Parameter], o
         dist.all_reduce(check)
     stepped = speculative is not None or bool(stage_snaps)
     norm, bad, stats.loss = verdict(check)
-    factor = None if bad else clip_factor(norm, job.clip)
+    factor = None if bad else clip_factor(norm, job.optimizer.clip)
     stats.grad_norm, stats.skipped, stats.clipped = norm, bad, factor is not None
     if stepped and (bad or factor is not None):
         for snap in (speculative, *stage_snaps.values()):

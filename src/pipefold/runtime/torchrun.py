@@ -139,12 +139,12 @@ def run_torchrun(job: Job, on_step: Callable[[int, float, float], None] | None =
     have one process per device of the schedule and data-parallel pipeline, on one machine or several.
     An exception ends the rank with :class:`RankError` (one line: the rank, what it was doing, the error).
     """
-    rank, world = join_torchrun_group(job.action_timeout_s, job.device, job.backend)
+    rank, world = join_torchrun_group(job.reliability.action_timeout, job.devices.device, job.devices.backend)
     activity = torchrun_activity()
     try:
-        if world != job.dp * job.schedule.devices:
-            need = job.dp * job.schedule.devices
-            what = f" x {job.dp} data-parallel pipelines" if job.dp > 1 else ""
+        if world != job.world:
+            need = job.world
+            what = f" x {job.parallel.dp} data-parallel pipelines" if job.parallel.dp > 1 else ""
             raise ConfigError(f"torchrun started {world} processes but {job.schedule.name} runs on "
                               f"{job.schedule.devices} devices{what}; set --nproc-per-node and --nnodes for {need} "
                               "in all")

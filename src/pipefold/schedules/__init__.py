@@ -6,6 +6,7 @@ returns a :class:`~pipefold.ir.Schedule`: no processes, no torch.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +22,7 @@ from pipefold.schedules.kfkb import gpipe, kfkb, one_f_one_b
 from pipefold.schedules.vshape import one_f_one_b_v, zb_v
 from pipefold.schedules.zero_bubble import zb_h, zb_h1, zb_h2
 
-__all__ = ["REGISTRY", "Option", "ScheduleSpec", "build", "get", "names"]
+__all__ = ["REGISTRY", "Option", "ScheduleSpec", "build", "get", "looks_like_file", "names"]
 
 
 def _no_search(p: int, m: int) -> Sequence[int]:
@@ -137,6 +138,20 @@ REGISTRY: dict[str, ScheduleSpec] = {
 def names() -> list[str]:
     """Registered schedule names, in listing order."""
     return list(REGISTRY)
+
+
+def looks_like_file(text: str) -> bool:
+    """Whether ``text`` names a schedule file rather than a registered schedule.
+
+    A path (with a folder separator) or a name ending in a schedule suffix (any case) is a file; a
+    registered name (``1f1b``, ``kfkb:k=3``) is the registered schedule even when a file of that name is
+    in the current folder (give the file as ``./1f1b``); anything else is a file if one exists.
+    """
+    if os.path.sep in text or "/" in text or text.lower().endswith((".txt", ".json", ".csv")):
+        return True
+    if text.partition(":")[0] in REGISTRY:
+        return False
+    return os.path.isfile(text)
 
 
 def get(name: str) -> ScheduleSpec:

@@ -1,0 +1,188 @@
+"""The parts of a run's description that the ranks read, each a small value checked when it is made: how the
+weights are stepped (:class:`Optimizer`), the data-parallel layout (:class:`Parallel`), what keeps a long run
+safe (:class:`Reliability`) and where the ranks compute (:class:`Devices`).
+
+They are sections of the run spec (:class:`pipefold.train.spec.RunSpec`), which the command line and plan files
+build, and a :class:`~pipefold.runtime.job.Job` carries the same values to every rank unchanged. Each checks its
+own fields; the rules that join two sections are :func:`check_together`, the one place they are written, which
+both the run spec and a job made by hand go through.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from pipefold.errors import ConfigError
+from pipefold.runtime.watch import DEFAULT_ACTION_TIMEOUT
+
+if TYPE_CHECKING:
+    from pipefold.runtime.kfac import KFACConfig
+
+
+def _momentum_sgd(params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW,
+                                                               "kfac": _momentum_sgd}
+"""The optimizers named as text, each made with the run's learning rate. ``kfac`` is SGD with momentum 0.9 on the
+gradient that the schedule's K-FAC actions precondition."""
+
+
+def flag(name: str, option: str | None = None) -> dict[str, Any]:
+    """A field's metadata: the name it has in flat settings (the command line's destination), where that is not the
+    field's own (``--optimizer`` sets ``Optimizer.name``), and the option as the command line writes it, where that
+    is not ``--`` and the name with dashes."""
+    return {"flag": name} if option is None else {"flag": name, "option": option}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Optimizer:
+    """How the weights are stepped."""
+
+    name: str | Callable[[list[nn.Parameter]], torch.optim.Optimizer] = field(default="adamw",
+                                                                              metadata=flag("optimizer"))
+    """'adamw', 'sgd', 'kfac' (K-FAC-preconditioned SGD with momentum 0.9, its work placed in the schedule as
+    actions), or a function that makes a torch.optim optimizer from a rank's parameters."""
+    lr: float = 1e-3
+    """Learning rate."""
+    clip: float | None = None
+    """Clip the gradients to this global norm (all ranks' together); None: no clipping."""
+    damping: float = 0.1
+    """K-FAC's damping (see docs/pipefisher.md for the values tried on the GPT)."""
+    ema: float = 0.9
+    """K-FAC's running-average decay of the factors, 0 <= ema < 1 (0: the newest only)."""
+    fill_bubbles: bool = False
+    """With K-FAC: put its work in the schedule's bubbles, spread over steps (PipeFisher); without, it runs right
+    after the passes it reads, every step."""
+
+    def __post_init__(self) -> None:
+        if not callable(self.name) and self.name not in OPTIMIZERS:
+            names = list(OPTIMIZERS)
+            raise ConfigError(f"unknown optimizer {self.name!r}: use {', '.join(names[:-1])} or {names[-1]}, "
+                              "or pass a function that makes one from a list of parameters")
+        if not (math.isfinite(self.lr) and self.lr >= 0):
+            raise ConfigError(f"the learning rate must be a finite number >= 0 (got {self.lr})")
+        if self.clip is not None and not (math.isfinite(self.clip) and self.clip > 0):
+            raise ConfigError(f"clip is the largest global gradient norm (--clip): a number > 0 (got {self.clip})")
+        _ = self.kfac  # K-FAC's own one line for its damping and decay
+
+    @property
+    def kfac(self) -> KFACConfig | None:
+        """K-FAC's settings, with optimizer 'kfac'; None otherwise."""
+        if self.name != "kfac":
+            return None
+        from pipefold.runtime.kfac import KFACConfig
+
+        return KFACConfig(damping=self.damping, ema=self.ema)
+
+    def make(self, params: list[nn.Parameter], **kwargs: Any) -> torch.optim.Optimizer:
+        """The optimizer over ``params`` (``kwargs`` for torch's ZeroRedundancyOptimizer go to the class)."""
+        if callable(self.name):
+            return self.name(params)
+        return OPTIMIZERS[self.name](params, lr=self.lr, **kwargs)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Parallel:
+    """Data-parallel copies of the pipeline."""
+
+    dp: int = 1
+    """Copies of the pipeline (devices ranks each): dp x devices processes, each pipeline on its shard of the batch,
+    each stage's gradients averaged across the copies (``DP`` actions)."""
+    zero1: bool = False
+    """With dp > 1: shard the optimizer state across the copies of each stage (ZeRO-1, torch's
+    ``ZeroRedundancyOptimizer``)."""
+    fsdp: bool = False
+    """With dp > 1: shard each stage's parameters, gradients and optimizer state across its copies (torch's
+    ``fully_shard``), gathered by the schedule's ``AG`` actions and reduce-scattered by its ``RS``."""
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.dp, int) and self.dp >= 1):
+            raise ConfigError(f"--dp is the number of data-parallel pipelines: an integer >= 1 (got {self.dp!r})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Reliability:
+    """What keeps a long run safe: bad steps, hangs, and the model written at the end."""
+
+    max_bad_steps: int = 3
+    """A step whose loss or gradients are NaN or inf is skipped; the run stops after this many in a row."""
+    post_validate: bool = False
+    """Step the optimizer before the global NaN/inf and norm check completes; roll the step back when it fails or
+    needs clipping (Zero Bubble's post-validation, :mod:`pipefold.runtime.numerics`)."""
+    action_timeout: float = DEFAULT_ACTION_TIMEOUT
+    """Seconds an action may run (or a rank wait for one that makes no progress) before the job is taken as hung and
+    stopped, naming the rank (:mod:`pipefold.runtime.watch`); the process group's timeout is this plus a margin."""
+    save_model: str | None = None
+    """After the last step, rank 0 writes the whole model's ``state_dict`` here (``torch.save``, named as the plain
+    model ``nn.Sequential(*layers)`` names it); made absolute when given, as the ranks may start elsewhere."""
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.max_bad_steps, int) and self.max_bad_steps >= 1):
+            raise ConfigError(f"--max-bad-steps must be at least 1 (got {self.max_bad_steps!r}): the run stops after "
+                              "that many bad steps in a row")
+        if not (math.isfinite(self.action_timeout) and 0 < self.action_timeout <= 86400):
+            raise ConfigError(f"--action-timeout is in seconds: a number > 0 and at most a day, such as 20 or 120 "
+                              f"(got {self.action_timeout:g})")
+        if self.save_model is not None:
+            object.__setattr__(self, "save_model", os.path.abspath(self.save_model))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Devices:
+    """Where the ranks compute and how their tensors cross (:mod:`pipefold.runtime.devices`)."""
+
+    device: str = "auto"
+    """'cpu', 'cuda' or 'auto' (a GPU when torch sees one)."""
+    backend: str = "auto"
+    """'nccl' (a GPU per rank), 'gloo' (the CPU, or GPUs the ranks share, through pinned host memory) or 'auto'."""
+    overlap: bool = field(default=True, metadata=flag("overlap", "--no-overlap"))
+    """On a GPU, run an overlapped pair's (``FB``) forward and backward at once on two streams; False: one after the
+    other, as on the CPU."""
+
+
+def check_together(parallel: Parallel, optimizer: Optimizer, *, adaptive: bool, network: bool, netns: bool,
+                   offload: bool, recompute: bool, checkpoints: bool) -> None:
+    """The rules that join sections: what the data-parallel layout, the optimizer, adaptive schedules, emulated
+    networks, offloading, recomputation and checkpoints do not run together (yet). One line each, naming the flags
+    and what would work."""
+    if parallel.fsdp and parallel.dp < 2:
+        raise ConfigError("--fsdp shards each stage across data-parallel pipelines: give --dp 2 or more")
+    if parallel.fsdp and parallel.zero1:
+        raise ConfigError("--fsdp shards the optimizer state already: drop --zero1")
+    if parallel.zero1 and parallel.dp < 2:
+        raise ConfigError("ZeRO-1 shards the optimizer state across data-parallel pipelines: it needs --dp 2 or more")
+    if parallel.dp > 1:
+        unsupported = [what for what, on in (("--optimizer kfac", optimizer.name == "kfac"),
+                                             ("--schedule adaptive-kfkb", adaptive), ("--network", network),
+                                             ("--netns", netns), ("--offload", offload)) if on]
+        if unsupported:
+            raise ConfigError(f"data-parallel pipelines (--dp {parallel.dp}) do not run with {unsupported[0]} yet: "
+                              "use --dp 1 with it")
+    if parallel.zero1 and (callable(optimizer.name) or optimizer.name == "kfac"):
+        raise ConfigError("ZeRO-1 shards the optimizer state across data-parallel pipelines: it needs dp >= 2, "
+                          "the adamw or sgd optimizer and a schedule without OPT actions")
+    if parallel.fsdp and checkpoints:
+        raise ConfigError("checkpoints of stages sharded with FSDP are not written yet: use --dp without --fsdp "
+                          "with --checkpoint-dir, or no checkpoints with --fsdp")
+    if optimizer.name == "kfac":
+        if checkpoints:
+            raise ConfigError("checkpoints do not save K-FAC's curvature and its placement yet: train --optimizer "
+                              "kfac without --checkpoint-dir and --resume")
+        if adaptive:
+            raise ConfigError("--optimizer kfac runs a cycle of schedules of its own: use a schedule other than "
+                              "adaptive-kfkb")
+        if offload or recompute:
+            raise ConfigError("K-FAC does not combine with offloading or recomputation yet: it keeps layer inputs "
+                              "that those would drop; use one or the other")
+    if offload and recompute:
+        raise ConfigError("--recompute and --offload do not combine yet: an offloaded stage keeps its activations; "
+                          "use one or the other")

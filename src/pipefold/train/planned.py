@@ -1,0 +1,95 @@
+"""Planned runs: a plan file (``train --plan``) or a plan made here (``train --schedule auto``) turned into the run it
+describes, in memory (a dict only where the file is read).
+
+:func:`resolve` takes a run spec whose schedule a plan decides and returns the spec of the run the plan made (its
+model, schedule, shape and optimizer; steps, learning rate, checkpoints and the rest as the user gave them), the
+decisions (split and recomputation) that make_job takes instead of measuring, and the plan with its prediction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pipefold.errors import ConfigError
+from pipefold.plan.budget import RunPlan
+from pipefold.plan.recompute import RecomputePlan
+from pipefold.train.prepare import Decisions, model_of
+from pipefold.train.spec import RunSpec
+
+__all__ = ["Planned", "from_plan", "plan_here", "resolve"]
+
+
+@dataclass(frozen=True)
+class Planned:
+    """A run a plan decided."""
+
+    spec: RunSpec
+    """The run: the plan's model, schedule and shape, the rest as given."""
+    decided: Decisions
+    """The plan's split of the layers and its recomputation."""
+    plan: RunPlan
+    """The plan, with its prediction."""
+
+
+def resolve(spec: RunSpec, *, profiling: Callable[[str, int, int], None] | None = None,
+            planning: Callable[[int, int], None] | None = None) -> Planned | None:
+    """The planned run of ``spec`` (``plan``: read the file; schedule 'auto': profile the model here and plan for
+    its memory budget, reporting to ``profiling`` and ``planning``), or None when ``spec`` names its schedule."""
+    if spec.plan is not None:
+        from pipefold.plan.budget import read_plan
+
+        return from_plan(RunPlan.from_dict(read_plan(spec.plan)), spec)
+    if spec.schedule.auto:
+        return from_plan(plan_here(spec, profiling=profiling, planning=planning), spec)
+    return None
+
+
+def plan_here(spec: RunSpec, *, profiling: Callable[[str, int, int], None] | None = None,
+              planning: Callable[[int, int], None] | None = None) -> RunPlan:
+    """Profile ``spec``'s model on this machine and plan it for the memory budget: the fastest schedule, split and
+    recomputation that fit (:func:`pipefold.plan.budget.plan_model`)."""
+    from pipefold.plan.budget import plan_model
+    from pipefold.runtime.profiling import profile_model
+
+    m, s = spec.model, spec.schedule
+    assert spec.memory.budget is not None  # the spec refuses 'auto' without one
+    name = spec.optimizer.name
+    if not isinstance(name, str):
+        raise ConfigError("--schedule auto profiles the optimizer's state by name: give adamw or sgd")
+    # The schedule is not chosen yet: sized for at least one stage per device.
+    profile = profile_model(model=m.name, layers=m.layers_for(s.devices), hidden=m.hidden, heads=m.heads,
+                            model_config=m.config, seq=m.seq, batch=m.batch, microbatches=s.microbatches,
+                            optimizer=name, seed=m.seed, devices=s.devices, progress=profiling)
+    return plan_model(profile, s.devices, spec.memory.budget, progress=planning).run_plan
+
+
+def from_plan(plan: RunPlan, spec: RunSpec | None = None) -> Planned:
+    """The run ``plan`` describes, its split and recomputation decided; ``spec`` gives what a plan leaves open
+    (steps, learning rate, clipping, data, reliability, devices; the seed where given)."""
+    from pipefold.plan.budget import stage_profiles
+    from pipefold.plan.recompute import device_peaks
+
+    spec = spec or RunSpec()
+    t = plan.train
+    fixed = {"plan": None, "schedule": plan.schedule, "devices": plan.devices, "microbatches": plan.microbatches,
+             "model": t["model"], "model_config": t.get("model_config"), "batch": int(t["batch"]),
+             "seq": int(t["seq"]), "optimizer": t["optimizer"],
+             **{k: None if t.get(k) is None else int(t[k]) for k in ("layers", "hidden", "heads")}}
+    if "seed" not in spec.given():
+        fixed["seed"] = int(t["seed"])
+    resolved = spec.replace(**fixed)
+    schedule = resolved.schedule.built
+    layer_stages = plan.layer_stages
+    have = model_of(resolved, schedule.stages).num_layers  # built on no device: the layer count only
+    if have != sum(len(part) for part in layer_stages):
+        raise ConfigError(f"the plan splits {sum(len(part) for part in layer_stages)} layers but its model "
+                          f"({resolved.model.name}, its sizes as the plan gives them) has {have}: write the plan "
+                          "again with pipefold plan --profile")
+    recompute = None
+    if any(plan.recompute):
+        rows = stage_profiles(plan.profile, layer_stages)
+        static, activations = device_peaks(schedule, rows, plan.recompute)
+        recompute = RecomputePlan("plan", plan.recompute, tuple(len(p) for p in layer_stages), static,
+                                  [int(a) for a in activations], plan.budget, plan.step_time, plan.step_time)
+    return Planned(resolved, (layer_stages, recompute), plan)

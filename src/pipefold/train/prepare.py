@@ -1,0 +1,253 @@
+"""From a run spec to the job every rank runs: the model, the split of its layers into stages, the recomputation
+plan, K-FAC's placement, the checkpoint to start from (:func:`make_job`).
+
+Splitting by time or memory, planning recomputation and placing K-FAC's work measure the model here, once; a
+process that did not measure takes another's decisions (``decided``, ``placed``), so that every rank of one job
+runs the same split.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from pipefold.errors import ConfigError
+from pipefold.ir import Schedule
+from pipefold.models import Model, make_model, split_layers
+from pipefold.plan.recompute import OPTIMIZER_STATE, RecomputePlan, plan_recompute
+from pipefold.runtime.checkpoint import Checkpointing
+from pipefold.runtime.job import Adaptive, Job, local_placement, under_torchrun
+from pipefold.runtime.stage import Chain, split_batch
+from pipefold.train.spec import RunSpec
+
+__all__ = ["JOB_HOOKS", "Decisions", "check_size", "make_job", "model_of", "restarted"]
+
+Decisions = tuple[tuple[tuple[int, ...], ...], RecomputePlan | None]
+"""What make_job measures and decides: the layers of each stage and the recomputation plan."""
+
+
+JOB_HOOKS: list[Callable[[Job], Job]] = []
+"""Functions every job made by :func:`make_job` passes through, in order: the way in for what the command line
+does not set (the tests' injected faults, :mod:`pipefold.runtime.faults`). Empty in normal use."""
+
+
+def model_of(spec: RunSpec, stages: int) -> Model:
+    """The registered model the run trains on ``stages`` stages, with its data (:mod:`pipefold.models.base`)."""
+    m = spec.model
+    return make_model(m.name, layers=m.layers_for(stages), hidden=m.hidden, heads=m.heads, seq=m.seq,
+                      batch=m.batch, seed=m.seed, data=m.data, config=m.config)
+
+
+def make_job(spec: RunSpec, *, decided: Decisions | None = None, placed: Any = None,
+             checkpointing: Checkpointing | None = None, local: bool = False) -> Job:
+    """The job every rank of ``spec`` runs.
+
+    ``decided`` passes in the split and recomputation that another process measured; ``placed``, with K-FAC, the
+    placement of its work (a :class:`~pipefold.plan.pipefisher.Filled`) that another process made;
+    ``checkpointing`` the checkpoint folder and the checkpoint to resume that another process found (else they
+    come from ``spec``, and finding the checkpoint reads the folder). ``local``: the ranks will be started here,
+    from a fork server that this starts as soon as the model is known, so that its imports run on another core
+    while this process measures the model.
+    """
+    if spec.planned:
+        raise ConfigError("a planned run is resolved first: pipefold.train.planned.resolve(spec)")
+    schedule = spec.schedule.built
+    where = local_placement(spec.devices.device, spec.devices.backend, schedule.devices * spec.parallel.dp)
+    if where.device == "cuda" and (spec.links.network is not None or spec.links.netns):
+        raise ConfigError("--network and --netns emulate links between CPU ranks over gloo: use --device cpu with "
+                          "them")
+    model = model_of(spec, schedule.stages)
+    if local:
+        from pipefold.runtime.processes import start_server
+
+        start_server(model.preload)
+    kfac = spec.optimizer.kfac
+    check_size(spec, model, schedule, builds_model=decided is None or placed is None and kfac is not None,
+               gpus=where.gpus)
+    if checkpointing is None:
+        checkpointing = _checkpointing(spec, schedule)
+    if schedule.stages > model.num_layers:
+        per_device = schedule.stages // schedule.devices
+        raise ConfigError(f"{spec.schedule.name} on {schedule.devices} devices has {schedule.stages} stages but the "
+                          f"model has {model.num_layers} layers, so at most {model.num_layers} stages: use --devices "
+                          f"{max(1, model.num_layers // per_device)} or fewer, or more --layers")
+    extra: dict[str, Any] = {"num_layers": model.num_layers}
+    adaptive = _adaptive(spec) if spec.schedule.adaptive else None
+    plan = None
+    if decided is not None:
+        layer_stages, plan = decided
+    else:
+        layer_stages = _layer_stages(spec, model, schedule, where.device_of(0))
+        if spec.memory.recompute != "none" or (spec.memory.budget is not None and adaptive is None):
+            plan = _plan_recompute(spec, schedule, layer_stages, model)
+    recompute = None
+    if plan is not None:
+        recompute, extra["recompute"] = plan.layers, plan
+    cycle: tuple[Schedule, ...] = ()
+    refill = None
+    if kfac is not None:
+        filled = placed or _kfac_cycle(spec, schedule, layer_stages, model, kfac)
+        cycle = filled.cycle
+        schedule, extra["pipefisher"] = cycle[0], filled
+        if spec.optimizer.fill_bubbles:
+            # The gaps of the step the ranks really run: placed again from their own times after the first cycle.
+            from pipefold.plan.pipefisher import Refill
+
+            refill = Refill(after=len(cycle) + 1, schedule=filled.base.schedule, cost=filled.base.cost)
+    if spec.parallel.dp > 1:
+        from pipefold.schedules.dataparallel import with_data_parallel
+
+        # Each stage's gradients averaged across the pipelines; with FSDP, each stage sharded across them.
+        schedule = with_data_parallel(schedule, shard=spec.parallel.fsdp)
+    job = Job(schedule=schedule, layer_stages=layer_stages, build_layers=model.build_layers, loss_fn=model.loss,
+              batch_at=model.batch_at, steps=spec.steps, optimizer=spec.optimizer, parallel=spec.parallel,
+              reliability=spec.reliability, devices=spec.devices, save_grads_of_step=0 if spec.check else None,
+              offload=spec.memory.offloaded, recompute=recompute, extra=extra, network=spec.links.parsed,
+              adaptive=adaptive, cycle=cycle, refill=refill, tied=model.tied, preload=model.preload,
+              checkpoint=checkpointing)
+    for hook in JOB_HOOKS:
+        job = hook(job)
+    return job
+
+
+def _adaptive(spec: RunSpec) -> Adaptive:
+    """kFkB for every k that divides the microbatches (``max_k`` caps it), rank 0 choosing every few steps."""
+    from pipefold.plan import adapt
+
+    s = spec.schedule
+    ks = s.candidates
+    policy = adapt.Policy(s.devices, s.microbatches, ks, spec.memory.budget)
+    return Adaptive((s.built, *adapt.build(s.devices, s.microbatches, ks[1:])), s.adapt_every, adapt.summarize,
+                    policy.runtime_decide)
+
+
+def check_size(spec: RunSpec, model: Model, schedule: Schedule, *, builds_model: bool = True,
+               gpus: int = 0) -> None:
+    """Refuse, before any layer is built, a run this machine cannot hold or would take minutes per step on
+    (see :mod:`pipefold.models.size`): the processes that start here, the parameters as often as they are held
+    (weights, gradients, optimizer state on every copy of a stage; the whole model once more in this process when
+    it measures the layers, ``builds_model``) and one microbatch's activations. A model that gives no size
+    (:meth:`~pipefold.models.base.Model.size`) is not checked."""
+    from pipefold.models.size import check_model
+
+    name = spec.optimizer.name
+    dp = spec.parallel.dp
+    held = (2 + (OPTIMIZER_STATE.get(name, 2.0) if isinstance(name, str) else 2.0)) * schedule.replicas * dp
+    ranks = schedule.devices * dp
+    if under_torchrun():  # only this machine's ranks, and their share of the model
+        here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        held, ranks = held * here / max(1, int(os.environ.get("WORLD_SIZE", "1"))), here
+    memory = spec.memory
+    measures = builds_model and (memory.partition != "even" or memory.recompute != "none"
+                                 or name == "kfac" or memory.budget is not None)
+    gpu = (min(gpus, ranks), torch.cuda.get_device_properties(0).total_memory) if gpus else None
+    check_model(model, gpu=gpu, microbatches=schedule.microbatches * dp, ranks=ranks, copies=held,
+                measures=measures, what=f"training {spec.model.name}")
+
+
+def restarted() -> bool:
+    """Whether torchrun restarted this process's workers after a failure (``--max-restarts``)."""
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+    except ValueError:
+        return False
+
+
+def _checkpointing(spec: RunSpec, schedule: Schedule) -> Checkpointing | None:
+    """The checkpoint folder (made if needed) and the checkpoint to start from: the one ``--resume`` names, or
+    the newest good one; after torchrun restarted the workers, the newest good one if there is any."""
+    from pipefold.runtime import checkpoint
+
+    c = spec.checkpoints
+    if not c.any:
+        return None
+    directory = checkpoint.prepare(c.checkpoint_dir) if c.checkpoint_dir is not None else None
+    m = spec.model
+    identity: dict[str, Any] = {"model": m.name, "layers": m.layers_for(schedule.stages), "hidden": m.hidden,
+                                "heads": m.heads, "seq": m.seq, "model_config": m.config,
+                                "optimizer": spec.optimizer.name}
+    resume = None
+    if c.resume is not None:
+        where = c.resume or directory
+        if where is None:
+            raise ConfigError("--resume needs --checkpoint-dir D, or the checkpoint to start from: "
+                              "--resume D/step-00000004")
+        resume = checkpoint.find(where)
+    elif directory is not None and restarted():
+        resume = checkpoint.find(directory, required=False)
+        if resume is None:
+            checkpoint.note(f"restarted by torchrun with no good checkpoint in {directory} yet: starting over")
+    if resume is not None:
+        checkpoint.check_identity(resume, identity, spec.steps)
+        checkpoint.note(f"resuming from {resume.path} ({resume.step} steps done)")
+    return checkpoint.Checkpointing(directory=directory, every=c.checkpoint_every, resume=resume,
+                                    keep_last=c.keep_last, identity=identity)
+
+
+def _first_microbatch(spec: RunSpec, model: Model) -> tuple[Any, torch.Tensor]:
+    """A microbatch of a pipeline's shard of the first step: what the measurements run on."""
+    x, y = model.batch_at(0)
+    n = spec.parallel.dp * spec.schedule.microbatches
+    return split_batch(x, n)[0], y.chunk(n)[0]
+
+
+def _stages(layer_stages: tuple[tuple[int, ...], ...], model: Model) -> list[Chain]:
+    layers = model.build_layers([i for part in layer_stages for i in part])
+    return [Chain(*(layers[i] for i in part)) for part in layer_stages]
+
+
+def _kfac_cycle(spec: RunSpec, schedule: Schedule, layer_stages: tuple[tuple[int, ...], ...], model: Model,
+                kfac: Any) -> Any:
+    """Measure every stage's passes and K-FAC work on the first microbatch, then place the work: in the bubbles of
+    the simulated step (``fill_bubbles``), or right after the passes it reads."""
+    from pipefold.plan import pipefisher
+    from pipefold.runtime.curvature import measure
+    from pipefold.sim.simulate import CostModel, StageOverride
+
+    x, y = _first_microbatch(spec, model)
+    rows = measure(_stages(layer_stages, model), x, y, model.loss, microbatches=spec.schedule.microbatches,
+                   config=kfac)
+    cost = CostModel(stage_overrides={s: StageOverride(f=r["f"], b=r["b"], w=r["w"], memory=float(r["memory"]),
+                                                       work=r["work"], stash={k: float(v) for k, v in
+                                                                              r["stash"].items()})
+                                      for s, r in enumerate(rows)})
+    return pipefisher.fill(schedule, cost) if spec.optimizer.fill_bubbles else pipefisher.inline(schedule, cost)
+
+
+def _plan_recompute(spec: RunSpec, schedule: Schedule, layer_stages: tuple[tuple[int, ...], ...],
+                    model: Model) -> RecomputePlan:
+    """Measure every stage on the first microbatch and choose its recomputed layers (see pipefold.plan.recompute)."""
+    from pipefold.runtime.profiling import measure_stages
+
+    x, y = _first_microbatch(spec, model)
+    name = spec.optimizer.name
+    profiles = measure_stages(_stages(layer_stages, model), x, y, model.loss,
+                              microbatches=spec.schedule.microbatches,
+                              optimizer_factor=OPTIMIZER_STATE.get(name, 2.0) if isinstance(name, str) else 2.0)
+    return plan_recompute(schedule, profiles, spec.memory.recompute, spec.memory.budget)
+
+
+def _layer_stages(spec: RunSpec, model: Model, schedule: Schedule,
+                  device: torch.device) -> tuple[tuple[int, ...], ...]:
+    """Layers of each stage: even by count, balanced by the chosen cost, or ("memory") least peak under ``schedule``."""
+    by = spec.memory.partition
+    if by == "even":
+        return tuple(tuple(s) for s in split_layers(model.num_layers, schedule.stages))
+    from pipefold.plan.partition import split_by
+    from pipefold.runtime.profiling import split_figures
+
+    layers = model.build()
+    sample, target = _first_microbatch(spec, model)
+    if by == "time":  # timed where the ranks will run (``device``): on their GPU, if they have one
+        layers = [layer.to(device) for layer in layers]
+        sample, target = tuple(t.to(device) for t in sample), target.to(device)
+    name = spec.optimizer.name
+    figures = split_figures(layers, sample, by=by, loss_fn=model.loss, target=target,
+                            optimizer=name if isinstance(name, str) else "adamw")
+    if device.type == "cuda" and by == "time":
+        del layers, sample, target
+        torch.cuda.empty_cache()  # the ranks have the GPU from here on
+    return tuple(tuple(part) for part in split_by(figures, schedule, by).parts)

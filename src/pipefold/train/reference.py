@@ -1,0 +1,112 @@
+"""The one-process reference a pipelined run is checked against: the same model, initial weights and data, in
+one process (``pipefold train --check`` and the tests' exactness checks)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pipefold.ir import Schedule
+from pipefold.runtime.job import Job, RankReport
+from pipefold.runtime.stage import Chain, as_tuple, split_batch
+
+__all__ = ["compare", "reference_kfac", "reference_step"]
+
+
+def reference_step(job: Job, step: int = 0) -> tuple[float, dict[str, torch.Tensor]]:
+    """One step in one process, from the initial weights, on the device the job's first rank computes on (the
+    same GPU): mean loss over the microbatches and every gradient (on the CPU)."""
+    from pipefold.runtime.job import placement
+
+    device = placement(job).device_of(0)
+    n = job.extra["num_layers"]
+    layers = job.build_layers(list(range(n)))
+    model = Chain(*(layers[i] for i in range(n))).to(device)
+    m = job.schedule.microbatches
+    x, y = job.batch_at(step)
+    xs_all = tuple(t.to(device) for t in as_tuple(x))
+    total = 0.0
+    for xs, ys in zip(split_batch(xs_all, m), y.to(device).chunk(m), strict=True):
+        loss = job.loss_fn(model(*xs), ys)
+        (loss / m).backward()
+        total += float(loss.detach()) / m
+    grads = {f"{i}.{name}": p.grad.detach().to("cpu", copy=True) for i in range(n)
+             for name, p in layers[i].named_parameters() if p.grad is not None}
+    return total, grads
+
+
+def reference_kfac(job: Job, steps: int, reports: list[RankReport] | None = None) -> dict[str, torch.Tensor]:
+    """``steps`` steps of the job's K-FAC in one process, from the initial weights: every stage's curvature,
+    inversions and preconditioning where the job's cycle of schedules puts them (and, with the run's
+    ``reports``, the cycles its rank 0 placed again as it ran), then the same optimizer. Returns the weights,
+    named as ``RankReport.weights``."""
+    from pipefold.ir import Kind
+    from pipefold.runtime.curvature import StageCurvature
+    from pipefold.runtime.meter import MemoryMeter
+    from pipefold.runtime.settings import OPTIMIZERS
+
+    assert job.optimizer.kfac is not None, "reference_kfac needs a K-FAC job"
+    n = job.extra["num_layers"]
+    layers = job.build_layers(list(range(n)))
+    stages = [Chain(*(layers[i] for i in part)) for part in job.layer_stages]
+    m = job.schedule.microbatches
+    curv = [StageCurvature(stage, job.optimizer.kfac, m) for stage in stages]
+    params = [p for i in range(n) for p in layers[i].parameters()]
+    opt = OPTIMIZERS["kfac"](params, lr=job.optimizer.lr)
+    cycles: list[tuple[int, tuple[Schedule, ...]]] = [(0, job.cycle or (job.schedule,))]
+    if reports is not None and job.refill is not None:
+        cycles += [(first, filled.cycle) for r in reports if r.rank == 0 for first, filled in r.decisions]
+    kinds = (Kind.KA, Kind.KG, Kind.KI, Kind.KP)
+    for step in range(steps):
+        first, cycle = max((c for c in cycles if c[0] <= step), key=lambda c: c[0])
+        schedule = cycle[(step - first) % len(cycle)]
+        # Each stage's K-FAC actions in its device's order (the schedule orders them the same way on every run).
+        work = [[a for a in schedule.actions[schedule.device_of(s)] if a.stage == s and a.kind in kinds]
+                for s in range(len(stages))]
+        for s, c in enumerate(curv):
+            c.begin(work[s], s, MemoryMeter())
+        x, y = job.batch_at(step)
+        for j, (xs, ys) in enumerate(zip(split_batch(x, m), y.chunk(m), strict=True)):
+            h: tuple[Any, ...] = xs
+            for c, stage in zip(curv, stages, strict=True):
+                c.current = j
+                h = as_tuple(stage(*h))
+                c.current = None
+            (job.loss_fn(*h, ys) / m).backward()
+        for s, c in enumerate(curv):
+            for a in work[s]:
+                c.run(a)
+        clip = job.optimizer.clip
+        if clip is not None:  # as the ranks clip: by the global norm, all-reduced there
+            norm = float(sum(p.grad.detach().pow(2).sum() for p in params if p.grad is not None) ** 0.5)
+            if norm > clip:
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.mul_(clip / (norm + 1e-6))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {f"{i}.{name}": p.detach().clone() for i in range(n) for name, p in layers[i].named_parameters()}
+
+
+def compare(job: Job, reports: list[RankReport]) -> dict[str, float]:
+    """Largest relative differences between the pipeline's first step and the single-process reference.
+
+    A stage held by several replicas is compared on every rank that holds it (after their all-reduce).
+    """
+    ref_loss, ref_grads = reference_step(job)
+    losses = [loss for r in reports for loss in r.steps[0].losses.values()]  # every pipeline's microbatches
+    pipe_loss = sum(losses) / len(losses)
+    got: dict[str, list[torch.Tensor]] = {}
+    for r in reports:
+        for name, g in (r.grads or {}).items():
+            got.setdefault(name, []).append(g)
+    if set(got) != set(ref_grads):
+        missing = sorted(set(ref_grads) - set(got))[:3]
+        raise RuntimeError(f"the pipeline produced no gradient for {missing}")
+    worst = 0.0
+    for name, g in ref_grads.items():
+        denom = float(g.abs().max()) or 1.0
+        worst = max([worst] + [float((mine - g).abs().max()) / denom for mine in got[name]])
+    return {"loss_rel_diff": abs(pipe_loss - ref_loss) / max(abs(ref_loss), 1e-12), "max_grad_rel_diff": worst,
+            "reference_loss": ref_loss}

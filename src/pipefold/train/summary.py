@@ -1,0 +1,215 @@
+"""What a finished run did, measured, next to what was predicted: the summary ``pipefold train`` prints (and writes
+with ``--json``), its trace and its figure.
+
+The prediction is the plan's (made from the profile before the run) for a planned run; otherwise the simulator fed
+with the run's own measured costs. Per-device figures are those of the first data-parallel pipeline (the others run
+the same schedule on their shards); the loss is the mean over every pipeline's microbatches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from typing import Any
+
+from pipefold.ir import Schedule
+from pipefold.ir.ref import ScheduleRef
+from pipefold.runtime.history import step_number
+from pipefold.runtime.job import Job, RankReport
+from pipefold.runtime.measure import measured_costs, measured_result, measured_summary, per_step
+from pipefold.sim.simulate import CostModel, SimResult, simulate
+from pipefold.train.reference import compare
+from pipefold.train.run import Outcome
+
+__all__ = ["FAR_OFF", "prediction_note", "summarize"]
+
+FAR_OFF = 0.25
+"""A measured step further than this from the plan's prediction (as a fraction) is pointed out after the run."""
+
+
+def summarize(outcome: Outcome, *, trace: str | None = None, plot: str | None = None) -> dict[str, Any]:
+    """The run's summary as plain data; with ``trace`` the measured timeline written there (Chrome trace JSON), with
+    ``plot`` the measured step drawn above the predicted one (or, on a changing network, every step's time)."""
+    spec, job, everyone, planned = outcome.spec, outcome.job, outcome.reports, outcome.planned
+    reports = [r for r in everyone if r.pipeline == 0]
+    step = len(reports[0].steps) - 1  # the last step: warmed up
+    last = _ran(job, reports[0].steps[step].schedule, step)
+    peaks: list[int] | None = None
+    if planned is not None:
+        from pipefold.plan.budget import predict
+
+        # The profile's prediction, made before the run, next to what the run measured.
+        predicted, peaks, _ = predict(planned.plan.profile, job.schedule, job.layer_stages, job.recompute)
+        label = "predicted from the profile"
+    else:
+        # The simulator fed with this run's own measured costs: what it predicts, next to what was measured.
+        costs = measured_costs(last, reports, step)
+        if "pipefisher" in job.extra:  # what K-FAC's curvature keeps until it runs: measured before the run
+            costs = _with_stash(costs, job.extra["pipefisher"].base.cost)
+        at = 0.0
+        if job.network is not None and job.origin is not None:
+            # The step's own moment of the network, and its messages' size.
+            costs = dataclasses.replace(costs, activation_bytes=max(
+                (b for r in reports for b in r.steps[step].link_message_bytes.values()), default=0))
+            at = min(r.steps[step].started_at for r in reports) - job.origin
+        predicted = simulate(last, costs, network=job.network, at=at)
+        label = "simulated from the measured costs"
+    cycle_peaks = None
+    if job.cycle and planned is None:  # the steps of a cycle differ: each rank's peak is the most over those that ran
+        each = [simulate(sched, costs).peak_memory for sched in job.cycle[:len(reports[0].steps)]]
+        cycle_peaks = [max(col) for col in zip(*each, strict=True)]
+    out = _train_summary(spec, job, reports, predicted, cycle_peaks)
+    parallel = job.parallel
+    if parallel.dp > 1:
+        out["dp"] = parallel.dp
+        out["sharding"] = "fsdp" if parallel.fsdp else "zero1" if parallel.zero1 else "none"
+        out["loss"] = [_finite(sum(r.steps.loss_sum[i] for r in everyone)
+                               / sum(r.steps.loss_count[i] for r in everyone)) for i in range(len(reports[0].steps))]
+    if job.adaptive is not None or spec.links.network is not None:
+        out["per_step"] = per_step(reports)
+        out["network"] = spec.links.network
+        out["netns"] = spec.links.netns
+    if job.adaptive is not None:
+        first_step = reports[0].first_step
+        out["decisions"] = [_decision(step_number(first_step + first), d) for first, d in reports[0].decisions]
+    if "pipefisher" in job.extra:
+        out["kfac"] = _kfac_summary(job.extra["pipefisher"], reports, spec.optimizer.fill_bubbles)
+    if planned is not None:
+        out["plan"] = {"schedule": planned.plan.schedule,
+                       "predicted": {"step_time_s": predicted.makespan, "bubble_ratio": predicted.bubble_ratio,
+                                     "peak_bytes": peaks},
+                       "measured": measured_summary(reports)}
+        actions = max(len(row) for row in job.schedule.actions)
+        note = prediction_note(predicted.makespan, out["plan"]["measured"]["step_time_s"], actions)
+        if note is not None:
+            out["plan"]["note"] = note
+    if spec.check:
+        out.update(compare(job, everyone))
+    if trace:
+        from pipefold.runtime.measure import write_measured_trace
+
+        write_measured_trace(reports, trace)
+        out["trace"] = trace
+    if plot and "per_step" in out:
+        from pipefold.sim.render import plot_adaptive
+
+        offset = min(r.steps[0].started_at for r in reports) - job.origin if job.origin is not None else 0.0
+        plot_adaptive(out["per_step"], out.get("decisions", []), spec.links.parsed, plot, offset=offset,
+                      title=f"{spec.schedule.name} on {job.schedule.devices} ranks, "
+                            f"{'network namespaces' if spec.links.netns else 'emulated links'}: "
+                            f"{spec.links.network}")
+        out["plot"] = plot
+    elif plot:
+        from pipefold.sim.render import plot_run
+
+        measured = measured_result(last, reports, step)
+        number = step_number(reports[0].first_step + step)
+        plot_run(measured, predicted, plot,
+                 titles=(f"measured, step {number} ({measured.makespan * 1e3:.1f} ms)",
+                         f"{label} ({predicted.makespan * 1e3:.1f} ms)"))
+        out["plot"] = plot
+    return out
+
+
+def prediction_note(predicted: float, measured: float, actions: int) -> str | None:
+    """One line when the run's step time is more than :data:`FAR_OFF` from the prediction, with the likely cause;
+    None when it is close. ``actions``: the most actions a rank runs in a step."""
+    if not (predicted > 0 and measured > 0) or abs(measured / predicted - 1) <= FAR_OFF:
+        return None
+    gap = measured - predicted
+    per = gap / max(1, actions)
+    if gap > 0:
+        return (f"the step took {measured / predicted:.2f}x the plan's prediction ({measured * 1e3:.1f} ms against "
+                f"{predicted * 1e3:.1f} ms): {per * 1e3:.2f} ms more per action of the busiest rank ({actions}), most "
+                "likely the runtime's own work per action (receives, sends, bookkeeping), which the profile's layer "
+                "times leave out and which matters on layers of a millisecond or so (docs/plan.md)")
+    return (f"the step took {measured / predicted:.2f}x the plan's prediction ({measured * 1e3:.1f} ms against "
+            f"{predicted * 1e3:.1f} ms): the profile was taken under other load, or the ranks share fewer cores "
+            "than it measured; profile again on an idle machine")
+
+
+def _ran(job: Job, spec: str, step: int) -> Schedule:
+    """The schedule a step ran (an adaptive job switches between several, a K-FAC job runs a cycle)."""
+    if job.cycle:
+        return job.cycle[step % len(job.cycle)]
+    for each in (job.adaptive.schedules if job.adaptive is not None else (job.schedule,)):
+        if str(ScheduleRef.of(each)) == spec:
+            return each
+    return job.schedule
+
+
+def _decision(first: int, d: Any) -> dict[str, Any]:
+    return {"from_step": first, "k": d.k, "reason": d.reason, "bandwidth": d.bandwidth,
+            "predicted_s": {str(k): v for k, v in d.predicted.items()},
+            "peak_bytes": {str(k): [round(x) for x in v] for k, v in d.peaks.items()},
+            "fits": {str(k): v for k, v in d.fits.items()}, "wait_s": d.wait}
+
+
+def _with_stash(costs: CostModel, measured: CostModel) -> CostModel:
+    """``costs`` with each stage's K-FAC stash as ``measured`` has it."""
+    over = {s: dataclasses.replace(o, stash=measured.stage_overrides[s].stash)
+            for s, o in costs.stage_overrides.items()}
+    return dataclasses.replace(costs, stage_overrides=over)
+
+
+def _kfac_summary(filled: Any, reports: list[RankReport], fill_bubbles: bool) -> dict[str, Any]:
+    """K-FAC's placement as planned (simulated from the costs measured before the run) next to the run."""
+    from pipefold.plan.pipefisher import utilization
+
+    meas = measured_summary(reports)
+    walls = [max(r.steps.wall[i] for r in reports) for i in range(len(reports[0].steps))]
+    placed = [(0, filled), *(d for r in reports if r.rank == 0 for d in r.decisions)]
+    rows = []
+    for i, w in enumerate(walls):
+        first, now = max((p for p in placed if p[0] <= i), key=lambda p: p[0])
+        k = (i - first) % len(now.steps)
+        rows.append({"step": step_number(reports[0].first_step + i), "placement": placed.index((first, now)),
+                     "cycle_step": k, "predicted_s": now.steps[k].makespan, "measured_s": w})
+    last = placed[-1][1]
+    return {"fill_bubbles": fill_bubbles, "cycle_steps": len(last.steps), "per_step": rows,
+            "placed_again_at": [step_number(reports[0].first_step + p[0]) for p in placed[1:]],
+            "refreshes_per_cycle": list(last.refreshes),
+            "predicted": {"plain_step_s": last.base.makespan, "plain_utilization": utilization(last.base),
+                          "step_s": last.step_time, "utilization": last.utilization},
+            "measured": {"step_s": meas["step_time_s"], "step_spread_s": meas["step_time_spread_s"],
+                         "utilization": 1.0 - meas["bubble_ratio"]}}
+
+
+def _finite(x: float) -> float | None:
+    """``x``, or None (JSON null) where it is NaN or inf."""
+    return x if math.isfinite(x) else None
+
+
+def _train_summary(spec: Any, job: Job, reports: list[RankReport], predicted: SimResult,
+                   peaks: list[float] | None = None) -> dict[str, Any]:
+    steps = len(reports[0].steps)
+    # A NaN or inf loss is null: its step is in skipped_steps.
+    losses = [_finite(sum(r.steps.loss_sum[i] for r in reports) / job.schedule.microbatches) for i in range(steps)]
+    first = reports[0].first_step
+    numbered = [step_number(i) for i in range(first, first + steps)]
+    step_time = [max(r.steps.wall[i] for r in reports) for i in range(steps)]
+    return {
+        "schedule": job.schedule.name, "options": dict(job.schedule.options), "devices": job.schedule.devices,
+        "stages": job.schedule.stages, "microbatches": job.schedule.microbatches, "model": spec.model.name,
+        "layers": job.extra["num_layers"], "partition": spec.memory.partition,
+        "boundaries": [stage[0] for stage in job.layer_stages], "loss": losses, "step_time_s": step_time,
+        "busy_s": [statistics.fmean(r.steps.busy[1:] or r.steps.busy) for r in reports],
+        "peak_activation_bytes": [r.steps.peak_activation_bytes for r in reports],
+        "predicted_peak_bytes": [round(x) for x in (predicted.peak_memory if peaks is None else peaks)],
+        "predicted_step_s": predicted.makespan,
+        "batch_bytes": [r.steps[-1].batch_bytes for r in reports],
+        "peak_process_bytes": [r.peak_process_bytes for r in reports],
+        "static_bytes": [r.static_bytes for r in reports],
+        **({"peak_resident_param_bytes": [r.resident_param_bytes for r in reports]} if job.offload else {}),
+        **({"recompute": job.extra["recompute"].to_dict()} if "recompute" in job.extra else {}),
+        "first_step": numbered[0],
+        "grad_norm": [_finite(x) for x in reports[0].steps.grad_norm],
+        "skipped_steps": list(reports[0].skipped),
+        "clipped_steps": [i for i, c in zip(numbered, reports[0].steps.clipped, strict=True) if c],
+        "rolled_back_steps": [i for i, c in zip(numbered, reports[0].steps.rolled_back, strict=True) if c],
+        "post_validate": job.reliability.post_validate,
+        "resumed_from": reports[0].resumed_from,
+        "checkpoints": list(reports[0].checkpoints),
+        "saved_model": job.reliability.save_model,
+    }
