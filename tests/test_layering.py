@@ -206,3 +206,21 @@ def test_a_layered_package_passes(toy: Path) -> None:
     graph = import_graph(toy)
     assert upward(graph) == set() and circles(graph) == []
 
+
+
+def test_every_command_is_its_parser_entry_and_one_function() -> None:
+    """A command takes two places: its parser entry and its ``cmd_<name>`` in one family's module; a function
+    without a parser entry, or an entry without its function, is a mistake found here."""
+    import argparse as ap
+    import inspect
+
+    from pipefold.cli.args import build_parser
+    from pipefold.cli.main import FAMILIES, command
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, ap._SubParsersAction))
+    names = set(sub.choices)
+    functions = {name[4:] for module in FAMILIES for name, f in inspect.getmembers(module, inspect.isfunction)
+                 if name.startswith("cmd_") and f.__module__ == module.__name__}
+    assert functions == {n.replace("-", "_") for n in names}
+    for name in names:
+        assert command(name).__name__ == f"cmd_{name.replace('-', '_')}"

@@ -4,27 +4,19 @@ one line and an exit code."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
 from rich.console import Console
 
+from pipefold.cli import plan_cmds, schedule_cmds, train_cmds
 from pipefold.cli.args import build_parser, check_applies, given
-from pipefold.cli.plan_cmds import cmd_partition, cmd_plan, cmd_profile
-from pipefold.cli.schedule_cmds import (
-    cmd_compare,
-    cmd_generate,
-    cmd_pipefisher,
-    cmd_schedules,
-    cmd_simulate,
-    cmd_validate,
-)
-from pipefold.cli.train_cmds import cmd_offload, cmd_train
 from pipefold.errors import Interrupted, PipefoldError, ScheduleError
 
 
@@ -46,10 +38,15 @@ def _sigterm_interrupts() -> Iterator[None]:
         signal.signal(signal.SIGTERM, before)
 
 
-COMMANDS = {"schedules": cmd_schedules, "simulate": cmd_simulate, "compare": cmd_compare,
-            "generate": cmd_generate, "plan": cmd_plan, "profile": cmd_profile, "validate": cmd_validate,
-            "train": cmd_train, "pipefisher": cmd_pipefisher,
-            "offload": cmd_offload, "partition": cmd_partition}
+FAMILIES = (schedule_cmds, plan_cmds, train_cmds)
+"""The modules of commands, one per family: command ``name`` runs the function ``cmd_<name>`` of one of them."""
+
+
+def command(name: str) -> Callable[[argparse.Namespace, Console], None]:
+    """The function that runs the command ``name`` (its parser entry is in :mod:`.args`)."""
+    found = [f for module in FAMILIES if (f := getattr(module, f"cmd_{name.replace('-', '_')}", None)) is not None]
+    assert len(found) == 1, f"command {name!r} needs one cmd_{name} in the command modules, found {len(found)}"
+    return found[0]
 
 
 def entry() -> NoReturn:
@@ -92,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         check_applies(args)
         with _sigterm_interrupts():
-            COMMANDS[args.command](args, console)
+            command(args.command)(args, console)
     except KeyboardInterrupt as exc:
         # SIGINT or SIGTERM: the launcher has stopped its ranks (and says how many); one line, the shell's code.
         what = exc if isinstance(exc, Interrupted) else Interrupted(signal.SIGINT)

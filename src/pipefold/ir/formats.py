@@ -3,6 +3,7 @@ by its content), one :func:`dumps` and :func:`save`."""
 
 from __future__ import annotations
 
+import os
 import re
 
 from pipefold.errors import ConfigError, ScheduleError
@@ -13,7 +14,7 @@ __all__ = ["FORMATS", "dumps", "format_of", "load", "read_schedule_text", "save"
 FORMATS = ("text", "json", "csv", "torch-csv")
 """The formats a schedule file can be in: pipefold's text, JSON and CSV, and torch's CSV (:mod:`.interop`)."""
 
-def read_schedule_text(path: str) -> str:
+def read_schedule_text(path: str | os.PathLike[str]) -> str:
     """The text of a schedule file; one ConfigError if it is not UTF-8 text (a binary file, an image)."""
     with open(path, "rb") as fh:
         data = fh.read()
@@ -25,9 +26,9 @@ def read_schedule_text(path: str) -> str:
                             "writes one)") from None
 
 
-def format_of(path: str) -> str:
+def format_of(path: str | os.PathLike[str]) -> str:
     """The schedule format a file's suffix names: json (.json), csv (.csv) or text, in any case."""
-    lower = path.lower()
+    lower = os.fspath(path).lower()
     if lower.endswith(".json"):
         return "json"
     if lower.endswith(".csv"):
@@ -54,7 +55,7 @@ def _check_format(fmt: str) -> None:
         raise ConfigError(f"unknown schedule format {fmt!r}: use {', '.join(FORMATS)}")
 
 
-def load(path: str, fmt: str | None = None, *, renumber: bool = False) -> Schedule:
+def load(path: str | os.PathLike[str], fmt: str | None = None, *, renumber: bool = False) -> Schedule:
     """Read a schedule file in ``fmt`` (one of :data:`FORMATS`), or, if None, as its suffix says (.json, .csv,
     else text, in any case); a ``.csv`` in torch's dialect is told from pipefold's by its content
     (:func:`torch_dialect`). ``renumber``: see :func:`pipefold.ir.interop.from_torch_order` (torch's CSV only).
@@ -96,7 +97,7 @@ def dumps(schedule: Schedule, fmt: str = "text") -> str:
     return schedule.to_text()
 
 
-def save(schedule: Schedule, path: str, fmt: str | None = None) -> None:
+def save(schedule: Schedule, path: str | os.PathLike[str], fmt: str | None = None) -> None:
     """Write ``schedule`` to ``path`` atomically, in ``fmt`` or the format its suffix names (.json, .csv, else
     text; any case)."""
     from pipefold.files import write_text

@@ -17,7 +17,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pipefold.errors import ConfigError
@@ -57,7 +57,7 @@ class ModelArgs:
     """Initial weights and data."""
     data: str | None = None
     """A text file to train a language model on instead of the built-in corpus."""
-    config: str | None = None
+    config: str | None = field(default=None, metadata={"flag": "model_config", "option": "--hf-config"})
     """The model's own configuration: a config name the model ships or a JSON file (Hugging Face models)."""
 
     def __post_init__(self) -> None:

@@ -8,6 +8,7 @@ runs the same split.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from typing import Any
@@ -16,7 +17,7 @@ import torch
 
 from pipefold.errors import ConfigError
 from pipefold.ir import Schedule
-from pipefold.models import Model, make_model, split_layers
+from pipefold.models import REGISTRY, Model, split_layers
 from pipefold.plan.recompute import OPTIMIZER_STATE, RecomputePlan, plan_recompute
 from pipefold.runtime.checkpoint import Checkpointing
 from pipefold.runtime.job import Adaptive, Job, local_placement, under_torchrun
@@ -37,8 +38,7 @@ does not set (the tests' injected faults, :mod:`pipefold.runtime.faults`). Empty
 def model_of(spec: RunSpec, stages: int) -> Model:
     """The registered model the run trains on ``stages`` stages, with its data (:mod:`pipefold.models.base`)."""
     m = spec.model
-    return make_model(m.name, layers=m.layers_for(stages), hidden=m.hidden, heads=m.heads, seq=m.seq,
-                      batch=m.batch, seed=m.seed, data=m.data, config=m.config)
+    return REGISTRY[m.name].make(dataclasses.replace(m.args, layers=m.layers_for(stages)))
 
 
 def make_job(spec: RunSpec, *, decided: Decisions | None = None, placed: Any = None,

@@ -25,6 +25,7 @@ from pipefold import schedules
 from pipefold.errors import ConfigError
 from pipefold.ir import Schedule
 from pipefold.ir.ref import ScheduleRef
+from pipefold.models.base import ModelArgs
 from pipefold.runtime.settings import Devices, Optimizer, Parallel, Reliability, check_together, flag
 
 if TYPE_CHECKING:
@@ -45,35 +46,26 @@ def _at_least_one(section: Any, *names: str) -> None:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ModelSpec:
-    """The model, its size and its data."""
+class ModelSpec(ModelArgs):
+    """The model, its size and its data: a registered model's name and what the models take
+    (:class:`~pipefold.models.base.ModelArgs`, which checks the sizes). None: the model's default; ``layers``
+    None: enough blocks for two per stage (a Hugging Face model: its config's)."""
 
     name: str = field(default="gpt", metadata=flag("model"))
     """A registered model (:data:`pipefold.models.REGISTRY`): 'gpt' (on the embedded corpus or ``data``), 'mlp'
     (random regression), or a Hugging Face causal LM such as 'gpt2' or 'llama' (sized by ``config``)."""
-    layers: int | None = None
-    """Blocks: transformer or MLP blocks (None: enough for two per stage; a Hugging Face model's config)."""
-    hidden: int | None = None
-    """Width (None: 64; a Hugging Face model's from its config)."""
-    heads: int | None = None
-    """Attention heads (None: 4; a Hugging Face model's from its config)."""
-    config: str | None = field(default=None, metadata=flag("model_config", "--hf-config"))
-    """A Hugging Face model's config: a name pipefold ships (gpt2-tiny, llama-tiny) or a config.json file."""
-    batch: int = 16
-    """Sequences (language models) or rows (mlp) per step, split into the microbatches."""
-    seq: int = 64
-    """Sequence length (language models)."""
-    data: str | None = None
-    """A text file to train the GPT on instead of the embedded corpus."""
-    seed: int = 0
-    """Seed of the initial weights and of the data."""
 
     def __post_init__(self) -> None:
         from pipefold.models import REGISTRY
 
-        _at_least_one(self, "layers", "hidden", "heads", "batch", "seq")
+        super().__post_init__()
         if self.name not in REGISTRY:
-            raise ConfigError(f"unknown model {self.name!r}: use one of {', '.join(sorted(REGISTRY))}")
+            raise ConfigError(f"unknown model {self.name!r}; known models: {', '.join(REGISTRY)}")
+
+    @property
+    def args(self) -> ModelArgs:
+        """What the model's family takes, with ``layers`` as given."""
+        return ModelArgs(**{f.name: getattr(self, f.name) for f in dataclasses.fields(ModelArgs)})
 
     @property
     def sequences(self) -> bool:
