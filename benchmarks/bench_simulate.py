@@ -1,57 +1,135 @@
-"""Time schedule generation plus simulation for every registered schedule.
+"""Generation plus simulation time of every registered schedule, side by side with an earlier version of pipefold.
 
-Target: at p=64, m=1024 every schedule finishes in under 2 seconds, and the
-time per action stays flat as the schedule grows (linear cost). Run:
+Target: at p=64, m=1024 every family builds and simulates in under 0.5 s, and the time per action stays flat as
+the schedule grows (linear cost). Each measurement runs in a fresh process (no caches shared), the two versions
+alternate run by run, and the table gives the median and the spread [min-max] over the runs. The earlier version is
+a commit of this repository (``--baseline``, default :data:`BASELINE`), extracted with ``git archive``; without git
+history the column is left out. Run:
 
-    python benchmarks/bench_simulate.py            # the full table
-    python benchmarks/bench_simulate.py --quick    # smaller sizes only
+    python benchmarks/bench_simulate.py                      # every family, p=64 m=1024, against BASELINE
+    python benchmarks/bench_simulate.py --baseline none      # this tree only
+    python benchmarks/bench_simulate.py --schedules v-half --growth   # and the time per action from 1e3 actions up
 """
 
 from __future__ import annotations
 
 import argparse
-import time
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
-from rich.console import Console
-from rich.table import Table
+ROOT = Path(__file__).resolve().parents[1]
+BASELINE = "0c1c7f1"
+"""The last commit before the simulator and the V builders were made faster (issue 27)."""
+TARGET_S = 0.5
 
+CODE = """
+import sys, time
 from pipefold import build, names, simulate
-
-SIZES = [(8, 64), (16, 256), (32, 512), (64, 1024)]
-
-
-def _time_one(name: str, p: int, m: int) -> tuple[float, float, int]:
+wanted, p, m = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3])
+for name in wanted:
+    simulate(build(name, 4, 8))  # imports and first-call costs out of the way
     t0 = time.perf_counter()
-    schedule = build(name, p, m)
+    s = build(name, p, m)
     t1 = time.perf_counter()
-    simulate(schedule)
+    simulate(s)
     t2 = time.perf_counter()
-    return t1 - t0, t2 - t1, schedule.num_actions
+    print(name, t1 - t0, t2 - t1, s.num_actions)
+"""
+
+
+def _run(src: Path, names: list[str], p: int, m: int) -> dict[str, tuple[float, float, int]]:
+    """(build s, simulate s, actions) of each schedule, in one fresh process on the tree ``src``."""
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    out = subprocess.run([sys.executable, "-c", CODE, ",".join(names), str(p), str(m)], env=env,
+                         capture_output=True, text=True, check=True)
+    rows = {}
+    for line in out.stdout.splitlines():
+        name, build, sim, actions = line.split()
+        rows[name] = (float(build), float(sim), int(actions))
+    return rows
+
+
+def _baseline_tree(rev: str, into: Path) -> Path | None:
+    """The ``src`` folder of commit ``rev``, extracted under ``into``; None without git history."""
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "src"], capture_output=True)
+    if archive.returncode != 0:
+        print(f"no baseline: git cannot read {rev} here ({archive.stderr.decode().strip()})", file=sys.stderr)
+        return None
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
+    return into / "src"
+
+
+def _spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.3f} [{min(values):.3f}-{max(values):.3f}]"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="skip p=64, m=1024")
+    parser.add_argument("--baseline", default=BASELINE, help=f"commit to compare with, or none (default {BASELINE})")
+    parser.add_argument("--schedules", default=None, help="comma-separated families (default: every one)")
+    parser.add_argument("-p", type=int, default=64)
+    parser.add_argument("-m", type=int, default=1024)
+    parser.add_argument("--runs", type=int, default=3, help="fresh processes per version (default 3)")
+    parser.add_argument("--growth", action="store_true",
+                        help="also the time per action of each family from about 1e3 actions to the size limit")
     args = parser.parse_args()
-    sizes = SIZES[:2] if args.quick else SIZES
-    table = Table(title="generate + simulate (seconds)", title_justify="left")
-    table.add_column("schedule")
-    for p, m in sizes:
-        table.add_column(f"p={p} m={m}", justify="right")
-    table.add_column("us/action (smallest -> largest)", justify="right")
+    sys.path.insert(0, str(ROOT / "src"))
+    from pipefold import names as registered
+
+    names = args.schedules.split(",") if args.schedules else registered()
+    with tempfile.TemporaryDirectory() as tmp:
+        trees = {"now": ROOT / "src"}
+        if args.baseline != "none" and (old := _baseline_tree(args.baseline, Path(tmp))) is not None:
+            trees = {args.baseline: old, **trees}
+        got: dict[str, list[dict[str, tuple[float, float, int]]]] = {label: [] for label in trees}
+        for _ in range(args.runs):
+            for label, src in trees.items():
+                got[label].append(_run(src, names, args.p, args.m))
+    print(f"build + simulate at p={args.p} m={args.m}, seconds: median [min-max] of {args.runs} fresh processes "
+          "per version")
+    header = f"{'schedule':18s} {'actions':>8s}"
+    for label in trees:
+        header += f"  {label + ' build+sim':>24s}"
+    header += f"  {'now: build':>22s}  {'now: simulate':>22s}  us/action"
+    print(header)
     worst = 0.0
-    for name in names():
-        cells, per_action = [], []
-        for p, m in sizes:
-            gen, sim, n = _time_one(name, p, m)
-            total = gen + sim
-            worst = max(worst, total) if (p, m) == (64, 1024) else worst
-            cells.append(f"{total:.3f}")
-            per_action.append(1e6 * total / n)
-        table.add_row(name, *cells, f"{per_action[0]:.1f} -> {per_action[-1]:.1f}")
-    Console().print(table)
-    if not args.quick:
-        print(f"slowest at p=64 m=1024: {worst:.3f} s (target < 2 s)")
+    for name in names:
+        now = got["now"]
+        actions = now[0][name][2]
+        line = f"{name:18s} {actions:8d}"
+        for label in trees:
+            line += f"  {_spread([r[name][0] + r[name][1] for r in got[label]]):>24s}"
+        total = statistics.median(r[name][0] + r[name][1] for r in now)
+        worst = max(worst, total)
+        line += (f"  {_spread([r[name][0] for r in now]):>22s}  {_spread([r[name][1] for r in now]):>22s}"
+                 f"  {1e6 * total / actions:.2f}")
+        print(line)
+    print(f"slowest now: {worst:.3f} s (target < {TARGET_S} s)")
+    if args.growth:
+        _growth(names)
+
+
+def _growth(names: list[str]) -> None:
+    """Time per action from about 1e3 actions up to the size limit, each size in a fresh process."""
+    from pipefold import build
+    from pipefold.ir import MAX_STAGE_MICROBATCHES
+
+    print("time per action (build + simulate) as the schedule grows, one fresh process per size")
+    for name in names:
+        points = []
+        for p, m in ((8, 64), (16, 256), (32, 512), (64, 1024), (64, 4096)):
+            try:
+                stages = build(name, p, max(4, 2 * p)).stages
+                m = min(m, MAX_STAGE_MICROBATCHES // stages)
+                row = _run(ROOT / "src", [name], p, m)[name]
+            except subprocess.CalledProcessError:
+                continue  # a size the family refuses
+            points.append(f"{row[2]:.1e}: {1e6 * (row[0] + row[1]) / row[2]:.2f}")
+        print(f"{name:18s} " + "  ".join(points) + "  (actions: us/action)")
 
 
 if __name__ == "__main__":
