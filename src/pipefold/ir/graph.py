@@ -4,16 +4,21 @@ where a schedule goes wrong."""
 
 from __future__ import annotations
 
+import array
 import bisect
 import functools
 import itertools
-from collections import deque
+import math
+import operator
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
+import numpy.typing as npt
+
 from pipefold.errors import ScheduleError
-from pipefold.ir.kinds import BW, KINDS, NO_MICROBATCH, PASSES, Action, B, F, Kind, W
+from pipefold.ir.kinds import BW, KINDS, NO_MICROBATCH, PASSES, Action, B, F, Kind, KindSpec, W
 from pipefold.ir.schedule import Schedule
 
 # --------------------------------------------------------------------------- the dependency graph
@@ -29,6 +34,17 @@ from pipefold.ir.schedule import Schedule
 # takes each device's next action, when what it waits for is done, reaches the end
 # of every list. One graph, built here, is what validation, the simulator and the
 # runtime all read.
+#
+# Speed: a schedule has up to hundreds of thousands of actions, so the rules of KINDS
+# are compiled once into small integer tables (_Rules; again when a kind is
+# registered), the actions into flat arrays (ActionTable), and who gives and who
+# waits for what is worked out on those arrays with numpy. Only the traversal walks
+# action by action, on flat lists, and looks at one input of most actions (those
+# that ran earlier on the same device cannot hold it up). A schedule that breaks a
+# rule goes through the detailed path (_givers_in_order), which stops at the first
+# violation in device order and names it.
+
+Ints = npt.NDArray[np.int64]
 
 
 @dataclass(frozen=True)
@@ -42,14 +58,27 @@ class Graph:
     schedule: Schedule
     offsets: tuple[int, ...]
     """Global number of each device's first action."""
-    inputs: tuple[tuple[int, ...], ...]
-    order: tuple[int, ...]
-    """Every action in an order that respects all dependencies; the members of a collective come together."""
     peers: Mapping[int, tuple[int, ...]]
     """For each collective action, every member of its collective (itself included)."""
     starts: list[float]
     ends: list[float]
     """With durations: when each action starts and ends (see :func:`dependency_graph`)."""
+    table: ActionTable = field(repr=False, compare=False)
+    """The actions as flat arrays."""
+    links: Links = field(repr=False, compare=False)
+    """What each action waits for, compactly (:attr:`inputs` spells it out)."""
+    runs: list[int] = field(repr=False, compare=False)
+    """:attr:`order` as ranges of global numbers: first, end, first, end, ..."""
+
+    @functools.cached_property
+    def inputs(self) -> tuple[tuple[int, ...], ...]:
+        """For each action, the actions it waits for besides the one before it on its device."""
+        return self.links.spelled()
+
+    @functools.cached_property
+    def order(self) -> tuple[int, ...]:
+        """Every action in an order that respects all dependencies; the members of a collective come together."""
+        return tuple(itertools.chain.from_iterable(map(range, self.runs[0::2], self.runs[1::2])))
 
     def gid(self, device: int, position: int) -> int:
         return self.offsets[device] + position
@@ -115,8 +144,9 @@ class Transfer(NamedTuple):
     """Which part of the sending action gives it (0 unless that action is a composite)."""
 
 
-def dependency_graph(schedule: Schedule, durations: Sequence[float] | None = None, transfer: float = 0.0,
-                     idle: frozenset[str] = frozenset()) -> Graph:
+def dependency_graph(schedule: Schedule, durations: Sequence[float] | npt.NDArray[np.float64] | None = None,
+                     transfer: float = 0.0, idle: frozenset[str] = frozenset(), *,
+                     table: ActionTable | None = None) -> Graph:
     """Check ``schedule`` and return its :class:`Graph`; raise :class:`ScheduleError` for the first violation.
 
     Checked, in this order: every action's kind, stage and microbatch are known and in range,
@@ -124,16 +154,22 @@ def dependency_graph(schedule: Schedule, durations: Sequence[float] | None = Non
     (stage, microbatch) is given exactly once; a replicated stage has one all-reduce on each
     holder; then that all per-device orders run together without deadlock.
 
-    With ``durations`` (per action, by global number) the traversal also times the actions:
+    With ``durations`` (per action, by global number; a list or an array) the traversal also times the actions:
     each starts when its device is free and its inputs are done, ``transfer`` later for an
     input from another device; a collective's members start together; an action whose kind is
-    in ``idle`` (communication) leaves its device free at once.
+    in ``idle`` (communication) leaves its device free at once. ``table`` is the schedule's
+    :func:`action_table`, when the caller has it already.
     """
     rows = schedule.actions
     offsets = tuple(itertools.accumulate((len(r) for r in rows[:-1]), initial=0))
-    givers, names = _givers(schedule, offsets)
-    inputs = _inputs(schedule, givers, names, offsets)
-    return _traverse(schedule, offsets, inputs, durations, transfer, idle)
+    table = action_table(schedule) if table is None else table
+    rules = _rules()
+    givers = _givers(schedule, table, rules, offsets)
+    links = _inputs(schedule, table, rules, givers)
+    return _traverse(schedule, offsets, table, links, durations, transfer, idle)
+
+
+# --------------------------------------------------------------------------- the kind table, compiled
 
 
 def _pass_names() -> dict[str, int]:
@@ -144,34 +180,204 @@ def _pass_names() -> dict[str, int]:
     return names
 
 
-def _givers(schedule: Schedule, offsets: Sequence[int]) -> tuple[list[int], dict[str, int]]:
-    """Who gives each pass: a flat list over (pass * S + stage) * M + microbatch of global action numbers
+class _Rules(NamedTuple):
+    """:data:`KINDS` as integer tables by kind number (a kind's place in KINDS) and pass number
+    (:func:`_pass_names`), each row padded with -1: what the graph's array code reads of the kind specs."""
+
+    codes: tuple[str, ...]
+    names: dict[str, int]
+    per_microbatch: npt.NDArray[np.bool_]
+    composite: npt.NDArray[np.bool_]
+    gives: Ints
+    """[kind, j]: the j-th pass the kind gives."""
+    need_pass: Ints
+    """[kind, j]: the pass of its j-th need (``KindSpec.needs``)..."""
+    need_offset: Ints
+    """... and that need's stage offset."""
+    after: Ints
+    """[kind, j]: for a per-microbatch kind, the j-th stage-wide pass of its stage and device it waits for."""
+
+
+_compiled: list[tuple[tuple[tuple[str, KindSpec], ...], _Rules]] = []
+"""The last compilation of KINDS, with the table it was made from."""
+
+
+def _rules() -> _Rules:
+    """:data:`KINDS` compiled: once, and again only after it changes (a kind registered)."""
+    kinds = tuple(KINDS.items())
+    if not _compiled or _compiled[0][0] != kinds:
+        _compiled[:] = [(kinds, _compile())]
+    return _compiled[0][1]
+
+
+def _compile() -> _Rules:
+    names = _pass_names()
+    specs = list(KINDS.values())
+
+    def padded(rows: list[list[int]]) -> Ints:
+        width = max(map(len, rows))
+        return np.array([row + [-1] * (width - len(row)) for row in rows], dtype=np.int64).reshape(len(rows), width)
+
+    return _Rules(
+        codes=tuple(KINDS), names=names,
+        per_microbatch=np.array([spec.microbatch for spec in specs], dtype=bool),
+        composite=np.array([spec.composite for spec in specs], dtype=bool),
+        gives=padded([[names[n] for n in spec.gives] for spec in specs]),
+        need_pass=padded([[names[n] for n, _ in spec.needs] for spec in specs]),
+        need_offset=padded([[offset for _, offset in spec.needs] for spec in specs]),
+        after=padded([[names[n] for n in spec.after] if spec.microbatch else [] for spec in specs]))
+
+
+def _of_kinds(numbers: Ints, picked: list[bool]) -> npt.NDArray[np.bool_]:
+    """Whether each of ``numbers`` (of kinds, or of passes) is one of those ``picked`` marks; -1 (none) never is."""
+    return np.array([*picked, False])[numbers]
+
+
+class ActionTable(NamedTuple):
+    """A schedule's actions as flat integer arrays by global number (:meth:`Graph.gid`): what the graph and the
+    simulator read instead of the Action tuples.
+
+    ``kind`` numbers index ``kinds`` (the codes of :data:`KINDS` when the table was made; -1: not registered).
+    Each action runs one pass, or one per part when it has parts (an overlapped pair): the ``pass_*`` arrays list
+    them in the actions' order, ``owner`` the action of each; without parts they are the action arrays.
+    """
+
+    kinds: tuple[str, ...]
+    device: Ints
+    kind: Ints
+    stage: Ints
+    microbatch: Ints
+    composite: Ints
+    """The actions that have parts, in order."""
+    owner: Ints
+    pass_kind: Ints
+    pass_stage: Ints
+    pass_microbatch: Ints
+
+
+def action_table(schedule: Schedule) -> ActionTable:
+    """The :class:`ActionTable` of ``schedule``."""
+    codes = tuple(KINDS)
+    number = {code: k for k, code in enumerate(codes)}
+    flat = list(itertools.chain.from_iterable(schedule.actions))
+    n = len(flat)
+    device = np.repeat(np.arange(schedule.devices, dtype=np.int64), [len(r) for r in schedule.actions])
+    kind = np.fromiter(map(number.get, map(operator.itemgetter(1), flat), itertools.repeat(-1)), np.int64, n)
+    stage = np.fromiter(map(operator.itemgetter(0), flat), np.int64, n)
+    microbatch = np.fromiter(map(operator.itemgetter(2), flat), np.int64, n)
+    # The actions with parts are those of a composite kind, unless some action says otherwise (parts of its own or
+    # none): then they are read one by one.
+    composite = np.flatnonzero(_of_kinds(kind, [KINDS[code].composite for code in codes]))
+    if operator.countOf(map(operator.itemgetter(3), flat), ()) != n - len(composite):
+        composite = np.fromiter(itertools.compress(itertools.count(), map(operator.itemgetter(3), flat)), np.int64)
+    if not len(composite):
+        return ActionTable(codes, device, kind, stage, microbatch, composite, np.arange(n), kind, stage, microbatch)
+    of_parts = list(map(operator.itemgetter(3), map(flat.__getitem__, composite.tolist())))
+    parts = list(itertools.chain.from_iterable(of_parts))
+    sizes = np.ones(n, np.int64)
+    sizes[composite] = np.fromiter(map(len, of_parts), np.int64, len(of_parts))
+    owner = np.repeat(np.arange(n), sizes)
+    at = np.cumsum(sizes) - sizes  # each action's first pass
+    simple = np.ones(n, dtype=bool)
+    simple[composite] = False
+    where = at[simple]
+    into = np.repeat(at[composite], sizes[composite])
+    into += np.arange(len(into)) - np.repeat(np.cumsum(sizes[composite]) - sizes[composite], sizes[composite])
+    columns = []
+    for whole, of_part in ((kind, map(number.get, map(operator.itemgetter(1), parts), itertools.repeat(-1))),
+                           (stage, map(operator.itemgetter(0), parts)),
+                           (microbatch, map(operator.itemgetter(2), parts))):
+        column = np.empty(len(owner), np.int64)
+        column[where] = whole[simple]
+        column[into] = np.fromiter(of_part, np.int64, len(parts))
+        columns.append(column)
+    return ActionTable(codes, device, kind, stage, microbatch, composite, owner, *columns)
+
+
+# --------------------------------------------------------------------------- who gives each pass
+
+
+def _givers(schedule: Schedule, table: ActionTable, rules: _Rules, offsets: Sequence[int]) -> Ints:
+    """Who gives each pass: a flat array over (pass * S + stage) * M + microbatch of global action numbers
     (-1: nobody), stage-wide passes after them at (pass * S + stage) * D + device."""
+    giver = _givers_at_once(schedule, table, rules)
+    if giver is None:
+        giver = np.array(_givers_in_order(schedule, offsets, rules.names), dtype=np.int64)
+    _check_complete(schedule, giver, offsets)
+    S, M, D = schedule.stages, schedule.microbatches, schedule.devices
+    r_base = len(rules.names) * S * M + rules.names[Kind.R] * S * D
+    for s in range(S):
+        holders = schedule.holders(s)
+        if len(holders) > 1:
+            for d in holders:
+                if giver[r_base + s * D + d] < 0:
+                    _fail(schedule, f"device {d}: stage {s} has replicas on devices "
+                          f"{', '.join(map(str, holders))}, so each needs an all-reduce of its gradients "
+                          f"({s}{Kind.R}) after its last backward", device=d, position=len(schedule.actions[d]))
+    return giver
+
+
+def _givers_at_once(schedule: Schedule, table: ActionTable, rules: _Rules) -> Ints | None:
+    """:func:`_givers` on the arrays, for a schedule whose every pass is of a registered simple kind, in range, on
+    its device and given once; None otherwise (then :func:`_givers_in_order` finds the first that is not)."""
+    S, M, D = schedule.stages, schedule.microbatches, schedule.devices
+    wide0 = len(rules.names) * S * M
+    kind, stage, mb, owner = table.pass_kind, table.pass_stage, table.pass_microbatch, table.owner
+    if len(kind) and (kind.min() < 0 or rules.composite[kind].any()):
+        return None
+    per = rules.per_microbatch[kind]
+    giver = np.full(wide0 + len(rules.names) * S * D, -1, dtype=np.int64)
+    # Per-microbatch passes: in range (as unsigned, a negative number is out of range too), on the device that the
+    # placement of their microbatch's replica gives their stage, and each pass of a (stage, microbatch) given once.
+    k, s, m, g = (kind, stage, mb, owner) if per.all() else (kind[per], stage[per], mb[per], owner[per])
+    if not ((s.view(np.uint64) < S).all() and (m.view(np.uint64) < M).all()):
+        return None
+    placed = np.array(schedule.placement)
+    placed = placed[0][s] if len(placed) == 1 else placed[np.array(schedule.routes)[m], s]
+    if (placed != table.device[g]).any():
+        return None
+    at = s * M + m
+    given = 0
+    for j in range(rules.gives.shape[1]):
+        p = rules.gives[k, j]
+        has = p >= 0
+        if has.all():
+            giver[p * (S * M) + at] = g
+        else:
+            giver[p[has] * (S * M) + at[has]] = g[has]
+        given += int(np.count_nonzero(has))
+    if np.count_nonzero(giver[:wide0] >= 0) != given:
+        return None
+    # Stage-wide passes (all-reduces, optimizer steps, ...): few, one by one.
+    holders = [schedule.holders(st) for st in range(S)]
+    for g1, k1, s1, m1, d1 in zip(*(x[~per].tolist() for x in (owner, kind, stage, mb, table.device[owner])),
+                                  strict=True):
+        spec = KINDS[rules.codes[k1]]
+        if not (0 <= s1 < S and m1 == NO_MICROBATCH and d1 in holders[s1]) or \
+                (spec.collective and len(holders[s1]) < 2):
+            return None
+        for name in spec.gives:
+            at1 = wide0 + (rules.names[name] * S + s1) * D + d1
+            if giver[at1] >= 0:
+                return None
+            giver[at1] = g1
+    return giver
+
+
+def _givers_in_order(schedule: Schedule, offsets: Sequence[int], names: Mapping[str, int]) -> list[int]:
+    """:func:`_givers`, action by action in device order: raises :class:`ScheduleError` at the first action of an
+    unregistered kind, out of range or in the wrong place, or that gives a pass given before."""
     S, M, D = schedule.stages, schedule.microbatches, schedule.devices
     placement, routes = schedule.placement, schedule.routes
-    names = _pass_names()
     P = len(names)
     wide0 = P * S * M
     giver = [-1] * (wide0 + P * S * D)
     info = {code: (spec.microbatch, tuple((names[g] * S) * M for g in spec.gives),
                    tuple(wide0 + names[g] * S * D for g in spec.gives)) for code, spec in KINDS.items()}
-    # The common case first: a one-replica schedule's simple action of a known per-microbatch kind that gives
-    # one pass; anything else goes through the general loop below.
-    one = {code: gives[0] for code, (per_mb, gives, _) in info.items() if per_mb and len(gives) == 1}
-    home = placement[0] if len(placement) == 1 else None
     gid = 0
     for device, row in enumerate(schedule.actions):
         for position, act in enumerate(row):
-            s, kind, m, parts = act
-            base = one.get(kind, -1)
-            if base >= 0 and home is not None and not parts and 0 <= s < S and 0 <= m < M and home[s] == device:
-                at = base + s * M + m
-                if giver[at] >= 0:
-                    _duplicate(schedule, device, position, act, giver[at], offsets)
-                giver[at] = gid
-                gid += 1
-                continue
-            for a in (parts or (act,)):
+            for a in (act[3] or (act,)):
                 s, kind, m = a[0], a[1], a[2]
                 got = info.get(kind)
                 if got is None:
@@ -198,17 +404,7 @@ def _givers(schedule: Schedule, offsets: Sequence[int]) -> tuple[list[int], dict
                             _duplicate(schedule, device, position, a, giver[base + s * D + device], offsets)
                         giver[base + s * D + device] = gid
             gid += 1
-    _check_complete(schedule, giver, offsets)
-    r_base = wide0 + names[Kind.R] * S * D
-    for s in range(S):
-        holders = schedule.holders(s)
-        if len(holders) > 1:
-            for d in holders:
-                if giver[r_base + s * D + d] < 0:
-                    _fail(schedule, f"device {d}: stage {s} has replicas on devices "
-                          f"{', '.join(map(str, holders))}, so each needs an all-reduce of its gradients "
-                          f"({s}{Kind.R}) after its last backward", device=d, position=len(schedule.actions[d]))
-    return giver, names
+    return giver
 
 
 def _where(offsets: Sequence[int], gid: int) -> tuple[int, int]:
@@ -234,12 +430,12 @@ def _duplicate(schedule: Schedule, device: int, position: int, a: Action, first_
           "both compute the same pass", device=device, position=position)
 
 
-def _check_complete(schedule: Schedule, giver: list[int], offsets: Sequence[int]) -> None:
+def _check_complete(schedule: Schedule, giver: Ints, offsets: Sequence[int]) -> None:
     """Every (stage, microbatch) has its forward, its input gradient and its weight gradient."""
     SM = schedule.stages * schedule.microbatches
-    f, b, w = giver[:SM], giver[SM:2 * SM], giver[2 * SM:3 * SM]
-    if min(f) >= 0 and min(b) >= 0 and min(w) >= 0:
+    if np.all(giver[:3 * SM] >= 0):
         return
+    f, b, w = giver[:SM].tolist(), giver[SM:2 * SM].tolist(), giver[2 * SM:3 * SM].tolist()
     M = schedule.microbatches
     for idx in range(SM):
         s, m = divmod(idx, M)
@@ -258,150 +454,326 @@ def _check_complete(schedule: Schedule, giver: list[int], offsets: Sequence[int]
                   device=device, position=pos)
 
 
-def _inputs(schedule: Schedule, giver: list[int], names: Mapping[str, int],
-            offsets: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+# --------------------------------------------------------------------------- what each action waits for
+
+
+class Links(NamedTuple):
+    """What each of ``size`` actions waits for, by global number: its k-th input in ``slots[k]`` (-1: none, and then
+    in no later slot either), or, for an action in ``more`` (a stage-wide one, or one with a stage-wide part), all of
+    them there."""
+
+    size: int
+    slots: tuple[Ints, ...]
+    more: dict[int, tuple[int, ...]]
+
+    def tuples(self, actions: Ints) -> dict[int, tuple[int, ...]]:
+        """The inputs of ``actions`` (global numbers), as tuples by action in the order given."""
+        out = _as_tuples(self.slots, actions)
+        for g, ins in self.more.items():
+            if g in out:
+                out[g] = ins
+        return out
+
+    def spelled(self) -> tuple[tuple[int, ...], ...]:
+        """Every action's inputs as a tuple (:attr:`Graph.inputs`)."""
+        return tuple(self.tuples(np.arange(self.size)).values())
+
+
+def _packed(columns: Sequence[Ints], n: int) -> tuple[Ints, ...]:
+    """``columns`` of inputs of ``n`` actions (-1: none) packed to the front: the k-th is each one's k-th input."""
+    columns = [column for column in columns if column.max(initial=-1) >= 0]
+    if len(columns) < 2:
+        return tuple(columns)
+    if len(columns) == 2:
+        one, two = columns
+        both = (one >= 0) & (two >= 0)
+        packed = (np.where(one >= 0, one, two), np.where(both, two, -1))
+        return packed if both.any() else packed[:1]
+    count = np.zeros(n, dtype=np.int64)  # each action's inputs so far
+    slots: list[Ints] = []
+    for column in columns:
+        has = column >= 0
+        if (has & (count == len(slots))).any():
+            slots.append(np.full(n, -1, dtype=np.int64))
+        for k, slot in enumerate(slots):
+            np.copyto(slot, column, where=has & (count == k))
+        count += has
+    return tuple(slots)
+
+
+def _as_tuples(slots: Sequence[Ints], actions: Ints) -> dict[int, tuple[int, ...]]:
+    """The inputs in packed ``slots`` of ``actions`` (global numbers), as tuples by action in the order given."""
+    count = np.zeros(len(actions), dtype=np.int64)
+    for slot in slots:
+        count += slot[actions] >= 0
+    out: dict[int, tuple[int, ...]] = dict.fromkeys(actions.tolist(), ())
+    for k in range(1, len(slots) + 1):
+        got = actions[count == k]
+        out.update(zip(got.tolist(), zip(*(slot[got].tolist() for slot in slots[:k]), strict=True), strict=True))
+    return out
+
+
+def _inputs(schedule: Schedule, table: ActionTable, rules: _Rules, giver: Ints) -> Links:
+    """What each action waits for besides the one before it on its device, from :data:`KINDS`: per pass, the givers
+    of its needs, then the stage-wide passes it comes after; a composite's passes in part order."""
     S, M, D = schedule.stages, schedule.microbatches, schedule.devices
-    wide0 = len(names) * S * M
-    by_replica: dict[int, list[int]] = {}
-    for m, r in enumerate(schedule.routes):
-        by_replica.setdefault(r, []).append(m)
-    # Per kind: (stage offset, index of that pass at stage offset 0) for each need.
-    needs = {code: tuple((off, names[n] * S * M + off * M) for n, off in spec.needs) for code, spec in KINDS.items()}
-    # Per-microbatch kinds that also wait for stage-wide passes (a forward for its stage's FSDP all-gather), where
-    # the schedule has any of those passes at all.
-    wide_afters = {code: tuple(wide0 + names[n] * S * D for n in spec.after) for code, spec in KINDS.items()
-                   if spec.microbatch and spec.after}
-    wide_afters = {code: bases for code, bases in wide_afters.items()
-                   if any(g >= 0 for base in bases for g in giver[base:base + S * D])}
-    out: list[tuple[int, ...]] = []
-    append = out.append
-    for device, row in enumerate(schedule.actions):
-        for act in row:
-            if not act[3] and act[2] >= 0 and act[1] not in wide_afters:  # the common case: one pass of one
-                # microbatch, one or two needs
-                s, kind, m = act[0], act[1], act[2]
-                at = s * M + m
-                nd = needs[kind]
-                off, base = nd[0] if nd else (-S, 0)
-                g = giver[base + at] if 0 <= s + off < S else -1
-                if len(nd) == 2:
-                    off, base = nd[1]
-                    g2 = giver[base + at] if 0 <= s + off < S else -1
-                    append((g, g2) if g >= 0 and g2 >= 0 else (g,) if g >= 0 else (g2,) if g2 >= 0 else ())
-                elif len(nd) < 2:
-                    append((g,) if g >= 0 else ())
-                else:
-                    append(tuple(g for off, base in nd if 0 <= s + off < S and (g := giver[base + at]) >= 0))
-                continue
+    wide0 = len(rules.names) * S * M
+    kind, stage, mb, owner = table.pass_kind, table.pass_stage, table.pass_microbatch, table.owner
+    per = rules.per_microbatch[kind]
+    n = len(table.kind)
+    # Per pass, one column per need and per stage-wide pass waited for: its giver, -1 for none (an offset that
+    # leaves the model, a pass nobody gives, a stage-wide kind). Columns nobody has are left out.
+    columns = []
+    for j in range(rules.need_pass.shape[1]):
+        p, t = rules.need_pass[kind, j], stage + rules.need_offset[kind, j]
+        ok = per & (p >= 0) & (t.view(np.uint64) < S)
+        if ok.any():
+            columns.append(np.where(ok, giver[np.where(ok, (p * S + t) * M + mb, 0)], -1))
+    for j in range(rules.after.shape[1]):
+        present = [q for q in set(rules.after[:, j].tolist()) - {-1}
+                   if (giver[wide0 + q * S * D:wide0 + (q + 1) * S * D] >= 0).any()]
+        if present:
+            p = rules.after[kind, j]
+            ok = per & _of_kinds(p, [q in present for q in range(len(rules.names))])
+            columns.append(np.where(ok, giver[np.where(ok, wide0 + (p * S + stage) * D + table.device[owner], 0)],
+                                    -1))
+    # Per action: its passes' columns one after the other.
+    sizes = np.bincount(owner, minlength=n)
+    first_pass = np.cumsum(sizes) - sizes
+    candidates = columns
+    if len(table.composite):
+        part = np.arange(len(owner)) - first_pass[owner]
+        candidates = []
+        for j in range(int(sizes.max())):
+            of = part == j
+            for column in columns:
+                joined = np.full(n, -1, dtype=np.int64)
+                joined[owner[of]] = column[of]
+                candidates.append(joined)
+    more: dict[int, tuple[int, ...]] = {}
+    # Stage-wide passes: every microbatch's pass that they gather (of their replica), then the stage-wide passes
+    # of their stage and device that they come after. Few: worked out one by one, with their actions' other passes.
+    wide = np.flatnonzero(~per)
+    if len(wide):
+        by_replica: dict[int, list[int]] = {}
+        for m, r in enumerate(schedule.routes):
+            by_replica.setdefault(r, []).append(m)
+        actions = np.unique(owner[wide])
+        passes = np.concatenate([np.arange(a, a + b) for a, b in zip(first_pass[actions].tolist(),
+                                                                     sizes[actions].tolist(), strict=True)])
+        ins_of = zip(*(column[passes].tolist() for column in columns), strict=True) if columns else itertools.repeat(())
+        at = iter(zip(per[passes].tolist(), stage[passes].tolist(), kind[passes].tolist(), ins_of, strict=False))
+        for g, d, n_passes in zip(actions.tolist(), table.device[actions].tolist(), sizes[actions].tolist(),
+                                  strict=True):
             got: list[int] = []
-            for a in act.passes:
-                s, kind, m = a[0], a[1], a[2]
-                if m >= 0:
-                    at = s * M + m
-                    got += [g for off, base in needs[kind] if 0 <= s + off < S and (g := giver[base + at]) >= 0]
-                    got += [g for base in wide_afters.get(kind, ()) if (g := giver[base + s * D + device]) >= 0]
+            for per_e, s, k, ins in itertools.islice(at, n_passes):
+                if per_e:
+                    got += [x for x in ins if x >= 0]
                     continue
-                spec = KINDS[kind]
-                replica = schedule.replica_on(s, device)
-                for n in spec.gathers:
-                    got += [g for mb in by_replica.get(replica, ()) if (g := giver[names[n] * S * M + s * M + mb]) >= 0]
-                for n in spec.after:
-                    if (g := giver[wide0 + names[n] * S * D + s * D + device]) >= 0:
-                        got.append(g)
-            append(tuple(got))
-    return tuple(out)
+                spec = KINDS[rules.codes[k]]
+                mbs = np.array(by_replica.get(schedule.replica_on(s, d), []), dtype=np.int64)
+                for name in spec.gathers:
+                    got += [x for x in giver[rules.names[name] * S * M + s * M + mbs].tolist() if x >= 0]
+                for name in spec.after:
+                    if (x := int(giver[wide0 + (rules.names[name] * S + s) * D + d])) >= 0:
+                        got.append(x)
+            more[g] = tuple(got)
+    return Links(n, _packed(candidates, n), more)
 
 
-def _traverse(schedule: Schedule, offsets: tuple[int, ...], inputs: tuple[tuple[int, ...], ...],
-              durations: Sequence[float] | None, transfer: float, idle: frozenset[str]) -> Graph:
+# --------------------------------------------------------------------------- the traversal
+
+
+def _traverse(schedule: Schedule, offsets: tuple[int, ...], table: ActionTable, links: Links,
+              durations: Sequence[float] | npt.NDArray[np.float64] | None, transfer: float,
+              idle: frozenset[str]) -> Graph:
     """A runnable order: each device runs on until an action waits for one not yet run, and is woken then.
 
     The members of a collective start together, once every member is at the head of its device.
     """
-    rows = schedule.actions
-    D = schedule.devices
-    N = schedule.num_actions
-    peers: dict[int, tuple[int, ...]] = {}
-    members: dict[tuple[str, int], list[int]] = {}
-    quiet: set[int] = set()  # actions that leave their device free (communication)
-    for d, row in enumerate(rows):
-        for i, a in enumerate(row):
-            if not a.parts and a.microbatch < 0:
-                if KINDS[a.kind].collective:
-                    members.setdefault((a.kind, a.stage), []).append(offsets[d] + i)
-                if a.kind in idle:
-                    quiet.add(offsets[d] + i)
-    for together in members.values():
-        for member in together:
-            peers[member] = tuple(together)
-    dev_of = [d for d, row in enumerate(rows) for _ in row]
-    dur = durations if durations is not None else [0.0] * N
-    done = bytearray(N)
+    D, N = schedule.devices, len(table.kind)
+    device = table.device
+    # Stage-wide actions without parts: the collectives' members (by kind and stage) and the communication that
+    # leaves its device free.
+    alone = table.microbatch < 0
+    alone[table.composite] = False
+    members: dict[tuple[int, int], list[int]] = {}
+    for g in np.flatnonzero(alone & _of_kinds(table.kind, [KINDS[code].collective for code in table.kinds])).tolist():
+        members.setdefault((int(table.kind[g]), int(table.stage[g])), []).append(g)
+    peers = {m: tuple(together) for together in members.values() for m in together}
+    quiet = set(np.flatnonzero(alone & _of_kinds(table.kind, [code in idle for code in table.kinds])).tolist())
+    # The inputs the loop looks at: not those that ran earlier on the same device and keep it busy until they end
+    # (all but communication), as the device is free only after they end: they can neither hold it up nor start it
+    # later. (Unless a duration is below 0: then a device's free time can go back, and the loop looks at all.)
+    durations = np.zeros(N) if durations is None else np.asarray(durations, dtype=np.float64)
+    slots, more = links.slots, links.more
+    if not N or durations.min() >= 0:
+        busy = np.ones(N, dtype=bool)
+        busy[list(quiet)] = False
+        gid = np.arange(N)
+
+        def needless(inputs: Ints, of: Ints = gid) -> npt.NDArray[np.bool_]:  # (an input -1 is masked out after)
+            drop = (device[inputs] == device[of]) & (inputs < of)
+            return drop & busy[inputs] if quiet else drop
+
+        slots = _packed([np.where(needless(slot), -1, slot) for slot in slots], N)
+        if more:
+            which = np.repeat(np.arange(len(more)), [len(ins) for ins in more.values()])
+            every = np.fromiter(itertools.chain.from_iterable(more.values()), np.int64, len(which))
+            keep = ~needless(every, np.fromiter(more, np.int64, len(more))[which])
+            kept, counts = every[keep].tolist(), np.bincount(which[keep], minlength=len(more)).tolist()
+            more = {g: tuple(kept[end - n:end]) for g, n, end in zip(more, counts, itertools.accumulate(counts),
+                                                                      strict=True)}
+    first = slots[0] if slots else np.full(N, -1, dtype=np.int64)
+    # The actions the loop hands to its general path, with the inputs it looks at: the collectives' members, the
+    # communication, the stage-wide actions and those with three inputs or more.
+    special = slots[2] >= 0 if len(slots) > 2 else np.zeros(N, dtype=bool)
+    special[list(itertools.chain(peers, quiet))] = True
+    special[list(more)] = False
+    general = _as_tuples(slots, np.flatnonzero(special))
+    general.update(more)
+    # Those with two (an overlapped pair: its forward's activation and its backward's gradient).
+    pair = np.zeros(N, dtype=bool)
+    if len(slots) > 1:
+        pair[slots[1] >= 0] = True
+        pair[list(general)] = False
+    # What the loop reads of each action, in flat arrays of machine numbers (not the hundreds of thousands of Python
+    # objects a list would hold): the input it looks at, as an index into ``ends`` (N: none, which ended at -inf;
+    # N + 1: go to the general path, N + 2: to the two inputs below, neither ever ended), and its duration. With a
+    # transfer time, ``ends`` also holds, from ``arrive`` on, when each output reaches another device, which is where
+    # an input from another device is looked up.
+    arrive = N + 3 if transfer else 0
+    remote = (device[first] != device) * arrive  # (where there is a first input)
+    look = np.where(first >= 0, first + remote, N)
+    look[pair] = N + 2
+    look[list(general)] = N + 1
+    look_at = array.array("q", look.tobytes())
+    pair_in = (array.array("q"), array.array("q"))
+    if pair.any():  # the first and the second input of the actions with two
+        second = slots[1]
+        pair_in = (array.array("q", (first + remote).tobytes()),
+                   array.array("q", (second + (device[second] != device) * arrive).tobytes()))
+    dur = array.array("d", durations.tobytes())
+    dev_of: list[int] = device.tolist() if general else []
+    ends: list[float | None] = [None] * (N + 3 + (N if arrive else 0))  # None: not run yet
+    ends[N] = -math.inf
     starts = [0.0] * N
-    ends = [0.0] * N
+    waiter = [-1] * N  # the device that waits for each action (-1: none) ...
+    later: dict[int, list[int]] = {}  # ... and any more, in the order they came
     free = [0.0] * D
-    heads = [0] * D
-    lengths = [len(r) for r in rows]
-    waiting: dict[int, list[int]] = {}
-    order: list[int] = []
-    queue = deque(range(D))
-    while queue:
-        device = queue.popleft()
-        pos, n = heads[device], lengths[device]
-        gid = offsets[device] + pos
-        ready0 = free[device]
-        while pos < n:
-            ready = ready0
-            blocker = -1
-            for g in inputs[gid]:
-                if not done[g]:
-                    blocker = g
+    heads = list(offsets)  # each device's next action, by global number
+    stops = [*offsets[1:], N]
+    runs: list[int] = []  # the order, as [first, end) ranges
+    queue = list(range(D))  # devices to run, first come first served: the loop below reads it as it grows
+    wake = queue.append
+    note = runs.append
+    to_general, two_inputs = N + 1, N + 2
+    for device_ in queue:
+        g = g0 = heads[device_]
+        stop = stops[device_]
+        ready = free[device_]  # when the device is free
+        while g < stop:
+            i = look_at[g]
+            e = ends[i]
+            if e is None:
+                if i == two_inputs:  # the later arrival counts
+                    i = pair_in[0][g]
+                    e = ends[i]
+                    if e is not None:
+                        j = pair_in[1][g]
+                        e2 = ends[j]
+                        if e2 is None:
+                            i, e = j, None
+                        elif e2 > e:
+                            e = e2
+                if e is None:
+                    if i == to_general:  # more inputs, a collective, communication
+                        start = ready
+                        blocker = -1
+                        for x in general[g]:
+                            e = ends[x]
+                            if e is None:
+                                blocker = x
+                                break
+                            if dev_of[x] != device_:
+                                e += transfer
+                            if e > start:
+                                start = e
+                        if blocker >= 0:
+                            i = blocker
+                        elif g in peers:
+                            group = peers[g]
+                            if any(m != g and heads[dev_of[m]] != m for m in group):
+                                break  # the last member to arrive runs them all
+                            for m in group:
+                                md = dev_of[m]
+                                # (an input not run yet counts as ending at 0, as the group goes ahead without it)
+                                t = max([free[md]] + [(ends[x] or 0.0) + (transfer if dev_of[x] != md else 0.0)
+                                                      for x in general[m]])
+                                start = max(start, t)
+                            if g > g0:
+                                note(g0)
+                                note(g)
+                            for m in group:
+                                md = dev_of[m]
+                                starts[m] = start
+                                ends[m] = end = start + dur[m]
+                                if arrive:
+                                    ends[m + arrive] = end + transfer
+                                note(m)
+                                note(m + 1)
+                                free[md] = start if m in quiet else end
+                                if md != device_:
+                                    heads[md] += 1
+                                    queue.append(md)
+                                w = waiter[m]
+                                if w >= 0:
+                                    wake(w)
+                                    queue.extend(later.pop(m, ()))
+                            ready = free[device_]
+                            g += 1
+                            g0 = g
+                            continue
+                        else:
+                            starts[g] = start
+                            ends[g] = end = start + dur[g]
+                            if arrive:
+                                ends[g + arrive] = end + transfer
+                            ready = start if g in quiet else end
+                            w = waiter[g]
+                            if w >= 0:
+                                wake(w)
+                                queue.extend(later.pop(g, ()))
+                            g += 1
+                            continue
+                    if i > N:  # an arrival: wait for the action it is of
+                        i -= arrive
+                    if waiter[i] < 0:
+                        waiter[i] = device_
+                    else:
+                        later.setdefault(i, []).append(device_)
                     break
-                t = ends[g] + transfer if dev_of[g] != device else ends[g]
-                if t > ready:
-                    ready = t
-            if blocker >= 0:
-                waiting.setdefault(blocker, []).append(device)
-                break
-            if peers and gid in peers:
-                group = peers[gid]
-                late = next((m for m in group if m != gid and heads[dev_of[m]] + offsets[dev_of[m]] != m), -1)
-                if late >= 0:
-                    break  # the last member to arrive runs them all
-                for m in group:
-                    md = dev_of[m]
-                    t = max([free[md]] + [ends[g] + (transfer if dev_of[g] != md else 0.0) for g in inputs[m]])
-                    ready = max(ready, t)
-                for m in group:
-                    md = dev_of[m]
-                    starts[m], ends[m] = ready, ready + dur[m]
-                    done[m] = 1
-                    order.append(m)
-                    free[md] = ready if m in quiet else ready + dur[m]
-                    if md != device:
-                        heads[md] += 1
-                        queue.append(md)
-                    queue.extend(waiting.pop(m, ()))
-                ready0 = free[device]
-                pos += 1
-                gid += 1
-                continue
-            end = ready + dur[gid]
-            starts[gid] = ready
-            ends[gid] = end
-            done[gid] = 1
-            order.append(gid)
-            ready0 = ready if quiet and gid in quiet else end
-            woken = waiting.pop(gid, None)
-            if woken:
-                queue.extend(woken)
-            pos += 1
-            gid += 1
-        free[device] = ready0
-        heads[device] = pos
-    if len(order) != N:
-        _report_stuck(schedule, offsets, heads, inputs, peers)
-    return Graph(schedule, offsets, inputs, tuple(order), peers, starts, ends)
+            if e > ready:
+                ready = e
+            starts[g] = ready
+            ends[g] = ready = ready + dur[g]
+            if arrive:
+                ends[g + arrive] = ready + transfer
+            w = waiter[g]
+            if w >= 0:
+                wake(w)
+                if later:
+                    queue.extend(later.pop(g, ()))
+            g += 1
+        if g > g0:
+            note(g0)
+            note(g)
+        free[device_] = ready
+        heads[device_] = g
+    if heads != stops:
+        _report_stuck(schedule, offsets, [h - o for h, o in zip(heads, offsets, strict=True)], links.spelled(),
+                      peers)
+    return Graph(schedule, offsets, peers, starts, ends[:N], table, links, runs)  # type: ignore[arg-type]
 
 
 def _report_stuck(schedule: Schedule, offsets: Sequence[int], heads: list[int],

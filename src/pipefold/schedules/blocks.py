@@ -28,12 +28,11 @@ Turning a block into a schedule (``BuildingBlock.to_schedule``):
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
-from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -102,12 +101,9 @@ class BuildingBlock:
 
     def _alive(self, device: int) -> list[int]:
         """Stage activations a device holds in each slot of one steady-state period."""
-        T = self.interval
+        T, stages = self.interval, self._stages_of(device)
         base = T * (max(self.w) // T + 1)  # far enough in that every earlier repeat has started
-        return [
-            sum((t - self.f[s]) // T - (t - self.w[s] - 1) // T for s in self._stages_of(device))
-            for t in range(base, base + T)
-        ]
+        return [sum((t - self.f[s]) // T - (t - self.w[s] - 1) // T for s in stages) for t in range(base, base + T)]
 
     def predicted_peak(self) -> list[float]:
         """Per device, the most activation memory the repeated block holds at once, in M.
@@ -127,54 +123,140 @@ class BuildingBlock:
 # below runs on flat integer arrays: a V schedule at p=64, m=1024 has 393,216 passes.
 _F, _B, _W = 0, 1, 2
 _KINDS = (Kind.F, Kind.B, Kind.W)
+# A cell of a device's row in pull_forward.
+_IDLE, _FWD, _BWD = 0, 1, 2
 
 
 class _Expansion:
     """One block expanded to m microbatches: the slot of every pass, refined step by step.
 
-    Whatever has no sequential dependency (numbering, repeating, sorting, building the
-    actions) is done on numpy arrays; the steps where each pass depends on earlier ones walk lists.
+    Squeeze and pull_forward visit the passes one by one, each visit reading what earlier ones
+    wrote. Done literally that costs seconds at p=64, m=1024; two things make it fast:
+
+    * The steady state repeats. Both steps visit the passes by slot, which in the middle of the
+      schedule runs one period (one pass of each (kind, stage), T slots) after another, each the
+      previous one a microbatch later. Once the walk has reached that regime, the visits of the
+      following periods are copied from the last one, T slots later each time, instead of being
+      walked: ``_squeeze_jump`` and ``_pull_jump`` say why the copy is exactly what the walk would
+      have computed (proved from the state the walk has reached, never assumed; where the proof
+      fails the walk goes on). Only the warm-up and cool-down, O(p^2) passes, are walked.
+    * pull_forward keeps each device's memory lazily and only at its passes (``_DeviceRow``),
+      and never looks at the passes it has not visited yet; the W fill and the sorts are numpy.
     """
 
     def __init__(self, block: BuildingBlock, m: int) -> None:
         self.block, self.m = block, m
-        S = block.stages
-        self.S = S
-        ids = np.arange(3 * S * m)
-        kind, self.stage = ids // (S * m), (ids // m) % S
-        self.device: list[int] = np.asarray(block.placement)[self.stage].tolist()
-        offsets = np.array([block.f, block.b, block.w])
-        # 1. Repeat: microbatch j's passes are the block's, j*T slots later.
-        self.slot: list[int] = (offsets[kind, self.stage] + block.interval * (ids % m)).tolist()
+        S, T = block.stages, block.interval
+        self.S, self.T, self.D = S, T, block.devices
+        n = 3 * S * m
+        self.n = n
+        # Arrays over (group, microbatch), raveled: a group is kind * S + stage.
+        microbatch = np.arange(m)
+        self.stage = np.repeat(np.tile(np.arange(S), 3), m)
+        self.device = np.repeat(np.tile(np.asarray(block.placement), 3), m)
+        # 1. Repeat: microbatch j's passes are the block's, j*T slots later. The slot array has one more
+        # cell, at index n, holding -1: the input of a pass that needs none, which never delays anything.
+        self.slot = np.empty(n + 1, dtype=np.int64)
+        self.slot[:n] = (np.array([block.f, block.b, block.w]).reshape(-1, 1) + T * microbatch).ravel()
+        self.slot[n] = -1
         # The passes whose results each pass needs (by the kinds' rules, pipefold.ir.KINDS), at most
-        # two, with len(ids) for none: that index holds a slot of -1, which never delays anything.
-        none = len(ids)
-        inputs = [np.full(len(ids), none) for _ in range(2)]
+        # two, with n for none: the same microbatch of one group.
+        needs = np.full((2, 3 * S, 1), -1)
         for k, code in enumerate(_KINDS):
             for slot_no, (name, offset) in enumerate(KINDS[code].needs):
-                mine = kind == k
-                target = self.stage + offset
-                dep = np.where(mine & (target >= 0) & (target < S), (_KINDS.index(name) * S + target) * m + ids % m,
-                               none)
-                inputs[slot_no] = np.where(mine, dep, inputs[slot_no])
-        self.inputs: tuple[list[int], list[int]] = (inputs[0].tolist(), inputs[1].tolist())
-        self.slot.append(-1)
+                target = np.arange(S) + offset
+                needs[slot_no, k * S:(k + 1) * S, 0] = np.where((target >= 0) & (target < S),
+                                                                _KINDS.index(name) * S + target, -1)
+        first, second = (np.where(g >= 0, g * m + microbatch, n).ravel() for g in needs)
+        self.inputs: tuple[np.ndarray, np.ndarray] = (first, second)
 
-    def _in_slot_order(self, count: int) -> list[int]:
-        """The first ``count`` passes by slot; inputs always sit in earlier slots, ties (other devices) by stage."""
-        key = np.asarray(self.slot[:count]) * self.S + self.stage[:count]
-        return np.argsort(key, kind="stable").tolist()
+    def schedule(self, name: str, options: dict[str, int]) -> Schedule:
+        self.squeeze()
+        self.pull_forward()
+        S, m, D = self.S, self.m, self.D
+        slot = self.slot[:-1]
+        order = _sorted_by_key(self.device * (int(slot.max()) + 1) + slot)  # by device, then slot
+        # tuple.__new__ over zipped columns makes the Actions without a Python call each.
+        kinds = map(_KINDS.__getitem__, (order // (S * m)).tolist())
+        columns = zip(self.stage[order].tolist(), kinds, (order % m).tolist(), itertools.repeat(()))
+        flat = list(map(tuple.__new__, itertools.repeat(Action), columns))
+        ends = np.cumsum(np.bincount(self.device, minlength=D)).tolist()
+        actions = tuple(tuple(flat[a:b]) for a, b in zip([0, *ends], ends, strict=False))
+        return Schedule(name, D, S, m, (self.block.placement,), actions, options)
+
+    def _visit(self, count: int, period: int) -> _Visit:
+        """The first ``count`` passes by their slot now (ties, on other devices, by stage)."""
+        return _Visit(self.slot[:count] * self.S + self.stage[:count], self.S, self.m, self.T, period)
+
+    # ------------------------------------------------------------------ 2. squeeze
 
     def squeeze(self) -> None:
-        """2. Keep each device's order; start every pass at the first slot its device and inputs allow."""
-        free = [0] * self.block.devices
-        slot, device = self.slot, self.device
-        first, second = self.inputs
-        for i in self._in_slot_order(len(device)):
-            d = device[i]
-            t = max(free[d], slot[first[i]] + 1, slot[second[i]] + 1)
-            slot[i] = t
-            free[d] = t + 1
+        """2. Keep each device's order; start every pass at the first slot its device and inputs allow.
+
+        Passes are visited by slot: inputs always sit in earlier slots, so each pass's slot is final
+        when a later one reads it.
+        """
+        visit = self._visit(self.n, 3 * self.S)
+        free = [0] * self.D  # the first slot each device has free
+        slot = self.slot.data  # a memoryview: single items without numpy's overhead
+        device, (first, second) = self.device, self.inputs
+
+        def walk(start: int, stop: int) -> None:
+            ids = visit.order[start:stop]
+            columns = (ids.tolist(), device[ids].tolist(), first[ids].tolist(), second[ids].tolist())
+            for i, d, a, b in zip(*columns, strict=True):
+                t = free[d] - 1
+                if slot[a] > t:
+                    t = slot[a]
+                if slot[b] > t:
+                    t = slot[b]
+                slot[i] = t + 1
+                free[d] = t + 2
+
+        visit.walk(walk, lambda v: self._squeeze_jump(visit, v, free))
+
+    def _squeeze_jump(self, visit: _Visit, v: int, free: list[int]) -> int:
+        """Squeeze the periods from position ``v`` on as copies of the last one; the position reached (v: none).
+
+        The squeezed slot of the pass at position y is max(free slot of its device, inputs + 1): the
+        walk computes the one solution of that recurrence, so candidate slots that satisfy it at
+        every position, in order, are the walk's. The candidates repeat the last period, T slots
+        later each time. They are checked at the first positions, as far back as the inputs of a
+        position reach (``_Visit.reach``); past those, a position's device predecessor and inputs
+        are candidates one period after those of the position a period earlier, so it satisfies
+        the recurrence exactly when that position does.
+        """
+        period, T, slot, order = visit.period, self.T, self.slot, visit.order
+        if v < 2 * period:
+            return v
+        template, before = order[v - period:v], order[v - 2 * period:v - period]
+        # A cheap filter, not the proof: the last period must have repeated the one before.
+        if not visit.repeats[v - period:v].all() or not np.array_equal(slot[template], slot[before] + T):
+            return v
+        periods = (visit.run_end(v) - v) // period
+        if periods < 1:
+            return v
+        _repeat_values(slot, template, periods, T)
+        reach = max(visit.reach(v - period, needs[template]) for needs in self.inputs)
+        checked = order[v:v + min(periods * period, max(period, -(-reach // period) * period))]
+        device = self.device[checked]
+        expected = np.maximum(slot[self.inputs[0][checked]], slot[self.inputs[1][checked]]) + 1
+        # The device predecessor: the previous checked pass of the device, or the walk's free slot.
+        by_device = np.argsort(device, kind="stable")
+        devices, slots = device[by_device], slot[checked][by_device]
+        starts = np.r_[True, devices[1:] != devices[:-1]]
+        after = np.empty_like(slots)
+        after[by_device] = np.where(starts, np.asarray(free)[devices], np.r_[0, slots[:-1] + 1])
+        good = np.maximum(expected, after) == slot[checked]
+        if not good.all():
+            periods = int(np.argmin(good)) // period
+            if periods < 1:
+                return v
+        for d, t in zip(self.device[template].tolist(), slot[template].tolist(), strict=True):
+            free[d] = t + periods * T + 1  # the device's last pass in the template, periods later
+        return v + periods * period
+
+    # ------------------------------------------------------------------ 3. pull forward
 
     def pull_forward(self) -> None:
         """3. Lift the Ws out, move each F and B to the earliest idle slot it may take, then fill in the Ws.
@@ -182,120 +264,329 @@ class _Expansion:
         Nothing waits on a W, so it is the natural filler: with the Ws out of
         the way, F and B can take the idle slots of the warm-up and cool-down,
         and each W then drops into the first idle slot after its B. Passes are
-        visited in slot order, so a pass's inputs are final when it moves.
-        Memory is counted as if each W already sat where it will be filled
-        (:class:`_FillerMemory`), and a move is kept only while no device goes
-        above the schedule's peak: the block's, in stage activations.
+        visited in slot order, so a pass's inputs are final when it moves; a pass
+        takes the first idle slot from the one its inputs (and the previous
+        microbatch's same pass) allow. Memory is counted as if each W already sat
+        where it will be filled (:class:`_DeviceRow`), and a move is kept only while
+        no device goes above the schedule's peak: the block's, in stage activations,
+        or the squeezed schedule's if higher.
         """
-        S, m, slot, device = self.S, self.m, self.slot, self.device
-        fb = range(2 * S * m)  # F and B passes come first in the numbering
-        horizon = max(slot[i] for i in fb) + 1
-        rows: list[list[int]] = [[-1] * horizon for _ in range(self.block.devices)]
-        for i in fb:
-            rows[device[i]][slot[i]] = i
-        memory = [_FillerMemory(row, S * m) for row in rows]
-        bound = max([max(max(self.block._alive(d)) for d in range(self.block.devices))]
-                    + [mem.peak for mem in memory])
-        first, second = self.inputs
-        none = len(device)
-        for i in self._in_slot_order(len(fb)):
-            old = slot[i]
-            previous = i - 1 if i % m else none  # the previous microbatch's same pass stays first
-            ready = max(slot[previous] + 1, slot[first[i]] + 1, slot[second[i]] + 1)
-            row, mem = rows[device[i]], memory[device[i]]
-            for t in range(ready, old):
-                if row[t] < 0 and mem.try_move(i, old, t, bound):
-                    slot[i] = t
-                    break
+        S, m = self.S, self.m
+        fb = 2 * S * m  # F and B passes come first in the numbering
+        squeezed = self.slot[:fb].copy()
+        horizon = int(squeezed.max()) + 1
+        visit = self._visit(fb, 2 * S)
+        alive = max(max(self.block._alive(d)) for d in range(self.D))
+        bound = max(alive, _squeezed_peak(self.device[:fb], squeezed, S * m, self.D, horizon))
+        rows = [_DeviceRow(horizon) for _ in range(self.D)]
+        ready = np.zeros(fb, dtype=np.int64)  # each visited pass's first allowed slot
+        slot, ready_of, device = self.slot.data, ready.data, self.device
+
+        def walk(start: int, stop: int) -> None:
+            ids = visit.order[start:stop]
+            columns = (ids, device[ids], ids >= S * m, squeezed[ids], *self._needs(ids))
+            for i, d, is_b, old, p, a, b in zip(*(column.tolist() for column in columns), strict=True):
+                r = slot[p]
+                if slot[a] > r:
+                    r = slot[a]
+                if slot[b] > r:
+                    r = slot[b]
+                r += 1
+                ready_of[i] = r
+                row, cell, new = rows[d], _BWD if is_b else _FWD, old
+                busy = row.busy
+                for t in range(r, old):
+                    if not busy[t] and row.try_move(t, old, cell, bound):
+                        new = t
+                        break
+                else:
+                    row.place(old, cell)
+                slot[i] = new
+
+        visit.walk(walk, lambda v: self._pull_jump(visit, ready, rows, v))
+        self._fill_weights(horizon)
+
+    def _pull_jump(self, visit: _Visit, ready: np.ndarray, rows: list[_DeviceRow], v: int) -> int:
+        """Pull the periods from position ``v`` on forward as copies of the last one; the position reached (v: none).
+
+        Where a pass moves depends only on: its ready slot r (from its inputs' final slots), its own
+        slot, the memory state at the start of slot r, and which cells of [r, own slot) hold an F, a
+        B or nothing (cells there hold visited passes only: the others sit at or after their own
+        slot). Let G be the least ready slot of the last period (the template). If
+
+        (a) every visited pass with a squeezed slot from G on sits one period after the same pass of
+            the previous microbatch, and the visit order repeats from there on (so the cells from
+            G on are the cells from G - T, one period on),
+        (b) every device's memory state is the same at the start of slot G + T as of slot G, and
+        (c) each pass of the next periods is ready exactly T slots after the same pass one period
+            earlier (checked as far as its inputs reach back, then implied as for the squeeze),
+
+        then by induction each next period sees what the last one saw, T slots later, and moves
+        the same: its passes land T slots later, no move lands before G + T, and the cells and
+        states from G + kT on after k periods are those from G on now, k*T slots later.
+        """
+        period, T, slot, order = visit.period, self.T, self.slot, visit.order
+        if v < 2 * period:
+            return v
+        template = order[v - period:v]
+        low = int(ready[template].min())
+        front = int(visit.slot(v))  # every pass not yet visited sits at or after this slot
+        if low + T > front:
+            return v
+        start = visit.first_at(low) + period
+        if not visit.repeats[start:v].all() or not np.array_equal(slot[order[start:v]],
+                                                                  slot[order[start - period:v - period]] + T):
+            return v  # not (a)
+        if not all(row.repeats(low, T) for row in rows):
+            return v  # not (b)
+        # Stop a period short of the repeating stretch's end: the pass at position v + periods * period is then
+        # the template's first, periods microbatches later, so the passes left to visit sit from front + periods*T on.
+        periods = (visit.run_end(v) - 1 - v) // period
+        if periods < 1:
+            return v
+        _repeat_values(slot, template, periods, T)
+        _repeat_values(ready, template, periods, T)
+        reach = max(visit.reach(v - period, needs) for needs in self._needs(template))
+        ids = order[v:v + min(periods * period, max(period, -(-reach // period) * period))]
+        previous, first, second = self._needs(ids)
+        good = np.maximum(np.maximum(slot[previous], slot[first]), slot[second]) + 1 == ready[ids]
+        if not good.all():  # not (c) from there on
+            periods = int(np.argmin(good)) // period
+            if periods < 1:
+                return v
         for row in rows:
-            pending: deque[int] = deque()
-            for t, i in enumerate(row):
-                if i >= 0:
-                    if i >= S * m:
-                        pending.append(i + S * m)  # its W
-                elif pending:
-                    slot[pending.popleft()] = t
-            for t, w in enumerate(pending, start=len(row)):
-                slot[w] = t
+            row.repeat_forward(low, T, periods, front + 1)
+        return v + periods * period
 
-    def schedule(self, name: str, options: dict[str, int]) -> Schedule:
-        self.squeeze()
-        self.pull_forward()
-        S, m, D = self.S, self.m, self.block.devices
-        device = np.asarray(self.device)
-        order = np.lexsort((np.asarray(self.slot[:-1]), device))  # by device, then slot
-        # tuple.__new__ over zipped columns makes the Actions without a Python call each.
-        make = functools.partial(tuple.__new__, Action)
-        kinds = map(_KINDS.__getitem__, (order // (S * m)).tolist())
-        flat = list(map(make, zip(self.stage[order].tolist(), kinds, (order % m).tolist(), itertools.repeat(()))))
-        ends = np.cumsum(np.bincount(device, minlength=D)).tolist()
-        actions = tuple(tuple(flat[a:b]) for a, b in zip([0, *ends], ends, strict=False))
-        return Schedule(name, D, S, m, (self.block.placement,), actions, options)
+    def _needs(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """What a visit in pull_forward reads the slots of: the previous microbatch's same pass and the inputs."""
+        return np.where(ids % self.m > 0, ids - 1, self.n), self.inputs[0][ids], self.inputs[1][ids]
+
+    def _fill_weights(self, horizon: int) -> None:
+        """Each W takes the first idle slot after its B that no earlier W took, device by device.
+
+        A device's Ws are taken first in, first out, in the order of their Bs: the k-th takes idle
+        slot number n_k = max(n_{k-1} + 1, c_k), c_k the number of idle slots before its B, so
+        n_k = k + max over l <= k of (c_l - l), a running maximum. Past the last F or B the
+        device is idle, so Ws left over run one a slot from the horizon on.
+        """
+        S, m, D = self.S, self.m, self.D
+        fb = 2 * S * m
+        device = self.device[:fb]
+        table = np.full(D * horizon, -1, dtype=np.int32)  # device by slot: the F or B there
+        table[device * horizon + self.slot[:fb]] = np.arange(fb, dtype=np.int32)
+        busy = np.flatnonzero(table >= 0)  # by device, then slot
+        per_device = np.bincount(device, minlength=D)
+        rank = np.arange(fb) - np.repeat(np.cumsum(per_device) - per_device, per_device)
+        is_b = table[busy] >= S * m
+        cell, owner = busy[is_b], table[busy[is_b]]
+        on = cell // horizon
+        idle_before = cell % horizon - rank[is_b]
+        bs = np.bincount(on, minlength=D)
+        k = np.arange(len(cell)) - np.repeat(np.cumsum(bs) - bs, bs)
+        # A running maximum per device: each device's values are lifted above every earlier device's.
+        lift = on * (horizon + fb + 1)
+        taken = k + np.maximum.accumulate(idle_before - k + lift) - lift
+        idle = np.flatnonzero(table < 0)  # by device, then slot
+        idle_count = horizon - per_device
+        first_idle = np.cumsum(idle_count) - idle_count
+        spot = horizon + taken - idle_count[on]
+        inside = spot < horizon
+        spot[inside] = idle[first_idle[on[inside]] + taken[inside]] % horizon
+        self.slot[owner + S * m] = spot
 
 
-class _FillerMemory:
-    """Stage activations one device holds, slot by slot, when each W fills the first idle slot after its B.
+class _DeviceRow:
+    """One device's F and B passes during pull_forward, slot by slot, with its memory.
 
-    ``level[t]`` and ``pending[t]`` are the state at the start of slot t: activations held, and Bs
-    whose W still waits for an idle slot. A cell holds a pass number (F below ``first_b``, B from
-    it) or -1 for an idle slot. A move changes the state from its new slot on, and only until the
-    state meets the old one again, so a trial move recomputes just that stretch. The walk is the
-    hot loop of a V schedule's expansion, hence written out inline.
+    Memory is counted as if each W already sat in the first idle slot after its B: the state is
+    the stage activations held and the Bs whose W still waits for an idle slot. An F adds an
+    activation, a B a waiting W, an idle slot runs the oldest waiting W, which frees one.
+    ``cells`` (F, B or idle) holds only the passes already visited: the others all sit at or after
+    the slot being decided, which no decision reads; ``busy`` marks the same cells, for
+    ``bytearray.find``. ``after[c]`` is the state (level, pending) just after the pass in slot c,
+    kept for passes only (idle slots between two passes follow from the first one's state), and
+    right for the passes before ``valid``; the others are computed when read.
     """
 
-    def __init__(self, row: list[int], first_b: int) -> None:
-        self.row, self.first_b = row, first_b
-        self.level = [0] * (len(row) + 1)
-        self.pending = [0] * (len(row) + 1)
-        self.peak = self._run(0, len(row))
+    __slots__ = ("cells", "busy", "after", "valid")
 
-    def _run(self, start: int, stop: int) -> int:
-        level, pending, peak = self.level[start], self.pending[start], 0
-        row, first_b = self.row, self.first_b
-        for t in range(start, stop):
-            cell = row[t]
-            if cell < 0:
-                if pending:  # an idle slot takes the oldest waiting W, which frees one activation
-                    level -= 1
-                    pending -= 1
-            elif cell < first_b:
-                level += 1
+    def __init__(self, horizon: int) -> None:
+        self.cells = bytearray(horizon)
+        self.busy = bytearray(horizon)
+        self.after: list[tuple[int, int]] = [(0, 0)] * horizon
+        self.valid = 0
+
+    def _state(self, t: int) -> tuple[int, int]:
+        """The state at the start of slot t (the passes before t must be valid)."""
+        c = self.busy.rfind(1, 0, t)
+        if c < 0:
+            return 0, 0
+        level, pending = self.after[c]
+        idle = t - c - 1
+        if idle >= pending:
+            return level - pending, 0
+        return level - idle, pending - idle
+
+    def _walk(self, start: int, stop: int, level: int, pending: int, bound: float) -> bool:
+        """Go over the passes in [start, stop) from the state before ``start``, keeping their states; False at
+        an F going over ``bound``, which leaves them unkept from ``start`` on."""
+        cells, after, find = self.cells, self.after, self.busy.find
+        t, at = start, find(1, start, stop)
+        while at >= 0:
+            idle = at - t  # idle slots before the pass run waiting Ws
+            if idle >= pending:
+                level -= pending
+                pending = 0
             else:
-                pending += 1
-            if level > peak:
-                peak = level
-            self.level[t + 1], self.pending[t + 1] = level, pending
-        return peak
-
-    def try_move(self, i: int, old: int, new: int, bound: int) -> bool:
-        """Move pass ``i`` from slot ``old`` to the idle slot ``new`` if the level stays within ``bound``.
-
-        The new states are written as they are found (most moves succeed); a move that fails puts
-        the row back and recomputes the stretch it overwrote.
-        """
-        row, first_b, levels, pendings = self.row, self.first_b, self.level, self.pending
-        row[old], row[new] = -1, i
-        level, pending = levels[new], pendings[new]
-        t, n = new, len(row)
-        while t < n:
-            cell = row[t]
-            if cell < 0:
-                if pending:
-                    level -= 1
-                    pending -= 1
-            elif cell < first_b:
+                level -= idle
+                pending -= idle
+            if cells[at] == _FWD:
                 level += 1
                 if level > bound:
-                    row[old], row[new] = i, -1
-                    self._run(new, t)  # the states before slot t as they were
+                    self.valid = min(self.valid, start)
                     return False
             else:
                 pending += 1
-            t += 1
-            if t > old and level == levels[t] and pending == pendings[t]:
-                break  # back in step with the old profile: nothing later changes
-            levels[t], pendings[t] = level, pending
+            after[at] = level, pending
+            t = at + 1
+            at = find(1, t, stop)
         return True
+
+    def _extend(self, upto: int) -> None:
+        if self.valid < upto:
+            self._walk(self.valid, upto, *self._state(self.valid), bound=math.inf)
+            self.valid = upto
+
+    def place(self, t: int, cell: int) -> None:
+        """Put a pass that stays in slot t."""
+        self.cells[t] = cell
+        self.busy[t] = 1
+        self.valid = min(self.valid, t)
+
+    def try_move(self, new: int, old: int, cell: int, bound: int) -> bool:
+        """Move a pass (``cell``: F or B) from slot ``old`` to the idle slot ``new`` if levels stay within ``bound``.
+
+        Only the slots in [new, old) can go over: after ``old`` the move only frees Ws earlier, so
+        the level there is at most what it was, and it was within the bound (the squeezed
+        schedule's peak is, and every kept move kept it so).
+        """
+        if self.valid < new:
+            self._extend(new)
+        level, pending = self._state(new)
+        if cell == _FWD:
+            level += 1
+            if level > bound:
+                return False
+        else:
+            pending += 1
+        if not self._walk(new + 1, old, level, pending, bound):
+            return False
+        self.cells[new], self.busy[new] = cell, 1
+        self.after[new] = level, pending
+        self.valid = old  # no visited pass lies after the slot being decided
+        return True
+
+    def repeats(self, start: int, period: int) -> bool:
+        """Whether the state at the start of slot ``start + period`` is the one at the start of ``start``."""
+        self._extend(start + period)
+        return self._state(start) == self._state(start + period)
+
+    def repeat_forward(self, start: int, period: int, times: int, end: int) -> None:
+        """Cells [start, end) and their states again ``times`` periods later, [start, start + period) in between.
+
+        What the jump in ``_Expansion._pull_jump`` proves: the cells before ``start + period`` stay,
+        each later period repeats the first, and the visited part ends ``times`` periods later.
+        """
+        _repeat_forward(self.cells, start, period, times, end)
+        _repeat_forward(self.busy, start, period, times, end)
+        _repeat_forward(self.after, start, period, times, end)
+        self.valid = min(self.valid, end) + times * period
+
+
+_Cells = TypeVar("_Cells", bytearray, list[tuple[int, int]])
+
+
+def _repeat_forward(cells: _Cells, start: int, period: int, times: int, end: int) -> None:
+    shift = times * period
+    tail = cells[start:end]
+    cells[start + period:start + shift] = cells[start:start + period] * (times - 1)
+    cells[start + shift:end + shift] = tail
+
+
+class _Visit:
+    """The order a step visits passes in: by ``key`` (slot * S + stage, distinct), and where it repeats."""
+
+    def __init__(self, key: np.ndarray, stages: int, m: int, interval: int, period: int) -> None:
+        self.key, self.stages, self.period = key, stages, period
+        self.order = _sorted_by_key(key)
+        self.sorted = key[self.order]
+        # Position y repeats position y - period a microbatch later (in the middle, every position does).
+        order, slot = self.order, self.sorted // stages
+        self.repeats = np.zeros(len(key), dtype=bool)
+        self.repeats[period:] = ((order[period:] == order[:-period] + 1) & (order[period:] % m != 0)
+                                 & (slot[period:] == slot[:-period] + interval))
+
+    def slot(self, y: int) -> int:
+        """The slot the pass at position y had when the visit was sorted."""
+        return int(self.sorted[y]) // self.stages
+
+    def first_at(self, slot: int) -> int:
+        """The first position whose pass sits at ``slot`` or later."""
+        return int(np.searchsorted(self.sorted, slot * self.stages))
+
+    def reach(self, start: int, needs: np.ndarray) -> int:
+        """How many positions back the passes ``needs`` (past the last pass: none) of the passes at positions
+        start, start + 1, ... lie, at most."""
+        real = needs < len(self.key)
+        where = np.searchsorted(self.sorted, self.key[needs[real]])
+        return int(np.max(start + np.flatnonzero(real) - where, initial=0))
+
+    def run_end(self, v: int) -> int:
+        """The first position from v on that does not repeat the one a period before."""
+        off = np.flatnonzero(~self.repeats[v:])
+        return v + int(off[0]) if len(off) else len(self.repeats)
+
+    def walk(self, step: Callable[[int, int], None], jump: Callable[[int], int]) -> None:
+        """Visit all positions in order: ``step`` over a stretch, then ``jump``, which skips what it proves,
+        at each repeating position a period or more further on."""
+        total, y, starts = len(self.key), 0, np.flatnonzero(self.repeats)
+        while y < total:
+            k = int(np.searchsorted(starts, y + self.period))
+            stop = int(starts[k]) if k < len(starts) else total
+            step(y, stop)
+            y = jump(stop) if stop < total else stop
+
+
+def _repeat_values(values: np.ndarray, template: np.ndarray, periods: int, step: int) -> None:
+    """The value of each pass in ``template`` for its next ``periods`` microbatches, ``step`` more each time.
+
+    In a repeating stretch the pass k periods after pass i is pass i + k (see the ``repeats`` arrays).
+    """
+    later = step * np.arange(1, periods + 1)
+    for i, value in zip(template.tolist(), values[template].tolist(), strict=True):
+        values[i + 1:i + periods + 1] = value + later  # contiguous: no large temporary
+
+
+def _sorted_by_key(key: np.ndarray) -> np.ndarray:
+    """The indices that sort ``key``, distinct non-negative integers: a counting sort through a table."""
+    table = np.full(int(key.max()) + 1, -1, dtype=np.int32)
+    table[key] = np.arange(len(key), dtype=np.int32)
+    return table[table >= 0]
+
+
+def _squeezed_peak(device: np.ndarray, slot: np.ndarray, first_b: int, devices: int, horizon: int) -> int:
+    """The most stage activations any device holds in the squeezed schedule, W filling idle slots.
+
+    Per device, with X the running count of Bs minus idle slots (each idle slot runs a waiting W
+    if there is one), the waiting Ws are X - min X so far (a queue's length), and the activations
+    held are Fs - frees = Fs - (Bs - waiting) = Fs - idle slots - min X so far.
+    """
+    cells = np.zeros((devices, horizon), dtype=np.int8)
+    cells[device, slot] = np.where(np.arange(len(slot)) < first_b, _FWD, _BWD)
+    idle = np.cumsum(cells == _IDLE, axis=1, dtype=np.int32)
+    lowest = np.minimum(np.minimum.accumulate(np.cumsum(cells == _BWD, axis=1, dtype=np.int32) - idle, axis=1), 0)
+    return max(0, int((np.cumsum(cells == _FWD, axis=1, dtype=np.int32) - idle - lowest).max()))
 
 
 # --------------------------------------------------------------------------- V-shape blocks

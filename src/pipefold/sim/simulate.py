@@ -31,15 +31,20 @@ and that B takes ``r F`` longer::
 
 from __future__ import annotations
 
-import functools
+import itertools
 import math
-from collections.abc import Mapping, Sequence
+import operator
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
 
 from pipefold._gc import paused_gc
 from pipefold.errors import ConfigError
 from pipefold.ir import KINDS, Action, Graph, Kind, Schedule, dependency_graph
+from pipefold.ir.graph import ActionTable, action_table
 from pipefold.sim.network import Network, Wire
 
 __all__ = ["CostModel", "Interval", "SimResult", "StageCost", "StageOverride", "memory_deltas", "peak_by_order",
@@ -273,6 +278,10 @@ def split_backward(times: Mapping[str, float]) -> tuple[float, float, float]:
     return f, times.get("BW", 0.0) / 2, times.get("BW", 0.0) / 2
 
 
+_LEVEL = operator.itemgetter(1)
+"""The level of a memory curve's (time, level) point."""
+
+
 class Interval(NamedTuple):
     """When one action ran on its device."""
 
@@ -318,8 +327,8 @@ class SimResult:
     def peak_memory(self) -> list[float]:
         """Per device, the most memory held at any time, in units of M: the activations' peak plus
         :attr:`static_memory` (0 unless the cost model gives ``weights``)."""
-        return [max(m for _, m in curve) + static for curve, static in zip(self.memory_curve, self.static_memory,
-                                                                            strict=True)]
+        return [max(map(_LEVEL, curve)) + static for curve, static in zip(self.memory_curve, self.static_memory,
+                                                                           strict=True)]
 
     @property
     def static_memory(self) -> list[float]:
@@ -327,7 +336,7 @@ class SimResult:
         share, for every stage it holds (of any replica); a stage sharded across the data-parallel pipelines
         (it has an ``RS`` there) keeps 1/dp of it."""
         s, w, dp = self.schedule, self.cost.weights, self.cost.dp
-        sharded = {(d, a.stage) for d, row in enumerate(s.actions) for a in row if a.kind == Kind.RS}
+        sharded = {(d, a.stage) for d, row in enumerate(s.actions) for a in row if a.kind == Kind.RS} if w else set()
         return [w * s.devices / s.stages * sum(1 / dp if (d, st) in sharded else 1 for st in s.stages_of(d))
                 for d in range(s.devices)]
 
@@ -380,39 +389,71 @@ def simulate(schedule: Schedule, cost: CostModel | None = None, *, network: Netw
     if outside:
         raise ConfigError(f"a stage cost override names stage {outside[0]}, but {schedule.name} has stages 0..{S - 1}")
     costs = [cost.stage_cost(s, S, D, replicas=len(schedule.holders(s))) for s in range(S)]
-    table = {(s, k): spec.time(c) for s, c in enumerate(costs) for k, spec in KINDS.items() if not spec.composite}
-    durations = [table[a[0], a[1]] if not a[3] else action_time(a, costs, cost.overlap)
-                 for row in schedule.actions for a in row]
+    table = action_table(schedule)
+    # Each kind's time and memory effect on each stage, from KINDS, then per action (an overlapped pair's from its
+    # parts): looked up on arrays rather than action by action.
+    simple = [(k, spec) for k, spec in enumerate(KINDS[code] for code in table.kinds) if not spec.composite]
+    times = np.zeros((S, len(table.kinds)))
+    at_start, at_end = np.zeros_like(times), np.zeros_like(times)
+    for st, c in enumerate(costs):
+        for k, spec in simple:
+            times[st, k] = spec.time(c)
+            at_start[st, k], at_end[st, k] = spec.memory(c)
+    durations = _by_action(table, times, np.maximum if cost.overlap else np.add)
     idle = frozenset(k for k, spec in KINDS.items() if not spec.computes)
     shared = any(c != 1.0 for c in cost.contention[:D]) or (len(cost.contention) < D and cost.contention)
     event_driven = bool(shared) or network is not None
-    graph = dependency_graph(schedule, None if event_driven else durations, cost.transfer_time, idle)
+    graph = dependency_graph(schedule, None if event_driven else durations, cost.transfer_time, idle, table=table)
     if network is None:
         transfer: float | _Links = cost.transfer_time
     else:
         transfer = _Links(network, at, cost.activation_bytes)
-    all_starts, all_ends = (_shared_times(graph, durations, transfer, idle, cost.contention) if event_driven
-                            else (graph.starts, graph.ends))
-    if not math.isfinite(max(all_ends, default=0.0)):
+    if event_driven:
+        all_starts, all_ends = _shared_times(graph, durations.tolist(), transfer, idle, cost.contention)
+        starts_at, ends_at = np.array(all_starts), np.array(all_ends)
+    else:
+        all_starts, all_ends = graph.starts, graph.ends
+        starts_at = np.fromiter(all_starts, np.float64, len(all_starts))
+        ends_at = starts_at + durations  # what the traversal added, action by action
+    if not math.isfinite(ends_at.max(initial=0.0)):
         raise ConfigError(f"the costs overflow: {schedule.name}'s step would last longer than the largest float "
                           "(about 1.8e308 time units); give smaller times (--f, --b, --w, --latency, ...), e.g. in "
                           "seconds or milliseconds instead")
-    rows = schedule.actions
+    # tuple.__new__ on zipped triples builds the Intervals without a Python call each (hundreds of thousands); each
+    # device's row takes the next len(row) starts and ends.
+    next_start, next_end = iter(all_starts), iter(all_ends)
+    timeline = tuple(tuple(map(tuple.__new__, itertools.repeat(Interval), zip(row, next_start, next_end, strict=False)))
+                     for row in schedule.actions)
     bounds = [*graph.offsets, schedule.num_actions]
-    starts = [all_starts[bounds[d]:bounds[d + 1]] for d in range(D)]
-    ends = [all_ends[bounds[d]:bounds[d + 1]] for d in range(D)]
-    # tuple.__new__ on zipped triples builds the Intervals without a Python call each (hundreds of thousands).
-    make = functools.partial(tuple.__new__, Interval)
-    timeline = tuple(tuple(map(make, zip(row, starts[d], ends[d], strict=True))) for d, row in enumerate(rows))
-    deltas = _delta_table(dict(enumerate(costs)))
     stashes = _stash_events(graph, costs, all_ends)
-    curves = tuple(_memory_curve(rows[d], starts[d], ends[d], deltas, stashes.get(d, ())) for d in range(D))
+    with np.errstate(all="ignore"):  # levels beyond the largest float are reported below
+        curves, peaks = _memory_curves(bounds, starts_at, ends_at, _by_action(table, at_start, np.add),
+                                       _by_action(table, at_end, np.add), stashes)
     result = SimResult(schedule, cost, timeline, curves)
-    if not all(math.isfinite(level) for curve in curves for _, level in curve) or \
-            not all(math.isfinite(x) for x in result.peak_memory):
+    if not all(map(math.isfinite, peaks)) or not all(map(math.isfinite, map(operator.add, peaks,
+                                                                             result.static_memory))):
         raise ConfigError(f"the memory costs overflow: {schedule.name}'s memory would add up beyond the largest "
                           "float; give a smaller --mem or --weights (e.g. in MB or GB instead of bytes)")
     return result
+
+
+def _by_action(table: ActionTable, values: npt.NDArray[np.float64],
+               combine: Callable[[npt.NDArray[np.float64], npt.NDArray[np.float64]], npt.NDArray[np.float64]]
+               ) -> npt.NDArray[np.float64]:
+    """``values[stage, kind]`` of every action; of an action with parts, ``combine`` of its parts' in order (what
+    ``sum`` or ``max`` gives over them). 0 where the kind or the stage is not valid: the graph reports those."""
+    kind, stage = table.pass_kind, table.pass_stage
+    ok = (kind >= 0) & (stage.view(np.uint64) < values.shape[0])
+    got = np.where(ok, values[np.where(ok, stage, 0), np.where(ok, kind, 0)], 0.0)
+    if not len(table.composite):
+        return got
+    sizes = np.bincount(table.owner, minlength=len(table.kind))
+    first = np.cumsum(sizes) - sizes
+    out = got[first]
+    for j in range(1, int(sizes.max())):
+        more = sizes > j
+        out[more] = combine(out[more], got[first[more] + j])
+    return out
 
 
 def _stash_events(graph: Graph, costs: Sequence[StageCost],
@@ -587,23 +628,14 @@ def _shared_times(graph: Graph, durations: Sequence[float], transfer: float | _L
     return starts, ends
 
 
-def action_time(action: Action, costs: Sequence[StageCost], overlap: bool) -> float:
-    """How long ``action`` keeps its device busy: its kind's time (:data:`pipefold.ir.KINDS`) for its stage.
-
-    An overlapped pair takes the longer of its two parts when ``overlap`` (the cost model says
-    the device runs them at once), their sum otherwise.
-    """
-    if action.parts:
-        times = [KINDS[a.kind].time(costs[a.stage]) for a in action.parts]
-        return max(times) if overlap else sum(times)
-    return KINDS[action.kind].time(costs[action.stage])
-
-
-def _memory_curve(row: tuple[Action, ...], starts: list[float], ends: list[float],
-                  deltas: dict[tuple[int, str], tuple[float, float]],
-                  stashes: Sequence[tuple[float, float]] = ()) -> tuple[tuple[float, float], ...]:
-    """Activation memory of one device over time, as (time, level) steps; ``stashes`` are further (time, change)
-    events (see :func:`_stash_events`).
+def _memory_curves(bounds: Sequence[int], starts: npt.NDArray[np.float64], ends: npt.NDArray[np.float64],
+                   at_start: npt.NDArray[np.float64], at_end: npt.NDArray[np.float64],
+                   stashes: Mapping[int, Sequence[tuple[float, float]]]
+                   ) -> tuple[tuple[tuple[tuple[float, float], ...], ...], list[float]]:
+    """Activation memory of each device over time, as (time, level) steps, and the highest level of each (nan where
+    a level is not finite). Device d runs actions ``bounds[d]`` to ``bounds[d + 1]``, which change its memory by
+    ``at_start`` when they start and by ``at_end`` when they end; ``stashes`` are further (time, change) events by
+    device (see :func:`_stash_events`).
 
     A device runs its passes one after another, so at equal times its own events keep their run order
     (a pass's start before its end, one pass's end before the next one's start); a stash is given back
@@ -611,35 +643,96 @@ def _memory_curve(row: tuple[Action, ...], starts: list[float], ends: list[float
     that takes no time still holds its memory for that instant, so the peak does not depend on the times
     (it is :func:`peak_by_order`'s), and the curve goes back down at the same time.
     """
-    events: list[tuple[float, int, float]] = [(t, 0 if delta < 0 else 2, delta) for t, delta in stashes]
-    for a, start, end in zip(row, starts, ends, strict=True):
-        at_start, at_end = deltas[a[0], a[1]] if not a[3] else _deltas_of(a, deltas)
-        if at_start:
-            events.append((start, 1, at_start))
-        if at_end:
-            events.append((end, 1, at_end))
-    # Stable: the device's own events at one time stay in the order it ran them.
-    events.sort(key=lambda e: (e[0], e[1]))
-    curve = [(0.0, 0.0)]
-    level = 0.0
-    high = -math.inf  # the highest level so far at the time of the last point
-    for t, _, delta in events:
-        level += delta
+    D = len(bounds) - 1
+    # Every device's events in run order, a start then an end per action, without those that change nothing.
+    device = np.repeat(np.arange(D), np.diff(bounds) * 2)
+    times = np.column_stack((starts, ends)).ravel()
+    deltas = np.column_stack((at_start, at_end)).ravel()
+    keep = deltas != 0
+    device, times, deltas = device[keep], times[keep], deltas[keep]
+    by = None
+    if stashes:  # before the devices' own events in the order to sort: a stash given back first, taken last
+        extra = [(d, t, delta) for d, events in stashes.items() for t, delta in events]
+        device = np.concatenate(([d for d, _, _ in extra], device))
+        times = np.concatenate(([t for _, t, _ in extra], times))
+        deltas = np.concatenate(([delta for _, _, delta in extra], deltas))
+        rank = [0 if delta < 0 else 2 for _, _, delta in extra]
+        by = np.argsort(np.concatenate((rank, np.ones(len(times) - len(rank)))), kind="stable")
+    elif np.any((times[1:] < times[:-1]) & (device[1:] == device[:-1])):  # communication frees its device early
+        by = np.arange(len(times))
+    if by is not None:  # by device, then time, the order above breaking ties
+        by = by[np.argsort(times[by], kind="stable")]
+        by = by[np.argsort(device[by], kind="stable")]
+        device, times, deltas = device[by], times[by], deltas[by]
+    # The level after each event, device by device from 0.
+    cut = np.searchsorted(device, np.arange(D + 1)).tolist()
+    levels = np.empty_like(deltas)
+    for d in range(D):
+        levels[cut[d]:cut[d + 1]] = np.add.accumulate(deltas[cut[d]:cut[d + 1]])
+    for d in sorted(set(device[(np.abs(levels) < 1e-12) & (levels != 0)].tolist())):
+        levels[cut[d]:cut[d + 1]] = _levels(deltas[cut[d]:cut[d + 1]])
+    # Per device and time (a run of equal times): the highest level there and the last; both points where the last
+    # event at the high is not the last there (the level went down after it), else the one.
+    n = len(times)
+    first = np.flatnonzero(np.concatenate(([True], (times[1:] != times[:-1]) | (device[1:] != device[:-1]))))[:n]
+    size = np.diff(np.append(first, n))
+    last = first + size - 1
+    high = np.maximum.reduceat(levels, first) if n else levels
+    top = np.maximum.reduceat(np.where(levels == np.repeat(high, size), np.arange(n), -1), first) if n else first
+    both = top != last
+    points = 1 + both
+    at = np.cumsum(points) - points
+    level = np.empty(int(points.sum()))
+    level[at] = np.where(both, high, levels[last])
+    level[at[both] + 1] = levels[last[both]]
+    time = np.repeat(times[first], points).tolist()
+    level_list = level.tolist()
+    # Each device's points, its highest level (nan where a level is past the largest float: every later one is then
+    # not finite either, the last included), and the (0, 0) that starts the curve unless an event at 0 took its place.
+    groups = np.searchsorted(device[first], np.arange(D + 1)).tolist()
+    point = np.append(at, len(level))[groups].tolist()  # each device's first point
+    busy = [d for d in range(D) if groups[d] < groups[d + 1]]  # the devices with events
+    tops = dict(zip(busy, np.maximum.reduceat(high, [groups[d] for d in busy]).tolist() if busy else (), strict=True))
+    curves: list[tuple[tuple[float, float], ...]] = []
+    peaks: list[float] = []
+    for d in range(D):
+        lo, hi = point[d], point[d + 1]
+        if lo == hi:
+            curves.append(((0.0, 0.0),))
+            peaks.append(0.0)
+            continue
+        curve = tuple(zip(time[lo:hi], level_list[lo:hi], strict=True))
+        peak = tops[d] if math.isfinite(levels[cut[d + 1] - 1]) else math.nan
+        if time[lo] != 0.0:
+            curve = ((0.0, 0.0), *curve)
+            peak = max(peak, 0.0)
+        curves.append(curve)
+        peaks.append(peak)
+    return tuple(curves), peaks
+
+
+def _levels(deltas: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+    """The running sum of ``deltas`` from 0, one by one in order, where a level within 1e-12 of 0 is float noise
+    and counts as 0 from there on."""
+    levels = np.add.accumulate(deltas)  # sequential: the same sums as a loop
+    start = 0
+    for _ in range(8):
+        noise = np.flatnonzero((np.abs(levels[start:]) < 1e-12) & (levels[start:] != 0))
+        if not len(noise):
+            return levels
+        start += int(noise[0])
+        levels[start] = 0.0
+        start += 1
+        levels[start:] = np.add.accumulate(deltas[start:])
+    # Noise again and again (memory that keeps coming back to nothing): the rest one by one.
+    out = levels.tolist()
+    level = out[start - 1]
+    for k in range(start, len(out)):
+        level += float(deltas[k])
         if abs(level) < 1e-12:
             level = 0.0
-        if curve[-1][0] != t:
-            curve.append((t, level))
-            high = level
-        elif level >= high:  # a new high at this time: it replaces the lower levels there
-            high = level
-            if len(curve) > 1 and curve[-2][0] == t:
-                curve.pop()
-            curve[-1] = (t, level)
-        elif curve[-1][1] == high and (len(curve) < 2 or curve[-2][0] != t):
-            curve.append((t, level))  # down from this time's high: keep the high, then the level after it
-        else:
-            curve[-1] = (t, level)
-    return tuple(curve)
+        out[k] = level
+    return np.array(out)
 
 
 def memory_deltas(kind: str, cost: StageCost) -> tuple[float, float]:
