@@ -58,12 +58,16 @@ def test_options_that_are_not_an_object(capsys: pytest.CaptureFixture[str], tmp_
 
 @pytest.mark.parametrize("argv", [["--f", "1e308", "--b", "1e308"], ["--f", "1e308", "--b", "1e308", "--w", "1e308",
                                                                      "--json"], ["--latency", "1e308"]])
+@pytest.mark.filterwarnings("error")  # a numpy warning would be a second line on the user's screen
 def test_costs_that_overflow(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
     assert "the costs overflow" in one_line_error(capsys, ["simulate", *argv])
 
 
-def test_memory_that_overflows(capsys: pytest.CaptureFixture[str]) -> None:
-    assert "the memory costs overflow" in one_line_error(capsys, ["simulate", "gpipe", "--mem", "1e308"])
+@pytest.mark.filterwarnings("error")
+@pytest.mark.parametrize("argv", [["gpipe", "--mem", "1e308"], ["zb-v", "--mem", "1e308", "--mem-w", "1e308"],
+                                  ["1f1b", "--weights", "1e308", "--mem", "1e308"]])
+def test_memory_that_overflows(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    assert "the memory costs overflow" in one_line_error(capsys, ["simulate", *argv])
 
 
 def test_offload_budget_beyond_a_float(capsys: pytest.CaptureFixture[str]) -> None:

@@ -414,7 +414,8 @@ def simulate(schedule: Schedule, cost: CostModel | None = None, *, network: Netw
     else:
         all_starts, all_ends = graph.starts, graph.ends
         starts_at = np.fromiter(all_starts, np.float64, len(all_starts))
-        ends_at = starts_at + durations  # what the traversal added, action by action
+        with np.errstate(over="ignore", invalid="ignore"):  # beyond the largest float: reported just below
+            ends_at = starts_at + durations  # what the traversal added, action by action
     if not math.isfinite(ends_at.max(initial=0.0)):
         raise ConfigError(f"the costs overflow: {schedule.name}'s step would last longer than the largest float "
                           "(about 1.8e308 time units); give smaller times (--f, --b, --w, --latency, ...), e.g. in "

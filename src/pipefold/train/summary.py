@@ -21,6 +21,7 @@ from pipefold.runtime.measure import measured_costs, measured_result, measured_s
 from pipefold.sim.simulate import CostModel, SimResult, simulate
 from pipefold.train.reference import compare
 from pipefold.train.run import Outcome
+from pipefold.train.spec import RunSpec
 
 __all__ = ["FAR_OFF", "prediction_note", "summarize"]
 
@@ -181,7 +182,7 @@ def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def _train_summary(spec: Any, job: Job, reports: list[RankReport], predicted: SimResult,
+def _train_summary(spec: RunSpec, job: Job, reports: list[RankReport], predicted: SimResult,
                    peaks: list[float] | None = None) -> dict[str, Any]:
     steps = len(reports[0].steps)
     # A NaN or inf loss is null: its step is in skipped_steps.
