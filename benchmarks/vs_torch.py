@@ -154,7 +154,7 @@ def _torch_rank(rank: int, pair: _Pair, steps: int, port: int, results: Any, siz
     try:
         schedule, indices, modules = _torch_schedule(pair, rank, sizes, device)
         params = [p for m in modules for p in m.parameters()]
-        opt = torch.optim.SGD(params, lr=RunSpec.flat().lr)
+        opt = torch.optim.SGD(params, lr=RunSpec().optimizer.lr)
         cfg = MLPConfig(hidden=HIDDEN, layers=LAYERS)
         target = mlp_target(cfg, BATCH, SEED).to(device)
         first, last = 0 in indices, WORLD * len(indices) - 1 in indices
