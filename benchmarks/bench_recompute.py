@@ -52,7 +52,7 @@ def main() -> None:
     if args.json:
         print(json.dumps({"budget": budget, **rows}))
         return
-    print(f"{args.schedule} on {args.stages} ranks, GPT 10 blocks, budget {budget / 2**20:.1f} MiB per device")
+    print(f"{args.schedule} on {args.devices} ranks, GPT 10 blocks, budget {budget / 2**20:.1f} MiB per device")
     print(f"{'mode':6} {'layers':14} {'peak per rank (MiB)':28} {'max/none':>9} {'step (s)':>9} {'vs none':>8}")
     for mode, row in rows.items():
         peaks = " ".join(f"{x / 2**20:5.1f}" for x in row["peak_bytes"])

@@ -404,3 +404,17 @@ def test_a_plan_whose_layers_are_not_its_models_is_refused(tmp_path, layers: int
     path.write_text(json.dumps(data))
     with pytest.raises(ConfigError, match=f"the plan splits 8 layers but its model .* has {layers + 2}"):
         from_plan(RunPlan.from_dict(read_plan(str(path))))
+
+
+def test_an_mlp_plan_with_the_sizes_it_does_not_take_resolves() -> None:
+    """A profile records every size it was given: an MLP's, heads and a sequence length it does not take. The
+    plan's run leaves them out rather than refusing them (as train refuses them given by hand)."""
+    from pipefold.plan.budget import RunPlan
+    from pipefold.train.planned import from_plan
+
+    data = plan_model(_profile(8), 2, 1e12).to_dict()
+    data["train"] = {**data["train"], "model": "mlp", "layers": 8, "hidden": 16, "heads": 4, "seq": 32}
+    planned = from_plan(RunPlan.from_dict(data))
+    model = planned.spec.model
+    assert (model.name, model.layers, model.hidden, model.heads, model.seq) == ("mlp", 8, 16, None, 64)
+    assert planned.decided[0] == tuple(map(tuple, data["layer_stages"]))

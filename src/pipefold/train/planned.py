@@ -78,6 +78,12 @@ def from_plan(plan: RunPlan, spec: RunSpec | None = None) -> Planned:
              **{k: None if t.get(k) is None else int(t[k]) for k in ("layers", "hidden", "heads")}}
     if "seed" not in spec.given():
         fixed["seed"] = int(t["seed"])
+    from pipefold.models import REGISTRY
+
+    if t["model"] in REGISTRY and not REGISTRY[t["model"]].sequences:
+        # A profile records every size it was given; a model without sequences takes no heads or sequence length.
+        fixed.pop("heads")
+        fixed.pop("seq")
     resolved = spec.replace(**fixed)
     schedule = resolved.schedule.built
     layer_stages = plan.layer_stages
