@@ -169,6 +169,7 @@ def cmd_partition(args: argparse.Namespace, console: Console) -> None:
     from pipefold.models import make_model
     from pipefold.models.size import check_model
     from pipefold.plan.partition import MemoryPartition, memory_of_split, partition, split_by
+    from pipefold.plan.recompute import OPTIMIZER_STATE
     from pipefold.runtime.profiling import split_figures
 
     for flag, value in (("--devices", args.devices), ("--chunks", args.chunks), ("--microbatches", args.microbatches)):
@@ -188,7 +189,8 @@ def cmd_partition(args: argparse.Namespace, console: Console) -> None:
                        seq=args.seq, config=args.model_config)
     check_model(model, what=f"measuring {args.model}'s layers")
     layers, (sample, target) = model.build(), model.batch_at(0)  # one microbatch of --batch rows
-    figures = split_figures(layers, sample, by="all", loss_fn=model.loss, target=target, optimizer=args.optimizer)
+    figures = split_figures(layers, sample, by="all", loss_fn=model.loss, target=target,
+                            optimizer_factor=OPTIMIZER_STATE[args.optimizer])
     params, times, held, held_w, static = (figures.params, figures.times, figures.held, figures.held_w,
                                            figures.static)
     assert times is not None and held is not None and held_w is not None and static is not None

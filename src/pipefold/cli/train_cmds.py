@@ -27,6 +27,7 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
     if "hf" in args.given:
         settings["model"] = args.hf
     spec = RunSpec.flat(**settings)
+    err = Console(stderr=True)
     planned = None
     if spec.planned:
         with stage_bar("profiling and planning") as progress:
@@ -34,7 +35,7 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
                               planning=None if progress is None else lambda done, total: progress("plan", done, total))
         if planned is not None and spec.schedule.auto:
             plan = planned.plan
-            Console(stderr=True).print(
+            err.print(
                 f"auto: {plan.schedule}, layers per stage {' '.join(str(len(x)) for x in plan.layer_stages)}, "
                 f"recomputed {' '.join(map(str, plan.recompute))}: predicted {plan.step_time * 1e3:.1f} ms per step, "
                 f"peak {format_bytes(max(plan.peak_bytes))} (budget {format_bytes(spec.memory.budget or 0)})")
@@ -42,7 +43,6 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
     tokens = ran.model.batch * (ran.model.seq if ran.model.sequences else 1)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    err = Console(stderr=True)
     with Progress(TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                   TimeElapsedColumn(), console=err, disable=args.json or not err.is_terminal) as bar:
         task = bar.add_task("train", total=ran.steps, info="starting ranks")

@@ -213,12 +213,12 @@ def _saved_bytes(layer: nn.Module, x: Values) -> tuple[int, Values]:
 
 
 def split_figures(layers: Sequence[nn.Module], sample: torch.Tensor | tuple[torch.Tensor, ...], *, by: str,
-                  loss_fn: Callable[..., torch.Tensor], target: Any, optimizer: str = "adamw") -> LayerFigures:
+                  loss_fn: Callable[..., torch.Tensor], target: Any, optimizer_factor: float = 2.0) -> LayerFigures:
     """What splitting the layers ``by`` 'params', 'time', 'memory' (or 'all' of them) weighs, measured on one
     microbatch (``sample`` and its ``target``) where ``layers`` are: parameter counts; F + B + W times; the bytes
     each holds from F to B and from B to W, the last layer computing the loss as the last stage does; and the
-    static bytes with ``optimizer``'s state. The one measurement behind ``pipefold partition`` and the split of
-    ``pipefold train``."""
+    static bytes with ``optimizer_factor`` parameter sizes of optimizer state (:func:`layer_static_bytes`). The
+    one measurement behind ``pipefold partition`` and the split of ``pipefold train``."""
     times, memory = LayerFigures.needs(by)
     params = layer_costs(layers, sample, by="params")
     if not times:
@@ -227,7 +227,7 @@ def split_figures(layers: Sequence[nn.Module], sample: torch.Tensor | tuple[torc
     if not memory:
         return LayerFigures(params, measured)
     held = layer_memory(layers, sample, loss_fn=loss_fn, target=target)
-    static = layer_static_bytes(layers, optimizer_factor=OPTIMIZER_STATE.get(optimizer, 2.0))
+    static = layer_static_bytes(layers, optimizer_factor=optimizer_factor)
     return LayerFigures(params, measured, [float(h) for h, _ in held], [float(w) for _, w in held], static)
 
 

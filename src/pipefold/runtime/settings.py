@@ -83,6 +83,14 @@ class Optimizer:
 
         return KFACConfig(damping=self.damping, ema=self.ema)
 
+    @property
+    def state_factor(self) -> float:
+        """The optimizer state per parameter, in parameter sizes, that memory estimates count
+        (:data:`pipefold.plan.recompute.OPTIMIZER_STATE`; 2, as AdamW's, where it has no entry: K-FAC, a function)."""
+        from pipefold.plan.recompute import OPTIMIZER_STATE
+
+        return OPTIMIZER_STATE.get(self.name, 2.0) if isinstance(self.name, str) else 2.0
+
     def make(self, params: list[nn.Parameter], **kwargs: Any) -> torch.optim.Optimizer:
         """The optimizer over ``params`` (``kwargs`` for torch's ZeroRedundancyOptimizer go to the class)."""
         if callable(self.name):

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pipefold.errors import ConfigError
+from pipefold.models import REGISTRY
 from pipefold.plan.budget import RunPlan
 from pipefold.plan.recompute import RecomputePlan
 from pipefold.train.prepare import Decisions, model_of
@@ -78,8 +79,6 @@ def from_plan(plan: RunPlan, spec: RunSpec | None = None) -> Planned:
              **{k: None if t.get(k) is None else int(t[k]) for k in ("layers", "hidden", "heads")}}
     if "seed" not in spec.given():
         fixed["seed"] = int(t["seed"])
-    from pipefold.models import REGISTRY
-
     if t["model"] in REGISTRY and not REGISTRY[t["model"]].sequences:
         # A profile records every size it was given; a model without sequences takes no heads or sequence length.
         fixed.pop("heads")

@@ -18,7 +18,7 @@ import torch
 from pipefold.errors import ConfigError
 from pipefold.ir import Schedule
 from pipefold.models import REGISTRY, Model, split_layers
-from pipefold.plan.recompute import OPTIMIZER_STATE, RecomputePlan, plan_recompute
+from pipefold.plan.recompute import RecomputePlan, plan_recompute
 from pipefold.runtime.checkpoint import Checkpointing
 from pipefold.runtime.job import Adaptive, Job, local_placement, under_torchrun
 from pipefold.runtime.stage import Chain, split_batch
@@ -133,16 +133,15 @@ def check_size(spec: RunSpec, model: Model, schedule: Schedule, *, builds_model:
     (:meth:`~pipefold.models.base.Model.size`) is not checked."""
     from pipefold.models.size import check_model
 
-    name = spec.optimizer.name
     dp = spec.parallel.dp
-    held = (2 + (OPTIMIZER_STATE.get(name, 2.0) if isinstance(name, str) else 2.0)) * schedule.replicas * dp
+    held = (2 + spec.optimizer.state_factor) * schedule.replicas * dp
     ranks = schedule.devices * dp
     if under_torchrun():  # only this machine's ranks, and their share of the model
         here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         held, ranks = held * here / max(1, int(os.environ.get("WORLD_SIZE", "1"))), here
     memory = spec.memory
     measures = builds_model and (memory.partition != "even" or memory.recompute != "none"
-                                 or name == "kfac" or memory.budget is not None)
+                                 or spec.optimizer.name == "kfac" or memory.budget is not None)
     gpu = (min(gpus, ranks), torch.cuda.get_device_properties(0).total_memory) if gpus else None
     check_model(model, gpu=gpu, microbatches=schedule.microbatches * dp, ranks=ranks, copies=held,
                 measures=measures, what=f"training {spec.model.name}")
@@ -223,10 +222,8 @@ def _plan_recompute(spec: RunSpec, schedule: Schedule, layer_stages: tuple[tuple
     from pipefold.runtime.profiling import measure_stages
 
     x, y = _first_microbatch(spec, model)
-    name = spec.optimizer.name
     profiles = measure_stages(_stages(layer_stages, model), x, y, model.loss,
-                              microbatches=spec.schedule.microbatches,
-                              optimizer_factor=OPTIMIZER_STATE.get(name, 2.0) if isinstance(name, str) else 2.0)
+                              microbatches=spec.schedule.microbatches, optimizer_factor=spec.optimizer.state_factor)
     return plan_recompute(schedule, profiles, spec.memory.recompute, spec.memory.budget)
 
 
@@ -244,9 +241,8 @@ def _layer_stages(spec: RunSpec, model: Model, schedule: Schedule,
     if by == "time":  # timed where the ranks will run (``device``): on their GPU, if they have one
         layers = [layer.to(device) for layer in layers]
         sample, target = tuple(t.to(device) for t in sample), target.to(device)
-    name = spec.optimizer.name
     figures = split_figures(layers, sample, by=by, loss_fn=model.loss, target=target,
-                            optimizer=name if isinstance(name, str) else "adamw")
+                            optimizer_factor=spec.optimizer.state_factor)
     if device.type == "cuda" and by == "time":
         del layers, sample, target
         torch.cuda.empty_cache()  # the ranks have the GPU from here on

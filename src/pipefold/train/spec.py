@@ -122,7 +122,7 @@ class ScheduleSpec:
     def adaptive(self) -> bool:
         return self.ref.name == ADAPTIVE
 
-    @property
+    @cached_property
     def is_file(self) -> bool:
         return not self.auto and schedules.looks_like_file(self.name)
 
