@@ -154,9 +154,13 @@ def test_the_architecture_drawing_shows_every_module_in_its_layer() -> None:
         assert parts[-1] in named[layer(module)], module
 
 
-def test_schedules_simulator_planner_and_figures_load_without_torch() -> None:
+def test_schedules_simulator_planner_figures_and_the_command_line_load_without_torch() -> None:
+    # The command line and a run's spec too: `pipefold train` starts the ranks' fork server (which imports torch) before
+    # it imports torch itself, so that the two imports run on two cores.
     code = ("import sys, pipefold, pipefold.ir, pipefold.schedules, pipefold.sim.simulate, pipefold.schedules.blocks, "
-            "pipefold.plan.budget, pipefold.sim.render; print('torch' in sys.modules)")
+            "pipefold.plan.budget, pipefold.sim.render, pipefold.cli.main, pipefold.train.spec, "
+            "pipefold.runtime.processes; pipefold.train.spec.RunSpec.flat(steps=2, optimizer='sgd'); "
+            "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 

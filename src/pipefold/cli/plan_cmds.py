@@ -14,17 +14,20 @@ from pipefold.cli.common import check_outputs, cost_model, num, progress_bar, st
 from pipefold.errors import ConfigError
 from pipefold.ir.ref import ScheduleRef
 from pipefold.plan.budget import PlanResult, one_f_one_b_peak, parse_budget, plan
+from pipefold.runtime.processes import start_server
 from pipefold.sim.simulate import CostModel
 from pipefold.units import format_bytes, parse_bytes
 
 
 def cmd_profile(args: argparse.Namespace, console: Console) -> None:
-    from pipefold.runtime.profiling import profile_model
-
     for label in ("layers", "hidden", "heads", "batch", "seq", "microbatches", "devices", "repeats"):
         if getattr(args, label) is not None and getattr(args, label) < 1:
             raise ConfigError(f"--{label} must be at least 1 (got {getattr(args, label)})")
     check_outputs(("profile", args.output, False))
+    if not (args.no_link and args.no_sharing):
+        start_server()  # for the link's and the sharing's processes: it imports torch while this process does
+    from pipefold.runtime.profiling import profile_model  # torch: once the server is on its way
+
     with stage_bar("profile") as progress:
         prof = profile_model(model=args.model, layers=args.layers, hidden=args.hidden, heads=args.heads,
                              model_config=args.model_config, seq=args.seq,

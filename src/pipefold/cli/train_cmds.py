@@ -13,20 +13,25 @@ from rich.table import Table
 from pipefold import jsonout
 from pipefold.cli.common import check_outputs, stage_bar
 from pipefold.errors import ConfigError
+from pipefold.models import REGISTRY
+from pipefold.runtime.processes import start_server
 from pipefold.units import format_bytes, parse_bytes
 
 
 def cmd_train(args: argparse.Namespace, console: Console) -> None:
-    from pipefold.train.planned import resolve
-    from pipefold.train.run import run
     from pipefold.train.spec import SETTINGS, RunSpec
-    from pipefold.train.summary import summarize
 
     check_outputs(("plot", args.plot, True), ("trace", args.trace, False))
     settings = {name: getattr(args, name) for name in args.given if name in SETTINGS}
     if "hf" in args.given:
         settings["model"] = args.hf
     spec = RunSpec.flat(**settings)
+    if spec.local and not REGISTRY[spec.model.name].hf:
+        start_server()  # the ranks' fork server imports torch on the other core while this process does
+    from pipefold.train.planned import resolve  # torch: once the server is on its way
+    from pipefold.train.run import run
+    from pipefold.train.summary import summarize
+
     err = Console(stderr=True)
     planned = None
     if spec.planned:

@@ -19,6 +19,7 @@ from pipefold.runtime.devices import Placement, place
 from pipefold.runtime.executor import StepStats
 from pipefold.runtime.faults import Faults
 from pipefold.runtime.history import KEEP_FIRST, StepHistory
+from pipefold.runtime.processes import under_torchrun
 from pipefold.runtime.settings import Devices, Optimizer, Parallel, Reliability, check_together
 from pipefold.runtime.tied import spans_stages
 
@@ -282,11 +283,6 @@ class Adaptive:
                                                                        first.microbatches, first.placement):
                 raise ConfigError(f"adaptive schedules must share devices, stages, microbatches and placement: "
                                   f"{s.name} differs from {first.name}")
-
-
-def under_torchrun() -> bool:
-    """True when torchrun (or another launcher) has set this process's rank and world size."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def local_placement(device: str, backend: str, world: int) -> Placement:

@@ -5,13 +5,14 @@ an error never leaves one behind. Used by the ranks' launcher and by the profile
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-__all__ = ["free_port", "process_context", "start_server", "starting", "stopped_on_error"]
+__all__ = ["free_port", "process_context", "start_server", "starting", "stopped_on_error", "under_torchrun"]
 
 
 def free_port() -> int:
@@ -22,8 +23,8 @@ def free_port() -> int:
 
 def start_server(preload: Sequence[str] = ()) -> None:
     """Start the fork server the local ranks come from now, without waiting for its imports: they run on another
-    core while this process goes on (measuring the model, planning). Nothing where ranks are spawned, or once the
-    server runs."""
+    core while this process goes on (importing torch itself, measuring the model, planning). Nothing where ranks
+    are spawned, or once the server runs. Imports no torch: the command line calls it first thing."""
     ctx = process_context(preload)
     if ctx.get_start_method() == "forkserver":
         from multiprocessing import forkserver
@@ -35,21 +36,25 @@ def process_context(preload: Sequence[str] = ()) -> Any:
     """How local ranks start: from a fork server that has imported torch and the runtime once (a rank then starts
     in a fraction of a second instead of importing torch again), where the platform has one; else spawned.
 
-    The server is started by this process's first job and serves every later one; it runs no torch code, so
-    no thread pool or CUDA context is copied into the ranks. ``preload`` adds modules for it to import (a
-    model's, such as transformers'): only the first job's count.
+    The server is started by this process's first job (or by :func:`start_server`, earlier) and serves every later
+    one; it runs no torch code, so no thread pool or CUDA context is copied into the ranks. ``preload`` adds modules
+    for it to import (a model's, such as transformers'): only the first start's count. (The standard library's
+    contexts are torch.multiprocessing's: the same objects.)
     """
     import multiprocessing
 
-    import torch.multiprocessing as mp
-
     if "forkserver" not in multiprocessing.get_all_start_methods():
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
     # torch._dynamo: what making the first optimizer imports (some 800 modules, seconds per rank otherwise).
     ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "pipefold.runtime.local",
                                 "pipefold.runtime.profiling", *preload, "pipefold.runtime._forkserver"])
     return ctx
+
+
+def under_torchrun() -> bool:
+    """True when torchrun (or another launcher) has set this process's rank and world size."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 @contextlib.contextmanager

@@ -16,23 +16,37 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
-
 from pipefold.errors import ConfigError
 from pipefold.runtime.watch import DEFAULT_ACTION_TIMEOUT
 
 if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
     from pipefold.runtime.kfac import KFACConfig
 
 
-def _momentum_sgd(params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=lr, momentum=0.9)
+def _sgd(params: Any, **kwargs: Any) -> torch.optim.Optimizer:
+    import torch
+
+    return torch.optim.SGD(params, **kwargs)
 
 
-OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW,
-                                                               "kfac": _momentum_sgd}
-"""The optimizers named as text, each made with the run's learning rate. ``kfac`` is SGD with momentum 0.9 on the
+def _adamw(params: Any, **kwargs: Any) -> torch.optim.Optimizer:
+    import torch
+
+    return torch.optim.AdamW(params, **kwargs)
+
+
+def _momentum_sgd(params: Any, **kwargs: Any) -> torch.optim.Optimizer:
+    import torch
+
+    return torch.optim.SGD(params, momentum=0.9, **kwargs)
+
+
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {"sgd": _sgd, "adamw": _adamw, "kfac": _momentum_sgd}
+"""The optimizers named as text, each made with the run's learning rate (torch imported when one is made: the
+settings load without it). ``kfac`` is SGD with momentum 0.9 on the
 gradient that the schedule's K-FAC actions precondition."""
 
 

@@ -20,7 +20,8 @@ from pipefold.ir import Schedule
 from pipefold.models import REGISTRY, Model, split_layers
 from pipefold.plan.recompute import RecomputePlan, plan_recompute
 from pipefold.runtime.checkpoint import Checkpointing
-from pipefold.runtime.job import Adaptive, Job, local_placement, under_torchrun
+from pipefold.runtime.job import Adaptive, Job, local_placement
+from pipefold.runtime.processes import under_torchrun
 from pipefold.runtime.stage import Chain, split_batch
 from pipefold.train.spec import RunSpec
 

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipefold.errors import ConfigError
-from pipefold.runtime.job import Job, RankReport, under_torchrun
+from pipefold.runtime.job import Job, RankReport
 from pipefold.runtime.local import run_local
+from pipefold.runtime.processes import under_torchrun
 from pipefold.runtime.rank import agree
 from pipefold.runtime.torchrun import join_torchrun_group, leave_group, run_torchrun, torchrun_activity
 from pipefold.train.planned import Planned, resolve
@@ -58,7 +59,7 @@ def train(spec: RunSpec, *, on_step: OnStep | None = None,
           decided: Decisions | None = None) -> tuple[Job, list[RankReport]]:
     """Run the job on one local process per device (``spec.check``: keeping the first step's gradients);
     ``decided`` gives the split and recomputation (from a plan) instead of measuring."""
-    job = make_job(spec, decided=decided, local=not spec.links.netns)
+    job = make_job(spec, decided=decided, local=spec.local)
     if spec.links.netns:
         return _run_netns(job, on_step)
     if job.network is not None:

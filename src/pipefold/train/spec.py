@@ -26,6 +26,7 @@ from pipefold.errors import ConfigError
 from pipefold.ir import Schedule
 from pipefold.ir.ref import ScheduleRef
 from pipefold.models.base import ModelArgs
+from pipefold.runtime.processes import under_torchrun
 from pipefold.runtime.settings import Devices, Optimizer, Parallel, Reliability, check_together, flag
 
 if TYPE_CHECKING:
@@ -359,6 +360,13 @@ class RunSpec:
         """Whether a plan decides the run (``plan``, or the schedule 'auto')."""
         return self.plan is not None or self.schedule.auto
 
+    @property
+    def local(self) -> bool:
+        """Whether this process starts the ranks, on this machine, from the fork server
+        (:func:`pipefold.runtime.processes.start_server`): not under torchrun (each worker is a rank), nor in network
+        namespaces (each rank enters its own)."""
+        return not under_torchrun() and not self.links.netns
+
     def _check(self) -> None:
         """Every rule that joins settings, in one place (each section has checked its own)."""
         given = self.given()
@@ -375,8 +383,6 @@ class RunSpec:
                               "with --resume")
         if self.schedule.auto and self.memory.budget is None:
             raise ConfigError("--schedule auto plans for --memory-budget BYTES per device (e.g. 64MB); give one")
-        from pipefold.runtime.job import under_torchrun
-
         if under_torchrun() and self.planned:
             # Before planning: each worker would profile on its own, for minutes, while the others wait in the store.
             raise ConfigError("--plan and --schedule auto run locally for now: plan with pipefold profile and pipefold "
