@@ -12,9 +12,10 @@ The run is vs_torch.py's: the ``mlp`` model (H=512, 8 layers, batch 64 in 8 micr
   the watch's activity), step - compute - waits;
 - ``cpu``: the operating system's CPU seconds of the rank's process during the step (every thread: the link
   threads and gloo's included), an account independent of the executor's events;
-- ``util``: compute / the slowest rank's step (the job's step time), against ``ideal``: the same ratio in the simulation of the schedule fed with the
-  passes' measured median times (:func:`pipefold.runtime.measure.measured_costs`), which has no runtime work and
-  no waits but those the schedule's dependencies make.
+- ``util``: compute / the slowest rank's step (the job's step time), against ``ideal``: the same ratio in the
+  simulation of the schedule fed with the passes' measured median times
+  (:func:`pipefold.runtime.measure.measured_costs`), which has no runtime work and no waits but those the
+  schedule's dependencies make.
 
     OMP_NUM_THREADS=1 python benchmarks/runtime_breakdown.py [--steps 10] [--json]
 """
