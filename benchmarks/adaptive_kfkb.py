@@ -53,7 +53,7 @@ def alternating(idle_s: float = 10.0, busy_s: float = 20.0) -> Network:
 
 def run(schedule: str, network: str, mode: str, steps: int) -> dict[str, Any]:
     config = RunSpec.flat(schedule=schedule, steps=steps, network=network, netns=mode == "netns",
-                         adapt_every=2, **MODEL)  # type: ignore[arg-type]
+                         adapt_every=2, **MODEL)
     started = time.time()
     job, reports = train(config)
     first = min(r.steps[0].started_at for r in reports)

@@ -87,9 +87,9 @@ def main() -> None:
                         f"{device}, median of {args.steps} training steps", title_justify="left")
     for col in ("", "s/step", "vs plain", "peak param bytes on device", "of full model"):
         table.add_column(col, justify="right" if col else "left")
-    for name, seconds, peak in rows:
+    for name, secs, peak in rows:
         known = peak == peak  # NaN: not measured
-        table.add_row(name, f"{seconds:.3f}", f"{seconds / base:.2f}x",
+        table.add_row(name, f"{secs:.3f}", f"{secs / base:.2f}x",
                       f"{peak / 2**20:.1f} MiB" if known else "-", f"{peak / full:.1%}" if known else "-")
     console.print(table)
 

@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import statistics
+from typing import Any
 
 from pipefold.plan.recompute import plan_recompute, smallest_budget
 from pipefold.train.prepare import make_job
@@ -30,16 +31,16 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    base = dict(schedule=args.schedule, devices=args.devices, microbatches=8, steps=args.steps, model="gpt",
-                layers=10, hidden=128, heads=4, batch=32, seq=128, partition="params")
-    full_plan = make_job(RunSpec.flat(**base, recompute="full")).extra["recompute"]  # type: ignore[arg-type]
-    schedule = RunSpec.flat(**base).schedule.built  # type: ignore[arg-type]
+    base: dict[str, Any] = dict(schedule=args.schedule, devices=args.devices, microbatches=8, steps=args.steps,
+                                model="gpt", layers=10, hidden=128, heads=4, batch=32, seq=128, partition="params")
+    full_plan = make_job(RunSpec.flat(**base, recompute="full")).extra["recompute"]
+    schedule = RunSpec.flat(**base).schedule.built
     none_plan = plan_recompute(schedule, full_plan.profiles, "none")
     budget = (smallest_budget(schedule, full_plan.profiles) + max(none_plan.peak)) / 2
-    rows = {}
+    rows: dict[str, dict[str, Any]] = {}
     for mode in ("none", "auto", "full"):
         extra = {"memory_budget": budget} if mode == "auto" else {}
-        job, reports = train(RunSpec.flat(**base, recompute=mode, **extra))  # type: ignore[arg-type]
+        job, reports = train(RunSpec.flat(**base, recompute=mode, **extra))
         plan = job.extra.get("recompute") or none_plan
         saved = [r.steps.peak_activation_bytes for r in reports]
         steps = [max(r.steps[i].wall for r in reports) for i in range(1, args.steps)]

@@ -32,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -95,7 +96,7 @@ def main() -> None:
     console = Console(width=200)  # the whole table, spreads included
     params = parameters_per_rank()
     console.print(f"parameters per rank (P): {params}; 16 P bytes = {[format_bytes(16 * p) for p in params]}")
-    rows: dict[tuple[int, str], list[dict[str, object]]] = {}
+    rows: dict[tuple[int, str], list[dict[str, Any]]] = {}
     alone: dict[int, list[float]] = {}
     bare: list[int] = []  # a rank's peak resident memory with next to no model: torch, gloo, the runtime
     for run in range(args.runs):
@@ -114,9 +115,9 @@ def main() -> None:
                 "held at peak, closed form", "step (s)", "step / dp independent pipelines"):
         table.add_column(col, justify="right")
     for (dp, way), results in rows.items():
-        static = [statistics.median(int(r["static_bytes"][d]) for r in results) for d in range(PP)]  # type: ignore[index]
-        rss = [statistics.median(int(r["peak_process_bytes"][d]) for r in results) for d in range(PP)]  # type: ignore[index]
-        closed = {"all-reduce": [16 * p for p in params], "zero1": [8 * p + 8 * p / dp for p in params],
+        static = [statistics.median(int(r["static_bytes"][d]) for r in results) for d in range(PP)]
+        rss = [statistics.median(int(r["peak_process_bytes"][d]) for r in results) for d in range(PP)]
+        closed: list[float] = {"all-reduce": [16.0 * p for p in params], "zero1": [8 * p + 8 * p / dp for p in params],
                   "fsdp": [16 * p / dp for p in params]}[way]
         # At the peak FSDP also holds the gathered parameters and their gradients (8 P bytes).
         at_peak = [c + (8 * p if way == "fsdp" else 0) for c, p in zip(closed, params, strict=True)]

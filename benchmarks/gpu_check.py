@@ -89,7 +89,7 @@ def memory(out: Path, quick: bool) -> dict[str, Any]:
     for name in ("1f1b", "v-half", "v-min", "zb-v"):
         config = RunSpec.flat(schedule=name, devices=4, microbatches=16, batch=16, steps=2, model="gpt",
                              partition="time", optimizer="sgd", device="cuda", action_timeout=300.0,
-                             **size)  # type: ignore[arg-type]
+                             **size)
         job = dataclasses.replace(make_job(config), verify_memory_step=1)
         reports = sorted(run_local(job), key=lambda r: r.rank)
         predicted = simulate(job.schedule, measured_costs(job.schedule, reports, 1)).peak_memory
@@ -167,7 +167,7 @@ def overlap(out: Path, quick: bool) -> dict[str, Any]:
             for on in (True, False):
                 config = RunSpec.flat(schedule=name, devices=4, microbatches=16, batch=16, steps=6, model="gpt",
                                      partition="even", optimizer="sgd", device="cuda", overlap=on,
-                                     **size)  # type: ignore[arg-type]
+                                     **size)
                 _, reports = train(config)
                 results.setdefault(f"{name} {'overlap' if on else 'serial'}", []).append(_median_wall(reports)[0])
     for name in ("dualpipev", "dualpipe"):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -31,21 +32,21 @@ from pipefold.train.run import train
 from pipefold.train.spec import RunSpec
 from pipefold.units import format_bytes
 
-MODELS = {
+MODELS: dict[str, dict[str, Any]] = {
     "gpt": dict(model="gpt", layers=16, hidden=256, heads=4, seq=256, batch=32),
     "mlp": dict(model="mlp", layers=16, hidden=512, batch=256),
 }
 TARGETS = {"v-half": 0.80, "v-min": 0.55, "zb-v": 1.05}
 
 
-def measure(model: str, name: str, partition: str, runs: int) -> dict[str, object]:
+def measure(model: str, name: str, partition: str, runs: int) -> dict[str, Any]:
     """Per-rank measured peaks (one list per run), the prediction, and the split."""
     measured: list[list[int]] = []
     predicted: list[list[float]] = []  # per run: the split is measured afresh, so it may differ between runs
     splits = []
     for _ in range(runs):
         cfg = RunSpec.flat(schedule=name, devices=4, microbatches=16, steps=2, partition=partition,
-                          **MODELS[model])  # type: ignore[arg-type]
+                          **MODELS[model])
         job, reports = train(cfg)
         measured.append([r.steps[-1].peak_activation_bytes for r in reports])
         # The simulator fed with the run's own figures (peaks depend on each device's order, not on times).
@@ -65,16 +66,16 @@ def main() -> None:
     unit_base = max(simulate(build("1f1b", 4, 16)).peak_memory)
     for model in args.model:
         results = {name: measure(model, name, args.partition, args.runs) for name in ["1f1b", *args.schedules]}
-        base = statistics.median(max(run) for run in results["1f1b"]["measured"])  # type: ignore[union-attr]
-        base_pred = statistics.median(max(run) for run in results["1f1b"]["predicted"])  # type: ignore[union-attr]
+        base = statistics.median(max(run) for run in results["1f1b"]["measured"])
+        base_pred = statistics.median(max(run) for run in results["1f1b"]["predicted"])
         table = Table(title=f"{model}: peak memory over 1f1b, 4 ranks, 16 microbatches, {args.partition} split",
                       title_justify="left")
         for col in ("schedule", "layers per stage", "peak (highest rank)", "measured ratio", "simulated ratio",
                     "paper ratio", "target", "worst rank vs prediction"):
             table.add_column(col, justify="right")
         for name, res in results.items():
-            runs: list[list[int]] = res["measured"]  # type: ignore[assignment]
-            preds: list[list[float]] = res["predicted"]  # type: ignore[assignment]
+            runs: list[list[int]] = res["measured"]
+            preds: list[list[float]] = res["predicted"]
             peaks = [max(run) for run in runs]
             ratios = [p / base for p in peaks]
             gaps = [m / p - 1 for run, pred in zip(runs, preds, strict=True) for m, p in zip(run, pred, strict=True)]
@@ -82,7 +83,7 @@ def main() -> None:
             unit = max(simulate(build(name, 4, 16)).peak_memory) / unit_base
             spread = f" ({min(ratios):.3f}-{max(ratios):.3f})" if len(ratios) > 1 else ""
             simulated = statistics.median(max(pred) for pred in preds) / base_pred
-            table.add_row(name, " / ".join(sorted(set(res["split"]))),  # type: ignore[arg-type]
+            table.add_row(name, " / ".join(sorted(set(res["split"]))),
                           format_bytes(statistics.median(peaks)),
                           f"{statistics.median(ratios):.3f}{spread}", f"{simulated:.3f}",
                           f"{unit:.3f}", f"<= {TARGETS[name]:.2f}" if name in TARGETS else "",

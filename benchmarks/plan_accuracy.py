@@ -21,7 +21,6 @@ import argparse
 import math
 import os
 import statistics
-import sys
 import time
 from typing import Any
 
@@ -37,7 +36,7 @@ from pipefold.train.prepare import make_job
 from pipefold.train.spec import RunSpec
 
 FAMILIES = ("1f1b", "zb-h1", "zb-v", "v-half", "v-min")
-MODELS = {
+MODELS: dict[str, dict[str, Any]] = {
     "gpt": {"model": "gpt", "layers": 16, "hidden": 256, "heads": 4, "seq": 256, "batch": 32, "microbatches": 16},
     "mlp": {"model": "mlp", "layers": 16, "hidden": 512, "heads": 4, "seq": 1, "batch": 256, "microbatches": 16},
 }
@@ -160,4 +159,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

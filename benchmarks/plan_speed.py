@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Any
 
 from pipefold.plan.budget import plan_model
 from pipefold.plan.profile import Profile
@@ -37,7 +38,8 @@ def main() -> None:
     total = sum(x.params for x in profile.layers) * (2 + profile.optimizer_factor)
     for share in (0.5, 0.3, 0.2):
         budget = total / 8 / share * 0.6 + 0  # from generous to tight, per device
-        laps, answer = [], None
+        laps: list[float] = []
+        answer: Any = None
         for _ in range(args.repeats):
             t0 = time.perf_counter()
             try:

@@ -127,7 +127,8 @@ def _torch_schedule(pair: _Pair, rank: int, sizes: tuple[int, int, int, int],
     indices = _stage_indices(pair.placement, rank)
     num_stages = WORLD * (1 if pair.placement == "single" else 2)
     split = split_layers(cfg.num_layers, num_stages)
-    modules, stages = [], []
+    modules: list[torch.nn.Module] = []
+    stages = []
     for s in indices:
         layers = build_mlp_layers(cfg, split[s], seed=SEED)
         module = torch.nn.Sequential(*(layers[i] for i in split[s])).to(device)
