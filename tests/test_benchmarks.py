@@ -1,0 +1,59 @@
+"""The benchmarks run, in small modes of their own options, so that a change of the library cannot leave one broken
+unnoticed (the pages' tests run those the docs show as commands; these run the others that are quick enough).
+
+A benchmark's figures are measurements for the docs, not assertions: here each one must exit 0, print no
+traceback and print something, on the sizes its options shrink it to. mypy checks every benchmark's calls into the
+library (pyproject.toml's ``files``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS = ROOT / "benchmarks"
+
+SMALL: dict[str, list[str] | None] = {
+    "bench_simulate.py": ["--baseline", "none", "--schedules", "1f1b,zb-v,v-half", "-p", "4", "-m", "8", "--runs", "1"],
+    "memory_flat.py": ["--steps", "20"],
+    "memory_ratio.py": ["--model", "mlp", "--schedules", "zb-v", "--runs", "1", "--partition", "even"],
+    "plan_accuracy.py": ["--models", "mlp", "--families", "1f1b", "--no-budget", "--steps", "2", "--devices", "2"],
+    # Too slow for the suite even in their smallest modes (measured here: 62, 32, 22 and 19 s); mypy checks their
+    # calls into the library; run them by hand before quoting their figures:
+    "adaptive_kfkb.py": None,  # --modes emulated --steps 4 --repeats 1
+    "dataparallel.py": None,  # --runs 1 --dp 2 --steps 2
+    "pipefisher.py": None,  # --steps 2 --repeats 1 --lrs-adamw 1e-3 --lrs-kfac 0.05 --util-steps 2
+    "plan_speed.py": None,  # --quick --repeats 1
+    # Run by the pages' tests, as the docs show them (tests/test_docs.py):
+    "bench_offload.py": None,
+    "bench_recompute.py": None,
+    "vs_torch.py": None,
+    "runtime_breakdown.py": None,
+    # On a GPU only (make gpu-check):
+    "gpu_check.py": None,
+    "offload_gpu.py": None,
+}
+"""Each benchmark's small mode; None: not run here, for the reason given beside it."""
+
+
+def test_every_benchmark_has_a_small_mode_or_a_reason() -> None:
+    assert sorted(SMALL) == sorted(p.name for p in BENCHMARKS.glob("*.py"))
+    docs = "\n".join(p.read_text(encoding="utf-8") for p in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
+    for name in ("bench_offload.py", "bench_recompute.py", "vs_torch.py", "runtime_breakdown.py"):
+        assert f"python benchmarks/{name}" in docs, f"{name} is said to run through the docs, which do not show it"
+
+
+@pytest.mark.parametrize("name", sorted(k for k, v in SMALL.items() if v is not None))
+def test_the_benchmark_runs_in_its_small_mode(name: str, tmp_path: Path) -> None:
+    args = SMALL[name]
+    assert args is not None
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    got = subprocess.run([sys.executable, str(BENCHMARKS / name), *args], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert "Traceback" not in got.stderr, got.stderr[-3000:]
+    assert got.returncode == 0, f"exit {got.returncode}\n{got.stdout[-2000:]}\n{got.stderr[-2000:]}"
+    assert got.stdout.strip(), got.stderr[-2000:]
