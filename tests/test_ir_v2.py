@@ -197,3 +197,35 @@ def test_files_written_before_replicas_still_load() -> None:
     want = build("1f1b", 2, 2)
     assert Schedule.from_json(v1) == want
     assert Schedule.from_text(text) == want and want.to_text() == text
+
+
+@pytest.mark.parametrize(("make", "code"), [(F, "F"), (B, "B"), (W, "W"), (BW, "BW")])
+def test_the_pass_helpers_make_the_same_actions_as_the_named_tuple(make, code) -> None:
+    # The helpers build the tuple directly (tuple.__new__, for speed): every field, the type, equality, hashing,
+    # the text form and parsing must be what Action(...) gives.
+    a = make(3, 5)
+    assert type(a) is Action and a == Action(3, code, 5) and hash(a) == hash(Action(3, code, 5))
+    assert (a.stage, a.kind, a.microbatch, a.parts) == (3, code, 5, ()) and a.passes == (a,)
+    assert str(a) == f"3{code}5" and Action.parse(str(a)) == a
+
+
+def test_a_paused_collector_leaves_no_young_collection_due_and_keeps_a_programs_frozen_objects() -> None:
+    import gc
+
+    from pipefold._gc import paused_gc
+
+    assert gc.isenabled()
+    with paused_gc():
+        assert not gc.isenabled()
+        made = [(i, str(i), []) for i in range(100_000)]
+    assert gc.isenabled() and gc.get_count()[0] < 1000  # what the body made is not walked at once
+    kept = [[] for _ in range(10)]
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        with paused_gc():
+            made += [(i, []) for i in range(10)]
+        assert gc.get_freeze_count() == frozen  # a program's own frozen objects stay frozen
+    finally:
+        gc.unfreeze()
+    assert len(made) == 100_010 and len(kept) == 10
