@@ -38,6 +38,7 @@ def test_train_table(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "1f1b on 2 ranks" in out and "peak held" in out and "predicted" in out and "median step" in out
     assert "stages start at layers 0 " in out and "(split balanced by time)" in out
+    assert "simulated from the measured costs" in out  # no plan: the run's own costs, replayed
 
 
 @pytest.mark.parametrize(

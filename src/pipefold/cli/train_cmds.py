@@ -166,8 +166,8 @@ def _print_train(out: dict[str, Any], console: Console) -> None:
     console.print(table)
     if "recompute" in out:
         _print_recompute(out["recompute"], out["peak_activation_bytes"], console)
-    console.print(f"median step {typical:.3f} s (first step {out['step_time_s'][0]:.3f} s; simulated from the "
-                  f"measured costs {out['predicted_step_s']:.3f} s)")
+    console.print(f"median step {typical:.3f} s (first step {out['step_time_s'][0]:.3f} s; {out['predicted_from']} "
+                  f"{out['predicted_step_s']:.3f} s)")
     console.print("peak held: every tensor a rank keeps during the step, counted once (saved for backward, outputs, "
                   "gradients kept for W, receive buffers, sends in flight); the batch is apart")
     if "max_grad_rel_diff" in out:

@@ -37,30 +37,30 @@ def summarize(outcome: Outcome, *, trace: str | None = None, plot: str | None = 
     step = len(reports[0].steps) - 1  # the last step: warmed up
     last = _ran(job, reports[0].steps[step].schedule, step)
     peaks: list[int] | None = None
+    # The simulator fed with this run's own measured costs: what it predicts, next to what was measured.
+    costs = measured_costs(last, reports, step)
+    if "pipefisher" in job.extra:  # what K-FAC's curvature keeps until it runs: measured before the run
+        costs = _with_stash(costs, job.extra["pipefisher"].base.cost)
+    at = 0.0
+    if job.network is not None and job.origin is not None:
+        # The step's own moment of the network, and its messages' size.
+        costs = dataclasses.replace(costs, activation_bytes=max(
+            (b for r in reports for b in r.steps[step].link_message_bytes.values()), default=0))
+        at = min(r.steps[step].started_at for r in reports) - job.origin
+    replayed = simulate(last, costs, network=job.network, at=at)
+    predicted, label = replayed, "simulated from the measured costs"
     if planned is not None:
         from pipefold.plan.budget import predict
 
         # The profile's prediction, made before the run, next to what the run measured.
         predicted, peaks, _ = predict(planned.plan.profile, job.schedule, job.layer_stages, job.recompute)
         label = "predicted from the profile"
-    else:
-        # The simulator fed with this run's own measured costs: what it predicts, next to what was measured.
-        costs = measured_costs(last, reports, step)
-        if "pipefisher" in job.extra:  # what K-FAC's curvature keeps until it runs: measured before the run
-            costs = _with_stash(costs, job.extra["pipefisher"].base.cost)
-        at = 0.0
-        if job.network is not None and job.origin is not None:
-            # The step's own moment of the network, and its messages' size.
-            costs = dataclasses.replace(costs, activation_bytes=max(
-                (b for r in reports for b in r.steps[step].link_message_bytes.values()), default=0))
-            at = min(r.steps[step].started_at for r in reports) - job.origin
-        predicted = simulate(last, costs, network=job.network, at=at)
-        label = "simulated from the measured costs"
     cycle_peaks = None
     if job.cycle and planned is None:  # the steps of a cycle differ: each rank's peak is the most over those that ran
         each = [simulate(sched, costs).peak_memory for sched in job.cycle[:len(reports[0].steps)]]
         cycle_peaks = [max(col) for col in zip(*each, strict=True)]
     out = _train_summary(spec, job, reports, predicted, cycle_peaks)
+    out["predicted_from"] = label
     parallel = job.parallel
     if parallel.dp > 1:
         out["dp"] = parallel.dp
@@ -81,8 +81,10 @@ def summarize(outcome: Outcome, *, trace: str | None = None, plot: str | None = 
                        "predicted": {"step_time_s": predicted.makespan, "bubble_ratio": predicted.bubble_ratio,
                                      "peak_bytes": peaks},
                        "measured": measured_summary(reports)}
+        out["plan"]["replayed_step_time_s"] = replayed.makespan
         actions = max(len(row) for row in job.schedule.actions)
-        note = prediction_note(predicted.makespan, out["plan"]["measured"]["step_time_s"], actions)
+        note = prediction_note(predicted.makespan, out["plan"]["measured"]["step_time_s"], actions,
+                               replayed=replayed.makespan)
         if note is not None:
             out["plan"]["note"] = note
     if spec.check:
@@ -113,21 +115,26 @@ def summarize(outcome: Outcome, *, trace: str | None = None, plot: str | None = 
     return out
 
 
-def prediction_note(predicted: float, measured: float, actions: int) -> str | None:
+def prediction_note(predicted: float, measured: float, actions: int, *, replayed: float) -> str | None:
     """One line when the run's step time is more than :data:`FAR_OFF` from the prediction, with the likely cause;
-    None when it is close. ``actions``: the most actions a rank runs in a step."""
+    None when it is close. ``actions``: the most actions a rank runs in a step; ``replayed``: the step the
+    simulator gives from the run's own measured pass times, which tells the two causes of a slower run apart."""
     if not (predicted > 0 and measured > 0) or abs(measured / predicted - 1) <= FAR_OFF:
         return None
-    gap = measured - predicted
-    per = gap / max(1, actions)
-    if gap > 0:
-        return (f"the step took {measured / predicted:.2f}x the plan's prediction ({measured * 1e3:.1f} ms against "
-                f"{predicted * 1e3:.1f} ms): {per * 1e3:.2f} ms more per action of the busiest rank ({actions}), most "
-                "likely the runtime's own work per action (receives, sends, bookkeeping), which the profile's layer "
-                "times leave out and which matters on layers of a millisecond or so (docs/plan.md)")
-    return (f"the step took {measured / predicted:.2f}x the plan's prediction ({measured * 1e3:.1f} ms against "
-            f"{predicted * 1e3:.1f} ms): the profile was taken under other load, or the ranks share fewer cores "
-            "than it measured; profile again on an idle machine")
+    head = (f"the step took {measured / predicted:.2f}x the plan's prediction ({measured * 1e3:.1f} ms against "
+            f"{predicted * 1e3:.1f} ms)")
+    if measured < predicted:
+        return (f"{head}: the profile was taken under other load, or the ranks share fewer cores than it measured; "
+                "profile again on an idle machine")
+    if abs(measured / replayed - 1) <= FAR_OFF:
+        return (f"{head}; the run's own pass times replay to {replayed * 1e3:.1f} ms, so the passes themselves took "
+                "longer than the profile's layers add up to: a stage's passes can cost more than the sum of its "
+                "layers timed one by one (small layers), and ranks that share cores run slower than the profile "
+                "measured (docs/plan.md)")
+    per = (measured - replayed) / max(1, actions)
+    return (f"{head}; the run's own pass times replay to {replayed * 1e3:.1f} ms, so the rest is time between "
+            f"passes, {per * 1e3:.2f} ms per action of the busiest rank ({actions}): the runtime's own work per "
+            "action (receives, sends, bookkeeping), or ranks waiting for a core they share (docs/plan.md)")
 
 
 def _ran(job: Job, spec: str, step: int) -> Schedule:
