@@ -21,13 +21,13 @@ SMALL: dict[str, list[str] | None] = {
     "bench_simulate.py": ["--baseline", "none", "--schedules", "1f1b,zb-v,v-half", "-p", "4", "-m", "8", "--runs", "1"],
     "memory_flat.py": ["--steps", "20"],
     "memory_ratio.py": ["--model", "mlp", "--schedules", "zb-v", "--runs", "1", "--partition", "even"],
-    "plan_accuracy.py": ["--models", "mlp", "--families", "1f1b", "--no-budget", "--steps", "2", "--devices", "2"],
-    # Too slow for the suite even in their smallest modes (measured here: 62, 32, 22 and 19 s); mypy checks their
+    # Too slow for the suite even in their smallest modes (measured here: 62, 32, 22, 19 and 16 s); mypy checks their
     # calls into the library; run them by hand before quoting their figures:
     "adaptive_kfkb.py": None,  # --modes emulated --steps 4 --repeats 1
     "dataparallel.py": None,  # --runs 1 --dp 2 --steps 2
     "pipefisher.py": None,  # --steps 2 --repeats 1 --lrs-adamw 1e-3 --lrs-kfac 0.05 --util-steps 2
     "plan_speed.py": None,  # --quick --repeats 1
+    "plan_accuracy.py": None,  # --models mlp --families 1f1b --no-budget --steps 2 --devices 2
     # Run by the pages' tests, as the docs show them (tests/test_docs.py):
     "bench_offload.py": None,
     "bench_recompute.py": None,

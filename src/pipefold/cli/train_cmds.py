@@ -26,8 +26,11 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
     if "hf" in args.given:
         settings["model"] = args.hf
     spec = RunSpec.flat(**settings)
-    if spec.local and not REGISTRY[spec.model.name].hf:
-        start_server()  # the ranks' fork server imports torch on the other core while this process does
+    if spec.local and spec.plan is None and not REGISTRY[spec.model.name].hf:
+        # The ranks' fork server imports torch on the other core while this process does. Not where the model has
+        # modules of its own for it to preload (a Hugging Face model, or the model a plan file names): the job
+        # starts it with them.
+        start_server()
     from pipefold.train.planned import resolve  # torch: once the server is on its way
     from pipefold.train.run import run
     from pipefold.train.summary import summarize
