@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from conftest import build_or_refused
 from pipefold import ConfigError, CostModel, Kind, build, names, simulate
 from pipefold.ir import Action
-from pipefold.sim.simulate import SimResult, StageOverride, peak_by_order
+from pipefold.sim.simulate import Interval, SimResult, StageOverride, peak_by_order
 
 
 def _check_timeline(r: SimResult) -> None:
@@ -279,3 +279,26 @@ def test_peak_by_order_equals_the_simulated_peak(name: str, p: int, m: int, kept
     r = simulate(sched, cost)
     costs = {s: cost.stage_cost(s, sched.stages, sched.devices) for s in range(sched.stages)}
     assert [peak_by_order(row, costs) for row in sched.actions] == pytest.approx(r.peak_memory)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-v", "dualpipev", "chimera", "v-half"])
+def test_the_timeline_reads_as_its_intervals_made_at_once(name: str) -> None:
+    # The simulator keeps the times flat and makes a device's intervals when its row is read; the reference is the
+    # same result holding every row as a plain tuple, whose makespan and busy times are computed by the loops over
+    # intervals.
+    import pickle
+
+    from pipefold.sim.simulate import Timeline
+
+    r = simulate(build(name, 4, 8), CostModel(f=1.0, b=1.37, w=0.61, latency=0.05))
+    assert isinstance(r.timeline, Timeline)
+    plain = SimResult(r.schedule, r.cost, tuple(tuple(row) for row in r.timeline), r.memory_curve)
+    assert r.makespan == plain.makespan and r.busy == plain.busy and r.bubble_ratio == plain.bubble_ratio
+    assert r.timeline == plain.timeline and len(r.timeline) == 4 and r.timeline[-1] == plain.timeline[3]
+    assert r.timeline[1:3] == plain.timeline[1:3] and r.timeline[0] is r.timeline[0]  # a row is made once
+    assert all(type(iv) is Interval and iv.action == a for row, acts in zip(r.timeline, r.schedule.actions,
+                                                                             strict=True)
+               for iv, a in zip(row, acts, strict=True))
+    with pytest.raises(IndexError):
+        r.timeline[4]
+    assert pickle.loads(pickle.dumps(r)).timeline == plain.timeline

@@ -47,8 +47,8 @@ from pipefold.ir import KINDS, Action, Graph, Kind, Schedule, dependency_graph
 from pipefold.ir.graph import ActionTable, action_table
 from pipefold.sim.network import Network, Wire
 
-__all__ = ["CostModel", "Interval", "SimResult", "StageCost", "StageOverride", "memory_deltas", "peak_by_order",
-           "simulate", "split_backward"]
+__all__ = ["CostModel", "Interval", "SimResult", "StageCost", "StageOverride", "Timeline", "memory_deltas",
+           "peak_by_order", "simulate", "split_backward"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -290,24 +290,83 @@ class Interval(NamedTuple):
     end: float
 
 
+class Timeline(Sequence[tuple[Interval, ...]]):
+    """Per device, its actions in run order with start and end times, as the simulator computed them: kept as
+    flat lists, a device's intervals made the first time its row is read. A search that reads only the makespan,
+    the busy times and the peaks makes none of the hundreds of thousands of intervals a large schedule has (nor
+    leaves them for the garbage collector to walk). Reads as a tuple of tuples of :class:`Interval`."""
+
+    __slots__ = ("_actions", "_computes", "_ends", "_made", "_offsets", "_starts")
+
+    def __init__(self, actions: Sequence[Sequence[Action]], starts: Sequence[float], ends: Sequence[float],
+                 computes: npt.NDArray[np.bool_]) -> None:
+        self._actions, self._starts, self._ends, self._computes = actions, starts, ends, computes
+        self._offsets = list(itertools.accumulate((len(r) for r in actions), initial=0))
+        self._made: list[tuple[Interval, ...] | None] = [None] * len(actions)
+
+    def __len__(self) -> int:
+        return len(self._actions)
+
+    def __getitem__(self, device: Any) -> Any:
+        if isinstance(device, slice):
+            return tuple(self[d] for d in range(*device.indices(len(self))))
+        d = range(len(self))[device]  # negative indices, and IndexError past the end
+        row = self._made[d]
+        if row is None:
+            a, b = self._offsets[d], self._offsets[d + 1]
+            # tuple.__new__ on zipped triples: the Intervals without a Python call each.
+            row = self._made[d] = tuple(map(tuple.__new__, itertools.repeat(Interval),
+                                            zip(self._actions[d], self._starts[a:b], self._ends[a:b], strict=True)))
+        return row
+
+    def __iter__(self) -> Any:
+        return (self[d] for d in range(len(self)))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and tuple(self) == tuple(other)
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"Timeline({tuple(self)!r})"
+
+    def makespan(self) -> float:
+        """The latest end of any device's last action."""
+        return max((self._ends[b - 1] for a, b in itertools.pairwise(self._offsets) if b > a), default=0.0)
+
+    def busy(self) -> list[float]:
+        """Per device, the summed durations of its computing actions, added in run order (as a loop over the
+        intervals would: the same float)."""
+        out = []
+        for a, b in itertools.pairwise(self._offsets):
+            spans = np.subtract(self._ends[a:b], self._starts[a:b])[self._computes[a:b]]
+            out.append(float(np.cumsum(spans)[-1]) if len(spans) else 0)
+        return out
+
+
 @dataclass(frozen=True)
 class SimResult:
     """What the simulator predicts for one schedule under one cost model."""
 
     schedule: Schedule
     cost: CostModel
-    timeline: tuple[tuple[Interval, ...], ...]
-    """Per device, its actions in run order with start and end times."""
+    timeline: Sequence[tuple[Interval, ...]]
+    """Per device, its actions in run order with start and end times (a :class:`Timeline` from the simulator)."""
     memory_curve: tuple[tuple[tuple[float, float], ...], ...]
     """Per device, (time, activation memory from then on) steps, starting at (0, 0)."""
 
     @property
     def makespan(self) -> float:
+        if isinstance(self.timeline, Timeline):
+            return self.timeline.makespan()
         return max((row[-1].end for row in self.timeline if row), default=0.0)
 
     @property
     def busy(self) -> list[float]:
         """Per device, the time spent computing (communication actions such as an all-reduce run beside)."""
+        if isinstance(self.timeline, Timeline):
+            return self.timeline.busy()
         computes = {k for k, spec in KINDS.items() if spec.computes}
         return [sum(iv.end - iv.start for iv in row if iv.action.kind in computes) for row in self.timeline]
 
@@ -420,11 +479,8 @@ def simulate(schedule: Schedule, cost: CostModel | None = None, *, network: Netw
         raise ConfigError(f"the costs overflow: {schedule.name}'s step would last longer than the largest float "
                           "(about 1.8e308 time units); give smaller times (--f, --b, --w, --latency, ...), e.g. in "
                           "seconds or milliseconds instead")
-    # tuple.__new__ on zipped triples builds the Intervals without a Python call each (hundreds of thousands); each
-    # device's row takes the next len(row) starts and ends.
-    next_start, next_end = iter(all_starts), iter(all_ends)
-    timeline = tuple(tuple(map(tuple.__new__, itertools.repeat(Interval), zip(row, next_start, next_end, strict=False)))
-                     for row in schedule.actions)
+    computing = np.array([KINDS[code].computes if code in KINDS else False for code in table.kinds] + [False])
+    timeline = Timeline(schedule.actions, all_starts, all_ends, computing[table.kind])
     bounds = [*graph.offsets, schedule.num_actions]
     stashes = _stash_events(graph, costs, all_ends)
     with np.errstate(all="ignore"):  # levels beyond the largest float are reported below
