@@ -126,7 +126,7 @@ def prediction_note(predicted: float, measured: float, actions: int, *, replayed
     if measured < predicted:
         return (f"{head}: the profile was taken under other load, or the ranks share fewer cores than it measured; "
                 "profile again on an idle machine")
-    if abs(measured / replayed - 1) <= FAR_OFF:
+    if replayed >= (1 - FAR_OFF) * measured:  # the passes alone, replayed, make (nearly all of) the step
         return (f"{head}; the run's own pass times replay to {replayed * 1e3:.1f} ms, so the passes themselves took "
                 "longer than the profile's layers add up to: a stage's passes can cost more than the sum of its "
                 "layers timed one by one (small layers), and ranks that share cores run slower than the profile "
