@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from conftest import build_or_refused
 from pipefold import ConfigError, CostModel, Kind, build, names, simulate
-from pipefold.ir import Action
+from pipefold.ir import KINDS, Action
 from pipefold.sim.simulate import Interval, SimResult, StageOverride, peak_by_order
 
 
@@ -284,16 +284,23 @@ def test_peak_by_order_equals_the_simulated_peak(name: str, p: int, m: int, kept
 @pytest.mark.parametrize("name", ["1f1b", "zb-v", "dualpipev", "chimera", "v-half"])
 def test_the_timeline_reads_as_its_intervals_made_at_once(name: str) -> None:
     # The simulator keeps the times flat and makes a device's intervals when its row is read; the reference is the
-    # same result holding every row as a plain tuple, whose makespan and busy times are computed by the loops over
-    # intervals.
+    # same rows as plain tuples, whose makespan and busy times are computed here by loops over the intervals.
     import pickle
+    from types import SimpleNamespace
 
     from pipefold.sim.simulate import Timeline
 
     r = simulate(build(name, 4, 8), CostModel(f=1.0, b=1.37, w=0.61, latency=0.05))
     assert isinstance(r.timeline, Timeline)
-    plain = SimResult(r.schedule, r.cost, tuple(tuple(row) for row in r.timeline), r.memory_curve)
+    rows = tuple(tuple(row) for row in r.timeline)
+    computes = {k for k, spec in KINDS.items() if spec.computes}
+    busy = [sum(iv.end - iv.start for iv in row if iv.action.kind in computes) for row in rows]
+    makespan = max((row[-1].end for row in rows if row), default=0.0)
+    plain = SimpleNamespace(timeline=rows, makespan=makespan, busy=busy,
+                            bubble_ratio=1.0 - sum(b / 4 for b in busy) / makespan)
     assert r.makespan == plain.makespan and r.busy == plain.busy and r.bubble_ratio == plain.bubble_ratio
+    again = Timeline.of(rows)  # the timeline of intervals made elsewhere (a run's measured ones)
+    assert again == rows and again.makespan() == makespan and again.busy() == busy
     assert r.timeline == plain.timeline and len(r.timeline) == 4 and r.timeline[-1] == plain.timeline[3]
     assert r.timeline[1:3] == plain.timeline[1:3] and r.timeline[0] is r.timeline[0]  # a row is made once
     assert all(type(iv) is Interval and iv.action == a for row, acts in zip(r.timeline, r.schedule.actions,

@@ -10,7 +10,7 @@ from pipefold.ir import Action, Schedule
 from pipefold.runtime.executor import COMPUTE_KINDS, kind_times
 from pipefold.runtime.history import step_number
 from pipefold.runtime.job import RankReport
-from pipefold.sim.simulate import CostModel, Interval, SimResult, StageOverride, split_backward
+from pipefold.sim.simulate import CostModel, Interval, SimResult, StageOverride, Timeline, split_backward
 
 
 def measured_result(schedule: Schedule, reports: list[RankReport], step: int) -> SimResult:
@@ -24,7 +24,7 @@ def measured_result(schedule: Schedule, reports: list[RankReport], step: int) ->
         rows.append(tuple(Interval(Action.parse(e.name), shift + e.start, shift + e.end)
                           for e in s.events if e.kind in COMPUTE_KINDS))
         curves.append(((0.0, 0.0), *((shift + t, float(b)) for t, b in s.memory_curve)))
-    return SimResult(schedule, CostModel(), tuple(rows), tuple(curves))
+    return SimResult(schedule, CostModel(), Timeline.of(rows), tuple(curves))
 
 
 _DERIVED = ("F", "B", "W", "BW", "OPT")

@@ -304,6 +304,14 @@ class Timeline(Sequence[tuple[Interval, ...]]):
         self._offsets = list(itertools.accumulate((len(r) for r in actions), initial=0))
         self._made: list[tuple[Interval, ...] | None] = [None] * len(actions)
 
+    @classmethod
+    def of(cls, rows: Sequence[Sequence[Interval]]) -> Timeline:
+        """The timeline of intervals made elsewhere (a run's measured ones), per device in run order."""
+        flat = [iv for row in rows for iv in row]
+        computes = np.array([KINDS[iv.action.kind].computes for iv in flat], dtype=bool)
+        return cls([[iv.action for iv in row] for row in rows], [iv.start for iv in flat], [iv.end for iv in flat],
+                   computes)
+
     def __len__(self) -> int:
         return len(self._actions)
 
@@ -351,24 +359,19 @@ class SimResult:
 
     schedule: Schedule
     cost: CostModel
-    timeline: Sequence[tuple[Interval, ...]]
-    """Per device, its actions in run order with start and end times (a :class:`Timeline` from the simulator)."""
+    timeline: Timeline
+    """Per device, its actions in run order with start and end times."""
     memory_curve: tuple[tuple[tuple[float, float], ...], ...]
     """Per device, (time, activation memory from then on) steps, starting at (0, 0)."""
 
     @property
     def makespan(self) -> float:
-        if isinstance(self.timeline, Timeline):
-            return self.timeline.makespan()
-        return max((row[-1].end for row in self.timeline if row), default=0.0)
+        return self.timeline.makespan()
 
     @property
     def busy(self) -> list[float]:
         """Per device, the time spent computing (communication actions such as an all-reduce run beside)."""
-        if isinstance(self.timeline, Timeline):
-            return self.timeline.busy()
-        computes = {k for k, spec in KINDS.items() if spec.computes}
-        return [sum(iv.end - iv.start for iv in row if iv.action.kind in computes) for row in self.timeline]
+        return self.timeline.busy()
 
     @property
     def idle(self) -> list[float]:
