@@ -34,11 +34,13 @@ from pipefold.runtime.measure import measured_costs
 from pipefold.sim.simulate import simulate
 from pipefold.train.run import train
 from pipefold.train.spec import RunSpec
+from vs_torch import BATCH, HIDDEN, LAYERS, MICROBATCHES, SEED, WORLD
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b:v=2", "zb-v")
-SETTINGS: dict[str, Any] = {"devices": 2, "microbatches": 8, "model": "mlp", "layers": 8, "hidden": 512, "batch": 64,
-                            "optimizer": "sgd", "seed": 0, "partition": "even", "device": "cpu", "backend": "gloo"}
-"""vs_torch.py's run (the same model, sizes and split); --hidden overrides the width."""
+SETTINGS: dict[str, Any] = {"devices": WORLD, "microbatches": MICROBATCHES, "model": "mlp", "layers": LAYERS,
+                            "hidden": HIDDEN, "batch": BATCH, "optimizer": "sgd", "seed": SEED, "partition": "even",
+                            "device": "cpu", "backend": "gloo"}
+"""vs_torch.py's run (its sizes, the same model and split); --hidden overrides the width."""
 
 
 def breakdown(schedule: str, steps: int, hidden: int) -> dict[str, Any]:

@@ -362,9 +362,9 @@ class RunSpec:
 
     @property
     def local(self) -> bool:
-        """Whether this process starts the ranks, on this machine, from the fork server
-        (:func:`pipefold.runtime.processes.start_server`): not under torchrun (each worker is a rank), nor in network
-        namespaces (each rank enters its own)."""
+        """Whether this process starts the ranks' fork server as soon as it can
+        (:func:`pipefold.runtime.processes.start_server`): not under torchrun (each worker is a rank and starts none),
+        nor with ``--netns`` (the server starts with the ranks, once the namespaces are up)."""
         return not under_torchrun() and not self.links.netns
 
     def _check(self) -> None:
