@@ -322,11 +322,7 @@ class _Cut:
         # reaches them: then autograd can restart at the node and run just that side, adding straight
         # into .grad. Other crossing nodes go through the general two-phase path of weight_grads.
         param_of = {n: p for p in params if (n := _grad_node(p)) is not None and n in seen}
-        self.owned: dict[Node, list[nn.Parameter]] = {}
-        for node, edges in self.edges.items():
-            owned = _owned_params(node, edges, param_of)
-            if owned is not None:
-                self.owned[node] = owned
+        self.owned = _ownership(nodes, on_path, self.edges, param_of)
 
     @property
     def crossings(self) -> list[Node]:
@@ -402,6 +398,58 @@ def _reach(start: list[Node]) -> set[Node]:
             out.add(node)
             stack += [c for c, _ in node.next_functions if c is not None]
     return out
+
+
+def _ownership(nodes: list[Node], on_path: set[Node], crossings: dict[Node, list[GradientEdge]],
+               param_of: dict[Node, nn.Parameter]) -> dict[Node, list[nn.Parameter]]:
+    """The crossing nodes that own the parameters below their crossings (:func:`_owned_params`), with them.
+
+    One walk over the regions below every way off the path (a crossing node's crossings together, each other
+    edge from an on-path node to an off-path one alone) marks each node with the region that reached it
+    first. A path from a crossing node's other inputs into its own region must come in through another way
+    off the path, so a region no other one meets is owned; only regions that meet another are checked by
+    :func:`_owned_params`'s own walk, which is exact (and, run for every node, quadratic in a stage's depth).
+    """
+    first: dict[Node, int] = {}
+    regions: list[list[Node]] = []
+    meets: set[int] = set()
+
+    def walk(start: list[Node]) -> int:
+        tag = len(regions)
+        region: list[Node] = []
+        regions.append(region)
+        stack = list(start)
+        while stack:
+            node = stack.pop()
+            other = first.get(node)
+            if other is None:
+                first[node] = tag
+                region.append(node)
+                stack += [c for c, _ in node.next_functions if c is not None]
+            elif other != tag:
+                meets.update((tag, other))
+        return tag
+
+    tags: dict[Node, int] = {}
+    for node in nodes:
+        if node not in on_path:
+            continue
+        edges = crossings.get(node, [])
+        crossing = {(e.node, e.output_nr) for e in edges}
+        if edges:
+            tags[node] = walk([e.node for e in edges])
+        for child, nr in node.next_functions:
+            if child is not None and child not in on_path and (child, nr) not in crossing:
+                walk([child])
+    owned: dict[Node, list[nn.Parameter]] = {}
+    for node, tag in tags.items():
+        if tag in meets:
+            params = _owned_params(node, crossings[node], param_of)
+            if params is not None:
+                owned[node] = params
+        else:
+            owned[node] = [param_of[n] for n in regions[tag] if n in param_of]
+    return owned
 
 
 def _owned_params(node: Node, edges: list[GradientEdge],
