@@ -203,7 +203,7 @@ def test_refill_places_from_the_ranks_times() -> None:
     refill = Refill(after=3, schedule=s, cost=first)
     times = {0: {"F": 2.0, "BW": 4.0, "KA": 0.1, "KP": 0.0}, 1: {"F": 2.0, "BW": 4.0}}
     cost = measured_cost(first, times)
-    assert cost.stage_overrides[0] == StageOverride(f=2.0, b=2.0, w=2.0, memory=2.0, work={**WORK, "KA": 0.1},
+    assert cost.stage_overrides[0] == StageOverride(f=2.0, b=2.0, w=2.0, bw=4.0, memory=2.0, work={**WORK, "KA": 0.1},
                                                     stash={"KA": 0.5})
     filled = refill.plan(times)
     assert filled.base.makespan == pytest.approx(simulate(s, cost).makespan)

@@ -104,6 +104,60 @@ def test_stage_figures_are_sums_of_their_layers() -> None:
     assert [r.message for r in rows] == [8192, 8192, 0]
 
 
+def test_a_fused_backward_costs_what_was_measured_for_it_not_b_plus_w() -> None:
+    # Measured layers carry their own fused backward (a runtime's BW does less than its B and W); a stage's is the
+    # sum of its layers', and a schedule that fuses its backward is simulated with it. Closed form: 1f1b with
+    # equal stages and a free link lasts (m + p - 1) (F + BW); zb-h1, which splits it, keeps using B and W.
+    layer = LayerProfile(f=2e-3, b=3e-3, w=2e-3, bw=3.5e-3, held=1000, held_w=800, params=1000, out=0)
+    prof = dataclasses.replace(_profile(8), layers=(layer,) * 8, latency=0.0, bandwidth=1e30)
+    parts = [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert [r.fused_time for r in stage_profiles(prof, parts)] == pytest.approx([4 * 3.5e-3] * 2)
+    m = prof.train["microbatches"]
+    fused = simulate(schedules.build("1f1b", 2, m), model_costs(prof, schedules.build("1f1b", 2, m), parts))
+    assert fused.makespan == pytest.approx((m + 1) * 4 * (2e-3 + 3.5e-3))
+    split = schedules.build("zb-h1", 2, m)
+    unfused = dataclasses.replace(prof, layers=(dataclasses.replace(layer, bw=None),) * 8)
+    assert simulate(split, model_costs(prof, split, parts)).makespan == pytest.approx(
+        simulate(split, model_costs(unfused, split, parts)).makespan)
+    # A profile written before BW was measured reads as B + W.
+    old = prof.to_dict()
+    for row in old["layers"]:
+        del row["bw"]
+    assert [x.fused for x in Profile.from_dict(old).layers] == pytest.approx([5e-3] * 8)
+    bad = prof.to_dict()
+    bad["layers"][2]["bw"] = -1.0
+    with pytest.raises(ConfigError, match="layer 2 has a negative"):
+        Profile.from_dict(bad)
+
+
+def test_a_stage_w_walks_the_graph_below_each_layer() -> None:
+    # W restarts the autograd engine at each weight gradient, and the engine walks the whole graph below: a layer's
+    # W in a stage is its own plus w_depth per node of the layers before it. Closed form for three layers.
+    rows = [LayerProfile(f=1.0, b=1.0, w=w, held=0, held_w=0, params=0, out=0, nodes=n, w_depth=d)
+            for w, n, d in ((0.5, 10, 0.0), (2.0, 40, 1e-3), (3.0, 7, 2e-3))]
+    prof = dataclasses.replace(_profile(3), layers=tuple(rows))
+    [stage] = stage_profiles(prof, [(0, 1, 2)])
+    assert stage.times[2] == pytest.approx(0.5 + (2.0 + 1e-3 * 10) + (3.0 + 2e-3 * 50))
+    assert [s.times[2] for s in stage_profiles(prof, [(0,), (1,), (2,)])] == pytest.approx([0.5, 2.0, 3.0])
+
+
+def test_layers_count_their_graph_and_time_what_the_graph_below_adds() -> None:
+    import torch
+
+    from pipefold.runtime.profiling import _Below, _graph_nodes, measure_layers
+    from pipefold.runtime.stage import Chain
+
+    x = (torch.randn(4, 8),)
+    # A Linear: its addmm, the weight's transpose and the two accumulators; views add one node each.
+    assert _graph_nodes(torch.nn.Linear(8, 8), x) == 4
+    assert _graph_nodes(Chain(_Below(100), torch.nn.Linear(8, 8)), x) == 104
+    layers = [torch.nn.Linear(8, 8) for _ in range(4)]
+    prof = measure_layers(layers, x[0], torch.randn(4, 8), torch.nn.functional.mse_loss, repeats=2)
+    assert [p.nodes for p in prof] == [4, 4, 4, 4]
+    # A first layer is never below another; equal layers share one figure (the last, with the loss, is its own).
+    assert prof[0].w_depth == 0 and prof[1].w_depth == prof[2].w_depth >= 0 and prof[3].w_depth >= 0
+
+
 def test_stage_figures_from_layers_match_stages_measured_whole() -> None:
     # Independent of the composition: the recomputation planner's own measurement runs each whole stage with
     # r = 0..n recomputed layers on the runtime's stage runner and reads the meter.
@@ -127,6 +181,9 @@ def test_stage_figures_from_layers_match_stages_measured_whole() -> None:
     assert composed[0].kept == whole[0].kept  # every r, to the byte
     assert composed[1].kept[:-1] == whole[1].kept[:-1]  # the last stage recomputing everything keeps a bit more
     assert composed[0].held_w[0] == whole[0].held_w[0] and composed[1].held_w[0] == whole[1].held_w[0]
+    # Both measured a fused backward apart from B and W, each stage and each layer.
+    assert all(x.bw is not None and x.bw > 0 for x in prof.layers)
+    assert all(w.fused_time is not None and w.fused_time > 0 for w in whole)
 
 
 def test_transfers_cost_the_measured_link() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 from conftest import build_or_refused
 from pipefold import ConfigError, CostModel, Kind, build, names, simulate
 from pipefold.ir import KINDS, Action
-from pipefold.sim.simulate import Interval, SimResult, StageOverride, peak_by_order
+from pipefold.sim.simulate import Interval, SimResult, StageOverride, peak_by_order, split_backward
 
 
 def _check_timeline(r: SimResult) -> None:
@@ -309,3 +310,22 @@ def test_the_timeline_reads_as_its_intervals_made_at_once(name: str) -> None:
     with pytest.raises(IndexError):
         r.timeline[4]
     assert pickle.loads(pickle.dumps(r)).timeline == plain.timeline
+
+
+def test_a_stage_fused_backward_lasts_its_own_time() -> None:
+    # A measured BW replaces B + W for BW actions only: 1f1b on 2 devices, 3 microbatches, one stage each, a free
+    # link: (m + p - 1) (F + BW) whatever B and W are; a split schedule keeps B and W.
+    over = {s: StageOverride(f=1.0, b=2.0, w=2.0, bw=2.5) for s in range(2)}
+    fused = simulate(build("1f1b", 2, 3), CostModel(stage_overrides=over))
+    assert fused.makespan == pytest.approx(4 * 3.5)
+    assert all(i.end - i.start == pytest.approx(2.5) for row in fused.timeline for i in row if i.action.kind == "BW")
+    plain = {s: dataclasses.replace(o, bw=None) for s, o in over.items()}
+    zb = build("zb-h1", 2, 3)
+    assert simulate(zb, CostModel(stage_overrides=over)).makespan == simulate(
+        zb, CostModel(stage_overrides=plain)).makespan
+    assert CostModel(stage_overrides=over).to_dict()["stage_overrides"]["0"]["bw"] == 2.5
+    with pytest.raises(ConfigError, match="stage 1 cost bw must be a finite number"):
+        CostModel(stage_overrides={1: StageOverride(f=1.0, b=1.0, w=1.0, bw=-1.0)})
+    # What the ranks measured: a BW where one ran, else None (B and W are kept as measured).
+    assert split_backward({"F": 1.0, "BW": 3.0}) == StageOverride(f=1.0, b=1.5, w=1.5, bw=3.0)
+    assert split_backward({"F": 1.0, "B": 2.0, "W": 0.5}) == StageOverride(f=1.0, b=2.0, w=0.5, bw=None)

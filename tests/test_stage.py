@@ -269,8 +269,8 @@ def test_ownership_in_one_walk_is_the_exact_one(name: str) -> None:
     out = module(leaf)
     params = [p for p in module.parameters() if p.requires_grad]
     cut = stage_module._Cut([out], [leaf], params)
-    nodes = stage_module._reach([out.grad_fn])
-    param_of = {n: p for p in params if (n := stage_module._grad_node(p)) in nodes}
+    nodes = stage_module.graph_below([out.grad_fn])
+    param_of = {n: p for p in params if (n := stage_module.grad_node(p)) in nodes}
     exact = {node: stage_module._owned_params(node, edges, param_of) for node, edges in cut.edges.items()}
     want = {node: {id(p) for p in ps} for node, ps in exact.items() if ps is not None}
     assert {node: {id(p) for p in ps} for node, ps in cut.owned.items()} == want

@@ -42,9 +42,10 @@ def cmd_profile(args: argparse.Namespace, console: Console) -> None:
         print(jsonout.dumps({"profile": args.output, "layers": len(prof.layers), "latency_s": prof.latency,
                              "bandwidth_bytes_per_s": prof.bandwidth, "contention": list(prof.contention)}))
         return
-    f, b, w = (sum(getattr(x, k) for x in prof.layers) for k in "fbw")
+    f, b, w, bw = (sum(getattr(x, k) for x in prof.layers) for k in ("f", "b", "w", "fused"))
     console.print(f"[bold]{args.output}[/]: {len(prof.layers)} layers of {args.model}, one microbatch of "
-                  f"{prof.microbatch_rows}: F {f * 1e3:.2f} ms, B {b * 1e3:.2f} ms, W {w * 1e3:.2f} ms in all; "
+                  f"{prof.microbatch_rows}: F {f * 1e3:.2f} ms, B {b * 1e3:.2f} ms, W {w * 1e3:.2f} ms "
+                  f"(fused BW {bw * 1e3:.2f} ms) in all; "
                   f"{format_bytes(sum(x.params for x in prof.layers))} of parameters")
     console.print(f"link: {prof.latency * 1e6:.0f} us + bytes at {prof.bandwidth / 2**30:.2f} GiB/s; ranks computing "
                   f"at once 1..{len(prof.contention)} run each pass x{' x'.join(f'{c:.2f}' for c in prof.contention)}")

@@ -66,17 +66,6 @@ class Kind:
     KP = "KP"  # K-FAC: preconditioning of a stage's gradient
 
 
-class _Costs(NamedTuple):
-    """What a kind's time and memory are computed from (the simulator passes its StageCost)."""
-
-    f: float
-    b: float
-    w: float
-    memory: float
-    held: float
-    held_w: float
-
-
 def _no_memory(c: Any) -> tuple[float, float]:
     return 0.0, 0.0
 
@@ -164,7 +153,7 @@ for _spec in (
     KindSpec(code=Kind.W, doc="backward for the weights only", needs=(("B", 0),), gives=("W",),
              time=lambda c: c.w, memory=_w_memory, color="#009E73", label="weight grad"),
     KindSpec(code=Kind.BW, doc="fused backward: B and W together", needs=(("F", 0), ("B", 1)), gives=("B", "W"),
-             time=lambda c: c.b + c.w, memory=_bw_memory, color="#CC79A7", label="full backward"),
+             time=lambda c: c.bw, memory=_bw_memory, color="#CC79A7", label="full backward"),
     KindSpec(code=Kind.FB, doc="an overlapped forward and backward, run together", composite=True,
              color="#56B4E9", label="overlapped F+B"),
     KindSpec(code=Kind.R, doc="all-reduce of a replicated stage's gradients", microbatch=False, gathers=("W",),

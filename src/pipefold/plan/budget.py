@@ -13,7 +13,7 @@ from pipefold import schedules
 from pipefold.errors import ConfigError, ScheduleError
 from pipefold.ir import Schedule
 from pipefold.ir.ref import ScheduleRef
-from pipefold.plan.profile import Profile
+from pipefold.plan.profile import LayerProfile, Profile
 from pipefold.plan.recompute import StageProfile, choose_recompute, device_peaks
 from pipefold.sim.simulate import CostModel, SimResult, StageOverride, simulate
 from pipefold.units import format_bytes
@@ -323,8 +323,8 @@ def model_costs(profile: Profile, schedule: Schedule, layer_stages: Sequence[Seq
     layers' measured seconds and bytes, the measured link, and how the ranks share the machine."""
     rows = stage_profiles(profile, layer_stages)
     counts = recompute or (0,) * len(rows)
-    over = {s: StageOverride(f=p.times[0], b=p.times[1], w=p.times[2], memory=float(p.total[r]), kept=float(p.kept[r]),
-                             memory_w=float(p.held_w[r]), recompute=p.rerun[r])
+    over = {s: StageOverride(f=p.times[0], b=p.times[1], w=p.times[2], bw=p.fused_time, memory=float(p.total[r]),
+                             kept=float(p.kept[r]), memory_w=float(p.held_w[r]), recompute=p.rerun[r])
             for s, (p, r) in enumerate(zip(rows, counts, strict=True))}
     message = max((p.message for p in rows[:-1]), default=0)
     params = sum(x.params for x in profile.layers)
@@ -352,10 +352,17 @@ def stage_profiles(profile: Profile, layer_stages: Sequence[Sequence[int]]) -> l
         rerun = tuple(itertools.accumulate((x.f for x in mine), initial=0.0))
         out.append(StageProfile(layers=len(mine), kept=kept, total=(held,) * (len(mine) + 1),
                                 held_w=(sum(x.held_w for x in mine),) * (len(mine) + 1), rerun=rerun,
-                                times=(sum(x.f for x in mine), sum(x.b for x in mine), sum(x.w for x in mine)),
+                                times=(sum(x.f for x in mine), sum(x.b for x in mine), _stage_w(mine)),
                                 static=sum(profile.static(i) for i in part),
-                                message=0 if s == last else mine[-1].out))
+                                message=0 if s == last else mine[-1].out, fused_time=sum(x.fused for x in mine)))
     return out
+
+
+def _stage_w(layers: Sequence[LayerProfile]) -> float:
+    """W of a stage of ``layers``: theirs, each longer by its ``w_depth`` for every autograd node of the layers
+    before it in the stage (the graph its weight gradients' restarts of the engine walk)."""
+    below = itertools.accumulate((x.nodes for x in layers), initial=0)
+    return sum(x.w + x.w_depth * n for x, n in zip(layers, below, strict=False))
 
 
 def plan_model(profile: Profile, p: int, budget: float, *, microbatches: int | None = None,

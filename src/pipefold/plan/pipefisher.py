@@ -172,14 +172,14 @@ def measured_cost(cost: CostModel, times: dict[int, dict[str, float]]) -> CostMo
     over = {}
     for s, old in cost.stage_overrides.items():
         got = times.get(s, {})
-        f, b, w = split_backward(got) if "F" in got else (old.f, old.b, old.w)
+        timed = split_backward(got) if "F" in got else old
         work = {**(old.work or {}), **{k: v for k, v in got.items() if k in KFAC_KINDS}}
         # A KP before its stage's first inversion has nothing to do, so its median over the first steps can be
         # near 0: the time it takes with an inverse, timed before the run, is the least it is taken to cost.
         if old.work and Kind.KP in old.work:
             work[Kind.KP] = max(work.get(Kind.KP, 0.0), old.work[Kind.KP])
-        over[s] = StageOverride(f=f, b=b, w=w, memory=old.memory, kept=old.kept, memory_w=old.memory_w,
-                                work=work, stash=old.stash)
+        over[s] = StageOverride(f=timed.f, b=timed.b, w=timed.w, bw=timed.bw, memory=old.memory, kept=old.kept,
+                                memory_w=old.memory_w, work=work, stash=old.stash)
     return CostModel(stage_overrides=over, contention=cost.contention)
 
 

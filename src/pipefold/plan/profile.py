@@ -3,8 +3,9 @@
 ``pipefold profile`` measures (:mod:`pipefold.runtime.profiling`), and :mod:`pipefold.plan.budget` reads, three
 things::
 
-    layers      per layer, one microbatch: F, B, W seconds (medians of repeats on the runtime's own
-                stage runner), bytes held after F and between B and W (the runtime's meter),
+    layers      per layer, one microbatch: F, B, W seconds and a fused backward's BW (medians of repeats on
+                the runtime's own stage runner), how much longer its W takes per autograd node below it in a
+                stage, bytes held after F and between B and W (the runtime's meter),
                 parameter bytes, bytes of its output (what a stage boundary after it sends)
     link        one-way time of a message between two gloo ranks: latency + bytes / bandwidth,
                 fitted to ping-pongs of 4 KiB .. 4 MiB
@@ -53,6 +54,18 @@ class LayerProfile:
     """Parameter bytes."""
     out: int
     """Bytes of its output: what a stage ending with this layer sends (and gets back as a gradient)."""
+    bw: float | None = None
+    """Fused backward (BW) seconds; None (a profile from before it was measured): B + W."""
+    nodes: int = 0
+    """Autograd nodes its forward adds to a microbatch's graph."""
+    w_depth: float = 0.0
+    """Seconds its W takes longer per autograd node below it in its stage: W restarts the autograd engine where
+    each weight gradient starts, and the engine walks the whole graph below that point each time."""
+
+    @property
+    def fused(self) -> float:
+        """Seconds of a fused backward: ``bw`` where measured, else B + W."""
+        return self.b + self.w if self.bw is None else self.bw
 
 
 @dataclass(frozen=True)
@@ -96,7 +109,9 @@ class Profile:
                 raise ConfigError(f"{where} is not a pipefold profile (version {VERSION}): "
                                   f"make one with pipefold profile -o FILE")
             layers = tuple(LayerProfile(f=float(row["f"]), b=float(row["b"]), w=float(row["w"]), held=int(row["held"]),
-                                        held_w=int(row["held_w"]), params=int(row["params"]), out=int(row["out"]))
+                                        held_w=int(row["held_w"]), params=int(row["params"]), out=int(row["out"]),
+                                        bw=None if row.get("bw") is None else float(row["bw"]),
+                                        nodes=int(row.get("nodes", 0)), w_depth=float(row.get("w_depth", 0.0)))
                            for row in data["layers"])
             link = data["link"]
             out = cls(train=dict(data["train"]), layers=layers, latency=float(link["latency"]),
@@ -114,7 +129,7 @@ class Profile:
         if not self.layers:
             raise ConfigError(f"{where} has no layers")
         for i, x in enumerate(self.layers):
-            values = (x.f, x.b, x.w, x.held, x.held_w, x.params, x.out)
+            values = (x.f, x.b, x.w, x.fused, x.held, x.held_w, x.params, x.out, x.nodes, x.w_depth)
             if not all(math.isfinite(v) and v >= 0 for v in values):
                 raise ConfigError(f"{where}: layer {i} has a negative or non-finite figure: {x}")
         if not (math.isfinite(self.latency) and self.latency >= 0 and self.bandwidth > 0):

@@ -67,6 +67,8 @@ class StageProfile:
     """Bytes of its output for one microbatch: what it sends on, and the size of the gradient it gets back."""
     total_fused: tuple[int, ...] = ()
     """The most bytes it holds while a fused backward (BW) runs, for each r; empty: as ``total``."""
+    fused_time: float | None = None
+    """Seconds of its fused backward (BW) without recomputation (median); None: B + W."""
 
 
 @dataclass(frozen=True)
@@ -126,7 +128,8 @@ def _fused(actions: Iterable[Any]) -> set[int]:
 def _step_time(schedule: Schedule, profiles: Sequence[StageProfile], layers: Sequence[int]) -> float:
     """Simulated step time from the measured F, B and W of each stage plus its rerun."""
     fused = _fused(a for row in schedule.actions for a in row)
-    over = {s: StageOverride(f=p.times[0], b=p.times[1], w=p.times[2], memory=float(_total(p, r, s in fused)),
+    over = {s: StageOverride(f=p.times[0], b=p.times[1], w=p.times[2], bw=p.fused_time,
+                             memory=float(_total(p, r, s in fused)),
                              kept=float(p.kept[r]), memory_w=float(p.held_w[r]), recompute=p.rerun[r])
             for s, (p, r) in enumerate(zip(profiles, layers, strict=True))}
     return simulate(schedule, CostModel(stage_overrides=over)).makespan

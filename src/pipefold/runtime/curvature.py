@@ -183,8 +183,8 @@ def measure(stages: Sequence[nn.Module], sample: torch.Tensor | Sequence[torch.T
             config: KFACConfig, repeats: int = 3) -> list[dict[str, Any]]:
     """Time each stage's passes and K-FAC work on one sample microbatch, on one thread as a rank runs.
 
-    Per stage: ``f``, ``b``, ``w`` and the ``work`` of KA, KG, KI and KP in seconds (medians of
-    ``repeats`` runs after a warm-up), ``memory`` (bytes one microbatch holds after its F) and the
+    Per stage: ``f``, ``b``, ``w``, a fused backward's ``bw`` and the ``work`` of KA, KG, KI and KP in seconds
+    (medians of ``repeats`` runs after a warm-up), ``memory`` (bytes one microbatch holds after its F) and the
     ``stash`` of KA and KG (bytes of its layer inputs and output gradients).
     """
     import statistics
@@ -222,8 +222,14 @@ def measure(stages: Sequence[nn.Module], sample: torch.Tensor | Sequence[torch.T
                 for p in runner.params:
                     p.grad = None
             curv.close()
+            # The fused backward a BW schedule runs instead of B and W (K-FAC's work is timed on its own).
+            fused = [run_passes(runner, repeats + 1 + k, x, target, scale=1.0 / microbatches, fused=True)[0][1]
+                     for k in range(repeats + 1)]
+            for p in runner.params:
+                p.grad = None
             med = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
-            out.append({"f": med["F"], "b": med["B"], "w": med["W"], "memory": memory,
+            out.append({"f": med["F"], "b": med["B"], "w": med["W"], "bw": statistics.median(fused[1:]),
+                        "memory": memory,
                         "work": {k: med[k] for k in (Kind.KA, Kind.KG, Kind.KI, Kind.KP)},
                         "stash": {Kind.KA: stash_a, Kind.KG: stash_g}})
             x = tuple(t.detach() for t in h) if s < last else x

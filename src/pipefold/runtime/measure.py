@@ -3,6 +3,7 @@ cost model that lets the simulator predict the same run."""
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from typing import Any
 
@@ -10,7 +11,7 @@ from pipefold.ir import Action, Schedule
 from pipefold.runtime.executor import COMPUTE_KINDS, kind_times
 from pipefold.runtime.history import step_number
 from pipefold.runtime.job import RankReport
-from pipefold.sim.simulate import CostModel, Interval, SimResult, StageOverride, Timeline, split_backward
+from pipefold.sim.simulate import CostModel, Interval, SimResult, Timeline, split_backward
 
 
 def measured_result(schedule: Schedule, reports: list[RankReport], step: int) -> SimResult:
@@ -42,12 +43,11 @@ def measured_costs(schedule: Schedule, reports: list[RankReport], step: int) -> 
         memory.update(r.steps[step].stage_memory)
     over = {}
     for s in range(schedule.stages):
-        f, b, w = split_backward(times.get(s, {}))
         held, during_b, held_w = memory.get(s, (0, 0, 0))
         # Other work the stage ran (K-FAC's), for the kinds whose time the cost model takes as given.
         work = {k: v for k, v in times.get(s, {}).items() if k not in _DERIVED}
-        over[s] = StageOverride(f=f, b=b, w=w, memory=float(max(held, during_b)), kept=float(held),
-                                memory_w=float(held_w or held), work=work or None)
+        over[s] = dataclasses.replace(split_backward(times.get(s, {})), memory=float(max(held, during_b)),
+                                      kept=float(held), memory_w=float(held_w or held), work=work or None)
     return CostModel(stage_overrides=over)
 
 

@@ -33,7 +33,16 @@ from pipefold.plan.partition import COST_KINDS, LayerFigures
 from pipefold.plan.profile import LayerProfile, Profile, Progress, fit_link
 from pipefold.plan.recompute import OPTIMIZER_STATE, StageProfile
 from pipefold.runtime.processes import free_port, process_context, starting, stopped_on_error
-from pipefold.runtime.stage import Chain, StageRunner, as_leaves, as_tuple, ones_for, split_batch
+from pipefold.runtime.stage import (
+    Chain,
+    StageRunner,
+    as_leaves,
+    as_tuple,
+    grad_node,
+    graph_below,
+    ones_for,
+    split_batch,
+)
 
 __all__ = ["layer_costs", "layer_memory", "layer_static_bytes", "measure_contention", "measure_layers",
            "measure_link", "measure_stages", "profile_model", "run_passes", "split_figures"]
@@ -47,9 +56,10 @@ _LINK_SIZES = (4 << 10, 64 << 10, 512 << 10, 4 << 20)
 
 def run_passes(runner: StageRunner, k: int, x: Values, target: Any = None, *, scale: float = 1.0,
                forward: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
-               before_backward: Callable[[Values | None], None] | None = None,
+               before_backward: Callable[[Values | None], None] | None = None, fused: bool = False,
                ) -> tuple[tuple[float, float, float], Values]:
     """Microbatch ``k`` through F, B and W of ``runner``, each pass timed: ((f, b, w) seconds, F's outputs).
+    ``fused``: the backward runs as one BW pass instead, timed in the place of B, and W is 0.
 
     A stage with a loss computes it against ``target`` and B starts from it; any other stage's B starts from
     gradients of ones. ``forward()`` is a context around F (K-FAC records its inputs there);
@@ -69,6 +79,10 @@ def run_passes(runner: StageRunner, k: int, x: Values, target: Any = None, *, sc
     if before_backward is not None:
         before_backward(grads)
     t0 = time.perf_counter()
+    if fused:
+        runner.backward(k, grads)
+        sync()
+        return (f, time.perf_counter() - t0, 0.0), out
     runner.backward_input(k, grads)
     sync()
     b = time.perf_counter() - t0
@@ -123,8 +137,10 @@ def measure_layers(layers: Sequence[nn.Module], sample: Any, target: Any, loss_f
                    microbatches: int = 1, repeats: int = 7, progress: Progress | None = None) -> list[LayerProfile]:
     """Each layer as a stage of its own on the runtime's stage runner, fed the previous layer's output.
 
-    Times are medians of ``repeats`` runs after a warm-up; layers that are the same computation (type,
-    parameter shapes, input shapes) share their mean. Bytes come from :func:`layer_memory` (the runtime's meter).
+    Times are medians of ``repeats`` runs after a warm-up, a split backward's B and W and a fused one's BW in
+    turn (a fused backward does less than B and W: it need not find and restart where W starts); layers that are
+    the same computation (type, parameter shapes, input shapes) share their mean. Bytes come from
+    :func:`layer_memory` (the runtime's meter).
     """
     _check_repeats(repeats)
     held = layer_memory(layers, sample, loss_fn=loss_fn, target=target)
@@ -132,26 +148,80 @@ def measure_layers(layers: Sequence[nn.Module], sample: Any, target: Any, loss_f
     last = len(layers) - 1
     times: list[tuple[float, ...]] = []
     outs: list[int] = []
+    nodes: list[int] = []
     kinds: dict[tuple[Any, ...], list[int]] = {}
+    depth: dict[tuple[Any, ...], float] = {}
     for i, layer in enumerate(layers):
         if progress is not None:
             progress("layers", i, len(layers))
-        kinds.setdefault(_kind(layer, x, i == last, i == 0), []).append(i)
-        runner = StageRunner(Chain(layer), loss_fn=loss_fn if i == last else None, input_grads=i > 0)
+        kind = _kind(layer, x, i == last, i == 0)
+        kinds.setdefault(kind, []).append(i)
+        loss = loss_fn if i == last else None
+        runner = StageRunner(Chain(layer), loss_fn=loss, input_grads=i > 0)
         runs = []
         out: Values = ()
-        for k in range(repeats + 1):
-            passes, out = run_passes(runner, k, x, target, scale=1.0 / microbatches)
-            runs.append(passes)
-        layer.zero_grad(set_to_none=True)
+        for k in range(repeats + 1):  # split and fused backwards in turn, each after a warm-up
+            passes, out = run_passes(runner, 2 * k, x, target, scale=1.0 / microbatches)
+            _, bw, _ = run_passes(runner, 2 * k + 1, x, target, scale=1.0 / microbatches, fused=True)[0]
+            runs.append((*passes, bw))
         times.append(medians(runs[1:]))
+        if i > 0 and kind not in depth:  # a first layer is never below another in its stage
+            depth[kind] = _w_per_node_below(layer, loss, x, target, microbatches, repeats)
+        layer.zero_grad(set_to_none=True)
+        nodes.append(_graph_nodes(layer, x))
         outs.append(0 if i == last else _output_bytes(out))
         x = tuple(t.detach() for t in out)
     if progress is not None:
         progress("layers", len(layers), len(layers))
     _shared_means(times, kinds)
-    return [LayerProfile(f=t[0], b=t[1], w=t[2], held=int(h), held_w=int(hw), params=_param_bytes(layer), out=o)
-            for t, (h, hw), layer, o in zip(times, held, layers, outs, strict=True)]
+    w_depth = [next((d for kind, d in depth.items() if i in kinds[kind]), 0.0) for i in range(len(layers))]
+    return [LayerProfile(f=t[0], b=t[1], w=t[2], bw=t[3], held=int(h), held_w=int(hw), params=_param_bytes(layer),
+                         out=o, nodes=n, w_depth=d)
+            for t, (h, hw), layer, o, n, d in zip(times, held, layers, outs, nodes, w_depth, strict=True)]
+
+
+class _Below(nn.Module):
+    """``n`` autograd nodes that compute nothing (views of the first floating input): the graph that the layers
+    below a layer in its stage put under it, for its W's restarts of the engine to walk."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+
+    def forward(self, *xs: torch.Tensor) -> Any:
+        out = list(xs)
+        at = next(i for i, t in enumerate(out) if t.is_floating_point())
+        for _ in range(self.n):
+            out[at] = out[at].view_as(out[at])
+        return tuple(out) if len(out) > 1 else out[0]
+
+
+_BELOW = 2048
+"""Nodes put under a layer to time what they add to its W: enough that the difference is milliseconds."""
+
+
+def _w_per_node_below(layer: nn.Module, loss_fn: Callable[..., torch.Tensor] | None, x: Values, target: Any,
+                      microbatches: int, repeats: int) -> float:
+    """Seconds ``layer``'s W takes longer per autograd node below it: its W with :data:`_BELOW` view nodes under
+    it in the stage and without, timed in turn; the median difference per node (0 when not longer: noise)."""
+    below = _Below(_BELOW)
+    alone = StageRunner(Chain(layer), loss_fn=loss_fn, input_grads=True)
+    deep = StageRunner(Chain(below, layer), loss_fn=loss_fn, input_grads=True)
+    extra = []
+    for k in range(repeats + 1):
+        w = run_passes(alone, k, x, target, scale=1.0 / microbatches)[0][2]
+        extra.append(run_passes(deep, k, x, target, scale=1.0 / microbatches)[0][2] - w)
+    added = _graph_nodes(Chain(below, layer), x) - _graph_nodes(layer, x)
+    return max(0.0, statistics.median(extra[1:]) / max(1, added))
+
+
+def _graph_nodes(layer: nn.Module, x: Values) -> int:
+    """Autograd nodes one forward of ``layer`` adds to the graph of its inputs (its weights' accumulators counted)."""
+    leaves = as_leaves(x) if any(t.is_floating_point() for t in x) else x
+    with torch.enable_grad():
+        roots = [n for o in as_tuple(layer(*leaves)) if (n := o.grad_fn) is not None]
+    inputs = [n for t in leaves if (n := grad_node(t)) is not None]
+    return len(graph_below(roots) - graph_below(inputs))
 
 
 def layer_costs(layers: Sequence[nn.Module], sample: torch.Tensor | tuple[torch.Tensor, ...], *, by: str,
@@ -287,8 +357,9 @@ def measure_stages(stages: Sequence[nn.Sequential], sample: torch.Tensor | Seque
     ``stages`` are the model's stages in pipeline order (the last computes ``loss_fn`` against
     ``target``); each stage is fed the previous stage's output, the first ``sample`` (a tensor or
     a tuple of them). Kept and total bytes are read
-    from the stage runner's own meter; times are medians of ``repeats`` runs after a warm-up, and
-    a count's rerun time is its backward's time beyond the backward without recomputation.
+    from the stage runner's own meter; times are medians of ``repeats`` runs after a warm-up (and, without
+    recomputation, as many with a fused backward), and a count's rerun time is its backward's time beyond the
+    backward without recomputation.
     """
     _check_repeats(repeats)
     profiles: list[StageProfile] = []
@@ -298,7 +369,7 @@ def measure_stages(stages: Sequence[nn.Sequential], sample: torch.Tensor | Seque
         n = len(stage)
         kept: list[int] = []
         total, held_w, fused, backward = [], [], [], []
-        times, h = (0.0, 0.0, 0.0), x
+        times, h, bw = (0.0, 0.0, 0.0), x, 0.0
         for r in range(n + 1):
             runner = StageRunner(stage, loss_fn=loss_fn if s == last else None, recompute=r, input_grads=s > 0)
             batch = [*(x if s == 0 else ()), *([target] if s == last and isinstance(target, torch.Tensor) else [])]
@@ -323,6 +394,8 @@ def measure_stages(stages: Sequence[nn.Sequential], sample: torch.Tensor | Seque
             backward.append(b + w)
             if r == 0:
                 times, h = (f, b, w), out
+                bw = medians([run_passes(runner, repeats + 2 + k, x, target, scale=1.0 / microbatches, fused=True)[0]
+                              for k in range(repeats + 1)][1:])[1]
         stage.zero_grad(set_to_none=True)
         # What the backward spends on rebuilding: its time beyond the backward that keeps everything.
         # More recomputed layers never cost less, so noise is evened out upwards.
@@ -330,7 +403,7 @@ def measure_stages(stages: Sequence[nn.Sequential], sample: torch.Tensor | Seque
         static = int(_param_bytes(stage) * (2 + optimizer_factor))  # weights, gradients, optimizer state
         message = 0 if s == last else _output_bytes(h)
         profiles.append(StageProfile(n, tuple(kept), tuple(total), tuple(held_w), rerun, times, static, message,
-                                     tuple(fused)))
+                                     tuple(fused), fused_time=bw))
         x = h
     return profiles
 

@@ -267,7 +267,7 @@ def _restored_rng(state: _RngState) -> Iterator[None]:
         yield
 
 
-def _grad_node(t: torch.Tensor) -> Node | None:
+def grad_node(t: torch.Tensor) -> Node | None:
     """The autograd node that receives ``t``'s gradient (AccumulateGrad for a leaf)."""
     if t.grad_fn is not None:
         return t.grad_fn
@@ -305,8 +305,8 @@ class _Cut:
                 if child is not None:
                     parents.setdefault(child, []).append(node)
                     stack.append(child)
-        on_path = _ancestors([n for n in map(_grad_node, inputs) if n is not None], parents)
-        to_params = _ancestors([n for n in map(_grad_node, params) if n is not None and n in seen], parents)
+        on_path = _ancestors([n for n in map(grad_node, inputs) if n is not None], parents)
+        to_params = _ancestors([n for n in map(grad_node, params) if n is not None and n in seen], parents)
         self.params = params
         self.outputs = [i for i, o in enumerate(outputs) if o.grad_fn not in on_path]
         """The outputs off the path to the inputs: W starts from them too (B never runs their graph)."""
@@ -321,7 +321,7 @@ class _Cut:
         # A crossing node "owns" the parameters below its crossings when nothing below its other inputs
         # reaches them: then autograd can restart at the node and run just that side, adding straight
         # into .grad. Other crossing nodes go through the general two-phase path of weight_grads.
-        param_of = {n: p for p in params if (n := _grad_node(p)) is not None and n in seen}
+        param_of = {n: p for p in params if (n := grad_node(p)) is not None and n in seen}
         self.owned = _ownership(nodes, on_path, self.edges, param_of)
 
     @property
@@ -388,7 +388,7 @@ def _owned_backward(node: Node, seen_grads: tuple[torch.Tensor | None, ...], par
                                 inputs=params)
 
 
-def _reach(start: list[Node]) -> set[Node]:
+def graph_below(start: list[Node]) -> set[Node]:
     """``start`` and every node reachable from them."""
     out: set[Node] = set()
     stack = list(start)
@@ -456,8 +456,8 @@ def _owned_params(node: Node, edges: list[GradientEdge],
                   param_of: dict[Node, nn.Parameter]) -> list[nn.Parameter] | None:
     """The parameters below ``node``'s crossings, if no other input of ``node`` leads to anything there."""
     crossing = {(e.node, e.output_nr) for e in edges}
-    below = _reach([e.node for e in edges])
-    others = _reach([c for c, nr in node.next_functions if c is not None and (c, nr) not in crossing])
+    below = graph_below([e.node for e in edges])
+    others = graph_below([c for c, nr in node.next_functions if c is not None and (c, nr) not in crossing])
     if below & others:
         return None
     return [param_of[n] for n in below if n in param_of]

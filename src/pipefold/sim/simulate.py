@@ -82,11 +82,14 @@ class StageCost:
     stash: Mapping[str, float] = field(default_factory=dict)
     """Activation memory a per-microbatch kind keeps of its microbatch until it runs (K-FAC's layer inputs and
     output gradients), by kind code: held beyond the activations once the microbatch's W freed them."""
+    fused: float | None = None
+    """Time of a fused backward (BW), recomputation included; None: B + W. A runtime that splits the backward
+    does work a fused one does not (it finds where W starts, reruns the engine there), so the two differ."""
 
     @property
     def bw(self) -> float:
-        """A fused backward costs B + W."""
-        return self.b + self.w
+        """Time of a fused backward: ``fused`` where given, else B + W."""
+        return self.b + self.w if self.fused is None else self.fused
 
     @property
     def held(self) -> float:
@@ -119,6 +122,8 @@ class StageOverride:
     """Times of K-FAC's (and other registered) kinds on this stage; None: derived from the model's ``work``."""
     stash: Mapping[str, float] | None = None
     """What those kinds keep until they run; None: derived from the model's ``stash``."""
+    bw: float | None = None
+    """Time of a fused backward (BW) without recomputation; None: ``b + w``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -194,9 +199,9 @@ class CostModel:
         if not self.bandwidth > 0:
             raise ConfigError(f"bandwidth must be > 0 bytes per time unit (got {self.bandwidth!r})")
         for stage, cost in self.stage_overrides.items():
-            for name in ("f", "b", "w", "memory", "recompute", "kept", "memory_w"):
+            for name in ("f", "b", "w", "memory", "recompute", "kept", "memory_w", "bw"):
                 value = getattr(cost, name)
-                if value is None and name in ("memory", "kept", "memory_w"):
+                if value is None and name in ("memory", "kept", "memory_w", "bw"):
                     continue
                 if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                     raise ConfigError(f"stage {stage} cost {name} must be a finite number >= 0 (got {value!r})")
@@ -249,6 +254,7 @@ class CostModel:
                              **sharded)
         memory = self.memory * share if over.memory is None else over.memory
         return StageCost(f=over.f, b=over.b + over.recompute, w=over.w, memory=memory,
+                         fused=None if over.bw is None else over.bw + over.recompute,
                          kept=None if over.kept is None else min(over.kept, memory),
                          memory_w=memory_w if over.memory_w is None else over.memory_w, allreduce=allreduce, opt=opt,
                          work=work, stash=stash, **sharded)
@@ -264,18 +270,21 @@ class CostModel:
             "gathered": self.gathered,
             "stage_overrides": {str(s): {"f": c.f, "b": c.b, "w": c.w, "memory": c.memory,
                                          "recompute": c.recompute, "kept": c.kept, "memory_w": c.memory_w,
+                                         "bw": c.bw,
                                          "work": None if c.work is None else dict(c.work),
                                          "stash": None if c.stash is None else dict(c.stash)}
                                 for s, c in self.stage_overrides.items()},
         }
 
 
-def split_backward(times: Mapping[str, float]) -> tuple[float, float, float]:
-    """F, B and W seconds from measured medians by kind: a fused BW counts as B + W, split evenly."""
-    f = times.get("F", 0.0)
+def split_backward(times: Mapping[str, float]) -> StageOverride:
+    """A stage's times from measured medians by kind: F, B and W, and a fused BW where one ran (where only BW ran,
+    B and W are its halves, for the kinds that read them)."""
+    f, bw = times.get("F", 0.0), times.get("BW")
     if "B" in times:
-        return f, times["B"], times.get("W", 0.0)
-    return f, times.get("BW", 0.0) / 2, times.get("BW", 0.0) / 2
+        return StageOverride(f=f, b=times["B"], w=times.get("W", 0.0), bw=bw)
+    half = (bw or 0.0) / 2
+    return StageOverride(f=f, b=half, w=half, bw=bw)
 
 
 _LEVEL = operator.itemgetter(1)

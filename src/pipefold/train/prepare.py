@@ -210,7 +210,8 @@ def _kfac_cycle(spec: RunSpec, schedule: Schedule, layer_stages: tuple[tuple[int
     x, y = _first_microbatch(spec, model)
     rows = measure(_stages(layer_stages, model), x, y, model.loss, microbatches=spec.schedule.microbatches,
                    config=kfac)
-    cost = CostModel(stage_overrides={s: StageOverride(f=r["f"], b=r["b"], w=r["w"], memory=float(r["memory"]),
+    cost = CostModel(stage_overrides={s: StageOverride(f=r["f"], b=r["b"], w=r["w"], bw=r["bw"],
+                                                       memory=float(r["memory"]),
                                                        work=r["work"], stash={k: float(v) for k, v in
                                                                               r["stash"].items()})
                                       for s, r in enumerate(rows)})
