@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -13,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from pipefold import build, simulate
-from pipefold.cli.main import main
+from pipefold.cli.main import _interrupts, main
+from pipefold.errors import Interrupted
 from pipefold.ir import MAX_DEVICES, MAX_STAGE_MICROBATCHES, check_size, load, save
 from pipefold.sim.simulate import CostModel, peak_by_order
 
@@ -225,3 +227,25 @@ def test_a_plan_whose_train_is_not_an_object(capsys: pytest.CaptureFixture[str],
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(plan))
     assert expected in one_line_error(capsys, ["train", "--plan", str(path), "--steps", "1000000"])
+
+
+@pytest.mark.parametrize("raised", [KeyboardInterrupt(), Interrupted(signal.SIGTERM)])
+def test_an_interrupt_landing_in_a_callback_is_raised_after_it(capfd, raised: KeyboardInterrupt) -> None:
+    # A Ctrl-C raised inside a weakref's callback (the meter's, when a tensor dies) was printed as "Exception
+    # ignored in: <finalize object ...>" and dropped: `pipefold profile` went on. It is raised again after it.
+    import weakref
+
+    class Dying:
+        pass
+
+    def callback() -> None:
+        raise raised
+
+    with pytest.raises(KeyboardInterrupt) as got, _interrupts():
+        dying = Dying()
+        weakref.finalize(dying, callback)
+        del dying
+        for _ in range(1000):
+            time.sleep(0.001)
+    assert type(got.value) is type(raised) and getattr(got.value, "signum", None) == getattr(raised, "signum", None)
+    assert "Exception ignored" not in capfd.readouterr().err

@@ -4,6 +4,7 @@ one line and an exit code."""
 
 from __future__ import annotations
 
+import _thread
 import argparse
 import contextlib
 import os
@@ -21,9 +22,14 @@ from pipefold.errors import Interrupted, PipefoldError, ScheduleError
 
 
 @contextlib.contextmanager
-def _sigterm_interrupts() -> Iterator[None]:
+def _interrupts() -> Iterator[None]:
     """SIGTERM ends a command as SIGINT does (an exception, so that what it started is cleaned up), where this is
-    the main thread."""
+    the main thread; and neither is lost where Python cannot raise it.
+
+    A signal's exception is raised wherever the main thread is, and in a callback Python calls for itself (a
+    weakref's, as the memory meter's are when a tensor dies; a finalizer) it would be printed as "Exception
+    ignored" and dropped, the command going on. There it is delivered again a moment later, to be raised once
+    the callback has returned."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -31,11 +37,23 @@ def _sigterm_interrupts() -> Iterator[None]:
     def handler(signum: int, frame: Any) -> None:
         raise Interrupted(signum)
 
-    before = signal.signal(signal.SIGTERM, handler)
+    def unraisable(info: Any) -> None:
+        if isinstance(info.exc_value, KeyboardInterrupt):
+            signum = info.exc_value.signum if isinstance(info.exc_value, Interrupted) else signal.SIGINT
+            # From another thread, a moment later: delivered now, it would be raised inside this hook.
+            timer = threading.Timer(0.005, _thread.interrupt_main, args=(signum,))
+            timer.daemon = True
+            timer.start()
+        else:
+            hook(info)
+
+    before, hook = signal.signal(signal.SIGTERM, handler), sys.unraisablehook
+    sys.unraisablehook = unraisable
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, before)
+        sys.unraisablehook = hook
 
 
 FAMILIES = (schedule_cmds, plan_cmds, train_cmds)
@@ -88,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     console = Console(soft_wrap=True)
     try:
         check_applies(args)
-        with _sigterm_interrupts():
+        with _interrupts():
             command(args.command)(args, console)
     except KeyboardInterrupt as exc:
         # SIGINT or SIGTERM: the launcher has stopped its ranks (and says how many); one line, the shell's code.
