@@ -1,9 +1,11 @@
 """Does the planner's prediction hold on a real run? Profile a model, plan, run, compare.
 
-For each model (the issue's GPT: hidden 256, 16 blocks, seq 256, batch 32, 16 microbatches; and an MLP of
-width 512, 16 blocks, batch 256) on 4 local gloo ranks:
+For each model (the issue's GPT: hidden 256, 16 blocks, seq 256, batch 32, 16 microbatches; an MLP of
+width 512, 16 blocks, batch 256; and, for layers of a millisecond or two, ``gpt-small``, the same GPT at width 64,
+and ``mlp-small``, the MLP at width 128 and batch 128) on 4 local gloo ranks:
 
-1. profile it (``pipefold.runtime.profiling.profile_model``), or read ``--profile-gpt/--profile-mlp``;
+1. profile it as ``pipefold profile`` does (``pipefold.train.overhead.profile_here``), or read
+   ``--profile-NAME``;
 2. for 1f1b, zb-h1, zb-v, v-half and v-min: plan that family alone with no memory limit (its best split),
    run it, and put the profile's prediction next to the measurement: step time (median of the steps after
    the first, with min..max), bubble ratio, every rank's peak bytes; the activation part of the peak is
@@ -30,7 +32,7 @@ from pipefold.plan.budget import RunPlan, plan_model, predict
 from pipefold.plan.profile import Profile
 from pipefold.runtime.local import run_local
 from pipefold.runtime.measure import measured_summary
-from pipefold.runtime.profiling import profile_model
+from pipefold.train.overhead import profile_here
 from pipefold.train.planned import from_plan
 from pipefold.train.prepare import make_job
 from pipefold.train.spec import RunSpec
@@ -39,6 +41,9 @@ FAMILIES = ("1f1b", "zb-h1", "zb-v", "v-half", "v-min")
 MODELS: dict[str, dict[str, Any]] = {
     "gpt": {"model": "gpt", "layers": 16, "hidden": 256, "heads": 4, "seq": 256, "batch": 32, "microbatches": 16},
     "mlp": {"model": "mlp", "layers": 16, "hidden": 512, "heads": 4, "seq": 1, "batch": 256, "microbatches": 16},
+    "gpt-small": {"model": "gpt", "layers": 16, "hidden": 64, "heads": 4, "seq": 256, "batch": 32, "microbatches": 16},
+    "mlp-small": {"model": "mlp", "layers": 16, "hidden": 128, "heads": 4, "seq": 1, "batch": 128,
+                  "microbatches": 16},
 }
 SETTINGS: dict[str, Any] = {"devices": 4, "families": FAMILIES}
 """What main's flags set: the ranks and the schedules compared."""
@@ -125,8 +130,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="gpt,mlp")
     ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--profile-gpt")
-    ap.add_argument("--profile-mlp")
+    for name in MODELS:
+        ap.add_argument(f"--profile-{name}", metavar="FILE", help=f"read {name}'s profile instead of measuring it")
     ap.add_argument("--json", help="write every figure here")
     ap.add_argument("--devices", type=int, default=4, help="ranks (default 4; 2 gives each rank a core here)")
     ap.add_argument("--families", default=",".join(FAMILIES), help="schedules to compare (default: the issue's five)")
@@ -136,9 +141,9 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     out = []
     for name in args.models.split(","):
-        given = getattr(args, f"profile_{name}")
+        given = getattr(args, f"profile_{name.replace('-', '_')}")
         t0 = time.perf_counter()
-        profile = Profile.load(given) if given else profile_model(devices=SETTINGS['devices'], **MODELS[name])
+        profile = Profile.load(given) if given else profile_here(devices=SETTINGS['devices'], **MODELS[name])
         if given is None:
             profile.save(f"/tmp/pipefold-bench-{name}-p{SETTINGS['devices']}.json")
         print(f"{name}: profile in {time.perf_counter() - t0:.1f} s; contention {profile.contention}", flush=True)

@@ -25,12 +25,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from typing import Any
 
-from pipefold.runtime.executor import COMPUTE_KINDS
-from pipefold.runtime.measure import measured_costs
+from pipefold.runtime.measure import measured_costs, step_parts
 from pipefold.sim.simulate import simulate
 from pipefold.train.run import train
 from pipefold.train.spec import RunSpec
@@ -46,16 +44,7 @@ SETTINGS: dict[str, Any] = {"devices": WORLD, "microbatches": MICROBATCHES, "mod
 def breakdown(schedule: str, steps: int, hidden: int) -> dict[str, Any]:
     """Per rank, the medians of the step's parts over the steps after the first; and the simulated ideal."""
     job, reports = train(RunSpec.flat(**{**SETTINGS, "hidden": hidden, "schedule": schedule, "steps": steps}))
-    ranks = []
-    for r in sorted(reports, key=lambda r: r.rank):
-        rows = []
-        for st in list(r.steps)[1:]:
-            compute = sum(e.end - e.start for e in st.events if e.kind in COMPUTE_KINDS)
-            recv = sum(e.end - e.start for e in st.events if e.kind == "recv")
-            other = sum(e.end - e.start for e in st.events if e.kind not in COMPUTE_KINDS and e.kind != "recv")
-            rows.append({"step": st.wall, "compute": compute, "recv wait": recv, "send wait": other,
-                         "runtime": st.wall - compute - recv - other, "cpu": st.cpu})
-        ranks.append({k: statistics.median(row[k] for row in rows) for k in rows[0]})
+    ranks = step_parts(sorted(reports, key=lambda r: r.rank))
     ideal = simulate(job.schedule, measured_costs(job.schedule, reports, len(reports[0].steps) - 1))
     busy = [sum(iv.end - iv.start for iv in row) for row in ideal.timeline]
     actions = [len(job.schedule.actions[d]) for d in range(job.schedule.devices)]

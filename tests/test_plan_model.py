@@ -19,6 +19,7 @@ from pipefold.plan.budget import ModelPoint, model_costs, plan_model, predict, r
 from pipefold.plan.profile import LayerProfile, Profile, fit_link
 from pipefold.plan.recompute import plan_recompute
 from pipefold.sim.simulate import KINDS, CostModel, _shared_times, simulate
+from pipefold.train.spec import RunSpec
 
 
 def _profile(n: int = 8, *, contention: tuple[float, ...] = (1.0, 1.0, 1.0, 1.0), microbatches: int = 8) -> Profile:
@@ -184,6 +185,32 @@ def test_stage_figures_from_layers_match_stages_measured_whole() -> None:
     # Both measured a fused backward apart from B and W, each stage and each layer.
     assert all(x.bw is not None and x.bw > 0 for x in prof.layers)
     assert all(w.fused_time is not None and w.fused_time > 0 for w in whole)
+
+
+def test_the_runtime_overhead_is_measured_and_reaches_the_cost_model() -> None:
+    # A real run of two ranks: the executor's own work between passes, per computing action, from its step
+    # parts; those parts add up to the step, and the OS's CPU time of each rank covers its passes.
+    from pipefold.runtime.measure import step_parts
+    from pipefold.train.overhead import measure_overhead
+    from pipefold.train.run import train
+
+    sizes = {"model": "mlp", "layers": 4, "hidden": 32, "heads": None, "seq": 64, "batch": 8, "microbatches": 4,
+             "optimizer": "sgd", "seed": 0}  # as a profile records them: every size, taken or not
+    overhead = measure_overhead(sizes)
+    assert 0 < overhead < 0.05
+    job, reports = train(RunSpec.flat(model="mlp", layers=4, hidden=32, batch=8, microbatches=4, schedule="1f1b",
+                                      devices=2, steps=3))
+    for part in step_parts(reports):
+        assert part["compute"] + part["recv wait"] + part["send wait"] + part["runtime"] == pytest.approx(part["step"])
+        assert part["cpu"] >= 0.9 * part["compute"]
+    prof = dataclasses.replace(_profile(8), overhead=overhead)
+    s = schedules.build("1f1b", 2, 8)
+    assert model_costs(prof, s, [(0, 1, 2, 3), (4, 5, 6, 7)]).overhead == overhead
+    assert Profile.from_dict(prof.to_dict()) == prof
+    bad = prof.to_dict()
+    bad["overhead"] = -1.0
+    with pytest.raises(ConfigError, match="overhead per action must be seconds >= 0"):
+        Profile.from_dict(bad)
 
 
 def test_transfers_cost_the_measured_link() -> None:

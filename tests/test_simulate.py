@@ -329,3 +329,18 @@ def test_a_stage_fused_backward_lasts_its_own_time() -> None:
     # What the ranks measured: a BW where one ran, else None (B and W are kept as measured).
     assert split_backward({"F": 1.0, "BW": 3.0}) == StageOverride(f=1.0, b=1.5, w=1.5, bw=3.0)
     assert split_backward({"F": 1.0, "B": 2.0, "W": 0.5}) == StageOverride(f=1.0, b=2.0, w=0.5, bw=None)
+
+
+def test_the_runtime_overhead_is_added_to_every_action_that_computes() -> None:
+    # 1f1b, 2 devices, 3 microbatches, a free link: each stage runs F and BW per microbatch, each longer by the
+    # overhead: (m + p - 1) (F + BW + 2 overhead). A data-parallel all-reduce computes nothing and stays as it was.
+    cost = CostModel(f=1.0, b=1.0, w=1.0, overhead=0.25)
+    assert simulate(build("1f1b", 2, 3), cost).makespan == pytest.approx(4 * (1.0 + 2.0 + 0.5))
+    zb = build("zb-h1", 2, 4)
+    plain = simulate(zb, CostModel())
+    assert all(i.end - i.start == pytest.approx(1.25) for row in simulate(zb, CostModel(overhead=0.25)).timeline
+               for i in row)
+    assert plain.makespan < simulate(zb, CostModel(overhead=0.25)).makespan
+    with pytest.raises(ConfigError, match="cost overhead must be a finite number >= 0"):
+        CostModel(overhead=-1.0)
+    assert CostModel(overhead=0.5).to_dict()["overhead"] == 0.5

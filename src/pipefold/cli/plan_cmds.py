@@ -24,16 +24,16 @@ def cmd_profile(args: argparse.Namespace, console: Console) -> None:
         if getattr(args, label) is not None and getattr(args, label) < 1:
             raise ConfigError(f"--{label} must be at least 1 (got {getattr(args, label)})")
     check_outputs(("profile", args.output, False))
-    if not (args.no_link and args.no_sharing):
+    if not (args.no_link and args.no_sharing and args.no_overhead):
         start_server()  # for the link's and the sharing's processes: it imports torch while this process does
-    from pipefold.runtime.profiling import profile_model  # torch: once the server is on its way
+    from pipefold.train.overhead import profile_here  # torch: once the server is on its way
 
     with stage_bar("profile") as progress:
-        prof = profile_model(model=args.model, layers=args.layers, hidden=args.hidden, heads=args.heads,
-                             model_config=args.model_config, seq=args.seq,
-                             batch=args.batch, microbatches=args.microbatches, optimizer=args.optimizer,
-                             seed=args.seed, devices=args.devices, repeats=args.repeats, link=not args.no_link,
-                             contention=not args.no_sharing, progress=progress)
+        prof = profile_here(model=args.model, layers=args.layers, hidden=args.hidden, heads=args.heads,
+                            model_config=args.model_config, seq=args.seq,
+                            batch=args.batch, microbatches=args.microbatches, optimizer=args.optimizer,
+                            seed=args.seed, devices=args.devices, repeats=args.repeats, link=not args.no_link,
+                            contention=not args.no_sharing, overhead=not args.no_overhead, progress=progress)
     if not args.output:
         print(jsonout.dumps(prof.to_dict(), indent=1))
         return
@@ -48,7 +48,8 @@ def cmd_profile(args: argparse.Namespace, console: Console) -> None:
                   f"(fused BW {bw * 1e3:.2f} ms) in all; "
                   f"{format_bytes(sum(x.params for x in prof.layers))} of parameters")
     console.print(f"link: {prof.latency * 1e6:.0f} us + bytes at {prof.bandwidth / 2**30:.2f} GiB/s; ranks computing "
-                  f"at once 1..{len(prof.contention)} run each pass x{' x'.join(f'{c:.2f}' for c in prof.contention)}")
+                  f"at once 1..{len(prof.contention)} run each pass x{' x'.join(f'{c:.2f}' for c in prof.contention)}; "
+                  f"the runtime's own work {prof.overhead * 1e6:.0f} us per action")
 
 
 def cmd_plan(args: argparse.Namespace, console: Console) -> None:

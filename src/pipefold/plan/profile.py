@@ -11,6 +11,8 @@ things::
                 fitted to ping-pongs of 4 KiB .. 4 MiB
     sharing     how much slower a pass runs when k ranks compute at once (k = 1..devices): 1.0
                 each on separate accelerators, about k / cores when k processes share fewer cores
+    overhead    the runtime's own work per action beside its passes (posting receives and sends,
+                bookkeeping), from a short run of the model on 2 ranks (:mod:`pipefold.train.overhead`)
 
 The file is JSON (``Profile.save`` / ``Profile.load``) and says which model, at which size, it is.
 """
@@ -86,6 +88,8 @@ class Profile:
     """Optimizer state per parameter, in parameter sizes (AdamW 2, SGD 0)."""
     machine: dict[str, Any] = field(default_factory=dict)
     """Where and when it was measured: host, cores, torch version, device, date, repeats."""
+    overhead: float = 0.0
+    """Seconds of the runtime's own work per action, beside the pass (0: not measured)."""
 
     @property
     def microbatch_rows(self) -> int:
@@ -99,6 +103,7 @@ class Profile:
         return {"version": VERSION, "train": dict(self.train), "layers": [asdict(x) for x in self.layers],
                 "link": {"latency": self.latency, "bandwidth": self.bandwidth},
                 "contention": list(self.contention), "optimizer_factor": self.optimizer_factor,
+                "overhead": self.overhead,
                 "machine": dict(self.machine)}
 
     @classmethod
@@ -116,7 +121,8 @@ class Profile:
             link = data["link"]
             out = cls(train=dict(data["train"]), layers=layers, latency=float(link["latency"]),
                       bandwidth=float(link["bandwidth"]), contention=tuple(float(x) for x in data["contention"]),
-                      optimizer_factor=float(data["optimizer_factor"]), machine=dict(data.get("machine", {})))
+                      optimizer_factor=float(data["optimizer_factor"]), machine=dict(data.get("machine", {})),
+                      overhead=float(data.get("overhead", 0.0)))
         except ConfigError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -135,6 +141,8 @@ class Profile:
         if not (math.isfinite(self.latency) and self.latency >= 0 and self.bandwidth > 0):
             raise ConfigError(f"{where}: the link needs latency >= 0 and bandwidth > 0 "
                               f"(got {self.latency}, {self.bandwidth})")
+        if not (math.isfinite(self.overhead) and self.overhead >= 0):
+            raise ConfigError(f"{where}: the runtime's overhead per action must be seconds >= 0 (got {self.overhead})")
         if not self.contention or not all(math.isfinite(c) and c > 0 for c in self.contention):
             raise ConfigError(f"{where}: contention factors must be positive numbers (got {self.contention})")
         for key in ("model", "batch", "microbatches"):

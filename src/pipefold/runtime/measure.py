@@ -97,6 +97,26 @@ def measured_summary(reports: list[RankReport], warmup: int = 1) -> dict[str, An
             "peak_bytes": [r.steps.peak_activation_bytes + r.static_bytes for r in reports]}
 
 
+def step_parts(reports: list[RankReport], warmup: int = 1) -> list[dict[str, float]]:
+    """Where each rank's step goes, medians over its fully kept steps after the first ``warmup``: ``step`` (the
+    executor's wall time), ``compute`` (its passes, from its own events), ``recv wait`` (blocked on a receive),
+    ``send wait`` (on the delivery of sends), ``runtime`` (the rest: the executor's own work between passes,
+    posting receives and sends, bookkeeping) and ``cpu`` (the operating system's CPU seconds of the process)."""
+    out = []
+    for r in reports:
+        rows = []
+        kept = r.steps.kept()
+        for i in [i for i in kept if i >= warmup] or kept[-1:]:
+            st = r.steps[i]
+            compute = sum(e.end - e.start for e in st.events if e.kind in COMPUTE_KINDS)
+            recv = sum(e.end - e.start for e in st.events if e.kind == "recv")
+            sent = sum(e.end - e.start for e in st.events if e.kind not in COMPUTE_KINDS and e.kind != "recv")
+            rows.append({"step": st.wall, "compute": compute, "recv wait": recv, "send wait": sent,
+                         "runtime": st.wall - compute - recv - sent, "cpu": st.cpu})
+        out.append({k: statistics.median(row[k] for row in rows) for k in rows[0]})
+    return out
+
+
 def per_step(reports: list[RankReport]) -> list[dict[str, Any]]:
     """Each step: the schedule it ran, the seconds the ranks waited on receives (mean over ranks), what the
     policy predicted, what it took (the slowest rank), and when it started (seconds from the first step)."""

@@ -12,11 +12,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pipefold.errors import ConfigError
-from pipefold.models import REGISTRY
 from pipefold.plan.budget import RunPlan
 from pipefold.plan.recompute import RecomputePlan
+from pipefold.train.overhead import profile_here
 from pipefold.train.prepare import Decisions, model_of
-from pipefold.train.spec import RunSpec
+from pipefold.train.spec import RunSpec, profiled_settings
 
 __all__ = ["Planned", "from_plan", "plan_here", "resolve"]
 
@@ -51,17 +51,15 @@ def plan_here(spec: RunSpec, *, profiling: Callable[[str, int, int], None] | Non
     """Profile ``spec``'s model on this machine and plan it for the memory budget: the fastest schedule, split and
     recomputation that fit (:func:`pipefold.plan.budget.plan_model`)."""
     from pipefold.plan.budget import plan_model
-    from pipefold.runtime.profiling import profile_model
-
     m, s = spec.model, spec.schedule
     assert spec.memory.budget is not None  # the spec refuses 'auto' without one
     name = spec.optimizer.name
     if not isinstance(name, str):
         raise ConfigError("--schedule auto profiles the optimizer's state by name: give adamw or sgd")
     # The schedule is not chosen yet: sized for at least one stage per device.
-    profile = profile_model(model=m.name, layers=m.layers_for(s.devices), hidden=m.hidden, heads=m.heads,
-                            model_config=m.config, seq=m.seq, batch=m.batch, microbatches=s.microbatches,
-                            optimizer=name, seed=m.seed, devices=s.devices, progress=profiling)
+    profile = profile_here(model=m.name, layers=m.layers_for(s.devices), hidden=m.hidden, heads=m.heads,
+                           model_config=m.config, seq=m.seq, batch=m.batch, microbatches=s.microbatches,
+                           optimizer=name, seed=m.seed, devices=s.devices, progress=profiling)
     return plan_model(profile, s.devices, spec.memory.budget, progress=planning).run_plan
 
 
@@ -72,17 +70,10 @@ def from_plan(plan: RunPlan, spec: RunSpec | None = None) -> Planned:
     from pipefold.plan.recompute import device_peaks
 
     spec = spec or RunSpec()
-    t = plan.train
-    fixed = {"plan": None, "schedule": plan.schedule, "devices": plan.devices, "microbatches": plan.microbatches,
-             "model": t["model"], "model_config": t.get("model_config"), "batch": int(t["batch"]),
-             "seq": int(t["seq"]), "optimizer": t["optimizer"],
-             **{k: None if t.get(k) is None else int(t[k]) for k in ("layers", "hidden", "heads")}}
-    if "seed" not in spec.given():
-        fixed["seed"] = int(t["seed"])
-    if t["model"] in REGISTRY and not REGISTRY[t["model"]].sequences:
-        # A profile records every size it was given; a model without sequences takes no heads or sequence length.
-        fixed.pop("heads")
-        fixed.pop("seq")
+    fixed = {**profiled_settings(plan.train), "plan": None, "schedule": plan.schedule, "devices": plan.devices,
+             "microbatches": plan.microbatches}
+    if "seed" in spec.given():
+        fixed.pop("seed", None)
     resolved = spec.replace(**fixed)
     schedule = resolved.schedule.built
     layer_stages = plan.layer_stages

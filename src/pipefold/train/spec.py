@@ -419,6 +419,22 @@ _SECTION_TYPES: dict[str, type] = {"model": ModelSpec, "schedule": ScheduleSpec,
                                    "checkpoints": CheckpointSpec, "devices": Devices, "links": LinkSpec}
 
 
+def profiled_settings(train: dict[str, Any]) -> dict[str, Any]:
+    """The run settings (flat names, as :meth:`RunSpec.flat` takes them) of the model and size a profile recorded
+    (:attr:`pipefold.plan.profile.Profile.train`): a profile records every size it was given, and a model without
+    sequences takes no heads or sequence length."""
+    from pipefold.models import REGISTRY
+
+    out = {"model": train["model"], "model_config": train.get("model_config"), "batch": int(train["batch"]),
+           "seq": int(train["seq"]), "optimizer": train["optimizer"], "microbatches": int(train["microbatches"]),
+           **{k: None if train.get(k) is None else int(train[k]) for k in ("layers", "hidden", "heads")}}
+    if "seed" in train:
+        out["seed"] = int(train["seed"])
+    if train["model"] in REGISTRY and not REGISTRY[train["model"]].sequences:
+        del out["heads"], out["seq"]
+    return out
+
+
 def _flat_name(f: dataclasses.Field[Any]) -> str:
     return f.metadata.get("flag", f.name)
 
