@@ -142,6 +142,32 @@ def test_a_stage_w_walks_the_graph_below_each_layer() -> None:
     assert [s.times[2] for s in stage_profiles(prof, [(0,), (1,), (2,)])] == pytest.approx([0.5, 2.0, 3.0])
 
 
+def test_a_stage_pays_the_runners_fixed_work_once_per_pass() -> None:
+    # Each layer's own timing includes the runner's fixed work per pass once; a stage of k layers pays it once, so
+    # its F, B and BW are the sums less k - 1 of it, and never less than its slowest layer's.
+    rows = [LayerProfile(f=f, b=2 * f, w=0.5, bw=3 * f, held=0, held_w=0, params=0, out=0) for f in (1.0, 2.0, 3.0)]
+    prof = dataclasses.replace(_profile(3), layers=tuple(rows), pass_fixed=(0.1, 0.2, 0.3))
+    [stage] = stage_profiles(prof, [(0, 1, 2)])
+    assert stage.times[:2] == pytest.approx((6.0 - 2 * 0.1, 12.0 - 2 * 0.2))
+    assert stage.fused_time == pytest.approx(18.0 - 2 * 0.3)
+    huge = dataclasses.replace(prof, pass_fixed=(5.0, 0.0, 0.0))
+    assert stage_profiles(huge, [(0, 1, 2)])[0].times[0] == 3.0
+    assert stage_profiles(prof, [(1,)])[0].times[:2] == (2.0, 4.0)  # one layer: nothing to take off
+
+
+def test_the_runners_fixed_work_is_measured_on_layers_that_compute_nothing() -> None:
+    from pipefold.runtime.profiling import measure_pass_fixed
+
+    fixed = measure_pass_fixed(repeats=10)
+    # Microseconds to a millisecond on any machine: the runner's own Python work, not a layer's.
+    assert len(fixed) == 3 and all(0 <= x < 1e-3 for x in fixed) and sum(fixed) > 0
+    data = dataclasses.replace(_profile(4), pass_fixed=fixed).to_dict()
+    assert Profile.from_dict(data).pass_fixed == fixed
+    data["pass_fixed"] = [0.1, -1.0, 0.0]
+    with pytest.raises(ConfigError, match="pass_fixed is F, B and BW seconds >= 0"):
+        Profile.from_dict(data)
+
+
 def test_layers_count_their_graph_and_time_what_the_graph_below_adds() -> None:
     import torch
 

@@ -353,10 +353,19 @@ def stage_profiles(profile: Profile, layer_stages: Sequence[Sequence[int]]) -> l
         rerun = tuple(itertools.accumulate((x.f for x in mine), initial=0.0))
         out.append(StageProfile(layers=len(mine), kept=kept, total=(held,) * (len(mine) + 1),
                                 held_w=(sum(x.held_w for x in mine),) * (len(mine) + 1), rerun=rerun,
-                                times=(sum(x.f for x in mine), sum(x.b for x in mine), _stage_w(mine)),
+                                times=(_summed(mine, "f", profile.pass_fixed[0]),
+                                       _summed(mine, "b", profile.pass_fixed[1]), _stage_w(mine)),
                                 static=sum(profile.static(i) for i in part),
-                                message=0 if s == last else mine[-1].out, fused_time=sum(x.fused for x in mine)))
+                                message=0 if s == last else mine[-1].out,
+                                fused_time=_summed(mine, "fused", profile.pass_fixed[2])))
     return out
+
+
+def _summed(layers: Sequence[LayerProfile], kind: str, fixed: float) -> float:
+    """A stage's pass ``kind`` from its layers': their sum, less the part each one-layer timing paid that the stage
+    pays once (``fixed``); never less than its slowest layer's."""
+    times = [getattr(x, kind) for x in layers]
+    return max(sum(times) - (len(times) - 1) * fixed, max(times))
 
 
 def _stage_w(layers: Sequence[LayerProfile]) -> float:

@@ -11,6 +11,8 @@ things::
                 fitted to ping-pongs of 4 KiB .. 4 MiB
     sharing     how much slower a pass runs when k ranks compute at once (k = 1..devices): 1.0
                 each on separate accelerators, about k / cores when k processes share fewer cores
+    fixed       the part of a stage's F, B and BW that does not grow with its layers (the runner's
+                own work once per pass), from two middle layers timed alone and together
     overhead    the runtime's own work per action beside its passes (posting receives and sends,
                 bookkeeping), from a short run of the model on 2 ranks (:mod:`pipefold.train.overhead`)
 
@@ -90,6 +92,9 @@ class Profile:
     """Where and when it was measured: host, cores, torch version, device, date, repeats."""
     overhead: float = 0.0
     """Seconds of the runtime's own work per action, beside the pass (0: not measured)."""
+    pass_fixed: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    """Seconds of a stage's F, B and fused BW that do not grow with its layers: every layer's own timing includes
+    them once, a stage pays them once (0: not measured)."""
 
     @property
     def microbatch_rows(self) -> int:
@@ -103,7 +108,7 @@ class Profile:
         return {"version": VERSION, "train": dict(self.train), "layers": [asdict(x) for x in self.layers],
                 "link": {"latency": self.latency, "bandwidth": self.bandwidth},
                 "contention": list(self.contention), "optimizer_factor": self.optimizer_factor,
-                "overhead": self.overhead,
+                "overhead": self.overhead, "pass_fixed": list(self.pass_fixed),
                 "machine": dict(self.machine)}
 
     @classmethod
@@ -122,7 +127,8 @@ class Profile:
             out = cls(train=dict(data["train"]), layers=layers, latency=float(link["latency"]),
                       bandwidth=float(link["bandwidth"]), contention=tuple(float(x) for x in data["contention"]),
                       optimizer_factor=float(data["optimizer_factor"]), machine=dict(data.get("machine", {})),
-                      overhead=float(data.get("overhead", 0.0)))
+                      overhead=float(data.get("overhead", 0.0)),
+                      pass_fixed=tuple(float(x) for x in data.get("pass_fixed", (0.0, 0.0, 0.0))))  # type: ignore[arg-type]
         except ConfigError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -141,6 +147,8 @@ class Profile:
         if not (math.isfinite(self.latency) and self.latency >= 0 and self.bandwidth > 0):
             raise ConfigError(f"{where}: the link needs latency >= 0 and bandwidth > 0 "
                               f"(got {self.latency}, {self.bandwidth})")
+        if len(self.pass_fixed) != 3 or not all(math.isfinite(x) and x >= 0 for x in self.pass_fixed):
+            raise ConfigError(f"{where}: pass_fixed is F, B and BW seconds >= 0 (got {self.pass_fixed})")
         if not (math.isfinite(self.overhead) and self.overhead >= 0):
             raise ConfigError(f"{where}: the runtime's overhead per action must be seconds >= 0 (got {self.overhead})")
         if not self.contention or not all(math.isfinite(c) and c > 0 for c in self.contention):

@@ -45,7 +45,7 @@ from pipefold.runtime.stage import (
 )
 
 __all__ = ["layer_costs", "layer_memory", "layer_static_bytes", "measure_contention", "measure_layers",
-           "measure_link", "measure_stages", "profile_model", "run_passes", "split_figures"]
+           "measure_link", "measure_pass_fixed", "measure_stages", "profile_model", "run_passes", "split_figures"]
 
 Values = tuple[torch.Tensor, ...]
 _LINK_SIZES = (4 << 10, 64 << 10, 512 << 10, 4 << 20)
@@ -178,6 +178,26 @@ def measure_layers(layers: Sequence[nn.Module], sample: Any, target: Any, loss_f
     return [LayerProfile(f=t[0], b=t[1], w=t[2], bw=t[3], held=int(h), held_w=int(hw), params=_param_bytes(layer),
                          out=o, nodes=n, w_depth=d)
             for t, (h, hw), layer, o, n, d in zip(times, held, layers, outs, nodes, w_depth, strict=True)]
+
+
+def measure_pass_fixed(repeats: int = 30) -> tuple[float, float, float]:
+    """Seconds of a stage's F, B and fused BW that do not grow with its layers: the runner's own work once per
+    pass (the engine's start, the cut, the hooks, the bookkeeping). Each one-layer timing pays them once more, so
+    a stage of k layers costs its layers' sum less k - 1 of them. Timed on layers that compute next to nothing
+    (a Linear of one input and one output): the pass of one such layer twice, less the pass of two, medians of
+    ``repeats`` runs after a warm-up. The difference of two timings of whole layers would be lost in their noise."""
+    _check_repeats(repeats)
+    x = (torch.randn(1, 1),)
+    one, two = StageRunner(Chain(nn.Linear(1, 1))), StageRunner(Chain(nn.Linear(1, 1), nn.Linear(1, 1)))
+    runs = []
+    for k in range(repeats + 1):
+        f1, b1, _ = run_passes(one, 2 * k, x)[0]
+        f2, b2, _ = run_passes(two, 2 * k, x)[0]
+        bw1 = run_passes(one, 2 * k + 1, x, fused=True)[0][1]
+        bw2 = run_passes(two, 2 * k + 1, x, fused=True)[0][1]
+        runs.append((2 * f1 - f2, 2 * b1 - b2, 2 * bw1 - bw2))
+    f, b, bw = (max(0.0, t) for t in medians(runs[1:]))
+    return f, b, bw
 
 
 class _Below(nn.Module):
@@ -660,8 +680,11 @@ def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int 
     check_model(built, microbatches=microbatches, ranks=devices if contention else 0, copies=2,
                 what=f"profiling {model}")
     x, y = built.batch_at(0)
-    measured = measure_layers(built.build(), split_batch(x, microbatches)[0], y.chunk(microbatches)[0], built.loss,
-                              microbatches=microbatches, repeats=repeats, progress=progress)
+    layer_list = built.build()
+    sample, target = split_batch(x, microbatches)[0], y.chunk(microbatches)[0]
+    measured = measure_layers(layer_list, sample, target, built.loss, microbatches=microbatches, repeats=repeats,
+                              progress=progress)
+    fixed = measure_pass_fixed()
     # A stage's worth of layers from the heaviest one (a transformer block, not the embedding) stands for a rank's
     # work: its weights and activations, not one layer's, are what the ranks' caches and memory bus share.
     heaviest = max(range(len(measured) - 1), key=lambda i: measured[i].f + measured[i].b + measured[i].w)
@@ -686,4 +709,4 @@ def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int 
                "device": "cpu", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "repeats": repeats}
     return Profile(train=train, layers=tuple(measured), latency=latency,
                    bandwidth=bandwidth if math.isfinite(bandwidth) else 1e30, contention=factors,
-                   optimizer_factor=OPTIMIZER_STATE[optimizer], machine=machine)
+                   optimizer_factor=OPTIMIZER_STATE[optimizer], machine=machine, pass_fixed=fixed)
