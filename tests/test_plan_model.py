@@ -229,13 +229,13 @@ def test_the_runtime_overhead_is_measured_and_reaches_the_cost_model() -> None:
     for part in step_parts(reports):
         assert part["compute"] + part["recv wait"] + part["send wait"] + part["runtime"] == pytest.approx(part["step"])
         assert part["cpu"] >= 0.9 * part["compute"]
-    prof = dataclasses.replace(_profile(8), overhead=overhead)
+    prof = dataclasses.replace(_profile(8), message_overhead=overhead)
     s = schedules.build("1f1b", 2, 8)
-    assert model_costs(prof, s, [(0, 1, 2, 3), (4, 5, 6, 7)]).overhead == overhead
+    assert model_costs(prof, s, [(0, 1, 2, 3), (4, 5, 6, 7)]).message_overhead == overhead
     assert Profile.from_dict(prof.to_dict()) == prof
     bad = prof.to_dict()
-    bad["overhead"] = -1.0
-    with pytest.raises(ConfigError, match="overhead per action must be seconds >= 0"):
+    bad["message_overhead"] = -1.0
+    with pytest.raises(ConfigError, match="overhead per message must be seconds >= 0"):
         Profile.from_dict(bad)
 
 

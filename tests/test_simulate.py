@@ -331,16 +331,22 @@ def test_a_stage_fused_backward_lasts_its_own_time() -> None:
     assert split_backward({"F": 1.0, "B": 2.0, "W": 0.5}) == StageOverride(f=1.0, b=2.0, w=0.5, bw=None)
 
 
-def test_the_runtime_overhead_is_added_to_every_action_that_computes() -> None:
-    # 1f1b, 2 devices, 3 microbatches, a free link: each stage runs F and BW per microbatch, each longer by the
-    # overhead: (m + p - 1) (F + BW + 2 overhead). A data-parallel all-reduce computes nothing and stays as it was.
-    cost = CostModel(f=1.0, b=1.0, w=1.0, overhead=0.25)
+def test_the_runtime_overhead_is_paid_by_each_end_of_each_message() -> None:
+    # 1f1b, 2 devices, 3 microbatches, a free link: device 0's F and device 1's BW each send one message, device 1's
+    # F and device 0's BW each receive one, so every action is longer by the overhead: (m + p - 1) (F + BW + 2 o).
+    cost = CostModel(f=1.0, b=1.0, w=1.0, message_overhead=0.25)
     assert simulate(build("1f1b", 2, 3), cost).makespan == pytest.approx(4 * (1.0 + 2.0 + 0.5))
-    zb = build("zb-h1", 2, 4)
+    # zb-v on 2 devices (stages 0 and 3 on device 0): every F and B sends or receives one message (the V's turn,
+    # stage 1 to 2, sends nothing, and F1 and B2 receive theirs from device 0); W neither sends nor receives.
+    zb = build("zb-v", 2, 4)
+    assert {a.stage for a in zb.actions[0]} == {0, 3}
+    got = simulate(zb, CostModel(message_overhead=0.25))
     plain = simulate(zb, CostModel())
-    assert all(i.end - i.start == pytest.approx(1.25) for row in simulate(zb, CostModel(overhead=0.25)).timeline
-               for i in row)
-    assert plain.makespan < simulate(zb, CostModel(overhead=0.25)).makespan
-    with pytest.raises(ConfigError, match="cost overhead must be a finite number >= 0"):
-        CostModel(overhead=-1.0)
-    assert CostModel(overhead=0.5).to_dict()["overhead"] == 0.5
+    for row, base in zip(got.timeline, plain.timeline, strict=True):
+        for i, j in zip(row, base, strict=True):
+            want = 0.0 if i.action.kind == "W" else 0.25
+            assert (i.end - i.start) - (j.end - j.start) == pytest.approx(want), i.action
+    assert got.makespan > plain.makespan
+    with pytest.raises(ConfigError, match="cost message_overhead must be a finite number >= 0"):
+        CostModel(message_overhead=-1.0)
+    assert CostModel(message_overhead=0.5).to_dict()["message_overhead"] == 0.5

@@ -242,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-sharing", action="store_true",
                    help="do not measure how ranks share this machine (each rank has a device of its own)")
     p.add_argument("--no-overhead", action="store_true",
-                   help="do not time the runtime's own work per action on a short run of 2 ranks (taken as 0)")
+                   help="do not time the runtime's own work per message on a short run of 2 ranks (taken as 0)")
     p.add_argument("--output", "-o", metavar="FILE", help="write the profile to FILE (default: print it)")
     _add_output(p)
 

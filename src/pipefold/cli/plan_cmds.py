@@ -49,7 +49,7 @@ def cmd_profile(args: argparse.Namespace, console: Console) -> None:
                   f"{format_bytes(sum(x.params for x in prof.layers))} of parameters")
     console.print(f"link: {prof.latency * 1e6:.0f} us + bytes at {prof.bandwidth / 2**30:.2f} GiB/s; ranks computing "
                   f"at once 1..{len(prof.contention)} run each pass x{' x'.join(f'{c:.2f}' for c in prof.contention)}; "
-                  f"the runtime's own work {prof.overhead * 1e6:.0f} us per action")
+                  f"the runtime's own work {prof.message_overhead * 1e6:.0f} us per message")
 
 
 def cmd_plan(args: argparse.Namespace, console: Console) -> None:

@@ -75,6 +75,17 @@ class Graph:
         """For each action, the actions it waits for besides the one before it on its device."""
         return self.links.spelled()
 
+    def message_ends(self) -> npt.NDArray[np.int64]:
+        """For each action, the messages it takes part in: the inputs it waits for from another device, and the
+        actions on another device that wait for it (stage-wide dependencies, as a collective's, left out)."""
+        device = self.table.device
+        out = np.zeros(self.links.size, dtype=np.int64)
+        for slot in self.links.slots:
+            cross = (slot >= 0) & (device[np.maximum(slot, 0)] != device)
+            out += cross
+            np.add.at(out, slot[cross], 1)
+        return out
+
     @functools.cached_property
     def order(self) -> tuple[int, ...]:
         """Every action in an order that respects all dependencies; the members of a collective come together."""

@@ -321,7 +321,7 @@ def model_costs(profile: Profile, schedule: Schedule, layer_stages: Sequence[Seq
                 recompute: Sequence[int] | None = None) -> CostModel:
     """The cost model of ``schedule`` running ``layer_stages`` of the profiled model: per stage the sums of its
     layers' measured seconds and bytes, the measured link, how the ranks share the machine and the runtime's own
-    work per action."""
+    work per message."""
     rows = stage_profiles(profile, layer_stages)
     counts = recompute or (0,) * len(rows)
     over = {s: StageOverride(f=p.times[0], b=p.times[1], w=p.times[2], bw=p.fused_time, memory=float(p.total[r]),
@@ -331,7 +331,7 @@ def model_costs(profile: Profile, schedule: Schedule, layer_stages: Sequence[Seq
     params = sum(x.params for x in profile.layers)
     return CostModel(stage_overrides=over, latency=profile.latency, bandwidth=profile.bandwidth,
                      activation_bytes=float(message), grad_bytes=params / schedule.devices,
-                     contention=profile.contention[:schedule.devices], overhead=profile.overhead)
+                     contention=profile.contention[:schedule.devices], message_overhead=profile.message_overhead)
 
 
 def stage_profiles(profile: Profile, layer_stages: Sequence[Sequence[int]]) -> list[StageProfile]:

@@ -13,8 +13,8 @@ things::
                 each on separate accelerators, about k / cores when k processes share fewer cores
     fixed       the part of a stage's F, B and BW that does not grow with its layers (the runner's
                 own work once per pass), from two middle layers timed alone and together
-    overhead    the runtime's own work per action beside its passes (posting receives and sends,
-                bookkeeping), from a short run of the model on 2 ranks (:mod:`pipefold.train.overhead`)
+    overhead    the runtime's own work per message a rank sends or receives, beside its passes (posting
+                it, bookkeeping), from a short run of the model on 2 ranks (:mod:`pipefold.train.overhead`)
 
 The file is JSON (``Profile.save`` / ``Profile.load``) and says which model, at which size, it is.
 """
@@ -90,8 +90,9 @@ class Profile:
     """Optimizer state per parameter, in parameter sizes (AdamW 2, SGD 0)."""
     machine: dict[str, Any] = field(default_factory=dict)
     """Where and when it was measured: host, cores, torch version, device, date, repeats."""
-    overhead: float = 0.0
-    """Seconds of the runtime's own work per action, beside the pass (0: not measured)."""
+    message_overhead: float = 0.0
+    """Seconds of the runtime's own work per message a rank sends or receives, beside its passes (0: not
+    measured)."""
     pass_fixed: tuple[float, float, float] = (0.0, 0.0, 0.0)
     """Seconds of a stage's F, B and fused BW that do not grow with its layers: every layer's own timing includes
     them once, a stage pays them once (0: not measured)."""
@@ -108,7 +109,7 @@ class Profile:
         return {"version": VERSION, "train": dict(self.train), "layers": [asdict(x) for x in self.layers],
                 "link": {"latency": self.latency, "bandwidth": self.bandwidth},
                 "contention": list(self.contention), "optimizer_factor": self.optimizer_factor,
-                "overhead": self.overhead, "pass_fixed": list(self.pass_fixed),
+                "message_overhead": self.message_overhead, "pass_fixed": list(self.pass_fixed),
                 "machine": dict(self.machine)}
 
     @classmethod
@@ -127,7 +128,7 @@ class Profile:
             out = cls(train=dict(data["train"]), layers=layers, latency=float(link["latency"]),
                       bandwidth=float(link["bandwidth"]), contention=tuple(float(x) for x in data["contention"]),
                       optimizer_factor=float(data["optimizer_factor"]), machine=dict(data.get("machine", {})),
-                      overhead=float(data.get("overhead", 0.0)),
+                      message_overhead=float(data.get("message_overhead", 0.0)),
                       pass_fixed=tuple(float(x) for x in data.get("pass_fixed", (0.0, 0.0, 0.0))))  # type: ignore[arg-type]
         except ConfigError:
             raise
@@ -149,8 +150,9 @@ class Profile:
                               f"(got {self.latency}, {self.bandwidth})")
         if len(self.pass_fixed) != 3 or not all(math.isfinite(x) and x >= 0 for x in self.pass_fixed):
             raise ConfigError(f"{where}: pass_fixed is F, B and BW seconds >= 0 (got {self.pass_fixed})")
-        if not (math.isfinite(self.overhead) and self.overhead >= 0):
-            raise ConfigError(f"{where}: the runtime's overhead per action must be seconds >= 0 (got {self.overhead})")
+        if not (math.isfinite(self.message_overhead) and self.message_overhead >= 0):
+            raise ConfigError(f"{where}: the runtime's overhead per message must be seconds >= 0 "
+                              f"(got {self.message_overhead})")
         if not self.contention or not all(math.isfinite(c) and c > 0 for c in self.contention):
             raise ConfigError(f"{where}: contention factors must be positive numbers (got {self.contention})")
         for key in ("model", "batch", "microbatches"):

@@ -174,13 +174,13 @@ class CostModel:
     microbatch, ``KI`` and ``KP`` per step (``--work KA=0.5,KI=2``)."""
     stash: Mapping[str, float] = field(default_factory=dict)
     """Memory, in units of M per device share, that ``KA`` or ``KG`` keeps of its microbatch until it runs."""
-    overhead: float = 0.0
-    """Time a device's runtime spends on each action that computes, beside the pass itself (posting its
-    receives and sends, its bookkeeping): added to every such action."""
+    message_overhead: float = 0.0
+    """Time a device's runtime spends on each message it sends or receives, beside the passes (posting it,
+    waiting on it, its bookkeeping): added to the action that sends it and to the one that receives it."""
 
     def __post_init__(self) -> None:
         for name in ("f", "b", "w", "memory", "memory_w", "latency", "activation_bytes", "grad_bytes", "opt",
-                     "weights", "gathered", "overhead"):
+                     "weights", "gathered", "message_overhead"):
             value = getattr(self, name)
             if value is None and name == "memory_w":
                 continue
@@ -270,7 +270,7 @@ class CostModel:
             "activation_bytes": self.activation_bytes, "recompute": self.recompute,
             "grad_bytes": self.grad_bytes, "opt": self.opt, "overlap": self.overlap, "weights": self.weights,
             "contention": list(self.contention), "work": dict(self.work), "stash": dict(self.stash), "dp": self.dp,
-            "gathered": self.gathered, "overhead": self.overhead,
+            "gathered": self.gathered, "message_overhead": self.message_overhead,
             "stage_overrides": {str(s): {"f": c.f, "b": c.b, "w": c.w, "memory": c.memory,
                                          "recompute": c.recompute, "kept": c.kept, "memory_w": c.memory_w,
                                          "bw": c.bw,
@@ -474,13 +474,13 @@ def simulate(schedule: Schedule, cost: CostModel | None = None, *, network: Netw
             times[st, k] = spec.time(c)
             at_start[st, k], at_end[st, k] = spec.memory(c)
     durations = _by_action(table, times, np.maximum if cost.overlap else np.add)
-    computing = np.array([KINDS[code].computes if code in KINDS else False for code in table.kinds] + [False])
-    if cost.overhead:
-        durations = durations + np.where(computing[table.kind], cost.overhead, 0.0)
     idle = frozenset(k for k, spec in KINDS.items() if not spec.computes)
     shared = any(c != 1.0 for c in cost.contention[:D]) or (len(cost.contention) < D and cost.contention)
-    event_driven = bool(shared) or network is not None
+    # Messages are known once the graph is: timed after it, event by event (as shared cores are).
+    event_driven = bool(shared) or network is not None or cost.message_overhead > 0
     graph = dependency_graph(schedule, None if event_driven else durations, cost.transfer_time, idle, table=table)
+    if cost.message_overhead:
+        durations = durations + cost.message_overhead * graph.message_ends()
     if network is None:
         transfer: float | _Links = cost.transfer_time
     else:
@@ -497,6 +497,7 @@ def simulate(schedule: Schedule, cost: CostModel | None = None, *, network: Netw
         raise ConfigError(f"the costs overflow: {schedule.name}'s step would last longer than the largest float "
                           "(about 1.8e308 time units); give smaller times (--f, --b, --w, --latency, ...), e.g. in "
                           "seconds or milliseconds instead")
+    computing = np.array([KINDS[code].computes if code in KINDS else False for code in table.kinds] + [False])
     timeline = Timeline(schedule.actions, all_starts, all_ends, computing[table.kind])
     bounds = [*graph.offsets, schedule.num_actions]
     stashes = _stash_events(graph, costs, all_ends)

@@ -1,10 +1,12 @@
-"""The runtime's own work per action, measured: what a step spends beside its passes and its waits.
+"""The runtime's own work per message, measured: what a step spends beside its passes and its waits.
 
 A rank's step is its passes, its waits for messages, and the executor's work between them (posting receives and
-sends, bookkeeping, the meter): a few hundred microseconds per action on a CPU, which the simulator would leave
-out and which weighs on layers of a millisecond. :func:`measure_overhead` runs the profiled model with 1f1b on
-two local ranks for a few steps and returns that work per action (:func:`pipefold.runtime.measure.step_parts`),
-for the cost model (:attr:`pipefold.sim.simulate.CostModel.overhead`).
+sends, waiting on them, bookkeeping): a few hundred microseconds per message on a CPU, which the simulator would
+leave out and which weighs on layers of a millisecond. Most of it comes with the messages: a weight gradient, which
+neither sends nor receives, costs next to nothing beside its pass. :func:`measure_overhead` runs the profiled model
+with 1f1b on two local ranks for a few steps and returns that work per message a rank sends or receives
+(:func:`pipefold.runtime.measure.step_parts`), for the cost model
+(:attr:`pipefold.sim.simulate.CostModel.message_overhead`).
 """
 
 from __future__ import annotations
@@ -22,23 +24,26 @@ OVERHEAD_RUN = {"schedule": "1f1b", "devices": 2, "steps": 4}
 
 
 def measure_overhead(train: dict[str, Any]) -> float:
-    """Seconds of the runtime's own work per computing action, the mean over the ranks of :data:`OVERHEAD_RUN`
-    with the model and size ``train`` (a profile's ``train``)."""
-    from pipefold.runtime.executor import COMPUTE_KINDS
+    """Seconds of the runtime's own work per message a rank sends or receives, the mean over the ranks of
+    :data:`OVERHEAD_RUN` with the model and size ``train`` (a profile's ``train``)."""
+    from pipefold.ir import dependency_graph
     from pipefold.runtime.measure import step_parts
     from pipefold.train.run import train as run
 
     spec = RunSpec.flat(**profiled_settings(train), **OVERHEAD_RUN)
     job, reports = run(spec)
     reports = sorted((r for r in reports if r.pipeline == 0), key=lambda r: r.rank)
+    graph = dependency_graph(job.schedule)
+    ends = graph.message_ends()
+    per_rank = [int(ends[graph.offsets[r.rank]:graph.offsets[r.rank] + len(job.schedule.actions[r.rank])].sum())
+                for r in reports]
     parts = step_parts(reports)
-    actions = [sum(a.kind in COMPUTE_KINDS for a in job.schedule.actions[r.rank]) for r in reports]
-    return statistics.fmean(max(0.0, p["runtime"]) / n for p, n in zip(parts, actions, strict=True))
+    return statistics.fmean(max(0.0, p["runtime"]) / max(1, n) for p, n in zip(parts, per_rank, strict=True))
 
 
 def profile_here(*, overhead: bool = True, progress: Progress | None = None, **sizes: Any) -> Profile:
     """The profile of a model on this machine: :func:`pipefold.runtime.profiling.profile_model` with ``sizes``
-    (model, layers, ..., devices, link, contention), and with ``overhead`` the runtime's own work per action
+    (model, layers, ..., devices, link, contention), and with ``overhead`` the runtime's own work per message
     (:func:`measure_overhead`, reported to ``progress`` as part "overhead")."""
     import dataclasses
 
@@ -49,7 +54,7 @@ def profile_here(*, overhead: bool = True, progress: Progress | None = None, **s
         return profile
     if progress is not None:
         progress("overhead", 0, 1)
-    profile = dataclasses.replace(profile, overhead=measure_overhead(profile.train))
+    profile = dataclasses.replace(profile, message_overhead=measure_overhead(profile.train))
     if progress is not None:
         progress("overhead", 1, 1)
     return profile
