@@ -27,12 +27,12 @@ def measure_overhead(train: dict[str, Any]) -> float:
     """Seconds of the runtime's own work per message a rank sends or receives, the mean over the ranks of
     :data:`OVERHEAD_RUN` with the model and size ``train`` (a profile's ``train``)."""
     from pipefold.ir import dependency_graph
+    from pipefold.runtime.local import run_local
     from pipefold.runtime.measure import step_parts
-    from pipefold.train.run import train as run
+    from pipefold.train.prepare import make_job
 
-    spec = RunSpec.flat(**profiled_settings(train), **OVERHEAD_RUN)
-    job, reports = run(spec)
-    reports = sorted((r for r in reports if r.pipeline == 0), key=lambda r: r.rank)
+    job = make_job(RunSpec.flat(**profiled_settings(train), **OVERHEAD_RUN), local=True)
+    reports = sorted((r for r in run_local(job) if r.pipeline == 0), key=lambda r: r.rank)
     graph = dependency_graph(job.schedule)
     ends = graph.message_ends()
     per_rank = [int(ends[graph.offsets[r.rank]:graph.offsets[r.rank] + len(job.schedule.actions[r.rank])].sum())
