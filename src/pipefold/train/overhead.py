@@ -2,8 +2,9 @@
 
 A rank's step is its passes, its waits for messages, and the executor's work between them (posting receives and
 sends, waiting on them, bookkeeping): a few hundred microseconds per message on a CPU, which the simulator would
-leave out and which weighs on layers of a millisecond. Most of it comes with the messages: a weight gradient, which
-neither sends nor receives, costs next to nothing beside its pass. :func:`measure_overhead` runs the profiled model
+leave out and which weighs on layers of a millisecond. It is taken to come with the messages: a weight gradient,
+which neither sends nor receives, is taken to cost nothing beside its pass (priced per action instead, a V
+schedule's Ws and its turn, which sends nothing, made an MLP's step predicted 18-21% too slow). :func:`measure_overhead` runs the profiled model
 with 1f1b on two local ranks for a few steps and returns that work per message a rank sends or receives
 (:func:`pipefold.runtime.measure.step_parts`), for the cost model
 (:attr:`pipefold.sim.simulate.CostModel.message_overhead`).
