@@ -4,21 +4,24 @@ A rank's step is its passes, its waits for messages, and the executor's work bet
 sends, waiting on them, bookkeeping): a few hundred microseconds per message on a CPU, which the simulator would
 leave out and which weighs on layers of a millisecond. It is taken to come with the messages: a weight gradient,
 which neither sends nor receives, is taken to cost nothing beside its pass (priced per action instead, a V
-schedule's Ws and its turn, which sends nothing, made an MLP's step predicted 18-21% too slow). :func:`measure_overhead` runs the profiled model
-with 1f1b on two local ranks for a few steps and returns that work per message a rank sends or receives
-(:func:`pipefold.runtime.measure.step_parts`), for the cost model
+schedule's Ws and its turn, which send nothing, made an MLP's step predicted 18-21% too slow).
+:func:`measure_overhead` runs the profiled model with 1f1b on two local ranks for a few steps and returns that work
+per message a rank sends or receives (:func:`overhead_of`), for the cost model
 (:attr:`pipefold.sim.simulate.CostModel.message_overhead`).
 """
 
 from __future__ import annotations
 
 import statistics
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipefold.plan.profile import Profile, Progress
 from pipefold.train.spec import RunSpec, profiled_settings
 
-__all__ = ["OVERHEAD_RUN", "measure_overhead", "profile_here"]
+if TYPE_CHECKING:
+    from pipefold.runtime.job import Job, RankReport
+
+__all__ = ["OVERHEAD_RUN", "measure_overhead", "overhead_of", "profile_here"]
 
 OVERHEAD_RUN = {"schedule": "1f1b", "devices": 2, "steps": 6}
 """The run timed: its first step is left out."""
@@ -27,13 +30,21 @@ OVERHEAD_RUN = {"schedule": "1f1b", "devices": 2, "steps": 6}
 def measure_overhead(train: dict[str, Any]) -> float:
     """Seconds of the runtime's own work per message a rank sends or receives, the mean over the ranks of
     :data:`OVERHEAD_RUN` with the model and size ``train`` (a profile's ``train``)."""
-    from pipefold.ir import dependency_graph
     from pipefold.runtime.local import run_local
-    from pipefold.runtime.measure import step_parts
     from pipefold.train.prepare import make_job
 
     job = make_job(RunSpec.flat(**profiled_settings(train), **OVERHEAD_RUN), local=True)
-    reports = sorted((r for r in run_local(job) if r.pipeline == 0), key=lambda r: r.rank)
+    return overhead_of(job, run_local(job))
+
+
+def overhead_of(job: Job, reports: list[RankReport]) -> float:
+    """Seconds of the runtime's own work per message a rank sends or receives in a run of ``job``: each rank's
+    step less its passes and waits (:func:`pipefold.runtime.measure.step_parts`), over the message ends of its
+    actions (:meth:`pipefold.ir.Graph.message_ends`), the mean over the first pipeline's ranks."""
+    from pipefold.ir import dependency_graph
+    from pipefold.runtime.measure import step_parts
+
+    reports = sorted((r for r in reports if r.pipeline == 0), key=lambda r: r.rank)
     graph = dependency_graph(job.schedule)
     ends = graph.message_ends()
     per_rank = [int(ends[graph.offsets[r.rank]:graph.offsets[r.rank] + len(job.schedule.actions[r.rank])].sum())
