@@ -166,6 +166,9 @@ def test_the_runners_fixed_work_is_measured_on_layers_that_compute_nothing() -> 
     data["pass_fixed"] = [0.1, -1.0, 0.0]
     with pytest.raises(ConfigError, match="pass_fixed is F, B and BW seconds >= 0"):
         Profile.from_dict(data)
+    data["pass_fixed"] = [0.1, 0.2]
+    with pytest.raises(ConfigError, match="not a valid pipefold profile"):
+        Profile.from_dict(data)
 
 
 def test_layers_count_their_graph_and_time_what_the_graph_below_adds() -> None:

@@ -12,7 +12,7 @@ things::
     sharing     how much slower a pass runs when k ranks compute at once (k = 1..devices): 1.0
                 each on separate accelerators, about k / cores when k processes share fewer cores
     fixed       the part of a stage's F, B and BW that does not grow with its layers (the runner's
-                own work once per pass), from two middle layers timed alone and together
+                own work once per pass), timed on layers that compute next to nothing
     overhead    the runtime's own work per message a rank sends or receives, beside its passes (posting
                 it, bookkeeping), from a short run of the model on 2 ranks (:mod:`pipefold.train.overhead`)
 
@@ -129,7 +129,7 @@ class Profile:
                       bandwidth=float(link["bandwidth"]), contention=tuple(float(x) for x in data["contention"]),
                       optimizer_factor=float(data["optimizer_factor"]), machine=dict(data.get("machine", {})),
                       message_overhead=float(data.get("message_overhead", 0.0)),
-                      pass_fixed=tuple(float(x) for x in data.get("pass_fixed", (0.0, 0.0, 0.0))))  # type: ignore[arg-type]
+                      pass_fixed=_three(data.get("pass_fixed", (0.0, 0.0, 0.0))))
         except ConfigError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -169,6 +169,11 @@ class Profile:
         from pipefold.files import read_json
 
         return cls.from_dict(read_json(path, "profile", "give a file written by pipefold profile -o"), path)
+
+
+def _three(values: Any) -> tuple[float, float, float]:
+    f, b, bw = (float(x) for x in values)  # a ValueError where there are not three: the profile is not valid
+    return f, b, bw
 
 
 def fit_link(one_way: dict[int, float]) -> tuple[float, float]:

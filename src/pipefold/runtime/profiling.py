@@ -680,11 +680,8 @@ def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int 
     check_model(built, microbatches=microbatches, ranks=devices if contention else 0, copies=2,
                 what=f"profiling {model}")
     x, y = built.batch_at(0)
-    layer_list = built.build()
-    sample, target = split_batch(x, microbatches)[0], y.chunk(microbatches)[0]
-    measured = measure_layers(layer_list, sample, target, built.loss, microbatches=microbatches, repeats=repeats,
-                              progress=progress)
-    fixed = measure_pass_fixed()
+    measured = measure_layers(built.build(), split_batch(x, microbatches)[0], y.chunk(microbatches)[0], built.loss,
+                              microbatches=microbatches, repeats=repeats, progress=progress)
     # A stage's worth of layers from the heaviest one (a transformer block, not the embedding) stands for a rank's
     # work: its weights and activations, not one layer's, are what the ranks' caches and memory bus share.
     heaviest = max(range(len(measured) - 1), key=lambda i: measured[i].f + measured[i].b + measured[i].w)
@@ -709,4 +706,4 @@ def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int 
                "device": "cpu", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "repeats": repeats}
     return Profile(train=train, layers=tuple(measured), latency=latency,
                    bandwidth=bandwidth if math.isfinite(bandwidth) else 1e30, contention=factors,
-                   optimizer_factor=OPTIMIZER_STATE[optimizer], machine=machine, pass_fixed=fixed)
+                   optimizer_factor=OPTIMIZER_STATE[optimizer], machine=machine, pass_fixed=measure_pass_fixed())
