@@ -36,10 +36,12 @@ def _profile(n: int = 8, *, contention: tuple[float, ...] = (1.0, 1.0, 1.0, 1.0)
 # --------------------------------------------------------------------------- shared cores
 
 
+@pytest.mark.parametrize("overhead", [0.0, 0.2])
 @pytest.mark.parametrize("name", ["1f1b", "zb-v", "chimera", "dualpipe", "interleaved-1f1b", "v-half"])
-def test_shared_timing_without_sharing_is_the_plain_timing(name: str) -> None:
+def test_shared_timing_without_sharing_is_the_plain_timing(name: str, overhead: float) -> None:
+    # With a cost per message too: the plain traversal adds it as it times, the timing by events after the graph.
     s = schedules.build(name, 4, 8)
-    cost = CostModel(f=1.0, b=1.3, w=0.7, latency=0.1, grad_bytes=10, bandwidth=100)
+    cost = CostModel(f=1.0, b=1.3, w=0.7, latency=0.1, grad_bytes=10, bandwidth=100, message_overhead=overhead)
     plain = simulate(s, cost)
     graph = dependency_graph(s)
     durations = [iv.end - iv.start for row in plain.timeline for iv in row]
@@ -58,6 +60,10 @@ def test_one_shared_core_is_busy_until_all_work_is_done(name: str, p: int) -> No
     solo = simulate(s, CostModel(f=1.0, b=1.5, w=0.5))
     shared = simulate(s, CostModel(f=1.0, b=1.5, w=0.5, contention=tuple(float(k) for k in range(1, p + 1))))
     assert shared.makespan == pytest.approx(sum(solo.busy), rel=1e-9)
+    # The runtime's work per message is work on the core too: the total grows by it once per message end.
+    busy = simulate(s, CostModel(f=1.0, b=1.5, w=0.5, message_overhead=0.25, contention=shared.cost.contention))
+    ends = int(dependency_graph(s).message_ends().sum())
+    assert busy.makespan == pytest.approx(sum(solo.busy) + 0.25 * ends, rel=1e-9)
 
 
 @pytest.mark.parametrize("scale", [1e4, 1e6, 1e9, 3.7e12])

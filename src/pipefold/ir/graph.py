@@ -78,13 +78,7 @@ class Graph:
     def message_ends(self) -> npt.NDArray[np.int64]:
         """For each action, the messages it takes part in: the inputs it waits for from another device, and the
         actions on another device that wait for it (stage-wide dependencies, as a collective's, left out)."""
-        device = self.table.device
-        out = np.zeros(self.links.size, dtype=np.int64)
-        for slot in self.links.slots:
-            cross = (slot >= 0) & (device[np.maximum(slot, 0)] != device)
-            out += cross
-            np.add.at(out, slot[cross], 1)
-        return out
+        return _message_ends(self.links, self.table.device)
 
     @functools.cached_property
     def order(self) -> tuple[int, ...]:
@@ -157,7 +151,7 @@ class Transfer(NamedTuple):
 
 def dependency_graph(schedule: Schedule, durations: Sequence[float] | npt.NDArray[np.float64] | None = None,
                      transfer: float = 0.0, idle: frozenset[str] = frozenset(), *,
-                     table: ActionTable | None = None) -> Graph:
+                     table: ActionTable | None = None, message_cost: float = 0.0) -> Graph:
     """Check ``schedule`` and return its :class:`Graph`; raise :class:`ScheduleError` for the first violation.
 
     Checked, in this order: every action's kind, stage and microbatch are known and in range,
@@ -168,7 +162,8 @@ def dependency_graph(schedule: Schedule, durations: Sequence[float] | npt.NDArra
     With ``durations`` (per action, by global number; a list or an array) the traversal also times the actions:
     each starts when its device is free and its inputs are done, ``transfer`` later for an
     input from another device; a collective's members start together; an action whose kind is
-    in ``idle`` (communication) leaves its device free at once. ``table`` is the schedule's
+    in ``idle`` (communication) leaves its device free at once; each action lasts ``message_cost`` longer per
+    message it sends or receives (:meth:`Graph.message_ends`). ``table`` is the schedule's
     :func:`action_table`, when the caller has it already.
     """
     rows = schedule.actions
@@ -177,6 +172,8 @@ def dependency_graph(schedule: Schedule, durations: Sequence[float] | npt.NDArra
     rules = _rules()
     givers = _givers(schedule, table, rules, offsets)
     links = _inputs(schedule, table, rules, givers)
+    if durations is not None and message_cost:
+        durations = np.asarray(durations, dtype=np.float64) + message_cost * _message_ends(links, table.device)
     return _traverse(schedule, offsets, table, links, durations, transfer, idle)
 
 
@@ -488,6 +485,16 @@ class Links(NamedTuple):
     def spelled(self) -> tuple[tuple[int, ...], ...]:
         """Every action's inputs as a tuple (:attr:`Graph.inputs`)."""
         return tuple(self.tuples(np.arange(self.size)).values())
+
+
+def _message_ends(links: Links, device: Ints) -> Ints:
+    """:meth:`Graph.message_ends` from the links and each action's device."""
+    out = np.zeros(links.size, dtype=np.int64)
+    for slot in links.slots:
+        cross = (slot >= 0) & (device[np.maximum(slot, 0)] != device)
+        out += cross
+        np.add.at(out, slot[cross], 1)
+    return out
 
 
 def _packed(columns: Sequence[Ints], n: int) -> tuple[Ints, ...]:

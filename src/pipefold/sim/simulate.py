@@ -476,10 +476,10 @@ def simulate(schedule: Schedule, cost: CostModel | None = None, *, network: Netw
     durations = _by_action(table, times, np.maximum if cost.overlap else np.add)
     idle = frozenset(k for k, spec in KINDS.items() if not spec.computes)
     shared = any(c != 1.0 for c in cost.contention[:D]) or (len(cost.contention) < D and cost.contention)
-    # Messages are known once the graph is: timed after it, event by event (as shared cores are).
-    event_driven = bool(shared) or network is not None or cost.message_overhead > 0
-    graph = dependency_graph(schedule, None if event_driven else durations, cost.transfer_time, idle, table=table)
-    if cost.message_overhead:
+    event_driven = bool(shared) or network is not None
+    graph = dependency_graph(schedule, None if event_driven else durations, cost.transfer_time, idle, table=table,
+                             message_cost=cost.message_overhead)
+    if cost.message_overhead:  # what the traversal added to each action, or what the timing by events will
         durations = durations + cost.message_overhead * graph.message_ends()
     if network is None:
         transfer: float | _Links = cost.transfer_time
