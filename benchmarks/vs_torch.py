@@ -13,9 +13,10 @@ reported apart and left out of the median. Run:
     python benchmarks/vs_torch.py --json     # one JSON object
     python benchmarks/vs_torch.py --device cuda --hidden 4096   # on a GPU the ranks share (gloo on both sides)
 
-On a GPU, both runtimes' ranks share it over gloo (NCCL refuses two ranks on one device); torch's side moves
-its GPU tensors with gloo as its schedules post them, pipefold stages them through pinned host memory
-(:mod:`pipefold.runtime.devices`). A run that fails is reported with its one-line reason.
+On a GPU, both runtimes' ranks share it over gloo (NCCL refuses two ranks on one device, gloo moves only CPU
+tensors): pipefold stages its messages through pinned host memory (:mod:`pipefold.runtime.devices`), and
+torch's side is given the same through host copies around its point-to-point calls (``_through_host``). A run
+that fails is reported with its one-line reason.
 """
 
 from __future__ import annotations
@@ -150,6 +151,7 @@ def _torch_rank(rank: int, pair: _Pair, steps: int, port: int, results: Any, siz
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        _through_host()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=60))
     try:
@@ -177,6 +179,49 @@ def _torch_rank(rank: int, pair: _Pair, steps: int, port: int, results: Any, siz
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+class _Landing:
+    """A receive into pinned host memory: waiting for it copies the message into the GPU tensor."""
+
+    def __init__(self, work: Any, host: torch.Tensor, tensor: torch.Tensor) -> None:
+        self.work, self.host, self.tensor = work, host, tensor
+
+    def wait(self, *args: Any) -> bool:
+        done = self.work.wait(*args)
+        with torch.no_grad():  # a stage's input buffer is a leaf that requires grad; irecv would fill it too
+            self.tensor.copy_(self.host, non_blocking=True)  # ordered on the stream that reads it next
+        return done
+
+    def is_completed(self) -> bool:
+        return bool(self.work.is_completed())
+
+
+def _through_host() -> None:
+    """gloo sends and receives only CPU tensors (a GPU tensor's address handed to it fails with "Bad address"),
+    and NCCL refuses two ranks on one GPU. So on a GPU the ranks share, torch's side gets what pipefold's does
+    (:mod:`pipefold.runtime.devices`): its point-to-point operations on GPU tensors go through pinned host
+    copies, a send's made when its schedule posts it, a receive's copied in when its schedule waits for it."""
+    from torch.distributed import distributed_c10d as c10d
+
+    isend, irecv = c10d.isend, c10d.irecv
+
+    def staged_isend(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if not tensor.is_cuda:
+            return isend(tensor, *args, **kwargs)
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor)  # synchronous: the message is whole before gloo reads it
+        return isend(host, *args, **kwargs)
+
+    def staged_irecv(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if not tensor.is_cuda:
+            return irecv(tensor, *args, **kwargs)
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        return _Landing(irecv(host, *args, **kwargs), host, tensor)
+
+    # batch_isend_irecv tells sends from receives by ``op is isend`` against its module's own names.
+    c10d.isend, c10d.irecv = staged_isend, staged_irecv
+    dist.isend, dist.irecv = staged_isend, staged_irecv
 
 
 def _run_torch(pair: _Pair, steps: int) -> _Run:

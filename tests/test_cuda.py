@@ -19,7 +19,7 @@ from pipefold import names
 from pipefold.errors import ConfigError
 from pipefold.ir import Kind
 from pipefold.ir.ref import ScheduleRef
-from pipefold.runtime.devices import place
+from pipefold.runtime.devices import check_sharding, place
 from pipefold.runtime.job import Job, RankReport
 from pipefold.runtime.local import run_local
 from pipefold.schedules import build
@@ -167,11 +167,29 @@ def test_recomputed_and_offloaded_stages_on_the_gpu(name: str, memory: str) -> N
     assert diff["max_grad_rel_diff"] < TOLERANCE and diff["loss_rel_diff"] < TOLERANCE, diff
 
 
+def test_fsdp_on_a_shared_gpu_is_one_line() -> None:
+    # Ranks sharing a GPU talk gloo, which cannot all-gather or reduce-scatter GPU tensors: a rank running FSDP
+    # there died of SIGSEGV (H200, torch 2.11). NCCL with a GPU per rank may, and all-reduce (dp, ZeRO-1) works.
+    for shared in (place("cuda", ranks=4, gpus=1), place("cuda", "gloo", ranks=4, gpus=4)):
+        with pytest.raises(ConfigError, match="needs NCCL and a GPU per rank") as info:
+            check_sharding(shared, fsdp=True)
+        assert "\n" not in str(info.value)
+        check_sharding(shared, fsdp=False)
+    check_sharding(place("cuda", ranks=4, gpus=4), fsdp=True)
+    check_sharding(place("cpu", ranks=4), fsdp=True)
+
+
 @cuda
-@pytest.mark.parametrize(("schedule", "how"), [("1f1b", "all-reduce"), ("zb-v", "zero1"), ("1f1b", "fsdp")])
+def test_fsdp_refused_before_any_rank_starts_on_one_gpu() -> None:
+    config = _gpt("1f1b", 2).replace(dp=2, batch=8, fsdp=True)
+    with pytest.raises(ConfigError, match="needs NCCL"):
+        make_job(config)
+
+
+@cuda
+@pytest.mark.parametrize(("schedule", "how"), [("1f1b", "all-reduce"), ("zb-v", "zero1")])
 def test_data_parallel_pipelines_on_the_gpu(schedule: str, how: str) -> None:
-    config = _gpt(schedule, 2).replace(dp=2, batch=8, zero1=how == "zero1", fsdp=how == "fsdp",
-                                 steps=2)
+    config = _gpt(schedule, 2).replace(dp=2, batch=8, zero1=how == "zero1", steps=2)
     job = dataclasses.replace(make_job(config.replace(check=True)), save_weights=True)
     reports = run_local(job)
     diff = compare(job, reports)

@@ -301,12 +301,17 @@ def test_cuda_offload_peak_memory_and_exactness() -> None:
     layers = build_mlp(MLPConfig(hidden=256, layers=8))
     x = torch.randn(8, 256, device="cuda")
     ref = torch.nn.Sequential(*[torch.nn.Sequential(m).to("cuda") for m in build_mlp(MLPConfig(hidden=256, layers=8))])
+    want = ref(x)  # also makes cuBLAS take its workspace (32 MiB on a Hopper GPU) before the measurement
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()  # the reference model, x, the workspace
     torch.cuda.reset_peak_memory_stats()
     wrapped = Offloaded(torch.nn.Sequential(*layers), "cuda", k=2, kprime=1)
     out = wrapped(x)
-    assert torch.equal(out, ref(x))
+    assert torch.equal(out, want)
     layer = sum(p.numel() * 4 for p in layers[0].parameters())
-    assert torch.cuda.max_memory_allocated() < 8 * layer  # far from the whole model's 8 layers plus activations
+    peak = torch.cuda.max_memory_allocated() - before
+    # k = 2 layers resident, one more whose block waits for the copy stream, small activations: not the 8 layers
+    assert peak < 4 * layer
 
 
 def test_remove_gives_the_plain_model_back() -> None:

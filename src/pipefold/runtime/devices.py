@@ -83,3 +83,13 @@ def place(device: str = "auto", backend: str = "auto", *, ranks: int = 1, gpus: 
     if backend == "auto":
         backend = "nccl" if ranks <= gpus else "gloo"
     return Placement("cuda", backend, gpus)
+
+
+def check_sharding(placement: Placement, *, fsdp: bool) -> None:
+    """FSDP's collectives (all-gather and reduce-scatter of GPU tensors) do not run over gloo: a rank doing them
+    on a shared GPU died of a segmentation fault (H200, torch 2.11). All-reduce, which plain data parallelism and
+    ZeRO-1 use, does."""
+    if fsdp and placement.staged:
+        raise ConfigError("--fsdp on GPUs needs NCCL and a GPU per rank: these ranks share GPUs over gloo, which "
+                          "cannot all-gather or reduce-scatter GPU tensors; use --zero1 or plain --dp here, or "
+                          "--device cpu")

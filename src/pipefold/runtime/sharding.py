@@ -98,7 +98,16 @@ def _accumulate(module: nn.Module) -> None:
 
 
 def _groups(state: Any) -> list[Any]:
-    return [g for each in state._state_ctx.all_states for g in each._fsdp_param_groups]
+    """Every FSDP parameter group under ``state``'s root. torch 2.13 keeps a list per module
+    (``_fsdp_param_groups``); torch 2.11 one group or None (``_fsdp_param_group``)."""
+    out: list[Any] = []
+    for each in state._state_ctx.all_states:
+        groups = getattr(each, "_fsdp_param_groups", None)
+        if groups is None:
+            one = getattr(each, "_fsdp_param_group", None)
+            groups = [one] if one is not None else []
+        out += groups
+    return out
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

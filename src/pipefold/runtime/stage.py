@@ -306,8 +306,13 @@ class _Cut:
                     parents.setdefault(child, []).append(node)
                     stack.append(child)
         on_path = _ancestors([n for n in map(grad_node, inputs) if n is not None], parents)
-        to_params = _ancestors([n for n in map(grad_node, params) if n is not None and n in seen], parents)
-        self.params = params
+        # Each parameter's AccumulateGrad node in this graph, found in the graph itself: a parameter's current
+        # accumulator (what autograd resolves a tensor in ``inputs=`` to) is another node once its data moved
+        # to another device or dtype after the forward (an offloaded layer evicted to the CPU, say).
+        param_of = graph_params(nodes, params)
+        to_params = _ancestors(list(param_of), parents)
+        self.params = [GradientEdge(n, 0) for n in param_of]
+        """Where W's weight gradients land: the graph's own accumulators of the stage's parameters."""
         self.outputs = [i for i, o in enumerate(outputs) if o.grad_fn not in on_path]
         """The outputs off the path to the inputs: W starts from them too (B never runs their graph)."""
         # On-path node -> its edges into the off-path part that leads to parameters.
@@ -321,8 +326,8 @@ class _Cut:
         # A crossing node "owns" the parameters below its crossings when nothing below its other inputs
         # reaches them: then autograd can restart at the node and run just that side, adding straight
         # into .grad. Other crossing nodes go through the general two-phase path of weight_grads.
-        param_of = {n: p for p in params if (n := grad_node(p)) is not None and n in seen}
-        self.owned = _ownership(nodes, on_path, self.edges, param_of)
+        self._param_of = param_of
+        self.owned = _ownership(nodes, on_path, self.edges, set(param_of))
 
     @property
     def crossings(self) -> list[Node]:
@@ -335,15 +340,15 @@ class _Cut:
         once (:meth:`take_now`), and what they read (the norm's input, the gradient entering it) need
         not wait for W.
         """
-        return [node for node, params in self.owned.items() if params and all(p.dim() <= 1 for p in params)]
+        return [node for node, accs in self.owned.items() if accs and all(self._param_of[a].dim() <= 1 for a in accs)]
 
     def take_now(self, node: Node, captured: dict[Node, tuple[torch.Tensor | None, ...]]) -> None:
         """Run ``node``'s weight gradient now, from the gradient B captured there; W will not run it again."""
         seen_grads = captured.pop(node, None)
         del self.edges[node]
-        params = self.owned.pop(node)
+        accs = self.owned.pop(node)
         if seen_grads is not None:
-            _owned_backward(node, seen_grads, params)
+            _owned_backward(node, seen_grads, accs)
 
     def weight_grads(self, captured: dict[Node, tuple[torch.Tensor | None, ...]],
                      outputs: Sequence[torch.Tensor], grads_out: Sequence[torch.Tensor]) -> None:
@@ -380,12 +385,19 @@ class _Cut:
             torch.autograd.backward(roots, root_grads, inputs=self.params)  # type: ignore[arg-type]
 
 
-def _owned_backward(node: Node, seen_grads: tuple[torch.Tensor | None, ...], params: list[nn.Parameter]) -> None:
-    """Restart autograd at ``node`` from the gradients B saw enter it; only the branches to ``params`` run."""
+def graph_params(nodes: Iterable[Node], params: Sequence[torch.Tensor]) -> dict[Node, torch.Tensor]:
+    """The AccumulateGrad nodes among ``nodes`` that accumulate into one of ``params``, with it."""
+    wanted = {id(p): p for p in params}
+    return {n: wanted[id(v)] for n in nodes if (v := getattr(n, "variable", None)) is not None and id(v) in wanted}
+
+
+def _owned_backward(node: Node, seen_grads: tuple[torch.Tensor | None, ...], accs: list[Node]) -> None:
+    """Restart autograd at ``node`` from the gradients B saw enter it; only the branches to the parameters'
+    accumulators ``accs`` run."""
     ks = [k for k, g in enumerate(seen_grads) if g is not None]
     if ks:
         torch.autograd.backward([GradientEdge(node, k) for k in ks], [seen_grads[k] for k in ks],
-                                inputs=params)
+                                inputs=[GradientEdge(a, 0) for a in accs])
 
 
 def graph_below(start: list[Node]) -> set[Node]:
@@ -401,8 +413,9 @@ def graph_below(start: list[Node]) -> set[Node]:
 
 
 def _ownership(nodes: list[Node], on_path: set[Node], crossings: dict[Node, list[GradientEdge]],
-               param_of: dict[Node, nn.Parameter]) -> dict[Node, list[nn.Parameter]]:
-    """The crossing nodes that own the parameters below their crossings (:func:`_owned_params`), with them.
+               accs: set[Node]) -> dict[Node, list[Node]]:
+    """The crossing nodes that own the parameters below their crossings (:func:`_owned_params`), with their
+    accumulators (``accs``: the parameters' AccumulateGrad nodes).
 
     One walk over the regions below every way off the path (a crossing node's crossings together, each other
     edge from an on-path node to an off-path one alone) marks each node with the region that reached it
@@ -441,26 +454,26 @@ def _ownership(nodes: list[Node], on_path: set[Node], crossings: dict[Node, list
         for child, nr in node.next_functions:
             if child is not None and child not in on_path and (child, nr) not in crossing:
                 walk([child])
-    owned: dict[Node, list[nn.Parameter]] = {}
+    owned: dict[Node, list[Node]] = {}
     for node, tag in tags.items():
         if tag in meets:
-            params = _owned_params(node, crossings[node], param_of)
-            if params is not None:
-                owned[node] = params
+            found = _owned_params(node, crossings[node], accs)
+            if found is not None:
+                owned[node] = found
         else:
-            owned[node] = [param_of[n] for n in regions[tag] if n in param_of]
+            owned[node] = [n for n in regions[tag] if n in accs]
     return owned
 
 
-def _owned_params(node: Node, edges: list[GradientEdge],
-                  param_of: dict[Node, nn.Parameter]) -> list[nn.Parameter] | None:
-    """The parameters below ``node``'s crossings, if no other input of ``node`` leads to anything there."""
+def _owned_params(node: Node, edges: list[GradientEdge], accs: set[Node]) -> list[Node] | None:
+    """The parameters' accumulators below ``node``'s crossings, if no other input of ``node`` leads to anything
+    there."""
     crossing = {(e.node, e.output_nr) for e in edges}
     below = graph_below([e.node for e in edges])
     others = graph_below([c for c, nr in node.next_functions if c is not None and (c, nr) not in crossing])
     if below & others:
         return None
-    return [param_of[n] for n in below if n in param_of]
+    return [n for n in below if n in accs]
 
 
 def _reduce_broadcast(g: torch.Tensor, child: Node, nr: int) -> torch.Tensor:
@@ -675,8 +688,10 @@ class StageRunner:
         grads_out = self._grads_for(p, out_grads)
         wanted = [x for x in p.inputs if x.requires_grad]
         before = self._rest_of_rank(p, out_grads)
-        # backward() adds straight into each parameter's .grad (and the input leaves' .grad): no copies.
-        torch.autograd.backward(self._differentiable(p), grads_out, inputs=[*wanted, *self.params])
+        # backward() adds straight into each parameter's .grad (and the input leaves' .grad): no copies. With
+        # no ``inputs=``: those are every leaf the stage's graph reaches, and naming the parameters would name
+        # their current accumulators, not the graph's where a parameter's data moved since the forward.
+        torch.autograd.backward(self._differentiable(p), grads_out)
         grads = _input_grads(p.inputs, [x.grad for x in wanted]) if wanted else None
         if p.lead:
             self._finish_lead(p, grads or ())
