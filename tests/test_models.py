@@ -121,12 +121,12 @@ def _reference_gpt(layers, cfg: GPTConfig, idx: torch.Tensor) -> torch.Tensor:
     future = torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1)
     for blk in blocks:
         h = F.layer_norm(x, (C,), blk.ln_1.weight, blk.ln_1.bias)
-        q, k, v = (h @ blk.attn.c_attn.weight.T + blk.attn.c_attn.bias).split(C, dim=2)
+        qkv = h @ blk.attn.c_attn.weight.T + blk.attn.c_attn.bias  # features ordered (head, q/k/v, feature)
         heads = []
         for i in range(cfg.n_head):
-            part = slice(i * hs, (i + 1) * hs)
-            att = q[..., part] @ k[..., part].transpose(1, 2) / math.sqrt(hs)  # (B, T, T)
-            heads.append(att.masked_fill(future, float("-inf")).softmax(-1) @ v[..., part])
+            q, k, v = (qkv[..., (3 * i + j) * hs:(3 * i + j + 1) * hs] for j in range(3))
+            att = q @ k.transpose(1, 2) / math.sqrt(hs)  # (B, T, T)
+            heads.append(att.masked_fill(future, float("-inf")).softmax(-1) @ v)
         x = x + torch.cat(heads, dim=2) @ blk.attn.c_proj.weight.T + blk.attn.c_proj.bias
         h = F.layer_norm(x, (C,), blk.ln_2.weight, blk.ln_2.bias)
         h = F.gelu(h @ blk.mlp.c_fc.weight.T + blk.mlp.c_fc.bias)

@@ -44,7 +44,8 @@ def test_every_option_of_train_is_a_setting_with_the_same_default() -> None:
 def _offending(name: str) -> object:
     """A value other than the default of setting ``name``, valid on its own."""
     values = {"damping": 0.2, "ema": 0.5, "fill_bubbles": True, "adapt_every": 3, "heads": 2, "seq": 32,
-              "data": "corpus.txt", "dp": 2, "fsdp": True, "zero1": True, "keep_last": 2, "checkpoint_every": 2,
+              "data": "corpus.txt", "dp": 2, "tp": 2, "fsdp": True, "zero1": True, "keep_last": 2,
+              "checkpoint_every": 2,
               "schedule": "1f1b", "devices": 2, "microbatches": 4, "model": "mlp", "model_config": "gpt2-tiny",
               "layers": 6, "hidden": 32, "batch": 32, "optimizer": "sgd", "partition": "even", "recompute": "full",
               "memory_budget": "1GB", "offload": "2,1", "network": "constant:bandwidth=50MB", "netns": True}

@@ -292,6 +292,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --dp: shard each stage's parameters, gradients and optimizer state across its copies "
                         "(torch's fully_shard): gathered before the stage's first forward, reduce-scattered and freed "
                         "after its last weight gradient")
+    p.add_argument("--tp", type=int, default=1, metavar="T",
+                   help="tensor-parallel ranks per pipeline device (default 1): D x P x T processes, each stage's "
+                        "layers split over T ranks by the model's plan (torch's parallelize_module; the gpt and mlp "
+                        "models)")
     p.add_argument("--microbatches", "-m", type=int, default=8, metavar="M", help="microbatches per step (default 8)")
     p.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
     _add_model(p, layers=None, layers_help="default: enough for 2 layers per stage", batch=16,

@@ -116,6 +116,19 @@ class Model(abc.ABC):
         layers = self.build_layers(range(self.num_layers))
         return [layers[i] for i in range(self.num_layers)]
 
+    def tp_plan(self, index: int) -> dict[str, str]:
+        """How layer ``index`` splits over tensor-parallel ranks: submodule name -> "colwise" (a Linear's output
+        features split, its input whole) or "rowwise" (its input features split, the partial outputs summed), as
+        torch's ColwiseParallel and RowwiseParallel do; what is not named is replicated on every rank (embeddings,
+        norms, a head). The default, for a model that declares none, refuses in one line."""
+        raise ConfigError(f"the {self.name} model declares no tensor-parallel plan: use --tp 1 with it (the gpt and "
+                          "mlp models have one)")
+
+    def tp_widths(self) -> dict[str, int]:
+        """The widths the tensor-parallel degree must divide (a count of heads, a Linear's split features), by the
+        setting that makes them: {"--heads": 4, "--hidden": 64}."""
+        return {}
+
     @property
     def blocks(self) -> range:
         """Indices of the repeated blocks."""

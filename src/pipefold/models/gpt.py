@@ -82,24 +82,29 @@ class Embedding(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head self-attention where each position sees only itself and earlier positions."""
+    """Multi-head self-attention where each position sees only itself and earlier positions.
+
+    ``c_attn`` computes q, k and v of every head at once, head by head: its output features are ordered (head,
+    q/k/v, feature). So a contiguous share of them (a column-parallel split over tensor-parallel ranks) holds
+    whole heads, each with its q, k and v, and the forward reads the number of heads from the width it gets.
+    """
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.n_head = cfg.n_head
+        self.head_size = cfg.n_embd // cfg.n_head
         self.dropout = cfg.dropout
-        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)  # q, k, v for all heads at once
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)  # (head, q/k/v, feature) for all heads
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)  # each (B, T, C)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        B, T, _ = x.shape
+        qkv = self.c_attn(x)  # (B, T, 3 * nh * hs): nh = every head, or this rank's share of them
+        nh = qkv.size(-1) // (3 * self.head_size)
+        qkv = qkv.view(B, T, nh, 3, self.head_size).permute(3, 0, 2, 1, 4)  # (3, B, nh, T, hs)
+        q, k, v = qkv[0], qkv[1], qkv[2]
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again
+        y = y.transpose(1, 2).reshape(B, T, nh * self.head_size)  # (B, T, nh * hs): heads side by side again
         return self.resid_drop(self.c_proj(y))
 
 
@@ -220,6 +225,16 @@ class GPT(Model):
 
     def batch_at(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.batches.batch_at(step)
+
+    def tp_plan(self, index: int) -> dict[str, str]:
+        # Megatron's split of a block: each rank whole heads (q, k and v of each) and its share of the MLP's
+        # inner width; one all-reduce after each half. The embedding and the head stay whole on every rank.
+        if index in self.blocks:
+            return {"attn.c_attn": "colwise", "attn.c_proj": "rowwise", "mlp.c_fc": "colwise", "mlp.c_proj": "rowwise"}
+        return {}
+
+    def tp_widths(self) -> dict[str, int]:
+        return {"--heads": self.cfg.n_head}
 
     def size(self) -> Shape:
         return Shape(model="gpt", layers=self.cfg.n_layer, hidden=self.cfg.n_embd, heads=self.cfg.n_head,

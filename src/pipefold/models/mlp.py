@@ -115,6 +115,12 @@ class MLP(Model):
     def batch_at(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         return mlp_input(self.cfg, self.batch, self.seed + step), mlp_target(self.cfg, self.batch, self.seed)
 
+    def tp_plan(self, index: int) -> dict[str, str]:
+        return {"fc": "colwise", "proj": "rowwise"}  # each rank its share of the inner width; one all-reduce
+
+    def tp_widths(self) -> dict[str, int]:
+        return {"--hidden (its inner width, 4 x hidden)": 4 * self.cfg.hidden}
+
     def size(self) -> Shape:
         return Shape(model="mlp", layers=self.cfg.layers, hidden=self.cfg.hidden, batch=self.batch)
 

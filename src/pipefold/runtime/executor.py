@@ -537,7 +537,8 @@ class RankExecutor:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             # Started now, waited for by the stage's OPT or at the step's end: it overlaps what comes next.
-            self._reductions.setdefault(s, []).append(dist.all_reduce(p.grad, group=self._groups[s], async_op=True))
+            self._reductions.setdefault(s, []).append(dist.all_reduce(sharding.local(p.grad), group=self._groups[s],
+                                                                      async_op=True))
         step.clock.interval(step.stats.events, str(action), "R", start)
 
     def _reduce_pipelines(self, action: Action, step: _Step) -> None:
@@ -553,7 +554,9 @@ class RankExecutor:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             p.grad.mul_(share)  # the mean over the pipelines, each having averaged over its own shard
-            self._reductions.setdefault(s, []).append(dist.all_reduce(p.grad, group=self.dp_group, async_op=True))
+            # A tensor-parallel rank's part of a split gradient: the copies of that part are its dp group.
+            self._reductions.setdefault(s, []).append(dist.all_reduce(sharding.local(p.grad), group=self.dp_group,
+                                                                      async_op=True))
         step.clock.interval(step.stats.events, str(action), "DP", start)
 
     def _gather(self, action: Action, step: _Step) -> None:

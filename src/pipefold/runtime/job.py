@@ -71,6 +71,9 @@ class Job:
     r // devices; each pipeline runs its shard of every step's batch, and its ``DP`` actions average each stage's
     gradients across the pipelines (the schedule must have them: :mod:`pipefold.schedules.dataparallel`); with
     ``fsdp`` its ``AG`` and ``RS`` actions gather and reduce-scatter the sharded stages instead."""
+    tp_plan: dict[int, dict[str, str]] = field(default_factory=dict)
+    """With ``parallel.tp`` > 1: each layer's tensor-parallel plan, submodule -> "colwise" or "rowwise"
+    (:meth:`pipefold.models.base.Model.tp_plan`); a layer not here is replicated on its tp ranks."""
     reliability: Reliability = field(default_factory=Reliability)
     """Bad steps, hangs (the action timeout), the model written at the end."""
     devices: Devices = field(default_factory=Devices)
@@ -209,8 +212,22 @@ class Job:
 
     @property
     def world(self) -> int:
-        """Ranks of the job: the pipeline's devices times its data-parallel copies."""
-        return self.parallel.dp * self.schedule.devices
+        """Ranks of the job: the pipeline's devices times its data-parallel copies times its tensor-parallel ranks."""
+        return self.parallel.dp * self.schedule.devices * self.parallel.tp
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(data-parallel copy, pipeline device, tensor-parallel rank) of global ``rank``: the ranks are laid out as
+        torch's DeviceMesh of shape (dp, devices, tp) numbers them, tp innermost (a tp group on neighbouring ranks,
+        which a machine's GPUs are)."""
+        tp, devices = self.parallel.tp, self.schedule.devices
+        return rank // (devices * tp), rank // tp % devices, rank % tp
+
+    def pipeline_ranks(self) -> list[list[int]]:
+        """Every pipeline's global ranks by device: pipeline ``d * tp + t`` is data-parallel copy d's tensor-parallel
+        rank t. Tensor-parallel ranks of one device hold the same stages, each its share of them."""
+        tp, devices = self.parallel.tp, self.schedule.devices
+        return [[(d * devices + p) * tp + t for p in range(devices)] for d in range(self.parallel.dp)
+                for t in range(tp)]
 
 
 def _without(schedule: Schedule, kind: str) -> tuple[int, int] | None:

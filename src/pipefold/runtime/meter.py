@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pipefold.runtime.sharding import local
+
 __all__ = ["KINDS", "MemoryMeter"]
 
 KINDS = ("saved", "output", "captured", "recv", "send", "kfac")
@@ -42,7 +44,9 @@ class _Entry:
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
-    """The storage behind ``t``, or None for tensors that hold no memory of their own (meta, empty, sparse)."""
+    """The storage behind ``t`` (a DTensor's: its local shard's), or None for tensors that hold no memory of their
+    own (meta, empty, sparse)."""
+    t = local(t)
     if t.device.type == "meta" or t.layout != torch.strided:
         return None
     st = t.untyped_storage()

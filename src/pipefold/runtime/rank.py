@@ -71,15 +71,18 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     of every pipeline and replica: :attr:`StepStats.loss`). ``activity`` is told what the rank is doing, for the
     job's watch.
     """
-    pipeline, rank = divmod(rank, job.schedule.devices)  # from here on ``rank`` is the device in the pipeline
-    global_rank = pipeline * job.schedule.devices + rank
+    global_rank = rank
+    copy, rank, tp_rank = job.coords(global_rank)  # from here on ``rank`` is the device in the pipeline
+    pipeline = copy * job.parallel.tp + tp_rank  # this rank's pipeline: data-parallel copy, tensor-parallel rank
     activity = activity if activity is not None else Activity(global_rank)
     everyone = tuple(r for r in range(world) if r != global_rank)
     placed = placement(job)
     device = placed.device_of(local_rank(global_rank))  # current already: set before the process group was made
-    if job.parallel.dp > 1:
+    meshed = job.parallel.dp > 1 or job.parallel.tp > 1
+    if meshed:
         activity.wait("start-up", "the device mesh", everyone, action=False)
-    pipelines, dp_mesh = _mesh(job, placed.device) if job.parallel.dp > 1 else (None, None)
+    dp_mesh, tp_mesh = _mesh(job, placed.device) if meshed else (None, None)
+    pipelines = job.pipeline_ranks() if meshed else None
     dp_group = dp_mesh.get_group() if dp_mesh is not None else None
     activity.run("start-up (building its layers)", action=False)
     chains = stage_modules(job, rank)
@@ -87,6 +90,10 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     offloaded: list[Offloaded] = []
     if job.offload is None:
         modules: dict[int, nn.Module] = {s: m.to(device) for s, m in chains.items()}
+        if tp_mesh is not None:
+            for s, stage in modules.items():
+                sharding.tensor_parallel(dict(zip(job.layer_stages[s], stage.children(), strict=True)), job.tp_plan,
+                                         tp_mesh)
     else:
         from pipefold.runtime.offload import Offloaded
 
@@ -146,11 +153,12 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     recent: collections.deque[StepStats] = collections.deque(maxlen=job.adaptive.every if job.adaptive else 1)
     grads = None
     m = job.schedule.microbatches
-    # A stage held by several replicas counts once in a global norm: by its first holder, in the first pipeline
-    # (with FSDP, by every pipeline: each holds its own shard); a tied weight's copies count once.
+    # A stage held by several replicas counts once in a global norm: by its first holder, in the first copy
+    # (with FSDP, by every copy: each holds its own shard); a tied weight's copies count once; a parameter split
+    # over the tensor-parallel ranks by each of them (its part), one they replicate by the first.
     counted = [p for s, ps in trained.items()
-               if job.schedule.holders(s)[0] == rank and (pipeline == 0 or job.parallel.fsdp)
-               for p in ps if id(p) not in tied.copies]
+               if job.schedule.holders(s)[0] == rank and (copy == 0 or job.parallel.fsdp)
+               for p in ps if id(p) not in tied.copies and (tp_rank == 0 or sharding.is_sharded(p))]
     optimizers = [o for o in (opt, *stage_opts.values()) if o is not None]
     names = {id(p): name for name, p in _named(job, chains)}
     state = _state_named(job, chains)
@@ -176,7 +184,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
         started = time.perf_counter()
         x, y = job.batch_at(step)
         if job.parallel.dp > 1:  # this pipeline's shard of the global batch
-            x, y = split_batch(x, job.parallel.dp)[pipeline], y.chunk(job.parallel.dp)[pipeline]
+            x, y = split_batch(x, job.parallel.dp)[copy], y.chunk(job.parallel.dp)[copy]
         xs = split_batch(tuple(t.to(device) for t in as_tuple(x)), m)
         ys = microbatches(y.to(device), m)
         if step_number(step) in faults.nan and xs[0][0].is_floating_point():
@@ -277,13 +285,15 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     return report
 
 
-def _mesh(job: Job, device_type: str) -> tuple[list[list[int]], Any]:
-    """The dp x devices mesh of the job's ranks (torch's DeviceMesh): every pipeline's ranks, and the 1-D mesh
-    of this rank's copies across the pipelines."""
+def _mesh(job: Job, device_type: str) -> tuple[Any, Any]:
+    """The dp x devices x tp mesh of the job's ranks (torch's DeviceMesh, numbered as :meth:`Job.coords` says):
+    the 1-D meshes of this rank's data-parallel copies and of its tensor-parallel ranks (None where that degree
+    is 1)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device_type, (job.parallel.dp, job.schedule.devices), mesh_dim_names=("dp", "pp"))
-    return mesh.mesh.tolist(), mesh["dp"]
+    dp, tp = job.parallel.dp, job.parallel.tp
+    mesh = init_device_mesh(device_type, (dp, job.schedule.devices, tp), mesh_dim_names=("dp", "pp", "tp"))
+    return (mesh["dp"] if dp > 1 else None), (mesh["tp"] if tp > 1 else None)
 
 
 def _refill(refill: Refill, steps: list[StepStats], ran: list[Schedule], rank: int, world: int) -> Filled:

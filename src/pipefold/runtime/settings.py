@@ -125,10 +125,16 @@ class Parallel:
     fsdp: bool = False
     """With dp > 1: shard each stage's parameters, gradients and optimizer state across its copies (torch's
     ``fully_shard``), gathered by the schedule's ``AG`` actions and reduce-scattered by its ``RS``."""
+    tp: int = 1
+    """Tensor-parallel ranks per pipeline device: each stage's layers split over tp ranks by the model's
+    tensor-parallel plan (torch's ``parallelize_module``); dp x devices x tp processes in all."""
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.dp, int) and self.dp >= 1):
-            raise ConfigError(f"--dp is the number of data-parallel pipelines: an integer >= 1 (got {self.dp!r})")
+        for name in ("dp", "tp"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not (isinstance(value, int) and value >= 1):
+                what = "data-parallel pipelines" if name == "dp" else "tensor-parallel ranks per pipeline device"
+                raise ConfigError(f"--{name} is the number of {what}: an integer >= 1 (got {value!r})")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -182,6 +188,15 @@ def check_together(parallel: Parallel, optimizer: Optimizer, *, adaptive: bool, 
         raise ConfigError("--fsdp shards the optimizer state already: drop --zero1")
     if parallel.zero1 and parallel.dp < 2:
         raise ConfigError("ZeRO-1 shards the optimizer state across data-parallel pipelines: it needs --dp 2 or more")
+    if parallel.tp > 1:
+        unsupported = [what for what, on in (("--fsdp", parallel.fsdp), ("--zero1", parallel.zero1),
+                                             ("--optimizer kfac", optimizer.name == "kfac"),
+                                             ("--schedule adaptive-kfkb", adaptive), ("--network", network),
+                                             ("--netns", netns), ("--offload", offload),
+                                             ("--recompute", recompute), ("--checkpoint-dir", checkpoints)) if on]
+        if unsupported:
+            raise ConfigError(f"tensor parallelism (--tp {parallel.tp}) does not run with {unsupported[0]} yet: use "
+                              "--tp 1 with it")
     if parallel.dp > 1:
         unsupported = [what for what, on in (("--optimizer kfac", optimizer.name == "kfac"),
                                              ("--schedule adaptive-kfkb", adaptive), ("--network", network),

@@ -111,9 +111,44 @@ def _groups(state: Any) -> list[Any]:
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``t``: its shard for a DTensor, ``t`` itself otherwise."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None else t
+    """This rank's part of ``t``, a plain tensor with a storage: a DTensor's shard, the result inside a wrapper
+    subclass (a functional collective's AsyncCollectiveTensor), ``t`` itself otherwise."""
+    while type(t) not in _PLAIN:
+        flatten = getattr(t, "__tensor_flatten__", None)
+        names = flatten()[0] if flatten is not None else ()
+        if not names:
+            return t
+        t = getattr(t, names[0])
+    return t
+
+
+_PLAIN = (torch.Tensor, nn.Parameter)
+
+
+def waited(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or for the result of a functional collective still in flight (AsyncCollectiveTensor, what a
+    tensor-parallel layer returns after its all-reduce) the plain tensor once it has arrived."""
+    wait = getattr(t, "trigger_wait", None)
+    return wait() if wait is not None else t
+
+
+def is_sharded(p: torch.Tensor) -> bool:
+    """Whether ``p`` is a DTensor split across its mesh (each rank its own part), not replicated on it."""
+    return any(placement.is_shard() for placement in getattr(p, "placements", ()))
+
+
+def tensor_parallel(layers: dict[int, nn.Module], plans: dict[int, dict[str, str]], mesh: Any) -> None:
+    """Split each layer in place over the tensor-parallel ``mesh`` by its plan (submodule -> "colwise" or
+    "rowwise"): torch's ``parallelize_module`` with ColwiseParallel and RowwiseParallel, whose outputs are plain
+    tensors again (the colwise part's output is this rank's share of the features, the rowwise part's the whole,
+    all-reduced)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    for index, layer in layers.items():
+        plan = plans.get(index)
+        if plan:
+            parallelize_module(layer, mesh, {name: styles[style]() for name, style in plan.items()})
 
 
 def full(t: torch.Tensor) -> torch.Tensor:

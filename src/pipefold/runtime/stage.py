@@ -50,6 +50,7 @@ from torch import nn
 from torch.autograd.graph import GradientEdge, Node
 
 from pipefold.runtime.meter import MemoryMeter
+from pipefold.runtime.sharding import local, waited
 
 Tensors = tuple[torch.Tensor, ...]
 
@@ -177,7 +178,7 @@ class _Pass:
 
 
 def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
+    return local(t).untyped_storage().data_ptr()
 
 
 class _Rebuild:
@@ -526,7 +527,7 @@ def _input_grads(inputs: Tensors, grads: Sequence[torch.Tensor | None]) -> Tenso
     for x in inputs:
         if x.requires_grad:
             g = next(it)
-            out.append(torch.zeros_like(x) if g is None else g)
+            out.append(torch.zeros_like(x) if g is None else waited(g))
     return tuple(out)
 
 
@@ -629,7 +630,9 @@ class StageRunner:
         p = _Pass(leaves, out, boxes, rebuild=rebuild, lead=lead)
         self._passes[mb] = p
         self.memory_f = max(self.memory_f, p.held_bytes(self.meter))
-        return tuple(o.detach() for o in out)
+        # A tensor-parallel stage's last all-reduce may still be in flight (torch's AsyncCollectiveTensor): what
+        # is handed on is its result.
+        return tuple(waited(o.detach()) for o in out)
 
     # -- backward
 

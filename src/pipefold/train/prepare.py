@@ -57,7 +57,8 @@ def make_job(spec: RunSpec, *, decided: Decisions | None = None, placed: Any = N
     if spec.planned:
         raise ConfigError("a planned run is resolved first: pipefold.train.planned.resolve(spec)")
     schedule = spec.schedule.built
-    where = local_placement(spec.devices.device, spec.devices.backend, schedule.devices * spec.parallel.dp)
+    where = local_placement(spec.devices.device, spec.devices.backend,
+                            schedule.devices * spec.parallel.dp * spec.parallel.tp)
     if where.device == "cuda" and (spec.links.network is not None or spec.links.netns):
         raise ConfigError("--network and --netns emulate links between CPU ranks over gloo: use --device cpu with "
                           "them")
@@ -105,15 +106,31 @@ def make_job(spec: RunSpec, *, decided: Decisions | None = None, placed: Any = N
 
         # Each stage's gradients averaged across the pipelines; with FSDP, each stage sharded across them.
         schedule = with_data_parallel(schedule, shard=spec.parallel.fsdp)
+    tp_plan = _tp_plan(spec, model) if spec.parallel.tp > 1 else {}
     job = Job(schedule=schedule, layer_stages=layer_stages, build_layers=model.build_layers, loss_fn=model.loss,
               batch_at=model.batch_at, steps=spec.steps, optimizer=spec.optimizer, parallel=spec.parallel,
               reliability=spec.reliability, devices=spec.devices, save_grads_of_step=0 if spec.check else None,
               offload=spec.memory.offloaded, recompute=recompute, extra=extra, network=spec.links.parsed,
               adaptive=adaptive, cycle=cycle, refill=refill, tied=model.tied, preload=model.preload,
-              checkpoint=checkpointing)
+              checkpoint=checkpointing, tp_plan=tp_plan)
     for hook in JOB_HOOKS:
         job = hook(job)
     return job
+
+
+def _tp_plan(spec: RunSpec, model: Model) -> dict[int, dict[str, str]]:
+    """Every layer's tensor-parallel plan, after the checks that --tp fits the model: it divides the widths the
+    plan splits (heads, a Linear's features), and the model declares a plan at all."""
+    tp = spec.parallel.tp
+    for what, width in model.tp_widths().items():
+        if width % tp:
+            fits = [d for d in range(2, width + 1) if width % d == 0][:6]
+            raise ConfigError(f"--tp {tp} splits {what} = {width} unevenly: use a --tp that divides it "
+                              f"({', '.join(map(str, fits))}...) or change {what.split()[0]}")
+    if spec.reliability.save_model is not None:
+        raise ConfigError(f"--save-model gathers the first pipeline's layers, which tensor parallelism (--tp {tp}) "
+                          "splits: use --tp 1 with it")
+    return {i: plan for i in range(model.num_layers) if (plan := model.tp_plan(i))}
 
 
 def _adaptive(spec: RunSpec) -> Adaptive:

@@ -286,8 +286,9 @@ RULES: tuple[Applies, ...] = (
     Applies(("heads", "seq", "data"), lambda s: s.model.sequences,
             "{option} sizes a language model, and the mlp has no attention, sequences or text: use --model gpt, or "
             "drop it"),
-    Applies(("dp", "fsdp", "zero1"), lambda s: not s.planned,
-            "{option} lays out data-parallel copies, and a plan (--plan, --schedule auto) runs the one pipeline it "
+    Applies(("dp", "fsdp", "zero1", "tp"), lambda s: not s.planned,
+            "{option} lays out data- or tensor-parallel copies, and a plan (--plan, --schedule auto) runs the one "
+            "pipeline it "
             "planned: name a schedule with --schedule, or drop it"),
     Applies(("keep_last", "checkpoint_every"), lambda s: s.checkpoints.checkpoint_dir is not None,
             "{option} saves into --checkpoint-dir D: give one, or drop it"),

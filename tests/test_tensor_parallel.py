@@ -1,0 +1,101 @@
+"""Tensor parallelism inside pipeline stages (``--tp``): each stage's layers split over tp ranks by the model's plan
+with torch's ``parallelize_module``, on real gloo process groups; gradients against one process, weights after
+several steps against the same pipeline without tensor parallelism, and the one-line refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+import torch
+
+from pipefold.errors import ConfigError
+from pipefold.models import make_model
+from pipefold.models.base import Model
+from pipefold.runtime.local import run_local
+from pipefold.runtime.settings import Parallel
+from pipefold.train.prepare import make_job
+from pipefold.train.reference import compare
+from pipefold.train.spec import RunSpec
+
+TOLERANCE = 1e-5
+
+
+def _spec(schedule: str, model: str, *, tp: int = 2, dp: int = 1, steps: int = 1, **more: object) -> RunSpec:
+    sizes = dict(heads=4, seq=16) if model == "gpt" else {}
+    return RunSpec.flat(schedule=schedule, devices=2, microbatches=4, batch=4 * dp, steps=steps, model=model, layers=4,
+                        hidden=32, partition="even", optimizer="sgd", tp=tp, dp=dp, **sizes, **more)
+
+
+@pytest.mark.parametrize(("schedule", "model", "dp"), [
+    ("zb-v", "gpt", 1),                # tp2 x pp2; B and W apart: W of a split Linear deferred
+    ("interleaved-1f1b", "mlp", 1),    # two stages per rank
+    ("1f1b", "gpt", 2),                # dp2 x tp2 x pp2: 8 processes
+])
+def test_tensor_parallel_pipelines_match_one_process(schedule: str, model: str, dp: int) -> None:
+    job = make_job(_spec(schedule, model, dp=dp, check=True))
+    sizes = dict(heads=4, seq=16) if model == "gpt" else {}
+    blocks = make_model(model, layers=4, hidden=32, **sizes).blocks  # type: ignore[arg-type]
+    assert job.world == 4 * dp and set(job.tp_plan) == set(blocks)  # the gpt's embedding and head stay whole
+    reports = run_local(job)
+    diff = compare(job, reports)
+    assert diff["max_grad_rel_diff"] < TOLERANCE and diff["loss_rel_diff"] < TOLERANCE, diff
+
+
+def test_weights_after_several_steps_equal_the_pipeline_without_tensor_parallelism() -> None:
+    weights = []
+    for tp in (1, 2):
+        job = dataclasses.replace(make_job(_spec("1f1b", "gpt", tp=tp, steps=3)), save_weights=True)
+        reports = run_local(job)
+        weights.append({k: w for r in reports for k, w in (r.weights or {}).items()})
+        assert len(reports) == 2 * tp
+    assert weights[0].keys() == weights[1].keys()
+    for name, w in weights[0].items():
+        torch.testing.assert_close(weights[1][name], w, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_ranks_are_numbered_as_torchs_device_mesh() -> None:
+    job = make_job(_spec("1f1b", "mlp", dp=2))
+    mesh = torch.arange(job.world).reshape(2, 2, 2)  # (dp, pp, tp): how init_device_mesh numbers the ranks
+    for rank in range(job.world):
+        d, p, t = job.coords(rank)
+        assert int(mesh[d, p, t]) == rank
+    pipelines = job.pipeline_ranks()
+    assert pipelines == [mesh[d, :, t].tolist() for d in range(2) for t in range(2)]
+    assert sorted(r for ranks in pipelines for r in ranks) == list(range(job.world))
+
+
+@pytest.mark.parametrize(("settings", "expected"), [
+    (dict(model="gpt", heads=4, seq=16, tp=3), "--tp 3 splits --heads = 4 unevenly"),
+    (dict(model="mlp", hidden=6, tp=5), "--tp 5 splits --hidden (its inner width, 4 x hidden) = 24 unevenly"),
+    (dict(model="mlp", tp=2, dp=2, fsdp=True), "does not run with --fsdp yet"),
+    (dict(model="mlp", tp=2, dp=2, zero1=True), "does not run with --zero1 yet"),
+    (dict(model="mlp", tp=2, recompute="full"), "does not run with --recompute yet"),
+    (dict(model="mlp", tp=2, offload="1,1"), "does not run with --offload yet"),
+    (dict(model="mlp", tp=2, save_model="model.pt"), "--save-model gathers the first pipeline's layers"),
+    (dict(model="mlp", tp=0), "--tp is the number of tensor-parallel ranks"),
+])
+def test_bad_tensor_parallel_settings_are_one_line(settings: dict[str, object], expected: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(expected)) as info:
+        make_job(RunSpec.flat(schedule="1f1b", devices=2, microbatches=4, batch=8, partition="even",
+                              **settings))  # type: ignore[arg-type]
+    assert "\n" not in str(info.value)
+
+
+def test_a_model_without_a_plan_is_refused_in_one_line() -> None:
+    class Plain(Model):  # a model that declares no tensor-parallel plan
+        name, num_layers = "plain", 2
+
+        def build_layers(self, indices, *, device="cpu"):  # type: ignore[no-untyped-def]
+            return {}
+
+        def loss(self, out, target):  # type: ignore[no-untyped-def]
+            return out
+
+        def batch_at(self, step):  # type: ignore[no-untyped-def]
+            return None
+
+    with pytest.raises(ConfigError, match="declares no tensor-parallel plan: use --tp 1"):
+        Plain().tp_plan(0)
+    assert Parallel(tp=4).tp == 4
