@@ -136,7 +136,8 @@ def run_torchrun(job: Job, on_step: Callable[[int, float, float], None] | None =
     """Run this process's rank of ``job`` as torchrun started it; rank 0 gets every rank's report, others None.
 
     torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; the world must
-    have one process per device of the schedule and data-parallel pipeline, on one machine or several.
+    have one process per device of the schedule, tensor-parallel rank and data-parallel pipeline, on one machine or
+    several.
     An exception ends the rank with :class:`RankError` (one line: the rank, what it was doing, the error).
     """
     rank, world = join_torchrun_group(job.reliability.action_timeout, job.devices.device, job.devices.backend)
@@ -144,7 +145,8 @@ def run_torchrun(job: Job, on_step: Callable[[int, float, float], None] | None =
     try:
         if world != job.world:
             need = job.world
-            what = f" x {job.parallel.dp} data-parallel pipelines" if job.parallel.dp > 1 else ""
+            what = f" x {job.parallel.tp} tensor-parallel ranks" if job.parallel.tp > 1 else ""
+            what += f" x {job.parallel.dp} data-parallel pipelines" if job.parallel.dp > 1 else ""
             raise ConfigError(f"torchrun started {world} processes but {job.schedule.name} runs on "
                               f"{job.schedule.devices} devices{what}; set --nproc-per-node and --nnodes for {need} "
                               "in all")
