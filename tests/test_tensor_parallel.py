@@ -5,11 +5,15 @@ several steps against the same pipeline without tensor parallelism, and the one-
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from pipefold.cli.main import main
 from pipefold.errors import ConfigError
 from pipefold.models import make_model
 from pipefold.models.base import Model
@@ -28,13 +32,16 @@ def _spec(schedule: str, model: str, *, tp: int = 2, dp: int = 1, steps: int = 1
                         hidden=32, partition="even", optimizer="sgd", tp=tp, dp=dp, **sizes, **more)
 
 
-@pytest.mark.parametrize(("schedule", "model", "dp"), [
-    ("zb-v", "gpt", 1),                # tp2 x pp2; B and W apart: W of a split Linear deferred
-    ("interleaved-1f1b", "mlp", 1),    # two stages per rank
-    ("1f1b", "gpt", 2),                # dp2 x tp2 x pp2: 8 processes
+@pytest.mark.parametrize(("schedule", "model", "dp", "more"), [
+    ("zb-v", "gpt", 1, {}),                      # tp2 x pp2; B and W apart: W of a split Linear deferred
+    ("interleaved-1f1b", "mlp", 1, {}),          # two stages per rank
+    ("1f1b", "gpt", 2, {}),                      # dp2 x tp2 x pp2: 8 processes
+    ("zb-v", "gpt", 2, {"fsdp": True}),          # FSDP over the dp copies of tensor-parallel shards (2-D DTensors)
+    ("1f1b", "mlp", 1, {"recompute": "full"}),   # the recomputed forward all-reduces again, on every tp rank
 ])
-def test_tensor_parallel_pipelines_match_one_process(schedule: str, model: str, dp: int) -> None:
-    job = make_job(_spec(schedule, model, dp=dp, check=True))
+def test_tensor_parallel_pipelines_match_one_process(schedule: str, model: str, dp: int,
+                                                      more: dict[str, object]) -> None:
+    job = make_job(_spec(schedule, model, dp=dp, check=True, **more))
     sizes = dict(heads=4, seq=16) if model == "gpt" else {}
     blocks = make_model(model, layers=4, hidden=32, **sizes).blocks  # type: ignore[arg-type]
     assert job.world == 4 * dp and set(job.tp_plan) == set(blocks)  # the gpt's embedding and head stay whole
@@ -69,9 +76,7 @@ def test_ranks_are_numbered_as_torchs_device_mesh() -> None:
 @pytest.mark.parametrize(("settings", "expected"), [
     (dict(model="gpt", heads=4, seq=16, tp=3), "--tp 3 splits --heads = 4 unevenly"),
     (dict(model="mlp", hidden=6, tp=5), "--tp 5 splits --hidden (its inner width, 4 x hidden) = 24 unevenly"),
-    (dict(model="mlp", tp=2, dp=2, fsdp=True), "does not run with --fsdp yet"),
-    (dict(model="mlp", tp=2, dp=2, zero1=True), "does not run with --zero1 yet"),
-    (dict(model="mlp", tp=2, recompute="full"), "does not run with --recompute yet"),
+    (dict(model="mlp", tp=2, dp=2, zero1=True), "ZeRO-1 does not run with --tp yet"),
     (dict(model="mlp", tp=2, offload="1,1"), "does not run with --offload yet"),
     (dict(model="mlp", tp=2, save_model="model.pt"), "--save-model gathers the first pipeline's layers"),
     (dict(model="mlp", tp=0), "--tp is the number of tensor-parallel ranks"),
@@ -99,3 +104,35 @@ def test_a_model_without_a_plan_is_refused_in_one_line() -> None:
     with pytest.raises(ConfigError, match="declares no tensor-parallel plan: use --tp 1"):
         Plain().tp_plan(0)
     assert Parallel(tp=4).tp == 4
+
+
+GPT = ["--model", "gpt", "--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "16", "--batch", "8",
+       "--devices", "2", "--microbatches", "4", "--partition", "even", "--schedule", "1f1b"]
+
+
+def _train(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
+    code = main(["train", *GPT, *argv, "--json"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    return json.loads(captured.out)  # type: ignore[no-any-return]
+
+
+def test_checkpoints_resume_on_another_tensor_parallel_degree(capsys: pytest.CaptureFixture[str],
+                                                              tmp_path: Path) -> None:
+    """DCP reads each rank's part whatever split wrote it: saved at tp 2 and resumed at tp 1, the model equals six
+    steps at tp 1 in one run; saved at tp 1 and resumed at tp 2, so do the losses (AdamW's state comes back as
+    shards of the new split)."""
+    straight = _train(capsys, "--steps", "6", "--save-model", str(tmp_path / "whole.pt"))
+    first = _train(capsys, "--tp", "2", "--steps", "3", "--checkpoint-dir", str(tmp_path / "a"))
+    then = _train(capsys, "--steps", "6", "--checkpoint-dir", str(tmp_path / "a"), "--resume",
+                  "--save-model", str(tmp_path / "resumed.pt"))
+    assert then["first_step"] == 4
+    torch.testing.assert_close(first["loss"] + then["loss"], straight["loss"], rtol=1e-6, atol=0)
+    whole, resumed = torch.load(tmp_path / "whole.pt"), torch.load(tmp_path / "resumed.pt")
+    assert whole.keys() == resumed.keys()
+    for name, w in whole.items():
+        torch.testing.assert_close(resumed[name], w, rtol=1e-4, atol=1e-5, msg=name)
+    first = _train(capsys, "--steps", "3", "--checkpoint-dir", str(tmp_path / "b"))
+    then = _train(capsys, "--tp", "2", "--steps", "6", "--checkpoint-dir", str(tmp_path / "b"), "--resume")
+    assert then["first_step"] == 4 and then["tp"] == 2
+    torch.testing.assert_close(first["loss"] + then["loss"], straight["loss"], rtol=1e-6, atol=0)

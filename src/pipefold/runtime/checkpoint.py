@@ -353,6 +353,18 @@ def _commit(tmp: Path, final: Path, step: int, identity: dict[str, Any], world: 
             shutil.rmtree(p, ignore_errors=True)
 
 
+def _template(meta: Any, p: torch.Tensor) -> torch.Tensor | None:
+    """Where DCP loads a saved optimizer value: shaped like its parameter, split like it too where the parameter is
+    a DTensor (a tensor-parallel or FSDP shard: DCP reads this rank's part, whatever split saved it); else whole."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    if not isinstance(meta, TensorStorageMetadata):
+        return None
+    if hasattr(p, "placements") and tuple(meta.size) == tuple(p.shape):
+        return torch.zeros_like(p.detach(), dtype=meta.properties.dtype)
+    return torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+
+
 def load(resume: Resume, *, model: dict[str, torch.Tensor], optimizers: Sequence[torch.optim.Optimizer],
          names: dict[int, str], rank: int, device: torch.device) -> dict[str, Any]:
     """Load this rank's part of ``resume`` in place (call on every rank): the parameters and buffers in ``model``,
@@ -378,8 +390,7 @@ def load(resume: Resume, *, model: dict[str, torch.Tensor], optimizers: Sequence
             prefix = f"optim.{names[id(p)]}."
             for key, meta in saved.items():
                 if key.startswith(prefix):
-                    wanted[key] = (torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-                                   if isinstance(meta, TensorStorageMetadata) else None)
+                    wanted[key] = _template(meta, p)
     state.update(wanted)
     state["progress"] = {key.split(".", 1)[1]: None for key in saved if key.startswith("progress.")}
     mine = f"rank{rank}"

@@ -188,12 +188,14 @@ def check_together(parallel: Parallel, optimizer: Optimizer, *, adaptive: bool, 
         raise ConfigError("--fsdp shards the optimizer state already: drop --zero1")
     if parallel.zero1 and parallel.dp < 2:
         raise ConfigError("ZeRO-1 shards the optimizer state across data-parallel pipelines: it needs --dp 2 or more")
+    if parallel.tp > 1 and parallel.zero1:
+        # torch's ZeroRedundancyOptimizer broadcasts parameters, which DTensor has no rule for.
+        raise ConfigError(f"ZeRO-1 does not run with --tp yet (torch's ZeroRedundancyOptimizer cannot broadcast "
+                          f"tensor-parallel shards): use --fsdp to shard the copies with --tp {parallel.tp}, or --tp 1")
     if parallel.tp > 1:
-        unsupported = [what for what, on in (("--fsdp", parallel.fsdp), ("--zero1", parallel.zero1),
-                                             ("--optimizer kfac", optimizer.name == "kfac"),
+        unsupported = [what for what, on in (("--optimizer kfac", optimizer.name == "kfac"),
                                              ("--schedule adaptive-kfkb", adaptive), ("--network", network),
-                                             ("--netns", netns), ("--offload", offload),
-                                             ("--recompute", recompute), ("--checkpoint-dir", checkpoints)) if on]
+                                             ("--netns", netns), ("--offload", offload)) if on]
         if unsupported:
             raise ConfigError(f"tensor parallelism (--tp {parallel.tp}) does not run with {unsupported[0]} yet: use "
                               "--tp 1 with it")
