@@ -136,3 +136,28 @@ def test_checkpoints_resume_on_another_tensor_parallel_degree(capsys: pytest.Cap
     then = _train(capsys, "--tp", "2", "--steps", "6", "--checkpoint-dir", str(tmp_path / "b"), "--resume")
     assert then["first_step"] == 4 and then["tp"] == 2
     torch.testing.assert_close(first["loss"] + then["loss"], straight["loss"], rtol=1e-6, atol=0)
+
+
+def test_a_hugging_face_llama_splits_by_transformers_own_plan() -> None:
+    """LLaMA's blocks split as transformers' ``base_model_tp_plan`` says (q, k, v, gate and up column-wise, o and
+    down row-wise), with B and W apart; attention reads the number of heads from the width it gets."""
+    pytest.importorskip("transformers")
+    spec = RunSpec.flat(schedule="zb-v", devices=2, microbatches=4, batch=4, steps=1, model="llama", seq=16,
+                        partition="even", optimizer="sgd", tp=2, check=True)
+    job = make_job(spec)
+    assert job.tp_plan[1]["block.self_attn.q_proj"] == "colwise" and job.tp_plan[1]["block.mlp.down_proj"] == "rowwise"
+    diff = compare(job, run_local(job))
+    assert diff["max_grad_rel_diff"] < TOLERANCE and diff["loss_rel_diff"] < TOLERANCE, diff
+
+
+@pytest.mark.parametrize(("model", "tp", "expected"), [
+    ("gpt2", 2, "transformers ships no tensor-parallel plan for gpt2: use --tp 1"),
+    ("llama", 3, "--tp 3 splits num_attention_heads = 4 unevenly"),
+    ("llama", 4, "--tp 4 splits num_key_value_heads = 2 unevenly"),  # grouped-query attention: 2 kv heads
+])
+def test_hugging_face_models_refuse_what_their_plan_cannot_split(model: str, tp: int, expected: str) -> None:
+    pytest.importorskip("transformers")
+    with pytest.raises(ConfigError, match=re.escape(expected)) as info:
+        make_job(RunSpec.flat(schedule="1f1b", devices=2, microbatches=4, batch=4, model=model, seq=16,
+                              partition="even", tp=tp))
+    assert "\n" not in str(info.value)

@@ -122,7 +122,7 @@ class Model(abc.ABC):
         torch's ColwiseParallel and RowwiseParallel do; what is not named is replicated on every rank (embeddings,
         norms, a head). The default, for a model that declares none, refuses in one line."""
         raise ConfigError(f"the {self.name} model declares no tensor-parallel plan: use --tp 1 with it (the gpt and "
-                          "mlp models have one)")
+                          "mlp models and --hf llama have one)")
 
     def tp_widths(self) -> dict[str, int]:
         """The widths the tensor-parallel degree must divide (a count of heads, a Linear's split features), by the

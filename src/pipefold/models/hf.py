@@ -277,6 +277,35 @@ class HFCausalLM(Model):
                 holders.setdefault(id(p), []).append((i, name))
         self.tied: tuple[Tie, ...] = tuple(tuple(h) for h in holders.values() if len({i for i, _ in h}) > 1)
 
+    # -- tensor parallelism: the plan transformers ships with the family
+
+    def _shipped_plan(self) -> dict[str, str]:
+        """The block's part of transformers' own plan (``config.base_model_tp_plan``): "layers.*.mlp.up_proj" ->
+        "block.mlp.up_proj", the path inside :class:`HFBlock`. One line where there is none, or a style other than
+        a plain column- or row-wise split."""
+        plan = getattr(self.hf_config(), "base_model_tp_plan", None)
+        if not plan:
+            raise ConfigError(f"transformers ships no tensor-parallel plan for {self.arch.name}: use --tp 1 with it "
+                              "(the llama family has one)")
+        prefix = f"{self.arch.blocks}.*."
+        out = {}
+        for pattern, style in plan.items():
+            if not pattern.startswith(prefix) or style not in ("colwise", "rowwise"):
+                raise ConfigError(f"transformers' tensor-parallel plan for {self.arch.name} splits {pattern} as "
+                                  f"{style!r}, which pipefold does not run yet (it runs colwise and rowwise splits "
+                                  "of the blocks): use --tp 1 with it")
+            out["block." + pattern[len(prefix):]] = style
+        return out
+
+    def tp_plan(self, index: int) -> dict[str, str]:
+        return self._shipped_plan() if index in self.blocks else {}
+
+    def tp_widths(self) -> dict[str, int]:
+        hf = self.hf_config()
+        self._shipped_plan()  # no plan: refused before the widths are looked at
+        names = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+        return {name: int(value) for name in names if (value := getattr(hf, name, None)) is not None}
+
     # -- building
 
     def size(self) -> Shape:
