@@ -67,10 +67,10 @@ class Job:
     """How the weights are stepped (the run spec's section, unchanged); with 'kfac' every stage keeps K-FAC's state
     and runs the schedule's KA, KG, KI and KP actions."""
     parallel: Parallel = field(default_factory=Parallel)
-    """Data-parallel copies of the whole pipeline: ranks dp x devices, rank r is device r % devices of pipeline
-    r // devices; each pipeline runs its shard of every step's batch, and its ``DP`` actions average each stage's
-    gradients across the pipelines (the schedule must have them: :mod:`pipefold.schedules.dataparallel`); with
-    ``fsdp`` its ``AG`` and ``RS`` actions gather and reduce-scatter the sharded stages instead."""
+    """Data-parallel copies of the whole pipeline and tensor-parallel ranks per device: ranks dp x devices x tp,
+    numbered as :meth:`coords` says; each copy runs its shard of every step's batch, and its ``DP`` actions average
+    each stage's gradients across the copies (the schedule must have them: :mod:`pipefold.schedules.dataparallel`);
+    with ``fsdp`` its ``AG`` and ``RS`` actions gather and reduce-scatter the sharded stages instead."""
     tp_plan: dict[int, dict[str, str]] = field(default_factory=dict)
     """With ``parallel.tp`` > 1: each layer's tensor-parallel plan, submodule -> "colwise" or "rowwise"
     (:meth:`pipefold.models.base.Model.tp_plan`); a layer not here is replicated on its tp ranks."""
