@@ -2,16 +2,18 @@
 
 Sections (``--only`` picks some; each runs on its own, so one failing does not hide the others):
 
-    tests     pytest tests/test_cuda.py: every schedule's gradients against one process on the same GPU,
-              overlapped pairs on two streams, recomputation, offloading, replicas, K-FAC, dp, ZeRO-1,
-              FSDP, the meter against the caching allocator
+    tests     pytest tests/test_cuda.py (with test_offload.py and test_stage.py, which have CUDA cases and the
+              runner's backward): every schedule's gradients against one process on the same GPU, overlapped
+              pairs on two streams, recomputation, offloading, replicas, K-FAC, dp, ZeRO-1, tensor
+              parallelism, the meter against the caching allocator
     memory    the GPT where activations dominate (16 blocks, hidden 1024, sequence 1024, 16 microbatches,
               4 ranks, time-balanced split): per rank the meter's peak, the allocator's level between
               actions and its peak (``torch.cuda.max_memory_allocated``), the simulator's prediction; the
               V-shape schedules' peaks over 1F1B's against the papers' 0.75 / 0.5 / 1.0
     overlap   dualpipev and dualpipe with their F+B pairs on two streams and one after the other
     speed     step time against torch.distributed.pipelining on the same GPU (benchmarks/vs_torch.py
-              --device cuda) and against one process training the same model on the GPU
+              --device cuda, at its own hidden 512 and at 4096) and against one process training the same
+              model on the GPU
     offload   benchmarks/offload_gpu.py: peak device memory and step time with layers offloaded,
               beside accelerate's cpu_offload
 
@@ -19,7 +21,7 @@ It writes ``OUT/report.md`` (one markdown table per section), ``OUT/report.json`
 them. On one GPU the ranks share it, and gloo moves their tensors through pinned host memory
 (:mod:`pipefold.runtime.devices`); every figure says so.
 
-    python benchmarks/gpu_check.py --out gpu-report            # everything (about 8 minutes on an H100)
+    python benchmarks/gpu_check.py --out gpu-report            # everything
     python benchmarks/gpu_check.py --only memory --quick       # smaller sizes
 """
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import os
 import statistics
@@ -59,17 +62,23 @@ def _table(header: list[str], rows: list[list[Any]]) -> str:
 
 
 def tests(out: Path, quick: bool) -> dict[str, Any]:
-    """The CUDA tests, as a subprocess: its summary line and the failures."""
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", str(ROOT / "tests" / "test_cuda.py")]
+    """The CUDA tests, as a subprocess: its summary line and the failures. With pytest-xdist (a GPU machine's image
+    usually has it) they run eight at a time: each starts its ranks' CUDA contexts, and the GPU has room."""
+    # One -q: the project's addopts give the other (two would drop pytest's summary line, which this reads).
+    args = ["-rfE", "-p", "no:cacheprovider", *(f"tests/{name}" for name in ("test_cuda.py", "test_offload.py",
+                                                                             "test_stage.py"))]
+    if importlib.util.find_spec("xdist") is not None:
+        args += ["-n", str(min(8, os.cpu_count() or 1))]
     if quick:
-        cmd += ["-k", "not 4]"]
+        args += ["-k", "not 4]"]
+    cmd = [sys.executable, "-m", "pytest", *args]
     started = time.perf_counter()
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
     (out / "tests.log").write_text(run.stdout + run.stderr, encoding="utf-8")
     lines = [line for line in run.stdout.splitlines() if line.strip()]
     summary = lines[-1] if lines else run.stderr.strip().splitlines()[-1:]
     failed = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
-    md = f"`pytest tests/test_cuda.py`: **{summary}** ({time.perf_counter() - started:.0f} s)\n"
+    md = f"`pytest {' '.join(args)}`: **{summary}** ({time.perf_counter() - started:.0f} s)\n"
     if failed:
         md += "\n" + "\n".join(f"- {line[:300]}" for line in failed) + "\n"
     return {"summary": summary, "failed": failed, "returncode": run.returncode, "md": md}
@@ -182,12 +191,20 @@ def overlap(out: Path, quick: bool) -> dict[str, Any]:
 
 
 def speed(out: Path, quick: bool) -> dict[str, Any]:
-    """benchmarks/vs_torch.py on the GPU, and pipefold against one process training the same model there."""
-    args = ["--device", "cuda", "--json", "--hidden", "1024" if quick else "4096", "--layers", "8",
+    """benchmarks/vs_torch.py on the GPU at its own size (issue 27's) and a wide one, each beside one process
+    training the same model there."""
+    small = speed_at(out, 512, quick)
+    wide = speed_at(out, 1024 if quick else 4096, quick)
+    return {"small": small, **wide, "md": small["md"] + "\n" + wide["md"]}
+
+
+def speed_at(out: Path, hidden: int, quick: bool) -> dict[str, Any]:
+    """vs_torch.py with the MLP of width ``hidden``, and one process training the same model on the GPU."""
+    args = ["--device", "cuda", "--json", "--hidden", str(hidden), "--layers", "8",
             "--batch", "64", "--microbatches", "8", "--steps", "4" if quick else "8"]
     run = subprocess.run([sys.executable, str(HERE / "vs_torch.py"), *args], cwd=ROOT, capture_output=True, text=True,
                          check=False, timeout=600)
-    (out / "vs_torch.log").write_text(run.stdout + run.stderr, encoding="utf-8")
+    (out / f"vs_torch_{hidden}.log").write_text(run.stdout + run.stderr, encoding="utf-8")
     try:
         result = json.loads(run.stdout.strip().splitlines()[-1])
     except (json.JSONDecodeError, IndexError):

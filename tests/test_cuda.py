@@ -206,6 +206,15 @@ def _weights(reports: list[RankReport]) -> dict[str, torch.Tensor]:
 
 
 @cuda
+@pytest.mark.parametrize("name", ["1f1b", "zb-v"])
+def test_tensor_parallel_stages_on_the_gpu(name: str) -> None:
+    """tp 2 x pp 2 on one GPU: the tensor-parallel all-reduces of GPU tensors go over gloo (which has them)."""
+    job, reports = train(_gpt(name, 2).replace(tp=2, heads=2, check=True))
+    diff = compare(job, reports)
+    assert diff["max_grad_rel_diff"] < TOLERANCE and diff["loss_rel_diff"] < TOLERANCE, diff
+
+
+@cuda
 def test_kfac_in_the_bubbles_on_the_gpu() -> None:
     config = _gpt("1f1b", 2).replace(optimizer="kfac", fill_bubbles=True, lr=0.02, damping=0.05)
     job = make_job(config.replace(check=True))
