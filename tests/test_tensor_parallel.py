@@ -78,7 +78,6 @@ def test_ranks_are_numbered_as_torchs_device_mesh() -> None:
     (dict(model="mlp", hidden=6, tp=5), "--tp 5 splits --hidden (its inner width, 4 x hidden) = 24 unevenly"),
     (dict(model="mlp", tp=2, dp=2, zero1=True), "ZeRO-1 does not run with --tp yet"),
     (dict(model="mlp", tp=2, offload="1,1"), "does not run with --offload yet"),
-    (dict(model="mlp", tp=2, save_model="model.pt"), "--save-model gathers the first pipeline's layers"),
     (dict(model="mlp", tp=0), "--tp is the number of tensor-parallel ranks"),
 ])
 def test_bad_tensor_parallel_settings_are_one_line(settings: dict[str, object], expected: str) -> None:
@@ -120,8 +119,8 @@ def _train(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
 def test_checkpoints_resume_on_another_tensor_parallel_degree(capsys: pytest.CaptureFixture[str],
                                                               tmp_path: Path) -> None:
     """DCP reads each rank's part whatever split wrote it: saved at tp 2 and resumed at tp 1, the model equals six
-    steps at tp 1 in one run; saved at tp 1 and resumed at tp 2, so do the losses (AdamW's state comes back as
-    shards of the new split)."""
+    steps at tp 1 in one run; saved at tp 1 and resumed at tp 2 (AdamW's state comes back as shards of the new
+    split), so do the losses and the model it writes."""
     straight = _train(capsys, "--steps", "6", "--save-model", str(tmp_path / "whole.pt"))
     first = _train(capsys, "--tp", "2", "--steps", "3", "--checkpoint-dir", str(tmp_path / "a"))
     then = _train(capsys, "--steps", "6", "--checkpoint-dir", str(tmp_path / "a"), "--resume",
@@ -133,9 +132,16 @@ def test_checkpoints_resume_on_another_tensor_parallel_degree(capsys: pytest.Cap
     for name, w in whole.items():
         torch.testing.assert_close(resumed[name], w, rtol=1e-4, atol=1e-5, msg=name)
     first = _train(capsys, "--steps", "3", "--checkpoint-dir", str(tmp_path / "b"))
-    then = _train(capsys, "--tp", "2", "--steps", "6", "--checkpoint-dir", str(tmp_path / "b"), "--resume")
+    then = _train(capsys, "--tp", "2", "--steps", "6", "--checkpoint-dir", str(tmp_path / "b"), "--resume",
+                  "--save-model", str(tmp_path / "split.pt"))
     assert then["first_step"] == 4 and then["tp"] == 2
     torch.testing.assert_close(first["loss"] + then["loss"], straight["loss"], rtol=1e-6, atol=0)
+    # --save-model gathers each split weight whole (a collective of its tensor-parallel ranks): the plain model's.
+    split = torch.load(tmp_path / "split.pt")
+    assert split.keys() == whole.keys()
+    for name, w in whole.items():
+        assert type(split[name]) is torch.Tensor
+        torch.testing.assert_close(split[name], w, rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_a_hugging_face_llama_splits_by_transformers_own_plan() -> None:

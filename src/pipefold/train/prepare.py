@@ -127,9 +127,6 @@ def _tp_plan(spec: RunSpec, model: Model) -> dict[int, dict[str, str]]:
             fits = [d for d in range(2, width + 1) if width % d == 0][:6]
             raise ConfigError(f"--tp {tp} splits {what} = {width} unevenly: use a --tp that divides it "
                               f"({', '.join(map(str, fits))}...) or change {what.split()[0]}")
-    if spec.reliability.save_model is not None:
-        raise ConfigError(f"--save-model gathers the first pipeline's layers, which tensor parallelism (--tp {tp}) "
-                          "splits: use --tp 1 with it")
     return {i: plan for i in range(model.num_layers) if (plan := model.tp_plan(i))}
 
 
