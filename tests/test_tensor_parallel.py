@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from pipefold.models.base import Model
 from pipefold.runtime.local import run_local
 from pipefold.runtime.settings import Parallel
 from pipefold.train.prepare import make_job
-from pipefold.train.reference import compare
+from pipefold.train.reference import compare, reference_step
 from pipefold.train.spec import RunSpec
 
 TOLERANCE = 1e-5
@@ -48,6 +49,11 @@ def test_tensor_parallel_pipelines_match_one_process(schedule: str, model: str, 
     reports = run_local(job)
     diff = compare(job, reports)
     assert diff["max_grad_rel_diff"] < TOLERANCE and diff["loss_rel_diff"] < TOLERANCE, diff
+    # The global gradient norm (what --clip scales by) counts each weight once: a part split over the tp ranks on
+    # each of them, one they replicate on the first only, with FSDP's dp shards too (a norm's weight, sharded
+    # over dp alone, was counted on every tp rank: 6.18 for 4.49 at dp 2 x tp 2).
+    want = math.sqrt(sum(float(g.double().pow(2).sum()) for g in reference_step(job)[1].values()))
+    assert all(r.steps.grad_norm[0] == pytest.approx(want, rel=1e-5) for r in reports), want
 
 
 def test_weights_after_several_steps_equal_the_pipeline_without_tensor_parallelism() -> None:

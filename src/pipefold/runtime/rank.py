@@ -158,7 +158,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     # over the tensor-parallel ranks by each of them (its part), one they replicate by the first.
     counted = [p for s, ps in trained.items()
                if job.schedule.holders(s)[0] == rank and (copy == 0 or job.parallel.fsdp)
-               for p in ps if id(p) not in tied.copies and (tp_rank == 0 or sharding.is_sharded(p))]
+               for p in ps if id(p) not in tied.copies and (tp_rank == 0 or sharding.split_over(p, "tp"))]
     optimizers = [o for o in (opt, *stage_opts.values()) if o is not None]
     names = {id(p): name for name, p in _named(job, chains)}
     state = _state_named(job, chains)

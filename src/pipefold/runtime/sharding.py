@@ -132,9 +132,15 @@ def waited(t: torch.Tensor) -> torch.Tensor:
     return wait() if wait is not None else t
 
 
-def is_sharded(p: torch.Tensor) -> bool:
-    """Whether ``p`` is a DTensor split across its mesh (each rank its own part), not replicated on it."""
-    return any(placement.is_shard() for placement in getattr(p, "placements", ()))
+def split_over(p: torch.Tensor, dim: str) -> bool:
+    """Whether ``p`` is a DTensor split along its mesh's dimension named ``dim`` (each rank of it holds its own
+    part), not replicated along it: a tensor-parallel weight is split over "tp", and with FSDP also over "dp",
+    where a norm's weight is split over "dp" only."""
+    mesh = getattr(p, "device_mesh", None)
+    if mesh is None:
+        return False
+    names, placements = mesh.mesh_dim_names or (), getattr(p, "placements", ())
+    return any(name == dim and placement.is_shard() for name, placement in zip(names, placements, strict=False))
 
 
 def tensor_parallel(layers: dict[int, nn.Module], plans: dict[int, dict[str, str]], mesh: Any) -> None:
