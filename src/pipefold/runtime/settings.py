@@ -192,20 +192,14 @@ def check_together(parallel: Parallel, optimizer: Optimizer, *, adaptive: bool, 
         # torch's ZeroRedundancyOptimizer broadcasts parameters, which DTensor has no rule for.
         raise ConfigError(f"ZeRO-1 does not run with --tp yet (torch's ZeroRedundancyOptimizer cannot broadcast "
                           f"tensor-parallel shards): use --fsdp to shard the copies with --tp {parallel.tp}, or --tp 1")
-    if parallel.tp > 1:
-        unsupported = [what for what, on in (("--optimizer kfac", optimizer.name == "kfac"),
-                                             ("--schedule adaptive-kfkb", adaptive), ("--network", network),
-                                             ("--netns", netns), ("--offload", offload)) if on]
-        if unsupported:
-            raise ConfigError(f"tensor parallelism (--tp {parallel.tp}) does not run with {unsupported[0]} yet: use "
-                              "--tp 1 with it")
-    if parallel.dp > 1:
-        unsupported = [what for what, on in (("--optimizer kfac", optimizer.name == "kfac"),
-                                             ("--schedule adaptive-kfkb", adaptive), ("--network", network),
-                                             ("--netns", netns), ("--offload", offload)) if on]
-        if unsupported:
-            raise ConfigError(f"data-parallel pipelines (--dp {parallel.dp}) do not run with {unsupported[0]} yet: "
-                              "use --dp 1 with it")
+    # What neither layout of several copies runs with yet, tensor parallelism named first.
+    unsupported = [what for what, on in (("--optimizer kfac", optimizer.name == "kfac"),
+                                         ("--schedule adaptive-kfkb", adaptive), ("--network", network),
+                                         ("--netns", netns), ("--offload", offload)) if on]
+    for degree, layout, flag in ((parallel.tp, "tensor parallelism (--tp {}) does", "--tp"),
+                                 (parallel.dp, "data-parallel pipelines (--dp {}) do", "--dp")):
+        if degree > 1 and unsupported:
+            raise ConfigError(f"{layout.format(degree)} not run with {unsupported[0]} yet: use {flag} 1 with it")
     if parallel.zero1 and (callable(optimizer.name) or optimizer.name == "kfac"):
         raise ConfigError("ZeRO-1 shards the optimizer state across data-parallel pipelines: it needs dp >= 2, "
                           "the adamw or sgd optimizer and a schedule without OPT actions")
