@@ -124,9 +124,10 @@ def _tp_plan(spec: RunSpec, model: Model) -> dict[int, dict[str, str]]:
     tp = spec.parallel.tp
     for what, width in model.tp_widths().items():
         if width % tp:
-            fits = [d for d in range(2, width + 1) if width % d == 0][:6]
-            raise ConfigError(f"--tp {tp} splits {what} = {width} unevenly: use a --tp that divides it "
-                              f"({', '.join(map(str, fits))}...) or change {what.split()[0]}")
+            fits = [str(d) for d in range(2, width + 1) if width % d == 0]
+            shown = ", ".join(fits[:6]) + (", ..." if len(fits) > 6 else "")
+            raise ConfigError(f"--tp {tp} splits {what} = {width} unevenly: use a --tp that divides it ({shown}) "
+                              f"or change {what.split()[0]}")
     return {i: plan for i in range(model.num_layers) if (plan := model.tp_plan(i))}
 
 
