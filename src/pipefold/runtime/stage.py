@@ -381,7 +381,7 @@ class _Cut:
                     entering[key] = entering[key] + g if key in entering else g
         roots += [GradientEdge(n, nr) for n, nr in entering]
         root_grads += list(entering.values())
-        if roots:
+        if roots and self.params:  # (no accumulator in the graph: no weight gradient to make)
             # Accumulates straight into each parameter's .grad.
             torch.autograd.backward(roots, root_grads, inputs=self.params)  # type: ignore[arg-type]
 
