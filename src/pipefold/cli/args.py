@@ -295,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1, metavar="T",
                    help="tensor-parallel ranks per pipeline device (default 1): D x P x T processes, each stage's "
                         "layers split over T ranks by the model's plan (torch's parallelize_module; the gpt and mlp "
-                        "models)")
+                        "models, and --hf llama by transformers' own plan)")
     p.add_argument("--microbatches", "-m", type=int, default=8, metavar="M", help="microbatches per step (default 8)")
     p.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
     _add_model(p, layers=None, layers_help="default: enough for 2 layers per stage", batch=16,
