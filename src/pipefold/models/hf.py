@@ -250,6 +250,7 @@ class HFCausalLM(Model):
 
     embedding_layers = 1
     head_layers = 1
+    _tp_blocks: dict[str, str] | None = None
 
     def __init__(self, arch: str, config: dict[str, Any], batches: Batches, *, seed: int = 0) -> None:
         _require()
@@ -283,6 +284,8 @@ class HFCausalLM(Model):
         """The block's part of transformers' own plan (``config.base_model_tp_plan``): "layers.*.mlp.up_proj" ->
         "block.mlp.up_proj", the path inside :class:`HFBlock`. One line where there is none, or a style other than
         a plain column- or row-wise split."""
+        if self._tp_blocks is not None:
+            return self._tp_blocks
         plan = getattr(self.hf_config(), "base_model_tp_plan", None)
         if not plan:
             raise ConfigError(f"transformers ships no tensor-parallel plan for {self.arch.name}: use --tp 1 with it "
@@ -295,6 +298,7 @@ class HFCausalLM(Model):
                                   f"{style!r}, which pipefold does not run yet (it runs colwise and rowwise splits "
                                   "of the blocks): use --tp 1 with it")
             out["block." + pattern[len(prefix):]] = style
+        self._tp_blocks = out  # asked for every block: the config is read once
         return out
 
     def tp_plan(self, index: int) -> dict[str, str]:

@@ -15,7 +15,7 @@ from torch import nn
 
 from pipefold.errors import ConfigError
 from pipefold.ir import Kind, Schedule
-from pipefold.runtime.devices import Placement, place
+from pipefold.runtime.devices import Placement, check_sharding, place
 from pipefold.runtime.executor import StepStats
 from pipefold.runtime.faults import Faults
 from pipefold.runtime.history import KEEP_FIRST, StepHistory
@@ -129,7 +129,9 @@ class Job:
         # with: checked here, so that a job made by hand is one line before any rank starts too.
         if self.steps < 1:
             raise ConfigError(f"steps must be at least 1 (got {self.steps})")
-        placement(self)  # a device or backend this machine cannot give: one line, before any rank starts
+        # A device or backend this machine cannot give, or FSDP over ranks sharing a GPU: one line, before any rank
+        # starts.
+        check_sharding(placement(self), fsdp=self.parallel.fsdp)
         if self.keep_steps < 1:
             raise ConfigError(f"keep_steps is how many first steps each rank keeps in full: at least 1 (got "
                               f"{self.keep_steps})")

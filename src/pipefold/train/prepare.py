@@ -20,7 +20,6 @@ from pipefold.ir import Schedule
 from pipefold.models import REGISTRY, Model, split_layers
 from pipefold.plan.recompute import RecomputePlan, plan_recompute
 from pipefold.runtime.checkpoint import Checkpointing
-from pipefold.runtime.devices import check_sharding
 from pipefold.runtime.job import Adaptive, Job, local_placement
 from pipefold.runtime.processes import under_torchrun
 from pipefold.runtime.stage import Chain, split_batch
@@ -62,7 +61,6 @@ def make_job(spec: RunSpec, *, decided: Decisions | None = None, placed: Any = N
     if where.device == "cuda" and (spec.links.network is not None or spec.links.netns):
         raise ConfigError("--network and --netns emulate links between CPU ranks over gloo: use --device cpu with "
                           "them")
-    check_sharding(where, fsdp=spec.parallel.fsdp)
     model = model_of(spec, schedule.stages)
     if local:
         from pipefold.runtime.processes import start_server
