@@ -28,7 +28,7 @@ from typing import Any
 
 from pipefold.errors import ConfigError
 from pipefold.files import write_json
-from pipefold.plan.budget import RunPlan, plan_model, predict
+from pipefold.plan.budget import Layout, RunPlan, plan_model, predict
 from pipefold.plan.profile import Profile
 from pipefold.runtime.local import run_local
 from pipefold.runtime.measure import measured_summary
@@ -51,12 +51,14 @@ SETTINGS: dict[str, Any] = {"devices": 4, "families": FAMILIES}
 
 def run_plan(plan: dict[str, Any], steps: int) -> dict[str, Any]:
     """Run a plan file's dict; return the prediction, the measurement and MemTracker's reading."""
-    planned = from_plan(RunPlan.from_dict(plan), RunSpec.flat(steps=steps))
+    ran = RunPlan.from_dict(plan)
+    planned = from_plan(ran, RunSpec.flat(steps=steps))
     job = make_job(planned.spec, decided=planned.decided)
     job = type(job)(**{**job.__dict__, "verify_memory_step": steps - 1})
     reports = run_local(job)
     profile = Profile.from_dict(plan["profile"])
-    result, peaks, static = predict(profile, job.schedule, job.layer_stages, job.recompute)
+    result, peaks, static = predict(profile, Layout(ran.dp, ran.tp, ran.devices), job.schedule, job.layer_stages,
+                                    job.recompute)
     got = measured_summary(reports)
     checks = [r.steps[steps - 1].memory_check for r in reports]
     return {"schedule": plan["schedule"], "layers_per_stage": [len(p) for p in job.layer_stages],

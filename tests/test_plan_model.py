@@ -15,7 +15,7 @@ import pytest
 from pipefold import schedules
 from pipefold.errors import ConfigError
 from pipefold.ir import dependency_graph
-from pipefold.plan.budget import ModelPoint, model_costs, plan_model, predict, read_plan, stage_profiles
+from pipefold.plan.budget import Layout, ModelPoint, model_costs, plan_model, predict, read_plan, stage_profiles
 from pipefold.plan.profile import LayerProfile, Profile, fit_link
 from pipefold.plan.recompute import plan_recompute
 from pipefold.sim.simulate import KINDS, CostModel, _shared_times, simulate
@@ -133,7 +133,7 @@ def test_a_fused_backward_costs_what_was_measured_for_it_not_b_plus_w() -> None:
     assert [x.fused for x in Profile.from_dict(old).layers] == pytest.approx([5e-3] * 8)
     bad = prof.to_dict()
     bad["layers"][2]["bw"] = -1.0
-    with pytest.raises(ConfigError, match="layer 2 has a negative"):
+    with pytest.raises(ConfigError, match=r"layer 2 \(tp 1\) has a negative"):
         Profile.from_dict(bad)
 
 
@@ -282,7 +282,7 @@ def test_plan_is_the_fastest_fitting_point_of_a_brute_force() -> None:
             for cuts in itertools.combinations(range(1, 8), s.stages - 1):
                 bounds = [0, *cuts, 8]
                 parts = [tuple(range(a, b)) for a, b in zip(bounds, bounds[1:], strict=False)]
-                result, peaks, _ = predict(prof, s, parts)
+                result, peaks, _ = predict(prof, Layout(1, 1, 2), s, parts)
                 if max(peaks) <= budget:
                     best = min(best, result.makespan)
     assert answer.best.memory <= budget
@@ -295,7 +295,7 @@ def test_plan_prediction_matches_predict() -> None:
     prof = _profile(8)
     answer = plan_model(prof, 2, 1e12)
     s = schedules.build(answer.best.name, 2, 8, **answer.best.options)
-    result, peaks, static = predict(prof, s, answer.best.layer_stages, answer.best.recompute)
+    result, peaks, static = predict(prof, Layout(1, 1, 2), s, answer.best.layer_stages, answer.best.recompute)
     assert result.makespan == pytest.approx(answer.best.makespan)
     assert peaks == [int(x) for x in answer.best.peak_memory]
     assert static == list(answer.best.static_bytes)
@@ -355,7 +355,7 @@ def test_bad_profiles_are_one_line(tmp_path, text: str, match: str) -> None:
 def test_negative_figures_are_refused() -> None:
     data = _profile(4).to_dict()
     data["layers"][1]["f"] = -1.0
-    with pytest.raises(ConfigError, match="layer 1 has a negative"):
+    with pytest.raises(ConfigError, match=r"layer 1 \(tp 1\) has a negative"):
         Profile.from_dict(data)
 
 

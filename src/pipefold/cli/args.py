@@ -226,6 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default 0.05)")
     p.add_argument("--families", metavar="A,B", default=None,
                    help="with --profile: search only these schedule families (default: every registered one)")
+    p.add_argument("--world", type=int, default=None, metavar="N",
+                   help="with --profile: plan N ranks, searching every dp x tp x pp that makes N (tp: the degrees "
+                        "the profile measured, profile --tp) instead of one pipeline of --devices")
     _add_costs(p)
     _add_output(p)
     p.add_argument("--plot", metavar="FILE", help="draw the memory/makespan frontier (.png or .svg)")
@@ -243,6 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not measure how ranks share this machine (each rank has a device of its own)")
     p.add_argument("--no-overhead", action="store_true",
                    help="do not time the runtime's own work per message on a short run of 2 ranks (taken as 0)")
+    p.add_argument("--tp", default="1", metavar="T[,T...]",
+                   help="also measure the layers split over T tensor-parallel ranks, as train --tp T splits them, "
+                        "for plan --world (default 1: whole layers only)")
     p.add_argument("--output", "-o", metavar="FILE", help="write the profile to FILE (default: print it)")
     _add_output(p)
 

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pipefold import jsonout, schedules
-from pipefold.cli.args import DEFAULT_MICROBATCHES
+from pipefold.cli.args import DEFAULT_DEVICES, DEFAULT_MICROBATCHES
 from pipefold.cli.common import check_outputs, cost_model, num, progress_bar, stage_bar
 from pipefold.errors import ConfigError
 from pipefold.ir.ref import ScheduleRef
@@ -24,6 +24,7 @@ def cmd_profile(args: argparse.Namespace, console: Console) -> None:
         if getattr(args, label) is not None and getattr(args, label) < 1:
             raise ConfigError(f"--{label} must be at least 1 (got {getattr(args, label)})")
     check_outputs(("profile", args.output, False))
+    tp = _degrees(args.tp)
     if not (args.no_link and args.no_sharing and args.no_overhead):
         start_server()  # for the link's and the sharing's processes: it imports torch while this process does
     from pipefold.train.overhead import profile_here  # torch: once the server is on its way
@@ -33,7 +34,8 @@ def cmd_profile(args: argparse.Namespace, console: Console) -> None:
                             model_config=args.model_config, seq=args.seq,
                             batch=args.batch, microbatches=args.microbatches, optimizer=args.optimizer,
                             seed=args.seed, devices=args.devices, repeats=args.repeats, link=not args.no_link,
-                            contention=not args.no_sharing, overhead=not args.no_overhead, progress=progress)
+                            contention=not args.no_sharing, overhead=not args.no_overhead, tp=tp,
+                            progress=progress)
     if not args.output:
         print(jsonout.dumps(prof.to_dict(), indent=1))
         return
@@ -50,6 +52,22 @@ def cmd_profile(args: argparse.Namespace, console: Console) -> None:
     console.print(f"link: {prof.latency * 1e6:.0f} us + bytes at {prof.bandwidth / 2**30:.2f} GiB/s; ranks computing "
                   f"at once 1..{len(prof.contention)} run each pass x{' x'.join(f'{c:.2f}' for c in prof.contention)}; "
                   f"the runtime's own work {prof.message_overhead * 1e6:.0f} us per message")
+    for t, layers in sorted(prof.tp_layers.items()):
+        f, b, w = (sum(getattr(x, k) for x in layers) for k in ("f", "b", "w"))
+        console.print(f"split over {t} tensor-parallel ranks, on each: F {f * 1e3:.2f} ms, B {b * 1e3:.2f} ms, "
+                      f"W {w * 1e3:.2f} ms, {format_bytes(sum(x.params for x in layers))} of parameters")
+
+
+def _degrees(text: str) -> tuple[int, ...]:
+    """``--tp 1,2,4``: tensor-parallel degrees, each at least 1."""
+    try:
+        out = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        out = ()
+    if not out or any(t < 1 for t in out):
+        raise ConfigError(f"--tp takes tensor-parallel degrees, whole numbers >= 1 separated by commas, such as 1,2 "
+                          f"(got {text!r})")
+    return out
 
 
 def cmd_plan(args: argparse.Namespace, console: Console) -> None:
@@ -60,10 +78,9 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> None:
     if args.memory is None:
         raise ConfigError("plan needs --memory BUDGET (in M, or 0.5x of 1F1B's peak), or --profile FILE with "
                           "--memory-budget BYTES for a measured model")
-    if any(x is not None for x in (args.memory_budget, args.output, args.families, args.headroom)):
-        raise ConfigError("--memory-budget, --output, --families and --headroom plan a measured model: give --profile "
-                          "FILE too "
-                          "(or --memory in M without them)")
+    if any(x is not None for x in (args.memory_budget, args.output, args.families, args.headroom, args.world)):
+        raise ConfigError("--memory-budget, --output, --families, --headroom and --world plan a measured model: give "
+                          "--profile FILE too (or --memory in M without them)")
     cost = cost_model(args)
     budget = parse_budget(args.memory, one_f_one_b_peak(args.devices, args.microbatches, cost))
     with progress_bar(f"planning p={args.devices} m={args.microbatches}") as progress:
@@ -87,7 +104,7 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> None:
 
 def _plan_profiled(args: argparse.Namespace, console: Console) -> None:
     from pipefold.files import write_json
-    from pipefold.plan.budget import HEADROOM, plan_model
+    from pipefold.plan.budget import HEADROOM, every_layout, plan_model
     from pipefold.plan.profile import Profile
 
     if args.memory is not None:
@@ -97,8 +114,15 @@ def _plan_profiled(args: argparse.Namespace, console: Console) -> None:
     profile = Profile.load(args.profile)
     budget = parse_bytes(args.memory_budget)
     m = args.microbatches if args.microbatches != DEFAULT_MICROBATCHES else None
-    with progress_bar(f"planning p={args.devices}") as progress:
-        answer = plan_model(profile, args.devices, budget, microbatches=m, progress=progress,
+    layouts = None
+    ranks = args.devices
+    if args.world is not None:
+        if args.devices != DEFAULT_DEVICES:
+            raise ConfigError("--world N searches every dp x tp x pp of N ranks, pipelines of every length: drop "
+                              "--devices (or drop --world to plan one pipeline of --devices)")
+        layouts, ranks = every_layout(profile, args.world), args.world
+    with progress_bar(f"planning {'world' if layouts else 'p'}={ranks}") as progress:
+        answer = plan_model(profile, ranks, budget, microbatches=m, progress=progress, layouts=layouts,
                             families=args.families.split(",") if args.families else None,
                             headroom=HEADROOM if args.headroom is None else args.headroom)
     out = answer.to_dict()
@@ -114,7 +138,8 @@ def _plan_profiled(args: argparse.Namespace, console: Console) -> None:
         print(jsonout.dumps({k: v for k, v in out.items() if k != "profile"} | {"output": args.output}))
         return
     b = answer.best
-    console.print(f"[bold]{b.spec}[/]  step [bold]{b.makespan * 1e3:.1f} ms[/] predicted  bubble ratio "
+    where = f"{b.layout}  " if layouts else ""
+    console.print(f"[bold]{where}{b.spec}[/]  step [bold]{b.makespan * 1e3:.1f} ms[/] predicted  bubble ratio "
                   f"{b.bubble_ratio:.1%}  (budget {format_bytes(budget)} per device)")
     console.print(f"stages' layers: {' | '.join(f'{p[0]}-{p[-1]}' for p in b.layer_stages)} (split by {b.split}); "
                   f"recomputed layers per stage: {' '.join(map(str, b.recompute))}")
@@ -123,13 +148,17 @@ def _plan_profiled(args: argparse.Namespace, console: Console) -> None:
                   + " ".join(format_bytes(x) for x in b.static_bytes) + ")")
     table = Table(title=f"memory/time frontier ({len(answer.points)} plans evaluated)", title_justify="left")
     table.add_column("", no_wrap=True)
-    for col in ("peak per device", "step (ms)", "bubble", "schedule", "split", "recomputed"):
-        table.add_column(col, justify="right" if col in ("peak per device", "step (ms)", "bubble") else "left")
+    columns = ("peak per device", "step (ms)", "bubble", *(("layout",) if layouts else ()), "schedule", "split",
+               "recomputed")
+    for col in columns:
+        table.add_column(col, justify="right" if col in ("peak per device", "step (ms)", "bubble") else "left",
+                         no_wrap=col == "layout")
     for pt in answer.frontier:
         chosen = pt == b
         style = "bold" if chosen else "dim" if pt.memory > answer.room else ""
         table.add_row("▶" if chosen else "", format_bytes(pt.memory), f"{pt.makespan * 1e3:.1f}",
-                      f"{pt.bubble_ratio:.1%}", pt.spec, pt.split, str(sum(pt.recompute)), style=style)
+                      f"{pt.bubble_ratio:.1%}", *((str(pt.layout),) if layouts else ()), pt.spec, pt.split,
+                      str(sum(pt.recompute)), style=style)
     console.print(table)
     if args.output:
         console.print(f"wrote plan: {args.output}  (run it: pipefold train --plan {args.output})")

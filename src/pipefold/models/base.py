@@ -129,6 +129,17 @@ class Model(abc.ABC):
         setting that makes them: {"--heads": 4, "--hidden": 64}."""
         return {}
 
+    def tp_plans(self, tp: int) -> dict[int, dict[str, str]]:
+        """Every layer's plan (:meth:`tp_plan`) for ``tp`` tensor-parallel ranks, after the checks that ``tp`` fits
+        the model: it divides every width the plans split, and the model declares a plan at all (one line each)."""
+        for what, width in self.tp_widths().items():
+            if width % tp:
+                fits = [str(d) for d in range(2, width + 1) if width % d == 0]
+                shown = ", ".join(fits[:6]) + (", ..." if len(fits) > 6 else "")
+                raise ConfigError(f"--tp {tp} splits {what} = {width} unevenly: use a --tp that divides it ({shown}) "
+                                  f"or change {what.split()[0]}")
+        return {i: plan for i in range(self.num_layers) if (plan := self.tp_plan(i))}
+
     @property
     def blocks(self) -> range:
         """Indices of the repeated blocks."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import re
@@ -15,12 +16,12 @@ from pipefold.ir import Schedule
 from pipefold.ir.ref import ScheduleRef
 from pipefold.plan.profile import LayerProfile, Profile
 from pipefold.plan.recompute import StageProfile, choose_recompute, device_peaks
-from pipefold.sim.simulate import CostModel, SimResult, StageOverride, simulate
+from pipefold.sim.simulate import CostModel, SimResult, StageOverride, simulate, slowdown
 from pipefold.units import format_bytes
 
-__all__ = ["ModelPlan", "ModelPoint", "PlanResult", "Point", "RunPlan", "candidates", "choose", "evaluate",
-           "frontier", "model_costs", "one_f_one_b_peak", "parse_budget", "plan", "plan_model", "predict", "read_plan",
-           "stage_profiles"]
+__all__ = ["Layout", "ModelPlan", "ModelPoint", "PlanResult", "Point", "RunPlan", "candidates", "choose",
+           "evaluate", "every_layout", "frontier", "layout_profile", "model_costs", "one_f_one_b_peak",
+           "parse_budget", "plan", "plan_model", "predict", "read_plan", "stage_profiles"]
 
 Progress = Callable[[int, int], None]
 """Called as ``progress(done, total)`` before the first candidate and after each one."""
@@ -213,6 +214,50 @@ def _too_small(points: Sequence[Point], budget: float) -> ConfigError:
 # --------------------------------------------------------------------------- a measured model
 
 
+@dataclass(frozen=True, order=True)
+class Layout:
+    """How ``dp * tp * pp`` ranks run one model: ``dp`` copies of a pipeline of ``pp`` devices, each device's
+    layers split over ``tp`` ranks (``pipefold train --dp --tp --devices``)."""
+
+    dp: int
+    tp: int
+    pp: int
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def __str__(self) -> str:
+        return f"dp{self.dp} tp{self.tp} pp{self.pp}"
+
+
+def every_layout(profile: Profile, world: int) -> list[Layout]:
+    """Every layout of ``world`` ranks the profile can predict: a tensor-parallel degree it measured, and data-
+    parallel copies that share its microbatches evenly (each pipeline runs ``microbatches / dp`` of them, of the
+    size the profile measured)."""
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ConfigError(f"the world is a number of ranks, a whole number >= 1 (got {world!r})")
+    m = int(profile.train["microbatches"])
+    out = [Layout(dp, tp, world // (dp * tp)) for tp in profile.tp_degrees for dp in range(1, world + 1)
+           if world % (dp * tp) == 0 and m % dp == 0]
+    if not out:
+        raise ConfigError(f"no layout of {world} ranks fits this profile (tensor-parallel degrees "
+                          f"{', '.join(map(str, profile.tp_degrees))}, {m} microbatches to share among the "
+                          f"data-parallel copies): use a world that one of them divides, or profile with --tp")
+    return sorted(out, key=lambda x: (x.pp, x.tp, x.dp))
+
+
+def layout_profile(profile: Profile, layout: Layout) -> Profile:
+    """What one pipeline of ``layout`` sees of the profile: the layers at its tensor-parallel degree, and how its
+    devices share the machine. Each device stands for ``dp * tp`` ranks that compute in step (the tp ranks wait for
+    each other in every layer, the copies run the same schedule), and the tp profile's times were taken with
+    ``tp`` of them computing; so k devices computing run ``slowdown(k * dp * tp) / slowdown(tp)`` times longer."""
+    at = profile.at_tp(layout.tp)
+    c, base = profile.contention, slowdown(profile.contention, layout.tp)
+    sharing = tuple(slowdown(c, k * layout.dp * layout.tp) / base for k in range(1, layout.pp + 1))
+    return dataclasses.replace(at, contention=sharing)
+
+
 @dataclass(frozen=True)
 class ModelPoint(Point):
     """A candidate for a measured model: schedule and options, how its layers split into stages, how many of each
@@ -224,6 +269,13 @@ class ModelPoint(Point):
     recompute: tuple[int, ...] = field(default=(), hash=False)
     static_bytes: tuple[int, ...] = field(default=(), hash=False)
     """Per device: weights, gradients and optimizer state (part of ``peak_memory``)."""
+    layout: Layout = field(default_factory=lambda: Layout(1, 1, 1))
+    """How the ranks are laid out: data-parallel pipelines, tensor-parallel ranks per stage, stages' devices."""
+
+    @property
+    def where(self) -> str:
+        """The layout and the schedule, as a table shows them: 'dp2 tp1 pp2 1f1b'."""
+        return f"{self.layout} {self.spec}"
 
 
 @dataclass(frozen=True)
@@ -246,7 +298,8 @@ class ModelPlan:
         """What ``pipefold train`` runs of this answer: the best point and its prediction."""
         b = self.best
         s = self.result.schedule
-        return RunPlan(schedule=b.spec, devices=s.devices, microbatches=s.microbatches, split=b.split,
+        return RunPlan(schedule=b.spec, devices=s.devices, microbatches=s.microbatches, dp=b.layout.dp,
+                       tp=b.layout.tp, split=b.split,
                        layer_stages=b.layer_stages, recompute=b.recompute, budget=self.budget, room=self.room,
                        train=dict(self.profile.train), step_time=b.makespan, bubble_ratio=b.bubble_ratio,
                        peak_bytes=tuple(int(x) for x in b.peak_memory), static_bytes=tuple(b.static_bytes),
@@ -256,7 +309,8 @@ class ModelPlan:
         """The plan file ``pipefold train --plan`` runs: what to run, and what it is predicted to do; with the
         frontier and the count of candidates, for people."""
         return {**self.run_plan.to_dict(),
-                "frontier": [{"schedule": q.spec, "split": q.split, "recompute": list(q.recompute),
+                "frontier": [{"schedule": q.spec, "dp": q.layout.dp, "tp": q.layout.tp, "devices": q.layout.pp,
+                              "split": q.split, "recompute": list(q.recompute),
                               "step_time_s": q.makespan, "peak_bytes": int(q.memory)} for q in self.frontier],
                 "candidates": len(self.points), "skipped": len(self.skipped)}
 
@@ -270,7 +324,13 @@ class RunPlan:
     schedule: str
     """The schedule with its options (``name:k=v``)."""
     devices: int
+    """Devices of one pipeline."""
     microbatches: int
+    """Microbatches of one pipeline per step."""
+    dp: int = 1
+    """Data-parallel copies of the pipeline."""
+    tp: int = 1
+    """Tensor-parallel ranks each device's layers are split over."""
     split: str
     """How the layers were split: ``time`` or ``memory``."""
     layer_stages: tuple[tuple[int, ...], ...]
@@ -290,7 +350,7 @@ class RunPlan:
 
     def to_dict(self) -> dict[str, Any]:
         return {"version": PLAN_VERSION, "kind": "pipefold-plan", "schedule": self.schedule, "devices": self.devices,
-                "microbatches": self.microbatches, "split": self.split,
+                "microbatches": self.microbatches, "dp": self.dp, "tp": self.tp, "split": self.split,
                 "layer_stages": [list(x) for x in self.layer_stages], "recompute": list(self.recompute),
                 "budget_bytes": self.budget, "room_bytes": self.room, "train": dict(self.train),
                 "predicted": {"step_time_s": self.step_time, "bubble_ratio": self.bubble_ratio,
@@ -302,7 +362,8 @@ class RunPlan:
         """The plan in ``data``, as :func:`read_plan` returns a file's checked contents."""
         predicted = data["predicted"]
         return cls(schedule=str(data["schedule"]), devices=int(data["devices"]),
-                   microbatches=int(data["microbatches"]), split=str(data.get("split", "time")),
+                   microbatches=int(data["microbatches"]), dp=int(data.get("dp", 1)), tp=int(data.get("tp", 1)),
+                   split=str(data.get("split", "time")),
                    layer_stages=tuple(tuple(int(i) for i in part) for part in data["layer_stages"]),
                    recompute=tuple(int(r) for r in data["recompute"]), budget=data.get("budget_bytes"),
                    room=data.get("room_bytes"), train=dict(data["train"]),
@@ -318,10 +379,11 @@ HEADROOM = 0.05
 
 
 def model_costs(profile: Profile, schedule: Schedule, layer_stages: Sequence[Sequence[int]],
-                recompute: Sequence[int] | None = None) -> CostModel:
+                recompute: Sequence[int] | None = None, dp: int = 1) -> CostModel:
     """The cost model of ``schedule`` running ``layer_stages`` of the profiled model: per stage the sums of its
     layers' measured seconds and bytes, the measured link, how the ranks share the machine and the runtime's own
-    work per message."""
+    work per message; with ``dp`` copies of the pipeline, each stage's gradients all-reduced among them over the
+    link (its ``DP`` actions, :func:`pipefold.schedules.dataparallel.with_data_parallel`)."""
     rows = stage_profiles(profile, layer_stages)
     counts = recompute or (0,) * len(rows)
     over = {s: StageOverride(f=p.times[0], b=p.times[1], w=p.times[2], bw=p.fused_time, memory=float(p.total[r]),
@@ -331,7 +393,8 @@ def model_costs(profile: Profile, schedule: Schedule, layer_stages: Sequence[Seq
     params = sum(x.params for x in profile.layers)
     return CostModel(stage_overrides=over, latency=profile.latency, bandwidth=profile.bandwidth,
                      activation_bytes=float(message), grad_bytes=params / schedule.devices,
-                     contention=profile.contention[:schedule.devices], message_overhead=profile.message_overhead)
+                     contention=profile.contention[:schedule.devices], message_overhead=profile.message_overhead,
+                     dp=dp)
 
 
 def stage_profiles(profile: Profile, layer_stages: Sequence[Sequence[int]]) -> list[StageProfile]:
@@ -377,12 +440,13 @@ def _stage_w(layers: Sequence[LayerProfile]) -> float:
 
 def plan_model(profile: Profile, p: int, budget: float, *, microbatches: int | None = None,
                families: Sequence[str] | None = None, headroom: float = HEADROOM,
-               progress: Progress | None = None) -> ModelPlan:
+               layouts: Sequence[Layout] | None = None, progress: Progress | None = None) -> ModelPlan:
     """The fastest plan for the profiled model on p devices whose predicted per-device peak fits ``budget`` bytes.
 
-    Searched together: every registered schedule family and option (or ``families``), the split of
-    layers into its stages (balanced by time, and the least-memory split whose time is within 2%),
-    and per-stage recomputation (none, or the cheapest per-stage counts that fit the budget).
+    Searched together: every layout (``layouts``, each of p ranks: :func:`every_layout`; default one pipeline of
+    p devices), every registered schedule family and option (or ``families``), the split of layers into its
+    stages (balanced by time, and the least-memory split whose time is within 2%), and per-stage recomputation
+    (none, or the cheapest per-stage counts that fit the budget).
     A plan fits when its predicted peak times 1 + ``headroom`` does: the prediction's own error
     (measured within 5% on real runs, see docs/plan.md) must not push a run over the budget.
     """
@@ -398,10 +462,16 @@ def plan_model(profile: Profile, p: int, budget: float, *, microbatches: int | N
     for label, value in (("devices", p), ("microbatches", m)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(f"{label} must be a positive integer (got {value!r})")
-    every = candidates(p, m)
-    todo = [c for c in every if families is None or c[0] in families]
+    shapes = list(layouts) if layouts is not None else [Layout(1, 1, p)]
+    for shape in shapes:
+        if shape.world != p or m % shape.dp:
+            raise ConfigError(f"the layout {shape} runs {shape.world} ranks and shares {m} microbatches among "
+                              f"{shape.dp} copies: give layouts of {p} ranks whose dp divides {m}")
+    todo = [(shape, name, options) for shape in shapes for name, options in candidates(shape.pp, m // shape.dp)
+            if families is None or name in families]
     if families is not None:
-        unknown = sorted(set(families) - {n for n, _ in every})
+        known = {n for shape in shapes for n, _ in candidates(shape.pp, m // shape.dp)}
+        unknown = sorted(set(families) - known)
         if unknown:
             raise ConfigError(f"no schedule family {unknown[0]!r} runs {m} microbatches on {p} devices; "
                               f"see pipefold schedules")
@@ -409,16 +479,17 @@ def plan_model(profile: Profile, p: int, budget: float, *, microbatches: int | N
     room = budget / (1 + headroom)
     points: list[ModelPoint] = []
     skipped: list[str] = []
+    sharded = {shape: layout_profile(profile, shape) for shape in shapes}
     if progress is not None:
         progress(0, len(todo))
-    for done, (name, options) in enumerate(todo, 1):
+    for done, (shape, name, options) in enumerate(todo, 1):
         try:
-            schedule = schedules.build(name, p, m, **options)
+            schedule = schedules.build(name, shape.pp, m // shape.dp, **options)
             if schedule.stages > n:
                 raise ConfigError(f"{schedule.stages} stages for {n} layers")
-            points.extend(_model_points(profile, schedule, room))
+            points.extend(_model_points(sharded[shape], schedule, room, shape))
         except (ConfigError, ScheduleError):
-            skipped.append(str(ScheduleRef.named(name, options)))
+            skipped.append(f"{shape} {ScheduleRef.named(name, options)}")
         if progress is not None:
             progress(done, len(todo))
     if not points:
@@ -428,30 +499,49 @@ def plan_model(profile: Profile, p: int, budget: float, *, microbatches: int | N
     if not fits:
         least = min(points, key=lambda q: (q.memory, q.makespan))
         raise ConfigError(f"no plan fits {format_bytes(budget)} per device on {p} devices with {headroom:.0%} "
-                          f"headroom; the smallest predicted peak is {format_bytes(least.memory)} ({least.spec}, "
+                          f"headroom; the smallest predicted peak is {format_bytes(least.memory)} ({least.where}, "
                           f"recomputing {sum(least.recompute)} layers): raise --memory-budget or add devices")
     best = min(fits, key=_model_order)
-    schedule = schedules.build(best.name, p, m, **best.options)
-    result = simulate(schedule, model_costs(profile, schedule, best.layer_stages, best.recompute))
+    result, _, _ = predict(profile, best.layout, best.spec, best.layer_stages, best.recompute)
     return ModelPlan(best=best, result=result, budget=float(budget), points=tuple(points),
                      frontier=tuple(frontier(points, _model_order)),
                      skipped=tuple(skipped), profile=profile, room=room)
 
 
-def predict(profile: Profile, schedule: Schedule, layer_stages: Sequence[Sequence[int]],
+def predict(profile: Profile, layout: Layout, schedule: str | Schedule, layer_stages: Sequence[Sequence[int]],
             recompute: Sequence[int] | None = None) -> tuple[SimResult, list[int], list[int]]:
-    """What the profile predicts for one plan: the simulation (seconds, activation bytes), each device's peak bytes
-    in all (weights, gradients, optimizer state, activations, a receive buffer) and its static part."""
-    rows = stage_profiles(profile, layer_stages)
+    """What the profile predicts for one plan: ``schedule`` (a built pipeline of ``layout.pp`` devices, or its
+    ``name:k=v`` with the profile's microbatches shared among ``layout.dp`` copies) with ``layer_stages`` and
+    ``recompute``, each device's layers split over ``layout.tp`` ranks. Returns the simulation of one pipeline
+    (seconds, activation bytes), each device's peak bytes in all (weights, gradients, optimizer state, activations,
+    a receive buffer) and its static part."""
+    seen = layout_profile(profile, layout)
+    if isinstance(schedule, str):
+        ref = ScheduleRef.parse(schedule)
+        schedule = schedules.build(ref.name, layout.pp, int(profile.train["microbatches"]) // layout.dp,
+                                   **ref.kwargs)
+    rows = stage_profiles(seen, layer_stages)
     counts = tuple(recompute or (0,) * len(rows))
     static, activations = device_peaks(schedule, rows, counts)
-    result = simulate(schedule, model_costs(profile, schedule, layer_stages, counts))
+    result = simulate(_replicated(schedule, layout), model_costs(seen, schedule, layer_stages, counts, layout.dp))
     return result, [int(st + a) for st, a in zip(static, activations, strict=True)], static
 
 
-def _model_points(profile: Profile, schedule: Schedule, budget: float) -> list[ModelPoint]:
-    """The candidate plans of one schedule: each split, without recomputation and (where that does not fit)
-    with the cheapest recomputation that does."""
+def _replicated(schedule: Schedule, layout: Layout) -> Schedule:
+    """``schedule`` as each of ``layout.dp`` copies runs it: with its gradients' all-reduces among them (as it is
+    where it has them already: a job's own schedule)."""
+    from pipefold.ir import Kind
+
+    if layout.dp == 1 or any(a.kind is Kind.DP for row in schedule.actions for act in row for a in act.passes):
+        return schedule
+    from pipefold.schedules.dataparallel import with_data_parallel
+
+    return with_data_parallel(schedule)
+
+
+def _model_points(profile: Profile, schedule: Schedule, budget: float, layout: Layout) -> list[ModelPoint]:
+    """The candidate plans of one schedule on one layout (``profile`` as that layout sees it): each split, without
+    recomputation and (where that does not fit) with the cheapest recomputation that does."""
     from pipefold.plan.partition import partition, partition_memory
 
     L = profile.layers
@@ -464,6 +554,7 @@ def _model_points(profile: Profile, schedule: Schedule, budget: float) -> list[M
         split = tuple(tuple(part) for part in by_memory.parts)
         if split != splits["time"]:
             splits["memory"] = split
+    run = _replicated(schedule, layout)
     out = []
     for how, layer_stages in splits.items():
         rows = stage_profiles(profile, layer_stages)
@@ -477,18 +568,19 @@ def _model_points(profile: Profile, schedule: Schedule, budget: float) -> list[M
                 counts = choose_recompute(schedule, rows, "full")
             tries.append((counts, device_peaks(schedule, rows, counts)[1]))
         for counts, activations in tries:
-            result = simulate(schedule, model_costs(profile, schedule, layer_stages, counts))
+            result = simulate(run, model_costs(profile, schedule, layer_stages, counts, layout.dp))
             out.append(ModelPoint(name=schedule.name, options=dict(schedule.options),
                                   makespan=round(result.makespan, 9), bubble_ratio=round(result.bubble_ratio, 9),
                                   peak_memory=tuple(float(st + int(a)) for st, a in zip(static, activations,
                                                                                           strict=True)),
                                   split=how, layer_stages=layer_stages, recompute=counts,
-                                  static_bytes=tuple(static)))
+                                  static_bytes=tuple(static), layout=layout))
     return out
 
 
 def _model_order(pt: ModelPoint) -> tuple[Any, ...]:
-    return (*_order(pt), sum(pt.recompute), pt.split)
+    # Among equals: fewer tensor-parallel ranks (less to go wrong), then fewer copies.
+    return (*_order(pt), sum(pt.recompute), pt.split, pt.layout.tp, pt.layout.dp)
 
 
 def read_plan(path: str) -> dict[str, Any]:

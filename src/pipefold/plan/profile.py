@@ -15,12 +15,16 @@ things::
                 own work once per pass), timed on layers that compute next to nothing
     overhead    the runtime's own work per message a rank sends or receives, beside its passes (posting
                 it, bookkeeping), from a short run of the model on 2 ranks (:mod:`pipefold.train.overhead`)
+    tp_layers   with ``pipefold profile --tp 1,2``: the layers again, split over t tensor-parallel ranks as
+                ``train --tp t`` splits them, measured on one of t local ranks (times with the layers'
+                all-reduces inside, this rank's bytes); :meth:`Profile.at_tp` is the profile of one degree
 
 The file is JSON (``Profile.save`` / ``Profile.load``) and says which model, at which size, it is.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections.abc import Callable
@@ -96,6 +100,26 @@ class Profile:
     pass_fixed: tuple[float, float, float] = (0.0, 0.0, 0.0)
     """Seconds of a stage's F, B and fused BW that do not grow with its layers: every layer's own timing includes
     them once, a stage pays them once (0: not measured)."""
+    tp: int = 1
+    """The tensor-parallel degree ``layers`` were measured at (1: whole layers)."""
+    tp_layers: dict[int, tuple[LayerProfile, ...]] = field(default_factory=dict)
+    """The layers measured at other tensor-parallel degrees, by degree (``pipefold profile --tp``)."""
+
+    @property
+    def tp_degrees(self) -> tuple[int, ...]:
+        """Every tensor-parallel degree this profile measured, in order."""
+        return tuple(sorted({self.tp, *self.tp_layers}))
+
+    def at_tp(self, tp: int) -> Profile:
+        """This profile with the layers measured at ``tp`` tensor-parallel ranks; one line where it has none."""
+        if tp == self.tp:
+            return self
+        if tp not in self.tp_layers:
+            have = ", ".join(map(str, self.tp_degrees))
+            raise ConfigError(f"the profile measured the layers at tensor-parallel degrees {have}, not {tp}: "
+                              f"profile again with --tp {','.join(map(str, sorted({*self.tp_degrees, tp})))}")
+        others = {t: layers for t, layers in {self.tp: self.layers, **self.tp_layers}.items() if t != tp}
+        return dataclasses.replace(self, layers=self.tp_layers[tp], tp=tp, tp_layers=others)
 
     @property
     def microbatch_rows(self) -> int:
@@ -110,7 +134,8 @@ class Profile:
                 "link": {"latency": self.latency, "bandwidth": self.bandwidth},
                 "contention": list(self.contention), "optimizer_factor": self.optimizer_factor,
                 "message_overhead": self.message_overhead, "pass_fixed": list(self.pass_fixed),
-                "machine": dict(self.machine)}
+                "machine": dict(self.machine), "tp": self.tp,
+                "tp_layers": {str(t): [asdict(x) for x in layers] for t, layers in sorted(self.tp_layers.items())}}
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "the profile") -> Profile:
@@ -119,17 +144,15 @@ class Profile:
             if not isinstance(data, dict) or data.get("version") != VERSION:
                 raise ConfigError(f"{where} is not a pipefold profile (version {VERSION}): "
                                   f"make one with pipefold profile -o FILE")
-            layers = tuple(LayerProfile(f=float(row["f"]), b=float(row["b"]), w=float(row["w"]), held=int(row["held"]),
-                                        held_w=int(row["held_w"]), params=int(row["params"]), out=int(row["out"]),
-                                        bw=None if row.get("bw") is None else float(row["bw"]),
-                                        nodes=int(row.get("nodes", 0)), w_depth=float(row.get("w_depth", 0.0)))
-                           for row in data["layers"])
+            layers = _layers(data["layers"])
+            tp_layers = {int(t): _layers(rows) for t, rows in data.get("tp_layers", {}).items()}
             link = data["link"]
             out = cls(train=dict(data["train"]), layers=layers, latency=float(link["latency"]),
                       bandwidth=float(link["bandwidth"]), contention=tuple(float(x) for x in data["contention"]),
                       optimizer_factor=float(data["optimizer_factor"]), machine=dict(data.get("machine", {})),
                       message_overhead=float(data.get("message_overhead", 0.0)),
-                      pass_fixed=_three(data.get("pass_fixed", (0.0, 0.0, 0.0))))
+                      pass_fixed=_three(data.get("pass_fixed", (0.0, 0.0, 0.0))), tp=int(data.get("tp", 1)),
+                      tp_layers=tp_layers)
         except ConfigError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -141,10 +164,14 @@ class Profile:
     def check(self, where: str = "the profile") -> None:
         if not self.layers:
             raise ConfigError(f"{where} has no layers")
-        for i, x in enumerate(self.layers):
-            values = (x.f, x.b, x.w, x.fused, x.held, x.held_w, x.params, x.out, x.nodes, x.w_depth)
-            if not all(math.isfinite(v) and v >= 0 for v in values):
-                raise ConfigError(f"{where}: layer {i} has a negative or non-finite figure: {x}")
+        if self.tp < 1 or any(t < 1 or len(layers) != len(self.layers) for t, layers in self.tp_layers.items()):
+            raise ConfigError(f"{where}: each tensor-parallel degree is >= 1 and measures every layer "
+                              f"({len(self.layers)})")
+        for t, layers in {self.tp: self.layers, **self.tp_layers}.items():
+            for i, x in enumerate(layers):
+                values = (x.f, x.b, x.w, x.fused, x.held, x.held_w, x.params, x.out, x.nodes, x.w_depth)
+                if not all(math.isfinite(v) and v >= 0 for v in values):
+                    raise ConfigError(f"{where}: layer {i} (tp {t}) has a negative or non-finite figure: {x}")
         if not (math.isfinite(self.latency) and self.latency >= 0 and self.bandwidth > 0):
             raise ConfigError(f"{where}: the link needs latency >= 0 and bandwidth > 0 "
                               f"(got {self.latency}, {self.bandwidth})")
@@ -169,6 +196,14 @@ class Profile:
         from pipefold.files import read_json
 
         return cls.from_dict(read_json(path, "profile", "give a file written by pipefold profile -o"), path)
+
+
+def _layers(rows: Any) -> tuple[LayerProfile, ...]:
+    return tuple(LayerProfile(f=float(row["f"]), b=float(row["b"]), w=float(row["w"]), held=int(row["held"]),
+                              held_w=int(row["held_w"]), params=int(row["params"]), out=int(row["out"]),
+                              bw=None if row.get("bw") is None else float(row["bw"]),
+                              nodes=int(row.get("nodes", 0)), w_depth=float(row.get("w_depth", 0.0)))
+                 for row in rows)
 
 
 def _three(values: Any) -> tuple[float, float, float]:

@@ -272,6 +272,31 @@ class _Outbox:
             self._queue.put(None)
 
 
+class FlatAllReduce:
+    """One all-reduce of many tensors, in place: copied into one buffer per dtype and reduced in one call, so a
+    stage's gradients pay one collective's latency, not one per tensor (DDP's buckets do the same; gloo's latency
+    on a shared machine is milliseconds). :meth:`wait` waits and copies the sums back; the buffer lives from the
+    call until then."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:
+        kinds: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for t in tensors:
+            kinds.setdefault((t.dtype, t.device), []).append(t)
+        self._parts = []
+        for same in kinds.values():
+            flat = torch.cat([t.reshape(-1) for t in same])
+            self._parts.append((same, flat, dist.all_reduce(flat, group=group, async_op=True)))
+
+    def wait(self) -> None:
+        for same, flat, work in self._parts:
+            work.wait()
+            at = 0
+            for t in same:
+                t.copy_(flat[at:at + t.numel()].view_as(t))
+                at += t.numel()
+        self._parts = []
+
+
 def _work(send: _Send) -> dist.Work:
     assert not isinstance(send[0], (_Deferred, _Staged)), "emulated and staged links are threaded"
     return send[0]

@@ -41,7 +41,17 @@ from torch import nn
 from pipefold.errors import ConfigError
 from pipefold.ir import KINDS, Action, Graph, Kind, Schedule, dependency_graph
 from pipefold.runtime import sharding
-from pipefold.runtime.comm import BACKWARD, FORWARD, HEADER, Incoming, Links, Meta, decode_header, metas_of
+from pipefold.runtime.comm import (
+    BACKWARD,
+    FORWARD,
+    HEADER,
+    FlatAllReduce,
+    Incoming,
+    Links,
+    Meta,
+    decode_header,
+    metas_of,
+)
 
 if TYPE_CHECKING:
     from pipefold.sim.network import Network
@@ -356,7 +366,7 @@ class RankExecutor:
                     group = dist.new_group(ranks=sorted(ranks[h] for h in holders))
                     if q == pipeline and rank in holders:
                         self._groups[s] = group
-        self._reductions: dict[int, list[dist.Work]] = {}  # stage -> its all-reduce, until waited for
+        self._reductions: dict[int, list[FlatAllReduce]] = {}  # stage -> its all-reduce, until waited for
         self._gathers: dict[int, Any] = {}  # stage -> its parameters' all-gather (AG), until its first forward
         self._group_ranks = {s: tuple(dist.get_process_group_ranks(g)) for s, g in self._groups.items()}
         if dp_group is not None:
@@ -536,9 +546,9 @@ class RankExecutor:
         for p in self.runners[s].params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            # Started now, waited for by the stage's OPT or at the step's end: it overlaps what comes next.
-            self._reductions.setdefault(s, []).append(dist.all_reduce(sharding.local(p.grad), group=self._groups[s],
-                                                                      async_op=True))
+        # Started now, waited for by the stage's OPT or at the step's end: it overlaps what comes next.
+        self._reductions.setdefault(s, []).append(
+            FlatAllReduce([sharding.local(p.grad) for p in self.runners[s].params], self._groups[s]))
         step.clock.interval(step.stats.events, str(action), "R", start)
 
     def _reduce_pipelines(self, action: Action, step: _Step) -> None:
@@ -554,9 +564,9 @@ class RankExecutor:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             p.grad.mul_(share)  # the mean over the pipelines, each having averaged over its own shard
-            # A tensor-parallel rank's part of a split gradient: the copies of that part are its dp group.
-            self._reductions.setdefault(s, []).append(dist.all_reduce(sharding.local(p.grad), group=self.dp_group,
-                                                                      async_op=True))
+        # A tensor-parallel rank's part of a split gradient: the copies of that part are its dp group.
+        self._reductions.setdefault(s, []).append(
+            FlatAllReduce([sharding.local(p.grad) for p in self.runners[s].params], self.dp_group))
         step.clock.interval(step.stats.events, str(action), "DP", start)
 
     def _gather(self, action: Action, step: _Step) -> None:

@@ -45,7 +45,8 @@ from pipefold.runtime.stage import (
 )
 
 __all__ = ["layer_costs", "layer_memory", "layer_static_bytes", "measure_contention", "measure_layers",
-           "measure_link", "measure_pass_fixed", "measure_stages", "profile_model", "run_passes", "split_figures"]
+           "measure_link", "measure_pass_fixed", "measure_sharded", "measure_stages", "profile_model", "run_passes",
+           "split_figures"]
 
 Values = tuple[torch.Tensor, ...]
 _LINK_SIZES = (4 << 10, 64 << 10, 512 << 10, 4 << 20)
@@ -112,7 +113,10 @@ def _output_bytes(out: Values) -> int:
 
 
 def _param_bytes(layer: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in layer.parameters())
+    """Bytes of this rank's parameters: a tensor-parallel weight's own shard, not the whole."""
+    from pipefold.runtime.sharding import local
+
+    return sum(local(p).numel() * p.element_size() for p in layer.parameters())
 
 
 def _kind(layer: nn.Module, x: Values, *more: object) -> tuple[Any, ...]:
@@ -652,6 +656,54 @@ def measure_contention(devices: int, train: dict[str, Any], layers: tuple[int, i
     return tuple(max(1.0, statistics.median(r)) for r in ratios)
 
 
+# --------------------------------------------------------------------------- layers split over tensor-parallel ranks
+
+
+def _sharded(rank: int, port: int, tp: int, train: dict[str, Any], repeats: int, out: Any) -> None:
+    """One of ``tp`` ranks measuring the model's layers split over them as ``pipefold train --tp`` splits them (each
+    layer through torch's ``parallelize_module`` by the model's plan); the layers' collectives keep the ranks in
+    step. Rank 0 puts its figures on ``out``."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pipefold.runtime.sharding import tensor_parallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp,
+                            timeout=timedelta(seconds=120))
+    try:
+        mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
+        model = _model(train)
+        layers = model.build()
+        tensor_parallel(dict(enumerate(layers)), model.tp_plans(tp), mesh)
+        m = int(train["microbatches"])
+        x, y = model.batch_at(0)
+        measured = measure_layers(layers, split_batch(x, m)[0], y.chunk(m)[0], model.loss, microbatches=m,
+                                  repeats=repeats)
+        if rank == 0:
+            out.put(measured)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_sharded(train: dict[str, Any], tp: int, repeats: int = 7) -> list[LayerProfile]:
+    """Each layer's figures (:func:`measure_layers`) on one of ``tp`` local ranks that split it, as a stage of a
+    ``--tp`` run holds it: its times with the collectives inside them, this rank's bytes held and parameters."""
+    import torch.multiprocessing as mp
+
+    _model(train).tp_plans(tp)  # --tp that does not fit the model: one line here, before any process starts
+    ctx = process_context()
+    out = ctx.SimpleQueue()
+    with starting():
+        ranks = mp.start_processes(_sharded, args=(free_port(), tp, train, repeats, out), nprocs=tp,
+                                   start_method=ctx.get_start_method(), join=False)
+    with stopped_on_error(ranks.processes):
+        while not ranks.join():
+            pass
+    result: list[LayerProfile] = out.get()
+    return result
+
+
 # --------------------------------------------------------------------------- the whole profile
 
 
@@ -659,12 +711,13 @@ def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int 
                   heads: int | None = None, model_config: str | None = None, seq: int = 64,
                   batch: int = 16, microbatches: int = 8, optimizer: str = "adamw", seed: int = 0,
                   devices: int = 4, repeats: int = 7, link: bool = True, contention: bool = True,
-                  progress: Progress | None = None) -> Profile:
+                  tp: Sequence[int] = (1,), progress: Progress | None = None) -> Profile:
     """Measure ``model`` at this size on this machine (see the module's docstring).
 
     Without ``link`` the link is free (latency 0, infinite bandwidth); without ``contention``
     every rank has a device of its own (factor 1 for any k). ``layers``, ``hidden`` and ``heads`` None: the model's
-    defaults; ``model_config``: a Hugging Face model's config.
+    defaults; ``model_config``: a Hugging Face model's config. Each ``tp`` degree above 1 measures the layers
+    again, split over that many local ranks (:func:`measure_sharded`).
     """
     if batch % microbatches:
         raise ConfigError(f"a batch of {batch} does not split into {microbatches} microbatches; "
@@ -676,6 +729,9 @@ def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int 
     if model_config is not None:
         train["model_config"] = model_config
     built = _model(train)
+    sharded = sorted({int(t) for t in tp} - {1})
+    for t in sharded:
+        built.tp_plans(t)  # a degree that does not fit the model: one line before anything is measured
     # The whole model here and, to measure how ranks share the cores, a stage's worth on each of the devices.
     check_model(built, microbatches=microbatches, ranks=devices if contention else 0, copies=2,
                 what=f"profiling {model}")
@@ -693,6 +749,13 @@ def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int 
         factors = measure_contention(devices, train, chunk)
         if progress is not None:
             progress("sharing", 1, 1)
+    tp_layers = {}
+    for t in sharded:
+        if progress is not None:
+            progress(f"tp {t}", 0, 1)
+        tp_layers[t] = tuple(measure_sharded(train, t, repeats))
+        if progress is not None:
+            progress(f"tp {t}", 1, 1)
     latency, bandwidth = 0.0, math.inf
     if link:
         if progress is not None:
@@ -706,4 +769,5 @@ def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int 
                "device": "cpu", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "repeats": repeats}
     return Profile(train=train, layers=tuple(measured), latency=latency,
                    bandwidth=bandwidth if math.isfinite(bandwidth) else 1e30, contention=factors,
-                   optimizer_factor=OPTIMIZER_STATE[optimizer], machine=machine, pass_fixed=measure_pass_fixed())
+                   optimizer_factor=OPTIMIZER_STATE[optimizer], machine=machine, pass_fixed=measure_pass_fixed(),
+                   tp_layers=tp_layers)

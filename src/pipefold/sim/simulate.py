@@ -48,7 +48,7 @@ from pipefold.ir.graph import ActionTable, action_table
 from pipefold.sim.network import Network, Wire
 
 __all__ = ["CostModel", "Interval", "SimResult", "StageCost", "StageOverride", "Timeline", "memory_deltas",
-           "peak_by_order", "simulate", "split_backward"]
+           "peak_by_order", "simulate", "slowdown", "split_backward"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -575,7 +575,7 @@ class _Links:
         return wire.send(self.at + t, self.nbytes) - self.at
 
 
-def _slowdown(contention: Sequence[float], k: int) -> float:
+def slowdown(contention: Sequence[float], k: int) -> float:
     """How many times longer a pass takes while k devices compute at once."""
     if not contention:
         return 1.0
@@ -661,7 +661,7 @@ def _shared_times(graph: Graph, durations: Sequence[float], transfer: float | _L
                 soonest, starters = at, [g]
             elif abs(at - soonest) <= 1e-15:
                 starters.append(g)
-        factor = _slowdown(contention, len(running)) if running else 1.0
+        factor = slowdown(contention, len(running)) if running else 1.0
         finish = t + min(left for _, left in running.values()) * factor if running else math.inf
         if not running and not starters:
             raise RuntimeError("shared-core timing found no action to run: the schedule graph is inconsistent")

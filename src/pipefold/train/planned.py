@@ -71,7 +71,7 @@ def from_plan(plan: RunPlan, spec: RunSpec | None = None) -> Planned:
 
     spec = spec or RunSpec()
     fixed = {**profiled_settings(plan.train), "plan": None, "schedule": plan.schedule, "devices": plan.devices,
-             "microbatches": plan.microbatches}
+             "microbatches": plan.microbatches, "dp": plan.dp, "tp": plan.tp}
     if "seed" in spec.given():
         fixed.pop("seed", None)
     resolved = spec.replace(**fixed)
@@ -84,7 +84,7 @@ def from_plan(plan: RunPlan, spec: RunSpec | None = None) -> Planned:
                           "again with pipefold plan --profile")
     recompute = None
     if any(plan.recompute):
-        rows = stage_profiles(plan.profile, layer_stages)
+        rows = stage_profiles(plan.profile.at_tp(plan.tp), layer_stages)
         static, activations = device_peaks(schedule, rows, plan.recompute)
         recompute = RecomputePlan("plan", plan.recompute, tuple(len(p) for p in layer_stages), static,
                                   [int(a) for a in activations], plan.budget, plan.step_time, plan.step_time)

@@ -104,7 +104,7 @@ def make_job(spec: RunSpec, *, decided: Decisions | None = None, placed: Any = N
 
         # Each stage's gradients averaged across the pipelines; with FSDP, each stage sharded across them.
         schedule = with_data_parallel(schedule, shard=spec.parallel.fsdp)
-    tp_plan = _tp_plan(spec, model) if spec.parallel.tp > 1 else {}
+    tp_plan = model.tp_plans(spec.parallel.tp) if spec.parallel.tp > 1 else {}
     job = Job(schedule=schedule, layer_stages=layer_stages, build_layers=model.build_layers, loss_fn=model.loss,
               batch_at=model.batch_at, steps=spec.steps, optimizer=spec.optimizer, parallel=spec.parallel,
               reliability=spec.reliability, devices=spec.devices, save_grads_of_step=0 if spec.check else None,
@@ -114,19 +114,6 @@ def make_job(spec: RunSpec, *, decided: Decisions | None = None, placed: Any = N
     for hook in JOB_HOOKS:
         job = hook(job)
     return job
-
-
-def _tp_plan(spec: RunSpec, model: Model) -> dict[int, dict[str, str]]:
-    """Every layer's tensor-parallel plan, after the checks that --tp fits the model: it divides the widths the
-    plan splits (heads, a Linear's features), and the model declares a plan at all."""
-    tp = spec.parallel.tp
-    for what, width in model.tp_widths().items():
-        if width % tp:
-            fits = [str(d) for d in range(2, width + 1) if width % d == 0]
-            shown = ", ".join(fits[:6]) + (", ..." if len(fits) > 6 else "")
-            raise ConfigError(f"--tp {tp} splits {what} = {width} unevenly: use a --tp that divides it ({shown}) "
-                              f"or change {what.split()[0]}")
-    return {i: plan for i in range(model.num_layers) if (plan := model.tp_plan(i))}
 
 
 def _adaptive(spec: RunSpec) -> Adaptive:

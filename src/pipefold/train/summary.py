@@ -50,10 +50,12 @@ def summarize(outcome: Outcome, *, trace: str | None = None, plot: str | None = 
     replayed = simulate(last, costs, network=job.network, at=at)
     predicted, label = replayed, "simulated from the measured costs"
     if planned is not None:
-        from pipefold.plan.budget import predict
+        from pipefold.plan.budget import Layout, predict
 
         # The profile's prediction, made before the run, next to what the run measured.
-        predicted, peaks, _ = predict(planned.plan.profile, job.schedule, job.layer_stages, job.recompute)
+        plan = planned.plan
+        predicted, peaks, _ = predict(plan.profile, Layout(plan.dp, plan.tp, plan.devices), job.schedule,
+                                      job.layer_stages, job.recompute)
         label = "predicted from the profile"
     cycle_peaks = None
     if job.cycle and planned is None:  # the steps of a cycle differ: each rank's peak is the most over those that ran

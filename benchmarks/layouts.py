@@ -1,0 +1,120 @@
+"""Every dp x tp x pp layout of a world, predicted and measured: the planner's step time and per-rank peak against a
+real run of each.
+
+For each world (4 and 8 local gloo ranks by default) the GPT is profiled once at every tensor-parallel degree that
+divides its heads and the world (``pipefold profile --tp``, ``--devices`` the world: how that many ranks share
+the cores). Then for every layout of the world (:func:`pipefold.plan.budget.every_layout`) the planner's best 1f1b
+plan on that layout alone runs for a few steps, and its prediction is put beside the measurement:
+
+- step time: the profile's prediction against the median measured step (with min..max);
+- peak per rank: the prediction against the runtime's meter plus the weights, gradients and optimizer state
+  counted from the tensors, and against torch's MemTracker (an independent tracker of every tensor) in one step;
+- collective bytes per rank and step, in closed form: each block's two tensor-parallel all-reduces in F and two
+  in B on ``rows x seq x hidden`` floats, and the ring all-reduce of the stage's gradients among the dp copies,
+  ``2 (dp - 1) / dp`` of their bytes.
+
+    OMP_NUM_THREADS=1 python benchmarks/layouts.py [--worlds 4,8] [--steps 5] [--json out.json]
+
+A setting ``PIPEFOLD_BENCH_SMALL=1`` shrinks the model and the steps (what the test suite runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from plan_accuracy import run_plan  # noqa: E402
+
+from pipefold.files import write_json  # noqa: E402
+from pipefold.plan.budget import Layout, every_layout, plan_model  # noqa: E402
+from pipefold.plan.profile import Profile  # noqa: E402
+from pipefold.train.overhead import profile_here  # noqa: E402
+
+SMALL = os.environ.get("PIPEFOLD_BENCH_SMALL") == "1"
+MODEL: dict[str, Any] = ({"model": "gpt", "layers": 2, "hidden": 32, "heads": 2, "seq": 16, "batch": 8,
+                          "microbatches": 4} if SMALL else
+                         {"model": "gpt", "layers": 4, "hidden": 256, "heads": 4, "seq": 64, "batch": 32,
+                          "microbatches": 8})
+
+
+def collective_bytes(profile: Profile, layout: Layout, layer_stages: tuple[tuple[int, ...], ...],
+                     microbatches: int) -> list[int]:
+    """Per pipeline device, the bytes one of its ranks hands to collectives in a step (closed form): per block and
+    microbatch four tensor-parallel all-reduces of the block's output (two in F, two in B), and the ring all-reduce
+    of its gradients' bytes among the copies."""
+    train = profile.train
+    rows = int(train["batch"]) // int(train["microbatches"])
+    activation = rows * int(train["seq"]) * int(train["hidden"] or 0) * 4
+    seen = profile.at_tp(layout.tp).layers
+    out = []
+    for part in layer_stages:
+        blocks = sum(1 for i in part if 0 < i < len(seen) - 1)
+        tp = 4 * blocks * microbatches * activation if layout.tp > 1 else 0
+        dp = 2 * (layout.dp - 1) / layout.dp * sum(seen[i].params for i in part)
+        out.append(int(tp + dp))
+    return out
+
+
+def bench_world(world: int, steps: int) -> list[dict[str, Any]]:
+    tp = [t for t in (1, 2, 4) if world % t == 0 and int(MODEL["heads"]) % t == 0]
+    profile = profile_here(**MODEL, optimizer="adamw", seed=0, devices=world, tp=tp, repeats=3 if SMALL else 7,
+                           overhead=not SMALL)
+    rows = []
+    for layout in every_layout(profile, world):
+        try:
+            answer = plan_model(profile, world, 1e15, layouts=[layout], families=["1f1b"])
+        except Exception as exc:  # a layout 1f1b cannot run (more stages than layers): shown, not measured
+            rows.append({"world": world, "layout": str(layout), "skipped": str(exc)})
+            continue
+        plan = answer.to_dict()
+        got = run_plan(plan, steps)
+        b = answer.best
+        pipelines = layout.dp * layout.tp
+        # Ranks in the mesh's order (dp, pp, tp): device of rank r is r // tp % pp.
+        peaks = got["measured"]["peak_bytes"]
+        predicted_peak = [int(b.peak_memory[r // layout.tp % layout.pp]) for r in range(world)]
+        row = {"world": world, "layout": str(layout), "dp": layout.dp, "tp": layout.tp, "pp": layout.pp,
+               "schedule": b.spec, "layer_stages": [list(p) for p in b.layer_stages],
+               "predicted_step_s": b.makespan, "measured_step_s": got["measured"]["step_time_s"],
+               "measured_step_spread_s": got["measured"]["step_time_spread_s"],
+               "step_ratio": got["measured"]["step_time_s"] / b.makespan,
+               "predicted_peak_bytes": predicted_peak, "measured_peak_bytes": peaks,
+               "peak_ratio_worst": max(abs(m / p - 1) for m, p in zip(peaks, predicted_peak, strict=True)) + 1,
+               "memtracker_activation_bytes": got["memtracker_activation_bytes"],
+               "meter_activation_bytes": got["meter_activation_bytes_same_step"],
+               "collective_bytes_per_rank": collective_bytes(profile, layout, b.layer_stages,
+                                                             int(MODEL["microbatches"]) // layout.dp),
+               "pipelines": pipelines}
+        rows.append(row)
+        print(f"world {world} {layout}: step predicted {b.makespan * 1e3:.1f} ms, measured "
+              f"{row['measured_step_s'] * 1e3:.1f} ms (x{row['step_ratio']:.2f}); peak per rank predicted "
+              f"{max(predicted_peak) / 2**20:.2f} MiB, measured {max(peaks) / 2**20:.2f} MiB "
+              f"(worst rank off by {row['peak_ratio_worst'] - 1:.1%})", flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--worlds", default="2" if SMALL else "4,8", help="worlds to lay out (default 4,8)")
+    ap.add_argument("--steps", type=int, default=3 if SMALL else 5)
+    ap.add_argument("--json", default=None, help="write every row to this file")
+    args = ap.parse_args()
+    rows = [row for world in args.worlds.split(",") for row in bench_world(int(world), args.steps)]
+    ran = [r for r in rows if "skipped" not in r]
+    if ran:
+        ratios = [r["step_ratio"] for r in ran]
+        print(f"{len(ran)} layouts: measured / predicted step {min(ratios):.2f}..{max(ratios):.2f} "
+              f"(median {statistics.median(ratios):.2f}); worst peak off by "
+              f"{max(r['peak_ratio_worst'] for r in ran) - 1:.1%}")
+    if args.json:
+        write_json(args.json, rows, indent=1)
+
+
+if __name__ == "__main__":
+    main()

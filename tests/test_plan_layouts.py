@@ -1,0 +1,165 @@
+"""Planning a world of ranks: every dp x tp x pp layout, the profile at each tensor-parallel degree, the plan run."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+
+import pytest
+
+from pipefold import schedules
+from pipefold.errors import ConfigError
+from pipefold.plan.budget import (
+    Layout,
+    RunPlan,
+    every_layout,
+    layout_profile,
+    plan_model,
+    predict,
+    read_plan,
+)
+from pipefold.plan.profile import LayerProfile, Profile
+
+
+def _profile(n: int = 6, microbatches: int = 8, contention: tuple[float, ...] = (1.0,) * 8) -> Profile:
+    """A made-up model at tp 1 and tp 2: an embedding, n-2 blocks and a head. At tp 2 a block computes a little more
+    than half (its all-reduces), holds a little more than half and keeps 55% of its weights; the embedding and head
+    stay whole."""
+    def block(t: int) -> LayerProfile:
+        share = 1 / t + (0.1 if t > 1 else 0.0)
+        return LayerProfile(f=2e-3 * share, b=3e-3 * share, w=2e-3 / t, held=int(200_000 * share),
+                            held_w=int(150_000 * share), params=int(400_000 * (0.55 if t > 1 else 1)), out=8192)
+
+    def layers(t: int) -> tuple[LayerProfile, ...]:
+        return (LayerProfile(f=1e-4, b=1e-5, w=2e-4, held=1000, held_w=500, params=40_000, out=8192),
+                *(block(t) for _ in range(n - 2)),
+                LayerProfile(f=1e-3, b=1e-3, w=5e-4, held=50_000, held_w=40_000, params=60_000, out=0))
+
+    return Profile(train={"model": "gpt", "layers": n - 2, "hidden": 32, "heads": 2, "seq": 16, "batch": 16,
+                          "microbatches": microbatches, "optimizer": "adamw", "seed": 0},
+                   layers=layers(1), latency=5e-5, bandwidth=2e9, contention=contention, optimizer_factor=2.0,
+                   tp_layers={2: layers(2)})
+
+
+def test_every_layout_is_every_factorisation_the_profile_can_predict() -> None:
+    # Brute force: every (dp, tp, pp) with dp * tp * pp = world, tp a measured degree, dp sharing the microbatches.
+    for world, m in itertools.product((1, 2, 4, 6, 8), (2, 4, 8)):
+        prof = _profile(microbatches=m)
+        want = {Layout(dp, tp, pp) for dp, tp, pp in itertools.product(range(1, 9), repeat=3)
+                if dp * tp * pp == world and tp in (1, 2) and m % dp == 0}
+        assert set(every_layout(prof, world)) == want
+    only_tp2 = dataclasses.replace(_profile().at_tp(2), tp_layers={})
+    with pytest.raises(ConfigError, match="no layout of 3 ranks"):
+        every_layout(only_tp2, 3)
+
+
+def test_a_layouts_devices_share_the_machine_as_all_its_ranks_do() -> None:
+    # k devices of a pipeline computing at once are k * dp * tp ranks; the tp profile's times already had tp of them.
+    c = (1.0, 1.2, 1.9, 2.6, 3.3, 4.0, 4.7, 5.4)
+    prof = _profile(contention=c)
+    assert layout_profile(prof, Layout(1, 1, 4)).contention == pytest.approx(c[:4])
+    assert layout_profile(prof, Layout(2, 1, 2)).contention == pytest.approx([c[1], c[3]])
+    assert layout_profile(prof, Layout(1, 2, 2)).contention == pytest.approx([c[1] / c[1], c[3] / c[1]])
+    assert layout_profile(prof, Layout(2, 2, 2)).contention == pytest.approx([c[3] / c[1], c[7] / c[1]])
+    # Beyond the measured table: in proportion to the ranks, as the simulator extends it.
+    assert layout_profile(prof, Layout(4, 2, 2)).contention == pytest.approx([c[7] / c[1], c[7] * 2 / c[1]])
+    assert layout_profile(prof, Layout(1, 2, 2)).layers == prof.tp_layers[2]
+    with pytest.raises(ConfigError, match="profile again with --tp 1,2,4"):
+        layout_profile(prof, Layout(1, 4, 1))
+
+
+def test_the_world_plan_is_the_best_over_a_brute_force_of_layouts_schedules_and_splits() -> None:
+    prof = _profile(contention=(1.0, 1.1, 1.6, 2.2, 2.8, 3.4, 4.0, 4.6))
+    layouts = every_layout(prof, 4)
+    # A family of each shape (v-block's hundreds of block choices would make the brute force minutes long).
+    families = ["gpipe", "1f1b", "zb-h1", "kfkb", "interleaved-1f1b", "zb-v", "v-half", "chimera"]
+    everything = plan_model(prof, 4, 1e12, layouts=layouts, families=families)
+    budget = sorted(pt.memory for pt in everything.points)[len(everything.points) // 3]
+    answer = plan_model(prof, 4, budget, layouts=layouts, families=families)
+    assert {pt.layout for pt in answer.points} == set(layouts)
+    # Brute force: every layout, family and option the planner tried, every contiguous split, no recomputation.
+    best, where = math.inf, None
+    n = len(prof.layers)
+    for pt in {(q.layout, q.name, tuple(q.options.items())) for q in answer.points}:
+        layout, name, options = pt
+        s = schedules.build(name, layout.pp, 8 // layout.dp, **dict(options))
+        for cuts in itertools.combinations(range(1, n), s.stages - 1):
+            bounds = [0, *cuts, n]
+            parts = [tuple(range(a, b)) for a, b in zip(bounds, bounds[1:], strict=False)]
+            result, peaks, _ = predict(prof, layout, s, parts)
+            if max(peaks) <= budget / 1.05 and result.makespan < best:
+                best, where = result.makespan, (layout, name)
+    assert where is not None
+    assert answer.best.memory <= budget / 1.05
+    # The planner's two splits per schedule and its recomputation: never more than 10% off the best split.
+    assert answer.best.makespan <= best * 1.10 + 1e-12
+    # Its answer is what predict says of it (the same layout, schedule, split and recomputation).
+    result, peaks, _ = predict(prof, answer.best.layout, answer.best.spec, answer.best.layer_stages,
+                               answer.best.recompute)
+    assert result.makespan == pytest.approx(answer.best.makespan)
+    assert peaks == [int(x) for x in answer.best.peak_memory]
+    # A world plan is never slower than the best single pipeline of the same ranks (it searched that layout too).
+    alone = plan_model(prof, 4, budget, families=families)
+    assert answer.best.makespan <= alone.best.makespan + 1e-12
+
+
+def test_data_parallel_copies_pay_their_all_reduce_over_the_link() -> None:
+    # Two copies of a one-device pipeline: the step is the pipeline's plus the ring all-reduce of its gradients,
+    # 2 (dp-1)/dp of the bytes over the bandwidth and 2 (dp-1) latencies (closed form), when nothing overlaps it.
+    prof = dataclasses.replace(_profile(), contention=(1.0,) * 8)
+    s = schedules.build("gpipe", 1, 4)
+    parts = [tuple(range(len(prof.layers)))]
+    one, _, _ = predict(prof, Layout(1, 1, 1), schedules.build("gpipe", 1, 8), parts)
+    two, _, _ = predict(prof, Layout(2, 1, 1), s, parts)
+    grads = sum(x.params for x in prof.layers)
+    ring = 2 * (2 - 1) / 2 * grads / prof.bandwidth + 2 * (2 - 1) * prof.latency
+    assert two.makespan == pytest.approx(one.makespan / 2 + ring, rel=1e-6)
+
+
+def test_a_world_plan_file_round_trips_its_layout(tmp_path) -> None:
+    prof = _profile()
+    answer = plan_model(prof, 4, 1e12, layouts=[Layout(1, 2, 2), Layout(2, 2, 1)])
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(answer.to_dict()))
+    back = RunPlan.from_dict(read_plan(str(path)))
+    assert (back.dp, back.tp, back.devices) == (answer.best.layout.dp, answer.best.layout.tp, answer.best.layout.pp)
+    assert back.microbatches * back.dp == 8
+    assert all({"dp", "tp", "devices"} <= set(row) for row in answer.to_dict()["frontier"])
+
+
+def test_layouts_must_make_the_world() -> None:
+    with pytest.raises(ConfigError, match="runs 2 ranks"):
+        plan_model(_profile(), 4, 1e12, layouts=[Layout(1, 1, 2)])
+    with pytest.raises(ConfigError, match="whose dp divides 8"):
+        plan_model(_profile(), 3, 1e12, layouts=[Layout(3, 1, 1)])
+
+
+def test_a_profile_at_tp_2_measures_each_ranks_share_and_its_plan_runs_exactly(tmp_path) -> None:
+    from pipefold.runtime.local import run_local
+    from pipefold.runtime.profiling import profile_model
+    from pipefold.train.planned import from_plan
+    from pipefold.train.prepare import make_job
+    from pipefold.train.reference import compare
+    from pipefold.train.spec import RunSpec
+
+    h = 32
+    prof = profile_model(model="gpt", layers=2, hidden=h, heads=2, seq=16, batch=8, microbatches=4, devices=4,
+                         repeats=1, link=False, contention=False, tp=(1, 2))
+    assert prof.tp_degrees == (1, 2)
+    # Closed form of a GPT block's parameters on one of t ranks (biases on): q, k, v and the MLP's first Linear
+    # split whole, the two output projections' weights split and their biases whole, both norms whole.
+    for t in (1, 2):
+        floats = (12 * h * h + 7 * h) // t + 6 * h
+        assert prof.at_tp(t).layers[1].params == 4 * floats
+    whole = prof.at_tp(1).layers
+    assert prof.at_tp(2).layers[0].params == whole[0].params  # the embedding and the head stay whole
+    assert prof.at_tp(2).layers[-1].params == whole[-1].params
+    answer = plan_model(prof, 4, 1e12, layouts=[Layout(1, 2, 2)], families=["1f1b"])
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(answer.to_dict()))
+    planned = from_plan(RunPlan.from_dict(read_plan(str(path))), RunSpec.flat(steps=2, check=True))
+    assert (planned.spec.parallel.tp, planned.spec.parallel.dp, planned.spec.schedule.devices) == (2, 1, 2)
+    job = make_job(planned.spec, decided=planned.decided)
+    assert compare(job, run_local(job))["max_grad_rel_diff"] < 1e-5
