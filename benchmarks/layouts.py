@@ -29,12 +29,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from plan_accuracy import run_plan  # noqa: E402
-
 from pipefold.files import write_json  # noqa: E402
 from pipefold.plan.budget import Layout, every_layout, plan_model  # noqa: E402
 from pipefold.plan.profile import Profile  # noqa: E402
 from pipefold.train.overhead import profile_here  # noqa: E402
+from plan_accuracy import run_plan  # noqa: E402
 
 SMALL = os.environ.get("PIPEFOLD_BENCH_SMALL") == "1"
 MODEL: dict[str, Any] = ({"model": "gpt", "layers": 2, "hidden": 32, "heads": 2, "seq": 16, "batch": 8,

@@ -66,6 +66,11 @@ def test_a_layouts_devices_share_the_machine_as_all_its_ranks_do() -> None:
     # Beyond the measured table: in proportion to the ranks, as the simulator extends it.
     assert layout_profile(prof, Layout(4, 2, 2)).contention == pytest.approx([c[7] / c[1], c[7] * 2 / c[1]])
     assert layout_profile(prof, Layout(1, 2, 2)).layers == prof.tp_layers[2]
+    # tp layers timed with 8 ranks computing at once (4 groups of 2 side by side): fewer computing run faster.
+    crowded = dataclasses.replace(prof, tp_ranks={2: 8})
+    assert layout_profile(crowded, Layout(1, 2, 2)).contention == pytest.approx([c[1] / c[7], c[3] / c[7]])
+    assert layout_profile(crowded, Layout(2, 2, 2)).contention == pytest.approx([c[3] / c[7], 1.0])
+    assert layout_profile(crowded, Layout(2, 1, 2)).contention == pytest.approx([c[1], c[3]])  # tp 1: alone
     with pytest.raises(ConfigError, match="profile again with --tp 1,2,4"):
         layout_profile(prof, Layout(1, 4, 1))
 
@@ -116,6 +121,17 @@ def test_data_parallel_copies_pay_their_all_reduce_over_the_link() -> None:
     grads = sum(x.params for x in prof.layers)
     ring = 2 * (2 - 1) / 2 * grads / prof.bandwidth + 2 * (2 - 1) * prof.latency
     assert two.makespan == pytest.approx(one.makespan / 2 + ring, rel=1e-6)
+    # Where the profile measured an all-reduce among 2 ranks, that fit prices it instead: latency + bytes / bandwidth.
+    fitted = dataclasses.replace(prof, allreduce={2: (1e-3, 1e8)})
+    two, _, _ = predict(fitted, Layout(2, 1, 1), s, parts)
+    assert two.makespan == pytest.approx(one.makespan / 2 + 1e-3 + grads / 1e8, rel=1e-6)
+
+
+def test_an_all_reduce_among_local_ranks_costs_more_for_more_bytes() -> None:
+    from pipefold.runtime.profiling import measure_allreduce
+
+    latency, bandwidth = measure_allreduce(2, rounds=3, sizes=(4 << 10, 1 << 20, 4 << 20))
+    assert latency >= 0 and 1e6 < bandwidth < 1e12  # some MB/s to some hundred GB/s: a real copy over a socket
 
 
 def test_a_world_plan_file_round_trips_its_layout(tmp_path) -> None:
@@ -147,12 +163,15 @@ def test_a_profile_at_tp_2_measures_each_ranks_share_and_its_plan_runs_exactly(t
     h = 32
     prof = profile_model(model="gpt", layers=2, hidden=h, heads=2, seq=16, batch=8, microbatches=4, devices=4,
                          repeats=1, link=False, contention=False, tp=(1, 2))
-    assert prof.tp_degrees == (1, 2)
+    assert prof.tp_degrees == (1, 2) and prof.ranks_measuring(2) == 2
     # Closed form of a GPT block's parameters on one of t ranks (biases on): q, k, v and the MLP's first Linear
     # split whole, the two output projections' weights split and their biases whole, both norms whole.
     for t in (1, 2):
         floats = (12 * h * h + 7 * h) // t + 6 * h
         assert prof.at_tp(t).layers[1].params == 4 * floats
+    # torch's CommDebugMode counted each block's collectives as they ran: Megatron's two all-reduces in the forward
+    # (after attention, after the MLP) and two in the backward (the gradients of their inputs); none elsewhere.
+    assert [x.collectives for x in prof.at_tp(2).layers] == [0, 4, 4, 0]
     whole = prof.at_tp(1).layers
     assert prof.at_tp(2).layers[0].params == whole[0].params  # the embedding and the head stay whole
     assert prof.at_tp(2).layers[-1].params == whole[-1].params

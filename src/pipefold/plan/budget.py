@@ -250,10 +250,11 @@ def every_layout(profile: Profile, world: int) -> list[Layout]:
 def layout_profile(profile: Profile, layout: Layout) -> Profile:
     """What one pipeline of ``layout`` sees of the profile: the layers at its tensor-parallel degree, and how its
     devices share the machine. Each device stands for ``dp * tp`` ranks that compute in step (the tp ranks wait for
-    each other in every layer, the copies run the same schedule), and the tp profile's times were taken with
-    ``tp`` of them computing; so k devices computing run ``slowdown(k * dp * tp) / slowdown(tp)`` times longer."""
+    each other in every layer, the copies run the same schedule), and the layers were timed with
+    ``profile.ranks_measuring(tp)`` ranks computing at once; so k devices computing run
+    ``slowdown(k * dp * tp) / slowdown(ranks measuring)`` times longer (less than 1 where fewer compute)."""
     at = profile.at_tp(layout.tp)
-    c, base = profile.contention, slowdown(profile.contention, layout.tp)
+    c, base = profile.contention, slowdown(profile.contention, profile.ranks_measuring(layout.tp))
     sharing = tuple(slowdown(c, k * layout.dp * layout.tp) / base for k in range(1, layout.pp + 1))
     return dataclasses.replace(at, contention=sharing)
 
@@ -394,7 +395,7 @@ def model_costs(profile: Profile, schedule: Schedule, layer_stages: Sequence[Seq
     return CostModel(stage_overrides=over, latency=profile.latency, bandwidth=profile.bandwidth,
                      activation_bytes=float(message), grad_bytes=params / schedule.devices,
                      contention=profile.contention[:schedule.devices], message_overhead=profile.message_overhead,
-                     dp=dp)
+                     dp=dp, allreduce_fits=profile.allreduce)
 
 
 def stage_profiles(profile: Profile, layer_stages: Sequence[Sequence[int]]) -> list[StageProfile]:

@@ -9,6 +9,8 @@ things::
                 parameter bytes, bytes of its output (what a stage boundary after it sends)
     link        one-way time of a message between two gloo ranks: latency + bytes / bandwidth,
                 fitted to ping-pongs of 4 KiB .. 4 MiB
+    allreduce   per group size k dividing the devices: an all-reduce among k ranks, latency + bytes /
+                bandwidth, fitted to 64 KiB .. 16 MiB (the data-parallel copies' gradients)
     sharing     how much slower a pass runs when k ranks compute at once (k = 1..devices): 1.0
                 each on separate accelerators, about k / cores when k processes share fewer cores
     fixed       the part of a stage's F, B and BW that does not grow with its layers (the runner's
@@ -69,6 +71,9 @@ class LayerProfile:
     w_depth: float = 0.0
     """Seconds its W takes longer per autograd node below it in its stage: W restarts the autograd engine where
     each weight gradient starts, and the engine walks the whole graph below that point each time."""
+    collectives: int = 0
+    """Split over tensor-parallel ranks: the collectives its forward and backward call per microbatch (torch's
+    ``CommDebugMode`` counted them as they ran); 0 for a whole layer."""
 
     @property
     def fused(self) -> float:
@@ -104,6 +109,18 @@ class Profile:
     """The tensor-parallel degree ``layers`` were measured at (1: whole layers)."""
     tp_layers: dict[int, tuple[LayerProfile, ...]] = field(default_factory=dict)
     """The layers measured at other tensor-parallel degrees, by degree (``pipefold profile --tp``)."""
+    tp_ranks: dict[int, int] = field(default_factory=dict)
+    """By degree: how many ranks computed at once while its layers were measured (groups of that degree side by
+    side, as a run's ranks share the machine); a degree not here, and ``layers``, were measured alone."""
+
+    allreduce: dict[int, tuple[float, float]] = field(default_factory=dict)
+    """By group size k: (latency seconds, bandwidth bytes/s) of an all-reduce among k ranks, the others computing:
+    seconds = latency + buffer bytes / bandwidth (measured where the link is)."""
+
+    def ranks_measuring(self, tp: int | None = None) -> int:
+        """How many ranks computed at once while the layers of degree ``tp`` (default: ``layers``'s) were timed."""
+        t = self.tp if tp is None else tp
+        return self.tp_ranks.get(t, t)
 
     @property
     def tp_degrees(self) -> tuple[int, ...]:
@@ -119,7 +136,9 @@ class Profile:
             raise ConfigError(f"the profile measured the layers at tensor-parallel degrees {have}, not {tp}: "
                               f"profile again with --tp {','.join(map(str, sorted({*self.tp_degrees, tp})))}")
         others = {t: layers for t, layers in {self.tp: self.layers, **self.tp_layers}.items() if t != tp}
-        return dataclasses.replace(self, layers=self.tp_layers[tp], tp=tp, tp_layers=others)
+        ranks = {t: n for t, n in {self.tp: self.ranks_measuring(), **self.tp_ranks}.items() if t != tp}
+        return dataclasses.replace(self, layers=self.tp_layers[tp], tp=tp, tp_layers=others,
+                                   tp_ranks={**ranks, tp: self.ranks_measuring(tp)})
 
     @property
     def microbatch_rows(self) -> int:
@@ -135,7 +154,9 @@ class Profile:
                 "contention": list(self.contention), "optimizer_factor": self.optimizer_factor,
                 "message_overhead": self.message_overhead, "pass_fixed": list(self.pass_fixed),
                 "machine": dict(self.machine), "tp": self.tp,
-                "tp_layers": {str(t): [asdict(x) for x in layers] for t, layers in sorted(self.tp_layers.items())}}
+                "tp_layers": {str(t): [asdict(x) for x in layers] for t, layers in sorted(self.tp_layers.items())},
+                "tp_ranks": {str(t): n for t, n in sorted(self.tp_ranks.items())},
+                "allreduce": {str(k): list(fit) for k, fit in sorted(self.allreduce.items())}}
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "the profile") -> Profile:
@@ -152,7 +173,10 @@ class Profile:
                       optimizer_factor=float(data["optimizer_factor"]), machine=dict(data.get("machine", {})),
                       message_overhead=float(data.get("message_overhead", 0.0)),
                       pass_fixed=_three(data.get("pass_fixed", (0.0, 0.0, 0.0))), tp=int(data.get("tp", 1)),
-                      tp_layers=tp_layers)
+                      tp_layers=tp_layers,
+                      tp_ranks={int(t): int(n) for t, n in data.get("tp_ranks", {}).items()},
+                      allreduce={int(k): (float(lat), float(bw))
+                                 for k, (lat, bw) in data.get("allreduce", {}).items()})
         except ConfigError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -167,6 +191,12 @@ class Profile:
         if self.tp < 1 or any(t < 1 or len(layers) != len(self.layers) for t, layers in self.tp_layers.items()):
             raise ConfigError(f"{where}: each tensor-parallel degree is >= 1 and measures every layer "
                               f"({len(self.layers)})")
+        if any(k < 2 or not (math.isfinite(lat) and lat >= 0 and bw > 0) for k, (lat, bw) in self.allreduce.items()):
+            raise ConfigError(f"{where}: an all-reduce fit is a group of >= 2 ranks, latency >= 0 and bandwidth > 0 "
+                              f"(got {self.allreduce})")
+        if any(n < t for t, n in self.tp_ranks.items()):
+            raise ConfigError(f"{where}: a degree's layers were measured by at least that many ranks "
+                              f"(tp_ranks {self.tp_ranks})")
         for t, layers in {self.tp: self.layers, **self.tp_layers}.items():
             for i, x in enumerate(layers):
                 values = (x.f, x.b, x.w, x.fused, x.held, x.held_w, x.params, x.out, x.nodes, x.w_depth)
@@ -202,7 +232,8 @@ def _layers(rows: Any) -> tuple[LayerProfile, ...]:
     return tuple(LayerProfile(f=float(row["f"]), b=float(row["b"]), w=float(row["w"]), held=int(row["held"]),
                               held_w=int(row["held_w"]), params=int(row["params"]), out=int(row["out"]),
                               bw=None if row.get("bw") is None else float(row["bw"]),
-                              nodes=int(row.get("nodes", 0)), w_depth=float(row.get("w_depth", 0.0)))
+                              nodes=int(row.get("nodes", 0)), w_depth=float(row.get("w_depth", 0.0)),
+                              collectives=int(row.get("collectives", 0)))
                  for row in rows)
 
 

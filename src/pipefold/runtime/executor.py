@@ -543,12 +543,8 @@ class RankExecutor:
     def _reduce_replicas(self, action: Action, step: _Step) -> None:
         """R: start the all-reduce of the stage's gradients among its replicas in this pipeline."""
         s, start = action.stage, step.clock.mark()
-        for p in self.runners[s].params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
         # Started now, waited for by the stage's OPT or at the step's end: it overlaps what comes next.
-        self._reductions.setdefault(s, []).append(
-            FlatAllReduce([sharding.local(p.grad) for p in self.runners[s].params], self._groups[s]))
+        self._reductions.setdefault(s, []).append(FlatAllReduce(self._grads(s), self._groups[s]))
         step.clock.interval(step.stats.events, str(action), "R", start)
 
     def _reduce_pipelines(self, action: Action, step: _Step) -> None:
@@ -560,14 +556,21 @@ class RankExecutor:
             work.wait()  # the all-reduce between replicas first: both write the same gradients
         self.activity.resume(where)
         share = 1.0 / dist.get_world_size(self.dp_group)
+        grads = self._grads(s)
+        for g in grads:
+            g.mul_(share)  # the mean over the pipelines, each having averaged over its own shard
+        # A tensor-parallel rank's part of a split gradient: the copies of that part are its dp group.
+        self._reductions.setdefault(s, []).append(FlatAllReduce(grads, self.dp_group))
+        step.clock.interval(step.stats.events, str(action), "DP", start)
+
+    def _grads(self, s: int) -> list[torch.Tensor]:
+        """Stage ``s``'s gradients, this rank's part of each (zeros where a parameter got none)."""
+        out = []
         for p in self.runners[s].params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            p.grad.mul_(share)  # the mean over the pipelines, each having averaged over its own shard
-        # A tensor-parallel rank's part of a split gradient: the copies of that part are its dp group.
-        self._reductions.setdefault(s, []).append(
-            FlatAllReduce([sharding.local(p.grad) for p in self.runners[s].params], self.dp_group))
-        step.clock.interval(step.stats.events, str(action), "DP", start)
+            out.append(sharding.local(p.grad))
+        return out
 
     def _gather(self, action: Action, step: _Step) -> None:
         start = step.clock.mark()

@@ -12,6 +12,7 @@ feeding each the previous one's output.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 import math
@@ -44,12 +45,13 @@ from pipefold.runtime.stage import (
     split_batch,
 )
 
-__all__ = ["layer_costs", "layer_memory", "layer_static_bytes", "measure_contention", "measure_layers",
-           "measure_link", "measure_pass_fixed", "measure_sharded", "measure_stages", "profile_model", "run_passes",
-           "split_figures"]
+__all__ = ["layer_costs", "layer_memory", "layer_static_bytes", "measure_allreduce", "measure_contention",
+           "measure_layers", "measure_link", "measure_pass_fixed", "measure_sharded", "measure_stages", "profile_model",
+           "run_passes", "split_figures"]
 
 Values = tuple[torch.Tensor, ...]
 _LINK_SIZES = (4 << 10, 64 << 10, 512 << 10, 4 << 20)
+_REDUCE_SIZES = (64 << 10, 1 << 20, 4 << 20, 16 << 20)
 
 
 # --------------------------------------------------------------------------- the pass timer
@@ -504,16 +506,59 @@ def measure_link(rounds: int = 20, sizes: Sequence[int] = _LINK_SIZES,
     for a core (for gloo's threads at both ends, for the receiver to wake up), and that wait is part of what a
     transfer costs.
     """
-    import torch.multiprocessing as mp
+    work = None if load is None else (load[0], load[1])
+    one_way = _measured_under(load, _ping, (tuple(sizes), rounds), work, 2)
+    return fit_link(one_way)
 
+
+def _reduce(rank: int, port: int, ranks: int, sizes: Sequence[int], rounds: int, out: Any, work: Any) -> None:
+    """One of ``ranks`` processes all-reducing buffers of each size ``rounds`` times in a row; rank 0 puts the mean
+    seconds of one all-reduce per size on ``out``. (``work`` is unused: the ranks of a run wait in a gradients'
+    all-reduce at the end of their step rather than compute.)"""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks,
+                            timeout=timedelta(seconds=120))
+    try:
+        result = {}
+        for size in sizes:
+            buf = torch.zeros(size // 4, dtype=torch.float32)
+            for _ in range(2):  # warm-ups: connections and first allocations
+                dist.all_reduce(buf)
+            t0 = time.perf_counter()
+            for _ in range(rounds):
+                dist.all_reduce(buf)
+            result[size] = (time.perf_counter() - t0) / rounds
+        if rank == 0:
+            out.put(result)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_allreduce(ranks: int, rounds: int = 5, sizes: Sequence[int] = _REDUCE_SIZES,
+                      load: tuple[dict[str, Any], tuple[int, int], int] | None = None) -> tuple[float, float]:
+    """(latency seconds, bandwidth bytes/s) of gloo's all-reduce among ``ranks`` local processes, what the
+    gradients' all-reduce among data-parallel copies costs: the mean time of one all-reduce of each size, fitted
+    by least squares to latency + bytes / bandwidth (bandwidth in bytes of the buffer, not of the wire: the
+    algorithm's own steps are inside it). With ``load``, n more processes compute meanwhile, as in
+    :func:`measure_link`."""
+    return fit_link(_measured_under(load, _reduce, (tuple(sizes), rounds), None, ranks, pass_ranks=True))
+
+
+def _measured_under(load: tuple[dict[str, Any], tuple[int, int], int] | None, target: Callable[..., None],
+                    args: tuple[Any, ...], work: Any, nprocs: int, *, pass_ranks: bool = False) -> dict[int, float]:
+    """Start ``nprocs`` processes running ``target(rank, port, [nprocs,] *args, out, work)`` (with ``load``'s
+    helpers computing meanwhile) and return what rank 0 puts on ``out``."""
+    import torch.multiprocessing as mp
 
     ctx = process_context()
     out = ctx.SimpleQueue()
     helpers: list[Any] = []
-    pingers: list[Any] = []
+    workers: list[Any] = []
     stop = ctx.Event()
-    work = None if load is None else (load[0], load[1])
-    with stopped_on_error(helpers), stopped_on_error(pingers):
+    with stopped_on_error(helpers), stopped_on_error(workers):
         if load is not None and load[2] > 0:
             train, layer, n = load
             ready = ctx.Barrier(n + 1)
@@ -523,18 +568,19 @@ def measure_link(rounds: int = 20, sizes: Sequence[int] = _LINK_SIZES,
                     h.start()
             ready.wait()
         try:
+            head = (free_port(), nprocs) if pass_ranks else (free_port(),)
             with starting():
-                pings = mp.start_processes(_ping, args=(free_port(), tuple(sizes), rounds, out, work), nprocs=2,
+                procs = mp.start_processes(target, args=(*head, *args, out, work), nprocs=nprocs,
                                            start_method=ctx.get_start_method(), join=False)
-                pingers += pings.processes
-            while not pings.join():
+                workers += procs.processes
+            while not procs.join():
                 pass
-            one_way: dict[int, float] = out.get()
+            result: dict[int, float] = out.get()
         finally:
             stop.set()
             for h in helpers:
                 h.join()
-    return fit_link(one_way)
+    return result
 
 
 # --------------------------------------------------------------------------- sharing the machine
@@ -659,44 +705,69 @@ def measure_contention(devices: int, train: dict[str, Any], layers: tuple[int, i
 # --------------------------------------------------------------------------- layers split over tensor-parallel ranks
 
 
-def _sharded(rank: int, port: int, tp: int, train: dict[str, Any], repeats: int, out: Any) -> None:
-    """One of ``tp`` ranks measuring the model's layers split over them as ``pipefold train --tp`` splits them (each
-    layer through torch's ``parallelize_module`` by the model's plan); the layers' collectives keep the ranks in
-    step. Rank 0 puts its figures on ``out``."""
+def _sharded(rank: int, port: int, tp: int, copies: int, train: dict[str, Any], repeats: int, out: Any) -> None:
+    """One of ``copies * tp`` ranks: ``copies`` groups of ``tp`` measure the model's layers at once, each group
+    splitting them as ``pipefold train --tp`` does (each layer through torch's ``parallelize_module`` by the
+    model's plan); the layers' collectives keep a group's ranks in step. Rank 0 puts its figures on ``out``."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from pipefold.runtime.sharding import tensor_parallel
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp,
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=copies * tp,
                             timeout=timedelta(seconds=120))
     try:
-        mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
+        mesh = init_device_mesh("cpu", (copies, tp), mesh_dim_names=("copy", "tp"))
         model = _model(train)
         layers = model.build()
-        tensor_parallel(dict(enumerate(layers)), model.tp_plans(tp), mesh)
+        tensor_parallel(dict(enumerate(layers)), model.tp_plans(tp), mesh["tp"])
         m = int(train["microbatches"])
         x, y = model.batch_at(0)
-        measured = measure_layers(layers, split_batch(x, m)[0], y.chunk(m)[0], model.loss, microbatches=m,
-                                  repeats=repeats)
+        sample, target = split_batch(x, m)[0], y.chunk(m)[0]
+        measured = measure_layers(layers, sample, target, model.loss, microbatches=m, repeats=repeats)
+        counts = _collectives(layers, sample, target, model.loss)
         if rank == 0:
-            out.put(measured)
+            out.put([dataclasses.replace(row, collectives=n) for row, n in zip(measured, counts, strict=True)])
     finally:
         dist.destroy_process_group()
 
 
-def measure_sharded(train: dict[str, Any], tp: int, repeats: int = 7) -> list[LayerProfile]:
+def _collectives(layers: Sequence[nn.Module], sample: Values, target: Any,
+                 loss_fn: Callable[..., torch.Tensor]) -> list[int]:
+    """The collectives each layer calls in one microbatch's forward and backward, counted by torch's own
+    ``CommDebugMode`` as they are dispatched."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    xs, out = as_tuple(sample), []
+    for i, layer in enumerate(layers):
+        leaves = as_leaves(xs)
+        with CommDebugMode() as comm:
+            y = Chain(layer)(*leaves)
+            ys = as_tuple(y)
+            if i == len(layers) - 1:
+                loss_fn(ys[0], target).backward()
+            else:
+                torch.autograd.backward(list(ys), list(ones_for(ys)))
+        out.append(comm.get_total_counts())
+        layer.zero_grad(set_to_none=True)
+        xs = tuple(t.detach() for t in ys)
+    return out
+
+
+def measure_sharded(train: dict[str, Any], tp: int, repeats: int = 7, copies: int = 1) -> list[LayerProfile]:
     """Each layer's figures (:func:`measure_layers`) on one of ``tp`` local ranks that split it, as a stage of a
-    ``--tp`` run holds it: its times with the collectives inside them, this rank's bytes held and parameters."""
+    ``--tp`` run holds it: its times with the collectives inside them, this rank's bytes held and parameters, and
+    the collectives it calls (``LayerProfile.collectives``). ``copies`` groups of ``tp`` ranks measure at once, as
+    the ranks of a run share the machine (the group of rank 0 reports)."""
     import torch.multiprocessing as mp
 
     _model(train).tp_plans(tp)  # --tp that does not fit the model: one line here, before any process starts
     ctx = process_context()
     out = ctx.SimpleQueue()
     with starting():
-        ranks = mp.start_processes(_sharded, args=(free_port(), tp, train, repeats, out), nprocs=tp,
-                                   start_method=ctx.get_start_method(), join=False)
+        ranks = mp.start_processes(_sharded, args=(free_port(), tp, copies, train, repeats, out),
+                                   nprocs=copies * tp, start_method=ctx.get_start_method(), join=False)
     with stopped_on_error(ranks.processes):
         while not ranks.join():
             pass
@@ -749,14 +820,18 @@ def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int 
         factors = measure_contention(devices, train, chunk)
         if progress is not None:
             progress("sharing", 1, 1)
-    tp_layers = {}
+    tp_layers, tp_ranks = {}, {}
     for t in sharded:
         if progress is not None:
             progress(f"tp {t}", 0, 1)
-        tp_layers[t] = tuple(measure_sharded(train, t, repeats))
+        # As many ranks computing as the run will have (``devices`` of them, where contention is measured).
+        copies = max(1, devices // t) if contention else 1
+        tp_ranks[t] = copies * t
+        tp_layers[t] = tuple(measure_sharded(train, t, repeats, copies))
         if progress is not None:
             progress(f"tp {t}", 1, 1)
     latency, bandwidth = 0.0, math.inf
+    allreduce: dict[int, tuple[float, float]] = {}
     if link:
         if progress is not None:
             progress("link", 0, 1)
@@ -764,10 +839,19 @@ def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int 
         latency, bandwidth = measure_link(load=(train, chunk, max(0, devices - 2)) if contention else None)
         if progress is not None:
             progress("link", 1, 1)
+        # Every group size data-parallel copies may make, the rest of the ranks computing.
+        groups = [k for k in range(2, devices + 1) if devices % k == 0]
+        for i, k in enumerate(groups):
+            if progress is not None:
+                progress("all-reduce", i, len(groups))
+            allreduce[k] = measure_allreduce(k, load=(train, chunk, devices - k) if contention else None)
+        if progress is not None:
+            progress("all-reduce", len(groups), len(groups))
     machine = {"host": platform.node(), "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                else os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,
                "device": "cpu", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "repeats": repeats}
     return Profile(train=train, layers=tuple(measured), latency=latency,
                    bandwidth=bandwidth if math.isfinite(bandwidth) else 1e30, contention=factors,
                    optimizer_factor=OPTIMIZER_STATE[optimizer], machine=machine, pass_fixed=measure_pass_fixed(),
-                   tp_layers=tp_layers)
+                   tp_layers=tp_layers, tp_ranks=tp_ranks,
+                   allreduce={k: (lat, bw if math.isfinite(bw) else 1e30) for k, (lat, bw) in allreduce.items()})

@@ -177,6 +177,9 @@ class CostModel:
     message_overhead: float = 0.0
     """Time a device's runtime spends on each message it sends or receives, beside the passes (posting it,
     waiting on it, its bookkeeping): added to the action that sends it and to the one that receives it."""
+    allreduce_fits: Mapping[int, tuple[float, float]] = field(default_factory=dict)
+    """Measured all-reduces by group size: (latency, bandwidth), an all-reduce of n bytes among that many taking
+    latency + n / bandwidth; a size not here is a ring over ``latency`` and ``bandwidth``."""
 
     def __post_init__(self) -> None:
         for name in ("f", "b", "w", "memory", "memory_w", "latency", "activation_bytes", "grad_bytes", "opt",
@@ -221,6 +224,9 @@ class CostModel:
         """A ring all-reduce of ``nbytes`` among ``replicas`` devices: 2(n-1) steps of latency and n-th shares."""
         if replicas < 2:
             return 0.0
+        if replicas in self.allreduce_fits:
+            latency, bandwidth = self.allreduce_fits[replicas]
+            return latency + nbytes / bandwidth
         steps = 2 * (replicas - 1)
         return steps * self.latency + (steps / replicas * nbytes / self.bandwidth if nbytes else 0.0)
 
@@ -271,6 +277,7 @@ class CostModel:
             "grad_bytes": self.grad_bytes, "opt": self.opt, "overlap": self.overlap, "weights": self.weights,
             "contention": list(self.contention), "work": dict(self.work), "stash": dict(self.stash), "dp": self.dp,
             "gathered": self.gathered, "message_overhead": self.message_overhead,
+            "allreduce_fits": {str(k): list(fit) for k, fit in self.allreduce_fits.items()},
             "stage_overrides": {str(s): {"f": c.f, "b": c.b, "w": c.w, "memory": c.memory,
                                          "recompute": c.recompute, "kept": c.kept, "memory_w": c.memory_w,
                                          "bw": c.bw,
