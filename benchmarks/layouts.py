@@ -43,21 +43,24 @@ MODEL: dict[str, Any] = ({"model": "gpt", "layers": 2, "hidden": 32, "heads": 2,
 
 
 def collective_bytes(profile: Profile, layout: Layout, layer_stages: tuple[tuple[int, ...], ...],
-                     microbatches: int) -> list[int]:
-    """Per pipeline device, the bytes one of its ranks hands to collectives in a step (closed form): per block and
-    microbatch four tensor-parallel all-reduces of the block's output (two in F, two in B), and the ring all-reduce
-    of its gradients' bytes among the copies."""
+                     microbatches: int) -> tuple[list[int], list[int], list[int]]:
+    """Per pipeline device, in a step: the bytes one of its ranks hands to collectives (closed form: per block and
+    microbatch four tensor-parallel all-reduces of the block's output, two in F and two in B, and the ring
+    all-reduce of its gradients' bytes among the copies), the tensor-parallel all-reduces that closed form counts,
+    and those torch's CommDebugMode counted while the profile ran each layer (``LayerProfile.collectives``)."""
     train = profile.train
     rows = int(train["batch"]) // int(train["microbatches"])
     activation = rows * int(train["seq"]) * int(train["hidden"] or 0) * 4
     seen = profile.at_tp(layout.tp).layers
-    out = []
+    sent, formula, counted = [], [], []
     for part in layer_stages:
         blocks = sum(1 for i in part if 0 < i < len(seen) - 1)
-        tp = 4 * blocks * microbatches * activation if layout.tp > 1 else 0
+        calls = 4 * blocks * microbatches if layout.tp > 1 else 0
         dp = 2 * (layout.dp - 1) / layout.dp * sum(seen[i].params for i in part)
-        out.append(int(tp + dp))
-    return out
+        sent.append(int(calls * activation + dp))
+        formula.append(calls)
+        counted.append(sum(seen[i].collectives for i in part) * microbatches)
+    return sent, formula, counted
 
 
 def bench_world(world: int, steps: int) -> list[dict[str, Any]]:
@@ -87,9 +90,11 @@ def bench_world(world: int, steps: int) -> list[dict[str, Any]]:
                "peak_ratio_worst": max(abs(m / p - 1) for m, p in zip(peaks, predicted_peak, strict=True)) + 1,
                "memtracker_activation_bytes": got["memtracker_activation_bytes"],
                "meter_activation_bytes": got["meter_activation_bytes_same_step"],
-               "collective_bytes_per_rank": collective_bytes(profile, layout, b.layer_stages,
-                                                             int(MODEL["microbatches"]) // layout.dp),
                "pipelines": pipelines}
+        sent, formula, counted = collective_bytes(profile, layout, b.layer_stages,
+                                                  int(MODEL["microbatches"]) // layout.dp)
+        row.update(collective_bytes_per_rank=sent, tp_all_reduces_closed_form=formula,
+                   tp_collectives_counted=counted)
         rows.append(row)
         print(f"world {world} {layout}: step predicted {b.makespan * 1e3:.1f} ms, measured "
               f"{row['measured_step_s'] * 1e3:.1f} ms (x{row['step_ratio']:.2f}); peak per rank predicted "

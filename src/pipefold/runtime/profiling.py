@@ -20,6 +20,7 @@ import os
 import platform
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -742,7 +743,9 @@ def _collectives(layers: Sequence[nn.Module], sample: Values, target: Any,
     xs, out = as_tuple(sample), []
     for i, layer in enumerate(layers):
         leaves = as_leaves(xs)
-        with CommDebugMode() as comm:
+        # Its module tracker hooks the layer's backward, which warns where no input needs a gradient (the tokens).
+        with warnings.catch_warnings(), CommDebugMode() as comm:
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
             y = Chain(layer)(*leaves)
             ys = as_tuple(y)
             if i == len(layers) - 1:
