@@ -367,6 +367,8 @@ class RankExecutor:
                     if q == pipeline and rank in holders:
                         self._groups[s] = group
         self._reductions: dict[int, list[FlatAllReduce]] = {}  # stage -> its all-reduce, until waited for
+        self.grads_moved = 0
+        """Bytes of gradients this step moved into an all-reduce's buffer (new storages that are still theirs)."""
         self._gathers: dict[int, Any] = {}  # stage -> its parameters' all-gather (AG), until its first forward
         self._group_ranks = {s: tuple(dist.get_process_group_ranks(g)) for s, g in self._groups.items()}
         if dp_group is not None:
@@ -391,6 +393,7 @@ class RankExecutor:
         """
         new_shapes = shape_key != self._last_shape
         self._last_shape = shape_key
+        self.grads_moved = 0
         if new_shapes:
             self._in_meta.clear()
             self._headers_sent.clear()
@@ -544,7 +547,7 @@ class RankExecutor:
         """R: start the all-reduce of the stage's gradients among its replicas in this pipeline."""
         s, start = action.stage, step.clock.mark()
         # Started now, waited for by the stage's OPT or at the step's end: it overlaps what comes next.
-        self._reductions.setdefault(s, []).append(FlatAllReduce(self._grads(s), self._groups[s]))
+        self._reductions.setdefault(s, []).append(self._all_reduce(self._grads(s), self._groups[s]))
         step.clock.interval(step.stats.events, str(action), "R", start)
 
     def _reduce_pipelines(self, action: Action, step: _Step) -> None:
@@ -560,8 +563,14 @@ class RankExecutor:
         for g in grads:
             g.mul_(share)  # the mean over the pipelines, each having averaged over its own shard
         # A tensor-parallel rank's part of a split gradient: the copies of that part are its dp group.
-        self._reductions.setdefault(s, []).append(FlatAllReduce(grads, self.dp_group))
+        self._reductions.setdefault(s, []).append(self._all_reduce(grads, self.dp_group))
         step.clock.interval(step.stats.events, str(action), "DP", start)
+
+    def _all_reduce(self, grads: list[torch.Tensor], group: Any) -> FlatAllReduce:
+        """Start one all-reduce of ``grads``; they move into its buffer (:attr:`grads_moved` counts the bytes)."""
+        reduction = FlatAllReduce(grads, group)
+        self.grads_moved += reduction.moved
+        return reduction
 
     def _grads(self, s: int) -> list[torch.Tensor]:
         """Stage ``s``'s gradients, this rank's part of each (zeros where a parameter got none)."""

@@ -366,8 +366,9 @@ def _tracked_step(executor: RankExecutor, params: list[nn.Parameter], xs: list[T
     tracker._mod_tracker = NoModules()  # type: ignore[assignment]
     outside = {_MemRefType.PARAM, _MemRefType.BUFFER, _MemRefType.GRAD, _MemRefType.OPT, _MemRefType.OTH}
 
-    def step_bytes(snapshot: dict[torch.device, dict[Any, int]]) -> int:
-        return sum(snap["Total"] - sum(v for k, v in snap.items() if k in outside) for snap in snapshot.values())
+    def step_bytes(snapshot: dict[torch.device, dict[Any, int]], moved: int = 0) -> int:
+        total = sum(snap["Total"] - sum(v for k, v in snap.items() if k in outside) for snap in snapshot.values())
+        return total - moved
 
     pairs: list[tuple[int, int]] = []  # (meter, tracker) after each action
     allocated: list[int] = []  # on CUDA, the allocator's bytes beyond those before the step, after each action
@@ -375,9 +376,11 @@ def _tracked_step(executor: RankExecutor, params: list[nn.Parameter], xs: list[T
     def probe() -> None:
         # A link's thread may drop a delivered send between two reads: read again until the tracker holds still.
         for _ in range(10):
-            first = step_bytes(tracker.get_tracker_snapshot())
+            # Gradients moved into an all-reduce's one buffer (comm.FlatAllReduce) freed the storages registered as
+            # theirs: the buffer, new in the step, is still theirs, not the step's.
+            first = step_bytes(tracker.get_tracker_snapshot(), executor.grads_moved)
             held = executor.meter.current
-            after = step_bytes(tracker.get_tracker_snapshot())
+            after = step_bytes(tracker.get_tracker_snapshot(), executor.grads_moved)
             if first == after:
                 break
         pairs.append((held, after))
