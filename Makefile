@@ -26,8 +26,9 @@ lint: setup
 	$(BIN)/ruff check src tests benchmarks docs
 	$(BIN)/mypy
 
+# Two workers: most tests wait on processes and sockets, and the suite uses a third of two cores one test at a time.
 test: lint
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2
 
 bench: setup
 	$(BIN)/python benchmarks/bench_simulate.py

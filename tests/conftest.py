@@ -21,3 +21,18 @@ def build_or_refused(name: str, p: int, m: int, **options: int):  # type: ignore
         assert "\n" not in text, text
         assert any(k in text for k in ("nearest valid", "collision-free", "use --microbatches")), text
         return None
+
+
+_LONGEST_FIRST = ("README.md", "docs/runtime.md", "docs/plan.md", "docs/models.md")
+"""The pages whose commands take longest (one to four minutes): started first, so that with ``make test``'s two
+workers (pytest-xdist, which hands out tests in the collected order) they run beside the rest, not after it."""
+
+
+def pytest_collection_modifyitems(config, items):  # type: ignore[no-untyped-def]
+    def rank(item):  # type: ignore[no-untyped-def]
+        if item.module.__name__.endswith("test_docs") and "runs_as_written" in item.name:
+            page = item.name.split("[", 1)[1].rstrip("]")
+            return (0, _LONGEST_FIRST.index(page) if page in _LONGEST_FIRST else len(_LONGEST_FIRST))
+        return (1, 0)
+
+    items.sort(key=rank)  # stable: the rest keep their order
