@@ -47,8 +47,13 @@ def test_the_command_flushes_its_output_and_exits_with_its_code() -> None:
 
 
 def test_the_command_waits_for_threads_still_running() -> None:
-    code = ("import sys, threading, time\n"
-            "threading.Thread(target=lambda: (time.sleep(0.3), print('thread done', flush=True))).start()\n"
+    # The thread prints only once the command has printed its JSON (not after a fixed sleep, which a loaded machine
+    # outlasts before the command prints): its line comes last only if the command waited for it.
+    code = ("import sys, threading\nprinted = threading.Event()\nwrite = sys.stdout.write\n"
+            "def seen(text):\n    n = write(text)\n    if text.rstrip().endswith('}'):\n        printed.set()\n"
+            "    return n\n"
+            "sys.stdout.write = seen\n"
+            "threading.Thread(target=lambda: (printed.wait(60), print('thread done', flush=True))).start()\n"
             "sys.argv = ['pipefold', 'simulate', '1f1b', '--json']\nfrom pipefold.cli.main import entry\nentry()\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().endswith("thread done")

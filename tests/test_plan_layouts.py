@@ -143,6 +143,11 @@ def test_a_world_plan_file_round_trips_its_layout(tmp_path) -> None:
     assert (back.dp, back.tp, back.devices) == (answer.best.layout.dp, answer.best.layout.tp, answer.best.layout.pp)
     assert back.microbatches * back.dp == 8
     assert all({"dp", "tp", "devices"} <= set(row) for row in answer.to_dict()["frontier"])
+    # A layout its profile cannot run: one line, naming the degrees it measured.
+    for bad in ({"tp": 4}, {"dp": 0}):
+        path.write_text(json.dumps({**answer.to_dict(), **bad}))
+        with pytest.raises(ConfigError, match="a degree its profile measured \\(1, 2\\)"):
+            read_plan(str(path))
 
 
 def test_layouts_must_make_the_world() -> None:

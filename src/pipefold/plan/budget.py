@@ -593,7 +593,11 @@ def read_plan(path: str) -> dict[str, Any]:
         raise ConfigError(f"{path} is not a pipefold plan (version {PLAN_VERSION}); write one with "
                           f"pipefold plan --profile PROFILE --memory-budget BYTES -o {path}")
     try:
-        Profile.from_dict(data["profile"], f"the profile inside {path}")
+        inside = Profile.from_dict(data["profile"], f"the profile inside {path}")
+        dp, tp = int(data.get("dp", 1)), int(data.get("tp", 1))
+        if dp < 1 or tp not in inside.tp_degrees:
+            raise ConfigError(f"{path}: dp is a count of copies >= 1 and tp a degree its profile measured "
+                              f"({', '.join(map(str, inside.tp_degrees))}); got dp {dp}, tp {tp}")
         stages = [tuple(int(i) for i in part) for part in data["layer_stages"]]
         flat = [i for part in stages for i in part]
         if flat != list(range(len(data["profile"]["layers"]))):
