@@ -18,8 +18,9 @@ things::
     overhead    the runtime's own work per message a rank sends or receives, beside its passes (posting
                 it, bookkeeping), from a short run of the model on 2 ranks (:mod:`pipefold.train.overhead`)
     tp_layers   with ``pipefold profile --tp 1,2``: the layers again, split over t tensor-parallel ranks as
-                ``train --tp t`` splits them, measured on one of t local ranks (times with the layers'
-                all-reduces inside, this rank's bytes); :meth:`Profile.at_tp` is the profile of one degree
+                ``train --tp t`` splits them, measured on one of t local ranks while devices / t such groups
+                measure side by side (times with the layers' all-reduces inside, this rank's bytes, the
+                collectives each layer calls); :meth:`Profile.at_tp` is the profile of one degree
 
 The file is JSON (``Profile.save`` / ``Profile.load``) and says which model, at which size, it is.
 """
@@ -112,7 +113,6 @@ class Profile:
     tp_ranks: dict[int, int] = field(default_factory=dict)
     """By degree: how many ranks computed at once while its layers were measured (groups of that degree side by
     side, as a run's ranks share the machine); a degree not here, and ``layers``, were measured alone."""
-
     allreduce: dict[int, tuple[float, float]] = field(default_factory=dict)
     """By group size k: (latency seconds, bandwidth bytes/s) of an all-reduce among k ranks, the others computing:
     seconds = latency + buffer bytes / bandwidth (measured where the link is)."""

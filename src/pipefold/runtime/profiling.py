@@ -446,10 +446,10 @@ def _count_after_forward(runner: StageRunner, batch: list[Any], kept: list[int],
 # --------------------------------------------------------------------------- the link
 
 
-def _ping(rank: int, port: int, sizes: Sequence[int], rounds: int, out: Any,
+def _ping(rank: int, port: int, ranks: int, sizes: Sequence[int], rounds: int, out: Any,
           work: tuple[dict[str, Any], tuple[int, int]] | None = None) -> None:
-    """One end of the ping-pong; with ``work``, this process also computes that layer in another thread meanwhile,
-    as a rank computes while its messages travel."""
+    """One end of the ping-pong (``ranks`` is 2); with ``work``, this process also computes that layer in another
+    thread meanwhile, as a rank computes while its messages travel."""
     import threading
 
     import torch.distributed as dist
@@ -545,12 +545,12 @@ def measure_allreduce(ranks: int, rounds: int = 5, sizes: Sequence[int] = _REDUC
     by least squares to latency + bytes / bandwidth (bandwidth in bytes of the buffer, not of the wire: the
     algorithm's own steps are inside it). With ``load``, n more processes compute meanwhile, as in
     :func:`measure_link`."""
-    return fit_link(_measured_under(load, _reduce, (tuple(sizes), rounds), None, ranks, pass_ranks=True))
+    return fit_link(_measured_under(load, _reduce, (tuple(sizes), rounds), None, ranks))
 
 
 def _measured_under(load: tuple[dict[str, Any], tuple[int, int], int] | None, target: Callable[..., None],
-                    args: tuple[Any, ...], work: Any, nprocs: int, *, pass_ranks: bool = False) -> dict[int, float]:
-    """Start ``nprocs`` processes running ``target(rank, port, [nprocs,] *args, out, work)`` (with ``load``'s
+                    args: tuple[Any, ...], work: Any, nprocs: int) -> Any:
+    """Start ``nprocs`` processes running ``target(rank, port, nprocs, *args, out, work)`` (with ``load``'s
     helpers computing meanwhile) and return what rank 0 puts on ``out``."""
     import torch.multiprocessing as mp
 
@@ -569,14 +569,13 @@ def _measured_under(load: tuple[dict[str, Any], tuple[int, int], int] | None, ta
                     h.start()
             ready.wait()
         try:
-            head = (free_port(), nprocs) if pass_ranks else (free_port(),)
             with starting():
-                procs = mp.start_processes(target, args=(*head, *args, out, work), nprocs=nprocs,
+                procs = mp.start_processes(target, args=(free_port(), nprocs, *args, out, work), nprocs=nprocs,
                                            start_method=ctx.get_start_method(), join=False)
                 workers += procs.processes
             while not procs.join():
                 pass
-            result: dict[int, float] = out.get()
+            result = out.get()
         finally:
             stop.set()
             for h in helpers:
@@ -706,8 +705,9 @@ def measure_contention(devices: int, train: dict[str, Any], layers: tuple[int, i
 # --------------------------------------------------------------------------- layers split over tensor-parallel ranks
 
 
-def _sharded(rank: int, port: int, tp: int, copies: int, train: dict[str, Any], repeats: int, out: Any) -> None:
-    """One of ``copies * tp`` ranks: ``copies`` groups of ``tp`` measure the model's layers at once, each group
+def _sharded(rank: int, port: int, ranks: int, tp: int, train: dict[str, Any], repeats: int, out: Any,
+             work: Any = None) -> None:
+    """One of ``ranks``: ``ranks / tp`` groups of ``tp`` measure the model's layers at once, each group
     splitting them as ``pipefold train --tp`` does (each layer through torch's ``parallelize_module`` by the
     model's plan); the layers' collectives keep a group's ranks in step. Rank 0 puts its figures on ``out``."""
     import torch.distributed as dist
@@ -716,10 +716,10 @@ def _sharded(rank: int, port: int, tp: int, copies: int, train: dict[str, Any], 
     from pipefold.runtime.sharding import tensor_parallel
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=copies * tp,
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks,
                             timeout=timedelta(seconds=120))
     try:
-        mesh = init_device_mesh("cpu", (copies, tp), mesh_dim_names=("copy", "tp"))
+        mesh = init_device_mesh("cpu", (ranks // tp, tp), mesh_dim_names=("copy", "tp"))
         model = _model(train)
         layers = model.build()
         tensor_parallel(dict(enumerate(layers)), model.tp_plans(tp), mesh["tp"])
@@ -763,18 +763,8 @@ def measure_sharded(train: dict[str, Any], tp: int, repeats: int = 7, copies: in
     ``--tp`` run holds it: its times with the collectives inside them, this rank's bytes held and parameters, and
     the collectives it calls (``LayerProfile.collectives``). ``copies`` groups of ``tp`` ranks measure at once, as
     the ranks of a run share the machine (the group of rank 0 reports)."""
-    import torch.multiprocessing as mp
-
     _model(train).tp_plans(tp)  # --tp that does not fit the model: one line here, before any process starts
-    ctx = process_context()
-    out = ctx.SimpleQueue()
-    with starting():
-        ranks = mp.start_processes(_sharded, args=(free_port(), tp, copies, train, repeats, out),
-                                   nprocs=copies * tp, start_method=ctx.get_start_method(), join=False)
-    with stopped_on_error(ranks.processes):
-        while not ranks.join():
-            pass
-    result: list[LayerProfile] = out.get()
+    result: list[LayerProfile] = _measured_under(None, _sharded, (tp, train, repeats), None, copies * tp)
     return result
 
 
