@@ -187,3 +187,25 @@ def test_a_profile_at_tp_2_measures_each_ranks_share_and_its_plan_runs_exactly(t
     assert (planned.spec.parallel.tp, planned.spec.parallel.dp, planned.spec.schedule.devices) == (2, 1, 2)
     job = make_job(planned.spec, decided=planned.decided)
     assert compare(job, run_local(job))["max_grad_rel_diff"] < 1e-5
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["profile", "--tp", "3", "--heads", "4", "-o", "{tmp}/p.json"], "--tp 3 splits --heads = 4 unevenly"),
+    (["profile", "--tp", "two", "-o", "{tmp}/p.json"], "--tp takes tensor-parallel degrees"),
+    (["profile", "--tp", "0", "-o", "{tmp}/p.json"], "--tp takes tensor-parallel degrees"),
+    (["plan", "--profile", "{tmp}/world.json", "--world", "4", "-p", "2", "--memory-budget", "1GB"], "drop --devices"),
+    (["plan", "--world", "4", "--memory", "3"], "give --profile FILE too"),
+    (["plan", "--profile", "{tmp}/world.json", "--world", "0", "--memory-budget", "1GB"], "a whole number >= 1"),
+])
+def test_bad_world_input_is_one_line(capsys: pytest.CaptureFixture[str], tmp_path, argv: list[str],
+                                     expected: str) -> None:
+    from pipefold.cli.main import main
+
+    _profile().save(str(tmp_path / "world.json"))
+    try:
+        code = main([a.replace("{tmp}", str(tmp_path)) for a in argv])
+    except SystemExit as exc:  # argparse's own refusals
+        code = exc.code  # type: ignore[assignment]
+    err = capsys.readouterr().err.strip()
+    assert code != 0 and len(err.splitlines()) == 1 and err.startswith("pipefold ") and expected in err, err
+    assert not (tmp_path / "p.json").exists()  # refused before anything was measured or written
