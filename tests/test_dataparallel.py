@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -263,3 +264,51 @@ def test_fsdp_clips_by_the_norm_over_every_shard() -> None:
     for name, w in plain.items():
         torch.testing.assert_close(sharded[name], w, rtol=1e-5, atol=1e-6)
     assert any(not torch.allclose(unclipped[name], w, rtol=1e-3) for name, w in plain.items())
+
+
+def _flat_all_reduce(rank: int, port: int, out: Any) -> None:
+    import torch.distributed as dist
+
+    from pipefold.runtime.comm import FlatAllReduce
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        gen = torch.Generator().manual_seed(rank)
+        grads = [torch.randn(3, 4, generator=gen), torch.randn(5, generator=gen),
+                 torch.randn(4, 6, generator=gen).t(),  # not contiguous: reduced by itself, in place
+                 torch.randn(2, generator=gen, dtype=torch.float64)]  # another dtype: a buffer of its own
+        want = [g.clone() for g in grads]
+        for w in want:
+            dist.all_reduce(w)  # the reference: one call per tensor
+        before = [g.untyped_storage().data_ptr() for g in grads]
+        reduction = FlatAllReduce(grads, dist.group.WORLD)
+        reduction.wait()
+        storages = {g.untyped_storage().data_ptr() for g in grads[:2]}
+        out.put((rank, [float((g - w).abs().max()) for g, w in zip(grads, want, strict=True)], len(storages),
+                 grads[2].untyped_storage().data_ptr() == before[2], reduction.moved,
+                 [tuple(g.shape) for g in grads]))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_one_all_reduce_of_a_stages_gradients_equals_one_per_tensor() -> None:
+    """comm.FlatAllReduce: the sums of one call per tensor; the contiguous float32 gradients end up sharing one
+    buffer (their old storages freed, ``moved`` their bytes), a non-contiguous one keeps its storage, and another
+    dtype gets a buffer of its own."""
+    import torch.multiprocessing as mp
+
+    from pipefold.runtime.processes import free_port
+
+    ctx = mp.get_context("spawn")
+    out = ctx.SimpleQueue()
+    procs = mp.start_processes(_flat_all_reduce, args=(free_port(), out), nprocs=2, start_method="spawn", join=False)
+    while not procs.join():
+        pass
+    for _ in range(2):
+        rank, diffs, shared, kept, moved, shapes = out.get()
+        assert max(diffs) < 1e-6, (rank, diffs)
+        assert shared == 1 and kept
+        assert moved == (12 + 5) * 4 + 2 * 8  # the float32 pair and the float64 one, not the transposed one
+        assert shapes == [(3, 4), (5,), (6, 4), (2,)]
