@@ -125,6 +125,11 @@ def test_data_parallel_copies_pay_their_all_reduce_over_the_link() -> None:
     fitted = dataclasses.replace(prof, allreduce={2: (1e-3, 1e8)})
     two, _, _ = predict(fitted, Layout(2, 1, 1), s, parts)
     assert two.makespan == pytest.approx(one.makespan / 2 + 1e-3 + grads / 1e8, rel=1e-6)
+    from pipefold.sim.simulate import CostModel
+
+    for bad in ({1: (0.0, 1e9)}, {2: (-1.0, 1e9)}, {2: (0.0, 0.0)}):
+        with pytest.raises(ConfigError, match="an all-reduce fit is a group of >= 2"):
+            CostModel(allreduce_fits=bad)
 
 
 def test_an_all_reduce_among_local_ranks_costs_more_for_more_bytes() -> None:

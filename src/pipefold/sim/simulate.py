@@ -204,6 +204,10 @@ class CostModel:
             raise ConfigError(f"recompute is a fraction of the forward: 0..1 (got {self.recompute!r})")
         if not self.bandwidth > 0:
             raise ConfigError(f"bandwidth must be > 0 bytes per time unit (got {self.bandwidth!r})")
+        for k, (lat, bw) in self.allreduce_fits.items():
+            if not (isinstance(k, int) and k >= 2 and math.isfinite(lat) and lat >= 0 and bw > 0):
+                raise ConfigError(f"an all-reduce fit is a group of >= 2 devices, latency >= 0 and bandwidth > 0 "
+                                  f"(got {k}: {(lat, bw)})")
         for stage, cost in self.stage_overrides.items():
             for name in ("f", "b", "w", "memory", "recompute", "kept", "memory_w", "bw"):
                 value = getattr(cost, name)
@@ -221,7 +225,8 @@ class CostModel:
         return self.latency + (self.activation_bytes / self.bandwidth if self.activation_bytes else 0.0)
 
     def allreduce_time(self, nbytes: float, replicas: int) -> float:
-        """A ring all-reduce of ``nbytes`` among ``replicas`` devices: 2(n-1) steps of latency and n-th shares."""
+        """An all-reduce of ``nbytes`` among ``replicas`` devices: the measured fit for that many where there is one
+        (``allreduce_fits``), else a ring, 2(n-1) steps of latency and n-th shares."""
         if replicas < 2:
             return 0.0
         if replicas in self.allreduce_fits:
