@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
+import time
 
-from pipefold.runtime.watch import Activity, Hang, SharedBoard, Snapshot, find_hang
+from pipefold.runtime.watch import Activity, Hang, SharedBoard, Snapshot, find_hang, process_state
 
 
 def _snap(rank: int, where: str, *, waits: tuple[int, ...] = (), what: str = "", step: int = 4,
@@ -111,3 +113,39 @@ def test_stopping_the_heartbeat_waits_for_its_thread() -> None:
     count = len(board.published)
     time.sleep(0.4)
     assert len(board.published) == count  # nothing published after stop() returned
+
+
+def test_a_rank_stopped_mid_action_is_named_as_stopped_whichever_clock_passes_the_timeout_first() -> None:
+    """A rank stopped in the middle of an action: its action's age passes the timeout before its silence does,
+    and it is frozen (named as stopped) from then on, not blamed for computing too long. A running rank that is
+    past the timeout in its action is not frozen (it computes, and find_hang says so); a stopped rank within the
+    timeout is not frozen yet (it may be continued); silence alone past the timeout freezes any rank."""
+    import signal
+    import subprocess
+    import sys
+
+    from pipefold.runtime.watch import frozen_local
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        step = _snap(1, "1F1", age=4.0)
+        startup = _snap(1, "start-up", age=4.0, step=-1, action=False)
+        assert frozen_local(child.pid, step, silent=1.0, age=4.0, timeout=3.0) is None  # running: computing long
+        os.kill(child.pid, signal.SIGSTOP)
+        deadline = time.time() + 5
+        while process_state(child.pid) != "T" and time.time() < deadline:
+            time.sleep(0.01)
+        why = frozen_local(child.pid, step, silent=1.0, age=4.0, timeout=3.0)
+        assert why is not None and why.startswith("its process is stopped"), why
+        assert frozen_local(child.pid, step, silent=1.0, age=2.0, timeout=3.0) is None  # within the timeout
+        assert frozen_local(child.pid, step, silent=0.1, age=4.0, timeout=3.0) is None  # just published
+        assert frozen_local(child.pid, startup, silent=1.0, age=4.0, timeout=3.0) is None  # start-up: 20 s
+        assert frozen_local(child.pid, startup, silent=1.0, age=21.0, timeout=3.0) is not None
+        hang = find_hang({0: _snap(0, "0F2", waits=(1,), what="an activation", age=4.0), 1: step},
+                         {0: 4.0, 1: 4.0}, {1: why}, 3.0)
+        assert hang is not None and hang.rank == 1 and "its process is stopped" in hang.line, hang
+        assert "rank 0 waits for it" in hang.line, hang.line
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+    assert frozen_local(None, step, silent=3.5, age=4.0, timeout=3.0) == "no heartbeat for 4 s"

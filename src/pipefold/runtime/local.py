@@ -36,10 +36,10 @@ from pipefold.runtime.watch import (
     Snapshot,
     exit_when_closed,
     find_hang,
+    frozen_local,
     name_process,
     pg_timeout,
     process_state,
-    why_silent,
 )
 
 if TYPE_CHECKING:
@@ -207,8 +207,8 @@ def _hang(ranks: list[Any], board: SharedBoard, started: float, timeout: float) 
     frozen = {}
     for r, s in snaps.items():
         silent = now - (s.beat if s is not None else started)
-        if ranks[r].exitcode is None and silent > timeout:
-            frozen[r] = why_silent(ranks[r].pid, silent)
+        if ranks[r].exitcode is None and (why := frozen_local(ranks[r].pid, s, silent, ages[r], timeout)):
+            frozen[r] = why
     hang = find_hang(snaps, ages, frozen, timeout)
     return None if hang is None else RankError(hang.rank, hang.line)
 

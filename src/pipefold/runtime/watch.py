@@ -341,6 +341,24 @@ def process_state(pid: int) -> str | None:
     return text.rsplit(")", 1)[1].split()[0] if ")" in text else None
 
 
+def frozen_local(pid: int | None, s: Snapshot | None, silent: float, age: float, timeout: float) -> str | None:
+    """Why a local rank is taken as no longer publishing, or None while it is not.
+
+    ``s``: its latest snapshot (None: never published); ``silent``: seconds since its last heartbeat; ``age``:
+    seconds in its current activity. It is frozen once it has been silent for longer than the action
+    timeout, or once its process is stopped (SIGSTOP, a debugger) and its activity has lasted past its
+    :func:`limit`. The second comes first for a rank stopped in the middle of an action: the action began before
+    the last heartbeat, so its age passes the limit before its silence does, and the rank must then be named as
+    stopped, not as computing for too long.
+    """
+    if silent > timeout:
+        return why_silent(pid, silent)
+    stopped = pid is not None and silent > 2 * PERIOD and process_state(pid) in ("T", "t")
+    if stopped and age > limit(s, timeout):
+        return why_silent(pid, silent)
+    return None
+
+
 def why_silent(pid: int | None, seconds: float) -> str:
     """Why a local rank does not publish, as far as the system says."""
     state = process_state(pid) if pid is not None else None
