@@ -27,6 +27,17 @@ DEFAULT_DEVICES = 4
 DEFAULT_MICROBATCHES = 8
 
 
+def _tp_degrees(text: str) -> int | tuple[int, ...]:
+    """``--tp 2`` (every device) or ``--tp 2,1`` (one degree per device)."""
+    try:
+        out = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        out = ()
+    if not out or any(t < 1 for t in out):
+        raise argparse.ArgumentTypeError(f"a degree >= 1 for every device (2), or one per device (2,1); got {text!r}")
+    return out[0] if len(out) == 1 else out
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse that reports a usage mistake as one line, not a usage dump."""
 
@@ -298,10 +309,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --dp: shard each stage's parameters, gradients and optimizer state across its copies "
                         "(torch's fully_shard): gathered before the stage's first forward, reduce-scattered and freed "
                         "after its last weight gradient")
-    p.add_argument("--tp", type=int, default=1, metavar="T",
+    p.add_argument("--tp", type=_tp_degrees, default=1, metavar="T[,T...]",
                    help="tensor-parallel ranks per pipeline device (default 1): D x P x T processes, each stage's "
                         "layers split over T ranks by the model's plan (torch's parallelize_module; the gpt and mlp "
-                        "models, and --hf llama by transformers' own plan)")
+                        "models, and --hf llama by transformers' own plan); one T per device gives each device a "
+                        "mesh of its own (2,1: device 0 on 2 ranks, device 1 on one), activations resharded between "
+                        "them")
     p.add_argument("--microbatches", "-m", type=int, default=8, metavar="M", help="microbatches per step (default 8)")
     p.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
     _add_model(p, layers=None, layers_help="default: enough for 2 layers per stage", batch=16,

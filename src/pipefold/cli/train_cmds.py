@@ -141,11 +141,13 @@ def _print_train(out: dict[str, Any], console: Console) -> None:
     dp = out.get("dp", 1)
     sharded = {"fsdp": ", stages sharded (FSDP)", "zero1": ", optimizer state sharded (ZeRO-1)"}.get(
         out.get("sharding", "none"), "")
-    tp = out.get("tp", 1)
-    pipelines = f" x {tp} tensor-parallel ranks each" if tp > 1 else ""
+    tp = out.get("tp", 1)  # one degree, or one per device (a list)
+    split = tp != 1
+    pipelines = ("" if not split else f" x {tp} tensor-parallel ranks each" if isinstance(tp, int)
+                 else f" with {','.join(map(str, tp))} tensor-parallel ranks")
     pipelines += f" x {dp} data-parallel pipelines{sharded}" if dp > 1 else ""
-    if dp > 1 or tp > 1:
-        pipelines += f" (the table: {'tensor-parallel rank 0 of ' if tp > 1 else ''}the first pipeline; the loss: all)"
+    if dp > 1 or split:
+        pipelines += f" (the table: {'tensor-parallel rank 0 of ' if split else ''}the first pipeline; the loss: all)"
     first, last = (f"{x:.4f}" if x is not None else "NaN/inf" for x in (out["loss"][0], out["loss"][-1]))
     steps = (f" (steps {out['first_step']} to {out['first_step'] + len(out['loss']) - 1})" if out["first_step"] > 1
              else "")

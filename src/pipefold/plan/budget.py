@@ -380,11 +380,12 @@ HEADROOM = 0.05
 
 
 def model_costs(profile: Profile, schedule: Schedule, layer_stages: Sequence[Sequence[int]],
-                recompute: Sequence[int] | None = None, dp: int = 1) -> CostModel:
+                recompute: Sequence[int] | None = None, dp: int = 1, tp: int = 1) -> CostModel:
     """The cost model of ``schedule`` running ``layer_stages`` of the profiled model: per stage the sums of its
     layers' measured seconds and bytes, the measured link, how the ranks share the machine and the runtime's own
     work per message; with ``dp`` copies of the pipeline, each stage's gradients all-reduced among them over the
-    link (its ``DP`` actions, :func:`pipefold.schedules.dataparallel.with_data_parallel`)."""
+    link (its ``DP`` actions, :func:`pipefold.schedules.dataparallel.with_data_parallel`); with ``tp`` ranks per
+    device, each message crosses in tp pieces that the receiving ranks all-gather."""
     rows = stage_profiles(profile, layer_stages)
     counts = recompute or (0,) * len(rows)
     over = {s: StageOverride(f=p.times[0], b=p.times[1], w=p.times[2], bw=p.fused_time, memory=float(p.total[r]),
@@ -395,7 +396,7 @@ def model_costs(profile: Profile, schedule: Schedule, layer_stages: Sequence[Seq
     return CostModel(stage_overrides=over, latency=profile.latency, bandwidth=profile.bandwidth,
                      activation_bytes=float(message), grad_bytes=params / schedule.devices,
                      contention=profile.contention[:schedule.devices], message_overhead=profile.message_overhead,
-                     dp=dp, allreduce_fits=profile.allreduce)
+                     dp=dp, allreduce_fits=profile.allreduce, mesh=tp)
 
 
 def stage_profiles(profile: Profile, layer_stages: Sequence[Sequence[int]]) -> list[StageProfile]:
@@ -524,7 +525,8 @@ def predict(profile: Profile, layout: Layout, schedule: str | Schedule, layer_st
     rows = stage_profiles(seen, layer_stages)
     counts = tuple(recompute or (0,) * len(rows))
     static, activations = device_peaks(schedule, rows, counts)
-    result = simulate(_replicated(schedule, layout), model_costs(seen, schedule, layer_stages, counts, layout.dp))
+    costs = model_costs(seen, schedule, layer_stages, counts, layout.dp, layout.tp)
+    result = simulate(_replicated(schedule, layout), costs)
     return result, [int(st + a) for st, a in zip(static, activations, strict=True)], static
 
 
@@ -569,7 +571,7 @@ def _model_points(profile: Profile, schedule: Schedule, budget: float, layout: L
                 counts = choose_recompute(schedule, rows, "full")
             tries.append((counts, device_peaks(schedule, rows, counts)[1]))
         for counts, activations in tries:
-            result = simulate(run, model_costs(profile, schedule, layer_stages, counts, layout.dp))
+            result = simulate(run, model_costs(profile, schedule, layer_stages, counts, layout.dp, layout.tp))
             out.append(ModelPoint(name=schedule.name, options=dict(schedule.options),
                                   makespan=round(result.makespan, 9), bubble_ratio=round(result.bubble_ratio, 9),
                                   peak_memory=tuple(float(st + int(a)) for st, a in zip(static, activations,

@@ -49,13 +49,14 @@ it they have been received, which bounds the bytes in flight per link.
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -160,16 +161,44 @@ class _Staged:
         return work
 
 
-class Incoming:
-    """A posted receive: :meth:`wait` returns its tensors, on the rank's device."""
+def routes(a: int, b: int) -> list[tuple[int, int]]:
+    """How a tensor crosses from a mesh of ``a`` ranks to one of ``b`` that each need all of it (Alpa's cross-mesh
+    resharding, Megatron's scatter-gather): cut into L = lcm(a, b) equal pieces, piece k goes from sender k mod a
+    to receiver k // (L / b), (sender, receiver) of each piece in order. Receiver j so holds the j-th of b equal
+    chunks, and the receivers all-gather their chunks over their own links. Each byte crosses once; the senders
+    share the work evenly; a sender sends a receiver at most one piece (L / b <= a)."""
+    pieces = math.lcm(a, b)
+    return [(k % a, k // (pieces // b)) for k in range(pieces)]
 
-    def __init__(self, works: list[dist.Work], buffers: tuple[torch.Tensor, ...], links: Links) -> None:
-        self.works, self.buffers, self._links = works, buffers, links
+
+def _padded(numel: int, pieces: int) -> int:
+    """Elements of a tensor of ``numel`` elements flattened and padded to cut into ``pieces`` equal pieces."""
+    return -(-numel // pieces) * pieces
+
+
+class Incoming:
+    """A posted receive: :meth:`wait` returns its tensors, on the rank's device. From a mesh of several ranks or
+    into one (``gather``: this rank's chunk of each, the all-gather of its own mesh's group, its position and the
+    tensors' shapes), each tensor arrives in pieces into one flat buffer, whose chunks the receiving mesh's ranks
+    then all-gather."""
+
+    def __init__(self, works: list[dist.Work], buffers: tuple[torch.Tensor, ...], links: Links,
+                 gather: tuple[Any, int, int, tuple[Meta, ...]] | None = None) -> None:
+        self.works, self.buffers, self._links, self._gather = works, buffers, links, gather
 
     def wait(self) -> tuple[torch.Tensor, ...]:
         for w in self.works:
             w.wait()
-        return self._links.land(self.buffers) if self._links.staged else self.buffers
+        if self._gather is not None and (size := self._gather[1]) > 1:
+            group, index = self._gather[0], self._gather[2]
+            for flat in self.buffers:  # in host memory on a staged link: gloo moves no GPU memory
+                chunks = list(flat.chunk(size))
+                dist.all_gather(chunks, chunks[index].clone(), group=group)
+                self._links.gathered += flat.numel() * flat.element_size() * (size - 1) // size
+        buffers = self._links.land(self.buffers) if self._links.staged else self.buffers
+        if self._gather is None:
+            return buffers
+        return tuple(flat[:math.prod(m.shape)].view(m.shape) for flat, m in zip(buffers, self._gather[3], strict=True))
 
 
 _Send = tuple["dist.Work | _Deferred | _Staged", tuple[torch.Tensor, ...], int, float, int]
@@ -313,32 +342,65 @@ def _work(send: _Send) -> dist.Work:
 class Links:
     """The sends and receives of one rank: receive buffers and sends on the meter, each send freed on delivery.
 
-    With ``log`` set, every send and receive is recorded as ("send" or "recv", peer, tag) when posted.
+    Peers are pipeline devices. Each device is a mesh of ranks (``meshes[d]``: its process-group ranks, one per
+    tensor-parallel rank; this rank is ``meshes[rank][index]``, and ``group`` is its mesh's process group). A
+    message between devices of one rank each is one send; between meshes it is resharded (:func:`routes`): this
+    rank sends its pieces, receives its own, and its mesh all-gathers them. ``sent`` counts the bytes sent to each
+    process-group rank, ``gathered`` the bytes this rank received in those all-gathers, since :meth:`new_step`.
+
+    With ``log`` set, every send and receive is recorded as ("send" or "recv", peer device, tag) when posted.
     With ``network``, sends from ``rank`` cross emulated links whose timeline starts at wall-clock ``origin``.
     """
 
     def __init__(self, stages: int, microbatches: int, device: torch.device, meter: MemoryMeter, *,
                  log: bool = False, timeout: float | None = None, network: Network | None = None,
-                 rank: int = 0, origin: float = 0.0, ranks: Sequence[int] | None = None,
-                 staged: bool = False) -> None:
+                 rank: int = 0, origin: float = 0.0, meshes: Sequence[Sequence[int]] | None = None, index: int = 0,
+                 group: Any = None, staged: bool = False) -> None:
         self.S, self.M = stages, microbatches
         self.staged = staged
         """GPU tensors over gloo: through pinned host memory, copied on :attr:`stream`."""
         self.stream = torch.cuda.Stream(device) if staged and device.type == "cuda" else None
         """The communication stream: copies to and from host memory (staged links on a GPU)."""
-        self.ranks = ranks
-        """The process-group rank of each pipeline device (None: device d is rank d); peers are devices."""
+        self.meshes = [list(m) for m in meshes] if meshes is not None else None
+        """The process-group ranks of each pipeline device (None: device d is rank d alone)."""
+        self.index, self.group = index, group
         self.device = device
         self.meter = meter
         self.timeout = timeout
         self.outboxes: dict[int, _Outbox] = {}
+        """By process-group rank."""
+        self._device_of: dict[int, int] = {}
         self.log: list[tuple[str, int, int]] | None = [] if log else None
         if network is not None and device.type == "cuda":
             raise ValueError("emulated network links run on gloo (CPU) only; on GPUs use real links or --netns")
+        if network is not None and meshes is not None and any(len(m) > 1 for m in meshes):
+            raise ValueError("emulated network links join devices of one rank each")
         self.network, self.rank, self.origin = network, rank, origin
         self._wires: dict[int, Wire] = {}
         self.recv_posted: dict[int, dict[int, float]] = {}
-        """Per peer, when the receive of each message (by its first tensor's tag) was posted."""
+        """Per peer device, when the receive of each message (by its first tensor's tag) was posted."""
+        self.sent: dict[int, int] = {}
+        self.gathered = 0
+
+    def mesh(self, device: int) -> list[int]:
+        """The process-group ranks of a pipeline device."""
+        return [device] if self.meshes is None else self.meshes[device]
+
+    def _routes(self, src: int, dst: int) -> list[tuple[int, int, int]]:
+        """The pieces from device ``src`` to device ``dst`` that this rank sends (on ``src``) or receives (on
+        ``dst``): (piece, of how many, the other end's process-group rank)."""
+        a, b = self.mesh(src), self.mesh(dst)
+        out = []
+        for k, (i, j) in enumerate(pieces := routes(len(a), len(b))):
+            if src == self.rank and i == self.index:
+                out.append((k, len(pieces), b[j]))
+            elif dst == self.rank and j == self.index:
+                out.append((k, len(pieces), a[i]))
+        return out
+
+    def peers(self, device: int) -> tuple[int, ...]:
+        """The process-group ranks this rank exchanges messages with on ``device`` (either way)."""
+        return tuple(sorted({r for k, n, r in (*self._routes(self.rank, device), *self._routes(device, self.rank))}))
 
     def _due(self, peer: int, nbytes: int) -> float:
         """Wall-clock time at which a message of ``nbytes`` sent now to ``peer`` arrives over the emulated link."""
@@ -350,64 +412,83 @@ class Links:
             wire = self._wires[peer] = Wire(self.network.conditions(self.rank, peer))
         return self.origin + wire.send(time.time() - self.origin, nbytes)
 
-    def _post_send(self, t: torch.Tensor, peer: int, tag: int, nbytes: int) -> None:
-        """Post a send now, or, over an emulated link, have the link's thread post it when it is due."""
-        outbox = self._outbox(peer)
+    def _post_send(self, t: torch.Tensor, device: int, to: int, tag: int, nbytes: int) -> None:
+        """Post a send of ``t`` to process-group rank ``to`` on pipeline ``device`` now, or, over an emulated
+        link, have the link's thread post it when it is due."""
+        outbox = self._outbox(device, to)
         posted_at = time.time()
+        self.sent[to] = self.sent.get(to, 0) + nbytes
         if self.staged:
-            if self.log is not None:
-                self.log.append(("send", peer, tag))
-            outbox.post((_Staged(t, self.rank_of(peer), tag, self.stream), (), nbytes, posted_at, tag))
-            return
-        if self.network is None:
-            outbox.post((self._post("send", t, peer, tag), (t,), nbytes, posted_at, tag))
-            return
-        if self.log is not None:
-            self.log.append(("send", peer, tag))
-        outbox.post((_Deferred(t, self.rank_of(peer), tag, self._due(peer, nbytes)), (t,), nbytes, posted_at, tag))
+            outbox.post((_Staged(t, to, tag, self.stream), (), nbytes, posted_at, tag))
+        elif self.network is None:
+            work = dist.isend(t, to, tag=tag)
+            assert work is not None
+            outbox.post((work, (t,), nbytes, posted_at, tag))
+        else:
+            outbox.post((_Deferred(t, to, tag, self._due(device, nbytes)), (t,), nbytes, posted_at, tag))
 
-    def _outbox(self, peer: int) -> _Outbox:
-        if peer not in self.outboxes:
+    def _outbox(self, device: int, to: int) -> _Outbox:
+        if to not in self.outboxes:
             # gloo's handles report completion only through wait(): a thread per link waits on them.
-            self.outboxes[peer] = _Outbox(peer, threaded=self.device.type != "cuda" or self.staged)
-        return self.outboxes[peer]
-
-    def _post(self, op: str, t: torch.Tensor, peer: int, tag: int) -> dist.Work:
-        """Post one "send" or "recv" of ``t`` with ``peer``."""
-        if self.log is not None:
-            self.log.append((op, peer, tag))
-        work = (dist.isend if op == "send" else dist.irecv)(t, self.rank_of(peer), tag=tag)
-        assert work is not None
-        return work
-
-    def rank_of(self, device: int) -> int:
-        """The process-group rank of a pipeline device."""
-        return device if self.ranks is None else self.ranks[device]
+            self.outboxes[to] = _Outbox(to, threaded=self.device.type != "cuda" or self.staged)
+            self._device_of[to] = device
+        return self.outboxes[to]
 
     def tag(self, direction: int, stage: int, microbatch: int, index: int) -> int:
         return ((direction * self.S + stage) * self.M + microbatch) * MAX_TENSORS + index
 
     def send(self, direction: int, stage: int, microbatch: int, tensors: tuple[torch.Tensor, ...],
              peer: int) -> None:
-        """Post the sends; the link keeps the tensors until they are delivered."""
+        """Post the sends to device ``peer`` (this rank's pieces of each tensor, resharded between meshes); the
+        link keeps the tensors until they are delivered."""
+        routes = self._routes(self.rank, peer)
         for i, t in enumerate(tensors):
             t = t.contiguous()
-            self.meter.hold((t,), "send")  # a copy when ``t`` was not contiguous; already counted otherwise
-            self._post_send(t, peer, self.tag(direction, stage, microbatch, i), t.untyped_storage().nbytes())
+            tag = self.tag(direction, stage, microbatch, i)
+            if self.log is not None:
+                self.log.append(("send", peer, tag))
+            if len(routes) == 1 and routes[0][1] == 1:  # one rank to one rank: the tensor as it is
+                self.meter.hold((t,), "send")  # a copy when ``t`` was not contiguous; already counted otherwise
+                self._post_send(t, peer, routes[0][2], tag, t.untyped_storage().nbytes())
+                continue
+            flat = t.reshape(-1)
+            pieces = routes[0][1]
+            if (n := _padded(flat.numel(), pieces)) != flat.numel():
+                flat = torch.cat([flat, flat.new_zeros(n - flat.numel())])
+            self.meter.hold((flat,), "send")
+            size = n // pieces
+            for k, _, to in routes:
+                piece = flat[k * size:(k + 1) * size]
+                self._post_send(piece, peer, to, tag, piece.numel() * piece.element_size())
 
     def recv(self, direction: int, stage: int, microbatch: int, metas: tuple[Meta, ...], peer: int) -> Incoming:
-        """Post the receives into fresh buffers (pinned host memory on a staged link); the caller takes the
-        tensors with :meth:`Incoming.wait`."""
+        """Post the receives from device ``peer`` into fresh buffers (pinned host memory on a staged link); the
+        caller takes the tensors with :meth:`Incoming.wait`."""
+        routes = self._routes(peer, self.rank)
+        whole = len(routes) == 1 and routes[0][1] == 1
+        pieces = routes[0][1]
+        shapes = [m.shape if whole else (_padded(math.prod(m.shape), pieces),) for m in metas]
         if self.staged:
-            bufs = tuple(torch.empty(m.shape, dtype=m.dtype, pin_memory=self.stream is not None) for m in metas)
+            bufs = tuple(torch.empty(shape, dtype=m.dtype, pin_memory=self.stream is not None)
+                         for shape, m in zip(shapes, metas, strict=True))
         else:
-            bufs = tuple(m.empty(self.device) for m in metas)
+            bufs = tuple(torch.empty(shape, dtype=m.dtype, device=self.device)
+                         for shape, m in zip(shapes, metas, strict=True))
             self.meter.hold(bufs, "recv")
         self.recv_posted.setdefault(peer, {})[self.tag(direction, stage, microbatch, 0)] = time.time()
         works = []
         for i, b in enumerate(bufs):
-            works.append(self._post("recv", b, peer, self.tag(direction, stage, microbatch, i)))
-        return Incoming(works, bufs, self)
+            tag = self.tag(direction, stage, microbatch, i)
+            if self.log is not None:
+                self.log.append(("recv", peer, tag))
+            size = b.numel() // pieces
+            for k, _, src in routes:
+                work = dist.irecv(b if whole else b[k * size:(k + 1) * size], src, tag=tag)
+                assert work is not None
+                works.append(work)
+        if whole:
+            return Incoming(works, bufs, self)
+        return Incoming(works, bufs, self, (self.group, len(self.mesh(self.rank)), self.index, metas))
 
     def land(self, host: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """Received host buffers onto the device, copied on the communication stream; the current (compute)
@@ -430,17 +511,33 @@ class Links:
         return torch.device("cpu") if self.staged else self.device
 
     def send_header(self, stage: int, metas: tuple[Meta, ...], peer: int) -> None:
-        h = encode_header(metas).to(self._header_device)
+        """The shapes of what stage ``stage`` will receive, to each rank of device ``peer`` this rank sends pieces."""
         tag = self.tag(HEADER, stage, 0, 0)
-        if self.staged:  # a host tensor already: straight to gloo, no copy
-            self._outbox(peer).post((self._post("send", h, peer, tag), (h,), 0, time.time(), tag))
-            return
-        self._post_send(h, peer, tag, 0)  # a few bytes of metadata: not activations
+        if self.log is not None:
+            self.log.append(("send", peer, tag))
+        for _, _, to in self._routes(self.rank, peer):
+            h = encode_header(metas).to(self._header_device)
+            if self.staged:  # a host tensor already: straight to gloo, no copy
+                work = dist.isend(h, to, tag=tag)
+                assert work is not None
+                self._outbox(peer, to).post((work, (h,), 0, time.time(), tag))
+            else:
+                self._post_send(h, peer, to, tag, 0)  # a few bytes of metadata: not activations
 
-    def post_header_recv(self, stage: int, peer: int) -> tuple[dist.Work, torch.Tensor]:
-        """Post the receive of a header; :func:`decode_header` reads it once the work is done."""
-        h = torch.zeros(_HEADER, dtype=torch.int64, device=self._header_device)
-        return self._post("recv", h, peer, self.tag(HEADER, stage, 0, 0)), h
+    def post_header_recv(self, stage: int, peer: int) -> tuple[Any, torch.Tensor]:
+        """Post the receive of a header from device ``peer`` (from each rank that sends this rank pieces, the same
+        header); :func:`decode_header` reads it once the work is done."""
+        tag = self.tag(HEADER, stage, 0, 0)
+        if self.log is not None:
+            self.log.append(("recv", peer, tag))
+        works, headers = [], []
+        for _, _, src in self._routes(peer, self.rank):
+            h = torch.zeros(_HEADER, dtype=torch.int64, device=self._header_device)
+            work = dist.irecv(h, src, tag=tag)
+            assert work is not None
+            works.append(work)
+            headers.append(h)
+        return (works[0] if len(works) == 1 else _AllWorks(works)), headers[0]
 
     def reap_sends(self) -> None:
         """Release the sends seen completed (on links without a thread; the threads release their own)."""
@@ -448,27 +545,58 @@ class Links:
             outbox.poll()
 
     def settle(self, peer: int, count: int) -> None:
-        """Return once the first ``count`` sends to ``peer`` this step are released (the schedule says delivered)."""
-        self._outbox(peer).settle(count, self.timeout)
+        """Return once the first ``count`` sends to device ``peer`` this step are released (the schedule says
+        delivered): on each of its ranks this rank sends pieces to."""
+        for _, _, to in self._routes(self.rank, peer):
+            self._outbox(peer, to).settle(count, self.timeout)
 
     def wait_sends(self) -> None:
         """Return once every send is delivered and released."""
         for outbox in self.outboxes.values():
             outbox.settle(outbox.posted, self.timeout)
 
+    def sending_to(self) -> tuple[int, ...]:
+        """The process-group ranks this rank has sent to."""
+        return tuple(self.outboxes)
+
+    def link_bytes(self) -> dict[int, int]:
+        """Per peer device, the most bytes in flight at once to it since :meth:`new_step` (its ranks' added)."""
+        out: dict[int, int] = {}
+        for to, box in self.outboxes.items():
+            out[self._device_of[to]] = out.get(self._device_of[to], 0) + box.max_bytes
+        return out
+
     def take_samples(self) -> tuple[dict[int, list[tuple[int, int, float, float]]], dict[int, dict[int, float]]]:
-        """Since the last call: per peer sent to, (tag, bytes, posted, delivered) of each message; per peer
-        received from, when the receive of each message (by tag) was posted. Wall-clock seconds."""
-        out = {peer: box.take_samples() for peer, box in self.outboxes.items()}
+        """Since the last call: per peer device sent to, (tag, bytes, posted, delivered) of each message (each
+        piece, between meshes); per peer device received from, when the receive of each message (by tag) was
+        posted. Wall-clock seconds."""
+        out: dict[int, list[tuple[int, int, float, float]]] = {}
+        for to, box in self.outboxes.items():
+            out.setdefault(self._device_of[to], []).extend(box.take_samples())
         posted, self.recv_posted = self.recv_posted, {}
         return out, posted
 
     def new_step(self) -> None:
-        """Count sends and in-flight maxima from zero (every send of the last step has been released)."""
+        """Count sends, bytes and in-flight maxima from zero (every send of the last step has been released)."""
         for outbox in self.outboxes.values():
             outbox.posted = outbox.released = 0
             outbox.reset_max()
+        self.sent, self.gathered = {}, 0
 
     def close(self) -> None:
         for outbox in self.outboxes.values():
             outbox.close()
+
+
+class _AllWorks:
+    """Several works as one: completed when all are, waited for together."""
+
+    def __init__(self, works: list[dist.Work]) -> None:
+        self.works = works
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()

@@ -126,6 +126,11 @@ class StepStats:
     """Per peer this rank sends to, the most bytes in flight at once on that link."""
     link_message_bytes: dict[int, int] = field(default_factory=dict)
     """Per peer, the largest message (one microbatch's tensors) sent on that link."""
+    sent: dict[int, int] = field(default_factory=dict)
+    """Bytes this rank sent to each process-group rank in the step (activations and gradients; between meshes of
+    several ranks, its pieces of them: :func:`pipefold.runtime.comm.routes`)."""
+    gathered: int = 0
+    """Bytes this rank received from its own mesh's ranks in the step, all-gathering what crossed in pieces."""
     memory_check: dict[str, int] = field(default_factory=dict)
     """In a step measured a second way (``Job.verify_memory_step``), by torch's MemTracker: the meter's and
     the tracker's largest level after an action, their largest difference there, the tracker's peak over
@@ -299,8 +304,9 @@ class RankExecutor:
                  recompute: Mapping[int, int] | None = None, log_messages: bool = False,
                  timeout: float | None = None, optimizers: Mapping[int, Callable[[], Any]] | None = None,
                  network: Network | None = None, origin: float = 0.0, work: StepWork | None = None,
-                 pipelines: Sequence[Sequence[int]] | None = None, pipeline: int = 0, dp_group: Any = None,
-                 sharded: bool = False, activity: Activity | None = None, staged: bool = False,
+                 pipelines: Sequence[Sequence[int | None]] | None = None, pipeline: int = 0,
+                 meshes: Sequence[Sequence[int]] | None = None, tp_index: int = 0, tp_group: Any = None,
+                 dp_group: Any = None, sharded: bool = False, activity: Activity | None = None, staged: bool = False,
                  overlap: bool = True) -> None:
         self.schedule, self.rank, self.device = schedule, rank, device
         cuda = device.type == "cuda"
@@ -338,11 +344,12 @@ class RankExecutor:
                               + ("" if dp_group is not None else ", and DP with data-parallel pipelines (--dp)")
                               + ("" if sharded else ", and AG and RS with sharded ones (--dp with --fsdp)"))
         graph = dependency_graph(schedule)
-        # ``rank`` is this rank's device in its pipeline; ``pipelines`` give every pipeline's process-group ranks.
+        # ``rank`` is this rank's device in its pipeline; ``pipelines`` give every pipeline's process-group ranks
+        # (None on a device with fewer tensor-parallel ranks); ``meshes`` each device's ranks in this rank's copy.
         pipelines = pipelines or [list(range(schedule.devices))]
         self.links = Links(schedule.stages, schedule.microbatches, device, self.meter, log=log_messages,
-                           timeout=timeout, network=network, rank=rank, origin=origin,
-                           ranks=pipelines[pipeline] if len(pipelines) > 1 or pipeline else None, staged=staged)
+                           timeout=timeout, network=network, rank=rank, origin=origin, meshes=meshes, index=tp_index,
+                           group=tp_group, staged=staged)
         self._in_meta: dict[int, tuple[Meta, ...]] = {}  # stage -> metas of its input, when received
         self._out_meta: dict[int, tuple[Meta, ...]] = {}  # stage -> metas of its output
         self._last_shape: Any = None
@@ -362,8 +369,8 @@ class RankExecutor:
         for q, ranks in enumerate(pipelines):
             for s in range(schedule.stages):
                 holders = schedule.holders(s)
-                if len(holders) > 1:
-                    group = dist.new_group(ranks=sorted(ranks[h] for h in holders))
+                if len(holders) > 1 and all(ranks[h] is not None for h in holders):  # holders share a degree
+                    group = dist.new_group(ranks=sorted(r for h in holders if (r := ranks[h]) is not None))
                     if q == pipeline and rank in holders:
                         self._groups[s] = group
         self._reductions: dict[int, list[FlatAllReduce]] = {}  # stage -> its all-reduce, until waited for
@@ -420,7 +427,7 @@ class RankExecutor:
         for idx, action in enumerate(self.actions):
             for peer, counts in received.items():
                 if counts[idx] > settled[peer]:  # the schedule says these sends have arrived: let them go
-                    activity.wait(str(action), "the delivery of its sends", (self.links.rank_of(peer),))
+                    activity.wait(str(action), "the delivery of its sends", self.links.peers(peer))
                     self.links.settle(peer, counts[idx])
                     settled[peer] = counts[idx]
             for ahead in self.actions[idx:idx + LOOKAHEAD]:
@@ -438,8 +445,7 @@ class RankExecutor:
         self._reductions.clear()
         stats.events.append(Event("wait all-reduce", "comm", start, clock()))
         start = clock()
-        activity.wait("the end of the step", "the delivery of its sends",
-                      tuple(self.links.rank_of(p) for p in self.links.outboxes), action=False)
+        activity.wait("the end of the step", "the delivery of its sends", self.links.sending_to(), action=False)
         self.links.wait_sends()
         activity.resume("the end of the step", action=False)
         stats.events.append(Event("wait sends", "send", start, clock()))
@@ -453,7 +459,8 @@ class RankExecutor:
         stats.batch_bytes = self.meter.outside_bytes
         stats.memory_curve = list(self.meter.curve)
         stats.stage_memory = {s: (r.memory_f, r.memory_b, r.memory_w) for s, r in self.runners.items()}
-        stats.link_bytes = {peer: box.max_bytes for peer, box in self.links.outboxes.items()}
+        stats.link_bytes = self.links.link_bytes()
+        stats.sent, stats.gathered = dict(self.links.sent), self.links.gathered
         stats.link_samples, stats.recv_posted = self.links.take_samples()
         left = [(i.src, m) for i in self._inboxes.values() for m in [*i.messages[i.next:], *i.posted]]
         if left:
@@ -674,7 +681,7 @@ class RankExecutor:
         start = clock()
         where = str(action)
         self.activity.wait(where, "an activation" if direction == FORWARD else "a gradient",
-                           (self.links.rank_of(inbox.src),))
+                           self.links.peers(inbox.src))
         self._post_until(inbox, msg, block=True)
         tensors = inbox.posted.pop(msg).wait()
         self.activity.resume(where)

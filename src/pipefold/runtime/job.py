@@ -211,25 +211,62 @@ class Job:
             if self.offload is not None:
                 raise ConfigError("offloading steps the optimizer after the whole step: use a schedule without OPT "
                                   "actions with --offload")
+        degrees = self.degrees  # one per device, or one line
+        stage_of = {i: st for st, part in enumerate(self.layer_stages) for i in part}
+        # Devices that sum gradients rank by rank (a stage's replicas, a tied weight's copies) hold equal shards.
+        for what, devices in [*((f"stage {st}'s replicas", self.schedule.holders(st))
+                                for st in range(self.schedule.stages)),
+                              *((f"the copies of tied weight {tie[0][1]} of layer {tie[0][0]}",
+                                 sorted({d for i, _ in tie for d in self.schedule.holders(stage_of[i])}))
+                                for tie in split)]:
+            if len({degrees[d] for d in devices}) > 1:
+                shown = ", ".join(f"device {d}: {degrees[d]}" for d in devices)
+                raise ConfigError(f"{what} sum their gradients rank by rank, so their devices need one tensor-parallel "
+                                  f"degree, but --tp {self.parallel.tp_text} gives {shown}: give them equal degrees")
+
+    @property
+    def degrees(self) -> tuple[int, ...]:
+        """The tensor-parallel degree of each pipeline device: the ranks of its mesh."""
+        return self.parallel.degrees(self.schedule.devices)
 
     @property
     def world(self) -> int:
-        """Ranks of the job: the pipeline's devices times its data-parallel copies times its tensor-parallel ranks."""
-        return self.parallel.dp * self.schedule.devices * self.parallel.tp
+        """Ranks of the job: the data-parallel copies times the ranks of one pipeline (its devices' degrees)."""
+        return self.parallel.dp * sum(self.degrees)
+
+    def meshes(self) -> list[list[list[int]]]:
+        """The global ranks of each data-parallel copy's pipeline devices: ``meshes()[d][p]`` are device p's
+        tensor-parallel ranks in copy d. Copies are outermost, then devices, a device's ranks innermost (on
+        neighbouring ranks, which a machine's GPUs are); with one degree for every device this is how torch's
+        DeviceMesh of shape (dp, devices, tp) numbers them."""
+        degrees, out, rank = self.degrees, [], 0
+        for _ in range(self.parallel.dp):
+            copy = []
+            for t in degrees:
+                copy.append(list(range(rank, rank + t)))
+                rank += t
+            out.append(copy)
+        return out
 
     def coords(self, rank: int) -> tuple[int, int, int]:
-        """(data-parallel copy, pipeline device, tensor-parallel rank) of global ``rank``: the ranks are laid out as
-        torch's DeviceMesh of shape (dp, devices, tp) numbers them, tp innermost (a tp group on neighbouring ranks,
-        which a machine's GPUs are)."""
-        tp, devices = self.parallel.tp, self.schedule.devices
-        return rank // (devices * tp), rank // tp % devices, rank % tp
+        """(data-parallel copy, pipeline device, tensor-parallel rank on that device) of global ``rank``."""
+        for d, copy in enumerate(self.meshes()):
+            for p, ranks in enumerate(copy):
+                if rank in ranks:
+                    return d, p, ranks.index(rank)
+        raise ValueError(f"rank {rank} is not in a job of {self.world} ranks")
 
-    def pipeline_ranks(self) -> list[list[int]]:
-        """Every pipeline's global ranks by device: pipeline ``d * tp + t`` is data-parallel copy d's tensor-parallel
-        rank t. Tensor-parallel ranks of one device hold the same stages, each its share of them."""
-        tp, devices = self.parallel.tp, self.schedule.devices
-        return [[(d * devices + p) * tp + t for p in range(devices)] for d in range(self.parallel.dp)
-                for t in range(tp)]
+    def pipeline_ranks(self) -> list[list[int | None]]:
+        """Every pipeline's global ranks by device: pipeline ``d * T + t`` (T: the largest degree) is copy d's
+        tensor-parallel rank t of each device, None on a device with fewer ranks. Groups across devices (a stage's
+        replicas, a tied weight's copies) are made in a pipeline over devices of one degree."""
+        top = max(self.degrees)
+        return [[ranks[t] if t < len(ranks) else None for ranks in copy] for copy in self.meshes() for t in range(top)]
+
+    def pipeline_of(self, rank: int) -> int:
+        """The index in :meth:`pipeline_ranks` of global ``rank``'s pipeline."""
+        copy, _, t = self.coords(rank)
+        return copy * max(self.degrees) + t
 
 
 def _without(schedule: Schedule, kind: str) -> tuple[int, int] | None:

@@ -73,15 +73,15 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     """
     global_rank = rank
     copy, rank, tp_rank = job.coords(global_rank)  # from here on ``rank`` is the device in the pipeline
-    pipeline = copy * job.parallel.tp + tp_rank  # this rank's pipeline: data-parallel copy, tensor-parallel rank
+    pipeline = job.pipeline_of(global_rank)  # this rank's pipeline: data-parallel copy, tensor-parallel rank
     activity = activity if activity is not None else Activity(global_rank)
     everyone = tuple(r for r in range(world) if r != global_rank)
     placed = placement(job)
     device = placed.device_of(local_rank(global_rank))  # current already: set before the process group was made
-    meshed = job.parallel.dp > 1 or job.parallel.tp > 1
+    meshed = job.parallel.dp > 1 or job.parallel.tensor_parallel
     if meshed:
         activity.wait("start-up", "the device mesh", everyone, action=False)
-    dp_mesh, tp_mesh = _mesh(job, placed.device) if meshed else (None, None)
+    dp_mesh, tp_mesh = _mesh(job, placed.device, global_rank) if meshed else (None, None)
     pipelines = job.pipeline_ranks() if meshed else None
     dp_group = dp_mesh.get_group() if dp_mesh is not None else None
     activity.run("start-up (building its layers)", action=False)
@@ -135,7 +135,9 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
                 log_messages=job.log_messages, timeout=pg_timeout(job.reliability.action_timeout), network=job.network,
                 origin=origin or 0.0,
                 optimizers={s: _speculative(s, o, modules[s], stage_snaps) for s, o in stage_opts.items()}, work=work,
-                pipelines=pipelines, pipeline=pipeline, dp_group=dp_group, sharded=job.parallel.fsdp, activity=activity,
+                pipelines=pipelines, pipeline=pipeline, meshes=job.meshes()[copy] if meshed else None,
+                tp_index=tp_rank, tp_group=tp_mesh.get_group() if tp_mesh is not None else None,
+                dp_group=dp_group, sharded=job.parallel.fsdp, activity=activity,
                 staged=placed.staged or bool(job.extra.get("stage_through_host")), overlap=job.devices.overlap)
         return executors[index]
 
@@ -285,15 +287,31 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     return report
 
 
-def _mesh(job: Job, device_type: str) -> tuple[Any, Any]:
-    """The dp x devices x tp mesh of the job's ranks (torch's DeviceMesh, numbered as :meth:`Job.coords` says):
-    the 1-D meshes of this rank's data-parallel copies and of its tensor-parallel ranks (None where that degree
-    is 1)."""
-    from torch.distributed.device_mesh import init_device_mesh
+def _mesh(job: Job, device_type: str, rank: int) -> tuple[Any, Any]:
+    """The meshes (torch's DeviceMesh) of global ``rank``'s data-parallel copies and of its device's
+    tensor-parallel ranks (None where that degree is 1), numbered as :meth:`Job.meshes` says. Each device has a
+    (dp, tp) mesh of its own, as its degree may differ from the others'; every rank makes every process group, in
+    the same order, as torch.distributed requires."""
+    from torch.distributed.device_mesh import DeviceMesh
 
-    dp, tp = job.parallel.dp, job.parallel.tp
-    mesh = init_device_mesh(device_type, (dp, job.schedule.devices, tp), mesh_dim_names=("dp", "pp", "tp"))
-    return (mesh["dp"] if dp > 1 else None), (mesh["tp"] if tp > 1 else None)
+    meshes, dp = job.meshes(), job.parallel.dp
+    copy, device, index = job.coords(rank)
+    dp_group = tp_group = None
+    for p, degree in enumerate(job.degrees):
+        for t in range(degree if dp > 1 else 0):
+            group = dist.new_group([meshes[d][p][t] for d in range(dp)])
+            if (p, t) == (device, index):
+                dp_group = group
+        for d in range(dp if degree > 1 else 0):
+            group = dist.new_group(meshes[d][p])
+            if (d, p) == (copy, device):
+                tp_group = group
+    if dp_group is not None and tp_group is not None:
+        grid = torch.tensor([meshes[d][device] for d in range(dp)])
+        both = DeviceMesh.from_group([dp_group, tp_group], device_type, grid, mesh_dim_names=("dp", "tp"))
+        return both["dp"], both["tp"]
+    return (None if dp_group is None else DeviceMesh.from_group(dp_group, device_type, mesh_dim_names=("dp",)),
+            None if tp_group is None else DeviceMesh.from_group(tp_group, device_type, mesh_dim_names=("tp",)))
 
 
 def _refill(refill: Refill, steps: list[StepStats], ran: list[Schedule], rank: int, world: int) -> Filled:

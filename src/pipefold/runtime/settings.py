@@ -114,7 +114,7 @@ class Optimizer:
 
 @dataclass(frozen=True, kw_only=True)
 class Parallel:
-    """Data-parallel copies of the pipeline."""
+    """Data-parallel copies of the pipeline, and tensor-parallel ranks per device."""
 
     dp: int = 1
     """Copies of the pipeline (devices ranks each): dp x devices processes, each pipeline on its shard of the batch,
@@ -125,16 +125,40 @@ class Parallel:
     fsdp: bool = False
     """With dp > 1: shard each stage's parameters, gradients and optimizer state across its copies (torch's
     ``fully_shard``), gathered by the schedule's ``AG`` actions and reduce-scattered by its ``RS``."""
-    tp: int = 1
-    """Tensor-parallel ranks per pipeline device: each stage's layers split over tp ranks by the model's
-    tensor-parallel plan (torch's ``parallelize_module``); dp x devices x tp processes in all."""
+    tp: int | tuple[int, ...] = 1
+    """Tensor-parallel ranks per pipeline device: each stage's layers split over its device's ranks by the model's
+    tensor-parallel plan (torch's ``parallelize_module``). One degree for every device, or one per device (a mesh per
+    stage: activations and gradients between devices of different degrees are resharded, :mod:`pipefold.runtime.comm`);
+    dp x (the devices' degrees summed) processes in all. Equal degrees are kept as one number."""
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not (isinstance(value, int) and value >= 1):
-                what = "data-parallel pipelines" if name == "dp" else "tensor-parallel ranks per pipeline device"
-                raise ConfigError(f"--{name} is the number of {what}: an integer >= 1 (got {value!r})")
+        if isinstance(self.dp, bool) or not (isinstance(self.dp, int) and self.dp >= 1):
+            raise ConfigError(f"--dp is the number of data-parallel pipelines: an integer >= 1 (got {self.dp!r})")
+        tp = self.tp if isinstance(self.tp, tuple) else (self.tp,)
+        if not tp or any(isinstance(t, bool) or not (isinstance(t, int) and t >= 1) for t in tp):
+            raise ConfigError(f"--tp is the number of tensor-parallel ranks per pipeline device: an integer >= 1, or "
+                              f"one per device such as 2,1 (got {self.tp!r})")
+        if len(set(tp)) == 1:
+            object.__setattr__(self, "tp", tp[0])
+
+    def degrees(self, devices: int) -> tuple[int, ...]:
+        """The tensor-parallel degree of each of ``devices`` pipeline devices."""
+        if isinstance(self.tp, int):
+            return (self.tp,) * devices
+        if len(self.tp) != devices:
+            raise ConfigError(f"--tp {self.tp_text} gives {len(self.tp)} degrees for {devices} pipeline devices: give "
+                              f"one degree for every device, or one per device ({devices} of them)")
+        return self.tp
+
+    @property
+    def tensor_parallel(self) -> bool:
+        """Some device's layers are split over several ranks."""
+        return max(self.tp if isinstance(self.tp, tuple) else (self.tp,)) > 1
+
+    @property
+    def tp_text(self) -> str:
+        """The degrees as the command line writes them: ``2``, ``2,1``."""
+        return ",".join(map(str, self.tp)) if isinstance(self.tp, tuple) else str(self.tp)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -188,18 +212,19 @@ def check_together(parallel: Parallel, optimizer: Optimizer, *, adaptive: bool, 
         raise ConfigError("--fsdp shards the optimizer state already: drop --zero1")
     if parallel.zero1 and parallel.dp < 2:
         raise ConfigError("ZeRO-1 shards the optimizer state across data-parallel pipelines: it needs --dp 2 or more")
-    if parallel.tp > 1 and parallel.zero1:
+    if parallel.tensor_parallel and parallel.zero1:
         # torch's ZeroRedundancyOptimizer broadcasts parameters, which DTensor has no rule for.
         raise ConfigError(f"ZeRO-1 does not run with --tp yet (torch's ZeroRedundancyOptimizer cannot broadcast "
-                          f"tensor-parallel shards): use --fsdp to shard the copies with --tp {parallel.tp}, or --tp 1")
+                          f"tensor-parallel shards): use --fsdp to shard the copies with --tp {parallel.tp_text}, "
+                          "or --tp 1")
     # What neither layout of several copies runs with yet, tensor parallelism named first.
     unsupported = [what for what, on in (("--optimizer kfac", optimizer.name == "kfac"),
                                          ("--schedule adaptive-kfkb", adaptive), ("--network", network),
                                          ("--netns", netns), ("--offload", offload)) if on]
-    for degree, layout, flag in ((parallel.tp, "tensor parallelism (--tp {}) does", "--tp"),
-                                 (parallel.dp, "data-parallel pipelines (--dp {}) do", "--dp")):
-        if degree > 1 and unsupported:
-            raise ConfigError(f"{layout.format(degree)} not run with {unsupported[0]} yet: use {flag} 1 with it")
+    for on, layout, flag in ((parallel.tensor_parallel, f"tensor parallelism (--tp {parallel.tp_text}) does", "--tp"),
+                             (parallel.dp > 1, f"data-parallel pipelines (--dp {parallel.dp}) do", "--dp")):
+        if on and unsupported:
+            raise ConfigError(f"{layout} not run with {unsupported[0]} yet: use {flag} 1 with it")
     if parallel.zero1 and (callable(optimizer.name) or optimizer.name == "kfac"):
         raise ConfigError("ZeRO-1 shards the optimizer state across data-parallel pipelines: it needs dp >= 2, "
                           "the adamw or sgd optimizer and a schedule without OPT actions")

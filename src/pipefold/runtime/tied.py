@@ -72,7 +72,7 @@ class TiedGrads:
 
     def __init__(self, ties: Sequence[Tie], schedule: Schedule, layer_stages: Sequence[Sequence[int]], rank: int,
                  chains: Mapping[int, nn.Module], device: torch.device,
-                 pipelines: Sequence[Sequence[int]] | None = None, pipeline: int = 0) -> None:
+                 pipelines: Sequence[Sequence[int | None]] | None = None, pipeline: int = 0) -> None:
         self.device = device
         self.groups: list[_Group] = []
         self.copies: set[int] = set()
@@ -86,7 +86,8 @@ class TiedGrads:
             devices = sorted({d for s in stages for d in schedule.holders(s)})
             group = None
             for q, ranks in enumerate(pipelines):  # every rank makes every group, in the same order
-                made = dist.new_group(sorted(ranks[d] for d in devices)) if len(devices) > 1 else None
+                members = [r for d in devices if (r := ranks[d]) is not None]  # the devices share a degree
+                made = dist.new_group(sorted(members)) if len(members) > 1 else None
                 if q == pipeline:
                     group = made
             if rank not in devices:

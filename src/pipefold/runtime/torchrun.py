@@ -145,7 +145,8 @@ def run_torchrun(job: Job, on_step: Callable[[int, float, float], None] | None =
     try:
         if world != job.world:
             need = job.world
-            what = f" x {job.parallel.tp} tensor-parallel ranks" if job.parallel.tp > 1 else ""
+            what = (f" with {job.parallel.tp_text} tensor-parallel ranks each" if isinstance(job.parallel.tp, tuple)
+                    else f" x {job.parallel.tp} tensor-parallel ranks" if job.parallel.tp > 1 else "")
             what += f" x {job.parallel.dp} data-parallel pipelines" if job.parallel.dp > 1 else ""
             raise ConfigError(f"torchrun started {world} processes but {job.schedule.name} runs on "
                               f"{job.schedule.devices} devices{what}; set --nproc-per-node and --nnodes for {need} "

@@ -180,6 +180,9 @@ class CostModel:
     allreduce_fits: Mapping[int, tuple[float, float]] = field(default_factory=dict)
     """Measured all-reduces by group size: (latency, bandwidth), an all-reduce of n bytes among that many taking
     latency + n / bandwidth; a size not here is a ring over ``latency`` and ``bandwidth``."""
+    mesh: int = 1
+    """Ranks of each device (its tensor-parallel degree): a message between devices crosses in ``mesh`` pieces at
+    once, which the receiving ranks then all-gather (:func:`pipefold.runtime.comm.routes`)."""
 
     def __post_init__(self) -> None:
         for name in ("f", "b", "w", "memory", "memory_w", "latency", "activation_bytes", "grad_bytes", "opt",
@@ -204,6 +207,8 @@ class CostModel:
             raise ConfigError(f"recompute is a fraction of the forward: 0..1 (got {self.recompute!r})")
         if not self.bandwidth > 0:
             raise ConfigError(f"bandwidth must be > 0 bytes per time unit (got {self.bandwidth!r})")
+        if isinstance(self.mesh, bool) or not (isinstance(self.mesh, int) and self.mesh >= 1):
+            raise ConfigError(f"cost mesh is the ranks of each device: an integer >= 1 (got {self.mesh!r})")
         for k, (lat, bw) in self.allreduce_fits.items():
             if not (isinstance(k, int) and k >= 2 and math.isfinite(lat) and lat >= 0 and bw > 0):
                 raise ConfigError(f"an all-reduce fit is a group of >= 2 devices, latency >= 0 and bandwidth > 0 "
@@ -221,8 +226,11 @@ class CostModel:
 
     @property
     def transfer_time(self) -> float:
-        """Time to move one activation (or its gradient) between two devices."""
-        return self.latency + (self.activation_bytes / self.bandwidth if self.activation_bytes else 0.0)
+        """Time to move one activation (or its gradient) between two devices: each of the ``mesh`` ranks sends its
+        piece over a link of its own, then the receiving ranks all-gather the pieces."""
+        piece = self.activation_bytes / self.mesh
+        return (self.latency + (piece / self.bandwidth if piece else 0.0)
+                + self.gather_time(self.activation_bytes, self.mesh))
 
     def allreduce_time(self, nbytes: float, replicas: int) -> float:
         """An all-reduce of ``nbytes`` among ``replicas`` devices: the measured fit for that many where there is one
@@ -236,10 +244,13 @@ class CostModel:
         return steps * self.latency + (steps / replicas * nbytes / self.bandwidth if nbytes else 0.0)
 
     def gather_time(self, nbytes: float, replicas: int) -> float:
-        """A ring all-gather (or reduce-scatter) of ``nbytes`` among ``replicas`` devices: half an all-reduce,
-        n-1 steps of latency and n-th shares."""
+        """An all-gather (or reduce-scatter) of ``nbytes`` among ``replicas`` devices: half an all-reduce (a ring's
+        n-1 steps of latency and n-th shares against an all-reduce's 2(n-1)), of the measured fit for that many
+        where there is one, else of a ring over ``latency`` and ``bandwidth``."""
         if replicas < 2:
             return 0.0
+        if replicas in self.allreduce_fits:
+            return self.allreduce_time(nbytes, replicas) / 2
         steps = replicas - 1
         return steps * self.latency + (steps / replicas * nbytes / self.bandwidth if nbytes else 0.0)
 
@@ -282,7 +293,7 @@ class CostModel:
             "grad_bytes": self.grad_bytes, "opt": self.opt, "overlap": self.overlap, "weights": self.weights,
             "contention": list(self.contention), "work": dict(self.work), "stash": dict(self.stash), "dp": self.dp,
             "gathered": self.gathered, "message_overhead": self.message_overhead,
-            "allreduce_fits": {str(k): list(fit) for k, fit in self.allreduce_fits.items()},
+            "allreduce_fits": {str(k): list(fit) for k, fit in self.allreduce_fits.items()}, "mesh": self.mesh,
             "stage_overrides": {str(s): {"f": c.f, "b": c.b, "w": c.w, "memory": c.memory,
                                          "recompute": c.recompute, "kept": c.kept, "memory_w": c.memory_w,
                                          "bw": c.bw,

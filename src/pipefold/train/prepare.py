@@ -57,7 +57,7 @@ def make_job(spec: RunSpec, *, decided: Decisions | None = None, placed: Any = N
         raise ConfigError("a planned run is resolved first: pipefold.train.planned.resolve(spec)")
     schedule = spec.schedule.built
     where = local_placement(spec.devices.device, spec.devices.backend,
-                            schedule.devices * spec.parallel.dp * spec.parallel.tp)
+                            spec.parallel.dp * sum(spec.parallel.degrees(schedule.devices)))
     if where.device == "cuda" and (spec.links.network is not None or spec.links.netns):
         raise ConfigError("--network and --netns emulate links between CPU ranks over gloo: use --device cpu with "
                           "them")
@@ -104,7 +104,9 @@ def make_job(spec: RunSpec, *, decided: Decisions | None = None, placed: Any = N
 
         # Each stage's gradients averaged across the pipelines; with FSDP, each stage sharded across them.
         schedule = with_data_parallel(schedule, shard=spec.parallel.fsdp)
-    tp_plan = model.tp_plans(spec.parallel.tp) if spec.parallel.tp > 1 else {}
+    tp_plan: dict[int, dict[str, str]] = {}
+    for degree in sorted(set(spec.parallel.degrees(schedule.devices)) - {1}):  # each degree checked against the model
+        tp_plan = model.tp_plans(degree)
     job = Job(schedule=schedule, layer_stages=layer_stages, build_layers=model.build_layers, loss_fn=model.loss,
               batch_at=model.batch_at, steps=spec.steps, optimizer=spec.optimizer, parallel=spec.parallel,
               reliability=spec.reliability, devices=spec.devices, save_grads_of_step=0 if spec.check else None,

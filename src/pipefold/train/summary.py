@@ -64,8 +64,8 @@ def summarize(outcome: Outcome, *, trace: str | None = None, plot: str | None = 
     out = _train_summary(spec, job, reports, predicted, cycle_peaks)
     out["predicted_from"] = label
     parallel = job.parallel
-    if parallel.tp > 1:
-        out["tp"] = parallel.tp
+    if parallel.tensor_parallel:
+        out["tp"] = parallel.tp if isinstance(parallel.tp, int) else list(parallel.tp)
     if parallel.dp > 1:
         out["dp"] = parallel.dp
         out["sharding"] = "fsdp" if parallel.fsdp else "zero1" if parallel.zero1 else "none"
