@@ -21,6 +21,8 @@ SMALL: dict[str, list[str] | None] = {
     "bench_simulate.py": ["--baseline", "none", "--schedules", "1f1b,zb-v,v-half", "-p", "4", "-m", "8", "--runs", "1"],
     "memory_flat.py": ["--steps", "20"],
     "memory_ratio.py": ["--model", "mlp", "--schedules", "zb-v", "--runs", "1", "--partition", "even"],
+    "published.py": ["--check"],  # the stored predictions are the code's (no drift)
+    "cluster_search.py": ["--nodes", "2", "--families", "1f1b,zb-v"],
     # Too slow for the suite even in their smallest modes (measured here: 62, 32, 22, 19 and 16 s); mypy checks their
     # calls into the library; run them by hand before quoting their figures:
     "adaptive_kfkb.py": None,  # --modes emulated --steps 4 --repeats 1

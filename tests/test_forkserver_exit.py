@@ -8,6 +8,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 FINALIZER = "class Loud:\n    def __del__(self):\n        print('torn down', flush=True)\nkept = Loud()\n"
 
 
@@ -59,10 +61,15 @@ def test_the_command_waits_for_threads_still_running() -> None:
     assert out.strip().endswith("thread done")
 
 
-def test_a_signal_as_the_command_exits_changes_nothing() -> None:
-    """SIGINT while the exit handlers run (the command has finished): no traceback, the command's own code."""
-    code = ("import atexit, os, signal, sys, time\n"
-            "def late():\n    os.kill(os.getpid(), signal.SIGINT)\n    time.sleep(0.2)\n    print('handler done')\n"
+@pytest.mark.parametrize(("sig", "thread"), [("SIGINT", False), ("SIGINT", True), ("SIGTERM", True)],
+                         ids=["sigint", "sigint-with-a-thread", "sigterm-with-a-thread"])
+def test_a_signal_as_the_command_exits_changes_nothing(sig: str, thread: bool) -> None:
+    """SIGINT or SIGTERM to the process while the exit handlers run (the command has finished): no traceback, the
+    command's own code. Also while another thread lives (a library's daemon thread): a signal sent to the process
+    goes to a thread that does not block it, so blocking it in the main thread alone let it through."""
+    live = "import threading\nthreading.Thread(target=lambda: time.sleep(5), daemon=True).start()\n" if thread else ""
+    code = ("import atexit, os, signal, sys, time\n" + live +
+            f"def late():\n    os.kill(os.getpid(), signal.{sig})\n    time.sleep(0.2)\n    print('handler done')\n"
             "atexit.register(late)\n"
             "sys.argv = ['pipefold', 'simulate', '1f1b', '--json']\nfrom pipefold.cli.main import entry\nentry()\n")
     got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

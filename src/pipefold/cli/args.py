@@ -240,6 +240,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world", type=int, default=None, metavar="N",
                    help="with --profile: plan N ranks, searching every dp x tp x pp that makes N (tp: the degrees "
                         "the profile measured, profile --tp) instead of one pipeline of --devices")
+    g = p.add_argument_group("a cluster you do not have (instead of --memory or --profile)")
+    g.add_argument("--cluster", metavar="NAME|FILE",
+                   help="plan a model on this cluster's description: a100-80gb, h100-sxm, h200, or a JSON file "
+                        "(docs/cluster.md); needs --hf-config, --global-batch and --seq")
+    g.add_argument("--nodes", type=int, default=None, metavar="N", help="with --cluster: its node count")
+    g.add_argument("--hf-config", metavar="NAME|FILE", dest="cluster_model",
+                   help="with --cluster: the model, a Hugging Face config.json (llama, mistral, qwen2, mixtral, gpt2) "
+                        "or one pipefold ships (llama3-8b, llama3-70b, llama3.1-405b, llama2-13b, llama2-70b, "
+                        "mixtral-8x7b)")
+    g.add_argument("--global-batch", type=int, default=None, metavar="G", help="with --cluster: sequences per step")
+    g.add_argument("--seq", type=int, default=None, metavar="S", help="with --cluster: tokens per sequence")
+    g.add_argument("--top", type=int, default=10, metavar="K", help="with --cluster: configurations shown (default 10)")
     _add_costs(p)
     _add_output(p)
     p.add_argument("--plot", metavar="FILE", help="draw the memory/makespan frontier (.png or .svg)")

@@ -82,6 +82,11 @@ def entry() -> NoReturn:
     except KeyboardInterrupt:
         pass
     finally:
+        # Ignored, not only blocked: a signal sent to the process goes to any thread that does not block it, and
+        # Python runs its handler in the main thread all the same (a library's thread still alive would let a
+        # Ctrl-C through as KeyboardInterrupt in an exit handler).
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_IGN)
         if hasattr(signal, "pthread_sigmask"):
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     for thread in threading.enumerate():

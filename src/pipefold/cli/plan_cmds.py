@@ -72,6 +72,13 @@ def _degrees(text: str) -> tuple[int, ...]:
 
 def cmd_plan(args: argparse.Namespace, console: Console) -> None:
     check_outputs(("plot", args.plot, True), ("plan", args.output, False))
+    if args.cluster is not None:
+        from pipefold.cli.cluster_cmds import plan_cluster_command
+
+        plan_cluster_command(args, console)
+        return
+    if any(x is not None for x in (args.nodes, args.cluster_model, args.global_batch, args.seq)):
+        raise ConfigError("--nodes, --hf-config, --global-batch and --seq plan a cluster: give --cluster too")
     if args.profile is not None:
         _plan_profiled(args, console)
         return

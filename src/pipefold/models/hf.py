@@ -29,7 +29,6 @@ import inspect
 import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +41,8 @@ from pipefold.models._build import check_indices, derive_seed
 from pipefold.models.base import Model, ModelArgs, Tie
 from pipefold.models.data import Batches, load_corpus
 from pipefold.models.size import Shape
+from pipefold.models.transformer import shipped_configs as config_names
+from pipefold.models.transformer import shipped_text
 
 __all__ = ["ARCHS", "HFBlock", "HFCausalLM", "HFEmbedding", "HFHead", "available", "config_names", "read_config"]
 
@@ -91,22 +92,13 @@ def _require() -> None:
 # --------------------------------------------------------------------------- configs
 
 
-def _shipped() -> Any:
-    return resources.files("pipefold.models").joinpath("hf_configs")
-
-
-def config_names() -> list[str]:
-    """The configs this package ships (``--hf-config NAME``)."""
-    return sorted(p.name[:-5] for p in _shipped().iterdir() if p.name.endswith(".json"))
-
-
 def read_config(arch: str, given: str | None) -> dict[str, Any]:
     """The config of ``arch`` as a dict: a shipped config's name, a JSON file, or by default the arch's tiny one."""
     if arch not in ARCHS:
         raise ConfigError(f"unknown Hugging Face model {arch!r}: use one of {', '.join(ARCHS)}")
     name = given or ARCHS[arch].default_config
     if name in config_names():
-        text, where = _shipped().joinpath(f"{name}.json").read_text(encoding="utf-8"), f"config {name}"
+        text, where = shipped_text(name), f"config {name}"
     else:
         path = Path(name)
         if not path.is_file():

@@ -4,11 +4,16 @@ choice."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from pipefold.files import check_figure_path, save_figure
 from pipefold.plan.budget import Point
 
-__all__ = ["plot_frontier"]
+if TYPE_CHECKING:
+    from pipefold.plan.cluster import Cluster
+    from pipefold.plan.cluster_plan import ClusterPlan, Training
+
+__all__ = ["plot_cluster", "plot_frontier"]
 
 
 _FRONTIER_COLOR = "#0072B2"  # blue, as forwards
@@ -79,3 +84,47 @@ def plot_frontier(points: Sequence[Point], frontier: Sequence[Point], budget: fl
     ax.set_title(title, fontsize=10, loc="left")
     save_figure(fig, path)
     fig.clear()
+
+
+def plot_cluster(answer: ClusterPlan, cluster: Cluster, training: Training, path: str) -> None:
+    """Save a cluster plan as a ``.png`` or ``.svg`` file: every configuration's memory per GPU against its tokens
+    per second per GPU, coloured by pipeline depth, those that do not fit faint; the usable memory a dashed line,
+    the frontier a step line, the best a large marker."""
+    from matplotlib.figure import Figure
+
+    check_figure_path(path, "a cluster plot")
+    fig = Figure(figsize=(9, 5.5), layout="constrained")
+    ax = fig.add_subplot()
+    gib, per_gpu = 1 / 2**30, 1 / cluster.devices
+    depths = sorted({p.pp for p in answer.points})
+    palette = ["#0072B2", "#009E73", "#E69F00", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442", "#000000"]
+    for i, pp in enumerate(depths):
+        fit = [p for p in answer.points if p.pp == pp and p.fits]
+        over = [p for p in answer.points if p.pp == pp and not p.fits]
+        color = palette[i % len(palette)]
+        ax.scatter([p.memory * gib for p in over], [p.tokens_per_second * per_gpu for p in over], s=6, color=color,
+                   alpha=0.15, linewidths=0)
+        ax.scatter([p.memory * gib for p in fit], [p.tokens_per_second * per_gpu for p in fit], s=10, color=color,
+                   alpha=0.7, linewidths=0, label=f"pp {pp}")
+    usable = cluster.accelerator.memory_bytes * cluster.accelerator.usable_memory * gib
+    ax.axvline(usable, color=_BUDGET_COLOR, linestyle="--", linewidth=1, label=f"usable memory {usable:.0f} GiB")
+    front = sorted(answer.frontier, key=lambda p: p.memory)
+    ax.step([p.memory * gib for p in front], [p.tokens_per_second * per_gpu for p in front], where="post",
+            color="#444444", linewidth=1, label="frontier")
+    if answer.best is not None:
+        b = answer.best
+        ax.scatter([b.memory * gib], [b.tokens_per_second * per_gpu], s=120, marker="*", color=_BUDGET_COLOR,
+                   zorder=5, label=f"best: {b.layout} {b.schedule}, MFU {b.mfu:.0%}")
+    beyond = sum(p.memory * gib > 1.5 * usable for p in answer.points)
+    ax.set_xlim(0, 1.5 * usable)
+    if beyond:
+        ax.text(0.99, 0.98, f"{beyond} configurations need more than {1.5 * usable:.0f} GiB (not shown)",
+                transform=ax.transAxes, ha="right", va="top", fontsize=8, color="#666666")
+    ax.set_xlabel("memory per GPU (GiB)")
+    ax.set_ylabel("tokens per second per GPU")
+    ax.set_title(f"{training.model.name} on {cluster.devices} x {cluster.accelerator.name}: "
+                 f"{answer.evaluated} configurations, global batch {training.global_batch} x {training.seq} tokens",
+                 fontsize=10)
+    ax.legend(fontsize=8, loc="lower right")
+    ax.grid(alpha=0.3)
+    save_figure(fig, path)

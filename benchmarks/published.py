@@ -1,0 +1,121 @@
+"""Published training runs, predicted from their description alone: the cluster planner's tokens per second per GPU
+and memory per GPU against the figures their authors published (``benchmarks/published_runs.json``: each run's
+model, sequence, batch, layout, recomputation, sharding and published figures, with the source; the clusters they
+ran on).
+
+What the publications do not give is calibrated, and said so in the file: for each cluster the scale of its
+accelerator's matmul efficiency curve and, where the network is not published, its bandwidth between nodes, fitted
+(least squares of the log of predicted over published throughput, on a grid) to the runs marked ``calibrates``
+only. Every other run is a prediction.
+
+    python benchmarks/published.py               # the table (markdown), predictions recomputed
+    python benchmarks/published.py --calibrate   # fit the calibrated figures again and store them with the table
+    python benchmarks/published.py --check       # exit 1 if the stored predictions drifted from the code's
+
+Memory is never calibrated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from pipefold.models.transformer import from_hf_config
+from pipefold.plan.cluster import Cluster, cluster_from_dict
+from pipefold.plan.cluster_plan import Training, point
+
+DATA = Path(__file__).resolve().parent / "published_runs.json"
+
+
+def cluster_of(data: dict[str, Any], run: dict[str, Any]) -> Cluster:
+    cluster = cluster_from_dict(data["clusters"][run["source"]], run["source"])
+    return cluster.with_nodes(run["nodes"]) if "nodes" in run else cluster
+
+
+def predict(data: dict[str, Any], run: dict[str, Any]) -> dict[str, float]:
+    """What the planner predicts for one published run."""
+    cluster = cluster_of(data, run)
+    training = Training(model=from_hf_config(run["model"]), seq=run["seq"], global_batch=run["global_batch"])
+    got = point(cluster, training, dp=run["dp"], tp=run["tp"], pp=run["pp"], schedule=run["schedule"],
+                microbatch=run["microbatch"], recompute=run["recompute"], sharding=run["sharding"])
+    return {"tokens_per_second_per_gpu": round(got.tokens_per_second / cluster.devices, 1), "mfu": round(got.mfu, 4),
+            "memory_gib": round(got.memory / 2**30, 2)}
+
+
+def _scaled(cluster: dict[str, Any], scale: float, bandwidth: float | None) -> dict[str, Any]:
+    out = copy.deepcopy(cluster)
+    curve = out["accelerator"]["matmul_efficiency"]
+    out["accelerator"]["matmul_efficiency"] = [[x, min(1.0, round(y * scale, 4))] for x, y in curve]
+    if bandwidth is not None:
+        out["inter_node"]["bandwidth"] = bandwidth
+    return out
+
+
+def calibrate(data: dict[str, Any]) -> None:
+    """Fit each cluster's calibrated figures to its runs marked ``calibrates`` (in place)."""
+    for name, cluster in data["clusters"].items():
+        runs = [r for r in data["runs"] if r["source"] == name and r["calibrates"]]
+        network = "calibrated" in cluster["sources"].get("inter_node", "")
+        bandwidths: list[float | None] = [b * 1e9 for b in range(10, 101, 5)] if network else [None]
+        best: tuple[float, float, float | None] | None = None
+        for scale in [s / 100 for s in range(50, 121)]:
+            for bw in bandwidths:
+                trial = {**data, "clusters": {**data["clusters"], name: _scaled(cluster, scale, bw)}}
+                err = sum(math.log(predict(trial, r)["tokens_per_second_per_gpu"]
+                                   / r["published"]["tokens_per_second_per_gpu"]) ** 2 for r in runs)
+                if best is None or err < best[0]:
+                    best = (err, scale, bw)
+        assert best is not None
+        data["clusters"][name] = _scaled(cluster, best[1], best[2])
+        shown = f", inter-node {best[2] / 1e9:.0f} GB/s" if best[2] is not None else ""
+        print(f"{name}: efficiency x{best[1]:.2f}{shown} (from {len(runs)} runs)", file=sys.stderr)
+
+
+def table(data: dict[str, Any]) -> str:
+    lines = ["| run | source | tokens/s/GPU published | predicted | ratio | memory published | predicted | ratio |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for run in data["runs"]:
+        pub, got = run["published"], run["predicted"]
+        tps = got["tokens_per_second_per_gpu"] / pub["tokens_per_second_per_gpu"]
+        if "memory_gib" in pub:
+            ratio = got["memory_gib"] / pub["memory_gib"]
+            mem = f"{pub['memory_gib']:.1f} GiB | {got['memory_gib']:.1f} GiB | {ratio:.2f}"
+        else:
+            mem = f"- | {got['memory_gib']:.1f} GiB | -"
+        mark = " (calibrates)" if run["calibrates"] else ""
+        lines.append(f"| {run['what']}{mark} | {run['source']} | {pub['tokens_per_second_per_gpu']:,.0f} | "
+                     f"{got['tokens_per_second_per_gpu']:,.0f} | {tps:.2f} | {mem} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--calibrate", action="store_true", help="fit the calibrated figures again and store them")
+    ap.add_argument("--check", action="store_true", help="exit 1 if the stored predictions drifted")
+    args = ap.parse_args(argv)
+    data = json.loads(DATA.read_text())
+    if args.calibrate:
+        calibrate(data)
+    drift = []
+    for run in data["runs"]:
+        got = predict(data, run)
+        if run.get("predicted") != got:
+            drift.append(f"{run['what']}: stored {run.get('predicted')}, now {got}")
+        run["predicted"] = got
+    if args.check:
+        for line in drift:
+            print(f"drifted: {line}", file=sys.stderr)
+        return 1 if drift else 0
+    if args.calibrate or drift:
+        DATA.write_text(json.dumps(data, indent=1) + "\n")
+    print(table(data))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""``pipefold plan --cluster``: the best configurations of a model on a cluster described in a file."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from pipefold import jsonout
+from pipefold.cli.common import progress_bar
+from pipefold.errors import ConfigError
+from pipefold.units import format_bytes
+
+
+def plan_cluster_command(args: argparse.Namespace, console: Console) -> None:
+    from pipefold.models.transformer import from_hf_config
+    from pipefold.plan.cluster import load_cluster
+    from pipefold.plan.cluster_plan import FAMILIES, Training, plan_cluster
+
+    missing = [flag for flag, value in (("--hf-config", args.cluster_model), ("--global-batch", args.global_batch),
+                                        ("--seq", args.seq)) if value is None]
+    if missing:
+        raise ConfigError(f"plan --cluster needs {', '.join(missing)}: the model, the sequences per step and the "
+                          "tokens per sequence, e.g. --hf-config llama3-8b --global-batch 512 --seq 8192")
+    if args.profile is not None or args.memory is not None or args.world is not None:
+        raise ConfigError("--cluster plans from the hardware file and the model's config: drop --profile, --memory "
+                          "and --world")
+    cluster = load_cluster(args.cluster)
+    if args.nodes is not None:
+        cluster = cluster.with_nodes(args.nodes)
+    training = Training(model=from_hf_config(args.cluster_model), seq=args.seq, global_batch=args.global_batch)
+    families = tuple(args.families.split(",")) if args.families else FAMILIES
+    from pipefold import schedules
+
+    unknown = [f for f in families if f not in schedules.REGISTRY]
+    if unknown:
+        raise ConfigError(f"unknown schedule family {unknown[0]!r}: use some of {', '.join(FAMILIES)}")
+    with progress_bar(f"planning {cluster.devices} devices") as progress:
+        answer = plan_cluster(cluster, training, families=families, progress=progress)
+    out = {"cluster": cluster.name, "devices": cluster.devices, "model": training.model.name,
+           "parameters": training.model.parameters(), "global_batch": training.global_batch, "seq": training.seq,
+           "evaluated": answer.evaluated, "seconds": round(answer.seconds, 3),
+           "best": answer.best.to_dict() if answer.best else None,
+           "frontier": [p.to_dict() for p in answer.frontier],
+           "top": [p.to_dict() for p in sorted((p for p in answer.points if p.fits),
+                                               key=lambda p: p.step_time)[:args.top]]}
+    if args.output:
+        from pipefold.files import write_json
+
+        write_json(args.output, {"kind": "pipefold-cluster-plan", "version": 1, **out}, indent=1)
+    if args.plot:
+        from pipefold.plan.figures import plot_cluster
+
+        plot_cluster(answer, cluster, training, args.plot)
+    if args.json:
+        print(jsonout.dumps(out | {"output": args.output, "plot": args.plot}))
+        return
+    console.print(cluster.describe())
+    console.print(training.model.describe())
+    if answer.best is None:
+        least = min(answer.points, key=lambda p: p.memory)
+        raise ConfigError(f"no configuration of {training.model.name} fits {cluster.name}'s "
+                          f"{format_bytes(cluster.accelerator.memory_bytes * cluster.accelerator.usable_memory)} "
+                          f"per device: the least memory is {format_bytes(least.memory)} ({least.layout} "
+                          f"{least.schedule}, microbatch {least.microbatch}, {least.recompute} recompute, "
+                          f"{least.sharding}); add --nodes, or a smaller --global-batch or --seq")
+    fitting = sorted((p for p in answer.points if p.fits), key=lambda p: p.step_time)[:args.top]
+    table = Table(title=f"the {len(fitting)} fastest of {answer.evaluated} configurations "
+                        f"({sum(p.fits for p in answer.points)} fit), evaluated in {answer.seconds:.1f} s")
+    for col in ("layout", "schedule", "mb x m", "recompute", "shard", "step s", "tok/s/GPU", "MFU", "GiB/GPU"):
+        table.add_column(col, justify="left" if col in ("layout", "schedule", "recompute", "shard") else "right",
+                         no_wrap=True)
+    for p in fitting:
+        table.add_row(*_row(p, cluster.devices))
+    console.print(table, width=max(console.width, 132))  # a wide table: cut to 80 columns it says nothing
+    b = answer.best
+    console.print(f"[bold]best:[/] {b.layout} {b.schedule}, microbatches of {b.microbatch} x {b.microbatches}, "
+                  f"{b.recompute} recompute, {b.sharding} sharding: {b.step_time:.3f} s a step, "
+                  f"{b.tokens_per_second:,.0f} tokens/s ({b.tokens_per_second / cluster.devices:,.0f} per GPU), MFU "
+                  f"{b.mfu:.1%}, {format_bytes(b.memory)} per GPU")
+    console.print("frontier (fastest for its memory): " + "; ".join(
+        f"{p.layout} {p.schedule} {p.step_time:.3f} s {format_bytes(p.memory)}" for p in answer.frontier))
+    if args.output:
+        console.print(f"wrote {args.output}")
+    if args.plot:
+        console.print(f"wrote plot: {args.plot}")
+
+
+def _row(p: Any, devices: int) -> list[str]:
+    return [p.layout, p.schedule, f"{p.microbatch}x{p.microbatches}", p.recompute, p.sharding, f"{p.step_time:.2f}",
+            f"{p.tokens_per_second / devices:,.0f}", f"{p.mfu:.1%}", f"{p.memory / 2**30:.1f}"]

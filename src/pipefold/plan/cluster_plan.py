@@ -1,0 +1,412 @@
+"""Planning a cluster one does not have: every (dp, tp, pp) of its devices, schedule, microbatch size,
+recomputation and sharding of the optimizer state, costed from the hardware file and the model's config, the
+exact schedule simulated.
+
+**Placement.** Ranks are laid out tp innermost, then dp, then pp (Megatron-LM's order): a tensor-parallel group
+is tp neighbouring devices, inside a node when tp <= devices per node; a data-parallel group strides tp and
+spans nodes once tp x dp passes a node; pipeline neighbours are tp x dp ranks apart, on the network between
+nodes once that reaches a node. Each collective is costed on the link its group spans
+(:meth:`Cluster.link`).
+
+**A block's passes** on a microbatch of ``b`` sequences of ``s`` tokens (``n = b s``), split over tp ranks:
+its F, B and W operations (:meth:`Transformer.block_flops`) over tp, at the accelerator's peak times the matmul
+efficiency of its largest product (the MLP's n x h x f / tp); plus the elementwise work, memory-bound: twice
+the bytes the block saves (written in F, read in B) over the memory bandwidth in F, twice that in B; plus,
+with tp > 1, Megatron-LM's two all-reduces of the n x h output in F and two of its gradient in B, on the tp
+link, not overlapped. The head is the vocabulary projection split over tp, the embedding free.
+
+**Memory per device**: its stages' parameters over tp; bf16 weights (2 bytes), fp32 gradients (4), fp32 master
+weights and AdamW's two moments (12): 18 bytes a parameter unsharded; ZeRO-1 shards the 12 over dp; FSDP
+shards fp32 weights, gradients and moments (16) over dp and holds two blocks gathered in bf16. Activations: the
+simulated peak of the schedule with each stage's bytes per microbatch (:meth:`Transformer.saved`, flash
+attention; the head's logits and their float32 copy; full recomputation keeps each block's input and one
+block whole while it reruns). It fits when both are within the accelerator's usable memory.
+
+**Step time**: the schedule simulated (:func:`pipefold.sim.simulate`) with those times, messages between
+stages crossing in tp pieces then all-gathered (``CostModel.mesh``), and, without FSDP, each stage's gradient
+all-reduce among its dp copies as the schedule's ``DP`` actions (a ring on the dp link, overlapping other
+stages' work as the simulator places it). With FSDP the parameters' all-gathers (forward and backward) and the
+gradients' reduce-scatter overlap the computation: the step is the longer of the two. The optimizer's step
+is memory-bound: its bytes over the memory bandwidth.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipefold import schedules
+from pipefold.errors import ConfigError
+from pipefold.models.transformer import Transformer
+from pipefold.plan.cluster import Cluster, Link
+from pipefold.sim.simulate import CostModel, StageOverride, simulate
+
+__all__ = ["FAMILIES", "RECOMPUTE", "SHARDING", "ClusterPlan", "ClusterPoint", "Training", "evaluate", "layouts",
+           "plan_cluster", "point"]
+
+FAMILIES = ("1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "v-half", "v-min", "gpipe")
+"""The schedule families searched (each at its default options; interleaved-1f1b at v = 2)."""
+RECOMPUTE = ("none", "half", "full")
+"""How many of a stage's blocks keep only their input and rerun in the backward: none (flash attention's selective
+recomputation has nothing more to drop), every other one (torchtitan's "selective layer"), all."""
+SHARDING = ("none", "zero1", "fsdp")
+MICROBATCH_SIZES = (1, 2, 4, 8, 16)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Training:
+    """What is trained: the model, the tokens a sequence has, the sequences a step takes, the compute dtype."""
+
+    model: Transformer
+    seq: int
+    global_batch: int
+    dtype: str = "bf16"
+
+    def __post_init__(self) -> None:
+        for name in ("seq", "global_batch"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be a whole number >= 1 (got {value!r})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterPoint:
+    """One configuration, costed."""
+
+    dp: int
+    tp: int
+    pp: int
+    schedule: str
+    microbatch: int
+    """Sequences per microbatch."""
+    microbatches: int
+    recompute: str
+    sharding: str
+    step_time: float
+    memory: float
+    """The most bytes one device holds (static and activations)."""
+    static: float
+    fits: bool
+    tokens_per_second: float
+    """Of the whole cluster."""
+    mfu: float
+    bubble: float
+
+    @property
+    def layout(self) -> str:
+        return f"dp{self.dp} tp{self.tp} pp{self.pp}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "schedule": self.schedule, "microbatch": self.microbatch,
+                "microbatches": self.microbatches, "recompute": self.recompute, "sharding": self.sharding,
+                "step_time": self.step_time, "memory_bytes": self.memory, "static_bytes": self.static,
+                "fits": self.fits, "tokens_per_second": self.tokens_per_second, "mfu": self.mfu,
+                "bubble": self.bubble}
+
+
+@dataclass(frozen=True)
+class ClusterPlan:
+    best: ClusterPoint | None
+    points: tuple[ClusterPoint, ...]
+    frontier: tuple[ClusterPoint, ...]
+    """The fitting points no other fitting point beats on both step time and memory, fastest first."""
+    evaluated: int
+    """Configurations costed: those in ``points`` and those refused on their weights alone."""
+    refused: int
+    """Configurations whose weights, gradients and optimizer state alone exceed a device (not simulated)."""
+    seconds: float
+    skipped: tuple[str, ...] = field(default=())
+
+
+def layouts(cluster: Cluster, training: Training) -> list[tuple[int, int, int]]:
+    """Every (dp, tp, pp) with dp x tp x pp = the cluster's devices that the model and the batch allow: tp divides
+    the heads and the key-value heads and stays in a node, pp is at most the blocks, dp divides the global batch.
+    One line naming what would work when none does."""
+    n, model = cluster.devices, training.model
+    out = []
+    for tp in _divisors(n):
+        if tp > cluster.devices_per_node or model.heads % tp or (model.kv_heads % tp and tp % model.kv_heads):
+            continue
+        for pp in _divisors(n // tp):
+            dp = n // (tp * pp)
+            if pp <= model.layers and training.global_batch % dp == 0:
+                out.append((dp, tp, pp))
+    if not out:
+        fits = [d for d in _divisors(n) if d <= training.global_batch]
+        raise ConfigError(f"no (dp, tp, pp) of {n} devices runs {model.name} on a batch of {training.global_batch}: "
+                          f"dp must divide the batch (dp of {n} devices: {', '.join(map(str, _divisors(n)))}), tp the "
+                          f"{model.heads} heads and a node's {cluster.devices_per_node} devices, pp the blocks; give "
+                          f"--global-batch a multiple of {max(fits) if fits else n}, or another --nodes")
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _ring_allreduce(link: Link, nbytes: float, k: int) -> float:
+    if k < 2:
+        return 0.0
+    return 2 * (k - 1) * link.latency + 2 * (k - 1) / k * nbytes / link.achieved
+
+
+def _ring_gather(link: Link, nbytes: float, k: int) -> float:
+    if k < 2:
+        return 0.0
+    return (k - 1) * link.latency + (k - 1) / k * nbytes / link.achieved
+
+
+@dataclass(frozen=True)
+class _Stage:
+    blocks: int
+    embedding: bool
+    head: bool
+
+
+def _stages(model: Transformer, stages: int) -> list[_Stage]:
+    """The blocks split as evenly as they go over ``stages``, the embedding on the first, the head on the last."""
+    base, extra = divmod(model.layers, stages)
+    return [_Stage(base + (1 if s < extra else 0), s == 0, s == stages - 1) for s in range(stages)]
+
+
+@dataclass(frozen=True)
+class _Config:
+    dp: int
+    tp: int
+    pp: int
+    microbatch: int
+    recompute: str
+
+
+def _costs(cluster: Cluster, training: Training, c: _Config, stages: int,
+           sharded: bool) -> tuple[CostModel, list[float]]:
+    """The cost model of one configuration (seconds and bytes) and each stage's parameters on one of its
+    devices (over tp)."""
+    model, acc = training.model, cluster.accelerator
+    peak = acc.peak(training.dtype)
+    n = c.microbatch * training.seq
+    h, a, tp = model.hidden, model.value_bytes, c.tp
+    tp_link, dp_link = cluster.link(tp), cluster.link(tp * c.dp)
+    pp_link = cluster.link(tp * c.dp + 1)
+
+    def compute(flops: float, biggest: float) -> float:
+        return flops / (peak * acc.efficiency(biggest))
+
+    f_ops, b_ops, w_ops = (x * n / tp for x in model.block_flops(training.seq))
+    biggest = 2 * n * h * model.ffn / tp
+    kept_bytes = model.saved(training.seq, attention="flash").per_rank(tp) * n
+    elementwise = 2 * kept_bytes / acc.memory_bandwidth
+    tp_comm = 2 * _ring_allreduce(tp_link, n * h * a, tp)
+    block_f = compute(f_ops, biggest) + elementwise + tp_comm
+    block_b = compute(b_ops, biggest) + 2 * elementwise + tp_comm
+    block_w = compute(w_ops, biggest)
+    hf, hb, hw = (x * n / tp for x in model.head_flops())
+    head_biggest = 2 * n * h * model.vocab / tp
+    logits = model.head_saved() * n / tp
+    head_f = compute(hf, head_biggest) + 2 * logits / acc.memory_bandwidth
+    head_b = compute(hb, head_biggest) + 2 * logits / acc.memory_bandwidth
+    head_w = compute(hw, head_biggest)
+    overrides: dict[int, StageOverride] = {}
+    params: list[float] = []
+    for s, st in enumerate(_stages(model, stages)):
+        rerun = {"none": 0, "half": st.blocks // 2, "full": st.blocks}[c.recompute]
+        kept = rerun * a * h * n + (st.blocks - rerun) * kept_bytes  # a rerun block keeps its input only
+        memory = kept + (kept_bytes if rerun else 0.0)  # and is whole again while it reruns
+        if st.head:
+            kept += logits
+            memory += logits
+        overrides[s] = StageOverride(f=st.blocks * block_f + (head_f if st.head else 0.0),
+                                     b=st.blocks * block_b + (head_b if st.head else 0.0),
+                                     w=st.blocks * block_w + (head_w if st.head else 0.0),
+                                     memory=memory, kept=kept, recompute=rerun * block_f)
+        params.append((st.blocks * model.block_parameters() + (model.embedding_parameters() if st.embedding else 0)
+                       + (model.head_parameters() if st.head else 0)) / tp)
+    fits = {}
+    if c.dp > 1 and not sharded:  # a ring all-reduce among dp as latency + bytes / bandwidth (DP actions)
+        fits[c.dp] = (2 * (c.dp - 1) * dp_link.latency, dp_link.achieved * c.dp / (2 * (c.dp - 1)))
+    if tp > 1 and tp not in fits:  # the receivers' all-gather of a message's pieces
+        fits[tp] = (2 * (tp - 1) * tp_link.latency, tp_link.achieved * tp / (2 * (tp - 1)))
+    cost = CostModel(stage_overrides=overrides, latency=pp_link.latency, bandwidth=pp_link.achieved,
+                     activation_bytes=float(n * h * a), mesh=tp, dp=1 if sharded else c.dp,
+                     grad_bytes=4.0 * sum(params) / c.pp, allreduce_fits=fits)
+    return cost, params
+
+
+STATE_BYTES = {"none": (18.0, 0.0), "zero1": (6.0, 12.0), "fsdp": (0.0, 16.0)}
+"""Bytes per parameter a device holds whole, and sharded over dp: bf16 weights 2, fp32 gradients 4, fp32 master
+weights and AdamW's moments 12."""
+
+
+STEADY = 8
+"""Microbatches per pipeline device beyond which a schedule is in its steady state: every further microbatch adds
+the same time and the same memory (none, for 1F1B-like ones). Beyond it the makespan, each device's busy time and
+peak are extrapolated linearly from simulations at ``STEADY`` and ``STEADY + 1`` microbatches per device
+(``tests/test_cluster.py`` checks them against simulating every microbatch)."""
+
+
+class _Search:
+    """The schedules built and the simulations run so far, shared by the configurations that can share them."""
+
+    def __init__(self) -> None:
+        self.built: dict[tuple[str, int, int, bool], Any] = {}
+        self.skipped: list[str] = []
+
+    def schedule(self, family: str, pp: int, m: int, reduced: bool, **options: int) -> Any:
+        key = (family, pp, m, reduced)
+        if key not in self.built:
+            self.built[key] = _build(family, pp, m, reduced, self.skipped, **options)
+        return self.built[key]
+
+    def simulate(self, family: str, pp: int, m: int, reduced: bool, cost: CostModel,
+                 **options: int) -> tuple[float, list[float], list[float]] | None:
+        """(makespan, busy time of each device, peak activation bytes of each device), or None where the schedule
+        cannot run."""
+        if m <= (STEADY + 1) * pp:
+            run = self.schedule(family, pp, m, reduced, **options)
+            if run is None:
+                return None
+            result = simulate(run, cost)
+            return result.makespan, list(result.busy), list(result.peak_memory)
+        low, high = (self.simulate(family, pp, k * pp, reduced, cost, **options) for k in (STEADY, STEADY + 1))
+        if low is None or high is None:
+            return None
+        t = (m - STEADY * pp) / pp
+
+        def line(a: float, b: float) -> float:
+            return a + t * (b - a)
+
+        return (line(low[0], high[0]), [line(a, b) for a, b in zip(low[1], high[1], strict=True)],
+                [line(a, b) for a, b in zip(low[2], high[2], strict=True)])
+
+
+def evaluate(cluster: Cluster, training: Training, *, families: Sequence[str] = FAMILIES,
+             recompute: Sequence[str] = RECOMPUTE, sharding: Sequence[str] = SHARDING,
+             microbatch_sizes: Sequence[int] = MICROBATCH_SIZES,
+             progress: Callable[[int, int], None] | None = None) -> tuple[list[ClusterPoint], int, list[str]]:
+    """Every configuration, costed (see the module's docstring); how many were refused on their weights alone
+    (more than the device holds before any activation: not simulated); why some shapes were left out."""
+    todo = []
+    for dp, tp, pp in layouts(cluster, training):
+        per_copy = training.global_batch // dp
+        for b in microbatch_sizes:
+            if per_copy % b:
+                continue
+            # One device runs every family alike (its microbatches one after another): 1F1B stands for them.
+            for family, rc in itertools.product(families if pp > 1 else ("1f1b",), recompute):
+                todo.append((_Config(dp, tp, pp, b, rc), family, per_copy // b))
+    out: list[ClusterPoint] = []
+    search, refused = _Search(), 0
+    for i, (c, family, m) in enumerate(todo):
+        if progress is not None:
+            progress(i, len(todo))
+        for shard in sharding:
+            if shard != "none" and c.dp == 1:
+                continue
+            got = _point(cluster, training, c, family, shard, m, search)
+            if got is None:
+                refused += 1
+            elif got is not _CANNOT:
+                out.append(got)
+    if progress is not None:
+        progress(len(todo), len(todo))
+    return out, refused, search.skipped
+
+
+def point(cluster: Cluster, training: Training, *, dp: int, tp: int, pp: int, schedule: str, microbatch: int,
+          recompute: str = "none", sharding: str = "none", **options: int) -> ClusterPoint:
+    """One configuration, costed as the search costs it (a published run's, to compare with its figures)."""
+    if dp * tp * pp != cluster.devices:
+        raise ConfigError(f"dp {dp} x tp {tp} x pp {pp} is not the cluster's {cluster.devices} devices")
+    per_copy, rest = divmod(training.global_batch, dp * microbatch)
+    if rest or not per_copy:
+        raise ConfigError(f"a batch of {training.global_batch} does not split into dp {dp} x microbatches of "
+                          f"{microbatch}")
+    search = _Search()
+    got = _point(cluster, training, _Config(dp, tp, pp, microbatch, recompute), schedule, sharding, per_copy, search,
+                 refuse=False, **options)
+    if got is None or got is _CANNOT:
+        raise ConfigError(search.skipped[0] if search.skipped else f"{schedule} cannot run {training.model.name} "
+                          f"on {pp} devices")
+    return got
+
+
+def _build(family: str, pp: int, m: int, reduced: bool, skipped: list[str], **options: int) -> Any:
+    """The schedule, with DP actions where ``reduced``; None (and why, in ``skipped``) where it cannot run."""
+    from pipefold.schedules.dataparallel import with_data_parallel
+
+    try:
+        schedule = schedules.build(family, pp, m, **options)
+    except ConfigError as err:
+        skipped.append(f"{family} on {pp} devices, {m} microbatches: {err}")
+        return None
+    return with_data_parallel(schedule) if reduced else schedule
+
+
+_CANNOT: Any = object()
+"""A configuration whose schedule cannot run (its shape, or more stages than blocks)."""
+
+
+def _point(cluster: Cluster, training: Training, c: _Config, family: str, shard: str, m: int, search: _Search, *,
+           refuse: bool = True, **options: int) -> ClusterPoint | None:
+    """One configuration costed; None where its weights alone do not fit (not simulated, with ``refuse``)."""
+    model, acc = training.model, cluster.accelerator
+    peak, usable = acc.peak(training.dtype), acc.memory_bytes * acc.usable_memory
+    sharded = shard == "fsdp"
+    plain = search.schedule(family, c.pp, min(m, (STEADY + 1) * c.pp), False, **options)  # stages, placement
+    if plain is None or plain.stages > model.layers:
+        return _CANNOT
+    cost, params = _costs(cluster, training, c, plain.stages, sharded)
+    whole, split = STATE_BYTES[shard]
+    held = [sum(params[s] for s in plain.stages_of(d)) for d in range(c.pp)]
+    gathered = 2 * 2 * model.block_parameters() / c.tp if sharded else 0.0
+    statics = [x * (whole + split / c.dp) + gathered for x in held]
+    if refuse and max(statics) > usable:
+        return None
+    simulated = search.simulate(family, c.pp, m, c.dp > 1 and not sharded, cost, **options)
+    if simulated is None:
+        return _CANNOT
+    makespan, busy, activations = simulated
+    peaks = [st + act for st, act in zip(statics, activations, strict=True)]
+    step = makespan
+    if sharded:  # the parameters gathered twice (bf16) and the gradients reduce-scattered (fp32), overlapped
+        link = cluster.link(c.tp * c.dp)
+        comm = 2 * _ring_gather(link, 2 * max(held), c.dp) + _ring_gather(link, 4 * max(held), c.dp)
+        step = max(step, comm)
+    step += 32 * max(held) / (c.dp if shard != "none" else 1) / acc.memory_bandwidth  # AdamW: 16 bytes in and out
+    tokens = training.global_batch * training.seq / step
+    return ClusterPoint(dp=c.dp, tp=c.tp, pp=c.pp, schedule=family, microbatch=c.microbatch, microbatches=m,
+                        recompute=c.recompute, sharding=shard, step_time=step, memory=max(peaks), static=max(statics),
+                        fits=max(peaks) <= usable, tokens_per_second=tokens,
+                        mfu=model.model_flops(training.seq) * tokens / (peak * cluster.devices),
+                        bubble=1 - sum(busy) / len(busy) / makespan if makespan > 0 else 0.0)
+
+
+TIE = 1e-3
+"""Step times within this fraction of each other count as equal: the one with less memory is preferred."""
+
+
+def _frontier(points: Iterable[ClusterPoint]) -> list[ClusterPoint]:
+    """The points no other is faster than (by more than :data:`TIE`) with no more memory, fastest first."""
+    out: list[ClusterPoint] = []
+    for pt in sorted(points, key=lambda p: (p.memory, p.step_time)):
+        if not out or pt.step_time < out[-1].step_time * (1 - TIE):
+            out.append(pt)
+    return out[::-1]
+
+
+def plan_cluster(cluster: Cluster, training: Training, *,
+                 progress: Callable[[int, int], None] | None = None, **search: Any) -> ClusterPlan:
+    """The fastest configuration that fits, every point evaluated and the frontier of the fitting ones."""
+    started = time.perf_counter()
+    points, refused, skipped = evaluate(cluster, training, progress=progress, **search)
+    fitting = [p for p in points if p.fits]
+    fastest = min((p.step_time for p in fitting), default=math.inf)
+    best = min((p for p in fitting if p.step_time <= fastest * (1 + TIE)), key=lambda p: (p.memory, p.step_time),
+               default=None)
+    return ClusterPlan(best=best, points=tuple(points), frontier=tuple(_frontier(fitting)),
+                       evaluated=len(points) + refused, refused=refused, seconds=time.perf_counter() - started,
+                       skipped=tuple(skipped))

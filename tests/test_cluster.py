@@ -1,0 +1,252 @@
+"""Planning a cluster one does not have: the model arithmetic against torch (the meta-device model's parameters,
+FlopCounterMode's operations, the tensors a block saves), the shipped configs against their published sizes, the
+layouts against a brute force, one configuration against its closed form, and the one-line refusals."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from pipefold.cli.main import main
+from pipefold.errors import ConfigError
+from pipefold.models.transformer import Transformer, from_hf_config
+from pipefold.plan.cluster import cluster_from_dict, load_cluster, shipped_clusters
+from pipefold.plan.cluster_plan import Training, layouts, plan_cluster, point
+
+transformers = pytest.importorskip("transformers")
+
+H100_FILE = Path(__file__).parents[1] / "src/pipefold/plan/clusters/h100-sxm.json"
+TINY_LLAMA = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)
+
+
+def _llama(**more: Any) -> tuple[Any, Transformer]:
+    config = transformers.LlamaConfig(**TINY_LLAMA, **more)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    arith = Transformer(name="tiny", family="llama", layers=2, hidden=64, heads=4, kv_heads=2, ffn=176, vocab=256,
+                        value_bytes=4)
+    return model, arith
+
+
+def test_parameters_equal_the_meta_device_models() -> None:
+    """Exact, for a LLaMA with grouped-query attention, GPT-2 (biases, learned positions, tied head) and Mixtral
+    (experts and a router); and the active parameters of Mixtral are its top-2 experts'."""
+    model, arith = _llama()
+    assert sum(p.numel() for p in model.parameters()) == arith.parameters()
+    gpt2 = transformers.GPT2Config(n_embd=64, n_layer=3, n_head=4, vocab_size=300, n_positions=96)
+    with torch.device("meta"):
+        built = transformers.GPT2LMHeadModel(gpt2)
+    mine = Transformer(name="g", family="gpt2", layers=3, hidden=64, heads=4, kv_heads=4, ffn=256, vocab=300,
+                       positions=96, tied=True, dropout=True)
+    assert sum(p.numel() for p in built.parameters()) == mine.parameters()
+    mix = transformers.MixtralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, vocab_size=256, num_local_experts=4, num_experts_per_tok=2)
+    with torch.device("meta"):
+        built = transformers.MixtralForCausalLM(mix)
+    moe = Transformer(name="m", family="llama", layers=2, hidden=64, heads=4, kv_heads=2, ffn=96, vocab=256,
+                      experts=4, top_k=2)
+    assert sum(p.numel() for p in built.parameters()) == moe.parameters()
+    assert moe.parameters() - moe.active_parameters() == 2 * 2 * 3 * 64 * 96  # 2 idle experts in each of 2 blocks
+
+
+@pytest.mark.parametrize("name,billions", [("llama3-8b", 8.03), ("llama3-70b", 70.55), ("llama3.1-405b", 405.85),
+                                           ("llama2-13b", 13.02), ("llama2-70b", 68.98), ("mixtral-8x7b", 46.70)])
+def test_shipped_configs_have_their_published_sizes(name: str, billions: float) -> None:
+    """Meta's and Mistral's model cards: 8.03B, 70.6B, 405B; Llama 2 13B and 70B as Hugging Face counts them
+    (13.0B, 69.0B); Mixtral 8x7B 46.7B with 12.9B active."""
+    model = from_hf_config(name)
+    assert model.parameters() / 1e9 == pytest.approx(billions, abs=0.01)
+    if name == "mixtral-8x7b":
+        assert model.active_parameters() / 1e9 == pytest.approx(12.88, abs=0.01)
+
+
+def test_operations_equal_torchs_flop_counter() -> None:
+    """F of the whole model and B + W, counted by FlopCounterMode while a LLaMA runs (eager attention: the
+    whole s x s square) and while GPT-2 runs: equal to the formulas."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    config = transformers.LlamaConfig(**TINY_LLAMA, attn_implementation="eager")
+    torch.manual_seed(0)
+    llama = transformers.LlamaForCausalLM(config)
+    _, arith = _llama()
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=300,
+                                                               n_positions=96, attn_implementation="eager"))
+    mine = Transformer(name="g", family="gpt2", layers=2, hidden=64, heads=4, kv_heads=4, ffn=256, vocab=300,
+                       positions=96, tied=True, dropout=True)
+    for model, shape, vocab in ((llama, arith, 256), (gpt2, mine, 300)):
+        b, s = 2, 32
+        x = torch.randint(0, vocab, (b, s))
+        with FlopCounterMode(display=False) as fwd:
+            out = model(x).logits
+        with FlopCounterMode(display=False) as bwd:
+            out.float().sum().backward()
+        f, bb, w = shape.block_flops(s)
+        hf, hb, hw = shape.head_flops()
+        assert fwd.get_total_flops() == b * s * (shape.layers * f + hf)
+        assert bwd.get_total_flops() == b * s * (shape.layers * (bb + w) + hb + hw)
+        assert shape.model_flops(s) == shape.layers * (f + bb + w) + hf + hb + hw
+
+
+@pytest.mark.parametrize(("implementation", "attention"), [("eager", "eager"), ("sdpa", "flash")])
+def test_saved_bytes_equal_what_a_block_saves(implementation: str, attention: str) -> None:
+    """Every tensor a LLaMA block saves for its backward (saved-tensor hooks; parameters and the rotary
+    tables, which are per sequence, left out): the formula's bytes, with torch's memory-efficient attention (q,
+    k, v, output, log-sum-exp) and with eager attention (the s x s probabilities, the key-value heads repeated)."""
+    config = transformers.LlamaConfig(**TINY_LLAMA, attn_implementation=implementation)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    _, arith = _llama()
+    b, s = 2, 32
+    h = torch.randn(b, s, 64, requires_grad=True)
+    positions = torch.arange(s).unsqueeze(0)
+    rotary = model.model.rotary_emb(h, positions)
+    skip = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *rotary)}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if (ptr := t.untyped_storage().data_ptr()) not in skip:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.model.layers[0](h, attention_mask=None, position_ids=positions, position_embeddings=rotary)
+    saved = arith.saved(s, attention=attention)
+    assert sum(seen.values()) == (saved.whole + saved.split) * b * s
+    assert arith.saved(s, recompute="full").whole == 4 * 64  # the block's input alone
+
+
+def test_shipped_clusters_read_and_bad_files_are_one_line(tmp_path: Path) -> None:
+    assert {"a100-80gb", "h100-sxm", "h200"} <= set(shipped_clusters())
+    h100 = load_cluster("h100-sxm")
+    assert h100.accelerator.peak("bf16") == 989e12 and h100.devices == 8 and h100.with_nodes(64).devices == 512
+    assert h100.link(8) is h100.intra_node and h100.link(9) is h100.inter_node
+    eff = h100.accelerator.efficiency
+    assert eff(1) == 0.25 and eff(1e15) == 0.82 and eff(1e9) == pytest.approx(0.5)
+    assert eff(10**9.5) == pytest.approx(0.6)  # halfway in log between the points 0.5 and 0.7
+    good = json.loads(H100_FILE.read_text())
+    for change, expected in [
+        (lambda d: d.pop("inter_node"), "has no inter_node"),
+        (lambda d: d["accelerator"].update(matmul_efficiency=[[1e9, 0.5], [1e8, 0.6]]), "flops rising"),
+        (lambda d: d["accelerator"].update(peak_flops={"bf16": -1}), "peak_flops must map dtypes"),
+        (lambda d: d["intra_node"].update(efficiency=1.5), "efficiency must be a number > 0 at most 1"),
+        (lambda d: d.update(devices_per_node=2.5), "devices_per_node must be a whole number"),
+    ]:
+        data = json.loads(json.dumps(good))
+        change(data)
+        with pytest.raises(ConfigError, match=re.escape(expected)) as info:
+            cluster_from_dict(data, "x.json")
+        assert "\n" not in str(info.value)
+    (tmp_path / "bad.json").write_text("{nope")
+    with pytest.raises(ConfigError, match="is not JSON"):
+        load_cluster(str(tmp_path / "bad.json"))
+    with pytest.raises(ConfigError, match="neither a cluster pipefold ships"):
+        load_cluster("h300")
+    with pytest.raises(ConfigError, match="--nodes is the cluster's node count"):
+        h100.with_nodes(0)
+
+
+def test_layouts_are_every_factorisation_the_model_and_batch_allow() -> None:
+    cluster = load_cluster("a100-80gb").with_nodes(4)
+    model = from_hf_config("llama2-13b")  # 40 heads, 40 key-value heads, 40 blocks
+    training = Training(model=model, seq=4096, global_batch=64)
+    brute = {(d, t, p) for d in range(1, 33) for t in range(1, 33) for p in range(1, 33)
+             if d * t * p == 32 and t <= 8 and 40 % t == 0 and p <= 40 and 64 % d == 0}
+    assert set(layouts(cluster, training)) == brute
+    with pytest.raises(ConfigError, match="give --global-batch a multiple of") as info:
+        # 64 devices, a batch of 7 (dp 1): tp at most the 4 heads leaves pp >= 16 for the tiny LLaMA's 6 blocks.
+        layouts(load_cluster("a100-80gb").with_nodes(8), Training(model=from_hf_config("llama-tiny"), seq=64,
+                                                                   global_batch=7))
+    assert "\n" not in str(info.value)
+
+
+def test_one_device_is_its_closed_form() -> None:
+    """One GPU, one microbatch after another (1F1B on one device): the step is m x (F + B + W) of every block
+    and the head, each from its operations at the peak times the efficiency of its largest product plus the
+    elementwise bytes, and the optimizer's bytes; the memory is 18 bytes a parameter and one microbatch's
+    activations."""
+    cluster = cluster_from_dict({**json.loads(H100_FILE.read_text()), "devices_per_node": 1}, "one")
+    model = from_hf_config("llama3-8b")
+    training = Training(model=model, seq=2048, global_batch=4)
+    got = point(cluster, training, dp=1, tp=1, pp=1, schedule="1f1b", microbatch=2)
+    acc, n = cluster.accelerator, 2 * 2048
+    peak = acc.peak("bf16")
+    kept = model.saved(2048).per_rank(1) * n
+    block = (sum(model.block_flops(2048)) * n / (peak * acc.efficiency(2 * n * 4096 * 14336))
+             + 6 * kept / acc.memory_bandwidth)
+    logits = model.head_saved() * n
+    head = (sum(model.head_flops()) * n / (peak * acc.efficiency(2 * n * 4096 * 128256))
+            + 4 * logits / acc.memory_bandwidth)
+    step = 2 * (32 * block + head) + 32 * model.parameters() / acc.memory_bandwidth
+    assert got.step_time == pytest.approx(step, rel=1e-9)
+    assert got.memory == pytest.approx(18 * model.parameters() + 32 * kept + logits, rel=1e-9)
+    assert got.mfu == pytest.approx(model.model_flops(2048) * 4 * 2048 / step / peak, rel=1e-9)
+
+
+def test_the_search_plans_a_cluster_and_the_command_prints_it(capsys: pytest.CaptureFixture[str],
+                                                            tmp_path: Path) -> None:
+    cluster = load_cluster("h100-sxm").with_nodes(2)
+    training = Training(model=from_hf_config("llama3-8b"), seq=4096, global_batch=32)
+    answer = plan_cluster(cluster, training)
+    assert answer.best is not None and answer.best.fits
+    assert answer.evaluated == len(answer.points) + answer.refused  # refused: weights alone over a device
+    fitting = [p for p in answer.points if p.fits]
+    fastest = min(p.step_time for p in fitting)
+    assert answer.best.step_time <= fastest * 1.001  # the lightest of those as fast within 0.1%
+    assert answer.best.memory == min(p.memory for p in fitting if p.step_time <= fastest * 1.001)
+    # The frontier, against a brute force: no fitting point is faster (beyond 0.1%) with no more memory than a
+    # point of it, and every fitting point is matched by one of it.
+    for f in answer.frontier:
+        assert not any(p.step_time < f.step_time * 0.999 and p.memory <= f.memory for p in fitting)
+    for p in fitting:
+        assert any(f.step_time <= p.step_time and f.memory <= p.memory for f in answer.frontier)
+    code = main(["plan", "--cluster", "h100-sxm", "--nodes", "2", "--hf-config", "llama3-8b", "--global-batch", "32",
+                 "--seq", "4096", "--json", "-o", str(tmp_path / "plan.json")])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["best"]["step_time"] == pytest.approx(answer.best.step_time)
+    assert json.loads((tmp_path / "plan.json").read_text())["kind"] == "pipefold-cluster-plan"
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["--hf-config", "llama9"], "neither a config pipefold ships"),
+    (["--global-batch", "0"], "--global-batch must be a whole number >= 1"),
+    (["--hf-config", "llama-tiny", "--nodes", "8", "--global-batch", "7"], "give --global-batch a multiple of"),
+    (["--hf-config", "gpt2-tiny", "--memory", "3"], "drop --profile, --memory and --world"),
+])
+def test_bad_cluster_plans_are_one_line(capsys: pytest.CaptureFixture[str], argv: list[str], expected: str) -> None:
+    base = {"--hf-config": "llama3-8b", "--global-batch": "64", "--seq": "2048"}
+    given = dict(zip(argv[::2], argv[1::2], strict=True))
+    args = [x for k, v in {**base, **given}.items() for x in (k, v)]
+    code = main(["plan", "--cluster", "a100-80gb", *args])
+    err = capsys.readouterr().err
+    assert code != 0 and expected in err and err.count("\n") == 1, err
+    assert math.isfinite(code)
+
+
+@pytest.mark.parametrize("family", ["1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "v-half", "gpipe"])
+def test_the_steady_state_extrapolation_equals_simulating_every_microbatch(family: str) -> None:
+    """Beyond STEADY microbatches per device the search extrapolates makespan, busy time and peaks linearly from two
+    simulations; against simulating all of them (pp 4, 48 and 64 microbatches; first and last stages heavier, a
+    data-parallel all-reduce, tp pieces): equal within 1e-9 relative."""
+    from pipefold.plan import cluster_plan as cp
+    from pipefold.sim.simulate import simulate
+
+    cluster = load_cluster("h100-sxm").with_nodes(4)
+    training = Training(model=from_hf_config("llama3-8b"), seq=2048, global_batch=128)
+    config = cp._Config(dp=2, tp=4, pp=4, microbatch=1, recompute="half")
+    for m in (48, 64):
+        search = cp._Search()
+        plain = search.schedule(family, 4, m, False)
+        cost, _ = cp._costs(cluster, training, config, plain.stages, False)
+        got = search.simulate(family, 4, m, True, cost)
+        whole = simulate(cp._build(family, 4, m, True, []), cost)
+        assert got is not None and m > (cp.STEADY + 1) * 4
+        assert got[0] == pytest.approx(whole.makespan, rel=1e-9)
+        assert got[1] == pytest.approx(list(whole.busy), rel=1e-9)
+        assert got[2] == pytest.approx(list(whole.peak_memory), rel=1e-9)
