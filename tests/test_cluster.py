@@ -128,8 +128,10 @@ def test_shipped_clusters_read_and_bad_files_are_one_line(tmp_path: Path) -> Non
     assert h100.accelerator.peak("bf16") == 989e12 and h100.devices == 8 and h100.with_nodes(64).devices == 512
     assert h100.link(8) is h100.intra_node and h100.link(9) is h100.inter_node
     eff = h100.accelerator.efficiency
-    assert eff(1) == 0.25 and eff(1e15) == 0.82 and eff(1e9) == pytest.approx(0.5)
-    assert eff(10**9.5) == pytest.approx(0.6)  # halfway in log between the points 0.5 and 0.7
+    curve = h100.accelerator.matmul_efficiency
+    assert eff(1) == curve[0][1] and eff(1e15) == curve[-1][1] and eff(1e9) == pytest.approx(dict(curve)[1e9])
+    # Halfway in log between two points: halfway between their fractions.
+    assert eff(10**9.5) == pytest.approx((dict(curve)[1e9] + dict(curve)[1e10]) / 2)
     good = json.loads(H100_FILE.read_text())
     for change, expected in [
         (lambda d: d.pop("inter_node"), "has no inter_node"),
@@ -250,3 +252,25 @@ def test_the_steady_state_extrapolation_equals_simulating_every_microbatch(famil
         assert got[0] == pytest.approx(whole.makespan, rel=1e-9)
         assert got[1] == pytest.approx(list(whole.busy), rel=1e-9)
         assert got[2] == pytest.approx(list(whole.peak_memory), rel=1e-9)
+
+
+def test_the_published_table_is_the_datas_and_the_docs_show_it() -> None:
+    """docs/cluster.md shows the table benchmarks/published.py prints from benchmarks/published_runs.json, and the
+    stored predictions are what the code predicts now (no drift); every published throughput is within 15% and
+    every published memory within 10%, as the page says."""
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("published", root / "benchmarks" / "published.py")
+    assert spec is not None and spec.loader is not None
+    published = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(published)
+    data = json.loads((root / "benchmarks" / "published_runs.json").read_text())
+    for run in data["runs"]:
+        assert published.predict(data, run) == run["predicted"], run["what"]
+        got, pub = run["predicted"], run["published"]
+        assert abs(got["tokens_per_second_per_gpu"] / pub["tokens_per_second_per_gpu"] - 1) <= 0.15, run["what"]
+        if "memory_gib" in pub:
+            assert abs(got["memory_gib"] / pub["memory_gib"] - 1) <= 0.10, run["what"]
+    assert len(data["runs"]) >= 8 and all(run["source"] in data["sources"] for run in data["runs"])
+    assert published.table(data) in (root / "docs" / "cluster.md").read_text()

@@ -1,7 +1,8 @@
 """Every command block of the README and docs/, run as written, in the order the page shows it.
 
 The text is never edited for the test. One setting, :data:`SHRINK`, scales what would take minutes on a laptop
-down to seconds: widths and sequence lengths above a cap come down to it, and step counts (with the checkpoint
+down to seconds: widths and sequence lengths above a cap come down to it, so does a cluster plan's node count,
+and step counts (with the checkpoint
 intervals and checkpoint names that count steps) are divided by one factor per page, so that a flow that trains
 100 steps, checkpoints every 10 and resumes to 200 still checkpoints and resumes. A training command with no
 ``--steps`` runs 2 steps. Nothing else is changed: schedules, devices, microbatches, layers, budgets, files and
@@ -53,6 +54,8 @@ class Shrink:
     benchmark_steps: int = 2
     """``--steps`` of a benchmark (``python benchmarks/...``) come down to this: a benchmark's steps are repeats of
     one measurement, not a flow whose later commands count on them."""
+    nodes: int = 4
+    """``--nodes`` of a cluster plan (``pipefold plan --cluster``, a benchmark's) above this come down to it."""
 
 
 SHRINK = Shrink()
@@ -135,6 +138,8 @@ def shrink(argv: list[str], factor: float) -> list[str]:
         name, value = out[i], out[i + 1]
         if command in SIZED and not hf and name in ("--hidden", "--seq") and int(value) > SHRINK.width:
             out[i + 1] = str(SHRINK.width)
+        elif command == "plan" and name == "--nodes" and int(value) > SHRINK.nodes:
+            out[i + 1] = str(SHRINK.nodes)
         elif command in TRAINS and name == "--steps":
             out[i + 1] = str(max(1, math.ceil(int(value) / factor)))
         elif command in TRAINS and name == "--checkpoint-every":
@@ -154,7 +159,7 @@ def shrink_benchmark(argv: list[str], options: str | None = None) -> list[str]:
     if not out or not out[0].startswith("benchmarks/"):
         return out
     source = options if options is not None else (ROOT / out[0]).read_text(encoding="utf-8")
-    caps = {"--steps": SHRINK.benchmark_steps, "--hidden": SHRINK.width, "--seq": SHRINK.width}
+    caps = {"--steps": SHRINK.benchmark_steps, "--hidden": SHRINK.width, "--seq": SHRINK.width, "--nodes": SHRINK.nodes}
     for name, cap in caps.items():
         if name in out[1:-1]:
             i = out.index(name)

@@ -74,7 +74,10 @@ def plan_cluster_command(args: argparse.Namespace, console: Console) -> None:
                          no_wrap=True)
     for p in fitting:
         table.add_row(*_row(p, cluster.devices))
-    console.print(table, width=max(console.width, 132))  # a wide table: cut to 80 columns it says nothing
+    narrow = console.width
+    console.width = max(narrow, 110)  # a wide table: cut to 80 columns (a pipe's) it says nothing
+    console.print(table)
+    console.width = narrow
     b = answer.best
     console.print(f"[bold]best:[/] {b.layout} {b.schedule}, microbatches of {b.microbatch} x {b.microbatches}, "
                   f"{b.recompute} recompute, {b.sharding} sharding: {b.step_time:.3f} s a step, "
