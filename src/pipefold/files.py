@@ -196,6 +196,35 @@ def read_json(path: str, what: str, hint: str) -> Any:
         raise ConfigError(f"{path} nests too deeply to be a {what}; {hint}") from None
 
 
+def shipped_names(folder: Any) -> list[str]:
+    """The JSON files a package folder (``importlib.resources``) ships, by name without ``.json``."""
+    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".json"))
+
+
+def read_shipped_or_file(given: str, folder: Any, *, flag: str, what: str, hint: str) -> tuple[Any, str]:
+    """The JSON that ``given`` names: one this package ships in ``folder`` (by its name) or a file; and how
+    messages name it (``what NAME`` or ``flag PATH``). One ConfigError, ending in ``hint``, for a name that is
+    neither, a file that cannot be read, or text that is not JSON."""
+    names = shipped_names(folder)
+    if given in names:
+        return json.loads(folder.joinpath(f"{given}.json").read_text(encoding="utf-8")), f"{what} {given}"
+    path = Path(given)
+    if not path.is_file():
+        raise ConfigError(f"{flag} {given!r} is neither a {what} pipefold ships ({', '.join(names)}) nor a file: "
+                          f"{hint}")
+    where = f"{flag} {given}"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"cannot read {where}: {err}") from None
+    try:
+        return json.loads(text), where
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{where} is not JSON ({err.msg} at line {err.lineno}): {hint}") from None
+    except RecursionError:
+        raise ConfigError(f"{where} nests too deeply: {hint}") from None
+
+
 def check_writable(path: str | os.PathLike[str], what: str = "output", *, figure: bool = False) -> None:
     """Refuse, before any work, a path that cannot be written: a directory, a folder that does not exist or
     cannot take a new file, or (``figure``) a suffix other than .png or .svg. Nothing is left behind."""

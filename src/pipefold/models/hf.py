@@ -26,10 +26,8 @@ without it says so.
 from __future__ import annotations
 
 import inspect
-import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,12 +35,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipefold.errors import ConfigError
+from pipefold.files import read_shipped_or_file
 from pipefold.models._build import check_indices, derive_seed
 from pipefold.models.base import Model, ModelArgs, Tie
 from pipefold.models.data import Batches, load_corpus
 from pipefold.models.size import Shape
 from pipefold.models.transformer import shipped_configs as config_names
-from pipefold.models.transformer import shipped_text
+from pipefold.models.transformer import shipped_folder
 
 __all__ = ["ARCHS", "HFBlock", "HFCausalLM", "HFEmbedding", "HFHead", "available", "config_names", "read_config"]
 
@@ -97,22 +96,8 @@ def read_config(arch: str, given: str | None) -> dict[str, Any]:
     if arch not in ARCHS:
         raise ConfigError(f"unknown Hugging Face model {arch!r}: use one of {', '.join(ARCHS)}")
     name = given or ARCHS[arch].default_config
-    if name in config_names():
-        text, where = shipped_text(name), f"config {name}"
-    else:
-        path = Path(name)
-        if not path.is_file():
-            raise ConfigError(f"--hf-config {name!r} is neither a config pipefold ships ({', '.join(config_names())})"
-                              " nor a JSON file")
-        try:
-            text, where = path.read_text(encoding="utf-8"), f"--hf-config {name}"
-        except (OSError, UnicodeDecodeError) as err:
-            raise ConfigError(f"cannot read --hf-config {name!r}: {err}") from None
-    try:
-        config = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"{where} is not JSON ({err.msg} at line {err.lineno}): give a transformers "
-                          "config.json") from None
+    config, where = read_shipped_or_file(name, shipped_folder(), flag="--hf-config", what="config",
+                                         hint="give a transformers config.json")
     if not isinstance(config, dict):
         raise ConfigError(f"{where} is not a JSON object of config settings: give a transformers config.json")
     kind = config.setdefault("model_type", arch)

@@ -29,7 +29,6 @@ drop), ``full`` keeps the block's input only. Checked against the tensors a ``tr
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field, replace
 from importlib import resources
@@ -37,8 +36,9 @@ from pathlib import Path
 from typing import Any
 
 from pipefold.errors import ConfigError
+from pipefold.files import read_shipped_or_file, shipped_names
 
-__all__ = ["RECOMPUTE", "Saved", "Transformer", "from_hf_config", "shipped_configs", "shipped_text"]
+__all__ = ["RECOMPUTE", "Saved", "Transformer", "from_hf_config", "shipped_configs", "shipped_folder"]
 
 RECOMPUTE = ("none", "selective", "full")
 """What a block recomputes in its backward: nothing, attention's core, everything but its input."""
@@ -218,44 +218,24 @@ class Transformer:
         return replace(self, value_bytes=value_bytes)
 
 
-def _shipped() -> Any:
+def shipped_folder() -> Any:
+    """The folder of configs this package ships."""
     return resources.files("pipefold.models").joinpath("hf_configs")
 
 
 def shipped_configs() -> list[str]:
     """The configs this package ships (``--hf-config NAME``)."""
-    return sorted(p.name[:-5] for p in _shipped().iterdir() if p.name.endswith(".json"))
-
-
-def shipped_text(name: str) -> str:
-    """The text of a config this package ships."""
-    return str(_shipped().joinpath(f"{name}.json").read_text(encoding="utf-8"))
-
-
-def _read(given: str) -> tuple[dict[str, Any], str]:
-    if given in shipped_configs():
-        return json.loads(shipped_text(given)), given
-    path = Path(given)
-    if not path.is_file():
-        raise ConfigError(f"--hf-config {given!r} is neither a config pipefold ships ({', '.join(shipped_configs())})"
-                          " nor a file: give a transformers config.json")
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"cannot read --hf-config {given!r}: {err}") from None
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"--hf-config {given} is not JSON ({err.msg} at line {err.lineno}): give a transformers "
-                          "config.json") from None
-    if not isinstance(config, dict):
-        raise ConfigError(f"--hf-config {given} is not a JSON object: give a transformers config.json")
-    return config, path.stem
+    return shipped_names(shipped_folder())
 
 
 def from_hf_config(given: str) -> Transformer:
     """The transformer a Hugging Face config describes: a shipped config's name or a ``config.json`` path."""
-    config, name = _read(given)
+    config, where = read_shipped_or_file(given, shipped_folder(), flag="--hf-config", what="config",
+                                         hint="give a transformers config.json")
+    if not isinstance(config, dict):
+        raise ConfigError(f"{where} is not a JSON object: give a transformers config.json")
+    name = given if given in shipped_configs() else Path(given).stem
     kind = config.get("model_type")
-    where = f"--hf-config {given}"
 
     def size(*keys: str, default: Any = None) -> Any:
         for key in keys:

@@ -21,14 +21,13 @@ line rate).
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field, replace
 from importlib import resources
-from pathlib import Path
 from typing import Any
 
 from pipefold.errors import ConfigError
+from pipefold.files import read_shipped_or_file, shipped_names
 
 __all__ = ["Accelerator", "Cluster", "Link", "load_cluster", "shipped_clusters"]
 
@@ -112,7 +111,7 @@ def _shipped() -> Any:
 
 def shipped_clusters() -> list[str]:
     """The cluster files this package ships (``--cluster NAME``)."""
-    return sorted(p.name[:-5] for p in _shipped().iterdir() if p.name.endswith(".json"))
+    return shipped_names(_shipped())
 
 
 def _number(data: dict[str, Any], key: str, where: str, *, low: float = 0.0, integer: bool = False,
@@ -177,19 +176,6 @@ def cluster_from_dict(data: Any, where: str) -> Cluster:
 
 def load_cluster(given: str) -> Cluster:
     """A cluster: the name of a file this package ships, or a path to one."""
-    if given in shipped_clusters():
-        text, where = _shipped().joinpath(f"{given}.json").read_text(encoding="utf-8"), f"cluster {given}"
-    else:
-        path = Path(given)
-        if not path.is_file():
-            raise ConfigError(f"--cluster {given!r} is neither a cluster pipefold ships "
-                              f"({', '.join(shipped_clusters())}) nor a file")
-        try:
-            text, where = path.read_text(encoding="utf-8"), f"--cluster {given}"
-        except (OSError, UnicodeDecodeError) as err:
-            raise ConfigError(f"cannot read --cluster {given!r}: {err}") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"{where} is not JSON ({err.msg} at line {err.lineno})") from None
+    data, where = read_shipped_or_file(given, _shipped(), flag="--cluster", what="cluster",
+                                       hint="give a cluster file (docs/cluster.md)")
     return cluster_from_dict(data, where)
