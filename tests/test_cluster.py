@@ -274,3 +274,32 @@ def test_the_published_table_is_the_datas_and_the_docs_show_it() -> None:
             assert abs(got["memory_gib"] / pub["memory_gib"] - 1) <= 0.10, run["what"]
     assert len(data["runs"]) >= 8 and all(run["source"] in data["sources"] for run in data["runs"])
     assert published.table(data) in (root / "docs" / "cluster.md").read_text()
+
+
+def test_a_cluster_plan_trains_as_planned(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """plan --cluster -o, then train --plan: the run has the plan's layout, split and recomputation, and its
+    gradients equal one process's; a plan of a model pipefold only plans (Mixtral's experts) is refused in one
+    line by train."""
+    cluster = str(Path(__file__).resolve().parents[1] / "examples" / "four-devices.json")
+    plan = tmp_path / "plan.json"
+    assert main(["plan", "--cluster", cluster, "--hf-config", "llama-tiny", "--global-batch", "8", "--seq", "16",
+                 "-o", str(plan), "--json"]) == 0
+    capsys.readouterr()
+    run = json.loads(plan.read_text())["run"]
+    assert run["dp"] * run["tp"] * run["devices"] == 4
+    assert main(["train", "--plan", str(plan), "--steps", "2", "--check", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["max_grad_rel_diff"] < 1e-5 and out["loss_rel_diff"] < 1e-5
+    assert out["devices"] == run["devices"] and out.get("dp", 1) == run["dp"] and out.get("tp", 1) == run["tp"]
+    assert out["boundaries"] == [part[0] for part in run["layer_stages"]]
+    if any(run["recompute"]):
+        assert out["recompute"]["layers"] == run["recompute"]
+        assert out["recompute"]["stage_layers"] == [len(x) for x in run["layer_stages"]]
+    assert out["cluster_plan"]["predicted"]["step_time_s"] == pytest.approx(run["predicted"]["step_time_s"])
+    moe = tmp_path / "moe.json"
+    assert main(["plan", "--cluster", "h100-sxm", "--nodes", "8", "--hf-config", "mixtral-8x7b", "--global-batch",
+                 "64", "--seq", "4096", "--families", "1f1b", "-o", str(moe), "--json"]) == 0
+    capsys.readouterr()
+    assert main(["train", "--plan", str(moe), "--steps", "1"]) != 0
+    err = capsys.readouterr().err
+    assert "plans a model pipefold does not run" in err and err.count("\n") == 1, err

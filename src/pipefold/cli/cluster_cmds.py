@@ -48,8 +48,16 @@ def plan_cluster_command(args: argparse.Namespace, console: Console) -> None:
                                                key=lambda p: p.step_time)[:args.top]]}
     if args.output:
         from pipefold.files import write_json
+        from pipefold.plan.cluster_plan import CLUSTER_PLAN_VERSION, run_section
 
-        write_json(args.output, {"kind": "pipefold-cluster-plan", "version": 1, **out}, indent=1)
+        if answer.best is None:
+            raise ConfigError(f"no configuration fits {cluster.name}: nothing to write to {args.output}")
+        try:
+            run: dict[str, Any] | None = run_section(answer.best, training, args.cluster_model)
+        except ConfigError as why:
+            run, out["not_runnable"] = None, str(why)
+        write_json(args.output, {"kind": "pipefold-cluster-plan", "version": CLUSTER_PLAN_VERSION, **out, "run": run},
+                   indent=1)
     if args.plot:
         from pipefold.plan.figures import plot_cluster
 

@@ -41,7 +41,7 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
         with stage_bar("profiling and planning") as progress:
             planned = resolve(spec, profiling=progress,
                               planning=None if progress is None else lambda done, total: progress("plan", done, total))
-        if planned is not None and spec.schedule.auto:
+        if planned is not None and spec.schedule.auto and planned.plan is not None:
             plan = planned.plan
             err.print(
                 f"auto: {plan.schedule}, layers per stage {' '.join(str(len(x)) for x in plan.layer_stages)}, "
@@ -175,6 +175,11 @@ def _print_train(out: dict[str, Any], console: Console) -> None:
     console.print(table)
     if "recompute" in out:
         _print_recompute(out["recompute"], out["peak_activation_bytes"], console)
+    if "cluster_plan" in out:
+        got, measured = out["cluster_plan"]["predicted"], out["cluster_plan"]["measured"]
+        console.print(f"the cluster plan predicted {got['step_time_s']:.3g} s a step, {got['tokens_per_second']:,.0f} "
+                      f"tokens/s and {format_bytes(got['memory_bytes'])} per GPU on its cluster; here a step took "
+                      f"{measured['step_time_s']:.3g} s")
     console.print(f"median step {typical:.3f} s (first step {out['step_time_s'][0]:.3f} s; {out['predicted_from']} "
                   f"{out['predicted_step_s']:.3f} s)")
     console.print("peak held: every tensor a rank keeps during the step, counted once (saved for backward, outputs, "
@@ -190,6 +195,9 @@ def _print_recompute(plan: dict[str, Any], measured: list[int], console: Console
     layers = ", ".join(f"stage {s}: {r}/{n}" for s, (r, n) in enumerate(zip(plan["layers"], plan["stage_layers"],
                                                                               strict=True)))
     slower = plan["step_time"] / plan["step_time_without"] - 1 if plan["step_time_without"] else 0.0
+    if plan["mode"] == "cluster":  # a cluster plan's: its memory is the cluster's, not this run's
+        console.print(f"recompute (the cluster plan's): layers recomputed {layers}")
+        return
     console.print(f"recompute {plan['mode']}: layers recomputed {layers}  (simulated step {slower:+.1%})")
     table = Table(show_edge=False, caption="static: weights, gradients and optimizer state; saved: activations "
                                            "held for backward (tensors in transit between ranks come on top)")

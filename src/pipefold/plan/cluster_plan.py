@@ -45,8 +45,8 @@ from pipefold.models.transformer import Transformer
 from pipefold.plan.cluster import Cluster, Link
 from pipefold.sim.simulate import CostModel, StageOverride, simulate
 
-__all__ = ["FAMILIES", "RECOMPUTE", "SHARDING", "ClusterPlan", "ClusterPoint", "Training", "evaluate", "layouts",
-           "plan_cluster", "point"]
+__all__ = ["CLUSTER_PLAN_VERSION", "FAMILIES", "RECOMPUTE", "SHARDING", "ClusterPlan", "ClusterPoint", "Training",
+           "evaluate", "layouts", "plan_cluster", "point", "run_section"]
 
 FAMILIES = ("1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "v-half", "v-min", "gpipe")
 """The schedule families searched (each at its default options; interleaved-1f1b at v = 2)."""
@@ -387,6 +387,32 @@ def _point(cluster: Cluster, training: Training, c: _Config, family: str, shard:
 
 TIE = 1e-3
 """Step times within this fraction of each other count as equal: the one with less memory is preferred."""
+
+
+CLUSTER_PLAN_VERSION = 1
+
+
+def run_section(point: ClusterPoint, training: Training, model_config: str) -> dict[str, Any]:
+    """What ``pipefold train --plan`` runs of ``point`` (on the cluster, under torchrun): the model by its config,
+    the shape, the layout, pipefold's layers per stage (the embedding first, each stage's blocks, the head last)
+    and how many of each stage's first layers recompute."""
+    model = training.model
+    if model.family not in ("llama", "gpt2") or model.experts > 1:
+        raise ConfigError(f"{model.name} is planned, not run: pipefold's runtime builds LLaMA and GPT-2 configs "
+                          "without experts")
+    stages = schedules.build(point.schedule, point.pp, point.microbatches).stages
+    layer_stages, counts, at = [], [], 0
+    for st in _stages(model, stages):
+        size = st.blocks + st.embedding + st.head
+        layer_stages.append(list(range(at, at + size)))
+        at += size
+        rerun = {"none": 0, "half": st.blocks // 2, "full": st.blocks}[point.recompute]
+        counts.append(rerun + (1 if st.embedding and rerun else 0))  # the first layers: the embedding's first
+    return {"model": model.family, "model_config": model_config, "seq": training.seq, "batch": training.global_batch,
+            "schedule": point.schedule, "devices": point.pp, "microbatches": point.microbatches, "dp": point.dp,
+            "tp": point.tp, "sharding": point.sharding, "layer_stages": layer_stages, "recompute": counts,
+            "predicted": {"step_time_s": point.step_time, "tokens_per_second": point.tokens_per_second,
+                          "memory_bytes": point.memory, "mfu": point.mfu}}
 
 
 def _frontier(points: Iterable[ClusterPoint]) -> list[ClusterPoint]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from pipefold.errors import ConfigError
 from pipefold.plan.budget import RunPlan
@@ -18,7 +19,7 @@ from pipefold.train.overhead import profile_here
 from pipefold.train.prepare import Decisions, model_of
 from pipefold.train.spec import RunSpec, profiled_settings
 
-__all__ = ["Planned", "from_plan", "plan_here", "resolve"]
+__all__ = ["Planned", "from_cluster_plan", "from_plan", "plan_here", "resolve"]
 
 
 @dataclass(frozen=True)
@@ -29,8 +30,10 @@ class Planned:
     """The run: the plan's model, schedule and shape, the rest as given."""
     decided: Decisions
     """The plan's split of the layers and its recomputation."""
-    plan: RunPlan
-    """The plan, with its prediction."""
+    plan: RunPlan | None
+    """The plan, with its prediction (None: a cluster plan, whose prediction is ``cluster``)."""
+    cluster: dict[str, Any] | None = None
+    """A cluster plan's prediction for the run (``pipefold plan --cluster``): step time, tokens/s, memory, MFU."""
 
 
 def resolve(spec: RunSpec, *, profiling: Callable[[str, int, int], None] | None = None,
@@ -38,8 +41,12 @@ def resolve(spec: RunSpec, *, profiling: Callable[[str, int, int], None] | None 
     """The planned run of ``spec`` (``plan``: read the file; schedule 'auto': profile the model here and plan for
     its memory budget, reporting to ``profiling`` and ``planning``), or None when ``spec`` names its schedule."""
     if spec.plan is not None:
+        from pipefold.files import read_json
         from pipefold.plan.budget import read_plan
 
+        data = read_json(spec.plan, "plan", "give a file written by pipefold plan --profile or --cluster, -o")
+        if isinstance(data, dict) and data.get("kind") == "pipefold-cluster-plan":
+            return from_cluster_plan(data, spec.plan, spec)
         return from_plan(RunPlan.from_dict(read_plan(spec.plan)), spec)
     if spec.schedule.auto:
         return from_plan(plan_here(spec, profiling=profiling, planning=planning), spec)
@@ -89,3 +96,48 @@ def from_plan(plan: RunPlan, spec: RunSpec | None = None) -> Planned:
         recompute = RecomputePlan("plan", plan.recompute, tuple(len(p) for p in layer_stages), static,
                                   [int(a) for a in activations], plan.budget, plan.step_time, plan.step_time)
     return Planned(resolved, (layer_stages, recompute), plan)
+
+
+def from_cluster_plan(data: dict[str, Any], path: str, spec: RunSpec | None = None) -> Planned:
+    """The run a cluster plan's best configuration describes (``pipefold plan --cluster -o``): its model by its
+    config, shape, layout, layers per stage and recomputation; ``spec`` gives what the plan leaves open, as
+    :func:`from_plan` does. One line where the file is not such a plan or its model is planned only."""
+    from pipefold.plan.cluster_plan import CLUSTER_PLAN_VERSION
+
+    spec = spec or RunSpec()
+    if data.get("version") != CLUSTER_PLAN_VERSION:
+        raise ConfigError(f"{path} is a cluster plan of version {data.get('version')!r}; this pipefold reads version "
+                          f"{CLUSTER_PLAN_VERSION}: write it again with pipefold plan --cluster -o")
+    run = data.get("run")
+    if run is None:
+        why = data.get("not_runnable", "it names no run")
+        raise ConfigError(f"{path} plans a model pipefold does not run ({why})")
+    try:
+        layer_stages = tuple(tuple(int(i) for i in part) for part in run["layer_stages"])
+        counts = tuple(int(r) for r in run["recompute"])
+        fixed = {"plan": None, "model": str(run["model"]), "model_config": str(run["model_config"]),
+                 "seq": int(run["seq"]), "batch": int(run["batch"]), "schedule": str(run["schedule"]),
+                 "devices": int(run["devices"]), "microbatches": int(run["microbatches"]), "dp": int(run["dp"]),
+                 "tp": int(run["tp"]), "fsdp": run["sharding"] == "fsdp", "zero1": run["sharding"] == "zero1",
+                 "layers": None, "hidden": None, "heads": None}
+        predicted = {k: float(v) for k, v in run["predicted"].items()}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"{path} is not a valid cluster plan ({type(exc).__name__}: {exc})") from None
+    resolved = spec.replace(**fixed)
+    schedule = resolved.schedule.built
+    have = model_of(resolved, schedule.stages).num_layers
+    flat = [i for part in layer_stages for i in part]
+    if flat != list(range(have)) or len(layer_stages) != schedule.stages or len(counts) != len(layer_stages):
+        raise ConfigError(f"{path} splits {len(flat)} layers into {len(layer_stages)} stages, but its model has {have} "
+                          f"layers and {resolved.schedule.name} {schedule.stages} stages: write it again with "
+                          "pipefold plan --cluster -o")
+    recompute = None
+    if any(counts):
+        sizes = tuple(len(p) for p in layer_stages)
+        if any(not 0 <= r <= n for r, n in zip(counts, sizes, strict=True)):
+            raise ConfigError(f"{path}: recompute needs one count per stage, at most that stage's layers")
+        zeros = [0] * schedule.devices
+        # The cluster's figures are the cluster's: no prediction of this machine's bytes (mode "cluster").
+        recompute = RecomputePlan("cluster", counts, sizes, zeros, zeros, None, predicted["step_time_s"],
+                                  predicted["step_time_s"])
+    return Planned(resolved, (layer_stages, recompute), None, cluster=predicted)

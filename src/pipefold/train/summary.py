@@ -49,7 +49,7 @@ def summarize(outcome: Outcome, *, trace: str | None = None, plot: str | None = 
         at = min(r.steps[step].started_at for r in reports) - job.origin
     replayed = simulate(last, costs, network=job.network, at=at)
     predicted, label = replayed, "simulated from the measured costs"
-    if planned is not None:
+    if planned is not None and planned.plan is not None:
         from pipefold.plan.budget import Layout, predict
 
         # The profile's prediction, made before the run, next to what the run measured.
@@ -80,7 +80,9 @@ def summarize(outcome: Outcome, *, trace: str | None = None, plot: str | None = 
         out["decisions"] = [_decision(step_number(first_step + first), d) for first, d in reports[0].decisions]
     if "pipefisher" in job.extra:
         out["kfac"] = _kfac_summary(job.extra["pipefisher"], reports, spec.optimizer.fill_bubbles)
-    if planned is not None:
+    if planned is not None and planned.cluster is not None:  # a cluster plan's prediction beside the measurement
+        out["cluster_plan"] = {"predicted": planned.cluster, "measured": measured_summary(reports)}
+    if planned is not None and planned.plan is not None:
         out["plan"] = {"schedule": planned.plan.schedule,
                        "predicted": {"step_time_s": predicted.makespan, "bubble_ratio": predicted.bubble_ratio,
                                      "peak_bytes": peaks},
