@@ -77,7 +77,7 @@ def plan_cluster_command(args: argparse.Namespace, console: Console) -> None:
     fitting = sorted((p for p in answer.points if p.fits), key=lambda p: p.step_time)[:args.top]
     table = Table(title=f"the {len(fitting)} fastest of {answer.evaluated} configurations "
                         f"({sum(p.fits for p in answer.points)} fit), evaluated in {answer.seconds:.1f} s")
-    for col in ("layout", "schedule", "mb x m", "recompute", "shard", "step s", "tok/s/GPU", "MFU", "GiB/GPU"):
+    for col in ("layout", "schedule", "mb x m", "recompute", "shard", "step", "tok/s/GPU", "MFU", "GiB/GPU"):
         table.add_column(col, justify="left" if col in ("layout", "schedule", "recompute", "shard") else "right",
                          no_wrap=True)
     for p in fitting:
@@ -88,17 +88,23 @@ def plan_cluster_command(args: argparse.Namespace, console: Console) -> None:
     console.width = narrow
     b = answer.best
     console.print(f"[bold]best:[/] {b.layout} {b.schedule}, microbatches of {b.microbatch} x {b.microbatches}, "
-                  f"{b.recompute} recompute, {b.sharding} sharding: {b.step_time:.3f} s a step, "
+                  f"{b.recompute} recompute, {b.sharding} sharding: {_seconds(b.step_time)} a step, "
                   f"{b.tokens_per_second:,.0f} tokens/s ({b.tokens_per_second / cluster.devices:,.0f} per GPU), MFU "
                   f"{b.mfu:.1%}, {format_bytes(b.memory)} per GPU")
     console.print("frontier (fastest for its memory): " + "; ".join(
-        f"{p.layout} {p.schedule} {p.step_time:.3f} s {format_bytes(p.memory)}" for p in answer.frontier))
+        f"{p.layout} {p.schedule} {p.microbatch}x{p.microbatches} {p.recompute}/{p.sharding} {_seconds(p.step_time)} "
+        f"{format_bytes(p.memory)}" for p in answer.frontier))
     if args.output:
         console.print(f"wrote {args.output}")
     if args.plot:
         console.print(f"wrote plot: {args.plot}")
 
 
+def _seconds(t: float) -> str:
+    """A step time: seconds, or milliseconds and microseconds for the small models one tries the flow with."""
+    return f"{t:.3f} s" if t >= 1 else f"{t * 1e3:.3g} ms" if t >= 1e-3 else f"{t * 1e6:.3g} us"
+
+
 def _row(p: Any, devices: int) -> list[str]:
-    return [p.layout, p.schedule, f"{p.microbatch}x{p.microbatches}", p.recompute, p.sharding, f"{p.step_time:.2f}",
+    return [p.layout, p.schedule, f"{p.microbatch}x{p.microbatches}", p.recompute, p.sharding, _seconds(p.step_time),
             f"{p.tokens_per_second / devices:,.0f}", f"{p.mfu:.1%}", f"{p.memory / 2**30:.1f}"]

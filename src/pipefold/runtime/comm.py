@@ -381,6 +381,7 @@ class Links:
         """Per peer device, when the receive of each message (by its first tensor's tag) was posted."""
         self.sent: dict[int, int] = {}
         self.gathered = 0
+        self._route_cache: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
 
     def mesh(self, device: int) -> list[int]:
         """The process-group ranks of a pipeline device."""
@@ -388,7 +389,14 @@ class Links:
 
     def _routes(self, src: int, dst: int) -> list[tuple[int, int, int]]:
         """The pieces from device ``src`` to device ``dst`` that this rank sends (on ``src``) or receives (on
-        ``dst``): (piece, of how many, the other end's process-group rank)."""
+        ``dst``): (piece, of how many, the other end's process-group rank). Worked out once per pair: every
+        message asks."""
+        key = (src, dst)
+        if key not in self._route_cache:
+            self._route_cache[key] = self._work_out_routes(src, dst)
+        return self._route_cache[key]
+
+    def _work_out_routes(self, src: int, dst: int) -> list[tuple[int, int, int]]:
         a, b = self.mesh(src), self.mesh(dst)
         out = []
         for k, (i, j) in enumerate(pieces := routes(len(a), len(b))):
