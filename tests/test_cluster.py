@@ -220,6 +220,9 @@ def test_the_search_plans_a_cluster_and_the_command_prints_it(capsys: pytest.Cap
     (["--global-batch", "0"], "--global-batch must be a whole number >= 1"),
     (["--hf-config", "llama-tiny", "--nodes", "8", "--global-batch", "7"], "give --global-batch a multiple of"),
     (["--hf-config", "gpt2-tiny", "--memory", "3"], "drop --profile, --memory and --world"),
+    (["--families", "1f1b,zb-x"], "unknown schedule family 'zb-x'"),
+    (["--nodes", "0"], "--nodes is the cluster's node count"),
+    (["--seq", "0"], "--seq must be a whole number >= 1"),
 ])
 def test_bad_cluster_plans_are_one_line(capsys: pytest.CaptureFixture[str], argv: list[str], expected: str) -> None:
     base = {"--hf-config": "llama3-8b", "--global-batch": "64", "--seq": "2048"}
@@ -303,3 +306,12 @@ def test_a_cluster_plan_trains_as_planned(capsys: pytest.CaptureFixture[str], tm
     assert main(["train", "--plan", str(moe), "--steps", "1"]) != 0
     err = capsys.readouterr().err
     assert "plans a model pipefold does not run" in err and err.count("\n") == 1, err
+
+
+def test_a_cluster_plan_without_its_model_or_shape_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--cluster", "h100-sxm", "--seq", "2048"]) != 0
+    err = capsys.readouterr().err
+    assert "plan --cluster needs --hf-config, --global-batch" in err and err.count("\n") == 1, err
+    assert main(["plan", "--nodes", "4", "--memory", "3"]) != 0
+    err = capsys.readouterr().err
+    assert "plan a cluster: give --cluster too" in err and err.count("\n") == 1, err
