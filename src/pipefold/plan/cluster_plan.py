@@ -4,8 +4,10 @@ exact schedule simulated.
 
 **Placement.** Ranks are laid out tp innermost, then dp, then pp (Megatron-LM's order): a tensor-parallel group
 is tp neighbouring devices, inside a node when tp <= devices per node; a data-parallel group strides tp and
-spans nodes once tp x dp passes a node; pipeline neighbours are tp x dp ranks apart, on the network between
-nodes once that reaches a node. Each collective is costed on the link its group spans
+spans nodes once tp x dp passes a node; pipeline neighbours are tp x dp ranks apart, and once the whole pipeline
+(tp x dp x pp ranks) passes a node some hop is on the network between nodes, which every hop is costed at. Where
+tp and dp are the same size, the receivers' all-gather of a message's pieces is costed on the dp link (the cost
+model keys its collectives by group size). Each collective is costed on the link its group spans
 (:meth:`Cluster.link`).
 
 **A block's passes** on a microbatch of ``b`` sequences of ``s`` tokens (``n = b s``), split over tp ranks:
@@ -191,7 +193,9 @@ def _costs(cluster: Cluster, training: Training, c: _Config, stages: int,
     n = c.microbatch * training.seq
     h, a, tp = model.hidden, model.value_bytes, c.tp
     tp_link, dp_link = cluster.link(tp), cluster.link(tp * c.dp)
-    pp_link = cluster.link(tp * c.dp + 1)
+    # Pipeline neighbours are tp x dp ranks apart: once the pipeline outgrows a node some hop crosses nodes, and
+    # the simulator gives every hop the one transfer time, the slowest's.
+    pp_link = cluster.link(tp * c.dp * c.pp)
 
     def compute(flops: float, biggest: float) -> float:
         return flops / (peak * acc.efficiency(biggest))
