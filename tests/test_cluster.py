@@ -315,3 +315,27 @@ def test_a_cluster_plan_without_its_model_or_shape_is_one_line(capsys: pytest.Ca
     assert main(["plan", "--nodes", "4", "--memory", "3"]) != 0
     err = capsys.readouterr().err
     assert "plan a cluster: give --cluster too" in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("microbatches", [1, 4])
+def test_fsdp_over_a_slow_network_is_its_closed_form(microbatches: int) -> None:
+    """FSDP over 2 nodes of one device joined by a slow link, so the collectives bound the step: with one microbatch
+    the weights are gathered for forward and again for backward (bf16) and the gradients reduce-scattered (fp32),
+    each a ring of dp - 1 steps, the latency paid per block; with several, gathered once and kept. The step is that
+    plus the optimizer's sharded bytes; the memory the 16 sharded bytes a parameter, the gathered bf16 weights (two
+    blocks, or all) and the activations."""
+    data = {**json.loads(H100_FILE.read_text()), "devices_per_node": 1, "nodes": 2}
+    data["inter_node"] = {"name": "slow", "bandwidth": 1e9, "latency": 1e-4, "efficiency": 0.5}
+    cluster = cluster_from_dict(data, "slow")
+    model = from_hf_config("llama3-8b")
+    training = Training(model=model, seq=1024, global_batch=2 * microbatches)
+    got = point(cluster, training, dp=2, tp=1, pp=1, schedule="1f1b", microbatch=1, sharding="fsdp")
+    params, bw, lat = model.parameters(), 1e9 * 0.5, 1e-4
+    gathers = 2 if microbatches == 1 else 1
+    ring = lat + 0.5 * params * 2 / bw  # one ring all-gather of the bf16 weights among 2
+    comm = gathers * ring + (lat + 0.5 * params * 4 / bw) + (gathers + 1) * 31 * 1 * lat
+    assert got.step_time == pytest.approx(comm + 32 * params / 2 / cluster.accelerator.memory_bandwidth, rel=1e-9)
+    held = 2 * (2 * model.block_parameters() if microbatches == 1 else params)
+    n = 1024
+    activations = 32 * model.saved(1024).per_rank(1) * n + model.head_saved() * n
+    assert got.memory == pytest.approx(16 * params / 2 + held + activations, rel=1e-9)

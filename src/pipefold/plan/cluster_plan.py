@@ -19,7 +19,8 @@ link, not overlapped. The head is the vocabulary projection split over tp, the e
 
 **Memory per device**: its stages' parameters over tp; bf16 weights (2 bytes), fp32 gradients (4), fp32 master
 weights and AdamW's two moments (12): 18 bytes a parameter unsharded; ZeRO-1 shards the 12 over dp; FSDP
-shards fp32 weights, gradients and moments (16) over dp and holds two blocks gathered in bf16. Activations: the
+shards fp32 weights, gradients and moments (16) over dp and holds two blocks gathered in bf16 with one
+microbatch, the stage's whole weights in bf16 with several (gathered once a step). Activations: the
 simulated peak of the schedule with each stage's bytes per microbatch (:meth:`Transformer.saved`, flash
 attention; the head's logits and their float32 copy; full recomputation keeps each block's input and one
 block whole while it reruns). It fits when both are within the accelerator's usable memory.
@@ -27,8 +28,9 @@ block whole while it reruns). It fits when both are within the accelerator's usa
 **Step time**: the schedule simulated (:func:`pipefold.sim.simulate`) with those times, messages between
 stages crossing in tp pieces then all-gathered (``CostModel.mesh``), and, without FSDP, each stage's gradient
 all-reduce among its dp copies as the schedule's ``DP`` actions (a ring on the dp link, overlapping other
-stages' work as the simulator places it). With FSDP the parameters' all-gathers (forward and backward) and the
-gradients' reduce-scatter overlap the computation: the step is the longer of the two. The optimizer's step
+stages' work as the simulator places it). With FSDP the weights' all-gathers (forward and backward with one
+microbatch, once with several) and the gradients' reduce-scatter overlap the computation: the step is the longer
+of the two, the collectives' latency paid once per block each (a ring of dp - 1 steps). The optimizer's step
 is memory-bound: its bytes over the memory bandwidth.
 """
 
@@ -366,8 +368,12 @@ def _point(cluster: Cluster, training: Training, c: _Config, family: str, shard:
     cost, params = _costs(cluster, training, c, plain.stages, sharded)
     whole, split = STATE_BYTES[shard]
     held = [sum(params[s] for s in plain.stages_of(d)) for d in range(c.pp)]
-    gathered = 2 * 2 * model.block_parameters() / c.tp if sharded else 0.0
-    statics = [x * (whole + split / c.dp) + gathered for x in held]
+    # FSDP with one microbatch gathers a block's weights for its forward and again for its backward and frees them
+    # after each (two blocks in flight, bf16); with several it gathers once and keeps the stage's weights for the
+    # step (as torchtitan does with pipelines), reduce-scattering the gradients once at the end.
+    once = m > 1
+    statics = [x * (whole + split / c.dp) + (2 * (x if once else 2 * model.block_parameters() / c.tp) if sharded
+                                             else 0.0) for x in held]
     if refuse and max(statics) > usable:
         return None
     simulated = search.simulate(family, c.pp, m, c.dp > 1 and not sharded, cost, **options)
@@ -376,9 +382,14 @@ def _point(cluster: Cluster, training: Training, c: _Config, family: str, shard:
     makespan, busy, activations = simulated
     peaks = [st + act for st, act in zip(statics, activations, strict=True)]
     step = makespan
-    if sharded:  # the parameters gathered twice (bf16) and the gradients reduce-scattered (fp32), overlapped
+    if sharded:  # the weights gathered (bf16) and the gradients reduce-scattered (fp32), overlapped with the work
         link = cluster.link(c.tp * c.dp)
-        comm = 2 * _ring_gather(link, 2 * max(held), c.dp) + _ring_gather(link, 4 * max(held), c.dp)
+        gathers = 1 if once else 2
+        comm = gathers * _ring_gather(link, 2 * max(held), c.dp) + _ring_gather(link, 4 * max(held), c.dp)
+        # One collective per block each time, each a ring of dp - 1 steps: their latency is paid block by block.
+        blocks = max(sum(stage.blocks for s, stage in enumerate(_stages(model, plain.stages))
+                         if s in plain.stages_of(d)) for d in range(c.pp))
+        comm += (gathers + 1) * max(blocks - 1, 0) * (c.dp - 1) * link.latency
         step = max(step, comm)
     step += 32 * max(held) / (c.dp if shard != "none" else 1) / acc.memory_bandwidth  # AdamW: 16 bytes in and out
     tokens = training.global_batch * training.seq / step
