@@ -223,6 +223,9 @@ def test_the_search_plans_a_cluster_and_the_command_prints_it(capsys: pytest.Cap
     (["--families", "1f1b,zb-x"], "unknown schedule family 'zb-x'"),
     (["--nodes", "0"], "--nodes is the cluster's node count"),
     (["--seq", "0"], "--seq must be a whole number >= 1"),
+    (["--top", "0"], "--top is how many configurations to show: at least 1"),
+    (["--hf-config", "llama3.1-405b", "--nodes", "1"], "weights and optimizer state alone do not, in any layout"),
+    (["--hf-config", "llama3-70b", "--nodes", "1", "--seq", "131072"], "no configuration of llama3-70b fits"),
 ])
 def test_bad_cluster_plans_are_one_line(capsys: pytest.CaptureFixture[str], argv: list[str], expected: str) -> None:
     base = {"--hf-config": "llama3-8b", "--global-batch": "64", "--seq": "2048"}

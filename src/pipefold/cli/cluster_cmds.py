@@ -37,12 +37,25 @@ def plan_cluster_command(args: argparse.Namespace, console: Console) -> None:
     unknown = [f for f in families if f not in schedules.REGISTRY]
     if unknown:
         raise ConfigError(f"unknown schedule family {unknown[0]!r}: use some of {', '.join(FAMILIES)}")
+    if args.top < 1:
+        raise ConfigError(f"--top is how many configurations to show: at least 1 (got {args.top})")
     with progress_bar(f"planning {cluster.devices} devices") as progress:
         answer = plan_cluster(cluster, training, families=families, progress=progress)
+    if answer.best is None:
+        usable = cluster.accelerator.memory_bytes * cluster.accelerator.usable_memory
+        if not answer.points:
+            raise ConfigError(f"no configuration of {training.model.name} fits {cluster.name}'s {format_bytes(usable)} "
+                              f"per device: its weights and optimizer state alone do not, in any layout; add --nodes")
+        least = min(answer.points, key=lambda p: p.memory)
+        raise ConfigError(f"no configuration of {training.model.name} fits {cluster.name}'s {format_bytes(usable)} "
+                          f"per device: the least memory is {format_bytes(least.memory)} ({least.layout} "
+                          f"{least.schedule}, microbatch {least.microbatch}, {least.recompute} recompute, "
+                          f"{least.sharding}); add --nodes, or a smaller --global-batch or --seq")
+    best = answer.best
     out = {"cluster": cluster.name, "devices": cluster.devices, "model": training.model.name,
            "parameters": training.model.parameters(), "global_batch": training.global_batch, "seq": training.seq,
            "evaluated": answer.evaluated, "seconds": round(answer.seconds, 3),
-           "best": answer.best.to_dict() if answer.best else None,
+           "best": best.to_dict(),
            "frontier": [p.to_dict() for p in answer.frontier],
            "top": [p.to_dict() for p in sorted((p for p in answer.points if p.fits),
                                                key=lambda p: p.step_time)[:args.top]]}
@@ -50,10 +63,8 @@ def plan_cluster_command(args: argparse.Namespace, console: Console) -> None:
         from pipefold.files import write_json
         from pipefold.plan.cluster_plan import CLUSTER_PLAN_VERSION, run_section
 
-        if answer.best is None:
-            raise ConfigError(f"no configuration fits {cluster.name}: nothing to write to {args.output}")
         try:
-            run: dict[str, Any] | None = run_section(answer.best, training, args.cluster_model)
+            run: dict[str, Any] | None = run_section(best, training, args.cluster_model)
         except ConfigError as why:
             run, out["not_runnable"] = None, str(why)
         write_json(args.output, {"kind": "pipefold-cluster-plan", "version": CLUSTER_PLAN_VERSION, **out, "run": run},
@@ -67,13 +78,6 @@ def plan_cluster_command(args: argparse.Namespace, console: Console) -> None:
         return
     console.print(cluster.describe())
     console.print(training.model.describe())
-    if answer.best is None:
-        least = min(answer.points, key=lambda p: p.memory)
-        raise ConfigError(f"no configuration of {training.model.name} fits {cluster.name}'s "
-                          f"{format_bytes(cluster.accelerator.memory_bytes * cluster.accelerator.usable_memory)} "
-                          f"per device: the least memory is {format_bytes(least.memory)} ({least.layout} "
-                          f"{least.schedule}, microbatch {least.microbatch}, {least.recompute} recompute, "
-                          f"{least.sharding}); add --nodes, or a smaller --global-batch or --seq")
     fitting = sorted((p for p in answer.points if p.fits), key=lambda p: p.step_time)[:args.top]
     table = Table(title=f"the {len(fitting)} fastest of {answer.evaluated} configurations "
                         f"({sum(p.fits for p in answer.points)} fit), evaluated in {answer.seconds:.1f} s")
@@ -86,7 +90,7 @@ def plan_cluster_command(args: argparse.Namespace, console: Console) -> None:
     console.width = max(narrow, 110)  # a wide table: cut to 80 columns (a pipe's) it says nothing
     console.print(table)
     console.width = narrow
-    b = answer.best
+    b = best
     console.print(f"[bold]best:[/] {b.layout} {b.schedule}, microbatches of {b.microbatch} x {b.microbatches}, "
                   f"{b.recompute} recompute, {b.sharding} sharding: {_seconds(b.step_time)} a step, "
                   f"{b.tokens_per_second:,.0f} tokens/s ({b.tokens_per_second / cluster.devices:,.0f} per GPU), MFU "
