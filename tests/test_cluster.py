@@ -303,8 +303,8 @@ def test_a_cluster_plan_trains_as_planned(capsys: pytest.CaptureFixture[str], tm
         assert out["recompute"]["stage_layers"] == [len(x) for x in run["layer_stages"]]
     assert out["cluster_plan"]["predicted"]["step_time_s"] == pytest.approx(run["predicted"]["step_time_s"])
     moe = tmp_path / "moe.json"
-    assert main(["plan", "--cluster", "h100-sxm", "--nodes", "8", "--hf-config", "mixtral-8x7b", "--global-batch",
-                 "64", "--seq", "4096", "--families", "1f1b", "-o", str(moe), "--json"]) == 0
+    assert main(["plan", "--cluster", "h100-sxm", "--nodes", "2", "--hf-config", "mixtral-8x7b", "--global-batch",
+                 "16", "--seq", "4096", "--families", "1f1b", "-o", str(moe), "--json"]) == 0
     capsys.readouterr()
     assert main(["train", "--plan", str(moe), "--steps", "1"]) != 0
     err = capsys.readouterr().err

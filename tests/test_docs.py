@@ -55,7 +55,9 @@ class Shrink:
     """``--steps`` of a benchmark (``python benchmarks/...``) come down to this: a benchmark's steps are repeats of
     one measurement, not a flow whose later commands count on them."""
     nodes: int = 4
-    """``--nodes`` of a cluster plan (``pipefold plan --cluster``, a benchmark's) above this come down to it."""
+    """``--nodes`` of a cluster plan (``pipefold plan --cluster``) above this come down to it."""
+    benchmark_nodes: int = 2
+    """``--nodes`` of a benchmark above this come down to it: a benchmark's search only has to run."""
 
 
 SHRINK = Shrink()
@@ -159,7 +161,8 @@ def shrink_benchmark(argv: list[str], options: str | None = None) -> list[str]:
     if not out or not out[0].startswith("benchmarks/"):
         return out
     source = options if options is not None else (ROOT / out[0]).read_text(encoding="utf-8")
-    caps = {"--steps": SHRINK.benchmark_steps, "--hidden": SHRINK.width, "--seq": SHRINK.width, "--nodes": SHRINK.nodes}
+    caps = {"--steps": SHRINK.benchmark_steps, "--hidden": SHRINK.width, "--seq": SHRINK.width,
+            "--nodes": SHRINK.benchmark_nodes}
     for name, cap in caps.items():
         if name in out[1:-1]:
             i = out.index(name)
