@@ -115,6 +115,13 @@ def decode_header(h: torch.Tensor) -> tuple[Meta, ...]:
     return tuple(metas)
 
 
+def _post(op: str, t: torch.Tensor, to: int, tag: int) -> dist.Work:
+    """Post one non-blocking "send" or "recv" of ``t`` with process-group rank ``to``."""
+    work = (dist.isend if op == "send" else dist.irecv)(t, to, tag=tag)
+    assert work is not None
+    return work
+
+
 @dataclass(frozen=True)
 class _Deferred:
     """A send the link's thread hands to gloo at wall-clock time ``due`` (an emulated slow link)."""
@@ -128,9 +135,7 @@ class _Deferred:
         delay = self.due - time.time()
         if delay > 0:
             time.sleep(delay)
-        work = dist.isend(self.tensor, self.peer, tag=self.tag)
-        assert work is not None
-        return work
+        return _post("send", self.tensor, self.peer, self.tag)
 
 
 class _Staged:
@@ -156,9 +161,7 @@ class _Staged:
         if self.copied is not None:
             self.copied.synchronize()
         self.tensor = None  # the device's bytes are free from here on; the host copy travels
-        work = dist.isend(self.host, self.peer, tag=self.tag)
-        assert work is not None
-        return work
+        return _post("send", self.host, self.peer, self.tag)
 
 
 def routes(a: int, b: int) -> list[tuple[int, int]]:
@@ -429,9 +432,7 @@ class Links:
         if self.staged:
             outbox.post((_Staged(t, to, tag, self.stream), (), nbytes, posted_at, tag))
         elif self.network is None:
-            work = dist.isend(t, to, tag=tag)
-            assert work is not None
-            outbox.post((work, (t,), nbytes, posted_at, tag))
+            outbox.post((_post("send", t, to, tag), (t,), nbytes, posted_at, tag))
         else:
             outbox.post((_Deferred(t, to, tag, self._due(device, nbytes)), (t,), nbytes, posted_at, tag))
 
@@ -491,9 +492,7 @@ class Links:
                 self.log.append(("recv", peer, tag))
             size = b.numel() // pieces
             for k, _, src in routes:
-                work = dist.irecv(b if whole else b[k * size:(k + 1) * size], src, tag=tag)
-                assert work is not None
-                works.append(work)
+                works.append(_post("recv", b if whole else b[k * size:(k + 1) * size], src, tag))
         if whole:
             return Incoming(works, bufs, self)
         return Incoming(works, bufs, self, (self.group, len(self.mesh(self.rank)), self.index, metas))
@@ -523,12 +522,10 @@ class Links:
         tag = self.tag(HEADER, stage, 0, 0)
         if self.log is not None:
             self.log.append(("send", peer, tag))
+        h = encode_header(metas).to(self._header_device)  # one tensor, read by every send of it
         for _, _, to in self._routes(self.rank, peer):
-            h = encode_header(metas).to(self._header_device)
             if self.staged:  # a host tensor already: straight to gloo, no copy
-                work = dist.isend(h, to, tag=tag)
-                assert work is not None
-                self._outbox(peer, to).post((work, (h,), 0, time.time(), tag))
+                self._outbox(peer, to).post((_post("send", h, to, tag), (h,), 0, time.time(), tag))
             else:
                 self._post_send(h, peer, to, tag, 0)  # a few bytes of metadata: not activations
 
@@ -541,9 +538,7 @@ class Links:
         works, headers = [], []
         for _, _, src in self._routes(peer, self.rank):
             h = torch.zeros(_HEADER, dtype=torch.int64, device=self._header_device)
-            work = dist.irecv(h, src, tag=tag)
-            assert work is not None
-            works.append(work)
+            works.append(_post("recv", h, src, tag))
             headers.append(h)
         return (works[0] if len(works) == 1 else _AllWorks(works)), headers[0]
 
