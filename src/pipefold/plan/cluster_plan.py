@@ -46,8 +46,8 @@ from typing import Any
 from pipefold import schedules
 from pipefold.errors import ConfigError
 from pipefold.models.transformer import Transformer
-from pipefold.plan.cluster import Cluster, Link
-from pipefold.sim.simulate import CostModel, StageOverride, simulate
+from pipefold.plan.cluster import Cluster
+from pipefold.sim.simulate import CostModel, StageOverride, ring_allreduce, ring_fit, ring_gather, simulate
 
 __all__ = ["CLUSTER_PLAN_VERSION", "FAMILIES", "RECOMPUTE", "SHARDING", "ClusterPlan", "ClusterPoint", "Training",
            "evaluate", "layouts", "plan_cluster", "point", "run_section"]
@@ -152,18 +152,6 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _ring_allreduce(link: Link, nbytes: float, k: int) -> float:
-    if k < 2:
-        return 0.0
-    return 2 * (k - 1) * link.latency + 2 * (k - 1) / k * nbytes / link.achieved
-
-
-def _ring_gather(link: Link, nbytes: float, k: int) -> float:
-    if k < 2:
-        return 0.0
-    return (k - 1) * link.latency + (k - 1) / k * nbytes / link.achieved
-
-
 @dataclass(frozen=True)
 class _Stage:
     blocks: int
@@ -206,7 +194,7 @@ def _costs(cluster: Cluster, training: Training, c: _Config, stages: int,
     biggest = 2 * n * h * model.ffn / tp
     kept_bytes = model.saved(training.seq, attention="flash").per_rank(tp) * n
     elementwise = 2 * kept_bytes / acc.memory_bandwidth
-    tp_comm = 2 * _ring_allreduce(tp_link, n * h * a, tp)
+    tp_comm = 2 * ring_allreduce(n * h * a, tp, tp_link.latency, tp_link.achieved)
     block_f = compute(f_ops, biggest) + elementwise + tp_comm
     block_b = compute(b_ops, biggest) + 2 * elementwise + tp_comm
     block_w = compute(w_ops, biggest)
@@ -232,10 +220,10 @@ def _costs(cluster: Cluster, training: Training, c: _Config, stages: int,
         params.append((st.blocks * model.block_parameters() + (model.embedding_parameters() if st.embedding else 0)
                        + (model.head_parameters() if st.head else 0)) / tp)
     fits = {}
-    if c.dp > 1 and not sharded:  # a ring all-reduce among dp as latency + bytes / bandwidth (DP actions)
-        fits[c.dp] = (2 * (c.dp - 1) * dp_link.latency, dp_link.achieved * c.dp / (2 * (c.dp - 1)))
-    if tp > 1 and tp not in fits:  # the receivers' all-gather of a message's pieces
-        fits[tp] = (2 * (tp - 1) * tp_link.latency, tp_link.achieved * tp / (2 * (tp - 1)))
+    if c.dp > 1 and not sharded:  # the DP actions' all-reduce among dp, a ring on the dp link
+        fits[c.dp] = ring_fit(c.dp, dp_link.latency, dp_link.achieved)
+    if tp > 1 and tp not in fits:  # the receivers' all-gather of a message's pieces, on the tp link
+        fits[tp] = ring_fit(tp, tp_link.latency, tp_link.achieved)
     cost = CostModel(stage_overrides=overrides, latency=pp_link.latency, bandwidth=pp_link.achieved,
                      activation_bytes=float(n * h * a), mesh=tp, dp=1 if sharded else c.dp,
                      grad_bytes=4.0 * sum(params) / c.pp, allreduce_fits=fits)
@@ -368,6 +356,7 @@ def _point(cluster: Cluster, training: Training, c: _Config, family: str, shard:
     cost, params = _costs(cluster, training, c, plain.stages, sharded)
     whole, split = STATE_BYTES[shard]
     held = [sum(params[s] for s in plain.stages_of(d)) for d in range(c.pp)]
+    most = max(held)
     # FSDP with one microbatch gathers a block's weights for its forward and again for its backward and frees them
     # after each (two blocks in flight, bf16); with several it gathers once and keeps the stage's weights for the
     # step (as torchtitan does with pipelines), reduce-scattering the gradients once at the end.
@@ -385,13 +374,14 @@ def _point(cluster: Cluster, training: Training, c: _Config, family: str, shard:
     if sharded:  # the weights gathered (bf16) and the gradients reduce-scattered (fp32), overlapped with the work
         link = cluster.link(c.tp * c.dp)
         gathers = 1 if once else 2
-        comm = gathers * _ring_gather(link, 2 * max(held), c.dp) + _ring_gather(link, 4 * max(held), c.dp)
+        comm = (gathers * ring_gather(2 * most, c.dp, link.latency, link.achieved)
+                + ring_gather(4 * most, c.dp, link.latency, link.achieved))
         # One collective per block each time, each a ring of dp - 1 steps: their latency is paid block by block.
         blocks = max(sum(stage.blocks for s, stage in enumerate(_stages(model, plain.stages))
                          if s in plain.stages_of(d)) for d in range(c.pp))
         comm += (gathers + 1) * max(blocks - 1, 0) * (c.dp - 1) * link.latency
         step = max(step, comm)
-    step += 32 * max(held) / (c.dp if shard != "none" else 1) / acc.memory_bandwidth  # AdamW: 16 bytes in and out
+    step += 32 * most / (c.dp if shard != "none" else 1) / acc.memory_bandwidth  # AdamW: 16 bytes in and out
     tokens = training.global_batch * training.seq / step
     return ClusterPoint(dp=c.dp, tp=c.tp, pp=c.pp, schedule=family, microbatch=c.microbatch, microbatches=m,
                         recompute=c.recompute, sharding=shard, step_time=step, memory=max(peaks), static=max(statics),

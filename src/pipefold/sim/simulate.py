@@ -48,6 +48,7 @@ from pipefold.ir.graph import ActionTable, action_table
 from pipefold.sim.network import Network, Wire
 
 __all__ = ["CostModel", "Interval", "SimResult", "StageCost", "StageOverride", "Timeline", "memory_deltas",
+           "ring_allreduce", "ring_fit", "ring_gather",
            "peak_by_order", "simulate", "slowdown", "split_backward"]
 
 
@@ -240,8 +241,7 @@ class CostModel:
         if replicas in self.allreduce_fits:
             latency, bandwidth = self.allreduce_fits[replicas]
             return latency + nbytes / bandwidth
-        steps = 2 * (replicas - 1)
-        return steps * self.latency + (steps / replicas * nbytes / self.bandwidth if nbytes else 0.0)
+        return ring_allreduce(nbytes, replicas, self.latency, self.bandwidth)
 
     def gather_time(self, nbytes: float, replicas: int) -> float:
         """An all-gather (or reduce-scatter) of ``nbytes`` among ``replicas`` devices: half an all-reduce (a ring's
@@ -251,8 +251,7 @@ class CostModel:
             return 0.0
         if replicas in self.allreduce_fits:
             return self.allreduce_time(nbytes, replicas) / 2
-        steps = replicas - 1
-        return steps * self.latency + (steps / replicas * nbytes / self.bandwidth if nbytes else 0.0)
+        return ring_gather(nbytes, replicas, self.latency, self.bandwidth)
 
     def stage_cost(self, stage: int, stages: int, devices: int, *, replicas: int = 1) -> StageCost:
         """Cost of ``stage`` in a pipeline of ``stages`` stages over ``devices`` devices, held ``replicas`` times.
@@ -301,6 +300,30 @@ class CostModel:
                                          "stash": None if c.stash is None else dict(c.stash)}
                                 for s, c in self.stage_overrides.items()},
         }
+
+
+def ring_allreduce(nbytes: float, k: int, latency: float, bandwidth: float) -> float:
+    """A ring all-reduce of ``nbytes`` among ``k`` devices: 2(k-1) steps of ``latency``, each device moving
+    2(k-1)/k of the bytes at ``bandwidth``."""
+    if k < 2:
+        return 0.0
+    steps = 2 * (k - 1)
+    return steps * latency + (steps / k * nbytes / bandwidth if nbytes else 0.0)
+
+
+def ring_gather(nbytes: float, k: int, latency: float, bandwidth: float) -> float:
+    """A ring all-gather (or reduce-scatter) of ``nbytes`` among ``k`` devices: half a ring all-reduce, k-1 steps
+    and (k-1)/k of the bytes."""
+    if k < 2:
+        return 0.0
+    steps = k - 1
+    return steps * latency + (steps / k * nbytes / bandwidth if nbytes else 0.0)
+
+
+def ring_fit(k: int, latency: float, bandwidth: float) -> tuple[float, float]:
+    """:func:`ring_allreduce` among ``k`` devices as an all-reduce fit (``CostModel.allreduce_fits``): the
+    (latency, bandwidth) for which latency + n / bandwidth is the ring's time for every n."""
+    return 2 * (k - 1) * latency, bandwidth * k / (2 * (k - 1))
 
 
 def split_backward(times: Mapping[str, float]) -> StageOverride:
