@@ -27,13 +27,19 @@ DEFAULT_DEVICES = 4
 DEFAULT_MICROBATCHES = 8
 
 
-def _tp_degrees(text: str) -> int | tuple[int, ...]:
-    """``--tp 2`` (every device) or ``--tp 2,1`` (one degree per device)."""
+def degrees(text: str) -> tuple[int, ...] | None:
+    """Tensor-parallel degrees written ``2`` or ``2,1``: whole numbers >= 1 separated by commas; None if not."""
     try:
         out = tuple(int(x) for x in text.split(","))
     except ValueError:
-        out = ()
-    if not out or any(t < 1 for t in out):
+        return None
+    return out if out and all(t >= 1 for t in out) else None
+
+
+def _tp_degrees(text: str) -> int | tuple[int, ...]:
+    """``train --tp 2`` (every device) or ``--tp 2,1`` (one degree per device)."""
+    out = degrees(text)
+    if out is None:
         raise argparse.ArgumentTypeError(f"a degree >= 1 for every device (2), or one per device (2,1); got {text!r}")
     return out[0] if len(out) == 1 else out
 

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pipefold import jsonout, schedules
-from pipefold.cli.args import DEFAULT_DEVICES, DEFAULT_MICROBATCHES
+from pipefold.cli.args import DEFAULT_DEVICES, DEFAULT_MICROBATCHES, degrees
 from pipefold.cli.common import check_outputs, cost_model, num, progress_bar, stage_bar
 from pipefold.errors import ConfigError
 from pipefold.ir.ref import ScheduleRef
@@ -59,12 +59,9 @@ def cmd_profile(args: argparse.Namespace, console: Console) -> None:
 
 
 def _degrees(text: str) -> tuple[int, ...]:
-    """``--tp 1,2,4``: tensor-parallel degrees, each at least 1."""
-    try:
-        out = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        out = ()
-    if not out or any(t < 1 for t in out):
+    """``profile --tp 1,2,4``: the tensor-parallel degrees to measure."""
+    out = degrees(text)
+    if out is None:
         raise ConfigError(f"--tp takes tensor-parallel degrees, whole numbers >= 1 separated by commas, such as 1,2 "
                           f"(got {text!r})")
     return out
