@@ -19,7 +19,7 @@ from pipefold.plan.recompute import StageProfile, choose_recompute, device_peaks
 from pipefold.sim.simulate import CostModel, SimResult, StageOverride, simulate, slowdown
 from pipefold.units import format_bytes
 
-__all__ = ["Layout", "ModelPlan", "ModelPoint", "PlanResult", "Point", "RunPlan", "candidates", "choose",
+__all__ = ["Layout", "ModelPlan", "ModelPoint", "PlanResult", "Point", "RunPlan", "candidates", "check_plan", "choose",
            "evaluate", "every_layout", "frontier", "layout_profile", "model_costs", "one_f_one_b_peak",
            "parse_budget", "plan", "plan_model", "predict", "read_plan", "stage_profiles"]
 
@@ -590,7 +590,11 @@ def read_plan(path: str) -> dict[str, Any]:
     """A plan file written by ``pipefold plan --profile ... -o``, checked: one ConfigError if it is not one."""
     from pipefold.files import read_json
 
-    data = read_json(path, "plan", "give a file written by pipefold plan --profile -o")
+    return check_plan(read_json(path, "plan", "give a file written by pipefold plan --profile -o"), path)
+
+
+def check_plan(data: Any, path: str) -> dict[str, Any]:
+    """The contents of plan file ``path``, already read, checked as :func:`read_plan` checks them."""
     if not isinstance(data, dict) or data.get("kind") != "pipefold-plan" or data.get("version") != PLAN_VERSION:
         raise ConfigError(f"{path} is not a pipefold plan (version {PLAN_VERSION}); write one with "
                           f"pipefold plan --profile PROFILE --memory-budget BYTES -o {path}")

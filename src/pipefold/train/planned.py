@@ -42,12 +42,13 @@ def resolve(spec: RunSpec, *, profiling: Callable[[str, int, int], None] | None 
     its memory budget, reporting to ``profiling`` and ``planning``), or None when ``spec`` names its schedule."""
     if spec.plan is not None:
         from pipefold.files import read_json
-        from pipefold.plan.budget import read_plan
+        from pipefold.plan.budget import check_plan
 
+        # Read once: a cluster plan (plan --cluster -o) or a profiled one (plan --profile -o).
         data = read_json(spec.plan, "plan", "give a file written by pipefold plan --profile or --cluster, -o")
         if isinstance(data, dict) and data.get("kind") == "pipefold-cluster-plan":
             return from_cluster_plan(data, spec.plan, spec)
-        return from_plan(RunPlan.from_dict(read_plan(spec.plan)), spec)
+        return from_plan(RunPlan.from_dict(check_plan(data, spec.plan)), spec)
     if spec.schedule.auto:
         return from_plan(plan_here(spec, profiling=profiling, planning=planning), spec)
     return None
