@@ -3,8 +3,8 @@ operations and activation bytes, layer by layer. This is what the cluster planne
 knows of a model it will never build here.
 
 A :class:`Transformer` comes from a Hugging Face ``config.json`` (LLaMA and the families laid out like it:
-Mistral, Qwen2, and Mixtral's experts; GPT-2) or from GPT sizes. Its layers are pipefold's: an embedding, the
-blocks, a head (final norm and the vocabulary projection).
+Mistral, Qwen2, and Mixtral's experts; GPT-2, whose config gives GPT sizes). Its layers are pipefold's: an
+embedding, the blocks, a head (final norm and the vocabulary projection).
 
 **Parameters.** A block has attention's q and o projections (h x h), k and v (h x kv heads x head width), the
 MLP's two matrices of h x f (GPT-2) or three (gated: gate, up, down), each of E experts' and a router of h x E
@@ -29,8 +29,7 @@ drop), ``full`` keeps the block's input only. Checked against the tensors a ``tr
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -207,16 +206,6 @@ class Transformer:
                 f"{self.hidden}, {self.heads} heads ({self.kv_heads} key-value), MLP {self.ffn}{moe}, vocabulary "
                 f"{self.vocab}")
 
-    @classmethod
-    def gpt(cls, *, layers: int, hidden: int, heads: int, vocab: int = 51200, seq: int = 2048,
-            name: str = "gpt") -> Transformer:
-        """A Megatron-LM GPT: GPT-2's layout (4h MLP, tied head, dropout), learned positions for ``seq``."""
-        return cls(name=name, family="gpt2", layers=layers, hidden=hidden, heads=heads, kv_heads=heads,
-                   ffn=4 * hidden, vocab=vocab, positions=seq, tied=True, dropout=True)
-
-    def with_dtype_bytes(self, value_bytes: int) -> Transformer:
-        return replace(self, value_bytes=value_bytes)
-
 
 def shipped_folder() -> Any:
     """The folder of configs this package ships."""
@@ -264,8 +253,3 @@ def from_hf_config(given: str) -> Transformer:
         return Transformer(name=name, source=config, **out)
     except TypeError as err:  # a size of the wrong type
         raise ConfigError(f"{where}: {err}") from None
-
-
-def tokens_per_second_to_mfu(model: Transformer, seq: int, tokens_per_second: float, peak: float) -> float:
-    """The model FLOPs utilisation of ``tokens_per_second`` per device against a device's ``peak`` FLOP/s."""
-    return model.model_flops(seq) * tokens_per_second / peak if peak > 0 and math.isfinite(peak) else math.nan

@@ -194,7 +194,8 @@ def _costs(cluster: Cluster, training: Training, c: _Config, stages: int,
     biggest = 2 * n * h * model.ffn / tp
     kept_bytes = model.saved(training.seq, attention="flash").per_rank(tp) * n
     elementwise = 2 * kept_bytes / acc.memory_bandwidth
-    tp_comm = 2 * ring_allreduce(n * h * a, tp, tp_link.latency, tp_link.achieved)
+    message = model.message_bytes(n)  # a block's output, as one stage sends it to the next
+    tp_comm = 2 * ring_allreduce(message, tp, tp_link.latency, tp_link.achieved)
     block_f = compute(f_ops, biggest) + elementwise + tp_comm
     block_b = compute(b_ops, biggest) + 2 * elementwise + tp_comm
     block_w = compute(w_ops, biggest)
@@ -225,7 +226,7 @@ def _costs(cluster: Cluster, training: Training, c: _Config, stages: int,
     if tp > 1 and tp not in fits:  # the receivers' all-gather of a message's pieces, on the tp link
         fits[tp] = ring_fit(tp, tp_link.latency, tp_link.achieved)
     cost = CostModel(stage_overrides=overrides, latency=pp_link.latency, bandwidth=pp_link.achieved,
-                     activation_bytes=float(n * h * a), mesh=tp, dp=1 if sharded else c.dp,
+                     activation_bytes=message, mesh=tp, dp=1 if sharded else c.dp,
                      grad_bytes=4.0 * sum(params) / c.pp, allreduce_fits=fits)
     return cost, params
 
