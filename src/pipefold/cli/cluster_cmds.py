@@ -52,13 +52,13 @@ def plan_cluster_command(args: argparse.Namespace, console: Console) -> None:
                           f"{least.schedule}, microbatch {least.microbatch}, {least.recompute} recompute, "
                           f"{least.sharding}); add --nodes, or a smaller --global-batch or --seq")
     best = answer.best
+    fastest = sorted((p for p in answer.points if p.fits), key=lambda p: p.step_time)[:args.top]
     out = {"cluster": cluster.name, "devices": cluster.devices, "model": training.model.name,
            "parameters": training.model.parameters(), "global_batch": training.global_batch, "seq": training.seq,
            "evaluated": answer.evaluated, "seconds": round(answer.seconds, 3),
            "best": best.to_dict(),
            "frontier": [p.to_dict() for p in answer.frontier],
-           "top": [p.to_dict() for p in sorted((p for p in answer.points if p.fits),
-                                               key=lambda p: p.step_time)[:args.top]]}
+           "top": [p.to_dict() for p in fastest]}
     if args.output:
         from pipefold.files import write_json
         from pipefold.plan.cluster_plan import CLUSTER_PLAN_VERSION, run_section
@@ -78,13 +78,12 @@ def plan_cluster_command(args: argparse.Namespace, console: Console) -> None:
         return
     console.print(cluster.describe())
     console.print(training.model.describe())
-    fitting = sorted((p for p in answer.points if p.fits), key=lambda p: p.step_time)[:args.top]
-    table = Table(title=f"the {len(fitting)} fastest of {answer.evaluated} configurations "
+    table = Table(title=f"the {len(fastest)} fastest of {answer.evaluated} configurations "
                         f"({sum(p.fits for p in answer.points)} fit), evaluated in {answer.seconds:.1f} s")
     for col in ("layout", "schedule", "mb x m", "recompute", "shard", "step", "tok/s/GPU", "MFU", "GiB/GPU"):
         table.add_column(col, justify="left" if col in ("layout", "schedule", "recompute", "shard") else "right",
                          no_wrap=True)
-    for p in fitting:
+    for p in fastest:
         table.add_row(*_row(p, cluster.devices))
     narrow = console.width
     console.width = max(narrow, 110)  # a wide table: cut to 80 columns (a pipe's) it says nothing
