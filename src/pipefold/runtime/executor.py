@@ -319,12 +319,13 @@ class RankExecutor:
         self.meter = MemoryMeter()
         last = schedule.stages - 1
         recompute = recompute or {}
+        self.actions = list(schedule.actions[rank])
+        split = {a.stage for act in self.actions for a in act.passes if a.kind == Kind.B}
         self.runners = {
             s: StageRunner(m, loss_fn=loss_fn if s == last else None, meter=self.meter, recompute=recompute.get(s, 0),
-                           input_grads=s > 0)
+                           input_grads=s > 0, split=s in split)
             for s, m in modules.items()
         }
-        self.actions = list(schedule.actions[rank])
         self.optimizers = dict(optimizers or {})
         """Per stage, what its OPT action calls: its optimizer's step."""
         self.work = work
@@ -359,6 +360,11 @@ class RankExecutor:
         self._expected = {new: {src: messages_between(schedule, src, rank, headers=new, graph=graph)
                                 for src in neighbours} for new in (True, False)}
         self._inboxes: dict[int, _Inbox] = {}
+        # Which rank sends each message this rank's actions take in, and before each action the messages whose
+        # receives are posted by then: this action's and the next ones' (the same every step).
+        needs = [self._remote_messages(a) for a in self.actions]
+        self._source = {(msg.direction, msg.stage, msg.microbatch): src for each in needs for src, msg in each}
+        self._ahead = [[w for each in needs[i:i + LOOKAHEAD] for w in each] for i in range(len(needs))]
         # Before each action, how many sends to each peer have surely arrived (with and without headers).
         reach = _reach(graph, rank)  # the same dependencies in both kinds of step
         self._received = {new: received_by(schedule, rank, headers=new, reach=reach, graph=graph)
@@ -424,16 +430,16 @@ class RankExecutor:
         cpu0 = time.process_time()
 
         activity = self.activity
+        step = _Step(inputs, targets, local, new_shapes, clock, stats)
         for idx, action in enumerate(self.actions):
             for peer, counts in received.items():
                 if counts[idx] > settled[peer]:  # the schedule says these sends have arrived: let them go
                     activity.wait(str(action), "the delivery of its sends", self.links.peers(peer))
                     self.links.settle(peer, counts[idx])
                     settled[peer] = counts[idx]
-            for ahead in self.actions[idx:idx + LOOKAHEAD]:
-                for wanted in self._remote_messages(ahead):
-                    self._post_until(*wanted, block=False)
-            self._run_action(action, _Step(inputs, targets, local, new_shapes, clock, stats))
+            for src, msg in self._ahead[idx]:
+                self._post_until(self._inboxes[src], msg, block=False)
+            self._run_action(action, step)
             self.links.reap_sends()
             if probe is not None:
                 probe()
@@ -619,8 +625,8 @@ class RankExecutor:
 
     # -- moving tensors
 
-    def _remote_messages(self, action: Action) -> list[tuple[_Inbox, _Message]]:
-        """The inboxes and messages that bring this action's inputs from other ranks (a pass's needs that cross
+    def _remote_messages(self, action: Action) -> list[tuple[int, _Message]]:
+        """The ranks and messages that bring this action's inputs from other ranks (a pass's needs that cross
         stages, :data:`pipefold.ir.KINDS`)."""
         out = []
         for a in action.passes:
@@ -630,8 +636,7 @@ class RankExecutor:
                     continue
                 src = self.schedule.device_of(t, a.microbatch)
                 if src != self.rank:
-                    out.append((self._inboxes[src], _Message(FORWARD if name == "F" else BACKWARD, a.stage,
-                                                             a.microbatch)))
+                    out.append((src, _Message(FORWARD if name == "F" else BACKWARD, a.stage, a.microbatch)))
         return out
 
     def _post_until(self, inbox: _Inbox, until: _Message, *, block: bool) -> None:
@@ -677,7 +682,8 @@ class RankExecutor:
         key = (direction, s, mb)
         if key in local:
             return local.pop(key)
-        inbox, msg = next(w for w in self._remote_messages(action) if w[1].direction == direction)
+        msg = _Message(direction, s, mb)
+        inbox = self._inboxes[self._source[key]]
         start = clock()
         where = str(action)
         self.activity.wait(where, "an activation" if direction == FORWARD else "a gradient",

@@ -25,12 +25,13 @@ import time
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from pipefold.runtime.sharding import local
 
-__all__ = ["KINDS", "MemoryMeter"]
+__all__ = ["KINDS", "MemoryMeter", "storage_of"]
 
 KINDS = ("saved", "output", "captured", "recv", "send", "kfac")
 """What the runtime holds: saved for backward, stage outputs and input gradients, gradients kept for W,
@@ -41,9 +42,12 @@ receive buffers, copies made for sending, layer inputs and output gradients kept
 class _Entry:
     nbytes: int
     kind: str
+    watch: weakref.ref[torch.UntypedStorage]
+    """Calls the meter back when the storage dies (a plain weak reference: a ``weakref.finalize`` per tensor
+    cost a third of what the runner adds to a small layer's forward)."""
 
 
-def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
+def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
     """The storage behind ``t`` (a DTensor's: its local shard's), or None for tensors that hold no memory of their
     own (meta, empty, sparse)."""
     t = local(t)
@@ -82,7 +86,7 @@ class MemoryMeter:
             self._outside.clear()
             self.outside_bytes = 0
             for t in outside:
-                st = _storage(t)
+                st = storage_of(t)
                 if st is not None and id(st) not in self._outside and id(st) not in self._live:
                     self._outside[id(st)] = st
                     self.outside_bytes += st.nbytes()
@@ -101,29 +105,26 @@ class MemoryMeter:
 
     def hold(self, tensors: Iterable[torch.Tensor | None], kind: str) -> None:
         """Count the storages of ``tensors`` (as ``kind`` if new to the meter) until each one dies."""
-        for t in tensors:
-            if t is None:
-                continue
-            st = _storage(t)
-            if st is None:
-                continue
-            key = id(st)
-            with self._lock:
+        self.hold_storages([st for t in tensors if t is not None and (st := storage_of(t)) is not None], kind)
+
+    def hold_storages(self, storages: Iterable[torch.UntypedStorage], kind: str) -> None:
+        """:meth:`hold` for storages already looked up (from :func:`storage_of`)."""
+        with self._lock:
+            for st in storages:
+                key = id(st)
                 if key in self._live or key in self._outside:
                     continue
                 nbytes = st.nbytes()
-                self._live[key] = _Entry(nbytes, kind)
-                finalizer = weakref.finalize(st, self._died, key)
-                finalizer.atexit = False
+                self._live[key] = _Entry(nbytes, kind, weakref.ref(st, partial(self._died, key)))
                 self._change(nbytes, kind)
 
     def bytes_of(self, tensors: Iterable[torch.Tensor | None]) -> int:
         """Bytes of the distinct storages behind ``tensors`` that the meter counts (not the batch's)."""
         with self._lock:
-            keys = {id(st) for t in tensors if t is not None and (st := _storage(t)) is not None}
+            keys = {id(st) for t in tensors if t is not None and (st := storage_of(t)) is not None}
             return sum(self._live[k].nbytes for k in keys if k in self._live)
 
-    def _died(self, key: int) -> None:
+    def _died(self, key: int, _watch: object = None) -> None:
         with self._lock:
             entry = self._live.pop(key, None)
             if entry is not None:

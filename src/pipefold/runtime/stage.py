@@ -49,7 +49,8 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, Node
 
-from pipefold.runtime.meter import MemoryMeter
+from pipefold.runtime import wgrad
+from pipefold.runtime.meter import MemoryMeter, storage_of
 from pipefold.runtime.sharding import local, waited
 
 Tensors = tuple[torch.Tensor, ...]
@@ -394,11 +395,16 @@ def graph_params(nodes: Iterable[Node], params: Sequence[torch.Tensor]) -> dict[
 
 def _owned_backward(node: Node, seen_grads: tuple[torch.Tensor | None, ...], accs: list[Node]) -> None:
     """Restart autograd at ``node`` from the gradients B saw enter it; only the branches to the parameters'
-    accumulators ``accs`` run."""
+    accumulators ``accs`` run. A Linear's product that owns just its weight and bias adds them in place instead
+    (:mod:`pipefold.runtime.wgrad`)."""
     ks = [k for k, g in enumerate(seen_grads) if g is not None]
-    if ks:
-        torch.autograd.backward([GradientEdge(node, k) for k in ks], [seen_grads[k] for k in ks],
-                                inputs=[GradientEdge(a, 0) for a in accs])
+    if not ks:
+        return
+    if ks == [0] and len(seen_grads) == 1 and (lin := wgrad.linear_of(node)) is not None and lin.accs == {*accs}:
+        lin.accumulate(seen_grads[0])  # type: ignore[arg-type]
+        return
+    torch.autograd.backward([GradientEdge(node, k) for k in ks], [seen_grads[k] for k in ks],
+                            inputs=[GradientEdge(a, 0) for a in accs])
 
 
 def graph_below(start: list[Node]) -> set[Node]:
@@ -535,7 +541,8 @@ class StageRunner:
     """Runs F, B, W and BW of one stage module for any number of microbatches in flight."""
 
     def __init__(self, module: nn.Module, *, loss_fn: Callable[..., torch.Tensor] | None = None,
-                 meter: MemoryMeter | None = None, recompute: int = 0, input_grads: bool = True) -> None:
+                 meter: MemoryMeter | None = None, recompute: int = 0, input_grads: bool = True,
+                 split: bool = True) -> None:
         self.module = module
         self.loss_fn = loss_fn  # set on the last stage: F then returns the loss
         self.input_grads = input_grads
@@ -553,12 +560,19 @@ class StageRunner:
         self._tail = layers[recompute:] if layers is not None else []
         # The first stage's input is the batch, so its B would have nothing to do and W would run, and keep
         # everything for, the whole backward. Its first layer (the embedding) is set apart instead: B runs the
-        # rest of the stage back to that layer's output, like any other stage, and W ends with that layer.
-        self._lead = (layers[:1] if layers is not None and len(layers) > 1 and not input_grads and not recompute
-                      and not hasattr(module, "on_saved") else [])
+        # rest of the stage back to that layer's output, like any other stage, and W ends with that layer. A stage
+        # whose backward is never split (``split`` False: BW only) has no use for this, and one engine run is cheaper.
+        self._lead = (layers[:1] if split and layers is not None and len(layers) > 1 and not input_grads
+                      and not recompute and not hasattr(module, "on_saved") else [])
         if self._lead:
             self._tail = self._tail[1:]
-        self.params = [p for p in module.parameters() if p.requires_grad]
+        self._weights = list(module.parameters())
+        """Every parameter, trained or not: a tensor F saves that is one of them (by storage) is not activation memory.
+        The list is fixed from here on; the storages are read on each F (offloading and FSDP refill them)."""
+        self.params = [p for p in self._weights if p.requires_grad]
+        self._fuse = not hasattr(module, "on_saved") and wgrad.worth_fusing(module)
+        """BW adds large Linears' weight gradients in place (:mod:`pipefold.runtime.wgrad`); an offloaded stage
+        moves its parameters itself, and keeps autograd's way."""
         self._passes: dict[int, _Pass] = {}
         self._state = _Backward()
         self._unpack = _Unpack(self._state)
@@ -579,13 +593,14 @@ class StageRunner:
         leaves = as_leaves(inputs) if self.input_grads else tuple(x.detach() for x in inputs)
         boxes: list[weakref.ref[_Box]] = []
         # Weights saved for backward (a Linear keeps its weight) are not activation memory: kept as they are.
-        weights = {_storage(p) for p in self.module.parameters()}
+        weights = {_storage(p) for p in self._weights}
         meter = self.meter
 
         def pack(t: torch.Tensor) -> Any:
-            if t.device.type == "meta" or _storage(t) in weights:
+            st = storage_of(t)
+            if st is None or st.data_ptr() in weights:
                 return t.detach()
-            meter.hold((t,), "saved")
+            meter.hold_storages((st,), "saved")
             # Not ``t`` itself: a node that saves its own output would hold itself through the output's grad_fn.
             box = _Box(t.detach())
             boxes.append(weakref.ref(box))
@@ -691,10 +706,14 @@ class StageRunner:
         grads_out = self._grads_for(p, out_grads)
         wanted = [x for x in p.inputs if x.requires_grad]
         before = self._rest_of_rank(p, out_grads)
-        # backward() adds straight into each parameter's .grad (and the input leaves' .grad): no copies. With
-        # no ``inputs=``: those are every leaf the stage's graph reaches, and naming the parameters would name
-        # their current accumulators, not the graph's where a parameter's data moved since the forward.
-        torch.autograd.backward(self._differentiable(p), grads_out)
+        # backward() adds straight into each parameter's .grad (and the input leaves' .grad): no copies; a
+        # Linear's weight gradient in place (wgrad). Into every leaf the stage's graph reaches, through the
+        # graph's own accumulators: naming the parameters would name their current accumulators, not the
+        # graph's, where a parameter's data moved since the forward.
+        if self._fuse:
+            wgrad.backward(self._differentiable(p), grads_out)
+        else:
+            torch.autograd.backward(self._differentiable(p), grads_out)
         grads = _input_grads(p.inputs, [x.grad for x in wanted]) if wanted else None
         if p.lead:
             self._finish_lead(p, grads or ())

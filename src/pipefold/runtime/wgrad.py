@@ -1,0 +1,194 @@
+"""A Linear's weight gradient added into ``.grad`` in place, without the autograd engine.
+
+Autograd makes a Linear's weight gradient as a new tensor (``g^T x``) and then adds it to ``.grad``: the
+gradient's bytes are written, read back and written again. ``weight.grad.addmm_(g.t(), x)`` writes them once
+(Megatron-LM's gradient-accumulation fusion does the same on GPUs). Where a layer's weight is several megabytes
+and a microbatch a few rows, that memory traffic is most of the weight gradient's time: the MLP of
+``benchmarks/vs_torch.py`` (width 512, 8 rows) spends half as long in its W this way. It also spares W an
+engine run per Linear, tens of microseconds each.
+
+Two users:
+
+- W (:meth:`pipefold.runtime.stage.StageRunner.backward_weight`) restarts autograd at each node that owns its
+  parameters; for a Linear's product it calls :meth:`LinearNode.accumulate` instead.
+- BW (:func:`backward`) runs the engine once, asking it for every gradient but those of the Linears' own
+  weights and biases, which a pre-hook on each product adds in place just before the product runs (from the
+  gradient entering it and the input it saved), so nothing more is held than autograd would hold. Finding
+  the products and hooking them costs about 20 us a Linear, more than the traffic saved on a small weight:
+  BW takes only weights of at least :data:`MIN_BYTES` (measured crossover on a CPU, ``docs/runtime.md``).
+
+Only what is safe is taken: a product ``x @ W^T (+ b)`` of a plain 2-D input and a plain parameter (not a
+DTensor or other subclass) with no hooks of its own, whose accumulators nothing else in the graph reaches.
+Anything else is left to autograd.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.autograd.graph import GradientEdge, Node
+
+__all__ = ["MIN_BYTES", "LinearNode", "backward", "linear_of", "worth_fusing"]
+
+MIN_BYTES = 1 << 20
+"""The smallest weight BW adds in place (1 MiB: 2^18 float32 elements). On 2 CPU cores with the MLP's blocks the
+in-place BW took 0.84 of autograd's time at 2^18 elements a weight and 1.11 of it at 1.5 x 2^17, where the
+weight gradient still fits the cache."""
+
+_PRODUCTS = {"AddmmBackward0": 1, "MmBackward0": 0}
+"""The backward node of a Linear's product, with a bias and without, and which of its inputs is the layer's
+input; the next one is the weight, transposed."""
+
+
+def _plain(acc: Node | None) -> torch.Tensor | None:
+    """The parameter an accumulator adds into, where nothing else runs when it does: a plain tensor (not a DTensor
+    or another subclass) with no gradient hooks of its own."""
+    var = getattr(acc, "variable", None)
+    if var is None or type(var) not in (torch.Tensor, nn.Parameter):
+        return None
+    return None if var._backward_hooks or var._post_accumulate_grad_hooks else var
+
+
+@dataclass(frozen=True, eq=False)
+class LinearNode:
+    """The backward node of one Linear's product, with its weight (and bias) and their accumulators."""
+
+    node: Node
+    x_at: int
+    """Which of the node's inputs is the layer's input."""
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    transpose: Node
+    """The node between the product and the weight's accumulator (the weight enters transposed)."""
+    accs: frozenset[Node]
+    """The weight's accumulator, and the bias's."""
+
+    def accumulate(self, g: torch.Tensor) -> None:
+        """Add this microbatch's gradients, from ``g`` (the gradient of the product's output), as AccumulateGrad
+        would: into ``.grad``, made on the first."""
+        x = self.node._saved_mat1 if self.x_at == 1 else self.node._saved_self  # type: ignore[attr-defined]
+        with torch.no_grad():
+            if self.weight.grad is None:
+                self.weight.grad = g.t().mm(x)
+            else:
+                self.weight.grad.addmm_(g.t(), x)
+            if self.bias is not None:
+                b = g.sum(0)
+                if self.bias.grad is None:
+                    self.bias.grad = b
+                else:
+                    self.bias.grad.add_(b)
+
+
+def worth_fusing(module: nn.Module) -> bool:
+    """Whether ``module`` has a Linear whose weight BW would add in place (plain, at least :data:`MIN_BYTES`)."""
+    return any(isinstance(m, nn.Linear) and type(m.weight) in (torch.Tensor, nn.Parameter)
+               and m.weight.numel() * m.weight.element_size() >= MIN_BYTES for m in module.modules())
+
+
+def linear_of(node: Node, min_bytes: int = 0) -> LinearNode | None:
+    """``node`` as a Linear's product with a weight of at least ``min_bytes``, or None where it is something else
+    (or something this module leaves to autograd: a subclass parameter, hooks, a scaled product, a bias of
+    another shape)."""
+    x_at = _PRODUCTS.get(type(node).__name__)
+    if x_at is None:
+        return None
+    nexts = node.next_functions
+    t_node = nexts[x_at + 1][0]
+    if t_node is None or type(t_node).__name__ != "TBackward0":
+        return None
+    w_acc = t_node.next_functions[0][0]
+    weight = _plain(w_acc)
+    if w_acc is None or weight is None or weight.dim() != 2 or weight.numel() * weight.element_size() < min_bytes:
+        return None
+    bias, accs = None, {w_acc}
+    if x_at == 1:
+        b_acc: Node | None = nexts[0][0]
+        if b_acc is None or getattr(node, "_saved_alpha", None) != 1 or getattr(node, "_saved_beta", None) != 1:
+            return None
+        bias = _plain(b_acc)
+        if bias is None or bias.shape != (weight.shape[0],):
+            return None
+        accs.add(b_acc)
+    return LinearNode(node, x_at, weight, bias, t_node, frozenset(accs))
+
+
+def backward(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
+    """``torch.autograd.backward(outputs, grads)``, with the Linears' weight gradients added in place.
+
+    The engine is asked for every accumulator in the graph (the stage's input leaves and parameters, as a plain
+    ``backward`` would fill) but those of Linears taken here, whose products it still runs for their inputs'
+    gradients: just before each one runs, its pre-hook adds the weight's and bias's gradients. A product the
+    engine would not run (the first layer of the first stage, whose input needs no gradient) keeps autograd's
+    way, and so does everything when no Linear qualifies.
+    """
+    order, parents = _postorder([o.grad_fn for o in outputs if o.grad_fn is not None])
+    taken: dict[Node, LinearNode] = {}
+    for node in order:
+        lin = linear_of(node, MIN_BYTES)
+        # Its accumulators reached only through it: a tied weight's other uses would be counted by the engine.
+        if lin is not None and parents.get(lin.transpose) == [node] and all(
+                parents.get(a) == ([lin.transpose] if a is lin.transpose.next_functions[0][0] else [node])
+                for a in lin.accs):
+            taken[node] = lin
+    if not taken:
+        torch.autograd.backward(list(outputs), list(grads))
+        return
+    owned = {a for lin in taken.values() for a in lin.accs}
+    # Which nodes lead to an accumulator the engine is asked for (children first). A taken product that leads to
+    # none would not run, so it gives its accumulators back to the engine.
+    leads: dict[Node, bool] = {}
+    for node in order:
+        if hasattr(node, "variable"):
+            leads[node] = node not in owned
+            continue
+        lin = taken.get(node)
+        own = (lin.transpose, *lin.accs) if lin is not None else ()
+        leads[node] = any(leads.get(c, False) for c, _ in node.next_functions if c is not None and c not in own)
+        if lin is not None and not leads[node]:
+            del taken[node]
+            owned -= lin.accs
+            leads[node] = True
+    if not taken:
+        torch.autograd.backward(list(outputs), list(grads))
+        return
+    targets = [GradientEdge(n, 0) for n in order if hasattr(n, "variable") and n not in owned]
+    handles = [lin.node.register_prehook(_adder(lin)) for lin in taken.values()]
+    try:
+        torch.autograd.backward(list(outputs), list(grads), inputs=targets)
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _adder(lin: LinearNode) -> Callable[[tuple[torch.Tensor | None, ...]], None]:
+    def hook(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+        if grad_outputs[0] is not None:
+            lin.accumulate(grad_outputs[0])
+    return hook
+
+
+def _postorder(roots: list[Node]) -> tuple[list[Node], dict[Node, list[Node]]]:
+    """Every node below ``roots``, each after all of its children; and each node's parents (one entry per edge)."""
+    order: list[Node] = []
+    parents: dict[Node, list[Node]] = {}
+    done: set[Node] = set()
+    stack: list[tuple[Node, bool]] = [(r, False) for r in roots]
+    while stack:
+        node, expanded = stack.pop()
+        if expanded:
+            order.append(node)
+            continue
+        if node in done:
+            continue
+        done.add(node)
+        stack.append((node, True))
+        for child, _ in node.next_functions:
+            if child is not None:
+                parents.setdefault(child, []).append(node)
+                if child not in done:
+                    stack.append((child, False))
+    return order, parents
