@@ -1,11 +1,13 @@
 """A Linear's weight gradient added into ``.grad`` in place, without the autograd engine.
 
-Autograd makes a Linear's weight gradient as a new tensor (``g^T x``) and then adds it to ``.grad``: the
-gradient's bytes are written, read back and written again. ``weight.grad.addmm_(g.t(), x)`` writes them once
-(Megatron-LM's gradient-accumulation fusion does the same on GPUs). Where a layer's weight is several megabytes
-and a microbatch a few rows, that memory traffic is most of the weight gradient's time: the MLP of
-``benchmarks/vs_torch.py`` (width 512, 8 rows) spends half as long in its W this way. It also spares W an
-engine run per Linear, tens of microseconds each.
+Autograd makes a Linear's weight gradient as a new tensor (``g^T x``) and then adds it to ``.grad``: a tensor
+the size of the weight is allocated, written, read back and freed. ``weight.grad.addmm_(g.t(), x)`` writes the
+sum once (Megatron-LM's gradient-accumulation fusion does the same on GPUs). Where a weight is megabytes and a
+microbatch a few rows, that is most of the weight gradient's time: on a CPU, mostly the fresh pages the
+allocator hands out for the new tensor (each faults once, to be zeroed), then the traffic
+(``benchmarks/wgrad.py`` counts both). The MLP of ``benchmarks/vs_torch.py`` (width 512, 8 rows) spends about
+half as long in its W, and three quarters as long in its BW, this way. W is also spared an engine run per
+Linear, tens of microseconds each.
 
 Two users:
 
@@ -34,9 +36,9 @@ from torch.autograd.graph import GradientEdge, Node
 __all__ = ["MIN_BYTES", "LinearNode", "backward", "linear_of", "worth_fusing"]
 
 MIN_BYTES = 1 << 20
-"""The smallest weight BW adds in place (1 MiB: 2^18 float32 elements). On 2 CPU cores with the MLP's blocks the
-in-place BW took 0.84 of autograd's time at 2^18 elements a weight and 1.11 of it at 1.5 x 2^17, where the
-weight gradient still fits the cache."""
+"""The smallest weight BW adds in place (1 MiB: 2^18 float32 elements). With the MLP's blocks on this project's
+2-core machine, the in-place BW took 0.84 and 0.99 of autograd's time (two runs) at 1 MiB a weight, 0.76 to 0.79
+at 4 MiB, and 1.08 to 1.11 at 0.56 MiB."""
 
 _PRODUCTS = {"AddmmBackward0": 1, "MmBackward0": 0}
 """The backward node of a Linear's product, with a bias and without, and which of its inputs is the layer's
