@@ -11,7 +11,10 @@ every other option run as the page gives them.
 Each page runs in a folder of its own (with ``examples/`` and ``benchmarks/`` beside it), block after block, so a
 command finds the files an earlier one wrote (a schedule file, a profile, a plan, a checkpoint, a saved model).
 Every command must exit 0 (or, where the page says it fails, exit non-zero with the one line the page promises),
-print no traceback, write the files it names, and, with ``--check``, match the one-process reference.
+print no traceback, write the files it names, and, with ``--check``, match the one-process reference. A page's
+first ``pipefold`` command runs as a process of its own, as a shell runs it; the rest run one after another in one
+process (``tests/_pipefold_server.py``, the entry point's own function, output and exit code), which imports torch
+and starts the ranks' fork server once for the page instead of once per command: most of the pages' time before.
 
 Blocks fenced as ```python run as programs in the same folder; ```python fragment marks a few lines completed by
 a later block of the same page. What cannot run here is skipped with the reason: CUDA without a GPU, network
@@ -28,6 +31,8 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -200,9 +205,55 @@ def _skip_reason(argv: list[str]) -> str | None:
     return None
 
 
-def _run(argv: list[str], cwd: Path, factor: float) -> list[subprocess.CompletedProcess[str]]:
-    """Run one command as written (with SHRINK); several processes for a multi-node torchrun."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+class _Server:
+    """One process that runs a page's ``pipefold`` commands one after another (tests/_pipefold_server.py): torch
+    imported once, one fork server for every command's ranks, instead of both again for each command."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "_pipefold_server.py")], env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.count = 0
+        self.dir = Path(tempfile.mkdtemp(prefix="pipefold-docs-"))  # the commands' output, outside their folder
+
+    def run(self, argv: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.count += 1
+        out, err = self.dir / f"{self.count}.out", self.dir / f"{self.count}.err"
+        request = {"argv": argv, "cwd": str(cwd), "out": str(out), "err": str(err)}
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        timer = threading.Timer(300, self.proc.kill)
+        timer.start()
+        try:
+            line = self.proc.stdout.readline()
+        finally:
+            timer.cancel()
+        shown = shlex.join(["pipefold", *argv])
+        assert line, f"{shown} ran for over 300 s, or ended the process that ran it\n{err.read_text()[-3000:]}"
+        return subprocess.CompletedProcess(["pipefold", *argv], json.loads(line)["code"], out.read_text(),
+                                           err.read_text())
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+
+
+def _run(argv: list[str], cwd: Path, factor: float, server: _Server | None = None
+         ) -> list[subprocess.CompletedProcess[str]]:
+    """Run one command as written (with SHRINK); several processes for a multi-node torchrun. A ``pipefold``
+    command without variables set before it runs in ``server`` where one is given."""
+    env = _env()
+    if server is not None and argv[0] == "pipefold":
+        return [server.run(shrink(argv[1:], factor), cwd)]
     while argv and re.fullmatch(r"[A-Z_]+=\S*", argv[0]):
         key, value = argv.pop(0).split("=", 1)
         env[key] = value
@@ -275,21 +326,29 @@ def test_every_command_of_the_page_runs_as_written(page: Path, tmp_path: Path) -
     factor = step_factor([argv for b in found if b.info == "sh" for argv in commands(b.body)])
     skipped: list[str] = []
     took: list[tuple[float, str]] = []
-    for block in found:
-        if block.info == "python":
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-            got = subprocess.run([sys.executable, "-c", block.body], cwd=tmp_path, env=env, capture_output=True,
-                                 text=True, timeout=300, check=False)
-            assert got.returncode == 0, f"{block.id}\n{got.stderr}"
-            continue
-        for argv in commands(block.body):
-            if (why := _skip_reason(argv)) is not None:
-                skipped.append(f"{block.id} {shlex.join(argv)}: {why}")
+    # The page's first pipefold command runs as a process of its own (the entry point as a shell starts it); the
+    # rest in one server process (see _Server).
+    server: _Server | None = None
+    try:
+        for block in found:
+            if block.info == "python":
+                got = subprocess.run([sys.executable, "-c", block.body], cwd=tmp_path, env=_env(),
+                                     capture_output=True, text=True, timeout=300, check=False)
+                assert got.returncode == 0, f"{block.id}\n{got.stderr}"
                 continue
-            started = time.time()
-            for got in _run(list(argv), tmp_path, factor):
-                _check(argv, got, tmp_path, started)
-            took.append((time.time() - started, f"{block.id} {shlex.join(argv)}"))
+            for argv in commands(block.body):
+                if (why := _skip_reason(argv)) is not None:
+                    skipped.append(f"{block.id} {shlex.join(argv)}: {why}")
+                    continue
+                started = time.time()
+                for got in _run(list(argv), tmp_path, factor, server):
+                    _check(argv, got, tmp_path, started)
+                took.append((time.time() - started, f"{block.id} {shlex.join(argv)}"))
+                if server is None and argv[0] == "pipefold":
+                    server = _Server(_env())
+    finally:
+        if server is not None:
+            server.close()
     print("slowest:\n" + "\n".join(f"{s:6.1f} s  {what[:150]}" for s, what in sorted(took, reverse=True)[:8]))
     if skipped:
         print("skipped:\n" + "\n".join(skipped))
