@@ -67,32 +67,39 @@ def test_kfac_matches_one_process(model: dict[str, object], schedule: str, fill:
 def test_kfac_memory_meter_simulator_and_memtracker_agree() -> None:
     """A GPT of width 128 over 128 tokens per microbatch (layer inputs of 64 kB to 256 kB each): in a step
     whose curvature is kept past the backward, the meter agrees with torch's MemTracker, and each rank's
-    peak with the simulator's from the measured costs and stash."""
+    peak with the simulator's from the measured costs and stash.
+
+    Where K-FAC's work goes comes from measured times, so on a busy machine it may land where no rank's peak
+    holds curvature; every run must agree, and the job runs again (at most three times) until one run's peak
+    holds curvature, which is what this test is about (on CI's machine, one run in three did not)."""
     config = RunSpec.flat(schedule="1f1b", devices=2, microbatches=8, steps=1, model="gpt", layers=4, hidden=128,
                          heads=4, seq=128, batch=8, optimizer="kfac", fill_bubbles=True, partition="even")
-    job = make_job(config)
-    cycle = len(job.cycle)
-    # The first step of the second cycle: the K-FAC state exists already (made in the first), curvature is kept.
-    job = dataclasses.replace(job, steps=cycle + 1, verify_memory_step=cycle)
-    reports = run_local(job)
-    filled = job.extra["pipefisher"]
-    costs = measured_costs(job.cycle[0], reports, cycle)
-    costs = dataclasses.replace(costs, stage_overrides={
-        s: dataclasses.replace(o, stash=filled.base.cost.stage_overrides[s].stash)
-        for s, o in costs.stage_overrides.items()})
-    predicted = simulate(job.cycle[0], costs)
     kept = 0
-    for r in reports:
-        stats = r.steps[cycle]
-        check = stats.memory_check
-        held = check["meter_between_actions"]
-        assert held > 500_000
-        assert abs(check["tracker_between_actions"] - held) <= 0.03 * held, (r.rank, check)
-        assert check["largest_gap"] <= 0.03 * held, (r.rank, check)
-        peak = stats.peak_activation_bytes
-        assert abs(peak - predicted.peak_memory[r.rank]) <= 0.05 * peak, (r.rank, peak, predicted.peak_memory)
-        kept = max(kept, stats.peak_by_kind.get("kfac", 0))
-    assert kept > 100_000, "some rank's peak holds curvature inputs"
+    for _ in range(3):
+        job = make_job(config)
+        cycle = len(job.cycle)
+        # The first step of the second cycle: the K-FAC state exists already (made in the first), curvature is kept.
+        job = dataclasses.replace(job, steps=cycle + 1, verify_memory_step=cycle)
+        reports = run_local(job)
+        filled = job.extra["pipefisher"]
+        costs = measured_costs(job.cycle[0], reports, cycle)
+        costs = dataclasses.replace(costs, stage_overrides={
+            s: dataclasses.replace(o, stash=filled.base.cost.stage_overrides[s].stash)
+            for s, o in costs.stage_overrides.items()})
+        predicted = simulate(job.cycle[0], costs)
+        for r in reports:
+            stats = r.steps[cycle]
+            check = stats.memory_check
+            held = check["meter_between_actions"]
+            assert held > 500_000
+            assert abs(check["tracker_between_actions"] - held) <= 0.03 * held, (r.rank, check)
+            assert check["largest_gap"] <= 0.03 * held, (r.rank, check)
+            peak = stats.peak_activation_bytes
+            assert abs(peak - predicted.peak_memory[r.rank]) <= 0.05 * peak, (r.rank, peak, predicted.peak_memory)
+            kept = max(kept, stats.peak_by_kind.get("kfac", 0))
+        if kept > 100_000:
+            break
+    assert kept > 100_000, "no run's peak held curvature inputs"
 
 
 def test_kfac_refusals() -> None:
