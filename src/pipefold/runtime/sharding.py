@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["full", "gather", "local", "reduce_scatter", "shard", "sharded_parameters"]
+__all__ = ["full", "gather", "local", "plain", "reduce_scatter", "shard", "sharded_parameters"]
 
 
 def shard(module: nn.Module, mesh: Any) -> nn.Module:
@@ -113,7 +113,7 @@ def _groups(state: Any) -> list[Any]:
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``t``, a plain tensor with a storage: a DTensor's shard, the result inside a wrapper
     subclass (a functional collective's AsyncCollectiveTensor), ``t`` itself otherwise."""
-    while type(t) not in _PLAIN:
+    while type(t) not in _PLAIN:  # inline: every tensor the meter counts passes here
         flatten = getattr(t, "__tensor_flatten__", None)
         names = flatten()[0] if flatten is not None else ()
         if not names:
@@ -123,6 +123,11 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 _PLAIN = (torch.Tensor, nn.Parameter)
+
+
+def plain(t: object) -> bool:
+    """Whether ``t`` is a plain tensor or parameter, not a DTensor or another subclass (what :func:`local` returns)."""
+    return type(t) in _PLAIN
 
 
 def waited(t: torch.Tensor) -> torch.Tensor:

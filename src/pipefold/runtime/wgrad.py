@@ -33,6 +33,8 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, Node
 
+from pipefold.runtime.sharding import plain
+
 __all__ = ["MIN_BYTES", "LinearNode", "backward", "linear_of", "worth_fusing"]
 
 MIN_BYTES = 1 << 20
@@ -49,7 +51,7 @@ def _plain(acc: Node | None) -> torch.Tensor | None:
     """The parameter an accumulator adds into, where nothing else runs when it does: a plain tensor (not a DTensor
     or another subclass) with no gradient hooks of its own."""
     var = getattr(acc, "variable", None)
-    if var is None or type(var) not in (torch.Tensor, nn.Parameter):
+    if var is None or not plain(var):
         return None
     return None if var._backward_hooks or var._post_accumulate_grad_hooks else var
 
@@ -87,7 +89,7 @@ class LinearNode:
 
 def worth_fusing(module: nn.Module) -> bool:
     """Whether ``module`` has a Linear whose weight BW would add in place (plain, at least :data:`MIN_BYTES`)."""
-    return any(isinstance(m, nn.Linear) and type(m.weight) in (torch.Tensor, nn.Parameter)
+    return any(isinstance(m, nn.Linear) and plain(m.weight)
                and m.weight.numel() * m.weight.element_size() >= MIN_BYTES for m in module.modules())
 
 
