@@ -20,6 +20,27 @@ from pipefold.cli import plan_cmds, schedule_cmds, train_cmds
 from pipefold.cli.args import build_parser, check_applies, given
 from pipefold.errors import Interrupted, PipefoldError, ScheduleError
 
+REDELIVERY_S = 0.005
+"""How long after a callback swallowed an interrupt it is delivered again (:func:`_deliver_later`)."""
+
+
+def _deliver_later(exc: KeyboardInterrupt) -> None:
+    """Deliver ``exc``'s signal to the main thread again, from another thread, :data:`REDELIVERY_S` from now:
+    delivered at once, it would be raised inside the hook that calls this. On a busy machine the delivery can
+    still land before the hook has returned (inside starting the thread, the main thread descheduled for longer
+    than the delay): it is caught here and sent once more, each time twice as late (from at least 1 ms), so it
+    is never lost and the hook soon returns."""
+    delay = REDELIVERY_S
+    while True:
+        signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
+        try:
+            timer = threading.Timer(delay, _thread.interrupt_main, args=(signum,))
+            timer.daemon = True
+            timer.start()
+            return
+        except KeyboardInterrupt as again:
+            exc, delay = again, max(2 * delay, 0.001)
+
 
 @contextlib.contextmanager
 def _interrupts() -> Iterator[None]:
@@ -39,11 +60,7 @@ def _interrupts() -> Iterator[None]:
 
     def unraisable(info: Any) -> None:
         if isinstance(info.exc_value, KeyboardInterrupt):
-            signum = info.exc_value.signum if isinstance(info.exc_value, Interrupted) else signal.SIGINT
-            # From another thread, a moment later: delivered now, it would be raised inside this hook.
-            timer = threading.Timer(0.005, _thread.interrupt_main, args=(signum,))
-            timer.daemon = True
-            timer.start()
+            _deliver_later(info.exc_value)
         else:
             hook(info)
 
