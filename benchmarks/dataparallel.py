@@ -5,7 +5,7 @@ pipelines of 1F1B, 4 microbatches of 2 sequences per pipeline and step (weak sca
 the batch that one pipeline gets alone), AdamW. For dp = 2 and 4, three ways of reducing the gradients:
 
     all-reduce   every copy keeps the whole stage: parameters, gradients, AdamW's two moments (4 P bytes x 4)
-    zero1        the moments sharded (torch's ZeroRedundancyOptimizer)
+    zero1        the moments sharded (ZeRO-1: pipefold.runtime.zero.ShardedOptimizer)
     fsdp         everything sharded (torch's fully_shard per stage), the stage gathered from AG to RS
 
 Memory, per rank of the first pipeline: what it keeps between steps (``static``: parameters, gradients and

@@ -312,3 +312,25 @@ def test_one_all_reduce_of_a_stages_gradients_equals_one_per_tensor() -> None:
         assert shared == 1 and kept
         assert moved == (12 + 5) * 4 + 2 * 8  # the float32 pair and the float64 one, not the transposed one
         assert shapes == [(3, 4), (5,), (6, 4), (2,)]
+
+
+@pytest.mark.parametrize("copies", [2, 3, 4])
+def test_zero1_shares_cover_every_parameter_once_and_balance(copies: int) -> None:
+    """ZeRO-1's shares: every parameter in exactly one, and the heaviest share at most the largest parameter above
+    the lightest (largest first, each to the lightest share: a brute force over every assignment of eight sizes
+    finds the best spread, which greedy may miss by no more than that)."""
+    import itertools
+    import random
+
+    from pipefold.runtime.zero import shares
+
+    rng = random.Random(copies)
+    for _ in range(20):
+        sizes = [rng.choice([1, 7, 64, 300, 4096]) for _ in range(8)]
+        got = shares(sizes, copies)
+        assert sorted(i for share in got for i in share) == list(range(len(sizes)))
+        loads = [sum(sizes[i] for i in share) for share in got]
+        best = min(max(sum(sizes[i] for i in range(8) if who[i] == c) for c in range(copies))
+                   for who in itertools.product(range(copies), repeat=8))
+        assert max(loads) - min(loads) <= max(sizes) and max(loads) <= best + max(sizes)
+        assert got == shares(sizes, copies)  # the same on every copy

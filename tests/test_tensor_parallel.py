@@ -27,10 +27,11 @@ from pipefold.train.spec import RunSpec
 TOLERANCE = 1e-5
 
 
-def _spec(schedule: str, model: str, *, tp: int = 2, dp: int = 1, steps: int = 1, **more: object) -> RunSpec:
+def _spec(schedule: str, model: str, *, tp: int = 2, dp: int = 1, steps: int = 1, batch: int | None = None,
+          optimizer: str = "sgd", **more: object) -> RunSpec:
     sizes = dict(heads=4, seq=16) if model == "gpt" else {}
-    return RunSpec.flat(schedule=schedule, devices=2, microbatches=4, batch=4 * dp, steps=steps, model=model, layers=4,
-                        hidden=32, partition="even", optimizer="sgd", tp=tp, dp=dp, **sizes, **more)
+    return RunSpec.flat(schedule=schedule, devices=2, microbatches=4, batch=batch or 4 * dp, steps=steps, model=model,
+                        layers=4, hidden=32, partition="even", optimizer=optimizer, tp=tp, dp=dp, **sizes, **more)
 
 
 @pytest.mark.parametrize(("schedule", "model", "dp", "more"), [
@@ -79,10 +80,35 @@ def test_ranks_are_numbered_as_torchs_device_mesh() -> None:
     assert sorted(r for ranks in pipelines for r in ranks) == list(range(job.world))
 
 
+def test_zero1_over_tensor_parallel_shards_steps_as_one_process() -> None:
+    """ZeRO-1 at dp2 x tp2 x pp2 (8 processes, AdamW): each pair of copies of a tensor-parallel shard splits its
+    optimizer state and sends the stepped shards to the other. After three steps the weights are bit for bit those
+    of the same layout without ZeRO-1, and equal one process's (to AdamW's rounding); the two copies of a shard
+    hold 3/4 of the bytes they hold without it."""
+    weights, static = [], []
+    for tp, dp, zero1 in ((1, 1, False), (2, 2, False), (2, 2, True)):
+        job = dataclasses.replace(make_job(_spec("1f1b", "gpt", tp=tp, dp=dp, steps=3, batch=8, zero1=zero1,
+                                                 optimizer="adamw")), save_weights=True)
+        reports = run_local(job)
+        weights.append({k: w for r in reports for k, w in (r.weights or {}).items()})
+        static.append({job.coords(r.rank): r.static_bytes for r in reports})  # by (copy, device, tp rank)
+    assert weights[0].keys() == weights[1].keys() == weights[2].keys()
+    for name, w in weights[0].items():
+        assert torch.equal(weights[2][name], weights[1][name]), name
+        torch.testing.assert_close(weights[2][name], w, rtol=1e-4, atol=1e-5, msg=name)
+    # Without ZeRO-1 a rank holds its parameters P, their gradients P and AdamW's two moments 2P; with it the
+    # moments of its share: the two copies of a shard hold 2 x 2P + 2P together, 3/4 of 2 x 4P.
+    plain, sharded = static[1], static[2]
+    for d, p, t in plain:
+        assert sharded[d, p, t] < plain[d, p, t]
+        if d == 0:
+            together = sharded[0, p, t] + sharded[1, p, t]
+            assert together == pytest.approx(0.75 * (plain[0, p, t] + plain[1, p, t]), rel=0.02), (p, t)
+
+
 @pytest.mark.parametrize(("settings", "expected"), [
     (dict(model="gpt", heads=4, seq=16, tp=3), "--tp 3 splits --heads = 4 unevenly"),
     (dict(model="mlp", hidden=6, tp=5), "--tp 5 splits --hidden (its inner width, 4 x hidden) = 24 unevenly"),
-    (dict(model="mlp", tp=2, dp=2, zero1=True), "ZeRO-1 does not run with --tp yet"),
     (dict(model="mlp", tp=2, offload="1,1"), "does not run with --offload yet"),
     (dict(model="mlp", tp=0), "--tp is the number of tensor-parallel ranks"),
 ])
@@ -173,3 +199,22 @@ def test_hugging_face_models_refuse_what_their_plan_cannot_split(model: str, tp:
         make_job(RunSpec.flat(schedule="1f1b", devices=2, microbatches=4, batch=4, model=model, seq=16,
                               partition="even", tp=tp))
     assert "\n" not in str(info.value)
+
+
+def test_zero1_checkpoints_of_tensor_parallel_shards_resume_anywhere(capsys: pytest.CaptureFixture[str],
+                                                                     tmp_path: Path) -> None:
+    """Each copy saves the state of its share only, as tensor-parallel shards: saved at dp2 x tp2 with ZeRO-1,
+    resumed at dp2 x tp1 without it (every rank reads the whole state back, joined from both copies' shares and
+    both tp ranks' shards), and saved at tp 1 resumed at tp 2 with ZeRO-1: the losses are six straight steps'."""
+    straight = _train(capsys, "--dp", "2", "--optimizer", "adamw", "--steps", "6")
+    first = _train(capsys, "--dp", "2", "--tp", "2", "--zero1", "--optimizer", "adamw", "--steps", "3",
+                   "--checkpoint-dir", str(tmp_path / "a"))
+    then = _train(capsys, "--dp", "2", "--optimizer", "adamw", "--steps", "6", "--checkpoint-dir", str(tmp_path / "a"),
+                  "--resume")
+    assert first["sharding"] == "zero1" and then["first_step"] == 4
+    torch.testing.assert_close(first["loss"] + then["loss"], straight["loss"], rtol=1e-5, atol=0)
+    first = _train(capsys, "--dp", "2", "--optimizer", "adamw", "--steps", "3", "--checkpoint-dir", str(tmp_path / "b"))
+    then = _train(capsys, "--dp", "2", "--tp", "2", "--zero1", "--optimizer", "adamw", "--steps", "6",
+                  "--checkpoint-dir", str(tmp_path / "b"), "--resume")
+    assert then["first_step"] == 4 and then["tp"] == 2
+    torch.testing.assert_close(first["loss"] + then["loss"], straight["loss"], rtol=1e-5, atol=0)

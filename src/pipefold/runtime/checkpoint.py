@@ -36,7 +36,7 @@ import re
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from pipefold.errors import ConfigError
 from pipefold.files import write_text
+from pipefold.runtime.zero import AnyOptimizer, holding
 
 __all__ = ["FORMAT", "Checkpointing", "Resume", "find", "load", "problem", "save", "step_name"]
 
@@ -249,11 +250,6 @@ def prepare(directory: str) -> str:
 # -- the ranks' side: saving and loading
 
 
-def _optimizers(optimizers: Iterable[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
-    """The optimizers that hold state (ZeRO-1 keeps its share in the optimizer it wraps, ``.optim``)."""
-    return [getattr(o, "optim", o) for o in optimizers]
-
-
 def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The optimizer's parameters in the order its state_dict numbers them."""
     return [p for group in optimizer.param_groups for p in group["params"]]
@@ -273,7 +269,7 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
 
 
 def save(checkpointing: Checkpointing, step: int, *, model: dict[str, torch.Tensor],
-         optimizers: Sequence[torch.optim.Optimizer], names: dict[int, str], progress: dict[str, Any], rank: int,
+         optimizers: Sequence[AnyOptimizer], names: dict[int, str], progress: dict[str, Any], rank: int,
          device: torch.device, written: Callable[[], None] | None = None) -> str:
     """Every rank's part of the checkpoint after ``step`` steps (call on every rank of the default group).
 
@@ -292,7 +288,7 @@ def save(checkpointing: Checkpointing, step: int, *, model: dict[str, torch.Tens
         tmp.mkdir(parents=True)
     dist.barrier()
     state: dict[str, Any] = {f"model.{name}": t.detach() for name, t in model.items()}
-    for opt in _optimizers(optimizers):
+    for opt in holding(optimizers):
         for p in _params(opt):
             for key, value in opt.state.get(p, {}).items():
                 state[f"optim.{names[id(p)]}.{key}"] = value
@@ -365,7 +361,7 @@ def _template(meta: Any, p: torch.Tensor) -> torch.Tensor | None:
     return torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
 
 
-def load(resume: Resume, *, model: dict[str, torch.Tensor], optimizers: Sequence[torch.optim.Optimizer],
+def load(resume: Resume, *, model: dict[str, torch.Tensor], optimizers: Sequence[AnyOptimizer],
          names: dict[int, str], rank: int, device: torch.device) -> dict[str, Any]:
     """Load this rank's part of ``resume`` in place (call on every rank): the parameters and buffers in ``model``,
     the state of ``optimizers`` (whose parameters ``names`` names by ``id``), this rank's random state.
@@ -385,7 +381,7 @@ def load(resume: Resume, *, model: dict[str, torch.Tensor], optimizers: Sequence
                               f"{tuple(t.shape)}: resume with the same model")
         state[f"model.{name}"] = t.detach()
     wanted: dict[str, Any] = {}
-    for opt in _optimizers(optimizers):
+    for opt in holding(optimizers):
         for p in _params(opt):
             prefix = f"optim.{names[id(p)]}."
             for key, meta in saved.items():
@@ -398,7 +394,7 @@ def load(resume: Resume, *, model: dict[str, torch.Tensor], optimizers: Sequence
     if rng:
         state[mine] = rng
     dcp.load(state, checkpoint_id=resume.path)
-    for opt in _optimizers(optimizers):
+    for opt in holding(optimizers):
         params = _params(opt)
         per_param = {}
         for i, p in enumerate(params):

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from pipefold.runtime.sharding import local
+from pipefold.runtime.zero import AnyOptimizer, holding
 
 __all__ = ["Snapshot", "clip_factor", "local_check", "scale_grads", "verdict"]
 
@@ -75,12 +76,11 @@ class Snapshot:
     RankCurvature`).
     """
 
-    def __init__(self, params: Sequence[nn.Parameter], optimizers: Sequence[torch.optim.Optimizer] = (),
+    def __init__(self, params: Sequence[nn.Parameter], optimizers: Sequence[AnyOptimizer] = (),
                  work: Any = None) -> None:
         self.params = [(p, p.detach().clone()) for p in params]
-        # ZeRO-1 keeps its share of the state in the optimizer it wraps (``optim``).
-        inner = [getattr(o, "optim", o) for o in optimizers]
-        self.states = [(o, {p: {k: _clone(v) for k, v in st.items()} for p, st in o.state.items()}) for o in inner]
+        self.states = [(o, {p: {k: _clone(v) for k, v in st.items()} for p, st in o.state.items()})
+                       for o in holding(optimizers)]
         self.work = work
         self.work_state = work.snapshot() if work is not None else None
 

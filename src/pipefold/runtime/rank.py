@@ -31,12 +31,12 @@ from pipefold.runtime.watch import (
     Activity,
     pg_timeout,
 )
+from pipefold.runtime.zero import AnyOptimizer, ShardedOptimizer, holding
 
 if TYPE_CHECKING:
     from pipefold.plan.pipefisher import Filled, Refill
     from pipefold.runtime.offload import Offloaded
 from pipefold.runtime.job import Job, RankReport, local_rank, placement
-from pipefold.runtime.settings import OPTIMIZERS
 
 
 def stage_modules(job: Job, rank: int) -> dict[int, nn.Module]:
@@ -469,25 +469,21 @@ def _named(job: Job, modules: dict[int, nn.Module]) -> list[tuple[str, nn.Parame
     return out
 
 
-def _optimizer(job: Job, params: list[nn.Parameter], dp_group: Any = None) -> torch.optim.Optimizer | None:
+def _optimizer(job: Job, params: list[nn.Parameter], dp_group: Any = None) -> AnyOptimizer | None:
     if not params:
         return None  # a rank whose stages have no weights has nothing to step
-    optimizer = job.optimizer
-    if job.parallel.zero1 and dp_group is not None and not callable(optimizer.name):
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
+    if job.parallel.zero1 and dp_group is not None:
         # ZeRO-1: each copy of a stage keeps the optimizer state of its share of the parameters, steps them,
         # and sends them to the other copies.
-        return ZeroRedundancyOptimizer(params, optimizer_class=OPTIMIZERS[optimizer.name],  # type: ignore[arg-type]
-                                       process_group=dp_group, lr=optimizer.lr)
-    return optimizer.make(params)
+        return ShardedOptimizer(params, job.optimizer.make, dp_group)
+    return job.optimizer.make(params)
 
 
 def _nothing() -> None:
     """The optimizer step of a stage without weights."""
 
 
-def _speculative(stage: int, opt: torch.optim.Optimizer | None, module: nn.Module,
+def _speculative(stage: int, opt: AnyOptimizer | None, module: nn.Module,
                  snapshots: dict[int, numerics.Snapshot]) -> Callable[[], None]:
     """The step a schedule's OPT action of ``stage`` runs: a copy of the stage's state first, then the step, which
     the global check after the step validates (and rolls back with the copy when it fails)."""
@@ -500,8 +496,8 @@ def _speculative(stage: int, opt: torch.optim.Optimizer | None, module: nn.Modul
     return step
 
 
-def _update(job: Job, params: list[nn.Parameter], counted: list[nn.Parameter], opt: torch.optim.Optimizer | None,
-            stage_opts: dict[int, torch.optim.Optimizer | None], stage_snaps: dict[int, numerics.Snapshot],
+def _update(job: Job, params: list[nn.Parameter], counted: list[nn.Parameter], opt: AnyOptimizer | None,
+            stage_opts: dict[int, AnyOptimizer | None], stage_snaps: dict[int, numerics.Snapshot],
             stats: StepStats, device: torch.device) -> None:
     """After the step's passes: the global NaN/inf and norm check (one all-reduce), then the optimizer step,
     clipped, or skipped when the step is bad (see :mod:`pipefold.runtime.numerics`).
@@ -538,11 +534,11 @@ def _update(job: Job, params: list[nn.Parameter], counted: list[nn.Parameter], o
             each.step()
 
 
-def _static_bytes(params: list[nn.Parameter], optimizers: list[torch.optim.Optimizer]) -> int:
-    """Bytes of the distinct storages of the parameters, their gradients and every tensor in the optimizers' state."""
+def _static_bytes(params: list[nn.Parameter], optimizers: list[AnyOptimizer]) -> int:
+    """Bytes of the distinct storages of the parameters, their gradients and every tensor in the optimizers' state
+    (ZeRO-1's share's; FSDP's state is sharded)."""
     tensors = [sharding.local(t) for p in params for t in (p, p.grad) if t is not None]
-    # ZeRO-1 keeps its share of the state in the optimizer it wraps (``optim``); FSDP's state is sharded.
-    tensors += [sharding.local(v) for o in optimizers for state in getattr(o, "optim", o).state.values()
+    tensors += [sharding.local(v) for o in holding(optimizers) for state in o.state.values()
                 for v in state.values() if isinstance(v, torch.Tensor)]
     seen: dict[int, int] = {}
     for t in tensors:

@@ -105,11 +105,11 @@ class Optimizer:
 
         return OPTIMIZER_STATE.get(self.name, 2.0) if isinstance(self.name, str) else 2.0
 
-    def make(self, params: list[nn.Parameter], **kwargs: Any) -> torch.optim.Optimizer:
-        """The optimizer over ``params`` (``kwargs`` for torch's ZeroRedundancyOptimizer go to the class)."""
+    def make(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        """The optimizer over ``params``."""
         if callable(self.name):
             return self.name(params)
-        return OPTIMIZERS[self.name](params, lr=self.lr, **kwargs)
+        return OPTIMIZERS[self.name](params, lr=self.lr)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,8 +120,8 @@ class Parallel:
     """Copies of the pipeline (devices ranks each): dp x devices processes, each pipeline on its shard of the batch,
     each stage's gradients averaged across the copies (``DP`` actions)."""
     zero1: bool = False
-    """With dp > 1: shard the optimizer state across the copies of each stage (ZeRO-1, torch's
-    ``ZeroRedundancyOptimizer``)."""
+    """With dp > 1: shard the optimizer state across the copies of each stage (ZeRO-1,
+    :class:`~pipefold.runtime.zero.ShardedOptimizer`)."""
     fsdp: bool = False
     """With dp > 1: shard each stage's parameters, gradients and optimizer state across its copies (torch's
     ``fully_shard``), gathered by the schedule's ``AG`` actions and reduce-scattered by its ``RS``."""
@@ -212,11 +212,6 @@ def check_together(parallel: Parallel, optimizer: Optimizer, *, adaptive: bool, 
         raise ConfigError("--fsdp shards the optimizer state already: drop --zero1")
     if parallel.zero1 and parallel.dp < 2:
         raise ConfigError("ZeRO-1 shards the optimizer state across data-parallel pipelines: it needs --dp 2 or more")
-    if parallel.tensor_parallel and parallel.zero1:
-        # torch's ZeroRedundancyOptimizer broadcasts parameters, which DTensor has no rule for.
-        raise ConfigError(f"ZeRO-1 does not run with --tp yet (torch's ZeroRedundancyOptimizer cannot broadcast "
-                          f"tensor-parallel shards): use --fsdp to shard the copies with --tp {parallel.tp_text}, "
-                          "or --tp 1")
     # What neither layout of several copies runs with yet, tensor parallelism named first.
     unsupported = [what for what, on in (("--optimizer kfac", optimizer.name == "kfac"),
                                          ("--schedule adaptive-kfkb", adaptive), ("--network", network),
@@ -225,9 +220,6 @@ def check_together(parallel: Parallel, optimizer: Optimizer, *, adaptive: bool, 
                              (parallel.dp > 1, f"data-parallel pipelines (--dp {parallel.dp}) do", "--dp")):
         if on and unsupported:
             raise ConfigError(f"{layout} not run with {unsupported[0]} yet: use {flag} 1 with it")
-    if parallel.zero1 and (callable(optimizer.name) or optimizer.name == "kfac"):
-        raise ConfigError("ZeRO-1 shards the optimizer state across data-parallel pipelines: it needs dp >= 2, "
-                          "the adamw or sgd optimizer and a schedule without OPT actions")
     if parallel.fsdp and checkpoints:
         raise ConfigError("checkpoints of stages sharded with FSDP are not written yet: use --dp without --fsdp "
                           "with --checkpoint-dir, or no checkpoints with --fsdp")

@@ -1,0 +1,77 @@
+"""ZeRO-1: the optimizer state of a stage sharded across its data-parallel copies.
+
+Every copy holds the whole stage and its whole (all-reduced) gradients; each steps only its share of the
+parameters, so keeps only their optimizer state, then sends them to the other copies (Rajbhandari et al. 2020,
+stage 1). The shares are balanced by size, largest parameter first, the same on every copy.
+
+A parameter may be a tensor-parallel DTensor: its copies across dp are the same shard on each, so the share is
+the DTensor (the inner optimizer steps it as any optimizer steps a DTensor, and its state is DTensors, which
+checkpoints split and join again on another tp degree) and what is sent is the local shard, a plain tensor. That
+is why this is not torch's ``ZeroRedundancyOptimizer``: it broadcasts the parameters themselves, which a DTensor
+cannot be.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipefold.runtime.sharding import local
+
+__all__ = ["AnyOptimizer", "ShardedOptimizer", "holding", "shares"]
+
+
+def shares(sizes: Sequence[int], copies: int) -> list[list[int]]:
+    """The indices of ``sizes`` each of ``copies`` steps: largest first, each to the copy with the fewest elements
+    so far (the lowest-numbered of equals), every index once."""
+    load = [0] * copies
+    out: list[list[int]] = [[] for _ in range(copies)]
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        to = min(range(copies), key=lambda c: (load[c], c))
+        out[to].append(i)
+        load[to] += sizes[i]
+    return [sorted(share) for share in out]
+
+
+class ShardedOptimizer:
+    """An optimizer over ``params`` of which this copy steps its share (``optim``, None where it has none) and
+    receives the rest from their owners in ``group`` after each step."""
+
+    def __init__(self, params: Sequence[nn.Parameter], make: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+                 group: Any) -> None:
+        self.group = group
+        self.ranks = dist.get_process_group_ranks(group)
+        self.me = dist.get_rank(group)
+        # p.numel() is the whole parameter's, a DTensor's too: the same on every tensor-parallel rank.
+        self.shares = [[params[i] for i in share] for share in shares([p.numel() for p in params], len(self.ranks))]
+        mine = self.shares[self.me]
+        self.optim: torch.optim.Optimizer | None = make(mine) if mine else None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        if self.optim is not None:
+            self.optim.step()
+        # Each parameter from its owner, into its own storage (no staging copy), all in flight at once.
+        pending = [dist.broadcast(local(p.detach()), src=self.ranks[owner], group=self.group, async_op=True)
+                   for owner, share in enumerate(self.shares) for p in share]
+        for work in pending:
+            work.wait()
+
+
+AnyOptimizer = torch.optim.Optimizer | ShardedOptimizer
+"""What steps a rank's parameters: a torch optimizer, or ZeRO-1's."""
+
+
+def holding(optimizers: Sequence[AnyOptimizer]) -> list[torch.optim.Optimizer]:
+    """The torch optimizers that hold the state of ``optimizers`` (what checkpoints and snapshots copy): ZeRO-1's
+    share's, none where this copy has no share."""
+    out = []
+    for o in optimizers:
+        inner = o.optim if isinstance(o, ShardedOptimizer) else o
+        if inner is not None:
+            out.append(inner)
+    return out
