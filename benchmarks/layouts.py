@@ -10,8 +10,11 @@ plan on that layout alone runs for a few steps, and its prediction is put beside
 - peak per rank: the prediction against the runtime's meter plus the weights, gradients and optimizer state
   counted from the tensors, and against torch's MemTracker (an independent tracker of every tensor) in one step;
 - collective bytes per rank and step, in closed form: each block's two tensor-parallel all-reduces in F and two
-  in B on ``rows x seq x hidden`` floats, and the ring all-reduce of the stage's gradients among the dp copies,
-  ``2 (dp - 1) / dp`` of their bytes.
+  in B on ``rows x seq x hidden`` floats, the ring all-reduce of the stage's gradients among the dp copies,
+  ``2 (dp - 1) / dp`` of their bytes, and with ZeRO-1 the other copies' shares of the parameters received after
+  the step, ``(dp - 1) / dp`` of their bytes.
+
+Every layout with data-parallel copies runs with and without ZeRO-1.
 
     OMP_NUM_THREADS=1 python benchmarks/layouts.py [--worlds 4,8] [--steps 5] [--json out.json]
 
@@ -45,8 +48,8 @@ MODEL: dict[str, Any] = ({"model": "gpt", "layers": 2, "hidden": 32, "heads": 2,
 def collective_bytes(profile: Profile, layout: Layout, layer_stages: tuple[tuple[int, ...], ...],
                      microbatches: int) -> tuple[list[int], list[int], list[int]]:
     """Per pipeline device, in a step: the bytes one of its ranks hands to collectives (closed form: per block and
-    microbatch four tensor-parallel all-reduces of the block's output, two in F and two in B, and the ring
-    all-reduce of its gradients' bytes among the copies), the tensor-parallel all-reduces that closed form counts,
+    microbatch four tensor-parallel all-reduces of the block's output, two in F and two in B, the ring all-reduce
+    of its gradients' bytes among the copies, ZeRO-1's shares), the tensor-parallel all-reduces that closed form counts,
     and those torch's CommDebugMode counted while the profile ran each layer (``LayerProfile.collectives``)."""
     train = profile.train
     rows = int(train["batch"]) // int(train["microbatches"])
@@ -56,8 +59,10 @@ def collective_bytes(profile: Profile, layout: Layout, layer_stages: tuple[tuple
     for part in layer_stages:
         blocks = sum(1 for i in part if 0 < i < len(seen) - 1)
         calls = 4 * blocks * microbatches if layout.tp > 1 else 0
-        dp = 2 * (layout.dp - 1) / layout.dp * sum(seen[i].params for i in part)
-        sent.append(int(calls * activation + dp))
+        params = sum(seen[i].params for i in part)
+        dp = 2 * (layout.dp - 1) / layout.dp * params
+        zero1 = (layout.dp - 1) / layout.dp * params if layout.zero1 else 0  # the others' shares, broadcast
+        sent.append(int(calls * activation + dp + zero1))
         formula.append(calls)
         counted.append(sum(seen[i].collectives for i in part) * microbatches)
     return sent, formula, counted

@@ -44,11 +44,13 @@ def _profile(n: int = 6, microbatches: int = 8, contention: tuple[float, ...] = 
 
 
 def test_every_layout_is_every_factorisation_the_profile_can_predict() -> None:
-    # Brute force: every (dp, tp, pp) with dp * tp * pp = world, tp a measured degree, dp sharing the microbatches.
-    for world, m in itertools.product((1, 2, 4, 6, 8), (2, 4, 8)):
-        prof = _profile(microbatches=m)
-        want = {Layout(dp, tp, pp) for dp, tp, pp in itertools.product(range(1, 9), repeat=3)
-                if dp * tp * pp == world and tp in (1, 2) and m % dp == 0}
+    # Brute force: every (dp, tp, pp) with dp * tp * pp = world, tp a measured degree, dp sharing the microbatches;
+    # each with copies also with ZeRO-1, where the optimizer has a state to shard (AdamW, not SGD).
+    for world, m, factor in itertools.product((1, 2, 4, 6, 8), (2, 4, 8), (2.0, 0.0)):
+        prof = dataclasses.replace(_profile(microbatches=m), optimizer_factor=factor)
+        want = {Layout(dp, tp, pp, zero1) for dp, tp, pp in itertools.product(range(1, 9), repeat=3)
+                for zero1 in (False, True) if dp * tp * pp == world and tp in (1, 2) and m % dp == 0
+                and (not zero1 or (dp > 1 and factor > 0))}
         assert set(every_layout(prof, world)) == want
     only_tp2 = dataclasses.replace(_profile().at_tp(2), tp_layers={})
     with pytest.raises(ConfigError, match="no layout of 3 ranks"):
@@ -132,6 +134,25 @@ def test_data_parallel_copies_pay_their_all_reduce_over_the_link() -> None:
             CostModel(allreduce_fits=bad)
 
 
+def test_zero1_copies_hold_their_share_of_the_state_and_pay_a_gather_after_the_step() -> None:
+    """ZeRO-1 over dp copies, in closed form: a device holds its parameters and gradients and 1/dp of AdamW's two
+    moments, (2 + 2/dp) parameter sizes instead of 4; the step is longer by an all-gather of the device's parameters
+    among the copies, half the measured all-reduce of their bytes, after the schedule; nothing else moves."""
+    prof = dataclasses.replace(_profile(), contention=(1.0,) * 8, allreduce={2: (1e-3, 1e8), 4: (2e-3, 5e7)})
+    parts = [tuple(range(0, 3)), tuple(range(3, 6))]
+    for dp in (2, 4):
+        plain, plain_peaks, plain_static = predict(prof, Layout(dp, 1, 2), "1f1b", parts)
+        zero, zero_peaks, zero_static = predict(prof, Layout(dp, 1, 2, zero1=True), "1f1b", parts)
+        params = [sum(prof.layers[i].params for i in part) for part in parts]
+        assert plain_static == [4 * x for x in params]
+        assert zero_static == [int(x * (2 + 2 / dp)) for x in params]
+        assert [z - s for z, s in zip(zero_peaks, zero_static, strict=True)] == \
+            [p - s for p, s in zip(plain_peaks, plain_static, strict=True)]  # the activations: unchanged
+        latency, bandwidth = prof.allreduce[dp]
+        assert zero.makespan == pytest.approx(plain.makespan + (latency + max(params) / bandwidth) / 2, rel=1e-9)
+        assert zero.timeline.makespan() == pytest.approx(plain.timeline.makespan(), rel=1e-12)
+
+
 def test_an_all_reduce_among_local_ranks_costs_more_for_more_bytes() -> None:
     from pipefold.runtime.profiling import measure_allreduce
 
@@ -147,7 +168,13 @@ def test_a_world_plan_file_round_trips_its_layout(tmp_path) -> None:
     back = RunPlan.from_dict(read_plan(str(path)))
     assert (back.dp, back.tp, back.devices) == (answer.best.layout.dp, answer.best.layout.tp, answer.best.layout.pp)
     assert back.microbatches * back.dp == 8
-    assert all({"dp", "tp", "devices"} <= set(row) for row in answer.to_dict()["frontier"])
+    assert all({"dp", "tp", "zero1", "devices"} <= set(row) for row in answer.to_dict()["frontier"])
+    sharded = plan_model(prof, 4, 1e12, layouts=[Layout(2, 1, 2, zero1=True)])
+    path.write_text(json.dumps(sharded.to_dict()))
+    assert RunPlan.from_dict(read_plan(str(path))).zero1
+    path.write_text(json.dumps({**answer.to_dict(), "zero1": True, "dp": 1}))
+    with pytest.raises(ConfigError, match="true only with dp >= 2"):
+        read_plan(str(path))
     # A layout its profile cannot run: one line, naming the degrees it measured.
     for bad in ({"tp": 4}, {"dp": 0}):
         path.write_text(json.dumps({**answer.to_dict(), **bad}))
@@ -214,3 +241,29 @@ def test_bad_world_input_is_one_line(capsys: pytest.CaptureFixture[str], tmp_pat
     err = capsys.readouterr().err.strip()
     assert code != 0 and len(err.splitlines()) == 1 and err.startswith("pipefold ") and expected in err, err
     assert not (tmp_path / "p.json").exists()  # refused before anything was measured or written
+
+
+def test_a_zero1_world_plan_runs_as_planned_and_holds_what_it_predicted(tmp_path) -> None:
+    """A plan on dp 2 x pp 2 with ZeRO-1 (AdamW): train --plan runs it with --zero1, its gradients equal one
+    process's, and each rank's weights, gradients and optimizer state, counted from the tensors' storages, are the
+    planned (2 + 2/dp) parameter sizes within the greedy share's imbalance (10%)."""
+    from pipefold.runtime.local import run_local
+    from pipefold.runtime.profiling import profile_model
+    from pipefold.train.planned import from_plan
+    from pipefold.train.prepare import make_job
+    from pipefold.train.reference import compare
+    from pipefold.train.spec import RunSpec
+
+    prof = profile_model(model="gpt", layers=2, hidden=32, heads=2, seq=16, batch=8, microbatches=4, devices=4,
+                         repeats=1, link=False, contention=False)
+    answer = plan_model(prof, 4, 1e12, layouts=[Layout(2, 1, 2, zero1=True)], families=["1f1b"])
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(answer.to_dict()))
+    planned = from_plan(RunPlan.from_dict(read_plan(str(path))), RunSpec.flat(steps=2, check=True))
+    assert planned.spec.parallel.zero1 and planned.spec.parallel.dp == 2
+    job = make_job(planned.spec, decided=planned.decided)
+    reports = run_local(job)
+    assert compare(job, reports)["max_grad_rel_diff"] < 1e-5
+    for r in reports:
+        _, device, _ = job.coords(r.rank)
+        assert r.static_bytes == pytest.approx(answer.best.static_bytes[device], rel=0.10), (r.rank, device)

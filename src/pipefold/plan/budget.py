@@ -217,34 +217,37 @@ def _too_small(points: Sequence[Point], budget: float) -> ConfigError:
 @dataclass(frozen=True, order=True)
 class Layout:
     """How ``dp * tp * pp`` ranks run one model: ``dp`` copies of a pipeline of ``pp`` devices, each device's
-    layers split over ``tp`` ranks (``pipefold train --dp --tp --devices``)."""
+    layers split over ``tp`` ranks (``pipefold train --dp --tp --devices``), the copies' optimizer state sharded
+    among them where ``zero1`` (``--zero1``)."""
 
     dp: int
     tp: int
     pp: int
+    zero1: bool = False
 
     @property
     def world(self) -> int:
         return self.dp * self.tp * self.pp
 
     def __str__(self) -> str:
-        return f"dp{self.dp} tp{self.tp} pp{self.pp}"
+        return f"dp{self.dp} tp{self.tp} pp{self.pp}" + (" zero1" if self.zero1 else "")
 
 
 def every_layout(profile: Profile, world: int) -> list[Layout]:
     """Every layout of ``world`` ranks the profile can predict: a tensor-parallel degree it measured, and data-
     parallel copies that share its microbatches evenly (each pipeline runs ``microbatches / dp`` of them, of the
-    size the profile measured)."""
+    size the profile measured), with and without ZeRO-1 where there are copies and an optimizer state to shard."""
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ConfigError(f"the world is a number of ranks, a whole number >= 1 (got {world!r})")
     m = int(profile.train["microbatches"])
-    out = [Layout(dp, tp, world // (dp * tp)) for tp in profile.tp_degrees for dp in range(1, world + 1)
-           if world % (dp * tp) == 0 and m % dp == 0]
+    out = [Layout(dp, tp, world // (dp * tp), zero1) for tp in profile.tp_degrees for dp in range(1, world + 1)
+           for zero1 in (False, True) if world % (dp * tp) == 0 and m % dp == 0
+           and (not zero1 or (dp > 1 and profile.optimizer_factor > 0))]
     if not out:
         raise ConfigError(f"no layout of {world} ranks fits this profile (tensor-parallel degrees "
                           f"{', '.join(map(str, profile.tp_degrees))}, {m} microbatches to share among the "
                           f"data-parallel copies): use a world that one of them divides, or profile with --tp")
-    return sorted(out, key=lambda x: (x.pp, x.tp, x.dp))
+    return sorted(out, key=lambda x: (x.pp, x.tp, x.dp, x.zero1))
 
 
 def layout_profile(profile: Profile, layout: Layout) -> Profile:
@@ -252,8 +255,11 @@ def layout_profile(profile: Profile, layout: Layout) -> Profile:
     devices share the machine. Each device stands for ``dp * tp`` ranks that compute in step (the tp ranks wait for
     each other in every layer, the copies run the same schedule), and the layers were timed with
     ``profile.ranks_measuring(tp)`` ranks computing at once; so k devices computing run
-    ``slowdown(k * dp * tp) / slowdown(ranks measuring)`` times longer (less than 1 where fewer compute)."""
+    ``slowdown(k * dp * tp) / slowdown(ranks measuring)`` times longer (less than 1 where fewer compute). With
+    ZeRO-1 a rank holds 1/dp of its parameters' optimizer state."""
     at = profile.at_tp(layout.tp)
+    if layout.zero1:
+        at = dataclasses.replace(at, optimizer_factor=at.optimizer_factor / layout.dp)
     c, base = profile.contention, slowdown(profile.contention, profile.ranks_measuring(layout.tp))
     sharing = tuple(slowdown(c, k * layout.dp * layout.tp) / base for k in range(1, layout.pp + 1))
     return dataclasses.replace(at, contention=sharing)
@@ -300,7 +306,7 @@ class ModelPlan:
         b = self.best
         s = self.result.schedule
         return RunPlan(schedule=b.spec, devices=s.devices, microbatches=s.microbatches, dp=b.layout.dp,
-                       tp=b.layout.tp, split=b.split,
+                       tp=b.layout.tp, zero1=b.layout.zero1, split=b.split,
                        layer_stages=b.layer_stages, recompute=b.recompute, budget=self.budget, room=self.room,
                        train=dict(self.profile.train), step_time=b.makespan, bubble_ratio=b.bubble_ratio,
                        peak_bytes=tuple(int(x) for x in b.peak_memory), static_bytes=tuple(b.static_bytes),
@@ -310,7 +316,8 @@ class ModelPlan:
         """The plan file ``pipefold train --plan`` runs: what to run, and what it is predicted to do; with the
         frontier and the count of candidates, for people."""
         return {**self.run_plan.to_dict(),
-                "frontier": [{"schedule": q.spec, "dp": q.layout.dp, "tp": q.layout.tp, "devices": q.layout.pp,
+                "frontier": [{"schedule": q.spec, "dp": q.layout.dp, "tp": q.layout.tp, "zero1": q.layout.zero1,
+                              "devices": q.layout.pp,
                               "split": q.split, "recompute": list(q.recompute),
                               "step_time_s": q.makespan, "peak_bytes": int(q.memory)} for q in self.frontier],
                 "candidates": len(self.points), "skipped": len(self.skipped)}
@@ -332,6 +339,8 @@ class RunPlan:
     """Data-parallel copies of the pipeline."""
     tp: int = 1
     """Tensor-parallel ranks each device's layers are split over."""
+    zero1: bool = False
+    """The copies' optimizer state sharded among them (``--zero1``)."""
     split: str
     """How the layers were split: ``time`` or ``memory``."""
     layer_stages: tuple[tuple[int, ...], ...]
@@ -351,7 +360,8 @@ class RunPlan:
 
     def to_dict(self) -> dict[str, Any]:
         return {"version": PLAN_VERSION, "kind": "pipefold-plan", "schedule": self.schedule, "devices": self.devices,
-                "microbatches": self.microbatches, "dp": self.dp, "tp": self.tp, "split": self.split,
+                "microbatches": self.microbatches, "dp": self.dp, "tp": self.tp, "zero1": self.zero1,
+                "split": self.split,
                 "layer_stages": [list(x) for x in self.layer_stages], "recompute": list(self.recompute),
                 "budget_bytes": self.budget, "room_bytes": self.room, "train": dict(self.train),
                 "predicted": {"step_time_s": self.step_time, "bubble_ratio": self.bubble_ratio,
@@ -364,6 +374,7 @@ class RunPlan:
         predicted = data["predicted"]
         return cls(schedule=str(data["schedule"]), devices=int(data["devices"]),
                    microbatches=int(data["microbatches"]), dp=int(data.get("dp", 1)), tp=int(data.get("tp", 1)),
+                   zero1=bool(data.get("zero1", False)),
                    split=str(data.get("split", "time")),
                    layer_stages=tuple(tuple(int(i) for i in part) for part in data["layer_stages"]),
                    recompute=tuple(int(r) for r in data["recompute"]), budget=data.get("budget_bytes"),
@@ -380,12 +391,15 @@ HEADROOM = 0.05
 
 
 def model_costs(profile: Profile, schedule: Schedule, layer_stages: Sequence[Sequence[int]],
-                recompute: Sequence[int] | None = None, dp: int = 1, tp: int = 1) -> CostModel:
+                recompute: Sequence[int] | None = None, layout: Layout | None = None) -> CostModel:
     """The cost model of ``schedule`` running ``layer_stages`` of the profiled model: per stage the sums of its
     layers' measured seconds and bytes, the measured link, how the ranks share the machine and the runtime's own
-    work per message; with ``dp`` copies of the pipeline, each stage's gradients all-reduced among them over the
-    link (its ``DP`` actions, :func:`pipefold.schedules.dataparallel.with_data_parallel`); with ``tp`` ranks per
-    device, each message crosses in tp pieces that the receiving ranks all-gather."""
+    work per message. With the ``layout``'s dp copies of the pipeline, each stage's gradients all-reduced among
+    them over the link (its ``DP`` actions, :func:`pipefold.schedules.dataparallel.with_data_parallel`), and with
+    ZeRO-1 each device's parameters sent among them after the step (as an all-gather: each copy receives the
+    others' shares); with its tp ranks per device, each message crosses in tp pieces that the receiving ranks
+    all-gather."""
+    layout = layout or Layout(1, 1, schedule.devices)
     rows = stage_profiles(profile, layer_stages)
     counts = recompute or (0,) * len(rows)
     over = {s: StageOverride(f=p.times[0], b=p.times[1], w=p.times[2], bw=p.fused_time, memory=float(p.total[r]),
@@ -393,10 +407,15 @@ def model_costs(profile: Profile, schedule: Schedule, layer_stages: Sequence[Seq
             for s, (p, r) in enumerate(zip(rows, counts, strict=True))}
     message = max((p.message for p in rows[:-1]), default=0)
     params = sum(x.params for x in profile.layers)
-    return CostModel(stage_overrides=over, latency=profile.latency, bandwidth=profile.bandwidth,
+    cost = CostModel(stage_overrides=over, latency=profile.latency, bandwidth=profile.bandwidth,
                      activation_bytes=float(message), grad_bytes=params / schedule.devices,
                      contention=profile.contention[:schedule.devices], message_overhead=profile.message_overhead,
-                     dp=dp, allreduce_fits=profile.allreduce, mesh=tp)
+                     dp=layout.dp, allreduce_fits=profile.allreduce, mesh=layout.tp)
+    if not layout.zero1:
+        return cost
+    held = [sum(profile.layers[i].params for s in schedule.stages_of(d) for i in layer_stages[s])
+            for d in range(schedule.devices)]
+    return dataclasses.replace(cost, after_step=max(cost.gather_time(b, layout.dp) for b in held))
 
 
 def stage_profiles(profile: Profile, layer_stages: Sequence[Sequence[int]]) -> list[StageProfile]:
@@ -525,7 +544,7 @@ def predict(profile: Profile, layout: Layout, schedule: str | Schedule, layer_st
     rows = stage_profiles(seen, layer_stages)
     counts = tuple(recompute or (0,) * len(rows))
     static, activations = device_peaks(schedule, rows, counts)
-    costs = model_costs(seen, schedule, layer_stages, counts, layout.dp, layout.tp)
+    costs = model_costs(seen, schedule, layer_stages, counts, layout)
     result = simulate(_replicated(schedule, layout), costs)
     return result, [int(st + a) for st, a in zip(static, activations, strict=True)], static
 
@@ -571,7 +590,7 @@ def _model_points(profile: Profile, schedule: Schedule, budget: float, layout: L
                 counts = choose_recompute(schedule, rows, "full")
             tries.append((counts, device_peaks(schedule, rows, counts)[1]))
         for counts, activations in tries:
-            result = simulate(run, model_costs(profile, schedule, layer_stages, counts, layout.dp, layout.tp))
+            result = simulate(run, model_costs(profile, schedule, layer_stages, counts, layout))
             out.append(ModelPoint(name=schedule.name, options=dict(schedule.options),
                                   makespan=round(result.makespan, 9), bubble_ratio=round(result.bubble_ratio, 9),
                                   peak_memory=tuple(float(st + int(a)) for st, a in zip(static, activations,
@@ -604,6 +623,9 @@ def check_plan(data: Any, path: str) -> dict[str, Any]:
         if dp < 1 or tp not in inside.tp_degrees:
             raise ConfigError(f"{path}: dp is a count of copies >= 1 and tp a degree its profile measured "
                               f"({', '.join(map(str, inside.tp_degrees))}); got dp {dp}, tp {tp}")
+        if data.get("zero1", False) not in (True, False) or (data.get("zero1") and dp < 2):
+            raise ConfigError(f"{path}: zero1 is true or false, and true only with dp >= 2 copies to shard among "
+                              f"(got zero1 {data.get('zero1')!r}, dp {dp})")
         stages = [tuple(int(i) for i in part) for part in data["layer_stages"]]
         flat = [i for part in stages for i in part]
         if flat != list(range(len(data["profile"]["layers"]))):

@@ -184,10 +184,13 @@ class CostModel:
     mesh: int = 1
     """Ranks of each device (its tensor-parallel degree): a message between devices crosses in ``mesh`` pieces at
     once, which the receiving ranks then all-gather (:func:`pipefold.runtime.comm.routes`)."""
+    after_step: float = 0.0
+    """Time after every device's last action before the step is over, on no device's timeline: what the runtime
+    does once the schedule has run (ZeRO-1's broadcast of the stepped shares). Added to the makespan."""
 
     def __post_init__(self) -> None:
         for name in ("f", "b", "w", "memory", "memory_w", "latency", "activation_bytes", "grad_bytes", "opt",
-                     "weights", "gathered", "message_overhead"):
+                     "weights", "gathered", "message_overhead", "after_step"):
             value = getattr(self, name)
             if value is None and name == "memory_w":
                 continue
@@ -293,6 +296,7 @@ class CostModel:
             "contention": list(self.contention), "work": dict(self.work), "stash": dict(self.stash), "dp": self.dp,
             "gathered": self.gathered, "message_overhead": self.message_overhead,
             "allreduce_fits": {str(k): list(fit) for k, fit in self.allreduce_fits.items()}, "mesh": self.mesh,
+            "after_step": self.after_step,
             "stage_overrides": {str(s): {"f": c.f, "b": c.b, "w": c.w, "memory": c.memory,
                                          "recompute": c.recompute, "kept": c.kept, "memory_w": c.memory_w,
                                          "bw": c.bw,
@@ -424,7 +428,9 @@ class SimResult:
 
     @property
     def makespan(self) -> float:
-        return self.timeline.makespan()
+        """From the first action's start to the step's end: the last action's end and the cost model's
+        ``after_step``."""
+        return self.timeline.makespan() + self.cost.after_step
 
     @property
     def busy(self) -> list[float]:

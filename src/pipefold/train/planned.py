@@ -79,7 +79,7 @@ def from_plan(plan: RunPlan, spec: RunSpec | None = None) -> Planned:
 
     spec = spec or RunSpec()
     fixed = {**profiled_settings(plan.train), "plan": None, "schedule": plan.schedule, "devices": plan.devices,
-             "microbatches": plan.microbatches, "dp": plan.dp, "tp": plan.tp}
+             "microbatches": plan.microbatches, "dp": plan.dp, "tp": plan.tp, "zero1": plan.zero1}
     if "seed" in spec.given():
         fixed.pop("seed", None)
     resolved = spec.replace(**fixed)

@@ -54,7 +54,7 @@ def summarize(outcome: Outcome, *, trace: str | None = None, plot: str | None = 
 
         # The profile's prediction, made before the run, next to what the run measured.
         plan = planned.plan
-        predicted, peaks, _ = predict(plan.profile, Layout(plan.dp, plan.tp, plan.devices), job.schedule,
+        predicted, peaks, _ = predict(plan.profile, Layout(plan.dp, plan.tp, plan.devices, plan.zero1), job.schedule,
                                       job.layer_stages, job.recompute)
         label = "predicted from the profile"
     cycle_peaks = None
