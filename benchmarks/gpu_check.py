@@ -16,6 +16,9 @@ Sections (``--only`` picks some; each runs on its own, so one failing does not h
               model on the GPU
     offload   benchmarks/offload_gpu.py: peak device memory and step time with layers offloaded,
               beside accelerate's cpu_offload
+    calibrate ``pipefold calibrate``: this GPU's bf16 matrix products from 1e8 to 1e12 operations against the
+              shipped file of its kind (H100 or H200 by name, else A100): the measured matmul efficiency beside
+              the shipped curve, which was fitted to published runs (docs/cluster.md), and the calibrated file
 
 It writes ``OUT/report.md`` (one markdown table per section), ``OUT/report.json`` and figures beside
 them. On one GPU the ranks share it, and gloo moves their tensors through pinned host memory
@@ -44,7 +47,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-SECTIONS = ("tests", "memory", "overlap", "speed", "offload")
+SECTIONS = ("tests", "memory", "overlap", "speed", "offload", "calibrate")
 PAPER = {"1f1b": 1.0, "v-half": 0.75, "v-min": 0.5, "zb-v": 1.0}
 
 
@@ -257,6 +260,25 @@ def offload(out: Path, quick: bool) -> dict[str, Any]:
 
 
 # -- the report
+
+
+def calibrate(out: Path, quick: bool) -> dict[str, Any]:
+    """``pipefold calibrate`` on this GPU against the shipped cluster file of its kind."""
+    name = torch.cuda.get_device_name(0)
+    shipped = "h200" if "H200" in name else "h100-sxm" if "H100" in name else "a100-80gb"
+    written = out / f"{shipped}-calibrated.json"
+    args = [sys.executable, "-m", "pipefold", "calibrate", "--cluster", shipped, "--device", "cuda",
+            "--largest", "1e11" if quick else "1e12", "-o", str(written), "--json"]
+    run = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, check=False)
+    if run.returncode != 0:
+        raise RuntimeError(run.stderr.strip().splitlines()[-1] if run.stderr.strip() else f"exit {run.returncode}")
+    got = json.loads(run.stdout)
+    rows = [[f"{p['flops']:.3g}", f"{p['seconds'] * 1e3:.3f}", f"{p['tflops_per_s']:.1f}", f"{p['fraction']:.3f}",
+             f"{p['file_fraction']:.3f}"] for p in got["products"]]
+    md = (f"bf16 products on {got['device']} against `{shipped}`'s peak of {got['peak_flops'] / 1e12:.0f} TFLOP/s; "
+          f"written to `{written.name}`\n\n"
+          + _table(["operations", "ms", "TFLOP/s", "fraction measured", "shipped curve"], rows))
+    return {"shipped": shipped, "products": got["products"], "md": md}
 
 
 def main() -> None:

@@ -367,3 +367,55 @@ def test_fsdp_over_a_slow_network_is_its_closed_form(microbatches: int) -> None:
     n = 1024
     activations = 32 * model.saved(1024).per_rank(1) * n + model.head_saved() * n
     assert got.memory == pytest.approx(16 * params / 2 + held + activations, rel=1e-9)
+
+
+def test_a_measured_efficiency_is_each_products_rate_over_the_peak() -> None:
+    """Each (operations, seconds) becomes the fraction of the dtype's peak it achieved, sorted by size (4 significant
+    digits); the planner's time for a product of a measured size is then the measured time; a product faster than
+    the peak is refused in one line; the written file reads back to the same cluster (every shipped one too)."""
+    from pipefold.plan.cluster import cluster_to_dict, measured_efficiency
+
+    h100 = load_cluster("h100-sxm")
+    peak = h100.accelerator.peak("bf16")
+    measured = [(1e10, 1e10 / (0.5 * peak)), (1e8, 1e8 / (0.125 * peak)), (1e12, 1e12 / (0.75 * peak))]
+    got = measured_efficiency(h100, measured, "bf16", "a test")
+    assert got.accelerator.matmul_efficiency == ((1e8, 0.125), (1e10, 0.5), (1e12, 0.75))
+    for flops, seconds in measured:
+        assert flops / (peak * got.accelerator.efficiency(flops)) == pytest.approx(seconds, rel=1e-4)
+    assert "a test" in got.sources["matmul_efficiency"]
+    assert got.accelerator.memory_bytes == h100.accelerator.memory_bytes
+    with pytest.raises(ConfigError, match="above the bf16 peak of NVIDIA H100") as info:
+        measured_efficiency(h100, [(1e12, 1e12 / (1.5 * peak))], "bf16", "a test")
+    assert "\n" not in str(info.value)
+    for name in shipped_clusters():
+        cluster = load_cluster(name)
+        assert cluster_from_dict(json.loads(json.dumps(cluster_to_dict(cluster))), name) == cluster
+    assert cluster_from_dict(cluster_to_dict(got), "back") == got
+
+
+def test_calibrate_times_this_devices_products_and_writes_a_cluster_file_plan_reads(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """pipefold calibrate on this machine's CPU: products from 1e8 operations to --largest, two a decade, each at a
+    rate above 0 and under the file's peak; the file it writes is the cluster with that curve, and plan --cluster
+    plans with it. Bad input is one line, before anything is timed."""
+    out = tmp_path / "here.json"
+    four = str(Path(__file__).resolve().parents[1] / "examples" / "four-devices.json")
+    assert main(["calibrate", "--cluster", four, "--largest", "1e9", "-o", str(out), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    flops = [p["flops"] for p in report["products"]]
+    assert len(flops) == 3 and flops == sorted(flops) and flops[0] >= 1e8 and flops[-1] <= 1.2e9
+    assert report["dtype"] == "bf16" and all(0 < p["fraction"] < 1 for p in report["products"])
+    written = load_cluster(str(out))
+    assert [x for x, _ in written.accelerator.matmul_efficiency] == flops
+    assert written.nodes == load_cluster(four).nodes and written.intra_node == load_cluster(four).intra_node
+    assert main(["plan", "--cluster", str(out), "--hf-config", "llama-tiny", "--global-batch", "8", "--seq", "16",
+                 "--json"]) == 0
+    capsys.readouterr()
+    for argv, expected in ((["--dtype", "fp8"], "calibration times bf16, fp16, tf32, fp32 products"),
+                           (["--largest", "5"], "--largest is the largest product in operations"),
+                           (["-o", str(tmp_path / "no" / "x.json")], "folder"),
+                           (["--cluster", "nope"], "--cluster 'nope' is neither")):
+        args = ["calibrate", "--cluster", four, *argv] if "--cluster" not in argv else ["calibrate", *argv]
+        assert main(args) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and expected in err, err

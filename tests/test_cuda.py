@@ -241,3 +241,27 @@ def test_meter_and_allocator_agree_between_actions(name: str) -> None:
         meter, allocator = check["meter_between_actions"], check["allocator_between_actions"]
         assert abs(allocator - meter) <= 0.05 * meter, check
         assert check["allocator_peak"] >= meter, check
+
+
+@cuda
+def test_calibrate_times_the_gpus_bf16_products_under_its_peak(tmp_path) -> None:
+    """pipefold calibrate on the GPU: bf16 products from 1e8 to 1e11 operations, each under the shipped file's
+    peak, the largest at a rate a tensor core reaches (over a fifth of the peak), and the file written."""
+    import contextlib
+    import io
+    import json
+
+    from pipefold.cli.main import main
+    from pipefold.plan.cluster import load_cluster
+
+    name = torch.cuda.get_device_name(0)
+    shipped = "h200" if "H200" in name else "h100-sxm" if "H100" in name else "a100-80gb"
+    out = tmp_path / "here.json"
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["calibrate", "--cluster", shipped, "--device", "cuda", "--largest", "1e11", "-o", str(out),
+                     "--json"]) == 0
+    products = json.loads(buf.getvalue())["products"]
+    assert all(0 < p["fraction"] <= 1 for p in products)
+    assert products[-1]["fraction"] > 0.2, products[-1]
+    assert len(load_cluster(str(out)).accelerator.matmul_efficiency) == len(products)

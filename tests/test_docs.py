@@ -1,8 +1,8 @@
 """Every command block of the README and docs/, run as written, in the order the page shows it.
 
 The text is never edited for the test. One setting, :data:`SHRINK`, scales what would take minutes on a laptop
-down to seconds: widths and sequence lengths above a cap come down to it, so does a cluster plan's node count,
-and step counts (with the checkpoint
+down to seconds: widths and sequence lengths above a cap come down to it, so do a cluster plan's node count and
+the largest matrix product a calibration times, and step counts (with the checkpoint
 intervals and checkpoint names that count steps) are divided by one factor per page, so that a flow that trains
 100 steps, checkpoints every 10 and resumes to 200 still checkpoints and resumes. A training command with no
 ``--steps`` runs 2 steps. Nothing else is changed: schedules, devices, microbatches, layers, budgets, files and
@@ -63,6 +63,8 @@ class Shrink:
     """``--nodes`` of a cluster plan (``pipefold plan --cluster``) above this come down to it."""
     benchmark_nodes: int = 2
     """``--nodes`` of a benchmark above this come down to it: a benchmark's search only has to run."""
+    largest_product: float = 1e9
+    """``pipefold calibrate``'s ``--largest`` (given, or its 1e12 by default) comes down to this many operations."""
 
 
 SHRINK = Shrink()
@@ -153,8 +155,12 @@ def shrink(argv: list[str], factor: float) -> list[str]:
             out[i + 1] = str(max(1, int(int(value) / factor)))
         elif command in TRAINS and name == "--resume":
             out[i + 1] = re.sub(r"step-(\d+)", lambda mt: f"step-{max(1, int(int(mt[1]) / factor)):08d}", value)
+        elif command == "calibrate" and name == "--largest" and float(value) > SHRINK.largest_product:
+            out[i + 1] = f"{SHRINK.largest_product:g}"
     if command in TRAINS and _value(out, "--steps") is None:
         out += ["--steps", str(SHRINK.default_steps)]
+    if command == "calibrate" and _value(out, "--largest") is None:
+        out += ["--largest", f"{SHRINK.largest_product:g}"]
     return out
 
 

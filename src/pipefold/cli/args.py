@@ -282,6 +282,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", "-o", metavar="FILE", help="write the profile to FILE (default: print it)")
     _add_output(p)
 
+    p = sub.add_parser("calibrate", help="time this device's matrix products and write its cluster file with the "
+                                         "matmul efficiency they achieved (for plan --cluster)")
+    p.add_argument("--cluster", required=True, metavar="NAME|FILE",
+                   help="the cluster file this device belongs to (a100-80gb, h100-sxm, h200 or a JSON file): the "
+                        "fractions are of its peak")
+    p.add_argument("--dtype", default="bf16", metavar="DTYPE",
+                   help="the products' dtype: bf16 (the default: what plan --cluster costs), fp16, tf32 or fp32")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="where to time them (default auto: the GPU if torch sees one)")
+    p.add_argument("--largest", type=float, default=1e12, metavar="FLOPS",
+                   help="the largest product timed, in operations (default 1e12; sizes from 1e8, two a decade; one "
+                        "the device would take over a second on is skipped)")
+    p.add_argument("--output", "-o", metavar="FILE", help="write the calibrated cluster file to FILE")
+    _add_output(p)
+
     p = sub.add_parser("offload", help="run a model with at most k layers on the device; compare with the plain model")
     _add_model(p, layers=24, layers_help="default 24", batch=8, batch_help="batch")
     p.add_argument("--k", type=int, default=None, help="most offloaded layers on the device at once (default 2)")

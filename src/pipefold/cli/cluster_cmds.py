@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pipefold import jsonout
-from pipefold.cli.common import progress_bar
+from pipefold.cli.common import check_outputs, progress_bar
 from pipefold.errors import ConfigError
 from pipefold.units import format_bytes
 
@@ -111,3 +111,55 @@ def _seconds(t: float) -> str:
 def _row(p: Any, devices: int) -> list[str]:
     return [p.layout, p.schedule, f"{p.microbatch}x{p.microbatches}", p.recompute, p.sharding, _seconds(p.step_time),
             f"{p.tokens_per_second / devices:,.0f}", f"{p.mfu:.1%}", f"{p.memory / 2**30:.1f}"]
+
+
+def calibrate_command(args: argparse.Namespace, console: Console) -> None:
+    """``pipefold calibrate``: this device's matrix products timed, the cluster file with what they achieved."""
+    import platform
+    import time
+
+    from pipefold.files import write_json
+    from pipefold.plan.cluster import cluster_to_dict, load_cluster, measured_efficiency
+
+    check_outputs(("cluster", args.output, False))
+    cluster = load_cluster(args.cluster)
+    if not (args.largest >= 1e6):
+        raise ConfigError(f"--largest is the largest product in operations: at least 1e6 (got {args.largest:g})")
+    import torch
+
+    from pipefold.runtime.profiling import measure_matmuls
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: torch sees no CUDA GPU here; use --device cpu")
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = args.dtype
+    cluster.accelerator.peak(dtype)  # one line now, not after the timing, where the file has no such peak
+    with progress_bar("timing matrix products") as bar:
+        measured = measure_matmuls(dtype, device, smallest=min(1e8, args.largest), largest=args.largest,
+                                   progress=(lambda _part, done, total: bar(done, total)) if bar else None)
+    what = (torch.cuda.get_device_name(device) if cuda else
+            f"the CPU of {platform.node()} ({torch.get_num_threads()} threads)") + f", torch {torch.__version__}"
+    calibrated = measured_efficiency(cluster, measured, dtype, f"{what}, {time.strftime('%Y-%m-%d')}")
+    if args.output:
+        write_json(args.output, cluster_to_dict(calibrated), indent=2)
+    old = cluster.accelerator
+    rows = [{"flops": flops, "seconds": seconds, "tflops_per_s": flops / seconds / 1e12,
+             "fraction": frac, "file_fraction": old.efficiency(flops)}
+            for (flops, seconds), (_, frac) in zip(sorted(measured), calibrated.accelerator.matmul_efficiency,
+                                                   strict=True)]
+    if args.json:
+        print(jsonout.dumps({"device": what, "dtype": dtype, "peak_flops": old.peak(dtype), "products": rows,
+                             "output": args.output}))
+        return
+    table = Table(title=f"{what}, {dtype} products against {old.name}'s peak of {old.peak(dtype) / 1e12:.4g} "
+                        "TFLOP/s", title_justify="left")
+    for col in ("operations", "time", "TFLOP/s", "fraction measured", "fraction in the file"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(f"{r['flops']:.3g}", _seconds(r["seconds"]), f"{r['tflops_per_s']:.4g}",
+                      f"{r['fraction']:.4g}", f"{r['file_fraction']:.4g}")
+    console.print(table)
+    if args.output:
+        console.print(f"wrote {args.output}: {cluster.name} with this device's matmul efficiency "
+                      f"(plan with it: pipefold plan --cluster {args.output} ...)")

@@ -19,6 +19,12 @@ from pipefold.sim.simulate import CostModel
 from pipefold.units import format_bytes, parse_bytes
 
 
+def cmd_calibrate(args: argparse.Namespace, console: Console) -> None:
+    from pipefold.cli.cluster_cmds import calibrate_command
+
+    calibrate_command(args, console)
+
+
 def cmd_profile(args: argparse.Namespace, console: Console) -> None:
     for label in ("layers", "hidden", "heads", "batch", "seq", "microbatches", "devices", "repeats"):
         if getattr(args, label) is not None and getattr(args, label) < 1:

@@ -22,6 +22,7 @@ line rate).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from importlib import resources
 from typing import Any
@@ -29,7 +30,8 @@ from typing import Any
 from pipefold.errors import ConfigError
 from pipefold.files import read_shipped_or_file, shipped_names
 
-__all__ = ["Accelerator", "Cluster", "Link", "load_cluster", "shipped_clusters"]
+__all__ = ["Accelerator", "Cluster", "Link", "cluster_to_dict", "load_cluster", "measured_efficiency",
+           "shipped_clusters"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -179,3 +181,40 @@ def load_cluster(given: str) -> Cluster:
     data, where = read_shipped_or_file(given, _shipped(), flag="--cluster", what="cluster",
                                        hint="give a cluster file (docs/cluster.md)")
     return cluster_from_dict(data, where)
+
+
+def measured_efficiency(cluster: Cluster, measured: Sequence[tuple[float, float]], dtype: str, where: str) -> Cluster:
+    """``cluster`` with its accelerator's matmul efficiency as measured: each (operations, seconds) of one product
+    becomes a point, the fraction of the ``dtype`` peak it achieved (:func:`pipefold.runtime.profiling.
+    measure_matmuls`); ``where`` says on what, for the file's sources. One line where a product ran faster than
+    the peak: the file describes another device."""
+    acc = cluster.accelerator
+    peak = acc.peak(dtype)
+    points = []
+    for flops, seconds in sorted(measured):
+        rate = flops / seconds
+        if rate > peak:
+            raise ConfigError(f"a product of {flops:.3g} operations ran at {rate / 1e12:.3g} TFLOP/s, above the "
+                              f"{dtype} peak of {acc.name} ({peak / 1e12:.3g}): give a cluster file describing "
+                              "this device")
+        points.append((flops, float(f"{rate / peak:.4g}")))
+    if not points:
+        raise ConfigError("nothing was measured: give a larger size range")
+    sources = {**cluster.sources, "matmul_efficiency": f"measured: {where}, {dtype} products against the "
+                                                       f"{dtype} peak (pipefold calibrate)"}
+    return replace(cluster, accelerator=replace(acc, matmul_efficiency=tuple(points)), sources=sources)
+
+
+def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
+    """The cluster as its file writes it (what :func:`cluster_from_dict` reads back)."""
+    acc = cluster.accelerator
+
+    def link(x: Link) -> dict[str, Any]:
+        return {"name": x.name, "bandwidth": x.bandwidth, "latency": x.latency, "efficiency": x.efficiency}
+
+    return {"name": cluster.name, "nodes": cluster.nodes, "devices_per_node": cluster.devices_per_node,
+            "accelerator": {"name": acc.name, "peak_flops": dict(acc.peak_flops), "memory_bytes": acc.memory_bytes,
+                            "memory_bandwidth": acc.memory_bandwidth, "usable_memory": acc.usable_memory,
+                            "matmul_efficiency": [list(p) for p in acc.matmul_efficiency]},
+            "intra_node": link(cluster.intra_node), "inter_node": link(cluster.inter_node),
+            "sources": dict(cluster.sources)}

@@ -46,9 +46,9 @@ from pipefold.runtime.stage import (
     split_batch,
 )
 
-__all__ = ["layer_costs", "layer_memory", "layer_static_bytes", "measure_allreduce", "measure_contention",
-           "measure_layers", "measure_link", "measure_pass_fixed", "measure_sharded", "measure_stages", "profile_model",
-           "run_passes", "split_figures"]
+__all__ = ["MATMUL_DTYPES", "layer_costs", "layer_memory", "layer_static_bytes", "measure_allreduce",
+           "measure_contention", "measure_layers", "measure_link", "measure_matmuls", "measure_pass_fixed",
+           "measure_sharded", "measure_stages", "profile_model", "run_passes", "split_figures"]
 
 Values = tuple[torch.Tensor, ...]
 _LINK_SIZES = (4 << 10, 64 << 10, 512 << 10, 4 << 20)
@@ -536,6 +536,60 @@ def _reduce(rank: int, port: int, ranks: int, sizes: Sequence[int], rounds: int,
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+MATMUL_DTYPES = ("bf16", "fp16", "tf32", "fp32")
+"""The dtypes :func:`measure_matmuls` times (tf32: float32 tensors, the tensor cores' TF32 allowed)."""
+
+
+def measure_matmuls(dtype: str, device: torch.device, *, smallest: float = 1e8, largest: float = 1e12,
+                    budget: float = 1.0, repeats: int = 5,
+                    progress: Progress | None = None) -> list[tuple[float, float]]:
+    """(operations, seconds) of one square matrix product of ``dtype`` on ``device`` at sizes from ``smallest`` to
+    ``largest`` operations, two sizes a decade: each the median of ``repeats`` timings of a loop of products long
+    enough to hide a launch (20 ms), after a warm-up. A size whose product the last rate says would take more
+    than ``budget`` seconds is not measured (a CPU does not reach the largest in useful time)."""
+    if dtype not in MATMUL_DTYPES:
+        raise ConfigError(f"calibration times {', '.join(MATMUL_DTYPES)} products (got {dtype!r})")
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
+    steps = max(1, round(2 * math.log10(largest / smallest))) + 1
+    targets = [smallest * (largest / smallest) ** (i / (steps - 1)) for i in range(steps)] if steps > 1 else [smallest]
+    cuda = device.type == "cuda"
+    allowed = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = dtype == "tf32"
+
+    def synced() -> float:
+        if cuda:
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    out: list[tuple[float, float]] = []
+    try:
+        for i, target in enumerate(targets):
+            n = max(64, round((target / 2) ** (1 / 3) / 64) * 64)
+            flops = 2.0 * n ** 3
+            if out and flops / (out[-1][0] / out[-1][1]) > budget:
+                break
+            a = torch.randn(n, n, device=device).to(torch_dtype)
+            b = torch.randn(n, n, device=device).to(torch_dtype)
+            c = a @ b  # the warm-up: the library picks its kernel
+            start = synced()
+            c = a @ b
+            once = max(synced() - start, 1e-7)
+            loop = max(1, math.ceil(0.02 / once))
+            times = []
+            for _ in range(repeats):
+                start = synced()
+                for _ in range(loop):
+                    torch.mm(a, b, out=c)
+                times.append((synced() - start) / loop)
+            out.append((flops, statistics.median(times)))
+            del a, b, c
+            if progress is not None:
+                progress("products", i + 1, len(targets))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allowed
+    return out
 
 
 def measure_allreduce(ranks: int, rounds: int = 5, sizes: Sequence[int] = _REDUCE_SIZES,
