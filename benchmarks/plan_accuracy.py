@@ -28,7 +28,7 @@ from typing import Any
 
 from pipefold.errors import ConfigError
 from pipefold.files import write_json
-from pipefold.plan.budget import Layout, RunPlan, plan_model, predict
+from pipefold.plan.budget import RunPlan, plan_model, predict
 from pipefold.plan.profile import Profile
 from pipefold.runtime.local import run_local
 from pipefold.runtime.measure import measured_summary
@@ -57,7 +57,7 @@ def run_plan(plan: dict[str, Any], steps: int) -> dict[str, Any]:
     job = type(job)(**{**job.__dict__, "verify_memory_step": steps - 1})
     reports = run_local(job)
     profile = Profile.from_dict(plan["profile"])
-    result, peaks, static = predict(profile, Layout(ran.dp, ran.tp, ran.devices), job.schedule, job.layer_stages,
+    result, peaks, static = predict(profile, ran.layout, job.schedule, job.layer_stages,
                                     job.recompute)
     got = measured_summary(reports)
     checks = [r.steps[steps - 1].memory_check for r in reports]

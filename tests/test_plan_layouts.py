@@ -243,7 +243,8 @@ def test_bad_world_input_is_one_line(capsys: pytest.CaptureFixture[str], tmp_pat
     assert not (tmp_path / "p.json").exists()  # refused before anything was measured or written
 
 
-def test_a_zero1_world_plan_runs_as_planned_and_holds_what_it_predicted(tmp_path) -> None:
+def test_a_zero1_world_plan_runs_as_planned_and_holds_what_it_predicted(capsys: pytest.CaptureFixture[str],
+                                                                         tmp_path) -> None:
     """A plan on dp 2 x pp 2 with ZeRO-1 (AdamW): train --plan runs it with --zero1, its gradients equal one
     process's, and each rank's weights, gradients and optimizer state, counted from the tensors' storages, are the
     planned (2 + 2/dp) parameter sizes within the greedy share's imbalance (10%)."""
@@ -267,3 +268,11 @@ def test_a_zero1_world_plan_runs_as_planned_and_holds_what_it_predicted(tmp_path
     for r in reports:
         _, device, _ = job.coords(r.rank)
         assert r.static_bytes == pytest.approx(answer.best.static_bytes[device], rel=0.10), (r.rank, device)
+    # train --plan prints the plan's own prediction (ZeRO-1's shares and broadcast in it) beside the measurement.
+    from pipefold.cli.main import main
+
+    assert main(["train", "--plan", str(path), "--steps", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["sharding"] == "zero1"
+    assert out["plan"]["predicted"]["peak_bytes"] == [int(x) for x in answer.best.peak_memory]
+    assert out["plan"]["predicted"]["step_time_s"] == pytest.approx(answer.best.makespan)

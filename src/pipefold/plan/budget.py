@@ -358,6 +358,11 @@ class RunPlan:
     static_bytes: tuple[int, ...]
     profile: Profile
 
+    @property
+    def layout(self) -> Layout:
+        """How the plan lays its ranks out: what :func:`predict` takes."""
+        return Layout(self.dp, self.tp, self.devices, self.zero1)
+
     def to_dict(self) -> dict[str, Any]:
         return {"version": PLAN_VERSION, "kind": "pipefold-plan", "schedule": self.schedule, "devices": self.devices,
                 "microbatches": self.microbatches, "dp": self.dp, "tp": self.tp, "zero1": self.zero1,

@@ -50,12 +50,11 @@ def summarize(outcome: Outcome, *, trace: str | None = None, plot: str | None = 
     replayed = simulate(last, costs, network=job.network, at=at)
     predicted, label = replayed, "simulated from the measured costs"
     if planned is not None and planned.plan is not None:
-        from pipefold.plan.budget import Layout, predict
+        from pipefold.plan.budget import predict
 
         # The profile's prediction, made before the run, next to what the run measured.
         plan = planned.plan
-        predicted, peaks, _ = predict(plan.profile, Layout(plan.dp, plan.tp, plan.devices, plan.zero1), job.schedule,
-                                      job.layer_stages, job.recompute)
+        predicted, peaks, _ = predict(plan.profile, plan.layout, job.schedule, job.layer_stages, job.recompute)
         label = "predicted from the profile"
     cycle_peaks = None
     if job.cycle and planned is None:  # the steps of a cycle differ: each rank's peak is the most over those that ran
