@@ -172,8 +172,8 @@ class Job:
             raise ConfigError("FSDP shards each stage across data-parallel pipelines: it takes no memory check")
         in_schedule = any(a.kind == Kind.OPT for row in self.schedule.actions for a in row)
         if self.parallel.zero1 and in_schedule:
-            raise ConfigError(f"ZeRO-1 steps after the whole step, where {self.schedule.name}'s OPT actions step each "
-                              "stage inside it: use a schedule without OPT actions with --zero1, or drop --zero1")
+            raise ConfigError(f"{self.schedule.name} steps each stage's optimizer inside the step (OPT actions), "
+                              "where ZeRO-1 steps after it: use a schedule without OPT actions, or drop --zero1")
         kfac = self.optimizer.name == "kfac"
         if self.refill is not None and not (self.cycle and kfac):
             raise ConfigError("refilling places K-FAC's work again: it needs a K-FAC job with a cycle")
