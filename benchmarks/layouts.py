@@ -10,11 +10,13 @@ plan on that layout alone runs for a few steps, and its prediction is put beside
 - peak per rank: the prediction against the runtime's meter plus the weights, gradients and optimizer state
   counted from the tensors, and against torch's MemTracker (an independent tracker of every tensor) in one step;
 - collective bytes per rank and step, in closed form: each block's two tensor-parallel all-reduces in F and two
-  in B on ``rows x seq x hidden`` floats, the ring all-reduce of the stage's gradients among the dp copies,
-  ``2 (dp - 1) / dp`` of their bytes, and with ZeRO-1 the other copies' shares of the parameters received after
-  the step, ``(dp - 1) / dp`` of their bytes.
+  in B on ``rows x seq x hidden`` floats, and among the dp copies (:func:`_sharded_bytes`) the ring all-reduce of
+  the stage's gradients, with ZeRO-1 also the others' shares of the parameters, with FSDP the parameters'
+  all-gather and the gradients' reduce-scatter instead.
 
-Every layout with data-parallel copies runs with and without ZeRO-1.
+Every layout with data-parallel copies runs three ways: without sharding, with ZeRO-1 and with FSDP. FSDP takes no
+memory check, so its MemTracker column is empty; its peak adds the weights and gradients it gathers whole, counted
+from FSDP's own parameters (``RankReport.gathered_bytes``).
 
     OMP_NUM_THREADS=1 python benchmarks/layouts.py [--worlds 4,8] [--steps 5] [--json out.json]
 
@@ -60,12 +62,19 @@ def collective_bytes(profile: Profile, layout: Layout, layer_stages: tuple[tuple
         blocks = sum(1 for i in part if 0 < i < len(seen) - 1)
         calls = 4 * blocks * microbatches if layout.tp > 1 else 0
         params = sum(seen[i].params for i in part)
-        dp = 2 * (layout.dp - 1) / layout.dp * params
-        zero1 = (layout.dp - 1) / layout.dp * params if layout.zero1 else 0  # the others' shares, broadcast
-        sent.append(int(calls * activation + dp + zero1))
+        sent.append(int(calls * activation + _sharded_bytes(layout, params)))
         formula.append(calls)
         counted.append(sum(seen[i].collectives for i in part) * microbatches)
     return sent, formula, counted
+
+
+def _sharded_bytes(layout: Layout, params: int) -> float:
+    """Bytes one rank hands to the copies' collectives in a step, closed form: without sharding the ring all-reduce
+    of the gradients, 2 (dp - 1) / dp of them; with ZeRO-1 that and the others' shares of the parameters received
+    after the step, (dp - 1) / dp; with FSDP the parameters' all-gather and the gradients' reduce-scatter,
+    (dp - 1) / dp each."""
+    share = (layout.dp - 1) / layout.dp * params
+    return {"none": 2 * share, "zero1": 3 * share, "fsdp": 2 * share}[layout.sharding]
 
 
 def bench_world(world: int, steps: int) -> list[dict[str, Any]]:

@@ -45,13 +45,15 @@ def _profile(n: int = 6, microbatches: int = 8, contention: tuple[float, ...] = 
 
 def test_every_layout_is_every_factorisation_the_profile_can_predict() -> None:
     # Brute force: every (dp, tp, pp) with dp * tp * pp = world, tp a measured degree, dp sharing the microbatches;
-    # each with copies also with ZeRO-1, where the optimizer has a state to shard (AdamW, not SGD).
+    # each with copies also with FSDP, and with ZeRO-1 where the optimizer has a state to shard (AdamW, not SGD).
     for world, m, factor in itertools.product((1, 2, 4, 6, 8), (2, 4, 8), (2.0, 0.0)):
         prof = dataclasses.replace(_profile(microbatches=m), optimizer_factor=factor)
-        want = {Layout(dp, tp, pp, zero1) for dp, tp, pp in itertools.product(range(1, 9), repeat=3)
-                for zero1 in (False, True) if dp * tp * pp == world and tp in (1, 2) and m % dp == 0
-                and (not zero1 or (dp > 1 and factor > 0))}
+        want = {Layout(dp, tp, pp, how) for dp, tp, pp in itertools.product(range(1, 9), repeat=3)
+                for how in ("none", "zero1", "fsdp") if dp * tp * pp == world and tp in (1, 2) and m % dp == 0
+                and (how == "none" or (dp > 1 and (how == "fsdp" or factor > 0)))}
         assert set(every_layout(prof, world)) == want
+    with pytest.raises(ConfigError, match="among dp >= 2 copies"):
+        Layout(1, 1, 2, "zero1")
     only_tp2 = dataclasses.replace(_profile().at_tp(2), tp_layers={})
     with pytest.raises(ConfigError, match="no layout of 3 ranks"):
         every_layout(only_tp2, 3)
@@ -137,12 +139,15 @@ def test_data_parallel_copies_pay_their_all_reduce_over_the_link() -> None:
 def test_zero1_copies_hold_their_share_of_the_state_and_pay_a_gather_after_the_step() -> None:
     """ZeRO-1 over dp copies, in closed form: a device holds its parameters and gradients and 1/dp of AdamW's two
     moments, (2 + 2/dp) parameter sizes instead of 4; the step is longer by an all-gather of the device's parameters
-    among the copies, half the measured all-reduce of their bytes, after the schedule; nothing else moves."""
+    among the copies, half the measured all-reduce of their bytes, after the schedule; nothing else moves. FSDP:
+    (2 + 4/dp) sizes (the shards of all four, the weights and gradients gathered whole), and on one device, where
+    nothing overlaps them, its gather before the first forward and reduce-scatter after the last backward take what
+    the plain copies' all-reduce takes."""
     prof = dataclasses.replace(_profile(), contention=(1.0,) * 8, allreduce={2: (1e-3, 1e8), 4: (2e-3, 5e7)})
     parts = [tuple(range(0, 3)), tuple(range(3, 6))]
     for dp in (2, 4):
         plain, plain_peaks, plain_static = predict(prof, Layout(dp, 1, 2), "1f1b", parts)
-        zero, zero_peaks, zero_static = predict(prof, Layout(dp, 1, 2, zero1=True), "1f1b", parts)
+        zero, zero_peaks, zero_static = predict(prof, Layout(dp, 1, 2, "zero1"), "1f1b", parts)
         params = [sum(prof.layers[i].params for i in part) for part in parts]
         assert plain_static == [4 * x for x in params]
         assert zero_static == [int(x * (2 + 2 / dp)) for x in params]
@@ -151,6 +156,14 @@ def test_zero1_copies_hold_their_share_of_the_state_and_pay_a_gather_after_the_s
         latency, bandwidth = prof.allreduce[dp]
         assert zero.makespan == pytest.approx(plain.makespan + (latency + max(params) / bandwidth) / 2, rel=1e-9)
         assert zero.timeline.makespan() == pytest.approx(plain.timeline.makespan(), rel=1e-12)
+        _, _, fsdp_static = predict(prof, Layout(dp, 1, 2, "fsdp"), "1f1b", parts)
+        assert fsdp_static == [int(x * (2 + 4 / dp)) for x in params]
+        whole = [tuple(range(len(prof.layers)))]
+        one, _, _ = predict(prof, Layout(dp, 1, 1), "gpipe", whole)
+        sharded, _, _ = predict(prof, Layout(dp, 1, 1, "fsdp"), "gpipe", whole)
+        kinds = {str(a.kind) for row in sharded.schedule.actions for act in row for a in act.passes}
+        assert {"AG", "RS"} <= kinds and "DP" not in kinds
+        assert sharded.makespan == pytest.approx(one.makespan, rel=1e-9)
 
 
 def test_an_all_reduce_among_local_ranks_costs_more_for_more_bytes() -> None:
@@ -168,13 +181,15 @@ def test_a_world_plan_file_round_trips_its_layout(tmp_path) -> None:
     back = RunPlan.from_dict(read_plan(str(path)))
     assert (back.dp, back.tp, back.devices) == (answer.best.layout.dp, answer.best.layout.tp, answer.best.layout.pp)
     assert back.microbatches * back.dp == 8
-    assert all({"dp", "tp", "zero1", "devices"} <= set(row) for row in answer.to_dict()["frontier"])
-    sharded = plan_model(prof, 4, 1e12, layouts=[Layout(2, 1, 2, zero1=True)])
-    path.write_text(json.dumps(sharded.to_dict()))
-    assert RunPlan.from_dict(read_plan(str(path))).zero1
-    path.write_text(json.dumps({**answer.to_dict(), "zero1": True, "dp": 1}))
-    with pytest.raises(ConfigError, match="true only with dp >= 2"):
-        read_plan(str(path))
+    assert all({"dp", "tp", "sharding", "devices"} <= set(row) for row in answer.to_dict()["frontier"])
+    for how in ("zero1", "fsdp"):
+        sharded = plan_model(prof, 4, 1e12, layouts=[Layout(2, 1, 2, how)])
+        path.write_text(json.dumps(sharded.to_dict()))
+        assert RunPlan.from_dict(read_plan(str(path))).layout == Layout(2, 1, 2, how)
+    for bad in ({"sharding": "zero1", "dp": 1}, {"sharding": "zero3"}):
+        path.write_text(json.dumps({**answer.to_dict(), **bad}))
+        with pytest.raises(ConfigError, match="sharding is none, zero1, fsdp"):
+            read_plan(str(path))
     # A layout its profile cannot run: one line, naming the degrees it measured.
     for bad in ({"tp": 4}, {"dp": 0}):
         path.write_text(json.dumps({**answer.to_dict(), **bad}))
@@ -243,11 +258,13 @@ def test_bad_world_input_is_one_line(capsys: pytest.CaptureFixture[str], tmp_pat
     assert not (tmp_path / "p.json").exists()  # refused before anything was measured or written
 
 
-def test_a_zero1_world_plan_runs_as_planned_and_holds_what_it_predicted(capsys: pytest.CaptureFixture[str],
-                                                                         tmp_path) -> None:
-    """A plan on dp 2 x pp 2 with ZeRO-1 (AdamW): train --plan runs it with --zero1, its gradients equal one
-    process's, and each rank's weights, gradients and optimizer state, counted from the tensors' storages, are the
-    planned (2 + 2/dp) parameter sizes within the greedy share's imbalance (10%)."""
+@pytest.mark.parametrize("how", ["zero1", "fsdp"])
+def test_a_sharded_world_plan_runs_as_planned_and_holds_what_it_predicted(how: str, capsys: pytest.CaptureFixture[str],
+                                                                          tmp_path) -> None:
+    """A plan on dp 2 x pp 2 with ZeRO-1 or FSDP (AdamW): train --plan runs it so, its gradients equal one
+    process's, and each rank's weights, gradients and optimizer state, counted from the tensors' storages (with FSDP
+    its shards, and the weights and gradients it gathered whole, counted from FSDP's own), are the planned
+    (2 + 2/dp), (2 + 4/dp) parameter sizes within the greedy share's imbalance or the shards' padding (10%)."""
     from pipefold.runtime.local import run_local
     from pipefold.runtime.profiling import profile_model
     from pipefold.train.planned import from_plan
@@ -257,22 +274,24 @@ def test_a_zero1_world_plan_runs_as_planned_and_holds_what_it_predicted(capsys: 
 
     prof = profile_model(model="gpt", layers=2, hidden=32, heads=2, seq=16, batch=8, microbatches=4, devices=4,
                          repeats=1, link=False, contention=False)
-    answer = plan_model(prof, 4, 1e12, layouts=[Layout(2, 1, 2, zero1=True)], families=["1f1b"])
+    answer = plan_model(prof, 4, 1e12, layouts=[Layout(2, 1, 2, how)], families=["1f1b"])
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(answer.to_dict()))
     planned = from_plan(RunPlan.from_dict(read_plan(str(path))), RunSpec.flat(steps=2, check=True))
-    assert planned.spec.parallel.zero1 and planned.spec.parallel.dp == 2
+    assert getattr(planned.spec.parallel, how) and planned.spec.parallel.dp == 2
     job = make_job(planned.spec, decided=planned.decided)
     reports = run_local(job)
     assert compare(job, reports)["max_grad_rel_diff"] < 1e-5
     for r in reports:
         _, device, _ = job.coords(r.rank)
-        assert r.static_bytes == pytest.approx(answer.best.static_bytes[device], rel=0.10), (r.rank, device)
+        held = r.static_bytes + r.gathered_bytes
+        assert held == pytest.approx(answer.best.static_bytes[device], rel=0.10), (r.rank, device)
+        assert (r.gathered_bytes > 0) == (how == "fsdp")
     # train --plan prints the plan's own prediction (ZeRO-1's shares and broadcast in it) beside the measurement.
     from pipefold.cli.main import main
 
     assert main(["train", "--plan", str(path), "--steps", "2", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["sharding"] == "zero1"
+    assert out["sharding"] == how
     assert out["plan"]["predicted"]["peak_bytes"] == [int(x) for x in answer.best.peak_memory]
     assert out["plan"]["predicted"]["step_time_s"] == pytest.approx(answer.best.makespan)

@@ -245,8 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --profile: search only these schedule families (default: every registered one)")
     p.add_argument("--world", type=int, default=None, metavar="N",
                    help="with --profile: plan N ranks, searching every dp x tp x pp that makes N (tp: the degrees "
-                        "the profile measured, profile --tp), with and without ZeRO-1 over the dp copies, instead "
-                        "of one pipeline of --devices")
+                        "the profile measured, profile --tp), each way of sharding among the dp copies (none, "
+                        "ZeRO-1, FSDP), instead of one pipeline of --devices")
     g = p.add_argument_group("a cluster you do not have (instead of --memory or --profile)")
     g.add_argument("--cluster", metavar="NAME|FILE",
                    help="plan a model on this cluster's description: a100-80gb, h100-sxm, h200, or a JSON file "

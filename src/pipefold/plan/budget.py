@@ -14,6 +14,7 @@ from pipefold import schedules
 from pipefold.errors import ConfigError, ScheduleError
 from pipefold.ir import Schedule
 from pipefold.ir.ref import ScheduleRef
+from pipefold.plan.cluster_plan import SHARDING
 from pipefold.plan.profile import LayerProfile, Profile
 from pipefold.plan.recompute import StageProfile, choose_recompute, device_peaks
 from pipefold.sim.simulate import CostModel, SimResult, StageOverride, simulate, slowdown
@@ -217,37 +218,43 @@ def _too_small(points: Sequence[Point], budget: float) -> ConfigError:
 @dataclass(frozen=True, order=True)
 class Layout:
     """How ``dp * tp * pp`` ranks run one model: ``dp`` copies of a pipeline of ``pp`` devices, each device's
-    layers split over ``tp`` ranks (``pipefold train --dp --tp --devices``), the copies' optimizer state sharded
-    among them where ``zero1`` (``--zero1``)."""
+    layers split over ``tp`` ranks (``pipefold train --dp --tp --devices``), and what the copies shard among
+    them: nothing, the optimizer state (``zero1``, ``--zero1``) or the stages (``fsdp``, ``--fsdp``)."""
 
     dp: int
     tp: int
     pp: int
-    zero1: bool = False
+    sharding: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.sharding not in SHARDING or (self.sharding != "none" and self.dp < 2):
+            raise ConfigError(f"a layout shards {' or '.join(SHARDING)} among dp >= 2 copies (got "
+                              f"{self.sharding!r} with dp {self.dp})")
 
     @property
     def world(self) -> int:
         return self.dp * self.tp * self.pp
 
     def __str__(self) -> str:
-        return f"dp{self.dp} tp{self.tp} pp{self.pp}" + (" zero1" if self.zero1 else "")
+        return f"dp{self.dp} tp{self.tp} pp{self.pp}" + (f" {self.sharding}" if self.sharding != "none" else "")
 
 
 def every_layout(profile: Profile, world: int) -> list[Layout]:
     """Every layout of ``world`` ranks the profile can predict: a tensor-parallel degree it measured, and data-
     parallel copies that share its microbatches evenly (each pipeline runs ``microbatches / dp`` of them, of the
-    size the profile measured), with and without ZeRO-1 where there are copies and an optimizer state to shard."""
+    size the profile measured); where there are copies, each way of sharding among them (ZeRO-1 only where the
+    optimizer has a state to shard)."""
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ConfigError(f"the world is a number of ranks, a whole number >= 1 (got {world!r})")
     m = int(profile.train["microbatches"])
-    out = [Layout(dp, tp, world // (dp * tp), zero1) for tp in profile.tp_degrees for dp in range(1, world + 1)
-           for zero1 in (False, True) if world % (dp * tp) == 0 and m % dp == 0
-           and (not zero1 or (dp > 1 and profile.optimizer_factor > 0))]
+    out = [Layout(dp, tp, world // (dp * tp), how) for tp in profile.tp_degrees for dp in range(1, world + 1)
+           for how in SHARDING if world % (dp * tp) == 0 and m % dp == 0
+           and (how == "none" or (dp > 1 and (how != "zero1" or profile.optimizer_factor > 0)))]
     if not out:
         raise ConfigError(f"no layout of {world} ranks fits this profile (tensor-parallel degrees "
                           f"{', '.join(map(str, profile.tp_degrees))}, {m} microbatches to share among the "
                           f"data-parallel copies): use a world that one of them divides, or profile with --tp")
-    return sorted(out, key=lambda x: (x.pp, x.tp, x.dp, x.zero1))
+    return sorted(out, key=lambda x: (x.pp, x.tp, x.dp, SHARDING.index(x.sharding)))
 
 
 def layout_profile(profile: Profile, layout: Layout) -> Profile:
@@ -255,11 +262,16 @@ def layout_profile(profile: Profile, layout: Layout) -> Profile:
     devices share the machine. Each device stands for ``dp * tp`` ranks that compute in step (the tp ranks wait for
     each other in every layer, the copies run the same schedule), and the layers were timed with
     ``profile.ranks_measuring(tp)`` ranks computing at once; so k devices computing run
-    ``slowdown(k * dp * tp) / slowdown(ranks measuring)`` times longer (less than 1 where fewer compute). With
-    ZeRO-1 a rank holds 1/dp of its parameters' optimizer state."""
+    ``slowdown(k * dp * tp) / slowdown(ranks measuring)`` times longer (less than 1 where fewer compute).
+
+    What a rank holds of each parameter, in parameter sizes ``2 + optimizer_factor``: its weight and gradient
+    and the optimizer state (f); with ZeRO-1, f / dp of the state; with FSDP, (2 + f) / dp of the shards and the
+    weight and gradient gathered whole (2), which a stage holds from its ``AG`` to its ``RS``: the whole step but
+    its ends, counted throughout."""
     at = profile.at_tp(layout.tp)
-    if layout.zero1:
-        at = dataclasses.replace(at, optimizer_factor=at.optimizer_factor / layout.dp)
+    f = at.optimizer_factor
+    factor = {"none": f, "zero1": f / layout.dp, "fsdp": (2 + f) / layout.dp}[layout.sharding]
+    at = dataclasses.replace(at, optimizer_factor=factor)
     c, base = profile.contention, slowdown(profile.contention, profile.ranks_measuring(layout.tp))
     sharing = tuple(slowdown(c, k * layout.dp * layout.tp) / base for k in range(1, layout.pp + 1))
     return dataclasses.replace(at, contention=sharing)
@@ -306,7 +318,7 @@ class ModelPlan:
         b = self.best
         s = self.result.schedule
         return RunPlan(schedule=b.spec, devices=s.devices, microbatches=s.microbatches, dp=b.layout.dp,
-                       tp=b.layout.tp, zero1=b.layout.zero1, split=b.split,
+                       tp=b.layout.tp, sharding=b.layout.sharding, split=b.split,
                        layer_stages=b.layer_stages, recompute=b.recompute, budget=self.budget, room=self.room,
                        train=dict(self.profile.train), step_time=b.makespan, bubble_ratio=b.bubble_ratio,
                        peak_bytes=tuple(int(x) for x in b.peak_memory), static_bytes=tuple(b.static_bytes),
@@ -316,8 +328,8 @@ class ModelPlan:
         """The plan file ``pipefold train --plan`` runs: what to run, and what it is predicted to do; with the
         frontier and the count of candidates, for people."""
         return {**self.run_plan.to_dict(),
-                "frontier": [{"schedule": q.spec, "dp": q.layout.dp, "tp": q.layout.tp, "zero1": q.layout.zero1,
-                              "devices": q.layout.pp,
+                "frontier": [{"schedule": q.spec, "dp": q.layout.dp, "tp": q.layout.tp,
+                              "sharding": q.layout.sharding, "devices": q.layout.pp,
                               "split": q.split, "recompute": list(q.recompute),
                               "step_time_s": q.makespan, "peak_bytes": int(q.memory)} for q in self.frontier],
                 "candidates": len(self.points), "skipped": len(self.skipped)}
@@ -339,8 +351,8 @@ class RunPlan:
     """Data-parallel copies of the pipeline."""
     tp: int = 1
     """Tensor-parallel ranks each device's layers are split over."""
-    zero1: bool = False
-    """The copies' optimizer state sharded among them (``--zero1``)."""
+    sharding: str = "none"
+    """What the copies shard among them: ``none``, ``zero1`` (``--zero1``) or ``fsdp`` (``--fsdp``)."""
     split: str
     """How the layers were split: ``time`` or ``memory``."""
     layer_stages: tuple[tuple[int, ...], ...]
@@ -361,11 +373,11 @@ class RunPlan:
     @property
     def layout(self) -> Layout:
         """How the plan lays its ranks out: what :func:`predict` takes."""
-        return Layout(self.dp, self.tp, self.devices, self.zero1)
+        return Layout(self.dp, self.tp, self.devices, self.sharding)
 
     def to_dict(self) -> dict[str, Any]:
         return {"version": PLAN_VERSION, "kind": "pipefold-plan", "schedule": self.schedule, "devices": self.devices,
-                "microbatches": self.microbatches, "dp": self.dp, "tp": self.tp, "zero1": self.zero1,
+                "microbatches": self.microbatches, "dp": self.dp, "tp": self.tp, "sharding": self.sharding,
                 "split": self.split,
                 "layer_stages": [list(x) for x in self.layer_stages], "recompute": list(self.recompute),
                 "budget_bytes": self.budget, "room_bytes": self.room, "train": dict(self.train),
@@ -379,7 +391,7 @@ class RunPlan:
         predicted = data["predicted"]
         return cls(schedule=str(data["schedule"]), devices=int(data["devices"]),
                    microbatches=int(data["microbatches"]), dp=int(data.get("dp", 1)), tp=int(data.get("tp", 1)),
-                   zero1=bool(data.get("zero1", False)),
+                   sharding=str(data.get("sharding", "none")),
                    split=str(data.get("split", "time")),
                    layer_stages=tuple(tuple(int(i) for i in part) for part in data["layer_stages"]),
                    recompute=tuple(int(r) for r in data["recompute"]), budget=data.get("budget_bytes"),
@@ -400,9 +412,10 @@ def model_costs(profile: Profile, schedule: Schedule, layer_stages: Sequence[Seq
     """The cost model of ``schedule`` running ``layer_stages`` of the profiled model: per stage the sums of its
     layers' measured seconds and bytes, the measured link, how the ranks share the machine and the runtime's own
     work per message. With the ``layout``'s dp copies of the pipeline, each stage's gradients all-reduced among
-    them over the link (its ``DP`` actions, :func:`pipefold.schedules.dataparallel.with_data_parallel`), and with
+    them over the link (its ``DP`` actions, :func:`pipefold.schedules.dataparallel.with_data_parallel`), with
     ZeRO-1 each device's parameters sent among them after the step (as an all-gather: each copy receives the
-    others' shares); with its tp ranks per device, each message crosses in tp pieces that the receiving ranks
+    others' shares), with FSDP each stage's parameters all-gathered (``AG``) and gradients reduce-scattered
+    (``RS``) instead; with its tp ranks per device, each message crosses in tp pieces that the receiving ranks
     all-gather."""
     layout = layout or Layout(1, 1, schedule.devices)
     rows = stage_profiles(profile, layer_stages)
@@ -416,7 +429,7 @@ def model_costs(profile: Profile, schedule: Schedule, layer_stages: Sequence[Seq
                      activation_bytes=float(message), grad_bytes=params / schedule.devices,
                      contention=profile.contention[:schedule.devices], message_overhead=profile.message_overhead,
                      dp=layout.dp, allreduce_fits=profile.allreduce, mesh=layout.tp)
-    if not layout.zero1:
+    if layout.sharding != "zero1":
         return cost
     held = [sum(profile.layers[i].params for s in schedule.stages_of(d) for i in layer_stages[s])
             for d in range(schedule.devices)]
@@ -555,15 +568,16 @@ def predict(profile: Profile, layout: Layout, schedule: str | Schedule, layer_st
 
 
 def _replicated(schedule: Schedule, layout: Layout) -> Schedule:
-    """``schedule`` as each of ``layout.dp`` copies runs it: with its gradients' all-reduces among them (as it is
-    where it has them already: a job's own schedule)."""
+    """``schedule`` as each of ``layout.dp`` copies runs it: with its gradients' all-reduces among them, or with
+    FSDP its gathers and reduce-scatters (as it is where it has them already: a job's own schedule)."""
     from pipefold.ir import Kind
 
-    if layout.dp == 1 or any(a.kind is Kind.DP for row in schedule.actions for act in row for a in act.passes):
+    if layout.dp == 1 or any(a.kind in (Kind.DP, Kind.AG, Kind.RS) for row in schedule.actions for act in row
+                             for a in act.passes):
         return schedule
     from pipefold.schedules.dataparallel import with_data_parallel
 
-    return with_data_parallel(schedule)
+    return with_data_parallel(schedule, shard=layout.sharding == "fsdp")
 
 
 def _model_points(profile: Profile, schedule: Schedule, budget: float, layout: Layout) -> list[ModelPoint]:
@@ -628,9 +642,10 @@ def check_plan(data: Any, path: str) -> dict[str, Any]:
         if dp < 1 or tp not in inside.tp_degrees:
             raise ConfigError(f"{path}: dp is a count of copies >= 1 and tp a degree its profile measured "
                               f"({', '.join(map(str, inside.tp_degrees))}); got dp {dp}, tp {tp}")
-        if data.get("zero1", False) not in (True, False) or (data.get("zero1") and dp < 2):
-            raise ConfigError(f"{path}: zero1 is true or false, and true only with dp >= 2 copies to shard among "
-                              f"(got zero1 {data.get('zero1')!r}, dp {dp})")
+        how = data.get("sharding", "none")
+        if how not in SHARDING or (how != "none" and dp < 2):
+            raise ConfigError(f"{path}: sharding is {', '.join(SHARDING)}, and other than none only with dp >= 2 "
+                              f"copies to shard among (got {how!r}, dp {dp})")
         stages = [tuple(int(i) for i in part) for part in data["layer_stages"]]
         flat = [i for part in stages for i in part]
         if flat != list(range(len(data["profile"]["layers"]))):

@@ -383,6 +383,8 @@ class RankExecutor:
         self.grads_moved = 0
         """Bytes of gradients this step moved into an all-reduce's buffer (new storages that are still theirs)."""
         self._gathers: dict[int, Any] = {}  # stage -> its parameters' all-gather (AG), until its first forward
+        self.gathered: dict[int, int] = {}
+        """Per FSDP stage, the bytes of its parameters gathered whole and their gradients at its last ``RS``."""
         self._group_ranks = {s: tuple(dist.get_process_group_ranks(g)) for s, g in self._groups.items()}
         if dp_group is not None:
             self._dp_ranks = tuple(dist.get_process_group_ranks(dp_group))
@@ -603,6 +605,7 @@ class RankExecutor:
         start = step.clock.mark()
         for work in self._reductions.pop(action.stage, ()):
             work.wait()
+        self.gathered[action.stage] = sharding.gathered_bytes(self.runners[action.stage].module)
         sharding.reduce_scatter(self.runners[action.stage].module)
         step.clock.interval(step.stats.events, str(action), Kind.RS, start)
 

@@ -308,6 +308,9 @@ class RankReport:
     """Why the run stopped early (too many bad steps in a row), or None when it ran every step."""
     checkpoints: list[str] = field(default_factory=list)
     """The checkpoints saved, in order (on every rank)."""
+    gathered_bytes: int = 0
+    """With FSDP: the bytes of this rank's stages' parameters gathered whole and their gradients, at their last
+    ``RS``: what it holds beside ``static_bytes`` (its shards) and the activations for most of a step."""
 
     @property
     def device(self) -> int:

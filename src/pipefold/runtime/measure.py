@@ -80,7 +80,8 @@ def measured_summary(reports: list[RankReport], warmup: int = 1) -> dict[str, An
     - the bubble ratio, 1 - busy / (ranks x step time), and the CPU time the processes spent over ranks x step
       time (the operating system's count, a check on busy time where each rank has a core of its own);
     - each rank's peak bytes: the most activations its meter held in any step, plus its parameters,
-      gradients and optimizer state."""
+      gradients and optimizer state, and with FSDP its stages' parameters and gradients gathered whole (held
+      from each stage's ``AG`` to its ``RS``)."""
     steps = len(reports[0].steps)
     later = range(warmup, steps) if steps > warmup else range(steps - 1, steps)
     # A step spans from the first rank's start to the last rank's end (ranks start apart: their clocks agree).
@@ -94,7 +95,8 @@ def measured_summary(reports: list[RankReport], warmup: int = 1) -> dict[str, An
             "cpu_utilization": sum(cpu) / (len(reports) * step) if step else 0.0,
             "activation_peak_bytes": [r.steps.peak_activation_bytes for r in reports],
             "static_bytes": [r.static_bytes for r in reports],
-            "peak_bytes": [r.steps.peak_activation_bytes + r.static_bytes for r in reports]}
+            "gathered_bytes": [r.gathered_bytes for r in reports],
+            "peak_bytes": [r.steps.peak_activation_bytes + r.static_bytes + r.gathered_bytes for r in reports]}
 
 
 def step_parts(reports: list[RankReport], warmup: int = 1) -> list[dict[str, float]]:

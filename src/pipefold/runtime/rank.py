@@ -280,7 +280,8 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     static = _static_bytes(params, optimizers) + (work.state_bytes() if work is not None else 0)
     report = RankReport(global_rank, history, grads, _peak_rss(), resident, weights, static,
                         decisions, pipeline, first_step=start, resumed_from=resumed_from, skipped=skipped,
-                        stopped=stopped, checkpoints=saved)
+                        stopped=stopped, checkpoints=saved,
+                        gathered_bytes=sum(n for e in executors.values() for n in e.gathered.values()))
     if out_dir is not None:
         with open(Path(out_dir) / f"rank{global_rank}.pkl", "wb") as fh:
             pickle.dump(report, fh)

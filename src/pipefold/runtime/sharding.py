@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["full", "gather", "local", "plain", "reduce_scatter", "shard", "sharded_parameters"]
+__all__ = ["full", "gather", "gathered_bytes", "local", "plain", "reduce_scatter", "shard", "sharded_parameters"]
 
 
 def shard(module: nn.Module, mesh: Any) -> nn.Module:
@@ -73,6 +73,21 @@ def gather(module: nn.Module) -> _Gathering:
     from torch.distributed.fsdp import FSDPModule
 
     return _Gathering([m.unshard(async_op=True) for m in module.modules() if isinstance(m, FSDPModule)])
+
+
+def gathered_bytes(module: nn.Module) -> int:
+    """Bytes of the stage's parameters gathered whole and of their gradients (FSDP's unsharded ones): what a copy
+    holds beside its shards from the stage's ``AG`` to its ``RS``; call it before the ``RS``."""
+    from torch.distributed.fsdp import fully_shard
+
+    total = 0
+    for group in _groups(fully_shard.state(module)):  # type: ignore[attr-defined]
+        for fp in group.fsdp_params:
+            whole = fp.unsharded_param
+            total += local(whole).numel() * whole.element_size()
+            if whole.grad is not None:
+                total += local(whole.grad).numel() * whole.grad.element_size()
+    return total
 
 
 def reduce_scatter(module: nn.Module) -> None:

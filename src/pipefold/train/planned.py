@@ -79,7 +79,8 @@ def from_plan(plan: RunPlan, spec: RunSpec | None = None) -> Planned:
 
     spec = spec or RunSpec()
     fixed = {**profiled_settings(plan.train), "plan": None, "schedule": plan.schedule, "devices": plan.devices,
-             "microbatches": plan.microbatches, "dp": plan.dp, "tp": plan.tp, "zero1": plan.zero1}
+             "microbatches": plan.microbatches, "dp": plan.dp, "tp": plan.tp, "zero1": plan.sharding == "zero1",
+             "fsdp": plan.sharding == "fsdp"}
     if "seed" in spec.given():
         fixed.pop("seed", None)
     resolved = spec.replace(**fixed)
