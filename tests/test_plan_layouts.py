@@ -286,7 +286,9 @@ def test_a_sharded_world_plan_runs_as_planned_and_holds_what_it_predicted(how: s
         _, device, _ = job.coords(r.rank)
         held = r.static_bytes + r.gathered_bytes
         assert held == pytest.approx(answer.best.static_bytes[device], rel=0.10), (r.rank, device)
-        assert (r.gathered_bytes > 0) == (how == "fsdp")
+        # What FSDP gathers: the stage's weights whole and their gradients, twice its parameters' bytes exactly.
+        whole = sum(prof.layers[i].params for i in answer.best.layer_stages[device])
+        assert r.gathered_bytes == (2 * whole if how == "fsdp" else 0), (r.rank, r.gathered_bytes, whole)
     # train --plan prints the plan's own prediction (ZeRO-1's shares and broadcast in it) beside the measurement.
     from pipefold.cli.main import main
 
