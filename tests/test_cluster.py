@@ -411,6 +411,13 @@ def test_calibrate_times_this_devices_products_and_writes_a_cluster_file_plan_re
     assert main(["plan", "--cluster", str(out), "--hf-config", "llama-tiny", "--global-batch", "8", "--seq", "16",
                  "--json"]) == 0
     capsys.readouterr()
+    # Below 1e8 operations the range is --largest alone, and sizes that round to the same square are timed once:
+    # the file's curve must rise, or it would not read back.
+    for largest, points in (("1e6", 1), ("1e7", 1), ("2e8", 2)):
+        assert main(["calibrate", "--cluster", four, "--largest", largest, "-o", str(out)]) == 0
+        curve = load_cluster(str(out)).accelerator.matmul_efficiency
+        assert len(curve) == points and all(a[0] < b[0] for a, b in zip(curve, curve[1:], strict=False))
+    capsys.readouterr()
     for argv, expected in ((["--dtype", "fp8"], "calibration times bf16, fp16, tf32, fp32 products"),
                            (["--largest", "5"], "--largest is the largest product in operations"),
                            (["-o", str(tmp_path / "no" / "x.json")], "folder"),

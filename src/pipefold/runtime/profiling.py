@@ -552,8 +552,10 @@ def measure_matmuls(dtype: str, device: torch.device, *, smallest: float = 1e8, 
     if dtype not in MATMUL_DTYPES:
         raise ConfigError(f"calibration times {', '.join(MATMUL_DTYPES)} products (got {dtype!r})")
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
-    steps = max(1, round(2 * math.log10(largest / smallest))) + 1
-    targets = [smallest * (largest / smallest) ** (i / (steps - 1)) for i in range(steps)] if steps > 1 else [smallest]
+    steps = max(0, round(2 * math.log10(largest / smallest)))
+    targets = [smallest * (largest / smallest) ** (i / steps) for i in range(steps + 1)] if steps else [smallest]
+    # Each size a square of side a multiple of 64 (what the libraries' kernels tile), every side once.
+    sides = list(dict.fromkeys(max(64, round((t / 2) ** (1 / 3) / 64) * 64) for t in targets))
     cuda = device.type == "cuda"
     allowed = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = dtype == "tf32"
@@ -565,8 +567,7 @@ def measure_matmuls(dtype: str, device: torch.device, *, smallest: float = 1e8, 
 
     out: list[tuple[float, float]] = []
     try:
-        for i, target in enumerate(targets):
-            n = max(64, round((target / 2) ** (1 / 3) / 64) * 64)
+        for i, n in enumerate(sides):
             flops = 2.0 * n ** 3
             if out and flops / (out[-1][0] / out[-1][1]) > budget:
                 break
@@ -586,7 +587,7 @@ def measure_matmuls(dtype: str, device: torch.device, *, smallest: float = 1e8, 
             out.append((flops, statistics.median(times)))
             del a, b, c
             if progress is not None:
-                progress("products", i + 1, len(targets))
+                progress("products", i + 1, len(sides))
     finally:
         torch.backends.cuda.matmul.allow_tf32 = allowed
     return out
