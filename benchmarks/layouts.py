@@ -6,7 +6,9 @@ divides its heads and the world (``pipefold profile --tp``, ``--devices`` the wo
 the cores). Then for every layout of the world (:func:`pipefold.plan.budget.every_layout`) the planner's best 1f1b
 plan on that layout alone runs for a few steps, and its prediction is put beside the measurement:
 
-- step time: the profile's prediction against the median measured step (with min..max);
+- step time: the profile's prediction against the median measured step (with min..max), and where a rank's step
+  goes: its passes and its waits on messages and collectives (the median rank, :func:`pipefold.runtime.measure.
+  step_parts`);
 - peak per rank: the prediction against the runtime's meter plus the weights, gradients and optimizer state
   counted from the tensors, and against torch's MemTracker (an independent tracker of every tensor) in one step;
 - collective bytes per rank and step, in closed form: each block's two tensor-parallel all-reduces in F and two
@@ -104,7 +106,12 @@ def bench_world(world: int, steps: int) -> list[dict[str, Any]]:
                "peak_ratio_worst": max(abs(m / p - 1) for m, p in zip(peaks, predicted_peak, strict=True)) + 1,
                "memtracker_activation_bytes": got["memtracker_activation_bytes"],
                "meter_activation_bytes": got["meter_activation_bytes_same_step"],
-               "pipelines": pipelines}
+               "pipelines": pipelines,
+               # Each rank's step taken apart (runtime.measure.step_parts), the median rank: its passes, and its
+               # waits on messages and collectives (gradients' all-reduce, FSDP's gather and reduce-scatter).
+               "compute_s": statistics.median(p["compute"] for p in got["step_parts"]),
+               "predicted_compute_s": b.makespan * (1 - b.bubble_ratio),  # a device's passes, the mean device
+               "waits_s": statistics.median(p["recv wait"] + p["send wait"] for p in got["step_parts"])}
         sent, formula, counted = collective_bytes(profile, layout, b.layer_stages,
                                                   int(MODEL["microbatches"]) // layout.dp)
         row.update(collective_bytes_per_rank=sent, tp_all_reduces_closed_form=formula,
@@ -113,7 +120,9 @@ def bench_world(world: int, steps: int) -> list[dict[str, Any]]:
         print(f"world {world} {layout}: step predicted {b.makespan * 1e3:.1f} ms, measured "
               f"{row['measured_step_s'] * 1e3:.1f} ms (x{row['step_ratio']:.2f}); peak per rank predicted "
               f"{max(predicted_peak) / 2**20:.2f} MiB, measured {max(peaks) / 2**20:.2f} MiB "
-              f"(worst rank off by {row['peak_ratio_worst'] - 1:.1%})", flush=True)
+              f"(worst rank off by {row['peak_ratio_worst'] - 1:.1%}); a rank's passes {row['compute_s'] * 1e3:.0f} "
+              f"ms (predicted {row['predicted_compute_s'] * 1e3:.0f}), its waits {row['waits_s'] * 1e3:.0f} ms",
+              flush=True)
     return rows
 
 

@@ -31,7 +31,7 @@ from pipefold.files import write_json
 from pipefold.plan.budget import RunPlan, plan_model, predict
 from pipefold.plan.profile import Profile
 from pipefold.runtime.local import run_local
-from pipefold.runtime.measure import measured_summary
+from pipefold.runtime.measure import measured_summary, step_parts
 from pipefold.train.overhead import profile_here
 from pipefold.train.planned import from_plan
 from pipefold.train.prepare import make_job
@@ -65,7 +65,7 @@ def run_plan(plan: dict[str, Any], steps: int) -> dict[str, Any]:
     return {"schedule": plan["schedule"], "layers_per_stage": [len(p) for p in job.layer_stages],
             "recompute": list(job.recompute or ()),
             "predicted": {"step_time_s": result.makespan, "bubble_ratio": result.bubble_ratio, "peak_bytes": peaks},
-            "measured": got,
+            "measured": got, "step_parts": step_parts(reports),
             "memtracker_activation_bytes": [c.get("tracker_between_actions", 0) for c in checks],
             "meter_activation_bytes_same_step": [c.get("meter_between_actions", 0) for c in checks]}
 
