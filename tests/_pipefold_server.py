@@ -17,12 +17,11 @@ from __future__ import annotations
 import json
 import os
 import sys
-import threading
 import traceback
 
 
 def _run(argv: list[str]) -> int:
-    from pipefold.cli.main import main
+    from pipefold.cli.main import join_threads, main
 
     try:
         return main(argv)
@@ -32,9 +31,7 @@ def _run(argv: list[str]) -> int:
         traceback.print_exc()
         return 1
     finally:
-        for thread in threading.enumerate():
-            if thread is not threading.main_thread() and not thread.daemon:
-                thread.join()
+        join_threads()
 
 
 def serve() -> None:

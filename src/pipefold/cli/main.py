@@ -84,6 +84,13 @@ def command(name: str) -> Callable[[argparse.Namespace, Console], None]:
     return found[0]
 
 
+def join_threads() -> None:
+    """Wait for every thread a command left running that is not a daemon, as Python's own exit does."""
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+
+
 def entry() -> NoReturn:
     """The ``pipefold`` command: :func:`main`, then out at once. Threads still running are waited for, output is
     flushed and exit handlers run (what multiprocessing and the library registered), as Python's own exit does;
@@ -106,9 +113,7 @@ def entry() -> NoReturn:
             signal.signal(signum, signal.SIG_IGN)
         if hasattr(signal, "pthread_sigmask"):
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    join_threads()
     sys.stdout.flush()
     sys.stderr.flush()
     atexit._run_exitfuncs()
