@@ -264,8 +264,9 @@ def offload(out: Path, quick: bool) -> dict[str, Any]:
 
 def calibrate(out: Path, quick: bool) -> dict[str, Any]:
     """``pipefold calibrate`` on this GPU against the shipped cluster file of its kind."""
-    name = torch.cuda.get_device_name(0)
-    shipped = "h200" if "H200" in name else "h100-sxm" if "H100" in name else "a100-80gb"
+    from pipefold.plan.cluster import shipped_for
+
+    shipped = shipped_for(torch.cuda.get_device_name(0))
     written = out / f"{shipped}-calibrated.json"
     args = [sys.executable, "-m", "pipefold", "calibrate", "--cluster", shipped, "--device", "cuda",
             "--largest", "1e11" if quick else "1e12", "-o", str(written), "--json"]

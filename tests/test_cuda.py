@@ -252,10 +252,9 @@ def test_calibrate_times_the_gpus_bf16_products_under_its_peak(tmp_path) -> None
     import json
 
     from pipefold.cli.main import main
-    from pipefold.plan.cluster import load_cluster
+    from pipefold.plan.cluster import load_cluster, shipped_for
 
-    name = torch.cuda.get_device_name(0)
-    shipped = "h200" if "H200" in name else "h100-sxm" if "H100" in name else "a100-80gb"
+    shipped = shipped_for(torch.cuda.get_device_name(0))
     out = tmp_path / "here.json"
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):

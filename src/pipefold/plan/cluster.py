@@ -31,7 +31,7 @@ from pipefold.errors import ConfigError
 from pipefold.files import read_shipped_or_file, shipped_names
 
 __all__ = ["Accelerator", "Cluster", "Link", "cluster_to_dict", "load_cluster", "measured_efficiency",
-           "shipped_clusters"]
+           "shipped_clusters", "shipped_for"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,6 +114,11 @@ def _shipped() -> Any:
 def shipped_clusters() -> list[str]:
     """The cluster files this package ships (``--cluster NAME``)."""
     return shipped_names(_shipped())
+
+
+def shipped_for(device_name: str) -> str:
+    """The shipped cluster file of a GPU by its name (``torch.cuda.get_device_name``): H200, H100, else A100."""
+    return "h200" if "H200" in device_name else "h100-sxm" if "H100" in device_name else "a100-80gb"
 
 
 def _number(data: dict[str, Any], key: str, where: str, *, low: float = 0.0, integer: bool = False,
