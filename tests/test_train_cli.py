@@ -33,6 +33,21 @@ def test_train_json_check_trace_plot(capsys: pytest.CaptureFixture[str], tmp_pat
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_either_transport_trains_the_same_weights(capsys: pytest.CaptureFixture[str]) -> None:
+    """The ranks' messages over this machine's sockets (the default here) and over gloo: the same losses bit for
+    bit (a transport only moves bytes) and one process's gradients, on a schedule whose ranks exchange messages
+    both ways for two stages each."""
+    runs = {}
+    for p2p in ("auto", "sockets", "gloo"):
+        code = main(["train", "--schedule", "interleaved-1f1b", "--steps", "2", *SMALL, "--layers", "8", "--p2p",
+                     p2p, "--check", "--json"])
+        assert code == 0
+        runs[p2p] = json.loads(capsys.readouterr().out)
+    assert [runs[p]["p2p"] for p in runs] == ["sockets", "sockets", "gloo"]
+    assert runs["sockets"]["loss"] == runs["gloo"]["loss"] == runs["auto"]["loss"]
+    assert all(out["max_grad_rel_diff"] < 1e-5 for out in runs.values()), runs
+
+
 def test_train_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["train", "--schedule", "1f1b", "--steps", "2", *SMALL]) == 0
     out = capsys.readouterr().out
@@ -55,6 +70,11 @@ def test_train_table(capsys: pytest.CaptureFixture[str]) -> None:
         (["--action-timeout", "0"], "--action-timeout is in seconds: a number > 0 and at most a day"),
         (["--action-timeout", "nan"], "--action-timeout is in seconds: a number > 0 and at most a day"),
         (["--action-timeout", "1e9"], "--action-timeout is in seconds: a number > 0 and at most a day"),
+        (["--p2p", "sockets", "--network", "constant:bandwidth=1GB,latency=0"],
+         "--p2p sockets moves messages through this machine's sockets, and --network emulates or measures links of "
+         "the process group: use --p2p auto or gloo"),
+        (["--p2p", "sockets", "--schedule", "adaptive-kfkb", "--memory-budget", "1GB"],
+         "and --schedule adaptive-kfkb emulates or measures"),
     ],
 )
 def test_train_user_errors(capsys: pytest.CaptureFixture[str], argv: list[str], expected: str) -> None:
@@ -85,6 +105,7 @@ def test_same_command_under_torchrun(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["schedule"] == "v-half" and out["max_grad_rel_diff"] < 1e-5 and len(out["loss"]) == 2
+    assert out["p2p"] == "sockets"  # both ranks on this machine: torchrun's too
     # Progress under torchrun: rank 0's lines, once per step, with the loss the run reports.
     progress = [line for line in proc.stderr.splitlines() if " loss " in line and line.lstrip().startswith("step ")]
     assert [line.split()[1] for line in progress] == ["1/2", "2/2"], proc.stderr[-2000:]

@@ -429,6 +429,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
                    help="nccl: a GPU per rank; gloo: the CPU, or GPUs the ranks share (tensors staged through "
                         "pinned host memory); auto: nccl when every rank has a GPU of its own")
+    g.add_argument("--p2p", choices=["auto", "sockets", "gloo"], default="auto",
+                   help="how activations and gradients cross between ranks: sockets (this machine's, the fastest "
+                        "there), gloo (the process group's), or auto: sockets when every rank is on this machine "
+                        "and gloo is the backend, except with --network, --netns or adaptive-kfkb")
     g.add_argument("--no-overlap", dest="overlap", action="store_false",
                    help="on a GPU, run an overlapped pair's (dualpipe's F+B) forward and then its backward, "
                         "instead of both at once on two streams")

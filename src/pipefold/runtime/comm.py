@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from pipefold.runtime import sockets
 from pipefold.runtime.meter import MemoryMeter
 
 if TYPE_CHECKING:
@@ -116,7 +117,10 @@ def decode_header(h: torch.Tensor) -> tuple[Meta, ...]:
 
 
 def _post(op: str, t: torch.Tensor, to: int, tag: int) -> dist.Work:
-    """Post one non-blocking "send" or "recv" of ``t`` with process-group rank ``to``."""
+    """Post one non-blocking "send" or "recv" of ``t`` with process-group rank ``to``: over this machine's sockets
+    where the job connected them (:mod:`pipefold.runtime.sockets`), else over the process group."""
+    if (local := sockets.current()) is not None and t.device.type == "cpu":
+        return local.isend(t, to, tag) if op == "send" else local.irecv(t, to, tag)  # type: ignore[return-value]
     work = (dist.isend if op == "send" else dist.irecv)(t, to, tag=tag)
     assert work is not None
     return work

@@ -139,6 +139,15 @@ class Job:
                        network=self.network is not None, netns=self.netns is not None,
                        offload=self.offload is not None, recompute=self.recompute is not None,
                        checkpoints=self.checkpoint is not None)
+        if self.devices.p2p == "sockets":
+            measured = [flag for flag, on in (("--network", self.network), ("--netns", self.netns),
+                                              ("--schedule adaptive-kfkb", self.adaptive)) if on is not None]
+            if measured:
+                raise ConfigError(f"--p2p sockets moves messages through this machine's sockets, and {measured[0]} "
+                                  "emulates or measures links of the process group: use --p2p auto or gloo")
+            if placement(self).backend == "nccl":
+                raise ConfigError("--p2p sockets moves host memory between ranks, and NCCL moves each rank's GPU "
+                                  "tensors itself: use --p2p auto, or --backend gloo")
         if self.checkpoint is not None:
             resume = self.checkpoint.resume
             if resume is not None and resume.step >= self.steps:
@@ -230,6 +239,15 @@ class Job:
         return self.parallel.degrees(self.schedule.devices)
 
     @property
+    def sockets(self) -> bool:
+        """Whether the ranks' messages go over this machine's sockets (:mod:`pipefold.runtime.sockets`) when the
+        ranks share it: ``--p2p sockets``, or ``auto`` on gloo with links neither emulated nor measured."""
+        if self.devices.p2p != "auto":
+            return self.devices.p2p == "sockets"
+        return (self.network is None and self.netns is None and self.adaptive is None
+                and placement(self).backend == "gloo")
+
+    @property
     def world(self) -> int:
         """Ranks of the job: the data-parallel copies times the ranks of one pipeline (its devices' degrees)."""
         return self.parallel.dp * sum(self.degrees)
@@ -311,6 +329,9 @@ class RankReport:
     gathered_bytes: int = 0
     """With FSDP: the bytes of this rank's stages' parameters gathered whole and their gradients, at their last
     ``RS``: what it holds beside ``static_bytes`` (its shards) and the activations for most of a step."""
+    p2p: str = "gloo"
+    """What carried its activations and gradients: 'sockets' (:mod:`pipefold.runtime.sockets`), or the process
+    group's backend ('gloo', 'nccl')."""
 
     @property
     def device(self) -> int:

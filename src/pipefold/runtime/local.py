@@ -21,13 +21,17 @@ import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from pipefold.errors import Interrupted
+from pipefold.runtime import sockets
+from pipefold.runtime.job import Job, RankError, RankReport, placement, raise_if_stopped
 from pipefold.runtime.processes import free_port, process_context, starting
+from pipefold.runtime.rank import run_rank
+from pipefold.runtime.torchrun import leave_group
 from pipefold.runtime.watch import (
     PERIOD,
     Activity,
@@ -41,12 +45,6 @@ from pipefold.runtime.watch import (
     pg_timeout,
     process_state,
 )
-
-if TYPE_CHECKING:
-    pass
-from pipefold.runtime.job import Job, RankError, RankReport, placement, raise_if_stopped
-from pipefold.runtime.rank import run_rank
-from pipefold.runtime.torchrun import leave_group
 
 
 def _spawned(rank: int, job: Job, world: int, port: int, out_dir: str, progress: Any, board: SharedBoard,
@@ -75,9 +73,11 @@ def _spawned(rank: int, job: Job, world: int, port: int, out_dir: str, progress:
             torch.cuda.set_device(where.device_of(rank))
         dist.init_process_group(where.backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=pg_timeout(job.reliability.action_timeout)))
-        run_rank(job, rank, world, out_dir, on_step=lambda *a: progress.put(a), activity=activity)
-        activity.wait("the end of the job", "every rank to finish", others, action=False)
-        dist.barrier()
+        activity.wait("start-up", "its links to the other ranks", others, action=False)
+        with sockets.linked(out_dir) if job.sockets else contextlib.nullcontext():
+            run_rank(job, rank, world, out_dir, on_step=lambda *a: progress.put(a), activity=activity)
+            activity.wait("the end of the job", "every rank to finish", others, action=False)
+            dist.barrier()
         activity.finish()
         heartbeat.beat()
         leave_group()

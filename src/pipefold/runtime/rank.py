@@ -20,7 +20,7 @@ from torch import nn
 from pipefold.errors import ConfigError
 from pipefold.ir import Kind, Schedule
 from pipefold.ir.ref import ScheduleRef
-from pipefold.runtime import numerics, sharding
+from pipefold.runtime import numerics, sharding, sockets
 from pipefold.runtime.executor import RankExecutor, StepStats
 from pipefold.runtime.faults import Faults
 from pipefold.runtime.history import StepHistory, step_number
@@ -281,7 +281,8 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     report = RankReport(global_rank, history, grads, _peak_rss(), resident, weights, static,
                         decisions, pipeline, first_step=start, resumed_from=resumed_from, skipped=skipped,
                         stopped=stopped, checkpoints=saved,
-                        gathered_bytes=sum(n for e in executors.values() for n in e.gathered.values()))
+                        gathered_bytes=sum(n for e in executors.values() for n in e.gathered.values()),
+                        p2p="sockets" if sockets.current() is not None else str(dist.get_backend()))
     if out_dir is not None:
         with open(Path(out_dir) / f"rank{global_rank}.pkl", "wb") as fh:
             pickle.dump(report, fh)

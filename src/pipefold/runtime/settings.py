@@ -188,6 +188,9 @@ class Reliability:
             object.__setattr__(self, "save_model", os.path.abspath(self.save_model))
 
 
+P2P = ("auto", "sockets", "gloo")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Devices:
     """Where the ranks compute and how their tensors cross (:mod:`pipefold.runtime.devices`)."""
@@ -199,6 +202,14 @@ class Devices:
     overlap: bool = field(default=True, metadata=flag("overlap", "--no-overlap"))
     """On a GPU, run an overlapped pair's (``FB``) forward and backward at once on two streams; False: one after the
     other, as on the CPU."""
+    p2p: str = "auto"
+    """How activations and gradients cross between ranks: 'sockets' (this machine's Unix-domain sockets,
+    :mod:`pipefold.runtime.sockets`), 'gloo' (the process group's transport) or 'auto' (sockets when every rank
+    is on this machine and gloo is the backend, except over emulated or measured links)."""
+
+    def __post_init__(self) -> None:
+        if self.p2p not in P2P:
+            raise ConfigError(f"unknown --p2p {self.p2p!r}: use {', '.join(P2P)}")
 
 
 def check_together(parallel: Parallel, optimizer: Optimizer, *, adaptive: bool, network: bool, netns: bool,

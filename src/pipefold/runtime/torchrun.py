@@ -36,6 +36,7 @@ from pipefold.runtime.watch import (
 
 if TYPE_CHECKING:
     pass
+from pipefold.runtime import sockets
 from pipefold.runtime.job import Job, RankError, RankReport, local_placement, raise_if_stopped
 from pipefold.runtime.rank import run_rank
 
@@ -152,8 +153,13 @@ def run_torchrun(job: Job, on_step: Callable[[int, float, float], None] | None =
                               f"{job.schedule.devices} devices{what}; set --nproc-per-node and --nnodes for {need} "
                               "in all")
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+        one_machine = int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world
+        if job.devices.p2p == "sockets" and not one_machine:
+            raise ConfigError("--p2p sockets joins ranks on one machine, and torchrun started these on several: use "
+                              "--p2p auto or gloo")
         try:
-            report = run_rank(job, rank, world, None, on_step, activity=activity)
+            with sockets.linked() if job.sockets and one_machine else contextlib.nullcontext():
+                report = run_rank(job, rank, world, None, on_step, activity=activity)
             activity.wait("the end of the job", "every rank's report", [r for r in range(world) if r != rank],
                           action=False)
             gathered: list[Any] = [None] * world if rank == 0 else []

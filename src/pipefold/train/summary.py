@@ -205,7 +205,7 @@ def _train_summary(spec: RunSpec, job: Job, reports: list[RankReport], predicted
     return {
         "schedule": job.schedule.name, "options": dict(job.schedule.options), "devices": job.schedule.devices,
         "stages": job.schedule.stages, "microbatches": job.schedule.microbatches, "model": spec.model.name,
-        "layers": job.extra["num_layers"], "partition": spec.memory.partition,
+        "layers": job.extra["num_layers"], "partition": spec.memory.partition, "p2p": reports[0].p2p,
         "boundaries": [stage[0] for stage in job.layer_stages], "loss": losses, "step_time_s": step_time,
         "busy_s": [statistics.fmean(r.steps.busy[1:] or r.steps.busy) for r in reports],
         "peak_activation_bytes": [r.steps.peak_activation_bytes for r in reports],
