@@ -2,15 +2,19 @@
 
 Both sides train the ``mlp`` model (H=512, 8 layers, batch 64 in 8 microbatches)
 on 2 local gloo processes with one thread each, from the same weights and data,
-with SGD. A step's time is the longest of the ranks' times for that step: for
+with SGD. pipefold runs twice: its ranks' messages over this machine's sockets
+(``--p2p auto``, what ``pipefold train`` does here) and over gloo (``--p2p gloo``,
+the transport torch's side uses). A step's time is the longest of the ranks' times for that step: for
 pipefold the executor's ``wall`` (the schedule's actions, from the first to the
 last send waited on), for torch one ``schedule.step(...)`` call. Neither
 includes the optimizer step. The first step (torch infers shapes in it) is
-reported apart and left out of the median. Run:
+reported apart and left out of the median. With ``--runs N`` the three run one
+after another for each schedule, N times over, and each ratio is given per run. Run:
 
     python benchmarks/vs_torch.py            # 10 steps per run, about a minute on 2 cores
     python benchmarks/vs_torch.py --quick    # 4 steps per run
     python benchmarks/vs_torch.py --json     # one JSON object
+    python benchmarks/vs_torch.py --runs 4   # four interleaved runs: the spread of each ratio
     python benchmarks/vs_torch.py --device cuda --hidden 4096   # on a GPU the ranks share (gloo on both sides)
 
 On a GPU, both runtimes' ranks share it over gloo (NCCL refuses two ranks on one device, gloo moves only CPU
@@ -92,8 +96,8 @@ class _Run:
 # -- pipefold
 
 
-def _run_pipefold(pair: _Pair, steps: int) -> _Run:
-    config = RunSpec.flat(schedule=str(ScheduleRef(pair.pipefold, pair.options)), devices=WORLD,
+def _run_pipefold(pair: _Pair, steps: int, p2p: str) -> _Run:
+    config = RunSpec.flat(p2p=p2p, schedule=str(ScheduleRef(pair.pipefold, pair.options)), devices=WORLD,
                           microbatches=MICROBATCHES,
                          steps=steps, model="mlp", layers=LAYERS, hidden=HIDDEN, batch=BATCH, optimizer="sgd",
                          seed=SEED, partition="even",  # the same equal stages torch.distributed.pipelining gets
@@ -282,42 +286,60 @@ def _ratio(ours: _Run, theirs: _Run) -> float | None:
     return ours.median_s / theirs.median_s
 
 
-def _notes(pair: _Pair, ours: _Run, theirs: _Run) -> list[str]:
-    """Failures, and a check that both runtimes computed the same first-step loss."""
-    notes = [f"{pair.label}: {side} failed: {run.error}" for side, run in (("pipefold", ours), ("torch", theirs))
-             if run.error]
-    a, b = ours.first_loss, theirs.first_loss
-    if a is not None and b is not None and abs(a - b) > 1e-4 * abs(b):
-        notes.append(f"{pair.label}: step-1 losses differ: {a:.6f} vs {b:.6f}")
+def _notes(pair: _Pair, sides: dict[str, _Run]) -> list[str]:
+    """Failures, and a check that every side computed the same first-step loss as torch."""
+    notes = [f"{pair.label}: {side} failed: {run.error}" for side, run in sides.items() if run.error]
+    b = sides["torch"].first_loss
+    for side, run in sides.items():
+        a = run.first_loss
+        if a is not None and b is not None and abs(a - b) > 1e-4 * abs(b):
+            notes.append(f"{pair.label}: step-1 losses differ: {side} {a:.6f} vs torch {b:.6f}")
     return notes
 
 
-def _table(rows: list[tuple[_Pair, _Run, _Run]], steps: int) -> Table:
-    table = Table(title=f"step time (ms), median over steps 2..{steps}; ratio > 1: pipefold slower",
-                  title_justify="left")
-    for name in ["schedule", "pipefold", "torch", "pipefold/torch", "1st pipefold", "1st torch"]:
+_SIDES = ("pipefold", "pipefold on gloo", "torch")
+_Row = tuple[_Pair, list[dict[str, _Run]]]
+"""A schedule and, per run, each side's run."""
+
+
+def _median_ms(runs: list[dict[str, _Run]], side: str) -> str:
+    medians = [m for run in runs if (m := run[side].median_s) is not None]
+    return "failed" if not medians else f"{1e3 * statistics.median(medians):.1f}"
+
+
+def _ratios(runs: list[dict[str, _Run]], side: str) -> str:
+    values = [r for run in runs if (r := _ratio(run[side], run["torch"])) is not None]
+    return " ".join(f"{v:.2f}" for v in values) or "-"
+
+
+def _table(rows: list[_Row], steps: int) -> Table:
+    table = Table(title=f"step time (ms), median over steps 2..{steps} (over runs: the median); ratio > 1: pipefold "
+                        "slower, one per run", title_justify="left")
+    for name in ["schedule", *_SIDES, "pipefold/torch", "on gloo/torch", "1st pipefold", "1st torch"]:
         table.add_column(name, justify="left" if name == "schedule" else "right")
-    for pair, ours, theirs in rows:
-        ratio = _ratio(ours, theirs)
-        table.add_row(pair.label, "failed" if ours.error else _ms(ours.median_s),
-                      "failed" if theirs.error else _ms(theirs.median_s),
-                      "-" if ratio is None else f"{ratio:.2f}", _ms(ours.steps_s[0] if ours.steps_s else None),
-                      _ms(theirs.steps_s[0] if theirs.steps_s else None))
+    for pair, runs in rows:
+        first = runs[0]
+        table.add_row(pair.label, *(_median_ms(runs, side) for side in _SIDES), _ratios(runs, "pipefold"),
+                      _ratios(runs, "pipefold on gloo"),
+                      *(_ms(first[side].steps_s[0] if first[side].steps_s else None) for side in ("pipefold", "torch")))
     return table
 
 
-def _json(rows: list[tuple[_Pair, _Run, _Run]], steps: int, seconds: float,
-          load: tuple[float, float, float]) -> dict[str, Any]:
+def _json(rows: list[_Row], steps: int, seconds: float, load: tuple[float, float, float]) -> dict[str, Any]:
+    def ratio(run: dict[str, _Run], side: str) -> float | None:
+        return None if (r := _ratio(run[side], run["torch"])) is None else round(r, 3)
+
     return {
         "torch_version": torch.__version__, "cpus": os.cpu_count(), "backend": "gloo", "device": DEVICE,
         "gpu": torch.cuda.get_device_name(0) if DEVICE == "cuda" else None, "world": WORLD, "steps": steps,
         "model": {"name": "mlp", "hidden": HIDDEN, "layers": LAYERS, "batch": BATCH, "microbatches": MICROBATCHES},
         "seconds": round(seconds, 1), "load_average": [round(v, 2) for v in load],
         "schedules": [{"schedule": pair.pipefold, "options": dict(pair.options), "torch_class": pair.torch_class,
-                       "pipefold": ours.to_json(), "torch": theirs.to_json(),
-                       "notes": _notes(pair, ours, theirs),
-                       "ratio": None if (r := _ratio(ours, theirs)) is None else round(r, 3)}
-                      for pair, ours, theirs in rows],
+                       "runs": [{"pipefold": run["pipefold"].to_json(),
+                                 "pipefold_gloo": run["pipefold on gloo"].to_json(), "torch": run["torch"].to_json(),
+                                 "notes": _notes(pair, run), "ratio": ratio(run, "pipefold"),
+                                 "ratio_gloo": ratio(run, "pipefold on gloo")} for run in runs]}
+                      for pair, runs in rows],
     }
 
 
@@ -326,6 +348,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10, help="steps per run, the first one excluded (default 10)")
     parser.add_argument("--quick", action="store_true", help="4 steps per run")
+    parser.add_argument("--runs", type=int, default=1, help="runs of every side and schedule, interleaved (default 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where both runtimes' ranks compute")
     parser.add_argument("--hidden", type=int, default=HIDDEN)
@@ -342,25 +365,27 @@ def main() -> None:
     steps = 4 if args.quick else args.steps
     if steps < 2:
         parser.error(f"--steps must be at least 2 so a step is left after the first ({steps} < 2)")
+    if args.runs < 1:
+        parser.error(f"--runs must be at least 1 (got {args.runs})")
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by every spawned rank
     torch.set_num_threads(1)
     console = Console(stderr=args.json)
     if not console.is_terminal:
-        console.width = 120  # piped into a file or a doc: do not wrap the table at 80 columns
+        console.width = 140  # piped into a file or a doc: do not wrap the table at 80 columns
     started = time.perf_counter()
-    rows = []
-    for pair in (p for p in PAIRS if p.label in args.schedules):  # both runtimes back to back: drift hits both
-        console.print(f"[dim]{pair.label}: pipefold ...[/dim]")
-        ours = _run_pipefold(pair, steps)
-        console.print(f"[dim]{pair.label}: torch ...[/dim]")
-        theirs = _run_torch(pair, steps)
-        rows.append((pair, ours, theirs))
+    pairs = [p for p in PAIRS if p.label in args.schedules]
+    rows: list[_Row] = [(pair, []) for pair in pairs]
+    for number in range(args.runs):
+        for pair, runs in rows:  # the three back to back: drift hits them all
+            console.print(f"[dim]run {number + 1}/{args.runs}, {pair.label}: pipefold, on gloo, torch ...[/dim]")
+            runs.append({"pipefold": _run_pipefold(pair, steps, "auto"),
+                         "pipefold on gloo": _run_pipefold(pair, steps, "gloo"), "torch": _run_torch(pair, steps)})
     seconds = time.perf_counter() - started
     if args.json:
         print(json.dumps(_json(rows, steps, seconds, os.getloadavg())))
         return
     console.print(_table(rows, steps))
-    for note in (n for pair, ours, theirs in rows for n in _notes(pair, ours, theirs)):
+    for note in (n for pair, runs in rows for run in runs for n in _notes(pair, run)):
         console.print(note)
     load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
     console.print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average {load}, {seconds:.0f} s in all")

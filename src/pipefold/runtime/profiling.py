@@ -34,6 +34,7 @@ from pipefold.models.size import check_model
 from pipefold.plan.partition import COST_KINDS, LayerFigures
 from pipefold.plan.profile import LayerProfile, Profile, Progress, fit_link
 from pipefold.plan.recompute import OPTIMIZER_STATE, StageProfile
+from pipefold.runtime import sockets
 from pipefold.runtime.processes import free_port, process_context, starting, stopped_on_error
 from pipefold.runtime.stage import (
     Chain,
@@ -446,10 +447,15 @@ def _count_after_forward(runner: StageRunner, batch: list[Any], kept: list[int],
 # --------------------------------------------------------------------------- the link
 
 
-def _ping(rank: int, port: int, ranks: int, sizes: Sequence[int], rounds: int, out: Any,
+def _gloo(post: Callable[..., Any]) -> Callable[[torch.Tensor, int, int], Any]:
+    """``dist.isend`` or ``dist.irecv`` called as the sockets' are: (tensor, peer, tag)."""
+    return lambda t, peer, tag: post(t, peer, tag=tag)
+
+
+def _ping(rank: int, port: int, ranks: int, sizes: Sequence[int], rounds: int, p2p: str, out: Any,
           work: tuple[dict[str, Any], tuple[int, int]] | None = None) -> None:
-    """One end of the ping-pong (``ranks`` is 2); with ``work``, this process also computes that layer in another
-    thread meanwhile, as a rank computes while its messages travel."""
+    """One end of the ping-pong (``ranks`` is 2), over ``p2p`` ('sockets' or 'gloo'); with ``work``, this process
+    also computes that layer in another thread meanwhile, as a rank computes while its messages travel."""
     import threading
 
     import torch.distributed as dist
@@ -471,36 +477,36 @@ def _ping(rank: int, port: int, ranks: int, sizes: Sequence[int], rounds: int, o
         busy = threading.Thread(target=compute, daemon=True)
         busy.start()
     try:
-        result = {}
-        for size in sizes:
-            buf = torch.zeros(size // 4, dtype=torch.float32)
-            trips = []
-            for k in range(rounds + 2):
-                t0 = time.perf_counter()
-                if rank == 0:
-                    dist.send(buf, 1)
-                    dist.recv(buf, 1)
-                else:
-                    dist.recv(buf, 0)
-                    dist.send(buf, 0)
-                if k >= 2:  # two warm-ups: connection setup and first allocations
-                    trips.append(time.perf_counter() - t0)
-            result[size] = statistics.fmean(trips) / 2  # the mean: a transfer that waits for a core counts
-        stop.set()
-        if busy is not None:
-            busy.join()
-        if rank == 0:
-            out.put(result)
-        dist.barrier()
+        with sockets.linked() if p2p == "sockets" else contextlib.nullcontext() as links:
+            send, recv = (links.isend, links.irecv) if links is not None else (_gloo(dist.isend), _gloo(dist.irecv))
+            result = {}
+            for size in sizes:
+                buf = torch.zeros(size // 4, dtype=torch.float32)
+                trips = []
+                for k in range(rounds + 2):
+                    t0 = time.perf_counter()
+                    for sender in (0, 1):
+                        (send(buf, 1 - rank, 0) if rank == sender else recv(buf, 1 - rank, 0)).wait()
+                    if k >= 2:  # two warm-ups: connection setup and first allocations
+                        trips.append(time.perf_counter() - t0)
+                result[size] = statistics.fmean(trips) / 2  # the mean: a transfer that waits for a core counts
+            stop.set()
+            if busy is not None:
+                busy.join()
+            if rank == 0:
+                out.put(result)
+            dist.barrier()
     finally:
         stop.set()
         dist.destroy_process_group()
 
 
 def measure_link(rounds: int = 20, sizes: Sequence[int] = _LINK_SIZES,
-                 load: tuple[dict[str, Any], tuple[int, int], int] | None = None) -> tuple[float, float]:
-    """(latency seconds, bandwidth bytes/s) of a gloo link between two local processes: half the mean round trip
-    of each size, fitted by least squares to latency + bytes / bandwidth.
+                 load: tuple[dict[str, Any], tuple[int, int], int] | None = None,
+                 p2p: str = "sockets") -> tuple[float, float]:
+    """(latency seconds, bandwidth bytes/s) of a link between two local processes, over ``p2p``: 'sockets' (what
+    a run on this machine sends over, :mod:`pipefold.runtime.sockets`) or 'gloo'. Half the mean round trip of
+    each size, fitted by least squares to latency + bytes / bandwidth.
 
     With ``load = (train, (first, end), n)`` the two ends compute those layers of the model in another thread meanwhile,
     and n more processes run it too, as the ranks of a run do: where ranks share cores, a message then waits
@@ -508,7 +514,7 @@ def measure_link(rounds: int = 20, sizes: Sequence[int] = _LINK_SIZES,
     transfer costs.
     """
     work = None if load is None else (load[0], load[1])
-    one_way = _measured_under(load, _ping, (tuple(sizes), rounds), work, 2)
+    one_way = _measured_under(load, _ping, (tuple(sizes), rounds, p2p), work, 2)
     return fit_link(one_way)
 
 
@@ -897,7 +903,8 @@ def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int 
             progress("all-reduce", len(groups), len(groups))
     machine = {"host": platform.node(), "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                else os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-               "device": "cpu", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "repeats": repeats}
+               "device": "cpu", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "repeats": repeats,
+               **({"link": "sockets"} if link else {})}  # what the link was measured over: what runs here send over
     return Profile(train=train, layers=tuple(measured), latency=latency,
                    bandwidth=bandwidth if math.isfinite(bandwidth) else 1e30, contention=factors,
                    optimizer_factor=OPTIMIZER_STATE[optimizer], machine=machine, pass_fixed=measure_pass_fixed(),
