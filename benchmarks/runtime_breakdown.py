@@ -15,7 +15,9 @@ The run is vs_torch.py's: the ``mlp`` model (H=512, 8 layers, batch 64 in 8 micr
 - ``util``: compute / the slowest rank's step (the job's step time), against ``ideal``: the same ratio in the
   simulation of the schedule fed with the passes' measured median times
   (:func:`pipefold.runtime.measure.measured_costs`), which has no runtime work and no waits but those the
-  schedule's dependencies make.
+  schedule's dependencies make; and ``replay``: the same ratio with each step's own pass times, each action
+  starting as soon as its rank and inputs allow (:func:`pipefold.runtime.measure.replayed_busy`), the median over
+  steps: no runtime work and no message time either, but the passes' variation from step to step kept.
 
     OMP_NUM_THREADS=1 python benchmarks/runtime_breakdown.py [--steps 10] [--json]
 """
@@ -28,7 +30,7 @@ import os
 import sys
 from typing import Any
 
-from pipefold.runtime.measure import measured_costs, step_parts
+from pipefold.runtime.measure import measured_costs, replayed_busy, step_parts
 from pipefold.sim.simulate import simulate
 from pipefold.train.run import train
 from pipefold.train.spec import RunSpec
@@ -49,9 +51,11 @@ def breakdown(schedule: str, steps: int, hidden: int) -> dict[str, Any]:
     busy = [sum(iv.end - iv.start for iv in row) for row in ideal.timeline]
     actions = [len(job.schedule.actions[d]) for d in range(job.schedule.devices)]
     step = max(row["step"] for row in ranks)  # the job's step: its slowest rank's
+    replay = replayed_busy(job.schedule, reports)
     for d, row in enumerate(ranks):
         row["util"] = row["compute"] / step
         row["ideal"] = busy[d] / ideal.makespan
+        row["replay"] = replay[d]
         row["runtime per action"] = row["runtime"] / actions[d]
     return {"schedule": schedule, "ranks": ranks, "ideal_step": ideal.makespan}
 
@@ -70,13 +74,14 @@ def main() -> None:
     if args.json:
         print(json.dumps(out, indent=1))
         return
-    print(f"{'schedule':22} rank  step ms  compute  recv wait  send wait  runtime (per action)  cpu ms  util  ideal")
+    print(f"{'schedule':22} rank  step ms  compute  recv wait  send wait  runtime (per action)  cpu ms  util  ideal  "
+          "replay")
     for got in out:
         for d, r in enumerate(got["ranks"]):
             print(f"{got['schedule']:22} {d:4} {r['step'] * 1e3:8.1f} {r['compute'] * 1e3:8.1f} "
                   f"{r['recv wait'] * 1e3:10.1f} {r['send wait'] * 1e3:10.1f} {r['runtime'] * 1e3:8.1f} "
                   f"({r['runtime per action'] * 1e6:4.0f} us) {r['cpu'] * 1e3:10.1f} {r['util']:5.0%} "
-                  f"{r['ideal']:6.0%}")
+                  f"{r['ideal']:6.0%} {r['replay']:7.0%}")
     sys.stdout.flush()
 
 

@@ -225,8 +225,9 @@ def test_stage_figures_from_layers_match_stages_measured_whole() -> None:
 def test_the_runtime_overhead_is_measured_and_reaches_the_cost_model() -> None:
     # A real run of two ranks: the executor's own work between passes, per message, from its step parts; the
     # OS's CPU time of each rank covers its passes.
+    from pipefold.runtime.executor import COMPUTE_KINDS
     from pipefold.runtime.local import run_local
-    from pipefold.runtime.measure import step_parts
+    from pipefold.runtime.measure import replayed_busy, replayed_step, step_parts
     from pipefold.train.overhead import OVERHEAD_RUN, overhead_of
     from pipefold.train.prepare import make_job
     from pipefold.train.spec import profiled_settings
@@ -241,6 +242,16 @@ def test_the_runtime_overhead_is_measured_and_reaches_the_cost_model() -> None:
     for part in parts:  # medians of each part over the steps: they need not add up to the median step
         assert 0 < part["compute"] < part["step"] and part["runtime"] < part["step"]
         assert part["cpu"] >= 0.9 * part["compute"]
+    # The same steps replayed with no runtime: every compute event lands on its action, no rank's passes outlast
+    # the replayed step, and the replayed step is no longer than the real one (nothing in it waits but the
+    # dependencies, on the same pass times).
+    for i in reports[0].steps.kept():
+        makespan, busy = replayed_step(job.schedule, reports, i)
+        for r, b in zip(sorted(reports, key=lambda r: r.rank), busy, strict=True):
+            assert b == pytest.approx(sum(e.end - e.start for e in r.steps[i].events if e.kind in COMPUTE_KINDS))
+            assert 0 < b <= makespan
+        assert makespan <= max(r.steps.wall[i] for r in reports)
+    assert all(0 < x <= 1 for x in replayed_busy(job.schedule, reports))
     # 1f1b on 2 ranks: each rank's F and BW of every microbatch carry one message each.
     assert overhead == pytest.approx(sum(max(0.0, p["runtime"]) / (2 * 4) for p in parts) / 2)
     prof = dataclasses.replace(_profile(8), message_overhead=overhead)

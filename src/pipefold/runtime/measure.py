@@ -8,6 +8,7 @@ import statistics
 from typing import Any
 
 from pipefold.ir import Action, Schedule
+from pipefold.ir.graph import dependency_graph
 from pipefold.runtime.executor import COMPUTE_KINDS, kind_times
 from pipefold.runtime.history import step_number
 from pipefold.runtime.job import RankReport
@@ -117,6 +118,36 @@ def step_parts(reports: list[RankReport], warmup: int = 1) -> list[dict[str, flo
                          "runtime": st.wall - compute - recv - sent, "cpu": st.cpu})
         out.append({k: statistics.median(row[k] for row in rows) for k in rows[0]})
     return out
+
+
+def replayed_step(schedule: Schedule, reports: list[RankReport], step: int) -> tuple[float, list[float]]:
+    """Step ``step`` replayed with no runtime at all: every action lasting what it took in the run (its compute
+    events), starting as soon as its rank is free and its inputs are done (:func:`pipefold.ir.graph.dependency_graph`'s
+    traversal), with no time for messages nor between passes. Returns (the replayed step's seconds, each rank's
+    busy seconds in it)."""
+    took = []
+    for d, r in enumerate(sorted(reports, key=lambda r: r.rank)):
+        spent: dict[str, float] = {}
+        for e in r.steps[step].events:
+            if e.kind in COMPUTE_KINDS:
+                spent[e.name] = spent.get(e.name, 0.0) + e.end - e.start
+        took.append([spent.get(str(a), 0.0) for a in schedule.actions[d]])
+    graph = dependency_graph(schedule, [t for row in took for t in row])
+    return max(graph.ends), [sum(row) for row in took]
+
+
+def replayed_busy(schedule: Schedule, reports: list[RankReport], warmup: int = 1) -> list[float]:
+    """Per rank, its passes' share of the step replayed (:func:`replayed_step`), the median over its fully kept steps
+    after the first ``warmup``: the run's waits as they would be if they came from the schedule's dependencies and
+    the passes' own times alone, step by step (a pass that ran slow in one step delays its dependants there, which
+    a simulation of median times does not show)."""
+    kept = reports[0].steps.kept()
+    shares: list[list[float]] = [[] for _ in reports]
+    for i in [i for i in kept if i >= warmup] or kept[-1:]:
+        makespan, busy = replayed_step(schedule, reports, i)
+        for d, b in enumerate(busy):
+            shares[d].append(b / makespan)
+    return [statistics.median(x) for x in shares]
 
 
 def per_step(reports: list[RankReport]) -> list[dict[str, Any]]:
