@@ -224,6 +224,7 @@ def test_two_torchrun_agents_as_two_nodes(tmp_path: Path) -> None:
     assert len(lines) == 1, outs  # rank 0 reports for everyone, on whichever node it ran
     result = json.loads(lines[0])
     assert result["dp"] == 2 and result["sharding"] == "fsdp" and result["max_grad_rel_diff"] < 1e-5
+    assert result["p2p"] == "gloo"  # two nodes: the messages cross the process group, not one machine's sockets
     assert len(result["loss"]) == 2
 
 

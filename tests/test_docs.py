@@ -1,8 +1,8 @@
 """Every command block of the README and docs/, run as written, in the order the page shows it.
 
 The text is never edited for the test. One setting, :data:`SHRINK`, scales what would take minutes on a laptop
-down to seconds: widths and sequence lengths above a cap come down to it, so do a cluster plan's node count and
-the largest matrix product a calibration times, and step counts (with the checkpoint
+down to seconds: widths and sequence lengths above a cap come down to it, so do a cluster plan's node count,
+the largest matrix product a calibration times and a benchmark's repeated runs, and step counts (with the checkpoint
 intervals and checkpoint names that count steps) are divided by one factor per page, so that a flow that trains
 100 steps, checkpoints every 10 and resumes to 200 still checkpoints and resumes. A training command with no
 ``--steps`` runs 2 steps. Nothing else is changed: schedules, devices, microbatches, layers, budgets, files and
@@ -59,6 +59,8 @@ class Shrink:
     benchmark_steps: int = 2
     """``--steps`` of a benchmark (``python benchmarks/...``) come down to this: a benchmark's steps are repeats of
     one measurement, not a flow whose later commands count on them."""
+    benchmark_runs: int = 1
+    """``--runs`` of a benchmark come down to this: its runs are repeats of the whole measurement."""
     nodes: int = 4
     """``--nodes`` of a cluster plan (``pipefold plan --cluster``) above this come down to it."""
     benchmark_nodes: int = 2
@@ -173,7 +175,7 @@ def shrink_benchmark(argv: list[str], options: str | None = None) -> list[str]:
         return out
     source = options if options is not None else (ROOT / out[0]).read_text(encoding="utf-8")
     caps = {"--steps": SHRINK.benchmark_steps, "--hidden": SHRINK.width, "--seq": SHRINK.width,
-            "--nodes": SHRINK.benchmark_nodes}
+            "--nodes": SHRINK.benchmark_nodes, "--runs": SHRINK.benchmark_runs}
     for name, cap in caps.items():
         if name in out[1:-1]:
             i = out.index(name)
@@ -387,7 +389,7 @@ def test_the_setting_scales_only_sizes_and_steps(argv: list[str], factor: float,
 @pytest.mark.parametrize(("argv", "options", "expected"), [
     (["benchmarks/b.py", "--steps", "20"], 'add_argument("--steps", type=int, default=3)\n',
      ["benchmarks/b.py", "--steps", "2"]),
-    (["benchmarks/b.py", "--steps", "1", "--runs", "5"], "", ["benchmarks/b.py", "--steps", "1", "--runs", "5"]),
+    (["benchmarks/b.py", "--steps", "1", "--runs", "5"], "", ["benchmarks/b.py", "--steps", "1", "--runs", "1"]),
     (["benchmarks/b.py"], 'add_argument("--hidden", type=int, default=HIDDEN)\nadd_argument("--steps", default=3)\n'
      'add_argument("--seq", type=int, default=32)\n', ["benchmarks/b.py", "--steps", "2", "--hidden", "64"]),
     (["-c", "--steps", "20"], "", ["-c", "--steps", "20"]),

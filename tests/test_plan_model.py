@@ -241,7 +241,9 @@ def test_the_runtime_overhead_is_measured_and_reaches_the_cost_model() -> None:
     parts = step_parts(reports)
     for part in parts:  # medians of each part over the steps: they need not add up to the median step
         assert 0 < part["compute"] < part["step"] and part["runtime"] < part["step"]
-        assert part["cpu"] >= 0.9 * part["compute"]
+        # The passes' wall time also holds the moments the rank waited for a core: alone it was within 10% of
+        # the CPU time; beside the suite's other ranks on 2 cores it once came to 0.68 of it.
+        assert part["cpu"] >= 0.5 * part["compute"]
     # The same steps replayed with no runtime: every compute event lands on its action, no rank's passes outlast
     # the replayed step, and the replayed step is no longer than the real one (nothing in it waits but the
     # dependencies, on the same pass times).

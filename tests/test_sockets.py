@@ -117,6 +117,27 @@ def _mismatch(rank: int, port: int, directory: str, out: Any) -> None:
     dist.barrier()
 
 
+def _long_path(rank: int, port: int, directory: str, out: Any) -> None:
+    """A folder whose sockets' paths would be too long for the system: the ranks link through a short one instead,
+    and remove it at the end."""
+    import torch.distributed as dist
+
+    from pipefold.runtime import sockets
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    deep = os.path.join(directory, "x" * 120)
+    os.makedirs(deep, exist_ok=True)
+    with sockets.linked(deep) as links:
+        t = torch.arange(5.0) if rank == 0 else torch.empty(5)
+        (links.isend(t, 1, 0) if rank == 0 else links.irecv(t, 0, 0)).wait()
+        short = [os.path.dirname(links.links[1 - rank].sock.getsockname() or links.links[1 - rank].sock.getpeername())]
+        dist.barrier()
+    dist.barrier()
+    out.put((rank, t.tolist(), short[0] != deep and not os.path.exists(short[0])))
+    dist.destroy_process_group()
+
+
 def _run(target: Any, nprocs: int = 2) -> list[Any]:
     import torch.multiprocessing as mp
 
@@ -175,3 +196,7 @@ def test_the_profile_measures_the_link_a_run_sends_over(p2p: str) -> None:
 
     latency, bandwidth = measure_link(rounds=3, sizes=(4096, 1 << 16, 1 << 20), p2p=p2p)
     assert 0 < latency < 0.1 and bandwidth > 1e6, (latency, bandwidth)
+
+
+def test_a_folder_too_deep_for_a_socket_path_is_replaced_by_a_short_one() -> None:
+    assert sorted(_run(_long_path)) == [(0, [0.0, 1.0, 2.0, 3.0, 4.0], True), (1, [0.0, 1.0, 2.0, 3.0, 4.0], True)]

@@ -44,7 +44,11 @@ gloo each link (one peer) has a thread that waits on its sends in the order
 they were posted, which is the order the peer receives them, and drops each
 one's tensors as soon as it returns. The executor may also ask for the first n
 sends of a link to be released (:meth:`Links.settle`) when the schedule tells
-it they have been received, which bounds the bytes in flight per link.
+it they have been received, which bounds the bytes in flight per link. Between
+ranks of one machine the messages go over :mod:`pipefold.runtime.sockets`
+instead (:func:`_post` picks): a send the socket takes whole as it is posted is
+released at once, without waking the link's thread, when nothing before it is
+still in the thread's hands; the rest of a larger one is written by the thread.
 """
 
 from __future__ import annotations
@@ -229,17 +233,27 @@ class _Outbox:
         self._cond = threading.Condition()
         self._pending: deque[_Send] = deque()  # without a thread: posted, not yet seen delivered
         self._queue: queue.SimpleQueue[_Send | None] | None = None
+        self._queued = 0  # handed to the thread and not yet released
         if threaded:
             self._queue = queue.SimpleQueue()
             threading.Thread(target=self._deliver, name=f"pipefold-send-{peer}", daemon=True).start()
 
     def post(self, send: _Send) -> None:
+        work = send[0]
         with self._cond:
             self._raise()
             self.posted += 1
             self.bytes += send[2]
             self.max_bytes = max(self.max_bytes, self.bytes)
-        if self._queue is not None:
+            # Delivered as it was posted (a socket took it whole) with nothing before it still in the thread's hands:
+            # released here, without waking the thread.
+            now = (self._queue is not None and self._queued == 0 and not isinstance(work, (_Deferred, _Staged))
+                   and work.is_completed())
+            if self._queue is not None and not now:
+                self._queued += 1
+        if now:
+            self._release(send[2], send[3], send[4])
+        elif self._queue is not None:
             self._queue.put(send)
         else:
             self._pending.append(send)
@@ -275,6 +289,8 @@ class _Outbox:
                 return
             del item, work  # the tensors die here unless someone else holds them
             self._release(nbytes, posted_at, tag)
+            with self._cond:
+                self._queued -= 1
 
     def poll(self) -> None:
         """Without a thread (NCCL): release the sends, in order, that report themselves completed."""

@@ -261,11 +261,12 @@ def connect(directory: str | Path) -> Sockets:
 
 @contextlib.contextmanager
 def linked(directory: str | Path | None = None) -> Iterator[Sockets]:
-    """This rank connected to every other (:func:`connect`) while entered, closed after. Without ``directory``,
-    rank 0 makes one (its name sent to the others over the process group) and removes it at the end."""
+    """This rank connected to every other (:func:`connect`) while entered, closed after. Without ``directory``, or
+    when its sockets' paths would be too long for the system (108 bytes), rank 0 makes a short one (its name sent
+    to the others over the process group) and removes it at the end."""
     made = None
-    if directory is None:
-        name = [tempfile.mkdtemp(prefix="pipefold-") if dist.get_rank() == 0 else None]
+    if directory is None or len(os.fsencode(Path(directory) / f"rank-{dist.get_world_size()}.sock")) > _PATH_MAX:
+        name = [_short_directory() if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(name, src=0)
         directory = made = name[0]
     assert directory is not None
@@ -275,6 +276,19 @@ def linked(directory: str | Path | None = None) -> Iterator[Sockets]:
         close()
         if made is not None and dist.get_rank() == 0:
             shutil.rmtree(made, ignore_errors=True)
+
+
+_PATH_MAX = 100
+"""The longest socket path used: Linux allows 107 bytes, macOS 103."""
+
+
+def _short_directory() -> str:
+    """A new directory whose sockets' paths fit: in the temporary folder, or in /tmp when that one's name is long."""
+    made = tempfile.mkdtemp(prefix="pf-")
+    if len(os.fsencode(made)) + 20 <= _PATH_MAX:
+        return made
+    os.rmdir(made)
+    return tempfile.mkdtemp(prefix="pf-", dir="/tmp")
 
 
 def close() -> None:
