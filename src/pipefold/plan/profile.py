@@ -32,12 +32,9 @@ import math
 import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pipefold.errors import ConfigError
-
-if TYPE_CHECKING:  # measuring needs torch; reading a profile does not (the planner loads without it)
-    pass
 
 __all__ = ["LayerProfile", "Profile", "fit_link"]
 

@@ -23,15 +23,12 @@ import itertools
 import math
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pipefold.errors import ConfigError
 from pipefold.ir import Kind, Schedule
 from pipefold.sim.simulate import CostModel, StageCost, StageOverride, peak_by_order, simulate
 from pipefold.units import format_bytes
-
-if TYPE_CHECKING:  # measuring needs torch; planning from measured figures does not (the planner loads without it)
-    pass
 
 __all__ = ["MODES", "RecomputePlan", "StageProfile", "choose_recompute", "device_peaks", "plan_recompute",
            "smallest_budget"]

@@ -73,7 +73,8 @@ def _spawned(rank: int, job: Job, world: int, port: int, out_dir: str, progress:
             torch.cuda.set_device(where.device_of(rank))
         dist.init_process_group(where.backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=pg_timeout(job.reliability.action_timeout)))
-        activity.wait("start-up", "its links to the other ranks", others, action=False)
+        if job.sockets:
+            activity.wait("start-up", "its links to the other ranks", others, action=False)
         with sockets.linked(out_dir) if job.sockets else contextlib.nullcontext():
             run_rank(job, rank, world, out_dir, on_step=lambda *a: progress.put(a), activity=activity)
             activity.wait("the end of the job", "every rank to finish", others, action=False)

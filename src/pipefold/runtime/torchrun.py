@@ -15,12 +15,15 @@ import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from pipefold.errors import ConfigError
+from pipefold.runtime import sockets
+from pipefold.runtime.job import Job, RankError, RankReport, local_placement, raise_if_stopped
+from pipefold.runtime.rank import run_rank
 from pipefold.runtime.watch import (
     DEFAULT_ACTION_TIMEOUT,
     Activity,
@@ -33,12 +36,6 @@ from pipefold.runtime.watch import (
     pg_timeout,
     why_silent,
 )
-
-if TYPE_CHECKING:
-    pass
-from pipefold.runtime import sockets
-from pipefold.runtime.job import Job, RankError, RankReport, local_placement, raise_if_stopped
-from pipefold.runtime.rank import run_rank
 
 
 class _TorchrunWatch:
