@@ -44,7 +44,7 @@ from pipefold.ir.ref import ScheduleRef
 from pipefold.models import split_layers
 from pipefold.models.mlp import MLPConfig, build_mlp_layers, mlp_input, mlp_loss, mlp_target
 from pipefold.runtime.job import RankError
-from pipefold.runtime.processes import free_port
+from pipefold.runtime.processes import free_port, process_context
 from pipefold.train.run import train
 from pipefold.train.spec import RunSpec
 
@@ -229,13 +229,14 @@ def _through_host() -> None:
 
 
 def _run_torch(pair: _Pair, steps: int) -> _Run:
-    """Spawn the ranks; any rank's exception or a hang becomes a failed run with a one-line reason."""
-    ctx = mp.get_context("spawn")
+    """Start the ranks (from pipefold's fork server, which has imported torch: the same start-up pipefold's ranks
+    get; neither is timed); any rank's exception or a hang becomes a failed run with a one-line reason."""
+    ctx = process_context()
     results = ctx.SimpleQueue()
     sizes = (HIDDEN, LAYERS, BATCH, MICROBATCHES)
     where = "cuda:0" if DEVICE == "cuda" else "cpu"
-    context = mp.spawn(_torch_rank, args=(pair, steps, free_port(), results, sizes, where), nprocs=WORLD,
-                       join=False)
+    context = mp.start_processes(_torch_rank, args=(pair, steps, free_port(), results, sizes, where), nprocs=WORLD,
+                                 join=False, start_method=ctx.get_start_method())
     deadline = time.monotonic() + RUN_TIMEOUT_S
     try:
         while not context.join(timeout=0.2):
