@@ -1,10 +1,10 @@
 """Point-to-point messages between the ranks of one machine, over Unix-domain sockets.
 
-gloo's TCP transport costs hundreds of microseconds a message on one machine: a round trip of 16 KiB between two
-processes took 428 us over gloo on loopback, 12 us over a pipe (2 cores, idle; ``docs/runtime.md``). A message
-crosses gloo's own threads on both sides (the receiver's ready note, the sender's write, the receiver's loop, the
-waiting thread woken), and each hop wakes a thread on cores the ranks' passes share. A pipeline's activations
-and gradients are small and many, so on one machine those hops are the runtime's largest cost between passes.
+gloo's TCP transport costs a hundred microseconds and more a message on one machine: a round trip of 4 KiB between
+two processes took 163 us over gloo, 47 us over these sockets and 19 us over a bare Unix socket (2 cores;
+``benchmarks/p2p.py``, ``docs/runtime.md``). A message crosses gloo's own threads on both sides, and each hop wakes
+a thread on cores the ranks' passes share. A pipeline's activations and gradients are small and many, so on one
+machine those hops are most of the runtime's cost between passes.
 
 Here each pair of ranks shares one connected stream socket. A message is a header (its tag and byte count) and
 its bytes, written by the sender straight from the tensor's memory and read by the receiver straight into the
