@@ -89,16 +89,21 @@ def _dies(rank: int, port: int, directory: str, out: Any) -> None:
     if rank == 1:
         os._exit(0)
     start = time.monotonic()
+    from pipefold.runtime.sockets import lost_peer
+
     try:
         links.irecv(torch.empty(4), 1, 0).wait()
         out.put((rank, "no error"))
     except RuntimeError as exc:
         out.put((rank, f"{exc} after {time.monotonic() - start:.0f} s"))
-    try:  # and a send to it fails rather than hangs
-        links.isend(torch.zeros(1 << 22), 1, 1).wait()
+    try:  # and a send to it fails rather than hangs; re-raised as the runtime's links do, it still names the peer
+        try:
+            links.isend(torch.zeros(1 << 22), 1, 1).wait()
+        except RuntimeError as exc:
+            raise RuntimeError(f"a send to rank 1 failed: {exc}") from exc
         out.put((rank, "no error"))
     except RuntimeError as exc:
-        out.put((rank, str(exc)))
+        out.put((rank, f"{exc.__cause__} (from rank {lost_peer(exc)})"))
 
 
 def _mismatch(rank: int, port: int, directory: str, out: Any) -> None:
@@ -168,7 +173,7 @@ def test_a_dead_peer_is_named_at_once() -> None:
     assert len(results) == 2, results
     recv, send = results
     assert recv.startswith("the link to rank 1 closed") and recv.endswith("after 0 s"), recv
-    assert send.startswith("the link to rank 1 closed"), send
+    assert send.startswith("the link to rank 1 closed") and send.endswith("(from rank 1)"), send
 
 
 def test_a_message_of_the_wrong_size_is_one_line() -> None:

@@ -83,6 +83,8 @@ def _spawned(rank: int, job: Job, world: int, port: int, out_dir: str, progress:
         heartbeat.beat()
         leave_group()
     except BaseException as exc:  # noqa: BLE001 (reported to the launcher, which names the rank to blame)
+        if (peer := sockets.lost_peer(exc)) is not None:  # a send or receive found the peer gone: its failure
+            activity.ended_by(peer, "its link")
         with contextlib.suppress(Exception):  # unwritable: the launcher reports an exit with code 1 instead
             _write_failure(Path(out_dir) / f"error-{rank}.json", exc, activity)
         os._exit(1)

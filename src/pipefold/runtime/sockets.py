@@ -37,9 +37,28 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-__all__ = ["Sockets", "close", "connect", "current", "linked"]
+__all__ = ["LinkLost", "Sockets", "close", "connect", "current", "linked", "lost_peer"]
 
 _HEAD = struct.Struct("<qq")  # tag, bytes
+
+
+class LinkLost(RuntimeError):
+    """The socket to ``peer`` closed: that rank stopped. An error that came from the peer, not from this rank."""
+
+    def __init__(self, peer: int, why: str = "") -> None:
+        super().__init__(f"the link to rank {peer} closed{why}: that rank stopped")
+        self.peer = peer
+
+
+def lost_peer(exc: BaseException | None) -> int | None:
+    """The rank whose link's loss caused ``exc`` (itself or, through its causes, what it was raised from)."""
+    for _ in range(32):  # a chain of causes, not a cycle
+        if exc is None:
+            return None
+        if isinstance(exc, LinkLost):
+            return exc.peer
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
@@ -200,9 +219,8 @@ class _Link:
             got += n
         return view
 
-    def _lost(self, exc: OSError | None) -> RuntimeError:
-        why = f" ({exc.strerror or exc})" if exc is not None else ""
-        return RuntimeError(f"the link to rank {self.peer} closed{why}: that rank stopped")
+    def _lost(self, exc: OSError | None) -> LinkLost:
+        return LinkLost(self.peer, f" ({exc.strerror or exc})" if exc is not None else "")
 
 
 class Sockets:

@@ -166,6 +166,8 @@ def run_torchrun(job: Job, on_step: Callable[[int, float, float], None] | None =
         except (ConfigError, KeyboardInterrupt):
             raise
         except Exception as exc:
+            if (peer := sockets.lost_peer(exc)) is not None:  # the peer's failure reached this rank
+                activity.ended_by(peer, "its link")
             snap = activity.snapshot(0)
             peers = [r for r in snap.waits if r != rank]
             waiting = f" (waiting for {snap.what} from rank {peers[0]})" if len(peers) == 1 else ""

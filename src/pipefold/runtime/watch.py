@@ -122,6 +122,12 @@ class Activity:
         """Back to running ``where`` after a wait (its clock starts again: the wait ended)."""
         self._now = (where, action, "", (), time.time())
 
+    def ended_by(self, peer: int, what: str) -> None:
+        """What it was doing ended because ``peer`` stopped (its ``what`` lost): recorded as a wait for that rank,
+        so that the rank is blamed rather than this one."""
+        where, action = self._now[0], self._now[1]
+        self._now = (where, action, what, (peer,), time.time())
+
     def finish(self) -> None:
         self.done = True
 
