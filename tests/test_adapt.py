@@ -56,6 +56,39 @@ def test_link_times_join_both_ends() -> None:
     assert times[(2, 1)][1] == pytest.approx(0.05)
 
 
+def _one_link(c: float, late: dict[int, float], *, waits_for_receive: bool) -> list[dict]:
+    """Rank 0 sends M messages to rank 1, one every 0.2 s (its compute between them), over a wire that serves
+    one in ``c`` seconds; message i's receive is posted late.get(i, 0) after its send. A real link (gloo) starts
+    a message once its receive is posted; an emulated one starts it at its posting and delivers it at the
+    later of its due time and its receive. Either way the link's thread waits on its sends in order, so a
+    delivery is recorded no earlier than the one before."""
+    samples, posted, free, done = [], {}, 0.0, 0.0
+    for tag in range(M):
+        sent = 10.0 + 0.2 * tag
+        recv = posted[tag] = sent + late.get(tag, 0.0)
+        if waits_for_receive:
+            free = done = max(free, sent, recv) + c
+        else:
+            free = max(free, sent) + c
+            done = max(free, recv + 1e-4, done)
+        samples.append((tag, NBYTES, sent, done))
+    return [{"rank": 0, "sends": [{1: samples}], "recv_posted": [{}]},
+            {"rank": 1, "sends": [{}], "recv_posted": [{0: posted}]}]
+
+
+@pytest.mark.parametrize("late", [
+    {1: 0.5, 3: 0.1, 5: 0.3, 6: 0.3, 7: 0.3},  # most receives posted after the wire delivered
+    {0: 0.3, 4: 1.0},  # late enough to hold up the messages queued behind
+    {tag: 0.1 * tag for tag in range(M)},  # each later than the one before
+])
+@pytest.mark.parametrize("waits_for_receive", [True, False])
+def test_a_busy_receiver_does_not_make_the_link_look_faster(late: dict[int, float], waits_for_receive: bool) -> None:
+    # A receive posted late: gloo's link starts the message then, an emulated link's wire had already
+    # carried it. Messages whose receive was waiting measure the link the same way on both.
+    nbytes, seconds = adapt.link_times(_one_link(0.05, late, waits_for_receive=waits_for_receive))[(0, 1)]
+    assert nbytes == NBYTES and seconds == pytest.approx(0.05)
+
+
 def _predicted(k: int, c: float) -> float:
     cost = CostModel(stage_overrides={s: StageOverride(f=0.04, b=0.08, w=0.0) for s in range(P)},
                      activation_bytes=NBYTES)

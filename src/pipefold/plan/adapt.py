@@ -79,23 +79,33 @@ def link_times(summaries: Sequence[Mapping[str, Any]]) -> dict[tuple[int, int], 
     """Per directed link, (median bytes of a message, median service seconds of one), from every rank's
     :func:`summarize`: a message is served from the latest of its send's posting, its receive's posting
     (the other rank's clock: one machine, or clocks kept in step) and the delivery of the message before
-    it on the link, until its delivery."""
+    it on the link, until its delivery.
+
+    Only the messages whose service is the same on a real link and on an emulated one count, when there
+    are any: gloo starts a message once its receive is posted, an emulated link's wire starts it at its
+    posting (:mod:`pipefold.runtime.comm`). A message is *clean* when its receive was already posted as
+    it became ready to go (posted, and the message before it delivered), and the message before it, if
+    it queued behind one, was clean too (a late one's delivery is not when the wire came free). A busy
+    receiver posts late; the late messages then measure the receiver, not the link."""
     posted = {s["rank"]: s["recv_posted"] for s in summaries}
     out = {}
     for s in summaries:
         src = s["rank"]
-        per_link: dict[int, list[tuple[int, float]]] = {}
+        per_link: dict[int, list[tuple[int, float, bool]]] = {}
         for step, sends in enumerate(s["sends"]):
             for dst, samples in sends.items():
                 theirs = posted.get(dst, [])
                 recv = theirs[step].get(src, {}) if step < len(theirs) else {}
-                before = -math.inf
+                before, clean_before = -math.inf, True
                 for tag, nbytes, sent, done in sorted(samples, key=lambda x: x[3]):
-                    start = max(sent, recv.get(tag, sent), before)
-                    per_link.setdefault(dst, []).append((nbytes, max(done - start, 1e-6)))
-                    before = done
+                    ready = max(sent, before)
+                    start = max(ready, recv.get(tag, sent))
+                    clean = start == ready and (before <= sent or clean_before)
+                    per_link.setdefault(dst, []).append((nbytes, max(done - start, 1e-6), clean))
+                    before, clean_before = done, clean
         for dst, rows in per_link.items():
-            out[(src, dst)] = (statistics.median(b for b, _ in rows), statistics.median(t for _, t in rows))
+            rows = [row for row in rows if row[2]] or rows
+            out[(src, dst)] = (statistics.median(b for b, _, _ in rows), statistics.median(t for _, t, _ in rows))
     return out
 
 
