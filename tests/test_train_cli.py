@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from pipefold.cli.main import main
+from pipefold.runtime.processes import free_port
 
 SMALL = ["--model", "mlp", "--layers", "4", "--hidden", "16", "--batch", "8", "--devices", "2", "--microbatches", "4"]
 
@@ -89,19 +90,21 @@ TORCHRUN = shutil.which("torchrun", path=os.path.dirname(sys.executable))
 needs_torchrun = pytest.mark.skipif(TORCHRUN is None, reason="no torchrun")
 
 
-def _torchrun_train(tmp_path: Path, port: int, argv: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+def _torchrun_train(tmp_path: Path, argv: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
     """``pipefold train ARGV`` on 2 processes started by torchrun."""
     assert TORCHRUN is not None
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([TORCHRUN, "--nproc-per-node", "2", "--master-port", str(port), "-m", "pipefold", "train",
-                           *argv], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=timeout, check=False)
+    # A port of its own: two tests of this file at once under pytest-xdist must not meet on one store.
+    launcher = [TORCHRUN, "--nproc-per-node", "2", "--master-port", str(free_port())]
+    return subprocess.run([*launcher, "-m", "pipefold", "train", *argv], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=timeout, check=False)
 
 
 @needs_torchrun
 def test_same_command_under_torchrun(tmp_path: Path) -> None:
-    proc = _torchrun_train(tmp_path, 29541, ["--schedule", "v-half", "--steps", "2", *SMALL, "--layers", "8",
-                                             "--hidden", "256", "--batch", "512",  # activations of 64 kB
-                                             "--check", "--json", "--recompute", "full"], timeout=240)
+    proc = _torchrun_train(tmp_path, ["--schedule", "v-half", "--steps", "2", *SMALL, "--layers", "8",
+                                      "--hidden", "256", "--batch", "512",  # activations of 64 kB
+                                      "--check", "--json", "--recompute", "full"], timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["schedule"] == "v-half" and out["max_grad_rel_diff"] < 1e-5 and len(out["loss"]) == 2
@@ -129,8 +132,8 @@ def test_train_offload_errors(capsys: pytest.CaptureFixture[str], value: str, ex
 @needs_torchrun
 def test_a_user_error_on_rank_0_stops_every_rank_under_torchrun(tmp_path: Path) -> None:
     # Rank 0 finds the budget unreachable while measuring; the other rank must not wait for it.
-    proc = _torchrun_train(tmp_path, 29543, ["--schedule", "1f1b", "--steps", "1", *SMALL, "--recompute", "auto",
-                                             "--memory-budget", "1000"], timeout=120)
+    proc = _torchrun_train(tmp_path, ["--schedule", "1f1b", "--steps", "1", *SMALL, "--recompute", "auto",
+                                      "--memory-budget", "1000"], timeout=120)
     assert proc.returncode != 0
     # Each worker that meets the error says it; the watch may stop the second one first (one line then).
     assert proc.stderr.count("pipefold train: error: no recomputation fits 1000 bytes per device") in (1, 2)
@@ -171,9 +174,9 @@ def test_train_recompute_errors(capsys: pytest.CaptureFixture[str], argv: list[s
 @needs_torchrun
 def test_kfac_in_the_bubbles_under_torchrun(tmp_path: Path) -> None:
     """Rank 0 times the stages and places K-FAC's work; the other rank runs that placement, not its own."""
-    proc = _torchrun_train(tmp_path, 29543, ["--schedule", "1f1b", "--steps", "6", *SMALL,
-                                             "--optimizer", "kfac", "--fill-bubbles", "--lr", "0.05", "--check",
-                                             "--json"], timeout=240)
+    proc = _torchrun_train(tmp_path, ["--schedule", "1f1b", "--steps", "6", *SMALL,
+                                      "--optimizer", "kfac", "--fill-bubbles", "--lr", "0.05", "--check",
+                                      "--json"], timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["max_grad_rel_diff"] < 1e-5 and len(out["loss"]) == 6
