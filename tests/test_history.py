@@ -38,6 +38,7 @@ def test_columns_hold_every_step_and_records_only_the_kept() -> None:
     for st in steps:
         h.add(st)
     assert len(h) == 100 and h.kept() == [0, 1, 2, 3, 4, 50, 99]
+    assert h.settled(1) == [1, 2, 3, 4, 50, 99] and h.settled(60) == [99] and h.settled(100) == [99]
     assert h[0] is steps[0] and h[50] is steps[50] and h[-1] is steps[99]
     # The columns against the records themselves, step by step.
     assert list(h.loss_sum) == [math.fsum(st.losses.values()) for st in steps]

@@ -46,7 +46,7 @@ one's tensors as soon as it returns. The executor may also ask for the first n
 sends of a link to be released (:meth:`Links.settle`) when the schedule tells
 it they have been received, which bounds the bytes in flight per link. Between
 ranks of one machine the messages go over :mod:`pipefold.runtime.sockets`
-instead (:func:`_post` picks): a send the socket takes whole as it is posted is
+instead (:func:`post_message` picks): a send the socket takes whole as it is posted is
 released at once, without waking the link's thread, when nothing before it is
 still in the thread's hands; the rest of a larger one is written by the thread.
 """
@@ -120,7 +120,7 @@ def decode_header(h: torch.Tensor) -> tuple[Meta, ...]:
     return tuple(metas)
 
 
-def _post(op: str, t: torch.Tensor, to: int, tag: int) -> dist.Work:
+def post_message(op: str, t: torch.Tensor, to: int, tag: int) -> dist.Work:
     """Post one non-blocking "send" or "recv" of ``t`` with process-group rank ``to``: over this machine's sockets
     where the job connected them (:mod:`pipefold.runtime.sockets`), else over the process group."""
     if (local := sockets.current()) is not None and t.device.type == "cpu":
@@ -143,7 +143,7 @@ class _Deferred:
         delay = self.due - time.time()
         if delay > 0:
             time.sleep(delay)
-        return _post("send", self.tensor, self.peer, self.tag)
+        return post_message("send", self.tensor, self.peer, self.tag)
 
 
 class _Staged:
@@ -169,7 +169,7 @@ class _Staged:
         if self.copied is not None:
             self.copied.synchronize()
         self.tensor = None  # the device's bytes are free from here on; the host copy travels
-        return _post("send", self.host, self.peer, self.tag)
+        return post_message("send", self.host, self.peer, self.tag)
 
 
 def routes(a: int, b: int) -> list[tuple[int, int]]:
@@ -452,7 +452,7 @@ class Links:
         if self.staged:
             outbox.post((_Staged(t, to, tag, self.stream), (), nbytes, posted_at, tag))
         elif self.network is None:
-            outbox.post((_post("send", t, to, tag), (t,), nbytes, posted_at, tag))
+            outbox.post((post_message("send", t, to, tag), (t,), nbytes, posted_at, tag))
         else:
             outbox.post((_Deferred(t, to, tag, self._due(device, nbytes)), (t,), nbytes, posted_at, tag))
 
@@ -512,7 +512,7 @@ class Links:
                 self.log.append(("recv", peer, tag))
             size = b.numel() // pieces
             for k, _, src in routes:
-                works.append(_post("recv", b if whole else b[k * size:(k + 1) * size], src, tag))
+                works.append(post_message("recv", b if whole else b[k * size:(k + 1) * size], src, tag))
         if whole:
             return Incoming(works, bufs, self)
         return Incoming(works, bufs, self, (self.group, len(self.mesh(self.rank)), self.index, metas))
@@ -545,7 +545,7 @@ class Links:
         h = encode_header(metas).to(self._header_device)  # one tensor, read by every send of it
         for _, _, to in self._routes(self.rank, peer):
             if self.staged:  # a host tensor already: straight to gloo, no copy
-                self._outbox(peer, to).post((_post("send", h, to, tag), (h,), 0, time.time(), tag))
+                self._outbox(peer, to).post((post_message("send", h, to, tag), (h,), 0, time.time(), tag))
             else:
                 self._post_send(h, peer, to, tag, 0)  # a few bytes of metadata: not activations
 
@@ -558,7 +558,7 @@ class Links:
         works, headers = [], []
         for _, _, src in self._routes(peer, self.rank):
             h = torch.zeros(_HEADER, dtype=torch.int64, device=self._header_device)
-            works.append(_post("recv", h, src, tag))
+            works.append(post_message("recv", h, src, tag))
             headers.append(h)
         return (works[0] if len(works) == 1 else _AllWorks(works)), headers[0]
 

@@ -104,6 +104,11 @@ class StepHistory(Sequence[StepStats]):
         """The steps whose full record is kept, in order."""
         return sorted(self._full)
 
+    def settled(self, warmup: int) -> list[int]:
+        """The kept steps after the first ``warmup``, or else the last kept one: those a measurement reads."""
+        kept = self.kept()
+        return [i for i in kept if i >= warmup] or kept[-1:]
+
     def schedule(self, step: int) -> str:
         """The schedule step ``step`` ran, as a spec (``kfkb:k=2``)."""
         return self._schedules[self._schedule[step]]

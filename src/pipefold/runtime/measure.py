@@ -108,8 +108,7 @@ def step_parts(reports: list[RankReport], warmup: int = 1) -> list[dict[str, flo
     out = []
     for r in reports:
         rows = []
-        kept = r.steps.kept()
-        for i in [i for i in kept if i >= warmup] or kept[-1:]:
+        for i in r.steps.settled(warmup):
             st = r.steps[i]
             compute = sum(e.end - e.start for e in st.events if e.kind in COMPUTE_KINDS)
             recv = sum(e.end - e.start for e in st.events if e.kind == "recv")
@@ -141,9 +140,8 @@ def replayed_busy(schedule: Schedule, reports: list[RankReport], warmup: int = 1
     after the first ``warmup``: the run's waits as they would be if they came from the schedule's dependencies and
     the passes' own times alone, step by step (a pass that ran slow in one step delays its dependants there, which
     a simulation of median times does not show)."""
-    kept = reports[0].steps.kept()
     shares: list[list[float]] = [[] for _ in reports]
-    for i in [i for i in kept if i >= warmup] or kept[-1:]:
+    for i in reports[0].steps.settled(warmup):
         makespan, busy = replayed_step(schedule, reports, i)
         for d, b in enumerate(busy):
             shares[d].append(b / makespan)

@@ -35,6 +35,7 @@ from pipefold.plan.partition import COST_KINDS, LayerFigures
 from pipefold.plan.profile import LayerProfile, Profile, Progress, fit_link
 from pipefold.plan.recompute import OPTIMIZER_STATE, StageProfile
 from pipefold.runtime import sockets
+from pipefold.runtime.comm import post_message
 from pipefold.runtime.processes import free_port, process_context, starting, stopped_on_error
 from pipefold.runtime.stage import (
     Chain,
@@ -447,11 +448,6 @@ def _count_after_forward(runner: StageRunner, batch: list[Any], kept: list[int],
 # --------------------------------------------------------------------------- the link
 
 
-def _gloo(post: Callable[..., Any]) -> Callable[[torch.Tensor, int, int], Any]:
-    """``dist.isend`` or ``dist.irecv`` called as the sockets' are: (tensor, peer, tag)."""
-    return lambda t, peer, tag: post(t, peer, tag=tag)
-
-
 def _ping(rank: int, port: int, ranks: int, sizes: Sequence[int], rounds: int, p2p: str, out: Any,
           work: tuple[dict[str, Any], tuple[int, int]] | None = None) -> None:
     """One end of the ping-pong (``ranks`` is 2), over ``p2p`` ('sockets' or 'gloo'); with ``work``, this process
@@ -477,8 +473,8 @@ def _ping(rank: int, port: int, ranks: int, sizes: Sequence[int], rounds: int, p
         busy = threading.Thread(target=compute, daemon=True)
         busy.start()
     try:
-        with sockets.linked() if p2p == "sockets" else contextlib.nullcontext() as links:
-            send, recv = (links.isend, links.irecv) if links is not None else (_gloo(dist.isend), _gloo(dist.irecv))
+        # The runtime's own choice of transport (comm.post_message): the sockets while they are linked.
+        with sockets.linked() if p2p == "sockets" else contextlib.nullcontext():
             result = {}
             for size in sizes:
                 buf = torch.zeros(size // 4, dtype=torch.float32)
@@ -486,7 +482,7 @@ def _ping(rank: int, port: int, ranks: int, sizes: Sequence[int], rounds: int, p
                 for k in range(rounds + 2):
                     t0 = time.perf_counter()
                     for sender in (0, 1):
-                        (send(buf, 1 - rank, 0) if rank == sender else recv(buf, 1 - rank, 0)).wait()
+                        post_message("send" if rank == sender else "recv", buf, 1 - rank, 0).wait()
                     if k >= 2:  # two warm-ups: connection setup and first allocations
                         trips.append(time.perf_counter() - t0)
                 result[size] = statistics.fmean(trips) / 2  # the mean: a transfer that waits for a core counts
