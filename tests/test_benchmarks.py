@@ -25,6 +25,7 @@ SMALL: dict[str, list[str] | None] = {
     "cluster_search.py": ["--nodes", "2", "--families", "1f1b,zb-v"],
     "wgrad.py": ["--hidden", "512", "--steps", "1"],
     "p2p.py": ["--steps", "1", "--sizes", "4096", "65536"],
+    "layer_company.py": ["--hidden", "64", "--stage", "3", "--rounds", "1", "--laps", "3"],
     # Too slow for the suite even in their smallest modes (measured here: 62, 32, 22, 19 and 16 s); mypy checks their
     # calls into the library; run them by hand before quoting their figures:
     "adaptive_kfkb.py": None,  # --modes emulated --steps 4 --repeats 1

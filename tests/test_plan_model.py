@@ -194,6 +194,42 @@ def test_layers_count_their_graph_and_time_what_the_graph_below_adds() -> None:
     assert prof[0].w_depth == 0 and prof[1].w_depth == prof[2].w_depth >= 0 and prof[3].w_depth >= 0
 
 
+@pytest.mark.parametrize("stage_layers", [1, 2, 3, 5])
+def test_layers_timed_among_their_stage_see_the_inputs_of_the_whole_model(stage_layers: int) -> None:
+    # Every layer, in a stage of any size (one that does not divide the layers too), is fed what it is fed in the
+    # whole model: its input and output against the model run as one chain by plain torch.
+    import torch
+
+    from pipefold.models import make_model
+    from pipefold.runtime.profiling import time_in_stages
+    from pipefold.runtime.stage import Chain
+
+    model = make_model("gpt", layers=3, hidden=32, heads=2, seq=8, batch=4)
+    layers = model.build()
+    x, y = model.batch_at(0)
+    timed = time_in_stages(layers, x, y, model.loss, stage_layers=stage_layers, repeats=2)
+    assert len(timed) == len(layers)
+    h = x
+    with torch.no_grad():
+        for i, (layer, t) in enumerate(zip(layers, timed, strict=True)):
+            assert torch.equal(t.x[0], h), i
+            if i < len(layers) - 1:
+                h = Chain(layer)(h)
+                assert torch.allclose(t.out[0], h, atol=1e-6), i
+    assert all(t.f > 0 and t.b >= 0 and t.w > 0 and t.bw > 0 for t in timed)
+    assert all(p.grad is None for layer in layers for p in layer.parameters())  # nothing left accumulated
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_a_stage_of_no_layers_is_refused(bad: object) -> None:
+    import torch
+
+    from pipefold.runtime.profiling import time_in_stages
+
+    with pytest.raises(ConfigError, match="stage_layers must be a positive integer"):
+        time_in_stages([torch.nn.Linear(2, 2)], torch.randn(1, 2), stage_layers=bad)  # type: ignore[arg-type]
+
+
 def test_stage_figures_from_layers_match_stages_measured_whole() -> None:
     # Independent of the composition: the recomputation planner's own measurement runs each whole stage with
     # r = 0..n recomputed layers on the runtime's stage runner and reads the meter.

@@ -234,7 +234,8 @@ def cmd_partition(args: argparse.Namespace, console: Console) -> None:
     check_model(model, what=f"measuring {args.model}'s layers")
     layers, (sample, target) = model.build(), model.batch_at(0)  # one microbatch of --batch rows
     figures = split_figures(layers, sample, by="all", loss_fn=model.loss, target=target,
-                            optimizer_factor=OPTIMIZER_STATE[args.optimizer])
+                            optimizer_factor=OPTIMIZER_STATE[args.optimizer],
+                            stage_layers=-(-len(layers) // args.devices))
     params, times, held, held_w, static = (figures.params, figures.times, figures.held, figures.held_w,
                                            figures.static)
     assert times is not None and held is not None and held_w is not None and static is not None

@@ -72,30 +72,115 @@ def run_passes(runner: StageRunner, k: int, x: Values, target: Any = None, *, sc
     ``before_backward(grads)`` runs untimed between F and B. Where the stage computes on a GPU, each pass is
     timed to its end (the device is synchronized), not to the moment it was queued.
     """
-    cuda = any(t.is_cuda for t in x) or any(p.is_cuda for p in runner.params)
-    sync = torch.cuda.synchronize if cuda else _nothing
-    last = runner.loss_fn is not None
+    f, out = _timed_forward(runner, k, x, target, scale=scale, forward=forward)
+    return (f, *_timed_backward(runner, k, out, fused=fused, before_backward=before_backward)), out
+
+
+def _synced(runner: StageRunner) -> Callable[[], None]:
+    """What waits for the device ``runner`` computes on: nothing on the CPU."""
+    return torch.cuda.synchronize if any(p.is_cuda for p in runner.params) else _nothing
+
+
+def _timed_forward(runner: StageRunner, k: int, x: Values, target: Any, *, scale: float,
+                   forward: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+                   ) -> tuple[float, Values]:
+    sync = torch.cuda.synchronize if any(t.is_cuda for t in x) else _synced(runner)
     sync()
     t0 = time.perf_counter()
     with forward():
-        out = runner.forward(k, x, target if last else None, scale=scale)
+        out = runner.forward(k, x, target if runner.loss_fn is not None else None, scale=scale)
     sync()
-    f = time.perf_counter() - t0
-    grads = None if last else ones_for(out)
+    return time.perf_counter() - t0, out
+
+
+def _timed_backward(runner: StageRunner, k: int, out: Values, *, fused: bool = False,
+                    before_backward: Callable[[Values | None], None] | None = None) -> tuple[float, float]:
+    """(b, w) seconds of microbatch ``k``'s backward after :func:`_timed_forward` gave ``out``; fused: (bw, 0)."""
+    sync = torch.cuda.synchronize if any(t.is_cuda for t in out) else _synced(runner)
+    grads = None if runner.loss_fn is not None else ones_for(out)
     if before_backward is not None:
         before_backward(grads)
     t0 = time.perf_counter()
     if fused:
         runner.backward(k, grads)
         sync()
-        return (f, time.perf_counter() - t0, 0.0), out
+        return time.perf_counter() - t0, 0.0
     runner.backward_input(k, grads)
     sync()
     b = time.perf_counter() - t0
     t0 = time.perf_counter()
     runner.backward_weight(k)  # a first stage (integer input) runs its whole backward here: B has nothing to do
     sync()
-    return (f, b, time.perf_counter() - t0), out
+    return b, time.perf_counter() - t0
+
+
+@dataclasses.dataclass
+class _Timed:
+    """What :func:`time_in_stages` found for one layer: its medians, and its input and output of the last run."""
+
+    f: float
+    b: float
+    w: float
+    bw: float
+    x: Values
+    out: Values
+
+
+def time_in_stages(layers: Sequence[nn.Module], sample: Any, target: Any = None,
+                   loss_fn: Callable[..., torch.Tensor] | None = None, *, stage_layers: int = 1, repeats: int = 7,
+                   microbatches: int = 1, fused: bool = True, progress: Progress | None = None) -> list[_Timed]:
+    """Every layer's F, B, W and (with ``fused``) fused BW, each the median of ``repeats`` runs after a warm-up,
+    timed among the layers of its stage.
+
+    The layers are taken ``stage_layers`` at a time, in order, as a rank of the run holds them: a run sends one
+    microbatch forward through all of them, then backward through each in reverse, each layer on the runtime's
+    stage runner and fed the previous one's output (the first, ``sample``; the last computes ``loss_fn`` against
+    ``target`` if given, any other backward starts from gradients of ones), a split backward and a fused one in
+    turn. So between two passes of one layer the rest of its stage's weights go through the caches, as in the
+    run: a layer timed alone, over and over, keeps its weights in the caches and came out 1.2 to 1.5 times
+    faster than among 8 like it (the MLP at width 512 on a 2-core machine with 2 MiB of L2 per core).
+    """
+    _check_repeats(repeats)
+    if isinstance(stage_layers, bool) or not isinstance(stage_layers, int) or stage_layers < 1:
+        raise ConfigError(f"stage_layers must be a positive integer (got {stage_layers!r})")
+    last = len(layers) - 1
+    x: Values = as_tuple(sample)
+    found: list[_Timed] = []
+    for start in range(0, len(layers), stage_layers):
+        if progress is not None:
+            progress("layers", start, len(layers))
+        group = range(start, min(len(layers), start + stage_layers))
+        runners = [StageRunner(Chain(layers[i]), loss_fn=loss_fn if i == last else None, input_grads=i > 0)
+                   for i in group]
+        runs: list[list[tuple[float, ...]]] = [[] for _ in group]
+        ins: list[Values] = []
+        outs: list[Values] = []
+        for k in range(repeats + 1):
+            split: list[tuple[float, ...]] = []
+            for together in (False, True) if fused else (False,):
+                h, ins, outs, forwards = x, [], [], []
+                for runner in runners:
+                    f, out = _timed_forward(runner, 2 * k + together, h, target, scale=1.0 / microbatches)
+                    ins.append(h)
+                    outs.append(out)
+                    forwards.append(f)
+                    h = tuple(t.detach() for t in out)
+                backwards = [_timed_backward(runner, 2 * k + together, out, fused=together)
+                             for runner, out in reversed(list(zip(runners, outs, strict=True)))][::-1]
+                if not together:
+                    split = [(f, b, w) for f, (b, w) in zip(forwards, backwards, strict=True)]
+                else:
+                    split = [(*row, bw) for row, (bw, _) in zip(split, backwards, strict=True)]
+            for j, row in enumerate(split):
+                runs[j].append(row if fused else (*row, 0.0))
+        for i, j in zip(group, range(len(group)), strict=True):
+            layers[i].zero_grad(set_to_none=True)
+            f, b, w, bw = medians(runs[j][1:])
+            found.append(_Timed(f, b, w, bw, x=ins[j], out=outs[j]))
+        x = tuple(t.detach() for t in outs[-1])
+    if progress is not None:
+        progress("layers", len(layers), len(layers))
+    return found
 
 
 def _nothing() -> None:
@@ -143,50 +228,35 @@ def _shared_means(values: list[tuple[float, ...]], kinds: dict[tuple[Any, ...], 
 
 
 def measure_layers(layers: Sequence[nn.Module], sample: Any, target: Any, loss_fn: Callable[..., torch.Tensor], *,
-                   microbatches: int = 1, repeats: int = 7, progress: Progress | None = None) -> list[LayerProfile]:
-    """Each layer as a stage of its own on the runtime's stage runner, fed the previous layer's output.
-
-    Times are medians of ``repeats`` runs after a warm-up, a split backward's B and W and a fused one's BW in
-    turn (a fused backward does less than B and W: it need not find and restart where W starts); layers that are
-    the same computation (type, parameter shapes, input shapes) share their mean. Bytes come from
-    :func:`layer_memory` (the runtime's meter).
+                   microbatches: int = 1, repeats: int = 7, stage_layers: int = 1,
+                   progress: Progress | None = None) -> list[LayerProfile]:
+    """Each layer's figures: its passes' times from :func:`time_in_stages` (``stage_layers`` at a time, as a rank
+    holds them: the caches see what the run's do), a split backward's B and W and a fused one's BW (a fused
+    backward does less than B and W: it need not find and restart where W starts); layers that are the same
+    computation (type, parameter shapes, input shapes) share their mean. Bytes come from :func:`layer_memory`
+    (the runtime's meter).
     """
     _check_repeats(repeats)
     held = layer_memory(layers, sample, loss_fn=loss_fn, target=target)
-    x: Values = as_tuple(sample)
+    timed = time_in_stages(layers, sample, target, loss_fn, stage_layers=stage_layers, repeats=repeats,
+                           microbatches=microbatches, progress=progress)
     last = len(layers) - 1
-    times: list[tuple[float, ...]] = []
-    outs: list[int] = []
-    nodes: list[int] = []
+    times: list[tuple[float, ...]] = [(t.f, t.b, t.w, t.bw) for t in timed]
     kinds: dict[tuple[Any, ...], list[int]] = {}
     depth: dict[tuple[Any, ...], float] = {}
-    for i, layer in enumerate(layers):
-        if progress is not None:
-            progress("layers", i, len(layers))
-        kind = _kind(layer, x, i == last, i == 0)
+    for i, (layer, t) in enumerate(zip(layers, timed, strict=True)):
+        kind = _kind(layer, t.x, i == last, i == 0)
         kinds.setdefault(kind, []).append(i)
-        loss = loss_fn if i == last else None
-        runner = StageRunner(Chain(layer), loss_fn=loss, input_grads=i > 0)
-        runs = []
-        out: Values = ()
-        for k in range(repeats + 1):  # split and fused backwards in turn, each after a warm-up
-            passes, out = run_passes(runner, 2 * k, x, target, scale=1.0 / microbatches)
-            _, bw, _ = run_passes(runner, 2 * k + 1, x, target, scale=1.0 / microbatches, fused=True)[0]
-            runs.append((*passes, bw))
-        times.append(medians(runs[1:]))
         if i > 0 and kind not in depth:  # a first layer is never below another in its stage
-            depth[kind] = _w_per_node_below(layer, loss, x, target, microbatches, repeats)
-        layer.zero_grad(set_to_none=True)
-        nodes.append(_graph_nodes(layer, x))
-        outs.append(0 if i == last else _output_bytes(out))
-        x = tuple(t.detach() for t in out)
-    if progress is not None:
-        progress("layers", len(layers), len(layers))
+            depth[kind] = _w_per_node_below(layer, loss_fn if i == last else None, t.x, target, microbatches,
+                                            repeats)
+            layer.zero_grad(set_to_none=True)
     _shared_means(times, kinds)
     w_depth = [next((d for kind, d in depth.items() if i in kinds[kind]), 0.0) for i in range(len(layers))]
-    return [LayerProfile(f=t[0], b=t[1], w=t[2], bw=t[3], held=int(h), held_w=int(hw), params=_param_bytes(layer),
-                         out=o, nodes=n, w_depth=d)
-            for t, (h, hw), layer, o, n, d in zip(times, held, layers, outs, nodes, w_depth, strict=True)]
+    return [LayerProfile(f=f, b=b, w=w, bw=bw, held=int(h), held_w=int(hw), params=_param_bytes(layer),
+                         out=0 if i == last else _output_bytes(t.out), nodes=_graph_nodes(layer, t.x), w_depth=d)
+            for i, ((f, b, w, bw), (h, hw), layer, t, d) in enumerate(zip(times, held, layers, timed, w_depth,
+                                                                           strict=True))]
 
 
 def measure_pass_fixed(repeats: int = 30) -> tuple[float, float, float]:
@@ -254,14 +324,15 @@ def _graph_nodes(layer: nn.Module, x: Values) -> int:
 
 
 def layer_costs(layers: Sequence[nn.Module], sample: torch.Tensor | tuple[torch.Tensor, ...], *, by: str,
-                repeats: int = 5, optimizer_factor: float = 2.0) -> list[float]:
+                repeats: int = 5, optimizer_factor: float = 2.0, stage_layers: int = 1) -> list[float]:
     """Cost of each layer: ``params`` (parameter count), ``time`` (F + B + W seconds) or ``memory`` (bytes).
 
     ``time`` and ``memory`` run the layers in order on ``sample`` (one microbatch: a tensor, or a tuple for a
     first layer with several inputs), each fed the previous layer's output (spread when it is a tuple, as from
     the segments of :func:`pipefold.models.cut.cut_model`). ``time`` is the median over ``repeats`` runs after a
-    warm-up of the layer's passes on the runtime's stage runner; layers that are the same computation (as a
-    transformer's blocks) take the mean of their times. ``memory`` is the activation bytes saved for backward
+    warm-up of the layer's passes on the runtime's stage runner, ``stage_layers`` at a time
+    (:func:`time_in_stages`); layers that are the same computation (as a transformer's blocks) take the mean of
+    their times. ``memory`` is the activation bytes saved for backward
     (the layer's own weights excluded) plus the parameter bytes times 1 + ``optimizer_factor`` (weights,
     gradients and optimizer state; AdamW's two moments make 2 the default).
     """
@@ -272,21 +343,17 @@ def layer_costs(layers: Sequence[nn.Module], sample: torch.Tensor | tuple[torch.
     _check_repeats(repeats)
     costs: list[tuple[float, ...]] = []
     kinds: dict[tuple[Any, ...], list[int]] = {}
-    x: Values = as_tuple(sample)
-    for i, layer in enumerate(layers):
-        if by == "time":
-            kinds.setdefault(_kind(layer, x), []).append(i)
-            runner = StageRunner(Chain(layer), input_grads=i > 0)
-            runs = []
-            for k in range(repeats + 1):
-                passes, out = run_passes(runner, k, x)
-                runs.append((sum(passes),))
-            layer.zero_grad(set_to_none=True)
-            costs.append(medians(runs[1:]))
-        else:
+    if by == "time":
+        for i, (layer, t) in enumerate(zip(layers, time_in_stages(layers, sample, stage_layers=stage_layers,
+                                                                   repeats=repeats, fused=False), strict=True)):
+            kinds.setdefault(_kind(layer, t.x), []).append(i)
+            costs.append((t.f + t.b + t.w,))
+    else:
+        x: Values = as_tuple(sample)
+        for layer in layers:
             saved, out = _saved_bytes(layer, x)
             costs.append((float(saved + _param_bytes(layer) * (1 + optimizer_factor)),))
-        x = tuple(t.detach() for t in out)
+            x = tuple(t.detach() for t in out)
     _shared_means(costs, kinds)
     return [c[0] for c in costs]
 
@@ -312,17 +379,19 @@ def _saved_bytes(layer: nn.Module, x: Values) -> tuple[int, Values]:
 
 
 def split_figures(layers: Sequence[nn.Module], sample: torch.Tensor | tuple[torch.Tensor, ...], *, by: str,
-                  loss_fn: Callable[..., torch.Tensor], target: Any, optimizer_factor: float = 2.0) -> LayerFigures:
+                  loss_fn: Callable[..., torch.Tensor], target: Any, optimizer_factor: float = 2.0,
+                  stage_layers: int = 1) -> LayerFigures:
     """What splitting the layers ``by`` 'params', 'time', 'memory' (or 'all' of them) weighs, measured on one
     microbatch (``sample`` and its ``target``) where ``layers`` are: parameter counts; F + B + W times; the bytes
     each holds from F to B and from B to W, the last layer computing the loss as the last stage does; and the
     static bytes with ``optimizer_factor`` parameter sizes of optimizer state (:func:`layer_static_bytes`). The
-    one measurement behind ``pipefold partition`` and the split of ``pipefold train``."""
+    times are taken ``stage_layers`` at a time (:func:`time_in_stages`: the layers a rank will hold). The one
+    measurement behind ``pipefold partition`` and the split of ``pipefold train``."""
     times, memory = LayerFigures.needs(by)
     params = layer_costs(layers, sample, by="params")
     if not times:
         return LayerFigures(params)
-    measured = layer_costs(layers, sample, by="time")
+    measured = layer_costs(layers, sample, by="time", stage_layers=stage_layers)
     if not memory:
         return LayerFigures(params, measured)
     held = layer_memory(layers, sample, loss_fn=loss_fn, target=target)
@@ -762,8 +831,8 @@ def measure_contention(devices: int, train: dict[str, Any], layers: tuple[int, i
 # --------------------------------------------------------------------------- layers split over tensor-parallel ranks
 
 
-def _sharded(rank: int, port: int, ranks: int, tp: int, train: dict[str, Any], repeats: int, out: Any,
-             work: Any = None) -> None:
+def _sharded(rank: int, port: int, ranks: int, tp: int, train: dict[str, Any], repeats: int, stage_layers: int,
+             out: Any, work: Any = None) -> None:
     """One of ``ranks``: ``ranks / tp`` groups of ``tp`` measure the model's layers at once, each group
     splitting them as ``pipefold train --tp`` does (each layer through torch's ``parallelize_module`` by the
     model's plan); the layers' collectives keep a group's ranks in step. Rank 0 puts its figures on ``out``."""
@@ -783,7 +852,8 @@ def _sharded(rank: int, port: int, ranks: int, tp: int, train: dict[str, Any], r
         m = int(train["microbatches"])
         x, y = model.batch_at(0)
         sample, target = split_batch(x, m)[0], y.chunk(m)[0]
-        measured = measure_layers(layers, sample, target, model.loss, microbatches=m, repeats=repeats)
+        measured = measure_layers(layers, sample, target, model.loss, microbatches=m, repeats=repeats,
+                                  stage_layers=stage_layers)
         counts = _collectives(layers, sample, target, model.loss)
         if rank == 0:
             out.put([dataclasses.replace(row, collectives=n) for row, n in zip(measured, counts, strict=True)])
@@ -815,13 +885,15 @@ def _collectives(layers: Sequence[nn.Module], sample: Values, target: Any,
     return out
 
 
-def measure_sharded(train: dict[str, Any], tp: int, repeats: int = 7, copies: int = 1) -> list[LayerProfile]:
-    """Each layer's figures (:func:`measure_layers`) on one of ``tp`` local ranks that split it, as a stage of a
-    ``--tp`` run holds it: its times with the collectives inside them, this rank's bytes held and parameters, and
-    the collectives it calls (``LayerProfile.collectives``). ``copies`` groups of ``tp`` ranks measure at once, as
-    the ranks of a run share the machine (the group of rank 0 reports)."""
+def measure_sharded(train: dict[str, Any], tp: int, repeats: int = 7, copies: int = 1,
+                    stage_layers: int = 1) -> list[LayerProfile]:
+    """Each layer's figures (:func:`measure_layers`, ``stage_layers`` at a time) on one of ``tp`` local ranks that
+    split it, as a stage of a ``--tp`` run holds it: its times with the collectives inside them, this rank's bytes
+    held and parameters, and the collectives it calls (``LayerProfile.collectives``). ``copies`` groups of ``tp``
+    ranks measure at once, as the ranks of a run share the machine (the group of rank 0 reports)."""
     _model(train).tp_plans(tp)  # --tp that does not fit the model: one line here, before any process starts
-    result: list[LayerProfile] = _measured_under(None, _sharded, (tp, train, repeats), None, copies * tp)
+    result: list[LayerProfile] = _measured_under(None, _sharded, (tp, train, repeats, stage_layers), None,
+                                                 copies * tp)
     return result
 
 
@@ -857,8 +929,11 @@ def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int 
     check_model(built, microbatches=microbatches, ranks=devices if contention else 0, copies=2,
                 what=f"profiling {model}")
     x, y = built.batch_at(0)
-    measured = measure_layers(built.build(), split_batch(x, microbatches)[0], y.chunk(microbatches)[0], built.loss,
-                              microbatches=microbatches, repeats=repeats, progress=progress)
+    every = built.build()
+    # Timed as many at a time as a rank will hold (an even split over ``devices``): what the caches see in the run.
+    measured = measure_layers(every, split_batch(x, microbatches)[0], y.chunk(microbatches)[0], built.loss,
+                              microbatches=microbatches, repeats=repeats, stage_layers=-(-len(every) // devices),
+                              progress=progress)
     # A stage's worth of layers from the heaviest one (a transformer block, not the embedding) stands for a rank's
     # work: its weights and activations, not one layer's, are what the ranks' caches and memory bus share.
     heaviest = max(range(len(measured) - 1), key=lambda i: measured[i].f + measured[i].b + measured[i].w)
@@ -877,7 +952,8 @@ def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int 
         # As many ranks computing as the run will have (``devices`` of them, where contention is measured).
         copies = max(1, devices // t) if contention else 1
         tp_ranks[t] = copies * t
-        tp_layers[t] = tuple(measure_sharded(train, t, repeats, copies))
+        tp_layers[t] = tuple(measure_sharded(train, t, repeats, copies,
+                                             stage_layers=-(-len(every) // max(1, devices // t))))
         if progress is not None:
             progress(f"tp {t}", 1, 1)
     latency, bandwidth = 0.0, math.inf

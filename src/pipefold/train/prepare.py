@@ -248,7 +248,8 @@ def _layer_stages(spec: RunSpec, model: Model, schedule: Schedule,
         layers = [layer.to(device) for layer in layers]
         sample, target = tuple(t.to(device) for t in sample), target.to(device)
     figures = split_figures(layers, sample, by=by, loss_fn=model.loss, target=target,
-                            optimizer_factor=spec.optimizer.state_factor)
+                            optimizer_factor=spec.optimizer.state_factor,
+                            stage_layers=-(-len(layers) // schedule.devices))  # as many as a rank will hold
     if device.type == "cuda" and by == "time":
         del layers, sample, target
         torch.cuda.empty_cache()  # the ranks have the GPU from here on
