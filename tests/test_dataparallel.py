@@ -25,7 +25,7 @@ from pipefold.runtime.processes import free_port
 from pipefold.runtime.settings import Parallel
 from pipefold.schedules import build
 from pipefold.schedules.dataparallel import with_data_parallel
-from pipefold.sim.simulate import CostModel, simulate
+from pipefold.sim.simulate import CostModel, StageOverride, simulate
 from pipefold.train.prepare import make_job
 from pipefold.train.reference import compare
 from pipefold.train.spec import RunSpec
@@ -107,6 +107,14 @@ def test_sharded_costs_half_rings_and_holds_a_shard_of_the_weights() -> None:
     cost = latent.stage_cost(0, 2, 2)
     assert cost.dp_gather == cost.dp_scatter == pytest.approx(3 * 0.5 + 3 / 4 * 8 / 2)
     assert cost.dp_gather + cost.dp_scatter == pytest.approx(cost.dp_reduce)  # a ring all-reduce is both
+    # A stage of k FSDP units runs k gathers of a k-th of its bytes each: k times a ring's 3 latencies, the bytes once.
+    for k in (1, 2, 5):
+        units = dataclasses.replace(latent, stage_overrides={0: StageOverride(f=1, b=1, w=1, collectives=k)})
+        cost = units.stage_cost(0, 2, 2)
+        assert cost.dp_gather == cost.dp_scatter == pytest.approx(k * 3 * 0.5 + 3 / 4 * 8 / 2)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ConfigError, match="stage 0 runs its AG and RS as collectives: a whole number >= 1"):
+            CostModel(stage_overrides={0: StageOverride(f=1, b=1, w=1, collectives=bad)})  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(("schedule", "fsdp"), [

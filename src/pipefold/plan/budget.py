@@ -415,13 +415,16 @@ def model_costs(profile: Profile, schedule: Schedule, layer_stages: Sequence[Seq
     them over the link (its ``DP`` actions, :func:`pipefold.schedules.dataparallel.with_data_parallel`), with
     ZeRO-1 each device's parameters sent among them after the step (as an all-gather: each copy receives the
     others' shares), with FSDP each stage's parameters all-gathered (``AG``) and gradients reduce-scattered
-    (``RS``) instead; with its tp ranks per device, each message crosses in tp pieces that the receiving ranks
-    all-gather."""
+    (``RS``) instead, one collective per layer with parameters; with its tp ranks per device, each message
+    crosses in tp pieces that the receiving ranks all-gather."""
     layout = layout or Layout(1, 1, schedule.devices)
     rows = stage_profiles(profile, layer_stages)
     counts = recompute or (0,) * len(rows)
+    # FSDP makes each layer with parameters a unit of its own: one gather and one reduce-scatter each.
+    units = [max(1, sum(1 for i in part if profile.layers[i].params > 0)) for part in layer_stages]
     over = {s: StageOverride(f=p.times[0], b=p.times[1], w=p.times[2], bw=p.fused_time, memory=float(p.total[r]),
-                             kept=float(p.kept[r]), memory_w=float(p.held_w[r]), recompute=p.rerun[r])
+                             kept=float(p.kept[r]), memory_w=float(p.held_w[r]), recompute=p.rerun[r],
+                             collectives=units[s])
             for s, (p, r) in enumerate(zip(rows, counts, strict=True))}
     message = max((p.message for p in rows[:-1]), default=0)
     params = sum(x.params for x in profile.layers)

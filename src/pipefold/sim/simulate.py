@@ -125,6 +125,10 @@ class StageOverride:
     """What those kinds keep until they run; None: derived from the model's ``stash``."""
     bw: float | None = None
     """Time of a fused backward (BW) without recomputation; None: ``b + w``."""
+    collectives: int = 1
+    """Collectives each of this stage's ``AG`` and ``RS`` runs when sharded across the data-parallel pipelines:
+    FSDP gathers and reduce-scatters each layer with parameters on its own (one FSDP unit per layer), so each
+    pays its latency once per unit; the bytes are the stage's whatever their split."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -224,6 +228,9 @@ class CostModel:
                     continue
                 if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                     raise ConfigError(f"stage {stage} cost {name} must be a finite number >= 0 (got {value!r})")
+            if isinstance(cost.collectives, bool) or not (isinstance(cost.collectives, int) and cost.collectives >= 1):
+                raise ConfigError(f"stage {stage} runs its AG and RS as collectives: a whole number >= 1 "
+                                  f"(got {cost.collectives!r})")
             if cost.kept is not None and cost.memory is not None and cost.kept > cost.memory:
                 raise ConfigError(f"stage {stage} keeps {cost.kept:g} between F and B, more than its memory "
                                   f"{cost.memory:g}: kept is the part of memory not recomputed")
@@ -267,8 +274,11 @@ class CostModel:
         memory_w = None if self.memory_w is None else self.memory_w * share
         allreduce = self.allreduce_time(self.grad_bytes * share, replicas)
         dp_reduce = self.allreduce_time(self.grad_bytes * share, self.dp)
-        sharded = {"dp_reduce": dp_reduce, "dp_gather": self.gather_time(self.grad_bytes * share, self.dp),
-                   "dp_scatter": self.gather_time(self.grad_bytes * share, self.dp),
+        # k collectives of a stage's bytes: a gather's time is latency plus bytes over bandwidth, so k of a k-th each
+        # cost k latencies and the bytes once, however the bytes split among the layers.
+        calls = 1 if over is None else over.collectives
+        gather = calls * self.gather_time(self.grad_bytes * share / calls, self.dp)
+        sharded = {"dp_reduce": dp_reduce, "dp_gather": gather, "dp_scatter": gather,
                    "gathered": self.gathered * share}
         opt = self.opt * share
         work = {k: v * share for k, v in self.work.items()} if over is None or over.work is None else over.work
@@ -299,7 +309,7 @@ class CostModel:
             "after_step": self.after_step,
             "stage_overrides": {str(s): {"f": c.f, "b": c.b, "w": c.w, "memory": c.memory,
                                          "recompute": c.recompute, "kept": c.kept, "memory_w": c.memory_w,
-                                         "bw": c.bw,
+                                         "bw": c.bw, "collectives": c.collectives,
                                          "work": None if c.work is None else dict(c.work),
                                          "stash": None if c.stash is None else dict(c.stash)}
                                 for s, c in self.stage_overrides.items()},
