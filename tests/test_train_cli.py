@@ -277,6 +277,23 @@ def test_a_schedule_file_keeps_its_shape(capsys: pytest.CaptureFixture[str], tmp
         assert code == 2 and f"drop {flag} {value}, or give the file's" in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("nodes", [2, 4])
+def test_sockets_across_machines_under_torchrun_are_refused_before_joining(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, nodes: int) -> None:
+    """torchrun's workers on several machines: each refuses --p2p sockets alike, before any rendezvous (no master
+    runs here: a worker that tried to join would wait for one)."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", str(2 * nodes))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    code = main(["train", "--p2p", "sockets", "--model", "mlp", "--layers", "8", "--hidden", "16", "--batch", "8",
+                 "--devices", str(2 * nodes), "--microbatches", "4", "--schedule", "1f1b", "--partition", "even"])
+    err = capsys.readouterr().err
+    assert code != 0 and "--p2p sockets joins ranks on one machine, and torchrun started these on several" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
 def test_schedule_auto_under_torchrun_is_refused_at_once(capsys: pytest.CaptureFixture[str],
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Every worker would profile on its own while the others time out waiting: refused before any work."""

@@ -12,7 +12,8 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-__all__ = ["free_port", "process_context", "start_server", "starting", "stopped_on_error", "under_torchrun"]
+__all__ = ["free_port", "process_context", "start_server", "starting", "stopped_on_error", "torchrun_on_one_machine",
+           "under_torchrun"]
 
 
 def free_port() -> int:
@@ -55,6 +56,12 @@ def process_context(preload: Sequence[str] = ()) -> Any:
 def under_torchrun() -> bool:
     """True when torchrun (or another launcher) has set this process's rank and world size."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def torchrun_on_one_machine() -> bool:
+    """Whether torchrun started every rank of the world on this machine (its local world is the whole world)."""
+    world = os.environ.get("WORLD_SIZE", "1")
+    return os.environ.get("LOCAL_WORLD_SIZE", world) == world
 
 
 @contextlib.contextmanager

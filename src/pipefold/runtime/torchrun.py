@@ -23,6 +23,7 @@ import torch.distributed as dist
 from pipefold.errors import ConfigError
 from pipefold.runtime import sockets
 from pipefold.runtime.job import Job, RankError, RankReport, local_placement, raise_if_stopped
+from pipefold.runtime.processes import torchrun_on_one_machine
 from pipefold.runtime.rank import run_rank
 from pipefold.runtime.watch import (
     DEFAULT_ACTION_TIMEOUT,
@@ -150,12 +151,8 @@ def run_torchrun(job: Job, on_step: Callable[[int, float, float], None] | None =
                               f"{job.schedule.devices} devices{what}; set --nproc-per-node and --nnodes for {need} "
                               "in all")
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
-        one_machine = int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world
-        if job.devices.p2p == "sockets" and not one_machine:
-            raise ConfigError("--p2p sockets joins ranks on one machine, and torchrun started these on several: use "
-                              "--p2p auto or gloo")
         try:
-            with sockets.linked() if job.sockets and one_machine else contextlib.nullcontext():
+            with sockets.linked() if job.sockets and torchrun_on_one_machine() else contextlib.nullcontext():
                 report = run_rank(job, rank, world, None, on_step, activity=activity)
             activity.wait("the end of the job", "every rank's report", [r for r in range(world) if r != rank],
                           action=False)

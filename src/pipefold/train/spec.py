@@ -26,7 +26,7 @@ from pipefold.errors import ConfigError
 from pipefold.ir import Schedule
 from pipefold.ir.ref import ScheduleRef
 from pipefold.models.base import ModelArgs
-from pipefold.runtime.processes import under_torchrun
+from pipefold.runtime.processes import torchrun_on_one_machine, under_torchrun
 from pipefold.runtime.settings import Devices, Optimizer, Parallel, Reliability, check_together, flag
 
 if TYPE_CHECKING:
@@ -389,6 +389,9 @@ class RunSpec:
             raise ConfigError("--plan and --schedule auto run locally for now: plan with pipefold profile and pipefold "
                               "plan --profile PROFILE --memory-budget BYTES, then give torchrun the plan's schedule "
                               "and flags")
+        if self.devices.p2p == "sockets" and under_torchrun() and not torchrun_on_one_machine():
+            raise ConfigError("--p2p sockets joins ranks on one machine, and torchrun started these on several: use "
+                              "--p2p auto or gloo")
         if self.links.netns:
             if under_torchrun():
                 raise ConfigError("--netns starts local ranks in namespaces it makes; under torchrun make them with "
