@@ -58,11 +58,11 @@ def collective_bytes(profile: Profile, layout: Layout, layer_stages: tuple[tuple
     train = profile.train
     rows = int(train["batch"]) // int(train["microbatches"])
     activation = rows * int(train["seq"]) * int(train["hidden"] or 0) * 4
-    seen = profile.at_tp(layout.tp).layers
     sent, formula, counted = [], [], []
-    for part in layer_stages:
+    for device, part in enumerate(layer_stages):  # 1f1b: stage d on device d, at that device's degree
+        seen = profile.at_tp(layout.degrees[device]).layers
         blocks = sum(1 for i in part if 0 < i < len(seen) - 1)
-        calls = 4 * blocks * microbatches if layout.tp > 1 else 0
+        calls = 4 * blocks * microbatches if layout.degrees[device] > 1 else 0
         params = sum(seen[i].params for i in part)
         sent.append(int(calls * activation + _sharded_bytes(layout, params)))
         formula.append(calls)
@@ -93,11 +93,12 @@ def bench_world(world: int, steps: int) -> list[dict[str, Any]]:
         plan = answer.to_dict()
         got = run_plan(plan, steps)
         b = answer.best
-        pipelines = layout.dp * layout.tp
-        # Ranks in the mesh's order (dp, pp, tp): device of rank r is r // tp % pp.
+        pipelines = layout.dp * max(layout.degrees)
+        # Ranks in the job's order (runtime.job.Job.meshes): copies outermost, then devices, a device's ranks.
+        device_of = [d for _ in range(layout.dp) for d, t in enumerate(layout.degrees) for _ in range(t)]
         peaks = got["measured"]["peak_bytes"]
-        predicted_peak = [int(b.peak_memory[r // layout.tp % layout.pp]) for r in range(world)]
-        row = {"world": world, "layout": str(layout), "dp": layout.dp, "tp": layout.tp, "pp": layout.pp,
+        predicted_peak = [int(b.peak_memory[device_of[r]]) for r in range(world)]
+        row = {"world": world, "layout": str(layout), "dp": layout.dp, "tp": layout.tp_text, "pp": layout.pp,
                "schedule": b.spec, "layer_stages": [list(p) for p in b.layer_stages],
                "predicted_step_s": b.makespan, "measured_step_s": got["measured"]["step_time_s"],
                "measured_step_spread_s": got["measured"]["step_time_spread_s"],

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import random
 import time
 
@@ -26,6 +27,7 @@ from pipefold.plan.partition import (
     memory_of_split,
     partition,
     partition_memory,
+    partition_on_devices,
 )
 from pipefold.runtime.profiling import layer_costs, layer_memory, layer_static_bytes
 from pipefold.train.prepare import make_job
@@ -64,6 +66,34 @@ def test_optimal_against_brute_force(seed: int) -> None:
     assert split.bottleneck == pytest.approx(_brute(costs, parts, None), abs=1e-9)
     assert split.device_cost == split.cost and len(split.parts) == parts
     _check_cover(split.parts, split.boundaries, n)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_split_over_devices_of_their_own_costs_is_optimal_against_brute_force(seed: int) -> None:
+    # Each device makes its own cost of a layer (a device that splits its layers over more ranks runs them faster):
+    # every contiguous split into one part per device, each part costed on its device, against the planner's.
+    rng = random.Random(seed)
+    n = rng.randint(1, 9)
+    devices = rng.randint(1, n)
+    base = [rng.choice([rng.random(), float(rng.randint(0, 4))]) for _ in range(n)]
+    costs = [[c * rng.choice([1.0, 0.55, 0.3]) for c in base] for _ in range(devices)]
+    best = math.inf
+    for cuts in itertools.combinations(range(1, n), devices - 1):
+        bounds = [0, *cuts, n]
+        best = min(best, max(sum(costs[d][bounds[d]:bounds[d + 1]]) for d in range(devices)))
+    split = partition_on_devices(costs)
+    assert split.bottleneck == pytest.approx(best, abs=1e-9) and len(split.parts) == devices
+    assert split.cost == pytest.approx([sum(costs[d][i] for i in part) for d, part in enumerate(split.parts)])
+    _check_cover(split.parts, split.boundaries, n)
+    # The same costs on every device: the plain split's answer.
+    assert partition_on_devices([base] * devices).bottleneck == pytest.approx(partition(base, devices).bottleneck)
+
+
+def test_a_split_over_devices_refuses_what_it_cannot_split() -> None:
+    for costs, words in (([], "one row per device"), ([[1.0], [1.0, 2.0]], "one row per device"),
+                         ([[1.0]] * 2, "cannot split 1 layers into 2"), ([[1.0, -1.0]], "non-negative")):
+        with pytest.raises(ConfigError, match=words):
+            partition_on_devices(costs)
 
 
 @pytest.mark.parametrize("seed", range(60))

@@ -48,10 +48,16 @@ def test_every_layout_is_every_factorisation_the_profile_can_predict() -> None:
     # each with copies also with FSDP, and with ZeRO-1 where the optimizer has a state to shard (AdamW, not SGD).
     for world, m, factor in itertools.product((1, 2, 4, 6, 8), (2, 4, 8), (2.0, 0.0)):
         prof = dataclasses.replace(_profile(microbatches=m), optimizer_factor=factor)
+        hows = [how for how in ("none", "zero1", "fsdp") if how != "zero1" or factor > 0]
         want = {Layout(dp, tp, pp, how) for dp, tp, pp in itertools.product(range(1, 9), repeat=3)
-                for how in ("none", "zero1", "fsdp") if dp * tp * pp == world and tp in (1, 2) and m % dp == 0
-                and (how == "none" or (dp > 1 and (how == "fsdp" or factor > 0)))}
-        assert set(every_layout(prof, world)) == want
+                for how in hows if dp * tp * pp == world and tp in (1, 2) and m % dp == 0
+                and (how == "none" or dp > 1)}
+        # And a mesh per device: c devices of tp 2 and pp - c of tp 1, in every order, dp (pp + c) ranks in all.
+        want |= {Layout(dp, order, pp, how) for dp, pp in itertools.product(range(1, 9), repeat=2)
+                 for c in range(1, pp) for order in set(itertools.permutations((2,) * c + (1,) * (pp - c)))
+                 for how in hows if dp * (pp + c) == world and m % dp == 0 and (how == "none" or dp > 1)}
+        got = every_layout(prof, world)
+        assert set(got) == want and len(got) == len(want)
     with pytest.raises(ConfigError, match="among dp >= 2 copies"):
         Layout(1, 1, 2, "zero1")
     only_tp2 = dataclasses.replace(_profile().at_tp(2), tp_layers={})
@@ -77,6 +83,49 @@ def test_a_layouts_devices_share_the_machine_as_all_its_ranks_do() -> None:
     assert layout_profile(crowded, Layout(2, 1, 2)).contention == pytest.approx([c[1], c[3]])  # tp 1: alone
     with pytest.raises(ConfigError, match="profile again with --tp 1,2,4"):
         layout_profile(prof, Layout(1, 4, 1))
+    # A mesh per device: 4 ranks over 3 devices, 4/3 a device, so k devices computing are ceil(4k/3) ranks; each
+    # layer has its device's degree's figures, a tp-1 layer's times taken to the tp-2 layers' 2 ranks measuring.
+    mixed = Layout(1, (2, 1, 1), 3)
+    parts = [(0, 1), (2, 3), (4, 5)]
+    seen = layout_profile(prof, mixed, parts, (0, 1, 2))
+    assert seen.contention == pytest.approx([c[1] / c[1], c[2] / c[1], c[3] / c[1]])
+    for i, x in enumerate(seen.layers):
+        want = prof.tp_layers[2][i] if i < 2 else prof.layers[i]
+        scale = 1.0 if i < 2 else c[1] / c[0]
+        assert (x.f, x.b, x.w, x.params, x.held) == pytest.approx(
+            (want.f * scale, want.b * scale, want.w * scale, want.params, want.held)), i
+    with pytest.raises(ConfigError, match="say which layers each holds"):
+        layout_profile(prof, mixed)
+    for bad in ((2, 1), (2, 0, 1), (2, True, 1)):
+        with pytest.raises(ConfigError, match="one tensor-parallel degree >= 1 per pipeline device"):
+            Layout(1, bad, 3)  # type: ignore[arg-type]
+    assert Layout(1, (2, 2, 2), 3) == Layout(1, 2, 3) and str(Layout(2, (1, 2), 2, "fsdp")) == "dp2 tp1,2 pp2 fsdp"
+
+
+def test_a_mesh_per_device_is_predicted_from_each_devices_own_degree() -> None:
+    # Closed forms for a pipeline whose device 0 splits its layers over 2 ranks and device 1 keeps them whole:
+    # each device's static bytes are its own layers' at its degree, each stage's passes their sum; a message crosses
+    # in 2 pieces and the receiving device of 2 all-gathers it, so the slowest crossing prices every message.
+    prof = dataclasses.replace(_profile(), contention=(1.0,) * 8)
+    parts = [(0, 1, 2), (3, 4, 5)]
+    wide, narrow = prof.at_tp(2), prof
+    result, peaks, static = predict(prof, Layout(1, (2, 1), 2), "gpipe", parts)
+    assert static == [int(sum(wide.static(i) for i in parts[0])), int(sum(narrow.static(i) for i in parts[1]))]
+    from pipefold.ir import Kind
+
+    busy = [sum(iv.end - iv.start for iv in row if iv.action.kind == Kind.F) for row in result.timeline]
+    per_microbatch = [sum(wide.layers[i].f for i in parts[0]), sum(narrow.layers[i].f for i in parts[1])]
+    assert busy == pytest.approx([8 * f for f in per_microbatch])
+    from pipefold.sim.simulate import CostModel, ring_gather
+
+    cost = CostModel(latency=prof.latency, bandwidth=prof.bandwidth, activation_bytes=8192, mesh=(2, 1))
+    crossing_in = prof.latency + 4096 / prof.bandwidth + ring_gather(8192, 2, prof.latency, prof.bandwidth)
+    assert cost.crossing_time(1, 2) == pytest.approx(crossing_in)
+    assert cost.crossing_time(2, 1) == pytest.approx(prof.latency + 4096 / prof.bandwidth)
+    assert cost.transfer_time == pytest.approx(crossing_in)
+    for bad in ((), (2, 0), 0):
+        with pytest.raises(ConfigError, match="cost mesh is the ranks of each device"):
+            CostModel(mesh=bad)  # type: ignore[arg-type]
 
 
 def test_the_world_plan_is_the_best_over_a_brute_force_of_layouts_schedules_and_splits() -> None:
@@ -195,8 +244,14 @@ def test_a_world_plan_file_round_trips_its_layout(tmp_path) -> None:
         path.write_text(json.dumps({**answer.to_dict(), **bad}))
         with pytest.raises(ConfigError, match="sharding is none, zero1, fsdp"):
             read_plan(str(path))
+    # A mesh per device: its degrees as a list, one per device.
+    mixed = plan_model(prof, 3, 1e12, layouts=[Layout(1, (2, 1), 2)], families=["1f1b", "gpipe"])
+    path.write_text(json.dumps(mixed.to_dict()))
+    back = RunPlan.from_dict(read_plan(str(path)))
+    assert back.tp == (2, 1) and back.layout == Layout(1, (2, 1), 2) and mixed.to_dict()["tp"] == [2, 1]
+    assert all(row["tp"] == [2, 1] for row in mixed.to_dict()["frontier"])
     # A layout its profile cannot run: one line, naming the degrees it measured.
-    for bad in ({"tp": 4}, {"dp": 0}):
+    for bad in ({"tp": 4}, {"dp": 0}, {"tp": [2, 4]}, {"tp": [2, 1, 1]}):
         path.write_text(json.dumps({**answer.to_dict(), **bad}))
         with pytest.raises(ConfigError, match="a degree its profile measured \\(1, 2\\)"):
             read_plan(str(path))
@@ -238,6 +293,14 @@ def test_a_profile_at_tp_2_measures_each_ranks_share_and_its_plan_runs_exactly(t
     planned = from_plan(RunPlan.from_dict(read_plan(str(path))), RunSpec.flat(steps=2, check=True))
     assert (planned.spec.parallel.tp, planned.spec.parallel.dp, planned.spec.schedule.devices) == (2, 1, 2)
     job = make_job(planned.spec, decided=planned.decided)
+    assert compare(job, run_local(job))["max_grad_rel_diff"] < 1e-5
+    # A mesh per device: the embedding's device on 2 ranks, the head's on 1 (3 ranks), planned and run as planned.
+    answer = plan_model(prof, 3, 1e12, layouts=[Layout(1, (2, 1), 2)], families=["1f1b"])
+    path.write_text(json.dumps(answer.to_dict()))
+    planned = from_plan(RunPlan.from_dict(read_plan(str(path))), RunSpec.flat(steps=2, check=True))
+    assert planned.spec.parallel.tp == (2, 1) and planned.spec.schedule.devices == 2
+    job = make_job(planned.spec, decided=planned.decided)
+    assert job.layer_stages == answer.best.layer_stages and job.world == 3
     assert compare(job, run_local(job))["max_grad_rel_diff"] < 1e-5
 
 

@@ -215,14 +215,15 @@ def _too_small(points: Sequence[Point], budget: float) -> ConfigError:
 # --------------------------------------------------------------------------- a measured model
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True)
 class Layout:
-    """How ``dp * tp * pp`` ranks run one model: ``dp`` copies of a pipeline of ``pp`` devices, each device's
-    layers split over ``tp`` ranks (``pipefold train --dp --tp --devices``), and what the copies shard among
-    them: nothing, the optimizer state (``zero1``, ``--zero1``) or the stages (``fsdp``, ``--fsdp``)."""
+    """How the ranks run one model: ``dp`` copies of a pipeline of ``pp`` devices, each device's layers split over
+    ``tp`` ranks (``pipefold train --dp --tp --devices``), or over ``tp[d]`` ranks on device d where the devices
+    differ (``--tp 2,1``: a mesh per stage), and what the copies shard among them: nothing, the optimizer state
+    (``zero1``, ``--zero1``) or the stages (``fsdp``, ``--fsdp``). Degrees that are all equal are one ``tp``."""
 
     dp: int
-    tp: int
+    tp: int | tuple[int, ...]
     pp: int
     sharding: str = "none"
 
@@ -230,50 +231,101 @@ class Layout:
         if self.sharding not in SHARDING or (self.sharding != "none" and self.dp < 2):
             raise ConfigError(f"a layout shards {' or '.join(SHARDING)} among dp >= 2 copies (got "
                               f"{self.sharding!r} with dp {self.dp})")
+        if isinstance(self.tp, tuple):
+            if len(self.tp) != self.pp or any(isinstance(t, bool) or not isinstance(t, int) or t < 1
+                                              for t in self.tp):
+                raise ConfigError(f"a layout gives one tensor-parallel degree >= 1 per pipeline device: {self.pp} "
+                                  f"of them (got {self.tp})")
+            if len(set(self.tp)) == 1:
+                object.__setattr__(self, "tp", self.tp[0])
+
+    @property
+    def degrees(self) -> tuple[int, ...]:
+        """Each pipeline device's tensor-parallel degree."""
+        return self.tp if isinstance(self.tp, tuple) else (self.tp,) * self.pp
+
+    @property
+    def mixed(self) -> bool:
+        """Whether the devices' degrees differ (a mesh per stage)."""
+        return isinstance(self.tp, tuple)
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * sum(self.degrees)
+
+    @property
+    def tp_text(self) -> str:
+        """The degrees as ``--tp`` takes them: ``2``, or ``2,1,1``."""
+        return ",".join(map(str, self.tp)) if isinstance(self.tp, tuple) else str(self.tp)
+
+    def sort_key(self) -> tuple[Any, ...]:
+        return self.pp, max(self.degrees), self.degrees, self.dp, SHARDING.index(self.sharding)
 
     def __str__(self) -> str:
-        return f"dp{self.dp} tp{self.tp} pp{self.pp}" + (f" {self.sharding}" if self.sharding != "none" else "")
+        return f"dp{self.dp} tp{self.tp_text} pp{self.pp}" + (f" {self.sharding}" if self.sharding != "none" else "")
 
 
 def every_layout(profile: Profile, world: int) -> list[Layout]:
-    """Every layout of ``world`` ranks the profile can predict: a tensor-parallel degree it measured, and data-
-    parallel copies that share its microbatches evenly (each pipeline runs ``microbatches / dp`` of them, of the
-    size the profile measured); where there are copies, each way of sharding among them (ZeRO-1 only where the
-    optimizer has a state to shard)."""
+    """Every layout of ``world`` ranks the profile can predict: tensor-parallel degrees it measured, the same on
+    every device or (with one stage per device, see :func:`plan_model`) each device its own, and data-parallel
+    copies that share its microbatches evenly (each pipeline runs ``microbatches / dp`` of them, of the size the
+    profile measured); where there are copies, each way of sharding among them (ZeRO-1 only where the optimizer
+    has a state to shard)."""
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ConfigError(f"the world is a number of ranks, a whole number >= 1 (got {world!r})")
     m = int(profile.train["microbatches"])
-    out = [Layout(dp, tp, world // (dp * tp), how) for tp in profile.tp_degrees for dp in range(1, world + 1)
-           for how in SHARDING if world % (dp * tp) == 0 and m % dp == 0
-           and (how == "none" or (dp > 1 and (how != "zero1" or profile.optimizer_factor > 0)))]
+    shardings = [how for how in SHARDING if how != "zero1" or profile.optimizer_factor > 0]
+    out: set[Layout] = set()
+    for dp in (d for d in range(1, world + 1) if world % d == 0 and m % d == 0):
+        ranks = world // dp  # of one pipeline
+        for pp in range(1, ranks + 1):
+            for degrees in itertools.product(profile.tp_degrees, repeat=pp):
+                if sum(degrees) == ranks:
+                    out.update(Layout(dp, degrees, pp, how) for how in shardings if how == "none" or dp > 1)
     if not out:
         raise ConfigError(f"no layout of {world} ranks fits this profile (tensor-parallel degrees "
                           f"{', '.join(map(str, profile.tp_degrees))}, {m} microbatches to share among the "
                           f"data-parallel copies): use a world that one of them divides, or profile with --tp")
-    return sorted(out, key=lambda x: (x.pp, x.tp, x.dp, SHARDING.index(x.sharding)))
+    return sorted(out, key=Layout.sort_key)
 
 
-def layout_profile(profile: Profile, layout: Layout) -> Profile:
+def layout_profile(profile: Profile, layout: Layout, layer_stages: Sequence[Sequence[int]] | None = None,
+                   placement: Sequence[int] | None = None) -> Profile:
     """What one pipeline of ``layout`` sees of the profile: the layers at its tensor-parallel degree, and how its
     devices share the machine. Each device stands for ``dp * tp`` ranks that compute in step (the tp ranks wait for
     each other in every layer, the copies run the same schedule), and the layers were timed with
     ``profile.ranks_measuring(tp)`` ranks computing at once; so k devices computing run
     ``slowdown(k * dp * tp) / slowdown(ranks measuring)`` times longer (less than 1 where fewer compute).
 
+    Where the devices' degrees differ, each layer has the figures of its device's degree (``layer_stages`` split
+    among the devices by ``placement``, a device per stage), its times taken back to the ranks measuring at the
+    first device's degree; k devices computing stand for k times the pipeline's mean ranks per device.
+
     What a rank holds of each parameter, in parameter sizes ``2 + optimizer_factor``: its weight and gradient
     and the optimizer state (f); with ZeRO-1, f / dp of the state; with FSDP, (2 + f) / dp of the shards and the
     weight and gradient gathered whole (2), which a stage holds from its ``AG`` to its ``RS``: the whole step but
     its ends, counted throughout."""
-    at = profile.at_tp(layout.tp)
+    first = layout.degrees[0]
+    at = profile.at_tp(first)
     f = at.optimizer_factor
     factor = {"none": f, "zero1": f / layout.dp, "fsdp": (2 + f) / layout.dp}[layout.sharding]
     at = dataclasses.replace(at, optimizer_factor=factor)
-    c, base = profile.contention, slowdown(profile.contention, profile.ranks_measuring(layout.tp))
-    sharing = tuple(slowdown(c, k * layout.dp * layout.tp) / base for k in range(1, layout.pp + 1))
+    c, base = profile.contention, slowdown(profile.contention, profile.ranks_measuring(first))
+    if layout.mixed:
+        if layer_stages is None or placement is None:
+            raise ConfigError(f"the layout {layout} gives its devices different degrees: say which layers each holds")
+        layers = list(at.layers)
+        for stage, part in enumerate(layer_stages):
+            t = layout.degrees[placement[stage]]
+            rescale = base / slowdown(c, profile.ranks_measuring(t))
+            for i in part:
+                x = profile.at_tp(t).layers[i]
+                layers[i] = dataclasses.replace(x, f=x.f * rescale, b=x.b * rescale, w=x.w * rescale,
+                                                bw=None if x.bw is None else x.bw * rescale,
+                                                w_depth=x.w_depth * rescale)
+        at = dataclasses.replace(at, layers=tuple(layers))
+    mean = layout.dp * sum(layout.degrees) / layout.pp
+    sharing = tuple(slowdown(c, math.ceil(k * mean - 1e-9)) / base for k in range(1, layout.pp + 1))
     return dataclasses.replace(at, contention=sharing)
 
 
@@ -328,7 +380,8 @@ class ModelPlan:
         """The plan file ``pipefold train --plan`` runs: what to run, and what it is predicted to do; with the
         frontier and the count of candidates, for people."""
         return {**self.run_plan.to_dict(),
-                "frontier": [{"schedule": q.spec, "dp": q.layout.dp, "tp": q.layout.tp,
+                "frontier": [{"schedule": q.spec, "dp": q.layout.dp,
+                              "tp": list(q.layout.tp) if isinstance(q.layout.tp, tuple) else q.layout.tp,
                               "sharding": q.layout.sharding, "devices": q.layout.pp,
                               "split": q.split, "recompute": list(q.recompute),
                               "step_time_s": q.makespan, "peak_bytes": int(q.memory)} for q in self.frontier],
@@ -349,8 +402,8 @@ class RunPlan:
     """Microbatches of one pipeline per step."""
     dp: int = 1
     """Data-parallel copies of the pipeline."""
-    tp: int = 1
-    """Tensor-parallel ranks each device's layers are split over."""
+    tp: int | tuple[int, ...] = 1
+    """Tensor-parallel ranks each device's layers are split over, or device d's (``tp[d]``) where they differ."""
     sharding: str = "none"
     """What the copies shard among them: ``none``, ``zero1`` (``--zero1``) or ``fsdp`` (``--fsdp``)."""
     split: str
@@ -377,7 +430,8 @@ class RunPlan:
 
     def to_dict(self) -> dict[str, Any]:
         return {"version": PLAN_VERSION, "kind": "pipefold-plan", "schedule": self.schedule, "devices": self.devices,
-                "microbatches": self.microbatches, "dp": self.dp, "tp": self.tp, "sharding": self.sharding,
+                "microbatches": self.microbatches, "dp": self.dp,
+                "tp": list(self.tp) if isinstance(self.tp, tuple) else self.tp, "sharding": self.sharding,
                 "split": self.split,
                 "layer_stages": [list(x) for x in self.layer_stages], "recompute": list(self.recompute),
                 "budget_bytes": self.budget, "room_bytes": self.room, "train": dict(self.train),
@@ -390,7 +444,7 @@ class RunPlan:
         """The plan in ``data``, as :func:`read_plan` returns a file's checked contents."""
         predicted = data["predicted"]
         return cls(schedule=str(data["schedule"]), devices=int(data["devices"]),
-                   microbatches=int(data["microbatches"]), dp=int(data.get("dp", 1)), tp=int(data.get("tp", 1)),
+                   microbatches=int(data["microbatches"]), dp=int(data.get("dp", 1)), tp=_degrees(data.get("tp", 1)),
                    sharding=str(data.get("sharding", "none")),
                    split=str(data.get("split", "time")),
                    layer_stages=tuple(tuple(int(i) for i in part) for part in data["layer_stages"]),
@@ -431,7 +485,7 @@ def model_costs(profile: Profile, schedule: Schedule, layer_stages: Sequence[Seq
     cost = CostModel(stage_overrides=over, latency=profile.latency, bandwidth=profile.bandwidth,
                      activation_bytes=float(message), grad_bytes=params / schedule.devices,
                      contention=profile.contention[:schedule.devices], message_overhead=profile.message_overhead,
-                     dp=layout.dp, allreduce_fits=profile.allreduce, mesh=layout.tp)
+                     dp=layout.dp, allreduce_fits=profile.allreduce, mesh=layout.tp)  # a mesh per device if mixed
     if layout.sharding != "zero1":
         return cost
     held = [sum(profile.layers[i].params for s in schedule.stages_of(d) for i in layer_stages[s])
@@ -521,7 +575,6 @@ def plan_model(profile: Profile, p: int, budget: float, *, microbatches: int | N
     room = budget / (1 + headroom)
     points: list[ModelPoint] = []
     skipped: list[str] = []
-    sharded = {shape: layout_profile(profile, shape) for shape in shapes}
     if progress is not None:
         progress(0, len(todo))
     for done, (shape, name, options) in enumerate(todo, 1):
@@ -529,7 +582,7 @@ def plan_model(profile: Profile, p: int, budget: float, *, microbatches: int | N
             schedule = schedules.build(name, shape.pp, m // shape.dp, **options)
             if schedule.stages > n:
                 raise ConfigError(f"{schedule.stages} stages for {n} layers")
-            points.extend(_model_points(sharded[shape], schedule, room, shape))
+            points.extend(_model_points(profile, schedule, room, shape))
         except (ConfigError, ScheduleError):
             skipped.append(f"{shape} {ScheduleRef.named(name, options)}")
         if progress is not None:
@@ -557,11 +610,11 @@ def predict(profile: Profile, layout: Layout, schedule: str | Schedule, layer_st
     ``recompute``, each device's layers split over ``layout.tp`` ranks. Returns the simulation of one pipeline
     (seconds, activation bytes), each device's peak bytes in all (weights, gradients, optimizer state, activations,
     a receive buffer) and its static part."""
-    seen = layout_profile(profile, layout)
     if isinstance(schedule, str):
         ref = ScheduleRef.parse(schedule)
         schedule = schedules.build(ref.name, layout.pp, int(profile.train["microbatches"]) // layout.dp,
                                    **ref.kwargs)
+    seen = layout_profile(profile, layout, layer_stages, schedule.placement[0])
     rows = stage_profiles(seen, layer_stages)
     counts = tuple(recompute or (0,) * len(rows))
     static, activations = device_peaks(schedule, rows, counts)
@@ -583,21 +636,41 @@ def _replicated(schedule: Schedule, layout: Layout) -> Schedule:
     return with_data_parallel(schedule, shard=layout.sharding == "fsdp")
 
 
-def _model_points(profile: Profile, schedule: Schedule, budget: float, layout: Layout) -> list[ModelPoint]:
-    """The candidate plans of one schedule on one layout (``profile`` as that layout sees it): each split, without
-    recomputation and (where that does not fit) with the cheapest recomputation that does."""
-    from pipefold.plan.partition import partition, partition_memory
+def _model_points(measured: Profile, schedule: Schedule, budget: float, layout: Layout) -> list[ModelPoint]:
+    """The candidate plans of one schedule on one layout of the ``measured`` profile: each split, without
+    recomputation and (where that does not fit) with the cheapest recomputation that does.
 
-    L = profile.layers
-    times = [x.f + x.b + x.w for x in L]
-    splits = {"time": tuple(tuple(part) for part in partition(times, schedule.stages,
-                                                              placement=schedule.placement[0]).parts)}
-    if schedule.replicas == 1:
-        by_memory = partition_memory(times, [x.held for x in L], [x.held_w for x in L],
-                                     [profile.static(i) for i in range(len(L))], schedule)
-        split = tuple(tuple(part) for part in by_memory.parts)
-        if split != splits["time"]:
-            splits["memory"] = split
+    Where the layout's devices differ in degree, the split balances each device's layers at its own degree
+    (:func:`pipefold.plan.partition.partition_on_devices`, one stage per device: a schedule with more is
+    refused, as are the memory-balanced splits)."""
+    from pipefold.plan.partition import partition, partition_memory, partition_on_devices
+
+    placement = schedule.placement[0]
+    if layout.mixed:
+        if schedule.replicas != 1 or len(set(placement)) != schedule.stages:
+            raise ConfigError(f"{schedule.name} puts several stages on a device; the layout {layout} is searched "
+                              "with one stage per device")
+        rows_by_stage = []
+        base = slowdown(measured.contention, measured.ranks_measuring(layout.degrees[0]))
+        for s in range(schedule.stages):
+            t = layout.degrees[placement[s]]
+            rescale = base / slowdown(measured.contention, measured.ranks_measuring(t))
+            rows_by_stage.append([(x.f + x.b + x.w) * rescale for x in measured.at_tp(t).layers])
+        split = tuple(tuple(part) for part in partition_on_devices(rows_by_stage).parts)
+        splits = {"time": split}
+        profile = layout_profile(measured, layout, split, placement)
+    else:
+        profile = layout_profile(measured, layout)
+        L = profile.layers
+        times = [x.f + x.b + x.w for x in L]
+        splits = {"time": tuple(tuple(part) for part in partition(times, schedule.stages,
+                                                                  placement=placement).parts)}
+        if schedule.replicas == 1:
+            by_memory = partition_memory(times, [x.held for x in L], [x.held_w for x in L],
+                                         [profile.static(i) for i in range(len(L))], schedule)
+            split = tuple(tuple(part) for part in by_memory.parts)
+            if split != splits["time"]:
+                splits["memory"] = split
     run = _replicated(schedule, layout)
     out = []
     for how, layer_stages in splits.items():
@@ -624,7 +697,17 @@ def _model_points(profile: Profile, schedule: Schedule, budget: float, layout: L
 
 def _model_order(pt: ModelPoint) -> tuple[Any, ...]:
     # Among equals: fewer tensor-parallel ranks (less to go wrong), then fewer copies.
-    return (*_order(pt), sum(pt.recompute), pt.split, pt.layout.tp, pt.layout.dp)
+    return (*_order(pt), sum(pt.recompute), pt.split, sum(pt.layout.degrees), pt.layout.degrees, pt.layout.dp)
+
+
+def _degrees(value: Any) -> int | tuple[int, ...]:
+    """A plan file's ``tp``: one degree, or a list of one per device (equal ones are one degree)."""
+    if isinstance(value, list):
+        if not value:
+            raise ValueError("tp lists no degrees")
+        degrees = tuple(int(t) for t in value)
+        return degrees[0] if len(set(degrees)) == 1 else degrees
+    return int(value)
 
 
 def read_plan(path: str) -> dict[str, Any]:
@@ -641,10 +724,13 @@ def check_plan(data: Any, path: str) -> dict[str, Any]:
                           f"pipefold plan --profile PROFILE --memory-budget BYTES -o {path}")
     try:
         inside = Profile.from_dict(data["profile"], f"the profile inside {path}")
-        dp, tp = int(data.get("dp", 1)), int(data.get("tp", 1))
-        if dp < 1 or tp not in inside.tp_degrees:
+        dp, tp = int(data.get("dp", 1)), _degrees(data.get("tp", 1))
+        degrees = tp if isinstance(tp, tuple) else (tp,)
+        if dp < 1 or any(t not in inside.tp_degrees for t in degrees) or (
+                isinstance(tp, tuple) and len(tp) != int(data["devices"])):
             raise ConfigError(f"{path}: dp is a count of copies >= 1 and tp a degree its profile measured "
-                              f"({', '.join(map(str, inside.tp_degrees))}); got dp {dp}, tp {tp}")
+                              f"({', '.join(map(str, inside.tp_degrees))}), or one per device; got dp {dp}, "
+                              f"tp {data.get('tp', 1)}")
         how = data.get("sharding", "none")
         if how not in SHARDING or (how != "none" and dp < 2):
             raise ConfigError(f"{path}: sharding is {', '.join(SHARDING)}, and other than none only with dp >= 2 "

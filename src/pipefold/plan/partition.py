@@ -10,6 +10,7 @@ stages on devices, the largest device load, the sum of that device's chunks)::
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ if TYPE_CHECKING:  # measuring needs torch; splitting measured figures does not 
     """What flows between layers: one tensor, or several (a layer may return a tuple, spread into the next)."""
 
 __all__ = ["COST_KINDS", "LayerFigures", "MemoryPartition", "Partition", "memory_of_split", "partition",
-           "partition_memory", "split_by"]
+           "partition_memory", "partition_on_devices", "split_by"]
 
 COST_KINDS = ("params", "time", "memory")
 """What a layer's cost can measure."""
@@ -86,6 +87,26 @@ def partition(costs: Sequence[float], parts: int, *, placement: Sequence[int] | 
     return _result(values, prefix, bounds, mapping)
 
 
+def partition_on_devices(costs: Sequence[Sequence[float]]) -> Partition:
+    """The contiguous split of the layers into one part per device, in order, that minimises the largest device
+    cost, where a layer costs what its device makes of it: ``costs[d][i]`` is layer i's cost on device d (devices
+    that split their layers over different numbers of ranks run the same layer in different times)."""
+    rows = [[float(c) for c in row] for row in costs]
+    if not rows or any(len(row) != len(rows[0]) for row in rows):
+        raise ConfigError("give each device the cost of every layer on it: one row per device, all of one length")
+    n, parts = len(rows[0]), len(rows)
+    if parts > n:
+        raise ConfigError(f"cannot split {n} layers into {parts} stages: at most {n}")
+    if any(c < 0 or c != c for row in rows for c in row):
+        raise ConfigError("layer costs must be non-negative numbers")
+    prefixes = [[0.0, *itertools.accumulate(row)] for row in rows]
+    bounds = _minmax_dp(prefixes, parts)
+    ends = bounds[1:] + [n]
+    cost = [prefixes[k][hi] - prefixes[k][lo] for k, (lo, hi) in enumerate(zip(bounds, ends, strict=True))]
+    return Partition(boundaries=bounds, parts=[list(range(lo, hi)) for lo, hi in zip(bounds, ends, strict=True)],
+                     cost=cost, device_cost=list(cost), bottleneck=max(cost))
+
+
 def _check_placement(placement: Sequence[int] | None, parts: int) -> tuple[int, ...] | None:
     if placement is None:
         return None
@@ -111,17 +132,20 @@ def _result(values: list[float], prefix: list[float], bounds: list[int], mapping
                      cost=cost, device_cost=device_cost, bottleneck=max(device_cost), placement=mapping)
 
 
-def _minmax_dp(prefix: list[float], parts: int) -> list[int]:
-    """Boundaries minimising the largest part: best[k][j] = min over i of max(best[k-1][i], sum(i..j))."""
-    n = len(prefix) - 1
+def _minmax_dp(prefix: list[float] | list[list[float]], parts: int) -> list[int]:
+    """Boundaries minimising the largest part: best[k][j] = min over i of max(best[k-1][i], sum(i..j)); with a
+    prefix per part (``prefix[k]``), part k's sum is taken from its own."""
+    each = prefix if isinstance(prefix[0], list) else [prefix] * parts
+    n = len(each[0]) - 1
     inf = float("inf")
     best = [[inf] * (n + 1) for _ in range(parts + 1)]
     back = [[0] * (n + 1) for _ in range(parts + 1)]
     best[0][0] = 0.0
     for k in range(1, parts + 1):
+        pre = each[k - 1]
         for j in range(k, n - (parts - k) + 1):
             for i in range(k - 1, j):
-                value = max(best[k - 1][i], prefix[j] - prefix[i])
+                value = max(best[k - 1][i], pre[j] - pre[i])
                 if value < best[k][j] - _EPS:
                     best[k][j], back[k][j] = value, i
     bounds, j = [], n

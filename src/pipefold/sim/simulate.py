@@ -185,9 +185,10 @@ class CostModel:
     allreduce_fits: Mapping[int, tuple[float, float]] = field(default_factory=dict)
     """Measured all-reduces by group size: (latency, bandwidth), an all-reduce of n bytes among that many taking
     latency + n / bandwidth; a size not here is a ring over ``latency`` and ``bandwidth``."""
-    mesh: int = 1
-    """Ranks of each device (its tensor-parallel degree): a message between devices crosses in ``mesh`` pieces at
-    once, which the receiving ranks then all-gather (:func:`pipefold.runtime.comm.routes`)."""
+    mesh: int | tuple[int, ...] = 1
+    """Ranks of each device (its tensor-parallel degree), or of device d (``mesh[d]``) where they differ: a message
+    between devices crosses in as many pieces at once as the larger mesh has ranks, which the receiving ranks
+    then all-gather (:func:`pipefold.runtime.comm.routes`)."""
     after_step: float = 0.0
     """Time after every device's last action before the step is over, on no device's timeline: what the runtime
     does once the schedule has run (ZeRO-1's broadcast of the stepped shares). Added to the makespan."""
@@ -215,8 +216,10 @@ class CostModel:
             raise ConfigError(f"recompute is a fraction of the forward: 0..1 (got {self.recompute!r})")
         if not self.bandwidth > 0:
             raise ConfigError(f"bandwidth must be > 0 bytes per time unit (got {self.bandwidth!r})")
-        if isinstance(self.mesh, bool) or not (isinstance(self.mesh, int) and self.mesh >= 1):
-            raise ConfigError(f"cost mesh is the ranks of each device: an integer >= 1 (got {self.mesh!r})")
+        if any(isinstance(m, bool) or not (isinstance(m, int) and m >= 1)
+               for m in (self.mesh if isinstance(self.mesh, tuple) else (self.mesh,))) or self.mesh == ():
+            raise ConfigError(f"cost mesh is the ranks of each device: an integer >= 1, or one per device "
+                              f"(got {self.mesh!r})")
         for k, (lat, bw) in self.allreduce_fits.items():
             if not (isinstance(k, int) and k >= 2 and math.isfinite(lat) and lat >= 0 and bw > 0):
                 raise ConfigError(f"an all-reduce fit is a group of >= 2 devices, latency >= 0 and bandwidth > 0 "
@@ -237,11 +240,19 @@ class CostModel:
 
     @property
     def transfer_time(self) -> float:
-        """Time to move one activation (or its gradient) between two devices: each of the ``mesh`` ranks sends its
-        piece over a link of its own, then the receiving ranks all-gather the pieces."""
-        piece = self.activation_bytes / self.mesh
+        """Time to move one activation (or its gradient) between two devices (:meth:`crossing_time`); where the
+        devices' meshes differ, the slowest crossing between two of them."""
+        if isinstance(self.mesh, int):
+            return self.crossing_time(self.mesh, self.mesh)
+        return max((self.crossing_time(a, b) for a, b in itertools.permutations(self.mesh, 2)),
+                   default=self.crossing_time(self.mesh[0], self.mesh[0]))
+
+    def crossing_time(self, senders: int, receivers: int) -> float:
+        """One activation from a device of ``senders`` ranks to one of ``receivers``: in as many pieces as the larger
+        has ranks, each over a link of its own at once, then all-gathered among the receiving ranks."""
+        piece = self.activation_bytes / max(senders, receivers)
         return (self.latency + (piece / self.bandwidth if piece else 0.0)
-                + self.gather_time(self.activation_bytes, self.mesh))
+                + self.gather_time(self.activation_bytes, receivers))
 
     def allreduce_time(self, nbytes: float, replicas: int) -> float:
         """An all-reduce of ``nbytes`` among ``replicas`` devices: the measured fit for that many where there is one
