@@ -89,11 +89,38 @@ def test_a_split_over_devices_of_their_own_costs_is_optimal_against_brute_force(
     assert partition_on_devices([base] * devices).bottleneck == pytest.approx(partition(base, devices).bottleneck)
 
 
+@pytest.mark.parametrize("seed", range(30))
+def test_a_v_split_over_devices_of_their_own_costs_is_optimal_against_brute_force(seed: int) -> None:
+    # The V placement: device d holds parts d and 2p-1-d, both costed on d.
+    rng = random.Random(seed)
+    p = rng.randint(1, 3)
+    n = rng.randint(2 * p, 9)
+    base = [rng.choice([rng.random(), float(rng.randint(0, 4))]) for _ in range(n)]
+    costs = [[c * rng.choice([1.0, 0.55, 0.3]) for c in base] for _ in range(p)]
+    placement = v_placement(p)
+    best = math.inf
+    for cuts in itertools.combinations(range(1, n), 2 * p - 1):
+        bounds = [0, *cuts, n]
+        loads = [0.0] * p
+        for part, d in enumerate(placement):
+            loads[d] += sum(costs[d][bounds[part]:bounds[part + 1]])
+        best = min(best, max(loads))
+    split = partition_on_devices(costs, placement)
+    assert split.bottleneck == pytest.approx(best, abs=1e-9) and len(split.parts) == 2 * p
+    assert split.placement == placement and max(split.device_cost) == pytest.approx(split.bottleneck)
+    _check_cover(split.parts, split.boundaries, n)
+    assert partition_on_devices([base] * p, placement).bottleneck == pytest.approx(
+        partition(base, 2 * p, placement=placement).bottleneck)
+
+
 def test_a_split_over_devices_refuses_what_it_cannot_split() -> None:
-    for costs, words in (([], "one row per device"), ([[1.0], [1.0, 2.0]], "one row per device"),
-                         ([[1.0]] * 2, "cannot split 1 layers into 2"), ([[1.0, -1.0]], "non-negative")):
+    for costs, placement, words in (
+            ([], None, "one row per device"), ([[1.0], [1.0, 2.0]], None, "one row per device"),
+            ([[1.0]] * 2, None, "cannot split 1 layers into 2"), ([[1.0, -1.0]], None, "non-negative"),
+            ([[1.0] * 8] * 2, looped_placement(2, 2), "one part per device, or the V placement"),
+            ([[1.0] * 8] * 2, (0, 2), "names device 2, but costs are given for 2 devices")):
         with pytest.raises(ConfigError, match=words):
-            partition_on_devices(costs)
+            partition_on_devices(costs, placement)
 
 
 @pytest.mark.parametrize("seed", range(60))

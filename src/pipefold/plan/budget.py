@@ -641,22 +641,24 @@ def _model_points(measured: Profile, schedule: Schedule, budget: float, layout: 
     recomputation and (where that does not fit) with the cheapest recomputation that does.
 
     Where the layout's devices differ in degree, the split balances each device's layers at its own degree
-    (:func:`pipefold.plan.partition.partition_on_devices`, one stage per device: a schedule with more is
-    refused, as are the memory-balanced splits)."""
+    (:func:`pipefold.plan.partition.partition_on_devices`: one stage per device, or the V placement; other
+    placements are refused, as are the memory-balanced splits)."""
+    from pipefold.ir import v_placement
     from pipefold.plan.partition import partition, partition_memory, partition_on_devices
 
     placement = schedule.placement[0]
     if layout.mixed:
-        if schedule.replicas != 1 or len(set(placement)) != schedule.stages:
-            raise ConfigError(f"{schedule.name} puts several stages on a device; the layout {layout} is searched "
-                              "with one stage per device")
-        rows_by_stage = []
+        p = schedule.devices
+        if schedule.replicas != 1 or not (len(set(placement)) == schedule.stages
+                                          or tuple(placement) == v_placement(p)):
+            raise ConfigError(f"{schedule.name} places its stages as a layout with a mesh per device ({layout}) "
+                              "is not split for: one stage per device, or the V placement")
         base = slowdown(measured.contention, measured.ranks_measuring(layout.degrees[0]))
-        for s in range(schedule.stages):
-            t = layout.degrees[placement[s]]
+        rows_by_device = []
+        for t in layout.degrees:
             rescale = base / slowdown(measured.contention, measured.ranks_measuring(t))
-            rows_by_stage.append([(x.f + x.b + x.w) * rescale for x in measured.at_tp(t).layers])
-        split = tuple(tuple(part) for part in partition_on_devices(rows_by_stage).parts)
+            rows_by_device.append([(x.f + x.b + x.w) * rescale for x in measured.at_tp(t).layers])
+        split = tuple(tuple(part) for part in partition_on_devices(rows_by_device, placement).parts)
         splits = {"time": split}
         profile = layout_profile(measured, layout, split, placement)
     else:

@@ -87,24 +87,39 @@ def partition(costs: Sequence[float], parts: int, *, placement: Sequence[int] | 
     return _result(values, prefix, bounds, mapping)
 
 
-def partition_on_devices(costs: Sequence[Sequence[float]]) -> Partition:
-    """The contiguous split of the layers into one part per device, in order, that minimises the largest device
-    cost, where a layer costs what its device makes of it: ``costs[d][i]`` is layer i's cost on device d (devices
-    that split their layers over different numbers of ranks run the same layer in different times)."""
+def partition_on_devices(costs: Sequence[Sequence[float]], placement: Sequence[int] | None = None) -> Partition:
+    """The contiguous split of the layers into parts that minimises the largest device cost, where a layer costs
+    what its device makes of it: ``costs[d][i]`` is layer i's cost on device d (devices that split their layers
+    over different numbers of ranks run the same layer in different times).
+
+    ``placement`` gives each part's device: one part per device in any order (default: part d on device d), or
+    the V placement (device d holds parts d and 2p-1-d, :func:`pipefold.ir.v_placement`); exact for both."""
     rows = [[float(c) for c in row] for row in costs]
     if not rows or any(len(row) != len(rows[0]) for row in rows):
         raise ConfigError("give each device the cost of every layer on it: one row per device, all of one length")
-    n, parts = len(rows[0]), len(rows)
-    if parts > n:
-        raise ConfigError(f"cannot split {n} layers into {parts} stages: at most {n}")
+    n, p = len(rows[0]), len(rows)
+    mapping = _check_placement(placement, len(placement) if placement is not None else p) or tuple(range(p))
+    if any(d >= p for d in mapping):
+        raise ConfigError(f"the placement names device {max(mapping)}, but costs are given for {p} devices")
+    if len(mapping) > n:
+        raise ConfigError(f"cannot split {n} layers into {len(mapping)} stages: at most {n}")
     if any(c < 0 or c != c for row in rows for c in row):
         raise ConfigError("layer costs must be non-negative numbers")
     prefixes = [[0.0, *itertools.accumulate(row)] for row in rows]
-    bounds = _minmax_dp(prefixes, parts)
+    if len(set(mapping)) == len(mapping):
+        bounds = _minmax_dp([prefixes[d] for d in mapping], len(mapping))
+    elif len(mapping) == 2 * p and mapping == v_placement(p):
+        bounds = _v_dp(prefixes, p)
+    else:
+        raise ConfigError("a split over devices of their own costs takes one part per device, or the V placement")
     ends = bounds[1:] + [n]
-    cost = [prefixes[k][hi] - prefixes[k][lo] for k, (lo, hi) in enumerate(zip(bounds, ends, strict=True))]
+    cost = [prefixes[d][hi] - prefixes[d][lo] for d, lo, hi in zip(mapping, bounds, ends, strict=True)]
+    device_cost = [0.0] * p
+    for d, c in zip(mapping, cost, strict=True):
+        device_cost[d] += c
     return Partition(boundaries=bounds, parts=[list(range(lo, hi)) for lo, hi in zip(bounds, ends, strict=True)],
-                     cost=cost, device_cost=list(cost), bottleneck=max(cost))
+                     cost=cost, device_cost=device_cost, bottleneck=max(device_cost),
+                     placement=None if placement is None else mapping)
 
 
 def _check_placement(placement: Sequence[int] | None, parts: int) -> tuple[int, ...] | None:
@@ -155,14 +170,16 @@ def _minmax_dp(prefix: list[float] | list[list[float]], parts: int) -> list[int]
     return bounds[::-1]
 
 
-def _v_dp(prefix: list[float], p: int) -> list[int]:
-    """Exact split for the V placement: the least largest device load (see :func:`_pair_dp`)."""
-    pre = np.asarray(prefix)
+def _v_dp(prefix: list[float] | list[list[float]], p: int) -> list[int]:
+    """Exact split for the V placement: the least largest device load (see :func:`_pair_dp`); with a prefix per
+    device (``prefix[d]``), device d's chunks are costed from its own."""
+    pres = [np.asarray(x) for x in (prefix if isinstance(prefix[0], list) else [prefix] * p)]
 
-    def load(_d: int, lo: int, hi: int, _ok: np.ndarray) -> np.ndarray:
+    def load(d: int, lo: int, hi: int, _ok: np.ndarray) -> np.ndarray:
+        pre = pres[d]
         return (pre[:, None] - pre[lo]) + (pre[hi] - pre[None, :])  # [l2, r2]: chunks lo..l2-1 and r2..hi-1
 
-    n = len(prefix) - 1
+    n = len(pres[0]) - 1
     value, trace = _pair_dp(n, p, (0, n), _v_moves(n, p), load)
     return _v_bounds(trace(*_v_end(value)))
 
