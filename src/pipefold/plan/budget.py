@@ -258,6 +258,11 @@ class Layout:
         """The degrees as ``--tp`` takes them: ``2``, or ``2,1,1``."""
         return ",".join(map(str, self.tp)) if isinstance(self.tp, tuple) else str(self.tp)
 
+    @property
+    def tp_json(self) -> int | list[int]:
+        """The degrees as a plan file records them: one number, or a list of one per device."""
+        return list(self.tp) if isinstance(self.tp, tuple) else self.tp
+
     def sort_key(self) -> tuple[Any, ...]:
         return self.pp, max(self.degrees), self.degrees, self.dp, SHARDING.index(self.sharding)
 
@@ -267,7 +272,7 @@ class Layout:
 
 def every_layout(profile: Profile, world: int) -> list[Layout]:
     """Every layout of ``world`` ranks the profile can predict: tensor-parallel degrees it measured, the same on
-    every device or (with one stage per device, see :func:`plan_model`) each device its own, and data-parallel
+    every device or each device its own (a mesh per device, see :func:`_model_points`), and data-parallel
     copies that share its microbatches evenly (each pipeline runs ``microbatches / dp`` of them, of the size the
     profile measured); where there are copies, each way of sharding among them (ZeRO-1 only where the optimizer
     has a state to shard)."""
@@ -317,7 +322,7 @@ def layout_profile(profile: Profile, layout: Layout, layer_stages: Sequence[Sequ
         layers = list(at.layers)
         for stage, part in enumerate(layer_stages):
             t = layout.degrees[placement[stage]]
-            rescale = base / slowdown(c, profile.ranks_measuring(t))
+            rescale = _measured_alike(profile, first, t)
             for i in part:
                 x = profile.at_tp(t).layers[i]
                 layers[i] = dataclasses.replace(x, f=x.f * rescale, b=x.b * rescale, w=x.w * rescale,
@@ -327,6 +332,13 @@ def layout_profile(profile: Profile, layout: Layout, layer_stages: Sequence[Sequ
     mean = layout.dp * sum(layout.degrees) / layout.pp
     sharing = tuple(slowdown(c, math.ceil(k * mean - 1e-9)) / base for k in range(1, layout.pp + 1))
     return dataclasses.replace(at, contention=sharing)
+
+
+def _measured_alike(profile: Profile, first: int, t: int) -> float:
+    """What takes a layer's times at degree ``t`` to those it would have had with as many ranks computing as the
+    layers of degree ``first`` were timed with."""
+    c = profile.contention
+    return slowdown(c, profile.ranks_measuring(first)) / slowdown(c, profile.ranks_measuring(t))
 
 
 @dataclass(frozen=True)
@@ -380,8 +392,7 @@ class ModelPlan:
         """The plan file ``pipefold train --plan`` runs: what to run, and what it is predicted to do; with the
         frontier and the count of candidates, for people."""
         return {**self.run_plan.to_dict(),
-                "frontier": [{"schedule": q.spec, "dp": q.layout.dp,
-                              "tp": list(q.layout.tp) if isinstance(q.layout.tp, tuple) else q.layout.tp,
+                "frontier": [{"schedule": q.spec, "dp": q.layout.dp, "tp": q.layout.tp_json,
                               "sharding": q.layout.sharding, "devices": q.layout.pp,
                               "split": q.split, "recompute": list(q.recompute),
                               "step_time_s": q.makespan, "peak_bytes": int(q.memory)} for q in self.frontier],
@@ -430,8 +441,8 @@ class RunPlan:
 
     def to_dict(self) -> dict[str, Any]:
         return {"version": PLAN_VERSION, "kind": "pipefold-plan", "schedule": self.schedule, "devices": self.devices,
-                "microbatches": self.microbatches, "dp": self.dp,
-                "tp": list(self.tp) if isinstance(self.tp, tuple) else self.tp, "sharding": self.sharding,
+                "microbatches": self.microbatches, "dp": self.dp, "tp": self.layout.tp_json,
+                "sharding": self.sharding,
                 "split": self.split,
                 "layer_stages": [list(x) for x in self.layer_stages], "recompute": list(self.recompute),
                 "budget_bytes": self.budget, "room_bytes": self.room, "train": dict(self.train),
@@ -653,11 +664,8 @@ def _model_points(measured: Profile, schedule: Schedule, budget: float, layout: 
                                           or tuple(placement) == v_placement(p)):
             raise ConfigError(f"{schedule.name} places its stages as a layout with a mesh per device ({layout}) "
                               "is not split for: one stage per device, or the V placement")
-        base = slowdown(measured.contention, measured.ranks_measuring(layout.degrees[0]))
-        rows_by_device = []
-        for t in layout.degrees:
-            rescale = base / slowdown(measured.contention, measured.ranks_measuring(t))
-            rows_by_device.append([(x.f + x.b + x.w) * rescale for x in measured.at_tp(t).layers])
+        rows_by_device = [[(x.f + x.b + x.w) * _measured_alike(measured, layout.degrees[0], t)
+                           for x in measured.at_tp(t).layers] for t in layout.degrees]
         split = tuple(tuple(part) for part in partition_on_devices(rows_by_device, placement).parts)
         splits = {"time": split}
         profile = layout_profile(measured, layout, split, placement)
