@@ -50,7 +50,8 @@ from pipefold.runtime.stage import (
 
 __all__ = ["MATMUL_DTYPES", "layer_costs", "layer_memory", "layer_static_bytes", "measure_allreduce",
            "measure_contention", "measure_layers", "measure_link", "measure_matmuls", "measure_pass_fixed",
-           "measure_sharded", "measure_stages", "profile_model", "run_passes", "split_figures"]
+           "measure_sharded", "measure_stages", "profile_model", "run_passes", "split_figures",
+           "TimedLayer", "time_in_stages"]
 
 Values = tuple[torch.Tensor, ...]
 _LINK_SIZES = (4 << 10, 64 << 10, 512 << 10, 4 << 20)
@@ -115,7 +116,7 @@ def _timed_backward(runner: StageRunner, k: int, out: Values, *, fused: bool = F
 
 
 @dataclasses.dataclass
-class _Timed:
+class TimedLayer:
     """What :func:`time_in_stages` found for one layer: its medians, and its input and output of the last run."""
 
     f: float
@@ -128,7 +129,7 @@ class _Timed:
 
 def time_in_stages(layers: Sequence[nn.Module], sample: Any, target: Any = None,
                    loss_fn: Callable[..., torch.Tensor] | None = None, *, stage_layers: int = 1, repeats: int = 7,
-                   microbatches: int = 1, fused: bool = True, progress: Progress | None = None) -> list[_Timed]:
+                   microbatches: int = 1, fused: bool = True, progress: Progress | None = None) -> list[TimedLayer]:
     """Every layer's F, B, W and (with ``fused``) fused BW, each the median of ``repeats`` runs after a warm-up,
     timed among the layers of its stage.
 
@@ -137,15 +138,16 @@ def time_in_stages(layers: Sequence[nn.Module], sample: Any, target: Any = None,
     stage runner and fed the previous one's output (the first, ``sample``; the last computes ``loss_fn`` against
     ``target`` if given, any other backward starts from gradients of ones), a split backward and a fused one in
     turn. So between two passes of one layer the rest of its stage's weights go through the caches, as in the
-    run: a layer timed alone, over and over, keeps its weights in the caches and came out 1.2 to 1.5 times
-    faster than among 8 like it (the MLP at width 512 on a 2-core machine with 2 MiB of L2 per core).
+    run: a layer timed alone, over and over, keeps its weights in the caches and came out 1.3 times faster
+    (1.16 to 1.33 over 5 rounds) than among 8 like it (the MLP at width 512 on a 2-core machine with 2 MiB of L2
+    per core: ``benchmarks/layer_company.py``).
     """
     _check_repeats(repeats)
     if isinstance(stage_layers, bool) or not isinstance(stage_layers, int) or stage_layers < 1:
         raise ConfigError(f"stage_layers must be a positive integer (got {stage_layers!r})")
     last = len(layers) - 1
     x: Values = as_tuple(sample)
-    found: list[_Timed] = []
+    found: list[TimedLayer] = []
     for start in range(0, len(layers), stage_layers):
         if progress is not None:
             progress("layers", start, len(layers))
@@ -176,7 +178,7 @@ def time_in_stages(layers: Sequence[nn.Module], sample: Any, target: Any = None,
         for i, j in zip(group, range(len(group)), strict=True):
             layers[i].zero_grad(set_to_none=True)
             f, b, w, bw = medians(runs[j][1:])
-            found.append(_Timed(f, b, w, bw, x=ins[j], out=outs[j]))
+            found.append(TimedLayer(f, b, w, bw, x=ins[j], out=outs[j]))
         x = tuple(t.detach() for t in outs[-1])
     if progress is not None:
         progress("layers", len(layers), len(layers))
