@@ -33,7 +33,7 @@ SMALL: dict[str, list[str] | None] = {
     "pipefisher.py": None,  # --steps 2 --repeats 1 --lrs-adamw 1e-3 --lrs-kfac 0.05 --util-steps 2
     "plan_speed.py": None,  # --quick --repeats 1
     "plan_accuracy.py": None,  # --models mlp --families 1f1b --no-budget --steps 2 --devices 2
-    "layouts.py": None,  # PIPEFOLD_BENCH_SMALL=1 --worlds 4 --steps 3 (19 s)
+    "layouts.py": None,  # PIPEFOLD_BENCH_SMALL=1 --worlds 4 --steps 3 (27 s, with the layouts of a mesh per device)
     # Run by the pages' tests, as the docs show them (tests/test_docs.py):
     "bench_offload.py": None,
     "bench_recompute.py": None,
