@@ -113,11 +113,32 @@ def test_a_v_split_over_devices_of_their_own_costs_is_optimal_against_brute_forc
         partition(base, 2 * p, placement=placement).bottleneck)
 
 
+@pytest.mark.parametrize("seed", range(30))
+@pytest.mark.parametrize("placement", [looped_placement(2, 2), looped_placement(2, 3), (1, 0, 1, 0), (0, 1, 1, 0, 0)])
+def test_any_placement_split_over_devices_of_their_own_costs_is_optimal(seed: int, placement: tuple[int, ...]) -> None:
+    # Interleaved and other placements: branch and bound, each device's chunks on its own costs, against a brute
+    # force of every contiguous split.
+    rng = random.Random(seed)
+    p, parts = max(placement) + 1, len(placement)
+    n = rng.randint(parts, 9)
+    base = [rng.choice([rng.random(), float(rng.randint(0, 4))]) for _ in range(n)]
+    costs = [[c * rng.choice([1.0, 0.55, 0.3]) for c in base] for _ in range(p)]
+    best = math.inf
+    for cuts in itertools.combinations(range(1, n), parts - 1):
+        bounds = [0, *cuts, n]
+        loads = [0.0] * p
+        for part, d in enumerate(placement):
+            loads[d] += sum(costs[d][bounds[part]:bounds[part + 1]])
+        best = min(best, max(loads))
+    split = partition_on_devices(costs, placement)
+    assert split.bottleneck == pytest.approx(best, abs=1e-9) and len(split.parts) == parts
+    _check_cover(split.parts, split.boundaries, n)
+
+
 def test_a_split_over_devices_refuses_what_it_cannot_split() -> None:
     for costs, placement, words in (
             ([], None, "one row per device"), ([[1.0], [1.0, 2.0]], None, "one row per device"),
             ([[1.0]] * 2, None, "cannot split 1 layers into 2"), ([[1.0, -1.0]], None, "non-negative"),
-            ([[1.0] * 8] * 2, looped_placement(2, 2), "one part per device, or the V placement"),
             ([[1.0] * 8] * 2, (0, 2), "names device 2, but costs are given for 2 devices")):
         with pytest.raises(ConfigError, match=words):
             partition_on_devices(costs, placement)

@@ -294,21 +294,16 @@ def test_a_profile_at_tp_2_measures_each_ranks_share_and_its_plan_runs_exactly(t
     assert (planned.spec.parallel.tp, planned.spec.parallel.dp, planned.spec.schedule.devices) == (2, 1, 2)
     job = make_job(planned.spec, decided=planned.decided)
     assert compare(job, run_local(job))["max_grad_rel_diff"] < 1e-5
-    # A mesh per device: the embedding's device on 2 ranks, the head's on 1 (3 ranks), planned and run as planned.
-    answer = plan_model(prof, 3, 1e12, layouts=[Layout(1, (2, 1), 2)], families=["1f1b"])
-    path.write_text(json.dumps(answer.to_dict()))
-    planned = from_plan(RunPlan.from_dict(read_plan(str(path))), RunSpec.flat(steps=2, check=True))
-    assert planned.spec.parallel.tp == (2, 1) and planned.spec.schedule.devices == 2
-    job = make_job(planned.spec, decided=planned.decided)
-    assert job.layer_stages == answer.best.layer_stages and job.world == 3
-    assert compare(job, run_local(job))["max_grad_rel_diff"] < 1e-5
-    # And a V: device 0 (2 ranks) holds the first and the last stage, the embedding's and the head's.
-    answer = plan_model(prof, 3, 1e12, layouts=[Layout(1, (2, 1), 2)], families=["zb-v"])
-    path.write_text(json.dumps(answer.to_dict()))
-    planned = from_plan(RunPlan.from_dict(read_plan(str(path))), RunSpec.flat(steps=2, check=True))
-    job = make_job(planned.spec, decided=planned.decided)
-    assert job.schedule.name == "zb-v" and len(job.layer_stages) == 4 and job.world == 3
-    assert compare(job, run_local(job))["max_grad_rel_diff"] < 1e-5
+    # A mesh per device: the embedding's device on 2 ranks, the other on 1 (3 ranks), planned and run as planned:
+    # one stage per device, a V (device 0 holds the first and the last stage) and interleaved stages.
+    for family, stages in (("1f1b", 2), ("zb-v", 4), ("interleaved-1f1b", 4)):
+        answer = plan_model(prof, 3, 1e12, layouts=[Layout(1, (2, 1), 2)], families=[family])
+        path.write_text(json.dumps(answer.to_dict()))
+        planned = from_plan(RunPlan.from_dict(read_plan(str(path))), RunSpec.flat(steps=2, check=True))
+        assert planned.spec.parallel.tp == (2, 1) and planned.spec.schedule.devices == 2
+        job = make_job(planned.spec, decided=planned.decided)
+        assert job.layer_stages == answer.best.layer_stages and len(job.layer_stages) == stages and job.world == 3
+        assert compare(job, run_local(job))["max_grad_rel_diff"] < 1e-5, family
 
 
 @pytest.mark.parametrize(("argv", "expected"), [

@@ -652,18 +652,15 @@ def _model_points(measured: Profile, schedule: Schedule, budget: float, layout: 
     recomputation and (where that does not fit) with the cheapest recomputation that does.
 
     Where the layout's devices differ in degree, the split balances each device's layers at its own degree
-    (:func:`pipefold.plan.partition.partition_on_devices`: one stage per device, or the V placement; other
-    placements are refused, as are the memory-balanced splits)."""
-    from pipefold.ir import v_placement
+    (:func:`pipefold.plan.partition.partition_on_devices`, exact for any placement of one replica; schedules
+    that hold stages twice are refused, and the memory-balanced splits are not searched)."""
     from pipefold.plan.partition import partition, partition_memory, partition_on_devices
 
     placement = schedule.placement[0]
     if layout.mixed:
-        p = schedule.devices
-        if schedule.replicas != 1 or not (len(set(placement)) == schedule.stages
-                                          or tuple(placement) == v_placement(p)):
-            raise ConfigError(f"{schedule.name} places its stages as a layout with a mesh per device ({layout}) "
-                              "is not split for: one stage per device, or the V placement")
+        if schedule.replicas != 1:
+            raise ConfigError(f"{schedule.name} holds each stage on two devices; a layout with a mesh per device "
+                              f"({layout}) is searched with schedules that hold each stage once")
         rows_by_device = [[(x.f + x.b + x.w) * _measured_alike(measured, layout.degrees[0], t)
                            for x in measured.at_tp(t).layers] for t in layout.degrees]
         split = tuple(tuple(part) for part in partition_on_devices(rows_by_device, placement).parts)

@@ -92,8 +92,9 @@ def partition_on_devices(costs: Sequence[Sequence[float]], placement: Sequence[i
     what its device makes of it: ``costs[d][i]`` is layer i's cost on device d (devices that split their layers
     over different numbers of ranks run the same layer in different times).
 
-    ``placement`` gives each part's device: one part per device in any order (default: part d on device d), or
-    the V placement (device d holds parts d and 2p-1-d, :func:`pipefold.ir.v_placement`); exact for both."""
+    ``placement`` gives each part's device (default: part d on device d): one part per device in any order, the V
+    placement (device d holds parts d and 2p-1-d, :func:`pipefold.ir.v_placement`) or any other (an interleaved
+    one); exact for all, polynomial for the first two."""
     rows = [[float(c) for c in row] for row in costs]
     if not rows or any(len(row) != len(rows[0]) for row in rows):
         raise ConfigError("give each device the cost of every layer on it: one row per device, all of one length")
@@ -110,8 +111,8 @@ def partition_on_devices(costs: Sequence[Sequence[float]], placement: Sequence[i
         bounds = _minmax_dp([prefixes[d] for d in mapping], len(mapping))
     elif len(mapping) == 2 * p and mapping == v_placement(p):
         bounds = _v_dp(prefixes, p)
-    else:
-        raise ConfigError("a split over devices of their own costs takes one part per device, or the V placement")
+    else:  # any other placement (interleaved): exact, by branch and bound
+        bounds = _branch_and_bound(prefixes, mapping)
     ends = bounds[1:] + [n]
     cost = [prefixes[d][hi] - prefixes[d][lo] for d, lo, hi in zip(mapping, bounds, ends, strict=True)]
     device_cost = [0.0] * p
@@ -305,18 +306,26 @@ def _looped_bounds(states: list[tuple[int, int]], x: int) -> list[int]:
     return [0] + [a for a, _ in states[:-1]] + [x] + [b for _, b in states[:-1]]
 
 
-def _branch_and_bound(prefix: list[float], mapping: tuple[int, ...]) -> list[int]:
-    """Exact split for any placement: depth-first over boundaries, pruned by the best load found so far.
+def _branch_and_bound(prefix: list[float] | list[list[float]], mapping: tuple[int, ...]) -> list[int]:
+    """Exact split for any placement: depth-first over boundaries, pruned by the best load found so far. With a
+    prefix per device (``prefix[d]``), device d's chunks are costed from its own.
 
     Exponential in the worst case; quick for near-uniform costs (it stops once a split reaches the even
     share) and for a few chunks per device. The V and two-chunk looped placements have polynomial searches.
     """
-    n, parts = len(prefix) - 1, len(mapping)
     devices = max(mapping) + 1
-    start = _minmax_dp(prefix, parts)  # a good first answer: the balanced split ignoring placement
+    pres = prefix if isinstance(prefix[0], list) else [prefix] * devices
+    n, parts = len(pres[0]) - 1, len(mapping)
+    start = _minmax_dp([pres[d] for d in mapping], parts)  # a good first answer: the balanced split of the parts
     best_bounds = start
-    best = max(_loads(prefix, start, mapping, devices))
-    floor = prefix[n] / len(set(mapping))  # no split beats the even share of the busiest device
+    best = max(_loads(pres, start, mapping, devices))
+    @functools.cache
+    def cheapest(among: frozenset[int]) -> list[float]:
+        """Prefix sums of each layer's least cost on any of the devices ``among``: no split costs them less."""
+        return [0.0, *itertools.accumulate(min(pres[d][i + 1] - pres[d][i] for d in among) for i in range(n))]
+
+    used = frozenset(mapping)
+    floor = cheapest(used)[n] / len(used)  # no split beats the even share of the least work
     loads = [0.0] * devices
     bounds = [0]
 
@@ -324,18 +333,20 @@ def _branch_and_bound(prefix: list[float], mapping: tuple[int, ...]) -> list[int
         nonlocal best, best_bounds
         if s == parts - 1:
             d = mapping[s]
-            top = max(max(loads), loads[d] + prefix[n] - prefix[i])
+            top = max(max(loads), loads[d] + pres[d][n] - pres[d][i])
             if top < best - _EPS:
                 best, best_bounds = top, list(bounds)
             return best <= floor + _EPS
         d = mapping[s]
+        pre = pres[d]
+        later = frozenset(mapping[s + 1:])  # devices that can still take layers
+        least = cheapest(later)
         for j in range(i + 1, n - (parts - s - 1) + 1):
-            seg = prefix[j] - prefix[i]
+            seg = pre[j] - pre[i]
             if loads[d] + seg >= best - _EPS:
                 break
-            later = set(mapping[s + 1:])  # devices that can still take layers
             room = sum(best - loads[e] - (seg if e == d else 0.0) for e in later)
-            if room < prefix[n] - prefix[j] - _EPS:
+            if room < least[n] - least[j] - _EPS:
                 continue  # what is left cannot fit under the best load
             loads[d] += seg
             bounds.append(j)
@@ -350,11 +361,14 @@ def _branch_and_bound(prefix: list[float], mapping: tuple[int, ...]) -> list[int
     return best_bounds
 
 
-def _loads(prefix: list[float], bounds: list[int], mapping: tuple[int, ...], devices: int) -> list[float]:
-    ends = bounds[1:] + [len(prefix) - 1]
+def _loads(prefix: list[float] | list[list[float]], bounds: list[int], mapping: tuple[int, ...],
+           devices: int) -> list[float]:
+    pres = prefix if isinstance(prefix[0], list) else [prefix] * devices
+    ends = bounds[1:] + [len(pres[0]) - 1]
     loads = [0.0] * devices
     for part, (lo, hi) in enumerate(zip(bounds, ends, strict=True)):
-        loads[mapping[part]] += prefix[hi] - prefix[lo]
+        pre = pres[mapping[part]]
+        loads[mapping[part]] += pre[hi] - pre[lo]
     return loads
 
 
