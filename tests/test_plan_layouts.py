@@ -367,3 +367,21 @@ def test_a_sharded_world_plan_runs_as_planned_and_holds_what_it_predicted(how: s
     assert out["sharding"] == how
     assert out["plan"]["predicted"]["peak_bytes"] == [int(x) for x in answer.best.peak_memory]
     assert out["plan"]["predicted"]["step_time_s"] == pytest.approx(answer.best.makespan)
+
+
+@pytest.mark.parametrize("layout", [Layout(2, 1, 2, "zero1"), Layout(4, 1, 2, "fsdp"), Layout(1, (2, 1), 2),
+                                    Layout(1, 2, 2)], ids=str)
+def test_a_plans_recomputation_reports_the_bytes_its_layout_holds(layout: Layout) -> None:
+    # What train --plan reports of a plan that recomputes: the same static bytes per device as the plan's own
+    # prediction (the copies' sharding of the state, each device's layers at its degree), not the layers' whole.
+    from pipefold.train.planned import from_plan
+    from pipefold.train.spec import RunSpec
+
+    prof = _profile()
+    plan = plan_model(prof, layout.world, 1e12, layouts=[layout], families=["1f1b"]).run_plan
+    plan = dataclasses.replace(plan, recompute=(1, 0))
+    recompute = from_plan(plan, RunSpec.flat(steps=1)).decided[1]
+    assert recompute is not None and recompute.layers == (1, 0)
+    _, peaks, static = predict(prof, layout, "1f1b", plan.layer_stages, plan.recompute)
+    assert recompute.static == static
+    assert [s + a for s, a in zip(recompute.static, recompute.activation_peak, strict=True)] == peaks
