@@ -243,7 +243,10 @@ class Flood:
         self.pairs = [(src, dst), (dst, src)] if bidirectional else [(src, dst)]
         self.procs: list[subprocess.Popen[bytes]] = []
 
-    def start(self) -> None:
+    def start(self, timeout: float = 60.0) -> None:
+        """Start the sinks and the floods, and return once each is ready: a sink listening, a flood through to its
+        sink. A period that has begun then floods at once, however long the processes took to start on a busy
+        machine (a fixed wait once let a measurement finish before the flood's first byte)."""
         periods = ",".join(f"{a:.3f}:{b:.3f}" for a, b in self.on)
         for i, (src, dst) in enumerate(self.pairs):
             port = 47000 + i
@@ -253,9 +256,23 @@ class Flood:
                                                              "--origin", repr(self.origin),
                                                              "--streams", str(self.streams)])):
                 # This file run as a script: ``-m pipefold.runtime.netns`` would import the runtime, and torch.
-                self.procs.append(subprocess.Popen(["ip", "netns", "exec", ns, sys.executable,
-                                                    os.path.abspath(__file__), *args],
-                                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                proc = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, os.path.abspath(__file__), *args],
+                                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+                self.procs.append(proc)
+                self._wait_ready(proc, args[0], timeout)
+
+    def _wait_ready(self, proc: subprocess.Popen[bytes], what: str, timeout: float) -> None:
+        """Wait for ``proc`` to print its "ready" line; one error if it ends or stays silent instead."""
+        import selectors
+
+        assert proc.stdout is not None
+        with selectors.DefaultSelector() as sel:
+            sel.register(proc.stdout, selectors.EVENT_READ)
+            line = proc.stdout.readline() if sel.select(timeout) else b""
+        if line.strip() != b"ready":
+            self.stop()
+            raise RuntimeError(f"the {what} of a flood did not start within {timeout:.0f} s (exit code "
+                               f"{proc.poll()})")
 
     def stop(self) -> None:
         for p in self.procs:
@@ -282,6 +299,7 @@ def _die_with_parent() -> None:
 
 def _sink(port: int) -> None:
     server = socket.create_server(("0.0.0.0", port), backlog=64)
+    print("ready", flush=True)
 
     def drain(conn: socket.socket) -> None:
         with conn:
@@ -308,6 +326,16 @@ def _flood(to: str, port: int, periods: list[tuple[float, float]], origin: float
             except OSError:
                 time.sleep(0.05)
 
+    deadline = time.time() + 30
+    while True:  # through to the sink once before saying so: the first period then starts on time
+        try:
+            socket.create_connection((to, port), timeout=1).close()
+            break
+        except OSError:
+            if time.time() > deadline:
+                raise
+            time.sleep(0.05)
+    print("ready", flush=True)
     for start, end in periods:
         if origin + end <= time.time():
             continue
