@@ -68,71 +68,44 @@ def test_optimal_against_brute_force(seed: int) -> None:
     _check_cover(split.parts, split.boundaries, n)
 
 
-@pytest.mark.parametrize("seed", range(40))
-def test_a_split_over_devices_of_their_own_costs_is_optimal_against_brute_force(seed: int) -> None:
-    # Each device makes its own cost of a layer (a device that splits its layers over more ranks runs them faster):
-    # every contiguous split into one part per device, each part costed on its device, against the planner's.
-    rng = random.Random(seed)
-    n = rng.randint(1, 9)
-    devices = rng.randint(1, n)
-    base = [rng.choice([rng.random(), float(rng.randint(0, 4))]) for _ in range(n)]
-    costs = [[c * rng.choice([1.0, 0.55, 0.3]) for c in base] for _ in range(devices)]
-    best = math.inf
-    for cuts in itertools.combinations(range(1, n), devices - 1):
+def _brute_on_devices(costs: list[list[float]], placement: tuple[int, ...]) -> float:
+    """The least largest device load over every contiguous split, part k costed on its device ``placement[k]``."""
+    n, best = len(costs[0]), math.inf
+    for cuts in itertools.combinations(range(1, n), len(placement) - 1):
         bounds = [0, *cuts, n]
-        best = min(best, max(sum(costs[d][bounds[d]:bounds[d + 1]]) for d in range(devices)))
-    split = partition_on_devices(costs)
-    assert split.bottleneck == pytest.approx(best, abs=1e-9) and len(split.parts) == devices
-    assert split.cost == pytest.approx([sum(costs[d][i] for i in part) for d, part in enumerate(split.parts)])
-    _check_cover(split.parts, split.boundaries, n)
-    # The same costs on every device: the plain split's answer.
-    assert partition_on_devices([base] * devices).bottleneck == pytest.approx(partition(base, devices).bottleneck)
-
-
-@pytest.mark.parametrize("seed", range(30))
-def test_a_v_split_over_devices_of_their_own_costs_is_optimal_against_brute_force(seed: int) -> None:
-    # The V placement: device d holds parts d and 2p-1-d, both costed on d.
-    rng = random.Random(seed)
-    p = rng.randint(1, 3)
-    n = rng.randint(2 * p, 9)
-    base = [rng.choice([rng.random(), float(rng.randint(0, 4))]) for _ in range(n)]
-    costs = [[c * rng.choice([1.0, 0.55, 0.3]) for c in base] for _ in range(p)]
-    placement = v_placement(p)
-    best = math.inf
-    for cuts in itertools.combinations(range(1, n), 2 * p - 1):
-        bounds = [0, *cuts, n]
-        loads = [0.0] * p
+        loads = [0.0] * len(costs)
         for part, d in enumerate(placement):
             loads[d] += sum(costs[d][bounds[part]:bounds[part + 1]])
         best = min(best, max(loads))
-    split = partition_on_devices(costs, placement)
-    assert split.bottleneck == pytest.approx(best, abs=1e-9) and len(split.parts) == 2 * p
-    assert split.placement == placement and max(split.device_cost) == pytest.approx(split.bottleneck)
-    _check_cover(split.parts, split.boundaries, n)
-    assert partition_on_devices([base] * p, placement).bottleneck == pytest.approx(
-        partition(base, 2 * p, placement=placement).bottleneck)
+    return best
 
 
 @pytest.mark.parametrize("seed", range(30))
-@pytest.mark.parametrize("placement", [looped_placement(2, 2), looped_placement(2, 3), (1, 0, 1, 0), (0, 1, 1, 0, 0)])
-def test_any_placement_split_over_devices_of_their_own_costs_is_optimal(seed: int, placement: tuple[int, ...]) -> None:
-    # Interleaved and other placements: branch and bound, each device's chunks on its own costs, against a brute
-    # force of every contiguous split.
+@pytest.mark.parametrize("placement", [None, (0,), (0, 1, 2), (2, 0, 1), v_placement(1), v_placement(2), v_placement(3),
+                                       looped_placement(2, 2), looped_placement(2, 3), (1, 0, 1, 0), (0, 1, 1, 0, 0)],
+                         ids=str)
+def test_a_split_over_devices_of_their_own_costs_is_optimal_against_brute_force(
+        seed: int, placement: tuple[int, ...] | None) -> None:
+    # Each device makes its own cost of a layer (a device that splits its layers over more ranks runs them faster):
+    # one part per device (None: a random number of devices in order), the V (polynomial) and interleaved and
+    # other placements (branch and bound), each part costed on its device, against every contiguous split.
     rng = random.Random(seed)
+    if placement is None:
+        placement = tuple(range(rng.randint(1, 5)))
     p, parts = max(placement) + 1, len(placement)
     n = rng.randint(parts, 9)
     base = [rng.choice([rng.random(), float(rng.randint(0, 4))]) for _ in range(n)]
     costs = [[c * rng.choice([1.0, 0.55, 0.3]) for c in base] for _ in range(p)]
-    best = math.inf
-    for cuts in itertools.combinations(range(1, n), parts - 1):
-        bounds = [0, *cuts, n]
-        loads = [0.0] * p
-        for part, d in enumerate(placement):
-            loads[d] += sum(costs[d][bounds[part]:bounds[part + 1]])
-        best = min(best, max(loads))
     split = partition_on_devices(costs, placement)
-    assert split.bottleneck == pytest.approx(best, abs=1e-9) and len(split.parts) == parts
+    assert split.bottleneck == pytest.approx(_brute_on_devices(costs, placement), abs=1e-9)
+    assert len(split.parts) == parts and split.placement == placement
+    assert split.cost == pytest.approx([sum(costs[d][i] for i in part)
+                                        for d, part in zip(placement, split.parts, strict=True)])
+    assert max(split.device_cost) == pytest.approx(split.bottleneck)
     _check_cover(split.parts, split.boundaries, n)
+    # The same costs on every device: the plain split's answer.
+    assert partition_on_devices([base] * p, placement).bottleneck == pytest.approx(
+        partition(base, parts, placement=placement).bottleneck)
 
 
 def test_a_split_over_devices_refuses_what_it_cannot_split() -> None:
