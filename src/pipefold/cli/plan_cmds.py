@@ -214,7 +214,7 @@ def cmd_partition(args: argparse.Namespace, console: Console) -> None:
     from pipefold.models.size import check_model
     from pipefold.plan.partition import MemoryPartition, memory_of_split, partition, split_by
     from pipefold.plan.recompute import OPTIMIZER_STATE
-    from pipefold.runtime.profiling import split_figures
+    from pipefold.runtime.profiling import layers_per_rank, split_figures
 
     for flag, value in (("--devices", args.devices), ("--chunks", args.chunks), ("--microbatches", args.microbatches)):
         if value is not None and value < 1:
@@ -235,7 +235,7 @@ def cmd_partition(args: argparse.Namespace, console: Console) -> None:
     layers, (sample, target) = model.build(), model.batch_at(0)  # one microbatch of --batch rows
     figures = split_figures(layers, sample, by="all", loss_fn=model.loss, target=target,
                             optimizer_factor=OPTIMIZER_STATE[args.optimizer],
-                            stage_layers=-(-len(layers) // args.devices))
+                            stage_layers=layers_per_rank(len(layers), args.devices))
     params, times, held, held_w, static = (figures.params, figures.times, figures.held, figures.held_w,
                                            figures.static)
     assert times is not None and held is not None and held_w is not None and static is not None

@@ -320,11 +320,12 @@ def layout_profile(profile: Profile, layout: Layout, layer_stages: Sequence[Sequ
         if layer_stages is None or placement is None:
             raise ConfigError(f"the layout {layout} gives its devices different degrees: say which layers each holds")
         layers = list(at.layers)
+        at_degree = {t: profile.at_tp(t).layers for t in set(layout.degrees)}
         for stage, part in enumerate(layer_stages):
             t = layout.degrees[placement[stage]]
             rescale = _measured_alike(profile, first, t)
             for i in part:
-                x = profile.at_tp(t).layers[i]
+                x = at_degree[t][i]
                 layers[i] = dataclasses.replace(x, f=x.f * rescale, b=x.b * rescale, w=x.w * rescale,
                                                 bw=None if x.bw is None else x.bw * rescale,
                                                 w_depth=x.w_depth * rescale)

@@ -51,7 +51,7 @@ from pipefold.runtime.stage import (
 __all__ = ["MATMUL_DTYPES", "layer_costs", "layer_memory", "layer_static_bytes", "measure_allreduce",
            "measure_contention", "measure_layers", "measure_link", "measure_matmuls", "measure_pass_fixed",
            "measure_sharded", "measure_stages", "profile_model", "run_passes", "split_figures",
-           "TimedLayer", "time_in_stages"]
+           "TimedLayer", "layers_per_rank", "time_in_stages"]
 
 Values = tuple[torch.Tensor, ...]
 _LINK_SIZES = (4 << 10, 64 << 10, 512 << 10, 4 << 20)
@@ -113,6 +113,12 @@ def _timed_backward(runner: StageRunner, k: int, out: Values, *, fused: bool = F
     runner.backward_weight(k)  # a first stage (integer input) runs its whole backward here: B has nothing to do
     sync()
     return b, time.perf_counter() - t0
+
+
+def layers_per_rank(layers: int, devices: int) -> int:
+    """How many of ``layers`` a rank holds at most when ``devices`` share them evenly: the ``stage_layers`` that
+    :func:`time_in_stages` times together."""
+    return -(-layers // max(1, devices))
 
 
 @dataclasses.dataclass
@@ -934,8 +940,8 @@ def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int 
     every = built.build()
     # Timed as many at a time as a rank will hold (an even split over ``devices``): what the caches see in the run.
     measured = measure_layers(every, split_batch(x, microbatches)[0], y.chunk(microbatches)[0], built.loss,
-                              microbatches=microbatches, repeats=repeats, stage_layers=-(-len(every) // devices),
-                              progress=progress)
+                              microbatches=microbatches, repeats=repeats,
+                              stage_layers=layers_per_rank(len(every), devices), progress=progress)
     # A stage's worth of layers from the heaviest one (a transformer block, not the embedding) stands for a rank's
     # work: its weights and activations, not one layer's, are what the ranks' caches and memory bus share.
     heaviest = max(range(len(measured) - 1), key=lambda i: measured[i].f + measured[i].b + measured[i].w)
@@ -955,7 +961,7 @@ def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int 
         copies = max(1, devices // t) if contention else 1
         tp_ranks[t] = copies * t
         tp_layers[t] = tuple(measure_sharded(train, t, repeats, copies,
-                                             stage_layers=-(-len(every) // max(1, devices // t))))
+                                             stage_layers=layers_per_rank(len(every), devices // t)))
         if progress is not None:
             progress(f"tp {t}", 1, 1)
     latency, bandwidth = 0.0, math.inf

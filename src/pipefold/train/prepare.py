@@ -240,7 +240,7 @@ def _layer_stages(spec: RunSpec, model: Model, schedule: Schedule,
     if by == "even":
         return tuple(tuple(s) for s in split_layers(model.num_layers, schedule.stages))
     from pipefold.plan.partition import split_by
-    from pipefold.runtime.profiling import split_figures
+    from pipefold.runtime.profiling import layers_per_rank, split_figures
 
     layers = model.build()
     sample, target = _first_microbatch(spec, model)
@@ -249,7 +249,7 @@ def _layer_stages(spec: RunSpec, model: Model, schedule: Schedule,
         sample, target = tuple(t.to(device) for t in sample), target.to(device)
     figures = split_figures(layers, sample, by=by, loss_fn=model.loss, target=target,
                             optimizer_factor=spec.optimizer.state_factor,
-                            stage_layers=-(-len(layers) // schedule.devices))  # as many as a rank will hold
+                            stage_layers=layers_per_rank(len(layers), schedule.devices))
     if device.type == "cuda" and by == "time":
         del layers, sample, target
         torch.cuda.empty_cache()  # the ranks have the GPU from here on
