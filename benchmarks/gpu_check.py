@@ -14,6 +14,8 @@ Sections (``--only`` picks some; each runs on its own, so one failing does not h
     speed     step time against torch.distributed.pipelining on the same GPU (benchmarks/vs_torch.py
               --device cuda, at its own hidden 512 and at 4096) and against one process training the same
               model on the GPU
+    wgrad     benchmarks/wgrad.py --device cuda: a stage's backward with the weight gradients added in place
+              against autograd's, widths 64 to 2048
     offload   benchmarks/offload_gpu.py: peak device memory and step time with layers offloaded,
               beside accelerate's cpu_offload
     calibrate ``pipefold calibrate``: this GPU's bf16 matrix products from 1e8 to 1e12 operations against the
@@ -47,7 +49,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-SECTIONS = ("tests", "memory", "overlap", "speed", "offload", "calibrate")
+SECTIONS = ("tests", "memory", "overlap", "speed", "wgrad", "offload", "calibrate")
 PAPER = {"1f1b": 1.0, "v-half": 0.75, "v-min": 0.5, "zb-v": 1.0}
 
 
@@ -203,8 +205,9 @@ def speed(out: Path, quick: bool) -> dict[str, Any]:
 
 def speed_at(out: Path, hidden: int, quick: bool) -> dict[str, Any]:
     """vs_torch.py with the MLP of width ``hidden``, and one process training the same model on the GPU."""
+    runs = "1" if quick or hidden > 512 else "3"
     args = ["--device", "cuda", "--json", "--hidden", str(hidden), "--layers", "8",
-            "--batch", "64", "--microbatches", "8", "--steps", "4" if quick else "8"]
+            "--batch", "64", "--microbatches", "8", "--steps", "4" if quick else "8", "--runs", runs]
     run = subprocess.run([sys.executable, str(HERE / "vs_torch.py"), *args], cwd=ROOT, capture_output=True, text=True,
                          check=False, timeout=600)
     (out / f"vs_torch_{hidden}.log").write_text(run.stdout + run.stderr, encoding="utf-8")
@@ -212,20 +215,37 @@ def speed_at(out: Path, hidden: int, quick: bool) -> dict[str, Any]:
         result = json.loads(run.stdout.strip().splitlines()[-1])
     except (json.JSONDecodeError, IndexError):
         return {"md": f"vs_torch.py failed ({run.returncode}): {run.stderr.strip()[-500:]}\n"}
-    rows = []
-    for s in result["schedules"]:
-        rows.append([s["schedule"] + "".join(f" {k}={v}" for k, v in s["options"].items()),
-                     s["pipefold"]["median_ms"] if s["pipefold"]["median_ms"] is not None else s["pipefold"]["error"],
-                     s["torch"]["median_ms"] if s["torch"]["median_ms"] is not None else s["torch"]["error"],
-                     s["ratio"] if s["ratio"] is not None else "-", "; ".join(s["notes"])])
     single = _single_process(result["model"], quick)
-    md = (f"`python benchmarks/vs_torch.py {' '.join(args)}`: MLP hidden {result['model']['hidden']}, "
-          f"{result['model']['layers']} layers, batch {result['model']['batch']} in "
-          f"{result['model']['microbatches']} microbatches, 2 ranks sharing the GPU, SGD.\n\n"
-          + _table(["schedule", "pipefold (ms)", "torch.distributed.pipelining (ms)", "pipefold/torch", "notes"], rows)
+    md = (f"`python benchmarks/vs_torch.py {' '.join(args)}`: " + speed_table(result)
           + f"\n\nOne process training the same model on the GPU (no pipeline, same microbatches): "
             f"{single:.1f} ms per step.\n")
     return {"vs_torch": result, "single_process_ms": single, "md": md}
+
+
+def speed_table(result: dict[str, Any]) -> str:
+    """vs_torch.py's JSON as markdown: per schedule each side's median step over its runs, the ratios of every run
+    (pipefold over torch, in the same interleaved run) and what failed."""
+
+    def median_ms(runs: list[dict[str, Any]], side: str) -> str:
+        values = [r[side]["median_ms"] for r in runs if r[side]["median_ms"] is not None]
+        return f"{statistics.median(values):.1f}" if values else "failed"
+
+    rows = []
+    for s in result["schedules"]:
+        ratios = [r["ratio"] for r in s["runs"] if r["ratio"] is not None]
+        notes = sorted({n for r in s["runs"] for n in r["notes"]})
+        rows.append([s["schedule"] + "".join(f" {k}={v}" for k, v in s["options"].items()),
+                     median_ms(s["runs"], "pipefold"), median_ms(s["runs"], "pipefold_gloo"),
+                     median_ms(s["runs"], "torch"),
+                     f"{statistics.median(ratios):.2f}" if ratios else "-",
+                     " ".join(f"{r:.2f}" for r in ratios) or "-", "; ".join(notes)])
+    model = result["model"]
+    return (f"MLP hidden {model['hidden']}, {model['layers']} layers, batch {model['batch']} in "
+            f"{model['microbatches']} microbatches, {result['world']} ranks sharing the GPU, SGD; median step (ms) "
+            f"over {len(result['schedules'][0]['runs']) if result['schedules'] else 0} interleaved run(s) of "
+            f"{result['steps']} steps, the first left out.\n\n"
+            + _table(["schedule", "pipefold (ms)", "pipefold, gloo p2p (ms)", "torch.distributed.pipelining (ms)",
+                      "pipefold/torch", "every run's ratio", "notes"], rows))
 
 
 def _single_process(model: dict[str, int], quick: bool) -> float:
@@ -245,6 +265,25 @@ def _single_process(model: dict[str, int], quick: bool) -> float:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return 1e3 * statistics.median(times[2:])
+
+
+def wgrad(out: Path, quick: bool) -> dict[str, Any]:
+    """benchmarks/wgrad.py on the GPU: the in-place weight gradients against autograd's, by width."""
+    args = ["--device", "cuda", "--json", "--hidden", "1024" if quick else "2048", "--steps", "10" if quick else "30"]
+    run = subprocess.run([sys.executable, str(HERE / "wgrad.py"), *args], cwd=ROOT, capture_output=True, text=True,
+                         check=False, timeout=600)
+    (out / "wgrad.log").write_text(run.stdout + run.stderr, encoding="utf-8")
+    if run.returncode != 0:
+        raise RuntimeError(run.stderr.strip().splitlines()[-1] if run.stderr.strip() else f"exit {run.returncode}")
+    got = json.loads(run.stdout)
+    rows = [[r["width"], f"{r['weight_bytes'] / 2**20:.2f}", f"{r['bw_in_place_ms']:.3f}", f"{r['bw_autograd_ms']:.3f}",
+             f"{r['bw_ratio']:.2f}", f"{r['traffic_saved_ms']:.3f}", f"{r['w_in_place_ms']:.3f}",
+             f"{r['w_autograd_ms']:.3f}", f"{r['w_ratio']:.2f}", f"{r['copy_gb_s']:.0f}"] for r in got["rows"]]
+    md = (f"`python benchmarks/wgrad.py {' '.join(args)}`: one stage of 4 MLP blocks, 8 microbatches of 8 rows, ms per "
+          "microbatch, medians (the in-place columns with the size threshold at 0)\n\n"
+          + _table(["H", "weight MiB", "BW in place", "BW autograd", "ratio", "traffic saved", "W in place",
+                    "W autograd", "W ratio", "copy GB/s"], rows) + "\n")
+    return {"rows": got["rows"], "md": md}
 
 
 def offload(out: Path, quick: bool) -> dict[str, Any]:

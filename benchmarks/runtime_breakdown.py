@@ -19,7 +19,7 @@ The run is vs_torch.py's: the ``mlp`` model (H=512, 8 layers, batch 64 in 8 micr
   starting as soon as its rank and inputs allow (:func:`pipefold.runtime.measure.replayed_busy`), the median over
   steps: no runtime work and no message time either, but the passes' variation from step to step kept.
 
-    OMP_NUM_THREADS=1 python benchmarks/runtime_breakdown.py [--steps 10] [--json]
+    OMP_NUM_THREADS=1 python benchmarks/runtime_breakdown.py [--steps 10] [--json] [--device cuda]
 """
 
 from __future__ import annotations
@@ -43,9 +43,10 @@ SETTINGS: dict[str, Any] = {"devices": WORLD, "microbatches": MICROBATCHES, "mod
 """vs_torch.py's run (its sizes, the same model and split); --hidden overrides the width."""
 
 
-def breakdown(schedule: str, steps: int, hidden: int) -> dict[str, Any]:
+def breakdown(schedule: str, steps: int, hidden: int, device: str = "cpu") -> dict[str, Any]:
     """Per rank, the medians of the step's parts over the steps after the first; and the simulated ideal."""
-    job, reports = train(RunSpec.flat(**{**SETTINGS, "hidden": hidden, "schedule": schedule, "steps": steps}))
+    job, reports = train(RunSpec.flat(**{**SETTINGS, "hidden": hidden, "schedule": schedule, "steps": steps,
+                                         "device": device}))
     ranks = step_parts(sorted(reports, key=lambda r: r.rank))
     ideal = simulate(job.schedule, measured_costs(job.schedule, reports, len(reports[0].steps) - 1))
     busy = [sum(iv.end - iv.start for iv in row) for row in ideal.timeline]
@@ -66,11 +67,13 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=SETTINGS["hidden"], help="the MLP's width (default 512)")
     ap.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated (default: vs_torch's four)")
     ap.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="where the ranks compute (cuda: both on one GPU, the passes timed by CUDA events)")
     args = ap.parse_args()
     if args.steps < 2:
         ap.error(f"--steps must be at least 2 so a step is left after the first (got {args.steps})")
     os.environ["OMP_NUM_THREADS"] = "1"
-    out = [breakdown(s, args.steps, args.hidden) for s in args.schedules.split(",")]
+    out = [breakdown(s, args.steps, args.hidden, args.device) for s in args.schedules.split(",")]
     if args.json:
         print(json.dumps(out, indent=1))
         return

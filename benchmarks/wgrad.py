@@ -16,9 +16,11 @@ stage of ``benchmarks/vs_torch.py`` at H=512. For each width, interleaved, media
 Below ``wgrad.MIN_BYTES`` BW keeps autograd's way by default (rows marked *); the in-place columns there are
 measured with the threshold set to 0, to show the crossover.
 
-    OMP_NUM_THREADS=1 python benchmarks/wgrad.py [--hidden 512] [--steps 40] [--json]
+    OMP_NUM_THREADS=1 python benchmarks/wgrad.py [--hidden 512] [--steps 40] [--json] [--device cuda]
 
 ``--hidden`` is the largest width measured (of 64, 128, 192, 256, 384, 512 and itself); ``--steps`` the repeats.
+``--device cuda`` times the same passes on a GPU (a synchronize closes each timing); there the caching allocator
+reuses memory, so the page faults count only the host's side.
 """
 
 from __future__ import annotations
@@ -43,23 +45,30 @@ BLOCKS, MICROBATCHES, ROWS = 4, 8, 8
 WIDTHS = (64, 128, 192, 256, 384, 512)
 
 
-def _copy_bandwidth(nbytes: int, repeats: int) -> float:
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _copy_bandwidth(nbytes: int, repeats: int, device: torch.device) -> float:
     """Bytes per second of ``a.copy_(b)`` on float32 tensors of ``nbytes`` each (read b, write a)."""
-    a, b = torch.empty(nbytes // 4), torch.randn(nbytes // 4)
+    a, b = torch.empty(nbytes // 4, device=device), torch.randn(nbytes // 4, device=device)
     times = []
     for _ in range(repeats):
+        _sync(device)
         t0 = time.perf_counter()
         a.copy_(b)
+        _sync(device)
         times.append(time.perf_counter() - t0)
     return 2 * nbytes / statistics.median(times)
 
 
-def measure(width: int, repeats: int) -> dict[str, Any]:
+def measure(width: int, repeats: int, device: torch.device, rows: int = ROWS) -> dict[str, Any]:
     torch.manual_seed(0)
-    module = Chain(*build_mlp_layers(MLPConfig(hidden=width, layers=BLOCKS), range(BLOCKS)).values())
+    module = Chain(*build_mlp_layers(MLPConfig(hidden=width, layers=BLOCKS), range(BLOCKS)).values()).to(device)
     runner = StageRunner(module)
-    xs = [torch.randn(ROWS, width) for _ in range(MICROBATCHES)]
-    gs = [torch.randn(ROWS, width) for _ in range(MICROBATCHES)]
+    xs = [torch.randn(rows, width, device=device) for _ in range(MICROBATCHES)]
+    gs = [torch.randn(rows, width, device=device) for _ in range(MICROBATCHES)]
     original = wgrad.linear_of
 
     faults: dict[bool, list[float]] = {True: [], False: []}
@@ -68,10 +77,12 @@ def measure(width: int, repeats: int) -> dict[str, Any]:
         runner._fuse = in_place
         for i, x in enumerate(xs):
             runner.forward(i, (x,))
+        _sync(device)
         f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t0 = time.perf_counter()
         for i, g in enumerate(gs):
             runner.backward(i, (g,))
+        _sync(device)
         took = (time.perf_counter() - t0) / MICROBATCHES
         faults[in_place].append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0) / MICROBATCHES)
         return took
@@ -82,9 +93,11 @@ def measure(width: int, repeats: int) -> dict[str, Any]:
             for i, (x, g) in enumerate(zip(xs, gs, strict=True)):
                 runner.forward(i, (x,))
                 runner.backward_input(i, (g,))
+            _sync(device)
             t0 = time.perf_counter()
             for i in range(MICROBATCHES):
                 runner.backward_weight(i)
+            _sync(device)
             return (time.perf_counter() - t0) / MICROBATCHES
         finally:
             wgrad.linear_of = original
@@ -106,7 +119,7 @@ def measure(width: int, repeats: int) -> dict[str, Any]:
         wgrad.MIN_BYTES = threshold
     med = {k: statistics.median(v) for k, v in runs.items()}
     weight_bytes = 4 * width * 4 * width  # each Linear's weight: H x 4H float32
-    bandwidth = _copy_bandwidth(weight_bytes, max(repeats, 20))
+    bandwidth = _copy_bandwidth(weight_bytes, max(repeats, 20), device)
     predicted = 2 * BLOCKS * weight_bytes * 2 / bandwidth  # 2 Linears a block, 2 x its bytes each
     return {"width": width, "weight_bytes": weight_bytes, "fused_by_default": weight_bytes >= wgrad.MIN_BYTES,
             "faults_in_place": statistics.median(faults[True]), "faults_autograd": statistics.median(faults[False]),
@@ -121,16 +134,22 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512, help="the largest MLP width H measured")
     parser.add_argument("--steps", type=int, default=40, help="repeats of each measurement")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the passes run")
+    parser.add_argument("--rows", type=int, default=ROWS, help=f"rows of a microbatch (default {ROWS})")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    if args.hidden < 1 or args.steps < 1:
-        parser.error("--hidden and --steps must be at least 1")
+    if args.hidden < 1 or args.steps < 1 or args.rows < 1:
+        parser.error("--hidden, --steps and --rows must be at least 1")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA GPU here; leave --device out to measure on the CPU")
+    device = torch.device(args.device)
     widths = sorted({w for w in WIDTHS if w <= args.hidden} | {args.hidden})
-    rows = [measure(h, args.steps) for h in widths]
+    rows = [measure(h, args.steps, device, args.rows) for h in widths]
     if args.json:
-        print(json.dumps({"torch": torch.__version__, "rows": rows}, indent=1))
+        print(json.dumps({"torch": torch.__version__, "device": args.device, "microbatch_rows": args.rows,
+                          "rows": rows}, indent=1))
         return
-    table = Table(title=f"per microbatch ({BLOCKS} MLP blocks, {ROWS} rows), medians of {args.steps}")
+    table = Table(title=f"per microbatch ({BLOCKS} MLP blocks, {args.rows} rows), medians of {args.steps}")
     for col in ("H", "weight MiB", "BW in place", "BW autograd", "ratio", "saved", "faults (in place/autograd)",
                 "traffic", "W in place", "W autograd", "W ratio"):
         table.add_column(col, justify="right")
@@ -143,7 +162,7 @@ def main() -> None:
     Console(width=160).print(table)
     bandwidths = ", ".join(f"{r['copy_gb_s']:.1f}" for r in rows)
     print(f"times in ms; * below wgrad.MIN_BYTES ({wgrad.MIN_BYTES / 2**20:.0f} MiB), where BW keeps autograd's way "
-          f"by default; copy bandwidth {bandwidths} GB/s; torch {torch.__version__}")
+          f"by default; copy bandwidth {bandwidths} GB/s; torch {torch.__version__} on {args.device}")
 
 
 if __name__ == "__main__":

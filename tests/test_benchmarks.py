@@ -63,3 +63,36 @@ def test_the_benchmark_runs_in_its_small_mode(name: str, tmp_path: Path) -> None
     assert "Traceback" not in got.stderr, got.stderr[-3000:]
     assert got.returncode == 0, f"exit {got.returncode}\n{got.stdout[-2000:]}\n{got.stderr[-2000:]}"
     assert got.stdout.strip(), got.stderr[-2000:]
+
+
+def _load(name: str) -> object:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name.removesuffix(".py"), BENCHMARKS / name)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_gpu_check_reads_what_vs_torch_writes() -> None:
+    """gpu_check.py runs only on a GPU, so its reading of vs_torch.py's JSON is checked here: vs_torch's own
+    JSON writer over runs of known times, read back by the GPU report's table, against vs_torch's own table's
+    medians. (The JSON once grew a list of runs per schedule and the GPU report still read the old shape.)"""
+    vs, check = _load("vs_torch.py"), _load("gpu_check.py")
+    steps = [[0.5, 0.020, 0.022, 0.021], [0.4, 0.030, 0.028, 0.029], [0.6, 0.010, 0.010, 0.012]]
+    runs = [{"pipefold": vs._Run(steps[k]), "pipefold on gloo": vs._Run(steps[(k + 1) % 3]),  # type: ignore[attr-defined]
+             "torch": vs._Run(steps[(k + 2) % 3], first_loss=1.0)} for k in range(3)]  # type: ignore[attr-defined]
+    failed = [{side: vs._Run(error="boom") if side == "torch" else vs._Run(steps[0])  # type: ignore[attr-defined]
+               for side in ("pipefold", "pipefold on gloo", "torch")}]
+    rows = [(vs.PAIRS[1], runs), (vs.PAIRS[3], failed)]  # type: ignore[attr-defined]
+    result = vs._json(rows, 4, 1.0, (0.0, 0.0, 0.0))  # type: ignore[attr-defined]
+    table = check.speed_table(result)  # type: ignore[attr-defined]
+    line = next(row for row in table.splitlines() if row.startswith("| 1f1b |"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[1:4] == [vs._median_ms(runs, side) for side in ("pipefold", "pipefold on gloo", "torch")]  # type: ignore[attr-defined]
+    # Per run, pipefold's median step over torch's in that run: 21/10, 29/21, 10/29 ms.
+    assert cells[5] == "2.10 1.38 0.34" and cells[4] == "1.38"
+    zbv = next(row for row in table.splitlines() if row.startswith("| zb-v |"))
+    assert "failed" in zbv and "torch failed: boom" in zbv

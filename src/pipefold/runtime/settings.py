@@ -106,10 +106,23 @@ class Optimizer:
         return OPTIMIZER_STATE.get(self.name, 2.0) if isinstance(self.name, str) else 2.0
 
     def make(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
-        """The optimizer over ``params``."""
+        """The optimizer over ``params``.
+
+        A rank's parameters under tensor parallelism mix DTensors (the sharded layers) and plain tensors (the
+        layers kept whole). torch's list kernels (``foreach``, its default on CUDA) refuse such a list, so the
+        named optimizers step those one tensor at a time; a function given as ``name`` must do the same."""
         if callable(self.name):
             return self.name(params)
+        if _mixes_dtensors(params):
+            return OPTIMIZERS[self.name](params, lr=self.lr, foreach=False)
         return OPTIMIZERS[self.name](params, lr=self.lr)
+
+
+def _mixes_dtensors(params: list[nn.Parameter]) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    kinds = {isinstance(p, DTensor) for p in params}
+    return len(kinds) > 1
 
 
 @dataclass(frozen=True, kw_only=True)

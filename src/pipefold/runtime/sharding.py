@@ -26,7 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["full", "gather", "gathered_bytes", "local", "plain", "reduce_scatter", "shard", "sharded_parameters"]
+__all__ = ["full", "gather", "gather_on_host", "gathered_bytes", "local", "plain", "reduce_scatter", "shard",
+           "sharded_parameters"]
 
 
 def shard(module: nn.Module, mesh: Any) -> nn.Module:
@@ -178,6 +179,52 @@ def tensor_parallel(layers: dict[int, nn.Module], plans: dict[int, dict[str, str
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
-    """The whole of ``t``: gathered from every shard for a DTensor (a collective), ``t`` itself otherwise."""
-    full_tensor = getattr(t, "full_tensor", None)
-    return full_tensor() if full_tensor is not None else t
+    """The whole of ``t``: gathered from every shard for a DTensor (a collective), ``t`` itself otherwise.
+
+    gloo all-reduces GPU tensors but cannot gather them: ranks sharing a GPU died of SIGSEGV in the gather of a
+    tensor-parallel gradient, and again when DTensor gathered host copies on the GPU's mesh. There the shards
+    meet in host memory through plain ``all_gather`` calls (:func:`gather_on_host`), and the whole goes back to
+    the GPU."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor):
+        return t
+    if t.device.type != "cpu" and _gloo(t):
+        return gather_on_host(t).to(t.device)
+    return t.full_tensor()
+
+
+def gather_on_host(t: Any) -> torch.Tensor:
+    """A DTensor's whole, in host memory, from ``torch.distributed``'s own ``all_gather`` and ``all_reduce`` over
+    each mesh dimension's group, last dimension first (the order DTensor shards in, undone). Shards are
+    ``torch.chunk``'s pieces, padded to the largest to be gathered. Two mesh dimensions sharding one tensor
+    dimension are left to DTensor."""
+    import torch.distributed as dist
+
+    mesh, placements = t.device_mesh, t.placements
+    sharded = [p.dim for p in placements if p.is_shard()]
+    if len(sharded) != len(set(sharded)):
+        return t.full_tensor().cpu()
+    local = t.to_local().detach().cpu()
+    for i in reversed(range(mesh.ndim)):
+        place, group, n = placements[i], mesh.get_group(i), mesh.size(i)
+        if place.is_partial():
+            local = local.clone()
+            dist.all_reduce(local, group=group)
+        elif place.is_shard():
+            d, whole = place.dim, t.shape[place.dim]
+            piece = -(-whole // n)  # torch.chunk's
+            sizes = [max(0, min(piece, whole - k * piece)) for k in range(n)]
+            padded = local.new_zeros((*local.shape[:d], piece, *local.shape[d + 1:]))
+            padded.narrow(d, 0, local.shape[d]).copy_(local)
+            pieces = [torch.empty_like(padded) for _ in range(n)]
+            dist.all_gather(pieces, padded, group=group)
+            local = torch.cat([p.narrow(d, 0, size) for p, size in zip(pieces, sizes, strict=True)], dim=d)
+    return local
+
+
+def _gloo(t: Any) -> bool:
+    import torch.distributed as dist
+
+    mesh = t.device_mesh
+    return any(dist.get_backend(mesh.get_group(i)) == "gloo" for i in range(mesh.ndim))
