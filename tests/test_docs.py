@@ -16,6 +16,10 @@ first ``pipefold`` command runs as a process of its own, as a shell runs it; the
 process (``tests/_pipefold_server.py``, the entry point's own function, output and exit code), which imports torch
 and starts the ranks' fork server once for the page instead of once per command: most of the pages' time before.
 
+A command that names no file (it reads none and writes none, so its folder cannot change what it does and no later
+command can need what it wrote) and that two pages show alike, after SHRINK, runs once for the suite: the first page
+to reach it runs it, the other waits for that run's verdict (``_Once``).
+
 Blocks fenced as ```python run as programs in the same folder; ```python fragment marks a few lines completed by
 a later block of the same page. What cannot run here is skipped with the reason: CUDA without a GPU, network
 namespaces where they cannot be made, ``make test`` (this suite).
@@ -319,12 +323,75 @@ def _check(argv: list[str], got: subprocess.CompletedProcess[str], cwd: Path, st
         assert diff is not None and float(diff[1]) < 1e-4, f"{shown}\n{got.stdout[-2000:]}"
 
 
+FILE_LIKE = re.compile(r"[/\\]|\.[A-Za-z]+$")
+"""An argument naming a file or a folder: a path, or a name with an extension (``zb.csv``, ``run.json``)."""
+FOLDER_OPTIONS = {"--checkpoint-dir", "--resume"}
+
+
+def once_key(argv: list[str], factor: float) -> str | None:
+    """The key under which a command runs once for every page that shows it (the command as run, with SHRINK), or
+    None where it must run on its own page: it names a file or a folder, or sets variables."""
+    if argv[0] not in ("pipefold", "torchrun") or "pipefold" not in argv:
+        return None
+    if any(FILE_LIKE.search(a) for a in argv[1:]) or FOLDER_OPTIONS & set(argv):
+        return None
+    at = argv.index("pipefold") + 1
+    return shlex.join([*argv[:at], *shrink(argv[at:], factor)])
+
+
+class _Once:
+    """Commands that several pages show alike, run by the first page that reaches one: it claims the command (a file
+    made with O_EXCL in a folder every xdist worker of the session shares), runs it and writes the verdict; a page
+    that finds it claimed waits for the verdict. A page only waits on a command that another is running now, so
+    two pages cannot wait on each other."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, key: str, suffix: str) -> Path:
+        import hashlib
+
+        return self.root / (hashlib.sha256(key.encode()).hexdigest()[:20] + suffix)
+
+    def claim(self, key: str, page: str) -> str | None:
+        """None: this page runs the command; else the page that claimed it."""
+        path = self._path(key, ".claim")
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return path.read_text(encoding="utf-8") or "another page"
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(page)
+        return None
+
+    def verdict(self, key: str, failure: str | None) -> None:
+        self._path(key, ".tmp").write_text("ok" if failure is None else "failed\n" + failure, encoding="utf-8")
+        self._path(key, ".tmp").replace(self._path(key, ".done"))
+
+    def wait(self, key: str, page: str) -> None:
+        done, deadline = self._path(key, ".done"), time.monotonic() + 900
+        while not done.exists():
+            assert time.monotonic() < deadline, f"{key}: {page} claimed it and gave no verdict in 900 s"
+            time.sleep(0.2)
+        text = done.read_text(encoding="utf-8")
+        if text != "ok":
+            raise AssertionError(f"{key} (run for this page by {page}): {text}")
+
+
+@pytest.fixture(scope="session")
+def once(tmp_path_factory: pytest.TempPathFactory) -> _Once:
+    base = tmp_path_factory.getbasetemp()
+    # Under xdist each worker has a folder of its own inside the session's: the commands are shared there.
+    return _Once((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "docs-commands-once")
+
+
 def _runnable(block: Block) -> bool:
     return block.info == "sh" or block.info == "python"
 
 
 @pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
-def test_every_command_of_the_page_runs_as_written(page: Path, tmp_path: Path) -> None:
+def test_every_command_of_the_page_runs_as_written(page: Path, tmp_path: Path, once: _Once) -> None:
     found = [b for b in blocks(page) if _runnable(b)]
     if not found:
         pytest.skip("no command blocks")
@@ -333,7 +400,9 @@ def test_every_command_of_the_page_runs_as_written(page: Path, tmp_path: Path) -
     (tmp_path / "docs" / "figures").mkdir(parents=True)
     factor = step_factor([argv for b in found if b.info == "sh" for argv in commands(b.body)])
     skipped: list[str] = []
+    elsewhere: list[str] = []
     took: list[tuple[float, str]] = []
+    name = str(page.relative_to(ROOT))
     # The page's first pipefold command runs as a process of its own (the entry point as a shell starts it); the
     # rest in one server process (see _Server).
     server: _Server | None = None
@@ -348,9 +417,21 @@ def test_every_command_of_the_page_runs_as_written(page: Path, tmp_path: Path) -
                 if (why := _skip_reason(argv)) is not None:
                     skipped.append(f"{block.id} {shlex.join(argv)}: {why}")
                     continue
+                key = once_key(argv, factor)
+                if key is not None and (by := once.claim(key, name)) is not None:
+                    once.wait(key, by)
+                    elsewhere.append(f"{block.id} {shlex.join(argv)}: run by {by}")
+                    continue
                 started = time.time()
-                for got in _run(list(argv), tmp_path, factor, server):
-                    _check(argv, got, tmp_path, started)
+                try:
+                    for got in _run(list(argv), tmp_path, factor, server):
+                        _check(argv, got, tmp_path, started)
+                except BaseException as exc:
+                    if key is not None:
+                        once.verdict(key, f"{type(exc).__name__}: {exc}"[:3000])
+                    raise
+                if key is not None:
+                    once.verdict(key, None)
                 took.append((time.time() - started, f"{block.id} {shlex.join(argv)}"))
                 if server is None and argv[0] == "pipefold":
                     server = _Server(_env())
@@ -358,6 +439,8 @@ def test_every_command_of_the_page_runs_as_written(page: Path, tmp_path: Path) -
         if server is not None:
             server.close()
     print("slowest:\n" + "\n".join(f"{s:6.1f} s  {what[:150]}" for s, what in sorted(took, reverse=True)[:8]))
+    if elsewhere:
+        print("run once for the suite, by another page:\n" + "\n".join(elsewhere))
     if skipped:
         print("skipped:\n" + "\n".join(skipped))
 
@@ -420,3 +503,31 @@ def test_every_runnable_block_is_found() -> None:
         assert len(fences) == 2 * len(blocks(page)), page
     assert sum(len(commands(b.body)) for p in PAGES for b in blocks(p) if b.info == "sh") > 60
     assert shutil.which("make") is not None
+
+
+@pytest.mark.parametrize(("command", "key"), [
+    ("pipefold train --schedule zb-v --devices 2 --model mlp --check", "pipefold train --schedule zb-v --devices 2 "
+     "--model mlp --check --steps 2"),
+    ("torchrun --nproc-per-node 4 -m pipefold train --hidden 512", "torchrun --nproc-per-node 4 -m pipefold train "
+     "--hidden 64 --steps 2"),
+    ("pipefold train --trace run.json", None),  # writes a file a later command may read
+    ("pipefold plan --profile prof.json -p 4", None),  # reads one
+    ("pipefold train --hf llama --hf-config examples/my-llama.json", None),
+    ("pipefold train --steps 200 --checkpoint-dir ckpt --resume", None),  # a folder
+    ("OMP_NUM_THREADS=1 pipefold train", None),
+    ("python benchmarks/p2p.py", None),
+])
+def test_a_command_runs_once_for_the_suite_only_when_it_names_no_file(command: str, key: str | None) -> None:
+    assert once_key(shlex.split(command), 1.0) == key
+
+
+def test_a_command_run_for_another_page_passes_on_its_verdict(tmp_path: Path) -> None:
+    first, second = _Once(tmp_path), _Once(tmp_path)  # two pages, as two xdist workers see the folder
+    assert first.claim("pipefold train", "README.md") is None
+    assert second.claim("pipefold train", "docs/runtime.md") == "README.md"
+    first.verdict("pipefold train", None)
+    second.wait("pipefold train", "README.md")
+    assert first.claim("pipefold schedules", "README.md") is None
+    first.verdict("pipefold schedules", "AssertionError: exit 1")
+    with pytest.raises(AssertionError, match="(?s)run for this page by README.md.*exit 1"):
+        second.wait("pipefold schedules", "README.md")
