@@ -105,7 +105,7 @@ def test_a_layouts_devices_share_the_machine_as_all_its_ranks_do() -> None:
 def test_a_mesh_per_device_is_predicted_from_each_devices_own_degree() -> None:
     # Closed forms for a pipeline whose device 0 splits its layers over 2 ranks and device 1 keeps them whole:
     # each device's static bytes are its own layers' at its degree, each stage's passes their sum; a message crosses
-    # in 2 pieces and the receiving device of 2 all-gathers it, so the slowest crossing prices every message.
+    # in 2 pieces and the receiving device of 2 all-gathers it: each direction at its own price.
     prof = dataclasses.replace(_profile(), contention=(1.0,) * 8)
     parts = [(0, 1, 2), (3, 4, 5)]
     wide, narrow = prof.at_tp(2), prof
@@ -122,7 +122,8 @@ def test_a_mesh_per_device_is_predicted_from_each_devices_own_degree() -> None:
     crossing_in = prof.latency + 4096 / prof.bandwidth + ring_gather(8192, 2, prof.latency, prof.bandwidth)
     assert cost.crossing_time(1, 2) == pytest.approx(crossing_in)
     assert cost.crossing_time(2, 1) == pytest.approx(prof.latency + 4096 / prof.bandwidth)
-    assert cost.transfer_time == pytest.approx(crossing_in)
+    assert cost.link_times(2) == ((0.0, pytest.approx(prof.latency + 4096 / prof.bandwidth)),
+                                  (pytest.approx(crossing_in), 0.0))
     for bad in ((), (2, 0), 0):
         with pytest.raises(ConfigError, match="cost mesh is the ranks of each device"):
             CostModel(mesh=bad)  # type: ignore[arg-type]

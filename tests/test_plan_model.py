@@ -36,17 +36,21 @@ def _profile(n: int = 8, *, contention: tuple[float, ...] = (1.0, 1.0, 1.0, 1.0)
 # --------------------------------------------------------------------------- shared cores
 
 
+@pytest.mark.parametrize("mesh", [1, (2, 1, 1, 4)])
 @pytest.mark.parametrize("overhead", [0.0, 0.2])
 @pytest.mark.parametrize("name", ["1f1b", "zb-v", "chimera", "dualpipe", "interleaved-1f1b", "v-half"])
-def test_shared_timing_without_sharing_is_the_plain_timing(name: str, overhead: float) -> None:
-    # With a cost per message too: the plain traversal adds it as it times, the timing by events after the graph.
+def test_shared_timing_without_sharing_is_the_plain_timing(name: str, overhead: float,
+                                                           mesh: int | tuple[int, ...]) -> None:
+    # With a cost per message too: the plain traversal adds it as it times, the timing by events after the graph;
+    # and with a mesh per device, each pair of devices its own crossing time.
     s = schedules.build(name, 4, 8)
-    cost = CostModel(f=1.0, b=1.3, w=0.7, latency=0.1, grad_bytes=10, bandwidth=100, message_overhead=overhead)
+    cost = CostModel(f=1.0, b=1.3, w=0.7, latency=0.1, grad_bytes=10, bandwidth=100, message_overhead=overhead,
+                     activation_bytes=30, mesh=mesh)
     plain = simulate(s, cost)
     graph = dependency_graph(s)
     durations = [iv.end - iv.start for row in plain.timeline for iv in row]
     idle = frozenset(k for k, spec in KINDS.items() if not spec.computes)
-    starts, ends = _shared_times(graph, durations, cost.transfer_time, idle, (1.0,) * 4)
+    starts, ends = _shared_times(graph, durations, cost.link_times(4), idle, (1.0,) * 4)
     assert starts == pytest.approx([iv.start for row in plain.timeline for iv in row], abs=1e-9)
     assert ends == pytest.approx([iv.end for row in plain.timeline for iv in row], abs=1e-9)
 

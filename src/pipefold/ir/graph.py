@@ -150,7 +150,7 @@ class Transfer(NamedTuple):
 
 
 def dependency_graph(schedule: Schedule, durations: Sequence[float] | npt.NDArray[np.float64] | None = None,
-                     transfer: float = 0.0, idle: frozenset[str] = frozenset(), *,
+                     transfer: float | Sequence[Sequence[float]] = 0.0, idle: frozenset[str] = frozenset(), *,
                      table: ActionTable | None = None, message_cost: float = 0.0) -> Graph:
     """Check ``schedule`` and return its :class:`Graph`; raise :class:`ScheduleError` for the first violation.
 
@@ -161,7 +161,9 @@ def dependency_graph(schedule: Schedule, durations: Sequence[float] | npt.NDArra
 
     With ``durations`` (per action, by global number; a list or an array) the traversal also times the actions:
     each starts when its device is free and its inputs are done, ``transfer`` later for an
-    input from another device; a collective's members start together; an action whose kind is
+    input from another device (one time for every pair of devices, or ``transfer[a][b]`` from device a to b; an
+    output taken on several other devices arrives on all of them when the slowest crossing ends); a collective's
+    members start together; an action whose kind is
     in ``idle`` (communication) leaves its device free at once; each action lasts ``message_cost`` longer per
     message it sends or receives (:meth:`Graph.message_ends`). ``table`` is the schedule's
     :func:`action_table`, when the caller has it already.
@@ -603,8 +605,8 @@ def _inputs(schedule: Schedule, table: ActionTable, rules: _Rules, giver: Ints) 
 
 
 def _traverse(schedule: Schedule, offsets: tuple[int, ...], table: ActionTable, links: Links,
-              durations: Sequence[float] | npt.NDArray[np.float64] | None, transfer: float,
-              idle: frozenset[str]) -> Graph:
+              durations: Sequence[float] | npt.NDArray[np.float64] | None,
+              transfer: float | Sequence[Sequence[float]], idle: frozenset[str]) -> Graph:
     """A runnable order: each device runs on until an action waits for one not yet run, and is woken then.
 
     The members of a collective start together, once every member is at the head of its device.
@@ -660,7 +662,8 @@ def _traverse(schedule: Schedule, offsets: tuple[int, ...], table: ActionTable, 
     # N + 1: go to the general path, N + 2: to the two inputs below, neither ever ended), and its duration. With a
     # transfer time, ``ends`` also holds, from ``arrive`` on, when each output reaches another device, which is where
     # an input from another device is looked up.
-    arrive = N + 3 if transfer else 0
+    send = _send_times(transfer, slots, more, device, N)
+    arrive = N + 3 if any(send) else 0
     remote = (device[first] != device) * arrive  # (where there is a first input)
     look = np.where(first >= 0, first + remote, N)
     look[pair] = N + 2
@@ -714,7 +717,7 @@ def _traverse(schedule: Schedule, offsets: tuple[int, ...], table: ActionTable, 
                                 blocker = x
                                 break
                             if dev_of[x] != device_:
-                                e += transfer
+                                e += send[x]
                             if e > start:
                                 start = e
                         if blocker >= 0:
@@ -726,7 +729,7 @@ def _traverse(schedule: Schedule, offsets: tuple[int, ...], table: ActionTable, 
                             for m in group:
                                 md = dev_of[m]
                                 # (an input not run yet counts as ending at 0, as the group goes ahead without it)
-                                t = max([free[md]] + [(ends[x] or 0.0) + (transfer if dev_of[x] != md else 0.0)
+                                t = max([free[md]] + [(ends[x] or 0.0) + (send[x] if dev_of[x] != md else 0.0)
                                                       for x in general[m]])
                                 start = max(start, t)
                             if g > g0:
@@ -737,7 +740,7 @@ def _traverse(schedule: Schedule, offsets: tuple[int, ...], table: ActionTable, 
                                 starts[m] = start
                                 ends[m] = end = start + dur[m]
                                 if arrive:
-                                    ends[m + arrive] = end + transfer
+                                    ends[m + arrive] = end + send[m]
                                 note(m)
                                 note(m + 1)
                                 free[md] = start if m in quiet else end
@@ -756,7 +759,7 @@ def _traverse(schedule: Schedule, offsets: tuple[int, ...], table: ActionTable, 
                             starts[g] = start
                             ends[g] = end = start + dur[g]
                             if arrive:
-                                ends[g + arrive] = end + transfer
+                                ends[g + arrive] = end + send[g]
                             ready = start if g in quiet else end
                             w = waiter[g]
                             if w >= 0:
@@ -776,7 +779,7 @@ def _traverse(schedule: Schedule, offsets: tuple[int, ...], table: ActionTable, 
             starts[g] = ready
             ends[g] = ready = ready + dur[g]
             if arrive:
-                ends[g + arrive] = ready + transfer
+                ends[g + arrive] = ready + send[g]
             w = waiter[g]
             if w >= 0:
                 wake(w)
@@ -792,6 +795,26 @@ def _traverse(schedule: Schedule, offsets: tuple[int, ...], table: ActionTable, 
         _report_stuck(schedule, offsets, [h - o for h, o in zip(heads, offsets, strict=True)], links.spelled(),
                       peers)
     return Graph(schedule, offsets, peers, starts, ends[:N], table, links, runs)  # type: ignore[arg-type]
+
+
+def _send_times(transfer: float | Sequence[Sequence[float]], slots: Sequence[Ints], more: Mapping[int, tuple[int, ...]],
+                device: Ints, n: int) -> list[float]:
+    """Per action, how long its output takes to reach another device: ``transfer`` itself, or with a time per pair
+    of devices, the slowest crossing to a device that takes the output (0 where none does)."""
+    if isinstance(transfer, (int, float)):
+        return [float(transfer)] * n
+    matrix = np.asarray(transfer, dtype=np.float64)
+    send = np.zeros(n)
+    for slot in slots:
+        taker = np.flatnonzero(slot >= 0)
+        giver = slot[taker]
+        crossing = device[giver] != device[taker]
+        np.maximum.at(send, giver[crossing], matrix[device[giver[crossing]], device[taker[crossing]]])
+    for g, inputs in more.items():
+        for x in inputs:
+            if device[x] != device[g]:
+                send[x] = max(send[x], matrix[device[x], device[g]])
+    return send.tolist()
 
 
 def _report_stuck(schedule: Schedule, offsets: Sequence[int], heads: list[int],

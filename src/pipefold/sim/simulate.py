@@ -240,12 +240,22 @@ class CostModel:
 
     @property
     def transfer_time(self) -> float:
-        """Time to move one activation (or its gradient) between two devices (:meth:`crossing_time`); where the
-        devices' meshes differ, the slowest crossing between two of them."""
-        if isinstance(self.mesh, int):
-            return self.crossing_time(self.mesh, self.mesh)
-        return max((self.crossing_time(a, b) for a, b in itertools.permutations(self.mesh, 2)),
-                   default=self.crossing_time(self.mesh[0], self.mesh[0]))
+        """Time to move one activation (or its gradient) between two devices of the same mesh
+        (:meth:`crossing_time`); where the devices' meshes differ, each pair has its own (:meth:`link_times`)."""
+        if not isinstance(self.mesh, int) and len(set(self.mesh)) > 1:
+            raise ConfigError(f"devices of {self.mesh} ranks cross at different times: read link_times(devices)")
+        ranks = self.mesh if isinstance(self.mesh, int) else self.mesh[0]
+        return self.crossing_time(ranks, ranks)
+
+    def link_times(self, devices: int) -> float | tuple[tuple[float, ...], ...]:
+        """The time an activation takes from each device to each other one: one number where every device has the
+        same mesh, else ``[a][b]``, the crossing from device a's mesh to device b's."""
+        if isinstance(self.mesh, int) or len(set(self.mesh)) == 1:
+            return self.transfer_time
+        if len(self.mesh) != devices:
+            raise ConfigError(f"the cost model has a mesh for {len(self.mesh)} devices, the schedule {devices}")
+        return tuple(tuple(0.0 if a == b else self.crossing_time(self.mesh[a], self.mesh[b]) for b in range(devices))
+                     for a in range(devices))
 
     def crossing_time(self, senders: int, receivers: int) -> float:
         """One activation from a device of ``senders`` ranks to one of ``receivers``: in as many pieces as the larger
@@ -550,12 +560,13 @@ def simulate(schedule: Schedule, cost: CostModel | None = None, *, network: Netw
     idle = frozenset(k for k, spec in KINDS.items() if not spec.computes)
     shared = any(c != 1.0 for c in cost.contention[:D]) or (len(cost.contention) < D and cost.contention)
     event_driven = bool(shared) or network is not None
-    graph = dependency_graph(schedule, None if event_driven else durations, cost.transfer_time, idle, table=table,
+    links = cost.link_times(D)
+    graph = dependency_graph(schedule, None if event_driven else durations, links, idle, table=table,
                              message_cost=cost.message_overhead)
     if cost.message_overhead:  # what the traversal added to each action, or what the timing by events will
         durations = durations + cost.message_overhead * graph.message_ends()
     if network is None:
-        transfer: float | _Links = cost.transfer_time
+        transfer: float | tuple[tuple[float, ...], ...] | _Links = links
     else:
         transfer = _Links(network, at, cost.activation_bytes)
     if event_driven:
@@ -657,7 +668,8 @@ def slowdown(contention: Sequence[float], k: int) -> float:
     return contention[-1] * k / len(contention)
 
 
-def _shared_times(graph: Graph, durations: Sequence[float], transfer: float | _Links, idle: frozenset[str],
+def _shared_times(graph: Graph, durations: Sequence[float], transfer: float | tuple[tuple[float, ...], ...] | _Links,
+                  idle: frozenset[str],
                   contention: Sequence[float]) -> tuple[list[float], list[float]]:
     """Start and end of every action, event by event in time order: when the devices share cores
     (processor sharing) or their links are :class:`_Links` with queues and time-varying conditions.
@@ -685,7 +697,12 @@ def _shared_times(graph: Graph, durations: Sequence[float], transfer: float | _L
     finished = 0
 
     links = transfer if isinstance(transfer, _Links) else None
-    delay = 0.0 if isinstance(transfer, _Links) else transfer
+    if isinstance(transfer, _Links):
+        delay = [[0.0] * D] * D
+    elif isinstance(transfer, (int, float)):
+        delay = [[float(transfer)] * D] * D
+    else:
+        delay = [list(row) for row in transfer]
     arrive: dict[tuple[int, int], float] = {}  # (action, device) -> when its output is there (with links)
     remote: list[list[int]] = [[] for _ in range(N)]  # with links: the other devices that take each output
     if links is not None:
@@ -700,7 +717,7 @@ def _shared_times(graph: Graph, durations: Sequence[float], transfer: float | _L
         for i in inputs[g]:
             if not done[i]:
                 return None
-            here = ends[i] if dev_of[i] == d else arrive[(i, d)] if links is not None else ends[i] + delay
+            here = ends[i] if dev_of[i] == d else arrive[(i, d)] if links is not None else ends[i] + delay[dev_of[i]][d]
             at = max(at, here)
         return at
 
