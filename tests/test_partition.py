@@ -235,10 +235,12 @@ def _replay_peak(schedule: Schedule, device: int, held: list[float], held_w: lis
     return peak
 
 
-def _judge(schedule: Schedule, bounds: list[int], figures: list[list[int]]) -> tuple[float, float]:
-    """(largest device peak, largest device time) of one split, worked out from the action orders."""
-    times, held, held_w, static = ([sum(f[lo:hi]) for lo, hi in itertools.pairwise([*bounds, len(f)])]
-                                   for f in figures)
+def _judge(schedule: Schedule, bounds: list[int], by_device: list[list[list[int]]]) -> tuple[float, float]:
+    """(largest device peak, largest device time) of one split, worked out from the action orders; each stage's
+    figures are those of its device (``by_device[d]``: times, held, held_w and static of every layer there)."""
+    ends = [*bounds[1:], len(by_device[0][0])]
+    times, held, held_w, static = ([sum(by_device[d][k][lo:hi]) for d, lo, hi in
+                                    zip(schedule.placement[0], bounds, ends, strict=True)] for k in range(4))
     peaks, loads = [], []
     for d in range(schedule.devices):
         mine = [s for s, dev in enumerate(schedule.placement[0]) if dev == d]
@@ -247,10 +249,10 @@ def _judge(schedule: Schedule, bounds: list[int], figures: list[list[int]]) -> t
     return max(peaks), max(loads)
 
 
-def _brute_memory(schedule: Schedule, figures: list[list[int]], slack: float) -> tuple[float, float]:
+def _brute_memory(schedule: Schedule, by_device: list[list[list[int]]], slack: float) -> tuple[float, float]:
     """The least (peak, time) over every contiguous split within (1 + slack) of the least time."""
-    n, stages = len(figures[0]), schedule.stages
-    judged = [_judge(schedule, [0, *cut], figures) for cut in itertools.combinations(range(1, n), stages - 1)]
+    n, stages = len(by_device[0][0]), schedule.stages
+    judged = [_judge(schedule, [0, *cut], by_device) for cut in itertools.combinations(range(1, n), stages - 1)]
     fastest = min(time for _, time in judged)
     return min((peak, time) for peak, time in judged if time <= fastest * (1 + slack))
 
@@ -272,7 +274,7 @@ def test_memory_split_against_brute_force(spec: str, p: int, data: st.DataObject
     slack = data.draw(st.sampled_from([0.0, 0.02, 0.25, 1.0]), label="slack")
     split = partition_memory(*figures, schedule, slack=slack)
     _check_cover(split.parts, split.boundaries, n)
-    assert (split.peak_bytes, split.bottleneck_time) == _brute_memory(schedule, figures, slack)
+    assert (split.peak_bytes, split.bottleneck_time) == _brute_memory(schedule, [figures] * schedule.devices, slack)
     assert split.time_optimal == _brute(figures[0], schedule.stages, schedule.placement[0])
     assert split.bottleneck_time <= split.time_optimal * (1 + slack) + 1e-9
     # What it reports is its own split's, device by device; the weights rebuild each activation peak.
@@ -282,6 +284,34 @@ def test_memory_split_against_brute_force(spec: str, p: int, data: st.DataObject
         assert split.device_activation_bytes[d] == _replay_peak(schedule, d, held, held_w)
         assert split.device_activation_bytes[d] == sum(split.weights[s] * held[s] + split.weights_w[s] * held_w[s]
                                                         for s in mine)
+
+
+@pytest.mark.parametrize(("spec", "p"), MEMORY_SCHEDULES)
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_memory_split_over_devices_of_their_own_figures_against_brute_force(spec: str, p: int,
+                                                                            data: st.DataObject) -> None:
+    """Devices of different tensor-parallel degrees run and hold a layer differently: each device has its own
+    figures. The split with the least largest peak within the slack of the fastest split over those devices,
+    against every split judged by the action orders; and alike figures give :func:`partition_memory`'s answer."""
+    from pipefold.plan.partition import memory_of_split_on_devices, partition_memory_on_devices, partition_on_devices
+
+    name, _, option = spec.partition(":v=")
+    m = data.draw(st.integers(1, 3 * p), label="microbatches")
+    schedule = schedules.build(name, p, m, **({"v": int(option)} if option else {}))
+    n = data.draw(st.integers(max(6, schedule.stages), 8), label="layers")
+    by_device = [[data.draw(st.lists(st.integers(low, 9), min_size=n, max_size=n), label=f"{label} on {d}")
+                  for label, low in (("times", 1), ("held", 0), ("held_w", 0), ("static", 0))]
+                 for d in range(schedule.devices)]
+    slack = data.draw(st.sampled_from([0.0, 0.02, 0.25, 1.0]), label="slack")
+    split = partition_memory_on_devices([tuple(f) for f in by_device], schedule, slack=slack)  # type: ignore[misc]
+    _check_cover(split.parts, split.boundaries, n)
+    assert (split.peak_bytes, split.bottleneck_time) == _brute_memory(schedule, by_device, slack)
+    assert split.time_optimal == partition_on_devices([f[0] for f in by_device], schedule.placement[0]).bottleneck
+    again = memory_of_split_on_devices(split.boundaries, [tuple(f) for f in by_device], schedule)  # type: ignore[misc]
+    assert again.device_peak_bytes == split.device_peak_bytes and again.device_time == split.device_time
+    alike = partition_memory_on_devices([tuple(by_device[0])] * schedule.devices, schedule, slack=slack)  # type: ignore[misc]
+    assert alike == partition_memory(*by_device[0], schedule, slack=slack)
 
 
 def test_memory_split_unloads_the_long_lived_device() -> None:

@@ -652,36 +652,40 @@ def _model_points(measured: Profile, schedule: Schedule, budget: float, layout: 
     """The candidate plans of one schedule on one layout of the ``measured`` profile: each split, without
     recomputation and (where that does not fit) with the cheapest recomputation that does.
 
-    Where the layout's devices differ in degree, the split balances each device's layers at its own degree
-    (:func:`pipefold.plan.partition.partition_on_devices`, exact for any placement of one replica; schedules
-    that hold stages twice are refused, and the memory-balanced splits are not searched)."""
-    from pipefold.plan.partition import partition, partition_memory, partition_on_devices
+    Where the layout's devices differ in degree, each device's layers have the figures of its own degree, in both
+    splits (:func:`pipefold.plan.partition.partition_on_devices` and ``partition_memory_on_devices``, exact for
+    any placement of one replica; schedules that hold stages twice are refused)."""
+    from pipefold.plan.partition import partition, partition_memory_on_devices, partition_on_devices
 
     placement = schedule.placement[0]
+    n = len(measured.layers)
     if layout.mixed:
         if schedule.replicas != 1:
             raise ConfigError(f"{schedule.name} holds each stage on two devices; a layout with a mesh per device "
                               f"({layout}) is searched with schedules that hold each stage once")
-        rows_by_device = [[(x.f + x.b + x.w) * _measured_alike(measured, layout.degrees[0], t)
-                           for x in measured.at_tp(t).layers] for t in layout.degrees]
-        split = tuple(tuple(part) for part in partition_on_devices(rows_by_device, placement).parts)
-        splits = {"time": split}
-        profile = layout_profile(measured, layout, split, placement)
+        # Every layer as each device would hold it (all of them in one stage there).
+        on_device = [layout_profile(measured, layout, [range(n)], [d]) for d in range(layout.pp)]
     else:
-        profile = layout_profile(measured, layout)
-        L = profile.layers
-        times = [x.f + x.b + x.w for x in L]
-        splits = {"time": tuple(tuple(part) for part in partition(times, schedule.stages,
-                                                                  placement=placement).parts)}
-        if schedule.replicas == 1:
-            by_memory = partition_memory(times, [x.held for x in L], [x.held_w for x in L],
-                                         [profile.static(i) for i in range(len(L))], schedule)
-            split = tuple(tuple(part) for part in by_memory.parts)
-            if split != splits["time"]:
-                splits["memory"] = split
+        on_device = [layout_profile(measured, layout)] * schedule.devices
+    figures = [([x.f + x.b + x.w for x in prof.layers], [x.held for x in prof.layers],
+                [x.held_w for x in prof.layers], [prof.static(i) for i in range(n)]) for prof in on_device]
+    if layout.mixed:
+        by_time = partition_on_devices([f[0] for f in figures], placement)
+    else:
+        by_time = partition(figures[0][0], schedule.stages, placement=placement)
+    splits = {"time": tuple(tuple(part) for part in by_time.parts)}
+    if schedule.replicas == 1:
+        split = tuple(tuple(part) for part in partition_memory_on_devices(figures, schedule, fastest=by_time).parts)
+        if split != splits["time"]:
+            splits["memory"] = split
+
+    def profile_of(layer_stages: tuple[tuple[int, ...], ...]) -> Profile:
+        return layout_profile(measured, layout, layer_stages, placement) if layout.mixed else on_device[0]
+
     run = _replicated(schedule, layout)
     out = []
     for how, layer_stages in splits.items():
+        profile = profile_of(layer_stages)
         rows = stage_profiles(profile, layer_stages)
         none = (0,) * schedule.stages
         static, activations = device_peaks(schedule, rows, none)

@@ -29,7 +29,8 @@ if TYPE_CHECKING:  # measuring needs torch; splitting measured figures does not 
     """What flows between layers: one tensor, or several (a layer may return a tuple, spread into the next)."""
 
 __all__ = ["COST_KINDS", "LayerFigures", "MemoryPartition", "Partition", "memory_of_split", "partition",
-           "partition_memory", "partition_on_devices", "split_by"]
+           "memory_of_split_on_devices", "partition_memory", "partition_memory_on_devices", "partition_on_devices",
+           "split_by"]
 
 COST_KINDS = ("params", "time", "memory")
 """What a layer's cost can measure."""
@@ -420,6 +421,10 @@ class _Prefix(NamedTuple):
     static: np.ndarray
 
 
+Figures = tuple[Sequence[float], Sequence[float], Sequence[float], Sequence[float]]
+"""Per layer: (times, held, held_w, static), as :func:`partition_memory` takes them."""
+
+
 def partition_memory(times: Sequence[float], held: Sequence[float], held_w: Sequence[float],
                      static: Sequence[float], schedule: Schedule, *, slack: float = 0.02) -> MemoryPartition:
     """The contiguous split into ``schedule``'s stages with the least largest predicted device peak bytes.
@@ -433,27 +438,42 @@ def partition_memory(times: Sequence[float], held: Sequence[float], held_w: Sequ
     peaks the faster split wins. Exact for every placement: polynomial for one stage per device and
     for two (V, looped), a pruned depth-first search otherwise (see docs/partition.md).
     """
-    figures = _check_figures(times, held, held_w, static)
+    return partition_memory_on_devices([(times, held, held_w, static)] * schedule.devices, schedule, slack=slack)
+
+
+def partition_memory_on_devices(figures: Sequence[Figures], schedule: Schedule, *, slack: float = 0.02,
+                                fastest: Partition | None = None) -> MemoryPartition:
+    """:func:`partition_memory` where a layer's figures depend on its device: ``figures[d]`` is (times, held,
+    held_w, static) of every layer on device d (devices that split their layers over different numbers of
+    tensor-parallel ranks run and hold the same layer differently). Exact for every placement, as there.
+    ``fastest``: the time-optimal split of these times, where the caller has it already."""
+    rows = [_check_figures(*f) for f in figures]
+    if len(rows) != schedule.devices or len({len(r[0]) for r in rows}) > 1:
+        raise ConfigError(f"give every device the figures of every layer: {schedule.devices} devices, one length")
     if schedule.replicas > 1:
         raise ConfigError(f"splitting by memory searches one placement of the stages, and {schedule.name} has "
                           f"{schedule.replicas} replicas: split {schedule.name} by time, params or even")
-    n, stages = len(figures[0]), schedule.stages
+    n, stages = len(rows[0][0]), schedule.stages
     if n < stages:
         raise ConfigError(f"cannot split {n} layers into {stages} stages: at most {n}")
     if not (isinstance(slack, (int, float)) and math.isfinite(slack) and slack >= 0):
         raise ConfigError(f"slack is the time allowed above the time-optimal split: a number >= 0 (got {slack!r})")
     mapping = schedule.placement[0]
-    fastest = partition(figures[0], stages, placement=mapping)
+    uniform = all(r == rows[0] for r in rows)
+    if fastest is None:
+        fastest = (partition(rows[0][0], stages, placement=mapping) if uniform
+                   else partition_on_devices([r[0] for r in rows], mapping))
     limit = fastest.bottleneck * (1 + slack) * (1 + _REL) + _EPS
-    pre = _Prefix(*(np.concatenate([[0.0], np.cumsum(f)]) for f in figures))
+    first = _Prefix(*(np.concatenate([[0.0], np.cumsum(f)]) for f in rows[0]))
+    pres = [first if uniform else _Prefix(*(np.concatenate([[0.0], np.cumsum(f)]) for f in r)) for r in rows]
     moments = [_moments(schedule.actions[d], schedule.stages_of(d)) for d in range(schedule.devices)]
     if len(set(mapping)) == stages:
-        bounds = _chain_search(pre, moments, mapping, limit)
+        bounds = _chain_search(pres, moments, mapping, limit)
     elif stages % 2 == 0 and mapping in (v_placement(stages // 2), looped_placement(stages // 2, 2)):
-        bounds = _pair_search(pre, moments, stages // 2, limit, looped=mapping != v_placement(stages // 2))
+        bounds = _pair_search(pres, moments, stages // 2, limit, looped=mapping != v_placement(stages // 2))
     else:
-        bounds = _tree_search(pre, moments, mapping, limit, fastest.boundaries)
-    return memory_of_split(bounds, *figures, schedule, time_optimal=fastest.bottleneck)
+        bounds = _tree_search(pres, moments, mapping, limit, fastest.boundaries)
+    return _memory_of_split(bounds, rows, schedule, fastest.bottleneck, moments)
 
 
 def memory_of_split(boundaries: Sequence[int], times: Sequence[float], held: Sequence[float],
@@ -463,26 +483,42 @@ def memory_of_split(boundaries: Sequence[int], times: Sequence[float], held: Seq
 
     The figures are as for :func:`partition_memory`; ``time_optimal`` is worked out when not given.
     """
-    times, held, held_w, static = _check_figures(times, held, held_w, static)
-    n, stages = len(times), schedule.stages
+    return memory_of_split_on_devices(boundaries, [(times, held, held_w, static)] * schedule.devices, schedule,
+                                      time_optimal=time_optimal)
+
+
+def memory_of_split_on_devices(boundaries: Sequence[int], figures: Sequence[Figures], schedule: Schedule, *,
+                               time_optimal: float | None = None) -> MemoryPartition:
+    """:func:`memory_of_split` with figures per device, as :func:`partition_memory_on_devices` takes them."""
+    rows = [_check_figures(*f) for f in figures]
+    if len(rows) != schedule.devices or len({len(r[0]) for r in rows}) > 1:
+        raise ConfigError(f"give every device the figures of every layer: {schedule.devices} devices, one length")
+    if time_optimal is None:
+        time_optimal = partition_on_devices([r[0] for r in rows], schedule.placement[0]).bottleneck
+    moments = [_moments(schedule.actions[d], schedule.stages_of(d)) for d in range(schedule.devices)]
+    return _memory_of_split(boundaries, rows, schedule, time_optimal, moments)
+
+
+def _memory_of_split(boundaries: Sequence[int], rows: list[tuple[list[float], list[float], list[float], list[float]]],
+                     schedule: Schedule, time_optimal: float, moments: list[np.ndarray]) -> MemoryPartition:
+    n, stages = len(rows[0][0]), schedule.stages
     bounds = [int(b) for b in boundaries]
     ends = bounds[1:] + [n]
     if len(bounds) != stages or bounds[0] != 0 or any(lo >= hi for lo, hi in zip(bounds, ends, strict=True)):
         raise ConfigError(f"boundaries {bounds} do not split {n} layers into {stages} non-empty stages")
     parts = [list(range(lo, hi)) for lo, hi in zip(bounds, ends, strict=True)]
     mapping = schedule.placement[0]
-    if time_optimal is None:
-        time_optimal = partition(times, stages, placement=mapping).bottleneck
-    stage = [StageCost(f=0.0, b=0.0, w=0.0, memory=sum(held[i] for i in part), memory_w=sum(held_w[i] for i in part))
-             for part in parts]
+    stage = [StageCost(f=0.0, b=0.0, w=0.0, memory=sum(rows[d][1][i] for i in part),
+                       memory_w=sum(rows[d][2][i] for i in part)) for d, part in zip(mapping, parts, strict=True)]
     device_time, device_static, device_peak = [], [], []
     weights, weights_w = [0] * stages, [0] * stages
     for d in range(schedule.devices):
+        times, _, _, static = rows[d]
         mine = schedule.stages_of(d)
         device_time.append(sum(times[i] for s in mine for i in parts[s]))
         device_static.append(sum(static[i] for s in mine for i in parts[s]))
         device_peak.append(device_static[-1] + peak_by_order(schedule.actions[d], {s: stage[s] for s in mine}))
-        at_peak = _moments(schedule.actions[d], mine)
+        at_peak = moments[d]
         row = at_peak[int(np.argmax(at_peak @ [x for s in mine for x in (stage[s].memory, stage[s].held_w)]))]
         for c, s in enumerate(mine):
             weights[s], weights_w[s] = round(row[2 * c]), round(row[2 * c + 1])
@@ -552,26 +588,28 @@ def _peaks(moments: np.ndarray, figures: np.ndarray) -> np.ndarray:
     return (moments @ figures).max(axis=0)
 
 
-def _chain_search(pre: _Prefix, moments: list[np.ndarray], mapping: tuple[int, ...], limit: float) -> list[int]:
+def _chain_search(pres: list[_Prefix], moments: list[np.ndarray], mapping: tuple[int, ...],
+                  limit: float) -> list[int]:
     """Exact split when every stage has a device of its own: a device's peak is then its stage's alone.
 
     Two passes of the min-max DP over boundaries: the least largest peak under the time limit, then
-    the least largest time among the splits that reach that peak.
+    the least largest time among the splits that reach that peak. ``pres[d]``: device d's figures.
     """
-    n = len(pre.time) - 1
+    n = len(pres[0].time) - 1
     lo, hi = np.triu_indices(n + 1, 1)  # every candidate stage: layers lo..hi-1
-    time = np.full((n + 1, n + 1), np.inf)
-    time[lo, hi] = pre.time[hi] - pre.time[lo]
-    fits = time <= limit
-    figures = np.stack([pre.held[hi] - pre.held[lo], pre.held_w[hi] - pre.held_w[lo]])
-    peaks = []
+    peaks, times = [], []
     for d in mapping:
+        pre = pres[d]
+        time = np.full((n + 1, n + 1), np.inf)
+        time[lo, hi] = pre.time[hi] - pre.time[lo]
+        figures = np.stack([pre.held[hi] - pre.held[lo], pre.held_w[hi] - pre.held_w[lo]])
         peak = np.full((n + 1, n + 1), np.inf)
         peak[lo, hi] = pre.static[hi] - pre.static[lo] + _peaks(moments[d], figures)
-        peaks.append(np.where(fits, peak, np.inf))
+        peaks.append(np.where(time <= limit, peak, np.inf))
+        times.append(time)
     best, _ = _chain_dp(peaks)
     cap = best * (1 + _REL) + _EPS
-    return _chain_dp([np.where(peak <= cap, time, np.inf) for peak in peaks])[1]
+    return _chain_dp([np.where(peak <= cap, time, np.inf) for peak, time in zip(peaks, times, strict=True)])[1]
 
 
 def _chain_dp(costs: list[np.ndarray]) -> tuple[float, list[int]]:
@@ -592,21 +630,28 @@ def _chain_dp(costs: list[np.ndarray]) -> tuple[float, list[int]]:
     return float(best[n]), bounds[::-1]
 
 
-def _pair_search(pre: _Prefix, moments: list[np.ndarray], p: int, limit: float, *, looped: bool) -> list[int]:
+def _pair_search(pres: list[_Prefix], moments: list[np.ndarray], p: int, limit: float, *,
+                 looped: bool) -> list[int]:
     """Exact split for two chunks per device, V or looped: :func:`_pair_dp` twice.
 
     First on the devices' peaks, then on their times among the splits that reach the least peak.
     Looped tries every first layer x of chunk p.
     """
-    n = len(pre.time) - 1
+    n = len(pres[0].time) - 1
     idx = np.arange(n + 1)
-    t = pre.time
+    # What the layers left after device d take at least on the devices after it: each layer at its least time
+    # among them (device d's own figures where every device has the same).
+    least_time = [pres[0].time if all(x is pres[0] for x in pres) or d == p - 1 else
+             np.concatenate([[0.0], np.cumsum(np.min([np.diff(pres[e].time) for e in range(d + 1, p)], axis=0))])
+             for d in range(p)]
     found: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = {}
     fits: dict[tuple[int, int], np.ndarray] = {}
 
     def device(d: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
         """Device d's peak and time for every next state (l2, r2) from (lo, hi); inf where over the time limit."""
         if (d, lo, hi) not in found:
+            pre = pres[d]
+            t = pre.time
             # its chunks: layers lo..l2-1 and, looped, hi..r2-1; V, r2..hi-1
             second = (lambda x, r2: x[r2] - x[hi]) if looped else (lambda x, r2: x[hi] - x[r2])
             time = (t[:, None] - t[lo]) + second(t, idx)[None, :]
@@ -623,6 +668,7 @@ def _pair_search(pre: _Prefix, moments: list[np.ndarray], p: int, limit: float, 
     def rest_fits(d: int, x: int) -> np.ndarray:
         """Whether the layers left after device d fit on the devices after it under the time limit."""
         if (d, x) not in fits:
+            t = least_time[d]
             left = (t[x] - t[:, None]) + (t[n] - t[None, :]) if looped else t[None, :] - t[:, None]
             fits[d, x] = left <= (p - 1 - d) * limit
         return fits[d, x]
@@ -647,7 +693,7 @@ def _pair_search(pre: _Prefix, moments: list[np.ndarray], p: int, limit: float, 
     return min((run(x, time_under_cap) for x in xs if least[x] <= cap), key=lambda result: result[0])[1]
 
 
-def _tree_search(pre: _Prefix, moments: list[np.ndarray], mapping: tuple[int, ...], limit: float,
+def _tree_search(pres: list[_Prefix], moments: list[np.ndarray], mapping: tuple[int, ...], limit: float,
                  start: list[int]) -> list[int]:
     """Exact split for any placement: depth-first over boundaries, stage by stage, pruned by the best split so far.
 
@@ -656,8 +702,11 @@ def _tree_search(pre: _Prefix, moments: list[np.ndarray], mapping: tuple[int, ..
     bound what any completion reaches, and a longer stage is never better than a shorter one that
     already loses. ``start`` (the time-optimal split) is the first best. Exponential in the worst case.
     """
-    n, stages = len(pre.time) - 1, len(mapping)
+    n, stages = len(pres[0].time) - 1, len(mapping)
     devices = len(moments)
+    # The layers left take at least their least time on any device (the time itself where all are alike).
+    least = pres[0].time if all(x is pres[0] for x in pres) else np.concatenate(
+        [[0.0], np.cumsum(np.min([np.diff(x.time) for x in pres], axis=0))])
     chunk = [mapping[:s].count(mapping[s]) for s in range(stages)]
     later = [set(mapping[s + 1:]) for s in range(stages)]
     loads = [0.0] * devices
@@ -670,6 +719,7 @@ def _tree_search(pre: _Prefix, moments: list[np.ndarray], mapping: tuple[int, ..
         load, static, level = [0.0] * devices, [0.0] * devices, [np.zeros(len(m)) for m in moments]
         for s, (lo, hi) in enumerate(zip(bounds, ends, strict=True)):
             d, c = mapping[s], chunk[s]
+            pre = pres[d]
             load[d] += pre.time[hi] - pre.time[lo]
             static[d] += pre.static[hi] - pre.static[lo]
             level[d] = level[d] + moments[d][:, 2 * c] * (pre.held[hi] - pre.held[lo])
@@ -687,6 +737,7 @@ def _tree_search(pre: _Prefix, moments: list[np.ndarray], mapping: tuple[int, ..
     def search(s: int, i: int) -> None:
         nonlocal best_peak, best_time, best_bounds
         d, c = mapping[s], chunk[s]
+        pre = pres[d]
         load0, static0, level0, peak0 = loads[d], statics[d], levels[d], peaks[d]
         last = s == stages - 1
         for j in range(n if last else i + 1, n - (stages - s - 1) + 1):
@@ -701,7 +752,7 @@ def _tree_search(pre: _Prefix, moments: list[np.ndarray], mapping: tuple[int, ..
             if loses(top_peak, top_time):
                 break  # a longer stage raises both
             room = sum(limit - loads[e] for e in later[s])
-            if room < pre.time[n] - pre.time[j] - _EPS:
+            if room < least[n] - least[j] - _EPS:
                 continue  # what is left cannot fit under the time limit
             if last:
                 best_peak, best_time, best_bounds = top_peak, top_time, list(bounds)
