@@ -92,6 +92,18 @@ def test_resume_continues_bit_for_bit(capsys: pytest.CaptureFixture[str], tmp_pa
     assert any(not torch.equal(w, _plain_gpt().state_dict()[k]) for k, w in b.items())  # it did train
 
 
+def test_a_rank_that_fails_after_a_save_cannot_lose_it(tmp_path: Path) -> None:
+    """The last rank dies as step 3 starts, while rank 0 commits the checkpoint of step 2 slowly (2 s): the local
+    launcher stops every rank once one fails, so the ranks wait for the commit before going on (without that, the
+    checkpoint stayed a .tmp folder and latest pointed at nothing)."""
+    ckpt = tmp_path / "ckpt"
+    crashed = _cli(tmp_path, *MLP, "--steps", "6", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
+                   faults=("--die-at", "3", "--slow-commit", "2"))
+    assert crashed.returncode == 1 and "pipefold train: error: rank" in crashed.stderr, crashed.stderr
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step-00000002"]
+    assert (ckpt / "latest").read_text().strip() == "step-00000002"
+
+
 def test_crash_mid_save_and_corrupt_checkpoints(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     straight = _train(capsys, *MLP, "--steps", "8")["loss"]
@@ -161,14 +173,18 @@ def test_checkpoint_user_errors(capsys: pytest.CaptureFixture[str], tmp_path: Pa
 TORCHRUN_MODULE = [sys.executable, "-m", "torch.distributed.run"]
 
 
-def test_torchrun_restart_resumes_from_the_last_checkpoint(capsys: pytest.CaptureFixture[str],
-                                                          tmp_path: Path) -> None:
+@pytest.mark.parametrize("slow_commit", ["0", "2"])
+def test_torchrun_restart_resumes_from_the_last_checkpoint(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                          slow_commit: str) -> None:
     """torchrun --max-restarts 1: a worker dies at step 3; the restarted workers resume from the checkpoint of
-    step 2 by themselves, and the run ends with the losses and weights of an uninterrupted one."""
+    step 2 by themselves, and the run ends with the losses and weights of an uninterrupted one. Also when rank 0
+    commits that checkpoint slowly: the worker that dies must not get to step 3 before the commit is done (it
+    did, once on a loaded machine, and torchrun stopped rank 0 mid-commit: the restart began from scratch)."""
     straight = _train(capsys, *MLP, "--steps", "5", "--save-model", str(tmp_path / "straight.pt"))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([*TORCHRUN_MODULE, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
-                             FAULTY, "--die-at", "3", "--", "train", *MLP, "--steps", "5", "--checkpoint-dir", "ckpt",
+                             FAULTY, "--die-at", "3", "--slow-commit", slow_commit, "--", "train", *MLP, "--steps", "5",
+                             "--checkpoint-dir", "ckpt",
                              "--checkpoint-every", "2", "--save-model", "restarted.pt", "--json"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
                             start_new_session=True)

@@ -22,8 +22,11 @@ layers were split or on how many ranks saved it:
 
 A save writes into ``step-N.tmp``; only when every rank has written its part (a barrier) does rank 0 write
 the manifest, rename the folder to ``step-N`` and point ``latest`` at it (a temporary file, then a rename).
-A crash at any moment so leaves the last good checkpoint as it was. :func:`find` checks a checkpoint's
-files against its manifest before using it and skips, with a warning naming it, one that fails.
+A crash at any moment so leaves the last good checkpoint as it was. No rank goes on before the commit is
+done (a second barrier): a rank that failed in the next step would otherwise have its launcher stop rank 0
+in the middle of committing, and the restart would lose a checkpoint whose files were all written.
+:func:`find` checks a checkpoint's files against its manifest before using it and skips, with a warning naming
+it, one that fails.
 """
 
 from __future__ import annotations
@@ -270,12 +273,14 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
 
 def save(checkpointing: Checkpointing, step: int, *, model: dict[str, torch.Tensor],
          optimizers: Sequence[AnyOptimizer], names: dict[int, str], progress: dict[str, Any], rank: int,
-         device: torch.device, written: Callable[[], None] | None = None) -> str:
+         device: torch.device, written: Callable[[], None] | None = None,
+         committing: Callable[[], None] | None = None) -> str:
     """Every rank's part of the checkpoint after ``step`` steps (call on every rank of the default group).
 
     ``model``: this rank's parameters and buffers by global name; ``names``: the global name of each of its
     optimizers' parameters, by ``id``; ``progress``: what every rank agrees on. ``written`` is called once this
-    rank's files are written, before the checkpoint is committed (a test hook). Returns the checkpoint's path.
+    rank's files are written, before the checkpoint is committed, and ``committing`` on rank 0 just before it
+    commits (test hooks). Returns the checkpoint's path.
     """
     assert checkpointing.directory is not None
     import torch.distributed.checkpoint as dcp
@@ -299,9 +304,12 @@ def save(checkpointing: Checkpointing, step: int, *, model: dict[str, torch.Tens
         written()
     dist.barrier()  # every rank's files are written: the checkpoint is complete
     if rank == 0:
+        if committing is not None:
+            committing()
         _commit(tmp, final, step, checkpointing.identity, dist.get_world_size())
         if checkpointing.keep_last is not None:
             prune(root, checkpointing.keep_last)
+    dist.barrier()  # committed: whatever a rank does next cannot lose it
     return str(final)
 
 

@@ -268,7 +268,9 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
             die = faults.die == (step + 1, "save") and global_rank == world - 1
             saved.append(checkpoint.save(checkpointing, step + 1, model=state, optimizers=optimizers, names=names,
                                          progress={"step": step + 1, "schedule_index": current}, rank=global_rank,
-                                         device=device, written=(lambda: os._exit(13)) if die else None))
+                                         device=device, written=(lambda: os._exit(13)) if die else None,
+                                         committing=(lambda: time.sleep(faults.slow_commit))
+                                         if faults.slow_commit else None))
     activity.run("its report", action=False)
     for each in executors.values():
         each.close()

@@ -198,12 +198,13 @@ def gather_on_host(t: Any) -> torch.Tensor:
     """A DTensor's whole, in host memory, from ``torch.distributed``'s own ``all_gather`` and ``all_reduce`` over
     each mesh dimension's group, last dimension first (the order DTensor shards in, undone). Shards are
     ``torch.chunk``'s pieces, padded to the largest to be gathered. Two mesh dimensions sharding one tensor
-    dimension are left to DTensor."""
+    dimension, and partial values to be reduced otherwise than summed, are left to DTensor."""
     import torch.distributed as dist
 
     mesh, placements = t.device_mesh, t.placements
     sharded = [p.dim for p in placements if p.is_shard()]
-    if len(sharded) != len(set(sharded)):
+    summed = all(getattr(p, "reduce_op", "sum") == "sum" for p in placements if p.is_partial())
+    if len(sharded) != len(set(sharded)) or not summed:
         return t.full_tensor().cpu()
     local = t.to_local().detach().cpu()
     for i in reversed(range(mesh.ndim)):
