@@ -78,13 +78,13 @@ def partition(costs: Sequence[float], parts: int, *, placement: Sequence[int] | 
     for c in values:
         prefix.append(prefix[-1] + c)
     if mapping is None or len(set(mapping)) == len(mapping):
-        bounds = _minmax_dp(prefix, parts)  # one part per device: device loads are the part costs
+        bounds = _minmax_dp([prefix] * parts, parts)  # one part per device: device loads are the part costs
     elif mapping == v_placement(parts // 2):
-        bounds = _v_dp(prefix, parts // 2)
+        bounds = _v_dp([prefix] * (parts // 2), parts // 2)
     elif mapping == looped_placement(parts // 2, 2):
         bounds = _looped_dp(prefix, parts // 2)
     else:
-        bounds = _branch_and_bound(prefix, mapping)
+        bounds = _branch_and_bound([prefix] * (max(mapping) + 1), mapping)
     return _result(values, prefix, bounds, mapping)
 
 
@@ -149,10 +149,9 @@ def _result(values: list[float], prefix: list[float], bounds: list[int], mapping
                      cost=cost, device_cost=device_cost, bottleneck=max(device_cost), placement=mapping)
 
 
-def _minmax_dp(prefix: list[float] | list[list[float]], parts: int) -> list[int]:
-    """Boundaries minimising the largest part: best[k][j] = min over i of max(best[k-1][i], sum(i..j)); with a
-    prefix per part (``prefix[k]``), part k's sum is taken from its own."""
-    each = prefix if isinstance(prefix[0], list) else [prefix] * parts
+def _minmax_dp(each: list[list[float]], parts: int) -> list[int]:
+    """Boundaries minimising the largest part: best[k][j] = min over i of max(best[k-1][i], sum(i..j)), part k's
+    sum taken from its own prefix sums ``each[k]``."""
     n = len(each[0]) - 1
     inf = float("inf")
     best = [[inf] * (n + 1) for _ in range(parts + 1)]
@@ -172,10 +171,10 @@ def _minmax_dp(prefix: list[float] | list[list[float]], parts: int) -> list[int]
     return bounds[::-1]
 
 
-def _v_dp(prefix: list[float] | list[list[float]], p: int) -> list[int]:
-    """Exact split for the V placement: the least largest device load (see :func:`_pair_dp`); with a prefix per
-    device (``prefix[d]``), device d's chunks are costed from its own."""
-    pres = [np.asarray(x) for x in (prefix if isinstance(prefix[0], list) else [prefix] * p)]
+def _v_dp(prefixes: list[list[float]], p: int) -> list[int]:
+    """Exact split for the V placement: the least largest device load (see :func:`_pair_dp`), device d's chunks
+    costed from its own prefix sums ``prefixes[d]``."""
+    pres = [np.asarray(x) for x in prefixes]
 
     def load(d: int, lo: int, hi: int, _ok: np.ndarray) -> np.ndarray:
         pre = pres[d]
@@ -195,7 +194,7 @@ def _looped_dp(prefix: list[float], p: int) -> list[int]:
     """
     pre = np.asarray(prefix)
     n = len(prefix) - 1
-    upper = max(_loads(prefix, _minmax_dp(prefix, 2 * p), looped_placement(p, 2), p))
+    upper = max(_loads([prefix] * p, _minmax_dp([prefix] * (2 * p), 2 * p), looped_placement(p, 2), p))
     share = max(pre[n] / p, float(np.max(np.diff(pre), initial=0.0)))  # no split does better
     caps = [c for c in (share * 1.01, share * 1.04, share * 1.16, share * 1.64) if c < upper] + [upper]
     for cap in (c * (1 + _REL) + _EPS for c in caps):
@@ -307,15 +306,14 @@ def _looped_bounds(states: list[tuple[int, int]], x: int) -> list[int]:
     return [0] + [a for a, _ in states[:-1]] + [x] + [b for _, b in states[:-1]]
 
 
-def _branch_and_bound(prefix: list[float] | list[list[float]], mapping: tuple[int, ...]) -> list[int]:
-    """Exact split for any placement: depth-first over boundaries, pruned by the best load found so far. With a
-    prefix per device (``prefix[d]``), device d's chunks are costed from its own.
+def _branch_and_bound(pres: list[list[float]], mapping: tuple[int, ...]) -> list[int]:
+    """Exact split for any placement: depth-first over boundaries, pruned by the best load found so far; device d's
+    chunks are costed from its own prefix sums ``pres[d]``.
 
     Exponential in the worst case; quick for near-uniform costs (it stops once a split reaches the even
     share) and for a few chunks per device. The V and two-chunk looped placements have polynomial searches.
     """
     devices = max(mapping) + 1
-    pres = prefix if isinstance(prefix[0], list) else [prefix] * devices
     n, parts = len(pres[0]) - 1, len(mapping)
     start = _minmax_dp([pres[d] for d in mapping], parts)  # a good first answer: the balanced split of the parts
     best_bounds = start
@@ -323,7 +321,7 @@ def _branch_and_bound(prefix: list[float] | list[list[float]], mapping: tuple[in
     @functools.cache
     def cheapest(among: frozenset[int]) -> list[float]:
         """Prefix sums of each layer's least cost on any of the devices ``among``: no split costs them less."""
-        return [0.0, *itertools.accumulate(min(pres[d][i + 1] - pres[d][i] for d in among) for i in range(n))]
+        return [float(x) for x in _least_prefix([pres[d] for d in sorted(among)])]
 
     used = frozenset(mapping)
     floor = cheapest(used)[n] / len(used)  # no split beats the even share of the least work
@@ -362,9 +360,7 @@ def _branch_and_bound(prefix: list[float] | list[list[float]], mapping: tuple[in
     return best_bounds
 
 
-def _loads(prefix: list[float] | list[list[float]], bounds: list[int], mapping: tuple[int, ...],
-           devices: int) -> list[float]:
-    pres = prefix if isinstance(prefix[0], list) else [prefix] * devices
+def _loads(pres: list[list[float]], bounds: list[int], mapping: tuple[int, ...], devices: int) -> list[float]:
     ends = bounds[1:] + [len(pres[0]) - 1]
     loads = [0.0] * devices
     for part, (lo, hi) in enumerate(zip(bounds, ends, strict=True)):
@@ -588,6 +584,14 @@ def _peaks(moments: np.ndarray, figures: np.ndarray) -> np.ndarray:
     return (moments @ figures).max(axis=0)
 
 
+def _least_prefix(prefixes: Sequence[Sequence[float] | np.ndarray]) -> np.ndarray:
+    """Prefix sums of each layer's least cost among devices with these prefix sums (one device's own where all
+    are the same): no assignment of the layers to those devices costs less."""
+    if all(x is prefixes[0] for x in prefixes):
+        return np.asarray(prefixes[0], dtype=float)
+    return np.concatenate([[0.0], np.cumsum(np.min([np.diff(x) for x in prefixes], axis=0))])
+
+
 def _chain_search(pres: list[_Prefix], moments: list[np.ndarray], mapping: tuple[int, ...],
                   limit: float) -> list[int]:
     """Exact split when every stage has a device of its own: a device's peak is then its stage's alone.
@@ -639,11 +643,8 @@ def _pair_search(pres: list[_Prefix], moments: list[np.ndarray], p: int, limit: 
     """
     n = len(pres[0].time) - 1
     idx = np.arange(n + 1)
-    # What the layers left after device d take at least on the devices after it: each layer at its least time
-    # among them (device d's own figures where every device has the same).
-    least_time = [pres[0].time if all(x is pres[0] for x in pres) or d == p - 1 else
-             np.concatenate([[0.0], np.cumsum(np.min([np.diff(pres[e].time) for e in range(d + 1, p)], axis=0))])
-             for d in range(p)]
+    # What the layers left after device d take at least on the devices after it (none after the last).
+    least_time = [_least_prefix([x.time for x in pres[d + 1:]] or [pres[0].time]) for d in range(p)]
     found: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = {}
     fits: dict[tuple[int, int], np.ndarray] = {}
 
@@ -704,9 +705,7 @@ def _tree_search(pres: list[_Prefix], moments: list[np.ndarray], mapping: tuple[
     """
     n, stages = len(pres[0].time) - 1, len(mapping)
     devices = len(moments)
-    # The layers left take at least their least time on any device (the time itself where all are alike).
-    least = pres[0].time if all(x is pres[0] for x in pres) else np.concatenate(
-        [[0.0], np.cumsum(np.min([np.diff(x.time) for x in pres], axis=0))])
+    least = _least_prefix([x.time for x in pres])  # what the layers left take at least, on any device
     chunk = [mapping[:s].count(mapping[s]) for s in range(stages)]
     later = [set(mapping[s + 1:]) for s in range(stages)]
     loads = [0.0] * devices
