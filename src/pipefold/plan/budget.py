@@ -587,6 +587,7 @@ def plan_model(profile: Profile, p: int, budget: float, *, microbatches: int | N
     room = budget / (1 + headroom)
     points: list[ModelPoint] = []
     skipped: list[str] = []
+    views = {shape: _device_views(profile, shape) for shape in shapes}
     if progress is not None:
         progress(0, len(todo))
     for done, (shape, name, options) in enumerate(todo, 1):
@@ -594,7 +595,7 @@ def plan_model(profile: Profile, p: int, budget: float, *, microbatches: int | N
             schedule = schedules.build(name, shape.pp, m // shape.dp, **options)
             if schedule.stages > n:
                 raise ConfigError(f"{schedule.stages} stages for {n} layers")
-            points.extend(_model_points(profile, schedule, room, shape))
+            points.extend(_model_points(profile, views[shape], schedule, room, shape))
         except (ConfigError, ScheduleError):
             skipped.append(f"{shape} {ScheduleRef.named(name, options)}")
         if progress is not None:
@@ -648,9 +649,20 @@ def _replicated(schedule: Schedule, layout: Layout) -> Schedule:
     return with_data_parallel(schedule, shard=layout.sharding == "fsdp")
 
 
-def _model_points(measured: Profile, schedule: Schedule, budget: float, layout: Layout) -> list[ModelPoint]:
-    """The candidate plans of one schedule on one layout of the ``measured`` profile: each split, without
-    recomputation and (where that does not fit) with the cheapest recomputation that does.
+def _device_views(measured: Profile, layout: Layout) -> list[Profile]:
+    """Per pipeline device, every layer as that device would hold it (:func:`layout_profile` with all the layers on
+    it): the same view for every device where their degrees are alike."""
+    if not layout.mixed:
+        return [layout_profile(measured, layout)] * layout.pp
+    n = len(measured.layers)
+    return [layout_profile(measured, layout, [range(n)], [d]) for d in range(layout.pp)]
+
+
+def _model_points(measured: Profile, on_device: list[Profile], schedule: Schedule, budget: float,
+                  layout: Layout) -> list[ModelPoint]:
+    """The candidate plans of one schedule on one layout of the ``measured`` profile (``on_device``: its
+    :func:`_device_views`): each split, without recomputation and (where that does not fit) with the cheapest
+    recomputation that does.
 
     Where the layout's devices differ in degree, each device's layers have the figures of its own degree, in both
     splits (:func:`pipefold.plan.partition.partition_on_devices` and ``partition_memory_on_devices``, exact for
@@ -659,14 +671,9 @@ def _model_points(measured: Profile, schedule: Schedule, budget: float, layout: 
 
     placement = schedule.placement[0]
     n = len(measured.layers)
-    if layout.mixed:
-        if schedule.replicas != 1:
-            raise ConfigError(f"{schedule.name} holds each stage on two devices; a layout with a mesh per device "
-                              f"({layout}) is searched with schedules that hold each stage once")
-        # Every layer as each device would hold it (all of them in one stage there).
-        on_device = [layout_profile(measured, layout, [range(n)], [d]) for d in range(layout.pp)]
-    else:
-        on_device = [layout_profile(measured, layout)] * schedule.devices
+    if layout.mixed and schedule.replicas != 1:
+        raise ConfigError(f"{schedule.name} holds each stage on two devices; a layout with a mesh per device "
+                          f"({layout}) is searched with schedules that hold each stage once")
     figures = [([x.f + x.b + x.w for x in prof.layers], [x.held for x in prof.layers],
                 [x.held_w for x in prof.layers], [prof.static(i) for i in range(n)]) for prof in on_device]
     if layout.mixed:
