@@ -23,6 +23,22 @@ def build_or_refused(name: str, p: int, m: int, **options: int):  # type: ignore
         return None
 
 
+def load_benchmark(name: str):  # type: ignore[no-untyped-def]
+    """``benchmarks/<name>`` as a module (the benchmarks are scripts, not a package), registered under its name so
+    that its dataclasses find their module."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / name
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 _LONGEST_FIRST = ("README.md", "docs/runtime.md", "docs/plan.md", "docs/models.md")
 """The pages whose commands take longest (one to four minutes): started first, so that with ``make test``'s two
 workers (pytest-xdist, which hands out tests in the collected order) they run beside the rest, not after it."""

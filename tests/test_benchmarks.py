@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import load_benchmark
+
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"
 
@@ -65,22 +67,11 @@ def test_the_benchmark_runs_in_its_small_mode(name: str, tmp_path: Path) -> None
     assert got.stdout.strip(), got.stderr[-2000:]
 
 
-def _load(name: str) -> object:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name.removesuffix(".py"), BENCHMARKS / name)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_gpu_check_reads_what_vs_torch_writes() -> None:
     """gpu_check.py runs only on a GPU, so its reading of vs_torch.py's JSON is checked here: vs_torch's own
     JSON writer over runs of known times, read back by the GPU report's table, against vs_torch's own table's
     medians. (The JSON once grew a list of runs per schedule and the GPU report still read the old shape.)"""
-    vs, check = _load("vs_torch.py"), _load("gpu_check.py")
+    vs, check = load_benchmark("vs_torch.py"), load_benchmark("gpu_check.py")
     steps = [[0.5, 0.020, 0.022, 0.021], [0.4, 0.030, 0.028, 0.029], [0.6, 0.010, 0.010, 0.012]]
     runs = [{"pipefold": vs._Run(steps[k]), "pipefold on gloo": vs._Run(steps[(k + 1) % 3]),  # type: ignore[attr-defined]
              "torch": vs._Run(steps[(k + 2) % 3], first_loss=1.0)} for k in range(3)]  # type: ignore[attr-defined]

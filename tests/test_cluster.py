@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from conftest import load_benchmark
 from pipefold.cli.main import main
 from pipefold.errors import ConfigError
 from pipefold.models.transformer import Transformer, from_hf_config
@@ -264,14 +265,7 @@ def test_the_steady_state_extrapolation_equals_simulating_every_microbatch(famil
 
 
 def _published() -> Any:
-    import importlib.util
-
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("published", root / "benchmarks" / "published.py")
-    assert spec is not None and spec.loader is not None
-    published = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(published)
-    return published
+    return load_benchmark("published.py")
 
 
 @pytest.mark.parametrize("name", ["gpt3-175b", "megatron-530b"])
