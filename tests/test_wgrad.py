@@ -145,11 +145,22 @@ def test_small_weights_keep_autograd(monkeypatch: pytest.MonkeyPatch) -> None:
     assert calls == []
 
 
-def test_weights_off_the_host_keep_autograd_in_bw() -> None:
-    """On a GPU the in-place BW was slower than autograd's at every width measured (docs/runtime.md): BW takes only
-    weights in host memory. The meta device stands in for any other (this machine has no GPU)."""
-    assert wgrad.worth_fusing(_mlp())
-    assert not wgrad.worth_fusing(_mlp().to("meta"))
+@pytest.mark.parametrize("width", [64, BIG, 2048, 2896, 2897, 4096])
+def test_bw_takes_a_weight_by_its_size_where_it_lives(width: int) -> None:
+    """In host memory BW takes weights of MIN_BYTES and up; on any other device, only those of GPU_MIN_BYTES and
+    up (the H200's crossover, docs/runtime.md). The meta device stands in for a GPU (this machine has none), and
+    holds widths no CPU test could."""
+    layer = nn.Linear(width, width, bias=False, device="meta")
+    size = width * width * 4
+    assert wgrad.worth_fusing(layer) == (size >= wgrad.GPU_MIN_BYTES)
+    assert wgrad.min_bytes(layer.weight) == wgrad.GPU_MIN_BYTES
+    host = nn.Linear(width, width, bias=False) if size < wgrad.GPU_MIN_BYTES else None
+    if host is not None:
+        assert wgrad.worth_fusing(host) == (size >= wgrad.MIN_BYTES)
+        x = torch.randn(3, width, requires_grad=True)
+        node = host(x).grad_fn
+        assert (wgrad.linear_of(node, None) is not None) == (size >= wgrad.MIN_BYTES)
+        assert wgrad.linear_of(node) is not None  # an explicit floor of 0 takes any plain Linear
 
 
 @pytest.mark.parametrize("split", [False, True])

@@ -17,8 +17,9 @@ Two users:
   weights and biases, which a pre-hook on each product adds in place just before the product runs (from the
   gradient entering it and the input it saved), so nothing more is held than autograd would hold. Finding
   the products and hooking them costs about 20 us a Linear, more than the traffic saved on a small weight:
-  BW takes only weights of at least :data:`MIN_BYTES` (measured crossover on a CPU, ``docs/runtime.md``), and
-  only in host memory (:func:`worth_fusing`: on a GPU it was slower at every width measured).
+  BW takes only weights of at least :func:`min_bytes` (:data:`MIN_BYTES` in host memory, the crossover measured
+  on a CPU; :data:`GPU_MIN_BYTES` elsewhere: on a GPU the host's work per Linear is what a step waits for,
+  ``docs/runtime.md``).
 
 Only what is safe is taken: a product ``x @ W^T (+ b)`` of a plain 2-D input and a plain parameter (not a
 DTensor or other subclass) with no hooks of its own, whose accumulators nothing else in the graph reaches.
@@ -36,12 +37,25 @@ from torch.autograd.graph import GradientEdge, Node
 
 from pipefold.runtime.sharding import plain
 
-__all__ = ["MIN_BYTES", "LinearNode", "backward", "linear_of", "worth_fusing"]
+__all__ = ["GPU_MIN_BYTES", "MIN_BYTES", "LinearNode", "backward", "linear_of", "min_bytes", "worth_fusing"]
 
 MIN_BYTES = 1 << 20
 """The smallest weight BW adds in place (1 MiB: 2^18 float32 elements). With the MLP's blocks on this project's
 2-core machine, the in-place BW took 0.84 and 0.99 of autograd's time (two runs) at 1 MiB a weight, 0.76 to 0.79
 at 4 MiB, and 1.08 to 1.11 at 0.56 MiB."""
+
+GPU_MIN_BYTES = 32 << 20
+"""The smallest weight BW adds in place off the host (32 MiB: a float32 weight between 2048^2 and 4096^2). On an
+H200 (two ranks sharing it, the MLP of ``benchmarks/vs_torch.py``) the in-place BW took 1.13 to 1.32 of
+autograd's backward from width 64 to 512 and 0.93 to 1.14 at 2048 (``benchmarks/wgrad.py --device cuda``); at
+4096 (64 MiB a weight) the whole step took 74.0 to 75.6 ms with it against 85.8 to 87.3 ms without, gpipe and
+1F1B, two alternating runs each (``benchmarks/vs_torch.py --device cuda --hidden 4096``)."""
+
+
+def min_bytes(weight: torch.Tensor) -> int:
+    """The smallest weight BW adds in place where ``weight`` lives: :data:`MIN_BYTES` in host memory,
+    :data:`GPU_MIN_BYTES` on any other device."""
+    return MIN_BYTES if weight.device.type == "cpu" else GPU_MIN_BYTES
 
 _PRODUCTS = {"AddmmBackward0": 1, "MmBackward0": 0}
 """The backward node of a Linear's product, with a bias and without, and which of its inputs is the layer's
@@ -89,22 +103,16 @@ class LinearNode:
 
 
 def worth_fusing(module: nn.Module) -> bool:
-    """Whether ``module`` has a Linear whose weight BW would add in place (plain, at least :data:`MIN_BYTES`, in
-    host memory).
-
-    On a GPU BW keeps autograd's way: there the caching allocator reuses memory (no page faults to spare) and the
-    host's work per Linear is what a step waits for. Measured on an H200 (``benchmarks/wgrad.py --device cuda``),
-    the in-place BW took 1.13 to 1.32 of autograd's time from width 64 to 512 (8 to 1024 rows a microbatch) and
-    0.93 to 1.14 at 2048. W keeps the in-place product there: 0.34 to 0.48 of autograd's restarts up to width
-    512, 0.34 to 0.97 at 2048."""
-    return any(isinstance(m, nn.Linear) and plain(m.weight) and m.weight.device.type == "cpu"
-               and m.weight.numel() * m.weight.element_size() >= MIN_BYTES for m in module.modules())
+    """Whether ``module`` has a Linear whose weight BW would add in place: plain, and at least :func:`min_bytes`
+    where it lives."""
+    return any(isinstance(m, nn.Linear) and plain(m.weight)
+               and m.weight.numel() * m.weight.element_size() >= min_bytes(m.weight) for m in module.modules())
 
 
-def linear_of(node: Node, min_bytes: int = 0) -> LinearNode | None:
-    """``node`` as a Linear's product with a weight of at least ``min_bytes``, or None where it is something else
-    (or something this module leaves to autograd: a subclass parameter, hooks, a scaled product, a bias of
-    another shape)."""
+def linear_of(node: Node, least: int | None = 0) -> LinearNode | None:
+    """``node`` as a Linear's product with a weight of at least ``least`` bytes (None: :func:`min_bytes` where
+    the weight lives), or None where it is something else (or something this module leaves to autograd: a
+    subclass parameter, hooks, a scaled product, a bias of another shape)."""
     x_at = _PRODUCTS.get(type(node).__name__)
     if x_at is None:
         return None
@@ -114,7 +122,9 @@ def linear_of(node: Node, min_bytes: int = 0) -> LinearNode | None:
         return None
     w_acc = t_node.next_functions[0][0]
     weight = _plain(w_acc)
-    if w_acc is None or weight is None or weight.dim() != 2 or weight.numel() * weight.element_size() < min_bytes:
+    if w_acc is None or weight is None or weight.dim() != 2:
+        return None
+    if weight.numel() * weight.element_size() < (min_bytes(weight) if least is None else least):
         return None
     bias, accs = None, {w_acc}
     if x_at == 1:
@@ -140,7 +150,7 @@ def backward(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> 
     order, parents = _postorder([o.grad_fn for o in outputs if o.grad_fn is not None])
     taken: dict[Node, LinearNode] = {}
     for node in order:
-        lin = linear_of(node, MIN_BYTES)
+        lin = linear_of(node, None)
         # Its accumulators reached only through it: a tied weight's other uses would be counted by the engine.
         if lin is not None and parents.get(lin.transpose) == [node] and all(
                 parents.get(a) == ([lin.transpose] if a is lin.transpose.next_functions[0][0] else [node])
