@@ -289,7 +289,9 @@ def wgrad(out: Path, quick: bool) -> dict[str, Any]:
 def offload(out: Path, quick: bool) -> dict[str, Any]:
     """benchmarks/offload_gpu.py, its JSON into the report."""
     path = out / "offload.json"
-    args = ["--json", str(path)] + (["--quick"] if quick else [])
+    # The offloaded optimizer steps run on the host: give them the cores a GPU machine has (OMP_NUM_THREADS=1 here).
+    threads = str(max(1, min(8, (os.cpu_count() or 2) // 2)))
+    args = ["--json", str(path), "--threads", threads] + (["--quick"] if quick else [])
     run = subprocess.run([sys.executable, str(HERE / "offload_gpu.py"), *args], cwd=ROOT, capture_output=True,
                          text=True, check=False, timeout=600)
     (out / "offload.log").write_text(run.stdout + run.stderr, encoding="utf-8")

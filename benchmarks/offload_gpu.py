@@ -454,7 +454,13 @@ def main() -> None:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     sizes = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "batch", "seq")}
 
-    case = make_case("gpt", **sizes)
+    started = time.perf_counter()
+
+    def phase(text: str) -> None:  # one line a step of the way: a run cut short shows where it was
+        console.print(f"[dim]{time.perf_counter() - started:6.1f} s  {text}[/dim]")
+
+    case = make_case("gpt", device=device.type, **sizes)
+    phase(f"building the template model on the CPU ({torch.get_num_threads()} threads)")
     template = case.build()
     blocks = template.block_bytes
     half = choose_k(blocks, sum(blocks) // 2)[0]
@@ -483,6 +489,7 @@ def main() -> None:
     memory_errors: dict[str, str] = {}
     if cuda:
         for cfg in configs:
+            phase(f"memory: {cfg.name}")
             cleanup()
             got, error = _attempt(f"measuring the memory of {cfg.name}", measure_memory, cfg, template, case,
                                   device, args.lr, x, y)
@@ -503,6 +510,7 @@ def main() -> None:
     results = None
     if fits:
         mode = "round-robin"
+        phase(f"time: {len(timed)} configurations, {args.steps} steps each, round-robin")
         try:
             results = time_round_robin(timed, make, args.steps, x, y, sync)
         except _OutOfMemory:
@@ -513,6 +521,7 @@ def main() -> None:
         console.print(f"[bold]Timing each configuration alone, one after the other[/bold] ({why}): load from "
                       "other processes may hit them unevenly")
         results = time_one_by_one(timed, make, args.steps, x, y, sync, cleanup)
+    phase("done")
 
     rows = collect_rows(configs, memory, memory_errors, results, template.total_bytes)
     gpu = torch.cuda.get_device_name(device) if cuda else None

@@ -330,3 +330,28 @@ def test_remove_gives_the_plain_model_back() -> None:
     assert len(wrapped.tracker.events) == events  # the plain model fetches nothing
     with pytest.raises(RuntimeError, match="this Offloaded was removed"):
         wrapped(x)
+
+
+@pytest.mark.parametrize("device, refused", [("cpu", True), ("cuda", False), ("cuda:0", False), (None, True)])
+def test_the_step_limit_is_the_device_that_computes_it(device: str | None, refused: bool) -> None:
+    """Offloaded layers live in host memory and run on the device: a 16 x 2048 GPT (2.1e13 operations a step,
+    offload_gpu.py's default) is minutes a step on a CPU core but not on a GPU. None is this machine's default
+    device, the CPU here (CUDA tests are skipped without a GPU)."""
+    from pipefold.train.offload_check import default_device, make_case
+
+    if device is None and default_device() != "cpu":
+        pytest.skip("the default device here is a GPU")
+    sizes = dict(layers=16, hidden=2048, heads=16, batch=4, seq=1024)
+    if refused:
+        with pytest.raises(ConfigError, match=r"over pipefold's limit of 1e\+13 \(minutes per step on a CPU core\): "
+                                              r"use --hidden 1360 or less"):
+            make_case("gpt", device=device, **sizes)
+    else:
+        assert make_case("gpt", device=device, **sizes).model.size().hidden == 2048
+    # The GPU's own limit, 1000 times the CPU's, with memory left out of it (no host here holds such a model).
+    from pipefold.models import make_model
+    from pipefold.models.size import check_fits
+
+    huge = make_model("gpt", **{**sizes, "layers": 2000, "hidden": 8192, "heads": 64}).size()
+    with pytest.raises(ConfigError, match=r"limit of 1e\+16 \(minutes per step on a GPU\)"):
+        check_fits(huge, computed_on="cuda", available=1 << 62)

@@ -141,13 +141,15 @@ class _Need:
 
 
 def check_fits(shape: Shape, *, microbatches: int = 1, ranks: int = 0, copies: float = 1.0,
-               available: int | None = None, what: str = "the run") -> None:
+               available: int | None = None, computed_on: str = "cpu", what: str = "the run") -> None:
     """Refuse, with one ConfigError, a run this machine cannot hold or would take minutes per step on.
 
     One step computes ``shape.batch`` rows; one microbatch of ``batch / microbatches`` rows is in flight;
     ``ranks`` processes of :data:`RANK_BYTES` start; the parameters are held ``copies`` times (weights,
     gradients and optimizer state across the ranks, plus a launcher's copy). ``available`` defaults to
-    :func:`available_memory` (no memory check where it is unknown).
+    :func:`available_memory` (no memory check where it is unknown). ``computed_on``: where the step's products run
+    with everything held in host memory (``"cuda"`` for layers offloaded to the host and run on a GPU), which sets
+    the operation limit: :data:`MAX_STEP_FLOPS` on a CPU, :data:`GPU_STEP_FLOPS` on a GPU.
     """
     need = _Need(ranks, copies, microbatches)
     if available is None:
@@ -165,7 +167,10 @@ def check_fits(shape: Shape, *, microbatches: int = 1, ranks: int = 0, copies: f
         raise ConfigError(f"{what} would need at least {format_bytes(total)} of memory ({_describe(shape)}; {parts}; "
                           f"one microbatch's activations) but this machine has {format_bytes(available)} "
                           f"available{fix}")
-    _check_flops(shape, MAX_STEP_FLOPS, "minutes per step on a CPU core", what)
+    if computed_on.partition(":")[0] == "cuda":
+        _check_flops(shape, GPU_STEP_FLOPS, "minutes per step on a GPU", what)
+    else:
+        _check_flops(shape, MAX_STEP_FLOPS, "minutes per step on a CPU core", what)
 
 
 def _check_flops(shape: Shape, limit: float, why: str, what: str) -> None:

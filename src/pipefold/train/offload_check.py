@@ -86,13 +86,15 @@ class Case:
         return self.model.layer_name(self.model.embedding_layers + block)
 
 
-def make_case(model: str, *, seed: int = 0, **args: Any) -> Case:
+def make_case(model: str, *, seed: int = 0, device: str | None = None, **args: Any) -> Case:
     """The Case of registered model ``model`` made from :class:`~pipefold.models.ModelArgs` keywords (one-line
-    ConfigError on a bad one, or on a model this machine cannot hold twice with its gradients)."""
+    ConfigError on a bad one, on a model this machine cannot hold twice with its gradients, or on a step that
+    would take minutes on ``device``, :func:`default_device` when None)."""
     from pipefold.models.size import check_model
 
     case = Case(make_model(model, seed=seed, **args))
-    check_model(case.model, copies=4, what=f"offloading {model}")  # two models, plain and offloaded, and gradients
+    # Two models, plain and offloaded, and their gradients, all kept in host memory; the products run on the device.
+    check_model(case.model, copies=4, computed_on=device or default_device(), what=f"offloading {model}")
     return case
 
 
