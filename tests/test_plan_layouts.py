@@ -330,15 +330,79 @@ def test_a_profile_at_tp_2_measures_each_ranks_share_and_its_plan_runs_exactly(t
     job = make_job(planned.spec, decided=planned.decided)
     assert compare(job, run_local(job))["max_grad_rel_diff"] < 1e-5
     # A mesh per device: the embedding's device on 2 ranks, the other on 1 (3 ranks), planned and run as planned:
-    # one stage per device, a V (device 0 holds the first and the last stage) and interleaved stages.
-    for family, stages in (("1f1b", 2), ("zb-v", 4), ("interleaved-1f1b", 4)):
-        answer = plan_model(prof, 3, 1e12, layouts=[Layout(1, (2, 1), 2)], families=[family])
+    # one stage per device, a V (device 0 holds the first and the last stage) and interleaved stages; and Chimera's
+    # two replicas on 4 devices, each stage's two devices of one degree (2, 1, 1, 2: 6 ranks).
+    for family, degrees, stages in (("1f1b", (2, 1), 2), ("zb-v", (2, 1), 4), ("interleaved-1f1b", (2, 1), 4),
+                                    ("chimera", (2, 1, 1, 2), 4)):
+        answer = plan_model(prof, sum(degrees), 1e12, layouts=[Layout(1, degrees, len(degrees))], families=[family])
         path.write_text(json.dumps(answer.to_dict()))
         planned = from_plan(RunPlan.from_dict(read_plan(str(path))), RunSpec.flat(steps=2, check=True))
-        assert planned.spec.parallel.tp == (2, 1) and planned.spec.schedule.devices == 2
+        assert planned.spec.parallel.tp == degrees and planned.spec.schedule.devices == len(degrees)
         job = make_job(planned.spec, decided=planned.decided)
-        assert job.layer_stages == answer.best.layer_stages and len(job.layer_stages) == stages and job.world == 3
+        assert job.layer_stages == answer.best.layer_stages and len(job.layer_stages) == stages
+        assert job.world == sum(degrees)
         assert compare(job, run_local(job))["max_grad_rel_diff"] < 1e-5, family
+
+
+def test_a_mesh_per_device_is_planned_where_the_runtime_runs_it(tmp_path) -> None:
+    """Devices that sum gradients rank by rank (a stage's replicas, a tied weight's copies) need one degree. The
+    planner's rule (mixed_degrees) against the runtime's own refusal, for every layout of 2 and 4 devices of degree
+    1 or 2 and schedules that place the first and last stage apart or together, with and without replicas, on a
+    LLaMA whose embedding and head are tied; and the planner searches exactly the layouts the rule lets through."""
+    pytest.importorskip("transformers", reason="the tied model is a Hugging Face LLaMA")
+    from pipefold.models.hf import read_config
+    from pipefold.plan.budget import mixed_degrees
+    from pipefold.train.prepare import make_job
+    from pipefold.train.spec import RunSpec
+
+    config = tmp_path / "llama-tied.json"
+    config.write_text(json.dumps({**read_config("llama", None), "tie_word_embeddings": True}))
+    seen = {"ok": 0, "replicas": 0, "tied": 0}
+    for pp, family in ((2, "1f1b"), (2, "zb-v"), (4, "1f1b"), (4, "chimera"), (4, "zb-v")):
+        for degrees in itertools.product((1, 2), repeat=pp):
+            schedule = schedules.build(family, pp, 4)
+            blocks = schedule.stages * 2
+            spec = RunSpec.flat(schedule=family, devices=pp, microbatches=4, batch=8, model="llama",
+                                model_config=str(config), layers=blocks, partition="even", tp=degrees, steps=1)
+            try:
+                job = make_job(spec)
+                refused = ""
+            except ConfigError as exc:
+                refused = str(exc)
+                assert "sum their gradients rank by rank" in refused, refused
+            n = blocks + 2  # the embedding, the blocks and the head
+            cuts = [round(i * n / schedule.stages) for i in range(schedule.stages + 1)]
+            split = job.layer_stages if not refused else [tuple(range(a, b)) for a, b in itertools.pairwise(cuts)]
+            why = mixed_degrees(schedule, Layout(1, degrees, pp), split, [(0, n - 1)])
+            assert bool(why) == bool(refused), (family, degrees, why, refused)
+            seen["ok" if not why else "replicas" if "replicas" in why else "tied"] += 1
+    assert min(seen.values()) >= 4, seen
+    # The planner: chimera only where each stage's devices match; 1f1b with the tie apart only on one degree.
+    prof = dataclasses.replace(_profile(), contention=(1.0,) * 8)
+    tied = dataclasses.replace(prof, tied=((0, len(prof.layers) - 1),))
+    for profile, layout, family, searched in (
+            (prof, Layout(1, (2, 1, 1, 2), 4), "chimera", True), (prof, Layout(1, (2, 2, 1, 1), 4), "chimera", False),
+            (tied, Layout(1, (2, 1, 1, 2), 4), "chimera", True), (tied, Layout(1, (2, 1), 2), "1f1b", False),
+            (prof, Layout(1, (2, 1), 2), "1f1b", True), (tied, Layout(1, (2, 1), 2), "zb-v", True)):
+        if searched:
+            answer = plan_model(profile, layout.world, 1e12, layouts=[layout], families=[family])
+            assert {pt.layout for pt in answer.points} == {layout}
+            for pt in answer.points:
+                result, peaks, _ = predict(profile, layout, pt.spec, pt.layer_stages, pt.recompute)
+                assert result.makespan == pytest.approx(pt.makespan)
+        else:
+            with pytest.raises(ConfigError, match="no registered schedule runs"):
+                plan_model(profile, layout.world, 1e12, layouts=[layout], families=[family])
+    # Chimera's split on a mesh per device (by time, each stage at its devices' degree) against every split, as the
+    # world plan is: never more than 10% slower than the best (6 layers: the best; 10: 4.8% off when written).
+    layout = Layout(1, (2, 1, 1, 2), 4)
+    for n in (6, 10):
+        profile = dataclasses.replace(_profile(n=n), contention=(1.0,) * 8)
+        answer = plan_model(profile, 6, 1e12, layouts=[layout], families=["chimera"])
+        s = schedules.build("chimera", 4, 8)
+        best = min(predict(profile, layout, s, [tuple(range(a, b)) for a, b in itertools.pairwise([0, *cuts, n])])[0]
+                   .makespan for cuts in itertools.combinations(range(1, n), 3))
+        assert best <= answer.best.makespan <= best * 1.10 + 1e-12, n
 
 
 @pytest.mark.parametrize(("argv", "expected"), [
@@ -420,3 +484,25 @@ def test_a_plans_recomputation_reports_the_bytes_its_layout_holds(layout: Layout
     _, peaks, static = predict(prof, layout, "1f1b", plan.layer_stages, plan.recompute)
     assert recompute.static == static
     assert [s + a for s, a in zip(recompute.static, recompute.activation_peak, strict=True)] == peaks
+
+
+def test_a_profile_records_its_models_tied_layers(tmp_path) -> None:
+    """``pipefold profile`` of a model with a tied embedding and head records the pair by layer index; the file
+    keeps it; a group naming a layer the profile does not have, or one layer alone, is one line."""
+    pytest.importorskip("transformers", reason="the tied model is a Hugging Face LLaMA")
+    from pipefold.models.hf import read_config
+    from pipefold.runtime.profiling import profile_model
+
+    config = tmp_path / "llama-tied.json"
+    config.write_text(json.dumps({**read_config("llama", None), "tie_word_embeddings": True}))
+    prof = profile_model(model="llama", model_config=str(config), layers=2, seq=16, batch=4, microbatches=2,
+                         devices=2, repeats=1, link=False, contention=False)
+    assert prof.tied == ((0, 3),)
+    assert Profile.from_dict(json.loads(json.dumps(prof.to_dict()))).tied == ((0, 3),)
+    untied = profile_model(model="llama", layers=2, seq=16, batch=4, microbatches=2, devices=2, repeats=1,
+                           link=False, contention=False)
+    assert untied.tied == ()
+    for bad in ([[0, 4]], [[1]]):
+        with pytest.raises(ConfigError, match="each group of tied layers names two or more of its 4 layers") as info:
+            Profile.from_dict({**prof.to_dict(), "tied": bad})
+        assert "\n" not in str(info.value)

@@ -113,6 +113,9 @@ class Profile:
     allreduce: dict[int, tuple[float, float]] = field(default_factory=dict)
     """By group size k: (latency seconds, bandwidth bytes/s) of an all-reduce among k ranks, the others computing:
     seconds = latency + buffer bytes / bandwidth (measured where the link is)."""
+    tied: tuple[tuple[int, ...], ...] = ()
+    """Layers that share a weight (the model's ``Model.tied``, by layer index): the devices holding them sum its
+    gradient rank by rank, so a plan gives them one tensor-parallel degree."""
 
     def ranks_measuring(self, tp: int | None = None) -> int:
         """How many ranks computed at once while the layers of degree ``tp`` (default: ``layers``'s) were timed."""
@@ -153,7 +156,8 @@ class Profile:
                 "machine": dict(self.machine), "tp": self.tp,
                 "tp_layers": {str(t): [asdict(x) for x in layers] for t, layers in sorted(self.tp_layers.items())},
                 "tp_ranks": {str(t): n for t, n in sorted(self.tp_ranks.items())},
-                "allreduce": {str(k): list(fit) for k, fit in sorted(self.allreduce.items())}}
+                "allreduce": {str(k): list(fit) for k, fit in sorted(self.allreduce.items())},
+                "tied": [list(group) for group in self.tied]}
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "the profile") -> Profile:
@@ -173,7 +177,8 @@ class Profile:
                       tp_layers=tp_layers,
                       tp_ranks={int(t): int(n) for t, n in data.get("tp_ranks", {}).items()},
                       allreduce={int(k): (float(lat), float(bw))
-                                 for k, (lat, bw) in data.get("allreduce", {}).items()})
+                                 for k, (lat, bw) in data.get("allreduce", {}).items()},
+                      tied=tuple(tuple(int(i) for i in group) for group in data.get("tied", ())))
         except ConfigError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -191,6 +196,9 @@ class Profile:
         if any(k < 2 or not (math.isfinite(lat) and lat >= 0 and bw > 0) for k, (lat, bw) in self.allreduce.items()):
             raise ConfigError(f"{where}: an all-reduce fit is a group of >= 2 ranks, latency >= 0 and bandwidth > 0 "
                               f"(got {self.allreduce})")
+        if any(len(group) < 2 or not all(0 <= i < len(self.layers) for i in group) for group in self.tied):
+            raise ConfigError(f"{where}: each group of tied layers names two or more of its {len(self.layers)} "
+                              f"layers (got {[list(g) for g in self.tied]})")
         if any(n < t for t, n in self.tp_ranks.items()):
             raise ConfigError(f"{where}: a degree's layers were measured by at least that many ranks "
                               f"(tp_ranks {self.tp_ranks})")

@@ -989,4 +989,5 @@ def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int 
                    bandwidth=bandwidth if math.isfinite(bandwidth) else 1e30, contention=factors,
                    optimizer_factor=OPTIMIZER_STATE[optimizer], machine=machine, pass_fixed=measure_pass_fixed(),
                    tp_layers=tp_layers, tp_ranks=tp_ranks,
-                   allreduce={k: (lat, bw if math.isfinite(bw) else 1e30) for k, (lat, bw) in allreduce.items()})
+                   allreduce={k: (lat, bw if math.isfinite(bw) else 1e30) for k, (lat, bw) in allreduce.items()},
+                   tied=tuple(tuple(sorted({i for i, _ in tie})) for tie in built.tied))
