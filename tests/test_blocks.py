@@ -135,3 +135,35 @@ def test_gap_search_reaches_every_half_step_between_v_min_and_v_zb() -> None:
     # ... and more memory buys a shorter step.
     frontier = [min(v for k, v in best.items() if k <= budget) for budget in sorted(best)]
     assert frontier == sorted(frontier, reverse=True) and frontier[0] > frontier[-1]
+
+
+@pytest.mark.parametrize("name", ["v-min", "v-half", "v-zb", "v-block"])
+def test_the_table_a_builder_leaves_is_the_one_its_actions_give(name: str) -> None:
+    """The V builders hand the simulator the flat columns they built from (``ir.graph.with_table``): at every size,
+    the same table, array for array and dtype for dtype, as reading the Action tuples gives; a copy made with
+    ``dataclasses.replace`` carries none and reads its own."""
+    import dataclasses
+
+    import numpy as np
+
+    from pipefold.ir.graph import action_table
+
+    ran = 0
+    for p, m in ((1, 1), (2, 3), (4, 8), (8, 20)):
+        try:
+            s = build(name, p, m)
+        except ConfigError:
+            continue
+        ran += 1
+        given = action_table(s)
+        assert "_action_table" in s.__dict__
+        read = action_table(dataclasses.replace(s))
+        assert "_action_table" not in dataclasses.replace(s).__dict__
+        for field in given._fields:
+            a, b = getattr(given, field), getattr(read, field)
+            if isinstance(a, tuple):
+                assert a == b, (name, p, m, field)
+            else:
+                assert a.dtype == b.dtype and np.array_equal(a, b), (name, p, m, field)
+        assert simulate(s).to_dict() == simulate(dataclasses.replace(s)).to_dict()
+    assert ran >= 3

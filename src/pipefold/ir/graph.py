@@ -266,7 +266,11 @@ class ActionTable(NamedTuple):
 
 
 def action_table(schedule: Schedule) -> ActionTable:
-    """The :class:`ActionTable` of ``schedule``."""
+    """The :class:`ActionTable` of ``schedule``: the one its builder left with it (:func:`with_table`), else read
+    from its actions."""
+    made = schedule.__dict__.get(_TABLE)
+    if made is not None:
+        return made
     codes = tuple(KINDS)
     number = {code: k for k, code in enumerate(codes)}
     flat = list(itertools.chain.from_iterable(schedule.actions))
@@ -302,6 +306,24 @@ def action_table(schedule: Schedule) -> ActionTable:
         column[into] = np.fromiter(of_part, np.int64, len(parts))
         columns.append(column)
     return ActionTable(codes, device, kind, stage, microbatch, composite, owner, *columns)
+
+
+_TABLE = "_action_table"
+
+
+def with_table(schedule: Schedule, kinds: Sequence[str], kind: Ints, stage: Ints, microbatch: Ints) -> Schedule:
+    """``schedule``, built from these columns (one action each, in the order of its rows, none with parts; ``kind``
+    indexing ``kinds``), carrying its :class:`ActionTable` made from them: a builder that has the columns spares
+    :func:`action_table` reading them back out of hundreds of thousands of Action tuples. The schedule is frozen, so
+    the table stays true; a copy made with ``dataclasses.replace`` reads its own."""
+    codes = tuple(KINDS)
+    number = np.array([codes.index(code) for code in kinds], dtype=np.int64)
+    k = number[kind]
+    device = np.repeat(np.arange(schedule.devices, dtype=np.int64), [len(r) for r in schedule.actions])
+    none = np.zeros(0, dtype=np.int64)
+    table = ActionTable(codes, device, k, stage, microbatch, none, np.arange(len(k)), k, stage, microbatch)
+    object.__setattr__(schedule, _TABLE, table)
+    return schedule
 
 
 # --------------------------------------------------------------------------- who gives each pass

@@ -38,6 +38,7 @@ import numpy as np
 
 from pipefold.errors import ConfigError
 from pipefold.ir import KINDS, Action, Kind, Schedule, v_placement
+from pipefold.ir.graph import with_table
 
 __all__ = ["BuildingBlock", "v_block"]
 
@@ -177,12 +178,14 @@ class _Expansion:
         slot = self.slot[:-1]
         order = _sorted_by_key(self.device * (int(slot.max()) + 1) + slot)  # by device, then slot
         # tuple.__new__ over zipped columns makes the Actions without a Python call each.
-        kinds = map(_KINDS.__getitem__, (order // (S * m)).tolist())
-        columns = zip(self.stage[order].tolist(), kinds, (order % m).tolist(), itertools.repeat(()))
+        kind, stage, microbatch = order // (S * m), self.stage[order], order % m
+        columns = zip(stage.tolist(), map(_KINDS.__getitem__, kind.tolist()), microbatch.tolist(),
+                      itertools.repeat(()))
         flat = list(map(tuple.__new__, itertools.repeat(Action), columns))
         ends = np.cumsum(np.bincount(self.device, minlength=D)).tolist()
         actions = tuple(tuple(flat[a:b]) for a, b in zip([0, *ends], ends, strict=False))
-        return Schedule(name, D, S, m, (self.block.placement,), actions, options)
+        return with_table(Schedule(name, D, S, m, (self.block.placement,), actions, options), _KINDS, kind,
+                          stage.astype(np.int64), microbatch.astype(np.int64))
 
     def _visit(self, count: int, period: int) -> _Visit:
         """The first ``count`` passes by their slot now (ties, on other devices, by stage)."""
