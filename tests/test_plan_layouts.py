@@ -345,37 +345,43 @@ def test_a_profile_at_tp_2_measures_each_ranks_share_and_its_plan_runs_exactly(t
 
 
 def test_a_mesh_per_device_is_planned_where_the_runtime_runs_it(tmp_path) -> None:
-    """Devices that sum gradients rank by rank (a stage's replicas, a tied weight's copies) need one degree. The
-    planner's rule (mixed_degrees) against the runtime's own refusal, for every layout of 2 and 4 devices of degree
-    1 or 2 and schedules that place the first and last stage apart or together, with and without replicas, on a
-    LLaMA whose embedding and head are tied; and the planner searches exactly the layouts the rule lets through."""
+    """What the runtime refuses, the planner does not plan. Devices that sum gradients rank by rank (a stage's
+    replicas, a tied weight's copies) need one degree, and FSDP shards each copy of a tied weight on its own. The
+    planner's rule (refused_layout) against the runtime's own refusal, for every layout of 2 and 4 devices of
+    degree 1 or 2, one copy or two under FSDP, and schedules that place the first and last stage apart or together,
+    with and without replicas, on a LLaMA whose embedding and head are tied; and the planner searches exactly the
+    layouts the rule lets through."""
     pytest.importorskip("transformers", reason="the tied model is a Hugging Face LLaMA")
     from pipefold.models.hf import read_config
-    from pipefold.plan.budget import mixed_degrees
+    from pipefold.plan.budget import refused_layout
     from pipefold.train.prepare import make_job
     from pipefold.train.spec import RunSpec
 
     config = tmp_path / "llama-tied.json"
     config.write_text(json.dumps({**read_config("llama", None), "tie_word_embeddings": True}))
-    seen = {"ok": 0, "replicas": 0, "tied": 0}
-    for pp, family in ((2, "1f1b"), (2, "zb-v"), (4, "1f1b"), (4, "chimera"), (4, "zb-v")):
+    seen = {"ok": 0, "replicas": 0, "tied": 0, "fsdp": 0}
+    for (pp, family), fsdp in itertools.product(((2, "1f1b"), (2, "zb-v"), (4, "1f1b"), (4, "chimera"), (4, "zb-v")),
+                                                (False, True)):
+        dp = 2 if fsdp else 1
         for degrees in itertools.product((1, 2), repeat=pp):
             schedule = schedules.build(family, pp, 4)
             blocks = schedule.stages * 2
-            spec = RunSpec.flat(schedule=family, devices=pp, microbatches=4, batch=8, model="llama",
-                                model_config=str(config), layers=blocks, partition="even", tp=degrees, steps=1)
+            spec = RunSpec.flat(schedule=family, devices=pp, microbatches=4, batch=8 * dp, model="llama",
+                                model_config=str(config), layers=blocks, partition="even", tp=degrees, dp=dp,
+                                fsdp=fsdp, steps=1)
             try:
                 job = make_job(spec)
                 refused = ""
             except ConfigError as exc:
                 refused = str(exc)
-                assert "sum their gradients rank by rank" in refused, refused
+                assert "sum their gradients rank by rank" in refused or "FSDP shards each copy" in refused, refused
             n = blocks + 2  # the embedding, the blocks and the head
             cuts = [round(i * n / schedule.stages) for i in range(schedule.stages + 1)]
             split = job.layer_stages if not refused else [tuple(range(a, b)) for a, b in itertools.pairwise(cuts)]
-            why = mixed_degrees(schedule, Layout(1, degrees, pp), split, [(0, n - 1)])
-            assert bool(why) == bool(refused), (family, degrees, why, refused)
-            seen["ok" if not why else "replicas" if "replicas" in why else "tied"] += 1
+            layout = Layout(dp, degrees, pp, "fsdp" if fsdp else "none")
+            why = refused_layout(schedule, layout, split, [(0, n - 1)])
+            assert bool(why) == bool(refused), (family, layout, why, refused)
+            seen["ok" if not why else "fsdp" if "FSDP" in why else "replicas" if "replicas" in why else "tied"] += 1
     assert min(seen.values()) >= 4, seen
     # The planner: chimera only where each stage's devices match; 1f1b with the tie apart only on one degree.
     prof = dataclasses.replace(_profile(), contention=(1.0,) * 8)
@@ -383,7 +389,9 @@ def test_a_mesh_per_device_is_planned_where_the_runtime_runs_it(tmp_path) -> Non
     for profile, layout, family, searched in (
             (prof, Layout(1, (2, 1, 1, 2), 4), "chimera", True), (prof, Layout(1, (2, 2, 1, 1), 4), "chimera", False),
             (tied, Layout(1, (2, 1, 1, 2), 4), "chimera", True), (tied, Layout(1, (2, 1), 2), "1f1b", False),
-            (prof, Layout(1, (2, 1), 2), "1f1b", True), (tied, Layout(1, (2, 1), 2), "zb-v", True)):
+            (prof, Layout(1, (2, 1), 2), "1f1b", True), (tied, Layout(1, (2, 1), 2), "zb-v", True),
+            (tied, Layout(2, 1, 2, "fsdp"), "1f1b", False), (prof, Layout(2, 1, 2, "fsdp"), "1f1b", True),
+            (tied, Layout(2, 1, 2), "1f1b", True), (tied, Layout(2, 1, 1, "fsdp"), "gpipe", True)):
         if searched:
             answer = plan_model(profile, layout.world, 1e12, layouts=[layout], families=[family])
             assert {pt.layout for pt in answer.points} == {layout}

@@ -22,7 +22,7 @@ from pipefold.units import format_bytes
 
 __all__ = ["Layout", "ModelPlan", "ModelPoint", "PlanResult", "Point", "RunPlan", "candidates", "check_plan", "choose",
            "evaluate", "every_layout", "frontier", "layout_profile", "model_costs", "one_f_one_b_peak",
-           "mixed_degrees", "parse_budget", "plan", "plan_model", "predict", "read_plan", "stage_profiles"]
+           "parse_budget", "plan", "plan_model", "predict", "read_plan", "refused_layout", "stage_profiles"]
 
 Progress = Callable[[int, int], None]
 """Called as ``progress(done, total)`` before the first candidate and after each one."""
@@ -667,13 +667,13 @@ def _model_points(measured: Profile, on_device: list[Profile], schedule: Schedul
     Where the layout's devices differ in degree, each device's layers have the figures of its own degree, in both
     splits (:func:`pipefold.plan.partition.partition_on_devices` and ``partition_memory_on_devices``, exact for
     any placement of one replica; a schedule that holds each stage twice, as Chimera does, is split by time, its
-    stages' devices alike in degree). Devices that sum gradients rank by rank must be alike in degree, as the
-    runtime requires (:func:`mixed_degrees`): a split that breaks that for a tied weight is not kept."""
+    stages' devices alike in degree). What the runtime would refuse (:func:`refused_layout`: devices that sum
+    gradients rank by rank of different degrees, a tied weight across stages under FSDP) is not kept."""
     from pipefold.plan.partition import partition, partition_memory_on_devices, partition_on_devices
 
     placement = schedule.placement[0]
     n = len(measured.layers)
-    if layout.mixed and (why := mixed_degrees(schedule, layout)):
+    if why := refused_layout(schedule, layout):
         raise ConfigError(why)
     figures = [([x.f + x.b + x.w for x in prof.layers], [x.held for x in prof.layers],
                 [x.held_w for x in prof.layers], [prof.static(i) for i in range(n)]) for prof in on_device]
@@ -690,11 +690,11 @@ def _model_points(measured: Profile, on_device: list[Profile], schedule: Schedul
     def profile_of(layer_stages: tuple[tuple[int, ...], ...]) -> Profile:
         return layout_profile(measured, layout, layer_stages, placement) if layout.mixed else on_device[0]
 
-    if layout.mixed and measured.tied:
+    if measured.tied:
         splits = {how: split for how, split in splits.items()
-                  if not mixed_degrees(schedule, layout, split, measured.tied)}
+                  if not refused_layout(schedule, layout, split, measured.tied)}
         if not splits:
-            raise ConfigError(mixed_degrees(schedule, layout, by_time.parts, measured.tied))
+            raise ConfigError(refused_layout(schedule, layout, by_time.parts, measured.tied))
     run = _replicated(schedule, layout)
     out = []
     for how, layer_stages in splits.items():
@@ -720,13 +720,19 @@ def _model_points(measured: Profile, on_device: list[Profile], schedule: Schedul
     return out
 
 
-def mixed_degrees(schedule: Schedule, layout: Layout, layer_stages: Sequence[Sequence[int]] = (),
-                  tied: Sequence[Sequence[int]] = ()) -> str:
-    """Why ``layout`` cannot run ``schedule``: devices that sum gradients rank by rank (each stage's replicas, and
-    with ``layer_stages`` the holders of each group of ``tied`` layers) but differ in tensor-parallel degree; empty
-    where it can. (The runtime refuses the same in :class:`pipefold.runtime.job.Job`.)"""
+def refused_layout(schedule: Schedule, layout: Layout, layer_stages: Sequence[Sequence[int]] = (),
+                   tied: Sequence[Sequence[int]] = ()) -> str:
+    """Why the runtime would refuse ``layout`` running ``schedule`` split as ``layer_stages`` with these ``tied``
+    layer groups (as :class:`pipefold.runtime.job.Job` checks them); empty where it runs. Devices that sum
+    gradients rank by rank (each stage's replicas; the holders of a tied weight) need one tensor-parallel degree,
+    and FSDP shards each copy on its own, so a tied weight may not span stages under it. Without ``layer_stages``
+    only what holds for every split is judged."""
     degrees = layout.degrees
     stage_of = {i: st for st, part in enumerate(layer_stages) for i in part}
+    spanning = [group for group in tied if layer_stages and len({stage_of[i] for i in group}) > 1]
+    if spanning and layout.sharding == "fsdp":
+        return (f"{schedule.name} on {layout}: tied layers {', '.join(map(str, spanning[0]))} fall on different "
+                "stages, whose gradients are summed after the step, but FSDP shards each copy on its own")
     groups: list[tuple[str, Sequence[int]]] = [(f"stage {st}'s replicas", schedule.holders(st))
                                                 for st in range(schedule.stages)]
     groups += [(f"tied layers {', '.join(map(str, group))}",
