@@ -13,8 +13,8 @@ stage of ``benchmarks/vs_torch.py`` at H=512. For each width, interleaved, media
   weight's gradient to a new tensor and reads it back to add it: 2 x the weight's bytes more than ``addmm_``),
   at the bandwidth of a copy measured here on tensors of the same size.
 
-Below ``wgrad.MIN_BYTES`` BW keeps autograd's way by default (rows marked *); the in-place columns there are
-measured with the threshold set to 0, to show the crossover.
+Below ``wgrad.MIN_BYTES`` on the CPU (``wgrad.GPU_MIN_BYTES`` on a GPU) BW keeps autograd's way by default (rows
+marked *); the in-place columns there are measured with both floors set to 0, to show the crossover.
 
     OMP_NUM_THREADS=1 python benchmarks/wgrad.py [--hidden 512] [--steps 40] [--json] [--device cuda]
 
@@ -88,7 +88,7 @@ def measure(width: int, repeats: int, device: torch.device, rows: int = ROWS) ->
         return took
 
     def w(in_place: bool) -> float:
-        wgrad.linear_of = original if in_place else (lambda node, min_bytes=0: None)
+        wgrad.linear_of = original if in_place else (lambda node, least=0: None)
         try:
             for i, (x, g) in enumerate(zip(xs, gs, strict=True)):
                 runner.forward(i, (x,))
@@ -106,7 +106,9 @@ def measure(width: int, repeats: int, device: torch.device, rows: int = ROWS) ->
     variants: dict[str, Callable[[], float]] = {
         "bw_in_place": lambda: bw(True), "bw_autograd": lambda: bw(False),
         "w_in_place": lambda: w(True), "w_autograd": lambda: w(False)}
-    threshold, wgrad.MIN_BYTES = wgrad.MIN_BYTES, 0  # the in-place way at every width, for the crossover
+    # The in-place way at every width, for the crossover: both floors (host and device) at 0 while measuring.
+    floors = wgrad.MIN_BYTES, wgrad.GPU_MIN_BYTES
+    wgrad.MIN_BYTES = wgrad.GPU_MIN_BYTES = 0
     try:
         for f in variants.values():
             f()  # warm up
@@ -116,12 +118,12 @@ def measure(width: int, repeats: int, device: torch.device, rows: int = ROWS) ->
             for name, f in variants.items():
                 runs.setdefault(name, []).append(f())
     finally:
-        wgrad.MIN_BYTES = threshold
+        wgrad.MIN_BYTES, wgrad.GPU_MIN_BYTES = floors
     med = {k: statistics.median(v) for k, v in runs.items()}
     weight_bytes = 4 * width * 4 * width  # each Linear's weight: H x 4H float32
     bandwidth = _copy_bandwidth(weight_bytes, max(repeats, 20), device)
     predicted = 2 * BLOCKS * weight_bytes * 2 / bandwidth  # 2 Linears a block, 2 x its bytes each
-    return {"width": width, "weight_bytes": weight_bytes, "fused_by_default": weight_bytes >= wgrad.MIN_BYTES,
+    return {"width": width, "weight_bytes": weight_bytes, "fused_by_default": weight_bytes >= wgrad.min_bytes(device),
             "faults_in_place": statistics.median(faults[True]), "faults_autograd": statistics.median(faults[False]),
             **{f"{k}_ms": 1e3 * v for k, v in med.items()},
             "bw_ratio": med["bw_in_place"] / med["bw_autograd"], "w_ratio": med["w_in_place"] / med["w_autograd"],
@@ -161,7 +163,9 @@ def main() -> None:
                       f"{r['w_ratio']:.2f}")
     Console(width=160).print(table)
     bandwidths = ", ".join(f"{r['copy_gb_s']:.1f}" for r in rows)
-    print(f"times in ms; * below wgrad.MIN_BYTES ({wgrad.MIN_BYTES / 2**20:.0f} MiB), where BW keeps autograd's way "
+    floor = wgrad.min_bytes(torch.device(args.device))
+    print(f"times in ms; * below BW's floor on {args.device} ({floor / 2**20:.0f} MiB), "
+          "where BW keeps autograd's way "
           f"by default; copy bandwidth {bandwidths} GB/s; torch {torch.__version__} on {args.device}")
 
 

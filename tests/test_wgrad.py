@@ -153,7 +153,7 @@ def test_bw_takes_a_weight_by_its_size_where_it_lives(width: int) -> None:
     layer = nn.Linear(width, width, bias=False, device="meta")
     size = width * width * 4
     assert wgrad.worth_fusing(layer) == (size >= wgrad.GPU_MIN_BYTES)
-    assert wgrad.min_bytes(layer.weight) == wgrad.GPU_MIN_BYTES
+    assert wgrad.min_bytes(layer.weight.device) == wgrad.GPU_MIN_BYTES
     host = nn.Linear(width, width, bias=False) if size < wgrad.GPU_MIN_BYTES else None
     if host is not None:
         assert wgrad.worth_fusing(host) == (size >= wgrad.MIN_BYTES)

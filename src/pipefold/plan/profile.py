@@ -115,7 +115,8 @@ class Profile:
     seconds = latency + buffer bytes / bandwidth (measured where the link is)."""
     tied: tuple[tuple[int, ...], ...] = ()
     """Layers that share a weight (the model's ``Model.tied``, by layer index): the devices holding them sum its
-    gradient rank by rank, so a plan gives them one tensor-parallel degree."""
+    gradient rank by rank, so a plan gives them one tensor-parallel degree, and under FSDP one stage
+    (:func:`pipefold.plan.budget.refused_layout`)."""
 
     def ranks_measuring(self, tp: int | None = None) -> int:
         """How many ranks computed at once while the layers of degree ``tp`` (default: ``layers``'s) were timed."""

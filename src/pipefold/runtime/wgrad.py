@@ -52,10 +52,10 @@ autograd's backward from width 64 to 512 and 0.93 to 1.14 at 2048 (``benchmarks/
 1F1B, two alternating runs each (``benchmarks/vs_torch.py --device cuda --hidden 4096``)."""
 
 
-def min_bytes(weight: torch.Tensor) -> int:
-    """The smallest weight BW adds in place where ``weight`` lives: :data:`MIN_BYTES` in host memory,
-    :data:`GPU_MIN_BYTES` on any other device."""
-    return MIN_BYTES if weight.device.type == "cpu" else GPU_MIN_BYTES
+def min_bytes(device: torch.device) -> int:
+    """The smallest weight BW adds in place on ``device``: :data:`MIN_BYTES` in host memory, :data:`GPU_MIN_BYTES`
+    on any other device."""
+    return MIN_BYTES if device.type == "cpu" else GPU_MIN_BYTES
 
 _PRODUCTS = {"AddmmBackward0": 1, "MmBackward0": 0}
 """The backward node of a Linear's product, with a bias and without, and which of its inputs is the layer's
@@ -104,9 +104,9 @@ class LinearNode:
 
 def worth_fusing(module: nn.Module) -> bool:
     """Whether ``module`` has a Linear whose weight BW would add in place: plain, and at least :func:`min_bytes`
-    where it lives."""
+    of its device."""
     return any(isinstance(m, nn.Linear) and plain(m.weight)
-               and m.weight.numel() * m.weight.element_size() >= min_bytes(m.weight) for m in module.modules())
+               and m.weight.numel() * m.weight.element_size() >= min_bytes(m.weight.device) for m in module.modules())
 
 
 def linear_of(node: Node, least: int | None = 0) -> LinearNode | None:
@@ -124,7 +124,7 @@ def linear_of(node: Node, least: int | None = 0) -> LinearNode | None:
     weight = _plain(w_acc)
     if w_acc is None or weight is None or weight.dim() != 2:
         return None
-    if weight.numel() * weight.element_size() < (min_bytes(weight) if least is None else least):
+    if weight.numel() * weight.element_size() < (min_bytes(weight.device) if least is None else least):
         return None
     bias, accs = None, {w_acc}
     if x_at == 1:
