@@ -265,6 +265,11 @@ class ActionTable(NamedTuple):
     pass_microbatch: Ints
 
 
+def _device_column(schedule: Schedule) -> Ints:
+    """The device of every action, by global number."""
+    return np.repeat(np.arange(schedule.devices, dtype=np.int64), [len(r) for r in schedule.actions])
+
+
 def action_table(schedule: Schedule) -> ActionTable:
     """The :class:`ActionTable` of ``schedule``: the one its builder left with it (:func:`with_table`), else read
     from its actions."""
@@ -275,7 +280,7 @@ def action_table(schedule: Schedule) -> ActionTable:
     number = {code: k for k, code in enumerate(codes)}
     flat = list(itertools.chain.from_iterable(schedule.actions))
     n = len(flat)
-    device = np.repeat(np.arange(schedule.devices, dtype=np.int64), [len(r) for r in schedule.actions])
+    device = _device_column(schedule)
     kind = np.fromiter(map(number.get, map(operator.itemgetter(1), flat), itertools.repeat(-1)), np.int64, n)
     stage = np.fromiter(map(operator.itemgetter(0), flat), np.int64, n)
     microbatch = np.fromiter(map(operator.itemgetter(2), flat), np.int64, n)
@@ -319,7 +324,7 @@ def with_table(schedule: Schedule, kinds: Sequence[str], kind: Ints, stage: Ints
     codes = tuple(KINDS)
     number = np.array([codes.index(code) for code in kinds], dtype=np.int64)
     k = number[kind]
-    device = np.repeat(np.arange(schedule.devices, dtype=np.int64), [len(r) for r in schedule.actions])
+    device = _device_column(schedule)
     none = np.zeros(0, dtype=np.int64)
     table = ActionTable(codes, device, k, stage, microbatch, none, np.arange(len(k)), k, stage, microbatch)
     object.__setattr__(schedule, _TABLE, table)
