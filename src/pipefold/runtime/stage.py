@@ -50,6 +50,7 @@ from torch import nn
 from torch.autograd.graph import GradientEdge, Node
 
 from pipefold.runtime import wgrad
+from pipefold.runtime.host_memory import keep_freed_pages
 from pipefold.runtime.meter import MemoryMeter, storage_of
 from pipefold.runtime.sharding import local, waited
 
@@ -538,11 +539,15 @@ def _input_grads(inputs: Tensors, grads: Sequence[torch.Tensor | None]) -> Tenso
 
 
 class StageRunner:
-    """Runs F, B, W and BW of one stage module for any number of microbatches in flight."""
+    """Runs F, B, W and BW of one stage module for any number of microbatches in flight.
+
+    Making one keeps the process's freed host memory for reuse (:func:`~pipefold.runtime.host_memory.keep_freed_pages`):
+    every process that runs passes, the ranks and the profile's alike, then allocates the same way."""
 
     def __init__(self, module: nn.Module, *, loss_fn: Callable[..., torch.Tensor] | None = None,
                  meter: MemoryMeter | None = None, recompute: int = 0, input_grads: bool = True,
                  split: bool = True) -> None:
+        keep_freed_pages()
         self.module = module
         self.loss_fn = loss_fn  # set on the last stage: F then returns the loss
         self.input_grads = input_grads

@@ -3,11 +3,11 @@
 Autograd makes a Linear's weight gradient as a new tensor (``g^T x``) and then adds it to ``.grad``: a tensor
 the size of the weight is allocated, written, read back and freed. ``weight.grad.addmm_(g.t(), x)`` writes the
 sum once (Megatron-LM's gradient-accumulation fusion does the same on GPUs). Where a weight is megabytes and a
-microbatch a few rows, that is most of the weight gradient's time: on a CPU, mostly the fresh pages the
-allocator hands out for the new tensor (each faults once, to be zeroed), then the traffic
-(``benchmarks/wgrad.py`` counts both). The MLP of ``benchmarks/vs_torch.py`` (width 512, 8 rows) spends about
-half as long in its W, and three quarters as long in its BW, this way. W is also spared an engine run per
-Linear, tens of microseconds each.
+microbatch a few rows, that is most of the weight gradient's time: the traffic, and the page faults where the
+allocator hands out fresh pages for the new tensor (``benchmarks/wgrad.py`` counts both; a stage runner keeps
+freed pages, :mod:`pipefold.runtime.host_memory`, so on a CPU it is the traffic). The MLP of
+``benchmarks/vs_torch.py`` (width 512, 8 rows) spends about half as long in its W, and 0.7 as long in its BW,
+this way. W is also spared an engine run per Linear, tens of microseconds each.
 
 Two users:
 
