@@ -2,8 +2,11 @@
 
 Each case runs in a fresh interpreter (the setting is process-wide): eight tensors of 4 MiB are written and freed,
 round after round, as a step's weight gradients are; ``getrusage`` counts the minor page faults of the later
-rounds. glibc's own thresholds give the pages back between rounds, so each round faults on most of its 8192
-pages again; kept, the rounds reuse them.
+rounds. Kept, the rounds reuse their pages. The reference that gives them back is glibc with its starting
+thresholds held (``MALLOC_MMAP_THRESHOLD_=131072``: each such tensor mapped on its own, unmapped when freed), so
+each round faults on its 8192 pages again. glibc left to itself moves its thresholds with the heap's history,
+and what it gives back depends on that: 911 to 8146 faults a round in this script, from one checkout to
+another.
 """
 
 from __future__ import annotations
@@ -51,12 +54,12 @@ def _faults(mode: str, **env: str) -> tuple[str, float]:
     return out[0], float(out[1])
 
 
-def test_kept_pages_fault_no_more_while_glibcs_own_thresholds_fault_every_round() -> None:
-    applied, plain = _faults("plain")
-    assert plain > PAGES / 4, f"the reference should fault on the freed pages again: {plain:.0f} a round"
+def test_kept_pages_fault_no_more_while_glibcs_starting_thresholds_fault_every_round() -> None:
+    _, held = _faults("plain", MALLOC_MMAP_THRESHOLD_="131072")
+    assert held > PAGES / 2, f"the reference should fault on the freed pages again: {held:.0f} a round"
     applied, kept = _faults("kept")
     assert applied == "True"
-    assert kept < PAGES / 8, f"{kept:.0f} faults a round with the pages kept, against {plain:.0f} without"
+    assert kept < PAGES / 8, f"{kept:.0f} faults a round with the pages kept, against {held:.0f} given back"
 
 
 def test_a_stage_runner_keeps_them_for_every_process_that_runs_passes() -> None:
