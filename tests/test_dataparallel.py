@@ -275,7 +275,7 @@ def test_fsdp_clips_by_the_norm_over_every_shard() -> None:
     assert any(not torch.allclose(unclipped[name], w, rtol=1e-3) for name, w in plain.items())
 
 
-def _flat_all_reduce(rank: int, port: int, out: Any) -> None:
+def _flat_all_reduce(rank: int, port: int, scale: float, out: Any) -> None:
     import torch.distributed as dist
 
     from pipefold.runtime.comm import FlatAllReduce
@@ -287,11 +287,11 @@ def _flat_all_reduce(rank: int, port: int, out: Any) -> None:
         grads = [torch.randn(3, 4, generator=gen), torch.randn(5, generator=gen),
                  torch.randn(4, 6, generator=gen).t(),  # not contiguous: reduced by itself, in place
                  torch.randn(2, generator=gen, dtype=torch.float64)]  # another dtype: a buffer of its own
-        want = [g.clone() for g in grads]
+        want = [g * scale for g in grads]
         for w in want:
-            dist.all_reduce(w)  # the reference: one call per tensor
+            dist.all_reduce(w)  # the reference: each tensor scaled, then one call per tensor
         before = [g.untyped_storage().data_ptr() for g in grads]
-        reduction = FlatAllReduce(grads, dist.group.WORLD)
+        reduction = FlatAllReduce(grads, dist.group.WORLD, scale=scale)
         reduction.wait()
         storages = {g.untyped_storage().data_ptr() for g in grads[:2]}
         out.put((rank, [float((g - w).abs().max()) for g, w in zip(grads, want, strict=True)], len(storages),
@@ -302,17 +302,20 @@ def _flat_all_reduce(rank: int, port: int, out: Any) -> None:
         dist.destroy_process_group()
 
 
-def test_one_all_reduce_of_a_stages_gradients_equals_one_per_tensor() -> None:
-    """comm.FlatAllReduce: the sums of one call per tensor; the contiguous float32 gradients end up sharing one
-    buffer (their old storages freed, ``moved`` their bytes), a non-contiguous one keeps its storage, and another
-    dtype gets a buffer of its own."""
+@pytest.mark.parametrize("scale", [1.0, 0.5, 1 / 3])
+def test_one_all_reduce_of_a_stages_gradients_equals_one_per_tensor(scale: float) -> None:
+    """comm.FlatAllReduce: the sums of one call per tensor, each tensor scaled first (the mean over copies: the
+    scale is applied on the way into the buffer); the contiguous float32 gradients end up sharing one buffer
+    (their old storages freed, ``moved`` their bytes), a non-contiguous one keeps its storage, and another dtype
+    gets a buffer of its own."""
     import torch.multiprocessing as mp
 
     from pipefold.runtime.processes import free_port
 
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
-    procs = mp.start_processes(_flat_all_reduce, args=(free_port(), out), nprocs=2, start_method="spawn", join=False)
+    procs = mp.start_processes(_flat_all_reduce, args=(free_port(), scale, out), nprocs=2, start_method="spawn",
+                               join=False)
     while not procs.join():
         pass
     for _ in range(2):

@@ -9,8 +9,9 @@ things::
                 parameter bytes, bytes of its output (what a stage boundary after it sends)
     link        one-way time of a message between two gloo ranks: latency + bytes / bandwidth,
                 fitted to ping-pongs of 4 KiB .. 4 MiB
-    allreduce   per group size k dividing the devices: an all-reduce among k ranks, latency + bytes /
-                bandwidth, fitted to 64 KiB .. 16 MiB (the data-parallel copies' gradients)
+    allreduce   per group size k dividing the devices: an all-reduce among k ranks as the runtime makes
+                it (copied into one buffer, scaled to the mean), latency + bytes / bandwidth, fitted to
+                64 KiB .. 16 MiB (the data-parallel copies' gradients)
     sharing     how much slower a pass runs when k ranks compute at once (k = 1..devices): 1.0
                 each on separate accelerators, about k / cores when k processes share fewer cores
     fixed       the part of a stage's F, B and BW that does not grow with its layers (the runner's

@@ -329,23 +329,32 @@ class FlatAllReduce:
     stage's gradients pay one collective's latency, not one per tensor (DDP's buckets do the same; gloo's latency
     on a shared machine is milliseconds). Each tensor then lives in the buffer (its storage swapped for its part of
     it, its old one freed at once), so the gradients are held once, not twice, while they travel; ``moved`` counts
-    their bytes. A tensor that is not contiguous cannot live in a flat buffer: it is reduced by itself, in place.
-    :meth:`wait` waits for them all."""
+    their bytes. ``scale`` multiplies each tensor on its way into the buffer (the mean over data-parallel copies:
+    one pass over the bytes, where scaling in place and then copying took two). A tensor that is not contiguous
+    cannot live in a flat buffer: it is scaled and reduced by itself, in place. :meth:`wait` waits for them all.
+    The profile times this same class (:func:`pipefold.runtime.profiling.measure_allreduce`)."""
 
-    def __init__(self, tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:
+    def __init__(self, tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, *, scale: float = 1.0) -> None:
         kinds: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         self._works: list[dist.Work] = []
         self.moved = 0
-        for t in tensors:
-            if t.is_contiguous():
-                kinds.setdefault((t.dtype, t.device), []).append(t)
-            else:
-                self._works.append(dist.all_reduce(t, group=group, async_op=True))
         with torch.no_grad():
-            for same in kinds.values():
-                flat = torch.cat([t.reshape(-1) for t in same])
+            for t in tensors:
+                if t.is_contiguous():
+                    kinds.setdefault((t.dtype, t.device), []).append(t)
+                else:
+                    if scale != 1.0:
+                        t.mul_(scale)
+                    self._works.append(dist.all_reduce(t, group=group, async_op=True))
+            for (dtype, device), same in kinds.items():
+                flat = torch.empty(sum(t.numel() for t in same), dtype=dtype, device=device)
                 at = 0
                 for t in same:
+                    part = flat[at:at + t.numel()]
+                    if scale != 1.0:
+                        torch.mul(t.reshape(-1), scale, out=part)
+                    else:
+                        part.copy_(t.reshape(-1))
                     t.set_(flat.untyped_storage(), at, t.shape, t.stride())  # it now lives in its part of flat
                     at += t.numel()
                 self.moved += flat.untyped_storage().nbytes()

@@ -573,17 +573,16 @@ class RankExecutor:
         for work in self._reductions.pop(s, ()):
             work.wait()  # the all-reduce between replicas first: both write the same gradients
         self.activity.resume(where)
+        # The mean over the pipelines, each having averaged over its own shard. A tensor-parallel rank's part of a
+        # split gradient: the copies of that part are its dp group.
         share = 1.0 / dist.get_world_size(self.dp_group)
-        grads = self._grads(s)
-        for g in grads:
-            g.mul_(share)  # the mean over the pipelines, each having averaged over its own shard
-        # A tensor-parallel rank's part of a split gradient: the copies of that part are its dp group.
-        self._reductions.setdefault(s, []).append(self._all_reduce(grads, self.dp_group))
+        self._reductions.setdefault(s, []).append(self._all_reduce(self._grads(s), self.dp_group, scale=share))
         step.clock.interval(step.stats.events, str(action), "DP", start)
 
-    def _all_reduce(self, grads: list[torch.Tensor], group: Any) -> FlatAllReduce:
-        """Start one all-reduce of ``grads``; they move into its buffer (:attr:`grads_moved` counts the bytes)."""
-        reduction = FlatAllReduce(grads, group)
+    def _all_reduce(self, grads: list[torch.Tensor], group: Any, *, scale: float = 1.0) -> FlatAllReduce:
+        """Start one all-reduce of ``grads`` (each times ``scale``); they move into its buffer (:attr:`grads_moved`
+        counts the bytes)."""
+        reduction = FlatAllReduce(grads, group, scale=scale)
         self.grads_moved += reduction.moved
         return reduction
 

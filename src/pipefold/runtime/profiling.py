@@ -35,7 +35,8 @@ from pipefold.plan.partition import COST_KINDS, LayerFigures
 from pipefold.plan.profile import LayerProfile, Profile, Progress, fit_link
 from pipefold.plan.recompute import OPTIMIZER_STATE, StageProfile
 from pipefold.runtime import sockets
-from pipefold.runtime.comm import post_message
+from pipefold.runtime.comm import FlatAllReduce, post_message
+from pipefold.runtime.host_memory import keep_freed_pages
 from pipefold.runtime.processes import free_port, process_context, starting, stopped_on_error
 from pipefold.runtime.stage import (
     Chain,
@@ -534,6 +535,7 @@ def _ping(rank: int, port: int, ranks: int, sizes: Sequence[int], rounds: int, p
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    keep_freed_pages()  # its messages' buffers come and go as a rank's do
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=60))
     stop = threading.Event()
@@ -591,24 +593,34 @@ def measure_link(rounds: int = 20, sizes: Sequence[int] = _LINK_SIZES,
     return fit_link(one_way)
 
 
+_REDUCE_PIECES = 4
+"""How many tensors each size is split into: a stage's gradients are several, copied into one buffer."""
+
+
 def _reduce(rank: int, port: int, ranks: int, sizes: Sequence[int], rounds: int, out: Any, work: Any) -> None:
-    """One of ``ranks`` processes all-reducing buffers of each size ``rounds`` times in a row; rank 0 puts the mean
-    seconds of one all-reduce per size on ``out``. (``work`` is unused: the ranks of a run wait in a gradients'
-    all-reduce at the end of their step rather than compute.)"""
+    """One of ``ranks`` processes all-reducing gradients of each size ``rounds`` times in a row, as the runtime's
+    DP action does (:class:`~pipefold.runtime.comm.FlatAllReduce`: scaled to the mean on their way into one
+    buffer, then reduced; its host memory kept, as a rank's is); rank 0 puts the mean seconds of one all-reduce
+    per size on ``out``. (``work`` is unused: the ranks of a run wait in a gradients' all-reduce at the end of
+    their step rather than compute.)"""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    keep_freed_pages()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks,
                             timeout=timedelta(seconds=120))
+    world = dist.group.WORLD
+    assert world is not None  # made just above
     try:
         result = {}
         for size in sizes:
-            buf = torch.zeros(size // 4, dtype=torch.float32)
+            grads = list(torch.zeros(size // 4, dtype=torch.float32).chunk(_REDUCE_PIECES))
+            grads = [g.clone() for g in grads]  # each a tensor of its own, as parameters' gradients are
             for _ in range(2):  # warm-ups: connections and first allocations
-                dist.all_reduce(buf)
+                FlatAllReduce(grads, world, scale=1.0 / ranks).wait()
             t0 = time.perf_counter()
             for _ in range(rounds):
-                dist.all_reduce(buf)
+                FlatAllReduce(grads, world, scale=1.0 / ranks).wait()
             result[size] = (time.perf_counter() - t0) / rounds
         if rank == 0:
             out.put(result)
@@ -675,7 +687,8 @@ def measure_matmuls(dtype: str, device: torch.device, *, smallest: float = 1e8, 
 def measure_allreduce(ranks: int, rounds: int = 5, sizes: Sequence[int] = _REDUCE_SIZES,
                       load: tuple[dict[str, Any], tuple[int, int], int] | None = None) -> tuple[float, float]:
     """(latency seconds, bandwidth bytes/s) of gloo's all-reduce among ``ranks`` local processes, what the
-    gradients' all-reduce among data-parallel copies costs: the mean time of one all-reduce of each size, fitted
+    gradients' all-reduce among data-parallel copies costs, copying them into its buffer included (the runtime's
+    own :class:`~pipefold.runtime.comm.FlatAllReduce`): the mean time of one all-reduce of each size, fitted
     by least squares to latency + bytes / bandwidth (bandwidth in bytes of the buffer, not of the wire: the
     algorithm's own steps are inside it). With ``load``, n more processes compute meanwhile, as in
     :func:`measure_link`."""
