@@ -1,8 +1,17 @@
-"""Exceptions raised by pipefold for problems the user can fix."""
+"""Exceptions raised by pipefold for problems the user can fix, and the one way a line reaches stderr."""
 
 from __future__ import annotations
 
 import signal
+import sys
+
+
+def say(line: str) -> None:
+    """Write ``line`` and its newline to stderr in one write. A job's ranks and its launcher share the stream, and
+    ``print`` writes the text and the newline apart: where the stream is unbuffered (``PYTHONUNBUFFERED``), another
+    process's line can land between the two (a rank's warning was once glued to the end of a progress line)."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 class PipefoldError(ValueError):

@@ -18,7 +18,7 @@ from rich.console import Console
 
 from pipefold.cli import plan_cmds, schedule_cmds, train_cmds
 from pipefold.cli.args import build_parser, check_applies, given
-from pipefold.errors import Interrupted, PipefoldError, ScheduleError
+from pipefold.errors import Interrupted, PipefoldError, ScheduleError, say
 
 REDELIVERY_S = 0.005
 """How long after a callback swallowed an interrupt it is delivered again (:func:`_deliver_later`)."""
@@ -138,25 +138,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt as exc:
         # SIGINT or SIGTERM: the launcher has stopped its ranks (and says how many); one line, the shell's code.
         what = exc if isinstance(exc, Interrupted) else Interrupted(signal.SIGINT)
-        print(f"pipefold {args.command}: {what}", file=sys.stderr)
+        say(f"pipefold {args.command}: {what}")
         return what.exit_code
     except ScheduleError as exc:
-        print(f"pipefold {args.command}: error: {exc.message}", file=sys.stderr)
+        say(f"pipefold {args.command}: error: {exc.message}")
         if exc.report:
-            print(exc.report, file=sys.stderr)
+            say(exc.report)
         return 1
     except PipefoldError as exc:
-        print(f"pipefold {args.command}: error: {exc}", file=sys.stderr)
+        say(f"pipefold {args.command}: error: {exc}")
         return 2
     except RuntimeError as exc:
         from pipefold.runtime.job import Diverged, RankError
 
         if not isinstance(exc, (RankError, Diverged)):
             raise
-        print(f"pipefold {args.command}: error: {exc}", file=sys.stderr)
+        say(f"pipefold {args.command}: error: {exc}")
         return 1
     except OSError as exc:
-        print(f"pipefold {args.command}: error: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": "),
-              file=sys.stderr)
+        say(f"pipefold {args.command}: error: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": "))
         return 2
     return 0

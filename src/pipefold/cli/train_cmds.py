@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
 from rich.console import Console
@@ -12,7 +11,7 @@ from rich.table import Table
 
 from pipefold import jsonout
 from pipefold.cli.common import check_outputs, stage_bar
-from pipefold.errors import ConfigError
+from pipefold.errors import ConfigError, say
 from pipefold.models import REGISTRY
 from pipefold.runtime.processes import start_server
 from pipefold.units import format_bytes, parse_bytes
@@ -60,8 +59,7 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
             if err.is_terminal:
                 bar.update(task, advance=1, info=f"loss {loss:.4f}  {tokens / seconds:,.0f} tok/s")
             else:  # redirected: one plain line per step, so a log shows the run as it goes
-                print(f"step {number}/{ran.steps} loss {loss:.4f} ({seconds:.3f} s, "
-                      f"{tokens / seconds:,.0f} tok/s)", file=sys.stderr, flush=True)
+                say(f"step {number}/{ran.steps} loss {loss:.4f} ({seconds:.3f} s, {tokens / seconds:,.0f} tok/s)")
 
         outcome = run(spec, on_step=on_step, planned=planned)
     if outcome is None:

@@ -37,7 +37,6 @@ import os
 import random
 import re
 import shutil
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -47,7 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipefold.errors import ConfigError
+from pipefold.errors import ConfigError, say
 from pipefold.files import write_text
 from pipefold.runtime.zero import AnyOptimizer, holding
 
@@ -98,12 +97,12 @@ class Checkpointing:
 
 def warn(message: str) -> None:
     """One warning line on stderr."""
-    print(f"pipefold: warning: {message}", file=sys.stderr, flush=True)
+    say(f"pipefold: warning: {message}")
 
 
 def note(message: str) -> None:
     """One line on stderr saying what the run does (resuming, saving)."""
-    print(f"pipefold: {message}", file=sys.stderr, flush=True)
+    say(f"pipefold: {message}")
 
 
 # -- the launcher's side: finding a good checkpoint

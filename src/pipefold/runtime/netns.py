@@ -44,7 +44,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pipefold.errors import ConfigError
+from pipefold.errors import ConfigError, say
 
 INTERFACE = "pf0"
 """The interface's name inside every namespace (each namespace has its own names)."""
@@ -374,8 +374,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "up":
             topology = create(args.ranks, parse_rate(args.rate))
             print(f"{topology.prefix} " + " ".join(topology.addresses))
-            print(f"run rank r with: ip netns exec {topology.prefix}-r env GLOO_SOCKET_IFNAME={INTERFACE} ... ; "
-                  f"remove with: python -m pipefold.runtime.netns down {topology.prefix}", file=sys.stderr)
+            say(f"run rank r with: ip netns exec {topology.prefix}-r env GLOO_SOCKET_IFNAME={INTERFACE} ... ; "
+                f"remove with: python -m pipefold.runtime.netns down {topology.prefix}")
             return 0
         if args.command == "down":
             if args.stale:
@@ -395,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         _flood(args.to, args.port, periods, args.origin, args.streams)
         return 0
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        say(f"error: {exc}")
         return 2
 
 

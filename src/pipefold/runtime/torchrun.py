@@ -10,7 +10,6 @@ import gc
 import os
 import signal
 import socket
-import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -20,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipefold.errors import ConfigError
+from pipefold.errors import ConfigError, say
 from pipefold.runtime import sockets
 from pipefold.runtime.job import Job, RankError, RankReport, local_placement, raise_if_stopped
 from pipefold.runtime.processes import torchrun_on_one_machine
@@ -85,7 +84,7 @@ class _TorchrunWatch:
             return
         with contextlib.suppress(Exception):
             if self.board.first_to_abort():
-                print(f"pipefold: error: {hang.line}", file=sys.stderr, flush=True)
+                say(f"pipefold: error: {hang.line}")
         os._exit(1)
 
 
