@@ -18,6 +18,10 @@ The run is vs_torch.py's: the ``mlp`` model (H=512, 8 layers, batch 64 in 8 micr
   schedule's dependencies make; and ``replay``: the same ratio with each step's own pass times, each action
   starting as soon as its rank and inputs allow (:func:`pipefold.runtime.measure.replayed_busy`), the median over
   steps: no runtime work and no message time either, but the passes' variation from step to step kept.
+- ``slowest``: how far the passes spread, from the ranks' own events: for each kind of pass on the rank (F, B, W,
+  BW), its slowest over its median, over the steps after the first; the largest of these. A pass that is slow in
+  every step (a step's first BW, when its gradients' pages are fresh: ``pipefold.runtime.host_memory``) shows
+  here and in ``replay``, not in ``ideal``.
 
     OMP_NUM_THREADS=1 python benchmarks/runtime_breakdown.py [--steps 10] [--json] [--device cuda]
 """
@@ -27,9 +31,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 from typing import Any
 
+from pipefold.runtime.executor import COMPUTE_KINDS
 from pipefold.runtime.measure import measured_costs, replayed_busy, step_parts
 from pipefold.sim.simulate import simulate
 from pipefold.train.run import train
@@ -58,7 +64,19 @@ def breakdown(schedule: str, steps: int, hidden: int, device: str = "cpu") -> di
         row["ideal"] = busy[d] / ideal.makespan
         row["replay"] = replay[d]
         row["runtime per action"] = row["runtime"] / actions[d]
+        row["slowest"] = _slowest(sorted(reports, key=lambda r: r.rank)[d])
     return {"schedule": schedule, "ranks": ranks, "ideal_step": ideal.makespan}
+
+
+def _slowest(report: Any) -> float:
+    """The largest, over the kinds of pass, of the slowest pass of that kind over its median (steps after the
+    first)."""
+    by_kind: dict[str, list[float]] = {}
+    for i in report.steps.settled(1):
+        for e in report.steps[i].events:
+            if e.kind in COMPUTE_KINDS:
+                by_kind.setdefault(e.kind, []).append(e.end - e.start)
+    return max(max(times) / statistics.median(times) for times in by_kind.values())
 
 
 def main() -> None:
@@ -78,13 +96,13 @@ def main() -> None:
         print(json.dumps(out, indent=1))
         return
     print(f"{'schedule':22} rank  step ms  compute  recv wait  send wait  runtime (per action)  cpu ms  util  ideal  "
-          "replay")
+          "replay  slowest")
     for got in out:
         for d, r in enumerate(got["ranks"]):
             print(f"{got['schedule']:22} {d:4} {r['step'] * 1e3:8.1f} {r['compute'] * 1e3:8.1f} "
                   f"{r['recv wait'] * 1e3:10.1f} {r['send wait'] * 1e3:10.1f} {r['runtime'] * 1e3:8.1f} "
                   f"({r['runtime per action'] * 1e6:4.0f} us) {r['cpu'] * 1e3:10.1f} {r['util']:5.0%} "
-                  f"{r['ideal']:6.0%} {r['replay']:7.0%}")
+                  f"{r['ideal']:6.0%} {r['replay']:7.0%} {r['slowest']:7.2f}x")
     sys.stdout.flush()
 
 

@@ -614,8 +614,8 @@ def _reduce(rank: int, port: int, ranks: int, sizes: Sequence[int], rounds: int,
     try:
         result = {}
         for size in sizes:
-            grads = list(torch.zeros(size // 4, dtype=torch.float32).chunk(_REDUCE_PIECES))
-            grads = [g.clone() for g in grads]  # each a tensor of its own, as parameters' gradients are
+            # Each piece a tensor of its own, as parameters' gradients are.
+            grads = [piece.clone() for piece in torch.zeros(size // 4, dtype=torch.float32).chunk(_REDUCE_PIECES)]
             for _ in range(2):  # warm-ups: connections and first allocations
                 FlatAllReduce(grads, world, scale=1.0 / ranks).wait()
             t0 = time.perf_counter()
