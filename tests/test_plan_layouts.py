@@ -253,6 +253,39 @@ def test_zero1_copies_hold_their_share_of_the_state_and_pay_a_gather_after_the_s
         assert sharded.makespan == pytest.approx(one.makespan + (units - 1) * latency, rel=1e-9)
 
 
+def test_fsdp_collectives_are_priced_at_the_profiles_fits_where_it_has_them() -> None:
+    """A profile's FSDP fits (gather and reduce-scatter as the runtime runs them, per unit) price AG and RS. On one
+    device, where nothing overlaps them, the sharded step is the plain copies' step less their all-reduce, plus
+    units x latency + bytes / bandwidth for each of the two (closed form); without fits each is half the
+    all-reduce (the test above)."""
+    from pipefold.sim.simulate import CostModel
+
+    prof = dataclasses.replace(_profile(), contention=(1.0,) * 8, allreduce={2: (1e-3, 1e8)})
+    whole = [tuple(range(len(prof.layers)))]
+    plain, _, _ = predict(prof, Layout(2, 1, 1), "gpipe", whole)
+    grads = sum(x.params for x in prof.layers)
+    units = sum(1 for x in prof.layers if x.params > 0)
+    fits = ((2e-4, 4e8), (5e-4, 2e8))
+    sharded, _, _ = predict(dataclasses.replace(prof, fsdp={2: fits}), Layout(2, 1, 1, "fsdp"), "gpipe", whole)
+    expected = plain.makespan - (1e-3 + grads / 1e8) + sum(units * lat + grads / bw for lat, bw in fits)
+    assert sharded.makespan == pytest.approx(expected, rel=1e-9)
+    # A fit for another group size leaves this one at half the all-reduce.
+    other, _, _ = predict(dataclasses.replace(prof, fsdp={4: fits}), Layout(2, 1, 1, "fsdp"), "gpipe", whole)
+    unfitted, _, _ = predict(prof, Layout(2, 1, 1, "fsdp"), "gpipe", whole)
+    assert other.makespan == pytest.approx(unfitted.makespan, rel=1e-12)
+    for bad in ({1: fits}, {2: ((-1.0, 1e8), (0.0, 1e8))}, {2: ((0.0, 1e8), (0.0, 0.0))}):
+        with pytest.raises(ConfigError, match="an FSDP fit is a group of >= 2"):
+            CostModel(sharded_fits=bad)
+
+
+def test_fsdps_gather_and_reduce_scatter_among_local_ranks_cost_more_for_more_bytes() -> None:
+    from pipefold.runtime.profiling import measure_fsdp
+
+    gather, scatter = measure_fsdp(2, rounds=5, sizes=(64 << 10, 1 << 20, 16 << 20))
+    for latency, bandwidth in (gather, scatter):
+        assert latency >= 0 and 1e6 < bandwidth < 1e12  # some MB/s to some hundred GB/s: copies over a socket
+
+
 def test_an_all_reduce_among_local_ranks_costs_more_for_more_bytes() -> None:
     from pipefold.runtime.profiling import measure_allreduce
 

@@ -394,6 +394,13 @@ def test_profile_round_trip(tmp_path) -> None:
     path = tmp_path / "p.json"
     prof.save(str(path))
     assert Profile.load(str(path)) == prof
+    # With FSDP's measured gather and reduce-scatter (a profile from before has none: half an all-reduce each).
+    fitted = dataclasses.replace(prof, fsdp={2: ((2e-4, 4e8), (5e-4, 2e8)), 4: ((3e-4, 3e8), (7e-4, 1e30))})
+    fitted.save(str(path))
+    assert Profile.load(str(path)) == fitted
+    for bad in ({"1": [[0.0, 1e8], [0.0, 1e8]]}, {"2": [[-1.0, 1e8], [0.0, 1e8]]}, {"2": [[0.0, 1e8], [0.0, 0.0]]}):
+        with pytest.raises(ConfigError, match="an FSDP fit is a group of >= 2 ranks"):
+            Profile.from_dict({**fitted.to_dict(), "fsdp": bad})
 
 
 @pytest.mark.parametrize("text,match", [("{", "is not JSON"), ('{"version": 9}', "not a pipefold profile"),

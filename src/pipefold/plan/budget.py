@@ -497,7 +497,8 @@ def model_costs(profile: Profile, schedule: Schedule, layer_stages: Sequence[Seq
     cost = CostModel(stage_overrides=over, latency=profile.latency, bandwidth=profile.bandwidth,
                      activation_bytes=float(message), grad_bytes=params / schedule.devices,
                      contention=profile.contention[:schedule.devices], message_overhead=profile.message_overhead,
-                     dp=layout.dp, allreduce_fits=profile.allreduce, mesh=layout.tp)  # a mesh per device if mixed
+                     dp=layout.dp, allreduce_fits=profile.allreduce, sharded_fits=profile.fsdp,
+                     mesh=layout.tp)  # a mesh per device if mixed
     if layout.sharding != "zero1":
         return cost
     held = [sum(profile.layers[i].params for s in schedule.stages_of(d) for i in layer_stages[s])

@@ -12,6 +12,9 @@ things::
     allreduce   per group size k dividing the devices: an all-reduce among k ranks as the runtime makes
                 it (copied into one buffer, scaled to the mean), latency + bytes / bandwidth, fitted to
                 64 KiB .. 16 MiB (the data-parallel copies' gradients)
+    fsdp        per group size k: FSDP's gather and reduce-scatter of a stage among k ranks as the runtime
+                runs them (torch's fully_shard, a unit per layer), each latency per unit + bytes of the
+                whole parameters / bandwidth
     sharing     how much slower a pass runs when k ranks compute at once (k = 1..devices): 1.0
                 each on separate accelerators, about k / cores when k processes share fewer cores
     fixed       the part of a stage's F, B and BW that does not grow with its layers (the runner's
@@ -114,6 +117,11 @@ class Profile:
     allreduce: dict[int, tuple[float, float]] = field(default_factory=dict)
     """By group size k: (latency seconds, bandwidth bytes/s) of an all-reduce among k ranks, the others computing:
     seconds = latency + buffer bytes / bandwidth (measured where the link is)."""
+    fsdp: dict[int, tuple[tuple[float, float], tuple[float, float]]] = field(default_factory=dict)
+    """By group size k: ((latency, bandwidth) of FSDP's gather, (latency, bandwidth) of its reduce-scatter) among
+    k ranks, the others computing (:func:`pipefold.runtime.profiling.measure_fsdp`): latency per FSDP unit (a
+    layer), bandwidth in bytes of the whole parameters. Empty in a profile from before it was measured: half an
+    all-reduce each."""
     tied: tuple[tuple[int, ...], ...] = ()
     """Layers that share a weight (the model's ``Model.tied``, by layer index): the devices holding them sum its
     gradient rank by rank, so a plan gives them one tensor-parallel degree, and under FSDP one stage
@@ -159,6 +167,7 @@ class Profile:
                 "tp_layers": {str(t): [asdict(x) for x in layers] for t, layers in sorted(self.tp_layers.items())},
                 "tp_ranks": {str(t): n for t, n in sorted(self.tp_ranks.items())},
                 "allreduce": {str(k): list(fit) for k, fit in sorted(self.allreduce.items())},
+                "fsdp": {str(k): [list(gather), list(scatter)] for k, (gather, scatter) in sorted(self.fsdp.items())},
                 "tied": [list(group) for group in self.tied]}
 
     @classmethod
@@ -180,6 +189,8 @@ class Profile:
                       tp_ranks={int(t): int(n) for t, n in data.get("tp_ranks", {}).items()},
                       allreduce={int(k): (float(lat), float(bw))
                                  for k, (lat, bw) in data.get("allreduce", {}).items()},
+                      fsdp={int(k): ((float(g[0]), float(g[1])), (float(r[0]), float(r[1])))
+                            for k, (g, r) in data.get("fsdp", {}).items()},
                       tied=tuple(tuple(int(i) for i in group) for group in data.get("tied", ())))
         except ConfigError:
             raise
@@ -198,6 +209,10 @@ class Profile:
         if any(k < 2 or not (math.isfinite(lat) and lat >= 0 and bw > 0) for k, (lat, bw) in self.allreduce.items()):
             raise ConfigError(f"{where}: an all-reduce fit is a group of >= 2 ranks, latency >= 0 and bandwidth > 0 "
                               f"(got {self.allreduce})")
+        if any(k < 2 or not all(math.isfinite(lat) and lat >= 0 and bw > 0 for lat, bw in fits)
+               for k, fits in self.fsdp.items()):
+            raise ConfigError(f"{where}: an FSDP fit is a group of >= 2 ranks, each of its gather and reduce-scatter "
+                              f"with latency >= 0 and bandwidth > 0 (got {self.fsdp})")
         if any(len(group) < 2 or not all(0 <= i < len(self.layers) for i in group) for group in self.tied):
             raise ConfigError(f"{where}: each group of tied layers names two or more of its {len(self.layers)} "
                               f"layers (got {[list(g) for g in self.tied]})")

@@ -695,6 +695,65 @@ def measure_allreduce(ranks: int, rounds: int = 5, sizes: Sequence[int] = _REDUC
     return fit_link(_measured_under(load, _reduce, (tuple(sizes), rounds), None, ranks))
 
 
+def _fsdp(rank: int, port: int, ranks: int, sizes: Sequence[int], rounds: int, out: Any, work: Any) -> None:
+    """One of ``ranks`` processes running FSDP's gather and reduce-scatter of a stage as the runtime's ``AG`` and
+    ``RS`` do (:mod:`pipefold.runtime.sharding`: torch's ``fully_shard``, one unit per layer), on stages of
+    :data:`_REDUCE_PIECES` bias-free Linears whose whole parameters are each size, ``rounds`` times after two
+    warm-ups; before each ``RS`` a one-row forward and backward leaves gradients on the gathered parameters, as a
+    stage's backward does (untimed). Rank 0 puts the mean seconds of one ``AG`` and one ``RS`` per size on
+    ``out``."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pipefold.runtime import sharding
+
+    torch.set_num_threads(1)
+    keep_freed_pages()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks,
+                            timeout=timedelta(seconds=120))
+    try:
+        mesh = init_device_mesh("cpu", (ranks,))
+        result = {}
+        for size in sizes:
+            width = max(ranks, round(math.sqrt(size / 4 / _REDUCE_PIECES)))
+            stage = sharding.shard(Chain(*(nn.Linear(width, width, bias=False) for _ in range(_REDUCE_PIECES))), mesh)
+            x = torch.ones(1, width)
+            gathers, scatters = [], []
+            for r in range(rounds + 2):
+                stage(x).sum().backward()
+                t0 = time.perf_counter()
+                sharding.reduce_scatter(stage)
+                t1 = time.perf_counter()
+                sharding.gather(stage).wait()
+                t2 = time.perf_counter()
+                if r >= 2:
+                    scatters.append(t1 - t0)
+                    gathers.append(t2 - t1)
+            result[_REDUCE_PIECES * width * width * 4] = (statistics.mean(gathers), statistics.mean(scatters))
+        if rank == 0:
+            out.put(result)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_fsdp(ranks: int, rounds: int = 5, sizes: Sequence[int] = _REDUCE_SIZES,
+                 load: tuple[dict[str, Any], tuple[int, int], int] | None = None
+                 ) -> tuple[tuple[float, float], tuple[float, float]]:
+    """FSDP's gather and reduce-scatter among ``ranks`` local processes as the runtime runs them (:func:`_fsdp`):
+    for each, (latency seconds per FSDP unit, bandwidth in bytes of the whole parameters per second), fitted by
+    least squares over the sizes to units x latency + bytes / bandwidth. What a stage sharded over
+    data-parallel copies pays in its ``AG`` and its ``RS``: torch's ``fully_shard`` copies the parameters out of
+    the gathered buffer and the gradients into the reduce-scatter's, which half a measured all-reduce leaves
+    out. With ``load``, n more processes compute meanwhile, as in :func:`measure_link`."""
+    timed: dict[int, tuple[float, float]] = _measured_under(load, _fsdp, (tuple(sizes), rounds), None, ranks)
+    fits = []
+    for which in (0, 1):
+        latency, bandwidth = fit_link({size: times[which] for size, times in timed.items()})
+        fits.append((latency / _REDUCE_PIECES, bandwidth))
+    return fits[0], fits[1]
+
+
 def _measured_under(load: tuple[dict[str, Any], tuple[int, int], int] | None, target: Callable[..., None],
                     args: tuple[Any, ...], work: Any, nprocs: int) -> Any:
     """Start ``nprocs`` processes running ``target(rank, port, nprocs, *args, out, work)`` (with ``load``'s
@@ -921,6 +980,13 @@ def measure_sharded(train: dict[str, Any], tp: int, repeats: int = 7, copies: in
 # --------------------------------------------------------------------------- the whole profile
 
 
+def _stored(fit: tuple[float, float]) -> tuple[float, float]:
+    """A (latency, bandwidth) fit as a profile file keeps it: an infinite bandwidth (the times did not grow with
+    the bytes) as 1e30, which JSON can hold."""
+    latency, bandwidth = fit
+    return latency, bandwidth if math.isfinite(bandwidth) else 1e30
+
+
 def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int | None = None,
                   heads: int | None = None, model_config: str | None = None, seq: int = 64,
                   batch: int = 16, microbatches: int = 8, optimizer: str = "adamw", seed: int = 0,
@@ -979,6 +1045,7 @@ def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int 
             progress(f"tp {t}", 1, 1)
     latency, bandwidth = 0.0, math.inf
     allreduce: dict[int, tuple[float, float]] = {}
+    fsdp: dict[int, tuple[tuple[float, float], tuple[float, float]]] = {}
     if link:
         if progress is not None:
             progress("link", 0, 1)
@@ -986,12 +1053,15 @@ def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int 
         latency, bandwidth = measure_link(load=(train, chunk, max(0, devices - 2)) if contention else None)
         if progress is not None:
             progress("link", 1, 1)
-        # Every group size data-parallel copies may make, the rest of the ranks computing.
+        # Every group size data-parallel copies may make, the rest of the ranks computing: their all-reduce, and
+        # FSDP's gather and reduce-scatter.
         groups = [k for k in range(2, devices + 1) if devices % k == 0]
         for i, k in enumerate(groups):
             if progress is not None:
                 progress("all-reduce", i, len(groups))
-            allreduce[k] = measure_allreduce(k, load=(train, chunk, devices - k) if contention else None)
+            load = (train, chunk, devices - k) if contention else None
+            allreduce[k] = measure_allreduce(k, load=load)
+            fsdp[k] = measure_fsdp(k, load=load)
         if progress is not None:
             progress("all-reduce", len(groups), len(groups))
     machine = {"host": platform.node(), "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
@@ -1002,5 +1072,6 @@ def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int 
                    bandwidth=bandwidth if math.isfinite(bandwidth) else 1e30, contention=factors,
                    optimizer_factor=OPTIMIZER_STATE[optimizer], machine=machine, pass_fixed=measure_pass_fixed(),
                    tp_layers=tp_layers, tp_ranks=tp_ranks,
-                   allreduce={k: (lat, bw if math.isfinite(bw) else 1e30) for k, (lat, bw) in allreduce.items()},
+                   allreduce={k: _stored(fit) for k, fit in allreduce.items()},
+                   fsdp={k: (_stored(gather), _stored(scatter)) for k, (gather, scatter) in fsdp.items()},
                    tied=tuple(tuple(sorted({i for i, _ in tie})) for tie in built.tied))

@@ -185,6 +185,10 @@ class CostModel:
     allreduce_fits: Mapping[int, tuple[float, float]] = field(default_factory=dict)
     """Measured all-reduces by group size: (latency, bandwidth), an all-reduce of n bytes among that many taking
     latency + n / bandwidth; a size not here is a ring over ``latency`` and ``bandwidth``."""
+    sharded_fits: Mapping[int, tuple[tuple[float, float], tuple[float, float]]] = field(default_factory=dict)
+    """Measured FSDP collectives by group size: ((latency, bandwidth) of the gather, (latency, bandwidth) of the
+    reduce-scatter), each of n bytes of whole parameters in one unit taking latency + n / bandwidth; a size not here
+    is half an all-reduce each (:meth:`gather_time`)."""
     mesh: int | tuple[int, ...] = 1
     """Ranks of each device (its tensor-parallel degree), or of device d (``mesh[d]``) where they differ: a message
     between devices crosses in as many pieces at once as the larger mesh has ranks, which the receiving ranks
@@ -224,6 +228,11 @@ class CostModel:
             if not (isinstance(k, int) and k >= 2 and math.isfinite(lat) and lat >= 0 and bw > 0):
                 raise ConfigError(f"an all-reduce fit is a group of >= 2 devices, latency >= 0 and bandwidth > 0 "
                                   f"(got {k}: {(lat, bw)})")
+        for k, fits in self.sharded_fits.items():
+            if not (isinstance(k, int) and k >= 2
+                    and all(math.isfinite(lat) and lat >= 0 and bw > 0 for lat, bw in fits)):
+                raise ConfigError(f"an FSDP fit is a group of >= 2 devices, each of its gather and reduce-scatter with "
+                                  f"latency >= 0 and bandwidth > 0 (got {k}: {fits})")
         for stage, cost in self.stage_overrides.items():
             for name in ("f", "b", "w", "memory", "recompute", "kept", "memory_w", "bw"):
                 value = getattr(cost, name)
@@ -298,8 +307,13 @@ class CostModel:
         # k collectives of a stage's bytes: a gather's time is latency plus bytes over bandwidth, so k of a k-th each
         # cost k latencies and the bytes once, however the bytes split among the layers.
         calls = 1 if over is None else over.collectives
-        gather = calls * self.gather_time(self.grad_bytes * share / calls, self.dp)
-        sharded = {"dp_reduce": dp_reduce, "dp_gather": gather, "dp_scatter": gather,
+        unit = self.grad_bytes * share / calls
+        if self.dp in self.sharded_fits:
+            (g_lat, g_bw), (s_lat, s_bw) = self.sharded_fits[self.dp]
+            gather, scatter = calls * (g_lat + unit / g_bw), calls * (s_lat + unit / s_bw)
+        else:
+            gather = scatter = calls * self.gather_time(unit, self.dp)
+        sharded = {"dp_reduce": dp_reduce, "dp_gather": gather, "dp_scatter": scatter,
                    "gathered": self.gathered * share}
         opt = self.opt * share
         work = {k: v * share for k, v in self.work.items()} if over is None or over.work is None else over.work
@@ -326,7 +340,8 @@ class CostModel:
             "grad_bytes": self.grad_bytes, "opt": self.opt, "overlap": self.overlap, "weights": self.weights,
             "contention": list(self.contention), "work": dict(self.work), "stash": dict(self.stash), "dp": self.dp,
             "gathered": self.gathered, "message_overhead": self.message_overhead,
-            "allreduce_fits": {str(k): list(fit) for k, fit in self.allreduce_fits.items()}, "mesh": self.mesh,
+            "allreduce_fits": {str(k): list(fit) for k, fit in self.allreduce_fits.items()},
+            "sharded_fits": {str(k): [list(g), list(r)] for k, (g, r) in self.sharded_fits.items()}, "mesh": self.mesh,
             "after_step": self.after_step,
             "stage_overrides": {str(s): {"f": c.f, "b": c.b, "w": c.w, "memory": c.memory,
                                          "recompute": c.recompute, "kept": c.kept, "memory_w": c.memory_w,
