@@ -149,3 +149,8 @@ def test_a_rank_stopped_mid_action_is_named_as_stopped_whichever_clock_passes_th
         os.kill(child.pid, signal.SIGKILL)
         child.wait()
     assert frozen_local(None, step, silent=3.5, age=4.0, timeout=3.0) == "no heartbeat for 4 s"
+    # Silence gets start-up's grace as an activity does: at least the default timeout before the first step,
+    # whether the rank has published (start-up) or not yet (None).
+    for before in (startup, None):
+        assert frozen_local(None, before, silent=3.5, age=3.5, timeout=3.0) is None
+        assert frozen_local(None, before, silent=21.0, age=21.0, timeout=3.0) == "no heartbeat for 21 s"

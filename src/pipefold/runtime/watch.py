@@ -351,13 +351,15 @@ def frozen_local(pid: int | None, s: Snapshot | None, silent: float, age: float,
     """Why a local rank is taken as no longer publishing, or None while it is not.
 
     ``s``: its latest snapshot (None: never published); ``silent``: seconds since its last heartbeat; ``age``:
-    seconds in its current activity. It is frozen once it has been silent for longer than the action
-    timeout, or once its process is stopped (SIGSTOP, a debugger) and its activity has lasted past its
-    :func:`limit`. The second comes first for a rank stopped in the middle of an action: the action began before
-    the last heartbeat, so its age passes the limit before its silence does, and the rank must then be named as
-    stopped, not as computing for too long.
+    seconds in its current activity. It is frozen once it has been silent for longer than its :func:`limit`
+    (the action timeout; before the first step at least the default one: start-up's imports and process group
+    can starve the heartbeat's thread for seconds on a loaded machine, which once named a healthy rank hung under
+    a 2 s timeout), or once its process is stopped (SIGSTOP, a debugger) and its activity has lasted past that
+    limit. The second comes first for a rank stopped in the middle of an action: the action began before the last
+    heartbeat, so its age passes the limit before its silence does, and the rank must then be named as stopped,
+    not as computing for too long.
     """
-    if silent > timeout:
+    if silent > limit(s, timeout):
         return why_silent(pid, silent)
     stopped = pid is not None and silent > 2 * PERIOD and process_state(pid) in ("T", "t")
     if stopped and age > limit(s, timeout):
