@@ -53,7 +53,8 @@ def breakdown(schedule: str, steps: int, hidden: int, device: str = "cpu") -> di
     """Per rank, the medians of the step's parts over the steps after the first; and the simulated ideal."""
     job, reports = train(RunSpec.flat(**{**SETTINGS, "hidden": hidden, "schedule": schedule, "steps": steps,
                                          "device": device}))
-    ranks = step_parts(sorted(reports, key=lambda r: r.rank))
+    by_rank = sorted(reports, key=lambda r: r.rank)
+    ranks = step_parts(by_rank)
     ideal = simulate(job.schedule, measured_costs(job.schedule, reports, len(reports[0].steps) - 1))
     busy = [sum(iv.end - iv.start for iv in row) for row in ideal.timeline]
     actions = [len(job.schedule.actions[d]) for d in range(job.schedule.devices)]
@@ -64,7 +65,7 @@ def breakdown(schedule: str, steps: int, hidden: int, device: str = "cpu") -> di
         row["ideal"] = busy[d] / ideal.makespan
         row["replay"] = replay[d]
         row["runtime per action"] = row["runtime"] / actions[d]
-        row["slowest"] = _slowest(sorted(reports, key=lambda r: r.rank)[d])
+        row["slowest"] = _slowest(by_rank[d])
     return {"schedule": schedule, "ranks": ranks, "ideal_step": ideal.makespan}
 
 

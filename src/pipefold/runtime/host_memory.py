@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+from collections.abc import Mapping
 
 __all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "keep_freed_pages", "set_by_environment"]
 
@@ -42,9 +43,9 @@ _ENVIRONMENT = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_
 _applied = False
 
 
-def set_by_environment(env: dict[str, str] | None = None) -> bool:
+def set_by_environment(env: Mapping[str, str] | None = None) -> bool:
     """Whether ``env`` (the process's by default) sets malloc's thresholds itself."""
-    env = dict(os.environ) if env is None else env
+    env = os.environ if env is None else env
     return any(name in env for name in _ENVIRONMENT) or "glibc.malloc." in env.get("GLIBC_TUNABLES", "")
 
 

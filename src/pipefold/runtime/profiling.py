@@ -21,7 +21,7 @@ import platform
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -526,6 +526,22 @@ def _count_after_forward(runner: StageRunner, batch: list[Any], kept: list[int],
 # --------------------------------------------------------------------------- the link
 
 
+@contextlib.contextmanager
+def _measuring_rank(rank: int, port: int, ranks: int, timeout_s: float = 120.0) -> Iterator[None]:
+    """One of a measurement's ``ranks`` local processes, set up as a run's rank is (one thread, freed host memory
+    kept) in a gloo group on this machine, left when the block ends."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    keep_freed_pages()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks,
+                            timeout=timedelta(seconds=timeout_s))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def _ping(rank: int, port: int, ranks: int, sizes: Sequence[int], rounds: int, p2p: str, out: Any,
           work: tuple[dict[str, Any], tuple[int, int]] | None = None) -> None:
     """One end of the ping-pong (``ranks`` is 2), over ``p2p`` ('sockets' or 'gloo'); with ``work``, this process
@@ -534,46 +550,42 @@ def _ping(rank: int, port: int, ranks: int, sizes: Sequence[int], rounds: int, p
 
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    keep_freed_pages()  # its messages' buffers come and go as a rank's do
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=60))
-    stop = threading.Event()
-    busy = None
-    if work is not None:
-        once = _layer_loop(*work)
+    with _measuring_rank(rank, port, 2, timeout_s=60.0):
+        stop = threading.Event()
+        busy = None
+        if work is not None:
+            once = _layer_loop(*work)
 
-        def compute() -> None:
-            k = 0
-            while not stop.is_set():
-                once(k)
-                k += 1
+            def compute() -> None:
+                k = 0
+                while not stop.is_set():
+                    once(k)
+                    k += 1
 
-        busy = threading.Thread(target=compute, daemon=True)
-        busy.start()
-    try:
-        # The runtime's own choice of transport (comm.post_message): the sockets while they are linked.
-        with sockets.linked() if p2p == "sockets" else contextlib.nullcontext():
-            result = {}
-            for size in sizes:
-                buf = torch.zeros(size // 4, dtype=torch.float32)
-                trips = []
-                for k in range(rounds + 2):
-                    t0 = time.perf_counter()
-                    for sender in (0, 1):
-                        post_message("send" if rank == sender else "recv", buf, 1 - rank, 0).wait()
-                    if k >= 2:  # two warm-ups: connection setup and first allocations
-                        trips.append(time.perf_counter() - t0)
-                result[size] = statistics.fmean(trips) / 2  # the mean: a transfer that waits for a core counts
+            busy = threading.Thread(target=compute, daemon=True)
+            busy.start()
+        try:
+            # The runtime's own choice of transport (comm.post_message): the sockets while they are linked.
+            with sockets.linked() if p2p == "sockets" else contextlib.nullcontext():
+                result = {}
+                for size in sizes:
+                    buf = torch.zeros(size // 4, dtype=torch.float32)
+                    trips = []
+                    for k in range(rounds + 2):
+                        t0 = time.perf_counter()
+                        for sender in (0, 1):
+                            post_message("send" if rank == sender else "recv", buf, 1 - rank, 0).wait()
+                        if k >= 2:  # two warm-ups: connection setup and first allocations
+                            trips.append(time.perf_counter() - t0)
+                    result[size] = statistics.fmean(trips) / 2  # the mean: a transfer that waits for a core counts
+                stop.set()
+                if busy is not None:
+                    busy.join()
+                if rank == 0:
+                    out.put(result)
+                dist.barrier()
+        finally:
             stop.set()
-            if busy is not None:
-                busy.join()
-            if rank == 0:
-                out.put(result)
-            dist.barrier()
-    finally:
-        stop.set()
-        dist.destroy_process_group()
 
 
 def measure_link(rounds: int = 20, sizes: Sequence[int] = _LINK_SIZES,
@@ -605,13 +617,9 @@ def _reduce(rank: int, port: int, ranks: int, sizes: Sequence[int], rounds: int,
     their step rather than compute.)"""
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    keep_freed_pages()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks,
-                            timeout=timedelta(seconds=120))
-    world = dist.group.WORLD
-    assert world is not None  # made just above
-    try:
+    with _measuring_rank(rank, port, ranks):
+        world = dist.group.WORLD
+        assert world is not None  # made just above
         result = {}
         for size in sizes:
             # Each piece a tensor of its own, as parameters' gradients are.
@@ -625,8 +633,6 @@ def _reduce(rank: int, port: int, ranks: int, sizes: Sequence[int], rounds: int,
         if rank == 0:
             out.put(result)
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 MATMUL_DTYPES = ("bf16", "fp16", "tf32", "fp32")
@@ -707,11 +713,7 @@ def _fsdp(rank: int, port: int, ranks: int, sizes: Sequence[int], rounds: int, o
 
     from pipefold.runtime import sharding
 
-    torch.set_num_threads(1)
-    keep_freed_pages()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks,
-                            timeout=timedelta(seconds=120))
-    try:
+    with _measuring_rank(rank, port, ranks):
         mesh = init_device_mesh("cpu", (ranks,))
         result = {}
         for size in sizes:
@@ -733,8 +735,6 @@ def _fsdp(rank: int, port: int, ranks: int, sizes: Sequence[int], rounds: int, o
         if rank == 0:
             out.put(result)
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def measure_fsdp(ranks: int, rounds: int = 5, sizes: Sequence[int] = _REDUCE_SIZES,
@@ -916,15 +916,11 @@ def _sharded(rank: int, port: int, ranks: int, tp: int, train: dict[str, Any], r
     """One of ``ranks``: ``ranks / tp`` groups of ``tp`` measure the model's layers at once, each group
     splitting them as ``pipefold train --tp`` does (each layer through torch's ``parallelize_module`` by the
     model's plan); the layers' collectives keep a group's ranks in step. Rank 0 puts its figures on ``out``."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from pipefold.runtime.sharding import tensor_parallel
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks,
-                            timeout=timedelta(seconds=120))
-    try:
+    with _measuring_rank(rank, port, ranks):
         mesh = init_device_mesh("cpu", (ranks // tp, tp), mesh_dim_names=("copy", "tp"))
         model = _model(train)
         layers = model.build()
@@ -937,8 +933,6 @@ def _sharded(rank: int, port: int, ranks: int, tp: int, train: dict[str, Any], r
         counts = _collectives(layers, sample, target, model.loss)
         if rank == 0:
             out.put([dataclasses.replace(row, collectives=n) for row, n in zip(measured, counts, strict=True)])
-    finally:
-        dist.destroy_process_group()
 
 
 def _collectives(layers: Sequence[nn.Module], sample: Values, target: Any,
@@ -1069,7 +1063,7 @@ def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int 
                "device": "cpu", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "repeats": repeats,
                **({"link": "sockets"} if link else {})}  # what the link was measured over: what runs here send over
     return Profile(train=train, layers=tuple(measured), latency=latency,
-                   bandwidth=bandwidth if math.isfinite(bandwidth) else 1e30, contention=factors,
+                   bandwidth=_stored((latency, bandwidth))[1], contention=factors,
                    optimizer_factor=OPTIMIZER_STATE[optimizer], machine=machine, pass_fixed=measure_pass_fixed(),
                    tp_layers=tp_layers, tp_ranks=tp_ranks,
                    allreduce={k: _stored(fit) for k, fit in allreduce.items()},
