@@ -334,7 +334,7 @@ def test_zero1_shares_cover_every_parameter_once_and_balance(copies: int) -> Non
     import itertools
     import random
 
-    from pipefold.runtime.zero import shares
+    from pipefold.plan.shares import shares
 
     rng = random.Random(copies)
     for _ in range(20):

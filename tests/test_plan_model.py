@@ -319,6 +319,23 @@ def test_link_fit_recovers_a_line() -> None:
     assert bw == pytest.approx(3e9)
 
 
+@pytest.mark.parametrize(("size", "noise"), [(1 << 20, +1.0), (1 << 20, +0.3), (1 << 20, -0.3), (1 << 16, -0.3),
+                                              (1 << 16, +1.0)])
+def test_link_fit_keeps_the_latency_when_one_size_is_noisy(size: int, noise: float) -> None:
+    """Noise on a large message is more time than the smallest's whole latency: a fit of absolute errors put the
+    latency at 0 for the first case (what CI met over gloo: ``(0.0, 5e8)``) and at less than half the truth for
+    the fourth. Each size's relative error counts alike, so the latency stays within 20% of the truth."""
+    times = {n: 5e-5 + n / 5e8 for n in (4096, 1 << 16, 1 << 20)}
+    times[size] *= 1 + noise
+    lat, bw = fit_link(times)
+    assert lat == pytest.approx(5e-5, rel=0.2)
+    assert bw == pytest.approx(5e8, rel=0.4)  # the bandwidth follows the noisy size; the latency must not
+
+
+def test_link_fit_of_a_time_that_does_not_grow_is_all_latency() -> None:
+    assert fit_link({4096: 2e-4, 1 << 20: 1.9e-4}) == (pytest.approx(1.95e-4, rel=0.01), math.inf)
+
+
 # --------------------------------------------------------------------------- the search
 
 

@@ -17,11 +17,12 @@ from pipefold.ir.ref import ScheduleRef
 from pipefold.plan.cluster_plan import SHARDING
 from pipefold.plan.profile import LayerProfile, Profile
 from pipefold.plan.recompute import StageProfile, choose_recompute, device_peaks
+from pipefold.plan.shares import heaviest_share
 from pipefold.sim.simulate import CostModel, SimResult, StageOverride, simulate, slowdown
 from pipefold.units import format_bytes
 
 __all__ = ["Layout", "ModelPlan", "ModelPoint", "PlanResult", "Point", "RunPlan", "candidates", "check_plan", "choose",
-           "evaluate", "every_layout", "frontier", "layout_profile", "model_costs", "one_f_one_b_peak",
+           "device_static", "evaluate", "every_layout", "frontier", "layout_profile", "model_costs", "one_f_one_b_peak",
            "parse_budget", "plan", "plan_model", "predict", "read_plan", "refused_layout", "stage_profiles"]
 
 Progress = Callable[[int, int], None]
@@ -631,10 +632,30 @@ def predict(profile: Profile, layout: Layout, schedule: str | Schedule, layer_st
     seen = layout_profile(profile, layout, layer_stages, schedule.placement[0])
     rows = stage_profiles(seen, layer_stages)
     counts = tuple(recompute or (0,) * len(rows))
-    static, activations = device_peaks(schedule, rows, counts)
+    activations = device_peaks(schedule, rows, counts)[1]
+    static = device_static(seen, layout, schedule, layer_stages)
     costs = model_costs(seen, schedule, layer_stages, counts, layout)
     result = simulate(_replicated(schedule, layout), costs)
     return result, [int(st + a) for st, a in zip(static, activations, strict=True)], static
+
+
+def device_static(seen: Profile, layout: Layout, schedule: Schedule,
+                  layer_stages: Sequence[Sequence[int]]) -> list[int]:
+    """Each device's static bytes (weights, gradients, optimizer state) as ``seen``, the layout's view of the profile
+    (:func:`layout_profile`), holds its layers. Under ZeRO-1 each copy keeps the state of the whole tensors it
+    steps (:mod:`pipefold.plan.shares`), so a device's figure is its heaviest copy's (where the profile did not
+    record the tensors, the even share that ``seen`` gives every layer)."""
+    out = []
+    for d in range(schedule.devices):
+        indices = [i for s in schedule.stages_of(d) for i in layer_stages[s]]
+        layers = [seen.layers[i] for i in indices]
+        if layout.sharding == "zero1" and all(x.tensors or not x.params for x in layers):
+            sizes = [t for x in layers for t in x.tensors]
+            state = seen.optimizer_factor * layout.dp  # layout_profile gave each copy 1 / dp of it
+            out.append(2 * sum(sizes) + round(state * heaviest_share(sizes, layout.dp)))
+        else:
+            out.append(sum(seen.static(i) for i in indices))
+    return out
 
 
 def _replicated(schedule: Schedule, layout: Layout) -> Schedule:
@@ -702,7 +723,8 @@ def _model_points(measured: Profile, on_device: list[Profile], schedule: Schedul
         profile = profile_of(layer_stages)
         rows = stage_profiles(profile, layer_stages)
         none = (0,) * schedule.stages
-        static, activations = device_peaks(schedule, rows, none)
+        activations = device_peaks(schedule, rows, none)[1]
+        static = device_static(profile, layout, schedule, layer_stages)
         tries = [(none, activations)]
         if max(st + int(a) for st, a in zip(static, activations, strict=True)) > budget:
             try:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -76,6 +75,10 @@ class LayerProfile:
     collectives: int = 0
     """Split over tensor-parallel ranks: the collectives its forward and backward call per microbatch (torch's
     ``CommDebugMode`` counted them as they ran); 0 for a whole layer."""
+    tensors: tuple[int, ...] = ()
+    """Bytes of each of its parameter tensors as a rank holds them (a tensor-parallel shard's own), in order; they
+    sum to ``params``. ZeRO-1 shares whole tensors among copies (:mod:`pipefold.plan.shares`). Empty in a profile
+    from before they were recorded: the state is then taken as shared evenly."""
 
     @property
     def fused(self) -> float:
@@ -224,6 +227,9 @@ class Profile:
                 values = (x.f, x.b, x.w, x.fused, x.held, x.held_w, x.params, x.out, x.nodes, x.w_depth)
                 if not all(math.isfinite(v) and v >= 0 for v in values):
                     raise ConfigError(f"{where}: layer {i} (tp {t}) has a negative or non-finite figure: {x}")
+                if x.tensors and (sum(x.tensors) != x.params or min(x.tensors) < 0):
+                    raise ConfigError(f"{where}: layer {i} (tp {t})'s tensors are bytes >= 0 that sum to its "
+                                      f"{x.params} parameter bytes (got {list(x.tensors)})")
         if not (math.isfinite(self.latency) and self.latency >= 0 and self.bandwidth > 0):
             raise ConfigError(f"{where}: the link needs latency >= 0 and bandwidth > 0 "
                               f"(got {self.latency}, {self.bandwidth})")
@@ -255,7 +261,8 @@ def _layers(rows: Any) -> tuple[LayerProfile, ...]:
                               held_w=int(row["held_w"]), params=int(row["params"]), out=int(row["out"]),
                               bw=None if row.get("bw") is None else float(row["bw"]),
                               nodes=int(row.get("nodes", 0)), w_depth=float(row.get("w_depth", 0.0)),
-                              collectives=int(row.get("collectives", 0)))
+                              collectives=int(row.get("collectives", 0)),
+                              tensors=tuple(int(x) for x in row.get("tensors", ())))
                  for row in rows)
 
 
@@ -265,13 +272,23 @@ def _three(values: Any) -> tuple[float, float, float]:
 
 
 def fit_link(one_way: dict[int, float]) -> tuple[float, float]:
-    """Least-squares fit of seconds = latency + bytes / bandwidth; latency floored at 0."""
-    xs, ys = list(one_way), [one_way[s] for s in one_way]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    var = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
+    """Fit of seconds = latency + bytes / bandwidth by least squares of the relative error, so that each size
+    counts alike: with plain least squares the largest size's noise (a few percent of milliseconds) outweighs
+    the smallest size's whole time (tens of microseconds), and the latency came out 0 or below. Latency
+    floored at 0; a time that does not grow with size is all latency."""
+    sizes = [s for s in one_way if one_way[s] > 0]
+    if not sizes:
+        return 0.0, math.inf
+    xs, ys = [float(s) for s in sizes], [one_way[s] for s in sizes]
+    ws = [1.0 / (y * y) for y in ys]
+    total = math.fsum(ws)
+    mx = math.fsum(w * x for w, x in zip(ws, xs, strict=True)) / total
+    my = math.fsum(w * y for w, y in zip(ws, ys, strict=True)) / total
+    var = math.fsum(w * (x - mx) ** 2 for w, x in zip(ws, xs, strict=True))
+    cov = math.fsum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, ys, strict=True))
+    slope = cov / var if var else 0.0
     if slope <= 0:
-        return max(my, 0.0), math.inf
+        return my, math.inf
     return max(my - slope * mx, 0.0), 1.0 / slope
 
 

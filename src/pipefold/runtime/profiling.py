@@ -211,11 +211,16 @@ def _output_bytes(out: Values) -> int:
     return sum(t.untyped_storage().nbytes() for t in out if t.is_floating_point())
 
 
-def _param_bytes(layer: nn.Module) -> int:
-    """Bytes of this rank's parameters: a tensor-parallel weight's own shard, not the whole."""
+def _tensor_bytes(layer: nn.Module) -> tuple[int, ...]:
+    """Bytes of each of this rank's parameters: a tensor-parallel weight's own shard, not the whole."""
     from pipefold.runtime.sharding import local
 
-    return sum(local(p).numel() * p.element_size() for p in layer.parameters())
+    return tuple(local(p).numel() * p.element_size() for p in layer.parameters())
+
+
+def _param_bytes(layer: nn.Module) -> int:
+    """Bytes of this rank's parameters: a tensor-parallel weight's own shard, not the whole."""
+    return sum(_tensor_bytes(layer))
 
 
 def _kind(layer: nn.Module, x: Values, *more: object) -> tuple[Any, ...]:
@@ -263,7 +268,8 @@ def measure_layers(layers: Sequence[nn.Module], sample: Any, target: Any, loss_f
     _shared_means(times, kinds)
     w_depth = [next((d for kind, d in depth.items() if i in kinds[kind]), 0.0) for i in range(len(layers))]
     return [LayerProfile(f=f, b=b, w=w, bw=bw, held=int(h), held_w=int(hw), params=_param_bytes(layer),
-                         out=0 if i == last else _output_bytes(t.out), nodes=_graph_nodes(layer, t.x), w_depth=d)
+                         out=0 if i == last else _output_bytes(t.out), nodes=_graph_nodes(layer, t.x), w_depth=d,
+                         tensors=_tensor_bytes(layer))
             for i, ((f, b, w, bw), (h, hw), layer, t, d) in enumerate(zip(times, held, layers, timed, w_depth,
                                                                            strict=True))]
 

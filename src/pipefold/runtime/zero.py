@@ -2,7 +2,8 @@
 
 Every copy holds the whole stage and its whole (all-reduced) gradients; each steps only its share of the
 parameters, so keeps only their optimizer state, then sends them to the other copies (Rajbhandari et al. 2020,
-stage 1). The shares are balanced by size, largest parameter first, the same on every copy.
+stage 1). The shares are whole parameters balanced by bytes (:mod:`pipefold.plan.shares`), the same on every
+copy.
 
 A parameter may be a tensor-parallel DTensor: its copies across dp are the same shard on each, so the share is
 the DTensor (the inner optimizer steps it as any optimizer steps a DTensor, and its state is DTensors, which
@@ -20,21 +21,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipefold.plan.shares import shares
 from pipefold.runtime.sharding import local
 
-__all__ = ["AnyOptimizer", "ShardedOptimizer", "holding", "shares"]
-
-
-def shares(sizes: Sequence[int], copies: int) -> list[list[int]]:
-    """The indices of ``sizes`` each of ``copies`` steps: largest first, each to the copy with the fewest elements
-    so far (the lowest-numbered of equals), every index once."""
-    load = [0] * copies
-    out: list[list[int]] = [[] for _ in range(copies)]
-    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        to = min(range(copies), key=lambda c: (load[c], c))
-        out[to].append(i)
-        load[to] += sizes[i]
-    return [sorted(share) for share in out]
+__all__ = ["AnyOptimizer", "ShardedOptimizer", "holding"]
 
 
 class ShardedOptimizer:
@@ -46,8 +36,10 @@ class ShardedOptimizer:
         self.group = group
         self.ranks = dist.get_process_group_ranks(group)
         self.me = dist.get_rank(group)
-        # p.numel() is the whole parameter's, a DTensor's too: the same on every tensor-parallel rank.
-        self.shares = [[params[i] for i in share] for share in shares([p.numel() for p in params], len(self.ranks))]
+        # Balanced by the bytes this rank holds (a DTensor's local shard): the copies in a group hold the same
+        # shards, so they agree, and the planner predicts the heaviest share from the same bytes.
+        sizes = [local(p).numel() * p.element_size() for p in params]
+        self.shares = [[params[i] for i in share] for share in shares(sizes, len(self.ranks))]
         mine = self.shares[self.me]
         self.optim: torch.optim.Optimizer | None = make(mine) if mine else None
 

@@ -74,7 +74,7 @@ def plan_here(spec: RunSpec, *, profiling: Callable[[str, int, int], None] | Non
 def from_plan(plan: RunPlan, spec: RunSpec | None = None) -> Planned:
     """The run ``plan`` describes, its split and recomputation decided; ``spec`` gives what a plan leaves open
     (steps, learning rate, clipping, data, reliability, devices; the seed where given)."""
-    from pipefold.plan.budget import layout_profile, stage_profiles
+    from pipefold.plan.budget import device_static, layout_profile, stage_profiles
     from pipefold.plan.recompute import device_peaks
 
     spec = spec or RunSpec()
@@ -94,9 +94,9 @@ def from_plan(plan: RunPlan, spec: RunSpec | None = None) -> Planned:
     recompute = None
     if any(plan.recompute):
         # The plan's own view of its layers: each at its device's degree, the copies' sharding in the static bytes.
-        rows = stage_profiles(layout_profile(plan.profile, plan.layout, layer_stages, schedule.placement[0]),
-                              layer_stages)
-        static, activations = device_peaks(schedule, rows, plan.recompute)
+        seen = layout_profile(plan.profile, plan.layout, layer_stages, schedule.placement[0])
+        activations = device_peaks(schedule, stage_profiles(seen, layer_stages), plan.recompute)[1]
+        static = device_static(seen, plan.layout, schedule, layer_stages)
         recompute = RecomputePlan("plan", plan.recompute, tuple(len(p) for p in layer_stages), static,
                                   [int(a) for a in activations], plan.budget, plan.step_time, plan.step_time)
     return Planned(resolved, (layer_stages, recompute), plan)
