@@ -278,12 +278,48 @@ def test_fsdp_collectives_are_priced_at_the_profiles_fits_where_it_has_them() ->
             CostModel(sharded_fits=bad)
 
 
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1"])
+def test_fsdps_hooks_lengthen_each_pass_once_and_per_unit(name: str) -> None:
+    """A profile's ``fsdp_passes`` lengthen each pass of a sharded stage by its once-per-pass part plus units x its
+    per-unit part, and nothing else: on one device, where every action runs in turn, the step grows by the count
+    of each pass kind times that kind's extra (closed form), fused BW included where the schedule fuses; a layout
+    without FSDP is left as it was."""
+    from pipefold.ir import Kind
+
+    prof = dataclasses.replace(_profile(), contention=(1.0,) * 8, allreduce={2: (1e-3, 1e8)})
+    whole = [tuple(range(len(prof.layers)))]
+    units = sum(1 for x in prof.layers if x.params > 0)
+    hooks = ((1e-5, 1e-4), (2e-5, 7e-5), (3e-6, 5e-6), (2.5e-5, 8e-5))  # F, B, W, BW
+    hooked = dataclasses.replace(prof, fsdp_passes=hooks)
+    before, _, _ = predict(prof, Layout(2, 1, 1, "fsdp"), name, whole)
+    after, _, _ = predict(hooked, Layout(2, 1, 1, "fsdp"), name, whole)
+    extra = {kind: once + units * unit for kind, (once, unit) in zip((Kind.F, Kind.B, Kind.W, Kind.BW), hooks,
+                                                                      strict=True)}
+    counts = {kind: sum(1 for row in after.schedule.actions for act in row for a in act.passes if a.kind == kind)
+              for kind in extra}
+    assert counts[Kind.F] > 0 and counts[Kind.B] + counts[Kind.BW] > 0
+    assert after.makespan == pytest.approx(before.makespan + sum(counts[k] * extra[k] for k in extra), rel=1e-9)
+    plain, _, _ = predict(prof, Layout(2, 1, 1), name, whole)
+    assert predict(hooked, Layout(2, 1, 1), name, whole)[0].makespan == pytest.approx(plain.makespan, rel=1e-12)
+    assert Profile.from_dict(hooked.to_dict()) == hooked
+    bad = hooked.to_dict()
+    bad["fsdp_passes"] = [[0.0, -1.0]] * 4
+    with pytest.raises(ConfigError, match="fsdp_passes is F, B, W and BW"):
+        Profile.from_dict(bad)
+
+
 def test_fsdps_gather_and_reduce_scatter_among_local_ranks_cost_more_for_more_bytes() -> None:
+    """Measured on 2 ranks: the collectives' fits, and FSDP's hooks, which cost something per unit in F and in
+    a backward (torch's ``fully_shard`` runs Python hooks around every unit's forward and backward: 70 to 150 us a
+    unit on this 2-core machine) and far less in a W, which calls none of them."""
     from pipefold.runtime.profiling import measure_fsdp
 
-    gather, scatter = measure_fsdp(2, rounds=5, sizes=(64 << 10, 1 << 20, 16 << 20))
+    gather, scatter, passes = measure_fsdp(2, rounds=5, sizes=(64 << 10, 1 << 20, 16 << 20))
     for latency, bandwidth in (gather, scatter):
         assert latency >= 0 and 1e6 < bandwidth < 1e12  # some MB/s to some hundred GB/s: copies over a socket
+    (_, f), (_, b), (_, w), (_, bw) = passes
+    assert 1e-6 < f < 1e-2 and 1e-6 < b < 1e-2 and 1e-6 < bw < 1e-2, passes
+    assert w < min(f, b, bw), passes
 
 
 def test_an_all_reduce_among_local_ranks_costs_more_for_more_bytes() -> None:

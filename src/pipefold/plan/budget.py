@@ -487,12 +487,20 @@ def model_costs(profile: Profile, schedule: Schedule, layer_stages: Sequence[Seq
     layout = layout or Layout(1, 1, schedule.devices)
     rows = stage_profiles(profile, layer_stages)
     counts = recompute or (0,) * len(rows)
-    # FSDP makes each layer with parameters a unit of its own: one gather and one reduce-scatter each.
+    # FSDP makes each layer with parameters a unit of its own: one gather and one reduce-scatter each, and its
+    # hooks in each pass (once per pass, and per unit).
     units = [max(1, sum(1 for i in part if profile.layers[i].params > 0)) for part in layer_stages]
-    over = {s: StageOverride(f=p.times[0], b=p.times[1], w=p.times[2], bw=p.fused_time, memory=float(p.total[r]),
-                             kept=float(p.kept[r]), memory_w=float(p.held_w[r]), recompute=p.rerun[r],
-                             collectives=units[s])
-            for s, (p, r) in enumerate(zip(rows, counts, strict=True))}
+    hooks = profile.fsdp_passes if layout.sharding == "fsdp" else ()
+    over = {}
+    for s, (p, r) in enumerate(zip(rows, counts, strict=True)):
+        extra = [once + units[s] * unit for once, unit in hooks] or [0.0] * 4  # F, B, W, BW
+        rerun = p.rerun[r]
+        if hooks and r:  # the recomputed forwards call the first r layers' hooks again
+            rerun += hooks[0][0] + hooks[0][1] * sum(1 for i in layer_stages[s][:r] if profile.layers[i].params > 0)
+        over[s] = StageOverride(f=p.times[0] + extra[0], b=p.times[1] + extra[1], w=p.times[2] + extra[2],
+                                bw=None if p.fused_time is None else p.fused_time + extra[3],
+                                memory=float(p.total[r]), kept=float(p.kept[r]), memory_w=float(p.held_w[r]),
+                                recompute=rerun, collectives=units[s])
     message = max((p.message for p in rows[:-1]), default=0)
     params = sum(x.params for x in profile.layers)
     cost = CostModel(stage_overrides=over, latency=profile.latency, bandwidth=profile.bandwidth,

@@ -125,6 +125,10 @@ class Profile:
     k ranks, the others computing (:func:`pipefold.runtime.profiling.measure_fsdp`): latency per FSDP unit (a
     layer), bandwidth in bytes of the whole parameters. Empty in a profile from before it was measured: half an
     all-reduce each."""
+    fsdp_passes: tuple[tuple[float, float], ...] = ()
+    """What FSDP's hooks add to each pass of a sharded stage: for F, B, W and fused BW, (seconds once per pass,
+    seconds per FSDP unit) (:func:`pipefold.runtime.profiling.measure_fsdp`). Empty in a profile from before it
+    was measured: nothing."""
     tied: tuple[tuple[int, ...], ...] = ()
     """Layers that share a weight (the model's ``Model.tied``, by layer index): the devices holding them sum its
     gradient rank by rank, so a plan gives them one tensor-parallel degree, and under FSDP one stage
@@ -171,6 +175,7 @@ class Profile:
                 "tp_ranks": {str(t): n for t, n in sorted(self.tp_ranks.items())},
                 "allreduce": {str(k): list(fit) for k, fit in sorted(self.allreduce.items())},
                 "fsdp": {str(k): [list(gather), list(scatter)] for k, (gather, scatter) in sorted(self.fsdp.items())},
+                "fsdp_passes": [list(fit) for fit in self.fsdp_passes],
                 "tied": [list(group) for group in self.tied]}
 
     @classmethod
@@ -194,6 +199,7 @@ class Profile:
                                  for k, (lat, bw) in data.get("allreduce", {}).items()},
                       fsdp={int(k): ((float(g[0]), float(g[1])), (float(r[0]), float(r[1])))
                             for k, (g, r) in data.get("fsdp", {}).items()},
+                      fsdp_passes=tuple((float(once), float(unit)) for once, unit in data.get("fsdp_passes", ())),
                       tied=tuple(tuple(int(i) for i in group) for group in data.get("tied", ())))
         except ConfigError:
             raise
@@ -216,6 +222,10 @@ class Profile:
                for k, fits in self.fsdp.items()):
             raise ConfigError(f"{where}: an FSDP fit is a group of >= 2 ranks, each of its gather and reduce-scatter "
                               f"with latency >= 0 and bandwidth > 0 (got {self.fsdp})")
+        if self.fsdp_passes and (len(self.fsdp_passes) != 4 or not all(
+                math.isfinite(x) and x >= 0 for fit in self.fsdp_passes for x in fit)):
+            raise ConfigError(f"{where}: fsdp_passes is F, B, W and BW, each (seconds once, seconds per unit) >= 0 "
+                              f"(got {[list(fit) for fit in self.fsdp_passes]})")
         if any(len(group) < 2 or not all(0 <= i < len(self.layers) for i in group) for group in self.tied):
             raise ConfigError(f"{where}: each group of tied layers names two or more of its {len(self.layers)} "
                               f"layers (got {[list(g) for g in self.tied]})")

@@ -12,6 +12,7 @@ feeding each the previous one's output.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import itertools
@@ -738,26 +739,58 @@ def _fsdp(rank: int, port: int, ranks: int, sizes: Sequence[int], rounds: int, o
                     scatters.append(t1 - t0)
                     gathers.append(t2 - t1)
             result[_REDUCE_PIECES * width * width * 4] = (statistics.mean(gathers), statistics.mean(scatters))
+        passes = _fsdp_passes(mesh, rounds)
         if rank == 0:
-            out.put(result)
+            out.put((result, passes))
         dist.barrier()
+
+
+_HOOK_UNITS = (1, 4)
+"""The stages :func:`_fsdp_passes` times, in FSDP units: two points fix what a pass pays once and per unit."""
+
+
+def _fsdp_passes(mesh: Any, rounds: int) -> tuple[tuple[float, float], ...]:
+    """What FSDP's hooks add to a sharded stage's passes: for F, B, W and fused BW, (seconds once per pass, seconds
+    per FSDP unit). A stage of tiny Linears (one unit each, as :func:`pipefold.runtime.sharding.shard` makes them)
+    runs on the runtime's runner sharded and gathered, and the same stage unsharded beside it; each pass's
+    difference of medians over ``4 * rounds`` runs, at 1 and at 4 units, is fitted to a line. Floored at 0."""
+    from pipefold.runtime import sharding
+
+    x = (torch.ones(1, 4),)
+    over = []
+    for units in _HOOK_UNITS:
+        plain = Chain(*(nn.Linear(4, 4) for _ in range(units)))
+        runners = (StageRunner(plain), StageRunner(sharding.shard(copy.deepcopy(plain), mesh)))
+        runs: tuple[list[tuple[float, ...]], list[tuple[float, ...]]] = ([], [])
+        for k in range(4 * rounds + 1):
+            for runner, times in zip(runners, runs, strict=True):  # side by side: the machine's drift is shared
+                split = run_passes(runner, 2 * k, x)[0]
+                times.append((*split, run_passes(runner, 2 * k + 1, x, fused=True)[0][1]))
+        over.append([s - p for p, s in zip(medians(runs[0][1:]), medians(runs[1][1:]), strict=True)])
+    (u0, u1), (at0, at1) = _HOOK_UNITS, over
+    out = []
+    for a, b in zip(at0, at1, strict=True):
+        per_unit = max(0.0, (b - a) / (u1 - u0))
+        out.append((max(0.0, a - per_unit * u0), per_unit))
+    return tuple(out)
 
 
 def measure_fsdp(ranks: int, rounds: int = 5, sizes: Sequence[int] = _REDUCE_SIZES,
                  load: tuple[dict[str, Any], tuple[int, int], int] | None = None
-                 ) -> tuple[tuple[float, float], tuple[float, float]]:
-    """FSDP's gather and reduce-scatter among ``ranks`` local processes as the runtime runs them (:func:`_fsdp`):
-    for each, (latency seconds per FSDP unit, bandwidth in bytes of the whole parameters per second), fitted by
-    least squares over the sizes to units x latency + bytes / bandwidth. What a stage sharded over
-    data-parallel copies pays in its ``AG`` and its ``RS``: torch's ``fully_shard`` copies the parameters out of
-    the gathered buffer and the gradients into the reduce-scatter's, which half a measured all-reduce leaves
-    out. With ``load``, n more processes compute meanwhile, as in :func:`measure_link`."""
-    timed: dict[int, tuple[float, float]] = _measured_under(load, _fsdp, (tuple(sizes), rounds), None, ranks)
+                 ) -> tuple[tuple[float, float], tuple[float, float], tuple[tuple[float, float], ...]]:
+    """FSDP among ``ranks`` local processes as the runtime runs it (:func:`_fsdp`): its gather and its
+    reduce-scatter, each as (latency seconds per FSDP unit, bandwidth in bytes of the whole parameters per
+    second), fitted over the sizes to units x latency + bytes / bandwidth; and what its hooks add to a sharded
+    stage's F, B, W and BW (:func:`_fsdp_passes`). What a stage sharded over data-parallel copies pays in its
+    ``AG`` and ``RS`` (torch's ``fully_shard`` copies the parameters out of the gathered buffer and the gradients
+    into the reduce-scatter's, which half a measured all-reduce leaves out) and in each of its passes. With
+    ``load``, n more processes compute meanwhile, as in :func:`measure_link`."""
+    timed, passes = _measured_under(load, _fsdp, (tuple(sizes), rounds), None, ranks)
     fits = []
     for which in (0, 1):
         latency, bandwidth = fit_link({size: times[which] for size, times in timed.items()})
         fits.append((latency / _REDUCE_PIECES, bandwidth))
-    return fits[0], fits[1]
+    return fits[0], fits[1], passes
 
 
 def _measured_under(load: tuple[dict[str, Any], tuple[int, int], int] | None, target: Callable[..., None],
@@ -1046,6 +1079,7 @@ def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int 
     latency, bandwidth = 0.0, math.inf
     allreduce: dict[int, tuple[float, float]] = {}
     fsdp: dict[int, tuple[tuple[float, float], tuple[float, float]]] = {}
+    fsdp_passes: tuple[tuple[float, float], ...] = ()
     if link:
         if progress is not None:
             progress("link", 0, 1)
@@ -1061,7 +1095,9 @@ def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int 
                 progress("all-reduce", i, len(groups))
             load = (train, chunk, devices - k) if contention else None
             allreduce[k] = measure_allreduce(k, load=load)
-            fsdp[k] = measure_fsdp(k, load=load)
+            gather, scatter, passes = measure_fsdp(k, load=load)
+            fsdp[k] = gather, scatter
+            fsdp_passes = fsdp_passes or passes  # the hooks' work is each rank's own: the first group's
         if progress is not None:
             progress("all-reduce", len(groups), len(groups))
     machine = {"host": platform.node(), "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
@@ -1074,4 +1110,5 @@ def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int 
                    tp_layers=tp_layers, tp_ranks=tp_ranks,
                    allreduce={k: _stored(fit) for k, fit in allreduce.items()},
                    fsdp={k: (_stored(gather), _stored(scatter)) for k, (gather, scatter) in fsdp.items()},
+                   fsdp_passes=fsdp_passes,
                    tied=tuple(tuple(sorted({i for i, _ in tie})) for tie in built.tied))
