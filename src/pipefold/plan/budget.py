@@ -510,9 +510,20 @@ def model_costs(profile: Profile, schedule: Schedule, layer_stages: Sequence[Seq
                      mesh=layout.tp)  # a mesh per device if mixed
     if layout.sharding != "zero1":
         return cost
-    held = [sum(profile.layers[i].params for s in schedule.stages_of(d) for i in layer_stages[s])
-            for d in range(schedule.devices)]
-    return dataclasses.replace(cost, after_step=max(cost.gather_time(b, layout.dp) for b in held))
+    return dataclasses.replace(cost, after_step=max(zero1_sharing(profile, layout, cost, [
+        profile.layers[i] for s in schedule.stages_of(d) for i in layer_stages[s]]) for d in range(schedule.devices)))
+
+
+def zero1_sharing(profile: Profile, layout: Layout, cost: CostModel, layers: Sequence[LayerProfile]) -> float:
+    """Seconds ZeRO-1's copies of a device holding ``layers`` take after the step to share the parameters each
+    stepped: the profile's fit of it as the runtime runs it (per tensor and per byte) where it has one for
+    ``layout.dp`` copies, else an all-gather of the bytes (half the all-reduce)."""
+    nbytes = sum(x.params for x in layers)
+    if layout.dp not in profile.zero1:
+        return cost.gather_time(nbytes, layout.dp)
+    latency, bandwidth = profile.zero1[layout.dp]
+    tensors = sum(len(x.tensors) if x.tensors else int(x.params > 0) for x in layers)
+    return tensors * latency + nbytes / bandwidth
 
 
 def stage_profiles(profile: Profile, layer_stages: Sequence[Sequence[int]]) -> list[StageProfile]:

@@ -125,6 +125,11 @@ class Profile:
     k ranks, the others computing (:func:`pipefold.runtime.profiling.measure_fsdp`): latency per FSDP unit (a
     layer), bandwidth in bytes of the whole parameters. Empty in a profile from before it was measured: half an
     all-reduce each."""
+    zero1: dict[int, tuple[float, float]] = field(default_factory=dict)
+    """By group size k: (latency seconds per parameter tensor, bandwidth in bytes of the parameters per second) of
+    ZeRO-1's sharing of the stepped parameters among k copies after the step, one broadcast per tensor from the
+    copy that stepped it, as the runtime runs it (:func:`pipefold.runtime.profiling.measure_zero1`). Empty in a
+    profile from before it was measured: half an all-reduce."""
     fsdp_passes: tuple[tuple[float, float], ...] = ()
     """What FSDP's hooks add to each pass of a sharded stage: for F, B, W and fused BW, (seconds once per pass,
     seconds per FSDP unit) (:func:`pipefold.runtime.profiling.measure_fsdp`). Empty in a profile from before it
@@ -176,6 +181,7 @@ class Profile:
                 "allreduce": {str(k): list(fit) for k, fit in sorted(self.allreduce.items())},
                 "fsdp": {str(k): [list(gather), list(scatter)] for k, (gather, scatter) in sorted(self.fsdp.items())},
                 "fsdp_passes": [list(fit) for fit in self.fsdp_passes],
+                "zero1": {str(k): list(fit) for k, fit in sorted(self.zero1.items())},
                 "tied": [list(group) for group in self.tied]}
 
     @classmethod
@@ -200,6 +206,7 @@ class Profile:
                       fsdp={int(k): ((float(g[0]), float(g[1])), (float(r[0]), float(r[1])))
                             for k, (g, r) in data.get("fsdp", {}).items()},
                       fsdp_passes=tuple((float(once), float(unit)) for once, unit in data.get("fsdp_passes", ())),
+                      zero1={int(k): (float(lat), float(bw)) for k, (lat, bw) in data.get("zero1", {}).items()},
                       tied=tuple(tuple(int(i) for i in group) for group in data.get("tied", ())))
         except ConfigError:
             raise
@@ -218,6 +225,9 @@ class Profile:
         if any(k < 2 or not (math.isfinite(lat) and lat >= 0 and bw > 0) for k, (lat, bw) in self.allreduce.items()):
             raise ConfigError(f"{where}: an all-reduce fit is a group of >= 2 ranks, latency >= 0 and bandwidth > 0 "
                               f"(got {self.allreduce})")
+        if any(k < 2 or not (math.isfinite(lat) and lat >= 0 and bw > 0) for k, (lat, bw) in self.zero1.items()):
+            raise ConfigError(f"{where}: a ZeRO-1 fit is a group of >= 2 ranks, latency >= 0 and bandwidth > 0 "
+                              f"(got {self.zero1})")
         if any(k < 2 or not all(math.isfinite(lat) and lat >= 0 and bw > 0 for lat, bw in fits)
                for k, fits in self.fsdp.items()):
             raise ConfigError(f"{where}: an FSDP fit is a group of >= 2 ranks, each of its gather and reduce-scatter "

@@ -52,7 +52,7 @@ from pipefold.runtime.stage import (
 
 __all__ = ["MATMUL_DTYPES", "layer_costs", "layer_memory", "layer_static_bytes", "measure_allreduce",
            "measure_contention", "measure_layers", "measure_link", "measure_matmuls", "measure_pass_fixed",
-           "measure_sharded", "measure_stages", "profile_model", "run_passes", "split_figures",
+           "measure_sharded", "measure_stages", "measure_zero1", "profile_model", "run_passes", "split_figures",
            "TimedLayer", "layers_per_rank", "time_in_stages"]
 
 Values = tuple[torch.Tensor, ...]
@@ -708,6 +708,42 @@ def measure_allreduce(ranks: int, rounds: int = 5, sizes: Sequence[int] = _REDUC
     return fit_link(_measured_under(load, _reduce, (tuple(sizes), rounds), None, ranks))
 
 
+def _zero1(rank: int, port: int, ranks: int, sizes: Sequence[int], rounds: int, out: Any, work: Any) -> None:
+    """One of ``ranks`` processes sharing stepped parameters as ZeRO-1 does after each step
+    (:meth:`pipefold.runtime.zero.ShardedOptimizer.share`: every parameter broadcast from the copy that stepped
+    it), for parameters of :data:`_REDUCE_PIECES` tensors of each size in all, ``rounds`` times after two
+    warm-ups; rank 0 puts the mean seconds of one sharing per size on ``out``."""
+    import torch.distributed as dist
+
+    from pipefold.runtime.zero import ShardedOptimizer
+
+    with _measuring_rank(rank, port, ranks):
+        result = {}
+        for size in sizes:
+            params = [nn.Parameter(piece.clone()) for piece in torch.zeros(size // 4).chunk(_REDUCE_PIECES)]
+            sharing = ShardedOptimizer(params, lambda mine: torch.optim.SGD(mine, lr=0.0), dist.group.WORLD)
+            for _ in range(2):
+                sharing.share()
+            t0 = time.perf_counter()
+            for _ in range(rounds):
+                sharing.share()
+            result[size] = (time.perf_counter() - t0) / rounds
+        if rank == 0:
+            out.put(result)
+        dist.barrier()
+
+
+def measure_zero1(ranks: int, rounds: int = 5, sizes: Sequence[int] = _REDUCE_SIZES,
+                  load: tuple[dict[str, Any], tuple[int, int], int] | None = None) -> tuple[float, float]:
+    """ZeRO-1's sharing of the stepped parameters among ``ranks`` local processes as the runtime runs it
+    (:func:`_zero1`): (latency seconds per parameter tensor, bandwidth in bytes of the device's parameters per
+    second), fitted over the sizes to tensors x latency + bytes / bandwidth. What a step with ZeRO-1 pays after
+    its schedule: one broadcast per tensor, which half a measured all-reduce of one buffer leaves out. With
+    ``load``, n more processes compute meanwhile, as in :func:`measure_link`."""
+    latency, bandwidth = fit_link(_measured_under(load, _zero1, (tuple(sizes), rounds), None, ranks))
+    return latency / _REDUCE_PIECES, bandwidth
+
+
 def _fsdp(rank: int, port: int, ranks: int, sizes: Sequence[int], rounds: int, out: Any, work: Any) -> None:
     """One of ``ranks`` processes running FSDP's gather and reduce-scatter of a stage as the runtime's ``AG`` and
     ``RS`` do (:mod:`pipefold.runtime.sharding`: torch's ``fully_shard``, one unit per layer), on stages of
@@ -1080,6 +1116,7 @@ def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int 
     allreduce: dict[int, tuple[float, float]] = {}
     fsdp: dict[int, tuple[tuple[float, float], tuple[float, float]]] = {}
     fsdp_passes: tuple[tuple[float, float], ...] = ()
+    zero1: dict[int, tuple[float, float]] = {}  # ZeRO-1's sharing after the step, by group size
     if link:
         if progress is not None:
             progress("link", 0, 1)
@@ -1095,6 +1132,7 @@ def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int 
                 progress("all-reduce", i, len(groups))
             load = (train, chunk, devices - k) if contention else None
             allreduce[k] = measure_allreduce(k, load=load)
+            zero1[k] = measure_zero1(k, load=load)
             gather, scatter, passes = measure_fsdp(k, load=load)
             fsdp[k] = gather, scatter
             fsdp_passes = fsdp_passes or passes  # the hooks' work is each rank's own: the first group's
@@ -1110,5 +1148,5 @@ def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int 
                    tp_layers=tp_layers, tp_ranks=tp_ranks,
                    allreduce={k: _stored(fit) for k, fit in allreduce.items()},
                    fsdp={k: (_stored(gather), _stored(scatter)) for k, (gather, scatter) in fsdp.items()},
-                   fsdp_passes=fsdp_passes,
+                   fsdp_passes=fsdp_passes, zero1={k: _stored(fit) for k, fit in zero1.items()},
                    tied=tuple(tuple(sorted({i for i, _ in tie})) for tie in built.tied))

@@ -47,7 +47,13 @@ class ShardedOptimizer:
     def step(self) -> None:
         if self.optim is not None:
             self.optim.step()
-        # Each parameter from its owner, into its own storage (no staging copy), all in flight at once.
+        self.share()
+
+    @torch.no_grad()
+    def share(self) -> None:
+        """Each parameter from its owner, into its own storage (no staging copy), all in flight at once: what
+        every copy does after its step (and what the profile times, :func:`pipefold.runtime.profiling.
+        measure_zero1`)."""
         pending = [dist.broadcast(local(p.detach()), src=self.ranks[owner], group=self.group, async_op=True)
                    for owner, share in enumerate(self.shares) for p in share]
         for work in pending:
