@@ -59,7 +59,7 @@ def run(way: str, steps: int, lr: float, damping: float, ema: float) -> dict[str
     # (measured_summary leaves out the first step it is given, here the one before the new placement).
     first = max((f for r in reports if r.rank == 0 for f, _ in r.decisions), default=1)
     meas = measured_summary(reports, warmup=first)
-    out: dict[str, Any] = {"way": way, "lr": lr, "step_s": meas["step_time_s"],
+    out: dict[str, Any] = {"way": way, "lr": lr, "step_s": meas["schedule_time_s"],
                            "utilization": 1.0 - meas["bubble_ratio"], "cpu_utilization": meas["cpu_utilization"],
                            "losses": losses, "step_seconds": seconds,
                            "peak_bytes": meas["peak_bytes"]}

@@ -22,6 +22,7 @@ from pipefold.plan.budget import (
     read_plan,
 )
 from pipefold.plan.profile import LayerProfile, Profile
+from pipefold.plan.shares import shares
 
 
 def _profile(n: int = 6, microbatches: int = 8, contention: tuple[float, ...] = (1.0,) * 8) -> Profile:
@@ -286,6 +287,45 @@ def test_zero1_sharing_is_priced_at_the_profiles_fit_per_tensor_and_byte(recorde
         data["zero1"] = {str(k): list(v) for k, v in bad.items()}
         with pytest.raises(ConfigError, match="a ZeRO-1 fit is a group of >= 2"):
             Profile.from_dict(data)
+
+
+@pytest.mark.parametrize("how", ["none", "zero1", "fsdp"])
+def test_the_step_after_the_schedule_is_the_slowest_devices_update_and_the_check(how: str) -> None:
+    """Where the profile measured each layer's update (check and optimizer step), the step is its schedule plus,
+    after it, the check's all-reduce over every rank and the slowest device's update (closed form): every layer
+    of its own whole, with FSDP 1/dp of it (its shards), with ZeRO-1 the heaviest copy's share in bytes plus
+    the sharing of the stepped parameters. A profile without the figures adds nothing (as before they were
+    measured)."""
+    def layer(update: float, *tensors: int) -> LayerProfile:
+        return LayerProfile(f=1e-3, b=1e-3, w=1e-3, held=1000, held_w=500, params=sum(tensors), out=64,
+                            tensors=tensors, update=update)
+
+    layers = (layer(1e-4, 40_000), layer(2e-3, 300, 90_000, 90_000, 300), layer(2e-3, 300, 90_000, 90_000, 300),
+              layer(0.0), layer(5e-4, 600, 20_000))
+    prof = dataclasses.replace(_profile(), layers=layers, tp_layers={}, contention=(1.0,) * 8,
+                               allreduce={2: (1e-3, 1e8), 4: (2e-3, 1e8)}, zero1={2: (3e-4, 4e8)})
+    parts = [(0, 1), (2, 3, 4)]
+    layout = Layout(2, 1, 2, how)
+    got, _, _ = predict(prof, layout, "1f1b", parts)
+    check = 2e-3 + 32 / 1e8  # the fit for the world's 4 ranks
+    updates = []
+    for part in parts:
+        mine = [layers[i] for i in part]
+        seconds = sum(x.update for x in mine)
+        if how == "fsdp":
+            seconds /= 2
+        if how == "zero1":
+            sizes = [t for x in mine for t in x.tensors]
+            seconds *= max(sum(sizes[i] for i in share) for share in shares(sizes, 2)) / sum(sizes)
+            seconds += sum(len(x.tensors) for x in mine) * 3e-4 + sum(x.params for x in mine) / 4e8
+        updates.append(seconds)
+    assert got.makespan == pytest.approx(got.timeline.makespan() + check + max(updates), rel=1e-9)
+    unmeasured = dataclasses.replace(prof, layers=tuple(dataclasses.replace(x, update=0.0) for x in layers))
+    bare, _, _ = predict(unmeasured, layout, "1f1b", parts)
+    assert bare.timeline.makespan() == pytest.approx(got.timeline.makespan(), rel=1e-12)
+    zero1_only = 0.0 if how != "zero1" else max(
+        sum(len(layers[i].tensors) for i in part) * 3e-4 + sum(layers[i].params for i in part) / 4e8 for part in parts)
+    assert bare.makespan == pytest.approx(bare.timeline.makespan() + zero1_only, rel=1e-9)
 
 
 def test_zero1s_sharing_among_local_ranks_costs_more_for_more_bytes() -> None:

@@ -517,8 +517,32 @@ def test_profile_plan_train_runs_the_plan_with_exact_gradients_and_its_predicted
     # costs replayed); those are given apart.
     assert out["predicted_from"] == "predicted from the profile"
     assert out["predicted_step_s"] == pred["step_time_s"] and out["plan"]["replayed_step_time_s"] > 0
+    # The step measured is the schedule and the update after it (check, AdamW's step), as the prediction has it.
+    assert all((x.update > 0) == (x.params > 0) for x in prof.layers)
+    assert meas["step_time_s"] > meas["schedule_time_s"] > 0
     got = _cli("train", "--plan", "plan.json", "--hidden", "48", cwd=tmp_path)
     assert got.returncode == 2 and "--plan fixes" in got.stderr and "Traceback" not in got.stderr
+
+
+def test_a_layers_update_is_timed_on_the_runs_optimizer_and_leaves_it_as_it_was() -> None:
+    """What the step after the schedule spends on a layer: AdamW's step reads and writes four tensors per parameter
+    where SGD's reads two, so it takes longer (an ordering no timing noise of this size reverses); the weights and
+    gradients are left as they were."""
+    import torch
+    from torch import nn
+
+    from pipefold.runtime.profiling import _update_seconds
+
+    torch.manual_seed(0)
+    layer = nn.Linear(512, 512)
+    weights = [p.detach().clone() for p in layer.parameters()]
+    layer.weight.grad = torch.full_like(layer.weight, 0.5)
+    adamw = min(_update_seconds(layer, "adamw", 5) for _ in range(3))
+    sgd = min(_update_seconds(layer, "sgd", 5) for _ in range(3))
+    assert 0 < sgd < adamw, (sgd, adamw)
+    assert all(torch.equal(p, w) for p, w in zip(layer.parameters(), weights, strict=True))
+    assert torch.equal(layer.weight.grad, torch.full_like(layer.weight, 0.5)) and layer.bias.grad is None
+    assert _update_seconds(nn.ReLU(), "adamw", 3) == 0.0
 
 
 def test_the_readme_flow_with_an_mlp_profiled_without_heads(tmp_path) -> None:

@@ -508,10 +508,34 @@ def model_costs(profile: Profile, schedule: Schedule, layer_stages: Sequence[Seq
                      contention=profile.contention[:schedule.devices], message_overhead=profile.message_overhead,
                      dp=layout.dp, allreduce_fits=profile.allreduce, sharded_fits=profile.fsdp,
                      mesh=layout.tp)  # a mesh per device if mixed
-    if layout.sharding != "zero1":
-        return cost
-    return dataclasses.replace(cost, after_step=max(zero1_sharing(profile, layout, cost, [
-        profile.layers[i] for s in schedule.stages_of(d) for i in layer_stages[s]]) for d in range(schedule.devices)))
+    held = [[profile.layers[i] for s in schedule.stages_of(d) for i in layer_stages[s]]
+            for d in range(schedule.devices)]
+    return dataclasses.replace(cost, after_step=after_schedule(profile, layout, cost, held))
+
+
+_CHECK_BYTES = 32
+"""The gradients' check all-reduces four float64s over every rank (:func:`pipefold.runtime.numerics.local_check`)."""
+
+
+def after_schedule(profile: Profile, layout: Layout, cost: CostModel, held: Sequence[Sequence[LayerProfile]]) -> float:
+    """Seconds a step takes after its schedule, the devices holding ``held``: where the profile measured the
+    layers' update (``LayerProfile.update``), the gradients' check (an all-reduce over every rank) and the
+    slowest device's update of its layers: all of them, with ZeRO-1 its heaviest copy's share (in bytes), with
+    FSDP its shards (1/dp); and with ZeRO-1 the copies' sharing of what each stepped (:func:`zero1_sharing`)."""
+    updates = []
+    for layers in held:
+        seconds = sum(x.update for x in layers)
+        if layout.sharding == "fsdp":
+            seconds /= layout.dp
+        elif layout.sharding == "zero1" and seconds:
+            sizes = [t for x in layers for t in (x.tensors or (x.params,))]
+            seconds *= heaviest_share(sizes, layout.dp) / max(1, sum(sizes))
+        if layout.sharding == "zero1":
+            seconds += zero1_sharing(profile, layout, cost, layers)
+        updates.append(seconds)
+    measured = any(x.update for x in profile.layers)
+    check = cost.allreduce_time(_CHECK_BYTES, layout.dp * sum(layout.degrees)) if measured else 0.0
+    return check + max(updates, default=0.0)
 
 
 def zero1_sharing(profile: Profile, layout: Layout, cost: CostModel, layers: Sequence[LayerProfile]) -> float:

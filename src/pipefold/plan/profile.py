@@ -75,6 +75,9 @@ class LayerProfile:
     collectives: int = 0
     """Split over tensor-parallel ranks: the collectives its forward and backward call per microbatch (torch's
     ``CommDebugMode`` counted them as they ran); 0 for a whole layer."""
+    update: float = 0.0
+    """Seconds the step after the schedule spends on its parameters: the gradients' check and the optimizer's step
+    (0: not measured)."""
     tensors: tuple[int, ...] = ()
     """Bytes of each of its parameter tensors as a rank holds them (a tensor-parallel shard's own), in order; they
     sum to ``params``. ZeRO-1 shares whole tensors among copies (:mod:`pipefold.plan.shares`). Empty in a profile
@@ -244,7 +247,7 @@ class Profile:
                               f"(tp_ranks {self.tp_ranks})")
         for t, layers in {self.tp: self.layers, **self.tp_layers}.items():
             for i, x in enumerate(layers):
-                values = (x.f, x.b, x.w, x.fused, x.held, x.held_w, x.params, x.out, x.nodes, x.w_depth)
+                values = (x.f, x.b, x.w, x.fused, x.held, x.held_w, x.params, x.out, x.nodes, x.w_depth, x.update)
                 if not all(math.isfinite(v) and v >= 0 for v in values):
                     raise ConfigError(f"{where}: layer {i} (tp {t}) has a negative or non-finite figure: {x}")
                 if x.tensors and (sum(x.tensors) != x.params or min(x.tensors) < 0):
@@ -282,7 +285,8 @@ def _layers(rows: Any) -> tuple[LayerProfile, ...]:
                               bw=None if row.get("bw") is None else float(row["bw"]),
                               nodes=int(row.get("nodes", 0)), w_depth=float(row.get("w_depth", 0.0)),
                               collectives=int(row.get("collectives", 0)),
-                              tensors=tuple(int(x) for x in row.get("tensors", ())))
+                              tensors=tuple(int(x) for x in row.get("tensors", ())),
+                              update=float(row.get("update", 0.0)))
                  for row in rows)
 
 

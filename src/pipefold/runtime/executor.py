@@ -105,6 +105,10 @@ class StepStats:
     events: list[Event] = field(default_factory=list)
     busy: float = 0.0
     wall: float = 0.0
+    """Seconds of the schedule: from the step's start to its last action's end and its sends' delivery."""
+    update: float = 0.0
+    """Seconds after the schedule until the step is over: offloaded and tied weights home, the gradients' check,
+    the optimizer step (and ZeRO-1's sharing of the stepped parameters). The step took ``wall + update``."""
     cpu: float = 0.0
     """CPU seconds the rank's process spent in the step, by the operating system's count (``time.process_time``,
     every thread): a check on ``busy`` that does not rely on the runtime's own events."""

@@ -51,7 +51,9 @@ class StepHistory(Sequence[StepStats]):
         self.loss_count = array("I")
         """Per step: how many losses (microbatches of the last stage) this rank computed."""
         self.wall = array("d")
-        """Per step: seconds from this rank's start of the step to its end (the optimizer step apart)."""
+        """Per step: seconds of the schedule, from this rank's start of the step to its last action's end."""
+        self.update = array("d")
+        """Per step: seconds after the schedule until the step was over (the check, the optimizer step)."""
         self.started_at = array("d")
         """Per step: wall-clock time (``time.time()``) this rank started it."""
         self.busy = array("d")
@@ -80,6 +82,7 @@ class StepHistory(Sequence[StepStats]):
         self.loss_sum.append(math.fsum(stats.losses.values()))
         self.loss_count.append(len(stats.losses))
         self.wall.append(stats.wall)
+        self.update.append(stats.update)
         self.started_at.append(stats.started_at)
         self.busy.append(stats.busy)
         self.cpu.append(stats.cpu)

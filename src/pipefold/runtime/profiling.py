@@ -243,13 +243,14 @@ def _shared_means(values: list[tuple[float, ...]], kinds: dict[tuple[Any, ...], 
 
 
 def measure_layers(layers: Sequence[nn.Module], sample: Any, target: Any, loss_fn: Callable[..., torch.Tensor], *,
-                   microbatches: int = 1, repeats: int = 7, stage_layers: int = 1,
+                   microbatches: int = 1, repeats: int = 7, stage_layers: int = 1, optimizer: str | None = None,
                    progress: Progress | None = None) -> list[LayerProfile]:
     """Each layer's figures: its passes' times from :func:`time_in_stages` (``stage_layers`` at a time, as a rank
     holds them: the caches see what the run's do), a split backward's B and W and a fused one's BW (a fused
     backward does less than B and W: it need not find and restart where W starts); layers that are the same
     computation (type, parameter shapes, input shapes) share their mean. Bytes come from :func:`layer_memory`
-    (the runtime's meter).
+    (the runtime's meter). With ``optimizer`` (a name ``pipefold train --optimizer`` takes), what the step after
+    the schedule spends on each layer's parameters (:func:`_update_seconds`).
     """
     _check_repeats(repeats)
     held = layer_memory(layers, sample, loss_fn=loss_fn, target=target)
@@ -268,11 +269,46 @@ def measure_layers(layers: Sequence[nn.Module], sample: Any, target: Any, loss_f
             layer.zero_grad(set_to_none=True)
     _shared_means(times, kinds)
     w_depth = [next((d for kind, d in depth.items() if i in kinds[kind]), 0.0) for i in range(len(layers))]
+    update = [0.0] * len(layers) if optimizer is None else [_update_seconds(layer, optimizer, repeats)
+                                                             for layer in layers]
     return [LayerProfile(f=f, b=b, w=w, bw=bw, held=int(h), held_w=int(hw), params=_param_bytes(layer),
                          out=0 if i == last else _output_bytes(t.out), nodes=_graph_nodes(layer, t.x), w_depth=d,
-                         tensors=_tensor_bytes(layer))
-            for i, ((f, b, w, bw), (h, hw), layer, t, d) in enumerate(zip(times, held, layers, timed, w_depth,
-                                                                           strict=True))]
+                         tensors=_tensor_bytes(layer), update=u)
+            for i, ((f, b, w, bw), (h, hw), layer, t, d, u) in enumerate(zip(times, held, layers, timed, w_depth,
+                                                                              update, strict=True))]
+
+
+def _update_seconds(layer: nn.Module, optimizer: str, repeats: int) -> float:
+    """Seconds the step after the schedule spends on ``layer``'s parameters: the gradients' check
+    (:func:`pipefold.runtime.numerics.local_check`, its sum of squares) and the step of ``optimizer`` made as a run
+    makes it (:class:`pipefold.runtime.settings.Optimizer`); the median of ``repeats`` after a warm-up, on
+    gradients of ones. The weights are put back as they were."""
+    from pipefold.runtime.numerics import local_check
+    from pipefold.runtime.settings import Optimizer
+
+    params = [p for p in layer.parameters() if p.requires_grad]
+    if not params:
+        return 0.0
+    kept = [p.detach().clone() for p in params]
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    device = params[0].device
+    opt = Optimizer(name=optimizer).make(params)
+    sync = torch.cuda.synchronize if device.type == "cuda" else _nothing
+    times = []
+    for _ in range(repeats + 1):
+        sync()
+        t0 = time.perf_counter()
+        local_check(params, (), device)
+        opt.step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    with torch.no_grad():
+        for p, k, g in zip(params, kept, grads, strict=True):
+            p.copy_(k)
+            p.grad = g
+    return statistics.median(times[1:])
 
 
 def measure_pass_fixed(repeats: int = 30) -> tuple[float, float, float]:
@@ -1004,7 +1040,7 @@ def _sharded(rank: int, port: int, ranks: int, tp: int, train: dict[str, Any], r
         x, y = model.batch_at(0)
         sample, target = split_batch(x, m)[0], y.chunk(m)[0]
         measured = measure_layers(layers, sample, target, model.loss, microbatches=m, repeats=repeats,
-                                  stage_layers=stage_layers)
+                                  stage_layers=stage_layers, optimizer=train.get("optimizer"))
         counts = _collectives(layers, sample, target, model.loss)
         if rank == 0:
             out.put([dataclasses.replace(row, collectives=n) for row, n in zip(measured, counts, strict=True)])
@@ -1089,7 +1125,8 @@ def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int 
     # Timed as many at a time as a rank will hold (an even split over ``devices``): what the caches see in the run.
     measured = measure_layers(every, split_batch(x, microbatches)[0], y.chunk(microbatches)[0], built.loss,
                               microbatches=microbatches, repeats=repeats,
-                              stage_layers=layers_per_rank(len(every), devices), progress=progress)
+                              stage_layers=layers_per_rank(len(every), devices), optimizer=optimizer,
+                              progress=progress)
     # A stage's worth of layers from the heaviest one (a transformer block, not the embedding) stands for a rank's
     # work: its weights and activations, not one layer's, are what the ranks' caches and memory bus share.
     heaviest = max(range(len(measured) - 1), key=lambda i: measured[i].f + measured[i].b + measured[i].w)

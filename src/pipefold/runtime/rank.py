@@ -202,11 +202,13 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
             stats = _tracked_step(executor, params, xs, ys, _shapes(x))
         else:
             stats = executor.run_step(xs, ys, _shapes(x))
+        scheduled = time.perf_counter()
         for wrapper in offloaded:
             wrapper.evict_all()  # every layer home, with its gradient, before the optimizer reads it
         tied.reduce()  # copies of a shared weight on several stages: each gets the sum of their gradients
         activity.wait("the step's check", "the all-reduce of the gradient norm", everyone, action=False)
         _update(job, params, counted, opt, stage_opts, stage_snaps, stats, device)
+        stats.update = time.perf_counter() - scheduled
         if stats.skipped and work is not None and before is not None:
             work.restore(before)
         if job.save_grads_of_step == step:
