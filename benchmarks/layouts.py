@@ -6,9 +6,10 @@ divides its heads and the world (``pipefold profile --tp``, ``--devices`` the wo
 the cores). Then for every layout of the world (:func:`pipefold.plan.budget.every_layout`) the planner's best 1f1b
 plan on that layout alone runs for a few steps, and its prediction is put beside the measurement:
 
-- step time: the profile's prediction against the median measured step (with min..max), and where a rank's step
-  goes: its passes and its waits on messages and collectives (the median rank, :func:`pipefold.runtime.measure.
-  step_parts`);
+- step time: the profile's prediction against the median measured step (with min..max), the schedule and the
+  update after it (the gradients' check, the optimizer step, ZeRO-1's sharing), and where a rank's step goes: its
+  passes and its waits on messages and collectives (the median rank, :func:`pipefold.runtime.measure.
+  step_parts`), and the slowest rank's update against the profile's;
 - peak per rank: the prediction against the runtime's meter plus the weights, gradients and optimizer state
   counted from the tensors, and against torch's MemTracker (an independent tracker of every tensor) in one step;
 - collective bytes per rank and step, in closed form: each block's two tensor-parallel all-reduces in F and two
@@ -111,8 +112,12 @@ def bench_world(world: int, steps: int) -> list[dict[str, Any]]:
                # Each rank's step taken apart (runtime.measure.step_parts), the median rank: its passes, and its
                # waits on messages and collectives (gradients' all-reduce, FSDP's gather and reduce-scatter).
                "compute_s": statistics.median(p["compute"] for p in got["step_parts"]),
-               "predicted_compute_s": b.makespan * (1 - b.bubble_ratio),  # a device's passes, the mean device
-               "waits_s": statistics.median(p["recv wait"] + p["send wait"] for p in got["step_parts"])}
+               "predicted_compute_s": got["predicted"]["busy_s"],  # a device's passes, the mean device
+               "waits_s": statistics.median(p["recv wait"] + p["send wait"] for p in got["step_parts"]),
+               # After the schedule: the check and the optimizer step, the slowest rank's (the runtime's own clock)
+               # against the profile's layers' updates and the collectives after the step.
+               "update_s": max(p["update"] for p in got["step_parts"]),
+               "predicted_update_s": got["predicted"]["update_s"]}
         sent, formula, counted = collective_bytes(profile, layout, b.layer_stages,
                                                   int(MODEL["microbatches"]) // layout.dp)
         row.update(collective_bytes_per_rank=sent, tp_all_reduces_closed_form=formula,
@@ -122,7 +127,9 @@ def bench_world(world: int, steps: int) -> list[dict[str, Any]]:
               f"{row['measured_step_s'] * 1e3:.1f} ms (x{row['step_ratio']:.2f}); peak per rank predicted "
               f"{max(predicted_peak) / 2**20:.2f} MiB, measured {max(peaks) / 2**20:.2f} MiB "
               f"(worst rank off by {row['peak_ratio_worst'] - 1:.1%}); a rank's passes {row['compute_s'] * 1e3:.0f} "
-              f"ms (predicted {row['predicted_compute_s'] * 1e3:.0f}), its waits {row['waits_s'] * 1e3:.0f} ms",
+              f"ms (predicted {row['predicted_compute_s'] * 1e3:.0f}), its waits {row['waits_s'] * 1e3:.0f} ms, "
+              f"the update after the schedule {row['update_s'] * 1e3:.1f} ms (predicted "
+              f"{row['predicted_update_s'] * 1e3:.1f})",
               flush=True)
     return rows
 

@@ -64,7 +64,9 @@ def run_plan(plan: dict[str, Any], steps: int) -> dict[str, Any]:
     checks = [r.steps[steps - 1].memory_check or {} for r in reports]
     return {"schedule": plan["schedule"], "layers_per_stage": [len(p) for p in job.layer_stages],
             "recompute": list(job.recompute or ()),
-            "predicted": {"step_time_s": result.makespan, "bubble_ratio": result.bubble_ratio, "peak_bytes": peaks},
+            "predicted": {"step_time_s": result.makespan, "bubble_ratio": result.bubble_ratio, "peak_bytes": peaks,
+                          "busy_s": sum(result.busy) / len(result.busy),
+                          "update_s": result.makespan - result.timeline.makespan()},
             "measured": got, "step_parts": step_parts(reports),
             "memtracker_activation_bytes": [c.get("tracker_between_actions", 0) for c in checks],
             "meter_activation_bytes_same_step": [c.get("meter_between_actions", 0) for c in checks]}

@@ -110,7 +110,8 @@ def step_parts(reports: list[RankReport], warmup: int = 1) -> list[dict[str, flo
     """Where each rank's step goes, medians over its fully kept steps after the first ``warmup``: ``step`` (the
     executor's wall time), ``compute`` (its passes, from its own events), ``recv wait`` (blocked on a receive),
     ``send wait`` (on the delivery of sends), ``runtime`` (the rest: the executor's own work between passes,
-    posting receives and sends, bookkeeping) and ``cpu`` (the operating system's CPU seconds of the process)."""
+    posting receives and sends, bookkeeping), ``cpu`` (the operating system's CPU seconds of the process) and
+    ``update`` (after the schedule: the check and the optimizer step)."""
     out = []
     for r in reports:
         rows = []
@@ -120,7 +121,7 @@ def step_parts(reports: list[RankReport], warmup: int = 1) -> list[dict[str, flo
             recv = sum(e.end - e.start for e in st.events if e.kind == "recv")
             sent = sum(e.end - e.start for e in st.events if e.kind not in COMPUTE_KINDS and e.kind != "recv")
             rows.append({"step": st.wall, "compute": compute, "recv wait": recv, "send wait": sent,
-                         "runtime": st.wall - compute - recv - sent, "cpu": st.cpu})
+                         "runtime": st.wall - compute - recv - sent, "cpu": st.cpu, "update": st.update})
         out.append({k: statistics.median(row[k] for row in rows) for k in rows[0]})
     return out
 

@@ -490,8 +490,9 @@ class SimResult:
 
     @property
     def bubble_ratio(self) -> float:
-        """1 - busy time / (devices x makespan)."""
-        span = self.makespan
+        """1 - busy time / (devices x the schedule's makespan): what follows the schedule (``after_step``) is no
+        bubble of it, as the run's measured bubbles leave it out too."""
+        span = self.timeline.makespan()
         # The mean busy time over the makespan: the same ratio, without overflowing near the largest float.
         return 1.0 - sum(b / self.schedule.devices for b in self.busy) / span if span else 0.0
 
