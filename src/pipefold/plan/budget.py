@@ -518,22 +518,24 @@ _CHECK_BYTES = 32
 
 
 def after_schedule(profile: Profile, layout: Layout, cost: CostModel, held: Sequence[Sequence[LayerProfile]]) -> float:
-    """Seconds a step takes after its schedule, the devices holding ``held``: where the profile measured the
-    layers' update (``LayerProfile.update``), the gradients' check (an all-reduce over every rank) and the
+    """Seconds a step takes after its schedule, the devices holding ``held``. Where the profile measured the
+    layers' update (``LayerProfile.update``): the gradients' check (an all-reduce over every rank) and the
     slowest device's update of its layers: all of them, with ZeRO-1 its heaviest copy's share (in bytes), with
-    FSDP its shards (1/dp); and with ZeRO-1 the copies' sharing of what each stepped (:func:`zero1_sharing`)."""
+    FSDP its shards (1/dp, and what DTensors add per tensor: ``Profile.fsdp_update``). With ZeRO-1, the copies'
+    sharing of what each stepped (:func:`zero1_sharing`) comes on top."""
+    measured = any(x.update for x in profile.layers)
     updates = []
     for layers in held:
-        seconds = sum(x.update for x in layers)
-        if layout.sharding == "fsdp":
-            seconds /= layout.dp
+        seconds = sum(x.update for x in layers) if measured else 0.0
+        if measured and layout.sharding == "fsdp":  # its shards, each tensor a DTensor
+            tensors = sum(len(x.tensors) or int(x.params > 0) for x in layers)
+            seconds = seconds / layout.dp + profile.fsdp_update * tensors
         elif layout.sharding == "zero1" and seconds:
             sizes = [t for x in layers for t in (x.tensors or (x.params,))]
             seconds *= heaviest_share(sizes, layout.dp) / max(1, sum(sizes))
         if layout.sharding == "zero1":
             seconds += zero1_sharing(profile, layout, cost, layers)
         updates.append(seconds)
-    measured = any(x.update for x in profile.layers)
     check = cost.allreduce_time(_CHECK_BYTES, layout.dp * sum(layout.degrees)) if measured else 0.0
     return check + max(updates, default=0.0)
 

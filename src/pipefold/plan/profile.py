@@ -128,6 +128,9 @@ class Profile:
     k ranks, the others computing (:func:`pipefold.runtime.profiling.measure_fsdp`): latency per FSDP unit (a
     layer), bandwidth in bytes of the whole parameters. Empty in a profile from before it was measured: half an
     all-reduce each."""
+    fsdp_update: float = 0.0
+    """Seconds more per tensor that the update after the schedule takes on FSDP's shards (DTensors) than on plain
+    tensors (:func:`pipefold.runtime.profiling.measure_fsdp`; 0: not measured)."""
     zero1: dict[int, tuple[float, float]] = field(default_factory=dict)
     """By group size k: (latency seconds per parameter tensor, bandwidth in bytes of the parameters per second) of
     ZeRO-1's sharing of the stepped parameters among k copies after the step, one broadcast per tensor from the
@@ -183,7 +186,7 @@ class Profile:
                 "tp_ranks": {str(t): n for t, n in sorted(self.tp_ranks.items())},
                 "allreduce": {str(k): list(fit) for k, fit in sorted(self.allreduce.items())},
                 "fsdp": {str(k): [list(gather), list(scatter)] for k, (gather, scatter) in sorted(self.fsdp.items())},
-                "fsdp_passes": [list(fit) for fit in self.fsdp_passes],
+                "fsdp_passes": [list(fit) for fit in self.fsdp_passes], "fsdp_update": self.fsdp_update,
                 "zero1": {str(k): list(fit) for k, fit in sorted(self.zero1.items())},
                 "tied": [list(group) for group in self.tied]}
 
@@ -209,6 +212,7 @@ class Profile:
                       fsdp={int(k): ((float(g[0]), float(g[1])), (float(r[0]), float(r[1])))
                             for k, (g, r) in data.get("fsdp", {}).items()},
                       fsdp_passes=tuple((float(once), float(unit)) for once, unit in data.get("fsdp_passes", ())),
+                      fsdp_update=float(data.get("fsdp_update", 0.0)),
                       zero1={int(k): (float(lat), float(bw)) for k, (lat, bw) in data.get("zero1", {}).items()},
                       tied=tuple(tuple(int(i) for i in group) for group in data.get("tied", ())))
         except ConfigError:
@@ -228,6 +232,8 @@ class Profile:
         if any(k < 2 or not (math.isfinite(lat) and lat >= 0 and bw > 0) for k, (lat, bw) in self.allreduce.items()):
             raise ConfigError(f"{where}: an all-reduce fit is a group of >= 2 ranks, latency >= 0 and bandwidth > 0 "
                               f"(got {self.allreduce})")
+        if not (math.isfinite(self.fsdp_update) and self.fsdp_update >= 0):
+            raise ConfigError(f"{where}: fsdp_update is seconds per tensor >= 0 (got {self.fsdp_update})")
         if any(k < 2 or not (math.isfinite(lat) and lat >= 0 and bw > 0) for k, (lat, bw) in self.zero1.items()):
             raise ConfigError(f"{where}: a ZeRO-1 fit is a group of >= 2 ranks, latency >= 0 and bandwidth > 0 "
                               f"(got {self.zero1})")

@@ -78,8 +78,9 @@ def write_measured_trace(reports: list[RankReport], path: str) -> None:
 def measured_summary(reports: list[RankReport], warmup: int = 1) -> dict[str, Any]:
     """What a run measured, in the planner's terms, over the steps after the first ``warmup`` ones:
     - the median step time, from the first rank's start to the last rank's end: the schedule and what follows it
-      (the gradients' check, the optimizer step, ZeRO-1's sharing), as the plan predicts it; and the median of the
-      schedule's alone (``schedule_time_s``);
+      (the gradients' check, the optimizer step, ZeRO-1's sharing), as the plan predicts it; the median of the
+      schedule's alone (``schedule_time_s``), and of the time from the last rank's end of its schedule to the
+      step's end (``after_schedule_s``: the plan's ``after_step``);
     - the bubble ratio, 1 - busy / (ranks x the schedule's time), and the CPU time the processes spent over ranks x
       that time (the operating system's count, a check on busy time where each rank has a core of its own);
     - each rank's peak bytes: the most activations its meter held in any step, plus its parameters,
@@ -93,11 +94,15 @@ def measured_summary(reports: list[RankReport], warmup: int = 1) -> dict[str, An
                 - min(r.steps.started_at[i] for r in reports) for i in later]
 
     walls, schedules = spans(True), spans(False)
+    # After the last rank's schedule: what the step's tail took (a rank that ended earlier waits in the check).
+    tails = [max(r.steps.started_at[i] + r.steps.wall[i] + r.steps.update[i] for r in reports)
+             - max(r.steps.started_at[i] + r.steps.wall[i] for r in reports) for i in later]
     step = statistics.median(schedules)  # the schedule's, what bubbles are a part of
     busy = [statistics.median(r.steps.busy[i] for i in later) for r in reports]
     cpu = [statistics.median(r.steps.cpu[i] for i in later) for r in reports]
     return {"step_time_s": statistics.median(walls), "step_time_spread_s": [min(walls), max(walls)],
             "schedule_time_s": step, "schedule_time_spread_s": [min(schedules), max(schedules)],
+            "after_schedule_s": statistics.median(tails),
             "bubble_ratio": 1.0 - sum(busy) / (len(reports) * step) if step else 0.0,
             "cpu_utilization": sum(cpu) / (len(reports) * step) if step else 0.0,
             "activation_peak_bytes": [r.steps.peak_activation_bytes for r in reports],

@@ -811,10 +811,38 @@ def _fsdp(rank: int, port: int, ranks: int, sizes: Sequence[int], rounds: int, o
                     scatters.append(t1 - t0)
                     gathers.append(t2 - t1)
             result[_REDUCE_PIECES * width * width * 4] = (statistics.mean(gathers), statistics.mean(scatters))
-        passes = _fsdp_passes(mesh, rounds)
+        passes, update = _fsdp_passes(mesh, rounds), _fsdp_update(mesh, rounds)
         if rank == 0:
-            out.put((result, passes))
+            out.put((result, passes, update))
         dist.barrier()
+
+
+def _fsdp_update(mesh: Any, rounds: int) -> float:
+    """Seconds more per tensor that the update after the schedule (check and AdamW's step) takes on FSDP's shards
+    (DTensors: each operation goes through DTensor's dispatch) than on plain tensors of the same local size: a
+    stage of 8 tiny Linears sharded as the runtime shards them, its shards' update against plain copies of their
+    local parts, the medians of ``4 * rounds`` interleaved timings after a warm-up. Floored at 0."""
+    from pipefold.runtime import sharding
+    from pipefold.runtime.numerics import local_check
+    from pipefold.runtime.settings import Optimizer
+
+    stage = sharding.shard(Chain(*(nn.Linear(4, 4) for _ in range(8))), mesh)
+    shards = sharding.sharded_parameters(stage)
+    plain = [nn.Parameter(sharding.local(p.detach()).clone()) for p in shards]
+    runs: tuple[list[float], list[float]] = ([], [])
+    steppers = []
+    for params in (shards, plain):
+        for p in params:
+            p.grad = torch.ones_like(p)
+        steppers.append((params, Optimizer(name="adamw").make(params)))
+    for _ in range(4 * rounds + 1):
+        for (params, opt), times in zip(steppers, runs, strict=True):
+            t0 = time.perf_counter()
+            local_check(params, (), torch.device("cpu"))
+            opt.step()
+            times.append(time.perf_counter() - t0)
+    extra = statistics.median(runs[0][1:]) - statistics.median(runs[1][1:])
+    return max(0.0, extra / len(shards))
 
 
 _HOOK_UNITS = (1, 4)
@@ -849,20 +877,21 @@ def _fsdp_passes(mesh: Any, rounds: int) -> tuple[tuple[float, float], ...]:
 
 def measure_fsdp(ranks: int, rounds: int = 5, sizes: Sequence[int] = _REDUCE_SIZES,
                  load: tuple[dict[str, Any], tuple[int, int], int] | None = None
-                 ) -> tuple[tuple[float, float], tuple[float, float], tuple[tuple[float, float], ...]]:
+                 ) -> tuple[tuple[float, float], tuple[float, float], tuple[tuple[float, float], ...], float]:
     """FSDP among ``ranks`` local processes as the runtime runs it (:func:`_fsdp`): its gather and its
     reduce-scatter, each as (latency seconds per FSDP unit, bandwidth in bytes of the whole parameters per
     second), fitted over the sizes to units x latency + bytes / bandwidth; and what its hooks add to a sharded
-    stage's F, B, W and BW (:func:`_fsdp_passes`). What a stage sharded over data-parallel copies pays in its
-    ``AG`` and ``RS`` (torch's ``fully_shard`` copies the parameters out of the gathered buffer and the gradients
-    into the reduce-scatter's, which half a measured all-reduce leaves out) and in each of its passes. With
-    ``load``, n more processes compute meanwhile, as in :func:`measure_link`."""
-    timed, passes = _measured_under(load, _fsdp, (tuple(sizes), rounds), None, ranks)
+    stage's F, B, W and BW (:func:`_fsdp_passes`) and to its update, per tensor (:func:`_fsdp_update`). What a
+    stage sharded over data-parallel copies pays in its ``AG`` and ``RS`` (torch's ``fully_shard`` copies the
+    parameters out of the gathered buffer and the gradients into the reduce-scatter's, which half a measured
+    all-reduce leaves out), in each of its passes and after them. With ``load``, n more processes compute
+    meanwhile, as in :func:`measure_link`."""
+    timed, passes, update = _measured_under(load, _fsdp, (tuple(sizes), rounds), None, ranks)
     fits = []
     for which in (0, 1):
         latency, bandwidth = fit_link({size: times[which] for size, times in timed.items()})
         fits.append((latency / _REDUCE_PIECES, bandwidth))
-    return fits[0], fits[1], passes
+    return fits[0], fits[1], passes, update
 
 
 def _measured_under(load: tuple[dict[str, Any], tuple[int, int], int] | None, target: Callable[..., None],
@@ -1153,6 +1182,7 @@ def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int 
     allreduce: dict[int, tuple[float, float]] = {}
     fsdp: dict[int, tuple[tuple[float, float], tuple[float, float]]] = {}
     fsdp_passes: tuple[tuple[float, float], ...] = ()
+    fsdp_update = 0.0
     zero1: dict[int, tuple[float, float]] = {}  # ZeRO-1's sharing after the step, by group size
     if link:
         if progress is not None:
@@ -1170,9 +1200,10 @@ def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int 
             load = (train, chunk, devices - k) if contention else None
             allreduce[k] = measure_allreduce(k, load=load)
             zero1[k] = measure_zero1(k, load=load)
-            gather, scatter, passes = measure_fsdp(k, load=load)
+            gather, scatter, passes, update = measure_fsdp(k, load=load)
             fsdp[k] = gather, scatter
-            fsdp_passes = fsdp_passes or passes  # the hooks' work is each rank's own: the first group's
+            if not fsdp_passes:  # the hooks' and the shards' work is each rank's own: the first group's
+                fsdp_passes, fsdp_update = passes, update
         if progress is not None:
             progress("all-reduce", len(groups), len(groups))
     machine = {"host": platform.node(), "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
@@ -1185,5 +1216,6 @@ def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int 
                    tp_layers=tp_layers, tp_ranks=tp_ranks,
                    allreduce={k: _stored(fit) for k, fit in allreduce.items()},
                    fsdp={k: (_stored(gather), _stored(scatter)) for k, (gather, scatter) in fsdp.items()},
-                   fsdp_passes=fsdp_passes, zero1={k: _stored(fit) for k, fit in zero1.items()},
+                   fsdp_passes=fsdp_passes, fsdp_update=fsdp_update,
+                   zero1={k: _stored(fit) for k, fit in zero1.items()},
                    tied=tuple(tuple(sorted({i for i, _ in tie})) for tie in built.tied))
