@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+from collections.abc import Iterable
 from typing import Any
 
 from pipefold.ir import Action, Schedule
@@ -89,14 +90,10 @@ def measured_summary(reports: list[RankReport], warmup: int = 1) -> dict[str, An
     steps = len(reports[0].steps)
     later = range(warmup, steps) if steps > warmup else range(steps - 1, steps)
     # A step spans from the first rank's start to the last rank's end (ranks start apart: their clocks agree).
-    def spans(after: bool) -> list[float]:
-        return [max(r.steps.started_at[i] + r.steps.wall[i] + (r.steps.update[i] if after else 0.0) for r in reports)
-                - min(r.steps.started_at[i] for r in reports) for i in later]
-
-    walls, schedules = spans(True), spans(False)
-    # After the last rank's schedule: what the step's tail took (a rank that ended earlier waits in the check).
-    tails = [max(r.steps.started_at[i] + r.steps.wall[i] + r.steps.update[i] for r in reports)
-             - max(r.steps.started_at[i] + r.steps.wall[i] for r in reports) for i in later]
+    starts = [min(r.steps.started_at[i] for r in reports) for i in later]
+    schedules = [end - start for end, start in zip(_ends(reports, later, False), starts, strict=True)]
+    walls = [end - start for end, start in zip(_ends(reports, later, True), starts, strict=True)]
+    tails = [tail(reports, i) for i in later]
     step = statistics.median(schedules)  # the schedule's, what bubbles are a part of
     busy = [statistics.median(r.steps.busy[i] for i in later) for r in reports]
     cpu = [statistics.median(r.steps.cpu[i] for i in later) for r in reports]
@@ -109,6 +106,19 @@ def measured_summary(reports: list[RankReport], warmup: int = 1) -> dict[str, An
             "static_bytes": [r.static_bytes for r in reports],
             "gathered_bytes": [r.gathered_bytes for r in reports],
             "peak_bytes": [r.steps.peak_activation_bytes + r.static_bytes + r.gathered_bytes for r in reports]}
+
+
+def _ends(reports: list[RankReport], steps: Iterable[int], update: bool) -> list[float]:
+    """When the last rank ended each of ``steps`` (wall clock): its schedule, or with ``update`` its whole step."""
+    return [max(r.steps.started_at[i] + r.steps.wall[i] + (r.steps.update[i] if update else 0.0) for r in reports)
+            for i in steps]
+
+
+def tail(reports: list[RankReport], step: int) -> float:
+    """Seconds from the last rank's end of ``step``'s schedule to the step's end: the update after the schedule
+    (check, optimizer step, ZeRO-1's sharing) as the step pays it; a rank that ended its schedule earlier waits in
+    the check, which this leaves out."""
+    return _ends(reports, (step,), True)[0] - _ends(reports, (step,), False)[0]
 
 
 def step_parts(reports: list[RankReport], warmup: int = 1) -> list[dict[str, float]]:

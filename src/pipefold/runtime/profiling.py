@@ -744,10 +744,15 @@ def measure_allreduce(ranks: int, rounds: int = 5, sizes: Sequence[int] = _REDUC
     return fit_link(_measured_under(load, _reduce, (tuple(sizes), rounds), None, ranks))
 
 
+_ZERO1_TENSORS = 32
+"""How many tensors :func:`_zero1` shares at each size: as many as a stage has (a GPT block has 12), so the fit's
+latency is that of many broadcasts, not one extrapolated from a few."""
+
+
 def _zero1(rank: int, port: int, ranks: int, sizes: Sequence[int], rounds: int, out: Any, work: Any) -> None:
     """One of ``ranks`` processes sharing stepped parameters as ZeRO-1 does after each step
     (:meth:`pipefold.runtime.zero.ShardedOptimizer.share`: every parameter broadcast from the copy that stepped
-    it), for parameters of :data:`_REDUCE_PIECES` tensors of each size in all, ``rounds`` times after two
+    it), for parameters of :data:`_ZERO1_TENSORS` tensors of each size in all, ``rounds`` times after two
     warm-ups; rank 0 puts the mean seconds of one sharing per size on ``out``."""
     import torch.distributed as dist
 
@@ -756,7 +761,7 @@ def _zero1(rank: int, port: int, ranks: int, sizes: Sequence[int], rounds: int, 
     with _measuring_rank(rank, port, ranks):
         result = {}
         for size in sizes:
-            params = [nn.Parameter(piece.clone()) for piece in torch.zeros(size // 4).chunk(_REDUCE_PIECES)]
+            params = [nn.Parameter(piece.clone()) for piece in torch.zeros(size // 4).chunk(_ZERO1_TENSORS)]
             sharing = ShardedOptimizer(params, lambda mine: torch.optim.SGD(mine, lr=0.0), dist.group.WORLD)
             for _ in range(2):
                 sharing.share()
@@ -769,7 +774,7 @@ def _zero1(rank: int, port: int, ranks: int, sizes: Sequence[int], rounds: int, 
         dist.barrier()
 
 
-def measure_zero1(ranks: int, rounds: int = 5, sizes: Sequence[int] = _REDUCE_SIZES,
+def measure_zero1(ranks: int, rounds: int = 10, sizes: Sequence[int] = _REDUCE_SIZES,
                   load: tuple[dict[str, Any], tuple[int, int], int] | None = None) -> tuple[float, float]:
     """ZeRO-1's sharing of the stepped parameters among ``ranks`` local processes as the runtime runs it
     (:func:`_zero1`): (latency seconds per parameter tensor, bandwidth in bytes of the device's parameters per
@@ -777,7 +782,7 @@ def measure_zero1(ranks: int, rounds: int = 5, sizes: Sequence[int] = _REDUCE_SI
     its schedule: one broadcast per tensor, which half a measured all-reduce of one buffer leaves out. With
     ``load``, n more processes compute meanwhile, as in :func:`measure_link`."""
     latency, bandwidth = fit_link(_measured_under(load, _zero1, (tuple(sizes), rounds), None, ranks))
-    return latency / _REDUCE_PIECES, bandwidth
+    return latency / _ZERO1_TENSORS, bandwidth
 
 
 def _fsdp(rank: int, port: int, ranks: int, sizes: Sequence[int], rounds: int, out: Any, work: Any) -> None:

@@ -17,7 +17,7 @@ from pipefold.ir import Schedule
 from pipefold.ir.ref import ScheduleRef
 from pipefold.runtime.history import step_number
 from pipefold.runtime.job import Job, RankReport
-from pipefold.runtime.measure import measured_costs, measured_result, measured_summary, per_step
+from pipefold.runtime.measure import measured_costs, measured_result, measured_summary, per_step, tail
 from pipefold.sim.simulate import CostModel, SimResult, simulate
 from pipefold.train.reference import compare
 from pipefold.train.run import Outcome
@@ -47,8 +47,8 @@ def summarize(outcome: Outcome, *, trace: str | None = None, plot: str | None = 
         costs = dataclasses.replace(costs, activation_bytes=max(
             (b for r in reports for b in r.steps[step].link_message_bytes.values()), default=0))
         at = min(r.steps[step].started_at for r in reports) - job.origin
-    # And after the schedule, the slowest rank's update (check, optimizer step), as the measured step has it.
-    costs = dataclasses.replace(costs, after_step=max(r.steps.update[step] for r in reports))
+    # And after the schedule, its update (check, optimizer step) as the step paid it, as the measured step has it.
+    costs = dataclasses.replace(costs, after_step=tail(reports, step))
     replayed = simulate(last, costs, network=job.network, at=at)
     predicted, label = replayed, "simulated from the measured costs"
     if planned is not None and planned.plan is not None:
