@@ -326,6 +326,53 @@ def test_one_all_reduce_of_a_stages_gradients_equals_one_per_tensor(scale: float
         assert shapes == [(3, 4), (5,), (6, 4), (2,)]
 
 
+def _flat_broadcast(rank: int, port: int, src: int, out: Any) -> None:
+    import torch.distributed as dist
+
+    from pipefold.runtime.comm import FlatBroadcast
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3)
+    try:
+        def tensors(seed: int) -> list[torch.Tensor]:
+            gen = torch.Generator().manual_seed(seed)
+            return [torch.randn(3, 4, generator=gen), torch.randn(5, generator=gen),
+                    torch.randn(4, 6, generator=gen).t(),  # not contiguous: broadcast by itself
+                    torch.randn(2, generator=gen, dtype=torch.float64)]  # another dtype: a buffer of its own
+        mine = tensors(rank)
+        want = tensors(rank)
+        for w in want:
+            dist.broadcast(w, src=src)  # the reference: one call per tensor
+        storages = [t.untyped_storage().data_ptr() for t in mine]
+        FlatBroadcast(mine, src, dist.group.WORLD).wait()
+        out.put((rank, [bool(torch.equal(t, w)) for t, w in zip(mine, want, strict=True)],
+                 [t.untyped_storage().data_ptr() for t in mine] == storages, [tuple(t.shape) for t in mine]))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("src", [0, 2])
+def test_one_flat_broadcast_equals_one_per_tensor(src: int) -> None:
+    """comm.FlatBroadcast (ZeRO-1's sharing of a copy's stepped parameters): every rank ends with the source's
+    values, bit for bit those of one broadcast per tensor, in the tensors' own storages (a parameter keeps its
+    storage), a non-contiguous tensor and another dtype among them; three ranks, the source first or last."""
+    import torch.multiprocessing as mp
+
+    from pipefold.runtime.processes import free_port
+
+    ctx = mp.get_context("spawn")
+    out = ctx.SimpleQueue()
+    procs = mp.start_processes(_flat_broadcast, args=(free_port(), src, out), nprocs=3, start_method="spawn",
+                               join=False)
+    while not procs.join():
+        pass
+    for _ in range(3):
+        rank, equal, kept, shapes = out.get()
+        assert all(equal) and kept, (rank, equal, kept)
+        assert shapes == [(3, 4), (5,), (6, 4), (2,)]
+
+
 @pytest.mark.parametrize("copies", [2, 3, 4])
 def test_zero1_shares_cover_every_parameter_once_and_balance(copies: int) -> None:
     """ZeRO-1's shares: every parameter in exactly one, and the heaviest share at most the largest parameter above

@@ -254,30 +254,19 @@ def test_zero1_copies_hold_their_share_of_the_state_and_pay_a_gather_after_the_s
         assert sharded.makespan == pytest.approx(one.makespan + (units - 1) * latency, rel=1e-9)
 
 
-@pytest.mark.parametrize("recorded", [True, False])
-def test_zero1_sharing_is_priced_at_the_profiles_fit_per_tensor_and_byte(recorded: bool) -> None:
-    """A profile's ZeRO-1 fit (its copies' broadcasts as the runtime runs them: one per tensor) prices the sharing
-    after the step: the step is the plain copies' step plus, for the device that takes longest, tensors x latency
-    + parameter bytes / bandwidth (closed form), counting each layer's recorded tensors (one per layer with
-    parameters where the profile did not record them); a fit for another group size leaves it at half the
-    all-reduce (the test above)."""
-    def layer(*tensors: int) -> LayerProfile:
-        return LayerProfile(f=1e-3, b=1e-3, w=1e-3, held=1000, held_w=500, params=sum(tensors), out=64,
-                            tensors=tensors if recorded else ())
-
-    layers = (layer(40_000), *(layer(300, 90_000, 90_000, 300) for _ in range(4)), layer(600, 20_000))
-    prof = dataclasses.replace(_profile(), layers=layers, tp_layers={}, contention=(1.0,) * 8,
-                               allreduce={2: (1e-3, 1e8)})
+def test_zero1_sharing_is_priced_at_the_profiles_fit() -> None:
+    """A profile's ZeRO-1 fit (its copies' flat broadcasts as the runtime runs them) prices the sharing after the
+    step: the step is the plain copies' step plus, for the device that takes longest, latency + its parameter
+    bytes / bandwidth (closed form); a fit for another group size leaves it at half the all-reduce (the test
+    above)."""
+    prof = dataclasses.replace(_profile(), contention=(1.0,) * 8, allreduce={2: (1e-3, 1e8)})
     parts = [tuple(range(0, 3)), tuple(range(3, 6))]
     plain, _, _ = predict(prof, Layout(2, 1, 2), "1f1b", parts)
     fit = (3e-4, 4e8)
     fitted = dataclasses.replace(prof, zero1={2: fit})
     zero, _, _ = predict(fitted, Layout(2, 1, 2, "zero1"), "1f1b", parts)
-    tensors = [sum(len(layers[i].tensors) if recorded else 1 for i in part) for part in parts]
-    nbytes = [sum(layers[i].params for i in part) for part in parts]
-    assert tensors == ([1 + 4 + 4, 4 + 4 + 2] if recorded else [3, 3])
-    expected = max(n * fit[0] + b / fit[1] for n, b in zip(tensors, nbytes, strict=True))
-    assert zero.makespan == pytest.approx(plain.makespan + expected, rel=1e-9)
+    nbytes = [sum(prof.layers[i].params for i in part) for part in parts]
+    assert zero.makespan == pytest.approx(plain.makespan + fit[0] + max(nbytes) / fit[1], rel=1e-9)
     other, _, _ = predict(dataclasses.replace(prof, zero1={4: fit}), Layout(2, 1, 2, "zero1"), "1f1b", parts)
     unfitted, _, _ = predict(prof, Layout(2, 1, 2, "zero1"), "1f1b", parts)
     assert other.makespan == pytest.approx(unfitted.makespan, rel=1e-12)
@@ -317,19 +306,19 @@ def test_the_step_after_the_schedule_is_the_slowest_devices_update_and_the_check
         if how == "zero1":
             sizes = [t for x in mine for t in x.tensors]
             seconds *= max(sum(sizes[i] for i in share) for share in shares(sizes, 2)) / sum(sizes)
-            seconds += sum(len(x.tensors) for x in mine) * 3e-4 + sum(x.params for x in mine) / 4e8
+            seconds += 3e-4 + sum(x.params for x in mine) / 4e8
         updates.append(seconds)
     assert got.makespan == pytest.approx(got.timeline.makespan() + check + max(updates), rel=1e-9)
     unmeasured = dataclasses.replace(prof, layers=tuple(dataclasses.replace(x, update=0.0) for x in layers))
     bare, _, _ = predict(unmeasured, layout, "1f1b", parts)
     assert bare.timeline.makespan() == pytest.approx(got.timeline.makespan(), rel=1e-12)
     zero1_only = 0.0 if how != "zero1" else max(
-        sum(len(layers[i].tensors) for i in part) * 3e-4 + sum(layers[i].params for i in part) / 4e8 for part in parts)
+        3e-4 + sum(layers[i].params for i in part) / 4e8 for part in parts)
     assert bare.makespan == pytest.approx(bare.timeline.makespan() + zero1_only, rel=1e-9)
 
 
 def test_zero1s_sharing_among_local_ranks_costs_more_for_more_bytes() -> None:
-    """Measured on 2 ranks as the runtime shares: broadcasts of each copy's stepped tensors."""
+    """Measured on 2 ranks as the runtime shares: a flat broadcast of each copy's stepped tensors."""
     from pipefold.runtime.profiling import measure_zero1
 
     latency, bandwidth = measure_zero1(2, sizes=(64 << 10, 1 << 20, 16 << 20))

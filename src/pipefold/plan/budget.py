@@ -542,14 +542,13 @@ def after_schedule(profile: Profile, layout: Layout, cost: CostModel, held: Sequ
 
 def zero1_sharing(profile: Profile, layout: Layout, cost: CostModel, layers: Sequence[LayerProfile]) -> float:
     """Seconds ZeRO-1's copies of a device holding ``layers`` take after the step to share the parameters each
-    stepped: the profile's fit of it as the runtime runs it (per tensor and per byte) where it has one for
-    ``layout.dp`` copies, else an all-gather of the bytes (half the all-reduce)."""
+    stepped: the profile's fit of it as the runtime runs it (a latency and the bytes over a bandwidth) where it
+    has one for ``layout.dp`` copies, else an all-gather of the bytes (half the all-reduce)."""
     nbytes = sum(x.params for x in layers)
     if layout.dp not in profile.zero1:
         return cost.gather_time(nbytes, layout.dp)
     latency, bandwidth = profile.zero1[layout.dp]
-    tensors = sum(len(x.tensors) if x.tensors else int(x.params > 0) for x in layers)
-    return tensors * latency + nbytes / bandwidth
+    return latency + nbytes / bandwidth
 
 
 def stage_profiles(profile: Profile, layer_stages: Sequence[Sequence[int]]) -> list[StageProfile]:

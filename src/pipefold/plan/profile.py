@@ -132,10 +132,10 @@ class Profile:
     """Seconds more per tensor that the update after the schedule takes on FSDP's shards (DTensors) than on plain
     tensors (:func:`pipefold.runtime.profiling.measure_fsdp`; 0: not measured)."""
     zero1: dict[int, tuple[float, float]] = field(default_factory=dict)
-    """By group size k: (latency seconds per parameter tensor, bandwidth in bytes of the parameters per second) of
-    ZeRO-1's sharing of the stepped parameters among k copies after the step, one broadcast per tensor from the
-    copy that stepped it, as the runtime runs it (:func:`pipefold.runtime.profiling.measure_zero1`). Empty in a
-    profile from before it was measured: half an all-reduce."""
+    """By group size k: (latency seconds, bandwidth in bytes of the parameters per second) of ZeRO-1's sharing of
+    the stepped parameters among k copies after the step, a flat broadcast from each copy of what it stepped, as
+    the runtime runs it (:func:`pipefold.runtime.profiling.measure_zero1`). Empty in a profile from before it
+    was measured: half an all-reduce."""
     fsdp_passes: tuple[tuple[float, float], ...] = ()
     """What FSDP's hooks add to each pass of a sharded stage: for F, B, W and fused BW, (seconds once per pass,
     seconds per FSDP unit) (:func:`pipefold.runtime.profiling.measure_fsdp`). Empty in a profile from before it

@@ -366,6 +366,43 @@ class FlatAllReduce:
         self._works = []
 
 
+class FlatBroadcast:
+    """One broadcast of many tensors from ``src``, in place: per dtype, the source copies them into one buffer and
+    every rank receives that buffer in one call, then (:meth:`wait`) copies its parts into the tensors. One
+    collective's latency rather than one per tensor: on gloo, 53 tensors broadcast one by one, all in flight at
+    once, took 1 to 25 ms from run to run where their bytes alone take 3 (ZeRO-1's sharing of a GPT's stepped
+    parameters). A tensor that is not contiguous is broadcast by itself. The buffers live only until :meth:`wait`."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], src: int, group: dist.ProcessGroup) -> None:
+        mine = dist.get_rank() == src
+        kinds: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        self._works: list[tuple[dist.Work, torch.Tensor | None, list[torch.Tensor]]] = []
+        with torch.no_grad():
+            for t in tensors:
+                if t.is_contiguous():
+                    kinds.setdefault((t.dtype, t.device), []).append(t)
+                else:
+                    self._works.append((dist.broadcast(t, src=src, group=group, async_op=True), None, []))
+            for (dtype, device), same in kinds.items():
+                if mine:
+                    flat = torch.cat([t.reshape(-1) for t in same])
+                else:
+                    flat = torch.empty(sum(t.numel() for t in same), dtype=dtype, device=device)
+                work = dist.broadcast(flat, src=src, group=group, async_op=True)
+                self._works.append((work, None if mine else flat, same))
+
+    def wait(self) -> None:
+        with torch.no_grad():
+            for work, flat, same in self._works:
+                work.wait()
+                if flat is not None:
+                    at = 0
+                    for t in same:
+                        t.copy_(flat[at:at + t.numel()].view(t.shape))
+                        at += t.numel()
+        self._works = []
+
+
 def _work(send: _Send) -> dist.Work:
     assert not isinstance(send[0], (_Deferred, _Staged)), "emulated and staged links are threaded"
     return send[0]

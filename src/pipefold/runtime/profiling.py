@@ -745,22 +745,23 @@ def measure_allreduce(ranks: int, rounds: int = 5, sizes: Sequence[int] = _REDUC
 
 
 _ZERO1_TENSORS = 32
-"""How many tensors :func:`_zero1` shares at each size: as many as a stage has (a GPT block has 12), so the fit's
-latency is that of many broadcasts, not one extrapolated from a few."""
+"""How many tensors :func:`_zero1` shares at each size: as many as a stage has (a GPT block has 12), each copied
+into and out of the broadcast's buffer as the runtime copies them."""
 
 
 def _zero1(rank: int, port: int, ranks: int, sizes: Sequence[int], rounds: int, out: Any, work: Any) -> None:
     """One of ``ranks`` processes sharing stepped parameters as ZeRO-1 does after each step
     (:meth:`pipefold.runtime.zero.ShardedOptimizer.share`: every parameter broadcast from the copy that stepped
     it), for parameters of :data:`_ZERO1_TENSORS` tensors of each size in all, ``rounds`` times after two
-    warm-ups; rank 0 puts the mean seconds of one sharing per size on ``out``."""
+    warm-ups (and the largest size's sharing once before any: a group's first collectives are slow to start);
+    rank 0 puts the mean seconds of one sharing per size on ``out``."""
     import torch.distributed as dist
 
     from pipefold.runtime.zero import ShardedOptimizer
 
     with _measuring_rank(rank, port, ranks):
         result = {}
-        for size in sizes:
+        for size in (max(sizes), *sizes):
             params = [nn.Parameter(piece.clone()) for piece in torch.zeros(size // 4).chunk(_ZERO1_TENSORS)]
             sharing = ShardedOptimizer(params, lambda mine: torch.optim.SGD(mine, lr=0.0), dist.group.WORLD)
             for _ in range(2):
@@ -777,12 +778,11 @@ def _zero1(rank: int, port: int, ranks: int, sizes: Sequence[int], rounds: int, 
 def measure_zero1(ranks: int, rounds: int = 10, sizes: Sequence[int] = _REDUCE_SIZES,
                   load: tuple[dict[str, Any], tuple[int, int], int] | None = None) -> tuple[float, float]:
     """ZeRO-1's sharing of the stepped parameters among ``ranks`` local processes as the runtime runs it
-    (:func:`_zero1`): (latency seconds per parameter tensor, bandwidth in bytes of the device's parameters per
-    second), fitted over the sizes to tensors x latency + bytes / bandwidth. What a step with ZeRO-1 pays after
-    its schedule: one broadcast per tensor, which half a measured all-reduce of one buffer leaves out. With
+    (:func:`_zero1`): (latency seconds, bandwidth in bytes of the device's parameters per second), fitted over the
+    sizes to latency + bytes / bandwidth. What a step with ZeRO-1 pays after its schedule: a broadcast from
+    each copy of its share, copied into and out of a buffer, which half a measured all-reduce leaves out. With
     ``load``, n more processes compute meanwhile, as in :func:`measure_link`."""
-    latency, bandwidth = fit_link(_measured_under(load, _zero1, (tuple(sizes), rounds), None, ranks))
-    return latency / _ZERO1_TENSORS, bandwidth
+    return fit_link(_measured_under(load, _zero1, (tuple(sizes), rounds), None, ranks))
 
 
 def _fsdp(rank: int, port: int, ranks: int, sizes: Sequence[int], rounds: int, out: Any, work: Any) -> None:

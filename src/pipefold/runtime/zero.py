@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipefold.plan.shares import shares
+from pipefold.runtime.comm import FlatBroadcast
 from pipefold.runtime.sharding import local
 
 __all__ = ["AnyOptimizer", "ShardedOptimizer", "holding"]
@@ -51,13 +52,13 @@ class ShardedOptimizer:
 
     @torch.no_grad()
     def share(self) -> None:
-        """Each parameter from its owner, into its own storage (no staging copy), all in flight at once: what
-        every copy does after its step (and what the profile times, :func:`pipefold.runtime.profiling.
-        measure_zero1`)."""
-        pending = [dist.broadcast(local(p.detach()), src=self.ranks[owner], group=self.group, async_op=True)
-                   for owner, share in enumerate(self.shares) for p in share]
-        for work in pending:
-            work.wait()
+        """Each copy's stepped parameters to the others, from their owner into their own storage: one flat
+        broadcast per owner (:class:`~pipefold.runtime.comm.FlatBroadcast`), all in flight at once. What every
+        copy does after its step, and what the profile times (:func:`pipefold.runtime.profiling.measure_zero1`)."""
+        pending = [FlatBroadcast([local(p.detach()) for p in share], self.ranks[owner], self.group)
+                   for owner, share in enumerate(self.shares) if share]
+        for each in pending:
+            each.wait()
 
 
 AnyOptimizer = torch.optim.Optimizer | ShardedOptimizer
