@@ -278,20 +278,24 @@ def test_zero1_sharing_is_priced_at_the_profiles_fit() -> None:
             Profile.from_dict(data)
 
 
+@pytest.mark.parametrize("rising", [False, True])
 @pytest.mark.parametrize("how", ["none", "zero1", "fsdp"])
-def test_the_step_after_the_schedule_is_the_slowest_devices_update_and_the_check(how: str) -> None:
+def test_the_step_after_the_schedule_is_the_slowest_devices_update_and_the_check(how: str, rising: bool) -> None:
     """Where the profile measured each layer's update (check and optimizer step), the step is its schedule plus,
     after it, the check's all-reduce over every rank and the slowest device's update (closed form): every layer
     of its own whole, with FSDP 1/dp of it (its shards) and the profile's ``fsdp_update`` per tensor, with ZeRO-1
     the heaviest copy's share in bytes plus the sharing of the stepped parameters. A profile without the figures
-    adds nothing but ZeRO-1's sharing (as before they were measured)."""
+    adds nothing but ZeRO-1's sharing (as before they were measured). Where ranks share cores, every rank updates
+    at once: the updates take as much longer as a pass with all 4 ranks computing (``rising``: 2.5 times)."""
     def layer(update: float, *tensors: int) -> LayerProfile:
         return LayerProfile(f=1e-3, b=1e-3, w=1e-3, held=1000, held_w=500, params=sum(tensors), out=64,
                             tensors=tensors, update=update)
 
     layers = (layer(1e-4, 40_000), layer(2e-3, 300, 90_000, 90_000, 300), layer(2e-3, 300, 90_000, 90_000, 300),
               layer(0.0), layer(5e-4, 600, 20_000))
-    prof = dataclasses.replace(_profile(), layers=layers, tp_layers={}, contention=(1.0,) * 8,
+    contention = (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5) if rising else (1.0,) * 8
+    factor = 2.5 if rising else 1.0  # 2 devices computing, each standing for its 2 copies' ranks: 4 at once
+    prof = dataclasses.replace(_profile(), layers=layers, tp_layers={}, contention=contention,
                                allreduce={2: (1e-3, 1e8), 4: (2e-3, 1e8)}, zero1={2: (3e-4, 4e8)}, fsdp_update=1e-4)
     parts = [(0, 1), (2, 3, 4)]
     layout = Layout(2, 1, 2, how)
@@ -306,6 +310,8 @@ def test_the_step_after_the_schedule_is_the_slowest_devices_update_and_the_check
         if how == "zero1":
             sizes = [t for x in mine for t in x.tensors]
             seconds *= max(sum(sizes[i] for i in share) for share in shares(sizes, 2)) / sum(sizes)
+        seconds *= factor
+        if how == "zero1":
             seconds += 3e-4 + sum(x.params for x in mine) / 4e8
         updates.append(seconds)
     assert got.makespan == pytest.approx(got.timeline.makespan() + check + max(updates), rel=1e-9)

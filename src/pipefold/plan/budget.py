@@ -521,9 +521,12 @@ def after_schedule(profile: Profile, layout: Layout, cost: CostModel, held: Sequ
     """Seconds a step takes after its schedule, the devices holding ``held``. Where the profile measured the
     layers' update (``LayerProfile.update``): the gradients' check (an all-reduce over every rank) and the
     slowest device's update of its layers: all of them, with ZeRO-1 its heaviest copy's share (in bytes), with
-    FSDP its shards (1/dp, and what DTensors add per tensor: ``Profile.fsdp_update``). With ZeRO-1, the copies'
-    sharing of what each stepped (:func:`zero1_sharing`) comes on top."""
+    FSDP its shards (1/dp, and what DTensors add per tensor: ``Profile.fsdp_update``). Every rank updates at
+    once, so where they share cores each update is as much longer as a pass with every device computing
+    (``profile.contention``, the layout's). With ZeRO-1, the copies' sharing of what each stepped
+    (:func:`zero1_sharing`) comes on top."""
     measured = any(x.update for x in profile.layers)
+    sharing = slowdown(profile.contention, len(held))
     updates = []
     for layers in held:
         seconds = sum(x.update for x in layers) if measured else 0.0
@@ -533,6 +536,7 @@ def after_schedule(profile: Profile, layout: Layout, cost: CostModel, held: Sequ
         elif layout.sharding == "zero1" and seconds:
             sizes = [t for x in layers for t in (x.tensors or (x.params,))]
             seconds *= heaviest_share(sizes, layout.dp) / max(1, sum(sizes))
+        seconds *= sharing
         if layout.sharding == "zero1":
             seconds += zero1_sharing(profile, layout, cost, layers)
         updates.append(seconds)
