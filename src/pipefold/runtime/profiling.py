@@ -279,22 +279,33 @@ def measure_layers(layers: Sequence[nn.Module], sample: Any, target: Any, loss_f
 
 
 def _update_seconds(layer: nn.Module, optimizer: str, repeats: int) -> float:
-    """Seconds the step after the schedule spends on ``layer``'s parameters: the gradients' check
-    (:func:`pipefold.runtime.numerics.local_check`, its sum of squares) and the step of ``optimizer`` made as a run
-    makes it (:class:`pipefold.runtime.settings.Optimizer`); the median of ``repeats`` after a warm-up, on
-    gradients of ones. The weights are put back as they were."""
-    from pipefold.runtime.numerics import local_check
-    from pipefold.runtime.settings import Optimizer
-
+    """Seconds the step after the schedule spends on ``layer``'s parameters (:func:`_timed_update`); its weights
+    and gradients are put back as they were."""
     params = [p for p in layer.parameters() if p.requires_grad]
     if not params:
         return 0.0
     kept = [p.detach().clone() for p in params]
     grads = [p.grad for p in params]
+    seconds = _timed_update(params, optimizer, repeats)
+    with torch.no_grad():
+        for p, k, g in zip(params, kept, grads, strict=True):
+            p.copy_(k)
+            p.grad = g
+    return seconds
+
+
+def _timed_update(params: Sequence[nn.Parameter], optimizer: str, repeats: int) -> float:
+    """The median seconds of ``repeats`` updates of ``params`` after a warm-up, each the gradients' check (its sum
+    of squares, :func:`pipefold.runtime.numerics.local_check`) and a step of ``optimizer`` made as a run makes it
+    (:class:`pipefold.runtime.settings.Optimizer`), on gradients of ones (the parameters change)."""
+    from pipefold.runtime.numerics import local_check
+    from pipefold.runtime.settings import Optimizer
+    from pipefold.runtime.sharding import local
+
     for p in params:
         p.grad = torch.ones_like(p)
-    device = params[0].device
-    opt = Optimizer(name=optimizer).make(params)
+    device = local(params[0]).device
+    opt = Optimizer(name=optimizer).make(list(params))
     sync = torch.cuda.synchronize if device.type == "cuda" else _nothing
     times = []
     for _ in range(repeats + 1):
@@ -304,10 +315,6 @@ def _update_seconds(layer: nn.Module, optimizer: str, repeats: int) -> float:
         opt.step()
         sync()
         times.append(time.perf_counter() - t0)
-    with torch.no_grad():
-        for p, k, g in zip(params, kept, grads, strict=True):
-            p.copy_(k)
-            p.grad = g
     return statistics.median(times[1:])
 
 
@@ -751,8 +758,8 @@ into and out of the broadcast's buffer as the runtime copies them."""
 
 def _zero1(rank: int, port: int, ranks: int, sizes: Sequence[int], rounds: int, out: Any, work: Any) -> None:
     """One of ``ranks`` processes sharing stepped parameters as ZeRO-1 does after each step
-    (:meth:`pipefold.runtime.zero.ShardedOptimizer.share`: every parameter broadcast from the copy that stepped
-    it), for parameters of :data:`_ZERO1_TENSORS` tensors of each size in all, ``rounds`` times after two
+    (:meth:`pipefold.runtime.zero.ShardedOptimizer.share`: each copy's stepped parameters broadcast from it in one
+    flat buffer), for parameters of :data:`_ZERO1_TENSORS` tensors of each size in all, ``rounds`` times after two
     warm-ups (and the largest size's sharing once before any: a group's first collectives are slow to start);
     rank 0 puts the mean seconds of one sharing per size on ``out``."""
     import torch.distributed as dist
@@ -785,7 +792,8 @@ def measure_zero1(ranks: int, rounds: int = 10, sizes: Sequence[int] = _REDUCE_S
     return fit_link(_measured_under(load, _zero1, (tuple(sizes), rounds), None, ranks))
 
 
-def _fsdp(rank: int, port: int, ranks: int, sizes: Sequence[int], rounds: int, out: Any, work: Any) -> None:
+def _fsdp(rank: int, port: int, ranks: int, sizes: Sequence[int], rounds: int, optimizer: str, out: Any,
+          work: Any) -> None:
     """One of ``ranks`` processes running FSDP's gather and reduce-scatter of a stage as the runtime's ``AG`` and
     ``RS`` do (:mod:`pipefold.runtime.sharding`: torch's ``fully_shard``, one unit per layer), on stages of
     :data:`_REDUCE_PIECES` bias-free Linears whose whole parameters are each size, ``rounds`` times after two
@@ -816,37 +824,23 @@ def _fsdp(rank: int, port: int, ranks: int, sizes: Sequence[int], rounds: int, o
                     scatters.append(t1 - t0)
                     gathers.append(t2 - t1)
             result[_REDUCE_PIECES * width * width * 4] = (statistics.mean(gathers), statistics.mean(scatters))
-        passes, update = _fsdp_passes(mesh, rounds), _fsdp_update(mesh, rounds)
+        passes, update = _fsdp_passes(mesh, rounds), _fsdp_update(mesh, rounds, optimizer)
         if rank == 0:
             out.put((result, passes, update))
         dist.barrier()
 
 
-def _fsdp_update(mesh: Any, rounds: int) -> float:
-    """Seconds more per tensor that the update after the schedule (check and AdamW's step) takes on FSDP's shards
-    (DTensors: each operation goes through DTensor's dispatch) than on plain tensors of the same local size: a
-    stage of 8 tiny Linears sharded as the runtime shards them, its shards' update against plain copies of their
-    local parts, the medians of ``4 * rounds`` interleaved timings after a warm-up. Floored at 0."""
+def _fsdp_update(mesh: Any, rounds: int, optimizer: str) -> float:
+    """Seconds more per tensor that the update after the schedule (:func:`_timed_update`, ``optimizer``'s) takes
+    on FSDP's shards (DTensors: each operation goes through DTensor's dispatch) than on plain tensors of the same
+    local size: a stage of 8 tiny Linears sharded as the runtime shards them, its shards against plain copies of
+    their local parts, ``4 * rounds`` updates of each. Floored at 0."""
     from pipefold.runtime import sharding
-    from pipefold.runtime.numerics import local_check
-    from pipefold.runtime.settings import Optimizer
 
     stage = sharding.shard(Chain(*(nn.Linear(4, 4) for _ in range(8))), mesh)
     shards = sharding.sharded_parameters(stage)
     plain = [nn.Parameter(sharding.local(p.detach()).clone()) for p in shards]
-    runs: tuple[list[float], list[float]] = ([], [])
-    steppers = []
-    for params in (shards, plain):
-        for p in params:
-            p.grad = torch.ones_like(p)
-        steppers.append((params, Optimizer(name="adamw").make(params)))
-    for _ in range(4 * rounds + 1):
-        for (params, opt), times in zip(steppers, runs, strict=True):
-            t0 = time.perf_counter()
-            local_check(params, (), torch.device("cpu"))
-            opt.step()
-            times.append(time.perf_counter() - t0)
-    extra = statistics.median(runs[0][1:]) - statistics.median(runs[1][1:])
+    extra = _timed_update(shards, optimizer, 4 * rounds) - _timed_update(plain, optimizer, 4 * rounds)
     return max(0.0, extra / len(shards))
 
 
@@ -881,17 +875,17 @@ def _fsdp_passes(mesh: Any, rounds: int) -> tuple[tuple[float, float], ...]:
 
 
 def measure_fsdp(ranks: int, rounds: int = 5, sizes: Sequence[int] = _REDUCE_SIZES,
-                 load: tuple[dict[str, Any], tuple[int, int], int] | None = None
+                 load: tuple[dict[str, Any], tuple[int, int], int] | None = None, optimizer: str = "adamw"
                  ) -> tuple[tuple[float, float], tuple[float, float], tuple[tuple[float, float], ...], float]:
     """FSDP among ``ranks`` local processes as the runtime runs it (:func:`_fsdp`): its gather and its
     reduce-scatter, each as (latency seconds per FSDP unit, bandwidth in bytes of the whole parameters per
     second), fitted over the sizes to units x latency + bytes / bandwidth; and what its hooks add to a sharded
-    stage's F, B, W and BW (:func:`_fsdp_passes`) and to its update, per tensor (:func:`_fsdp_update`). What a
-    stage sharded over data-parallel copies pays in its ``AG`` and ``RS`` (torch's ``fully_shard`` copies the
-    parameters out of the gathered buffer and the gradients into the reduce-scatter's, which half a measured
-    all-reduce leaves out), in each of its passes and after them. With ``load``, n more processes compute
-    meanwhile, as in :func:`measure_link`."""
-    timed, passes, update = _measured_under(load, _fsdp, (tuple(sizes), rounds), None, ranks)
+    stage's F, B, W and BW (:func:`_fsdp_passes`) and to its update with ``optimizer``, per tensor
+    (:func:`_fsdp_update`). What a stage sharded over data-parallel copies pays in its ``AG`` and ``RS`` (torch's
+    ``fully_shard`` copies the parameters out of the gathered buffer and the gradients into the reduce-scatter's,
+    which half a measured all-reduce leaves out), in each of its passes and after them. With ``load``, n more
+    processes compute meanwhile, as in :func:`measure_link`."""
+    timed, passes, update = _measured_under(load, _fsdp, (tuple(sizes), rounds, optimizer), None, ranks)
     fits = []
     for which in (0, 1):
         latency, bandwidth = fit_link({size: times[which] for size, times in timed.items()})
@@ -1205,7 +1199,7 @@ def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int 
             load = (train, chunk, devices - k) if contention else None
             allreduce[k] = measure_allreduce(k, load=load)
             zero1[k] = measure_zero1(k, load=load)
-            gather, scatter, passes, update = measure_fsdp(k, load=load)
+            gather, scatter, passes, update = measure_fsdp(k, load=load, optimizer=optimizer)
             fsdp[k] = gather, scatter
             if not fsdp_passes:  # the hooks' and the shards' work is each rank's own: the first group's
                 fsdp_passes, fsdp_update = passes, update
