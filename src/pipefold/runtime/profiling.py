@@ -844,15 +844,18 @@ def _fsdp_update(mesh: Any, rounds: int, optimizer: str) -> float:
     return max(0.0, extra / len(shards))
 
 
-_HOOK_UNITS = (1, 4)
-"""The stages :func:`_fsdp_passes` times, in FSDP units: two points fix what a pass pays once and per unit."""
+_HOOK_UNITS = (1, 8)
+"""The stages :func:`_fsdp_passes` times, in FSDP units: two points fix what a pass pays once and per unit, far
+enough apart that 7 units' hooks (near a millisecond) stand above a loaded machine's noise (with 1 and 4, a CI
+run beside the suite's other tests once found no cost per unit at all)."""
 
 
 def _fsdp_passes(mesh: Any, rounds: int) -> tuple[tuple[float, float], ...]:
     """What FSDP's hooks add to a sharded stage's passes: for F, B, W and fused BW, (seconds once per pass, seconds
     per FSDP unit). A stage of tiny Linears (one unit each, as :func:`pipefold.runtime.sharding.shard` makes them)
     runs on the runtime's runner sharded and gathered, and the same stage unsharded beside it; each pass's
-    difference of medians over ``4 * rounds`` runs, at 1 and at 4 units, is fitted to a line. Floored at 0."""
+    difference of medians over ``6 * rounds`` runs, at each of :data:`_HOOK_UNITS`, is fitted to a line. Floored
+    at 0."""
     from pipefold.runtime import sharding
 
     x = (torch.ones(1, 4),)
@@ -861,7 +864,7 @@ def _fsdp_passes(mesh: Any, rounds: int) -> tuple[tuple[float, float], ...]:
         plain = Chain(*(nn.Linear(4, 4) for _ in range(units)))
         runners = (StageRunner(plain), StageRunner(sharding.shard(copy.deepcopy(plain), mesh)))
         runs: tuple[list[tuple[float, ...]], list[tuple[float, ...]]] = ([], [])
-        for k in range(4 * rounds + 1):
+        for k in range(6 * rounds + 1):
             for runner, times in zip(runners, runs, strict=True):  # side by side: the machine's drift is shared
                 split = run_passes(runner, 2 * k, x)[0]
                 times.append((*split, run_passes(runner, 2 * k + 1, x, fused=True)[0][1]))
