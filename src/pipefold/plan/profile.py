@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pipefold.errors import ConfigError
+from pipefold.sim.simulate import fits_hold
 
 __all__ = ["LayerProfile", "Profile", "fit_link"]
 
@@ -229,16 +230,15 @@ class Profile:
         if self.tp < 1 or any(t < 1 or len(layers) != len(self.layers) for t, layers in self.tp_layers.items()):
             raise ConfigError(f"{where}: each tensor-parallel degree is >= 1 and measures every layer "
                               f"({len(self.layers)})")
-        if any(k < 2 or not (math.isfinite(lat) and lat >= 0 and bw > 0) for k, (lat, bw) in self.allreduce.items()):
+        if not all(fits_hold(k, (fit,)) for k, fit in self.allreduce.items()):
             raise ConfigError(f"{where}: an all-reduce fit is a group of >= 2 ranks, latency >= 0 and bandwidth > 0 "
                               f"(got {self.allreduce})")
         if not (math.isfinite(self.fsdp_update) and self.fsdp_update >= 0):
             raise ConfigError(f"{where}: fsdp_update is seconds per tensor >= 0 (got {self.fsdp_update})")
-        if any(k < 2 or not (math.isfinite(lat) and lat >= 0 and bw > 0) for k, (lat, bw) in self.zero1.items()):
+        if not all(fits_hold(k, (fit,)) for k, fit in self.zero1.items()):
             raise ConfigError(f"{where}: a ZeRO-1 fit is a group of >= 2 ranks, latency >= 0 and bandwidth > 0 "
                               f"(got {self.zero1})")
-        if any(k < 2 or not all(math.isfinite(lat) and lat >= 0 and bw > 0 for lat, bw in fits)
-               for k, fits in self.fsdp.items()):
+        if not all(fits_hold(k, fits) for k, fits in self.fsdp.items()):
             raise ConfigError(f"{where}: an FSDP fit is a group of >= 2 ranks, each of its gather and reduce-scatter "
                               f"with latency >= 0 and bandwidth > 0 (got {self.fsdp})")
         if self.fsdp_passes and (len(self.fsdp_passes) != 4 or not all(

@@ -34,7 +34,7 @@ from __future__ import annotations
 import itertools
 import math
 import operator
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -47,8 +47,8 @@ from pipefold.ir import KINDS, Action, Graph, Kind, Schedule, dependency_graph
 from pipefold.ir.graph import ActionTable, action_table
 from pipefold.sim.network import Network, Wire
 
-__all__ = ["CostModel", "Interval", "SimResult", "StageCost", "StageOverride", "Timeline", "memory_deltas",
-           "ring_allreduce", "ring_fit", "ring_gather",
+__all__ = ["CostModel", "Interval", "SimResult", "StageCost", "StageOverride", "Timeline", "fits_hold",
+           "memory_deltas", "ring_allreduce", "ring_fit", "ring_gather",
            "peak_by_order", "simulate", "slowdown", "split_backward"]
 
 
@@ -224,13 +224,12 @@ class CostModel:
                for m in (self.mesh if isinstance(self.mesh, tuple) else (self.mesh,))) or self.mesh == ():
             raise ConfigError(f"cost mesh is the ranks of each device: an integer >= 1, or one per device "
                               f"(got {self.mesh!r})")
-        for k, (lat, bw) in self.allreduce_fits.items():
-            if not (isinstance(k, int) and k >= 2 and math.isfinite(lat) and lat >= 0 and bw > 0):
+        for k, fit in self.allreduce_fits.items():
+            if not fits_hold(k, (fit,)):
                 raise ConfigError(f"an all-reduce fit is a group of >= 2 devices, latency >= 0 and bandwidth > 0 "
-                                  f"(got {k}: {(lat, bw)})")
+                                  f"(got {k}: {fit})")
         for k, fits in self.sharded_fits.items():
-            if not (isinstance(k, int) and k >= 2
-                    and all(math.isfinite(lat) and lat >= 0 and bw > 0 for lat, bw in fits)):
+            if not fits_hold(k, fits):
                 raise ConfigError(f"an FSDP fit is a group of >= 2 devices, each of its gather and reduce-scatter with "
                                   f"latency >= 0 and bandwidth > 0 (got {k}: {fits})")
         for stage, cost in self.stage_overrides.items():
@@ -350,6 +349,13 @@ class CostModel:
                                          "stash": None if c.stash is None else dict(c.stash)}
                                 for s, c in self.stage_overrides.items()},
         }
+
+
+def fits_hold(group: object, fits: Iterable[tuple[float, float]]) -> bool:
+    """Whether measured fits of a collective among ``group`` ranks are usable: a group of 2 or more, each fit a
+    finite latency >= 0 and a bandwidth > 0 (what :class:`CostModel` and a profile file accept)."""
+    return (isinstance(group, int) and not isinstance(group, bool) and group >= 2
+            and all(math.isfinite(lat) and lat >= 0 and bw > 0 for lat, bw in fits))
 
 
 def ring_allreduce(nbytes: float, k: int, latency: float, bandwidth: float) -> float:
