@@ -659,6 +659,21 @@ _REDUCE_PIECES = 4
 """How many tensors each size is split into: a stage's gradients are several, copied into one buffer."""
 
 
+def _mean_seconds(call: Callable[[], object], rounds: int) -> float:
+    """The mean seconds of ``rounds`` calls of ``call`` in a row, after two warm-ups (connections and first
+    allocations): a collective's cost as a run pays it, every call counted."""
+    for _ in range(2):
+        call()
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        call()
+    return (time.perf_counter() - t0) / rounds
+
+
+def _all_reduced(grads: list[torch.Tensor], group: Any, scale: float) -> None:
+    FlatAllReduce(grads, group, scale=scale).wait()
+
+
 def _reduce(rank: int, port: int, ranks: int, sizes: Sequence[int], rounds: int, out: Any, work: Any) -> None:
     """One of ``ranks`` processes all-reducing gradients of each size ``rounds`` times in a row, as the runtime's
     DP action does (:class:`~pipefold.runtime.comm.FlatAllReduce`: scaled to the mean on their way into one
@@ -674,12 +689,7 @@ def _reduce(rank: int, port: int, ranks: int, sizes: Sequence[int], rounds: int,
         for size in sizes:
             # Each piece a tensor of its own, as parameters' gradients are.
             grads = [piece.clone() for piece in torch.zeros(size // 4, dtype=torch.float32).chunk(_REDUCE_PIECES)]
-            for _ in range(2):  # warm-ups: connections and first allocations
-                FlatAllReduce(grads, world, scale=1.0 / ranks).wait()
-            t0 = time.perf_counter()
-            for _ in range(rounds):
-                FlatAllReduce(grads, world, scale=1.0 / ranks).wait()
-            result[size] = (time.perf_counter() - t0) / rounds
+            result[size] = _mean_seconds(functools.partial(_all_reduced, grads, world, 1.0 / ranks), rounds)
         if rank == 0:
             out.put(result)
         dist.barrier()
@@ -771,12 +781,7 @@ def _zero1(rank: int, port: int, ranks: int, sizes: Sequence[int], rounds: int, 
         for size in (max(sizes), *sizes):
             params = [nn.Parameter(piece.clone()) for piece in torch.zeros(size // 4).chunk(_ZERO1_TENSORS)]
             sharing = ShardedOptimizer(params, lambda mine: torch.optim.SGD(mine, lr=0.0), dist.group.WORLD)
-            for _ in range(2):
-                sharing.share()
-            t0 = time.perf_counter()
-            for _ in range(rounds):
-                sharing.share()
-            result[size] = (time.perf_counter() - t0) / rounds
+            result[size] = _mean_seconds(sharing.share, rounds)
         if rank == 0:
             out.put(result)
         dist.barrier()
