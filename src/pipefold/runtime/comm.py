@@ -58,7 +58,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -335,28 +335,22 @@ class FlatAllReduce:
     The profile times this same class (:func:`pipefold.runtime.profiling.measure_allreduce`)."""
 
     def __init__(self, tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, *, scale: float = 1.0) -> None:
-        kinds: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        kinds, alone = _flat_kinds(tensors)
         self._works: list[dist.Work] = []
         self.moved = 0
         with torch.no_grad():
-            for t in tensors:
-                if t.is_contiguous():
-                    kinds.setdefault((t.dtype, t.device), []).append(t)
-                else:
-                    if scale != 1.0:
-                        t.mul_(scale)
-                    self._works.append(dist.all_reduce(t, group=group, async_op=True))
+            for t in alone:
+                if scale != 1.0:
+                    t.mul_(scale)
+                self._works.append(dist.all_reduce(t, group=group, async_op=True))
             for (dtype, device), same in kinds.items():
                 flat = torch.empty(sum(t.numel() for t in same), dtype=dtype, device=device)
-                at = 0
-                for t in same:
-                    part = flat[at:at + t.numel()]
+                for at, t, part in _parts(flat, same):
                     if scale != 1.0:
                         torch.mul(t.reshape(-1), scale, out=part)
                     else:
                         part.copy_(t.reshape(-1))
                     t.set_(flat.untyped_storage(), at, t.shape, t.stride())  # it now lives in its part of flat
-                    at += t.numel()
                 self.moved += flat.untyped_storage().nbytes()
                 self._works.append(dist.all_reduce(flat, group=group, async_op=True))
 
@@ -375,14 +369,11 @@ class FlatBroadcast:
 
     def __init__(self, tensors: Sequence[torch.Tensor], src: int, group: dist.ProcessGroup) -> None:
         mine = dist.get_rank() == src
-        kinds: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        kinds, alone = _flat_kinds(tensors)
         self._works: list[tuple[dist.Work, torch.Tensor | None, list[torch.Tensor]]] = []
         with torch.no_grad():
-            for t in tensors:
-                if t.is_contiguous():
-                    kinds.setdefault((t.dtype, t.device), []).append(t)
-                else:
-                    self._works.append((dist.broadcast(t, src=src, group=group, async_op=True), None, []))
+            for t in alone:
+                self._works.append((dist.broadcast(t, src=src, group=group, async_op=True), None, []))
             for (dtype, device), same in kinds.items():
                 if mine:
                     flat = torch.cat([t.reshape(-1) for t in same])
@@ -396,11 +387,31 @@ class FlatBroadcast:
             for work, flat, same in self._works:
                 work.wait()
                 if flat is not None:
-                    at = 0
-                    for t in same:
-                        t.copy_(flat[at:at + t.numel()].view(t.shape))
-                        at += t.numel()
+                    for _, t, part in _parts(flat, same):
+                        t.copy_(part.view(t.shape))
         self._works = []
+
+
+def _flat_kinds(tensors: Sequence[torch.Tensor]) -> tuple[dict[tuple[torch.dtype, torch.device], list[torch.Tensor]],
+                                                          list[torch.Tensor]]:
+    """What a flat collective moves in one buffer per dtype and device (the contiguous tensors, by kind), and what it
+    moves one by one (the others, which no flat buffer can hold as they are laid out)."""
+    kinds: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    alone = []
+    for t in tensors:
+        if t.is_contiguous():
+            kinds.setdefault((t.dtype, t.device), []).append(t)
+        else:
+            alone.append(t)
+    return kinds, alone
+
+
+def _parts(flat: torch.Tensor, same: Sequence[torch.Tensor]) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(offset, tensor, its part of ``flat``) for each of ``same``, laid end to end in ``flat``."""
+    at = 0
+    for t in same:
+        yield at, t, flat[at:at + t.numel()]
+        at += t.numel()
 
 
 def _work(send: _Send) -> dist.Work:
