@@ -113,7 +113,7 @@ def memory(out: Path, quick: bool) -> dict[str, Any]:
             check = step.memory_check
             ranks.append({"meter": step.peak_activation_bytes, "allocator_between": check["allocator_between_actions"],
                           "allocator_peak": check["allocator_peak"], "tracker_peak": check["tracker_peak"],
-                          "predicted": pred, "wall_s": step.wall})
+                          "predicted": pred})
         rows[name] = {"ranks": ranks, "split": [len(p) for p in job.layer_stages]}
     base = {k: max(r[k] for r in rows["1f1b"]["ranks"]) for k in ("meter", "allocator_between", "predicted")}
     table = []
@@ -163,8 +163,9 @@ def _memory_figure(rows: dict[str, Any], path: Path) -> None:
 
 
 def _median_wall(reports: list[Any]) -> tuple[float, float]:
-    """Median over the steps after the first of the slowest rank's step time, and the spread (max - min)."""
-    walls = [max(r.steps.wall[i] for r in reports) for i in range(1, len(reports[0].steps.wall))]
+    """Median over the steps after the first that ran plain (``StepHistory.timed``) of the slowest rank's step time,
+    and the spread (max - min)."""
+    walls = [max(r.steps.wall[i] for r in reports) for i in reports[0].steps.timed(1)]
     return statistics.median(walls), max(walls) - min(walls)
 
 

@@ -6,13 +6,14 @@ import json
 import math
 import pickle
 import random
+import statistics
 import tracemalloc
 from pathlib import Path
 
 import pytest
 
 from pipefold.runtime.executor import Event, StepStats
-from pipefold.runtime.history import StepHistory, StepNotKept
+from pipefold.runtime.history import StepHistory, StepNotKept, unchecked
 
 
 def _stats(step: int, rng: random.Random) -> StepStats:
@@ -60,6 +61,64 @@ def test_columns_hold_every_step_and_records_only_the_kept() -> None:
     # It travels (the launcher gets it by pickle) whole.
     back = pickle.loads(pickle.dumps(h))
     assert back.kept() == h.kept() and list(back.wall) == list(h.wall)
+
+
+def test_a_checked_step_is_left_out_of_timings() -> None:
+    """Steps checked as well (torch's MemTracker, --check's gradients) are slower: timings read the others, and
+    all of them where every one was checked."""
+    rng = random.Random(2)
+    h = StepHistory(keep_first=3, keep=[6])
+    for i in range(8):
+        st = _stats(i, rng)
+        st.checked = i in (2, 6)
+        h.add(st)
+    assert list(h.checked) == [0, 0, 1, 0, 0, 0, 1, 0]
+    assert h.timed(1) == [1, 3, 4, 5, 7] and h.settled(1) == [1, 7]  # kept in full: 0, 1, 2, 6 and the last
+    assert h.timed(7) == [7] and h.timed(8) == [7] and h.timed(0) == [0, 1, 3, 4, 5, 7]
+    only = StepHistory(keep_first=3, keep=[1])
+    for i in range(2):
+        st = _stats(i, rng)
+        st.checked = i == 1
+        only.add(st)
+    assert only.timed(1) == [1] and only.settled(1) == [1]  # nothing plain after the warm-up: the checked one
+    assert unchecked("abc", [False, True, False]) == ["a", "c"] and unchecked("ab", [True, True]) == ["a", "b"]
+    with pytest.raises(ValueError):
+        unchecked("ab", [True])
+
+
+@pytest.mark.parametrize("checks", [{"verify_memory_step": 2}, {"save_grads_of_step": 1},
+                                    {"verify_memory_step": 3, "save_grads_of_step": 2}])
+def test_a_run_times_the_steps_it_did_not_check(checks: dict[str, int]) -> None:
+    """A real run of 5 steps on 2 ranks with a step measured by torch's MemTracker, one that saved its gradients
+    for --check, or both: every rank marks those steps, and the run's measurement (step time, its spread, busy
+    time, the parts of a step) reads the other steps after the first, recomputed here from the ranks' columns."""
+    import dataclasses
+
+    from pipefold.runtime.local import run_local
+    from pipefold.runtime.measure import measured_summary, step_parts
+    from pipefold.train.prepare import make_job
+    from pipefold.train.spec import RunSpec
+
+    job = make_job(RunSpec.flat(schedule="1f1b", devices=2, microbatches=4, steps=5, model="mlp", layers=4,
+                                hidden=32, batch=16, partition="even"))
+    reports = run_local(dataclasses.replace(job, **checks))
+    checked = sorted(checks.values())
+    plain = [i for i in range(1, 5) if i not in checked]
+    for r in reports:
+        assert [i for i in range(5) if r.steps.checked[i]] == checked
+        assert r.steps.timed(1) == plain == r.steps.settled(1)
+    got = measured_summary(reports)
+    assert got["steps"] == plain
+    walls = [max(r.steps.started_at[i] + r.steps.wall[i] + r.steps.update[i] for r in reports)
+             - min(r.steps.started_at[i] for r in reports) for i in plain]
+    assert got["step_time_s"] == pytest.approx(statistics.median(walls))
+    assert got["step_time_spread_s"] == pytest.approx([min(walls), max(walls)])
+    schedule = statistics.median(max(r.steps.started_at[i] + r.steps.wall[i] for r in reports)
+                                 - min(r.steps.started_at[i] for r in reports) for i in plain)
+    busy = sum(statistics.median(r.steps.busy[i] for i in plain) for r in reports)
+    assert got["bubble_ratio"] == pytest.approx(1 - busy / (2 * schedule))
+    for r, part in zip(reports, step_parts(reports), strict=True):
+        assert part["step"] == pytest.approx(statistics.median(r.steps.wall[i] for i in plain))
 
 
 def test_memory_is_flat_in_the_number_of_steps() -> None:

@@ -162,6 +162,10 @@ class StepStats:
     rolled_back: bool = False
     """The optimizer had stepped before the global check (post-validation, or a schedule's OPT actions) and the
     step was undone: to be skipped, or redone with clipped gradients."""
+    checked: bool = False
+    """The step ran checked as well: its memory measured a second way (``Job.verify_memory_step``: torch's
+    MemTracker around every operation) or its gradients kept for ``--check`` (``Job.save_grads_of_step``). Such a
+    step takes longer than a plain one, so no timing reads it (:meth:`pipefold.runtime.history.StepHistory.timed`)."""
 
 
 def kind_times(steps: Sequence[StepStats]) -> dict[int, dict[str, float]]:

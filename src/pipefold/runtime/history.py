@@ -19,9 +19,11 @@ from __future__ import annotations
 import math
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
-from typing import overload
+from typing import TypeVar, overload
 
 from pipefold.runtime.executor import StepStats
+
+T = TypeVar("T")
 
 KEEP_FIRST = 20
 """Steps kept in full from the start by default (a run of the CLI's default 20 steps keeps all of them)."""
@@ -32,6 +34,14 @@ def step_number(index: int) -> int:
     from 1 in every progress line, summary, error, warning and figure ('step 3/20', 'rank 1 hung in 1F0 of step 3'),
     and a checkpoint named ``step-N`` holds the weights after step N, so resuming from it runs step N + 1 next."""
     return index + 1
+
+
+def unchecked(items: Sequence[T], checked: Sequence[bool]) -> list[T]:
+    """Of steps (or what stands for them), those that ran plain, not checked as well (:attr:`StepStats.checked`:
+    torch's MemTracker around every operation made such a step up to 1.7 times longer); where every one was
+    checked, all of them. What every timing of steps reads: the run's measurement, K-FAC's placement again, the
+    adaptive schedule's choice."""
+    return [x for x, c in zip(items, checked, strict=True) if not c] or list(items)
 
 
 class StepNotKept(LookupError):
@@ -72,6 +82,8 @@ class StepHistory(Sequence[StepStats]):
         """Per step: 1 where the gradients were clipped."""
         self.rolled_back = array("b")
         """Per step: 1 where an optimizer step taken before the check was rolled back (post-validation)."""
+        self.checked = array("b")
+        """Per step: 1 where the step ran checked as well (:attr:`StepStats.checked`), which times leave out."""
         self._schedule = array("H")
         self._schedules: list[str] = []
 
@@ -92,6 +104,7 @@ class StepHistory(Sequence[StepStats]):
         self.grad_norm.append(math.nan if stats.grad_norm is None else stats.grad_norm)
         self.clipped.append(int(bool(stats.clipped)))
         self.rolled_back.append(int(bool(stats.rolled_back)))
+        self.checked.append(int(bool(stats.checked)))
         if stats.schedule not in self._schedules:
             self._schedules.append(stats.schedule)
         self._schedule.append(self._schedules.index(stats.schedule))
@@ -107,10 +120,17 @@ class StepHistory(Sequence[StepStats]):
         """The steps whose full record is kept, in order."""
         return sorted(self._full)
 
+    def timed(self, warmup: int) -> list[int]:
+        """The steps a timing reads: those after the first ``warmup`` (or else the last step) that ran plain
+        (:func:`unchecked`)."""
+        after = range(warmup, self._count) if self._count > warmup else range(self._count - 1, self._count)
+        return unchecked(list(after), [bool(self.checked[i]) for i in after])
+
     def settled(self, warmup: int) -> list[int]:
-        """The kept steps after the first ``warmup``, or else the last kept one: those a measurement reads."""
-        kept = self.kept()
-        return [i for i in kept if i >= warmup] or kept[-1:]
+        """The fully kept steps among those a timing reads (:meth:`timed`), or else the last kept one: what a
+        measurement from the steps' timelines reads."""
+        kept = set(self.kept())
+        return [i for i in self.timed(warmup) if i in kept] or sorted(kept)[-1:]
 
     def schedule(self, step: int) -> str:
         """The schedule step ``step`` ran, as a spec (``kfkb:k=2``)."""

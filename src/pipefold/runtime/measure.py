@@ -77,7 +77,8 @@ def write_measured_trace(reports: list[RankReport], path: str) -> None:
 
 
 def measured_summary(reports: list[RankReport], warmup: int = 1) -> dict[str, Any]:
-    """What a run measured, in the planner's terms, over the steps after the first ``warmup`` ones:
+    """What a run measured, in the planner's terms, over the steps after the first ``warmup`` ones that ran plain
+    (:meth:`~pipefold.runtime.history.StepHistory.timed`; ``steps`` lists them, numbered from 0):
     - the median step time, from the first rank's start to the last rank's end: the schedule and what follows it
       (the gradients' check, the optimizer step, ZeRO-1's sharing), as the plan predicts it; the median of the
       schedule's alone (``schedule_time_s``), and of the time from the last rank's end of its schedule to the
@@ -87,8 +88,7 @@ def measured_summary(reports: list[RankReport], warmup: int = 1) -> dict[str, An
     - each rank's peak bytes: the most activations its meter held in any step, plus its parameters,
       gradients and optimizer state, and with FSDP its stages' parameters and gradients gathered whole (held
       from each stage's ``AG`` to its ``RS``)."""
-    steps = len(reports[0].steps)
-    later = range(warmup, steps) if steps > warmup else range(steps - 1, steps)
+    later = reports[0].steps.timed(warmup)  # every rank ran the same steps checked
     # A step spans from the first rank's start to the last rank's end (ranks start apart: their clocks agree).
     starts = [min(r.steps.started_at[i] for r in reports) for i in later]
     schedules = [end - start for end, start in zip(_ends(reports, later, False), starts, strict=True)]
@@ -97,7 +97,8 @@ def measured_summary(reports: list[RankReport], warmup: int = 1) -> dict[str, An
     step = statistics.median(schedules)  # the schedule's, what bubbles are a part of
     busy = [statistics.median(r.steps.busy[i] for i in later) for r in reports]
     cpu = [statistics.median(r.steps.cpu[i] for i in later) for r in reports]
-    return {"step_time_s": statistics.median(walls), "step_time_spread_s": [min(walls), max(walls)],
+    return {"steps": list(later),
+            "step_time_s": statistics.median(walls), "step_time_spread_s": [min(walls), max(walls)],
             "schedule_time_s": step, "schedule_time_spread_s": [min(schedules), max(schedules)],
             "after_schedule_s": statistics.median(tails),
             "bubble_ratio": 1.0 - sum(busy) / (len(reports) * step) if step else 0.0,

@@ -23,7 +23,7 @@ from pipefold.ir.ref import ScheduleRef
 from pipefold.runtime import numerics, sharding, sockets
 from pipefold.runtime.executor import RankExecutor, StepStats
 from pipefold.runtime.faults import Faults
-from pipefold.runtime.history import StepHistory, step_number
+from pipefold.runtime.history import StepHistory, step_number, unchecked
 from pipefold.runtime.numerics import clip_factor, local_check, scale_grads, verdict
 from pipefold.runtime.stage import Chain, Tensors, as_tuple, split_batch
 from pipefold.runtime.tied import TiedGrads, untie
@@ -151,7 +151,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     keep = {s for s in (job.save_grads_of_step, job.verify_memory_step) if s is not None}
     history = StepHistory(job.keep_steps, keep)  # every step's numbers; in full only the steps that need it
     # What refilling K-FAC's placement and adapting the schedule learn from: their own windows of full records.
-    learning: list[StepStats] = []
+    learning: list[tuple[StepStats, Schedule]] = []  # each step to learn from, with the schedule it ran
     recent: collections.deque[StepStats] = collections.deque(maxlen=job.adaptive.every if job.adaptive else 1)
     grads = None
     m = job.schedule.microbatches
@@ -218,9 +218,10 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
                      for name, p in _named(job, chains) if p.grad is not None}
         activity.run("the step's report", action=False)
         stats.schedule, stats.predicted = str(ScheduleRef.of(choices[current])), predicted
+        stats.checked = step in keep  # the memory check's or --check's step: slower, and left out of timings
         history.add(stats)
         if job.refill is not None and 1 <= step < job.refill.after:
-            learning.append(stats)
+            learning.append((stats, choices[current]))
         if job.adaptive is not None:
             recent.append(stats)
         if on_step is not None and global_rank == 0:  # the global loss (every pipeline, replica): rank 0 knows it
@@ -243,9 +244,9 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
         else:
             bad_run = 0
         if job.refill is not None and step + 1 == job.refill.after and step + 1 < job.steps:
-            ran = [choices[(i - cycle_from) % len(choices)] for i in range(1, step + 1)]
+            timed = unchecked(learning, [st.checked for st, _ in learning])
             activity.wait("placing K-FAC's work again", "every rank's times", everyone, action=False)
-            filled = _refill(job.refill, learning, ran, rank, world)
+            filled = _refill(job.refill, [st for st, _ in timed], [ran for _, ran in timed], rank, world)
             learning.clear()
             choices, cycle_from = filled.cycle, step + 1
             for each in executors.values():
@@ -256,7 +257,8 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
         adaptive = job.adaptive
         if adaptive is not None and (step + 1) % adaptive.every == 0 and step + 1 < job.steps:
             optimizers = [o for o in (opt, *stage_opts.values()) if o is not None]
-            summary = adaptive.summarize(list(recent), _static_bytes(params, optimizers))
+            plain = unchecked(list(recent), [st.checked for st in recent])
+            summary = adaptive.summarize(plain, _static_bytes(params, optimizers))
             activity.wait("choosing the next schedule", "every rank's summary", everyone, action=False)
             gathered: list[Any] = [None] * world if rank == 0 else []
             dist.gather_object(summary, gathered if rank == 0 else None, dst=0)

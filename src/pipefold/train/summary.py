@@ -34,7 +34,7 @@ def summarize(outcome: Outcome, *, trace: str | None = None, plot: str | None = 
     ``plot`` the measured step drawn above the predicted one (or, on a changing network, every step's time)."""
     spec, job, everyone, planned = outcome.spec, outcome.job, outcome.reports, outcome.planned
     reports = [r for r in everyone if r.pipeline == 0]
-    step = len(reports[0].steps) - 1  # the last step: warmed up
+    step = reports[0].steps.settled(1)[-1]  # the last step a timing reads: warmed up, and not checked as well
     last = _ran(job, reports[0].steps[step].schedule, step)
     peaks: list[int] | None = None
     # The simulator fed with this run's own measured costs: what it predicts, next to what was measured.
@@ -209,7 +209,7 @@ def _train_summary(spec: RunSpec, job: Job, reports: list[RankReport], predicted
         "stages": job.schedule.stages, "microbatches": job.schedule.microbatches, "model": spec.model.name,
         "layers": job.extra["num_layers"], "partition": spec.memory.partition, "p2p": reports[0].p2p,
         "boundaries": [stage[0] for stage in job.layer_stages], "loss": losses, "step_time_s": step_time,
-        "busy_s": [statistics.fmean(r.steps.busy[1:] or r.steps.busy) for r in reports],
+        "busy_s": [statistics.fmean(r.steps.busy[i] for i in r.steps.timed(1)) for r in reports],
         "peak_activation_bytes": [r.steps.peak_activation_bytes for r in reports],
         "predicted_peak_bytes": [round(x) for x in (predicted.peak_memory if peaks is None else peaks)],
         "predicted_step_s": predicted.makespan,
