@@ -49,7 +49,7 @@ def measure(hidden: int, stage: int, rows: int, rounds: int, laps: int) -> dict[
         out["alone"].append(_plain(layers[:1], x, laps))
         out["among"].append(_plain(layers, x, laps))
         for key, k in (("timer 1", 1), ("timer stage", stage)):
-            timed = time_in_stages(layers, x.detach(), stage_layers=k, repeats=3, fused=False)
+            timed, _ = time_in_stages(layers, x.detach(), stage_layers=k, repeats=3, fused=False, whole=False)
             out[key].append(statistics.median(t.f + t.b + t.w for t in timed))
     for layer in layers:
         layer.zero_grad(set_to_none=True)

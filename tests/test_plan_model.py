@@ -16,7 +16,7 @@ from pipefold import schedules
 from pipefold.errors import ConfigError
 from pipefold.ir import dependency_graph
 from pipefold.plan.budget import Layout, ModelPoint, model_costs, plan_model, predict, read_plan, stage_profiles
-from pipefold.plan.profile import LayerProfile, Profile, fit_link
+from pipefold.plan.profile import LayerProfile, Profile, fit_link, pass_fixed_of, stage_passes
 from pipefold.plan.recompute import plan_recompute
 from pipefold.sim.simulate import KINDS, CostModel, _shared_times, simulate
 from pipefold.train.spec import RunSpec
@@ -154,27 +154,74 @@ def test_a_stage_w_walks_the_graph_below_each_layer() -> None:
 
 def test_a_stage_pays_the_runners_fixed_work_once_per_pass() -> None:
     # Each layer's own timing includes the runner's fixed work per pass once; a stage of k layers pays it once, so
-    # its F, B and BW are the sums less k - 1 of it, and never less than its slowest layer's.
-    rows = [LayerProfile(f=f, b=2 * f, w=0.5, bw=3 * f, held=0, held_w=0, params=0, out=0) for f in (1.0, 2.0, 3.0)]
-    prof = dataclasses.replace(_profile(3), layers=tuple(rows), pass_fixed=(0.1, 0.2, 0.3))
+    # its F, B, W and BW are the sums less k - 1 of it, and never less than its slowest layer's.
+    rows = [LayerProfile(f=f, b=2 * f, w=0.5 * f, bw=3 * f, held=0, held_w=0, params=0, out=0) for f in (1.0, 2.0, 3.0)]
+    prof = dataclasses.replace(_profile(3), layers=tuple(rows), pass_fixed=(0.1, 0.2, 0.05, 0.3))
     [stage] = stage_profiles(prof, [(0, 1, 2)])
-    assert stage.times[:2] == pytest.approx((6.0 - 2 * 0.1, 12.0 - 2 * 0.2))
+    assert stage.times == pytest.approx((6.0 - 2 * 0.1, 12.0 - 2 * 0.2, 3.0 - 2 * 0.05))
     assert stage.fused_time == pytest.approx(18.0 - 2 * 0.3)
-    huge = dataclasses.replace(prof, pass_fixed=(5.0, 0.0, 0.0))
-    assert stage_profiles(huge, [(0, 1, 2)])[0].times[0] == 3.0
-    assert stage_profiles(prof, [(1,)])[0].times[:2] == (2.0, 4.0)  # one layer: nothing to take off
+    huge = dataclasses.replace(prof, pass_fixed=(5.0, 0.0, 9.0, 0.0))
+    assert stage_profiles(huge, [(0, 1, 2)])[0].times[0::2] == (3.0, 1.5)
+    assert stage_profiles(prof, [(1,)])[0].times == (2.0, 4.0, 1.0)  # one layer: nothing to take off
 
 
-def test_the_runners_fixed_work_is_measured_on_layers_that_compute_nothing() -> None:
-    from pipefold.runtime.profiling import measure_pass_fixed
+def test_the_fixed_work_is_what_stages_timed_whole_pay_less_than_their_layers() -> None:
+    # The inverse of the stage's sum: stages whose layers' figures add to more than the stage took whole by
+    # (n - 1) x fixed give back that fixed, W's depth term included; the median over stages, never below 0.
+    rows = [LayerProfile(f=1.0, b=2.0, w=0.5, bw=3.0, held=0, held_w=0, params=0, out=0, nodes=10, w_depth=1e-3)
+            for _ in range(5)]
+    fixed = (0.1, 0.2, 0.05, 0.3)
 
-    fixed = measure_pass_fixed(repeats=10)
-    # Microseconds to a millisecond on any machine: the runner's own Python work, not a layer's.
-    assert len(fixed) == 3 and all(0 <= x < 1e-3 for x in fixed) and sum(fixed) > 0
-    data = dataclasses.replace(_profile(4), pass_fixed=fixed).to_dict()
-    assert Profile.from_dict(data).pass_fixed == fixed
-    data["pass_fixed"] = [0.1, -1.0, 0.0]
-    with pytest.raises(ConfigError, match="pass_fixed is F, B and BW seconds >= 0"):
+    def whole(part: tuple[int, ...], fix: tuple[float, ...]) -> tuple[float, ...]:
+        n = len(part)
+        w = n * 0.5 + 1e-3 * 10 * sum(range(n))  # each W walks the nodes of the layers before it
+        return tuple(a - (n - 1) * x for a, x in zip((n * 1.0, n * 2.0, w, n * 3.0), fix, strict=True))
+
+    stages = [((0, 1, 2), whole((0, 1, 2), fixed)), ((3, 4), whole((3, 4), fixed))]
+    assert pass_fixed_of(rows, stages) == pytest.approx(fixed)
+    assert stage_passes([rows[i] for i in (0, 1, 2)], fixed) == pytest.approx(stages[0][1])
+    # One stage paying more than its layers (noise): the median of three, and 0 where all of them do.
+    odd = [*stages, ((0, 1), whole((0, 1), (-0.5,) * 4))]
+    assert pass_fixed_of(rows, odd) == pytest.approx(fixed)
+    assert pass_fixed_of(rows, [((0, 1), whole((0, 1), (-0.5,) * 4))]) == (0.0,) * 4
+    assert pass_fixed_of(rows, [((2,), (1.0, 2.0, 0.5, 3.0))]) == (0.0,) * 4  # no stage of two layers
+
+
+def test_the_fixed_work_is_measured_on_the_models_own_stages() -> None:
+    # The MLP of width 128 (passes of 0.1 to 0.2 ms, where the runner's work per pass weighs most), 8 layers timed
+    # 4 at a time: the stage runner's passes over 4 layers against the profile's, with and without the fixed work
+    # taken off. Independent of pass_fixed_of's arithmetic: the stages are timed again here, on fresh runners.
+    import statistics
+
+    from pipefold.models import make_model
+    from pipefold.runtime.profiling import measure_layers, run_passes
+    from pipefold.runtime.stage import Chain, StageRunner
+
+    model = make_model("mlp", layers=8, hidden=128, batch=64)
+    layers = model.build()
+    x, y = model.batch_at(0)
+    measured = measure_layers(layers, x, y, model.loss, repeats=9, stage_layers=4)
+    assert len(measured.fixed) == 4 and all(0 <= v < 1e-3 for v in measured.fixed) and measured.fixed[1] > 0
+    prof = dataclasses.replace(_profile(10), layers=tuple(measured.layers), pass_fixed=measured.fixed)
+    assert Profile.from_dict(prof.to_dict()).pass_fixed == measured.fixed
+    runner = StageRunner(Chain(*layers[:4]), input_grads=False)
+    runs = [run_passes(runner, k, (x,))[0] for k in range(10)]
+    f, b, w = (statistics.median(r[i] for r in runs[1:]) for i in range(3))
+    stage = stage_profiles(prof, [(0, 1, 2, 3)])[0].times
+    plain = stage_profiles(dataclasses.replace(prof, pass_fixed=(0.0,) * 4), [(0, 1, 2, 3)])[0].times
+    # The split backward's B and W of a stage of 4 tiny layers: nearer the stage's own with the fixed work off.
+    assert abs(stage[1] + stage[2] - b - w) < abs(plain[1] + plain[2] - b - w)
+    for layer in layers:
+        layer.zero_grad(set_to_none=True)
+
+
+def test_a_profiles_fixed_work_is_checked_and_an_older_files_read() -> None:
+    data = dataclasses.replace(_profile(4), pass_fixed=(1e-5, 2e-5, 3e-5, 4e-5)).to_dict()
+    assert Profile.from_dict(data).pass_fixed == (1e-5, 2e-5, 3e-5, 4e-5)
+    data["pass_fixed"] = [1e-5, 2e-5, 4e-5]  # F, B and BW: a file from before W's was measured
+    assert Profile.from_dict(data).pass_fixed == (1e-5, 2e-5, 0.0, 4e-5)
+    data["pass_fixed"] = [0.1, -1.0, 0.0, 0.0]
+    with pytest.raises(ConfigError, match="pass_fixed is F, B, W and BW seconds >= 0"):
         Profile.from_dict(data)
     data["pass_fixed"] = [0.1, 0.2]
     with pytest.raises(ConfigError, match="not a valid pipefold profile"):
@@ -192,7 +239,7 @@ def test_layers_count_their_graph_and_time_what_the_graph_below_adds() -> None:
     assert _graph_nodes(torch.nn.Linear(8, 8), x) == 4
     assert _graph_nodes(Chain(_Below(100), torch.nn.Linear(8, 8)), x) == 104
     layers = [torch.nn.Linear(8, 8) for _ in range(4)]
-    prof = measure_layers(layers, x[0], torch.randn(4, 8), torch.nn.functional.mse_loss, repeats=2)
+    prof = measure_layers(layers, x[0], torch.randn(4, 8), torch.nn.functional.mse_loss, repeats=2).layers
     assert [p.nodes for p in prof] == [4, 4, 4, 4]
     # A first layer is never below another; equal layers share one figure (the last, with the loss, is its own).
     assert prof[0].w_depth == 0 and prof[1].w_depth == prof[2].w_depth >= 0 and prof[3].w_depth >= 0
@@ -211,8 +258,12 @@ def test_layers_timed_among_their_stage_see_the_inputs_of_the_whole_model(stage_
     model = make_model("gpt", layers=3, hidden=32, heads=2, seq=8, batch=4)
     layers = model.build()
     x, y = model.batch_at(0)
-    timed = time_in_stages(layers, x, y, model.loss, stage_layers=stage_layers, repeats=2)
+    timed, stages = time_in_stages(layers, x, y, model.loss, stage_layers=stage_layers, repeats=2)
     assert len(timed) == len(layers)
+    # Every stage of two layers or more timed whole too, in order.
+    parts = [range(i, min(len(layers), i + stage_layers)) for i in range(0, len(layers), stage_layers)]
+    assert [st.layers for st in stages] == [p for p in parts if len(p) > 1]
+    assert all(st.f > 0 and st.b >= 0 and st.w > 0 and st.bw > 0 for st in stages)
     h = x
     with torch.no_grad():
         for i, (layer, t) in enumerate(zip(layers, timed, strict=True)):
@@ -249,7 +300,7 @@ def test_stage_figures_from_layers_match_stages_measured_whole() -> None:
     x, y = model.batch_at(0)
     sample, target = x.chunk(4)[0], y.chunk(4)[0]
     prof = dataclasses.replace(_profile(6), layers=tuple(measure_layers(layers, sample, target, model.loss,
-                                                                        microbatches=4, repeats=1)))
+                                                                        microbatches=4, repeats=1).layers))
     parts = [(0, 1, 2), (3, 4, 5)]
     whole = measure_stages([Chain(*(layers[i] for i in p)) for p in parts], sample, target, model.loss,
                            microbatches=4, repeats=1)

@@ -15,7 +15,7 @@ from pipefold.errors import ConfigError, ScheduleError
 from pipefold.ir import Schedule
 from pipefold.ir.ref import ScheduleRef
 from pipefold.plan.cluster_plan import SHARDING
-from pipefold.plan.profile import LayerProfile, Profile
+from pipefold.plan.profile import LayerProfile, Profile, stage_passes
 from pipefold.plan.recompute import StageProfile, choose_recompute, device_peaks
 from pipefold.plan.shares import heaviest_share
 from pipefold.sim.simulate import CostModel, SimResult, StageOverride, simulate, slowdown
@@ -572,28 +572,12 @@ def stage_profiles(profile: Profile, layer_stages: Sequence[Sequence[int]]) -> l
         held = sum(x.held for x in mine) + sent
         kept = tuple(sum(x.held for x in mine[r:]) + sent + (into if r else 0) for r in range(len(mine) + 1))
         rerun = tuple(itertools.accumulate((x.f for x in mine), initial=0.0))
+        f, b, w, bw = stage_passes(mine, profile.pass_fixed)
         out.append(StageProfile(layers=len(mine), kept=kept, total=(held,) * (len(mine) + 1),
                                 held_w=(sum(x.held_w for x in mine),) * (len(mine) + 1), rerun=rerun,
-                                times=(_summed(mine, "f", profile.pass_fixed[0]),
-                                       _summed(mine, "b", profile.pass_fixed[1]), _stage_w(mine)),
-                                static=sum(profile.static(i) for i in part),
-                                message=0 if s == last else mine[-1].out,
-                                fused_time=_summed(mine, "fused", profile.pass_fixed[2])))
+                                times=(f, b, w), static=sum(profile.static(i) for i in part),
+                                message=0 if s == last else mine[-1].out, fused_time=bw))
     return out
-
-
-def _summed(layers: Sequence[LayerProfile], kind: str, fixed: float) -> float:
-    """A stage's pass ``kind`` from its layers': their sum, less the part each one-layer timing paid that the stage
-    pays once (``fixed``); never less than its slowest layer's."""
-    times = [getattr(x, kind) for x in layers]
-    return max(sum(times) - (len(times) - 1) * fixed, max(times))
-
-
-def _stage_w(layers: Sequence[LayerProfile]) -> float:
-    """W of a stage of ``layers``: theirs, each longer by its ``w_depth`` for every autograd node of the layers
-    before it in the stage (the graph its weight gradients' restarts of the engine walk)."""
-    below = itertools.accumulate((x.nodes for x in layers), initial=0)
-    return sum(x.w + x.w_depth * n for x, n in zip(layers, below, strict=False))
 
 
 def plan_model(profile: Profile, p: int, budget: float, *, microbatches: int | None = None,

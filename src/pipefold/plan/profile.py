@@ -17,8 +17,9 @@ things::
                 whole parameters / bandwidth
     sharing     how much slower a pass runs when k ranks compute at once (k = 1..devices): 1.0
                 each on separate accelerators, about k / cores when k processes share fewer cores
-    fixed       the part of a stage's F, B and BW that does not grow with its layers (the runner's
-                own work once per pass), timed on layers that compute next to nothing
+    fixed       the part of a stage's F, B, W and BW that does not grow with its layers (the runner's
+                own work once per pass): each stage's worth of layers timed as one stage beside its layers
+                timed one by one (:func:`pass_fixed_of`)
     overhead    the runtime's own work per message a rank sends or receives, beside its passes (posting
                 it, bookkeeping), from a short run of the model on 2 ranks (:mod:`pipefold.train.overhead`)
     tp_layers   with ``pipefold profile --tp 1,2``: the layers again, split over t tensor-parallel ranks as
@@ -32,15 +33,21 @@ The file is JSON (``Profile.save`` / ``Profile.load``) and says which model, at 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
-from collections.abc import Callable
+import statistics
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pipefold.errors import ConfigError
 from pipefold.sim.simulate import fits_hold
 
-__all__ = ["LayerProfile", "Profile", "fit_link"]
+__all__ = ["PASSES", "LayerProfile", "Profile", "fit_link", "pass_fixed_of", "stage_passes"]
+
+PASSES = ("f", "b", "w", "fused")
+"""A stage's passes as :class:`LayerProfile` names them, in the order of :attr:`Profile.pass_fixed`: F, B, W and
+the fused BW."""
 
 VERSION = 1
 
@@ -111,9 +118,9 @@ class Profile:
     message_overhead: float = 0.0
     """Seconds of the runtime's own work per message a rank sends or receives, beside its passes (0: not
     measured)."""
-    pass_fixed: tuple[float, float, float] = (0.0, 0.0, 0.0)
-    """Seconds of a stage's F, B and fused BW that do not grow with its layers: every layer's own timing includes
-    them once, a stage pays them once (0: not measured)."""
+    pass_fixed: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+    """Seconds of a stage's F, B, W and fused BW (:data:`PASSES`) that do not grow with its layers: every layer's
+    own timing includes them once, a stage pays them once (:func:`pass_fixed_of`; 0: not measured)."""
     tp: int = 1
     """The tensor-parallel degree ``layers`` were measured at (1: whole layers)."""
     tp_layers: dict[int, tuple[LayerProfile, ...]] = field(default_factory=dict)
@@ -205,7 +212,7 @@ class Profile:
                       bandwidth=float(link["bandwidth"]), contention=tuple(float(x) for x in data["contention"]),
                       optimizer_factor=float(data["optimizer_factor"]), machine=dict(data.get("machine", {})),
                       message_overhead=float(data.get("message_overhead", 0.0)),
-                      pass_fixed=_three(data.get("pass_fixed", (0.0, 0.0, 0.0))), tp=int(data.get("tp", 1)),
+                      pass_fixed=_fixed(data.get("pass_fixed", (0.0,) * 4)), tp=int(data.get("tp", 1)),
                       tp_layers=tp_layers,
                       tp_ranks={int(t): int(n) for t, n in data.get("tp_ranks", {}).items()},
                       allreduce={int(k): (float(lat), float(bw))
@@ -262,8 +269,8 @@ class Profile:
         if not (math.isfinite(self.latency) and self.latency >= 0 and self.bandwidth > 0):
             raise ConfigError(f"{where}: the link needs latency >= 0 and bandwidth > 0 "
                               f"(got {self.latency}, {self.bandwidth})")
-        if len(self.pass_fixed) != 3 or not all(math.isfinite(x) and x >= 0 for x in self.pass_fixed):
-            raise ConfigError(f"{where}: pass_fixed is F, B and BW seconds >= 0 (got {self.pass_fixed})")
+        if len(self.pass_fixed) != 4 or not all(math.isfinite(x) and x >= 0 for x in self.pass_fixed):
+            raise ConfigError(f"{where}: pass_fixed is F, B, W and BW seconds >= 0 (got {self.pass_fixed})")
         if not (math.isfinite(self.message_overhead) and self.message_overhead >= 0):
             raise ConfigError(f"{where}: the runtime's overhead per message must be seconds >= 0 "
                               f"(got {self.message_overhead})")
@@ -296,9 +303,46 @@ def _layers(rows: Any) -> tuple[LayerProfile, ...]:
                  for row in rows)
 
 
-def _three(values: Any) -> tuple[float, float, float]:
-    f, b, bw = (float(x) for x in values)  # a ValueError where there are not three: the profile is not valid
-    return f, b, bw
+def _fixed(values: Any) -> tuple[float, float, float, float]:
+    """``pass_fixed`` as a file holds it: F, B, W and BW; a file from before W's was measured holds F, B and BW."""
+    row = [float(x) for x in values]
+    if len(row) == 3:
+        row.insert(2, 0.0)
+    f, b, w, bw = row  # a ValueError where there are not four: the profile is not valid
+    return f, b, w, bw
+
+
+def stage_passes(layers: Sequence[LayerProfile], fixed: Sequence[float] = (0.0,) * 4,
+                 ) -> tuple[float, float, float, float]:
+    """A stage's F, B, W and fused BW seconds (:data:`PASSES`) from its layers': their sums, each W longer by its
+    ``w_depth`` for every autograd node of the layers before it in the stage (the graph its weight gradients'
+    restarts of the engine walk), less ``len(layers) - 1`` times ``fixed`` (what each layer timed alone paid
+    that the stage pays once: :attr:`Profile.pass_fixed`); never less than its slowest layer's."""
+    below = list(itertools.accumulate((x.nodes for x in layers), initial=0))
+    out = []
+    for kind, fix in zip(PASSES, fixed, strict=True):
+        each = [getattr(x, kind) + (x.w_depth * n if kind == "w" else 0.0) for x, n in zip(layers, below, strict=False)]
+        out.append(max(sum(each) - (len(each) - 1) * fix, max(each)))
+    f, b, w, bw = out
+    return f, b, w, bw
+
+
+def pass_fixed_of(layers: Sequence[LayerProfile], stages: Sequence[tuple[Sequence[int], Sequence[float]]],
+                  ) -> tuple[float, float, float, float]:
+    """What a stage pays once of each pass that each of its layers, timed alone, paid again (the runner's own work
+    per pass: the engine's start, the cut, the hooks, the bookkeeping), from stages timed whole: ``stages`` are
+    (the layers' indices, the stage's own F, B, W and BW seconds). For each stage of two layers or more, its
+    layers' sums (:func:`stage_passes` with nothing fixed) less its own time, over ``n - 1``; the median over
+    those stages, at least 0; 0 where no stage has two layers."""
+    each = []
+    for part, timed in stages:
+        if len(part) > 1:
+            summed = stage_passes([layers[i] for i in part])
+            each.append([(a - t) / (len(part) - 1) for a, t in zip(summed, timed, strict=True)])
+    if not each:
+        return 0.0, 0.0, 0.0, 0.0
+    f, b, w, bw = (max(0.0, statistics.median(col)) for col in zip(*each, strict=True))
+    return f, b, w, bw
 
 
 def fit_link(one_way: dict[int, float]) -> tuple[float, float]:

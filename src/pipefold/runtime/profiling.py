@@ -24,7 +24,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -33,7 +33,7 @@ from pipefold.errors import ConfigError
 from pipefold.models import Model, make_model
 from pipefold.models.size import check_model
 from pipefold.plan.partition import COST_KINDS, LayerFigures
-from pipefold.plan.profile import LayerProfile, Profile, Progress, fit_link
+from pipefold.plan.profile import LayerProfile, Profile, Progress, fit_link, pass_fixed_of
 from pipefold.plan.recompute import OPTIMIZER_STATE, StageProfile
 from pipefold.runtime import sockets
 from pipefold.runtime.comm import FlatAllReduce, post_message
@@ -51,9 +51,9 @@ from pipefold.runtime.stage import (
 )
 
 __all__ = ["MATMUL_DTYPES", "layer_costs", "layer_memory", "layer_static_bytes", "measure_allreduce",
-           "measure_contention", "measure_layers", "measure_link", "measure_matmuls", "measure_pass_fixed",
+           "Measured", "measure_contention", "measure_layers", "measure_link", "measure_matmuls",
            "measure_sharded", "measure_stages", "measure_zero1", "profile_model", "run_passes", "split_figures",
-           "TimedLayer", "layers_per_rank", "time_in_stages"]
+           "TimedLayer", "TimedStage", "layers_per_rank", "time_in_stages"]
 
 Values = tuple[torch.Tensor, ...]
 _LINK_SIZES = (4 << 10, 64 << 10, 512 << 10, 4 << 20)
@@ -124,6 +124,17 @@ def layers_per_rank(layers: int, devices: int) -> int:
 
 
 @dataclasses.dataclass
+class TimedStage:
+    """A stage's worth of layers timed as one stage by :func:`time_in_stages`: which layers, and its medians."""
+
+    layers: range
+    f: float
+    b: float
+    w: float
+    bw: float
+
+
+@dataclasses.dataclass
 class TimedLayer:
     """What :func:`time_in_stages` found for one layer: its medians, and its input and output of the last run."""
 
@@ -137,9 +148,10 @@ class TimedLayer:
 
 def time_in_stages(layers: Sequence[nn.Module], sample: Any, target: Any = None,
                    loss_fn: Callable[..., torch.Tensor] | None = None, *, stage_layers: int = 1, repeats: int = 7,
-                   microbatches: int = 1, fused: bool = True, progress: Progress | None = None) -> list[TimedLayer]:
+                   microbatches: int = 1, fused: bool = True, whole: bool = True,
+                   progress: Progress | None = None) -> tuple[list[TimedLayer], list[TimedStage]]:
     """Every layer's F, B, W and (with ``fused``) fused BW, each the median of ``repeats`` runs after a warm-up,
-    timed among the layers of its stage.
+    timed among the layers of its stage; with ``whole``, every stage of two layers or more timed as one as well.
 
     The layers are taken ``stage_layers`` at a time, in order, as a rank of the run holds them: a run sends one
     microbatch forward through all of them, then backward through each in reverse, each layer on the runtime's
@@ -148,7 +160,10 @@ def time_in_stages(layers: Sequence[nn.Module], sample: Any, target: Any = None,
     turn. So between two passes of one layer the rest of its stage's weights go through the caches, as in the
     run: a layer timed alone, over and over, keeps its weights in the caches and came out 1.3 times faster
     (1.16 to 1.33 over 5 rounds) than among 8 like it (the MLP at width 512 on a 2-core machine with 2 MiB of L2
-    per core: ``benchmarks/layer_company.py``).
+    per core: ``benchmarks/layer_company.py``). In the same runs (one after the other, so the machine's drift
+    touches both alike) the stage's layers go through F, B and W and through F and BW on one stage runner, as
+    the run's rank holds them: what its passes pay once that each layer timed alone paid again
+    (:func:`pipefold.plan.profile.pass_fixed_of`).
     """
     _check_repeats(repeats)
     if isinstance(stage_layers, bool) or not isinstance(stage_layers, int) or stage_layers < 1:
@@ -156,13 +171,17 @@ def time_in_stages(layers: Sequence[nn.Module], sample: Any, target: Any = None,
     last = len(layers) - 1
     x: Values = as_tuple(sample)
     found: list[TimedLayer] = []
+    stages: list[TimedStage] = []
     for start in range(0, len(layers), stage_layers):
         if progress is not None:
             progress("layers", start, len(layers))
         group = range(start, min(len(layers), start + stage_layers))
         runners = [StageRunner(Chain(layers[i]), loss_fn=loss_fn if i == last else None, input_grads=i > 0)
                    for i in group]
+        stage = (StageRunner(Chain(*(layers[i] for i in group)), loss_fn=loss_fn if last in group else None,
+                             input_grads=start > 0) if whole and len(group) > 1 else None)
         runs: list[list[tuple[float, ...]]] = [[] for _ in group]
+        stage_runs: list[tuple[float, ...]] = []
         ins: list[Values] = []
         outs: list[Values] = []
         for k in range(repeats + 1):
@@ -183,14 +202,31 @@ def time_in_stages(layers: Sequence[nn.Module], sample: Any, target: Any = None,
                     split = [(*row, bw) for row, (bw, _) in zip(split, backwards, strict=True)]
             for j, row in enumerate(split):
                 runs[j].append(row if fused else (*row, 0.0))
+            if stage is not None:
+                stage_runs.append(_timed_stage(stage, k, x, target, microbatches, fused))
         for i, j in zip(group, range(len(group)), strict=True):
             layers[i].zero_grad(set_to_none=True)
             f, b, w, bw = medians(runs[j][1:])
             found.append(TimedLayer(f, b, w, bw, x=ins[j], out=outs[j]))
+        if stage_runs:
+            f, b, w, bw = medians(stage_runs[1:])
+            stages.append(TimedStage(group, f, b, w, bw))
         x = tuple(t.detach() for t in outs[-1])
     if progress is not None:
         progress("layers", len(layers), len(layers))
-    return found
+    return found, stages
+
+
+def _timed_stage(stage: StageRunner, k: int, x: Values, target: Any, microbatches: int,
+                 fused: bool) -> tuple[float, float, float, float]:
+    """One microbatch through a whole stage: F, B and W, then (with ``fused``) F and BW; (f, b, w, bw) seconds."""
+    f, out = _timed_forward(stage, 2 * k, x, target, scale=1.0 / microbatches)
+    b, w = _timed_backward(stage, 2 * k, out)
+    bw = 0.0
+    if fused:
+        _, out = _timed_forward(stage, 2 * k + 1, x, target, scale=1.0 / microbatches)
+        bw = _timed_backward(stage, 2 * k + 1, out, fused=True)[0]
+    return f, b, w, bw
 
 
 def _nothing() -> None:
@@ -242,20 +278,30 @@ def _shared_means(values: list[tuple[float, ...]], kinds: dict[tuple[Any, ...], 
 # --------------------------------------------------------------------------- layers
 
 
+class Measured(NamedTuple):
+    """What :func:`measure_layers` found: each layer's figures, and what a stage's passes pay once that each of its
+    layers timed alone paid again (F, B, W, BW: ``Profile.pass_fixed``)."""
+
+    layers: list[LayerProfile]
+    fixed: tuple[float, float, float, float]
+
+
 def measure_layers(layers: Sequence[nn.Module], sample: Any, target: Any, loss_fn: Callable[..., torch.Tensor], *,
                    microbatches: int = 1, repeats: int = 7, stage_layers: int = 1, optimizer: str | None = None,
-                   progress: Progress | None = None) -> list[LayerProfile]:
+                   progress: Progress | None = None) -> Measured:
     """Each layer's figures: its passes' times from :func:`time_in_stages` (``stage_layers`` at a time, as a rank
     holds them: the caches see what the run's do), a split backward's B and W and a fused one's BW (a fused
     backward does less than B and W: it need not find and restart where W starts); layers that are the same
     computation (type, parameter shapes, input shapes) share their mean. Bytes come from :func:`layer_memory`
     (the runtime's meter). With ``optimizer`` (a name ``pipefold train --optimizer`` takes), what the step after
-    the schedule spends on each layer's parameters (:func:`_update_seconds`).
+    the schedule spends on each layer's parameters (:func:`_update_seconds`). And from the same runs, each stage of
+    two layers or more timed whole against its layers' figures: what a stage pays once
+    (:func:`pipefold.plan.profile.pass_fixed_of`).
     """
     _check_repeats(repeats)
     held = layer_memory(layers, sample, loss_fn=loss_fn, target=target)
-    timed = time_in_stages(layers, sample, target, loss_fn, stage_layers=stage_layers, repeats=repeats,
-                           microbatches=microbatches, progress=progress)
+    timed, stages = time_in_stages(layers, sample, target, loss_fn, stage_layers=stage_layers, repeats=repeats,
+                                   microbatches=microbatches, progress=progress)
     last = len(layers) - 1
     times: list[tuple[float, ...]] = [(t.f, t.b, t.w, t.bw) for t in timed]
     kinds: dict[tuple[Any, ...], list[int]] = {}
@@ -271,11 +317,12 @@ def measure_layers(layers: Sequence[nn.Module], sample: Any, target: Any, loss_f
     w_depth = [next((d for kind, d in depth.items() if i in kinds[kind]), 0.0) for i in range(len(layers))]
     update = [0.0] * len(layers) if optimizer is None else [_update_seconds(layer, optimizer, repeats)
                                                              for layer in layers]
-    return [LayerProfile(f=f, b=b, w=w, bw=bw, held=int(h), held_w=int(hw), params=_param_bytes(layer),
-                         out=0 if i == last else _output_bytes(t.out), nodes=_graph_nodes(layer, t.x), w_depth=d,
-                         tensors=_tensor_bytes(layer), update=u)
-            for i, ((f, b, w, bw), (h, hw), layer, t, d, u) in enumerate(zip(times, held, layers, timed, w_depth,
-                                                                              update, strict=True))]
+    found = [LayerProfile(f=f, b=b, w=w, bw=bw, held=int(h), held_w=int(hw), params=_param_bytes(layer),
+                          out=0 if i == last else _output_bytes(t.out), nodes=_graph_nodes(layer, t.x), w_depth=d,
+                          tensors=_tensor_bytes(layer), update=u)
+             for i, ((f, b, w, bw), (h, hw), layer, t, d, u) in enumerate(zip(times, held, layers, timed, w_depth,
+                                                                               update, strict=True))]
+    return Measured(found, pass_fixed_of(found, [(st.layers, (st.f, st.b, st.w, st.bw)) for st in stages]))
 
 
 def _update_seconds(layer: nn.Module, optimizer: str, repeats: int) -> float:
@@ -316,26 +363,6 @@ def _timed_update(params: Sequence[nn.Parameter], optimizer: str, repeats: int) 
         sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times[1:])
-
-
-def measure_pass_fixed(repeats: int = 30) -> tuple[float, float, float]:
-    """Seconds of a stage's F, B and fused BW that do not grow with its layers: the runner's own work once per
-    pass (the engine's start, the cut, the hooks, the bookkeeping). Each one-layer timing pays them once more, so
-    a stage of k layers costs its layers' sum less k - 1 of them. Timed on layers that compute next to nothing
-    (a Linear of one input and one output): the pass of one such layer twice, less the pass of two, medians of
-    ``repeats`` runs after a warm-up. The difference of two timings of whole layers would be lost in their noise."""
-    _check_repeats(repeats)
-    x = (torch.randn(1, 1),)
-    one, two = StageRunner(Chain(nn.Linear(1, 1))), StageRunner(Chain(nn.Linear(1, 1), nn.Linear(1, 1)))
-    runs = []
-    for k in range(repeats + 1):
-        f1, b1, _ = run_passes(one, 2 * k, x)[0]
-        f2, b2, _ = run_passes(two, 2 * k, x)[0]
-        bw1 = run_passes(one, 2 * k + 1, x, fused=True)[0][1]
-        bw2 = run_passes(two, 2 * k + 1, x, fused=True)[0][1]
-        runs.append((2 * f1 - f2, 2 * b1 - b2, 2 * bw1 - bw2))
-    f, b, bw = (max(0.0, t) for t in medians(runs[1:]))
-    return f, b, bw
 
 
 class _Below(nn.Module):
@@ -403,8 +430,9 @@ def layer_costs(layers: Sequence[nn.Module], sample: torch.Tensor | tuple[torch.
     costs: list[tuple[float, ...]] = []
     kinds: dict[tuple[Any, ...], list[int]] = {}
     if by == "time":
-        for i, (layer, t) in enumerate(zip(layers, time_in_stages(layers, sample, stage_layers=stage_layers,
-                                                                   repeats=repeats, fused=False), strict=True)):
+        timed, _ = time_in_stages(layers, sample, stage_layers=stage_layers, repeats=repeats, fused=False,
+                                  whole=False)
+        for i, (layer, t) in enumerate(zip(layers, timed, strict=True)):
             kinds.setdefault(_kind(layer, t.x), []).append(i)
             costs.append((t.f + t.b + t.w,))
     else:
@@ -1076,7 +1104,7 @@ def _sharded(rank: int, port: int, ranks: int, tp: int, train: dict[str, Any], r
         x, y = model.batch_at(0)
         sample, target = split_batch(x, m)[0], y.chunk(m)[0]
         measured = measure_layers(layers, sample, target, model.loss, microbatches=m, repeats=repeats,
-                                  stage_layers=stage_layers, optimizer=train.get("optimizer"))
+                                  stage_layers=stage_layers, optimizer=train.get("optimizer")).layers
         counts = _collectives(layers, sample, target, model.loss)
         if rank == 0:
             out.put([dataclasses.replace(row, collectives=n) for row, n in zip(measured, counts, strict=True)])
@@ -1159,10 +1187,10 @@ def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int 
     x, y = built.batch_at(0)
     every = built.build()
     # Timed as many at a time as a rank will hold (an even split over ``devices``): what the caches see in the run.
-    measured = measure_layers(every, split_batch(x, microbatches)[0], y.chunk(microbatches)[0], built.loss,
-                              microbatches=microbatches, repeats=repeats,
-                              stage_layers=layers_per_rank(len(every), devices), optimizer=optimizer,
-                              progress=progress)
+    measured, fixed = measure_layers(every, split_batch(x, microbatches)[0], y.chunk(microbatches)[0], built.loss,
+                                     microbatches=microbatches, repeats=repeats,
+                                     stage_layers=layers_per_rank(len(every), devices), optimizer=optimizer,
+                                     progress=progress)
     # A stage's worth of layers from the heaviest one (a transformer block, not the embedding) stands for a rank's
     # work: its weights and activations, not one layer's, are what the ranks' caches and memory bus share.
     heaviest = max(range(len(measured) - 1), key=lambda i: measured[i].f + measured[i].b + measured[i].w)
@@ -1219,7 +1247,7 @@ def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int 
                **({"link": "sockets"} if link else {})}  # what the link was measured over: what runs here send over
     return Profile(train=train, layers=tuple(measured), latency=latency,
                    bandwidth=_stored((latency, bandwidth))[1], contention=factors,
-                   optimizer_factor=OPTIMIZER_STATE[optimizer], machine=machine, pass_fixed=measure_pass_fixed(),
+                   optimizer_factor=OPTIMIZER_STATE[optimizer], machine=machine, pass_fixed=fixed,
                    tp_layers=tp_layers, tp_ranks=tp_ranks,
                    allreduce={k: _stored(fit) for k, fit in allreduce.items()},
                    fsdp={k: (_stored(gather), _stored(scatter)) for k, (gather, scatter) in fsdp.items()},
