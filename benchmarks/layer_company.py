@@ -7,8 +7,13 @@ but torch (the independent check), interleaved round by round so the machine's d
 what pipefold's profile timer (:func:`pipefold.runtime.profiling.time_in_stages`) reports with one layer at a time
 and with a stage's worth:
 
+And what a stage's passes pay once that each of its layers timed alone paid again (the runner's own work per pass,
+``Profile.pass_fixed``), measured as the profile measures it on stages of several sizes: the cost model takes it
+as the same whatever the stage holds, so a stage of n layers saves n - 1 of it.
+
     python benchmarks/layer_company.py                       # width 512, a stage of 8, 5 rounds
     python benchmarks/layer_company.py --hidden 128 --stage 8 --json
+    python benchmarks/layer_company.py --hidden 128 --rows 8 --fixed 2,4,8,16   # the fixed work per stage size
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pipefold.models import make_model
-from pipefold.runtime.profiling import time_in_stages
+from pipefold.runtime.profiling import measure_layers, time_in_stages
 
 
 def _pass(layer: torch.nn.Module, x: torch.Tensor) -> float:
@@ -60,6 +65,20 @@ def measure(hidden: int, stage: int, rows: int, rounds: int, laps: int) -> dict[
             "timer_ratio": statistics.median(out["timer stage"]) / statistics.median(out["timer 1"])}
 
 
+def fixed_by_stage(hidden: int, rows: int, sizes: list[int], rounds: int) -> dict[int, list[list[float]]]:
+    """For each stage size, round by round: the fixed work per pass (F, B, W, BW seconds) the profile measures
+    (:func:`measure_layers` with that many layers a stage) on an MLP of ``max(sizes)`` layers."""
+    torch.set_num_threads(1)
+    model = make_model("mlp", layers=max(sizes), hidden=hidden, batch=rows)
+    layers = model.build()
+    x, y = model.batch_at(0)
+    out: dict[int, list[list[float]]] = {k: [] for k in sizes}
+    for _ in range(rounds):
+        for k in sizes:
+            out[k].append(list(measure_layers(layers, x, y, model.loss, repeats=9, stage_layers=k).fixed))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hidden", type=int, default=512, help="the MLP's width (default 512)")
@@ -67,10 +86,30 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=16, help="rows of one microbatch (default 16)")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     ap.add_argument("--laps", type=int, default=40, help="passes timed per way and round (default 40)")
+    ap.add_argument("--fixed", metavar="SIZES", help="instead: the fixed work per pass on stages of these sizes "
+                                                      "(comma-separated, each at least 2), --rounds rounds")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if min(args.hidden, args.stage, args.rows, args.rounds, args.laps) < 1:
         ap.error("--hidden, --stage, --rows, --rounds and --laps must be at least 1")
+    if args.fixed is not None:
+        try:
+            sizes = [int(k) for k in args.fixed.split(",")]
+        except ValueError:
+            sizes = []
+        if not sizes or min(sizes) < 2:
+            ap.error(f"--fixed takes stage sizes of 2 layers or more, comma-separated (got {args.fixed!r})")
+        fixed = fixed_by_stage(args.hidden, args.rows, sizes, args.rounds)
+        if args.json:
+            print(json.dumps({"hidden": args.hidden, "rows": args.rows, "fixed_s": fixed}))
+            return
+        table = Table(title=f"MLP of width {args.hidden}, {args.rows} rows: fixed work per pass (us), each round")
+        for col in ("layers a stage", "F", "B", "W", "BW"):
+            table.add_column(col, justify="right")
+        for k, runs in fixed.items():
+            table.add_row(str(k), *(" ".join(f"{r[i] * 1e6:.0f}" for r in runs) for i in range(4)))
+        Console().print(table)
+        return
     result = measure(args.hidden, args.stage, args.rows, args.rounds, args.laps)
     if args.json:
         print(json.dumps(result))
