@@ -576,24 +576,29 @@ def test_profile_plan_train_runs_the_plan_with_exact_gradients_and_its_predicted
 
 
 def test_a_layers_update_is_timed_on_the_runs_optimizer_and_leaves_it_as_it_was() -> None:
-    """What the step after the schedule spends on a layer: AdamW's step reads and writes four tensors per parameter
-    where SGD's reads two, so it takes longer (an ordering no timing noise of this size reverses); the weights and
-    gradients are left as they were."""
+    """What the step after the schedule spends on a layer, timed after its passes: AdamW's step reads and writes
+    four tensors per parameter where SGD's reads two, so it takes longer (an ordering no timing noise of this size
+    reverses); the weights are left as they were, a layer without parameters costs nothing, and no optimizer
+    times nothing."""
     import torch
     from torch import nn
 
-    from pipefold.runtime.profiling import _update_seconds
+    from pipefold.runtime.profiling import time_in_stages
 
     torch.manual_seed(0)
-    layer = nn.Linear(512, 512)
-    weights = [p.detach().clone() for p in layer.parameters()]
-    layer.weight.grad = torch.full_like(layer.weight, 0.5)
-    adamw = min(_update_seconds(layer, "adamw", 5) for _ in range(3))
-    sgd = min(_update_seconds(layer, "sgd", 5) for _ in range(3))
+    layers = [nn.Linear(512, 512), nn.ReLU()]
+    weights = [p.detach().clone() for p in layers[0].parameters()]
+    x = torch.randn(8, 512)
+
+    def update(optimizer: str | None) -> list[float]:
+        runs = [time_in_stages(layers, x, stage_layers=2, repeats=5, optimizer=optimizer)[0] for _ in range(3)]
+        return [min(run[i].update for run in runs) for i in range(2)]
+
+    (adamw, none_a), (sgd, none_s) = update("adamw"), update("sgd")
     assert 0 < sgd < adamw, (sgd, adamw)
-    assert all(torch.equal(p, w) for p, w in zip(layer.parameters(), weights, strict=True))
-    assert torch.equal(layer.weight.grad, torch.full_like(layer.weight, 0.5)) and layer.bias.grad is None
-    assert _update_seconds(nn.ReLU(), "adamw", 3) == 0.0
+    assert none_a == none_s == 0.0 and update(None) == [0.0, 0.0]
+    assert all(torch.equal(p, w) for p, w in zip(layers[0].parameters(), weights, strict=True))
+    assert all(p.grad is None for p in layers[0].parameters())
 
 
 def test_the_readme_flow_with_an_mlp_profiled_without_heads(tmp_path) -> None:

@@ -144,11 +144,13 @@ class TimedLayer:
     bw: float
     x: Values
     out: Values
+    update: float = 0.0
+    """With an optimizer: the update after the schedule of its parameters (0: none, or not timed)."""
 
 
 def time_in_stages(layers: Sequence[nn.Module], sample: Any, target: Any = None,
                    loss_fn: Callable[..., torch.Tensor] | None = None, *, stage_layers: int = 1, repeats: int = 7,
-                   microbatches: int = 1, fused: bool = True, whole: bool = True,
+                   microbatches: int = 1, fused: bool = True, whole: bool = True, optimizer: str | None = None,
                    progress: Progress | None = None) -> tuple[list[TimedLayer], list[TimedStage]]:
     """Every layer's F, B, W and (with ``fused``) fused BW, each the median of ``repeats`` runs after a warm-up,
     timed among the layers of its stage; with ``whole``, every stage of two layers or more timed as one as well.
@@ -163,7 +165,11 @@ def time_in_stages(layers: Sequence[nn.Module], sample: Any, target: Any = None,
     per core: ``benchmarks/layer_company.py``). In the same runs (one after the other, so the machine's drift
     touches both alike) the stage's layers go through F, B and W and through F and BW on one stage runner, as
     the run's rank holds them: what its passes pay once that each layer timed alone paid again
-    (:func:`pipefold.plan.profile.pass_fixed_of`).
+    (:func:`pipefold.plan.profile.pass_fixed_of`). With ``optimizer`` (a name ``pipefold train --optimizer``
+    takes), each run ends as a step does, with the update of the stage's layers one after the other
+    (:class:`_Update`), timed per layer: after the passes, as in the run, not over and over on warm parameters
+    (the layouts' GPT's AdamW took 8.6 to 9.4 ms so and 10.4 to 11.1 ms after a forward and backward: docs/plan.md).
+    The layers' weights are put back afterwards.
     """
     _check_repeats(repeats)
     if isinstance(stage_layers, bool) or not isinstance(stage_layers, int) or stage_layers < 1:
@@ -182,6 +188,10 @@ def time_in_stages(layers: Sequence[nn.Module], sample: Any, target: Any = None,
                              input_grads=start > 0) if whole and len(group) > 1 else None)
         runs: list[list[tuple[float, ...]]] = [[] for _ in group]
         stage_runs: list[tuple[float, ...]] = []
+        trained = [[p for p in layers[i].parameters() if p.requires_grad] for i in group]
+        kept = [[p.detach().clone() for p in ps] for ps in trained] if optimizer is not None else []
+        updates = [_Update(ps, optimizer) if ps and optimizer is not None else None for ps in trained]
+        updated: list[list[float]] = [[] for _ in group]
         ins: list[Values] = []
         outs: list[Values] = []
         for k in range(repeats + 1):
@@ -204,10 +214,16 @@ def time_in_stages(layers: Sequence[nn.Module], sample: Any, target: Any = None,
                 runs[j].append(row if fused else (*row, 0.0))
             if stage is not None:
                 stage_runs.append(_timed_stage(stage, k, x, target, microbatches, fused))
+            for j, update in enumerate(updates):
+                updated[j].append(0.0 if update is None else update())
+        with torch.no_grad():
+            for ps, saved in zip(trained, kept, strict=False):
+                for p, weight in zip(ps, saved, strict=True):
+                    p.copy_(weight)
         for i, j in zip(group, range(len(group)), strict=True):
             layers[i].zero_grad(set_to_none=True)
             f, b, w, bw = medians(runs[j][1:])
-            found.append(TimedLayer(f, b, w, bw, x=ins[j], out=outs[j]))
+            found.append(TimedLayer(f, b, w, bw, x=ins[j], out=outs[j], update=statistics.median(updated[j][1:])))
         if stage_runs:
             f, b, w, bw = medians(stage_runs[1:])
             stages.append(TimedStage(group, f, b, w, bw))
@@ -294,16 +310,17 @@ def measure_layers(layers: Sequence[nn.Module], sample: Any, target: Any, loss_f
     backward does less than B and W: it need not find and restart where W starts); layers that are the same
     computation (type, parameter shapes, input shapes) share their mean. Bytes come from :func:`layer_memory`
     (the runtime's meter). With ``optimizer`` (a name ``pipefold train --optimizer`` takes), what the step after
-    the schedule spends on each layer's parameters (:func:`_update_seconds`). And from the same runs, each stage of
+    the schedule spends on each layer's parameters (timed after the passes, as a step does). And from the same runs,
+    each stage of
     two layers or more timed whole against its layers' figures: what a stage pays once
     (:func:`pipefold.plan.profile.pass_fixed_of`).
     """
     _check_repeats(repeats)
     held = layer_memory(layers, sample, loss_fn=loss_fn, target=target)
     timed, stages = time_in_stages(layers, sample, target, loss_fn, stage_layers=stage_layers, repeats=repeats,
-                                   microbatches=microbatches, progress=progress)
+                                   microbatches=microbatches, optimizer=optimizer, progress=progress)
     last = len(layers) - 1
-    times: list[tuple[float, ...]] = [(t.f, t.b, t.w, t.bw) for t in timed]
+    times: list[tuple[float, ...]] = [(t.f, t.b, t.w, t.bw, t.update) for t in timed]
     kinds: dict[tuple[Any, ...], list[int]] = {}
     depth: dict[tuple[Any, ...], float] = {}
     for i, (layer, t) in enumerate(zip(layers, timed, strict=True)):
@@ -315,54 +332,47 @@ def measure_layers(layers: Sequence[nn.Module], sample: Any, target: Any, loss_f
             layer.zero_grad(set_to_none=True)
     _shared_means(times, kinds)
     w_depth = [next((d for kind, d in depth.items() if i in kinds[kind]), 0.0) for i in range(len(layers))]
-    update = [0.0] * len(layers) if optimizer is None else [_update_seconds(layer, optimizer, repeats)
-                                                             for layer in layers]
     found = [LayerProfile(f=f, b=b, w=w, bw=bw, held=int(h), held_w=int(hw), params=_param_bytes(layer),
                           out=0 if i == last else _output_bytes(t.out), nodes=_graph_nodes(layer, t.x), w_depth=d,
                           tensors=_tensor_bytes(layer), update=u)
-             for i, ((f, b, w, bw), (h, hw), layer, t, d, u) in enumerate(zip(times, held, layers, timed, w_depth,
-                                                                               update, strict=True))]
+             for i, ((f, b, w, bw, u), (h, hw), layer, t, d) in enumerate(zip(times, held, layers, timed, w_depth,
+                                                                               strict=True))]
     return Measured(found, pass_fixed_of(found, [(st.layers, (st.f, st.b, st.w, st.bw)) for st in stages]))
 
 
-def _update_seconds(layer: nn.Module, optimizer: str, repeats: int) -> float:
-    """Seconds the step after the schedule spends on ``layer``'s parameters (:func:`_timed_update`); its weights
-    and gradients are put back as they were."""
-    params = [p for p in layer.parameters() if p.requires_grad]
-    if not params:
-        return 0.0
-    kept = [p.detach().clone() for p in params]
-    grads = [p.grad for p in params]
-    seconds = _timed_update(params, optimizer, repeats)
-    with torch.no_grad():
-        for p, k, g in zip(params, kept, grads, strict=True):
-            p.copy_(k)
-            p.grad = g
-    return seconds
+class _Update:
+    """The update after the schedule of ``params`` as a run makes it: the gradients' check (its sum of squares,
+    :func:`pipefold.runtime.numerics.local_check`) and a step of ``optimizer``
+    (:class:`pipefold.runtime.settings.Optimizer`). Each call runs one on the gradients there are and returns its
+    seconds (to its end on a GPU); the parameters change."""
+
+    def __init__(self, params: Sequence[nn.Parameter], optimizer: str) -> None:
+        from pipefold.runtime.settings import Optimizer
+        from pipefold.runtime.sharding import local
+
+        self.params = list(params)
+        self.device = local(self.params[0]).device
+        self.opt = Optimizer(name=optimizer).make(self.params)
+        self.sync = torch.cuda.synchronize if self.device.type == "cuda" else _nothing
+
+    def __call__(self) -> float:
+        from pipefold.runtime.numerics import local_check
+
+        self.sync()
+        t0 = time.perf_counter()
+        local_check(self.params, (), self.device)
+        self.opt.step()
+        self.sync()
+        return time.perf_counter() - t0
 
 
 def _timed_update(params: Sequence[nn.Parameter], optimizer: str, repeats: int) -> float:
-    """The median seconds of ``repeats`` updates of ``params`` after a warm-up, each the gradients' check (its sum
-    of squares, :func:`pipefold.runtime.numerics.local_check`) and a step of ``optimizer`` made as a run makes it
-    (:class:`pipefold.runtime.settings.Optimizer`), on gradients of ones (the parameters change)."""
-    from pipefold.runtime.numerics import local_check
-    from pipefold.runtime.settings import Optimizer
-    from pipefold.runtime.sharding import local
-
+    """The median seconds of ``repeats`` updates (:class:`_Update`) of ``params`` in a row after a warm-up, on
+    gradients of ones."""
     for p in params:
         p.grad = torch.ones_like(p)
-    device = local(params[0]).device
-    opt = Optimizer(name=optimizer).make(list(params))
-    sync = torch.cuda.synchronize if device.type == "cuda" else _nothing
-    times = []
-    for _ in range(repeats + 1):
-        sync()
-        t0 = time.perf_counter()
-        local_check(params, (), device)
-        opt.step()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+    update = _Update(params, optimizer)
+    return statistics.median([update() for _ in range(repeats + 1)][1:])
 
 
 class _Below(nn.Module):
