@@ -311,8 +311,7 @@ def measure_layers(layers: Sequence[nn.Module], sample: Any, target: Any, loss_f
     computation (type, parameter shapes, input shapes) share their mean. Bytes come from :func:`layer_memory`
     (the runtime's meter). With ``optimizer`` (a name ``pipefold train --optimizer`` takes), what the step after
     the schedule spends on each layer's parameters (timed after the passes, as a step does). And from the same runs,
-    each stage of
-    two layers or more timed whole against its layers' figures: what a stage pays once
+    each stage of two layers or more timed whole against its layers' figures: what a stage pays once
     (:func:`pipefold.plan.profile.pass_fixed_of`).
     """
     _check_repeats(repeats)
