@@ -304,7 +304,7 @@ class Measured(NamedTuple):
 
 def measure_layers(layers: Sequence[nn.Module], sample: Any, target: Any, loss_fn: Callable[..., torch.Tensor], *,
                    microbatches: int = 1, repeats: int = 7, stage_layers: int = 1, optimizer: str | None = None,
-                   progress: Progress | None = None) -> Measured:
+                   fixed: bool = True, progress: Progress | None = None) -> Measured:
     """Each layer's figures: its passes' times from :func:`time_in_stages` (``stage_layers`` at a time, as a rank
     holds them: the caches see what the run's do), a split backward's B and W and a fused one's BW (a fused
     backward does less than B and W: it need not find and restart where W starts); layers that are the same
@@ -312,12 +312,12 @@ def measure_layers(layers: Sequence[nn.Module], sample: Any, target: Any, loss_f
     (the runtime's meter). With ``optimizer`` (a name ``pipefold train --optimizer`` takes), what the step after
     the schedule spends on each layer's parameters (timed after the passes, as a step does). And from the same runs,
     each stage of two layers or more timed whole against its layers' figures: what a stage pays once
-    (:func:`pipefold.plan.profile.pass_fixed_of`).
+    (:func:`pipefold.plan.profile.pass_fixed_of`); without ``fixed`` no stage is timed whole and that is 0.
     """
     _check_repeats(repeats)
     held = layer_memory(layers, sample, loss_fn=loss_fn, target=target)
     timed, stages = time_in_stages(layers, sample, target, loss_fn, stage_layers=stage_layers, repeats=repeats,
-                                   microbatches=microbatches, optimizer=optimizer, progress=progress)
+                                   microbatches=microbatches, whole=fixed, optimizer=optimizer, progress=progress)
     last = len(layers) - 1
     times: list[tuple[float, ...]] = [(t.f, t.b, t.w, t.bw, t.update) for t in timed]
     kinds: dict[tuple[Any, ...], list[int]] = {}
@@ -1112,8 +1112,9 @@ def _sharded(rank: int, port: int, ranks: int, tp: int, train: dict[str, Any], r
         m = int(train["microbatches"])
         x, y = model.batch_at(0)
         sample, target = split_batch(x, m)[0], y.chunk(m)[0]
+        # The plan takes the fixed work per pass from the whole layers' profile: no stage is timed whole here.
         measured = measure_layers(layers, sample, target, model.loss, microbatches=m, repeats=repeats,
-                                  stage_layers=stage_layers, optimizer=train.get("optimizer")).layers
+                                  stage_layers=stage_layers, optimizer=train.get("optimizer"), fixed=False).layers
         counts = _collectives(layers, sample, target, model.loss)
         if rank == 0:
             out.put([dataclasses.replace(row, collectives=n) for row, n in zip(measured, counts, strict=True)])
