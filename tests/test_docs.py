@@ -94,16 +94,20 @@ class Block:
 
 
 def blocks(page: Path) -> list[Block]:
+    """The page's fenced blocks, those inside a list item too (fence and body indented alike: the body is read
+    without that indent)."""
     out, lines, i = [], page.read_text(encoding="utf-8").splitlines(), 0
     while i < len(lines):
-        if lines[i].startswith("```"):
-            info, start = lines[i][3:].strip(), i
+        if lines[i].lstrip().startswith("```"):
+            indent = len(lines[i]) - len(lines[i].lstrip())
+            info, start = lines[i].lstrip()[3:].strip(), i
             i += 1
             body = []
-            while not lines[i].startswith("```"):
-                body.append(lines[i])
+            while not lines[i].lstrip().startswith("```"):
+                body.append(lines[i][indent:] if lines[i][:indent].isspace() else lines[i].lstrip())
                 i += 1
-            out.append(Block(str(page.relative_to(ROOT)), start + 1, info, "\n".join(body) + "\n"))
+            name = str(page.relative_to(ROOT)) if page.is_relative_to(ROOT) else page.name
+            out.append(Block(name, start + 1, info, "\n".join(body) + "\n"))
         i += 1
     return out
 
@@ -487,6 +491,14 @@ def test_the_benchmarks_the_pages_run_take_the_options_the_setting_gives() -> No
         assert "--hidden" in shrunk and "--steps" in shrunk, shrunk
 
 
+def test_a_block_inside_a_list_item_is_found_and_read_without_its_indent(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text("- a point:\n\n  ```sh\n  pipefold a --x 1\n    --y\n  ```\n\n```python\nprint(1)\n```\n",
+                    encoding="utf-8")
+    found = blocks(page)
+    assert [(b.info, b.body) for b in found] == [("sh", "pipefold a --x 1\n  --y\n"), ("python", "print(1)\n")]
+
+
 def test_commands_are_read_as_a_shell_reads_them() -> None:
     body = ("pipefold a --x 1   # a comment\n"
             "pipefold b \\\n    --y 2\n"
@@ -499,7 +511,7 @@ def test_commands_are_read_as_a_shell_reads_them() -> None:
 def test_every_runnable_block_is_found() -> None:
     """The reader sees the blocks a page has (counted here by a second, plain reading of the fences)."""
     for page in PAGES:
-        fences = [line for line in page.read_text(encoding="utf-8").splitlines() if line.startswith("```")]
+        fences = [line for line in page.read_text(encoding="utf-8").splitlines() if re.match(r"\s*```", line)]
         assert len(fences) == 2 * len(blocks(page)), page
     assert sum(len(commands(b.body)) for p in PAGES for b in blocks(p) if b.info == "sh") > 60
     assert shutil.which("make") is not None
