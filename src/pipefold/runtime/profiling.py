@@ -834,14 +834,15 @@ def measure_zero1(ranks: int, rounds: int = 10, sizes: Sequence[int] = _REDUCE_S
     return fit_link(_measured_under(load, _zero1, (tuple(sizes), rounds), None, ranks))
 
 
-def _fsdp(rank: int, port: int, ranks: int, sizes: Sequence[int], rounds: int, optimizer: str, out: Any,
-          work: Any) -> None:
+def _fsdp(rank: int, port: int, ranks: int, sizes: Sequence[int], rounds: int, optimizer: str,
+          stage: tuple[dict[str, Any], tuple[int, int], tuple[int, int]] | None, out: Any, work: Any) -> None:
     """One of ``ranks`` processes running FSDP's gather and reduce-scatter of a stage as the runtime's ``AG`` and
     ``RS`` do (:mod:`pipefold.runtime.sharding`: torch's ``fully_shard``, one unit per layer), on stages of
     :data:`_REDUCE_PIECES` bias-free Linears whose whole parameters are each size, ``rounds`` times after two
     warm-ups; before each ``RS`` a one-row forward and backward leaves gradients on the gathered parameters, as a
-    stage's backward does (untimed). Rank 0 puts the mean seconds of one ``AG`` and one ``RS`` per size on
-    ``out``."""
+    stage's backward does (untimed). With ``stage``, also what FSDP adds to the model's own layers' passes and
+    update (:func:`_fsdp_passes`, :func:`_fsdp_update`). Rank 0 puts the mean seconds of one ``AG`` and one
+    ``RS`` per size, and those, on ``out``."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -852,66 +853,79 @@ def _fsdp(rank: int, port: int, ranks: int, sizes: Sequence[int], rounds: int, o
         result = {}
         for size in sizes:
             width = max(ranks, round(math.sqrt(size / 4 / _REDUCE_PIECES)))
-            stage = sharding.shard(Chain(*(nn.Linear(width, width, bias=False) for _ in range(_REDUCE_PIECES))), mesh)
+            linears = sharding.shard(Chain(*(nn.Linear(width, width, bias=False) for _ in range(_REDUCE_PIECES))),
+                                     mesh)
             x = torch.ones(1, width)
             gathers, scatters = [], []
             for r in range(rounds + 2):
-                stage(x).sum().backward()
+                linears(x).sum().backward()
                 t0 = time.perf_counter()
-                sharding.reduce_scatter(stage)
+                sharding.reduce_scatter(linears)
                 t1 = time.perf_counter()
-                sharding.gather(stage).wait()
+                sharding.gather(linears).wait()
                 t2 = time.perf_counter()
                 if r >= 2:
                     scatters.append(t1 - t0)
                     gathers.append(t2 - t1)
             result[_REDUCE_PIECES * width * width * 4] = (statistics.mean(gathers), statistics.mean(scatters))
-        passes, update = _fsdp_passes(mesh, rounds), _fsdp_update(mesh, rounds, optimizer)
+        passes: tuple[tuple[float, float], ...] = ()
+        update = 0.0
+        if stage is not None:
+            train, one, more = stage
+            passes = _fsdp_passes(mesh, rounds, train, one, more)
+            update = _fsdp_update(mesh, rounds, optimizer, train, more)
         if rank == 0:
             out.put((result, passes, update))
         dist.barrier()
 
 
-def _fsdp_update(mesh: Any, rounds: int, optimizer: str) -> float:
+def _fsdp_update(mesh: Any, rounds: int, optimizer: str, train: dict[str, Any], layers: tuple[int, int]) -> float:
     """Seconds more per tensor that the update after the schedule (:func:`_timed_update`, ``optimizer``'s) takes
     on FSDP's shards (DTensors: each operation goes through DTensor's dispatch) than on plain tensors of the same
-    local size: a stage of 8 tiny Linears sharded as the runtime shards them, its shards against plain copies of
-    their local parts, ``4 * rounds`` updates of each. Floored at 0."""
+    local size: the model's ``layers`` sharded as the runtime shards them, their shards against plain copies of
+    their local parts, ``2 * rounds`` updates of each. Floored at 0."""
     from pipefold.runtime import sharding
 
-    stage = sharding.shard(Chain(*(nn.Linear(4, 4) for _ in range(8))), mesh)
+    stage = sharding.shard(_stage_of(train, layers)[0], mesh)
     shards = sharding.sharded_parameters(stage)
     plain = [nn.Parameter(sharding.local(p.detach()).clone()) for p in shards]
-    extra = _timed_update(shards, optimizer, 4 * rounds) - _timed_update(plain, optimizer, 4 * rounds)
+    extra = _timed_update(shards, optimizer, 2 * rounds) - _timed_update(plain, optimizer, 2 * rounds)
     return max(0.0, extra / len(shards))
 
 
-_HOOK_UNITS = (1, 8)
-"""The stages :func:`_fsdp_passes` times, in FSDP units: two points fix what a pass pays once and per unit, far
-enough apart that 7 units' hooks (near a millisecond) stand above a loaded machine's noise (with 1 and 4, a CI
-run beside the suite's other tests once found no cost per unit at all)."""
-
-
-def _fsdp_passes(mesh: Any, rounds: int) -> tuple[tuple[float, float], ...]:
+def _fsdp_passes(mesh: Any, rounds: int, train: dict[str, Any], one: tuple[int, int], more: tuple[int, int]
+                 ) -> tuple[tuple[float, float], ...]:
     """What FSDP's hooks add to a sharded stage's passes: for F, B, W and fused BW, (seconds once per pass, seconds
-    per FSDP unit). A stage of tiny Linears (one unit each, as :func:`pipefold.runtime.sharding.shard` makes them)
-    runs on the runtime's runner sharded and gathered, and the same stage unsharded beside it; each pass's
-    difference of medians over ``6 * rounds`` runs, at each of :data:`_HOOK_UNITS`, is fitted to a line. Floored
-    at 0."""
+    per FSDP unit). The model's own layers ``one`` and ``more`` (two stages of a unit per layer with parameters,
+    as :func:`pipefold.runtime.sharding.shard` makes them; ``more`` of more units) each run on the runtime's
+    runner sharded and gathered, and unsharded beside it; each pass's difference of medians over
+    ``6 * rounds`` runs at the two stages is fitted to a line. The hooks' Python work grows with what a unit
+    holds (a GPT block's hooks take 2 to 3 times a tiny Linear's), so the model's layers, not stand-ins, are
+    timed. Where ``more`` holds no more units than ``one``, it alone is timed and all of it counts per unit.
+    Floored at 0."""
     from pipefold.runtime import sharding
 
-    x = (torch.ones(1, 4),)
-    over = []
-    for units in _HOOK_UNITS:
-        plain = Chain(*(nn.Linear(4, 4) for _ in range(units)))
-        runners = (StageRunner(plain), StageRunner(sharding.shard(copy.deepcopy(plain), mesh)))
+    def units(stage: Chain) -> int:
+        return sum(1 for layer in stage.children() if any(p.requires_grad for p in layer.parameters()))
+
+    stages = {layers: _stage_of(train, layers) for layers in (one, more)}
+    if one != more and units(stages[more][0]) <= units(stages[one][0]):
+        del stages[one]
+    points = []
+    for layers, (plain, xs) in stages.items():
+        runners = (StageRunner(plain, input_grads=layers[0] > 0),
+                   StageRunner(sharding.shard(copy.deepcopy(plain), mesh), input_grads=layers[0] > 0))
         runs: tuple[list[tuple[float, ...]], list[tuple[float, ...]]] = ([], [])
         for k in range(6 * rounds + 1):
             for runner, times in zip(runners, runs, strict=True):  # side by side: the machine's drift is shared
-                split = run_passes(runner, 2 * k, x)[0]
-                times.append((*split, run_passes(runner, 2 * k + 1, x, fused=True)[0][1]))
-        over.append([s - p for p, s in zip(medians(runs[0][1:]), medians(runs[1][1:]), strict=True)])
-    (u0, u1), (at0, at1) = _HOOK_UNITS, over
+                split = run_passes(runner, 2 * k, xs)[0]
+                times.append((*split, run_passes(runner, 2 * k + 1, xs, fused=True)[0][1]))
+        points.append((max(1, units(plain)), [s - p for p, s in zip(medians(runs[0][1:]), medians(runs[1][1:]),
+                                                              strict=True)]))
+    if len(points) == 1:
+        count, over = points[0]
+        return tuple((0.0, max(0.0, d) / count) for d in over)
+    (u0, at0), (u1, at1) = points
     out = []
     for a, b in zip(at0, at1, strict=True):
         per_unit = max(0.0, (b - a) / (u1 - u0))
@@ -920,17 +934,19 @@ def _fsdp_passes(mesh: Any, rounds: int) -> tuple[tuple[float, float], ...]:
 
 
 def measure_fsdp(ranks: int, rounds: int = 5, sizes: Sequence[int] = _REDUCE_SIZES,
-                 load: tuple[dict[str, Any], tuple[int, int], int] | None = None, optimizer: str = "adamw"
+                 load: tuple[dict[str, Any], tuple[int, int], int] | None = None, optimizer: str = "adamw",
+                 stage: tuple[dict[str, Any], tuple[int, int], tuple[int, int]] | None = None,
                  ) -> tuple[tuple[float, float], tuple[float, float], tuple[tuple[float, float], ...], float]:
     """FSDP among ``ranks`` local processes as the runtime runs it (:func:`_fsdp`): its gather and its
     reduce-scatter, each as (latency seconds per FSDP unit, bandwidth in bytes of the whole parameters per
-    second), fitted over the sizes to units x latency + bytes / bandwidth; and what its hooks add to a sharded
-    stage's F, B, W and BW (:func:`_fsdp_passes`) and to its update with ``optimizer``, per tensor
-    (:func:`_fsdp_update`). What a stage sharded over data-parallel copies pays in its ``AG`` and ``RS`` (torch's
-    ``fully_shard`` copies the parameters out of the gathered buffer and the gradients into the reduce-scatter's,
-    which half a measured all-reduce leaves out), in each of its passes and after them. With ``load``, n more
-    processes compute meanwhile, as in :func:`measure_link`."""
-    timed, passes, update = _measured_under(load, _fsdp, (tuple(sizes), rounds, optimizer), None, ranks)
+    second), fitted over the sizes to units x latency + bytes / bandwidth; and with ``stage`` (a profile's
+    ``train`` section and two stages of its model's layers, the second of more units) what its hooks add to a
+    sharded stage's F, B, W and BW (:func:`_fsdp_passes`) and to its update with ``optimizer``, per tensor
+    (:func:`_fsdp_update`); without it, those are () and 0. What a stage sharded over data-parallel copies pays
+    in its ``AG`` and ``RS`` (torch's ``fully_shard`` copies the parameters out of the gathered buffer and the
+    gradients into the reduce-scatter's, which half a measured all-reduce leaves out), in each of its passes
+    and after them. With ``load``, n more processes compute meanwhile, as in :func:`measure_link`."""
+    timed, passes, update = _measured_under(load, _fsdp, (tuple(sizes), rounds, optimizer, stage), None, ranks)
     fits = []
     for which in (0, 1):
         latency, bandwidth = fit_link({size: times[which] for size, times in timed.items()})
@@ -983,20 +999,27 @@ def _model(train: dict[str, Any]) -> Model:
                       config=train.get("model_config"))
 
 
+def _stage_of(train: dict[str, Any], layers: tuple[int, int]) -> tuple[Chain, Values]:
+    """Layers ``layers[0]..layers[1]-1`` of the model (a stage's worth) and their input, one microbatch: the
+    layers before them run once on the first."""
+    model = _model(train)
+    first, end = layers
+    built = model.build_layers(range(end))
+    with torch.no_grad():
+        xs = split_batch(model.batch_at(0)[0], train["microbatches"])[0]
+        for i in range(first):
+            y = Chain(built[i])(*xs)
+            xs = y if isinstance(y, tuple) else (y,)
+    return Chain(*(built[i] for i in range(first, end))), xs
+
+
 def _layer_loop(train: dict[str, Any], layers: tuple[int, int]) -> Callable[[int], None]:
     """A function running layers ``layers[0]..layers[1]-1`` of the model (a stage's worth) forward and backward on
     one microbatch (one thread)."""
 
     torch.set_num_threads(1)
-    model = _model(train)
-    first, end = layers
-    built = model.build_layers(range(end))
-    with torch.no_grad():  # the stage's input: the layers before it run once
-        xs = split_batch(model.batch_at(0)[0], train["microbatches"])[0]
-        for i in range(first):
-            y = Chain(built[i])(*xs)
-            xs = y if isinstance(y, tuple) else (y,)
-    runner = StageRunner(Chain(*(built[i] for i in range(first, end))), input_grads=first > 0)
+    stage, xs = _stage_of(train, layers)
+    runner = StageRunner(stage, input_grads=layers[0] > 0)
 
     def once(k: int) -> None:
         outs = runner.forward(k, xs)
@@ -1205,6 +1228,9 @@ def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int 
     # work: its weights and activations, not one layer's, are what the ranks' caches and memory bus share.
     heaviest = max(range(len(measured) - 1), key=lambda i: measured[i].f + measured[i].b + measured[i].w)
     chunk = (heaviest, min(len(measured) - 1, heaviest + max(1, len(measured) // devices)))
+    # FSDP's hooks are timed on one layer from the heaviest and on the stage's worth (two at least, where the
+    # model has them): a unit and more of the model's own.
+    hooked = ((heaviest, heaviest + 1), (heaviest, max(chunk[1], min(len(measured) - 1, heaviest + 2))))
     factors: tuple[float, ...] = (1.0,) * devices
     if contention:
         if progress is not None:
@@ -1245,9 +1271,11 @@ def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int 
             load = (train, chunk, devices - k) if contention else None
             allreduce[k] = measure_allreduce(k, load=load)
             zero1[k] = measure_zero1(k, load=load)
-            gather, scatter, passes, update = measure_fsdp(k, load=load, optimizer=optimizer)
+            # What the hooks and the shards add is each rank's own work: timed in the first group only.
+            gather, scatter, passes, update = measure_fsdp(k, load=load, optimizer=optimizer,
+                                                           stage=None if i else (train, hooked[0], hooked[1]))
             fsdp[k] = gather, scatter
-            if not fsdp_passes:  # the hooks' and the shards' work is each rank's own: the first group's
+            if not i:
                 fsdp_passes, fsdp_update = passes, update
         if progress is not None:
             progress("all-reduce", len(groups), len(groups))
