@@ -99,12 +99,12 @@ def blocks(page: Path) -> list[Block]:
     out, lines, i = [], page.read_text(encoding="utf-8").splitlines(), 0
     while i < len(lines):
         if lines[i].lstrip().startswith("```"):
-            indent = len(lines[i]) - len(lines[i].lstrip())
+            indent = lines[i][:len(lines[i]) - len(lines[i].lstrip())]
             info, start = lines[i].lstrip()[3:].strip(), i
             i += 1
             body = []
             while not lines[i].lstrip().startswith("```"):
-                body.append(lines[i][indent:] if lines[i][:indent].isspace() else lines[i].lstrip())
+                body.append(lines[i][len(indent):] if lines[i].startswith(indent) else lines[i].lstrip())
                 i += 1
             name = str(page.relative_to(ROOT)) if page.is_relative_to(ROOT) else page.name
             out.append(Block(name, start + 1, info, "\n".join(body) + "\n"))
@@ -493,10 +493,11 @@ def test_the_benchmarks_the_pages_run_take_the_options_the_setting_gives() -> No
 
 def test_a_block_inside_a_list_item_is_found_and_read_without_its_indent(tmp_path: Path) -> None:
     page = tmp_path / "page.md"
-    page.write_text("- a point:\n\n  ```sh\n  pipefold a --x 1\n    --y\n  ```\n\n```python\nprint(1)\n```\n",
-                    encoding="utf-8")
+    page.write_text("- a point:\n\n  ```sh\n  pipefold a --x 1\n    --y\n  ```\n\n"
+                    "```python\nif True:\n    print(1)\n```\n", encoding="utf-8")
     found = blocks(page)
-    assert [(b.info, b.body) for b in found] == [("sh", "pipefold a --x 1\n  --y\n"), ("python", "print(1)\n")]
+    assert [(b.info, b.body) for b in found] == [("sh", "pipefold a --x 1\n  --y\n"),
+                                                 ("python", "if True:\n    print(1)\n")]
 
 
 def test_commands_are_read_as_a_shell_reads_them() -> None:
