@@ -387,26 +387,29 @@ def test_fsdps_hooks_lengthen_each_pass_once_and_per_unit(name: str) -> None:
 
 
 def test_fsdps_gather_and_reduce_scatter_among_local_ranks_cost_more_for_more_bytes() -> None:
-    """Measured on 2 ranks: the collectives' fits, and FSDP's hooks on a small GPT's own blocks (one, then two),
-    which cost something per unit in F and in a backward (torch's ``fully_shard`` runs Python hooks around every
-    unit's forward and backward: 100 to 400 us a unit on this 2-core machine) and far less in a W, which calls
-    none of them. Without a stage of the model's, only the collectives are measured."""
     from pipefold.runtime.profiling import measure_fsdp
+
+    for latency, bandwidth in measure_fsdp(2, rounds=5, sizes=(64 << 10, 1 << 20, 16 << 20)):
+        assert latency >= 0 and 1e6 < bandwidth < 1e12  # some MB/s to some hundred GB/s: copies over a socket
+
+
+def test_fsdps_hooks_are_timed_on_the_models_own_layers() -> None:
+    """FSDP's hooks on a small GPT's own blocks (one, then two) cost something per unit in F and in a backward
+    (torch's ``fully_shard`` runs Python hooks around every unit's forward and backward: 100 to 400 us a unit
+    on this 2-core machine) and far less in a W, which calls none of them; AdamW's step on DTensor shards costs
+    more per tensor than on plain ones."""
+    from pipefold.runtime.profiling import measure_fsdp_hooks
 
     train = {"model": "gpt", "layers": 2, "hidden": 32, "heads": 2, "seq": 16, "batch": 8, "microbatches": 4,
              "seed": 0}
-    gather, scatter, passes, update = measure_fsdp(2, rounds=5, sizes=(64 << 10, 1 << 20, 16 << 20),
-                                                   stage=(train, (1, 2), (1, 3)))
+    passes, update = measure_fsdp_hooks(train, (1, 2), (1, 3))
     assert 1e-6 < update < 1e-2, update  # DTensor's dispatch on every operation of AdamW's step, per tensor
-    for latency, bandwidth in (gather, scatter):
-        assert latency >= 0 and 1e6 < bandwidth < 1e12  # some MB/s to some hundred GB/s: copies over a socket
     (_, f), (_, b), (_, w), (_, bw) = passes
     assert 1e-6 < f < 1e-2 and 1e-6 < b < 1e-2 and 1e-6 < bw < 1e-2, passes
     assert w < min(f, b, bw), passes
     # One stage (no second of more units): all of its extra counts per unit, nothing once.
-    alone = measure_fsdp(2, rounds=2, sizes=(64 << 10, 1 << 20), stage=(train, (2, 3), (2, 3)))[2]
+    alone = measure_fsdp_hooks(train, (2, 3), (2, 3), rounds=2)[0]
     assert [once for once, _ in alone] == [0.0] * 4 and alone[0][1] > 0, alone
-    assert measure_fsdp(2, rounds=1, sizes=(64 << 10, 1 << 20))[2:] == ((), 0.0)
 
 
 def test_an_all_reduce_among_local_ranks_costs_more_for_more_bytes() -> None:

@@ -50,10 +50,10 @@ from pipefold.runtime.stage import (
     split_batch,
 )
 
-__all__ = ["MATMUL_DTYPES", "layer_costs", "layer_memory", "layer_static_bytes", "measure_allreduce",
-           "Measured", "measure_contention", "measure_layers", "measure_link", "measure_matmuls",
-           "measure_sharded", "measure_stages", "measure_zero1", "profile_model", "run_passes", "split_figures",
-           "TimedLayer", "TimedStage", "layers_per_rank", "time_in_stages"]
+__all__ = ["MATMUL_DTYPES", "layer_costs", "layer_memory", "layer_static_bytes", "measure_allreduce", "Measured",
+           "measure_contention", "measure_fsdp", "measure_fsdp_hooks", "measure_layers", "measure_link",
+           "measure_matmuls", "measure_sharded", "measure_stages", "measure_zero1", "profile_model", "run_passes",
+           "split_figures", "TimedLayer", "TimedStage", "layers_per_rank", "time_in_stages"]
 
 Values = tuple[torch.Tensor, ...]
 _LINK_SIZES = (4 << 10, 64 << 10, 512 << 10, 4 << 20)
@@ -834,15 +834,13 @@ def measure_zero1(ranks: int, rounds: int = 10, sizes: Sequence[int] = _REDUCE_S
     return fit_link(_measured_under(load, _zero1, (tuple(sizes), rounds), None, ranks))
 
 
-def _fsdp(rank: int, port: int, ranks: int, sizes: Sequence[int], rounds: int, optimizer: str,
-          stage: tuple[dict[str, Any], tuple[int, int], tuple[int, int]] | None, out: Any, work: Any) -> None:
+def _fsdp(rank: int, port: int, ranks: int, sizes: Sequence[int], rounds: int, out: Any, work: Any) -> None:
     """One of ``ranks`` processes running FSDP's gather and reduce-scatter of a stage as the runtime's ``AG`` and
     ``RS`` do (:mod:`pipefold.runtime.sharding`: torch's ``fully_shard``, one unit per layer), on stages of
     :data:`_REDUCE_PIECES` bias-free Linears whose whole parameters are each size, ``rounds`` times after two
     warm-ups; before each ``RS`` a one-row forward and backward leaves gradients on the gathered parameters, as a
-    stage's backward does (untimed). With ``stage``, also what FSDP adds to the model's own layers' passes and
-    update (:func:`_fsdp_passes`, :func:`_fsdp_update`). Rank 0 puts the mean seconds of one ``AG`` and one
-    ``RS`` per size, and those, on ``out``."""
+    stage's backward does (untimed). Rank 0 puts the mean seconds of one ``AG`` and one ``RS`` per size on
+    ``out``."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -868,15 +866,19 @@ def _fsdp(rank: int, port: int, ranks: int, sizes: Sequence[int], rounds: int, o
                     scatters.append(t1 - t0)
                     gathers.append(t2 - t1)
             result[_REDUCE_PIECES * width * width * 4] = (statistics.mean(gathers), statistics.mean(scatters))
-        passes: tuple[tuple[float, float], ...] = ()
-        update = 0.0
-        if stage is not None:
-            train, one, more = stage
-            passes = _fsdp_passes(mesh, rounds, train, one, more)
-            update = _fsdp_update(mesh, rounds, optimizer, train, more)
         if rank == 0:
-            out.put((result, passes, update))
+            out.put(result)
         dist.barrier()
+
+
+def _fsdp_hooks(rank: int, port: int, ranks: int, train: dict[str, Any], one: tuple[int, int],
+                more: tuple[int, int], rounds: int, optimizer: str, out: Any, work: Any) -> None:
+    """The one process of :func:`measure_fsdp_hooks`: FSDP over a group of one, alone on the machine."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with _measuring_rank(rank, port, ranks):
+        mesh = init_device_mesh("cpu", (ranks,))
+        out.put((_fsdp_passes(mesh, rounds, train, one, more), _fsdp_update(mesh, rounds, optimizer, train, more)))
 
 
 def _fsdp_update(mesh: Any, rounds: int, optimizer: str, train: dict[str, Any], layers: tuple[int, int]) -> float:
@@ -934,24 +936,31 @@ def _fsdp_passes(mesh: Any, rounds: int, train: dict[str, Any], one: tuple[int, 
 
 
 def measure_fsdp(ranks: int, rounds: int = 5, sizes: Sequence[int] = _REDUCE_SIZES,
-                 load: tuple[dict[str, Any], tuple[int, int], int] | None = None, optimizer: str = "adamw",
-                 stage: tuple[dict[str, Any], tuple[int, int], tuple[int, int]] | None = None,
-                 ) -> tuple[tuple[float, float], tuple[float, float], tuple[tuple[float, float], ...], float]:
+                 load: tuple[dict[str, Any], tuple[int, int], int] | None = None,
+                 ) -> tuple[tuple[float, float], tuple[float, float]]:
     """FSDP among ``ranks`` local processes as the runtime runs it (:func:`_fsdp`): its gather and its
     reduce-scatter, each as (latency seconds per FSDP unit, bandwidth in bytes of the whole parameters per
-    second), fitted over the sizes to units x latency + bytes / bandwidth; and with ``stage`` (a profile's
-    ``train`` section and two stages of its model's layers, the second of more units) what its hooks add to a
-    sharded stage's F, B, W and BW (:func:`_fsdp_passes`) and to its update with ``optimizer``, per tensor
-    (:func:`_fsdp_update`); without it, those are () and 0. What a stage sharded over data-parallel copies pays
-    in its ``AG`` and ``RS`` (torch's ``fully_shard`` copies the parameters out of the gathered buffer and the
-    gradients into the reduce-scatter's, which half a measured all-reduce leaves out), in each of its passes
-    and after them. With ``load``, n more processes compute meanwhile, as in :func:`measure_link`."""
-    timed, passes, update = _measured_under(load, _fsdp, (tuple(sizes), rounds, optimizer, stage), None, ranks)
+    second), fitted over the sizes to units x latency + bytes / bandwidth. What a stage sharded over
+    data-parallel copies pays in its ``AG`` and ``RS`` (torch's ``fully_shard`` copies the parameters out of the
+    gathered buffer and the gradients into the reduce-scatter's, which half a measured all-reduce leaves out).
+    With ``load``, n more processes compute meanwhile, as in :func:`measure_link`."""
+    timed = _measured_under(load, _fsdp, (tuple(sizes), rounds), None, ranks)
     fits = []
     for which in (0, 1):
         latency, bandwidth = fit_link({size: times[which] for size, times in timed.items()})
         fits.append((latency / _REDUCE_PIECES, bandwidth))
-    return fits[0], fits[1], passes, update
+    return fits[0], fits[1]
+
+
+def measure_fsdp_hooks(train: dict[str, Any], one: tuple[int, int], more: tuple[int, int], rounds: int = 5,
+                       optimizer: str = "adamw") -> tuple[tuple[tuple[float, float], ...], float]:
+    """What FSDP adds to a sharded stage's F, B, W and BW (:func:`_fsdp_passes`: (seconds once per pass, seconds
+    per FSDP unit) each) and to its update with ``optimizer``, per tensor (:func:`_fsdp_update`), on the
+    model of a profile's ``train`` section: its layers ``one`` and ``more`` (``more`` of more units). Timed in
+    one process alone, over a group of one: like the layers' own times, the ranks' sharing of the cores
+    (``Profile.contention``) comes on top in the plan, not in the figures (timed beside other processes, the
+    difference of two timings grows with their sharing, counted twice)."""
+    return _measured_under(None, _fsdp_hooks, (train, one, more, rounds, optimizer), None, 1)
 
 
 def _measured_under(load: tuple[dict[str, Any], tuple[int, int], int] | None, target: Callable[..., None],
@@ -1271,14 +1280,11 @@ def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int 
             load = (train, chunk, devices - k) if contention else None
             allreduce[k] = measure_allreduce(k, load=load)
             zero1[k] = measure_zero1(k, load=load)
-            # What the hooks and the shards add is each rank's own work: timed in the first group only.
-            gather, scatter, passes, update = measure_fsdp(k, load=load, optimizer=optimizer,
-                                                           stage=None if i else (train, hooked[0], hooked[1]))
-            fsdp[k] = gather, scatter
-            if not i:
-                fsdp_passes, fsdp_update = passes, update
+            fsdp[k] = measure_fsdp(k, load=load)
         if progress is not None:
             progress("all-reduce", len(groups), len(groups))
+        if groups:  # what FSDP's hooks and shards add to a sharded stage: each rank's own work
+            fsdp_passes, fsdp_update = measure_fsdp_hooks(train, *hooked, optimizer=optimizer)
     machine = {"host": platform.node(), "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                else os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,
                "device": "cpu", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "repeats": repeats,
