@@ -902,7 +902,7 @@ def _fsdp_passes(mesh: Any, rounds: int, train: dict[str, Any], one: tuple[int, 
     as :func:`pipefold.runtime.sharding.shard` makes them; ``more`` of more units) each run on the runtime's
     runner sharded and gathered, and unsharded beside it; each pass's difference of medians over
     ``6 * rounds`` runs at the two stages is fitted to a line. The hooks' Python work grows with what a unit
-    holds (a GPT block's hooks take 2 to 3 times a tiny Linear's), so the model's layers, not stand-ins, are
+    holds (a GPT block's hooks take about twice a tiny Linear's), so the model's layers, not stand-ins, are
     timed. Where ``more`` holds no more units than ``one``, it alone is timed and all of it counts per unit.
     Floored at 0."""
     from pipefold.runtime import sharding
@@ -1284,7 +1284,11 @@ def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int 
         if progress is not None:
             progress("all-reduce", len(groups), len(groups))
         if groups:  # what FSDP's hooks and shards add to a sharded stage: each rank's own work
+            if progress is not None:
+                progress("FSDP hooks", 0, 1)
             fsdp_passes, fsdp_update = measure_fsdp_hooks(train, *hooked, optimizer=optimizer)
+            if progress is not None:
+                progress("FSDP hooks", 1, 1)
     machine = {"host": platform.node(), "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                else os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,
                "device": "cpu", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "repeats": repeats,
