@@ -66,6 +66,7 @@ import torch
 import torch.distributed as dist
 
 from pipefold.runtime import sockets
+from pipefold.runtime.clock import wall
 from pipefold.runtime.meter import MemoryMeter
 
 if TYPE_CHECKING:
@@ -140,7 +141,7 @@ class _Deferred:
     due: float
 
     def post(self) -> dist.Work:
-        delay = self.due - time.time()
+        delay = self.due - wall()
         if delay > 0:
             time.sleep(delay)
         return post_message("send", self.tensor, self.peer, self.tag)
@@ -214,7 +215,7 @@ class Incoming:
 
 _Send = tuple["dist.Work | _Deferred | _Staged", tuple[torch.Tensor, ...], int, float, int]
 """A send: its work handle (or the send to post later), the tensors it reads, their bytes, when it was posted
-(``time.time``), its tag."""
+(wall-clock seconds, :func:`pipefold.runtime.clock.wall`), its tag."""
 
 
 class _Outbox:
@@ -259,7 +260,7 @@ class _Outbox:
             self._pending.append(send)
 
     def _release(self, nbytes: int, posted_at: float, tag: int) -> None:
-        done = time.time()
+        done = wall()
         with self._cond:
             self.released += 1
             self.bytes -= nbytes
@@ -498,13 +499,13 @@ class Links:
         wire = self._wires.get(peer)
         if wire is None:
             wire = self._wires[peer] = Wire(self.network.conditions(self.rank, peer))
-        return self.origin + wire.send(time.time() - self.origin, nbytes)
+        return self.origin + wire.send(wall() - self.origin, nbytes)
 
     def _post_send(self, t: torch.Tensor, device: int, to: int, tag: int, nbytes: int) -> None:
         """Post a send of ``t`` to process-group rank ``to`` on pipeline ``device`` now, or, over an emulated
         link, have the link's thread post it when it is due."""
         outbox = self._outbox(device, to)
-        posted_at = time.time()
+        posted_at = wall()
         self.sent[to] = self.sent.get(to, 0) + nbytes
         if self.staged:
             outbox.post((_Staged(t, to, tag, self.stream), (), nbytes, posted_at, tag))
@@ -561,7 +562,7 @@ class Links:
             bufs = tuple(torch.empty(shape, dtype=m.dtype, device=self.device)
                          for shape, m in zip(shapes, metas, strict=True))
             self.meter.hold(bufs, "recv")
-        self.recv_posted.setdefault(peer, {})[self.tag(direction, stage, microbatch, 0)] = time.time()
+        self.recv_posted.setdefault(peer, {})[self.tag(direction, stage, microbatch, 0)] = wall()
         works = []
         for i, b in enumerate(bufs):
             tag = self.tag(direction, stage, microbatch, i)
@@ -602,7 +603,7 @@ class Links:
         h = encode_header(metas).to(self._header_device)  # one tensor, read by every send of it
         for _, _, to in self._routes(self.rank, peer):
             if self.staged:  # a host tensor already: straight to gloo, no copy
-                self._outbox(peer, to).post((post_message("send", h, to, tag), (h,), 0, time.time(), tag))
+                self._outbox(peer, to).post((post_message("send", h, to, tag), (h,), 0, wall(), tag))
             else:
                 self._post_send(h, peer, to, tag, 0)  # a few bytes of metadata: not activations
 

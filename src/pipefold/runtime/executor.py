@@ -41,6 +41,7 @@ from torch import nn
 from pipefold.errors import ConfigError
 from pipefold.ir import KINDS, Action, Graph, Kind, Schedule, dependency_graph
 from pipefold.runtime import sharding
+from pipefold.runtime.clock import ANCHOR
 from pipefold.runtime.comm import (
     BACKWARD,
     FORWARD,
@@ -122,7 +123,8 @@ class StepStats:
     memory_curve: list[tuple[float, int]] = field(default_factory=list)
     """(seconds from the step's start, bytes held from then on)."""
     started_at: float = 0.0
-    """Wall-clock time (time.time()) of the step's start, to line ranks up in a trace."""
+    """Wall-clock time of the step's start, the moment ``wall`` counts from (:mod:`pipefold.runtime.clock`), to
+    line ranks up in a trace."""
     stage_memory: dict[int, tuple[int, int, int]] = field(default_factory=dict)
     """Per stage of this rank, the most bytes one microbatch held after its F, while its B ran, and between its
     B and its W (the last two 0 where the stage ran no B)."""
@@ -436,7 +438,7 @@ class RankExecutor:
         self._losses = {}
         clock = _Clock(self.device, self.meter.t0)
         self.meter.t0 = clock.t0  # the memory curve counts from the same moment
-        stats.started_at = time.time()
+        stats.started_at = ANCHOR + clock.t0  # the moment ``wall`` counts from, on the same clock
         cpu0 = time.process_time()
 
         activity = self.activity

@@ -65,7 +65,7 @@ class StepHistory(Sequence[StepStats]):
         self.update = array("d")
         """Per step: seconds after the schedule until the step was over (the check, the optimizer step)."""
         self.started_at = array("d")
-        """Per step: wall-clock time (``time.time()``) this rank started it."""
+        """Per step: wall-clock time this rank started it (:mod:`pipefold.runtime.clock`)."""
         self.busy = array("d")
         """Per step: seconds of computation (F, B, W and the like)."""
         self.cpu = array("d")
