@@ -170,11 +170,12 @@ def test_a_long_run_keeps_the_first_and_last_steps(tmp_path: Path, capsys: pytes
 def test_a_ranks_timestamps_are_the_host_clock_anchored_once_to_the_wall_clock() -> None:
     """Differences of :func:`pipefold.runtime.clock.wall` are the host clock's (never negative), and it reads the
     wall clock as it stood when the process anchored it."""
+    import itertools
     import time
 
     from pipefold.runtime.clock import ANCHOR, wall
 
     readings = [(wall(), time.perf_counter()) for _ in range(1000)]
-    assert all(b[0] >= a[0] for a, b in zip(readings, readings[1:]))
+    assert all(b[0] >= a[0] for a, b in itertools.pairwise(readings))
     assert all(0 <= ANCHOR + p - w < 0.5 for w, p in readings)  # each read just before its host clock
     assert abs(wall() - time.time()) < 1.0  # unless the wall clock was set since: then by that much
