@@ -4,9 +4,8 @@ A rank times its steps, its updates and its messages' posting and delivery. Inte
 moves forward (the wall clock may be stepped between two readings); ranks on other machines line up only on the
 wall clock. So every timestamp a rank records is the host clock (``time.perf_counter``) plus :data:`ANCHOR`,
 the wall clock at its zero, read once per process: differences are the host clock's, and ranks, each anchored
-once, line up as their wall clocks do. (A step's start was read from the wall clock apart from the moment its
-``wall`` counts from, later by the meter's start: once a next step seemed to start 72 us before the first one's
-update ended.)
+once, line up as their wall clocks do. (A step's start used to be read from the wall clock a little after the
+moment its ``wall`` counts from: once a next step seemed to start 72 us before the previous one's update ended.)
 """
 
 from __future__ import annotations
