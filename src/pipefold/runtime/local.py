@@ -221,9 +221,9 @@ def _failure(ranks: list[Any], board: SharedBoard, out_dir: Path, exited: dict[i
     while waiting for a peer (its peer's failure reached it), the earliest first."""
     from multiprocessing.connection import wait
 
-    deadline = time.time() + 1.0  # the others' own failures, if they come at once, tell who came first
-    while (alive := [p.sentinel for p in ranks if p.exitcode is None]) and time.time() < deadline:
-        wait(alive, timeout=deadline - time.time())
+    deadline = time.monotonic() + 1.0  # the others' own failures, if they come at once, tell who came first
+    while (alive := [p.sentinel for p in ranks if p.exitcode is None]) and time.monotonic() < deadline:
+        wait(alive, timeout=deadline - time.monotonic())
     now = time.time()
     causes: list[tuple[int, float, int, str, str]] = []  # (waiting, when, rank, line, details)
     for rank, p in enumerate(ranks):
@@ -255,9 +255,9 @@ def _stop(ranks: list[Any]) -> int:
             p.kill()  # a stopped process takes no SIGTERM until it runs again
         else:
             p.terminate()
-    deadline = time.time() + 3.0
+    deadline = time.monotonic() + 3.0
     for p in running:
-        p.join(max(0.0, deadline - time.time()))
+        p.join(max(0.0, deadline - time.monotonic()))
         if p.exitcode is None:
             p.kill()
             p.join()

@@ -326,13 +326,13 @@ def _flood(to: str, port: int, periods: list[tuple[float, float]], origin: float
             except OSError:
                 time.sleep(0.05)
 
-    deadline = time.time() + 30
+    deadline = time.monotonic() + 30
     while True:  # through to the sink once before saying so: the first period then starts on time
         try:
             socket.create_connection((to, port), timeout=1).close()
             break
         except OSError:
-            if time.time() > deadline:
+            if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
     print("ready", flush=True)

@@ -56,7 +56,7 @@ class _TorchrunWatch:
 
     def check(self) -> None:
         mine = self.activity.snapshot(self.heartbeat.seq)
-        if mine.done or mine.age <= limit(mine, self.timeout) or time.time() < self._not_before:
+        if mine.done or mine.age <= limit(mine, self.timeout) or time.monotonic() < self._not_before:
             return
         if not mine.waits:
             hang = find_hang({self.rank: mine}, {self.rank: mine.age}, {}, self.timeout)
@@ -80,7 +80,7 @@ class _TorchrunWatch:
                     with contextlib.suppress(OSError):
                         os.kill(s.pid, signal.SIGKILL)  # stopped: torchrun's SIGTERM would wait for it 30 s
         if hang is None:
-            self._not_before = time.time() + 2.0
+            self._not_before = time.monotonic() + 2.0  # a deadline: the host's clock, never stepped
             return
         with contextlib.suppress(Exception):
             if self.board.first_to_abort():
