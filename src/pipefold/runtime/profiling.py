@@ -878,29 +878,32 @@ def _fsdp_hooks(rank: int, port: int, ranks: int, train: dict[str, Any], one: tu
 
     with _measuring_rank(rank, port, ranks):
         mesh = init_device_mesh("cpu", (ranks,))
-        out.put((_fsdp_passes(mesh, rounds, train, one, more), _fsdp_update(mesh, rounds, optimizer, train, more)))
+        stages = {layers: _stage_of(train, layers) for layers in dict.fromkeys((one, more))}  # each built once
+        passes = _fsdp_passes(mesh, rounds, stages, one, more)
+        out.put((passes, _fsdp_update(mesh, rounds, optimizer, stages[more][0])))
 
 
-def _fsdp_update(mesh: Any, rounds: int, optimizer: str, train: dict[str, Any], layers: tuple[int, int]) -> float:
+def _fsdp_update(mesh: Any, rounds: int, optimizer: str, stage: nn.Module) -> float:
     """Seconds more per tensor that the update after the schedule (:func:`_timed_update`, ``optimizer``'s) takes
     on FSDP's shards (DTensors: each operation goes through DTensor's dispatch) than on plain tensors of the same
-    local size: the model's ``layers`` sharded as the runtime shards them, their shards against plain copies of
-    their local parts, ``2 * rounds`` updates of each. Floored at 0."""
+    local size: the model's layers ``stage`` sharded (in place) as the runtime shards them, their shards against
+    plain copies of their local parts, ``2 * rounds`` updates of each. Floored at 0."""
     from pipefold.runtime import sharding
 
-    stage = sharding.shard(_stage_of(train, layers)[0], mesh)
+    stage = sharding.shard(stage, mesh)
     shards = sharding.sharded_parameters(stage)
     plain = [nn.Parameter(sharding.local(p.detach()).clone()) for p in shards]
     extra = _timed_update(shards, optimizer, 2 * rounds) - _timed_update(plain, optimizer, 2 * rounds)
     return max(0.0, extra / len(shards))
 
 
-def _fsdp_passes(mesh: Any, rounds: int, train: dict[str, Any], one: tuple[int, int], more: tuple[int, int]
-                 ) -> tuple[tuple[float, float], ...]:
+def _fsdp_passes(mesh: Any, rounds: int, built: dict[tuple[int, int], tuple[Chain, Values]], one: tuple[int, int],
+                 more: tuple[int, int]) -> tuple[tuple[float, float], ...]:
     """What FSDP's hooks add to a sharded stage's passes: for F, B, W and fused BW, (seconds once per pass, seconds
     per FSDP unit). The model's own layers ``one`` and ``more`` (two stages of a unit per layer with parameters,
-    as :func:`pipefold.runtime.sharding.shard` makes them; ``more`` of more units) each run on the runtime's
-    runner sharded and gathered, and unsharded beside it; each pass's difference of medians over
+    as :func:`pipefold.runtime.sharding.shard` makes them; ``more`` of more units; ``built``: each stage and its
+    input, :func:`_stage_of`, left unsharded) each run on the runtime's runner, a copy sharded and gathered, and
+    unsharded beside it; each pass's difference of medians over
     ``6 * rounds`` runs at the two stages is fitted to a line. The hooks' Python work grows with what a unit
     holds (a GPT block's hooks take about twice a tiny Linear's), so the model's layers, not stand-ins, are
     timed. Where ``more`` holds no more units than ``one``, it alone is timed and all of it counts per unit.
@@ -910,9 +913,8 @@ def _fsdp_passes(mesh: Any, rounds: int, train: dict[str, Any], one: tuple[int, 
     def units(stage: Chain) -> int:
         return sum(1 for layer in stage.children() if any(p.requires_grad for p in layer.parameters()))
 
-    stages = {layers: _stage_of(train, layers) for layers in (one, more)}
-    if one != more and units(stages[more][0]) <= units(stages[one][0]):
-        del stages[one]
+    timed = [more] if units(built[more][0]) <= units(built[one][0]) else [one, more]
+    stages = {layers: built[layers] for layers in timed}
     points = []
     for layers, (plain, xs) in stages.items():
         runners = (StageRunner(plain, input_grads=layers[0] > 0),
