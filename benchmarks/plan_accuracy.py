@@ -20,6 +20,7 @@ and ``mlp-small``, the MLP at width 128 and batch 128) on 4 local gloo ranks:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import statistics
@@ -60,12 +61,16 @@ def run_plan(plan: dict[str, Any], steps: int) -> dict[str, Any]:
     profile = Profile.from_dict(plan["profile"])
     result, peaks, static = predict(profile, ran.layout, job.schedule, job.layer_stages,
                                     job.recompute)
+    # The same plan with every rank on cores of its own: its passes as the profile timed them alone.
+    alone = predict(dataclasses.replace(profile, contention=tuple(1.0 for _ in profile.contention)), ran.layout,
+                    job.schedule, job.layer_stages, job.recompute)[0]
     got = measured_summary(reports)
     checks = [r.steps[steps - 1].memory_check or {} for r in reports]
     return {"schedule": plan["schedule"], "layers_per_stage": [len(p) for p in job.layer_stages],
             "recompute": list(job.recompute or ()),
             "predicted": {"step_time_s": result.makespan, "bubble_ratio": result.bubble_ratio, "peak_bytes": peaks,
                           "busy_s": sum(result.busy) / len(result.busy),
+                          "alone_busy_s": sum(alone.busy) / len(alone.busy),
                           "update_s": result.makespan - result.timeline.makespan()},
             "measured": got, "step_parts": step_parts(reports),
             "memtracker_activation_bytes": [c.get("tracker_between_actions", 0) for c in checks],

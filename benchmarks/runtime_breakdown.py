@@ -11,7 +11,8 @@ The run is vs_torch.py's: the ``mlp`` model (H=512, 8 layers, batch 64 in 8 micr
 - ``runtime``: the rest, the executor's work between passes (posting receives and sends, bookkeeping, the meter,
   the watch's activity), step - compute - waits;
 - ``cpu``: the operating system's CPU seconds of the rank's process during the step (every thread: the link
-  threads and gloo's included), an account independent of the executor's events;
+  threads and gloo's included), an account independent of the executor's events; ``pass cpu``: the passes' own
+  CPU seconds on the executor's thread (on the CPU), which ``compute`` exceeds by the time they waited for a core;
 - ``util``: compute / the slowest rank's step (the job's step time), against ``ideal``: the same ratio in the
   simulation of the schedule fed with the passes' measured median times
   (:func:`pipefold.runtime.measure.measured_costs`), which has no runtime work and no waits but those the
@@ -80,6 +81,10 @@ def _slowest(report: Any) -> float:
     return max(max(times) / statistics.median(times) for times in by_kind.values())
 
 
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=10, help="steps per schedule, the first one left out (default 10)")
@@ -96,13 +101,14 @@ def main() -> None:
     if args.json:
         print(json.dumps(out, indent=1))
         return
-    print(f"{'schedule':22} rank  step ms  compute  recv wait  send wait  runtime (per action)  cpu ms  util  ideal  "
-          "replay  slowest")
+    print(f"{'schedule':22} rank  step ms  compute  recv wait  send wait  runtime (per action)  cpu ms  pass cpu  "
+          "util  ideal  replay  slowest")
     for got in out:
         for d, r in enumerate(got["ranks"]):
             print(f"{got['schedule']:22} {d:4} {r['step'] * 1e3:8.1f} {r['compute'] * 1e3:8.1f} "
                   f"{r['recv wait'] * 1e3:10.1f} {r['send wait'] * 1e3:10.1f} {r['runtime'] * 1e3:8.1f} "
-                  f"({r['runtime per action'] * 1e6:4.0f} us) {r['cpu'] * 1e3:10.1f} {r['util']:5.0%} "
+                  f"({r['runtime per action'] * 1e6:4.0f} us) {r['cpu'] * 1e3:10.1f} {_ms(r.get('compute cpu')):>9} "
+                  f"{r['util']:5.0%} "
                   f"{r['ideal']:6.0%} {r['replay']:7.0%} {r['slowest']:7.2f}x")
     sys.stdout.flush()
 

@@ -95,6 +95,10 @@ class Event:
     kind: str
     start: float
     end: float
+    cpu: float | None = None
+    """An action's CPU seconds on the executor's thread (the operating system's count, ``time.thread_time``), on
+    the CPU: beside ``end - start`` it says how long the action waited for a core, an account independent of the
+    host clock. None on a GPU, and for waits."""
 
 
 @dataclass
@@ -781,9 +785,9 @@ class _Clock:
         return time.perf_counter() - self.t0
 
     def mark(self) -> Any:
-        """The start of an action: the host time, or an event on the current stream."""
+        """The start of an action: the host time and the thread's CPU time, or an event on the current stream."""
         if not self.cuda:
-            return self()
+            return self(), time.thread_time()
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
@@ -791,7 +795,8 @@ class _Clock:
     def interval(self, events: list[Event], name: str, kind: str, start: Any) -> None:
         """Record an action that began at ``start`` (:meth:`mark`) and ends now."""
         if not self.cuda:
-            events.append(Event(name, kind, start, self()))
+            cpu = time.thread_time()
+            events.append(Event(name, kind, start[0], self(), cpu - start[1]))
             return
         event = Event(name, kind, 0.0, 0.0)
         events.append(event)

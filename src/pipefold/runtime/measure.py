@@ -127,18 +127,24 @@ def step_parts(reports: list[RankReport], warmup: int = 1) -> list[dict[str, flo
     executor's wall time), ``compute`` (its passes, from its own events), ``recv wait`` (blocked on a receive),
     ``send wait`` (on the delivery of sends), ``runtime`` (the rest: the executor's own work between passes,
     posting receives and sends, bookkeeping), ``cpu`` (the operating system's CPU seconds of the process) and
-    ``update`` (after the schedule: the check and the optimizer step)."""
+    ``update`` (after the schedule: the check and the optimizer step); on the CPU also ``compute cpu``, the
+    passes' own CPU seconds on the executor's thread (:attr:`~pipefold.runtime.executor.Event.cpu`): ``compute``
+    over it is how much longer the passes took for sharing the cores."""
     out = []
     for r in reports:
         rows = []
         for i in r.steps.settled(warmup):
             st = r.steps[i]
-            compute = sum(e.end - e.start for e in st.events if e.kind in COMPUTE_KINDS)
+            passes = [e for e in st.events if e.kind in COMPUTE_KINDS]
+            compute = sum(e.end - e.start for e in passes)
             recv = sum(e.end - e.start for e in st.events if e.kind == "recv")
             sent = sum(e.end - e.start for e in st.events if e.kind not in COMPUTE_KINDS and e.kind != "recv")
-            rows.append({"step": st.wall, "compute": compute, "recv wait": recv, "send wait": sent,
-                         "runtime": st.wall - compute - recv - sent, "cpu": st.cpu, "update": st.update})
-        out.append({k: statistics.median(row[k] for row in rows) for k in rows[0]})
+            row = {"step": st.wall, "compute": compute, "recv wait": recv, "send wait": sent,
+                   "runtime": st.wall - compute - recv - sent, "cpu": st.cpu, "update": st.update}
+            if passes and all(e.cpu is not None for e in passes):
+                row["compute cpu"] = sum(e.cpu or 0.0 for e in passes)
+            rows.append(row)
+        out.append({k: statistics.median(row[k] for row in rows) for k in rows[0] if all(k in row for row in rows)})
     return out
 
 
