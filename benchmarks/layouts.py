@@ -114,11 +114,12 @@ def bench_world(world: int, steps: int) -> list[dict[str, Any]]:
                # waits on messages and collectives (gradients' all-reduce, FSDP's gather and reduce-scatter).
                "compute_s": statistics.median(p["compute"] for p in got["step_parts"]),
                "predicted_compute_s": got["predicted"]["busy_s"],  # a device's passes, the mean device
-               # Their CPU seconds (the operating system's count, on the CPU) against the profile's passes alone:
-               # whether the run's machine is the profile's; compute over it: how much the sharing of cores
-               # stretched them, against the prediction's (predicted_compute_s / predicted_alone_s).
+               # Their CPU seconds (the operating system's count, on the CPU) against the profile's passes with every
+               # rank on cores of its own: whether they did the work the profile measured; compute over it: how much
+               # the sharing of cores stretched them, against the plan's (passes shared over alone).
                "compute_cpu_s": statistics.median(p.get("compute cpu", math.nan) for p in got["step_parts"]),
-               "predicted_alone_s": got["predicted"]["alone_busy_s"],
+               "predicted_alone_s": got["predicted"]["passes_alone_s"],
+               "predicted_shared_s": got["predicted"]["passes_shared_s"],
                "waits_s": statistics.median(p["recv wait"] + p["send wait"] for p in got["step_parts"]),
                # After the schedule: the check and the optimizer step, from the last rank's end of its schedule
                # (the runtime's own clocks) against the profile's layers' updates and the collectives after the step.
@@ -134,7 +135,8 @@ def bench_world(world: int, steps: int) -> list[dict[str, Any]]:
               f"{max(predicted_peak) / 2**20:.2f} MiB, measured {max(peaks) / 2**20:.2f} MiB "
               f"(worst rank off by {row['peak_ratio_worst'] - 1:.1%}); a rank's passes {row['compute_s'] * 1e3:.0f} "
               f"ms (predicted {row['predicted_compute_s'] * 1e3:.0f}), their CPU {row['compute_cpu_s'] * 1e3:.0f} ms "
-              f"(the profile's alone {row['predicted_alone_s'] * 1e3:.0f}), its waits {row['waits_s'] * 1e3:.0f} ms, "
+              f"(the profile's, each rank on its own cores, {row['predicted_alone_s'] * 1e3:.0f}), "
+              f"its waits {row['waits_s'] * 1e3:.0f} ms, "
               f"the update after the schedule {row['update_s'] * 1e3:.1f} ms (predicted "
               f"{row['predicted_update_s'] * 1e3:.1f})",
               flush=True)

@@ -20,7 +20,6 @@ and ``mlp-small``, the MLP at width 128 and batch 128) on 4 local gloo ranks:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import os
 import statistics
@@ -29,7 +28,7 @@ from typing import Any
 
 from pipefold.errors import ConfigError
 from pipefold.files import write_json
-from pipefold.plan.budget import RunPlan, plan_model, predict
+from pipefold.plan.budget import RunPlan, plan_model, predict, predicted_passes
 from pipefold.plan.profile import Profile
 from pipefold.runtime.local import run_local
 from pipefold.runtime.measure import measured_summary, step_parts
@@ -61,16 +60,14 @@ def run_plan(plan: dict[str, Any], steps: int) -> dict[str, Any]:
     profile = Profile.from_dict(plan["profile"])
     result, peaks, static = predict(profile, ran.layout, job.schedule, job.layer_stages,
                                     job.recompute)
-    # The same plan with every rank on cores of its own: its passes as the profile timed them alone.
-    alone = predict(dataclasses.replace(profile, contention=tuple(1.0 for _ in profile.contention)), ran.layout,
-                    job.schedule, job.layer_stages, job.recompute)[0]
+    alone, shared = predicted_passes(profile, ran.layout, job.schedule, job.layer_stages, job.recompute)
     got = measured_summary(reports)
     checks = [r.steps[steps - 1].memory_check or {} for r in reports]
     return {"schedule": plan["schedule"], "layers_per_stage": [len(p) for p in job.layer_stages],
             "recompute": list(job.recompute or ()),
             "predicted": {"step_time_s": result.makespan, "bubble_ratio": result.bubble_ratio, "peak_bytes": peaks,
                           "busy_s": sum(result.busy) / len(result.busy),
-                          "alone_busy_s": sum(alone.busy) / len(alone.busy),
+                          "passes_alone_s": sum(alone) / len(alone), "passes_shared_s": sum(shared) / len(shared),
                           "update_s": result.makespan - result.timeline.makespan()},
             "measured": got, "step_parts": step_parts(reports),
             "memtracker_activation_bytes": [c.get("tracker_between_actions", 0) for c in checks],

@@ -571,6 +571,11 @@ def test_profile_plan_train_runs_the_plan_with_exact_gradients_and_its_predicted
     # The step measured is the schedule and the update after it (check, AdamW's step), as the prediction has it.
     assert all((x.update > 0) == (x.params > 0) for x in prof.layers)
     assert meas["step_time_s"] > meas["schedule_time_s"] > 0
+    # The passes' CPU time lies within their wall time; the plan's passes, each rank on its own cores, are the
+    # profile's stage sums (no --no-sharing figure: two ranks, each with a core, share nothing).
+    passes = out["plan"]["passes_s"]
+    assert 0 < passes["cpu"] <= passes["wall"] + 1e-6
+    assert passes["alone"] > 0 and passes["alone"] == pytest.approx(passes["shared"])
     got = _cli("train", "--plan", "plan.json", "--hidden", "48", cwd=tmp_path)
     assert got.returncode == 2 and "--plan fixes" in got.stderr and "Traceback" not in got.stderr
 
@@ -682,6 +687,42 @@ def test_a_far_prediction_is_pointed_out_with_its_likely_cause(predicted: float,
         assert f"replay to {replayed * 1e3:.1f} ms" in note
         between = replayed < 0.75 * measured
         assert ("time between passes" in note) == between and ("passes themselves" in note) == (not between)
+
+
+@pytest.mark.parametrize(("cpu", "wall", "shared", "says"), [
+    (0.50, 0.55, 0.30, "the passes used 1.67x the CPU time the profile gives them (more: the machine is slower"),
+    (0.30, 0.66, 0.36, "and 2.20x their CPU time for waiting for a core, where the plan expected 1.20x"),
+])
+def test_a_far_prediction_says_whether_the_passes_did_more_work_or_waited_for_cores(
+        cpu: float, wall: float, shared: float, says: str) -> None:
+    from pipefold.train.summary import Passes, prediction_note
+
+    note = prediction_note(0.3267, 0.6777, 24, replayed=0.65, passes=Passes(cpu, wall, alone=0.30, shared=shared))
+    assert note is not None and says in note and "\n" not in note
+    faster = prediction_note(0.2, 0.1, 24, replayed=0.1, passes=Passes(0.15, 0.15, alone=0.30, shared=0.30))
+    assert faster is not None and "the passes used 0.50x the CPU time the profile gives them" in faster
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "gpipe"])
+def test_the_plans_passes_are_the_stage_sums_alone_and_longer_where_ranks_share_cores(name: str) -> None:
+    """Each rank on its own cores, a device's passes are its stages' F, B and W (or fused BW) times the microbatches,
+    from the profile's stage sums; the runtime's work per message is left out; with the cores shared (two ranks
+    computing at once run twice as long) they take longer, never more than twice as long."""
+    import dataclasses
+
+    from pipefold.plan.budget import Layout, predicted_passes, stage_profiles
+
+    profile = dataclasses.replace(_profile(8, contention=(1.0, 2.0)), message_overhead=3e-4)
+    split = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    schedule = schedules.build(name, 2, 8)
+    alone, shared = predicted_passes(profile, Layout(1, 1, 2), schedule, split)
+    for d, row in enumerate(stage_profiles(profile, split)):
+        kinds = {a.kind for a in schedule.actions[d]}
+        f, b, w = row.times
+        fused = "BW" in kinds and row.fused_time is not None
+        per = f + (row.fused_time if fused else b + w)
+        assert alone[d] == pytest.approx(8 * per)
+        assert alone[d] < shared[d] <= 2 * alone[d] + 1e-12
 
 
 @pytest.mark.parametrize("layers", [3, 9])

@@ -23,7 +23,8 @@ from pipefold.units import format_bytes
 
 __all__ = ["Layout", "ModelPlan", "ModelPoint", "PlanResult", "Point", "RunPlan", "candidates", "check_plan", "choose",
            "device_static", "evaluate", "every_layout", "frontier", "layout_profile", "model_costs", "one_f_one_b_peak",
-           "parse_budget", "plan", "plan_model", "predict", "read_plan", "refused_layout", "stage_profiles"]
+           "parse_budget", "plan", "plan_model", "predict", "predicted_passes", "read_plan", "refused_layout",
+           "stage_profiles"]
 
 Progress = Callable[[int, int], None]
 """Called as ``progress(done, total)`` before the first candidate and after each one."""
@@ -669,6 +670,20 @@ def predict(profile: Profile, layout: Layout, schedule: str | Schedule, layer_st
     costs = model_costs(seen, schedule, layer_stages, counts, layout)
     result = simulate(_replicated(schedule, layout), costs)
     return result, [int(st + a) for st, a in zip(static, activations, strict=True)], static
+
+
+def predicted_passes(profile: Profile, layout: Layout, schedule: str | Schedule,
+                     layer_stages: Sequence[Sequence[int]],
+                     recompute: Sequence[int] | None = None) -> tuple[list[float], list[float]]:
+    """Each device's passes in one step of a plan (:func:`predict`'s arguments), as the profile times them and
+    without the runtime's work per message: (every rank on cores of its own, the ranks sharing the cores as the
+    plan expects them to). What a run's passes took, their CPU time and their wall time, compares with these: the
+    first says whether the passes did the work the profile measured, the ratio of the two how much longer the plan
+    expects them to take for sharing the cores."""
+    bare = dataclasses.replace(profile, message_overhead=0.0)
+    own = dataclasses.replace(bare, contention=tuple(1.0 for _ in profile.contention))
+    return ([float(b) for b in predict(own, layout, schedule, layer_stages, recompute)[0].busy],
+            [float(b) for b in predict(bare, layout, schedule, layer_stages, recompute)[0].busy])
 
 
 def device_static(seen: Profile, layout: Layout, schedule: Schedule,

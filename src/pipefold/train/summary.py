@@ -11,22 +11,36 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-from typing import Any
+from typing import Any, NamedTuple
 
 from pipefold.ir import Schedule
 from pipefold.ir.ref import ScheduleRef
 from pipefold.runtime.history import step_number
 from pipefold.runtime.job import Job, RankReport
-from pipefold.runtime.measure import measured_costs, measured_result, measured_summary, per_step, tail
+from pipefold.runtime.measure import measured_costs, measured_result, measured_summary, per_step, step_parts, tail
 from pipefold.sim.simulate import CostModel, SimResult, simulate
 from pipefold.train.reference import compare
 from pipefold.train.run import Outcome
 from pipefold.train.spec import RunSpec
 
-__all__ = ["FAR_OFF", "prediction_note", "summarize"]
+__all__ = ["FAR_OFF", "Passes", "prediction_note", "summarize"]
 
 FAR_OFF = 0.25
 """A measured step further than this from the plan's prediction (as a fraction) is pointed out after the run."""
+
+
+class Passes(NamedTuple):
+    """A device's passes in a step (the mean device of the first pipeline), measured and as the plan predicted them
+    (:func:`pipefold.plan.budget.predicted_passes`), in seconds."""
+
+    cpu: float
+    """Their CPU time on the rank's executor thread (the operating system's count)."""
+    wall: float
+    """Their wall time."""
+    alone: float
+    """The profile's, with every rank on cores of its own."""
+    shared: float
+    """The profile's, with the ranks sharing the cores as the plan expects."""
 
 
 def summarize(outcome: Outcome, *, trace: str | None = None, plot: str | None = None) -> dict[str, Any]:
@@ -90,8 +104,11 @@ def summarize(outcome: Outcome, *, trace: str | None = None, plot: str | None = 
                        "measured": measured_summary(reports)}
         out["plan"]["replayed_step_time_s"] = replayed.makespan
         actions = max(len(row) for row in job.schedule.actions)
+        passes = _passes(plan, job, reports)
+        if passes is not None:
+            out["plan"]["passes_s"] = passes._asdict()
         note = prediction_note(predicted.makespan, out["plan"]["measured"]["step_time_s"], actions,
-                               replayed=replayed.makespan)
+                               replayed=replayed.makespan, passes=passes)
         if note is not None:
             out["plan"]["note"] = note
     if spec.check:
@@ -122,20 +139,45 @@ def summarize(outcome: Outcome, *, trace: str | None = None, plot: str | None = 
     return out
 
 
-def prediction_note(predicted: float, measured: float, actions: int, *, replayed: float) -> str | None:
+def _passes(plan: Any, job: Job, reports: list[RankReport]) -> Passes | None:
+    """The mean device's passes in a step, measured against the plan's :func:`~pipefold.plan.budget.predicted_passes`;
+    None where the run has no CPU time of its passes (on a GPU)."""
+    from pipefold.plan.budget import predicted_passes
+
+    parts = step_parts(reports)
+    if not all("compute cpu" in p for p in parts):
+        return None
+    alone, shared = predicted_passes(plan.profile, plan.layout, job.schedule, job.layer_stages, job.recompute)
+    return Passes(cpu=statistics.fmean(p["compute cpu"] for p in parts),
+                  wall=statistics.fmean(p["compute"] for p in parts),
+                  alone=statistics.fmean(alone), shared=statistics.fmean(shared))
+
+
+def prediction_note(predicted: float, measured: float, actions: int, *, replayed: float,
+                    passes: Passes | None = None) -> str | None:
     """One line when the run's step time is more than :data:`FAR_OFF` from the prediction, with the likely cause;
     None when it is close. ``actions``: the most actions a rank runs in a step; ``replayed``: the step the
-    simulator gives from the run's own measured pass times, which tells the two causes of a slower run apart."""
+    simulator gives from the run's own measured pass times, which tells the two causes of a slower run apart;
+    ``passes``, where the run measured their CPU time: whether slower passes did more work than the profile
+    measured or waited for the cores longer than the plan expected."""
     if not (predicted > 0 and measured > 0) or abs(measured / predicted - 1) <= FAR_OFF:
         return None
     head = (f"the step took {measured / predicted:.2f}x the plan's prediction ({measured * 1e3:.1f} ms against "
             f"{predicted * 1e3:.1f} ms)")
+    work = (f"the passes used {passes.cpu / passes.alone:.2f}x the CPU time the profile gives them"
+            if passes is not None and passes.cpu > 0 and passes.alone > 0 else None)
     if measured < predicted:
-        return (f"{head}: the profile was taken under other load, or the ranks share fewer cores than it measured; "
-                "profile again on an idle machine")
+        return (f"{head}{'; ' + work if work else ''}: the profile was taken under other load, or the ranks share "
+                "fewer cores than it measured; profile again on an idle machine")
     if replayed >= (1 - FAR_OFF) * measured:  # the passes alone, replayed, make (nearly all of) the step
-        return (f"{head}; the run's own pass times replay to {replayed * 1e3:.1f} ms, so the passes themselves took "
-                "longer than the profile's layers add up to: a stage's passes can cost more than the sum of its "
+        head = (f"{head}; the run's own pass times replay to {replayed * 1e3:.1f} ms, so the passes themselves took "
+                "longer")
+        if work is not None and passes is not None and passes.shared > 0:
+            return (f"{head}: {work} (more: the machine is slower than when it was profiled, or a stage costs more "
+                    f"than its layers timed one by one) and {passes.wall / passes.cpu:.2f}x their CPU time for "
+                    f"waiting for a core, where the plan expected {passes.shared / passes.alone:.2f}x "
+                    "(docs/plan.md)")
+        return (f"{head} than the profile's layers add up to: a stage's passes can cost more than the sum of its "
                 "layers timed one by one (small layers), and ranks that share cores run slower than the profile "
                 "measured (docs/plan.md)")
     per = (measured - replayed) / max(1, actions)
