@@ -163,8 +163,12 @@ def test_a_long_run_keeps_the_first_and_last_steps(tmp_path: Path, capsys: pytes
     assert len(out["loss"]) == 25 and len(out["step_time_s"]) == 25 and min(out["step_time_s"]) > 0
     assert out["loss"][0] == pytest.approx(out["reference_loss"], rel=1e-6) and out["max_grad_rel_diff"] < 1e-5
     assert out["loss"][-1] < out["loss"][0]
-    steps = {e["args"]["step"] for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"}
-    assert steps == set(range(1, 21)) | {25}  # numbered from 1
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert {e["args"]["step"] for e in events} == set(range(1, 21)) | {25}  # numbered from 1
+    # Every pass carries its CPU time, within its interval; waits for a message carry none.
+    passes = [e for e in events if e["cat"] in ("F", "BW")]
+    assert passes and all(0 < e["args"]["cpu_us"] <= e["dur"] + 1 for e in passes)
+    assert all("cpu_us" not in e["args"] for e in events if e["cat"] == "recv")
 
 
 def test_a_ranks_timestamps_are_the_host_clock_anchored_once_to_the_wall_clock() -> None:

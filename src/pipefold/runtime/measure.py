@@ -55,7 +55,8 @@ def measured_costs(schedule: Schedule, reports: list[RankReport], step: int) -> 
 
 def measured_trace(reports: list[RankReport]) -> dict[str, Any]:
     """Chrome trace-event JSON of every rank's F/B/W/send/recv events over the steps it kept in full (the first
-    ``Job.keep_steps`` and the last; Perfetto opens it)."""
+    ``Job.keep_steps`` and the last; Perfetto opens it); an action's CPU time on its rank's thread, where measured
+    (:attr:`~pipefold.runtime.executor.Event.cpu`), is its ``cpu_us``."""
     t0 = min(r.steps[0].started_at for r in reports)
     events: list[dict[str, Any]] = [{"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "pipefold train"}}]
     for r in reports:
@@ -64,8 +65,11 @@ def measured_trace(reports: list[RankReport]) -> dict[str, Any]:
             s, number = r.steps[i], step_number(r.first_step + i)
             base = (s.started_at - t0) * 1e6
             for e in s.events:
+                args: dict[str, Any] = {"step": number}
+                if e.cpu is not None:
+                    args["cpu_us"] = e.cpu * 1e6
                 events.append({"ph": "X", "name": e.name, "cat": e.kind, "pid": 0, "tid": r.rank,
-                               "ts": base + e.start * 1e6, "dur": (e.end - e.start) * 1e6, "args": {"step": number}})
+                               "ts": base + e.start * 1e6, "dur": (e.end - e.start) * 1e6, "args": args})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
