@@ -31,7 +31,7 @@ from pipefold.files import write_json
 from pipefold.plan.budget import RunPlan, plan_model, predict, predicted_passes
 from pipefold.plan.profile import Profile
 from pipefold.runtime.local import run_local
-from pipefold.runtime.measure import measured_summary, step_parts
+from pipefold.runtime.measure import measured_result, measured_summary, step_parts
 from pipefold.train.overhead import profile_here
 from pipefold.train.planned import from_plan
 from pipefold.train.prepare import make_job
@@ -62,14 +62,19 @@ def run_plan(plan: dict[str, Any], steps: int) -> dict[str, Any]:
                                     job.recompute)
     alone, shared = predicted_passes(profile, ran.layout, job.schedule, job.layer_stages, job.recompute)
     got = measured_summary(reports)
+    # How many ranks compute beside a rank's passes, on average: in the run (every rank, each step after the first)
+    # and in the plan (a device stands for its dp x tp ranks, which compute in step).
+    company = statistics.fmean(result.timeline.company([ran.layout.dp * t for t in ran.layout.degrees]))
+    beside = statistics.median(statistics.fmean(measured_result(job.schedule, reports, i).timeline.company())
+                               for i in reports[0].steps.settled(1))
     checks = [r.steps[steps - 1].memory_check or {} for r in reports]
     return {"schedule": plan["schedule"], "layers_per_stage": [len(p) for p in job.layer_stages],
             "recompute": list(job.recompute or ()),
             "predicted": {"step_time_s": result.makespan, "bubble_ratio": result.bubble_ratio, "peak_bytes": peaks,
                           "busy_s": sum(result.busy) / len(result.busy),
                           "passes_alone_s": sum(alone) / len(alone), "passes_shared_s": sum(shared) / len(shared),
-                          "update_s": result.makespan - result.timeline.makespan()},
-            "measured": got, "step_parts": step_parts(reports),
+                          "update_s": result.makespan - result.timeline.makespan(), "company": company},
+            "measured": got, "step_parts": step_parts(reports), "company": beside,
             "memtracker_activation_bytes": [c.get("tracker_between_actions", 0) for c in checks],
             "meter_activation_bytes_same_step": [c.get("meter_between_actions", 0) for c in checks]}
 

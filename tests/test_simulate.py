@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from conftest import build_or_refused
 from pipefold import ConfigError, CostModel, Kind, build, names, simulate
 from pipefold.ir import KINDS, Action
-from pipefold.sim.simulate import Interval, SimResult, StageOverride, peak_by_order, split_backward
+from pipefold.sim.simulate import Interval, SimResult, StageOverride, Timeline, peak_by_order, split_backward
 
 
 def _check_timeline(r: SimResult) -> None:
@@ -382,3 +382,52 @@ def test_the_runtime_overhead_is_paid_by_each_end_of_each_message() -> None:
     with pytest.raises(ConfigError, match="cost message_overhead must be a finite number >= 0"):
         CostModel(message_overhead=-1.0)
     assert CostModel(message_overhead=0.5).to_dict()["message_overhead"] == 0.5
+
+
+def _brute_company(rows: list[list[tuple[float, float]]], ranks: list[int]) -> list[float]:
+    """How many other ranks compute beside one of each device's ranks (device d stands for ranks[d]), time-averaged,
+    by cutting time at every interval's ends and counting at each piece's middle."""
+    cuts = sorted({x for row in rows for iv in row for x in iv})
+    out = []
+    for d, row in enumerate(rows):
+        beside = spent = 0.0
+        for a, b in zip(cuts, cuts[1:], strict=False):
+            mid = (a + b) / 2
+            if any(s <= mid < e for s, e in row):
+                beside += (b - a) * (ranks[d] - 1 + sum(ranks[o] for o, other in enumerate(rows) if o != d
+                                                        and any(s <= mid < e for s, e in other)))
+                spent += b - a
+        out.append(beside / spent if spent else 0.0)
+    return out
+
+
+@given(st.lists(st.lists(st.tuples(st.integers(0, 40), st.integers(1, 8)), max_size=6), min_size=1, max_size=4),
+       st.lists(st.integers(1, 4), min_size=4, max_size=4))
+def test_company_is_the_time_averaged_count_of_others_computing(spans: list[list[tuple[int, int]]],
+                                                                 ranks: list[int]) -> None:
+    # Each device's intervals in run order, none overlapping on its device (a start after the last end).
+    rows: list[list[tuple[float, float]]] = []
+    for row in spans:
+        t, made = 0.0, []
+        for gap, length in row:
+            t += gap
+            made.append((t, t + length))
+            t += length
+        rows.append(made)
+    timeline = Timeline.of([[Interval(Action(0, Kind.F, i), s, e) for i, (s, e) in enumerate(row)] for row in rows])
+    assert timeline.company() == pytest.approx(_brute_company(rows, [1] * len(rows)))
+    assert timeline.company(ranks[:len(rows)]) == pytest.approx(_brute_company(rows, ranks[:len(rows)]))
+
+
+def test_company_by_hand() -> None:
+    together = Timeline.of([[Interval(Action(0, Kind.F, 0), 0.0, 2.0)], [Interval(Action(1, Kind.F, 0), 1.0, 3.0)],
+                            [Interval(Action(2, Kind.F, 0), 5.0, 6.0)], []])
+    assert together.company() == [0.5, 0.5, 0.0, 0.0]  # half of 0's and 1's time together; 2 alone; 3 idle
+    # Device 1 stands for 3 ranks computing in step: a rank of device 0 has them beside it half its time, a rank of
+    # device 1 its 2 fellows all the time and device 0 half of it.
+    assert together.company([1, 3, 2, 1]) == [1.5, 2.5, 1.0, 0.0]
+    # One microbatch through four devices: they take turns, none computes beside another.
+    assert simulate(build("gpipe", 4, 1), CostModel(f=1.0, b=1.0, w=1.0)).timeline.company() == [0.0] * 4
+    # GPipe's steady state at m >> p: nearly every device computes beside every other one.
+    many = simulate(build("gpipe", 2, 64), CostModel(f=1.0, b=1.0, w=1.0)).timeline.company()
+    assert all(0.95 < c < 1.0 for c in many)

@@ -457,6 +457,36 @@ class Timeline(Sequence[tuple[Interval, ...]]):
         """The latest end of any device's last action."""
         return max((self._ends[b - 1] for a, b in itertools.pairwise(self._offsets) if b > a), default=0.0)
 
+    def company(self, ranks: Sequence[float] | None = None) -> list[float]:
+        """Per device, how many other devices compute beside its computing actions, on average over their time
+        (0 for a device that computes nothing). Where devices share cores it says how much they share: the
+        simulator's processor sharing (``CostModel.contention``) slows each action by the devices computing with it,
+        and a measured timeline (:func:`pipefold.runtime.measure.measured_result`) shows the same count for a run.
+        With ``ranks``, device d stands for ``ranks[d]`` ranks that compute in step (its tensor-parallel ranks in
+        each data-parallel copy), and the count is of the ranks computing beside one of its own."""
+        weight = list(ranks) if ranks is not None else [1.0] * len(self._actions)
+        marks: list[tuple[float, int, int]] = []  # (time, +1 start / -1 end, device); ends sort before starts
+        for d, (a, b) in enumerate(itertools.pairwise(self._offsets)):
+            for i in range(a, b):
+                if self._computes[i] and self._ends[i] > self._starts[i]:
+                    marks += [(self._starts[i], 1, d), (self._ends[i], -1, d)]
+        marks.sort(key=lambda m: (m[0], m[1]))
+        inside = [0] * len(self._actions)  # computing actions of each device open now (more than 1 where they overlap)
+        beside, spent = [0.0] * len(self._actions), [0.0] * len(self._actions)
+        computing, last = 0.0, 0.0  # the ranks of the devices with an action open
+        for t, step, d in marks:
+            span = t - last
+            if span > 0 and computing:
+                for e, n in enumerate(inside):
+                    if n:
+                        beside[e] += (computing - 1) * span
+                        spent[e] += span
+            last = t
+            before = inside[d]
+            inside[d] += step
+            computing += weight[d] * ((inside[d] > 0) - (before > 0))
+        return [b / t if t else 0.0 for b, t in zip(beside, spent, strict=True)]
+
     def busy(self) -> list[float]:
         """Per device, the summed durations of its computing actions, added in run order (as a loop over the
         intervals would: the same float)."""
