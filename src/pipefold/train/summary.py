@@ -173,10 +173,10 @@ def prediction_note(predicted: float, measured: float, actions: int, *, replayed
         head = (f"{head}; the run's own pass times replay to {replayed * 1e3:.1f} ms, so the passes themselves took "
                 "longer")
         if work is not None and passes is not None and passes.shared > 0:
-            return (f"{head}: {work} (more: the machine is slower than when it was profiled, or a stage costs more "
-                    f"than its layers timed one by one) and {passes.wall / passes.cpu:.2f}x their CPU time for "
-                    f"waiting for a core, where the plan expected {passes.shared / passes.alone:.2f}x "
-                    "(docs/plan.md)")
+            why = (" (the machine is slower than when it was profiled, or a stage costs more than its layers timed "
+                   "one by one)" if passes.cpu > 1.1 * passes.alone else "")
+            return (f"{head}: {work}{why}, and took {passes.wall / passes.cpu:.2f}x their CPU time, waiting for a "
+                    f"core, where the plan expected {passes.shared / passes.alone:.2f}x (docs/plan.md)")
         return (f"{head} than the profile's layers add up to: a stage's passes can cost more than the sum of its "
                 "layers timed one by one (small layers), and ranks that share cores run slower than the profile "
                 "measured (docs/plan.md)")
