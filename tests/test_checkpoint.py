@@ -196,7 +196,11 @@ def test_torchrun_restart_resumes_from_the_last_checkpoint(capsys: pytest.Captur
     assert proc.returncode == 0, stderr[-3000:]
     out = json.loads(stdout.strip().splitlines()[-1])
     # The first attempt died after saving step 2; the restarted workers found that checkpoint by themselves.
-    assert "failed (exitcode: 13) local_rank: 1" in stderr
+    # torchrun names the first worker it saw fail: the one that died (exit 13), or its peer, which lost its link to
+    # it and stopped (exit 1) before torchrun's next look (4 of 20 runs of this test here).
+    died = "failed (exitcode: 13) local_rank: 1" in stderr
+    peer = "failed (exitcode: 1) local_rank: 0" in stderr and "the link to rank 1 closed" in stderr
+    assert died or peer, stderr[-3000:]
     assert f"resuming from {tmp_path / 'ckpt' / 'step-00000002'} (2 steps done)" in stderr
     assert out["first_step"] == 3 and out["loss"] == straight["loss"][2:]
     a, b = torch.load(tmp_path / "straight.pt"), torch.load(tmp_path / "restarted.pt")
