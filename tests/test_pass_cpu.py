@@ -36,8 +36,9 @@ def test_a_sleep_costs_no_cpu_and_a_spin_costs_its_wall_time() -> None:
     assert spun.cpu is not None and 0.05 <= spun.cpu <= spun.end - spun.start + 1e-6
 
 
-def _busy(core: int, stop: float) -> None:
+def _busy(core: int, stop: float, spinning: object) -> None:
     os.sched_setaffinity(0, {core})
+    spinning.set()  # type: ignore[attr-defined]
     while time.time() < stop:
         pass
 
@@ -48,11 +49,13 @@ def test_a_pass_sharing_its_core_takes_about_twice_its_cpu_time() -> None:
     pass gets about half the core (more where something else also runs there, never much less)."""
     core = min(os.sched_getaffinity(0))
     before = os.sched_getaffinity(0)
-    other = multiprocessing.get_context("spawn").Process(target=_busy, args=(core, time.time() + 30.0), daemon=True)
+    ctx = multiprocessing.get_context("spawn")
+    spinning = ctx.Event()
+    other = ctx.Process(target=_busy, args=(core, time.time() + 60.0, spinning), daemon=True)
     other.start()
     try:
         os.sched_setaffinity(0, {core})
-        time.sleep(1.0)  # the other process started and spins
+        assert spinning.wait(50.0), "the spinning process did not start"
         clock = _Clock(torch.device("cpu"), time.perf_counter())
         shared = _interval(clock, lambda: _spin(0.3))
     finally:
