@@ -123,7 +123,9 @@ def bench_world(world: int, steps: int) -> list[dict[str, Any]]:
                "predicted_alone_s": got["predicted"]["passes_alone_s"],
                # How many ranks compute beside a rank's passes, on average: what the sharing of cores depends on.
                "company": got["company"], "predicted_company": got["predicted"]["company"],
-               "waits_s": statistics.median(p["recv wait"] + p["send wait"] for p in got["step_parts"]),
+               "waits_s": statistics.median(p["recv wait"] + p["send wait"] + p["collectives"]
+                                            for p in got["step_parts"]),
+               "collectives_s": statistics.median(p["collectives"] for p in got["step_parts"]),
                # After the schedule: the check and the optimizer step, from the last rank's end of its schedule
                # (the runtime's own clocks) against the profile's layers' updates and the collectives after the step.
                "update_s": got["measured"]["after_schedule_s"],
@@ -140,7 +142,7 @@ def bench_world(world: int, steps: int) -> list[dict[str, Any]]:
               f"ms (predicted {row['predicted_compute_s'] * 1e3:.0f}), their CPU {row['compute_cpu_s'] * 1e3:.0f} ms "
               f"(the profile's, each rank on its own cores, {row['predicted_alone_s'] * 1e3:.0f}), "
               f"with {row['company']:.2f} ranks computing beside them (predicted {row['predicted_company']:.2f}); "
-              f"its waits {row['waits_s'] * 1e3:.0f} ms, "
+              f"its waits {row['waits_s'] * 1e3:.0f} ms ({row['collectives_s'] * 1e3:.0f} in collectives), "
               f"the update after the schedule {row['update_s'] * 1e3:.1f} ms (predicted "
               f"{row['predicted_update_s'] * 1e3:.1f})",
               flush=True)

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,7 @@ import torch
 from pipefold.errors import ConfigError
 from pipefold.ir import AG, DP, RS, Kind, validate
 from pipefold.runtime.local import run_local
+from pipefold.runtime.measure import step_parts
 from pipefold.runtime.processes import free_port
 from pipefold.runtime.settings import Parallel
 from pipefold.schedules import build
@@ -154,6 +156,17 @@ def test_dp2_pp2_matches_one_process_and_keeps_the_copies_identical(schedule: st
             assert held / 2 <= r.static_bytes - steps <= held / 2 * 1.05, (r.rank, r.static_bytes, held)
         else:
             assert r.static_bytes == held + steps
+    # Where each rank's step went: the copies' collectives (DP, or AG and RS, and their waits) apart from the waits on
+    # messages, the step's events each counted once (their kinds, as the rank recorded them, in each step read).
+    parts = step_parts(reports)
+    kept = reports[0].steps.settled(1)
+    for r, part in zip(reports, parts, strict=True):
+        together = [sum(e.end - e.start for e in r.steps[i].events if e.kind in ("DP", "AG", "RS", "R", "comm"))
+                    for i in kept]
+        sends = [sum(e.end - e.start for e in r.steps[i].events if e.kind == "send") for i in kept]
+        assert part["collectives"] == pytest.approx(statistics.median(together)) and part["collectives"] > 0
+        assert part["send wait"] == pytest.approx(statistics.median(sends))
+        assert part["runtime"] >= 0 and part["compute"] + part["collectives"] <= part["step"]
     # Each pipeline ran its own shard: the losses of its microbatches differ from the other's.
     last = job.schedule.holders(job.schedule.stages - 1)[0]
     shard = {r.pipeline: r.steps[0].losses for r in reports if r.device == last}

@@ -126,11 +126,17 @@ def tail(reports: list[RankReport], step: int) -> float:
     return _ends(reports, (step,), True)[0] - _ends(reports, (step,), False)[0]
 
 
+_NOT_COLLECTIVE = COMPUTE_KINDS | {"recv", "send"}
+"""The events that are not collectives among ranks (R, DP, AG, RS, and the waits for them, kind "comm")."""
+
+
 def step_parts(reports: list[RankReport], warmup: int = 1) -> list[dict[str, float]]:
     """Where each rank's step goes, medians over its fully kept steps after the first ``warmup``: ``step`` (the
     executor's wall time), ``compute`` (its passes, from its own events), ``recv wait`` (blocked on a receive),
-    ``send wait`` (on the delivery of sends), ``runtime`` (the rest: the executor's own work between passes,
-    posting receives and sends, bookkeeping), ``cpu`` (the operating system's CPU seconds of the process) and
+    ``send wait`` (on the delivery of sends), ``collectives`` (the data-parallel copies' all-reduces, FSDP's
+    gathers and reduce-scatters, the replicas' all-reduces, and the waits for them), ``runtime`` (the rest: the
+    executor's own work between passes, posting receives and sends, bookkeeping), ``cpu`` (the operating
+    system's CPU seconds of the process) and
     ``update`` (after the schedule: the check and the optimizer step); on the CPU also ``compute cpu``, the
     passes' own CPU seconds on the executor's thread (:attr:`~pipefold.runtime.executor.Event.cpu`): ``compute``
     over it is how much longer the passes took for sharing the cores."""
@@ -142,9 +148,10 @@ def step_parts(reports: list[RankReport], warmup: int = 1) -> list[dict[str, flo
             passes = [e for e in st.events if e.kind in COMPUTE_KINDS]
             compute = sum(e.end - e.start for e in passes)
             recv = sum(e.end - e.start for e in st.events if e.kind == "recv")
-            sent = sum(e.end - e.start for e in st.events if e.kind not in COMPUTE_KINDS and e.kind != "recv")
-            row = {"step": st.wall, "compute": compute, "recv wait": recv, "send wait": sent,
-                   "runtime": st.wall - compute - recv - sent, "cpu": st.cpu, "update": st.update}
+            sent = sum(e.end - e.start for e in st.events if e.kind == "send")
+            together = sum(e.end - e.start for e in st.events if e.kind not in _NOT_COLLECTIVE)
+            row = {"step": st.wall, "compute": compute, "recv wait": recv, "send wait": sent, "collectives": together,
+                   "runtime": st.wall - compute - recv - sent - together, "cpu": st.cpu, "update": st.update}
             if passes and all(e.cpu is not None for e in passes):
                 row["compute cpu"] = sum(e.cpu or 0.0 for e in passes)
             rows.append(row)
