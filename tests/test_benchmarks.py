@@ -43,6 +43,7 @@ SMALL: dict[str, list[str] | None] = {
     "bench_recompute.py": None,
     "vs_torch.py": None,
     "runtime_breakdown.py": None,
+    "pass_overhead.py": None,
     # On a GPU only (make gpu-check):
     "gpu_check.py": None,
 }
@@ -52,7 +53,7 @@ SMALL: dict[str, list[str] | None] = {
 def test_every_benchmark_has_a_small_mode_or_a_reason() -> None:
     assert sorted(SMALL) == sorted(p.name for p in BENCHMARKS.glob("*.py"))
     docs = "\n".join(p.read_text(encoding="utf-8") for p in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
-    for name in ("bench_offload.py", "bench_recompute.py", "vs_torch.py", "runtime_breakdown.py"):
+    for name in ("bench_offload.py", "bench_recompute.py", "vs_torch.py", "runtime_breakdown.py", "pass_overhead.py"):
         assert f"python benchmarks/{name}" in docs, f"{name} is said to run through the docs, which do not show it"
 
 

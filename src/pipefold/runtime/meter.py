@@ -25,7 +25,6 @@ import time
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
@@ -42,16 +41,24 @@ receive buffers, copies made for sending, layer inputs and output gradients kept
 class _Entry:
     nbytes: int
     kind: str
-    watch: weakref.ref[torch.UntypedStorage]
-    """Calls the meter back when the storage dies (a plain weak reference: a ``weakref.finalize`` per tensor
-    cost a third of what the runner adds to a small layer's forward)."""
+    watch: _Watch
+    """Calls the meter back when the storage dies."""
+
+
+class _Watch(weakref.ref[torch.UntypedStorage]):
+    """A weak reference to a storage that knows the storage's key in the meter: its callback needs no closure (a
+    ``weakref.finalize`` per tensor cost a third of what the runner adds to a small layer's forward, a
+    ``functools.partial`` per storage a tenth of the meter's work)."""
+
+    __slots__ = ("key",)
+    key: int
 
 
 def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
     """The storage behind ``t`` (a DTensor's: its local shard's), or None for tensors that hold no memory of their
     own (meta, empty, sparse)."""
     t = local(t)
-    if t.device.type == "meta" or t.layout != torch.strided:
+    if t.is_meta or t.layout != torch.strided:  # ``is_meta``: ``t.device`` makes a device object each call
         return None
     st = t.untyped_storage()
     return st if st.nbytes() else None
@@ -70,7 +77,8 @@ class MemoryMeter:
         self.current = 0
         self.peak = 0
         self.by_kind = dict.fromkeys(KINDS, 0)
-        self.peak_by_kind = dict(self.by_kind)
+        self._peak_by_kind = dict(self.by_kind)
+        self._rising = False  # the level is at its peak, whose split by kind is not copied yet
         self.outside_bytes = 0
         """Bytes of the storages that existed before the step (the batch), not counted in ``current``."""
         self.curve: list[tuple[float, int]] = [(0.0, 0)]
@@ -92,8 +100,17 @@ class MemoryMeter:
                     self.outside_bytes += st.nbytes()
             self.t0 = self._clock()
             self.peak = self.current
-            self.peak_by_kind = dict(self.by_kind)
+            self._peak_by_kind = dict(self.by_kind)
+            self._rising = False
             self.curve = [(0.0, self.current)]
+
+    @property
+    def peak_by_kind(self) -> dict[str, int]:
+        """The level by kind (:data:`KINDS`) when it was at its peak."""
+        with self._lock:
+            if self._rising:
+                self._peak_by_kind, self._rising = dict(self.by_kind), False
+            return self._peak_by_kind
 
     def open_window(self) -> int:
         """Start watching the highest level from now (``window_peak``); return the current level."""
@@ -115,30 +132,41 @@ class MemoryMeter:
                 if key in self._live or key in self._outside:
                     continue
                 nbytes = st.nbytes()
-                self._live[key] = _Entry(nbytes, kind, weakref.ref(st, partial(self._died, key)))
+                watch = _Watch(st, self._died)
+                watch.key = key
+                self._live[key] = _Entry(nbytes, kind, watch)
                 self._change(nbytes, kind)
 
-    def bytes_of(self, tensors: Iterable[torch.Tensor | None]) -> int:
-        """Bytes of the distinct storages behind ``tensors`` that the meter counts (not the batch's)."""
+    def bytes_of(self, tensors: Iterable[torch.Tensor | None], keys: Iterable[int] = ()) -> int:
+        """Bytes of the distinct storages behind ``tensors``, and of those the meter knows by ``keys`` (``id`` of a
+        storage it was given), that the meter counts (not the batch's)."""
         with self._lock:
-            keys = {id(st) for t in tensors if t is not None and (st := storage_of(t)) is not None}
-            return sum(self._live[k].nbytes for k in keys if k in self._live)
+            seen = {id(st) for t in tensors if t is not None and (st := storage_of(t)) is not None}
+            seen.update(keys)
+            live = self._live
+            return sum(live[k].nbytes for k in seen if k in live)
 
-    def _died(self, key: int, _watch: object = None) -> None:
+    def _died(self, watch: _Watch) -> None:
         with self._lock:
-            entry = self._live.pop(key, None)
+            entry = self._live.pop(watch.key, None)
             if entry is not None:
                 self._change(-entry.nbytes, entry.kind)
 
     def _change(self, delta: int, kind: str) -> None:
-        self.current += delta
+        # Called twice for every storage the runtime keeps (when held, when it dies): kept lean. The split by kind
+        # at the peak is copied when the level first falls from it (or when read), not at every new high.
+        if delta < 0 and self._rising:
+            self._peak_by_kind, self._rising = dict(self.by_kind), False
+        current = self.current = self.current + delta
         self.by_kind[kind] += delta
         t = self._clock() - self.t0
-        if self.curve[-1][0] == t:
-            self.curve[-1] = (t, self.current)
+        curve = self.curve
+        if curve[-1][0] == t:
+            curve[-1] = (t, current)
         else:
-            self.curve.append((t, self.current))
-        self.window_peak = max(self.window_peak, self.current)
-        if self.current > self.peak:
-            self.peak = self.current
-            self.peak_by_kind = dict(self.by_kind)
+            curve.append((t, current))
+        if current > self.window_peak:
+            self.window_peak = current
+        if current > self.peak:
+            self.peak = current
+            self._rising = True

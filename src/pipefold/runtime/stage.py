@@ -113,12 +113,14 @@ class _Backward:
 
 
 class _Box:
-    """One tensor saved for backward, which B empties once read when W will not read it again."""
+    """One tensor saved for backward, which B empties once read when W will not read it again; ``key`` is its
+    storage's key in the meter (its ``id``), so that counting what a microbatch holds need not look it up again."""
 
-    __slots__ = ("__weakref__", "tensor")
+    __slots__ = ("__weakref__", "key", "tensor")
 
-    def __init__(self, tensor: torch.Tensor) -> None:
+    def __init__(self, tensor: torch.Tensor, key: int) -> None:
         self.tensor: torch.Tensor | None = tensor
+        self.key = key
 
 
 _FREED = ("a tensor saved for backward was freed by B and then needed again: the stage's backward ran a node "
@@ -172,11 +174,10 @@ class _Pass:
         """Bytes of the distinct storages this microbatch holds now, as ``meter`` counts them."""
         held: list[torch.Tensor | None] = [*self.inputs, *(self.outputs if outputs else ()), *self.grads_out,
                                            *self.lead_grads]
-        held += [b.tensor for ref in self.boxes if (b := ref()) is not None]
         held += [g for grads in self.captured.values() for g in grads]
         if self.rebuild is not None:
             held += [*self.rebuild.inputs, *(self.rebuild.rebuilt or ())]
-        return meter.bytes_of(held)
+        return meter.bytes_of(held, [b.key for ref in self.boxes if (b := ref()) is not None and b.tensor is not None])
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -571,6 +572,8 @@ class StageRunner:
                       and not recompute and not hasattr(module, "on_saved") else [])
         if self._lead:
             self._tail = self._tail[1:]
+        self._listener = module if hasattr(module, "on_saved") else None
+        """An offloaded stage, which reports each tensor its layers save (its ``on_saved``); None for any other."""
         self._weights = list(module.parameters())
         """Every parameter, trained or not: a tensor F saves that is one of them (by storage) is not activation memory.
         The list is fixed from here on; the storages are read on each F (offloading and FSDP refill them)."""
@@ -607,13 +610,13 @@ class StageRunner:
                 return t.detach()
             meter.hold_storages((st,), "saved")
             # Not ``t`` itself: a node that saves its own output would hold itself through the output's grad_fn.
-            box = _Box(t.detach())
+            box = _Box(t.detach(), id(st))
             boxes.append(weakref.ref(box))
             return box
 
         # An Offloaded stage's layers install saved-tensor hooks of their own, which hide their saves from
         # ours: such a module reports each save to ``on_saved`` instead (and keeps it itself, until W).
-        listener = self.module if hasattr(self.module, "on_saved") else None
+        listener = self._listener
         if listener is not None:
             setattr(listener, "on_saved", lambda t: meter.hold((t,), "saved"))  # noqa: B010
         rebuild = None
