@@ -21,7 +21,7 @@ from pipefold.plan.budget import (
     predict,
     read_plan,
 )
-from pipefold.plan.profile import LayerProfile, Profile
+from pipefold.plan.profile import TIMES, LayerProfile, Profile
 from pipefold.plan.shares import shares
 
 
@@ -102,6 +102,43 @@ def test_a_layouts_devices_share_the_machine_as_all_its_ranks_do() -> None:
         with pytest.raises(ConfigError, match="one tensor-parallel degree >= 1 per pipeline device"):
             Layout(1, bad, 3)  # type: ignore[arg-type]
     assert Layout(1, (2, 2, 2), 3) == Layout(1, 2, 3) and str(Layout(2, (1, 2), 2, "fsdp")) == "dp2 tp1,2 pp2 fsdp"
+
+
+def test_a_layer_taken_to_another_sharing_keeps_every_time_in_step() -> None:
+    """Every field of a layer that is seconds scales together (its update too), every other one (bytes, counts)
+    stays: a mesh per device once rescaled a layer's passes and not its update, so at world 8 a tp-2 device's
+    update, timed under 8 ranks' load, was priced for the sharing again (59.7 ms predicted after the schedule,
+    13 to 23 ms measured)."""
+    x = LayerProfile(f=1.0, b=2.0, w=3.0, held=4, held_w=5, params=6, out=7, bw=8.0, nodes=9, w_depth=10.0,
+                     collectives=11, update=12.0, tensors=(6,))
+    y = x.timed_by(0.25)
+    floats = {f.name for f in dataclasses.fields(LayerProfile) if isinstance(getattr(x, f.name), float)}
+    assert set(TIMES) == floats
+    for f in dataclasses.fields(LayerProfile):
+        before, after = getattr(x, f.name), getattr(y, f.name)
+        assert after == (before * 0.25 if f.name in TIMES else before), f.name
+    assert LayerProfile(f=1.0, b=1.0, w=1.0, held=0, held_w=0, params=0, out=0).timed_by(2.0).bw is None
+
+
+def test_a_mesh_per_devices_update_is_its_own_degrees_at_the_worlds_sharing() -> None:
+    """Closed form of the step after the schedule with a mesh per device: each device's layers' updates at its
+    own degree, taken to the ranks the first degree's layers were timed with, then to the world's ranks all
+    updating at once: a tp-1 device's update alone times the sharing of the world's 4 ranks, a tp-2 device's
+    (timed with 8 ranks computing) times the 4 ranks' sharing over the 8's; and the check's all-reduce."""
+    c = (1.0, 1.2, 1.9, 2.6, 3.3, 4.0, 4.7, 5.4)
+    base = _profile(contention=c)
+    updated = tuple(dataclasses.replace(x, update=1e-3 * (i + 1)) for i, x in enumerate(base.layers))
+    wide = tuple(dataclasses.replace(x, update=3e-3 * (i + 1)) for i, x in enumerate(base.tp_layers[2]))
+    prof = dataclasses.replace(base, layers=updated, tp_layers={2: wide}, tp_ranks={2: 8},
+                               allreduce={4: (2e-3, 1e8)})
+    parts = [(0, 1), (2, 3), (4, 5)]
+    for layout, degree in ((Layout(1, (2, 1, 1), 3), (2, 1, 1)), (Layout(1, (1, 1, 2), 3), (1, 1, 2))):
+        got, _, _ = predict(prof, layout, "1f1b", parts)
+        alone = [sum((wide if d == 2 else updated)[i].update for i in part) for part, d in zip(parts, degree,
+                                                                                                strict=True)]
+        # Timed with 8 ranks (tp 2) or 1 (tp 1) computing; in the run all 4 update at once.
+        each = [u * c[3] / (c[7] if d == 2 else c[0]) for u, d in zip(alone, degree, strict=True)]
+        assert got.makespan == pytest.approx(got.timeline.makespan() + 2e-3 + 32 / 1e8 + max(each), rel=1e-9)
 
 
 def test_a_mesh_per_device_is_predicted_from_each_devices_own_degree() -> None:

@@ -200,7 +200,12 @@ def test_the_fixed_work_is_measured_on_the_models_own_stages() -> None:
     model = make_model("mlp", layers=8, hidden=128, batch=64)
     layers = model.build()
     x, y = model.batch_at(0)
-    measured = measure_layers(layers, x, y, model.loss, repeats=9, stage_layers=4)
+    # B's fixed work is 114 to 135 us here; once, with 4 ranks of another test sharing the 2 cores, the stages'
+    # timings and their layers' moved apart and it came out 0: measured again, at most twice more.
+    for _ in range(3):
+        measured = measure_layers(layers, x, y, model.loss, repeats=9, stage_layers=4)
+        if measured.fixed[1] > 0:
+            break
     assert len(measured.fixed) == 4 and all(0 <= v < 1e-3 for v in measured.fixed) and measured.fixed[1] > 0
     prof = dataclasses.replace(_profile(10), layers=tuple(measured.layers), pass_fixed=measured.fixed)
     assert Profile.from_dict(prof.to_dict()).pass_fixed == measured.fixed
@@ -308,9 +313,62 @@ def test_stage_figures_from_layers_match_stages_measured_whole() -> None:
     assert composed[0].kept == whole[0].kept  # every r, to the byte
     assert composed[1].kept[:-1] == whole[1].kept[:-1]  # the last stage recomputing everything keeps a bit more
     assert composed[0].held_w[0] == whole[0].held_w[0] and composed[1].held_w[0] == whole[1].held_w[0]
+    # While a fused backward runs, a stage holds what F kept and, unless it is the last, the gradient of its output
+    # that the next stage sent back: to the byte, for a split with a middle stage too. (Once left out: at world 8
+    # a stage holding only the embedding measured 8 to 12% above its predicted peak.)
+    for split in (parts, [(0, 1), (2, 3, 4), (5,)]):
+        whole = measure_stages([Chain(*(layers[i] for i in p)) for p in split], sample, target, model.loss,
+                               microbatches=4, repeats=1)
+        composed = stage_profiles(prof, split)
+        assert [c.total[0] for c in composed] == [w.total_fused[0] for w in whole]
+        assert [c.total[0] - c.kept[0] for c in composed] == [c.message for c in composed]
     # Both measured a fused backward apart from B and W, each stage and each layer.
     assert all(x.bw is not None and x.bw > 0 for x in prof.layers)
     assert all(w.fused_time is not None and w.fused_time > 0 for w in whole)
+
+
+def test_a_device_holds_a_message_ahead_and_a_gradient_on_its_way_back() -> None:
+    # Closed form over pp 3 and a V-shape: beside its stages, a device holds the largest message it receives
+    # (posted one action ahead) and the largest gradient it sends back (kept until delivered); the first device
+    # sends no gradient back, a stage beside its neighbour on the same device sends nothing.
+    from pipefold.plan.recompute import StageProfile, _message_margin
+
+    def stage(message: int) -> StageProfile:
+        return StageProfile(1, (0, 0), (0, 0), (0, 0), (0.0, 0.0), (1.0, 1.0, 1.0), 0, message)
+
+    m = [300, 500, 0]
+    flat = schedules.build("1f1b", 3, 4)
+    assert [_message_margin(flat, [stage(x) for x in m], d) for d in range(3)] == [300, 500 + 300, 500 + 500]
+    v = schedules.build("zb-v", 2, 4)  # device 0 holds stages 0 and 3, device 1 stages 1 and 2
+    sizes = [100, 200, 400, 0]
+    assert [_message_margin(v, [stage(x) for x in sizes], d) for d in range(2)] == [400 + 400, 400 + 100]
+
+
+def test_a_plans_activation_peak_is_what_each_rank_held() -> None:
+    # End to end against the runtime's meter (every storage a rank keeps, by its own weak references): a plan's
+    # predicted activation peak per device, over 4 steps of 1f1b on 3 ranks, is the most any step held, or one
+    # message more where the gradient sent back was delivered before the next pass (it may not be: a step of 6
+    # held it once on the last and a middle rank); the first rank, which sends no gradient back, to the byte.
+    from pipefold.plan.budget import RunPlan
+    from pipefold.runtime.local import run_local
+    from pipefold.runtime.profiling import profile_model
+    from pipefold.train.planned import from_plan
+    from pipefold.train.prepare import make_job
+
+    prof = profile_model(model="gpt", layers=4, hidden=32, heads=2, seq=16, batch=8, microbatches=4, devices=3,
+                         repeats=1, link=False, contention=False)
+    plan = RunPlan.from_dict(plan_model(prof, 3, 1e12, families=["1f1b"]).to_dict())
+    planned = from_plan(plan, RunSpec.flat(steps=4))
+    job = make_job(planned.spec, decided=planned.decided)
+    reports = sorted(run_local(job), key=lambda r: r.rank)
+    _, peaks, static = predict(prof, plan.layout, job.schedule, job.layer_stages, job.recompute)
+    message = [prof.layers[part[-1]].out for part in job.layer_stages]
+    for r in reports:
+        predicted, held = peaks[r.device] - static[r.device], r.steps.peak_activation_bytes
+        back = message[r.device - 1] if r.device > 0 else 0
+        assert held <= predicted <= held + back, (r.rank, held, predicted, back)
+        if r.device == 0:
+            assert predicted == held
 
 
 @pytest.mark.parametrize(("ranks", "layers", "runs_on"), [(4, 8, 4), (8, 6, 6), (1, 8, 2), (2, 4, 2)])

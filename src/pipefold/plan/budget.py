@@ -327,10 +327,7 @@ def layout_profile(profile: Profile, layout: Layout, layer_stages: Sequence[Sequ
             t = layout.degrees[placement[stage]]
             rescale = _measured_alike(profile, first, t)
             for i in part:
-                x = at_degree[t][i]
-                layers[i] = dataclasses.replace(x, f=x.f * rescale, b=x.b * rescale, w=x.w * rescale,
-                                                bw=None if x.bw is None else x.bw * rescale,
-                                                w_depth=x.w_depth * rescale)
+                layers[i] = at_degree[t][i].timed_by(rescale)  # every time, its update's too
         at = dataclasses.replace(at, layers=tuple(layers))
     mean = layout.dp * sum(layout.degrees) / layout.pp
     sharing = tuple(slowdown(c, math.ceil(k * mean - 1e-9)) / base for k in range(1, layout.pp + 1))
@@ -561,8 +558,9 @@ def stage_profiles(profile: Profile, layer_stages: Sequence[Sequence[int]]) -> l
     stage's input and the other layers' activations, and reruns the first r forwards in the backward.
 
     A stage that sends on also keeps its output from F until its backward starts from it (a layer's own
-    figures leave it out: inside a stage the next layer holds it); measured stages agree to the byte with
-    these sums for every r (tests/test_plan_model.py)."""
+    figures leave it out: inside a stage the next layer holds it), and while its backward runs it holds the
+    gradient of that output too, which the next stage sent back; measured stages agree to the byte with these
+    sums for every r, and with a fused backward's peak (tests/test_plan_model.py)."""
     out = []
     L = profile.layers
     last = len(layer_stages) - 1
@@ -574,7 +572,7 @@ def stage_profiles(profile: Profile, layer_stages: Sequence[Sequence[int]]) -> l
         kept = tuple(sum(x.held for x in mine[r:]) + sent + (into if r else 0) for r in range(len(mine) + 1))
         rerun = tuple(itertools.accumulate((x.f for x in mine), initial=0.0))
         f, b, w, bw = stage_passes(mine, profile.pass_fixed)
-        out.append(StageProfile(layers=len(mine), kept=kept, total=(held,) * (len(mine) + 1),
+        out.append(StageProfile(layers=len(mine), kept=kept, total=(held + sent,) * (len(mine) + 1),
                                 held_w=(sum(x.held_w for x in mine),) * (len(mine) + 1), rerun=rerun,
                                 times=(f, b, w), static=sum(profile.static(i) for i in part),
                                 message=0 if s == last else mine[-1].out, fused_time=bw))
@@ -657,7 +655,7 @@ def predict(profile: Profile, layout: Layout, schedule: str | Schedule, layer_st
     ``name:k=v`` with the profile's microbatches shared among ``layout.dp`` copies) with ``layer_stages`` and
     ``recompute``, each device's layers split over ``layout.tp`` ranks. Returns the simulation of one pipeline
     (seconds, activation bytes), each device's peak bytes in all (weights, gradients, optimizer state, activations,
-    a receive buffer) and its static part."""
+    the messages it holds) and its static part."""
     if isinstance(schedule, str):
         ref = ScheduleRef.parse(schedule)
         schedule = schedules.build(ref.name, layout.pp, int(profile.train["microbatches"]) // layout.dp,

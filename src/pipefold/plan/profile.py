@@ -96,6 +96,16 @@ class LayerProfile:
         """Seconds of a fused backward: ``bw`` where measured, else B + W."""
         return self.b + self.w if self.bw is None else self.bw
 
+    def timed_by(self, factor: float) -> LayerProfile:
+        """This layer with every one of its times (:data:`TIMES`) ``factor`` times as long, its bytes and counts as
+        they are: the layer as it would have measured with a different number of ranks sharing the machine."""
+        return dataclasses.replace(self, **{name: value * factor for name in TIMES
+                                            if (value := getattr(self, name)) is not None})
+
+
+TIMES = ("f", "b", "w", "bw", "w_depth", "update")
+"""The fields of :class:`LayerProfile` that are seconds (every other field is bytes or a count)."""
+
 
 @dataclass(frozen=True)
 class Profile:

@@ -80,8 +80,8 @@ class RecomputePlan:
     static: list[int]
     """Per device: bytes of weights, gradients and optimizer state."""
     activation_peak: list[int]
-    """Per device: predicted peak bytes the step holds (its stages' activations, and a receive buffer posted
-    ahead), as the runtime's meter counts them."""
+    """Per device: predicted peak bytes the step holds (its stages' activations, a receive buffer posted ahead
+    and a gradient on its way back), as the runtime's meter counts them."""
     budget: float | None
     step_time: float
     """Simulated step time with this recomputation, from each stage's measured F, B, W and rerun."""
@@ -167,7 +167,7 @@ def choose_recompute(schedule: Schedule, profiles: Sequence[StageProfile], mode:
         chosen = [0] * schedule.stages
         short = []  # (device, least total it can reach) for devices that cannot fit
         for d in devices:
-            margin = _receive_margin(schedule, profiles, d)
+            margin = _message_margin(schedule, profiles, d)
             counts, least = _fit_device(schedule.actions[d], owned[d], profiles, budget - static[d] - margin)
             if counts is None:
                 short.append((d, static[d] + margin + least))
@@ -191,32 +191,35 @@ def smallest_budget(schedule: Schedule, profiles: Sequence[StageProfile]) -> flo
     for d in range(schedule.devices):
         owned = schedule.stages_of(d)
         least = _fit_device(schedule.actions[d], owned, profiles, 0.0)[1]
-        out = max(out, sum(profiles[s].static for s in owned) + _receive_margin(schedule, profiles, d) + least)
+        out = max(out, sum(profiles[s].static for s in owned) + _message_margin(schedule, profiles, d) + least)
     return out
 
 
 def device_peaks(schedule: Schedule, profiles: Sequence[StageProfile],
                  layers: Sequence[int]) -> tuple[list[int], list[float]]:
     """Per device, with ``layers`` recomputed per stage: its static bytes (weights, gradients, optimizer state) and
-    its predicted activation peak (its stages' activations in its pass order, and a receive buffer posted ahead)."""
+    its predicted activation peak (its stages' activations in its pass order, a receive buffer posted ahead and a
+    gradient on its way back: :func:`_message_margin`)."""
     static = [sum(profiles[s].static for s in schedule.stages_of(d)) for d in range(schedule.devices)]
     return static, _peaks(schedule, profiles, layers)
 
 
 def _peaks(schedule: Schedule, profiles: Sequence[StageProfile], layers: Sequence[int]) -> list[float]:
     costs = _memory(profiles, range(schedule.stages), layers, _fused(a for row in schedule.actions for a in row))
-    return [peak_by_order(row, costs) + _receive_margin(schedule, profiles, d)
+    return [peak_by_order(row, costs) + _message_margin(schedule, profiles, d)
             for d, row in enumerate(schedule.actions)]
 
 
-def _receive_margin(schedule: Schedule, profiles: Sequence[StageProfile], device: int) -> int:
-    """The largest message ``device`` receives: the runtime posts a receive one action before the action that
-    reads it, so one such buffer can exist beside everything the stages hold."""
+def _message_margin(schedule: Schedule, profiles: Sequence[StageProfile], device: int) -> int:
+    """What ``device`` holds of messages beside everything its stages hold: the largest message it receives (the
+    runtime posts a receive one action before the action that reads it, so one such buffer can exist ahead) and
+    the largest gradient it sends back (a backward's input gradient, which the link keeps until it is delivered:
+    until the previous device has posted its receive, which may be after this device's next pass has begun)."""
     S = schedule.stages
     mine = [(place, s) for place in schedule.placement for s in range(S) if place[s] == device]  # every replica's
-    sizes = [profiles[s - 1].message for place, s in mine if s > 0 and place[s - 1] != device]
-    sizes += [profiles[s].message for place, s in mine if s + 1 < S and place[s + 1] != device]
-    return max(sizes, default=0)
+    back = [profiles[s - 1].message for place, s in mine if s > 0 and place[s - 1] != device]
+    sizes = back + [profiles[s].message for place, s in mine if s + 1 < S and place[s + 1] != device]
+    return max(sizes, default=0) + max(back, default=0)
 
 
 def _fit_device(actions: Sequence[Any], stages: list[int], profiles: Sequence[StageProfile],
