@@ -113,14 +113,18 @@ def bench_world(world: int, steps: int) -> list[dict[str, Any]]:
                # Each rank's step taken apart (runtime.measure.step_parts), the median rank: its passes, and its
                # waits on messages and collectives (gradients' all-reduce, FSDP's gather and reduce-scatter).
                "compute_s": statistics.median(p["compute"] for p in got["step_parts"]),
-               # The plan's for them, the mean device: its passes, sharing the cores, without the runtime's work
-               # per message (which the simulated busy time holds and the ranks' passes leave out).
-               "predicted_compute_s": got["predicted"]["passes_shared_s"],
+               # The plan's for them, each rank its device's, the median rank: its passes, sharing the cores, without
+               # the runtime's work per message (which the simulated busy time holds and the ranks' passes leave
+               # out). By rank, as measured: with a mesh per device a device of 4 ranks is 4 of the median's
+               # candidates, and the mean device put its passes beside the median rank's (25% apart at world 8).
+               "predicted_compute_s": statistics.median(
+                   got["predicted"]["passes_shared_by_device_s"][device_of[r]] for r in range(world)),
                # Their CPU seconds (the operating system's count, on the CPU) against the profile's passes with every
                # rank on cores of its own: whether they did the work the profile measured; compute over it: how much
                # the sharing of cores stretched them, against the plan's (predicted compute over alone).
                "compute_cpu_s": statistics.median(p.get("compute cpu", math.nan) for p in got["step_parts"]),
-               "predicted_alone_s": got["predicted"]["passes_alone_s"],
+               "predicted_alone_s": statistics.median(
+                   got["predicted"]["passes_alone_by_device_s"][device_of[r]] for r in range(world)),
                # How many ranks compute beside a rank's passes, on average: what the sharing of cores depends on.
                "company": got["company"], "predicted_company": got["predicted"]["company"],
                "waits_s": statistics.median(p["recv wait"] + p["send wait"] + p["collectives"]

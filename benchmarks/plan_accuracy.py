@@ -62,9 +62,10 @@ def run_plan(plan: dict[str, Any], steps: int) -> dict[str, Any]:
                                     job.recompute)
     alone, shared = predicted_passes(profile, ran.layout, job.schedule, job.layer_stages, job.recompute)
     got = measured_summary(reports)
-    # How many ranks compute beside a rank's passes, on average: in the run (every rank, each step after the first)
-    # and in the plan (a device stands for its dp x tp ranks, which compute in step).
-    company = statistics.fmean(result.timeline.company([ran.layout.dp * t for t in ran.layout.degrees]))
+    # How many ranks compute beside a rank's passes, on average over the ranks: in the run (every rank, each step
+    # after the first) and in the plan (a device stands for its dp x tp ranks, which compute in step).
+    ranks = [ran.layout.dp * t for t in ran.layout.degrees]  # each device's ranks, which compute in step
+    company = sum(n * c for n, c in zip(ranks, result.timeline.company(ranks), strict=True)) / sum(ranks)
     beside = statistics.median(statistics.fmean(measured_result(job.schedule, reports, i).timeline.company())
                                for i in reports[0].steps.settled(1))
     checks = [r.steps[steps - 1].memory_check or {} for r in reports]
@@ -74,6 +75,7 @@ def run_plan(plan: dict[str, Any], steps: int) -> dict[str, Any]:
                           # A device's passes (the mean device) without the runtime's work between them, which
                           # the simulated busy time holds and the ranks' passes leave out: alone, and sharing cores.
                           "passes_alone_s": sum(alone) / len(alone), "passes_shared_s": sum(shared) / len(shared),
+                          "passes_alone_by_device_s": alone, "passes_shared_by_device_s": shared,
                           "update_s": result.makespan - result.timeline.makespan(), "company": company},
             "measured": got, "step_parts": step_parts(reports), "company": beside,
             "memtracker_activation_bytes": [c.get("tracker_between_actions", 0) for c in checks],
