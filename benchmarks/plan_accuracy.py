@@ -72,9 +72,8 @@ def run_plan(plan: dict[str, Any], steps: int) -> dict[str, Any]:
     return {"schedule": plan["schedule"], "layers_per_stage": [len(p) for p in job.layer_stages],
             "recompute": list(job.recompute or ()),
             "predicted": {"step_time_s": result.makespan, "bubble_ratio": result.bubble_ratio, "peak_bytes": peaks,
-                          # A device's passes (the mean device) without the runtime's work between them, which
-                          # the simulated busy time holds and the ranks' passes leave out: alone, and sharing cores.
-                          "passes_alone_s": sum(alone) / len(alone), "passes_shared_s": sum(shared) / len(shared),
+                          # Each device's passes without the runtime's work between them, which the simulated
+                          # busy time holds and the ranks' passes leave out: alone, and sharing cores.
                           "passes_alone_by_device_s": alone, "passes_shared_by_device_s": shared,
                           "update_s": result.makespan - result.timeline.makespan(), "company": company},
             "measured": got, "step_parts": step_parts(reports), "company": beside,
