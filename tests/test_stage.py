@@ -268,7 +268,7 @@ def test_ownership_in_one_walk_is_the_exact_one(name: str) -> None:
     leaf = x.requires_grad_()
     out = module(leaf)
     params = [p for p in module.parameters() if p.requires_grad]
-    cut = stage_module._Cut([out], [leaf], params)
+    cut = stage_module.Cuts(params).of([out], [leaf])
     nodes = stage_module.graph_below([out.grad_fn])
     accs = {n for p in params if (n := stage_module.grad_node(p)) in nodes}
     exact = {node: stage_module._owned_params(node, edges, accs) for node, edges in cut.edges.items()}
@@ -306,3 +306,73 @@ def test_weight_gradients_reach_parameters_whose_data_moved_after_the_forward(na
     for p, w in zip(module.parameters(), want, strict=True):
         assert p.grad is not None
         torch.testing.assert_close(p.grad, w, rtol=1e-5, atol=1e-6)
+
+
+def _same_cut(a: stage_module._Cut, b: stage_module._Cut) -> bool:
+    def sets(d: dict) -> dict:  # (the order within a node's list is a set's)
+        return {node: set(v) for node, v in d.items()}
+    return ((sets(a.edges), sets(a.owned), a.outputs, a._param_of.keys())
+            == (sets(b.edges), sets(b.owned), b.outputs, b._param_of.keys()))
+
+
+@pytest.mark.parametrize("name", ["offpath", "tied", "dropout", "gpt"])
+def test_a_cut_found_once_is_the_one_found_afresh_on_the_next_graph(name: str) -> None:
+    # B finds the cut of a stage's graph once per shape of graph and maps it onto the next microbatch's nodes by
+    # their positions in one walk: that must be the cut a fresh search finds on the new graph, node for node.
+    module, x = _graphs()[name]
+    params = [p for p in module.parameters() if p.requires_grad]
+    cuts = stage_module.Cuts(params)
+    first = x.clone().requires_grad_()
+    cuts.of([module(first)], [first])
+    second = (x + 1).requires_grad_()
+    out = module(second)
+    cached = cuts.of([out], [second])
+    assert len(cuts._shapes) == 1  # found once
+    assert _same_cut(cached, stage_module.Cuts(params).of([out], [second]))
+    assert cached.edges  # something to compare
+
+
+class _Branching(nn.Module):
+    """A stage whose graph depends on its input: two Linears of the same shape take turns (one graph's nodes
+    and edges, another parameter), and a third way adds a bias twice (another graph)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.shift = nn.Parameter(torch.randn(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        way = int(x[0, 0].item() * 10) % 3
+        if way == 0:
+            return torch.tanh(self.a(x)) + self.shift
+        if way == 1:
+            return torch.tanh(self.b(x)) + self.shift
+        return torch.tanh(self.a(x) + self.shift) + self.shift
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_stage_whose_graph_changes_with_its_input_gets_each_graphs_gradients(fused: bool) -> None:
+    module = _Branching()
+    ref = copy.deepcopy(module)
+    xs = [torch.randn(4, 8) for _ in range(6)]
+    for k, x in enumerate(xs):
+        x[0, 0] = (k % 3) / 10 + 0.01  # each way twice, interleaved
+    gs = [torch.randn(4, 8) for _ in xs]
+    for x, g in zip(xs, gs, strict=True):
+        ref(x).backward(g)
+    runner = StageRunner(module)
+    outs = [runner.forward(mb, (x,)) for mb, x in enumerate(xs)]
+    for mb, g in enumerate(gs):
+        if fused:
+            runner.backward(mb, (g,))
+        else:
+            runner.backward_input(mb, (g,))
+    if not fused:
+        for mb in range(len(xs)):
+            runner.backward_weight(mb)
+        assert len(runner._cuts._shapes) == 3  # a and b: the same nodes and edges, other parameters
+    assert len(outs) == len(xs)
+    for p, q in zip(module.parameters(), ref.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
