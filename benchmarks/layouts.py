@@ -39,7 +39,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pipefold.files import write_json  # noqa: E402
-from pipefold.plan.budget import Layout, every_layout, plan_model  # noqa: E402
+from pipefold.plan.budget import Layout, copy_peaks, every_layout, plan_model  # noqa: E402
 from pipefold.plan.profile import Profile  # noqa: E402
 from pipefold.train.overhead import profile_here  # noqa: E402
 from plan_accuracy import run_plan  # noqa: E402
@@ -98,8 +98,13 @@ def bench_world(world: int, steps: int) -> list[dict[str, Any]]:
         pipelines = layout.dp * max(layout.degrees)
         # Ranks in the job's order (runtime.job.Job.meshes): copies outermost, then devices, a device's ranks.
         device_of = [d for _ in range(layout.dp) for d, t in enumerate(layout.degrees) for _ in range(t)]
+        copy_of = [c for c in range(layout.dp) for t in layout.degrees for _ in range(t)]
         peaks = got["measured"]["peak_bytes"]
-        predicted_peak = [int(b.peak_memory[device_of[r]]) for r in range(world)]
+        # Each rank its own copy's prediction: under ZeRO-1 the copies keep the state of different shares, and the
+        # plan's figure for a device (b.peak_memory) is its heaviest copy's.
+        each = copy_peaks(profile, layout, b.spec, b.layer_stages, b.recompute)
+        assert [max(column) for column in zip(*each, strict=True)] == [int(x) for x in b.peak_memory]
+        predicted_peak = [each[copy_of[r]][device_of[r]] for r in range(world)]
         row = {"world": world, "layout": str(layout), "dp": layout.dp, "tp": layout.tp_text, "pp": layout.pp,
                "schedule": b.spec, "layer_stages": [list(p) for p in b.layer_stages],
                "predicted_step_s": b.makespan, "measured_step_s": got["measured"]["step_time_s"],

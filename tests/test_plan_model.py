@@ -415,14 +415,18 @@ def test_the_runtime_overhead_is_measured_and_reaches_the_cost_model() -> None:
     sizes = {"model": "mlp", "layers": 4, "hidden": 32, "heads": None, "seq": 64, "batch": 8, "microbatches": 4,
              "optimizer": "sgd", "seed": 0}  # as a profile records them: every size, taken or not
     job = make_job(RunSpec.flat(**profiled_settings(sizes), **OVERHEAD_RUN), local=True)  # measure_overhead's run
-    reports = run_local(job)
+    # The passes' wall time also holds the moments the rank waited for a core: alone it was within 10% of the CPU
+    # time; beside the suite's other ranks on 2 cores it once came to 0.68 of it, and to 0.44 beside a benchmark's
+    # 8 ranks. A run whose ranks waited that long is run again (at most twice) rather than taken.
+    for _ in range(3):
+        reports = run_local(job)
+        parts = step_parts(reports)
+        if all(part["cpu"] >= 0.5 * part["compute"] for part in parts):
+            break
     overhead = overhead_of(job, reports)
     assert 0 < overhead < 0.05
-    parts = step_parts(reports)
     for part in parts:  # medians of each part over the steps: they need not add up to the median step
         assert 0 < part["compute"] < part["step"] and part["runtime"] < part["step"]
-        # The passes' wall time also holds the moments the rank waited for a core: alone it was within 10% of
-        # the CPU time; beside the suite's other ranks on 2 cores it once came to 0.68 of it.
         assert part["cpu"] >= 0.5 * part["compute"]
     # The same steps replayed with no runtime: every compute event lands on its action, no rank's passes outlast
     # the replayed step, and the replayed step is no longer than the real one (nothing in it waits but the

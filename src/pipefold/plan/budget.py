@@ -17,14 +17,14 @@ from pipefold.ir.ref import ScheduleRef
 from pipefold.plan.cluster_plan import SHARDING
 from pipefold.plan.profile import LayerProfile, Profile, stage_passes
 from pipefold.plan.recompute import StageProfile, choose_recompute, device_peaks
-from pipefold.plan.shares import heaviest_share
+from pipefold.plan.shares import heaviest_share, shares
 from pipefold.sim.simulate import CostModel, SimResult, StageOverride, simulate, slowdown
 from pipefold.units import format_bytes
 
-__all__ = ["Layout", "ModelPlan", "ModelPoint", "PlanResult", "Point", "RunPlan", "candidates", "check_plan", "choose",
-           "device_static", "evaluate", "every_layout", "frontier", "layout_profile", "model_costs", "one_f_one_b_peak",
-           "parse_budget", "plan", "plan_model", "predict", "predicted_passes", "read_plan", "refused_layout",
-           "stage_profiles"]
+__all__ = ["Layout", "ModelPlan", "ModelPoint", "PlanResult", "Point", "RunPlan", "candidates", "check_plan",
+           "choose", "copy_peaks", "copy_static", "device_static", "evaluate", "every_layout", "frontier",
+           "layout_profile", "model_costs", "one_f_one_b_peak", "parse_budget", "plan", "plan_model", "predict",
+           "predicted_passes", "read_plan", "refused_layout", "stage_profiles"]
 
 Progress = Callable[[int, int], None]
 """Called as ``progress(done, total)`` before the first candidate and after each one."""
@@ -656,18 +656,46 @@ def predict(profile: Profile, layout: Layout, schedule: str | Schedule, layer_st
     ``recompute``, each device's layers split over ``layout.tp`` ranks. Returns the simulation of one pipeline
     (seconds, activation bytes), each device's peak bytes in all (weights, gradients, optimizer state, activations,
     the messages it holds) and its static part."""
-    if isinstance(schedule, str):
-        ref = ScheduleRef.parse(schedule)
-        schedule = schedules.build(ref.name, layout.pp, int(profile.train["microbatches"]) // layout.dp,
-                                   **ref.kwargs)
-    seen = layout_profile(profile, layout, layer_stages, schedule.placement[0])
-    rows = stage_profiles(seen, layer_stages)
-    counts = tuple(recompute or (0,) * len(rows))
-    activations = device_peaks(schedule, rows, counts)[1]
-    static = device_static(seen, layout, schedule, layer_stages)
-    costs = model_costs(seen, schedule, layer_stages, counts, layout)
-    result = simulate(_replicated(schedule, layout), costs)
+    schedule = _built(profile, layout, schedule)
+    counts = tuple(recompute or (0,) * len(layer_stages))
+    seen, activations, copies = _memory(profile, layout, schedule, layer_stages, counts)
+    static = [max(column) for column in zip(*copies, strict=True)]
+    result = _simulated(seen, layout, schedule, layer_stages, counts)
     return result, [int(st + a) for st, a in zip(static, activations, strict=True)], static
+
+
+def copy_peaks(profile: Profile, layout: Layout, schedule: str | Schedule, layer_stages: Sequence[Sequence[int]],
+               recompute: Sequence[int] | None = None) -> list[list[int]]:
+    """Each data-parallel copy's peak bytes on each device of its pipeline (:func:`predict`'s arguments), in all:
+    what a rank of that copy and device holds at its peak. :func:`predict`'s peaks are each device's heaviest
+    copy's; the copies differ under ZeRO-1 alone, each keeping the optimizer state of its own share of a device's
+    tensors (:func:`copy_static`)."""
+    schedule = _built(profile, layout, schedule)
+    counts = tuple(recompute or (0,) * len(layer_stages))
+    _, activations, copies = _memory(profile, layout, schedule, layer_stages, counts)
+    return [[int(st + a) for st, a in zip(static, activations, strict=True)] for static in copies]
+
+
+def _memory(profile: Profile, layout: Layout, schedule: Schedule, layer_stages: Sequence[Sequence[int]],
+            counts: Sequence[int]) -> tuple[Profile, list[float], list[list[int]]]:
+    """The layout's view of the profile, each device's activation peak, and each copy's static bytes per device."""
+    seen = layout_profile(profile, layout, layer_stages, schedule.placement[0])
+    activations = device_peaks(schedule, stage_profiles(seen, layer_stages), counts)[1]
+    return seen, activations, copy_static(seen, layout, schedule, layer_stages)
+
+
+def _built(profile: Profile, layout: Layout, schedule: str | Schedule) -> Schedule:
+    """``schedule`` built for one pipeline of ``layout`` (the profile's microbatches shared among its copies)."""
+    if isinstance(schedule, Schedule):
+        return schedule
+    ref = ScheduleRef.parse(schedule)
+    return schedules.build(ref.name, layout.pp, int(profile.train["microbatches"]) // layout.dp, **ref.kwargs)
+
+
+def _simulated(seen: Profile, layout: Layout, schedule: Schedule, layer_stages: Sequence[Sequence[int]],
+               counts: Sequence[int]) -> SimResult:
+    """The simulation of one pipeline of ``layout`` as ``seen`` (the layout's view of the profile) costs it."""
+    return simulate(_replicated(schedule, layout), model_costs(seen, schedule, layer_stages, counts, layout))
 
 
 def predicted_passes(profile: Profile, layout: Layout, schedule: str | Schedule,
@@ -678,28 +706,44 @@ def predicted_passes(profile: Profile, layout: Layout, schedule: str | Schedule,
     plan expects them to). What a run's passes took, their CPU time and their wall time, compares with these: the
     first says whether the passes did the work the profile measured, the ratio of the two how much longer the plan
     expects them to take for sharing the cores."""
+    schedule = _built(profile, layout, schedule)
+    counts = tuple(recompute or (0,) * len(layer_stages))
     bare = dataclasses.replace(profile, message_overhead=0.0)
     own = dataclasses.replace(bare, contention=tuple(1.0 for _ in profile.contention))
-    return ([float(b) for b in predict(own, layout, schedule, layer_stages, recompute)[0].busy],
-            [float(b) for b in predict(bare, layout, schedule, layer_stages, recompute)[0].busy])
+
+    def busy(p: Profile) -> list[float]:
+        seen = layout_profile(p, layout, layer_stages, schedule.placement[0])
+        return [float(b) for b in _simulated(seen, layout, schedule, layer_stages, counts).busy]
+
+    return busy(own), busy(bare)
 
 
 def device_static(seen: Profile, layout: Layout, schedule: Schedule,
                   layer_stages: Sequence[Sequence[int]]) -> list[int]:
     """Each device's static bytes (weights, gradients, optimizer state) as ``seen``, the layout's view of the profile
-    (:func:`layout_profile`), holds its layers. Under ZeRO-1 each copy keeps the state of the whole tensors it
-    steps (:mod:`pipefold.plan.shares`), so a device's figure is its heaviest copy's (where the profile did not
-    record the tensors, the even share that ``seen`` gives every layer)."""
-    out = []
+    (:func:`layout_profile`), holds its layers: its heaviest copy's (:func:`copy_static`)."""
+    return [max(column) for column in zip(*copy_static(seen, layout, schedule, layer_stages), strict=True)]
+
+
+def copy_static(seen: Profile, layout: Layout, schedule: Schedule,
+                layer_stages: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Per data-parallel copy, each device's static bytes (weights, gradients, optimizer state) as ``seen`` holds its
+    layers. The copies hold the same but under ZeRO-1, where copy c keeps the state of the whole tensors it steps,
+    its share ``shares(sizes, dp)[c]`` (:mod:`pipefold.plan.shares`, the rule the runtime steps by; where the
+    profile did not record the tensors, the even share that ``seen`` gives every layer, the same for all)."""
+    out: list[list[int]] = [[] for _ in range(layout.dp)]
     for d in range(schedule.devices):
         indices = [i for s in schedule.stages_of(d) for i in layer_stages[s]]
         layers = [seen.layers[i] for i in indices]
         if layout.sharding == "zero1" and all(x.tensors or not x.params for x in layers):
             sizes = [t for x in layers for t in x.tensors]
             state = seen.optimizer_factor * layout.dp  # layout_profile gave each copy 1 / dp of it
-            out.append(2 * sum(sizes) + round(state * heaviest_share(sizes, layout.dp)))
+            for copy, share in zip(out, shares(sizes, layout.dp), strict=True):
+                copy.append(2 * sum(sizes) + round(state * sum(sizes[i] for i in share)))
         else:
-            out.append(sum(seen.static(i) for i in indices))
+            same = sum(seen.static(i) for i in indices)
+            for copy in out:
+                copy.append(same)
     return out
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pipefold.ir import Schedule
 from pipefold.ir.ref import ScheduleRef
@@ -22,6 +22,9 @@ from pipefold.sim.simulate import CostModel, SimResult, simulate
 from pipefold.train.reference import compare
 from pipefold.train.run import Outcome
 from pipefold.train.spec import RunSpec
+
+if TYPE_CHECKING:
+    from pipefold.plan.budget import RunPlan
 
 __all__ = ["FAR_OFF", "Passes", "prediction_note", "summarize"]
 
@@ -139,7 +142,7 @@ def summarize(outcome: Outcome, *, trace: str | None = None, plot: str | None = 
     return out
 
 
-def _passes(plan: Any, job: Job, reports: list[RankReport]) -> Passes | None:
+def _passes(plan: RunPlan, job: Job, reports: list[RankReport]) -> Passes | None:
     """The mean device's passes in a step, measured against the plan's :func:`~pipefold.plan.budget.predicted_passes`;
     None where the run has no CPU time of its passes (on a GPU)."""
     from pipefold.plan.budget import predicted_passes
