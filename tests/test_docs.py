@@ -2,9 +2,9 @@
 
 The text is never edited for the test. One setting, :data:`SHRINK`, scales what would take minutes on a laptop
 down to seconds: widths and sequence lengths above a cap come down to it, so do a cluster plan's node count,
-the largest matrix product a calibration times and a benchmark's repeated runs, and step counts (with the checkpoint
-intervals and checkpoint names that count steps) are divided by one factor per page, so that a flow that trains
-100 steps, checkpoints every 10 and resumes to 200 still checkpoints and resumes. A training command with no
+the largest matrix product a calibration times and a benchmark's repeated runs and rounds, and step counts (with
+the checkpoint intervals and checkpoint names that count steps) are divided by one factor per page, so that a flow
+that trains 100 steps, checkpoints every 10 and resumes to 200 still checkpoints and resumes. A training command with no
 ``--steps`` runs 2 steps. Nothing else is changed: schedules, devices, microbatches, layers, budgets, files and
 every other option run as the page gives them.
 
@@ -65,6 +65,10 @@ class Shrink:
     one measurement, not a flow whose later commands count on them."""
     benchmark_runs: int = 1
     """``--runs`` of a benchmark come down to this: its runs are repeats of the whole measurement."""
+    benchmark_rounds: int = 2
+    """``--rounds`` of a benchmark come down to this: its rounds alternate the ways it compares, repeats too."""
+    benchmark_reps: int = 20
+    """``--reps`` of a benchmark (calls timed together in a round) come down to this."""
     nodes: int = 4
     """``--nodes`` of a cluster plan (``pipefold plan --cluster``) above this come down to it."""
     benchmark_nodes: int = 2
@@ -183,7 +187,8 @@ def shrink_benchmark(argv: list[str], options: str | None = None) -> list[str]:
         return out
     source = options if options is not None else (ROOT / out[0]).read_text(encoding="utf-8")
     caps = {"--steps": SHRINK.benchmark_steps, "--hidden": SHRINK.width, "--seq": SHRINK.width,
-            "--nodes": SHRINK.benchmark_nodes, "--runs": SHRINK.benchmark_runs}
+            "--nodes": SHRINK.benchmark_nodes, "--runs": SHRINK.benchmark_runs,
+            "--rounds": SHRINK.benchmark_rounds, "--reps": SHRINK.benchmark_reps}
     for name, cap in caps.items():
         if name in out[1:-1]:
             i = out.index(name)
@@ -489,6 +494,8 @@ def test_the_benchmarks_the_pages_run_take_the_options_the_setting_gives() -> No
     for argv in (["benchmarks/vs_torch.py", "--steps", "20"], ["benchmarks/bench_offload.py"]):
         shrunk = shrink_benchmark(argv)
         assert "--hidden" in shrunk and "--steps" in shrunk, shrunk
+    shrunk = shrink_benchmark(["benchmarks/pass_overhead.py"])  # 15 rounds of 200 calls of 5 ways: 19 s as written
+    assert shrunk[shrunk.index("--rounds") + 1] == "2" and shrunk[shrunk.index("--reps") + 1] == "20", shrunk
 
 
 def test_a_block_inside_a_list_item_is_found_and_read_without_its_indent(tmp_path: Path) -> None:
