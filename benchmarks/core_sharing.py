@@ -14,15 +14,15 @@ passes, as a rank blocks on its messages.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import statistics
 import time
 from typing import Any
 
+from pipefold.runtime.processes import process_context
+
 
 def _worker(core: int, steps: int, pause: float, start: Any, out: Any) -> None:
-    os.sched_setaffinity(0, {core})
     import torch
 
     from pipefold.models.gpt import GPTConfig, build_gpt_layers, gpt_loss
@@ -36,6 +36,7 @@ def _worker(core: int, steps: int, pause: float, start: Any, out: Any) -> None:
     gen = torch.Generator().manual_seed(0)
     x, y = (torch.randint(0, cfg.vocab_size, (4, 64), generator=gen) for _ in range(2))
     cpu, wall = [], []
+    os.sched_setaffinity(0, {core})  # built on any core; the passes on the one they share
     start.wait()  # every process built: they share the core from the first pass on
     for _ in range(steps + 2):
         t, c = time.perf_counter(), time.thread_time()
@@ -50,7 +51,7 @@ def _worker(core: int, steps: int, pause: float, start: Any, out: Any) -> None:
 
 def measure(k: int, steps: int, pause: float) -> list[tuple[float, float]]:
     """(CPU seconds, wall seconds) of the median pass in each of ``k`` processes sharing one core."""
-    ctx = mp.get_context("spawn")
+    ctx = process_context()  # as the runtime starts its ranks: from a fork server that has imported torch
     out = ctx.Queue()
     core = min(os.sched_getaffinity(0))
     start = ctx.Barrier(k)
