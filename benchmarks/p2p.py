@@ -33,7 +33,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pipefold.runtime import sockets
-from pipefold.runtime.processes import free_port
+from pipefold.runtime.processes import free_port, process_context
 
 SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20)
 WAYS = ("gloo", "sockets", "bare")
@@ -110,10 +110,10 @@ def main() -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="pf-p2p-") as directory:
-        ctx = mp.get_context("spawn")
+        ctx = process_context()  # as the runtime starts its ranks: from a fork server that has imported torch
         out = ctx.SimpleQueue()
         mp.start_processes(_rank, args=(free_port(), directory, args.sizes, args.steps, out), nprocs=2,
-                           start_method="spawn")
+                           start_method=ctx.get_start_method())
         times = out.get()
     rows = [{"bytes": n, **{f"{way}_us": round(1e6 * statistics.median(times[way][n]), 1) for way in WAYS},
              **{f"{way}_spread_us": [round(1e6 * min(times[way][n]), 1), round(1e6 * max(times[way][n]), 1)]

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 
+from conftest import run_ranks
 from pipefold.errors import ConfigError
 from pipefold.ir import AG, DP, RS, Kind, validate
 from pipefold.runtime.local import run_local
@@ -288,19 +289,6 @@ def test_fsdp_clips_by_the_norm_over_every_shard() -> None:
     assert any(not torch.allclose(unclipped[name], w, rtol=1e-3) for name, w in plain.items())
 
 
-def _spawned(target: Any, nprocs: int, arg: Any) -> list[Any]:
-    """What each of ``nprocs`` spawned processes running ``target(rank, port, arg, out)`` put on ``out``."""
-    import torch.multiprocessing as mp
-
-    from pipefold.runtime.processes import free_port
-
-    out = mp.get_context("spawn").SimpleQueue()
-    procs = mp.start_processes(target, args=(free_port(), arg, out), nprocs=nprocs, start_method="spawn", join=False)
-    while not procs.join():
-        pass
-    return [out.get() for _ in range(nprocs)]
-
-
 def _flat_all_reduce(rank: int, port: int, scale: float, out: Any) -> None:
     import torch.distributed as dist
 
@@ -334,7 +322,7 @@ def test_one_all_reduce_of_a_stages_gradients_equals_one_per_tensor(scale: float
     scale is applied on the way into the buffer); the contiguous float32 gradients end up sharing one buffer
     (their old storages freed, ``moved`` their bytes), a non-contiguous one keeps its storage, and another dtype
     gets a buffer of its own."""
-    for rank, diffs, shared, kept, moved, shapes in _spawned(_flat_all_reduce, 2, scale):
+    for rank, diffs, shared, kept, moved, shapes in run_ranks(_flat_all_reduce, 2, scale):
         assert max(diffs) < 1e-6, (rank, diffs)
         assert shared == 1 and kept
         assert moved == (12 + 5) * 4 + 2 * 8  # the float32 pair and the float64 one, not the transposed one
@@ -372,7 +360,7 @@ def test_one_flat_broadcast_equals_one_per_tensor(src: int) -> None:
     """comm.FlatBroadcast (ZeRO-1's sharing of a copy's stepped parameters): every rank ends with the source's
     values, bit for bit those of one broadcast per tensor, in the tensors' own storages (a parameter keeps its
     storage), a non-contiguous tensor and another dtype among them; three ranks, the source first or last."""
-    for rank, equal, kept, shapes in _spawned(_flat_broadcast, 3, src):
+    for rank, equal, kept, shapes in run_ranks(_flat_broadcast, 3, src):
         assert all(equal) and kept, (rank, equal, kept)
         assert shapes == [(3, 4), (5,), (6, 4), (2,)]
 

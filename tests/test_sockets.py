@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 import torch
 
+from conftest import run_ranks
+
 # One tensor of each kind a pipeline sends: dtypes without numpy's support too, a scalar, an empty one.
 _KINDS = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.bool,
           torch.uint8]
@@ -144,22 +146,9 @@ def _long_path(rank: int, port: int, directory: str, out: Any) -> None:
 
 
 def _run(target: Any, nprocs: int = 2) -> list[Any]:
-    import torch.multiprocessing as mp
-
-    from pipefold.runtime.processes import free_port
-
     directory = tempfile.mkdtemp(prefix="pf-")
     try:
-        ctx = mp.get_context("spawn")
-        out = ctx.SimpleQueue()
-        procs = mp.start_processes(target, args=(free_port(), directory, out), nprocs=nprocs, start_method="spawn",
-                                   join=False)
-        while not procs.join(timeout=60):
-            pass
-        results = []
-        while not out.empty():
-            results.append(out.get())
-        return results
+        return run_ranks(target, nprocs, directory)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 

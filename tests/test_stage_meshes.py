@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from conftest import run_ranks
 from pipefold.cli.main import main
 from pipefold.errors import ConfigError
 from pipefold.ir import dependency_graph
@@ -95,16 +96,8 @@ def test_padded_pieces_and_several_tensors_cross_between_meshes() -> None:
     """Links alone on 5 gloo ranks: a mesh of 2 sends a message of two tensors whose sizes no cut of lcm(2, 3) = 6
     divides (7 x 3 float32, 5 float64) to a mesh of 3 and gets a gradient of the same shapes back: every receiver
     has the tensors exactly, and the bytes sent are the padded pieces."""
-    import torch.multiprocessing as mp
-
-    from pipefold.runtime.processes import free_port
-
-    ctx = mp.get_context("spawn")
-    out = ctx.SimpleQueue()
-    procs = mp.start_processes(_cross, args=(free_port(), out), nprocs=5, start_method="spawn", join=False)
-    while not procs.join():
-        pass
-    seen = sorted(out.get() for _ in range(5))
+    seen = sorted(run_ranks(_cross, 5))
+    assert len(seen) == 5
     for rank, ok, sent, gathered in seen:
         assert ok, rank
         # 21 floats padded to 24 (4 a piece) and 5 doubles to 6 (1 a piece); 6 pieces: 3 per sender of 2, 2 per

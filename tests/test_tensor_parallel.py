@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from conftest import run_ranks
 from pipefold.cli.main import main
 from pipefold.errors import ConfigError
 from pipefold.models import make_model
@@ -296,15 +297,8 @@ def test_shards_gathered_on_the_host_equal_dtensors_own_gather() -> None:
     """``sharding.gather_on_host`` (what ``--check`` and checkpoints use where gloo cannot gather GPU tensors) against
     DTensor's ``full_tensor`` on a 2 x 2 mesh: uneven shards of either dimension, replicas, a sum, a 1-D mesh,
     and two mesh dimensions sharding one tensor dimension (left to DTensor)."""
-    import torch.multiprocessing as mp
-
-    from pipefold.runtime.processes import free_port
-
-    out = mp.get_context("spawn").SimpleQueue()
-    procs = mp.start_processes(_gathers, args=(free_port(), out), nprocs=4, start_method="spawn", join=False)
-    while not procs.join():
-        pass
-    for _ in range(4):
-        rank, got, partial = out.get()
+    results = run_ranks(_gathers, 4)
+    assert len(results) == 4
+    for rank, got, partial in results:
         assert all(got.values()), (rank, got)
         assert len(got) == 8 and partial == 0 + 2  # ranks 0 and 2 (one tp column's dp pair) summed
