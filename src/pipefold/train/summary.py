@@ -69,11 +69,14 @@ def summarize(outcome: Outcome, *, trace: str | None = None, plot: str | None = 
     replayed = simulate(last, costs, network=job.network, at=at)
     predicted, label = replayed, "simulated from the measured costs"
     if planned is not None and planned.plan is not None:
-        from pipefold.plan.budget import predict
+        from pipefold.plan.budget import copy_peaks, predict
 
-        # The profile's prediction, made before the run, next to what the run measured.
+        # The profile's prediction, made before the run, next to what the run measured. The peaks beside the first
+        # pipeline's ranks are its copy's own: under ZeRO-1 the copies keep different shares of the state, and the
+        # plan's figure for a device is its heaviest copy's.
         plan = planned.plan
-        predicted, peaks, _ = predict(plan.profile, plan.layout, job.schedule, job.layer_stages, job.recompute)
+        predicted = predict(plan.profile, plan.layout, job.schedule, job.layer_stages, job.recompute)[0]
+        peaks = copy_peaks(plan.profile, plan.layout, job.schedule, job.layer_stages, job.recompute)[0]
         label = "predicted from the profile"
     cycle_peaks = None
     if job.cycle and planned is None:  # the steps of a cycle differ: each rank's peak is the most over those that ran
