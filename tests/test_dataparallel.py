@@ -322,7 +322,9 @@ def test_one_all_reduce_of_a_stages_gradients_equals_one_per_tensor(scale: float
     scale is applied on the way into the buffer); the contiguous float32 gradients end up sharing one buffer
     (their old storages freed, ``moved`` their bytes), a non-contiguous one keeps its storage, and another dtype
     gets a buffer of its own."""
-    for rank, diffs, shared, kept, moved, shapes in run_ranks(_flat_all_reduce, 2, scale):
+    results = run_ranks(_flat_all_reduce, 2, scale)
+    assert sorted(r[0] for r in results) == [0, 1]  # every rank reported
+    for rank, diffs, shared, kept, moved, shapes in results:
         assert max(diffs) < 1e-6, (rank, diffs)
         assert shared == 1 and kept
         assert moved == (12 + 5) * 4 + 2 * 8  # the float32 pair and the float64 one, not the transposed one
@@ -360,7 +362,9 @@ def test_one_flat_broadcast_equals_one_per_tensor(src: int) -> None:
     """comm.FlatBroadcast (ZeRO-1's sharing of a copy's stepped parameters): every rank ends with the source's
     values, bit for bit those of one broadcast per tensor, in the tensors' own storages (a parameter keeps its
     storage), a non-contiguous tensor and another dtype among them; three ranks, the source first or last."""
-    for rank, equal, kept, shapes in run_ranks(_flat_broadcast, 3, src):
+    results = run_ranks(_flat_broadcast, 3, src)
+    assert sorted(r[0] for r in results) == [0, 1, 2]  # every rank reported
+    for rank, equal, kept, shapes in results:
         assert all(equal) and kept, (rank, equal, kept)
         assert shapes == [(3, 4), (5,), (6, 4), (2,)]
 
