@@ -97,14 +97,14 @@ def bench_world(world: int, steps: int) -> list[dict[str, Any]]:
         b = answer.best
         pipelines = layout.dp * max(layout.degrees)
         # Ranks in the job's order (runtime.job.Job.meshes): copies outermost, then devices, a device's ranks.
-        device_of = [d for _ in range(layout.dp) for d, t in enumerate(layout.degrees) for _ in range(t)]
-        copy_of = [c for c in range(layout.dp) for t in layout.degrees for _ in range(t)]
+        coords = [(c, d) for c in range(layout.dp) for d, t in enumerate(layout.degrees) for _ in range(t)]
+        device_of = [d for _, d in coords]
         peaks = got["measured"]["peak_bytes"]
         # Each rank its own copy's prediction: under ZeRO-1 the copies keep the state of different shares, and the
         # plan's figure for a device (b.peak_memory) is its heaviest copy's.
         each = copy_peaks(profile, layout, b.spec, b.layer_stages, b.recompute)
         assert [max(column) for column in zip(*each, strict=True)] == [int(x) for x in b.peak_memory]
-        predicted_peak = [each[copy_of[r]][device_of[r]] for r in range(world)]
+        predicted_peak = [each[c][d] for c, d in coords]
         row = {"world": world, "layout": str(layout), "dp": layout.dp, "tp": layout.tp_text, "pp": layout.pp,
                "schedule": b.spec, "layer_stages": [list(p) for p in b.layer_stages],
                "predicted_step_s": b.makespan, "measured_step_s": got["measured"]["step_time_s"],

@@ -431,14 +431,14 @@ class Cuts:
 
     def of(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> _Cut:
         """The cut of the graph from ``outputs`` back to ``inputs`` and the parameters."""
-        index, key = _walk(outputs, inputs, self._param_at)
+        nodes, index, key = _walk(outputs, inputs, self._param_at)
         shape = self._shapes.get(key)
         if shape is None:
             shape = _CutShape.find(outputs, inputs, self.params, index)
             if len(self._shapes) >= self._KEEP:
                 del self._shapes[next(iter(self._shapes))]
             self._shapes[key] = shape
-        return _Cut(list(index), shape)
+        return _Cut(nodes, shape)
 
 
 _ACCUMULATE = type(grad_node(torch.zeros(1, requires_grad=True)))
@@ -446,9 +446,9 @@ _ACCUMULATE = type(grad_node(torch.zeros(1, requires_grad=True)))
 
 
 def _walk(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
-          param_at: dict[int, int]) -> tuple[dict[Node, int], tuple[Any, ...]]:
-    """Number the nodes of the graph below ``outputs`` in the order one walk finds them; return the numbering and
-    the graph's shape: each node's type and its edges by number, each leaf as the parameter (by its position in
+          param_at: dict[int, int]) -> tuple[list[Node], dict[Node, int], tuple[Any, ...]]:
+    """Number the nodes of the graph below ``outputs`` in the order one walk finds them; return them, the numbering
+    and the graph's shape: each node's type and its edges by number, each leaf as the parameter (by its position in
     ``param_at``) or the input it is, and where the outputs and the inputs are. Two graphs of one shape have the
     same cut, node for node."""
     index: dict[Node, int] = {}
@@ -485,7 +485,7 @@ def _walk(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
                 nodes.append(child)
             append(j)
             append(nr)
-    return index, tuple(key)
+    return nodes, index, tuple(key)
 
 
 def graph_params(nodes: Iterable[Node], params: Sequence[torch.Tensor]) -> dict[Node, torch.Tensor]:
