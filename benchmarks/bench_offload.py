@@ -60,7 +60,7 @@ def main() -> None:
     args = parser.parse_args()
     case = make_case("gpt", layers=args.layers, hidden=args.hidden, heads=args.heads, batch=args.batch, seq=args.seq)
     device = default_device()
-    console = Console()
+    console = Console(markup=False)
 
     plain = case.build()
     full = plain.total_bytes

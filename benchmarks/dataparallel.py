@@ -93,7 +93,7 @@ def main() -> None:
     ap.add_argument("--dp", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--steps", type=int, default=6)
     args = ap.parse_args()
-    console = Console(width=200)  # the whole table, spreads included
+    console = Console(width=200, markup=False)  # the whole table, spreads included
     params = parameters_per_rank()
     console.print(f"parameters per rank (P): {params}; 16 P bytes = {[format_bytes(16 * p) for p in params]}")
     rows: dict[tuple[int, str], list[dict[str, Any]]] = {}

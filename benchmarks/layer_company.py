@@ -108,7 +108,7 @@ def main() -> None:
             table.add_column(col, justify="right")
         for k, runs in fixed.items():
             table.add_row(str(k), *(" ".join(f"{r[i] * 1e6:.0f}" for r in runs) for i in range(4)))
-        Console().print(table)
+        Console(markup=False).print(table)
         return
     result = measure(args.hidden, args.stage, args.rows, args.rounds, args.laps)
     if args.json:
@@ -122,7 +122,7 @@ def main() -> None:
     table.add_row(f"{ms['alone']:.3f} ms", f"{ms['among']:.3f} ms",
                   f"{r['median']:.2f} ({r['min']:.2f}..{r['max']:.2f})",
                   f"{ms['timer 1']:.3f} / {ms['timer stage']:.3f} ms ({result['timer_ratio']:.2f})")
-    Console().print(table)
+    Console(markup=False).print(table)
 
 
 if __name__ == "__main__":

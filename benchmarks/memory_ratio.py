@@ -62,7 +62,7 @@ def main() -> None:
     parser.add_argument("--partition", default="memory", choices=["memory", "time", "even"])
     parser.add_argument("--runs", type=int, default=2, help="runs per schedule, for the spread")
     args = parser.parse_args()
-    console = Console(width=170)
+    console = Console(width=170, markup=False)  # names from the command line
     unit_base = max(simulate(build("1f1b", 4, 16)).peak_memory)
     for model in args.model:
         results = {name: measure(model, name, args.partition, args.runs) for name in ["1f1b", *args.schedules]}

@@ -68,6 +68,7 @@ from typing import Any
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from torch import nn
 
@@ -448,7 +449,7 @@ def main() -> None:
             setattr(args, key, value)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    console = Console(width=170)
+    console = Console(width=170, markup=False)  # error messages and names in the table are not markup
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -457,7 +458,7 @@ def main() -> None:
     started = time.perf_counter()
 
     def phase(text: str) -> None:  # one line a step of the way: a run cut short shows where it was
-        console.print(f"[dim]{time.perf_counter() - started:6.1f} s  {text}[/dim]")
+        console.print(f"[dim]{time.perf_counter() - started:6.1f} s  {escape(text)}[/dim]", markup=True)
 
     case = make_case("gpt", device=device.type, **sizes)
     phase(f"building the template model on the CPU ({torch.get_num_threads()} threads)")
@@ -518,8 +519,8 @@ def main() -> None:
         cleanup()
     if results is None:
         mode = "one after the other"
-        console.print(f"[bold]Timing each configuration alone, one after the other[/bold] ({why}): load from "
-                      "other processes may hit them unevenly")
+        console.print(f"[bold]Timing each configuration alone, one after the other[/bold] ({escape(why)}): load "
+                      "from other processes may hit them unevenly", markup=True)
         results = time_one_by_one(timed, make, args.steps, x, y, sync, cleanup)
     phase("done")
 

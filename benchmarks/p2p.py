@@ -122,7 +122,7 @@ def main() -> None:
         print(json.dumps({"repeats": args.steps, "cpus": os.cpu_count(), "torch_version": torch.__version__,
                           "seconds": round(time.perf_counter() - started, 1), "rows": rows}))
         return
-    console = Console()
+    console = Console(markup=False)
     if not console.is_terminal:
         console.width = 120
     table = Table(title=f"round trip of one message between 2 local ranks, median of {args.steps} "

@@ -161,7 +161,7 @@ def main() -> None:
                       f"{r['bw_saved_ms']:.3f}", f"{r['faults_in_place']:.0f} / {r['faults_autograd']:.0f}",
                       f"{r['traffic_saved_ms']:.3f}", f"{r['w_in_place_ms']:.3f}", f"{r['w_autograd_ms']:.3f}",
                       f"{r['w_ratio']:.2f}")
-    Console(width=160).print(table)
+    Console(width=160, markup=False).print(table)
     bandwidths = ", ".join(f"{r['copy_gb_s']:.1f}" for r in rows)
     floor = wgrad.min_bytes(torch.device(args.device))
     print(f"times in ms; * below BW's floor on {args.device} ({floor / 2**20:.0f} MiB), "

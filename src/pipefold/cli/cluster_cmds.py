@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pipefold import jsonout
-from pipefold.cli.common import check_outputs, progress_bar
+from pipefold.cli.common import check_outputs, progress_bar, styled
 from pipefold.errors import ConfigError
 from pipefold.units import format_bytes
 
@@ -90,10 +90,11 @@ def plan_cluster_command(args: argparse.Namespace, console: Console) -> None:
     console.print(table)
     console.width = narrow
     b = best
-    console.print(f"[bold]best:[/] {b.layout} {b.schedule}, microbatches of {b.microbatch} x {b.microbatches}, "
-                  f"{b.recompute} recompute, {b.sharding} sharding: {_seconds(b.step_time)} a step, "
-                  f"{b.tokens_per_second:,.0f} tokens/s ({b.tokens_per_second / cluster.devices:,.0f} per GPU), MFU "
-                  f"{b.mfu:.1%}, {format_bytes(b.memory)} per GPU")
+    console.print(styled(("best:", "bold"), f" {b.layout} {b.schedule}, microbatches of {b.microbatch} x "
+                         f"{b.microbatches}, {b.recompute} recompute, {b.sharding} sharding: {_seconds(b.step_time)} "
+                         f"a step, {b.tokens_per_second:,.0f} tokens/s "
+                         f"({b.tokens_per_second / cluster.devices:,.0f} per GPU), MFU {b.mfu:.1%}, "
+                         f"{format_bytes(b.memory)} per GPU"))
     console.print("frontier (fastest for its memory): " + "; ".join(
         f"{p.layout} {p.schedule} {p.microbatch}x{p.microbatches} {p.recompute}/{p.sharding} {_seconds(p.step_time)} "
         f"{format_bytes(p.memory)}" for p in answer.frontier))

@@ -1,5 +1,5 @@
 """What several commands share: reading a schedule from a name or a file, a cost model from the flags, number
-formats, output checks before any work, progress bars."""
+formats, output checks before any work, progress bars, and the consoles the commands print on."""
 
 
 from __future__ import annotations
@@ -8,14 +8,35 @@ import argparse
 import contextlib
 import os
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from rich.console import Console
+from rich.highlighter import ReprHighlighter
+from rich.text import Text
 
 from pipefold import schedules
 from pipefold.errors import ConfigError
 from pipefold.ir import Schedule, formats
 from pipefold.ir.ref import ScheduleRef
 from pipefold.sim.simulate import CostModel, StageOverride
+
+
+def make_console(**kwargs: Any) -> Console:
+    """A console for the command line's output, with rich's markup and emoji codes off: what it prints comes in
+    part from outside (a user's path such as ``plan[a].json``, an exception's message such as gloo's
+    ``[enforce fail at /pytorch/.../pair.cc:789]``, a model's or a schedule file's name), and markup would eat
+    its bracketed parts or fail on them. Text meant to be styled is built as :class:`rich.text.Text`
+    (:func:`styled`)."""
+    return Console(markup=False, emoji=False, **kwargs)
+
+
+def styled(*parts: str | tuple[str, str]) -> Text:
+    """One line of text with styled parts, e.g. ``styled((name, "bold"), " on 4 ranks")``: nothing in it is read
+    as markup. Numbers and the like are highlighted under the parts' styles, as the console does a plain string."""
+    text = Text.assemble(*parts)
+    line = ReprHighlighter()(text.plain)
+    line.copy_styles(text)
+    return line
 
 
 def flag_options(args: argparse.Namespace) -> dict[str, int]:
@@ -105,11 +126,11 @@ def progress_bar(label: str) -> Iterator[Callable[[int, int], None] | None]:
     """A transient progress bar on stderr when it is a terminal; otherwise no callback at all."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    err = Console(stderr=True)
+    err = make_console(stderr=True)
     if not err.is_terminal:
         yield None
         return
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=err, transient=True) as bar:
+    with Progress(TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=err, transient=True) as bar:
         task = bar.add_task(label, total=None)
         yield lambda done, total: bar.update(task, completed=done, total=total)

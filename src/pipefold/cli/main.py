@@ -18,6 +18,7 @@ from rich.console import Console
 
 from pipefold.cli import plan_cmds, schedule_cmds, train_cmds
 from pipefold.cli.args import build_parser, check_applies, given
+from pipefold.cli.common import make_console
 from pipefold.errors import Interrupted, PipefoldError, ScheduleError, say
 
 REDELIVERY_S = 0.005
@@ -130,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.model = args.hf  # one name for the model from here on; its config sizes it
     elif getattr(args, "layers", 0) is None:
         args.layers = args.default_layers
-    console = Console(soft_wrap=True)
+    console = make_console(soft_wrap=True)
     try:
         check_applies(args)
         with _interrupts():

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from pipefold import jsonout, schedules
 from pipefold.cli.args import DEFAULT_DEVICES, DEFAULT_MICROBATCHES, degrees
-from pipefold.cli.common import check_outputs, cost_model, num, progress_bar, stage_bar
+from pipefold.cli.common import check_outputs, cost_model, num, progress_bar, stage_bar, styled
 from pipefold.errors import ConfigError
 from pipefold.ir.ref import ScheduleRef
 from pipefold.plan.budget import PlanResult, one_f_one_b_peak, parse_budget, plan
@@ -51,10 +51,10 @@ def cmd_profile(args: argparse.Namespace, console: Console) -> None:
                              "bandwidth_bytes_per_s": prof.bandwidth, "contention": list(prof.contention)}))
         return
     f, b, w, bw = (sum(getattr(x, k) for x in prof.layers) for k in ("f", "b", "w", "fused"))
-    console.print(f"[bold]{args.output}[/]: {len(prof.layers)} layers of {args.model}, one microbatch of "
-                  f"{prof.microbatch_rows}: F {f * 1e3:.2f} ms, B {b * 1e3:.2f} ms, W {w * 1e3:.2f} ms "
-                  f"(fused BW {bw * 1e3:.2f} ms) in all; "
-                  f"{format_bytes(sum(x.params for x in prof.layers))} of parameters")
+    console.print(styled((args.output, "bold"), f": {len(prof.layers)} layers of {args.model}, one microbatch of "
+                         f"{prof.microbatch_rows}: F {f * 1e3:.2f} ms, B {b * 1e3:.2f} ms, W {w * 1e3:.2f} ms "
+                         f"(fused BW {bw * 1e3:.2f} ms) in all; "
+                         f"{format_bytes(sum(x.params for x in prof.layers))} of parameters"))
     console.print(f"link: {prof.latency * 1e6:.0f} us + bytes at {prof.bandwidth / 2**30:.2f} GiB/s; ranks computing "
                   f"at once 1..{len(prof.contention)} run each pass x{' x'.join(f'{c:.2f}' for c in prof.contention)}; "
                   f"the runtime's own work {prof.message_overhead * 1e6:.0f} us per message")
@@ -149,8 +149,8 @@ def _plan_profiled(args: argparse.Namespace, console: Console) -> None:
         return
     b = answer.best
     where = f"{b.layout}  " if layouts else ""
-    console.print(f"[bold]{where}{b.spec}[/]  step [bold]{b.makespan * 1e3:.1f} ms[/] predicted  bubble ratio "
-                  f"{b.bubble_ratio:.1%}  (budget {format_bytes(budget)} per device)")
+    console.print(styled((f"{where}{b.spec}", "bold"), "  step ", (f"{b.makespan * 1e3:.1f} ms", "bold"),
+                         f" predicted  bubble ratio {b.bubble_ratio:.1%}  (budget {format_bytes(budget)} per device)"))
     console.print(f"stages' layers: {' | '.join(f'{p[0]}-{p[-1]}' for p in b.layer_stages)} (split by {b.split}); "
                   f"recomputed layers per stage: {' '.join(map(str, b.recompute))}")
     console.print("peak per device: " + "  ".join(f"{format_bytes(x)}" for x in b.peak_memory)
@@ -191,8 +191,9 @@ def _plan_dict(answer: PlanResult, args: argparse.Namespace, cost: CostModel) ->
 
 def _print_plan(answer: PlanResult, args: argparse.Namespace, console: Console) -> None:
     r = answer.result
-    console.print(f"[bold]{answer.spec}[/]  makespan [bold]{num(r.makespan)}[/]  bubble ratio {r.bubble_ratio:.1%}  "
-                  f"peak memory {' '.join(num(x) for x in r.peak_memory)} M  (budget {num(answer.budget)} M)")
+    console.print(styled((answer.spec, "bold"), "  makespan ", (num(r.makespan), "bold"),
+                         f"  bubble ratio {r.bubble_ratio:.1%}  peak memory {' '.join(num(x) for x in r.peak_memory)} "
+                         f"M  (budget {num(answer.budget)} M)"))
     skipped = f", {len(answer.skipped)} could not run this shape" if answer.skipped else ""
     table = Table(title=f"memory/makespan frontier, p={args.devices} m={args.microbatches} "
                         f"({len(answer.points)} schedules evaluated{skipped})", title_justify="left")

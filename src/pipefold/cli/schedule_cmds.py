@@ -10,9 +10,10 @@ import sys
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from pipefold import jsonout, schedules
-from pipefold.cli.common import check_outputs, cost_model, load_schedule, num
+from pipefold.cli.common import check_outputs, cost_model, load_schedule, make_console, num, styled
 from pipefold.errors import ConfigError
 from pipefold.ir import formats
 from pipefold.ir.ref import ScheduleRef
@@ -31,7 +32,8 @@ def cmd_schedules(args: argparse.Namespace, console: Console) -> None:
     table.add_column("what it is; options; peak activation memory per device (M)")
     for s in schedules.REGISTRY.values():
         opts = " ".join(f"--{o.name} {o.default}" for o in s.options) or "none"
-        table.add_row(s.name, f"{s.description}\n[dim]options:[/] {opts}   [dim]peak:[/] {s.memory}")
+        table.add_row(s.name, Text.assemble(f"{s.description}\n", ("options:", "dim"), f" {opts}   ", ("peak:", "dim"),
+                                            f" {s.memory}"))
     console.print(table)
     for name in sorted({o.name for s in schedules.REGISTRY.values() for o in s.options}):
         spec = next(o for s in schedules.REGISTRY.values() for o in s.options if o.name == name)
@@ -41,7 +43,7 @@ def cmd_schedules(args: argparse.Namespace, console: Console) -> None:
 
 def cmd_simulate(args: argparse.Namespace, console: Console) -> None:
     if args.width:
-        console = Console(width=args.width, soft_wrap=True)
+        console = make_console(width=args.width, soft_wrap=True)
     check_outputs(("plot", args.plot, True), ("trace", args.trace, False))
     cost = cost_model(args)
     schedule = load_schedule(args.schedule, args, strict_flags=True)
@@ -89,8 +91,8 @@ def _print_result(result: SimResult, console: Console) -> None:
     from pipefold.sim.render import ascii_timeline
 
     s = result.schedule
-    console.print(f"[bold]{ScheduleRef.of(s)}[/]  devices={s.devices} stages={s.stages} microbatches={s.microbatches} "
-                  f"placement={s.placement_name}")
+    console.print(styled((str(ScheduleRef.of(s)), "bold"), f"  devices={s.devices} stages={s.stages} "
+                         f"microbatches={s.microbatches} placement={s.placement_name}"))
     table = Table(show_edge=False)
     for col in ("device", "stages", "busy", "idle", "peak memory (M)"):
         table.add_column(col, justify="right")
@@ -98,8 +100,9 @@ def _print_result(result: SimResult, console: Console) -> None:
         table.add_row(str(d), " ".join(map(str, s.stages_of(d))), num(result.busy[d]), num(result.idle[d]),
                       num(result.peak_memory[d]))
     console.print(table)
-    console.print(f"makespan [bold]{num(result.makespan)}[/]   bubble ratio [bold]{result.bubble_ratio:.1%}[/]   "
-                  f"max peak memory [bold]{num(max(result.peak_memory))}[/] M")
+    console.print(styled("makespan ", (num(result.makespan), "bold"), "   bubble ratio ",
+                         (f"{result.bubble_ratio:.1%}", "bold"), "   max peak memory ",
+                         (num(max(result.peak_memory)), "bold"), " M"))
     console.print(ascii_timeline(result, width=console.width, color=console.is_terminal))
 
 
@@ -107,7 +110,7 @@ def cmd_pipefisher(args: argparse.Namespace, console: Console) -> None:
     from pipefold.plan import pipefisher
 
     if args.width:
-        console = Console(width=args.width, soft_wrap=True)
+        console = make_console(width=args.width, soft_wrap=True)
     check_outputs(("plot", args.plot, True))
     cost = cost_model(args)
     schedule = load_schedule(args.schedule, args, strict_flags=True)
@@ -124,9 +127,10 @@ def cmd_pipefisher(args: argparse.Namespace, console: Console) -> None:
     from pipefold.sim.render import ascii_timeline
 
     base = filled.base
-    console.print(f"[bold]{ScheduleRef.of(schedule)}[/] with K-FAC {'inline' if args.inline else 'in the bubbles'}: "
-                  f"a cycle of {len(filled.steps)} step(s); factors inverted "
-                  f"{'/'.join(map(str, filled.refreshes))} time(s) per cycle, by stage")
+    console.print(styled((str(ScheduleRef.of(schedule)), "bold"),
+                         f" with K-FAC {'inline' if args.inline else 'in the bubbles'}: a cycle of "
+                         f"{len(filled.steps)} step(s); factors inverted {'/'.join(map(str, filled.refreshes))} "
+                         "time(s) per cycle, by stage"))
     table = Table(show_edge=False)
     for col in ("", "step time", "utilization", "max peak memory (M)"):
         table.add_column(col, justify="right")

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pipefold import jsonout
-from pipefold.cli.common import check_outputs, stage_bar
+from pipefold.cli.common import check_outputs, make_console, stage_bar, styled
 from pipefold.errors import ConfigError, say
 from pipefold.models import REGISTRY
 from pipefold.runtime.processes import start_server
@@ -34,7 +34,7 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
     from pipefold.train.run import run
     from pipefold.train.summary import summarize
 
-    err = Console(stderr=True)
+    err = make_console(stderr=True)
     planned = None
     if spec.planned:
         with stage_bar("profiling and planning") as progress:
@@ -50,8 +50,9 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
     tokens = ran.model.batch * (ran.model.seq if ran.model.sequences else 1)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    with Progress(TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                  TimeElapsedColumn(), console=err, disable=args.json or not err.is_terminal) as bar:
+    with Progress(TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[info]}", markup=False), TimeElapsedColumn(), console=err,
+                  disable=args.json or not err.is_terminal) as bar:
         task = bar.add_task("train", total=ran.steps, info="starting ranks")
 
         def on_step(number: int, loss: float, seconds: float) -> None:
@@ -132,7 +133,7 @@ def _print_prediction(plan: dict[str, Any], console: Console) -> None:
     console.print("peak: weights, gradients and optimizer state (measured from the tensors after the run) plus the "
                   "step's activations and buffers (the runtime's meter)")
     if "note" in plan:
-        console.print(f"[yellow]note:[/yellow] {plan['note']}")
+        console.print(styled(("note:", "yellow"), f" {plan['note']}"))
 
 
 def _print_train(out: dict[str, Any], console: Console) -> None:
@@ -149,8 +150,9 @@ def _print_train(out: dict[str, Any], console: Console) -> None:
     first, last = (f"{x:.4f}" if x is not None else "NaN/inf" for x in (out["loss"][0], out["loss"][-1]))
     steps = (f" (steps {out['first_step']} to {out['first_step'] + len(out['loss']) - 1})" if out["first_step"] > 1
              else "")
-    console.print(f"[bold]{out['schedule']}[/] on {out['devices']} ranks{pipelines}, {out['microbatches']} "
-                  f"microbatches, {out['model']} with {out['layers']} layers: loss {first} -> {last}{steps}")
+    console.print(styled((str(out["schedule"]), "bold"), f" on {out['devices']} ranks{pipelines}, "
+                         f"{out['microbatches']} microbatches, {out['model']} with {out['layers']} layers: loss "
+                         f"{first} -> {last}{steps}"))
     if out["resumed_from"]:
         console.print(f"resumed from {out['resumed_from']}")
     if out["skipped_steps"]:
@@ -235,8 +237,9 @@ def cmd_offload(args: argparse.Namespace, console: Console) -> None:
         return
     t = out["step_time_s"]
     rows = f"batch {out['batch']} x {out['seq']} tokens" if out["seq"] else f"batch {out['batch']}"
-    console.print(f"[bold]{out['model']}[/] with {out['layers']} blocks, {rows}, on {out['device']}: "
-                  f"k={k}, k'={kprime}" + (f" (picked for a budget of {format_bytes(budget)})" if budget else ""))
+    console.print(styled((str(out["model"]), "bold"), f" with {out['layers']} blocks, {rows}, on {out['device']}: "
+                         f"k={k}, k'={kprime}" + (f" (picked for a budget of {format_bytes(budget)})" if budget
+                                                  else "")))
     table = Table(show_edge=False)
     table.add_column("")
     table.add_column("offloaded", justify="right")
