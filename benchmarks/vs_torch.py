@@ -26,6 +26,8 @@ that fails is reported with its one-line reason.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import dataclasses
 import json
 import os
 import statistics
@@ -44,8 +46,9 @@ from pipefold.ir.ref import ScheduleRef
 from pipefold.models import split_layers
 from pipefold.models.mlp import MLPConfig, build_mlp_layers, mlp_input, mlp_loss, mlp_target
 from pipefold.runtime.job import RankError
+from pipefold.runtime.local import run_local
 from pipefold.runtime.processes import free_port, process_context
-from pipefold.train.run import train
+from pipefold.train.prepare import make_job
 from pipefold.train.spec import RunSpec
 
 WORLD, HIDDEN, LAYERS, BATCH, MICROBATCHES, SEED = 2, 512, 8, 64, 8, 0
@@ -96,14 +99,19 @@ class _Run:
 # -- pipefold
 
 
-def _run_pipefold(pair: _Pair, steps: int, p2p: str) -> _Run:
+def _run_pipefold(pair: _Pair, steps: int, p2p: str, profile: str | None = None) -> _Run:
+    """pipefold's run of ``pair``; ``profile`` (a folder): each rank's steps after the first under cProfile
+    (``Job.extra["host_profile"]``)."""
     config = RunSpec.flat(p2p=p2p, schedule=str(ScheduleRef(pair.pipefold, pair.options)), devices=WORLD,
                           microbatches=MICROBATCHES,
                          steps=steps, model="mlp", layers=LAYERS, hidden=HIDDEN, batch=BATCH, optimizer="sgd",
                          seed=SEED, partition="even",  # the same equal stages torch.distributed.pipelining gets
                          device=DEVICE, backend="gloo")
     try:
-        _, reports = train(config)
+        job = make_job(config, local=config.local)
+        if profile is not None:
+            job = dataclasses.replace(job, extra={**job.extra, "host_profile": profile})
+        reports = run_local(job)
     except (RankError, RuntimeError, ValueError) as exc:
         return _Run(error=_one_line(exc))
     walls = [max(r.steps.wall[i] for r in reports) for i in range(steps)]
@@ -146,8 +154,10 @@ def _torch_schedule(pair: _Pair, rank: int, sizes: tuple[int, int, int, int],
 
 
 def _torch_rank(rank: int, pair: _Pair, steps: int, port: int, results: Any, sizes: tuple[int, int, int, int],
-                where: str) -> None:
-    """One spawned rank: train ``steps`` steps, put (rank, per-step seconds, losses of step 0) on ``results``."""
+                where: str, profile: str | None) -> None:
+    """One spawned rank: train ``steps`` steps, put (rank, per-step seconds, losses of step 0) on ``results``.
+    With ``profile`` (a folder) the ``schedule.step`` calls after the first run under cProfile, written to
+    ``rankN.prof`` there."""
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     HIDDEN, LAYERS, BATCH, MICROBATCHES = sizes  # noqa: N806
@@ -166,19 +176,26 @@ def _torch_rank(rank: int, pair: _Pair, steps: int, port: int, results: Any, siz
         target = mlp_target(cfg, BATCH, SEED).to(device)
         first, last = 0 in indices, WORLD * len(indices) - 1 in indices
         walls, first_losses = [], []
+        profiler = cProfile.Profile() if profile else None
         for step in range(steps):
             x = mlp_input(cfg, BATCH, SEED + step).to(device)  # the batch pipefold's mlp job gives this step
             losses: list[torch.Tensor] = []
             sync()
+            if profiler is not None and step > 0:
+                profiler.enable()
             t0 = time.perf_counter()
             schedule.step(*((x,) if first else ()), target=target if last else None,
                           losses=losses if last else None)
             sync()
+            if profiler is not None:
+                profiler.disable()
             walls.append(time.perf_counter() - t0)
             if step == 0:
                 first_losses = [float(v.detach()) for v in losses]
             opt.step()
             opt.zero_grad(set_to_none=True)
+        if profiler is not None:
+            profiler.dump_stats(os.path.join(str(profile), f"rank{rank}.prof"))
         results.put((rank, walls, first_losses))
         dist.barrier()
     finally:
@@ -228,15 +245,16 @@ def _through_host() -> None:
     dist.isend, dist.irecv = staged_isend, staged_irecv
 
 
-def _run_torch(pair: _Pair, steps: int) -> _Run:
+def _run_torch(pair: _Pair, steps: int, profile: str | None = None) -> _Run:
     """Start the ranks (from pipefold's fork server, which has imported torch: the same start-up pipefold's ranks
-    get; neither is timed); any rank's exception or a hang becomes a failed run with a one-line reason."""
+    get; neither is timed); any rank's exception or a hang becomes a failed run with a one-line reason. ``profile``:
+    see :func:`_torch_rank`."""
     ctx = process_context()
     results = ctx.SimpleQueue()
     sizes = (HIDDEN, LAYERS, BATCH, MICROBATCHES)
     where = "cuda:0" if DEVICE == "cuda" else "cpu"
-    context = mp.start_processes(_torch_rank, args=(pair, steps, free_port(), results, sizes, where), nprocs=WORLD,
-                                 join=False, start_method=ctx.get_start_method())
+    context = mp.start_processes(_torch_rank, args=(pair, steps, free_port(), results, sizes, where, profile),
+                                 nprocs=WORLD, join=False, start_method=ctx.get_start_method())
     deadline = time.monotonic() + RUN_TIMEOUT_S
     try:
         while not context.join(timeout=0.2):
@@ -385,9 +403,14 @@ def main() -> None:
     if args.json:
         print(json.dumps(_json(rows, steps, seconds, os.getloadavg())))
         return
+    report(console, rows, steps, seconds)
+
+
+def report(console: Console, rows: list[_Row], steps: int, seconds: float) -> None:
+    """The table, each failure's or mismatch's note, the machine's line."""
     console.print(_table(rows, steps))
     for note in (n for pair, runs in rows for run in runs for n in _notes(pair, run)):
-        console.print(note)
+        console.print(note, markup=False)  # a failure's text (gloo's "[enforce fail at /pytorch/...]") is not markup
     load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
     console.print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average {load}, {seconds:.0f} s in all")
 

@@ -44,6 +44,7 @@ SMALL: dict[str, list[str] | None] = {
     "vs_torch.py": None,
     "runtime_breakdown.py": None,
     "pass_overhead.py": None,
+    "host_profile.py": None,
     # On a GPU only (make gpu-check):
     "gpu_check.py": None,
 }
@@ -53,7 +54,8 @@ SMALL: dict[str, list[str] | None] = {
 def test_every_benchmark_has_a_small_mode_or_a_reason() -> None:
     assert sorted(SMALL) == sorted(p.name for p in BENCHMARKS.glob("*.py"))
     docs = "\n".join(p.read_text(encoding="utf-8") for p in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
-    for name in ("bench_offload.py", "bench_recompute.py", "vs_torch.py", "runtime_breakdown.py", "pass_overhead.py"):
+    for name in ("bench_offload.py", "bench_recompute.py", "vs_torch.py", "runtime_breakdown.py", "pass_overhead.py",
+                 "host_profile.py"):
         assert f"python benchmarks/{name}" in docs, f"{name} is said to run through the docs, which do not show it"
 
 
@@ -89,3 +91,58 @@ def test_the_gpu_check_reads_what_vs_torch_writes() -> None:
     assert cells[5] == "2.10 1.38 0.34" and cells[4] == "1.38"
     zbv = next(row for row in table.splitlines() if row.startswith("| zb-v |"))
     assert "failed" in zbv and "torch failed: boom" in zbv
+
+
+def test_a_failed_runs_text_is_printed_as_it_is() -> None:
+    """A failure's one line goes into vs_torch.py's report verbatim. On a GPU, torch's zb-v failed with gloo's
+    "[enforce fail at /pytorch/...]": printed as rich markup, its "[/pytorch/...]" read as a closing tag, and the
+    report ended in a MarkupError after every run had finished; a "[b]" in it would have vanished instead."""
+    import io
+
+    from rich.console import Console
+
+    vs = load_benchmark("vs_torch.py")
+    errors = ["RuntimeError: [enforce fail at /pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:789] state_ >= "
+              "CONNECTED. 1 vs 4", "RuntimeError: [/pytorch/third_party/gloo/pair.cc:547] Read error [b]"]
+    rows = [(vs.PAIRS[3], [{"pipefold": vs._Run([0.02, 0.01]), "pipefold on gloo": vs._Run([0.02, 0.01]),  # type: ignore[attr-defined]
+                             "torch": vs._Run(error=e)} for e in errors])]  # type: ignore[attr-defined]
+    out = io.StringIO()
+    vs.report(Console(file=out, width=200), rows, 2, 1.0)  # type: ignore[attr-defined]
+    for e in errors:
+        assert f"zb-v: torch failed: {e}" in out.getvalue()
+
+
+def test_the_host_profile_counts_each_group_per_step(tmp_path: Path) -> None:
+    """host_profile.py's reading of a cProfile file, against a profile of known calls: 6 products and 4 sleeps of
+    a known length over 2 steps, and a Python function of its own (a file under pipefold/runtime by name)."""
+    import cProfile
+    import time
+
+    import torch
+
+    load_benchmark("vs_torch.py")  # host_profile.py imports it by name, as a script beside it
+    hp = load_benchmark("host_profile.py")
+    code = compile("def helper(x):\n    return x + 1\n", "/x/src/pipefold/runtime/fake.py", "exec")
+    scope: dict[str, object] = {}
+    exec(code, scope)  # noqa: S102 (a function whose file names the runtime, as the grouping reads it)
+    a = torch.ones(4, 4)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(6):
+        torch.mm(a, a)
+    for _ in range(4):
+        time.sleep(0.01)
+    for _ in range(10):
+        scope["helper"](1)  # type: ignore[operator]
+    prof.disable()
+    path = tmp_path / "rank0.prof"
+    prof.dump_stats(str(path))
+    got = hp.summarize(path, 2, 50)  # type: ignore[attr-defined]
+    rows = {r["function"]: r for r in got["top"]}
+    assert rows["<built-in method torch.mm>"]["calls"] == 3 and rows["<built-in method torch.mm>"]["group"] == \
+        "tensor operations"
+    assert rows["<built-in method time.sleep>"]["calls"] == 2
+    assert rows["<built-in method time.sleep>"]["own_ms"] >= 20 - 1  # two sleeps of 10 ms a step
+    helper = next(r for name, r in rows.items() if name.endswith("(helper)"))
+    assert helper["calls"] == 5 and helper["group"] == "pipefold runtime (Python)"
+    assert abs(sum(got["groups_ms"].values()) - got["total_ms"]) < 1e-9

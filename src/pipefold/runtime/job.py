@@ -122,7 +122,9 @@ class Job:
     extra: dict[str, Any] = field(default_factory=dict)
     """What the launcher passes through (the model's layer count, the recomputation plan...). For the tests of
     machines without a GPU, ``extra["stage_through_host"]`` makes CPU ranks send the way ranks sharing a GPU do
-    (a copy made to send, off the meter once made; a copy made on arrival; :mod:`pipefold.runtime.comm`)."""
+    (a copy made to send, off the meter once made; a copy made on arrival; :mod:`pipefold.runtime.comm`).
+    ``extra["host_profile"]``, a folder, has each rank run its steps after the first under cProfile and write
+    ``rankN.prof`` there (``benchmarks/host_profile.py``)."""
 
     def __post_init__(self) -> None:
         # What the sections are together, and what the schedule, the split and the resolved pieces must agree

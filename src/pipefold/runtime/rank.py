@@ -5,6 +5,7 @@ switched as the job says, gradients checked for NaN and clipped, optimizer steps
 from __future__ import annotations
 
 import collections
+import cProfile
 import math
 import os
 import pickle
@@ -173,6 +174,9 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
         start, resumed_from = int(progress["step"]), checkpointing.resume.path
         current = int(progress.get("schedule_index") or 0)
     faults = job.faults or Faults()
+    # extra["host_profile"], a folder: the steps after the first, their actions as the rank's own thread runs them,
+    # under cProfile (benchmarks/host_profile.py reads it)
+    profiler = cProfile.Profile() if job.extra.get("host_profile") else None
     bad_run, skipped, saved = 0, [], []
     stopped = None
     for step in range(start, job.steps):
@@ -201,7 +205,11 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
         if job.verify_memory_step == step:
             stats = _tracked_step(executor, params, xs, ys, _shapes(x))
         else:
+            if profiler is not None and step > start:
+                profiler.enable()
             stats = executor.run_step(xs, ys, _shapes(x))
+            if profiler is not None:
+                profiler.disable()
         scheduled = time.perf_counter()
         for wrapper in offloaded:
             wrapper.evict_all()  # every layer home, with its gradient, before the optimizer reads it
@@ -276,6 +284,8 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
                                          committing=(lambda: time.sleep(faults.slow_commit))
                                          if faults.slow_commit else None))
     activity.run("its report", action=False)
+    if profiler is not None:
+        profiler.dump_stats(Path(job.extra["host_profile"]) / f"rank{global_rank}.prof")
     for each in executors.values():
         each.close()
     if job.reliability.save_model is not None and stopped is None:
