@@ -10,6 +10,9 @@ Sections (``--only`` picks some; each runs on its own, so one failing does not h
               4 ranks, time-balanced split): per rank the meter's peak, the allocator's level between
               actions and its peak (``torch.cuda.max_memory_allocated``), the simulator's prediction; the
               V-shape schedules' peaks over 1F1B's against the papers' 0.75 / 0.5 / 1.0
+    layouts   a world of 4 laid out as pp 4, tp 2 x pp 2, dp 2 x pp 2 and dp 2 x pp 2 with ZeRO-1 (the GPT, 1f1b, ranks
+              sharing the GPU): per rank the meter's peak between actions against the CUDA allocator's and torch's
+              MemTracker's, the independent checks of the peaks issue 28's layout tables compare with the plan
     overlap   dualpipev and dualpipe with their F+B pairs on two streams and one after the other
     speed     step time against torch.distributed.pipelining on the same GPU (benchmarks/vs_torch.py
               --device cuda, at its own hidden 512 and at 4096) and against one process training the same
@@ -49,7 +52,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-SECTIONS = ("tests", "memory", "overlap", "speed", "wgrad", "offload", "calibrate")
+SECTIONS = ("tests", "memory", "layouts", "overlap", "speed", "wgrad", "offload", "calibrate")
 PAPER = {"1f1b": 1.0, "v-half": 0.75, "v-min": 0.5, "zb-v": 1.0}
 
 
@@ -135,6 +138,44 @@ def memory(out: Path, quick: bool) -> dict[str, Any]:
           + _table(["schedule", "layers per stage", "meter", "allocator", "simulated", "paper"], ratios) + "\n")
     _memory_figure(rows, out / "memory.png")
     return {"rows": rows, "md": md + "\n![memory](memory.png)\n"}
+
+
+LAYOUTS = ((1, 1, 4, False), (2, 1, 2, False), (1, 2, 2, False), (1, 2, 2, True))
+"""(tp, dp, pp, ZeRO-1) of the layouts section: a world of 4."""
+
+
+def layout_rows(quick: bool, device: str = "cuda") -> list[dict[str, Any]]:
+    """Each layout's ranks: the meter's peak between actions, torch's MemTracker's and (on CUDA) the allocator's, in
+    the step checked (the second)."""
+    from pipefold.runtime.local import run_local
+    from pipefold.train.prepare import make_job
+    from pipefold.train.spec import RunSpec
+
+    size = (dict(layers=4, hidden=256, heads=4, seq=128) if quick
+            else dict(layers=8, hidden=1024, heads=16, seq=512))
+    rows = []
+    for tp, dp, pp, zero1 in LAYOUTS:
+        config = RunSpec.flat(schedule="1f1b", devices=pp, dp=dp, tp=tp, zero1=zero1, microbatches=8, batch=16,
+                              steps=2, model="gpt", partition="even", optimizer="adamw", device=device,
+                              action_timeout=300.0, **size)
+        job = dataclasses.replace(make_job(config), verify_memory_step=1)
+        for r in sorted(run_local(job), key=lambda r: r.rank):
+            check = r.steps[1].memory_check
+            rows.append({"layout": f"tp {tp} x dp {dp} x pp {pp}" + (" ZeRO-1" if zero1 else ""), "rank": r.rank,
+                         "meter": check["meter_between_actions"], "tracker": check["tracker_between_actions"],
+                         "allocator": check.get("allocator_between_actions")})
+    return rows
+
+
+def layouts(out: Path, quick: bool) -> dict[str, Any]:
+    """Issue 28's layouts on the GPU: the meter against the allocator and MemTracker, rank by rank."""
+    rows = layout_rows(quick)
+    table = [[r["layout"], r["rank"], _mib(r["meter"]), _mib(r["tracker"]), _mib(r["allocator"]),
+              f"{r['allocator'] / r['meter'] - 1:+.1%}"] for r in rows]
+    md = ("GPT, 1f1b, 8 microbatches, AdamW, a world of 4 ranks sharing the GPU; the step's own memory (MiB) at its "
+          "highest between two actions of the checked step\n\n"
+          + _table(["layout", "rank", "meter", "MemTracker", "CUDA allocator", "allocator vs meter"], table) + "\n")
+    return {"rows": rows, "md": md}
 
 
 def _memory_figure(rows: dict[str, Any], path: Path) -> None:
