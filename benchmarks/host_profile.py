@@ -10,10 +10,11 @@ most time of their own. cProfile's own cost per call inflates the Python parts (
 and the calls per step, and the plain step times from vs_torch.py.
 
 Which threads it sees depends on Python: up to 3.11 cProfile follows the thread that enabled it alone; from 3.12 on
-(it runs on ``sys.monitoring``) it follows every Python thread of the process. pipefold's link threads are Python
-(a send's thread waits for its copy and its delivery, the sockets' receiver reads), torch's side has none, so from
-3.12 on pipefold's columns include its links' waits (``recv_into``, ``Event.synchronize``), which do not hold up
-the rank's own thread, and its groups can add up to more than the step.
+(it runs on ``sys.monitoring``) it follows every Python thread of the process. pipefold's send threads are Python
+(each waits for its copy to host memory, ``Event.synchronize``, and for the delivery), torch's side has none, so
+from 3.12 on pipefold's columns include those waits, which do not hold up the rank's own thread, and its groups can
+add up to more than the step. A receive is read from its socket by the thread that waits for it (``recv_into``):
+that is the rank's own wait for a message.
 
     python benchmarks/host_profile.py --device cuda                # 1f1b, H=512, 8 steps
     python benchmarks/host_profile.py --schedule zb-v --steps 4 --json
