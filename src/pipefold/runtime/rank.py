@@ -174,8 +174,8 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
         start, resumed_from = int(progress["step"]), checkpointing.resume.path
         current = int(progress.get("schedule_index") or 0)
     faults = job.faults or Faults()
-    # extra["host_profile"], a folder: the steps after the first, their actions as the rank's own thread runs them,
-    # under cProfile (benchmarks/host_profile.py reads it)
+    # extra["host_profile"], a folder: the steps after the first under cProfile, which follows the rank's own thread
+    # (from Python 3.12 on, its other Python threads too); benchmarks/host_profile.py reads it
     profiler = cProfile.Profile() if job.extra.get("host_profile") else None
     bad_run, skipped, saved = 0, [], []
     stopped = None
