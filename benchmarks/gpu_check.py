@@ -163,6 +163,7 @@ def layout_rows(quick: bool, device: str = "cuda") -> list[dict[str, Any]]:
             check = r.steps[1].memory_check
             rows.append({"layout": f"tp {tp} x dp {dp} x pp {pp}" + (" ZeRO-1" if zero1 else ""), "rank": r.rank,
                          "meter": check["meter_between_actions"], "tracker": check["tracker_between_actions"],
+                         "tracker_host": check["tracker_elsewhere_between_actions"],
                          "allocator": check.get("allocator_between_actions")})
     return rows
 
@@ -171,10 +172,11 @@ def layouts(out: Path, quick: bool) -> dict[str, Any]:
     """Issue 28's layouts on the GPU: the meter against the allocator and MemTracker, rank by rank."""
     rows = layout_rows(quick)
     table = [[r["layout"], r["rank"], _mib(r["meter"]), _mib(r["tracker"]), _mib(r["allocator"]),
-              f"{r['allocator'] / r['meter'] - 1:+.1%}"] for r in rows]
+              f"{r['allocator'] / r['meter'] - 1:+.1%}", _mib(r["tracker_host"])] for r in rows]
     md = ("GPT, 1f1b, 8 microbatches, AdamW, a world of 4 ranks sharing the GPU; the step's own memory (MiB) at its "
           "highest between two actions of the checked step\n\n"
-          + _table(["layout", "rank", "meter", "MemTracker", "CUDA allocator", "allocator vs meter"], table) + "\n")
+          + _table(["layout", "rank", "meter", "MemTracker", "CUDA allocator", "allocator vs meter",
+                    "MemTracker, host memory (messages staged)"], table) + "\n")
     return {"rows": rows, "md": md}
 
 

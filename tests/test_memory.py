@@ -46,6 +46,7 @@ def test_meter_agrees_with_torch_memtracker(model: dict[str, object], schedule: 
         # After every action, what the meter counts is what torch saw created during the step and still alive.
         assert abs(check["tracker_between_actions"] - held) <= 0.03 * held, (r.rank, check)
         assert check["largest_gap"] <= 0.03 * held, (r.rank, check)
+        assert check["tracker_elsewhere_between_actions"] == 0, check  # the CPU: one device
         # Within an action the tracker also sees the operations' temporaries, never less than the meter.
         assert check["tracker_peak"] >= stats.peak_activation_bytes >= held
         # The batch is reported apart, as it was before the step: a microbatch view is never charged the batch.

@@ -144,7 +144,8 @@ class StepStats:
     memory_check: dict[str, int] = field(default_factory=dict)
     """In a step measured a second way (``Job.verify_memory_step``), by torch's MemTracker: the meter's and
     the tracker's largest level after an action, their largest difference there, the tracker's peak over
-    the whole step (temporaries included) and, on CUDA, the allocator's (see ``rank._tracked_step``)."""
+    the whole step (temporaries included), all on the rank's device; the tracker's largest level on other devices
+    (on a GPU, the messages staged through host memory); on CUDA, the allocator's (see ``rank._tracked_step``)."""
     messages: list[tuple[str, int, int]] = field(default_factory=list)
     """With message logging on: every send and receive as posted, ("send" or "recv", peer, tag)."""
     link_samples: dict[int, list[tuple[int, int, float, float]]] = field(default_factory=dict)

@@ -402,11 +402,20 @@ def _tracked_step(executor: RankExecutor, params: list[nn.Parameter], xs: list[T
     tracker._mod_tracker = NoModules()  # type: ignore[assignment]
     outside = {_MemRefType.PARAM, _MemRefType.BUFFER, _MemRefType.GRAD, _MemRefType.OPT, _MemRefType.OTH}
 
-    def step_bytes(snapshot: dict[torch.device, dict[Any, int]], moved: int = 0) -> int:
-        total = sum(snap["Total"] - sum(v for k, v in snap.items() if k in outside) for snap in snapshot.values())
-        return total - moved
+    here = executor.device
+
+    def mine(d: torch.device) -> bool:
+        return d.type == here.type and (here.index is None or d.index in (None, here.index))
+
+    def step_bytes(snapshot: dict[torch.device, dict[Any, int]], moved: int = 0, *, elsewhere: bool = False) -> int:
+        # The meter counts the device's memory: on a GPU, what the step holds in host memory (a message staged
+        # through pinned memory, on its way out or in) is another device's, counted apart.
+        total = sum(snap["Total"] - sum(v for k, v in snap.items() if k in outside)
+                    for d, snap in snapshot.items() if mine(d) != elsewhere)
+        return total - (0 if elsewhere else moved)
 
     pairs: list[tuple[int, int]] = []  # (meter, tracker) after each action
+    away: list[int] = []  # the tracker's bytes on other devices (host memory, for a GPU's ranks), after each action
     allocated: list[int] = []  # on CUDA, the allocator's bytes beyond those before the step, after each action
 
     def probe() -> None:
@@ -416,10 +425,12 @@ def _tracked_step(executor: RankExecutor, params: list[nn.Parameter], xs: list[T
             # theirs: the buffer, new in the step, is still theirs, not the step's.
             first = step_bytes(tracker.get_tracker_snapshot(), executor.grads_moved)
             held = executor.meter.current
-            after = step_bytes(tracker.get_tracker_snapshot(), executor.grads_moved)
+            snapshot = tracker.get_tracker_snapshot()
+            after = step_bytes(snapshot, executor.grads_moved)
             if first == after:
                 break
         pairs.append((held, after))
+        away.append(step_bytes(snapshot, elsewhere=True))
         if cuda:
             allocated.append(torch.cuda.memory_allocated(executor.device) - before)
 
@@ -434,6 +445,7 @@ def _tracked_step(executor: RankExecutor, params: list[nn.Parameter], xs: list[T
         "tracker_between_actions": max(t for _, t in pairs),
         "largest_gap": max(abs(m - t) for m, t in pairs),
         "tracker_peak": step_bytes(tracker.get_tracker_snapshot("peak")),
+        "tracker_elsewhere_between_actions": max(away),
     }
     if cuda:
         torch.cuda.synchronize(executor.device)
