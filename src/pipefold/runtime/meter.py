@@ -127,6 +127,7 @@ class MemoryMeter:
     def hold_storages(self, storages: Iterable[torch.UntypedStorage], kind: str) -> None:
         """:meth:`hold` for storages already looked up (from :func:`storage_of`)."""
         with self._lock:
+            added = 0
             for st in storages:
                 key = id(st)
                 if key in self._live or key in self._outside:
@@ -135,7 +136,9 @@ class MemoryMeter:
                 watch = _Watch(st, self._died)
                 watch.key = key
                 self._live[key] = _Entry(nbytes, kind, watch)
-                self._change(nbytes, kind)
+                added += nbytes
+            if added:  # one change for the lot: the level only rises in it, so its peak is where it ends
+                self._change(added, kind)
 
     def bytes_of(self, tensors: Iterable[torch.Tensor | None], keys: Iterable[int] = ()) -> int:
         """Bytes of the distinct storages behind ``tensors``, and of those the meter knows by ``keys`` (``id`` of a
