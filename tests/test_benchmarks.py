@@ -146,3 +146,18 @@ def test_the_host_profile_counts_each_group_per_step(tmp_path: Path) -> None:
     helper = next(r for name, r in rows.items() if name.endswith("(helper)"))
     assert helper["calls"] == 5 and helper["group"] == "pipefold runtime (Python)"
     assert abs(sum(got["groups_ms"].values()) - got["total_ms"]) < 1e-9
+
+
+def test_the_gpu_checks_layouts_table_reads_the_memory_check(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """gpu_check.py's layouts section runs only on a GPU: its table is checked here on rows of known bytes, in the
+    shape ``layout_rows`` reads from each rank's memory check (the keys ``rank._tracked_step`` writes)."""
+    check = load_benchmark("gpu_check.py")
+    mib = 2**20
+    rows = [{"layout": "tp 2 x dp 1 x pp 2", "rank": r, "meter": 100 * mib, "tracker": 100 * mib,
+             "tracker_host": 4 * mib, "allocator": 99 * mib} for r in range(4)]
+    monkeypatch.setattr(check, "layout_rows", lambda quick: rows)
+    got = check.layouts(tmp_path, True)  # type: ignore[attr-defined]
+    lines = [line for line in got["md"].splitlines() if line.startswith("| tp 2")]
+    assert len(lines) == 4
+    cells = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert cells == ["tp 2 x dp 1 x pp 2", "0", "100.0", "100.0", "99.0", "-1.0%", "4.0"]
