@@ -33,7 +33,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pipefold.runtime import sockets
-from pipefold.runtime.processes import free_port, process_context
+from pipefold.runtime.processes import process_context, store_in
 
 SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20)
 WAYS = ("gloo", "sockets", "bare")
@@ -66,9 +66,9 @@ def _bounce(way: str, rank: int, t: torch.Tensor, links: Any, bare: socket.socke
     return (time.perf_counter() - start) / rounds
 
 
-def _rank(rank: int, port: int, directory: str, sizes: list[int], repeats: int, out: Any) -> None:
+def _rank(rank: int, init: str, directory: str, sizes: list[int], repeats: int, out: Any) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     path = os.path.join(directory, "bare.sock")
     if rank == 0:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -112,7 +112,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="pf-p2p-") as directory:
         ctx = process_context()  # as the runtime starts its ranks: from a fork server that has imported torch
         out = ctx.SimpleQueue()
-        mp.start_processes(_rank, args=(free_port(), directory, args.sizes, args.steps, out), nprocs=2,
+        mp.start_processes(_rank, args=(store_in(directory), directory, args.sizes, args.steps, out), nprocs=2,
                            start_method=ctx.get_start_method())
         times = out.get()
     rows = [{"bytes": n, **{f"{way}_us": round(1e6 * statistics.median(times[way][n]), 1) for way in WAYS},

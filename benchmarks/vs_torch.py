@@ -47,7 +47,7 @@ from pipefold.models import split_layers
 from pipefold.models.mlp import MLPConfig, build_mlp_layers, mlp_input, mlp_loss, mlp_target
 from pipefold.runtime.job import RankError
 from pipefold.runtime.local import run_local
-from pipefold.runtime.processes import free_port, process_context
+from pipefold.runtime.processes import process_context, rendezvous
 from pipefold.train.prepare import make_job
 from pipefold.train.spec import RunSpec
 
@@ -153,7 +153,7 @@ def _torch_schedule(pair: _Pair, rank: int, sizes: tuple[int, int, int, int],
     return cls(stages, n_microbatches=MICROBATCHES, loss_fn=mlp_loss), indices, modules
 
 
-def _torch_rank(rank: int, pair: _Pair, steps: int, port: int, results: Any, sizes: tuple[int, int, int, int],
+def _torch_rank(rank: int, pair: _Pair, steps: int, init: str, results: Any, sizes: tuple[int, int, int, int],
                 where: str, profile: str | None) -> None:
     """One spawned rank: train ``steps`` steps, put (rank, per-step seconds, losses of step 0) on ``results``.
     With ``profile`` (a folder) the ``schedule.step`` calls after the first run under cProfile, written to
@@ -166,7 +166,7 @@ def _torch_rank(rank: int, pair: _Pair, steps: int, port: int, results: Any, siz
     if device.type == "cuda":
         torch.cuda.set_device(device)
         _through_host()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=60))
     try:
         schedule, indices, modules = _torch_schedule(pair, rank, sizes, device)
@@ -249,11 +249,16 @@ def _run_torch(pair: _Pair, steps: int, profile: str | None = None) -> _Run:
     """Start the ranks (from pipefold's fork server, which has imported torch: the same start-up pipefold's ranks
     get; neither is timed); any rank's exception or a hang becomes a failed run with a one-line reason. ``profile``:
     see :func:`_torch_rank`."""
+    with rendezvous() as init:
+        return _torch_ranks(pair, steps, profile, init)
+
+
+def _torch_ranks(pair: _Pair, steps: int, profile: str | None, init: str) -> _Run:
     ctx = process_context()
     results = ctx.SimpleQueue()
     sizes = (HIDDEN, LAYERS, BATCH, MICROBATCHES)
     where = "cuda:0" if DEVICE == "cuda" else "cpu"
-    context = mp.start_processes(_torch_rank, args=(pair, steps, free_port(), results, sizes, where, profile),
+    context = mp.start_processes(_torch_rank, args=(pair, steps, init, results, sizes, where, profile),
                                  nprocs=WORLD, join=False, start_method=ctx.get_start_method())
     deadline = time.monotonic() + RUN_TIMEOUT_S
     try:

@@ -55,7 +55,8 @@ def pytest_collection_modifyitems(config, items):  # type: ignore[no-untyped-def
 
 
 def run_ranks(target, nprocs, *args, timeout=300.0):  # type: ignore[no-untyped-def]
-    """Start ``nprocs`` processes running ``target(rank, port, *args, out)``, as the runtime starts its ranks: from
+    """Start ``nprocs`` processes running ``target(rank, init, *args, out)`` (``init``: where their process group
+    meets, :func:`pipefold.runtime.processes.rendezvous`), as the runtime starts its ranks: from
     its fork server, which has imported torch (a spawned process imports it again: seconds each, on two cores);
     return everything they put on the queue ``out``, in the order it came. The queue is read while they run, so a
     large result cannot fill its pipe and hold a process up; one that fails raises here; past ``timeout`` seconds
@@ -64,26 +65,27 @@ def run_ranks(target, nprocs, *args, timeout=300.0):  # type: ignore[no-untyped-
 
     import torch.multiprocessing as mp
 
-    from pipefold.runtime.processes import free_port, process_context
+    from pipefold.runtime.processes import process_context, rendezvous
 
     ctx = process_context()
     out = ctx.SimpleQueue()
-    procs = mp.start_processes(target, args=(free_port(), *args, out), nprocs=nprocs,
-                               start_method=ctx.get_start_method(), join=False)
     got = []
-    deadline = time.monotonic() + timeout
-    try:
-        while True:
-            while not out.empty():
-                got.append(out.get())
-            if procs.join(timeout=0.1):
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{nprocs} ranks of {target.__name__} still running after {timeout} s")
-    finally:
-        for p in procs.processes:
-            if p.is_alive():
-                p.kill()
+    with rendezvous() as init:
+        procs = mp.start_processes(target, args=(init, *args, out), nprocs=nprocs,
+                                   start_method=ctx.get_start_method(), join=False)
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                while not out.empty():
+                    got.append(out.get())
+                if procs.join(timeout=0.1):
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{nprocs} ranks of {target.__name__} still running after {timeout} s")
+        finally:
+            for p in procs.processes:
+                if p.is_alive():
+                    p.kill()
     while not out.empty():
         got.append(out.get())
     return got

@@ -289,13 +289,13 @@ def test_fsdp_clips_by_the_norm_over_every_shard() -> None:
     assert any(not torch.allclose(unclipped[name], w, rtol=1e-3) for name, w in plain.items())
 
 
-def _flat_all_reduce(rank: int, port: int, scale: float, out: Any) -> None:
+def _flat_all_reduce(rank: int, init: str, scale: float, out: Any) -> None:
     import torch.distributed as dist
 
     from pipefold.runtime.comm import FlatAllReduce
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     try:
         gen = torch.Generator().manual_seed(rank)
         grads = [torch.randn(3, 4, generator=gen), torch.randn(5, generator=gen),
@@ -331,13 +331,13 @@ def test_one_all_reduce_of_a_stages_gradients_equals_one_per_tensor(scale: float
         assert shapes == [(3, 4), (5,), (6, 4), (2,)]
 
 
-def _flat_broadcast(rank: int, port: int, src: int, out: Any) -> None:
+def _flat_broadcast(rank: int, init: str, src: int, out: Any) -> None:
     import torch.distributed as dist
 
     from pipefold.runtime.comm import FlatBroadcast
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=3)
     try:
         def tensors(seed: int) -> list[torch.Tensor]:
             gen = torch.Generator().manual_seed(seed)

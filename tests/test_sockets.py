@@ -30,17 +30,17 @@ def _tensor(seed: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tens
     return torch.randint(-100 if dtype != torch.uint8 else 0, 100, shape, generator=g).to(dtype)
 
 
-def _start(rank: int, world: int, port: int, directory: str) -> Any:
+def _start(rank: int, world: int, init: str, directory: str) -> Any:
     import torch.distributed as dist
 
     from pipefold.runtime import sockets
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     return sockets.connect(directory)
 
 
-def _exchange(rank: int, port: int, directory: str, out: Any) -> None:
+def _exchange(rank: int, init: str, directory: str, out: Any) -> None:
     """Rank 0 sends every kind of tensor, and a large one; rank 1 posts its receives in another order and takes
     them in yet another; both send a tensor larger than the sockets' buffers to each other at once, each send
     finished by a thread as the runtime's links do."""
@@ -48,7 +48,7 @@ def _exchange(rank: int, port: int, directory: str, out: Any) -> None:
 
     from pipefold.runtime import sockets
 
-    links = _start(rank, 2, port, directory)
+    links = _start(rank, 2, init, directory)
     peer = 1 - rank
     shapes = [(3, 5), (7,), (), (0, 4), (2, 3, 4), (1,), (64,), (5, 5)]
     sent = [_tensor(i, dtype, shape) for i, (dtype, shape) in enumerate(zip(_KINDS, shapes, strict=True))]
@@ -85,9 +85,9 @@ def _exchange(rank: int, port: int, directory: str, out: Any) -> None:
     out.put((rank, bool(ok)))
 
 
-def _dies(rank: int, port: int, directory: str, out: Any) -> None:
+def _dies(rank: int, init: str, directory: str, out: Any) -> None:
     """Rank 1 dies with a receive of rank 0 outstanding; rank 0 is told which rank stopped, at once."""
-    links = _start(rank, 2, port, directory)
+    links = _start(rank, 2, init, directory)
     if rank == 1:
         os._exit(0)
     start = time.monotonic()
@@ -108,11 +108,11 @@ def _dies(rank: int, port: int, directory: str, out: Any) -> None:
         out.put((rank, f"{exc.__cause__} (from rank {lost_peer(exc)})"))
 
 
-def _mismatch(rank: int, port: int, directory: str, out: Any) -> None:
+def _mismatch(rank: int, init: str, directory: str, out: Any) -> None:
     """A message whose size is not its receive's: one line, naming the sender."""
     import torch.distributed as dist
 
-    links = _start(rank, 2, port, directory)
+    links = _start(rank, 2, init, directory)
     if rank == 0:
         links.isend(torch.zeros(6), 1, 3).wait()
     else:
@@ -124,7 +124,7 @@ def _mismatch(rank: int, port: int, directory: str, out: Any) -> None:
     dist.barrier()
 
 
-def _long_path(rank: int, port: int, directory: str, out: Any) -> None:
+def _long_path(rank: int, init: str, directory: str, out: Any) -> None:
     """A folder whose sockets' paths would be too long for the system: the ranks link through a short one instead,
     and remove it at the end."""
     import torch.distributed as dist
@@ -132,7 +132,7 @@ def _long_path(rank: int, port: int, directory: str, out: Any) -> None:
     from pipefold.runtime import sockets
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     deep = os.path.join(directory, "x" * 120)
     os.makedirs(deep, exist_ok=True)
     with sockets.linked(deep) as links:

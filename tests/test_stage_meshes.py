@@ -110,14 +110,14 @@ def test_padded_pieces_and_several_tensors_cross_between_meshes() -> None:
             assert gathered == (24 * 4 + 6 * 8) * 2 // 3, (rank, gathered)
 
 
-def _cross(rank: int, port: int, out: Any) -> None:
+def _cross(rank: int, init: str, out: Any) -> None:
     import torch.distributed as dist
 
     from pipefold.runtime.comm import BACKWARD, FORWARD, Links, metas_of
     from pipefold.runtime.meter import MemoryMeter
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=5)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=5)
     try:
         meshes = [[0, 1], [2, 3, 4]]
         device, index = (0, rank) if rank < 2 else (1, rank - 2)

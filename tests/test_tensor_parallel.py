@@ -267,7 +267,7 @@ def test_the_optimizers_step_a_rank_that_mixes_sharded_and_whole_layers(name: st
         dist.destroy_process_group()
 
 
-def _gathers(rank: int, port: int, out: Any) -> None:
+def _gathers(rank: int, init: str, out: Any) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
@@ -275,7 +275,7 @@ def _gathers(rank: int, port: int, out: Any) -> None:
     from pipefold.runtime.sharding import gather_on_host
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=4)
     try:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         whole = torch.arange(5 * 7, dtype=torch.float32).reshape(5, 7)  # 5 and 7 split unevenly in two

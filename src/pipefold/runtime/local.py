@@ -29,7 +29,7 @@ import torch.distributed as dist
 from pipefold.errors import Interrupted
 from pipefold.runtime import sockets
 from pipefold.runtime.job import Job, RankError, RankReport, placement, raise_if_stopped
-from pipefold.runtime.processes import free_port, process_context, starting
+from pipefold.runtime.processes import process_context, starting, store_in
 from pipefold.runtime.rank import run_rank
 from pipefold.runtime.torchrun import leave_group
 from pipefold.runtime.watch import (
@@ -47,7 +47,7 @@ from pipefold.runtime.watch import (
 )
 
 
-def _spawned(rank: int, job: Job, world: int, port: int, out_dir: str, progress: Any, board: SharedBoard,
+def _spawned(rank: int, job: Job, world: int, out_dir: str, progress: Any, board: SharedBoard,
              launcher: Any) -> None:
     """One local rank. What it is doing goes to ``board`` for the launcher; an exception that ends it, to
     ``error-RANK.json`` in ``out_dir`` (then it exits at once, with code 1: the launcher decides what to say).
@@ -60,18 +60,16 @@ def _spawned(rank: int, job: Job, world: int, port: int, out_dir: str, progress:
     heartbeat = Heartbeat(activity, board).start()
     others = tuple(r for r in range(world) if r != rank)
     try:
-        host = "127.0.0.1"
         if job.netns is not None:
             from pipefold.runtime.netns import enter
 
             enter(job.netns, rank)  # before any socket: the group's connections then cross the namespaces' links
-            host = job.netns.addresses[0]
         torch.set_num_threads(1)
         activity.wait("start-up", "the process group", others, action=False)
         where = placement(job)
         if where.device == "cuda":
             torch.cuda.set_device(where.device_of(rank))
-        dist.init_process_group(where.backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=world,
+        dist.init_process_group(where.backend, init_method=store_in(out_dir), rank=rank, world_size=world,
                                 timeout=timedelta(seconds=pg_timeout(job.reliability.action_timeout)))
         if job.sockets:
             activity.wait("start-up", "its links to the other ranks", others, action=False)
@@ -147,11 +145,10 @@ def _run_spawned(job: Job, world: int, on_step: Callable[[int, float, float], No
     with tempfile.TemporaryDirectory(prefix="pipefold-") as out_dir, mine:
         ranks: list[Any] = []
         try:
-            port = free_port()
             with starting():  # a signal now would leave a rank half started, unknown to us
                 for rank in range(world):
-                    proc = ctx.Process(target=_spawned, args=(rank, job, world, port, out_dir, queue, board,
-                                                              lifeline), name=f"pipefold-rank-{rank}")
+                    proc = ctx.Process(target=_spawned, args=(rank, job, world, out_dir, queue, board, lifeline),
+                                       name=f"pipefold-rank-{rank}")
                     proc.start()
                     ranks.append(proc)
                 lifeline.close()

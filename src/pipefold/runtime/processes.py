@@ -1,6 +1,7 @@
 """Local processes started from this one: how they start (a fork server that has imported torch and the runtime,
-where the platform has one), a free port for their rendezvous, and starting and stopping them so that a signal or
-an error never leaves one behind. Used by the ranks' launcher and by the profile's measuring processes."""
+where the platform has one), where their process group meets (:func:`rendezvous`), and starting and stopping them
+so that a signal or an error never leaves one behind. Used by the ranks' launcher and by the profile's measuring
+processes."""
 
 from __future__ import annotations
 
@@ -8,18 +9,36 @@ import contextlib
 import os
 import signal
 import socket
+import tempfile
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-__all__ = ["free_port", "process_context", "start_server", "starting", "stopped_on_error", "torchrun_on_one_machine",
-           "under_torchrun"]
+__all__ = ["free_port", "process_context", "rendezvous", "start_server", "starting", "stopped_on_error",
+           "torchrun_on_one_machine", "under_torchrun"]
 
 
 def free_port() -> int:
+    """A port nobody listens on now. Only for a program that takes a port (torchrun's ``--master-port``): between
+    this call and the program's bind another process may take it (any connection's own end takes a free port), so
+    local process groups meet at :func:`rendezvous` instead."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def store_in(folder: str | os.PathLike[str]) -> str:
+    """The ``init_method`` of a process group of this machine's processes that meet in a file store in ``folder``
+    (one group per folder): no port to find free and lose before the group binds it (a start once failed with
+    EADDRINUSE when another test's connection took the port in between)."""
+    return f"file://{os.path.join(os.fspath(folder), 'store')}"
+
+
+@contextlib.contextmanager
+def rendezvous() -> Iterator[str]:
+    """:func:`store_in` a fresh temporary folder, removed when the block ends."""
+    with tempfile.TemporaryDirectory(prefix="pipefold-group-") as folder:
+        yield store_in(folder)
 
 
 def start_server(preload: Sequence[str] = ()) -> None:

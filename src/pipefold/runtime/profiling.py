@@ -38,7 +38,7 @@ from pipefold.plan.recompute import OPTIMIZER_STATE, StageProfile
 from pipefold.runtime import sockets
 from pipefold.runtime.comm import FlatAllReduce, post_message
 from pipefold.runtime.host_memory import keep_freed_pages
-from pipefold.runtime.processes import free_port, process_context, starting, stopped_on_error
+from pipefold.runtime.processes import process_context, rendezvous, starting, stopped_on_error
 from pipefold.runtime.stage import (
     Chain,
     StageRunner,
@@ -614,14 +614,14 @@ def _count_after_forward(runner: StageRunner, batch: list[Any], kept: list[int],
 
 
 @contextlib.contextmanager
-def _measuring_rank(rank: int, port: int, ranks: int, timeout_s: float = 120.0) -> Iterator[None]:
+def _measuring_rank(rank: int, init: str, ranks: int, timeout_s: float = 120.0) -> Iterator[None]:
     """One of a measurement's ``ranks`` local processes, set up as a run's rank is (one thread, freed host memory
     kept) in a gloo group on this machine, left when the block ends."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     keep_freed_pages()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks,
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=ranks,
                             timeout=timedelta(seconds=timeout_s))
     try:
         yield
@@ -629,7 +629,7 @@ def _measuring_rank(rank: int, port: int, ranks: int, timeout_s: float = 120.0) 
         dist.destroy_process_group()
 
 
-def _ping(rank: int, port: int, ranks: int, sizes: Sequence[int], rounds: int, p2p: str, out: Any,
+def _ping(rank: int, init: str, ranks: int, sizes: Sequence[int], rounds: int, p2p: str, out: Any,
           work: tuple[dict[str, Any], tuple[int, int]] | None = None) -> None:
     """One end of the ping-pong (``ranks`` is 2), over ``p2p`` ('sockets' or 'gloo'); with ``work``, this process
     also computes that layer in another thread meanwhile, as a rank computes while its messages travel."""
@@ -637,7 +637,7 @@ def _ping(rank: int, port: int, ranks: int, sizes: Sequence[int], rounds: int, p
 
     import torch.distributed as dist
 
-    with _measuring_rank(rank, port, 2, timeout_s=60.0):
+    with _measuring_rank(rank, init, 2, timeout_s=60.0):
         stop = threading.Event()
         busy = None
         if work is not None:
@@ -711,7 +711,7 @@ def _all_reduced(grads: list[torch.Tensor], group: Any, scale: float) -> None:
     FlatAllReduce(grads, group, scale=scale).wait()
 
 
-def _reduce(rank: int, port: int, ranks: int, sizes: Sequence[int], rounds: int, out: Any, work: Any) -> None:
+def _reduce(rank: int, init: str, ranks: int, sizes: Sequence[int], rounds: int, out: Any, work: Any) -> None:
     """One of ``ranks`` processes all-reducing gradients of each size ``rounds`` times in a row, as the runtime's
     DP action does (:class:`~pipefold.runtime.comm.FlatAllReduce`: scaled to the mean on their way into one
     buffer, then reduced; its host memory kept, as a rank's is); rank 0 puts the mean seconds of one all-reduce
@@ -719,7 +719,7 @@ def _reduce(rank: int, port: int, ranks: int, sizes: Sequence[int], rounds: int,
     their step rather than compute.)"""
     import torch.distributed as dist
 
-    with _measuring_rank(rank, port, ranks):
+    with _measuring_rank(rank, init, ranks):
         world = dist.group.WORLD
         assert world is not None  # made just above
         result = {}
@@ -803,7 +803,7 @@ _ZERO1_TENSORS = 32
 into and out of the broadcast's buffer as the runtime copies them."""
 
 
-def _zero1(rank: int, port: int, ranks: int, sizes: Sequence[int], rounds: int, out: Any, work: Any) -> None:
+def _zero1(rank: int, init: str, ranks: int, sizes: Sequence[int], rounds: int, out: Any, work: Any) -> None:
     """One of ``ranks`` processes sharing stepped parameters as ZeRO-1 does after each step
     (:meth:`pipefold.runtime.zero.ShardedOptimizer.share`: each copy's stepped parameters broadcast from it in one
     flat buffer), for parameters of :data:`_ZERO1_TENSORS` tensors of each size in all, ``rounds`` times after two
@@ -813,7 +813,7 @@ def _zero1(rank: int, port: int, ranks: int, sizes: Sequence[int], rounds: int, 
 
     from pipefold.runtime.zero import ShardedOptimizer
 
-    with _measuring_rank(rank, port, ranks):
+    with _measuring_rank(rank, init, ranks):
         result = {}
         for size in (max(sizes), *sizes):
             params = [nn.Parameter(piece.clone()) for piece in torch.zeros(size // 4).chunk(_ZERO1_TENSORS)]
@@ -834,7 +834,7 @@ def measure_zero1(ranks: int, rounds: int = 10, sizes: Sequence[int] = _REDUCE_S
     return fit_link(_measured_under(load, _zero1, (tuple(sizes), rounds), None, ranks))
 
 
-def _fsdp(rank: int, port: int, ranks: int, sizes: Sequence[int], rounds: int, out: Any, work: Any) -> None:
+def _fsdp(rank: int, init: str, ranks: int, sizes: Sequence[int], rounds: int, out: Any, work: Any) -> None:
     """One of ``ranks`` processes running FSDP's gather and reduce-scatter of a stage as the runtime's ``AG`` and
     ``RS`` do (:mod:`pipefold.runtime.sharding`: torch's ``fully_shard``, one unit per layer), on stages of
     :data:`_REDUCE_PIECES` bias-free Linears whose whole parameters are each size, ``rounds`` times after two
@@ -846,7 +846,7 @@ def _fsdp(rank: int, port: int, ranks: int, sizes: Sequence[int], rounds: int, o
 
     from pipefold.runtime import sharding
 
-    with _measuring_rank(rank, port, ranks):
+    with _measuring_rank(rank, init, ranks):
         mesh = init_device_mesh("cpu", (ranks,))
         result = {}
         for size in sizes:
@@ -871,12 +871,12 @@ def _fsdp(rank: int, port: int, ranks: int, sizes: Sequence[int], rounds: int, o
         dist.barrier()
 
 
-def _fsdp_hooks(rank: int, port: int, ranks: int, train: dict[str, Any], one: tuple[int, int],
+def _fsdp_hooks(rank: int, init: str, ranks: int, train: dict[str, Any], one: tuple[int, int],
                 more: tuple[int, int], rounds: int, optimizer: str, out: Any, work: Any) -> None:
     """The one process of :func:`measure_fsdp_hooks`: FSDP over a group of one, alone on the machine."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    with _measuring_rank(rank, port, ranks):
+    with _measuring_rank(rank, init, ranks):
         mesh = init_device_mesh("cpu", (ranks,))
         stages = {layers: _stage_of(train, layers) for layers in dict.fromkeys((one, more))}  # each built once
         passes = _fsdp_passes(mesh, rounds, stages, one, more)
@@ -967,7 +967,7 @@ def measure_fsdp_hooks(train: dict[str, Any], one: tuple[int, int], more: tuple[
 
 def _measured_under(load: tuple[dict[str, Any], tuple[int, int], int] | None, target: Callable[..., None],
                     args: tuple[Any, ...], work: Any, nprocs: int) -> Any:
-    """Start ``nprocs`` processes running ``target(rank, port, nprocs, *args, out, work)`` (with ``load``'s
+    """Start ``nprocs`` processes running ``target(rank, init, nprocs, *args, out, work)`` (with ``load``'s
     helpers computing meanwhile) and return what rank 0 puts on ``out``."""
     import torch.multiprocessing as mp
 
@@ -976,7 +976,7 @@ def _measured_under(load: tuple[dict[str, Any], tuple[int, int], int] | None, ta
     helpers: list[Any] = []
     workers: list[Any] = []
     stop = ctx.Event()
-    with stopped_on_error(helpers), stopped_on_error(workers):
+    with rendezvous() as init, stopped_on_error(helpers), stopped_on_error(workers):
         if load is not None and load[2] > 0:
             train, layer, n = load
             ready = ctx.Barrier(n + 1)
@@ -987,8 +987,8 @@ def _measured_under(load: tuple[dict[str, Any], tuple[int, int], int] | None, ta
             ready.wait()
         try:
             with starting():
-                procs = mp.start_processes(target, args=(free_port(), nprocs, *args, out, work), nprocs=nprocs,
-                                           start_method=ctx.get_start_method(), join=False)
+                procs = mp.start_processes(target, args=(init, nprocs, *args, out, work),
+                                           nprocs=nprocs, start_method=ctx.get_start_method(), join=False)
                 workers += procs.processes
             while not procs.join():
                 pass
@@ -1129,7 +1129,7 @@ def measure_contention(devices: int, train: dict[str, Any], layers: tuple[int, i
 # --------------------------------------------------------------------------- layers split over tensor-parallel ranks
 
 
-def _sharded(rank: int, port: int, ranks: int, tp: int, train: dict[str, Any], repeats: int, stage_layers: int,
+def _sharded(rank: int, init: str, ranks: int, tp: int, train: dict[str, Any], repeats: int, stage_layers: int,
              out: Any, work: Any = None) -> None:
     """One of ``ranks``: ``ranks / tp`` groups of ``tp`` measure the model's layers at once, each group
     splitting them as ``pipefold train --tp`` does (each layer through torch's ``parallelize_module`` by the
@@ -1138,7 +1138,7 @@ def _sharded(rank: int, port: int, ranks: int, tp: int, train: dict[str, Any], r
 
     from pipefold.runtime.sharding import tensor_parallel
 
-    with _measuring_rank(rank, port, ranks):
+    with _measuring_rank(rank, init, ranks):
         mesh = init_device_mesh("cpu", (ranks // tp, tp), mesh_dim_names=("copy", "tp"))
         model = _model(train)
         layers = model.build()
