@@ -137,7 +137,7 @@ class MemoryMeter:
                 watch.key = key
                 self._live[key] = _Entry(nbytes, kind, watch)
                 added += nbytes
-            if added:  # one change for the lot: the level only rises in it, so its peak is where it ends
+            if added:  # one change for the lot: under the lock no storage can die between them
                 self._change(added, kind)
 
     def bytes_of(self, tensors: Iterable[torch.Tensor | None], keys: Iterable[int] = ()) -> int:

@@ -703,13 +703,12 @@ class StageRunner:
         # Weights saved for backward (a Linear keeps its weight) are not activation memory: kept as they are.
         weights = {_storage(p) for p in self._weights}
         meter = self.meter
-        saved: list[torch.UntypedStorage] = []  # given to the meter at once when the forward is over
 
         def pack(t: torch.Tensor) -> Any:
             st = storage_of(t)
             if st is None or st.data_ptr() in weights:
                 return t.detach()
-            saved.append(st)
+            meter.hold_storages((st,), "saved")
             # Not ``t`` itself: a node that saves its own output would hold itself through the output's grad_fn.
             box = _Box(t.detach(), id(st))
             boxes.append(weakref.ref(box))
@@ -749,11 +748,6 @@ class StageRunner:
         finally:
             if listener is not None:
                 setattr(listener, "on_saved", None)  # noqa: B010
-        # What the forward saved only grows while it runs, so holding it all now gives the meter the same level
-        # after F, and the same peak, as holding each save as it came (one lock and one change of level, not one
-        # per tensor).
-        meter.hold_storages(saved, "saved")
-        saved.clear()
         # The outputs stay alive until B: they are the roots it starts from.
         meter.hold(out, "output")
         p = _Pass(leaves, out, boxes, rebuild=rebuild, lead=lead)
