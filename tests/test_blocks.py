@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pipefold import ConfigError, build, simulate, validate
-from pipefold.ir import linear_placement, v_placement
+from pipefold.ir import Action, linear_placement, v_placement
 from pipefold.schedules import get
 from pipefold.schedules.blocks import BuildingBlock, v_block
 
@@ -138,14 +138,16 @@ def test_gap_search_reaches_every_half_step_between_v_min_and_v_zb() -> None:
 
 
 @pytest.mark.parametrize("name", ["v-min", "v-half", "v-zb", "v-block"])
-def test_the_table_a_builder_leaves_is_the_one_its_actions_give(name: str) -> None:
-    """The V builders hand the simulator the flat columns they built from (``ir.graph.with_table``): at every size,
-    the same table, array for array and dtype for dtype, as reading the Action tuples gives; a copy made with
-    ``dataclasses.replace`` carries none and reads its own."""
+def test_the_columns_a_builder_hands_over_read_as_its_actions(name: str) -> None:
+    """The V builders hand over the flat columns they built from (``ir.ActionRows``): at every size the simulator
+    reads the same table from them, array for array and dtype for dtype, as from the Action tuples, without making
+    any Action; and the rows read, compare, copy and pickle as the tuples they stand for."""
     import dataclasses
+    import pickle
 
     import numpy as np
 
+    from pipefold.ir import ActionRows
     from pipefold.ir.graph import action_table
 
     ran = 0
@@ -155,15 +157,36 @@ def test_the_table_a_builder_leaves_is_the_one_its_actions_give(name: str) -> No
         except ConfigError:
             continue
         ran += 1
+        rows = s.actions
+        assert isinstance(rows, ActionRows)
+        result = simulate(s)
         given = action_table(s)
-        assert "_action_table" in s.__dict__
-        read = action_table(dataclasses.replace(s))
-        assert "_action_table" not in dataclasses.replace(s).__dict__
+        assert not rows.made and s.num_actions == sum(rows.lengths)  # the search path makes no Action
+        tuples = s.with_actions(s.actions)  # plain tuples, read back one by one
+        assert rows.made and not isinstance(tuples.actions, ActionRows)
+        read = action_table(tuples)
         for field in given._fields:
             a, b = getattr(given, field), getattr(read, field)
             if isinstance(a, tuple):
                 assert a == b, (name, p, m, field)
             else:
                 assert a.dtype == b.dtype and np.array_equal(a, b), (name, p, m, field)
-        assert simulate(s).to_dict() == simulate(dataclasses.replace(s)).to_dict()
+        assert result.to_dict() == simulate(tuples).to_dict()
+        assert s == tuples and tuples == s and hash(s.actions) == hash(tuples.actions)
+        assert dataclasses.replace(s).actions is rows
+        again = pickle.loads(pickle.dumps(s))
+        assert again == s and again.actions == tuples.actions
     assert ran >= 3
+
+
+def test_action_rows_refuse_columns_that_do_not_fit() -> None:
+    """Columns of another length than the rows', or a kind number outside the codes, are refused at once."""
+    from pipefold.ir import ActionRows
+
+    with pytest.raises(ValueError, match="columns"):
+        ActionRows([2, 1], ("F", "B"), [0, 1], [0, 0], [0, 0])
+    with pytest.raises(ValueError, match="kind number"):
+        ActionRows([1], ("F",), [1], [0], [0])
+    rows = ActionRows([1, 0], ("F",), [0], [3], [2])
+    one = (Action(3, "F", 2),)
+    assert rows == (one, ()) and len(rows) == 2 and rows[1] == () and rows[:1] == (one,)

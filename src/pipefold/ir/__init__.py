@@ -63,6 +63,7 @@ from pipefold.ir.kinds import (
     register_kind,
 )
 from pipefold.ir.schedule import (
+    ActionRows,
     Schedule,
     describe_placement,
     linear_placement,
@@ -74,8 +75,8 @@ from pipefold.ir.schedule import (
 
 __all__ = [
     "AG", "B", "BW", "DP", "F", "FORMATS", "KA", "KG", "KI", "KINDS", "KP", "MAX_DEVICES", "MAX_STAGE_MICROBATCHES",
-    "NO_MICROBATCH", "OPT", "PASSES", "RS", "W", "Action", "Graph", "Kind", "KindSpec", "R", "Schedule", "Transfer",
-    "check_size", "dependency_graph", "describe_placement", "dumps", "format_of", "linear_placement", "load",
-    "looped_placement", "overlap", "parse_placement", "read_schedule_text", "register_kind", "render_grid",
+    "NO_MICROBATCH", "OPT", "PASSES", "RS", "W", "Action", "ActionRows", "Graph", "Kind", "KindSpec", "R", "Schedule",
+    "Transfer", "check_size", "dependency_graph", "describe_placement", "dumps", "format_of", "linear_placement",
+    "load", "looped_placement", "overlap", "parse_placement", "read_schedule_text", "register_kind", "render_grid",
     "reversed_placement", "save", "v_placement", "validate",
 ]

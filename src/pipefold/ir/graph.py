@@ -19,7 +19,7 @@ import numpy.typing as npt
 
 from pipefold.errors import ScheduleError
 from pipefold.ir.kinds import BW, KINDS, NO_MICROBATCH, PASSES, Action, B, F, Kind, KindSpec, W
-from pipefold.ir.schedule import Schedule
+from pipefold.ir.schedule import ActionRows, Schedule, row_lengths
 
 # --------------------------------------------------------------------------- the dependency graph
 #
@@ -168,8 +168,7 @@ def dependency_graph(schedule: Schedule, durations: Sequence[float] | npt.NDArra
     message it sends or receives (:meth:`Graph.message_ends`). ``table`` is the schedule's
     :func:`action_table`, when the caller has it already.
     """
-    rows = schedule.actions
-    offsets = tuple(itertools.accumulate((len(r) for r in rows[:-1]), initial=0))
+    offsets = tuple(itertools.accumulate(row_lengths(schedule.actions)[:-1], initial=0))
     table = action_table(schedule) if table is None else table
     rules = _rules()
     givers = _givers(schedule, table, rules, offsets)
@@ -267,15 +266,21 @@ class ActionTable(NamedTuple):
 
 def _device_column(schedule: Schedule) -> Ints:
     """The device of every action, by global number."""
-    return np.repeat(np.arange(schedule.devices, dtype=np.int64), [len(r) for r in schedule.actions])
+    return np.repeat(np.arange(schedule.devices, dtype=np.int64), row_lengths(schedule.actions))
 
 
 def action_table(schedule: Schedule) -> ActionTable:
-    """The :class:`ActionTable` of ``schedule``: the one its builder left with it (:func:`with_table`), else read
-    from its actions."""
-    made = schedule.__dict__.get(_TABLE)
-    if made is not None:
-        return made
+    """The :class:`ActionTable` of ``schedule``: from its columns where its rows are :class:`ActionRows` (made
+    once, kept with them; the Actions are not made), else read from its actions."""
+    rows = schedule.actions
+    if isinstance(rows, ActionRows):
+        if rows.table is None:
+            codes = tuple(KINDS)
+            k = np.array([codes.index(code) for code in rows.codes], dtype=np.int64)[rows.kind]
+            none = np.zeros(0, dtype=np.int64)
+            rows.table = ActionTable(codes, _device_column(schedule), k, rows.stage, rows.microbatch, none,
+                                     np.arange(len(k)), k, rows.stage, rows.microbatch)
+        return rows.table
     codes = tuple(KINDS)
     number = {code: k for k, code in enumerate(codes)}
     flat = list(itertools.chain.from_iterable(schedule.actions))
@@ -311,24 +316,6 @@ def action_table(schedule: Schedule) -> ActionTable:
         column[into] = np.fromiter(of_part, np.int64, len(parts))
         columns.append(column)
     return ActionTable(codes, device, kind, stage, microbatch, composite, owner, *columns)
-
-
-_TABLE = "_action_table"
-
-
-def with_table(schedule: Schedule, kinds: Sequence[str], kind: Ints, stage: Ints, microbatch: Ints) -> Schedule:
-    """``schedule``, built from these columns (one action each, in the order of its rows, none with parts; ``kind``
-    indexing ``kinds``), carrying its :class:`ActionTable` made from them: a builder that has the columns spares
-    :func:`action_table` reading them back out of hundreds of thousands of Action tuples. The schedule is frozen, so
-    the table stays true; a copy made with ``dataclasses.replace`` reads its own."""
-    codes = tuple(KINDS)
-    number = np.array([codes.index(code) for code in kinds], dtype=np.int64)
-    k = number[kind]
-    device = _device_column(schedule)
-    none = np.zeros(0, dtype=np.int64)
-    table = ActionTable(codes, device, k, stage, microbatch, none, np.arange(len(k)), k, stage, microbatch)
-    object.__setattr__(schedule, _TABLE, table)
-    return schedule
 
 
 # --------------------------------------------------------------------------- who gives each pass

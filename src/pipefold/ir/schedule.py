@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import csv
 import io
+import itertools
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
+
+import numpy as np
+import numpy.typing as npt
 
 from pipefold.errors import ScheduleError
 from pipefold.ir.kinds import NO_MICROBATCH, Action, Kind, check_size
@@ -74,6 +78,92 @@ def parse_placement(text: str, devices: int, stages: int) -> tuple[int, ...]:
         ) from None
 
 
+# --------------------------------------------------------------------------- action rows
+
+
+class ActionRows(Sequence[tuple[Action, ...]]):
+    """Per device, its actions in order, kept as flat columns until a row is read: then every :class:`Action` is
+    made at once, and kept. A builder that works on arrays (the building blocks' expansion) hands over its columns
+    instead of hundreds of thousands of Actions, and what reads only the columns (:func:`pipefold.ir.graph.
+    action_table`, so the dependency graph and the simulator) never makes them: a search over large schedules
+    makes none. Reads, compares and pickles as the tuple of tuples it stands for.
+
+    ``kind`` indexes ``codes``; each column has one entry per action, the devices' rows one after the other,
+    ``lengths`` actions each. None has parts.
+    """
+
+    __slots__ = ("_rows", "codes", "kind", "lengths", "microbatch", "stage", "table")
+
+    def __init__(self, lengths: Sequence[int], codes: Sequence[str], kind: npt.ArrayLike, stage: npt.ArrayLike,
+                 microbatch: npt.ArrayLike) -> None:
+        self.lengths = tuple(int(n) for n in lengths)
+        self.codes = tuple(codes)
+        self.kind, self.stage, self.microbatch = (np.array(c, dtype=np.int64) for c in (kind, stage, microbatch))
+        n = sum(self.lengths)
+        if any(len(c) != n for c in (self.kind, self.stage, self.microbatch)) or min(self.lengths, default=0) < 0:
+            raise ValueError(f"action columns of {len(self.kind)}, {len(self.stage)} and {len(self.microbatch)} "
+                             f"entries for rows of {n} actions in all")
+        if n and not 0 <= int(self.kind.min()) <= int(self.kind.max()) < len(self.codes):
+            raise ValueError(f"an action's kind number is outside the {len(self.codes)} codes given")
+        for column in (self.kind, self.stage, self.microbatch):
+            column.setflags(write=False)  # the schedule is frozen: its columns too
+        self._rows: tuple[tuple[Action, ...], ...] | None = None
+        self.table: Any = None
+        """The :class:`~pipefold.ir.graph.ActionTable` made of the columns, once asked for."""
+
+    @property
+    def made(self) -> bool:
+        """Whether the Actions have been made (some row was read)."""
+        return self._rows is not None
+
+    def rows(self) -> tuple[tuple[Action, ...], ...]:
+        """The rows as a tuple of tuples of :class:`Action`, made the first time."""
+        if self._rows is None:
+            # tuple.__new__ over zipped columns makes the Actions without a Python call each.
+            columns = zip(self.stage.tolist(), map(self.codes.__getitem__, self.kind.tolist()),
+                          self.microbatch.tolist(), itertools.repeat(()))
+            flat = list(map(tuple.__new__, itertools.repeat(Action), columns))
+            ends = list(itertools.accumulate(self.lengths))
+            self._rows = tuple(tuple(flat[a:b]) for a, b in zip([0, *ends], ends, strict=False))
+        return self._rows
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @overload
+    def __getitem__(self, index: int) -> tuple[Action, ...]: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[tuple[Action, ...], ...]: ...
+
+    def __getitem__(self, index: int | slice) -> Any:
+        return self.rows()[index]
+
+    def __iter__(self) -> Iterator[tuple[Action, ...]]:
+        return iter(self.rows())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, ActionRows):
+            return self.rows() == other.rows()
+        if isinstance(other, tuple):
+            return self.rows() == other
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.rows())
+
+    def __repr__(self) -> str:
+        return repr(self.rows())
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return tuple, (self.rows(),)
+
+
+def row_lengths(rows: Sequence[Sequence[Action]]) -> tuple[int, ...]:
+    """How many actions each device's row has, without making the Actions of :class:`ActionRows`."""
+    return rows.lengths if isinstance(rows, ActionRows) else tuple(map(len, rows))
+
+
 # --------------------------------------------------------------------------- schedule
 
 
@@ -82,7 +172,8 @@ class Schedule:
     """Per-device ordered action lists plus the shape of the pipeline they run on.
 
     ``placement`` gives, per replica, the device of every stage (a flat sequence is one
-    replica); ``routes`` the replica each microbatch goes through (all 0 by default).
+    replica); ``routes`` the replica each microbatch goes through (all 0 by default). ``actions`` reads as a tuple
+    of tuples; a builder may give :class:`ActionRows`, whose Actions are made only when read.
     """
 
     name: str
@@ -90,13 +181,14 @@ class Schedule:
     stages: int
     microbatches: int
     placement: tuple[tuple[int, ...], ...]
-    actions: tuple[tuple[Action, ...], ...]
+    actions: Sequence[tuple[Action, ...]]
     options: Mapping[str, Any] = field(default_factory=dict)
     routes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "placement", _as_replicas(self.placement))
-        object.__setattr__(self, "actions", tuple(tuple(row) for row in self.actions))
+        if not isinstance(self.actions, ActionRows):
+            object.__setattr__(self, "actions", tuple(tuple(row) for row in self.actions))
         object.__setattr__(self, "options", dict(self.options))
         for label, value in (("devices", self.devices), ("stages", self.stages),
                              ("microbatches", self.microbatches)):
@@ -169,7 +261,7 @@ class Schedule:
 
     @property
     def num_actions(self) -> int:
-        return sum(len(row) for row in self.actions)
+        return sum(row_lengths(self.actions))
 
     def with_actions(self, actions: Iterable[Iterable[Action]]) -> Schedule:
         """A copy with other action lists (same shape, name and options)."""

@@ -28,7 +28,6 @@ Turning a block into a schedule (``BuildingBlock.to_schedule``):
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -37,8 +36,7 @@ from typing import TypeVar
 import numpy as np
 
 from pipefold.errors import ConfigError
-from pipefold.ir import KINDS, Action, Kind, Schedule, v_placement
-from pipefold.ir.graph import with_table
+from pipefold.ir import KINDS, ActionRows, Kind, Schedule, v_placement
 
 __all__ = ["BuildingBlock", "v_block"]
 
@@ -177,15 +175,9 @@ class _Expansion:
         S, m, D = self.S, self.m, self.D
         slot = self.slot[:-1]
         order = _sorted_by_key(self.device * (int(slot.max()) + 1) + slot)  # by device, then slot
-        # tuple.__new__ over zipped columns makes the Actions without a Python call each.
-        kind, stage, microbatch = order // (S * m), self.stage[order], order % m
-        columns = zip(stage.tolist(), map(_KINDS.__getitem__, kind.tolist()), microbatch.tolist(),
-                      itertools.repeat(()))
-        flat = list(map(tuple.__new__, itertools.repeat(Action), columns))
-        ends = np.cumsum(np.bincount(self.device, minlength=D)).tolist()
-        actions = tuple(tuple(flat[a:b]) for a, b in zip([0, *ends], ends, strict=False))
-        return with_table(Schedule(name, D, S, m, (self.block.placement,), actions, options), _KINDS, kind,
-                          stage.astype(np.int64), microbatch.astype(np.int64))
+        rows = ActionRows(np.bincount(self.device, minlength=D).tolist(), _KINDS, order // (S * m),
+                          self.stage[order], order % m)
+        return Schedule(name, D, S, m, (self.block.placement,), rows, options)
 
     def _visit(self, count: int, period: int) -> _Visit:
         """The first ``count`` passes by their slot now (ties, on other devices, by stage)."""

@@ -45,6 +45,7 @@ from pipefold._gc import paused_gc
 from pipefold.errors import ConfigError
 from pipefold.ir import KINDS, Action, Graph, Kind, Schedule, dependency_graph
 from pipefold.ir.graph import ActionTable, action_table
+from pipefold.ir.schedule import row_lengths
 from pipefold.sim.network import Network, Wire
 
 __all__ = ["CostModel", "Interval", "SimResult", "StageCost", "StageOverride", "Timeline", "fits_hold",
@@ -415,7 +416,7 @@ class Timeline(Sequence[tuple[Interval, ...]]):
     def __init__(self, actions: Sequence[Sequence[Action]], starts: Sequence[float], ends: Sequence[float],
                  computes: npt.NDArray[np.bool_]) -> None:
         self._actions, self._starts, self._ends, self._computes = actions, starts, ends, computes
-        self._offsets = list(itertools.accumulate((len(r) for r in actions), initial=0))
+        self._offsets = list(itertools.accumulate(row_lengths(actions), initial=0))
         self._made: list[tuple[Interval, ...] | None] = [None] * len(actions)
 
     @classmethod
