@@ -168,3 +168,39 @@ def test_a_family_with_a_minimum_names_it(monkeypatch: pytest.MonkeyPatch) -> No
                                           r"use --microbatches 8 or more"):
         build("needs-2p", 4, 5)
     assert build("needs-2p", 4, 8).microbatches == 8
+
+
+def test_counted_rows_number_each_kind_and_stage_in_order_as_a_counter_does() -> None:
+    """The columns builders hand over (``schedules._phases.counted_rows``): each pass's microbatch is how many of
+    its kind and stage came before it on its device, against a plain counter on random orders; passes of
+    microbatches past the schedule's are left out, the rest kept in order."""
+    import collections
+    import random
+
+    import numpy as np
+
+    from pipefold.ir import Action
+    from pipefold.schedules._phases import counted_rows, phases
+
+    codes = ("F", "B", "W", "BW")
+    rng = random.Random(7)
+    for _ in range(50):
+        devices, m = rng.randint(1, 4), rng.randint(1, 6)
+        rows, expected = [], []
+        for _d in range(devices):
+            parts = [([(rng.randrange(4), rng.randrange(3)) for _ in range(rng.randint(0, 4))], rng.randint(-1, 5))
+                     for _ in range(rng.randint(0, 4))]
+            kind, stage = phases(*parts)
+            tokens = [tok for pattern, times in parts for _ in range(max(times, 0)) for tok in pattern]
+            assert list(zip(kind.tolist(), stage.tolist(), strict=True)) == tokens
+            seen: collections.Counter[tuple[int, int]] = collections.Counter()
+            row = []
+            for k, s in tokens:
+                if seen[k, s] < m:
+                    row.append(Action(s, codes[k], seen[k, s]))
+                seen[k, s] += 1
+            rows.append((kind, stage))
+            expected.append(tuple(row))
+        got = counted_rows(codes, rows, m)
+        assert got == tuple(expected) and got.lengths == tuple(map(len, expected))
+        assert np.array_equal(got.microbatch, [a.microbatch for row in expected for a in row])

@@ -276,7 +276,8 @@ def action_table(schedule: Schedule) -> ActionTable:
     if isinstance(rows, ActionRows):
         if rows.table is None:
             codes = tuple(KINDS)
-            k = np.array([codes.index(code) for code in rows.codes], dtype=np.int64)[rows.kind]
+            number = {code: k for k, code in enumerate(codes)}  # (-1: not registered, which the graph reports)
+            k = np.array([number.get(code, -1) for code in rows.codes], dtype=np.int64)[rows.kind]
             none = np.zeros(0, dtype=np.int64)
             rows.table = ActionTable(codes, _device_column(schedule), k, rows.stage, rows.microbatch, none,
                                      np.arange(len(k)), k, rows.stage, rows.microbatch)

@@ -98,6 +98,8 @@ class ActionRows(Sequence[tuple[Action, ...]]):
                  microbatch: npt.ArrayLike) -> None:
         self.lengths = tuple(int(n) for n in lengths)
         self.codes = tuple(codes)
+        if not all(isinstance(code, str) for code in self.codes):
+            raise TypeError(f"action kinds are codes such as 'F' (pipefold.ir.Kind), got {self.codes!r}")
         self.kind, self.stage, self.microbatch = (np.array(c, dtype=np.int64) for c in (kind, stage, microbatch))
         n = sum(self.lengths)
         if any(len(c) != n for c in (self.kind, self.stage, self.microbatch)) or min(self.lengths, default=0) < 0:

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pipefold.ir import Action
+import numpy as np
+import numpy.typing as npt
+
+from pipefold.ir import Action, ActionRows
+
+Ints = npt.NDArray[np.int64]
 
 
 def groups(items: Sequence[Action], size: int) -> list[list[Action]]:
@@ -31,3 +36,41 @@ def warmup_steady_cooldown(forwards: Sequence[Sequence[Action]], backwards: Sequ
     for group in pending:
         order += group
     return order
+
+
+def phases(*parts: tuple[Sequence[tuple[int, int]], int]) -> tuple[Ints, Ints]:
+    """One device's passes from its phases: each a pattern of (kind, chunk) pairs repeated so many times (0 or
+    less: none), as the (kind, chunk) columns of the passes in order."""
+    kinds, chunks = [], []
+    for pattern, times in parts:
+        if times > 0 and pattern:
+            kind, chunk = zip(*pattern, strict=True)
+            kinds.append(np.tile(np.array(kind, dtype=np.int64), times))
+            chunks.append(np.tile(np.array(chunk, dtype=np.int64), times))
+    if not kinds:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    return np.concatenate(kinds), np.concatenate(chunks)
+
+
+def counted_rows(codes: Sequence[str], rows: Sequence[tuple[Ints, Ints]], microbatches: int) -> ActionRows:
+    """The :class:`ActionRows` of devices whose passes are given as (kind, stage) columns, ``kind`` indexing
+    ``codes``: the microbatch of a pass is how many passes of its kind and stage came before it on its device (a
+    stage takes the microbatches in order, each kind of pass in the same order). Passes of microbatches from
+    ``microbatches`` on, which an order counted for more than there are holds, are left out: removing every pass
+    of a microbatch keeps a schedule valid and can only lower what a device holds."""
+    kinds, stages, numbers, lengths = [], [], [], []
+    for kind, stage in rows:
+        n = len(kind)
+        key = stage * len(codes) + kind
+        order = np.argsort(key, kind="stable")
+        ordered = key[order]
+        first = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1])))
+        number = np.empty(n, dtype=np.int64)
+        number[order] = np.arange(n) - np.repeat(first, np.diff(np.append(first, n)))
+        keep = number < microbatches
+        kinds.append(kind[keep])
+        stages.append(stage[keep])
+        numbers.append(number[keep])
+        lengths.append(int(keep.sum()))
+    join = np.concatenate if rows else (lambda _: np.zeros(0, dtype=np.int64))
+    return ActionRows(lengths, codes, join(kinds), join(stages), join(numbers))

@@ -34,96 +34,65 @@ at half the speed of a forward, and nothing fills the wait.
 
 from __future__ import annotations
 
-from collections import deque
+from pipefold.ir import Kind, Schedule, v_placement
+from pipefold.schedules._phases import Ints, counted_rows, phases
 
-from pipefold.ir import BW, Action, B, F, Schedule, W, v_placement
+_CODES = (Kind.F, Kind.B, Kind.W, Kind.BW)
+_F, _B, _W, _BW = range(4)
 
 
-def _device_order(p: int, m: int, d: int, *, split: bool) -> list[Action]:
-    """Device d's passes for m >= 2p-1 microbatches, as in the module docstring."""
-    stage = (d, 2 * p - 1 - d)  # chunk 0, chunk 1
-    next_f = [0, 0]
-    next_b = [0, 0]
-    pending_w: tuple[deque[int], deque[int]] = (deque(), deque())
-    order: list[Action] = []
+def _device_passes(p: int, m: int, d: int, *, split: bool) -> tuple[Ints, Ints]:
+    """Device d's passes for m >= 2p-1 microbatches, as in the module docstring: (kind, chunk) of each.
 
-    def forward(c: int) -> None:
-        order.append(F(stage[c], next_f[c]))
-        next_f[c] += 1
-
-    def backward(c: int) -> None:
-        order.append((B if split else BW)(stage[c], next_b[c]))
-        if split:
-            pending_w[c].append(next_b[c])
-        next_b[c] += 1
-
-    def weight(c: int) -> None:
-        if pending_w[c]:  # always empty with a fused backward: BW did the weights
-            order.append(W(stage[c], pending_w[c].popleft()))
-
-    # Warm-up 1: microbatch 0 reaches chunk 0 here after d slots and chunk 1 after 2p-1-d (stages
-    # 0..2p-2-d run first); the 2p-1-2d slots between are filled with the next chunk-0 forwards.
-    for _ in range(2 * (p - d) - 1):
-        forward(0)
-    # Warm-up 2: a chunk-1 forward goes d stages on (to the top of the V on device 0) and its gradient d
-    # stages back, so its B is ready 2d+1 slots after it started: d pairs plus warm-up 3's first F1 fill them.
-    for _ in range(d):
-        forward(1)
-        forward(0)
-    # Now 2p-1 activations are held (2p-1-d in chunk 0, d in chunk 1); the next F makes 2p, p M, the cap:
-    # from here on every forward is followed in the same round by a backward (and W) that frees one.
-    # Warm-up 3: the first chunk-0 gradient leaves with B1 of microbatch 0, runs down the chunk-1 stages of
-    # devices d+1..p-1 (one slot each), turns at the bottom (three) and climbs their chunk-0 stages (two
-    # each: every device runs its F0 first): 3(p-d) slots, p-d rounds of three passes.
-    for _ in range(p - d):
-        forward(1)
-        backward(1)
-        weight(1)
-    # Steady: one round per chunk-0 forward left (2p-1-d are done); a round takes in one microbatch on each
-    # chunk and retires one, so the device stays at its cap.
-    for _ in range(m - (2 * p - 1 - d)):
-        forward(0)
-        backward(0)
-        weight(0)
-        forward(1)
-        backward(1)
-        weight(1)
-    # Tail: chunk 1 is p-1-d forwards behind chunk 0 (it entered warm-up 3 with d, chunk 0 with 2p-1-d,
-    # and warm-up 3 ran p-d); the same rounds without the F0 let it catch up.
-    for _ in range(p - 1 - d):
-        backward(0)
-        weight(0)
-        forward(1)
-        backward(1)
-        weight(1)
-    # Cool-down: d chunk-1 and p chunk-0 gradients are still to come. Bs first, Ws deferred: each B sends a
-    # gradient on to a device that waits for it; a W only frees memory, which nobody needs any more.
-    for _ in range(d):
-        backward(0)
-        backward(1)
-    # The last p-d chunk-0 gradients come one every other slot (the device below runs its own B between),
-    # so one deferred W fills each gap.
-    for _ in range(p - d):
-        backward(0)
-        weight(0)
-    # The 2d deferred Ws close the step; the older chunk-1 ones first.
-    while pending_w[1]:
-        weight(1)
-    while pending_w[0]:
-        weight(0)
-    return order
+    The k-th pass of a kind on a chunk is for microbatch k (:func:`~pipefold.schedules._phases.counted_rows`):
+    forwards and gradients take the microbatches in order, and a W follows the oldest B whose W is still to run.
+    """
+    f0, f1, b0, b1, w0, w1 = (_F, 0), (_F, 1), (_B, 0), (_B, 1), (_W, 0), (_W, 1)
+    parts = [
+        # Warm-up 1: microbatch 0 reaches chunk 0 here after d slots and chunk 1 after 2p-1-d (stages
+        # 0..2p-2-d run first); the 2p-1-2d slots between are filled with the next chunk-0 forwards.
+        ([f0], 2 * (p - d) - 1),
+        # Warm-up 2: a chunk-1 forward goes d stages on (to the top of the V on device 0) and its gradient d
+        # stages back, so its B is ready 2d+1 slots after it started: d pairs plus warm-up 3's first F1 fill them.
+        # Now 2p-1 activations are held (2p-1-d in chunk 0, d in chunk 1); the next F makes 2p, p M, the cap:
+        # from here on every forward is followed in the same round by a backward (and W) that frees one.
+        ([f1, f0], d),
+        # Warm-up 3: the first chunk-0 gradient leaves with B1 of microbatch 0, runs down the chunk-1 stages of
+        # devices d+1..p-1 (one slot each), turns at the bottom (three) and climbs their chunk-0 stages (two
+        # each: every device runs its F0 first): 3(p-d) slots, p-d rounds of three passes.
+        ([f1, b1, w1], p - d),
+        # Steady: one round per chunk-0 forward left (2p-1-d are done); a round takes in one microbatch on each
+        # chunk and retires one, so the device stays at its cap.
+        ([f0, b0, w0, f1, b1, w1], m - (2 * p - 1 - d)),
+        # Tail: chunk 1 is p-1-d forwards behind chunk 0 (it entered warm-up 3 with d, chunk 0 with 2p-1-d,
+        # and warm-up 3 ran p-d); the same rounds without the F0 let it catch up.
+        ([b0, w0, f1, b1, w1], p - 1 - d),
+        # Cool-down: d chunk-1 and p chunk-0 gradients are still to come. Bs first, Ws deferred: each B sends a
+        # gradient on to a device that waits for it; a W only frees memory, which nobody needs any more.
+        ([b0, b1], d),
+        # The last p-d chunk-0 gradients come one every other slot (the device below runs its own B between),
+        # so one deferred W fills each gap.
+        ([b0, w0], p - d),
+        # The 2d deferred Ws close the step; the older chunk-1 ones first.
+        ([w1], d),
+        ([w0], d),
+    ]
+    if not split:  # a fused backward: BW does the weights, and there are no Ws to run
+        parts = [([(_BW, c) if k == _B else (k, c) for k, c in pattern if k != _W], times) for pattern, times in parts]
+    return phases(*parts)
 
 
 def _v_schedule(devices: int, microbatches: int, *, split: bool, name: str) -> Schedule:
     """The V-shape phases for every device, with a split (ZB-V) or fused (1F1B-V) backward."""
     p, m = devices, microbatches
     # The phases assume device 0's warm-up of 2p-1 chunk-0 forwards exists. With fewer microbatches they
-    # are counted for 2p-1 and the passes of the microbatches that do not exist are left out: removing
-    # every pass of a microbatch keeps a schedule valid (it only removes dependencies) and can only lower
-    # what a device holds at any point of its order.
+    # are counted for 2p-1 and the passes of the microbatches that do not exist are left out.
     padded = max(m, 2 * p - 1)
-    rows = [[a for a in _device_order(p, padded, d, split=split) if a.microbatch < m] for d in range(p)]
-    return Schedule(name, p, 2 * p, m, (v_placement(p),), tuple(map(tuple, rows)))
+    rows = []
+    for d in range(p):
+        kind, chunk = _device_passes(p, padded, d, split=split)
+        rows.append((kind, (2 * p - 1 - 2 * d) * chunk + d))  # chunk 0 is stage d, chunk 1 stage 2p-1-d
+    return Schedule(name, p, 2 * p, m, (v_placement(p),), counted_rows(_CODES, rows, m))
 
 
 def zb_v(devices: int, microbatches: int) -> Schedule:
