@@ -7,19 +7,15 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from pipefold.ir import Action, ActionRows
+from pipefold.ir import ActionRows
 
 Ints = npt.NDArray[np.int64]
 
 
-def groups(items: Sequence[Action], size: int) -> list[list[Action]]:
-    """Split ``items`` into consecutive groups of ``size`` (the last one may be shorter)."""
-    return [list(items[i:i + size]) for i in range(0, len(items), size)]
-
-
-def warmup_steady_cooldown(forwards: Sequence[Sequence[Action]], backwards: Sequence[Sequence[Action]],
-                           warmup: int) -> list[Action]:
-    """Order one device's passes the 1F1B way, in groups.
+def warmup_steady_cooldown(forwards: tuple[Ints, Ints], backwards: tuple[Ints, Ints], warmup: int,
+                           size: int = 1) -> tuple[Ints, Ints]:
+    """Order one device's passes the 1F1B way, in groups of ``size`` (the last one may be shorter): the forwards
+    and the backwards, as many of each, given as (kind, stage) columns in their own order.
 
     - warm-up: the first ``warmup`` forward groups, filling the pipeline;
     - steady: one forward group, then one backward group, while forwards remain;
@@ -27,15 +23,16 @@ def warmup_steady_cooldown(forwards: Sequence[Sequence[Action]], backwards: Sequ
 
     With groups of one this is 1F1B; with one group of all microbatches, GPipe.
     """
-    warmup = min(warmup, len(forwards))
-    order = [a for group in forwards[:warmup] for a in group]
-    pending = list(backwards)
-    for group in forwards[warmup:]:
-        order += group  # 1 forward (group) ...
-        order += pending.pop(0)  # ... 1 backward (group)
-    for group in pending:
-        order += group
-    return order
+    n = len(forwards[0])
+    groups = -(-n // size)
+    w = max(0, min(warmup, groups))
+    group = np.arange(n) // size
+    # Each group's place among the blocks of the order: warm-up forwards 0..w-1, then forward and backward groups
+    # by turns, then the backward groups left.
+    at_f = np.where(group < w, group, 2 * group - w)
+    at_b = np.where(group < groups - w, 2 * group + w + 1, groups + group)
+    order = np.argsort(np.concatenate((at_f, at_b)), kind="stable")
+    return (np.concatenate((forwards[0], backwards[0]))[order], np.concatenate((forwards[1], backwards[1]))[order])
 
 
 def phases(*parts: tuple[Sequence[tuple[int, int]], int]) -> tuple[Ints, Ints]:

@@ -6,11 +6,14 @@ times. Device i holds stages i, i+p, ..., i+(v-1)p (its chunks 0..v-1).
 
 from __future__ import annotations
 
-from collections import deque
+import numpy as np
 
 from pipefold.errors import ConfigError
-from pipefold.ir import BW, Action, B, F, Schedule, W, looped_placement
-from pipefold.schedules._phases import warmup_steady_cooldown
+from pipefold.ir import Kind, Schedule, looped_placement
+from pipefold.schedules._phases import Ints, counted_rows, warmup_steady_cooldown
+
+_CODES = (Kind.F, Kind.B, Kind.W, Kind.BW)
+_F, _B, _W, _BW = range(4)
 
 
 def group_size(p: int, m: int) -> int:
@@ -23,8 +26,9 @@ def group_size(p: int, m: int) -> int:
     return next(g for g in range(min(p, m), m + 1) if m % g == 0)
 
 
-def _interleaved_order(device: int, p: int, m: int, v: int, backward: bool) -> list[Action]:
-    """Megatron's order of one device's passes: microbatches in rounds, all chunks within a round.
+def _interleaved_stages(device: int, p: int, m: int, v: int, backward: bool) -> Ints:
+    """Megatron's order of one device's passes: microbatches in rounds, all chunks within a round; the stage of
+    each (the microbatches of a stage in order).
 
     Forward order, for p=2, v=2, m=4 on device 0 (stages 0 and 2)::
 
@@ -32,15 +36,9 @@ def _interleaved_order(device: int, p: int, m: int, v: int, backward: bool) -> l
 
     Backwards run the chunks in reverse (the last chunk sees its gradient first).
     """
-    chunks = list(range(v))[::-1] if backward else list(range(v))
+    chunks = np.arange(v)[::-1] if backward else np.arange(v)
     g = group_size(p, m)
-    order = []
-    for first in range(0, m, g):
-        group = range(first, first + g)
-        for c in chunks:
-            stage = c * p + device
-            order += [BW(stage, j) if backward else F(stage, j) for j in group]
-    return order
+    return np.tile(np.repeat(chunks * p + device, g), m // g)
 
 
 def interleaved_1f1b(devices: int, microbatches: int, v: int = 2) -> Schedule:
@@ -48,13 +46,14 @@ def interleaved_1f1b(devices: int, microbatches: int, v: int = 2) -> Schedule:
     p, m = devices, microbatches
     rows = []
     for i in range(p):
-        forwards = [[a] for a in _interleaved_order(i, p, m, v, backward=False)]
-        backwards = [[a] for a in _interleaved_order(i, p, m, v, backward=True)]
+        forwards = (np.full(m * v, _F), _interleaved_stages(i, p, m, v, backward=False))
+        backwards = (np.full(m * v, _BW), _interleaved_stages(i, p, m, v, backward=True))
         # Warm-up: every chunk but the last must run a whole round of microbatches before the
         # first gradient returns, plus 2 per device below i (forward there and backward back).
         warmup = (v - 1) * group_size(p, m) + 2 * (p - 1 - i)
         rows.append(warmup_steady_cooldown(forwards, backwards, warmup=warmup))
-    return Schedule("interleaved-1f1b", p, p * v, m, (looped_placement(p, v),), tuple(map(tuple, rows)), {"v": v})
+    return Schedule("interleaved-1f1b", p, p * v, m, (looped_placement(p, v),), counted_rows(_CODES, rows, m),
+                    {"v": v})
 
 
 def looped_bfs(devices: int, microbatches: int, v: int = 2) -> Schedule:
@@ -66,15 +65,16 @@ def looped_bfs(devices: int, microbatches: int, v: int = 2) -> Schedule:
     p, m = devices, microbatches
     rows = []
     for i in range(p):
-        chunks = [c * p + i for c in range(v)]
-        forwards = [F(s, j) for s in chunks for j in range(m)]
-        backwards = [BW(s, j) for s in reversed(chunks) for j in range(m)]
-        rows.append(forwards + backwards)
-    return Schedule("looped-bfs", p, p * v, m, (looped_placement(p, v),), tuple(map(tuple, rows)), {"v": v})
+        chunks = np.arange(v) * p + i
+        stage = np.concatenate((np.repeat(chunks, m), np.repeat(chunks[::-1], m)))
+        rows.append((np.repeat([_F, _BW], v * m), stage))
+    return Schedule("looped-bfs", p, p * v, m, (looped_placement(p, v),), counted_rows(_CODES, rows, m), {"v": v})
 
 
-def _interleaved_zb_order(i: int, p: int, m: int, v: int) -> list[Action]:
-    """Device i's passes in interleaved zero bubble (ZB1P, as torch's ScheduleInterleavedZeroBubble).
+def _interleaved_zb_passes(i: int, p: int, m: int, v: int) -> tuple[Ints, Ints]:
+    """Device i's passes in interleaved zero bubble (ZB1P, as torch's ScheduleInterleavedZeroBubble), as (kind,
+    stage) columns (kinds indexing ``_CODES``; microbatches counted by :func:`~pipefold.schedules._phases.
+    counted_rows`).
 
     Passes are counted in rounds of g = :func:`group_size` microbatches: the k-th forward of
     the device is for chunk (k // g) mod v, the k-th backward for chunk v-1 - (k // g) mod v,
@@ -93,34 +93,17 @@ def _interleaved_zb_order(i: int, p: int, m: int, v: int) -> list[Action]:
     g = group_size(p, m)
     total = m * v
     warmup = min((v - 1) * g + p - 1 - i, total)
-    next_f: dict[int, int] = {}
-    next_b: dict[int, int] = {}
-    deferred: deque[Action] = deque()
-    order: list[Action] = []
-
-    def forward(k: int) -> None:
-        stage = (k // g) % v * p + i
-        j = next_f.get(stage, 0)
-        next_f[stage] = j + 1
-        order.append(F(stage, j))
-
-    def backward(k: int) -> None:
-        stage = (v - 1 - (k // g) % v) * p + i
-        j = next_b.get(stage, 0)
-        next_b[stage] = j + 1
-        order.append(B(stage, j))
-        deferred.append(W(stage, j))
-
-    for k in range(warmup):
-        forward(k)
-    for k in range(total):  # steady while forwards remain, then cool-down
-        if warmup + k < total:
-            forward(warmup + k)
-        backward(k)
-        if k >= i:
-            order.append(deferred.popleft())
-    order += deferred
-    return order
+    k = np.arange(total)
+    forward = (k // g) % v * p + i  # the stage of the device's k-th forward ...
+    backward = (v - 1 - (k // g) % v) * p + i  # ... and of its k-th input gradient; its k-th W follows that B
+    # Round k of the steady state and cool-down: the next forward while forwards remain, the k-th B, and from
+    # the device's (i+1)-th B on the oldest pending W, the (k-i)-th.
+    stage = np.stack((np.roll(forward, -warmup), backward, np.roll(backward, i)), axis=1)
+    kind = np.broadcast_to(np.array([_F, _B, _W]), stage.shape)
+    there = np.stack((k + warmup < total, np.ones(total, dtype=bool), k >= i), axis=1)
+    tail = backward[max(total - i, 0):]  # the Ws still deferred
+    return (np.concatenate((np.full(warmup, _F), kind[there], np.full(len(tail), _W))),
+            np.concatenate((forward[:warmup], stage[there], tail)))
 
 
 def interleaved_zb(devices: int, microbatches: int, v: int = 2) -> Schedule:
@@ -133,5 +116,5 @@ def interleaved_zb(devices: int, microbatches: int, v: int = 2) -> Schedule:
     if p < 1 or m < 1 or v < 1:
         raise ConfigError(f"interleaved-zb needs at least 1 device, microbatch and chunk per device "
                           f"(got devices={p}, microbatches={m}, v={v})")
-    rows = tuple(tuple(_interleaved_zb_order(i, p, m, v)) for i in range(p))
+    rows = counted_rows(_CODES, [_interleaved_zb_passes(i, p, m, v) for i in range(p)], m)
     return Schedule("interleaved-zb", p, p * v, m, (looped_placement(p, v),), rows, {"v": v})

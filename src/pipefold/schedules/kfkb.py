@@ -14,8 +14,12 @@ communication delay on a slow or shared network (Ada-Grouper tunes k).
 
 from __future__ import annotations
 
-from pipefold.ir import BW, F, Schedule, linear_placement
-from pipefold.schedules._phases import groups, warmup_steady_cooldown
+import numpy as np
+
+from pipefold.ir import Kind, Schedule, linear_placement
+from pipefold.schedules._phases import counted_rows, warmup_steady_cooldown
+
+_CODES = (Kind.F, Kind.BW)
 
 
 def kfkb(devices: int, microbatches: int, k: int = 2, *, name: str = "kfkb") -> Schedule:
@@ -23,12 +27,12 @@ def kfkb(devices: int, microbatches: int, k: int = 2, *, name: str = "kfkb") -> 
     p, m = devices, microbatches
     rows = []
     for i in range(p):
-        forwards = groups([F(i, j) for j in range(m)], k)
-        backwards = groups([BW(i, j) for j in range(m)], k)
+        stage = np.full(m, i)
         # Device i needs p-1-i groups in flight before the first gradient can come back.
-        rows.append(warmup_steady_cooldown(forwards, backwards, warmup=p - 1 - i))
+        rows.append(warmup_steady_cooldown((np.zeros(m, np.int64), stage), (np.ones(m, np.int64), stage),
+                                           warmup=p - 1 - i, size=k))
     options = {"k": k} if name == "kfkb" else {}
-    return Schedule(name, p, p, m, (linear_placement(p),), tuple(map(tuple, rows)), options)
+    return Schedule(name, p, p, m, (linear_placement(p),), counted_rows(_CODES, rows, m), options)
 
 
 def one_f_one_b(devices: int, microbatches: int) -> Schedule:
