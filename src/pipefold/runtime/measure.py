@@ -13,7 +13,7 @@ from pipefold.ir.graph import dependency_graph
 from pipefold.runtime.executor import COMPUTE_KINDS, kind_times
 from pipefold.runtime.history import step_number
 from pipefold.runtime.job import RankReport
-from pipefold.sim.simulate import CostModel, Interval, SimResult, Timeline, split_backward
+from pipefold.sim.simulate import CostModel, Interval, MemoryCurves, SimResult, Timeline, split_backward
 
 
 def measured_result(schedule: Schedule, reports: list[RankReport], step: int) -> SimResult:
@@ -27,7 +27,7 @@ def measured_result(schedule: Schedule, reports: list[RankReport], step: int) ->
         rows.append(tuple(Interval(Action.parse(e.name), shift + e.start, shift + e.end)
                           for e in s.events if e.kind in COMPUTE_KINDS))
         curves.append(((0.0, 0.0), *((shift + t, float(b)) for t, b in s.memory_curve)))
-    return SimResult(schedule, CostModel(), Timeline.of(rows), tuple(curves))
+    return SimResult(schedule, CostModel(), Timeline.of(rows), MemoryCurves.of(curves))
 
 
 _DERIVED = ("F", "B", "W", "BW", "OPT")

@@ -397,6 +397,56 @@ _LEVEL = operator.itemgetter(1)
 """The level of a memory curve's (time, level) point."""
 
 
+class MemoryCurves(Sequence[tuple[tuple[float, float], ...]]):
+    """Per device, (time, activation memory from then on) steps starting at (0, 0), and the highest level of each
+    (:attr:`peaks`): kept as flat lists, a device's steps made the first time its row is read, as
+    :class:`Timeline` keeps its intervals. A search that reads only the peaks makes none of them. Reads as a tuple
+    of tuples of (time, level) pairs."""
+
+    __slots__ = ("_lead", "_levels", "_made", "_offsets", "_times", "peaks")
+
+    def __init__(self, times: Sequence[float], levels: Sequence[float], offsets: Sequence[int],
+                 lead: Sequence[bool], peaks: Sequence[float]) -> None:
+        """Device d's steps are ``times`` and ``levels`` from ``offsets[d]`` to ``offsets[d + 1]``, after a (0, 0)
+        where ``lead[d]``; its highest level is ``peaks[d]`` (nan where a level is past the largest float)."""
+        self._times, self._levels, self._offsets, self._lead = times, levels, list(offsets), list(lead)
+        self.peaks = list(peaks)
+        self._made: list[tuple[tuple[float, float], ...] | None] = [None] * len(self._lead)
+
+    @classmethod
+    def of(cls, rows: Sequence[Sequence[tuple[float, float]]]) -> MemoryCurves:
+        """The curves of steps made elsewhere (a run's measured ones), per device, each with a step at least."""
+        return cls([t for row in rows for t, _ in row], [v for row in rows for _, v in row],
+                   list(itertools.accumulate(map(len, rows), initial=0)), [False] * len(rows),
+                   [max(map(_LEVEL, row)) for row in rows])
+
+    def __len__(self) -> int:
+        return len(self._lead)
+
+    def __getitem__(self, device: Any) -> Any:
+        if isinstance(device, slice):
+            return tuple(self[d] for d in range(*device.indices(len(self))))
+        d = range(len(self))[device]  # negative indices, and IndexError past the end
+        row = self._made[d]
+        if row is None:
+            a, b = self._offsets[d], self._offsets[d + 1]
+            steps = tuple(zip(self._times[a:b], self._levels[a:b], strict=True))
+            row = self._made[d] = ((0.0, 0.0), *steps) if self._lead[d] else steps
+        return row
+
+    def __iter__(self) -> Any:
+        return (self[d] for d in range(len(self)))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and tuple(self) == tuple(other)
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"MemoryCurves({tuple(self)!r})"
+
+
 class Interval(NamedTuple):
     """When one action ran on its device."""
 
@@ -506,7 +556,7 @@ class SimResult:
     cost: CostModel
     timeline: Timeline
     """Per device, its actions in run order with start and end times."""
-    memory_curve: tuple[tuple[tuple[float, float], ...], ...]
+    memory_curve: MemoryCurves
     """Per device, (time, activation memory from then on) steps, starting at (0, 0)."""
 
     @property
@@ -537,8 +587,7 @@ class SimResult:
     def peak_memory(self) -> list[float]:
         """Per device, the most memory held at any time, in units of M: the activations' peak plus
         :attr:`static_memory` (0 unless the cost model gives ``weights``)."""
-        return [max(map(_LEVEL, curve)) + static for curve, static in zip(self.memory_curve, self.static_memory,
-                                                                           strict=True)]
+        return [peak + static for peak, static in zip(self.memory_curve.peaks, self.static_memory, strict=True)]
 
     @property
     def static_memory(self) -> list[float]:
@@ -546,7 +595,10 @@ class SimResult:
         share, for every stage it holds (of any replica); a stage sharded across the data-parallel pipelines
         (it has an ``RS`` there) keeps 1/dp of it."""
         s, w, dp = self.schedule, self.cost.weights, self.cost.dp
-        sharded = {(d, a.stage) for d, row in enumerate(s.actions) for a in row if a.kind == Kind.RS} if w else set()
+        sharded = set()
+        if w and Kind.RS in (table := action_table(s)).kinds:  # read off the table: no Action is made
+            rs = table.kind == table.kinds.index(Kind.RS)
+            sharded = set(zip(table.device[rs].tolist(), table.stage[rs].tolist(), strict=True))
         return [w * s.devices / s.stages * sum(1 / dp if (d, st) in sharded else 1 for st in s.stages_of(d))
                 for d in range(s.devices)]
 
@@ -639,8 +691,9 @@ def simulate(schedule: Schedule, cost: CostModel | None = None, *, network: Netw
     bounds = [*graph.offsets, schedule.num_actions]
     stashes = _stash_events(graph, costs, all_ends)
     with np.errstate(all="ignore"):  # levels beyond the largest float are reported below
-        curves, peaks = _memory_curves(bounds, starts_at, ends_at, _by_action(table, at_start, np.add),
-                                       _by_action(table, at_end, np.add), stashes)
+        curves = _memory_curves(bounds, starts_at, ends_at, _by_action(table, at_start, np.add),
+                                _by_action(table, at_end, np.add), stashes)
+    peaks = curves.peaks
     result = SimResult(schedule, cost, timeline, curves)
     if not all(map(math.isfinite, peaks)) or not all(map(math.isfinite, map(operator.add, peaks,
                                                                              result.static_memory))):
@@ -848,8 +901,7 @@ def _shared_times(graph: Graph, durations: Sequence[float], transfer: float | tu
 
 def _memory_curves(bounds: Sequence[int], starts: npt.NDArray[np.float64], ends: npt.NDArray[np.float64],
                    at_start: npt.NDArray[np.float64], at_end: npt.NDArray[np.float64],
-                   stashes: Mapping[int, Sequence[tuple[float, float]]]
-                   ) -> tuple[tuple[tuple[tuple[float, float], ...], ...], list[float]]:
+                   stashes: Mapping[int, Sequence[tuple[float, float]]]) -> MemoryCurves:
     """Activation memory of each device over time, as (time, level) steps, and the highest level of each (nan where
     a level is not finite). Device d runs actions ``bounds[d]`` to ``bounds[d + 1]``, which change its memory by
     ``at_start`` when they start and by ``at_end`` when they end; ``stashes`` are further (time, change) events by
@@ -911,22 +963,17 @@ def _memory_curves(bounds: Sequence[int], starts: npt.NDArray[np.float64], ends:
     point = np.append(at, len(level))[groups].tolist()  # each device's first point
     busy = [d for d in range(D) if groups[d] < groups[d + 1]]  # the devices with events
     tops = dict(zip(busy, np.maximum.reduceat(high, [groups[d] for d in busy]).tolist() if busy else (), strict=True))
-    curves: list[tuple[tuple[float, float], ...]] = []
-    peaks: list[float] = []
+    lead, peaks = [], []
     for d in range(D):
         lo, hi = point[d], point[d + 1]
         if lo == hi:
-            curves.append(((0.0, 0.0),))
+            lead.append(True)
             peaks.append(0.0)
             continue
-        curve = tuple(zip(time[lo:hi], level_list[lo:hi], strict=True))
         peak = tops[d] if math.isfinite(levels[cut[d + 1] - 1]) else math.nan
-        if time[lo] != 0.0:
-            curve = ((0.0, 0.0), *curve)
-            peak = max(peak, 0.0)
-        curves.append(curve)
-        peaks.append(peak)
-    return tuple(curves), peaks
+        lead.append(time[lo] != 0.0)
+        peaks.append(max(peak, 0.0) if lead[-1] else peak)
+    return MemoryCurves(time, level_list, point, lead, peaks)
 
 
 def _levels(deltas: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
