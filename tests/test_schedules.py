@@ -170,37 +170,81 @@ def test_a_family_with_a_minimum_names_it(monkeypatch: pytest.MonkeyPatch) -> No
     assert build("needs-2p", 4, 8).microbatches == 8
 
 
-def test_counted_rows_number_each_kind_and_stage_in_order_as_a_counter_does() -> None:
-    """The columns builders hand over (``schedules._phases.counted_rows``): each pass's microbatch is how many of
-    its kind and stage came before it on its device, against a plain counter on random orders; passes of
-    microbatches past the schedule's are left out, the rest kept in order."""
+def test_counted_rows_number_the_passes_as_a_plain_walk_of_the_order_does() -> None:
+    """The columns builders hand over (``schedules._phases.counted_rows``), against a plain walk of random orders
+    with counters: the k-th forward of a stage is its replica's k-th microbatch, so is the k-th backward (B or
+    BW), a W takes the oldest B of its stage still without one, an R has no microbatch; passes past the
+    replica's microbatches are left out; paired passes make one overlapped action; a W with no B before it, or a
+    pair whose second pass is left out, is refused."""
     import collections
     import random
 
     import numpy as np
 
-    from pipefold.ir import Action
+    from pipefold.ir import NO_MICROBATCH, Action
     from pipefold.schedules._phases import counted_rows, phases
 
-    codes = ("F", "B", "W", "BW")
+    codes = ("F", "B", "W", "BW", "R")
     rng = random.Random(7)
-    for _ in range(50):
+    checked = refused = 0
+    for _ in range(400):
         devices, m = rng.randint(1, 4), rng.randint(1, 6)
-        rows, expected = [], []
-        for _d in range(devices):
-            parts = [([(rng.randrange(4), rng.randrange(3)) for _ in range(rng.randint(0, 4))], rng.randint(-1, 5))
+        takes = {(d, s): sorted(rng.sample(range(m + 2), rng.randint(0, m))) for d in range(devices) for s in range(3)}
+        use_takes = rng.random() < 0.5
+        rows, expected, bad = [], [], False
+        for d in range(devices):
+            parts = [([(rng.randrange(5), rng.randrange(3)) for _ in range(rng.randint(0, 4))], rng.randint(-1, 5))
                      for _ in range(rng.randint(0, 4))]
-            kind, stage = phases(*parts)
+            kind, stage, _ = phases(*parts)
             tokens = [tok for pattern, times in parts for _ in range(max(times, 0)) for tok in pattern]
             assert list(zip(kind.tolist(), stage.tolist(), strict=True)) == tokens
-            seen: collections.Counter[tuple[int, int]] = collections.Counter()
-            row = []
+            paired = [rng.random() < 0.2 and i + 1 < len(tokens) and tokens[i][0] == 0 and tokens[i + 1][0] in (1, 3)
+                      for i in range(len(tokens))]
+            for i in range(1, len(paired)):
+                paired[i] = paired[i] and not paired[i - 1]
+            forwards: collections.Counter[int] = collections.Counter()
+            backwards: collections.Counter[int] = collections.Counter()
+            pending: dict[int, collections.deque[int]] = collections.defaultdict(collections.deque)
+            passes: list[Action | None] = []
             for k, s in tokens:
-                if seen[k, s] < m:
-                    row.append(Action(s, codes[k], seen[k, s]))
-                seen[k, s] += 1
-            rows.append((kind, stage))
+                if k == 4:
+                    passes.append(Action(s, "R", NO_MICROBATCH))
+                    continue
+                if k == 2:
+                    if not pending[s]:
+                        bad = True
+                        break
+                    j = pending[s].popleft()
+                elif k == 0:
+                    j, forwards[s] = forwards[s], forwards[s] + 1
+                else:
+                    j, backwards[s] = backwards[s], backwards[s] + 1
+                    if k == 1:
+                        pending[s].append(j)
+                taken = takes[d, s] if use_takes else list(range(m))
+                passes.append(Action(s, codes[k], taken[j]) if j < len(taken) else None)
+            row: list[Action] = []
+            i = 0
+            while not bad and i < len(passes):
+                if paired[i]:
+                    if passes[i] is None or passes[i + 1] is None:
+                        bad = True
+                        break
+                    row.append(Action(-1, "FB", NO_MICROBATCH, (passes[i], passes[i + 1])))  # type: ignore[arg-type]
+                    i += 2
+                    continue
+                if passes[i] is not None:
+                    row.append(passes[i])  # type: ignore[arg-type]
+                i += 1
+            rows.append((kind, stage, np.array(paired, dtype=bool)))
             expected.append(tuple(row))
-        got = counted_rows(codes, rows, m)
+        try:
+            got = counted_rows(codes, rows, m, takes=(lambda d, s, t=takes: t[d, s]) if use_takes else None)
+        except ValueError:
+            assert bad
+            refused += 1
+            continue
+        assert not bad
+        checked += 1
         assert got == tuple(expected) and got.lengths == tuple(map(len, expected))
-        assert np.array_equal(got.microbatch, [a.microbatch for row in expected for a in row])
+    assert checked > 100 and refused > 20

@@ -272,21 +272,20 @@ def _device_column(schedule: Schedule) -> Ints:
 def action_table(schedule: Schedule) -> ActionTable:
     """The :class:`ActionTable` of ``schedule``: from its columns where its rows are :class:`ActionRows` (made
     once, kept with them; the Actions are not made), else read from its actions."""
+    codes = tuple(KINDS)
     rows = schedule.actions
     if isinstance(rows, ActionRows):
         if rows.table is None:
-            codes = tuple(KINDS)
             number = {code: k for k, code in enumerate(codes)}  # (-1: not registered, which the graph reports)
-            k = np.array([number.get(code, -1) for code in rows.codes], dtype=np.int64)[rows.kind]
-            none = np.zeros(0, dtype=np.int64)
-            rows.table = ActionTable(codes, _device_column(schedule), k, rows.stage, rows.microbatch, none,
-                                     np.arange(len(k)), k, rows.stage, rows.microbatch)
+            numbers = np.array([number.get(code, -1) for code in rows.codes], dtype=np.int64)
+            owner, kind, stage, microbatch = rows.parts
+            composite, sizes = np.unique(owner, return_counts=True)
+            rows.table = _with_parts(codes, _device_column(schedule), numbers[rows.kind], rows.stage,
+                                     rows.microbatch, composite, sizes, numbers[kind], stage, microbatch)
         return rows.table
-    codes = tuple(KINDS)
     number = {code: k for k, code in enumerate(codes)}
     flat = list(itertools.chain.from_iterable(schedule.actions))
     n = len(flat)
-    device = _device_column(schedule)
     kind = np.fromiter(map(number.get, map(operator.itemgetter(1), flat), itertools.repeat(-1)), np.int64, n)
     stage = np.fromiter(map(operator.itemgetter(0), flat), np.int64, n)
     microbatch = np.fromiter(map(operator.itemgetter(2), flat), np.int64, n)
@@ -295,26 +294,36 @@ def action_table(schedule: Schedule) -> ActionTable:
     composite = np.flatnonzero(_of_kinds(kind, [KINDS[code].composite for code in codes]))
     if operator.countOf(map(operator.itemgetter(3), flat), ()) != n - len(composite):
         composite = np.fromiter(itertools.compress(itertools.count(), map(operator.itemgetter(3), flat)), np.int64)
-    if not len(composite):
-        return ActionTable(codes, device, kind, stage, microbatch, composite, np.arange(n), kind, stage, microbatch)
     of_parts = list(map(operator.itemgetter(3), map(flat.__getitem__, composite.tolist())))
     parts = list(itertools.chain.from_iterable(of_parts))
-    sizes = np.ones(n, np.int64)
-    sizes[composite] = np.fromiter(map(len, of_parts), np.int64, len(of_parts))
-    owner = np.repeat(np.arange(n), sizes)
-    at = np.cumsum(sizes) - sizes  # each action's first pass
+    return _with_parts(codes, _device_column(schedule), kind, stage, microbatch, composite,
+                       np.fromiter(map(len, of_parts), np.int64, len(of_parts)),
+                       np.fromiter(map(number.get, map(operator.itemgetter(1), parts), itertools.repeat(-1)), np.int64,
+                                   len(parts)),
+                       np.fromiter(map(operator.itemgetter(0), parts), np.int64, len(parts)),
+                       np.fromiter(map(operator.itemgetter(2), parts), np.int64, len(parts)))
+
+
+def _with_parts(codes: tuple[str, ...], device: Ints, kind: Ints, stage: Ints, microbatch: Ints, composite: Ints,
+                sizes: Ints, part_kind: Ints, part_stage: Ints, part_microbatch: Ints) -> ActionTable:
+    """The table of actions whose ``composite`` ones have ``sizes`` parts each, the parts' columns in order."""
+    n = len(kind)
+    if not len(composite):
+        return ActionTable(codes, device, kind, stage, microbatch, composite, np.arange(n), kind, stage, microbatch)
+    every = np.ones(n, np.int64)
+    every[composite] = sizes
+    owner = np.repeat(np.arange(n), every)
+    at = np.cumsum(every) - every  # each action's first pass
     simple = np.ones(n, dtype=bool)
     simple[composite] = False
     where = at[simple]
-    into = np.repeat(at[composite], sizes[composite])
-    into += np.arange(len(into)) - np.repeat(np.cumsum(sizes[composite]) - sizes[composite], sizes[composite])
+    into = np.repeat(at[composite], sizes)
+    into += np.arange(len(into)) - np.repeat(np.cumsum(sizes) - sizes, sizes)
     columns = []
-    for whole, of_part in ((kind, map(number.get, map(operator.itemgetter(1), parts), itertools.repeat(-1))),
-                           (stage, map(operator.itemgetter(0), parts)),
-                           (microbatch, map(operator.itemgetter(2), parts))):
+    for whole, of_part in ((kind, part_kind), (stage, part_stage), (microbatch, part_microbatch)):
         column = np.empty(len(owner), np.int64)
         column[where] = whole[simple]
-        column[into] = np.fromiter(of_part, np.int64, len(parts))
+        column[into] = of_part
         columns.append(column)
     return ActionTable(codes, device, kind, stage, microbatch, composite, owner, *columns)
 

@@ -83,19 +83,21 @@ def parse_placement(text: str, devices: int, stages: int) -> tuple[int, ...]:
 
 class ActionRows(Sequence[tuple[Action, ...]]):
     """Per device, its actions in order, kept as flat columns until a row is read: then every :class:`Action` is
-    made at once, and kept. A builder that works on arrays (the building blocks' expansion) hands over its columns
-    instead of hundreds of thousands of Actions, and what reads only the columns (:func:`pipefold.ir.graph.
-    action_table`, so the dependency graph and the simulator) never makes them: a search over large schedules
-    makes none. Reads, compares and pickles as the tuple of tuples it stands for.
+    made at once, and kept. A builder that works on arrays hands over its columns instead of hundreds of
+    thousands of Actions, and what reads only the columns (:func:`pipefold.ir.graph.action_table`, so the
+    dependency graph and the simulator) never makes them: a search over large schedules makes none. Reads,
+    compares and pickles as the tuple of tuples it stands for.
 
     ``kind`` indexes ``codes``; each column has one entry per action, the devices' rows one after the other,
-    ``lengths`` actions each. None has parts.
+    ``lengths`` actions each. ``parts``, where some actions have parts (an overlapped pair), are the (owner,
+    kind, stage, microbatch) columns of those parts in order, ``owner`` the index of the action each belongs to.
     """
 
-    __slots__ = ("_rows", "codes", "kind", "lengths", "microbatch", "stage", "table")
+    __slots__ = ("_rows", "codes", "kind", "lengths", "microbatch", "parts", "stage", "table")
 
     def __init__(self, lengths: Sequence[int], codes: Sequence[str], kind: npt.ArrayLike, stage: npt.ArrayLike,
-                 microbatch: npt.ArrayLike) -> None:
+                 microbatch: npt.ArrayLike,
+                 parts: tuple[npt.ArrayLike, npt.ArrayLike, npt.ArrayLike, npt.ArrayLike] | None = None) -> None:
         self.lengths = tuple(int(n) for n in lengths)
         self.codes = tuple(codes)
         if not all(isinstance(code, str) for code in self.codes):
@@ -105,9 +107,17 @@ class ActionRows(Sequence[tuple[Action, ...]]):
         if any(len(c) != n for c in (self.kind, self.stage, self.microbatch)) or min(self.lengths, default=0) < 0:
             raise ValueError(f"action columns of {len(self.kind)}, {len(self.stage)} and {len(self.microbatch)} "
                              f"entries for rows of {n} actions in all")
-        if n and not 0 <= int(self.kind.min()) <= int(self.kind.max()) < len(self.codes):
-            raise ValueError(f"an action's kind number is outside the {len(self.codes)} codes given")
-        for column in (self.kind, self.stage, self.microbatch):
+        empty = np.zeros(0, dtype=np.int64)
+        self.parts = tuple(np.array(c, dtype=np.int64) for c in parts) if parts is not None else (empty,) * 4
+        owner = self.parts[0]
+        if len({len(c) for c in self.parts}) != 1 or len(self.parts) != 4:
+            raise ValueError("parts are (owner, kind, stage, microbatch) columns of one length")
+        if len(owner) and (int(owner.min()) < 0 or int(owner.max()) >= n or bool(np.any(np.diff(owner) < 0))):
+            raise ValueError(f"the owners of parts must be action indices 0..{n - 1} in order")
+        for column in (self.kind, self.parts[1]):
+            if len(column) and not 0 <= int(column.min()) <= int(column.max()) < len(self.codes):
+                raise ValueError(f"an action's kind number is outside the {len(self.codes)} codes given")
+        for column in (self.kind, self.stage, self.microbatch, *self.parts):
             column.setflags(write=False)  # the schedule is frozen: its columns too
         self._rows: tuple[tuple[Action, ...], ...] | None = None
         self.table: Any = None
@@ -121,10 +131,15 @@ class ActionRows(Sequence[tuple[Action, ...]]):
     def rows(self) -> tuple[tuple[Action, ...], ...]:
         """The rows as a tuple of tuples of :class:`Action`, made the first time."""
         if self._rows is None:
-            # tuple.__new__ over zipped columns makes the Actions without a Python call each.
-            columns = zip(self.stage.tolist(), map(self.codes.__getitem__, self.kind.tolist()),
-                          self.microbatch.tolist(), itertools.repeat(()))
-            flat = list(map(tuple.__new__, itertools.repeat(Action), columns))
+            flat = _actions(self.codes, self.stage, self.kind, self.microbatch)
+            owner, kind, stage, microbatch = self.parts
+            if len(owner):
+                parts = _actions(self.codes, stage, kind, microbatch)
+                owners = owner.tolist()
+                starts = [0, *(i for i in range(1, len(owners)) if owners[i] != owners[i - 1]), len(owners)]
+                for a, b in itertools.pairwise(starts):
+                    whole = flat[owners[a]]
+                    flat[owners[a]] = Action(whole.stage, whole.kind, whole.microbatch, tuple(parts[a:b]))
             ends = list(itertools.accumulate(self.lengths))
             self._rows = tuple(tuple(flat[a:b]) for a, b in zip([0, *ends], ends, strict=False))
         return self._rows
@@ -159,6 +174,13 @@ class ActionRows(Sequence[tuple[Action, ...]]):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return tuple, (self.rows(),)
+
+
+def _actions(codes: tuple[str, ...], stage: npt.NDArray[np.int64], kind: npt.NDArray[np.int64],
+             microbatch: npt.NDArray[np.int64]) -> list[Action]:
+    # tuple.__new__ over zipped columns makes the Actions without a Python call each.
+    columns = zip(stage.tolist(), map(codes.__getitem__, kind.tolist()), microbatch.tolist(), itertools.repeat(()))
+    return list(map(tuple.__new__, itertools.repeat(Action), columns))
 
 
 def row_lengths(rows: Sequence[Sequence[Action]]) -> tuple[int, ...]:

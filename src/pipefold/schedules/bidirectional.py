@@ -85,15 +85,19 @@ bubble. DeepSeek's code needs p even, m even and m >= 2p.
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
+
+import numpy as np
 
 from pipefold.errors import ConfigError
-from pipefold.ir import BW, Action, B, F, Kind, R, Schedule, W, linear_placement, overlap, reversed_placement
+from pipefold.ir import Kind, Schedule, linear_placement, reversed_placement
+from pipefold.schedules._phases import Bools, Ints, counted_rows, oldest_first, phases
 
 __all__ = ["chimera", "dualpipe"]
 
 _DOWN, _UP = 0, 1
+_CODES = (Kind.F, Kind.B, Kind.W, Kind.BW, Kind.R)
+_F, _B, _W, _BW, _R = range(5)
 
 
 def _nearest(values: Iterable[int]) -> str:
@@ -111,19 +115,14 @@ def _placement(p: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return linear_placement(p), reversed_placement(p)
 
 
-def _with_allreduce(row: Sequence[Action], stages: Iterable[int]) -> list[Action]:
-    """``row`` with an all-reduce of each of ``stages`` right after the device's last backward of it."""
-    out = list(row)
-    for s in sorted(stages, reverse=True):  # later positions first, so earlier indices stay put
-        last = max(i for i, act in enumerate(out)
-                   if any(a.stage == s and a.kind in (Kind.W, Kind.BW) for a in act.passes))
-        out.insert(last + 1, R(s))
-    return out
-
-
-def _ordered(rows: list[list[Action]], p: int) -> list[list[Action]]:
-    """Insert the R actions: device d holds stages d (down) and p-1-d (up)."""
-    return [_with_allreduce(row, (d, p - 1 - d)) for d, row in enumerate(rows)]
+def _with_allreduce(p: int, d: int, kind: Ints, stage: Ints, paired: Bools) -> tuple[Ints, Ints, Bools]:
+    """Device d's passes with an all-reduce of each of its stages (d down, p-1-d up) right after its last
+    backward of that stage."""
+    for s in (d, p - 1 - d):
+        last = int(np.flatnonzero(((kind == _W) | (kind == _BW)) & (stage == s))[-1])
+        kind, stage = np.insert(kind, last + 1, _R), np.insert(stage, last + 1, s)
+        paired = np.insert(paired, last + 1, False)
+    return kind, stage, paired
 
 
 # --------------------------------------------------------------------------- Chimera
@@ -144,94 +143,62 @@ def chimera(devices: int, microbatches: int) -> Schedule:
                           f"got {m}; nearest valid: {_nearest(valid)}")
     half = p // 2
     routes = tuple(_DOWN if j % p < half else _UP for j in range(m))
+    taken = ([j for j in range(m) if routes[j] == _DOWN], [j for j in range(m) if routes[j] == _UP])
     rows = []
     for d in range(p):
         up = p - 1 - d  # the stage of the up pipeline on device d
-        slots: list[tuple[int, Action]] = []
-        for u in range(m // p):
-            o, first = 2 * p * u, p * u
-            for k in range(half):
-                slots += [
-                    (o + d + 2 * k, F(d, first + k)),
-                    (o + p - 1 - d + 2 * k, F(up, first + half + k)),
-                    (o + p + d + 2 * k, BW(up, first + half + k)),
-                    (o + 2 * p - 1 - d + 2 * k, BW(d, first + k)),
-                ]
-        slots.sort()
-        rows.append([a for _, a in slots])
-    return Schedule("chimera", p, p, m, _placement(p), tuple(map(tuple, _ordered(rows, p))), {}, routes)
+        # Per unit u (o = 2pu) and k < p/2: down F, up F, up BW and down BW at their slots of the grid.
+        at = (2 * p * np.arange(m // p)[:, None] + 2 * np.arange(half)).ravel()
+        slot = np.concatenate((at + d, at + p - 1 - d, at + p + d, at + 2 * p - 1 - d))
+        kind = np.repeat([_F, _F, _BW, _BW], len(at))
+        stage = np.repeat([d, up, up, d], len(at))
+        order = np.argsort(slot, kind="stable")
+        rows.append(_with_allreduce(p, d, kind[order], stage[order], np.zeros(len(slot), dtype=bool)))
+    rows_ = counted_rows(_CODES, rows, m, takes=lambda d, s: taken[_DOWN if s == d else _UP])
+    return Schedule("chimera", p, p, m, _placement(p), rows_, {}, routes)
 
 
 # --------------------------------------------------------------------------- DualPipe
 
 
-def _dualpipe_order(p: int, m: int, d: int) -> list[Action]:
-    """Device d's passes, in the phases of the module docstring."""
+def _dualpipe_passes(p: int, m: int, d: int) -> tuple[Ints, Ints, Bools]:
+    """Device d's passes, in the phases of the module docstring: (kind, stage, paired) of each, paired where a
+    pass runs together with the next (a forward with a backward of the other direction)."""
     half, each = p // 2, m // 2
     h = min(d, p - 1 - d)
     near = _DOWN if d < half else _UP
     far = 1 - near
-    stage = (d, p - 1 - d)  # by direction
-    next_f = [0, 0]
-    next_b = [0, 0]
-    deferred: deque[Action] = deque()  # Ws of split backwards, oldest first
-    order: list[Action] = []
-
-    def forward(direction: int) -> Action:
-        a = F(stage[direction], next_f[direction] + direction * each)
-        next_f[direction] += 1
-        return a
-
-    def backward(direction: int, *, split: bool) -> Action:
-        """A B (its W deferred) when ``split``, else a fused BW."""
-        s, j = stage[direction], next_b[direction] + direction * each
-        next_b[direction] += 1
-        if split:
-            deferred.append(W(s, j))
-            return B(s, j)
-        return BW(s, j)
-
-    def weight() -> None:
-        order.append(deferred.popleft())
-
-    # Fill: the near direction's microbatch 0 reaches here after h slots, the far one's after p-1-h;
-    # the slots between take more near forwards.
-    for _ in range(2 * (half - 1 - h)):
-        order.append(forward(near))
-    # Both: the far forwards have arrived; the two directions alternate until the first far gradient
-    # (the far direction's loss is h devices away) is back.
-    for _ in range(h + 1):
-        order.append(forward(near))
-        order.append(forward(far))
-    # First: far gradients come before any near one. Split, so the gradient moves on after B alone; W
-    # runs at once and frees the activation that the next far forward takes.
-    for _ in range(half - 1 - h):
-        order.append(backward(far, split=True))
-        weight()
-        order.append(forward(far))
-    # Overlap: the steady state, every forward paired with a full backward of the other direction,
-    # until the near direction has had all its forwards.
-    for i in range(each - p + 1 + h):
-        if i == 0 and h == half - 1:
-            order.append(forward(near))  # middle device: its first backward waits for the other middle one
-            order.append(backward(far, split=False))
-        else:
-            order.append(overlap(forward(near), backward(far, split=False)))
-        order.append(overlap(forward(far), backward(near, split=False)))
-    # Tail: the far direction's last forwards, each paired with a near backward.
-    for _ in range(half - 1 - h):
-        order.append(backward(far, split=False))
-        order.append(overlap(forward(far), backward(near, split=False)))
-    # Cool-down: nothing is left to overlap. Of the 2(h+1) backwards here the second half are split, so
-    # their gradients move on sooner; then one deferred W fills each gap between the last near gradients.
-    for k, direction in enumerate(c for _ in range(h + 1) for c in (far, near)):
-        order.append(backward(direction, split=k >= h + 1))
-    for _ in range(half - 1 - h):
-        weight()
-        order.append(backward(near, split=True))
-    while deferred:
-        weight()
-    return order
+    fn, ff, bf, bwn, bwf, w = (_F, near), (_F, far), (_B, far), (_BW, near), (_BW, far), (_W, -1)
+    fn_with, ff_with = (_F, near, 1), (_F, far, 1)  # each run together with the backward after it
+    # Of the cool-down's 2(h+1) backwards, far and near in turn, the second half are split, so their gradients
+    # move on sooner.
+    cool = [(_B if k >= h + 1 else _BW, c) for k, c in enumerate(c for _ in range(h + 1) for c in (far, near))]
+    steady = each - p + 1 + h
+    turn = h == half - 1  # middle device: its first backward waits for the other middle one
+    kind, direction, paired = phases(
+        # Fill: the near direction's microbatch 0 reaches here after h slots, the far one's after p-1-h;
+        # the slots between take more near forwards.
+        ([fn], 2 * (half - 1 - h)),
+        # Both: the far forwards have arrived; the two directions alternate until the first far gradient
+        # (the far direction's loss is h devices away) is back.
+        ([fn, ff], h + 1),
+        # First: far gradients come before any near one. Split, so the gradient moves on after B alone; W
+        # runs at once and frees the activation that the next far forward takes.
+        ([bf, w, ff], half - 1 - h),
+        # Overlap: the steady state, every forward paired with a full backward of the other direction,
+        # until the near direction has had all its forwards.
+        ([fn, bwf, ff_with, bwn], int(turn)),
+        ([fn_with, bwf, ff_with, bwn], steady - int(turn)),
+        # Tail: the far direction's last forwards, each paired with a near backward.
+        ([bwf, ff_with, bwn], half - 1 - h),
+        # Cool-down: nothing is left to overlap; then one deferred W fills each gap between the last near
+        # gradients, and the Ws still deferred close the step.
+        (cool, 1),
+        ([w, (_B, near)], half - 1 - h),
+        ([w], h + 1),
+    )
+    direction = oldest_first(kind, direction, _B, _W)  # deferred Ws run oldest first
+    return kind, np.where(direction == _DOWN, d, p - 1 - d), paired
 
 
 def dualpipe(devices: int, microbatches: int) -> Schedule:
@@ -247,6 +214,8 @@ def dualpipe(devices: int, microbatches: int) -> Schedule:
     if m % 2:
         raise ConfigError(f"dualpipe needs an even number of microbatches (half go each way), got {m}; "
                           f"nearest valid: {_nearest((m - 1, m + 1))}")
-    rows = [_dualpipe_order(p, m, d) for d in range(p)]
+    rows = [_with_allreduce(p, d, *_dualpipe_passes(p, m, d)) for d in range(p)]
     routes = tuple(_DOWN if j < m // 2 else _UP for j in range(m))
-    return Schedule("dualpipe", p, p, m, _placement(p), tuple(map(tuple, _ordered(rows, p))), {}, routes)
+    taken = (range(m // 2), range(m // 2, m))
+    rows_ = counted_rows(_CODES, rows, m, takes=lambda d, s: taken[_DOWN if s == d else _UP])
+    return Schedule("dualpipe", p, p, m, _placement(p), rows_, {}, routes)

@@ -45,84 +45,51 @@ m >= 2p microbatches: device 0's warm-up alone is 2p-1 forwards of chunk 0.
 
 from __future__ import annotations
 
-from collections import deque
-
 from pipefold.errors import ConfigError
-from pipefold.ir import BW, Action, B, F, Schedule, W, overlap, v_placement
+from pipefold.ir import Kind, Schedule, v_placement
+from pipefold.schedules._phases import Bools, Ints, counted_rows, oldest_first, phases
+
+_CODES = (Kind.F, Kind.B, Kind.W, Kind.BW)
+_F, _B, _W, _BW = range(4)
 
 
-def _device_order(p: int, m: int, d: int) -> list[Action]:
-    """Device d's passes, in the phases of the module docstring."""
-    stage = (d, 2 * p - 1 - d)  # chunk 0, chunk 1
-    next_f = [0, 0]
-    next_b = [0, 0]
-    deferred: deque[Action] = deque()  # Ws of split backwards, oldest first
-    order: list[Action] = []
-
-    def forward(c: int) -> Action:
-        a = F(stage[c], next_f[c])
-        next_f[c] += 1
-        return a
-
-    def backward(c: int, *, split: bool) -> Action:
-        """A B (its W deferred) when ``split``, else a fused BW."""
-        j = next_b[c]
-        next_b[c] += 1
-        if split:
-            deferred.append(W(stage[c], j))
-            return B(stage[c], j)
-        return BW(stage[c], j)
-
-    def weight() -> None:
-        if deferred:
-            order.append(deferred.popleft())
-
-    # Warm-up 1: microbatch 0 reaches chunk 0 here after d slots and chunk 1 after 2p-1-d; the slots
-    # between are filled with the next chunk-0 forwards (the last of them opens warm-up 2).
-    for _ in range(2 * (p - 1 - d)):
-        order.append(forward(0))
-    # Warm-up 2: both chunks forward in turn while the first chunk-1 gradient starts at device 0 (the
-    # loss) and comes down the chunk-1 stages: 2p chunk activations are now held.
-    for _ in range(d + 1):
-        order.append(forward(0))
-        order.append(forward(1))
-    # Warm-up 3: chunk-1 gradients arrive before any chunk-0 one (that has to go down to the bottom of
-    # the V and climb back up). Split, so the gradient moves on after B alone; W runs at once, freeing
-    # the activation that the next F1 takes.
-    for _ in range(p - 1 - d):
-        order.append(backward(1, split=True))
-        weight()
-        order.append(forward(1))
-    # Overlap: the steady state. Each round takes one microbatch into each chunk and retires one from
-    # each, every forward running together with a full backward of the other chunk. It runs until
-    # chunk 0 has had all m forwards (2p-1-d of them ran in the warm-up).
-    for i in range(m - 2 * p + 1 + d):
-        if i == 0 and d == p - 1:
-            order.append(forward(0))  # the turn of the V: F0, then BW1, not overlapped (DeepSeek's choice)
-            order.append(backward(1, split=False))
-        else:
-            order.append(overlap(forward(0), backward(1, split=False)))
-        order.append(overlap(forward(1), backward(0, split=False)))
-    # Tail: chunk 1 is p-1-d forwards behind chunk 0 (warm-up 3 ran p-1-d of its forwards, warm-up 2
-    # d+1); the same rounds without F0 run them.
-    for _ in range(p - 1 - d):
-        order.append(backward(1, split=False))
-        order.append(overlap(forward(1), backward(0, split=False)))
-    # Cool-down: d+1 chunk-1 and p chunk-0 gradients are still to come, and nothing is left to overlap.
-    # Of the 2(d+1) backwards run in turn here the first half stay fused; the second half are split so
-    # each gradient moves on sooner, their Ws deferred into the gaps that follow.
-    backwards = [c for _ in range(d + 1) for c in (1, 0)]
-    for k, c in enumerate(backwards):
-        order.append(backward(c, split=k >= d + 1))
-    # The last p-1-d chunk-0 gradients come one every other slot (the device below runs its own B
-    # between): a deferred W fills each gap.
-    for _ in range(p - 1 - d):
-        weight()
-        order.append(backward(0, split=True))
-    # The d+1 Ws still deferred close the step.
-    while deferred:
-        weight()
-    return order
+def _device_passes(p: int, m: int, d: int) -> tuple[Ints, Ints, Bools]:
+    """Device d's passes, in the phases of the module docstring: (kind, chunk, paired) of each, paired where a
+    pass runs together with the next (a forward with a backward of the other chunk)."""
+    f0, f1, b1, bw0, bw1, w = (_F, 0), (_F, 1), (_B, 1), (_BW, 0), (_BW, 1), (_W, -1)
+    with_next = (_F, 0, 1), (_F, 1, 1)  # F0 and F1, each run together with the backward after it
+    # The cool-down's 2(d+1) backwards, chunk 1 then chunk 0 in turn: the first half stay fused, the second
+    # half are split so each gradient moves on sooner, their Ws deferred into the gaps that follow.
+    cool = [(_B if k >= d + 1 else _BW, c) for k, c in enumerate(c for _ in range(d + 1) for c in (1, 0))]
+    steady = m - 2 * p + 1 + d
+    turn = d == p - 1 and steady > 0  # the turn of the V: F0, then BW1, not overlapped (DeepSeek's choice)
+    kind, chunk, paired = phases(
+        # Warm-up 1: microbatch 0 reaches chunk 0 here after d slots and chunk 1 after 2p-1-d; the slots
+        # between are filled with the next chunk-0 forwards (the last of them opens warm-up 2).
+        ([f0], 2 * (p - 1 - d)),
+        # Warm-up 2: both chunks forward in turn while the first chunk-1 gradient starts at device 0 (the
+        # loss) and comes down the chunk-1 stages: 2p chunk activations are now held.
+        ([f0, f1], d + 1),
+        # Warm-up 3: chunk-1 gradients arrive before any chunk-0 one (that has to go down to the bottom of
+        # the V and climb back up). Split, so the gradient moves on after B alone; W runs at once, freeing
+        # the activation that the next F1 takes.
+        ([b1, w, f1], p - 1 - d),
+        # Overlap: the steady state. Each round takes one microbatch into each chunk and retires one from
+        # each, every forward running together with a full backward of the other chunk. It runs until
+        # chunk 0 has had all m forwards (2p-1-d of them ran in the warm-up).
+        ([f0, bw1, with_next[1], bw0], int(turn)),
+        ([with_next[0], bw1, with_next[1], bw0], steady - int(turn)),
+        # Tail: chunk 1 is p-1-d forwards behind chunk 0 (warm-up 3 ran p-1-d of its forwards, warm-up 2
+        # d+1); the same rounds without F0 run them.
+        ([bw1, with_next[1], bw0], p - 1 - d),
+        (cool, 1),
+        # The last p-1-d chunk-0 gradients come one every other slot (the device below runs its own B
+        # between): a deferred W fills each gap.
+        ([w, (_B, 0)], p - 1 - d),
+        # The d+1 Ws still deferred close the step.
+        ([w], d + 1),
+    )
+    return kind, oldest_first(kind, chunk, _B, _W), paired  # deferred Ws run oldest first
 
 
 def dualpipev(devices: int, microbatches: int) -> Schedule:
@@ -136,5 +103,8 @@ def dualpipev(devices: int, microbatches: int) -> Schedule:
     if m < 2 * p:
         raise ConfigError(f"dualpipev needs at least 2p = {2 * p} microbatches on {p} devices (got {m}); "
                           f"use --microbatches {2 * p} or more")
-    rows = tuple(tuple(_device_order(p, m, d)) for d in range(p))
-    return Schedule("dualpipev", p, 2 * p, m, (v_placement(p),), rows)
+    rows = []
+    for d in range(p):
+        kind, chunk, paired = _device_passes(p, m, d)
+        rows.append((kind, (2 * p - 1 - 2 * d) * chunk + d, paired))  # chunk 0 is stage d, chunk 1 stage 2p-1-d
+    return Schedule("dualpipev", p, 2 * p, m, (v_placement(p),), counted_rows(_CODES, rows, m))

@@ -79,7 +79,8 @@ def _device_passes(p: int, m: int, d: int, *, split: bool) -> tuple[Ints, Ints]:
     ]
     if not split:  # a fused backward: BW does the weights, and there are no Ws to run
         parts = [([(_BW, c) if k == _B else (k, c) for k, c in pattern if k != _W], times) for pattern, times in parts]
-    return phases(*parts)
+    kind, chunk, _ = phases(*parts)
+    return kind, chunk
 
 
 def _v_schedule(devices: int, microbatches: int, *, split: bool, name: str) -> Schedule:

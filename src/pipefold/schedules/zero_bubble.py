@@ -27,32 +27,25 @@ microbatches.
 
 from __future__ import annotations
 
-from collections import deque
+import numpy as np
 
-from pipefold.ir import Action, B, F, Schedule, W, linear_placement
+from pipefold.ir import Kind, Schedule, linear_placement
+from pipefold.schedules._phases import Ints, counted_rows
+
+_CODES = (Kind.F, Kind.B, Kind.W)
+_F, _B, _W = range(3)
 
 
-def _device_order(i: int, m: int, warmup: int, defer: int) -> list[Action]:
-    order = [F(i, j) for j in range(min(warmup, m))]
-    next_f, next_b = len(order), 0
-    pending_w: deque[int] = deque()
-
-    def backward() -> None:
-        nonlocal next_b
-        order.append(B(i, next_b))
-        pending_w.append(next_b)
-        next_b += 1
-        if len(pending_w) > defer:
-            order.append(W(i, pending_w.popleft()))
-
-    while next_f < m:  # steady: B, (W), F
-        backward()
-        order.append(F(i, next_f))
-        next_f += 1
-    while next_b < m:  # cool-down: B, (W)
-        backward()
-    order += [W(i, j) for j in pending_w]  # the deferred tail of Ws
-    return order
+def _device_kinds(m: int, warmup: int, defer: int) -> Ints:
+    """One device's passes (their kinds; microbatches in order, :func:`~pipefold.schedules._phases.counted_rows`):
+    ``warmup`` forwards, then round k for each gradient k: its B, the W of gradient k - ``defer`` once that many
+    are pending, and the next forward while forwards remain (steady, then cool-down); then the deferred tail of
+    Ws."""
+    w = min(warmup, m)
+    k = np.arange(m)
+    there = np.stack((np.ones(m, dtype=bool), k >= defer, k + w < m), axis=1)
+    rounds = np.broadcast_to(np.array([_B, _W, _F]), there.shape)[there]
+    return np.concatenate((np.full(w, _F), rounds, np.full(min(defer, m), _W)))
 
 
 def zb_h(devices: int, microbatches: int, extra: int = 0, *, name: str = "zb-h") -> Schedule:
@@ -69,9 +62,10 @@ def zb_h(devices: int, microbatches: int, extra: int = 0, *, name: str = "zb-h")
         more_warmup = min(extra, p - 1 - i)
         warmup = p - i + more_warmup
         defer = i + min(extra - more_warmup, i)
-        rows.append(_device_order(i, m, warmup=warmup, defer=min(defer, max(i, m - (p - i)))))
+        kind = _device_kinds(m, warmup=warmup, defer=min(defer, max(i, m - (p - i))))
+        rows.append((kind, np.full(len(kind), i)))
     options = {"extra": extra} if name == "zb-h" else {}
-    return Schedule(name, p, p, m, (linear_placement(p),), tuple(map(tuple, rows)), options)
+    return Schedule(name, p, p, m, (linear_placement(p),), counted_rows(_CODES, rows, m), options)
 
 
 def zb_h1(devices: int, microbatches: int) -> Schedule:
