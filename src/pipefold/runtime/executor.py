@@ -328,6 +328,8 @@ class RankExecutor:
         self._side = torch.cuda.Stream(device) if cuda and overlap else None
         """On a GPU: the stream an overlapped pair's forward runs on while its backward runs on the compute stream
         (None: the parts run one after the other)."""
+        if self._side is not None and any(a.parts for a in schedule.actions[rank]):
+            _accumulate_across_streams()
         self._losses: dict[int, torch.Tensor] = {}  # the step's losses, by microbatch, read at its end
         self.activity = activity if activity is not None else Activity(rank)
         """What the rank is doing, for the job's watch (:mod:`pipefold.runtime.watch`): each action, each wait."""
@@ -758,6 +760,18 @@ def _tensors(x: Any) -> list[torch.Tensor]:
     if isinstance(x, torch.Tensor):
         return [x]
     return [t for t in x if isinstance(t, torch.Tensor)] if isinstance(x, (tuple, list)) else []
+
+
+def _accumulate_across_streams() -> None:
+    """Let a parameter's gradients come from both streams without a warning. An overlapped pair's forward runs on
+    the side stream, so autograd runs that microbatch's backward there too, while the parameter's gradient
+    accumulates on the stream its AccumulateGrad node was made on, whichever of the two used the parameter first;
+    the engine orders the two with an event, as it must. torch 2.11 warns of that mismatch once per process, taking
+    it for an autograd graph kept from an earlier step (on the GPU each rank of a DualPipe run printed it); here it
+    is the design."""
+    quiet = getattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch", None)
+    if quiet is not None:
+        quiet(False)
 
 
 class _Clock:
