@@ -397,13 +397,48 @@ _LEVEL = operator.itemgetter(1)
 """The level of a memory curve's (time, level) point."""
 
 
-class MemoryCurves(Sequence[tuple[tuple[float, float], ...]]):
+class _Rows(Sequence[Any]):
+    """Per device a row made the first time it is read (:meth:`_make`) and kept: reads, compares and hashes as
+    the tuple of its rows."""
+
+    __slots__ = ("_made",)
+    _made: list[Any]
+
+    def _make(self, device: int) -> Any:
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        return len(self._made)
+
+    def __getitem__(self, device: Any) -> Any:
+        if isinstance(device, slice):
+            return tuple(self[d] for d in range(*device.indices(len(self))))
+        d = range(len(self))[device]  # negative indices, and IndexError past the end
+        row = self._made[d]
+        if row is None:
+            row = self._made[d] = self._make(d)
+        return row
+
+    def __iter__(self) -> Any:
+        return (self[d] for d in range(len(self)))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and tuple(self) == tuple(other)
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({tuple(self)!r})"
+
+
+class MemoryCurves(_Rows):
     """Per device, (time, activation memory from then on) steps starting at (0, 0), and the highest level of each
     (:attr:`peaks`): kept as flat lists, a device's steps made the first time its row is read, as
     :class:`Timeline` keeps its intervals. A search that reads only the peaks makes none of them. Reads as a tuple
     of tuples of (time, level) pairs."""
 
-    __slots__ = ("_lead", "_levels", "_made", "_offsets", "_times", "peaks")
+    __slots__ = ("_lead", "_levels", "_offsets", "_times", "peaks")
 
     def __init__(self, times: Sequence[float], levels: Sequence[float], offsets: Sequence[int],
                  lead: Sequence[bool], peaks: Sequence[float]) -> None:
@@ -420,31 +455,10 @@ class MemoryCurves(Sequence[tuple[tuple[float, float], ...]]):
                    list(itertools.accumulate(map(len, rows), initial=0)), [False] * len(rows),
                    [max(map(_LEVEL, row)) for row in rows])
 
-    def __len__(self) -> int:
-        return len(self._lead)
-
-    def __getitem__(self, device: Any) -> Any:
-        if isinstance(device, slice):
-            return tuple(self[d] for d in range(*device.indices(len(self))))
-        d = range(len(self))[device]  # negative indices, and IndexError past the end
-        row = self._made[d]
-        if row is None:
-            a, b = self._offsets[d], self._offsets[d + 1]
-            steps = tuple(zip(self._times[a:b], self._levels[a:b], strict=True))
-            row = self._made[d] = ((0.0, 0.0), *steps) if self._lead[d] else steps
-        return row
-
-    def __iter__(self) -> Any:
-        return (self[d] for d in range(len(self)))
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Sequence) and tuple(self) == tuple(other)
-
-    def __hash__(self) -> int:
-        return hash(tuple(self))
-
-    def __repr__(self) -> str:
-        return f"MemoryCurves({tuple(self)!r})"
+    def _make(self, device: int) -> tuple[tuple[float, float], ...]:
+        a, b = self._offsets[device], self._offsets[device + 1]
+        steps = tuple(zip(self._times[a:b], self._levels[a:b], strict=True))
+        return ((0.0, 0.0), *steps) if self._lead[device] else steps
 
 
 class Interval(NamedTuple):
@@ -455,13 +469,13 @@ class Interval(NamedTuple):
     end: float
 
 
-class Timeline(Sequence[tuple[Interval, ...]]):
+class Timeline(_Rows):
     """Per device, its actions in run order with start and end times, as the simulator computed them: kept as
     flat lists, a device's intervals made the first time its row is read. A search that reads only the makespan,
     the busy times and the peaks makes none of the hundreds of thousands of intervals a large schedule has (nor
     leaves them for the garbage collector to walk). Reads as a tuple of tuples of :class:`Interval`."""
 
-    __slots__ = ("_actions", "_computes", "_ends", "_made", "_offsets", "_starts")
+    __slots__ = ("_actions", "_computes", "_ends", "_offsets", "_starts")
 
     def __init__(self, actions: Sequence[Sequence[Action]], starts: Sequence[float], ends: Sequence[float],
                  computes: npt.NDArray[np.bool_]) -> None:
@@ -477,32 +491,11 @@ class Timeline(Sequence[tuple[Interval, ...]]):
         return cls([[iv.action for iv in row] for row in rows], [iv.start for iv in flat], [iv.end for iv in flat],
                    computes)
 
-    def __len__(self) -> int:
-        return len(self._actions)
-
-    def __getitem__(self, device: Any) -> Any:
-        if isinstance(device, slice):
-            return tuple(self[d] for d in range(*device.indices(len(self))))
-        d = range(len(self))[device]  # negative indices, and IndexError past the end
-        row = self._made[d]
-        if row is None:
-            a, b = self._offsets[d], self._offsets[d + 1]
-            # tuple.__new__ on zipped triples: the Intervals without a Python call each.
-            row = self._made[d] = tuple(map(tuple.__new__, itertools.repeat(Interval),
-                                            zip(self._actions[d], self._starts[a:b], self._ends[a:b], strict=True)))
-        return row
-
-    def __iter__(self) -> Any:
-        return (self[d] for d in range(len(self)))
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Sequence) and tuple(self) == tuple(other)
-
-    def __hash__(self) -> int:
-        return hash(tuple(self))
-
-    def __repr__(self) -> str:
-        return f"Timeline({tuple(self)!r})"
+    def _make(self, device: int) -> tuple[Interval, ...]:
+        a, b = self._offsets[device], self._offsets[device + 1]
+        # tuple.__new__ on zipped triples: the Intervals without a Python call each.
+        return tuple(map(tuple.__new__, itertools.repeat(Interval),
+                         zip(self._actions[device], self._starts[a:b], self._ends[a:b], strict=True)))
 
     def makespan(self) -> float:
         """The latest end of any device's last action."""
