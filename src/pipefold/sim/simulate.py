@@ -434,17 +434,18 @@ class _Rows(Sequence[Any]):
 
 class MemoryCurves(_Rows):
     """Per device, (time, activation memory from then on) steps starting at (0, 0), and the highest level of each
-    (:attr:`peaks`): kept as flat lists, a device's steps made the first time its row is read, as
+    (:attr:`peaks`): kept as flat arrays, a device's steps made the first time its row is read, as
     :class:`Timeline` keeps its intervals. A search that reads only the peaks makes none of them. Reads as a tuple
     of tuples of (time, level) pairs."""
 
     __slots__ = ("_lead", "_levels", "_offsets", "_times", "peaks")
 
-    def __init__(self, times: Sequence[float], levels: Sequence[float], offsets: Sequence[int],
+    def __init__(self, times: npt.ArrayLike, levels: npt.ArrayLike, offsets: Sequence[int],
                  lead: Sequence[bool], peaks: Sequence[float]) -> None:
         """Device d's steps are ``times`` and ``levels`` from ``offsets[d]`` to ``offsets[d + 1]``, after a (0, 0)
         where ``lead[d]``; its highest level is ``peaks[d]`` (nan where a level is past the largest float)."""
-        self._times, self._levels, self._offsets, self._lead = times, levels, list(offsets), list(lead)
+        self._times, self._levels = np.asarray(times, dtype=np.float64), np.asarray(levels, dtype=np.float64)
+        self._offsets, self._lead = list(offsets), list(lead)
         self.peaks = list(peaks)
         self._made: list[tuple[tuple[float, float], ...] | None] = [None] * len(self._lead)
 
@@ -457,7 +458,7 @@ class MemoryCurves(_Rows):
 
     def _make(self, device: int) -> tuple[tuple[float, float], ...]:
         a, b = self._offsets[device], self._offsets[device + 1]
-        steps = tuple(zip(self._times[a:b], self._levels[a:b], strict=True))
+        steps = tuple(zip(self._times[a:b].tolist(), self._levels[a:b].tolist(), strict=True))
         return ((0.0, 0.0), *steps) if self._lead[device] else steps
 
 
@@ -948,8 +949,7 @@ def _memory_curves(bounds: Sequence[int], starts: npt.NDArray[np.float64], ends:
     level = np.empty(int(points.sum()))
     level[at] = np.where(both, high, levels[last])
     level[at[both] + 1] = levels[last[both]]
-    time = np.repeat(times[first], points).tolist()
-    level_list = level.tolist()
+    time = np.repeat(times[first], points)
     # Each device's points, its highest level (nan where a level is past the largest float: every later one is then
     # not finite either, the last included), and the (0, 0) that starts the curve unless an event at 0 took its place.
     groups = np.searchsorted(device[first], np.arange(D + 1)).tolist()
@@ -964,9 +964,9 @@ def _memory_curves(bounds: Sequence[int], starts: npt.NDArray[np.float64], ends:
             peaks.append(0.0)
             continue
         peak = tops[d] if math.isfinite(levels[cut[d + 1] - 1]) else math.nan
-        lead.append(time[lo] != 0.0)
+        lead.append(bool(time[lo] != 0.0))
         peaks.append(max(peak, 0.0) if lead[-1] else peak)
-    return MemoryCurves(time, level_list, point, lead, peaks)
+    return MemoryCurves(time, level, point, lead, peaks)
 
 
 def _levels(deltas: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
