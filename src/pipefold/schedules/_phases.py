@@ -40,15 +40,18 @@ def phases(*parts: tuple[Sequence[tuple[int, ...]], int]) -> tuple[Ints, Ints, B
     """One device's passes from its phases: each a pattern of (kind, chunk) pairs repeated so many times (0 or
     less: none), as the (kind, chunk, paired) columns of the passes in order. A pass given as (kind, chunk, 1)
     runs together with the next one, as one overlapped action (DualPipe's F&B)."""
-    kinds, chunks, paired = [], [], []
-    for pattern, times in parts:
-        if times > 0 and pattern:
-            kinds.append(np.tile(np.array([t[0] for t in pattern], dtype=np.int64), times))
-            chunks.append(np.tile(np.array([t[1] for t in pattern], dtype=np.int64), times))
-            paired.append(np.tile(np.array([len(t) > 2 and bool(t[2]) for t in pattern]), times))
-    if not kinds:
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=bool)
-    return np.concatenate(kinds), np.concatenate(chunks), np.concatenate(paired)
+    used = [(pattern, times) for pattern, times in parts if times > 0 and pattern]
+    tokens = [t for pattern, _ in used for t in pattern]  # every pattern's passes, one after the other
+    kind = np.array([t[0] for t in tokens], dtype=np.int64)
+    chunk = np.array([t[1] for t in tokens], dtype=np.int64)
+    paired = np.array([len(t) > 2 and bool(t[2]) for t in tokens], dtype=bool)
+    # Pass i of the device is pass (i - start) mod L of its phase's pattern, which begins at ``first`` in tokens.
+    lengths = np.array([len(pattern) for pattern, _ in used], dtype=np.int64)
+    spans = lengths * np.array([times for _, times in used], dtype=np.int64)
+    phase = np.repeat(np.arange(len(used)), spans)
+    start, first = np.cumsum(spans) - spans, np.cumsum(lengths) - lengths
+    at = first[phase] + (np.arange(int(spans.sum())) - start[phase]) % lengths[phase]
+    return kind[at], chunk[at], paired[at]
 
 
 def oldest_first(kind: Ints, chunk: Ints, b: int, w: int) -> Ints:
@@ -79,50 +82,66 @@ def counted_rows(codes: Sequence[str], rows: Sequence[tuple[Ints, Ints] | tuple[
         codes = (*codes, Kind.FB)
     number = {code: k for k, code in enumerate(codes)}
     f, b, bw, w = (number.get(code, -1) for code in (Kind.F, Kind.B, Kind.BW, Kind.W))
-    columns: list[list[Ints]] = [[] for _ in range(7)]  # kind, stage, microbatch; the parts' owner and columns
-    lengths, offset = [], 0
-    for device, (kind, stage, *more) in enumerate(rows):
-        count = np.full(len(kind), NO_MICROBATCH, dtype=np.int64)
-        for which in (kind == f, (kind == b) | (kind == bw)):
-            count[which] = _ranks(stage[which])
-        weights = kind == w
-        if weights.any():  # the k-th W of a stage takes the count of the k-th split B of that stage
-            split = np.flatnonzero(kind == b)
-            by_stage = split[np.argsort(stage[split], kind="stable")]
-            at = np.searchsorted(stage[by_stage], stage[weights]) + _ranks(stage[weights])
-            its_b = by_stage[np.minimum(at, len(by_stage) - 1)] if len(by_stage) else at
-            if np.any(at >= len(by_stage)) or np.any(stage[its_b] != stage[weights]) or np.any(
-                    its_b > np.flatnonzero(weights)):
-                raise ValueError(f"device {device} runs a W before the B of its stage and microbatch")
-            count[weights] = count[its_b]
-        microbatch, keep = count.copy(), count < microbatches
-        if takes is not None:
-            for s in np.unique(stage[count >= 0]).tolist():
-                taken = np.asarray(takes(device, s), dtype=np.int64)
-                here = (stage == s) & (count >= 0)
-                keep[here] = count[here] < len(taken)
-                microbatch[here & keep] = taken[count[here & keep]]
-        paired = more[0].astype(bool) if more else np.zeros(len(kind), dtype=bool)
-        second = np.zeros_like(paired)  # the passes that run together with the one before
-        second[1:] = paired[:-1]
-        if paired[-1:].any() or np.any(~keep & (paired | second)):
-            raise ValueError(f"device {device}: a pass runs together with a next one that is not there")
-        kind, stage, microbatch, paired = kind[keep], stage[keep], microbatch[keep], paired[keep]
-        first = ~second[keep]  # the first pass of each action
-        action = np.cumsum(first) - 1
-        alone = first & ~paired
-        n = int(first.sum())
-        columns[0].append(np.where(alone, kind, number.get(Kind.FB, -1))[first])
-        columns[1].append(np.where(alone, stage, -1)[first])
-        columns[2].append(np.where(alone, microbatch, NO_MICROBATCH)[first])
-        together = ~alone[np.flatnonzero(first)][action]  # the passes of an action with parts
-        for column, values in zip(columns[3:], (action + offset, kind, stage, microbatch), strict=True):
-            column.append(values[together])
-        lengths.append(n)
-        offset += n
-    joined = [np.concatenate(c) if c else np.zeros(0, dtype=np.int64) for c in columns]
-    kind, stage, microbatch, *parts = joined
-    return ActionRows(lengths, codes, kind, stage, microbatch, parts=(parts[0], parts[1], parts[2], parts[3]))
+    sizes = [len(row[0]) for row in rows]
+    device = np.repeat(np.arange(len(rows)), sizes)
+    kind = np.concatenate([row[0] for row in rows]) if rows else np.zeros(0, dtype=np.int64)
+    stage = np.concatenate([row[1] for row in rows]) if rows else np.zeros(0, dtype=np.int64)
+    paired = np.concatenate([row[2] if len(row) > 2 else np.zeros(len(row[0]), dtype=bool)
+                             for row in rows]).astype(bool) if rows else np.zeros(0, dtype=bool)
+    # All devices at once: a pass's key is its device and stage.
+    key = device * (int(stage.max(initial=0)) + 1) + stage
+    count = np.full(len(kind), NO_MICROBATCH, dtype=np.int64)
+    for which in (kind == f, (kind == b) | (kind == bw)):
+        count[which] = _ranks(key[which])
+    weights = np.flatnonzero(kind == w)
+    if len(weights):  # the k-th W of a device's stage takes the count of the k-th split B of that stage there
+        split = np.flatnonzero(kind == b)
+        by_key = split[np.argsort(key[split], kind="stable")]
+        at = np.searchsorted(key[by_key], key[weights]) + _ranks(key[weights])
+        its_b = by_key[np.minimum(at, len(by_key) - 1)] if len(by_key) else at
+        bad = (at >= len(by_key)) | (key[its_b] != key[weights]) | (its_b > weights) if len(by_key) else at >= 0
+        if bad.any():
+            raise ValueError(f"device {int(device[weights[np.argmax(bad)]])} runs a W before the B of its stage and "
+                             "microbatch")
+        count[weights] = count[its_b]
+    microbatch, keep = count.copy(), count < microbatches
+    if takes is not None:
+        counted = np.flatnonzero(count >= 0)
+        for k in np.unique(key[counted]).tolist():
+            here = counted[key[counted] == k]
+            taken = np.asarray(takes(int(device[here[0]]), int(stage[here[0]])), dtype=np.int64)
+            keep[here] = count[here] < len(taken)
+            microbatch[here[keep[here]]] = taken[count[here[keep[here]]]]
+    if not keep.all():
+        if paired.any():
+            _check_pairs_kept(paired, keep, device, sizes)
+        kind, stage, microbatch, paired, device = kind[keep], stage[keep], microbatch[keep], paired[keep], device[keep]
+        sizes = np.bincount(device, minlength=len(rows)).tolist()
+    if not paired.any():  # one pass an action
+        return ActionRows(sizes, codes, kind, stage, microbatch)
+    second = _check_pairs_kept(paired, np.ones(len(paired), dtype=bool), device, sizes)
+    first = ~second  # the first pass of each action
+    action = np.cumsum(first) - 1
+    alone = first & ~paired
+    together = ~alone[np.flatnonzero(first)][action]  # the passes of an action with parts
+    parts = (action[together], kind[together], stage[together], microbatch[together])
+    return ActionRows(np.bincount(device[first], minlength=len(rows)).tolist(), codes,
+                      np.where(alone, kind, number.get(Kind.FB, -1))[first], np.where(alone, stage, -1)[first],
+                      np.where(alone, microbatch, NO_MICROBATCH)[first], parts=parts)
+
+
+def _check_pairs_kept(paired: Bools, keep: Bools, device: Ints, sizes: Sequence[int]) -> Bools:
+    """The passes that run together with the one before them on their device; raises where a pass is paired with
+    one past its device's last, or where either pass of a pair is left out."""
+    last = np.cumsum(sizes, dtype=np.int64)[np.asarray(sizes, dtype=np.int64) > 0] - 1  # each device's last pass
+    second = np.zeros_like(paired)
+    second[1:] = paired[:-1]
+    second[last[:-1] + 1] = False
+    wrong = np.flatnonzero(~keep & (paired | second))
+    if paired[last].any() or len(wrong):
+        there = int(wrong[0]) if len(wrong) else int(last[np.argmax(paired[last])])
+        raise ValueError(f"device {int(device[there])}: a pass runs together with a next one that is not there")
+    return second
 
 
 def _ranks(keys: Ints) -> Ints:
