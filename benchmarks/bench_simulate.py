@@ -9,6 +9,7 @@ history the column is left out. Run:
     python benchmarks/bench_simulate.py                      # every family, p=64 m=1024, against BASELINE
     python benchmarks/bench_simulate.py --baseline none      # this tree only
     python benchmarks/bench_simulate.py --schedules v-half --growth   # and the time per action from 1e3 actions up
+    python benchmarks/bench_simulate.py -p 4 -m 8 --repeat 200  # small schedules, as a planner meets them
 """
 
 from __future__ import annotations
@@ -27,24 +28,29 @@ BASELINE = "0c1c7f1"
 TARGET_S = 0.5
 
 CODE = """
-import sys, time
+import statistics, sys, time
 from pipefold import build, names, simulate
-wanted, p, m = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3])
+wanted, p, m, repeat = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 for name in wanted:
     simulate(build(name, 4, 8))  # imports and first-call costs out of the way
-    t0 = time.perf_counter()
-    s = build(name, p, m)
-    t1 = time.perf_counter()
-    simulate(s)
-    t2 = time.perf_counter()
-    print(name, t1 - t0, t2 - t1, s.num_actions)
+    builds, sims = [], []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        s = build(name, p, m)
+        t1 = time.perf_counter()
+        simulate(s)
+        t2 = time.perf_counter()
+        builds.append(t1 - t0)
+        sims.append(t2 - t1)
+    print(name, statistics.median(builds), statistics.median(sims), s.num_actions)
 """
 
 
-def _run(src: Path, names: list[str], p: int, m: int) -> dict[str, tuple[float, float, int]]:
-    """(build s, simulate s, actions) of each schedule, in one fresh process on the tree ``src``."""
+def _run(src: Path, names: list[str], p: int, m: int, repeat: int = 1) -> dict[str, tuple[float, float, int]]:
+    """(build s, simulate s, actions) of each schedule, in one fresh process on the tree ``src``: the medians of
+    ``repeat`` builds and simulations (1: the process's first, as a search of large schedules meets it)."""
     env = {**os.environ, "PYTHONPATH": str(src)}
-    out = subprocess.run([sys.executable, "-c", CODE, ",".join(names), str(p), str(m)], env=env,
+    out = subprocess.run([sys.executable, "-c", CODE, ",".join(names), str(p), str(m), str(repeat)], env=env,
                          capture_output=True, text=True, check=True)
     rows = {}
     for line in out.stdout.splitlines():
@@ -63,7 +69,8 @@ def _baseline_tree(rev: str, into: Path) -> Path | None:
     return into / "src"
 
 
-def _spread(values: list[float]) -> str:
+def _spread(values: list[float], scale: float = 1.0) -> str:
+    values = [v * scale for v in values]
     return f"{statistics.median(values):.3f} [{min(values):.3f}-{max(values):.3f}]"
 
 
@@ -74,6 +81,9 @@ def main() -> None:
     parser.add_argument("-p", type=int, default=64)
     parser.add_argument("-m", type=int, default=1024)
     parser.add_argument("--runs", type=int, default=3, help="fresh processes per version (default 3)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="builds and simulations per process, their median taken (default 1; for small schedules, "
+                             "whose single times are noise)")
     parser.add_argument("--growth", action="store_true",
                         help="also the time per action of each family from about 1e3 actions to the size limit")
     args = parser.parse_args()
@@ -88,9 +98,12 @@ def main() -> None:
         got: dict[str, list[dict[str, tuple[float, float, int]]]] = {label: [] for label in trees}
         for _ in range(args.runs):
             for label, src in trees.items():
-                got[label].append(_run(src, names, args.p, args.m))
-    print(f"build + simulate at p={args.p} m={args.m}, seconds: median [min-max] of {args.runs} fresh processes "
-          "per version")
+                got[label].append(_run(src, names, args.p, args.m, args.repeat))
+    longest = max(r[name][0] + r[name][1] for runs in got.values() for r in runs for name in names)
+    unit, scale = ("ms", 1e3) if longest < 0.1 else ("seconds", 1.0)
+    each = f", each the median of {args.repeat} in the process" if args.repeat > 1 else ""
+    print(f"build + simulate at p={args.p} m={args.m}, {unit}: median [min-max] of {args.runs} fresh processes "
+          f"per version{each}")
     header = f"{'schedule':18s} {'actions':>8s}"
     for label in trees:
         header += f"  {label + ' build+sim':>24s}"
@@ -102,13 +115,14 @@ def main() -> None:
         actions = now[0][name][2]
         line = f"{name:18s} {actions:8d}"
         for label in trees:
-            line += f"  {_spread([r[name][0] + r[name][1] for r in got[label]]):>24s}"
+            line += f"  {_spread([r[name][0] + r[name][1] for r in got[label]], scale):>24s}"
         total = statistics.median(r[name][0] + r[name][1] for r in now)
         worst = max(worst, total)
-        line += (f"  {_spread([r[name][0] for r in now]):>22s}  {_spread([r[name][1] for r in now]):>22s}"
+        line += (f"  {_spread([r[name][0] for r in now], scale):>22s}  {_spread([r[name][1] for r in now], scale):>22s}"
                  f"  {1e6 * total / actions:.2f}")
         print(line)
-    print(f"slowest now: {worst:.3f} s (target < {TARGET_S} s)")
+    target = f" (target < {TARGET_S} s)" if (args.p, args.m) == (64, 1024) else ""
+    print(f"slowest now: {worst:.4f} s{target}")
     if args.growth:
         _growth(names)
 

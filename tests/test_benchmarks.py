@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"
 
 SMALL: dict[str, list[str] | None] = {
-    "bench_simulate.py": ["--baseline", "none", "--schedules", "1f1b,zb-v,v-half", "-p", "4", "-m", "8", "--runs", "1"],
+    "bench_simulate.py": ["--baseline", "none", "--schedules", "1f1b,zb-v,v-half", "-p", "4", "-m", "8", "--runs", "1",
+                          "--repeat", "3"],
     "memory_flat.py": ["--steps", "20"],
     "memory_ratio.py": ["--model", "mlp", "--schedules", "zb-v", "--runs", "1", "--partition", "even"],
     "published.py": ["--check"],  # the stored predictions are the code's (no drift)
@@ -69,6 +70,23 @@ def test_the_benchmark_runs_in_its_small_mode(name: str, tmp_path: Path) -> None
     assert "Traceback" not in got.stderr, got.stderr[-3000:]
     assert got.returncode == 0, f"exit {got.returncode}\n{got.stdout[-2000:]}\n{got.stderr[-2000:]}"
     assert got.stdout.strip(), got.stderr[-2000:]
+
+
+def test_bench_simulate_times_small_schedules_in_milliseconds_as_medians() -> None:
+    """``--repeat``: each process takes the median of that many builds and simulations, and times under a tenth of a
+    second are shown in ms; the actions are those of the closed form (1F1B: an F and a BW per stage and
+    microbatch)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    got = subprocess.run([sys.executable, str(BENCHMARKS / "bench_simulate.py"), "--baseline", "none", "--schedules",
+                          "1f1b,gpipe", "-p", "3", "-m", "5", "--runs", "2", "--repeat", "5"], env=env,
+                         capture_output=True, text=True, timeout=300, check=True)
+    lines = got.stdout.splitlines()
+    assert "at p=3 m=5, ms: median [min-max] of 2 fresh processes per version, each the median of 5" in lines[0]
+    for name in ("1f1b", "gpipe"):
+        row = next(line.split() for line in lines if line.startswith(name + " "))
+        assert int(row[1]) == 2 * 3 * 5
+        assert 0 < float(row[2]) < 100  # build plus simulate, in ms
+    assert lines[-1].startswith("slowest now:") and "target" not in lines[-1]
 
 
 def test_the_gpu_check_reads_what_vs_torch_writes() -> None:

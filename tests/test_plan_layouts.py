@@ -711,17 +711,26 @@ def test_a_sharded_world_plan_runs_as_planned_and_holds_what_it_predicted(
     planned = from_plan(plan, RunSpec.flat(steps=2, check=True))
     assert getattr(planned.spec.parallel, how) and planned.spec.parallel.dp == 2
     job = make_job(planned.spec, decided=planned.decided)
-    reports = run_local(job)
-    assert compare(job, reports)["max_grad_rel_diff"] < 1e-5
     # A step is its schedule and the update after it (ZeRO-1's sharing in it): by each rank's own wall clock the
     # next step starts after both, and soon after (its batch read between). "Soon" in proportion as well: on cores
     # shared with other tests' ranks the batch's read took 0.39 s of a 1.54 s gap, whose update alone was 0.89 s
-    # (an update left out of the step would leave more than 40% of the gap unexplained).
-    for r in reports:
-        for i in range(len(r.steps) - 1):
-            gap = r.steps.started_at[i + 1] - r.steps.started_at[i]
-            slack = gap - (r.steps.wall[i] + r.steps.update[i])
-            assert r.steps.update[i] > 0 and 0 <= slack < max(0.25, 0.4 * gap), (r.rank, i, gap, slack)
+    # (an update left out of the step would leave more than 40% of the gap unexplained). That part is a timing, and
+    # a busy machine stretched one gap's slack to 0.26 s of 0.55 in CI: it is measured again, at most twice more,
+    # as the suite's other timings are; the rest holds on every run.
+    for _ in range(3):
+        reports = run_local(job)
+        assert compare(job, reports)["max_grad_rel_diff"] < 1e-5
+        late = []
+        for r in reports:
+            for i in range(len(r.steps) - 1):
+                gap = r.steps.started_at[i + 1] - r.steps.started_at[i]
+                slack = gap - (r.steps.wall[i] + r.steps.update[i])
+                assert r.steps.update[i] > 0 and slack >= 0, (r.rank, i, gap, slack)
+                if slack >= max(0.25, 0.4 * gap):
+                    late.append((r.rank, i, gap, slack))
+        if not late:
+            break
+    assert not late, late
     held: dict[int, list[int]] = {}
     for r in reports:
         copy, device, _ = job.coords(r.rank)
