@@ -46,12 +46,19 @@ for name in wanted:
 """
 
 
+class Refused(Exception):
+    """A process that could not build or simulate what it was given, with the last line it printed."""
+
+
 def _run(src: Path, names: list[str], p: int, m: int, repeat: int = 1) -> dict[str, tuple[float, float, int]]:
     """(build s, simulate s, actions) of each schedule, in one fresh process on the tree ``src``: the medians of
     ``repeat`` builds and simulations (1: the process's first, as a search of large schedules meets it)."""
     env = {**os.environ, "PYTHONPATH": str(src)}
     out = subprocess.run([sys.executable, "-c", CODE, ",".join(names), str(p), str(m), str(repeat)], env=env,
-                         capture_output=True, text=True, check=True)
+                         capture_output=True, text=True, check=False)
+    if out.returncode:  # a family or size the tree refuses: its own last line
+        lines = out.stderr.strip().splitlines() or [f"exit {out.returncode}"]
+        raise Refused(f"{src}: {lines[-1]}")
     rows = {}
     for line in out.stdout.splitlines():
         name, build, sim, actions = line.split()
@@ -87,6 +94,9 @@ def main() -> None:
     parser.add_argument("--growth", action="store_true",
                         help="also the time per action of each family from about 1e3 actions to the size limit")
     args = parser.parse_args()
+    for flag, value in (("-p", args.p), ("-m", args.m), ("--runs", args.runs), ("--repeat", args.repeat)):
+        if value < 1:
+            parser.error(f"{flag} must be at least 1 (got {value})")
     sys.path.insert(0, str(ROOT / "src"))
     from pipefold import names as registered
 
@@ -96,9 +106,12 @@ def main() -> None:
         if args.baseline != "none" and (old := _baseline_tree(args.baseline, Path(tmp))) is not None:
             trees = {args.baseline: old, **trees}
         got: dict[str, list[dict[str, tuple[float, float, int]]]] = {label: [] for label in trees}
-        for _ in range(args.runs):
-            for label, src in trees.items():
-                got[label].append(_run(src, names, args.p, args.m, args.repeat))
+        try:
+            for _ in range(args.runs):
+                for label, src in trees.items():
+                    got[label].append(_run(src, names, args.p, args.m, args.repeat))
+        except Refused as e:
+            raise SystemExit(f"bench_simulate.py: {e}") from None
     longest = max(r[name][0] + r[name][1] for runs in got.values() for r in runs for name in names)
     unit, scale = ("ms", 1e3) if longest < 0.1 else ("seconds", 1.0)
     each = f", each the median of {args.repeat} in the process" if args.repeat > 1 else ""
@@ -140,7 +153,7 @@ def _growth(names: list[str]) -> None:
                 stages = build(name, p, max(4, 2 * p)).stages
                 m = min(m, MAX_STAGE_MICROBATCHES // stages)
                 row = _run(ROOT / "src", [name], p, m)[name]
-            except subprocess.CalledProcessError:
+            except Refused:
                 continue  # a size the family refuses
             points.append(f"{row[2]:.1e}: {1e6 * (row[0] + row[1]) / row[2]:.2f}")
         print(f"{name:18s} " + "  ".join(points) + "  (actions: us/action)")

@@ -89,6 +89,17 @@ def test_bench_simulate_times_small_schedules_in_milliseconds_as_medians() -> No
     assert lines[-1].startswith("slowest now:") and "target" not in lines[-1]
 
 
+@pytest.mark.parametrize(("args", "says"), [(["--repeat", "0"], "--repeat must be at least 1 (got 0)"),
+                                            (["--runs", "0"], "--runs must be at least 1 (got 0)"),
+                                            (["--schedules", "nope"], "unknown schedule 'nope'")])
+def test_bench_simulate_refuses_bad_input_in_one_line(args: list[str], says: str) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    got = subprocess.run([sys.executable, str(BENCHMARKS / "bench_simulate.py"), "--baseline", "none", "-p", "2",
+                          "-m", "4", *args], env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert got.returncode != 0 and "Traceback" not in got.stderr, got.stderr
+    assert says in got.stderr.strip().splitlines()[-1]
+
+
 def test_the_gpu_check_reads_what_vs_torch_writes() -> None:
     """gpu_check.py runs only on a GPU, so its reading of vs_torch.py's JSON is checked here: vs_torch's own
     JSON writer over runs of known times, read back by the GPU report's table, against vs_torch's own table's
