@@ -145,13 +145,20 @@ def _mlp(**kw) -> RunSpec:
 
 def test_emulated_link_has_the_bandwidth_it_was_given() -> None:
     # A microbatch of 64 rows x 256 floats: 64 KiB a message, at 2 MB/s 33 ms on the wire.
-    job = make_job(_mlp(network="constant:bandwidth=2MB", steps=2))
-    job = dataclasses.replace(job, origin=time.time())
-    reports = run_local(job)
-    times = adapt.link_times([adapt.summarize(r.steps, 0) for r in reports])
-    for (src, dst), (nbytes, seconds) in times.items():
-        assert nbytes == 64 * 256 * 4
-        assert nbytes / seconds == pytest.approx(2e6, rel=0.15), (src, dst)
+    # The rate is a timing: on a loaded machine CI once measured 1.69 MB/s (16% off), so it is measured again, at
+    # most twice more, as the suite's other timings are; the bytes hold on every run.
+    for _ in range(3):
+        job = make_job(_mlp(network="constant:bandwidth=2MB", steps=2))
+        job = dataclasses.replace(job, origin=time.time())
+        reports = run_local(job)
+        times = adapt.link_times([adapt.summarize(r.steps, 0) for r in reports])
+        assert times and all(nbytes == 64 * 256 * 4 for nbytes, _ in times.values())
+        off = {link: nbytes / seconds for link, (nbytes, seconds) in times.items()
+               if nbytes / seconds != pytest.approx(2e6, rel=0.15)}
+        if not off:
+            break
+    assert not off, off
+    nbytes = 64 * 256 * 4
     # Every message of a step crosses a link one after the other: 4 forwards then 4 gradients on 0 <-> 1.
     assert min(max(r.steps[-1].wall for r in reports) for _ in (0,)) > 4 * nbytes / 2e6
 
