@@ -204,11 +204,17 @@ def test_the_runtime_switches_schedules_between_steps_with_exact_training() -> N
 
 def test_adaptive_follows_its_prediction_on_a_slow_link() -> None:
     # A slow link from the start (16 MB/s: a 256 KiB microbatch takes about as long as its forward).
+    # The estimate of the link's rate is a timing, as in the test above: measured again, at most twice more, where
+    # a loaded machine takes it outside 20%; the decision's own relations below hold on every run.
     config = _mlp(schedule="adaptive-kfkb", network="constant:bandwidth=16MB", hidden=512, batch=512, steps=3)
-    job = dataclasses.replace(make_job(config), origin=time.time())
-    reports = run_local(job)
-    (first, d), = reports[0].decisions
-    assert first == 2 and d.bandwidth["0-1"] == pytest.approx(16e6, rel=0.2)
+    for _ in range(3):
+        job = dataclasses.replace(make_job(config), origin=time.time())
+        reports = run_local(job)
+        (first, d), = reports[0].decisions
+        assert first == 2
+        if d.bandwidth["0-1"] == pytest.approx(16e6, rel=0.2):
+            break
+    assert d.bandwidth["0-1"] == pytest.approx(16e6, rel=0.2)
     fastest = min(d.predicted.values())
     assert d.predicted[d.k] <= fastest * (1 + adapt.TIE) or "hysteresis" in d.reason
     assert reports[0].steps[2].schedule == f"kfkb:k={d.k}"
