@@ -177,6 +177,33 @@ def test_a_registered_kind_is_validated_costed_and_drawn_from_its_entry() -> Non
         Schedule.from_text("devices: 1\nstages: 1\nmicrobatches: 1\ndevice 0: 0F0 0KX0 0BW0\n")
 
 
+def test_a_schedule_keeps_its_action_table_until_the_kinds_change() -> None:
+    """The table is made once per schedule (a copy makes its own), and again once a kind is registered: a schedule
+    whose table was read while its custom kind was unknown validates and simulates after the kind is registered."""
+    import dataclasses
+
+    from pipefold.ir.graph import action_table
+
+    s = build("gpipe", 2, 2)
+    first = action_table(s)
+    assert action_table(s) is first and action_table(dataclasses.replace(s)) is not first
+    rows = [[*s.actions[0][:2], Action(0, "KY", 0), *s.actions[0][2:]], s.actions[1]]
+    custom = s.with_actions(rows)
+    assert -1 in action_table(custom).kind.tolist()  # unknown yet
+    register_kind(KindSpec(code="KY", doc="test kind", needs=(("F", 0),), gives=("KY",), time=lambda c: 0.5 * c.f,
+                           memory=lambda c: (0.0, 0.0), color="#654321", label="ky"))
+    try:
+        table = action_table(custom)
+        assert table.kinds[table.kind[2]] == "KY" and -1 not in table.kind.tolist()
+        result = simulate(validate(custom))  # device 0 idles from 2 to 5 (the test above): KY fills it
+        assert [(iv.start, iv.end) for iv in result.timeline[0] if iv.action.kind == "KY"] == [(2.0, 2.5)]
+        assert result.makespan == pytest.approx(simulate(s).makespan)
+        assert action_table(s) is not first and action_table(s).kinds == tuple(KINDS)
+    finally:
+        del KINDS["KY"]
+    assert action_table(s).kinds == tuple(KINDS)
+
+
 def test_replicas_pay_for_their_weights_twice() -> None:
     """Chimera holds two stages (one per replica) per device, 1F1B one: with weights w per device share,
     Chimera's peaks rise by 2w, 1F1B's by w."""

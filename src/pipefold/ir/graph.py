@@ -269,20 +269,31 @@ def _device_column(schedule: Schedule) -> Ints:
     return np.repeat(np.arange(schedule.devices, dtype=np.int64), row_lengths(schedule.actions))
 
 
+_TABLE = "_action_table"
+"""Where a schedule keeps its :class:`ActionTable`."""
+
+
 def action_table(schedule: Schedule) -> ActionTable:
-    """The :class:`ActionTable` of ``schedule``: from its columns where its rows are :class:`ActionRows` (made
-    once, kept with them; the Actions are not made), else read from its actions."""
+    """The :class:`ActionTable` of ``schedule``, made once and kept with it: the schedule is frozen, so the table
+    stays true until a kind is registered (then it is made again; a copy made with ``dataclasses.replace`` makes
+    its own). Where the rows are :class:`ActionRows` it is made from their columns, without making an Action."""
     codes = tuple(KINDS)
+    made = schedule.__dict__.get(_TABLE)
+    if made is None or made.kinds != codes:
+        made = _read_table(schedule, codes)
+        object.__setattr__(schedule, _TABLE, made)
+    return made
+
+
+def _read_table(schedule: Schedule, codes: tuple[str, ...]) -> ActionTable:
     rows = schedule.actions
     if isinstance(rows, ActionRows):
-        if rows.table is None:
-            number = {code: k for k, code in enumerate(codes)}  # (-1: not registered, which the graph reports)
-            numbers = np.array([number.get(code, -1) for code in rows.codes], dtype=np.int64)
-            owner, kind, stage, microbatch = rows.parts
-            composite, sizes = np.unique(owner, return_counts=True)
-            rows.table = _with_parts(codes, _device_column(schedule), numbers[rows.kind], rows.stage,
-                                     rows.microbatch, composite, sizes, numbers[kind], stage, microbatch)
-        return rows.table
+        number = {code: k for k, code in enumerate(codes)}  # (-1: not registered, which the graph reports)
+        numbers = np.array([number.get(code, -1) for code in rows.codes], dtype=np.int64)
+        owner, kind, stage, microbatch = rows.parts
+        composite, sizes = np.unique(owner, return_counts=True)
+        return _with_parts(codes, _device_column(schedule), numbers[rows.kind], rows.stage, rows.microbatch,
+                           composite, sizes, numbers[kind], stage, microbatch)
     number = {code: k for k, code in enumerate(codes)}
     flat = list(itertools.chain.from_iterable(schedule.actions))
     n = len(flat)

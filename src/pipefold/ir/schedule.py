@@ -93,7 +93,7 @@ class ActionRows(Sequence[tuple[Action, ...]]):
     kind, stage, microbatch) columns of those parts in order, ``owner`` the index of the action each belongs to.
     """
 
-    __slots__ = ("_rows", "codes", "kind", "lengths", "microbatch", "parts", "stage", "table")
+    __slots__ = ("_rows", "codes", "kind", "lengths", "microbatch", "parts", "stage")
 
     def __init__(self, lengths: Sequence[int], codes: Sequence[str], kind: npt.ArrayLike, stage: npt.ArrayLike,
                  microbatch: npt.ArrayLike,
@@ -120,8 +120,6 @@ class ActionRows(Sequence[tuple[Action, ...]]):
         for column in (self.kind, self.stage, self.microbatch, *self.parts):
             column.setflags(write=False)  # the schedule is frozen: its columns too
         self._rows: tuple[tuple[Action, ...], ...] | None = None
-        self.table: Any = None
-        """The :class:`~pipefold.ir.graph.ActionTable` made of the columns, once asked for."""
 
     @property
     def made(self) -> bool:

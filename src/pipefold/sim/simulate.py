@@ -590,7 +590,8 @@ class SimResult:
         (it has an ``RS`` there) keeps 1/dp of it."""
         s, w, dp = self.schedule, self.cost.weights, self.cost.dp
         sharded = set()
-        if w and Kind.RS in (table := action_table(s)).kinds:  # read off the table: no Action is made
+        if w:  # read off the schedule's table: no Action is made
+            table = action_table(s)
             rs = table.kind == table.kinds.index(Kind.RS)
             sharded = set(zip(table.device[rs].tolist(), table.stage[rs].tolist(), strict=True))
         return [w * s.devices / s.stages * sum(1 / dp if (d, st) in sharded else 1 for st in s.stages_of(d))
