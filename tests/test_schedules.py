@@ -182,9 +182,10 @@ def test_counted_rows_number_the_passes_as_a_plain_walk_of_the_order_does() -> N
     import numpy as np
 
     from pipefold.ir import NO_MICROBATCH, Action
-    from pipefold.schedules._phases import counted_rows, phases
+    from pipefold.schedules._phases import CODES, counted_rows, phases
 
     codes = ("F", "B", "W", "BW", "R")
+    assert codes == CODES  # the numbers the builders write
     rng = random.Random(7)
     checked = refused = 0
     for _ in range(400):
@@ -239,7 +240,7 @@ def test_counted_rows_number_the_passes_as_a_plain_walk_of_the_order_does() -> N
             rows.append((kind, stage, np.array(paired, dtype=bool)))
             expected.append(tuple(row))
         try:
-            got = counted_rows(codes, rows, m, takes=(lambda d, s, t=takes: t[d, s]) if use_takes else None)
+            got = counted_rows(rows, m, takes=(lambda d, s, t=takes: t[d, s]) if use_takes else None)
         except ValueError:
             assert bad
             refused += 1

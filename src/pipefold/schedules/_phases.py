@@ -12,6 +12,16 @@ from pipefold.ir import NO_MICROBATCH, ActionRows, Kind
 Ints = npt.NDArray[np.int64]
 Bools = npt.NDArray[np.bool_]
 
+CODES = (Kind.F, Kind.B, Kind.W, Kind.BW, Kind.R)
+"""The kinds the builders write, by number (:data:`F`, :data:`B`, :data:`W`, :data:`BW`, :data:`R`): what their
+``kind`` columns hold for :func:`counted_rows`."""
+F, B, W, BW, R = range(len(CODES))
+
+
+def v_stage(p: int, d: int, chunk: Ints) -> Ints:
+    """The stage of each chunk on device d of p in the V placement: chunk 0 is stage d, chunk 1 stage 2p-1-d."""
+    return (2 * p - 1 - 2 * d) * chunk + d
+
 
 def warmup_steady_cooldown(forwards: tuple[Ints, Ints], backwards: tuple[Ints, Ints], warmup: int,
                            size: int = 1) -> tuple[Ints, Ints]:
@@ -54,19 +64,19 @@ def phases(*parts: tuple[Sequence[tuple[int, ...]], int]) -> tuple[Ints, Ints, B
     return kind[at], chunk[at], paired[at]
 
 
-def oldest_first(kind: Ints, chunk: Ints, b: int, w: int) -> Ints:
-    """``chunk`` with each W's (kind ``w``) set to that of the oldest B (kind ``b``) before it whose W has not run:
-    the chunks of the Bs, in order, for an order whose deferred Ws wait in one queue, whatever their chunk."""
+def oldest_first(kind: Ints, chunk: Ints) -> Ints:
+    """``chunk`` with each W's set to that of the oldest B before it whose W has not run: the chunks of the Bs, in
+    order, for an order whose deferred Ws wait in one queue, whatever their chunk."""
     out = chunk.copy()
-    weights = kind == w
-    out[weights] = chunk[kind == b][:int(weights.sum())]
+    weights = kind == W
+    out[weights] = chunk[kind == B][:int(weights.sum())]
     return out
 
 
-def counted_rows(codes: Sequence[str], rows: Sequence[tuple[Ints, Ints] | tuple[Ints, Ints, Bools]],
-                 microbatches: int, *, takes: Callable[[int, int], Sequence[int]] | None = None) -> ActionRows:
+def counted_rows(rows: Sequence[tuple[Ints, Ints] | tuple[Ints, Ints, Bools]], microbatches: int, *,
+                 takes: Callable[[int, int], Sequence[int]] | None = None) -> ActionRows:
     """The :class:`ActionRows` of devices whose passes are given as (kind, stage) columns in order, ``kind``
-    indexing ``codes``, with a third column where some run in pairs: True where a pass runs together with the
+    indexing :data:`CODES`, with a third column where some run in pairs: True where a pass runs together with the
     next one, as one overlapped action (DualPipe's F&B).
 
     The microbatches follow from the order, as every family takes them: a stage takes its microbatches in order,
@@ -77,11 +87,9 @@ def counted_rows(codes: Sequence[str], rows: Sequence[tuple[Ints, Ints] | tuple[
     every pass of a microbatch keeps a schedule valid and can only lower what a device holds. Kinds without a
     microbatch (an all-reduce ``R``) have none.
     """
-    codes = tuple(codes)
-    if any(len(row) > 2 and np.any(row[2]) for row in rows) and Kind.FB not in codes:
+    codes: tuple[str, ...] = CODES
+    if any(len(row) > 2 and np.any(row[2]) for row in rows):
         codes = (*codes, Kind.FB)
-    number = {code: k for k, code in enumerate(codes)}
-    f, b, bw, w = (number.get(code, -1) for code in (Kind.F, Kind.B, Kind.BW, Kind.W))
     sizes = [len(row[0]) for row in rows]
     device = np.repeat(np.arange(len(rows)), sizes)
     kind = np.concatenate([row[0] for row in rows]) if rows else np.zeros(0, dtype=np.int64)
@@ -91,11 +99,11 @@ def counted_rows(codes: Sequence[str], rows: Sequence[tuple[Ints, Ints] | tuple[
     # All devices at once: a pass's key is its device and stage.
     key = device * (int(stage.max(initial=0)) + 1) + stage
     count = np.full(len(kind), NO_MICROBATCH, dtype=np.int64)
-    for which in (kind == f, (kind == b) | (kind == bw)):
+    for which in (kind == F, (kind == B) | (kind == BW)):
         count[which] = _ranks(key[which])
-    weights = np.flatnonzero(kind == w)
+    weights = np.flatnonzero(kind == W)
     if len(weights):  # the k-th W of a device's stage takes the count of the k-th split B of that stage there
-        split = np.flatnonzero(kind == b)
+        split = np.flatnonzero(kind == B)
         by_key = split[np.argsort(key[split], kind="stable")]
         at = np.searchsorted(key[by_key], key[weights]) + _ranks(key[weights])
         its_b = by_key[np.minimum(at, len(by_key) - 1)] if len(by_key) else at
@@ -126,7 +134,7 @@ def counted_rows(codes: Sequence[str], rows: Sequence[tuple[Ints, Ints] | tuple[
     together = ~alone[np.flatnonzero(first)][action]  # the passes of an action with parts
     parts = (action[together], kind[together], stage[together], microbatch[together])
     return ActionRows(np.bincount(device[first], minlength=len(rows)).tolist(), codes,
-                      np.where(alone, kind, number.get(Kind.FB, -1))[first], np.where(alone, stage, -1)[first],
+                      np.where(alone, kind, len(CODES))[first], np.where(alone, stage, -1)[first],
                       np.where(alone, microbatch, NO_MICROBATCH)[first], parts=parts)
 
 

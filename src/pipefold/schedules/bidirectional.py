@@ -90,14 +90,12 @@ from collections.abc import Iterable
 import numpy as np
 
 from pipefold.errors import ConfigError
-from pipefold.ir import Kind, Schedule, linear_placement, reversed_placement
-from pipefold.schedules._phases import Bools, Ints, counted_rows, oldest_first, phases
+from pipefold.ir import Schedule, linear_placement, reversed_placement
+from pipefold.schedules._phases import BW, B, Bools, F, Ints, R, W, counted_rows, oldest_first, phases
 
 __all__ = ["chimera", "dualpipe"]
 
 _DOWN, _UP = 0, 1
-_CODES = (Kind.F, Kind.B, Kind.W, Kind.BW, Kind.R)
-_F, _B, _W, _BW, _R = range(5)
 
 
 def _nearest(values: Iterable[int]) -> str:
@@ -119,8 +117,8 @@ def _with_allreduce(p: int, d: int, kind: Ints, stage: Ints, paired: Bools) -> t
     """Device d's passes with an all-reduce of each of its stages (d down, p-1-d up) right after its last
     backward of that stage."""
     for s in (d, p - 1 - d):
-        last = int(np.flatnonzero(((kind == _W) | (kind == _BW)) & (stage == s))[-1])
-        kind, stage = np.insert(kind, last + 1, _R), np.insert(stage, last + 1, s)
+        last = int(np.flatnonzero(((kind == W) | (kind == BW)) & (stage == s))[-1])
+        kind, stage = np.insert(kind, last + 1, R), np.insert(stage, last + 1, s)
         paired = np.insert(paired, last + 1, False)
     return kind, stage, paired
 
@@ -150,11 +148,11 @@ def chimera(devices: int, microbatches: int) -> Schedule:
         # Per unit u (o = 2pu) and k < p/2: down F, up F, up BW and down BW at their slots of the grid.
         at = (2 * p * np.arange(m // p)[:, None] + 2 * np.arange(half)).ravel()
         slot = np.concatenate((at + d, at + p - 1 - d, at + p + d, at + 2 * p - 1 - d))
-        kind = np.repeat([_F, _F, _BW, _BW], len(at))
+        kind = np.repeat([F, F, BW, BW], len(at))
         stage = np.repeat([d, up, up, d], len(at))
         order = np.argsort(slot, kind="stable")
         rows.append(_with_allreduce(p, d, kind[order], stage[order], np.zeros(len(slot), dtype=bool)))
-    rows_ = counted_rows(_CODES, rows, m, takes=lambda d, s: taken[_DOWN if s == d else _UP])
+    rows_ = counted_rows(rows, m, takes=lambda d, s: taken[_DOWN if s == d else _UP])
     return Schedule("chimera", p, p, m, _placement(p), rows_, {}, routes)
 
 
@@ -168,11 +166,11 @@ def _dualpipe_passes(p: int, m: int, d: int) -> tuple[Ints, Ints, Bools]:
     h = min(d, p - 1 - d)
     near = _DOWN if d < half else _UP
     far = 1 - near
-    fn, ff, bf, bwn, bwf, w = (_F, near), (_F, far), (_B, far), (_BW, near), (_BW, far), (_W, -1)
-    fn_with, ff_with = (_F, near, 1), (_F, far, 1)  # each run together with the backward after it
+    fn, ff, bf, bwn, bwf, w = (F, near), (F, far), (B, far), (BW, near), (BW, far), (W, -1)
+    fn_with, ff_with = (F, near, 1), (F, far, 1)  # each run together with the backward after it
     # Of the cool-down's 2(h+1) backwards, far and near in turn, the second half are split, so their gradients
     # move on sooner.
-    cool = [(_B if k >= h + 1 else _BW, c) for k, c in enumerate(c for _ in range(h + 1) for c in (far, near))]
+    cool = [(B if k >= h + 1 else BW, c) for k, c in enumerate(c for _ in range(h + 1) for c in (far, near))]
     steady = each - p + 1 + h
     turn = h == half - 1  # middle device: its first backward waits for the other middle one
     kind, direction, paired = phases(
@@ -194,10 +192,10 @@ def _dualpipe_passes(p: int, m: int, d: int) -> tuple[Ints, Ints, Bools]:
         # Cool-down: nothing is left to overlap; then one deferred W fills each gap between the last near
         # gradients, and the Ws still deferred close the step.
         (cool, 1),
-        ([w, (_B, near)], half - 1 - h),
+        ([w, (B, near)], half - 1 - h),
         ([w], h + 1),
     )
-    direction = oldest_first(kind, direction, _B, _W)  # deferred Ws run oldest first
+    direction = oldest_first(kind, direction)  # deferred Ws run oldest first
     return kind, np.where(direction == _DOWN, d, p - 1 - d), paired
 
 
@@ -217,5 +215,5 @@ def dualpipe(devices: int, microbatches: int) -> Schedule:
     rows = [_with_allreduce(p, d, *_dualpipe_passes(p, m, d)) for d in range(p)]
     routes = tuple(_DOWN if j < m // 2 else _UP for j in range(m))
     taken = (range(m // 2), range(m // 2, m))
-    rows_ = counted_rows(_CODES, rows, m, takes=lambda d, s: taken[_DOWN if s == d else _UP])
+    rows_ = counted_rows(rows, m, takes=lambda d, s: taken[_DOWN if s == d else _UP])
     return Schedule("dualpipe", p, p, m, _placement(p), rows_, {}, routes)

@@ -46,21 +46,18 @@ m >= 2p microbatches: device 0's warm-up alone is 2p-1 forwards of chunk 0.
 from __future__ import annotations
 
 from pipefold.errors import ConfigError
-from pipefold.ir import Kind, Schedule, v_placement
-from pipefold.schedules._phases import Bools, Ints, counted_rows, oldest_first, phases
-
-_CODES = (Kind.F, Kind.B, Kind.W, Kind.BW)
-_F, _B, _W, _BW = range(4)
+from pipefold.ir import Schedule, v_placement
+from pipefold.schedules._phases import BW, B, Bools, F, Ints, W, counted_rows, oldest_first, phases, v_stage
 
 
 def _device_passes(p: int, m: int, d: int) -> tuple[Ints, Ints, Bools]:
     """Device d's passes, in the phases of the module docstring: (kind, chunk, paired) of each, paired where a
     pass runs together with the next (a forward with a backward of the other chunk)."""
-    f0, f1, b1, bw0, bw1, w = (_F, 0), (_F, 1), (_B, 1), (_BW, 0), (_BW, 1), (_W, -1)
-    with_next = (_F, 0, 1), (_F, 1, 1)  # F0 and F1, each run together with the backward after it
+    f0, f1, b1, bw0, bw1, w = (F, 0), (F, 1), (B, 1), (BW, 0), (BW, 1), (W, -1)
+    with_next = (F, 0, 1), (F, 1, 1)  # F0 and F1, each run together with the backward after it
     # The cool-down's 2(d+1) backwards, chunk 1 then chunk 0 in turn: the first half stay fused, the second
     # half are split so each gradient moves on sooner, their Ws deferred into the gaps that follow.
-    cool = [(_B if k >= d + 1 else _BW, c) for k, c in enumerate(c for _ in range(d + 1) for c in (1, 0))]
+    cool = [(B if k >= d + 1 else BW, c) for k, c in enumerate(c for _ in range(d + 1) for c in (1, 0))]
     steady = m - 2 * p + 1 + d
     turn = d == p - 1 and steady > 0  # the turn of the V: F0, then BW1, not overlapped (DeepSeek's choice)
     kind, chunk, paired = phases(
@@ -85,11 +82,11 @@ def _device_passes(p: int, m: int, d: int) -> tuple[Ints, Ints, Bools]:
         (cool, 1),
         # The last p-1-d chunk-0 gradients come one every other slot (the device below runs its own B
         # between): a deferred W fills each gap.
-        ([w, (_B, 0)], p - 1 - d),
+        ([w, (B, 0)], p - 1 - d),
         # The d+1 Ws still deferred close the step.
         ([w], d + 1),
     )
-    return kind, oldest_first(kind, chunk, _B, _W), paired  # deferred Ws run oldest first
+    return kind, oldest_first(kind, chunk), paired  # deferred Ws run oldest first
 
 
 def dualpipev(devices: int, microbatches: int) -> Schedule:
@@ -106,5 +103,5 @@ def dualpipev(devices: int, microbatches: int) -> Schedule:
     rows = []
     for d in range(p):
         kind, chunk, paired = _device_passes(p, m, d)
-        rows.append((kind, (2 * p - 1 - 2 * d) * chunk + d, paired))  # chunk 0 is stage d, chunk 1 stage 2p-1-d
-    return Schedule("dualpipev", p, 2 * p, m, (v_placement(p),), counted_rows(_CODES, rows, m))
+        rows.append((kind, v_stage(p, d, chunk), paired))  # chunk 0 is stage d, chunk 1 stage 2p-1-d
+    return Schedule("dualpipev", p, 2 * p, m, (v_placement(p),), counted_rows(rows, m))

@@ -9,11 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 from pipefold.errors import ConfigError
-from pipefold.ir import Kind, Schedule, looped_placement
-from pipefold.schedules._phases import Ints, counted_rows, warmup_steady_cooldown
-
-_CODES = (Kind.F, Kind.B, Kind.W, Kind.BW)
-_F, _B, _W, _BW = range(4)
+from pipefold.ir import Schedule, looped_placement
+from pipefold.schedules._phases import BW, B, F, Ints, W, counted_rows, warmup_steady_cooldown
 
 
 def group_size(p: int, m: int) -> int:
@@ -46,13 +43,13 @@ def interleaved_1f1b(devices: int, microbatches: int, v: int = 2) -> Schedule:
     p, m = devices, microbatches
     rows = []
     for i in range(p):
-        forwards = (np.full(m * v, _F), _interleaved_stages(i, p, m, v, backward=False))
-        backwards = (np.full(m * v, _BW), _interleaved_stages(i, p, m, v, backward=True))
+        forwards = (np.full(m * v, F), _interleaved_stages(i, p, m, v, backward=False))
+        backwards = (np.full(m * v, BW), _interleaved_stages(i, p, m, v, backward=True))
         # Warm-up: every chunk but the last must run a whole round of microbatches before the
         # first gradient returns, plus 2 per device below i (forward there and backward back).
         warmup = (v - 1) * group_size(p, m) + 2 * (p - 1 - i)
         rows.append(warmup_steady_cooldown(forwards, backwards, warmup=warmup))
-    return Schedule("interleaved-1f1b", p, p * v, m, (looped_placement(p, v),), counted_rows(_CODES, rows, m),
+    return Schedule("interleaved-1f1b", p, p * v, m, (looped_placement(p, v),), counted_rows(rows, m),
                     {"v": v})
 
 
@@ -67,14 +64,14 @@ def looped_bfs(devices: int, microbatches: int, v: int = 2) -> Schedule:
     for i in range(p):
         chunks = np.arange(v) * p + i
         stage = np.concatenate((np.repeat(chunks, m), np.repeat(chunks[::-1], m)))
-        rows.append((np.repeat([_F, _BW], v * m), stage))
-    return Schedule("looped-bfs", p, p * v, m, (looped_placement(p, v),), counted_rows(_CODES, rows, m), {"v": v})
+        rows.append((np.repeat([F, BW], v * m), stage))
+    return Schedule("looped-bfs", p, p * v, m, (looped_placement(p, v),), counted_rows(rows, m), {"v": v})
 
 
 def _interleaved_zb_passes(i: int, p: int, m: int, v: int) -> tuple[Ints, Ints]:
     """Device i's passes in interleaved zero bubble (ZB1P, as torch's ScheduleInterleavedZeroBubble), as (kind,
-    stage) columns (kinds indexing ``_CODES``; microbatches counted by :func:`~pipefold.schedules._phases.
-    counted_rows`).
+    stage) columns (kinds numbered as in :data:`~pipefold.schedules._phases.CODES`; microbatches counted by
+    :func:`~pipefold.schedules._phases.counted_rows`).
 
     Passes are counted in rounds of g = :func:`group_size` microbatches: the k-th forward of
     the device is for chunk (k // g) mod v, the k-th backward for chunk v-1 - (k // g) mod v,
@@ -99,10 +96,10 @@ def _interleaved_zb_passes(i: int, p: int, m: int, v: int) -> tuple[Ints, Ints]:
     # Round k of the steady state and cool-down: the next forward while forwards remain, the k-th B, and from
     # the device's (i+1)-th B on the oldest pending W, the (k-i)-th.
     stage = np.stack((np.roll(forward, -warmup), backward, np.roll(backward, i)), axis=1)
-    kind = np.broadcast_to(np.array([_F, _B, _W]), stage.shape)
+    kind = np.broadcast_to(np.array([F, B, W]), stage.shape)
     there = np.stack((k + warmup < total, np.ones(total, dtype=bool), k >= i), axis=1)
     tail = backward[max(total - i, 0):]  # the Ws still deferred
-    return (np.concatenate((np.full(warmup, _F), kind[there], np.full(len(tail), _W))),
+    return (np.concatenate((np.full(warmup, F), kind[there], np.full(len(tail), W))),
             np.concatenate((forward[:warmup], stage[there], tail)))
 
 
@@ -116,5 +113,5 @@ def interleaved_zb(devices: int, microbatches: int, v: int = 2) -> Schedule:
     if p < 1 or m < 1 or v < 1:
         raise ConfigError(f"interleaved-zb needs at least 1 device, microbatch and chunk per device "
                           f"(got devices={p}, microbatches={m}, v={v})")
-    rows = counted_rows(_CODES, [_interleaved_zb_passes(i, p, m, v) for i in range(p)], m)
+    rows = counted_rows([_interleaved_zb_passes(i, p, m, v) for i in range(p)], m)
     return Schedule("interleaved-zb", p, p * v, m, (looped_placement(p, v),), rows, {"v": v})

@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipefold.ir import Kind, Schedule, linear_placement
-from pipefold.schedules._phases import counted_rows, warmup_steady_cooldown
-
-_CODES = (Kind.F, Kind.BW)
+from pipefold.ir import Schedule, linear_placement
+from pipefold.schedules._phases import BW, F, counted_rows, warmup_steady_cooldown
 
 
 def kfkb(devices: int, microbatches: int, k: int = 2, *, name: str = "kfkb") -> Schedule:
@@ -29,10 +27,10 @@ def kfkb(devices: int, microbatches: int, k: int = 2, *, name: str = "kfkb") -> 
     for i in range(p):
         stage = np.full(m, i)
         # Device i needs p-1-i groups in flight before the first gradient can come back.
-        rows.append(warmup_steady_cooldown((np.zeros(m, np.int64), stage), (np.ones(m, np.int64), stage),
+        rows.append(warmup_steady_cooldown((np.full(m, F), stage), (np.full(m, BW), stage),
                                            warmup=p - 1 - i, size=k))
     options = {"k": k} if name == "kfkb" else {}
-    return Schedule(name, p, p, m, (linear_placement(p),), counted_rows(_CODES, rows, m), options)
+    return Schedule(name, p, p, m, (linear_placement(p),), counted_rows(rows, m), options)
 
 
 def one_f_one_b(devices: int, microbatches: int) -> Schedule:

@@ -34,11 +34,8 @@ at half the speed of a forward, and nothing fills the wait.
 
 from __future__ import annotations
 
-from pipefold.ir import Kind, Schedule, v_placement
-from pipefold.schedules._phases import Ints, counted_rows, phases
-
-_CODES = (Kind.F, Kind.B, Kind.W, Kind.BW)
-_F, _B, _W, _BW = range(4)
+from pipefold.ir import Schedule, v_placement
+from pipefold.schedules._phases import BW, B, F, Ints, W, counted_rows, phases, v_stage
 
 
 def _device_passes(p: int, m: int, d: int, *, split: bool) -> tuple[Ints, Ints]:
@@ -47,7 +44,7 @@ def _device_passes(p: int, m: int, d: int, *, split: bool) -> tuple[Ints, Ints]:
     The k-th pass of a kind on a chunk is for microbatch k (:func:`~pipefold.schedules._phases.counted_rows`):
     forwards and gradients take the microbatches in order, and a W follows the oldest B whose W is still to run.
     """
-    f0, f1, b0, b1, w0, w1 = (_F, 0), (_F, 1), (_B, 0), (_B, 1), (_W, 0), (_W, 1)
+    f0, f1, b0, b1, w0, w1 = (F, 0), (F, 1), (B, 0), (B, 1), (W, 0), (W, 1)
     parts = [
         # Warm-up 1: microbatch 0 reaches chunk 0 here after d slots and chunk 1 after 2p-1-d (stages
         # 0..2p-2-d run first); the 2p-1-2d slots between are filled with the next chunk-0 forwards.
@@ -78,7 +75,7 @@ def _device_passes(p: int, m: int, d: int, *, split: bool) -> tuple[Ints, Ints]:
         ([w0], d),
     ]
     if not split:  # a fused backward: BW does the weights, and there are no Ws to run
-        parts = [([(_BW, c) if k == _B else (k, c) for k, c in pattern if k != _W], times) for pattern, times in parts]
+        parts = [([(BW, c) if k == B else (k, c) for k, c in pattern if k != W], times) for pattern, times in parts]
     kind, chunk, _ = phases(*parts)
     return kind, chunk
 
@@ -92,8 +89,8 @@ def _v_schedule(devices: int, microbatches: int, *, split: bool, name: str) -> S
     rows = []
     for d in range(p):
         kind, chunk = _device_passes(p, padded, d, split=split)
-        rows.append((kind, (2 * p - 1 - 2 * d) * chunk + d))  # chunk 0 is stage d, chunk 1 stage 2p-1-d
-    return Schedule(name, p, 2 * p, m, (v_placement(p),), counted_rows(_CODES, rows, m))
+        rows.append((kind, v_stage(p, d, chunk)))  # chunk 0 is stage d, chunk 1 stage 2p-1-d
+    return Schedule(name, p, 2 * p, m, (v_placement(p),), counted_rows(rows, m))
 
 
 def zb_v(devices: int, microbatches: int) -> Schedule:

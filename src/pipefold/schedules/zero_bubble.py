@@ -29,11 +29,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipefold.ir import Kind, Schedule, linear_placement
-from pipefold.schedules._phases import Ints, counted_rows
-
-_CODES = (Kind.F, Kind.B, Kind.W)
-_F, _B, _W = range(3)
+from pipefold.ir import Schedule, linear_placement
+from pipefold.schedules._phases import B, F, Ints, W, counted_rows
 
 
 def _device_kinds(m: int, warmup: int, defer: int) -> Ints:
@@ -44,8 +41,8 @@ def _device_kinds(m: int, warmup: int, defer: int) -> Ints:
     w = min(warmup, m)
     k = np.arange(m)
     there = np.stack((np.ones(m, dtype=bool), k >= defer, k + w < m), axis=1)
-    rounds = np.broadcast_to(np.array([_B, _W, _F]), there.shape)[there]
-    return np.concatenate((np.full(w, _F), rounds, np.full(min(defer, m), _W)))
+    rounds = np.broadcast_to(np.array([B, W, F]), there.shape)[there]
+    return np.concatenate((np.full(w, F), rounds, np.full(min(defer, m), W)))
 
 
 def zb_h(devices: int, microbatches: int, extra: int = 0, *, name: str = "zb-h") -> Schedule:
@@ -65,7 +62,7 @@ def zb_h(devices: int, microbatches: int, extra: int = 0, *, name: str = "zb-h")
         kind = _device_kinds(m, warmup=warmup, defer=min(defer, max(i, m - (p - i))))
         rows.append((kind, np.full(len(kind), i)))
     options = {"extra": extra} if name == "zb-h" else {}
-    return Schedule(name, p, p, m, (linear_placement(p),), counted_rows(_CODES, rows, m), options)
+    return Schedule(name, p, p, m, (linear_placement(p),), counted_rows(rows, m), options)
 
 
 def zb_h1(devices: int, microbatches: int) -> Schedule:
