@@ -258,3 +258,22 @@ def test_an_interrupt_landing_in_a_callback_is_raised_after_it(capfd, monkeypatc
             time.sleep(0.001)
     assert type(got.value) is type(raised) and getattr(got.value, "signum", None) == getattr(raised, "signum", None)
     assert "Exception ignored" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("argv, first, second", [
+    (["train", "--devices", "4", "--pp", "2"], "--devices 4", "--pp 2"),  # two names of one option
+    (["simulate", "1f1b", "-p", "4", "--devices", "8"], "-p 4", "--devices 8"),
+    (["train", *TINY, "--steps", "3", "--steps", "4"], "--steps 3", "--steps 4"),  # one name twice
+    (["train", "--tp", "2,1", "--tp", "2"], "--tp 2,1", "--tp 2"),  # a list-valued one
+    (["plan", "--memory-budget", "1", "--memory-budget", "2"], "--memory-budget 1", "--memory-budget 2"),
+])
+def test_an_option_given_twice_with_different_values(capsys: pytest.CaptureFixture[str], argv: list[str],
+                                                     first: str, second: str) -> None:
+    """argparse keeps the last value silently; the command refuses both, naming them."""
+    line = one_line_error(capsys, argv)
+    assert f"{first} and {second} set the same option" in line and "give it once" in line
+
+
+def test_an_option_given_twice_with_one_value_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "1f1b", "-p", "2", "--devices", "2", "-m", "4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["devices"] == 2

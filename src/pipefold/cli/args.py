@@ -44,8 +44,37 @@ def _tp_degrees(text: str) -> int | tuple[int, ...]:
     return out[0] if len(out) == 1 else out
 
 
+class _Once(argparse._StoreAction):
+    """An option that takes a value, given once: given again (or under another of its names, ``--pp`` and
+    ``--devices``) with another value it is refused, where argparse would keep the last one silently."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        seen: dict[str, tuple[str | None, Any]] = parser.__dict__.setdefault("_given_once", {})
+        if self.dest in seen and seen[self.dest][1] != values:
+            first, before = seen[self.dest]
+            parser.error(f"{first} {_shown(before)} and {option_string} {_shown(values)} set the same option "
+                         f"({', '.join(self.option_strings)}); give it once")
+        seen[self.dest] = (option_string, values)
+        super().__call__(parser, namespace, values, option_string)
+
+
+def _shown(value: Any) -> str:
+    return ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+
+
 class _Parser(argparse.ArgumentParser):
-    """argparse that reports a usage mistake as one line, not a usage dump."""
+    """argparse that reports a usage mistake as one line, not a usage dump, and refuses an option given twice with
+    different values (:class:`_Once`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.register("action", None, _Once)
+        self.register("action", "store", _Once)
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        self.__dict__["_given_once"] = {}  # what this parse was given (each subcommand's parser keeps its own)
+        return super().parse_known_args(args, namespace)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
