@@ -202,6 +202,6 @@ def test_the_machine_probe_times_its_work_and_takes_the_drift_out(monkeypatch: p
     assert speed.at_profile_speed(0.9, speed.Bracket(2.0, 2.0), speed.Bracket(1.0, 3.0)) == pytest.approx(0.9)
     with speed.bracket() as probed:
         narrow = probed.before
-    assert 0 < narrow and 0 < probed.after and probed.seconds == pytest.approx((narrow + probed.after) / 2)
+    assert narrow > 0 and probed.after > 0 and probed.seconds == pytest.approx((narrow + probed.after) / 2)
     monkeypatch.setattr(speed, "WIDTH", 2 * speed.WIDTH)
     assert speed.probe() > 2 * min(narrow, probed.after)
