@@ -1,15 +1,16 @@
-"""How fast this machine is right now: a fixed piece of work, timed, to put a profile and a run minutes apart on
-one scale.
+"""How steady this machine is: a fixed piece of work that owes nothing to pipefold (two Linear layers and a GELU,
+forward and backward, in plain torch on one thread), timed again and again.
 
-A plan's prediction is made from a profile; the run it predicts comes minutes later. On a shared machine its
-speed moves between the two (this one's plain matmuls moved by up to 20% from one half-second to the next, and a
-model's profile by up to 1.8 times within minutes: docs/plan.md). The accuracy benchmarks time this probe, which
-owes nothing to pipefold (two Linear layers and a GELU, forward and backward, in plain torch on one thread),
-right before and right after the profile and each run, and report the measured step over the prediction twice:
-as it is, and over the probe's own ratio (the run's time over the profile's), which says how much of a miss the
-machine's speed explains.
+A plan's prediction comes from a profile and is checked against a run minutes later; on a shared machine the
+speed moves in between. The spread of this probe over a minute is the noise floor under any such check
+(docs/plan.md, "How steady the machine is").
 
-    python benchmarks/machine_speed.py            # the probe's time, five times, with its spread
+    python benchmarks/machine_speed.py                # 20 probes, a few seconds
+    python benchmarks/machine_speed.py --block        # and, after each, a block of plan_accuracy's gpt-small
+
+With ``--block`` each probe is followed by 20 forwards and backwards of one transformer block of the GPT at width
+64 and sequence 256 (what ``plan_accuracy.py``'s gpt-small is made of), and the two series' spreads and
+correlation are printed: whether a probe timed between the runs could stand for the model's own speed.
 """
 
 from __future__ import annotations
@@ -17,10 +18,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Callable
 
+import numpy as np
 import torch
 
 WIDTH, ROWS, PASSES, WINDOWS = 256, 64, 25, 5
@@ -52,46 +52,55 @@ def probe() -> float:
         torch.set_num_threads(threads)
 
 
-@dataclass
-class Bracket:
-    """The probe right before and right after some work: ``seconds`` is their mean."""
+def gpt_block() -> Callable[[], float]:
+    """A function timing one forward and backward of a GPT block at width 64, sequence 256, batch 2 (median of
+    20), on one thread."""
+    from pipefold.models import make_model
 
-    before: float = float("nan")
-    after: float = float("nan")
+    block = make_model("gpt", layers=3, hidden=64, heads=4, seq=256, batch=2).build()[1]
+    x = torch.randn(2, 256, 64, generator=torch.Generator().manual_seed(0), requires_grad=True)
 
-    @property
-    def seconds(self) -> float:
-        return (self.before + self.after) / 2
+    def timed() -> float:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            times = []
+            for _ in range(20):
+                t0 = time.perf_counter()
+                block(x).sum().backward()
+                times.append(time.perf_counter() - t0)
+            return statistics.median(times)
+        finally:
+            torch.set_num_threads(threads)
 
-    def to_dict(self) -> dict[str, float]:
-        return {"probe_before_s": self.before, "probe_after_s": self.after, "probe_s": self.seconds}
+    timed()  # warm
+    return timed
 
 
-@contextmanager
-def bracket() -> Iterator[Bracket]:
-    """``with bracket() as b: work()``: the probe before and after the work."""
-    b = Bracket(before=probe())
-    yield b
-    b.after = probe()
-
-
-def at_profile_speed(ratio: float, run: Bracket | dict[str, float], profile: Bracket | dict[str, float]) -> float:
-    """A measured-over-predicted ``ratio`` with the machine's drift taken out: over the probe's time at the run
-    against at the profile (above 1 when the machine was slower at the run)."""
-    seconds = [x.seconds if isinstance(x, Bracket) else x["probe_s"] for x in (run, profile)]
-    return ratio / (seconds[0] / seconds[1])
+def _spread(name: str, got: list[float]) -> str:
+    return (f"{name}: {statistics.median(got) * 1e6:.0f} us a pass (median of {len(got)}); "
+            f"{min(got) * 1e6:.0f}..{max(got) * 1e6:.0f} us, the slowest {max(got) / min(got):.2f} times the fastest")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--times", type=int, default=5, help="probes to take (default 5)")
+    ap.add_argument("--times", type=int, default=20, help="probes to take (default 20)")
+    ap.add_argument("--block", action="store_true", help="time a GPT block after each probe, and correlate")
     args = ap.parse_args()
     if args.times < 1:
         ap.error(f"--times must be at least 1, got {args.times}")
-    got = [probe() for _ in range(args.times)]
-    print(f"probe: {statistics.median(got) * 1e6:.0f} us a pass (median of {args.times}; "
-          f"{min(got) * 1e6:.0f}..{max(got) * 1e6:.0f})")
-
+    if args.times < 2 and args.block:
+        ap.error("--block needs --times of at least 2 (a correlation)")
+    block = gpt_block() if args.block else None
+    got, blocks = [], []
+    for _ in range(args.times):
+        got.append(probe())
+        if block is not None:
+            blocks.append(block())
+    print(_spread(f"probe ({WINDOWS} windows of {PASSES} passes)", got))
+    if blocks:
+        print(_spread("GPT block", blocks))
+        print(f"correlation of the two over {args.times} rounds: {np.corrcoef(got, blocks)[0, 1]:.2f}")
 
 if __name__ == "__main__":
     main()

@@ -9,10 +9,7 @@ and ``mlp-small``, the MLP at width 128 and batch 128) on 4 local gloo ranks:
 2. for 1f1b, zb-h1, zb-v, v-half and v-min: plan that family alone with no memory limit (its best split),
    run it, and put the profile's prediction next to the measurement: step time (median of the steps after
    the first, with min..max), bubble ratio, every rank's peak bytes; the activation part of the peak is
-   also read by torch's MemTracker in one step (an independent tracker of every tensor); and the same step
-   ratio at the profile's speed: over how much slower a fixed probe of plain torch ran around the run than
-   around the profile (``benchmarks/machine_speed.py``), which says how much of a miss the machine's own drift
-   explains;
+   also read by torch's MemTracker in one step (an independent tracker of every tensor);
 3. set a budget at 60% of 1F1B's measured peak, plan over every family, run the chosen plan, and run each
    of the five families' own best plan under that budget (recomputing where it must): the chosen plan
    must fit and be the fastest measured among those that fit.
@@ -23,13 +20,10 @@ and ``mlp-small``, the MLP at width 128 and batch 128) on 4 local gloo ranks:
 from __future__ import annotations
 
 import argparse
-import functools
 import math
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from pipefold.errors import ConfigError
@@ -42,9 +36,6 @@ from pipefold.train.overhead import profile_here
 from pipefold.train.planned import from_plan
 from pipefold.train.prepare import make_job
 from pipefold.train.spec import RunSpec
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine_speed import Bracket, at_profile_speed, bracket  # noqa: E402
 
 FAMILIES = ("1f1b", "zb-h1", "zb-v", "v-half", "v-min")
 MODELS: dict[str, dict[str, Any]] = {
@@ -65,8 +56,7 @@ def run_plan(plan: dict[str, Any], steps: int) -> dict[str, Any]:
     job = make_job(planned.spec, decided=planned.decided)
     if not job.parallel.fsdp:  # FSDP takes no memory check: MemTracker's column stays empty for it
         job = type(job)(**{**job.__dict__, "verify_memory_step": steps - 1})
-    with bracket() as machine:
-        reports = run_local(job)
+    reports = run_local(job)
     profile = Profile.from_dict(plan["profile"])
     result, peaks, static = predict(profile, ran.layout, job.schedule, job.layer_stages,
                                     job.recompute)
@@ -88,37 +78,33 @@ def run_plan(plan: dict[str, Any], steps: int) -> dict[str, Any]:
                           "update_s": result.makespan - result.timeline.makespan(), "company": company},
             "measured": got, "step_parts": step_parts(reports), "company": beside,
             "memtracker_activation_bytes": [c.get("tracker_between_actions", 0) for c in checks],
-            "meter_activation_bytes_same_step": [c.get("meter_between_actions", 0) for c in checks],
-            "machine": machine.to_dict()}
+            "meter_activation_bytes_same_step": [c.get("meter_between_actions", 0) for c in checks]}
 
 
 def _ratio(a: float, b: float) -> float:
     return a / b if b else math.nan
 
 
-def bench_model(name: str, profile: Profile, steps: int, budgeted: bool = True,
-                probed: Bracket | None = None) -> dict[str, Any]:
-    """``probed``: the machine's probe around the profile (none for a profile read from a file)."""
+def bench_model(name: str, profile: Profile, steps: int, budgeted: bool = True) -> dict[str, Any]:
     rows = []
-    report = functools.partial(_report, name, probed=probed)
     for family in SETTINGS["families"]:
         plan = plan_model(profile, SETTINGS['devices'], 1e15, families=[family]).to_dict()
         rows.append(run_plan(plan, steps))
-        report(rows[-1])
-    head = {"model": name, "profile": profile.train, "machine": profile.machine,
-            "profile_probe": probed.to_dict() if probed else None, "schedules": rows}
+        _report(name, rows[-1])
     if not budgeted:
-        return {**head, "chosen": None}
+        return {"model": name, "profile": profile.train, "machine": profile.machine, "schedules": rows,
+                "chosen": None}
     one_f_one_b = max(rows[0]["measured"]["peak_bytes"])
     budget = 0.6 * one_f_one_b
     try:
         chosen_plan = plan_model(profile, SETTINGS['devices'], budget).to_dict()
     except ConfigError as exc:  # weights and optimizer state alone may exceed 60% of 1F1B's peak
         print(f"{name}: {exc}", flush=True)
-        return {**head, "budget_bytes": budget, "one_f_one_b_peak_bytes": one_f_one_b, "chosen": None,
+        return {"model": name, "profile": profile.train, "machine": profile.machine, "schedules": rows,
+                "budget_bytes": budget, "one_f_one_b_peak_bytes": one_f_one_b, "chosen": None,
                 "no_plan_fits": str(exc)}
     chosen = run_plan(chosen_plan, steps)
-    report(chosen, "chosen")
+    _report(name, chosen, "chosen")
     under = []
     for family in SETTINGS["families"]:
         try:
@@ -131,27 +117,25 @@ def bench_model(name: str, profile: Profile, steps: int, budgeted: bool = True,
             row = chosen
         else:
             row = run_plan(plan, steps)
-            report(row, "under budget")
+            _report(name, row, "under budget")
         under.append({**row, "fits": max(row["measured"]["peak_bytes"]) <= budget})
     fitting = [r for r in under if r.get("fits")] + [chosen]
     fastest = min(fitting, key=lambda r: r["measured"]["step_time_s"])
-    return {**head, "budget_bytes": budget, "one_f_one_b_peak_bytes": one_f_one_b, "chosen": chosen,
+    return {"model": name, "profile": profile.train, "machine": profile.machine, "schedules": rows,
+            "budget_bytes": budget, "one_f_one_b_peak_bytes": one_f_one_b, "chosen": chosen,
             "chosen_fits": max(chosen["measured"]["peak_bytes"]) <= budget, "under_budget": under,
             "fastest_measured_under_budget": fastest["schedule"],
             "chosen_is_fastest": fastest is chosen or fastest["measured"]["step_time_s"]
             >= chosen["measured"]["step_time_s"]}
 
 
-def _report(model: str, row: dict[str, Any], tag: str = "", *, probed: Bracket | None) -> None:
+def _report(model: str, row: dict[str, Any], tag: str = "") -> None:
     p, m = row["predicted"], row["measured"]
     worst = max(abs(_ratio(a, b) - 1) for a, b in zip(m["peak_bytes"], p["peak_bytes"], strict=True))
     lo, hi = m["step_time_spread_s"]
-    ratio = _ratio(m["step_time_s"], p["step_time_s"])
-    drift = "" if probed is None else (f" ({at_profile_speed(ratio, row['machine'], probed) - 1:+.1%} at the "
-                                       f"profile's speed: the probe x{row['machine']['probe_s'] / probed.seconds:.2f})")
     print(f"{model} {row['schedule']:<24} {tag:<12} step {m['step_time_s'] * 1e3:7.1f} ms "
           f"({lo * 1e3:.0f}..{hi * 1e3:.0f}) vs {p['step_time_s'] * 1e3:7.1f} predicted "
-          f"({ratio - 1:+.1%}){drift}; bubble {m['bubble_ratio']:.1%} vs "
+          f"({_ratio(m['step_time_s'], p['step_time_s']) - 1:+.1%}); bubble {m['bubble_ratio']:.1%} vs "
           f"{p['bubble_ratio']:.1%}; worst rank peak {worst:+.1%} off; recompute {row['recompute']}",
           flush=True)
 
@@ -173,31 +157,18 @@ def main() -> None:
     for name in args.models.split(","):
         given = getattr(args, f"profile_{name.replace('-', '_')}")
         t0 = time.perf_counter()
-        probed = None
-        if given:
-            profile = Profile.load(given)
-        else:
-            with bracket() as probed:
-                profile = profile_here(devices=SETTINGS['devices'], **MODELS[name])
+        profile = Profile.load(given) if given else profile_here(devices=SETTINGS['devices'], **MODELS[name])
+        if given is None:
             profile.save(f"/tmp/pipefold-bench-{name}-p{SETTINGS['devices']}.json")
         print(f"{name}: profile in {time.perf_counter() - t0:.1f} s; contention {profile.contention}", flush=True)
-        out.append(bench_model(name, profile, args.steps, not args.no_budget, probed))
+        out.append(bench_model(name, profile, args.steps, not args.no_budget))
     for r in out:
         runs = [*r["schedules"], *([r["chosen"]] if r["chosen"] else [])]
-        ratios = [_ratio(x["measured"]["step_time_s"], x["predicted"]["step_time_s"]) for x in runs]
-        times = [abs(x - 1) for x in ratios]
+        times = [abs(_ratio(x["measured"]["step_time_s"], x["predicted"]["step_time_s"]) - 1) for x in runs]
         peaks = [abs(_ratio(a, b) - 1) for x in runs
                  for a, b in zip(x["measured"]["peak_bytes"], x["predicted"]["peak_bytes"], strict=True)]
         print(f"{r['model']} on {SETTINGS['devices']} ranks: step time off by at most {max(times):.1%} (median "
-              f"{statistics.median(times):.1%}), {sum(t <= 0.1 for t in times)} of {len(times)} within 10%; peaks "
-              f"off by at most {max(peaks):.1%}")
-        if r["profile_probe"]:
-            steady = [abs(at_profile_speed(q, x["machine"], r["profile_probe"]) - 1) for q, x in zip(ratios, runs,
-                                                                                                   strict=True)]
-            drifts = [x["machine"]["probe_s"] / r["profile_probe"]["probe_s"] for x in runs]
-            print(f"  at the profile's speed: off by at most {max(steady):.1%} (median "
-                  f"{statistics.median(steady):.1%}), {sum(t <= 0.1 for t in steady)} of {len(steady)} within 10%; "
-                  f"the probe ran x{min(drifts):.2f}..x{max(drifts):.2f} the profile's time around the runs")
+              f"{statistics.median(times):.1%}); peaks off by at most {max(peaks):.1%}")
         if r["chosen"]:
             print(f"  budget {r['budget_bytes'] / 2**20:.1f} MiB: chosen {r['chosen']['schedule']} fits "
                   f"{r['chosen_fits']}, fastest measured that fits: {r['fastest_measured_under_budget']} "

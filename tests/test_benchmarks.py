@@ -30,7 +30,7 @@ SMALL: dict[str, list[str] | None] = {
     "p2p.py": ["--steps", "1", "--sizes", "4096", "65536"],
     "layer_company.py": ["--hidden", "64", "--stage", "3", "--rounds", "1", "--laps", "3"],
     "core_sharing.py": ["--steps", "2", "--pause", "0"],
-    "machine_speed.py": ["--times", "1"],
+    "machine_speed.py": ["--times", "2", "--block"],
     "offload_gpu.py": ["--quick"],  # its CPU path (figures marked as no measurement): what a GPU run goes through
     # Too slow for the suite even in their smallest modes (measured here: 62, 32, 22, 19 and 16 s); mypy checks their
     # calls into the library; run them by hand before quoting their figures:
@@ -193,15 +193,10 @@ def test_the_gpu_checks_layouts_table_reads_the_memory_check(monkeypatch: pytest
     assert cells == ["tp 2 x dp 1 x pp 2", "0", "100.0", "100.0", "99.0", "-1.0%", "4.0"]
 
 
-def test_the_machine_probe_times_its_work_and_takes_the_drift_out(monkeypatch: pytest.MonkeyPatch) -> None:
-    """machine_speed.py: a measured-over-predicted ratio at the profile's speed is the ratio over the probe's own
-    (closed form); the probe times real work: at twice the width its matmuls do 4 times the work, and it takes
-    longer (by far more than the machine's drift, checked at a margin of 2)."""
+def test_the_machine_probe_times_its_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """machine_speed.py's probe times real work: at twice the width its matmuls do 4 times the work, and it takes
+    longer (by more than the machine's own spread, checked at a margin of 2)."""
     speed = load_benchmark("machine_speed.py")
-    assert speed.at_profile_speed(1.2, {"probe_s": 1.5e-3}, {"probe_s": 1.25e-3}) == pytest.approx(1.0)
-    assert speed.at_profile_speed(0.9, speed.Bracket(2.0, 2.0), speed.Bracket(1.0, 3.0)) == pytest.approx(0.9)
-    with speed.bracket() as probed:
-        narrow = probed.before
-    assert narrow > 0 and probed.after > 0 and probed.seconds == pytest.approx((narrow + probed.after) / 2)
+    narrow = speed.probe()
     monkeypatch.setattr(speed, "WIDTH", 2 * speed.WIDTH)
-    assert speed.probe() > 2 * min(narrow, probed.after)
+    assert narrow > 0 and speed.probe() > 2 * narrow

@@ -66,7 +66,8 @@ class Shrink:
     benchmark_runs: int = 1
     """``--runs`` of a benchmark come down to this: its runs are repeats of the whole measurement."""
     benchmark_rounds: int = 2
-    """``--rounds`` of a benchmark come down to this: its rounds alternate the ways it compares, repeats too."""
+    """``--rounds`` of a benchmark come down to this: its rounds alternate the ways it compares, repeats too; so do
+    its ``--times`` (``machine_speed.py``'s probes)."""
     benchmark_reps: int = 20
     """``--reps`` of a benchmark (calls timed together in a round) come down to this."""
     nodes: int = 4
@@ -188,7 +189,8 @@ def shrink_benchmark(argv: list[str], options: str | None = None) -> list[str]:
     source = options if options is not None else (ROOT / out[0]).read_text(encoding="utf-8")
     caps = {"--steps": SHRINK.benchmark_steps, "--hidden": SHRINK.width, "--seq": SHRINK.width,
             "--nodes": SHRINK.benchmark_nodes, "--runs": SHRINK.benchmark_runs,
-            "--rounds": SHRINK.benchmark_rounds, "--reps": SHRINK.benchmark_reps}
+            "--rounds": SHRINK.benchmark_rounds, "--times": SHRINK.benchmark_rounds,
+            "--reps": SHRINK.benchmark_reps}
     for name, cap in caps.items():
         if name in out[1:-1]:
             i = out.index(name)
@@ -485,6 +487,8 @@ def test_the_setting_scales_only_sizes_and_steps(argv: list[str], factor: float,
     (["benchmarks/b.py"], 'add_argument("--hidden", type=int, default=HIDDEN)\nadd_argument("--steps", default=3)\n'
      'add_argument("--seq", type=int, default=32)\n', ["benchmarks/b.py", "--steps", "2", "--hidden", "64"]),
     (["-c", "--steps", "20"], "", ["-c", "--steps", "20"]),
+    (["benchmarks/b.py", "--block", "--times", "60"], "", ["benchmarks/b.py", "--block", "--times", "2"]),
+    (["benchmarks/b.py"], 'add_argument("--times", type=int, default=20)\n', ["benchmarks/b.py", "--times", "2"]),
 ])
 def test_the_setting_shrinks_a_benchmark(argv: list[str], options: str, expected: list[str]) -> None:
     assert shrink_benchmark(argv, options) == expected
