@@ -30,7 +30,7 @@ SMALL: dict[str, list[str] | None] = {
     "p2p.py": ["--steps", "1", "--sizes", "4096", "65536"],
     "layer_company.py": ["--hidden", "64", "--stage", "3", "--rounds", "1", "--laps", "3"],
     "core_sharing.py": ["--steps", "2", "--pause", "0"],
-    "machine_speed.py": ["--times", "2", "--block"],
+    "machine_speed.py": ["--times", "2", "--block"],  # (--beside: as docs/plan.md shows it)
     "offload_gpu.py": ["--quick"],  # its CPU path (figures marked as no measurement): what a GPU run goes through
     # Too slow for the suite even in their smallest modes (measured here: 62, 32, 22, 19 and 16 s); mypy checks their
     # calls into the library; run them by hand before quoting their figures:
