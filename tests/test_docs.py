@@ -67,7 +67,7 @@ class Shrink:
     """``--runs`` of a benchmark come down to this: its runs are repeats of the whole measurement."""
     benchmark_rounds: int = 2
     """``--rounds`` of a benchmark come down to this: its rounds alternate the ways it compares, repeats too; so do
-    its ``--times`` (``machine_speed.py``'s probes)."""
+    its ``--times`` and ``--beside`` (``machine_speed.py``'s probes and rounds)."""
     benchmark_reps: int = 20
     """``--reps`` of a benchmark (calls timed together in a round) come down to this."""
     nodes: int = 4
@@ -190,7 +190,7 @@ def shrink_benchmark(argv: list[str], options: str | None = None) -> list[str]:
     caps = {"--steps": SHRINK.benchmark_steps, "--hidden": SHRINK.width, "--seq": SHRINK.width,
             "--nodes": SHRINK.benchmark_nodes, "--runs": SHRINK.benchmark_runs,
             "--rounds": SHRINK.benchmark_rounds, "--times": SHRINK.benchmark_rounds,
-            "--reps": SHRINK.benchmark_reps}
+            "--beside": SHRINK.benchmark_rounds, "--reps": SHRINK.benchmark_reps}
     for name, cap in caps.items():
         if name in out[1:-1]:
             i = out.index(name)
@@ -488,6 +488,7 @@ def test_the_setting_scales_only_sizes_and_steps(argv: list[str], factor: float,
      'add_argument("--seq", type=int, default=32)\n', ["benchmarks/b.py", "--steps", "2", "--hidden", "64"]),
     (["-c", "--steps", "20"], "", ["-c", "--steps", "20"]),
     (["benchmarks/b.py", "--block", "--times", "60"], "", ["benchmarks/b.py", "--block", "--times", "2"]),
+    (["benchmarks/b.py", "--beside", "12"], "", ["benchmarks/b.py", "--beside", "2"]),
     (["benchmarks/b.py"], 'add_argument("--times", type=int, default=20)\n', ["benchmarks/b.py", "--times", "2"]),
 ])
 def test_the_setting_shrinks_a_benchmark(argv: list[str], options: str, expected: list[str]) -> None:
