@@ -21,6 +21,7 @@ sharing of the cores has it) or on its own.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -97,7 +98,7 @@ def beside(rounds: int) -> None:
     alone, shared = [], []
     for r in range(rounds):
         alone.append(window())
-        other = subprocess.Popen([sys.executable, __file__, "--burn"])
+        other = subprocess.Popen([sys.executable, __file__, "--burn", str(os.getpid())])
         try:
             time.sleep(1.0)  # (its model built, it computes)
             shared.append(window())
@@ -124,12 +125,13 @@ def main() -> None:
     ap.add_argument("--block", action="store_true", help="time a GPT block after each probe, and correlate")
     ap.add_argument("--beside", type=int, metavar="N", help="time a GPT block alone and beside another process, "
                     "N rounds")
-    ap.add_argument("--burn", action="store_true", help=argparse.SUPPRESS)  # the other process of --beside
+    ap.add_argument("--burn", type=int, help=argparse.SUPPRESS)  # the other process of --beside: its parent's pid
     args = ap.parse_args()
-    if args.burn:
+    if args.burn is not None:  # until killed, or until its parent is gone (killed itself, it cannot kill this one)
         burn = gpt_block()
-        while True:
+        while os.getppid() == args.burn:
             burn()
+        return
     if args.beside is not None:
         if args.beside < 1:
             ap.error(f"--beside must be at least 1 round, got {args.beside}")
