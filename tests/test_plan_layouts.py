@@ -807,3 +807,39 @@ def test_a_profile_records_its_models_tied_layers(tmp_path) -> None:
         with pytest.raises(ConfigError, match="each group of tied layers names two or more of its 4 layers") as info:
             Profile.from_dict({**prof.to_dict(), "tied": bad})
         assert "\n" not in str(info.value)
+
+
+def test_a_profile_for_one_pipeline_measures_the_all_reduce_and_no_sharding(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``train --schedule auto`` plans one pipeline, which has no copies to shard: its profile measures the
+    all-reduce (the gradients' check runs one over every rank) but not ZeRO-1's or FSDP's costs, and loses nothing
+    by it: with any sharding fits added, the plans of one pipeline are the same, point for point."""
+    from pipefold.runtime.profiling import profile_model
+    from pipefold.train import planned
+    from pipefold.train.spec import RunSpec
+
+    prof = profile_model(model="gpt", layers=2, hidden=32, heads=2, seq=16, batch=8, microbatches=4, devices=2,
+                         repeats=1, contention=False, sharding=False)
+    assert set(prof.allreduce) == {2} and not prof.zero1 and not prof.fsdp and not prof.fsdp_passes
+    padded = dataclasses.replace(prof, zero1={2: (1e-3, 1e6)}, fsdp={2: ((1e-3, 1e6), (2e-3, 5e5))},
+                                 fsdp_passes=((1e-4, 1e-5),) * 4, fsdp_update=1e-5)
+
+    def points(p: Profile) -> list[tuple[Any, ...]]:
+        answer = plan_model(p, 2, 1e12)
+        return [(x.spec, x.layer_stages, x.recompute, x.makespan, tuple(x.peak_memory)) for x in answer.points]
+
+    assert points(prof) and points(prof) == points(padded)
+    fsdp = [Layout(2, 1, 1, "fsdp")]  # where the fits do count: two copies, sharded
+    sharded = [plan_model(p, 2, 1e12, layouts=fsdp).best.makespan for p in (prof, padded)]
+    assert sharded[0] != sharded[1]
+    seen: dict[str, Any] = {}
+
+    def stop(**sizes: Any) -> Profile:
+        seen.update(sizes)
+        raise KeyboardInterrupt  # (what it was asked is all this test reads)
+
+    monkeypatch.setattr(planned, "profile_here", stop)
+    spec = RunSpec.flat(schedule="auto", memory_budget="1GB", model="gpt", layers=2, hidden=32, heads=2, seq=16,
+                        batch=8, microbatches=4, devices=2)
+    with pytest.raises(KeyboardInterrupt):
+        planned.plan_here(spec)
+    assert seen["sharding"] is False and seen["devices"] == 2

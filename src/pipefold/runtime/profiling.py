@@ -1204,13 +1204,15 @@ def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int 
                   heads: int | None = None, model_config: str | None = None, seq: int = 64,
                   batch: int = 16, microbatches: int = 8, optimizer: str = "adamw", seed: int = 0,
                   devices: int = 4, repeats: int = 7, link: bool = True, contention: bool = True,
-                  tp: Sequence[int] = (1,), progress: Progress | None = None) -> Profile:
+                  tp: Sequence[int] = (1,), sharding: bool = True, progress: Progress | None = None) -> Profile:
     """Measure ``model`` at this size on this machine (see the module's docstring).
 
     Without ``link`` the link is free (latency 0, infinite bandwidth); without ``contention``
     every rank has a device of its own (factor 1 for any k). ``layers``, ``hidden`` and ``heads`` None: the model's
     defaults; ``model_config``: a Hugging Face model's config. Each ``tp`` degree above 1 measures the layers
-    again, split over that many local ranks (:func:`measure_sharded`).
+    again, split over that many local ranks (:func:`measure_sharded`). Without ``sharding`` the copies' sharing
+    of their state (ZeRO-1's, FSDP's collectives and hooks) is not measured, only their all-reduce: a plan of one
+    pipeline (``pipefold train --schedule auto``) has no copies to shard, and the profile takes about half the time.
     """
     if batch % microbatches:
         raise ConfigError(f"a batch of {batch} does not split into {microbatches} microbatches; "
@@ -1281,11 +1283,12 @@ def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int 
                 progress("all-reduce", i, len(groups))
             load = (train, chunk, devices - k) if contention else None
             allreduce[k] = measure_allreduce(k, load=load)
-            zero1[k] = measure_zero1(k, load=load)
-            fsdp[k] = measure_fsdp(k, load=load)
+            if sharding:
+                zero1[k] = measure_zero1(k, load=load)
+                fsdp[k] = measure_fsdp(k, load=load)
         if progress is not None:
             progress("all-reduce", len(groups), len(groups))
-        if groups:  # what FSDP's hooks and shards add to a sharded stage: each rank's own work
+        if groups and sharding:  # what FSDP's hooks and shards add to a sharded stage: each rank's own work
             if progress is not None:
                 progress("FSDP hooks", 0, 1)
             fsdp_passes, fsdp_update = measure_fsdp_hooks(train, *hooked, optimizer=optimizer)

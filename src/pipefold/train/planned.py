@@ -64,10 +64,11 @@ def plan_here(spec: RunSpec, *, profiling: Callable[[str, int, int], None] | Non
     name = spec.optimizer.name
     if not isinstance(name, str):
         raise ConfigError("--schedule auto profiles the optimizer's state by name: give adamw or sgd")
-    # The schedule is not chosen yet: sized for at least one stage per device.
+    # The schedule is not chosen yet: sized for at least one stage per device. One pipeline is planned: no copies
+    # whose sharding the profile would have to measure.
     profile = profile_here(model=m.name, layers=m.layers_for(s.devices), hidden=m.hidden, heads=m.heads,
                            model_config=m.config, seq=m.seq, batch=m.batch, microbatches=s.microbatches,
-                           optimizer=name, seed=m.seed, devices=s.devices, progress=profiling)
+                           optimizer=name, seed=m.seed, devices=s.devices, sharding=False, progress=profiling)
     return plan_model(profile, s.devices, spec.memory.budget, progress=planning).run_plan
 
 
