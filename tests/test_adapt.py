@@ -160,7 +160,7 @@ def test_emulated_link_has_the_bandwidth_it_was_given() -> None:
     assert not off, off
     nbytes = 64 * 256 * 4
     # Every message of a step crosses a link one after the other: 4 forwards then 4 gradients on 0 <-> 1.
-    assert min(max(r.steps[-1].wall for r in reports) for _ in (0,)) > 4 * nbytes / 2e6
+    assert max(r.steps[-1].wall for r in reports) > 4 * nbytes / 2e6
 
 
 def _reference_weights(job, steps: int, lr: float) -> dict[str, torch.Tensor]:
