@@ -16,9 +16,11 @@ first ``pipefold`` command runs as a process of its own, as a shell runs it; the
 process (``tests/_pipefold_server.py``, the entry point's own function, output and exit code), which imports torch
 and starts the ranks' fork server once for the page instead of once per command: most of the pages' time before.
 
-A command that names no file (it reads none and writes none, so its folder cannot change what it does and no later
-command can need what it wrote) and that two pages show alike, after SHRINK, runs once for the suite: the first page
-to reach it runs it, the other waits for that run's verdict (``_Once``).
+A command that two pages show alike, after SHRINK, and that reads the same files on both, runs once for the suite: the
+first page to reach it runs it, the other waits for that run's verdict and gets a copy of every file the run wrote in
+its folder (``_Once``). Alike means the same command and the same bytes in each file it names that its page's folder
+already holds (a profile an earlier command wrote, an example's config); a command that names a folder, or a file
+that is neither there nor one it writes, sets variables, or is not ``pipefold``, runs on its own page.
 
 Blocks fenced as ```python run as programs in the same folder; ```python fragment marks a few lines completed by
 a later block of the same page. What cannot run here is skipped with the reason: CUDA without a GPU, network
@@ -319,12 +321,7 @@ def _check(argv: list[str], got: subprocess.CompletedProcess[str], cwd: Path, st
         assert got.returncode != 0 and len(lines) == 1 and failing in lines[0], f"{shown}\n{got.stderr}"
         return
     assert got.returncode == 0, f"{shown}\nexit {got.returncode}\n{got.stdout[-3000:]}\n{got.stderr[-3000:]}"
-    for name in OUTPUTS:
-        path = _value(argv, name)
-        if path is not None and not path.startswith("/dev/"):
-            written = cwd / path
-            assert written.is_file() and written.stat().st_size > 0, f"{shown}: {path} not written"
-            assert written.stat().st_mtime >= started - 1, f"{shown}: {path} not written by this command"
+    _check_written(argv, cwd, started, shown)
     if "--json" in argv and _pipefold_argv(argv) is not None:
         out = json.loads(got.stdout)
         if "--check" in argv:
@@ -334,27 +331,61 @@ def _check(argv: list[str], got: subprocess.CompletedProcess[str], cwd: Path, st
         assert diff is not None and float(diff[1]) < 1e-4, f"{shown}\n{got.stdout[-2000:]}"
 
 
+def _check_written(argv: list[str], cwd: Path, started: float, shown: str | None = None) -> None:
+    """Every file the command names as an output is there, not empty, and written since it ``started``."""
+    for name in OUTPUTS:
+        path = _value(argv, name)
+        if path is not None and not path.startswith("/dev/"):
+            written = cwd / path
+            assert written.is_file() and written.stat().st_size > 0, f"{shown or shlex.join(argv)}: {path} not written"
+            assert written.stat().st_mtime >= started - 1, f"{shown or shlex.join(argv)}: {path} not written by it"
+
+
 FILE_LIKE = re.compile(r"[/\\]|\.[A-Za-z]+$")
 """An argument naming a file or a folder: a path, or a name with an extension (``zb.csv``, ``run.json``)."""
 FOLDER_OPTIONS = {"--checkpoint-dir", "--resume"}
 
 
-def once_key(argv: list[str], factor: float) -> str | None:
-    """The key under which a command runs once for every page that shows it (the command as run, with SHRINK), or
-    None where it must run on its own page: it names a file or a folder, or sets variables."""
-    if argv[0] not in ("pipefold", "torchrun") or "pipefold" not in argv:
+def once_key(argv: list[str], factor: float, cwd: Path) -> str | None:
+    """The key under which a command runs once for every page that shows it (the command as run, with SHRINK, and
+    the bytes of each file it names that ``cwd`` holds, less those it writes), or None where it must run on its
+    own page: it names a folder, or a file that ``cwd`` does not hold and it does not write, or sets variables."""
+    if argv[0] not in ("pipefold", "torchrun") or "pipefold" not in argv or FOLDER_OPTIONS & set(argv):
         return None
-    if any(FILE_LIKE.search(a) for a in argv[1:]) or FOLDER_OPTIONS & set(argv):
-        return None
+    import hashlib
+
     at = argv.index("pipefold") + 1
-    return shlex.join([*argv[:at], *shrink(argv[at:], factor)])
+    written = {_value(argv, name) for name in OUTPUTS}
+    read = []
+    for i, word in enumerate(argv[at:], at):
+        if not FILE_LIKE.search(word) or word in written and argv[i - 1] in OUTPUTS:
+            continue
+        path = cwd / word
+        if not path.is_file():
+            return None
+        read.append(f"{word}:{hashlib.sha256(path.read_bytes()).hexdigest()}")
+    return " ".join([shlex.join([*argv[:at], *shrink(argv[at:], factor)]), *read])
+
+
+def _files(folder: Path) -> dict[str, tuple[int, int]]:
+    """Every file under ``folder`` (not through links: a page's ``examples/`` and ``benchmarks/``), by its path
+    there: (size, modification time)."""
+    out = {}
+    for top, _, names in os.walk(folder):
+        for name in names:
+            path = Path(top) / name
+            if not path.is_symlink():
+                st = path.stat()
+                out[str(path.relative_to(folder))] = (st.st_size, st.st_mtime_ns)
+    return out
 
 
 class _Once:
     """Commands that several pages show alike, run by the first page that reaches one: it claims the command (a file
-    made with O_EXCL in a folder every xdist worker of the session shares), runs it and writes the verdict; a page
-    that finds it claimed waits for the verdict. A page only waits on a command that another is running now, so
-    two pages cannot wait on each other."""
+    made with O_EXCL in a folder every xdist worker of the session shares), runs it, keeps a copy of every file it
+    wrote in its page's folder and writes the verdict; a page that finds it claimed waits for the verdict and copies
+    those files into its own folder. A page only waits on a command that another is running now, so two pages
+    cannot wait on each other."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -376,11 +407,20 @@ class _Once:
             f.write(page)
         return None
 
-    def verdict(self, key: str, failure: str | None) -> None:
+    def verdict(self, key: str, failure: str | None, cwd: Path | None = None,
+                before: dict[str, tuple[int, int]] | None = None) -> None:
+        """The run's verdict, and with ``cwd`` a copy of every file there that is new or changed since ``before``."""
+        if failure is None and cwd is not None:
+            kept = self._path(key, ".files")
+            for name, seen in _files(cwd).items():
+                if (before or {}).get(name) != seen:
+                    (kept / name).parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(cwd / name, kept / name)
         self._path(key, ".tmp").write_text("ok" if failure is None else "failed\n" + failure, encoding="utf-8")
         self._path(key, ".tmp").replace(self._path(key, ".done"))
 
-    def wait(self, key: str, page: str) -> None:
+    def wait(self, key: str, page: str, cwd: Path | None = None) -> None:
+        """Wait for the verdict of the run ``page`` claimed; then copy what it wrote into ``cwd``, as if run there."""
         done, deadline = self._path(key, ".done"), time.monotonic() + 900
         while not done.exists():
             assert time.monotonic() < deadline, f"{key}: {page} claimed it and gave no verdict in 900 s"
@@ -388,6 +428,11 @@ class _Once:
         text = done.read_text(encoding="utf-8")
         if text != "ok":
             raise AssertionError(f"{key} (run for this page by {page}): {text}")
+        kept = self._path(key, ".files")
+        if cwd is not None and kept.is_dir():
+            for name in _files(kept):
+                (cwd / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(kept / name, cwd / name)  # not copy2: the file is new here, as a run makes it
 
 
 @pytest.fixture(scope="session")
@@ -428,12 +473,14 @@ def test_every_command_of_the_page_runs_as_written(page: Path, tmp_path: Path, o
                 if (why := _skip_reason(argv)) is not None:
                     skipped.append(f"{block.id} {shlex.join(argv)}: {why}")
                     continue
-                key = once_key(argv, factor)
+                key = once_key(argv, factor, tmp_path)
+                started = time.time()
                 if key is not None and (by := once.claim(key, name)) is not None:
-                    once.wait(key, by)
+                    once.wait(key, by, tmp_path)
+                    _check_written(argv, tmp_path, started)
                     elsewhere.append(f"{block.id} {shlex.join(argv)}: run by {by}")
                     continue
-                started = time.time()
+                before = _files(tmp_path)
                 try:
                     for got in _run(list(argv), tmp_path, factor, server):
                         _check(argv, got, tmp_path, started)
@@ -442,7 +489,7 @@ def test_every_command_of_the_page_runs_as_written(page: Path, tmp_path: Path, o
                         once.verdict(key, f"{type(exc).__name__}: {exc}"[:3000])
                     raise
                 if key is not None:
-                    once.verdict(key, None)
+                    once.verdict(key, None, tmp_path, before)
                 took.append((time.time() - started, f"{block.id} {shlex.join(argv)}"))
                 if server is None and argv[0] == "pipefold":
                     server = _Server(_env())
@@ -535,15 +582,51 @@ def test_every_runnable_block_is_found() -> None:
      "--model mlp --check --steps 2"),
     ("torchrun --nproc-per-node 4 -m pipefold train --hidden 512", "torchrun --nproc-per-node 4 -m pipefold train "
      "--hidden 64 --steps 2"),
-    ("pipefold train --trace run.json", None),  # writes a file a later command may read
-    ("pipefold plan --profile prof.json -p 4", None),  # reads one
-    ("pipefold train --hf llama --hf-config examples/my-llama.json", None),
+    ("pipefold train --trace run.json", "pipefold train --trace run.json --steps 2"),  # writes it: copied
+    ("pipefold plan --profile prof.json -p 4 -o plan.json", "pipefold plan --profile prof.json -p 4 -o plan.json "
+     "prof.json:{prof.json}"),  # reads the bytes it holds here
+    ("pipefold train --hf llama --hf-config examples/my-llama.json", "pipefold train --hf llama --hf-config "
+     "examples/my-llama.json --steps 2 examples/my-llama.json:{examples/my-llama.json}"),
+    ("pipefold plan --profile missing.json -p 4", None),  # neither here nor written by it
     ("pipefold train --steps 200 --checkpoint-dir ckpt --resume", None),  # a folder
     ("OMP_NUM_THREADS=1 pipefold train", None),
     ("python benchmarks/p2p.py", None),
 ])
-def test_a_command_runs_once_for_the_suite_only_when_it_names_no_file(command: str, key: str | None) -> None:
-    assert once_key(shlex.split(command), 1.0) == key
+def test_a_command_runs_once_for_the_suite_when_it_reads_the_same_files(command: str, key: str | None,
+                                                                          tmp_path: Path) -> None:
+    import hashlib
+
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    (tmp_path / "prof.json").write_text('{"layers": []}', encoding="utf-8")
+    sums = {name: hashlib.sha256((tmp_path / name).read_bytes()).hexdigest()
+            for name in ("prof.json", "examples/my-llama.json")}
+    if key is not None:
+        for name, digest in sums.items():
+            key = key.replace("{" + name + "}", digest)
+    assert once_key(shlex.split(command), 1.0, tmp_path) == key
+    if key is not None and "prof.json:" in key:  # other bytes in the file it reads: another command
+        (tmp_path / "prof.json").write_text('{"layers": [1]}', encoding="utf-8")
+        assert once_key(shlex.split(command), 1.0, tmp_path) not in (key, None)
+
+
+def test_a_page_that_waits_gets_the_files_the_run_wrote(tmp_path: Path) -> None:
+    runner, waiter = tmp_path / "README", tmp_path / "plan"
+    for folder in (runner, waiter):
+        (folder / "docs" / "figures").mkdir(parents=True)
+        (folder / "examples").symlink_to(ROOT / "examples")
+    (runner / "old.json").write_text("earlier", encoding="utf-8")
+    first, second = _Once(tmp_path / "once"), _Once(tmp_path / "once")
+    assert first.claim("pipefold profile -o prof.json", "README.md") is None
+    before = _files(runner)
+    (runner / "prof.json").write_text("profile", encoding="utf-8")  # what the command wrote
+    (runner / "docs" / "figures" / "f.png").write_bytes(b"png")
+    first.verdict("pipefold profile -o prof.json", None, runner, before)
+    started = time.time()
+    second.wait("pipefold profile -o prof.json", "README.md", waiter)
+    assert (waiter / "prof.json").read_text(encoding="utf-8") == "profile"
+    assert (waiter / "docs" / "figures" / "f.png").read_bytes() == b"png"
+    assert not (waiter / "old.json").exists()  # there before the run: not the run's
+    _check_written(["pipefold", "profile", "-o", "prof.json"], waiter, started)
 
 
 def test_a_command_run_for_another_page_passes_on_its_verdict(tmp_path: Path) -> None:
