@@ -194,9 +194,11 @@ def test_the_gpu_checks_layouts_table_reads_the_memory_check(monkeypatch: pytest
 
 
 def test_the_machine_probe_times_its_work(monkeypatch: pytest.MonkeyPatch) -> None:
-    """machine_speed.py's probe times real work: at twice the width its matmuls do 4 times the work, and it takes
-    longer (by more than the machine's own spread, checked at a margin of 2)."""
+    """machine_speed.py's probe times real work: at four times the width its matmuls do 16 times the work (11.5 to
+    14.9 times the time, 4 pairs alone), and it takes over twice as long. The margin is wider than the machine's
+    own drift between two timings (up to 1.8 times, docs/plan.md): at twice the width (2.6 to 4.3 times alone) a
+    margin of 2 failed once, 1.8 times beside the suite's other worker."""
     speed = load_benchmark("machine_speed.py")
     narrow = speed.probe()
-    monkeypatch.setattr(speed, "WIDTH", 2 * speed.WIDTH)
+    monkeypatch.setattr(speed, "WIDTH", 4 * speed.WIDTH)
     assert narrow > 0 and speed.probe() > 2 * narrow
