@@ -47,6 +47,7 @@ SMALL: dict[str, list[str] | None] = {
     "runtime_breakdown.py": None,
     "pass_overhead.py": None,
     "host_profile.py": None,
+    "in_flight.py": None,
     # On a GPU only (make gpu-check):
     "gpu_check.py": None,
 }
