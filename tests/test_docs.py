@@ -358,7 +358,7 @@ def once_key(argv: list[str], factor: float, cwd: Path) -> str | None:
     written = {_value(argv, name) for name in OUTPUTS}
     read = []
     for i, word in enumerate(argv[at:], at):
-        if not FILE_LIKE.search(word) or word in written and argv[i - 1] in OUTPUTS:
+        if not FILE_LIKE.search(word) or (word in written and argv[i - 1] in OUTPUTS):
             continue
         path = cwd / word
         if not path.is_file():
