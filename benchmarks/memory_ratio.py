@@ -11,7 +11,10 @@ microbatch holds after its F and between its B and its W. The simulator is then 
 figures per stage and predicts each rank's peak; the papers' ratios are the simulator's at unit
 memory. The meter itself is checked against torch's MemTracker in tests/test_memory.py.
 
-    python benchmarks/memory_ratio.py [--model gpt mlp] [--partition memory] [--runs 2]
+    python benchmarks/memory_ratio.py [--model gpt mlp] [--partition memory] [--runs 2] [--hidden 64]
+
+``--hidden`` sets both models' width (and the GPT's sequence with it) below the issue's, to check the benchmark
+runs; its figures are then no longer the issue's.
 
 Targets (GPT, memory-aware split): v-half/1f1b <= 0.80, v-min/1f1b <= 0.55, zb-v/1f1b <= 1.05, and
 every rank's measured peak within 5% of the prediction.
@@ -39,14 +42,19 @@ MODELS: dict[str, dict[str, Any]] = {
 TARGETS = {"v-half": 0.80, "v-min": 0.55, "zb-v": 1.05}
 
 
-def measure(model: str, name: str, partition: str, runs: int) -> dict[str, Any]:
-    """Per-rank measured peaks (one list per run), the prediction, and the split."""
+def measure(model: str, name: str, partition: str, runs: int, hidden: int | None = None) -> dict[str, Any]:
+    """Per-rank measured peaks (one list per run), the prediction, and the split; ``hidden``: the model at that
+    width (the GPT at that sequence too)."""
+    size = dict(MODELS[model])
+    if hidden is not None:
+        size["hidden"] = hidden
+        if "seq" in size:
+            size["seq"] = hidden
     measured: list[list[int]] = []
     predicted: list[list[float]] = []  # per run: the split is measured afresh, so it may differ between runs
     splits = []
     for _ in range(runs):
-        cfg = RunSpec.flat(schedule=name, devices=4, microbatches=16, steps=2, partition=partition,
-                          **MODELS[model])
+        cfg = RunSpec.flat(schedule=name, devices=4, microbatches=16, steps=2, partition=partition, **size)
         job, reports = train(cfg)
         measured.append([r.steps[-1].peak_activation_bytes for r in reports])
         # The simulator fed with the run's own figures (peaks depend on each device's order, not on times).
@@ -61,14 +69,20 @@ def main() -> None:
     parser.add_argument("--schedules", nargs="+", default=["v-half", "v-min", "zb-v"])
     parser.add_argument("--partition", default="memory", choices=["memory", "time", "even"])
     parser.add_argument("--runs", type=int, default=2, help="runs per schedule, for the spread")
+    parser.add_argument("--hidden", type=int, default=None,
+                        help="both models' width (the GPT's sequence too), smaller than the issue's to check a run")
     args = parser.parse_args()
+    if args.hidden is not None and args.hidden < 8:
+        parser.error(f"--hidden must be at least 8 (got {args.hidden})")
     console = Console(width=170, markup=False)  # names from the command line
     unit_base = max(simulate(build("1f1b", 4, 16)).peak_memory)
     for model in args.model:
-        results = {name: measure(model, name, args.partition, args.runs) for name in ["1f1b", *args.schedules]}
+        results = {name: measure(model, name, args.partition, args.runs, args.hidden)
+                   for name in ["1f1b", *args.schedules]}
         base = statistics.median(max(run) for run in results["1f1b"]["measured"])
         base_pred = statistics.median(max(run) for run in results["1f1b"]["predicted"])
-        table = Table(title=f"{model}: peak memory over 1f1b, 4 ranks, 16 microbatches, {args.partition} split",
+        width = "" if args.hidden is None else f", width {args.hidden}"
+        table = Table(title=f"{model}{width}: peak memory over 1f1b, 4 ranks, 16 microbatches, {args.partition} split",
                       title_justify="left")
         for col in ("schedule", "layers per stage", "peak (highest rank)", "measured ratio", "simulated ratio",
                     "paper ratio", "target", "worst rank vs prediction"):

@@ -23,7 +23,8 @@ SMALL: dict[str, list[str] | None] = {
     "bench_simulate.py": ["--baseline", "none", "--schedules", "1f1b,zb-v,v-half", "-p", "4", "-m", "8", "--runs", "1",
                           "--repeat", "3"],
     "memory_flat.py": ["--steps", "20"],
-    "memory_ratio.py": ["--model", "mlp", "--schedules", "zb-v", "--runs", "1", "--partition", "even"],
+    "memory_ratio.py": ["--model", "mlp", "--schedules", "zb-v", "--runs", "1", "--partition", "even", "--hidden",
+                        "64"],
     "published.py": ["--check"],  # the stored predictions are the code's (no drift)
     "cluster_search.py": ["--nodes", "2", "--families", "1f1b,zb-v"],
     "wgrad.py": ["--hidden", "512", "--steps", "1"],
