@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pipefold.errors import run_script
 from pipefold.files import save_figure, write_json
 from pipefold.runtime.measure import per_step
 from pipefold.sim.network import Conditions, LinkState, Network
@@ -171,4 +172,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.table import Table
 from torch import nn
 
+from pipefold.errors import run_script
 from pipefold.runtime.offload import Offloaded
 from pipefold.train.offload_check import Case, default_device, make_case
 
@@ -95,4 +96,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

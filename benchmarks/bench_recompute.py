@@ -17,6 +17,7 @@ import os
 import statistics
 from typing import Any
 
+from pipefold.errors import run_script
 from pipefold.plan.recompute import plan_recompute, smallest_budget
 from pipefold.train.prepare import make_job
 from pipefold.train.run import train
@@ -62,4 +63,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

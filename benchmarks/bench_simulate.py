@@ -22,6 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from pipefold.errors import run_script
+
 ROOT = Path(__file__).resolve().parents[1]
 BASELINE = "0c1c7f1"
 """The last commit before the simulator and the V builders were made faster (issue 27)."""
@@ -160,4 +162,4 @@ def _growth(names: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -10,9 +10,9 @@ The target (issue 29): under a minute for 1024 GPUs.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
+from pipefold.errors import run_script
 from pipefold.models.transformer import from_hf_config
 from pipefold.plan.cluster import load_cluster
 from pipefold.plan.cluster_plan import FAMILIES, Training, plan_cluster
@@ -43,4 +43,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script(main)

@@ -19,6 +19,7 @@ import statistics
 import time
 from typing import Any
 
+from pipefold.errors import run_script
 from pipefold.runtime.processes import process_context
 
 
@@ -94,4 +95,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -37,6 +37,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from pipefold.errors import run_script
 from pipefold.units import format_bytes
 
 MODEL = ["--model", "gpt", "--layers", "8", "--hidden", "512", "--heads", "8", "--seq", "16"]
@@ -134,4 +135,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 import vs_torch
+from pipefold.errors import run_script
 
 GROUPS = (  # (group, test on (file, function name)): the first that matches takes a function's own time
     ("backward (autograd engine)", lambda f, n: "run_backward" in n),
@@ -149,4 +150,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

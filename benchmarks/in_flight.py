@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from pipefold.errors import run_script
 from pipefold.files import write_json
 from pipefold.models import make_model
 from pipefold.runtime.host_memory import keep_freed_pages
@@ -144,4 +145,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script(main)

@@ -28,6 +28,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from pipefold.errors import run_script
 from pipefold.models import make_model
 from pipefold.runtime.profiling import measure_layers, time_in_stages
 
@@ -126,4 +127,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

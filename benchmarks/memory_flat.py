@@ -19,7 +19,6 @@ import dataclasses
 import json
 import os
 import resource
-import sys
 import tempfile
 import time
 import tracemalloc
@@ -28,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from pipefold.errors import run_script
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,4 +108,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script(main)

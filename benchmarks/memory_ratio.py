@@ -30,6 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pipefold import build, simulate
+from pipefold.errors import run_script
 from pipefold.runtime.measure import measured_costs
 from pipefold.train.run import train
 from pipefold.train.spec import RunSpec
@@ -106,4 +107,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

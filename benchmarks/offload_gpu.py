@@ -72,6 +72,7 @@ from rich.markup import escape
 from rich.table import Table
 from torch import nn
 
+from pipefold.errors import run_script
 from pipefold.runtime.offload import Offloaded, choose_k
 from pipefold.train.offload_check import Case, Stacked, make_case
 
@@ -546,4 +547,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

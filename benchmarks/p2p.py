@@ -32,6 +32,7 @@ import torch.multiprocessing as mp
 from rich.console import Console
 from rich.table import Table
 
+from pipefold.errors import run_script
 from pipefold.runtime import sockets
 from pipefold.runtime.processes import process_context, store_in
 
@@ -141,4 +142,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from pipefold.errors import run_script
 from pipefold.models.mlp import MLPConfig, build_mlp_layers
 from pipefold.runtime.stage import Chain, StageRunner
 
@@ -135,4 +136,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

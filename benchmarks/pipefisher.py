@@ -34,6 +34,7 @@ import statistics
 import sys
 from typing import Any
 
+from pipefold.errors import run_script
 from pipefold.files import save_figure, write_json
 from pipefold.runtime.measure import measured_summary
 from pipefold.train.run import train
@@ -173,4 +174,4 @@ def _figure(curves: dict[str, dict[str, Any]], table: dict[str, Any], path: str)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script(main)

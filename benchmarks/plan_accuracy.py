@@ -26,7 +26,7 @@ import statistics
 import time
 from typing import Any
 
-from pipefold.errors import ConfigError
+from pipefold.errors import ConfigError, run_script
 from pipefold.files import write_json
 from pipefold.plan.budget import RunPlan, plan_model, predict, predicted_passes
 from pipefold.plan.profile import Profile
@@ -178,4 +178,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -14,6 +14,7 @@ import statistics
 import time
 from typing import Any
 
+from pipefold.errors import run_script
 from pipefold.plan.budget import plan_model
 from pipefold.plan.profile import Profile
 from pipefold.runtime.profiling import profile_model
@@ -54,4 +55,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

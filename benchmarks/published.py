@@ -33,6 +33,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pipefold.errors import run_script
 from pipefold.models.transformer import Transformer, from_hf_config
 from pipefold.plan.cluster import Cluster, cluster_from_dict, load_cluster
 from pipefold.plan.cluster_plan import Training, point
@@ -159,4 +160,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script(main)

@@ -36,6 +36,7 @@ import statistics
 import sys
 from typing import Any
 
+from pipefold.errors import run_script
 from pipefold.runtime.executor import COMPUTE_KINDS
 from pipefold.runtime.measure import measured_costs, replayed_busy, step_parts
 from pipefold.sim.simulate import simulate
@@ -114,4 +115,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

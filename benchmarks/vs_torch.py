@@ -42,6 +42,7 @@ import torch.multiprocessing as mp
 from rich.console import Console
 from rich.table import Table
 
+from pipefold.errors import run_script
 from pipefold.ir.ref import ScheduleRef
 from pipefold.models import split_layers
 from pipefold.models.mlp import MLPConfig, build_mlp_layers, mlp_input, mlp_loss, mlp_target
@@ -421,4 +422,4 @@ def report(console: Console, rows: list[_Row], steps: int, seconds: float) -> No
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

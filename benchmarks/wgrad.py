@@ -37,6 +37,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from pipefold.errors import run_script
 from pipefold.models.mlp import MLPConfig, build_mlp_layers
 from pipefold.runtime import wgrad
 from pipefold.runtime.stage import Chain, StageRunner
@@ -170,4 +171,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

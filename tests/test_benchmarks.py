@@ -204,3 +204,44 @@ def test_the_machine_probe_times_its_work(monkeypatch: pytest.MonkeyPatch) -> No
     narrow = speed.probe()
     monkeypatch.setattr(speed, "WIDTH", 4 * speed.WIDTH)
     assert narrow > 0 and speed.probe() > 2 * narrow
+
+
+@pytest.mark.parametrize(("name", "args", "says"), [
+    ("vs_torch.py", ["--hidden", "0", "--steps", "2", "--runs", "1"], "--hidden must be at least 1 (got 0)"),
+    ("bench_offload.py", ["--hidden", "10"], "--hidden 10 must be a multiple of --heads 8"),
+    ("memory_ratio.py", ["--model", "gpt", "--hidden", "10", "--schedules", "zb-v", "--runs", "1"],
+     "--hidden 10 must be a multiple of --heads 4"),
+])
+def test_a_size_the_model_cannot_take_is_one_line(name: str, args: list[str], says: str, tmp_path: Path) -> None:
+    """A benchmark given a size the library refuses (its ConfigError, found past the benchmark's own checks) ends
+    as a bad option does: one line naming the script, exit 2, no traceback (pipefold.errors.run_script)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    got = subprocess.run([sys.executable, str(BENCHMARKS / name), *args], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120, check=False)
+    lines = got.stderr.strip().splitlines()
+    assert got.returncode == 2 and len(lines) == 1, got.stderr[-3000:]
+    assert lines[0].startswith(f"{name}: error: ") and says in lines[0], lines[0]
+
+
+def test_run_script_ends_a_users_mistake_with_one_line(monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    from pipefold.errors import ConfigError, ScheduleError, run_script
+
+    monkeypatch.setattr(sys, "argv", ["/some/where/bench.py", "--x"])
+
+    def raising(exc: Exception):  # type: ignore[no-untyped-def]
+        def main() -> int:
+            raise exc
+        return main
+
+    for exc, line in ((ConfigError("--x must be at least 1"), "bench.py: error: --x must be at least 1"),
+                      (ScheduleError("stage 3 has no F", "a grid\nof lines"), "bench.py: error: stage 3 has no F")):
+        with pytest.raises(SystemExit) as ended:
+            run_script(raising(exc))
+        assert ended.value.code == 2 and capsys.readouterr().err == line + "\n"
+    for returned, code in ((None, 0), (0, 0), (3, 3)):
+        with pytest.raises(SystemExit) as ended:
+            run_script(lambda r=returned: r)
+        assert ended.value.code == code
+    with pytest.raises(RuntimeError):  # not the user's mistake: a traceback, as before
+        run_script(raising(RuntimeError("a bug")))

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
+from collections.abc import Callable
+from typing import NoReturn
 
 
 def say(line: str) -> None:
@@ -54,3 +57,15 @@ class Interrupted(KeyboardInterrupt):
     def exit_code(self) -> int:
         """What a shell expects of a process ended by the signal: 128 + its number (130, 143)."""
         return 128 + self.signum
+
+
+def run_script(main: Callable[[], int | None]) -> NoReturn:
+    """Run a script's ``main`` (a benchmark's) and exit with its code. A problem with the user's input that the
+    library finds (:class:`PipefoldError`: a size the model cannot take, a schedule that cannot be built) ends it
+    as argparse ends it for a bad option: one line, ``<script>: error: <what>``, and exit code 2."""
+    try:
+        code = main()
+    except PipefoldError as exc:
+        say(f"{os.path.basename(sys.argv[0])}: error: {getattr(exc, 'message', str(exc))}")
+        sys.exit(2)
+    sys.exit(code or 0)
