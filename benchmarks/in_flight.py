@@ -21,6 +21,7 @@ import argparse
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,10 +32,11 @@ from pipefold.models import make_model
 from pipefold.runtime.host_memory import keep_freed_pages
 from pipefold.runtime.stage import Chain, StageRunner, ones_for, split_batch
 
-MODELS: dict[str, dict[str, Any]] = {  # plan_accuracy.py's gpt-small and mlp
-    "gpt": {"layers": 16, "hidden": 64, "heads": 4, "seq": 256, "batch": 32, "microbatches": 16},
-    "mlp": {"layers": 16, "hidden": 512, "heads": 4, "seq": 1, "batch": 256, "microbatches": 16},
-}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from plan_accuracy import MODELS as ACCURACY  # noqa: E402
+
+MODELS: dict[str, dict[str, Any]] = {"gpt": ACCURACY["gpt-small"], "mlp": ACCURACY["mlp"]}
+"""The models at plan_accuracy.py's sizes (its gpt-small and mlp)."""
 BLOCKS = 8
 
 

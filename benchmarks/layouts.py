@@ -38,7 +38,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from pipefold.errors import run_script
+from pipefold.errors import run_script  # noqa: E402
 from pipefold.files import write_json  # noqa: E402
 from pipefold.plan.budget import Layout, copy_peaks, every_layout, plan_model  # noqa: E402
 from pipefold.plan.profile import Profile  # noqa: E402
