@@ -351,7 +351,8 @@ def _givers(schedule: Schedule, table: ActionTable, rules: _Rules, offsets: Sequ
     _check_complete(schedule, giver, offsets)
     S, M, D = schedule.stages, schedule.microbatches, schedule.devices
     r_base = len(rules.names) * S * M + rules.names[Kind.R] * S * D
-    for s in range(S):
+    trains = bool(np.any(giver[S * M:3 * S * M] >= 0))  # a forward-only schedule has no gradients to reduce
+    for s in range(S if trains else 0):
         holders = schedule.holders(s)
         if len(holders) > 1:
             for d in holders:
@@ -476,11 +477,13 @@ def _duplicate(schedule: Schedule, device: int, position: int, a: Action, first_
 
 
 def _check_complete(schedule: Schedule, giver: Ints, offsets: Sequence[int]) -> None:
-    """Every (stage, microbatch) has its forward, its input gradient and its weight gradient."""
+    """Every (stage, microbatch) has its forward, its input gradient and its weight gradient; a forward-only
+    schedule (no backward anywhere: evaluation, inference) has every forward and nothing else needs one."""
     SM = schedule.stages * schedule.microbatches
     if np.all(giver[:3 * SM] >= 0):
         return
     f, b, w = giver[:SM].tolist(), giver[SM:2 * SM].tolist(), giver[2 * SM:3 * SM].tolist()
+    forward_only = all(x < 0 for x in b) and all(x < 0 for x in w)
     M = schedule.microbatches
     for idx in range(SM):
         s, m = divmod(idx, M)
@@ -489,6 +492,8 @@ def _check_complete(schedule: Schedule, giver: Ints, offsets: Sequence[int]) -> 
         label = f"stage {s} microbatch {m}"
         if f[idx] < 0:
             _fail(schedule, f"device {device}: {label} has no forward ({F(s, m)})", **end)
+        if forward_only:
+            continue
         if b[idx] < 0 and w[idx] < 0:
             _fail(schedule, f"device {device}: {label} has no backward ({B(s, m)} or {BW(s, m)})", **end)
         if w[idx] < 0:

@@ -290,6 +290,18 @@ class Schedule:
         return Schedule(self.name, self.devices, self.stages, self.microbatches,
                         self.placement, tuple(tuple(r) for r in actions), self.options, self.routes)
 
+    @property
+    def is_forward_only(self) -> bool:
+        """Whether the schedule runs forwards only (evaluation, inference): no backward pass anywhere."""
+        return all(a.kind == Kind.F for row in self.actions for act in row for a in act.passes)
+
+    def forward_only(self) -> Schedule:
+        """The same schedule with its forwards only, in the order each device runs them (an overlapped pair keeps
+        its forward): what evaluation and inference run, on the same placement and replicas."""
+        rows = [[a for act in row for a in act.passes if a.kind == Kind.F] for row in self.actions]
+        return Schedule(self.name, self.devices, self.stages, self.microbatches, self.placement,
+                        tuple(tuple(r) for r in rows), self.options, self.routes)
+
     # -- text form
 
     def to_text(self) -> str:

@@ -65,18 +65,21 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from pipefold.errors import ConfigError
 from pipefold.runtime import sockets
 from pipefold.runtime.clock import wall
 from pipefold.runtime.meter import MemoryMeter
+from pipefold.runtime.structure import SPEC_BYTES
 
 if TYPE_CHECKING:
     from pipefold.sim.network import Network, Wire
 
-MAX_TENSORS = 8
+MAX_TENSORS = 16
 MAX_DIMS = 8
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool,
-           torch.uint8]
-_HEADER = 1 + MAX_TENSORS * (2 + MAX_DIMS)
+           torch.uint8, torch.int16, torch.int8]
+_SPEC = 1 + MAX_TENSORS * (2 + MAX_DIMS)  # where the structure's bytes start: their count, then 8 to a word
+_HEADER = _SPEC + 1 + SPEC_BYTES // 8
 
 FORWARD, BACKWARD, HEADER = 0, 1, 2
 
@@ -96,9 +99,16 @@ def metas_of(tensors: tuple[torch.Tensor, ...]) -> tuple[Meta, ...]:
     return tuple(Meta(tuple(t.shape), t.dtype) for t in tensors)
 
 
-def encode_header(metas: tuple[Meta, ...]) -> torch.Tensor:
+def encode_header(metas: tuple[Meta, ...], spec: bytes = b"") -> torch.Tensor:
+    """The shapes and dtypes of a boundary's tensors and its structure's bytes
+    (:func:`pipefold.runtime.structure.encode_spec`), as one int64 tensor."""
     if len(metas) > MAX_TENSORS:
-        raise ValueError(f"a stage may pass at most {MAX_TENSORS} tensors to the next (got {len(metas)})")
+        raise ConfigError(f"a stage may pass at most {MAX_TENSORS} tensors to the next (got {len(metas)}): "
+                          "concatenate some")
+    if any(m.dtype not in _DTYPES for m in metas):
+        bad = next(m.dtype for m in metas if m.dtype not in _DTYPES)
+        raise ConfigError(f"a stage passes a {bad} tensor to the next; the runtime sends "
+                          f"{', '.join(str(d).replace('torch.', '') for d in _DTYPES)}")
     out = torch.zeros(_HEADER, dtype=torch.int64)
     out[0] = len(metas)
     for i, m in enumerate(metas):
@@ -108,17 +118,25 @@ def encode_header(metas: tuple[Meta, ...]) -> torch.Tensor:
         out[base] = _DTYPES.index(m.dtype)
         out[base + 1] = len(m.shape)
         out[base + 2: base + 2 + len(m.shape)] = torch.tensor(m.shape, dtype=torch.int64)
+    out[_SPEC] = len(spec)
+    if spec:
+        padded = spec + bytes(-len(spec) % 8)
+        out[_SPEC + 1: _SPEC + 1 + len(padded) // 8] = torch.frombuffer(bytearray(padded), dtype=torch.int64)
     return out
 
 
-def decode_header(h: torch.Tensor) -> tuple[Meta, ...]:
-    values = h.tolist()  # one copy to the host when the header came over a GPU link
+def decode_header(h: torch.Tensor) -> tuple[tuple[Meta, ...], bytes]:
+    """The metas and the structure's bytes :func:`encode_header` wrote."""
+    h = h.cpu()  # one copy to the host when the header came over a GPU link
+    values = h[:_SPEC + 1].tolist()
     metas = []
     for i in range(values[0]):
         base = 1 + i * (2 + MAX_DIMS)
         ndim = values[base + 1]
         metas.append(Meta(tuple(values[base + 2: base + 2 + ndim]), _DTYPES[values[base]]))
-    return tuple(metas)
+    n = values[_SPEC]
+    spec = h[_SPEC + 1: _SPEC + 1 + (n + 7) // 8].numpy().tobytes()[:n] if n else b""
+    return tuple(metas), spec
 
 
 def post_message(op: str, t: torch.Tensor, to: int, tag: int) -> dist.Work:
@@ -595,12 +613,13 @@ class Links:
         """NCCL sends only tensors on the GPU; gloo only host memory."""
         return torch.device("cpu") if self.staged else self.device
 
-    def send_header(self, stage: int, metas: tuple[Meta, ...], peer: int) -> None:
-        """The shapes of what stage ``stage`` will receive, to each rank of device ``peer`` this rank sends pieces."""
+    def send_header(self, stage: int, metas: tuple[Meta, ...], peer: int, spec: bytes = b"") -> None:
+        """The shapes (and the structure, :mod:`pipefold.runtime.structure`) of what stage ``stage`` will receive,
+        to each rank of device ``peer`` this rank sends pieces."""
         tag = self.tag(HEADER, stage, 0, 0)
         if self.log is not None:
             self.log.append(("send", peer, tag))
-        h = encode_header(metas).to(self._header_device)  # one tensor, read by every send of it
+        h = encode_header(metas, spec).to(self._header_device)  # one tensor, read by every send of it
         for _, _, to in self._routes(self.rank, peer):
             if self.staged:  # a host tensor already: straight to gloo, no copy
                 self._outbox(peer, to).post((post_message("send", h, to, tag), (h,), 0, wall(), tag))

@@ -57,7 +57,8 @@ from pipefold.runtime.comm import (
 if TYPE_CHECKING:
     from pipefold.sim.network import Network
 from pipefold.runtime.meter import MemoryMeter
-from pipefold.runtime.stage import StageRunner, Tensors
+from pipefold.runtime.stage import Boundaries, StageRunner, Tensors
+from pipefold.runtime.structure import decode_spec, encode_spec
 from pipefold.runtime.watch import Activity
 
 LOOKAHEAD = 2  # actions whose receives are posted ahead of time: this one and the next
@@ -322,8 +323,13 @@ class RankExecutor:
                  pipelines: Sequence[Sequence[int | None]] | None = None, pipeline: int = 0,
                  meshes: Sequence[Sequence[int]] | None = None, tp_index: int = 0, tp_group: Any = None,
                  dp_group: Any = None, sharded: bool = False, activity: Activity | None = None, staged: bool = False,
-                 overlap: bool = True) -> None:
+                 overlap: bool = True, boundaries: Boundaries | None = None,
+                 new_group: Callable[[list[int]], Any] | None = None) -> None:
         self.schedule, self.rank, self.device = schedule, rank, device
+        self.infer = schedule.is_forward_only
+        """A forward-only schedule (evaluation, inference): its forwards run without autograd and keep nothing."""
+        self.boundaries = boundaries if boundaries is not None else Boundaries()
+        """The structure of each stage's input (:mod:`pipefold.runtime.structure`), shared with the runners."""
         cuda = device.type == "cuda"
         self._side = torch.cuda.Stream(device) if cuda and overlap else None
         """On a GPU: the stream an overlapped pair's forward runs on while its backward runs on the compute stream
@@ -331,6 +337,8 @@ class RankExecutor:
         if self._side is not None and any(a.parts for a in schedule.actions[rank]):
             _accumulate_across_streams()
         self._losses: dict[int, torch.Tensor] = {}  # the step's losses, by microbatch, read at its end
+        self.outputs: dict[int, Any] = {}
+        """A forward-only step's outputs of the last stage, by microbatch (on the rank that holds it)."""
         self.activity = activity if activity is not None else Activity(rank)
         """What the rank is doing, for the job's watch (:mod:`pipefold.runtime.watch`): each action, each wait."""
         self.meter = MemoryMeter()
@@ -340,7 +348,7 @@ class RankExecutor:
         split = {a.stage for act in self.actions for a in act.passes if a.kind == Kind.B}
         self.runners = {
             s: StageRunner(m, loss_fn=loss_fn if s == last else None, meter=self.meter, recompute=recompute.get(s, 0),
-                           input_grads=s > 0, split=s in split)
+                           input_grads=s > 0, split=s in split, stage=s, boundaries=self.boundaries)
             for s, m in modules.items()
         }
         self.optimizers = dict(optimizers or {})
@@ -393,7 +401,7 @@ class RankExecutor:
             for s in range(schedule.stages):
                 holders = schedule.holders(s)
                 if len(holders) > 1 and all(ranks[h] is not None for h in holders):  # holders share a degree
-                    group = dist.new_group(ranks=sorted(r for h in holders if (r := ranks[h]) is not None))
+                    group = (new_group or dist.new_group)(sorted(r for h in holders if (r := ranks[h]) is not None))
                     if q == pipeline and rank in holders:
                         self._groups[s] = group
         self._reductions: dict[int, list[FlatAllReduce]] = {}  # stage -> its all-reduce, until waited for
@@ -429,6 +437,7 @@ class RankExecutor:
         if new_shapes:
             self._in_meta.clear()
             self._headers_sent.clear()
+            self.boundaries.new_shapes()
         self._inboxes = {src: _Inbox(src, msgs) for src, msgs in self._expected[new_shapes].items()}
         self._out_meta.clear()  # recorded afresh by this step's forwards
         stats = StepStats(self.rank)
@@ -443,6 +452,7 @@ class RankExecutor:
         received = self._received[new_shapes]
         settled = dict.fromkeys(received, 0)
         self._losses = {}
+        self.outputs = {}
         clock = _Clock(self.device, self.meter.t0)
         self.meter.t0 = clock.t0  # the memory curve counts from the same moment
         stats.started_at = ANCHOR + clock.t0  # the moment ``wall`` counts from, on the same clock
@@ -546,15 +556,22 @@ class RankExecutor:
             gathering.wait()
             stats.events.append(Event(f"wait {s}{Kind.AG}", "comm", start, clock()))
         start = clock.mark()
-        with self.work.forward(action) if self.work is not None else contextlib.nullcontext():
-            out = runner.forward(mb, x, step.targets[mb] if s == S - 1 else None, scale=1.0 / M)
+        target = step.targets[mb] if s == S - 1 else None
+        if self.infer:
+            out = runner.infer(mb, x, target)
+        else:
+            with self.work.forward(action) if self.work is not None else contextlib.nullcontext():
+                out = runner.forward(mb, x, target, scale=1.0 / M)
         del x
         clock.interval(stats.events, str(action), "F", start)
         if s < S - 1:
             self._hand_on(FORWARD, s + 1, mb, out, step.local, step.new_shapes, stats)
         else:
             # Read after the step (no wait for the GPU here); a copy: the loss may share a larger storage.
-            self._losses[mb] = runner.losses.pop(mb).clone()
+            if mb in runner.losses:
+                self._losses[mb] = runner.losses.pop(mb).clone()
+            if mb in runner.outputs:
+                self.outputs[mb] = runner.outputs.pop(mb)
         del out
 
     def _backward(self, action: Action, step: _Step) -> None:
@@ -686,7 +703,8 @@ class RankExecutor:
                     return None
                 work.wait()
                 del inbox.headers[s]
-                self._in_meta[s] = decode_header(header)
+                self._in_meta[s], spec = decode_header(header)
+                self.boundaries.specs[s] = decode_spec(spec)
             return self._in_meta[s]
         if s not in self._out_meta:
             # A gradient comes only after this rank's forward sent what it is the gradient of.
@@ -723,7 +741,8 @@ class RankExecutor:
             local[(direction, stage, mb)] = tensors
             return
         if direction == FORWARD and new_shapes and stage not in self._headers_sent:
-            self.links.send_header(stage, metas_of(tensors), peer)
+            spec = encode_spec(self.boundaries.specs.get(stage), f"stage {stage - 1}")
+            self.links.send_header(stage, metas_of(tensors), peer, spec)
             self._headers_sent.add(stage)
         self.links.send(direction, stage, mb, tensors, peer)
         size = sum(t.untyped_storage().nbytes() for t in tensors)

@@ -49,10 +49,12 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, Node
 
+from pipefold.errors import ConfigError
 from pipefold.runtime import wgrad
 from pipefold.runtime.host_memory import keep_freed_pages
 from pipefold.runtime.meter import MemoryMeter, storage_of
 from pipefold.runtime.sharding import local, waited
+from pipefold.runtime.structure import Call, Spec, as_call, describe, flatten, unflatten
 
 Tensors = tuple[torch.Tensor, ...]
 
@@ -79,12 +81,32 @@ def as_leaves(xs: Sequence[torch.Tensor]) -> Tensors:
     return tuple(x.detach().requires_grad_(x.is_floating_point()) for x in xs)
 
 
-def run_layers(layers: Iterable[nn.Module], xs: tuple[Any, ...]) -> Any:
-    """Apply layers in turn; a layer may take and return a tuple of tensors (spread as arguments)."""
+def run_layers(layers: Iterable[nn.Module], xs: tuple[Any, ...] | Call) -> Any:
+    """Apply layers in turn; a layer may take and return a tuple of tensors (spread as arguments); ``xs`` may be
+    the first layer's arguments as a :class:`~pipefold.runtime.structure.Call`."""
     out: Any = xs
     for layer in layers:
-        out = layer(*out) if isinstance(out, tuple) else layer(out)
+        out = out(layer) if isinstance(out, Call) else layer(*out) if isinstance(out, tuple) else layer(out)
     return out
+
+
+class Boundaries:
+    """The structure of each stage's input on one rank (:mod:`pipefold.runtime.structure`): set by the stage before
+    it when that stage is on this rank, from its header when it is on another, and by the step for the first stage
+    (its batch's arguments). The rank's runners and its executor share one."""
+
+    def __init__(self) -> None:
+        self.specs: dict[int, Spec | None] = {}
+        self.fitted: set[int] = set()
+        """Stages whose first forward with the current shapes has run: an error before then is named a mismatch."""
+
+    def new_shapes(self) -> None:
+        self.fitted.clear()
+
+    def call(self, stage: int, tensors: Sequence[torch.Tensor]) -> Call:
+        """How ``stage`` is called with the tensors it received."""
+        spec = self.specs.get(stage)
+        return as_call(unflatten(spec, tensors), spec)
 
 
 class Chain(nn.Sequential):
@@ -196,8 +218,8 @@ class _Rebuild:
     """
 
     def __init__(self, layers: Sequence[nn.Module], inputs: Tensors, weights: set[int], meter: MemoryMeter,
-                 state: _Backward) -> None:
-        self.layers, self.inputs, self.meter, self.state = layers, inputs, meter, state
+                 state: _Backward, call: Callable[[Tensors], Call]) -> None:
+        self.layers, self.inputs, self.meter, self.state, self.call = layers, inputs, meter, state, call
         self.keep = weights | {_storage(x) for x in inputs}
         self.rng = _rng_state(inputs)
         self.count = 0
@@ -238,7 +260,7 @@ class _Rebuild:
 
         xs = as_leaves(self.inputs)  # fresh leaves: the rerun must not reach the forward's graph
         with torch.enable_grad(), _restored_rng(self.rng), torch.autograd.graph.saved_tensors_hooks(record, _same):
-            run_layers(self.layers, xs)
+            run_layers(self.layers, self.call(xs))
         if len(saves) != self.count:
             raise RuntimeError(f"recomputing {len(self.layers)} layers saved {len(saves)} tensors where the forward "
                                f"saved {self.count}: the layers must run the same operations every time")
@@ -646,10 +668,16 @@ class StageRunner:
 
     def __init__(self, module: nn.Module, *, loss_fn: Callable[..., torch.Tensor] | None = None,
                  meter: MemoryMeter | None = None, recompute: int = 0, input_grads: bool = True,
-                 split: bool = True) -> None:
+                 split: bool = True, stage: int = 0, boundaries: Boundaries | None = None) -> None:
         keep_freed_pages()
         self.module = module
-        self.loss_fn = loss_fn  # set on the last stage: F then returns the loss
+        self.loss_fn = loss_fn
+        """Set on the last stage: ``loss_fn(output, target)``, the mean over the microbatch; F then returns it."""
+        self.stage = stage
+        self.boundaries = boundaries if boundaries is not None else Boundaries()
+        """How this stage is called with what it receives, and where its output's structure goes."""
+        self.outputs: dict[int, Any] = {}
+        """The last stage's outputs of a forward-only step (:meth:`infer`), by microbatch."""
         self.input_grads = input_grads
         """False on the first stage: its inputs are the batch, whose gradient nobody needs."""
         self.meter = meter or MemoryMeter()
@@ -720,31 +748,37 @@ class StageRunner:
         if listener is not None:
             setattr(listener, "on_saved", lambda t: meter.hold((t,), "saved"))  # noqa: B010
         rebuild = None
+        call = self.boundaries.call
         try:
-            lead: tuple[Any, ...] = ()
-            if self._lead:
+            with self._fitting(inputs):
+                lead: tuple[Any, ...] = ()
+                mid: Any = None
+                if self._lead:
+                    with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
+                        lead_out, lead_spec = flatten(run_layers(self._lead, call(self.stage, leaves)))
+                    leaves = as_leaves(lead_out)  # the inputs B differentiates towards
+                    mid = as_call(unflatten(lead_spec, leaves), lead_spec)
+                    # Where W ends: the first layer's output nodes, without the outputs themselves (the rest of the
+                    # stage holds them only as long as it reads them).
+                    lead = tuple(GradientEdge(t.grad_fn, t.output_nr) for t in lead_out
+                                 if t.grad_fn is not None)
+                if self.recompute:
+                    rebuild = _Rebuild(self._head, leaves, weights, meter, self._state,
+                                       lambda xs: call(self.stage, xs))
+                    meter.hold(leaves, "saved")  # what the recomputed layers keep: their input, once
+                    with torch.autograd.graph.saved_tensors_hooks(rebuild.pack, rebuild.unpack):
+                        mid = run_layers(self._head, call(self.stage, leaves))
                 with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
-                    lead = as_tuple(run_layers(self._lead, leaves))
-                leaves = as_leaves(lead)  # the inputs B differentiates towards
-                mid = leaves
-                # Where W ends: the first layer's output nodes, without the outputs themselves (the rest of the
-                # stage holds them only as long as it reads them).
-                lead = tuple(GradientEdge(t.grad_fn, t.output_nr) for t in lead
-                             if t.grad_fn is not None)
-            if self.recompute:
-                rebuild = _Rebuild(self._head, leaves, weights, meter, self._state)
-                meter.hold(leaves, "saved")  # what the recomputed layers keep: their input, once
-                with torch.autograd.graph.saved_tensors_hooks(rebuild.pack, rebuild.unpack):
-                    mid = run_layers(self._head, leaves)
-            with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
-                if rebuild is not None or self._lead:
-                    out = as_tuple(run_layers(self._tail, mid if isinstance(mid, tuple) else (mid,)))
-                else:
-                    out = as_tuple(self.module(*leaves))
-                if self.loss_fn is not None:
-                    loss = self.loss_fn(*out, target)
-                    self.losses[mb] = loss.detach()
-                    out = (loss * scale,)
+                    if rebuild is not None or self._lead:
+                        raw = run_layers(self._tail, mid if isinstance(mid, (tuple, Call)) else (mid,))
+                    else:
+                        raw = call(self.stage, leaves)(self.module)
+                    if self.loss_fn is not None:
+                        loss = self._loss(raw, target)
+                        self.losses[mb] = loss.detach()
+                        out: Tensors = (loss * scale,)
+                    else:
+                        out = self._hand_over(raw)
         finally:
             if listener is not None:
                 setattr(listener, "on_saved", None)  # noqa: B010
@@ -756,6 +790,62 @@ class StageRunner:
         # A tensor-parallel stage's last all-reduce may still be in flight (torch's AsyncCollectiveTensor): what
         # is handed on is its result.
         return tuple(waited(o.detach()) for o in out)
+
+    def infer(self, mb: int, inputs: Tensors, target: Any = None) -> Tensors:
+        """F of a forward-only step (evaluation, inference), under ``torch.no_grad``: nothing is kept for a backward.
+        The last stage keeps its output in :attr:`outputs` (and its loss in :attr:`losses` when given a
+        ``target``) and returns nothing; any other its output's tensors for the next stage."""
+        with torch.no_grad(), self._fitting(inputs):
+            raw = self.boundaries.call(self.stage, inputs)(self.module)
+            if self.loss_fn is None:
+                return self._hand_over(raw)
+            self.outputs[mb] = raw
+            if target is not None:
+                self.losses[mb] = self._loss(raw, target).detach()
+            return ()
+
+    def _loss(self, raw: Any, target: Any) -> torch.Tensor:
+        assert self.loss_fn is not None
+        try:
+            loss = self.loss_fn(raw, target)
+        except (TypeError, ValueError, RuntimeError, IndexError) as exc:
+            if self.stage in self.boundaries.fitted or isinstance(exc, ConfigError):
+                raise
+            out, spec = flatten(raw)
+            wanted = describe(flatten(target)[0], flatten(target)[1]) if target is not None else "None"
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ConfigError(f"the loss function does not take the last stage's output, {describe(out, spec)}, "
+                              f"and the target, {wanted}: {type(exc).__name__}: {first}") from exc
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ConfigError(f"the loss function returned {what}; it must return one number (a tensor of one "
+                              "element), the mean over the microbatch")
+        return loss.reshape(())
+
+    def _hand_over(self, raw: Any) -> Tensors:
+        """The output's tensors for the next stage; its structure goes to the next stage's boundary."""
+        out, spec = flatten(raw)
+        self.boundaries.specs[self.stage + 1] = spec
+        return out
+
+    @contextmanager
+    def _fitting(self, inputs: Tensors) -> Iterator[None]:
+        """Name a stage's first forward with new shapes that fails as a mismatch with what it was given: the stage
+        before's output (or the batch), in one line with the shapes; later failures pass as they are."""
+        if self.stage in self.boundaries.fitted:
+            yield
+            return
+        try:
+            yield
+        except (TypeError, ValueError, RuntimeError, IndexError) as exc:
+            if isinstance(exc, ConfigError):
+                raise
+            given = describe(inputs, self.boundaries.specs.get(self.stage))
+            source = f"stage {self.stage - 1}'s output" if self.stage else "the batch"
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ConfigError(f"stage {self.stage} does not take {source}, {given}: {type(exc).__name__}: "
+                              f"{first}") from exc
+        self.boundaries.fitted.add(self.stage)
 
     # -- backward
 

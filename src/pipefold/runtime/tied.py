@@ -17,8 +17,9 @@ same optimizer step, so they stay equal, as one tied weight trained in one proce
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -72,7 +73,8 @@ class TiedGrads:
 
     def __init__(self, ties: Sequence[Tie], schedule: Schedule, layer_stages: Sequence[Sequence[int]], rank: int,
                  chains: Mapping[int, nn.Module], device: torch.device,
-                 pipelines: Sequence[Sequence[int | None]] | None = None, pipeline: int = 0) -> None:
+                 pipelines: Sequence[Sequence[int | None]] | None = None, pipeline: int = 0,
+                 new_group: Callable[[list[int]], Any] | None = None) -> None:
         self.device = device
         self.groups: list[_Group] = []
         self.copies: set[int] = set()
@@ -87,7 +89,7 @@ class TiedGrads:
             group = None
             for q, ranks in enumerate(pipelines):  # every rank makes every group, in the same order
                 members = [r for d in devices if (r := ranks[d]) is not None]  # the devices share a degree
-                made = dist.new_group(sorted(members)) if len(members) > 1 else None
+                made = (new_group or dist.new_group)(sorted(members)) if len(members) > 1 else None
                 if q == pipeline:
                     group = made
             if rank not in devices:

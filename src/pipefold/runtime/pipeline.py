@@ -1,0 +1,600 @@
+"""The public pipeline object: any schedule, run inside the user's own training script.
+
+Every rank builds one :class:`Pipeline` from the stage modules it holds, a schedule, the number of
+microbatches and (on the rank with the last stage) a loss function, then calls :meth:`Pipeline.step` once per
+batch inside its own loop::
+
+    pipe = Pipeline(stage, "zb-v", microbatches=8, loss_fn=loss_fn)      # the process group: the default one
+    opt = torch.optim.AdamW(pipe.parameters(), lr=3e-4)
+    for x, y in loader:
+        loss = pipe.step(x, target=y)            # the batch's mean loss on the rank(s) with the last stage
+        pipe.clip_grad_norm_(1.0)                # the global norm over every stage
+        opt.step(); sched.step(); opt.zero_grad()
+
+The step splits the batch into microbatches, runs this rank's actions of the schedule (forwards, backwards
+split into B and W, all-reduces between replicas, data-parallel reductions) and leaves in every parameter's
+``.grad`` the gradient of the batch's mean loss, as one process running the whole model would: the loss is
+scaled by 1/microbatches, so a loss function that means over its microbatch gives the mean over the batch.
+The optimizer, the LR schedule, clipping, ``zero_grad``, logging and checkpoints stay the user's.
+
+The object never creates or destroys the user's process group; it makes the small groups a schedule needs
+(replicas' all-reduces, tied weights) among their members only. Shapes may change between steps: every step
+sends each boundary's shapes and structure first (:mod:`pipefold.runtime.structure`), so nothing hangs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipefold.errors import ConfigError
+from pipefold.ir import Kind, Schedule, validate
+from pipefold.runtime import sharding
+from pipefold.runtime.executor import COMPUTE_KINDS, RankExecutor, StepStats, kind_times
+from pipefold.runtime.numerics import clip_factor, local_check, scale_grads, verdict
+from pipefold.runtime.stage import Boundaries, Tensors
+from pipefold.runtime.structure import flatten, split_call, unflatten
+from pipefold.runtime.tied import TiedGrads, untie
+from pipefold.runtime.watch import DEFAULT_ACTION_TIMEOUT, pg_timeout
+
+__all__ = ["Check", "Pipeline", "StepReport"]
+
+StageModules = nn.Module | Sequence[nn.Module] | Mapping[int, nn.Module]
+
+
+@dataclass(frozen=True)
+class Check:
+    """A step's global verdict, the same on every rank (one all-reduce): the gradient norm over every stage
+    (each stage once, replicas and tied copies counted once), whether any loss or gradient was NaN or inf, and the
+    batch's mean loss."""
+
+    norm: float
+    finite: bool
+    loss: float
+
+
+@dataclass
+class StepReport:
+    """What the last step did on every rank of the pipeline (:meth:`Pipeline.report`): measured, and predicted
+    by the simulator from the same step's pass times."""
+
+    schedule: Schedule
+    steps: list[StepStats]
+    """Each device's stats, in pipeline order."""
+    measured_makespan: float
+    """Seconds from the earliest device's start to the latest device's end of its actions."""
+    predicted_makespan: float
+    """What the simulator predicts for the schedule from this step's measured pass times (seconds)."""
+    predicted: Any = field(repr=False, default=None)
+    """The simulator's :class:`~pipefold.sim.simulate.SimResult` for it."""
+    measured: Any = field(repr=False, default=None)
+    """The measured step as a :class:`~pipefold.sim.simulate.SimResult` (its compute intervals and memory)."""
+
+    @property
+    def peak_bytes(self) -> list[int]:
+        """Per device, the most activation bytes it held at once in the step (the runtime's meter)."""
+        return [st.peak_activation_bytes for st in self.steps]
+
+    @property
+    def stage_bytes(self) -> dict[int, tuple[int, int, int]]:
+        """Per stage, the most bytes one microbatch held after its F, during its B, between its B and its W."""
+        return {s: m for st in self.steps for s, m in st.stage_memory.items()}
+
+    @property
+    def bubble(self) -> float:
+        """The measured step's idle fraction: 1 - busy time over devices x makespan."""
+        busy = sum(st.busy for st in self.steps)
+        return 1.0 - busy / (len(self.steps) * self.measured_makespan) if self.measured_makespan > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        """Numbers to log (JSON-friendly)."""
+        return {"schedule": self.schedule.name, "measured_s": self.measured_makespan,
+                "predicted_s": self.predicted_makespan, "bubble": self.bubble, "peak_bytes": self.peak_bytes}
+
+    def trace(self) -> dict[str, Any]:
+        """The step as Chrome trace-event JSON (Perfetto, chrome://tracing): a row per device."""
+        t0 = min(st.started_at for st in self.steps)
+        events: list[dict[str, Any]] = [{"ph": "M", "name": "process_name", "pid": 0,
+                                         "args": {"name": f"pipefold {self.schedule.name}"}}]
+        for d, st in enumerate(self.steps):
+            events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": d, "args": {"name": f"device {d}"}})
+            base = (st.started_at - t0) * 1e6
+            events += [{"ph": "X", "name": e.name, "cat": e.kind, "pid": 0, "tid": d, "ts": base + e.start * 1e6,
+                        "dur": (e.end - e.start) * 1e6} for e in st.events]
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+    def write_trace(self, path: str) -> None:
+        from pipefold.files import write_json
+
+        write_json(path, self.trace())
+
+    def plot(self, path: str) -> None:
+        """The measured step above the simulator's prediction, as a figure."""
+        from pipefold.sim.render import plot_run
+
+        plot_run(self.measured, self.predicted, path, titles=(
+            f"measured: {self.schedule.name}, {self.measured_makespan * 1e3:.1f} ms",
+            f"predicted from its pass times: {self.predicted_makespan * 1e3:.1f} ms"))
+
+
+_GROUPS: dict[tuple[int, ...], Any] = {}
+
+
+def _subgroup(ranks: list[int]) -> Any:
+    """A process group of ``ranks``, made by its members only (other pipelines may make theirs meanwhile), once
+    per set of ranks in a process."""
+    key = tuple(sorted(ranks))
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(list(key), use_local_synchronization=True)
+    return _GROUPS[key]
+
+
+def resolve_schedule(schedule: str | Schedule | os.PathLike[str], devices: int, microbatches: int | None) -> Schedule:
+    """A schedule from what a user may give: a name with options (``kfkb:k=2``), a :class:`Schedule`, or a file
+    (any format :func:`pipefold.ir.load` reads); checked against the pipeline's devices and microbatches."""
+    from pipefold.ir import load
+    from pipefold.ir.ref import ScheduleRef
+    from pipefold.schedules import build, looks_like_file, names
+
+    if isinstance(schedule, Schedule):
+        built, where = schedule, f"the schedule {schedule.name}"
+    else:
+        text = os.fspath(schedule)
+        ref = ScheduleRef.parse(text) if ":" in text and not os.path.exists(text) else ScheduleRef(text)
+        if ref.name in names():
+            if microbatches is None:
+                raise ConfigError(f"{text} needs the number of microbatches: Pipeline(..., microbatches=N)")
+            return validate(build(ref.name, devices, microbatches, **ref.kwargs))
+        if not (os.path.exists(text) or looks_like_file(text)):
+            raise ConfigError(f"unknown schedule {text!r}: use one of {', '.join(names())}, a Schedule or a file")
+        if not os.path.isfile(text):
+            raise ConfigError(f"schedule file {text} does not exist")
+        built, where = load(text), f"the schedule file {text}"
+    if built.devices != devices:
+        raise ConfigError(f"{where} is for {built.devices} devices, but the pipeline's process group has {devices} "
+                          f"ranks: give a schedule for {devices} devices, or run {built.devices} ranks")
+    if microbatches is not None and built.microbatches != microbatches:
+        raise ConfigError(f"{where} runs {built.microbatches} microbatches, not {microbatches}: leave out "
+                          "microbatches= or give a matching schedule")
+    return validate(built)
+
+
+class Pipeline:
+    """This rank's part of a pipeline: its stage modules, run by ``schedule`` (see the module's docstring).
+
+    ``stages``: this rank's stage modules, in increasing stage order (a module, a list, or ``{stage: module}``);
+    the schedule's placement says which stages a rank holds (:meth:`stages_of`, e.g. stages 0 and 7 of 8 for a
+    V shape on device 0; with Chimera or DualPipe a rank holds a stage of each replica, and the copies of a stage
+    on two ranks must start from the same weights: build the model from one seed on every rank; their gradients are
+    summed by the schedule's all-reduces, so they stay equal).
+
+    ``schedule``: a name with options (``"1f1b"``, ``"kfkb:k=2"``, ``"v-half"``), a :class:`Schedule` or a
+    schedule file. ``group``: the process group of the pipeline's ranks, in pipeline order (default: every rank);
+    or ``mesh``: a DeviceMesh with a ``"pp"`` dimension (and ``"dp"``, ``"tp"`` as the stage modules use them).
+    ``loss_fn(output, target)`` on the rank(s) holding the last stage returns the microbatch's mean loss.
+    ``recompute``: per stage of this rank, how many of its first layers (an ``nn.Sequential``) recompute their
+    activations in backward. ``tied``: shared weights across stages, each ``{stage: "parameter.name", ...}``
+    (names within the stage modules): every copy's gradient becomes their sum at the end of each step.
+    ``action_timeout``: seconds an action may wait for another rank before the step fails.
+    """
+
+    def __init__(self, stages: StageModules, schedule: str | Schedule | os.PathLike[str], *,
+                 microbatches: int | None = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+                 group: Any = None, mesh: Any = None, device: torch.device | str | None = None,
+                 recompute: Mapping[int, int] | None = None, tied: Sequence[Mapping[int, str]] = (),
+                 action_timeout: float = DEFAULT_ACTION_TIMEOUT) -> None:
+        if not dist.is_initialized():
+            raise ConfigError("Pipeline needs torch.distributed's process group: call "
+                              "torch.distributed.init_process_group() first (torchrun sets its environment)")
+        if microbatches is not None and (isinstance(microbatches, bool) or not isinstance(microbatches, int)
+                                         or microbatches < 1):
+            raise ConfigError(f"microbatches must be a positive integer (got {microbatches!r})")
+        self.mesh = mesh
+        pp_group, dp_group, tp_group = self._groups(group, mesh)
+        self.group = pp_group
+        """The pipeline's process group (None: the default group, every rank)."""
+        self.ranks = list(dist.get_process_group_ranks(pp_group)) if pp_group is not None else \
+            list(range(dist.get_world_size()))
+        me = dist.get_rank()
+        if me not in self.ranks:
+            raise ConfigError(f"rank {me} is not in the pipeline's process group (ranks {self.ranks})")
+        self.rank = self.ranks.index(me)
+        """This rank's device in the pipeline."""
+        self.schedule = resolve_schedule(schedule, len(self.ranks), microbatches)
+        if self.schedule.is_forward_only:
+            raise ConfigError(f"{self.schedule.name} runs forwards only; a Pipeline trains with a schedule that has "
+                              "backwards and evaluates with the same schedule's forwards (Pipeline.forward)")
+        modules = self._stage_map(stages)
+        self.device = torch.device(device) if device is not None else _device_of(modules)
+        last = self.schedule.stages - 1
+        if last in modules and loss_fn is None:
+            raise ConfigError(f"this rank (device {self.rank}) holds the last stage ({last}): give it the loss "
+                              "function, Pipeline(..., loss_fn=fn), fn(output, target) -> the microbatch's mean loss")
+        self.loss_fn = loss_fn
+        self.dp_group, self.tp_group = dp_group, tp_group
+        self.sharded = any(_is_fsdp(m) for m in modules.values())
+        if self.sharded and (dp_group is None or not all(_is_fsdp(m) for m in modules.values())):
+            raise ConfigError("FSDP stages need a DeviceMesh with a 'dp' dimension (Pipeline(..., mesh=mesh)) and "
+                              "every stage module of the rank sharded with fully_shard on it")
+        self._dp = dp_group is not None and dist.get_world_size(dp_group) > 1
+        if self._dp:
+            from pipefold.schedules.dataparallel import with_data_parallel
+
+            self.schedule = with_data_parallel(self.schedule, shard=self.sharded)
+        self._check_weights(modules)
+        untie_map = {s: nn.Sequential(m) for s, m in modules.items()}
+        untie(untie_map)  # a weight two stages of this rank share: a copy each, summed as a tied weight
+        self.tied = TiedGrads(_ties(tied, self.schedule.stages), self.schedule,
+                              [[s] for s in range(self.schedule.stages)], self.rank, untie_map, self.device,
+                              [self.ranks], 0, new_group=_subgroup) if tied else None
+        if self.sharded:
+            for m in modules.values():
+                _prepare_fsdp(m)
+        self.modules = modules
+        self.recompute = dict(recompute or {})
+        bad = sorted(set(self.recompute) - set(modules))
+        if bad:
+            raise ConfigError(f"recompute names stages {bad}, but this rank holds stages {sorted(modules)}")
+        self.timeout = action_timeout
+        self.boundaries = Boundaries()
+        self._executors: dict[bool, RankExecutor] = {}
+        self.train_executor = self._executor(train=True)
+        if self.sharded:
+            for m in modules.values():
+                m.reshard()  # type: ignore[operator]  # the shards are the parameters between steps
+        self._last_stage_ranks = sorted({self.ranks[d] for d in self.schedule.holders(last)})
+        self._loss_group = _subgroup(self._last_stage_ranks) if len(self._last_stage_ranks) > 1 and \
+            me in self._last_stage_ranks else None
+        self._broadcast_replicas()
+        self.last: StepStats | None = None
+        """This rank's stats of the last step: events, peak bytes (the meter), per-stage memory."""
+        self._counted = self._norm_parameters()
+
+    # -- construction
+
+    @staticmethod
+    def _groups(group: Any, mesh: Any) -> tuple[Any, Any, Any]:
+        if mesh is None:
+            return group, None, None
+        if group is not None:
+            raise ConfigError("give the pipeline's ranks once: group= or mesh=, not both")
+        names = tuple(mesh.mesh_dim_names or ())
+        if "pp" not in names:
+            raise ConfigError(f"the DeviceMesh has dimensions {names or '(unnamed)'}; name the pipeline's 'pp', e.g. "
+                              "init_device_mesh('cpu', (2, 2), mesh_dim_names=('dp', 'pp'))")
+        unknown = sorted(set(names) - {"pp", "dp", "tp"})
+        if unknown:
+            raise ConfigError(f"the DeviceMesh has dimensions {unknown} that a Pipeline does not know: it reads "
+                              "'pp', 'dp' and 'tp'")
+        pick = {n: mesh[n].get_group() if n in names else None for n in ("pp", "dp", "tp")}
+        return pick["pp"], pick["dp"], pick["tp"]
+
+    def _stage_map(self, stages: StageModules) -> dict[int, nn.Module]:
+        mine = self.schedule.stages_of(self.rank)
+        if isinstance(stages, nn.Module):
+            given: dict[int, nn.Module] = dict(zip(mine, [stages], strict=False)) if len(mine) == 1 else {}
+            count = 1
+        elif isinstance(stages, Mapping):
+            given, count = dict(stages), len(stages)
+        else:
+            listed = list(stages)
+            given, count = (dict(zip(mine, listed, strict=True)) if len(listed) == len(mine) else {}), len(listed)
+        if sorted(given) != mine:
+            have = sorted(given) if isinstance(stages, Mapping) else f"{count} module{'s' * (count != 1)}"
+            raise ConfigError(f"{self.schedule.name} puts stages {mine} on this rank (device {self.rank} of "
+                              f"{self.schedule.devices}); it was given {have}: give one module per stage, in stage "
+                              "order (Pipeline.stages_of tells which)")
+        for s, m in given.items():
+            if not isinstance(m, nn.Module):
+                raise ConfigError(f"stage {s} is a {type(m).__name__}, not an nn.Module")
+        return {s: given[s] for s in mine}
+
+    def _check_weights(self, modules: Mapping[int, nn.Module]) -> None:
+        """A stage with W actions needs parameters to compute their gradients."""
+        w = {a.stage for act in self.schedule.actions[self.rank] for a in act.passes if a.kind == Kind.W}
+        for s in sorted(w):
+            if not any(p.requires_grad for p in modules[s].parameters()):
+                raise ConfigError(f"stage {s} has no parameter that takes a gradient, but {self.schedule.name} "
+                                  f"gives it W actions (weight gradients): give the stage some of the model's "
+                                  "layers, or use a schedule without the B/W split (1f1b, interleaved-1f1b, gpipe)")
+
+    def _executor(self, *, train: bool) -> RankExecutor:
+        if train not in self._executors:
+            schedule = self.schedule if train else self.schedule.forward_only()
+            self._executors[train] = RankExecutor(
+                schedule, self.rank, self.modules, self._loss, self.device, recompute=self.recompute if train else None,
+                timeout=pg_timeout(self.timeout), pipelines=[self.ranks], pipeline=0,
+                meshes=[[r] for r in self.ranks], dp_group=self.dp_group if (self._dp and train) else None,
+                sharded=self.sharded and train, boundaries=self.boundaries, new_group=_subgroup)
+        return self._executors[train]
+
+    def _loss(self, output: Any, target: Any) -> torch.Tensor:
+        assert self.loss_fn is not None
+        return self.loss_fn(output, target)
+
+    def _broadcast_replicas(self) -> None:
+        """A stage two ranks hold (Chimera, DualPipe) starts from its first holder's weights on both."""
+        for s, group in self.train_executor._groups.items():
+            src = self.ranks[self.schedule.holders(s)[0]]
+            with torch.no_grad():
+                for t in [*self.modules[s].parameters(), *self.modules[s].buffers()]:
+                    dist.broadcast(sharding.local(t), src=src, group=group)
+
+    def _norm_parameters(self) -> list[nn.Parameter]:
+        """The parameters this rank counts in the global norm: each stage by its first holder, each tied weight
+        once, a tensor-parallel parameter by each rank for its part (replicated ones by the first), FSDP's
+        shards by every copy, plain data-parallel copies by the first."""
+        tp_rank = dist.get_rank(self.tp_group) if self.tp_group is not None else 0
+        dp_rank = dist.get_rank(self.dp_group) if self.dp_group is not None else 0
+        copies = self.tied.copies if self.tied is not None else set()
+        out = []
+        for s, m in self.modules.items():
+            if self.schedule.holders(s)[0] != self.rank or (dp_rank and not self.sharded):
+                continue
+            for p in m.parameters():
+                if p.requires_grad and id(p) not in copies and (tp_rank == 0 or sharding.split_over(p, "tp")):
+                    out.append(p)
+        return out
+
+    # -- what a user's loop calls
+
+    def stages_of(self, device: int | None = None) -> list[int]:
+        """The stages the schedule puts on ``device`` (this rank's, by default), in increasing order."""
+        return self.schedule.stages_of(self.rank if device is None else device)
+
+    def parameters(self) -> list[nn.Parameter]:
+        """What this rank's optimizer steps: its stages' parameters (with FSDP, their shards), each once."""
+        seen: dict[int, nn.Parameter] = {}
+        for m in self.modules.values():
+            for p in m.parameters():
+                seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this rank holds the last stage (computes losses)."""
+        return self.schedule.stages - 1 in self.modules
+
+    @property
+    def is_first(self) -> bool:
+        """Whether this rank holds the first stage (reads the batch's inputs)."""
+        return 0 in self.modules
+
+    def step(self, *inputs: Any, target: Any = None, all_ranks: bool = False, **kwinputs: Any) -> float | None:
+        """Run one batch through the schedule, forwards and backwards; the gradients of the batch's mean loss are
+        added into this rank's parameters' ``.grad`` (zero them before, as in any loop).
+
+        ``inputs`` and ``kwinputs``: the first stage's arguments for the whole batch (each tensor cut into the
+        microbatches along dimension 0), needed on the rank(s) holding stage 0, ignored elsewhere. ``target``: the
+        batch's targets, needed where the last stage is (cut the same way). Returns the batch's mean loss on the
+        ranks holding the last stage and None elsewhere; with ``all_ranks``, on every rank of the pipeline.
+        """
+        if not torch.is_grad_enabled():
+            raise ConfigError("Pipeline.step was called under torch.no_grad() (or inference_mode): it trains; "
+                              "for evaluation call Pipeline.forward")
+        return self._run(True, inputs, kwinputs, target, all_ranks)
+
+    def forward(self, *inputs: Any, target: Any = None, all_ranks: bool = False,
+                **kwinputs: Any) -> tuple[Any, float | None]:
+        """Evaluation and inference: the schedule's forwards only, nothing kept for a backward.
+
+        Returns ``(output, loss)``: on the rank(s) holding the last stage, its output for the whole batch (the
+        microbatches' outputs joined along dimension 0) and, when ``target`` is given, the batch's mean loss; None
+        elsewhere (the loss on every rank with ``all_ranks``)."""
+        loss = self._run(False, inputs, kwinputs, target, all_ranks)
+        executor = self._executors[False]
+        output = None
+        if executor.outputs:
+            parts = [executor.outputs[mb] for mb in sorted(executor.outputs)]
+            output = _join(parts) if len(parts) == self.schedule.microbatches else None
+            executor.outputs = {}
+        return output, loss
+
+    def _run(self, train: bool, inputs: tuple[Any, ...], kwinputs: dict[str, Any], target: Any,
+             all_ranks: bool) -> float | None:
+        m = self.schedule.microbatches
+        executor = self._executor(train=train)
+        holds = [s for s in executor.runners if s == 0]
+        xs: list[Tensors] = [()] * m
+        if holds:
+            moved = [_to(v, self.device) for v in inputs]
+            xs, spec = split_call(tuple(moved), {k: _to(v, self.device) for k, v in kwinputs.items()}, m)
+            self.boundaries.specs[0] = spec
+        last = self.schedule.stages - 1
+        ys: list[Any] = [None] * m
+        if last in executor.runners:
+            if target is None and train:
+                raise ConfigError(f"this rank holds the last stage ({last}): give the batch's targets, "
+                                  "Pipeline.step(..., target=y)")
+            if target is not None:
+                ys = _split_target(_to(target, self.device), m)
+        gathered = not train and self.sharded
+        if gathered:  # FSDP's shards gathered for the forwards, as the training schedule's AG does
+            for module in self.modules.values():
+                sharding.gather(module).wait()
+        try:
+            stats = executor.run_step(xs, ys, object())  # every step sends its shapes: they may change
+        finally:
+            if gathered:
+                for module in self.modules.values():
+                    module.reshard()  # type: ignore[operator]
+        if train and self.tied is not None:
+            self.tied.reduce()
+        self.last, self._last_schedule = stats, executor.schedule
+        losses = list(stats.losses.values())
+        loss = math.fsum(losses) / len(losses) if losses else None
+        if len(self._last_stage_ranks) > 1 or all_ranks:
+            loss = self._gather_loss(losses, all_ranks)
+        return loss
+
+    def _gather_loss(self, losses: list[float], all_ranks: bool) -> float | None:
+        """The batch's mean loss from the ranks that computed some of it (two with Chimera or DualPipe)."""
+        mine = dist.get_rank() in self._last_stage_ranks
+        t = torch.tensor([math.fsum(losses), float(len(losses))], dtype=torch.float64)
+        if all_ranks:
+            dist.all_reduce(t, group=self.group)
+        elif mine and self._loss_group is not None:
+            dist.all_reduce(t, group=self._loss_group)
+        if not all_ranks and not mine:
+            return None
+        return float(t[0] / t[1]) if t[1] > 0 else None
+
+    # -- the gradients after a step
+
+    def check(self) -> Check:
+        """The step's global gradient norm, NaN/inf verdict and mean loss, on every rank alike: one all-reduce per
+        dimension of the layout (pipeline, data-parallel copies, tensor-parallel ranks)."""
+        losses = list(self.last.losses.values()) if self.last is not None else []
+        summed = local_check(self._counted, losses, self.device)
+        for group in self._check_groups():
+            dist.all_reduce(summed, group=group)
+        norm, bad, loss = verdict(summed)
+        return Check(norm, not bad, loss)
+
+    def _check_groups(self) -> list[Any]:
+        groups = [self.group]
+        if self.dp_group is not None:
+            groups.append(self.dp_group)
+        if self.tp_group is not None:
+            groups.append(self.tp_group)
+        return groups
+
+    def grad_norm(self) -> float:
+        """The global gradient norm (L2 over every stage's parameters, each counted once), on every rank alike."""
+        return self.check().norm
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Scale every gradient so the global norm is at most ``max_norm``; returns the norm before (NaN or inf:
+        nothing is scaled, as the step should be skipped: :meth:`check`)."""
+        norm = self.grad_norm()
+        factor = clip_factor(norm, max_norm) if math.isfinite(norm) else None
+        if factor is not None:
+            scale_grads(self.parameters(), factor)
+        return norm
+
+    # -- seeing what it did
+
+    def report(self) -> StepReport:
+        """The last step on every device of the pipeline (collective: every rank of it calls it): the meter's
+        memory, the timeline and the simulator's prediction from the step's own pass times."""
+        from pipefold.ir import Action
+        from pipefold.sim.simulate import (
+            CostModel,
+            Interval,
+            MemoryCurves,
+            SimResult,
+            Timeline,
+            simulate,
+            split_backward,
+        )
+
+        if self.last is None:
+            raise ConfigError("Pipeline.report() reads the last step: call Pipeline.step first")
+        gathered: list[Any] = [None] * len(self.ranks)
+        dist.all_gather_object(gathered, self.last, group=self.group)
+        steps: list[StepStats] = gathered
+        schedule = self._last_schedule
+        t0 = min(st.started_at for st in steps)
+        rows, curves = [], []
+        for st in steps:
+            shift = st.started_at - t0
+            rows.append(tuple(Interval(Action.parse(e.name), shift + e.start, shift + e.end)
+                              for e in st.events if e.kind in COMPUTE_KINDS))
+            curves.append(((0.0, 0.0), *((shift + t, float(b)) for t, b in st.memory_curve)))
+        measured = SimResult(schedule, CostModel(), Timeline.of(rows), MemoryCurves.of(curves))
+        times = kind_times(steps)
+        memory = {s: mem for st in steps for s, mem in st.stage_memory.items()}
+        over = {}
+        for s in range(schedule.stages):
+            held, during_b, held_w = memory.get(s, (0, 0, 0))
+            over[s] = dataclasses.replace(split_backward(times.get(s, {})), memory=float(max(held, during_b)),
+                                          kept=float(held), memory_w=float(held_w or held))
+        costs = CostModel(stage_overrides=over)
+        compute_only = schedule.with_actions([[a for a in row if all(p.kind in (Kind.F, Kind.B, Kind.W, Kind.BW)
+                                                                     for p in a.passes)] for row in schedule.actions])
+        predicted = simulate(compute_only, costs)
+        makespan = max(st.started_at - t0 + max((e.end for e in st.events if e.kind in COMPUTE_KINDS), default=0.0)
+                       for st in steps)
+        return StepReport(schedule, steps, makespan, predicted.makespan, predicted, measured)
+
+    def close(self) -> None:
+        """Stop the links' threads (the process group stays the user's)."""
+        for executor in self._executors.values():
+            executor.close()
+        self._executors.clear()
+
+
+# -- helpers
+
+def _device_of(modules: Mapping[int, nn.Module]) -> torch.device:
+    for m in modules.values():
+        for t in [*m.parameters(), *m.buffers()]:
+            return sharding.local(t).device if not t.is_meta else torch.device("cpu")
+    return torch.device("cpu")
+
+
+def _is_fsdp(module: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch < 2.6
+        return False
+    return isinstance(module, FSDPModule)
+
+
+def _prepare_fsdp(module: nn.Module) -> None:
+    """A stage the user sharded with ``fully_shard``: made FSDP's root, accumulating, gathered, as
+    :func:`pipefold.runtime.sharding.shard` leaves its own."""
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard.state(module)._lazy_init()  # type: ignore[attr-defined]
+    sharding._accumulate(module)
+    sharding.gather(module).wait()
+
+
+def _ties(tied: Sequence[Mapping[int, str]], stages: int) -> list[tuple[tuple[int, str], ...]]:
+    out = []
+    for tie in tied:
+        if not isinstance(tie, Mapping) or len(tie) < 2:
+            raise ConfigError(f"a tied weight is {{stage: 'parameter.name', ...}} over two stages or more "
+                              f"(got {tie!r})")
+        for s in tie:
+            if not isinstance(s, int) or not 0 <= s < stages:
+                raise ConfigError(f"a tied weight names stage {s!r}, but the schedule has stages 0..{stages - 1}")
+        # The runtime's TiedGrads names a weight by (layer, name): here each stage is its one layer.
+        out.append(tuple((s, name) for s, name in sorted(tie.items())))
+    return out
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    from torch.utils import _pytree as pytree
+
+    return pytree.tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, value)
+
+
+def _split_target(target: Any, parts: int) -> list[Any]:
+    tensors, spec = flatten(target, call=True)
+    for t in tensors:
+        if t.dim() == 0 or t.shape[0] % parts:
+            raise ConfigError(f"a target of shape {tuple(t.shape)} does not split into {parts} equal microbatches "
+                              "along dimension 0")
+    cut = [t.chunk(parts) for t in tensors]
+    return [unflatten(spec, [c[j] for c in cut]) for j in range(parts)]
+
+
+def _join(parts: list[Any]) -> Any:
+    from torch.utils import _pytree as pytree
+
+    leaves = [pytree.tree_flatten(p) for p in parts]
+    tree = leaves[0][1]
+    joined = [torch.cat(vs) if isinstance(vs[0], torch.Tensor) and vs[0].dim() > 0 else vs[0]
+              for vs in zip(*(ls for ls, _ in leaves), strict=True)]
+    return pytree.tree_unflatten(joined, tree)
+
