@@ -87,3 +87,207 @@ def test_a_users_loop_trains_exactly_as_one_process(schedule: str) -> None:
     assert sorted(state) == sorted(want_state)
     for k, v in want_state.items():
         torch.testing.assert_close(torch.from_numpy(state[k]), v, atol=TOL, rtol=0)
+
+
+class _Embed(nn.Module):
+    """Stage 0 of a model whose stages pass a dict: hidden states, a mask that needs no gradient, and a flag."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, scale: float = 1.0) -> dict[str, Any]:
+        return {"hidden": self.proj(x) * scale, "mask": mask, "causal": True, "ids": mask.long().cumsum(-1)}
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor, causal: bool, ids: torch.Tensor) -> dict[str, Any]:
+        assert causal is True and ids.dtype == torch.int64
+        return {"hidden": torch.tanh(self.lin(hidden)) * mask, "mask": mask, "causal": causal, "ids": ids}
+
+
+class _Head(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor, causal: bool, ids: torch.Tensor) -> tuple[Any, ...]:
+        return self.out(hidden), ids
+
+
+def _dict_model(n: int) -> list[nn.Module]:
+    torch.manual_seed(1)
+    return [_Embed(), *(_Block() for _ in range(n - 2)), _Head()]
+
+
+def _dict_loss(output: tuple[torch.Tensor, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
+    logits, ids = output
+    return nn.functional.mse_loss(logits, target) + 0.0 * ids.sum()
+
+
+def _dict_batch(step: int, seq: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(4, seq, 8, generator=g)
+    mask = (torch.rand(4, seq, 1, generator=g) > 0.2).float()
+    return x, mask, torch.randn(4, seq, 8, generator=g)
+
+
+def _train_dicts(rank: int, init: str, schedule: str, seqs: list[int], out: Any) -> None:
+    import torch.distributed as dist
+
+    from pipefold.runtime.pipeline import Pipeline
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        from pipefold.runtime.pipeline import resolve_schedule
+
+        built = resolve_schedule(schedule, 2, 2)
+        layers = _dict_model(built.stages)
+        pipe = Pipeline({s: layers[s] for s in built.stages_of(rank)}, built, loss_fn=_dict_loss)
+        losses, grads = [], []
+        for step, seq in enumerate(seqs):  # the sequence length changes from step to step
+            x, mask, y = _dict_batch(step, seq)
+            for p in pipe.parameters():
+                p.grad = None
+            losses.append(pipe.step(x, mask=mask, scale=0.5, target=y, all_ranks=True))
+            grads.append({f"{s}.{k}": p.grad.numpy().copy() for s in built.stages_of(rank)
+                          for k, p in layers[s].named_parameters()})
+        out.put((rank, losses, grads))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-v"])
+def test_dicts_masks_flags_and_changing_shapes_travel_between_stages(schedule: str) -> None:
+    """A dict of hidden states, a mask needing no gradient, an integer tensor and a Python flag cross the stages;
+    the sequence length changes every step; losses and gradients equal one process's."""
+    from pipefold.runtime.pipeline import resolve_schedule
+
+    seqs = [5, 3, 7]
+    stages = resolve_schedule(schedule, 2, 2).stages
+    layers = _dict_model(stages)
+    want_losses, want_grads = [], []
+    for step, seq in enumerate(seqs):
+        x, mask, y = _dict_batch(step, seq)
+        for layer in layers:
+            layer.zero_grad(set_to_none=True)
+        value: Any = layers[0](x, mask=mask, scale=0.5)
+        for layer in layers[1:]:
+            value = layer(**value)
+        loss = _dict_loss(value, y)
+        loss.backward()
+        want_losses.append(loss.item())
+        want_grads.append({f"{s}.{k}": p.grad for s, layer in enumerate(layers) for k, p in layer.named_parameters()})
+    got = run_ranks(_train_dicts, 2, schedule, seqs)
+    for _, losses, grads in got:
+        assert losses == pytest.approx(want_losses, abs=TOL)
+        for step, each in enumerate(grads):
+            for k, g in each.items():
+                torch.testing.assert_close(torch.from_numpy(g), want_grads[step][k], atol=TOL, rtol=0)
+
+
+def _refusals(rank: int, init: str, out: Any) -> None:
+    """Each mistake a user can make building or stepping a Pipeline, made on both ranks alike: one line each."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pipefold import build
+    from pipefold.runtime.pipeline import Pipeline
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    layers = _model(2)
+    mine = layers[rank]
+    loss = nn.functional.mse_loss
+    cases: dict[str, Any] = {
+        "devices": lambda: Pipeline(mine, build("1f1b", 4, 4), loss_fn=loss),
+        "microbatches": lambda: Pipeline(mine, "1f1b", loss_fn=loss),
+        "no-loss": lambda: Pipeline(mine, "1f1b", microbatches=4),
+        "count": lambda: Pipeline([mine, mine], "1f1b", microbatches=4, loss_fn=loss),
+        "no-weights": lambda: Pipeline(nn.Tanh() if rank == 0 else mine, "zb-h1", microbatches=4, loss_fn=loss),
+        "mesh": lambda: Pipeline(mine, "1f1b", microbatches=4, loss_fn=loss,
+                                 mesh=init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))),
+        "unknown": lambda: Pipeline(mine, "2f2b", microbatches=4, loss_fn=loss),
+        "file": lambda: Pipeline(mine, "no/such/file.json", microbatches=4, loss_fn=loss),
+    }
+    got = {}
+    for name, make in cases.items():
+        try:
+            make()
+            got[name] = None
+        except ConfigError as exc:
+            got[name] = str(exc)
+    pipe = Pipeline(mine, "1f1b", microbatches=4, loss_fn=loss)
+    x, y = _batch(0)
+    steps = {"no-grad": lambda: _no_grad(pipe.step, x, target=y),
+             "rows": lambda: pipe.step(x[:6], target=y[:6])}  # each rank refuses its part: the batch, the target
+    if rank == 1:  # only the rank with the last stage needs the target (the other would start the step)
+        steps["target"] = lambda: pipe.step(x)
+    for name, call in steps.items():
+        try:
+            call()
+            got[name] = None
+        except ConfigError as exc:
+            got[name] = str(exc)
+    out.put((rank, got))
+    dist.destroy_process_group()
+
+
+def _no_grad(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    with torch.no_grad():
+        return fn(*args, **kwargs)
+
+
+def test_mistakes_building_or_stepping_a_pipeline_are_one_line_each() -> None:
+    got = dict(run_ranks(_refusals, 2))
+    both = ("devices", "microbatches", "count", "mesh", "unknown", "file", "no-grad")
+    for rank, lines in got.items():
+        for name in both:
+            assert lines[name] is not None and "\n" not in lines[name], (rank, name, lines[name])
+        assert "4 devices" in lines["devices"] and "2 ranks" in lines["devices"]
+        assert "microbatches=N" in lines["microbatches"]
+        assert "no_grad" in lines["no-grad"] and "Pipeline.forward" in lines["no-grad"]
+        assert "'pp'" in lines["mesh"]
+        assert "2f2b" in lines["unknown"]
+    assert got[1]["no-loss"] is not None and "loss_fn" in got[1]["no-loss"]
+    assert got[0]["no-loss"] is None  # the first rank needs none
+    assert got[0]["no-weights"] is not None and "W actions" in got[0]["no-weights"]
+    assert got[0]["rows"] is not None and "6 rows" in got[0]["rows"]  # the rank that reads the batch
+    assert got[1]["rows"] is not None and "(6, 8)" in got[1]["rows"]  # the rank that reads the target
+    assert got[1]["target"] is not None and "target=y" in got[1]["target"]  # the rank that computes the loss
+
+
+def _mismatch(rank: int, init: str, out: Any) -> None:
+    import torch.distributed as dist
+
+    from pipefold.runtime.pipeline import Pipeline
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    torch.manual_seed(0)
+    stage = nn.Linear(8, 6) if rank == 0 else nn.Linear(5, 8)  # 6 features out, 5 expected
+    pipe = Pipeline(stage, "1f1b", microbatches=4, loss_fn=nn.functional.mse_loss, action_timeout=20)
+    x, y = _batch(0)
+    try:
+        pipe.step(x, target=y)
+        out.put((rank, None))
+    except Exception as exc:  # noqa: BLE001 - what each rank ends with is the test
+        out.put((rank, f"{type(exc).__name__}: {exc}"))
+
+
+def test_a_stage_that_does_not_take_the_previous_output_is_named_with_both_shapes() -> None:
+    import time
+
+    start = time.monotonic()
+    got = dict(run_ranks(_mismatch, 2, timeout=120))
+    line = got[1]
+    assert line is not None and line.startswith("ConfigError: stage 1 does not take stage 0's output, (2, 6)")
+    assert "\n" not in line
+    assert got[0] is not None and got[0].startswith("PeerLost: rank 0: rank 1 stopped while this rank was in ")
+    assert "of step 1" in got[0] and "\n" not in got[0]  # the other rank ends too, in one line, not hung
+    assert time.monotonic() - start < 90

@@ -7,8 +7,24 @@ from pipefold.sim.simulate import CostModel, SimResult, simulate
 
 __version__ = "0.1.0"
 
+_LIBRARY = {"Pipeline": "pipefold.runtime.pipeline", "Check": "pipefold.runtime.pipeline",
+            "StepReport": "pipefold.runtime.pipeline", "split_model": "pipefold.runtime.pipeline"}
+"""The library a training script uses, loaded (with torch) when first named: ``from pipefold import Pipeline``."""
+
+
+def __getattr__(name: str) -> object:
+    if name in _LIBRARY:
+        import importlib
+
+        return getattr(importlib.import_module(_LIBRARY[name]), name)
+    raise AttributeError(f"module 'pipefold' has no attribute {name!r}")
+
 __all__ = [
     "Action",
+    "Check",
+    "Pipeline",
+    "StepReport",
+    "split_model",
     "ConfigError",
     "CostModel",
     "Kind",

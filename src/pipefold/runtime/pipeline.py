@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipefold.errors import ConfigError
+from pipefold.errors import ConfigError, PipefoldError
 from pipefold.ir import Kind, Schedule, validate
 from pipefold.runtime import sharding
 from pipefold.runtime.executor import COMPUTE_KINDS, RankExecutor, StepStats, kind_times
@@ -45,7 +45,7 @@ from pipefold.runtime.structure import flatten, split_call, unflatten
 from pipefold.runtime.tied import TiedGrads, untie
 from pipefold.runtime.watch import DEFAULT_ACTION_TIMEOUT, pg_timeout
 
-__all__ = ["Check", "Pipeline", "StepReport"]
+__all__ = ["Check", "PeerLost", "Pipeline", "StepReport", "split_model"]
 
 StageModules = nn.Module | Sequence[nn.Module] | Mapping[int, nn.Module]
 
@@ -254,6 +254,7 @@ class Pipeline:
         self._loss_group = _subgroup(self._last_stage_ranks) if len(self._last_stage_ranks) > 1 and \
             me in self._last_stage_ranks else None
         self._broadcast_replicas()
+        self._steps = 0
         self.last: StepStats | None = None
         """This rank's stats of the last step: events, peak bytes (the meter), per-stage memory."""
         self._counted = self._norm_parameters()
@@ -420,8 +421,19 @@ class Pipeline:
         if gathered:  # FSDP's shards gathered for the forwards, as the training schedule's AG does
             for module in self.modules.values():
                 sharding.gather(module).wait()
+        self._steps += 1
+        executor.activity.step = self._steps
         try:
             stats = executor.run_step(xs, ys, object())  # every step sends its shapes: they may change
+        except RuntimeError as exc:
+            if not _lost_peer(exc):
+                raise
+            snap = executor.activity.snapshot(0)
+            peers = [r for r in snap.waits if r != dist.get_rank()]
+            whom = f"rank {peers[0]}" if len(peers) == 1 else "a rank of the pipeline"
+            raise PeerLost(f"rank {dist.get_rank()}: {whom} stopped while this rank was in {snap.at()} "
+                           f"({'waiting for ' + snap.what if snap.what else 'running'}): its own error says why") \
+                from exc
         finally:
             if gathered:
                 for module in self.modules.values():
@@ -532,6 +544,16 @@ class Pipeline:
         self._executors.clear()
 
 
+class PeerLost(PipefoldError):
+    """Another rank of the pipeline stopped during a step (its own error says why): this rank cannot go on."""
+
+
+def _lost_peer(exc: BaseException) -> bool:
+    """Whether an error of the links is a peer's process gone (gloo's words for a closed connection)."""
+    text = f"{exc} {exc.__cause__ or ''}"
+    return any(w in text for w in ("Connection closed by peer", "Connection reset by peer", "Broken pipe"))
+
+
 # -- helpers
 
 def _device_of(modules: Mapping[int, nn.Module]) -> torch.device:
@@ -598,3 +620,62 @@ def _join(parts: list[Any]) -> Any:
               for vs in zip(*(ls for ls, _ in leaves), strict=True)]
     return pytree.tree_unflatten(joined, tree)
 
+
+
+def split_model(model: nn.Module | Sequence[nn.Module], schedule: str | Schedule | os.PathLike[str], *,
+                devices: int, microbatches: int | None = None, by: str = "parameters", sample: Any = None,
+                device: int | None = None) -> dict[int, nn.Module]:
+    """Cut a model into the schedule's stages and return those of ``device`` (this rank's in the default group,
+    when None), each an ``nn.Sequential`` of consecutive layers, ready for :class:`Pipeline`.
+
+    ``model``: an ``nn.Sequential``, a list of layers, or a model with a ``layers`` list in it (a Hugging Face
+    decoder is cut with :func:`pipefold.models.hf` instead). The cut balances the schedule's devices (under its
+    placement: a V shape's device holds a first and a last stage) by ``by``: ``"parameters"`` (each layer's
+    parameter count, no run needed) or ``"time"`` (each layer's forward and backward timed on ``sample``, the
+    first layer's input for a few rows)."""
+    from pipefold.plan.partition import partition
+
+    layers = list(model) if isinstance(model, (nn.Sequential, list, tuple, nn.ModuleList)) else None
+    if layers is None:
+        raise ConfigError(f"split_model cuts an nn.Sequential or a list of layers, not a {type(model).__name__}: "
+                          "list the model's layers in order")
+    built = resolve_schedule(schedule, devices, microbatches)
+    if len(layers) < built.stages:
+        raise ConfigError(f"{built.name} on {devices} devices has {built.stages} stages, but the model has "
+                          f"{len(layers)} layers: give it at least one layer a stage")
+    if by == "parameters":
+        costs = [float(sum(p.numel() for p in layer.parameters())) for layer in layers]
+    elif by == "time":
+        if sample is None:
+            raise ConfigError("split_model(by='time') times each layer: give sample=, the first layer's input")
+        costs = _layer_times(layers, sample)
+    else:
+        raise ConfigError(f"split_model cuts by 'parameters' or 'time', not {by!r}")
+    cut = partition(costs, built.stages, placement=built.placement[0] if built.replicas == 1 else None)
+    here = (dist.get_process_group_ranks(dist.group.WORLD).index(dist.get_rank())
+            if device is None and dist.is_initialized() else device or 0)
+    return {s: nn.Sequential(*(layers[i] for i in cut.parts[s])) for s in built.stages_of(here)}
+
+
+def _layer_times(layers: Sequence[nn.Module], sample: Any, repeats: int = 3) -> list[float]:
+    """Each layer's forward and backward seconds on ``sample`` (the median of a few runs), in turn."""
+    import time
+
+    out = []
+    x = sample
+    for layer in layers:
+        runs = []
+        for _ in range(repeats):
+            xs = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in (x if isinstance(x, tuple) else (x,)))
+            start = time.perf_counter()
+            y = layer(*xs)
+            first = y[0] if isinstance(y, tuple) else y
+            if first.requires_grad:
+                first.float().sum().backward()
+            runs.append(time.perf_counter() - start)
+        out.append(sorted(runs)[len(runs) // 2])
+        with torch.no_grad():
+            x = layer(*(x if isinstance(x, tuple) else (x,)))
+    for layer in layers:
+        layer.zero_grad(set_to_none=True)
+    return out
