@@ -291,3 +291,112 @@ def test_a_stage_that_does_not_take_the_previous_output_is_named_with_both_shape
     assert got[0] is not None and got[0].startswith("PeerLost: rank 0: rank 1 stopped while this rank was in ")
     assert "of step 1" in got[0] and "\n" not in got[0]  # the other rank ends too, in one line, not hung
     assert time.monotonic() - start < 90
+
+
+class _Tied(nn.Module):
+    """A stage holding a (4, 8) weight that the first and the last stage share, as tied embeddings do."""
+
+    def __init__(self, shared: nn.Parameter, first: bool) -> None:
+        super().__init__()
+        self.shared, self.first = shared, first
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.lin(x))
+        return h + (self.shared.sum(0) if self.first else h @ self.shared.t() @ self.shared)
+
+
+def _tied_model(stages: int) -> list[nn.Module]:
+    torch.manual_seed(3)
+    shared = nn.Parameter(torch.randn(4, 8) * 0.3)
+    return [_Tied(shared, True), *(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(stages - 2)),
+            _Tied(shared, False)]
+
+
+def _train_clipped(rank: int, init: str, schedule: str, out: Any) -> None:
+    import torch.distributed as dist
+
+    from pipefold.runtime.pipeline import Pipeline, resolve_schedule
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    built = resolve_schedule(schedule, 2, 4)
+    layers = _tied_model(built.stages)
+    mine = built.stages_of(rank)
+    pipe = Pipeline({s: layers[s] for s in mine}, built, loss_fn=nn.functional.mse_loss,
+                    tied=[{0: "shared", built.stages - 1: "shared"}])
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.5)
+    norms = []
+    for step in range(3):
+        x, y = _batch(step)
+        opt.zero_grad()
+        pipe.step(x, target=y)
+        norms.append(pipe.clip_grad_norm_(0.05))
+        opt.step()
+    state = {f"{s}.{k}": v.detach().numpy().copy() for s in mine for k, v in layers[s].state_dict().items()}
+    out.put((rank, norms, pipe.check().finite, state))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-v", "chimera"])
+def test_global_clipping_and_tied_weights_equal_one_process(schedule: str) -> None:
+    """The global norm (each stage once, replicas and tied copies once) and clipping equal torch's
+    clip_grad_norm_ on the whole model in one process; a weight the first and last stage share trains as one."""
+    from pipefold.runtime.pipeline import resolve_schedule
+
+    layers = _tied_model(resolve_schedule(schedule, 2, 4).stages)
+    model = nn.Sequential(*layers)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    want = []
+    for step in range(3):
+        x, y = _batch(step)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        want.append(float(nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
+        opt.step()
+    got = run_ranks(_train_clipped, 2, schedule)
+    for rank, norms, finite, state in got:
+        assert norms == pytest.approx(want, rel=1e-5), rank
+        assert finite
+        for key, value in state.items():
+            s, name = key.split(".", 1)
+            torch.testing.assert_close(torch.from_numpy(value), layers[int(s)].state_dict()[name], atol=TOL, rtol=0)
+
+
+def _reported(rank: int, init: str, folder: str, out: Any) -> None:
+    import json
+
+    import torch.distributed as dist
+
+    from pipefold.runtime.pipeline import Pipeline
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    layers = _model(4)
+    pipe = Pipeline([layers[s] for s in (rank, 3 - rank)], "zb-v", microbatches=4, loss_fn=nn.functional.mse_loss)
+    for step in range(2):
+        pipe.step(*_batch(step)[:1], target=_batch(step)[1])
+    report = pipe.report()
+    if rank == 0:
+        report.write_trace(f"{folder}/trace.json")
+        with open(f"{folder}/trace.json") as fh:
+            events = [e for e in json.load(fh)["traceEvents"] if e["ph"] == "X" and e["cat"] in ("F", "B", "W")]
+        from pipefold.runtime.executor import kind_times
+
+        medians = kind_times(report.steps)  # per stage and kind, the median seconds the prediction reads
+        work = [sum(medians[a.stage][a.kind] for a in row) for row in report.schedule.actions]
+        out.put((report.as_dict(), len(events), report.schedule.num_actions, work, report.stage_bytes))
+    dist.destroy_process_group()
+
+
+def test_the_report_holds_every_action_the_meters_peaks_and_a_prediction(tmp_path: Any) -> None:
+    """Every F, B and W of both devices is in the trace; each device's peak and each stage's bytes are the meter's;
+    the prediction from the step's own pass times is at least the busiest device's work at those times (a bound
+    summed here)."""
+    [(numbers, traced, actions, work, stage_bytes)] = run_ranks(_reported, 2, str(tmp_path))
+    assert traced == actions  # zb-v: F, B and W of 4 stages x 4 microbatches
+    assert all(b > 0 for b in numbers["peak_bytes"])
+    assert sorted(stage_bytes) == [0, 1, 2, 3] and all(f > 0 for f, _, _ in stage_bytes.values())
+    assert numbers["predicted_s"] >= max(work) * (1 - 1e-9)  # no device finishes before its own work
+    assert 0.0 <= numbers["bubble"] < 1.0
+    assert numbers["measured_s"] >= max(work) * 0.5  # the step ran those passes (a median may exceed one run)
