@@ -285,6 +285,11 @@ def _run(argv: list[str], cwd: Path, factor: float, server: _Server | None = Non
     py = [sys.executable]
     if argv[0] == "pipefold":
         runs = [[*py, "-m", "pipefold", *shrink(argv[1:], factor)]]
+    elif argv[0] == "torchrun" and "pipefold" not in argv:  # a user's own script, as the library's pages show
+        at = next(i for i, a in enumerate(argv) if a.endswith(".py"))
+        launcher = [a.replace("HOST:29500", f"127.0.0.1:{free_port()}") for a in argv[1:at]]
+        port = [] if "--standalone" in launcher else ["--master-port", str(free_port())]  # beside other pages' runs
+        runs = [[*py, "-m", "torch.distributed.run", *port, *launcher, *argv[at:]]]
     elif argv[0] == "torchrun":
         at = argv.index("pipefold")
         launcher = [a.replace("HOST:29500", f"127.0.0.1:{free_port()}") for a in argv[1:at - 1]]

@@ -400,3 +400,72 @@ def test_the_report_holds_every_action_the_meters_peaks_and_a_prediction(tmp_pat
     assert numbers["predicted_s"] >= max(work) * (1 - 1e-9)  # no device finishes before its own work
     assert 0.0 <= numbers["bubble"] < 1.0
     assert numbers["measured_s"] >= max(work) * 0.5  # the step ran those passes (a median may exceed one run)
+
+
+def _train_dp(rank: int, init: str, out: Any) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pipefold.runtime.pipeline import Pipeline
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=4)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    copy, device = mesh["dp"].get_local_rank(), mesh["pp"].get_local_rank()
+    layers = _model(2)
+    pipe = Pipeline(layers[device], "zb-h1", microbatches=2, loss_fn=nn.functional.mse_loss, mesh=mesh)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    norms = []
+    for step in range(3):
+        x, y = _batch(step)
+        opt.zero_grad()
+        pipe.step(x.chunk(2)[copy], target=y.chunk(2)[copy])  # each copy its half of the batch
+        norms.append(pipe.grad_norm())
+        opt.step()
+    out.put((rank, norms, {f"{device}.{k}": v.detach().numpy().copy() for k, v in layers[device].state_dict().items()}))
+    dist.destroy_process_group()
+
+
+def test_data_parallel_copies_of_a_pipeline_equal_one_process_on_the_whole_batch() -> None:
+    """A (dp, pp) mesh of 2 x 2 with plain stage modules: each copy runs half of each batch, the schedule's DP
+    actions average the gradients, and every copy's weights and global norm equal one process's."""
+    layers = _model(2)
+    model = nn.Sequential(*layers)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    want = []
+    for step in range(3):
+        x, y = _batch(step)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        want.append(float(torch.cat([p.grad.flatten() for p in model.parameters()]).norm()))
+        opt.step()
+    got = run_ranks(_train_dp, 4)
+    assert len(got) == 4
+    for rank, norms, state in got:
+        assert norms == pytest.approx(want, rel=1e-5), rank
+        for key, value in state.items():
+            s, name = key.split(".", 1)
+            torch.testing.assert_close(torch.from_numpy(value), layers[int(s)].state_dict()[name], atol=TOL, rtol=0)
+
+
+def test_split_model_balances_the_devices_under_the_schedules_placement() -> None:
+    """Six layers of sizes 1..6 (widths) cut for a V shape on two devices: device 0 holds the first and the last
+    stage; by parameters the devices' loads are the brute-force best split's."""
+    import itertools
+
+    from pipefold.runtime.pipeline import split_model
+
+    widths = [2, 3, 4, 5, 6, 7, 8]
+    layers = [nn.Linear(widths[i], widths[i + 1]) for i in range(6)]
+    size = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    parts = {d: split_model(layers, "zb-v", devices=2, microbatches=4, device=d) for d in (0, 1)}
+    assert sorted(parts[0]) == [0, 3] and sorted(parts[1]) == [1, 2]
+    held = {d: [id(layer) for stage in parts[d].values() for layer in stage] for d in (0, 1)}
+    load = {d: sum(s for layer, s in zip(layers, size, strict=True) if id(layer) in held[d]) for d in (0, 1)}
+    best = min(max(sum(size[:a]) + sum(size[c:]), sum(size[a:c]))
+               for a, c in itertools.combinations(range(1, 6), 2) if c >= a + 2)  # stages 1 and 2 not empty
+    assert max(load.values()) == best
+    with pytest.raises(ConfigError, match="sample="):
+        split_model(layers, "1f1b", devices=2, microbatches=4, by="time", device=0)
+    timed = split_model(layers, "1f1b", devices=2, microbatches=4, by="time", sample=torch.randn(4, 2), device=1)
+    assert list(timed) == [1] and len(timed[1]) >= 1
