@@ -272,6 +272,7 @@ def _memory(loop: Callable[..., list[float | None]], schedule: str, stage_schedu
         out["rss_bytes"] = rss.peak - rss.start
     except Exception as exc:
         out["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        traceback.print_exc()
     gathered: list[Any] = [None] * WORLD
     dist.all_gather_object(gathered, out)
     return {"per_rank": gathered}

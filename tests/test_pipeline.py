@@ -469,3 +469,6 @@ def test_split_model_balances_the_devices_under_the_schedules_placement() -> Non
         split_model(layers, "1f1b", devices=2, microbatches=4, by="time", device=0)
     timed = split_model(layers, "1f1b", devices=2, microbatches=4, by="time", sample=torch.randn(4, 2), device=1)
     assert list(timed) == [1] and len(timed[1]) >= 1
+    for wrong in (3, -1, None):  # a device the schedule does not have; None outside a process group of 2
+        with pytest.raises(ConfigError, match="device"):
+            split_model(layers, "1f1b", devices=2, microbatches=4, device=wrong)

@@ -652,8 +652,15 @@ def split_model(model: nn.Module | Sequence[nn.Module], schedule: str | Schedule
     else:
         raise ConfigError(f"split_model cuts by 'parameters' or 'time', not {by!r}")
     cut = partition(costs, built.stages, placement=built.placement[0] if built.replicas == 1 else None)
-    here = (dist.get_process_group_ranks(dist.group.WORLD).index(dist.get_rank())
-            if device is None and dist.is_initialized() else device or 0)
+    if device is None:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world != devices:
+            raise ConfigError(f"split_model cuts for one of {devices} devices, but there are {world} ranks: name this "
+                              "rank's device, device=mesh['pp'].get_local_rank()")
+        device = dist.get_rank() if dist.is_initialized() else 0
+    if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < devices:
+        raise ConfigError(f"device must be one of the pipeline's devices 0..{devices - 1} (got {device!r})")
+    here = device
     return {s: nn.Sequential(*(layers[i] for i in cut.parts[s])) for s in built.stages_of(here)}
 
 

@@ -18,6 +18,7 @@ returned. A plain tensor or tuple of tensors needs no spec (``None``): what the 
 from __future__ import annotations
 
 import pickle
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -136,7 +137,11 @@ def encode_spec(spec: Spec | None, where: str) -> bytes:
 
 
 def decode_spec(data: bytes) -> Spec | None:
-    return pickle.loads(data) if data else None
+    if not data:
+        return None
+    with warnings.catch_warnings():  # torch 2.13's TreeSpec warns of its own LeafSpec when unpickled
+        warnings.simplefilter("ignore", FutureWarning)
+        return pickle.loads(data)  # type: ignore[no-any-return]
 
 
 def describe(tensors: Sequence[torch.Tensor], spec: Spec | None) -> str:
