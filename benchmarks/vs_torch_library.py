@@ -12,7 +12,7 @@ For every schedule both libraries have, the two run in rounds, A B A B ...: per 
 from fresh weights, and the round's ratio is pipefold's median step over torch's. Reported per schedule: the
 median ratio over rounds and its spread (min..max), each side's median step, the losses' agreement (the same
 seed gives the same losses to ~1e-5: the check that both computed the same thing), the peak memory per rank in a
-separate, untimed run (the peak of tensors alive, by ``torch.distributed._tools.mem_tracker.MemTracker``, and the
+separate, untimed run (the peak of tensor storages alive, counted by a dispatch mode, :class:`LiveTensors`, and the
 peak rise of the process's resident set, sampled every millisecond: the second counts the allocator's caching and
 is noisy), and the lines of each loop function (from ``inspect.getsource``). Then the schedules only pipefold has
 run in the same rounds, each against pipefold's 1f1b of that round. Run:
@@ -34,7 +34,7 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
@@ -44,6 +44,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipefold.errors import ConfigError, run_script
 
@@ -120,7 +122,7 @@ def batches(sizes: Sizes) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def pipefold_loop(stages: dict[int, nn.Module], schedule: str, microbatches: int,
                   data: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> list[float | None]:
-    from pipefold import Pipeline
+    from pipefold.runtime.pipeline import Pipeline  # = from pipefold import Pipeline, which mypy reads as object
 
     pipe = Pipeline(stages, schedule, microbatches=microbatches, loss_fn=loss_fn)
     opt = torch.optim.AdamW(pipe.parameters(), lr=LR)
@@ -149,7 +151,7 @@ def torch_loop(stages: dict[int, nn.Module], schedule: str, microbatches: int,
     for x, y in data:
         mb_losses: list[torch.Tensor] = []
         sched.step(*((x,) if first else ()), target=y if last else None, losses=mb_losses if last else None)
-        losses.append(float(torch.stack(mb_losses).mean()) if last else None)
+        losses.append(float(torch.stack(mb_losses).mean().detach()) if last else None)
         opt.step()
         opt.zero_grad()
     return losses
@@ -252,27 +254,67 @@ def _rss() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
+class LiveTensors(TorchDispatchMode):
+    """The bytes of tensor storages alive, and their peak: every storage an operator returns (and the modules'
+    parameters and buffers given to :meth:`track`) is counted from when it is first seen until it is freed (a
+    weak reference's callback, whatever thread drops it). torch's own MemTracker raises on a module called more
+    than once in one tracked run, as every pipeline's microbatches call it, so this is the same counting without
+    its per-module bookkeeping. A dispatch mode sees the operators of the thread that enters it: both libraries
+    compute (forward and, on CPU, backward) and allocate their receive buffers in the loop's thread."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self._refs: dict[int, Any] = {}
+
+    def track(self, *modules: nn.Module) -> None:
+        for m in modules:
+            for t in [*m.parameters(), *m.buffers()]:
+                self._add(t)
+
+    def _add(self, t: Any) -> None:
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.is_sparse:
+            return
+        st = t.untyped_storage()
+        key = st.data_ptr()
+        if key == 0 or key in self._refs:
+            return
+        size = st.nbytes()
+        def freed(_: object) -> None:
+            self._drop(key, size)
+
+        self._refs[key] = weakref.ref(st, freed)
+        self.live += size
+        self.peak = max(self.peak, self.live)
+
+    def _drop(self, key: int, size: int) -> None:
+        if self._refs.pop(key, None) is not None:
+            self.live -= size
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            self._add(t)
+        return out
+
+
 def _memory(loop: Callable[..., list[float | None]], schedule: str, stage_schedule: str, sizes: Sizes,
             data: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
-    """One untimed run of 2 steps on this rank: the peak bytes of tensors alive (MemTracker, the stage modules'
-    parameters included) and the peak rise of the resident set; per rank (collective)."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
+    """One untimed run of 2 steps on this rank: the peak bytes of tensors alive (:class:`LiveTensors`, the stage
+    modules' parameters included) and the peak rise of the resident set; per rank (collective)."""
     rank = dist.get_rank()
     stages, num_stages = _stages_of(stage_schedule, sizes.microbatches, rank)
     modules = build_stages(sizes, stages, num_stages)
-    tracker = MemTracker()
-    tracker.track_external(*modules.values())
+    tracker = LiveTensors()
+    tracker.track(*modules.values())
     out: dict[str, Any] = {"tensors_bytes": None, "rss_bytes": None, "error": None}
     try:
         with _RssPeak() as rss, tracker:
             loop(modules, schedule, sizes.microbatches, data[:2])
-        peak = tracker.get_tracker_snapshot("peak")
-        out["tensors_bytes"] = sum(v.get("Total", 0) for v in peak.values())
+        out["tensors_bytes"] = tracker.peak
         out["rss_bytes"] = rss.peak - rss.start
     except Exception as exc:
         out["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
-        traceback.print_exc()
     gathered: list[Any] = [None] * WORLD
     dist.all_gather_object(gathered, out)
     return {"per_rank": gathered}
@@ -369,17 +411,18 @@ def summarize(raw: dict[str, Any], sizes: Sizes) -> dict[str, Any]:
     for name, rounds in raw["alone"].items():
         if name == "1f1b":
             continue
-        runs = [run(d) for d in rounds]
-        ratios = [m / b for r, b0 in zip(runs, base, strict=True) if (m := r.median_s) and (b := b0.median_s)]
-        diff = _loss_diff(runs[0].losses, reference) if runs[0].error is None else None
-        alone.append({"schedule": name, "runs": all(r.error is None for r in runs),
-                      "errors": sorted({r.error for r in runs if r.error}),
-                      "ratio_to_1f1b": _spread(ratios), "ms": _spread([1e3 * m for r in runs if (m := r.median_s)]),
+        mine = [run(d) for d in rounds]
+        ratios = [m / b for r, b0 in zip(mine, base, strict=True) if (m := r.median_s) and (b := b0.median_s)]
+        diff = _loss_diff(mine[0].losses, reference) if mine[0].error is None else None
+        alone.append({"schedule": name, "runs": all(r.error is None for r in mine),
+                      "errors": sorted({r.error for r in mine if r.error}),
+                      "ratio_to_1f1b": _spread(ratios), "ms": _spread([1e3 * m for r in mine if (m := r.median_s)]),
                       "loss_max_rel_diff_to_1f1b": diff})
     return {"sizes": asdict(sizes), "world": WORLD, "backend": "gloo", "optimizer": "AdamW", "lr": LR,
             "torch_version": torch.__version__, "python": sys.version.split()[0], "cpus": os.cpu_count(),
-            "memory_method": "MemTracker (torch.distributed._tools.mem_tracker): peak bytes of tensors alive in a "
-                             "2-step run, stage parameters included; and the peak rise of the resident set "
+            "memory_method": "peak bytes of tensor storages alive in a 2-step run (LiveTensors, a TorchDispatchMode: "
+                             "stage parameters, gradients, optimizer state, activations, buffers); and the peak rise "
+                             "of the resident set "
                              "(/proc/self/statm, sampled every 1 ms)",
             "loop_lines": lines, "schedules": rows, "only_pipefold": alone}
 
@@ -417,7 +460,8 @@ def table(summary: dict[str, Any]) -> str:
               for e in r["memory"][side]["errors"]]
     if summary["only_pipefold"]:
         out += ["", "Schedules only pipefold has (same rounds, each against pipefold's 1f1b of the round):", "",
-                "| schedule | runs | step time / pipefold 1f1b | ms | loss max rel diff to 1f1b |", "|---|---|---|---|---|"]
+                "| schedule | runs | step time / pipefold 1f1b | ms | loss max rel diff to 1f1b |",
+                "|---|---|---|---|---|"]
         for a in summary["only_pipefold"]:
             diff = a["loss_max_rel_diff_to_1f1b"]
             out.append(f"| {a['schedule']} | {'yes' if a['runs'] else 'NO'} | {_fmt(a['ratio_to_1f1b'])} | "

@@ -472,3 +472,61 @@ def test_split_model_balances_the_devices_under_the_schedules_placement() -> Non
     for wrong in (3, -1, None):  # a device the schedule does not have; None outside a process group of 2
         with pytest.raises(ConfigError, match="device"):
             split_model(layers, "1f1b", devices=2, microbatches=4, device=wrong)
+
+
+def _train_auto(rank: int, init: str, per_rank: int, budget: float | None, out: Any) -> None:
+    import torch.distributed as dist
+
+    from pipefold.runtime.pipeline import Pipeline
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    layers = _model(2 * per_rank)
+    mine = {rank: layers[rank]} if per_rank == 1 else {rank: layers[rank], 3 - rank: layers[3 - rank]}
+    try:
+        pipe = Pipeline(mine, "auto", microbatches=4, loss_fn=nn.functional.mse_loss, memory_budget=budget)
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        losses, ran = [], []
+        for step in range(3):
+            x, y = _batch(step)
+            opt.zero_grad()
+            losses.append(pipe.step(x, target=y, all_ranks=True))
+            ran.append(pipe.schedule.name)
+            opt.step()
+        state = {f"{s}.{k}": v.detach().numpy().copy() for s in mine for k, v in layers[s].state_dict().items()}
+        out.put((rank, losses, ran, [(p.schedule, p.makespan, p.peak) for p in pipe.plan], pipe.chosen, state))
+    except ConfigError as exc:
+        out.put((rank, str(exc)))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("per_rank", [1, 2])
+def test_auto_plans_from_the_first_step_and_stays_exact(per_rank: int) -> None:
+    """``schedule="auto"``: the first step runs a schedule that splits B and W, every candidate with the placement
+    of the stage modules given is predicted from it, the fastest runs from the second step; both ranks choose
+    alike and the weights equal one process's throughout."""
+    from pipefold.ir import v_placement
+
+    want_losses, want_state = _reference(2 * per_rank, 3)
+    got = run_ranks(_train_auto, 2, per_rank, None)
+    plans = {rank: (plan, chosen) for rank, _, _, plan, chosen, _ in got}
+    assert plans[0][1] == plans[1][1] == plans[0][0][0][0]  # the fastest predicted, the same on both ranks
+    names = {spec.split(":")[0] for spec, _, _ in plans[0][0]}
+    assert ("zb-v" in names and "1f1b" not in names) if per_rank == 2 else ("1f1b" in names and "zb-v" not in names)
+    from pipefold.schedules import build
+
+    for spec, _, _ in plans[0][0]:  # every candidate has the placement of the modules given
+        name, _, opts = spec.partition(":")
+        built = build(name, 2, 4, **{k: int(v) for k, v in (o.split("=") for o in opts.split(",") if o)})
+        assert built.placement[0] == ((0, 1) if per_rank == 1 else v_placement(2))
+    for _, losses, ran, _, chosen, state in got:
+        assert losses == pytest.approx(want_losses, abs=TOL)
+        assert ran[1].split(":")[0] == chosen.split(":")[0]
+        for key, value in state.items():
+            torch.testing.assert_close(torch.from_numpy(value), want_state[key], atol=TOL, rtol=0)
+
+
+def test_auto_with_a_budget_below_every_schedule_says_the_least_it_needs() -> None:
+    got = dict(run_ranks(_train_auto, 2, 1, 1.0))
+    for line in got.values():
+        assert isinstance(line, str) and "memory budget of 1 bytes" in line and "the least is" in line

@@ -45,7 +45,7 @@ from pipefold.runtime.structure import flatten, split_call, unflatten
 from pipefold.runtime.tied import TiedGrads, untie
 from pipefold.runtime.watch import DEFAULT_ACTION_TIMEOUT, pg_timeout
 
-__all__ = ["Check", "PeerLost", "Pipeline", "StepReport", "split_model"]
+__all__ = ["Check", "PeerLost", "Pipeline", "Planned", "RankPipeline", "StepReport", "split_model"]
 
 StageModules = nn.Module | Sequence[nn.Module] | Mapping[int, nn.Module]
 
@@ -167,7 +167,81 @@ def resolve_schedule(schedule: str | Schedule | os.PathLike[str], devices: int, 
     return validate(built)
 
 
-class Pipeline:
+class RankPipeline:
+    """One rank's stage modules and the schedules it may run over them: the one way pipefold runs a schedule on
+    real tensors. A user's script reaches it through :class:`Pipeline`; ``pipefold train``'s rank loop
+    (:mod:`pipefold.runtime.rank`) builds one from its job and steps it the same way.
+
+    An executor (:class:`~pipefold.runtime.executor.RankExecutor`) per schedule is made when that schedule first
+    runs: making one makes the process groups of its replicas, so every rank of the pipeline runs a schedule for
+    the first time at the same step. ``options`` are the executors' keyword arguments (timeouts, process groups,
+    what only the command line runs: K-FAC's work, OPT actions, an emulated network, tensor-parallel meshes).
+    """
+
+    def __init__(self, schedules: Sequence[Schedule], rank: int, modules: Mapping[int, nn.Module],
+                 loss_fn: Callable[[Any, Any], torch.Tensor] | None, device: torch.device, **options: Any) -> None:
+        self.schedules = list(schedules)
+        self.rank, self.modules, self.loss_fn, self.device = rank, dict(modules), loss_fn, device
+        self.options = options
+        self.boundaries = Boundaries()
+        """The structure of each stage's input (:mod:`pipefold.runtime.structure`), shared by every executor."""
+        self._executors: dict[tuple[int, bool], RankExecutor] = {}
+        self.steps = 0
+        self.last: StepStats | None = None
+        """This rank's stats of the last step: events, peak bytes (the meter), per-stage memory."""
+        self.last_schedule: Schedule | None = None
+
+    def executor(self, index: int = 0, *, train: bool = True) -> RankExecutor:
+        """The executor of schedule ``index`` (its forwards only, without ``train``), made the first time."""
+        key = (index, train)
+        if key not in self._executors:
+            schedule = self.schedules[index]
+            options = dict(self.options)
+            if not train:  # evaluation: the forwards only, nothing the backward or the optimizer uses
+                schedule = schedule.forward_only()
+                for name in ("recompute", "optimizers", "work", "dp_group", "sharded"):
+                    options.pop(name, None)
+            self._executors[key] = RankExecutor(schedule, self.rank, self.modules, self._loss, self.device,
+                                                boundaries=self.boundaries, **options)
+        return self._executors[key]
+
+    def made(self, index: int = 0) -> bool:
+        """Whether schedule ``index``'s executor exists (it is made, with its process groups, on first use)."""
+        return (index, True) in self._executors
+
+    @property
+    def executors(self) -> list[RankExecutor]:
+        """The executors made so far."""
+        return list(self._executors.values())
+
+    def _loss(self, output: Any, target: Any) -> torch.Tensor:
+        assert self.loss_fn is not None
+        return self.loss_fn(output, target)
+
+    def run(self, inputs: list[Tensors], targets: list[Any], shape_key: Any = None, *, index: int = 0,
+            train: bool = True, probe: Callable[[], None] | None = None) -> StepStats:
+        """One step of schedule ``index`` over microbatches already cut (``inputs`` on the rank with the first
+        stage, ``targets`` on the one with the last). ``shape_key``: the same on every rank, and changing when the
+        batch's shapes do (None: the shapes are sent every step, so no rank needs to know)."""
+        executor = self.executor(index, train=train)
+        self.steps += 1
+        stats = executor.run_step(inputs, targets, object() if shape_key is None else shape_key, probe=probe)
+        self.last, self.last_schedule = stats, executor.schedule
+        return stats
+
+    def switch(self, schedules: Sequence[Schedule]) -> None:
+        """Run these schedules from now on (over the same modules): the executors of the old ones are closed."""
+        self.close()
+        self.schedules = list(schedules)
+
+    def close(self) -> None:
+        """Stop the links' threads (the process group stays its owner's)."""
+        for executor in self._executors.values():
+            executor.close()
+        self._executors.clear()
+
+
+class Pipeline(RankPipeline):
     """This rank's part of a pipeline: its stage modules, run by ``schedule`` (see the module's docstring).
 
     ``stages``: this rank's stage modules, in increasing stage order (a module, a list, or ``{stage: module}``);
@@ -190,7 +264,7 @@ class Pipeline:
                  microbatches: int | None = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
                  group: Any = None, mesh: Any = None, device: torch.device | str | None = None,
                  recompute: Mapping[int, int] | None = None, tied: Sequence[Mapping[int, str]] = (),
-                 action_timeout: float = DEFAULT_ACTION_TIMEOUT) -> None:
+                 memory_budget: float | None = None, action_timeout: float = DEFAULT_ACTION_TIMEOUT) -> None:
         if not dist.is_initialized():
             raise ConfigError("Pipeline needs torch.distributed's process group: call "
                               "torch.distributed.init_process_group() first (torchrun sets its environment)")
@@ -208,7 +282,22 @@ class Pipeline:
             raise ConfigError(f"rank {me} is not in the pipeline's process group (ranks {self.ranks})")
         self.rank = self.ranks.index(me)
         """This rank's device in the pipeline."""
-        self.schedule = resolve_schedule(schedule, len(self.ranks), microbatches)
+        self.plan: list[Planned] = []
+        """With ``schedule="auto"``: every candidate the first step's measurements predicted, fastest first."""
+        self._candidates: list[Schedule] = []
+        if isinstance(schedule, str) and schedule == "auto":
+            if microbatches is None:
+                raise ConfigError("schedule='auto' needs the number of microbatches: Pipeline(..., microbatches=N)")
+            self._candidates = _auto_candidates(stages, len(self.ranks), microbatches, self.rank)
+            self.schedule = _probe(self._candidates)
+        else:
+            if memory_budget is not None:
+                raise ConfigError("memory_budget= is what schedule='auto' plans for; with a named schedule leave it "
+                                  "out")
+            self.schedule = resolve_schedule(schedule, len(self.ranks), microbatches)
+        if memory_budget is not None and (isinstance(memory_budget, bool) or not memory_budget > 0):
+            raise ConfigError(f"memory_budget is a positive number of bytes (got {memory_budget!r})")
+        self.memory_budget = memory_budget
         if self.schedule.is_forward_only:
             raise ConfigError(f"{self.schedule.name} runs forwards only; a Pipeline trains with a schedule that has "
                               "backwards and evaluates with the same schedule's forwards (Pipeline.forward)")
@@ -225,6 +314,7 @@ class Pipeline:
             raise ConfigError("FSDP stages need a DeviceMesh with a 'dp' dimension (Pipeline(..., mesh=mesh)) and "
                               "every stage module of the rank sharded with fully_shard on it")
         self._dp = dp_group is not None and dist.get_world_size(dp_group) > 1
+        self._base = self.schedule
         if self._dp:
             from pipefold.schedules.dataparallel import with_data_parallel
 
@@ -244,9 +334,11 @@ class Pipeline:
         if bad:
             raise ConfigError(f"recompute names stages {bad}, but this rank holds stages {sorted(modules)}")
         self.timeout = action_timeout
-        self.boundaries = Boundaries()
-        self._executors: dict[bool, RankExecutor] = {}
-        self.train_executor = self._executor(train=True)
+        super().__init__([self.schedule], self.rank, modules, loss_fn, self.device, recompute=self.recompute,
+                         timeout=pg_timeout(action_timeout), pipelines=[self.ranks], pipeline=0,
+                         meshes=[[r] for r in self.ranks], dp_group=dp_group if self._dp else None,
+                         sharded=self.sharded, new_group=_subgroup)
+        self.executor()  # its process groups now, on every rank at once
         if self.sharded:
             for m in modules.values():
                 m.reshard()  # type: ignore[operator]  # the shards are the parameters between steps
@@ -254,9 +346,6 @@ class Pipeline:
         self._loss_group = _subgroup(self._last_stage_ranks) if len(self._last_stage_ranks) > 1 and \
             me in self._last_stage_ranks else None
         self._broadcast_replicas()
-        self._steps = 0
-        self.last: StepStats | None = None
-        """This rank's stats of the last step: events, peak bytes (the meter), per-stage memory."""
         self._counted = self._norm_parameters()
 
     # -- construction
@@ -307,23 +396,9 @@ class Pipeline:
                                   f"gives it W actions (weight gradients): give the stage some of the model's "
                                   "layers, or use a schedule without the B/W split (1f1b, interleaved-1f1b, gpipe)")
 
-    def _executor(self, *, train: bool) -> RankExecutor:
-        if train not in self._executors:
-            schedule = self.schedule if train else self.schedule.forward_only()
-            self._executors[train] = RankExecutor(
-                schedule, self.rank, self.modules, self._loss, self.device, recompute=self.recompute if train else None,
-                timeout=pg_timeout(self.timeout), pipelines=[self.ranks], pipeline=0,
-                meshes=[[r] for r in self.ranks], dp_group=self.dp_group if (self._dp and train) else None,
-                sharded=self.sharded and train, boundaries=self.boundaries, new_group=_subgroup)
-        return self._executors[train]
-
-    def _loss(self, output: Any, target: Any) -> torch.Tensor:
-        assert self.loss_fn is not None
-        return self.loss_fn(output, target)
-
     def _broadcast_replicas(self) -> None:
         """A stage two ranks hold (Chimera, DualPipe) starts from its first holder's weights on both."""
-        for s, group in self.train_executor._groups.items():
+        for s, group in self.executor()._groups.items():
             src = self.ranks[self.schedule.holders(s)[0]]
             with torch.no_grad():
                 for t in [*self.modules[s].parameters(), *self.modules[s].buffers()]:
@@ -391,7 +466,7 @@ class Pipeline:
         microbatches' outputs joined along dimension 0) and, when ``target`` is given, the batch's mean loss; None
         elsewhere (the loss on every rank with ``all_ranks``)."""
         loss = self._run(False, inputs, kwinputs, target, all_ranks)
-        executor = self._executors[False]
+        executor = self.executor(train=False)
         output = None
         if executor.outputs:
             parts = [executor.outputs[mb] for mb in sorted(executor.outputs)]
@@ -402,7 +477,7 @@ class Pipeline:
     def _run(self, train: bool, inputs: tuple[Any, ...], kwinputs: dict[str, Any], target: Any,
              all_ranks: bool) -> float | None:
         m = self.schedule.microbatches
-        executor = self._executor(train=train)
+        executor = self.executor(train=train)
         holds = [s for s in executor.runners if s == 0]
         xs: list[Tensors] = [()] * m
         if holds:
@@ -421,10 +496,9 @@ class Pipeline:
         if gathered:  # FSDP's shards gathered for the forwards, as the training schedule's AG does
             for module in self.modules.values():
                 sharding.gather(module).wait()
-        self._steps += 1
-        executor.activity.step = self._steps
+        executor.activity.step = self.steps + 1  # what a peer's failure names
         try:
-            stats = executor.run_step(xs, ys, object())  # every step sends its shapes: they may change
+            stats = self.run(xs, ys, train=train)  # every step sends its shapes: they may change
         except RuntimeError as exc:
             if not _lost_peer(exc):
                 raise
@@ -440,12 +514,53 @@ class Pipeline:
                     module.reshard()  # type: ignore[operator]
         if train and self.tied is not None:
             self.tied.reduce()
-        self.last, self._last_schedule = stats, executor.schedule
+        if train and self._candidates and not self.plan:
+            self._choose()
         losses = list(stats.losses.values())
         loss = math.fsum(losses) / len(losses) if losses else None
         if len(self._last_stage_ranks) > 1 or all_ranks:
             loss = self._gather_loss(losses, all_ranks)
         return loss
+
+    def _choose(self) -> None:
+        """``auto``: after the first step (run with a schedule that splits B and W), predict every candidate from
+        that step's pass times and bytes, on every rank alike, and run the fastest that fits the budget from now
+        on. Data-parallel copies and tensor-parallel ranks take their first member's choice."""
+        from pipefold.sim.simulate import simulate
+
+        steps = self._gather_steps()
+        costs = _measured_costs(steps, self.schedule)
+        plan = []
+        for candidate in self._candidates:
+            result = simulate(candidate, costs)
+            plan.append(Planned(str(_ref(candidate)), result.makespan, max(result.peak_memory)))
+        fits = [i for i, pt in enumerate(plan) if self.memory_budget is None or pt.peak <= self.memory_budget]
+        if not fits:
+            least = min(plan, key=lambda pt: pt.peak)
+            raise ConfigError(f"no schedule for these stages fits a memory budget of {self.memory_budget:.0f} bytes "
+                              f"of activations a device; the least is {least.schedule}'s {least.peak:.0f}")
+        index = torch.tensor([min(fits, key=lambda i: (plan[i].makespan, plan[i].peak, i))])
+        for group in (self.dp_group, self.tp_group):
+            if group is not None:
+                dist.broadcast(index, src=dist.get_process_group_ranks(group)[0], group=group)
+        chosen = self._candidates[int(index)]
+        self.plan = sorted(plan, key=lambda pt: (pt.makespan, pt.peak))
+        self.chosen = str(_ref(chosen))
+        if chosen is not self._base:
+            self._base = chosen
+            if self._dp:
+                from pipefold.schedules.dataparallel import with_data_parallel
+
+                chosen = with_data_parallel(chosen, shard=self.sharded)
+            self.schedule = chosen
+            self.switch([chosen])
+            self.executor()  # its process groups, on every rank at this same step
+
+    def _gather_steps(self) -> list[StepStats]:
+        assert self.last is not None
+        gathered: list[Any] = [None] * len(self.ranks)
+        dist.all_gather_object(gathered, self.last, group=self.group)
+        return gathered
 
     def _gather_loss(self, losses: list[float], all_ranks: bool) -> float | None:
         """The batch's mean loss from the ranks that computed some of it (two with Chimera or DualPipe)."""
@@ -505,15 +620,13 @@ class Pipeline:
             SimResult,
             Timeline,
             simulate,
-            split_backward,
         )
 
         if self.last is None:
             raise ConfigError("Pipeline.report() reads the last step: call Pipeline.step first")
-        gathered: list[Any] = [None] * len(self.ranks)
-        dist.all_gather_object(gathered, self.last, group=self.group)
-        steps: list[StepStats] = gathered
-        schedule = self._last_schedule
+        steps = self._gather_steps()
+        schedule = self.last_schedule
+        assert schedule is not None
         t0 = min(st.started_at for st in steps)
         rows, curves = [], []
         for st in steps:
@@ -522,14 +635,7 @@ class Pipeline:
                               for e in st.events if e.kind in COMPUTE_KINDS))
             curves.append(((0.0, 0.0), *((shift + t, float(b)) for t, b in st.memory_curve)))
         measured = SimResult(schedule, CostModel(), Timeline.of(rows), MemoryCurves.of(curves))
-        times = kind_times(steps)
-        memory = {s: mem for st in steps for s, mem in st.stage_memory.items()}
-        over = {}
-        for s in range(schedule.stages):
-            held, during_b, held_w = memory.get(s, (0, 0, 0))
-            over[s] = dataclasses.replace(split_backward(times.get(s, {})), memory=float(max(held, during_b)),
-                                          kept=float(held), memory_w=float(held_w or held))
-        costs = CostModel(stage_overrides=over)
+        costs = _measured_costs(steps, schedule)
         compute_only = schedule.with_actions([[a for a in row if all(p.kind in (Kind.F, Kind.B, Kind.W, Kind.BW)
                                                                      for p in a.passes)] for row in schedule.actions])
         predicted = simulate(compute_only, costs)
@@ -537,11 +643,84 @@ class Pipeline:
                        for st in steps)
         return StepReport(schedule, steps, makespan, predicted.makespan, predicted, measured)
 
-    def close(self) -> None:
-        """Stop the links' threads (the process group stays the user's)."""
-        for executor in self._executors.values():
-            executor.close()
-        self._executors.clear()
+
+@dataclass(frozen=True)
+class Planned:
+    """One candidate of ``schedule="auto"``, predicted from the first step's pass times and bytes."""
+
+    schedule: str
+    makespan: float
+    """Predicted seconds of a step's passes."""
+    peak: float
+    """Predicted most activation bytes a device holds at once."""
+
+
+def _ref(schedule: Schedule) -> Any:
+    from pipefold.ir.ref import ScheduleRef
+
+    return ScheduleRef.of(schedule)
+
+
+def _measured_costs(steps: Sequence[StepStats], schedule: Schedule) -> Any:
+    """The cost model of one measured step: per stage, the median seconds of its F, B and W (a fused BW split
+    evenly) and the bytes one microbatch held after F, during B and between B and W."""
+    from pipefold.sim.simulate import CostModel, split_backward
+
+    times = kind_times(steps)
+    memory = {s: mem for st in steps for s, mem in st.stage_memory.items()}
+    over = {}
+    for s in range(schedule.stages):
+        held, during_b, held_w = memory.get(s, (0, 0, 0))
+        over[s] = dataclasses.replace(split_backward(times.get(s, {})), memory=float(max(held, during_b)),
+                                      kept=float(held), memory_w=float(held_w or held))
+    return CostModel(stage_overrides=over)
+
+
+def _auto_candidates(stages: StageModules, devices: int, microbatches: int, rank: int) -> list[Schedule]:
+    """Every registered schedule (and option) that runs ``microbatches`` on ``devices`` with the placement the
+    given stage modules have: one stage a device, two in a V (stages d and 2P-1-d), or ``v`` looped
+    (d, d+P, ...); one replica; only passes (no OPT, no K-FAC's work)."""
+    from pipefold.ir import v_placement
+    from pipefold.ir.schedule import linear_placement, looped_placement
+    from pipefold.plan.budget import candidates
+    from pipefold.schedules import build
+
+    if isinstance(stages, nn.Module):
+        count, keys = 1, None
+    elif isinstance(stages, Mapping):
+        count, keys = len(stages), sorted(stages)
+    else:
+        count, keys = len(list(stages)), None
+    if count == 1:
+        wanted = linear_placement(devices)
+    elif count == 2 and (keys is None or keys == [rank, 2 * devices - 1 - rank]):
+        wanted = v_placement(devices)
+    elif keys is not None and keys == [rank + i * devices for i in range(count)]:
+        wanted = looped_placement(devices, count)
+    else:
+        raise ConfigError(f"schedule='auto' plans for one stage a rank, two in a V ({{d: ..., 2P-1-d: ...}}), or "
+                          f"looped ones ({{d: ..., d+P: ...}}); this rank was given {keys or count}")
+    out = []
+    passes = {Kind.F, Kind.B, Kind.W, Kind.BW}
+    for name, options in candidates(devices, microbatches):
+        try:
+            built = build(name, devices, microbatches, **options)
+        except PipefoldError:
+            continue
+        if (built.replicas == 1 and built.placement[0] == tuple(wanted)
+                and all(a.kind in passes for row in built.actions for act in row for a in act.passes)):
+            out.append(validate(built))
+    if not out:
+        raise ConfigError(f"no registered schedule runs {microbatches} microbatches on {devices} devices with "
+                          f"{count} stage{'s' * (count > 1)} a device: try more microbatches")
+    return out
+
+
+def _probe(candidates: Sequence[Schedule]) -> Schedule:
+    """The schedule ``auto``'s first step runs: one that splits B and W (both get measured), fastest in theory."""
+    split = [c for c in candidates if any(a.kind == Kind.W for row in c.actions for act in row for a in act.passes)]
+    preferred = ("zb-h1", "zb-v", "interleaved-zb")
+    return min(split or candidates, key=lambda c: (c.name not in preferred, c.num_actions, c.name))
 
 
 class PeerLost(PipefoldError):

@@ -26,6 +26,7 @@ from pipefold.runtime.executor import RankExecutor, StepStats
 from pipefold.runtime.faults import Faults
 from pipefold.runtime.history import StepHistory, step_number, unchecked
 from pipefold.runtime.numerics import clip_factor, local_check, scale_grads, verdict
+from pipefold.runtime.pipeline import RankPipeline
 from pipefold.runtime.stage import Chain, Tensors, as_tuple, split_batch
 from pipefold.runtime.tied import TiedGrads, untie
 from pipefold.runtime.watch import (
@@ -124,23 +125,23 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
 
         m = job.schedule.microbatches
         work = RankCurvature({s: StageCurvature(mod, job.optimizer.kfac, m) for s, mod in modules.items()})
-    executors: dict[int, RankExecutor] = {}
+    # The one way a schedule runs (the same object a user's script steps through pipefold.Pipeline): an executor
+    # per schedule of ``choices``, made the first time it runs, over the same modules and parameters.
+    pipe = RankPipeline(
+        choices, rank, modules, job.loss_fn, device, recompute=recompute, log_messages=job.log_messages,
+        timeout=pg_timeout(job.reliability.action_timeout), network=job.network, origin=origin or 0.0,
+        optimizers={s: _speculative(s, o, modules[s], stage_snaps) for s, o in stage_opts.items()}, work=work,
+        pipelines=pipelines, pipeline=pipeline, meshes=job.meshes()[copy] if meshed else None, tp_index=tp_rank,
+        tp_group=tp_mesh.get_group() if tp_mesh is not None else None, dp_group=dp_group,
+        sharded=job.parallel.fsdp, activity=activity,
+        staged=placed.staged or bool(job.extra.get("stage_through_host")), overlap=job.devices.overlap)
 
     def executor_for(index: int) -> RankExecutor:
         """The executor of schedule ``index``, made the first time it runs (same modules, same parameters)."""
-        if index not in executors:
+        if not pipe.made(index):
             activity.wait("start-up" if activity.step < 0 else "a new schedule", "its process groups", everyone,
                           action=False)
-            executors[index] = RankExecutor(
-                choices[index], rank, modules, job.loss_fn, device, recompute=recompute,
-                log_messages=job.log_messages, timeout=pg_timeout(job.reliability.action_timeout), network=job.network,
-                origin=origin or 0.0,
-                optimizers={s: _speculative(s, o, modules[s], stage_snaps) for s, o in stage_opts.items()}, work=work,
-                pipelines=pipelines, pipeline=pipeline, meshes=job.meshes()[copy] if meshed else None,
-                tp_index=tp_rank, tp_group=tp_mesh.get_group() if tp_mesh is not None else None,
-                dp_group=dp_group, sharded=job.parallel.fsdp, activity=activity,
-                staged=placed.staged or bool(job.extra.get("stage_through_host")), overlap=job.devices.overlap)
-        return executors[index]
+        return pipe.executor(index)
 
     current, predicted = 0, None
     decisions: list[tuple[int, Any]] = []
@@ -203,11 +204,11 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
             work.record(job.save_grads_of_step == step)
         before = work.snapshot() if work is not None else None  # K-FAC's state, in case the step is skipped
         if job.verify_memory_step == step:
-            stats = _tracked_step(executor, params, xs, ys, _shapes(x))
+            stats = _tracked_step(pipe, current, params, xs, ys, _shapes(x))
         else:
             if profiler is not None and step > start:
                 profiler.enable()
-            stats = executor.run_step(xs, ys, _shapes(x))
+            stats = pipe.run(xs, ys, _shapes(x), index=current)
             if profiler is not None:
                 profiler.disable()
         scheduled = time.perf_counter()
@@ -257,9 +258,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
             filled = _refill(job.refill, [st for st, _ in timed], [ran for _, ran in timed], rank, world)
             learning.clear()
             choices, cycle_from = filled.cycle, step + 1
-            for each in executors.values():
-                each.close()
-            executors.clear()
+            pipe.switch(choices)
             if rank == 0:
                 decisions.append((step + 1, filled))
         adaptive = job.adaptive
@@ -286,8 +285,8 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     activity.run("its report", action=False)
     if profiler is not None:
         profiler.dump_stats(Path(job.extra["host_profile"]) / f"rank{global_rank}.prof")
-    for each in executors.values():
-        each.close()
+    gathered_bytes = sum(n for e in pipe.executors for n in e.gathered.values())
+    pipe.close()
     if job.reliability.save_model is not None and stopped is None:
         _save_model(job, chains, job.reliability.save_model, global_rank, pipeline, world)
     resident = sum(w.tracker.peak_resident_bytes for w in offloaded)
@@ -297,7 +296,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     report = RankReport(global_rank, history, grads, _peak_rss(), resident, weights, static,
                         decisions, pipeline, first_step=start, resumed_from=resumed_from, skipped=skipped,
                         stopped=stopped, checkpoints=saved,
-                        gathered_bytes=sum(n for e in executors.values() for n in e.gathered.values()),
+                        gathered_bytes=gathered_bytes,
                         p2p="sockets" if sockets.current() is not None else str(dist.get_backend()))
     if out_dir is not None:
         with open(Path(out_dir) / f"rank{global_rank}.pkl", "wb") as fh:
@@ -352,7 +351,7 @@ def _refill(refill: Refill, steps: list[StepStats], ran: list[Schedule], rank: i
     return agree(filled)
 
 
-def _tracked_step(executor: RankExecutor, params: list[nn.Parameter], xs: list[Tensors],
+def _tracked_step(pipe: RankPipeline, index: int, params: list[nn.Parameter], xs: list[Tensors],
                   ys: list[torch.Tensor], shape: Any) -> StepStats:
     """One step under torch's MemTracker too, which sees every tensor an operation returns and follows its
     storage until it dies, whatever the runtime meant to keep; ``stats.memory_check`` gets its figures.
@@ -390,6 +389,7 @@ def _tracked_step(executor: RankExecutor, params: list[nn.Parameter], xs: list[T
         def __exit__(self, *args: Any) -> None:
             pass
 
+    executor = pipe.executor(index)
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -439,7 +439,7 @@ def _tracked_step(executor: RankExecutor, params: list[nn.Parameter], xs: list[T
         state = executor.work.state() if executor.work is not None else []
         tracker.track_external(*executor.modules(), *(t for mb in xs for t in mb), *ys,
                                *(p.grad for p in params if p.grad is not None), *state)
-        stats = executor.run_step(xs, ys, shape, probe=probe)
+        stats = pipe.run(xs, ys, shape, index=index, probe=probe)
     stats.memory_check = {
         "meter_between_actions": max(m for m, _ in pairs),
         "tracker_between_actions": max(t for _, t in pairs),
