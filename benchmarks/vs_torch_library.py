@@ -444,8 +444,8 @@ def table(summary: dict[str, Any]) -> str:
            f"{sz['rounds']} rounds x {sz['steps']} steps (median over steps 2..{sz['steps']}; spread: min..max over "
            "rounds)", "",
            "| schedule | pipefold/torch step time | pipefold ms | torch ms | losses agree (max rel diff) | "
-           "tensors peak MiB rank0/rank1 pipefold | torch | RSS rise MiB pipefold | torch | loop lines pipefold | "
-           "torch |",
+           "tensors peak MiB r0/r1 pipefold | tensors peak MiB r0/r1 torch | RSS rise MiB pipefold | "
+           "RSS rise MiB torch | loop lines pipefold | loop lines torch |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary["schedules"]:
         diff = r["loss_max_rel_diff"]

@@ -45,6 +45,7 @@ SMALL: dict[str, list[str] | None] = {
     "bench_offload.py": None,
     "bench_recompute.py": None,
     "vs_torch.py": None,
+    "vs_torch_library.py": None,  # tests/test_vs_torch_library.py runs it, small
     "runtime_breakdown.py": None,
     "pass_overhead.py": None,
     "host_profile.py": None,

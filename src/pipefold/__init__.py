@@ -1,5 +1,7 @@
 """pipefold: pipeline-parallel schedules as data, a simulator that predicts them, and tools to draw them."""
 
+from typing import Any
+
 from pipefold.errors import ConfigError, PipefoldError, ScheduleError
 from pipefold.ir import Action, Kind, Schedule, validate
 from pipefold.schedules import build, names
@@ -12,7 +14,7 @@ _LIBRARY = {"Pipeline": "pipefold.runtime.pipeline", "Check": "pipefold.runtime.
 """The library a training script uses, loaded (with torch) when first named: ``from pipefold import Pipeline``."""
 
 
-def __getattr__(name: str) -> object:
+def __getattr__(name: str) -> Any:
     if name in _LIBRARY:
         import importlib
 

@@ -36,7 +36,8 @@ import torch.distributed as dist
 from torch import nn
 
 from pipefold.errors import ConfigError, PipefoldError
-from pipefold.ir import Kind, Schedule, validate
+from pipefold.ir import Kind, Schedule
+from pipefold.plan.choose import candidates_for, probe, resolve_schedule, with_data_parallel
 from pipefold.runtime import sharding
 from pipefold.runtime.executor import COMPUTE_KINDS, RankExecutor, StepStats, kind_times
 from pipefold.runtime.numerics import clip_factor, local_check, scale_grads, verdict
@@ -135,36 +136,6 @@ def _subgroup(ranks: list[int]) -> Any:
     if key not in _GROUPS:
         _GROUPS[key] = dist.new_group(list(key), use_local_synchronization=True)
     return _GROUPS[key]
-
-
-def resolve_schedule(schedule: str | Schedule | os.PathLike[str], devices: int, microbatches: int | None) -> Schedule:
-    """A schedule from what a user may give: a name with options (``kfkb:k=2``), a :class:`Schedule`, or a file
-    (any format :func:`pipefold.ir.load` reads); checked against the pipeline's devices and microbatches."""
-    from pipefold.ir import load
-    from pipefold.ir.ref import ScheduleRef
-    from pipefold.schedules import build, looks_like_file, names
-
-    if isinstance(schedule, Schedule):
-        built, where = schedule, f"the schedule {schedule.name}"
-    else:
-        text = os.fspath(schedule)
-        ref = ScheduleRef.parse(text) if ":" in text and not os.path.exists(text) else ScheduleRef(text)
-        if ref.name in names():
-            if microbatches is None:
-                raise ConfigError(f"{text} needs the number of microbatches: Pipeline(..., microbatches=N)")
-            return validate(build(ref.name, devices, microbatches, **ref.kwargs))
-        if not (os.path.exists(text) or looks_like_file(text)):
-            raise ConfigError(f"unknown schedule {text!r}: use one of {', '.join(names())}, a Schedule or a file")
-        if not os.path.isfile(text):
-            raise ConfigError(f"schedule file {text} does not exist")
-        built, where = load(text), f"the schedule file {text}"
-    if built.devices != devices:
-        raise ConfigError(f"{where} is for {built.devices} devices, but the pipeline's process group has {devices} "
-                          f"ranks: give a schedule for {devices} devices, or run {built.devices} ranks")
-    if microbatches is not None and built.microbatches != microbatches:
-        raise ConfigError(f"{where} runs {built.microbatches} microbatches, not {microbatches}: leave out "
-                          "microbatches= or give a matching schedule")
-    return validate(built)
 
 
 class RankPipeline:
@@ -288,8 +259,9 @@ class Pipeline(RankPipeline):
         if isinstance(schedule, str) and schedule == "auto":
             if microbatches is None:
                 raise ConfigError("schedule='auto' needs the number of microbatches: Pipeline(..., microbatches=N)")
-            self._candidates = _auto_candidates(stages, len(self.ranks), microbatches, self.rank)
-            self.schedule = _probe(self._candidates)
+            self._candidates = candidates_for(_placement_of(stages, len(self.ranks), self.rank), len(self.ranks),
+                                              microbatches)
+            self.schedule = probe(self._candidates)
         else:
             if memory_budget is not None:
                 raise ConfigError("memory_budget= is what schedule='auto' plans for; with a named schedule leave it "
@@ -316,8 +288,6 @@ class Pipeline(RankPipeline):
         self._dp = dp_group is not None and dist.get_world_size(dp_group) > 1
         self._base = self.schedule
         if self._dp:
-            from pipefold.schedules.dataparallel import with_data_parallel
-
             self.schedule = with_data_parallel(self.schedule, shard=self.sharded)
         self._check_weights(modules)
         untie_map = {s: nn.Sequential(m) for s, m in modules.items()}
@@ -549,8 +519,6 @@ class Pipeline(RankPipeline):
         if chosen is not self._base:
             self._base = chosen
             if self._dp:
-                from pipefold.schedules.dataparallel import with_data_parallel
-
                 chosen = with_data_parallel(chosen, shard=self.sharded)
             self.schedule = chosen
             self.switch([chosen])
@@ -676,14 +644,11 @@ def _measured_costs(steps: Sequence[StepStats], schedule: Schedule) -> Any:
     return CostModel(stage_overrides=over)
 
 
-def _auto_candidates(stages: StageModules, devices: int, microbatches: int, rank: int) -> list[Schedule]:
-    """Every registered schedule (and option) that runs ``microbatches`` on ``devices`` with the placement the
-    given stage modules have: one stage a device, two in a V (stages d and 2P-1-d), or ``v`` looped
-    (d, d+P, ...); one replica; only passes (no OPT, no K-FAC's work)."""
+def _placement_of(stages: StageModules, devices: int, rank: int) -> tuple[int, ...]:
+    """The placement the stage modules given to ``schedule="auto"`` have: one stage a device, two in a V (stages
+    d and 2P-1-d), or ``v`` looped (d, d+P, ...)."""
     from pipefold.ir import v_placement
     from pipefold.ir.schedule import linear_placement, looped_placement
-    from pipefold.plan.budget import candidates
-    from pipefold.schedules import build
 
     if isinstance(stages, nn.Module):
         count, keys = 1, None
@@ -692,35 +657,13 @@ def _auto_candidates(stages: StageModules, devices: int, microbatches: int, rank
     else:
         count, keys = len(list(stages)), None
     if count == 1:
-        wanted = linear_placement(devices)
-    elif count == 2 and (keys is None or keys == [rank, 2 * devices - 1 - rank]):
-        wanted = v_placement(devices)
-    elif keys is not None and keys == [rank + i * devices for i in range(count)]:
-        wanted = looped_placement(devices, count)
-    else:
-        raise ConfigError(f"schedule='auto' plans for one stage a rank, two in a V ({{d: ..., 2P-1-d: ...}}), or "
-                          f"looped ones ({{d: ..., d+P: ...}}); this rank was given {keys or count}")
-    out = []
-    passes = {Kind.F, Kind.B, Kind.W, Kind.BW}
-    for name, options in candidates(devices, microbatches):
-        try:
-            built = build(name, devices, microbatches, **options)
-        except PipefoldError:
-            continue
-        if (built.replicas == 1 and built.placement[0] == tuple(wanted)
-                and all(a.kind in passes for row in built.actions for act in row for a in act.passes)):
-            out.append(validate(built))
-    if not out:
-        raise ConfigError(f"no registered schedule runs {microbatches} microbatches on {devices} devices with "
-                          f"{count} stage{'s' * (count > 1)} a device: try more microbatches")
-    return out
-
-
-def _probe(candidates: Sequence[Schedule]) -> Schedule:
-    """The schedule ``auto``'s first step runs: one that splits B and W (both get measured), fastest in theory."""
-    split = [c for c in candidates if any(a.kind == Kind.W for row in c.actions for act in row for a in act.passes)]
-    preferred = ("zb-h1", "zb-v", "interleaved-zb")
-    return min(split or candidates, key=lambda c: (c.name not in preferred, c.num_actions, c.name))
+        return linear_placement(devices)
+    if count == 2 and (keys is None or keys == [rank, 2 * devices - 1 - rank]):
+        return v_placement(devices)
+    if keys is not None and keys == [rank + i * devices for i in range(count)]:
+        return looped_placement(devices, count)
+    raise ConfigError(f"schedule='auto' plans for one stage a rank, two in a V ({{d: ..., 2P-1-d: ...}}), or "
+                      f"looped ones ({{d: ..., d+P: ...}}); this rank was given {keys or count}")
 
 
 class PeerLost(PipefoldError):

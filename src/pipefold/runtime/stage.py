@@ -39,6 +39,7 @@ keeps what they save until W. B and W then run exactly as without it.
 
 from __future__ import annotations
 
+import re
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -660,6 +661,16 @@ def _input_grads(inputs: Tensors, grads: Sequence[torch.Tensor | None]) -> Tenso
     return tuple(out)
 
 
+_MISMATCH = re.compile(r"shape|size|dimension|mat1 and mat2|argument|must match|expected .* got|too many|"
+                       r"not enough|unpack|out of range|broadcast", re.IGNORECASE)
+
+
+def _mismatch(exc: BaseException) -> bool:
+    """Whether an error in a stage's first forward reads as what it was given not fitting it: a call with the wrong
+    arguments, or tensors of the wrong shapes (torch's and Python's words for those)."""
+    return bool(_MISMATCH.search(str(exc)))
+
+
 class StageRunner:
     """Runs F, B, W and BW of one stage module for any number of microbatches in flight.
 
@@ -770,7 +781,7 @@ class StageRunner:
                         mid = run_layers(self._head, call(self.stage, leaves))
                 with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
                     if rebuild is not None or self._lead:
-                        raw = run_layers(self._tail, mid if isinstance(mid, (tuple, Call)) else (mid,))
+                        raw = run_layers(self._tail, mid) if self._tail else mid  # all recomputed: the head's
                     else:
                         raw = call(self.stage, leaves)(self.module)
                     if self.loss_fn is not None:
@@ -809,7 +820,7 @@ class StageRunner:
         try:
             loss = self.loss_fn(raw, target)
         except (TypeError, ValueError, RuntimeError, IndexError) as exc:
-            if self.stage in self.boundaries.fitted or isinstance(exc, ConfigError):
+            if self.stage in self.boundaries.fitted or isinstance(exc, ConfigError) or not _mismatch(exc):
                 raise
             out, spec = flatten(raw)
             wanted = describe(flatten(target)[0], flatten(target)[1]) if target is not None else "None"
@@ -830,15 +841,16 @@ class StageRunner:
 
     @contextmanager
     def _fitting(self, inputs: Tensors) -> Iterator[None]:
-        """Name a stage's first forward with new shapes that fails as a mismatch with what it was given: the stage
-        before's output (or the batch), in one line with the shapes; later failures pass as they are."""
+        """Name a stage's first forward with new shapes that fails as a mismatch with what it was given (a call with
+        the wrong arguments, shapes that do not fit: :func:`_mismatch`) in one line, with the stage before's output
+        (or the batch) and its shapes; other failures, and later ones, pass as they are."""
         if self.stage in self.boundaries.fitted:
             yield
             return
         try:
             yield
         except (TypeError, ValueError, RuntimeError, IndexError) as exc:
-            if isinstance(exc, ConfigError):
+            if isinstance(exc, ConfigError) or not _mismatch(exc):
                 raise
             given = describe(inputs, self.boundaries.specs.get(self.stage))
             source = f"stage {self.stage - 1}'s output" if self.stage else "the batch"

@@ -141,7 +141,7 @@ def decode_spec(data: bytes) -> Spec | None:
         return None
     with warnings.catch_warnings():  # torch 2.13's TreeSpec warns of its own LeafSpec when unpickled
         warnings.simplefilter("ignore", FutureWarning)
-        return pickle.loads(data)  # type: ignore[no-any-return]
+        return pickle.loads(data)
 
 
 def describe(tensors: Sequence[torch.Tensor], spec: Spec | None) -> str:
