@@ -35,7 +35,7 @@ from typing import Any
 
 from pipefold.errors import run_script
 from pipefold.files import save_figure, write_json
-from pipefold.runtime.measure import per_step
+from pipefold.runtime.measure.timeline import per_step
 from pipefold.sim.network import Conditions, LinkState, Network
 from pipefold.train.run import train
 from pipefold.train.spec import RunSpec
@@ -149,7 +149,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for mode in args.modes.split(","):
             if mode == "netns":
-                from pipefold.runtime.netns import unavailable
+                from pipefold.runtime.launch.netns import unavailable
 
                 reason = unavailable()
                 if reason is not None:

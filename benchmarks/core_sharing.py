@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 from pipefold.errors import run_script
-from pipefold.runtime.processes import process_context
+from pipefold.runtime.launch.processes import process_context
 
 
 def _worker(core: int, steps: int, pause: float, start: Any, out: Any) -> None:

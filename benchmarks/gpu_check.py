@@ -27,7 +27,7 @@ Sections (``--only`` picks some; each runs on its own, so one failing does not h
 
 It writes ``OUT/report.md`` (one markdown table per section), ``OUT/report.json`` and figures beside
 them. On one GPU the ranks share it, and gloo moves their tensors through pinned host memory
-(:mod:`pipefold.runtime.devices`); every figure says so.
+(:mod:`pipefold.runtime.launch.devices`); every figure says so.
 
     python benchmarks/gpu_check.py --out gpu-report            # everything
     python benchmarks/gpu_check.py --only memory --quick       # smaller sizes
@@ -95,8 +95,8 @@ def tests(out: Path, quick: bool) -> dict[str, Any]:
 def memory(out: Path, quick: bool) -> dict[str, Any]:
     """Per rank: the meter, the allocator between actions and at its peak, the simulator; ratios over 1F1B."""
     from pipefold import simulate
-    from pipefold.runtime.local import run_local
-    from pipefold.runtime.measure import measured_costs
+    from pipefold.runtime.launch.local import run_local
+    from pipefold.runtime.measure.timeline import measured_costs
     from pipefold.train.prepare import make_job
     from pipefold.train.spec import RunSpec
 
@@ -147,7 +147,7 @@ LAYOUTS = ((1, 1, 4, False), (2, 1, 2, False), (1, 2, 2, False), (1, 2, 2, True)
 def layout_rows(quick: bool, device: str = "cuda") -> list[dict[str, Any]]:
     """Each layout's ranks: the meter's peak between actions, torch's MemTracker's and (on CUDA) the allocator's, in
     the step checked (the second)."""
-    from pipefold.runtime.local import run_local
+    from pipefold.runtime.launch.local import run_local
     from pipefold.train.prepare import make_job
     from pipefold.train.spec import RunSpec
 

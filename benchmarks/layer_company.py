@@ -4,7 +4,8 @@ A profile that runs one layer over and over keeps that layer's weights in the ca
 microbatch through its whole stage, so between two passes of a layer the rest of the stage's weights go through
 the caches. This benchmark times the MLP's block (forward then backward of one microbatch) both ways with nothing
 but torch (the independent check), interleaved round by round so the machine's drift hits both, and beside them
-what pipefold's profile timer (:func:`pipefold.runtime.profiling.time_in_stages`) reports with one layer at a time
+what pipefold's profile timer (:func:`pipefold.runtime.measure.profiling.time_in_stages`) reports with one layer at a
+time
 and with a stage's worth:
 
 And what a stage's passes pay once that each of its layers timed alone paid again (the runner's own work per pass,
@@ -30,7 +31,7 @@ from rich.table import Table
 
 from pipefold.errors import run_script
 from pipefold.models import make_model
-from pipefold.runtime.profiling import measure_layers, time_in_stages
+from pipefold.runtime.measure.profiling import measure_layers, time_in_stages
 
 
 def _pass(layer: torch.nn.Module, x: torch.Tensor) -> float:

@@ -8,7 +8,7 @@ plan on that layout alone runs for a few steps, and its prediction is put beside
 
 - step time: the profile's prediction against the median measured step (with min..max), the schedule and the
   update after it (the gradients' check, the optimizer step, ZeRO-1's sharing), and where a rank's step goes: its
-  passes and its waits on messages and collectives (the median rank, :func:`pipefold.runtime.measure.
+  passes and its waits on messages and collectives (the median rank, :func:`pipefold.runtime.measure.timeline.
   step_parts`), and the slowest rank's update against the profile's;
 - peak per rank: the prediction against the runtime's meter plus the weights, gradients and optimizer state
   counted from the tensors, and against torch's MemTracker (an independent tracker of every tensor) in one step;

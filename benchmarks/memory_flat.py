@@ -56,7 +56,7 @@ class Probe:
 
 
 def run(steps: int, trace: bool) -> dict[str, Any]:
-    from pipefold.runtime.local import run_local
+    from pipefold.runtime.launch.local import run_local
     from pipefold.train.prepare import make_job
     from pipefold.train.spec import RunSpec
 

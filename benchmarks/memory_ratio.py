@@ -31,7 +31,7 @@ from rich.table import Table
 
 from pipefold import build, simulate
 from pipefold.errors import run_script
-from pipefold.runtime.measure import measured_costs
+from pipefold.runtime.measure.timeline import measured_costs
 from pipefold.train.run import train
 from pipefold.train.spec import RunSpec
 from pipefold.units import format_bytes

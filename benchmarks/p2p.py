@@ -34,7 +34,7 @@ from rich.table import Table
 
 from pipefold.errors import run_script
 from pipefold.runtime import sockets
-from pipefold.runtime.processes import process_context, store_in
+from pipefold.runtime.launch.processes import process_context, store_in
 
 SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20)
 WAYS = ("gloo", "sockets", "bare")

@@ -36,7 +36,7 @@ from typing import Any
 
 from pipefold.errors import run_script
 from pipefold.files import save_figure, write_json
-from pipefold.runtime.measure import measured_summary
+from pipefold.runtime.measure.timeline import measured_summary
 from pipefold.train.run import train
 from pipefold.train.spec import RunSpec
 

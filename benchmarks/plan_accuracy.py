@@ -30,8 +30,8 @@ from pipefold.errors import ConfigError, run_script
 from pipefold.files import write_json
 from pipefold.plan.budget import RunPlan, plan_model, predict, predicted_passes
 from pipefold.plan.profile import Profile
-from pipefold.runtime.local import run_local
-from pipefold.runtime.measure import measured_result, measured_summary, step_parts
+from pipefold.runtime.launch.local import run_local
+from pipefold.runtime.measure.timeline import measured_result, measured_summary, step_parts
 from pipefold.train.overhead import profile_here
 from pipefold.train.planned import from_plan
 from pipefold.train.prepare import make_job

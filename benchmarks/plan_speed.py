@@ -17,7 +17,7 @@ from typing import Any
 from pipefold.errors import run_script
 from pipefold.plan.budget import plan_model
 from pipefold.plan.profile import Profile
-from pipefold.runtime.profiling import profile_model
+from pipefold.runtime.measure.profiling import profile_model
 
 
 def main() -> None:

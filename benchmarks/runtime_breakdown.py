@@ -15,9 +15,10 @@ The run is vs_torch.py's: the ``mlp`` model (H=512, 8 layers, batch 64 in 8 micr
   CPU seconds on the executor's thread (on the CPU), which ``compute`` exceeds by the time they waited for a core;
 - ``util``: compute / the slowest rank's step (the job's step time), against ``ideal``: the same ratio in the
   simulation of the schedule fed with the passes' measured median times
-  (:func:`pipefold.runtime.measure.measured_costs`), which has no runtime work and no waits but those the
+  (:func:`pipefold.runtime.measure.timeline.measured_costs`), which has no runtime work and no waits but those the
   schedule's dependencies make; and ``replay``: the same ratio with each step's own pass times, each action
-  starting as soon as its rank and inputs allow (:func:`pipefold.runtime.measure.replayed_busy`), the median over
+  starting as soon as its rank and inputs allow (:func:`pipefold.runtime.measure.timeline.replayed_busy`), the median
+  over
   steps: no runtime work and no message time either, but the passes' variation from step to step kept.
 - ``slowest``: how far the passes spread, from the ranks' own events: for each kind of pass on the rank (F, B, W,
   BW), its slowest over its median, over the steps after the first; the largest of these. A pass that is slow in
@@ -38,7 +39,7 @@ from typing import Any
 
 from pipefold.errors import run_script
 from pipefold.runtime.executor import COMPUTE_KINDS
-from pipefold.runtime.measure import measured_costs, replayed_busy, step_parts
+from pipefold.runtime.measure.timeline import measured_costs, replayed_busy, step_parts
 from pipefold.sim.simulate import simulate
 from pipefold.train.run import train
 from pipefold.train.spec import RunSpec

@@ -18,7 +18,7 @@ after another for each schedule, N times over, and each ratio is given per run. 
     python benchmarks/vs_torch.py --device cuda --hidden 4096   # on a GPU the ranks share (gloo on both sides)
 
 On a GPU, both runtimes' ranks share it over gloo (NCCL refuses two ranks on one device, gloo moves only CPU
-tensors): pipefold stages its messages through pinned host memory (:mod:`pipefold.runtime.devices`), and
+tensors): pipefold stages its messages through pinned host memory (:mod:`pipefold.runtime.launch.devices`), and
 torch's side is given the same through host copies around its point-to-point calls (``_through_host``). A run
 that fails is reported with its one-line reason.
 """
@@ -46,9 +46,9 @@ from pipefold.errors import run_script
 from pipefold.ir.ref import ScheduleRef
 from pipefold.models import split_layers
 from pipefold.models.mlp import MLPConfig, build_mlp_layers, mlp_input, mlp_loss, mlp_target
-from pipefold.runtime.job import RankError
-from pipefold.runtime.local import run_local
-from pipefold.runtime.processes import process_context, rendezvous
+from pipefold.runtime.launch.job import RankError
+from pipefold.runtime.launch.local import run_local
+from pipefold.runtime.launch.processes import process_context, rendezvous
 from pipefold.train.prepare import make_job
 from pipefold.train.spec import RunSpec
 
@@ -222,7 +222,7 @@ class _Landing:
 def _through_host() -> None:
     """gloo sends and receives only CPU tensors (a GPU tensor's address handed to it fails with "Bad address"),
     and NCCL refuses two ranks on one GPU. So on a GPU the ranks share, torch's side gets what pipefold's does
-    (:mod:`pipefold.runtime.devices`): its point-to-point operations on GPU tensors go through pinned host
+    (:mod:`pipefold.runtime.launch.devices`): its point-to-point operations on GPU tensors go through pinned host
     copies, a send's made when its schedule posts it, a receive's copied in when its schedule waits for it."""
     from torch.distributed import distributed_c10d as c10d
 

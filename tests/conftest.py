@@ -56,7 +56,7 @@ def pytest_collection_modifyitems(config, items):  # type: ignore[no-untyped-def
 
 def run_ranks(target, nprocs, *args, timeout=300.0):  # type: ignore[no-untyped-def]
     """Start ``nprocs`` processes running ``target(rank, init, *args, out)`` (``init``: where their process group
-    meets, :func:`pipefold.runtime.processes.rendezvous`), as the runtime starts its ranks: from
+    meets, :func:`pipefold.runtime.launch.processes.rendezvous`), as the runtime starts its ranks: from
     its fork server, which has imported torch (a spawned process imports it again: seconds each, on two cores);
     return everything they put on the queue ``out``, in the order it came. The queue is read while they run, so a
     large result cannot fill its pipe and hold a process up; one that fails raises here; past ``timeout`` seconds
@@ -65,7 +65,7 @@ def run_ranks(target, nprocs, *args, timeout=300.0):  # type: ignore[no-untyped-
 
     import torch.multiprocessing as mp
 
-    from pipefold.runtime.processes import process_context, rendezvous
+    from pipefold.runtime.launch.processes import process_context, rendezvous
 
     ctx = process_context()
     out = ctx.SimpleQueue()

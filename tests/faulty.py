@@ -6,7 +6,7 @@
 ``--die-at``: the last rank exits as step N starts (``N:save``: while it saves the checkpoint of step N), in a
 first attempt only (not in a restart by torchrun); ``--nan-at``: a NaN in microbatch 0's input at those steps;
 ``--slow-commit``: rank 0 waits S seconds before it commits each checkpoint.
-The faults reach the job through :data:`pipefold.train.prepare.JOB_HOOKS` (:mod:`pipefold.runtime.faults`).
+The faults reach the job through :data:`pipefold.train.prepare.JOB_HOOKS` (:mod:`pipefold.runtime.launch.faults`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def main() -> None:
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0"):
         die = None  # a restarted attempt runs clean
 
-    from pipefold.runtime.faults import Faults
+    from pipefold.runtime.launch.faults import Faults
     from pipefold.train import prepare
 
     faults = Faults(die=die, nan=nan, slow_commit=slow)

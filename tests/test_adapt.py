@@ -13,8 +13,8 @@ from pipefold import schedules
 from pipefold.cli.main import main
 from pipefold.errors import ConfigError
 from pipefold.plan import adapt
-from pipefold.runtime.job import Adaptive
-from pipefold.runtime.local import run_local
+from pipefold.runtime.launch.job import Adaptive
+from pipefold.runtime.launch.local import run_local
 from pipefold.runtime.stage import Chain
 from pipefold.sim.network import Network
 from pipefold.sim.simulate import CostModel, StageOverride, simulate

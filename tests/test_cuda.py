@@ -4,7 +4,7 @@ the memory meter against the caching allocator.
 
 Tests marked ``cuda`` are skipped where torch sees no GPU (CI); ``make gpu-check`` runs them on a machine with
 one. On one GPU the ranks share it: gloo moves their tensors through pinned host memory
-(:mod:`pipefold.runtime.devices`). The device and backend refusals run everywhere.
+(:mod:`pipefold.runtime.launch.devices`). The device and backend refusals run everywhere.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from pipefold import names
 from pipefold.errors import ConfigError
 from pipefold.ir import Kind
 from pipefold.ir.ref import ScheduleRef
-from pipefold.runtime.devices import check_sharding, place
-from pipefold.runtime.job import Job, RankReport
-from pipefold.runtime.local import run_local
+from pipefold.runtime.launch.devices import check_sharding, place
+from pipefold.runtime.launch.job import Job, RankReport
+from pipefold.runtime.launch.local import run_local
 from pipefold.schedules import build
 from pipefold.train.prepare import make_job
 from pipefold.train.reference import compare, reference_kfac

@@ -14,10 +14,10 @@ import torch
 
 from pipefold.errors import ConfigError
 from pipefold.ir import Kind
-from pipefold.runtime.job import Job, RankReport
-from pipefold.runtime.local import run_local
-from pipefold.runtime.measure import measured_costs
-from pipefold.runtime.settings import Optimizer
+from pipefold.runtime.launch.job import Job, RankReport
+from pipefold.runtime.launch.local import run_local
+from pipefold.runtime.launch.settings import Optimizer
+from pipefold.runtime.measure.timeline import measured_costs
 from pipefold.sim.simulate import simulate
 from pipefold.train.prepare import make_job
 from pipefold.train.reference import compare, reference_kfac

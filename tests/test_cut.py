@@ -9,7 +9,7 @@ from torch import nn
 from pipefold.errors import ConfigError
 from pipefold.models.cut import cut_model, cut_points
 from pipefold.plan.partition import partition
-from pipefold.runtime.profiling import layer_costs
+from pipefold.runtime.measure.profiling import layer_costs
 from pipefold.runtime.stage import Chain, StageRunner, run_layers
 
 

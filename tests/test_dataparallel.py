@@ -22,10 +22,10 @@ import torch
 from conftest import run_ranks
 from pipefold.errors import ConfigError
 from pipefold.ir import AG, DP, RS, Kind, validate
-from pipefold.runtime.local import run_local
-from pipefold.runtime.measure import step_parts
-from pipefold.runtime.processes import free_port
-from pipefold.runtime.settings import Parallel
+from pipefold.runtime.launch.local import run_local
+from pipefold.runtime.launch.processes import free_port
+from pipefold.runtime.launch.settings import Parallel
+from pipefold.runtime.measure.timeline import step_parts
 from pipefold.schedules import build
 from pipefold.schedules.dataparallel import with_data_parallel
 from pipefold.sim.simulate import CostModel, StageOverride, simulate

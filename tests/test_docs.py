@@ -45,7 +45,7 @@ from pathlib import Path
 
 import pytest
 
-from pipefold.runtime.processes import free_port
+from pipefold.runtime.launch.processes import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -221,7 +221,7 @@ def _skip_reason(argv: list[str]) -> str | None:
     if argv[:2] == ["make", "test"]:
         return "this suite"
     if "--netns" in argv:
-        from pipefold.runtime import netns
+        from pipefold.runtime.launch import netns
 
         if (why := netns.unavailable()) is not None:
             return f"network namespaces cannot be made here: {why}"

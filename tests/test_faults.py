@@ -26,10 +26,10 @@ import pytest
 import torch
 
 from pipefold import build
-from pipefold.runtime.job import Job, RankError
-from pipefold.runtime.local import run_local
-from pipefold.runtime.processes import free_port
-from pipefold.runtime.settings import Optimizer, Reliability
+from pipefold.runtime.launch.job import Job, RankError
+from pipefold.runtime.launch.local import run_local
+from pipefold.runtime.launch.processes import free_port
+from pipefold.runtime.launch.settings import Optimizer, Reliability
 from pipefold.runtime.watch import PERIOD
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc and uses Linux signals")

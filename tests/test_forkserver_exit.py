@@ -14,7 +14,7 @@ FINALIZER = "class Loud:\n    def __del__(self):\n        print('torn down', flu
 
 
 def test_importing_the_servers_module_skips_teardown() -> None:
-    code = FINALIZER + "import pipefold.runtime._forkserver\nprint('done', flush=True)\n"
+    code = FINALIZER + "import pipefold.runtime.launch._forkserver\nprint('done', flush=True)\n"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["done"]
 
@@ -34,10 +34,10 @@ def test_without_it_teardown_runs() -> None:  # the reference: the finalizer doe
 def test_the_fork_server_imports_it_last() -> None:
     from multiprocessing import forkserver
 
-    from pipefold.runtime.processes import process_context
+    from pipefold.runtime.launch.processes import process_context
 
     process_context(("some.model",))
-    assert forkserver._forkserver._preload_modules[-2:] == ["some.model", "pipefold.runtime._forkserver"]
+    assert forkserver._forkserver._preload_modules[-2:] == ["some.model", "pipefold.runtime.launch._forkserver"]
 
 
 def test_the_command_flushes_its_output_and_exits_with_its_code() -> None:

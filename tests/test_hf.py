@@ -23,9 +23,9 @@ from pipefold import schedules  # noqa: E402
 from pipefold.errors import ConfigError  # noqa: E402
 from pipefold.models import Batches, make_model, split_layers  # noqa: E402
 from pipefold.models.hf import HFCausalLM, config_names, read_config  # noqa: E402
-from pipefold.runtime.job import Job
-from pipefold.runtime.local import run_local  # noqa: E402
-from pipefold.runtime.settings import Optimizer, Parallel  # noqa: E402
+from pipefold.runtime.launch.job import Job
+from pipefold.runtime.launch.local import run_local  # noqa: E402
+from pipefold.runtime.launch.settings import Optimizer, Parallel  # noqa: E402
 
 TOLERANCE = 1e-5
 SEQS = (16, 24, 12)

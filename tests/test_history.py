@@ -94,8 +94,8 @@ def test_a_run_times_the_steps_it_did_not_check(checks: dict[str, int]) -> None:
     time, the parts of a step) reads the other steps after the first, recomputed here from the ranks' columns."""
     import dataclasses
 
-    from pipefold.runtime.local import run_local
-    from pipefold.runtime.measure import measured_summary, step_parts
+    from pipefold.runtime.launch.local import run_local
+    from pipefold.runtime.measure.timeline import measured_summary, step_parts
     from pipefold.train.prepare import make_job
     from pipefold.train.spec import RunSpec
 

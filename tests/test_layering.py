@@ -130,6 +130,22 @@ def test_the_models_stand_on_the_base_alone() -> None:
     assert _edges("models", *(set(LAYERS) - {"base", "models"})) == set()
 
 
+def _runtime_folder(module: str) -> str | None:
+    parts = module.split(".")
+    if len(parts) < 3 or parts[1] != "runtime":
+        return None
+    return parts[2] if parts[2] in ("launch", "measure") and len(parts) > 3 else "core"
+
+
+def test_what_a_users_script_runs_stands_on_neither_launching_nor_measuring() -> None:
+    """runtime/ (the public pipeline object and what it stands on) < runtime/launch/ < runtime/measure/: the
+    public object's folder never imports launching or measuring, and launching never imports measuring."""
+    order = ("core", "launch", "measure")
+    edges = {(a, b) for a, targets in GRAPH.items() for b in targets
+             if (fa := _runtime_folder(a)) and (fb := _runtime_folder(b)) and order.index(fb) > order.index(fa)}
+    assert edges == set()
+
+
 def test_the_runtime_reads_schedules_only_through_the_ir() -> None:
     assert _edges("runtime", "schedules") == set()
 
@@ -149,8 +165,8 @@ def test_the_architecture_drawing_shows_every_module_in_its_layer() -> None:
     assert list(named) == list(reversed(LAYERS))
     for module in GRAPH:
         parts = module.split(".")[1:]
-        if parts in ([], ["__main__"]) or (len(parts) == 1 and parts[0] in LAYERS):
-            continue  # the root package, ``python -m``, a folder's own package
+        if parts in ([], ["__main__"]) or SRC.joinpath(*parts).is_dir():
+            continue  # the root package, ``python -m``, a folder's own package (runtime/launch/ too)
         assert parts[-1] in named[layer(module)], module
 
 
@@ -159,7 +175,7 @@ def test_schedules_simulator_planner_figures_and_the_command_line_load_without_t
     # it imports torch itself, so that the two imports run on two cores.
     code = ("import sys, pipefold, pipefold.ir, pipefold.schedules, pipefold.sim.simulate, pipefold.schedules.blocks, "
             "pipefold.plan.budget, pipefold.sim.render, pipefold.cli.main, pipefold.train.spec, "
-            "pipefold.runtime.processes; pipefold.train.spec.RunSpec.flat(steps=2, optimizer='sgd'); "
+            "pipefold.runtime.launch.processes; pipefold.train.spec.RunSpec.flat(steps=2, optimizer='sgd'); "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

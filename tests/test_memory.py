@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from pipefold.runtime.executor import in_flight_bound
-from pipefold.runtime.job import RankReport
-from pipefold.runtime.local import run_local
+from pipefold.runtime.launch.job import RankReport
+from pipefold.runtime.launch.local import run_local
 from pipefold.runtime.stage import Chain, StageRunner
 from pipefold.schedules import build
 from pipefold.train.prepare import make_job

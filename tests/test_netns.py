@@ -9,7 +9,7 @@ import time
 import pytest
 
 from pipefold.errors import ConfigError
-from pipefold.runtime import netns
+from pipefold.runtime.launch import netns
 
 REASON = netns.unavailable()
 if REASON is not None:
@@ -134,7 +134,7 @@ def test_stale_topologies_of_dead_processes_are_removed() -> None:
 
 
 def test_command_line_up_and_down() -> None:
-    run = [sys.executable, "-m", "pipefold.runtime.netns"]
+    run = [sys.executable, "-m", "pipefold.runtime.launch.netns"]
     assert subprocess.run([*run, "check"], capture_output=True, text=True).stdout.strip() == "ok"
     up = subprocess.run([*run, "up", "--ranks", "2", "--rate", "8MB/s"], capture_output=True, text=True, check=True)
     prefix = up.stdout.split()[0]

@@ -95,9 +95,9 @@ def test_a_diverging_run_stops_with_one_line(tmp_path: Path, capsys: pytest.Capt
 _COMPARE = textwrap.dedent("""
     import dataclasses, sys, torch
     from pipefold.ir import OPT
-    from pipefold.runtime.faults import Faults
-    from pipefold.runtime.local import run_local
-    from pipefold.runtime.settings import Reliability
+    from pipefold.runtime.launch.faults import Faults
+    from pipefold.runtime.launch.local import run_local
+    from pipefold.runtime.launch.settings import Reliability
     from pipefold.train.prepare import make_job
     from pipefold.train.spec import RunSpec
     cfg = RunSpec.flat(schedule="zb-h1", devices=2, microbatches=4, steps=6, model="mlp", layers=4, hidden=16,

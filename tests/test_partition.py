@@ -29,7 +29,7 @@ from pipefold.plan.partition import (
     partition_memory,
     partition_on_devices,
 )
-from pipefold.runtime.profiling import layer_costs, layer_memory, layer_static_bytes
+from pipefold.runtime.measure.profiling import layer_costs, layer_memory, layer_static_bytes
 from pipefold.train.prepare import make_job
 from pipefold.train.spec import RunSpec
 

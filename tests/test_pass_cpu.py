@@ -70,8 +70,8 @@ def test_a_runs_passes_carry_their_cpu_time_within_their_wall_time_and_the_proce
     """A real 2-rank run: every pass's CPU time lies within its interval, and a step's passes use no more CPU than
     the rank's whole process (``time.process_time``, another clock of the operating system's)."""
     from pipefold.runtime.executor import COMPUTE_KINDS
-    from pipefold.runtime.local import run_local
-    from pipefold.runtime.measure import step_parts
+    from pipefold.runtime.launch.local import run_local
+    from pipefold.runtime.measure.timeline import step_parts
     from pipefold.train.prepare import make_job
     from pipefold.train.spec import RunSpec
 

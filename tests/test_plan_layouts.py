@@ -362,7 +362,7 @@ def test_the_step_after_the_schedule_is_the_slowest_devices_update_and_the_check
 
 def test_zero1s_sharing_among_local_ranks_costs_more_for_more_bytes() -> None:
     """Measured on 2 ranks as the runtime shares: a flat broadcast of each copy's stepped tensors."""
-    from pipefold.runtime.profiling import measure_zero1
+    from pipefold.runtime.measure.profiling import measure_zero1
 
     latency, bandwidth = measure_zero1(2, sizes=(64 << 10, 1 << 20, 16 << 20))
     assert latency >= 0 and 1e6 < bandwidth < 1e12  # some MB/s to some hundred GB/s: copies over a socket
@@ -424,7 +424,7 @@ def test_fsdps_hooks_lengthen_each_pass_once_and_per_unit(name: str) -> None:
 
 
 def test_fsdps_gather_and_reduce_scatter_among_local_ranks_cost_more_for_more_bytes() -> None:
-    from pipefold.runtime.profiling import measure_fsdp
+    from pipefold.runtime.measure.profiling import measure_fsdp
 
     for latency, bandwidth in measure_fsdp(2, rounds=5, sizes=(64 << 10, 1 << 20, 16 << 20)):
         assert latency >= 0 and 1e6 < bandwidth < 1e12  # some MB/s to some hundred GB/s: copies over a socket
@@ -435,7 +435,7 @@ def test_fsdps_hooks_are_timed_on_the_models_own_layers() -> None:
     (torch's ``fully_shard`` runs Python hooks around every unit's forward and backward: 100 to 400 us a unit
     on this 2-core machine) and far less in a W, which calls none of them; AdamW's step on DTensor shards costs
     more per tensor than on plain ones."""
-    from pipefold.runtime.profiling import measure_fsdp_hooks
+    from pipefold.runtime.measure.profiling import measure_fsdp_hooks
 
     train = {"model": "gpt", "layers": 2, "hidden": 32, "heads": 2, "seq": 16, "batch": 8, "microbatches": 4,
              "seed": 0}
@@ -455,7 +455,7 @@ def test_fsdps_hooks_are_timed_on_the_models_own_layers() -> None:
 
 
 def test_an_all_reduce_among_local_ranks_costs_more_for_more_bytes() -> None:
-    from pipefold.runtime.profiling import measure_allreduce
+    from pipefold.runtime.measure.profiling import measure_allreduce
 
     # A 16 MiB top size and 5 rounds: the bytes' time then outweighs a preemption of one round on a loaded machine
     # (with 3 rounds up to 4 MiB the fit once found no slope at all beside the suite's other ranks).
@@ -501,8 +501,8 @@ def test_layouts_must_make_the_world() -> None:
 
 
 def test_a_profile_at_tp_2_measures_each_ranks_share_and_its_plan_runs_exactly(tmp_path) -> None:
-    from pipefold.runtime.local import run_local
-    from pipefold.runtime.profiling import profile_model
+    from pipefold.runtime.launch.local import run_local
+    from pipefold.runtime.measure.profiling import profile_model
     from pipefold.train.planned import from_plan
     from pipefold.train.prepare import make_job
     from pipefold.train.reference import compare
@@ -690,8 +690,8 @@ def test_a_sharded_world_plan_runs_as_planned_and_holds_what_it_predicted(
     prediction of an even share, 30% under): the device's prediction is its heaviest copy's, to the byte but for
     AdamW's step counters; FSDP's within its shards' padding (10%)."""
     from pipefold.plan.budget import copy_peaks, copy_static, predict
-    from pipefold.runtime.local import run_local
-    from pipefold.runtime.profiling import profile_model
+    from pipefold.runtime.launch.local import run_local
+    from pipefold.runtime.measure.profiling import profile_model
     from pipefold.train.planned import from_plan
     from pipefold.train.prepare import make_job
     from pipefold.train.reference import compare
@@ -792,7 +792,7 @@ def test_a_profile_records_its_models_tied_layers(tmp_path) -> None:
     keeps it; a group naming a layer the profile does not have, or one layer alone, is one line."""
     pytest.importorskip("transformers", reason="the tied model is a Hugging Face LLaMA")
     from pipefold.models.hf import read_config
-    from pipefold.runtime.profiling import profile_model
+    from pipefold.runtime.measure.profiling import profile_model
 
     config = tmp_path / "llama-tied.json"
     config.write_text(json.dumps({**read_config("llama", None), "tie_word_embeddings": True}))
@@ -813,7 +813,7 @@ def test_a_profile_for_one_pipeline_measures_the_all_reduce_and_no_sharding(monk
     """``train --schedule auto`` plans one pipeline, which has no copies to shard: its profile measures the
     all-reduce (the gradients' check runs one over every rank) but not ZeRO-1's or FSDP's costs, and loses nothing
     by it: with any sharding fits added, the plans of one pipeline are the same, point for point."""
-    from pipefold.runtime.profiling import profile_model
+    from pipefold.runtime.measure.profiling import profile_model
     from pipefold.train import planned
     from pipefold.train.spec import RunSpec
 

@@ -194,7 +194,7 @@ def test_the_fixed_work_is_measured_on_the_models_own_stages() -> None:
     import statistics
 
     from pipefold.models import make_model
-    from pipefold.runtime.profiling import measure_layers, run_passes
+    from pipefold.runtime.measure.profiling import measure_layers, run_passes
     from pipefold.runtime.stage import Chain, StageRunner
 
     model = make_model("mlp", layers=8, hidden=128, batch=64)
@@ -240,7 +240,7 @@ def test_a_profiles_fixed_work_is_checked_and_an_older_files_read() -> None:
 def test_layers_count_their_graph_and_time_what_the_graph_below_adds() -> None:
     import torch
 
-    from pipefold.runtime.profiling import _Below, _graph_nodes, measure_layers
+    from pipefold.runtime.measure.profiling import _Below, _graph_nodes, measure_layers
     from pipefold.runtime.stage import Chain
 
     x = (torch.randn(4, 8),)
@@ -261,7 +261,7 @@ def test_layers_timed_among_their_stage_see_the_inputs_of_the_whole_model(stage_
     import torch
 
     from pipefold.models import make_model
-    from pipefold.runtime.profiling import time_in_stages
+    from pipefold.runtime.measure.profiling import time_in_stages
     from pipefold.runtime.stage import Chain
 
     model = make_model("gpt", layers=3, hidden=32, heads=2, seq=8, batch=4)
@@ -288,7 +288,7 @@ def test_layers_timed_among_their_stage_see_the_inputs_of_the_whole_model(stage_
 def test_a_stage_of_no_layers_is_refused(bad: object) -> None:
     import torch
 
-    from pipefold.runtime.profiling import time_in_stages
+    from pipefold.runtime.measure.profiling import time_in_stages
 
     with pytest.raises(ConfigError, match="stage_layers must be a positive integer"):
         time_in_stages([torch.nn.Linear(2, 2)], torch.randn(1, 2), stage_layers=bad)  # type: ignore[arg-type]
@@ -300,7 +300,7 @@ def test_stage_figures_from_layers_match_stages_measured_whole() -> None:
     import torch
 
     from pipefold.models import make_model
-    from pipefold.runtime.profiling import measure_layers, measure_stages
+    from pipefold.runtime.measure.profiling import measure_layers, measure_stages
     from pipefold.runtime.stage import Chain
 
     torch.manual_seed(0)
@@ -354,8 +354,8 @@ def test_a_plans_activation_peak_is_what_each_rank_held() -> None:
     # message more where the gradient sent back was delivered before the next pass (it may not be: a step of 6
     # held it once on the last and a middle rank); the first rank, which sends no gradient back, to the byte.
     from pipefold.plan.budget import RunPlan
-    from pipefold.runtime.local import run_local
-    from pipefold.runtime.profiling import profile_model
+    from pipefold.runtime.launch.local import run_local
+    from pipefold.runtime.measure.profiling import profile_model
     from pipefold.train.planned import from_plan
     from pipefold.train.prepare import make_job
 
@@ -389,8 +389,8 @@ def test_the_overhead_is_brought_back_to_one_ranks_load() -> None:
     stretch of its passes (wall over CPU time, the operating system's count), which is at least 1."""
     import statistics
 
-    from pipefold.runtime.local import run_local
-    from pipefold.runtime.measure import step_parts
+    from pipefold.runtime.launch.local import run_local
+    from pipefold.runtime.measure.timeline import step_parts
     from pipefold.train.overhead import OVERHEAD_RUN, overhead_of
     from pipefold.train.prepare import make_job
 
@@ -410,8 +410,8 @@ def test_the_runtime_overhead_is_measured_and_reaches_the_cost_model() -> None:
     # A real run of two ranks: the executor's own work between passes, per message, from its step parts; the
     # OS's CPU time of each rank covers its passes.
     from pipefold.runtime.executor import COMPUTE_KINDS
-    from pipefold.runtime.local import run_local
-    from pipefold.runtime.measure import replayed_busy, replayed_step, step_parts
+    from pipefold.runtime.launch.local import run_local
+    from pipefold.runtime.measure.timeline import replayed_busy, replayed_step, step_parts
     from pipefold.train.overhead import OVERHEAD_RUN, overhead_of
     from pipefold.train.prepare import make_job
     from pipefold.train.spec import profiled_settings
@@ -687,7 +687,7 @@ def test_a_layers_update_is_timed_on_the_runs_optimizer_and_leaves_it_as_it_was(
     import torch
     from torch import nn
 
-    from pipefold.runtime.profiling import time_in_stages
+    from pipefold.runtime.measure.profiling import time_in_stages
 
     torch.manual_seed(0)
     layers = [nn.Linear(512, 512), nn.ReLU()]

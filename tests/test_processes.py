@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from pipefold.runtime.processes import starting
+from pipefold.runtime.launch.processes import starting
 
 
 @pytest.mark.parametrize("unblock", [False, True])

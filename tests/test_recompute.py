@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from pipefold.errors import ConfigError
 from pipefold.ir import Schedule
 from pipefold.plan.recompute import StageProfile, plan_recompute, smallest_budget
-from pipefold.runtime.profiling import measure_stages
+from pipefold.runtime.measure.profiling import measure_stages
 from pipefold.runtime.stage import Chain
 from pipefold.schedules import build
 from pipefold.sim.simulate import CostModel, StageOverride, simulate

@@ -9,8 +9,8 @@ import torch
 
 from pipefold import Schedule
 from pipefold.ir import BW, OPT, F, R, linear_placement, reversed_placement
-from pipefold.runtime.local import run_local
-from pipefold.runtime.settings import OPTIMIZERS
+from pipefold.runtime.launch.local import run_local
+from pipefold.runtime.launch.settings import OPTIMIZERS
 from pipefold.runtime.stage import Chain
 from pipefold.train.prepare import make_job
 from pipefold.train.spec import RunSpec

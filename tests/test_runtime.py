@@ -11,9 +11,9 @@ from pipefold import names
 from pipefold.errors import ConfigError
 from pipefold.models import GPTConfig, build_gpt_layers, gpt_loss, split_layers
 from pipefold.runtime.comm import HEADER, MAX_TENSORS
-from pipefold.runtime.job import Job
-from pipefold.runtime.local import run_local
-from pipefold.runtime.settings import Optimizer
+from pipefold.runtime.launch.job import Job
+from pipefold.runtime.launch.local import run_local
+from pipefold.runtime.launch.settings import Optimizer
 from pipefold.schedules import build
 from pipefold.train.prepare import make_job
 from pipefold.train.reference import compare, reference_step
@@ -134,7 +134,7 @@ def _layers_with_a_bomb(indices: list[int]) -> dict[int, torch.nn.Module]:
 def test_an_error_on_one_rank_stops_them_all(caplog: pytest.LogCaptureFixture) -> None:
     import time
 
-    from pipefold.runtime.job import RankError
+    from pipefold.runtime.launch.job import RankError
 
     job = Job(schedule=build("1f1b", 4, 4), layer_stages=((0,), (1,), (2,), (3,)), build_layers=_layers_with_a_bomb,
               loss_fn=torch.nn.functional.mse_loss, batch_at=_linear_batch, steps=1)
@@ -246,7 +246,7 @@ def test_offloading_stages_keep_the_gradients(name: str) -> None:
 def test_stages_balanced_by_parameters_keep_the_gradients() -> None:
     from pipefold.models import make_model
     from pipefold.plan.partition import partition
-    from pipefold.runtime.profiling import layer_costs
+    from pipefold.runtime.measure.profiling import layer_costs
 
     cfg = RunSpec.flat(schedule="zb-v", devices=2, microbatches=4, steps=1, model="gpt", layers=6, hidden=32, heads=4,
                       batch=8, seq=16, partition="params")

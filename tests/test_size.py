@@ -20,7 +20,7 @@ from pipefold.models.size import (
     parameters,
     step_flops,
 )
-from pipefold.runtime.profiling import layer_memory
+from pipefold.runtime.measure.profiling import layer_memory
 
 SHAPES = [Shape(model="gpt", layers=2, hidden=64, heads=4, batch=4, seq=32),
           Shape(model="gpt", layers=3, hidden=128, heads=8, batch=2, seq=128),

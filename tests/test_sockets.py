@@ -186,7 +186,7 @@ def test_bytes_of_a_tensor_are_its_memory(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("p2p", ["sockets", "gloo"])
 def test_the_profile_measures_the_link_a_run_sends_over(p2p: str) -> None:
     """``pipefold profile``'s link, over either transport: a latency and a rate from real round trips."""
-    from pipefold.runtime.profiling import measure_link
+    from pipefold.runtime.measure.profiling import measure_link
 
     latency, bandwidth = measure_link(rounds=3, sizes=(4096, 1 << 16, 1 << 20), p2p=p2p)
     assert 0 < latency < 0.1 and bandwidth > 1e6, (latency, bandwidth)

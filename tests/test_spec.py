@@ -16,7 +16,7 @@ import pytest
 from pipefold.cli.args import build_parser
 from pipefold.cli.main import main
 from pipefold.errors import ConfigError
-from pipefold.runtime.settings import Optimizer
+from pipefold.runtime.launch.settings import Optimizer
 from pipefold.train.spec import _OPTIONS, RULES, SETTINGS, RunSpec
 
 OUTPUTS = {"json", "plot", "trace", "hf", "help"}

@@ -18,7 +18,7 @@ from pipefold.cli.main import main
 from pipefold.errors import ConfigError
 from pipefold.ir import dependency_graph
 from pipefold.runtime.comm import routes
-from pipefold.runtime.local import run_local
+from pipefold.runtime.launch.local import run_local
 from pipefold.train.prepare import make_job
 from pipefold.train.reference import compare
 from pipefold.train.spec import RunSpec

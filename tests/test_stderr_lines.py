@@ -17,7 +17,7 @@ from collections.abc import Callable
 import pytest
 
 from pipefold.errors import say
-from pipefold.runtime.checkpoint import note, warn
+from pipefold.runtime.launch.checkpoint import note, warn
 
 
 class _Recorded(io.RawIOBase):

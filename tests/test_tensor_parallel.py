@@ -19,8 +19,8 @@ from pipefold.cli.main import main
 from pipefold.errors import ConfigError
 from pipefold.models import make_model
 from pipefold.models.base import Model
-from pipefold.runtime.local import run_local
-from pipefold.runtime.settings import Parallel
+from pipefold.runtime.launch.local import run_local
+from pipefold.runtime.launch.settings import Parallel
 from pipefold.train.prepare import make_job
 from pipefold.train.reference import compare, reference_step
 from pipefold.train.spec import RunSpec
@@ -231,7 +231,7 @@ def test_the_optimizers_step_a_rank_that_mixes_sharded_and_whole_layers(name: st
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from pipefold.runtime.settings import OPTIMIZERS, Optimizer
+    from pipefold.runtime.launch.settings import OPTIMIZERS, Optimizer
 
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:

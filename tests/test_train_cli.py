@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from pipefold.cli.main import main
-from pipefold.runtime.processes import free_port
+from pipefold.runtime.launch.processes import free_port
 
 SMALL = ["--model", "mlp", "--layers", "4", "--hidden", "16", "--batch", "8", "--devices", "2", "--microbatches", "4"]
 

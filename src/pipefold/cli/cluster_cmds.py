@@ -128,7 +128,7 @@ def calibrate_command(args: argparse.Namespace, console: Console) -> None:
         raise ConfigError(f"--largest is the largest product in operations: at least 1e6 (got {args.largest:g})")
     import torch
 
-    from pipefold.runtime.profiling import measure_matmuls
+    from pipefold.runtime.measure.profiling import measure_matmuls
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: torch sees no CUDA GPU here; use --device cpu")

@@ -150,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         say(f"pipefold {args.command}: error: {exc}")
         return 2
     except RuntimeError as exc:
-        from pipefold.runtime.job import Diverged, RankError
+        from pipefold.runtime.launch.job import Diverged, RankError
 
         if not isinstance(exc, (RankError, Diverged)):
             raise

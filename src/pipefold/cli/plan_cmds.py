@@ -14,7 +14,7 @@ from pipefold.cli.common import check_outputs, cost_model, num, progress_bar, st
 from pipefold.errors import ConfigError
 from pipefold.ir.ref import ScheduleRef
 from pipefold.plan.budget import PlanResult, one_f_one_b_peak, parse_budget, plan
-from pipefold.runtime.processes import start_server
+from pipefold.runtime.launch.processes import start_server
 from pipefold.sim.simulate import CostModel
 from pipefold.units import format_bytes, parse_bytes
 
@@ -215,7 +215,7 @@ def cmd_partition(args: argparse.Namespace, console: Console) -> None:
     from pipefold.models.size import check_model
     from pipefold.plan.partition import MemoryPartition, memory_of_split, partition, split_by
     from pipefold.plan.recompute import OPTIMIZER_STATE
-    from pipefold.runtime.profiling import layers_per_rank, split_figures
+    from pipefold.runtime.measure.profiling import layers_per_rank, split_figures
 
     for flag, value in (("--devices", args.devices), ("--chunks", args.chunks), ("--microbatches", args.microbatches)):
         if value is not None and value < 1:

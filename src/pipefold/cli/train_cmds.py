@@ -13,7 +13,7 @@ from pipefold import jsonout
 from pipefold.cli.common import check_outputs, make_console, stage_bar, styled
 from pipefold.errors import ConfigError, say
 from pipefold.models import REGISTRY
-from pipefold.runtime.processes import start_server
+from pipefold.runtime.launch.processes import start_server
 from pipefold.units import format_bytes, parse_bytes
 
 

@@ -835,7 +835,7 @@ def _model_points(measured: Profile, on_device: list[Profile], schedule: Schedul
 def refused_layout(schedule: Schedule, layout: Layout, layer_stages: Sequence[Sequence[int]] = (),
                    tied: Sequence[Sequence[int]] = ()) -> str:
     """Why the runtime would refuse ``layout`` running ``schedule`` split as ``layer_stages`` with these ``tied``
-    layer groups (as :class:`pipefold.runtime.job.Job` checks them); empty where it runs. Devices that sum
+    layer groups (as :class:`pipefold.runtime.launch.job.Job` checks them); empty where it runs. Devices that sum
     gradients rank by rank (each stage's replicas; the holders of a tied weight) need one tensor-parallel degree,
     and FSDP shards each copy on its own, so a tied weight may not span stages under it. Without ``layer_stages``
     only what holds for every split is judged."""

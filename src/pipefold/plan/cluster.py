@@ -190,7 +190,7 @@ def load_cluster(given: str) -> Cluster:
 
 def measured_efficiency(cluster: Cluster, measured: Sequence[tuple[float, float]], dtype: str, where: str) -> Cluster:
     """``cluster`` with its accelerator's matmul efficiency as measured: each (operations, seconds) of one product
-    becomes a point, the fraction of the ``dtype`` peak it achieved (:func:`pipefold.runtime.profiling.
+    becomes a point, the fraction of the ``dtype`` peak it achieved (:func:`pipefold.runtime.measure.profiling.
     measure_matmuls`); ``where`` says on what, for the file's sources. One line where a product ran faster than
     the peak: the file describes another device."""
     acc = cluster.accelerator

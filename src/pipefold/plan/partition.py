@@ -768,7 +768,8 @@ def _tree_search(pres: list[_Prefix], moments: list[np.ndarray], mapping: tuple[
 
 @dataclass(frozen=True)
 class LayerFigures:
-    """Per layer, what a split weighs (measured by :func:`pipefold.runtime.profiling.split_figures`, one microbatch
+    """Per layer, what a split weighs (measured by :func:`pipefold.runtime.measure.profiling.split_figures`, one
+    microbatch
     through the layers in order, the last computing the loss as the last stage does). A figure that the split asked
     for does not need is None."""
 

@@ -1,6 +1,6 @@
 """A model's profile on the machine it will train on: what each layer costs, what the link costs, how devices share.
 
-``pipefold profile`` measures (:mod:`pipefold.runtime.profiling`), and :mod:`pipefold.plan.budget` reads, three
+``pipefold profile`` measures (:mod:`pipefold.runtime.measure.profiling`), and :mod:`pipefold.plan.budget` reads, three
 things::
 
     layers      per layer, one microbatch: F, B, W seconds and a fused backward's BW (medians of repeats on
@@ -143,20 +143,20 @@ class Profile:
     seconds = latency + buffer bytes / bandwidth (measured where the link is)."""
     fsdp: dict[int, tuple[tuple[float, float], tuple[float, float]]] = field(default_factory=dict)
     """By group size k: ((latency, bandwidth) of FSDP's gather, (latency, bandwidth) of its reduce-scatter) among
-    k ranks, the others computing (:func:`pipefold.runtime.profiling.measure_fsdp`): latency per FSDP unit (a
+    k ranks, the others computing (:func:`pipefold.runtime.measure.profiling.measure_fsdp`): latency per FSDP unit (a
     layer), bandwidth in bytes of the whole parameters. Empty in a profile from before it was measured: half an
     all-reduce each."""
     fsdp_update: float = 0.0
     """Seconds more per tensor that the update after the schedule takes on FSDP's shards (DTensors) than on plain
-    tensors (:func:`pipefold.runtime.profiling.measure_fsdp`; 0: not measured)."""
+    tensors (:func:`pipefold.runtime.measure.profiling.measure_fsdp`; 0: not measured)."""
     zero1: dict[int, tuple[float, float]] = field(default_factory=dict)
     """By group size k: (latency seconds, bandwidth in bytes of the parameters per second) of ZeRO-1's sharing of
     the stepped parameters among k copies after the step, a flat broadcast from each copy of what it stepped, as
-    the runtime runs it (:func:`pipefold.runtime.profiling.measure_zero1`). Empty in a profile from before it
+    the runtime runs it (:func:`pipefold.runtime.measure.profiling.measure_zero1`). Empty in a profile from before it
     was measured: half an all-reduce."""
     fsdp_passes: tuple[tuple[float, float], ...] = ()
     """What FSDP's hooks add to each pass of a sharded stage: for F, B, W and fused BW, (seconds once per pass,
-    seconds per FSDP unit) (:func:`pipefold.runtime.profiling.measure_fsdp`). Empty in a profile from before it
+    seconds per FSDP unit) (:func:`pipefold.runtime.measure.profiling.measure_fsdp`). Empty in a profile from before it
     was measured: nothing."""
     tied: tuple[tuple[int, ...], ...] = ()
     """Layers that share a weight (the model's ``Model.tied``, by layer index): the devices holding them sum its

@@ -351,7 +351,7 @@ class FlatAllReduce:
     their bytes. ``scale`` multiplies each tensor on its way into the buffer (the mean over data-parallel copies:
     one pass over the bytes, where scaling in place and then copying took two). A tensor that is not contiguous
     cannot live in a flat buffer: it is scaled and reduced by itself, in place. :meth:`wait` waits for them all.
-    The profile times this same class (:func:`pipefold.runtime.profiling.measure_allreduce`)."""
+    The profile times this same class (:func:`pipefold.runtime.measure.profiling.measure_allreduce`)."""
 
     def __init__(self, tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, *, scale: float = 1.0) -> None:
         kinds, alone = _flat_kinds(tensors)

@@ -190,8 +190,8 @@ def measure(stages: Sequence[nn.Module], sample: torch.Tensor | Sequence[torch.T
     import statistics
     import time
 
-    from pipefold.runtime.profiling import run_passes
     from pipefold.runtime.stage import StageRunner, as_tuple
+    from pipefold.runtime.timed import run_passes
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -141,7 +141,7 @@ def _subgroup(ranks: list[int]) -> Any:
 class RankPipeline:
     """One rank's stage modules and the schedules it may run over them: the one way pipefold runs a schedule on
     real tensors. A user's script reaches it through :class:`Pipeline`; ``pipefold train``'s rank loop
-    (:mod:`pipefold.runtime.rank`) builds one from its job and steps it the same way.
+    (:mod:`pipefold.runtime.launch.rank`) builds one from its job and steps it the same way.
 
     An executor (:class:`~pipefold.runtime.executor.RankExecutor`) per schedule is made when that schedule first
     runs: making one makes the process groups of its replicas, so every rank of the pipeline runs a schedule for

@@ -54,7 +54,8 @@ class ShardedOptimizer:
     def share(self) -> None:
         """Each copy's stepped parameters to the others, from their owner into their own storage: one flat
         broadcast per owner (:class:`~pipefold.runtime.comm.FlatBroadcast`), all in flight at once. What every
-        copy does after its step, and what the profile times (:func:`pipefold.runtime.profiling.measure_zero1`)."""
+        copy does after its step, and what the profile times
+        (:func:`pipefold.runtime.measure.profiling.measure_zero1`)."""
         pending = [FlatBroadcast([local(p.detach()) for p in share], self.ranks[owner], self.group)
                    for owner, share in enumerate(self.shares) if share]
         for each in pending:

@@ -430,7 +430,7 @@ def plot_run(measured: SimResult, predicted: SimResult, path: str, *, titles: tu
     """Save a measured run above the simulator's prediction of it, and both memory curves on one axis.
 
     ``measured`` and ``predicted`` are in the same units (seconds and bytes): the prediction comes from
-    the run's own measured costs (:func:`pipefold.runtime.measure.measured_costs`). The memory panel
+    the run's own measured costs (:func:`pipefold.runtime.measure.timeline.measured_costs`). The memory panel
     draws each device's measured curve solid and its predicted one dashed, in the same colour.
     """
     from matplotlib import colormaps

@@ -506,7 +506,8 @@ class Timeline(_Rows):
         """Per device, how many other devices compute beside its computing actions, on average over their time
         (0 for a device that computes nothing). Where devices share cores it says how much they share: the
         simulator's processor sharing (``CostModel.contention``) slows each action by the devices computing with it,
-        and a measured timeline (:func:`pipefold.runtime.measure.measured_result`) shows the same count for a run.
+        and a measured timeline (:func:`pipefold.runtime.measure.timeline.measured_result`) shows the same count for
+        a run.
         With ``ranks``, device d stands for ``ranks[d]`` ranks that compute in step (its tensor-parallel ranks in
         each data-parallel copy), and the count is of the ranks computing beside one of its own."""
         weight = list(ranks) if ranks is not None else [1.0] * len(self._actions)

@@ -26,7 +26,7 @@ from pipefold.plan.profile import Profile, Progress
 from pipefold.train.spec import RunSpec, profiled_settings
 
 if TYPE_CHECKING:
-    from pipefold.runtime.job import Job, RankReport
+    from pipefold.runtime.launch.job import Job, RankReport
 
 __all__ = ["OVERHEAD_RUN", "measure_overhead", "overhead_of", "overhead_ranks", "profile_here"]
 
@@ -37,7 +37,7 @@ OVERHEAD_RUN = {"schedule": "1f1b", "devices": 2, "steps": 6}
 def measure_overhead(train: dict[str, Any], devices: int = 2) -> float:
     """Seconds of the runtime's own work per message a rank sends or receives, at one rank's load: the mean over the
     ranks of :data:`OVERHEAD_RUN` on ``devices`` ranks with the model and size ``train`` (a profile's ``train``)."""
-    from pipefold.runtime.local import run_local
+    from pipefold.runtime.launch.local import run_local
     from pipefold.train.prepare import make_job
 
     job = make_job(RunSpec.flat(**profiled_settings(train), **{**OVERHEAD_RUN, "devices": devices}), local=True)
@@ -52,11 +52,12 @@ def overhead_ranks(profile: Profile) -> int:
 
 def overhead_of(job: Job, reports: list[RankReport]) -> float:
     """Seconds of the runtime's own work per message a rank sends or receives in a run of ``job``, at one rank's
-    load: each rank's step less its passes and waits (:func:`pipefold.runtime.measure.step_parts`), over the message
+    load: each rank's step less its passes and waits (:func:`pipefold.runtime.measure.timeline.step_parts`), over the
+    message
     ends of its actions (:meth:`pipefold.ir.Graph.message_ends`) and over its passes' wall time per second of their
     CPU time (1 where the run has no CPU time of them: on a GPU), the mean over the first pipeline's ranks."""
     from pipefold.ir import dependency_graph
-    from pipefold.runtime.measure import step_parts
+    from pipefold.runtime.measure.timeline import step_parts
 
     reports = sorted((r for r in reports if r.pipeline == 0), key=lambda r: r.rank)
     graph = dependency_graph(job.schedule)
@@ -75,12 +76,12 @@ def _stretch(part: dict[str, float]) -> float:
 
 
 def profile_here(*, overhead: bool = True, progress: Progress | None = None, **sizes: Any) -> Profile:
-    """The profile of a model on this machine: :func:`pipefold.runtime.profiling.profile_model` with ``sizes``
+    """The profile of a model on this machine: :func:`pipefold.runtime.measure.profiling.profile_model` with ``sizes``
     (model, layers, ..., devices, link, contention), and with ``overhead`` the runtime's own work per message
     (:func:`measure_overhead`, reported to ``progress`` as part "overhead")."""
     import dataclasses
 
-    from pipefold.runtime.profiling import profile_model
+    from pipefold.runtime.measure.profiling import profile_model
 
     profile = profile_model(progress=progress, **sizes)
     if not overhead:

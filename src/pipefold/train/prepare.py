@@ -19,9 +19,9 @@ from pipefold.errors import ConfigError
 from pipefold.ir import Schedule
 from pipefold.models import REGISTRY, Model, split_layers
 from pipefold.plan.recompute import RecomputePlan, plan_recompute
-from pipefold.runtime.checkpoint import Checkpointing
-from pipefold.runtime.job import Adaptive, Job, local_placement
-from pipefold.runtime.processes import under_torchrun
+from pipefold.runtime.launch.checkpoint import Checkpointing
+from pipefold.runtime.launch.job import Adaptive, Job, local_placement
+from pipefold.runtime.launch.processes import under_torchrun
 from pipefold.runtime.stage import Chain, split_batch
 from pipefold.train.spec import RunSpec
 
@@ -33,7 +33,7 @@ Decisions = tuple[tuple[tuple[int, ...], ...], RecomputePlan | None]
 
 JOB_HOOKS: list[Callable[[Job], Job]] = []
 """Functions every job made by :func:`make_job` passes through, in order: the way in for what the command line
-does not set (the tests' injected faults, :mod:`pipefold.runtime.faults`). Empty in normal use."""
+does not set (the tests' injected faults, :mod:`pipefold.runtime.launch.faults`). Empty in normal use."""
 
 
 def model_of(spec: RunSpec, stages: int) -> Model:
@@ -63,7 +63,7 @@ def make_job(spec: RunSpec, *, decided: Decisions | None = None, placed: Any = N
                           "them")
     model = model_of(spec, schedule.stages)
     if local:
-        from pipefold.runtime.processes import start_server
+        from pipefold.runtime.launch.processes import start_server
 
         start_server(model.preload)
     kfac = spec.optimizer.kfac
@@ -163,7 +163,7 @@ def restarted() -> bool:
 def _checkpointing(spec: RunSpec, schedule: Schedule) -> Checkpointing | None:
     """The checkpoint folder (made if needed) and the checkpoint to start from: the one ``--resume`` names, or
     the newest good one; after torchrun restarted the workers, the newest good one if there is any."""
-    from pipefold.runtime import checkpoint
+    from pipefold.runtime.launch import checkpoint
 
     c = spec.checkpoints
     if not c.any:
@@ -225,7 +225,7 @@ def _kfac_cycle(spec: RunSpec, schedule: Schedule, layer_stages: tuple[tuple[int
 def _plan_recompute(spec: RunSpec, schedule: Schedule, layer_stages: tuple[tuple[int, ...], ...],
                     model: Model) -> RecomputePlan:
     """Measure every stage on the first microbatch and choose its recomputed layers (see pipefold.plan.recompute)."""
-    from pipefold.runtime.profiling import measure_stages
+    from pipefold.runtime.measure.profiling import measure_stages
 
     x, y = _first_microbatch(spec, model)
     profiles = measure_stages(_stages(layer_stages, model), x, y, model.loss,
@@ -240,7 +240,7 @@ def _layer_stages(spec: RunSpec, model: Model, schedule: Schedule,
     if by == "even":
         return tuple(tuple(s) for s in split_layers(model.num_layers, schedule.stages))
     from pipefold.plan.partition import split_by
-    from pipefold.runtime.profiling import layers_per_rank, split_figures
+    from pipefold.runtime.measure.profiling import layers_per_rank, split_figures
 
     layers = model.build()
     sample, target = _first_microbatch(spec, model)

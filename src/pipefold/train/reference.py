@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from pipefold.ir import Schedule
-from pipefold.runtime.job import Job, RankReport
+from pipefold.runtime.launch.job import Job, RankReport
 from pipefold.runtime.stage import Chain, as_tuple, split_batch
 
 __all__ = ["compare", "reference_kfac", "reference_step"]
@@ -17,7 +17,7 @@ __all__ = ["compare", "reference_kfac", "reference_step"]
 def reference_step(job: Job, step: int = 0) -> tuple[float, dict[str, torch.Tensor]]:
     """One step in one process, from the initial weights, on the device the job's first rank computes on (the
     same GPU): mean loss over the microbatches and every gradient (on the CPU)."""
-    from pipefold.runtime.job import placement
+    from pipefold.runtime.launch.job import placement
 
     device = placement(job).device_of(0)
     n = job.extra["num_layers"]
@@ -43,8 +43,8 @@ def reference_kfac(job: Job, steps: int, reports: list[RankReport] | None = None
     named as ``RankReport.weights``."""
     from pipefold.ir import Kind
     from pipefold.runtime.curvature import StageCurvature
+    from pipefold.runtime.launch.settings import OPTIMIZERS
     from pipefold.runtime.meter import MemoryMeter
-    from pipefold.runtime.settings import OPTIMIZERS
 
     assert job.optimizer.kfac is not None, "reference_kfac needs a K-FAC job"
     n = job.extra["num_layers"]

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipefold.errors import ConfigError
-from pipefold.runtime.job import Job, RankReport
-from pipefold.runtime.local import run_local
-from pipefold.runtime.processes import under_torchrun
-from pipefold.runtime.rank import agree
-from pipefold.runtime.torchrun import join_torchrun_group, leave_group, run_torchrun, torchrun_activity
+from pipefold.runtime.launch.job import Job, RankReport
+from pipefold.runtime.launch.local import run_local
+from pipefold.runtime.launch.processes import under_torchrun
+from pipefold.runtime.launch.rank import agree
+from pipefold.runtime.launch.torchrun import join_torchrun_group, leave_group, run_torchrun, torchrun_activity
 from pipefold.train.planned import Planned, resolve
 from pipefold.train.prepare import Decisions, make_job
 from pipefold.train.spec import RunSpec
@@ -74,7 +74,7 @@ def _run_netns(job: Job, on_step: OnStep | None) -> tuple[Job, list[RankReport]]
     What the flood leaves the job is the real, shared bandwidth: the network's busy bandwidth is not used, nor
     its latency (tbf has none to add).
     """
-    from pipefold.runtime import netns
+    from pipefold.runtime.launch import netns
 
     assert job.network is not None
     network = job.network

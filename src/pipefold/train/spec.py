@@ -4,9 +4,10 @@ The command line builds it once from the options the user gave (:meth:`RunSpec.f
 its setting's), a plan file or the planner resolves it into the run it planned (:mod:`pipefold.train.planned`),
 and it is checked once, when it is made: each section checks its own fields, :meth:`RunSpec.check` every rule that
 joins them, including which options go with which modes (:data:`RULES`: given where it does not apply, an option
-is refused in one line, never ignored). The sections the ranks read (:class:`~pipefold.runtime.settings.Optimizer`,
-:class:`~pipefold.runtime.settings.Parallel`, :class:`~pipefold.runtime.settings.Reliability`,
-:class:`~pipefold.runtime.settings.Devices`) reach them unchanged inside the job.
+is refused in one line, never ignored). The sections the ranks read
+(:class:`~pipefold.runtime.launch.settings.Optimizer`,
+:class:`~pipefold.runtime.launch.settings.Parallel`, :class:`~pipefold.runtime.launch.settings.Reliability`,
+:class:`~pipefold.runtime.launch.settings.Devices`) reach them unchanged inside the job.
 
 A new option of ``pipefold train`` is a field here (or in a runtime section), its parser entry, and the code that
 uses it.
@@ -26,8 +27,8 @@ from pipefold.errors import ConfigError
 from pipefold.ir import Schedule
 from pipefold.ir.ref import ScheduleRef
 from pipefold.models.base import ModelArgs
-from pipefold.runtime.processes import torchrun_on_one_machine, under_torchrun
-from pipefold.runtime.settings import Devices, Optimizer, Parallel, Reliability, check_together, flag
+from pipefold.runtime.launch.processes import torchrun_on_one_machine, under_torchrun
+from pipefold.runtime.launch.settings import Devices, Optimizer, Parallel, Reliability, check_together, flag
 
 if TYPE_CHECKING:
     from pipefold.sim.network import Network
@@ -221,7 +222,7 @@ def _parse_offload(text: str) -> tuple[int, int]:
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointSpec:
-    """Checkpoints saved as the run goes, and the one it starts from (:mod:`pipefold.runtime.checkpoint`)."""
+    """Checkpoints saved as the run goes, and the one it starts from (:mod:`pipefold.runtime.launch.checkpoint`)."""
 
     checkpoint_dir: str | None = None
     """Save checkpoints into this folder (the last step's always)."""
@@ -251,7 +252,7 @@ class LinkSpec:
     """Link conditions (:func:`pipefold.sim.network.parse_network`): emulated in the runtime's links, or with
     ``netns`` made real by tc on veth links and a traffic generator."""
     netns: bool = False
-    """Run each rank in its own network namespace (needs root; :mod:`pipefold.runtime.netns`)."""
+    """Run each rank in its own network namespace (needs root; :mod:`pipefold.runtime.launch.netns`)."""
 
     @cached_property
     def parsed(self) -> Network | None:
@@ -364,7 +365,8 @@ class RunSpec:
     @property
     def local(self) -> bool:
         """Whether this process starts the ranks' fork server as soon as it can
-        (:func:`pipefold.runtime.processes.start_server`): not under torchrun (each worker is a rank and starts none),
+        (:func:`pipefold.runtime.launch.processes.start_server`): not under torchrun (each worker is a rank and
+        starts none),
         nor with ``--netns`` (the server starts with the ranks, once the namespaces are up)."""
         return not under_torchrun() and not self.links.netns
 
@@ -395,7 +397,8 @@ class RunSpec:
         if self.links.netns:
             if under_torchrun():
                 raise ConfigError("--netns starts local ranks in namespaces it makes; under torchrun make them with "
-                                  "`python -m pipefold.runtime.netns up` and start each rank with `ip netns exec`")
+                                  "`python -m pipefold.runtime.launch.netns up` and start each rank with "
+                                  "`ip netns exec`")
             if self.links.network is None:
                 raise ConfigError("--netns needs --network: the conditions the namespaces' links emulate, such as "
                                   "constant:bandwidth=50MB or preempt:seed=1,idle=50MB,busy=5MB,on=4,off=4")

@@ -16,8 +16,15 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from pipefold.ir import Schedule
 from pipefold.ir.ref import ScheduleRef
 from pipefold.runtime.history import step_number
-from pipefold.runtime.job import Job, RankReport
-from pipefold.runtime.measure import measured_costs, measured_result, measured_summary, per_step, step_parts, tail
+from pipefold.runtime.launch.job import Job, RankReport
+from pipefold.runtime.measure.timeline import (
+    measured_costs,
+    measured_result,
+    measured_summary,
+    per_step,
+    step_parts,
+    tail,
+)
 from pipefold.sim.simulate import CostModel, SimResult, simulate
 from pipefold.train.reference import compare
 from pipefold.train.run import Outcome
@@ -120,7 +127,7 @@ def summarize(outcome: Outcome, *, trace: str | None = None, plot: str | None = 
     if spec.check:
         out.update(compare(job, everyone))
     if trace:
-        from pipefold.runtime.measure import write_measured_trace
+        from pipefold.runtime.measure.timeline import write_measured_trace
 
         write_measured_trace(reports, trace)
         out["trace"] = trace

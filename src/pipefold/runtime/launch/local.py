@@ -1,6 +1,6 @@
 """Ranks on this machine: one process per device from the fork server, and the parent that supervises them.
 
-Any rank that raises, dies or hangs ends the job (:class:`~pipefold.runtime.job.RankError`, one line naming the
+Any rank that raises, dies or hangs ends the job (:class:`~pipefold.runtime.launch.job.RankError`, one line naming the
 rank and what it was doing): each rank publishes what it is doing (:mod:`pipefold.runtime.watch`), the parent
 watches them all and decides which rank is to blame, then stops the others. SIGINT and SIGTERM to the parent stop
 every rank (:class:`~pipefold.errors.Interrupted`).
@@ -28,10 +28,10 @@ import torch.distributed as dist
 
 from pipefold.errors import Interrupted
 from pipefold.runtime import sockets
-from pipefold.runtime.job import Job, RankError, RankReport, placement, raise_if_stopped
-from pipefold.runtime.processes import process_context, starting, store_in
-from pipefold.runtime.rank import run_rank
-from pipefold.runtime.torchrun import leave_group
+from pipefold.runtime.launch.job import Job, RankError, RankReport, placement, raise_if_stopped
+from pipefold.runtime.launch.processes import process_context, starting, store_in
+from pipefold.runtime.launch.rank import run_rank
+from pipefold.runtime.launch.torchrun import leave_group
 from pipefold.runtime.watch import (
     PERIOD,
     Activity,
@@ -61,7 +61,7 @@ def _spawned(rank: int, job: Job, world: int, out_dir: str, progress: Any, board
     others = tuple(r for r in range(world) if r != rank)
     try:
         if job.netns is not None:
-            from pipefold.runtime.netns import enter
+            from pipefold.runtime.launch.netns import enter
 
             enter(job.netns, rank)  # before any socket: the group's connections then cross the namespaces' links
         torch.set_num_threads(1)
@@ -114,7 +114,7 @@ def run_local(job: Job, on_step: Callable[[int, float, float], None] | None = No
 
 class _Signals:
     """While entered (in the main thread): SIGINT and SIGTERM raise :class:`Interrupted`, once. While the ranks
-    start (:func:`~pipefold.runtime.processes.starting`) a signal waits until they are all known and can be
+    start (:func:`~pipefold.runtime.launch.processes.starting`) a signal waits until they are all known and can be
     stopped."""
 
     def __init__(self) -> None:

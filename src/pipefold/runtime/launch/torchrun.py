@@ -21,9 +21,9 @@ import torch.distributed as dist
 
 from pipefold.errors import ConfigError, say
 from pipefold.runtime import sockets
-from pipefold.runtime.job import Job, RankError, RankReport, local_placement, raise_if_stopped
-from pipefold.runtime.processes import torchrun_on_one_machine
-from pipefold.runtime.rank import run_rank
+from pipefold.runtime.launch.job import Job, RankError, RankReport, local_placement, raise_if_stopped
+from pipefold.runtime.launch.processes import torchrun_on_one_machine
+from pipefold.runtime.launch.rank import run_rank
 from pipefold.runtime.watch import (
     DEFAULT_ACTION_TIMEOUT,
     Activity,
@@ -95,7 +95,7 @@ def join_torchrun_group(action_timeout_s: float = DEFAULT_ACTION_TIMEOUT, device
                         backend: str = "auto") -> tuple[int, int]:
     """Join the process group torchrun set up for this process (once), with the timeout that goes with the action
     timeout (:func:`pipefold.runtime.watch.pg_timeout`) and the backend that ``device`` and ``backend`` give on
-    this node (:func:`pipefold.runtime.devices.place`), and start the rank's watch; return (rank, world size).
+    this node (:func:`pipefold.runtime.launch.devices.place`), and start the rank's watch; return (rank, world size).
 
     The process also ends if torchrun's agent dies (the kernel's parent-death signal, on Linux)."""
     global _WATCH

@@ -3,7 +3,7 @@ weights are stepped (:class:`Optimizer`), the data-parallel layout (:class:`Para
 safe (:class:`Reliability`) and where the ranks compute (:class:`Devices`).
 
 They are sections of the run spec (:class:`pipefold.train.spec.RunSpec`), which the command line and plan files
-build, and a :class:`~pipefold.runtime.job.Job` carries the same values to every rank unchanged. Each checks its
+build, and a :class:`~pipefold.runtime.launch.job.Job` carries the same values to every rank unchanged. Each checks its
 own fields; the rules that join two sections are :func:`check_together`, the one place they are written, which
 both the run spec and a job made by hand go through.
 """
@@ -206,7 +206,7 @@ P2P = ("auto", "sockets", "gloo")
 
 @dataclass(frozen=True, kw_only=True)
 class Devices:
-    """Where the ranks compute and how their tensors cross (:mod:`pipefold.runtime.devices`)."""
+    """Where the ranks compute and how their tensors cross (:mod:`pipefold.runtime.launch.devices`)."""
 
     device: str = "auto"
     """'cpu', 'cuda' or 'auto' (a GPU when torch sees one)."""

@@ -67,8 +67,8 @@ def process_context(preload: Sequence[str] = ()) -> Any:
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
     # torch._dynamo: what making the first optimizer imports (some 800 modules, seconds per rank otherwise).
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "pipefold.runtime.local",
-                                "pipefold.runtime.profiling", *preload, "pipefold.runtime._forkserver"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "pipefold.runtime.launch.local",
+                                "pipefold.runtime.measure.profiling", *preload, "pipefold.runtime.launch._forkserver"])
     return ctx
 
 

@@ -23,8 +23,8 @@ from pipefold.ir import Kind, Schedule
 from pipefold.ir.ref import ScheduleRef
 from pipefold.runtime import numerics, sharding, sockets
 from pipefold.runtime.executor import RankExecutor, StepStats
-from pipefold.runtime.faults import Faults
 from pipefold.runtime.history import StepHistory, step_number, unchecked
+from pipefold.runtime.launch.faults import Faults
 from pipefold.runtime.numerics import clip_factor, local_check, scale_grads, verdict
 from pipefold.runtime.pipeline import RankPipeline
 from pipefold.runtime.stage import Chain, Tensors, as_tuple, split_batch
@@ -38,7 +38,7 @@ from pipefold.runtime.zero import AnyOptimizer, ShardedOptimizer, holding
 if TYPE_CHECKING:
     from pipefold.plan.pipefisher import Filled, Refill
     from pipefold.runtime.offload import Offloaded
-from pipefold.runtime.job import Job, RankReport, local_rank, placement
+from pipefold.runtime.launch.job import Job, RankReport, local_rank, placement
 
 
 def stage_modules(job: Job, rank: int) -> dict[int, nn.Module]:
@@ -168,7 +168,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     state = _state_named(job, chains)
     checkpointing, start, resumed_from = job.checkpoint, 0, None
     if checkpointing is not None and checkpointing.resume is not None:
-        from pipefold.runtime import checkpoint
+        from pipefold.runtime.launch import checkpoint
 
         progress = checkpoint.load(checkpointing.resume, model=state, optimizers=optimizers, names=names,
                                    rank=global_rank, device=device)
@@ -245,7 +245,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
                            f"step {first}: lower --lr, add --clip, or check the data")
                 break
             if global_rank == 0:
-                from pipefold.runtime.checkpoint import warn
+                from pipefold.runtime.launch.checkpoint import warn
 
                 warn(f"step {step_number(step)}: the loss or a gradient is NaN or inf; step skipped, weights and "
                      f"optimizer state unchanged ({bad_run} in a row; the run stops at "
@@ -274,7 +274,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
             if rank == 0:
                 decisions.append((step + 1, record))
         if checkpointing is not None and checkpointing.due(step + 1, job.steps):
-            from pipefold.runtime import checkpoint
+            from pipefold.runtime.launch import checkpoint
 
             die = faults.die == (step + 1, "save") and global_rank == world - 1
             saved.append(checkpoint.save(checkpointing, step + 1, model=state, optimizers=optimizers, names=names,

@@ -12,7 +12,7 @@ from pipefold.ir import Action, Schedule
 from pipefold.ir.graph import dependency_graph
 from pipefold.runtime.executor import COMPUTE_KINDS, kind_times
 from pipefold.runtime.history import step_number
-from pipefold.runtime.job import RankReport
+from pipefold.runtime.launch.job import RankReport
 from pipefold.sim.simulate import CostModel, Interval, MemoryCurves, SimResult, Timeline, split_backward
 
 

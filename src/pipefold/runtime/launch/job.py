@@ -15,18 +15,18 @@ from torch import nn
 
 from pipefold.errors import ConfigError
 from pipefold.ir import Kind, Schedule
-from pipefold.runtime.devices import Placement, check_sharding, place
 from pipefold.runtime.executor import StepStats
-from pipefold.runtime.faults import Faults
 from pipefold.runtime.history import KEEP_FIRST, StepHistory
-from pipefold.runtime.processes import under_torchrun
-from pipefold.runtime.settings import Devices, Optimizer, Parallel, Reliability, check_together
+from pipefold.runtime.launch.devices import Placement, check_sharding, place
+from pipefold.runtime.launch.faults import Faults
+from pipefold.runtime.launch.processes import under_torchrun
+from pipefold.runtime.launch.settings import Devices, Optimizer, Parallel, Reliability, check_together
 from pipefold.runtime.tied import spans_stages
 
 if TYPE_CHECKING:
     from pipefold.plan.pipefisher import Refill
-    from pipefold.runtime.checkpoint import Checkpointing
-    from pipefold.runtime.netns import Topology
+    from pipefold.runtime.launch.checkpoint import Checkpointing
+    from pipefold.runtime.launch.netns import Topology
     from pipefold.sim.network import Network
 
 
@@ -101,7 +101,7 @@ class Job:
     adaptive: Adaptive | None = None
     """Switch schedules between steps (``schedule`` must be ``adaptive.schedules[0]``)."""
     netns: Topology | None = None
-    """Run each rank in its own network namespace of this topology (see :mod:`pipefold.runtime.netns`)."""
+    """Run each rank in its own network namespace of this topology (see :mod:`pipefold.runtime.launch.netns`)."""
     cycle: tuple[Schedule, ...] = ()
     """Step t runs ``cycle[t % len(cycle)]`` (K-FAC's work spread over steps, :mod:`pipefold.plan.pipefisher`);
     ``schedule`` must be ``cycle[0]``."""
@@ -116,9 +116,9 @@ class Job:
     preload: tuple[str, ...] = ()
     """Modules the local ranks' processes import before they start (``Model.preload``)."""
     checkpoint: Checkpointing | None = None
-    """Save checkpoints as the run goes, and/or start from one (see :mod:`pipefold.runtime.checkpoint`)."""
+    """Save checkpoints as the run goes, and/or start from one (see :mod:`pipefold.runtime.launch.checkpoint`)."""
     faults: Faults | None = None
-    """Faults a test injects (:mod:`pipefold.runtime.faults`); None in normal use."""
+    """Faults a test injects (:mod:`pipefold.runtime.launch.faults`); None in normal use."""
     extra: dict[str, Any] = field(default_factory=dict)
     """What the launcher passes through (the model's layer count, the recomputation plan...). For the tests of
     machines without a GPU, ``extra["stage_through_host"]`` makes CPU ranks send the way ranks sharing a GPU do
@@ -368,7 +368,7 @@ class Adaptive:
 
 
 def local_placement(device: str, backend: str, world: int) -> Placement:
-    """Where the ranks on this machine compute and how they talk (:func:`pipefold.runtime.devices.place`): all
+    """Where the ranks on this machine compute and how they talk (:func:`pipefold.runtime.launch.devices.place`): all
     ``world`` ranks of a local job, this node's (LOCAL_WORLD_SIZE) under torchrun."""
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) if under_torchrun() else 0
     return place(device, backend, ranks=ranks or world)

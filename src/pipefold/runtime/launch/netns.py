@@ -21,9 +21,9 @@ Everything needs root (or CAP_NET_ADMIN) and the ``ip`` and ``tc`` tools; :func:
 line why not where they are missing. Namespaces are named after the creating process, so
 :func:`cleanup_stale` can remove those of a process that died without removing its own.
 
-    python -m pipefold.runtime.netns check                     # 'ok', or why not
-    python -m pipefold.runtime.netns up --ranks 4 --rate 40MB/s  # a topology to use by hand (torchrun)
-    python -m pipefold.runtime.netns down pf1234                # remove it (--stale: every dead one)
+    python -m pipefold.runtime.launch.netns check                     # 'ok', or why not
+    python -m pipefold.runtime.launch.netns up --ranks 4 --rate 40MB/s  # a topology to use by hand (torchrun)
+    python -m pipefold.runtime.launch.netns down pf1234                # remove it (--stale: every dead one)
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def _subnet() -> int:
         if f"10.231.{x}." not in used:
             return x
     raise ConfigError("no free subnet 10.231.X.0/24 left for network namespaces; remove some with "
-                      "`python -m pipefold.runtime.netns down --stale`")
+                      "`python -m pipefold.runtime.launch.netns down --stale`")
 
 
 def create(ranks: int, rate: float, *, burst: int | None = None) -> Topology:
@@ -255,7 +255,7 @@ class Flood:
                                                              "--port", str(port), "--on", periods or "0:0",
                                                              "--origin", repr(self.origin),
                                                              "--streams", str(self.streams)])):
-                # This file run as a script: ``-m pipefold.runtime.netns`` would import the runtime, and torch.
+                # This file run as a script: ``-m pipefold.runtime.launch.netns`` would import the runtime, and torch.
                 proc = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, os.path.abspath(__file__), *args],
                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
                 self.procs.append(proc)
@@ -348,7 +348,8 @@ def _flood(to: str, port: int, periods: list[tuple[float, float]], origin: float
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipefold.runtime.netns", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m pipefold.runtime.launch.netns",
+                                     description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("check", help="say whether namespaces can be made here")
     p = sub.add_parser("up", help="make a topology and print its prefix and addresses")
@@ -375,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
             topology = create(args.ranks, parse_rate(args.rate))
             print(f"{topology.prefix} " + " ".join(topology.addresses))
             say(f"run rank r with: ip netns exec {topology.prefix}-r env GLOO_SOCKET_IFNAME={INTERFACE} ... ; "
-                f"remove with: python -m pipefold.runtime.netns down {topology.prefix}")
+                f"remove with: python -m pipefold.runtime.launch.netns down {topology.prefix}")
             return 0
         if args.command == "down":
             if args.stale:

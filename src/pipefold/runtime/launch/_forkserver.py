@@ -1,5 +1,5 @@
 """Imported by the ranks' fork server alone, as the last of its preloaded modules (see
-:func:`pipefold.runtime.processes.process_context`); nothing else imports it.
+:func:`pipefold.runtime.launch.processes.process_context`); nothing else imports it.
 
 When the process that started the server ends, the server ends too, and Python would then tear down the torch it
 imported: most of a second in which the server still holds that process's standard output and error open, so that

@@ -38,7 +38,7 @@ from pipefold.plan.recompute import OPTIMIZER_STATE, StageProfile
 from pipefold.runtime import sockets
 from pipefold.runtime.comm import FlatAllReduce, post_message
 from pipefold.runtime.host_memory import keep_freed_pages
-from pipefold.runtime.processes import process_context, rendezvous, starting, stopped_on_error
+from pipefold.runtime.launch.processes import process_context, rendezvous, starting, stopped_on_error
 from pipefold.runtime.stage import (
     Chain,
     StageRunner,
@@ -49,6 +49,7 @@ from pipefold.runtime.stage import (
     ones_for,
     split_batch,
 )
+from pipefold.runtime.timed import no_wait, run_passes, timed_backward, timed_forward
 
 __all__ = ["MATMUL_DTYPES", "layer_costs", "layer_memory", "layer_static_bytes", "measure_allreduce", "Measured",
            "measure_contention", "measure_fsdp", "measure_fsdp_hooks", "measure_layers", "measure_link",
@@ -58,63 +59,6 @@ __all__ = ["MATMUL_DTYPES", "layer_costs", "layer_memory", "layer_static_bytes",
 Values = tuple[torch.Tensor, ...]
 _LINK_SIZES = (4 << 10, 64 << 10, 512 << 10, 4 << 20)
 _REDUCE_SIZES = (64 << 10, 1 << 20, 4 << 20, 16 << 20)
-
-
-# --------------------------------------------------------------------------- the pass timer
-
-
-def run_passes(runner: StageRunner, k: int, x: Values, target: Any = None, *, scale: float = 1.0,
-               forward: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
-               before_backward: Callable[[Values | None], None] | None = None, fused: bool = False,
-               ) -> tuple[tuple[float, float, float], Values]:
-    """Microbatch ``k`` through F, B and W of ``runner``, each pass timed: ((f, b, w) seconds, F's outputs).
-    ``fused``: the backward runs as one BW pass instead, timed in the place of B, and W is 0.
-
-    A stage with a loss computes it against ``target`` and B starts from it; any other stage's B starts from
-    gradients of ones. ``forward()`` is a context around F (K-FAC records its inputs there);
-    ``before_backward(grads)`` runs untimed between F and B. Where the stage computes on a GPU, each pass is
-    timed to its end (the device is synchronized), not to the moment it was queued.
-    """
-    f, out = _timed_forward(runner, k, x, target, scale=scale, forward=forward)
-    return (f, *_timed_backward(runner, k, out, fused=fused, before_backward=before_backward)), out
-
-
-def _synced(runner: StageRunner) -> Callable[[], None]:
-    """What waits for the device ``runner`` computes on: nothing on the CPU."""
-    return torch.cuda.synchronize if any(p.is_cuda for p in runner.params) else _nothing
-
-
-def _timed_forward(runner: StageRunner, k: int, x: Values, target: Any, *, scale: float,
-                   forward: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
-                   ) -> tuple[float, Values]:
-    sync = torch.cuda.synchronize if any(t.is_cuda for t in x) else _synced(runner)
-    sync()
-    t0 = time.perf_counter()
-    with forward():
-        out = runner.forward(k, x, target if runner.loss_fn is not None else None, scale=scale)
-    sync()
-    return time.perf_counter() - t0, out
-
-
-def _timed_backward(runner: StageRunner, k: int, out: Values, *, fused: bool = False,
-                    before_backward: Callable[[Values | None], None] | None = None) -> tuple[float, float]:
-    """(b, w) seconds of microbatch ``k``'s backward after :func:`_timed_forward` gave ``out``; fused: (bw, 0)."""
-    sync = torch.cuda.synchronize if any(t.is_cuda for t in out) else _synced(runner)
-    grads = None if runner.loss_fn is not None else ones_for(out)
-    if before_backward is not None:
-        before_backward(grads)
-    t0 = time.perf_counter()
-    if fused:
-        runner.backward(k, grads)
-        sync()
-        return time.perf_counter() - t0, 0.0
-    runner.backward_input(k, grads)
-    sync()
-    b = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    runner.backward_weight(k)  # a first stage (integer input) runs its whole backward here: B has nothing to do
-    sync()
-    return b, time.perf_counter() - t0
 
 
 def layers_per_rank(layers: int, devices: int) -> int:
@@ -199,12 +143,12 @@ def time_in_stages(layers: Sequence[nn.Module], sample: Any, target: Any = None,
             for together in (False, True) if fused else (False,):
                 h, ins, outs, forwards = x, [], [], []
                 for runner in runners:
-                    f, out = _timed_forward(runner, 2 * k + together, h, target, scale=1.0 / microbatches)
+                    f, out = timed_forward(runner, 2 * k + together, h, target, scale=1.0 / microbatches)
                     ins.append(h)
                     outs.append(out)
                     forwards.append(f)
                     h = tuple(t.detach() for t in out)
-                backwards = [_timed_backward(runner, 2 * k + together, out, fused=together)
+                backwards = [timed_backward(runner, 2 * k + together, out, fused=together)
                              for runner, out in reversed(list(zip(runners, outs, strict=True)))][::-1]
                 if not together:
                     split = [(f, b, w) for f, (b, w) in zip(forwards, backwards, strict=True)]
@@ -236,17 +180,13 @@ def time_in_stages(layers: Sequence[nn.Module], sample: Any, target: Any = None,
 def _timed_stage(stage: StageRunner, k: int, x: Values, target: Any, microbatches: int,
                  fused: bool) -> tuple[float, float, float, float]:
     """One microbatch through a whole stage: F, B and W, then (with ``fused``) F and BW; (f, b, w, bw) seconds."""
-    f, out = _timed_forward(stage, 2 * k, x, target, scale=1.0 / microbatches)
-    b, w = _timed_backward(stage, 2 * k, out)
+    f, out = timed_forward(stage, 2 * k, x, target, scale=1.0 / microbatches)
+    b, w = timed_backward(stage, 2 * k, out)
     bw = 0.0
     if fused:
-        _, out = _timed_forward(stage, 2 * k + 1, x, target, scale=1.0 / microbatches)
-        bw = _timed_backward(stage, 2 * k + 1, out, fused=True)[0]
+        _, out = timed_forward(stage, 2 * k + 1, x, target, scale=1.0 / microbatches)
+        bw = timed_backward(stage, 2 * k + 1, out, fused=True)[0]
     return f, b, w, bw
-
-
-def _nothing() -> None:
-    pass
 
 
 def medians(runs: Sequence[tuple[float, ...]]) -> tuple[float, ...]:
@@ -342,17 +282,17 @@ def measure_layers(layers: Sequence[nn.Module], sample: Any, target: Any, loss_f
 class _Update:
     """The update after the schedule of ``params`` as a run makes it: the gradients' check (its sum of squares,
     :func:`pipefold.runtime.numerics.local_check`) and a step of ``optimizer``
-    (:class:`pipefold.runtime.settings.Optimizer`). Each call runs one on the gradients there are and returns its
+    (:class:`pipefold.runtime.launch.settings.Optimizer`). Each call runs one on the gradients there are and returns its
     seconds (to its end on a GPU); the parameters change."""
 
     def __init__(self, params: Sequence[nn.Parameter], optimizer: str) -> None:
-        from pipefold.runtime.settings import Optimizer
+        from pipefold.runtime.launch.settings import Optimizer
         from pipefold.runtime.sharding import local
 
         self.params = list(params)
         self.device = local(self.params[0]).device
         self.opt = Optimizer(name=optimizer).make(self.params)
-        self.sync = torch.cuda.synchronize if self.device.type == "cuda" else _nothing
+        self.sync = torch.cuda.synchronize if self.device.type == "cuda" else no_wait
 
     def __call__(self) -> float:
         from pipefold.runtime.numerics import local_check
