@@ -402,7 +402,7 @@ def test_the_report_holds_every_action_the_meters_peaks_and_a_prediction(tmp_pat
     assert numbers["measured_s"] >= max(work) * 0.5  # the step ran those passes (a median may exceed one run)
 
 
-def _train_dp(rank: int, init: str, out: Any) -> None:
+def _train_dp(rank: int, init: str, zero: bool, out: Any) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -414,7 +414,8 @@ def _train_dp(rank: int, init: str, out: Any) -> None:
     copy, device = mesh["dp"].get_local_rank(), mesh["pp"].get_local_rank()
     layers = _model(2)
     pipe = Pipeline(layers[device], "zb-h1", microbatches=2, loss_fn=nn.functional.mse_loss, mesh=mesh)
-    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    opt = pipe.zero1(lambda ps: torch.optim.Adam(ps, lr=0.01)) if zero else torch.optim.Adam(pipe.parameters(),
+                                                                                            lr=0.01)
     norms = []
     for step in range(3):
         x, y = _batch(step)
@@ -426,12 +427,14 @@ def _train_dp(rank: int, init: str, out: Any) -> None:
     dist.destroy_process_group()
 
 
-def test_data_parallel_copies_of_a_pipeline_equal_one_process_on_the_whole_batch() -> None:
+@pytest.mark.parametrize("zero", [False, True], ids=["replicated", "zero1"])
+def test_data_parallel_copies_of_a_pipeline_equal_one_process_on_the_whole_batch(zero: bool) -> None:
     """A (dp, pp) mesh of 2 x 2 with plain stage modules: each copy runs half of each batch, the schedule's DP
-    actions average the gradients, and every copy's weights and global norm equal one process's."""
+    actions average the gradients, and every copy's weights and global norm equal one process's, with the
+    optimizer replicated or sharded over the copies (ZeRO-1: each steps half of the parameters' Adam state)."""
     layers = _model(2)
     model = nn.Sequential(*layers)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
     want = []
     for step in range(3):
         x, y = _batch(step)
@@ -439,7 +442,7 @@ def test_data_parallel_copies_of_a_pipeline_equal_one_process_on_the_whole_batch
         nn.functional.mse_loss(model(x), y).backward()
         want.append(float(torch.cat([p.grad.flatten() for p in model.parameters()]).norm()))
         opt.step()
-    got = run_ranks(_train_dp, 4)
+    got = run_ranks(_train_dp, 4, zero)
     assert len(got) == 4
     for rank, norms, state in got:
         assert norms == pytest.approx(want, rel=1e-5), rank
@@ -530,3 +533,92 @@ def test_auto_with_a_budget_below_every_schedule_says_the_least_it_needs() -> No
     got = dict(run_ranks(_train_auto, 2, 1, 1.0))
     for line in got.values():
         assert isinstance(line, str) and "memory budget of 1 bytes" in line and "the least is" in line
+
+
+class _Checkpointed(nn.Module):
+    """A stage that checkpoints its own block with torch's activation checkpointing, as users do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return x + checkpoint(self.block, x, use_reentrant=False)
+
+
+def _train_checkpointed(rank: int, init: str, schedule: str, out: Any) -> None:
+    import torch.distributed as dist
+
+    from pipefold.runtime.pipeline import Pipeline
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    torch.manual_seed(5)
+    layers = [_Checkpointed() for _ in range(2)]
+    pipe = Pipeline(layers[rank], schedule, microbatches=4, loss_fn=nn.functional.mse_loss)
+    grads = []
+    for step in range(2):
+        x, y = _batch(step)
+        pipe.step(x, target=y)
+        grads.append({k: p.grad.numpy().copy() for k, p in layers[rank].named_parameters()})
+    out.put((rank, grads))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_a_users_own_activation_checkpointing_keeps_the_gradients(schedule: str) -> None:
+    """torch.utils.checkpoint inside a stage module, with the backward fused (1F1B) and split into B and W
+    (ZB-H1): the gradients (accumulated over two steps) equal one process's."""
+    torch.manual_seed(5)
+    layers = [_Checkpointed() for _ in range(2)]
+    model = nn.Sequential(*layers)
+    want = []
+    for step in range(2):
+        x, y = _batch(step)
+        nn.functional.mse_loss(model(x), y).backward()
+        want.append([{k: p.grad.clone() for k, p in layer.named_parameters()} for layer in layers])
+    for rank, grads in run_ranks(_train_checkpointed, 2, schedule):
+        for step, each in enumerate(grads):
+            for k, g in each.items():
+                torch.testing.assert_close(torch.from_numpy(g), want[step][rank][k], atol=TOL, rtol=0)
+
+
+def _tiny_llama() -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(7)
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    return LlamaForCausalLM(config)
+
+
+def _train_hf(rank: int, init: str, schedule: str, out: Any) -> None:
+    import torch.distributed as dist
+
+    from pipefold.models.hf import hf_loss
+    from pipefold.runtime.pipeline import Pipeline, split_model
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    stages = split_model(_tiny_llama(), schedule, devices=2, microbatches=2)
+    pipe = Pipeline(stages, schedule, microbatches=2, loss_fn=hf_loss)
+    ids = torch.randint(0, 64, (4, 9), generator=torch.Generator().manual_seed(0))
+    losses = [pipe.step(ids[:, :-1], target=ids[:, 1:], all_ranks=True) for _ in range(2)]
+    out.put((rank, losses))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-v"])
+def test_split_model_cuts_a_hugging_face_llama_and_trains_it_exactly(schedule: str) -> None:
+    """A LlamaForCausalLM object, cut into the schedule's stages by split_model: the loss (accumulated gradients
+    make the second step's loss the same) equals the model's own on its logits in one process."""
+    pytest.importorskip("transformers")
+    from pipefold.models.hf import hf_loss
+
+    model = _tiny_llama()
+    ids = torch.randint(0, 64, (4, 9), generator=torch.Generator().manual_seed(0))
+    want = hf_loss(model(input_ids=ids[:, :-1]).logits, ids[:, 1:]).item()
+    for _, losses in run_ranks(_train_hf, 2, schedule):
+        assert losses == pytest.approx([want, want], abs=TOL)

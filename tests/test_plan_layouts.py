@@ -440,8 +440,9 @@ def test_fsdps_hooks_are_timed_on_the_models_own_layers() -> None:
     train = {"model": "gpt", "layers": 2, "hidden": 32, "heads": 2, "seq": 16, "batch": 8, "microbatches": 4,
              "seed": 0}
     # The cost per unit is the difference of two stages' timings (one unit, two): under a load that comes and goes
-    # (a benchmark's 8 ranks beside it) it once came out 0. Measured again, at most twice, when it does.
-    for _ in range(3):
+    # (a benchmark's 8 ranks beside it, the suite's other worker) it came out 0. Measured again, at most four times,
+    # when it does.
+    for _ in range(5):
         passes, update = measure_fsdp_hooks(train, (1, 2), (1, 3))
         (_, f), (_, b), (_, w), (_, bw) = passes
         if min(f, b, bw) > 1e-6 and w < min(f, b, bw):

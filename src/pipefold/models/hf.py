@@ -43,7 +43,8 @@ from pipefold.models.size import Shape
 from pipefold.models.transformer import shipped_configs as config_names
 from pipefold.models.transformer import shipped_folder
 
-__all__ = ["ARCHS", "HFBlock", "HFCausalLM", "HFEmbedding", "HFHead", "available", "config_names", "read_config"]
+__all__ = ["ARCHS", "HFBlock", "HFCausalLM", "HFEmbedding", "HFHead", "available", "config_names", "hf_layers",
+           "hf_loss", "read_config"]
 
 IGNORE = -100
 """A target that counts for nothing in the loss (padding), as in ``transformers``."""
@@ -205,6 +206,26 @@ class HFHead(nn.Module):
 
     def forward(self, h: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         return self.lm_head(self.norm(h))
+
+
+def hf_layers(model: Any) -> list[nn.Module]:
+    """A ``transformers`` causal LM of a family pipefold knows (GPT-2, LLaMA) as a list of layers that run its own
+    modules (not copies): the embedding, one per block (given the causal mask and positions the model would give
+    it), and the final norm with ``lm_head``. Fed token ids (B, T), the layers in turn give the model's logits."""
+    kind = getattr(getattr(model, "config", None), "model_type", None)
+    if kind not in ARCHS:
+        raise ConfigError(f"pipefold cuts Hugging Face models of the families {', '.join(sorted(ARCHS))}, not "
+                          f"{kind or type(model).__name__}: cut it by hand into stage modules")
+    arch = ARCHS[kind]
+    base = model.base_model
+    for name in (*arch.embedding, arch.blocks, arch.norm, *filter(None, [arch.rotary])):
+        if not hasattr(base, name):
+            raise ConfigError(f"{type(model).__name__} has no {type(base).__name__}.{name}: this transformers "
+                              f"version lays out {arch.name} differently from what pipefold knows")
+    rotary = getattr(base, arch.rotary) if arch.rotary else None
+    return [HFEmbedding({n: getattr(base, n) for n in arch.embedding}),
+            *(HFBlock(block, model.config, rotary) for block in getattr(base, arch.blocks)),
+            HFHead(getattr(base, arch.norm), model.get_output_embeddings())]
 
 
 def hf_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -390,13 +411,7 @@ class HFCausalLM(Model):
 
     def wrap(self, model: Any) -> list[nn.Module]:
         """The layers of ``model`` (a model :meth:`build_hf` made): they run its own modules, shared, not copied."""
-        base = model.base_model
-        blocks = self._blocks(model)
-        rotary = getattr(base, self.arch.rotary) if self.arch.rotary else None
-        head = model.get_output_embeddings()
-        return [HFEmbedding({n: getattr(base, n) for n in self.arch.embedding}),
-                *(HFBlock(block, model.config, rotary) for block in blocks),
-                HFHead(getattr(base, self.arch.norm), head)]
+        return hf_layers(model)
 
     def build_layers(self, indices: Iterable[int], *, device: str | torch.device = "cpu") -> dict[int, nn.Module]:
         chosen = list(indices)

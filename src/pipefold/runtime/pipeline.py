@@ -255,6 +255,8 @@ class Pipeline(RankPipeline):
         """This rank's device in the pipeline."""
         self.plan: list[Planned] = []
         """With ``schedule="auto"``: every candidate the first step's measurements predicted, fastest first."""
+        self.chosen: str | None = None
+        """With ``schedule="auto"``: the schedule it runs from the second step on, once the first has run."""
         self._candidates: list[Schedule] = []
         if isinstance(schedule, str) and schedule == "auto":
             if microbatches is None:
@@ -403,6 +405,19 @@ class Pipeline(RankPipeline):
             for p in m.parameters():
                 seen.setdefault(id(p), p)
         return list(seen.values())
+
+    def zero1(self, make: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> Any:
+        """ZeRO-1 over the mesh's ``"dp"`` copies: an optimizer of which this copy steps its share of
+        :meth:`parameters` (``make(share)``, e.g. ``lambda ps: torch.optim.AdamW(ps, lr=3e-4)``), keeping only its
+        state, and receives the other shares from their owners after each step
+        (:class:`~pipefold.runtime.zero.ShardedOptimizer`). The schedule's DP actions average the gradients first,
+        so the weights after each step are those of the plain optimizer."""
+        from pipefold.runtime.zero import ShardedOptimizer
+
+        if self.dp_group is None or self.sharded:
+            raise ConfigError("zero1 shards the optimizer over a DeviceMesh's 'dp' copies of plain stage modules: "
+                              "give Pipeline(..., mesh=mesh) with a 'dp' dimension (FSDP stages shard it already)")
+        return ShardedOptimizer(self.parameters(), make, self.dp_group)
 
     @property
     def is_last(self) -> bool:
@@ -750,17 +765,22 @@ def split_model(model: nn.Module | Sequence[nn.Module], schedule: str | Schedule
     """Cut a model into the schedule's stages and return those of ``device`` (this rank's in the default group,
     when None), each an ``nn.Sequential`` of consecutive layers, ready for :class:`Pipeline`.
 
-    ``model``: an ``nn.Sequential``, a list of layers, or a model with a ``layers`` list in it (a Hugging Face
-    decoder is cut with :func:`pipefold.models.hf` instead). The cut balances the schedule's devices (under its
-    placement: a V shape's device holds a first and a last stage) by ``by``: ``"parameters"`` (each layer's
-    parameter count, no run needed) or ``"time"`` (each layer's forward and backward timed on ``sample``, the
-    first layer's input for a few rows)."""
+    ``model``: an ``nn.Sequential``, a list of layers, or a Hugging Face causal LM of a family pipefold knows
+    (GPT-2, LLaMA: :func:`pipefold.models.hf.hf_layers`, fed token ids, giving logits). The cut balances the
+    schedule's devices (under its placement: a V shape's device holds a first and a last stage) by ``by``:
+    ``"parameters"`` (each layer's parameter count, no run needed) or ``"time"`` (each layer's forward and
+    backward timed on ``sample``, the first layer's input for a few rows)."""
     from pipefold.plan.partition import partition
 
-    layers = list(model) if isinstance(model, (nn.Sequential, list, tuple, nn.ModuleList)) else None
-    if layers is None:
-        raise ConfigError(f"split_model cuts an nn.Sequential or a list of layers, not a {type(model).__name__}: "
-                          "list the model's layers in order")
+    if isinstance(model, (nn.Sequential, list, tuple, nn.ModuleList)):
+        layers = list(model)
+    elif hasattr(model, "base_model") and hasattr(getattr(model, "config", None), "model_type"):
+        from pipefold.models.hf import hf_layers
+
+        layers = hf_layers(model)  # a Hugging Face causal LM: its embedding, blocks and head as layers
+    else:
+        raise ConfigError(f"split_model cuts an nn.Sequential, a list of layers or a Hugging Face causal LM, not a "
+                          f"{type(model).__name__}: list the model's layers in order")
     built = resolve_schedule(schedule, devices, microbatches)
     if len(layers) < built.stages:
         raise ConfigError(f"{built.name} on {devices} devices has {built.stages} stages, but the model has "

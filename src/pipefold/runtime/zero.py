@@ -44,6 +44,21 @@ class ShardedOptimizer:
         mine = self.shares[self.me]
         self.optim: torch.optim.Optimizer | None = make(mine) if mine else None
 
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The param groups of this copy's share's optimizer (none where it has no share): what an LR schedule
+        sets (``for g in opt.param_groups: g["lr"] = ...``)."""
+        return self.optim.param_groups if self.optim is not None else []
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop (or zero) the gradients of every parameter, the shares of the other copies included."""
+        for share in self.shares:
+            for p in share:
+                if set_to_none:
+                    p.grad = None
+                elif p.grad is not None:
+                    p.grad.zero_()
+
     @torch.no_grad()
     def step(self) -> None:
         if self.optim is not None:
