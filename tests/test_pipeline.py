@@ -40,7 +40,7 @@ def _reference(n: int, steps: int, lr: float = 0.1) -> tuple[list[float], dict[s
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _train(rank: int, init: str, world: int, schedule: str, steps: int, out: Any) -> None:
+def _train(rank: int, init: str, world: int, schedule: str, steps: int, memory: str, out: Any) -> None:
     import torch.distributed as dist
 
     from pipefold.runtime.pipeline import Pipeline
@@ -53,7 +53,10 @@ def _train(rank: int, init: str, world: int, schedule: str, steps: int, out: Any
         built = build(name, world, 4, **{k: int(v) for k, v in (o.split("=") for o in opts.split(",") if o)})
         layers = _model(built.stages)
         mine = built.stages_of(rank)
-        pipe = Pipeline([layers[s] for s in mine], schedule, microbatches=4, loss_fn=nn.functional.mse_loss)
+        saving: dict[str, Any] = {"recompute": {"recompute": dict.fromkeys(mine, 1)}, "offload": {"offload": (1, 1)},
+                                  "": {}}[memory]
+        pipe = Pipeline([layers[s] for s in mine], schedule, microbatches=4, loss_fn=nn.functional.mse_loss,
+                        **saving)
         opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
         losses = []
         for step in range(steps):
@@ -69,18 +72,28 @@ def _train(rank: int, init: str, world: int, schedule: str, steps: int, out: Any
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "zb-v", "interleaved-1f1b:v=2", "chimera", "dualpipev",
-                                      "v-half", "kfkb:k=2", "gpipe"])
-def test_a_users_loop_trains_exactly_as_one_process(schedule: str) -> None:
+@pytest.mark.parametrize(("schedule", "memory"), [
+    ("1f1b", ""), ("zb-h1", ""), ("zb-v", ""), ("interleaved-1f1b:v=2", ""), ("chimera", ""), ("dualpipe", ""),
+    ("dualpipev", ""), ("v-half", ""), ("kfkb:k=2", ""), ("gpipe", ""), ("zb-v", "recompute"),
+    ("1f1b", "recompute"), ("zb-h1", "offload"), ("v-min", "offload")])
+def test_a_users_loop_trains_exactly_as_one_process(schedule: str, memory: str) -> None:
+    """Three steps of SGD in a user's loop, then an evaluation (the forwards only): every family's losses and
+    weights equal one process's, with stages recomputing their first layer or offloading their layers too."""
     from pipefold.schedules import build
 
     world, steps = 2, 3
     name, _, opts = schedule.partition(":")
     stages = build(name, world, 4, **{k: int(v) for k, v in (o.split("=") for o in opts.split(",") if o)}).stages
     want_losses, want_state = _reference(stages, steps)
-    got = run_ranks(_train, world, world, schedule, steps)
+    trained = nn.Sequential(*_model(stages))
+    trained.load_state_dict(want_state)
+    with torch.no_grad():
+        want_eval = nn.functional.mse_loss(trained(_batch(99)[0]), _batch(99)[1]).item()
+    got = run_ranks(_train, world, world, schedule, steps, memory)
     assert len(got) == world
     state: dict[str, torch.Tensor] = {}
+    evaluated = [loss for _, _, _, loss in got if loss is not None]
+    assert evaluated and evaluated == pytest.approx([want_eval] * len(evaluated), abs=TOL)  # the last stage's rank(s)
     for _, losses, part, _ in got:
         assert losses == pytest.approx(want_losses, abs=TOL)
         state.update(part)
@@ -191,7 +204,7 @@ def test_dicts_masks_flags_and_changing_shapes_travel_between_stages(schedule: s
                 torch.testing.assert_close(torch.from_numpy(g), want_grads[step][k], atol=TOL, rtol=0)
 
 
-def _refusals(rank: int, init: str, out: Any) -> None:
+def _refusals(rank: int, init: str, folder: str, out: Any) -> None:
     """Each mistake a user can make building or stepping a Pipeline, made on both ranks alike: one line each."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -201,10 +214,16 @@ def _refusals(rank: int, init: str, out: Any) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    from pipefold.ir import save
+
     layers = _model(2)
     mine = layers[rank]
     loss = nn.functional.mse_loss
+    save(build("zb-h1", 4, 4), f"{folder}/four{rank}.json")
     cases: dict[str, Any] = {
+        "file-devices": lambda: Pipeline(mine, f"{folder}/four{rank}.json", loss_fn=loss),
+        "offload-k": lambda: Pipeline(mine, "1f1b", microbatches=4, loss_fn=loss, offload=(0, 1)),
+        "budget-named": lambda: Pipeline(mine, "1f1b", microbatches=4, loss_fn=loss, memory_budget=1e6),
         "devices": lambda: Pipeline(mine, build("1f1b", 4, 4), loss_fn=loss),
         "microbatches": lambda: Pipeline(mine, "1f1b", loss_fn=loss),
         "no-loss": lambda: Pipeline(mine, "1f1b", microbatches=4),
@@ -243,9 +262,10 @@ def _no_grad(fn: Any, *args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)
 
 
-def test_mistakes_building_or_stepping_a_pipeline_are_one_line_each() -> None:
-    got = dict(run_ranks(_refusals, 2))
-    both = ("devices", "microbatches", "count", "mesh", "unknown", "file", "no-grad")
+def test_mistakes_building_or_stepping_a_pipeline_are_one_line_each(tmp_path: Any) -> None:
+    got = dict(run_ranks(_refusals, 2, str(tmp_path)))
+    both = ("devices", "microbatches", "count", "mesh", "unknown", "file", "no-grad", "file-devices", "offload-k",
+            "budget-named")
     for rank, lines in got.items():
         for name in both:
             assert lines[name] is not None and "\n" not in lines[name], (rank, name, lines[name])
@@ -254,6 +274,9 @@ def test_mistakes_building_or_stepping_a_pipeline_are_one_line_each() -> None:
         assert "no_grad" in lines["no-grad"] and "Pipeline.forward" in lines["no-grad"]
         assert "'pp'" in lines["mesh"]
         assert "2f2b" in lines["unknown"]
+        assert "schedule file" in lines["file-devices"] and "4 devices" in lines["file-devices"]
+        assert "k=1 or more" in lines["offload-k"]
+        assert "auto" in lines["budget-named"]
     assert got[1]["no-loss"] is not None and "loss_fn" in got[1]["no-loss"]
     assert got[0]["no-loss"] is None  # the first rank needs none
     assert got[0]["no-weights"] is not None and "W actions" in got[0]["no-weights"]

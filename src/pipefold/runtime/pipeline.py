@@ -228,6 +228,8 @@ class Pipeline(RankPipeline):
     ``recompute``: per stage of this rank, how many of its first layers (an ``nn.Sequential``) recompute their
     activations in backward. ``tied``: shared weights across stages, each ``{stage: "parameter.name", ...}``
     (names within the stage modules): every copy's gradient becomes their sum at the end of each step.
+    ``offload=(k, k')``: each stage's layers (an ``nn.Sequential``) keep their parameters in host memory, at most
+    ``k`` on the device at once, evicted ``k'`` at a time (Superpipeline's layer offloading).
     ``action_timeout``: seconds an action may wait for another rank before the step fails.
     """
 
@@ -235,7 +237,8 @@ class Pipeline(RankPipeline):
                  microbatches: int | None = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
                  group: Any = None, mesh: Any = None, device: torch.device | str | None = None,
                  recompute: Mapping[int, int] | None = None, tied: Sequence[Mapping[int, str]] = (),
-                 memory_budget: float | None = None, action_timeout: float = DEFAULT_ACTION_TIMEOUT) -> None:
+                 memory_budget: float | None = None, offload: tuple[int, int] | None = None,
+                 action_timeout: float = DEFAULT_ACTION_TIMEOUT) -> None:
         if not dist.is_initialized():
             raise ConfigError("Pipeline needs torch.distributed's process group: call "
                               "torch.distributed.init_process_group() first (torchrun sets its environment)")
@@ -300,11 +303,14 @@ class Pipeline(RankPipeline):
         if self.sharded:
             for m in modules.values():
                 _prepare_fsdp(m)
-        self.modules = modules
         self.recompute = dict(recompute or {})
         bad = sorted(set(self.recompute) - set(modules))
         if bad:
             raise ConfigError(f"recompute names stages {bad}, but this rank holds stages {sorted(modules)}")
+        self._offloaded = self._offload(modules, offload) if offload is not None else []
+        if self._offloaded:
+            modules = dict(zip(modules, self._offloaded, strict=True))
+        self.modules = modules
         self.timeout = action_timeout
         super().__init__([self.schedule], self.rank, modules, loss_fn, self.device, recompute=self.recompute,
                          timeout=pg_timeout(action_timeout), pipelines=[self.ranks], pipeline=0,
@@ -358,6 +364,26 @@ class Pipeline(RankPipeline):
             if not isinstance(m, nn.Module):
                 raise ConfigError(f"stage {s} is a {type(m).__name__}, not an nn.Module")
         return {s: given[s] for s in mine}
+
+    def _offload(self, modules: Mapping[int, nn.Module], offload: tuple[int, int]) -> list[nn.Module]:
+        """Each stage's layers offloaded (:class:`~pipefold.runtime.offload.Offloaded`): their parameters at home
+        in host memory, at most ``k`` layers of a stage on the device at once, evicted ``k'`` at a time."""
+        from pipefold.runtime.offload import Offloaded
+
+        if self.recompute or self.sharded:
+            raise ConfigError("offload= runs with neither recompute= nor FSDP stages: choose one way to save memory")
+        try:
+            k, kprime = offload
+        except (TypeError, ValueError):
+            raise ConfigError(f"offload is (k, k'): at most k layers of a stage on the device, evicted k' at a time "
+                              f"(got {offload!r})") from None
+        out = []
+        for s, m in modules.items():
+            if not isinstance(m, (nn.Sequential, nn.ModuleList)):
+                raise ConfigError(f"offload= moves a stage's layers one by one: stage {s} must be an nn.Sequential "
+                                  f"of layers, not a {type(m).__name__}")
+            out.append(Offloaded(m, self.device, k=k, kprime=kprime))
+        return out
 
     def _check_weights(self, modules: Mapping[int, nn.Module]) -> None:
         """A stage with W actions needs parameters to compute their gradients."""
@@ -497,6 +523,8 @@ class Pipeline(RankPipeline):
             if gathered:
                 for module in self.modules.values():
                     module.reshard()  # type: ignore[operator]
+        for wrapper in self._offloaded:
+            wrapper.evict_all()  # every layer home, with its gradient, before the user's optimizer reads it
         if train and self.tied is not None:
             self.tied.reduce()
         if train and self._candidates and not self.plan:
