@@ -479,7 +479,7 @@ def test_split_model_balances_the_devices_under_the_schedules_placement() -> Non
     stage; by parameters the devices' loads are the brute-force best split's."""
     import itertools
 
-    from pipefold.runtime.pipeline import split_model
+    from pipefold.runtime.measure.split import split_model
 
     widths = [2, 3, 4, 5, 6, 7, 8]
     layers = [nn.Linear(widths[i], widths[i + 1]) for i in range(6)]
@@ -495,6 +495,12 @@ def test_split_model_balances_the_devices_under_the_schedules_placement() -> Non
         split_model(layers, "1f1b", devices=2, microbatches=4, by="time", device=0)
     timed = split_model(layers, "1f1b", devices=2, microbatches=4, by="time", sample=torch.randn(4, 2), device=1)
     assert list(timed) == [1] and len(timed[1]) >= 1
+    with pytest.raises(ConfigError, match="target= and loss_fn="):
+        split_model(layers, "zb-v", devices=2, microbatches=4, by="memory", sample=torch.randn(4, 2), device=0)
+    by_memory = split_model(layers, "zb-v", devices=2, microbatches=4, by="memory", sample=torch.randn(4, 2),
+                            target=torch.randn(4, 8), loss_fn=nn.functional.mse_loss, device=0)
+    assert sorted(by_memory) == [0, 3]  # the first and the last stage: the model's first and last layers
+    assert by_memory[0][0] is layers[0] and by_memory[3][-1] is layers[-1]
     for wrong in (3, -1, None):  # a device the schedule does not have; None outside a process group of 2
         with pytest.raises(ConfigError, match="device"):
             split_model(layers, "1f1b", devices=2, microbatches=4, device=wrong)
@@ -621,7 +627,8 @@ def _train_hf(rank: int, init: str, schedule: str, out: Any) -> None:
     import torch.distributed as dist
 
     from pipefold.models.hf import hf_loss
-    from pipefold.runtime.pipeline import Pipeline, split_model
+    from pipefold.runtime.measure.split import split_model
+    from pipefold.runtime.pipeline import Pipeline
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
@@ -645,3 +652,25 @@ def test_split_model_cuts_a_hugging_face_llama_and_trains_it_exactly(schedule: s
     want = hf_loss(model(input_ids=ids[:, :-1]).logits, ids[:, 1:]).item()
     for _, losses in run_ranks(_train_hf, 2, schedule):
         assert losses == pytest.approx([want, want], abs=TOL)
+
+
+def _split_by_time(rank: int, init: str, out: Any) -> None:
+    import torch.distributed as dist
+
+    from pipefold.runtime.measure.split import split_model
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    layers = [nn.Linear(16, 16) for _ in range(8)]
+    stages = split_model(layers, "zb-v", devices=2, microbatches=4, by="time", sample=torch.randn(4, 16))
+    out.put((rank, {s: [layers.index(layer) for layer in stage] for s, stage in stages.items()}))
+    dist.destroy_process_group()
+
+
+def test_a_cut_by_measured_time_is_rank_0s_on_every_rank() -> None:
+    """Each rank times the layers itself (the times differ), yet the stages the ranks get fit together: every layer
+    once, in order."""
+    got = dict(run_ranks(_split_by_time, 2))
+    stages = {s: part for parts in got.values() for s, part in parts.items()}
+    assert sorted(stages) == [0, 1, 2, 3] and sorted(got[0]) == [0, 3] and sorted(got[1]) == [1, 2]
+    assert [i for s in range(4) for i in stages[s]] == list(range(8))

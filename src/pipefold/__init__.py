@@ -10,7 +10,7 @@ from pipefold.sim.simulate import CostModel, SimResult, simulate
 __version__ = "0.1.0"
 
 _LIBRARY = {"Pipeline": "pipefold.runtime.pipeline", "Check": "pipefold.runtime.pipeline",
-            "StepReport": "pipefold.runtime.pipeline", "split_model": "pipefold.runtime.pipeline"}
+            "StepReport": "pipefold.runtime.pipeline", "split_model": "pipefold.runtime.measure.split"}
 """The library a training script uses, loaded (with torch) when first named: ``from pipefold import Pipeline``."""
 
 

@@ -41,12 +41,13 @@ from pipefold.plan.choose import candidates_for, probe, resolve_schedule, with_d
 from pipefold.runtime import sharding
 from pipefold.runtime.executor import COMPUTE_KINDS, RankExecutor, StepStats, kind_times
 from pipefold.runtime.numerics import clip_factor, local_check, scale_grads, verdict
+from pipefold.runtime.offload import Offloaded
 from pipefold.runtime.stage import Boundaries, Tensors
 from pipefold.runtime.structure import flatten, split_call, unflatten
 from pipefold.runtime.tied import TiedGrads, untie
 from pipefold.runtime.watch import DEFAULT_ACTION_TIMEOUT, pg_timeout
 
-__all__ = ["Check", "PeerLost", "Pipeline", "Planned", "RankPipeline", "StepReport", "split_model"]
+__all__ = ["Check", "PeerLost", "Pipeline", "Planned", "RankPipeline", "StepReport"]
 
 StageModules = nn.Module | Sequence[nn.Module] | Mapping[int, nn.Module]
 
@@ -307,7 +308,7 @@ class Pipeline(RankPipeline):
         bad = sorted(set(self.recompute) - set(modules))
         if bad:
             raise ConfigError(f"recompute names stages {bad}, but this rank holds stages {sorted(modules)}")
-        self._offloaded = self._offload(modules, offload) if offload is not None else []
+        self._offloaded: list[Offloaded] = self._offload(modules, offload) if offload is not None else []
         if self._offloaded:
             modules = dict(zip(modules, self._offloaded, strict=True))
         self.modules = modules
@@ -365,11 +366,9 @@ class Pipeline(RankPipeline):
                 raise ConfigError(f"stage {s} is a {type(m).__name__}, not an nn.Module")
         return {s: given[s] for s in mine}
 
-    def _offload(self, modules: Mapping[int, nn.Module], offload: tuple[int, int]) -> list[nn.Module]:
+    def _offload(self, modules: Mapping[int, nn.Module], offload: tuple[int, int]) -> list[Offloaded]:
         """Each stage's layers offloaded (:class:`~pipefold.runtime.offload.Offloaded`): their parameters at home
         in host memory, at most ``k`` layers of a stage on the device at once, evicted ``k'`` at a time."""
-        from pipefold.runtime.offload import Offloaded
-
         if self.recompute or self.sharded:
             raise ConfigError("offload= runs with neither recompute= nor FSDP stages: choose one way to save memory")
         try:
@@ -377,7 +376,7 @@ class Pipeline(RankPipeline):
         except (TypeError, ValueError):
             raise ConfigError(f"offload is (k, k'): at most k layers of a stage on the device, evicted k' at a time "
                               f"(got {offload!r})") from None
-        out = []
+        out: list[Offloaded] = []
         for s, m in modules.items():
             if not isinstance(m, (nn.Sequential, nn.ModuleList)):
                 raise ConfigError(f"offload= moves a stage's layers one by one: stage {s} must be an nn.Sequential "
@@ -784,75 +783,3 @@ def _join(parts: list[Any]) -> Any:
     joined = [torch.cat(vs) if isinstance(vs[0], torch.Tensor) and vs[0].dim() > 0 else vs[0]
               for vs in zip(*(ls for ls, _ in leaves), strict=True)]
     return pytree.tree_unflatten(joined, tree)
-
-
-
-def split_model(model: nn.Module | Sequence[nn.Module], schedule: str | Schedule | os.PathLike[str], *,
-                devices: int, microbatches: int | None = None, by: str = "parameters", sample: Any = None,
-                device: int | None = None) -> dict[int, nn.Module]:
-    """Cut a model into the schedule's stages and return those of ``device`` (this rank's in the default group,
-    when None), each an ``nn.Sequential`` of consecutive layers, ready for :class:`Pipeline`.
-
-    ``model``: an ``nn.Sequential``, a list of layers, or a Hugging Face causal LM of a family pipefold knows
-    (GPT-2, LLaMA: :func:`pipefold.models.hf.hf_layers`, fed token ids, giving logits). The cut balances the
-    schedule's devices (under its placement: a V shape's device holds a first and a last stage) by ``by``:
-    ``"parameters"`` (each layer's parameter count, no run needed) or ``"time"`` (each layer's forward and
-    backward timed on ``sample``, the first layer's input for a few rows)."""
-    from pipefold.plan.partition import partition
-
-    if isinstance(model, (nn.Sequential, list, tuple, nn.ModuleList)):
-        layers = list(model)
-    elif hasattr(model, "base_model") and hasattr(getattr(model, "config", None), "model_type"):
-        from pipefold.models.hf import hf_layers
-
-        layers = hf_layers(model)  # a Hugging Face causal LM: its embedding, blocks and head as layers
-    else:
-        raise ConfigError(f"split_model cuts an nn.Sequential, a list of layers or a Hugging Face causal LM, not a "
-                          f"{type(model).__name__}: list the model's layers in order")
-    built = resolve_schedule(schedule, devices, microbatches)
-    if len(layers) < built.stages:
-        raise ConfigError(f"{built.name} on {devices} devices has {built.stages} stages, but the model has "
-                          f"{len(layers)} layers: give it at least one layer a stage")
-    if by == "parameters":
-        costs = [float(sum(p.numel() for p in layer.parameters())) for layer in layers]
-    elif by == "time":
-        if sample is None:
-            raise ConfigError("split_model(by='time') times each layer: give sample=, the first layer's input")
-        costs = _layer_times(layers, sample)
-    else:
-        raise ConfigError(f"split_model cuts by 'parameters' or 'time', not {by!r}")
-    cut = partition(costs, built.stages, placement=built.placement[0] if built.replicas == 1 else None)
-    if device is None:
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        if world != devices:
-            raise ConfigError(f"split_model cuts for one of {devices} devices, but there are {world} ranks: name this "
-                              "rank's device, device=mesh['pp'].get_local_rank()")
-        device = dist.get_rank() if dist.is_initialized() else 0
-    if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < devices:
-        raise ConfigError(f"device must be one of the pipeline's devices 0..{devices - 1} (got {device!r})")
-    here = device
-    return {s: nn.Sequential(*(layers[i] for i in cut.parts[s])) for s in built.stages_of(here)}
-
-
-def _layer_times(layers: Sequence[nn.Module], sample: Any, repeats: int = 3) -> list[float]:
-    """Each layer's forward and backward seconds on ``sample`` (the median of a few runs), in turn."""
-    import time
-
-    out = []
-    x = sample
-    for layer in layers:
-        runs = []
-        for _ in range(repeats):
-            xs = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in (x if isinstance(x, tuple) else (x,)))
-            start = time.perf_counter()
-            y = layer(*xs)
-            first = y[0] if isinstance(y, tuple) else y
-            if first.requires_grad:
-                first.float().sum().backward()
-            runs.append(time.perf_counter() - start)
-        out.append(sorted(runs)[len(runs) // 2])
-        with torch.no_grad():
-            x = layer(*(x if isinstance(x, tuple) else (x,)))
-    for layer in layers:
-        layer.zero_grad(set_to_none=True)
-    return out
