@@ -127,15 +127,15 @@ class StepReport:
             f"predicted from its pass times: {self.predicted_makespan * 1e3:.1f} ms"))
 
 
-_GROUPS: dict[tuple[int, ...], Any] = {}
+_GROUPS: dict[tuple[int, tuple[int, ...]], Any] = {}
 
 
 def _subgroup(ranks: list[int]) -> Any:
     """A process group of ``ranks``, made by its members only (other pipelines may make theirs meanwhile), once
-    per set of ranks in a process."""
-    key = tuple(sorted(ranks))
+    per set of ranks and default group (a script that makes its process group again gets new ones)."""
+    key = (id(dist.group.WORLD), tuple(sorted(ranks)))
     if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(list(key), use_local_synchronization=True)
+        _GROUPS[key] = dist.new_group(list(key[1]), use_local_synchronization=True)
     return _GROUPS[key]
 
 
