@@ -220,6 +220,10 @@ def _skip_reason(argv: list[str]) -> str | None:
         return "needs a GPU (make gpu-check runs it on one)"
     if argv[:2] == ["make", "test"]:
         return "this suite"
+    from test_examples_library import COMMANDS, runs_an_example
+
+    if runs_an_example(argv) and shlex.join(argv) in COMMANDS:
+        return "run as written by tests/test_examples_library.py, which compares its losses with one process's"
     if "--netns" in argv:
         from pipefold.runtime.launch import netns
 

@@ -1,10 +1,14 @@
-"""The library examples (examples/nanogpt.py, hf_llama.py, fsdp_pp.py, tp_pp.py) as a user runs them: under torchrun,
-and with --reference in one process without pipefold; their per-step losses agree step by step."""
+"""The library examples (examples/nanogpt.py, hf_llama.py, fsdp_pp.py, tp_pp.py) as the pages show them: each
+command as written (under torchrun), and the same loop in one process without pipefold (``--reference``); their
+per-step losses agree step by step. The pages' own test (tests/test_docs.py) leaves these commands to this one,
+which checks more than their exit: :data:`COMMANDS` must hold every command of the pages that runs an example."""
 
 from __future__ import annotations
 
+import functools
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -15,30 +19,50 @@ ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5
 LINE = re.compile(r"^step (\d+) loss (\S+)$", re.MULTILINE)
 
+CASES = [
+    ("torchrun --standalone --nproc-per-node 2 examples/nanogpt.py", "python examples/nanogpt.py --reference"),
+    ("torchrun --standalone --nproc-per-node 2 examples/nanogpt.py --schedule zb-v",
+     "python examples/nanogpt.py --reference"),
+    ("torchrun --standalone --nproc-per-node 2 examples/hf_llama.py", "python examples/hf_llama.py --reference"),
+    ("torchrun --standalone --nproc-per-node 4 examples/fsdp_pp.py", "python examples/fsdp_pp.py --reference"),
+    ("torchrun --standalone --nproc-per-node 4 examples/tp_pp.py", "python examples/tp_pp.py --reference"),
+]
+"""Each command a page shows, with the one-process run of the same loop it is compared with."""
+COMMANDS = frozenset(c for pair in CASES for c in pair)
 
-def _losses(command: list[str]) -> list[tuple[int, float]]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, f"{' '.join(command)} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
-    return [(int(n), float(x)) for n, x in LINE.findall(done.stdout)]
+
+@functools.cache
+def _losses(command: str) -> tuple[tuple[int, float], ...]:
+    """The ``step N loss X`` lines of a command as written (``torchrun`` and ``python`` as this interpreter)."""
+    argv = shlex.split(command)
+    head = [sys.executable, "-m", "torch.distributed.run"] if argv[0] == "torchrun" else [sys.executable]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run([*head, *argv[1:]], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, f"{command} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
+    assert "Traceback" not in done.stderr, f"{command}\n{done.stderr}"
+    return tuple((int(n), float(x)) for n, x in LINE.findall(done.stdout))
 
 
-@pytest.mark.parametrize(("script", "nprocs", "options"), [
-    ("nanogpt.py", 2, []),
-    ("nanogpt.py", 2, ["--schedule", "zb-v"]),
-    ("hf_llama.py", 2, []),
-    ("fsdp_pp.py", 4, []),
-    ("tp_pp.py", 4, []),
-], ids=["nanogpt", "nanogpt-zb-v", "hf_llama", "fsdp_pp", "tp_pp"])
-def test_example_trains_as_its_one_process_reference(script: str, nprocs: int, options: list[str]) -> None:
-    if script == "hf_llama.py":
+@pytest.mark.parametrize(("command", "reference"), CASES, ids=["nanogpt", "nanogpt-zb-v", "hf_llama", "fsdp_pp",
+                                                               "tp_pp"])
+def test_example_trains_as_its_one_process_reference(command: str, reference: str) -> None:
+    if "hf_llama" in command:
         pytest.importorskip("transformers")
-    path = str(ROOT / "examples" / script)
-    steps = ["--steps", "4"]
-    piped = _losses([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nprocs),
-                     path, *steps, *options])
-    alone = _losses([sys.executable, path, "--reference", *steps, *options])
-    assert [n for n, _ in alone] == [0, 1, 2, 3]
-    assert [n for n, _ in piped] == [0, 1, 2, 3], piped  # printed once per step, by one rank
+    piped, alone = _losses(command), _losses(reference)
+    assert len(alone) >= 3 and [n for n, _ in alone] == list(range(len(alone)))
+    assert [n for n, _ in piped] == [n for n, _ in alone], piped  # printed once per step, by one rank
     for (n, got), (_, want) in zip(piped, alone, strict=True):
-        assert abs(got - want) <= TOL, f"{script} step {n}: pipelined loss {got}, one process {want}"
+        assert abs(got - want) <= TOL, f"{command} step {n}: pipelined loss {got}, one process {want}"
+
+
+def runs_an_example(argv: list[str]) -> bool:
+    """Whether a page's command runs one of the example scripts (and so belongs in :data:`COMMANDS`)."""
+    return any(re.fullmatch(r"examples/\w+\.py", a) for a in argv)
+
+
+def test_every_page_command_that_runs_an_example_is_one_of_these() -> None:
+    from test_docs import PAGES, blocks, commands
+
+    shown = {shlex.join(argv) for page in PAGES for block in blocks(page) if block.info == "sh"
+             for argv in commands(block.body) if runs_an_example(argv)}
+    assert shown and shown <= COMMANDS, sorted(shown - COMMANDS)
