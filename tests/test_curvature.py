@@ -12,6 +12,7 @@ import dataclasses
 import pytest
 import torch
 
+from conftest import TIMING_TRIES
 from pipefold.errors import ConfigError
 from pipefold.ir import Kind
 from pipefold.runtime.launch.job import Job, RankReport
@@ -75,7 +76,7 @@ def test_kfac_memory_meter_simulator_and_memtracker_agree() -> None:
     config = RunSpec.flat(schedule="1f1b", devices=2, microbatches=8, steps=1, model="gpt", layers=4, hidden=128,
                          heads=4, seq=128, batch=8, optimizer="kfac", fill_bubbles=True, partition="even")
     kept = 0
-    for _ in range(3):
+    for _ in range(TIMING_TRIES):
         job = make_job(config)
         cycle = len(job.cycle)
         # The first step of the second cycle: the K-FAC state exists already (made in the first), curvature is kept.
