@@ -47,7 +47,7 @@ from pipefold.runtime.structure import flatten, split_call, unflatten
 from pipefold.runtime.tied import TiedGrads, untie
 from pipefold.runtime.watch import DEFAULT_ACTION_TIMEOUT, pg_timeout
 
-__all__ = ["Check", "PeerLost", "Pipeline", "Planned", "RankPipeline", "StepReport"]
+__all__ = ["Check", "PeerLost", "Pipeline", "Planned", "RankPipeline", "StepReport", "step_costs", "step_result"]
 
 StageModules = nn.Module | Sequence[nn.Module] | Mapping[int, nn.Module]
 
@@ -541,7 +541,7 @@ class Pipeline(RankPipeline):
         from pipefold.sim.simulate import simulate
 
         steps = self._gather_steps()
-        costs = _measured_costs(steps, self.schedule)
+        costs = step_costs(steps, self.schedule)
         plan = []
         for candidate in self._candidates:
             result = simulate(candidate, costs)
@@ -622,33 +622,18 @@ class Pipeline(RankPipeline):
     def report(self) -> StepReport:
         """The last step on every device of the pipeline (collective: every rank of it calls it): the meter's
         memory, the timeline and the simulator's prediction from the step's own pass times."""
-        from pipefold.ir import Action
-        from pipefold.sim.simulate import (
-            CostModel,
-            Interval,
-            MemoryCurves,
-            SimResult,
-            Timeline,
-            simulate,
-        )
+        from pipefold.sim.simulate import simulate
 
         if self.last is None:
             raise ConfigError("Pipeline.report() reads the last step: call Pipeline.step first")
         steps = self._gather_steps()
         schedule = self.last_schedule
         assert schedule is not None
-        t0 = min(st.started_at for st in steps)
-        rows, curves = [], []
-        for st in steps:
-            shift = st.started_at - t0
-            rows.append(tuple(Interval(Action.parse(e.name), shift + e.start, shift + e.end)
-                              for e in st.events if e.kind in COMPUTE_KINDS))
-            curves.append(((0.0, 0.0), *((shift + t, float(b)) for t, b in st.memory_curve)))
-        measured = SimResult(schedule, CostModel(), Timeline.of(rows), MemoryCurves.of(curves))
-        costs = _measured_costs(steps, schedule)
+        measured = step_result(steps, schedule)
         compute_only = schedule.with_actions([[a for a in row if all(p.kind in (Kind.F, Kind.B, Kind.W, Kind.BW)
                                                                      for p in a.passes)] for row in schedule.actions])
-        predicted = simulate(compute_only, costs)
+        predicted = simulate(compute_only, step_costs(steps, schedule))
+        t0 = min(st.started_at for st in steps)
         makespan = max(st.started_at - t0 + max((e.end for e in st.events if e.kind in COMPUTE_KINDS), default=0.0)
                        for st in steps)
         return StepReport(schedule, steps, makespan, predicted.makespan, predicted, measured)
@@ -671,9 +656,14 @@ def _ref(schedule: Schedule) -> Any:
     return ScheduleRef.of(schedule)
 
 
-def _measured_costs(steps: Sequence[StepStats], schedule: Schedule) -> Any:
-    """The cost model of one measured step: per stage, the median seconds of its F, B and W (a fused BW split
-    evenly) and the bytes one microbatch held after F, during B and between B and W."""
+_DERIVED = ("F", "B", "W", "BW", "OPT")
+"""Kinds whose time the cost model derives from f, b, w and opt."""
+
+
+def step_costs(steps: Sequence[StepStats], schedule: Schedule) -> Any:
+    """The cost model of one measured step (each device's stats): per stage, the median seconds of its F, B and W
+    (a fused BW counts as B + W, split evenly) and of any other work it ran (K-FAC's), and the bytes one
+    microbatch held after F, while B ran and between B and W."""
     from pipefold.sim.simulate import CostModel, split_backward
 
     times = kind_times(steps)
@@ -681,9 +671,27 @@ def _measured_costs(steps: Sequence[StepStats], schedule: Schedule) -> Any:
     over = {}
     for s in range(schedule.stages):
         held, during_b, held_w = memory.get(s, (0, 0, 0))
+        # Other work the stage ran (K-FAC's), for the kinds whose time the cost model takes as given.
+        work = {k: v for k, v in times.get(s, {}).items() if k not in _DERIVED}
         over[s] = dataclasses.replace(split_backward(times.get(s, {})), memory=float(max(held, during_b)),
-                                      kept=float(held), memory_w=float(held_w or held))
+                                      kept=float(held), memory_w=float(held_w or held), work=work or None)
     return CostModel(stage_overrides=over)
+
+
+def step_result(steps: Sequence[StepStats], schedule: Schedule) -> Any:
+    """One measured step (each device's stats, in device order) as a :class:`~pipefold.sim.simulate.SimResult`: its
+    compute intervals and memory curves, in seconds from the earliest device's start, and bytes."""
+    from pipefold.ir import Action
+    from pipefold.sim.simulate import CostModel, Interval, MemoryCurves, SimResult, Timeline
+
+    t0 = min(st.started_at for st in steps)
+    rows, curves = [], []
+    for st in steps:
+        shift = st.started_at - t0
+        rows.append(tuple(Interval(Action.parse(e.name), shift + e.start, shift + e.end)
+                          for e in st.events if e.kind in COMPUTE_KINDS))
+        curves.append(((0.0, 0.0), *((shift + t, float(b)) for t, b in st.memory_curve)))
+    return SimResult(schedule, CostModel(), Timeline.of(rows), MemoryCurves.of(curves))
 
 
 def _placement_of(stages: StageModules, devices: int, rank: int) -> tuple[int, ...]:

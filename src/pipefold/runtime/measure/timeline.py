@@ -3,54 +3,29 @@ cost model that lets the simulator predict the same run."""
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 from collections.abc import Iterable
 from typing import Any
 
-from pipefold.ir import Action, Schedule
+from pipefold.ir import Schedule
 from pipefold.ir.graph import dependency_graph
-from pipefold.runtime.executor import COMPUTE_KINDS, kind_times
+from pipefold.runtime.executor import COMPUTE_KINDS
 from pipefold.runtime.history import step_number
 from pipefold.runtime.launch.job import RankReport
-from pipefold.sim.simulate import CostModel, Interval, MemoryCurves, SimResult, Timeline, split_backward
+from pipefold.runtime.pipeline import step_costs, step_result
+from pipefold.sim.simulate import CostModel, SimResult
 
 
 def measured_result(schedule: Schedule, reports: list[RankReport], step: int) -> SimResult:
     """One step's measured compute intervals and memory curves as a :class:`SimResult` (seconds from the earliest
-    rank's start, bytes)."""
-    t0 = min(r.steps[step].started_at for r in reports)
-    rows, curves = [], []
-    for r in sorted(reports, key=lambda r: r.rank):
-        s = r.steps[step]
-        shift = s.started_at - t0
-        rows.append(tuple(Interval(Action.parse(e.name), shift + e.start, shift + e.end)
-                          for e in s.events if e.kind in COMPUTE_KINDS))
-        curves.append(((0.0, 0.0), *((shift + t, float(b)) for t, b in s.memory_curve)))
-    return SimResult(schedule, CostModel(), Timeline.of(rows), MemoryCurves.of(curves))
-
-
-_DERIVED = ("F", "B", "W", "BW", "OPT")
-"""Kinds whose time the cost model derives from f, b, w and opt."""
+    rank's start, bytes): :func:`pipefold.runtime.pipeline.step_result` of the ranks' records of ``step``."""
+    return step_result([r.steps[step] for r in sorted(reports, key=lambda r: r.rank)], schedule)
 
 
 def measured_costs(schedule: Schedule, reports: list[RankReport], step: int) -> CostModel:
-    """The cost model of what the ranks measured in ``step``: per stage, the median seconds of its F, B and W
-    (a fused BW counts as B + W, split evenly) and of any other work it ran (K-FAC's), and the bytes one
-    microbatch held after F, while B ran and between B and W. The simulator fed with it predicts the run in
-    seconds and bytes."""
-    times = kind_times([r.steps[step] for r in reports])
-    memory: dict[int, tuple[int, int, int]] = {}
-    for r in reports:
-        memory.update(r.steps[step].stage_memory)
-    over = {}
-    for s in range(schedule.stages):
-        held, during_b, held_w = memory.get(s, (0, 0, 0))
-        # Other work the stage ran (K-FAC's), for the kinds whose time the cost model takes as given.
-        work = {k: v for k, v in times.get(s, {}).items() if k not in _DERIVED}
-        over[s] = dataclasses.replace(split_backward(times.get(s, {})), memory=float(max(held, during_b)),
-                                      kept=float(held), memory_w=float(held_w or held), work=work or None)
-    return CostModel(stage_overrides=over)
+    """The cost model of what the ranks measured in ``step`` (:func:`pipefold.runtime.pipeline.step_costs`): the
+    simulator fed with it predicts the run in seconds and bytes."""
+    return step_costs([r.steps[step] for r in reports], schedule)
 
 
 def measured_trace(reports: list[RankReport]) -> dict[str, Any]:
