@@ -60,8 +60,8 @@ def layer(module: str) -> str:
         return "sim"  # the root package: what it re-exports (ir, schedules, the simulator)
     if parts[1] in BASE:
         return "base"
-    if parts[1] == "__main__":
-        return "cli"
+    if parts[1] in ("__main__", "_entry"):
+        return "cli"  # ``python -m pipefold`` and the command's start-up
     return parts[1]
 
 

@@ -853,3 +853,26 @@ def test_an_mlp_plan_with_the_sizes_it_does_not_take_resolves() -> None:
     model = planned.spec.model
     assert (model.name, model.layers, model.hidden, model.heads, model.seq) == ("mlp", 8, 16, None, 64)
     assert planned.decided[0] == tuple(map(tuple, data["layer_stages"]))
+
+
+@pytest.mark.parametrize("command", [["profile", "--model", "gpt", "--layers", "4", "--hidden", "64", "--seq", "64",
+                                      "--batch", "16", "-m", "4", "-p", "2", "-o", "p.json"],
+                                     ["train", "--model", "mlp", "--steps", "2"], ["simulate", "zb-v"]])
+def test_ctrl_c_during_the_commands_start_up_is_one_line(command: list[str], tmp_path) -> None:
+    """SIGINT while the command still imports (the package, the command's modules, torch for the commands that use
+    it): held until the imports are done, then one line and code 130, never an import's traceback or an abort from
+    inside torch's own import (which a signal raised there causes). From 0.2 s on: in the interpreter's own first
+    tens of milliseconds, before any of pipefold runs, a signal is Python's to report."""
+    import signal
+    import time
+
+    for delay in (0.2, 0.5, 1.0):
+        proc = subprocess.Popen([sys.executable, "-m", "pipefold", *command], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+        lines = err.strip().splitlines()
+        assert proc.returncode in (0, 130) and len(lines) <= 1 and "Traceback" not in err, (delay, err)
+        if proc.returncode == 130:
+            assert lines == [f"pipefold {command[0]}: interrupted (SIGINT)"], (delay, err)

@@ -1,5 +1,5 @@
 """``python -m pipefold`` runs the command line."""
 
-from pipefold.cli.main import entry
+from pipefold._entry import main
 
-entry()
+main()
