@@ -285,7 +285,6 @@ class Pipeline(RankPipeline):
         if last in modules and loss_fn is None:
             raise ConfigError(f"this rank (device {self.rank}) holds the last stage ({last}): give it the loss "
                               "function, Pipeline(..., loss_fn=fn), fn(output, target) -> the microbatch's mean loss")
-        self.loss_fn = loss_fn
         self.dp_group, self.tp_group = dp_group, tp_group
         self.sharded = any(_is_fsdp(m) for m in modules.values())
         if self.sharded and (dp_group is None or not all(_is_fsdp(m) for m in modules.values())):
@@ -311,7 +310,6 @@ class Pipeline(RankPipeline):
         self._offloaded: list[Offloaded] = self._offload(modules, offload) if offload is not None else []
         if self._offloaded:
             modules = dict(zip(modules, self._offloaded, strict=True))
-        self.modules = modules
         self.timeout = action_timeout
         super().__init__([self.schedule], self.rank, modules, loss_fn, self.device, recompute=self.recompute,
                          timeout=pg_timeout(action_timeout), pipelines=[self.ranks], pipeline=0,
