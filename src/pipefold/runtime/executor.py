@@ -57,6 +57,7 @@ from pipefold.runtime.comm import (
 if TYPE_CHECKING:
     from pipefold.sim.network import Network
 from pipefold.runtime.meter import MemoryMeter
+from pipefold.runtime.precision import grad_holder
 from pipefold.runtime.stage import Boundaries, StageRunner, Tensors
 from pipefold.runtime.structure import decode_spec, encode_spec
 from pipefold.runtime.watch import Activity
@@ -324,8 +325,11 @@ class RankExecutor:
                  meshes: Sequence[Sequence[int]] | None = None, tp_index: int = 0, tp_group: Any = None,
                  dp_group: Any = None, sharded: bool = False, activity: Activity | None = None, staged: bool = False,
                  overlap: bool = True, boundaries: Boundaries | None = None,
-                 new_group: Callable[[list[int]], Any] | None = None) -> None:
+                 new_group: Callable[[list[int]], Any] | None = None, autocast: torch.dtype | None = None) -> None:
         self.schedule, self.rank, self.device = schedule, rank, device
+        self.loss_scale = 1.0
+        """What the last stage's loss is multiplied by before the backwards (an fp16 run's loss scale, set before
+        each step: :mod:`pipefold.runtime.precision`)."""
         self.infer = schedule.is_forward_only
         """A forward-only schedule (evaluation, inference): its forwards run without autograd and keep nothing."""
         self.boundaries = boundaries if boundaries is not None else Boundaries()
@@ -348,7 +352,8 @@ class RankExecutor:
         split = {a.stage for act in self.actions for a in act.passes if a.kind == Kind.B}
         self.runners = {
             s: StageRunner(m, loss_fn=loss_fn if s == last else None, meter=self.meter, recompute=recompute.get(s, 0),
-                           input_grads=s > 0, split=s in split, stage=s, boundaries=self.boundaries)
+                           input_grads=s > 0, split=s in split, stage=s, boundaries=self.boundaries,
+                           autocast=autocast)
             for s, m in modules.items()
         }
         self.optimizers = dict(optimizers or {})
@@ -561,7 +566,7 @@ class RankExecutor:
             out = runner.infer(mb, x, target)
         else:
             with self.work.forward(action) if self.work is not None else contextlib.nullcontext():
-                out = runner.forward(mb, x, target, scale=1.0 / M)
+                out = runner.forward(mb, x, target, scale=self.loss_scale / M)
         del x
         clock.interval(stats.events, str(action), "F", start)
         if s < S - 1:
@@ -624,9 +629,10 @@ class RankExecutor:
         """Stage ``s``'s gradients, this rank's part of each (zeros where a parameter got none)."""
         out = []
         for p in self.runners[s].params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            out.append(sharding.local(p.grad))
+            holder = grad_holder(p)  # a float32 master's, with master weights
+            if holder.grad is None:
+                holder.grad = torch.zeros_like(holder)
+            out.append(sharding.local(holder.grad))
         return out
 
     def _gather(self, action: Action, step: _Step) -> None:

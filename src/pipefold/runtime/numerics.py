@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from pipefold.runtime.sharding import local
+from pipefold.runtime.precision import grad_holder
 from pipefold.runtime.zero import AnyOptimizer, holding
 
 __all__ = ["Snapshot", "clip_factor", "local_check", "scale_grads", "verdict"]
@@ -36,8 +37,9 @@ def local_check(counted: Iterable[nn.Parameter], losses: Iterable[float], device
     be summed over the ranks (every microbatch's loss is computed on exactly one rank)."""
     sq = torch.zeros(1, device=device, dtype=torch.float64)  # the losses summed exactly enough to report
     for p in counted:
-        if p.grad is not None:
-            sq += local(p.grad.detach()).pow(2).sum()  # a shard's part of the norm (FSDP)
+        g = grad_holder(p).grad
+        if g is not None:
+            sq += local(g.detach()).pow(2).sum()  # a shard's part of the norm (FSDP)
     values = list(losses)
     finite = [v for v in values if math.isfinite(v)]
     rest = [float(len(values) - len(finite)), math.fsum(finite), float(len(finite))]
@@ -61,8 +63,9 @@ def clip_factor(norm: float, clip: float | None) -> float | None:
 
 def scale_grads(params: Iterable[nn.Parameter], factor: float) -> None:
     for p in params:
-        if p.grad is not None:
-            local(p.grad).mul_(factor)
+        g = grad_holder(p).grad
+        if g is not None:
+            local(g).mul_(factor)
 
 
 def _clone(value: Any) -> Any:

@@ -41,7 +41,9 @@ from pipefold.plan.choose import candidates_for, probe, resolve_schedule, with_d
 from pipefold.runtime import sharding
 from pipefold.runtime.executor import COMPUTE_KINDS, RankExecutor, StepStats, kind_times
 from pipefold.runtime.numerics import clip_factor, local_check, scale_grads, verdict
+from pipefold.runtime.compiled import MODES, check_compile, compile_stage
 from pipefold.runtime.offload import Offloaded
+from pipefold.runtime.precision import Masters, Precision, PrecisionOptimizer, unscale
 from pipefold.runtime.stage import Boundaries, Tensors
 from pipefold.runtime.structure import flatten, split_call, unflatten
 from pipefold.runtime.tied import TiedGrads, untie
@@ -231,6 +233,11 @@ class Pipeline(RankPipeline):
     (names within the stage modules): every copy's gradient becomes their sum at the end of each step.
     ``offload=(k, k')``: each stage's layers (an ``nn.Sequential``) keep their parameters in host memory, at most
     ``k`` on the device at once, evicted ``k'`` at a time (Superpipeline's layer offloading).
+    ``precision``: ``"bf16"`` or ``"fp16"`` (autocast, float32 parameters), ``"bf16-master"`` (parameters in bf16,
+    float32 gradients and master weights), or a :class:`~pipefold.runtime.precision.Precision` (fp16 runs with a
+    dynamic loss scale); step the optimizer through :meth:`optimizer` then. ``compile``: ``True``/``"split"`` or
+    ``"whole"`` compiles each stage's layers with torch.compile (``compile_backend``), the backward still split
+    into B and W (:mod:`pipefold.runtime.compiled`).
     ``action_timeout``: seconds an action may wait for another rank before the step fails.
     """
 
@@ -239,7 +246,8 @@ class Pipeline(RankPipeline):
                  group: Any = None, mesh: Any = None, device: torch.device | str | None = None,
                  recompute: Mapping[int, int] | None = None, tied: Sequence[Mapping[int, str]] = (),
                  memory_budget: float | None = None, offload: tuple[int, int] | None = None,
-                 action_timeout: float = DEFAULT_ACTION_TIMEOUT) -> None:
+                 precision: Precision | str | torch.dtype | None = None, compile: bool | str = False,
+                 compile_backend: str = "inductor", action_timeout: float = DEFAULT_ACTION_TIMEOUT) -> None:
         if not dist.is_initialized():
             raise ConfigError("Pipeline needs torch.distributed's process group: call "
                               "torch.distributed.init_process_group() first (torchrun sets its environment)")
@@ -307,6 +315,22 @@ class Pipeline(RankPipeline):
         bad = sorted(set(self.recompute) - set(modules))
         if bad:
             raise ConfigError(f"recompute names stages {bad}, but this rank holds stages {sorted(modules)}")
+        self.precision = Precision.of(precision)
+        """How the passes compute (:mod:`pipefold.runtime.precision`)."""
+        self.precision.check_device(self.device)
+        if self.precision.master_weights and (self.sharded or offload is not None):
+            raise ConfigError("master weights run with plain stage modules: FSDP stages take "
+                              "fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)), and "
+                              "offloaded ones precision='bf16' (autocast)")
+        self.scaler = self.precision.scaler()
+        """The pipeline's loss scale (fp16), the same on every rank; None without one."""
+        self.overflowed = False
+        """Whether the last step's gradients had an inf or NaN (checked on every rank alike where a loss scale or
+        fp16 runs): :meth:`optimizer`'s step skips it."""
+        self.compiled = _compile_mode(compile)
+        if self.compiled is not None:
+            check_compile(compile_backend, self.device)
+            modules = {s: compile_stage(m, self.compiled, compile_backend) for s, m in modules.items()}
         self._offloaded: list[Offloaded] = self._offload(modules, offload) if offload is not None else []
         if self._offloaded:
             modules = dict(zip(modules, self._offloaded, strict=True))
@@ -314,7 +338,7 @@ class Pipeline(RankPipeline):
         super().__init__([self.schedule], self.rank, modules, loss_fn, self.device, recompute=self.recompute,
                          timeout=pg_timeout(action_timeout), pipelines=[self.ranks], pipeline=0,
                          meshes=[[r] for r in self.ranks], dp_group=dp_group if self._dp else None,
-                         sharded=self.sharded, new_group=_subgroup)
+                         sharded=self.sharded, new_group=_subgroup, autocast=self.precision.autocast)
         self.executor()  # its process groups now, on every rank at once
         if self.sharded:
             for m in modules.values():
@@ -323,6 +347,9 @@ class Pipeline(RankPipeline):
         self._loss_group = _subgroup(self._last_stage_ranks) if len(self._last_stage_ranks) > 1 and \
             me in self._last_stage_ranks else None
         self._broadcast_replicas()
+        self.masters = Masters(self.parameters(), self.precision.torch_dtype) if self.precision.master_weights \
+            else None
+        """The float32 master weights (``precision`` with master weights), which :meth:`optimizer` steps."""
         self._counted = self._norm_parameters()
 
     # -- construction
@@ -433,14 +460,21 @@ class Pipeline(RankPipeline):
         """ZeRO-1 over the mesh's ``"dp"`` copies: an optimizer of which this copy steps its share of
         :meth:`parameters` (``make(share)``, e.g. ``lambda ps: torch.optim.AdamW(ps, lr=3e-4)``), keeping only its
         state, and receives the other shares from their owners after each step
-        (:class:`~pipefold.runtime.zero.ShardedOptimizer`). The schedule's DP actions average the gradients first,
-        so the weights after each step are those of the plain optimizer."""
+        (:class:`~pipefold.runtime.zero.ShardedOptimizer`, inside :meth:`optimizer`'s wrapper). The schedule's DP
+        actions average the gradients first, so the weights after each step are those of the plain optimizer."""
         from pipefold.runtime.zero import ShardedOptimizer
 
         if self.dp_group is None or self.sharded:
             raise ConfigError("zero1 shards the optimizer over a DeviceMesh's 'dp' copies of plain stage modules: "
                               "give Pipeline(..., mesh=mesh) with a 'dp' dimension (FSDP stages shard it already)")
-        return ShardedOptimizer(self.parameters(), make, self.dp_group)
+        return self.optimizer(lambda params: ShardedOptimizer(params, make, self.dp_group))
+
+    def optimizer(self, make: Callable[[list[Any]], Any]) -> PrecisionOptimizer:
+        """The optimizer for this rank's parameters under the pipeline's precision: ``make(params)`` (e.g.
+        ``lambda ps: torch.optim.AdamW(ps, lr=3e-4)``, or :meth:`zero1`'s kind) gets the float32 master weights
+        where the parameters are held in bf16 or fp16, and its ``step()`` writes them back; a step whose gradients
+        overflowed (an inf or NaN, found on every rank alike) is skipped. Any precision, float32 included."""
+        return PrecisionOptimizer(make, self.parameters(), self.masters, lambda: self.overflowed)
 
     @property
     def is_last(self) -> bool:
@@ -489,8 +523,10 @@ class Pipeline(RankPipeline):
         holds = [s for s in executor.runners if s == 0]
         xs: list[Tensors] = [()] * m
         if holds:
-            moved = [_to(v, self.device) for v in inputs]
-            xs, spec = split_call(tuple(moved), {k: _to(v, self.device) for k, v in kwinputs.items()}, m)
+            # With the parameters in bf16 or fp16, so is every floating input (autocast casts its own).
+            dtype = self.precision.torch_dtype if self.precision.master_weights else None
+            moved = [_to(v, self.device, dtype) for v in inputs]
+            xs, spec = split_call(tuple(moved), {k: _to(v, self.device, dtype) for k, v in kwinputs.items()}, m)
             self.boundaries.specs[0] = spec
         last = self.schedule.stages - 1
         ys: list[Any] = [None] * m
@@ -505,6 +541,7 @@ class Pipeline(RankPipeline):
             for module in self.modules.values():
                 sharding.gather(module).wait()
         executor.activity.step = self.steps + 1  # what a peer's failure names
+        executor.loss_scale = self.scaler.scale if self.scaler is not None and train else 1.0
         try:
             stats = self.run(xs, ys, train=train)  # every step sends its shapes: they may change
         except RuntimeError as exc:
@@ -524,6 +561,8 @@ class Pipeline(RankPipeline):
             wrapper.evict_all()  # every layer home, with its gradient, before the user's optimizer reads it
         if train and self.tied is not None:
             self.tied.reduce()
+        if train:
+            self._after_backward()
         if train and self._candidates and not self.plan:
             self._choose()
         losses = list(stats.losses.values())
@@ -531,6 +570,17 @@ class Pipeline(RankPipeline):
         if len(self._last_stage_ranks) > 1 or all_ranks:
             loss = self._gather_loss(losses, all_ranks)
         return loss
+
+    def _after_backward(self) -> None:
+        """With a loss scale: the gradients divided by it, the overflow verdict taken on every rank alike and the
+        scale updated. In fp16 without one: the verdict alone (a step with an inf is skipped)."""
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        if self.scaler is None and self.precision.dtype != "fp16":
+            return
+        unscale(self.parameters(), scale)
+        self.overflowed = not self.check().finite
+        if self.scaler is not None:
+            self.scaler.update(self.overflowed)
 
     def _choose(self) -> None:
         """``auto``: after the first step (run with a schedule that splits B and W), predict every candidate from
@@ -765,10 +815,25 @@ def _ties(tied: Sequence[Mapping[int, str]], stages: int) -> list[tuple[tuple[in
     return out
 
 
-def _to(value: Any, device: torch.device) -> Any:
+def _to(value: Any, device: torch.device, dtype: torch.dtype | None = None) -> Any:
+    """``value``'s tensors on ``device`` (its floating ones in ``dtype`` where given)."""
     from torch.utils import _pytree as pytree
 
-    return pytree.tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, value)
+    def move(v: Any) -> Any:
+        if not isinstance(v, torch.Tensor):
+            return v
+        return v.to(device, dtype) if dtype is not None and v.is_floating_point() else v.to(device)
+    return pytree.tree_map(move, value)
+
+
+def _compile_mode(value: bool | str | None) -> str | None:
+    if value is None or value is False:
+        return None
+    if value is True:
+        return "split"
+    if isinstance(value, str) and value in MODES:
+        return value
+    raise ConfigError(f"compile is True, 'split' or 'whole' (got {value!r})")
 
 
 def _split_target(target: Any, parts: int) -> list[Any]:

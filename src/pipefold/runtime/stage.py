@@ -42,7 +42,7 @@ from __future__ import annotations
 import re
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -198,6 +198,8 @@ class _Pass:
         held: list[torch.Tensor | None] = [*self.inputs, *(self.outputs if outputs else ()), *self.grads_out,
                                            *self.lead_grads]
         held += [g for grads in self.captured.values() for g in grads]
+        if self.cut is not None:
+            held += [g for made in self.cut.made.values() for _, g in made]
         if self.rebuild is not None:
             held += [*self.rebuild.inputs, *(self.rebuild.rebuilt or ())]
         return meter.bytes_of(held, [b.key for ref in self.boxes if (b := ref()) is not None and b.tensor is not None])
@@ -219,8 +221,14 @@ class _Rebuild:
     """
 
     def __init__(self, layers: Sequence[nn.Module], inputs: Tensors, weights: set[int], meter: MemoryMeter,
-                 state: _Backward, call: Callable[[Tensors], Call]) -> None:
+                 state: _Backward, call: Callable[[Tensors], Call],
+                 casting: Callable[[], AbstractContextManager[Any]] = nullcontext, *, compiled: bool = False) -> None:
         self.layers, self.inputs, self.meter, self.state, self.call = layers, inputs, meter, state, call
+        self.casting = casting
+        """The forward's autocast, which the rerun (in a backward, outside it) enters again."""
+        self.compiled = compiled
+        if compiled:
+            self.pack, self.unpack = eager(self.pack), eager(self.unpack)  # type: ignore[method-assign]
         self.keep = weights | {_storage(x) for x in inputs}
         self.rng = _rng_state(inputs)
         self.count = 0
@@ -260,7 +268,9 @@ class _Rebuild:
             return t.detach()
 
         xs = as_leaves(self.inputs)  # fresh leaves: the rerun must not reach the forward's graph
-        with torch.enable_grad(), _restored_rng(self.rng), torch.autograd.graph.saved_tensors_hooks(record, _same):
+        hooks = (eager(record), eager(_same)) if self.compiled else (record, _same)
+        with torch.enable_grad(), _restored_rng(self.rng), self.casting(), \
+                torch.autograd.graph.saved_tensors_hooks(*hooks):
             run_layers(self.layers, self.call(xs))
         if len(saves) != self.count:
             raise RuntimeError(f"recomputing {len(self.layers)} layers saved {len(saves)} tensors where the forward "
@@ -271,6 +281,17 @@ class _Rebuild:
 
 def _same(t: Any) -> Any:
     return t
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """Whether ``module`` is a torch.compile'd module (an ``OptimizedModule``)."""
+    return type(module).__name__ == "OptimizedModule"
+
+
+def eager(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run as it is, never traced by torch.compile: a saved-tensor hook called from inside a compiled
+    region's frame would otherwise be compiled itself, and compiled again for every new stride it meets."""
+    return torch.compiler.disable(fn)
 
 
 _RngState = tuple[torch.Tensor, torch.device | None, torch.Tensor | None]
@@ -331,6 +352,10 @@ class _Cut:
         self.owned: dict[Node, list[Node]] = {nodes[i]: [nodes[a] for a in accs] for i, accs in shape.owned}
         """The crossing nodes that own their parameters (see :func:`_ownership`), with the parameters'
         accumulators."""
+        self.made: dict[Node, list[tuple[tuple[Node, int], torch.Tensor]]] = {}
+        """What B's engine already made on the crossings of a compiled region (:func:`compiled_node`): its
+        backward is one function computing the input's and the weights' gradients together, so W takes these
+        instead of running it again."""
 
     @property
     def crossings(self) -> list[Node]:
@@ -350,7 +375,10 @@ class _Cut:
         seen_grads = captured.pop(node, None)
         del self.edges[node]
         accs = self.owned.pop(node)
-        if seen_grads is not None:
+        made = self.made.pop(node, None)
+        if made is not None:
+            _from_edges(made, accs)
+        elif seen_grads is not None:
             _owned_backward(node, seen_grads, accs)
 
     def weight_grads(self, captured: dict[Node, tuple[torch.Tensor | None, ...]],
@@ -363,10 +391,13 @@ class _Cut:
         root_grads = list(grads_out)
         entering: dict[tuple[Node, int], torch.Tensor] = {}
         for node, edges in self.edges.items():
+            made = self.made.get(node)
             seen_grads = captured.get(node)
-            if seen_grads is None or all(g is None for g in seen_grads):
+            if made is not None:
+                pairs = list(made)
+            elif seen_grads is None or all(g is None for g in seen_grads):
                 continue
-            if node in self.owned:
+            elif node in self.owned:
                 _owned_backward(node, seen_grads, self.owned[node])
                 continue
             else:
@@ -531,6 +562,23 @@ def _owned_backward(node: Node, seen_grads: tuple[torch.Tensor | None, ...], acc
                             inputs=[GradientEdge(a, 0) for a in accs])
 
 
+def _from_edges(made: list[tuple[tuple[Node, int], torch.Tensor]], accs: list[Node]) -> None:
+    """Add gradients already made on a node's edges into the parameters' accumulators ``accs`` below them."""
+    torch.autograd.backward([GradientEdge(c, nr) for (c, nr), _ in made], [g for _, g in made],
+                            inputs=[GradientEdge(a, 0) for a in accs])
+
+
+_COMPILED = "CompiledFunctionBackward"
+"""The backward node of a region torch.compile made (AOTAutograd's): one function for every gradient of the
+region, its input's and its weights' alike."""
+
+
+def compiled_node(node: Node) -> bool:
+    """Whether ``node`` is the backward of a compiled region (torch.compile), which cannot run for its weights
+    alone."""
+    return type(node).__name__ == _COMPILED
+
+
 def graph_below(start: list[Node]) -> set[Node]:
     """``start`` and every node reachable from them."""
     out: set[Node] = set()
@@ -639,6 +687,17 @@ def _capture(node: Node, store: dict[Node, tuple[torch.Tensor | None, ...]],
     return hook
 
 
+def _keep_made(node: Node, edges: list[tuple[Node, int]], cut: _Cut) -> Callable[..., None]:
+    """A post-hook on a compiled region's node: keep the gradients it made for its edges off the path (W's)."""
+    wanted = set(edges)
+
+    def hook(grad_inputs: Any, grad_outputs: Any) -> None:
+        cut.made[node] = [((c, nr), _reduce_broadcast(g.detach(), c, nr))
+                          for (c, nr), g in zip(node.next_functions, grad_inputs, strict=True)
+                          if g is not None and c is not None and (c, nr) in wanted]
+    return hook
+
+
 def _left(state: _Backward) -> Callable[..., None]:
     def hook(grad_inputs: Any, grad_outputs: Any) -> None:
         state.at_crossing = False
@@ -679,9 +738,15 @@ class StageRunner:
 
     def __init__(self, module: nn.Module, *, loss_fn: Callable[..., torch.Tensor] | None = None,
                  meter: MemoryMeter | None = None, recompute: int = 0, input_grads: bool = True,
-                 split: bool = True, stage: int = 0, boundaries: Boundaries | None = None) -> None:
+                 split: bool = True, stage: int = 0, boundaries: Boundaries | None = None,
+                 autocast: torch.dtype | None = None) -> None:
         keep_freed_pages()
         self.module = module
+        self.autocast = autocast
+        """The dtype the forwards compute in under ``torch.autocast`` (and a recomputation's rerun with them); None:
+        the module's own (:mod:`pipefold.runtime.precision`)."""
+        self._compiled = any(is_compiled(m) for m in module.modules())
+        """Whether some layer is torch.compile'd: the saved-tensor hooks then run outside its tracing."""
         self.loss_fn = loss_fn
         """Set on the last stage: ``loss_fn(output, target)``, the mean over the microbatch; F then returns it."""
         self.stage = stage
@@ -760,12 +825,15 @@ class StageRunner:
             setattr(listener, "on_saved", lambda t: meter.hold((t,), "saved"))  # noqa: B010
         rebuild = None
         call = self.boundaries.call
+        unpack: Callable[[Any], Any] = self._unpack
+        if self._compiled:
+            pack, unpack = eager(pack), eager(unpack)
         try:
-            with self._fitting(inputs):
+            with self._fitting(inputs), self.casting():
                 lead: tuple[Any, ...] = ()
                 mid: Any = None
                 if self._lead:
-                    with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
+                    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
                         lead_out, lead_spec = flatten(run_layers(self._lead, call(self.stage, leaves)))
                     leaves = as_leaves(lead_out)  # the inputs B differentiates towards
                     mid = as_call(unflatten(lead_spec, leaves), lead_spec)
@@ -775,11 +843,11 @@ class StageRunner:
                                  if t.grad_fn is not None)
                 if self.recompute:
                     rebuild = _Rebuild(self._head, leaves, weights, meter, self._state,
-                                       lambda xs: call(self.stage, xs))
+                                       lambda xs: call(self.stage, xs), self.casting, compiled=self._compiled)
                     meter.hold(leaves, "saved")  # what the recomputed layers keep: their input, once
                     with torch.autograd.graph.saved_tensors_hooks(rebuild.pack, rebuild.unpack):
                         mid = run_layers(self._head, call(self.stage, leaves))
-                with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
+                with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
                     if rebuild is not None or self._lead:
                         raw = run_layers(self._tail, mid) if self._tail else mid  # all recomputed: the head's
                     else:
@@ -806,7 +874,7 @@ class StageRunner:
         """F of a forward-only step (evaluation, inference), under ``torch.no_grad``: nothing is kept for a backward.
         The last stage keeps its output in :attr:`outputs` (and its loss in :attr:`losses` when given a
         ``target``) and returns nothing; any other its output's tensors for the next stage."""
-        with torch.no_grad(), self._fitting(inputs):
+        with torch.no_grad(), self._fitting(inputs), self.casting():
             raw = self.boundaries.call(self.stage, inputs)(self.module)
             if self.loss_fn is None:
                 return self._hand_over(raw)
@@ -814,6 +882,17 @@ class StageRunner:
             if target is not None:
                 self.losses[mb] = self._loss(raw, target).detach()
             return ()
+
+    def casting(self) -> AbstractContextManager[Any]:
+        """The forward's autocast (a no-op without :attr:`autocast`)."""
+        if self.autocast is None:
+            return nullcontext()
+        return torch.autocast(self.module_device_type, dtype=self.autocast)
+
+    @property
+    def module_device_type(self) -> str:
+        p = next(iter(self._weights), None)
+        return p.device.type if p is not None else "cpu"
 
     def _loss(self, raw: Any, target: Any) -> torch.Tensor:
         assert self.loss_fn is not None
@@ -876,6 +955,9 @@ class StageRunner:
         state = self._state
         handles = []
         for node in cut.crossings:
+            if compiled_node(node):  # B's engine makes W's gradients too: kept, and the node's saves freed
+                handles.append(node.register_hook(_keep_made(node, cut.edges[node], cut)))
+                continue
             handles.append(node.register_prehook(_capture(node, captured, state)))
             handles.append(node.register_hook(_left(state)))
         before = self._rest_of_rank(p, out_grads)
@@ -889,6 +971,7 @@ class StageRunner:
         for node in cut.vector_crossings():  # cheap weight gradients: now, so B frees what they read
             cut.take_now(node, captured)
         self.meter.hold((g for grads in captured.values() for g in grads), "captured")
+        self.meter.hold((g for made in cut.made.values() for _, g in made), "captured")
         p.cut, p.captured = cut, captured
         # W starts from the crossings and from the outputs off the path: only those outputs stay.
         p.outputs = tuple(outs[i] for i in cut.outputs)

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipefold.ir import Schedule
+from pipefold.runtime.precision import grad_holder
 
 Tie = tuple[tuple[int, str], ...]
 
@@ -112,10 +113,12 @@ class TiedGrads:
         """Every copy's gradient becomes the sum over all copies (of the step just run)."""
         for g in self.groups:
             total = torch.zeros_like(g.held[0], device=self.device)
+            total = total.to(grad_holder(g.held[0]).dtype)
             for p in g.counted:
-                if p.grad is not None:
-                    total += p.grad.to(self.device)
+                grad = grad_holder(p).grad
+                if grad is not None:
+                    total += grad.to(self.device)
             if g.group is not None:
                 dist.all_reduce(total, group=g.group)
             for p in g.held:
-                p.grad = total.to(p.device, copy=True)
+                grad_holder(p).grad = total.to(p.device, copy=True)

@@ -1,0 +1,226 @@
+"""Mixed precision and torch.compile in a user's loop: every schedule family against one process running the same
+recipe (the same dtype, the same microbatches, the same compiled layers)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import run_ranks
+from pipefold.errors import ConfigError
+from pipefold.runtime.precision import LossScaler, Precision
+
+WIDTH, ROWS, M = 16, 8, 4
+
+
+class Block(nn.Module):
+    """A residual block with a norm: autocast keeps the norm in float32 and the products in the low dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.up = nn.Linear(WIDTH, 2 * WIDTH)
+        self.down = nn.Linear(2 * WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
+
+
+def _model(n: int, seed: int = 0) -> list[nn.Module]:
+    torch.manual_seed(seed)
+    return [nn.Sequential(Block(), Block()) for _ in range(n)]
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(ROWS, WIDTH, generator=g), torch.randn(ROWS, WIDTH, generator=g)
+
+
+def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(out.float(), y)
+
+
+def _one_process(n: int, precision: Precision, steps: int, *, order: list[int] | None = None,
+                 compiled: str | None = None, loss_scale: float = 1.0) -> tuple[list[float], dict[str, Any]]:
+    """The same recipe in one process: the microbatches' gradients summed (in ``order``), SGD steps on float32
+    (master) weights."""
+    from pipefold.runtime.compiled import compile_stage
+
+    layers = _model(n)
+    if compiled is not None:
+        layers = [compile_stage(m, compiled, "aot_eager") for m in layers]
+    model = nn.Sequential(*layers)
+    masters = None
+    if precision.master_weights:
+        masters = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
+        for p in model.parameters():
+            p.data = p.data.to(precision.torch_dtype)
+    opt = torch.optim.SGD(masters if masters is not None else model.parameters(), lr=0.1)
+    losses = []
+    for step in range(steps):
+        x, y = _batch(step)
+        opt.zero_grad()
+        grads = [torch.zeros(p.shape) for p in model.parameters()]
+        total = 0.0
+        for mb in order or range(M):
+            xm, ym = x.chunk(M)[mb], y.chunk(M)[mb]
+            if precision.master_weights:
+                xm = xm.to(precision.torch_dtype)
+            ctx = torch.autocast("cpu", dtype=precision.autocast) if precision.autocast else torch.autocast(
+                "cpu", enabled=False)
+            with ctx:
+                loss = _loss(model(xm), ym)
+            total += loss.item()
+            (loss * (loss_scale / M)).backward()
+            for g, p in zip(grads, model.parameters(), strict=True):
+                g += p.grad.float()
+                p.grad = None
+        for g, p in zip(grads, masters if masters is not None else model.parameters(), strict=True):
+            p.grad = g / loss_scale
+        opt.step()
+        if masters is not None:
+            with torch.no_grad():
+                for p, m in zip(model.parameters(), masters, strict=True):
+                    p.copy_(m)
+        losses.append(total / M)
+    weights = masters if masters is not None else list(model.parameters())
+    return losses, {"weights": [w.detach().float().clone() for w in weights], "grads": [g / loss_scale for g in grads]}
+
+
+def _train(rank: int, init: str, world: int, schedule: str, precision: str, compiled: str | None, steps: int,
+           out: Any) -> None:
+    import torch.distributed as dist
+
+    from pipefold.runtime.pipeline import Pipeline
+    from pipefold.schedules import build
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        name, _, opts = schedule.partition(":")
+        built = build(name, world, M, **{k: int(v) for k, v in (o.split("=") for o in opts.split(",") if o)})
+        layers = _model(built.stages)
+        mine = built.stages_of(rank)
+        pipe = Pipeline([layers[s] for s in mine], schedule, microbatches=M, loss_fn=_loss,
+                        precision=Precision.of(precision), compile=compiled or False, compile_backend="aot_eager")
+        opt = pipe.optimizer(lambda ps: torch.optim.SGD(ps, lr=0.1))
+        losses = []
+        grads: dict[str, Any] = {}
+        for step in range(steps):
+            x, y = _batch(step)
+            opt.zero_grad()
+            losses.append(pipe.step(x, target=y, all_ranks=True))
+            grads = {f"{s}.{i}": (getattr(p, "_pf_master", p).grad.float().numpy().copy())
+                     for s in mine for i, p in enumerate(pipe.modules[s].parameters())}
+            opt.step()
+        weights = {f"{s}.{i}": getattr(p, "_pf_master", p).detach().float().numpy().copy()
+                   for s in mine for i, p in enumerate(layers[s].parameters())}
+        out.put((rank, losses, grads, weights, [str(p.dtype) for p in layers[mine[0]].parameters()][:1]))
+        pipe.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def _gathered(results: list[Any], stages: int) -> tuple[list[float], list[torch.Tensor], list[torch.Tensor], set]:
+    grads: dict[str, Any] = {}
+    weights: dict[str, Any] = {}
+    dtypes = set()
+    for _, _, g, w, d in results:
+        grads.update(g)
+        weights.update(w)
+        dtypes.update(d)
+    per = len([k for k in grads if k.startswith("0.")])
+    order = [f"{s}.{i}" for s in range(stages) for i in range(per)]
+    return results[0][1], [torch.from_numpy(grads[k]) for k in order], [torch.from_numpy(weights[k]) for k in order], \
+        dtypes
+
+
+def _diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max(float((x - y).abs().max() / (y.abs().max() + 1e-12)) for x, y in zip(a, b, strict=True))
+
+
+def _stages(schedule: str) -> int:
+    from pipefold.schedules import build
+
+    name, _, opts = schedule.partition(":")
+    return build(name, 2, M, **{k: int(v) for k, v in (o.split("=") for o in opts.split(",") if o)}).stages
+
+
+@pytest.mark.parametrize(("schedule", "precision"), [
+    ("1f1b", "bf16"), ("zb-h1", "bf16"), ("zb-v", "bf16"), ("interleaved-1f1b:v=2", "bf16"), ("chimera", "bf16"),
+    ("dualpipev", "bf16"), ("v-half", "bf16"), ("gpipe", "fp16"), ("zb-h1", "fp16"), ("1f1b", "bf16-master"),
+    ("zb-v", "bf16-master"), ("dualpipe", "fp16-master")])
+def test_mixed_precision_equals_one_process_running_the_same_recipe(schedule: str, precision: str) -> None:
+    """The pipeline's gradients and weights after two steps equal one process running the same recipe (autocast, or
+    parameters in the low dtype with float32 masters; fp16 with its loss scale), within what the recipe differs from
+    itself when only the order of the microbatches' sums changes."""
+    prec = Precision.of(precision)
+    stages = _stages(schedule)
+    results = run_ranks(_train, 2, 2, schedule, precision, None, 2)
+    losses, grads, weights, dtypes = _gathered(results, stages)
+    scale = LossScaler().scale if prec.loss_scale is not None else 1.0
+    ref_losses, ref = _one_process(stages, prec, 2, loss_scale=scale)
+    _, again = _one_process(stages, prec, 2, order=list(reversed(range(M))), loss_scale=scale)
+    tolerance = max(_diff(again["grads"], ref["grads"]), _diff(again["weights"], ref["weights"]), 1e-6)
+    assert _diff(grads, ref["grads"]) <= 2 * tolerance
+    assert _diff(weights, ref["weights"]) <= 2 * tolerance
+    assert losses == pytest.approx(ref_losses, rel=1e-3)
+    # It really ran in the low precision: the gradients differ from float32's by far more than that tolerance.
+    _, fp32 = _one_process(stages, Precision(), 2)
+    assert _diff(grads, fp32["grads"]) > 10 * tolerance
+    assert dtypes == ({str(prec.torch_dtype)} if prec.master_weights else {"torch.float32"})
+
+
+@pytest.mark.parametrize(("schedule", "mode"), [
+    ("1f1b", "split"), ("zb-h1", "split"), ("zb-v", "split"), ("dualpipev", "split"), ("chimera", "whole"),
+    ("zb-h1", "whole"), ("v-half", "whole"), ("interleaved-1f1b:v=2", "split")])
+def test_compiled_layers_keep_the_split_backward_exact(schedule: str, mode: str) -> None:
+    """Compiled layers (each mode) on every family give one process's compiled model's gradients to 1e-5."""
+    stages = _stages(schedule)
+    results = run_ranks(_train, 2, 2, schedule, "fp32", mode, 2)
+    losses, grads, weights, _ = _gathered(results, stages)
+    ref_losses, ref = _one_process(stages, Precision(), 2, compiled=mode)
+    assert _diff(grads, ref["grads"]) <= 1e-5
+    assert _diff(weights, ref["weights"]) <= 1e-5
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+
+
+def test_a_dynamic_loss_scale_backs_off_on_an_overflow_the_same_everywhere() -> None:
+    scaler = LossScaler(8.0, interval=2)
+    for overflow in (False, True, False, False, False):
+        scaler.update(overflow)
+    assert (scaler.scale, scaler.skipped, scaler.good) == (8.0, 1, 1)
+    fixed = LossScaler(4.0, dynamic=False)
+    fixed.update(True)
+    assert fixed.scale == 4.0 and fixed.skipped == 1
+
+
+@pytest.mark.parametrize(("value", "words"), [
+    ("bf17", "unknown dtype"), ("bf16-fast", "unknown precision"), ("fp32-master", "master weights"), ("int8", "unknown dtype"),
+    (torch.float64, "not one pipefold trains in"), (3, "must be a dtype name")])
+def test_a_precision_no_run_can_use_is_one_line(value: Any, words: str) -> None:
+    with pytest.raises(ConfigError, match=words):
+        Precision.of(value)
+    with pytest.raises(ConfigError, match="loss scale"):
+        Precision("fp16", loss_scale="big")
+    with pytest.raises(ConfigError, match="from 1 to"):
+        Precision("fp16", loss_scale=0.5)
+
+
+def test_compile_modes_leave_the_parameters_and_refuse_an_unknown_mode() -> None:
+    from pipefold.runtime.compiled import compile_stage
+
+    stage = nn.Sequential(Block(), Block())
+    before = [id(p) for p in stage.parameters()]
+    compiled = compile_stage(copy.deepcopy(stage), "split", "aot_eager")
+    assert len(list(compiled.parameters())) == len(before)
+    with pytest.raises(ConfigError, match="unknown compile mode"):
+        compile_stage(stage, "fast")
+    with pytest.raises(ConfigError, match="unknown compile backend"):
+        from pipefold.runtime.compiled import check_compile
+
+        check_compile("tvm", torch.device("cpu"))
