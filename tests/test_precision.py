@@ -92,7 +92,7 @@ def _one_process(n: int, precision: Precision, steps: int, *, order: list[int] |
 
 
 def _train(rank: int, init: str, world: int, schedule: str, precision: str, compiled: str | None, steps: int,
-           out: Any) -> None:
+           memory: str, out: Any) -> None:
     import torch.distributed as dist
 
     from pipefold.runtime.pipeline import Pipeline
@@ -105,8 +105,11 @@ def _train(rank: int, init: str, world: int, schedule: str, precision: str, comp
         built = build(name, world, M, **{k: int(v) for k, v in (o.split("=") for o in opts.split(",") if o)})
         layers = _model(built.stages)
         mine = built.stages_of(rank)
+        saving: dict[str, Any] = {"recompute": {"recompute": dict.fromkeys(mine, 1)}, "offload": {"offload": (1, 1)},
+                                  "": {}}[memory]
         pipe = Pipeline([layers[s] for s in mine], schedule, microbatches=M, loss_fn=_loss,
-                        precision=Precision.of(precision), compile=compiled or False, compile_backend="aot_eager")
+                        precision=Precision.of(precision), compile=compiled or False, compile_backend="aot_eager",
+                        **saving)
         opt = pipe.optimizer(lambda ps: torch.optim.SGD(ps, lr=0.1))
         losses = []
         grads: dict[str, Any] = {}
@@ -150,17 +153,20 @@ def _stages(schedule: str) -> int:
     return build(name, 2, M, **{k: int(v) for k, v in (o.split("=") for o in opts.split(",") if o)}).stages
 
 
-@pytest.mark.parametrize(("schedule", "precision"), [
-    ("1f1b", "bf16"), ("zb-h1", "bf16"), ("zb-v", "bf16"), ("interleaved-1f1b:v=2", "bf16"), ("chimera", "bf16"),
-    ("dualpipev", "bf16"), ("v-half", "bf16"), ("gpipe", "fp16"), ("zb-h1", "fp16"), ("1f1b", "bf16-master"),
-    ("zb-v", "bf16-master"), ("dualpipe", "fp16-master")])
-def test_mixed_precision_equals_one_process_running_the_same_recipe(schedule: str, precision: str) -> None:
+@pytest.mark.parametrize(("schedule", "precision", "memory"), [
+    ("1f1b", "bf16", ""), ("zb-h1", "bf16", ""), ("zb-v", "bf16", ""), ("interleaved-1f1b:v=2", "bf16", ""),
+    ("chimera", "bf16", ""), ("dualpipev", "bf16", ""), ("v-half", "bf16", ""), ("gpipe", "fp16", ""),
+    ("zb-h1", "fp16", ""), ("1f1b", "bf16-master", ""), ("zb-v", "bf16-master", ""), ("dualpipe", "fp16-master", ""),
+    ("zb-v", "bf16", "recompute"), ("1f1b", "fp16", "recompute"), ("zb-h1", "bf16", "offload"),
+    ("v-min", "bf16-master", "recompute")])
+def test_mixed_precision_equals_one_process_running_the_same_recipe(schedule: str, precision: str,
+                                                                    memory: str) -> None:
     """The pipeline's gradients and weights after two steps equal one process running the same recipe (autocast, or
     parameters in the low dtype with float32 masters; fp16 with its loss scale), within what the recipe differs from
     itself when only the order of the microbatches' sums changes."""
     prec = Precision.of(precision)
     stages = _stages(schedule)
-    results = run_ranks(_train, 2, 2, schedule, precision, None, 2)
+    results = run_ranks(_train, 2, 2, schedule, precision, None, 2, memory)
     losses, grads, weights, dtypes = _gathered(results, stages)
     scale = LossScaler().scale if prec.loss_scale is not None else 1.0
     ref_losses, ref = _one_process(stages, prec, 2, loss_scale=scale)
@@ -175,13 +181,16 @@ def test_mixed_precision_equals_one_process_running_the_same_recipe(schedule: st
     assert dtypes == ({str(prec.torch_dtype)} if prec.master_weights else {"torch.float32"})
 
 
-@pytest.mark.parametrize(("schedule", "mode"), [
-    ("1f1b", "split"), ("zb-h1", "split"), ("zb-v", "split"), ("dualpipev", "split"), ("chimera", "whole"),
-    ("zb-h1", "whole"), ("v-half", "whole"), ("interleaved-1f1b:v=2", "split")])
-def test_compiled_layers_keep_the_split_backward_exact(schedule: str, mode: str) -> None:
-    """Compiled layers (each mode) on every family give one process's compiled model's gradients to 1e-5."""
+@pytest.mark.parametrize(("schedule", "mode", "memory"), [
+    ("1f1b", "split", ""), ("zb-h1", "split", ""), ("zb-v", "split", ""), ("dualpipev", "split", ""),
+    ("chimera", "whole", ""), ("zb-h1", "whole", ""), ("v-half", "whole", ""), ("interleaved-1f1b:v=2", "split", ""),
+    ("kfkb:k=2", "split", ""), ("gpipe", "whole", ""), ("zb-h1", "split", "recompute"),
+    ("zb-v", "whole", "recompute"), ("1f1b", "split", "offload"), ("zb-h1", "whole", "offload")])
+def test_compiled_layers_keep_the_split_backward_exact(schedule: str, mode: str, memory: str) -> None:
+    """Compiled layers (each mode) on every family, with recomputation and offloading, give one process's
+    compiled model's gradients to 1e-5."""
     stages = _stages(schedule)
-    results = run_ranks(_train, 2, 2, schedule, "fp32", mode, 2)
+    results = run_ranks(_train, 2, 2, schedule, "fp32", mode, 2, memory)
     losses, grads, weights, _ = _gathered(results, stages)
     ref_losses, ref = _one_process(stages, Precision(), 2, compiled=mode)
     assert _diff(grads, ref["grads"]) <= 1e-5
@@ -224,3 +233,122 @@ def test_compile_modes_leave_the_parameters_and_refuse_an_unknown_mode() -> None
         from pipefold.runtime.compiled import check_compile
 
         check_compile("tvm", torch.device("cpu"))
+
+
+def _train_mesh(rank: int, init: str, how: str, out: Any) -> None:
+    """A (dp, pp) mesh of 2 x 2: each copy runs half of each batch. ``how``: ``zero1`` (bf16 parameters, float32
+    masters sharded over the copies) or ``fsdp`` (FSDP2 stages with a bf16 MixedPrecisionPolicy)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pipefold.runtime.pipeline import Pipeline
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=4)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+        copy_, device = mesh["dp"].get_local_rank(), mesh["pp"].get_local_rank()
+        layers = _model(2)
+        stage = layers[device]
+        if how == "fsdp":
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            fully_shard(stage, mesh=mesh["dp"], mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                                              reduce_dtype=torch.float32))
+            pipe = Pipeline(stage, "1f1b", microbatches=M, loss_fn=_loss, mesh=mesh)
+            opt: Any = pipe.optimizer(lambda ps: torch.optim.SGD(ps, lr=0.1))
+        else:
+            pipe = Pipeline(stage, "zb-h1", microbatches=M, loss_fn=_loss, mesh=mesh, precision="bf16-master")
+            opt = pipe.zero1(lambda ps: torch.optim.SGD(ps, lr=0.1))
+        for step in range(2):
+            x, y = _batch(step)
+            opt.zero_grad()
+            pipe.step(x.chunk(2)[copy_], target=y.chunk(2)[copy_])
+            opt.step()
+        if how == "fsdp":
+            weights = [p.full_tensor().detach().float().numpy().copy() for p in stage.parameters()]
+        else:
+            weights = [p._pf_master.detach().numpy().copy() for p in stage.parameters()]
+        out.put((rank, device, weights, str(next(stage.parameters()).dtype)))
+        pipe.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def _one_process_copies(steps: int) -> list[torch.Tensor]:
+    """Two data-parallel copies in one process: each sums its M microbatches' gradients of bf16 parameters in
+    float32 (master weights do; FSDP's policy accumulates the unsharded gradient in its reduce_dtype), then the
+    copies' mean in float32 and an SGD step on the float32 weights."""
+    model = nn.Sequential(*_model(2))
+    for _ in range(steps):
+        x, y = _batch(_)
+        low = copy.deepcopy(model).to(torch.bfloat16)
+        sums = []
+        for half in range(2):
+            grads = [torch.zeros(p.shape) for p in low.parameters()]
+            for mb in range(M):
+                xm, ym = x.chunk(2)[half].chunk(M)[mb], y.chunk(2)[half].chunk(M)[mb]
+                (_loss(low(xm.to(torch.bfloat16)), ym) / M).backward()
+                for g, p in zip(grads, low.parameters(), strict=True):
+                    g += p.grad
+                    p.grad = None
+            sums.append([g.float() for g in grads])
+        with torch.no_grad():
+            for p, a, b in zip(model.parameters(), *sums, strict=True):
+                p -= 0.1 * (a + b) / 2
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("how", ["zero1", "fsdp"])
+def test_data_parallel_copies_in_bf16_equal_one_process(how: str) -> None:
+    """bf16 with data-parallel copies: parameters in bf16 with float32 masters sharded by ZeRO-1, and FSDP2 stages
+    with their own MixedPrecisionPolicy, driven by the pipeline's gather and reduce-scatter actions; both equal one
+    process running the same recipe."""
+    got = run_ranks(_train_mesh, 4, how)
+    want = _one_process_copies(2)
+    per = len(want) // 2
+    fp32 = [p.detach() for p in nn.Sequential(*_model(2)).parameters()]
+    for _, device, weights, dtype in got:
+        assert dtype == ("torch.bfloat16" if how == "zero1" else "torch.float32")  # FSDP's shards stay float32
+        mine = want[device * per:(device + 1) * per]
+        assert _diff([torch.from_numpy(w) for w in weights], mine) <= 2e-6
+        assert _diff([torch.from_numpy(w) for w in weights], fp32[device * per:(device + 1) * per]) > 1e-3
+
+
+def _graph(t: torch.Tensor) -> list[Any]:
+    seen, stack, out = set(), [t.grad_fn], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        out.append(node)
+        stack += [c for c, _ in node.next_functions]
+    return out
+
+
+@pytest.mark.parametrize("mode", ["split", "whole"])
+def test_a_compiled_region_runs_its_backward_once_and_split_leaves_the_products_to_w(mode: str) -> None:
+    """B then W over compiled layers: every compiled region's backward runs once (in B); with ``split`` the Linears'
+    weight gradients are still W's (none after B), with ``whole`` B made them and W only adds."""
+    from pipefold.runtime.compiled import compile_stage
+    from pipefold.runtime.stage import StageRunner
+
+    torch.manual_seed(0)
+    stage = compile_stage(nn.Sequential(Block(), Block()), mode, "aot_eager")
+    runner = StageRunner(stage, stage=1)
+    x = torch.randn(ROWS, WIDTH)
+    out = runner.forward(0, (x,))
+    runs: dict[Any, int] = {}
+    graph = _graph(runner._passes[0].outputs[0])
+    compiled = [n for n in graph if type(n).__name__ == "CompiledFunctionBackward"]
+    assert compiled
+    handles = [n.register_prehook(lambda g, n=n: runs.__setitem__(n, runs.get(n, 0) + 1)) for n in compiled]
+    runner.backward_input(0, (torch.ones_like(out[0]),))
+    linears = [m.weight for m in stage.modules() if isinstance(m, nn.Linear)]
+    assert all(w.grad is None for w in linears)  # W's, in both modes
+    runner.backward_weight(0)
+    assert all(w.grad is not None for w in linears)
+    assert sorted(runs.values()) == [1] * len(compiled)
+    for h in handles:
+        h.remove()
