@@ -209,7 +209,8 @@ def test_a_dynamic_loss_scale_backs_off_on_an_overflow_the_same_everywhere() -> 
 
 
 @pytest.mark.parametrize(("value", "words"), [
-    ("bf17", "unknown dtype"), ("bf16-fast", "unknown precision"), ("fp32-master", "master weights"), ("int8", "unknown dtype"),
+    ("bf17", "unknown dtype"), ("bf16-fast", "unknown precision"), ("fp32-master", "master weights"),
+    ("int8", "unknown dtype"),
     (torch.float64, "not one pipefold trains in"), (3, "must be a dtype name")])
 def test_a_precision_no_run_can_use_is_one_line(value: Any, words: str) -> None:
     with pytest.raises(ConfigError, match=words):

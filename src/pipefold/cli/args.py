@@ -466,6 +466,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-overlap", dest="overlap", action="store_false",
                    help="on a GPU, run an overlapped pair's (dualpipe's F+B) forward and then its backward, "
                         "instead of both at once on two streams")
+    g = p.add_argument_group("precision and compilation")
+    g.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
+                   help="what the passes compute in: bf16 or fp16 under autocast over float32 parameters (messages "
+                        "between stages in that dtype); fp32 by default")
+    g.add_argument("--master-weights", action="store_true",
+                   help="hold the parameters in --dtype, with float32 gradients and float32 master weights in the "
+                        "optimizer (Megatron's way) instead of autocast")
+    g.add_argument("--loss-scale", default=None, metavar="dynamic|none|N",
+                   help="multiply the loss before the backwards so fp16 gradients do not flush to zero: dynamic "
+                        "(fp16's default: halves on an overflow, which skips the step on every rank), none, or a "
+                        "fixed number")
+    g.add_argument("--compile", nargs="?", const="split", default=None, choices=["split", "whole"],
+                   help="torch.compile each stage's layers, the backward still split into B and W: split (the "
+                        "default: Linears outside the compiled regions) or whole (each layer one region; its W "
+                        "is made in B)")
+    g.add_argument("--compile-backend", choices=["inductor", "aot_eager", "eager"], default="inductor",
+                   help="torch.compile's backend: inductor (fused kernels; needs a C++ compiler on a CPU), "
+                        "aot_eager (the same graphs, torch's kernels)")
     _add_output(p)
 
     p = sub.add_parser("validate", help="check schedule files (or generated schedules) and report the first problem")

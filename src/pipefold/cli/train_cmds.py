@@ -155,8 +155,16 @@ def _print_train(out: dict[str, Any], console: Console) -> None:
                          f"{first} -> {last}{steps}"))
     if out["resumed_from"]:
         console.print(f"resumed from {out['resumed_from']}")
+    if out.get("precision", "fp32") != "fp32" or out.get("compile"):
+        compiled = f"; layers compiled: {out['compile']}" if out.get("compile") else ""
+        console.print(f"computes in {out['precision']}{compiled}")
     if out["skipped_steps"]:
         console.print(f"skipped (loss or gradients NaN or inf): steps {' '.join(map(str, out['skipped_steps']))}")
+    share = out.get("fp16_small_grad_share", 0.0)
+    if share > 0.01 or (out["skipped_steps"] and "fp16_small_grad_share" in out):
+        say(f"warning: fp16 without a loss scale: {share:.1%} of the gradients' nonzero entries were below 2^-14, "
+            f"where fp16 loses them to zero, and {len(out['skipped_steps'])} steps were skipped for inf or NaN; use "
+            "--loss-scale dynamic")
     if out["checkpoints"]:
         console.print(f"checkpoints: {', '.join(out['checkpoints'])}")
     if out["saved_model"]:

@@ -59,8 +59,9 @@ def check_compile(backend: str, device: torch.device) -> None:
 
 
 def compile_stage(module: nn.Module, mode: str = "split", backend: str = "inductor") -> nn.Module:
-    """Compile ``module``'s layers in place (``nn.Sequential``: each layer; anything else: the module), the
-    parameters unchanged. Returns the module to run (``module`` itself for a sequence)."""
+    """The module to run: ``module``'s layers compiled (an ``nn.Sequential``: each layer, in a new sequence;
+    anything else: the module), over the same parameters. ``module`` itself keeps its layers and their names (a
+    checkpoint's); with ``split`` its Linears' ``forward`` is marked to run outside compiled regions."""
     if mode not in MODES:
         raise ConfigError(f"unknown compile mode {mode!r}; use 'split' (Linears outside the compiled regions, the "
                           "backward split for real) or 'whole' (each layer one region)")
@@ -74,8 +75,9 @@ def compile_stage(module: nn.Module, mode: str = "split", backend: str = "induct
             if isinstance(m, nn.Linear) and "forward" not in m.__dict__:
                 m.forward = torch.compiler.disable(m.forward)  # type: ignore[method-assign]
     if isinstance(module, nn.Sequential):
-        for i, layer in enumerate(list(module)):
-            if type(layer).__name__ != "OptimizedModule":
-                module[i] = torch.compile(layer, backend=backend)
-        return module
+        from pipefold.runtime.stage import Chain, is_compiled
+
+        layers: list[nn.Module] = [layer if is_compiled(layer) else torch.compile(layer, backend=backend)  # type: ignore[misc]
+                                   for layer in module]
+        return Chain(*layers)
     return torch.compile(module, backend=backend)  # type: ignore[return-value]

@@ -171,6 +171,8 @@ class StepStats:
     rolled_back: bool = False
     """The optimizer had stepped before the global check (post-validation, or a schedule's OPT actions) and the
     step was undone: to be skipped, or redone with clipped gradients."""
+    loss_scale: float | None = None
+    """The loss scale the step ran with (fp16 with a loss scale; None without one)."""
     checked: bool = False
     """The step ran checked as well: its memory measured a second way (``Job.verify_memory_step``: torch's
     MemTracker around every operation) or its gradients kept for ``--check`` (``Job.save_grads_of_step``). Such a

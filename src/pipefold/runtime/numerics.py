@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipefold.runtime.sharding import local
 from pipefold.runtime.precision import grad_holder
+from pipefold.runtime.sharding import local
 from pipefold.runtime.zero import AnyOptimizer, holding
 
 __all__ = ["Snapshot", "clip_factor", "local_check", "scale_grads", "verdict"]

@@ -39,9 +39,9 @@ from pipefold.errors import ConfigError, PipefoldError
 from pipefold.ir import Kind, Schedule
 from pipefold.plan.choose import candidates_for, probe, resolve_schedule, with_data_parallel
 from pipefold.runtime import sharding
+from pipefold.runtime.compiled import MODES, check_compile, compile_stage
 from pipefold.runtime.executor import COMPUTE_KINDS, RankExecutor, StepStats, kind_times
 from pipefold.runtime.numerics import clip_factor, local_check, scale_grads, verdict
-from pipefold.runtime.compiled import MODES, check_compile, compile_stage
 from pipefold.runtime.offload import Offloaded
 from pipefold.runtime.precision import Masters, Precision, PrecisionOptimizer, unscale
 from pipefold.runtime.stage import Boundaries, Tensors

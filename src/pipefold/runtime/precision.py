@@ -119,7 +119,8 @@ class Precision:
         if not self.is_mixed:
             return "fp32"
         how = "parameters in it, float32 master weights" if self.master_weights else "autocast, float32 parameters"
-        scale = f", loss scale {self.loss_scale}" if self.loss_scale is not None else ""
+        scale = "" if self.loss_scale is None else ", dynamic loss scale" if self.loss_scale == "dynamic" else \
+            f", loss scale {self.loss_scale:g}"
         return f"{self.dtype} ({how}{scale})"
 
     def check_device(self, device: torch.device) -> None:

@@ -3,6 +3,7 @@ one process (``pipefold train --check`` and the tests' exactness checks)."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -16,23 +17,45 @@ __all__ = ["compare", "reference_kfac", "reference_step"]
 
 def reference_step(job: Job, step: int = 0) -> tuple[float, dict[str, torch.Tensor]]:
     """One step in one process, from the initial weights, on the device the job's first rank computes on (the
-    same GPU): mean loss over the microbatches and every gradient (on the CPU)."""
+    same GPU), with the job's recipe (its dtype, master weights and loss scale, its compiled layers): mean loss
+    over the microbatches and every gradient (float32, on the CPU)."""
     from pipefold.runtime.launch.job import placement
 
     device = placement(job).device_of(0)
     n = job.extra["num_layers"]
     layers = job.build_layers(list(range(n)))
     model = Chain(*(layers[i] for i in range(n))).to(device)
-    m = job.schedule.microbatches
+    if job.devices.compile is not None:
+        from pipefold.runtime.compiled import compile_stage
+
+        model = compile_stage(model, job.devices.compile, job.devices.compile_backend)  # type: ignore[assignment]
+    precision = job.devices.precision
+    low = precision.torch_dtype if precision.master_weights else None
+    if low is not None:
+        model.to(low)
+    scaler = precision.scaler()
+    scale = scaler.scale if scaler is not None else 1.0
+    casting = torch.autocast(device.type, dtype=precision.autocast) if precision.autocast is not None else \
+        contextlib.nullcontext()
+    # The data-parallel copies' microbatches, in order: copy c's j-th is the batch's (c * m + j)-th.
+    m = job.schedule.microbatches * job.parallel.dp
     x, y = job.batch_at(step)
-    xs_all = tuple(t.to(device) for t in as_tuple(x))
+    xs_all = tuple(t.to(device, low) if low is not None and t.is_floating_point() else t.to(device)
+                   for t in as_tuple(x))
     total = 0.0
+    sums: dict[str, torch.Tensor] = {}
     for xs, ys in zip(split_batch(xs_all, m), y.to(device).chunk(m), strict=True):
-        loss = job.loss_fn(model(*xs), ys)
-        (loss / m).backward()
+        with casting:
+            loss = job.loss_fn(model(*xs), ys)
+        (loss * (scale / m)).backward()
         total += float(loss.detach()) / m
-    grads = {f"{i}.{name}": p.grad.detach().to("cpu", copy=True) for i in range(n)
-             for name, p in layers[i].named_parameters() if p.grad is not None}
+        for i in range(n):  # each microbatch's gradient added in float32, as master weights do
+            for name, p in layers[i].named_parameters():
+                if p.grad is not None:
+                    key = f"{i}.{name}"
+                    sums[key] = sums[key] + p.grad.float() if key in sums else p.grad.float()
+                    p.grad = None
+    grads = {key: (g / scale).to("cpu", copy=True) for key, g in sums.items()}
     return total, grads
 
 

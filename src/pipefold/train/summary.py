@@ -246,6 +246,16 @@ def _kfac_summary(filled: Any, reports: list[RankReport], fill_bubbles: bool) ->
                          "utilization": 1.0 - meas["bubble_ratio"]}}
 
 
+def _small_grads(job: Job, reports: list[RankReport]) -> dict[str, Any]:
+    """In fp16 without a loss scale: the share of the gradients' nonzero entries that fp16 cannot hold at full
+    precision (below 2^-14: they lose digits or flush to zero)."""
+    precision = job.devices.precision
+    if precision.dtype != "fp16" or precision.loss_scale is not None:
+        return {}
+    small, nonzero = (sum(r.small_grads[i] for r in reports) for i in (0, 1))
+    return {"fp16_small_grad_share": small / nonzero if nonzero else 0.0}
+
+
 def _finite(x: float) -> float | None:
     """``x``, or None (JSON null) where it is NaN or inf."""
     return x if math.isfinite(x) else None
@@ -276,6 +286,10 @@ def _train_summary(spec: RunSpec, job: Job, reports: list[RankReport], predicted
         "first_step": numbered[0],
         "grad_norm": [_finite(x) for x in reports[0].steps.grad_norm],
         "skipped_steps": list(reports[0].skipped),
+        "precision": job.devices.precision.describe(),
+        "compile": (f"{job.devices.compile} ({job.devices.compile_backend})" if job.devices.compile is not None
+                    else None),
+        **_small_grads(job, reports),
         "clipped_steps": [i for i, c in zip(numbered, reports[0].steps.clipped, strict=True) if c],
         "rolled_back_steps": [i for i, c in zip(numbered, reports[0].steps.rolled_back, strict=True) if c],
         "post_validate": job.reliability.post_validate,

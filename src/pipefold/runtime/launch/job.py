@@ -20,7 +20,14 @@ from pipefold.runtime.history import KEEP_FIRST, StepHistory
 from pipefold.runtime.launch.devices import Placement, check_sharding, place
 from pipefold.runtime.launch.faults import Faults
 from pipefold.runtime.launch.processes import under_torchrun
-from pipefold.runtime.launch.settings import Devices, Optimizer, Parallel, Reliability, check_together
+from pipefold.runtime.launch.settings import (
+    Devices,
+    Optimizer,
+    Parallel,
+    Reliability,
+    check_precision,
+    check_together,
+)
 from pipefold.runtime.tied import spans_stages
 
 if TYPE_CHECKING:
@@ -141,6 +148,8 @@ class Job:
                        network=self.network is not None, netns=self.netns is not None,
                        offload=self.offload is not None, recompute=self.recompute is not None,
                        checkpoints=self.checkpoint is not None)
+        check_precision(self.devices, self.parallel, self.optimizer, offload=self.offload is not None,
+                        steps_inside=any(a.kind == Kind.OPT for row in self.schedule.actions for a in row))
         if self.devices.p2p == "sockets":
             measured = [flag for flag, on in (("--network", self.network), ("--netns", self.netns),
                                               ("--schedule adaptive-kfkb", self.adaptive)) if on is not None]
@@ -334,6 +343,10 @@ class RankReport:
     p2p: str = "gloo"
     """What carried its activations and gradients: 'sockets' (:mod:`pipefold.runtime.sockets`), or the process
     group's backend ('gloo', 'nccl')."""
+    small_grads: tuple[int, int] = (0, 0)
+    """In fp16 without a loss scale: over every step, the gradient entries (of the parameters this rank counts)
+    below fp16's smallest normal number, 2^-14, where they lose precision or flush to zero, and the nonzero
+    entries."""
 
     @property
     def device(self) -> int:

@@ -27,6 +27,7 @@ from pipefold.runtime.history import StepHistory, step_number, unchecked
 from pipefold.runtime.launch.faults import Faults
 from pipefold.runtime.numerics import clip_factor, local_check, scale_grads, verdict
 from pipefold.runtime.pipeline import RankPipeline
+from pipefold.runtime.precision import Masters, grad_holder, unscale
 from pipefold.runtime.stage import Chain, Tensors, as_tuple, split_batch
 from pipefold.runtime.tied import TiedGrads, untie
 from pipefold.runtime.watch import (
@@ -88,6 +89,20 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     dp_group = dp_mesh.get_group() if dp_mesh is not None else None
     activity.run("start-up (building its layers)", action=False)
     chains = stage_modules(job, rank)
+    precision = job.devices.precision
+    # What the passes run: the stages' layers, compiled where asked (after tensor parallelism has split them);
+    # ``chains`` keeps the layers' own names, a checkpoint's.
+    compiling = job.devices.compile is not None
+    if compiling:
+        from pipefold.runtime.compiled import check_compile, compile_stage
+
+        check_compile(job.devices.compile_backend, device)
+
+    def runnable(stages: dict[int, nn.Module]) -> dict[int, nn.Module]:
+        if not compiling:
+            return stages
+        return {s: compile_stage(m, job.devices.compile, job.devices.compile_backend)  # type: ignore[arg-type]
+                for s, m in stages.items()}
     tied = TiedGrads(job.tied, job.schedule, job.layer_stages, rank, chains, device, pipelines, pipeline)
     offloaded: list[Offloaded] = []
     if job.offload is None:
@@ -96,12 +111,13 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
             for s, stage in modules.items():
                 sharding.tensor_parallel(dict(zip(job.layer_stages[s], stage.children(), strict=True)), job.tp_plan,
                                          tp_mesh)
+        modules = runnable(modules)
     else:
         from pipefold.runtime.offload import Offloaded
 
         k, kprime = job.offload
         # Each stage offloads its own layers: parameters live on the CPU, at most k of them on the device.
-        offloaded = [Offloaded(m, device, k=k, kprime=kprime) for m in chains.values()]
+        offloaded = [Offloaded(m, device, k=k, kprime=kprime) for m in runnable(chains).values()]
         modules = dict(zip(chains, offloaded, strict=True))
     recompute = {s: job.recompute[s] for s in modules} if job.recompute else None
     # What the optimizers step: the parameters, or with FSDP their shards (the runners work on the gathered ones).
@@ -134,7 +150,8 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
         pipelines=pipelines, pipeline=pipeline, meshes=job.meshes()[copy] if meshed else None, tp_index=tp_rank,
         tp_group=tp_mesh.get_group() if tp_mesh is not None else None, dp_group=dp_group,
         sharded=job.parallel.fsdp, activity=activity,
-        staged=placed.staged or bool(job.extra.get("stage_through_host")), overlap=job.devices.overlap)
+        staged=placed.staged or bool(job.extra.get("stage_through_host")), overlap=job.devices.overlap,
+        autocast=precision.autocast)
 
     def executor_for(index: int) -> RankExecutor:
         """The executor of schedule ``index``, made the first time it runs (same modules, same parameters)."""
@@ -149,7 +166,10 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     if not job.parallel.fsdp:
         trained = {s: r.params for s, r in executor.runners.items()}
     params = [p for ps in trained.values() for p in ps]
-    opt = None if in_schedule else _optimizer(job, params, dp_group)
+    # Master weights: the parameters in the low dtype from here on, float32 copies for the optimizer to step.
+    masters = Masters(params, precision.torch_dtype) if precision.master_weights else None
+    opt = None if in_schedule else _optimizer(job, masters.masters if masters is not None else params, dp_group)
+    scaler = precision.scaler()
     keep = {s for s in (job.save_grads_of_step, job.verify_memory_step) if s is not None}
     history = StepHistory(job.keep_steps, keep)  # every step's numbers; in full only the steps that need it
     # What refilling K-FAC's placement and adapting the schedule learn from: their own windows of full records.
@@ -179,6 +199,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     # (from Python 3.12 on, its other Python threads too); benchmarks/host_profile.py reads it
     profiler = cProfile.Profile() if job.extra.get("host_profile") else None
     bad_run, skipped, saved = 0, [], []
+    small_grads = (0, 0)
     stopped = None
     for step in range(start, job.steps):
         if faults.die == (step_number(step), "step") and global_rank == world - 1:
@@ -192,14 +213,17 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
         x, y = job.batch_at(step)
         if job.parallel.dp > 1:  # this pipeline's shard of the global batch
             x, y = split_batch(x, job.parallel.dp)[copy], y.chunk(job.parallel.dp)[copy]
-        xs = split_batch(tuple(t.to(device) for t in as_tuple(x)), m)
+        low = precision.torch_dtype if masters is not None else None  # parameters in bf16: so are float inputs
+        xs = split_batch(tuple(t.to(device, low) if low is not None and t.is_floating_point() else t.to(device)
+                               for t in as_tuple(x)), m)
         ys = microbatches(y.to(device), m)
         if step_number(step) in faults.nan and xs[0][0].is_floating_point():
             poisoned = xs[0][0].clone()
             poisoned.view(-1)[0] = math.nan
             xs[0] = (poisoned, *xs[0][1:])
         for p in params:
-            p.grad = None
+            grad_holder(p).grad = None
+        executor.loss_scale = scaler.scale if scaler is not None else 1.0
         if work is not None:
             work.record(job.save_grads_of_step == step)
         before = work.snapshot() if work is not None else None  # K-FAC's state, in case the step is skipped
@@ -215,16 +239,32 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
         for wrapper in offloaded:
             wrapper.evict_all()  # every layer home, with its gradient, before the optimizer reads it
         tied.reduce()  # copies of a shared weight on several stages: each gets the sum of their gradients
+        if scaler is not None:
+            unscale(params, scaler.scale)
+        elif precision.dtype == "fp16":
+            small = _small_grads(counted)
+            small_grads = (small_grads[0] + small[0], small_grads[1] + small[1])
         activity.wait("the step's check", "the all-reduce of the gradient norm", everyone, action=False)
-        _update(job, params, counted, opt, stage_opts, stage_snaps, stats, device)
+        _update(job, masters.masters if masters is not None else params, counted, opt, stage_opts, stage_snaps,
+                stats, device)
+        if masters is not None and not stats.skipped:
+            masters.write_back()
+        overflowed = False
+        if scaler is not None:
+            stats.loss_scale = scaler.scale
+            # An inf in the scaled gradients of finite losses is the scale's overflow: the scale backs off, and it
+            # is no sign of a bad run (while the scale can still back off).
+            overflowed = stats.skipped and math.isfinite(stats.loss) and scaler.dynamic and scaler.scale > 1.0
+            scaler.update(stats.skipped)
         stats.update = time.perf_counter() - scheduled
         if stats.skipped and work is not None and before is not None:
             work.restore(before)
         if job.save_grads_of_step == step:
             # With K-FAC, the gradients as the backward left them, before the schedule's KP preconditioned them.
             raw = work.raw_grads() if work is not None else {}
-            grads = {name: sharding.full(raw.get(id(p), p.grad)).detach().to("cpu", copy=True)
-                     for name, p in _named(job, chains) if p.grad is not None}
+            held = {name: raw.get(id(p), grad_holder(p).grad) for name, p in _named(job, chains)}
+            grads = {name: sharding.full(g).detach().to("cpu", torch.float32, copy=True)
+                     for name, g in held.items() if g is not None}
         activity.run("the step's report", action=False)
         stats.schedule, stats.predicted = str(ScheduleRef.of(choices[current])), predicted
         stats.checked = step in keep  # the memory check's or --check's step: slower, and left out of timings
@@ -235,19 +275,30 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
             recent.append(stats)
         if on_step is not None and global_rank == 0:  # the global loss (every pipeline, replica): rank 0 knows it
             on_step(step_number(step), stats.loss, time.perf_counter() - started)
-        if stats.skipped:
+        if overflowed:
+            skipped.append(step_number(step))
+            if global_rank == 0:
+                from pipefold.runtime.launch.checkpoint import warn
+
+                warn(f"step {step_number(step)}: the fp16 gradients overflowed at loss scale {stats.loss_scale:g}; "
+                     f"step skipped, the scale is now {stats.loss_scale * scaler.backoff:g}")
+        elif stats.skipped:
             skipped.append(step_number(step))
             bad_run += 1
             if bad_run >= job.reliability.max_bad_steps:
                 first, last = step_number(step - bad_run + 1), step_number(step)
                 where = f"{bad_run} steps in a row (steps {first} to {last})" if bad_run > 1 else f"step {last}"
+                scale = ", a lower --loss-scale" if scaler is not None else ""
                 stopped = (f"the loss or the gradients were NaN or inf in {where}; the weights are those before "
-                           f"step {first}: lower --lr, add --clip, or check the data")
+                           f"step {first}: lower --lr, add --clip{scale}, or check the data")
                 break
             if global_rank == 0:
                 from pipefold.runtime.launch.checkpoint import warn
 
-                warn(f"step {step_number(step)}: the loss or a gradient is NaN or inf; step skipped, weights and "
+                scaled = f" (at the fixed loss scale {scaler.scale:g}: a lower one, or dynamic, may fit)" \
+                    if scaler is not None and math.isfinite(stats.loss) else ""
+                warn(f"step {step_number(step)}: the loss or a gradient is NaN or inf{scaled}; step skipped, weights "
+                     "and "
                      f"optimizer state unchanged ({bad_run} in a row; the run stops at "
                      f"{job.reliability.max_bad_steps})")
         else:
@@ -296,7 +347,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     report = RankReport(global_rank, history, grads, _peak_rss(), resident, weights, static,
                         decisions, pipeline, first_step=start, resumed_from=resumed_from, skipped=skipped,
                         stopped=stopped, checkpoints=saved,
-                        gathered_bytes=gathered_bytes,
+                        gathered_bytes=gathered_bytes, small_grads=small_grads,
                         p2p="sockets" if sockets.current() is not None else str(dist.get_backend()))
     if out_dir is not None:
         with open(Path(out_dir) / f"rank{global_rank}.pkl", "wb") as fh:
@@ -499,7 +550,7 @@ def _named(job: Job, modules: dict[int, nn.Module]) -> list[tuple[str, nn.Parame
     return out
 
 
-def _optimizer(job: Job, params: list[nn.Parameter], dp_group: Any = None) -> AnyOptimizer | None:
+def _optimizer(job: Job, params: list[Any], dp_group: Any = None) -> AnyOptimizer | None:
     if not params:
         return None  # a rank whose stages have no weights has nothing to step
     if job.parallel.zero1 and dp_group is not None:
@@ -507,6 +558,19 @@ def _optimizer(job: Job, params: list[nn.Parameter], dp_group: Any = None) -> An
         # and sends them to the other copies.
         return ShardedOptimizer(params, job.optimizer.make, dp_group)
     return job.optimizer.make(params)
+
+
+def _small_grads(params: list[nn.Parameter]) -> tuple[int, int]:
+    """(entries below fp16's smallest normal number, nonzero entries) of these parameters' gradients."""
+    small = nonzero = 0
+    for p in params:
+        g = grad_holder(p).grad
+        if g is not None:
+            g = sharding.local(g).detach().abs()
+            nz = g > 0
+            nonzero += int(nz.sum())
+            small += int((nz & (g < 2.0 ** -14)).sum())
+    return small, nonzero
 
 
 def _nothing() -> None:
@@ -526,7 +590,7 @@ def _speculative(stage: int, opt: AnyOptimizer | None, module: nn.Module,
     return step
 
 
-def _update(job: Job, params: list[nn.Parameter], counted: list[nn.Parameter], opt: AnyOptimizer | None,
+def _update(job: Job, params: list[Any], counted: list[nn.Parameter], opt: AnyOptimizer | None,
             stage_opts: dict[int, AnyOptimizer | None], stage_snaps: dict[int, numerics.Snapshot],
             stats: StepStats, device: torch.device) -> None:
     """After the step's passes: the global NaN/inf and norm check (one all-reduce), then the optimizer step,

@@ -220,9 +220,56 @@ class Devices:
     :mod:`pipefold.runtime.sockets`), 'gloo' (the process group's transport) or 'auto' (sockets when every rank
     is on this machine and gloo is the backend, except over emulated or measured links)."""
 
+    dtype: str = "fp32"
+    """What the passes compute in: 'fp32', 'bf16' or 'fp16' (autocast over float32 parameters, or the parameters
+    themselves with ``master_weights``; :mod:`pipefold.runtime.precision`)."""
+    master_weights: bool = False
+    """The parameters held in ``dtype``, with float32 gradients and master weights in the optimizer."""
+    loss_scale: str | None = None
+    """'dynamic' (fp16's default), 'none', or a fixed number."""
+    compile: str | None = None
+    """torch.compile each stage's layers: 'split' (Linears outside the compiled regions) or 'whole'
+    (:mod:`pipefold.runtime.compiled`); None: eager."""
+    compile_backend: str = "inductor"
+    """torch.compile's backend: 'inductor', 'aot_eager' or 'eager'."""
+
     def __post_init__(self) -> None:
         if self.p2p not in P2P:
             raise ConfigError(f"unknown --p2p {self.p2p!r}: use {', '.join(P2P)}")
+        self.precision  # noqa: B018  # checked now: one line for a dtype or loss scale no run can use
+        if self.loss_scale is not None and self.dtype == "fp32":
+            raise ConfigError("--loss-scale keeps fp16 gradients from flushing to zero: give it with --dtype fp16 (or "
+                              "bf16), or drop it")
+        if self.compile is not None and self.compile not in ("split", "whole"):
+            raise ConfigError(f"unknown --compile {self.compile!r}: use split (the backward split for real) or whole "
+                              "(each layer one compiled region)")
+        if self.compile_backend not in ("inductor", "aot_eager", "eager"):
+            raise ConfigError(f"unknown --compile-backend {self.compile_backend!r}: use inductor, aot_eager or eager")
+
+    @property
+    def precision(self) -> Any:
+        """The run's :class:`~pipefold.runtime.precision.Precision`."""
+        from pipefold.runtime.precision import Precision
+
+        return Precision(self.dtype, master_weights=self.master_weights, loss_scale=self.loss_scale)
+
+
+def check_precision(devices: Devices, parallel: Parallel, optimizer: Optimizer, *, offload: bool,
+                    steps_inside: bool) -> None:
+    """What mixed precision does not run with (yet), one line each. ``steps_inside``: the schedule steps the
+    optimizers itself (OPT actions), before the step's gradients could be unscaled and checked."""
+    precision = devices.precision
+    if precision.master_weights:
+        other = [what for what, on in (("--fsdp", parallel.fsdp), ("--offload", offload),
+                                       (f"--tp {parallel.tp_text}", parallel.tensor_parallel),
+                                       ("--optimizer kfac", optimizer.name == "kfac"),
+                                       ("a schedule with OPT actions", steps_inside)) if on]
+        if other:
+            raise ConfigError(f"--master-weights does not run with {other[0]} yet: use --dtype {precision.dtype} "
+                              "without --master-weights (autocast over float32 parameters)")
+    if precision.loss_scale is not None and steps_inside:
+        raise ConfigError("a loss scale is checked after the step, and this schedule steps the optimizers inside it "
+                          "(OPT actions): use a schedule without them, or --loss-scale none")
 
 
 def check_together(parallel: Parallel, optimizer: Optimizer, *, adaptive: bool, network: bool, netns: bool,
