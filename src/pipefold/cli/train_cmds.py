@@ -66,6 +66,7 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
     if outcome is None:
         return  # a torchrun rank other than 0: rank 0 reports for everyone
     out = summarize(outcome, trace=args.trace, plot=args.plot)
+    _warn_fp16(out)
     if args.json:
         print(jsonout.dumps(out))
         return
@@ -136,6 +137,15 @@ def _print_prediction(plan: dict[str, Any], console: Console) -> None:
         console.print(styled(("note:", "yellow"), f" {plan['note']}"))
 
 
+def _warn_fp16(out: dict[str, Any]) -> None:
+    """fp16 without a loss scale: a warning (on stderr, with --json too) where the gradients lost entries to it."""
+    share = out.get("fp16_small_grad_share", 0.0)
+    if share > 0.01 or (out["skipped_steps"] and "fp16_small_grad_share" in out):
+        say(f"warning: fp16 without a loss scale: {share:.1%} of the gradients' nonzero entries were below 2^-14, "
+            f"where fp16 loses them to zero, and {len(out['skipped_steps'])} steps were skipped for inf or NaN; use "
+            "--loss-scale dynamic")
+
+
 def _print_train(out: dict[str, Any], console: Console) -> None:
     dp = out.get("dp", 1)
     sharded = {"fsdp": ", stages sharded (FSDP)", "zero1": ", optimizer state sharded (ZeRO-1)"}.get(
@@ -160,11 +170,7 @@ def _print_train(out: dict[str, Any], console: Console) -> None:
         console.print(f"computes in {out['precision']}{compiled}")
     if out["skipped_steps"]:
         console.print(f"skipped (loss or gradients NaN or inf): steps {' '.join(map(str, out['skipped_steps']))}")
-    share = out.get("fp16_small_grad_share", 0.0)
-    if share > 0.01 or (out["skipped_steps"] and "fp16_small_grad_share" in out):
-        say(f"warning: fp16 without a loss scale: {share:.1%} of the gradients' nonzero entries were below 2^-14, "
-            f"where fp16 loses them to zero, and {len(out['skipped_steps'])} steps were skipped for inf or NaN; use "
-            "--loss-scale dynamic")
+
     if out["checkpoints"]:
         console.print(f"checkpoints: {', '.join(out['checkpoints'])}")
     if out["saved_model"]:

@@ -43,6 +43,7 @@ import re
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -281,6 +282,27 @@ class _Rebuild:
 
 def _same(t: Any) -> Any:
     return t
+
+
+_MEASURED_IN: ContextVar[torch.dtype | None] = ContextVar("measured_in", default=None)
+
+
+@contextmanager
+def computing_in(dtype: torch.dtype | None) -> Iterator[None]:
+    """Every stage runner made inside computes its forwards under autocast to ``dtype`` (None: as the module is):
+    what a profile measures for a run in that dtype (:mod:`pipefold.runtime.measure.profiling`)."""
+    token = _MEASURED_IN.set(dtype)
+    try:
+        yield
+    finally:
+        _MEASURED_IN.reset(token)
+
+
+def autocast_now(device: torch.device) -> AbstractContextManager[Any]:
+    """The autocast :func:`computing_in` set, for a forward on ``device`` outside a stage runner (a no-op without
+    one)."""
+    dtype = _MEASURED_IN.get()
+    return nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
 
 
 def is_compiled(module: nn.Module) -> bool:
@@ -742,7 +764,7 @@ class StageRunner:
                  autocast: torch.dtype | None = None) -> None:
         keep_freed_pages()
         self.module = module
-        self.autocast = autocast
+        self.autocast = autocast if autocast is not None else _MEASURED_IN.get()
         """The dtype the forwards compute in under ``torch.autocast`` (and a recomputation's rerun with them); None:
         the module's own (:mod:`pipefold.runtime.precision`)."""
         self._compiled = any(is_compiled(m) for m in module.modules())

@@ -68,7 +68,8 @@ def plan_here(spec: RunSpec, *, profiling: Callable[[str, int, int], None] | Non
     # whose sharding the profile would have to measure.
     profile = profile_here(model=m.name, layers=m.layers_for(s.devices), hidden=m.hidden, heads=m.heads,
                            model_config=m.config, seq=m.seq, batch=m.batch, microbatches=s.microbatches,
-                           optimizer=name, seed=m.seed, devices=s.devices, sharding=False, progress=profiling)
+                           optimizer=name, seed=m.seed, devices=s.devices, sharding=False,
+                           dtype=spec.devices.dtype, progress=profiling)
     return plan_model(profile, s.devices, spec.memory.budget, progress=planning).run_plan
 
 
@@ -84,6 +85,12 @@ def from_plan(plan: RunPlan, spec: RunSpec | None = None) -> Planned:
              "fsdp": plan.sharding == "fsdp"}
     if "seed" in spec.given():
         fixed.pop("seed", None)
+    measured_in = plan.train.get("dtype", "fp32")
+    if spec.devices.dtype != measured_in and "dtype" in spec.given():
+        raise ConfigError(f"the plan was made from a profile measured in {measured_in}, and this run computes in "
+                          f"{spec.devices.dtype}: profile again with pipefold profile --dtype {spec.devices.dtype}, "
+                          "or drop --dtype (the plan's dtype runs)")
+    fixed["dtype"] = measured_in
     resolved = spec.replace(**fixed)
     schedule = resolved.schedule.built
     layer_stages = plan.layer_stages

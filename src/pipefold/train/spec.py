@@ -437,6 +437,8 @@ def profiled_settings(train: dict[str, Any]) -> dict[str, Any]:
            **{k: None if train.get(k) is None else int(train[k]) for k in ("layers", "hidden", "heads")}}
     if "seed" in train:
         out["seed"] = int(train["seed"])
+    if "dtype" in train:
+        out["dtype"] = str(train["dtype"])
     if train["model"] in REGISTRY and not REGISTRY[train["model"]].sequences:
         del out["heads"], out["seq"]
     return out

@@ -42,6 +42,8 @@ from pipefold.runtime.launch.processes import process_context, rendezvous, start
 from pipefold.runtime.stage import (
     Chain,
     StageRunner,
+    autocast_now,
+    computing_in,
     as_leaves,
     as_tuple,
     grad_node,
@@ -409,7 +411,8 @@ def _saved_bytes(layer: nn.Module, x: Values) -> tuple[int, Values]:
             saved += t.numel() * t.element_size()
         return t.detach()  # the graph is dropped unused: it must not hold itself through a saved output
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    device = next((t.device for t in x if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast_now(device):
         out = as_tuple(layer(*as_leaves(x)))
     return saved, out
 
@@ -1144,7 +1147,8 @@ def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int 
                   heads: int | None = None, model_config: str | None = None, seq: int = 64,
                   batch: int = 16, microbatches: int = 8, optimizer: str = "adamw", seed: int = 0,
                   devices: int = 4, repeats: int = 7, link: bool = True, contention: bool = True,
-                  tp: Sequence[int] = (1,), sharding: bool = True, progress: Progress | None = None) -> Profile:
+                  tp: Sequence[int] = (1,), sharding: bool = True, dtype: str = "fp32",
+                  progress: Progress | None = None) -> Profile:
     """Measure ``model`` at this size on this machine (see the module's docstring).
 
     Without ``link`` the link is free (latency 0, infinite bandwidth); without ``contention``
@@ -1153,7 +1157,13 @@ def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int 
     again, split over that many local ranks (:func:`measure_sharded`). Without ``sharding`` the copies' sharing
     of their state (ZeRO-1's, FSDP's collectives and hooks) is not measured, only their all-reduce: a plan of one
     pipeline (``pipefold train --schedule auto``) has no copies to shard, and the profile takes about half the time.
+    ``dtype`` ('bf16', 'fp16'): the layers' passes are measured under autocast to it, as ``pipefold train --dtype``
+    runs them, so their activations, messages and times are that dtype's (recorded in the profile's ``train``, and
+    so given to the runs planned from it).
     """
+    from pipefold.runtime.precision import Precision
+
+    precision = Precision(dtype)
     if batch % microbatches:
         raise ConfigError(f"a batch of {batch} does not split into {microbatches} microbatches; "
                           f"use a --batch that is a multiple of {microbatches}")
@@ -1163,6 +1173,8 @@ def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int 
              "microbatches": microbatches, "optimizer": optimizer, "seed": seed}
     if model_config is not None:
         train["model_config"] = model_config
+    if precision.is_mixed:
+        train["dtype"] = precision.dtype
     built = _model(train)
     sharded = sorted({int(t) for t in tp} - {1})
     for t in sharded:
@@ -1173,10 +1185,11 @@ def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int 
     x, y = built.batch_at(0)
     every = built.build()
     # Timed as many at a time as a rank will hold (an even split over ``devices``): what the caches see in the run.
-    measured, fixed = measure_layers(every, split_batch(x, microbatches)[0], y.chunk(microbatches)[0], built.loss,
-                                     microbatches=microbatches, repeats=repeats,
-                                     stage_layers=layers_per_rank(len(every), devices), optimizer=optimizer,
-                                     progress=progress)
+    with computing_in(precision.autocast):
+        measured, fixed = measure_layers(every, split_batch(x, microbatches)[0], y.chunk(microbatches)[0],
+                                         built.loss, microbatches=microbatches, repeats=repeats,
+                                         stage_layers=layers_per_rank(len(every), devices), optimizer=optimizer,
+                                         progress=progress)
     # A stage's worth of layers from the heaviest one (a transformer block, not the embedding) stands for a rank's
     # work: its weights and activations, not one layer's, are what the ranks' caches and memory bus share.
     heaviest = max(range(len(measured) - 1), key=lambda i: measured[i].f + measured[i].b + measured[i].w)
