@@ -42,10 +42,10 @@ from pipefold.runtime.launch.processes import process_context, rendezvous, start
 from pipefold.runtime.stage import (
     Chain,
     StageRunner,
-    autocast_now,
-    computing_in,
     as_leaves,
     as_tuple,
+    autocast_now,
+    computing_in,
     grad_node,
     graph_below,
     ones_for,
