@@ -62,11 +62,14 @@ def _one_process(steps: int) -> nn.Sequential:
     return model
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
-def test_resume_continues_bit_for_bit(capsys: pytest.CaptureFixture[str], tmp_path: Path, schedule: str) -> None:
-    """6 steps in one run equal 3 steps then a resumed run of 3 more: every loss and every weight, bit for bit."""
+@pytest.mark.parametrize(("schedule", "recipe"), [("1f1b", ()), ("zb-h1", ()),
+                                                  ("zb-h1", ("--dtype", "fp16", "--master-weights"))])
+def test_resume_continues_bit_for_bit(capsys: pytest.CaptureFixture[str], tmp_path: Path, schedule: str,
+                                      recipe: tuple[str, ...]) -> None:
+    """6 steps in one run equal 3 steps then a resumed run of 3 more: every loss and every weight, bit for bit
+    (fp16 with master weights too: the checkpoint keeps the float32 masters and the loss scale)."""
     whole, resumed, ckpt = tmp_path / "whole.pt", tmp_path / "resumed.pt", tmp_path / "ckpt"
-    args = [*GPT, "--schedule", schedule]
+    args = [*GPT, "--schedule", schedule, *recipe]
     straight = _train(capsys, *args, "--steps", "6", "--save-model", str(whole))
     first = _train(capsys, *args, "--steps", "3", "--checkpoint-dir", str(ckpt))
     assert first["checkpoints"] == [str(ckpt / "step-00000003")]
@@ -81,6 +84,9 @@ def test_resume_continues_bit_for_bit(capsys: pytest.CaptureFixture[str], tmp_pa
     assert first["loss"] + second["loss"] == straight["loss"]  # exactly equal floats
     a, b = torch.load(whole), torch.load(resumed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    if recipe:  # the saved model is the float32 masters; the run in fp16 is not the float32 one below
+        assert all(v.dtype == torch.float32 for k, v in b.items() if "weight" in k)
+        return
     # The file is the plain model's state_dict: it loads (strictly) into the one-device model, and equals that
     # model trained in one process, up to the order of float sums.
     plain = _plain_gpt()

@@ -27,7 +27,7 @@ from pipefold.runtime.history import StepHistory, step_number, unchecked
 from pipefold.runtime.launch.faults import Faults
 from pipefold.runtime.numerics import clip_factor, local_check, scale_grads, verdict
 from pipefold.runtime.pipeline import RankPipeline
-from pipefold.runtime.precision import Masters, grad_holder, unscale
+from pipefold.runtime.precision import LossScaler, Masters, grad_holder, unscale
 from pipefold.runtime.stage import Chain, Tensors, as_tuple, split_batch
 from pipefold.runtime.tied import TiedGrads, untie
 from pipefold.runtime.watch import (
@@ -184,8 +184,10 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
                if job.schedule.holders(s)[0] == rank and (copy == 0 or job.parallel.fsdp)
                for p in ps if id(p) not in tied.copies and (tp_rank == 0 or sharding.split_over(p, "tp"))]
     optimizers = [o for o in (opt, *stage_opts.values()) if o is not None]
-    names = {id(p): name for name, p in _named(job, chains)}
-    state = _state_named(job, chains)
+    # What a checkpoint holds: with master weights, the float32 masters (the optimizer's parameters), not their
+    # rounded copies.
+    names = {id(grad_holder(p)): name for name, p in _named(job, chains)}
+    state = {name: grad_holder(t) for name, t in _state_named(job, chains).items()}
     checkpointing, start, resumed_from = job.checkpoint, 0, None
     if checkpointing is not None and checkpointing.resume is not None:
         from pipefold.runtime.launch import checkpoint
@@ -194,6 +196,11 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
                                    rank=global_rank, device=device)
         start, resumed_from = int(progress["step"]), checkpointing.resume.path
         current = int(progress.get("schedule_index") or 0)
+        if masters is not None:
+            masters.write_back()
+        if scaler is not None and progress.get("loss_scale") is not None:
+            scaler.load_state_dict({k: progress[f"loss_scale_{k}" if k != "scale" else "loss_scale"]
+                                    for k in ("scale", "good", "skipped")})
     faults = job.faults or Faults()
     # extra["host_profile"], a folder: the steps after the first under cProfile, which follows the rank's own thread
     # (from Python 3.12 on, its other Python threads too); benchmarks/host_profile.py reads it
@@ -329,7 +336,9 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
 
             die = faults.die == (step + 1, "save") and global_rank == world - 1
             saved.append(checkpoint.save(checkpointing, step + 1, model=state, optimizers=optimizers, names=names,
-                                         progress={"step": step + 1, "schedule_index": current}, rank=global_rank,
+                                         progress={"step": step + 1, "schedule_index": current,
+                                                   **(_scaler_progress(scaler) if scaler else {})},
+                                         rank=global_rank,
                                          device=device, written=(lambda: os._exit(13)) if die else None,
                                          committing=(lambda: time.sleep(faults.slow_commit))
                                          if faults.slow_commit else None))
@@ -523,7 +532,8 @@ def _save_model(job: Job, modules: dict[int, nn.Module], path: str, global_rank:
     for s, module in modules.items():
         for pos, layer in enumerate(module.children()):
             # With FSDP each copy gathers its shards (a collective of every pipeline); the first one keeps them.
-            whole = {k: sharding.full(v.detach()).cpu() for k, v in layer.state_dict().items()}
+            whole = {k: sharding.full(grad_holder(v).detach()).cpu()  # float32 masters, where there are
+                     for k, v in layer.state_dict(keep_vars=True).items()}
             if pipeline == 0:
                 mine[job.layer_stages[s][pos]] = whole
     gathered: list[Any] = [None] * world if global_rank == 0 else []
@@ -558,6 +568,12 @@ def _optimizer(job: Job, params: list[Any], dp_group: Any = None) -> AnyOptimize
         # and sends them to the other copies.
         return ShardedOptimizer(params, job.optimizer.make, dp_group)
     return job.optimizer.make(params)
+
+
+def _scaler_progress(scaler: LossScaler) -> dict[str, Any]:
+    """The loss scale's state as a checkpoint's progress keeps it (flat numbers)."""
+    state = scaler.state_dict()
+    return {"loss_scale": state["scale"], "loss_scale_good": state["good"], "loss_scale_skipped": state["skipped"]}
 
 
 def _small_grads(params: list[nn.Parameter]) -> tuple[int, int]:
