@@ -35,6 +35,8 @@ def _train(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[dict, s
     ["--dtype", "bf16", "--dp", "2", "--fsdp"],
     ["--offload", "1,1", "--dtype", "bf16", "--compile", "--compile-backend", "aot_eager"],
     ["--model", "mlp", "--dtype", "bf16", "--master-weights", "--schedule", "zb-h1"],
+    ["--optimizer", "kfac", "--dtype", "bf16"],  # v-half's first stage holds only the embedding: no K-FAC layer
+    ["--optimizer", "kfac", "--fill-bubbles", "--schedule", "1f1b", "--partition", "even"],
 ])
 def test_each_recipe_equals_one_process_running_it(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
     """The first step's gradients against one process running the same dtype, master weights, loss scale and
@@ -71,6 +73,7 @@ def test_a_fixed_loss_scale_that_overflows_stops_the_run_naming_it(capsys: pytes
     (["--dtype", "bf16", "--master-weights", "--dp", "2", "--fsdp"], "does not run with --fsdp"),
     (["--dtype", "bf16", "--master-weights", "--offload", "1,1"], "does not run with --offload"),
     (["--dtype", "bf16", "--master-weights", "--tp", "2"], "does not run with --tp 2"),
+    (["--dtype", "fp16", "--optimizer", "kfac"], "which a loss scale multiplies"),
     (["--compile", "fast"], "invalid choice"),
     (["--compile-backend", "tvm"], "invalid choice"),
 ])

@@ -99,12 +99,15 @@ class StageCurvature:
         mb = action.microbatch
         if action.kind == Kind.KA:
             self.want_a.discard(mb)
-            for factors, a in zip(self.kfac.layers, self._a.pop(mb), strict=True):
+            # A stage may have no layer K-FAC takes (an embedding alone): nothing was kept for it.
+            for factors, a in zip(self.kfac.layers, self._a.pop(mb, None) or [None] * len(self.kfac.layers),
+                                  strict=True):
                 if a is not None:
                     factors.add_a(a)
         elif action.kind == Kind.KG:
             self.want_g.discard(mb)
-            for factors, g in zip(self.kfac.layers, self._g.pop(mb), strict=True):
+            for factors, g in zip(self.kfac.layers, self._g.pop(mb, None) or [None] * len(self.kfac.layers),
+                                  strict=True):
                 if g is not None:
                     # The backward's gradient is that of (mean over the g's rows) / microbatches: scaled back
                     # to each row's own loss gradient.

@@ -267,6 +267,9 @@ def check_precision(devices: Devices, parallel: Parallel, optimizer: Optimizer, 
         if other:
             raise ConfigError(f"--master-weights does not run with {other[0]} yet: use --dtype {precision.dtype} "
                               "without --master-weights (autocast over float32 parameters)")
+    if precision.loss_scale is not None and optimizer.name == "kfac":
+        raise ConfigError("K-FAC's factors are built from the backward's gradients, which a loss scale multiplies: use "
+                          "--dtype bf16 with K-FAC (no loss scale), or --loss-scale none")
     if precision.loss_scale is not None and steps_inside:
         raise ConfigError("a loss scale is checked after the step, and this schedule steps the optimizers inside it "
                           "(OPT actions): use a schedule without them, or --loss-scale none")
