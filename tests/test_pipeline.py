@@ -233,6 +233,12 @@ def _refusals(rank: int, init: str, folder: str, out: Any) -> None:
                                  mesh=init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))),
         "unknown": lambda: Pipeline(mine, "2f2b", microbatches=4, loss_fn=loss),
         "file": lambda: Pipeline(mine, "no/such/file.json", microbatches=4, loss_fn=loss),
+        "precision": lambda: Pipeline(mine, "1f1b", microbatches=4, loss_fn=loss, precision="bf8"),
+        "master-offload": lambda: Pipeline(mine, "1f1b", microbatches=4, loss_fn=loss, precision="bf16-master",
+                                           offload=(1, 1)),
+        "compile": lambda: Pipeline(mine, "1f1b", microbatches=4, loss_fn=loss, compile="fast"),
+        "backend": lambda: Pipeline(mine, "1f1b", microbatches=4, loss_fn=loss, compile=True,
+                                    compile_backend="tvm"),
     }
     got = {}
     for name, make in cases.items():
@@ -265,7 +271,7 @@ def _no_grad(fn: Any, *args: Any, **kwargs: Any) -> Any:
 def test_mistakes_building_or_stepping_a_pipeline_are_one_line_each(tmp_path: Any) -> None:
     got = dict(run_ranks(_refusals, 2, str(tmp_path)))
     both = ("devices", "microbatches", "count", "mesh", "unknown", "file", "no-grad", "file-devices", "offload-k",
-            "budget-named")
+            "budget-named", "precision", "master-offload", "compile", "backend")
     for rank, lines in got.items():
         for name in both:
             assert lines[name] is not None and "\n" not in lines[name], (rank, name, lines[name])
@@ -277,6 +283,9 @@ def test_mistakes_building_or_stepping_a_pipeline_are_one_line_each(tmp_path: An
         assert "schedule file" in lines["file-devices"] and "4 devices" in lines["file-devices"]
         assert "k=1 or more" in lines["offload-k"]
         assert "auto" in lines["budget-named"]
+        assert "unknown dtype 'bf8'" in lines["precision"]
+        assert "precision='bf16' (autocast)" in lines["master-offload"]
+        assert "'split' or 'whole'" in lines["compile"] and "aot_eager" in lines["backend"]
     assert got[1]["no-loss"] is not None and "loss_fn" in got[1]["no-loss"]
     assert got[0]["no-loss"] is None  # the first rank needs none
     assert got[0]["no-weights"] is not None and "W actions" in got[0]["no-weights"]

@@ -45,14 +45,15 @@ def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def _one_process(n: int, precision: Precision, steps: int, *, order: list[int] | None = None,
-                 compiled: str | None = None, loss_scale: float = 1.0) -> tuple[list[float], dict[str, Any]]:
+                 compiled: str | None = None, loss_scale: float = 1.0,
+                 backend: str = "aot_eager") -> tuple[list[float], dict[str, Any]]:
     """The same recipe in one process: the microbatches' gradients summed (in ``order``), SGD steps on float32
     (master) weights."""
     from pipefold.runtime.compiled import compile_stage
 
     layers = _model(n)
     if compiled is not None:
-        layers = [compile_stage(m, compiled, "aot_eager") for m in layers]
+        layers = [compile_stage(m, compiled, backend) for m in layers]
     model = nn.Sequential(*layers)
     masters = None
     if precision.master_weights:
@@ -92,7 +93,7 @@ def _one_process(n: int, precision: Precision, steps: int, *, order: list[int] |
 
 
 def _train(rank: int, init: str, world: int, schedule: str, precision: str, compiled: str | None, steps: int,
-           memory: str, out: Any) -> None:
+           memory: str, backend: str, out: Any) -> None:
     import torch.distributed as dist
 
     from pipefold.runtime.pipeline import Pipeline
@@ -108,7 +109,7 @@ def _train(rank: int, init: str, world: int, schedule: str, precision: str, comp
         saving: dict[str, Any] = {"recompute": {"recompute": dict.fromkeys(mine, 1)}, "offload": {"offload": (1, 1)},
                                   "": {}}[memory]
         pipe = Pipeline([layers[s] for s in mine], schedule, microbatches=M, loss_fn=_loss,
-                        precision=Precision.of(precision), compile=compiled or False, compile_backend="aot_eager",
+                        precision=Precision.of(precision), compile=compiled or False, compile_backend=backend,
                         **saving)
         opt = pipe.optimizer(lambda ps: torch.optim.SGD(ps, lr=0.1))
         losses = []
@@ -166,7 +167,7 @@ def test_mixed_precision_equals_one_process_running_the_same_recipe(schedule: st
     itself when only the order of the microbatches' sums changes."""
     prec = Precision.of(precision)
     stages = _stages(schedule)
-    results = run_ranks(_train, 2, 2, schedule, precision, None, 2, memory)
+    results = run_ranks(_train, 2, 2, schedule, precision, None, 2, memory, "aot_eager")
     losses, grads, weights, dtypes = _gathered(results, stages)
     scale = LossScaler().scale if prec.loss_scale is not None else 1.0
     ref_losses, ref = _one_process(stages, prec, 2, loss_scale=scale)
@@ -190,12 +191,27 @@ def test_compiled_layers_keep_the_split_backward_exact(schedule: str, mode: str,
     """Compiled layers (each mode) on every family, with recomputation and offloading, give one process's
     compiled model's gradients to 1e-5."""
     stages = _stages(schedule)
-    results = run_ranks(_train, 2, 2, schedule, "fp32", mode, 2, memory)
+    results = run_ranks(_train, 2, 2, schedule, "fp32", mode, 2, memory, "aot_eager")
     losses, grads, weights, _ = _gathered(results, stages)
     ref_losses, ref = _one_process(stages, Precision(), 2, compiled=mode)
     assert _diff(grads, ref["grads"]) <= 1e-5
     assert _diff(weights, ref["weights"]) <= 1e-5
     assert losses == pytest.approx(ref_losses, rel=1e-5)
+
+
+def test_inductor_compiled_stages_in_bf16_equal_one_process_running_them() -> None:
+    """Inductor's generated kernels (C++ on this CPU), under bf16 autocast, with zero bubble's split backward: the
+    pipeline equals one process running the same inductor-compiled model in the same recipe, within the recipe's
+    own tolerance (its microbatches summed in another order)."""
+    prec = Precision.of("bf16")
+    results = run_ranks(_train, 2, 2, "zb-h1", "bf16", "split", 2, "", "inductor")
+    losses, grads, weights, _ = _gathered(results, 2)
+    ref_losses, ref = _one_process(2, prec, 2, compiled="split", backend="inductor")
+    _, again = _one_process(2, prec, 2, compiled="split", backend="inductor", order=list(reversed(range(M))))
+    tolerance = max(_diff(again["grads"], ref["grads"]), _diff(again["weights"], ref["weights"]), 1e-6)
+    assert _diff(grads, ref["grads"]) <= 2 * tolerance
+    assert _diff(weights, ref["weights"]) <= 2 * tolerance
+    assert losses == pytest.approx(ref_losses, rel=1e-3)
 
 
 def test_a_dynamic_loss_scale_backs_off_on_an_overflow_the_same_everywhere() -> None:

@@ -318,10 +318,10 @@ class Pipeline(RankPipeline):
         self.precision = Precision.of(precision)
         """How the passes compute (:mod:`pipefold.runtime.precision`)."""
         self.precision.check_device(self.device)
-        if self.precision.master_weights and (self.sharded or offload is not None):
+        if self.precision.master_weights and (self.sharded or offload is not None or tp_group is not None):
             raise ConfigError("master weights run with plain stage modules: FSDP stages take "
-                              "fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)), and "
-                              "offloaded ones precision='bf16' (autocast)")
+                              "fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)); "
+                              "offloaded and tensor-parallel ones precision='bf16' (autocast)")
         self.scaler = self.precision.scaler()
         """The pipeline's loss scale (fp16), the same on every rank; None without one."""
         self.overflowed = False
