@@ -10,6 +10,9 @@ Sections (``--only`` picks some; each runs on its own, so one failing does not h
               4 ranks, time-balanced split): per rank the meter's peak, the allocator's level between
               actions and its peak (``torch.cuda.max_memory_allocated``), the simulator's prediction; the
               V-shape schedules' peaks over 1F1B's against the papers' 0.75 / 0.5 / 1.0
+    precision the memory section's GPT in bf16 (autocast): the V schedules' peaks over 1F1B's beside float32's, on
+              the meter and the allocator; step time in bf16 against float32, and of inductor-compiled stages
+              (split and whole) against eager, on 1f1b and zb-v, runs interleaved
     layouts   a world of 4 laid out as pp 4, tp 2 x pp 2, dp 2 x pp 2 and dp 2 x pp 2 with ZeRO-1 (the GPT, 1f1b, ranks
               sharing the GPU): per rank the meter's peak between actions against the CUDA allocator's and torch's
               MemTracker's, the independent checks of the peaks issue 28's layout tables compare with the plan
@@ -52,7 +55,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-SECTIONS = ("tests", "memory", "layouts", "overlap", "speed", "wgrad", "offload", "calibrate")
+SECTIONS = ("tests", "memory", "precision", "layouts", "overlap", "speed", "wgrad", "offload", "calibrate")
 PAPER = {"1f1b": 1.0, "v-half": 0.75, "v-min": 0.5, "zb-v": 1.0}
 
 
@@ -92,8 +95,9 @@ def tests(out: Path, quick: bool) -> dict[str, Any]:
     return {"summary": summary, "failed": failed, "returncode": run.returncode, "md": md}
 
 
-def memory(out: Path, quick: bool) -> dict[str, Any]:
-    """Per rank: the meter, the allocator between actions and at its peak, the simulator; ratios over 1F1B."""
+def memory(out: Path, quick: bool, dtype: str = "fp32") -> dict[str, Any]:
+    """Per rank: the meter, the allocator between actions and at its peak, the simulator; ratios over 1F1B (the
+    passes computing in ``dtype``)."""
     from pipefold import simulate
     from pipefold.runtime.launch.local import run_local
     from pipefold.runtime.measure.timeline import measured_costs
@@ -105,7 +109,7 @@ def memory(out: Path, quick: bool) -> dict[str, Any]:
     rows: dict[str, Any] = {}
     for name in ("1f1b", "v-half", "v-min", "zb-v"):
         config = RunSpec.flat(schedule=name, devices=4, microbatches=16, batch=16, steps=2, model="gpt",
-                             partition="time", optimizer="sgd", device="cuda", action_timeout=300.0,
+                             partition="time", optimizer="sgd", device="cuda", action_timeout=300.0, dtype=dtype,
                              **size)
         job = dataclasses.replace(make_job(config), verify_memory_step=1)
         reports = sorted(run_local(job), key=lambda r: r.rank)
@@ -130,14 +134,46 @@ def memory(out: Path, quick: bool) -> dict[str, Any]:
                f"{res['ratio']['allocator_between']:.3f}", f"{res['ratio']['predicted']:.3f}", f"{PAPER[name]:.2f}"]
               for name, res in rows.items()]
     md = (f"GPT {size['layers']} blocks, hidden {size['hidden']}, {size['heads']} heads, sequence {size['seq']}, "
-          "16 microbatches of 1 sequence, 4 ranks sharing the GPU, time-balanced split, float32. MiB of the step's "
+          f"16 microbatches of 1 sequence, 4 ranks sharing the GPU, time-balanced split, {dtype}. MiB of the step's "
           "own memory (activations, buffers, sends; parameters, gradients and optimizer state excluded).\n\n"
           + _table(["schedule", "rank", "meter peak", "allocator between actions", "allocator vs meter",
                     "allocator peak (temporaries too)", "simulated", "meter vs simulated"], table)
           + "\n\nHighest rank's peak over 1F1B's:\n\n"
           + _table(["schedule", "layers per stage", "meter", "allocator", "simulated", "paper"], ratios) + "\n")
-    _memory_figure(rows, out / "memory.png")
-    return {"rows": rows, "md": md + "\n![memory](memory.png)\n"}
+    _memory_figure(rows, out / f"memory-{dtype}.png")
+    return {"rows": rows, "md": md + f"\n![memory](memory-{dtype}.png)\n"}
+
+
+def precision(out: Path, quick: bool) -> dict[str, Any]:
+    """bf16's memory (the memory section again, autocast to bf16) and step times: bf16 against float32, compiled
+    stages against eager."""
+    from pipefold.train.run import train
+    from pipefold.train.spec import RunSpec
+
+    held = memory(out, quick, "bf16")
+    size = dict(layers=6, hidden=512, heads=8, seq=256) if quick else dict(layers=12, hidden=1024, heads=16, seq=512)
+    recipes = {"fp32": {}, "bf16": {"dtype": "bf16"}, "bf16 + compile split": {"dtype": "bf16", "compile": "split"},
+               "bf16 + compile whole": {"dtype": "bf16", "compile": "whole"}}
+    results: dict[str, list[float]] = {}
+    for _ in range(1 if quick else 2):
+        for schedule in ("1f1b", "zb-v"):
+            for label, recipe in recipes.items():
+                config = RunSpec.flat(schedule=schedule, devices=2, microbatches=8, batch=8, steps=6, model="gpt",
+                                      partition="even", optimizer="sgd", device="cuda", **recipe, **size)
+                _, reports = train(config)
+                results.setdefault(f"{schedule} {label}", []).append(_median_wall(reports)[0])
+    rows = []
+    for schedule in ("1f1b", "zb-v"):
+        base = statistics.median(results[f"{schedule} fp32"])
+        for label in recipes:
+            runs = results[f"{schedule} {label}"]
+            rows.append([schedule, label, f"{1e3 * statistics.median(runs):.1f}",
+                         f"{statistics.median(runs) / base:.3f}", " ".join(f"{1e3 * v:.1f}" for v in runs)])
+    md = (held["md"] + f"\nStep time: GPT {size['layers']} blocks, hidden {size['hidden']}, sequence {size['seq']}, "
+          "8 microbatches, 2 ranks sharing the GPU; median step (ms) of steps 2..6 (compiled: after compiling), "
+          "runs interleaved.\n\n"
+          + _table(["schedule", "recipe", "ms", "over fp32", "every run (ms)"], rows) + "\n")
+    return {"memory": held["rows"], "times": results, "md": md}
 
 
 LAYOUTS = ((1, 1, 4, False), (2, 1, 2, False), (1, 2, 2, False), (1, 2, 2, True))
