@@ -2,7 +2,9 @@
 
     torchrun --nproc-per-node 2 examples/nanogpt.py                     # pipelined, 1F1B
     torchrun --nproc-per-node 2 examples/nanogpt.py --schedule zb-v     # any schedule pipefold knows
+    torchrun --nproc-per-node 2 examples/nanogpt.py --schedule zb-v --dtype bf16 --compile   # bf16, compiled layers
     python examples/nanogpt.py --reference                              # the same loop in one process
+    python examples/nanogpt.py --reference --dtype bf16 --compile       # ... in bf16, compiled
 
 Both print `step N loss X` for every step; the lines agree (tests/test_examples_library.py checks it).
 """
@@ -84,8 +86,11 @@ def main() -> None:
     p.add_argument("--width", type=int, default=32)
     p.add_argument("--blocks", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="the forwards under autocast to bf16")
+    p.add_argument("--compile", action="store_true", help="torch.compile each layer")
     p.add_argument("--reference", action="store_true", help="one process, no pipefold")
     args = p.parse_args()
+    low = torch.bfloat16 if args.dtype == "bf16" else None
 
     torch.manual_seed(0)
     vocab = 64
@@ -93,7 +98,12 @@ def main() -> None:
     data = batches(token_stream(vocab, 10_000, seed=1), args.batch, args.context, seed=2)
 
     if args.reference:
-        model, pipe, rank = nn.Sequential(*layers), None, 0
+        # Each layer compiled as pipefold compiles it (the Linears outside the compiled regions: pipefold's way of
+        # keeping the backward split into B and W), and autocast around the forward.
+        from pipefold.runtime.compiled import compile_stage
+
+        model = compile_stage(nn.Sequential(*layers)) if args.compile else nn.Sequential(*layers)
+        pipe, rank = None, 0
         params = list(model.parameters())
     else:
         import torch.distributed as dist
@@ -103,23 +113,32 @@ def main() -> None:
         dist.init_process_group("gloo")
         rank = dist.get_rank()
         stages = split_model(layers, args.schedule, devices=dist.get_world_size(), microbatches=args.microbatches)
-        pipe = Pipeline(stages, args.schedule, microbatches=args.microbatches, loss_fn=loss_fn)
+        pipe = Pipeline(stages, args.schedule, microbatches=args.microbatches, loss_fn=loss_fn,
+                        precision=args.dtype, compile=args.compile)
         params = pipe.parameters()
 
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.1)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps, eta_min=args.lr / 10)
+    make = lambda ps: torch.optim.AdamW(ps, lr=args.lr, weight_decay=0.1)  # noqa: E731
+    # pipe.optimizer: the optimizer for the pipeline's precision (fp16: it skips a step whose gradients overflowed).
+    opt = make(params) if pipe is None else pipe.optimizer(make)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt if pipe is None else opt.optimizer, T_max=args.steps,
+                                                       eta_min=args.lr / 10)
+    m = args.microbatches
     for step in range(args.steps):
         x, y = next(data)
         opt.zero_grad()
-        if pipe is None:
-            loss_t = loss_fn(model(x), y)
-            loss_t.backward()
-            loss = loss_t.item()
+        if pipe is None:  # the batch's microbatches one after the other, as the pipeline runs them
+            loss = 0.0
+            for xs, ys in zip(x.chunk(m), y.chunk(m), strict=True):
+                with torch.autocast("cpu", dtype=low, enabled=low is not None):
+                    loss_t = loss_fn(model(xs), ys)
+                (loss_t / m).backward()
+                loss += loss_t.item() / m
             torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
         else:
             loss = pipe.step(x, target=y, all_ranks=True)  # the batch's mean loss, here on every rank
             pipe.clip_grad_norm_(1.0)
-        opt.step()
+            opt.step()
         sched.step()
         if rank == 0:
             print(f"step {step} loss {loss:.8f}", flush=True)

@@ -23,6 +23,8 @@ CASES = [
     ("torchrun --standalone --nproc-per-node 2 examples/nanogpt.py", "python examples/nanogpt.py --reference"),
     ("torchrun --standalone --nproc-per-node 2 examples/nanogpt.py --schedule zb-v",
      "python examples/nanogpt.py --reference"),
+    ("torchrun --standalone --nproc-per-node 2 examples/nanogpt.py --schedule zb-v --dtype bf16 --compile",
+     "python examples/nanogpt.py --reference --dtype bf16 --compile"),
     ("torchrun --standalone --nproc-per-node 2 examples/hf_llama.py", "python examples/hf_llama.py --reference"),
     ("torchrun --standalone --nproc-per-node 4 examples/fsdp_pp.py", "python examples/fsdp_pp.py --reference"),
     ("torchrun --standalone --nproc-per-node 4 examples/tp_pp.py", "python examples/tp_pp.py --reference"),
@@ -43,7 +45,8 @@ def _losses(command: str) -> tuple[tuple[int, float], ...]:
     return tuple((int(n), float(x)) for n, x in LINE.findall(done.stdout))
 
 
-@pytest.mark.parametrize(("command", "reference"), CASES, ids=["nanogpt", "nanogpt-zb-v", "hf_llama", "fsdp_pp",
+@pytest.mark.parametrize(("command", "reference"), CASES, ids=["nanogpt", "nanogpt-zb-v", "nanogpt-bf16-compiled",
+                                                               "hf_llama", "fsdp_pp",
                                                                "tp_pp"])
 def test_example_trains_as_its_one_process_reference(command: str, reference: str) -> None:
     if "hf_llama" in command:
