@@ -61,6 +61,9 @@ TORCH_TIMED = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe"}
 TORCH_ZB = {"interleaved-zb": "ScheduleInterleavedZeroBubble", "zb-v": "ScheduleZBVZeroBubble",
             "dualpipev": "ScheduleDualPipeV"}
 """torch's schedules that split the backward, by pipefold's schedule of the same placement."""
+INPLACE = ("inplace", "inplace-nodonate")
+"""Blocks compiled in place (``block.compile()``), as compiled (``inplace``), and with
+``torch._functorch.config.donated_buffer = False`` (``inplace-nodonate``, as pipefold's compile_stage sets it)."""
 
 
 @dataclass(frozen=True)
@@ -136,7 +139,11 @@ def torch_loop(stages: dict[int, nn.Module], schedule: str, mode: str, microbatc
 
     if mode == "compiled":
         stages = {s: nn.Sequential(*[torch.compile(b, backend=BACKEND) for b in m]) for s, m in stages.items()}
-    elif mode == "inplace":
+    elif mode in ("inplace", "inplace-nodonate"):
+        if mode == "inplace-nodonate":  # what pipefold's compile_stage sets: a compiled backward may run twice
+            import torch._functorch.config as functorch_config
+
+            functorch_config.donated_buffer = False
         for m in stages.values():
             for b in m:
                 b.compile(backend=BACKEND)
@@ -184,8 +191,13 @@ class _Timed:
 
 
 def _one_line(exc: BaseException) -> str:
+    """The exception's type and first line; for a rank's error re-raised by torch.multiprocessing (a traceback in
+    its message), the last line of that traceback."""
     text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    if type(exc).__name__ == "ProcessRaisedException" and lines:
+        return f"{lines[0].strip('- ')}: {lines[-1]}"
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
 
 
 def _stages_of(schedule: str, microbatches: int, rank: int) -> tuple[list[int], int]:
@@ -224,10 +236,11 @@ def _say(rank: int, text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
 
-def _init(rank: int, init: str) -> None:
+def _init(rank: int, init: str, timeout_s: float = 120) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD, timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=timeout_s))
 
 
 def _main_rank(rank: int, init: str, sizes: Sizes, schedules: list[str], with_torch: bool, out_path: str) -> None:
@@ -259,12 +272,14 @@ def _main_rank(rank: int, init: str, sizes: Sizes, schedules: list[str], with_to
         dist.destroy_process_group()
 
 
-def _inplace_rank(rank: int, init: str, sizes: Sizes, placement: str, cls: str, out_path: str) -> None:
-    """torch's zero-bubble schedule ``cls``: eager, then with each block compiled in place (its own process)."""
-    _init(rank, init)
+def _inplace_rank(rank: int, init: str, sizes: Sizes, placement: str, cls: str, modes: tuple[str, ...],
+                  out_path: str) -> None:
+    """torch's zero-bubble schedule ``cls`` in ``modes`` (eager, then blocks compiled in place), in processes of
+    their own; a short timeout, as a rank whose backward fails leaves its peer waiting for a message."""
+    _init(rank, init, timeout_s=30)
     try:
         data = batches(sizes)
-        out = {m: asdict(_run(torch_loop, cls, placement, m, sizes, data)) for m in ("eager", "inplace")}
+        out = {m: asdict(_run(torch_loop, cls, placement, m, sizes, data)) for m in modes}
         if rank == 0:
             with open(out_path, "w") as f:
                 json.dump(out, f)
@@ -350,20 +365,20 @@ def summarize(raw: dict[str, Any], inplace: dict[str, Any], sizes: Sizes) -> dic
     for s, run in raw["torch_zb"].items():
         row: dict[str, Any] = {"schedule": TORCH_ZB[s], "compiled_error": run["error"],
                                "compiled_ms": _median_s(run, w)}
-        if s in inplace:
-            got, how = inplace[s]
+        row["inplace"] = {}
+        for m, (got, how) in inplace.get(s, {}).items():
             if got is None:
-                row["inplace"] = {"ended": how}
-            else:
-                e, i = got["eager"], got["inplace"]
-                em, im = _median_s(e, w), _median_s(i, w)
-                row["inplace"] = {"eager_error": e["error"], "inplace_error": i["error"],
-                                  "eager_ms": None if em is None else 1e3 * em,
-                                  "inplace_ms": None if im is None else 1e3 * im,
-                                  "inplace_over_eager": im / em if em and im else None,
-                                  "loss_max_rel_diff_to_eager": _loss_diff(i["losses"], e["losses"])
-                                  if i["error"] is None and e["error"] is None else None,
-                                  "inplace_compile_s": _compile_s(i, w)}
+                row["inplace"][m] = {"ended": how}
+                continue
+            e, i = got["eager"], got[m]
+            em, im = _median_s(e, w), _median_s(i, w)
+            row["inplace"][m] = {"eager_error": e["error"], "error": i["error"],
+                                 "eager_ms": None if em is None else 1e3 * em,
+                                 "ms": None if im is None else 1e3 * im,
+                                 "over_eager": im / em if em and im else None,
+                                 "loss_max_rel_diff_to_eager": _loss_diff(i["losses"], e["losses"])
+                                 if i["error"] is None and e["error"] is None else None,
+                                 "compile_s": _compile_s(i, w)}
         zb_rows.append(row)
     return {"sizes": asdict(sizes), "world": WORLD, "backend": "gloo", "compile_backend": BACKEND,
             "optimizer": "AdamW via Pipeline.optimizer", "lr": LR, "torch_version": torch.__version__,
@@ -408,24 +423,28 @@ def table(summary: dict[str, Any]) -> str:
                        f"{_e(r['eager_loss_max_rel_diff_to_pipefold_eager'])} | {'-' if c is None else f'{c:.1f}'} |")
             notes += [f"torch {r['schedule']}: failed: {e}" for e in r["errors"]]
     if summary["torch_zero_bubble"]:
-        out += ["", "torch's zero-bubble schedules with compiled blocks:", "",
-                "| schedule | torch.compile(block) | block.compile() in place: runs? | its step / eager | "
-                "eager ms | in place ms | losses vs eager |", "|---|---|---|---|---|---|---|"]
+        out += ["", "torch's zero-bubble schedules with compiled blocks (in place: each block's compile(), in "
+                "processes of their own, each against an eager run of the same process):", "",
+                "| schedule | torch.compile(block) | in place | in place, donated_buffer=False |", "|---|---|---|---|"]
         for r in summary["torch_zero_bubble"]:
             first = r["compiled_error"] or f"runs, {1e3 * r['compiled_ms']:.1f} ms"
-            ip = r.get("inplace")
-            if ip is None:
-                cells = ["not tried", "-", "-", "-", "-"]
-            elif "ended" in ip:
-                cells = [f"no: {ip['ended']}", "-", "-", "-", "-"]
-            else:
-                ran = "yes" if ip["inplace_error"] is None else f"no: {ip['inplace_error']}"
-                ratio = "-" if ip["inplace_over_eager"] is None else f"{ip['inplace_over_eager']:.2f}"
-                em = "-" if ip["eager_ms"] is None else f"{ip['eager_ms']:.1f}"
-                im = "-" if ip["inplace_ms"] is None else f"{ip['inplace_ms']:.1f}"
-                cells = [ran, ratio, em, im, _e(ip["loss_max_rel_diff_to_eager"])]
-                if ip["eager_error"]:
-                    notes.append(f"torch {r['schedule']} eager: failed: {ip['eager_error']}")
+            cells = []
+            for m in INPLACE:
+                ip = r["inplace"].get(m)
+                if ip is None:
+                    cells.append("not tried")
+                elif "ended" in ip:
+                    cells.append(f"fails: {ip['ended']}")
+                elif ip["error"]:
+                    cells.append(f"fails: {ip['error']}")
+                else:
+                    ratio = "-" if ip["over_eager"] is None else f"{ip['over_eager']:.2f}"
+                    em = "-" if ip["eager_ms"] is None else f"{ip['eager_ms']:.1f}"
+                    im = "-" if ip["ms"] is None else f"{ip['ms']:.1f}"
+                    cells.append(f"runs: {im} ms vs eager {em} ms ({ratio}), losses vs eager "
+                                 f"{_e(ip['loss_max_rel_diff_to_eager'])}")
+                if ip is not None and ip.get("eager_error"):
+                    notes.append(f"torch {r['schedule']} eager ({m} process): failed: {ip['eager_error']}")
             out.append(f"| {r['schedule']} | {first} | " + " | ".join(cells) + " |")
     return "\n".join(out + ([""] + notes if notes else []))
 
@@ -478,7 +497,8 @@ def main() -> None:
                 if run["error"] and "OptimizedModule" in run["error"]:
                     print(f"torch {TORCH_ZB[s]} with blocks compiled in place (own processes)", file=sys.stderr,
                           flush=True)
-                    inplace[s] = _spawn(_inplace_rank, (sizes, s, TORCH_ZB[s]), tmp, f"inplace-{s}")
+                    inplace[s] = {m: _spawn(_inplace_rank, (sizes, s, TORCH_ZB[s], ("eager", m)), tmp, f"{m}-{s}")
+                                  for m in INPLACE}
     summary = summarize(raw, inplace, sizes)
     summary["seconds"] = round(time.perf_counter() - started, 1)
     print(table(summary))
