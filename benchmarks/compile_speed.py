@@ -10,21 +10,30 @@ are in it); the first ``--warmup`` steps (where torch.compile traces and inducto
 left out of the run's median.
 
 Part 1, pipefold: per round, for each schedule (1f1b, zb-h1, zb-v, dualpipev), eager, ``compile="split"`` and
-``compile="whole"`` (inductor) back to back. Reported per schedule and mode: the median over rounds of the run's
+``compile="whole"`` (inductor) back to back (the order turning each round: eager split whole, split whole eager,
+...). Reported per schedule and mode: the median over rounds of the run's
 median step over eager's of the same round, its spread (min..max over rounds), the milliseconds, and the losses'
 agreement with eager's of the same round (max relative difference over the steps: the independent check that the
-compiled stages compute the same training). Compilation: in the first round, the warm-up steps' seconds over
-``warmup`` x the run's median step (inductor's cache in a fresh folder, so the first compile is cold; later runs
-reuse dynamo's graphs, as the blocks are the same code and shapes).
+compiled stages compute the same training). Compilation, per run: the warm-up steps' seconds beyond ``warmup`` x
+the run's median step. Every compiled run starts with ``torch._dynamo.reset()``, so it traces its own graphs:
+dynamo keeps a code object's graphs for every module of that class, and a ``compile="whole"`` Pipeline built after
+a ``compile="split"`` one in the same process otherwise runs split's graphs (its Linears outside the regions; the
+backward-call count below shows it). Inductor's cache is in a fresh folder for each invocation of this script, so
+the first compile is a cold one; later ones find its kernels there. Also in the first round: one more, untimed
+step under torch's profiler counts the compiled regions' backward calls (``CompiledFunctionBackward``): once per
+region and microbatch where no backward runs twice (with "whole", B computes the weights' gradients too).
 
 Part 2, torch.distributed.pipelining with the same blocks, each wrapped in ``torch.compile`` (inductor): in the
-same rounds Schedule1F1B and ScheduleGPipe eager and compiled (their ratio, losses against eager). Then
-ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble and ScheduleDualPipeV with the compiled blocks: the error
-where they refuse (one line). Where they refuse an ``OptimizedModule``, also once with each block compiled in place
-(``block.compile()``, which torch's check does not look for), in a process of its own (a crash stays there): whether
-it runs, its step time over the same schedule's eager run, and its losses against eager's.
+same rounds Schedule1F1B and ScheduleGPipe eager and compiled (their ratio, losses against eager; these runs
+follow pipefold's in the same processes, so they run with ``donated_buffer = False``, which pipefold's compile sets
+process-wide, and reuse the block graphs dynamo already made). Then ScheduleInterleavedZeroBubble,
+ScheduleZBVZeroBubble and ScheduleDualPipeV with the compiled blocks: the error where they refuse (one line). Where
+they refuse an ``OptimizedModule``, also with each block compiled in place (``block.compile()``, which torch's check
+does not look for), as it is and with ``torch._functorch.config.donated_buffer = False``, each in processes of its
+own after an eager run of the same schedule (a crash or a hang stays there; a 30 s timeout): whether it runs, its
+step time over that eager run's (one run each: no spread), and its losses against eager's.
 
-    python benchmarks/compile_speed.py                    # 4 schedules x 3 modes, 3 rounds (~6 minutes on 2 cores)
+    python benchmarks/compile_speed.py                    # 4 schedules x 3 modes, 4 rounds (~8 minutes on 2 cores)
     python benchmarks/compile_speed.py --quick            # small and short: checks the script works
     python benchmarks/compile_speed.py --schedules 1f1b zb-v --rounds 2 --no-torch --json out.json
 """
@@ -113,6 +122,20 @@ def batches(sizes: Sizes) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 # -- the user loops
 
+_PROFILE: dict[str, Any] = {"on": False, "count": None}
+"""When on, each loop runs one more, untimed step after its batches under torch's profiler and counts the compiled
+regions' backward calls (``CompiledFunctionBackward``) in it: one per region and microbatch where nothing runs
+twice."""
+
+
+def _count_backward_calls(step: Any) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    return sum(1 for e in prof.events() if e.name == "CompiledFunctionBackward")
+
+
 
 def pipefold_loop(stages: dict[int, nn.Module], schedule: str, mode: str, microbatches: int,
                   data: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> list[float | None]:
@@ -126,14 +149,19 @@ def pipefold_loop(stages: dict[int, nn.Module], schedule: str, mode: str, microb
         losses.append(pipe.step(x, target=y))
         opt.step()
         opt.zero_grad()
+    if _PROFILE["on"]:  # the harness's count, not part of the user's loop
+        x, y = next(iter(data.data))  # type: ignore[attr-defined]
+        _PROFILE["count"] = _count_backward_calls(lambda: pipe.step(x, target=y))
+        opt.zero_grad()
     pipe.close()
     return losses
 
 
 def torch_loop(stages: dict[int, nn.Module], schedule: str, mode: str, microbatches: int,
                data: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> list[float | None]:
-    """torch.distributed.pipelining's loop; ``mode``: eager, ``compiled`` (each block wrapped in torch.compile)
-    or ``inplace`` (each block's ``compile()``: the module stays a Block)."""
+    """torch.distributed.pipelining's loop; ``mode``: eager, ``compiled`` (each block wrapped in torch.compile),
+    ``inplace`` (each block's ``compile()``: the module stays a Block, which torch's zero-bubble schedules' check
+    for compiled stages does not see), or ``inplace-nodonate`` (the same with AOTAutograd's donated buffers off)."""
     from torch.distributed import pipelining
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
@@ -161,6 +189,12 @@ def torch_loop(stages: dict[int, nn.Module], schedule: str, mode: str, microbatc
         losses.append(float(torch.stack(mb_losses).mean().detach()) if last else None)
         opt.step()
         opt.zero_grad()
+    if _PROFILE["on"]:  # the harness's count, not part of the user's loop
+        x, y = next(iter(data.data))  # type: ignore[attr-defined]
+        _PROFILE["count"] = _count_backward_calls(lambda: sched.step(*((x,) if first else ()),
+                                                                      target=y if last else None,
+                                                                      losses=[] if last else None))
+        opt.zero_grad()
     return losses
 
 
@@ -172,6 +206,8 @@ class Run:
     steps_s: list[float] = field(default_factory=list)
     losses: list[float | None] = field(default_factory=list)
     error: str | None = None
+    backward_calls: int | None = None
+    """Compiled regions' backward calls in one step, summed over the ranks (where counted: :data:`_PROFILE`)."""
 
 
 class _Timed:
@@ -208,9 +244,20 @@ def _stages_of(schedule: str, microbatches: int, rank: int) -> tuple[list[int], 
 
 
 def _run(loop: Any, schedule: str, placement: str, mode: str, sizes: Sizes,
-         data: list[tuple[torch.Tensor, torch.Tensor]]) -> Run:
-    """One run on this rank (collective): per step the longest rank's time, the losses from the last stage."""
+         data: list[tuple[torch.Tensor, torch.Tensor]], count: bool = False, sidecar: str | None = None) -> Run:
+    """One run on this rank (collective): per step the longest rank's time, the losses from the last stage; with
+    ``count``, the compiled backward calls of one more step. ``sidecar``: where this rank writes its error the
+    moment it has one (a peer left waiting may end the processes before the results are gathered)."""
     rank = dist.get_rank()
+    _PROFILE["on"], _PROFILE["count"] = count, None
+    if mode != "eager":
+        # Each compiled run traces its own graphs: dynamo shares a code object's graphs among modules, and a
+        # "whole" run after a "split" one would otherwise take split's graphs (Linears outside; see the docstring).
+        torch._dynamo.reset()
+        if loop is torch_loop:  # torch's default, which pipefold's compile_stage turns off process-wide
+            import torch._functorch.config as functorch_config
+
+            functorch_config.donated_buffer = True
     stages, num_stages = _stages_of(placement, sizes.microbatches, rank)
     modules = build_stages(sizes, stages, num_stages)
     timed = _Timed(data)
@@ -219,16 +266,34 @@ def _run(loop: Any, schedule: str, placement: str, mode: str, sizes: Sizes,
         losses = loop(modules, schedule, mode, sizes.microbatches, timed)
     except Exception as exc:  # a library's failure is a result to report
         error = _one_line(exc)
+        if exc.__cause__ is not None:  # torch's pipelining wraps the backward's own error: name it too
+            error += f" (caused by {_one_line(exc.__cause__)})"
+        if sidecar is not None:
+            with open(f"{sidecar}.rank{rank}", "w") as f:
+                f.write(error)
         if os.environ.get("COMPILE_SPEED_TRACEBACK"):
             traceback.print_exc()
     gathered: list[Any] = [None] * WORLD
-    dist.all_gather_object(gathered, (timed.times, losses, error))
-    errors = [e for _, _, e in gathered if e]
+    dist.all_gather_object(gathered, (timed.times, losses, error, _PROFILE["count"]))
+    _PROFILE["on"] = False
+    errors = _rank_errors([g[2] for g in gathered])
     if errors:
-        return Run(error=errors[0])
+        return Run(error=errors)
     steps = [max(g[0][i] for g in gathered) for i in range(len(data))]
     merged = [next((g[1][i] for g in gathered if g[1][i] is not None), None) for i in range(len(data))]
-    return Run(steps, merged)
+    counts = [g[3] for g in gathered]
+    return Run(steps, merged, backward_calls=sum(counts) if None not in counts else None)
+
+
+def _rank_errors(errors: list[str | None]) -> str | None:
+    """The ranks' errors, each text once with the ranks that had it."""
+    by: dict[str, list[int]] = {}
+    for i, e in enumerate(errors):
+        if e:
+            by.setdefault(e, []).append(i)
+    if not by:
+        return None
+    return "; ".join(f"rank{'s' * (len(r) > 1)} {','.join(map(str, r))}: {e}" for e, r in by.items())
 
 
 def _say(rank: int, text: str) -> None:
@@ -254,13 +319,13 @@ def _main_rank(rank: int, init: str, sizes: Sizes, schedules: list[str], with_to
             if with_torch else {}
         for r in range(sizes.rounds):
             for s in schedules:
-                for m in MODES:
+                for m in MODES[r % len(MODES):] + MODES[:r % len(MODES)]:  # the order turns each round
                     _say(rank, f"round {r + 1}/{sizes.rounds}: pipefold {s} {m}")
-                    pf[s][m].append(asdict(_run(pipefold_loop, s, s, m, sizes, data)))
+                    pf[s][m].append(asdict(_run(pipefold_loop, s, s, m, sizes, data, count=r == 0)))
             for s, cls in TORCH_TIMED.items() if with_torch else ():
                 for m in ("eager", "compiled"):
                     _say(rank, f"round {r + 1}/{sizes.rounds}: torch {cls} {m}")
-                    th[s][m].append(asdict(_run(torch_loop, cls, s, m, sizes, data)))
+                    th[s][m].append(asdict(_run(torch_loop, cls, s, m, sizes, data, count=r == 0)))
         zb: dict[str, Any] = {}
         for s, cls in TORCH_ZB.items() if with_torch else ():
             _say(rank, f"torch {cls} with torch.compile'd blocks")
@@ -279,7 +344,9 @@ def _inplace_rank(rank: int, init: str, sizes: Sizes, placement: str, cls: str, 
     _init(rank, init, timeout_s=30)
     try:
         data = batches(sizes)
-        out = {m: asdict(_run(torch_loop, cls, placement, m, sizes, data)) for m in modes}
+        sidecar = out_path[:-len(".json")]
+        out = {m: asdict(_run(torch_loop, cls, placement, m, sizes, data, count=m != "eager",
+                              sidecar=f"{sidecar}.{m}")) for m in modes}
         if rank == 0:
             with open(out_path, "w") as f:
                 json.dump(out, f)
@@ -294,7 +361,11 @@ def _spawn(fn: Any, args: tuple[Any, ...], tmp: str, name: str) -> tuple[Any, st
     try:
         mp.start_processes(fn, args=(init, *args, out_path), nprocs=WORLD, join=True, start_method="spawn")
     except Exception as exc:  # a rank that crashed (a signal) or raised: the result is how it ended
-        return None, _one_line(exc)
+        import glob
+
+        first = [open(p).read() for p in sorted(glob.glob(os.path.join(tmp, f"{name}.*.rank*")))]
+        ended = _one_line(exc)
+        return None, (f"{'; '.join(first)}; then the processes ended: {ended}" if first else ended)
     with open(out_path) as f:
         return json.load(f), None
 
@@ -341,6 +412,8 @@ def summarize(raw: dict[str, Any], inplace: dict[str, Any], sizes: Sizes) -> dic
                          "ms": _spread([1e3 * v for r in runs if (v := _median_s(r, w))]),
                          "loss_max_rel_diff_to_eager": max(diffs) if diffs else None,
                          "first_round_compile_s": _compile_s(runs[0], w) if runs else None,
+                         "compile_s_per_round": [_compile_s(r, w) for r in runs],
+                         "backward_calls": runs[0]["backward_calls"] if runs else None,
                          "first_round_warmup_s": runs[0]["steps_s"][:w] if runs and runs[0]["error"] is None else None,
                          "errors": sorted({r["error"] for r in runs if r["error"]})})
     torch_rows = []
@@ -360,6 +433,8 @@ def summarize(raw: dict[str, Any], inplace: dict[str, Any], sizes: Sizes) -> dic
                            "loss_max_rel_diff_to_eager": max(diffs) if diffs else None,
                            "eager_loss_max_rel_diff_to_pipefold_eager": max(vs_pf) if vs_pf else None,
                            "first_round_compile_s": _compile_s(comp[0], w) if comp else None,
+                           "compile_s_per_round": [_compile_s(r, w) for r in comp],
+                           "backward_calls": comp[0]["backward_calls"] if comp else None,
                            "errors": sorted({r["error"] for r in eager + comp if r["error"]})})
     zb_rows = []
     for s, run in raw["torch_zb"].items():
@@ -378,9 +453,10 @@ def summarize(raw: dict[str, Any], inplace: dict[str, Any], sizes: Sizes) -> dic
                                  "over_eager": im / em if em and im else None,
                                  "loss_max_rel_diff_to_eager": _loss_diff(i["losses"], e["losses"])
                                  if i["error"] is None and e["error"] is None else None,
-                                 "compile_s": _compile_s(i, w)}
+                                 "compile_s": _compile_s(i, w), "backward_calls": i["backward_calls"]}
         zb_rows.append(row)
     return {"sizes": asdict(sizes), "world": WORLD, "backend": "gloo", "compile_backend": BACKEND,
+            "block_microbatches": sizes.layers * sizes.microbatches,
             "optimizer": "AdamW via Pipeline.optimizer", "lr": LR, "torch_version": torch.__version__,
             "python": sys.version.split()[0], "cpus": os.cpu_count(), "pipefold": rows, "torch": torch_rows,
             "torch_zero_bubble": zb_rows}
@@ -390,6 +466,14 @@ def _fmt(s: dict[str, float] | None, digits: int = 2) -> str:
     if s is None:
         return "-"
     return f"{s['median']:.{digits}f} ({s['min']:.{digits}f}..{s['max']:.{digits}f})"
+
+
+def _secs(xs: list[float | None]) -> str:
+    return " / ".join("-" if x is None else f"{x:.1f}" for x in xs) or "-"
+
+
+def _n(x: int | None) -> str:
+    return "-" if x is None else str(x)
 
 
 def _e(x: float | None) -> str:
@@ -404,23 +488,23 @@ def table(summary: dict[str, Any]) -> str:
            f"first {sz['warmup']} left out (median over the rest; spread: min..max over rounds)", "",
            "pipefold Pipeline:", "",
            "| schedule | mode | step time / eager (same round) | ms | losses vs eager (max rel diff) | "
-           "compile s (round 1: warm-up steps beyond normal ones) |",
-           "|---|---|---|---|---|---|"]
+           "compile s per round (warm-up steps beyond ordinary ones) | compiled backward calls a step |",
+           "|---|---|---|---|---|---|---|"]
     for r in summary["pipefold"]:
-        c = r["first_round_compile_s"]
         out.append(f"| {r['schedule']} | {r['mode']} | {_fmt(r['ratio_to_eager'])} | {_fmt(r['ms'], 1)} | "
                    f"{'-' if r['mode'] == 'eager' else _e(r['loss_max_rel_diff_to_eager'])} | "
-                   f"{'-' if r['mode'] == 'eager' or c is None else f'{c:.1f}'} |")
+                   f"{'-' if r['mode'] == 'eager' else _secs(r['compile_s_per_round'])} | {_n(r['backward_calls'])} |")
     notes = [f"pipefold {r['schedule']} {r['mode']}: failed: {e}" for r in summary["pipefold"] for e in r["errors"]]
     if summary["torch"]:
         out += ["", "torch.distributed.pipelining, each block torch.compile'd (same rounds):", "",
                 "| schedule | compiled / eager | eager ms | compiled ms | losses compiled vs eager | "
-                "torch eager vs pipefold eager losses | compile s (round 1) |", "|---|---|---|---|---|---|---|"]
+                "torch eager vs pipefold eager losses | compile s per round | compiled backward calls a step |",
+                "|---|---|---|---|---|---|---|---|"]
         for r in summary["torch"]:
-            c = r["first_round_compile_s"]
             out.append(f"| {r['schedule']} | {_fmt(r['compiled_over_eager'])} | {_fmt(r['eager_ms'], 1)} | "
                        f"{_fmt(r['compiled_ms'], 1)} | {_e(r['loss_max_rel_diff_to_eager'])} | "
-                       f"{_e(r['eager_loss_max_rel_diff_to_pipefold_eager'])} | {'-' if c is None else f'{c:.1f}'} |")
+                       f"{_e(r['eager_loss_max_rel_diff_to_pipefold_eager'])} | {_secs(r['compile_s_per_round'])} | "
+                       f"{_n(r['backward_calls'])} |")
             notes += [f"torch {r['schedule']}: failed: {e}" for e in r["errors"]]
     if summary["torch_zero_bubble"]:
         out += ["", "torch's zero-bubble schedules with compiled blocks (in place: each block's compile(), in "
@@ -442,10 +526,15 @@ def table(summary: dict[str, Any]) -> str:
                     em = "-" if ip["eager_ms"] is None else f"{ip['eager_ms']:.1f}"
                     im = "-" if ip["ms"] is None else f"{ip['ms']:.1f}"
                     cells.append(f"runs: {im} ms vs eager {em} ms ({ratio}), losses vs eager "
-                                 f"{_e(ip['loss_max_rel_diff_to_eager'])}")
+                                 f"{_e(ip['loss_max_rel_diff_to_eager'])}, compiled backward calls a step "
+                                 f"{_n(ip['backward_calls'])}")
                 if ip is not None and ip.get("eager_error"):
                     notes.append(f"torch {r['schedule']} eager ({m} process): failed: {ip['eager_error']}")
             out.append(f"| {r['schedule']} | {first} | " + " | ".join(cells) + " |")
+    out += ["", f"Compiled backward calls a step: CompiledFunctionBackward events in one more, untimed step under "
+            f"torch's profiler (first round), summed over the ranks; each block one region ('whole', torch's "
+            f"compiled blocks): {summary['block_microbatches']} = {sz['layers']} blocks x {sz['microbatches']} "
+            "microbatches where each region's backward runs once."]
     return "\n".join(out + ([""] + notes if notes else []))
 
 
@@ -456,7 +545,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schedules", nargs="+", default=SCHEDULES, metavar="NAME",
                         help=f"pipefold schedules to time (default: {' '.join(SCHEDULES)})")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=4, help="rounds of eager, split and whole runs back to back, "
+                        "their order turning each round (default 4)")
     parser.add_argument("--steps", type=int, default=8, help="steps per run (default 8)")
     parser.add_argument("--warmup", type=int, default=3, help="first steps left out of each run's median (default 3)")
     parser.add_argument("--hidden", type=int, default=512)

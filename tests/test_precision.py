@@ -235,6 +235,8 @@ def test_a_precision_no_run_can_use_is_one_line(value: Any, words: str) -> None:
         Precision("fp16", loss_scale="big")
     with pytest.raises(ConfigError, match="from 1 to"):
         Precision("fp16", loss_scale=0.5)
+    with pytest.raises(ConfigError, match="meta has no autocast to fp16"):  # a device type torch has no autocast for
+        Precision("fp16").check_device(torch.device("meta"))
 
 
 def test_compile_modes_leave_the_parameters_and_refuse_an_unknown_mode() -> None:

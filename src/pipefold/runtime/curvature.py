@@ -100,14 +100,14 @@ class StageCurvature:
         if action.kind == Kind.KA:
             self.want_a.discard(mb)
             # A stage may have no layer K-FAC takes (an embedding alone): nothing was kept for it.
-            for factors, a in zip(self.kfac.layers, self._a.pop(mb, None) or [None] * len(self.kfac.layers),
-                                  strict=True):
+            none: list[torch.Tensor | None] = [None] * len(self.kfac.layers)
+            for factors, a in zip(self.kfac.layers, self._a.pop(mb, none), strict=True):
                 if a is not None:
                     factors.add_a(a)
         elif action.kind == Kind.KG:
             self.want_g.discard(mb)
-            for factors, g in zip(self.kfac.layers, self._g.pop(mb, None) or [None] * len(self.kfac.layers),
-                                  strict=True):
+            none = [None] * len(self.kfac.layers)
+            for factors, g in zip(self.kfac.layers, self._g.pop(mb, none), strict=True):
                 if g is not None:
                     # The backward's gradient is that of (mean over the g's rows) / microbatches: scaled back
                     # to each row's own loss gradient.

@@ -22,20 +22,22 @@ norm, clipping) goes through it.
 
 from __future__ import annotations
 
+import sys
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from pipefold.errors import ConfigError
-from pipefold.runtime.sharding import local
+
+if TYPE_CHECKING:  # torch is imported where a tensor is touched: a run's spec checks its precision without it
+    import torch
+    from torch import nn
 
 __all__ = ["DTYPES", "LossScaler", "Masters", "Precision", "PrecisionOptimizer", "grad_holder", "unscale"]
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-"""The compute dtypes by name."""
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+"""The compute dtypes by name: torch's name of each."""
 
 _ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float": "fp32"}
 
@@ -82,8 +84,9 @@ class Precision:
             return cls()
         if isinstance(value, Precision):
             return value
-        if isinstance(value, torch.dtype):
-            names = {v: k for k, v in DTYPES.items()}
+        torch = sys.modules.get("torch")  # a torch dtype comes from an imported torch
+        if torch is not None and isinstance(value, torch.dtype):
+            names = {getattr(torch, v): k for k, v in DTYPES.items()}
             if value not in names:
                 raise ConfigError(f"dtype {value} is not one pipefold trains in; use torch.float32, torch.bfloat16 "
                                   "or torch.float16")
@@ -99,7 +102,10 @@ class Precision:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        import torch
+
+        dtype: torch.dtype = getattr(torch, DTYPES[self.dtype])
+        return dtype
 
     @property
     def autocast(self) -> torch.dtype | None:
@@ -109,11 +115,6 @@ class Precision:
     @property
     def is_mixed(self) -> bool:
         return self.dtype != "fp32"
-
-    @property
-    def element_bytes(self) -> int:
-        """Bytes of one element in the compute dtype: what activations and messages take."""
-        return self.torch_dtype.itemsize
 
     def describe(self) -> str:
         if not self.is_mixed:
@@ -125,17 +126,29 @@ class Precision:
 
     def check_device(self, device: torch.device) -> None:
         """One line where ``device`` cannot compute in the dtype."""
+        import torch
+
         if self.dtype == "fp32":
             return
         if device.type == "cuda" and self.dtype == "bf16" and not torch.cuda.is_bf16_supported():
             raise ConfigError(f"{device} cannot compute in bf16 (it needs an Ampere or newer GPU); use --dtype fp16 "
                               "with a loss scale")
-        if device.type not in ("cpu", "cuda"):
+        if self.autocast is None:
+            return
+        # torch refuses an autocast dtype a device type has none of by a warning, and runs in float32 after it.
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             try:
                 with torch.autocast(device.type, dtype=self.torch_dtype):
                     pass
             except (RuntimeError, ValueError) as exc:
-                raise ConfigError(f"{device.type} has no autocast in {self.dtype}: {exc}") from exc
+                raise ConfigError(f"{device.type} has no autocast to {self.dtype} in torch {torch.__version__}: "
+                                  f"{exc}") from exc
+        refused = [w for w in caught if "autocast" in str(w.message).lower()]
+        if refused:
+            first = str(refused[0].message).strip().splitlines()[0]
+            raise ConfigError(f"{device.type} has no autocast to {self.dtype} in torch {torch.__version__} ({first}); "
+                              "use bf16")
 
     def scaler(self) -> LossScaler | None:
         """The loss scaler this precision runs with (None without a loss scale)."""
@@ -194,6 +207,8 @@ class Masters:
     the float32 sum of its microbatches', as Megatron-LM's ``main_grad``."""
 
     def __init__(self, params: Iterable[nn.Parameter], dtype: torch.dtype) -> None:
+        import torch
+
         self.pairs: list[tuple[nn.Parameter, torch.Tensor]] = []
         self._handles = []
         for p in params:
@@ -209,11 +224,13 @@ class Masters:
     def masters(self) -> list[torch.Tensor]:
         return [m for _, m in self.pairs]
 
-    @torch.no_grad()
     def write_back(self) -> None:
         """The stepped masters into the parameters (rounded to their dtype)."""
-        for p, m in self.pairs:
-            p.copy_(m)
+        import torch
+
+        with torch.no_grad():
+            for p, m in self.pairs:
+                p.copy_(m)
 
     def close(self) -> None:
         for h in self._handles:
@@ -221,6 +238,8 @@ class Masters:
 
 
 def _into_master(p: torch.Tensor) -> None:
+    import torch
+
     assert p.grad is not None
     master = p._pf_master  # type: ignore[attr-defined]
     with torch.no_grad():
@@ -264,6 +283,8 @@ def unscale(params: Iterable[torch.Tensor], scale: float) -> None:
     """Divide every gradient by the loss scale (in float32 where it is kept so)."""
     if scale == 1.0:
         return
+    from pipefold.runtime.sharding import local
+
     inv = 1.0 / scale
     for p in params:
         g = grad_holder(p).grad

@@ -58,6 +58,7 @@ def make_job(spec: RunSpec, *, decided: Decisions | None = None, placed: Any = N
     schedule = spec.schedule.built
     where = local_placement(spec.devices.device, spec.devices.backend,
                             spec.parallel.dp * sum(spec.parallel.degrees(schedule.devices)))
+    spec.devices.precision.check_device(torch.device(where.device))  # a dtype the device cannot compute in
     if where.device == "cuda" and (spec.links.network is not None or spec.links.netns):
         raise ConfigError("--network and --netns emulate links between CPU ranks over gloo: use --device cpu with "
                           "them")

@@ -43,19 +43,21 @@ def reference_step(job: Job, step: int = 0) -> tuple[float, dict[str, torch.Tens
     xs_all = tuple(t.to(device, low) if low is not None and t.is_floating_point() else t.to(device)
                    for t in as_tuple(x))
     total = 0.0
-    sums: dict[str, torch.Tensor] = {}
+    # Each parameter once (a weight two layers tie is one tensor under two names), its gradient summed over the
+    # microbatches in float32, as master weights sum them.
+    named = [(f"{i}.{name}", p) for i in range(n) for name, p in layers[i].named_parameters()]
+    unique = list({id(p): p for _, p in named}.values())
+    sums: dict[int, torch.Tensor] = {}
     for xs, ys in zip(split_batch(xs_all, m), y.to(device).chunk(m), strict=True):
         with casting:
             loss = job.loss_fn(model(*xs), ys)
         (loss * (scale / m)).backward()
         total += float(loss.detach()) / m
-        for i in range(n):  # each microbatch's gradient added in float32, as master weights do
-            for name, p in layers[i].named_parameters():
-                if p.grad is not None:
-                    key = f"{i}.{name}"
-                    sums[key] = sums[key] + p.grad.float() if key in sums else p.grad.float()
-                    p.grad = None
-    grads = {key: (g / scale).to("cpu", copy=True) for key, g in sums.items()}
+        for p in unique:
+            if p.grad is not None:
+                sums[id(p)] = sums[id(p)] + p.grad.float() if id(p) in sums else p.grad.float()
+                p.grad = None
+    grads = {key: (sums[id(p)] / scale).to("cpu", copy=True) for key, p in named if id(p) in sums}
     return total, grads
 
 
