@@ -33,7 +33,7 @@ does not look for), as it is and with ``torch._functorch.config.donated_buffer =
 own after an eager run of the same schedule (a crash or a hang stays there; a 30 s timeout): whether it runs, its
 step time over that eager run's (one run each: no spread), and its losses against eager's.
 
-    python benchmarks/compile_speed.py                    # 4 schedules x 3 modes, 4 rounds (~8 minutes on 2 cores)
+    python benchmarks/compile_speed.py                    # 4 schedules x 3 modes, 4 rounds (~7 minutes on 2 cores)
     python benchmarks/compile_speed.py --quick            # small and short: checks the script works
     python benchmarks/compile_speed.py --schedules 1f1b zb-v --rounds 2 --no-torch --json out.json
 """
@@ -166,14 +166,16 @@ def torch_loop(stages: dict[int, nn.Module], schedule: str, mode: str, microbatc
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
     if mode == "compiled":
-        stages = {s: nn.Sequential(*[torch.compile(b, backend=BACKEND) for b in m]) for s, m in stages.items()}
+        stages = {s: nn.Sequential(*[torch.compile(b, backend=BACKEND)  # type: ignore[call-overload]
+                                     for b in m.children()])
+                  for s, m in stages.items()}
     elif mode in ("inplace", "inplace-nodonate"):
         if mode == "inplace-nodonate":  # what pipefold's compile_stage sets: a compiled backward may run twice
             import torch._functorch.config as functorch_config
 
             functorch_config.donated_buffer = False
         for m in stages.values():
-            for b in m:
+            for b in m.children():
                 b.compile(backend=BACKEND)
     num_stages = WORLD * len(stages)
     pp = [pipelining.PipelineStage(m, s, num_stages, torch.device("cpu")) for s, m in stages.items()]
@@ -363,7 +365,10 @@ def _spawn(fn: Any, args: tuple[Any, ...], tmp: str, name: str) -> tuple[Any, st
     except Exception as exc:  # a rank that crashed (a signal) or raised: the result is how it ended
         import glob
 
-        first = [open(p).read() for p in sorted(glob.glob(os.path.join(tmp, f"{name}.*.rank*")))]
+        first = []
+        for path in sorted(glob.glob(os.path.join(tmp, f"{name}.*.rank*"))):
+            with open(path) as f:
+                first.append(f.read())
         ended = _one_line(exc)
         return None, (f"{'; '.join(first)}; then the processes ended: {ended}" if first else ended)
     with open(out_path) as f:

@@ -26,7 +26,8 @@ import torch
 SIZE = ["--model", "gpt", "--layers", "6", "--hidden", "64", "--heads", "4", "--seq", "32", "--batch", "8",
         "--microbatches", "4", "--devices", "2", "--steps", "1"]
 RECIPES = {"bf16": ["--dtype", "bf16"], "fp16": ["--dtype", "fp16"],
-           "bf16 master": ["--dtype", "bf16", "--master-weights"], "fp16 master": ["--dtype", "fp16", "--master-weights"]}
+           "bf16 master": ["--dtype", "bf16", "--master-weights"],
+           "fp16 master": ["--dtype", "fp16", "--master-weights"]}
 SCHEDULES = ("1f1b", "zb-h1", "zb-v", "dualpipev")
 
 
@@ -55,8 +56,9 @@ def _one_process(recipe: str, order: list[int]) -> list[torch.Tensor]:
             loss = built.loss(model(x.chunk(4)[mb]), y.chunk(4)[mb])
         (loss * scale / 4).backward()
         for s, p in zip(sums, model.parameters(), strict=True):
-            s += p.grad.float()
-            p.grad = None
+            if p.grad is not None:
+                s += p.grad.float()
+                p.grad = None
     return [s / scale for s in sums]
 
 
@@ -72,7 +74,7 @@ def main() -> None:
     recipes = dict(list(RECIPES.items())[:2]) if args.quick else RECIPES
     schedules = SCHEDULES[:1] if args.quick else SCHEDULES
     fp32 = _one_process("fp32", [0, 1, 2, 3])
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name, argv in recipes.items():
         forward = _one_process(name, [0, 1, 2, 3])
         itself = _rel(_one_process(name, [3, 2, 1, 0]), forward)

@@ -130,7 +130,7 @@ def block_saved_bytes(sizes: Sizes) -> dict[str, Any]:
     for name, enabled in (("fp32", False), ("bf16", True)):
         seen: dict[int, tuple[int, str]] = {}
 
-        def pack(t: Any) -> Any:
+        def pack(t: Any, seen: dict[int, tuple[int, str]] = seen) -> Any:
             st = t.untyped_storage()
             key = st.data_ptr()
             if key not in param_storages and key not in seen:
@@ -138,9 +138,9 @@ def block_saved_bytes(sizes: Sizes) -> dict[str, Any]:
                 seen[key] = (st.nbytes(), kind)
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
-                block(x)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
+            block(x)
         kinds: dict[str, int] = {}
         for nbytes, kind in seen.values():
             kinds[kind] = kinds.get(kind, 0) + nbytes
@@ -264,8 +264,9 @@ def table(summary: dict[str, Any]) -> str:
 
     out += ["", f"One GPT block's tensors saved for backward per microbatch ({b['tokens_per_microbatch']} tokens), "
             "counted by torch's saved_tensors_hooks (parameters' own storages left out): "
-            f"fp32 {b['fp32']['total'] / kib:.0f} KiB ({parts(b['fp32'])}); bf16 autocast {b['bf16']['total'] / kib:.0f} "
-            f"KiB ({parts(b['bf16'])}); bf16/fp32 {b['bf16_over_fp32']:.3f}, without the weight casts "
+            f"fp32 {b['fp32']['total'] / kib:.0f} KiB ({parts(b['fp32'])}); "
+            f"bf16 autocast {b['bf16']['total'] / kib:.0f} KiB ({parts(b['bf16'])}); "
+            f"bf16/fp32 {b['bf16_over_fp32']:.3f}, without the weight casts "
             f"{b['bf16_over_fp32_without_weight_casts']:.3f}"]
     splits = sorted({(r["schedule"], tuple(r["boundaries"] or ())) for r in summary["rows"]})
     out += ["", "Stage boundaries (first layer of each stage; layer 0 is the embedding, the last the head): " +

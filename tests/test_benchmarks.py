@@ -42,6 +42,8 @@ SMALL: dict[str, list[str] | None] = {
     "plan_accuracy.py": None,  # --models mlp --families 1f1b --no-budget --steps 2 --devices 2
     "layouts.py": None,  # PIPEFOLD_BENCH_SMALL=1 --worlds 4 --steps 3 (27 s, with the layouts of a mesh per device)
     "precision_exactness.py": None,  # --quick (30 s); tests/test_precision.py asserts what it measures
+    "precision_memory.py": None,  # --quick (76 s)
+    "compile_speed.py": None,  # --quick (1 to 5 min: inductor compiles every mode on every schedule)
     # Run by the pages' tests, as the docs show them (tests/test_docs.py):
     "bench_offload.py": None,
     "bench_recompute.py": None,

@@ -371,3 +371,29 @@ def test_a_compiled_region_runs_its_backward_once_and_split_leaves_the_products_
     assert sorted(runs.values()) == [1] * len(compiled)
     for h in handles:
         h.remove()
+
+
+class _MyLinear(nn.Linear):
+    """A user's own Linear: split mode leaves it out of the compiled regions too."""
+
+
+class _MyBlock(Block):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = _MyLinear(WIDTH, 2 * WIDTH)
+
+
+@pytest.mark.parametrize("block", [Block, _MyBlock])
+def test_the_two_modes_keep_their_own_graphs_in_one_process(block: type[nn.Module]) -> None:
+    """A layer compiled ``whole`` after one compiled ``split`` (and back) gets its own mode's regions: torch.compile
+    keeps one translation of a layer's code for every module of the same types, so the split mode's Linears are a
+    type of their own, not an instance's disabled forward."""
+    from pipefold.runtime.compiled import compile_stage
+
+    def regions(mode: str) -> int:
+        torch.manual_seed(0)
+        stage = compile_stage(nn.Sequential(block()), mode, "aot_eager")
+        out = stage(torch.randn(ROWS, WIDTH, requires_grad=True))
+        return sum(type(n).__name__ == "CompiledFunctionBackward" for n in _graph(out))
+
+    assert [regions(m) for m in ("whole", "split", "whole", "split")] == [1, 3, 1, 3]

@@ -27,7 +27,7 @@ from torch import nn
 
 from pipefold.errors import ConfigError
 
-__all__ = ["BACKENDS", "MODES", "check_compile", "compile_stage"]
+__all__ = ["BACKENDS", "MODES", "OutsideLinear", "check_compile", "compile_stage"]
 
 MODES = ("split", "whole")
 BACKENDS = ("inductor", "aot_eager", "eager")
@@ -58,6 +58,35 @@ def check_compile(backend: str, device: torch.device) -> None:
                               "aot_eager backend") from None
 
 
+class OutsideLinear(nn.Linear):
+    """An ``nn.Linear`` whose forward runs outside any compiled region (``compile_stage(..., "split")``)."""
+
+    _pf_outside = True
+
+    @torch.compiler.disable
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (nn.Linear's own name)
+        return super().forward(input)
+
+
+_OUTSIDE: dict[type, type] = {nn.Linear: OutsideLinear}
+
+
+def _outside(cls: type) -> type:
+    """A subclass of ``cls`` (``nn.Linear``: :class:`OutsideLinear`, or one of its own) whose forward runs outside any
+    compiled region.
+
+    A class of its own, not the instance's ``forward`` disabled: torch.compile keeps one translation of a layer's
+    code for every module of the same types, and would hand a layer compiled ``whole`` the translation made for a
+    ``split`` one (its products left out), or the other way round; a Linear of another type is another guard."""
+    if cls not in _OUTSIDE:
+        name = f"Outside{cls.__name__}_{len(_OUTSIDE)}"
+        made = type(name, (cls,), {"forward": torch.compiler.disable(cls.forward),  # type: ignore[attr-defined]
+                                   "_pf_outside": True, "__module__": __name__, "__qualname__": name})
+        globals()[name] = made  # where pickle looks a class up (torch.save of a whole module)
+        _OUTSIDE[cls] = made
+    return _OUTSIDE[cls]
+
+
 def compile_stage(module: nn.Module, mode: str = "split", backend: str = "inductor") -> nn.Module:
     """The module to run: ``module``'s layers compiled (an ``nn.Sequential``: each layer, in a new sequence;
     anything else: the module), over the same parameters. ``module`` itself keeps its layers and their names (a
@@ -72,8 +101,8 @@ def compile_stage(module: nn.Module, mode: str = "split", backend: str = "induct
     torch._functorch.config.donated_buffer = False
     if mode == "split":
         for m in module.modules():
-            if isinstance(m, nn.Linear) and "forward" not in m.__dict__:
-                m.forward = torch.compiler.disable(m.forward)  # type: ignore[method-assign]
+            if isinstance(m, nn.Linear) and not getattr(type(m), "_pf_outside", False):
+                m.__class__ = _outside(type(m))
     if isinstance(module, nn.Sequential):
         from pipefold.runtime.stage import Chain, is_compiled
 
