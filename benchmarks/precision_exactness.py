@@ -49,6 +49,7 @@ def _one_process(recipe: str, order: list[int]) -> list[torch.Tensor]:
         model.to(prec.torch_dtype)
     scale = LossScaler().scale if prec.loss_scale is not None else 1.0
     x, y = built.batch_at(0)
+    assert isinstance(x, torch.Tensor)  # the GPT's batch: token ids
     sums = [torch.zeros(p.shape) for p in model.parameters()]
     for mb in order:
         ctx = torch.autocast("cpu", dtype=prec.autocast) if prec.autocast else contextlib.nullcontext()
