@@ -397,3 +397,9 @@ def test_the_two_modes_keep_their_own_graphs_in_one_process(block: type[nn.Modul
         return sum(type(n).__name__ == "CompiledFunctionBackward" for n in _graph(out))
 
     assert [regions(m) for m in ("whole", "split", "whole", "split")] == [1, 3, 1, 3]
+    same = nn.Sequential(block())  # one module compiled split, then whole: its Linears go back to their class
+    compile_stage(same, "split", "aot_eager")
+    again = compile_stage(same, "whole", "aot_eager")
+    out = again(torch.randn(ROWS, WIDTH, requires_grad=True))
+    assert sum(type(n).__name__ == "CompiledFunctionBackward" for n in _graph(out)) == 1
+    assert all(type(m) in (nn.Linear, _MyLinear) for m in same.modules() if isinstance(m, nn.Linear))

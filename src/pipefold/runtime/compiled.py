@@ -90,7 +90,8 @@ def _outside(cls: type) -> type:
 def compile_stage(module: nn.Module, mode: str = "split", backend: str = "inductor") -> nn.Module:
     """The module to run: ``module``'s layers compiled (an ``nn.Sequential``: each layer, in a new sequence;
     anything else: the module), over the same parameters. ``module`` itself keeps its layers and their names (a
-    checkpoint's); with ``split`` its Linears' ``forward`` is marked to run outside compiled regions."""
+    checkpoint's); with ``split`` its Linears become a subclass of their own class that runs outside compiled
+    regions (:class:`OutsideLinear` for ``nn.Linear``: still Linears, with the same state)."""
     if mode not in MODES:
         raise ConfigError(f"unknown compile mode {mode!r}; use 'split' (Linears outside the compiled regions, the "
                           "backward split for real) or 'whole' (each layer one region)")
@@ -99,10 +100,14 @@ def compile_stage(module: nn.Module, mode: str = "split", backend: str = "induct
     import torch._functorch.config
 
     torch._functorch.config.donated_buffer = False
-    if mode == "split":
-        for m in module.modules():
-            if isinstance(m, nn.Linear) and not getattr(type(m), "_pf_outside", False):
-                m.__class__ = _outside(type(m))
+    for m in module.modules():
+        if not isinstance(m, nn.Linear):
+            continue
+        outside = getattr(type(m), "_pf_outside", False)
+        if mode == "split" and not outside:
+            m.__class__ = _outside(type(m))
+        elif mode == "whole" and outside:  # marked by an earlier split compile: back to its own class
+            m.__class__ = type(m).__bases__[0]
     if isinstance(module, nn.Sequential):
         from pipefold.runtime.stage import Chain, is_compiled
 
