@@ -334,6 +334,17 @@ def test_data_parallel_copies_in_bf16_equal_one_process(how: str) -> None:
         assert _diff([torch.from_numpy(w) for w in weights], fp32[device * per:(device + 1) * per]) > 1e-3
 
 
+@pytest.fixture
+def fresh_dynamo() -> Any:
+    """torch.compile's caches emptied: a test process (an xdist worker) has compiled these blocks' code before, under
+    other dtypes and modes, and dynamo runs a code eagerly once it has been compiled 8 times (its recompile limit)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 def _graph(t: torch.Tensor) -> list[Any]:
     seen, stack, out = set(), [t.grad_fn], []
     while stack:
@@ -347,7 +358,8 @@ def _graph(t: torch.Tensor) -> list[Any]:
 
 
 @pytest.mark.parametrize("mode", ["split", "whole"])
-def test_a_compiled_region_runs_its_backward_once_and_split_leaves_the_products_to_w(mode: str) -> None:
+def test_a_compiled_region_runs_its_backward_once_and_split_leaves_the_products_to_w(mode: str,
+                                                                                    fresh_dynamo: Any) -> None:
     """B then W over compiled layers: every compiled region's backward runs once (in B); with ``split`` the Linears'
     weight gradients are still W's (none after B), with ``whole`` B made them and W only adds."""
     from pipefold.runtime.compiled import compile_stage
@@ -384,7 +396,7 @@ class _MyBlock(Block):
 
 
 @pytest.mark.parametrize("block", [Block, _MyBlock])
-def test_the_two_modes_keep_their_own_graphs_in_one_process(block: type[nn.Module]) -> None:
+def test_the_two_modes_keep_their_own_graphs_in_one_process(block: type[nn.Module], fresh_dynamo: Any) -> None:
     """A layer compiled ``whole`` after one compiled ``split`` (and back) gets its own mode's regions: torch.compile
     keeps one translation of a layer's code for every module of the same types, so the split mode's Linears are a
     type of their own, not an instance's disabled forward."""
