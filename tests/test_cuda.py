@@ -171,10 +171,12 @@ def test_recomputed_and_offloaded_stages_on_the_gpu(name: str, memory: str) -> N
 @pytest.mark.parametrize(("name", "recipe"), [
     ("1f1b", {"dtype": "bf16"}), ("zb-v", {"dtype": "bf16"}), ("zb-h1", {"dtype": "fp16"}),
     ("dualpipev", {"dtype": "bf16", "master_weights": True}), ("zb-v", {"compile": "split"}),
-    ("dualpipev", {"compile": "whole", "dtype": "bf16"}), ("zb-h1", {"compile": "split", "dtype": "bf16"})])
+    ("dualpipev", {"compile": "whole", "dtype": "bf16"}), ("zb-h1", {"compile": "split", "dtype": "bf16"}),
+    ("zb-v", {"dtype": "bf16", "offload": (1, 1)}), ("1f1b", {"dtype": "bf16", "recompute": "full"})])
 def test_mixed_precision_and_compiled_stages_on_the_gpu(name: str, recipe: dict[str, object]) -> None:
     """bf16 and fp16 (autocast, master weights) and inductor-compiled stages (Triton on the GPU; dualpipev's pairs on
-    two streams) against one process running the same recipe on the same GPU."""
+    two streams), offloaded (autocast on the device the layers compute on, their parameters at home in host memory)
+    and recomputed, against one process running the same recipe on the same GPU."""
     job, reports = train(_gpt(name, 2 if name != "dualpipev" else 4).replace(**recipe, check=True))
     diff = compare(job, reports)
     assert diff["max_grad_rel_diff"] < TOLERANCE and diff["loss_rel_diff"] < TOLERANCE, diff

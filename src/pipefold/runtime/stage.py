@@ -851,7 +851,7 @@ class StageRunner:
         if self._compiled:
             pack, unpack = eager(pack), eager(unpack)
         try:
-            with self._fitting(inputs), self.casting():
+            with self._fitting(inputs), self.casting(inputs):
                 lead: tuple[Any, ...] = ()
                 mid: Any = None
                 if self._lead:
@@ -865,7 +865,8 @@ class StageRunner:
                                  if t.grad_fn is not None)
                 if self.recompute:
                     rebuild = _Rebuild(self._head, leaves, weights, meter, self._state,
-                                       lambda xs: call(self.stage, xs), self.casting, compiled=self._compiled)
+                                       lambda xs: call(self.stage, xs), lambda: self.casting(inputs),
+                                       compiled=self._compiled)
                     meter.hold(leaves, "saved")  # what the recomputed layers keep: their input, once
                     with torch.autograd.graph.saved_tensors_hooks(rebuild.pack, rebuild.unpack):
                         mid = run_layers(self._head, call(self.stage, leaves))
@@ -896,7 +897,7 @@ class StageRunner:
         """F of a forward-only step (evaluation, inference), under ``torch.no_grad``: nothing is kept for a backward.
         The last stage keeps its output in :attr:`outputs` (and its loss in :attr:`losses` when given a
         ``target``) and returns nothing; any other its output's tensors for the next stage."""
-        with torch.no_grad(), self._fitting(inputs), self.casting():
+        with torch.no_grad(), self._fitting(inputs), self.casting(inputs):
             raw = self.boundaries.call(self.stage, inputs)(self.module)
             if self.loss_fn is None:
                 return self._hand_over(raw)
@@ -905,16 +906,15 @@ class StageRunner:
                 self.losses[mb] = self._loss(raw, target).detach()
             return ()
 
-    def casting(self) -> AbstractContextManager[Any]:
-        """The forward's autocast (a no-op without :attr:`autocast`)."""
+    def casting(self, like: Sequence[torch.Tensor] = ()) -> AbstractContextManager[Any]:
+        """The forward's autocast (a no-op without :attr:`autocast`), on the device of the tensors ``like`` (the
+        stage's inputs: an offloaded stage's parameters live in host memory while it computes on the device)."""
         if self.autocast is None:
             return nullcontext()
-        return torch.autocast(self.module_device_type, dtype=self.autocast)
-
-    @property
-    def module_device_type(self) -> str:
-        p = next(iter(self._weights), None)
-        return p.device.type if p is not None else "cpu"
+        where = next((t for t in like if isinstance(t, torch.Tensor)), None)
+        if where is None:
+            where = next(iter(self._weights), None)
+        return torch.autocast(where.device.type if where is not None else "cpu", dtype=self.autocast)
 
     def _loss(self, raw: Any, target: Any) -> torch.Tensor:
         assert self.loss_fn is not None
