@@ -49,7 +49,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -61,7 +61,21 @@ from torch import nn
 
 from pipefold.errors import ConfigError, run_script
 
-WORLD, SEED, LR = 2, 0, 1e-3
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# The harness vs_torch_library.py times both libraries with: the same data, loss, stages and timing.
+from vs_torch_library import (  # noqa: E402
+    LR,
+    SEED,
+    WORLD,
+    _fmt,
+    _spread,
+    _stages_of,
+    _Timed,
+    batches,
+    loss_fn,
+)
+from vs_torch_library import Sizes as _Sizes  # noqa: E402
+
 BACKEND = "inductor"
 SCHEDULES = ["1f1b", "zb-h1", "zb-v", "dualpipev"]
 MODES = ["eager", "split", "whole"]
@@ -76,14 +90,8 @@ INPLACE = ("inplace", "inplace-nodonate")
 
 
 @dataclass(frozen=True)
-class Sizes:
-    hidden: int
-    layers: int
-    batch: int
-    microbatches: int
-    steps: int
+class Sizes(_Sizes):
     warmup: int
-    rounds: int
 
 
 # -- the model and the data
@@ -102,22 +110,12 @@ class Block(nn.Module):
         return x + self.proj(nn.functional.gelu(self.fc(self.norm(x))))
 
 
-def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return nn.functional.mse_loss(out, target)
-
-
 def build_stages(sizes: Sizes, stages: list[int], num_stages: int) -> dict[int, nn.Sequential]:
     """This rank's stages: the whole model from one seed, cut into ``num_stages`` equal runs of blocks."""
     torch.manual_seed(SEED)
     blocks = [Block(sizes.hidden) for _ in range(sizes.layers)]
     bounds = [round(i * sizes.layers / num_stages) for i in range(num_stages + 1)]
     return {s: nn.Sequential(*blocks[bounds[s]:bounds[s + 1]]) for s in stages}
-
-
-def batches(sizes: Sizes) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(SEED + 1)
-    return [(torch.randn(sizes.batch, sizes.hidden, generator=gen),
-             torch.randn(sizes.batch, sizes.hidden, generator=gen)) for _ in range(sizes.steps)]
 
 
 # -- the user loops
@@ -212,22 +210,6 @@ class Run:
     """Compiled regions' backward calls in one step, summed over the ranks (where counted: :data:`_PROFILE`)."""
 
 
-class _Timed:
-    """The batches, each handed out after a barrier; records this rank's seconds per step."""
-
-    def __init__(self, data: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        self.data, self.times = data, []
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for item in self.data:
-            dist.barrier()
-            t0 = time.perf_counter()
-            yield item
-            self.times.append(time.perf_counter() - t0)
-
-    times: list[float]
-
-
 def _one_line(exc: BaseException) -> str:
     """The exception's type and first line; for a rank's error re-raised by torch.multiprocessing (a traceback in
     its message), the last line of that traceback."""
@@ -236,13 +218,6 @@ def _one_line(exc: BaseException) -> str:
     if type(exc).__name__ == "ProcessRaisedException" and lines:
         return f"{lines[0].strip('- ')}: {lines[-1]}"
     return f"{type(exc).__name__}: {lines[0] if lines else ''}"
-
-
-def _stages_of(schedule: str, microbatches: int, rank: int) -> tuple[list[int], int]:
-    from pipefold.runtime.pipeline import resolve_schedule
-
-    built = resolve_schedule(schedule, WORLD, microbatches)
-    return built.stages_of(rank), built.stages
 
 
 def _run(loop: Any, schedule: str, placement: str, mode: str, sizes: Sizes,
@@ -383,12 +358,6 @@ def _median_s(run: dict[str, Any], warmup: int) -> float | None:
     return statistics.median(steps) if run["error"] is None and steps else None
 
 
-def _spread(values: list[float]) -> dict[str, float] | None:
-    if not values:
-        return None
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
 def _loss_diff(a: list[float | None], b: list[float | None]) -> float | None:
     pairs = [(x, y) for x, y in zip(a, b, strict=False) if x is not None and y is not None]
     if not pairs:
@@ -465,12 +434,6 @@ def summarize(raw: dict[str, Any], inplace: dict[str, Any], sizes: Sizes) -> dic
             "optimizer": "AdamW via Pipeline.optimizer", "lr": LR, "torch_version": torch.__version__,
             "python": sys.version.split()[0], "cpus": os.cpu_count(), "pipefold": rows, "torch": torch_rows,
             "torch_zero_bubble": zb_rows}
-
-
-def _fmt(s: dict[str, float] | None, digits: int = 2) -> str:
-    if s is None:
-        return "-"
-    return f"{s['median']:.{digits}f} ({s['min']:.{digits}f}..{s['max']:.{digits}f})"
 
 
 def _secs(xs: list[float | None]) -> str:
@@ -578,7 +541,7 @@ def main() -> None:
                           f"(got {args.layers})")
     if args.batch % args.microbatches:
         raise ConfigError(f"--batch {args.batch} does not split into {args.microbatches} equal microbatches")
-    sizes = Sizes(args.hidden, args.layers, args.batch, args.microbatches, args.steps, args.warmup, args.rounds)
+    sizes = Sizes(args.hidden, args.layers, args.batch, args.microbatches, args.steps, args.rounds, args.warmup)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["OMP_NUM_THREADS"] = "1"  # inherited by every spawned rank
