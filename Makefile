@@ -9,7 +9,7 @@ BIN    := $(VENV)/bin
 # The GPU check runs on a machine's own CUDA build of torch (no virtual environment, nothing installed).
 GPU_PYTHON ?= python3
 
-.PHONY: setup demo test lint bench gpu-check clean
+.PHONY: setup demo test lint bench gpu-check cli-docs clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,10 @@ test: lint
 
 bench: setup
 	$(BIN)/python benchmarks/bench_simulate.py
+
+# docs/cli.md, written from the parser (a test checks that it is current).
+cli-docs: setup
+	$(BIN)/python -m pipefold.cli.reference > docs/cli.md
 
 gpu-check:
 	PYTHONPATH=src OMP_NUM_THREADS=1 $(GPU_PYTHON) benchmarks/gpu_check.py --out gpu-report

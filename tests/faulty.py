@@ -3,9 +3,9 @@
     python tests/faulty.py [--die-at N | --die-at N:save] [--nan-at N[,N...]] [--slow-commit S] -- train ARGS...
     torchrun ... tests/faulty.py --die-at 3 -- train ARGS...
 
-``--die-at``: the last rank exits as step N starts (``N:save``: while it saves the checkpoint of step N), in a
-first attempt only (not in a restart by torchrun); ``--nan-at``: a NaN in microbatch 0's input at those steps;
-``--slow-commit``: rank 0 waits S seconds before it commits each checkpoint.
+``--die-at``: the last rank exits as step N starts (``N:save``: is killed, SIGKILL, while it saves the checkpoint
+of step N), in a first attempt only (not in a restart by torchrun); ``--nan-at``: a NaN in microbatch 0's input at
+those steps; ``--slow-commit``: rank 0 waits S seconds before it commits each checkpoint.
 The faults reach the job through :data:`pipefold.train.prepare.JOB_HOOKS` (:mod:`pipefold.runtime.launch.faults`).
 """
 

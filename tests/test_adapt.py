@@ -239,7 +239,7 @@ def test_cli_reports_each_step_and_draws_the_run(tmp_path, capsys) -> None:
 
 @pytest.mark.parametrize("argv, words", [
     (["--schedule", "adaptive-kfkb:k=2"], "takes the option max_k"),
-    (["--schedule", "adaptive-kfkb", "--adapt-every", "0"], "--adapt-every must be at least 1"),
+    (["--schedule", "adaptive-kfkb", "--adapt-every", "0"], "--adapt-every: 0 is out of range"),
     (["--netns"], "--netns needs --network"),
     (["--network", "constant:bandwidth=slow"], "bandwidth"),
 ])

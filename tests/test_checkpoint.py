@@ -3,12 +3,15 @@ and the saved model loaded into the plain one."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -116,7 +119,9 @@ def test_crash_mid_save_and_corrupt_checkpoints(capsys: pytest.CaptureFixture[st
     # The last rank dies while the checkpoint of step 4 is being saved, after writing its own files.
     crashed = _cli(tmp_path, *MLP, "--steps", "6", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
                    faults=("--die-at", "4:save"))
-    assert crashed.returncode == 1 and "pipefold train: error: rank" in crashed.stderr, crashed.stderr
+    assert crashed.returncode == 1, crashed.stderr
+    assert ("pipefold train: error: rank 1 died (signal 9, SIGKILL) during the save of checkpoint step-00000004 "
+            "(step 4)") in crashed.stderr, crashed.stderr
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step-00000002", "step-00000004.tmp"]
     assert (ckpt / "latest").read_text().strip() == "step-00000002"
     assert not (ckpt / "step-00000004.tmp" / "manifest.json").exists()
@@ -140,14 +145,163 @@ def test_crash_mid_save_and_corrupt_checkpoints(capsys: pytest.CaptureFixture[st
     out = json.loads(captured.out)
     assert out["resumed_from"] == str(ckpt / "step-00000004") and out["devices"] == 4
     assert out["loss"] == pytest.approx(straight[4:8], rel=1e-6)
-    # Naming a corrupt checkpoint when no older one is good: one line, exit 2, nothing run.
+    # No good checkpoint left in the folder: one line, exit 2, nothing run.
     (ckpt / "step-00000004" / ".metadata").write_bytes(b"")
     shutil.rmtree(ckpt / "step-00000002")
-    code = main(["train", *MLP, "--steps", "8", "--resume", str(ckpt / "step-00000006")])
+    code = main(["train", *MLP, "--steps", "8", "--resume", str(ckpt)])
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert (f"cannot resume: checkpoint {ckpt / 'step-00000006'} is incomplete or corrupt (__1_0.distcp does not "
             "match its SHA-256 in the manifest) and no older one is good") in err
+
+
+def _rehash(folder: Path) -> None:
+    """Rewrite the manifest's list of files from the folder's files, as someone who edits a checkpoint by hand
+    and makes its sizes and SHA-256s match again would."""
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["files"] = {f.name: {"bytes": f.stat().st_size, "sha256": hashlib.sha256(f.read_bytes()).hexdigest()}
+                         for f in sorted(folder.iterdir()) if f.name != "manifest.json"}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _edit_manifest(folder: Path, **changes: object) -> None:
+    manifest = json.loads((folder / "manifest.json").read_text())
+    for key, value in changes.items():
+        if key in manifest["identity"]:
+            manifest["identity"][key] = value
+        else:
+            manifest[key] = value
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _edit_state(folder: Path, **objects: object) -> None:
+    """Save the checkpoint's state again, in one file, with some of its objects changed (``progress_step=3``:
+    progress.step), then make the manifest's files match: a forged checkpoint whose files are as listed."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    saved = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    state: dict[str, object] = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+                                if isinstance(meta, TensorStorageMetadata) else None for key, meta in saved.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP's note that it works in one process
+        dcp.load(state, checkpoint_id=str(folder), no_dist=True)
+        for key, value in objects.items():
+            state[key.replace("_", ".", 1)] = value
+        for f in folder.iterdir():
+            if f.name != "manifest.json":
+                f.unlink()
+        dcp.save(state, checkpoint_id=str(folder), no_dist=True)
+    _rehash(folder)
+
+
+def _damaged(ckpt: Path, damage: str) -> None:
+    """Damage the checkpoint of step 4 in ``ckpt`` (a copy of a run's folder, with step 2 and step 4) one way."""
+    four, two = ckpt / "step-00000004", ckpt / "step-00000002"
+    if damage == "step":
+        _edit_manifest(four, step=3)
+    elif damage == "data position":
+        _edit_state(four, progress_step=3)
+    elif damage == "world":
+        _edit_manifest(four, world_size=4)
+    elif damage == "model":
+        _edit_manifest(four, hidden=32)
+    elif damage.startswith("part of step 2"):
+        shutil.copy(two / "__0_0.distcp", four / "__0_0.distcp")
+        if damage.endswith("rehashed"):
+            _rehash(four)
+    elif damage.startswith("truncated part"):
+        part = four / "__0_0.distcp"
+        part.write_bytes(part.read_bytes()[:1000])
+        if damage.endswith("rehashed"):
+            _rehash(four)
+    elif damage == "flipped byte":
+        part = four / "__1_0.distcp"
+        raw = bytearray(part.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        part.write_bytes(bytes(raw))
+    elif damage.startswith("missing part"):
+        (four / "__1_0.distcp").unlink()
+        if damage.endswith("rehashed"):
+            _rehash(four)
+    elif damage == "renamed":
+        four.rename(ckpt / "step-00000008")
+    else:
+        raise AssertionError(damage)
+
+
+DAMAGES = {
+    "step": "the manifest says step 3, the saved state step 4",
+    "data position": "the manifest says step 4, the saved state step 3",
+    "world": "the manifest says 4 ranks saved it, the saved state has the parts of ranks 0, 1",
+    "model": "the manifest says hidden 32, the saved state 16",
+    "part of step 2": "__0_0.distcp does not match its SHA-256 in the manifest",
+    "part of step 2, rehashed": r"(__0_0.distcp is a part of step 2|the saved state step 2), ",
+    "truncated part": r"__0_0.distcp has 1000 bytes, the manifest says \d+",
+    "truncated part, rehashed": r"DCP's index reads __0_0.distcp up to byte \d+, it has 1000",
+    "flipped byte": "__1_0.distcp does not match its SHA-256 in the manifest",
+    "missing part": "__1_0.distcp is missing",
+    "missing part, rehashed": "DCP's index reads __1_0.distcp, which the manifest does not list",
+    "renamed": "the folder is named for step 8, its manifest and saved state say step 4",
+}
+"""Each way of damaging a checkpoint, and the reason a resume gives (a pattern)."""
+
+
+def test_a_checkpoint_whose_manifest_and_state_disagree_is_skipped_or_refused(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Every fact the manifest states that the saved state holds too must agree with it, and the files must be
+    those it lists: a checkpoint that fails is skipped with one warning naming it and why (the newest good one
+    before it is used), refused in one line when named, and left as it was. One saved run, copied for each damage;
+    the first one is resumed for real (the report's case: an edited step no longer runs from the wrong step)."""
+    from pipefold.errors import ConfigError
+    from pipefold.runtime.launch import checkpoint
+
+    base = tmp_path / "base"
+    straight = _train(capsys, *MLP, "--steps", "4", "--checkpoint-dir", str(base), "--checkpoint-every", "2")["loss"]
+    assert sorted(p.name for p in base.iterdir()) == ["latest", "step-00000002", "step-00000004"]
+    assert checkpoint.problem(base / "step-00000002") is None and checkpoint.problem(base / "step-00000004") is None
+    for damage, reason in DAMAGES.items():
+        ckpt = tmp_path / damage.replace(" ", "-").replace(",", "")
+        shutil.copytree(base, ckpt)
+        _damaged(ckpt, damage)
+        before = {p.relative_to(ckpt): p.read_bytes() for p in ckpt.rglob("*") if p.is_file()}
+        warned: list[str] = []
+        found = checkpoint.find(str(ckpt), warn_skipped=warned.append)
+        bad = ckpt / ("step-00000008" if damage == "renamed" else "step-00000004")
+        assert found is not None and found.path == str(ckpt / "step-00000002") and found.step == 2, damage
+        assert len(warned) == 1 and re.fullmatch(
+            rf"checkpoint {re.escape(str(bad))} is incomplete or corrupt \({reason}.*\): skipped", warned[0]), \
+            (damage, warned)
+        with pytest.raises(ConfigError, match=rf"^cannot resume from checkpoint {re.escape(str(bad))}: it is "
+                                               rf"incomplete or corrupt \({reason}"):
+            checkpoint.find(str(bad))
+        assert {p.relative_to(ckpt): p.read_bytes() for p in ckpt.rglob("*") if p.is_file()} == before, damage
+    # The report's case through the command: the edited checkpoint of step 4 is skipped, the run goes on from step
+    # 2 (step 3 next, the same losses as a run never stopped); saving step 4 again sets the damaged one aside.
+    ckpt = tmp_path / "step"
+    code = main(["train", *MLP, "--steps", "4", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--resume",
+                 "--json"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    skipped = [line for line in captured.err.splitlines() if line.endswith("skipped")]
+    assert skipped == [f"pipefold: warning: checkpoint {ckpt / 'step-00000004'} is incomplete or corrupt (the "
+                       "manifest says step 3, the saved state step 4): skipped"], captured.err
+    assert f"resuming from {ckpt / 'step-00000002'} (2 steps done)" in captured.err
+    out = json.loads(captured.out)
+    assert out["first_step"] == 3 and out["loss"] == straight[2:4]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step-00000002", "step-00000004",
+                                                       "step-00000004.damaged"]
+    assert json.loads((ckpt / "step-00000004.damaged" / "manifest.json").read_text())["step"] == 3
+    assert checkpoint.problem(ckpt / "step-00000004") is None
+    # Named, a damaged checkpoint is refused in one line before any rank starts.
+    named = tmp_path / "world" / "step-00000004"
+    code = main(["train", *MLP, "--steps", "6", "--resume", str(named)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.strip().splitlines() == [
+        f"pipefold train: error: cannot resume from checkpoint {named}: it is incomplete or corrupt (the manifest "
+        f"says 4 ranks saved it, the saved state has the parts of ranks 0, 1); give another checkpoint, or its "
+        f"folder {named.parent} for the newest good one"], err
 
 
 def test_checkpoint_user_errors(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -156,7 +310,7 @@ def test_checkpoint_user_errors(capsys: pytest.CaptureFixture[str], tmp_path: Pa
     (tmp_path / "file").write_text("x")
     cases = [
         (["--checkpoint-every", "2"], "--checkpoint-every saves into --checkpoint-dir D"),
-        (["--checkpoint-dir", str(ckpt), "--checkpoint-every", "0"], "--checkpoint-every must be at least 1"),
+        (["--checkpoint-dir", str(ckpt), "--checkpoint-every", "0"], "--checkpoint-every: 0 is out of range"),
         (["--resume"], "--resume needs --checkpoint-dir D, or the checkpoint to start from"),
         (["--resume", str(tmp_path / "empty")], f"no checkpoint folder {tmp_path / 'empty'}"),
         (["--resume", str(tmp_path)], f"no checkpoint to resume from in {tmp_path}"),
@@ -225,7 +379,7 @@ def test_keep_last_keeps_the_newest_and_resumes_from_them(capsys: pytest.Capture
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["--keep-last", "0", "--checkpoint-dir", "{tmp}/c"], "--keep-last N keeps the N newest checkpoints: N >= 1"),
+    (["--keep-last", "0", "--checkpoint-dir", "{tmp}/c"], "--keep-last: 0 is out of range: give a whole number >= 1"),
     (["--keep-last", "2"], "--keep-last saves into --checkpoint-dir D"),
     (["--checkpoint-dir", "{tmp}/missing/c"], "folder {tmp}/missing does not exist"),
     (["--checkpoint-dir", "{tmp}/file"], "is a file; give a folder"),

@@ -100,8 +100,8 @@ def test_generate_to_stdout(capsys) -> None:
     ("argv", "expected"),
     [
         (["simulate", "nope"], "unknown schedule 'nope'; known schedules: gpipe, 1f1b, interleaved-1f1b"),
-        (["simulate", "1f1b", "-m", "0"], "microbatches must be a positive integer (got 0)"),
-        (["simulate", "--f", "-1"], "cost f must be a finite number >= 0 (got -1.0)"),
+        (["simulate", "1f1b", "-m", "0"], "-m: 0 is out of range: give a whole number >= 1 and <= 250,000"),
+        (["simulate", "--f", "-1"], "argument --f: -1 is out of range: give a number >= 0 and <= 1e+09"),
         (["simulate", "1f1b", "--k", "2"], "schedule 1f1b takes no option --k; its options: none"),
         (["simulate", "interleaved-1f1b", "--v", "0"], "option v of interleaved-1f1b must be an integer >= 1"),
         (["simulate", "missing.json"], "no such schedule file: missing.json"),
@@ -142,7 +142,7 @@ def test_usage_mistake_is_one_line() -> None:
     proc = subprocess.run([sys.executable, "-m", "pipefold", "simulate", "--devices", "four"],
                           capture_output=True, text=True, check=False)
     assert proc.returncode == 2
-    assert "argument --devices/-p: invalid int value: 'four'" in proc.stderr
+    assert "argument --devices/-p: 'four' is not a whole number >= 1 and <= 512" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
 
 

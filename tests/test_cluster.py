@@ -221,13 +221,15 @@ def test_the_search_plans_a_cluster_and_the_command_prints_it(capsys: pytest.Cap
 
 @pytest.mark.parametrize(("argv", "expected"), [
     (["--hf-config", "llama9"], "neither a config pipefold ships"),
-    (["--global-batch", "0"], "--global-batch must be a whole number >= 1"),
+    (["--global-batch", "0"], "--global-batch: 0 is out of range: give a whole number >= 1"),
     (["--hf-config", "llama-tiny", "--nodes", "8", "--global-batch", "7"], "give --global-batch a multiple of"),
-    (["--hf-config", "gpt2-tiny", "--memory", "3"], "drop --profile, --memory and --world"),
+    (["--hf-config", "gpt2-tiny", "--memory", "3"], "--memory sets the cost model of plan --memory"),
+    (["--hf-config", "gpt2-tiny", "--memory-budget", "3GB"], "--memory-budget belongs to plan --profile FILE"),
+    (["--hf-config", "gpt2-tiny", "-m", "4"], "--microbatches is chosen by plan --cluster"),
     (["--families", "1f1b,zb-x"], "unknown schedule family 'zb-x'"),
-    (["--nodes", "0"], "--nodes is the cluster's node count"),
-    (["--seq", "0"], "--seq must be a whole number >= 1"),
-    (["--top", "0"], "--top is how many configurations to show: at least 1"),
+    (["--nodes", "0"], "--nodes: 0 is out of range: give a whole number >= 1"),
+    (["--seq", "0"], "--seq: 0 is out of range: give a whole number >= 1"),
+    (["--top", "0"], "--top: 0 is out of range: give a whole number >= 1"),
     (["--hf-config", "llama3.1-405b", "--nodes", "1"], "weights and optimizer state alone do not, in any layout"),
     (["--hf-config", "llama3-70b", "--nodes", "1", "--seq", "131072"], "no configuration of llama3-70b fits"),
 ])
@@ -336,7 +338,7 @@ def test_a_cluster_plan_without_its_model_or_shape_is_one_line(capsys: pytest.Ca
     assert "plan --cluster needs --hf-config, --global-batch" in err and err.count("\n") == 1, err
     assert main(["plan", "--nodes", "4", "--memory", "3"]) != 0
     err = capsys.readouterr().err
-    assert "plan a cluster: give --cluster too" in err and err.count("\n") == 1, err
+    assert "--nodes describes a cluster plan: give --cluster NAME|FILE too" in err and err.count("\n") == 1, err
 
 
 @pytest.mark.parametrize("microbatches", [1, 4])
@@ -413,7 +415,7 @@ def test_calibrate_times_this_devices_products_and_writes_a_cluster_file_plan_re
         assert len(curve) == points and all(a[0] < b[0] for a, b in zip(curve, curve[1:], strict=False))
     capsys.readouterr()
     for argv, expected in ((["--dtype", "fp8"], "calibration times bf16, fp16, tf32, fp32 products"),
-                           (["--largest", "5"], "--largest is the largest product in operations"),
+                           (["--largest", "5"], "--largest: 5 is out of range: give a number >= 1e+06"),
                            (["-o", str(tmp_path / "no" / "x.json")], "folder"),
                            (["--cluster", "nope"], "--cluster 'nope' is neither")):
         args = ["calibrate", "--cluster", four, *argv] if "--cluster" not in argv else ["calibrate", *argv]

@@ -648,3 +648,11 @@ def test_a_command_run_for_another_page_passes_on_its_verdict(tmp_path: Path) ->
     first.verdict("pipefold schedules", "AssertionError: exit 1")
     with pytest.raises(AssertionError, match="(?s)run for this page by README.md.*exit 1"):
         second.wait("pipefold schedules", "README.md")
+
+
+def test_the_cli_reference_is_generated_from_the_parser() -> None:
+    """docs/cli.md is the parser's own account of every command and option: written once, in the parser."""
+    from pipefold.cli.reference import markdown
+
+    page = (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
+    assert page == markdown(), "docs/cli.md is stale: python -m pipefold.cli.reference > docs/cli.md"

@@ -153,7 +153,7 @@ def _one_error(run: _Train) -> str:
 def test_a_rank_killed_mid_step_is_named(tmp_path: Path) -> None:
     """kill -9 of the middle rank of three (both neighbours wait for it): it is the one named, with the signal."""
     run = _Train(tmp_path, [*SMALL, "--devices", "3"])
-    run.wait_for("tok/s")
+    run.wait_for("samples/s")
     ranks = run.ranks(3)
     os.kill(ranks[1], signal.SIGKILL)
     code, took = run.finish()
@@ -168,7 +168,7 @@ def test_a_stopped_rank_is_named_not_its_peers(tmp_path: Path) -> None:
     """SIGSTOP of the middle rank: its neighbours wait for it, the launcher sees that its heartbeat stopped and
     names it, within the action timeout (3 s here) and far within 30 s."""
     run = _Train(tmp_path, [*SMALL, "--devices", "3", "--action-timeout", "3"])
-    run.wait_for("tok/s")
+    run.wait_for("samples/s")
     ranks = run.ranks(3)
     os.kill(ranks[1], signal.SIGSTOP)
     stopped = time.time()
@@ -192,7 +192,7 @@ def test_a_signal_to_the_launcher_stops_every_rank(tmp_path: Path, sig: signal.S
     """SIGINT or SIGTERM to the launcher alone, or SIGINT to the whole process group (Ctrl-C in a terminal): one
     line, the shell's exit code, no process left, no temporary directory left."""
     run = _Train(tmp_path, [*SMALL, "--devices", "2"])
-    run.wait_for("tok/s")
+    run.wait_for("samples/s")
     run.ranks(2)
     (os.killpg if whole_group else os.kill)(run.proc.pid, sig)
     got, took = run.finish()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
@@ -98,7 +99,7 @@ def test_bad_profiles_are_one_line(tmp_path, text: str, words: str) -> None:
     ("constant:bandwidth=fast", "bandwidth"),
     ("constant:speed=1", "unknown network option"),
     ("nosuchfile.json", "no network profile"),
-    ("preempt:idle=1GB,busy=1MB,on=0", "on > 0"),
+    ("preempt:idle=1GB,busy=1MB,on=0", "on and off from 0.001"),
 ])
 def test_bad_specs_are_one_line(spec: str, words: str) -> None:
     with pytest.raises(ConfigError, match=words):
@@ -236,3 +237,96 @@ def test_a_network_naming_a_missing_link_is_refused(capsys: pytest.CaptureFixtur
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert f"names link {link} but the run has devices" in err and len(err.strip().splitlines()) == 1, err
+
+
+# -- numbers out of range, refused where they are read
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("constant:latency=1e12", "latency is seconds from 0 to 86400"),
+    ("constant:latency=1e30", "latency is seconds from 0 to 86400"),
+    ("constant:latency=-1", "latency is seconds from 0 to 86400"),
+    ("constant:latency=nan", "latency is seconds from 0 to 86400"),
+    ("constant:latency=inf", "latency is seconds from 0 to 86400"),
+    ("constant:latency=soon", "latency is a number of seconds"),
+    ("constant:bandwidth=0", "bandwidth is bytes per second from 1 to 1e+18"),
+    ("constant:bandwidth=-5MB", "bandwidth is bytes per second from 1 to 1e+18"),
+    ("constant:bandwidth=nan", "bandwidth is bytes per second from 1 to 1e+18"),
+    ("constant:bandwidth=0.5", "bandwidth is bytes per second from 1 to 1e+18"),
+    ("constant:bandwidth=1e19", "bandwidth is bytes per second from 1 to 1e+18"),
+    ("preempt:idle=0,busy=1MB", "idle is bytes per second from 1 to 1e+18"),
+    ("preempt:idle=1GB,busy=nan", "busy is bytes per second from 1 to 1e+18"),
+    ("preempt:idle=1GB,busy=1MB,latency=1e10", "latency is seconds from 0 to 86400"),
+    ("preempt:idle=1GB,busy=1MB,on=inf", "on and off from 0.001 to 86400"),
+    ("preempt:idle=1GB,busy=1MB,off=nan", "on and off from 0.001 to 86400"),
+    ("preempt:idle=1GB,busy=1MB,on=1e-9", "on and off from 0.001 to 86400"),
+    ("preempt:idle=1GB,busy=1MB,duration=inf", "duration is seconds > 0 and at most 1e+06 periods"),
+    ("preempt:idle=1GB,busy=1MB,duration=nan", "duration is seconds > 0 and at most 1e+06 periods"),
+    ("preempt:idle=1GB,busy=1MB,duration=-1", "duration is seconds > 0 and at most 1e+06 periods"),
+    ("preempt:idle=1GB,busy=1MB,on=1,off=1,duration=1e9", "up to 1e+06 s with on=1, off=1"),
+    ("preempt:idle=1GB,busy=1MB,seed=1.5", "seed is an integer"),
+])
+def test_a_spec_number_out_of_range_is_refused_in_one_line(spec: str, words: str) -> None:
+    """Each field of constant: and preempt:, each way out of its range (the emulation broke on some: a sleep past
+    time_t, a division by zero, a preemption drawn for ever): one line naming the spec and the range."""
+    with pytest.raises(ConfigError) as err:
+        parse_network(spec)
+    line = str(err.value)
+    assert words in line and f"the network {spec!r}" in line and "\n" not in line, line
+
+
+@pytest.mark.parametrize("rows, words", [
+    ([[0, 1e12, 100]], "row 1: a latency is seconds from 0 to 86400"),
+    ([[0, -0.1, 100]], "row 1: a latency is seconds from 0 to 86400"),
+    ([[0, 0, 0]], "row 1: a bandwidth is bytes per second from 1 to 1e+18"),
+    ([[0, 0, -3]], "row 1: a bandwidth is bytes per second from 1 to 1e+18"),
+    ([[0, 0, "nan"]], "row 1: a bandwidth is bytes per second from 1 to 1e+18"),
+    ([[0, 0, 100], [5, 0, 0.25]], "row 2: a bandwidth is bytes per second from 1 to 1e+18"),
+    ([[0, 0, 100], ["nan", 0, 100]], "times are finite seconds"),
+    ([[0, 0, 100], ["inf", 0, 100]], "times are finite seconds"),
+    ([[0, True, 100]], "row 1: a latency is a number, not true"),
+])
+def test_a_profile_number_out_of_range_is_refused_in_one_line(tmp_path, rows: list, words: str) -> None:
+    """The same ranges for every row of a JSON profile and of a CSV one (its link column empty or named)."""
+    path = tmp_path / "net.json"
+    path.write_text(json.dumps({"default": [[0, 0, 1e9]], "links": {"0-1": rows}}))
+    with pytest.raises(ConfigError, match=re.escape(words)) as err:
+        Network.load(path)
+    assert "link 0-1" in str(err.value) and "\n" not in str(err.value)
+    if any(isinstance(x, bool) for r in rows for x in r):
+        return  # a CSV has no booleans
+    csv = tmp_path / "net.csv"
+    csv.write_text("time,latency,bandwidth,link\n0,0,1e9,\n" + "".join(f"{t},{lat},{bw},0-1\n" for t, lat, bw in rows))
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        Network.load(csv)
+
+
+def test_the_library_constructors_refuse_what_breaks_the_emulation() -> None:
+    """A network built in a script: the latency's range, a bandwidth above 0, a preemption's periods (its duration
+    of inf drew periods for ever); a bandwidth below 1 is a script's own unit (the simulator's tests use 2/3)."""
+    for latency in (1e10, 1e30, -1.0, math.nan, math.inf):
+        with pytest.raises(ConfigError, match="latency is seconds from 0 to 86400"):
+            Network.constant(latency=latency)
+    for bandwidth in (0.0, -1.0, math.nan):
+        with pytest.raises(ConfigError, match="bandwidth is bytes per second > 0"):
+            LinkState(0.0, bandwidth)
+    for duration in (math.inf, math.nan, 0.0):
+        with pytest.raises(ConfigError, match="at most 1e\\+06 periods"):
+            Network.preemption(seed=0, idle=LinkState(0, 1e9), preempted=LinkState(0, 1e6), on=1, off=1,
+                               duration=duration)
+    with pytest.raises(ConfigError, match="on and off from 0.001 to 86400"):
+        Network.preemption(seed=0, idle=LinkState(0, 1e9), preempted=LinkState(0, 1e6), on=math.inf, off=1)
+    assert Network.constant(86400, 2 / 3).at(0, 1, 0.0) == LinkState(86400, 2 / 3)  # the ends of the range
+    assert parse_network("constant:latency=86400,bandwidth=1").at(0, 1, 0.0) == LinkState(86400, 1.0)
+    assert parse_network("constant:bandwidth=inf").at(0, 1, 0.0).bandwidth == math.inf
+
+
+def test_a_message_takes_at_least_its_bytes_at_the_best_bandwidth_plus_the_least_latency() -> None:
+    c = Conditions((0.0, 5.0, 9.0), (LinkState(0.5, 100.0), LinkState(0.1, 50.0), LinkState(2.0, 400.0)))
+    assert c.best == LinkState(0.1, 400.0)
+    assert c.best.carries(1000) == pytest.approx(0.1 + 1000 / 400)
+    assert LinkState(0.25, math.inf).carries(1e9) == 0.25
+    # No moment sends 1000 bytes faster than that bound.
+    for start in (0.0, 3.0, 4.9, 5.0, 8.0, 9.0, 20.0):
+        arrival = c.finish(start, 1000) + c.at(start).latency
+        assert arrival - start >= c.best.carries(1000) - 1e-9

@@ -89,7 +89,7 @@ def test_a_diverging_run_stops_with_one_line(tmp_path: Path, capsys: pytest.Capt
         "pipefold train: error: the loss or the gradients were NaN or inf in step 2; the weights are those before "
         "step 2: lower --lr, add --clip, or check the data"]
     assert main(["train", *MLP, "--max-bad-steps", "0"]) == 2
-    assert "--max-bad-steps must be at least 1 (got 0)" in capsys.readouterr().err
+    assert "--max-bad-steps: 0 is out of range: give a whole number >= 1" in capsys.readouterr().err
 
 
 _COMPARE = textwrap.dedent("""

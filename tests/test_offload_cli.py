@@ -65,17 +65,17 @@ def test_table_output(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @pytest.mark.parametrize(("argv", "needle"), [
-    (["--k", "0"], "--k must be at least 1"),
+    (["--k", "0"], "--k: 0 is out of range: give a whole number >= 1"),
     (["--k", "2", "--kprime", "3"], "--kprime must be from 1 to --k=2"),
-    (["--kprime", "0"], "--kprime must be from 1"),
+    (["--kprime", "0"], "--kprime: 0 is out of range: give a whole number >= 1"),
     (["--budget", "1000"], "largest layer, layer 1 (block 0) of 199936 bytes"),
     (["--budget", "1000", "--model", "mlp", "--hidden", "8"], "largest layer, layer 0 of"),
-    (["--budget", "100000000", "--k", "2"], "either --budget or --k"),
+    (["--budget", "100000000", "--k", "2"], "--k is picked by --budget: give either --budget or --k/--kprime"),
     (["--budget", "lots"], "cannot read --budget 'lots': give bytes such as 2000000, 2e6, 1.5MB or 64MiB"),
     (["--budget", "1kB"], "a budget of 1000 bytes cannot hold"),
-    (["--steps", "0"], "--steps must be at least 1"),
+    (["--steps", "0"], "--steps: 0 is out of range: give a whole number >= 1"),
     (["--hidden", "30", "--heads", "4"], "multiple of --heads"),
-    (["--k", "x"], "invalid int value"),
+    (["--k", "x"], "--k: 'x' is not a whole number >= 1 and <= 4,096"),
 ])
 def test_errors_are_one_line_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str], needle: str) -> None:
     try:

@@ -114,3 +114,46 @@ def test_stdout_through_a_pipe() -> None:
     got = subprocess.run([sys.executable, "-m", "pipefold", "generate", "1f1b", "-p", "2", "-m", "4", "-o",
                           "/dev/stdout"], capture_output=True, text=True, timeout=60, check=False)
     assert got.returncode == 0 and "# pipefold schedule" in got.stdout, got.stderr
+
+
+@pytest.mark.parametrize("argv", [
+    ["simulate", "1f1b", "-p", "2", "-m", "4", "--plot", "{tmp}/a.png", "--trace", "{tmp}/b.json"],
+    ["pipefisher", "-p", "2", "-m", "4", "--plot", "{tmp}/a.png"],
+    ["plan", "--memory", "4", "--plot", "{tmp}/a.png"],
+    ["plan", "--cluster", "h100-sxm", "--nodes", "1", "--hf-config", "llama-tiny", "--global-batch", "8", "--seq", "16",
+     "--families", "1f1b", "--plot", "{tmp}/a.png", "-o", "{tmp}/b.json"],
+    ["generate", "1f1b", "-o", "{tmp}/a.txt"],
+    ["train", "--model", "mlp", "--schedule", "1f1b", "--devices", "2", "-m", "2", "--batch", "4", "--hidden", "8",
+     "--layers", "2", "--steps", "1", "--trace", "{tmp}/a.json", "--plot", "{tmp}/b.png", "--save-model",
+     "{tmp}/c.pt"],
+], ids=lambda a: a[0] + ("-cluster" if "--cluster" in a else ""))
+def test_every_file_a_command_writes_is_named_in_its_output(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                           argv: list[str]) -> None:
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    assert main(argv) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    written = sorted(tmp_path.iterdir())
+    assert written == sorted(Path(a) for a in argv if a.startswith(str(tmp_path))), written
+    for path in written:
+        assert path.stat().st_size > 0 and str(path) in out, (path, out)
+
+
+def test_a_table_into_a_pipe_is_never_cut(tmp_path: Path) -> None:
+    # Where no terminal sets the width, a table is printed at its natural width: every header and value on one line.
+    names = ["1f1b", "zb-h1", "zb-v", "v-half", "dualpipev", "interleaved-1f1b"]
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    env["PYTHONPATH"] = str(Path(__file__).parents[1] / "src")
+    got = subprocess.run([sys.executable, "-m", "pipefold", "compare", *names], capture_output=True, text=True,
+                         env=env, check=True).stdout
+    rows = [line for line in got.splitlines() if line.startswith("│")]
+    assert len(rows) == len(names), got  # no row wrapped onto a second line
+    assert all(f"│ {name}" in got for name in names)
+    header = next(line for line in got.splitlines() if line.startswith("┃"))
+    assert "max peak (M)" in header and "peak per device (M)" in header, got
+    # A reader that leaves early: no error, no traceback, the shell's code for a closed pipe.
+    proc = subprocess.Popen([sys.executable, "-m", "pipefold", "compare", *names, "-p", "64", "-m", "256"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.read(10)
+    proc.stdout.close()
+    assert proc.wait(timeout=120) in (0, 141) and proc.stderr.read() == b""

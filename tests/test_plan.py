@@ -306,9 +306,9 @@ def test_plan_plots_png_and_svg(capsys, tmp_path) -> None:
     (["--memory", "lots"], "cannot read memory budget 'lots': use a number of M such as 3"),
     (["--memory", "0"], "memory budget must be a positive amount of M"),
     (["--memory", "0.5x"], "no schedule fits 2 M on 4 stages; the smallest reachable peak is 4 M (zb-h1)"),
-    (["--memory", "3", "--f", "-1"], "cost f must be a finite number >= 0 (got -1.0)"),
+    (["--memory", "3", "--f", "-1"], "argument --f: -1 is out of range: give a number >= 0"),
     (["--memory", "4", "--plot", "out.pdf"], "use a file name ending in .png or .svg"),
-    (["--memory", "4", "-p", "0"], "devices must be a positive integer (got 0)"),
+    (["--memory", "4", "-p", "0"], "--devices/-p: 0 is out of range: give a whole number >= 1 and <= 512"),
     ([], "plan needs --memory BUDGET"),
 ])
 @pytest.mark.usefixtures("builtin")

@@ -29,11 +29,12 @@ def main() -> NoReturn:
         for s, handler in before.items():
             signal.signal(s, handler)
     if held:
-        from pipefold.errors import Interrupted, say
+        from pipefold.errors import Interrupted
+        from pipefold.runtime.launch.elastic import tell
 
         what = Interrupted(held[0])
         command = next((a for a in sys.argv[1:] if not a.startswith("-")), None)
-        say(f"pipefold {command}: {what}" if command else f"pipefold: {what}")
+        tell(f"pipefold {command}: {what}" if command else f"pipefold: {what}")  # under torchrun, by one worker
         sys.stdout.flush()
         raise SystemExit(what.exit_code)
     entry()

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from pipefold import schedules
+from pipefold.cli import ranges
 from pipefold.errors import ConfigError
-from pipefold.ir import formats
+from pipefold.ir import MAX_DEVICES, formats
 
 DEFAULT_SCHEDULE = "zb-h1"
 
@@ -33,14 +34,15 @@ def degrees(text: str) -> tuple[int, ...] | None:
         out = tuple(int(x) for x in text.split(","))
     except ValueError:
         return None
-    return out if out and all(t >= 1 for t in out) else None
+    return out if out and all(1 <= t <= MAX_DEVICES for t in out) else None
 
 
 def _tp_degrees(text: str) -> int | tuple[int, ...]:
     """``train --tp 2`` (every device) or ``--tp 2,1`` (one degree per device)."""
     out = degrees(text)
     if out is None:
-        raise argparse.ArgumentTypeError(f"a degree >= 1 for every device (2), or one per device (2,1); got {text!r}")
+        raise argparse.ArgumentTypeError(f"a degree from 1 to {MAX_DEVICES} for every device (2), or one per device "
+                                         f"(2,1); got {text!r}")
     return out[0] if len(out) == 1 else out
 
 
@@ -65,13 +67,15 @@ def _shown(value: Any) -> str:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that reports a usage mistake as one line, not a usage dump, and refuses an option given under two
-    names with two values (:class:`_Once`)."""
+    """argparse that reports a usage mistake as one line, not a usage dump, refuses an option given under two
+    names with two values (:class:`_Once`), and reads every argument that starts with a minus and a digit as a
+    value (``--offload -1,1``, ``--lr -1e-3``: refused by the option's own check, which says what works)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.register("action", None, _Once)
         self.register("action", "store", _Once)
+        self._negative_number_matcher = ranges.NEGATIVE
 
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
         self.__dict__["_given_once"] = {}  # what this parse was given (each subcommand's parser keeps its own)
@@ -493,6 +497,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("schedule", nargs="+", help="schedule files or registered names")
     _add_shape(p)
     _add_format(p)
+    for command in sub.choices.values():
+        ranges.attach(command)
     return parser
 
 
@@ -519,10 +525,57 @@ _COSTS = ("f", "b", "w", "mem", "mem_w", "latency", "bandwidth", "activation_byt
           "overlap", "recompute", "stage_cost", "work", "stash")
 
 
+_PLAN_UNITS = "sets the cost model of plan --memory (in units of M)"
+
 APPLIES: tuple[Applies, ...] = (
-    Applies("plan", _COSTS, lambda a: a.profile is None,
-            "sets the cost model, and a plan from --profile uses the measured costs: drop it, or plan without "
-            "--profile"),
+    # plan has three modes: --memory (units of M, the cost flags), --profile (a measured model), --cluster.
+    Applies("plan", ("memory", *_COSTS), lambda a: a.profile is None and a.cluster is None,
+            f"{_PLAN_UNITS}; a plan from --profile or --cluster costs the measured model or the hardware file: drop "
+            "it"),
+    Applies("plan", ("opt", "work", "stash"), lambda a: False,
+            "prices actions the planner's generated schedules do not run (an optimizer step or K-FAC's work as "
+            "actions: schedule files and pipefold pipefisher have them): drop it"),
+    Applies("plan", ("profile",), lambda a: a.cluster is None,
+            "plans a model measured here, and --cluster one on a cluster's hardware file: give one of them"),
+    Applies("plan", ("memory_budget", "headroom", "world"), lambda a: a.profile is not None,
+            "belongs to plan --profile FILE (a measured model; --cluster takes its budget from the hardware file, "
+            "its layouts from --nodes): give --profile, or drop it"),
+    Applies("plan", ("devices", "microbatches"), lambda a: a.cluster is None,
+            "is chosen by plan --cluster, which searches every layout and microbatch count of the cluster's "
+            "devices (--nodes sets how many): drop it"),
+    Applies("plan", ("microbatches",), lambda a: a.profile is None,
+            "is the profile's own with plan --profile (its microbatches were measured at their size): drop it, or "
+            "profile again with pipefold profile --microbatches M"),
+    Applies("plan", ("devices",), lambda a: a.world is None,
+            "is one pipeline's length, and --world N searches every dp x tp x pp of N ranks, pipelines of every "
+            "length: drop one of them"),
+    Applies("plan", ("nodes", "cluster_model", "global_batch", "seq", "top"), lambda a: a.cluster is not None,
+            "describes a cluster plan: give --cluster NAME|FILE too"),
+    Applies("plan", ("output", "families"), lambda a: a.profile is not None or a.cluster is not None,
+            "belongs to plan --profile or --cluster (plan --memory searches every family and writes no plan): "
+            "give one of them"),
+    Applies("simulate", ("at",), lambda a: a.network is not None,
+            "is a time in a --network's timeline: give --network too"),
+    Applies("simulate", ("latency", "bandwidth"), lambda a: a.network is None or a.grad_bytes > 0,
+            "prices the links between stages, and --network sets them (over time): drop it"),
+    Applies("simulate", ("gathered",), lambda a: a.fsdp, "is held by FSDP's stages: give --fsdp too"),
+    Applies("simulate", ("fsdp",), lambda a: a.dp >= 2,
+            "shards stages across data-parallel pipelines: give --dp 2 or more"),
+    Applies("simulate", ("dp",), lambda a: a.grad_bytes > 0 or a.fsdp,
+            "adds each stage's all-reduce of its --grad-bytes among the copies, and they are 0: give --grad-bytes "
+            "(and --bandwidth or --latency), or --fsdp"),
+    Applies("simulate", ("fsdp",), lambda a: a.grad_bytes > 0 or a.weights > 0 or a.gathered > 0,
+            "gathers and reduce-scatters --grad-bytes and holds --weights and --gathered, and they are 0: give "
+            "some of them"),
+    *(Applies(c, ("width",), lambda a: not a.json,
+              "sets the columns of the ASCII timeline, which --json does not print: drop one of them")
+      for c in ("simulate", "pipefisher")),
+    Applies("pipefisher", ("slack", "max_steps"), lambda a: not a.inline,
+            "shapes the cycle of filled steps, and --inline fills none: drop one of them"),
+    Applies("partition", ("slack",), lambda a: a.by == "memory",
+            "is the time a --by memory split may add: give --by memory too"),
+    Applies("offload", ("k", "kprime"), lambda a: a.budget is None,
+            "is picked by --budget: give either --budget or --k/--kprime"),
 )
 """Which options go with which modes, read by :func:`main` for every command: a new option that belongs to one
 mode is refused in the others by adding it here. ``pipefold train``'s are its run spec's

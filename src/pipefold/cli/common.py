@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -15,10 +16,37 @@ from rich.highlighter import ReprHighlighter
 from rich.text import Text
 
 from pipefold import schedules
+from pipefold.cli import ranges
 from pipefold.errors import ConfigError
 from pipefold.ir import Schedule, formats
 from pipefold.ir.ref import ScheduleRef
 from pipefold.sim.simulate import CostModel, StageOverride
+
+
+class _Console(Console):
+    """A console whose tables are never cut or wrapped where the output is not a terminal (a pipe, a file): there
+    nobody's window sets the width, and rich's default of 80 columns would wrap a wide table's headers and values
+    onto second lines. Such a table is printed at its natural width; on a terminal, at the terminal's."""
+
+    def print(self, *objects: Any, **kwargs: Any) -> None:
+        from rich.measure import Measurement
+        from rich.table import Table
+
+        if self.is_terminal or "COLUMNS" in os.environ or not any(isinstance(o, Table) for o in objects):
+            super().print(*objects, **kwargs)
+            return
+        natural = max(Measurement.get(self, self.options.update(width=MAX_TABLE_WIDTH), o).maximum
+                      for o in objects if isinstance(o, Table))
+        narrow = self.width
+        self.width = max(narrow, min(natural, MAX_TABLE_WIDTH))
+        try:
+            super().print(*objects, **kwargs)
+        finally:
+            self.width = narrow
+
+
+MAX_TABLE_WIDTH = 400
+"""The widest a table is printed where the output is not a terminal (:class:`_Console`)."""
 
 
 def make_console(**kwargs: Any) -> Console:
@@ -26,8 +54,8 @@ def make_console(**kwargs: Any) -> Console:
     part from outside (a user's path such as ``plan[a].json``, an exception's message such as gloo's
     ``[enforce fail at /pytorch/.../pair.cc:789]``, a model's or a schedule file's name), and markup would eat
     its bracketed parts or fail on them. Text meant to be styled is built as :class:`rich.text.Text`
-    (:func:`styled`)."""
-    return Console(markup=False, emoji=False, **kwargs)
+    (:func:`styled`). Tables are printed whole into a pipe or a file (:class:`_Console`)."""
+    return _Console(markup=False, emoji=False, **kwargs)
 
 
 def styled(*parts: str | tuple[str, str]) -> Text:
@@ -75,13 +103,47 @@ def cost_model(args: argparse.Namespace) -> CostModel:
             numbers = []
         if len(numbers) not in (3, 4):
             raise ConfigError(f"cannot read --stage-cost {item!r}: use S:F,B,W or S:F,B,W,MEM, e.g. 3:2,4,2")
+        for name, x in zip(("f", "b", "w", "mem"), numbers, strict=False):
+            in_range(f"--stage-cost {item}", "f" if name != "mem" else "mem", x)
         memory = numbers[3] if len(numbers) == 4 else None
         overrides[stage] = StageOverride(f=numbers[0], b=numbers[1], w=numbers[2], memory=memory)
+    if args.f + args.b + args.w == 0 and not overrides:
+        raise ConfigError("--f, --b and --w are all 0: a step would take no time; give one of them a time > 0")
     return CostModel(f=args.f, b=args.b, w=args.w, memory=args.mem, memory_w=args.mem_w,
                      latency=args.latency, bandwidth=args.bandwidth, activation_bytes=args.activation_bytes,
                      recompute=args.recompute, stage_overrides=overrides, grad_bytes=args.grad_bytes, opt=args.opt,
                      overlap=args.overlap, weights=args.weights, work=kind_table(args.work, "--work"),
                      stash=kind_table(args.stash, "--stash"))
+
+
+def check_costs_used(args: argparse.Namespace, simulated: list[Schedule]) -> None:
+    """Refuse, in one line, a cost option that none of the ``simulated`` schedules would feel: memory between a B and
+    its W where no schedule splits them, an overlapped pair's cost where none runs one, a stash without the work
+    that keeps it, a link's bandwidth with no bytes to carry, or bytes with no bandwidth to take time."""
+    kinds = {a.kind for s in simulated for row in s.actions for a in row}
+    replicas = getattr(args, "dp", 1) > 1 or any(len(s.holders(i)) > 1 for s in simulated for i in range(s.stages))
+    kfac = args.command == "pipefisher" or bool(kinds & {"KA", "KG", "KI", "KP"})  # pipefisher adds K-FAC's work
+    rules = (
+        ("mem_w", "W" in kinds, "is the memory a stage holds between its B and its W, and no schedule here runs a "
+                                "separate W (zb-h1, zb-v and the V family do)"),
+        ("overlap", "FB" in kinds, "prices an overlapped pair F+B, and no schedule here runs one (dualpipe and "
+                                   "dualpipev do)"),
+        ("opt", "OPT" in kinds, "is the time of an optimizer step the schedule runs as an action (OPT), and no "
+                                "schedule here does"),
+        ("work", kfac, "prices K-FAC's actions, and no schedule here runs them: pipefold pipefisher places them, or "
+                       "give a schedule file that has them"),
+        ("stash", kfac, "is what K-FAC's work keeps of a microbatch, and no schedule here runs it: pipefold pipefisher "
+                        "places it, or give a schedule file that has it"),
+        ("bandwidth", args.activation_bytes > 0 or args.grad_bytes > 0,
+         "prices the bytes a link carries: give --activation-bytes or --grad-bytes too"),
+        ("activation_bytes", args.bandwidth < math.inf or getattr(args, "network", None) is not None,
+         "takes time only over a link of some --bandwidth: give it too"),
+        ("grad_bytes", replicas, "is what the copies of a stage all-reduce, and no stage here has copies: give --dp "
+                                 "2 or more, or a schedule with replicas (chimera, dualpipe)"),
+    )
+    for dest, used, why in rules:
+        if dest in args.given and not used:
+            raise ConfigError(f"--{dest.replace('_', '-')} {why}: drop it")
 
 
 def kind_table(text: str, flag: str) -> dict[str, float]:
@@ -95,7 +157,19 @@ def kind_table(text: str, flag: str) -> dict[str, float]:
             sep = ""
         if not sep:
             raise ConfigError(f"cannot read {flag} {item!r}: use KIND=NUMBER,..., e.g. KA=0.5,KG=0.5,KI=2,KP=0.25")
+        in_range(f"{flag} {item}", "f" if flag == "--work" else "mem", out[code.strip()])
     return out
+
+
+def in_range(what: str, dest: str, value: float) -> None:
+    """Refuse a number read from inside an option's text (``--work KA=0.5``) outside the range of the option
+    ``dest`` (:data:`pipefold.cli.ranges.RANGES`), as the parser refuses an option's own number."""
+    rng = ranges.range_of(dest)
+    assert rng is not None
+    try:
+        rng.parse(repr(value))
+    except argparse.ArgumentTypeError as why:
+        raise ConfigError(f"{what}: {why}") from None
 
 
 def num(x: float) -> str:
@@ -123,14 +197,24 @@ def stage_bar(label: str) -> Iterator[Callable[[str, int, int], None] | None]:
 
 @contextlib.contextmanager
 def progress_bar(label: str) -> Iterator[Callable[[int, int], None] | None]:
-    """A transient progress bar on stderr when it is a terminal; otherwise no callback at all."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    """A transient progress bar on stderr when it is a terminal, otherwise no callback at all: the parts done of
+    the total (a search's candidates, counted before it starts), the time it has taken and an estimate of the time
+    left."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     err = make_console(stderr=True)
     if not err.is_terminal:
         yield None
         return
     with Progress(TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=err, transient=True) as bar:
+                  TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(), console=err,
+                  transient=True) as bar:
         task = bar.add_task(label, total=None)
         yield lambda done, total: bar.update(task, completed=done, total=total)

@@ -20,6 +20,7 @@ from pipefold.cli import plan_cmds, schedule_cmds, train_cmds
 from pipefold.cli.args import build_parser, check_applies, given
 from pipefold.cli.common import make_console
 from pipefold.errors import Interrupted, PipefoldError, ScheduleError, say
+from pipefold.runtime.launch.elastic import running, tell, told_once
 
 REDELIVERY_S = 0.005
 """How long after a callback swallowed an interrupt it is delivered again (:func:`_deliver_later`)."""
@@ -98,9 +99,16 @@ def entry() -> NoReturn:
     its teardown of the modules, most of a second with torch loaded, is skipped: nothing is left to clean up.
 
     Once the command is done, SIGINT and SIGTERM are held off: a Ctrl-C as it exits changes nothing, and must not
-    break into an exit handler with a traceback."""
+    break into an exit handler with a traceback.
+
+    Every temporary file of the command and of the processes it starts goes in one folder, removed as it exits
+    (:mod:`pipefold.runtime.launch.tempfolder`)."""
     import atexit
 
+    from pipefold.runtime.launch import tempfolder
+
+    with contextlib.suppress(OSError):  # no temporary folder can be made: a command that needs one says so
+        tempfolder.make()
     code = 130  # a signal that lands as main returns, after its own handling: it was interrupted
     try:
         code = main()
@@ -125,38 +133,49 @@ def entry() -> NoReturn:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        with told_once():  # under torchrun, by one worker
+            args = parser.parse_args(argv)
+    except SystemExit as done:  # --help, --version, or a usage mistake argparse has printed in one line
+        return done.code if isinstance(done.code, int) else 2
     args.given = given(args, parser)  # before any option is filled in from another
+    running(args.command)
     if getattr(args, "hf", None):
         args.model = args.hf  # one name for the model from here on; its config sizes it
     elif getattr(args, "layers", 0) is None:
         args.layers = args.default_layers
     console = make_console(soft_wrap=True)
-    try:
+    try:  # each error that ends the command in one line, which under torchrun one worker says (tell)
         check_applies(args)
         with _interrupts():
             command(args.command)(args, console)
     except KeyboardInterrupt as exc:
         # SIGINT or SIGTERM: the launcher has stopped its ranks (and says how many); one line, the shell's code.
         what = exc if isinstance(exc, Interrupted) else Interrupted(signal.SIGINT)
-        say(f"pipefold {args.command}: {what}")
+        tell(f"pipefold {args.command}: {what}")
         return what.exit_code
     except ScheduleError as exc:
-        say(f"pipefold {args.command}: error: {exc.message}")
-        if exc.report:
+        if tell(f"pipefold {args.command}: error: {exc.message}") and exc.report:
             say(exc.report)
         return 1
     except PipefoldError as exc:
-        say(f"pipefold {args.command}: error: {exc}")
+        tell(f"pipefold {args.command}: error: {exc}")
         return 2
     except RuntimeError as exc:
         from pipefold.runtime.launch.job import Diverged, RankError
 
         if not isinstance(exc, (RankError, Diverged)):
             raise
-        say(f"pipefold {args.command}: error: {exc}")
+        tell(f"pipefold {args.command}: error: {exc}")
         return 1
+    except BrokenPipeError:
+        # The reader of the output left (``pipefold compare ... | head``): what it did not read is nobody's, and
+        # the shell's code for a pipe that closed is 141. Standard output goes nowhere from here, so that the
+        # exit's own flush does not fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except OSError as exc:
-        say(f"pipefold {args.command}: error: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": "))
+        tell(f"pipefold {args.command}: error: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": "))
         return 2
     return 0

@@ -9,11 +9,11 @@ from rich.console import Console
 from rich.table import Table
 
 from pipefold import jsonout, schedules
-from pipefold.cli.args import DEFAULT_DEVICES, DEFAULT_MICROBATCHES, degrees
+from pipefold.cli.args import degrees
 from pipefold.cli.common import check_outputs, cost_model, num, progress_bar, stage_bar, styled
 from pipefold.errors import ConfigError
 from pipefold.ir.ref import ScheduleRef
-from pipefold.plan.budget import PlanResult, one_f_one_b_peak, parse_budget, plan
+from pipefold.plan.budget import PlanResult, check_evaluate, one_f_one_b_peak, parse_budget, plan
 from pipefold.runtime.launch.processes import start_server
 from pipefold.sim.simulate import CostModel
 from pipefold.units import format_bytes, parse_bytes
@@ -26,9 +26,6 @@ def cmd_calibrate(args: argparse.Namespace, console: Console) -> None:
 
 
 def cmd_profile(args: argparse.Namespace, console: Console) -> None:
-    for label in ("layers", "hidden", "heads", "batch", "seq", "microbatches", "devices", "repeats"):
-        if getattr(args, label) is not None and getattr(args, label) < 1:
-            raise ConfigError(f"--{label} must be at least 1 (got {getattr(args, label)})")
     check_outputs(("profile", args.output, False))
     tp = _degrees(args.tp)
     if not (args.no_link and args.no_sharing and args.no_overhead):
@@ -80,18 +77,14 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> None:
 
         plan_cluster_command(args, console)
         return
-    if any(x is not None for x in (args.nodes, args.cluster_model, args.global_batch, args.seq)):
-        raise ConfigError("--nodes, --hf-config, --global-batch and --seq plan a cluster: give --cluster too")
     if args.profile is not None:
         _plan_profiled(args, console)
         return
     if args.memory is None:
         raise ConfigError("plan needs --memory BUDGET (in M, or 0.5x of 1F1B's peak), or --profile FILE with "
                           "--memory-budget BYTES for a measured model")
-    if any(x is not None for x in (args.memory_budget, args.output, args.families, args.headroom, args.world)):
-        raise ConfigError("--memory-budget, --output, --families, --headroom and --world plan a measured model: give "
-                          "--profile FILE too (or --memory in M without them)")
     cost = cost_model(args)
+    check_evaluate(args.devices, args.microbatches)  # before 1F1B's peak, the budget's unit: one line, no work
     budget = parse_budget(args.memory, one_f_one_b_peak(args.devices, args.microbatches, cost))
     with progress_bar(f"planning p={args.devices} m={args.microbatches}") as progress:
         answer = plan(args.devices, args.microbatches, budget, cost, progress=progress)
@@ -117,22 +110,17 @@ def _plan_profiled(args: argparse.Namespace, console: Console) -> None:
     from pipefold.plan.budget import HEADROOM, every_layout, plan_model
     from pipefold.plan.profile import Profile
 
-    if args.memory is not None:
-        raise ConfigError("--memory is in units of M; with --profile give --memory-budget in bytes (e.g. 2GiB)")
     if args.memory_budget is None:
         raise ConfigError("plan --profile needs --memory-budget BYTES: what each device may hold, e.g. 2GiB")
     profile = Profile.load(args.profile)
     budget = parse_bytes(args.memory_budget)
-    m = args.microbatches if args.microbatches != DEFAULT_MICROBATCHES else None
     layouts = None
     ranks = args.devices
     if args.world is not None:
-        if args.devices != DEFAULT_DEVICES:
-            raise ConfigError("--world N searches every dp x tp x pp of N ranks, pipelines of every length: drop "
-                              "--devices (or drop --world to plan one pipeline of --devices)")
-        layouts, ranks = every_layout(profile, args.world), args.world
+        families = args.families.split(",") if args.families else None
+        layouts, ranks = every_layout(profile, args.world, families), args.world
     with progress_bar(f"planning {'world' if layouts else 'p'}={ranks}") as progress:
-        answer = plan_model(profile, ranks, budget, microbatches=m, progress=progress, layouts=layouts,
+        answer = plan_model(profile, ranks, budget, progress=progress, layouts=layouts,
                             families=args.families.split(",") if args.families else None,
                             headroom=HEADROOM if args.headroom is None else args.headroom)
     out = answer.to_dict()
@@ -145,7 +133,8 @@ def _plan_profiled(args: argparse.Namespace, console: Console) -> None:
                       title=f"{answer.best.spec}: {answer.best.makespan * 1e3:.1f} ms per step, peak "
                             f"{format_bytes(answer.best.memory)} (budget {format_bytes(budget)})")
     if args.json:
-        print(jsonout.dumps({k: v for k, v in out.items() if k != "profile"} | {"output": args.output}))
+        shown = {k: v for k, v in out.items() if k != "profile"}
+        print(jsonout.dumps(shown | {"output": args.output, "plot": args.plot}))
         return
     b = answer.best
     where = f"{b.layout}  " if layouts else ""
@@ -172,6 +161,8 @@ def _plan_profiled(args: argparse.Namespace, console: Console) -> None:
     console.print(table)
     if args.output:
         console.print(f"wrote plan: {args.output}  (run it: pipefold train --plan {args.output})")
+    if args.plot:
+        console.print(f"wrote plot: {args.plot}")
 
 
 def _plan_dict(answer: PlanResult, args: argparse.Namespace, cost: CostModel) -> dict[str, object]:
@@ -217,9 +208,6 @@ def cmd_partition(args: argparse.Namespace, console: Console) -> None:
     from pipefold.plan.recompute import OPTIMIZER_STATE
     from pipefold.runtime.measure.profiling import layers_per_rank, split_figures
 
-    for flag, value in (("--devices", args.devices), ("--chunks", args.chunks), ("--microbatches", args.microbatches)):
-        if value is not None and value < 1:
-            raise ConfigError(f"{flag} must be at least 1 (got {value})")
     if args.schedule is not None:
         ref = ScheduleRef.parse(args.schedule)
         name, options = ref.name, ref.kwargs

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import sys
 
 from rich.console import Console
@@ -13,8 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from pipefold import jsonout, schedules
-from pipefold.cli.common import check_outputs, cost_model, load_schedule, make_console, num, styled
-from pipefold.errors import ConfigError
+from pipefold.cli.common import check_costs_used, check_outputs, cost_model, load_schedule, make_console, num, styled
 from pipefold.ir import formats
 from pipefold.ir.ref import ScheduleRef
 from pipefold.sim.simulate import SimResult, simulate
@@ -47,19 +45,13 @@ def cmd_simulate(args: argparse.Namespace, console: Console) -> None:
     check_outputs(("plot", args.plot, True), ("trace", args.trace, False))
     cost = cost_model(args)
     schedule = load_schedule(args.schedule, args, strict_flags=True)
+    check_costs_used(args, [schedule])
     network = None
     if args.network is not None:
         from pipefold.sim.network import parse_network
 
         network = parse_network(args.network)
         network.check_devices(schedule.devices)
-    elif args.at:
-        raise ConfigError("--at is a time in a --network's timeline: give --network too")
-    if not (math.isfinite(args.at) and args.at >= 0):
-        raise ConfigError(f"--at is seconds >= 0 (got {args.at})")
-    if args.fsdp and args.dp < 2 or args.gathered and not args.fsdp:
-        raise ConfigError("--fsdp shards stages across data-parallel pipelines: give --dp 2 or more, and --gathered "
-                          "only with --fsdp")
     if args.dp != 1:
         from pipefold.schedules.dataparallel import with_data_parallel
 
@@ -114,6 +106,7 @@ def cmd_pipefisher(args: argparse.Namespace, console: Console) -> None:
     check_outputs(("plot", args.plot, True))
     cost = cost_model(args)
     schedule = load_schedule(args.schedule, args, strict_flags=True)
+    check_costs_used(args, [schedule])
     filled = (pipefisher.inline(schedule, cost) if args.inline
               else pipefisher.fill(schedule, cost, slack=args.slack, max_steps=args.max_steps))
     if args.plot:
@@ -148,7 +141,9 @@ def cmd_pipefisher(args: argparse.Namespace, console: Console) -> None:
 
 def cmd_compare(args: argparse.Namespace, console: Console) -> None:
     cost = cost_model(args)
-    results = [simulate(load_schedule(text, args, strict_flags=False), cost) for text in args.schedule]
+    loaded = [load_schedule(text, args, strict_flags=False) for text in args.schedule]
+    check_costs_used(args, loaded)
+    results = [simulate(s, cost) for s in loaded]
     if args.json:
         print(jsonout.dumps({"devices": args.devices, "microbatches": args.microbatches, "cost": cost.to_dict(),
                              "results": [r.to_dict() for r in results]}))

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pipefold.errors import ConfigError
+from pipefold.ir.kinds import MAX_STAGE_MICROBATCHES
 
 if TYPE_CHECKING:
     from pipefold.ir import Schedule
@@ -52,6 +53,9 @@ class ScheduleRef:
                 options[key.strip()] = int(value)
             except ValueError:
                 raise ConfigError(f"option {key.strip()} in {text!r} must be an integer (got {value!r})") from None
+            if not 0 <= options[key.strip()] <= MAX_STAGE_MICROBATCHES:
+                raise ConfigError(f"option {key.strip()} in {text!r} is out of range: give a whole number from 0 to "
+                                  f"{MAX_STAGE_MICROBATCHES:,}")
         return cls.named(name, options)
 
     @property

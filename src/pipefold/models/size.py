@@ -25,7 +25,8 @@ from pipefold.errors import ConfigError
 from pipefold.units import format_bytes
 
 __all__ = ["CONTEXT_BYTES", "GPU_STEP_FLOPS", "MAX_STEP_FLOPS", "RANK_BYTES", "Shape", "activation_bytes",
-           "available_memory", "check_fits", "check_fits_gpu", "check_model", "parameters", "step_flops"]
+           "available_memory", "boundary_bytes", "check_fits", "check_fits_gpu", "check_model", "parameters",
+           "step_flops"]
 
 MAX_STEP_FLOPS = 1e13
 """The most floating-point operations one step may take: about two minutes on one CPU core doing 85 GFLOP/s
@@ -89,6 +90,13 @@ def activation_bytes(shape: Shape, rows: int) -> float:
         per_token = shape.layers * (18 * c + 2 * shape.heads) + c + 2 * c + 2 * shape.vocab
         return float(tokens) * per_token * FLOAT_BYTES
     return float(rows) * shape.layers * 9 * c * FLOAT_BYTES
+
+
+def boundary_bytes(shape: Shape, rows: int, element_bytes: int = FLOAT_BYTES) -> int:
+    """Bytes of the hidden state that ``rows`` rows pass from one stage to the next, ``element_bytes`` to a value:
+    (rows, seq, hidden) for a language model, (rows, hidden) for the MLP. Every message between two stages carries
+    at least this (a Hugging Face model's attention mask travels beside it), and its gradient as much back."""
+    return rows * (shape.seq if shape.model == "gpt" else 1) * shape.hidden * element_bytes
 
 
 def step_flops(shape: Shape, rows: int | None = None) -> float:

@@ -10,21 +10,24 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from pipefold import schedules
 from pipefold.errors import ConfigError, ScheduleError
-from pipefold.ir import Schedule
+from pipefold.ir import MAX_DEVICES, Schedule
 from pipefold.ir.ref import ScheduleRef
 from pipefold.plan.cluster_plan import SHARDING
+from pipefold.plan.limits import MAX_SEARCH_WORK, check_search, largest, schedule_work, stages_of
 from pipefold.plan.profile import LayerProfile, Profile, stage_passes
 from pipefold.plan.recompute import StageProfile, choose_recompute, device_peaks
 from pipefold.plan.shares import heaviest_share, shares
 from pipefold.sim.simulate import CostModel, SimResult, StageOverride, simulate, slowdown
 from pipefold.units import format_bytes
 
-__all__ = ["Layout", "ModelPlan", "ModelPoint", "PlanResult", "Point", "RunPlan", "candidates", "check_plan",
-           "choose", "copy_peaks", "copy_static", "device_static", "evaluate", "every_layout", "frontier",
-           "layout_profile", "model_costs", "one_f_one_b_peak", "parse_budget", "plan", "plan_model", "predict",
-           "predicted_passes", "read_plan", "refused_layout", "stage_profiles"]
+__all__ = ["Layout", "ModelPlan", "ModelPoint", "PlanResult", "Point", "RunPlan", "candidates", "check_evaluate",
+           "check_plan", "choose", "copy_peaks", "copy_static", "device_static", "evaluate", "every_layout",
+           "frontier", "layout_profile", "model_costs", "one_f_one_b_peak", "parse_budget", "plan", "plan_model",
+           "predict", "predicted_passes", "read_plan", "refused_layout", "stage_profiles"]
 
 Progress = Callable[[int, int], None]
 """Called as ``progress(done, total)`` before the first candidate and after each one."""
@@ -176,6 +179,7 @@ def _evaluate(p: int, m: int, cost: CostModel | None, progress: Progress | None)
     for label, value in (("devices", p), ("microbatches", m)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(f"{label} must be a positive integer (got {value!r})")
+    check_evaluate(p, m)
     todo = candidates(p, m)
     points: list[Point] = []
     skipped: list[str] = []
@@ -192,6 +196,27 @@ def _evaluate(p: int, m: int, cost: CostModel | None, progress: Progress | None)
         raise ConfigError(f"no registered schedule runs {m} microbatches on {p} stages "
                           f"({len(skipped)} candidates tried); try more microbatches")
     return points, skipped
+
+
+def check_evaluate(p: int, m: int) -> None:
+    """Refuse, before any work, to :func:`evaluate` p devices and m microbatches where the search's work is over
+    :data:`pipefold.plan.limits.MAX_SEARCH_WORK`, in one line naming fewer microbatches (else fewer devices)
+    that fit."""
+    todo = candidates(p, m)
+    total = sum(schedule_work(name, p, m, options) for name, options in todo)
+    if total <= MAX_SEARCH_WORK:
+        return
+
+    def fits(devices: int, microbatches: int) -> bool:
+        return sum(schedule_work(name, devices, microbatches, options)
+                   for name, options in candidates(devices, microbatches)) <= MAX_SEARCH_WORK
+
+    fewer = largest(lambda k: fits(p, k), m - 1)
+    devices = None if fewer is not None else largest(lambda k: fits(k, m), p - 1)
+    fix = (f"use at most {fewer:,} microbatches on {p:,} devices" if fewer is not None else
+           f"use at most {devices:,} devices with {m:,} microbatches" if devices is not None else
+           "use fewer devices and fewer microbatches")
+    check_search(total, len(todo), f"planning {p:,} devices with {m:,} microbatches", fix)
 
 
 def _point(name: str, options: dict[str, int], result: SimResult) -> Point:
@@ -272,28 +297,165 @@ class Layout:
         return f"dp{self.dp} tp{self.tp_text} pp{self.pp}" + (f" {self.sharding}" if self.sharding != "none" else "")
 
 
-def every_layout(profile: Profile, world: int) -> list[Layout]:
+def every_layout(profile: Profile, world: int, families: Sequence[str] | None = None) -> list[Layout]:
     """Every layout of ``world`` ranks the profile can predict: tensor-parallel degrees it measured, the same on
     every device or each device its own (a mesh per device, see :func:`_model_points`), and data-parallel
     copies that share its microbatches evenly (each pipeline runs ``microbatches / dp`` of them, of the size the
     profile measured); where there are copies, each way of sharding among them (ZeRO-1 only where the optimizer
-    has a state to shard)."""
+    has a state to shard). A pipeline has at most a device per layer (each device holds a stage at least) and
+    :data:`pipefold.ir.MAX_DEVICES`.
+
+    The layouts are counted before any is listed (a mesh per device makes every order of the degrees one: they
+    run to astronomical numbers), and a world whose search over them (with ``families``, default every one) would
+    be over :data:`pipefold.plan.limits.MAX_SEARCH_WORK` is refused in one line naming a world that fits."""
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ConfigError(f"the world is a number of ranks, a whole number >= 1 (got {world!r})")
-    m = int(profile.train["microbatches"])
-    shardings = [how for how in SHARDING if how != "zero1" or profile.optimizer_factor > 0]
-    out: set[Layout] = set()
-    for dp in (d for d in range(1, world + 1) if world % d == 0 and m % d == 0):
-        ranks = world // dp  # of one pipeline
-        for pp in range(1, ranks + 1):
-            for degrees in itertools.product(profile.tp_degrees, repeat=pp):
-                if sum(degrees) == ranks:
-                    out.update(Layout(dp, degrees, pp, how) for how in shardings if how == "none" or dp > 1)
-    if not out:
-        raise ConfigError(f"no layout of {world} ranks fits this profile (tensor-parallel degrees "
-                          f"{', '.join(map(str, profile.tp_degrees))}, {m} microbatches to share among the "
-                          f"data-parallel copies): use a world that one of them divides, or profile with --tp")
+    groups = _layout_counts(profile, world)
+    if not groups:
+        raise ConfigError(_no_layout(profile, world))
+    pipelines = _Pipelines(len(profile.layers), families)
+    layouts, count, total = _world_search(profile, world, pipelines)
+    if total > MAX_SEARCH_WORK:
+        fits = largest(lambda w: _world_search(profile, w, pipelines)[2] <= MAX_SEARCH_WORK, world - 1)
+        fix = (f"search fewer --families, or fewer ranks (a world of {fits:,} fits)" if fits is not None
+               else "search fewer --families")
+        check_search(total, count, f"planning a world of {world:,} ranks ({layouts:,} layouts)", fix)
+    out: list[Layout] = []
+    for dp, pp, _ in groups:
+        hows = [how for how in _shardings(profile) if how == "none" or dp > 1]
+        for degrees in _meshes(profile.tp_degrees, pp, world // dp):
+            out.extend(Layout(dp, degrees, pp, how) for how in hows)
     return sorted(out, key=Layout.sort_key)
+
+
+def _shardings(profile: Profile) -> list[str]:
+    """What a world's copies may shard among them: ZeRO-1 only where the optimizer has a state to shard."""
+    return [how for how in SHARDING if how != "zero1" or profile.optimizer_factor > 0]
+
+
+def _most_devices(profile: Profile) -> int:
+    """The most devices a pipeline of the profiled model may have: a stage a device at least, a layer a stage."""
+    return min(len(profile.layers), MAX_DEVICES)
+
+
+def _layout_counts(profile: Profile, world: int) -> list[tuple[int, int, float]]:
+    """(dp, pp, how many meshes) for every pipeline length ``pp`` and copies ``dp`` that lay out ``world`` ranks:
+    ``dp`` divides the world and the microbatches, and that many orders of the measured degrees, one per device,
+    make the pipeline's ``world / dp`` ranks (a float: they run past any integer a search could take)."""
+    out = []
+    for dp in _divisors(math.gcd(world, int(profile.train["microbatches"]))):
+        for pp, count in enumerate(_mesh_counts(profile.tp_degrees, world // dp, _most_devices(profile))):
+            if count > 0:
+                out.append((dp, pp, count))
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
+
+
+def _mesh_counts(degrees: Sequence[int], ranks: int, most: int) -> list[float]:
+    """``out[pp]``: how many sequences of ``pp`` of ``degrees`` (repeats allowed) sum to ``ranks``, for pp up to
+    ``most``; as floats, capped far above any count a search could take."""
+    top = max(degrees) * most
+    if ranks > top:
+        return []
+    ways = np.zeros(ranks + 1)
+    ways[0] = 1.0
+    out = [0.0]
+    for _ in range(min(most, ranks // min(degrees))):
+        longer = np.zeros(ranks + 1)
+        for t in degrees:
+            if t <= ranks:
+                longer[t:] += ways[:ranks + 1 - t]
+        ways = np.minimum(longer, 1e100)
+        out.append(float(ways[ranks]))
+    return out
+
+
+def _meshes(degrees: Sequence[int], pp: int, ranks: int) -> Iterable[tuple[int, ...]]:
+    """Every sequence of ``pp`` of ``degrees`` that sums to ``ranks``: only those, each once (depth first, a
+    degree tried where the devices left can still make the ranks left)."""
+    reach = [{0}]  # reach[k]: the sums k degrees make
+    for _ in range(pp):
+        reach.append({r + t for r in reach[-1] for t in degrees if r + t <= ranks})
+
+    def walk(left: int, rest: int) -> Iterable[tuple[int, ...]]:
+        if left == 0:
+            yield ()
+            return
+        for t in degrees:
+            if rest - t in reach[left - 1]:
+                for tail in walk(left - 1, rest - t):
+                    yield (t, *tail)
+
+    yield from walk(pp, ranks)
+
+
+def _world_search(profile: Profile, world: int, pipelines: _Pipelines) -> tuple[int, int, int]:
+    """(layouts, candidates, work) of :func:`plan_model` over every layout of ``world`` ranks
+    (:func:`every_layout`), counted without listing them: a layout's are its pipeline's (:meth:`_Pipelines.search`)."""
+    m = int(profile.train["microbatches"])
+    layouts = count = total = 0.0
+    for dp, pp, meshes in _layout_counts(profile, world):
+        copies = meshes * sum(1 for how in _shardings(profile) if how == "none" or dp > 1)
+        layouts += copies
+        count += copies * pipelines.search(pp, m // dp)[0]
+        total += copies * pipelines.search(pp, m // dp)[1]
+    return int(min(layouts, 1e18)), int(min(count, 1e18)), int(min(total, 1e18))
+
+
+class _Pipelines:
+    """The candidates of the pipelines one search tries (of ``families``, default every one, on a model of
+    ``layers`` layers), and what searching each costs, worked out once a shape: a world's layouts share a few."""
+
+    def __init__(self, layers: int, families: Sequence[str] | None) -> None:
+        self.layers, self.families = layers, None if families is None else frozenset(families)
+        self._candidates: dict[tuple[int, int], tuple[tuple[str, dict[str, int]], ...]] = {}
+        self._searches: dict[tuple[int, int], tuple[int, int]] = {}
+
+    def candidates(self, pp: int, m: int) -> tuple[tuple[str, dict[str, int]], ...]:
+        """:func:`candidates` of ``families`` for pp devices and m microbatches (their options not to be changed)."""
+        if (pp, m) not in self._candidates:
+            self._candidates[pp, m] = tuple((name, options) for name, options in candidates(pp, m)
+                                            if self.families is None or name in self.families)
+        return self._candidates[pp, m]
+
+    def search(self, pp: int, m: int) -> tuple[int, int]:
+        """(candidates, work) of searching one pipeline of ``pp`` devices and ``m`` microbatches: the candidates
+        that can run it (:meth:`runs`) and their work (:func:`pipefold.plan.limits.schedule_work`)."""
+        if (pp, m) not in self._searches:
+            works = [schedule_work(name, pp, m, options) for name, options in self.candidates(pp, m)
+                     if self.runs(name, pp, m, options)]
+            self._searches[pp, m] = (len(works), sum(works))
+        return self._searches[pp, m]
+
+    def runs(self, name: str, pp: int, m: int, options: dict[str, int]) -> bool:
+        """Whether ``name`` with ``options`` may run m microbatches on pp devices, as far as is known before
+        building it: within the IR's limits, and a layer a stage at least."""
+        return stages_of(name, pp, options) <= self.layers and schedule_work(name, pp, m, options) > 0
+
+
+def _no_layout(profile: Profile, world: int) -> str:
+    """Why no layout of ``world`` ranks fits the profile, and the nearest smaller world that has one."""
+    m, most, degrees = int(profile.train["microbatches"]), _most_devices(profile), profile.tp_degrees
+    sums = np.zeros(max(degrees) * most + 1, dtype=bool)  # the ranks k devices make, k = 1, 2, ...
+    sums[0] = True
+    ranks = np.zeros_like(sums)  # ... and 1..most devices
+    for _ in range(most):
+        longer = np.zeros_like(sums)
+        for t in degrees:
+            longer[t:] |= sums[:len(sums) - t]
+        sums = longer
+        ranks |= sums
+    nearest = max((dp * int(r) for dp in _divisors(m) for r in np.flatnonzero(ranks) if dp * r < world), default=0)
+    limit = f", pipefold's limit {MAX_DEVICES}" if most == MAX_DEVICES else ""
+    return (f"no layout of {world:,} ranks fits this profile: a pipeline has at most {most:,} devices (a layer a "
+            f"stage at least{limit}) of tensor-parallel degree {', '.join(map(str, degrees))}, and each of dp copies "
+            f"runs {m} / dp of the profile's microbatches: "
+            + (f"the nearest world that has a layout is {nearest:,} ranks" if nearest else "give fewer ranks")
+            + " (profile with --tp or more --microbatches for others)")
 
 
 def layout_profile(profile: Profile, layout: Layout, layer_stages: Sequence[Sequence[int]] | None = None,
@@ -375,6 +537,9 @@ class ModelPlan:
     profile: Profile
     room: float = math.inf
     """The most a plan's predicted peak may be: the budget less the headroom."""
+    unrunnable: int = 0
+    """Candidates left out unbuilt, besides ``skipped``: more stages than the model has layers, or over the IR's
+    limits (counted, not listed: a world has thousands)."""
 
     @property
     def run_plan(self) -> RunPlan:
@@ -396,7 +561,7 @@ class ModelPlan:
                               "sharding": q.layout.sharding, "devices": q.layout.pp,
                               "split": q.split, "recompute": list(q.recompute),
                               "step_time_s": q.makespan, "peak_bytes": int(q.memory)} for q in self.frontier],
-                "candidates": len(self.points), "skipped": len(self.skipped)}
+                "candidates": len(self.points), "skipped": len(self.skipped) + self.unrunnable}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -608,34 +773,58 @@ def plan_model(profile: Profile, p: int, budget: float, *, microbatches: int | N
         if shape.world != p or m % shape.dp:
             raise ConfigError(f"the layout {shape} runs {shape.world} ranks and shares {m} microbatches among "
                               f"{shape.dp} copies: give layouts of {p} ranks whose dp divides {m}")
-    todo = [(shape, name, options) for shape in shapes for name, options in candidates(shape.pp, m // shape.dp)
-            if families is None or name in families]
+    n = len(profile.layers)
+    pipelines = _Pipelines(n, families)
     if families is not None:
-        known = {n for shape in shapes for n, _ in candidates(shape.pp, m // shape.dp)}
+        known = {name for pp, k in {(shape.pp, m // shape.dp) for shape in shapes}
+                 for name, _ in pipelines.candidates(pp, k)}
         unknown = sorted(set(families) - known)
         if unknown:
             raise ConfigError(f"no schedule family {unknown[0]!r} runs {m} microbatches on {p} devices; "
                               f"see pipefold schedules")
-    n = len(profile.layers)
+    count = sum(pipelines.search(shape.pp, m // shape.dp)[0] for shape in shapes)
+    total = sum(pipelines.search(shape.pp, m // shape.dp)[1] for shape in shapes)
+    if total > MAX_SEARCH_WORK:
+        fewer = largest(lambda k: pipelines.search(k, m)[1] <= MAX_SEARCH_WORK, p - 1)
+        fix = ("search fewer layouts or --families" if layouts is not None else
+               f"plan at most {fewer:,} devices (or fewer --families)" if fewer is not None else
+               "search fewer --families")
+        check_search(total, count, f"planning {p:,} devices with {m:,} microbatches", fix)
     room = budget / (1 + headroom)
     points: list[ModelPoint] = []
     skipped: list[str] = []
-    views = {shape: _device_views(profile, shape) for shape in shapes}
+    unrunnable = done = 0
+    built: dict[tuple[str, int, int, tuple[tuple[str, int], ...]], Schedule | None] = {}
     if progress is not None:
-        progress(0, len(todo))
-    for done, (shape, name, options) in enumerate(todo, 1):
-        try:
-            schedule = schedules.build(name, shape.pp, m // shape.dp, **options)
-            if schedule.stages > n:
-                raise ConfigError(f"{schedule.stages} stages for {n} layers")
-            points.extend(_model_points(profile, views[shape], schedule, room, shape))
-        except (ConfigError, ScheduleError):
-            skipped.append(f"{shape} {ScheduleRef.named(name, options)}")
-        if progress is not None:
-            progress(done, len(todo))
+        progress(0, count)
+    for shape in shapes:
+        views = None  # made for the layout's first candidate that runs
+        for name, options in pipelines.candidates(shape.pp, m // shape.dp):
+            if not pipelines.runs(name, shape.pp, m // shape.dp, options):  # what building it would find: unbuilt
+                unrunnable += 1
+                continue
+            views = views or _device_views(profile, shape)
+            key = (name, shape.pp, m // shape.dp, tuple(options.items()))
+            if key not in built:  # the copies' shardings and the meshes of one length run the same schedules
+                if built and next(iter(built))[1] != shape.pp:
+                    built.clear()  # keep one pipeline length's (every_layout lists the layouts by length)
+                try:
+                    built[key] = schedules.build(name, shape.pp, m // shape.dp, **options)
+                except (ConfigError, ScheduleError):
+                    built[key] = None
+            schedule = built[key]
+            try:
+                if schedule is None:
+                    raise ConfigError(f"{name} cannot run {m // shape.dp} microbatches on {shape.pp} devices")
+                points.extend(_model_points(profile, views, schedule, room, shape))
+            except (ConfigError, ScheduleError):
+                skipped.append(f"{shape} {ScheduleRef.named(name, options)}")
+            done += 1
+            if progress is not None:
+                progress(done, count)
     if not points:
         raise ConfigError(f"no registered schedule runs {m} microbatches of this {n}-layer model on {p} devices "
-                          f"({len(skipped)} candidates tried)")
+                          f"({len(skipped) + unrunnable} candidates tried)")
     fits = [pt for pt in points if pt.memory <= room]
     if not fits:
         least = min(points, key=lambda q: (q.memory, q.makespan))
@@ -646,7 +835,7 @@ def plan_model(profile: Profile, p: int, budget: float, *, microbatches: int | N
     result, _, _ = predict(profile, best.layout, best.spec, best.layer_stages, best.recompute)
     return ModelPlan(best=best, result=result, budget=float(budget), points=tuple(points),
                      frontier=tuple(frontier(points, _model_order)),
-                     skipped=tuple(skipped), profile=profile, room=room)
+                     skipped=tuple(skipped), profile=profile, room=room, unrunnable=unrunnable)
 
 
 def predict(profile: Profile, layout: Layout, schedule: str | Schedule, layer_stages: Sequence[Sequence[int]],

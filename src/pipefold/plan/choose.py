@@ -49,10 +49,12 @@ def resolve_schedule(schedule: str | Schedule | os.PathLike[str], devices: int, 
 
 def candidates_for(placement: Sequence[int], devices: int, microbatches: int) -> list[Schedule]:
     """Every registered schedule (and option in its search space) that runs ``microbatches`` on ``devices`` with
-    ``placement`` (one replica), made of passes only (no OPT, no K-FAC's work)."""
-    from pipefold.plan.budget import candidates
+    ``placement`` (one replica), made of passes only (no OPT, no K-FAC's work); refused in one line, before any is
+    built, where building them all would be over the search limit (:func:`pipefold.plan.budget.check_evaluate`)."""
+    from pipefold.plan.budget import candidates, check_evaluate
     from pipefold.schedules import build
 
+    check_evaluate(devices, microbatches)
     out = []
     passes = {Kind.F, Kind.B, Kind.W, Kind.BW}
     for name, options in candidates(devices, microbatches):

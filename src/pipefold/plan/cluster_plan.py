@@ -47,6 +47,7 @@ from pipefold import schedules
 from pipefold.errors import ConfigError
 from pipefold.models.transformer import Transformer
 from pipefold.plan.cluster import Cluster
+from pipefold.plan.limits import MAX_SEARCH_WORK, check_search, schedule_work, stages_of
 from pipefold.sim.simulate import CostModel, StageOverride, ring_allreduce, ring_fit, ring_gather, simulate
 
 __all__ = ["CLUSTER_PLAN_VERSION", "FAMILIES", "RECOMPUTE", "SHARDING", "ClusterPlan", "ClusterPoint", "Training",
@@ -244,11 +245,21 @@ peak are extrapolated linearly from simulations at ``STEADY`` and ``STEADY + 1``
 
 
 class _Search:
-    """The schedules built and the simulations run so far, shared by the configurations that can share them."""
+    """The schedules built and the simulations run so far, shared by the configurations that can share them: the
+    schedules of one pipeline length at a time (:meth:`length`; kept all, a large cluster's held hundreds of MB)."""
 
     def __init__(self) -> None:
         self.built: dict[tuple[str, int, int, bool], Any] = {}
+        self.pp = 0
         self.skipped: list[str] = []
+        # The last configuration's simulation: ZeRO-1 shards the optimizer state alone, and costs as unsharded.
+        self.last: tuple[Any, tuple[float, list[float], list[float]] | None] | None = None
+
+    def length(self, pp: int) -> None:
+        """Costing pipelines of ``pp`` devices from here on: another length's schedules are let go."""
+        if pp != self.pp:
+            self.built = {key: None for key, run in self.built.items() if run is None}  # why they cannot: once
+            self.pp = pp
 
     def schedule(self, family: str, pp: int, m: int, reduced: bool, **options: int) -> Any:
         key = (family, pp, m, reduced)
@@ -284,6 +295,38 @@ def evaluate(cluster: Cluster, training: Training, *, families: Sequence[str] = 
              progress: Callable[[int, int], None] | None = None) -> tuple[list[ClusterPoint], int, list[str]]:
     """Every configuration, costed (see the module's docstring); how many were refused on their weights alone
     (more than the device holds before any activation: not simulated); why some shapes were left out."""
+    todo = _configs(cluster, training, families, recompute, microbatch_sizes)
+    count, total = _search_work(todo, sharding, training)
+    if total > MAX_SEARCH_WORK:  # its pipelines' lengths (divisors of the devices, up to the blocks) make it grow
+        one = _search_work(_configs(cluster, training, families[:1], recompute, microbatch_sizes), sharding,
+                           training)[1]
+        fix = (f"search fewer --families ({families[0]} alone is {one:,})" if len(families) > 1 and
+               one <= MAX_SEARCH_WORK else "plan a cluster of fewer devices")
+        check_search(total, count, f"planning {training.model.name} on {cluster.devices:,} devices", fix)
+    found: list[tuple[int, ClusterPoint]] = []
+    search, refused = _Search(), 0
+    # Pipeline length by length, the schedules of one kept at a time; the points in the configurations' order.
+    for done, i in enumerate(sorted(range(len(todo)), key=lambda i: todo[i][0].pp)):
+        c, family, m = todo[i]
+        if progress is not None:
+            progress(done, len(todo))
+        search.length(c.pp)
+        for shard in sharding:
+            if shard != "none" and c.dp == 1:
+                continue
+            got = _point(cluster, training, c, family, shard, m, search)
+            if got is None:
+                refused += 1
+            elif got is not _CANNOT:
+                found.append((i, got))
+    if progress is not None:
+        progress(len(todo), len(todo))
+    return [pt for _, pt in sorted(found, key=lambda x: x[0])], refused, search.skipped
+
+
+def _configs(cluster: Cluster, training: Training, families: Sequence[str], recompute: Sequence[str],
+             microbatch_sizes: Sequence[int]) -> list[tuple[_Config, str, int]]:
+    """What :func:`evaluate` costs, before the sharding: each configuration, family and microbatches per copy."""
     todo = []
     for dp, tp, pp in layouts(cluster, training):
         per_copy = training.global_batch // dp
@@ -293,22 +336,25 @@ def evaluate(cluster: Cluster, training: Training, *, families: Sequence[str] = 
             # One device runs every family alike (its microbatches one after another): 1F1B stands for them.
             for family, rc in itertools.product(families if pp > 1 else ("1f1b",), recompute):
                 todo.append((_Config(dp, tp, pp, b, rc), family, per_copy // b))
-    out: list[ClusterPoint] = []
-    search, refused = _Search(), 0
-    for i, (c, family, m) in enumerate(todo):
-        if progress is not None:
-            progress(i, len(todo))
-        for shard in sharding:
-            if shard != "none" and c.dp == 1:
-                continue
-            got = _point(cluster, training, c, family, shard, m, search)
-            if got is None:
-                refused += 1
-            elif got is not _CANNOT:
-                out.append(got)
-    if progress is not None:
-        progress(len(todo), len(todo))
-    return out, refused, search.skipped
+    return todo
+
+
+def _search_work(todo: Sequence[tuple[_Config, str, int]], sharding: Sequence[str],
+                 training: Training) -> tuple[int, int]:
+    """(configurations, work) of costing ``todo`` under each of ``sharding``: the schedules simulated
+    (:func:`pipefold.plan.limits.work`), one at the microbatches asked for, or two, at :data:`STEADY` and
+    ``STEADY + 1`` per device, where they are extrapolated; ZeRO-1 reuses the unsharded simulation, and a
+    schedule of more stages than blocks is not simulated."""
+    count = total = 0
+    for c, family, m in todo:
+        hows = [how for how in sharding if how == "none" or c.dp > 1]
+        count += len(hows)
+        if stages_of(family, c.pp, {}) > training.model.layers:
+            continue
+        runs = [m] if m <= (STEADY + 1) * c.pp else [STEADY * c.pp, (STEADY + 1) * c.pp]
+        simulated = sum(schedule_work(family, c.pp, k, {}) for k in runs)
+        total += simulated * len({how == "fsdp" for how in hows})
+    return count, total
 
 
 def point(cluster: Cluster, training: Training, *, dp: int, tp: int, pp: int, schedule: str, microbatch: int,
@@ -366,7 +412,10 @@ def _point(cluster: Cluster, training: Training, c: _Config, family: str, shard:
                                              else 0.0) for x in held]
     if refuse and max(statics) > usable:
         return None
-    simulated = search.simulate(family, c.pp, m, c.dp > 1 and not sharded, cost, **options)
+    key = (c, family, m, sharded, tuple(options.items()))
+    if search.last is None or search.last[0] != key:  # ZeRO-1's is the unsharded one's, costed just before
+        search.last = (key, search.simulate(family, c.pp, m, c.dp > 1 and not sharded, cost, **options))
+    simulated = search.last[1]
     if simulated is None:
         return _CANNOT
     makespan, busy, activations = simulated

@@ -149,21 +149,42 @@ def _result(values: list[float], prefix: list[float], bounds: list[int], mapping
                      cost=cost, device_cost=device_cost, bottleneck=max(device_cost), placement=mapping)
 
 
+_CELLS = 1 << 22
+"""The most (j, i) pairs :func:`_minmax_dp` weighs at once (32 MiB of floats)."""
+
+
 def _minmax_dp(each: list[list[float]], parts: int) -> list[int]:
     """Boundaries minimising the largest part: best[k][j] = min over i of max(best[k-1][i], sum(i..j)), part k's
-    sum taken from its own prefix sums ``each[k]``."""
+    sum taken from its own prefix sums ``each[k]``; of the i that do, the first, where an i within :data:`_EPS`
+    of the best does not count as better (as a scan of i upwards keeps the best so far unless beaten by more than
+    that). Each row of i is weighed at once, many rows together; the scan itself runs only on a row where two
+    values lie within :data:`_EPS` of each other without being equal, where the two rules could differ."""
     n = len(each[0]) - 1
     inf = float("inf")
     best = [[inf] * (n + 1) for _ in range(parts + 1)]
     back = [[0] * (n + 1) for _ in range(parts + 1)]
     best[0][0] = 0.0
     for k in range(1, parts + 1):
-        pre = each[k - 1]
-        for j in range(k, n - (parts - k) + 1):
-            for i in range(k - 1, j):
-                value = max(best[k - 1][i], pre[j] - pre[i])
-                if value < best[k][j] - _EPS:
-                    best[k][j], back[k][j] = value, i
+        pre, before = each[k - 1], best[k - 1]
+        pre_np, before_np = np.asarray(pre, dtype=float), np.asarray(before, dtype=float)
+        first, last = k, n - (parts - k)  # the j of this row
+        ii = np.arange(k - 1, last)  # every i any of them weighs
+        rows = max(1, _CELLS // max(1, len(ii)))
+        for lo in range(first, last + 1, rows):
+            jj = np.arange(lo, min(lo + rows, last + 1))
+            value = np.maximum(before_np[ii][None, :], pre_np[jj][:, None] - pre_np[ii][None, :])
+            value[ii[None, :] >= jj[:, None]] = inf  # i < j only
+            least = value.min(axis=1)
+            at = value.argmin(axis=1)
+            close = ((value > least[:, None]) & ~(least[:, None] < value - _EPS)).any(axis=1)
+            for row, j in enumerate(jj.tolist()):
+                if close[row]:  # near ties: the scan's own rule
+                    for i in range(k - 1, j):
+                        v = max(before[i], pre[j] - pre[i])
+                        if v < best[k][j] - _EPS:
+                            best[k][j], back[k][j] = v, i
+                elif least[row] < inf:
+                    best[k][j], back[k][j] = float(least[row]), int(ii[at[row]])
     bounds, j = [], n
     for k in range(parts, 0, -1):
         j = back[k][j]

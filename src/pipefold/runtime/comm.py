@@ -72,6 +72,7 @@ from pipefold.runtime.meter import MemoryMeter
 from pipefold.runtime.structure import SPEC_BYTES
 
 if TYPE_CHECKING:
+    from pipefold.runtime.slowlinks import Carried
     from pipefold.sim.network import Network, Wire
 
 MAX_TENSORS = 16
@@ -82,6 +83,11 @@ _SPEC = 1 + MAX_TENSORS * (2 + MAX_DIMS)  # where the structure's bytes start: t
 _HEADER = _SPEC + 1 + SPEC_BYTES // 8
 
 FORWARD, BACKWARD, HEADER = 0, 1, 2
+_WHAT = {FORWARD: "an activation", BACKWARD: "a gradient", HEADER: "the shapes of an activation"}
+"""What a message of each direction is, as a hang report names it."""
+_NAP = 3600.0
+"""The longest single sleep of a link's thread: a due time far away is waited for in naps, as one sleep of more
+than about 1e10 s overflows the platform's time_t."""
 
 
 @dataclass(frozen=True)
@@ -151,17 +157,18 @@ def post_message(op: str, t: torch.Tensor, to: int, tag: int) -> dist.Work:
 
 @dataclass(frozen=True)
 class _Deferred:
-    """A send the link's thread hands to gloo at wall-clock time ``due`` (an emulated slow link)."""
+    """A send the link's thread hands to gloo at wall-clock time ``due`` (an emulated slow link); ``carried`` is what
+    the rank's watch is told of it meanwhile."""
 
     tensor: torch.Tensor
     peer: int
     tag: int
     due: float
+    carried: Carried | None = None
 
     def post(self) -> dist.Work:
-        delay = self.due - wall()
-        if delay > 0:
-            time.sleep(delay)
+        while (delay := self.due - wall()) > 0:
+            time.sleep(min(delay, _NAP))
         return post_message("send", self.tensor, self.peer, self.tag)
 
 
@@ -253,6 +260,7 @@ class _Outbox:
         self._pending: deque[_Send] = deque()  # without a thread: posted, not yet seen delivered
         self._queue: queue.SimpleQueue[_Send | None] | None = None
         self._queued = 0  # handed to the thread and not yet released
+        self._held: deque[Carried] = deque()  # emulated sends not yet handed to gloo, in order
         if threaded:
             self._queue = queue.SimpleQueue()
             threading.Thread(target=self._deliver, name=f"pipefold-send-{peer}", daemon=True).start()
@@ -270,6 +278,8 @@ class _Outbox:
                    and work.is_completed())
             if self._queue is not None and not now:
                 self._queued += 1
+            if isinstance(work, _Deferred) and work.carried is not None:
+                self._held.append(work.carried)
         if now:
             self._release(send[2], send[3], send[4])
         elif self._queue is not None:
@@ -291,6 +301,11 @@ class _Outbox:
             out, self.samples = self.samples, []
         return out
 
+    def holding(self) -> Carried | None:
+        """The first send the emulated link still holds back (it goes to gloo when the link has carried it)."""
+        with self._cond:
+            return self._held[0] if self._held else None
+
     def _deliver(self) -> None:
         """The link's thread: post each deferred send when due, wait on each send in order, let go of its tensors."""
         assert self._queue is not None
@@ -299,7 +314,11 @@ class _Outbox:
             work, nbytes, posted_at, tag = item[0], item[2], item[3], item[4]
             try:
                 if isinstance(work, (_Deferred, _Staged)):
+                    deferred = isinstance(work, _Deferred) and work.carried is not None
                     work = work.post()
+                    if deferred:
+                        with self._cond:
+                            self._held.popleft()
                 work.wait()
             except BaseException as exc:  # noqa: BLE001 (reported on the rank's own thread by the next call)
                 with self._cond:
@@ -509,15 +528,27 @@ class Links:
         """The process-group ranks this rank exchanges messages with on ``device`` (either way)."""
         return tuple(sorted({r for k, n, r in (*self._routes(self.rank, device), *self._routes(device, self.rank))}))
 
-    def _due(self, peer: int, nbytes: int) -> float:
-        """Wall-clock time at which a message of ``nbytes`` sent now to ``peer`` arrives over the emulated link."""
+    def _due(self, peer: int, to: int, tag: int, nbytes: int, posted: float) -> tuple[float, Carried]:
+        """Wall-clock time at which a message of ``nbytes`` posted at ``posted`` to device ``peer`` (process-group
+        rank ``to``) arrives over the emulated link, and what the watch is told of it until then."""
+        from pipefold.runtime.slowlinks import Carried
         from pipefold.sim.network import Wire
 
         assert self.network is not None
         wire = self._wires.get(peer)
         if wire is None:
             wire = self._wires[peer] = Wire(self.network.conditions(self.rank, peer))
-        return self.origin + wire.send(wall() - self.origin, nbytes)
+        t = posted - self.origin
+        start = max(t, wire.free)
+        state = wire.conditions.at(start)
+        due = self.origin + wire.send(t, nbytes)
+        direction = tag // (MAX_TENSORS * self.M * self.S)
+        return due, Carried(src=self.rank, dst=to, what=_WHAT[direction], nbytes=nbytes, posted=posted,
+                            sent=self.origin + start, arrives=due, latency=state.latency, bandwidth=state.bandwidth)
+
+    def carrying(self) -> list[Carried]:
+        """Per peer, the first message its emulated link still holds back (none without a network)."""
+        return [c for box in list(self.outboxes.values()) if (c := box.holding()) is not None]
 
     def _post_send(self, t: torch.Tensor, device: int, to: int, tag: int, nbytes: int) -> None:
         """Post a send of ``t`` to process-group rank ``to`` on pipeline ``device`` now, or, over an emulated
@@ -530,7 +561,8 @@ class Links:
         elif self.network is None:
             outbox.post((post_message("send", t, to, tag), (t,), nbytes, posted_at, tag))
         else:
-            outbox.post((_Deferred(t, to, tag, self._due(device, nbytes)), (t,), nbytes, posted_at, tag))
+            due, carried = self._due(device, to, tag, nbytes, posted_at)
+            outbox.post((_Deferred(t, to, tag, due, carried), (t,), nbytes, posted_at, tag))
 
     def _outbox(self, device: int, to: int) -> _Outbox:
         if to not in self.outboxes:

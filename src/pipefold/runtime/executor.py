@@ -452,6 +452,8 @@ class RankExecutor:
         for runner in self.runners.values():
             runner.memory_f = runner.memory_b = runner.memory_w = 0
         self.links.new_step()
+        if self.links.network is not None:  # the watch reads what this schedule's emulated links hold back
+            self.activity.carrying = self.links.carrying
         # The batch exists before the step and after it: reported apart from what the step holds.
         self.meter.start(outside=[t for ts in (*inputs, *targets) for t in _tensors(ts)])
         if self.work is not None:

@@ -17,6 +17,11 @@ A job is hung when (:func:`find_hang`):
 
 A rank that waits long for a peer which keeps making progress (GPipe's first rank waiting for the first
 gradient) is not hung. The blame goes to the rank at the end of the chain, not to the ranks waiting for it.
+
+Over emulated links (``--network``) each rank also publishes the message each of its links still holds back
+(:class:`~pipefold.runtime.slowlinks.Carried`). A hang in which a rank waits for such a message is a slow link,
+not a hung rank, and is reported as one (:func:`~pipefold.runtime.slowlinks.slow_line`); a rank that no longer
+publishes is reported as before.
 """
 
 from __future__ import annotations
@@ -35,11 +40,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pipefold.runtime.slowlinks import Carried, slow_line
+
 PERIOD = 0.1
 """Seconds between two publications of a rank's activity."""
 DEFAULT_ACTION_TIMEOUT = 20.0
 """Seconds an action (or a phase between actions) may run, or a rank go without a heartbeat, before the job is
 taken as hung. With the launcher's checks and the ranks' shutdown it keeps a hang's end under 30 s."""
+CARRIED = 8
+"""The most held-back messages a snapshot carries (one per link): a snapshot fits in a slot of shared memory."""
 PG_MARGIN = 30.0
 """The process group's own timeout is the action timeout plus this: the watch decides first, and a collective
 never waits for the 30 minutes that is torch's default."""
@@ -75,6 +84,8 @@ class Snapshot:
     """When it began ``where`` (the rank's ``time.time()``)."""
     done: bool = False
     """It has finished the job."""
+    carrying: tuple[Carried, ...] = ()
+    """The messages its emulated links still hold back: the first of each link (at most :data:`CARRIED`)."""
 
     @property
     def age(self) -> float:
@@ -89,13 +100,15 @@ class Snapshot:
 
     def to_json(self) -> bytes:
         return json.dumps([self.rank, self.pid, self.host, self.seq, self.beat, self.step, self.where,
-                           self.is_action, self.what, list(self.waits[:64]), self.since, self.done]).encode()
+                           self.is_action, self.what, list(self.waits[:64]), self.since, self.done,
+                           [c.to_list() for c in self.carrying[:CARRIED]]]).encode()
 
     @staticmethod
     def from_json(data: bytes) -> Snapshot:
         v = json.loads(data)
         return Snapshot(rank=v[0], pid=v[1], host=v[2], seq=v[3], beat=v[4], step=v[5], where=v[6], is_action=v[7],
-                        what=v[8], waits=tuple(v[9]), since=v[10], done=v[11])
+                        what=v[8], waits=tuple(v[9]), since=v[10], done=v[11],
+                        carrying=tuple(Carried.from_list(c) for c in v[12]) if len(v) > 12 else ())
 
 
 class Activity:
@@ -104,11 +117,16 @@ class Activity:
     Each setter replaces one tuple, so a reader never sees half of an update.
     """
 
+    publisher: Callable[[], None] | None = None
+    """Publishes the activity at once (the rank's :class:`Heartbeat` sets it): see :meth:`publish`."""
+
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self.step = 0  # before the first step (steps are numbered from 1)
         self.done = False
         self._now: tuple[str, bool, str, tuple[int, ...], float] = ("start-up", False, "", (), time.time())
+        self.carrying: Callable[[], Sequence[Carried]] | None = None
+        """What tells the messages the rank's emulated links hold back (the links of the schedule it runs)."""
 
     def run(self, where: str, *, action: bool = True) -> None:
         """It runs ``where`` (an action, or a phase with ``action=False``) and waits for nobody."""
@@ -131,15 +149,25 @@ class Activity:
     def finish(self) -> None:
         self.done = True
 
+    def publish(self) -> None:
+        """Publish the activity now, not at the next heartbeat: for a rare phase (a checkpoint's save, its load),
+        so that a rank that dies in it at once is reported there, not in what it did before."""
+        if self.publisher is not None:
+            self.publisher()
+
     @property
     def current(self) -> tuple[str, bool, str, tuple[int, ...], float]:
         return self._now
 
     def snapshot(self, seq: int) -> Snapshot:
         where, is_action, what, waits, since = self._now
+        carrying: tuple[Carried, ...] = ()
+        if self.carrying is not None:
+            with contextlib.suppress(Exception):  # links closing as the step ends: nothing held back to tell
+                carrying = tuple(self.carrying())[:CARRIED]
         return Snapshot(rank=self.rank, pid=os.getpid(), host=socket.gethostname(), seq=seq, beat=time.time(),
                         step=self.step, where=where, is_action=is_action, what=what, waits=waits, since=since,
-                        done=self.done)
+                        done=self.done, carrying=carrying)
 
 
 class SharedBoard:
@@ -221,6 +249,8 @@ class Heartbeat:
         self.seq = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="pipefold-heartbeat", daemon=True)
+        self._lock = threading.Lock()  # the rank's thread publishes too (Activity.publish)
+        activity.publisher = self._publish_now
 
     def start(self) -> Heartbeat:
         self.beat()
@@ -228,6 +258,19 @@ class Heartbeat:
         return self
 
     def beat(self) -> None:
+        with self._lock:
+            self._publish()
+
+    def _publish_now(self) -> None:
+        """A beat from the rank's own thread; skipped if the heartbeat's thread holds the board for long (a store
+        that does not answer): the rank never waits on its watch."""
+        if self._lock.acquire(timeout=self.period):
+            try:
+                self._publish()
+            finally:
+                self._lock.release()
+
+    def _publish(self) -> None:
         self.seq += 1
         with contextlib.suppress(Exception):  # a store gone at the job's end: nothing left to tell
             self.board.publish(self.activity.snapshot(self.seq))
@@ -309,7 +352,8 @@ def find_hang(snaps: Mapping[int, Snapshot | None], ages: Mapping[int, float], f
         if cycle:
             if all(ages[c] > limit(snaps[c], timeout) for c in cycle):
                 first = max(cycle, key=lambda c: ages[c])  # the one that has waited longest started it
-                return Hang(first, _waiting_line(first, snaps, ages, timeout))
+                rest = cycle[cycle.index(first):] + cycle[:cycle.index(first)]
+                return _slow_link(rest, snaps, timeout) or Hang(first, _waiting_line(first, snaps, ages, timeout))
             continue
         end = path[-1]
         if (last := snaps[end]) is not None and last.done:
@@ -322,9 +366,25 @@ def find_hang(snaps: Mapping[int, Snapshot | None], ages: Mapping[int, float], f
         if s is None:
             return Hang(end, f"rank {end} hung in start-up: nothing heard from it for {ages[end]:.0f} s")
         if s.waits:  # waits for a rank it cannot name as late (all arrived) or one that finished
-            return Hang(end, _waiting_line(end, snaps, ages, timeout))
+            return (_slow_link([end, *reversed(path[:-1])], snaps, timeout)
+                    or Hang(end, _waiting_line(end, snaps, ages, timeout)))
         return Hang(end, f"rank {end} hung in {s.at()}: running for {ages[end]:.0f} s, longer than the action "
                          f"timeout of {limit(s, timeout):g} s (--action-timeout)")
+    return None
+
+
+def _slow_link(ranks: Sequence[int], snaps: Mapping[int, Snapshot | None], timeout: float) -> Hang | None:
+    """The hang as a slow link, where one of ``ranks`` (in this order) waits for a peer whose emulated link to it
+    still holds a message back; None where none does."""
+    for r in ranks:
+        s = snaps.get(r)
+        if s is None:
+            continue
+        for q in s.waits:
+            sender = snaps.get(q)
+            held = next((c for c in sender.carrying if c.dst == r), None) if sender is not None else None
+            if held is not None and sender is not None:
+                return Hang(r, slow_line(r, s.at(), held, s.since, sender.beat, timeout))
     return None
 
 

@@ -18,6 +18,11 @@ one latency later. Three ways to make one:
 
 Spec strings (the command line) name the same: ``constant:latency=1e-4,bandwidth=50MB``,
 ``preempt:seed=1,idle=100MB,busy=5MB,on=4,off=4,links=1-2``, or a file path.
+
+Every number is checked, in one line that gives the range that works: a latency is 0 to :data:`MAX_LATENCY`
+seconds and a bandwidth above 0 (``inf``: no limit) on any link, a profile's times are finite, a preemption's
+periods 1 ms to a day and at most :data:`MAX_PERIODS` of them; a spec or a profile file's bandwidth (bytes per
+second) is also :data:`MIN_BANDWIDTH` to :data:`MAX_BANDWIDTH`, where a script may count in any unit.
 """
 
 from __future__ import annotations
@@ -35,10 +40,21 @@ from pathlib import Path
 from typing import Any
 
 from pipefold.errors import ConfigError
-from pipefold.units import parse_bytes
+from pipefold.units import MAX_BYTES, parse_bytes
 
 Link = tuple[int, int]
 """A directed link: (sending device, receiving device)."""
+
+MAX_LATENCY = 86400.0
+"""The longest latency, in seconds (a day): the longest action timeout the runtime waits for a message, so a link
+slower than this never delivers one in time (and the wall clock's sleeps overflow some way beyond it)."""
+MIN_BANDWIDTH = 1.0
+"""The least bandwidth, in bytes per second: below a byte per second no message of a stage arrives in a day."""
+MAX_BANDWIDTH = MAX_BYTES
+"""The most bandwidth, in bytes per second, short of ``inf`` (no limit): the most bytes :func:`parse_bytes` reads."""
+MAX_PERIODS = 1_000_000
+"""The most idle and preempted periods a preemption draws (about a second's work): its duration over the mean
+period."""
 
 
 @dataclass(frozen=True)
@@ -49,10 +65,36 @@ class LinkState:
     bandwidth: float
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.latency) and self.latency >= 0):
-            raise ConfigError(f"a link's latency is seconds >= 0 (got {self.latency!r})")
-        if not self.bandwidth > 0 or math.isnan(self.bandwidth):
-            raise ConfigError(f"a link's bandwidth is bytes per second > 0 (got {self.bandwidth!r})")
+        # What any link may be (a script's, in any unit of bytes; the adaptive policy's observed links); what the
+        # command line and profile files give is held to the narrower ranges of :func:`check_state`.
+        if isinstance(self.latency, bool) or not 0 <= self.latency <= MAX_LATENCY:
+            raise ConfigError(f"a link's latency is seconds from 0 to {MAX_LATENCY:g}, a day (got {self.latency!r})")
+        if isinstance(self.bandwidth, bool) or not self.bandwidth > 0:
+            raise ConfigError(f"a link's bandwidth is bytes per second > 0, or inf for no limit (got "
+                              f"{self.bandwidth!r})")
+
+    @property
+    def limited(self) -> bool:
+        """Whether the bandwidth has a limit (it is not ``inf``)."""
+        return not math.isinf(self.bandwidth)
+
+    def carries(self, nbytes: float) -> float:
+        """Seconds a message of ``nbytes`` takes over a link in this state: its bytes at the bandwidth, then the
+        latency."""
+        return self.latency + (nbytes / self.bandwidth if self.limited else 0.0)
+
+
+def check_state(latency: Any, bandwidth: Any, where: str) -> None:
+    """Refuse, in one line naming ``where``, a latency or a bandwidth that a user wrote outside what a link can
+    have (the ranges of :data:`MAX_LATENCY`, :data:`MIN_BANDWIDTH`, :data:`MAX_BANDWIDTH`): beyond them the
+    emulation breaks (a sleep past the platform's time_t, a message that never arrives) or the number is a
+    typo."""
+    if isinstance(latency, bool) or not isinstance(latency, (int, float)) or not 0 <= latency <= MAX_LATENCY:
+        raise ConfigError(f"{where}: a latency is seconds from 0 to {MAX_LATENCY:g}, a day (got {latency!r})")
+    if isinstance(bandwidth, bool) or not isinstance(bandwidth, (int, float)) or not (
+            MIN_BANDWIDTH <= bandwidth <= MAX_BANDWIDTH or bandwidth == math.inf):
+        raise ConfigError(f"{where}: a bandwidth is bytes per second from {MIN_BANDWIDTH:g} to {MAX_BANDWIDTH:g}, "
+                          f"or inf for no limit (got {bandwidth!r})")
 
 
 @dataclass(frozen=True)
@@ -67,6 +109,8 @@ class Conditions:
     def __post_init__(self) -> None:
         if not self.times or len(self.times) != len(self.states):
             raise ConfigError("a link profile needs one state per start time, at least one")
+        if not all(math.isfinite(t) for t in self.times):
+            raise ConfigError(f"a link profile's times are finite seconds (got {list(self.times)[:5]})")
         if self.times[0] != 0 or any(b <= a for a, b in itertools.pairwise(self.times)):
             raise ConfigError(f"a link profile's times start at 0 and increase (got {list(self.times)[:5]})")
         if self.period is not None and not (math.isfinite(self.period) and self.period > self.times[-1]):
@@ -76,6 +120,12 @@ class Conditions:
     @classmethod
     def constant(cls, state: LinkState) -> Conditions:
         return cls((0.0,), (state,))
+
+    @property
+    def best(self) -> LinkState:
+        """The link at its best over the whole profile: its least latency and its most bandwidth (perhaps of
+        different periods). No message takes less than :meth:`LinkState.carries` in this state."""
+        return LinkState(min(s.latency for s in self.states), max(s.bandwidth for s in self.states))
 
     def segment(self, t: float) -> tuple[LinkState, float]:
         """The state at time ``t`` and when it ends (``inf``: never)."""
@@ -138,9 +188,13 @@ class Network:
         preempted ones of mean ``on`` seconds, each length drawn from an exponential distribution with
         ``random.Random(seed)`` (so the same seed gives the same periods). ``links``: the preempted links
         (both directions of each; None: every link); the others stay idle."""
-        if not (on > 0 and off > 0 and duration > 0):
-            raise ConfigError(f"preemption periods need on > 0, off > 0 and a duration > 0 seconds "
-                              f"(got on={on}, off={off}, duration={duration})")
+        if not (0.001 <= on <= MAX_LATENCY and 0.001 <= off <= MAX_LATENCY):
+            raise ConfigError(f"preemption periods need on and off from 0.001 to {MAX_LATENCY:g} seconds "
+                              f"(got on={on}, off={off})")
+        if not (duration > 0 and duration / (on + off) * 2 <= MAX_PERIODS):
+            raise ConfigError(f"a preemption's duration is seconds > 0 and at most {MAX_PERIODS:g} periods of the "
+                              f"mean on and off: up to {MAX_PERIODS * (on + off) / 2:g} s with on={on:g}, off={off:g} "
+                              f"(got duration={duration})")
         rng = random.Random(seed)
         times, states = [0.0], [idle if start_idle else preempted]
         t, busy = 0.0, not start_idle
@@ -206,7 +260,7 @@ class Network:
             raise ConfigError(f"{where} is not a network profile: expected a JSON object with a 'default' list of "
                               "[time_s, latency_s, bandwidth_bytes_per_s] rows")
         period = data.get("period")
-        if period is not None and not isinstance(period, (int, float)):
+        if period is not None and (isinstance(period, bool) or not isinstance(period, (int, float))):
             raise ConfigError(f"{where}: 'period' must be a number of seconds (got {period!r})")
         default = _conditions(data["default"], period, f"{where} default")
         links_in = data.get("links", {})
@@ -251,23 +305,33 @@ def _link(key: Any, where: str) -> Link:
     return (a, b)
 
 
-def _state(latency: Any, bandwidth: Any, where: str) -> LinkState:
+def _number(value: Any, what: str, where: str) -> float:
+    """A profile's number: a JSON number or a CSV field; ``inf`` and ``nan`` are read, for the range checks to
+    refuse or take."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{where}: {what} is a number, not {str(value).lower()}")
     try:
-        lat = float(latency)
-        bw = math.inf if bandwidth in (None, "", "inf") else float(bandwidth)
+        return float(value)
     except (TypeError, ValueError):
-        raise ConfigError(f"{where}: latency and bandwidth must be numbers (got {latency!r}, {bandwidth!r})") from None
+        raise ConfigError(f"{where}: {what} must be a number (got {value!r})") from None
+
+
+def _state(latency: Any, bandwidth: Any, where: str) -> LinkState:
+    lat = _number(latency, "a latency", where)
+    bw = math.inf if bandwidth in (None, "", "inf") else _number(bandwidth, "a bandwidth", where)
+    check_state(lat, bw, where)
     return LinkState(lat, bw)
 
 
 def _conditions(rows: Any, period: float | None, where: str) -> Conditions:
     if not isinstance(rows, list) or not rows or not all(isinstance(r, list) and len(r) == 3 for r in rows):
         raise ConfigError(f"{where}: expected a list of [time_s, latency_s, bandwidth_bytes_per_s] rows")
+    times = tuple(_number(r[0], "a time", f"{where} row {i + 1}") for i, r in enumerate(rows))
+    states = tuple(_state(r[1], r[2], f"{where} row {i + 1}") for i, r in enumerate(rows))
     try:
-        times = tuple(float(r[0]) for r in rows)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{where}: times must be numbers of seconds") from None
-    return Conditions(times, tuple(_state(r[1], r[2], where) for r in rows), period)
+        return Conditions(times, states, period)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
 
 
 def _from_csv(text: str, where: str) -> Network:
@@ -297,42 +361,71 @@ def _from_csv(text: str, where: str) -> Network:
 
 def parse_network(spec: str) -> Network:
     """A network from the command line: a file, ``constant:latency=S,bandwidth=B``, or
-    ``preempt:seed=N,idle=B,busy=B,on=S,off=S[,latency=S][,links=1-2+2-3]`` (B: bytes per second, such as 50MB)."""
+    ``preempt:seed=N,idle=B,busy=B,on=S,off=S[,latency=S][,links=1-2+2-3]`` (B: bytes per second, such as 50MB).
+    Each number out of its range (see the module's description) is refused in one line that gives the range."""
     kind, _, rest = spec.partition(":")
     if kind not in ("constant", "preempt"):
         if Path(spec).exists():
             return Network.load(spec)
         raise ConfigError(f"no network profile {spec!r}: give a JSON or CSV file, constant:latency=1e-4,bandwidth=50MB "
                           "or preempt:seed=1,idle=100MB,busy=5MB,on=4,off=4")
+    where = f"the network {spec!r}"
     opts: dict[str, str] = {}
     for part in filter(None, rest.split(",")):
         key, eq, value = part.partition("=")
         if not eq:
-            raise ConfigError(f"cannot read {part!r} in the network {spec!r}: write key=value")
+            raise ConfigError(f"cannot read {part!r} in {where}: write key=value")
         opts[key.strip()] = value.strip()
+    latency = _seconds(opts.pop("latency", "0"), "latency", where)
+    if kind == "constant":
+        bandwidth = _rate(opts.pop("bandwidth"), "bandwidth", where) if "bandwidth" in opts else math.inf
+        if opts:
+            raise ConfigError(f"unknown network option {sorted(opts)[0]!r}: constant takes latency and bandwidth")
+        check_state(latency, bandwidth, where)
+        return Network.constant(latency, bandwidth)
+    missing = [key for key in ("idle", "busy") if key not in opts]
+    if missing:
+        raise ConfigError(f"{where} needs {missing[0]}=... (bytes per second, such as 100MB)")
+    links = [_link(x, where) for x in opts.pop("links").split("+")] if "links" in opts else None
+    seed_text = opts.pop("seed", "0")
     try:
-        latency = float(opts.pop("latency", "0"))
-        if kind == "constant":
-            bandwidth = parse_bytes(opts.pop("bandwidth"), "a bandwidth") if "bandwidth" in opts else math.inf
-            if opts:
-                raise ConfigError(f"unknown network option {sorted(opts)[0]!r}: constant takes latency and bandwidth")
-            return Network.constant(latency, bandwidth)
-        links = None
-        if "links" in opts:
-            links = [_link(x, "the network") for x in opts.pop("links").split("+")]
-        net = Network.preemption(seed=int(opts.pop("seed", "0")),
-                                 idle=LinkState(latency, parse_bytes(opts.pop("idle"), "the idle bandwidth")),
-                                 preempted=LinkState(latency, parse_bytes(opts.pop("busy"), "the busy bandwidth")),
-                                 on=float(opts.pop("on", "5")), off=float(opts.pop("off", "5")),
-                                 duration=float(opts.pop("duration", "3600")), links=links)
-    except KeyError as exc:
-        raise ConfigError(f"the network {spec!r} needs {exc.args[0]}=...") from None
-    except ValueError as exc:
-        raise ConfigError(f"cannot read the network {spec!r}: {exc}") from None
+        seed = int(seed_text)
+    except ValueError:
+        raise ConfigError(f"{where}: seed is an integer (got {seed_text!r})") from None
+    idle, busy = _rate(opts.pop("idle"), "idle", where), _rate(opts.pop("busy"), "busy", where)
+    on, off = _seconds(opts.pop("on", "5"), "on", where), _seconds(opts.pop("off", "5"), "off", where)
+    duration = _seconds(opts.pop("duration", "3600"), "duration", where)
     if opts:
         raise ConfigError(f"unknown network option {sorted(opts)[0]!r}: preempt takes seed, idle, busy, on, off, "
                           "latency, links and duration")
-    return net
+    check_state(latency, math.inf, where)
+    try:
+        return Network.preemption(seed=seed, idle=LinkState(latency, idle), preempted=LinkState(latency, busy),
+                                  on=on, off=off, duration=duration, links=links)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def _seconds(text: str, name: str, where: str) -> float:
+    """A spec's number of seconds (its range is checked where it is used)."""
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(f"{where}: {name} is a number of seconds (got {text!r})") from None
+
+
+def _rate(text: str, name: str, where: str) -> float:
+    """A spec's bandwidth: bytes per second as :func:`parse_bytes` reads them (50MB, 1.5e6), or ``inf``."""
+    if text.strip().lower() == "inf":
+        return math.inf
+    try:
+        rate = parse_bytes(text, name)
+    except ConfigError:
+        rate = math.nan
+    if not MIN_BANDWIDTH <= rate <= MAX_BANDWIDTH:
+        raise ConfigError(f"{where}: {name} is bytes per second from {MIN_BANDWIDTH:g} to {MAX_BANDWIDTH:g}, such as "
+                          f"50MB or 1.5e6, or inf for no limit (got {text!r})")
+    return rate
 
 
 class Wire:

@@ -25,7 +25,7 @@ from pipefold.runtime.launch.processes import under_torchrun
 from pipefold.runtime.stage import Chain, split_batch
 from pipefold.train.spec import RunSpec
 
-__all__ = ["JOB_HOOKS", "Decisions", "check_size", "make_job", "model_of", "restarted"]
+__all__ = ["JOB_HOOKS", "Decisions", "check_links", "check_size", "make_job", "model_of", "restarted"]
 
 Decisions = tuple[tuple[tuple[int, ...], ...], RecomputePlan | None]
 """What make_job measures and decides: the layers of each stage and the recomputation plan."""
@@ -63,6 +63,7 @@ def make_job(spec: RunSpec, *, decided: Decisions | None = None, placed: Any = N
         raise ConfigError("--network and --netns emulate links between CPU ranks over gloo: use --device cpu with "
                           "them")
     model = model_of(spec, schedule.stages)
+    check_links(spec, model, schedule)
     if local:
         from pipefold.runtime.launch.processes import start_server
 
@@ -151,6 +152,30 @@ def check_size(spec: RunSpec, model: Model, schedule: Schedule, *, builds_model:
     gpu = (min(gpus, ranks), torch.cuda.get_device_properties(0).total_memory) if gpus else None
     check_model(model, gpu=gpu, microbatches=schedule.microbatches * dp, ranks=ranks, copies=held,
                 measures=measures, what=f"training {spec.model.name}")
+
+
+def check_links(spec: RunSpec, model: Model, schedule: Schedule) -> None:
+    """Refuse, before any process starts, a ``--network`` on which a message between two stages takes longer than
+    ``--action-timeout`` at every moment (:func:`pipefold.runtime.slowlinks.check_network`): its receiver would
+    be taken as hung. A message's bytes are the model's hidden state for one microbatch
+    (:func:`pipefold.models.size.boundary_bytes`); in a lower precision than float32 two bytes a value, the least
+    it has (a layer under autocast may still pass float32); a model that gives no size is checked on the latency
+    alone."""
+    network = spec.links.parsed
+    if network is None:
+        return
+    from pipefold.models.size import boundary_bytes
+    from pipefold.runtime.slowlinks import check_network, stage_messages
+
+    shape = model.size()
+    nbytes = 0
+    exact = spec.devices.precision.dtype == "fp32"
+    if shape is not None:
+        rows = shape.batch // (spec.parallel.dp * schedule.microbatches)
+        nbytes = boundary_bytes(shape, rows, 4 if exact else 2)
+    flag = f"--network {spec.links.network}" + (" with --netns" if spec.links.netns else "")
+    check_network(network, spec.reliability.action_timeout, stage_messages(schedule, nbytes), flag=flag,
+                  latency=not spec.links.netns, exact=exact)
 
 
 def restarted() -> bool:

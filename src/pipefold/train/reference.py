@@ -27,7 +27,9 @@ def reference_step(job: Job, step: int = 0) -> tuple[float, dict[str, torch.Tens
     model = Chain(*(layers[i] for i in range(n))).to(device)
     if job.devices.compile is not None:
         from pipefold.runtime.compiled import compile_stage
+        from pipefold.runtime.launch.tempfolder import keep_compile_cache
 
+        keep_compile_cache()
         model = compile_stage(model, job.devices.compile, job.devices.compile_backend)  # type: ignore[assignment]
     precision = job.devices.precision
     low = precision.torch_dtype if precision.master_weights else None

@@ -216,7 +216,8 @@ def _parse_offload(text: str) -> tuple[int, int]:
         raise ConfigError(
             f"cannot read --offload {text!r}: use K,K2 such as 2,1 (K layers resident, K2 evicted)") from None
     if not 1 <= kprime <= k:
-        raise ConfigError(f"--offload {text}: need 1 <= K2 <= K (got K={k}, K2={kprime})")
+        raise ConfigError(f"--offload {text}: K layers stay on the device and K2 of them are evicted at once, so "
+                          f"1 <= K2 <= K (got K={k}, K2={kprime}); e.g. --offload 2,1")
     return k, kprime
 
 

@@ -18,8 +18,8 @@ class Faults:
     """Steps are counted as users see them (:func:`~pipefold.runtime.history.step_number`: from 1)."""
 
     die: tuple[int, str] | None = None
-    """(N, "step"): the last rank exits (code 13) as step N starts; (N, "save"): while it saves the checkpoint of
-    step N (its files written, the checkpoint not yet committed)."""
+    """(N, "step"): the last rank exits (code 13) as step N starts; (N, "save"): it is killed (SIGKILL) while it
+    saves the checkpoint of step N (its files written, the checkpoint not yet committed)."""
     nan: frozenset[int] = frozenset()
     """Steps whose microbatch 0 gets a NaN in its first input (a model with float inputs)."""
     slow_commit: float = 0.0

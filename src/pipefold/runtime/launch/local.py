@@ -49,9 +49,10 @@ from pipefold.runtime.watch import (
 
 def _spawned(rank: int, job: Job, world: int, out_dir: str, progress: Any, board: SharedBoard,
              launcher: Any) -> None:
-    """One local rank. What it is doing goes to ``board`` for the launcher; an exception that ends it, to
-    ``error-RANK.json`` in ``out_dir`` (then it exits at once, with code 1: the launcher decides what to say).
-    ``launcher`` is the end of a pipe that closes when the launcher dies."""
+    """One local rank. The steps it completes go to ``progress`` (its own pipe to the launcher), what it is doing
+    to ``board``; an exception that ends it, to ``error-RANK.json`` in ``out_dir`` (then it exits at once, with
+    code 1: the launcher decides what to say). ``launcher`` is the end of a pipe that closes when the launcher
+    dies."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every process of the terminal: the launcher stops us
     exit_when_closed(launcher)
     name_process(f"pipefold-rank{rank}")
@@ -74,7 +75,7 @@ def _spawned(rank: int, job: Job, world: int, out_dir: str, progress: Any, board
         if job.sockets:
             activity.wait("start-up", "its links to the other ranks", others, action=False)
         with sockets.linked(out_dir) if job.sockets else contextlib.nullcontext():
-            run_rank(job, rank, world, out_dir, on_step=lambda *a: progress.put(a), activity=activity)
+            run_rank(job, rank, world, out_dir, on_step=lambda *a: progress.send(a), activity=activity)
             activity.wait("the end of the job", "every rank to finish", others, action=False)
             dist.barrier()
         activity.finish()
@@ -139,20 +140,24 @@ class _Signals:
 
 def _run_spawned(job: Job, world: int, on_step: Callable[[int, float, float], None] | None) -> list[RankReport]:
     ctx = process_context(job.preload)
-    queue = ctx.SimpleQueue()
+    # Pipes, not a queue: a queue's locks are named semaphores, which a launcher killed (kill -9) would leave to
+    # multiprocessing's resource tracker to remove, with a warning.
+    steps = [ctx.Pipe(duplex=False) for _ in range(world)]  # a rank's steps, to this process
     board = SharedBoard(ctx, world)
     lifeline, mine = ctx.Pipe(duplex=False)  # the ranks get the reading end; only this process holds the other
-    with tempfile.TemporaryDirectory(prefix="pipefold-") as out_dir, mine:
+    with tempfile.TemporaryDirectory(prefix="ranks-") as out_dir, mine:
         ranks: list[Any] = []
         try:
             with starting():  # a signal now would leave a rank half started, unknown to us
                 for rank in range(world):
-                    proc = ctx.Process(target=_spawned, args=(rank, job, world, out_dir, queue, board, lifeline),
-                                       name=f"pipefold-rank-{rank}")
+                    proc = ctx.Process(target=_spawned, args=(rank, job, world, out_dir, steps[rank][1], board,
+                                                              lifeline), name=f"pipefold-rank-{rank}")
                     proc.start()
                     ranks.append(proc)
                 lifeline.close()
-            _supervise(job, ranks, queue, board, Path(out_dir), on_step)
+                for _, sending in steps:
+                    sending.close()  # the rank's alone: its pipe ends with it
+            _supervise(job, ranks, [reading for reading, _ in steps], board, Path(out_dir), on_step)
         except Interrupted as exc:
             raise Interrupted(exc.signum, _stop(ranks)) from None
         finally:
@@ -165,25 +170,30 @@ def _run_spawned(job: Job, world: int, on_step: Callable[[int, float, float], No
     return reports
 
 
-def _supervise(job: Job, ranks: list[Any], queue: Any, board: SharedBoard, out_dir: Path,
+def _supervise(job: Job, ranks: list[Any], steps: list[Any], board: SharedBoard, out_dir: Path,
                on_step: Callable[[int, float, float], None] | None) -> None:
-    """Wait for every rank to finish, passing on the steps they report; raise :class:`RankError` as soon as one
-    fails or the job hangs."""
+    """Wait for every rank to finish, passing on the steps they report (``steps``: each rank's pipe); raise
+    :class:`RankError` as soon as one fails or the job hangs."""
     from multiprocessing.connection import wait
 
     started = time.time()
     exited: dict[int, float] = {}  # rank -> when it was seen gone
+    open_steps = list(steps)
 
     def drain() -> None:
-        while not queue.empty():
-            step = queue.get()
-            if on_step is not None:
-                on_step(*step)
+        for conn in list(open_steps):
+            try:
+                while conn.poll():
+                    step = conn.recv()
+                    if on_step is not None:
+                        on_step(*step)
+            except (EOFError, OSError):  # the rank has ended, and all it sent is read
+                open_steps.remove(conn)
 
     while True:
         alive = [p.sentinel for p in ranks if p.exitcode is None]
         if alive:
-            wait(alive, timeout=PERIOD)
+            wait(alive + open_steps, timeout=PERIOD)
         drain()
         now = time.time()
         for rank, p in enumerate(ranks):

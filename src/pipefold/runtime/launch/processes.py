@@ -45,11 +45,7 @@ def start_server(preload: Sequence[str] = ()) -> None:
     """Start the fork server the local ranks come from now, without waiting for its imports: they run on another
     core while this process goes on (importing torch itself, measuring the model, planning). Nothing where ranks
     are spawned, or once the server runs. Imports no torch: the command line calls it first thing."""
-    ctx = process_context(preload)
-    if ctx.get_start_method() == "forkserver":
-        from multiprocessing import forkserver
-
-        forkserver.ensure_running()
+    process_context(preload)
 
 
 def process_context(preload: Sequence[str] = ()) -> Any:
@@ -69,7 +65,73 @@ def process_context(preload: Sequence[str] = ()) -> Any:
     # torch._dynamo: what making the first optimizer imports (some 800 modules, seconds per rank otherwise).
     ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "pipefold.runtime.launch.local",
                                 "pipefold.runtime.measure.profiling", *preload, "pipefold.runtime.launch._forkserver"])
+    _ensure_server()
     return ctx
+
+
+SERVER_PARENT = "PIPEFOLD_SERVER_PARENT"
+"""The environment variable that tells the fork server which process started it (this one's id): the server
+watches it, and cleans up after it when it is gone, even gone before the server has imported its modules
+(:mod:`pipefold.runtime.launch._forkserver`)."""
+
+
+def _ensure_server() -> None:
+    """Start the fork server (if it is not running) with SIGINT ignored, which it and its children inherit across
+    the server's exec (a block is not inherited: the standard library's spawn clears it): Ctrl-C in a terminal
+    reaches every process of its group, and the server, importing torch for seconds, would print a traceback of
+    its own. Only this process acts on it. A SIGINT that comes just before is delivered after; one in the few
+    milliseconds of the spawn itself is not seen."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        _start_server()
+        return
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    came = signal.SIGINT in signal.sigpending()  # ignoring it now would discard it: noted, delivered after
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        _start_server()
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler if before is None else before)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        if came:
+            signal.raise_signal(signal.SIGINT)
+
+
+def _start_server() -> None:
+    """Start the fork server, if it is not running, with :data:`SERVER_PARENT` in its environment."""
+    from multiprocessing import forkserver
+
+    _start_tracker()  # before the server, which would start it as it is
+    before = os.environ.get(SERVER_PARENT)
+    os.environ[SERVER_PARENT] = str(os.getpid())
+    try:
+        forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ[SERVER_PARENT]
+        else:
+            os.environ[SERVER_PARENT] = before
+
+
+QUIET_TRACKER = "ignore::UserWarning:multiprocessing.resource_tracker"
+"""The warnings filter multiprocessing's resource tracker starts with (:func:`_start_tracker`)."""
+
+
+def _start_tracker() -> None:
+    """Start multiprocessing's resource tracker, if it is not running, without its warnings. It removes what a
+    process killed before it could (a rank the launcher stopped, with the queues of torch's compile workers) left
+    registered, which is what it is for, and then warns of "leaked semaphore objects" after the command's own
+    line. pipefold's own processes meet over pipes, which leave nothing to remove."""
+    from multiprocessing import resource_tracker
+
+    before = os.environ.get("PYTHONWARNINGS")
+    os.environ["PYTHONWARNINGS"] = f"{before},{QUIET_TRACKER}" if before else QUIET_TRACKER
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["PYTHONWARNINGS"]
+        else:
+            os.environ["PYTHONWARNINGS"] = before
 
 
 def under_torchrun() -> bool:
@@ -90,18 +152,17 @@ def starting() -> Iterator[None]:
     knows, which nobody could stop and which, finding its parent gone, prints a traceback of its own. Used by the
     ranks' launcher and by the profile's helpers; pair it with :func:`stopped_on_error`.
 
-    Both are caught by a handler that only notes them. SIGINT is also blocked: a fork server started meanwhile
-    and its children inherit the block, so that Ctrl-C in a terminal, which reaches every process of the group,
-    cannot end them half-started, each with a traceback (the parent alone acts on it). SIGTERM is not: it is how
-    the parent stops them. multiprocessing's resource tracker unblocks both when it starts; it is started before.
+    Both are caught by a handler that only notes them. SIGINT is also blocked, and children forked meanwhile
+    inherit the block (those of the fork server ignore it, as the server does: :func:`_ensure_server`), so that
+    Ctrl-C in a terminal, which reaches every process of the group, cannot end them half-started, each with a
+    traceback (the parent alone acts on it). SIGTERM is not: it is how the parent stops them. multiprocessing's
+    resource tracker unblocks both when it starts; it is started before.
     """
     held = (signal.SIGINT, signal.SIGTERM)
     if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
         yield
         return
-    from multiprocessing import resource_tracker
-
-    resource_tracker.ensure_running()
+    _start_tracker()
     came: list[int] = []
     handlers = {sig: signal.signal(sig, lambda signum, frame: came.append(signum)) for sig in held}
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})

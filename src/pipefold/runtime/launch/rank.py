@@ -9,6 +9,7 @@ import cProfile
 import math
 import os
 import pickle
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -95,8 +96,10 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     compiling = job.devices.compile is not None
     if compiling:
         from pipefold.runtime.compiled import check_compile, compile_stage
+        from pipefold.runtime.launch.tempfolder import keep_compile_cache
 
         check_compile(job.devices.compile_backend, device)
+        keep_compile_cache()
 
     def runnable(stages: dict[int, nn.Module]) -> dict[int, nn.Module]:
         if not compiling:
@@ -156,7 +159,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     def executor_for(index: int) -> RankExecutor:
         """The executor of schedule ``index``, made the first time it runs (same modules, same parameters)."""
         if not pipe.made(index):
-            activity.wait("start-up" if activity.step < 0 else "a new schedule", "its process groups", everyone,
+            activity.wait("start-up" if activity.step < 1 else "a new schedule", "its process groups", everyone,
                           action=False)
         return pipe.executor(index)
 
@@ -193,7 +196,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
         from pipefold.runtime.launch import checkpoint
 
         progress = checkpoint.load(checkpointing.resume, model=state, optimizers=optimizers, names=names,
-                                   rank=global_rank, device=device)
+                                   rank=global_rank, device=device, activity=activity)
         start, resumed_from = int(progress["step"]), checkpointing.resume.path
         current = int(progress.get("schedule_index") or 0)
         if masters is not None:
@@ -209,12 +212,13 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     small_grads = (0, 0)
     stopped = None
     for step in range(start, job.steps):
+        activity.step = step_number(step)
+        activity.run("the batch", action=False)
         if faults.die == (step_number(step), "step") and global_rank == world - 1:
             os._exit(13)
         if job.cycle:
             current = (step - cycle_from) % len(choices)
         executor = executor_for(current)
-        activity.step = step_number(step)
         activity.run("the batch", action=False)
         started = time.perf_counter()
         x, y = job.batch_at(step)
@@ -251,9 +255,8 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
         elif precision.dtype == "fp16":
             small = _small_grads(counted)
             small_grads = (small_grads[0] + small[0], small_grads[1] + small[1])
-        activity.wait("the step's check", "the all-reduce of the gradient norm", everyone, action=False)
         _update(job, masters.masters if masters is not None else params, counted, opt, stage_opts, stage_snaps,
-                stats, device)
+                stats, device, activity, everyone)
         if masters is not None and not stats.skipped:
             masters.write_back()
         overflowed = False
@@ -338,8 +341,8 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
             saved.append(checkpoint.save(checkpointing, step + 1, model=state, optimizers=optimizers, names=names,
                                          progress={"step": step + 1, "schedule_index": current,
                                                    **(_scaler_progress(scaler) if scaler else {})},
-                                         rank=global_rank,
-                                         device=device, written=(lambda: os._exit(13)) if die else None,
+                                         rank=global_rank, device=device, activity=activity,
+                                         written=(lambda: os.kill(os.getpid(), signal.SIGKILL)) if die else None,
                                          committing=(lambda: time.sleep(faults.slow_commit))
                                          if faults.slow_commit else None))
     activity.run("its report", action=False)
@@ -348,7 +351,11 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     gathered_bytes = sum(n for e in pipe.executors for n in e.gathered.values())
     pipe.close()
     if job.reliability.save_model is not None and stopped is None:
+        activity.wait("the save of the model", "the gathering of its layers", everyone if global_rank == 0 else (0,),
+                      action=False)
+        activity.publish()
         _save_model(job, chains, job.reliability.save_model, global_rank, pipeline, world)
+        activity.run("its report", action=False)
     resident = sum(w.tracker.peak_resident_bytes for w in offloaded)
     weights = ({name: sharding.full(p.detach()).to("cpu", copy=True) for name, p in _named(job, chains)}
                if job.save_weights else None)
@@ -608,23 +615,29 @@ def _speculative(stage: int, opt: AnyOptimizer | None, module: nn.Module,
 
 def _update(job: Job, params: list[Any], counted: list[nn.Parameter], opt: AnyOptimizer | None,
             stage_opts: dict[int, AnyOptimizer | None], stage_snaps: dict[int, numerics.Snapshot],
-            stats: StepStats, device: torch.device) -> None:
+            stats: StepStats, device: torch.device, activity: Activity, everyone: tuple[int, ...]) -> None:
     """After the step's passes: the global NaN/inf and norm check (one all-reduce), then the optimizer step,
     clipped, or skipped when the step is bad (see :mod:`pipefold.runtime.numerics`).
 
     Without post-validation the optimizer waits for the check. With it (``job.reliability.post_validate``), and always
     when the schedule's OPT actions have stepped already, the step is taken first and rolled back when the
-    check says it was bad or needed clipping. ``stats`` gets the norm and what happened.
+    check says it was bad or needed clipping. ``stats`` gets the norm and what happened; ``activity`` the phase
+    (``the step's check`` while it waits for the all-reduce, then ``the optimizer step``).
     """
     check = local_check(counted, stats.losses.values(), device)
     speculative = None
+    waiting = ("the step's check", "the all-reduce of the gradient norm", everyone)
     if opt is not None and job.reliability.post_validate:
         pending = dist.all_reduce(check, async_op=True)
+        activity.run("the optimizer step", action=False)
         speculative = numerics.Snapshot(params, [opt])
         opt.step()  # while the check is in flight
+        activity.wait(*waiting, action=False)
         pending.wait()
     else:
+        activity.wait(*waiting, action=False)
         dist.all_reduce(check)
+    activity.run("the optimizer step", action=False)
     stepped = speculative is not None or bool(stage_snaps)
     norm, bad, stats.loss = verdict(check)
     factor = None if bad else clip_factor(norm, job.optimizer.clip)

@@ -19,9 +19,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipefold.errors import ConfigError, say
+from pipefold.errors import ConfigError, Interrupted, say
 from pipefold.runtime import sockets
-from pipefold.runtime.launch.job import Job, RankError, RankReport, local_placement, raise_if_stopped
+from pipefold.runtime.launch.elastic import settle, write_error_file
+from pipefold.runtime.launch.job import Diverged, Job, RankError, RankReport, local_placement, raise_if_stopped
 from pipefold.runtime.launch.processes import torchrun_on_one_machine
 from pipefold.runtime.launch.rank import run_rank
 from pipefold.runtime.watch import (
@@ -82,9 +83,12 @@ class _TorchrunWatch:
         if hang is None:
             self._not_before = time.monotonic() + 2.0  # a deadline: the host's clock, never stepped
             return
+        says = True
         with contextlib.suppress(Exception):
-            if self.board.first_to_abort():
-                say(f"pipefold: error: {hang.line}")
+            says = self.board.first_to_abort()
+        write_error_file(f"pipefold: error: {hang.line}", later=not says)
+        if says:
+            say(f"pipefold: error: {hang.line}")
         os._exit(1)
 
 
@@ -136,7 +140,9 @@ def run_torchrun(job: Job, on_step: Callable[[int, float, float], None] | None =
     torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; the world must
     have one process per device of the schedule, tensor-parallel rank and data-parallel pipeline, on one machine or
     several.
-    An exception ends the rank with :class:`RankError` (one line: the rank, what it was doing, the error).
+    An exception ends the rank with :class:`RankError` (one line: the rank, what it was doing, the error), told at
+    once by the rank that the job's store chooses (:func:`_says`), as an interrupt is; a loss that diverged, with
+    :class:`Diverged`, as every rank sees it.
     """
     rank, world = join_torchrun_group(job.reliability.action_timeout, job.devices.device, job.devices.backend)
     activity = torchrun_activity()
@@ -152,27 +158,65 @@ def run_torchrun(job: Job, on_step: Callable[[int, float, float], None] | None =
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
         try:
             with sockets.linked() if job.sockets and torchrun_on_one_machine() else contextlib.nullcontext():
-                report = run_rank(job, rank, world, None, on_step, activity=activity)
+                try:
+                    report = run_rank(job, rank, world, None, on_step, activity=activity)
+                except (ConfigError, KeyboardInterrupt):
+                    raise
+                except Exception as exc:  # told before the links close: the peers' failures come from this one
+                    raise _failed(rank, activity, exc) from None
             activity.wait("the end of the job", "every rank's report", [r for r in range(world) if r != rank],
                           action=False)
             gathered: list[Any] = [None] * world if rank == 0 else []
             dist.gather_object(report, gathered if rank == 0 else None, dst=0)
             activity.finish()
             raise_if_stopped(gathered if rank == 0 else [report])  # every rank stopped at the same step
-        except (ConfigError, KeyboardInterrupt):
+        except KeyboardInterrupt as exc:
+            if isinstance(exc, Interrupted):  # Ctrl-C, or torchrun's agent stopping this worker
+                settle(str(exc), speaks=_says(own=False), own=False)
+            raise
+        except (ConfigError, Diverged, RankError):
             raise
         except Exception as exc:
-            if (peer := sockets.lost_peer(exc)) is not None:  # the peer's failure reached this rank
-                activity.ended_by(peer, "its link")
-            snap = activity.snapshot(0)
-            peers = [r for r in snap.waits if r != rank]
-            waiting = f" (waiting for {snap.what} from rank {peers[0]})" if len(peers) == 1 else ""
-            line = f"{type(exc).__name__}: {exc}".strip().splitlines()
-            raise RankError(rank, f"rank {rank} failed in {snap.at()}{waiting}: {line[0]}",
-                            "".join(traceback.format_exception(exc))) from None
+            raise _failed(rank, activity, exc) from None
         return gathered if rank == 0 else None
     finally:
         leave_group()
+
+
+def _failed(rank: int, activity: Activity, exc: Exception) -> RankError:
+    """The :class:`RankError` of ``exc``, which ended this rank, told now (said where :func:`_says` chooses this
+    rank): its line names what the rank was doing."""
+    if (peer := sockets.lost_peer(exc)) is not None:  # the peer's failure reached this rank
+        activity.ended_by(peer, "its link")
+    snap = activity.snapshot(0)
+    peers = [r for r in snap.waits if r != rank]
+    waiting = f" (waiting for {snap.what} from rank {peers[0]})" if len(peers) == 1 else ""
+    line = f"{type(exc).__name__}: {exc}".strip().splitlines()
+    error = RankError(rank, f"rank {rank} failed in {snap.at()}{waiting}: {line[0]}",
+                      "".join(traceback.format_exception(exc)))
+    own = not snap.waits  # it raised while computing; a rank that waited, or lost its link, met a peer's failure
+    settle(f"error: {error}", speaks=_says(own), own=own)
+    return error
+
+
+def _says(own: bool) -> bool:
+    """Whether this rank says its failure, through counters in the job's store: the first rank whose failure is
+    its own (it raised while computing, waiting for nobody) says it; a rank whose failure came from a peer (it
+    waited for one, or lost its link) says it only where no rank has claimed a failure of its own yet and it is
+    the first to ask (the rank to blame may have died without a word). Every rank says it where the store cannot
+    be reached."""
+    if _WATCH is None:
+        return True
+    try:
+        if own:
+            return int(_WATCH.board.store.add(_OWN, 1)) == 1
+        return int(_WATCH.board.store.add(_OWN, 0)) == 0 and _WATCH.board.first_to_abort()
+    except Exception:  # noqa: BLE001 (the store's server gone with the job: say it rather than say nothing)
+        return True
+
+
+_OWN = "pipefold/failed-own"
+"""The key of the store that counts the ranks that failed of their own."""
 
 
 def leave_group() -> None:

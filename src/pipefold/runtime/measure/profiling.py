@@ -612,7 +612,7 @@ def _ping(rank: int, init: str, ranks: int, sizes: Sequence[int], rounds: int, p
                 if busy is not None:
                     busy.join()
                 if rank == 0:
-                    out.put(result)
+                    out.send(result)
                 dist.barrier()
         finally:
             stop.set()
@@ -657,7 +657,7 @@ def _all_reduced(grads: list[torch.Tensor], group: Any, scale: float) -> None:
 def _reduce(rank: int, init: str, ranks: int, sizes: Sequence[int], rounds: int, out: Any, work: Any) -> None:
     """One of ``ranks`` processes all-reducing gradients of each size ``rounds`` times in a row, as the runtime's
     DP action does (:class:`~pipefold.runtime.comm.FlatAllReduce`: scaled to the mean on their way into one
-    buffer, then reduced; its host memory kept, as a rank's is); rank 0 puts the mean seconds of one all-reduce
+    buffer, then reduced; its host memory kept, as a rank's is); rank 0 sends the mean seconds of one all-reduce
     per size on ``out``. (``work`` is unused: the ranks of a run wait in a gradients' all-reduce at the end of
     their step rather than compute.)"""
     import torch.distributed as dist
@@ -671,7 +671,7 @@ def _reduce(rank: int, init: str, ranks: int, sizes: Sequence[int], rounds: int,
             grads = [piece.clone() for piece in torch.zeros(size // 4, dtype=torch.float32).chunk(_REDUCE_PIECES)]
             result[size] = _mean_seconds(functools.partial(_all_reduced, grads, world, 1.0 / ranks), rounds)
         if rank == 0:
-            out.put(result)
+            out.send(result)
         dist.barrier()
 
 
@@ -751,7 +751,7 @@ def _zero1(rank: int, init: str, ranks: int, sizes: Sequence[int], rounds: int, 
     (:meth:`pipefold.runtime.zero.ShardedOptimizer.share`: each copy's stepped parameters broadcast from it in one
     flat buffer), for parameters of :data:`_ZERO1_TENSORS` tensors of each size in all, ``rounds`` times after two
     warm-ups (and the largest size's sharing once before any: a group's first collectives are slow to start);
-    rank 0 puts the mean seconds of one sharing per size on ``out``."""
+    rank 0 sends the mean seconds of one sharing per size on ``out``."""
     import torch.distributed as dist
 
     from pipefold.runtime.zero import ShardedOptimizer
@@ -763,7 +763,7 @@ def _zero1(rank: int, init: str, ranks: int, sizes: Sequence[int], rounds: int, 
             sharing = ShardedOptimizer(params, lambda mine: torch.optim.SGD(mine, lr=0.0), dist.group.WORLD)
             result[size] = _mean_seconds(sharing.share, rounds)
         if rank == 0:
-            out.put(result)
+            out.send(result)
         dist.barrier()
 
 
@@ -782,7 +782,7 @@ def _fsdp(rank: int, init: str, ranks: int, sizes: Sequence[int], rounds: int, o
     ``RS`` do (:mod:`pipefold.runtime.sharding`: torch's ``fully_shard``, one unit per layer), on stages of
     :data:`_REDUCE_PIECES` bias-free Linears whose whole parameters are each size, ``rounds`` times after two
     warm-ups; before each ``RS`` a one-row forward and backward leaves gradients on the gathered parameters, as a
-    stage's backward does (untimed). Rank 0 puts the mean seconds of one ``AG`` and one ``RS`` per size on
+    stage's backward does (untimed). Rank 0 sends the mean seconds of one ``AG`` and one ``RS`` per size on
     ``out``."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -810,7 +810,7 @@ def _fsdp(rank: int, init: str, ranks: int, sizes: Sequence[int], rounds: int, o
                     gathers.append(t2 - t1)
             result[_REDUCE_PIECES * width * width * 4] = (statistics.mean(gathers), statistics.mean(scatters))
         if rank == 0:
-            out.put(result)
+            out.send(result)
         dist.barrier()
 
 
@@ -823,7 +823,7 @@ def _fsdp_hooks(rank: int, init: str, ranks: int, train: dict[str, Any], one: tu
         mesh = init_device_mesh("cpu", (ranks,))
         stages = {layers: _stage_of(train, layers) for layers in dict.fromkeys((one, more))}  # each built once
         passes = _fsdp_passes(mesh, rounds, stages, one, more)
-        out.put((passes, _fsdp_update(mesh, rounds, optimizer, stages[more][0])))
+        out.send((passes, _fsdp_update(mesh, rounds, optimizer, stages[more][0])))
 
 
 def _fsdp_update(mesh: Any, rounds: int, optimizer: str, stage: nn.Module) -> float:
@@ -911,33 +911,44 @@ def measure_fsdp_hooks(train: dict[str, Any], one: tuple[int, int], more: tuple[
 def _measured_under(load: tuple[dict[str, Any], tuple[int, int], int] | None, target: Callable[..., None],
                     args: tuple[Any, ...], work: Any, nprocs: int) -> Any:
     """Start ``nprocs`` processes running ``target(rank, init, nprocs, *args, out, work)`` (with ``load``'s
-    helpers computing meanwhile) and return what rank 0 puts on ``out``."""
+    helpers computing meanwhile) and return what rank 0 sends on ``out``.
+
+    Pipes connect them, not queues, events or barriers: those hold named semaphores, which a command killed with
+    ``kill -9`` would leave to multiprocessing's resource tracker to remove, with a warning. The helpers compute
+    until their ``stop`` pipe closes: when this process closes it, or when it is gone."""
     import torch.multiprocessing as mp
 
     ctx = process_context()
-    out = ctx.SimpleQueue()
+    results, out = ctx.Pipe(duplex=False)
+    stopping, stop = ctx.Pipe(duplex=False)
     helpers: list[Any] = []
     workers: list[Any] = []
-    stop = ctx.Event()
     with rendezvous() as init, stopped_on_error(helpers), stopped_on_error(workers):
-        if load is not None and load[2] > 0:
-            train, layer, n = load
-            ready = ctx.Barrier(n + 1)
-            helpers += [ctx.Process(target=_load, args=(train, layer, ready, stop)) for _ in range(n)]
-            with starting():
-                for h in helpers:
-                    h.start()
-            ready.wait()
         try:
+            if load is not None and load[2] > 0:
+                train, layer, n = load
+                ready = [ctx.Pipe(duplex=False) for _ in range(n)]
+                helpers += [ctx.Process(target=_load, args=(train, layer, said, stopping)) for _, said in ready]
+                with starting():
+                    for h in helpers:
+                        h.start()
+                for (hear, said), h in zip(ready, helpers, strict=True):
+                    said.close()
+                    try:
+                        hear.recv()  # built its layers and computing: the load is on
+                    except EOFError:
+                        h.join()
+                        raise RuntimeError(f"a process loading the machine ended (exit code {h.exitcode})") from None
             with starting():
                 procs = mp.start_processes(target, args=(init, nprocs, *args, out, work),
                                            nprocs=nprocs, start_method=ctx.get_start_method(), join=False)
                 workers += procs.processes
+            out.close()  # the workers': rank 0's result, or the end of the pipe when none sent one
             while not procs.join():
                 pass
-            result = out.get()
+            result = results.recv()
         finally:
-            stop.set()
+            stop.close()
             for h in helpers:
                 h.join()
     return result
@@ -987,26 +998,29 @@ def _layer_loop(train: dict[str, Any], layers: tuple[int, int]) -> Callable[[int
 def _sharer(train: dict[str, Any], layers: tuple[int, int], conn: Any) -> None:
     """One of the processes sharing the machine: build the layers once, then for each window it is sent (a start on
     the monotonic clock every process reads, and a length), run them from that start for that long and send back
-    the time per pass over the window. None ends it."""
+    the time per pass over the window. None ends it, and so does the end of the pipe (the command is gone)."""
     once = _layer_loop(train, layers)
-    conn.send("ready")
-    while (window := conn.recv()) is not None:
-        start, seconds = window
-        time.sleep(max(0.0, start - time.monotonic()))
-        t0 = time.monotonic()
-        laps = 0
-        while time.monotonic() - t0 < seconds:  # every process runs the same window, all of it shared
-            once(laps)
-            laps += 1
-        conn.send((time.monotonic() - t0) / laps)
+    with contextlib.suppress(EOFError, ConnectionError):  # the command is gone: nothing to measure for
+        conn.send("ready")
+        while (window := conn.recv()) is not None:
+            start, seconds = window
+            time.sleep(max(0.0, start - time.monotonic()))
+            t0 = time.monotonic()
+            laps = 0
+            while time.monotonic() - t0 < seconds:  # every process runs the same window, all of it shared
+                once(laps)
+                laps += 1
+            conn.send((time.monotonic() - t0) / laps)
 
 
 def _load(train: dict[str, Any], layers: tuple[int, int], ready: Any, stop: Any) -> None:
-    """Background work while the link is measured: the layers, again and again, until told to stop."""
+    """Background work while the link is measured: the layers, again and again, once it has said so on ``ready``,
+    until ``stop`` closes (the command closes it, or is gone)."""
     once = _layer_loop(train, layers)
-    ready.wait()
+    with contextlib.suppress(ConnectionError):  # the command is gone: stop has closed too
+        ready.send(True)
     k = 0
-    while not stop.is_set():
+    while not stop.poll():
         once(k)
         k += 1
 
@@ -1076,7 +1090,7 @@ def _sharded(rank: int, init: str, ranks: int, tp: int, train: dict[str, Any], r
              out: Any, work: Any = None) -> None:
     """One of ``ranks``: ``ranks / tp`` groups of ``tp`` measure the model's layers at once, each group
     splitting them as ``pipefold train --tp`` does (each layer through torch's ``parallelize_module`` by the
-    model's plan); the layers' collectives keep a group's ranks in step. Rank 0 puts its figures on ``out``."""
+    model's plan); the layers' collectives keep a group's ranks in step. Rank 0 sends its figures on ``out``."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from pipefold.runtime.sharding import tensor_parallel
@@ -1094,7 +1108,7 @@ def _sharded(rank: int, init: str, ranks: int, tp: int, train: dict[str, Any], r
                                   stage_layers=stage_layers, optimizer=train.get("optimizer"), fixed=False).layers
         counts = _collectives(layers, sample, target, model.loss)
         if rank == 0:
-            out.put([dataclasses.replace(row, collectives=n) for row, n in zip(measured, counts, strict=True)])
+            out.send([dataclasses.replace(row, collectives=n) for row, n in zip(measured, counts, strict=True)])
 
 
 def _collectives(layers: Sequence[nn.Module], sample: Values, target: Any,
