@@ -102,10 +102,10 @@ def _parsed(argv: list[str]) -> argparse.Namespace:
 
 
 def _names_one_of(message: str, dests: frozenset[str]) -> bool:
-    """Whether a refusal starts by naming one of the options given (``--mem-w ...``, ``schedule zb-h1 takes no
+    """Whether a refusal names one of the options given (``--mem-w ...``, ``schedule zb-h1 takes no
     option --k``)."""
     words = [w.strip(",:;") for w in message.split()]
-    return any(w.startswith("--") and w[2:].replace("-", "_") in dests | {d[4:] for d in dests} for w in words[:8])
+    return any(w.startswith("--") and w[2:].replace("-", "_") in dests | {d[4:] for d in dests} for w in words)
 
 
 def _stable(out: dict[str, Any]) -> dict[str, Any]:

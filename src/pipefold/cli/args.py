@@ -543,9 +543,6 @@ APPLIES: tuple[Applies, ...] = (
     Applies("plan", ("devices", "microbatches"), lambda a: a.cluster is None,
             "is chosen by plan --cluster, which searches every layout and microbatch count of the cluster's "
             "devices (--nodes sets how many): drop it"),
-    Applies("plan", ("microbatches",), lambda a: a.profile is None,
-            "is the profile's own with plan --profile (its microbatches were measured at their size): drop it, or "
-            "profile again with pipefold profile --microbatches M"),
     Applies("plan", ("devices",), lambda a: a.world is None,
             "is one pipeline's length, and --world N searches every dp x tp x pp of N ranks, pipelines of every "
             "length: drop one of them"),

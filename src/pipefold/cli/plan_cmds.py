@@ -120,7 +120,9 @@ def _plan_profiled(args: argparse.Namespace, console: Console) -> None:
         families = args.families.split(",") if args.families else None
         layouts, ranks = every_layout(profile, args.world, families), args.world
     with progress_bar(f"planning {'world' if layouts else 'p'}={ranks}") as progress:
-        answer = plan_model(profile, ranks, budget, progress=progress, layouts=layouts,
+        # -m, given, must be the profile's own (plan_model says so in one line otherwise).
+        m = args.microbatches if "microbatches" in args.given else None
+        answer = plan_model(profile, ranks, budget, microbatches=m, progress=progress, layouts=layouts,
                             families=args.families.split(",") if args.families else None,
                             headroom=HEADROOM if args.headroom is None else args.headroom)
     out = answer.to_dict()
