@@ -623,7 +623,7 @@ def test_a_mesh_per_device_is_planned_where_the_runtime_runs_it(tmp_path) -> Non
     (["profile", "--tp", "0", "-o", "{tmp}/p.json"], "--tp takes tensor-parallel degrees"),
     (["plan", "--profile", "{tmp}/world.json", "--world", "4", "-p", "2", "--memory-budget", "1GB"],
       "--devices is one pipeline's length"),
-    (["plan", "--world", "4", "--memory", "3"], "give --profile FILE too"),
+    (["plan", "--world", "4", "--memory", "3"], "--world belongs to plan --profile FILE"),
     (["plan", "--profile", "{tmp}/world.json", "--world", "0", "--memory-budget", "1GB"], "a whole number >= 1"),
 ])
 def test_bad_world_input_is_one_line(capsys: pytest.CaptureFixture[str], tmp_path, argv: list[str],
