@@ -230,31 +230,33 @@ def _fix(shape: Shape, fits: Callable[[Shape], bool]) -> str:
     knobs = ("hidden", "layers", "batch", "seq") if shape.model == "gpt" else ("hidden", "layers", "batch")
     for knob in knobs:
         value = getattr(shape, knob)
-        largest = _largest(lambda v, k=knob: fits(replace(shape, **{k: v})), value)  # type: ignore[misc]
-        if largest is None or largest >= value:
+        most = largest(lambda v, k=knob: fits(replace(shape, **{k: v})), value)  # type: ignore[misc]
+        if most is None or most >= value:
             continue
         if knob == "hidden" and shape.model == "gpt":
-            largest -= largest % shape.heads  # the width must stay a multiple of the heads
-            if largest < shape.heads:
+            most -= most % shape.heads  # the width must stay a multiple of the heads
+            if most < shape.heads:
                 continue
         above = value / _DEFAULTS[knob]
         if best is None or above > best[0]:
-            best = (above, knob, largest)
+            best = (above, knob, most)
     return "" if best is None else f": use --{best[1]} {best[2]} or less"
 
 
-def _largest(fits: Callable[[int], bool], upper: int) -> int | None:
-    """The largest v in 1..upper with fits(v) (fits shrinks as v grows); None if not even 1 fits."""
-    if not fits(1):
+def largest(fits: Callable[[int], bool], high: int) -> int | None:
+    """The largest n in 1..``high`` for which ``fits(n)``, where ``fits`` holds up to some n and not beyond (a
+    model's memory, a search's work, grows with each of its sizes); None where it holds for none. The planner's
+    search limits (:mod:`pipefold.plan.limits`) use it too."""
+    if high < 1 or not fits(1):
         return None
-    lo, hi = 1, max(1, upper)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
+    low = 1  # fits(low); the answer is in low..high
+    while low < high:
+        mid = (low + high + 1) // 2
         if fits(mid):
-            lo = mid
+            low = mid
         else:
-            hi = mid - 1
-    return lo
+            high = mid - 1
+    return low
 
 
 def check_model(model: Any, *, gpu: tuple[int, int] | None = None, measures: float = 0.0, **kwargs: Any) -> None:

@@ -24,12 +24,13 @@ stages (:func:`pipefold.plan.partition.partition_memory_on_devices`' tree search
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from pipefold import schedules
 from pipefold.errors import ConfigError
 from pipefold.ir import MAX_DEVICES, MAX_STAGE_MICROBATCHES
+from pipefold.models.size import largest
 
 __all__ = ["CANDIDATE_WORK", "MAX_SEARCH_WORK", "TABLE_SHARE", "check_search", "largest", "schedule_work",
            "stages_of", "work"]
@@ -77,18 +78,3 @@ def check_search(total: int, candidates: int, what: str, fix: str) -> None:
     if total > MAX_SEARCH_WORK:
         raise ConfigError(f"{what} is a search of {candidates:,} candidates, {total:,} stage-microbatch pairs to "
                           f"simulate, over the planner's limit of {MAX_SEARCH_WORK:,} (about a minute): {fix}")
-
-
-def largest(fits: Callable[[int], bool], high: int) -> int | None:
-    """The largest n in 1..``high`` for which ``fits(n)``, where ``fits`` holds up to some n and not beyond (the
-    work of a search grows with each of its sizes); None where it holds for none."""
-    if high < 1 or not fits(1):
-        return None
-    low = 1  # fits(low); the answer is in low..high
-    while low < high:
-        mid = (low + high + 1) // 2
-        if fits(mid):
-            low = mid
-        else:
-            high = mid - 1
-    return low
