@@ -71,9 +71,10 @@ def test_a_nan_step_is_skipped_with_one_warning(tmp_path: Path) -> None:
 
 
 def test_a_diverging_run_stops_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """--lr 1e30: the first step's update overflows the next forward; three bad steps later (steps 2 to 4, numbered
-    from 1 as the progress lines number them) the run stops."""
-    proc = _cli(tmp_path, *MLP, "--schedule", "1f1b", "--steps", "8", "--lr", "1e30", "--json")
+    """SGD at --lr 1000: the first step's update overflows the next forward; three bad steps later (steps 2 to 4,
+    numbered from 1 as the progress lines number them) the run stops."""
+    proc = _cli(tmp_path, *MLP, "--schedule", "1f1b", "--steps", "8", "--optimizer", "sgd", "--lr", "1000",
+                "--json")
     assert proc.returncode == 1 and proc.stdout == ""
     lines = proc.stderr.strip().splitlines()
     assert lines[-1] == ("pipefold train: error: the loss or the gradients were NaN or inf in 3 steps in a row "
@@ -83,7 +84,8 @@ def test_a_diverging_run_stops_with_one_line(tmp_path: Path, capsys: pytest.Capt
         f"pipefold: warning: step {s}: the loss or a gradient is NaN or inf; step skipped, weights and optimizer "
         f"state unchanged ({s - 1} in a row; the run stops at 3)" for s in (2, 3)]
     assert [line.split()[1] for line in lines if line.startswith("step ")] == ["1/8", "2/8", "3/8", "4/8"]
-    assert main(["train", *MLP, "--schedule", "1f1b", "--steps", "3", "--lr", "1e30", "--max-bad-steps", "1"]) == 1
+    assert main(["train", *MLP, "--schedule", "1f1b", "--steps", "3", "--optimizer", "sgd", "--lr", "1000",
+                 "--max-bad-steps", "1"]) == 1
     # Captured stderr is no terminal: a progress line per step precedes the error, which is the one other line.
     assert [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("step ")] == [
         "pipefold train: error: the loss or the gradients were NaN or inf in step 2; the weights are those before "

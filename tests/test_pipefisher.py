@@ -172,8 +172,16 @@ def test_cli(tmp_path: object, capsys: pytest.CaptureFixture[str]) -> None:
     assert out["base"]["utilization"] == pytest.approx(24 / 33)
     assert main(["pipefisher", "1f1b", "--work", "KA=x"]) == 2
     assert "cannot read --work" in capsys.readouterr().err
-    assert main(["simulate", "1f1b", "-p", "2", "-m", "2", "--work", "KA=1", "--json"]) == 0
+    # simulate prices K-FAC's work where its schedule runs it (a file with K-FAC's actions), and refuses it elsewhere.
+    from pipefold.ir.formats import save
+    from pipefold.plan.pipefisher import inline
+
+    filled_file = Path(str(tmp_path)) / "filled.json"
+    save(inline(build("1f1b", 2, 2)).cycle[0], filled_file)
+    assert main(["simulate", str(filled_file), "--work", "KA=1", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["cost"]["work"] == {"KA": 1.0}
+    assert main(["simulate", "1f1b", "-p", "2", "-m", "2", "--work", "KA=1", "--json"]) == 2
+    assert "no schedule here runs them" in capsys.readouterr().err
 
 
 def test_kg_waits_for_the_backward() -> None:

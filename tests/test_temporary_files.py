@@ -50,14 +50,17 @@ def _after_first_step(proc: subprocess.Popen[str], then: object) -> str:
 
 
 def test_nothing_is_left_in_the_temporary_folder(tmp_path: Path) -> None:
-    # Short names: the fork server's socket is made in the folder, and a socket's path has at most 107 bytes.
+    # A socket's path has at most 107 bytes, and the fork server's and the ranks' sockets are made in the command's
+    # folder: in a temporary folder with a long path ("long", over 100 bytes here) the command makes it in /tmp.
     cases = {
+        "long" + "x" * 60: ["-m", "pipefold", "train", *TINY, "--steps", "2", "--p2p", "sockets"],
         "done": ["-m", "pipefold", "train", *TINY, "--steps", "2"],
         "ctrlc": ["-m", "pipefold", "train", *TINY, "--steps", "1000000"],
         "fails": [str(ROOT / "tests" / "faulty.py"), "--die-at", "2", "--", "train", *TINY, "--steps", "4"],
         "kill9": ["-m", "pipefold", "train", *TINY, "--steps", "1000000"],
     }
-    ends = {"done": (0, None), "ctrlc": (130, "pipefold train: interrupted (SIGINT); stopped 2 ranks"),
+    ends = {"long" + "x" * 60: (0, None), "done": (0, None),
+            "ctrlc": (130, "pipefold train: interrupted (SIGINT); stopped 2 ranks"),
             "fails": (1, "pipefold train: error: rank 1 died (exit code 13)"), "kill9": (-9, None)}
     started = {}
     for name, argv in cases.items():  # at once: each waits mostly for its imports

@@ -37,6 +37,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from pipefold.runtime.launch import tempfolder
+
 __all__ = ["LinkLost", "Sockets", "close", "connect", "current", "linked", "lost_peer"]
 
 _HEAD = struct.Struct("<qq")  # tag, bytes
@@ -283,7 +285,7 @@ def linked(directory: str | Path | None = None) -> Iterator[Sockets]:
     when its sockets' paths would be too long for the system (108 bytes), rank 0 makes a short one (its name sent
     to the others over the process group) and removes it at the end."""
     made = None
-    if directory is None or len(os.fsencode(Path(directory) / f"rank-{dist.get_world_size()}.sock")) > _PATH_MAX:
+    if directory is None or not tempfolder.room_for_sockets(directory, f"/rank-{dist.get_world_size()}.sock"):
         name = [_short_directory() if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(name, src=0)
         directory = made = name[0]
@@ -296,14 +298,10 @@ def linked(directory: str | Path | None = None) -> Iterator[Sockets]:
             shutil.rmtree(made, ignore_errors=True)
 
 
-_PATH_MAX = 100
-"""The longest socket path used: Linux allows 107 bytes, macOS 103."""
-
-
 def _short_directory() -> str:
     """A new directory whose sockets' paths fit: in the temporary folder, or in /tmp when that one's name is long."""
     made = tempfile.mkdtemp(prefix="pf-")
-    if len(os.fsencode(made)) + 20 <= _PATH_MAX:
+    if tempfolder.room_for_sockets(made, "/rank-123456.sock"):
         return made
     os.rmdir(made)
     return tempfile.mkdtemp(prefix="pf-", dir="/tmp")

@@ -5,7 +5,9 @@ file, a world that does not fit the schedule, a loss that diverged) would be sai
 failure reaches the other ranks as failures of their own (a link lost, a peer gone). pipefold says each error
 once:
 
-- one that every worker meets, from the first worker of each machine (``LOCAL_RANK`` 0: :func:`tell`);
+- one that every worker meets, from the first worker of each machine (``LOCAL_RANK`` 0: :func:`tell`); the
+  others wait until it has (a few seconds at most), so that torchrun's agent, seeing one of them end, does not
+  stop the first before it speaks;
 - a rank's failure, from the rank to blame, or from the first rank it took down where the rank to blame died
   without a word; an interrupt while the ranks run (Ctrl-C, or torchrun's agent stopping the others once one has
   ended), from the first rank, where no rank has said anything. The job's store settles which
@@ -55,10 +57,30 @@ def tell(line: str) -> bool:
     if _settled:
         return False
     speaks = os.environ.get("LOCAL_RANK", "0") == "0"
-    write_error_file(line, later=not speaks)
     if speaks:
         say(line)
+    write_error_file(line, later=not speaks)
+    if not speaks:
+        _wait_for_first_worker()
     return speaks
+
+
+FIRST_WORKER_WAIT_S = 10.0
+"""How long a worker that stays quiet about an error every worker meets waits for the first worker to say it."""
+
+
+def _wait_for_first_worker() -> None:
+    """Wait until the first worker of this machine has told its error (its error file is there), at most
+    :data:`FIRST_WORKER_WAIT_S`: a worker that ended first would have torchrun's agent stop the first one
+    (SIGTERM) before it said the line, which would then be no line but an interrupt. torchrun keeps each worker's
+    files in a folder named by its local rank, beside this one's."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or os.path.abspath(path) == os.path.abspath(os.devnull):
+        return
+    first = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(path))), "0", os.path.basename(path))
+    deadline = time.monotonic() + FIRST_WORKER_WAIT_S
+    while not os.path.exists(first) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def settle(text: str, *, speaks: bool, own: bool) -> None:

@@ -27,7 +27,8 @@ import os
 import shutil
 import tempfile
 
-__all__ = ["FOLDER", "USER_TMPDIR", "keep_compile_cache", "make", "owned_by", "remove"]
+__all__ = ["FOLDER", "SOCKET_PATH_MAX", "USER_TMPDIR", "keep_compile_cache", "make", "owned_by", "remove",
+           "room_for_sockets"]
 
 FOLDER = "PIPEFOLD_TEMP"
 """The environment variable that names the command's folder and the process that made it: ``PID:PATH``."""
@@ -40,11 +41,15 @@ def make() -> str:
     multiprocessing's folder too; it is removed as the process exits. Returns its path.
 
     Its name is short (``pf-`` and 8 characters): the fork server's socket and the ranks' sockets are made in it,
-    and a socket's path has at most 107 bytes."""
+    and a socket's path has at most 107 bytes. Where the user's temporary folder has so long a path that they
+    would not fit, it is made in ``/tmp`` instead (:func:`room_for_sockets`)."""
     from multiprocessing import process, util
 
     user = tempfile.gettempdir()
     folder = tempfile.mkdtemp(prefix="pf-", dir=_torchrun_folder())
+    if not room_for_sockets(folder, "/listener-12345678") and os.path.isdir("/tmp"):  # multiprocessing's name
+        os.rmdir(folder)
+        folder = tempfile.mkdtemp(prefix="pf-", dir="/tmp")
     os.environ.setdefault(USER_TMPDIR, user)  # a command a pipefold command started keeps the user's, not ours
     os.environ[FOLDER] = f"{os.getpid()}:{folder}"
     os.environ["TMPDIR"] = tempfile.tempdir = folder
@@ -57,6 +62,15 @@ def make() -> str:
     # and fails where it is gone already).
     util.Finalize(None, remove, args=(folder,), exitpriority=-101)
     return folder
+
+
+SOCKET_PATH_MAX = 100
+"""The longest socket path pipefold makes: Linux allows 107 bytes, macOS 103."""
+
+
+def room_for_sockets(folder: str | os.PathLike[str], name: str) -> bool:
+    """Whether a socket named ``name`` (its longest form, with a leading separator) fits in ``folder``."""
+    return len(os.fsencode(os.fspath(folder))) + len(os.fsencode(name)) <= SOCKET_PATH_MAX
 
 
 def owned_by(pid: int) -> str | None:
