@@ -10,9 +10,9 @@ The stage is blocks 1 to 8 of the model (after its first layer), at plan_accurac
 the ranks use, one thread. Each round runs, for each depth (1, 2, 4 and 8 microbatches in flight by default),
 that many forwards, then their backwards split (B, then W), then the same again with fused backwards (BW). Every
 pass is timed by its thread's CPU time. The depths take turns within a round, so each depth's sum over depth 1's
-in the same round is free of the machine's drift from one round to the next (docs/plan.md, "How steady the
-machine is"). Printed per depth: the median F, B, W and BW of a microbatch, and the ratio of its split and fused
-sums to depth 1's, median (min..max) over the rounds.
+in the same round is free of the machine's drift from one round to the next
+(benchmarks/results/machine_speed.md). Printed per depth: the median F, B, W and BW of a microbatch, and the ratio
+of its split and fused sums to depth 1's, median (min..max) over the rounds.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ forward and backward, in plain torch on one thread), timed again and again.
 
 A plan's prediction comes from a profile and is checked against a run minutes later; on a shared machine the
 speed moves in between. The spread of this probe over a minute is the noise floor under any such check
-(docs/plan.md, "How steady the machine is").
+(benchmarks/results/machine_speed.md).
 
     python benchmarks/machine_speed.py                # 20 probes, a few seconds
     python benchmarks/machine_speed.py --block        # and, after each, a block of plan_accuracy's gpt-small

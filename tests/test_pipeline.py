@@ -313,16 +313,12 @@ def _mismatch(rank: int, init: str, out: Any) -> None:
 
 
 def test_a_stage_that_does_not_take_the_previous_output_is_named_with_both_shapes() -> None:
-    import time
-
-    start = time.monotonic()
     got = dict(run_ranks(_mismatch, 2, timeout=120))
     line = got[1]
     assert line is not None and line.startswith("ConfigError: stage 1 does not take stage 0's output, (2, 6)")
     assert "\n" not in line
     assert got[0] is not None and got[0].startswith("PeerLost: rank 0: rank 1 stopped while this rank was in ")
     assert "of step 1" in got[0] and "\n" not in got[0]  # the other rank ends too, in one line, not hung
-    assert time.monotonic() - start < 90
 
 
 class _Tied(nn.Module):

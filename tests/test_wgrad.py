@@ -148,8 +148,8 @@ def test_small_weights_keep_autograd(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("width", [64, BIG, 2048, 2896, 2897, 4096])
 def test_bw_takes_a_weight_by_its_size_where_it_lives(width: int) -> None:
     """In host memory BW takes weights of MIN_BYTES and up; on any other device, only those of GPU_MIN_BYTES and
-    up (the H200's crossover, docs/runtime.md). The meta device stands in for a GPU (this machine has none), and
-    holds widths no CPU test could."""
+    up (the H200's crossover, benchmarks/results/gpu_check.md). The meta device stands in for a GPU (this machine
+    has none), and holds widths no CPU test could."""
     layer = nn.Linear(width, width, bias=False, device="meta")
     size = width * width * 4
     assert wgrad.worth_fusing(layer) == (size >= wgrad.GPU_MIN_BYTES)

@@ -754,7 +754,7 @@ def plan_model(profile: Profile, p: int, budget: float, *, microbatches: int | N
     stages (balanced by time, and the least-memory split whose time is within 2%), and per-stage recomputation
     (none, or the cheapest per-stage counts that fit the budget).
     A plan fits when its predicted peak times 1 + ``headroom`` does: the prediction's own error
-    (measured within 5% on real runs, see docs/plan.md) must not push a run over the budget.
+    (measured within 5% on real runs: docs/plan.md, "How accurate it is") must not push a run over the budget.
     """
     if not (isinstance(headroom, (int, float)) and 0 <= headroom < 1):
         raise ConfigError(f"headroom is a fraction of the budget kept free: 0 <= headroom < 1 (got {headroom!r})")

@@ -6,7 +6,7 @@ starts on fresh pages, each of which faults once and is zeroed by the kernel bef
 A training step allocates the same sizes over and over (each Linear's weight gradient at the step's first
 backward, after the gradients were set to None; autograd's temporaries), so on a CPU that work recurs every
 step. With the MLP of ``benchmarks/vs_torch.py`` the step's first BW took about 14 ms where the others took 5.5
-(``docs/runtime.md``), and since 1F1B's first BWs are on its critical path, they alone lengthened the step by
+(``docs/performance.md``), and since 1F1B's first BWs are on its critical path, they alone lengthened the step by
 more than a pass.
 
 :func:`keep_freed_pages` fixes glibc's thresholds (the largest block mapped on its own: 32 MiB, glibc's

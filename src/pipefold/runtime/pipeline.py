@@ -47,7 +47,7 @@ from pipefold.runtime.precision import Masters, Precision, PrecisionOptimizer, u
 from pipefold.runtime.stage import Boundaries, Tensors
 from pipefold.runtime.structure import flatten, split_call, unflatten
 from pipefold.runtime.tied import TiedGrads, untie
-from pipefold.runtime.watch import DEFAULT_ACTION_TIMEOUT, pg_timeout
+from pipefold.runtime.watch import COMPILE_GRACE, DEFAULT_ACTION_TIMEOUT, pg_timeout
 
 __all__ = ["Check", "PeerLost", "Pipeline", "Planned", "RankPipeline", "StepReport", "step_costs", "step_result"]
 
@@ -336,7 +336,8 @@ class Pipeline(RankPipeline):
             modules = dict(zip(modules, self._offloaded, strict=True))
         self.timeout = action_timeout
         super().__init__([self.schedule], self.rank, modules, loss_fn, self.device, recompute=self.recompute,
-                         timeout=pg_timeout(action_timeout), pipelines=[self.ranks], pipeline=0,
+                         timeout=pg_timeout(action_timeout, compiling=self.compiled is not None),
+                         pipelines=[self.ranks], pipeline=0,
                          meshes=[[r] for r in self.ranks], dp_group=dp_group if self._dp else None,
                          sharded=self.sharded, new_group=_subgroup, autocast=self.precision.autocast)
         self.executor()  # its process groups now, on every rank at once
@@ -541,6 +542,7 @@ class Pipeline(RankPipeline):
             for module in self.modules.values():
                 sharding.gather(module).wait()
         executor.activity.step = self.steps + 1  # what a peer's failure names
+        executor.activity.grace = COMPILE_GRACE if self.compiled is not None and self.steps == 0 else 0.0
         executor.loss_scale = self.scaler.scale if self.scaler is not None and train else 1.0
         try:
             stats = self.run(xs, ys, train=train)  # every step sends its shapes: they may change

@@ -2,7 +2,7 @@
 
 gloo's TCP transport costs a hundred microseconds and more a message on one machine: a round trip of 4 KiB between
 two processes took 163 us over gloo, 47 us over these sockets and 19 us over a bare Unix socket (2 cores;
-``benchmarks/p2p.py``, ``docs/runtime.md``). A message crosses gloo's own threads on both sides, and each hop wakes
+``benchmarks/results/p2p.md``). A message crosses gloo's own threads on both sides, and each hop wakes
 a thread on cores the ranks' passes share. A pipeline's activations and gradients are small and many, so on one
 machine those hops are most of the runtime's cost between passes.
 
@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pipefold.runtime.launch import tempfolder
+from pipefold.runtime.socket_paths import room_for_sockets
 
 __all__ = ["LinkLost", "Sockets", "close", "connect", "current", "linked", "lost_peer"]
 
@@ -285,7 +285,7 @@ def linked(directory: str | Path | None = None) -> Iterator[Sockets]:
     when its sockets' paths would be too long for the system (108 bytes), rank 0 makes a short one (its name sent
     to the others over the process group) and removes it at the end."""
     made = None
-    if directory is None or not tempfolder.room_for_sockets(directory, f"/rank-{dist.get_world_size()}.sock"):
+    if directory is None or not room_for_sockets(directory, f"/rank-{dist.get_world_size()}.sock"):
         name = [_short_directory() if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(name, src=0)
         directory = made = name[0]
@@ -301,7 +301,7 @@ def linked(directory: str | Path | None = None) -> Iterator[Sockets]:
 def _short_directory() -> str:
     """A new directory whose sockets' paths fit: in the temporary folder, or in /tmp when that one's name is long."""
     made = tempfile.mkdtemp(prefix="pf-")
-    if tempfolder.room_for_sockets(made, "/rank-123456.sock"):
+    if room_for_sockets(made, "/rank-123456.sock"):
         return made
     os.rmdir(made)
     return tempfile.mkdtemp(prefix="pf-", dir="/tmp")

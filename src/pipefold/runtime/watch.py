@@ -54,9 +54,16 @@ PG_MARGIN = 30.0
 never waits for the 30 minutes that is torch's default."""
 
 
-def pg_timeout(action_timeout: float) -> float:
-    """The timeout to give torch.distributed's process group for a job with this action timeout."""
-    return action_timeout + PG_MARGIN
+COMPILE_GRACE = 600.0
+"""How long an activity may last in the first step a rank runs when its layers are compiled: torch.compile
+compiles each layer inside its first passes (the forward in the first F, the backward in the first B), which on a
+busy CPU takes longer than any action timeout meant for the passes themselves."""
+
+
+def pg_timeout(action_timeout: float, *, compiling: bool = False) -> float:
+    """The timeout to give torch.distributed's process group for a job with this action timeout; where the layers
+    are compiled, long enough for a peer's first step (:data:`COMPILE_GRACE`)."""
+    return max(action_timeout, COMPILE_GRACE if compiling else 0.0) + PG_MARGIN
 
 
 @dataclass(frozen=True)
@@ -86,6 +93,9 @@ class Snapshot:
     """It has finished the job."""
     carrying: tuple[Carried, ...] = ()
     """The messages its emulated links still hold back: the first of each link (at most :data:`CARRIED`)."""
+    grace: float = 0.0
+    """The least time its activities in this step may take, whatever the action timeout: the first step's one-off
+    work (:data:`COMPILE_GRACE`), or 0."""
 
     @property
     def age(self) -> float:
@@ -101,14 +111,15 @@ class Snapshot:
     def to_json(self) -> bytes:
         return json.dumps([self.rank, self.pid, self.host, self.seq, self.beat, self.step, self.where,
                            self.is_action, self.what, list(self.waits[:64]), self.since, self.done,
-                           [c.to_list() for c in self.carrying[:CARRIED]]]).encode()
+                           [c.to_list() for c in self.carrying[:CARRIED]], self.grace]).encode()
 
     @staticmethod
     def from_json(data: bytes) -> Snapshot:
         v = json.loads(data)
         return Snapshot(rank=v[0], pid=v[1], host=v[2], seq=v[3], beat=v[4], step=v[5], where=v[6], is_action=v[7],
                         what=v[8], waits=tuple(v[9]), since=v[10], done=v[11],
-                        carrying=tuple(Carried.from_list(c) for c in v[12]) if len(v) > 12 else ())
+                        carrying=tuple(Carried.from_list(c) for c in v[12]) if len(v) > 12 else (),
+                        grace=v[13] if len(v) > 13 else 0.0)
 
 
 class Activity:
@@ -123,6 +134,8 @@ class Activity:
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self.step = 0  # before the first step (steps are numbered from 1)
+        self.grace = 0.0
+        """The least time an activity of this step may take (:attr:`Snapshot.grace`)."""
         self.done = False
         self._now: tuple[str, bool, str, tuple[int, ...], float] = ("start-up", False, "", (), time.time())
         self.carrying: Callable[[], Sequence[Carried]] | None = None
@@ -167,7 +180,7 @@ class Activity:
                 carrying = tuple(self.carrying())[:CARRIED]
         return Snapshot(rank=self.rank, pid=os.getpid(), host=socket.gethostname(), seq=seq, beat=time.time(),
                         step=self.step, where=where, is_action=is_action, what=what, waits=waits, since=since,
-                        done=self.done, carrying=carrying)
+                        done=self.done, carrying=carrying, grace=self.grace)
 
 
 class SharedBoard:
@@ -314,8 +327,11 @@ def _next(s: Snapshot, snaps: Mapping[int, Snapshot | None]) -> int | None:
 
 def limit(s: Snapshot | None, timeout: float) -> float:
     """How long a rank may stay in its current activity: the action timeout, but at least the default one before
-    the first step (start-up imports and builds, whatever timeout a test or a user chose for the actions)."""
-    return timeout if s is not None and s.step >= 0 else max(timeout, DEFAULT_ACTION_TIMEOUT)
+    the first step (start-up imports and builds, whatever timeout a test or a user chose for the
+    actions), and at least the step's grace where it has one (the first step of compiled layers)."""
+    if s is None or s.step < 1:  # steps are numbered from 1: 0 is before the first
+        return max(timeout, DEFAULT_ACTION_TIMEOUT)
+    return max(timeout, s.grace)
 
 
 def find_hang(snaps: Mapping[int, Snapshot | None], ages: Mapping[int, float], frozen: Mapping[int, str],

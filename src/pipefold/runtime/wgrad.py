@@ -19,7 +19,7 @@ Two users:
   the products and hooking them costs about 20 us a Linear, more than the traffic saved on a small weight:
   BW takes only weights of at least :func:`min_bytes` (:data:`MIN_BYTES` in host memory, the crossover measured
   on a CPU; :data:`GPU_MIN_BYTES` elsewhere: on a GPU the host's work per Linear is what a step waits for,
-  ``docs/runtime.md``).
+  ``benchmarks/results/gpu_check.md``).
 
 Only what is safe is taken: a product ``x @ W^T (+ b)`` of a plain 2-D input and a plain parameter (not a
 DTensor or other subclass) with no hooks of its own, whose accumulators nothing else in the graph reaches.

@@ -104,7 +104,8 @@ def train_torchrun(spec: RunSpec, *, on_step: OnStep | None = None) -> tuple[Job
     Rank 0 measures and decides the split, the recomputation and K-FAC's placement; the others take its
     decisions (measured times differ from process to process, and every rank must run the same steps).
     """
-    rank, _ = join_torchrun_group(spec.reliability.action_timeout, spec.devices.device, spec.devices.backend)
+    rank, _ = join_torchrun_group(spec.reliability.action_timeout, spec.devices.device, spec.devices.backend,
+                                  compiling=spec.devices.compile is not None)
     activity = torchrun_activity()
     job = None
     failure: Exception | None = None

@@ -192,7 +192,7 @@ def prediction_note(predicted: float, measured: float, actions: int, *, replayed
                     f"core, where the plan expected {passes.shared / passes.alone:.2f}x (docs/plan.md)")
         return (f"{head} than the profile's layers add up to: a stage's passes can cost more than the sum of its "
                 "layers timed one by one (small layers), and ranks that share cores run slower than the profile "
-                "measured (docs/plan.md)")
+                "measured (docs/world.md#limits)")
     per = (measured - replayed) / max(1, actions)
     return (f"{head}; the run's own pass times replay to {replayed * 1e3:.1f} ms, so the rest is time between "
             f"passes, {per * 1e3:.2f} ms per action of the busiest rank ({actions}): the runtime's own work per "

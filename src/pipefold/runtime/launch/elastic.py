@@ -18,7 +18,7 @@ Every worker also writes its line to its error file, where torchrun asks for one
 the summary torchrun prints after a failed job shows it as the worker's ``traceback``, and as the root cause,
 instead of a link to torch's documentation. The rest of that output (torchrun's log lines, the traceback of its
 ``ChildFailedError``, the summary's frame) is printed by torchrun's agent, which pipefold does not run: see
-"Under torchrun" in docs/runtime.md.
+"Under torchrun" in docs/failures.md.
 """
 
 from __future__ import annotations

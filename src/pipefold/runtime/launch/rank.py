@@ -32,6 +32,7 @@ from pipefold.runtime.precision import LossScaler, Masters, grad_holder, unscale
 from pipefold.runtime.stage import Chain, Tensors, as_tuple, split_batch
 from pipefold.runtime.tied import TiedGrads, untie
 from pipefold.runtime.watch import (
+    COMPILE_GRACE,
     Activity,
     pg_timeout,
 )
@@ -148,7 +149,8 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     # per schedule of ``choices``, made the first time it runs, over the same modules and parameters.
     pipe = RankPipeline(
         choices, rank, modules, job.loss_fn, device, recompute=recompute, log_messages=job.log_messages,
-        timeout=pg_timeout(job.reliability.action_timeout), network=job.network, origin=origin or 0.0,
+        timeout=pg_timeout(job.reliability.action_timeout, compiling=compiling), network=job.network,
+        origin=origin or 0.0,
         optimizers={s: _speculative(s, o, modules[s], stage_snaps) for s, o in stage_opts.items()}, work=work,
         pipelines=pipelines, pipeline=pipeline, meshes=job.meshes()[copy] if meshed else None, tp_index=tp_rank,
         tp_group=tp_mesh.get_group() if tp_mesh is not None else None, dp_group=dp_group,
@@ -213,6 +215,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     stopped = None
     for step in range(start, job.steps):
         activity.step = step_number(step)
+        activity.grace = COMPILE_GRACE if compiling and step == start else 0.0  # compiled in its first passes
         activity.run("the batch", action=False)
         if faults.die == (step_number(step), "step") and global_rank == world - 1:
             os._exit(13)

@@ -27,8 +27,9 @@ import os
 import shutil
 import tempfile
 
-__all__ = ["FOLDER", "SOCKET_PATH_MAX", "USER_TMPDIR", "keep_compile_cache", "make", "owned_by", "remove",
-           "room_for_sockets"]
+from pipefold.runtime.socket_paths import room_for_sockets
+
+__all__ = ["FOLDER", "USER_TMPDIR", "keep_compile_cache", "make", "owned_by", "remove"]
 
 FOLDER = "PIPEFOLD_TEMP"
 """The environment variable that names the command's folder and the process that made it: ``PID:PATH``."""
@@ -62,15 +63,6 @@ def make() -> str:
     # and fails where it is gone already).
     util.Finalize(None, remove, args=(folder,), exitpriority=-101)
     return folder
-
-
-SOCKET_PATH_MAX = 100
-"""The longest socket path pipefold makes: Linux allows 107 bytes, macOS 103."""
-
-
-def room_for_sockets(folder: str | os.PathLike[str], name: str) -> bool:
-    """Whether a socket named ``name`` (its longest form, with a leading separator) fits in ``folder``."""
-    return len(os.fsencode(os.fspath(folder))) + len(os.fsencode(name)) <= SOCKET_PATH_MAX
 
 
 def owned_by(pid: int) -> str | None:

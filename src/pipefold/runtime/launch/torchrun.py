@@ -96,7 +96,7 @@ _WATCH: _TorchrunWatch | None = None
 
 
 def join_torchrun_group(action_timeout_s: float = DEFAULT_ACTION_TIMEOUT, device: str = "auto",
-                        backend: str = "auto") -> tuple[int, int]:
+                        backend: str = "auto", *, compiling: bool = False) -> tuple[int, int]:
     """Join the process group torchrun set up for this process (once), with the timeout that goes with the action
     timeout (:func:`pipefold.runtime.watch.pg_timeout`) and the backend that ``device`` and ``backend`` give on
     this node (:func:`pipefold.runtime.launch.devices.place`), and start the rank's watch; return (rank, world size).
@@ -108,7 +108,7 @@ def join_torchrun_group(action_timeout_s: float = DEFAULT_ACTION_TIMEOUT, device
         if where.device == "cuda":
             torch.cuda.set_device(where.device_of(int(os.environ.get("LOCAL_RANK", "0"))))
         die_with_parent()
-        timeout = timedelta(seconds=pg_timeout(action_timeout_s))
+        timeout = timedelta(seconds=pg_timeout(action_timeout_s, compiling=compiling))
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         if attempt not in ("", "0") and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             # Restarted workers meet in the agent's store, the same one as the failed attempt's: under a prefix of
@@ -144,7 +144,8 @@ def run_torchrun(job: Job, on_step: Callable[[int, float, float], None] | None =
     once by the rank that the job's store chooses (:func:`_says`), as an interrupt is; a loss that diverged, with
     :class:`Diverged`, as every rank sees it.
     """
-    rank, world = join_torchrun_group(job.reliability.action_timeout, job.devices.device, job.devices.backend)
+    rank, world = join_torchrun_group(job.reliability.action_timeout, job.devices.device, job.devices.backend,
+                                      compiling=job.devices.compile is not None)
     activity = torchrun_activity()
     try:
         if world != job.world:

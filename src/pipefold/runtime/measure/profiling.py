@@ -115,7 +115,7 @@ def time_in_stages(layers: Sequence[nn.Module], sample: Any, target: Any = None,
     takes), each run ends as a step does, with the update of the stage's layers one after the other
     (:class:`_Update`), timed per layer: after the passes, as in the run, not over and over on warm parameters
     (the layouts' GPT's AdamW: 8.6 to 9.4 ms over and over, 10.4 to 11.1 ms after a forward and backward,
-    docs/plan.md). The layers' weights are put back afterwards.
+    benchmarks/results/profile.md). The layers' weights are put back afterwards.
     """
     _check_repeats(repeats)
     if isinstance(stage_layers, bool) or not isinstance(stage_layers, int) or stage_layers < 1:

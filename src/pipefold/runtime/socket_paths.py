@@ -1,0 +1,17 @@
+"""How long a Unix-domain socket's path may be, and whether a folder leaves room for one: the command's temporary
+folder (:mod:`pipefold.runtime.launch.tempfolder`, where multiprocessing's fork server listens) and the ranks'
+sockets (:mod:`pipefold.runtime.sockets`) both ask. Imports nothing: the command line asks before torch loads."""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["SOCKET_PATH_MAX", "room_for_sockets"]
+
+SOCKET_PATH_MAX = 100
+"""The longest socket path pipefold makes: Linux allows 107 bytes, macOS 103."""
+
+
+def room_for_sockets(folder: str | os.PathLike[str], name: str) -> bool:
+    """Whether a socket named ``name`` (its longest form, with a leading separator) fits in ``folder``."""
+    return len(os.fsencode(os.fspath(folder))) + len(os.fsencode(name)) <= SOCKET_PATH_MAX
