@@ -35,14 +35,14 @@ def _profile(layers: tuple[LayerProfile, ...], fixed: tuple[float, float, float,
                    pass_fixed=fixed)
 
 
-def one_round(runs: int) -> dict[str, float]:
+def one_round(passes: int) -> dict[str, float]:
     model = make_model("mlp", layers=8, hidden=128, batch=64)
     layers = model.build()
     x, y = model.batch_at(0)
     assert isinstance(x, torch.Tensor)
     measured = measure_layers(layers, x, y, model.loss, repeats=9, stage_layers=4)
     runner = StageRunner(Chain(*layers[:4]), input_grads=False)
-    timed = [run_passes(runner, k, (x,))[0] for k in range(runs)]
+    timed = [run_passes(runner, k, (x,))[0] for k in range(passes)]
     b, w = (statistics.median(r[i] for r in timed[1:]) for i in (1, 2))
     prof = _profile(tuple(measured.layers), measured.fixed)
     with_fixed = stage_profiles(prof, [(0, 1, 2, 3)])[0].times
@@ -55,10 +55,11 @@ def one_round(runs: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5, help="rounds, each a fresh model (default 5)")
-    parser.add_argument("--runs", type=int, default=10, help="timed passes of the fresh stage per round")
+    parser.add_argument("--passes", type=int, default=10,
+                        help="timed passes of the fresh stage per round (at least 2: the first warms up)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    rows = [one_round(args.runs) for _ in range(args.rounds)]
+    rows = [one_round(max(2, args.passes)) for _ in range(args.rounds)]
     nearer = sum(r["error_with_ms"] < r["error_without_ms"] for r in rows)
     if args.json:
         print(json.dumps({"rounds": rows, "nearer_with_fixed": nearer}, indent=2))

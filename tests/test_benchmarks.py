@@ -22,17 +22,8 @@ BENCHMARKS = ROOT / "benchmarks"
 SMALL: dict[str, list[str] | None] = {
     "bench_simulate.py": ["--baseline", "none", "--schedules", "1f1b,zb-v,v-half", "-p", "4", "-m", "8", "--runs", "1",
                           "--repeat", "3"],
-    "memory_flat.py": ["--steps", "20"],
-    "fixed_work.py": ["--rounds", "1", "--runs", "3"],
-    "memory_ratio.py": ["--model", "mlp", "--schedules", "zb-v", "--runs", "1", "--partition", "even", "--hidden",
-                        "64"],
     "published.py": ["--check"],  # the stored predictions are the code's (no drift)
     "cluster_search.py": ["--nodes", "2", "--families", "1f1b,zb-v"],
-    "wgrad.py": ["--hidden", "512", "--steps", "1"],
-    "p2p.py": ["--steps", "1", "--sizes", "4096", "65536"],
-    "layer_company.py": ["--hidden", "64", "--stage", "3", "--rounds", "1", "--laps", "3"],
-    "core_sharing.py": ["--steps", "2", "--pause", "0"],
-    "machine_speed.py": ["--times", "2", "--block"],  # (--beside: as results/machine_speed.md shows it)
     "offload_gpu.py": ["--quick"],  # its CPU path (figures marked as no measurement): what a GPU run goes through
     # Too slow for the suite even in their smallest modes (measured here: 62, 32, 22, 19 and 16 s); mypy checks their
     # calls into the library; run them by hand before quoting their figures:
@@ -45,7 +36,15 @@ SMALL: dict[str, list[str] | None] = {
     "precision_exactness.py": None,  # --quick (30 s); tests/test_precision.py asserts what it measures
     "precision_memory.py": None,  # --quick (76 s)
     "compile_speed.py": None,  # --quick (1 to 5 min: inductor compiles every mode on every schedule)
-    # Run by the pages' tests, as the docs show them (tests/test_docs.py):
+    # Run by the pages' tests, as the docs and the results files show them (tests/test_docs.py):
+    "memory_flat.py": None,
+    "fixed_work.py": None,
+    "memory_ratio.py": None,
+    "wgrad.py": None,
+    "p2p.py": None,
+    "layer_company.py": None,
+    "core_sharing.py": None,
+    "machine_speed.py": None,
     "bench_offload.py": None,
     "bench_recompute.py": None,
     "vs_torch.py": None,
@@ -65,7 +64,8 @@ def test_every_benchmark_has_a_small_mode_or_a_reason() -> None:
     pages = [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(BENCHMARKS / "results").glob("*.md")]
     docs = "\n".join(p.read_text(encoding="utf-8") for p in pages)
     for name in ("bench_offload.py", "bench_recompute.py", "vs_torch.py", "runtime_breakdown.py", "pass_overhead.py",
-                 "host_profile.py"):
+                 "host_profile.py", "in_flight.py", "memory_flat.py", "fixed_work.py", "memory_ratio.py", "wgrad.py",
+                 "p2p.py", "layer_company.py", "core_sharing.py", "machine_speed.py"):
         assert f"python benchmarks/{name}" in docs, f"{name} is said to run through the docs, which do not show it"
 
 

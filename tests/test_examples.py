@@ -13,15 +13,22 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _documented(name: str) -> list[str]:
-    """Every line of a ```sh block in the README and docs/ that names ``name``."""
+    """Every command of a ```sh block in the README and docs/ that names ``name`` (a command continued over
+    lines with a backslash as one line)."""
     lines = []
     for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
-        block = False
+        block, command = False, ""
         for line in doc.read_text(encoding="utf-8").splitlines():
             if line.startswith("```"):
-                block = line.strip() == "```sh"
-            elif block and name in line:
-                lines.append(line)
+                block, command = line.strip() == "```sh", ""
+            elif block:
+                command += line.strip()
+                if command.endswith("\\"):
+                    command = command[:-1] + " "
+                    continue
+                if name in command:
+                    lines.append(command)
+                command = ""
     return lines
 
 

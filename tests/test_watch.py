@@ -175,3 +175,14 @@ def test_the_first_step_of_compiled_layers_gets_the_compile_grace() -> None:
     activity = Activity(0)
     activity.grace = COMPILE_GRACE
     assert activity.snapshot(1).grace == COMPILE_GRACE
+
+
+def test_a_short_action_timeout_does_not_count_a_busy_heartbeat_as_frozen() -> None:
+    """Under a 0.3 s action timeout, a rank whose heartbeat was held up for a second (a busy machine) is not
+    frozen; silent past SILENCE_MIN it is. The action's own duration is still held to the timeout."""
+    from pipefold.runtime.watch import SILENCE_MIN, frozen_local
+
+    s = _snap(0, "the end of the job", step=2, age=1.0, action=False)
+    assert frozen_local(None, s, silent=1.0, age=1.0, timeout=0.3) is None
+    assert frozen_local(None, s, silent=SILENCE_MIN + 0.5, age=1.0, timeout=0.3) == "no heartbeat for 2 s"
+    assert _hang(_snap(0, "0F1", step=2, age=1.0), timeout=0.3) is not None

@@ -44,6 +44,10 @@ from pipefold.runtime.slowlinks import Carried, slow_line
 
 PERIOD = 0.1
 """Seconds between two publications of a rank's activity."""
+SILENCE_MIN = 2.0
+"""The least silence (seconds without a heartbeat) that counts a local rank as frozen, whatever the action
+timeout: 20 periods, which a busy machine can take from the heartbeat's thread (a rank holding the interpreter
+while it compiles, or waiting for a core) without the rank being stuck."""
 DEFAULT_ACTION_TIMEOUT = 20.0
 """Seconds an action (or a phase between actions) may run, or a rank go without a heartbeat, before the job is
 taken as hung. With the launcher's checks and the ranks' shutdown it keeps a hang's end under 30 s."""
@@ -429,13 +433,12 @@ def frozen_local(pid: int | None, s: Snapshot | None, silent: float, age: float,
     ``s``: its latest snapshot (None: never published); ``silent``: seconds since its last heartbeat; ``age``:
     seconds in its current activity. It is frozen once it has been silent for longer than its :func:`limit`
     (the action timeout; before the first step at least the default one: start-up's imports and process group
-    can starve the heartbeat's thread for seconds on a loaded machine, which once named a healthy rank hung under
-    a 2 s timeout), or once its process is stopped (SIGSTOP, a debugger) and its activity has lasted past that
-    limit. The second comes first for a rank stopped in the middle of an action: the action began before the last
-    heartbeat, so its age passes the limit before its silence does, and the rank must then be named as stopped,
-    not as computing for too long.
+    can starve the heartbeat's thread for seconds on a loaded machine) and than :data:`SILENCE_MIN`, or once its
+    process is stopped (SIGSTOP, a debugger) and its activity has lasted past that limit. The second comes first
+    for a rank stopped in the middle of an action: the action began before the last heartbeat, so its age passes
+    the limit before its silence does, and the rank must then be named as stopped, not as computing for too long.
     """
-    if silent > limit(s, timeout):
+    if silent > max(limit(s, timeout), SILENCE_MIN):
         return why_silent(pid, silent)
     stopped = pid is not None and silent > 2 * PERIOD and process_state(pid) in ("T", "t")
     if stopped and age > limit(s, timeout):
