@@ -29,7 +29,6 @@ import select
 import shutil
 import socket
 import struct
-import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,7 +36,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pipefold.runtime.socket_paths import room_for_sockets
+from pipefold.runtime.socket_paths import folder_with_room, room_for_sockets
 
 __all__ = ["LinkLost", "Sockets", "close", "connect", "current", "linked", "lost_peer"]
 
@@ -286,7 +285,7 @@ def linked(directory: str | Path | None = None) -> Iterator[Sockets]:
     to the others over the process group) and removes it at the end."""
     made = None
     if directory is None or not room_for_sockets(directory, f"/rank-{dist.get_world_size()}.sock"):
-        name = [_short_directory() if dist.get_rank() == 0 else None]
+        name = [folder_with_room("/rank-123456.sock") if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(name, src=0)
         directory = made = name[0]
     assert directory is not None
@@ -296,15 +295,6 @@ def linked(directory: str | Path | None = None) -> Iterator[Sockets]:
         close()
         if made is not None and dist.get_rank() == 0:
             shutil.rmtree(made, ignore_errors=True)
-
-
-def _short_directory() -> str:
-    """A new directory whose sockets' paths fit: in the temporary folder, or in /tmp when that one's name is long."""
-    made = tempfile.mkdtemp(prefix="pf-")
-    if room_for_sockets(made, "/rank-123456.sock"):
-        return made
-    os.rmdir(made)
-    return tempfile.mkdtemp(prefix="pf-", dir="/tmp")
 
 
 def close() -> None:

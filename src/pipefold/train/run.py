@@ -105,7 +105,7 @@ def train_torchrun(spec: RunSpec, *, on_step: OnStep | None = None) -> tuple[Job
     decisions (measured times differ from process to process, and every rank must run the same steps).
     """
     rank, _ = join_torchrun_group(spec.reliability.action_timeout, spec.devices.device, spec.devices.backend,
-                                  compiling=spec.devices.compile is not None)
+                                  compiling=spec.devices.compiling)
     activity = torchrun_activity()
     job = None
     failure: Exception | None = None

@@ -72,7 +72,7 @@ def _spawned(rank: int, job: Job, world: int, out_dir: str, progress: Any, board
             torch.cuda.set_device(where.device_of(rank))
         dist.init_process_group(where.backend, init_method=store_in(out_dir), rank=rank, world_size=world,
                                 timeout=timedelta(seconds=pg_timeout(job.reliability.action_timeout,
-                                                                     compiling=job.devices.compile is not None)))
+                                                                     compiling=job.devices.compiling)))
         if job.sockets:
             activity.wait("start-up", "its links to the other ranks", others, action=False)
         with sockets.linked(out_dir) if job.sockets else contextlib.nullcontext():

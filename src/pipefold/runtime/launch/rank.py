@@ -94,7 +94,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     precision = job.devices.precision
     # What the passes run: the stages' layers, compiled where asked (after tensor parallelism has split them);
     # ``chains`` keeps the layers' own names, a checkpoint's.
-    compiling = job.devices.compile is not None
+    compiling = job.devices.compiling
     if compiling:
         from pipefold.runtime.compiled import check_compile, compile_stage
         from pipefold.runtime.launch.tempfolder import keep_compile_cache

@@ -233,6 +233,11 @@ class Devices:
     compile_backend: str = "inductor"
     """torch.compile's backend: 'inductor', 'aot_eager' or 'eager'."""
 
+    @property
+    def compiling(self) -> bool:
+        """Whether the layers are compiled (their first passes then compile them)."""
+        return self.compile is not None
+
     def __post_init__(self) -> None:
         if self.p2p not in P2P:
             raise ConfigError(f"unknown --p2p {self.p2p!r}: use {', '.join(P2P)}")

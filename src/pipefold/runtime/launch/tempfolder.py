@@ -27,7 +27,7 @@ import os
 import shutil
 import tempfile
 
-from pipefold.runtime.socket_paths import room_for_sockets
+from pipefold.runtime.socket_paths import folder_with_room
 
 __all__ = ["FOLDER", "USER_TMPDIR", "keep_compile_cache", "make", "owned_by", "remove"]
 
@@ -43,14 +43,11 @@ def make() -> str:
 
     Its name is short (``pf-`` and 8 characters): the fork server's socket and the ranks' sockets are made in it,
     and a socket's path has at most 107 bytes. Where the user's temporary folder has so long a path that they
-    would not fit, it is made in ``/tmp`` instead (:func:`room_for_sockets`)."""
+    would not fit, it is made in ``/tmp`` instead (:func:`~pipefold.runtime.socket_paths.folder_with_room`)."""
     from multiprocessing import process, util
 
     user = tempfile.gettempdir()
-    folder = tempfile.mkdtemp(prefix="pf-", dir=_torchrun_folder())
-    if not room_for_sockets(folder, "/listener-12345678") and os.path.isdir("/tmp"):  # multiprocessing's name
-        os.rmdir(folder)
-        folder = tempfile.mkdtemp(prefix="pf-", dir="/tmp")
+    folder = folder_with_room("/listener-12345678", _torchrun_folder())  # multiprocessing's socket, the longest
     os.environ.setdefault(USER_TMPDIR, user)  # a command a pipefold command started keeps the user's, not ours
     os.environ[FOLDER] = f"{os.getpid()}:{folder}"
     os.environ["TMPDIR"] = tempfile.tempdir = folder

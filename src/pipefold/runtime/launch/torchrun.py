@@ -145,7 +145,7 @@ def run_torchrun(job: Job, on_step: Callable[[int, float, float], None] | None =
     :class:`Diverged`, as every rank sees it.
     """
     rank, world = join_torchrun_group(job.reliability.action_timeout, job.devices.device, job.devices.backend,
-                                      compiling=job.devices.compile is not None)
+                                      compiling=job.devices.compiling)
     activity = torchrun_activity()
     try:
         if world != job.world:
