@@ -1,5 +1,6 @@
 """Shared test settings."""
 
+import contextlib
 import os
 
 from hypothesis import HealthCheck, settings
@@ -100,12 +101,11 @@ def run_ranks(target, nprocs, *args, timeout=300.0):  # type: ignore[no-untyped-
     return got
 
 
-
 class WorkStarted(AssertionError):
     """The work began where a refusal was to come first (:func:`no_work`)."""
 
 
-@__import__("contextlib").contextmanager
+@contextlib.contextmanager
 def no_work(*, simulating=True):  # type: ignore[no-untyped-def]
     """While entered, the work a refusal must come before fails the test if it begins: starting ranks (locally or
     under torchrun), profiling a model, and, where ``simulating`` (a search's, a simulation's work), simulating a
