@@ -27,7 +27,7 @@ from torch import nn
 
 from pipefold.errors import ConfigError
 
-__all__ = ["BACKENDS", "MODES", "OutsideLinear", "check_compile", "compile_stage"]
+__all__ = ["BACKENDS", "MODES", "check_compile", "compile_stage"]
 
 MODES = ("split", "whole")
 BACKENDS = ("inductor", "aot_eager", "eager")
@@ -58,17 +58,7 @@ def check_compile(backend: str, device: torch.device) -> None:
                               "aot_eager backend") from None
 
 
-class OutsideLinear(nn.Linear):
-    """An ``nn.Linear`` whose forward runs outside any compiled region (``compile_stage(..., "split")``)."""
-
-    _pf_outside = True
-
-    @torch.compiler.disable
-    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (nn.Linear's own name)
-        return super().forward(input)
-
-
-_OUTSIDE: dict[type, type] = {nn.Linear: OutsideLinear}
+_OUTSIDE: dict[type, type] = {}
 
 
 def _outside(cls: type) -> type:
@@ -77,14 +67,27 @@ def _outside(cls: type) -> type:
 
     A class of its own, not the instance's ``forward`` disabled: torch.compile keeps one translation of a layer's
     code for every module of the same types, and would hand a layer compiled ``whole`` the translation made for a
-    ``split`` one (its products left out), or the other way round; a Linear of another type is another guard."""
+    ``split`` one (its products left out), or the other way round; a Linear of another type is another guard.
+
+    Made on first use: ``torch.compiler.disable`` imports torch's compiler (a second of CPU), which a process that
+    compiles nothing never needs."""
     if cls not in _OUTSIDE:
-        name = f"Outside{cls.__name__}_{len(_OUTSIDE)}"
+        name = "OutsideLinear" if cls is nn.Linear else f"Outside{cls.__name__}_{len(_OUTSIDE)}"
         made = type(name, (cls,), {"forward": torch.compiler.disable(cls.forward),  # type: ignore[attr-defined]
-                                   "_pf_outside": True, "__module__": __name__, "__qualname__": name})
+                                   "_pf_outside": True, "__module__": __name__, "__qualname__": name,
+                                   "__doc__": f"A ``{cls.__name__}`` whose forward runs outside any compiled region "
+                                              '(``compile_stage(..., "split")``).'})
         globals()[name] = made  # where pickle looks a class up (torch.save of a whole module)
         _OUTSIDE[cls] = made
     return _OUTSIDE[cls]
+
+
+def __getattr__(name: str) -> type:
+    """``OutsideLinear`` (an ``nn.Linear`` whose forward runs outside any compiled region), made when first named,
+    as by pickle loading a module saved with it."""
+    if name == "OutsideLinear":
+        return _outside(nn.Linear)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def compile_stage(module: nn.Module, mode: str = "split", backend: str = "inductor") -> nn.Module:

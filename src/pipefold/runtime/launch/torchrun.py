@@ -104,6 +104,10 @@ def join_torchrun_group(action_timeout_s: float = DEFAULT_ACTION_TIMEOUT, device
     The process also ends if torchrun's agent dies (the kernel's parent-death signal, on Linux)."""
     global _WATCH
     if not dist.is_initialized():
+        # What the process has imported and built by now lives as long as it does: frozen, the cyclic collector
+        # leaves it alone (as in the fork server the local ranks come from), so the full collection before the
+        # group is destroyed walks what the run made, not torch's modules.
+        gc.freeze()
         where = local_placement(device, backend, 1)
         if where.device == "cuda":
             torch.cuda.set_device(where.device_of(int(os.environ.get("LOCAL_RANK", "0"))))
