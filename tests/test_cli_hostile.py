@@ -294,3 +294,57 @@ def test_an_option_given_again_under_its_name_or_with_its_value_runs(capsys: pyt
                                                                      argv: list[str]) -> None:
     assert main(argv) == 0
     assert json.loads(capsys.readouterr().out)["devices"] == 2
+
+
+def _wrapped_by_set_name() -> None:
+    """A Ctrl-C landing while a class is made whose attribute's ``__set_name__`` runs (a dataclass's field, as a
+    lazy import of torch's compiler makes them): Python 3.11 reports it as a RuntimeError raised from it."""
+
+    class Landing:
+        def __set_name__(self, owner: type, name: str) -> None:
+            raise KeyboardInterrupt
+
+    type("Made", (), {"field": Landing()})
+
+
+def _raised_from() -> None:
+    try:
+        raise Interrupted(signal.SIGTERM)
+    except KeyboardInterrupt as exc:
+        raise ImportError("a module half imported") from exc
+
+
+def _raised_while_handling() -> None:
+    try:
+        raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        raise OSError("a cleanup that failed on its way out") from None  # suppressed context: still the signal
+
+
+@pytest.mark.parametrize(("raising", "code", "line"), [
+    (_wrapped_by_set_name, 130, "pipefold simulate: interrupted (SIGINT)"),
+    (_raised_from, 143, "pipefold simulate: interrupted (SIGTERM)"),
+    (_raised_while_handling, 130, "pipefold simulate: interrupted (SIGINT)"),
+])
+def test_an_interrupt_another_exception_wraps_is_the_interrupt(capsys: pytest.CaptureFixture[str],
+                                                               monkeypatch: pytest.MonkeyPatch, raising, code: int,
+                                                               line: str) -> None:
+    from pipefold.cli import schedule_cmds
+
+    monkeypatch.setattr(schedule_cmds, "cmd_simulate", lambda args, console: raising())
+    assert main(["simulate", "1f1b"]) == code
+    assert capsys.readouterr().err.strip().splitlines() == [line]
+
+
+def test_an_error_with_no_interrupt_inside_is_not_taken_for_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipefold.cli import schedule_cmds
+
+    def fails(args: object, console: object) -> None:
+        try:
+            raise ValueError("the cause")
+        except ValueError as exc:
+            raise RuntimeError("a bug") from exc
+
+    monkeypatch.setattr(schedule_cmds, "cmd_simulate", fails)
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(["simulate", "1f1b"])

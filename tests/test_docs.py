@@ -2,7 +2,8 @@
 
 The text is never edited for the test. One setting, :data:`SHRINK`, scales what would take minutes on a laptop
 down to seconds: widths and sequence lengths above a cap come down to it, so do a cluster plan's node count,
-the largest matrix product a calibration times and a benchmark's repeated runs and rounds, and step counts (with
+the largest matrix product a calibration times, a benchmark's repeated runs and rounds and a profile's rounds
+between processes (``--quick``), and step counts (with
 the checkpoint intervals and checkpoint names that count steps) are divided by one factor per page, so that a flow
 that trains 100 steps, checkpoints every 10 and resumes to 200 still checkpoints and resumes. A training command with no
 ``--steps`` runs 2 steps. Nothing else is changed: schedules, devices, microbatches, layers, budgets, files and
@@ -12,9 +13,9 @@ Each page runs in a folder of its own (with ``examples/`` and ``benchmarks/`` be
 command finds the files an earlier one wrote (a schedule file, a profile, a plan, a checkpoint, a saved model).
 Every command must exit 0 (or, where the page says it fails, exit non-zero with the one line the page promises),
 print no traceback, write the files it names, and, with ``--check``, match the one-process reference. A page's
-first ``pipefold`` command runs as a process of its own, as a shell runs it; the rest run one after another in one
-process (``tests/_pipefold_server.py``, the entry point's own function, output and exit code), which imports torch
-and starts the ranks' fork server once for the page instead of once per command: most of the pages' time before.
+first ``pipefold`` command of the README runs as a process of its own, as a shell runs it; every other runs in one
+process per xdist worker (``tests/_pipefold_server.py``, the entry point's own function, output and exit code),
+which imports torch and starts the ranks' fork server once for the session instead of once per command or page.
 
 A command that two pages show alike, after SHRINK, and that reads the same files on both, runs once for the suite: the
 first page to reach it runs it, the other waits for that run's verdict and gets a copy of every file the run wrote in
@@ -40,6 +41,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,6 +83,9 @@ class Shrink:
     """``--nodes`` of a benchmark above this come down to it: a benchmark's search only has to run."""
     largest_product: float = 1e9
     """``pipefold calibrate``'s ``--largest`` (given, or its 1e12 by default) comes down to this many operations."""
+    quick_profile: bool = True
+    """``pipefold profile`` measures with ``--quick`` (fewer rounds between its processes): the repeats of its
+    measurements, as ``--steps`` are a run's."""
 
 
 SHRINK = Shrink()
@@ -179,6 +184,8 @@ def shrink(argv: list[str], factor: float) -> list[str]:
             out[i + 1] = f"{SHRINK.largest_product:g}"
     if command in TRAINS and _value(out, "--steps") is None:
         out += ["--steps", str(SHRINK.default_steps)]
+    if command == "profile" and SHRINK.quick_profile and "--quick" not in out:
+        out.append("--quick")
     if command == "calibrate" and _value(out, "--largest") is None:
         out += ["--largest", f"{SHRINK.largest_product:g}"]
     return out
@@ -276,6 +283,34 @@ class _Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class _Servers:
+    """The worker's one :class:`_Server`, started when a page first needs it and started again after a command
+    that ended it (the next page's commands then meet a fresh process, not the failure of another page)."""
+
+    def __init__(self) -> None:
+        self.server: _Server | None = None
+
+    def get(self) -> _Server:
+        if self.server is None or self.server.proc.poll() is not None:
+            if self.server is not None:
+                self.server.close()
+            self.server = _Server(_env())
+        return self.server
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+
+@pytest.fixture(scope="session")
+def servers() -> Iterator[_Servers]:
+    made = _Servers()
+    try:
+        yield made
+    finally:
+        made.close()
 
 
 def _env() -> dict[str, str]:
@@ -462,7 +497,8 @@ def _runnable(block: Block) -> bool:
 
 
 @pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
-def test_every_command_of_the_page_runs_as_written(page: Path, tmp_path: Path, once: _Once) -> None:
+def test_every_command_of_the_page_runs_as_written(page: Path, tmp_path: Path, once: _Once,
+                                                  servers: _Servers) -> None:
     found = [b for b in blocks(page) if _runnable(b)]
     if not found:
         pytest.skip("no command blocks")
@@ -474,43 +510,41 @@ def test_every_command_of_the_page_runs_as_written(page: Path, tmp_path: Path, o
     elsewhere: list[str] = []
     took: list[tuple[float, str]] = []
     name = str(page.relative_to(ROOT))
-    # The page's first pipefold command runs as a process of its own (the entry point as a shell starts it); the
-    # rest in one server process (see _Server).
+    # The README's first pipefold command runs as a process of its own (the entry point as a shell starts it);
+    # every other in the worker's server process (see _Server).
     server: _Server | None = None
-    try:
-        for block in found:
-            if block.info == "python":
-                got = subprocess.run([sys.executable, "-c", block.body], cwd=tmp_path, env=_env(),
-                                     capture_output=True, text=True, timeout=300, check=False)
-                assert got.returncode == 0, f"{block.id}\n{got.stderr}"
+    own_process = page.name == "README.md"
+    for block in found:
+        if block.info == "python":
+            got = subprocess.run([sys.executable, "-c", block.body], cwd=tmp_path, env=_env(),
+                                 capture_output=True, text=True, timeout=300, check=False)
+            assert got.returncode == 0, f"{block.id}\n{got.stderr}"
+            continue
+        for argv in commands(block.body):
+            if (why := _skip_reason(argv)) is not None:
+                skipped.append(f"{block.id} {shlex.join(argv)}: {why}")
                 continue
-            for argv in commands(block.body):
-                if (why := _skip_reason(argv)) is not None:
-                    skipped.append(f"{block.id} {shlex.join(argv)}: {why}")
-                    continue
-                key = once_key(argv, factor, tmp_path)
-                started = time.time()
-                if key is not None and (by := once.claim(key, name)) is not None:
-                    once.wait(key, by, tmp_path)
-                    _check_written(argv, tmp_path, started)
-                    elsewhere.append(f"{block.id} {shlex.join(argv)}: run by {by}")
-                    continue
-                before = _files(tmp_path)
-                try:
-                    for got in _run(list(argv), tmp_path, factor, server):
-                        _check(argv, got, tmp_path, started)
-                except BaseException as exc:
-                    if key is not None:
-                        once.verdict(key, f"{type(exc).__name__}: {exc}"[:3000])
-                    raise
+            key = once_key(argv, factor, tmp_path)
+            started = time.time()
+            if key is not None and (by := once.claim(key, name)) is not None:
+                once.wait(key, by, tmp_path)
+                _check_written(argv, tmp_path, started)
+                elsewhere.append(f"{block.id} {shlex.join(argv)}: run by {by}")
+                continue
+            before = _files(tmp_path)
+            if argv[0] == "pipefold" and not own_process:
+                server = servers.get()
+            own_process = own_process and argv[0] != "pipefold"
+            try:
+                for got in _run(list(argv), tmp_path, factor, server):
+                    _check(argv, got, tmp_path, started)
+            except BaseException as exc:
                 if key is not None:
-                    once.verdict(key, None, tmp_path, before)
-                took.append((time.time() - started, f"{block.id} {shlex.join(argv)}"))
-                if server is None and argv[0] == "pipefold":
-                    server = _Server(_env())
-    finally:
-        if server is not None:
-            server.close()
+                    once.verdict(key, f"{type(exc).__name__}: {exc}"[:3000])
+                raise
+            if key is not None:
+                once.verdict(key, None, tmp_path, before)
+            took.append((time.time() - started, f"{block.id} {shlex.join(argv)}"))
     print("slowest:\n" + "\n".join(f"{s:6.1f} s  {what[:150]}" for s, what in sorted(took, reverse=True)[:8]))
     if elsewhere:
         print("run once for the suite, by another page:\n" + "\n".join(elsewhere))
@@ -588,7 +622,8 @@ def test_the_pages_show_no_placeholder_commands() -> None:
     (["train", "--hf", "gpt2", "--hidden", "768"], 1, ["train", "--hf", "gpt2", "--hidden", "768", "--steps", "2"]),
     (["train", "--hidden", "64", "--heads", "4"], 1, ["train", "--hidden", "64", "--heads", "4", "--steps", "2"]),
     (["simulate", "1f1b", "--steps", "9"], 3, ["simulate", "1f1b", "--steps", "9"]),
-    (["profile", "--hidden", "256", "--seq", "256"], 1, ["profile", "--hidden", "64", "--seq", "64"]),
+    (["profile", "--hidden", "256", "--seq", "256"], 1, ["profile", "--hidden", "64", "--seq", "64", "--quick"]),
+    (["profile", "--quick"], 1, ["profile", "--quick"]),
 ])
 def test_the_setting_scales_only_sizes_and_steps(argv: list[str], factor: float, expected: list[str]) -> None:
     assert shrink(argv, factor) == expected

@@ -691,11 +691,15 @@ def test_a_layers_update_is_timed_on_the_runs_optimizer_and_leaves_it_as_it_was(
 
 def test_the_readme_flow_with_an_mlp_profiled_without_heads(tmp_path) -> None:
     """The MLP has no heads: its profile's and plan's ``heads`` are null, and the plan still trains. Profiled with
-    core sharing on 3 devices, so the link is measured with a third process computing beside it (its helper)."""
+    core sharing on 3 devices, so the link is measured with a third process computing beside it (its helper); quick,
+    which says so in the profile and still measures every figure a plan reads."""
     got = _cli("profile", "--model", "mlp", "--layers", "4", "--hidden", "32", "--batch", "16", "-m", "4", "-p", "3",
-               "--repeats", "2", "-o", "prof.json", cwd=tmp_path)
+               "--repeats", "2", "--quick", "-o", "prof.json", cwd=tmp_path)
     assert got.returncode == 0, got.stderr
-    assert len(Profile.load(str(tmp_path / "prof.json")).contention) == 3
+    prof = Profile.load(str(tmp_path / "prof.json"))
+    assert len(prof.contention) == 3 and prof.machine["quick"] is True
+    assert prof.latency >= 0 and 0 < prof.bandwidth < math.inf and prof.message_overhead > 0  # latency: floored
+    assert min(prof.contention) >= 1 and set(prof.allreduce) == {3} and set(prof.zero1) == {3}
     got = _cli("plan", "--profile", "prof.json", "-p", "3", "--memory-budget", "50MiB", "-o", "plan.json",
                cwd=tmp_path)
     assert got.returncode == 0, got.stderr
@@ -860,3 +864,12 @@ def test_ctrl_c_during_the_commands_start_up_is_one_line(command: list[str], tmp
         assert proc.returncode in (0, 130) and len(lines) <= 1 and "Traceback" not in err, (delay, err)
         if proc.returncode == 130:
             assert re.fullmatch(rf"pipefold {command[0]}: interrupted \(SIGINT\)(; stopped \d ranks)?", lines[0]), err
+
+
+def test_a_quick_profile_runs_fewer_rounds_of_every_measurement_between_processes() -> None:
+    from pipefold.runtime.measure.profiling import FULL, QUICK
+    from pipefold.train.overhead import OVERHEAD_RUN, QUICK_STEPS
+
+    for field in dataclasses.fields(QUICK):
+        assert 0 < getattr(QUICK, field.name) < getattr(FULL, field.name), field.name
+    assert 1 < QUICK_STEPS < OVERHEAD_RUN["steps"]  # the first step is left out: two at least

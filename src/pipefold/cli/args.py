@@ -305,6 +305,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=7, help="timed runs of each layer, after a warm-up (default 7)")
+    p.add_argument("--quick", action="store_true",
+                   help="fewer rounds and shorter windows for the link, the collectives, the sharing of the cores and "
+                        "the runtime's work per message: a profile in about two thirds of the time, whose figures "
+                        "spread more (a first look; plan from a full profile)")
     p.add_argument("--no-link", action="store_true", help="do not measure the link (free transfers)")
     p.add_argument("--no-sharing", action="store_true",
                    help="do not measure how ranks share this machine (each rank has a device of its own)")

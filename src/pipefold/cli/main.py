@@ -75,6 +75,21 @@ def _interrupts() -> Iterator[None]:
         sys.unraisablehook = hook
 
 
+def interrupt_within(exc: BaseException) -> KeyboardInterrupt | None:
+    """The interrupt (SIGINT or SIGTERM) that ``exc`` was raised while handling or from, where there is one: a signal
+    that lands inside code that turns what it meets into another exception (an import making a dataclass, whose
+    field's ``__set_name__`` fails with the interrupt as a RuntimeError; a library's callback) is still the
+    signal, and ends the command as one does."""
+    seen: set[int] = set()
+    at: BaseException | None = exc
+    while at is not None and id(at) not in seen:
+        if isinstance(at, KeyboardInterrupt):
+            return at
+        seen.add(id(at))
+        at = at.__cause__ or at.__context__
+    return None
+
+
 FAMILIES = (schedule_cmds, plan_cmds, train_cmds)
 """The modules of commands, one per family: command ``name`` runs the function ``cmd_<name>`` of one of them."""
 
@@ -146,9 +161,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.layers = args.default_layers
     console = make_console(soft_wrap=True)
     try:  # each error that ends the command in one line, which under torchrun one worker says (tell)
-        check_applies(args)
-        with _interrupts():
-            command(args.command)(args, console)
+        try:
+            check_applies(args)
+            with _interrupts():
+                command(args.command)(args, console)
+        except Exception as exc:
+            if (interrupt := interrupt_within(exc)) is not None:
+                raise interrupt from None
+            raise
     except KeyboardInterrupt as exc:
         # SIGINT or SIGTERM: the launcher has stopped its ranks (and says how many); one line, the shell's code.
         what = exc if isinstance(exc, Interrupted) else Interrupted(signal.SIGINT)

@@ -32,15 +32,19 @@ __all__ = ["OVERHEAD_RUN", "measure_overhead", "overhead_of", "overhead_ranks", 
 
 OVERHEAD_RUN = {"schedule": "1f1b", "devices": 2, "steps": 6}
 """The run timed, on 2 ranks or as many as :func:`measure_overhead` is given: its first step is left out."""
+QUICK_STEPS = 3
+"""Its steps in a quick profile (``pipefold profile --quick``)."""
 
 
-def measure_overhead(train: dict[str, Any], devices: int = 2) -> float:
+def measure_overhead(train: dict[str, Any], devices: int = 2, *, quick: bool = False) -> float:
     """Seconds of the runtime's own work per message a rank sends or receives, at one rank's load: the mean over the
-    ranks of :data:`OVERHEAD_RUN` on ``devices`` ranks with the model and size ``train`` (a profile's ``train``)."""
+    ranks of :data:`OVERHEAD_RUN` (:data:`QUICK_STEPS` steps with ``quick``) on ``devices`` ranks with the model and
+    size ``train`` (a profile's ``train``)."""
     from pipefold.runtime.launch.local import run_local
     from pipefold.train.prepare import make_job
 
-    job = make_job(RunSpec.flat(**profiled_settings(train), **{**OVERHEAD_RUN, "devices": devices}), local=True)
+    run = {**OVERHEAD_RUN, "devices": devices, **({"steps": QUICK_STEPS} if quick else {})}
+    job = make_job(RunSpec.flat(**profiled_settings(train), **run), local=True)
     return overhead_of(job, run_local(job))
 
 
@@ -88,7 +92,8 @@ def profile_here(*, overhead: bool = True, progress: Progress | None = None, **s
         return profile
     if progress is not None:
         progress("overhead", 0, 1)
-    profile = dataclasses.replace(profile, message_overhead=measure_overhead(profile.train, overhead_ranks(profile)))
+    overhead_s = measure_overhead(profile.train, overhead_ranks(profile), quick=sizes.get("quick", False))
+    profile = dataclasses.replace(profile, message_overhead=overhead_s)
     if progress is not None:
         progress("overhead", 1, 1)
     return profile

@@ -53,12 +53,37 @@ from pipefold.runtime.stage import (
 )
 from pipefold.runtime.timed import no_wait, run_passes, timed_backward, timed_forward
 
-__all__ = ["MATMUL_DTYPES", "layer_costs", "layer_memory", "layer_static_bytes", "measure_allreduce", "Measured",
+__all__ = ["FULL", "MATMUL_DTYPES", "QUICK", "Effort", "layer_costs", "layer_memory", "layer_static_bytes",
+           "measure_allreduce", "Measured",
            "measure_contention", "measure_fsdp", "measure_fsdp_hooks", "measure_layers", "measure_link",
            "measure_matmuls", "measure_sharded", "measure_stages", "measure_zero1", "profile_model", "run_passes",
            "split_figures", "TimedLayer", "TimedStage", "layers_per_rank", "time_in_stages"]
 
 Values = tuple[torch.Tensor, ...]
+@dataclasses.dataclass(frozen=True)
+class Effort:
+    """How long a profile's measurements between processes run: rounds of each, and the windows in which ranks share
+    the cores. The layers' own timings are ``repeats`` (:func:`profile_model`)."""
+
+    link_rounds: int = 20
+    """Round trips of each message size (:func:`measure_link`)."""
+    reduce_rounds: int = 5
+    """All-reduces, and FSDP's gathers and scatters, of each size (:func:`measure_allreduce`, :func:`measure_fsdp`)."""
+    zero1_rounds: int = 10
+    """ZeRO-1 shares of each size (:func:`measure_zero1`)."""
+    hook_rounds: int = 5
+    """Timings of FSDP's hooks (:func:`measure_fsdp_hooks`)."""
+    sharing_rounds: int = 3
+    """Rounds of k = 1..devices processes computing at once (:func:`measure_contention`)."""
+    sharing_seconds: float = 1.0
+    """The longest window of one such measurement."""
+
+
+FULL = Effort()
+QUICK = Effort(link_rounds=8, reduce_rounds=2, zero1_rounds=3, hook_rounds=2, sharing_rounds=1, sharing_seconds=0.3)
+"""``pipefold profile --quick``: a profile in about two thirds of the time, for a first look at a flow; the figures
+spread more from run to run."""
+
 _LINK_SIZES = (4 << 10, 64 << 10, 512 << 10, 4 << 20)
 _REDUCE_SIZES = (64 << 10, 1 << 20, 4 << 20, 16 << 20)
 
@@ -1161,7 +1186,7 @@ def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int 
                   heads: int | None = None, model_config: str | None = None, seq: int = 64,
                   batch: int = 16, microbatches: int = 8, optimizer: str = "adamw", seed: int = 0,
                   devices: int = 4, repeats: int = 7, link: bool = True, contention: bool = True,
-                  tp: Sequence[int] = (1,), sharding: bool = True, dtype: str = "fp32",
+                  tp: Sequence[int] = (1,), sharding: bool = True, dtype: str = "fp32", quick: bool = False,
                   progress: Progress | None = None) -> Profile:
     """Measure ``model`` at this size on this machine (see the module's docstring).
 
@@ -1173,10 +1198,12 @@ def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int 
     pipeline (``pipefold train --schedule auto``) has no copies to shard, and the profile takes about half the time.
     ``dtype`` ('bf16', 'fp16'): the layers' passes are measured under autocast to it, as ``pipefold train --dtype``
     runs them, so their activations, messages and times are that dtype's (recorded in the profile's ``train``, and
-    so given to the runs planned from it).
+    so given to the runs planned from it). ``quick``: the measurements between processes run :data:`QUICK`'s rounds
+    and windows instead of :data:`FULL`'s (recorded in the profile's ``machine``).
     """
     from pipefold.runtime.precision import Precision
 
+    effort = QUICK if quick else FULL
     precision = Precision(dtype)
     if batch % microbatches:
         raise ConfigError(f"a batch of {batch} does not split into {microbatches} microbatches; "
@@ -1215,7 +1242,8 @@ def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int 
     if contention:
         if progress is not None:
             progress("sharing", 0, 1)
-        factors = measure_contention(devices, train, chunk)
+        factors = measure_contention(devices, train, chunk, seconds=effort.sharing_seconds,
+                                     rounds=effort.sharing_rounds)
         if progress is not None:
             progress("sharing", 1, 1)
     tp_layers, tp_ranks = {}, {}
@@ -1239,7 +1267,8 @@ def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int 
         if progress is not None:
             progress("link", 0, 1)
         # Where ranks share cores, the other ranks compute while two of them talk.
-        latency, bandwidth = measure_link(load=(train, chunk, max(0, devices - 2)) if contention else None)
+        latency, bandwidth = measure_link(effort.link_rounds,
+                                          load=(train, chunk, max(0, devices - 2)) if contention else None)
         if progress is not None:
             progress("link", 1, 1)
         # Every group size data-parallel copies may make, the rest of the ranks computing: their all-reduce, and
@@ -1249,22 +1278,23 @@ def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int 
             if progress is not None:
                 progress("all-reduce", i, len(groups))
             load = (train, chunk, devices - k) if contention else None
-            allreduce[k] = measure_allreduce(k, load=load)
+            allreduce[k] = measure_allreduce(k, effort.reduce_rounds, load=load)
             if sharding:
-                zero1[k] = measure_zero1(k, load=load)
-                fsdp[k] = measure_fsdp(k, load=load)
+                zero1[k] = measure_zero1(k, effort.zero1_rounds, load=load)
+                fsdp[k] = measure_fsdp(k, effort.reduce_rounds, load=load)
         if progress is not None:
             progress("all-reduce", len(groups), len(groups))
         if groups and sharding:  # what FSDP's hooks and shards add to a sharded stage: each rank's own work
             if progress is not None:
                 progress("FSDP hooks", 0, 1)
-            fsdp_passes, fsdp_update = measure_fsdp_hooks(train, *hooked, optimizer=optimizer)
+            fsdp_passes, fsdp_update = measure_fsdp_hooks(train, *hooked, effort.hook_rounds, optimizer=optimizer)
             if progress is not None:
                 progress("FSDP hooks", 1, 1)
     machine = {"host": platform.node(), "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                else os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,
                "device": "cpu", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "repeats": repeats,
-               **({"link": "sockets"} if link else {})}  # what the link was measured over: what runs here send over
+               **({"link": "sockets"} if link else {}),  # what the link was measured over: what runs here send over
+               **({"quick": True} if quick else {})}
     return Profile(train=train, layers=tuple(measured), latency=latency,
                    bandwidth=_stored((latency, bandwidth))[1], contention=factors,
                    optimizer_factor=OPTIMIZER_STATE[optimizer], machine=machine, pass_fixed=fixed,
