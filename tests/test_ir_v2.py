@@ -239,7 +239,7 @@ def test_the_pass_helpers_make_the_same_actions_as_the_named_tuple(make, code) -
 def test_a_paused_collector_leaves_no_young_collection_due_and_keeps_a_programs_frozen_objects() -> None:
     import gc
 
-    from pipefold._gc import paused_gc
+    from pipefold._gc import freeze, paused_gc, unfreeze
 
     assert gc.isenabled()
     with paused_gc():
@@ -247,12 +247,37 @@ def test_a_paused_collector_leaves_no_young_collection_due_and_keeps_a_programs_
         made = [(i, str(i), []) for i in range(100_000)]
     assert gc.isenabled() and gc.get_count()[0] < 1000  # what the body made is not walked at once
     kept = [[] for _ in range(10)]
-    gc.freeze()
+    freeze()
     try:
         frozen = gc.get_freeze_count()
         with paused_gc():
             made += [(i, []) for i in range(10)]
         assert gc.get_freeze_count() == frozen  # a program's own frozen objects stay frozen
     finally:
-        gc.unfreeze()
+        unfreeze()
     assert len(made) == 100_010 and len(kept) == 10
+
+
+def test_a_paused_collector_asks_for_the_frozen_count_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The collector's count of frozen objects walks them all (a million in a rank forked from the fork server, which
+    froze torch): asked at each schedule built, it made Pipeline(schedule="auto"), which builds every candidate,
+    25 times slower there. It is asked once per process, then kept as freeze() and unfreeze() change it."""
+    import gc
+
+    from pipefold import _gc
+
+    asked = []
+    monkeypatch.setattr(_gc, "_FROZEN", None)
+    monkeypatch.setattr(gc, "get_freeze_count", lambda: asked.append(1) or 0)
+    for _ in range(5):
+        with _gc.paused_gc():
+            pass
+    assert len(asked) == 1
+    _gc.freeze()
+    try:
+        with _gc.paused_gc():
+            pass
+        assert _gc._frozen() and len(asked) == 1
+    finally:
+        _gc.unfreeze()
+    assert not _gc._frozen() and len(asked) == 1

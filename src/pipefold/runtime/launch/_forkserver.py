@@ -15,13 +15,13 @@ every process the server forked have closed their end of its pipe, does the same
 
 import atexit
 import contextlib
-import gc
 import os
 import signal
 import sys
 import threading
 import time
 
+from pipefold._gc import freeze
 from pipefold.runtime.launch import tempfolder
 from pipefold.runtime.launch.processes import SERVER_PARENT
 
@@ -97,4 +97,4 @@ threading.Thread(target=_watch, name="pipefold-janitor", daemon=True).start()
 # frozen, the cyclic collector of the server and of every rank forked from it leaves it alone. A rank's full
 # collection (one as it leaves its process group) then walks what the rank made, not torch's modules again, which
 # took most of a short run's time.
-gc.freeze()
+freeze()

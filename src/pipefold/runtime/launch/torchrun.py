@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipefold._gc import freeze
 from pipefold.errors import ConfigError, Interrupted, say
 from pipefold.runtime import sockets
 from pipefold.runtime.launch.elastic import settle, write_error_file
@@ -107,7 +108,7 @@ def join_torchrun_group(action_timeout_s: float = DEFAULT_ACTION_TIMEOUT, device
         # What the process has imported and built by now lives as long as it does: frozen, the cyclic collector
         # leaves it alone (as in the fork server the local ranks come from), so the full collection before the
         # group is destroyed walks what the run made, not torch's modules.
-        gc.freeze()
+        freeze()
         where = local_placement(device, backend, 1)
         if where.device == "cuda":
             torch.cuda.set_device(where.device_of(int(os.environ.get("LOCAL_RANK", "0"))))
