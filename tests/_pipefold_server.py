@@ -5,7 +5,11 @@ and each that starts ranks would start their fork server again (seconds of CPU p
 time). This process imports them once, and its fork server serves every command of the page, as it serves every
 ``train`` call of one Python program.
 
-Each request is one JSON line on stdin: ``{"argv": [...], "cwd": ..., "out": ..., "err": ...}``. The command runs
+It runs the pages' benchmark scripts too (``python benchmarks/X.py ...``), each as ``python`` would run it, so that
+they share the imports and the fork server as well.
+
+Each request is one JSON line on stdin: ``{"argv": [...], "cwd": ..., "out": ..., "err": ...}`` (or ``"script":
+[path, *args]`` instead of ``argv``). The command runs
 as the ``pipefold`` entry point runs it (:func:`pipefold.cli.main.main`, its exit code; a usage error's code; a
 traceback on stderr for anything else), in ``cwd``, with file descriptors 1 and 2 on the files ``out`` and
 ``err`` (what its ranks and helpers print lands there too); threads it leaves running are waited for, as the
@@ -34,6 +38,30 @@ def _run(argv: list[str]) -> int:
         join_threads()
 
 
+def _script(argv: list[str]) -> int:
+    """A Python script (a benchmark) run as ``python SCRIPT ARGS`` runs it: as ``__main__`` (whose file the ranks it
+    starts from the fork server import again, as they do a script's), with its ``sys.argv`` and its folder first on
+    ``sys.path``; its exit code."""
+    import runpy
+
+    from pipefold.cli.main import join_threads
+
+    argv_before, path_before = sys.argv[:], sys.path[:]
+    sys.argv = list(argv)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+        return 0
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # noqa: BLE001 (what the script would print as it dies)
+        traceback.print_exc()
+        return 1
+    finally:
+        sys.argv, sys.path[:] = argv_before, path_before
+        join_threads()
+
+
 def serve() -> None:
     reply = os.fdopen(os.dup(1), "w", buffering=1)
     saved = os.dup(1), os.dup(2)
@@ -46,7 +74,7 @@ def serve() -> None:
             os.dup2(err.fileno(), 2)
             os.chdir(request["cwd"])
             try:
-                code = _run(request["argv"])
+                code = _script(request["script"]) if "script" in request else _run(request["argv"])
             finally:
                 sys.stdout.flush()
                 sys.stderr.flush()

@@ -13,9 +13,10 @@ Each page runs in a folder of its own (with ``examples/`` and ``benchmarks/`` be
 command finds the files an earlier one wrote (a schedule file, a profile, a plan, a checkpoint, a saved model).
 Every command must exit 0 (or, where the page says it fails, exit non-zero with the one line the page promises),
 print no traceback, write the files it names, and, with ``--check``, match the one-process reference. A page's
-first ``pipefold`` command of the README runs as a process of its own, as a shell runs it; every other runs in one
-process per xdist worker (``tests/_pipefold_server.py``, the entry point's own function, output and exit code),
-which imports torch and starts the ranks' fork server once for the session instead of once per command or page.
+first ``pipefold`` command of the README runs as a process of its own, as a shell runs it; every other, and every
+benchmark script run with the suite's own variables, runs in one process per xdist worker
+(``tests/_pipefold_server.py``: the entry point's own function, or the script as ``python`` runs it; output and exit
+code), which imports torch and starts the ranks' fork server once for the session instead of once per command.
 
 A command that two pages show alike, after SHRINK, and that reads the same files on both, runs once for the suite: the
 first page to reach it runs it, the other waits for that run's verdict and gets a copy of every file the run wrote in
@@ -257,11 +258,12 @@ class _Server:
         self.count = 0
         self.dir = Path(tempfile.mkdtemp(prefix="pipefold-docs-"))  # the commands' output, outside their folder
 
-    def run(self, argv: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    def run(self, argv: list[str], cwd: Path, script: bool = False) -> subprocess.CompletedProcess[str]:
+        """``pipefold ARGV``, or with ``script`` ``python ARGV`` (a benchmark), run in ``cwd``."""
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.count += 1
         out, err = self.dir / f"{self.count}.out", self.dir / f"{self.count}.err"
-        request = {"argv": argv, "cwd": str(cwd), "out": str(out), "err": str(err)}
+        request = {"script" if script else "argv": argv, "cwd": str(cwd), "out": str(out), "err": str(err)}
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
         timer = threading.Timer(300, self.proc.kill)
@@ -270,10 +272,10 @@ class _Server:
             line = self.proc.stdout.readline()
         finally:
             timer.cancel()
-        shown = shlex.join(["pipefold", *argv])
-        assert line, f"{shown} ran for over 300 s, or ended the process that ran it\n{err.read_text()[-3000:]}"
-        return subprocess.CompletedProcess(["pipefold", *argv], json.loads(line)["code"], out.read_text(),
-                                           err.read_text())
+        shown = ["python" if script else "pipefold", *argv]
+        assert line, (f"{shlex.join(shown)} ran for over 300 s, or ended the process that ran it\n"
+                      f"{err.read_text()[-3000:]}")
+        return subprocess.CompletedProcess(shown, json.loads(line)["code"], out.read_text(), err.read_text())
 
     def close(self) -> None:
         if self.proc.stdin is not None:
@@ -317,13 +319,20 @@ def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
 
 
-def _run(argv: list[str], cwd: Path, factor: float, server: _Server | None = None
-         ) -> list[subprocess.CompletedProcess[str]]:
+def _run(argv: list[str], cwd: Path, factor: float, server: _Server | None = None,
+         scripts: _Servers | None = None) -> list[subprocess.CompletedProcess[str]]:
     """Run one command as written (with SHRINK); several processes for a multi-node torchrun. A ``pipefold``
-    command without variables set before it runs in ``server`` where one is given."""
+    command without variables set before it runs in ``server`` where one is given; a benchmark script in
+    ``scripts``, where the variables set before it (if any) are the suite's own (``OMP_NUM_THREADS=1``)."""
     env = _env()
     if server is not None and argv[0] == "pipefold":
         return [server.run(shrink(argv[1:], factor), cwd)]
+    own = [a for a in argv if re.fullmatch(r"[A-Z_]+=\S*", a)]
+    python = argv[len(own):]
+    if (scripts is not None and all(env.get(k) == v for k, v in (a.split("=", 1) for a in own))
+            and python[0] in ("python", ".venv/bin/python") and python[1:2]
+            and python[1].startswith("benchmarks/")):
+        return [scripts.get().run(shrink_benchmark(python[1:]), cwd, script=True)]
     while argv and re.fullmatch(r"[A-Z_]+=\S*", argv[0]):
         key, value = argv.pop(0).split("=", 1)
         env[key] = value
@@ -536,7 +545,7 @@ def test_every_command_of_the_page_runs_as_written(page: Path, tmp_path: Path, o
                 server = servers.get()
             own_process = own_process and argv[0] != "pipefold"
             try:
-                for got in _run(list(argv), tmp_path, factor, server):
+                for got in _run(list(argv), tmp_path, factor, server, servers):
                     _check(argv, got, tmp_path, started)
             except BaseException as exc:
                 if key is not None:
