@@ -22,20 +22,30 @@ import json
 import os
 import sys
 import traceback
+from collections.abc import Callable
 
 
-def _run(argv: list[str]) -> int:
-    from pipefold.cli.main import join_threads, main
+def _exit_code(run: Callable[[], int | None]) -> int:
+    """The exit code ``run`` ends with, as a program's: what it returns (0 for None), a ``SystemExit``'s code
+    (argparse's usage errors, a script's ``sys.exit``), or 1 with the traceback printed for anything else; the
+    threads it leaves running are waited for, as the ``pipefold`` entry point and Python's exit wait for them."""
+    from pipefold.cli.main import join_threads
 
     try:
-        return main(argv)
-    except SystemExit as exc:  # argparse's usage errors
+        return run() or 0
+    except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    except BaseException:  # noqa: BLE001 (what the command would print as it dies)
+    except BaseException:  # noqa: BLE001 (what the program would print as it dies)
         traceback.print_exc()
         return 1
     finally:
         join_threads()
+
+
+def _run(argv: list[str]) -> int:
+    from pipefold.cli.main import main
+
+    return _exit_code(lambda: main(argv))
 
 
 def _script(argv: list[str]) -> int:
@@ -44,22 +54,16 @@ def _script(argv: list[str]) -> int:
     ``sys.path``; its exit code."""
     import runpy
 
-    from pipefold.cli.main import join_threads
-
     argv_before, path_before = sys.argv[:], sys.path[:]
     sys.argv = list(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
-    try:
+    def as_main() -> None:
         runpy.run_path(argv[0], run_name="__main__")
-        return 0
-    except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    except BaseException:  # noqa: BLE001 (what the script would print as it dies)
-        traceback.print_exc()
-        return 1
+
+    try:
+        return _exit_code(as_main)
     finally:
         sys.argv, sys.path[:] = argv_before, path_before
-        join_threads()
 
 
 def serve() -> None:
