@@ -16,6 +16,8 @@ An action is one pass of one microbatch through one stage, or work of a whole st
     1KG2     K-FAC curvature of stage 1 from microbatch 2's output gradients (the G factors)
     1KI      K-FAC inversion of stage 1's factors
     1KP      K-FAC preconditioning of stage 1's gradient, before its optimizer step
+    0OF3     offload of microbatch 3's activations of stage 0 to host memory (after its forward)
+    0RL3     reload of them to the device (before its backward)
 
 What each kind waits for, what it completes, what it costs and how it changes
 memory is written once, in :data:`KINDS`; validation, the simulator, the
@@ -48,8 +50,10 @@ from pipefold.ir.kinds import (
     MAX_DEVICES,
     MAX_STAGE_MICROBATCHES,
     NO_MICROBATCH,
+    OF,
     OPT,
     PASSES,
+    RL,
     RS,
     Action,
     B,
@@ -75,7 +79,7 @@ from pipefold.ir.schedule import (
 
 __all__ = [
     "AG", "B", "BW", "DP", "F", "FORMATS", "KA", "KG", "KI", "KINDS", "KP", "MAX_DEVICES", "MAX_STAGE_MICROBATCHES",
-    "NO_MICROBATCH", "OPT", "PASSES", "RS", "W", "Action", "ActionRows", "Graph", "Kind", "KindSpec", "R", "Schedule",
+    "NO_MICROBATCH", "OF", "OPT", "PASSES", "RL", "RS", "W", "Action", "ActionRows", "Graph", "Kind", "KindSpec", "R", "Schedule",
     "Transfer", "check_size", "dependency_graph", "describe_placement", "dumps", "format_of", "linear_placement",
     "load", "looped_placement", "overlap", "parse_placement", "read_schedule_text", "register_kind", "render_grid",
     "reversed_placement", "save", "v_placement", "validate",

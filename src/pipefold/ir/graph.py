@@ -350,6 +350,7 @@ def _givers(schedule: Schedule, table: ActionTable, rules: _Rules, offsets: Sequ
         giver = np.array(_givers_in_order(schedule, offsets, rules.names), dtype=np.int64)
     _check_complete(schedule, giver, offsets)
     S, M, D = schedule.stages, schedule.microbatches, schedule.devices
+    _check_required(schedule, giver, offsets, rules.names)
     r_base = len(rules.names) * S * M + rules.names[Kind.R] * S * D
     trains = bool(np.any(giver[S * M:3 * S * M] >= 0))  # a forward-only schedule has no gradients to reduce
     for s in range(S if trains else 0):
@@ -361,6 +362,25 @@ def _givers(schedule: Schedule, table: ActionTable, rules: _Rules, offsets: Sequ
                           f"{', '.join(map(str, holders))}, so each needs an all-reduce of its gradients "
                           f"({s}{Kind.R}) after its last backward", device=d, position=len(schedule.actions[d]))
     return giver
+
+
+def _check_required(schedule: Schedule, giver: Ints, offsets: Sequence[int], names: Mapping[str, int]) -> None:
+    """Each pass of a kind with ``requires`` (an offload and its reload) comes with the passes it requires, of the
+    same (stage, microbatch)."""
+    SM, M = schedule.stages * schedule.microbatches, schedule.microbatches
+    for spec in KINDS.values():
+        for name in spec.requires if spec.microbatch else ():
+            for own in spec.gives:
+                have, lack = giver[names[own] * SM:(names[own] + 1) * SM], giver[names[name] * SM:(names[name] + 1) * SM]
+                missing = np.flatnonzero((have >= 0) & (lack < 0))
+                if len(missing):
+                    at = int(missing[0])
+                    d, i = _where(offsets, int(have[at]))
+                    s, m = divmod(at, M)
+                    act = schedule.actions[d][i]
+                    _fail(schedule, f"device {d}, position {i}: {act} needs a {name} of stage {s} microbatch {m} "
+                          f"as well ({s}{name}{m}: {KINDS[name].doc}), and the schedule has none",
+                          device=d, position=i)
 
 
 def _givers_at_once(schedule: Schedule, table: ActionTable, rules: _Rules) -> Ints | None:
@@ -661,7 +681,12 @@ def _traverse(schedule: Schedule, offsets: tuple[int, ...], table: ActionTable, 
     for g in np.flatnonzero(alone & _of_kinds(table.kind, [KINDS[code].collective for code in table.kinds])).tolist():
         members.setdefault((int(table.kind[g]), int(table.stage[g])), []).append(g)
     peers = {m: tuple(together) for together in members.values() for m in together}
-    quiet = set(np.flatnonzero(alone & _of_kinds(table.kind, [code in idle for code in table.kinds])).tolist())
+    plain = np.ones(N, dtype=bool)
+    plain[table.composite] = False
+    quiet = set(np.flatnonzero(plain & _of_kinds(table.kind, [code in idle for code in table.kinds])).tolist())
+    # Communication on a lane (a host link's copies): one at a time per device and kind, in the device's order.
+    lanes = _lanes(table, quiet)
+    lane_free = dict.fromkeys(lanes.values(), 0.0)
     # The inputs the loop looks at: not those that ran earlier on the same device and keep it busy until they end
     # (all but communication), as the device is free only after they end: they can neither hold it up nor start it
     # later. (Unless a duration is below 0: then a device's free time can go back, and the loop looks at all.)
@@ -796,8 +821,13 @@ def _traverse(schedule: Schedule, offsets: tuple[int, ...], table: ActionTable, 
                             g0 = g
                             continue
                         else:
+                            lane = lanes.get(g)
+                            if lane is not None:
+                                start = max(start, lane_free[lane])
                             starts[g] = start
                             ends[g] = end = start + dur[g]
+                            if lane is not None:
+                                lane_free[lane] = end
                             if arrive:
                                 ends[g + arrive] = end + send[g]
                             ready = start if g in quiet else end
@@ -925,6 +955,15 @@ def validate(schedule: Schedule) -> Schedule:
     """
     dependency_graph(schedule)
     return schedule
+
+
+def _lanes(table: ActionTable, quiet: set[int]) -> dict[int, tuple[int, int]]:
+    """The communication actions among ``quiet`` whose kind queues on a lane (``KindSpec.lane``), with their lane:
+    (device, kind number)."""
+    on_lane = [KINDS[code].lane for code in table.kinds]
+    if not any(on_lane):
+        return {}
+    return {g: (int(table.device[g]), int(table.kind[g])) for g in sorted(quiet) if on_lane[table.kind[g]]}
 
 
 def _fail(schedule: Schedule, message: str, *, device: int, position: int) -> None:

@@ -64,6 +64,8 @@ class Kind:
     KG = "KG"  # K-FAC: curvature from a microbatch's output gradients (G = E[g g^T])
     KI = "KI"  # K-FAC: inversion of a stage's damped factors
     KP = "KP"  # K-FAC: preconditioning of a stage's gradient
+    OF = "OF"  # offload: a microbatch's activations of a stage copied to host memory, their device copy freed
+    RL = "RL"  # reload: the offloaded activations copied back to the device before the microbatch's backward
 
 
 def _no_memory(c: Any) -> tuple[float, float]:
@@ -97,6 +99,12 @@ class KindSpec:
     """Occupies its device; False for communication that runs beside the device's compute."""
     composite: bool = False
     """Made of parts run together (an overlapped F and B); written as the parts joined by ``+``."""
+    requires: tuple[str, ...] = ()
+    """Passes of the same (stage, microbatch) that a schedule giving this one must give too (an offload needs its
+    reload, a reload its offload)."""
+    lane: bool = False
+    """Communication (``computes`` False) that queues on a lane of its own per device and kind: one copy of its
+    kind at a time, beside the device's compute (the host link's copy engine, one per direction)."""
     time: Callable[[Any], float] = lambda c: 0.0
     """Its duration, from the stage's costs (a ``simulate.StageCost``)."""
     memory: Callable[[Any], tuple[float, float]] = _no_memory
@@ -124,6 +132,14 @@ def _bw_memory(c: Any) -> tuple[float, float]:
     return c.memory - c.held, -c.memory
 
 
+def _of_memory(c: Any) -> tuple[float, float]:
+    return 0.0, -c.offloaded  # the device copy is freed once the host has it
+
+
+def _rl_memory(c: Any) -> tuple[float, float]:
+    return c.offloaded, 0.0  # the device copy is allocated when the copy back starts
+
+
 KINDS: dict[str, KindSpec] = {}
 """The one table of action kinds, by code."""
 
@@ -148,11 +164,21 @@ def _gives_anywhere() -> set[str]:
 for _spec in (
     KindSpec(code=Kind.F, doc="forward", needs=(("F", -1),), gives=("F",), after=("AG",), time=lambda c: c.f,
              memory=_f_memory, color="#0072B2", label="forward"),
-    KindSpec(code=Kind.B, doc="backward for the stage input only", needs=(("F", 0), ("B", 1)), gives=("B",),
+    # PipeOffload: what a microbatch keeps from its F to its backward, moved to host memory and back. Copies on the
+    # host link, beside the compute, one at a time per direction; a backward waits for its reload where there is one.
+    KindSpec(code=Kind.OF, doc="offload of a microbatch's activations to host memory", needs=(("F", 0),),
+             gives=("OF",), requires=("RL",), computes=False, lane=True, time=lambda c: c.offload,
+             memory=_of_memory, color="#7F7F7F", label="offload"),
+    KindSpec(code=Kind.RL, doc="reload of a microbatch's offloaded activations", needs=(("OF", 0),),
+             gives=("RL",), requires=("OF",), computes=False, lane=True, time=lambda c: c.offload,
+             memory=_rl_memory, color="#BBBBBB", label="reload"),
+    KindSpec(code=Kind.B, doc="backward for the stage input only", needs=(("F", 0), ("B", 1), ("RL", 0)),
+             gives=("B",),
              time=lambda c: c.b, memory=_b_memory, color="#E69F00", label="input grad"),
     KindSpec(code=Kind.W, doc="backward for the weights only", needs=(("B", 0),), gives=("W",),
              time=lambda c: c.w, memory=_w_memory, color="#009E73", label="weight grad"),
-    KindSpec(code=Kind.BW, doc="fused backward: B and W together", needs=(("F", 0), ("B", 1)), gives=("B", "W"),
+    KindSpec(code=Kind.BW, doc="fused backward: B and W together", needs=(("F", 0), ("B", 1), ("RL", 0)),
+             gives=("B", "W"),
              time=lambda c: c.bw, memory=_bw_memory, color="#CC79A7", label="full backward"),
     KindSpec(code=Kind.FB, doc="an overlapped forward and backward, run together", composite=True,
              color="#56B4E9", label="overlapped F+B"),
@@ -314,6 +340,16 @@ def KI(stage: int) -> Action:
 def KP(stage: int) -> Action:
     """K-FAC preconditioning of ``stage``'s gradient."""
     return Action(stage, Kind.KP, NO_MICROBATCH)
+
+
+def OF(stage: int, microbatch: int) -> Action:
+    """Offload of ``microbatch``'s activations of ``stage`` to host memory."""
+    return Action(stage, Kind.OF, microbatch)
+
+
+def RL(stage: int, microbatch: int) -> Action:
+    """Reload of ``microbatch``'s offloaded activations of ``stage``."""
+    return Action(stage, Kind.RL, microbatch)
 
 
 def overlap(forward: Action, backward: Action) -> Action:

@@ -56,6 +56,7 @@ from pipefold.runtime.comm import (
 
 if TYPE_CHECKING:
     from pipefold.sim.network import Network
+from pipefold.runtime.activation_offload import HostCopies
 from pipefold.runtime.meter import MemoryMeter
 from pipefold.runtime.precision import grad_holder
 from pipefold.runtime.stage import Boundaries, StageRunner, Tensors
@@ -348,6 +349,8 @@ class RankExecutor:
         self.activity = activity if activity is not None else Activity(rank)
         """What the rank is doing, for the job's watch (:mod:`pipefold.runtime.watch`): each action, each wait."""
         self.meter = MemoryMeter()
+        self.host_copies = HostCopies(device)
+        """The activations this rank's OF actions moved to host memory (:mod:`pipefold.runtime.activation_offload`)."""
         last = schedule.stages - 1
         recompute = recompute or {}
         self.actions = list(schedule.actions[rank])
@@ -554,6 +557,8 @@ class RankExecutor:
             table[Kind.DP] = self._reduce_pipelines
         if self.sharded:
             table.update({Kind.AG: self._gather, Kind.RS: self._reduce_scatter})
+        if not self.infer:
+            table.update({Kind.OF: self._offload, Kind.RL: self._reload})
         return table
 
     def _forward(self, action: Action, step: _Step) -> None:
@@ -600,6 +605,18 @@ class RankExecutor:
         start = step.clock.mark()
         self.runners[action.stage].backward_weight(action.microbatch)
         step.clock.interval(step.stats.events, str(action), "W", start)
+
+    def _offload(self, action: Action, step: _Step) -> None:
+        """OF: the microbatch's saved activations to host memory (on a GPU started on the copy stream)."""
+        start = step.clock.mark()
+        self.runners[action.stage].offload(action.microbatch, self.host_copies)
+        step.clock.interval(step.stats.events, str(action), Kind.OF, start)
+
+    def _reload(self, action: Action, step: _Step) -> None:
+        """RL: them back to the device for the microbatch's backward (on a GPU started on the copy stream)."""
+        start = step.clock.mark()
+        self.runners[action.stage].reload(action.microbatch, self.host_copies)
+        step.clock.interval(step.stats.events, str(action), Kind.RL, start)
 
     def _reduce_replicas(self, action: Action, step: _Step) -> None:
         """R: start the all-reduce of the stage's gradients among its replicas in this pipeline."""

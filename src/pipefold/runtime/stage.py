@@ -53,6 +53,7 @@ from torch.autograd.graph import GradientEdge, Node
 
 from pipefold.errors import ConfigError
 from pipefold.runtime import wgrad
+from pipefold.runtime.activation_offload import HostCopies, Offloaded
 from pipefold.runtime.host_memory import keep_freed_pages
 from pipefold.runtime.meter import MemoryMeter, storage_of
 from pipefold.runtime.sharding import local, waited
@@ -193,6 +194,12 @@ class _Pass:
     """On the first stage, its first layer's outputs as graph edges: where W ends (see ``StageRunner._lead``)."""
     lead_grads: Tensors = ()
     """Their gradients, from B."""
+    host: list[Offloaded] | None = None
+    """What an offload (``OF``) moved to host memory, until the backward (a reload copies from it)."""
+    offloaded: Any = None
+    """The offload's event (a GPU's; None on a CPU)."""
+    reloaded: Any = None
+    """The reload's event, which the backward waits for (a GPU's), True once reloaded on a CPU, None before."""
 
     def held_bytes(self, meter: MemoryMeter, *, outputs: bool = True) -> int:
         """Bytes of the distinct storages this microbatch holds now, as ``meter`` counts them."""
@@ -960,6 +967,40 @@ class StageRunner:
                               f"{first}") from exc
         self.boundaries.fitted.add(self.stage)
 
+    # -- activation offloading
+
+    def offload(self, mb: int, copies: HostCopies) -> int:
+        """OF: copy what microbatch ``mb``'s forward saved to host memory and let the device copy go (what the
+        microbatch holds anyway, its inputs and outputs, stays); return the bytes moved."""
+        p = self._passes[mb]
+        if p.host is not None:
+            raise RuntimeError(f"stage {self.stage} microbatch {mb} is offloaded already")
+        kept = [*p.inputs, *p.outputs, *(p.rebuild.inputs if p.rebuild is not None else ())]
+        keep = {id(st) for t in kept if (st := storage_of(t)) is not None}
+        boxes = [b for ref in p.boxes if (b := ref()) is not None]
+        p.host, p.offloaded = copies.offload(boxes, keep)
+        return sum(c.nbytes for c in p.host)
+
+    def reload(self, mb: int, copies: HostCopies) -> None:
+        """RL: copy microbatch ``mb``'s offloaded activations back to the device, for its backward."""
+        p = self._passes[mb]
+        if p.host is None:
+            raise RuntimeError(f"stage {self.stage} microbatch {mb} has nothing offloaded to reload")
+        storages, done = copies.reload(p.host, p.offloaded)
+        p.reloaded = True if done is None else done
+        self.meter.hold_storages(storages, "saved")
+
+    def _reloaded(self, p: _Pass) -> None:
+        """Before a backward: wait for its reload (a GPU's copy stream), and let the host copies go."""
+        if p.host is None:
+            return
+        if p.reloaded is None:
+            raise RuntimeError(f"stage {self.stage}: a backward ran on offloaded activations that were never "
+                               "reloaded (the schedule needs an RL before it)")
+        if p.reloaded is not True:
+            p.reloaded.wait()  # the compute stream waits for the copy stream's reload
+        p.host = p.offloaded = p.reloaded = None
+
     # -- backward
 
     def backward_input(self, mb: int, out_grads: Tensors | None) -> Tensors | None:
@@ -969,6 +1010,7 @@ class StageRunner:
         starting points are kept until W.
         """
         p = self._passes[mb]
+        self._reloaded(p)
         grads_out = self._grads_for(p, out_grads)
         outs = self._differentiable(p)
         wanted = [x for x in p.inputs if x.requires_grad]
@@ -1018,6 +1060,7 @@ class StageRunner:
     def backward(self, mb: int, out_grads: Tensors | None) -> Tensors | None:
         """BW: input and weight gradients in one pass; release the microbatch."""
         p = self._passes.pop(mb)
+        self._reloaded(p)
         grads_out = self._grads_for(p, out_grads)
         wanted = [x for x in p.inputs if x.requires_grad]
         before = self._rest_of_rank(p, out_grads)

@@ -159,10 +159,12 @@ class _Expansion:
         self.slot[:n] = (np.array([block.f, block.b, block.w]).reshape(-1, 1) + T * microbatch).ravel()
         self.slot[n] = -1
         # The passes whose results each pass needs (by the kinds' rules, pipefold.ir.KINDS), at most
-        # two, with n for none: the same microbatch of one group.
+        # two, with n for none: the same microbatch of one group. A block has F, B and W only: a need of another
+        # pass (a reload, which an offloading transform adds later) is none here.
         needs = np.full((2, 3 * S, 1), -1)
         for k, code in enumerate(_KINDS):
-            for slot_no, (name, offset) in enumerate(KINDS[code].needs):
+            within = [(name, offset) for name, offset in KINDS[code].needs if name in _KINDS]
+            for slot_no, (name, offset) in enumerate(within):
                 target = np.arange(S) + offset
                 needs[slot_no, k * S:(k + 1) * S, 0] = np.where((target >= 0) & (target < S),
                                                                 _KINDS.index(name) * S + target, -1)

@@ -87,6 +87,10 @@ class StageCost:
     fused: float | None = None
     """Time of a fused backward (BW), recomputation included; None: B + W. A runtime that splits the backward
     does work a fused one does not (it finds where W starts, reruns the engine there), so the two differ."""
+    offloaded: float = 0.0
+    """Activation memory an offload (``OF``) moves to host memory, of what F keeps until the backward."""
+    offload: float = 0.0
+    """Time of one copy of ``offloaded`` over the host link, either way (``OF`` and ``RL`` each)."""
 
     @property
     def bw(self) -> float:
@@ -126,6 +130,10 @@ class StageOverride:
     """What those kinds keep until they run; None: derived from the model's ``stash``."""
     bw: float | None = None
     """Time of a fused backward (BW) without recomputation; None: ``b + w``."""
+    offloaded: float | None = None
+    """Activation memory an offload of one microbatch moves to host memory; None: ``offloadable`` of what it keeps."""
+    offload: float | None = None
+    """Time of that copy, either way; None: derived like the model's ``offload``."""
     collectives: int = 1
     """Collectives each of this stage's ``AG`` and ``RS`` runs when sharded across the data-parallel pipelines:
     FSDP gathers and reduce-scatters each layer with parameters on its own (one FSDP unit per layer), so each
@@ -194,13 +202,20 @@ class CostModel:
     """Ranks of each device (its tensor-parallel degree), or of device d (``mesh[d]``) where they differ: a message
     between devices crosses in as many pieces at once as the larger mesh has ranks, which the receiving ranks
     then all-gather (:func:`pipefold.runtime.comm.routes`)."""
+    offload: float = 0.0
+    """Time to copy what one device's share offloads of a microbatch (``offloadable`` of what F keeps until the
+    backward) to host memory, and the same back: each ``OF`` and ``RL`` action, on a lane per direction beside the
+    compute."""
+    offloadable: float = 1.0
+    """Fraction of what a stage keeps from F until its backward that an ``OF`` moves to host memory: 0..1 (the rest,
+    such as the stage's input and output, which the pipeline still reads, stays)."""
     after_step: float = 0.0
     """Time after every device's last action before the step is over, on no device's timeline: what the runtime
     does once the schedule has run (ZeRO-1's broadcast of the stepped shares). Added to the makespan."""
 
     def __post_init__(self) -> None:
         for name in ("f", "b", "w", "memory", "memory_w", "latency", "activation_bytes", "grad_bytes", "opt",
-                     "weights", "gathered", "message_overhead", "after_step"):
+                     "weights", "gathered", "message_overhead", "after_step", "offload"):
             value = getattr(self, name)
             if value is None and name == "memory_w":
                 continue
@@ -219,6 +234,8 @@ class CostModel:
             raise ConfigError(f"contention factors must be finite numbers > 0 (got {self.contention!r})")
         if not 0 <= self.recompute <= 1:
             raise ConfigError(f"recompute is a fraction of the forward: 0..1 (got {self.recompute!r})")
+        if not 0 <= self.offloadable <= 1:
+            raise ConfigError(f"offloadable is a fraction of what a stage keeps: 0..1 (got {self.offloadable!r})")
         if not self.bandwidth > 0:
             raise ConfigError(f"bandwidth must be > 0 bytes per time unit (got {self.bandwidth!r})")
         if any(isinstance(m, bool) or not (isinstance(m, int) and m >= 1)
@@ -234,9 +251,9 @@ class CostModel:
                 raise ConfigError(f"an FSDP fit is a group of >= 2 devices, each of its gather and reduce-scatter with "
                                   f"latency >= 0 and bandwidth > 0 (got {k}: {fits})")
         for stage, cost in self.stage_overrides.items():
-            for name in ("f", "b", "w", "memory", "recompute", "kept", "memory_w", "bw"):
+            for name in ("f", "b", "w", "memory", "recompute", "kept", "memory_w", "bw", "offloaded", "offload"):
                 value = getattr(cost, name)
-                if value is None and name in ("memory", "kept", "memory_w", "bw"):
+                if value is None and name in ("memory", "kept", "memory_w", "bw", "offloaded", "offload"):
                     continue
                 if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                     raise ConfigError(f"stage {stage} cost {name} must be a finite number >= 0 (got {value!r})")
@@ -321,15 +338,19 @@ class CostModel:
         if over is None:
             f, memory = self.f * share, self.memory * share
             kept = None if self.recompute == 0 else memory * (1.0 - self.recompute)
+            held = memory if kept is None else kept
             return StageCost(f=f, b=self.b * share + self.recompute * f, w=self.w * share, memory=memory, kept=kept,
                              memory_w=memory_w, allreduce=allreduce, opt=opt, work=work, stash=stash,
-                             **sharded)
+                             offloaded=held * self.offloadable, offload=self.offload * share, **sharded)
         memory = self.memory * share if over.memory is None else over.memory
+        kept = None if over.kept is None else min(over.kept, memory)
+        held = memory if kept is None else kept
         return StageCost(f=over.f, b=over.b + over.recompute, w=over.w, memory=memory,
-                         fused=None if over.bw is None else over.bw + over.recompute,
-                         kept=None if over.kept is None else min(over.kept, memory),
+                         fused=None if over.bw is None else over.bw + over.recompute, kept=kept,
                          memory_w=memory_w if over.memory_w is None else over.memory_w, allreduce=allreduce, opt=opt,
-                         work=work, stash=stash, **sharded)
+                         work=work, stash=stash,
+                         offloaded=held * self.offloadable if over.offloaded is None else min(over.offloaded, held),
+                         offload=self.offload * share if over.offload is None else over.offload, **sharded)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -342,10 +363,11 @@ class CostModel:
             "gathered": self.gathered, "message_overhead": self.message_overhead,
             "allreduce_fits": {str(k): list(fit) for k, fit in self.allreduce_fits.items()},
             "sharded_fits": {str(k): [list(g), list(r)] for k, (g, r) in self.sharded_fits.items()}, "mesh": self.mesh,
-            "after_step": self.after_step,
+            "after_step": self.after_step, "offload": self.offload, "offloadable": self.offloadable,
             "stage_overrides": {str(s): {"f": c.f, "b": c.b, "w": c.w, "memory": c.memory,
                                          "recompute": c.recompute, "kept": c.kept, "memory_w": c.memory_w,
-                                         "bw": c.bw, "collectives": c.collectives,
+                                         "bw": c.bw, "collectives": c.collectives, "offloaded": c.offloaded,
+                                         "offload": c.offload,
                                          "work": None if c.work is None else dict(c.work),
                                          "stash": None if c.stash is None else dict(c.stash)}
                                 for s, c in self.stage_overrides.items()},
@@ -790,6 +812,10 @@ def _shared_times(graph: Graph, durations: Sequence[float], transfer: float | tu
     dev_of = [d for d in range(D) for _ in range(lengths[d])]
     quiet = {g for d, row in enumerate(schedule.actions) for i, a in enumerate(row)
              if not a.parts and a.kind in idle for g in (offsets[d] + i,)}
+    # Communication on a lane (a host link's copies): one at a time per device and kind.
+    lane_of = {g: (d, a.kind) for d, row in enumerate(schedule.actions) for i, a in enumerate(row)
+               if not a.parts and KINDS[a.kind].lane for g in (offsets[d] + i,) if g in quiet}
+    lane_free: dict[tuple[int, str], float] = {}
     starts, ends = [0.0] * N, [0.0] * N
     done = bytearray(N)
     heads = [0] * D
@@ -869,7 +895,10 @@ def _shared_times(graph: Graph, durations: Sequence[float], transfer: float | tu
                     d = dev_of[m]
                     starts[m] = t
                     if m in quiet:
-                        ends[m] = t + durations[m]
+                        if (lane := lane_of.get(m)) is not None:
+                            starts[m] = max(t, lane_free.get(lane, 0.0))
+                            lane_free[lane] = starts[m] + durations[m]
+                        ends[m] = starts[m] + durations[m]
                         sent(m)
                         done[m] = 1
                         finished += 1
