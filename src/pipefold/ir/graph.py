@@ -371,7 +371,8 @@ def _check_required(schedule: Schedule, giver: Ints, offsets: Sequence[int], nam
     for spec in KINDS.values():
         for name in spec.requires if spec.microbatch else ():
             for own in spec.gives:
-                have, lack = giver[names[own] * SM:(names[own] + 1) * SM], giver[names[name] * SM:(names[name] + 1) * SM]
+                have = giver[names[own] * SM:(names[own] + 1) * SM]
+                lack = giver[names[name] * SM:(names[name] + 1) * SM]
                 missing = np.flatnonzero((have >= 0) & (lack < 0))
                 if len(missing):
                     at = int(missing[0])

@@ -183,7 +183,8 @@ class OffloadPoint:
 
 
 def plan_offload(p: int, m: int, budget: float, cost: CostModel | None = None, *,
-                 families: Iterable[tuple[str, dict[str, int]]] | None = None, progress: Progress | None = None) -> list[OffloadPoint]:
+                 families: Iterable[tuple[str, dict[str, int]]] | None = None,
+                 progress: Progress | None = None) -> list[OffloadPoint]:
     """Every candidate schedule family for ``p`` devices and ``m`` microbatches, each made to fit ``budget`` with as
     little offloading as it needs: fitting ones first, fastest first."""
     cost = cost or CostModel()
