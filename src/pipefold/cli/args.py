@@ -134,6 +134,22 @@ def _add_costs(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stash", default="", metavar="KIND=MEM,...",
                    help="memory (M) that KA or KG keeps of its microbatch until it runs, held beyond the "
                         "activations once the microbatch's W freed them (default 0)")
+    g.add_argument("--offload-time", type=float, default=0.0, metavar="T",
+                   help="time to copy what a device's share offloads of one microbatch to host memory, and the "
+                        "same back: each OF and RL action, beside the compute, one at a time each way (default 0)")
+    g.add_argument("--offloadable", type=float, default=1.0, metavar="FRACTION",
+                   help="fraction of what a stage keeps from its forward to its backward that an offload moves "
+                        "(default 1)")
+
+
+def _add_offloading(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("activation offloading (PipeOffload; costs: --offload-time, --offloadable)")
+    g.add_argument("--offload-activations", metavar="SHARE", default=None,
+                   help="offload this share of the (stage, microbatch)s' activations to host memory after their "
+                        "forward, back before their backward, the longest-lived first: all, or 0 to 1")
+    g.add_argument("--offload-fit", type=float, default=None, metavar="MEM",
+                   help="offload the fewest, longest-lived first, that bring every device's peak (activations and "
+                        "--weights) to at most MEM")
 
 
 def _add_model(p: argparse.ArgumentParser, *, layers: int | None, layers_help: str, batch: int,
@@ -207,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(.txt, .json, .csv); default {DEFAULT_SCHEDULE}")
     _add_shape(p)
     _add_costs(p)
+    _add_offloading(p)
     _add_output(p)
     _add_format(p)
     p.add_argument("--plot", metavar="FILE", help="write a Gantt chart with memory curves (.png or .svg)")
@@ -249,6 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("schedule", nargs="+", help="registered names, name:key=value,..., or schedule files")
     _add_shape(p)
     _add_costs(p)
+    _add_offloading(p)
     _add_output(p)
     _add_format(p)
 
@@ -293,6 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--global-batch", type=int, default=None, metavar="G", help="with --cluster: sequences per step")
     g.add_argument("--seq", type=int, default=None, metavar="S", help="with --cluster: tokens per sequence")
     g.add_argument("--top", type=int, default=10, metavar="K", help="with --cluster: configurations shown (default 10)")
+    p.add_argument("--offload-activations", action="store_true", dest="allow_offload",
+                   help="with --memory: each schedule may offload activations (the longest-lived first) to fit; "
+                        "the costs of the copies are --offload-time")
     _add_costs(p)
     _add_output(p)
     p.add_argument("--plot", metavar="FILE", help="draw the memory/makespan frontier (.png or .svg)")
@@ -426,6 +447,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(with --recompute auto)")
     p.add_argument("--offload", metavar="K,K2", default=None,
                    help="each stage keeps at most K of its layers on the device, evicting K2 at once")
+    p.add_argument("--offload-activations", metavar="SHARE", default=None,
+                   help="move this share of the (stage, microbatch)s' activations to host memory after their "
+                        "forward and back before their backward, the longest-lived first: all, or 0 to 1")
     p.add_argument("--plan", metavar="FILE", default=None,
                    help="run the plan in FILE (pipefold plan --profile ... -o FILE) as is: its model, schedule, "
                         "split and recomputation; prints the prediction next to what was measured")

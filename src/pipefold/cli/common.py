@@ -92,6 +92,30 @@ def load_schedule(text: str, args: argparse.Namespace, *, strict_flags: bool) ->
     return schedules.build(name, args.devices, args.microbatches, **options)
 
 
+def offloading(args: argparse.Namespace, schedule: Schedule, cost: CostModel) -> tuple[Schedule, str]:
+    """``schedule`` with the activations ``--offload-activations`` or ``--offload-fit`` names offloaded, and a line
+    that says how many and what it changed (the schedule as it was and "" without either)."""
+    share, fit = getattr(args, "offload_activations", None), getattr(args, "offload_fit", None)
+    if share is None and fit is None:
+        return schedule, ""
+    if share is not None and fit is not None:
+        raise ConfigError("--offload-activations names how many activations to offload and --offload-fit finds "
+                          "them for a peak: give one of them")
+    from pipefold.plan.activation_offload import choose_offload, offload_fraction
+    from pipefold.schedules.offload import parse_share
+
+    if any(a.kind == "OF" for row in schedule.actions for a in row):
+        raise ConfigError(f"{ScheduleRef.of(schedule)} offloads activations already (its file has OF actions): "
+                          "drop --offload-activations and --offload-fit")
+    choice = (offload_fraction(schedule, parse_share(share), cost) if share is not None
+              else choose_offload(schedule, fit, cost))
+    plain, got = choice.plain, choice.result
+    return choice.schedule, (f"offloaded {len(choice.pairs)} of {choice.offloadable} (stage, microbatch)s' "
+                             f"activations, the longest-lived first: step {num(got.makespan)} (without: "
+                             f"{num(plain.makespan)}, {choice.slowdown:.3f}x), max peak {num(max(choice.peaks()))} "
+                             f"(without: {num(max(plain.peak_memory))})")
+
+
 def cost_model(args: argparse.Namespace) -> CostModel:
     overrides = {}
     for item in args.stage_cost:
@@ -113,7 +137,8 @@ def cost_model(args: argparse.Namespace) -> CostModel:
                      latency=args.latency, bandwidth=args.bandwidth, activation_bytes=args.activation_bytes,
                      recompute=args.recompute, stage_overrides=overrides, grad_bytes=args.grad_bytes, opt=args.opt,
                      overlap=args.overlap, weights=args.weights, work=kind_table(args.work, "--work"),
-                     stash=kind_table(args.stash, "--stash"))
+                     stash=kind_table(args.stash, "--stash"), offload=args.offload_time,
+                     offloadable=args.offloadable)
 
 
 def check_costs_used(args: argparse.Namespace, simulated: list[Schedule]) -> None:
@@ -123,6 +148,8 @@ def check_costs_used(args: argparse.Namespace, simulated: list[Schedule]) -> Non
     kinds = {a.kind for s in simulated for row in s.actions for a in row}
     replicas = getattr(args, "dp", 1) > 1 or any(len(s.holders(i)) > 1 for s in simulated for i in range(s.stages))
     kfac = args.command == "pipefisher" or bool(kinds & {"KA", "KG", "KI", "KP"})  # pipefisher adds K-FAC's work
+    offloads = bool(getattr(args, "offload_activations", None) or getattr(args, "offload_fit", None)
+                    or getattr(args, "allow_offload", False))
     rules = (
         ("mem_w", "W" in kinds, "is the memory a stage holds between its B and its W, and no schedule here runs a "
                                 "separate W (zb-h1, zb-v and the V family do)"),
@@ -140,6 +167,11 @@ def check_costs_used(args: argparse.Namespace, simulated: list[Schedule]) -> Non
          "takes time only over a link of some --bandwidth: give it too"),
         ("grad_bytes", replicas, "is what the copies of a stage all-reduce, and no stage here has copies: give --dp "
                                  "2 or more, or a schedule with replicas (chimera, dualpipe)"),
+        ("offload_time", "OF" in kinds or offloads, "is the time of the copies an activation offload makes, and no "
+                                                    "schedule here offloads: give --offload-activations or "
+                                                    "--offload-fit too"),
+        ("offloadable", "OF" in kinds or offloads, "is the share of activations an offload moves, and no schedule "
+                                                   "here offloads: give --offload-activations or --offload-fit too"),
     )
     for dest, used, why in rules:
         if dest in args.given and not used:

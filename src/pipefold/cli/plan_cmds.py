@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -86,6 +87,9 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> None:
     cost = cost_model(args)
     check_evaluate(args.devices, args.microbatches)  # before 1F1B's peak, the budget's unit: one line, no work
     budget = parse_budget(args.memory, one_f_one_b_peak(args.devices, args.microbatches, cost))
+    if args.allow_offload:
+        _plan_offloading(args, budget, cost, console)
+        return
     with progress_bar(f"planning p={args.devices} m={args.microbatches}") as progress:
         answer = plan(args.devices, args.microbatches, budget, cost, progress=progress)
     title = (f"p={args.devices} m={args.microbatches}, budget {num(budget)} M: {answer.spec}, "
@@ -103,6 +107,68 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> None:
     _print_plan(answer, args, console)
     if args.plot:
         console.print(f"wrote plot: {args.plot}")
+
+
+def _plan_offloading(args: argparse.Namespace, budget: float, cost: CostModel, console: Console) -> None:
+    """plan --memory B --offload-activations: every family made to fit with the fewest offloads, fastest first."""
+    from pipefold.plan.activation_offload import plan_offload
+
+    if args.plot:
+        raise ConfigError("--plot draws the frontier of the plain plan: drop it with --offload-activations")
+    with progress_bar(f"planning p={args.devices} m={args.microbatches} with offloading") as progress:
+        points = plan_offload(args.devices, args.microbatches, budget, cost, progress=progress)
+    if not points or not points[0].fits:
+        raise ConfigError(f"no schedule fits {num(budget)} M on p={args.devices} m={args.microbatches} even with "
+                          "every activation offloaded" + (f": {_least(points)}" if points else ""))
+
+    def row(pt: Any) -> dict[str, Any]:
+        got = pt.choice.result if pt.choice is not None else pt.plain
+        return {"schedule": pt.spec, "fits": pt.fits, "makespan": round(got.makespan, 9),
+                "plain_makespan": round(pt.plain.makespan, 9), "peak_memory": [round(x, 9) for x in got.peak_memory],
+                "plain_peak_memory": [round(x, 9) for x in pt.plain.peak_memory],
+                "offloaded": len(pt.choice.pairs) if pt.choice is not None else 0,
+                "offloadable": pt.choice.offloadable if pt.choice is not None else None,
+                **({"refused": pt.refused} if pt.refused else {})}
+
+    if args.json:
+        print(jsonout.dumps({"devices": args.devices, "microbatches": args.microbatches, "budget": budget,
+                             "cost": cost.to_dict(), "best": row(points[0]), "schedules": [row(pt) for pt in points]}))
+        return
+    best = points[0]
+    got = best.choice.result if best.choice is not None else best.plain
+    moved = f"offloading {len(best.choice.pairs)} of {best.choice.offloadable}" if best.choice else "no offloading"
+    console.print(styled((best.spec, "bold"), f"  with {moved}: makespan ", (num(got.makespan), "bold"),
+                         f"  peak memory {' '.join(num(x) for x in got.peak_memory)} M  (budget {num(budget)} M)"))
+    table = Table(title=f"p={args.devices} m={args.microbatches}, budget {num(budget)} M, copies of "
+                        f"{num(cost.offload)} each way", title_justify="left")
+    table.add_column("", no_wrap=True)
+    for col in ("makespan", "plain makespan", "offloaded", "max peak (M)", "plain max peak (M)"):
+        table.add_column(col, justify="right")
+    table.add_column("schedule", no_wrap=True)
+    fitting = [pt for pt in points if pt.fits]
+    for pt in fitting[:_SHOWN]:
+        r = row(pt)
+        table.add_row("▶" if pt is best else "", num(r["makespan"]), num(r["plain_makespan"]),
+                      f"{r['offloaded']}/{r['offloadable']}" if r["offloadable"] else "0",
+                      num(max(r["peak_memory"])), num(max(r["plain_peak_memory"])), pt.spec,
+                      style="bold" if pt is best else "")
+    console.print(table)
+    more = f"; {len(fitting) - _SHOWN} slower ones fit too" if len(fitting) > _SHOWN else ""
+    console.print(f"▶ chosen{more}; {len(points) - len(fitting)} of {len(points)} schedules cannot fit even with "
+                  "every activation offloaded (--json lists them all)")
+
+
+_SHOWN = 12
+"""Rows of the offloading plan's table: the fastest schedules that fit."""
+
+
+def _least(points: list[Any]) -> str:
+    """The smallest peak any family reaches with every activation offloaded."""
+    reach = [(pt.least, pt.spec) for pt in points if pt.least is not None]
+    if not reach:
+        return ""
+    peak, spec = min(reach)
+    return f"the smallest peak is {num(peak)} M ({spec})"
 
 
 def _plan_profiled(args: argparse.Namespace, console: Console) -> None:

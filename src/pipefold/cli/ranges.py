@@ -109,6 +109,8 @@ RANGES: dict[str, Range] = {
     "bandwidth": real(0, MAX_BYTES, open_low=True, unlimited=True),
     "activation_bytes": _BYTES, "grad_bytes": _BYTES,
     "recompute": real(0, 1),
+    "offload_time": _COST, "offload_fit": _COST,
+    "offloadable": real(0, 1),
     "at": real(0, MAX_SECONDS),
     # searches and drawings
     "max_steps": count(1, 1024),

@@ -12,7 +12,16 @@ from rich.table import Table
 from rich.text import Text
 
 from pipefold import jsonout, schedules
-from pipefold.cli.common import check_costs_used, check_outputs, cost_model, load_schedule, make_console, num, styled
+from pipefold.cli.common import (
+    check_costs_used,
+    check_outputs,
+    cost_model,
+    load_schedule,
+    make_console,
+    num,
+    offloading,
+    styled,
+)
 from pipefold.ir import formats
 from pipefold.ir.ref import ScheduleRef
 from pipefold.sim.simulate import SimResult, simulate
@@ -46,6 +55,7 @@ def cmd_simulate(args: argparse.Namespace, console: Console) -> None:
     cost = cost_model(args)
     schedule = load_schedule(args.schedule, args, strict_flags=True)
     check_costs_used(args, [schedule])
+    schedule, offloaded = offloading(args, schedule, cost)
     network = None
     if args.network is not None:
         from pipefold.sim.network import parse_network
@@ -75,6 +85,8 @@ def cmd_simulate(args: argparse.Namespace, console: Console) -> None:
         print(jsonout.dumps(out))
         return
     _print_result(result, console)
+    if offloaded:
+        console.print(offloaded)
     for kind, path in written:
         console.print(f"wrote {kind}: {path}")
 
@@ -143,6 +155,7 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> None:
     cost = cost_model(args)
     loaded = [load_schedule(text, args, strict_flags=False) for text in args.schedule]
     check_costs_used(args, loaded)
+    loaded = [offloading(args, s, cost)[0] for s in loaded]
     results = [simulate(s, cost) for s in loaded]
     if args.json:
         print(jsonout.dumps({"devices": args.devices, "microbatches": args.microbatches, "cost": cost.to_dict(),
@@ -151,11 +164,14 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> None:
     best = min(r.makespan for r in results)
     table = Table(title=f"p={args.devices} m={args.microbatches}", title_justify="left")
     table.add_column("schedule", no_wrap=True)
-    for col in ("makespan", "vs best", "bubble", "max peak (M)", "peak per device (M)"):
+    offloads = any(a.kind == "OF" for s in loaded for row in s.actions for a in row)
+    for col in ("makespan", "vs best", "bubble", "max peak (M)", "peak per device (M)", *(("offloaded",) * offloads)):
         table.add_column(col, justify="right")
     for r in results:
+        moved = sum(a.kind == "OF" for row in r.schedule.actions for a in row)
         table.add_row(str(ScheduleRef.of(r.schedule)), num(r.makespan), f"{r.makespan / best:.3f}x" if best else "-",
-                      f"{r.bubble_ratio:.1%}", num(max(r.peak_memory)), " ".join(num(x) for x in r.peak_memory))
+                      f"{r.bubble_ratio:.1%}", num(max(r.peak_memory)), " ".join(num(x) for x in r.peak_memory),
+                      *((str(moved),) * offloads))
     console.print(table)
 
 

@@ -831,7 +831,8 @@ def _traverse(schedule: Schedule, offsets: tuple[int, ...], table: ActionTable, 
                                 lane_free[lane] = end
                             if arrive:
                                 ends[g + arrive] = end + send[g]
-                            ready = start if g in quiet else end
+                            if lane is None:  # a copy on a lane is issued and left: the device goes on as it was
+                                ready = start if g in quiet else end
                             w = waiter[g]
                             if w >= 0:
                                 wake(w)

@@ -15,17 +15,29 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pipefold import schedules
-from pipefold.errors import ConfigError
+from pipefold.errors import ConfigError, ScheduleError
 from pipefold.ir import Kind, Schedule
 from pipefold.ir.ref import ScheduleRef
 from pipefold.plan.budget import Progress, candidates
 from pipefold.schedules.offload import offloadable_pairs, with_offload
 from pipefold.sim.simulate import CostModel, SimResult, simulate
 
-__all__ = ["OffloadChoice", "OffloadPoint", "choose_offload", "lifetimes", "offload_fraction", "plan_offload",
-           "reload_ahead"]
+__all__ = ["COPY_LIKE_A_FORWARD", "OffloadChoice", "OffloadPoint", "choose_offload", "lifetimes", "offload_fraction", "plan_offload",
+           "reload_ahead", "spans", "TooSmall"]
 
 _TOLERANCE = 1e-9
+
+COPY_LIKE_A_FORWARD = CostModel(offload=1.0)
+"""The costs a run without a profile chooses and times its offloads by: unit passes and a copy each way as long as a
+forward, so that a reload starts about one action before its backward in the steady state."""
+
+
+class TooSmall(ConfigError):
+    """A budget that a schedule cannot meet even with every activation offloaded; ``least`` is its peak then."""
+
+    def __init__(self, message: str, *, least: float) -> None:
+        super().__init__(message)
+        self.least = least
 
 
 @dataclass(frozen=True)
@@ -53,31 +65,30 @@ class OffloadChoice:
         return self.result.makespan / self.plain.makespan if self.plain.makespan else 1.0
 
     def peaks(self) -> list[float]:
-        """Per device, the peak of activation memory plus what it holds all step (``SimResult.static_memory``)."""
-        return _totals(self.result)
+        """Per device, its peak memory (activations, and what it holds all step where the costs give it)."""
+        return self.result.peak_memory
 
 
-def _totals(result: SimResult) -> list[float]:
-    return [a + s for a, s in zip(result.peak_memory, result.static_memory, strict=True)]
+
+def spans(result: SimResult) -> dict[tuple[int, int], tuple[float, float]]:
+    """Per (stage, microbatch) with a backward: when its forward ends and when its backward (B or BW) starts, in the
+    simulated ``result``."""
+    done: dict[tuple[int, int], float] = {}
+    back: dict[tuple[int, int], float] = {}
+    for row in result.timeline:
+        for iv in row:
+            for a in iv.action.passes:
+                if a.kind == Kind.F:
+                    done[a.stage, a.microbatch] = iv.end
+                elif a.kind in (Kind.B, Kind.BW):
+                    back[a.stage, a.microbatch] = iv.start
+    return {pair: (done[pair], start) for pair, start in back.items() if pair in done}
 
 
 def lifetimes(schedule: Schedule, result: SimResult) -> dict[tuple[int, int], float]:
     """Per (stage, microbatch) with a backward: the time from the end of its forward to the start of its backward
     (B or BW) in the simulated ``result`` of ``schedule``."""
-    done: dict[tuple[int, int], float] = {}
-    out: dict[tuple[int, int], float] = {}
-    rows = result.timeline
-    for row in rows:
-        for iv in row:
-            for a in iv.action.passes:
-                if a.kind == Kind.F:
-                    done[a.stage, a.microbatch] = iv.end
-    for row in rows:
-        for iv in row:
-            for a in iv.action.passes:
-                if a.kind in (Kind.B, Kind.BW) and (a.stage, a.microbatch) in done:
-                    out[a.stage, a.microbatch] = iv.start - done[a.stage, a.microbatch]
-    return out
+    return {pair: start - end for pair, (end, start) in spans(result).items()}
 
 
 def reload_ahead(schedule: Schedule, result: SimResult, cost: CostModel) -> dict[tuple[int, int], int]:
@@ -131,36 +142,53 @@ def offload_fraction(schedule: Schedule, fraction: float, cost: CostModel | None
 
 def choose_offload(schedule: Schedule, budget: float, cost: CostModel | None = None, *,
                    progress: Progress | None = None) -> OffloadChoice:
-    """The fewest longest-lived (stage, microbatch)s to offload so that every device's peak (activations and what
-    it holds all step, in the cost model's units) fits ``budget``; :class:`ConfigError` with the smallest peak
-    offloading reaches when nothing fits."""
+    """Few (stage, microbatch)s to offload, so that every device's peak (activations and what it holds all step,
+    in the cost model's units) fits ``budget``: on each device over it, one at a time, the longest-lived of those
+    held across its peak; :class:`TooSmall` with the smallest peak offloading reaches when nothing fits."""
     if isinstance(budget, bool) or not (isinstance(budget, (int, float)) and budget > 0 and math.isfinite(budget)):
         raise ConfigError(f"the memory budget is a positive number (got {budget!r})")
     cost = cost or CostModel()
     plain = simulate(schedule, cost)
     order = _by_lifetime(schedule, plain)
     ahead = reload_ahead(schedule, plain, cost)
-    per_device: dict[int, list[tuple[int, int]]] = {}
-    for pair in order:
-        per_device.setdefault(schedule.device_of(*pair), []).append(pair)
+    rank = {pair: k for k, pair in enumerate(order)}
+    left = set(order)
     chosen: list[tuple[int, int]] = []
     current, result = schedule, plain
     total = len(order)
     while True:
         if progress is not None:
             progress(len(chosen), total)
-        over = [d for d, peak in enumerate(_totals(result)) if peak > budget * (1 + _TOLERANCE)]
+        over = [d for d, peak in enumerate(result.peak_memory) if peak > budget * (1 + _TOLERANCE)]
         if not over:
             return OffloadChoice(current, tuple(chosen), total, result, plain)
-        added = [per_device[d].pop(0) for d in over if per_device.get(d)]
-        if not added:
-            best = max(_totals(result))
-            raise ConfigError(f"{schedule.name} does not fit a budget of {budget:g} even with every activation "
-                              f"offloaded: its peak is then {best:.4g} (device {over[0]}); give a budget of at least "
-                              f"{best:.4g}, or another schedule")
+        added = [pair for d in over if (pair := _at_peak(schedule, result, d, left, rank)) is not None]
+        if not added:  # a device over the budget offloads all it can: the least any budget can be is then known
+            full = simulate(with_offload(schedule, order, ahead=ahead), cost).peak_memory
+            best = max(full)
+            raise TooSmall(f"{schedule.name} does not fit a budget of {budget:g} even with every activation "
+                           f"offloaded: its peak is then {best:.4g} (device {full.index(best)}); give a budget of at "
+                           f"least {best:.4g}, or another schedule", least=best)
         chosen += added
+        left -= set(added)
         current = with_offload(schedule, chosen, ahead=ahead)
         result = simulate(current, cost)
+
+
+def _at_peak(schedule: Schedule, result: SimResult, device: int, left: set[tuple[int, int]],
+             rank: dict[tuple[int, int], int]) -> tuple[int, int] | None:
+    """The next (stage, microbatch) of ``device`` to offload: the longest-lived (earliest in ``rank``) of those held
+    across the device's peak (their forward done, their backward not started), whose offload lowers it; else the
+    longest-lived left on the device (it may move the peak); None when none is left."""
+    mine = [pair for pair in left if schedule.device_of(*pair) == device]
+    if not mine:
+        return None
+    curve = result.memory_curve[device]
+    top = max(level for _, level in curve)
+    at = next(t for t, level in curve if level >= top - 1e-12)
+    span = spans(result)
+    held = [pair for pair in mine if span[pair][0] <= at < span[pair][1]]
+    return min(held or mine, key=rank.__getitem__)
 
 
 @dataclass(frozen=True)
@@ -172,6 +200,8 @@ class OffloadPoint:
     choice: OffloadChoice | None
     """None: it fits without offloading, or cannot fit with it (``refused`` says why)."""
     refused: str = ""
+    least: float | None = None
+    """Where it cannot fit: its peak with every activation offloaded."""
 
     @property
     def fits(self) -> bool:
@@ -193,16 +223,19 @@ def plan_offload(p: int, m: int, budget: float, cost: CostModel | None = None, *
     for k, (name, options) in enumerate(todo):
         if progress is not None:
             progress(k, len(todo))
-        schedule = schedules.build(name, p, m, **options)
         spec = str(ScheduleRef.named(name, options))
+        try:
+            schedule = schedules.build(name, p, m, **options)
+        except (ConfigError, ScheduleError):  # a family that cannot run this shape, as the plain planner skips it
+            continue
         plain = simulate(schedule, cost)
-        if max(_totals(plain)) <= budget * (1 + _TOLERANCE):
+        if max(plain.peak_memory) <= budget * (1 + _TOLERANCE):
             points.append(OffloadPoint(spec, plain, None))
             continue
         try:
             points.append(OffloadPoint(spec, plain, choose_offload(schedule, budget, cost)))
-        except ConfigError as exc:
-            points.append(OffloadPoint(spec, plain, None, refused=str(exc)))
+        except TooSmall as exc:
+            points.append(OffloadPoint(spec, plain, None, refused=str(exc), least=exc.least))
     if progress is not None:
         progress(len(todo), len(todo))
     return sorted(points, key=lambda pt: (not pt.fits, pt.makespan, pt.spec))

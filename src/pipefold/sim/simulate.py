@@ -861,6 +861,18 @@ def _shared_times(graph: Graph, durations: Sequence[float], transfer: float | tu
             if d in running or heads[d] >= lengths[d]:
                 continue
             g = offsets[d] + heads[d]
+            while g in lane_of:  # a copy on a lane: issued when the device gets to it, which goes on at once
+                lane = lane_of[g]
+                start = max([free[d], lane_free.get(lane, 0.0), *(ends[i] for i in inputs[g])])
+                starts[g], ends[g] = start, start + durations[g]
+                lane_free[lane] = ends[g]
+                sent(g)
+                done[g] = 1
+                finished += 1
+                heads[d] += 1
+                g += 1
+            if heads[d] >= lengths[d]:
+                continue
             if g in peers:
                 members = peers[g]
                 if any(heads[dev_of[m]] + offsets[dev_of[m]] != m or dev_of[m] in running for m in members):
@@ -879,6 +891,8 @@ def _shared_times(graph: Graph, durations: Sequence[float], transfer: float | tu
                 soonest, starters = at, [g]
             elif abs(at - soonest) <= 1e-15:
                 starters.append(g)
+        if finished >= N:  # the last actions were copies on lanes, done as their devices got to them
+            break
         factor = slowdown(contention, len(running)) if running else 1.0
         finish = t + min(left for _, left in running.values()) * factor if running else math.inf
         if not running and not starters:
@@ -895,10 +909,7 @@ def _shared_times(graph: Graph, durations: Sequence[float], transfer: float | tu
                     d = dev_of[m]
                     starts[m] = t
                     if m in quiet:
-                        if (lane := lane_of.get(m)) is not None:
-                            starts[m] = max(t, lane_free.get(lane, 0.0))
-                            lane_free[lane] = starts[m] + durations[m]
-                        ends[m] = starts[m] + durations[m]
+                        ends[m] = t + durations[m]
                         sent(m)
                         done[m] = 1
                         finished += 1

@@ -101,6 +101,8 @@ def make_job(spec: RunSpec, *, decided: Decisions | None = None, placed: Any = N
             from pipefold.plan.pipefisher import Refill
 
             refill = Refill(after=len(cycle) + 1, schedule=filled.base.schedule, cost=filled.base.cost)
+    if spec.memory.offload_activations:
+        schedule, extra["offload_activations"] = _offload_activations(schedule, spec.memory.offload_activations)
     if spec.parallel.dp > 1:
         from pipefold.schedules.dataparallel import with_data_parallel
 
@@ -118,6 +120,15 @@ def make_job(spec: RunSpec, *, decided: Decisions | None = None, placed: Any = N
     for hook in JOB_HOOKS:
         job = hook(job)
     return job
+
+
+def _offload_activations(schedule: Schedule, share: float) -> tuple[Schedule, dict[str, int]]:
+    """The schedule with ``share`` of its (stage, microbatch)s offloaded, the longest-lived first, and how many of
+    how many: each reload timed for a copy as long as a forward (:data:`COPY_LIKE_A_FORWARD`)."""
+    from pipefold.plan.activation_offload import COPY_LIKE_A_FORWARD, offload_fraction
+
+    choice = offload_fraction(schedule, share, COPY_LIKE_A_FORWARD)
+    return choice.schedule, {"pairs": len(choice.pairs), "of": choice.offloadable}
 
 
 def _adaptive(spec: RunSpec) -> Adaptive:

@@ -181,6 +181,9 @@ class MemorySpec:
     'adaptive-kfkb'."""
     offload: tuple[int, int] | str | None = None
     """(k, k') or 'k,k2': each stage keeps at most k of its layers' parameters on the device, evicting k' at once."""
+    offload_activations: float | str | None = None
+    """The share of (stage, microbatch)s whose activations go to host memory after their forward and come back
+    before their backward, the longest-lived first: 0..1, 'all' or 'none' (PipeOffload)."""
 
     def __post_init__(self) -> None:
         from pipefold.plan.recompute import MODES
@@ -194,6 +197,11 @@ class MemorySpec:
             object.__setattr__(self, "memory_budget", parse_bytes(self.memory_budget))
         if isinstance(self.offload, str):
             object.__setattr__(self, "offload", _parse_offload(self.offload))
+        if self.offload_activations is not None:
+            from pipefold.schedules.offload import parse_share
+
+            share = parse_share(self.offload_activations)
+            object.__setattr__(self, "offload_activations", share or None)
 
     @property
     def budget(self) -> float | None:
@@ -276,7 +284,7 @@ class Applies:
 
 
 _PLANNED = ("schedule", "devices", "microbatches", "model", "model_config", "layers", "hidden", "heads", "batch",
-            "seq", "optimizer", "partition", "recompute", "memory_budget", "offload")
+            "seq", "optimizer", "partition", "recompute", "memory_budget", "offload", "offload_activations")
 """What a plan decides: given with ``plan``, refused."""
 
 
@@ -297,8 +305,14 @@ RULES: tuple[Applies, ...] = (
     Applies(_PLANNED, lambda s: s.plan is None,
             "--plan fixes the model, schedule, split and memory; drop {option} (or plan again with pipefold plan "
             "--profile)"),
-    Applies(("partition", "recompute", "offload"), lambda s: not s.schedule.auto,
+    Applies(("partition", "recompute", "offload", "offload_activations"), lambda s: not s.schedule.auto,
             "--schedule auto chooses the split and recomputation itself; drop {option}"),
+    Applies(("offload_activations",), lambda s: not s.schedule.adaptive and s.optimizer.name != "kfac",
+            "{option} offloads in the one schedule a run names, and adaptive-kfkb and K-FAC's cycle run several: "
+            "drop it, or name a schedule and another optimizer"),
+    Applies(("offload_activations",), lambda s: s.memory.offload is None,
+            "{option} moves what a stage's forward saves, and --offload's layers keep their saves themselves: "
+            "choose one of them"),
     Applies(("network", "netns"), lambda s: not s.planned,
             "--network and --netns run a schedule you name: use them without --plan or --schedule auto"),
 )
