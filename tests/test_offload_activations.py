@@ -109,7 +109,7 @@ def _check(r: SimResult) -> None:
             c = costs[a.stage]
             key = (a.stage, a.microbatch)
             if a.kind in lane:
-                before = ends[Kind.F, *key] if a.kind == Kind.OF else ends[Kind.OF, *key]
+                before = ends[(Kind.F, *key)] if a.kind == Kind.OF else ends[(Kind.OF, *key)]
                 assert iv.start == pytest.approx(max(free, before, lane[a.kind]))
                 assert iv.end - iv.start == pytest.approx(c.offload)
                 lane[a.kind] = iv.end
@@ -118,14 +118,14 @@ def _check(r: SimResult) -> None:
             if a.kind == Kind.F and a.stage > 0:
                 arrivals.append(ends[Kind.F, a.stage - 1, a.microbatch] + hop * (s.device_of(a.stage - 1) != d))
             if a.kind in (Kind.B, Kind.BW):
-                arrivals.append(ends[Kind.F, *key])
+                arrivals.append(ends[(Kind.F, *key)])
                 if a.stage + 1 < s.stages:
                     nxt = ends.get((Kind.B, a.stage + 1, a.microbatch), ends.get((Kind.BW, a.stage + 1, a.microbatch)))
                     arrivals.append(nxt + hop * (s.device_of(a.stage + 1) != d))
                 if (Kind.RL, *key) in ends:
-                    arrivals.append(ends[Kind.RL, *key])
+                    arrivals.append(ends[(Kind.RL, *key)])
             if a.kind == Kind.W:
-                arrivals.append(ends[Kind.B, *key])
+                arrivals.append(ends[(Kind.B, *key)])
             assert iv.start == pytest.approx(max(arrivals))
             assert iv.end - iv.start == pytest.approx({Kind.F: c.f, Kind.B: c.b, Kind.W: c.w, Kind.BW: c.bw}[a.kind])
             free = iv.end

@@ -22,8 +22,8 @@ from pipefold.plan.budget import Progress, candidates
 from pipefold.schedules.offload import offloadable_pairs, with_offload
 from pipefold.sim.simulate import CostModel, SimResult, simulate
 
-__all__ = ["COPY_LIKE_A_FORWARD", "OffloadChoice", "OffloadPoint", "choose_offload", "lifetimes", "offload_fraction", "plan_offload",
-           "reload_ahead", "spans", "TooSmall"]
+__all__ = ["COPY_LIKE_A_FORWARD", "OffloadChoice", "OffloadPoint", "TooSmall", "choose_offload", "lifetimes",
+           "offload_fraction", "plan_offload", "reload_ahead", "spans"]
 
 _TOLERANCE = 1e-9
 
