@@ -54,7 +54,8 @@ def _train(rank: int, init: str, world: int, schedule: str, steps: int, memory: 
         layers = _model(built.stages)
         mine = built.stages_of(rank)
         saving: dict[str, Any] = {"recompute": {"recompute": dict.fromkeys(mine, 1)}, "offload": {"offload": (1, 1)},
-                                  "": {}}[memory]
+                                  "activations": {"offload_activations": "all"},
+                                  "half": {"offload_activations": 0.5}, "": {}}[memory]
         pipe = Pipeline([layers[s] for s in mine], schedule, microbatches=4, loss_fn=nn.functional.mse_loss,
                         **saving)
         opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
@@ -75,10 +76,12 @@ def _train(rank: int, init: str, world: int, schedule: str, steps: int, memory: 
 @pytest.mark.parametrize(("schedule", "memory"), [
     ("1f1b", ""), ("zb-h1", ""), ("zb-v", ""), ("interleaved-1f1b:v=2", ""), ("chimera", ""), ("dualpipe", ""),
     ("dualpipev", ""), ("v-half", ""), ("kfkb:k=2", ""), ("gpipe", ""), ("zb-v", "recompute"),
-    ("1f1b", "recompute"), ("zb-h1", "offload"), ("v-min", "offload")])
+    ("1f1b", "recompute"), ("zb-h1", "offload"), ("v-min", "offload"), ("1f1b", "activations"),
+    ("zb-v", "activations"), ("dualpipev", "activations"), ("interleaved-1f1b:v=2", "half"), ("gpipe", "half")])
 def test_a_users_loop_trains_exactly_as_one_process(schedule: str, memory: str) -> None:
     """Three steps of SGD in a user's loop, then an evaluation (the forwards only): every family's losses and
-    weights equal one process's, with stages recomputing their first layer or offloading their layers too."""
+    weights equal one process's, with stages recomputing their first layer, offloading their layers or offloading
+    all or half of their activations too."""
     from pipefold.schedules import build
 
     world, steps = 2, 3
@@ -239,6 +242,9 @@ def _refusals(rank: int, init: str, folder: str, out: Any) -> None:
         "compile": lambda: Pipeline(mine, "1f1b", microbatches=4, loss_fn=loss, compile="fast"),
         "backend": lambda: Pipeline(mine, "1f1b", microbatches=4, loss_fn=loss, compile=True,
                                     compile_backend="tvm"),
+        "share": lambda: Pipeline(mine, "1f1b", microbatches=4, loss_fn=loss, offload_activations=2),
+        "both-offloads": lambda: Pipeline(mine, "1f1b", microbatches=4, loss_fn=loss, offload=(1, 1),
+                                          offload_activations="all"),
     }
     got = {}
     for name, make in cases.items():
@@ -271,7 +277,7 @@ def _no_grad(fn: Any, *args: Any, **kwargs: Any) -> Any:
 def test_mistakes_building_or_stepping_a_pipeline_are_one_line_each(tmp_path: Any) -> None:
     got = dict(run_ranks(_refusals, 2, str(tmp_path)))
     both = ("devices", "microbatches", "count", "mesh", "unknown", "file", "no-grad", "file-devices", "offload-k",
-            "budget-named", "precision", "master-offload", "compile", "backend")
+            "budget-named", "precision", "master-offload", "compile", "backend", "share", "both-offloads")
     for rank, lines in got.items():
         for name in both:
             assert lines[name] is not None and "\n" not in lines[name], (rank, name, lines[name])
@@ -286,6 +292,8 @@ def test_mistakes_building_or_stepping_a_pipeline_are_one_line_each(tmp_path: An
         assert "unknown dtype 'bf8'" in lines["precision"]
         assert "precision='bf16' (autocast)" in lines["master-offload"]
         assert "'split' or 'whole'" in lines["compile"] and "aot_eager" in lines["backend"]
+        assert "offload_activations= 2" in lines["share"] and "from 0 to 1" in lines["share"]
+        assert "choose one of them" in lines["both-offloads"]
     assert got[1]["no-loss"] is not None and "loss_fn" in got[1]["no-loss"]
     assert got[0]["no-loss"] is None  # the first rank needs none
     assert got[0]["no-weights"] is not None and "W actions" in got[0]["no-weights"]

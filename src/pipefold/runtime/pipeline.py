@@ -233,6 +233,9 @@ class Pipeline(RankPipeline):
     (names within the stage modules): every copy's gradient becomes their sum at the end of each step.
     ``offload=(k, k')``: each stage's layers (an ``nn.Sequential``) keep their parameters in host memory, at most
     ``k`` on the device at once, evicted ``k'`` at a time (Superpipeline's layer offloading).
+    ``offload_activations``: the share (0..1, ``"all"``) of the (stage, microbatch)s whose saved activations go to
+    host memory after their forward and come back before their backward, the longest-lived first (PipeOffload);
+    a schedule that has OF and RL actions already runs them without it.
     ``precision``: ``"bf16"`` or ``"fp16"`` (autocast, float32 parameters), ``"bf16-master"`` (parameters in bf16,
     float32 gradients and master weights), or a :class:`~pipefold.runtime.precision.Precision` (fp16 runs with a
     dynamic loss scale); step the optimizer through :meth:`optimizer` then. ``compile``: ``True``/``"split"`` or
@@ -247,7 +250,8 @@ class Pipeline(RankPipeline):
                  recompute: Mapping[int, int] | None = None, tied: Sequence[Mapping[int, str]] = (),
                  memory_budget: float | None = None, offload: tuple[int, int] | None = None,
                  precision: Precision | str | torch.dtype | None = None, compile: bool | str = False,
-                 compile_backend: str = "inductor", action_timeout: float = DEFAULT_ACTION_TIMEOUT) -> None:
+                 compile_backend: str = "inductor", action_timeout: float = DEFAULT_ACTION_TIMEOUT,
+                 offload_activations: float | str | None = None) -> None:
         if not dist.is_initialized():
             raise ConfigError("Pipeline needs torch.distributed's process group: call "
                               "torch.distributed.init_process_group() first (torchrun sets its environment)")
@@ -299,6 +303,8 @@ class Pipeline(RankPipeline):
             raise ConfigError("FSDP stages need a DeviceMesh with a 'dp' dimension (Pipeline(..., mesh=mesh)) and "
                               "every stage module of the rank sharded with fully_shard on it")
         self._dp = dp_group is not None and dist.get_world_size(dp_group) > 1
+        if offload_activations is not None:
+            self.schedule = self._offload_activations(offload_activations, offload)
         self._base = self.schedule
         if self._dp:
             self.schedule = with_data_parallel(self.schedule, shard=self.sharded)
@@ -391,6 +397,23 @@ class Pipeline(RankPipeline):
             if not isinstance(m, nn.Module):
                 raise ConfigError(f"stage {s} is a {type(m).__name__}, not an nn.Module")
         return {s: given[s] for s in mine}
+
+    def _offload_activations(self, share: float | str, offload: tuple[int, int] | None) -> Schedule:
+        """The schedule with ``share`` of its (stage, microbatch)s' activations offloaded, the longest-lived first
+        (:mod:`pipefold.plan.activation_offload`), alike on every rank."""
+        from pipefold.plan.activation_offload import COPY_LIKE_A_FORWARD, offload_fraction
+        from pipefold.schedules.offload import parse_share
+
+        fraction = parse_share(share, "offload_activations=")
+        if self._candidates:
+            raise ConfigError("offload_activations= offloads in a schedule you name; schedule='auto' chooses among "
+                              "schedules without it: name one")
+        if offload is not None:
+            raise ConfigError("offload_activations= moves what a stage's forward saves, and offload='s layers keep "
+                              "their saves themselves: choose one of them")
+        if not fraction:
+            return self.schedule
+        return offload_fraction(self.schedule, fraction, COPY_LIKE_A_FORWARD).schedule
 
     def _offload(self, modules: Mapping[int, nn.Module], offload: tuple[int, int]) -> list[Offloaded]:
         """Each stage's layers offloaded (:class:`~pipefold.runtime.offload.Offloaded`): their parameters at home
