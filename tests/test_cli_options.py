@@ -51,6 +51,9 @@ SAMPLES: dict[str, list[str]] = {
     "dp": ["--dp", "2", "--grad-bytes", "100", "--bandwidth", "10"],
     "fsdp": ["--fsdp", "--dp", "2", "--weights", "1"], "gathered": ["--gathered", "1"], "width": ["--width", "24"],
     "slack": ["--slack", "0.5"], "max_steps": ["--max-steps", "1"], "inline": ["--inline"],
+    "offload_time": ["--offload-time", "0.5"], "offloadable": ["--offloadable", "0.5"],
+    "offload_activations": ["--offload-activations", "0.5"], "offload_fit": ["--offload-fit", "2"],
+    "allow_offload": ["--allow-offload"],
 }
 """A value of each option other than its default (with what it needs to show: a bandwidth needs bytes to carry)."""
 

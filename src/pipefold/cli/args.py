@@ -311,9 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--global-batch", type=int, default=None, metavar="G", help="with --cluster: sequences per step")
     g.add_argument("--seq", type=int, default=None, metavar="S", help="with --cluster: tokens per sequence")
     g.add_argument("--top", type=int, default=10, metavar="K", help="with --cluster: configurations shown (default 10)")
-    p.add_argument("--offload-activations", action="store_true", dest="allow_offload",
-                   help="with --memory: each schedule may offload activations (the longest-lived first) to fit; "
-                        "the costs of the copies are --offload-time")
+    p.add_argument("--allow-offload", action="store_true",
+                   help="with --memory: each schedule may offload activations (those held across its peak, the "
+                        "longest-lived first) to fit; the copies take --offload-time each way")
     _add_costs(p)
     _add_output(p)
     p.add_argument("--plot", metavar="FILE", help="draw the memory/makespan frontier (.png or .svg)")
@@ -550,7 +550,7 @@ class Applies:
 
 
 _COSTS = ("f", "b", "w", "mem", "mem_w", "latency", "bandwidth", "activation_bytes", "grad_bytes", "opt", "weights",
-          "overlap", "recompute", "stage_cost", "work", "stash")
+          "overlap", "recompute", "stage_cost", "work", "stash", "offload_time", "offloadable")
 
 
 _PLAN_UNITS = "sets the cost model of plan --memory (in units of M)"
@@ -579,6 +579,14 @@ APPLIES: tuple[Applies, ...] = (
     Applies("plan", ("output", "families"), lambda a: a.profile is not None or a.cluster is not None,
             "belongs to plan --profile or --cluster (plan --memory searches every family and writes no plan): "
             "give one of them"),
+    Applies("plan", ("allow_offload",), lambda a: a.profile is None and a.cluster is None,
+            "lets plan --memory offload activations; --profile and --cluster plan without offloading: drop it"),
+    Applies("plan", ("offload_time", "offloadable"), lambda a: a.allow_offload,
+            "prices the copies of offloaded activations, and this plan offloads none: give --allow-offload too, or "
+            "drop it"),
+    Applies("pipefisher", ("offload_time", "offloadable"), lambda a: False,
+            "prices the copies of offloaded activations, and pipefisher places K-FAC's work in a schedule without "
+            "them: drop it"),
     Applies("simulate", ("at",), lambda a: a.network is not None,
             "is a time in a --network's timeline: give --network too"),
     Applies("simulate", ("latency", "bandwidth"), lambda a: a.network is None or a.grad_bytes > 0,

@@ -101,14 +101,17 @@ def offloading(args: argparse.Namespace, schedule: Schedule, cost: CostModel) ->
     if share is not None and fit is not None:
         raise ConfigError("--offload-activations names how many activations to offload and --offload-fit finds "
                           "them for a peak: give one of them")
-    from pipefold.plan.activation_offload import choose_offload, offload_fraction
+    from pipefold.plan.activation_offload import TooSmall, choose_offload, offload_fraction
     from pipefold.schedules.offload import parse_share
 
     if any(a.kind == "OF" for row in schedule.actions for a in row):
         raise ConfigError(f"{ScheduleRef.of(schedule)} offloads activations already (its file has OF actions): "
                           "drop --offload-activations and --offload-fit")
-    choice = (offload_fraction(schedule, parse_share(share), cost) if share is not None
-              else choose_offload(schedule, fit, cost))
+    try:
+        choice = (offload_fraction(schedule, parse_share(share), cost) if share is not None
+                  else choose_offload(schedule, fit, cost))
+    except TooSmall as exc:
+        raise ConfigError(f"--offload-fit {num(fit)}: {exc}") from None
     plain, got = choice.plain, choice.result
     return choice.schedule, (f"offloaded {len(choice.pairs)} of {choice.offloadable} (stage, microbatch)s' "
                              f"activations, the longest-lived first: step {num(got.makespan)} (without: "
@@ -168,10 +171,11 @@ def check_costs_used(args: argparse.Namespace, simulated: list[Schedule]) -> Non
         ("grad_bytes", replicas, "is what the copies of a stage all-reduce, and no stage here has copies: give --dp "
                                  "2 or more, or a schedule with replicas (chimera, dualpipe)"),
         ("offload_time", "OF" in kinds or offloads, "is the time of the copies an activation offload makes, and no "
-                                                    "schedule here offloads: give --offload-activations or "
-                                                    "--offload-fit too"),
+                                                    "schedule here offloads: give --offload-activations, "
+                                                    "--offload-fit or --allow-offload too"),
         ("offloadable", "OF" in kinds or offloads, "is the share of activations an offload moves, and no schedule "
-                                                   "here offloads: give --offload-activations or --offload-fit too"),
+                                                   "here offloads: give --offload-activations, --offload-fit or "
+                                                   "--allow-offload too"),
     )
     for dest, used, why in rules:
         if dest in args.given and not used:

@@ -110,11 +110,11 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> None:
 
 
 def _plan_offloading(args: argparse.Namespace, budget: float, cost: CostModel, console: Console) -> None:
-    """plan --memory B --offload-activations: every family made to fit with the fewest offloads, fastest first."""
+    """plan --memory B --allow-offload: every family made to fit with as few offloads as it needs, fastest first."""
     from pipefold.plan.activation_offload import plan_offload
 
     if args.plot:
-        raise ConfigError("--plot draws the frontier of the plain plan: drop it with --offload-activations")
+        raise ConfigError("--plot draws the frontier of the plain plan: drop it with --allow-offload")
     with progress_bar(f"planning p={args.devices} m={args.microbatches} with offloading") as progress:
         points = plan_offload(args.devices, args.microbatches, budget, cost, progress=progress)
     if not points or not points[0].fits:
