@@ -135,6 +135,10 @@ class StepStats:
     stage_memory: dict[int, tuple[int, int, int]] = field(default_factory=dict)
     """Per stage of this rank, the most bytes one microbatch held after its F, while its B ran, and between its
     B and its W (the last two 0 where the stage ran no B)."""
+    offloaded: dict[int, int] = field(default_factory=dict)
+    """Per stage of this rank that offloads activations (``OF``), the most bytes one microbatch's offload moved."""
+    host_peak_bytes: int = 0
+    """The most bytes of offloaded activations in host memory at once during the step."""
     link_bytes: dict[int, int] = field(default_factory=dict)
     """Per peer this rank sends to, the most bytes in flight at once on that link."""
     link_message_bytes: dict[int, int] = field(default_factory=dict)
@@ -453,7 +457,8 @@ class RankExecutor:
         stats = StepStats(self.rank)
         local: dict[tuple[int, int, int], Tensors] = {}  # (direction, stage, mb) -> tensors handed over locally
         for runner in self.runners.values():
-            runner.memory_f = runner.memory_b = runner.memory_w = 0
+            runner.memory_f = runner.memory_b = runner.memory_w = runner.memory_offloaded = 0
+        self.host_copies.peak_host_bytes = self.host_copies.host_bytes
         self.links.new_step()
         if self.links.network is not None:  # the watch reads what this schedule's emulated links hold back
             self.activity.carrying = self.links.carrying
@@ -506,6 +511,8 @@ class RankExecutor:
         stats.batch_bytes = self.meter.outside_bytes
         stats.memory_curve = list(self.meter.curve)
         stats.stage_memory = {s: (r.memory_f, r.memory_b, r.memory_w) for s, r in self.runners.items()}
+        stats.offloaded = {s: r.memory_offloaded for s, r in self.runners.items() if r.memory_offloaded}
+        stats.host_peak_bytes = self.host_copies.peak_host_bytes
         stats.link_bytes = self.links.link_bytes()
         stats.sent, stats.gathered = dict(self.links.sent), self.links.gathered
         stats.link_samples, stats.recv_posted = self.links.take_samples()

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipefold.errors import ConfigError, PipefoldError
-from pipefold.ir import Kind, Schedule
+from pipefold.ir import Action, Kind, Schedule
 from pipefold.plan.choose import candidates_for, probe, resolve_schedule, with_data_parallel
 from pipefold.runtime import sharding
 from pipefold.runtime.compiled import MODES, check_compile, compile_stage
@@ -741,20 +742,33 @@ def step_costs(steps: Sequence[StepStats], schedule: Schedule) -> Any:
 
     times = kind_times(steps)
     memory = {s: mem for st in steps for s, mem in st.stage_memory.items()}
+    moved = {s: b for st in steps for s, b in st.offloaded.items()}
+    copies = _copy_times(steps)
     over = {}
     for s in range(schedule.stages):
         held, during_b, held_w = memory.get(s, (0, 0, 0))
         # Other work the stage ran (K-FAC's), for the kinds whose time the cost model takes as given.
         work = {k: v for k, v in times.get(s, {}).items() if k not in _DERIVED}
         over[s] = dataclasses.replace(split_backward(times.get(s, {})), memory=float(max(held, during_b)),
-                                      kept=float(held), memory_w=float(held_w or held), work=work or None)
+                                      kept=float(held), memory_w=float(held_w or held), work=work or None,
+                                      offloaded=float(moved[s]) if s in moved else None, offload=copies.get(s))
     return CostModel(stage_overrides=over)
+
+
+def _copy_times(steps: Sequence[StepStats]) -> dict[int, float]:
+    """Per stage that offloaded activations, the median seconds of its offloads and reloads (as the rank's events
+    saw them: on a GPU the time to start the copies, on a CPU the copies themselves)."""
+    spans: dict[int, list[float]] = {}
+    for st in steps:
+        for e in st.events:
+            if e.kind in (Kind.OF, Kind.RL):
+                spans.setdefault(Action.parse(e.name).stage, []).append(e.end - e.start)
+    return {s: statistics.median(v) for s, v in spans.items()}
 
 
 def step_result(steps: Sequence[StepStats], schedule: Schedule) -> Any:
     """One measured step (each device's stats, in device order) as a :class:`~pipefold.sim.simulate.SimResult`: its
     compute intervals and memory curves, in seconds from the earliest device's start, and bytes."""
-    from pipefold.ir import Action
     from pipefold.sim.simulate import CostModel, Interval, MemoryCurves, SimResult, Timeline
 
     t0 = min(st.started_at for st in steps)

@@ -825,6 +825,8 @@ class StageRunner:
         rebuilt, the gradient it got, what it captured and the input gradient it made (0 until one has run)."""
         self.memory_w = 0
         """The most bytes one microbatch held between its B and its W (0 until a B has run)."""
+        self.memory_offloaded = 0
+        """The most bytes one microbatch's offload (``OF``) moved to host memory."""
 
     # -- forward
 
@@ -979,7 +981,9 @@ class StageRunner:
         keep = {id(st) for t in kept if (st := storage_of(t)) is not None}
         boxes = [b for ref in p.boxes if (b := ref()) is not None]
         p.host, p.offloaded = copies.offload(boxes, keep)
-        return sum(c.nbytes for c in p.host)
+        moved = sum(c.nbytes for c in p.host)
+        self.memory_offloaded = max(self.memory_offloaded, moved)
+        return moved
 
     def reload(self, mb: int, copies: HostCopies) -> None:
         """RL: copy microbatch ``mb``'s offloaded activations back to the device, for its backward."""
