@@ -55,7 +55,8 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-SECTIONS = ("tests", "memory", "precision", "layouts", "overlap", "speed", "wgrad", "offload", "calibrate")
+SECTIONS = ("tests", "memory", "precision", "layouts", "overlap", "speed", "wgrad", "offload", "activations",
+            "calibrate")
 PAPER = {"1f1b": 1.0, "v-half": 0.75, "v-min": 0.5, "zb-v": 1.0}
 
 
@@ -380,6 +381,19 @@ def offload(out: Path, quick: bool) -> dict[str, Any]:
     body = run.stdout.strip()
     return {"returncode": run.returncode, "md": f"`python benchmarks/offload_gpu.py {' '.join(args)}`:\n\n```\n"
                                                  f"{body[-6000:]}\n```\n"}
+
+
+def activations(out: Path, quick: bool) -> dict[str, Any]:
+    """benchmarks/offload_activations.py on the GPU: the copies on their own streams, step times in GPU time."""
+    args = ["--device", "cuda", "--devices", "2"]
+    if quick:
+        args += ["--hidden", "128", "--seq", "64", "--steps", "3"]
+    run = subprocess.run([sys.executable, str(HERE / "offload_activations.py"), *args], cwd=ROOT,
+                         capture_output=True, text=True, check=False, timeout=600)
+    (out / "activations.log").write_text(run.stdout + run.stderr, encoding="utf-8")
+    body = run.stdout.strip()
+    return {"returncode": run.returncode, "md": f"`python benchmarks/offload_activations.py {' '.join(args)}`:\n\n"
+                                                 f"```\n{body[-6000:]}\n```\n"}
 
 
 # -- the report

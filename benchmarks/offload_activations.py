@@ -1,8 +1,9 @@
 """Activation offloading (PipeOffload) on real runs: the share of activations offloaded against each rank's peak
 and the step time, beside the simulator's prediction.
 
-    python benchmarks/offload_activations.py [--schedules 1f1b interleaved-1f1b] [--shares 0 0.25 0.5 0.75 1]
-                                             [--devices 4] [--steps 4] [--hidden 256] [--seq 128] [--json]
+    python benchmarks/offload_activations.py [--schedules 1f1b interleaved-1f1b] [--shares 0 0.5 1]
+                                             [--devices 4] [--steps 4] [--hidden 256] [--seq 128]
+                                             [--device cpu] [--json]
 
 A GPT (8 blocks, 4 heads, batch 16 of --seq tokens, 8 microbatches) trains on local ranks (gloo on the CPU), once
 per schedule and share: ``train --offload-activations SHARE``, the longest-lived (stage, microbatch)s first. Each
@@ -33,7 +34,7 @@ from pipefold.train.spec import RunSpec
 def run(schedule: str, share: float, args: argparse.Namespace) -> tuple[Any, list[Any]]:
     cfg = RunSpec.flat(schedule=schedule, devices=args.devices, microbatches=8, steps=args.steps, model="gpt",
                        layers=8, hidden=args.hidden, heads=4, seq=args.seq, batch=16, partition="params",
-                       offload_activations=share or None)
+                       offload_activations=share or None, device=args.device)
     return train(cfg)
 
 
@@ -57,11 +58,13 @@ def predicted(plain_cost: Any, job: Any, reports: list[Any]) -> tuple[list[float
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schedules", nargs="+", default=["1f1b", "interleaved-1f1b"])
-    parser.add_argument("--shares", nargs="+", type=float, default=[0.0, 0.25, 0.5, 0.75, 1.0])
+    parser.add_argument("--shares", nargs="+", type=float, default=[0.0, 0.5, 1.0])
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where the ranks compute (cuda: a GPU per rank, or the ranks sharing one)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     rows = []

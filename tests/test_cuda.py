@@ -158,6 +158,15 @@ def test_overlapped_pairs_on_two_streams_match(name: str, overlap: bool) -> None
 
 
 @cuda
+@pytest.mark.parametrize(("name", "share"), [("gpipe", "all"), ("zb-v", "all"), ("interleaved-1f1b", 0.5)])
+def test_offloaded_activations_on_copy_streams_keep_the_gradients(name: str, share: str | float) -> None:
+    job, reports = train(_gpt(name, 2).replace(offload_activations=share, check=True))
+    diff = compare(job, reports)
+    assert diff["max_grad_rel_diff"] < TOLERANCE and diff["loss_rel_diff"] < TOLERANCE, diff
+    assert any(r.steps[-1].offloaded for r in reports)
+
+
+@cuda
 @pytest.mark.parametrize("memory", ["recompute", "offload"])
 @pytest.mark.parametrize("name", ["1f1b", "zb-v"])
 def test_recomputed_and_offloaded_stages_on_the_gpu(name: str, memory: str) -> None:

@@ -7,6 +7,7 @@ import dataclasses
 import itertools
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tests.conftest import build_or_refused
@@ -251,3 +252,61 @@ def test_the_plan_with_offloading_is_the_fastest_family_that_fits() -> None:
                            for pt in fitting)
     assert fitting[0].makespan == min(pt.makespan for pt in fitting)
     assert all(not pt.fits for pt in points[len(fitting):])
+
+
+# -------------------------------------------------------------------------------- the runtime, in one process
+
+
+def _saved_bytes(module: torch.nn.Module, x: torch.Tensor) -> tuple[int, int]:
+    """Independent count: the distinct storages autograd saves running ``module`` on ``x`` (its own hooks, no
+    pipefold), without the parameters', the input's and the output's; and the output's bytes."""
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    leaf = x.detach().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = module(leaf)
+    for t in (leaf, out):
+        seen.pop(t.untyped_storage().data_ptr(), None)
+    return sum(seen.values()), out.untyped_storage().nbytes()
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_an_offload_moves_what_autograd_saved_and_the_backward_is_unchanged(split: bool) -> None:
+    from pipefold.runtime.activation_offload import HostCopies
+    from pipefold.runtime.stage import StageRunner
+
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.LayerNorm(32),
+                                torch.nn.Linear(32, 16), torch.nn.Tanh())
+    x, dy = torch.randn(8, 16), torch.randn(8, 16)
+    want_bytes, _ = _saved_bytes(block, x)
+    # The reference: plain autograd.
+    leaf = x.clone().requires_grad_()
+    block(leaf).backward(dy)
+    want = [p.grad.clone() for p in block.parameters()] + [leaf.grad.clone()]
+    block.zero_grad(set_to_none=True)
+
+    runner = StageRunner(block, stage=1, split=split)
+    copies = HostCopies(torch.device("cpu"))
+    runner.forward(0, (x,))
+    held = runner.meter.current
+    moved = runner.offload(0, copies)
+    assert moved == want_bytes and copies.host_bytes == moved
+    assert runner.meter.current == held - moved  # the device copies died with their boxes
+    runner.reload(0, copies)
+    assert runner.meter.current == held
+    if split:
+        (dx,) = runner.backward_input(0, (dy,))
+        runner.backward_weight(0)
+    else:
+        (dx,) = runner.backward(0, (dy,))
+    got = [p.grad for p in block.parameters()] + [dx]
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert copies.host_bytes == 0 and copies.peak_host_bytes == moved
