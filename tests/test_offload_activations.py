@@ -16,9 +16,9 @@ from pipefold import names
 from pipefold.errors import ConfigError, ScheduleError
 from pipefold.ir import Action, Kind, Schedule, validate
 from pipefold.ir.kinds import OF, RL
-from pipefold.plan.activation_offload import choose_offload, lifetimes, offload_fraction, plan_offload
+from pipefold.plan.activation_offload import choose_offload, lifetimes, offload_fraction, parse_share, plan_offload
 from pipefold.schedules import build
-from pipefold.schedules.offload import offloadable_pairs, offloaded_pairs, parse_share, with_offload
+from pipefold.schedules.offload import offloadable_pairs, offloaded_pairs, with_offload
 from pipefold.sim.network import Network
 from pipefold.sim.simulate import CostModel, SimResult, simulate
 

@@ -101,8 +101,7 @@ def offloading(args: argparse.Namespace, schedule: Schedule, cost: CostModel) ->
     if share is not None and fit is not None:
         raise ConfigError("--offload-activations names how many activations to offload and --offload-fit finds "
                           "them for a peak: give one of them")
-    from pipefold.plan.activation_offload import TooSmall, choose_offload, offload_fraction
-    from pipefold.schedules.offload import parse_share
+    from pipefold.plan.activation_offload import TooSmall, choose_offload, offload_fraction, parse_share
 
     if any(a.kind == "OF" for row in schedule.actions for a in row):
         raise ConfigError(f"{ScheduleRef.of(schedule)} offloads activations already (its file has OF actions): "

@@ -23,7 +23,7 @@ from pipefold.schedules.offload import offloadable_pairs, with_offload
 from pipefold.sim.simulate import CostModel, SimResult, simulate
 
 __all__ = ["COPY_LIKE_A_FORWARD", "OffloadChoice", "OffloadPoint", "TooSmall", "choose_offload", "lifetimes",
-           "offload_fraction", "plan_offload", "reload_ahead", "spans"]
+           "offload_fraction", "parse_share", "plan_offload", "reload_ahead", "spans"]
 
 _TOLERANCE = 1e-9
 
@@ -68,6 +68,25 @@ class OffloadChoice:
         """Per device, its peak memory (activations, and what it holds all step where the costs give it)."""
         return self.result.peak_memory
 
+
+
+def parse_share(value: str | float, flag: str = "--offload-activations") -> float:
+    """How much to offload, as ``flag`` takes it: ``all`` (1), ``none`` (0), or a fraction from 0 to 1 of the
+    (stage, microbatch)s, the longest-lived first."""
+    given = value
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in ("all", "none"):
+            return 1.0 if text == "all" else 0.0
+        try:
+            value = float(text)
+        except ValueError:
+            raise ConfigError(f"cannot read {flag} {value!r}: use all, none or a fraction from 0 to 1 of the "
+                              "activations, e.g. 0.5 (the longest-lived first)") from None
+    if isinstance(value, bool) or not (isinstance(value, (int, float)) and 0 <= value <= 1):
+        raise ConfigError(f"{flag} {given}: the share of activations to offload is from 0 to 1 (or all, none), "
+                          "e.g. 0.5")
+    return float(value)
 
 
 def spans(result: SimResult) -> dict[tuple[int, int], tuple[float, float]]:

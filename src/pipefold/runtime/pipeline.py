@@ -402,8 +402,7 @@ class Pipeline(RankPipeline):
     def _offload_activations(self, share: float | str, offload: tuple[int, int] | None) -> Schedule:
         """The schedule with ``share`` of its (stage, microbatch)s' activations offloaded, the longest-lived first
         (:mod:`pipefold.plan.activation_offload`), alike on every rank."""
-        from pipefold.plan.activation_offload import COPY_LIKE_A_FORWARD, offload_fraction
-        from pipefold.schedules.offload import parse_share
+        from pipefold.plan.activation_offload import COPY_LIKE_A_FORWARD, offload_fraction, parse_share
 
         fraction = parse_share(share, "offload_activations=")
         if self._candidates:

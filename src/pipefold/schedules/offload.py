@@ -17,28 +17,9 @@ from pipefold.errors import ConfigError
 from pipefold.ir import Action, Kind, Schedule
 from pipefold.ir.kinds import OF, RL
 
-__all__ = ["offloadable_pairs", "offloaded_pairs", "parse_share", "with_offload"]
+__all__ = ["offloadable_pairs", "offloaded_pairs", "with_offload"]
 
 _BACKWARDS = (Kind.B, Kind.BW)
-
-
-def parse_share(value: str | float, flag: str = "--offload-activations") -> float:
-    """How much to offload, as ``flag`` takes it: ``all`` (1), ``none`` (0), or a fraction from 0 to 1 of the
-    (stage, microbatch)s, the longest-lived first."""
-    given = value
-    if isinstance(value, str):
-        text = value.strip().lower()
-        if text in ("all", "none"):
-            return 1.0 if text == "all" else 0.0
-        try:
-            value = float(text)
-        except ValueError:
-            raise ConfigError(f"cannot read {flag} {value!r}: use all, none or a fraction from 0 to 1 of the "
-                              "activations, e.g. 0.5 (the longest-lived first)") from None
-    if isinstance(value, bool) or not (isinstance(value, (int, float)) and 0 <= value <= 1):
-        raise ConfigError(f"{flag} {given}: the share of activations to offload is from 0 to 1 (or all, none), "
-                          "e.g. 0.5")
-    return float(value)
 
 
 def offloadable_pairs(schedule: Schedule) -> list[tuple[int, int]]:

@@ -198,7 +198,7 @@ class MemorySpec:
         if isinstance(self.offload, str):
             object.__setattr__(self, "offload", _parse_offload(self.offload))
         if self.offload_activations is not None:
-            from pipefold.schedules.offload import parse_share
+            from pipefold.plan.activation_offload import parse_share
 
             share = parse_share(self.offload_activations)
             object.__setattr__(self, "offload_activations", share or None)
