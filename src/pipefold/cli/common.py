@@ -107,10 +107,13 @@ def offloading(args: argparse.Namespace, schedule: Schedule, cost: CostModel) ->
         raise ConfigError(f"{ScheduleRef.of(schedule)} offloads activations already (its file has OF actions): "
                           "drop --offload-activations and --offload-fit")
     try:
-        choice = (offload_fraction(schedule, parse_share(share), cost) if share is not None
-                  else choose_offload(schedule, fit, cost))
+        if share is not None:
+            choice = offload_fraction(schedule, parse_share(share), cost)
+        else:
+            assert fit is not None
+            choice = choose_offload(schedule, fit, cost)
     except TooSmall as exc:
-        raise ConfigError(f"--offload-fit {num(fit)}: {exc}") from None
+        raise ConfigError(f"--offload-fit {num(fit or 0.0)}: {exc}") from None
     plain, got = choice.plain, choice.result
     return choice.schedule, (f"offloaded {len(choice.pairs)} of {choice.offloadable} (stage, microbatch)s' "
                              f"activations, the longest-lived first: step {num(got.makespan)} (without: "

@@ -65,9 +65,8 @@ class HostCopies:
                 continue
             by_storage.setdefault(id(st), (st, []))[1].append(box)
         copies: list[Offloaded] = []
-        compute = torch.cuda.current_stream(self.device) if self._out is not None else None
         if self._out is not None:
-            self._out.wait_stream(compute)  # the forward that made them has run
+            self._out.wait_stream(torch.cuda.current_stream(self.device))  # the forward that made them has run
         with torch.cuda.stream(self._out) if self._out is not None else nullcontext():
             for st, held in by_storage.values():
                 host = torch.empty(st.nbytes(), dtype=torch.uint8, pin_memory=self._out is not None).untyped_storage()

@@ -101,8 +101,8 @@ def make_job(spec: RunSpec, *, decided: Decisions | None = None, placed: Any = N
             from pipefold.plan.pipefisher import Refill
 
             refill = Refill(after=len(cycle) + 1, schedule=filled.base.schedule, cost=filled.base.cost)
-    if spec.memory.offload_activations:
-        schedule, extra["offload_activations"] = _offload_activations(schedule, spec.memory.offload_activations)
+    if spec.memory.activation_share:
+        schedule, extra["offload_activations"] = _offload_activations(schedule, spec.memory.activation_share)
     if spec.parallel.dp > 1:
         from pipefold.schedules.dataparallel import with_data_parallel
 

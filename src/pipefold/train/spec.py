@@ -215,6 +215,12 @@ class MemorySpec:
         assert not isinstance(self.offload, str)
         return self.offload
 
+    @property
+    def activation_share(self) -> float:
+        """The share of activations offloaded (0: none)."""
+        assert not isinstance(self.offload_activations, str)
+        return self.offload_activations or 0.0
+
 
 def _parse_offload(text: str) -> tuple[int, int]:
     """'2,1' -> (2, 1)."""
