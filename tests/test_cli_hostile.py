@@ -348,3 +348,35 @@ def test_an_error_with_no_interrupt_inside_is_not_taken_for_one(monkeypatch: pyt
     monkeypatch.setattr(schedule_cmds, "cmd_simulate", fails)
     with pytest.raises(RuntimeError, match="a bug"):
         main(["simulate", "1f1b"])
+
+
+_ENTRY = """
+import signal, sys
+import pipefold.cli.main as m
+from pipefold.errors import Interrupted
+def before_its_handling():  # while main reads the options or makes its console
+    raise KeyboardInterrupt
+def after_its_handling():  # main said the line, and the signal lands again as it returns
+    m._interrupt_told = True
+    print("pipefold simulate: interrupted (SIGTERM)", file=sys.stderr)
+    raise Interrupted(signal.SIGTERM)
+def as_it_returns():  # a command that ended well, the signal landing before its code is kept
+    raise Interrupted(signal.SIGTERM)
+m.main = {which}
+sys.argv = ["pipefold", "simulate", "--devices", "2"]
+m.entry()
+"""
+
+
+@pytest.mark.parametrize(("which", "code", "line"), [
+    ("before_its_handling", 130, "pipefold simulate: interrupted (SIGINT)"),
+    ("after_its_handling", 130, "pipefold simulate: interrupted (SIGTERM)"),
+    ("as_it_returns", 143, "pipefold simulate: interrupted (SIGTERM)"),
+])
+def test_an_interrupt_outside_the_commands_handling_is_said_once(which: str, code: int, line: str) -> None:
+    """The class of an interrupt that escapes main: each lands where main's own handler is not, and the command
+    still ends in one line (never silently, never twice)."""
+    done = subprocess.run([sys.executable, "-c", _ENTRY.format(which=which)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.stderr.strip().splitlines() == [line], done.stderr
+    assert done.returncode == code

@@ -127,8 +127,14 @@ def entry() -> NoReturn:
     code = 130  # a signal that lands as main returns, after its own handling: it was interrupted
     try:
         code = main()
-    except KeyboardInterrupt:
-        pass
+    except KeyboardInterrupt as exc:
+        # Outside main's own handling (while it reads the options or makes its console, or as it returns): said
+        # here, once, unless main said it already.
+        if not _interrupt_told:
+            what = exc if isinstance(exc, Interrupted) else Interrupted(signal.SIGINT)
+            name = next((a for a in sys.argv[1:] if not a.startswith("-")), None)
+            tell(f"pipefold {name}: {what}" if name else f"pipefold: {what}")
+            code = what.exit_code
     finally:
         # Ignored, not only blocked: a signal sent to the process goes to any thread that does not block it, and
         # Python runs its handler in the main thread all the same (a library's thread still alive would let a
@@ -144,6 +150,10 @@ def entry() -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+_interrupt_told = False
+"""Whether :func:`main` has said the line of an interrupt (so that :func:`entry` does not say it again)."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -171,7 +181,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
     except KeyboardInterrupt as exc:
         # SIGINT or SIGTERM: the launcher has stopped its ranks (and says how many); one line, the shell's code.
+        global _interrupt_told
         what = exc if isinstance(exc, Interrupted) else Interrupted(signal.SIGINT)
+        _interrupt_told = True
         tell(f"pipefold {args.command}: {what}")
         return what.exit_code
     except ScheduleError as exc:
