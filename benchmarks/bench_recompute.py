@@ -1,6 +1,6 @@
 """Recomputation on real runs: memory saved and time paid by none, auto and full, side by side.
 
-    python benchmarks/bench_recompute.py [--schedule 1f1b] [--devices 4] [--steps 6]
+    python benchmarks/bench_recompute.py [--schedule 1f1b] [--devices 4] [--steps 6] [--hidden 128] [--seq 128]
 
 Trains the same GPT three times on local ranks (gloo on CPU): keeping every
 activation, recomputing per stage to a budget halfway between the two
@@ -29,11 +29,14 @@ def main() -> None:
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--hidden", type=int, default=128, help="the GPT's width (smaller: a quicker check)")
+    parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     base: dict[str, Any] = dict(schedule=args.schedule, devices=args.devices, microbatches=8, steps=args.steps,
-                                model="gpt", layers=10, hidden=128, heads=4, batch=32, seq=128, partition="params")
+                                model="gpt", layers=10, hidden=args.hidden, heads=4, batch=32, seq=args.seq,
+                                partition="params")
     full_plan = make_job(RunSpec.flat(**base, recompute="full")).extra["recompute"]
     schedule = RunSpec.flat(**base).schedule.built
     none_plan = plan_recompute(schedule, full_plan.profiles, "none")
@@ -54,7 +57,8 @@ def main() -> None:
     if args.json:
         print(json.dumps({"budget": budget, **rows}))
         return
-    print(f"{args.schedule} on {args.devices} ranks, GPT 10 blocks, budget {budget / 2**20:.1f} MiB per device")
+    print(f"{args.schedule} on {args.devices} ranks, GPT 10 blocks of width {args.hidden}, "
+          f"budget {budget / 2**20:.1f} MiB per device")
     print(f"{'mode':6} {'layers':14} {'peak per rank (MiB)':28} {'max/none':>9} {'step (s)':>9} {'vs none':>8}")
     for mode, row in rows.items():
         peaks = " ".join(f"{x / 2**20:5.1f}" for x in row["peak_bytes"])
