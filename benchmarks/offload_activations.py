@@ -26,6 +26,7 @@ from typing import Any
 
 from pipefold.errors import run_script
 from pipefold.runtime.measure.timeline import measured_costs
+from pipefold.schedules.offload import offloaded_pairs
 from pipefold.sim.simulate import simulate
 from pipefold.train.run import train
 from pipefold.train.spec import RunSpec
@@ -80,7 +81,7 @@ def main() -> None:
             want_base = simulate(plain_job.schedule, plain_cost)
             rows.append({
                 "schedule": schedule, "share": share,
-                "offloaded": sum(a.kind == "OF" for row in job.schedule.actions for a in row),
+                "offloaded": len(offloaded_pairs(job.schedule)),
                 "peak_bytes": peaks, "predicted_peak_bytes": [round(x) for x in want_peaks],
                 "peak_ratio": max(peaks) / max(base_peaks),
                 "predicted_peak_ratio": max(want_peaks) / max(want_base.peak_memory),

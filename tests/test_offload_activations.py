@@ -200,7 +200,7 @@ def test_copies_queue_on_their_lane(m: int, copy: float) -> None:
 def test_lifetimes_are_the_gaps_between_forward_and_backward() -> None:
     # 1F1B on 2 devices, 2 microbatches, unit passes (a fused backward takes 2). Device 1 runs F0 [1, 2], BW0 [2, 4],
     # F1 [4, 5], BW1 [5, 7]; device 0 F0 [0, 1], F1 [1, 2], then BW0 [4, 6] and BW1 [7, 9] as the gradients come.
-    life = lifetimes(build("1f1b", 2, 2), simulate(build("1f1b", 2, 2), CostModel()))
+    life = lifetimes(simulate(build("1f1b", 2, 2), CostModel()))
     assert life == {(1, 0): 0.0, (1, 1): 0.0, (0, 0): pytest.approx(3.0), (0, 1): pytest.approx(5.0)}
 
 

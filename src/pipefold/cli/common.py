@@ -102,8 +102,9 @@ def offloading(args: argparse.Namespace, schedule: Schedule, cost: CostModel) ->
         raise ConfigError("--offload-activations names how many activations to offload and --offload-fit finds "
                           "them for a peak: give one of them")
     from pipefold.plan.activation_offload import TooSmall, choose_offload, offload_fraction, parse_share
+    from pipefold.schedules.offload import offloaded_pairs
 
-    if any(a.kind == "OF" for row in schedule.actions for a in row):
+    if offloaded_pairs(schedule):
         raise ConfigError(f"{ScheduleRef.of(schedule)} offloads activations already (its file has OF actions): "
                           "drop --offload-activations and --offload-fit")
     try:

@@ -24,6 +24,7 @@ from pipefold.cli.common import (
 )
 from pipefold.ir import formats
 from pipefold.ir.ref import ScheduleRef
+from pipefold.schedules.offload import offloaded_pairs
 from pipefold.sim.simulate import SimResult, simulate
 
 
@@ -164,11 +165,11 @@ def cmd_compare(args: argparse.Namespace, console: Console) -> None:
     best = min(r.makespan for r in results)
     table = Table(title=f"p={args.devices} m={args.microbatches}", title_justify="left")
     table.add_column("schedule", no_wrap=True)
-    offloads = any(a.kind == "OF" for s in loaded for row in s.actions for a in row)
+    offloads = any(offloaded_pairs(s) for s in loaded)
     for col in ("makespan", "vs best", "bubble", "max peak (M)", "peak per device (M)", *(("offloaded",) * offloads)):
         table.add_column(col, justify="right")
     for r in results:
-        moved = sum(a.kind == "OF" for row in r.schedule.actions for a in row)
+        moved = len(offloaded_pairs(r.schedule))
         table.add_row(str(ScheduleRef.of(r.schedule)), num(r.makespan), f"{r.makespan / best:.3f}x" if best else "-",
                       f"{r.bubble_ratio:.1%}", num(max(r.peak_memory)), " ".join(num(x) for x in r.peak_memory),
                       *((str(moved),) * offloads))

@@ -3,9 +3,10 @@
 A microbatch's activations on a stage live from the end of its forward to the start of its backward. Offloading
 them costs two copies over the host link (``CostModel.offload`` each way); it is free when the copies fit in that
 lifetime beside the compute, and it lowers the device's peak only where they were held at the peak. So the planner
-offloads the longest-lived first: on each device over the budget it adds the longest-lived pair not offloaded yet,
-simulates again, and stops when every device fits (or nothing is left, which it says with the smallest peak it
-reached). :func:`plan_offload` does that for every registered schedule family and keeps the fastest that fits.
+offloads the longest-lived first: on each device over the budget it adds the longest-lived pair held across that
+device's peak, simulates again, and stops when every device fits (or nothing is left, which it says with the
+smallest peak offloading everything reaches). :func:`plan_offload` does that for every registered schedule family
+and keeps the fastest that fits.
 """
 
 from __future__ import annotations
@@ -55,11 +56,6 @@ class OffloadChoice:
     """The same schedule without offloading."""
 
     @property
-    def fraction(self) -> float:
-        """The share of the offloadable (stage, microbatch)s offloaded."""
-        return len(self.pairs) / self.offloadable if self.offloadable else 0.0
-
-    @property
     def slowdown(self) -> float:
         """Step time with offloading over step time without."""
         return self.result.makespan / self.plain.makespan if self.plain.makespan else 1.0
@@ -67,7 +63,6 @@ class OffloadChoice:
     def peaks(self) -> list[float]:
         """Per device, its peak memory (activations, and what it holds all step where the costs give it)."""
         return self.result.peak_memory
-
 
 
 def parse_share(value: str | float, flag: str = "--offload-activations") -> float:
@@ -104,9 +99,9 @@ def spans(result: SimResult) -> dict[tuple[int, int], tuple[float, float]]:
     return {pair: (done[pair], start) for pair, start in back.items() if pair in done}
 
 
-def lifetimes(schedule: Schedule, result: SimResult) -> dict[tuple[int, int], float]:
+def lifetimes(result: SimResult) -> dict[tuple[int, int], float]:
     """Per (stage, microbatch) with a backward: the time from the end of its forward to the start of its backward
-    (B or BW) in the simulated ``result`` of ``schedule``."""
+    (B or BW) in the simulated ``result``."""
     return {pair: start - end for pair, (end, start) in spans(result).items()}
 
 
@@ -141,7 +136,7 @@ def reload_ahead(schedule: Schedule, result: SimResult, cost: CostModel) -> dict
 
 
 def _by_lifetime(schedule: Schedule, result: SimResult) -> list[tuple[int, int]]:
-    life = lifetimes(schedule, result)
+    life = lifetimes(result)
     order = offloadable_pairs(schedule)
     rank = {pair: k for k, pair in enumerate(order)}
     return sorted(order, key=lambda pair: (-life.get(pair, 0.0), rank[pair]))
@@ -181,7 +176,8 @@ def choose_offload(schedule: Schedule, budget: float, cost: CostModel | None = N
         over = [d for d, peak in enumerate(result.peak_memory) if peak > budget * (1 + _TOLERANCE)]
         if not over:
             return OffloadChoice(current, tuple(chosen), total, result, plain)
-        added = [pair for d in over if (pair := _at_peak(schedule, result, d, left, rank)) is not None]
+        span = spans(result)
+        added = [pair for d in over if (pair := _at_peak(schedule, result, span, d, left, rank)) is not None]
         if not added:  # a device over the budget offloads all it can: the least any budget can be is then known
             full = simulate(with_offload(schedule, order, ahead=ahead), cost).peak_memory
             best = max(full)
@@ -194,8 +190,8 @@ def choose_offload(schedule: Schedule, budget: float, cost: CostModel | None = N
         result = simulate(current, cost)
 
 
-def _at_peak(schedule: Schedule, result: SimResult, device: int, left: set[tuple[int, int]],
-             rank: dict[tuple[int, int], int]) -> tuple[int, int] | None:
+def _at_peak(schedule: Schedule, result: SimResult, span: dict[tuple[int, int], tuple[float, float]], device: int,
+             left: set[tuple[int, int]], rank: dict[tuple[int, int], int]) -> tuple[int, int] | None:
     """The next (stage, microbatch) of ``device`` to offload: the longest-lived (earliest in ``rank``) of those held
     across the device's peak (their forward done, their backward not started), whose offload lowers it; else the
     longest-lived left on the device (it may move the peak); None when none is left."""
@@ -205,7 +201,6 @@ def _at_peak(schedule: Schedule, result: SimResult, device: int, left: set[tuple
     curve = result.memory_curve[device]
     top = max(level for _, level in curve)
     at = next(t for t, level in curve if level >= top - 1e-12)
-    span = spans(result)
     held = [pair for pair in mine if span[pair][0] <= at < span[pair][1]]
     return min(held or mine, key=rank.__getitem__)
 

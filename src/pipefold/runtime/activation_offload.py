@@ -49,8 +49,6 @@ class HostCopies:
         self.host_bytes = 0
         """Bytes of activations in host memory now."""
         self.peak_host_bytes = 0
-        self.moved = 0
-        """Bytes copied out so far (each offload's once)."""
 
     def offload(self, boxes: Iterable[Any], keep: set[int]) -> tuple[list[Offloaded], Any]:
         """Copy the storages behind ``boxes`` (those with a tensor, not in ``keep``, by ``id`` of their storage) to
@@ -84,7 +82,6 @@ class HostCopies:
             done.record(self._out)
         nbytes = sum(c.nbytes for c in copies)
         self.host_bytes += nbytes
-        self.moved += nbytes
         self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
         return copies, done
 
