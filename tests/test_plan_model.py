@@ -3,6 +3,7 @@ and the whole path profile -> plan -> train --plan on real ranks."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -11,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -842,21 +844,40 @@ def test_an_mlp_plan_with_the_sizes_it_does_not_take_resolves() -> None:
     assert planned.decided[0] == tuple(map(tuple, data["layer_stages"]))
 
 
+def _wait_until_it_catches_sigterm(proc: subprocess.Popen[str]) -> None:
+    """Until the process catches SIGTERM, which the interpreter leaves to the system: from then on, pipefold's own
+    code holds the signals (Linux's /proc tells which signals a process catches)."""
+    import signal
+    import time
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        with contextlib.suppress(OSError):
+            status = Path(f"/proc/{proc.pid}/status").read_text()
+            caught = int(re.search(r"^SigCgt:\s*([0-9a-f]+)", status, re.M).group(1), 16)
+            if caught >> (signal.SIGTERM - 1) & 1:
+                return
+        time.sleep(0.002)
+    raise AssertionError(f"pipefold never came to catch SIGTERM (exit code {proc.poll()})")
+
+
 @pytest.mark.parametrize("command", [["profile", "--model", "gpt", "--layers", "4", "--hidden", "64", "--seq", "64",
                                       "--batch", "16", "-m", "4", "-p", "2", "-o", "p.json"],
                                      ["train", "--model", "mlp", "--steps", "2"], ["simulate", "zb-v"]])
 def test_ctrl_c_during_the_commands_start_up_is_one_line(command: list[str], tmp_path) -> None:
     """SIGINT while the command still imports (the package, the command's modules, torch for the commands that use
     it): held until the imports are done, then one line and code 130, never an import's traceback or an abort from
-    inside torch's own import (which a signal raised there causes). From 0.2 s on: in the interpreter's own first
-    tens of milliseconds, before any of pipefold runs, a signal is Python's to report."""
+    inside torch's own import (which a signal raised there causes). Counted from the moment pipefold's first module
+    holds the signals: before it, in the interpreter's own start-up (however long a slow machine takes over it), a
+    signal is Python's to report."""
     import signal
     import time
 
     # Later too, for the commands that start ranks or helpers: while their fork server imports torch.
-    for delay in (0.2, 0.5, 1.0, *((2.0, 3.0) if command[0] != "simulate" else ())):
+    for delay in (0.0, 0.1, 0.3, 0.8, *((1.8, 2.8) if command[0] != "simulate" else ())):
         proc = subprocess.Popen([sys.executable, "-m", "pipefold", *command], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, cwd=tmp_path, start_new_session=True)
+        _wait_until_it_catches_sigterm(proc)
         time.sleep(delay)
         os.killpg(proc.pid, signal.SIGINT)  # to every process of the group, as a terminal sends it
         _, err = proc.communicate(timeout=120)
