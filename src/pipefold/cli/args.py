@@ -444,12 +444,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "that each device fits --memory-budget (default none)")
     p.add_argument("--memory-budget", metavar="BYTES", default=None,
                    help="bytes per device for weights, gradients, optimizer state and activations, e.g. 64MB "
-                        "(with --recompute auto)")
+                        "(with --recompute auto; with --state-chunks, the device memory the chunks fill)")
     p.add_argument("--offload", metavar="K,K2", default=None,
                    help="each stage keeps at most K of its layers on the device, evicting K2 at once")
     p.add_argument("--offload-activations", metavar="SHARE", default=None,
                    help="move this share of the (stage, microbatch)s' activations to host memory after their "
                         "forward and back before their backward, the longest-lived first: all, or 0 to 1")
+    p.add_argument("--state-chunks", action="store_true",
+                   help="keep the optimizer state in chunks: on the device where the first step leaves room in "
+                        "--memory-budget (all of them without one), the rest in host memory, stepped by the CPU")
+    p.add_argument("--chunk-size", metavar="BYTES", default=None,
+                   help="with --state-chunks: the float32 bytes one chunk holds, e.g. 4MB (default: chosen from "
+                        "the parameters' sizes, 256KB to 64MB)")
     p.add_argument("--plan", metavar="FILE", default=None,
                    help="run the plan in FILE (pipefold plan --profile ... -o FILE) as is: its model, schedule, "
                         "split and recomputation; prints the prediction next to what was measured")

@@ -191,6 +191,12 @@ def _print_train(out: dict[str, Any], console: Console) -> None:
                       format_bytes(out["peak_activation_bytes"][rank]), format_bytes(out["predicted_peak_bytes"][rank]),
                       format_bytes(out["static_bytes"][rank]), format_bytes(out["peak_process_bytes"][rank]))
     console.print(table)
+    if "state_chunks" in out:
+        chunks = out["state_chunks"]
+        where = " ".join(f"{format_bytes(d)}/{format_bytes(h)}"
+                         for d, h in zip(chunks["device_bytes"], chunks["host_bytes"], strict=True))
+        room = f" (device memory {format_bytes(chunks['device_memory'])})" if chunks["device_memory"] else ""
+        console.print(f"optimizer state in chunks, on the device / in host memory by rank{room}: {where}")
     if "recompute" in out:
         _print_recompute(out["recompute"], out["peak_activation_bytes"], console)
     if "cluster_plan" in out:

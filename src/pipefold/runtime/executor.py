@@ -139,6 +139,9 @@ class StepStats:
     """Per stage of this rank that offloads activations (``OF``), the most bytes one microbatch's offload moved."""
     host_peak_bytes: int = 0
     """The most bytes of offloaded activations in host memory at once during the step."""
+    state_bytes: tuple[int, int] | None = None
+    """With model-state chunks: the bytes of optimizer state this rank's chunks held after the step on the device
+    and in host memory (the host's with their float32 parameters and gradients)."""
     link_bytes: dict[int, int] = field(default_factory=dict)
     """Per peer this rank sends to, the most bytes in flight at once on that link."""
     link_message_bytes: dict[int, int] = field(default_factory=dict)

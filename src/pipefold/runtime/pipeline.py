@@ -493,6 +493,45 @@ class Pipeline(RankPipeline):
                               "give Pipeline(..., mesh=mesh) with a 'dp' dimension (FSDP stages shard it already)")
         return self.optimizer(lambda params: ShardedOptimizer(params, make, self.dp_group))
 
+    def chunked(self, make: Callable[[list[nn.Parameter]], torch.optim.Optimizer], *,
+                device_memory: float | str | None = None, chunk_size: float | str | None = None,
+                zero1: bool = False, host_memory: float | str | None = None) -> PrecisionOptimizer:
+        """Model-state chunks (PatrickStar, AxoNN): an optimizer (``make(params)``, e.g.
+        ``lambda ps: torch.optim.AdamW(ps, lr=3e-4)``, inside :meth:`optimizer`'s wrapper) whose state lives in
+        chunks of ``chunk_size`` bytes of float32 (chosen from the parameters' sizes when None), each on the device
+        or in host memory, host chunks stepped by the CPU (:mod:`pipefold.runtime.chunks`). They are placed at the
+        first step: on the device as many as fit in what ``device_memory`` (bytes, or text such as ``"40GB"``)
+        leaves after the parameters, their gradients and the first step's activation peak; the rest in host
+        memory. Without ``device_memory`` every chunk stays on the device. ``zero1``: each of the mesh's ``"dp"``
+        copies holds and steps its share of the chunks. A run whose host chunks cannot fit in host memory
+        (``host_memory``, the system's available memory when None) is refused here. The weights after every step
+        are those of ``make``'s optimizer without chunks."""
+        from pipefold.runtime.chunks import ChunkedOptimizer, left_free
+        from pipefold.units import parse_bytes
+
+        if zero1 and (self.dp_group is None or self.sharded):
+            raise ConfigError("chunked(..., zero1=True) shares the chunks among a DeviceMesh's 'dp' copies of plain "
+                              "stage modules: give Pipeline(..., mesh=mesh) with a 'dp' dimension")
+        if self.sharded or self._offloaded or self.tp_group is not None:
+            raise ConfigError("model-state chunks hold the float32 parameters of plain stage modules: FSDP stages "
+                              "shard their state already, and tensor-parallel and offload= stages run without chunks")
+        budget, size, host = (parse_bytes(v) if isinstance(v, str) else v
+                              for v in (device_memory, chunk_size, host_memory))
+        for name, value in (("device_memory", budget), ("chunk_size", size), ("host_memory", host)):
+            if value is not None and (isinstance(value, bool) or not value > 0):
+                raise ConfigError(f"{name} is a positive number of bytes or text such as '4MB' (got {value!r})")
+        if size is not None and size < 4:
+            raise ConfigError(f"chunk_size is the bytes of float32 a chunk holds, at least 4 (got {size!r})")
+        group = self.dp_group if zero1 else None
+
+        def build(params: list[nn.Parameter]) -> ChunkedOptimizer:
+            return ChunkedOptimizer(params, make, capacity=None if size is None else int(size) // 4,
+                                    free=None if budget is None else lambda: left_free(budget, params, self.last),
+                                    device_room=None if budget is None else left_free(budget, params, None),
+                                    host_memory=host, group=group)
+
+        return self.optimizer(build)
+
     def optimizer(self, make: Callable[[list[Any]], Any]) -> PrecisionOptimizer:
         """The optimizer for this rank's parameters under the pipeline's precision: ``make(params)`` (e.g.
         ``lambda ps: torch.optim.AdamW(ps, lr=3e-4)``, or :meth:`zero1`'s kind) gets the float32 master weights

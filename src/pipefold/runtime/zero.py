@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipefold.plan.shares import shares
+from pipefold.runtime.chunks import ChunkedOptimizer
 from pipefold.runtime.comm import FlatBroadcast
 from pipefold.runtime.sharding import local
 
@@ -77,15 +78,18 @@ class ShardedOptimizer:
             each.wait()
 
 
-AnyOptimizer = torch.optim.Optimizer | ShardedOptimizer
-"""What steps a rank's parameters: a torch optimizer, or ZeRO-1's."""
+AnyOptimizer = torch.optim.Optimizer | ShardedOptimizer | ChunkedOptimizer
+"""What steps a rank's parameters: a torch optimizer, ZeRO-1's, or model-state chunks'."""
 
 
 def holding(optimizers: Sequence[AnyOptimizer]) -> list[torch.optim.Optimizer]:
     """The torch optimizers that hold the state of ``optimizers`` (what checkpoints and snapshots copy): ZeRO-1's
-    share's, none where this copy has no share."""
+    share's, none where this copy has no share; model-state chunks' one per chunk."""
     out = []
     for o in optimizers:
+        if isinstance(o, ChunkedOptimizer):  # model-state chunks: an optimizer per chunk
+            out.extend(o.optimizers())
+            continue
         inner = o.optim if isinstance(o, ShardedOptimizer) else o
         if inner is not None:
             out.append(inner)

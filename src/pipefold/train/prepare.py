@@ -22,6 +22,7 @@ from pipefold.plan.recompute import RecomputePlan, plan_recompute
 from pipefold.runtime.launch.checkpoint import Checkpointing
 from pipefold.runtime.launch.job import Adaptive, Job, local_placement
 from pipefold.runtime.launch.processes import under_torchrun
+from pipefold.runtime.launch.settings import StateChunks
 from pipefold.runtime.stage import Chain, split_batch
 from pipefold.train.spec import RunSpec
 
@@ -71,6 +72,7 @@ def make_job(spec: RunSpec, *, decided: Decisions | None = None, placed: Any = N
     kfac = spec.optimizer.kfac
     check_size(spec, model, schedule, builds_model=decided is None or placed is None and kfac is not None,
                gpus=where.gpus)
+    _check_chunk_size(spec, model)
     if checkpointing is None:
         checkpointing = _checkpointing(spec, schedule)
     if schedule.stages > model.num_layers:
@@ -85,7 +87,10 @@ def make_job(spec: RunSpec, *, decided: Decisions | None = None, placed: Any = N
         layer_stages, plan = decided
     else:
         layer_stages = _layer_stages(spec, model, schedule, where.device_of(0))
-        if spec.memory.recompute != "none" or (spec.memory.budget is not None and adaptive is None):
+        # With state chunks the budget is the device memory they fill (after the activations), not a target to fit
+        # the activations to.
+        if spec.memory.recompute != "none" or (spec.memory.budget is not None and adaptive is None
+                                               and not spec.memory.state_chunks):
             plan = _plan_recompute(spec, schedule, layer_stages, model)
     recompute = None
     if plan is not None:
@@ -114,12 +119,44 @@ def make_job(spec: RunSpec, *, decided: Decisions | None = None, placed: Any = N
     job = Job(schedule=schedule, layer_stages=layer_stages, build_layers=model.build_layers, loss_fn=model.loss,
               batch_at=model.batch_at, steps=spec.steps, optimizer=spec.optimizer, parallel=spec.parallel,
               reliability=spec.reliability, devices=spec.devices, save_grads_of_step=0 if spec.check else None,
-              offload=spec.memory.offloaded, recompute=recompute, extra=extra, network=spec.links.parsed,
+              offload=spec.memory.offloaded, recompute=recompute, chunks=_chunks(spec), extra=extra, network=spec.links.parsed,
               adaptive=adaptive, cycle=cycle, refill=refill, tied=model.tied, preload=model.preload,
               checkpoint=checkpointing, tp_plan=tp_plan)
     for hook in JOB_HOOKS:
         job = hook(job)
     return job
+
+
+def _check_chunk_size(spec: RunSpec, model: Model) -> None:
+    """Refuse, before any rank starts, a ``--chunk-size`` smaller than the model's largest parameter (its layers
+    built with fake tensors: shapes, no memory, no values). A model that cannot be built so is left to the ranks'
+    own refusal."""
+    capacity = spec.memory.chunk_elements
+    if not spec.memory.state_chunks or capacity is None:
+        return
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from pipefold.plan.chunks import pack
+
+    try:
+        with FakeTensorMode():
+            sizes = [p.numel() for layer in model.build() for p in layer.parameters()]
+    except Exception:  # noqa: BLE001  # a model's own construction under fake tensors: the ranks check it
+        return
+    try:
+        pack(sizes, capacity)
+    except ConfigError:
+        largest = max(sizes)
+        raise ConfigError(f"--chunk-size {spec.memory.chunk_size:,.0f} holds {capacity:,} float32 values and the "
+                          f"model's largest parameter has {largest:,}: give --chunk-size {4 * largest} or more") \
+            from None
+
+
+def _chunks(spec: RunSpec) -> StateChunks | None:
+    """The model-state chunks a run asks for (``--state-chunks``), filling ``--memory-budget``."""
+    if not spec.memory.state_chunks:
+        return None
+    return StateChunks(capacity=spec.memory.chunk_elements, device_memory=spec.memory.budget)
 
 
 def _offload_activations(schedule: Schedule, share: float) -> tuple[Schedule, dict[str, int]]:
@@ -159,7 +196,8 @@ def check_size(spec: RunSpec, model: Model, schedule: Schedule, *, builds_model:
         held, ranks = held * here / max(1, int(os.environ.get("WORLD_SIZE", "1"))), here
     memory = spec.memory
     measures = builds_model and (memory.partition != "even" or memory.recompute != "none"
-                                 or spec.optimizer.name == "kfac" or memory.budget is not None)
+                                 or spec.optimizer.name == "kfac"
+                                 or (memory.budget is not None and not memory.state_chunks))
     gpu = (min(gpus, ranks), torch.cuda.get_device_properties(0).total_memory) if gpus else None
     check_model(model, gpu=gpu, microbatches=schedule.microbatches * dp, ranks=ranks, copies=held,
                 measures=measures, what=f"training {spec.model.name}")

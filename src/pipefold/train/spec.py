@@ -184,6 +184,11 @@ class MemorySpec:
     offload_activations: float | str | None = None
     """The share of (stage, microbatch)s whose activations go to host memory after their forward and come back
     before their backward, the longest-lived first: 0..1, 'all' or 'none' (PipeOffload)."""
+    state_chunks: bool = False
+    """Keep the optimizer state in chunks, on the device where the warm-up step left room under
+    ``memory_budget`` and in host memory otherwise, host chunks stepped by the CPU (PatrickStar, AxoNN)."""
+    chunk_size: float | str | None = None
+    """Bytes of float32 one chunk holds (``4MB``); chosen from the parameters' sizes when None."""
 
     def __post_init__(self) -> None:
         from pipefold.plan.recompute import MODES
@@ -197,6 +202,11 @@ class MemorySpec:
             object.__setattr__(self, "memory_budget", parse_bytes(self.memory_budget))
         if isinstance(self.offload, str):
             object.__setattr__(self, "offload", _parse_offload(self.offload))
+        if isinstance(self.chunk_size, str):
+            object.__setattr__(self, "chunk_size", parse_bytes(self.chunk_size))
+        if self.chunk_size is not None and not 4 <= self.chunk_size:
+            raise ConfigError(f"--chunk-size is the bytes of float32 a chunk holds, at least 4 (got "
+                              f"{self.chunk_size:g})")
         if self.offload_activations is not None:
             from pipefold.plan.activation_offload import parse_share
 
@@ -214,6 +224,12 @@ class MemorySpec:
         """(k, k') of offloading."""
         assert not isinstance(self.offload, str)
         return self.offload
+
+    @property
+    def chunk_elements(self) -> int | None:
+        """The elements of float32 one chunk holds (None: chosen by the runtime)."""
+        assert not isinstance(self.chunk_size, str)
+        return None if self.chunk_size is None else int(self.chunk_size) // 4
 
     @property
     def activation_share(self) -> float:
@@ -319,6 +335,23 @@ RULES: tuple[Applies, ...] = (
     Applies(("offload_activations",), lambda s: s.memory.offload is None,
             "{option} moves what a stage's forward saves, and --offload's layers keep their saves themselves: "
             "choose one of them"),
+    Applies(("chunk_size",), lambda s: s.memory.state_chunks,
+            "{option} sizes the model-state chunks: add --state-chunks, or drop it"),
+    Applies(("state_chunks",), lambda s: not s.planned,
+            "{option} places the optimizer state of a schedule you name: use it without --plan or --schedule auto"),
+    Applies(("state_chunks",), lambda s: not (s.parallel.fsdp or s.parallel.tp > 1 or s.memory.offload is not None),
+            "{option} keeps float32 parameters of plain stages on the device and chunks their optimizer state: "
+            "FSDP shards the state already, and tensor-parallel and --offload's layers run without chunks"),
+    Applies(("state_chunks",), lambda s: s.optimizer.name != "kfac" and not s.devices.precision.master_weights,
+            "{option} chunks the state of an elementwise optimizer over float32 parameters: use adamw or sgd "
+            "with fp32 or autocast precision (bf16, fp16)"),
+    Applies(("state_chunks",), lambda s: s.memory.recompute != "auto",
+            "{option} fills what --memory-budget leaves after the activations with optimizer state, and --recompute "
+            "auto fits the activations to it with the whole state on the device: choose one"),
+    Applies(("state_chunks",), lambda s: s.checkpoints.checkpoint_dir is None and s.checkpoints.resume is None
+            and not s.reliability.post_validate,
+            "{option} keeps host chunks' parameters apart from the device's, which checkpoints and --post-validate's "
+            "rollback do not read yet: drop one of them"),
     Applies(("network", "netns"), lambda s: not s.planned,
             "--network and --netns run a schedule you name: use them without --plan or --schedule auto"),
 )

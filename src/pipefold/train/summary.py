@@ -256,6 +256,15 @@ def _small_grads(job: Job, reports: list[RankReport]) -> dict[str, Any]:
     return {"fp16_small_grad_share": small / nonzero if nonzero else 0.0}
 
 
+def _chunks(job: Job, reports: list[RankReport]) -> dict[str, Any]:
+    """Per rank, the bytes of optimizer state its chunks held on the device and in host memory after the last
+    step (the host's with their float32 parameters and gradients), and the device memory they filled."""
+    held = [r.steps[-1].state_bytes or (0, 0) for r in reports]
+    assert job.chunks is not None
+    return {"device_bytes": [d for d, _ in held], "host_bytes": [h for _, h in held],
+            "device_memory": job.chunks.device_memory, "chunk_elements": job.chunks.capacity}
+
+
 def _finite(x: float) -> float | None:
     """``x``, or None (JSON null) where it is NaN or inf."""
     return x if math.isfinite(x) else None
@@ -282,6 +291,7 @@ def _train_summary(spec: RunSpec, job: Job, reports: list[RankReport], predicted
         "peak_process_bytes": [r.peak_process_bytes for r in reports],
         "static_bytes": [r.static_bytes for r in reports],
         **({"peak_resident_param_bytes": [r.resident_param_bytes for r in reports]} if job.offload else {}),
+        **({"state_chunks": _chunks(job, reports)} if job.chunks is not None else {}),
         **({"recompute": job.extra["recompute"].to_dict()} if "recompute" in job.extra else {}),
         "first_step": numbered[0],
         "grad_norm": [_finite(x) for x in reports[0].steps.grad_norm],

@@ -25,6 +25,7 @@ from pipefold.runtime.launch.settings import (
     Optimizer,
     Parallel,
     Reliability,
+    StateChunks,
     check_precision,
     check_together,
 )
@@ -93,6 +94,8 @@ class Job:
     """(k, k'): every stage keeps at most k of its layers on the device (see pipefold.runtime.offload)."""
     recompute: tuple[int, ...] | None = None
     """For each stage, how many of its first layers recompute their activations in backward."""
+    chunks: StateChunks | None = None
+    """The optimizer state in chunks, placed on the device or in host memory (see pipefold.runtime.chunks)."""
     keep_steps: int = KEEP_FIRST
     """Each rank keeps the full record of its first ``keep_steps`` steps (their timelines: ``--trace``), of the
     last one and of those it is asked to check; of every other step a few numbers (:mod:`pipefold.runtime.history`),
@@ -231,6 +234,9 @@ class Job:
             if self.offload is not None:
                 raise ConfigError("offloading steps the optimizer after the whole step: use a schedule without OPT "
                                   "actions with --offload")
+            if self.chunks is not None:
+                raise ConfigError("model-state chunks step the optimizer after the whole step: use a schedule without "
+                                  "OPT actions with --state-chunks")
         degrees = self.degrees  # one per device, or one line
         stage_of = {i: st for st, part in enumerate(self.layer_stages) for i in part}
         # Devices that sum gradients rank by rank (a stage's replicas, a tied weight's copies) hold equal shards.

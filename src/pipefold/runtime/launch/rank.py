@@ -173,7 +173,8 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     params = [p for ps in trained.values() for p in ps]
     # Master weights: the parameters in the low dtype from here on, float32 copies for the optimizer to step.
     masters = Masters(params, precision.torch_dtype) if precision.master_weights else None
-    opt = None if in_schedule else _optimizer(job, masters.masters if masters is not None else params, dp_group)
+    opt = None if in_schedule else _optimizer(job, masters.masters if masters is not None else params, dp_group,
+                                              pipe)
     scaler = precision.scaler()
     keep = {s for s in (job.save_grads_of_step, job.verify_memory_step) if s is not None}
     history = StepHistory(job.keep_steps, keep)  # every step's numbers; in full only the steps that need it
@@ -262,6 +263,9 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
                 stats, device, activity, everyone)
         if masters is not None and not stats.skipped:
             masters.write_back()
+        if job.chunks is not None and opt is not None:
+            held = opt.memory()
+            stats.state_bytes = (held.device, held.host)
         overflowed = False
         if scaler is not None:
             stats.loss_scale = scaler.scale
@@ -570,9 +574,18 @@ def _named(job: Job, modules: dict[int, nn.Module]) -> list[tuple[str, nn.Parame
     return out
 
 
-def _optimizer(job: Job, params: list[Any], dp_group: Any = None) -> AnyOptimizer | None:
+def _optimizer(job: Job, params: list[Any], dp_group: Any = None, pipe: RankPipeline | None = None
+               ) -> AnyOptimizer | None:
     if not params:
         return None  # a rank whose stages have no weights has nothing to step
+    if job.chunks is not None and pipe is not None:
+        from pipefold.runtime.chunks import ChunkedOptimizer, left_free
+
+        budget = job.chunks.device_memory
+        return ChunkedOptimizer(params, job.optimizer.make, capacity=job.chunks.capacity,
+                                free=None if budget is None else lambda: left_free(budget, params, pipe.last),
+                                device_room=None if budget is None else left_free(budget, params, None),
+                                group=dp_group if job.parallel.zero1 else None)
     if job.parallel.zero1 and dp_group is not None:
         # ZeRO-1: each copy of a stage keeps the optimizer state of its share of the parameters, steps them,
         # and sends them to the other copies.
@@ -664,7 +677,12 @@ def _static_bytes(params: list[nn.Parameter], optimizers: list[AnyOptimizer]) ->
     """Bytes of the distinct storages of the parameters, their gradients and every tensor in the optimizers' state
     (ZeRO-1's share's; FSDP's state is sharded)."""
     tensors = [sharding.local(t) for p in params for t in (p, p.grad) if t is not None]
-    tensors += [sharding.local(v) for o in holding(optimizers) for state in o.state.values()
+    from pipefold.runtime.chunks import ChunkedOptimizer
+
+    # Model-state chunks: the state of those on the device (the host's are in host memory).
+    tensors += [t for o in optimizers if isinstance(o, ChunkedOptimizer) for t in o.device_buffers()]
+    plain = [o for o in optimizers if not isinstance(o, ChunkedOptimizer)]
+    tensors += [sharding.local(v) for o in holding(plain) for state in o.state.values()
                 for v in state.values() if isinstance(v, torch.Tensor)]
     seen: dict[int, int] = {}
     for t in tensors:

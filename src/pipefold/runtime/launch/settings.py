@@ -57,6 +57,16 @@ def flag(name: str, option: str | None = None) -> dict[str, Any]:
     return {"flag": name} if option is None else {"flag": name, "option": option}
 
 
+@dataclass(frozen=True)
+class StateChunks:
+    """Model-state chunks (:mod:`pipefold.runtime.chunks`): the optimizer state in chunks of ``capacity`` float32
+    elements (chosen from the parameters' sizes when None), on the device where the warm-up step leaves room in
+    ``device_memory`` bytes (every chunk there when None) and in host memory otherwise."""
+
+    capacity: int | None = None
+    device_memory: float | None = None
+
+
 @dataclass(frozen=True, kw_only=True)
 class Optimizer:
     """How the weights are stepped."""
