@@ -24,6 +24,8 @@ Sections (``--only`` picks some; each runs on its own, so one failing does not h
               against autograd's, widths 64 to 2048
     offload   benchmarks/offload_gpu.py: peak device memory and step time with layers offloaded,
               beside accelerate's cpu_offload
+    chunks    benchmarks/state_chunks.py --device cuda: the largest GPT within a device budget with and without
+              model-state chunks, host chunks pinned and copied on streams, step and update times in GPU time
     calibrate ``pipefold calibrate``: this GPU's bf16 matrix products from 1e8 to 1e12 operations against the
               shipped file of its kind (H100 or H200 by name, else A100): the measured matmul efficiency beside
               the shipped curve, which was fitted to published runs (docs/cluster.md), and the calibrated file
@@ -56,7 +58,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 SECTIONS = ("tests", "memory", "precision", "layouts", "overlap", "speed", "wgrad", "offload", "activations",
-            "calibrate")
+            "chunks", "calibrate")
 PAPER = {"1f1b": 1.0, "v-half": 0.75, "v-min": 0.5, "zb-v": 1.0}
 
 
@@ -393,6 +395,19 @@ def activations(out: Path, quick: bool) -> dict[str, Any]:
     (out / "activations.log").write_text(run.stdout + run.stderr, encoding="utf-8")
     body = run.stdout.strip()
     return {"returncode": run.returncode, "md": f"`python benchmarks/offload_activations.py {' '.join(args)}`:\n\n"
+                                                 f"```\n{body[-6000:]}\n```\n"}
+
+
+def chunks(out: Path, quick: bool) -> dict[str, Any]:
+    """benchmarks/state_chunks.py on the GPU: host chunks pinned, their copies on streams, step times in GPU time."""
+    args = ["--device", "cuda"]
+    if quick:
+        args += ["--layers", "2", "4", "6", "--repeats", "1"]
+    run = subprocess.run([sys.executable, str(HERE / "state_chunks.py"), *args], cwd=ROOT,
+                         capture_output=True, text=True, check=False, timeout=600)
+    (out / "chunks.log").write_text(run.stdout + run.stderr, encoding="utf-8")
+    body = run.stdout.strip()
+    return {"returncode": run.returncode, "md": f"`python benchmarks/state_chunks.py {' '.join(args)}`:\n\n"
                                                  f"```\n{body[-6000:]}\n```\n"}
 
 

@@ -255,8 +255,16 @@ def _refusals(rank: int, init: str, folder: str, out: Any) -> None:
             got[name] = str(exc)
     pipe = Pipeline(mine, "1f1b", microbatches=4, loss_fn=loss)
     x, y = _batch(0)
+    adamw = lambda ps: torch.optim.AdamW(ps)  # noqa: E731
+    master = Pipeline(_model(2)[rank], "1f1b", microbatches=4, loss_fn=loss, precision="bf16-master")
     steps = {"no-grad": lambda: _no_grad(pipe.step, x, target=y),
-             "rows": lambda: pipe.step(x[:6], target=y[:6])}  # each rank refuses its part: the batch, the target
+             "rows": lambda: pipe.step(x[:6], target=y[:6]),  # each rank refuses its part: the batch, the target
+             "chunks-zero1": lambda: pipe.chunked(adamw, zero1=True),
+             "chunks-size": lambda: pipe.chunked(adamw, chunk_size=2),
+             "chunks-memory": lambda: pipe.chunked(adamw, device_memory=-1),
+             "chunks-small": lambda: pipe.chunked(adamw, chunk_size="100B"),
+             "chunks-master": lambda: master.chunked(adamw),
+             "chunks-optimizer": lambda: pipe.chunked(lambda ps: torch.optim.Adafactor(ps))}
     if rank == 1:  # only the rank with the last stage needs the target (the other would start the step)
         steps["target"] = lambda: pipe.step(x)
     for name, call in steps.items():
@@ -277,7 +285,8 @@ def _no_grad(fn: Any, *args: Any, **kwargs: Any) -> Any:
 def test_mistakes_building_or_stepping_a_pipeline_are_one_line_each(tmp_path: Any) -> None:
     got = dict(run_ranks(_refusals, 2, str(tmp_path)))
     both = ("devices", "microbatches", "count", "mesh", "unknown", "file", "no-grad", "file-devices", "offload-k",
-            "budget-named", "precision", "master-offload", "compile", "backend", "share", "both-offloads")
+            "budget-named", "precision", "master-offload", "compile", "backend", "share", "both-offloads",
+            "chunks-zero1", "chunks-size", "chunks-memory", "chunks-small", "chunks-master", "chunks-optimizer")
     for rank, lines in got.items():
         for name in both:
             assert lines[name] is not None and "\n" not in lines[name], (rank, name, lines[name])
@@ -294,6 +303,11 @@ def test_mistakes_building_or_stepping_a_pipeline_are_one_line_each(tmp_path: An
         assert "'split' or 'whole'" in lines["compile"] and "aot_eager" in lines["backend"]
         assert "offload_activations= 2" in lines["share"] and "from 0 to 1" in lines["share"]
         assert "choose one of them" in lines["both-offloads"]
+        assert "'dp' dimension" in lines["chunks-zero1"]
+        assert "at least 4 (got 2)" in lines["chunks-size"] and "got -1" in lines["chunks-memory"]
+        assert "a chunk of 25 elements cannot hold parameter 0 (64 elements)" in lines["chunks-small"]
+        assert "precision='bf16'" in lines["chunks-master"]
+        assert "Adafactor keeps state of other shapes" in lines["chunks-optimizer"]
     assert got[1]["no-loss"] is not None and "loss_fn" in got[1]["no-loss"]
     assert got[0]["no-loss"] is None  # the first rank needs none
     assert got[0]["no-weights"] is not None and "W actions" in got[0]["no-weights"]

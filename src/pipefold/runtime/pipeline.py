@@ -512,9 +512,10 @@ class Pipeline(RankPipeline):
         if zero1 and (self.dp_group is None or self.sharded):
             raise ConfigError("chunked(..., zero1=True) shares the chunks among a DeviceMesh's 'dp' copies of plain "
                               "stage modules: give Pipeline(..., mesh=mesh) with a 'dp' dimension")
-        if self.sharded or self._offloaded or self.tp_group is not None:
-            raise ConfigError("model-state chunks hold the float32 parameters of plain stage modules: FSDP stages "
-                              "shard their state already, and tensor-parallel and offload= stages run without chunks")
+        if self.sharded or self._offloaded or self.tp_group is not None or self.masters is not None:
+            raise ConfigError("model-state chunks step the float32 parameters of plain stage modules: FSDP stages "
+                              "shard their state already, and tensor-parallel, offload= and master-weight stages run "
+                              "without chunks (precision='bf16', autocast, runs with them)")
         budget, size, host = (parse_bytes(v) if isinstance(v, str) else v
                               for v in (device_memory, chunk_size, host_memory))
         for name, value in (("device_memory", budget), ("chunk_size", size), ("host_memory", host)):
