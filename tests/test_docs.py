@@ -78,6 +78,9 @@ class Shrink:
     its ``--times`` and ``--beside`` (``machine_speed.py``'s probes and rounds)."""
     benchmark_reps: int = 20
     """``--reps`` of a benchmark (calls timed together in a round) come down to this."""
+    benchmark_points: int = 2
+    """A benchmark's list of sizes (``--layers 2 4 6 ...``), given or its default, comes down to its first this
+    many: every size runs the same measurement."""
     nodes: int = 4
     """``--nodes`` of a cluster plan (``pipefold plan --cluster``) above this come down to it."""
     benchmark_nodes: int = 2
@@ -203,7 +206,8 @@ def shrink_benchmark(argv: list[str], options: str | None = None) -> list[str]:
     caps = {"--steps": SHRINK.benchmark_steps, "--hidden": SHRINK.width, "--seq": SHRINK.width,
             "--nodes": SHRINK.benchmark_nodes, "--runs": SHRINK.benchmark_runs,
             "--rounds": SHRINK.benchmark_rounds, "--times": SHRINK.benchmark_rounds,
-            "--beside": SHRINK.benchmark_rounds, "--reps": SHRINK.benchmark_reps}
+            "--beside": SHRINK.benchmark_rounds, "--reps": SHRINK.benchmark_reps,
+            "--repeats": SHRINK.benchmark_runs}
     for name, cap in caps.items():
         if name in out[1:-1]:
             i = out.index(name)
@@ -211,6 +215,13 @@ def shrink_benchmark(argv: list[str], options: str | None = None) -> list[str]:
         elif ((m := re.search(rf'add_argument\("{name}"[^)]*?default=(\w+)', source)) is not None
               and (not m[1].isdigit() or int(m[1]) > cap)):
             out += [name, str(cap)]
+    for name in ("--layers",):  # lists of sizes: the first few
+        if name in out[1:-1]:
+            i = out.index(name)
+            j = next((k for k in range(i + 1, len(out)) if out[k].startswith("-")), len(out))
+            out[i + 1:j] = out[i + 1:j][:SHRINK.benchmark_points]
+        elif (m := re.search(rf'add_argument\("{name}", nargs="\+"[^)]*?default=\[([\d, ]+)\]', source)) is not None:
+            out += [name, *m[1].replace(",", " ").split()[:SHRINK.benchmark_points]]
     return out
 
 

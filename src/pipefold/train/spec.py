@@ -339,7 +339,7 @@ RULES: tuple[Applies, ...] = (
             "{option} sizes the model-state chunks: add --state-chunks, or drop it"),
     Applies(("state_chunks",), lambda s: not s.planned,
             "{option} places the optimizer state of a schedule you name: use it without --plan or --schedule auto"),
-    Applies(("state_chunks",), lambda s: not (s.parallel.fsdp or s.parallel.tp > 1 or s.memory.offload is not None),
+    Applies(("state_chunks",), lambda s: not (s.parallel.fsdp or s.parallel.tp != 1 or s.memory.offload is not None),
             "{option} keeps float32 parameters of plain stages on the device and chunks their optimizer state: "
             "FSDP shards the state already, and tensor-parallel and --offload's layers run without chunks"),
     Applies(("state_chunks",), lambda s: s.optimizer.name != "kfac" and not s.devices.precision.master_weights,
@@ -428,11 +428,9 @@ class RunSpec:
         """Every rule that joins settings, in one place (each section has checked its own)."""
         given = self.given()
         for rule in RULES:
-            if rule.when(self):
-                continue
-            for name in rule.options:
-                if name in given:
-                    raise ConfigError(rule.message.format(option=_OPTIONS[name]))
+            named = [name for name in rule.options if name in given]
+            if named and not rule.when(self):  # a rule is asked only where one of its options is given
+                raise ConfigError(rule.message.format(option=_OPTIONS[named[0]]))
         if self.steps < 1:
             raise ConfigError(f"--steps must be at least 1 (got {self.steps})")
         if self.check and self.checkpoints.resume is not None:
