@@ -1,7 +1,7 @@
 """Model-state chunks (PatrickStar, AxoNN) on real runs: the largest GPT that trains within a fixed device budget
 with and without them, the model state each rank's device holds, and the step time, beside the prediction.
 
-    python benchmarks/state_chunks.py [--budget 40MB] [--layers 2 4 6 8 10 12 14 16] [--hidden 256] [--seq 32]
+    python benchmarks/state_chunks.py [--budget 40MB] [--other-budgets 20MB ...] [--layers 1 2 ... 14] [--hidden 256] [--seq 32]
                                       [--chunk-size auto] [--devices 2] [--steps 4] [--repeats 2]
                                       [--device cpu] [--json]
 
@@ -82,19 +82,25 @@ def measure(layers: int, args: argparse.Namespace, budget: float) -> dict[str, A
         sizes = rank_sizes(run, job)
         act = simulate(job.schedule, plain_cost).peak_memory
         batch = [r.steps[-1].batch_bytes for r in reports]
-        want = []
+        want, place_device = [], []
         for d, ps in enumerate(sizes):
             weights = 8 * sum(ps)  # float32 parameters and gradients
             if chunks:
                 capacity = choose_capacity(ps) if args.chunk_size == "auto" else int(parse_bytes(args.chunk_size)) // 4
                 caps = [capacity] * len(pack(ps, capacity))
                 state = place(caps, STATES, budget - weights - act[d] - batch[d]).device_bytes
+                place_device.append(state)
             else:
                 state = 4 * STATES * sum(ps)
             want.append(weights + state + act[d] + batch[d])
         held = [r.steps[-1].state_bytes or (0, 0) for r in reports] if chunks else [(0, 0)] * len(reports)
+        # The least the device holds: with chunks, less the state they placed on it (what a smaller budget
+        # would have left in host memory); the prediction's likewise.
+        least = [d - h for d, (h, _) in zip(device, held, strict=True)]
+        least_want = [w - (place_device[i] if chunks else 0) for i, w in enumerate(want)]
         row["chunks" if chunks else "plain"] = {
             "device_bytes": device, "predicted_bytes": [round(w) for w in want],
+            "least_bytes": least, "predicted_least_bytes": [round(w) for w in least_want],
             "state_bytes": [r.static_bytes for r in reports], "host_bytes": [h for _, h in held],
             "fits": max(device) <= budget, "predicted_fits": max(want) <= budget,
             "step_s": statistics.median(t for t, _ in times[chunks]),
@@ -108,16 +114,37 @@ def measure(layers: int, args: argparse.Namespace, budget: float) -> dict[str, A
     return row
 
 
-def largest(rows: list[dict[str, Any]], how: str, key: str) -> dict[str, Any] | None:
-    """The row of the most parameters that fits ``how`` (plain or chunks), as measured or predicted (``key``)."""
-    fitting = [r for r in rows if r[how][key]]
+def largest(rows: list[dict[str, Any]], how: str, key: str, budget: float | None = None) -> dict[str, Any] | None:
+    """The row of the most parameters that fits ``how`` (plain or chunks), as measured or predicted (``key``); at
+    another ``budget``, from the least bytes the device held (the chunks' state in host memory)."""
+    if budget is None:
+        fitting = [r for r in rows if r[how][key]]
+    else:
+        least = "least_bytes" if key == "fits" else "predicted_least_bytes"
+        fitting = [r for r in rows if max(r[how][least]) <= budget]
     return max(fitting, key=lambda r: r[how]["parameters"]) if fitting else None
+
+
+def at_budgets(rows: list[dict[str, Any]], budgets: list[float]) -> list[dict[str, Any]]:
+    """At each budget, the largest model each way (measured and predicted) and the ratio of their parameters."""
+    out = []
+    for b in budgets:
+        entry: dict[str, Any] = {"budget": b}
+        for key, name in (("fits", "measured"), ("predicted_fits", "predicted")):
+            plain, chunked = largest(rows, "plain", key, b), largest(rows, "chunks", key, b)
+            entry[name] = {"plain_layers": plain and plain["layers"], "chunks_layers": chunked and chunked["layers"],
+                           "ratio": chunked["chunks"]["parameters"] / plain["plain"]["parameters"]
+                           if plain and chunked and chunked["layers"] != rows[-1]["layers"] else None}
+        out.append(entry)
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget", default="40MB", help="each device's memory")
-    parser.add_argument("--layers", nargs="+", type=int, default=[2, 4, 6, 8, 10, 12, 14, 16])
+    parser.add_argument("--layers", nargs="+", type=int, default=[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14])
+    parser.add_argument("--other-budgets", nargs="*", default=["20MB", "30MB", "50MB", "60MB"],
+                        help="budgets to find the largest model at from the same runs")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--chunk-size", default="auto", help="bytes of float32 per chunk (auto: chosen from the "
@@ -137,8 +164,9 @@ def main() -> None:
         summary[name] = {"plain_layers": plain and plain["layers"], "chunks_layers": chunked and chunked["layers"],
                          "ratio": chunked["chunks"]["parameters"] / plain["plain"]["parameters"]
                          if plain and chunked else None}
+    others = at_budgets(rows, [parse_bytes(b) for b in args.other_budgets])
     if args.json:
-        print(json.dumps({"rows": rows, "largest": summary}))
+        print(json.dumps({"rows": rows, "largest": summary, "budgets": others}))
         return
     print(f"GPT hidden {args.hidden}, {args.seq} tokens, batch 4, 4 microbatches, 1F1B on {args.devices} ranks, "
           f"AdamW; device budget {args.budget}, chunks: {args.chunk_size}")
@@ -159,6 +187,13 @@ def main() -> None:
     for name, s in summary.items():
         ratio = f"{s['ratio']:.2f}x the parameters" if s["ratio"] else "-"
         print(f"largest that fits ({name}): plain {s['plain_layers']} layers, with chunks {s['chunks_layers']}: {ratio}")
+    print("at other budgets, from the same runs (the least each way held; - where the largest run still fits):")
+    for e in others:
+        m, w = e["measured"], e["predicted"]
+        ratio = "-" if m["ratio"] is None else f"{m['ratio']:.2f}x"
+        want = "-" if w["ratio"] is None else f"{w['ratio']:.2f}x"
+        print(f"  {e['budget'] / 1e6:5.0f} MB: plain {m['plain_layers']} layers, chunks {m['chunks_layers']}: "
+              f"{ratio} the parameters (predicted {want})")
     print("state/least: the model state a rank's device holds without chunks over the least it holds with them "
           "(parameters and gradients); * where the prediction says otherwise")
 

@@ -872,19 +872,30 @@ def test_ctrl_c_during_the_commands_start_up_is_one_line(command: list[str], tmp
     signal is Python's to report."""
     import signal
     import time
+    from concurrent.futures import ThreadPoolExecutor
 
-    # Later too, for the commands that start ranks or helpers: while their fork server imports torch.
-    for delay in (0.0, 0.1, 0.3, 0.8, *((1.8, 2.8) if command[0] != "simulate" else ())):
+    def interrupted(delay: float) -> tuple[float, int, str]:
+        folder = tmp_path / str(delay)
+        folder.mkdir()
         proc = subprocess.Popen([sys.executable, "-m", "pipefold", *command], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, cwd=tmp_path, start_new_session=True)
+                                stderr=subprocess.PIPE, text=True, cwd=folder, start_new_session=True)
         _wait_until_it_catches_sigterm(proc)
         time.sleep(delay)
         os.killpg(proc.pid, signal.SIGINT)  # to every process of the group, as a terminal sends it
         _, err = proc.communicate(timeout=120)
+        return delay, proc.returncode, err
+
+    # Later too, for the commands that start ranks or helpers: while their fork server imports torch. The
+    # commands run side by side, each interrupted at its own moment after its own start-up.
+    delays = (0.0, 0.1, 0.3, 0.8, *((1.8, 2.8) if command[0] != "simulate" else ()))
+    with ThreadPoolExecutor(len(delays)) as pool:
+        runs = list(pool.map(interrupted, delays))
+    for delay, code, err in runs:
         lines = [line for line in err.strip().splitlines() if not line.startswith("step ")]  # a step's progress
-        assert proc.returncode in (0, 130) and len(lines) <= 1 and "Traceback" not in err, (delay, err)
-        if proc.returncode == 130:
+        assert code in (0, 130) and len(lines) <= 1 and "Traceback" not in err, (delay, err)
+        if code == 130:
             assert re.fullmatch(rf"pipefold {command[0]}: interrupted \(SIGINT\)(; stopped \d ranks)?", lines[0]), err
+    assert any(code == 130 for _, code, _ in runs)  # the early ones, at least, were interrupted
 
 
 def test_a_quick_profile_runs_fewer_rounds_of_every_measurement_between_processes() -> None:

@@ -35,6 +35,7 @@ from torch import nn
 from pipefold.errors import ConfigError
 from pipefold.plan.chunks import ChunkPlacement, choose_capacity, pack, place, state_bytes
 from pipefold.plan.shares import shares
+from pipefold.units import format_bytes
 
 __all__ = ["ChunkMemory", "ChunkedOptimizer", "count_states", "left_free", "static_bytes"]
 
@@ -119,7 +120,7 @@ class ChunkedOptimizer:
 
     ``free``: called at the first step, the device bytes that the chunks' state may use (what the warm-up step
     left free); None or a call returning None keeps every chunk's state on the device. ``host_memory``: the bytes
-    host memory has for the chunks (the system's available memory when None); a run whose host chunks cannot fit
+    host memory has for this copy's chunks (the system's available memory when None); a run whose host chunks cannot fit
     even with the device as full as ``device_room`` allows is refused here, before its first step. ``group``:
     ZeRO-1 over the data-parallel copies in it."""
 
@@ -145,7 +146,6 @@ class ChunkedOptimizer:
                 self.owners[i] = owner
         self.mine = [c for c in self.chunks if self.owners[c.index] == me]
         """The chunks this copy holds and steps (all of them without ZeRO-1)."""
-        self._make = make
         self.states = count_states(make)
         """Optimizer tensors per parameter element (Adam: 2)."""
         for c in self.mine:
@@ -170,10 +170,10 @@ class ChunkedOptimizer:
                       else float("inf"))
         if least.host_bytes > host_memory:
             raise ConfigError(f"host memory too small for the model-state chunks: they need at least "
-                              f"{least.host_bytes / 2**30:.2f} GiB of it ({len(self.mine) - sum(least.on_device)} "
+                              f"{format_bytes(least.host_bytes)} of it ({len(self.mine) - sum(least.on_device)} "
                               f"chunks of {self.capacity:,} elements with their state, parameters and gradients), "
-                              f"{host_memory / 2**30:.2f} GiB is free: give the device more memory, or train a "
-                              "smaller model or with data-parallel copies and ZeRO-1 to share the chunks")
+                              f"{format_bytes(host_memory)} is free for them: give the device more memory, or train "
+                              "a smaller model or with data-parallel copies and ZeRO-1 to share the chunks")
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:

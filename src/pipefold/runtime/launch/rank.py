@@ -579,12 +579,17 @@ def _optimizer(job: Job, params: list[Any], dp_group: Any = None, pipe: RankPipe
     if not params:
         return None  # a rank whose stages have no weights has nothing to step
     if job.chunks is not None and pipe is not None:
+        from pipefold.models.size import available_memory
         from pipefold.runtime.chunks import ChunkedOptimizer, left_free
 
         budget = job.chunks.device_memory
+        # The ranks of this machine share its host memory.
+        free_host = available_memory()
+        here = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
         return ChunkedOptimizer(params, job.optimizer.make, capacity=job.chunks.capacity,
                                 free=None if budget is None else lambda: left_free(budget, params, pipe.last),
                                 device_room=None if budget is None else left_free(budget, params, None),
+                                host_memory=None if free_host is None else free_host / here,
                                 group=dp_group if job.parallel.zero1 else None)
     if job.parallel.zero1 and dp_group is not None:
         # ZeRO-1: each copy of a stage keeps the optimizer state of its share of the parameters, steps them,
