@@ -1,9 +1,9 @@
 """Model-state chunks (PatrickStar, AxoNN) on real runs: the largest GPT that trains within a fixed device budget
 with and without them, the model state each rank's device holds, and the step time, beside the prediction.
 
-    python benchmarks/state_chunks.py [--budget 40MB] [--other-budgets 20MB ...] [--layers 1 2 ... 14] [--hidden 256] [--seq 32]
-                                      [--chunk-size auto] [--devices 2] [--steps 4] [--repeats 2]
-                                      [--device cpu] [--json]
+    python benchmarks/state_chunks.py [--budget 40MB] [--other-budgets 20MB ...] [--layers 1 2 ... 14]
+                                      [--hidden 256] [--seq 32] [--chunk-size auto] [--devices 2] [--steps 4]
+                                      [--repeats 2] [--device cpu] [--json]
 
 A GPT (4 heads, batch 4 of --seq tokens, 4 microbatches, 1F1B on --devices local ranks, AdamW) trains once per
 layer count plainly and once with ``--state-chunks --memory-budget BUDGET``. A rank's device holds, by the
@@ -186,7 +186,8 @@ def main() -> None:
               f"{c['update_s'] / p['update_s']:6.2f}x | {c['step_s'] / p['step_s']:4.2f}x")
     for name, s in summary.items():
         ratio = f"{s['ratio']:.2f}x the parameters" if s["ratio"] else "-"
-        print(f"largest that fits ({name}): plain {s['plain_layers']} layers, with chunks {s['chunks_layers']}: {ratio}")
+        print(f"largest that fits ({name}): plain {s['plain_layers']} layers, with chunks {s['chunks_layers']}: "
+              f"{ratio}")
     print("at other budgets, from the same runs (the least each way held; - where the largest run still fits):")
     for e in others:
         m, w = e["measured"], e["predicted"]

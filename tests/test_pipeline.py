@@ -263,6 +263,7 @@ def _refusals(rank: int, init: str, folder: str, out: Any) -> None:
              "chunks-size": lambda: pipe.chunked(adamw, chunk_size=2),
              "chunks-memory": lambda: pipe.chunked(adamw, device_memory=-1),
              "chunks-small": lambda: pipe.chunked(adamw, chunk_size="100B"),
+             "chunks-large": lambda: pipe.chunked(adamw, chunk_size="8MB", device_memory="4MB"),
              "chunks-master": lambda: master.chunked(adamw),
              "chunks-optimizer": lambda: pipe.chunked(lambda ps: torch.optim.Adafactor(ps))}
     if rank == 1:  # only the rank with the last stage needs the target (the other would start the step)
@@ -286,7 +287,8 @@ def test_mistakes_building_or_stepping_a_pipeline_are_one_line_each(tmp_path: An
     got = dict(run_ranks(_refusals, 2, str(tmp_path)))
     both = ("devices", "microbatches", "count", "mesh", "unknown", "file", "no-grad", "file-devices", "offload-k",
             "budget-named", "precision", "master-offload", "compile", "backend", "share", "both-offloads",
-            "chunks-zero1", "chunks-size", "chunks-memory", "chunks-small", "chunks-master", "chunks-optimizer")
+            "chunks-zero1", "chunks-size", "chunks-memory", "chunks-small", "chunks-large", "chunks-master",
+            "chunks-optimizer")
     for rank, lines in got.items():
         for name in both:
             assert lines[name] is not None and "\n" not in lines[name], (rank, name, lines[name])
@@ -307,6 +309,7 @@ def test_mistakes_building_or_stepping_a_pipeline_are_one_line_each(tmp_path: An
         assert "at least 4 (got 2)" in lines["chunks-size"] and "got -1" in lines["chunks-memory"]
         assert "a chunk of 25 elements cannot hold parameter 0 (64 elements)" in lines["chunks-small"]
         assert "precision='bf16'" in lines["chunks-master"]
+        assert "no chunk could ever be on the device" in lines["chunks-large"]
         assert "Adafactor keeps state of other shapes" in lines["chunks-optimizer"]
     assert got[1]["no-loss"] is not None and "loss_fn" in got[1]["no-loss"]
     assert got[0]["no-loss"] is None  # the first rank needs none

@@ -266,3 +266,11 @@ def test_a_chunk_size_below_the_largest_parameter_is_refused_before_any_rank_sta
     with pytest.raises(ConfigError, match=r"--chunk-size 64,000 holds 16,000 float32 values and the model's largest "
                                           r"parameter has 16,384: give --chunk-size 65536 or more"):
         make_job(spec)
+
+
+def test_a_chunk_larger_than_the_device_is_refused() -> None:
+    from pipefold.train.spec import RunSpec
+
+    with pytest.raises(ConfigError, match="--chunk-size 8,000,000 is more than the device's --memory-budget "
+                                          "4,000,000: no chunk could ever be on the device"):
+        RunSpec.flat(state_chunks=True, chunk_size="8MB", memory_budget="4MB")

@@ -302,8 +302,9 @@ class ChunkedOptimizer:
         pending = []
         for owner in range(len(self.ranks)):
             tensors = [p.detach() for c in self.chunks if self.owners[c.index] == owner for p in c.params]
-            if tensors:
-                pending.append(FlatBroadcast(tensors, self.ranks[owner], self.group))
+            src = self.ranks[owner]
+            if tensors and src is not None:
+                pending.append(FlatBroadcast(tensors, src, self.group))
         for each in pending:
             each.wait()
 

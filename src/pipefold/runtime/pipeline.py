@@ -523,6 +523,9 @@ class Pipeline(RankPipeline):
                 raise ConfigError(f"{name} is a positive number of bytes or text such as '4MB' (got {value!r})")
         if size is not None and size < 4:
             raise ConfigError(f"chunk_size is the bytes of float32 a chunk holds, at least 4 (got {size!r})")
+        if size is not None and budget is not None and size > budget:
+            raise ConfigError(f"chunk_size {size:,.0f} is more than device_memory {budget:,.0f}: no chunk could ever "
+                              "be on the device; give a chunk size well below it (a few MB)")
         group = self.dp_group if zero1 else None
 
         def build(params: list[nn.Parameter]) -> ChunkedOptimizer:

@@ -119,7 +119,8 @@ def make_job(spec: RunSpec, *, decided: Decisions | None = None, placed: Any = N
     job = Job(schedule=schedule, layer_stages=layer_stages, build_layers=model.build_layers, loss_fn=model.loss,
               batch_at=model.batch_at, steps=spec.steps, optimizer=spec.optimizer, parallel=spec.parallel,
               reliability=spec.reliability, devices=spec.devices, save_grads_of_step=0 if spec.check else None,
-              offload=spec.memory.offloaded, recompute=recompute, chunks=_chunks(spec), extra=extra, network=spec.links.parsed,
+              offload=spec.memory.offloaded, recompute=recompute, chunks=_chunks(spec), extra=extra,
+              network=spec.links.parsed,
               adaptive=adaptive, cycle=cycle, refill=refill, tied=model.tied, preload=model.preload,
               checkpoint=checkpointing, tp_plan=tp_plan)
     for hook in JOB_HOOKS:

@@ -204,9 +204,13 @@ class MemorySpec:
             object.__setattr__(self, "offload", _parse_offload(self.offload))
         if isinstance(self.chunk_size, str):
             object.__setattr__(self, "chunk_size", parse_bytes(self.chunk_size))
-        if self.chunk_size is not None and not 4 <= self.chunk_size:
-            raise ConfigError(f"--chunk-size is the bytes of float32 a chunk holds, at least 4 (got "
-                              f"{self.chunk_size:g})")
+        size, budget = self.chunk_size, self.memory_budget
+        assert not isinstance(size, str) and not isinstance(budget, str)  # read above
+        if size is not None and size < 4:
+            raise ConfigError(f"--chunk-size is the bytes of float32 a chunk holds, at least 4 (got {size:g})")
+        if size is not None and budget is not None and size > budget:
+            raise ConfigError(f"--chunk-size {size:,.0f} is more than the device's --memory-budget {budget:,.0f}: no "
+                              "chunk could ever be on the device; give a chunk size well below the budget (a few MB)")
         if self.offload_activations is not None:
             from pipefold.plan.activation_offload import parse_share
 

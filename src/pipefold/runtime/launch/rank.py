@@ -23,6 +23,7 @@ from pipefold.errors import ConfigError
 from pipefold.ir import Kind, Schedule
 from pipefold.ir.ref import ScheduleRef
 from pipefold.runtime import numerics, sharding, sockets
+from pipefold.runtime.chunks import ChunkedOptimizer
 from pipefold.runtime.executor import RankExecutor, StepStats
 from pipefold.runtime.history import StepHistory, step_number, unchecked
 from pipefold.runtime.launch.faults import Faults
@@ -263,9 +264,9 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
                 stats, device, activity, everyone)
         if masters is not None and not stats.skipped:
             masters.write_back()
-        if job.chunks is not None and opt is not None:
-            held = opt.memory()
-            stats.state_bytes = (held.device, held.host)
+        if isinstance(opt, ChunkedOptimizer):
+            chunked = opt.memory()
+            stats.state_bytes = (chunked.device, chunked.host)
         overflowed = False
         if scaler is not None:
             stats.loss_scale = scaler.scale
@@ -580,7 +581,7 @@ def _optimizer(job: Job, params: list[Any], dp_group: Any = None, pipe: RankPipe
         return None  # a rank whose stages have no weights has nothing to step
     if job.chunks is not None and pipe is not None:
         from pipefold.models.size import available_memory
-        from pipefold.runtime.chunks import ChunkedOptimizer, left_free
+        from pipefold.runtime.chunks import left_free
 
         budget = job.chunks.device_memory
         # The ranks of this machine share its host memory.
@@ -682,8 +683,6 @@ def _static_bytes(params: list[nn.Parameter], optimizers: list[AnyOptimizer]) ->
     """Bytes of the distinct storages of the parameters, their gradients and every tensor in the optimizers' state
     (ZeRO-1's share's; FSDP's state is sharded)."""
     tensors = [sharding.local(t) for p in params for t in (p, p.grad) if t is not None]
-    from pipefold.runtime.chunks import ChunkedOptimizer
-
     # Model-state chunks: the state of those on the device (the host's are in host memory).
     tensors += [t for o in optimizers if isinstance(o, ChunkedOptimizer) for t in o.device_buffers()]
     plain = [o for o in optimizers if not isinstance(o, ChunkedOptimizer)]
