@@ -243,7 +243,7 @@ def test_a_train_run_with_chunks_ends_with_the_plain_runs_weights_and_less_devic
     shape = {"schedule": "1f1b", "devices": 2, "microbatches": 2, "steps": 3, "model": "mlp", "layers": 4,
              "hidden": 64, "batch": 16, "partition": "even", "optimizer": "adamw"}
     for how, extra in (("plain", {}), ("device", {"state_chunks": True}),
-                       ("host", {"state_chunks": True, "memory_budget": "1KB", "chunk_size": "128KB"})):
+                       ("host", {"state_chunks": True, "memory_budget": "200KB", "chunk_size": "128KB"})):
         spec = RunSpec.flat(**shape, **extra)
         job = dataclasses.replace(make_job(spec), save_weights=True)
         runs[how] = sorted(run_local(job), key=lambda r: r.rank)
