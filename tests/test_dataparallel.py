@@ -369,12 +369,45 @@ def test_one_flat_broadcast_equals_one_per_tensor(src: int) -> None:
         assert shapes == [(3, 4), (5,), (6, 4), (2,)]
 
 
+def _best_spread(sizes: list[int], copies: int) -> int:
+    """The least heaviest share over every assignment of ``sizes`` to ``copies`` shares, by brute force: each
+    assignment once up to renaming the shares (a size goes to a share used before or to the next new one), as the
+    heaviest share does not depend on their names."""
+    best = sum(sizes)
+
+    def assign(i: int, loads: list[int]) -> None:
+        nonlocal best
+        if i == len(sizes):
+            best = min(best, max(loads))
+            return
+        for c in range(min(len(loads) + 1, copies)):
+            grown = [*loads, 0] if c == len(loads) else list(loads)
+            grown[c] += sizes[i]
+            assign(i + 1, grown)
+
+    assign(0, [])
+    return best
+
+
+def test_the_brute_force_spread_is_every_assignments() -> None:
+    """The brute force up to renaming against every assignment, named shares and all, on small cases."""
+    import itertools
+    import random
+
+    rng = random.Random(0)
+    for copies in (2, 3):
+        for _ in range(5):
+            sizes = [rng.choice([1, 7, 64, 300]) for _ in range(6)]
+            every = min(max(sum(sizes[i] for i in range(6) if who[i] == c) for c in range(copies))
+                        for who in itertools.product(range(copies), repeat=6))
+            assert _best_spread(sizes, copies) == every
+
+
 @pytest.mark.parametrize("copies", [2, 3, 4])
 def test_zero1_shares_cover_every_parameter_once_and_balance(copies: int) -> None:
     """ZeRO-1's shares: every parameter in exactly one, and the heaviest share at most the largest parameter above
     the lightest (largest first, each to the lightest share: a brute force over every assignment of eight sizes
     finds the best spread, which greedy may miss by no more than that)."""
-    import itertools
     import random
 
     from pipefold.plan.shares import shares
@@ -385,7 +418,6 @@ def test_zero1_shares_cover_every_parameter_once_and_balance(copies: int) -> Non
         got = shares(sizes, copies)
         assert sorted(i for share in got for i in share) == list(range(len(sizes)))
         loads = [sum(sizes[i] for i in share) for share in got]
-        best = min(max(sum(sizes[i] for i in range(8) if who[i] == c) for c in range(copies))
-                   for who in itertools.product(range(copies), repeat=8))
+        best = _best_spread(sizes, copies)
         assert max(loads) - min(loads) <= max(sizes) and max(loads) <= best + max(sizes)
         assert got == shares(sizes, copies)  # the same on every copy
