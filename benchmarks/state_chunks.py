@@ -3,7 +3,7 @@ with and without them, the model state each rank's device holds, and the step ti
 
     python benchmarks/state_chunks.py [--budget 40MB] [--other-budgets 20MB ...] [--layers 1 2 ... 14]
                                       [--hidden 256] [--seq 32] [--chunk-size auto] [--devices 2] [--steps 4]
-                                      [--repeats 2] [--device cpu] [--json]
+                                      [--repeats 2] [--device cpu] [--precision fp32] [--json]
 
 A GPT (4 heads, batch 4 of --seq tokens, 4 microbatches, 1F1B on --devices local ranks, AdamW) trains once per
 layer count plainly and once with ``--state-chunks --memory-budget BUDGET``. A rank's device holds, by the
@@ -13,6 +13,10 @@ the step's activation peak and batch (the memory meter's). A run fits when every
 budget. The prediction counts each rank's parameters from its layers (built with fake tensors), AdamW's two
 moments, the chunks the placement rule (:func:`pipefold.plan.chunks.place`) puts on the device, and the activation
 peak the simulator predicts from the plain run's measured per-microbatch bytes.
+
+With ``--precision bf16-master`` both runs hold bf16 parameters with float32 master weights (``--dtype bf16
+--master-weights``); the chunks then hold the masters and their gradients too, and the device only the bf16
+parameters (AxoNN's split).
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ def spec(layers: int, chunks: bool, args: argparse.Namespace) -> RunSpec:
     extra: dict[str, Any] = {"state_chunks": True, "memory_budget": args.budget} if chunks else {}
     if chunks and args.chunk_size != "auto":
         extra["chunk_size"] = args.chunk_size
+    if args.precision == "bf16-master":
+        extra.update(dtype="bf16", master_weights=True)
     return RunSpec.flat(schedule="1f1b", devices=args.devices, microbatches=4, steps=args.steps, model="gpt",
                         layers=layers, hidden=args.hidden, heads=4, seq=args.seq, batch=4, partition="params",
                         optimizer="adamw", device=args.device, **extra)
@@ -83,12 +89,17 @@ def measure(layers: int, args: argparse.Namespace, budget: float) -> dict[str, A
         act = simulate(job.schedule, plain_cost).peak_memory
         batch = [r.steps[-1].batch_bytes for r in reports]
         want, place_device = [], []
+        masters = args.precision == "bf16-master"
         for d, ps in enumerate(sizes):
-            weights = 8 * sum(ps)  # float32 parameters and gradients
+            # float32 parameters and gradients; with master weights, bf16 parameters and float32 masters and
+            # gradients (in the chunks with them: the bf16 parameters alone, and their gradients while a backward
+            # makes them, which the placement leaves room for)
+            weights = (10 if masters else 8) * sum(ps) if not chunks else (2 if masters else 8) * sum(ps)
             if chunks:
                 capacity = choose_capacity(ps) if args.chunk_size == "auto" else int(parse_bytes(args.chunk_size)) // 4
                 caps = [capacity] * len(pack(ps, capacity))
-                state = place(caps, STATES, budget - weights - act[d] - batch[d]).device_bytes
+                room = budget - (4 if masters else 8) * sum(ps) - act[d] - batch[d]
+                state = place(caps, STATES, room, masters=masters).device_bytes
                 place_device.append(state)
             else:
                 state = 4 * STATES * sum(ps)
@@ -154,6 +165,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="runs of each, plain and chunked in turn")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="where the ranks compute (cuda: a GPU per rank, or the ranks sharing one)")
+    parser.add_argument("--precision", choices=["fp32", "bf16-master"], default="fp32",
+                        help="bf16-master: bf16 parameters with float32 master weights, which the chunks hold")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     budget = parse_bytes(args.budget)
@@ -169,7 +182,7 @@ def main() -> None:
         print(json.dumps({"rows": rows, "largest": summary, "budgets": others}))
         return
     print(f"GPT hidden {args.hidden}, {args.seq} tokens, batch 4, 4 microbatches, 1F1B on {args.devices} ranks, "
-          f"AdamW; device budget {args.budget}, chunks: {args.chunk_size}")
+          f"AdamW, {args.precision}; device budget {args.budget}, chunks: {args.chunk_size}")
     print(f"{'layers':>6} {'params':>10} | {'plain: device MiB (pred)':27} | {'chunks: device MiB (pred)':27} "
           f"{'host MiB':>8} | {'state/least':>11} | {'update plain':>12} {'chunks':>7} | {'step':>5}")
     for r in rows:

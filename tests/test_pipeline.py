@@ -256,7 +256,7 @@ def _refusals(rank: int, init: str, folder: str, out: Any) -> None:
     pipe = Pipeline(mine, "1f1b", microbatches=4, loss_fn=loss)
     x, y = _batch(0)
     adamw = lambda ps: torch.optim.AdamW(ps)  # noqa: E731
-    master = Pipeline(_model(2)[rank], "1f1b", microbatches=4, loss_fn=loss, precision="bf16-master")
+    offloaded = Pipeline(_model(2)[rank], "1f1b", microbatches=4, loss_fn=loss, offload=(1, 1))
     steps = {"no-grad": lambda: _no_grad(pipe.step, x, target=y),
              "rows": lambda: pipe.step(x[:6], target=y[:6]),  # each rank refuses its part: the batch, the target
              "chunks-zero1": lambda: pipe.chunked(adamw, zero1=True),
@@ -264,7 +264,7 @@ def _refusals(rank: int, init: str, folder: str, out: Any) -> None:
              "chunks-memory": lambda: pipe.chunked(adamw, device_memory=-1),
              "chunks-small": lambda: pipe.chunked(adamw, chunk_size="100B"),
              "chunks-large": lambda: pipe.chunked(adamw, chunk_size="8MB", device_memory="4MB"),
-             "chunks-master": lambda: master.chunked(adamw),
+             "chunks-offload": lambda: offloaded.chunked(adamw),
              "chunks-optimizer": lambda: pipe.chunked(lambda ps: torch.optim.Adafactor(ps))}
     if rank == 1:  # only the rank with the last stage needs the target (the other would start the step)
         steps["target"] = lambda: pipe.step(x)
@@ -287,7 +287,7 @@ def test_mistakes_building_or_stepping_a_pipeline_are_one_line_each(tmp_path: An
     got = dict(run_ranks(_refusals, 2, str(tmp_path)))
     both = ("devices", "microbatches", "count", "mesh", "unknown", "file", "no-grad", "file-devices", "offload-k",
             "budget-named", "precision", "master-offload", "compile", "backend", "share", "both-offloads",
-            "chunks-zero1", "chunks-size", "chunks-memory", "chunks-small", "chunks-large", "chunks-master",
+            "chunks-zero1", "chunks-size", "chunks-memory", "chunks-small", "chunks-large", "chunks-offload",
             "chunks-optimizer")
     for rank, lines in got.items():
         for name in both:
@@ -308,7 +308,7 @@ def test_mistakes_building_or_stepping_a_pipeline_are_one_line_each(tmp_path: An
         assert "'dp' dimension" in lines["chunks-zero1"]
         assert "at least 4 (got 2)" in lines["chunks-size"] and "got -1" in lines["chunks-memory"]
         assert "a chunk of 25 elements cannot hold parameter 0 (64 elements)" in lines["chunks-small"]
-        assert "precision='bf16'" in lines["chunks-master"]
+        assert "offload= stages run without chunks" in lines["chunks-offload"]
         assert "no chunk could ever be on the device" in lines["chunks-large"]
         assert "Adafactor keeps state of other shapes" in lines["chunks-optimizer"]
     assert got[1]["no-loss"] is not None and "loss_fn" in got[1]["no-loss"]

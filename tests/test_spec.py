@@ -58,6 +58,7 @@ def _where_it_does_not_apply(rule_index: int) -> dict[str, object]:
     return [{"optimizer": "adamw"}, {"schedule": "1f1b"}, {"model": "mlp", "layers": 4, "batch": 8},
             {"plan": "p.json"}, {}, {"plan": "p.json"}, {"schedule": "auto"}, {"optimizer": "kfac"}, {"offload": "2,1"},
             {}, {"plan": "p.json"}, {"tp": (2, 1), "devices": 2}, {"optimizer": "kfac"},
+            {"dtype": "bf16", "master_weights": True, "dp": 2, "zero1": True},
             {"recompute": "auto", "memory_budget": "1GB"}, {"checkpoint_dir": "ck"},
             {"plan": "p.json"}][rule_index]
 

@@ -451,8 +451,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="move this share of the (stage, microbatch)s' activations to host memory after their "
                         "forward and back before their backward, the longest-lived first: all, or 0 to 1")
     p.add_argument("--state-chunks", action="store_true",
-                   help="keep the optimizer state in chunks: on the device where the first step leaves room in "
-                        "--memory-budget (all of them without one), the rest in host memory, stepped by the CPU")
+                   help="keep the optimizer state (with --master-weights, the float32 masters and their gradients "
+                        "too) in chunks: on the device where the first step leaves room in --memory-budget (all of "
+                        "them without one), the rest in host memory, stepped by the CPU")
     p.add_argument("--chunk-size", metavar="BYTES", default=None,
                    help="with --state-chunks: the float32 bytes one chunk holds, e.g. 4MB (default: chosen from "
                         "the parameters' sizes, 256KB to 64MB)")

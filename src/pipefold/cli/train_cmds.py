@@ -196,7 +196,8 @@ def _print_train(out: dict[str, Any], console: Console) -> None:
         where = " ".join(f"{format_bytes(d)}/{format_bytes(h)}"
                          for d, h in zip(chunks["device_bytes"], chunks["host_bytes"], strict=True))
         room = f" (device memory {format_bytes(chunks['device_memory'])})" if chunks["device_memory"] else ""
-        console.print(f"optimizer state in chunks, on the device / in host memory by rank{room}: {where}")
+        what = "masters, gradients and optimizer state" if chunks.get("masters") else "optimizer state"
+        console.print(f"{what} in chunks, on the device / in host memory by rank{room}: {where}")
     if "recompute" in out:
         _print_recompute(out["recompute"], out["peak_activation_bytes"], console)
     if "cluster_plan" in out:

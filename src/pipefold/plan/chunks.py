@@ -14,6 +14,11 @@ host memory, whole::
 The parameters themselves and their gradients stay on the device: every pass of every microbatch reads them. What
 moves is the state only the optimizer step reads: for a host chunk, the step copies its gradients to host memory,
 steps there, and copies the stepped parameters back.
+
+With master weights (parameters held in bf16 or fp16) the chunks hold the float32 masters and their float32
+gradients as well as the optimizer state, wherever they are: the device keeps 2 bytes of each parameter plus its
+gradient while a backward makes it, and a host chunk's gradients are added into host memory as they are made
+(AxoNN's and ZeRO-Offload's split: 16-bit weights on the device, everything float32 in host memory).
 """
 
 from __future__ import annotations
@@ -84,16 +89,17 @@ class ChunkPlacement:
     """Bytes of the chunks' state in host memory (with their float32 parameters and gradients)."""
 
 
-def place(capacities: Sequence[int], states: int, free: float) -> ChunkPlacement:
+def place(capacities: Sequence[int], states: int, free: float, *, masters: bool = False) -> ChunkPlacement:
     """The chunks (of ``capacities`` elements each) whose state the device keeps, given ``free`` bytes of it that
     nothing else needs at the step's peak: each chunk in order, on the device where it still fits in what the
     chunks before it left. No host chunk fits in what the device chunks leave (a chunk skipped for size is
-    followed by smaller ones that may fit)."""
+    followed by smaller ones that may fit). With ``masters`` (parameters held in 16 bits, float32 master weights
+    in the chunks) a device chunk holds its float32 masters and their gradients too, as a host chunk does."""
     left = max(0.0, free)
     on_device = []
     device = host = 0
     for n in capacities:
-        here = state_bytes(n, states, host=False)
+        here = state_bytes(n, states, host=masters)
         if here <= left:
             left -= here
             device += here

@@ -20,13 +20,21 @@ element for element, wherever they run: the same weights after every step.
 
 With ZeRO-1 (a data-parallel ``group``) each copy holds and steps only its share of the chunks (shared by bytes,
 :func:`pipefold.plan.shares.shares`), then sends its chunks' stepped parameters to the other copies.
+
+With master weights (:class:`~pipefold.runtime.precision.Masters`: parameters in bf16 or fp16, float32 masters)
+the chunks hold the masters and their float32 gradients themselves. Every chunk starts in host memory: the
+parameters' gradients are added into its gradient buffer as autograd makes them (the masters' hook, one copy per
+parameter and microbatch), and the device keeps only the 16-bit parameters and, while a backward makes them, their
+gradients (AxoNN's and ZeRO-Offload's split). At the first step the chunks that fit move to the device, masters,
+gradients and state together; the others stay in host memory and are stepped there, and the masters' write-back
+rounds the stepped values into the parameters wherever the masters are.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -36,6 +44,9 @@ from pipefold.errors import ConfigError
 from pipefold.plan.chunks import ChunkPlacement, choose_capacity, pack, place, state_bytes
 from pipefold.plan.shares import shares
 from pipefold.units import format_bytes
+
+if TYPE_CHECKING:
+    from pipefold.runtime.precision import Masters
 
 __all__ = ["ChunkMemory", "ChunkedOptimizer", "count_states", "left_free", "static_bytes"]
 
@@ -86,9 +97,9 @@ class ChunkMemory:
 class _Chunk:
     """One chunk: its parameters, its optimizer, and (once placed) its flat state buffers."""
 
-    def __init__(self, index: int, params: list[nn.Parameter], capacity: int) -> None:
+    def __init__(self, index: int, params: list[torch.Tensor], capacity: int) -> None:
         self.index = index
-        self.params = params
+        self.params: list[torch.Tensor] = params
         self.capacity = capacity
         self.offsets = []
         at = 0
@@ -101,9 +112,12 @@ class _Chunk:
         self.stepped: list[torch.Tensor] = []
         """What the optimizer steps: the parameters themselves on the device, views of ``value`` on the host."""
         self.value: torch.Tensor | None = None
+        """The float32 values the host steps (a host chunk's, or every chunk's master weights)."""
         self.grad: torch.Tensor | None = None
         self.states: dict[str, torch.Tensor] = {}
         """One flat buffer per optimizer state (Adam's ``exp_avg``, ``exp_avg_sq``)."""
+        self.low: list[nn.Parameter] = []
+        """With master weights: the 16-bit parameters whose masters the chunk holds."""
         self.waiting = set(range(len(params)))
         """The parameters whose state is not in the chunk's buffers yet (none was made: no gradient so far)."""
 
@@ -122,12 +136,19 @@ class ChunkedOptimizer:
     left free); None or a call returning None keeps every chunk's state on the device. ``host_memory``: the bytes
     host memory has for this copy's chunks (the system's available memory when None); a run whose host chunks cannot fit
     even with the device as full as ``device_room`` allows is refused here, before its first step. ``group``:
-    ZeRO-1 over the data-parallel copies in it."""
+    ZeRO-1 over the data-parallel copies in it. ``masters``: the float32 master weights that ``params`` are (see the
+    module's docstring), which the chunks then hold."""
 
     def __init__(self, params: Sequence[nn.Parameter], make: Callable[[list[Any]], torch.optim.Optimizer], *,
                  capacity: int | None = None, free: Callable[[], float | None] | None = None,
-                 device_room: float | None = None, host_memory: float | None = None, group: Any = None) -> None:
+                 device_room: float | None = None, host_memory: float | None = None, group: Any = None,
+                 masters: Masters | None = None) -> None:
         params = list(params)
+        if masters is not None and group is not None:
+            raise ConfigError("model-state chunks with master weights run without ZeRO-1: give the copies plain "
+                              "chunks (precision bf16, autocast) to share them, or chunk each copy's own masters")
+        if masters is not None and [id(m) for m in params] != [id(m) for m in masters.masters]:
+            raise ConfigError("model-state chunks with master weights step exactly the masters' float32 copies")
         for p in params:
             if type(p) not in (torch.Tensor, nn.Parameter) or p.dtype != torch.float32:
                 raise ConfigError("model-state chunks step float32 parameters of plain stage modules (autocast "
@@ -146,10 +167,17 @@ class ChunkedOptimizer:
                 self.owners[i] = owner
         self.mine = [c for c in self.chunks if self.owners[c.index] == me]
         """The chunks this copy holds and steps (all of them without ZeRO-1)."""
+        self.masters = masters
+        self.device = (masters.pairs[0][0] if masters is not None and masters.pairs else
+                       params[0] if params else torch.empty(0)).device
+        """Where the parameters are (their masters start in host memory)."""
         self.states = count_states(make)
         """Optimizer tensors per parameter element (Adam: 2)."""
         for c in self.mine:
             c.optim = make(list(c.params))
+        if masters is not None:
+            for c in self.mine:
+                self._masters_home(c)
         self._free = free
         self.placement: ChunkPlacement | None = None
         """Where each of :attr:`mine` keeps its state: decided at the first step."""
@@ -167,7 +195,7 @@ class ChunkedOptimizer:
         if host_memory is None:
             return
         least = place([c.capacity for c in self.mine], self.states, device_room if device_room is not None
-                      else float("inf"))
+                      else float("inf"), masters=self.masters is not None)
         if least.host_bytes > host_memory:
             raise ConfigError(f"host memory too small for the model-state chunks: they need at least "
                               f"{format_bytes(least.host_bytes)} of it ({len(self.mine) - sum(least.on_device)} "
@@ -182,17 +210,55 @@ class ChunkedOptimizer:
 
     # -- the first step: placement
 
+    def _masters_home(self, c: _Chunk) -> None:
+        """Master weights: the chunk's masters moved into float32 buffers in host memory, its parameters' gradients
+        added there from now on, the device's float32 copies let go (:meth:`Masters.rehome`)."""
+        assert self.masters is not None and c.optim is not None
+        pin = self.device.type == "cuda"
+        c.value = torch.empty(c.capacity, dtype=torch.float32, pin_memory=pin)
+        c.grad = torch.zeros(c.capacity, dtype=torch.float32, pin_memory=pin)
+        low = {id(m): p for p, m in self.masters.pairs}
+        self._rehome(c, [low[id(m)] for m in c.params], c.views(c.value), c.views(c.grad))
+        c.on_device = False
+
+    def _rehome(self, c: _Chunk, low: list[nn.Parameter], values: list[torch.Tensor],
+                grads: list[torch.Tensor]) -> None:
+        """The chunk's masters become ``values`` (views of its value buffer), with their gradients so far and
+        from now on in ``grads``; its optimizer (with no state yet) steps them."""
+        assert self.masters is not None and c.optim is not None
+        swap = {}
+        with torch.no_grad():
+            for p, old, new, g in zip(low, c.params, values, grads, strict=True):
+                new.copy_(old.detach())
+                if old.grad is not None:
+                    g.copy_(old.grad)
+                    new.grad = g
+                new._pf_slot = g  # type: ignore[attr-defined]
+                self.masters.rehome(p, new)
+                swap[id(old)] = new
+        for group in c.optim.param_groups:
+            group["params"] = [swap[id(q)] for q in group["params"]]
+        c.params = c.stepped = list(values)
+        c.low = list(low)
+
     def _place(self) -> None:
         free = self._free() if self._free is not None else None
+        masters = self.masters is not None
         self.placement = place([c.capacity for c in self.mine], self.states,
-                               float("inf") if free is None else free)
+                               float("inf") if free is None else free, masters=masters)
         for c, on_device in zip(self.mine, self.placement.on_device, strict=True):
             c.on_device = on_device
+            if masters:
+                if on_device and self.device.type != "cpu":  # to the device: masters, gradients, (later) state
+                    assert c.value is not None and c.grad is not None
+                    c.value, c.grad = c.value.to(self.device), c.grad.to(self.device)
+                    self._rehome(c, c.low, c.views(c.value), c.views(c.grad))
+                continue
             if on_device:
                 c.stepped = list(c.params)
                 continue
             # A host copy of the chunk's parameters, stepped in their place (pinned on a GPU for its copies).
-            pin = c.params[0].device.type == "cuda"
+            pin = self.device.type == "cuda"
             c.value = torch.empty(c.capacity, dtype=torch.float32, pin_memory=pin)
             c.grad = torch.zeros(c.capacity, dtype=torch.float32, pin_memory=pin)
             c.stepped = c.views(c.value)
@@ -209,7 +275,7 @@ class ChunkedOptimizer:
         step with a gradient) moved into one flat buffer per state, where the chunk lives, each parameter's state
         a view of it."""
         assert c.optim is not None
-        pin = not c.on_device and c.params[0].device.type == "cuda"
+        pin = not c.on_device and self.device.type == "cuda"
         for i in sorted(c.waiting):
             s = c.stepped[i]
             state = c.optim.state.get(s)
@@ -236,12 +302,12 @@ class ChunkedOptimizer:
     def step(self) -> None:
         if self.placement is None:
             self._place()
-        cuda = bool(self.chunks) and self.chunks[0].params[0].device.type == "cuda"
+        cuda = self.device.type == "cuda"
         host = [c for c in self.mine if not c.on_device]
         for c in self.mine:
-            if c.on_device:
+            if c.on_device or self.masters is not None:  # masters: the gradients are where the chunk is
                 self._step(c)
-        if host:
+        if host and self.masters is None:
             self._step_host(host, cuda)
         if self.group is not None:
             self._share()
@@ -311,7 +377,7 @@ class ChunkedOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop (or zero) the gradients of every parameter, the chunks of the other copies included."""
         for c in self.chunks:
-            for p in c.params:
+            for p in (*c.params, *(s for s in c.stepped if c.value is not None)):
                 if set_to_none:
                     p.grad = None
                 elif p.grad is not None:
@@ -335,9 +401,11 @@ class ChunkedOptimizer:
         """:meth:`memory` as :func:`pipefold.plan.chunks.state_bytes` predicts it from the placement."""
         if self.placement is None:
             return ChunkMemory(0, 0, 0, len(self.mine), len(self.mine))
-        device = sum(state_bytes(c.capacity, self.states, host=False) for c in self.mine if c.on_device)
+        device = sum(state_bytes(c.capacity, self.states, host=self.masters is not None)
+                     for c in self.mine if c.on_device)
         host = sum(state_bytes(c.capacity, self.states, host=True) for c in self.mine if not c.on_device)
-        unused = sum((c.capacity - c.used) * 4 * (self.states + (0 if c.on_device else 2)) for c in self.mine)
+        unused = sum((c.capacity - c.used) * 4 * (self.states + (0 if c.on_device and self.masters is None else 2))
+                     for c in self.mine)
         return ChunkMemory(device, host, unused, len(self.mine), sum(self.placement.on_device))
 
     def device_buffers(self) -> list[torch.Tensor]:

@@ -503,19 +503,19 @@ class Pipeline(RankPipeline):
         first step: on the device as many as fit in what ``device_memory`` (bytes, or text such as ``"40GB"``)
         leaves after the parameters, their gradients and the first step's activation peak; the rest in host
         memory. Without ``device_memory`` every chunk stays on the device. ``zero1``: each of the mesh's ``"dp"``
-        copies holds and steps its share of the chunks. A run whose host chunks cannot fit in host memory
-        (``host_memory``, the system's available memory when None) is refused here. The weights after every step
-        are those of ``make``'s optimizer without chunks."""
+        copies holds and steps its share of the chunks. With master weights (``precision="bf16-master"``) the
+        chunks hold the float32 masters and their gradients too, and the device only the 16-bit parameters. A run
+        whose host chunks cannot fit in host memory (``host_memory``, the system's available memory when None) is
+        refused here. The weights after every step are those of ``make``'s optimizer without chunks."""
         from pipefold.runtime.chunks import ChunkedOptimizer, left_free
         from pipefold.units import parse_bytes
 
         if zero1 and (self.dp_group is None or self.sharded):
             raise ConfigError("chunked(..., zero1=True) shares the chunks among a DeviceMesh's 'dp' copies of plain "
                               "stage modules: give Pipeline(..., mesh=mesh) with a 'dp' dimension")
-        if self.sharded or self._offloaded or self.tp_group is not None or self.masters is not None:
-            raise ConfigError("model-state chunks step the float32 parameters of plain stage modules: FSDP stages "
-                              "shard their state already, and tensor-parallel, offload= and master-weight stages run "
-                              "without chunks (precision='bf16', autocast, runs with them)")
+        if self.sharded or self._offloaded or self.tp_group is not None:
+            raise ConfigError("model-state chunks step the parameters of plain stage modules: FSDP stages shard their "
+                              "state already, and tensor-parallel and offload= stages run without chunks")
         budget, size, host = (parse_bytes(v) if isinstance(v, str) else v
                               for v in (device_memory, chunk_size, host_memory))
         for name, value in (("device_memory", budget), ("chunk_size", size), ("host_memory", host)):
@@ -527,12 +527,13 @@ class Pipeline(RankPipeline):
             raise ConfigError(f"chunk_size {size:,.0f} is more than device_memory {budget:,.0f}: no chunk could ever "
                               "be on the device; give a chunk size well below it (a few MB)")
         group = self.dp_group if zero1 else None
+        held = self.parameters()  # in bf16 or fp16 with master weights: the chunks hold their float32 masters
 
         def build(params: list[nn.Parameter]) -> ChunkedOptimizer:
             return ChunkedOptimizer(params, make, capacity=None if size is None else int(size) // 4,
-                                    free=None if budget is None else lambda: left_free(budget, params, self.last),
-                                    device_room=None if budget is None else left_free(budget, params, None),
-                                    host_memory=host, group=group)
+                                    free=None if budget is None else lambda: left_free(budget, held, self.last),
+                                    device_room=None if budget is None else left_free(budget, held, None),
+                                    host_memory=host, group=group, masters=self.masters)
 
         return self.optimizer(build)
 

@@ -224,6 +224,17 @@ class Masters:
     def masters(self) -> list[torch.Tensor]:
         return [m for _, m in self.pairs]
 
+    def rehome(self, p: nn.Parameter, master: torch.Tensor) -> None:
+        """``p``'s master from here on is ``master`` (float32, of ``p``'s shape, anywhere: a view of a model-state
+        chunk's buffer, in host memory or on the device); its gradient is added into ``master``'s
+        ``_pf_slot`` where it has one (a view of the chunk's gradient buffer), on ``master``'s device."""
+        for i, (q, _) in enumerate(self.pairs):
+            if q is p:
+                self.pairs[i] = (p, master)
+                p._pf_master = master  # type: ignore[attr-defined]
+                return
+        raise KeyError("not a parameter of these master weights")
+
     def write_back(self) -> None:
         """The stepped masters into the parameters (rounded to their dtype)."""
         import torch
@@ -242,11 +253,17 @@ def _into_master(p: torch.Tensor) -> None:
 
     assert p.grad is not None
     master = p._pf_master  # type: ignore[attr-defined]
+    grad = p.grad if master.device == p.grad.device else p.grad.to(master.device)
     with torch.no_grad():
         if master.grad is None:
-            master.grad = p.grad.to(torch.float32)
+            slot = getattr(master, "_pf_slot", None)  # a chunk's gradient buffer (runtime.chunks)
+            if slot is None:
+                master.grad = grad.to(torch.float32)
+            else:
+                slot.copy_(grad)
+                master.grad = slot
         else:
-            master.grad.add_(p.grad)
+            master.grad.add_(grad)
     p.grad = None
 
 

@@ -185,8 +185,9 @@ class MemorySpec:
     """The share of (stage, microbatch)s whose activations go to host memory after their forward and come back
     before their backward, the longest-lived first: 0..1, 'all' or 'none' (PipeOffload)."""
     state_chunks: bool = False
-    """Keep the optimizer state in chunks, on the device where the warm-up step left room under
-    ``memory_budget`` and in host memory otherwise, host chunks stepped by the CPU (PatrickStar, AxoNN)."""
+    """Keep the optimizer state (with master weights, the masters and their gradients too) in chunks, on the device
+    where the warm-up step left room under ``memory_budget`` and in host memory otherwise, host chunks stepped by
+    the CPU (PatrickStar, AxoNN)."""
     chunk_size: float | str | None = None
     """Bytes of float32 one chunk holds (``4MB``); chosen from the parameters' sizes when None."""
 
@@ -344,11 +345,13 @@ RULES: tuple[Applies, ...] = (
     Applies(("state_chunks",), lambda s: not s.planned,
             "{option} places the optimizer state of a schedule you name: use it without --plan or --schedule auto"),
     Applies(("state_chunks",), lambda s: not (s.parallel.fsdp or s.parallel.tp != 1 or s.memory.offload is not None),
-            "{option} keeps float32 parameters of plain stages on the device and chunks their optimizer state: "
+            "{option} chunks the optimizer state of plain stages' parameters: "
             "FSDP shards the state already, and tensor-parallel and --offload's layers run without chunks"),
-    Applies(("state_chunks",), lambda s: s.optimizer.name != "kfac" and not s.devices.precision.master_weights,
-            "{option} chunks the state of an elementwise optimizer over float32 parameters: use adamw or sgd "
-            "with fp32 or autocast precision (bf16, fp16)"),
+    Applies(("state_chunks",), lambda s: s.optimizer.name != "kfac",
+            "{option} chunks the state of an elementwise optimizer: use adamw or sgd"),
+    Applies(("state_chunks",), lambda s: not (s.devices.precision.master_weights and s.parallel.zero1),
+            "{option} with master weights keeps each copy's own masters in its chunks: drop --zero1, or keep "
+            "float32 parameters (--dtype bf16 without --master-weights) to share the chunks with ZeRO-1"),
     Applies(("state_chunks",), lambda s: s.memory.recompute != "auto",
             "{option} fills what --memory-budget leaves after the activations with optimizer state, and --recompute "
             "auto fits the activations to it with the whole state on the device: choose one"),

@@ -258,11 +258,13 @@ def _small_grads(job: Job, reports: list[RankReport]) -> dict[str, Any]:
 
 def _chunks(job: Job, reports: list[RankReport]) -> dict[str, Any]:
     """Per rank, the bytes of optimizer state its chunks held on the device and in host memory after the last
-    step (the host's with their float32 parameters and gradients), and the device memory they filled."""
+    step (the host's with their float32 parameters and gradients; with master weights every chunk's masters and
+    gradients), and the device memory they filled."""
     held = [r.steps[-1].state_bytes or (0, 0) for r in reports]
     assert job.chunks is not None
     return {"device_bytes": [d for d, _ in held], "host_bytes": [h for _, h in held],
-            "device_memory": job.chunks.device_memory, "chunk_elements": job.chunks.capacity}
+            "device_memory": job.chunks.device_memory, "chunk_elements": job.chunks.capacity,
+            "masters": job.devices.precision.master_weights}
 
 
 def _finite(x: float) -> float | None:

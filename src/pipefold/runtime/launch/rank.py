@@ -175,7 +175,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     # Master weights: the parameters in the low dtype from here on, float32 copies for the optimizer to step.
     masters = Masters(params, precision.torch_dtype) if precision.master_weights else None
     opt = None if in_schedule else _optimizer(job, masters.masters if masters is not None else params, dp_group,
-                                              pipe)
+                                              pipe, masters, params)
     scaler = precision.scaler()
     keep = {s for s in (job.save_grads_of_step, job.verify_memory_step) if s is not None}
     history = StepHistory(job.keep_steps, keep)  # every step's numbers; in full only the steps that need it
@@ -575,11 +575,14 @@ def _named(job: Job, modules: dict[int, nn.Module]) -> list[tuple[str, nn.Parame
     return out
 
 
-def _optimizer(job: Job, params: list[Any], dp_group: Any = None, pipe: RankPipeline | None = None
-               ) -> AnyOptimizer | None:
+def _optimizer(job: Job, params: list[Any], dp_group: Any = None, pipe: RankPipeline | None = None,
+               masters: Masters | None = None, held: list[nn.Parameter] | None = None) -> AnyOptimizer | None:
+    """``make``'s optimizer over ``params`` (the float32 masters of ``held`` with ``masters``): model-state chunks,
+    ZeRO-1's share or the plain one."""
     if not params:
         return None  # a rank whose stages have no weights has nothing to step
     if job.chunks is not None and pipe is not None:
+        held = params if held is None else held
         from pipefold.models.size import available_memory
         from pipefold.runtime.chunks import left_free
 
@@ -588,10 +591,10 @@ def _optimizer(job: Job, params: list[Any], dp_group: Any = None, pipe: RankPipe
         free_host = available_memory()
         here = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
         return ChunkedOptimizer(params, job.optimizer.make, capacity=job.chunks.capacity,
-                                free=None if budget is None else lambda: left_free(budget, params, pipe.last),
-                                device_room=None if budget is None else left_free(budget, params, None),
+                                free=None if budget is None else lambda: left_free(budget, held, pipe.last),
+                                device_room=None if budget is None else left_free(budget, held, None),
                                 host_memory=None if free_host is None else free_host / here,
-                                group=dp_group if job.parallel.zero1 else None)
+                                group=dp_group if job.parallel.zero1 else None, masters=masters)
     if job.parallel.zero1 and dp_group is not None:
         # ZeRO-1: each copy of a stage keeps the optimizer state of its share of the parameters, steps them,
         # and sends them to the other copies.
@@ -680,9 +683,13 @@ def _update(job: Job, params: list[Any], counted: list[nn.Parameter], opt: AnyOp
 
 
 def _static_bytes(params: list[nn.Parameter], optimizers: list[AnyOptimizer]) -> int:
-    """Bytes of the distinct storages of the parameters, their gradients and every tensor in the optimizers' state
-    (ZeRO-1's share's; FSDP's state is sharded)."""
-    tensors = [sharding.local(t) for p in params for t in (p, p.grad) if t is not None]
+    """Bytes of the distinct storages of the parameters, their gradients (with master weights, the float32 masters
+    and theirs) and every tensor in the optimizers' state (ZeRO-1's share's; FSDP's state is sharded)."""
+    chunked = [o for o in optimizers if isinstance(o, ChunkedOptimizer)]
+    # Masters in model-state chunks are the chunks' buffers: counted with them where they are on the device.
+    masters = [] if any(o.masters is not None for o in chunked) else [
+        m for p in params if (m := grad_holder(p)) is not p]
+    tensors = [sharding.local(t) for p in (*params, *masters) for t in (p, p.grad) if t is not None]
     # Model-state chunks: the state of those on the device (the host's are in host memory).
     tensors += [t for o in optimizers if isinstance(o, ChunkedOptimizer) for t in o.device_buffers()]
     plain = [o for o in optimizers if not isinstance(o, ChunkedOptimizer)]
