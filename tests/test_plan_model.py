@@ -663,6 +663,26 @@ def test_profile_plan_train_runs_the_plan_with_exact_gradients_and_its_predicted
     assert passes["alone"] > 0 and passes["alone"] == pytest.approx(passes["shared"])
     got = _cli("train", "--plan", "plan.json", "--hidden", "48", cwd=tmp_path)
     assert got.returncode == 2 and "--plan fixes" in got.stderr and "Traceback" not in got.stderr
+    # With model-state chunks: a budget between the least the plain plans reach and the least with the whole state
+    # in host memory. The plan has chunks, and its run the same gradients and the predicted peaks.
+    from pipefold.plan.budget import predict
+
+    wide = plan_model(prof, 2, 1e12, families=["1f1b", "zb-h1"], chunks=True)
+    plain = min(p.memory for p in wide.points if not p.layout.chunks)
+    least = min(max(predict(prof, p.layout, p.spec, p.layer_stages, p.recompute, room=0)[1])
+                for p in wide.points if p.layout.chunks)
+    budget = int(1.05 * (plain + least) / 2)
+    got = _cli("plan", "--profile", "prof.json", "-p", "2", "--memory-budget", str(budget), "--families", "1f1b,zb-h1",
+               "--state-chunks", "-o", "chunks.json", cwd=tmp_path)
+    assert got.returncode == 0 and "the optimizer state in chunks" in got.stdout, got.stderr
+    assert json.loads((tmp_path / "chunks.json").read_text())["state_chunks"] is True
+    got = _cli("train", "--plan", "chunks.json", "--steps", "2", "--check", "--json", cwd=tmp_path)
+    assert got.returncode == 0, got.stderr
+    out = json.loads(got.stdout)
+    assert out["max_grad_rel_diff"] < 1e-5 and "state_chunks" in out
+    pred, meas = out["plan"]["predicted"], out["plan"]["measured"]
+    for p, m in zip(pred["peak_bytes"], meas["peak_bytes"], strict=True):
+        assert m == pytest.approx(p, rel=0.10) and p <= budget / 1.05
 
 
 def test_a_layers_update_is_timed_on_the_runs_optimizer_and_leaves_it_as_it_was() -> None:

@@ -299,6 +299,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --profile: plan N ranks, searching every dp x tp x pp that makes N (tp: the degrees "
                         "the profile measured, profile --tp), each way of sharding among the dp copies (none, "
                         "ZeRO-1, FSDP), instead of one pipeline of --devices")
+    p.add_argument("--state-chunks", action="store_true",
+                   help="with --profile: search each layout also with the optimizer state in chunks (train "
+                        "--state-chunks): on the device where the step leaves room in the budget, the rest in host "
+                        "memory")
     g = p.add_argument_group("a cluster you do not have (instead of --memory or --profile)")
     g.add_argument("--cluster", metavar="NAME|FILE",
                    help="plan a model on this cluster's description: a100-80gb, h100-sxm, h200, or a JSON file "
@@ -572,7 +576,7 @@ APPLIES: tuple[Applies, ...] = (
             "actions: schedule files and pipefold pipefisher have them): drop it"),
     Applies("plan", ("profile",), lambda a: a.cluster is None,
             "plans a model measured here, and --cluster one on a cluster's hardware file: give one of them"),
-    Applies("plan", ("memory_budget", "headroom", "world"), lambda a: a.profile is not None,
+    Applies("plan", ("memory_budget", "headroom", "world", "state_chunks"), lambda a: a.profile is not None,
             "belongs to plan --profile FILE (a measured model; --cluster takes its budget from the hardware file, "
             "its layouts from --nodes): give --profile, or drop it"),
     Applies("plan", ("devices", "microbatches"), lambda a: a.cluster is None,

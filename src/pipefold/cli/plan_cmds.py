@@ -190,7 +190,8 @@ def _plan_profiled(args: argparse.Namespace, console: Console) -> None:
         m = args.microbatches if "microbatches" in args.given else None
         answer = plan_model(profile, ranks, budget, microbatches=m, progress=progress, layouts=layouts,
                             families=args.families.split(",") if args.families else None,
-                            headroom=HEADROOM if args.headroom is None else args.headroom)
+                            headroom=HEADROOM if args.headroom is None else args.headroom,
+                            chunks=args.state_chunks)
     out = answer.to_dict()
     if args.output:
         write_json(args.output, out, indent=1)
@@ -213,6 +214,9 @@ def _plan_profiled(args: argparse.Namespace, console: Console) -> None:
     console.print("peak per device: " + "  ".join(f"{format_bytes(x)}" for x in b.peak_memory)
                   + "  (of which weights, gradients, optimizer state: "
                   + " ".join(format_bytes(x) for x in b.static_bytes) + ")")
+    if b.layout.chunks:
+        console.print("the optimizer state in chunks: on the device what the step leaves room for in the budget less "
+                      f"its headroom ({format_bytes(answer.room)}), the rest in host memory (train --plan runs them)")
     table = Table(title=f"memory/time frontier ({len(answer.points)} plans evaluated)", title_justify="left")
     table.add_column("", no_wrap=True)
     columns = ("peak per device", "step (ms)", "bubble", *(("layout",) if layouts else ()), "schedule", "split",

@@ -247,17 +247,23 @@ class Layout:
     """How the ranks run one model: ``dp`` copies of a pipeline of ``pp`` devices, each device's layers split over
     ``tp`` ranks (``pipefold train --dp --tp --devices``), or over ``tp[d]`` ranks on device d where the devices
     differ (``--tp 2,1``: a mesh per stage), and what the copies shard among them: nothing, the optimizer state
-    (``zero1``, ``--zero1``) or the stages (``fsdp``, ``--fsdp``). Degrees that are all equal are one ``tp``."""
+    (``zero1``, ``--zero1``) or the stages (``fsdp``, ``--fsdp``). Degrees that are all equal are one ``tp``.
+    ``chunks``: the optimizer state in model-state chunks (``--state-chunks``), on the device where the step leaves
+    room and in host memory otherwise (:mod:`pipefold.plan.chunks`); with plain copies and one degree only."""
 
     dp: int
     tp: int | tuple[int, ...]
     pp: int
     sharding: str = "none"
+    chunks: bool = False
 
     def __post_init__(self) -> None:
         if self.sharding not in SHARDING or (self.sharding != "none" and self.dp < 2):
             raise ConfigError(f"a layout shards {' or '.join(SHARDING)} among dp >= 2 copies (got "
                               f"{self.sharding!r} with dp {self.dp})")
+        if self.chunks and (self.sharding != "none" or isinstance(self.tp, tuple) or self.tp != 1):
+            raise ConfigError(f"model-state chunks run with plain copies of plain stages (got {self.sharding} "
+                              f"sharding, tp {self.tp})")
         if isinstance(self.tp, tuple):
             if len(self.tp) != self.pp or any(isinstance(t, bool) or not isinstance(t, int) or t < 1
                                               for t in self.tp):
@@ -291,10 +297,11 @@ class Layout:
         return list(self.tp) if isinstance(self.tp, tuple) else self.tp
 
     def sort_key(self) -> tuple[Any, ...]:
-        return self.pp, max(self.degrees), self.degrees, self.dp, SHARDING.index(self.sharding)
+        return self.pp, max(self.degrees), self.degrees, self.dp, SHARDING.index(self.sharding), self.chunks
 
     def __str__(self) -> str:
-        return f"dp{self.dp} tp{self.tp_text} pp{self.pp}" + (f" {self.sharding}" if self.sharding != "none" else "")
+        return (f"dp{self.dp} tp{self.tp_text} pp{self.pp}" + (f" {self.sharding}" if self.sharding != "none" else "")
+                + (" chunks" if self.chunks else ""))
 
 
 def every_layout(profile: Profile, world: int, families: Sequence[str] | None = None) -> list[Layout]:
@@ -473,11 +480,13 @@ def layout_profile(profile: Profile, layout: Layout, layer_stages: Sequence[Sequ
     What a rank holds of each parameter, in parameter sizes ``2 + optimizer_factor``: its weight and gradient
     and the optimizer state (f); with ZeRO-1, f / dp of the state; with FSDP, (2 + f) / dp of the shards and the
     weight and gradient gathered whole (2), which a stage holds from its ``AG`` to its ``RS``: the whole step but
-    its ends, counted throughout."""
+    its ends, counted throughout. With model-state chunks none of the state: it goes where the step leaves room
+    (:func:`chunk_state`)."""
     first = layout.degrees[0]
     at = profile.at_tp(first)
     f = at.optimizer_factor
-    factor = {"none": f, "zero1": f / layout.dp, "fsdp": (2 + f) / layout.dp}[layout.sharding]
+    factor = 0.0 if layout.chunks else {"none": f, "zero1": f / layout.dp, "fsdp": (2 + f) / layout.dp}[
+        layout.sharding]
     at = dataclasses.replace(at, optimizer_factor=factor)
     c, base = profile.contention, slowdown(profile.contention, profile.ranks_measuring(first))
     if layout.mixed:
@@ -547,7 +556,7 @@ class ModelPlan:
         b = self.best
         s = self.result.schedule
         return RunPlan(schedule=b.spec, devices=s.devices, microbatches=s.microbatches, dp=b.layout.dp,
-                       tp=b.layout.tp, sharding=b.layout.sharding, split=b.split,
+                       tp=b.layout.tp, sharding=b.layout.sharding, chunks=b.layout.chunks, split=b.split,
                        layer_stages=b.layer_stages, recompute=b.recompute, budget=self.budget, room=self.room,
                        train=dict(self.profile.train), step_time=b.makespan, bubble_ratio=b.bubble_ratio,
                        peak_bytes=tuple(int(x) for x in b.peak_memory), static_bytes=tuple(b.static_bytes),
@@ -558,7 +567,7 @@ class ModelPlan:
         frontier and the count of candidates, for people."""
         return {**self.run_plan.to_dict(),
                 "frontier": [{"schedule": q.spec, "dp": q.layout.dp, "tp": q.layout.tp_json,
-                              "sharding": q.layout.sharding, "devices": q.layout.pp,
+                              "sharding": q.layout.sharding, "state_chunks": q.layout.chunks, "devices": q.layout.pp,
                               "split": q.split, "recompute": list(q.recompute),
                               "step_time_s": q.makespan, "peak_bytes": int(q.memory)} for q in self.frontier],
                 "candidates": len(self.points), "skipped": len(self.skipped) + self.unrunnable}
@@ -582,6 +591,8 @@ class RunPlan:
     """Tensor-parallel ranks each device's layers are split over, or device d's (``tp[d]``) where they differ."""
     sharding: str = "none"
     """What the copies shard among them: ``none``, ``zero1`` (``--zero1``) or ``fsdp`` (``--fsdp``)."""
+    chunks: bool = False
+    """The optimizer state in model-state chunks (``--state-chunks``), filling ``room`` on each device."""
     split: str
     """How the layers were split: ``time`` or ``memory``."""
     layer_stages: tuple[tuple[int, ...], ...]
@@ -602,12 +613,12 @@ class RunPlan:
     @property
     def layout(self) -> Layout:
         """How the plan lays its ranks out: what :func:`predict` takes."""
-        return Layout(self.dp, self.tp, self.devices, self.sharding)
+        return Layout(self.dp, self.tp, self.devices, self.sharding, self.chunks)
 
     def to_dict(self) -> dict[str, Any]:
         return {"version": PLAN_VERSION, "kind": "pipefold-plan", "schedule": self.schedule, "devices": self.devices,
                 "microbatches": self.microbatches, "dp": self.dp, "tp": self.layout.tp_json,
-                "sharding": self.sharding,
+                "sharding": self.sharding, "state_chunks": self.chunks,
                 "split": self.split,
                 "layer_stages": [list(x) for x in self.layer_stages], "recompute": list(self.recompute),
                 "budget_bytes": self.budget, "room_bytes": self.room, "train": dict(self.train),
@@ -621,7 +632,7 @@ class RunPlan:
         predicted = data["predicted"]
         return cls(schedule=str(data["schedule"]), devices=int(data["devices"]),
                    microbatches=int(data["microbatches"]), dp=int(data.get("dp", 1)), tp=_degrees(data.get("tp", 1)),
-                   sharding=str(data.get("sharding", "none")),
+                   sharding=str(data.get("sharding", "none")), chunks=bool(data.get("state_chunks", False)),
                    split=str(data.get("split", "time")),
                    layer_stages=tuple(tuple(int(i) for i in part) for part in data["layer_stages"]),
                    recompute=tuple(int(r) for r in data["recompute"]), budget=data.get("budget_bytes"),
@@ -746,7 +757,8 @@ def stage_profiles(profile: Profile, layer_stages: Sequence[Sequence[int]]) -> l
 
 def plan_model(profile: Profile, p: int, budget: float, *, microbatches: int | None = None,
                families: Sequence[str] | None = None, headroom: float = HEADROOM,
-               layouts: Sequence[Layout] | None = None, progress: Progress | None = None) -> ModelPlan:
+               layouts: Sequence[Layout] | None = None, progress: Progress | None = None,
+               chunks: bool = False) -> ModelPlan:
     """The fastest plan for the profiled model on p devices whose predicted per-device peak fits ``budget`` bytes.
 
     Searched together: every layout (``layouts``, each of p ranks: :func:`every_layout`; default one pipeline of
@@ -755,6 +767,9 @@ def plan_model(profile: Profile, p: int, budget: float, *, microbatches: int | N
     (none, or the cheapest per-stage counts that fit the budget).
     A plan fits when its predicted peak times 1 + ``headroom`` does: the prediction's own error
     (measured within 5% on real runs: docs/plan.md, "How accurate it is") must not push a run over the budget.
+    With ``chunks`` each layout of plain copies and plain stages is searched with model-state chunks too
+    (:attr:`Layout.chunks`): the optimizer state where the step leaves room, the rest in host memory, which the
+    profile's CPU steps as it measured the update.
     """
     if not (isinstance(headroom, (int, float)) and 0 <= headroom < 1):
         raise ConfigError(f"headroom is a fraction of the budget kept free: 0 <= headroom < 1 (got {headroom!r})")
@@ -773,6 +788,16 @@ def plan_model(profile: Profile, p: int, budget: float, *, microbatches: int | N
         if shape.world != p or m % shape.dp:
             raise ConfigError(f"the layout {shape} runs {shape.world} ranks and shares {m} microbatches among "
                               f"{shape.dp} copies: give layouts of {p} ranks whose dp divides {m}")
+    if chunks:
+        if profile.optimizer_factor <= 0:
+            raise ConfigError(f"the profile's optimizer ({profile.train.get('optimizer')}) keeps no state to put in "
+                              "chunks: profile with --optimizer adamw, or plan without --state-chunks")
+        plain = [shape for shape in shapes if shape.sharding == "none" and shape.degrees == (1,) * shape.pp]
+        if not plain:
+            raise ConfigError("model-state chunks run with plain copies of plain stages (no ZeRO-1, FSDP or tensor "
+                              "parallelism): give a world with such a layout, or plan without --state-chunks")
+        shapes = sorted([*shapes, *(dataclasses.replace(shape, chunks=True) for shape in plain)],
+                        key=Layout.sort_key)
     n = len(profile.layers)
     pipelines = _Pipelines(n, families)
     if families is not None:
@@ -832,45 +857,52 @@ def plan_model(profile: Profile, p: int, budget: float, *, microbatches: int | N
                           f"headroom; the smallest predicted peak is {format_bytes(least.memory)} ({least.where}, "
                           f"recomputing {sum(least.recompute)} layers): raise --memory-budget or add devices")
     best = min(fits, key=_model_order)
-    result, _, _ = predict(profile, best.layout, best.spec, best.layer_stages, best.recompute)
+    result, _, _ = predict(profile, best.layout, best.spec, best.layer_stages, best.recompute, room)
     return ModelPlan(best=best, result=result, budget=float(budget), points=tuple(points),
                      frontier=tuple(frontier(points, _model_order)),
                      skipped=tuple(skipped), profile=profile, room=room, unrunnable=unrunnable)
 
 
 def predict(profile: Profile, layout: Layout, schedule: str | Schedule, layer_stages: Sequence[Sequence[int]],
-            recompute: Sequence[int] | None = None) -> tuple[SimResult, list[int], list[int]]:
+            recompute: Sequence[int] | None = None, room: float = math.inf) -> tuple[SimResult, list[int], list[int]]:
     """What the profile predicts for one plan: ``schedule`` (a built pipeline of ``layout.pp`` devices, or its
     ``name:k=v`` with the profile's microbatches shared among ``layout.dp`` copies) with ``layer_stages`` and
     ``recompute``, each device's layers split over ``layout.tp`` ranks. Returns the simulation of one pipeline
     (seconds, activation bytes), each device's peak bytes in all (weights, gradients, optimizer state, activations,
-    the messages it holds) and its static part."""
+    the messages it holds) and its static part. With model-state chunks, the state they keep on the device of
+    ``room`` bytes (:func:`chunk_state`)."""
     schedule = _built(profile, layout, schedule)
     counts = tuple(recompute or (0,) * len(layer_stages))
-    seen, activations, copies = _memory(profile, layout, schedule, layer_stages, counts)
+    seen, activations, copies = _memory(profile, layout, schedule, layer_stages, counts, room)
     static = [max(column) for column in zip(*copies, strict=True)]
     result = _simulated(seen, layout, schedule, layer_stages, counts)
     return result, [int(st + a) for st, a in zip(static, activations, strict=True)], static
 
 
 def copy_peaks(profile: Profile, layout: Layout, schedule: str | Schedule, layer_stages: Sequence[Sequence[int]],
-               recompute: Sequence[int] | None = None) -> list[list[int]]:
+               recompute: Sequence[int] | None = None, room: float = math.inf) -> list[list[int]]:
     """Each data-parallel copy's peak bytes on each device of its pipeline (:func:`predict`'s arguments), in all:
     what a rank of that copy and device holds at its peak. :func:`predict`'s peaks are each device's heaviest
     copy's; the copies differ under ZeRO-1 alone, each keeping the optimizer state of its own share of a device's
     tensors (:func:`copy_static`)."""
     schedule = _built(profile, layout, schedule)
     counts = tuple(recompute or (0,) * len(layer_stages))
-    _, activations, copies = _memory(profile, layout, schedule, layer_stages, counts)
+    _, activations, copies = _memory(profile, layout, schedule, layer_stages, counts, room)
     return [[int(st + a) for st, a in zip(static, activations, strict=True)] for static in copies]
 
 
 def _memory(profile: Profile, layout: Layout, schedule: Schedule, layer_stages: Sequence[Sequence[int]],
-            counts: Sequence[int]) -> tuple[Profile, list[float], list[list[int]]]:
-    """The layout's view of the profile, each device's activation peak, and each copy's static bytes per device."""
+            counts: Sequence[int], room: float = math.inf) -> tuple[Profile, list[float], list[list[int]]]:
+    """The layout's view of the profile, each device's activation peak, and each copy's static bytes per device
+    (with model-state chunks, the state they keep on a device of ``room`` bytes: :func:`chunk_state`)."""
     seen = layout_profile(profile, layout, layer_stages, schedule.placement[0])
     activations = device_peaks(schedule, stage_profiles(seen, layer_stages), counts)[1]
-    return seen, activations, copy_static(seen, layout, schedule, layer_stages)
+    copies = copy_static(seen, layout, schedule, layer_stages)
+    if layout.chunks:
+        copies = [[st + placed for st, placed in zip(static, chunk_state(profile, schedule, layer_stages, static,
+                                                                         activations, room), strict=True)]
+                  for static in copies]
+    return seen, activations, copies
 
 
 def _built(profile: Profile, layout: Layout, schedule: str | Schedule) -> Schedule:
@@ -1012,12 +1044,40 @@ def _model_points(measured: Profile, on_device: list[Profile], schedule: Schedul
             tries.append((counts, device_peaks(schedule, rows, counts)[1]))
         for counts, activations in tries:
             result = simulate(run, model_costs(profile, schedule, layer_stages, counts, layout))
+            held = static
+            if layout.chunks:  # the chunks' state that the placement puts on each device
+                held = [st + placed for st, placed in zip(static, chunk_state(
+                    measured, schedule, layer_stages, static, activations, budget), strict=True)]
             out.append(ModelPoint(name=schedule.name, options=dict(schedule.options),
                                   makespan=round(result.makespan, 9), bubble_ratio=round(result.bubble_ratio, 9),
-                                  peak_memory=tuple(float(st + int(a)) for st, a in zip(static, activations,
+                                  peak_memory=tuple(float(st + int(a)) for st, a in zip(held, activations,
                                                                                           strict=True)),
                                   split=how, layer_stages=layer_stages, recompute=counts,
-                                  static_bytes=tuple(static), layout=layout))
+                                  static_bytes=tuple(held), layout=layout))
+    return out
+
+
+def chunk_state(profile: Profile, schedule: Schedule, layer_stages: Sequence[Sequence[int]],
+                static: Sequence[float], activations: Sequence[float], room: float) -> list[int]:
+    """Each device's bytes of optimizer state that model-state chunks keep on it: its parameters (float32, in the
+    order its stages hold them, each tensor the profile recorded) packed into chunks of the capacity the runtime
+    chooses, placed in order where ``room`` less the device's ``static`` bytes (parameters and gradients) and its
+    activation peak leaves space (:func:`pipefold.plan.chunks.place`, the rule the runtime places by); the rest
+    is in host memory."""
+    from pipefold.plan.chunks import choose_capacity, pack, place
+
+    states = round(profile.optimizer_factor)
+    out = []
+    for d in range(schedule.devices):
+        sizes = [t // 4 for s in schedule.stages_of(d) for i in layer_stages[s]
+                 for t in (profile.layers[i].tensors or ((profile.layers[i].params,) if profile.layers[i].params
+                                                         else ()))]
+        if not sizes:
+            out.append(0)
+            continue
+        capacity = choose_capacity(sizes)
+        chunks = [capacity] * len(pack(sizes, capacity))
+        out.append(place(chunks, states, room - static[d] - activations[d]).device_bytes)
     return out
 
 
@@ -1047,8 +1107,10 @@ def refused_layout(schedule: Schedule, layout: Layout, layer_stages: Sequence[Se
 
 
 def _model_order(pt: ModelPoint) -> tuple[Any, ...]:
-    # Among equals: fewer tensor-parallel ranks (less to go wrong), then fewer copies.
-    return (*_order(pt), sum(pt.recompute), pt.split, sum(pt.layout.degrees), pt.layout.degrees, pt.layout.dp)
+    # As fast, the state on the device before chunks of it in host memory (they hold less of the device only for
+    # holding host memory). Among equals: fewer tensor-parallel ranks (less to go wrong), then fewer copies.
+    return (pt.makespan, pt.layout.chunks, *_order(pt)[1:], sum(pt.recompute), pt.split, sum(pt.layout.degrees),
+            pt.layout.degrees, pt.layout.dp)
 
 
 def _degrees(value: Any) -> int | tuple[int, ...]:
@@ -1086,6 +1148,12 @@ def check_plan(data: Any, path: str) -> dict[str, Any]:
         if how not in SHARDING or (how != "none" and dp < 2):
             raise ConfigError(f"{path}: sharding is {', '.join(SHARDING)}, and other than none only with dp >= 2 "
                               f"copies to shard among (got {how!r}, dp {dp})")
+        chunked = data.get("state_chunks", False)
+        if not isinstance(chunked, bool) or (chunked and (how != "none" or degrees != (1,) or
+                                                          data.get("room_bytes") is None)):
+            raise ConfigError(f"{path}: state_chunks is true or false, true only without sharding or tensor "
+                              f"parallelism and with room_bytes (got {chunked!r}, sharding {how!r}, tp "
+                              f"{data.get('tp', 1)})")
         stages = [tuple(int(i) for i in part) for part in data["layer_stages"]]
         flat = [i for part in stages for i in part]
         if flat != list(range(len(data["profile"]["layers"]))):

@@ -82,7 +82,9 @@ def from_plan(plan: RunPlan, spec: RunSpec | None = None) -> Planned:
     spec = spec or RunSpec()
     fixed = {**profiled_settings(plan.train), "plan": None, "schedule": plan.schedule, "devices": plan.devices,
              "microbatches": plan.microbatches, "dp": plan.dp, "tp": plan.tp, "zero1": plan.sharding == "zero1",
-             "fsdp": plan.sharding == "fsdp"}
+             "fsdp": plan.sharding == "fsdp", "state_chunks": plan.chunks}
+    if plan.chunks:  # the chunks fill what the plan left of the budget: its room
+        fixed["memory_budget"] = plan.room
     if "seed" in spec.given():
         fixed.pop("seed", None)
     measured_in = plan.train.get("dtype", "fp32")

@@ -82,8 +82,9 @@ def summarize(outcome: Outcome, *, trace: str | None = None, plot: str | None = 
         # pipeline's ranks are its copy's own: under ZeRO-1 the copies keep different shares of the state, and the
         # plan's figure for a device is its heaviest copy's.
         plan = planned.plan
-        predicted = predict(plan.profile, plan.layout, job.schedule, job.layer_stages, job.recompute)[0]
-        peaks = copy_peaks(plan.profile, plan.layout, job.schedule, job.layer_stages, job.recompute)[0]
+        room = plan.room if plan.room is not None else math.inf  # what a plan's chunks fill
+        predicted = predict(plan.profile, plan.layout, job.schedule, job.layer_stages, job.recompute, room)[0]
+        peaks = copy_peaks(plan.profile, plan.layout, job.schedule, job.layer_stages, job.recompute, room)[0]
         label = "predicted from the profile"
     cycle_peaks = None
     if job.cycle and planned is None:  # the steps of a cycle differ: each rank's peak is the most over those that ran
