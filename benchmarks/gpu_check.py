@@ -399,16 +399,19 @@ def activations(out: Path, quick: bool) -> dict[str, Any]:
 
 
 def chunks(out: Path, quick: bool) -> dict[str, Any]:
-    """benchmarks/state_chunks.py on the GPU: host chunks pinned, their copies on streams, step times in GPU time."""
-    args = ["--device", "cuda"]
-    if quick:
-        args += ["--layers", "2", "4", "6", "--repeats", "1"]
-    run = subprocess.run([sys.executable, str(HERE / "state_chunks.py"), *args], cwd=ROOT,
-                         capture_output=True, text=True, check=False, timeout=600)
-    (out / "chunks.log").write_text(run.stdout + run.stderr, encoding="utf-8")
-    body = run.stdout.strip()
-    return {"returncode": run.returncode, "md": f"`python benchmarks/state_chunks.py {' '.join(args)}`:\n\n"
-                                                 f"```\n{body[-6000:]}\n```\n"}
+    """benchmarks/state_chunks.py on the GPU, in float32 and with bf16 master weights: host chunks pinned, their
+    copies on streams, step times in GPU time."""
+    md, code = [], 0
+    for precision in ("fp32", "bf16-master"):
+        args = ["--device", "cuda", "--precision", precision]
+        if quick:
+            args += ["--layers", "2", "4", "6", "--repeats", "1"]
+        run = subprocess.run([sys.executable, str(HERE / "state_chunks.py"), *args], cwd=ROOT,
+                             capture_output=True, text=True, check=False, timeout=600)
+        (out / f"chunks-{precision}.log").write_text(run.stdout + run.stderr, encoding="utf-8")
+        code = code or run.returncode
+        md.append(f"`python benchmarks/state_chunks.py {' '.join(args)}`:\n\n```\n{run.stdout.strip()[-6000:]}\n```\n")
+    return {"returncode": code, "md": "\n".join(md)}
 
 
 # -- the report
