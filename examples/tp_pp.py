@@ -1,12 +1,18 @@
 """Pipeline x tensor parallelism: a 2 (pp) x 2 (tp) DeviceMesh, each block split with torch's parallelize_module.
 
     torchrun --nproc-per-node 4 examples/tp_pp.py
+    torchrun --nproc-per-node 4 examples/tp_pp.py --sequence-parallel  # the blocks' norms on half the tokens each
     python examples/tp_pp.py --reference                                # one process, the whole model
 
 Ranks 0 and 1 hold stage 0, ranks 2 and 3 stage 1 (init_device_mesh numbers the ranks row by row). In every
 block the up projection is split by columns (ColwiseParallel) and the down projection by rows (RowwiseParallel,
 which sums the two halves); embedding, norms and head stay whole on each tp rank. Each tp rank is its own
 pipeline member along "pp", and every rank sees the whole batch. Both runs print `step N loss X`; they agree.
+
+With --sequence-parallel each block's norm and residual run on the rank's half of the tokens (SequenceParallel),
+the up projection gathers the tokens first and the down projection reduce-scatters them after. A stage's first
+block takes its input whole and keeps its half of the tokens, its last gathers its output whole again: the
+pipeline sends and receives what it does without sequence parallelism.
 """
 
 import argparse
@@ -52,6 +58,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--reference", action="store_true", help="one process, no pipefold, no tensor parallelism")
+    p.add_argument("--sequence-parallel", action="store_true", help="each block's norm on the rank's tokens")
     args = p.parse_args()
 
     torch.manual_seed(0)
@@ -65,7 +72,15 @@ def main() -> None:
     else:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            PrepareModuleInput,
+            PrepareModuleOutput,
+            RowwiseParallel,
+            SequenceParallel,
+            parallelize_module,
+        )
 
         from pipefold import Pipeline, split_model
 
@@ -74,10 +89,22 @@ def main() -> None:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
         stages = split_model(layers, args.schedule, devices=mesh["pp"].size(), microbatches=args.microbatches,
                              device=mesh["pp"].get_local_rank())
+        tp = mesh["tp"]
         for stage in stages.values():
-            for layer in stage:
-                if isinstance(layer, Block):
-                    parallelize_module(layer, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+            blocks = [layer for layer in stage if isinstance(layer, Block)]
+            for layer in blocks:
+                if not args.sequence_parallel:
+                    parallelize_module(layer, tp, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+                    continue
+                parallelize_module(layer, tp, {"norm": SequenceParallel(),
+                                               "up": ColwiseParallel(input_layouts=Shard(1)),
+                                               "down": RowwiseParallel(output_layouts=Shard(1))})
+            if args.sequence_parallel and blocks:  # the stage's blocks are consecutive: tokens split between them
+                parallelize_module(blocks[0], tp, PrepareModuleInput(input_layouts=(Replicate(),),
+                                                                     desired_input_layouts=(Shard(1),),
+                                                                     use_local_output=True))
+                parallelize_module(blocks[-1], tp, PrepareModuleOutput(output_layouts=(Shard(1),),
+                                                                       desired_output_layouts=(Replicate(),)))
         pipe = Pipeline(stages, args.schedule, microbatches=args.microbatches, loss_fn=loss_fn, mesh=mesh)
         params = pipe.parameters()
 

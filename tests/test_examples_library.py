@@ -28,6 +28,8 @@ CASES = [
     ("torchrun --standalone --nproc-per-node 2 examples/hf_llama.py", "python examples/hf_llama.py --reference"),
     ("torchrun --standalone --nproc-per-node 4 examples/fsdp_pp.py", "python examples/fsdp_pp.py --reference"),
     ("torchrun --standalone --nproc-per-node 4 examples/tp_pp.py", "python examples/tp_pp.py --reference"),
+    ("torchrun --standalone --nproc-per-node 4 examples/tp_pp.py --sequence-parallel",
+     "python examples/tp_pp.py --reference"),
 ]
 """Each command a page shows, with the one-process run of the same loop it is compared with."""
 COMMANDS = frozenset(c for pair in CASES for c in pair)
@@ -47,7 +49,7 @@ def _losses(command: str) -> tuple[tuple[int, float], ...]:
 
 @pytest.mark.parametrize(("command", "reference"), CASES, ids=["nanogpt", "nanogpt-zb-v", "nanogpt-bf16-compiled",
                                                                "hf_llama", "fsdp_pp",
-                                                               "tp_pp"])
+                                                               "tp_pp", "tp_pp-sequence-parallel"])
 def test_example_trains_as_its_one_process_reference(command: str, reference: str) -> None:
     if "hf_llama" in command:
         pytest.importorskip("transformers")

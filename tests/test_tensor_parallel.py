@@ -41,6 +41,11 @@ def _spec(schedule: str, model: str, *, tp: int = 2, dp: int = 1, steps: int = 1
     ("1f1b", "gpt", 2, {}),                      # dp2 x tp2 x pp2: 8 processes
     ("zb-v", "gpt", 2, {"fsdp": True}),          # FSDP over the dp copies of tensor-parallel shards (2-D DTensors)
     ("1f1b", "mlp", 1, {"recompute": "full"}),   # the recomputed forward all-reduces again, on every tp rank
+    # Sequence parallelism: norms on each rank's tokens, gathered before the split Linears, reduce-scattered after
+    ("zb-v", "gpt", 1, {"sequence_parallel": True}),                        # B and W apart
+    ("interleaved-1f1b", "gpt", 1, {"sequence_parallel": True}),            # two stages per rank: a run each
+    ("1f1b", "gpt", 2, {"sequence_parallel": True}),                        # dp2 x tp2 x pp2
+    ("zb-h1", "gpt", 1, {"sequence_parallel": True, "recompute": "full"}),  # the rerun gathers and scatters again
 ])
 def test_tensor_parallel_pipelines_match_one_process(schedule: str, model: str, dp: int,
                                                       more: dict[str, object]) -> None:
@@ -56,6 +61,36 @@ def test_tensor_parallel_pipelines_match_one_process(schedule: str, model: str, 
     # over dp alone, was counted on every tp rank: 6.18 for 4.49 at dp 2 x tp 2).
     want = math.sqrt(sum(float(g.double().pow(2).sum()) for g in reference_step(job)[1].values()))
     assert all(r.steps.grad_norm[0] == pytest.approx(want, rel=1e-5) for r in reports), want
+
+
+def test_sequence_parallelism_holds_less_and_trains_as_without_it() -> None:
+    """tp 2 with and without sequence parallelism, three AdamW steps: the same weights to float32 rounding (only
+    the order of sums differs), and every rank's activation peak lower with it (the norms' and the residual
+    stream's bytes split over the tokens). A device of its own degree (tp 2,1) runs it on its two ranks."""
+    runs = {}
+    for sp in (False, True):
+        spec = RunSpec.flat(schedule="1f1b", devices=2, microbatches=4, batch=8, steps=3, model="gpt", layers=4,
+                            hidden=64, heads=4, seq=32, partition="even", optimizer="adamw", tp=2,
+                            sequence_parallel=sp)
+        job = dataclasses.replace(make_job(spec), save_weights=True)
+        runs[sp] = sorted(run_local(job), key=lambda r: r.rank)
+    for plain, split in zip(runs[False], runs[True], strict=True):
+        for name, w in plain.weights.items():
+            torch.testing.assert_close(split.weights[name], w, rtol=1e-5, atol=1e-6)
+        assert split.steps[-1].peak_activation_bytes < plain.steps[-1].peak_activation_bytes
+    # The closed form on the first device (ranks 0 and 1), whose peak holds two microbatches of its two blocks in
+    # 1F1B: each block's two LayerNorms keep their input (hidden float32s a token) and its mean and 1/std (two)
+    # for 1/tp of the tokens; the Linears after them keep the gathered input whole, as without it.
+    h, tp, tokens = 64, 2, 2 * 32
+    per_token = 2 * (1 - 1 / tp) * (4 * h + 8)
+    for plain, split in zip(runs[False][:2], runs[True][:2], strict=True):
+        saved = plain.steps[-1].peak_activation_bytes - split.steps[-1].peak_activation_bytes
+        assert saved == 2 * 2 * tokens * per_token, (saved, plain.rank)
+    job = make_job(RunSpec.flat(schedule="1f1b", devices=2, microbatches=4, batch=4, steps=1, model="gpt", layers=4,
+                                hidden=32, heads=4, seq=16, partition="even", optimizer="sgd", tp=(2, 1),
+                                sequence_parallel=True, check=True))
+    diff = compare(job, run_local(job))
+    assert diff["max_grad_rel_diff"] < TOLERANCE and diff["loss_rel_diff"] < TOLERANCE, diff
 
 
 def test_weights_after_several_steps_equal_the_pipeline_without_tensor_parallelism() -> None:
@@ -108,6 +143,9 @@ def test_zero1_over_tensor_parallel_shards_steps_as_one_process() -> None:
 
 
 @pytest.mark.parametrize(("settings", "expected"), [
+    ({"model": "mlp", "sequence_parallel": True, "tp": 2}, "the mlp model declares no sequence-parallel plan"),
+    ({"model": "gpt", "sequence_parallel": True, "seq": 18, "tp": 4},
+     "--tp 4 splits --seq (split by --sequence-parallel) = 18 unevenly"),
     (dict(model="gpt", heads=4, seq=16, tp=3), "--tp 3 splits --heads = 4 unevenly"),
     (dict(model="mlp", hidden=6, tp=5), "--tp 5 splits --hidden (its inner width, 4 x hidden) = 24 unevenly"),
     (dict(model="mlp", tp=2, offload="1,1"), "does not run with --offload yet"),

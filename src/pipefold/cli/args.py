@@ -415,6 +415,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "models, and --hf llama by transformers' own plan); one T per device gives each device a "
                         "mesh of its own (2,1: device 0 on 2 ranks, device 1 on one), activations resharded between "
                         "them")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tp: each block's norms, dropouts and residual stream on each tensor-parallel rank's "
+                        "share of the tokens (sequence parallelism; the gpt model)")
     p.add_argument("--microbatches", "-m", type=int, default=8, metavar="M", help="microbatches per step (default 8)")
     p.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
     _add_model(p, layers=None, layers_help="default: enough for 2 layers per stage", batch=16,

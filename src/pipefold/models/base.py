@@ -129,16 +129,41 @@ class Model(abc.ABC):
         setting that makes them: {"--heads": 4, "--hidden": 64}."""
         return {}
 
-    def tp_plans(self, tp: int) -> dict[int, dict[str, str]]:
+    def sequence_plan(self, index: int) -> dict[str, str]:
+        """Layer ``index``'s modules that run on each tensor-parallel rank's share of the tokens with sequence
+        parallelism (norms, torch's SequenceParallel): submodule name -> "sequence"; empty for a layer that keeps
+        its tokens whole (an embedding, a head). The default, for a model that declares none, refuses in one
+        line."""
+        raise ConfigError(f"the {self.name} model declares no sequence-parallel plan: drop --sequence-parallel (the "
+                          "gpt model has one)")
+
+    def sequence_length(self) -> int | None:
+        """The tokens of a sequence, which sequence parallelism splits over the tensor-parallel ranks."""
+        return None
+
+    def tp_plans(self, tp: int, sequence_parallel: bool = False) -> dict[int, dict[str, str]]:
         """Every layer's plan (:meth:`tp_plan`) for ``tp`` tensor-parallel ranks, after the checks that ``tp`` fits
-        the model: it divides every width the plans split, and the model declares a plan at all (one line each)."""
-        for what, width in self.tp_widths().items():
+        the model: it divides every width the plans split, and the model declares a plan at all (one line each).
+        With ``sequence_parallel`` a layer with a :meth:`sequence_plan` runs its norms on each rank's share of the
+        tokens and its Linears as ``colwise-sp`` and ``rowwise-sp`` (:func:`pipefold.runtime.sharding.
+        tensor_parallel`); ``tp`` must divide the sequence too."""
+        widths = dict(self.tp_widths())
+        if sequence_parallel and (seq := self.sequence_length()) is not None:
+            widths["--seq (split by --sequence-parallel)"] = seq
+        for what, width in widths.items():
             if width % tp:
                 fits = [str(d) for d in range(2, width + 1) if width % d == 0]
                 shown = ", ".join(fits[:6]) + (", ..." if len(fits) > 6 else "")
                 raise ConfigError(f"--tp {tp} splits {what} = {width} unevenly: use a --tp that divides it ({shown}) "
                                   f"or change {what.split()[0]}")
-        return {i: plan for i in range(self.num_layers) if (plan := self.tp_plan(i))}
+        plans = {i: plan for i in range(self.num_layers) if (plan := self.tp_plan(i))}
+        if not sequence_parallel:
+            return plans
+        for i in range(self.num_layers):
+            norms = self.sequence_plan(i)
+            if norms:
+                plans[i] = {**{name: f"{style}-sp" for name, style in plans.get(i, {}).items()}, **norms}
+        return plans
 
     @property
     def blocks(self) -> range:

@@ -236,6 +236,13 @@ class GPT(Model):
     def tp_widths(self) -> dict[str, int]:
         return {"--heads": self.cfg.n_head}
 
+    def sequence_plan(self, index: int) -> dict[str, str]:
+        # A block's two LayerNorms, and with them its residual stream and dropouts, on each rank's tokens.
+        return {"ln_1": "sequence", "ln_2": "sequence"} if index in self.blocks else {}
+
+    def sequence_length(self) -> int | None:
+        return self.batches.seq
+
     def size(self) -> Shape:
         return Shape(model="gpt", layers=self.cfg.n_layer, hidden=self.cfg.n_embd, heads=self.cfg.n_head,
                      batch=self.batches.batch, seq=self.batches.seq)

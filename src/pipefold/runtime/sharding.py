@@ -21,6 +21,7 @@ reduce-scatter runs in ``RS`` itself and the all-gather beside the actions until
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -165,17 +166,44 @@ def split_over(p: torch.Tensor, dim: str) -> bool:
 
 
 def tensor_parallel(layers: dict[int, nn.Module], plans: dict[int, dict[str, str]], mesh: Any) -> None:
-    """Split each layer in place over the tensor-parallel ``mesh`` by its plan (submodule -> "colwise" or
-    "rowwise"): torch's ``parallelize_module`` with ColwiseParallel and RowwiseParallel, whose outputs are plain
-    tensors again (the colwise part's output is this rank's share of the features, the rowwise part's the whole,
-    all-reduced)."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    """Split each layer in place over the tensor-parallel ``mesh`` by its plan (submodule -> style): torch's
+    ``parallelize_module`` with ColwiseParallel ("colwise") and RowwiseParallel ("rowwise"), whose outputs are
+    plain tensors again (the colwise part's output is this rank's share of the features, the rowwise part's the
+    whole, all-reduced).
 
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    Sequence parallelism (Korthikanti et al.): a layer whose plan has "sequence" modules (torch's
+    SequenceParallel: norms, each rank its share of the tokens) takes "colwise-sp" (the tokens gathered before
+    the Linear) and "rowwise-sp" (its output reduce-scattered over the tokens instead of all-reduced). Between
+    such layers the activations stay split over the tokens; the first of each run of consecutive such layers
+    takes its input whole and keeps its share of the tokens, the last gathers its output whole again, so that
+    what a stage receives and sends is what it is without sequence parallelism. ``layers`` is one stage's."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    styles: dict[str, Callable[[], Any]] = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
+                                            "sequence": SequenceParallel,
+                                            "colwise-sp": lambda: ColwiseParallel(input_layouts=Shard(1)),
+                                            "rowwise-sp": lambda: RowwiseParallel(output_layouts=Shard(1))}
     for index, layer in layers.items():
         plan = plans.get(index)
         if plan:
             parallelize_module(layer, mesh, {name: styles[style]() for name, style in plan.items()})
+    split = [i for i in sorted(layers) if "sequence" in plans.get(i, {}).values()]
+    for i in split:
+        if i - 1 not in split:  # the first of a run: its input whole, this rank keeps its share of the tokens
+            parallelize_module(layers[i], mesh, PrepareModuleInput(input_layouts=(Replicate(),),
+                                                                   desired_input_layouts=(Shard(1),),
+                                                                   use_local_output=True))
+        if i + 1 not in split:  # the last: its output gathered whole
+            parallelize_module(layers[i], mesh, PrepareModuleOutput(output_layouts=(Shard(1),),
+                                                                    desired_output_layouts=(Replicate(),)))
 
 
 def full(t: torch.Tensor) -> torch.Tensor:

@@ -115,7 +115,7 @@ def make_job(spec: RunSpec, *, decided: Decisions | None = None, placed: Any = N
         schedule = with_data_parallel(schedule, shard=spec.parallel.fsdp)
     tp_plan: dict[int, dict[str, str]] = {}
     for degree in sorted(set(spec.parallel.degrees(schedule.devices)) - {1}):  # each degree checked against the model
-        tp_plan = model.tp_plans(degree)
+        tp_plan = model.tp_plans(degree, spec.parallel.sequence_parallel)
     job = Job(schedule=schedule, layer_stages=layer_stages, build_layers=model.build_layers, loss_fn=model.loss,
               batch_at=model.batch_at, steps=spec.steps, optimizer=spec.optimizer, parallel=spec.parallel,
               reliability=spec.reliability, devices=spec.devices, save_grads_of_step=0 if spec.check else None,

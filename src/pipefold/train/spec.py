@@ -323,10 +323,12 @@ RULES: tuple[Applies, ...] = (
     Applies(("heads", "seq", "data"), lambda s: s.model.sequences,
             "{option} sizes a language model, and the mlp has no attention, sequences or text: use --model gpt, or "
             "drop it"),
-    Applies(("dp", "fsdp", "zero1", "tp"), lambda s: not s.planned,
+    Applies(("dp", "fsdp", "zero1", "tp", "sequence_parallel"), lambda s: not s.planned,
             "{option} lays out data- or tensor-parallel copies, and a plan (--plan, --schedule auto) runs the one "
             "pipeline it "
             "planned: name a schedule with --schedule, or drop it"),
+    Applies(("sequence_parallel",), lambda s: s.parallel.tensor_parallel,
+            "{option} splits each block's tokens over the tensor-parallel ranks: give --tp 2 or more, or drop it"),
     Applies(("keep_last", "checkpoint_every"), lambda s: s.checkpoints.checkpoint_dir is not None,
             "{option} saves into --checkpoint-dir D: give one, or drop it"),
     Applies(_PLANNED, lambda s: s.plan is None,

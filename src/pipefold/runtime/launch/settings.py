@@ -153,6 +153,10 @@ class Parallel:
     tensor-parallel plan (torch's ``parallelize_module``). One degree for every device, or one per device (a mesh per
     stage: activations and gradients between devices of different degrees are resharded, :mod:`pipefold.runtime.comm`);
     dp x (the devices' degrees summed) processes in all. Equal degrees are kept as one number."""
+    sequence_parallel: bool = False
+    """With tp > 1: each block's norms, dropouts and residual stream on each tensor-parallel rank's share of the
+    tokens (Korthikanti et al.'s sequence parallelism; torch's SequenceParallel), the split Linears gathering the
+    tokens before them and reduce-scattering over them after (:func:`pipefold.runtime.sharding.tensor_parallel`)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.dp, bool) or not (isinstance(self.dp, int) and self.dp >= 1):
