@@ -68,7 +68,7 @@ def predict(data: dict[str, Any], run: dict[str, Any]) -> dict[str, float]:
     """What the planner predicts for one published run."""
     cluster = cluster_of(data, run)
     training = Training(model=from_hf_config(run["model"]), seq=run["seq"], global_batch=run["global_batch"],
-                        dtype=run.get("dtype", "bf16"))
+                        dtype=run.get("dtype", "bf16"), sequence_parallel=run.get("sequence_parallel", True))
     got = point(cluster, training, dp=run["dp"], tp=run["tp"], pp=run["pp"], schedule=run["schedule"],
                 microbatch=run["microbatch"], recompute=run["recompute"], sharding=run["sharding"])
     return {"tokens_per_second_per_gpu": round(got.tokens_per_second / cluster.devices, 1), "mfu": round(got.mfu, 4),

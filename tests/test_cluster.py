@@ -332,6 +332,64 @@ def test_a_cluster_plan_trains_as_planned(capsys: pytest.CaptureFixture[str], tm
     assert "plans a model pipefold does not run" in err and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize(("tp", "pp"), [(2, 4), (4, 2), (8, 2), (2, 2)])
+def test_sequence_parallelism_saves_its_closed_form(tp: int, pp: int) -> None:
+    """Llama 3 8B on 4 H100 nodes, 1F1B without recomputation: the first device holds pp microbatches of its
+    blocks at its peak, and sequence parallelism splits each block's whole part (its norms' bytes) over tp, so the
+    peak falls by pp x blocks x whole x (1 - 1/tp) x tokens; the weights are the same, and what splits over tp
+    anyway (attention, MLP) as well."""
+    from pipefold.plan.cluster_plan import _stages
+
+    cluster, model, seq = load_cluster("h100-sxm").with_nodes(4), from_hf_config("llama3-8b"), 4096
+    got = {}
+    for sp in (False, True):
+        training = Training(model=model, seq=seq, global_batch=64, sequence_parallel=sp)
+        got[sp] = point(cluster, training, dp=32 // (tp * pp), tp=tp, pp=pp, schedule="1f1b", microbatch=1)
+    whole = model.saved(seq, attention="flash").whole
+    blocks = _stages(model, pp)[0].blocks
+    assert got[False].memory - got[True].memory == pytest.approx(pp * blocks * whole * (1 - 1 / tp) * seq, rel=1e-9)
+    assert got[False].static == got[True].static
+    assert (got[False].sequence_parallel, got[True].sequence_parallel) == (False, True)
+    assert got[True].layout.endswith(" sp") and got[True].to_dict()["sequence_parallel"]
+    one = point(cluster, Training(model=model, seq=seq, global_batch=64), dp=8, tp=1, pp=4, schedule="1f1b",
+                microbatch=1)
+    assert not one.sequence_parallel  # nothing to split over one rank
+
+
+def test_sequence_parallelism_is_the_searchs_default_and_turns_off(capsys: pytest.CaptureFixture[str],
+                                                                   tmp_path: Path) -> None:
+    """The search splits the tokens over tp by default: Llama 3.1 405B at tp 8 x pp 16 on 2,048 H100 nodes
+    (Meta's layout), with full recomputation, fits 80 GB with it and not without. --no-sequence-parallel turns it
+    off; a plan whose best splits the tokens writes why train cannot run it (HF configs have no plan for it)."""
+    cluster, model = load_cluster("h100-sxm").with_nodes(2048), from_hf_config("llama3.1-405b")
+    fits = {sp: point(cluster, Training(model=model, seq=8192, global_batch=2048, sequence_parallel=sp), dp=128,
+                      tp=8, pp=16, schedule="interleaved-1f1b", microbatch=1, recompute="full").fits
+            for sp in (False, True)}
+    assert fits == {False: False, True: True}
+    argv = ["plan", "--cluster", "h100-sxm", "--nodes", "1", "--hf-config", "llama3-8b", "--global-batch", "32",
+            "--seq", "8192", "--families", "1f1b", "--json"]
+    assert main([*argv, "-o", str(tmp_path / "sp.json")]) == 0
+    with_sp = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--no-sequence-parallel"]) == 0
+    without = json.loads(capsys.readouterr().out)
+    split = [p for p in with_sp["top"] if p["tp"] > 1]
+    assert split and all(p["sequence_parallel"] for p in split)
+    assert not any(p["sequence_parallel"] for p in without["top"])
+    written = json.loads((tmp_path / "sp.json").read_text())
+    assert (written["run"] is None) == written["best"]["sequence_parallel"]
+    from pipefold.plan.cluster_plan import run_section
+
+    training = Training(model=from_hf_config("llama3-8b"), seq=8192, global_batch=32)
+    split_point = point(load_cluster("h100-sxm").with_nodes(1), training, dp=2, tp=2, pp=2, schedule="1f1b",
+                        microbatch=1)
+    with pytest.raises(ConfigError, match="runs for its own gpt model, not llama configs: plan with "
+                                          "--no-sequence-parallel to run it"):
+        run_section(split_point, training, "llama3-8b")
+    assert main(["plan", "--memory", "3", "--no-sequence-parallel"]) != 0
+    err = capsys.readouterr().err
+    assert "--no-sequence-parallel describes a cluster plan" in err and err.count("\n") == 1, err
+
+
 def test_a_cluster_plan_without_its_model_or_shape_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--cluster", "h100-sxm", "--seq", "2048"]) != 0
     err = capsys.readouterr().err

@@ -315,6 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--global-batch", type=int, default=None, metavar="G", help="with --cluster: sequences per step")
     g.add_argument("--seq", type=int, default=None, metavar="S", help="with --cluster: tokens per sequence")
     g.add_argument("--top", type=int, default=10, metavar="K", help="with --cluster: configurations shown (default 10)")
+    g.add_argument("--no-sequence-parallel", action="store_true",
+                   help="with --cluster: tensor-parallel ranks each hold the norms', dropouts' and residual stream's "
+                        "activations whole (by default they split the tokens: sequence parallelism)")
     p.add_argument("--allow-offload", action="store_true",
                    help="with --memory: each schedule may offload activations (those held across its peak, the "
                         "longest-lived first) to fit; the copies take --offload-time each way")
@@ -588,7 +591,8 @@ APPLIES: tuple[Applies, ...] = (
     Applies("plan", ("devices",), lambda a: a.world is None,
             "is one pipeline's length, and --world N searches every dp x tp x pp of N ranks, pipelines of every "
             "length: drop one of them"),
-    Applies("plan", ("nodes", "cluster_model", "global_batch", "seq", "top"), lambda a: a.cluster is not None,
+    Applies("plan", ("nodes", "cluster_model", "global_batch", "seq", "top", "no_sequence_parallel"),
+            lambda a: a.cluster is not None,
             "describes a cluster plan: give --cluster NAME|FILE too"),
     Applies("plan", ("output", "families"), lambda a: a.profile is not None or a.cluster is not None,
             "belongs to plan --profile or --cluster (plan --memory searches every family and writes no plan): "

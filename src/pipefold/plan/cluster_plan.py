@@ -23,7 +23,10 @@ shards fp32 weights, gradients and moments (16) over dp and holds two blocks gat
 microbatch, the stage's whole weights in bf16 with several (gathered once a step). Activations: the
 simulated peak of the schedule with each stage's bytes per microbatch (:meth:`Transformer.saved`, flash
 attention; the head's logits and their float32 copy; full recomputation keeps each block's input and one
-block whole while it reruns). It fits when both are within the accelerator's usable memory.
+block whole while it reruns). With sequence parallelism (:attr:`Training.sequence_parallel`, where tp > 1) the
+norms', dropouts' and residual stream's bytes and a block's input are split over tp too, a stage's message is each
+rank's share of the tokens (nothing gathered), and the elementwise work is on that share. It fits when both are
+within the accelerator's usable memory.
 
 **Step time**: the schedule simulated (:func:`pipefold.sim.simulate`) with those times, messages between
 stages crossing in tp pieces then all-gathered (``CostModel.mesh``), and, without FSDP, each stage's gradient
@@ -64,12 +67,15 @@ MICROBATCH_SIZES = (1, 2, 4, 8, 16)
 
 @dataclass(frozen=True, kw_only=True)
 class Training:
-    """What is trained: the model, the tokens a sequence has, the sequences a step takes, the compute dtype."""
+    """What is trained: the model, the tokens a sequence has, the sequences a step takes, the compute dtype, and
+    whether tensor-parallel ranks split the tokens of what they would otherwise each hold whole (sequence
+    parallelism, Korthikanti et al.: the large runs' practice, so the default)."""
 
     model: Transformer
     seq: int
     global_batch: int
     dtype: str = "bf16"
+    sequence_parallel: bool = True
 
     def __post_init__(self) -> None:
         for name in ("seq", "global_batch"):
@@ -100,14 +106,17 @@ class ClusterPoint:
     """Of the whole cluster."""
     mfu: float
     bubble: float
+    sequence_parallel: bool = False
+    """Whether its tensor-parallel ranks split the tokens (tp > 1 with :attr:`Training.sequence_parallel`)."""
 
     @property
     def layout(self) -> str:
-        return f"dp{self.dp} tp{self.tp} pp{self.pp}"
+        return f"dp{self.dp} tp{self.tp} pp{self.pp}" + (" sp" if self.sequence_parallel else "")
 
     def to_dict(self) -> dict[str, Any]:
         return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "schedule": self.schedule, "microbatch": self.microbatch,
                 "microbatches": self.microbatches, "recompute": self.recompute, "sharding": self.sharding,
+                "sequence_parallel": self.sequence_parallel,
                 "step_time": self.step_time, "memory_bytes": self.memory, "static_bytes": self.static,
                 "fits": self.fits, "tokens_per_second": self.tokens_per_second, "mfu": self.mfu,
                 "bubble": self.bubble}
@@ -193,9 +202,14 @@ def _costs(cluster: Cluster, training: Training, c: _Config, stages: int,
 
     f_ops, b_ops, w_ops = (x * n / tp for x in model.block_flops(training.seq))
     biggest = 2 * n * h * model.ffn / tp
-    kept_bytes = model.saved(training.seq, attention="flash").per_rank(tp) * n
+    # With sequence parallelism the norms, dropouts and residual stream (and so a block's input, and the stage's
+    # output each rank sends) are each rank's share of the tokens; the all-reduces become a reduce-scatter and an
+    # all-gather, the same bytes on a ring.
+    sp = training.sequence_parallel and tp > 1
+    kept_bytes = model.saved(training.seq, attention="flash").per_rank(tp, sequence_parallel=sp) * n
     elementwise = 2 * kept_bytes / acc.memory_bandwidth
     message = model.message_bytes(n)  # a block's output, as one stage sends it to the next
+    block_input = a * h * n / (tp if sp else 1)
     tp_comm = 2 * ring_allreduce(message, tp, tp_link.latency, tp_link.achieved)
     block_f = compute(f_ops, biggest) + elementwise + tp_comm
     block_b = compute(b_ops, biggest) + 2 * elementwise + tp_comm
@@ -210,7 +224,7 @@ def _costs(cluster: Cluster, training: Training, c: _Config, stages: int,
     params: list[float] = []
     for s, st in enumerate(_stages(model, stages)):
         rerun = {"none": 0, "half": st.blocks // 2, "full": st.blocks}[c.recompute]
-        kept = rerun * a * h * n + (st.blocks - rerun) * kept_bytes  # a rerun block keeps its input only
+        kept = rerun * block_input + (st.blocks - rerun) * kept_bytes  # a rerun block keeps its input only
         memory = kept + (kept_bytes if rerun else 0.0)  # and is whole again while it reruns
         if st.head:
             kept += logits
@@ -226,8 +240,10 @@ def _costs(cluster: Cluster, training: Training, c: _Config, stages: int,
         fits[c.dp] = ring_fit(c.dp, dp_link.latency, dp_link.achieved)
     if tp > 1 and tp not in fits:  # the receivers' all-gather of a message's pieces, on the tp link
         fits[tp] = ring_fit(tp, tp_link.latency, tp_link.achieved)
+    # Split over the tokens, each tp rank sends its share to its counterpart and nothing is gathered; otherwise
+    # the message crosses in tp pieces that the receivers all-gather (CostModel.mesh).
     cost = CostModel(stage_overrides=overrides, latency=pp_link.latency, bandwidth=pp_link.achieved,
-                     activation_bytes=message, mesh=tp, dp=1 if sharded else c.dp,
+                     activation_bytes=message / tp if sp else message, mesh=1 if sp else tp, dp=1 if sharded else c.dp,
                      grad_bytes=4.0 * sum(params) / c.pp, allreduce_fits=fits)
     return cost, params
 
@@ -437,7 +453,8 @@ def _point(cluster: Cluster, training: Training, c: _Config, family: str, shard:
                         recompute=c.recompute, sharding=shard, step_time=step, memory=max(peaks), static=max(statics),
                         fits=max(peaks) <= usable, tokens_per_second=tokens,
                         mfu=model.model_flops(training.seq) * tokens / (peak * cluster.devices),
-                        bubble=1 - sum(busy) / len(busy) / makespan if makespan > 0 else 0.0)
+                        bubble=1 - sum(busy) / len(busy) / makespan if makespan > 0 else 0.0,
+                        sequence_parallel=training.sequence_parallel and c.tp > 1)
 
 
 TIE = 1e-3
@@ -455,6 +472,10 @@ def run_section(point: ClusterPoint, training: Training, model_config: str) -> d
     if model.family not in ("llama", "gpt2") or model.experts > 1:
         raise ConfigError(f"{model.name} is planned, not run: pipefold's runtime builds LLaMA and GPT-2 configs "
                           "without experts")
+    if point.sequence_parallel:
+        raise ConfigError(f"its tp {point.tp} ranks split the tokens (sequence parallelism), which pipefold's runtime "
+                          f"runs for its own gpt model, not {model.family} configs: plan with --no-sequence-parallel "
+                          "to run it")
     stages = schedules.build(point.schedule, point.pp, point.microbatches).stages
     layer_stages, counts, at = [], [], 0
     for st in _stages(model, stages):
