@@ -53,7 +53,8 @@ SAMPLES: dict[str, list[str]] = {
     "slack": ["--slack", "0.5"], "max_steps": ["--max-steps", "1"], "inline": ["--inline"],
     "offload_time": ["--offload-time", "0.5"], "offloadable": ["--offloadable", "0.5"],
     "offload_activations": ["--offload-activations", "0.5"], "offload_fit": ["--offload-fit", "2"],
-    "allow_offload": ["--allow-offload"],
+    "allow_offload": ["--allow-offload"], "state_chunks": ["--state-chunks"],
+    "no_sequence_parallel": ["--no-sequence-parallel"],
 }
 """A value of each option other than its default (with what it needs to show: a bandwidth needs bytes to carry)."""
 

@@ -548,6 +548,37 @@ def test_a_profile_at_tp_2_measures_each_ranks_share_and_its_plan_runs_exactly(t
         assert compare(job, run_local(job))["max_grad_rel_diff"] < 1e-5, family
 
 
+def test_a_sequence_parallel_profile_holds_less_and_its_plan_runs_so(tmp_path) -> None:
+    """profile --tp 1,2 --sequence-parallel: each block at tp 2 holds less than without it (at least its norms'
+    statistics, 8 bytes a token each, on half the tokens), the parameters the same; the plan made from it runs
+    sequence-parallel, exactly as one process."""
+    from pipefold.runtime.launch.local import run_local
+    from pipefold.runtime.measure.profiling import profile_model
+    from pipefold.train.planned import from_plan
+    from pipefold.train.prepare import make_job
+    from pipefold.train.reference import compare
+    from pipefold.train.spec import RunSpec
+
+    h, tokens = 32, 2 * 16
+    profs = {sp: profile_model(model="gpt", layers=2, hidden=h, heads=2, seq=16, batch=8, microbatches=4, devices=4,
+                               repeats=1, link=False, contention=False, tp=(1, 2), sequence_parallel=sp)
+             for sp in (False, True)}
+    assert profs[True].train["sequence_parallel"] is True and "sequence_parallel" not in profs[False].train
+    for plain, split in zip(profs[False].at_tp(2).layers[1:3], profs[True].at_tp(2).layers[1:3], strict=True):
+        assert plain.held - split.held >= 2 * (1 - 1 / 2) * 8 * tokens
+        assert plain.params == split.params
+    answer = plan_model(profs[True], 4, 1e12, layouts=[Layout(1, 2, 2)], families=["1f1b"])
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(answer.to_dict()))
+    planned = from_plan(RunPlan.from_dict(read_plan(str(path))), RunSpec.flat(steps=2, check=True))
+    assert planned.spec.parallel.sequence_parallel and planned.spec.parallel.tp == 2
+    job = make_job(planned.spec, decided=planned.decided)
+    assert compare(job, run_local(job))["max_grad_rel_diff"] < 1e-5
+    with pytest.raises(ConfigError, match="--sequence-parallel splits the tokens over tensor-parallel ranks"):
+        profile_model(model="gpt", layers=2, hidden=h, heads=2, seq=16, batch=8, microbatches=4, tp=(1,),
+                      sequence_parallel=True)
+
+
 def test_a_mesh_per_device_is_planned_where_the_runtime_runs_it(tmp_path) -> None:
     """What the runtime refuses, the planner does not plan. Devices that sum gradients rank by rank (a stage's
     replicas, a tied weight's copies) need one degree, and FSDP shards each copy of a tied weight on its own. The

@@ -345,6 +345,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", default="1", metavar="T[,T...]",
                    help="also measure the layers split over T tensor-parallel ranks, as train --tp T splits them, "
                         "for plan --world (default 1: whole layers only)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tp: measure the split layers sequence-parallel, as train --sequence-parallel runs "
+                        "them (the gpt model); the plans made from the profile run so")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
                    help="measure the passes under autocast to this dtype, as train --dtype runs them: their "
                         "activations, messages and times (a plan from the profile runs in it)")

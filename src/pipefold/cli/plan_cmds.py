@@ -39,7 +39,8 @@ def cmd_profile(args: argparse.Namespace, console: Console) -> None:
                             batch=args.batch, microbatches=args.microbatches, optimizer=args.optimizer,
                             seed=args.seed, devices=args.devices, repeats=args.repeats, link=not args.no_link,
                             contention=not args.no_sharing, overhead=not args.no_overhead, tp=tp,
-                            dtype=args.dtype, quick=args.quick, progress=progress)
+                            dtype=args.dtype, quick=args.quick, sequence_parallel=args.sequence_parallel,
+                            progress=progress)
     if not args.output:
         print(jsonout.dumps(prof.to_dict(), indent=1))
         return

@@ -82,7 +82,9 @@ def from_plan(plan: RunPlan, spec: RunSpec | None = None) -> Planned:
     spec = spec or RunSpec()
     fixed = {**profiled_settings(plan.train), "plan": None, "schedule": plan.schedule, "devices": plan.devices,
              "microbatches": plan.microbatches, "dp": plan.dp, "tp": plan.tp, "zero1": plan.sharding == "zero1",
-             "fsdp": plan.sharding == "fsdp", "state_chunks": plan.chunks}
+             "fsdp": plan.sharding == "fsdp", "state_chunks": plan.chunks,
+             # Split layers as the profile measured them: sequence-parallel where it did.
+             "sequence_parallel": bool(plan.train.get("sequence_parallel")) and max(plan.layout.degrees) > 1}
     if plan.chunks:  # the chunks fill what the plan left of the budget: its room
         fixed["memory_budget"] = plan.room
     if "seed" in spec.given():

@@ -1124,7 +1124,8 @@ def _sharded(rank: int, init: str, ranks: int, tp: int, train: dict[str, Any], r
         mesh = init_device_mesh("cpu", (ranks // tp, tp), mesh_dim_names=("copy", "tp"))
         model = _model(train)
         layers = model.build()
-        tensor_parallel(dict(enumerate(layers)), model.tp_plans(tp), mesh["tp"])
+        tensor_parallel(dict(enumerate(layers)), model.tp_plans(tp, bool(train.get("sequence_parallel"))),
+                        mesh["tp"])
         m = int(train["microbatches"])
         x, y = model.batch_at(0)
         sample, target = split_batch(x, m)[0], y.chunk(m)[0]
@@ -1187,7 +1188,7 @@ def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int 
                   batch: int = 16, microbatches: int = 8, optimizer: str = "adamw", seed: int = 0,
                   devices: int = 4, repeats: int = 7, link: bool = True, contention: bool = True,
                   tp: Sequence[int] = (1,), sharding: bool = True, dtype: str = "fp32", quick: bool = False,
-                  progress: Progress | None = None) -> Profile:
+                  sequence_parallel: bool = False, progress: Progress | None = None) -> Profile:
     """Measure ``model`` at this size on this machine (see the module's docstring).
 
     Without ``link`` the link is free (latency 0, infinite bandwidth); without ``contention``
@@ -1199,7 +1200,9 @@ def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int 
     ``dtype`` ('bf16', 'fp16'): the layers' passes are measured under autocast to it, as ``pipefold train --dtype``
     runs them, so their activations, messages and times are that dtype's (recorded in the profile's ``train``, and
     so given to the runs planned from it). ``quick``: the measurements between processes run :data:`QUICK`'s rounds
-    and windows instead of :data:`FULL`'s (recorded in the profile's ``machine``).
+    and windows instead of :data:`FULL`'s (recorded in the profile's ``machine``). ``sequence_parallel``: the
+    layers split over tp ranks run sequence-parallel, as ``train --sequence-parallel`` runs them (recorded in
+    ``train``, and so given to the runs planned from it).
     """
     from pipefold.runtime.precision import Precision
 
@@ -1218,8 +1221,13 @@ def profile_model(*, model: str = "gpt", layers: int | None = None, hidden: int 
         train["dtype"] = precision.dtype
     built = _model(train)
     sharded = sorted({int(t) for t in tp} - {1})
+    if sequence_parallel:
+        if not sharded:
+            raise ConfigError("--sequence-parallel splits the tokens over tensor-parallel ranks: give --tp with a "
+                              "degree above 1 (--tp 1,2), or drop it")
+        train["sequence_parallel"] = True
     for t in sharded:
-        built.tp_plans(t)  # a degree that does not fit the model: one line before anything is measured
+        built.tp_plans(t, sequence_parallel)  # a degree that does not fit the model: one line before measuring
     # The whole model here and, to measure how ranks share the cores, a stage's worth on each of the devices.
     check_model(built, microbatches=microbatches, ranks=devices if contention else 0, copies=2,
                 what=f"profiling {model}")
