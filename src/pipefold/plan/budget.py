@@ -897,11 +897,8 @@ def _memory(profile: Profile, layout: Layout, schedule: Schedule, layer_stages: 
     (with model-state chunks, the state they keep on a device of ``room`` bytes: :func:`chunk_state`)."""
     seen = layout_profile(profile, layout, layer_stages, schedule.placement[0])
     activations = device_peaks(schedule, stage_profiles(seen, layer_stages), counts)[1]
-    copies = copy_static(seen, layout, schedule, layer_stages)
-    if layout.chunks:
-        copies = [[st + placed for st, placed in zip(static, chunk_state(profile, schedule, layer_stages, static,
-                                                                         activations, room), strict=True)]
-                  for static in copies]
+    copies = [_with_chunks(profile, layout, schedule, layer_stages, static, activations, room)
+              for static in copy_static(seen, layout, schedule, layer_stages)]
     return seen, activations, copies
 
 
@@ -1044,10 +1041,7 @@ def _model_points(measured: Profile, on_device: list[Profile], schedule: Schedul
             tries.append((counts, device_peaks(schedule, rows, counts)[1]))
         for counts, activations in tries:
             result = simulate(run, model_costs(profile, schedule, layer_stages, counts, layout))
-            held = static
-            if layout.chunks:  # the chunks' state that the placement puts on each device
-                held = [st + placed for st, placed in zip(static, chunk_state(
-                    measured, schedule, layer_stages, static, activations, budget), strict=True)]
+            held = _with_chunks(measured, layout, schedule, layer_stages, static, activations, budget)
             out.append(ModelPoint(name=schedule.name, options=dict(schedule.options),
                                   makespan=round(result.makespan, 9), bubble_ratio=round(result.bubble_ratio, 9),
                                   peak_memory=tuple(float(st + int(a)) for st, a in zip(held, activations,
@@ -1055,6 +1049,15 @@ def _model_points(measured: Profile, on_device: list[Profile], schedule: Schedul
                                   split=how, layer_stages=layer_stages, recompute=counts,
                                   static_bytes=tuple(held), layout=layout))
     return out
+
+
+def _with_chunks(profile: Profile, layout: Layout, schedule: Schedule, layer_stages: Sequence[Sequence[int]],
+                 static: Sequence[int], activations: Sequence[float], room: float) -> list[int]:
+    """Each device's ``static`` bytes, with model-state chunks (``layout.chunks``) and the state they keep on it."""
+    if not layout.chunks:
+        return list(static)
+    placed = chunk_state(profile, schedule, layer_stages, static, activations, room)
+    return [st + extra for st, extra in zip(static, placed, strict=True)]
 
 
 def chunk_state(profile: Profile, schedule: Schedule, layer_stages: Sequence[Sequence[int]],

@@ -175,7 +175,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     # Master weights: the parameters in the low dtype from here on, float32 copies for the optimizer to step.
     masters = Masters(params, precision.torch_dtype) if precision.master_weights else None
     opt = None if in_schedule else _optimizer(job, masters.masters if masters is not None else params, dp_group,
-                                              pipe, masters, params)
+                                              pipe, masters)
     scaler = precision.scaler()
     keep = {s for s in (job.save_grads_of_step, job.verify_memory_step) if s is not None}
     history = StepHistory(job.keep_steps, keep)  # every step's numbers; in full only the steps that need it
@@ -576,13 +576,13 @@ def _named(job: Job, modules: dict[int, nn.Module]) -> list[tuple[str, nn.Parame
 
 
 def _optimizer(job: Job, params: list[Any], dp_group: Any = None, pipe: RankPipeline | None = None,
-               masters: Masters | None = None, held: list[nn.Parameter] | None = None) -> AnyOptimizer | None:
-    """``make``'s optimizer over ``params`` (the float32 masters of ``held`` with ``masters``): model-state chunks,
-    ZeRO-1's share or the plain one."""
+               masters: Masters | None = None) -> AnyOptimizer | None:
+    """``make``'s optimizer over ``params`` (with ``masters``, their float32 masters): model-state chunks, ZeRO-1's
+    share or the plain one."""
     if not params:
         return None  # a rank whose stages have no weights has nothing to step
     if job.chunks is not None and pipe is not None:
-        held = params if held is None else held
+        held = [p for p, _ in masters.pairs] if masters is not None else params  # what the device holds
         from pipefold.models.size import available_memory
         from pipefold.runtime.chunks import left_free
 
