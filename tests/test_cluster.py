@@ -162,14 +162,47 @@ def test_layouts_are_every_factorisation_the_model_and_batch_allow() -> None:
     cluster = load_cluster("a100-80gb").with_nodes(4)
     model = from_hf_config("llama2-13b")  # 40 heads, 40 key-value heads, 40 blocks
     training = Training(model=model, seq=4096, global_batch=64)
-    brute = {(d, t, p) for d in range(1, 33) for t in range(1, 33) for p in range(1, 33)
+    brute = {(d, 1, t, p) for d in range(1, 33) for t in range(1, 33) for p in range(1, 33)
              if d * t * p == 32 and t <= 8 and 40 % t == 0 and p <= 40 and 64 % d == 0}
-    assert set(layouts(cluster, training)) == brute
+    assert set(layouts(cluster, training)) == brute  # 4096 tokens: too short to split over context-parallel ranks
+    # 32768 tokens: cp 1, 2 and 4 leave a rank 8192 tokens at least; cp 8 would leave 4096.
+    long = Training(model=model, seq=32768, global_batch=64)
+    assert long.cp_degrees() == (1, 2, 4)
+    brute = {(d, c, t, p) for d in range(1, 33) for c in (1, 2, 4) for t in range(1, 33) for p in range(1, 33)
+             if d * c * t * p == 32 and t <= 8 and 40 % t == 0 and p <= 40 and 64 % d == 0}
+    assert set(layouts(cluster, long)) == brute
+    given = Training(model=model, seq=4096, global_batch=64, context_parallel=(1, 8))
+    assert {c for _, c, _, _ in layouts(cluster, given)} == {1, 8}
     with pytest.raises(ConfigError, match="give --global-batch a multiple of") as info:
         # 64 devices, a batch of 7 (dp 1): tp at most the 4 heads leaves pp >= 16 for the tiny LLaMA's 6 blocks.
         layouts(load_cluster("a100-80gb").with_nodes(8), Training(model=from_hf_config("llama-tiny"), seq=64,
                                                                    global_batch=7))
     assert "\n" not in str(info.value)
+
+
+def test_the_heads_peak_is_what_torchs_profiler_measures() -> None:
+    """The head of bf16 logits with the loss in float32, as the large runs compute it (torchtitan): torch's profiler
+    counts the bytes its operations allocate and free, and their running sum peaks at what
+    ``Transformer.head_peak`` says, the logits, their float32 copy and the log-softmax at once, above what it keeps
+    (``head_saved``) for the backward."""
+    from torch.profiler import ProfilerActivity, profile
+
+    n, h, vocab = 256, 32, 4096
+    model = Transformer(name="head", family="llama", layers=1, hidden=h, heads=1, kv_heads=1, ffn=h, vocab=vocab)
+    x = torch.randn(n, h, dtype=torch.bfloat16)  # the head's input, allocated before the count starts
+    w = torch.randn(vocab, h, dtype=torch.bfloat16, requires_grad=True)
+    y = torch.randint(0, vocab, (n,))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        logits = x @ w.t()
+        loss = torch.nn.functional.cross_entropy(logits.float(), y)
+        del logits
+        loss.backward()
+    live = peak = 0
+    for event in sorted((e for e in prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start):
+        live += event.self_cpu_memory_usage
+        peak = max(peak, live)
+    assert peak == pytest.approx((model.head_peak() - model.value_bytes * h) * n, rel=0.01)
+    assert model.head_peak() - model.head_saved() == 4 * vocab
 
 
 def test_one_device_is_its_closed_form() -> None:
@@ -191,7 +224,7 @@ def test_one_device_is_its_closed_form() -> None:
             + 4 * logits / acc.memory_bandwidth)
     step = 2 * (32 * block + head) + 32 * model.parameters() / acc.memory_bandwidth
     assert got.step_time == pytest.approx(step, rel=1e-9)
-    assert got.memory == pytest.approx(18 * model.parameters() + 32 * kept + logits, rel=1e-9)
+    assert got.memory == pytest.approx(18 * model.parameters() + 32 * kept + model.head_peak() * n, rel=1e-9)
     assert got.mfu == pytest.approx(model.model_flops(2048) * 4 * 2048 / step / peak, rel=1e-9)
 
 
@@ -281,25 +314,31 @@ def test_megatrons_count_of_operations_is_pipefolds_with_one_more_forward(name: 
 
 
 def test_the_published_table_is_the_datas_and_the_docs_show_it() -> None:
-    """docs/cluster.md shows the table benchmarks/published.py prints from benchmarks/published_runs.json, and the
-    stored predictions are what the code predicts now (no drift); a published throughput more than 15% off is
-    explained in the file (and only those are), most are within it; every published memory within 10%, as the page
-    says."""
+    """docs/cluster.md shows the tables benchmarks/published.py prints from benchmarks/published_runs.json, and the
+    stored predictions are what the code predicts now (no drift); a published throughput more than 15% off, or a
+    memory more than 10% off, is explained in the file (and only those are). Of the runs that used only what
+    pipefold costs, most are within 15% and every published memory within 10%; a tensor-parallel layout at long
+    sequences (torchtitan's 4D run of 405B at 32k tokens) is predicted within 10% of its published memory."""
     published = _published()
     root = Path(__file__).resolve().parents[1]
     data = json.loads((root / "benchmarks" / "published_runs.json").read_text())
-    within = 0
+    within = costed = 0
     for run in data["runs"]:
         assert published.predict(data, run) == run["predicted"], run["what"]
         got, pub = run["predicted"], run["published"]
         off = abs(got["tokens_per_second_per_gpu"] / published.published_tokens(run) - 1)
         assert (off > published.MISS) == ("miss" in run), run["what"]
-        within += off <= published.MISS
-        if "memory_gib" in pub:
-            assert abs(got["memory_gib"] / pub["memory_gib"] - 1) <= 0.10, run["what"]
-    assert within >= 0.75 * len(data["runs"])
+        memory_off = abs(got["memory_gib"] / pub["memory_gib"] - 1) if "memory_gib" in pub else 0.0
+        assert (memory_off > published.MEMORY_MISS) == ("memory_miss" in run), run["what"]
+        if "uncosted" not in run:
+            costed += 1
+            within += off <= published.MISS
+            assert "memory_miss" not in run, run["what"]
+    assert within >= 0.75 * costed
     assert len(data["runs"]) >= 8 and all(run["source"] in data["sources"] for run in data["runs"])
     assert any(run["pp"] > 1 for run in data["runs"] if "miss" not in run)  # the pipeline's part is checked
+    assert any(run["tp"] > 1 and run["seq"] >= 32768 and "memory_gib" in run["published"] and "memory_miss" not in run
+               for run in data["runs"])
     assert published.table(data) in (root / "docs" / "cluster.md").read_text()
 
 
@@ -405,7 +444,7 @@ def test_fsdp_over_a_slow_network_is_its_closed_form(microbatches: int) -> None:
     the weights are gathered for forward and again for backward (bf16) and the gradients reduce-scattered (fp32),
     each a ring of dp - 1 steps, the latency paid per block; with several, gathered once and kept. The step is that
     plus the optimizer's sharded bytes; the memory the 16 sharded bytes a parameter, the gathered bf16 weights (two
-    blocks, or all) and the activations."""
+    blocks, or all with their unsharded float32 gradients) and the activations."""
     data = {**json.loads(H100_FILE.read_text()), "devices_per_node": 1, "nodes": 2}
     data["inter_node"] = {"name": "slow", "bandwidth": 1e9, "latency": 1e-4, "efficiency": 0.5}
     cluster = cluster_from_dict(data, "slow")
@@ -417,10 +456,84 @@ def test_fsdp_over_a_slow_network_is_its_closed_form(microbatches: int) -> None:
     ring = lat + 0.5 * params * 2 / bw  # one ring all-gather of the bf16 weights among 2
     comm = gathers * ring + (lat + 0.5 * params * 4 / bw) + (gathers + 1) * 31 * 1 * lat
     assert got.step_time == pytest.approx(comm + 32 * params / 2 / cluster.accelerator.memory_bandwidth, rel=1e-9)
-    held = 2 * (2 * model.block_parameters() if microbatches == 1 else params)
+    # Gathered bf16 weights: two blocks, or, with several microbatches, all of them and their unsharded float32
+    # gradients accumulating until the one reduce-scatter.
+    held = 2 * 2 * model.block_parameters() if microbatches == 1 else (2 + 4) * params
     n = 1024
-    activations = 32 * model.saved(1024).per_rank(1) * n + model.head_saved() * n
+    activations = 32 * model.saved(1024).per_rank(1) * n + model.head_peak() * n
     assert got.memory == pytest.approx(16 * params / 2 + held + activations, rel=1e-9)
+
+
+def test_context_parallelism_is_its_closed_form() -> None:
+    """Two devices in one node each holding half of every sequence (dp 1, cp 2): a rank keeps the activations of
+    its half, as one device training half-length sequences does (flash attention's bytes a token do not depend on
+    the length), and holds the same weights. Its passes are the whole sequence's per-token operations on half the
+    tokens, plus the ring's time beyond the attention core it overlaps (a slow link, so that it shows): one step of
+    the rank's keys and values forward, their gradients with them backward. The gradients are all-reduced over the
+    two ranks after the backward."""
+    from pipefold.sim.simulate import ring_allreduce
+
+    data = {**json.loads(H100_FILE.read_text()), "devices_per_node": 2, "nodes": 1}
+    data["intra_node"] = {"name": "slow", "bandwidth": 2e9, "latency": 1e-4, "efficiency": 0.5}
+    cluster = cluster_from_dict(data, "slow")
+    model, seq = from_hf_config("llama3-8b"), 32768
+    got = point(cluster, Training(model=model, seq=seq, global_batch=1), dp=1, cp=2, tp=1, pp=1, schedule="1f1b",
+                microbatch=1)
+    one = cluster_from_dict({**data, "devices_per_node": 1}, "one")
+    half = point(one, Training(model=model, seq=seq // 2, global_batch=1), dp=1, tp=1, pp=1, schedule="1f1b",
+                 microbatch=1)
+    assert got.memory == pytest.approx(half.memory, rel=1e-12) and got.static == half.static
+    acc, n, bw, lat = cluster.accelerator, seq // 2, 2e9 * 0.5, 1e-4
+    peak, biggest = acc.peak("bf16"), 2 * n * 4096 * 14336
+    kept = model.saved(seq).per_rank(1) * n
+    kv = 2 * 2 * 8 * 128 * n  # keys and values of the rank's tokens: 8 key-value heads of 128, bf16
+    core = 4.0 * seq * 4096 * n / (peak * acc.efficiency(biggest))
+    ring = max(0.0, lat + kv / bw - core) + max(0.0, lat + 2 * kv / bw - 2 * core)
+    assert ring > 0.0  # the link is slow enough to show
+    block = (sum(model.block_flops(seq)) * n / (peak * acc.efficiency(biggest)) + 6 * kept / acc.memory_bandwidth
+             + ring)
+    logits = model.head_saved() * n
+    head = (sum(model.head_flops()) * n / (peak * acc.efficiency(2 * n * 4096 * 128256))
+            + 4 * logits / acc.memory_bandwidth)
+    grads = ring_allreduce(4 * model.parameters(), 2, lat, bw)
+    step = 32 * block + head + grads + 32 * model.parameters() / acc.memory_bandwidth
+    assert got.step_time == pytest.approx(step, rel=1e-9)
+    assert (got.cp, got.layout, got.to_dict()["cp"]) == (2, "dp1 cp2 tp1 pp1", 2)
+    # ZeRO-1 shards the 12 bytes of master weights and moments over dp x cp: 6 + 12 / 2 bytes a parameter.
+    zero1 = point(cluster, Training(model=model, seq=seq, global_batch=1), dp=1, cp=2, tp=1, pp=1,
+                  schedule="1f1b", microbatch=1, sharding="zero1")
+    assert zero1.static == pytest.approx(12 * model.parameters(), rel=1e-12)
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["--seq", "1020", "--cp", "4"], "cp 4 splits each sequence into 8 equal chunks (two a rank, for the causal "
+                                     "balance), and 1020 tokens do not: give --seq a multiple of 8, or cp 3"),
+    (["--seq", "4096", "--cp", "0"], "context-parallel degrees from 1 to"),
+    (["--seq", "4096", "--cp", "2,x"], "context-parallel degrees from 1 to"),
+])
+def test_bad_context_parallel_degrees_are_one_line(capsys: pytest.CaptureFixture[str], argv: list[str],
+                                                   expected: str) -> None:
+    assert main(["plan", "--cluster", "h100-sxm", "--nodes", "1", "--hf-config", "llama3-8b", "--global-batch",
+                 "8", *argv]) != 0
+    err = capsys.readouterr().err
+    assert expected in err and err.count("\n") == 1, err
+
+
+def test_the_search_splits_long_sequences_over_context_parallel_ranks(capsys: pytest.CaptureFixture[str],
+                                                                      tmp_path: Path) -> None:
+    """Llama 3 8B at 131,072 tokens a sequence on one H100 node: by default the search tries cp 2 to 16 and its
+    best splits the sequences, faster than the best of tp alone (whose all-reduces the ring's steps, hidden
+    behind the attention core, do not pay); --cp 1 searches without. The plan file says why train cannot run it."""
+    argv = ["plan", "--cluster", "h100-sxm", "--nodes", "1", "--hf-config", "llama3-8b", "--global-batch", "8",
+            "--seq", "131072", "--families", "1f1b", "--json"]
+    assert main([*argv, "--cp", "1"]) == 0
+    without = json.loads(capsys.readouterr().out)["best"]
+    assert main([*argv, "-o", str(tmp_path / "cp.json")]) == 0
+    best = json.loads(capsys.readouterr().out)["best"]
+    assert without["cp"] == 1 and best["cp"] > 1 and best["fits"]
+    assert best["step_time"] < without["step_time"]
+    written = json.loads((tmp_path / "cp.json").read_text())
+    assert written["run"] is None and "context parallelism" in written["not_runnable"]
 
 
 def test_a_measured_efficiency_is_each_products_rate_over_the_peak() -> None:

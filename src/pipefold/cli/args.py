@@ -46,6 +46,15 @@ def _tp_degrees(text: str) -> int | tuple[int, ...]:
     return out[0] if len(out) == 1 else out
 
 
+def _cp_degrees(text: str) -> tuple[int, ...]:
+    """``plan --cluster --cp 1,2,4``: the context-parallel degrees searched."""
+    out = degrees(text)
+    if out is None:
+        raise argparse.ArgumentTypeError(f"context-parallel degrees from 1 to {MAX_DEVICES} separated by commas, "
+                                         f"such as 1,2,4; got {text!r}")
+    return tuple(sorted(set(out)))
+
+
 class _Once(argparse._StoreAction):
     """An option that takes a value: given under two of its names with two values (``--devices 8 --pp 2``) it is
     refused, where argparse would keep the last one silently. One name given again still overrides, as on most
@@ -318,6 +327,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-sequence-parallel", action="store_true",
                    help="with --cluster: tensor-parallel ranks each hold the norms', dropouts' and residual stream's "
                         "activations whole (by default they split the tokens: sequence parallelism)")
+    g.add_argument("--cp", type=_cp_degrees, default=None, metavar="C[,C...]",
+                   help="with --cluster: the context-parallel degrees to search, each sequence split over C ranks "
+                        "(ring attention; default: 1 and every power of two that leaves a rank at least "
+                        "8192 tokens of a sequence)")
     p.add_argument("--allow-offload", action="store_true",
                    help="with --memory: each schedule may offload activations (those held across its peak, the "
                         "longest-lived first) to fit; the copies take --offload-time each way")
@@ -594,7 +607,7 @@ APPLIES: tuple[Applies, ...] = (
     Applies("plan", ("devices",), lambda a: a.world is None,
             "is one pipeline's length, and --world N searches every dp x tp x pp of N ranks, pipelines of every "
             "length: drop one of them"),
-    Applies("plan", ("nodes", "cluster_model", "global_batch", "seq", "top", "no_sequence_parallel"),
+    Applies("plan", ("nodes", "cluster_model", "global_batch", "seq", "top", "no_sequence_parallel", "cp"),
             lambda a: a.cluster is not None,
             "describes a cluster plan: give --cluster NAME|FILE too"),
     Applies("plan", ("output", "families"), lambda a: a.profile is not None or a.cluster is not None,

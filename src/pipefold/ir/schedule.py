@@ -4,6 +4,7 @@ the placement of stages on devices, replicas and routes), and its text, JSON and
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import itertools
 import json
@@ -274,7 +275,17 @@ class Schedule:
 
     def stages_of(self, device: int) -> list[int]:
         """Stages held by ``device`` (of any replica), in increasing order."""
-        return sorted({s for r in self.placement for s, d in enumerate(r) if d == device})
+        return list(self._held.get(device, ()))
+
+    @functools.cached_property
+    def _held(self) -> dict[int, tuple[int, ...]]:
+        """Each device's stages, read from the placement once (searches ask for them hundreds of thousands of
+        times)."""
+        held: dict[int, set[int]] = {}
+        for replica in self.placement:
+            for stage, device in enumerate(replica):
+                held.setdefault(device, set()).add(stage)
+        return {device: tuple(sorted(stages)) for device, stages in held.items()}
 
     def chunk_of(self, stage: int, device: int | None = None) -> int:
         """Index of ``stage`` among the stages of its device (0 for the first); ``device``: which holder."""

@@ -200,6 +200,12 @@ class Transformer:
         """Bytes per token the head keeps: its input, the logits and their float32 copy for the loss."""
         return self.value_bytes * self.hidden + (self.value_bytes + 4) * self.vocab
 
+    def head_peak(self) -> float:
+        """Bytes per token the head holds at its peak, as the loss is computed in float32: its input, the logits,
+        their float32 copy and the float32 log-softmax the loss keeps, all at once (torch's profiler measures it:
+        ``tests/test_cluster.py``)."""
+        return self.value_bytes * self.hidden + (self.value_bytes + 8) * self.vocab
+
     def describe(self) -> str:
         moe = f", {self.experts} experts (top {self.top_k})" if self.experts > 1 else ""
         return (f"{self.name}: {self.parameters() / 1e9:.2f}B parameters, {self.layers} blocks of width "

@@ -1,11 +1,12 @@
-"""Planning a cluster one does not have: every (dp, tp, pp) of its devices, schedule, microbatch size,
+"""Planning a cluster one does not have: every (dp, cp, tp, pp) of its devices, schedule, microbatch size,
 recomputation and sharding of the optimizer state, costed from the hardware file and the model's config, the
 exact schedule simulated.
 
-**Placement.** Ranks are laid out tp innermost, then dp, then pp (Megatron-LM's order): a tensor-parallel group
-is tp neighbouring devices, inside a node when tp <= devices per node; a data-parallel group strides tp and
-spans nodes once tp x dp passes a node; pipeline neighbours are tp x dp ranks apart, and once the whole pipeline
-(tp x dp x pp ranks) passes a node some hop is on the network between nodes, which every hop is costed at. Where
+**Placement.** Ranks are laid out tp innermost, then cp, then dp, then pp (Megatron-LM's order): a
+tensor-parallel group is tp neighbouring devices, inside a node when tp <= devices per node; a context-parallel
+ring strides tp and spans tp x cp ranks; a data-parallel group strides tp x cp and spans nodes once tp x cp x dp
+passes a node; pipeline neighbours are tp x cp x dp ranks apart, and once the whole pipeline (tp x cp x dp x pp
+ranks) passes a node some hop is on the network between nodes, which every hop is costed at. Where
 tp and dp are the same size, the receivers' all-gather of a message's pieces is costed on the dp link (the cost
 model keys its collectives by group size). Each collective is costed on the link its group spans
 (:meth:`Cluster.link`).
@@ -18,15 +19,26 @@ with tp > 1, Megatron-LM's two all-reduces of the n x h output in F and two of i
 link, not overlapped. The head is the vocabulary projection split over tp, the embedding free.
 
 **Memory per device**: its stages' parameters over tp; bf16 weights (2 bytes), fp32 gradients (4), fp32 master
-weights and AdamW's two moments (12): 18 bytes a parameter unsharded; ZeRO-1 shards the 12 over dp; FSDP
-shards fp32 weights, gradients and moments (16) over dp and holds two blocks gathered in bf16 with one
-microbatch, the stage's whole weights in bf16 with several (gathered once a step). Activations: the
-simulated peak of the schedule with each stage's bytes per microbatch (:meth:`Transformer.saved`, flash
-attention; the head's logits and their float32 copy; full recomputation keeps each block's input and one
-block whole while it reruns). With sequence parallelism (:attr:`Training.sequence_parallel`, where tp > 1) the
-norms', dropouts' and residual stream's bytes and a block's input are split over tp too, a stage's message is each
-rank's share of the tokens (nothing gathered), and the elementwise work is on that share. It fits when both are
-within the accelerator's usable memory.
+weights and AdamW's two moments (12): 18 bytes a parameter unsharded; ZeRO-1 shards the 12 over dp; FSDP shards
+fp32 weights, gradients and moments (16) over dp and holds two blocks gathered in bf16 with one microbatch; with
+several, the stage's whole weights in bf16 (gathered once a step) and their gradients unsharded in float32 until
+the step's one reduce-scatter (FSDP2 accumulates them so without a sync). Activations: the simulated peak of the
+schedule with each stage's bytes per microbatch (:meth:`Transformer.saved`, flash attention; the head's logits and
+their float32 copy kept, and its float32 log-softmax beside them at its peak, :meth:`Transformer.head_peak`; full
+recomputation keeps each block's input and one block whole while it reruns). With sequence parallelism
+(:attr:`Training.sequence_parallel`, where tp > 1) the norms', dropouts' and residual stream's bytes and a block's
+input are split over tp too, a stage's message is each rank's share of the tokens (nothing gathered), and the
+elementwise work is on that share. It fits when both are within the accelerator's usable memory.
+
+**Context parallelism** (cp > 1): each sequence of a microbatch is split over cp ranks, two of its 2 cp equal
+chunks on each (chunk i and 2 cp - 1 - i, so that every rank has the same causal work), and attention runs as a
+ring: each rank's keys and values pass round the cp ranks, cp - 1 steps in the forward and twice the bytes in the
+backward (keys, values and their gradients), each step overlapped with the attention core of the chunk at hand.
+Everything per token (the blocks' passes, their activations, the messages between stages, the head's logits) is
+a rank's ``b s / cp`` tokens; the ring adds what it takes beyond the attention core's time. Weights are whole on
+every cp rank: their gradients are averaged over dp x cp ranks, and ZeRO-1 and FSDP shard over dp x cp
+(torchtitan's and Megatron-LM's practice). By default the search tries the cp degrees that leave each rank at
+least :data:`CP_TOKENS` tokens of a sequence (so none for sequences shorter than twice that).
 
 **Step time**: the schedule simulated (:func:`pipefold.sim.simulate`) with those times, messages between
 stages crossing in tp pieces then all-gathered (``CostModel.mesh``), and, without FSDP, each stage's gradient
@@ -53,8 +65,8 @@ from pipefold.plan.cluster import Cluster
 from pipefold.plan.limits import MAX_SEARCH_WORK, check_search, schedule_work, stages_of
 from pipefold.sim.simulate import CostModel, StageOverride, ring_allreduce, ring_fit, ring_gather, simulate
 
-__all__ = ["CLUSTER_PLAN_VERSION", "FAMILIES", "RECOMPUTE", "SHARDING", "ClusterPlan", "ClusterPoint", "Training",
-           "evaluate", "layouts", "plan_cluster", "point", "run_section"]
+__all__ = ["CLUSTER_PLAN_VERSION", "CP_TOKENS", "FAMILIES", "RECOMPUTE", "SHARDING", "ClusterPlan", "ClusterPoint",
+           "Training", "check_cp", "evaluate", "layouts", "plan_cluster", "point", "ring_attention", "run_section"]
 
 FAMILIES = ("1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "v-half", "v-min", "gpipe")
 """The schedule families searched (each at its default options; interleaved-1f1b at v = 2)."""
@@ -63,25 +75,53 @@ RECOMPUTE = ("none", "half", "full")
 recomputation has nothing more to drop), every other one (torchtitan's "selective layer"), all."""
 SHARDING = ("none", "zero1", "fsdp")
 MICROBATCH_SIZES = (1, 2, 4, 8, 16)
+CP_TOKENS = 8192
+"""The fewest tokens of a sequence a context-parallel rank keeps where the search picks the cp degrees itself."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class Training:
     """What is trained: the model, the tokens a sequence has, the sequences a step takes, the compute dtype, and
     whether tensor-parallel ranks split the tokens of what they would otherwise each hold whole (sequence
-    parallelism, Korthikanti et al.: the large runs' practice, so the default)."""
+    parallelism, Korthikanti et al.: the large runs' practice, so the default), and the context-parallel degrees
+    the search tries (None: those of :meth:`cp_degrees`)."""
 
     model: Transformer
     seq: int
     global_batch: int
     dtype: str = "bf16"
     sequence_parallel: bool = True
+    context_parallel: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("seq", "global_batch"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be a whole number >= 1 (got {value!r})")
+        for cp in self.context_parallel or ():
+            check_cp(cp, self.seq)
+
+    def cp_degrees(self) -> tuple[int, ...]:
+        """The context-parallel degrees searched: those given, or 1 and every power of two that leaves each rank
+        at least :data:`CP_TOKENS` tokens of a sequence in 2 cp equal chunks."""
+        if self.context_parallel is not None:
+            return self.context_parallel
+        out, cp = [1], 2
+        while self.seq // cp >= CP_TOKENS and self.seq % (2 * cp) == 0:
+            out.append(cp)
+            cp *= 2
+        return tuple(out)
+
+
+def check_cp(cp: int, seq: int) -> None:
+    """One line where a context-parallel degree cannot split a sequence of ``seq`` tokens (2 cp equal chunks)."""
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+        raise ConfigError(f"a context-parallel degree is a whole number >= 1 (got {cp!r})")
+    if cp > 1 and seq % (2 * cp):
+        fits = [c for c in range(2, cp + 1) if seq % (2 * c) == 0]
+        raise ConfigError(f"cp {cp} splits each sequence into {2 * cp} equal chunks (two a rank, for the causal "
+                          f"balance), and {seq} tokens do not: give --seq a multiple of {2 * cp}"
+                          + (f", or cp {max(fits)}" if fits else ""))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,7 +133,7 @@ class ClusterPoint:
     pp: int
     schedule: str
     microbatch: int
-    """Sequences per microbatch."""
+    """Sequences per microbatch (each split over the cp ranks)."""
     microbatches: int
     recompute: str
     sharding: str
@@ -108,13 +148,17 @@ class ClusterPoint:
     bubble: float
     sequence_parallel: bool = False
     """Whether its tensor-parallel ranks split the tokens (tp > 1 with :attr:`Training.sequence_parallel`)."""
+    cp: int = 1
+    """Context-parallel ranks each sequence is split over."""
 
     @property
     def layout(self) -> str:
-        return f"dp{self.dp} tp{self.tp} pp{self.pp}" + (" sp" if self.sequence_parallel else "")
+        cp = f" cp{self.cp}" if self.cp > 1 else ""
+        return f"dp{self.dp}{cp} tp{self.tp} pp{self.pp}" + (" sp" if self.sequence_parallel else "")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "schedule": self.schedule, "microbatch": self.microbatch,
+        return {"dp": self.dp, "cp": self.cp, "tp": self.tp, "pp": self.pp, "schedule": self.schedule,
+                "microbatch": self.microbatch,
                 "microbatches": self.microbatches, "recompute": self.recompute, "sharding": self.sharding,
                 "sequence_parallel": self.sequence_parallel,
                 "step_time": self.step_time, "memory_bytes": self.memory, "static_bytes": self.static,
@@ -136,19 +180,23 @@ class ClusterPlan:
     skipped: tuple[str, ...] = field(default=())
 
 
-def layouts(cluster: Cluster, training: Training) -> list[tuple[int, int, int]]:
-    """Every (dp, tp, pp) with dp x tp x pp = the cluster's devices that the model and the batch allow: tp divides
-    the heads and the key-value heads and stays in a node, pp is at most the blocks, dp divides the global batch.
-    One line naming what would work when none does."""
+def layouts(cluster: Cluster, training: Training) -> list[tuple[int, int, int, int]]:
+    """Every (dp, cp, tp, pp) with dp x cp x tp x pp = the cluster's devices that the model and the batch allow: tp
+    divides the heads and the key-value heads and stays in a node, cp is one of the degrees searched
+    (:meth:`Training.cp_degrees`), pp is at most the blocks, dp divides the global batch. One line naming what
+    would work when none does."""
     n, model = cluster.devices, training.model
     out = []
     for tp in _divisors(n):
         if tp > cluster.devices_per_node or model.heads % tp or (model.kv_heads % tp and tp % model.kv_heads):
             continue
-        for pp in _divisors(n // tp):
-            dp = n // (tp * pp)
-            if pp <= model.layers and training.global_batch % dp == 0:
-                out.append((dp, tp, pp))
+        for cp in training.cp_degrees():
+            if (n // tp) % cp:
+                continue
+            for pp in _divisors(n // (tp * cp)):
+                dp = n // (tp * cp * pp)
+                if pp <= model.layers and training.global_batch % dp == 0:
+                    out.append((dp, cp, tp, pp))
     if not out:
         fits = [d for d in _divisors(n) if d <= training.global_batch]
         raise ConfigError(f"no (dp, tp, pp) of {n} devices runs {model.name} on a batch of {training.global_batch}: "
@@ -182,6 +230,12 @@ class _Config:
     pp: int
     microbatch: int
     recompute: str
+    cp: int = 1
+
+    @property
+    def shards(self) -> int:
+        """The ranks that hold the same weights: dp x cp (the gradients' average, ZeRO-1's and FSDP's group)."""
+        return self.dp * self.cp
 
 
 def _costs(cluster: Cluster, training: Training, c: _Config, stages: int,
@@ -190,12 +244,12 @@ def _costs(cluster: Cluster, training: Training, c: _Config, stages: int,
     devices (over tp)."""
     model, acc = training.model, cluster.accelerator
     peak = acc.peak(training.dtype)
-    n = c.microbatch * training.seq
+    n = c.microbatch * training.seq // c.cp  # a rank's tokens of a microbatch
     h, a, tp = model.hidden, model.value_bytes, c.tp
-    tp_link, dp_link = cluster.link(tp), cluster.link(tp * c.dp)
-    # Pipeline neighbours are tp x dp ranks apart: once the pipeline outgrows a node some hop crosses nodes, and
-    # the simulator gives every hop the one transfer time, the slowest's.
-    pp_link = cluster.link(tp * c.dp * c.pp)
+    tp_link, cp_link, dp_link = cluster.link(tp), cluster.link(tp * c.cp), cluster.link(tp * c.shards)
+    # Pipeline neighbours are tp x cp x dp ranks apart: once the pipeline outgrows a node some hop crosses nodes,
+    # and the simulator gives every hop the one transfer time, the slowest's.
+    pp_link = cluster.link(tp * c.shards * c.pp)
 
     def compute(flops: float, biggest: float) -> float:
         return flops / (peak * acc.efficiency(biggest))
@@ -213,10 +267,16 @@ def _costs(cluster: Cluster, training: Training, c: _Config, stages: int,
     tp_comm = 2 * ring_allreduce(message, tp, tp_link.latency, tp_link.achieved)
     block_f = compute(f_ops, biggest) + elementwise + tp_comm
     block_b = compute(b_ops, biggest) + 2 * elementwise + tp_comm
+    if c.cp > 1:  # the ring's steps beyond the attention core they overlap (keys and values; their gradients too)
+        ring_f, ring_b = ring_attention(model, tp, c.cp, n, cp_link.latency, cp_link.achieved)
+        scores = 4.0 * training.seq * h * n / tp  # the attention core's F operations; B does twice them
+        block_f += max(0.0, ring_f - compute(scores, biggest))
+        block_b += max(0.0, ring_b - compute(2 * scores, biggest))
     block_w = compute(w_ops, biggest)
     hf, hb, hw = (x * n / tp for x in model.head_flops())
     head_biggest = 2 * n * h * model.vocab / tp
     logits = model.head_saved() * n / tp
+    head_peak = model.head_peak() * n / tp
     head_f = compute(hf, head_biggest) + 2 * logits / acc.memory_bandwidth
     head_b = compute(hb, head_biggest) + 2 * logits / acc.memory_bandwidth
     head_w = compute(hw, head_biggest)
@@ -228,7 +288,7 @@ def _costs(cluster: Cluster, training: Training, c: _Config, stages: int,
         memory = kept + (kept_bytes if rerun else 0.0)  # and is whole again while it reruns
         if st.head:
             kept += logits
-            memory += logits
+            memory += head_peak
         overrides[s] = StageOverride(f=st.blocks * block_f + (head_f if st.head else 0.0),
                                      b=st.blocks * block_b + (head_b if st.head else 0.0),
                                      w=st.blocks * block_w + (head_w if st.head else 0.0),
@@ -236,16 +296,27 @@ def _costs(cluster: Cluster, training: Training, c: _Config, stages: int,
         params.append((st.blocks * model.block_parameters() + (model.embedding_parameters() if st.embedding else 0)
                        + (model.head_parameters() if st.head else 0)) / tp)
     fits = {}
-    if c.dp > 1 and not sharded:  # the DP actions' all-reduce among dp, a ring on the dp link
-        fits[c.dp] = ring_fit(c.dp, dp_link.latency, dp_link.achieved)
+    if c.shards > 1 and not sharded:  # the DP actions' all-reduce among dp x cp, a ring on their link
+        fits[c.shards] = ring_fit(c.shards, dp_link.latency, dp_link.achieved)
     if tp > 1 and tp not in fits:  # the receivers' all-gather of a message's pieces, on the tp link
         fits[tp] = ring_fit(tp, tp_link.latency, tp_link.achieved)
     # Split over the tokens, each tp rank sends its share to its counterpart and nothing is gathered; otherwise
     # the message crosses in tp pieces that the receivers all-gather (CostModel.mesh).
     cost = CostModel(stage_overrides=overrides, latency=pp_link.latency, bandwidth=pp_link.achieved,
-                     activation_bytes=message / tp if sp else message, mesh=1 if sp else tp, dp=1 if sharded else c.dp,
+                     activation_bytes=message / tp if sp else message, mesh=1 if sp else tp,
+                     dp=1 if sharded else c.shards,
                      grad_bytes=4.0 * sum(params) / c.pp, allreduce_fits=fits)
     return cost, params
+
+
+def ring_attention(model: Transformer, tp: int, cp: int, tokens: int, latency: float,
+                   bandwidth: float) -> tuple[float, float]:
+    """Seconds of a block's context-parallel ring on one rank, forward and backward, for ``tokens`` tokens a rank:
+    cp - 1 steps, each passing a rank's keys and values (its tp share of the key-value heads: one head where tp
+    exceeds them) to the next; the backward's steps carry their gradients too."""
+    kv = model.kv_heads * model.head_dim / min(tp, model.kv_heads)
+    step = latency + 2 * model.value_bytes * kv * tokens / bandwidth
+    return (cp - 1) * step, (cp - 1) * (2 * step - latency)
 
 
 STATE_BYTES = {"none": (18.0, 0.0), "zero1": (6.0, 12.0), "fsdp": (0.0, 16.0)}
@@ -328,7 +399,7 @@ def evaluate(cluster: Cluster, training: Training, *, families: Sequence[str] = 
             progress(done, len(todo))
         search.length(c.pp)
         for shard in sharding:
-            if shard != "none" and c.dp == 1:
+            if shard != "none" and c.shards == 1:
                 continue
             got = _point(cluster, training, c, family, shard, m, search)
             if got is None:
@@ -344,14 +415,14 @@ def _configs(cluster: Cluster, training: Training, families: Sequence[str], reco
              microbatch_sizes: Sequence[int]) -> list[tuple[_Config, str, int]]:
     """What :func:`evaluate` costs, before the sharding: each configuration, family and microbatches per copy."""
     todo = []
-    for dp, tp, pp in layouts(cluster, training):
+    for dp, cp, tp, pp in layouts(cluster, training):
         per_copy = training.global_batch // dp
         for b in microbatch_sizes:
             if per_copy % b:
                 continue
             # One device runs every family alike (its microbatches one after another): 1F1B stands for them.
             for family, rc in itertools.product(families if pp > 1 else ("1f1b",), recompute):
-                todo.append((_Config(dp, tp, pp, b, rc), family, per_copy // b))
+                todo.append((_Config(dp, tp, pp, b, rc, cp), family, per_copy // b))
     return todo
 
 
@@ -363,7 +434,7 @@ def _search_work(todo: Sequence[tuple[_Config, str, int]], sharding: Sequence[st
     schedule of more stages than blocks is not simulated."""
     count = total = 0
     for c, family, m in todo:
-        hows = [how for how in sharding if how == "none" or c.dp > 1]
+        hows = [how for how in sharding if how == "none" or c.shards > 1]
         count += len(hows)
         if stages_of(family, c.pp, {}) > training.model.layers:
             continue
@@ -374,16 +445,18 @@ def _search_work(todo: Sequence[tuple[_Config, str, int]], sharding: Sequence[st
 
 
 def point(cluster: Cluster, training: Training, *, dp: int, tp: int, pp: int, schedule: str, microbatch: int,
-          recompute: str = "none", sharding: str = "none", **options: int) -> ClusterPoint:
+          recompute: str = "none", sharding: str = "none", cp: int = 1, **options: int) -> ClusterPoint:
     """One configuration, costed as the search costs it (a published run's, to compare with its figures)."""
-    if dp * tp * pp != cluster.devices:
-        raise ConfigError(f"dp {dp} x tp {tp} x pp {pp} is not the cluster's {cluster.devices} devices")
+    check_cp(cp, training.seq)
+    if dp * cp * tp * pp != cluster.devices:
+        raise ConfigError(f"dp {dp} x cp {cp} x tp {tp} x pp {pp} is not the cluster's {cluster.devices} devices")
     per_copy, rest = divmod(training.global_batch, dp * microbatch)
     if rest or not per_copy:
         raise ConfigError(f"a batch of {training.global_batch} does not split into dp {dp} x microbatches of "
                           f"{microbatch}")
     search = _Search()
-    got = _point(cluster, training, _Config(dp, tp, pp, microbatch, recompute), schedule, sharding, per_copy, search,
+    got = _point(cluster, training, _Config(dp, tp, pp, microbatch, recompute, cp), schedule, sharding, per_copy,
+                 search,
                  refuse=False, **options)
     if got is None or got is _CANNOT:
         raise ConfigError(search.skipped[0] if search.skipped else f"{schedule} cannot run {training.model.name} "
@@ -422,15 +495,17 @@ def _point(cluster: Cluster, training: Training, c: _Config, family: str, shard:
     most = max(held)
     # FSDP with one microbatch gathers a block's weights for its forward and again for its backward and frees them
     # after each (two blocks in flight, bf16); with several it gathers once and keeps the stage's weights for the
-    # step (as torchtitan does with pipelines), reduce-scattering the gradients once at the end.
+    # step (as torchtitan does with pipelines), their gradients accumulating unsharded in float32 over the
+    # microbatches (FSDP2's accumulation without a sync upcasts them to its reduce dtype), reduce-scattered once at
+    # the end.
     once = m > 1
-    statics = [x * (whole + split / c.dp) + (2 * (x if once else 2 * model.block_parameters() / c.tp) if sharded
-                                             else 0.0) for x in held]
+    statics = [x * (whole + split / c.shards) + ((6 * x if once else 4 * model.block_parameters() / c.tp) if sharded
+                                                 else 0.0) for x in held]
     if refuse and max(statics) > usable:
         return None
     key = (c, family, m, sharded, tuple(options.items()))
     if search.last is None or search.last[0] != key:  # ZeRO-1's is the unsharded one's, costed just before
-        search.last = (key, search.simulate(family, c.pp, m, c.dp > 1 and not sharded, cost, **options))
+        search.last = (key, search.simulate(family, c.pp, m, c.shards > 1 and not sharded, cost, **options))
     simulated = search.last[1]
     if simulated is None:
         return _CANNOT
@@ -438,23 +513,23 @@ def _point(cluster: Cluster, training: Training, c: _Config, family: str, shard:
     peaks = [st + act for st, act in zip(statics, activations, strict=True)]
     step = makespan
     if sharded:  # the weights gathered (bf16) and the gradients reduce-scattered (fp32), overlapped with the work
-        link = cluster.link(c.tp * c.dp)
+        link = cluster.link(c.tp * c.shards)
         gathers = 1 if once else 2
-        comm = (gathers * ring_gather(2 * most, c.dp, link.latency, link.achieved)
-                + ring_gather(4 * most, c.dp, link.latency, link.achieved))
+        comm = (gathers * ring_gather(2 * most, c.shards, link.latency, link.achieved)
+                + ring_gather(4 * most, c.shards, link.latency, link.achieved))
         # One collective per block each time, each a ring of dp - 1 steps: their latency is paid block by block.
-        blocks = max(sum(stage.blocks for s, stage in enumerate(_stages(model, plain.stages))
-                         if s in plain.stages_of(d)) for d in range(c.pp))
-        comm += (gathers + 1) * max(blocks - 1, 0) * (c.dp - 1) * link.latency
+        split = _stages(model, plain.stages)
+        blocks = max(sum(split[s].blocks for s in plain.stages_of(d)) for d in range(c.pp))
+        comm += (gathers + 1) * max(blocks - 1, 0) * (c.shards - 1) * link.latency
         step = max(step, comm)
-    step += 32 * most / (c.dp if shard != "none" else 1) / acc.memory_bandwidth  # AdamW: 16 bytes in and out
+    step += 32 * most / (c.shards if shard != "none" else 1) / acc.memory_bandwidth  # AdamW: 16 bytes in and out
     tokens = training.global_batch * training.seq / step
     return ClusterPoint(dp=c.dp, tp=c.tp, pp=c.pp, schedule=family, microbatch=c.microbatch, microbatches=m,
                         recompute=c.recompute, sharding=shard, step_time=step, memory=max(peaks), static=max(statics),
                         fits=max(peaks) <= usable, tokens_per_second=tokens,
                         mfu=model.model_flops(training.seq) * tokens / (peak * cluster.devices),
                         bubble=1 - sum(busy) / len(busy) / makespan if makespan > 0 else 0.0,
-                        sequence_parallel=training.sequence_parallel and c.tp > 1)
+                        sequence_parallel=training.sequence_parallel and c.tp > 1, cp=c.cp)
 
 
 TIE = 1e-3
@@ -472,6 +547,9 @@ def run_section(point: ClusterPoint, training: Training, model_config: str) -> d
     if model.family not in ("llama", "gpt2") or model.experts > 1:
         raise ConfigError(f"{model.name} is planned, not run: pipefold's runtime builds LLaMA and GPT-2 configs "
                           "without experts")
+    if point.cp > 1:
+        raise ConfigError(f"each sequence is split over cp {point.cp} ranks (context parallelism), which pipefold's "
+                          f"runtime does not run for {model.family} configs: plan with --cp 1 to run it")
     if point.sequence_parallel:
         raise ConfigError(f"its tp {point.tp} ranks split the tokens (sequence parallelism), which pipefold's runtime "
                           f"runs for its own gpt model, not {model.family} configs: plan with --no-sequence-parallel "
