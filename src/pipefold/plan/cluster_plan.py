@@ -518,8 +518,8 @@ def _point(cluster: Cluster, training: Training, c: _Config, family: str, shard:
         comm = (gathers * ring_gather(2 * most, c.shards, link.latency, link.achieved)
                 + ring_gather(4 * most, c.shards, link.latency, link.achieved))
         # One collective per block each time, each a ring of dp - 1 steps: their latency is paid block by block.
-        split = _stages(model, plain.stages)
-        blocks = max(sum(split[s].blocks for s in plain.stages_of(d)) for d in range(c.pp))
+        parts = _stages(model, plain.stages)
+        blocks = max(sum(parts[s].blocks for s in plain.stages_of(d)) for d in range(c.pp))
         comm += (gathers + 1) * max(blocks - 1, 0) * (c.shards - 1) * link.latency
         step = max(step, comm)
     step += 32 * most / (c.shards if shard != "none" else 1) / acc.memory_bandwidth  # AdamW: 16 bytes in and out
