@@ -35,7 +35,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pipefold.errors import run_script
+from pipefold.errors import ConfigError, run_script
 from pipefold.models.transformer import Transformer, from_hf_config
 from pipefold.plan.cluster import Cluster, cluster_from_dict, load_cluster
 from pipefold.plan.cluster_plan import Training, point
@@ -78,6 +78,61 @@ def predict(data: dict[str, Any], run: dict[str, Any]) -> dict[str, float]:
                 cp=run.get("cp", 1))
     return {"tokens_per_second_per_gpu": round(got.tokens_per_second / cluster.devices, 1), "mfu": round(got.mfu, 4),
             "memory_gib": round(got.memory / 2**30, 2)}
+
+
+def workloads(data: dict[str, Any]) -> dict[tuple[Any, ...], list[dict[str, Any]]]:
+    """The published runs grouped by what they train on what: cluster and nodes, model, sequence, batch, dtype and
+    whether tensor-parallel ranks could split the tokens (Megatron-LM's 2021 runs could not)."""
+    out: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for run in data["runs"]:
+        key = (run["source"], run.get("nodes"), run["model"], run["seq"], run["global_batch"],
+               run.get("dtype", "bf16"), run.get("sequence_parallel", True))
+        out.setdefault(key, []).append(run)
+    return out
+
+
+def search(data: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the planner picks for the runs' workload when free to choose its layout, schedule, microbatch size,
+    recomputation and sharding: its best, beside the authors' fastest published run."""
+    from pipefold.plan.cluster_plan import plan_cluster
+
+    run = runs[0]
+    cluster = cluster_of(data, run)
+    training = Training(model=from_hf_config(run["model"]), seq=run["seq"], global_batch=run["global_batch"],
+                        dtype=run.get("dtype", "bf16"), sequence_parallel=run.get("sequence_parallel", True))
+    authors = max(runs, key=published_tokens)
+    out: dict[str, Any] = {"workload": f"{run['model']}, {cluster.devices} GPUs ({run['source']}), "
+                                       f"{run['global_batch']} x {run['seq']} tokens",
+                           "authors": authors["what"]}
+    try:
+        plan = plan_cluster(cluster, training)
+    except ConfigError as why:
+        return out | {"best": None, "why": str(why)}
+    best = plan.best
+    if best is None:
+        return out | {"best": None, "why": "nothing fits"}
+    return out | {"best": {"layout": best.layout, "schedule": best.schedule,
+                           "microbatches": f"{best.microbatch} x {best.microbatches}", "recompute": best.recompute,
+                           "sharding": best.sharding,
+                           "tokens_per_second_per_gpu": round(best.tokens_per_second / cluster.devices, 1),
+                           "memory_gib": round(best.memory / 2**30, 2)},
+                  "evaluated": plan.evaluated}
+
+
+def searches_table(data: dict[str, Any]) -> str:
+    """The search's picks beside the authors' fastest runs (stored by ``--search``)."""
+    runs = {run["what"]: run for run in data["runs"]}
+    lines = ["| workload | the authors' fastest | published | predicted | the search's pick | predicted |",
+             "|---|---|---:|---:|---|---:|"]
+    for got in data.get("searches", []):
+        run = runs[got["authors"]]
+        best = got["best"]
+        pick = (f"{best['layout']}, {best['schedule']}, {best['microbatches']}, {best['recompute']} recompute, "
+                f"{best['sharding']}, {best['memory_gib']:.1f} GiB" if best else got["why"])
+        mine = _tokens(best["tokens_per_second_per_gpu"]) if best else "-"
+        lines.append(f"| {got['workload']} | {got['authors']} | {_tokens(published_tokens(run))} | "
+                     f"{_tokens(run['predicted']['tokens_per_second_per_gpu'])} | {pick} | {mine} |")
+    return "\n".join(lines)
 
 
 def _scaled(cluster: dict[str, Any], scale: float, bandwidth: float | None) -> dict[str, Any]:
@@ -156,8 +211,18 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calibrate", action="store_true", help="fit the calibrated figures again and store them")
     ap.add_argument("--check", action="store_true", help="exit 1 if the stored predictions drifted")
+    ap.add_argument("--search", action="store_true",
+                    help="search each workload free to choose (minutes), store the picks and print them")
     args = ap.parse_args(argv)
     data = json.loads(DATA.read_text())
+    if args.search:
+        data["searches"] = []
+        for runs in workloads(data).values():
+            data["searches"].append(search(data, runs))
+            print(f"searched {data['searches'][-1]['workload']}", file=sys.stderr, flush=True)
+        DATA.write_text(json.dumps(data, indent=1) + "\n")
+        print(searches_table(data))
+        return 0
     if args.calibrate:
         calibrate(data)
     drift = []

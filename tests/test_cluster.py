@@ -342,6 +342,22 @@ def test_the_published_table_is_the_datas_and_the_docs_show_it() -> None:
     assert published.table(data) in (root / "docs" / "cluster.md").read_text()
 
 
+def test_the_searchs_picks_for_the_published_workloads_are_stored_and_shown() -> None:
+    """``published.py --search`` stores, for every published workload, what the search picks when free to
+    choose; the stored picks are one per workload, the cheapest (8 GPUs) is what the search picks now, and the page
+    shows them. The others take minutes: their arithmetic is the same search's."""
+    published = _published()
+    root = Path(__file__).resolve().parents[1]
+    data = json.loads((root / "benchmarks" / "published_runs.json").read_text())
+    groups = published.workloads(data)
+    assert len(data["searches"]) == len(groups)
+    stored = {got["workload"]: got for got in data["searches"]}
+    cheapest = min(groups.values(), key=lambda runs: published.cluster_of(data, runs[0]).devices)
+    now = published.search(data, cheapest)
+    assert now == stored[now["workload"]]
+    assert published.searches_table(data) in (root / "docs" / "cluster.md").read_text()
+
+
 def test_a_cluster_plan_trains_as_planned(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     """plan --cluster -o, then train --plan: the run has the plan's layout, split and recomputation, and its
     gradients equal one process's; a plan of a model pipefold only plans (Mixtral's experts) is refused in one

@@ -66,3 +66,50 @@ def test_each_rank_holds_an_early_and_a_late_chunk() -> None:
     assert torch.equal(unshard_sequence([shard_sequence(x, 2, r) for r in range(2)]), x)
     with pytest.raises(ValueError, match="does not split into 2 x cp = 4 equal chunks"):
         positions(6, 2, 0)
+
+
+TOLERANCE = 1e-5
+
+
+@pytest.mark.parametrize(("schedule", "devices", "dp", "cp", "more"), [
+    ("1f1b", 2, 1, 2, {}),
+    ("zb-v", 2, 1, 2, {}),  # B and W apart: the ring's backward runs in the input gradients' pass
+    ("interleaved-1f1b", 2, 2, 2, {}),  # 8 ranks: two data-parallel copies of two context-parallel copies
+    ("gpipe", 1, 1, 4, {"zero1": True}),  # one stage, a ring of 4, the optimizer state sharded over the 4
+])
+def test_a_context_parallel_run_has_the_gradients_of_one_process(schedule: str, devices: int, dp: int, cp: int,
+                                                                  more: dict[str, Any]) -> None:
+    """The GPT trained with each sequence split over cp copies of the pipeline (ring attention, global positions,
+    the gradients averaged over dp x cp copies): its first step's loss and every copy's gradients equal one
+    process training the whole sequences."""
+    from pipefold.runtime.launch.local import run_local
+    from pipefold.train.prepare import make_job
+    from pipefold.train.reference import compare
+    from pipefold.train.spec import RunSpec
+
+    job = make_job(RunSpec.flat(schedule=schedule, devices=devices, microbatches=4, batch=4 * dp, steps=1,
+                                model="gpt", layers=4, hidden=32, heads=4, seq=32, partition="even",
+                                optimizer="sgd", dp=dp, cp=cp, check=True, **more))
+    assert job.world == dp * cp * devices
+    diff = compare(job, run_local(job))
+    assert diff["max_grad_rel_diff"] < TOLERANCE and diff["loss_rel_diff"] < TOLERANCE, diff
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["--model", "mlp", "--cp", "2"], "the mlp model does not declare its attention and positions for context "
+                                      "parallelism: use --cp 1 with it"),
+    (["--model", "gpt", "--cp", "3", "--seq", "64"], "--cp 3 splits each sequence into 6 equal chunks (two a rank, "
+                                                     "for the causal balance), and --seq 64 does not: give --seq a "
+                                                     "multiple of 6"),
+    (["--model", "gpt", "--cp", "2", "--tp", "2"], "context parallelism (--cp 2) does not run with tensor "
+                                                   "parallelism (--tp 2) yet"),
+    (["--model", "gpt", "--cp", "2", "--checkpoint-dir", "{tmp}/ck"], "checkpoints of context-parallel runs"),
+    (["--model", "gpt", "--cp", "0"], "--cp: 0 is out of range"),
+])
+def test_a_split_the_runtime_cannot_run_is_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Any,
+                                                    argv: list[str], expected: str) -> None:
+    from pipefold.cli.main import main
+
+    assert main(["train", *(a.replace("{tmp}", str(tmp_path)) for a in argv), "--steps", "1"]) != 0
+    err = capsys.readouterr().err
+    assert expected in err and err.count("\n") == 1, err

@@ -49,7 +49,8 @@ def _offending(name: str) -> object:
               "schedule": "1f1b", "devices": 2, "microbatches": 4, "model": "mlp", "model_config": "gpt2-tiny",
               "layers": 6, "hidden": 32, "batch": 32, "optimizer": "sgd", "partition": "even", "recompute": "full",
               "memory_budget": "1GB", "offload": "2,1", "network": "constant:bandwidth=50MB", "netns": True,
-              "offload_activations": 0.5, "state_chunks": True, "chunk_size": "4MB", "sequence_parallel": True}
+              "offload_activations": 0.5, "state_chunks": True, "chunk_size": "4MB", "sequence_parallel": True,
+              "cp": 2}
     return values[name]
 
 

@@ -422,6 +422,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="data-parallel copies of the pipeline (default 1): D x P processes, each pipeline on its "
                         "shard of the batch, each stage's gradients averaged across them as soon as its last "
                         "weight gradient is done")
+    p.add_argument("--cp", type=int, default=1, metavar="C",
+                   help="context-parallel ranks (default 1): each sequence split over C copies of the pipeline, two "
+                        "of its 2C chunks on each, attention a ring among them; D x C x P processes (the gpt model)")
     p.add_argument("--zero1", action="store_true",
                    help="with --dp: shard the optimizer state across the copies of each stage (ZeRO-1)")
     p.add_argument("--fsdp", action="store_true",

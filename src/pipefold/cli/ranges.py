@@ -77,6 +77,7 @@ RANGES: dict[str, Range] = {
     "devices": count(1, MAX_DEVICES),
     "microbatches": count(1, MAX_STAGE_MICROBATCHES),
     "dp": count(1, MAX_DEVICES),
+    "cp": count(1, MAX_DEVICES),
     "world": count(1, MAX_DEVICES * 64),
     "chunks": count(1, MAX_DEVICES),
     "nodes": count(1, 65_536),

@@ -137,6 +137,13 @@ class Model(abc.ABC):
         raise ConfigError(f"the {self.name} model declares no sequence-parallel plan: drop --sequence-parallel (the "
                           "gpt model has one)")
 
+    def check_context_parallel(self, cp: int) -> None:
+        """Refuse in one line a split of each sequence over ``cp`` context-parallel ranks that the model cannot run:
+        its layers declare where attention and positions are (``attend`` and ``positions``, which the runtime fills,
+        :func:`pipefold.runtime.context.context_parallel`). The default, for a model that declares none, refuses."""
+        raise ConfigError(f"the {self.name} model does not declare its attention and positions for context "
+                          "parallelism: use --cp 1 with it (the gpt model does)")
+
     def sequence_length(self) -> int | None:
         """The tokens of a sequence, which sequence parallelism splits over the tensor-parallel ranks."""
         return None

@@ -77,8 +77,12 @@ class Embedding(nn.Module):
         if t > self.block_size:
             raise ConfigError(f"sequence length {t} is longer than block_size {self.block_size}: use sequences "
                               f"of at most {self.block_size} tokens or a GPTConfig with block_size >= {t}")
-        pos = torch.arange(t, device=idx.device)  # (T,)
-        return self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+        return self.drop(self.wte(idx) + self.wpe(self.positions(t, idx.device)))  # (B, T, C)
+
+    def positions(self, t: int, device: torch.device) -> torch.Tensor:
+        """The positions of the ``t`` tokens this layer embeds: 0 to t - 1 (a runtime that splits the sequence
+        gives a rank's share its positions in the whole)."""
+        return torch.arange(t, device=device)  # (T,)
 
 
 class CausalSelfAttention(nn.Module):
@@ -97,13 +101,18 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_drop = nn.Dropout(cfg.dropout)
 
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of (B, heads, T, hs) queries, keys and values (a runtime that splits the sequence
+        attends over the whole of it instead)."""
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         qkv = self.c_attn(x)  # (B, T, 3 * nh * hs): nh = every head, or this rank's share of them
         nh = qkv.size(-1) // (3 * self.head_size)
         qkv = qkv.view(B, T, nh, 3, self.head_size).permute(3, 0, 2, 1, 4)  # (3, B, nh, T, hs)
         q, k, v = qkv[0], qkv[1], qkv[2]
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        y = self.attend(q, k, v)
         y = y.transpose(1, 2).reshape(B, T, nh * self.head_size)  # (B, T, nh * hs): heads side by side again
         return self.resid_drop(self.c_proj(y))
 
@@ -242,6 +251,15 @@ class GPT(Model):
 
     def sequence_length(self) -> int | None:
         return self.batches.seq
+
+    def check_context_parallel(self, cp: int) -> None:
+        seq = self.batches.seq
+        if seq % (2 * cp):
+            raise ConfigError(f"--cp {cp} splits each sequence into {2 * cp} equal chunks (two a rank, for the causal "
+                              f"balance), and --seq {seq} does not: give --seq a multiple of {2 * cp}")
+        if self.cfg.dropout:
+            raise ConfigError("context parallelism's ring attention has no attention dropout: use a GPTConfig with "
+                              "dropout 0 with --cp")
 
     def size(self) -> Shape:
         return Shape(model="gpt", layers=self.cfg.n_layer, hidden=self.cfg.n_embd, heads=self.cfg.n_head,

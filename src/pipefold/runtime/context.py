@@ -14,8 +14,9 @@ log-sum-exp, as flash attention merges its tiles, so the output equals softmax a
 The pass is differentiable (:class:`_Pass`): its backward sends the gradient of what was received back to where it
 came from, so autograd carries the keys' and values' gradients round the ring in the other direction, and the
 queries', keys' and values' gradients are exactly those of one process attending over the whole sequence (to
-float rounding: the sums run in another order). Each step's block is kept for the backward: ``cp`` blocks of keys
-and values a layer, where a ring that passes them again in the backward would keep one.
+float rounding: the sums run in another order). Each step's scores are recomputed in the backward, as flash
+attention recomputes its tiles; what each step keeps is its block of keys and values, its mask and its output:
+``cp`` blocks a layer, where a ring that passes them again in the backward would keep one.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
-__all__ = ["positions", "ring_attention", "shard_sequence", "unshard_sequence"]
+__all__ = ["context_parallel", "positions", "ring_attention", "shard_sequence", "unshard_sequence"]
 
 
 def _chunks(length: int, cp: int) -> int:
@@ -111,7 +113,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any
         if step:
             block = _Pass.apply(block, nxt, prev, group)
         theirs = positions(length, cp, (me - step) % cp, q.device)
-        part, part_lse = _attend(q, block[0], block[1], mine[:, None] >= theirs[None, :], scale)
+        # Recomputed in the backward, as flash attention recomputes its tiles: what stays is the block, the mask
+        # and the step's output and log-sum-exp, not its scores.
+        part, part_lse = checkpoint(_attend, q, block[0], block[1], mine[:, None] >= theirs[None, :], scale,
+                                    use_reentrant=False)
         if out is None or lse is None:
             out, lse = part, part_lse
             continue
@@ -120,3 +125,15 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any
         lse = total
     assert out is not None
     return out
+
+
+def context_parallel(module: torch.nn.Module, group: Any, cp: int, rank: int) -> None:
+    """Make ``module``'s layers run on rank ``rank``'s share of each sequence: a submodule's ``attend(q, k, v)``
+    (causal attention; the GPT's) becomes :func:`ring_attention` over ``group``, and its ``positions(t, device)``
+    (the positions a layer embeds) the share's positions in the whole sequence of ``t x cp`` tokens. The model's
+    own code is unchanged: its layers declare these two points, the runtime fills them."""
+    for sub in module.modules():
+        if callable(getattr(sub, "attend", None)):
+            sub.attend = lambda q, k, v: ring_attention(q, k, v, group)  # type: ignore[assignment]
+        if callable(getattr(sub, "positions", None)):
+            sub.positions = lambda t, device: positions(t * cp, cp, rank, device)  # type: ignore[assignment]

@@ -58,7 +58,7 @@ def make_job(spec: RunSpec, *, decided: Decisions | None = None, placed: Any = N
         raise ConfigError("a planned run is resolved first: pipefold.train.planned.resolve(spec)")
     schedule = spec.schedule.built
     where = local_placement(spec.devices.device, spec.devices.backend,
-                            spec.parallel.dp * sum(spec.parallel.degrees(schedule.devices)))
+                            spec.parallel.copies * sum(spec.parallel.degrees(schedule.devices)))
     spec.devices.precision.check_device(torch.device(where.device))  # a dtype the device cannot compute in
     if where.device == "cuda" and (spec.links.network is not None or spec.links.netns):
         raise ConfigError("--network and --netns emulate links between CPU ranks over gloo: use --device cpu with "
@@ -108,7 +108,9 @@ def make_job(spec: RunSpec, *, decided: Decisions | None = None, placed: Any = N
             refill = Refill(after=len(cycle) + 1, schedule=filled.base.schedule, cost=filled.base.cost)
     if spec.memory.activation_share:
         schedule, extra["offload_activations"] = _offload_activations(schedule, spec.memory.activation_share)
-    if spec.parallel.dp > 1:
+    if spec.parallel.cp > 1:
+        model.check_context_parallel(spec.parallel.cp)
+    if spec.parallel.copies > 1:
         from pipefold.schedules.dataparallel import with_data_parallel
 
         # Each stage's gradients averaged across the pipelines; with FSDP, each stage sharded across them.
@@ -189,7 +191,7 @@ def check_size(spec: RunSpec, model: Model, schedule: Schedule, *, builds_model:
     (:meth:`~pipefold.models.base.Model.size`) is not checked."""
     from pipefold.models.size import check_model
 
-    dp = spec.parallel.dp
+    dp = spec.parallel.copies
     held = (2 + spec.optimizer.state_factor) * schedule.replicas * dp
     ranks = schedule.devices * dp
     if under_torchrun():  # only this machine's ranks, and their share of the model

@@ -323,7 +323,7 @@ RULES: tuple[Applies, ...] = (
     Applies(("heads", "seq", "data"), lambda s: s.model.sequences,
             "{option} sizes a language model, and the mlp has no attention, sequences or text: use --model gpt, or "
             "drop it"),
-    Applies(("dp", "fsdp", "zero1", "tp", "sequence_parallel"), lambda s: not s.planned,
+    Applies(("dp", "fsdp", "zero1", "tp", "sequence_parallel", "cp"), lambda s: not s.planned,
             "{option} lays out data- or tensor-parallel copies, and a plan (--plan, --schedule auto) runs the one "
             "pipeline it "
             "planned: name a schedule with --schedule, or drop it"),

@@ -95,7 +95,9 @@ def summarize(outcome: Outcome, *, trace: str | None = None, plot: str | None = 
     parallel = job.parallel
     if parallel.tensor_parallel:
         out["tp"] = parallel.tp if isinstance(parallel.tp, int) else list(parallel.tp)
-    if parallel.dp > 1:
+    if parallel.cp > 1:
+        out["cp"] = parallel.cp
+    if parallel.copies > 1:
         out["dp"] = parallel.dp
         out["sharding"] = "fsdp" if parallel.fsdp else "zero1" if parallel.zero1 else "none"
         out["loss"] = [_finite(sum(r.steps.loss_sum[i] for r in everyone)

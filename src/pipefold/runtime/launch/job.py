@@ -172,7 +172,7 @@ class Job:
         if self.cycle and (self.cycle[0] != self.schedule or self.adaptive is not None):
             raise ConfigError("a job with a cycle of schedules starts with its first (schedule=cycle[0]) and does not "
                               "adapt")
-        dp, fsdp = self.parallel.dp, self.parallel.fsdp
+        dp, fsdp = self.parallel.copies, self.parallel.fsdp
         reducing = {a.kind for row in self.schedule.actions for a in row} & {Kind.DP, Kind.AG, Kind.RS}
         if dp > 1:
             kinds, how = (((Kind.AG, Kind.RS), "with_data_parallel(schedule, shard=True)") if fsdp
@@ -266,16 +266,17 @@ class Job:
 
     @property
     def world(self) -> int:
-        """Ranks of the job: the data-parallel copies times the ranks of one pipeline (its devices' degrees)."""
-        return self.parallel.dp * sum(self.degrees)
+        """Ranks of the job: the pipeline's copies (dp x cp) times the ranks of one pipeline (its devices'
+        degrees)."""
+        return self.parallel.copies * sum(self.degrees)
 
     def meshes(self) -> list[list[list[int]]]:
-        """The global ranks of each data-parallel copy's pipeline devices: ``meshes()[d][p]`` are device p's
-        tensor-parallel ranks in copy d. Copies are outermost, then devices, a device's ranks innermost (on
-        neighbouring ranks, which a machine's GPUs are); with one degree for every device this is how torch's
-        DeviceMesh of shape (dp, devices, tp) numbers them."""
+        """The global ranks of each copy's pipeline devices: ``meshes()[c][p]`` are device p's tensor-parallel ranks
+        in copy c (copy ``d * cp + j``: data-parallel copy d's context-parallel rank j). Copies are outermost, then
+        devices, a device's ranks innermost (on neighbouring ranks, which a machine's GPUs are); with one degree for
+        every device this is how torch's DeviceMesh of shape (dp x cp, devices, tp) numbers them."""
         degrees, out, rank = self.degrees, [], 0
-        for _ in range(self.parallel.dp):
+        for _ in range(self.parallel.copies):
             copy = []
             for t in degrees:
                 copy.append(list(range(rank, rank + t)))
@@ -284,7 +285,7 @@ class Job:
         return out
 
     def coords(self, rank: int) -> tuple[int, int, int]:
-        """(data-parallel copy, pipeline device, tensor-parallel rank on that device) of global ``rank``."""
+        """(copy, pipeline device, tensor-parallel rank on that device) of global ``rank``."""
         for d, copy in enumerate(self.meshes()):
             for p, ranks in enumerate(copy):
                 if rank in ranks:

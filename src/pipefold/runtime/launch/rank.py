@@ -84,12 +84,13 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     everyone = tuple(r for r in range(world) if r != global_rank)
     placed = placement(job)
     device = placed.device_of(local_rank(global_rank))  # current already: set before the process group was made
-    meshed = job.parallel.dp > 1 or job.parallel.tensor_parallel
+    meshed = job.parallel.copies > 1 or job.parallel.tensor_parallel
     if meshed:
         activity.wait("start-up", "the device mesh", everyone, action=False)
     dp_mesh, tp_mesh = _mesh(job, placed.device, global_rank) if meshed else (None, None)
     pipelines = job.pipeline_ranks() if meshed else None
     dp_group = dp_mesh.get_group() if dp_mesh is not None else None
+    cp_group = _cp_group(job, global_rank) if job.parallel.cp > 1 else None
     activity.run("start-up (building its layers)", action=False)
     chains = stage_modules(job, rank)
     precision = job.devices.precision
@@ -112,6 +113,11 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     offloaded: list[Offloaded] = []
     if job.offload is None:
         modules: dict[int, nn.Module] = {s: m.to(device) for s, m in chains.items()}
+        if cp_group is not None:  # attention as a ring over the copies that hold the other chunks
+            from pipefold.runtime.context import context_parallel
+
+            for stage in modules.values():
+                context_parallel(stage, cp_group, job.parallel.cp, copy % job.parallel.cp)
         if tp_mesh is not None:
             for s, stage in modules.items():
                 sharding.tensor_parallel(dict(zip(job.layer_stages[s], stage.children(), strict=True)), job.tp_plan,
@@ -228,7 +234,14 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
         started = time.perf_counter()
         x, y = job.batch_at(step)
         if job.parallel.dp > 1:  # this pipeline's shard of the global batch
-            x, y = split_batch(x, job.parallel.dp)[copy], y.chunk(job.parallel.dp)[copy]
+            rows = copy // job.parallel.cp
+            x, y = split_batch(x, job.parallel.dp)[rows], y.chunk(job.parallel.dp)[rows]
+        if job.parallel.cp > 1:  # and its chunks of those sequences
+            from pipefold.runtime.context import shard_sequence
+
+            x = tuple(shard_sequence(t, job.parallel.cp, copy % job.parallel.cp) for t in as_tuple(x))
+            x = x[0] if len(x) == 1 else x
+            y = shard_sequence(y, job.parallel.cp, copy % job.parallel.cp)
         low = precision.torch_dtype if masters is not None else None  # parameters in bf16: so are float inputs
         xs = split_batch(tuple(t.to(device, low) if low is not None and t.is_floating_point() else t.to(device)
                                for t in as_tuple(x)), m)
@@ -386,7 +399,7 @@ def _mesh(job: Job, device_type: str, rank: int) -> tuple[Any, Any]:
     the same order, as torch.distributed requires."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    meshes, dp = job.meshes(), job.parallel.dp
+    meshes, dp = job.meshes(), job.parallel.copies
     copy, device, index = job.coords(rank)
     dp_group = tp_group = None
     for p, degree in enumerate(job.degrees):
@@ -404,6 +417,22 @@ def _mesh(job: Job, device_type: str, rank: int) -> tuple[Any, Any]:
         return both["dp"], both["tp"]
     return (None if dp_group is None else DeviceMesh.from_group(dp_group, device_type, mesh_dim_names=("dp",)),
             None if tp_group is None else DeviceMesh.from_group(tp_group, device_type, mesh_dim_names=("tp",)))
+
+
+def _cp_group(job: Job, rank: int) -> Any:
+    """The process group of global ``rank``'s context-parallel ring: the copies of its data-parallel copy, on its
+    device and tensor-parallel rank. Every rank makes every ring, in the same order, as torch.distributed
+    requires."""
+    meshes, cp = job.meshes(), job.parallel.cp
+    copy, device, index = job.coords(rank)
+    mine = None
+    for d in range(job.parallel.dp):
+        for p, degree in enumerate(job.degrees):
+            for t in range(degree):
+                group = dist.new_group([meshes[d * cp + j][p][t] for j in range(cp)])
+                if (d, p, t) == (copy // cp, device, index):
+                    mine = group
+    return mine
 
 
 def _refill(refill: Refill, steps: list[StepStats], ran: list[Schedule], rank: int, world: int) -> Filled:

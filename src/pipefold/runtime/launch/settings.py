@@ -157,10 +157,16 @@ class Parallel:
     """With tp > 1: each block's norms, dropouts and residual stream on each tensor-parallel rank's share of the
     tokens (Korthikanti et al.'s sequence parallelism; torch's SequenceParallel), the split Linears gathering the
     tokens before them and reduce-scattering over them after (:func:`pipefold.runtime.sharding.tensor_parallel`)."""
+    cp: int = 1
+    """Context-parallel ranks: each data-parallel copy's sequences split over cp copies of the pipeline, two of each
+    sequence's 2 cp chunks on each, attention a ring among them (:mod:`pipefold.runtime.context`); the gradients
+    are averaged, and ZeRO-1 and FSDP shard, over all dp x cp copies."""
 
     def __post_init__(self) -> None:
         if isinstance(self.dp, bool) or not (isinstance(self.dp, int) and self.dp >= 1):
             raise ConfigError(f"--dp is the number of data-parallel pipelines: an integer >= 1 (got {self.dp!r})")
+        if isinstance(self.cp, bool) or not (isinstance(self.cp, int) and self.cp >= 1):
+            raise ConfigError(f"--cp is the number of context-parallel ranks: an integer >= 1 (got {self.cp!r})")
         tp = self.tp if isinstance(self.tp, tuple) else (self.tp,)
         if not tp or any(isinstance(t, bool) or not (isinstance(t, int) and t >= 1) for t in tp):
             raise ConfigError(f"--tp is the number of tensor-parallel ranks per pipeline device: an integer >= 1, or "
@@ -176,6 +182,11 @@ class Parallel:
             raise ConfigError(f"--tp {self.tp_text} gives {len(self.tp)} degrees for {devices} pipeline devices: give "
                               f"one degree for every device, or one per device ({devices} of them)")
         return self.tp
+
+    @property
+    def copies(self) -> int:
+        """Copies of the pipeline: dp x cp (each on its rows of the batch and its chunks of their sequences)."""
+        return self.dp * self.cp
 
     @property
     def tensor_parallel(self) -> bool:
@@ -299,20 +310,27 @@ def check_together(parallel: Parallel, optimizer: Optimizer, *, adaptive: bool, 
     """The rules that join sections: what the data-parallel layout, the optimizer, adaptive schedules, emulated
     networks, offloading, recomputation and checkpoints do not run together (yet). One line each, naming the flags
     and what would work."""
-    if parallel.fsdp and parallel.dp < 2:
+    if parallel.fsdp and parallel.copies < 2:
         raise ConfigError("--fsdp shards each stage across data-parallel pipelines: give --dp 2 or more")
     if parallel.fsdp and parallel.zero1:
         raise ConfigError("--fsdp shards the optimizer state already: drop --zero1")
-    if parallel.zero1 and parallel.dp < 2:
+    if parallel.zero1 and parallel.copies < 2:
         raise ConfigError("ZeRO-1 shards the optimizer state across data-parallel pipelines: it needs --dp 2 or more")
     # What neither layout of several copies runs with yet, tensor parallelism named first.
     unsupported = [what for what, on in (("--optimizer kfac", optimizer.name == "kfac"),
                                          ("--schedule adaptive-kfkb", adaptive), ("--network", network),
                                          ("--netns", netns), ("--offload", offload)) if on]
     for on, layout, flag in ((parallel.tensor_parallel, f"tensor parallelism (--tp {parallel.tp_text}) does", "--tp"),
-                             (parallel.dp > 1, f"data-parallel pipelines (--dp {parallel.dp}) do", "--dp")):
+                             (parallel.dp > 1, f"data-parallel pipelines (--dp {parallel.dp}) do", "--dp"),
+                             (parallel.cp > 1, f"context parallelism (--cp {parallel.cp}) does", "--cp")):
         if on and unsupported:
             raise ConfigError(f"{layout} not run with {unsupported[0]} yet: use {flag} 1 with it")
+    if parallel.cp > 1 and parallel.tensor_parallel:
+        raise ConfigError(f"context parallelism (--cp {parallel.cp}) does not run with tensor parallelism (--tp "
+                          f"{parallel.tp_text}) yet: use --cp 1 or --tp 1")
+    if parallel.cp > 1 and checkpoints:
+        raise ConfigError(f"checkpoints of context-parallel runs (--cp {parallel.cp}) are not written yet: use --cp 1 "
+                          "with --checkpoint-dir")
     if parallel.fsdp and checkpoints:
         raise ConfigError("checkpoints of stages sharded with FSDP are not written yet: use --dp without --fsdp "
                           "with --checkpoint-dir, or no checkpoints with --fsdp")
