@@ -73,6 +73,7 @@ TOLERANCE = 1e-5
 
 @pytest.mark.parametrize(("schedule", "devices", "dp", "cp", "more"), [
     ("1f1b", 2, 1, 2, {}),
+    ("1f1b", 2, 1, 2, {"fsdp": True}),  # the stages sharded over the two copies that split the sequences
     ("zb-v", 2, 1, 2, {}),  # B and W apart: the ring's backward runs in the input gradients' pass
     ("interleaved-1f1b", 2, 2, 2, {}),  # 8 ranks: two data-parallel copies of two context-parallel copies
     ("gpipe", 1, 1, 4, {"zero1": True}),  # one stage, a ring of 4, the optimizer state sharded over the 4
