@@ -91,6 +91,9 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     pipelines = job.pipeline_ranks() if meshed else None
     dp_group = dp_mesh.get_group() if dp_mesh is not None else None
     cp_group = _cp_group(job, global_rank) if job.parallel.cp > 1 else None
+    cp_rank = copy % job.parallel.cp  # which chunks of each sequence this copy holds
+    if cp_group is not None:
+        from pipefold.runtime.context import context_parallel, shard_sequence
     activity.run("start-up (building its layers)", action=False)
     chains = stage_modules(job, rank)
     precision = job.devices.precision
@@ -114,10 +117,8 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     if job.offload is None:
         modules: dict[int, nn.Module] = {s: m.to(device) for s, m in chains.items()}
         if cp_group is not None:  # attention as a ring over the copies that hold the other chunks
-            from pipefold.runtime.context import context_parallel
-
             for stage in modules.values():
-                context_parallel(stage, cp_group, job.parallel.cp, copy % job.parallel.cp)
+                context_parallel(stage, cp_group, job.parallel.cp, cp_rank)
         if tp_mesh is not None:
             for s, stage in modules.items():
                 sharding.tensor_parallel(dict(zip(job.layer_stages[s], stage.children(), strict=True)), job.tp_plan,
@@ -236,12 +237,9 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
         if job.parallel.dp > 1:  # this pipeline's shard of the global batch
             rows = copy // job.parallel.cp
             x, y = split_batch(x, job.parallel.dp)[rows], y.chunk(job.parallel.dp)[rows]
-        if job.parallel.cp > 1:  # and its chunks of those sequences
-            from pipefold.runtime.context import shard_sequence
-
-            x = tuple(shard_sequence(t, job.parallel.cp, copy % job.parallel.cp) for t in as_tuple(x))
-            x = x[0] if len(x) == 1 else x
-            y = shard_sequence(y, job.parallel.cp, copy % job.parallel.cp)
+        if cp_group is not None:  # and its chunks of those sequences
+            x = tuple(shard_sequence(t, job.parallel.cp, cp_rank) for t in as_tuple(x))
+            y = shard_sequence(y, job.parallel.cp, cp_rank)
         low = precision.torch_dtype if masters is not None else None  # parameters in bf16: so are float inputs
         xs = split_batch(tuple(t.to(device, low) if low is not None and t.is_floating_point() else t.to(device)
                                for t in as_tuple(x)), m)
