@@ -227,7 +227,9 @@ class Pipeline(RankPipeline):
 
     ``schedule``: a name with options (``"1f1b"``, ``"kfkb:k=2"``, ``"v-half"``), a :class:`Schedule` or a
     schedule file. ``group``: the process group of the pipeline's ranks, in pipeline order (default: every rank);
-    or ``mesh``: a DeviceMesh with a ``"pp"`` dimension (and ``"dp"``, ``"tp"`` as the stage modules use them).
+    or ``mesh``: a DeviceMesh with a ``"pp"`` dimension (and ``"dp"``, ``"tp"`` as the stage modules use them, and
+    ``"cp"``: each sequence split over that many copies of the pipeline, :meth:`step` giving each its share and the
+    stages' attention run as a ring, :mod:`pipefold.runtime.context`).
     ``loss_fn(output, target)`` on the rank(s) holding the last stage returns the microbatch's mean loss.
     ``recompute``: per stage of this rank, how many of its first layers (an ``nn.Sequential``) recompute their
     activations in backward. ``tied``: shared weights across stages, each ``{stage: "parameter.name", ...}``
@@ -260,7 +262,7 @@ class Pipeline(RankPipeline):
                                          or microbatches < 1):
             raise ConfigError(f"microbatches must be a positive integer (got {microbatches!r})")
         self.mesh = mesh
-        pp_group, dp_group, tp_group = self._groups(group, mesh)
+        pp_group, dp_group, tp_group, cp_group = self._groups(group, mesh)
         self.group = pp_group
         """The pipeline's process group (None: the default group, every rank)."""
         self.ranks = list(dist.get_process_group_ranks(pp_group)) if pp_group is not None else \
@@ -298,8 +300,22 @@ class Pipeline(RankPipeline):
         if last in modules and loss_fn is None:
             raise ConfigError(f"this rank (device {self.rank}) holds the last stage ({last}): give it the loss "
                               "function, Pipeline(..., loss_fn=fn), fn(output, target) -> the microbatch's mean loss")
+        self.cp_group = cp_group if cp_group is not None and dist.get_world_size(cp_group) > 1 else None
+        """The context-parallel ring: the copies that hold the other shares of this rank's sequences (None: the
+        sequences are whole on every rank)."""
+        self.cp = dist.get_world_size(self.cp_group) if self.cp_group is not None else 1
+        self.cp_rank = dist.get_rank(self.cp_group) if self.cp_group is not None else 0
+        """Which share of each sequence this rank's copy holds (:func:`~pipefold.runtime.context.shard_sequence`)."""
+        if self.cp_group is not None:
+            self._context_parallel(modules, tp_group)
+            # The copies that split a sequence hold the same weights: their gradients are averaged with the data-
+            # parallel copies', dp x cp of them, by the same DP actions (and ZeRO-1 shards over them all).
+            dp_group = _subgroup(_copies(mesh))
         self.dp_group, self.tp_group = dp_group, tp_group
         self.sharded = any(_is_fsdp(m) for m in modules.values())
+        if self.sharded and self.cp_group is not None:
+            raise ConfigError("FSDP stages do not run with a 'cp' mesh dimension in a Pipeline yet: give plain stage "
+                              "modules (pipe.zero1 shards the optimizer state over the dp x cp copies)")
         if self.sharded and (dp_group is None or not all(_is_fsdp(m) for m in modules.values())):
             raise ConfigError("FSDP stages need a DeviceMesh with a 'dp' dimension (Pipeline(..., mesh=mesh)) and "
                               "every stage module of the rank sharded with fully_shard on it")
@@ -363,21 +379,48 @@ class Pipeline(RankPipeline):
     # -- construction
 
     @staticmethod
-    def _groups(group: Any, mesh: Any) -> tuple[Any, Any, Any]:
+    def _groups(group: Any, mesh: Any) -> tuple[Any, Any, Any, Any]:
         if mesh is None:
-            return group, None, None
+            return group, None, None, None
         if group is not None:
             raise ConfigError("give the pipeline's ranks once: group= or mesh=, not both")
         names = tuple(mesh.mesh_dim_names or ())
         if "pp" not in names:
             raise ConfigError(f"the DeviceMesh has dimensions {names or '(unnamed)'}; name the pipeline's 'pp', e.g. "
                               "init_device_mesh('cpu', (2, 2), mesh_dim_names=('dp', 'pp'))")
-        unknown = sorted(set(names) - {"pp", "dp", "tp"})
+        unknown = sorted(set(names) - {"pp", "dp", "tp", "cp"})
         if unknown:
             raise ConfigError(f"the DeviceMesh has dimensions {unknown} that a Pipeline does not know: it reads "
-                              "'pp', 'dp' and 'tp'")
-        pick = {n: mesh[n].get_group() if n in names else None for n in ("pp", "dp", "tp")}
-        return pick["pp"], pick["dp"], pick["tp"]
+                              "'pp', 'dp', 'tp' and 'cp'")
+        pick = {n: mesh[n].get_group() if n in names else None for n in ("pp", "dp", "tp", "cp")}
+        return pick["pp"], pick["dp"], pick["tp"], pick["cp"]
+
+    def _context_parallel(self, modules: Mapping[int, nn.Module], tp_group: Any) -> None:
+        """The stage modules made to run on this copy's share of each sequence
+        (:func:`~pipefold.runtime.context.context_parallel`), after the checks that they can, the same verdict on
+        every rank of the pipeline (one all-reduce): the model declares its attention and its positions somewhere
+        in the pipeline, and has no attention dropout, which the ring does not run."""
+        from pipefold.runtime.context import context_parallel
+
+        if tp_group is not None and dist.get_world_size(tp_group) > 1:
+            raise ConfigError(f"context parallelism (cp {self.cp}) does not run with tensor parallelism "
+                              f"(tp {dist.get_world_size(tp_group)}) yet: give the DeviceMesh one of 'cp' and 'tp'")
+        subs = [sub for m in modules.values() for sub in m.modules()]
+        attend = [sub for sub in subs if callable(getattr(sub, "attend", None))]
+        dropout = [sub for sub in attend if isinstance(getattr(sub, "dropout", 0), (int, float))
+                   and getattr(sub, "dropout", 0) > 0]
+        counts = torch.tensor([len(attend), sum(callable(getattr(sub, "positions", None)) for sub in subs),
+                               len(dropout)])
+        dist.all_reduce(counts, group=self.group)
+        if not counts[0] or not counts[1]:
+            raise ConfigError(f"context parallelism (cp {self.cp}) fills the model's attention and positions, and "
+                              "these stage modules declare no attend(q, k, v) and positions(t, device) methods (the "
+                              "GPT of pipefold.models has both): drop the mesh's 'cp' dimension for this model")
+        if counts[2]:
+            raise ConfigError("context parallelism's ring attention has no attention dropout: build the model with "
+                              "attention dropout 0 (GPTConfig(dropout=0.0)) for a 'cp' mesh dimension")
+        for m in modules.values():
+            context_parallel(m, self.cp_group, self.cp, self.cp_rank)
 
     def _stage_map(self, stages: StageModules) -> dict[int, nn.Module]:
         mine = self.schedule.stages_of(self.rank)
@@ -481,7 +524,7 @@ class Pipeline(RankPipeline):
         return list(seen.values())
 
     def zero1(self, make: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> Any:
-        """ZeRO-1 over the mesh's ``"dp"`` copies: an optimizer of which this copy steps its share of
+        """ZeRO-1 over the mesh's ``"dp"`` (and ``"cp"``) copies: an optimizer of which this copy steps its share of
         :meth:`parameters` (``make(share)``, e.g. ``lambda ps: torch.optim.AdamW(ps, lr=3e-4)``), keeping only its
         state, and receives the other shares from their owners after each step
         (:class:`~pipefold.runtime.zero.ShardedOptimizer`, inside :meth:`optimizer`'s wrapper). The schedule's DP
@@ -562,6 +605,11 @@ class Pipeline(RankPipeline):
         microbatches along dimension 0), needed on the rank(s) holding stage 0, ignored elsewhere. ``target``: the
         batch's targets, needed where the last stage is (cut the same way). Returns the batch's mean loss on the
         ranks holding the last stage and None elsewhere; with ``all_ranks``, on every rank of the pipeline.
+
+        With a mesh's ``"cp"`` dimension every copy of the ring is given the same whole sequences: each tensor of
+        two dimensions or more (batch, tokens, ...), inputs and target, is cut along dimension 1 into 2 x cp equal
+        chunks, of which this copy runs two (:func:`~pipefold.runtime.context.shard_sequence`), and the loss
+        returned is the whole sequences' mean, on every copy alike.
         """
         if not torch.is_grad_enabled():
             raise ConfigError("Pipeline.step was called under torch.no_grad() (or inference_mode): it trains; "
@@ -582,6 +630,8 @@ class Pipeline(RankPipeline):
             parts = [executor.outputs[mb] for mb in sorted(executor.outputs)]
             output = _join(parts) if len(parts) == self.schedule.microbatches else None
             executor.outputs = {}
+            if output is not None:
+                output = self._whole(output)  # every copy of the ring holds the last stage: gathered alike
         return output, loss
 
     def _run(self, train: bool, inputs: tuple[Any, ...], kwinputs: dict[str, Any], target: Any,
@@ -593,8 +643,9 @@ class Pipeline(RankPipeline):
         if holds:
             # With the parameters in bf16 or fp16, so is every floating input (autocast casts its own).
             dtype = self.precision.torch_dtype if self.precision.master_weights else None
-            moved = [_to(v, self.device, dtype) for v in inputs]
-            xs, spec = split_call(tuple(moved), {k: _to(v, self.device, dtype) for k, v in kwinputs.items()}, m)
+            moved = [self._share(_to(v, self.device, dtype)) for v in inputs]
+            xs, spec = split_call(tuple(moved), {k: self._share(_to(v, self.device, dtype))
+                                                 for k, v in kwinputs.items()}, m)
             self.boundaries.specs[0] = spec
         last = self.schedule.stages - 1
         ys: list[Any] = [None] * m
@@ -603,7 +654,7 @@ class Pipeline(RankPipeline):
                 raise ConfigError(f"this rank holds the last stage ({last}): give the batch's targets, "
                                   "Pipeline.step(..., target=y)")
             if target is not None:
-                ys = _split_target(_to(target, self.device), m)
+                ys = _split_target(self._share(_to(target, self.device)), m)
         gathered = not train and self.sharded
         if gathered:  # FSDP's shards gathered for the forwards, as the training schedule's AG does
             for module in self.modules.values():
@@ -636,9 +687,46 @@ class Pipeline(RankPipeline):
             self._choose()
         losses = list(stats.losses.values())
         loss = math.fsum(losses) / len(losses) if losses else None
-        if len(self._last_stage_ranks) > 1 or all_ranks:
+        if len(self._last_stage_ranks) > 1 or all_ranks or self.cp_group is not None:
             loss = self._gather_loss(losses, all_ranks)
         return loss
+
+    def _share(self, value: Any) -> Any:
+        """With context parallelism, this copy's share of each sequence in ``value``: every tensor of two dimensions
+        or more cut along dimension 1 (batch, tokens, ...) into 2 x cp chunks, of which it keeps two
+        (:func:`~pipefold.runtime.context.shard_sequence`); other values whole."""
+        if self.cp_group is None:
+            return value
+        from torch.utils import _pytree as pytree
+
+        from pipefold.runtime.context import shard_sequence
+
+        def cut(v: Any) -> Any:
+            if not isinstance(v, torch.Tensor) or v.dim() < 2:
+                return v
+            if v.size(1) % (2 * self.cp):
+                raise ConfigError(f"context parallelism (cp {self.cp}) splits each sequence into {2 * self.cp} "
+                                  f"equal chunks along dimension 1, and a tensor of shape {tuple(v.shape)} has "
+                                  f"{v.size(1)} tokens: give sequences of a multiple of {2 * self.cp} tokens")
+            return shard_sequence(v, self.cp, self.cp_rank, dim=1)
+        return pytree.tree_map(cut, value)
+
+    def _whole(self, value: Any) -> Any:
+        """With context parallelism, the whole sequences of ``value`` (an output), every copy's shares gathered
+        along dimension 1 and put back in order."""
+        if self.cp_group is None:
+            return value
+        from torch.utils import _pytree as pytree
+
+        from pipefold.runtime.context import unshard_sequence
+
+        def join(v: Any) -> Any:
+            if not isinstance(v, torch.Tensor) or v.dim() < 2:
+                return v
+            pieces = [torch.empty_like(v) for _ in range(self.cp)]
+            dist.all_gather(pieces, v.contiguous(), group=self.cp_group)
+            return unshard_sequence(pieces, dim=1)
+        return pytree.tree_map(join, value)
 
     def _after_backward(self) -> None:
         """With a loss scale: the gradients divided by it, the overflow verdict taken on every rank alike and the
@@ -697,6 +785,8 @@ class Pipeline(RankPipeline):
             dist.all_reduce(t, group=self.group)
         elif mine and self._loss_group is not None:
             dist.all_reduce(t, group=self._loss_group)
+        if self.cp_group is not None and (all_ranks or mine):
+            dist.all_reduce(t, group=self.cp_group)  # the ring's copies computed the other shares of the sequences
         if not all_ranks and not mine:
             return None
         return float(t[0] / t[1]) if t[1] > 0 else None
@@ -857,6 +947,16 @@ def _lost_peer(exc: BaseException) -> bool:
 
 
 # -- helpers
+
+def _copies(mesh: Any) -> list[int]:
+    """The global ranks of this rank's copies in ``mesh``: those at its place in every dimension but 'dp' and 'cp'
+    (the same stages, the same tensor-parallel share), which hold the same weights."""
+    names = list(mesh.mesh_dim_names)
+    here = mesh.get_coordinate()
+    assert here is not None
+    index = tuple(slice(None) if n in ("dp", "cp") else here[i] for i, n in enumerate(names))
+    return [int(r) for r in mesh.mesh[index].flatten().tolist()]
+
 
 def _device_of(modules: Mapping[int, nn.Module]) -> torch.device:
     for m in modules.values():
