@@ -1,9 +1,11 @@
 """Context parallelism's ring attention against one process attending over the whole sequence: outputs and the
 gradients of queries, keys and values, several ring sizes, grouped key-value heads, and a ring that is a subgroup
-of the world."""
+of the world; ``train --cp`` runs and a library Pipeline on a mesh with a "cp" dimension against one process."""
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -114,3 +116,139 @@ def test_a_split_the_runtime_cannot_run_is_one_line(capsys: pytest.CaptureFixtur
     assert main(["train", *(a.replace("{tmp}", str(tmp_path)) for a in argv), "--steps", "1"]) != 0
     err = capsys.readouterr().err
     assert expected in err and err.count("\n") == 1, err
+
+
+# -- the library: a Pipeline in a user's own loop, as examples/context_parallel.py runs it
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "context_parallel.py"
+
+
+def _example() -> Any:
+    """examples/context_parallel.py as a module (the examples are scripts, not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("context_parallel_example", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _library_step(rank: int, init: str, world: int, names: tuple[str, ...], shape: tuple[int, ...], schedule: str,
+                  out: Any) -> None:
+    """One step of the example's Pipeline on a mesh of ``names`` and ``shape``: this rank's rows of the batch (its
+    data-parallel copy's), its loss, the global check and every gradient it holds, by layer and name."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        example = _example()
+        args = example.parser().parse_args(["--schedule", schedule])
+        layers = example.model(args)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        pipe = example.pipelined(layers, args, mesh)
+        x, y = next(example.batches(64, args.batch, args.length, seed=1))
+        dp, copy = (mesh["dp"].size(), mesh["dp"].get_local_rank()) if "dp" in names else (1, 0)
+        rows = slice(copy * len(x) // dp, (copy + 1) * len(x) // dp)
+        loss = pipe.step(x[rows], target=y[rows], all_ranks=True)
+        check = pipe.check()
+        grads = {f"{i}.{name}": p.grad.numpy() for i, layer in enumerate(layers)
+                 for name, p in layer.named_parameters() if p.grad is not None}
+        out.put((rank, (rows.start, rows.stop), loss, check.loss, check.norm, grads))
+        pipe.close()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("names", "shape", "schedule"), [
+    (("cp", "pp"), (2, 2), "zb-v"),  # two stages a rank, B and W apart: the ring's backward in the B pass
+    (("dp", "cp", "pp"), (2, 2, 1), "1f1b"),  # the gradients averaged over 2 x 2 copies of a one-stage pipeline
+])
+def test_a_pipeline_in_a_users_loop_has_the_loss_and_gradients_of_one_process(names: tuple[str, ...],
+                                                                              shape: tuple[int, ...],
+                                                                              schedule: str) -> None:
+    """examples/context_parallel.py's Pipeline on a DeviceMesh with a "cp" dimension, in real processes over gloo:
+    its step's loss, the global check's loss and norm, and every rank's gradients equal one process training the
+    whole model on the whole sequences, within 1e-5 in float32."""
+    example = _example()
+    args = example.parser().parse_args([])
+    world = math.prod(shape)
+    results = run_ranks(_library_step, world, world, names, shape, schedule)
+    assert sorted(r for r, *_ in results) == list(range(world))
+    layers = example.model(args)
+    x, y = next(example.batches(64, args.batch, args.length, seed=1))
+    whole = torch.nn.Sequential(*layers)
+    example.gpt_loss(whole(x), y).backward()
+    want = {f"{i}.{name}": p.grad for i, layer in enumerate(layers) for name, p in layer.named_parameters()}
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in want.values()])).item()
+    with torch.no_grad():
+        whole_loss = example.gpt_loss(whole(x), y).item()
+    held: set[str] = set()
+    for rank, (start, stop), loss, check_loss, check_norm, grads in results:
+        with torch.no_grad():
+            rows_loss = example.gpt_loss(whole(x[start:stop]), y[start:stop]).item()
+        assert abs(loss - rows_loss) <= TOLERANCE, (rank, loss, rows_loss)
+        assert abs(check_loss - whole_loss) <= TOLERANCE, (rank, check_loss, whole_loss)
+        assert abs(check_norm - norm) <= TOLERANCE * norm, (rank, check_norm, norm)
+        for name, got in grads.items():
+            torch.testing.assert_close(torch.from_numpy(got), want[name], rtol=TOLERANCE, atol=TOLERANCE,
+                                       msg=lambda m, rank=rank, name=name: f"rank {rank}, {name}: {m}")
+        held |= set(grads)
+    assert held == set(want)  # every parameter of the model was checked on some rank
+
+
+def _refusals(rank: int, init: str, world: int, out: Any) -> None:
+    """What the Pipeline refuses with a "cp" mesh dimension, each on every rank: its one line."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pipefold.errors import ConfigError
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        example = _example()
+        args = example.parser().parse_args([])
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "pp"))
+        got = {}
+
+        def refused(case: str, make: Any) -> None:
+            try:
+                make()
+            except ConfigError as exc:
+                got[case] = str(exc)
+
+        refused("no hook points", lambda: example.pipelined([nn.Linear(8, 8) for _ in range(4)], args, mesh))
+        layers = example.model(args)
+        for layer in layers:
+            for sub in layer.modules():
+                if hasattr(sub, "attend"):
+                    sub.dropout = 0.1
+        refused("attention dropout", lambda: example.pipelined(layers, args, mesh))
+        with_tp = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("cp", "tp", "pp"))
+        refused("cp with tp", lambda: example.pipelined(example.model(args), args, with_tp))
+        pipe = example.pipelined(example.model(args), args, mesh)
+        x, y = next(example.batches(64, args.batch, 6, seed=1))
+        refused("a sequence of 6", lambda: pipe.step(x, target=y))
+        pipe.close()
+        out.put((rank, got))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_pipeline_refuses_what_context_parallelism_cannot_run_in_one_line() -> None:
+    """A model that declares no attention and positions, attention dropout, "cp" with "tp" in the mesh and a
+    sequence that does not split into 2 x cp chunks: each refused on every rank with one line."""
+    expected = {
+        "no hook points": "declare no attend(q, k, v) and positions(t, device) methods",
+        "attention dropout": "ring attention has no attention dropout",
+        "cp with tp": "context parallelism (cp 2) does not run with tensor parallelism (tp 2) yet",
+        "a sequence of 6": "a tensor of shape (8, 6) has 6 tokens: give sequences of a multiple of 4 tokens",
+    }
+    results = dict(run_ranks(_refusals, 4, 4))
+    assert sorted(results) == [0, 1, 2, 3]
+    for rank, got in results.items():
+        assert sorted(got) == sorted(expected), (rank, got)
+        for case, text in expected.items():
+            assert text in got[case] and "\n" not in got[case], (rank, case, got[case])
