@@ -137,7 +137,8 @@ def _example() -> Any:
 def _library_step(rank: int, init: str, world: int, names: tuple[str, ...], shape: tuple[int, ...], schedule: str,
                   out: Any) -> None:
     """One step of the example's Pipeline on a mesh of ``names`` and ``shape``: this rank's rows of the batch (its
-    data-parallel copy's), its loss, the global check and every gradient it holds, by layer and name."""
+    data-parallel copy's), its loss, the global check, every gradient it holds, by layer and name, and the output
+    of a forward over the same rows where the last stage is."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -155,7 +156,10 @@ def _library_step(rank: int, init: str, world: int, names: tuple[str, ...], shap
         check = pipe.check()
         grads = {f"{i}.{name}": p.grad.numpy() for i, layer in enumerate(layers)
                  for name, p in layer.named_parameters() if p.grad is not None}
-        out.put((rank, (rows.start, rows.stop), loss, check.loss, check.norm, grads))
+        with torch.no_grad():
+            output, _ = pipe.forward(x[rows])  # the last stage's output, gathered over the ring
+        out.put((rank, (rows.start, rows.stop), loss, check.loss, check.norm, grads,
+                 None if output is None else output.numpy()))
         pipe.close()
     finally:
         dist.destroy_process_group()
@@ -169,8 +173,8 @@ def test_a_pipeline_in_a_users_loop_has_the_loss_and_gradients_of_one_process(na
                                                                               shape: tuple[int, ...],
                                                                               schedule: str) -> None:
     """examples/context_parallel.py's Pipeline on a DeviceMesh with a "cp" dimension, in real processes over gloo:
-    its step's loss, the global check's loss and norm, and every rank's gradients equal one process training the
-    whole model on the whole sequences, within 1e-5 in float32."""
+    its step's loss, the global check's loss and norm, every rank's gradients and the forward's output (gathered
+    over the ring) equal one process training the whole model on the whole sequences, within 1e-5 in float32."""
     example = _example()
     args = example.parser().parse_args([])
     world = math.prod(shape)
@@ -185,9 +189,14 @@ def test_a_pipeline_in_a_users_loop_has_the_loss_and_gradients_of_one_process(na
     with torch.no_grad():
         whole_loss = example.gpt_loss(whole(x), y).item()
     held: set[str] = set()
-    for rank, (start, stop), loss, check_loss, check_norm, grads in results:
+    outputs = 0
+    for rank, (start, stop), loss, check_loss, check_norm, grads, output in results:
         with torch.no_grad():
-            rows_loss = example.gpt_loss(whole(x[start:stop]), y[start:stop]).item()
+            logits = whole(x[start:stop])
+            rows_loss = example.gpt_loss(logits, y[start:stop]).item()
+        if output is not None:  # on the ranks with the last stage: the whole sequences' logits
+            torch.testing.assert_close(torch.from_numpy(output), logits, rtol=TOLERANCE, atol=TOLERANCE)
+            outputs += 1
         assert abs(loss - rows_loss) <= TOLERANCE, (rank, loss, rows_loss)
         assert abs(check_loss - whole_loss) <= TOLERANCE, (rank, check_loss, whole_loss)
         assert abs(check_norm - norm) <= TOLERANCE * norm, (rank, check_norm, norm)
@@ -196,6 +205,7 @@ def test_a_pipeline_in_a_users_loop_has_the_loss_and_gradients_of_one_process(na
                                        msg=lambda m, rank=rank, name=name: f"rank {rank}, {name}: {m}")
         held |= set(grads)
     assert held == set(want)  # every parameter of the model was checked on some rank
+    assert outputs == world // shape[-1]  # every copy's last stage
 
 
 def _refusals(rank: int, init: str, world: int, out: Any) -> None:
