@@ -610,6 +610,7 @@ def _inputs(schedule: Schedule, table: ActionTable, rules: _Rules, giver: Ints) 
         ok = per & (p >= 0) & (t.view(np.uint64) < S)
         if ok.any():
             columns.append(np.where(ok, giver[np.where(ok, (p * S + t) * M + mb, 0)], -1))
+    columns += _chunk_columns(schedule, rules, giver, kind, stage, mb, per)
     for j in range(rules.after.shape[1]):
         present = [q for q in set(rules.after[:, j].tolist()) - {-1}
                    if (giver[wide0 + q * S * D:wide0 + (q + 1) * S * D] >= 0).any()]
@@ -660,6 +661,24 @@ def _inputs(schedule: Schedule, table: ActionTable, rules: _Rules, giver: Ints) 
                         got.append(x)
             more[g] = tuple(got)
     return Links(n, _packed(candidates, n), more)
+
+
+def _chunk_columns(schedule: Schedule, rules: _Rules, giver: Ints, kind: Ints, stage: Ints, mb: Ints,
+                   per: npt.NDArray[np.bool_]) -> list[Ints]:
+    """With sequence chunks (:attr:`Schedule.seq_chunks`), what a pass waits for on its own stage: a forward the
+    forward of the chunk before it (whose keys and values its attention reads), an input gradient the input
+    gradient of the chunk after it (which gives the gradients of this chunk's keys and values)."""
+    c, S, M = schedule.seq_chunks, schedule.stages, schedule.microbatches
+    if c == 1:
+        return []
+    chunk = np.where(per, mb, 0) % c
+    columns = []
+    for name, step, first in ((Kind.F, -1, 0), (Kind.B, 1, c - 1)):
+        p = rules.names[name]
+        ok = per & (rules.gives[kind] == p).any(axis=1) & (chunk != first)
+        if ok.any():
+            columns.append(np.where(ok, giver[np.where(ok, (p * S + stage) * M + mb + step, 0)], -1))
+    return columns
 
 
 # --------------------------------------------------------------------------- the traversal

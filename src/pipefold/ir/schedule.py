@@ -18,6 +18,9 @@ import numpy.typing as npt
 from pipefold.errors import ScheduleError
 from pipefold.ir.kinds import NO_MICROBATCH, Action, Kind, check_size
 
+SEQ_CHUNKS = "seq_chunks"
+"""The schedule option that cuts each microbatch into sequence chunks (:attr:`Schedule.seq_chunks`)."""
+
 # --------------------------------------------------------------------------- placements
 #
 # A placement is, per replica, the device of every stage. One replica is the usual case.
@@ -244,6 +247,19 @@ class Schedule:
             raise ScheduleError(f"a route names replica {bad!r}, but replicas are 0..{self.replicas - 1}")
         if len(self.actions) != self.devices:
             raise ScheduleError(f"schedule has {self.devices} devices but {len(self.actions)} action lists")
+        c = self.options.get(SEQ_CHUNKS, 1)
+        if not isinstance(c, int) or isinstance(c, bool) or c < 1:
+            raise ScheduleError(f"option {SEQ_CHUNKS} is the sequence chunks of a microbatch: an integer >= 1 "
+                                f"(got {c!r})")
+        if self.microbatches % c:
+            raise ScheduleError(f"{self.microbatches} microbatch units do not split into microbatches of {c} "
+                                f"sequence chunks: with {SEQ_CHUNKS} {c} a schedule has a multiple of {c} units")
+        uneven = next((u for u in range(self.microbatches) if routes[u] != routes[u - u % c]), None) if c > 1 \
+            else None
+        if uneven is not None:
+            raise ScheduleError(f"unit {uneven} (microbatch {uneven // c}, chunk {uneven % c}) takes replica "
+                                f"{routes[uneven]}, its chunk 0 replica {routes[uneven - uneven % c]}: the chunks "
+                                "of a microbatch go through one replica, whose stages keep their keys and values")
 
     # -- derived views
 
@@ -251,6 +267,19 @@ class Schedule:
     def replicas(self) -> int:
         """How many copies of the model the placement holds (2 for Chimera and DualPipe)."""
         return len(self.placement)
+
+    @property
+    def seq_chunks(self) -> int:
+        """How many sequence chunks each microbatch is cut into (Seq1F1B; 1: whole sequences). With c chunks the
+        schedule's ``microbatches`` are units, unit u being chunk u mod c of microbatch u // c; a chunk's forward
+        waits for the forward of the chunk before it on its stage (its attention reads their keys and values), and
+        its backward for the backward of the chunk after it (which gives their gradients)."""
+        return int(self.options.get(SEQ_CHUNKS, 1))
+
+    @property
+    def data_microbatches(self) -> int:
+        """The microbatches of data: ``microbatches`` divided by :attr:`seq_chunks`."""
+        return self.microbatches // self.seq_chunks
 
     @property
     def placement_name(self) -> str:

@@ -13,7 +13,7 @@ from typing import Any
 
 from pipefold._gc import paused_gc
 from pipefold.errors import ConfigError
-from pipefold.ir import Schedule, check_size
+from pipefold.ir import SEQ_CHUNKS, Schedule, check_size
 from pipefold.schedules.bidirectional import chimera, dualpipe
 from pipefold.schedules.controllable import v_block_schedule, v_half, v_min, v_zb
 from pipefold.schedules.dualpipe_v import dualpipev
@@ -66,6 +66,8 @@ def _gap(name: str, help: str, most: int = 3) -> Option:
 
 
 _V = Option(name="v", default=2, help="stages (model chunks) per device", search=lambda p, m: (2, 3, 4))
+_SEQ = Option(name=SEQ_CHUNKS, default=1, help="sequence chunks per microbatch, pipelined with their causal "
+                                                 "dependency (Seq1F1B; 1: whole sequences)")
 
 
 def _chunks(options: Mapping[str, Any]) -> int:
@@ -78,9 +80,9 @@ def _two(options: Mapping[str, Any]) -> int:
 REGISTRY: dict[str, ScheduleSpec] = {
     spec.name: spec
     for spec in [
-        ScheduleSpec(name="gpipe", build=gpipe, memory="m",
+        ScheduleSpec(name="gpipe", options=(_SEQ,), build=gpipe, memory="m",
                      description="GPipe: all forwards, then all backwards (Huang et al. 2019)"),
-        ScheduleSpec(name="1f1b", build=one_f_one_b, memory="p-i",
+        ScheduleSpec(name="1f1b", options=(_SEQ,), build=one_f_one_b, memory="p-i",
                      description="1F1B / PipeDream-Flush: warm-up, then one forward one backward"),
         ScheduleSpec(name="interleaved-1f1b", stages_per_device=_chunks, build=interleaved_1f1b, options=(_V,),
                      memory="~p+(p-1)/v",
@@ -93,20 +95,20 @@ REGISTRY: dict[str, ScheduleSpec] = {
                      description="Breadth-first looped (Lamy-Poirier 2022): all microbatches chunk by chunk"),
         ScheduleSpec(name="kfkb", build=kfkb, memory="min(m, k(p-i))",
                      options=(Option(name="k", default=2, help="microbatches per group",
-                                     search=lambda p, m: range(1, m + 1)),),
+                                     search=lambda p, m: range(1, m + 1)), _SEQ),
                      description="kFkB (Ada-Grouper): k forwards then k backwards; k=1 is 1F1B, k=m GPipe"),
-        ScheduleSpec(name="zb-h1", build=zb_h1, memory="p",
+        ScheduleSpec(name="zb-h1", options=(_SEQ,), build=zb_h1, memory="p",
                      description="Zero Bubble H1: B/W split, W deferred into bubbles, 1F1B's memory"),
-        ScheduleSpec(name="zb-h2", build=zb_h2, memory="2p-1",
+        ScheduleSpec(name="zb-h2", options=(_SEQ,), build=zb_h2, memory="2p-1",
                      description="Zero Bubble H2: extra warm-up fills the start, about twice 1F1B's memory"),
         ScheduleSpec(name="zb-h", build=zb_h, memory="p+extra",
                      options=(Option(name="extra", default=0, minimum=0, search=lambda p, m: range(p),
-                                     help="extra warm-up forwards and deferred Ws (0: zb-h1, p-1: zb-h2)"),),
+                                     help="extra warm-up forwards and deferred Ws (0: zb-h1, p-1: zb-h2)"), _SEQ),
                      description="Zero Bubble between H1 and H2: memory p+extra buys a shorter start-up"),
-        ScheduleSpec(name="zb-v", stages_per_device=_two, build=zb_v,
+        ScheduleSpec(name="zb-v", options=(_SEQ,), stages_per_device=_two, build=zb_v,
                      memory="(min(m,2p-1-i)+min(m,i+1))/2, p for m>=2p-1",
                      description="Zero Bubble V: V placement, B/W split, W fills the gaps; 1F1B's memory, ~no bubble"),
-        ScheduleSpec(name="1f1b-v", stages_per_device=_two, build=one_f_one_b_v,
+        ScheduleSpec(name="1f1b-v", options=(_SEQ,), stages_per_device=_two, build=one_f_one_b_v,
                      memory="(min(m,2p-1-i)+min(m,i+1))/2, p for m>=2p-1",
                      description="1F1B on the V placement: fused backward, warm-up of 2p-1 forwards, then 1F1B"),
         ScheduleSpec(name="dualpipev", stages_per_device=_two, build=dualpipev, memory="p+1/2 (2p+1 chunks)",
@@ -176,7 +178,7 @@ def build(name: str, devices: int, microbatches: int, **options: Any) -> Schedul
         raise ConfigError(f"{name} needs at least {least} microbatches on {devices} devices (got {microbatches}); "
                           f"use --microbatches {least} or more")
     resolved = _resolve_options(spec, options)
-    check_size(devices * spec.stages_per_device(resolved), microbatches,
+    check_size(devices * spec.stages_per_device(resolved), microbatches * resolved.get(SEQ_CHUNKS, 1),
                f"{name} on {devices:,} devices with {microbatches:,} microbatches", devices=devices)
     with paused_gc():
         return spec.build(devices, microbatches, **resolved)
@@ -191,6 +193,10 @@ def _resolve_options(spec: ScheduleSpec, options: Mapping[str, Any]) -> dict[str
     resolved: dict[str, Any] = {}
     for key, value in options.items():
         opt = spec.option(key)
+        if opt is None and key == SEQ_CHUNKS:
+            able = ", ".join(n for n, other in REGISTRY.items() if other.option(SEQ_CHUNKS))
+            raise ConfigError(f"schedule {spec.name} cannot cut microbatches into sequence chunks; schedules that "
+                              f"can: {able}")
         if opt is None:
             takes = ", ".join(o.name for o in spec.options) or "none"
             raise ConfigError(f"schedule {spec.name} takes no option {key!r}; its options: {takes}")

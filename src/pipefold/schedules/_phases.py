@@ -74,7 +74,7 @@ def oldest_first(kind: Ints, chunk: Ints) -> Ints:
 
 
 def counted_rows(rows: Sequence[tuple[Ints, Ints] | tuple[Ints, Ints, Bools]], microbatches: int, *,
-                 takes: Callable[[int, int], Sequence[int]] | None = None) -> ActionRows:
+                 takes: Callable[[int, int], Sequence[int]] | None = None, chunks: int = 1) -> ActionRows:
     """The :class:`ActionRows` of devices whose passes are given as (kind, stage) columns in order, ``kind``
     indexing :data:`CODES`, with a third column where some run in pairs: True where a pass runs together with the
     next one, as one overlapped action (DualPipe's F&B).
@@ -86,6 +86,10 @@ def counted_rows(rows: Sequence[tuple[Ints, Ints] | tuple[Ints, Ints, Bools]], m
     counted past the last of them (an order counted for more microbatches than there are) are left out: removing
     every pass of a microbatch keeps a schedule valid and can only lower what a device holds. Kinds without a
     microbatch (an all-reduce ``R``) have none.
+
+    With ``chunks`` sequence chunks per microbatch the microbatches counted are units (chunk u mod c of microbatch
+    u // c): forwards take them in order, and backwards each microbatch's chunks last first, as the gradients of a
+    chunk's keys and values come from the chunks after it (:attr:`pipefold.ir.Schedule.seq_chunks`).
     """
     codes: tuple[str, ...] = CODES
     if any(len(row) > 2 and np.any(row[2]) for row in rows):
@@ -101,6 +105,9 @@ def counted_rows(rows: Sequence[tuple[Ints, Ints] | tuple[Ints, Ints, Bools]], m
     count = np.full(len(kind), NO_MICROBATCH, dtype=np.int64)
     for which in (kind == F, (kind == B) | (kind == BW)):
         count[which] = _ranks(key[which])
+    if chunks > 1:  # the k-th backward of a stage: chunk c-1-k mod c of its microbatch
+        backward = (kind == B) | (kind == BW)
+        count[backward] += chunks - 1 - 2 * (count[backward] % chunks)
     weights = np.flatnonzero(kind == W)
     if len(weights):  # the k-th W of a device's stage takes the count of the k-th split B of that stage there
         split = np.flatnonzero(kind == B)

@@ -16,28 +16,44 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipefold.ir import Schedule, linear_placement
+from pipefold.ir import SEQ_CHUNKS, Schedule, linear_placement
 from pipefold.schedules._phases import BW, F, counted_rows, warmup_steady_cooldown
 
 
-def kfkb(devices: int, microbatches: int, k: int = 2, *, name: str = "kfkb") -> Schedule:
-    """Groups of k forwards then k backwards, 1F1B-style, on a linear placement."""
-    p, m = devices, microbatches
+def kfkb(devices: int, microbatches: int, k: int = 2, *, seq_chunks: int = 1, name: str = "kfkb") -> Schedule:
+    """Groups of k forwards then k backwards, 1F1B-style, on a linear placement.
+
+    With c ``seq_chunks`` the passes are of sequence chunks (Seq1F1B): m·c units in groups of k units, and every
+    device warms up with more groups (:func:`_chunk_warmup`), as a microbatch's last chunk must have gone forward
+    before its gradient can start back; for 1F1B device i then holds p-i+c-1 chunks, (p-i+c-1)/c microbatches.
+    """
+    p, c = devices, seq_chunks
+    n = microbatches * c
     rows = []
     for i in range(p):
-        stage = np.full(m, i)
+        stage = np.full(n, i)
         # Device i needs p-1-i groups in flight before the first gradient can come back.
-        rows.append(warmup_steady_cooldown((np.full(m, F), stage), (np.full(m, BW), stage),
-                                           warmup=p - 1 - i, size=k))
+        rows.append(warmup_steady_cooldown((np.full(n, F), stage), (np.full(n, BW), stage),
+                                           warmup=p - 1 - i + _chunk_warmup(c, k), size=k))
     options = {"k": k} if name == "kfkb" else {}
-    return Schedule(name, p, p, m, (linear_placement(p),), counted_rows(rows, m), options)
+    if c > 1:
+        options[SEQ_CHUNKS] = c
+    return Schedule(name, p, p, n, (linear_placement(p),), counted_rows(rows, n, chunks=c), options)
 
 
-def one_f_one_b(devices: int, microbatches: int) -> Schedule:
+def one_f_one_b(devices: int, microbatches: int, seq_chunks: int = 1) -> Schedule:
     """1F1B: after a warm-up of p-1-i forwards, device i alternates one forward and one backward."""
-    return kfkb(devices, microbatches, k=1, name="1f1b")
+    return kfkb(devices, microbatches, k=1, seq_chunks=seq_chunks, name="1f1b")
 
 
-def gpipe(devices: int, microbatches: int) -> Schedule:
+def gpipe(devices: int, microbatches: int, seq_chunks: int = 1) -> Schedule:
     """GPipe: every forward, then every backward."""
-    return kfkb(devices, microbatches, k=microbatches, name="gpipe")
+    return kfkb(devices, microbatches, k=microbatches * seq_chunks, seq_chunks=seq_chunks, name="gpipe")
+
+
+def _chunk_warmup(c: int, k: int) -> int:
+    """The forward groups of k units beyond 1F1B's warm-up that c sequence chunks need: backward group j takes the
+    gradients of units jk..(j+1)k-1, each microbatch's chunks last first, so the forwards before it (warm-up plus
+    j+1 groups) must reach the end of the last microbatch it touches, ceil((j+1)k/c)·c units. The pattern repeats
+    every c groups."""
+    return max(0, *(-(-(-(-(j + 1) * k // c) * c) // k) - 1 - j for j in range(c)))

@@ -34,11 +34,11 @@ at half the speed of a forward, and nothing fills the wait.
 
 from __future__ import annotations
 
-from pipefold.ir import Schedule, v_placement
+from pipefold.ir import SEQ_CHUNKS, Schedule, v_placement
 from pipefold.schedules._phases import BW, B, F, Ints, W, counted_rows, phases, v_stage
 
 
-def _device_passes(p: int, m: int, d: int, *, split: bool) -> tuple[Ints, Ints]:
+def _device_passes(p: int, m: int, d: int, *, split: bool, early: int = 0) -> tuple[Ints, Ints]:
     """Device d's passes for m >= 2p-1 microbatches, as in the module docstring: (kind, chunk) of each.
 
     The k-th pass of a kind on a chunk is for microbatch k (:func:`~pipefold.schedules._phases.counted_rows`):
@@ -48,12 +48,13 @@ def _device_passes(p: int, m: int, d: int, *, split: bool) -> tuple[Ints, Ints]:
     parts = [
         # Warm-up 1: microbatch 0 reaches chunk 0 here after d slots and chunk 1 after 2p-1-d (stages
         # 0..2p-2-d run first); the 2p-1-2d slots between are filled with the next chunk-0 forwards.
-        ([f0], 2 * (p - d) - 1),
+        ([f0], 2 * (p - d) - 1 + early),
         # Warm-up 2: a chunk-1 forward goes d stages on (to the top of the V on device 0) and its gradient d
         # stages back, so its B is ready 2d+1 slots after it started: d pairs plus warm-up 3's first F1 fill them.
         # Now 2p-1 activations are held (2p-1-d in chunk 0, d in chunk 1); the next F makes 2p, p M, the cap:
         # from here on every forward is followed in the same round by a backward (and W) that frees one.
         ([f1, f0], d),
+        ([f1], early),
         # Warm-up 3: the first chunk-0 gradient leaves with B1 of microbatch 0, runs down the chunk-1 stages of
         # devices d+1..p-1 (one slot each), turns at the bottom (three) and climbs their chunk-0 stages (two
         # each: every device runs its F0 first): 3(p-d) slots, p-d rounds of three passes.
@@ -80,24 +81,30 @@ def _device_passes(p: int, m: int, d: int, *, split: bool) -> tuple[Ints, Ints]:
     return kind, chunk
 
 
-def _v_schedule(devices: int, microbatches: int, *, split: bool, name: str) -> Schedule:
-    """The V-shape phases for every device, with a split (ZB-V) or fused (1F1B-V) backward."""
-    p, m = devices, microbatches
+def _v_schedule(devices: int, microbatches: int, *, split: bool, name: str, seq_chunks: int = 1) -> Schedule:
+    """The V-shape phases for every device, with a split (ZB-V) or fused (1F1B-V) backward.
+
+    With c ``seq_chunks`` the passes are of sequence chunks: m·c units, each device running c-1 forwards of each
+    of its stages earlier than it would, as a microbatch's last chunk must have gone forward before its gradient
+    can start back; the device then holds 2p+2(c-1) chunk activations, (p+c-1)/c microbatches."""
+    p, c = devices, seq_chunks
+    m = microbatches * c
     # The phases assume device 0's warm-up of 2p-1 chunk-0 forwards exists. With fewer microbatches they
     # are counted for 2p-1 and the passes of the microbatches that do not exist are left out.
-    padded = max(m, 2 * p - 1)
+    padded = max(m, 2 * p - 1) + c - 1
     rows = []
     for d in range(p):
-        kind, chunk = _device_passes(p, padded, d, split=split)
+        kind, chunk = _device_passes(p, padded, d, split=split, early=c - 1)
         rows.append((kind, v_stage(p, d, chunk)))  # chunk 0 is stage d, chunk 1 stage 2p-1-d
-    return Schedule(name, p, 2 * p, m, (v_placement(p),), counted_rows(rows, m))
+    options = {SEQ_CHUNKS: c} if c > 1 else {}
+    return Schedule(name, p, 2 * p, m, (v_placement(p),), counted_rows(rows, m, chunks=c), options)
 
 
-def zb_v(devices: int, microbatches: int) -> Schedule:
+def zb_v(devices: int, microbatches: int, seq_chunks: int = 1) -> Schedule:
     """ZB-V: V placement, B/W split and W filling the gaps; almost no bubble at 1F1B's memory."""
-    return _v_schedule(devices, microbatches, split=True, name="zb-v")
+    return _v_schedule(devices, microbatches, split=True, name="zb-v", seq_chunks=seq_chunks)
 
 
-def one_f_one_b_v(devices: int, microbatches: int) -> Schedule:
+def one_f_one_b_v(devices: int, microbatches: int, seq_chunks: int = 1) -> Schedule:
     """1F1B on the V placement: fused backward, a warm-up of 2p-1 forwards, then one forward one backward."""
-    return _v_schedule(devices, microbatches, split=False, name="1f1b-v")
+    return _v_schedule(devices, microbatches, split=False, name="1f1b-v", seq_chunks=seq_chunks)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipefold.ir import Schedule, linear_placement
+from pipefold.ir import SEQ_CHUNKS, Schedule, linear_placement
 from pipefold.schedules._phases import B, F, Ints, W, counted_rows
 
 
@@ -45,31 +45,37 @@ def _device_kinds(m: int, warmup: int, defer: int) -> Ints:
     return np.concatenate((np.full(w, F), rounds, np.full(min(defer, m), W)))
 
 
-def zb_h(devices: int, microbatches: int, extra: int = 0, *, name: str = "zb-h") -> Schedule:
+def zb_h(devices: int, microbatches: int, extra: int = 0, *, seq_chunks: int = 1, name: str = "zb-h") -> Schedule:
     """Zero Bubble between H1 and H2: ``extra`` more warm-up forwards and deferred Ws per device.
 
     Device i spends ``extra`` microbatches of memory beyond ZB-H1's p: first on
     warm-up forwards (up to p-1-i of them: more could not start before the
     first gradient returns), the rest on deferring more Ws (up to i), so its
     peak is p + extra until both run out. extra = 0 is ZB-H1, p-1 is ZB-H2.
+
+    With c ``seq_chunks`` the passes are of sequence chunks: m·c units, and every device warms up with c-1 more,
+    as a microbatch's last chunk must have gone forward before its gradient can start back.
     """
-    p, m = devices, microbatches
+    p, c = devices, seq_chunks
+    m = microbatches * c
     rows = []
     for i in range(p):
         more_warmup = min(extra, p - 1 - i)
-        warmup = p - i + more_warmup
+        warmup = p - i + more_warmup + c - 1
         defer = i + min(extra - more_warmup, i)
         kind = _device_kinds(m, warmup=warmup, defer=min(defer, max(i, m - (p - i))))
         rows.append((kind, np.full(len(kind), i)))
-    options = {"extra": extra} if name == "zb-h" else {}
-    return Schedule(name, p, p, m, (linear_placement(p),), counted_rows(rows, m), options)
+    options: dict[str, int] = {"extra": extra} if name == "zb-h" else {}
+    if c > 1:
+        options[SEQ_CHUNKS] = c
+    return Schedule(name, p, p, m, (linear_placement(p),), counted_rows(rows, m, chunks=c), options)
 
 
-def zb_h1(devices: int, microbatches: int) -> Schedule:
+def zb_h1(devices: int, microbatches: int, seq_chunks: int = 1) -> Schedule:
     """ZB-H1: 1F1B with B/W split and deferred W, at 1F1B's memory."""
-    return zb_h(devices, microbatches, 0, name="zb-h1")
+    return zb_h(devices, microbatches, 0, seq_chunks=seq_chunks, name="zb-h1")
 
 
-def zb_h2(devices: int, microbatches: int) -> Schedule:
+def zb_h2(devices: int, microbatches: int, seq_chunks: int = 1) -> Schedule:
     """ZB-H2: extra warm-up forwards fill the start-up bubble, at about twice 1F1B's memory."""
-    return zb_h(devices, microbatches, devices - 1, name="zb-h2")
+    return zb_h(devices, microbatches, devices - 1, seq_chunks=seq_chunks, name="zb-h2")

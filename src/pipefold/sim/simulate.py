@@ -35,7 +35,7 @@ import itertools
 import math
 import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -664,6 +664,8 @@ def simulate(schedule: Schedule, cost: CostModel | None = None, *, network: Netw
     schedule is invalid.
     """
     cost = cost or CostModel()
+    if schedule.seq_chunks > 1:
+        cost = per_chunk(cost, schedule.seq_chunks)
     S, D = schedule.stages, schedule.devices
     outside = sorted(s for s in cost.stage_overrides if not 0 <= s < S)
     if outside:
@@ -718,6 +720,32 @@ def simulate(schedule: Schedule, cost: CostModel | None = None, *, network: Netw
         raise ConfigError(f"the memory costs overflow: {schedule.name}'s memory would add up beyond the largest "
                           "float; give a smaller --mem or --weights (e.g. in MB or GB instead of bytes)")
     return result
+
+
+def per_chunk(cost: CostModel, chunks: int) -> CostModel:
+    """The costs of one of ``chunks`` equal sequence chunks of a microbatch (Seq1F1B): what a pass does for its
+    microbatch (times, activation memory, the bytes it sends, K-FAC's per-microbatch work and what it keeps) a
+    ``chunks``-th each; what a stage does once a step (all-reduces, the optimizer, K-FAC's inversion) and each
+    message's latency unchanged. Equal chunks are equal work: the runtime cuts the sequence into equal lengths, so
+    there its later chunks' attention, which reads more keys, takes longer than the earlier ones'."""
+    k = 1.0 / chunks
+
+    def each(table: Mapping[str, float]) -> dict[str, float]:
+        return {code: v * k if KINDS[code].microbatch else v for code, v in table.items()}
+
+    def scaled(value: float | None) -> float | None:
+        return None if value is None else value * k
+
+    overrides = {stage: replace(o, f=o.f * k, b=o.b * k, w=o.w * k, memory=scaled(o.memory),
+                                recompute=o.recompute * k, kept=scaled(o.kept), memory_w=scaled(o.memory_w),
+                                bw=scaled(o.bw), offloaded=scaled(o.offloaded), offload=scaled(o.offload),
+                                work=None if o.work is None else each(o.work),
+                                stash=None if o.stash is None else {c: v * k for c, v in o.stash.items()})
+                 for stage, o in cost.stage_overrides.items()}
+    return replace(cost, f=cost.f * k, b=cost.b * k, w=cost.w * k, memory=cost.memory * k,
+                   memory_w=scaled(cost.memory_w), activation_bytes=cost.activation_bytes * k,
+                   offload=cost.offload * k, work=each(cost.work),
+                   stash={c: v * k for c, v in cost.stash.items()}, stage_overrides=overrides)
 
 
 def _by_action(table: ActionTable, values: npt.NDArray[np.float64],
