@@ -80,7 +80,8 @@ from pipefold.ir.schedule import (
 
 __all__ = [
     "AG", "B", "BW", "DP", "F", "FORMATS", "KA", "KG", "KI", "KINDS", "KP", "MAX_DEVICES", "MAX_STAGE_MICROBATCHES",
-    "NO_MICROBATCH", "OF", "SEQ_CHUNKS", "OPT", "PASSES", "RL", "RS", "W", "Action", "ActionRows", "Graph", "Kind", "KindSpec", "R",
+    "NO_MICROBATCH", "OF", "OPT", "PASSES", "RL", "RS", "SEQ_CHUNKS", "W", "Action", "ActionRows", "Graph", "Kind",
+    "KindSpec", "R",
     "Schedule",
     "Transfer", "check_size", "dependency_graph", "describe_placement", "dumps", "format_of", "linear_placement",
     "load", "looped_placement", "overlap", "parse_placement", "read_schedule_text", "register_kind", "render_grid",

@@ -137,6 +137,13 @@ class Model(abc.ABC):
         raise ConfigError(f"the {self.name} model declares no sequence-parallel plan: drop --sequence-parallel (the "
                           "gpt model has one)")
 
+    def check_sequence_chunks(self, chunks: int) -> None:
+        """Refuse, in one line, sequence chunks (Seq1F1B) this model cannot run: by default every model, as only
+        a model whose layers declare where attention and positions are (``attend`` and ``positions``, which the
+        runtime fills, :mod:`pipefold.runtime.seqchunks`) can."""
+        raise ConfigError(f"the {self.name} model does not declare its attention and positions for sequence "
+                          f"chunks (seq_chunks {chunks}): use --model gpt, or a schedule without seq_chunks")
+
     def check_context_parallel(self, cp: int) -> None:
         """Refuse in one line a split of each sequence over ``cp`` context-parallel ranks that the model cannot run:
         its layers declare where attention and positions are (``attend`` and ``positions``, which the runtime fills,

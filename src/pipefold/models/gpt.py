@@ -252,6 +252,15 @@ class GPT(Model):
     def sequence_length(self) -> int | None:
         return self.batches.seq
 
+    def check_sequence_chunks(self, chunks: int) -> None:
+        seq = self.batches.seq
+        if seq % chunks:
+            raise ConfigError(f"seq_chunks {chunks} cuts each sequence into {chunks} equal chunks, and --seq {seq} "
+                              f"does not: give --seq a multiple of {chunks}")
+        if self.cfg.dropout:
+            raise ConfigError("sequence chunks attend block by block, without attention dropout: use a GPTConfig "
+                              "with dropout 0 with seq_chunks")
+
     def check_context_parallel(self, cp: int) -> None:
         seq = self.batches.seq
         if seq % (2 * cp):

@@ -59,6 +59,7 @@ if TYPE_CHECKING:
 from pipefold.runtime.activation_offload import HostCopies
 from pipefold.runtime.meter import MemoryMeter
 from pipefold.runtime.precision import grad_holder
+from pipefold.runtime.seqchunks import sequence_chunks
 from pipefold.runtime.stage import Boundaries, StageRunner, Tensors
 from pipefold.runtime.structure import decode_spec, encode_spec
 from pipefold.runtime.watch import Activity
@@ -368,6 +369,9 @@ class RankExecutor:
                            autocast=autocast)
             for s, m in modules.items()
         }
+        if schedule.seq_chunks > 1:  # each stage's chunks share their keys and values
+            for s, runner in self.runners.items():
+                runner.chunks = sequence_chunks(modules[s], schedule.seq_chunks)
         self.optimizers = dict(optimizers or {})
         """Per stage, what its OPT action calls: its optimizer's step."""
         self.work = work

@@ -45,6 +45,7 @@ from pipefold.runtime.executor import COMPUTE_KINDS, RankExecutor, StepStats, ki
 from pipefold.runtime.numerics import clip_factor, local_check, scale_grads, verdict
 from pipefold.runtime.offload import Offloaded
 from pipefold.runtime.precision import Masters, Precision, PrecisionOptimizer, unscale
+from pipefold.runtime.seqchunks import split_units
 from pipefold.runtime.stage import Boundaries, Tensors
 from pipefold.runtime.structure import flatten, split_call, unflatten
 from pipefold.runtime.tied import TiedGrads, untie
@@ -628,7 +629,10 @@ class Pipeline(RankPipeline):
         output = None
         if executor.outputs:
             parts = [executor.outputs[mb] for mb in sorted(executor.outputs)]
-            output = _join(parts) if len(parts) == self.schedule.microbatches else None
+            c = self.schedule.seq_chunks
+            if c > 1 and len(parts) == self.schedule.microbatches:  # each microbatch's chunks side by side
+                parts = [_join(parts[i:i + c], dim=1) for i in range(0, len(parts), c)]
+            output = _join(parts) if len(parts) == self.schedule.data_microbatches else None
             executor.outputs = {}
             if output is not None:
                 output = self._whole(output)  # every copy of the ring holds the last stage: gathered alike
@@ -636,25 +640,29 @@ class Pipeline(RankPipeline):
 
     def _run(self, train: bool, inputs: tuple[Any, ...], kwinputs: dict[str, Any], target: Any,
              all_ranks: bool) -> float | None:
-        m = self.schedule.microbatches
+        m, c = self.schedule.data_microbatches, self.schedule.seq_chunks
         executor = self.executor(train=train)
         holds = [s for s in executor.runners if s == 0]
-        xs: list[Tensors] = [()] * m
+        xs: list[Tensors] = [()] * (m * c)
         if holds:
             # With the parameters in bf16 or fp16, so is every floating input (autocast casts its own).
             dtype = self.precision.torch_dtype if self.precision.master_weights else None
             moved = [self._share(_to(v, self.device, dtype)) for v in inputs]
             xs, spec = split_call(tuple(moved), {k: self._share(_to(v, self.device, dtype))
                                                  for k, v in kwinputs.items()}, m)
+            if c > 1:  # and each microbatch into its sequence chunks
+                xs = split_units(xs, c)
             self.boundaries.specs[0] = spec
         last = self.schedule.stages - 1
-        ys: list[Any] = [None] * m
+        ys: list[Any] = [None] * (m * c)
         if last in executor.runners:
             if target is None and train:
                 raise ConfigError(f"this rank holds the last stage ({last}): give the batch's targets, "
                                   "Pipeline.step(..., target=y)")
             if target is not None:
                 ys = _split_target(self._share(_to(target, self.device)), m)
+                if c > 1:
+                    ys = split_units(ys, c)
         gathered = not train and self.sharded
         if gathered:  # FSDP's shards gathered for the forwards, as the training schedule's AG does
             for module in self.modules.values():
@@ -870,8 +878,8 @@ _DERIVED = ("F", "B", "W", "BW", "OPT")
 def step_costs(steps: Sequence[StepStats], schedule: Schedule) -> Any:
     """The cost model of one measured step (each device's stats): per stage, the median seconds of its F, B and W
     (a fused BW counts as B + W, split evenly) and of any other work it ran (K-FAC's), and the bytes one
-    microbatch held after F, while B ran and between B and W."""
-    from pipefold.sim.simulate import CostModel, split_backward
+    microbatch held after F, while B ran and between B and W (with sequence chunks, c times a chunk's)."""
+    from pipefold.sim.simulate import CostModel, of_microbatch, split_backward
 
     times = kind_times(steps)
     memory = {s: mem for st in steps for s, mem in st.stage_memory.items()}
@@ -885,7 +893,8 @@ def step_costs(steps: Sequence[StepStats], schedule: Schedule) -> Any:
         over[s] = dataclasses.replace(split_backward(times.get(s, {})), memory=float(max(held, during_b)),
                                       kept=float(held), memory_w=float(held_w or held), work=work or None,
                                       offloaded=float(moved[s]) if s in moved else None, offload=copies.get(s))
-    return CostModel(stage_overrides=over)
+    # With sequence chunks a pass was a chunk's: the cost model is of whole microbatches (the simulator cuts them).
+    return of_microbatch(CostModel(stage_overrides=over), schedule.seq_chunks)
 
 
 def _copy_times(steps: Sequence[StepStats]) -> dict[int, float]:
@@ -1028,11 +1037,11 @@ def _split_target(target: Any, parts: int) -> list[Any]:
     return [unflatten(spec, [c[j] for c in cut]) for j in range(parts)]
 
 
-def _join(parts: list[Any]) -> Any:
+def _join(parts: list[Any], dim: int = 0) -> Any:
     from torch.utils import _pytree as pytree
 
     leaves = [pytree.tree_flatten(p) for p in parts]
     tree = leaves[0][1]
-    joined = [torch.cat(vs) if isinstance(vs[0], torch.Tensor) and vs[0].dim() > 0 else vs[0]
+    joined = [torch.cat(vs, dim) if isinstance(vs[0], torch.Tensor) and vs[0].dim() > dim else vs[0]
               for vs in zip(*(ls for ls, _ in leaves), strict=True)]
     return pytree.tree_unflatten(joined, tree)

@@ -56,6 +56,7 @@ from pipefold.runtime import wgrad
 from pipefold.runtime.activation_offload import HostCopies, Offloaded
 from pipefold.runtime.host_memory import keep_freed_pages
 from pipefold.runtime.meter import MemoryMeter, storage_of
+from pipefold.runtime.seqchunks import SequenceChunks
 from pipefold.runtime.sharding import local, waited
 from pipefold.runtime.structure import Call, Spec, as_call, describe, flatten, unflatten
 
@@ -194,6 +195,10 @@ class _Pass:
     """On the first stage, its first layer's outputs as graph edges: where W ends (see ``StageRunner._lead``)."""
     lead_grads: Tensors = ()
     """Their gradients, from B."""
+    read: Tensors = ()
+    """With sequence chunks: the earlier chunks' keys and values its attention read, as leaves (extra inputs)."""
+    made: Tensors = ()
+    """With sequence chunks: its own keys and values, which the later chunks read (extra outputs)."""
     host: list[Offloaded] | None = None
     """What an offload (``OF``) moved to host memory, until the backward (a reload copies from it)."""
     offloaded: Any = None
@@ -827,6 +832,9 @@ class StageRunner:
         """The most bytes one microbatch held between its B and its W (0 until a B has run)."""
         self.memory_offloaded = 0
         """The most bytes one microbatch's offload (``OF``) moved to host memory."""
+        self.chunks: SequenceChunks | None = None
+        """With sequence chunks (Seq1F1B): the keys and values the stage's chunks share
+        (:mod:`pipefold.runtime.seqchunks`); each microbatch number is then a unit, one chunk of a microbatch."""
 
     # -- forward
 
@@ -856,6 +864,8 @@ class StageRunner:
             setattr(listener, "on_saved", lambda t: meter.hold((t,), "saved"))  # noqa: B010
         rebuild = None
         call = self.boundaries.call
+        if self.chunks is not None:
+            self.chunks.begin(mb)
         unpack: Callable[[Any], Any] = self._unpack
         if self._compiled:
             pack, unpack = eager(pack), eager(unpack)
@@ -896,6 +906,8 @@ class StageRunner:
         # The outputs stay alive until B: they are the roots it starts from.
         meter.hold(out, "output")
         p = _Pass(leaves, out, boxes, rebuild=rebuild, lead=lead)
+        if self.chunks is not None:
+            p.read, p.made = self.chunks.taken(mb)
         self._passes[mb] = p
         self.memory_f = max(self.memory_f, p.held_bytes(self.meter))
         # A tensor-parallel stage's last all-reduce may still be in flight (torch's AsyncCollectiveTensor): what
@@ -906,8 +918,12 @@ class StageRunner:
         """F of a forward-only step (evaluation, inference), under ``torch.no_grad``: nothing is kept for a backward.
         The last stage keeps its output in :attr:`outputs` (and its loss in :attr:`losses` when given a
         ``target``) and returns nothing; any other its output's tensors for the next stage."""
+        if self.chunks is not None:
+            self.chunks.begin(mb)
         with torch.no_grad(), self._fitting(inputs), self.casting(inputs):
             raw = self.boundaries.call(self.stage, inputs)(self.module)
+            if self.chunks is not None:
+                self.chunks.taken(mb)
             if self.loss_fn is None:
                 return self._hand_over(raw)
             self.outputs[mb] = raw
@@ -1018,6 +1034,10 @@ class StageRunner:
         grads_out = self._grads_for(p, out_grads)
         outs = self._differentiable(p)
         wanted = [x for x in p.inputs if x.requires_grad]
+        given = len(wanted)  # the stage's own inputs; after them the earlier chunks' keys and values
+        if self.chunks is not None:
+            roots, root_grads = self.chunks.roots(mb, p.made)
+            outs, grads_out, wanted = outs + roots, grads_out + root_grads, wanted + list(p.read)
         cut = self._cuts.of(outs, wanted)
         captured: dict[Node, tuple[torch.Tensor | None, ...]] = {}
         state = self._state
@@ -1046,7 +1066,10 @@ class StageRunner:
         p.grads_out = [grads_out[i] for i in cut.outputs]
         self.meter.hold(p.grads_out, "captured")
         inputs, p.inputs = p.inputs, ()
-        grads = _input_grads(inputs, dx) if wanted else None
+        if self.chunks is not None:
+            self.chunks.give(mb, dx[given:])
+            dx, p.read, p.made = dx[:given], (), ()
+        grads = _input_grads(inputs, dx) if given else None
         if p.lead:
             p.lead_grads, grads = grads or (), None  # for W to finish with the first layer
         self.meter.hold(grads or p.lead_grads, "output" if grads else "captured")
@@ -1066,16 +1089,22 @@ class StageRunner:
         p = self._passes.pop(mb)
         self._reloaded(p)
         grads_out = self._grads_for(p, out_grads)
+        outs = self._differentiable(p)
         wanted = [x for x in p.inputs if x.requires_grad]
+        if self.chunks is not None:
+            roots, root_grads = self.chunks.roots(mb, p.made)
+            outs, grads_out = outs + roots, grads_out + root_grads
         before = self._rest_of_rank(p, out_grads)
         # backward() adds straight into each parameter's .grad (and the input leaves' .grad): no copies; a
         # Linear's weight gradient in place (wgrad). Into every leaf the stage's graph reaches, through the
         # graph's own accumulators: naming the parameters would name their current accumulators, not the
         # graph's, where a parameter's data moved since the forward.
         if self._fuse:
-            wgrad.backward(self._differentiable(p), grads_out)
+            wgrad.backward(outs, grads_out)
         else:
-            torch.autograd.backward(self._differentiable(p), grads_out)
+            torch.autograd.backward(outs, grads_out)
+        if self.chunks is not None:
+            self.chunks.give(mb, [x.grad for x in p.read])
         grads = _input_grads(p.inputs, [x.grad for x in wanted]) if wanted else None
         if p.lead:
             self._finish_lead(p, grads or ())

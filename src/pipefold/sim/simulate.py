@@ -728,7 +728,17 @@ def per_chunk(cost: CostModel, chunks: int) -> CostModel:
     ``chunks``-th each; what a stage does once a step (all-reduces, the optimizer, K-FAC's inversion) and each
     message's latency unchanged. Equal chunks are equal work: the runtime cuts the sequence into equal lengths, so
     there its later chunks' attention, which reads more keys, takes longer than the earlier ones'."""
-    k = 1.0 / chunks
+    return _scaled(cost, 1.0 / chunks)
+
+
+def of_microbatch(cost: CostModel, chunks: int) -> CostModel:
+    """The costs of a whole microbatch from those of one of its ``chunks`` sequence chunks (a measured step's):
+    the inverse of :func:`per_chunk`."""
+    return _scaled(cost, float(chunks))
+
+
+def _scaled(cost: CostModel, k: float) -> CostModel:
+    """What a pass does for its microbatch times ``k``; what a stage does once a step as it is."""
 
     def each(table: Mapping[str, float]) -> dict[str, float]:
         return {code: v * k if KINDS[code].microbatch else v for code, v in table.items()}

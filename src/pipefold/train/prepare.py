@@ -110,6 +110,8 @@ def make_job(spec: RunSpec, *, decided: Decisions | None = None, placed: Any = N
         schedule, extra["offload_activations"] = _offload_activations(schedule, spec.memory.activation_share)
     if spec.parallel.cp > 1:
         model.check_context_parallel(spec.parallel.cp)
+    if schedule.seq_chunks > 1:
+        _check_sequence_chunks(spec, model, schedule.seq_chunks)
     if spec.parallel.copies > 1:
         from pipefold.schedules.dataparallel import with_data_parallel
 
@@ -202,8 +204,23 @@ def check_size(spec: RunSpec, model: Model, schedule: Schedule, *, builds_model:
                                  or spec.optimizer.name == "kfac"
                                  or (memory.budget is not None and not memory.state_chunks))
     gpu = (min(gpus, ranks), torch.cuda.get_device_properties(0).total_memory) if gpus else None
-    check_model(model, gpu=gpu, microbatches=schedule.microbatches * dp, ranks=ranks, copies=held,
+    check_model(model, gpu=gpu, microbatches=schedule.data_microbatches * dp, ranks=ranks, copies=held,
                 measures=measures, what=f"training {spec.model.name}")
+
+
+def _check_sequence_chunks(spec: RunSpec, model: Model, chunks: int) -> None:
+    """Refuse in one line what sequence chunks do not run with yet, then what the model cannot cut."""
+    other = [flag for flag, on in (
+        (f"--cp {spec.parallel.cp}", spec.parallel.cp > 1),
+        (f"--tp {spec.parallel.tp_text}", spec.parallel.tensor_parallel),
+        ("--optimizer kfac", spec.optimizer.name == "kfac"), (f"--recompute {spec.memory.recompute}",
+                                                              spec.memory.recompute != "none"),
+        ("--offload", spec.memory.offloaded is not None), ("--offload-activations", bool(spec.memory.activation_share)))
+        if on]
+    if other:
+        raise ConfigError(f"sequence chunks (seq_chunks {chunks}) do not run with {other[0]} yet: drop it, or use a "
+                          "schedule without seq_chunks")
+    model.check_sequence_chunks(chunks)
 
 
 def check_links(spec: RunSpec, model: Model, schedule: Schedule) -> None:
@@ -223,7 +240,7 @@ def check_links(spec: RunSpec, model: Model, schedule: Schedule) -> None:
     nbytes = 0
     exact = spec.devices.precision.dtype == "fp32"
     if shape is not None:
-        rows = shape.batch // (spec.parallel.dp * schedule.microbatches)
+        rows = shape.batch // (spec.parallel.dp * schedule.data_microbatches)
         nbytes = boundary_bytes(shape, rows, 4 if exact else 2)
     flag = f"--network {spec.links.network}" + (" with --netns" if spec.links.netns else "")
     check_network(network, spec.reliability.action_timeout, stage_messages(schedule, nbytes), flag=flag,

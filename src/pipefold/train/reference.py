@@ -40,7 +40,7 @@ def reference_step(job: Job, step: int = 0) -> tuple[float, dict[str, torch.Tens
     casting = torch.autocast(device.type, dtype=precision.autocast) if precision.autocast is not None else \
         contextlib.nullcontext()
     # The data-parallel copies' microbatches, in order: copy c's j-th is the batch's (c * m + j)-th.
-    m = job.schedule.microbatches * job.parallel.dp
+    m = job.schedule.data_microbatches * job.parallel.dp
     x, y = job.batch_at(step)
     xs_all = tuple(t.to(device, low) if low is not None and t.is_floating_point() else t.to(device)
                    for t in as_tuple(x))

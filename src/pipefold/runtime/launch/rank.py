@@ -30,6 +30,7 @@ from pipefold.runtime.launch.faults import Faults
 from pipefold.runtime.numerics import clip_factor, local_check, scale_grads, verdict
 from pipefold.runtime.pipeline import RankPipeline
 from pipefold.runtime.precision import LossScaler, Masters, grad_holder, unscale
+from pipefold.runtime.seqchunks import split_units
 from pipefold.runtime.stage import Chain, Tensors, as_tuple, split_batch
 from pipefold.runtime.tied import TiedGrads, untie
 from pipefold.runtime.watch import (
@@ -190,7 +191,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     learning: list[tuple[StepStats, Schedule]] = []  # each step to learn from, with the schedule it ran
     recent: collections.deque[StepStats] = collections.deque(maxlen=job.adaptive.every if job.adaptive else 1)
     grads = None
-    m = job.schedule.microbatches
+    m, chunks = job.schedule.data_microbatches, job.schedule.seq_chunks
     # A stage held by several replicas counts once in a global norm: by its first holder, in the first copy
     # (with FSDP, by every copy: each holds its own shard); a tied weight's copies count once; a parameter split
     # over the tensor-parallel ranks by each of them (its part), one they replicate by the first.
@@ -244,6 +245,8 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
         xs = split_batch(tuple(t.to(device, low) if low is not None and t.is_floating_point() else t.to(device)
                                for t in as_tuple(x)), m)
         ys = microbatches(y.to(device), m)
+        if chunks > 1:  # each microbatch in its sequence chunks, the schedule's units
+            xs, ys = split_units(xs, chunks), split_units(ys, chunks)
         if step_number(step) in faults.nan and xs[0][0].is_floating_point():
             poisoned = xs[0][0].clone()
             poisoned.view(-1)[0] = math.nan
