@@ -97,7 +97,9 @@ def _print_result(result: SimResult, console: Console) -> None:
 
     s = result.schedule
     console.print(styled((str(ScheduleRef.of(s)), "bold"), f"  devices={s.devices} stages={s.stages} "
-                         f"microbatches={s.microbatches} placement={s.placement_name}"))
+                         f"microbatches={s.data_microbatches}"
+                         f"{f' x {s.seq_chunks} sequence chunks' if s.seq_chunks > 1 else ''} "
+                         f"placement={s.placement_name}"))
     table = Table(show_edge=False)
     for col in ("device", "stages", "busy", "idle", "peak memory (M)"):
         table.add_column(col, justify="right")

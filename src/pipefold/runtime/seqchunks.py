@@ -4,9 +4,9 @@ pipeline one after another, as units of their own (:attr:`pipefold.ir.Schedule.s
 **Forward.** Under a causal mask, chunk ``j`` attends to its own tokens and to every token of chunks ``0..j-1``.
 Each stage keeps, per microbatch and attention layer, the keys and values its earlier chunks made; chunk ``j``'s
 attention reads them as leaves of its own graph (detached, so that its backward does not run into the earlier
-chunks' graphs), and its own keys and values stay in its graph as extra outputs. The attention is computed block by
-block (the earlier chunks, then its own under the causal mask) and the blocks merged by their log-sum-exp, so no
-concatenation of the keys is kept; each block's scores are recomputed in the backward.
+chunks' graphs), and its own keys and values stay in its graph as extra outputs. The attention runs over the
+blocks side by side (the earlier chunks' keys whole, its own under the causal mask) and is recomputed in the
+backward, so what a chunk keeps of it is the blocks themselves, not their concatenation nor the scores.
 
 **Backward.** The chunks of a microbatch go back last first (the schedule's dependency). Chunk ``j``'s backward
 gives, beside its input's gradient, the gradients of the earlier chunks' keys and values it read; they are added up
@@ -21,17 +21,16 @@ embeds); :func:`sequence_chunks` fills them. Dropout inside attention is refused
 
 from __future__ import annotations
 
-import math
 import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from pipefold.errors import ConfigError
-from pipefold.runtime.context import _attend
 
 __all__ = ["SequenceChunks", "sequence_chunks", "split_units"]
 
@@ -85,15 +84,13 @@ class SequenceChunks:
                 ki, vi = ki.detach().requires_grad_(), vi.detach().requires_grad_()
                 self._read.setdefault(unit, []).extend(((ki, m * self.chunks + i, 2 * layer),
                                                         (vi, m * self.chunks + i, 2 * layer + 1)))
-            blocks.append((ki, vi, None))
+            blocks.append((ki, vi))
         earlier.append((k.detach(), v.detach()))
         if training:
             made = self._made.setdefault(unit, [None] * (2 * self.layers))
             made[2 * layer], made[2 * layer + 1] = k, v
-        t = q.size(-2)
-        mine = torch.arange(t, device=q.device)
-        blocks.append((k, v, mine[:, None] >= mine[None, :]))
-        return _merged(q, blocks)
+        blocks.append((k, v))
+        return _over_chunks(q, blocks)
 
     # -- what the stage runner asks
 
@@ -139,25 +136,27 @@ class SequenceChunks:
         self._read_of.clear()
 
 
-def _merged(q: torch.Tensor, blocks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]) -> torch.Tensor:
-    """Softmax attention of ``q`` over the blocks of keys and values (a None mask: all visible), merged by each
-    block's log-sum-exp; key-value heads fewer than the query heads are repeated; scores recomputed in backward."""
-    scale = 1.0 / math.sqrt(q.size(-1))
-    out: torch.Tensor | None = None
-    lse: torch.Tensor | None = None
-    for k, v, mask in blocks:
-        if k.size(1) != q.size(1):
-            k, v = (x.repeat_interleave(q.size(1) // x.size(1), dim=1) for x in (k, v))
-        if mask is None:
-            mask = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device)
-        part, part_lse = checkpoint(_attend, q, k, v, mask, scale, use_reentrant=False)
-        if out is None or lse is None:
-            out, lse = part, part_lse
-            continue
-        total = torch.logaddexp(lse, part_lse)
-        out = out * torch.exp(lse - total) + part * torch.exp(part_lse - total)
-        lse = total
-    assert out is not None
+def _joined(q: torch.Tensor, mask: torch.Tensor, *blocks: torch.Tensor) -> torch.Tensor:
+    """Attention of ``q`` over the blocks' keys and values (k, v, k, v, ...) side by side, under ``mask``;
+    key-value heads fewer than the query heads are repeated."""
+    k, v = torch.cat(blocks[0::2], dim=-2), torch.cat(blocks[1::2], dim=-2)
+    if k.size(1) != q.size(1):
+        k, v = (x.repeat_interleave(q.size(1) // x.size(1), dim=1) for x in (k, v))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _over_chunks(q: torch.Tensor, blocks: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Causal attention of the last block's queries ``q`` over every block (the earlier chunks' keys whole, its
+    own under the causal mask), recomputed in the backward: what it keeps is the blocks themselves, not their
+    concatenation nor the scores."""
+    t = q.size(-2)
+    before = t * (len(blocks) - 1)
+    mine = torch.arange(t, device=q.device)
+    mask = (mine[:, None] + before) >= torch.arange(before + t, device=q.device)[None, :]
+    flat = [x for kv in blocks for x in kv]
+    if not torch.is_grad_enabled():
+        return _joined(q, mask, *flat)
+    out: torch.Tensor = checkpoint(_joined, q, mask, *flat, use_reentrant=False)
     return out
 
 
