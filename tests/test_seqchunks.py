@@ -84,6 +84,21 @@ def test_the_chunks_survive_every_file_form() -> None:
         assert simulate(again).makespan == simulate(schedule).makespan
 
 
+@pytest.mark.parametrize(("fmt", "expected"), [
+    ("csv", "which a CSV file holds no option to say: write it as text or JSON"),
+    ("torch-csv", "which torch.distributed.pipelining does not run: write it as text or JSON"),
+])
+def test_a_csv_cannot_say_the_chunks(capsys: pytest.CaptureFixture[str], tmp_path: Any, fmt: str,
+                                     expected: str) -> None:
+    from pipefold.cli.main import main
+
+    target = tmp_path / "s.csv"
+    assert main(["generate", "1f1b:seq_chunks=2", "--devices", "2", "--microbatches", "2", "--format", fmt,
+                 "--output", str(target)]) != 0
+    err = capsys.readouterr().err
+    assert expected in err and err.count("\n") == 1 and not target.exists(), err
+
+
 def test_a_chunk_costs_a_cth_of_its_microbatch() -> None:
     cost = CostModel(f=2.0, b=4.0, w=1.0, memory=3.0, activation_bytes=8.0, latency=0.5, grad_bytes=16.0,
                      work={"KA": 1.0, "KI": 2.0}, stage_overrides={1: StageOverride(f=1.0, b=2.0, w=3.0, memory=4.0)})
@@ -224,3 +239,34 @@ def test_what_train_cannot_cut_is_one_line(capsys: pytest.CaptureFixture[str], a
     assert main(["train", *schedule, *argv, "--devices", "2", "--steps", "1"]) != 0
     err = capsys.readouterr().err
     assert expected in err and err.count("\n") == 1, err
+
+
+def _refused(rank: int, init: str, world: int, case: str, out: Any) -> None:
+    import torch.distributed as dist
+
+    from pipefold.models.gpt import gpt_loss
+    from pipefold.runtime.pipeline import Pipeline
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        plain = case == "plain"
+        stages = [nn.Sequential(nn.Linear(4, 4)) for _ in range(2)] if plain else _stages(2)
+        more: dict[str, Any] = {"recompute": {rank: 1}} if case == "recompute" else {}
+        try:
+            Pipeline({rank: stages[rank]}, "1f1b:seq_chunks=2", microbatches=2, loss_fn=gpt_loss, **more)
+            out.put((rank, None))
+        except ConfigError as exc:
+            out.put((rank, str(exc)))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("case", "expected"), [
+    ("plain", "a schedule over sequence chunks (seq_chunks 2) fills the model's attention and positions, and these "
+              "stage modules declare no attend(q, k, v)"),
+    ("recompute", "a schedule over sequence chunks (seq_chunks 2) does not run with recompute= yet"),
+])
+def test_what_a_pipeline_cannot_cut_is_one_line_on_every_rank(case: str, expected: str) -> None:
+    got = run_ranks(_refused, 2, 2, case)
+    assert len(got) == 2 and all(msg is not None and expected in msg and "\n" not in msg for _, msg in got), got

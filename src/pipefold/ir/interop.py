@@ -285,6 +285,9 @@ def _torch_rows(schedule: Schedule) -> list[list[_Torch]]:
     if schedule.replicas > 1:
         raise ConfigError(f"{schedule.name} holds {schedule.replicas} replicas of its stages (placement "
                           f"{schedule.placement_name}); torch.distributed.pipelining puts each stage on one rank")
+    if schedule.seq_chunks > 1:
+        raise ConfigError(f"{schedule.name} cuts its microbatches into {schedule.seq_chunks} sequence chunks, which "
+                          "torch.distributed.pipelining does not run: write it as text or JSON")
     rows = []
     for device, row in enumerate(schedule.actions):
         out: list[_Torch] = []

@@ -493,6 +493,10 @@ class Schedule:
     # -- CSV form (one row per device, one action per cell, as torch.distributed.pipelining)
 
     def to_csv(self) -> str:
+        """One row of actions per device; refused for a schedule over sequence chunks, which a CSV cannot say."""
+        if self.seq_chunks > 1:
+            raise ScheduleError(f"{self.name} cuts its microbatches into {self.seq_chunks} sequence chunks, which a "
+                                "CSV file holds no option to say: write it as text or JSON")
         buf = io.StringIO()
         writer = csv.writer(buf, lineterminator="\n")
         for row in self.actions:

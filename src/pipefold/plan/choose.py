@@ -41,8 +41,8 @@ def resolve_schedule(schedule: str | Schedule | os.PathLike[str], devices: int, 
     if built.devices != devices:
         raise ConfigError(f"{where} is for {built.devices} devices, but the pipeline's process group has {devices} "
                           f"ranks: give a schedule for {devices} devices, or run {built.devices} ranks")
-    if microbatches is not None and built.microbatches != microbatches:
-        raise ConfigError(f"{where} runs {built.microbatches} microbatches, not {microbatches}: leave out "
+    if microbatches is not None and built.data_microbatches != microbatches:
+        raise ConfigError(f"{where} runs {built.data_microbatches} microbatches, not {microbatches}: leave out "
                           "microbatches= or give a matching schedule")
     return validate(built)
 

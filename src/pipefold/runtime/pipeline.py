@@ -292,6 +292,9 @@ class Pipeline(RankPipeline):
         if memory_budget is not None and (isinstance(memory_budget, bool) or not memory_budget > 0):
             raise ConfigError(f"memory_budget is a positive number of bytes (got {memory_budget!r})")
         self.memory_budget = memory_budget
+        if self.schedule.seq_chunks > 1:
+            _check_chunks(self.schedule.seq_chunks, recompute=bool(recompute), offload=offload is not None,
+                          activations=offload_activations is not None, mesh=mesh)
         if self.schedule.is_forward_only:
             raise ConfigError(f"{self.schedule.name} runs forwards only; a Pipeline trains with a schedule that has "
                               "backwards and evaluates with the same schedule's forwards (Pipeline.forward)")
@@ -301,6 +304,10 @@ class Pipeline(RankPipeline):
         if last in modules and loss_fn is None:
             raise ConfigError(f"this rank (device {self.rank}) holds the last stage ({last}): give it the loss "
                               "function, Pipeline(..., loss_fn=fn), fn(output, target) -> the microbatch's mean loss")
+        if self.schedule.seq_chunks > 1:
+            c = self.schedule.seq_chunks
+            self._check_declared(modules, f"a schedule over sequence chunks (seq_chunks {c})", "attention over "
+                                 "sequence chunks", "use a schedule without seq_chunks", "for seq_chunks")
         self.cp_group = cp_group if cp_group is not None and dist.get_world_size(cp_group) > 1 else None
         """The context-parallel ring: the copies that hold the other shares of this rank's sequences (None: the
         sequences are whole on every rank)."""
@@ -406,6 +413,16 @@ class Pipeline(RankPipeline):
         if tp_group is not None and dist.get_world_size(tp_group) > 1:
             raise ConfigError(f"context parallelism (cp {self.cp}) does not run with tensor parallelism "
                               f"(tp {dist.get_world_size(tp_group)}) yet: give the DeviceMesh one of 'cp' and 'tp'")
+        self._check_declared(modules, f"context parallelism (cp {self.cp})", "context parallelism's ring attention",
+                             "drop the mesh's 'cp' dimension", "for a 'cp' mesh dimension")
+        for m in modules.values():
+            context_parallel(m, self.cp_group, self.cp, self.cp_rank)
+
+    def _check_declared(self, modules: Mapping[int, nn.Module], what: str, attention: str, drop: str,
+                        wanted: str) -> None:
+        """Refuse, with the same verdict on every rank of the pipeline (one all-reduce), a model whose stages
+        declare no attention and positions for ``what`` to fill (``attend(q, k, v)`` and ``positions(t, device)``
+        somewhere in the pipeline), or whose attention has dropout, which ``attention`` does not run."""
         subs = [sub for m in modules.values() for sub in m.modules()]
         attend = [sub for sub in subs if callable(getattr(sub, "attend", None))]
         dropout = [sub for sub in attend if isinstance(getattr(sub, "dropout", 0), (int, float))
@@ -414,14 +431,12 @@ class Pipeline(RankPipeline):
                                len(dropout)])
         dist.all_reduce(counts, group=self.group)
         if not counts[0] or not counts[1]:
-            raise ConfigError(f"context parallelism (cp {self.cp}) fills the model's attention and positions, and "
-                              "these stage modules declare no attend(q, k, v) and positions(t, device) methods (the "
-                              "GPT of pipefold.models has both): drop the mesh's 'cp' dimension for this model")
+            raise ConfigError(f"{what} fills the model's attention and positions, and these stage modules declare "
+                              "no attend(q, k, v) and positions(t, device) methods (the GPT of pipefold.models has "
+                              f"both): {drop} for this model")
         if counts[2]:
-            raise ConfigError("context parallelism's ring attention has no attention dropout: build the model with "
-                              "attention dropout 0 (GPTConfig(dropout=0.0)) for a 'cp' mesh dimension")
-        for m in modules.values():
-            context_parallel(m, self.cp_group, self.cp, self.cp_rank)
+            raise ConfigError(f"{attention} has no attention dropout: build the model with attention dropout 0 "
+                              f"(GPTConfig(dropout=0.0)) {wanted}")
 
     def _stage_map(self, stages: StageModules) -> dict[int, nn.Module]:
         mine = self.schedule.stages_of(self.rank)
@@ -1035,6 +1050,17 @@ def _split_target(target: Any, parts: int) -> list[Any]:
                               "along dimension 0")
     cut = [t.chunk(parts) for t in tensors]
     return [unflatten(spec, [c[j] for c in cut]) for j in range(parts)]
+
+
+def _check_chunks(chunks: int, *, recompute: bool, offload: bool, activations: bool, mesh: Any) -> None:
+    """Refuse in one line what a schedule over sequence chunks does not run with yet."""
+    dims = set(mesh.mesh_dim_names or ()) if mesh is not None else set()
+    other = [what for what, on in (("recompute=", recompute), ("offload=", offload),
+                                   ("offload_activations=", activations), ("a mesh's 'cp'", "cp" in dims),
+                                   ("a mesh's 'tp'", "tp" in dims)) if on]
+    if other:
+        raise ConfigError(f"a schedule over sequence chunks (seq_chunks {chunks}) does not run with {other[0]} yet: "
+                          "leave it out, or use a schedule without seq_chunks")
 
 
 def _join(parts: list[Any], dim: int = 0) -> Any:
