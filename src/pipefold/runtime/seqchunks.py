@@ -45,7 +45,7 @@ class SequenceChunks:
         layers = [sub for sub in module.modules() if callable(getattr(sub, "attend", None))]
         self.layers = len(layers)
         for index, sub in enumerate(layers):
-            sub.attend = self._attender(index)  # type: ignore[assignment]
+            sub.attend = self._attender(index)
         for sub in module.modules():
             if callable(getattr(sub, "positions", None)):
                 sub.positions = self._positions  # type: ignore[assignment]
@@ -125,7 +125,8 @@ class SequenceChunks:
             if g is None:
                 continue
             into = self._grads.setdefault(u, [None] * (2 * self.layers))
-            into[slot] = g if into[slot] is None else into[slot] + g
+            held = into[slot]
+            into[slot] = g if held is None else held + g
 
     def drop(self) -> None:
         """Forget every microbatch (a step that ended early, or a forward-only step)."""
