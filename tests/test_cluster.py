@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from pipefold.cli.main import main
 from pipefold.errors import ConfigError
 from pipefold.models.transformer import Transformer, from_hf_config
 from pipefold.plan.cluster import cluster_from_dict, load_cluster, shipped_clusters
-from pipefold.plan.cluster_plan import Training, layouts, plan_cluster, point
+from pipefold.plan.cluster_plan import Training, evaluate, layouts, plan_cluster, point, run_section
 
 transformers = pytest.importorskip("transformers")
 
@@ -609,3 +610,39 @@ def test_calibrate_times_this_devices_products_and_writes_a_cluster_file_plan_re
         assert main(args) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and expected in err, err
+
+
+@pytest.mark.parametrize("c", [2, 4])
+def test_sequence_chunks_cut_the_first_device_activations_to_the_closed_form(c: int) -> None:
+    """1F1B over c sequence chunks (Seq1F1B): the first of p devices holds p+c-1 chunks where it held p whole
+    microbatches, (p+c-1)/(cp) of the activations (to a part in a million: kilobytes of 48 GB are not a
+    microbatch's); the weights are the same, the step shorter."""
+    cluster = load_cluster("h100-sxm").with_nodes(1)
+    training = Training(model=from_hf_config("llama3-8b"), seq=16384, global_batch=16)
+    whole, chunked = (point(cluster, training, dp=1, tp=2, pp=4, schedule="1f1b", microbatch=1, **options)
+                      for options in ({}, {"seq_chunks": c}))
+    assert chunked.schedule == f"1f1b:seq_chunks={c}" and chunked.static == whole.static
+    assert (chunked.memory - chunked.static) / (whole.memory - whole.static) == pytest.approx((4 + c - 1) / (4 * c),
+                                                                                               rel=1e-6)
+    assert chunked.step_time < whole.step_time
+
+
+def test_the_search_tries_sequence_chunks_where_asked() -> None:
+    cluster = load_cluster("h100-sxm").with_nodes(1)
+    model = from_hf_config("llama3-8b")
+    plain = evaluate(cluster, Training(model=model, seq=32768, global_batch=8), families=("1f1b", "chimera"))[0]
+    chunked = evaluate(cluster, Training(model=model, seq=32768, global_batch=8, seq_chunks=(1, 2)),
+                       families=("1f1b", "chimera"))[0]
+    assert {p.schedule for p in plain} == {"1f1b", "chimera"}
+    assert {p.schedule for p in chunked} == {"1f1b", "chimera", "1f1b:seq_chunks=2"}  # chimera cannot cut
+    assert len(chunked) > len(plain)
+    best = min((p for p in chunked if p.fits), key=lambda p: p.step_time)
+    with pytest.raises(ConfigError, match="cut into sequence chunks"):
+        run_section(replace(best, schedule="1f1b:seq_chunks=2", cp=1), Training(model=model, seq=32768, global_batch=8),
+                    "llama3-8b")
+
+
+def test_chunks_that_do_not_cut_the_sequence_are_one_line() -> None:
+    with pytest.raises(ConfigError, match=r"--seq-chunks 3 cuts each sequence into 3 equal chunks, and 8192 tokens do "
+                                          r"not: give --seq a multiple of 3, or --seq-chunks 2"):
+        Training(model=from_hf_config("llama3-8b"), seq=8192, global_batch=8, seq_chunks=(1, 3))

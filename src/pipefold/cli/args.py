@@ -55,6 +55,22 @@ def _cp_degrees(text: str) -> tuple[int, ...]:
     return tuple(sorted(set(out)))
 
 
+def _seq_chunks(text: str) -> tuple[int, ...]:
+    """``plan --cluster --seq-chunks 1,2,4``: the sequence chunks per microbatch searched."""
+    try:
+        out = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        out = ()
+    if not out or not all(1 <= c <= MAX_SEQ_CHUNKS for c in out):
+        raise argparse.ArgumentTypeError(f"sequence chunks from 1 to {MAX_SEQ_CHUNKS} separated by commas, such as "
+                                         f"1,2,4; got {text!r}")
+    return tuple(sorted(set(out)))
+
+
+MAX_SEQ_CHUNKS = 64
+"""The most sequence chunks per microbatch ``plan --cluster`` searches (each multiplies the units to simulate)."""
+
+
 class _Once(argparse._StoreAction):
     """An option that takes a value: given under two of its names with two values (``--devices 8 --pp 2``) it is
     refused, where argparse would keep the last one silently. One name given again still overrides, as on most
@@ -331,6 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --cluster: the context-parallel degrees to search, each sequence split over C ranks "
                         "(ring attention; default: 1 and every power of two that leaves a rank at least "
                         "8192 tokens of a sequence)")
+    g.add_argument("--seq-chunks", type=_seq_chunks, default=None, metavar="C[,C...]",
+                   help="with --cluster: also search each microbatch cut along the sequence into C chunks (Seq1F1B), "
+                        "with the families that take them (default: whole microbatches only)")
     p.add_argument("--allow-offload", action="store_true",
                    help="with --memory: each schedule may offload activations (those held across its peak, the "
                         "longest-lived first) to fit; the copies take --offload-time each way")
@@ -610,7 +629,8 @@ APPLIES: tuple[Applies, ...] = (
     Applies("plan", ("devices",), lambda a: a.world is None,
             "is one pipeline's length, and --world N searches every dp x tp x pp of N ranks, pipelines of every "
             "length: drop one of them"),
-    Applies("plan", ("nodes", "cluster_model", "global_batch", "seq", "top", "no_sequence_parallel", "cp"),
+    Applies("plan", ("nodes", "cluster_model", "global_batch", "seq", "top", "no_sequence_parallel", "cp",
+                     "seq_chunks"),
             lambda a: a.cluster is not None,
             "describes a cluster plan: give --cluster NAME|FILE too"),
     Applies("plan", ("output", "families"), lambda a: a.profile is not None or a.cluster is not None,

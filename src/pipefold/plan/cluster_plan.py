@@ -60,6 +60,8 @@ from typing import Any
 
 from pipefold import schedules
 from pipefold.errors import ConfigError
+from pipefold.ir import SEQ_CHUNKS
+from pipefold.ir.ref import ScheduleRef
 from pipefold.models.transformer import Transformer
 from pipefold.plan.cluster import Cluster
 from pipefold.plan.limits import MAX_SEARCH_WORK, check_search, schedule_work, stages_of
@@ -92,6 +94,9 @@ class Training:
     dtype: str = "bf16"
     sequence_parallel: bool = True
     context_parallel: tuple[int, ...] | None = None
+    seq_chunks: tuple[int, ...] = (1,)
+    """The sequence chunks a microbatch is cut into that the search tries (Seq1F1B), with the families that take
+    them; 1: whole microbatches."""
 
     def __post_init__(self) -> None:
         for name in ("seq", "global_batch"):
@@ -100,6 +105,12 @@ class Training:
                 raise ConfigError(f"--{name.replace('_', '-')} must be a whole number >= 1 (got {value!r})")
         for cp in self.context_parallel or ():
             check_cp(cp, self.seq)
+        for c in self.seq_chunks:
+            if self.seq % c:
+                fits = [k for k in range(2, c + 1) if self.seq % k == 0]
+                raise ConfigError(f"--seq-chunks {c} cuts each sequence into {c} equal chunks, and {self.seq} tokens "
+                                  f"do not: give --seq a multiple of {c}"
+                                  + (f", or --seq-chunks {fits[-1]}" if fits else ""))
 
     def cp_degrees(self) -> tuple[int, ...]:
         """The context-parallel degrees searched: those given, or 1 and every power of two that leaves each rank
@@ -349,7 +360,7 @@ class _Search:
             self.pp = pp
 
     def schedule(self, family: str, pp: int, m: int, reduced: bool, **options: int) -> Any:
-        key = (family, pp, m, reduced)
+        key = (family, pp, m, reduced, tuple(sorted(options.items())))
         if key not in self.built:
             self.built[key] = _build(family, pp, m, reduced, self.skipped, **options)
         return self.built[key]
@@ -422,8 +433,22 @@ def _configs(cluster: Cluster, training: Training, families: Sequence[str], reco
                 continue
             # One device runs every family alike (its microbatches one after another): 1F1B stands for them.
             for family, rc in itertools.product(families if pp > 1 else ("1f1b",), recompute):
-                todo.append((_Config(dp, tp, pp, b, rc, cp), family, per_copy // b))
+                for ref in _chunked(family, training.seq_chunks if pp > 1 else (1,)):
+                    todo.append((_Config(dp, tp, pp, b, rc, cp), ref, per_copy // b))
     return todo
+
+
+def _chunked(family: str, chunks: Sequence[int]) -> list[str]:
+    """``family`` for each of ``chunks`` sequence chunks it can take: its name alone for 1, ``name:seq_chunks=c``
+    for more (a family that cannot cut microbatches is tried whole only)."""
+    takes = schedules.get(family).option(SEQ_CHUNKS) is not None
+    return [family if c == 1 else f"{family}:{SEQ_CHUNKS}={c}" for c in chunks if c == 1 or takes]
+
+
+def _parsed(family: str) -> tuple[str, dict[str, int]]:
+    """A family with its options (``1f1b:seq_chunks=2``): the name and the options."""
+    ref = ScheduleRef.parse(family)
+    return ref.name, dict(ref.kwargs)
 
 
 def _search_work(todo: Sequence[tuple[_Config, str, int]], sharding: Sequence[str],
@@ -436,10 +461,12 @@ def _search_work(todo: Sequence[tuple[_Config, str, int]], sharding: Sequence[st
     for c, family, m in todo:
         hows = [how for how in sharding if how == "none" or c.shards > 1]
         count += len(hows)
-        if stages_of(family, c.pp, {}) > training.model.layers:
+        name, options = _parsed(family)
+        if stages_of(name, c.pp, options) > training.model.layers:
             continue
         runs = [m] if m <= (STEADY + 1) * c.pp else [STEADY * c.pp, (STEADY + 1) * c.pp]
-        simulated = sum(schedule_work(family, c.pp, k, {}) for k in runs)
+        units = options.get(SEQ_CHUNKS, 1)  # a schedule over chunks has as many units to build and simulate
+        simulated = sum(schedule_work(name, c.pp, k * units, options) for k in runs)
         total += simulated * len({how == "fsdp" for how in hows})
     return count, total
 
@@ -455,9 +482,9 @@ def point(cluster: Cluster, training: Training, *, dp: int, tp: int, pp: int, sc
         raise ConfigError(f"a batch of {training.global_batch} does not split into dp {dp} x microbatches of "
                           f"{microbatch}")
     search = _Search()
-    got = _point(cluster, training, _Config(dp, tp, pp, microbatch, recompute, cp), schedule, sharding, per_copy,
-                 search,
-                 refuse=False, **options)
+    family = str(ScheduleRef.named(schedule, options)) if options else schedule  # its label names its options
+    got = _point(cluster, training, _Config(dp, tp, pp, microbatch, recompute, cp), family, sharding, per_copy,
+                 search, refuse=False)
     if got is None or got is _CANNOT:
         raise ConfigError(search.skipped[0] if search.skipped else f"{schedule} cannot run {training.model.name} "
                           f"on {pp} devices")
@@ -468,8 +495,9 @@ def _build(family: str, pp: int, m: int, reduced: bool, skipped: list[str], **op
     """The schedule, with DP actions where ``reduced``; None (and why, in ``skipped``) where it cannot run."""
     from pipefold.schedules.dataparallel import with_data_parallel
 
+    name, given = _parsed(family)
     try:
-        schedule = schedules.build(family, pp, m, **options)
+        schedule = schedules.build(name, pp, m, **given, **options)
     except ConfigError as err:
         skipped.append(f"{family} on {pp} devices, {m} microbatches: {err}")
         return None
@@ -550,6 +578,10 @@ def run_section(point: ClusterPoint, training: Training, model_config: str) -> d
     if point.cp > 1:
         raise ConfigError(f"each sequence is split over cp {point.cp} ranks (context parallelism), which pipefold's "
                           f"runtime does not run for {model.family} configs: plan with --cp 1 to run it")
+    if SEQ_CHUNKS in point.schedule:
+        raise ConfigError(f"its microbatches are cut into sequence chunks ({point.schedule}), which pipefold's "
+                          f"runtime runs for its own gpt model, not {model.family} configs: plan without --seq-chunks "
+                          "to run it")
     if point.sequence_parallel:
         raise ConfigError(f"its tp {point.tp} ranks split the tokens (sequence parallelism), which pipefold's runtime "
                           f"runs for its own gpt model, not {model.family} configs: plan with --no-sequence-parallel "
