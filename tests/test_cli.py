@@ -102,7 +102,9 @@ def test_generate_to_stdout(capsys) -> None:
         (["simulate", "nope"], "unknown schedule 'nope'; known schedules: gpipe, 1f1b, interleaved-1f1b"),
         (["simulate", "1f1b", "-m", "0"], "-m: 0 is out of range: give a whole number >= 1 and <= 250,000"),
         (["simulate", "--f", "-1"], "argument --f: -1 is out of range: give a number >= 0 and <= 1e+09"),
-        (["simulate", "1f1b", "--k", "2"], "schedule 1f1b takes no option --k; its options: none"),
+        (["simulate", "1f1b", "--k", "2"], "schedule 1f1b takes no option --k; its options: --seq-chunks"),
+        (["simulate", "chimera", "--seq-chunks", "2"], "schedule chimera cannot cut microbatches into sequence chunks; "
+                                                     "schedules that can: gpipe, 1f1b"),
         (["simulate", "interleaved-1f1b", "--v", "0"], "option v of interleaved-1f1b must be an integer >= 1"),
         (["simulate", "missing.json"], "no such schedule file: missing.json"),
         (["simulate", "--stage-cost", "x"], "cannot read --stage-cost 'x': use S:F,B,W or S:F,B,W,MEM"),

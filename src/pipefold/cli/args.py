@@ -110,6 +110,11 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
+def option_flag(name: str) -> str:
+    """A schedule option's flag, without its dashes: ``seq_chunks`` is ``seq-chunks``."""
+    return name.replace("_", "-")
+
+
 def _add_shape(p: argparse.ArgumentParser, *, options: bool = True) -> None:
     _devices_flag(p, DEFAULT_DEVICES)
     p.add_argument("--microbatches", "-m", type=int, default=DEFAULT_MICROBATCHES, metavar="M",
@@ -118,9 +123,13 @@ def _add_shape(p: argparse.ArgumentParser, *, options: bool = True) -> None:
         return
     names = sorted({o.name for spec in schedules.REGISTRY.values() for o in spec.options})
     for name in names:
-        helps = {f"{o.help} ({s.name}, default {o.default})"
-                 for s in schedules.REGISTRY.values() for o in s.options if o.name == name}
-        flags = ["--v", "--chunks"] if name == "v" else [f"--{name}"]
+        takers: dict[tuple[str, int], list[str]] = {}  # each (help, default) with the families that have it
+        for s in schedules.REGISTRY.values():
+            for o in s.options:
+                if o.name == name:
+                    takers.setdefault((o.help, o.default), []).append(s.name)
+        helps = [f"{text} ({', '.join(families)}, default {default})" for (text, default), families in takers.items()]
+        flags = ["--v", "--chunks"] if name == "v" else [f"--{option_flag(name)}"]
         p.add_argument(*flags, dest=f"opt_{name}", type=int, default=None, metavar=name.upper(),
                        help="; ".join(sorted(helps)))
 

@@ -17,8 +17,9 @@ from rich.text import Text
 
 from pipefold import schedules
 from pipefold.cli import ranges
+from pipefold.cli.args import option_flag
 from pipefold.errors import ConfigError
-from pipefold.ir import Schedule, formats
+from pipefold.ir import SEQ_CHUNKS, Schedule, formats
 from pipefold.ir.ref import ScheduleRef
 from pipefold.sim.simulate import CostModel, StageOverride
 
@@ -83,12 +84,14 @@ def load_schedule(text: str, args: argparse.Namespace, *, strict_flags: bool) ->
     for key, value in flag_options(args).items():
         if spec.option(key) is not None:
             if key in options and options[key] != value:
-                raise ConfigError(f"{text} sets {key}={options[key]} but --{key} {value} says otherwise: give "
-                                  f"{key} once")
+                raise ConfigError(f"{text} sets {key}={options[key]} but --{option_flag(key)} {value} says "
+                                  f"otherwise: give {key} once")
             options.setdefault(key, value)
+        elif key == SEQ_CHUNKS:  # build() names the families that can cut microbatches
+            options[key] = value
         elif strict_flags:
-            takes = ", ".join(f"--{o.name}" for o in spec.options) or "none"
-            raise ConfigError(f"schedule {name} takes no option --{key}; its options: {takes}")
+            takes = ", ".join(f"--{option_flag(o.name)}" for o in spec.options) or "none"
+            raise ConfigError(f"schedule {name} takes no option --{option_flag(key)}; its options: {takes}")
     return schedules.build(name, args.devices, args.microbatches, **options)
 
 

@@ -113,16 +113,18 @@ def one_f_one_b_peak(p: int, m: int, cost: CostModel | None = None) -> float:
 def candidates(p: int, m: int) -> list[tuple[str, dict[str, int]]]:
     """Every registered family that can run m microbatches on p devices, times its options' search spaces.
 
-    An option whose search space is empty takes its default. Families are
-    read from the registry on every call, so new ones join without changes here.
+    An option whose search space is empty takes its default; one the planner leaves alone (``planned`` False:
+    ``seq_chunks``) is not named. Families are read from the registry on every call, so new ones join without
+    changes here.
     """
     out: list[tuple[str, dict[str, int]]] = []
     for spec in schedules.REGISTRY.values():
         if spec.min_microbatches(p) > m:
             continue
-        spaces = [list(o.search(p, m)) or [o.default] for o in spec.options]
+        named = [o for o in spec.options if o.planned]
+        spaces = [list(o.search(p, m)) or [o.default] for o in named]
         for values in itertools.product(*spaces):
-            out.append((spec.name, {o.name: int(v) for o, v in zip(spec.options, values, strict=True)}))
+            out.append((spec.name, {o.name: int(v) for o, v in zip(named, values, strict=True)}))
     return out
 
 

@@ -347,7 +347,7 @@ class _Search:
     schedules of one pipeline length at a time (:meth:`length`; kept all, a large cluster's held hundreds of MB)."""
 
     def __init__(self) -> None:
-        self.built: dict[tuple[str, int, int, bool], Any] = {}
+        self.built: dict[tuple[str, int, int, bool, tuple[tuple[str, int], ...]], Any] = {}
         self.pp = 0
         self.skipped: list[str] = []
         # The last configuration's simulation: ZeRO-1 shards the optimizer state alone, and costs as unsharded.

@@ -39,6 +39,9 @@ class Option:
     minimum: int = 1
     search: Callable[[int, int], Sequence[int]] = _no_search
     """Values worth trying for p devices and m microbatches (the planner's search space); empty: the default."""
+    planned: bool = True
+    """Whether the budget planner's candidates name it; False for a knob it leaves at its default unnamed (sequence
+    chunks, whose per-pass overheads a cost model of whole microbatches does not see)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,7 +70,7 @@ def _gap(name: str, help: str, most: int = 3) -> Option:
 
 _V = Option(name="v", default=2, help="stages (model chunks) per device", search=lambda p, m: (2, 3, 4))
 _SEQ = Option(name=SEQ_CHUNKS, default=1, help="sequence chunks per microbatch, pipelined with their causal "
-                                                 "dependency (Seq1F1B; 1: whole sequences)")
+                                                 "dependency (Seq1F1B; 1: whole sequences)", planned=False)
 
 
 def _chunks(options: Mapping[str, Any]) -> int:
