@@ -185,15 +185,72 @@ class HFBlock(nn.Module):
         self.rotary = rotary
         self.config = config  # the model's config: its attention implementation decides the mask's form
 
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of (B, heads, T, hs) queries and (B, key-value heads, T, hs) keys and values: the point a
+        runtime that splits the sequence fills (context parallelism's ring, sequence chunks). Until it does, the
+        block runs the model's own attention implementation, and this is not called."""
+        if k.size(1) != q.size(1):
+            k, v = (x.repeat_interleave(q.size(1) // x.size(1), dim=1) for x in (k, v))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def positions(self, t: int, device: torch.device) -> torch.Tensor:
+        """The positions of the block's ``t`` tokens, which its rotary embedding turns: 0 to t - 1 (a runtime that
+        splits the sequence gives a share its positions in the whole)."""
+        return torch.arange(t, device=device)
+
     def forward(self, h: torch.Tensor, mask: torch.Tensor | None = None) -> Any:
-        make_mask, cache = _mask_function()
-        positions = torch.arange(h.shape[1], device=h.device)[None]  # (1, T)
-        causal = make_mask(config=self.config, inputs_embeds=h, attention_mask=mask, position_ids=positions,
-                           **{cache: None})
+        positions = self.positions(h.shape[1], h.device)[None]  # (1, T)
+        filled = "attend" in self.__dict__  # a runtime's attention instead of the class's
+        if filled:
+            if mask is not None:
+                raise ConfigError("a padding mask does not run with a split sequence (context parallelism, sequence "
+                                  "chunks): give batches without one")
+            _runtime_attention(self.block)
+            causal, more = None, {RUNTIME_ATTEND: self.attend}
+        else:
+            make_mask, cache = _mask_function()
+            causal = make_mask(config=self.config, inputs_embeds=h, attention_mask=mask, position_ids=positions,
+                               **{cache: None})
+            more = {}
         extra = {} if self.rotary is None else {"position_embeddings": self.rotary(h, position_ids=positions)}
-        out = self.block(h, attention_mask=causal, position_ids=positions, **extra)
+        out = self.block(h, attention_mask=causal, position_ids=positions, **extra, **more)
         out = out[0] if isinstance(out, tuple) else out
         return out if mask is None else (out, mask)
+
+
+RUNTIME_ATTEND = "pipefold_attend"
+"""The keyword under which a block hands its runtime-filled ``attend`` down to the attention function."""
+_IMPLEMENTATION = "pipefold"
+"""The attention implementation, in transformers' registry, that calls it."""
+
+
+def _runtime_attention(block: nn.Module) -> None:
+    """Make ``block``'s attention modules call the ``attend`` their block hands down (:data:`RUNTIME_ATTEND`): each
+    gets a copy of the config naming pipefold's implementation, registered in transformers' registry once; the
+    model's shared config is left as it is."""
+    import copy
+
+    from transformers import AttentionInterface
+
+    if _IMPLEMENTATION not in AttentionInterface._global_mapping:
+        AttentionInterface.register(_IMPLEMENTATION, _attention)
+    for sub in block.modules():
+        config = getattr(sub, "config", None)
+        if sub is not block and config is not None and getattr(config, "_attn_implementation", None) not in (
+                None, _IMPLEMENTATION):
+            mine = copy.copy(config)
+            mine._attn_implementation = _IMPLEMENTATION
+            sub.config = mine
+
+
+def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention function for a block whose ``attend`` the runtime filled: its output as the
+    registry's functions give it, (B, T, heads, hs)."""
+    attend = kwargs.get(RUNTIME_ATTEND)
+    if attend is None:
+        raise RuntimeError("pipefold's attention ran without the block's attend: only HFBlock calls it")
+    return attend(query, key, value).transpose(1, 2).contiguous(), None
 
 
 class HFHead(nn.Module):
@@ -301,6 +358,25 @@ class HFCausalLM(Model):
 
     def tp_plan(self, index: int) -> dict[str, str]:
         return self._shipped_plan() if index in self.blocks else {}
+
+    def check_context_parallel(self, cp: int) -> None:
+        self._check_split(f"--cp {cp}", 2 * cp, "each sequence into 2 x cp equal chunks (two a rank)")
+
+    def check_sequence_chunks(self, chunks: int) -> None:
+        self._check_split(f"seq_chunks {chunks}", chunks, "each sequence into equal chunks")
+
+    def _check_split(self, what: str, parts: int, how: str) -> None:
+        """Refuse in one line a split of the sequence the model cannot run: its blocks declare their attention and
+        positions (``HFBlock.attend``, ``HFBlock.positions``), which give LLaMA's rotary positions; GPT-2's
+        learned positions are in its embedding, which does not."""
+        if self.arch.rotary is None:
+            raise ConfigError(f"{what} splits the sequence, and the {self.name} model's positions are learned in its "
+                              "embedding, which pipefold does not split: use --hf llama, or --model gpt")
+        if self.batches.seq % parts:
+            raise ConfigError(f"{what} cuts {how}, and --seq {self.batches.seq} does not: give --seq a multiple of "
+                              f"{parts}")
+        if float(getattr(self.hf_config(), "attention_dropout", 0.0) or 0.0):
+            raise ConfigError(f"{what}: the runtime's attention has no dropout: give a config with attention_dropout 0")
 
     def tp_widths(self) -> dict[str, int]:
         hf = self.hf_config()
