@@ -270,3 +270,16 @@ def _refused(rank: int, init: str, world: int, case: str, out: Any) -> None:
 def test_what_a_pipeline_cannot_cut_is_one_line_on_every_rank(case: str, expected: str) -> None:
     got = run_ranks(_refused, 2, 2, case)
     assert len(got) == 2 and all(msg is not None and expected in msg and "\n" not in msg for _, msg in got), got
+
+
+def test_the_figures_name_microbatches_and_chunks(capsys: pytest.CaptureFixture[str], tmp_path: Any) -> None:
+    from pipefold.cli.main import main
+    from pipefold.sim.render import _box_label, _title
+
+    figure = tmp_path / "seq.png"
+    assert main(["simulate", "1f1b", "--seq-chunks", "2", "--devices", "4", "--microbatches", "8", "--plot",
+                 str(figure)]) == 0
+    assert "microbatches=8 x 2 sequence chunks" in capsys.readouterr().out and figure.stat().st_size > 0
+    result = simulate(build("1f1b", 4, 8, seq_chunks=2))
+    assert _title(result).startswith("1f1b:seq_chunks=2  p=4 m=8 x 2 chunks")
+    assert [_box_label(a, 2) for a in result.schedule.actions[3][:4]] == ["0.0", "0.1", "0.1", "1.0"]

@@ -108,7 +108,11 @@ class SequenceChunks:
         made = self._made.pop(unit, [])
         if read:
             self._read_of[unit] = [(u, slot) for _, u, slot in read]
-        return tuple(leaf for leaf, _, _ in read), tuple(t for t in made if t is not None)  # every layer's, in order
+        own = tuple(t for t in made if t is not None)
+        if len(own) != len(made):  # the slots of the later chunks' gradients are every layer's, in order
+            raise RuntimeError(f"unit {unit}: {len(made) - len(own)} of the stage's keys and values were not made in "
+                               "its forward: every attention layer of a stage runs for every chunk")
+        return tuple(leaf for leaf, _, _ in read), own
 
     def roots(self, unit: int, made: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Before ``unit``'s backward: which of its keys and values the later chunks gave gradients to, and those
@@ -128,13 +132,6 @@ class SequenceChunks:
             held = into[slot]
             into[slot] = g if held is None else held + g
 
-    def drop(self) -> None:
-        """Forget every microbatch (a step that ended early, or a forward-only step)."""
-        self._keys.clear()
-        self._made.clear()
-        self._read.clear()
-        self._grads.clear()
-        self._read_of.clear()
 
 
 def _joined(q: torch.Tensor, mask: torch.Tensor, *blocks: torch.Tensor) -> torch.Tensor:

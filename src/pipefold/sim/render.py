@@ -86,16 +86,21 @@ def _chunk_of(action: Action, chunk_of: list[int]) -> int:
     return chunk_of[(action.parts[0] if action.parts else action).stage]
 
 
-def _box_label(action: Action) -> str:
-    """What a box shows: the microbatch, or the kind of a whole-stage action."""
+def _box_label(action: Action, seq_chunks: int = 1) -> str:
+    """What a box shows: the microbatch (with sequence chunks, ``microbatch.chunk`` where asked), or the kind of a
+    whole-stage action."""
+    def unit(m: int) -> str:
+        return f"{m // seq_chunks}.{m % seq_chunks}" if seq_chunks > 1 else str(m)
+
     if action.parts:
-        return "+".join(str(p.microbatch) for p in action.parts)
-    return str(action.microbatch) if action.microbatch >= 0 else action.kind
+        return "+".join(unit(p.microbatch) for p in action.parts)
+    return unit(action.microbatch) if action.microbatch >= 0 else action.kind
 
 
 def _title(result: SimResult) -> str:
     s = result.schedule
-    return (f"{ScheduleRef.of(s)}  p={s.devices} m={s.microbatches}  "
+    chunks = f" x {s.seq_chunks} chunks" if s.seq_chunks > 1 else ""
+    return (f"{ScheduleRef.of(s)}  p={s.devices} m={s.data_microbatches}{chunks}  "
             f"makespan {result.makespan:.4g}  bubble {result.bubble_ratio:.1%}")
 
 
@@ -275,7 +280,7 @@ def _label_boxes(ax: Axes, result: SimResult, chunk_of: list[int], chunks: int) 
         for iv in row:
             if not KINDS[iv.action.kind].computes:
                 continue  # drawn as a thin bar beside the compute: no room for a label
-            label = _box_label(iv.action)
+            label = _box_label(iv.action, result.schedule.seq_chunks)
             if (iv.end - iv.start) * pt_per_unit < len(label) * size * 0.62 + 2:
                 continue
             ink = _ink(_box_color(iv.action.kind, _chunk_of(iv.action, chunk_of), chunks))
