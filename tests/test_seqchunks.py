@@ -211,11 +211,16 @@ def test_a_pipeline_over_chunks_trains_as_one_process(schedule: str) -> None:
     assert any(r[3] is not None for r in got)
 
 
-def test_train_over_chunks_checks_against_one_process(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("argv", [
+    ["--schedule", "zb-v:seq_chunks=2"],
+    ["--schedule", "1f1b:seq_chunks=2", "--dp", "2", "--fsdp", "--batch", "8"],  # FSDP's gather and reduce-scatter
+    ["--schedule", "kfkb:k=3,seq_chunks=2", "--dp", "2", "--zero1", "--batch", "8"],
+])
+def test_train_over_chunks_checks_against_one_process(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
     from pipefold.cli.main import main
 
-    assert main(["train", "--model", "gpt", "--schedule", "zb-v:seq_chunks=2", "--devices", "2", "--microbatches",
-                 "2", "--steps", "2", "--check"]) == 0
+    assert main(["train", "--model", "gpt", *argv, "--devices", "2", "--microbatches", "2", "--steps", "2",
+                 "--check"]) == 0
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.startswith("check against one process"))
     loss, grad = (float(x.split()[-1]) for x in line.split(":", 1)[1].split(","))
