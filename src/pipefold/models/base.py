@@ -33,10 +33,17 @@ if TYPE_CHECKING:
     Batch = tuple[Inputs, torch.Tensor]
     """(inputs, targets) of one step, split into microbatches along dimension 0."""
 
-__all__ = ["REGISTRY", "Family", "Model", "ModelArgs", "Tie", "make_model", "register"]
+__all__ = ["REGISTRY", "Family", "Model", "ModelArgs", "Tie", "check_sequence_split", "make_model", "register"]
 
 Tie = tuple[tuple[int, str], ...]
 """One weight that several layers share, as (layer index, parameter name in that layer) of each."""
+
+
+def check_sequence_split(what: str, how: str, parts: int, seq: int) -> None:
+    """Refuse in one line a sequence of ``seq`` tokens that ``what`` (``--cp 2``, ``seq_chunks 4``) cannot cut into
+    ``parts`` equal pieces as it says (``how``)."""
+    if seq % parts:
+        raise ConfigError(f"{what} {how}, and --seq {seq} does not: give --seq a multiple of {parts}")
 
 
 @dataclass(frozen=True, kw_only=True)

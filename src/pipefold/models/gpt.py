@@ -18,7 +18,7 @@ from torch import nn
 
 from pipefold.errors import ConfigError
 from pipefold.models._build import check_positive_int, materialize, normal_
-from pipefold.models.base import Model, ModelArgs
+from pipefold.models.base import Model, ModelArgs, check_sequence_split
 from pipefold.models.data import Batches, load_corpus
 from pipefold.models.size import Shape
 
@@ -253,19 +253,15 @@ class GPT(Model):
         return self.batches.seq
 
     def check_sequence_chunks(self, chunks: int) -> None:
-        seq = self.batches.seq
-        if seq % chunks:
-            raise ConfigError(f"seq_chunks {chunks} cuts each sequence into {chunks} equal chunks, and --seq {seq} "
-                              f"does not: give --seq a multiple of {chunks}")
+        check_sequence_split(f"seq_chunks {chunks}", f"cuts each sequence into {chunks} equal chunks", chunks,
+                             self.batches.seq)
         if self.cfg.dropout:
             raise ConfigError("sequence chunks attend block by block, without attention dropout: use a GPTConfig "
                               "with dropout 0 with seq_chunks")
 
     def check_context_parallel(self, cp: int) -> None:
-        seq = self.batches.seq
-        if seq % (2 * cp):
-            raise ConfigError(f"--cp {cp} splits each sequence into {2 * cp} equal chunks (two a rank, for the causal "
-                              f"balance), and --seq {seq} does not: give --seq a multiple of {2 * cp}")
+        check_sequence_split(f"--cp {cp}", f"splits each sequence into {2 * cp} equal chunks (two a rank, for the "
+                             "causal balance)", 2 * cp, self.batches.seq)
         if self.cfg.dropout:
             raise ConfigError("context parallelism's ring attention has no attention dropout: use a GPTConfig with "
                               "dropout 0 with --cp")

@@ -37,7 +37,7 @@ from torch import nn
 from pipefold.errors import ConfigError
 from pipefold.files import read_shipped_or_file
 from pipefold.models._build import check_indices, derive_seed
-from pipefold.models.base import Model, ModelArgs, Tie
+from pipefold.models.base import Model, ModelArgs, Tie, check_sequence_split
 from pipefold.models.data import Batches, load_corpus
 from pipefold.models.size import Shape
 from pipefold.models.transformer import shipped_configs as config_names
@@ -372,9 +372,7 @@ class HFCausalLM(Model):
         if self.arch.rotary is None:
             raise ConfigError(f"{what} splits the sequence, and the {self.name} model's positions are learned in its "
                               "embedding, which pipefold does not split: use --hf llama, or --model gpt")
-        if self.batches.seq % parts:
-            raise ConfigError(f"{what} cuts {how}, and --seq {self.batches.seq} does not: give --seq a multiple of "
-                              f"{parts}")
+        check_sequence_split(what, f"cuts {how}", parts, self.batches.seq)
         if float(getattr(self.hf_config(), "attention_dropout", 0.0) or 0.0):
             raise ConfigError(f"{what}: the runtime's attention has no dropout: give a config with attention_dropout 0")
 
