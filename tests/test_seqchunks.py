@@ -15,6 +15,7 @@ from torch import nn
 from conftest import run_ranks
 from pipefold.errors import ConfigError, ScheduleError
 from pipefold.ir import Kind, Schedule, validate
+from pipefold.ir.ref import ScheduleRef
 from pipefold.schedules import build
 from pipefold.sim.simulate import CostModel, StageOverride, of_microbatch, per_chunk, simulate
 
@@ -160,6 +161,12 @@ def _reference(steps: int) -> tuple[list[float], list[dict[str, np.ndarray]], to
     return losses, [{k: v.detach().numpy().copy() for k, v in layer.state_dict().items()} for layer in model], logits
 
 
+def _built(schedule: str, devices: int) -> Schedule:
+    """``schedule`` (a name with options) on ``devices`` devices with 2 microbatches."""
+    ref = ScheduleRef.parse(schedule)
+    return build(ref.name, devices, 2, **ref.kwargs)
+
+
 def _train(rank: int, init: str, world: int, schedule: str, steps: int, out: Any) -> None:
     import torch.distributed as dist
 
@@ -169,8 +176,7 @@ def _train(rank: int, init: str, world: int, schedule: str, steps: int, out: Any
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
-        name, _, opts = schedule.partition(":")
-        built = build(name, world, 2, **{k: int(v) for k, v in (o.split("=") for o in opts.split(","))})
+        built = _built(schedule, world)
         stages = _stages(built.stages)
         mine = built.stages_of(rank)
         pipe = Pipeline({s: stages[s] for s in mine}, built, loss_fn=gpt_loss)
@@ -197,8 +203,7 @@ def test_a_pipeline_over_chunks_trains_as_one_process(schedule: str) -> None:
     weights after three SGD steps and the evaluation's logits equal one process over whole sequences (float64)."""
     losses, weights, logits = _reference(3)
     got = run_ranks(_train, 2, 2, schedule, 3)
-    name, _, opts = schedule.partition(":")
-    built = build(name, 2, 2, **{k: int(v) for k, v in (o.split("=") for o in opts.split(","))})
+    built = _built(schedule, 2)
     per = (_SIZE["n_layer"] + 2) // built.stages
     for _rank, got_losses, layers, got_logits in got:
         assert np.allclose(got_losses, losses, rtol=0, atol=1e-10), (got_losses, losses)

@@ -55,9 +55,8 @@ class SequenceChunks:
         self._made: dict[int, list[torch.Tensor | None]] = {}
         """Per unit: its own keys and values, layer by layer (k, v, k, v, ...), in its graph."""
         self._read: dict[int, list[tuple[torch.Tensor, int, int]]] = {}
-        """Per unit: the leaves it read, each with the unit and slot of the keys or values it stands for."""
-        self._read_of: dict[int, list[tuple[int, int]]] = {}
-        """Per unit, between its forward and its backward: the unit and slot of each leaf it read."""
+        """Per unit, from its forward to its backward: the leaves it read, each with the unit and slot of the keys
+        or values it stands for."""
         self._grads: dict[int, list[torch.Tensor | None]] = {}
         """Per unit: the gradients of its keys and values from the later chunks, added up."""
 
@@ -104,10 +103,8 @@ class SequenceChunks:
         m, j = divmod(unit, self.chunks)
         if j == self.chunks - 1:
             self._keys.pop(m, None)
-        read = self._read.pop(unit, [])
+        read = self._read.get(unit, [])  # kept until its backward gives their gradients back
         made = self._made.pop(unit, [])
-        if read:
-            self._read_of[unit] = [(u, slot) for _, u, slot in read]
         own = tuple(t for t in made if t is not None)
         if len(own) != len(made):  # the slots of the later chunks' gradients are every layer's, in order
             raise RuntimeError(f"unit {unit}: {len(made) - len(own)} of the stage's keys and values were not made in "
@@ -125,7 +122,7 @@ class SequenceChunks:
 
     def give(self, unit: int, grads: Sequence[torch.Tensor | None]) -> None:
         """After ``unit``'s backward: the gradients of the leaves it read, added to the chunks they stand for."""
-        for (u, slot), g in zip(self._read_of.pop(unit, []), grads, strict=True):
+        for (_, u, slot), g in zip(self._read.pop(unit, []), grads, strict=True):
             if g is None:
                 continue
             into = self._grads.setdefault(u, [None] * (2 * self.layers))
