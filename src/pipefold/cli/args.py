@@ -168,6 +168,10 @@ def _add_costs(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stash", default="", metavar="KIND=MEM,...",
                    help="memory (M) that KA or KG keeps of its microbatch until it runs, held beyond the "
                         "activations once the microbatch's W freed them (default 0)")
+    g.add_argument("--vocab-cost", default=None, metavar="F,B,W[,MEM]",
+                   help="the whole output layer's costs per microbatch (forward, input gradient, weight gradient, "
+                        "memory of its logits): added to the last stage, or a devices-th in each device's S and T "
+                        "where the schedule splits it by vocabulary (--vocab 1); default: in the stages' costs")
     g.add_argument("--offload-time", type=float, default=0.0, metavar="T",
                    help="time to copy what a device's share offloads of one microbatch to host memory, and the "
                         "same back: each OF and RL action, beside the compute, one at a time each way (default 0)")
@@ -614,7 +618,7 @@ class Applies:
 
 
 _COSTS = ("f", "b", "w", "mem", "mem_w", "latency", "bandwidth", "activation_bytes", "grad_bytes", "opt", "weights",
-          "overlap", "recompute", "stage_cost", "work", "stash", "offload_time", "offloadable")
+          "overlap", "recompute", "stage_cost", "work", "stash", "offload_time", "offloadable", "vocab_cost")
 
 
 _PLAN_UNITS = "sets the cost model of plan --memory (in units of M)"

@@ -140,6 +140,7 @@ def cost_model(args: argparse.Namespace) -> CostModel:
             in_range(f"--stage-cost {item}", "f" if name != "mem" else "mem", x)
         memory = numbers[3] if len(numbers) == 4 else None
         overrides[stage] = StageOverride(f=numbers[0], b=numbers[1], w=numbers[2], memory=memory)
+    vocab = _vocab_cost(args.vocab_cost) if getattr(args, "vocab_cost", None) is not None else (0.0,) * 4
     if args.f + args.b + args.w == 0 and not overrides:
         raise ConfigError("--f, --b and --w are all 0: a step would take no time; give one of them a time > 0")
     return CostModel(f=args.f, b=args.b, w=args.w, memory=args.mem, memory_w=args.mem_w,
@@ -147,7 +148,22 @@ def cost_model(args: argparse.Namespace) -> CostModel:
                      recompute=args.recompute, stage_overrides=overrides, grad_bytes=args.grad_bytes, opt=args.opt,
                      overlap=args.overlap, weights=args.weights, work=kind_table(args.work, "--work"),
                      stash=kind_table(args.stash, "--stash"), offload=args.offload_time,
-                     offloadable=args.offloadable)
+                     offloadable=args.offloadable, vocab_f=vocab[0], vocab_b=vocab[1], vocab_w=vocab[2],
+                     vocab_memory=vocab[3])
+
+
+def _vocab_cost(text: str) -> tuple[float, float, float, float]:
+    """``--vocab-cost F,B,W[,MEM]`` read: four numbers >= 0, the memory 0 where not given."""
+    try:
+        numbers = [float(x) for x in text.split(",")]
+    except ValueError:
+        numbers = []
+    if len(numbers) not in (3, 4):
+        raise ConfigError(f"cannot read --vocab-cost {text!r}: use F,B,W or F,B,W,MEM, e.g. 0.6,0.6,0.6,0.5")
+    for name, x in zip(("f", "b", "w", "mem"), numbers, strict=False):
+        in_range(f"--vocab-cost {text}", name, x)
+    f, b, w, *mem = numbers
+    return f, b, w, (mem[0] if mem else 0.0)
 
 
 def check_costs_used(args: argparse.Namespace, simulated: list[Schedule]) -> None:

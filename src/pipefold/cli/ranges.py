@@ -83,6 +83,7 @@ RANGES: dict[str, Range] = {
     "nodes": count(1, 65_536),
     "global_batch": count(1, 1 << 24),
     "opt_*": count(0, MAX_STAGE_MICROBATCHES),
+    "opt_vocab": count(0, 1),
     # models
     "layers": count(1, 4096),
     "hidden": count(1, 1 << 17),

@@ -18,6 +18,8 @@ An action is one pass of one microbatch through one stage, or work of a whole st
     1KP      K-FAC preconditioning of stage 1's gradient, before its optimizer step
     0OF3     offload of microbatch 3's activations of stage 0 to host memory (after its forward)
     0RL3     reload of them to the device (before its backward)
+    2S5      vocabulary forward of device 2's shard of the output layer for microbatch 5 (Vocabulary Parallelism)
+    2T5      vocabulary backward of device 2's shard of the output layer for microbatch 5
 
 What each kind waits for, what it completes, what it costs and how it changes
 memory is written once, in :data:`KINDS`; validation, the simulator, the
@@ -61,6 +63,8 @@ from pipefold.ir.kinds import (
     Kind,
     KindSpec,
     R,
+    S,
+    T,
     W,
     check_size,
     overlap,
@@ -68,6 +72,7 @@ from pipefold.ir.kinds import (
 )
 from pipefold.ir.schedule import (
     SEQ_CHUNKS,
+    VOCAB,
     ActionRows,
     Schedule,
     describe_placement,
@@ -80,7 +85,8 @@ from pipefold.ir.schedule import (
 
 __all__ = [
     "AG", "B", "BW", "DP", "F", "FORMATS", "KA", "KG", "KI", "KINDS", "KP", "MAX_DEVICES", "MAX_STAGE_MICROBATCHES",
-    "NO_MICROBATCH", "OF", "OPT", "PASSES", "RL", "RS", "SEQ_CHUNKS", "W", "Action", "ActionRows", "Graph", "Kind",
+    "NO_MICROBATCH", "OF", "OPT", "PASSES", "RL", "RS", "S", "SEQ_CHUNKS", "T", "VOCAB", "W", "Action", "ActionRows",
+    "Graph", "Kind",
     "KindSpec", "R",
     "Schedule",
     "Transfer", "check_size", "dependency_graph", "describe_placement", "dumps", "format_of", "linear_placement",

@@ -205,6 +205,8 @@ class _Rules(NamedTuple):
     """... and that need's stage offset."""
     after: Ints
     """[kind, j]: for a per-microbatch kind, the j-th stage-wide pass of its stage and device it waits for."""
+    shard: npt.NDArray[np.bool_]
+    """Kinds whose stage field is a device's shard of the vocabulary layer (``KindSpec.shard``)."""
 
 
 _compiled: list[tuple[tuple[tuple[str, KindSpec], ...], _Rules]] = []
@@ -234,7 +236,8 @@ def _compile() -> _Rules:
         gives=padded([[names[n] for n in spec.gives] for spec in specs]),
         need_pass=padded([[names[n] for n, _ in spec.needs] for spec in specs]),
         need_offset=padded([[offset for _, offset in spec.needs] for spec in specs]),
-        after=padded([[names[n] for n in spec.after] if spec.microbatch else [] for spec in specs]))
+        after=padded([[names[n] for n in spec.after] if spec.microbatch else [] for spec in specs]),
+        shard=np.array([spec.shard for spec in specs], dtype=bool))
 
 
 def _of_kinds(numbers: Ints, picked: list[bool]) -> npt.NDArray[np.bool_]:
@@ -351,6 +354,7 @@ def _givers(schedule: Schedule, table: ActionTable, rules: _Rules, offsets: Sequ
     _check_complete(schedule, giver, offsets)
     S, M, D = schedule.stages, schedule.microbatches, schedule.devices
     _check_required(schedule, giver, offsets, rules.names)
+    _check_vocab(schedule, giver, offsets, rules)
     r_base = len(rules.names) * S * M + rules.names[Kind.R] * S * D
     trains = bool(np.any(giver[S * M:3 * S * M] >= 0))  # a forward-only schedule has no gradients to reduce
     for s in range(S if trains else 0):
@@ -384,6 +388,39 @@ def _check_required(schedule: Schedule, giver: Ints, offsets: Sequence[int], nam
                           device=d, position=i)
 
 
+def _check_vocab(schedule: Schedule, giver: Ints, offsets: Sequence[int], rules: _Rules) -> None:
+    """With the output layer split by vocabulary (:attr:`Schedule.vocab`), every device runs the vocabulary
+    forward and backward of its shard for every microbatch, in the same microbatch order as every other device
+    (the runtime shares their statistics and gradients in collectives, which pair up by order); without it, none.
+    """
+    SM, M, D = schedule.stages * schedule.microbatches, schedule.microbatches, schedule.devices
+    codes = [code for code, spec in KINDS.items() if spec.shard]
+    for code in codes:
+        given = giver[rules.names[code] * SM:rules.names[code] * SM + D * M]
+        if not schedule.vocab:
+            if (given >= 0).any():
+                d, i = _where(offsets, int(given[given >= 0].min()))
+                _fail(schedule, f"device {d}, position {i}: {schedule.actions[d][i]} runs a shard of the vocabulary "
+                      f"layer, but {schedule.name} does not split it: give the schedule the option vocab=1, or "
+                      f"remove its {', '.join(codes)} actions", device=d, position=i)
+            continue
+        missing = np.flatnonzero(given < 0)
+        if len(missing):
+            d, m = divmod(int(missing[0]), M)
+            _fail(schedule, f"device {d}: microbatch {m} has no {code} of device {d}'s shard of the vocabulary layer "
+                  f"({d}{code}{m}: {KINDS[code].doc}); with vocab=1 every device runs one for every microbatch",
+                  device=d, position=len(schedule.actions[d]))
+        orders = given.reshape(D, M).argsort(axis=1)  # each device's microbatches in the order it runs them
+        for d in range(1, D):
+            if (orders[d] != orders[0]).any():
+                at = int(np.flatnonzero(orders[d] != orders[0])[0])
+                m0, m1 = int(orders[0][at]), int(orders[d][at])
+                pos = _where(offsets, int(given[d * M + m1]))[1]
+                _fail(schedule, f"device {d}, position {pos}: its {code} number {at + 1} is of microbatch {m1}, device "
+                      f"0's of microbatch {m0}: every device runs its {code} actions in one microbatch order (their "
+                      "collectives pair up by order)", device=d, position=pos)
+
+
 def _givers_at_once(schedule: Schedule, table: ActionTable, rules: _Rules) -> Ints | None:
     """:func:`_givers` on the arrays, for a schedule whose every pass is of a registered simple kind, in range, on
     its device and given once; None otherwise (then :func:`_givers_in_order` finds the first that is not)."""
@@ -401,6 +438,9 @@ def _givers_at_once(schedule: Schedule, table: ActionTable, rules: _Rules) -> In
         return None
     placed = np.array(schedule.placement)
     placed = placed[0][s] if len(placed) == 1 else placed[np.array(schedule.routes)[m], s]
+    on_shard = rules.shard[k]
+    if on_shard.any():  # a vocabulary pass runs on the device its shard names
+        placed = np.where(on_shard, s, placed)
     if (placed != table.device[g]).any():
         return None
     at = s * M + m
@@ -440,7 +480,7 @@ def _givers_in_order(schedule: Schedule, offsets: Sequence[int], names: Mapping[
     wide0 = P * S * M
     giver = [-1] * (wide0 + P * S * D)
     info = {code: (spec.microbatch, tuple((names[g] * S) * M for g in spec.gives),
-                   tuple(wide0 + names[g] * S * D for g in spec.gives)) for code, spec in KINDS.items()}
+                   tuple(wide0 + names[g] * S * D for g in spec.gives), spec.shard) for code, spec in KINDS.items()}
     gid = 0
     for device, row in enumerate(schedule.actions):
         for position, act in enumerate(row):
@@ -450,9 +490,10 @@ def _givers_in_order(schedule: Schedule, offsets: Sequence[int], names: Mapping[
                 if got is None:
                     _fail(schedule, f"device {device}, position {position}: action {act} is of kind {kind}, "
                           f"which is not registered (kinds: {', '.join(KINDS)})", device=device, position=position)
-                per_mb, gives, wide = got  # type: ignore[misc]
+                per_mb, gives, wide, on_shard = got  # type: ignore[misc]
                 if per_mb:
-                    if not (0 <= s < S and 0 <= m < M and placement[routes[m]][s] == device):
+                    if not (0 <= s < S and 0 <= m < M and (s == device if on_shard else
+                                                           placement[routes[m]][s] == device)):
                         _check_action_place(schedule, device, position, a)
                     at = s * M + m
                     for base in gives:
@@ -660,7 +701,42 @@ def _inputs(schedule: Schedule, table: ActionTable, rules: _Rules, giver: Ints) 
                     if (x := int(giver[wide0 + (rules.names[name] * S + s) * D + d])) >= 0:
                         got.append(x)
             more[g] = tuple(got)
-    return Links(n, _packed(candidates, n), more)
+    links = Links(n, _packed(candidates, n), more)
+    return _vocab_inputs(schedule, table, rules, giver, links) if schedule.vocab else links
+
+
+def _vocab_inputs(schedule: Schedule, table: ActionTable, rules: _Rules, giver: Ints, links: Links) -> Links:
+    """``links`` with what the vocabulary passes wait for and what waits for them (:attr:`Schedule.vocab`): device
+    d's ``S`` of microbatch m for the last stage's forward of m (its output, sent to every device); its ``T`` for
+    every device's ``S`` of m (the per-token statistics the shards share); the last stage's input gradient of m
+    (B or BW) for every device's ``T`` of m (the gradient of its output, summed over the shards). Each such action
+    lists all its inputs in ``more``."""
+    S, M, D = schedule.stages, schedule.microbatches, schedule.devices
+    SM, last = S * M, S - 1
+    names = rules.names
+    kind, stage, mb, owner = table.pass_kind, table.pass_stage, table.pass_microbatch, table.owner
+    number = {code: k for k, code in enumerate(rules.codes)}
+    extra: dict[int, list[int]] = {}
+    shards = np.arange(D) * M
+    for code, what, on_last in ((Kind.S, None, False), (Kind.T, Kind.S, False), (Kind.B, Kind.T, True),
+                                (Kind.BW, Kind.T, True)):
+        picked = kind == number[code]
+        if on_last:
+            picked &= stage == last
+        for q in np.flatnonzero(picked).tolist():
+            m = int(mb[q])
+            if what is None:
+                ins = [int(giver[names[Kind.F] * SM + last * M + m])]
+            else:
+                ins = giver[names[what] * SM + shards + m].tolist()
+            extra.setdefault(int(owner[q]), []).extend(ins)
+    if not extra:
+        return links
+    base = links.tuples(np.array(sorted(extra), dtype=np.int64))
+    more = dict(links.more)
+    for g, ins in extra.items():
+        more[g] = tuple(dict.fromkeys([*base[g], *ins]))
+    return Links(links.size, links.slots, more)
 
 
 def _chunk_columns(schedule: Schedule, rules: _Rules, giver: Ints, kind: Ints, stage: Ints, mb: Ints,
@@ -957,6 +1033,9 @@ def _check_action_place(schedule: Schedule, device: int, position: int, a: Actio
     if KINDS[a.kind].microbatch and not 0 <= a.microbatch < M:
         _fail(schedule, f"device {device}, position {position}: action {a} names microbatch "
               f"{a.microbatch}, but microbatches are 0..{M - 1}", **where)
+    if KINDS[a.kind].shard:
+        _fail(schedule, f"device {device}, position {position}: action {a} runs device {a.stage}'s shard of the "
+              f"vocabulary layer, on device {a.stage}: device {device} runs {device}{a.kind}{a.microbatch}", **where)
     if not KINDS[a.kind].microbatch:
         _fail(schedule, f"device {device}, position {position}: action {a} runs for stage {a.stage}, "
               f"which the placement puts on device(s) {', '.join(map(str, schedule.holders(a.stage)))}", **where)

@@ -288,6 +288,9 @@ def _torch_rows(schedule: Schedule) -> list[list[_Torch]]:
     if schedule.seq_chunks > 1:
         raise ConfigError(f"{schedule.name} cuts its microbatches into {schedule.seq_chunks} sequence chunks, which "
                           "torch.distributed.pipelining does not run: write it as text or JSON")
+    if schedule.vocab:
+        raise ConfigError(f"{schedule.name} splits its output layer by vocabulary over every device, which "
+                          "torch.distributed.pipelining does not run: write it as text or JSON")
     rows = []
     for device, row in enumerate(schedule.actions):
         out: list[_Torch] = []

@@ -66,6 +66,8 @@ class Kind:
     KP = "KP"  # K-FAC: preconditioning of a stage's gradient
     OF = "OF"  # offload: a microbatch's activations of a stage copied to host memory, their device copy freed
     RL = "RL"  # reload: the offloaded activations copied back to the device before the microbatch's backward
+    S = "S"  # vocabulary parallelism: one device's shard of the output layer for a microbatch, forward
+    T = "T"  # vocabulary parallelism: one device's shard of the output layer for a microbatch, backward
 
 
 def _no_memory(c: Any) -> tuple[float, float]:
@@ -112,6 +114,10 @@ class KindSpec:
     stash: Callable[[Any], float] = lambda c: 0.0
     """What a per-microbatch kind keeps of its microbatch until it runs: held beyond the activations when it
     ends after its microbatch's weight gradient (W or BW) at its stage freed them (K-FAC's curvature)."""
+    shard: bool = False
+    """Runs on every device, once per microbatch: its stage field names the device's shard of the vocabulary
+    layer (0..devices-1, on device of that number), not a stage of the model (Vocabulary Parallelism). What it
+    waits for is written in :mod:`pipefold.ir.graph` (``_vocab_inputs``), not in ``needs``."""
     color: str = "#999999"
     label: str = ""
 
@@ -213,6 +219,16 @@ for _spec in (
     KindSpec(code=Kind.KP, doc="K-FAC preconditioning of a stage's gradient", microbatch=False, gathers=("W",),
              after=("R", "KI"), gives=("KP",), time=lambda c: c.work.get("KP", 0.0), color="#4B0082",
              label="K-FAC precondition"),
+    # Vocabulary Parallelism: the output layer split by vocabulary over every device. S computes a shard's logits
+    # and their per-token max and sum of exponentials; T, once every shard's statistics are shared, the shard's
+    # softmax, its part of the gradient of the last stage's output and its weight gradient. What S keeps of its
+    # logits for T is ``vocab_held``.
+    KindSpec(code=Kind.S, doc="vocabulary forward of one device's shard of the output layer", gives=("S",),
+             shard=True, time=lambda c: c.vocab_s, memory=lambda c: (c.vocab_held, 0.0), color="#44AA99",
+             label="vocab forward"),
+    KindSpec(code=Kind.T, doc="vocabulary backward of one device's shard of the output layer", gives=("T",),
+             shard=True, time=lambda c: c.vocab_t, memory=lambda c: (0.0, -c.vocab_held), color="#117733",
+             label="vocab backward"),
 ):
     register_kind(_spec)
 
@@ -350,6 +366,16 @@ def OF(stage: int, microbatch: int) -> Action:
 def RL(stage: int, microbatch: int) -> Action:
     """Reload of ``microbatch``'s offloaded activations of ``stage``."""
     return Action(stage, Kind.RL, microbatch)
+
+
+def S(shard: int, microbatch: int) -> Action:
+    """Vocabulary forward of device ``shard``'s share of the output layer for ``microbatch``."""
+    return Action(shard, Kind.S, microbatch)
+
+
+def T(shard: int, microbatch: int) -> Action:
+    """Vocabulary backward of device ``shard``'s share of the output layer for ``microbatch``."""
+    return Action(shard, Kind.T, microbatch)
 
 
 def overlap(forward: Action, backward: Action) -> Action:

@@ -21,6 +21,9 @@ from pipefold.ir.kinds import NO_MICROBATCH, Action, Kind, check_size
 SEQ_CHUNKS = "seq_chunks"
 """The schedule option that cuts each microbatch into sequence chunks (:attr:`Schedule.seq_chunks`)."""
 
+VOCAB = "vocab"
+"""The schedule option that splits the output layer by vocabulary over every device (:attr:`Schedule.vocab`)."""
+
 # --------------------------------------------------------------------------- placements
 #
 # A placement is, per replica, the device of every stage. One replica is the usual case.
@@ -261,6 +264,17 @@ class Schedule:
                                 f"{routes[uneven]}, its chunk 0 replica {routes[uneven - uneven % c]}: the chunks "
                                 "of a microbatch go through one replica, whose stages keep their keys and values")
 
+        vocab = self.options.get(VOCAB, 0)
+        if vocab not in (0, 1) or isinstance(vocab, float):
+            raise ScheduleError(f"option {VOCAB} is 1 (the output layer split by vocabulary over every device) or 0 "
+                                f"(got {vocab!r})")
+        if vocab and self.devices > self.stages:
+            raise ScheduleError(f"with option {VOCAB} every device holds a shard of the output layer and a stage: "
+                                f"{self.devices} devices but {self.stages} stages")
+        if vocab and c > 1:
+            raise ScheduleError(f"options {VOCAB} and {SEQ_CHUNKS} do not go together yet: the output layer's shards "
+                                "take whole microbatches")
+
     # -- derived views
 
     @property
@@ -275,6 +289,14 @@ class Schedule:
         waits for the forward of the chunk before it on its stage (its attention reads their keys and values), and
         its backward for the backward of the chunk after it (which gives their gradients)."""
         return int(self.options.get(SEQ_CHUNKS, 1))
+
+    @property
+    def vocab(self) -> bool:
+        """Whether the output layer (with its softmax and loss) is split by vocabulary over every device (Vocabulary
+        Parallelism): then the last stage ends before it, and each microbatch has, on every device d, a vocabulary
+        forward ``dS<m>`` after the last stage's forward and a vocabulary backward ``dT<m>`` after every device's
+        ``S`` of that microbatch; the last stage's backward waits for every device's ``T``."""
+        return bool(self.options.get(VOCAB, 0))
 
     @property
     def data_microbatches(self) -> int:
@@ -493,10 +515,14 @@ class Schedule:
     # -- CSV form (one row per device, one action per cell, as torch.distributed.pipelining)
 
     def to_csv(self) -> str:
-        """One row of actions per device; refused for a schedule over sequence chunks, which a CSV cannot say."""
+        """One row of actions per device; refused for a schedule over sequence chunks or with its output layer split
+        by vocabulary, which a CSV cannot say."""
         if self.seq_chunks > 1:
             raise ScheduleError(f"{self.name} cuts its microbatches into {self.seq_chunks} sequence chunks, which a "
                                 "CSV file holds no option to say: write it as text or JSON")
+        if self.vocab:
+            raise ScheduleError(f"{self.name} splits its output layer by vocabulary ({VOCAB}=1), which a CSV file "
+                                "holds no option to say: write it as text or JSON")
         buf = io.StringIO()
         writer = csv.writer(buf, lineterminator="\n")
         for row in self.actions:

@@ -13,12 +13,13 @@ from typing import Any
 
 from pipefold._gc import paused_gc
 from pipefold.errors import ConfigError
-from pipefold.ir import SEQ_CHUNKS, Schedule, check_size
+from pipefold.ir import SEQ_CHUNKS, VOCAB, Schedule, check_size
 from pipefold.schedules.bidirectional import chimera, dualpipe
 from pipefold.schedules.controllable import v_block_schedule, v_half, v_min, v_zb
 from pipefold.schedules.dualpipe_v import dualpipev
 from pipefold.schedules.interleaved import interleaved_1f1b, interleaved_zb, looped_bfs
 from pipefold.schedules.kfkb import gpipe, kfkb, one_f_one_b
+from pipefold.schedules.vocab import with_vocab
 from pipefold.schedules.vshape import one_f_one_b_v, zb_v
 from pipefold.schedules.zero_bubble import zb_h, zb_h1, zb_h2
 
@@ -37,6 +38,8 @@ class Option:
     default: int
     help: str
     minimum: int = 1
+    most: int | None = None
+    """The largest value it takes (None: no limit)."""
     search: Callable[[int, int], Sequence[int]] = _no_search
     """Values worth trying for p devices and m microbatches (the planner's search space); empty: the default."""
     planned: bool = True
@@ -71,6 +74,9 @@ def _gap(name: str, help: str, most: int = 3) -> Option:
 _V = Option(name="v", default=2, help="stages (model chunks) per device", search=lambda p, m: (2, 3, 4))
 _SEQ = Option(name=SEQ_CHUNKS, default=1, help="sequence chunks per microbatch, pipelined with their causal "
                                                  "dependency (Seq1F1B; 1: whole sequences)", planned=False)
+_VOCAB = Option(name=VOCAB, default=0, minimum=0, most=1, planned=False,
+                help="1: the output layer split by vocabulary over every device, its passes S and T placed into the "
+                     "schedule (Vocabulary Parallelism); 0: on the last stage")
 
 
 def _chunks(options: Mapping[str, Any]) -> int:
@@ -83,11 +89,11 @@ def _two(options: Mapping[str, Any]) -> int:
 REGISTRY: dict[str, ScheduleSpec] = {
     spec.name: spec
     for spec in [
-        ScheduleSpec(name="gpipe", options=(_SEQ,), build=gpipe, memory="m",
+        ScheduleSpec(name="gpipe", options=(_SEQ, _VOCAB), build=gpipe, memory="m",
                      description="GPipe: all forwards, then all backwards (Huang et al. 2019)"),
-        ScheduleSpec(name="1f1b", options=(_SEQ,), build=one_f_one_b, memory="p-i",
+        ScheduleSpec(name="1f1b", options=(_SEQ, _VOCAB), build=one_f_one_b, memory="p-i",
                      description="1F1B / PipeDream-Flush: warm-up, then one forward one backward"),
-        ScheduleSpec(name="interleaved-1f1b", stages_per_device=_chunks, build=interleaved_1f1b, options=(_V,),
+        ScheduleSpec(name="interleaved-1f1b", stages_per_device=_chunks, build=interleaved_1f1b, options=(_V, _VOCAB),
                      memory="~p+(p-1)/v",
                      description="Interleaved 1F1B (Megatron-LM): v looped chunks per device, bubble / v"),
         ScheduleSpec(name="interleaved-zb", stages_per_device=_chunks, build=interleaved_zb, options=(_V,),
@@ -98,20 +104,21 @@ REGISTRY: dict[str, ScheduleSpec] = {
                      description="Breadth-first looped (Lamy-Poirier 2022): all microbatches chunk by chunk"),
         ScheduleSpec(name="kfkb", build=kfkb, memory="min(m, k(p-i))",
                      options=(Option(name="k", default=2, help="microbatches per group",
-                                     search=lambda p, m: range(1, m + 1)), _SEQ),
+                                     search=lambda p, m: range(1, m + 1)), _SEQ, _VOCAB),
                      description="kFkB (Ada-Grouper): k forwards then k backwards; k=1 is 1F1B, k=m GPipe"),
-        ScheduleSpec(name="zb-h1", options=(_SEQ,), build=zb_h1, memory="p",
+        ScheduleSpec(name="zb-h1", options=(_SEQ, _VOCAB), build=zb_h1, memory="p",
                      description="Zero Bubble H1: B/W split, W deferred into bubbles, 1F1B's memory"),
-        ScheduleSpec(name="zb-h2", options=(_SEQ,), build=zb_h2, memory="2p-1",
+        ScheduleSpec(name="zb-h2", options=(_SEQ, _VOCAB), build=zb_h2, memory="2p-1",
                      description="Zero Bubble H2: extra warm-up fills the start, about twice 1F1B's memory"),
         ScheduleSpec(name="zb-h", build=zb_h, memory="p+extra",
                      options=(Option(name="extra", default=0, minimum=0, search=lambda p, m: range(p),
-                                     help="extra warm-up forwards and deferred Ws (0: zb-h1, p-1: zb-h2)"), _SEQ),
+                                     help="extra warm-up forwards and deferred Ws (0: zb-h1, p-1: zb-h2)"),
+                              _SEQ, _VOCAB),
                      description="Zero Bubble between H1 and H2: memory p+extra buys a shorter start-up"),
-        ScheduleSpec(name="zb-v", options=(_SEQ,), stages_per_device=_two, build=zb_v,
+        ScheduleSpec(name="zb-v", options=(_SEQ, _VOCAB), stages_per_device=_two, build=zb_v,
                      memory="(min(m,2p-1-i)+min(m,i+1))/2, p for m>=2p-1",
                      description="Zero Bubble V: V placement, B/W split, W fills the gaps; 1F1B's memory, ~no bubble"),
-        ScheduleSpec(name="1f1b-v", options=(_SEQ,), stages_per_device=_two, build=one_f_one_b_v,
+        ScheduleSpec(name="1f1b-v", options=(_SEQ, _VOCAB), stages_per_device=_two, build=one_f_one_b_v,
                      memory="(min(m,2p-1-i)+min(m,i+1))/2, p for m>=2p-1",
                      description="1F1B on the V placement: fused backward, warm-up of 2p-1 forwards, then 1F1B"),
         ScheduleSpec(name="dualpipev", stages_per_device=_two, build=dualpipev, memory="p+1/2 (2p+1 chunks)",
@@ -123,11 +130,11 @@ REGISTRY: dict[str, ScheduleSpec] = {
         ScheduleSpec(name="dualpipe", build=dualpipe, memory="p+1", min_microbatches=lambda p: 2 * p,
                      description="DualPipe (DeepSeek): two opposite pipelines, F of one overlapped with B of the "
                                  "other, B/W split at the ends"),
-        ScheduleSpec(name="v-zb", stages_per_device=_two, build=v_zb, memory="p",
+        ScheduleSpec(name="v-zb", stages_per_device=_two, options=(_VOCAB,), build=v_zb, memory="p",
                      description="V-ZB (controllable memory): V building block at 1F1B's memory, ~no bubble"),
-        ScheduleSpec(name="v-half", stages_per_device=_two, build=v_half, memory="(p+2)//2",
+        ScheduleSpec(name="v-half", stages_per_device=_two, options=(_VOCAB,), build=v_half, memory="(p+2)//2",
                      description="V-Half (controllable memory): V building block at half of 1F1B's memory"),
-        ScheduleSpec(name="v-min", stages_per_device=_two, build=v_min, memory="(p+4)//3",
+        ScheduleSpec(name="v-min", stages_per_device=_two, options=(_VOCAB,), build=v_min, memory="(p+4)//3",
                      description="V-Min (controllable memory): V building block at a third of 1F1B's memory"),
         ScheduleSpec(name="v-block", stages_per_device=_two, build=v_block_schedule, memory="sum of ceil(lifespan/T)",
                      options=(_gap("f0", "slots per hop of the chunk-0 forward chain"),
@@ -183,8 +190,10 @@ def build(name: str, devices: int, microbatches: int, **options: Any) -> Schedul
     resolved = _resolve_options(spec, options)
     check_size(devices * spec.stages_per_device(resolved), microbatches * resolved.get(SEQ_CHUNKS, 1),
                f"{name} on {devices:,} devices with {microbatches:,} microbatches", devices=devices)
+    vocab = resolved.pop(VOCAB, 0)
     with paused_gc():
-        return spec.build(devices, microbatches, **resolved)
+        schedule = spec.build(devices, microbatches, **resolved)
+        return with_vocab(schedule) if vocab else schedule
 
 
 def _check_positive(label: str, value: Any) -> None:
@@ -196,6 +205,10 @@ def _resolve_options(spec: ScheduleSpec, options: Mapping[str, Any]) -> dict[str
     resolved: dict[str, Any] = {}
     for key, value in options.items():
         opt = spec.option(key)
+        if opt is None and key == VOCAB:
+            able = ", ".join(n for n, other in REGISTRY.items() if other.option(VOCAB))
+            raise ConfigError(f"schedule {spec.name} cannot split its output layer by vocabulary; schedules that "
+                              f"can: {able}")
         if opt is None and key == SEQ_CHUNKS:
             able = ", ".join(n for n, other in REGISTRY.items() if other.option(SEQ_CHUNKS))
             raise ConfigError(f"schedule {spec.name} cannot cut microbatches into sequence chunks; schedules that "
@@ -203,8 +216,10 @@ def _resolve_options(spec: ScheduleSpec, options: Mapping[str, Any]) -> dict[str
         if opt is None:
             takes = ", ".join(o.name for o in spec.options) or "none"
             raise ConfigError(f"schedule {spec.name} takes no option {key!r}; its options: {takes}")
-        if not isinstance(value, int) or isinstance(value, bool) or value < opt.minimum:
-            raise ConfigError(f"option {key} of {spec.name} must be an integer >= {opt.minimum} (got {value!r})")
+        if not isinstance(value, int) or isinstance(value, bool) or value < opt.minimum or \
+                (opt.most is not None and value > opt.most):
+            bound = f">= {opt.minimum}" if opt.most is None else f"from {opt.minimum} to {opt.most}"
+            raise ConfigError(f"option {key} of {spec.name} must be an integer {bound} (got {value!r})")
         resolved[key] = value
     for opt in spec.options:
         resolved.setdefault(opt.name, opt.default)

@@ -91,6 +91,12 @@ class StageCost:
     """Activation memory an offload (``OF``) moves to host memory, of what F keeps until the backward."""
     offload: float = 0.0
     """Time of one copy of ``offloaded`` over the host link, either way (``OF`` and ``RL`` each)."""
+    vocab_s: float = 0.0
+    """With the output layer split by vocabulary: time of one device's shard's forward (``S``) for a microbatch."""
+    vocab_t: float = 0.0
+    """... of its backward (``T``): its part of the input gradient and its weight gradient."""
+    vocab_held: float = 0.0
+    """... and the activation memory one shard keeps of a microbatch from its ``S`` to the end of its ``T``."""
 
     @property
     def bw(self) -> float:
@@ -212,10 +218,22 @@ class CostModel:
     after_step: float = 0.0
     """Time after every device's last action before the step is over, on no device's timeline: what the runtime
     does once the schedule has run (ZeRO-1's broadcast of the stepped shares). Added to the makespan."""
+    vocab_f: float = 0.0
+    """Forward time of the output layer (logits, softmax and loss) for one microbatch, the whole layer: part of the
+    last stage's forward, or, where the schedule splits it by vocabulary (:attr:`pipefold.ir.Schedule.vocab`), a
+    devices-th of it in each device's ``S``. 0: the stages' costs hold it already (or it is negligible)."""
+    vocab_b: float = 0.0
+    """... its input-gradient time (part of the last stage's B, or a devices-th in each ``T``)..."""
+    vocab_w: float = 0.0
+    """... its weight-gradient time (part of the last stage's W, or a devices-th in each ``T``)..."""
+    vocab_memory: float = 0.0
+    """... and the activation memory it keeps of a microbatch (its logits), in units of M: on the last stage until
+    its backward, or a devices-th from each device's ``S`` to its ``T``."""
 
     def __post_init__(self) -> None:
         for name in ("f", "b", "w", "memory", "memory_w", "latency", "activation_bytes", "grad_bytes", "opt",
-                     "weights", "gathered", "message_overhead", "after_step", "offload"):
+                     "weights", "gathered", "message_overhead", "after_step", "offload", "vocab_f", "vocab_b",
+                     "vocab_w", "vocab_memory"):
             value = getattr(self, name)
             if value is None and name == "memory_w":
                 continue
@@ -310,12 +328,31 @@ class CostModel:
             return self.allreduce_time(nbytes, replicas) / 2
         return ring_gather(nbytes, replicas, self.latency, self.bandwidth)
 
-    def stage_cost(self, stage: int, stages: int, devices: int, *, replicas: int = 1) -> StageCost:
+    def stage_cost(self, stage: int, stages: int, devices: int, *, replicas: int = 1,
+                   vocab: bool = False) -> StageCost:
         """Cost of ``stage`` in a pipeline of ``stages`` stages over ``devices`` devices, held ``replicas`` times.
 
         A stage is 1/stages of the model whatever its replicas; the unit costs are for 1/devices of it.
-        Its all-reduce moves its share of ``grad_bytes`` between its replicas.
+        Its all-reduce moves its share of ``grad_bytes`` between its replicas. The output layer's costs
+        (``vocab_*``) go to the last stage, or, with ``vocab`` (split by vocabulary), a devices-th to each shard's
+        ``S`` and ``T``.
         """
+        cost = self._stage_cost(stage, stages, devices, replicas)
+        if vocab:
+            return replace(cost, vocab_s=self.vocab_f / devices,
+                                       vocab_t=(self.vocab_b + self.vocab_w) / devices,
+                                       vocab_held=self.vocab_memory / devices)
+        if stage != stages - 1 or not (self.vocab_f or self.vocab_b or self.vocab_w or self.vocab_memory):
+            return cost
+        more = self.vocab_memory
+        return replace(
+            cost, f=cost.f + self.vocab_f, b=cost.b + self.vocab_b, w=cost.w + self.vocab_w,
+            fused=None if cost.fused is None else cost.fused + self.vocab_b + self.vocab_w,
+            memory=cost.memory + more, kept=None if cost.kept is None else cost.kept + more,
+            memory_w=None if cost.memory_w is None else cost.memory_w + more,
+            offloaded=cost.offloaded + more * self.offloadable)
+
+    def _stage_cost(self, stage: int, stages: int, devices: int, replicas: int) -> StageCost:
         share = devices / stages  # a stage is this fraction of one device's share of the model
         over = self.stage_overrides.get(stage)
         memory_w = None if self.memory_w is None else self.memory_w * share
@@ -364,6 +401,8 @@ class CostModel:
             "allreduce_fits": {str(k): list(fit) for k, fit in self.allreduce_fits.items()},
             "sharded_fits": {str(k): [list(g), list(r)] for k, (g, r) in self.sharded_fits.items()}, "mesh": self.mesh,
             "after_step": self.after_step, "offload": self.offload, "offloadable": self.offloadable,
+            "vocab_f": self.vocab_f, "vocab_b": self.vocab_b, "vocab_w": self.vocab_w,
+            "vocab_memory": self.vocab_memory,
             "stage_overrides": {str(s): {"f": c.f, "b": c.b, "w": c.w, "memory": c.memory,
                                          "recompute": c.recompute, "kept": c.kept, "memory_w": c.memory_w,
                                          "bw": c.bw, "collectives": c.collectives, "offloaded": c.offloaded,
@@ -670,7 +709,7 @@ def simulate(schedule: Schedule, cost: CostModel | None = None, *, network: Netw
     outside = sorted(s for s in cost.stage_overrides if not 0 <= s < S)
     if outside:
         raise ConfigError(f"a stage cost override names stage {outside[0]}, but {schedule.name} has stages 0..{S - 1}")
-    costs = [cost.stage_cost(s, S, D, replicas=len(schedule.holders(s))) for s in range(S)]
+    costs = [cost.stage_cost(s, S, D, replicas=len(schedule.holders(s)), vocab=schedule.vocab) for s in range(S)]
     table = action_table(schedule)
     # Each kind's time and memory effect on each stage, from KINDS, then per action (an overlapped pair's from its
     # parts): looked up on arrays rather than action by action.

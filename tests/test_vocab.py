@@ -1,0 +1,200 @@
+"""Vocabulary Parallelism in the IR, the generators and the simulator: the output layer split by vocabulary over
+every device, its passes S and T placed into the schedule.
+
+The placements are checked by a brute force that runs the device rows by the paper's dependencies, written here
+again and not read from the graph; the simulator's costs against closed forms and against the same costs given
+as a stage override."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pipefold import schedules
+from pipefold.errors import ConfigError, ScheduleError
+from pipefold.ir import BW, VOCAB, Action, F, Kind, Schedule, dependency_graph
+from pipefold.ir.kinds import S, T
+from pipefold.sim.simulate import CostModel, StageOverride, simulate
+
+FAMILIES = [name for name, spec in schedules.REGISTRY.items() if spec.option(VOCAB)]
+
+
+def _runs(schedule: Schedule) -> bool:
+    """Whether the rows run to their end when each action waits for what the paper says (a brute force)."""
+    D, M, last = schedule.devices, schedule.microbatches, schedule.stages - 1
+    done: set[tuple[str, int, int]] = set()
+
+    def needs(a: Action) -> list[tuple[str, int, int]]:
+        if a.kind == Kind.F:
+            return [(Kind.F, a.stage - 1, a.microbatch)] if a.stage else []
+        if a.kind in (Kind.B, Kind.BW):
+            later = [(Kind.B, a.stage + 1, a.microbatch)] if a.stage < last else \
+                [(Kind.T, d, a.microbatch) for d in range(D)]
+            return [(Kind.F, a.stage, a.microbatch), *later]
+        if a.kind == Kind.W:
+            return [(Kind.B, a.stage, a.microbatch)]
+        if a.kind == Kind.S:
+            return [(Kind.F, last, a.microbatch)]
+        assert a.kind == Kind.T
+        return [(Kind.S, d, a.microbatch) for d in range(D)]
+
+    heads = [0] * D
+    moved = True
+    while moved:
+        moved = False
+        for d, row in enumerate(schedule.actions):
+            while heads[d] < len(row) and all(n in done for n in needs(row[heads[d]])):
+                a = row[heads[d]]
+                done.update((k, a.stage, a.microbatch) for k in ((Kind.B, Kind.W) if a.kind == Kind.BW else (a.kind,)))
+                heads[d] += 1
+                moved = True
+    assert len(done) == 3 * schedule.stages * M + 2 * D * M  # each pass once
+    return heads == [len(r) for r in schedule.actions]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_every_family_places_the_vocabulary_passes_where_they_can_run(name: str) -> None:
+    for p, m in itertools.product((1, 2, 3, 4), (1, 2, 3, 5, 8)):
+        try:
+            plain = schedules.build(name, p, m)
+        except ConfigError:
+            continue  # a size the family does not take
+        split = schedules.build(name, p, m, vocab=1)
+        assert split.vocab and not plain.vocab
+        assert _runs(split), (name, p, m)
+        for d, row in enumerate(split.actions):
+            for code in (Kind.S, Kind.T):
+                mbs = [a.microbatch for a in row if a.kind == code]
+                assert mbs == list(range(m)) and all(a.stage == d for a in row if a.kind == code)
+            # the base schedule's own order is kept but for forwards run early
+            kept = [a for a in row if a.kind not in (Kind.S, Kind.T)]
+            assert sorted(kept) == sorted(plain.actions[d])
+            assert [a for a in kept if a.kind != Kind.F] == [a for a in plain.actions[d] if a.kind != Kind.F]
+            assert [a for a in kept if a.kind == Kind.F] == [a for a in plain.actions[d] if a.kind == Kind.F]
+
+
+def _two(rows: list[list[Action]], **options: int) -> Schedule:
+    return Schedule("t", 2, 2, 2, (0, 1), rows, {VOCAB: 1, **options})
+
+
+GOOD = [[F(0, 0), F(0, 1), S(0, 0), T(0, 0), S(0, 1), T(0, 1), BW(0, 0), BW(0, 1)],
+        [F(1, 0), S(1, 0), T(1, 0), BW(1, 0), F(1, 1), S(1, 1), T(1, 1), BW(1, 1)]]
+
+
+@pytest.mark.parametrize(("rows", "options", "says"), [
+    (GOOD, {VOCAB: 0}, "does not split it: give the schedule the option vocab=1"),
+    ([[F(0, 0), F(0, 1), S(0, 0), T(0, 0), T(0, 1), BW(0, 0), BW(0, 1)], GOOD[1]], {}, "microbatch 1 has no S"),
+    ([[F(0, 0), F(0, 1), S(1, 0), T(0, 0), S(0, 1), T(0, 1), BW(0, 0), BW(0, 1)], GOOD[1]], {}, "on device 1"),
+    ([[F(0, 0), F(0, 1), S(0, 1), S(0, 0), T(0, 0), T(0, 1), BW(0, 0), BW(0, 1)], GOOD[1]], {},
+     "one microbatch order"),
+    ([GOOD[0], [S(1, 0), F(1, 0), T(1, 0), BW(1, 0), F(1, 1), S(1, 1), T(1, 1), BW(1, 1)]], {},
+     "1S0 comes before 1F0"),
+    ([GOOD[0], [F(1, 0), S(1, 0), BW(1, 0), T(1, 0), F(1, 1), S(1, 1), T(1, 1), BW(1, 1)]], {},
+     "1BW0 comes before 1T0"),
+    ([[F(0, 0), F(0, 1), T(0, 0), S(0, 0), S(0, 1), T(0, 1), BW(0, 0), BW(0, 1)], GOOD[1]], {},
+     "0T0 comes before 0S0"),
+    ([[F(0, 0), F(0, 1), S(0, 0), S(0, 1), BW(0, 0), T(0, 0), T(0, 1), BW(0, 1)], GOOD[1]], {}, "deadlock"),
+])
+def test_a_misplaced_vocabulary_pass_is_refused_in_one_line(rows: list[list[Action]], options: dict[str, int],
+                                                            says: str) -> None:
+    with pytest.raises(ScheduleError) as err:
+        dependency_graph(_two(rows, **options))
+    assert says in str(err.value).splitlines()[0]
+    assert dependency_graph(_two(GOOD))  # the right one passes
+
+
+def test_the_option_is_checked_where_the_schedule_is_made() -> None:
+    with pytest.raises(ScheduleError, match="option vocab is 1"):
+        _two(GOOD, **{VOCAB: 2})
+    with pytest.raises(ScheduleError, match="3 devices but 2 stages"):
+        Schedule("t", 3, 2, 1, (0, 1), [[], [], []], {VOCAB: 1})
+    with pytest.raises(ScheduleError, match="do not go together"):
+        Schedule("t", 2, 2, 2, (0, 1), GOOD, {VOCAB: 1, "seq_chunks": 2})
+
+
+def test_families_without_it_say_which_have_it() -> None:
+    with pytest.raises(ConfigError) as err:
+        schedules.build("chimera", 4, 4, vocab=1)
+    assert "v-half" in str(err.value) and "1f1b" in str(err.value)
+    with pytest.raises(ConfigError, match="from 0 to 1"):
+        schedules.build("1f1b", 4, 4, vocab=2)
+
+
+def test_files_keep_the_passes_and_a_csv_refuses_them() -> None:
+    split = schedules.build("v-half", 4, 8, vocab=1)
+    assert Schedule.from_text(split.to_text()) == split
+    assert Schedule.from_json(json.loads(json.dumps(split.to_json()))) == split
+    with pytest.raises(ScheduleError, match="CSV file holds no option"):
+        split.to_csv()
+
+
+COSTS = dict(f=1.0, b=1.0, w=1.0, vocab_f=0.6, vocab_b=0.6, vocab_w=0.6, vocab_memory=0.5)
+
+
+@pytest.mark.parametrize(("name", "p"), [("1f1b", 4), ("zb-h1", 3), ("v-half", 4), ("gpipe", 2)])
+def test_on_the_last_stage_the_output_layer_costs_what_a_stage_override_says(name: str, p: int) -> None:
+    schedule = schedules.build(name, p, 2 * p)
+    S_ = schedule.stages
+    with_layer = simulate(schedule, CostModel(**COSTS))
+    share = p / S_  # a stage is this fraction of a device's share
+    over = StageOverride(f=share + 0.6, b=share + 0.6, w=share + 0.6, memory=share + 0.5)
+    by_hand = simulate(schedule, CostModel(f=1, b=1, w=1, stage_overrides={S_ - 1: over}))
+    assert with_layer.makespan == pytest.approx(by_hand.makespan)
+    assert with_layer.peak_memory == pytest.approx(by_hand.peak_memory)
+
+
+@pytest.mark.parametrize(("name", "p", "m"), [("1f1b", 4, 8), ("zb-h1", 4, 8), ("zb-v", 3, 6), ("v-half", 4, 8),
+                                              ("v-min", 4, 12), ("kfkb", 2, 4)])
+def test_split_the_layer_costs_each_device_a_devices_th(name: str, p: int, m: int) -> None:
+    split = schedules.build(name, p, m, vocab=1)
+    result = simulate(split, CostModel(**COSTS))
+    plain = simulate(schedules.build(name, p, m), CostModel(f=1, b=1, w=1))
+    for d in range(p):  # busy: the stages' work plus m shards' S and T, each a p-th of the layer
+        assert result.busy[d] == pytest.approx(plain.busy[d] + m * 1.8 / p)
+    # memory: every device's peak is at most its own stages' plus a p-th of the layer's logits for each microbatch
+    # it holds between an S and its T (at most m), and the last stage no longer holds the whole layer's
+    for d in range(p):
+        assert result.peak_memory[d] <= plain.peak_memory[d] * max(1, _ahead_factor(split, d)) + m * 0.5 / p + 1e-9
+    assert result.makespan >= m * (3 + 1.8 / p) - 1e-9  # a device's work bound
+
+
+def _ahead_factor(split: Schedule, d: int) -> float:
+    """How many more microbatches than the plain schedule device d may hold (forwards run early): a bound's factor."""
+    return 1 + 4 / max(1, len([a for a in split.actions[d] if a.kind == Kind.F]))
+
+
+@pytest.mark.parametrize(("name", "p", "m"), [("zb-h1", 4, 32), ("zb-v", 4, 32), ("v-half", 4, 32),
+                                              ("v-half", 8, 32)])
+def test_with_a_split_backward_the_layer_leaves_the_critical_path(name: str, p: int, m: int) -> None:
+    """The paper's ratio (an output layer of 2.4 transformer layers over stages of 4): on the last stage it sets
+    the pace; split and placed, the step is within 6% of a device's work bound and shorter than before."""
+    cost = CostModel(**COSTS)
+    plain = simulate(schedules.build(name, p, m), cost)
+    split = simulate(schedules.build(name, p, m, vocab=1), cost)
+    bound = m * (3 + 1.8 / p)
+    assert split.makespan <= 1.06 * bound + 3 * p  # within the work bound and a fill and drain
+    assert split.makespan < 0.8 * plain.makespan
+
+
+def test_the_cli_simulates_it_and_reads_the_costs() -> None:
+    def run(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "pipefold", "simulate", *argv], capture_output=True, text=True,
+                              check=False)
+
+    got = run("zb-v", "--devices", "4", "--microbatches", "16", "--vocab", "1", "--vocab-cost", "0.6,0.6,0.6,0.5",
+              "--json")
+    assert got.returncode == 0, got.stderr
+    data = json.loads(got.stdout)
+    expected = simulate(schedules.build("zb-v", 4, 16, vocab=1), CostModel(
+        vocab_f=0.6, vocab_b=0.6, vocab_w=0.6, vocab_memory=0.5))
+    assert data["makespan"] == pytest.approx(expected.makespan, rel=1e-6)
+    for argv, says in ((("1f1b", "--vocab-cost", "1,2"), "use F,B,W or F,B,W,MEM"),
+                       (("1f1b", "--vocab-cost", "1,2,-1"), "--vocab-cost 1,2,-1"),
+                       (("chimera", "--devices", "4", "--vocab", "1"), "chimera")):
+        bad = run(*argv)
+        assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+        assert says in bad.stderr
