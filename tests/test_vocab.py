@@ -11,12 +11,18 @@ import itertools
 import json
 import subprocess
 import sys
+from typing import Any
 
+import numpy as np
 import pytest
+import torch
+from torch import nn
 
+from conftest import run_ranks
 from pipefold import schedules
 from pipefold.errors import ConfigError, ScheduleError
 from pipefold.ir import BW, VOCAB, Action, F, Kind, Schedule, dependency_graph
+from pipefold.ir.ref import ScheduleRef
 from pipefold.ir.kinds import S, T
 from pipefold.sim.simulate import CostModel, StageOverride, simulate
 
@@ -198,3 +204,105 @@ def test_the_cli_simulates_it_and_reads_the_costs() -> None:
         bad = run(*argv)
         assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
         assert says in bad.stderr
+
+
+# --------------------------------------------------------------------------- the runtime, exact
+
+_SIZE = {"n_layer": 4, "n_embd": 32, "n_head": 4, "block_size": 32, "vocab_size": 67, "dropout": 0.0}
+"""A vocabulary of 67 entries: over 2 or 3 devices the last shard is padded."""
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    x = torch.randint(0, 67, (4, 32), generator=g)
+    return x, torch.roll(x, -1, 1)
+
+
+def _layers() -> list[nn.Module]:
+    from pipefold.models.gpt import GPTConfig, build_gpt
+
+    return [layer.double() for layer in build_gpt(GPTConfig(**_SIZE), seed=0)]
+
+
+def _reference(steps: int) -> tuple[list[float], list[nn.Module], float]:
+    from pipefold.models.gpt import gpt_loss
+
+    layers = _layers()
+    model = nn.Sequential(*layers)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(steps):
+        x, y = _batch(step)
+        opt.zero_grad()
+        loss = gpt_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    with torch.no_grad():
+        x, y = _batch(99)
+        evaluated = gpt_loss(model(x), y).item()
+    return losses, layers, evaluated
+
+
+def _cut(flat: list[nn.Module], n: int, per: int) -> list[nn.Module]:
+    """``flat`` cut into ``n`` stages of ``per`` layers, the rest with the last."""
+    return [nn.Sequential(*flat[s * per:(s + 1) * per if s < n - 1 else len(flat)]) for s in range(n)]
+
+
+def _train(rank: int, init: str, world: int, schedule: str, steps: int, out: Any) -> None:
+    import torch.distributed as dist
+
+    from pipefold import Pipeline, VocabShard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        ref = ScheduleRef.parse(schedule)
+        built = schedules.build(ref.name, world, 4, **ref.kwargs)
+        layers = _layers()
+        head = layers[-1]
+        flat = [*layers[:-1], head.ln_f]  # the last stage ends with the final norm; the projection is split
+        per = len(flat) // built.stages
+        stages = _cut(flat, built.stages, per)
+        mine = built.stages_of(rank)
+        shard = VocabShard.of(head.lm_head.weight, rank, world)
+        pipe = Pipeline({s: stages[s] for s in mine}, built, vocab=shard)
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        losses = []
+        for step in range(steps):
+            x, y = _batch(step)
+            opt.zero_grad()
+            losses.append(pipe.step(x, target=y, all_ranks=True))
+            opt.step()
+        _, evaluated = pipe.forward(_batch(99)[0], target=_batch(99)[1], all_ranks=True)
+        weights = {f"{s}": [p.detach().numpy().copy() for p in stages[s].parameters()] for s in mine}
+        out.put((rank, losses, evaluated, weights, shard.weight.detach().numpy().copy(), built.stages))
+        pipe.close()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("schedule", "world"), [("1f1b:vocab=1", 2), ("zb-h1:vocab=1", 2), ("zb-v:vocab=1", 2),
+                                                 ("v-half:vocab=1", 3), ("gpipe:vocab=1", 3)])
+def test_a_pipeline_with_the_output_layer_split_trains_as_one_process(schedule: str, world: int) -> None:
+    """The GPT stepped through ``Pipeline`` in a user's loop with its output projection split by vocabulary over
+    every rank (67 entries: the last shard padded): losses, the stages' weights and each shard's rows after three
+    SGD steps, and the evaluation's loss equal one process (float64)."""
+    losses, layers, evaluated = _reference(3)
+    got = run_ranks(_train, world, world, schedule, 3)
+    head = layers[-1].lm_head.weight.detach().numpy()
+    flat = [*layers[:-1], layers[-1].ln_f]
+    size = -(-67 // world)
+    assert len(got) == world
+    for rank, got_losses, got_eval, weights, shard, n_stages in got:
+        assert np.allclose(got_losses, losses, rtol=0, atol=1e-10), (got_losses, losses)
+        assert abs(got_eval - evaluated) < 1e-10
+        rows = head[rank * size:(rank + 1) * size]
+        assert np.abs(shard[:len(rows)] - rows).max() < 1e-10
+        assert not shard[len(rows):].any()  # padding rows take no gradient
+        stages = _cut(flat, n_stages, len(flat) // n_stages)
+        for key, params in weights.items():
+            ref = [p.detach().numpy() for p in stages[int(key)].parameters()]
+            assert len(ref) == len(params)
+            for a, b in zip(params, ref, strict=True):
+                assert np.abs(a - b).max() < 1e-10, key

@@ -16,6 +16,7 @@ _NAMES = {
     "CostModel": "pipefold.sim.simulate", "SimResult": "pipefold.sim.simulate", "simulate": "pipefold.sim.simulate",
     "Pipeline": "pipefold.runtime.pipeline", "Check": "pipefold.runtime.pipeline",
     "StepReport": "pipefold.runtime.pipeline", "split_model": "pipefold.runtime.measure.split",
+    "VocabShard": "pipefold.runtime.vocab",
 }
 """Each name the package offers and the module that holds it."""
 
@@ -48,6 +49,7 @@ __all__ = [
     "ScheduleError",
     "SimResult",
     "StepReport",
+    "VocabShard",
     "build",
     "names",
     "simulate",

@@ -354,13 +354,16 @@ class Schedule:
 
     @property
     def is_forward_only(self) -> bool:
-        """Whether the schedule runs forwards only (evaluation, inference): no backward pass anywhere."""
-        return all(a.kind == Kind.F for row in self.actions for act in row for a in act.passes)
+        """Whether the schedule runs forwards only (evaluation, inference): no backward pass anywhere (forwards, and
+        the vocabulary shards' forwards where the output layer is split)."""
+        return all(a.kind in (Kind.F, Kind.S) for row in self.actions for act in row for a in act.passes)
 
     def forward_only(self) -> Schedule:
         """The same schedule with its forwards only, in the order each device runs them (an overlapped pair keeps
-        its forward): what evaluation and inference run, on the same placement and replicas."""
-        rows = [[a for act in row for a in act.passes if a.kind == Kind.F] for row in self.actions]
+        its forward; with the output layer split by vocabulary, the shards' forwards ``S`` too, which give the
+        loss): what evaluation and inference run, on the same placement and replicas."""
+        keep = (Kind.F, Kind.S)
+        rows = [[a for act in row for a in act.passes if a.kind in keep] for row in self.actions]
         return Schedule(self.name, self.devices, self.stages, self.microbatches, self.placement,
                         tuple(tuple(r) for r in rows), self.options, self.routes)
 

@@ -62,6 +62,7 @@ from pipefold.runtime.precision import grad_holder
 from pipefold.runtime.seqchunks import sequence_chunks
 from pipefold.runtime.stage import Boundaries, StageRunner, Tensors
 from pipefold.runtime.structure import decode_spec, encode_spec
+from pipefold.runtime.vocab import VocabPasses, VocabShard
 from pipefold.runtime.watch import Activity
 
 LOOKAHEAD = 2  # actions whose receives are posted ahead of time: this one and the next
@@ -125,7 +126,7 @@ class StepStats:
     """The most bytes held at once, each storage counted once: tensors saved for backward, outputs, gradients
     kept for W, receive buffers and sends not yet delivered (see :mod:`pipefold.runtime.meter`)."""
     peak_by_kind: dict[str, int] = field(default_factory=dict)
-    """What the bytes at the peak were, by kind ("saved", "output", "captured", "recv", "send", "kfac")."""
+    """What the bytes at the peak were, by kind ("saved", "output", "captured", "recv", "send", "kfac", "vocab")."""
     batch_bytes: int = 0
     """Bytes of the batch this rank reads (inputs and targets), which exist before the step: not in the peak."""
     memory_curve: list[tuple[float, int]] = field(default_factory=list)
@@ -336,7 +337,8 @@ class RankExecutor:
                  meshes: Sequence[Sequence[int]] | None = None, tp_index: int = 0, tp_group: Any = None,
                  dp_group: Any = None, sharded: bool = False, activity: Activity | None = None, staged: bool = False,
                  overlap: bool = True, boundaries: Boundaries | None = None,
-                 new_group: Callable[[list[int]], Any] | None = None, autocast: torch.dtype | None = None) -> None:
+                 new_group: Callable[[list[int]], Any] | None = None, autocast: torch.dtype | None = None,
+                 vocab: VocabShard | None = None) -> None:
         self.schedule, self.rank, self.device = schedule, rank, device
         self.loss_scale = 1.0
         """What the last stage's loss is multiplied by before the backwards (an fp16 run's loss scale, set before
@@ -364,7 +366,8 @@ class RankExecutor:
         self.actions = list(schedule.actions[rank])
         split = {a.stage for act in self.actions for a in act.passes if a.kind == Kind.B}
         self.runners = {
-            s: StageRunner(m, loss_fn=loss_fn if s == last else None, meter=self.meter, recompute=recompute.get(s, 0),
+            s: StageRunner(m, loss_fn=loss_fn if s == last and not schedule.vocab else None, meter=self.meter,
+                           recompute=recompute.get(s, 0),
                            input_grads=s > 0, split=s in split, stage=s, boundaries=self.boundaries,
                            autocast=autocast)
             for s, m in modules.items()
@@ -431,6 +434,10 @@ class RankExecutor:
         self._gathers: dict[int, Any] = {}  # stage -> its parameters' all-gather (AG), until its first forward
         self.gathered: dict[int, int] = {}
         """Per FSDP stage, the bytes of its parameters gathered whole and their gradients at its last ``RS``."""
+        self.vocab: VocabPasses | None = None
+        """With the output layer split by vocabulary (:attr:`Schedule.vocab`): this rank's shard and its passes."""
+        if schedule.vocab:
+            self.vocab = self._vocab_passes(vocab, pipelines, pipeline, new_group or dist.new_group)
         self._group_ranks = {s: tuple(dist.get_process_group_ranks(g)) for s, g in self._groups.items()}
         if dp_group is not None:
             self._dp_ranks = tuple(dist.get_process_group_ranks(dp_group))
@@ -496,6 +503,10 @@ class RankExecutor:
             self.links.reap_sends()
             if probe is not None:
                 probe()
+        if self.vocab is not None:
+            start = clock()
+            self.vocab.end_step()
+            stats.events.append(Event("wait vocab", "comm", start, clock()))
         start = clock()
         for s, works in self._reductions.items():
             activity.wait("the end of the step", f"the all-reduce of stage {s}", self._reduce_ranks(s), action=False)
@@ -573,7 +584,56 @@ class RankExecutor:
             table.update({Kind.AG: self._gather, Kind.RS: self._reduce_scatter})
         if not self.infer:
             table.update({Kind.OF: self._offload, Kind.RL: self._reload})
+        if self.schedule.vocab:
+            table.update({Kind.S: self._vocab_forward, Kind.T: self._vocab_backward})
         return table
+
+    def _vocab_passes(self, shard: VocabShard | None, pipelines: Sequence[Sequence[int | None]], pipeline: int,
+                      new_group: Callable[[list[int]], Any]) -> VocabPasses:
+        """This rank's vocabulary passes, with the three process groups of each pipeline's ranks (made in the same
+        order on every rank)."""
+        schedule = self.schedule
+        if shard is None:
+            raise ConfigError(f"{schedule.name} splits the output layer by vocabulary over every device: give each "
+                              "rank its shard of the output projection (Pipeline(..., vocab=VocabShard.of(weight, "
+                              "rank, devices)))")
+        if any(r is None for ranks in pipelines for r in ranks):
+            raise ConfigError("the output layer split by vocabulary runs over pipelines of one rank per device: "
+                              "tensor-parallel meshes do not take it yet")
+        last = schedule.device_of(schedule.stages - 1)
+        s_order = [a.microbatch for a in schedule.actions[self.rank] if a.kind == Kind.S]
+        f_order = [a.microbatch for row in schedule.actions for act in row for a in act.passes
+                   if a.kind == Kind.F and a.stage == schedule.stages - 1]
+        if f_order != s_order:
+            raise ConfigError(f"{schedule.name}: the last stage runs its forwards in microbatch order "
+                              f"{f_order[:4]}..., the vocabulary passes in {s_order[:4]}...: the runtime sends the "
+                              "last stage's outputs to the shards in one order; give both the same")
+        mine: list[Any] = []
+        for q, ranks in enumerate(pipelines):
+            groups = [new_group([int(r) for r in ranks if r is not None]) for _ in range(3)]
+            if q == pipeline:
+                mine = groups
+        return VocabPasses(shard, rank=self.rank, ranks=[int(r) for r in pipelines[pipeline] if r is not None],
+                           last=last, groups=mine, meter=self.meter)
+
+    def _vocab_forward(self, action: Action, step: _Step) -> None:
+        """S: this rank's shard of the output layer for a microbatch (in a forward-only step, its loss too)."""
+        assert self.vocab is not None
+        start = step.clock.mark()
+        mb = action.microbatch
+        loss = self.vocab.forward(mb, step.targets[mb], infer=self.infer)
+        if loss is not None and self.schedule.stages - 1 in self.runners:
+            self._losses[mb] = loss
+        step.clock.interval(step.stats.events, str(action), Kind.S, start)
+
+    def _vocab_backward(self, action: Action, step: _Step) -> None:
+        """T: this rank's shard's softmax, its weight gradient and its part of the last stage's output gradient."""
+        assert self.vocab is not None
+        start = step.clock.mark()
+        loss = self.vocab.backward(action.microbatch, self.loss_scale / self.schedule.microbatches)
+        if self.schedule.stages - 1 in self.runners:
+            self._losses[action.microbatch] = loss
+        step.clock.interval(step.stats.events, str(action), Kind.T, start)
 
     def _forward(self, action: Action, step: _Step) -> None:
         S, M, s, mb = self.schedule.stages, self.schedule.microbatches, action.stage, action.microbatch
@@ -594,6 +654,13 @@ class RankExecutor:
         clock.interval(stats.events, str(action), "F", start)
         if s < S - 1:
             self._hand_on(FORWARD, s + 1, mb, out, step.local, step.new_shapes, stats)
+        elif self.vocab is not None:  # the output goes to every rank's shard of the output layer
+            if len(out) != 1:
+                raise ConfigError(f"with the output layer split by vocabulary the last stage returns one tensor, "
+                                  f"its hidden states (got {len(out)} tensors)")
+            self.vocab.send_hidden(mb, out[0])
+            if self.infer:
+                self.outputs[mb] = out[0]
         else:
             # Read after the step (no wait for the GPU here); a copy: the loss may share a larger storage.
             if mb in runner.losses:
@@ -606,7 +673,14 @@ class RankExecutor:
         """B (the input's gradient, W later) or BW (both at once), handing the input's gradient on."""
         s, mb, clock = action.stage, action.microbatch, step.clock
         runner = self.runners[s]
-        dy = None if s == self.schedule.stages - 1 else self._take(BACKWARD, action, step.local, clock, step.stats)
+        if s < self.schedule.stages - 1:
+            dy = self._take(BACKWARD, action, step.local, clock, step.stats)
+        elif self.vocab is not None:
+            start = clock()
+            dy = (self.vocab.grad(mb),)  # every shard's part of it, summed
+            step.stats.events.append(Event(f"wait {mb} vocab grad", "comm", start, clock()))
+        else:
+            dy = None
         start = clock.mark()
         dx = runner.backward_input(mb, dy) if action.kind == Kind.B else runner.backward(mb, dy)
         del dy

@@ -32,7 +32,7 @@ from pipefold.runtime.sharding import local
 
 __all__ = ["KINDS", "MemoryMeter", "storage_of"]
 
-KINDS = ("saved", "output", "captured", "recv", "send", "kfac")
+KINDS = ("saved", "output", "captured", "recv", "send", "kfac", "vocab")
 """What the runtime holds: saved for backward, stage outputs and input gradients, gradients kept for W,
 receive buffers, copies made for sending, layer inputs and output gradients kept for K-FAC's curvature."""
 

@@ -49,6 +49,7 @@ from pipefold.runtime.seqchunks import split_units
 from pipefold.runtime.stage import Boundaries, Tensors
 from pipefold.runtime.structure import flatten, split_call, unflatten
 from pipefold.runtime.tied import TiedGrads, untie
+from pipefold.runtime.vocab import VocabShard
 from pipefold.runtime.watch import COMPILE_GRACE, DEFAULT_ACTION_TIMEOUT, pg_timeout
 
 __all__ = ["Check", "PeerLost", "Pipeline", "Planned", "RankPipeline", "StepReport", "step_costs", "step_result"]
@@ -255,7 +256,7 @@ class Pipeline(RankPipeline):
                  memory_budget: float | None = None, offload: tuple[int, int] | None = None,
                  precision: Precision | str | torch.dtype | None = None, compile: bool | str = False,
                  compile_backend: str = "inductor", action_timeout: float = DEFAULT_ACTION_TIMEOUT,
-                 offload_activations: float | str | None = None) -> None:
+                 offload_activations: float | str | None = None, vocab: VocabShard | None = None) -> None:
         if not dist.is_initialized():
             raise ConfigError("Pipeline needs torch.distributed's process group: call "
                               "torch.distributed.init_process_group() first (torchrun sets its environment)")
@@ -301,7 +302,12 @@ class Pipeline(RankPipeline):
         modules = self._stage_map(stages)
         self.device = torch.device(device) if device is not None else _device_of(modules)
         last = self.schedule.stages - 1
-        if last in modules and loss_fn is None:
+        self.vocab = vocab
+        """This rank's shard of the output projection, with a schedule that splits it by vocabulary."""
+        if self.schedule.vocab or vocab is not None:
+            _check_vocab(self.schedule, vocab, mesh=mesh, precision=precision,
+                         activations=offload_activations is not None)
+        if last in modules and loss_fn is None and not self.schedule.vocab:
             raise ConfigError(f"this rank (device {self.rank}) holds the last stage ({last}): give it the loss "
                               "function, Pipeline(..., loss_fn=fn), fn(output, target) -> the microbatch's mean loss")
         if self.schedule.seq_chunks > 1:
@@ -370,7 +376,7 @@ class Pipeline(RankPipeline):
                          timeout=pg_timeout(action_timeout, compiling=self.compiled is not None),
                          pipelines=[self.ranks], pipeline=0,
                          meshes=[[r] for r in self.ranks], dp_group=dp_group if self._dp else None,
-                         sharded=self.sharded, new_group=_subgroup, autocast=self.precision.autocast)
+                         sharded=self.sharded, new_group=_subgroup, autocast=self.precision.autocast, vocab=vocab)
         self.executor()  # its process groups now, on every rank at once
         if self.sharded:
             for m in modules.values():
@@ -523,6 +529,8 @@ class Pipeline(RankPipeline):
             for p in m.parameters():
                 if p.requires_grad and id(p) not in copies and (tp_rank == 0 or sharding.split_over(p, "tp")):
                     out.append(p)
+        if self.vocab is not None:  # each rank's own rows of the output layer
+            out += [p for p in self.vocab.parameters() if p.requires_grad]
         return out
 
     # -- what a user's loop calls
@@ -534,7 +542,7 @@ class Pipeline(RankPipeline):
     def parameters(self) -> list[nn.Parameter]:
         """What this rank's optimizer steps: its stages' parameters (with FSDP, their shards), each once."""
         seen: dict[int, nn.Parameter] = {}
-        for m in self.modules.values():
+        for m in [*self.modules.values(), *([self.vocab] if self.vocab is not None else [])]:
             for p in m.parameters():
                 seen.setdefault(id(p), p)
         return list(seen.values())
@@ -670,10 +678,11 @@ class Pipeline(RankPipeline):
             self.boundaries.specs[0] = spec
         last = self.schedule.stages - 1
         ys: list[Any] = [None] * (m * c)
-        if last in executor.runners:
+        if last in executor.runners or self.schedule.vocab:
             if target is None and train:
-                raise ConfigError(f"this rank holds the last stage ({last}): give the batch's targets, "
-                                  "Pipeline.step(..., target=y)")
+                where = "holds a shard of the output layer" if self.schedule.vocab else \
+                    f"holds the last stage ({last})"
+                raise ConfigError(f"this rank {where}: give the batch's targets, Pipeline.step(..., target=y)")
             if target is not None:
                 ys = _split_target(self._share(_to(target, self.device)), m)
                 if c > 1:
@@ -1050,6 +1059,27 @@ def _split_target(target: Any, parts: int) -> list[Any]:
                               "along dimension 0")
     cut = [t.chunk(parts) for t in tensors]
     return [unflatten(spec, [c[j] for c in cut]) for j in range(parts)]
+
+
+def _check_vocab(schedule: Schedule, vocab: VocabShard | None, *, mesh: Any, precision: Any,
+                 activations: bool) -> None:
+    """The output layer split by vocabulary takes a shard on every rank, with a schedule that splits it, over a
+    mesh of one pipeline, in float32 (one line each otherwise)."""
+    if vocab is not None and not schedule.vocab:
+        raise ConfigError(f"vocab= gives this rank a shard of the output layer, and {schedule.name} keeps it on the "
+                          "last stage: name a schedule with vocab=1 (e.g. 'v-half:vocab=1'), or leave vocab= out")
+    if vocab is not None and not isinstance(vocab, VocabShard):
+        raise ConfigError(f"vocab= is this rank's VocabShard (VocabShard.of(weight, rank, devices)), got "
+                          f"{type(vocab).__name__}")
+    if mesh is not None and any(n in (mesh.mesh_dim_names or ()) and mesh[n].size() > 1 for n in ("dp", "tp", "cp")):
+        raise ConfigError("the output layer split by vocabulary runs in a pipeline without dp, tp or cp copies yet: "
+                          "give a mesh of 'pp' alone, or a schedule without vocab=1")
+    if precision is not None and Precision.of(precision).dtype not in ("fp32", "float32"):
+        raise ConfigError("the output layer split by vocabulary computes in float32 (or the parameters' own dtype) "
+                          "yet: leave precision= out")
+    if activations:
+        raise ConfigError("offload_activations= does not run with the output layer split by vocabulary yet: leave "
+                          "one of them out")
 
 
 def _check_chunks(chunks: int, *, recompute: bool, offload: bool, activations: bool, mesh: Any) -> None:

@@ -82,7 +82,9 @@ def _kinds_present(*schedules: Schedule) -> list[str]:
 
 
 def _chunk_of(action: Action, chunk_of: list[int]) -> int:
-    """The chunk an action's box is shaded as: its stage's, or its first part's."""
+    """The chunk an action's box is shaded as: its stage's, or its first part's; a vocabulary shard's, the first."""
+    if not action.parts and KINDS[action.kind].shard:
+        return 0
     return chunk_of[(action.parts[0] if action.parts else action).stage]
 
 
