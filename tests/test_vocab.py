@@ -22,8 +22,8 @@ from conftest import run_ranks
 from pipefold import schedules
 from pipefold.errors import ConfigError, ScheduleError
 from pipefold.ir import BW, VOCAB, Action, F, Kind, Schedule, dependency_graph
-from pipefold.ir.ref import ScheduleRef
 from pipefold.ir.kinds import S, T
+from pipefold.ir.ref import ScheduleRef
 from pipefold.sim.simulate import CostModel, StageOverride, simulate
 
 FAMILIES = [name for name, spec in schedules.REGISTRY.items() if spec.option(VOCAB)]

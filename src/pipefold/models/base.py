@@ -151,6 +151,22 @@ class Model(abc.ABC):
         raise ConfigError(f"the {self.name} model does not declare its attention and positions for sequence "
                           f"chunks (seq_chunks {chunks}): use --model gpt, or a schedule without seq_chunks")
 
+    def split_output(self, layer: nn.Module) -> tuple[str, torch.Tensor]:
+        """Vocabulary parallelism: take the projection onto the vocabulary out of ``layer`` (the model's last), which
+        from then on returns the hidden states it projected, and return the projection's parameter name within the
+        layer and its weight (vocabulary x hidden). The model's loss must be the mean cross entropy of that
+        projection's output against the targets (positions whose target is -100 left out). The default, for a
+        model that declares no such projection, refuses (:meth:`check_split_output`)."""
+        self.check_split_output()
+        raise AssertionError("a model that declares an output projection overrides split_output")
+
+    def check_split_output(self) -> None:
+        """Refuse in one line a model whose output projection vocabulary parallelism cannot split: by default every
+        model; one that overrides :meth:`split_output` says what it cannot split (a projection tied to the
+        embedding)."""
+        raise ConfigError(f"the {self.name} model declares no output projection to split by vocabulary: use --model "
+                          "gpt (or a Hugging Face LLaMA), or a schedule without vocab=1")
+
     def check_context_parallel(self, cp: int) -> None:
         """Refuse in one line a split of each sequence over ``cp`` context-parallel ranks that the model cannot run:
         its layers declare where attention and positions are (``attend`` and ``positions``, which the runtime fills,

@@ -252,6 +252,17 @@ class GPT(Model):
     def sequence_length(self) -> int | None:
         return self.batches.seq
 
+    def check_split_output(self) -> None:
+        """The head's projection is its own (not tied to the embedding): it splits."""
+
+    def split_output(self, layer: nn.Module) -> tuple[str, torch.Tensor]:
+        if not isinstance(layer, Head):
+            raise ConfigError(f"the GPT's output projection is in its last layer, the head (got "
+                              f"{type(layer).__name__})")
+        weight = layer.lm_head.weight
+        layer.lm_head = nn.Identity()  # type: ignore[assignment]
+        return "lm_head.weight", weight
+
     def check_sequence_chunks(self, chunks: int) -> None:
         check_sequence_split(f"seq_chunks {chunks}", f"cuts each sequence into {chunks} equal chunks", chunks,
                              self.batches.seq)

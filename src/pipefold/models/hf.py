@@ -362,6 +362,22 @@ class HFCausalLM(Model):
     def check_context_parallel(self, cp: int) -> None:
         self._check_split(f"--cp {cp}", 2 * cp, "each sequence into 2 x cp equal chunks (two a rank)")
 
+    def check_split_output(self) -> None:
+        if any(i == self.num_layers - 1 for tie in self.tied for i, _ in tie):
+            raise ConfigError(f"the {self.name} model's lm_head is tied to its embedding, which vocabulary parallelism "
+                              "does not split: give a config with tie_word_embeddings false, or a schedule without "
+                              "vocab=1")
+
+    def split_output(self, layer: nn.Module) -> tuple[str, torch.Tensor]:
+        self.check_split_output()
+        if not isinstance(layer, HFHead):
+            raise ConfigError(f"the output projection is in the model's last layer, the head (got "
+                              f"{type(layer).__name__})")
+        weight = layer.lm_head.weight
+        assert isinstance(weight, torch.Tensor)
+        layer.lm_head = nn.Identity()
+        return "lm_head.weight", weight
+
     def check_sequence_chunks(self, chunks: int) -> None:
         self._check_split(f"seq_chunks {chunks}", chunks, "each sequence into equal chunks")
 

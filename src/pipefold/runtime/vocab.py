@@ -34,7 +34,10 @@ from torch import nn
 from pipefold.errors import ConfigError
 from pipefold.runtime.meter import MemoryMeter
 
-__all__ = ["VocabPasses", "VocabShard", "padded_vocab"]
+__all__ = ["IGNORE", "VocabPasses", "VocabShard", "padded_vocab"]
+
+IGNORE = -100
+"""A target that takes no part in the loss, as torch's cross entropy ignores it (its default ``ignore_index``)."""
 
 
 def padded_vocab(vocab: int, devices: int) -> int:
@@ -91,7 +94,7 @@ class VocabPasses:
         self.meter = meter
         self._sent: dict[int, tuple[Any, torch.Tensor, torch.Size]] = {}  # mb -> broadcast, hidden, output shape
         self._stats: dict[int, tuple[Any, list[torch.Tensor]]] = {}
-        self._kept: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._kept: dict[int, tuple[torch.Tensor, ...]] = {}
         self._grads: dict[int, tuple[Any, torch.Tensor]] = {}
         self._pending: list[tuple[Any, torch.Tensor]] = []  # collectives this rank only contributes to
 
@@ -132,8 +135,9 @@ class VocabPasses:
             real, size = self.shard.real, weight.shape[0]
             if real < size:
                 logits[:, real:] = -math.inf
+            valid = t != IGNORE
             local = t - self.shard.start
-            inside = (local >= 0) & (local < real)
+            inside = (local >= 0) & (local < real) & valid
             local = local.clamp(0, max(size - 1, 0))
             if real:
                 most = logits.max(dim=-1).values
@@ -149,13 +153,13 @@ class VocabPasses:
                 dist.all_gather(gathered, stats, group=self.stats_group)
             else:
                 gathered = [stats]
-            return _loss(torch.stack(gathered))[0]
+            return _loss(torch.stack(gathered), valid)[0]
         self.meter.hold((logits, x), "vocab")
         work = dist.all_gather(gathered, stats, group=self.stats_group, async_op=True) if self.many else None
         if work is None:
             gathered = [stats]
         self._stats[mb] = (work, gathered)
-        self._kept[mb] = (x, logits, inside, local)
+        self._kept[mb] = (x, logits, inside, local, valid)
         return None
 
     def backward(self, mb: int, scale: float) -> torch.Tensor:
@@ -164,14 +168,15 @@ class VocabPasses:
         work, gathered = self._stats.pop(mb)
         if work is not None:
             work.wait()
-        loss, top, total = _loss(torch.stack(gathered))
-        x, logits, inside, local = self._kept.pop(mb)
+        x, logits, inside, local, valid = self._kept.pop(mb)
+        loss, top, total = _loss(torch.stack(gathered), valid)
         weight = self.shard.weight
         with torch.no_grad():
             grad = torch.exp(logits - top[:, None]).div_(total[:, None])  # the shard's softmax; padding: 0
             rows = torch.nonzero(inside).squeeze(1)
             grad[rows, local[rows]] -= 1.0
-            grad.mul_(scale / logits.shape[0])
+            grad.mul_(valid[:, None])  # an ignored position: no gradient
+            grad.mul_(scale / max(int(valid.sum()), 1))
             dx = grad @ weight
             dw = grad.t() @ x
             if weight.grad is None:
@@ -210,11 +215,13 @@ class VocabPasses:
                                "finished")
 
 
-def _loss(stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """From every shard's (max, sum of exponentials, target logit) per position: the mean cross entropy, each
-    position's max over the shards and its sum of exponentials against that max."""
+def _loss(stats: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From every shard's (max, sum of exponentials, target logit) per position: the mean cross entropy over the
+    ``valid`` positions (those not :data:`IGNORE`), each position's max over the shards and its sum of exponentials
+    against that max."""
     most, total, picked = stats[:, 0], stats[:, 1], stats[:, 2]
     top = most.max(dim=0).values
     scaled = torch.where(total > 0, total * torch.exp(most - top), 0.0)
     total = scaled.sum(dim=0)
-    return (torch.log(total) + top - picked.sum(dim=0)).mean(), top, total
+    each = torch.log(total) + top - picked.sum(dim=0)
+    return each[valid].sum() / valid.sum(), top, total

@@ -112,6 +112,8 @@ def make_job(spec: RunSpec, *, decided: Decisions | None = None, placed: Any = N
         model.check_context_parallel(spec.parallel.cp)
     if schedule.seq_chunks > 1:
         _check_sequence_chunks(spec, model, schedule.seq_chunks)
+    if schedule.vocab:
+        _check_vocab(spec, model)
     if spec.parallel.copies > 1:
         from pipefold.schedules.dataparallel import with_data_parallel
 
@@ -126,7 +128,8 @@ def make_job(spec: RunSpec, *, decided: Decisions | None = None, placed: Any = N
               offload=spec.memory.offloaded, recompute=recompute, chunks=_chunks(spec), extra=extra,
               network=spec.links.parsed,
               adaptive=adaptive, cycle=cycle, refill=refill, tied=model.tied, preload=model.preload,
-              checkpoint=checkpointing, tp_plan=tp_plan)
+              checkpoint=checkpointing, tp_plan=tp_plan,
+              split_output=model.split_output if schedule.vocab else None)
     for hook in JOB_HOOKS:
         job = hook(job)
     return job
@@ -221,6 +224,24 @@ def _check_sequence_chunks(spec: RunSpec, model: Model, chunks: int) -> None:
         raise ConfigError(f"sequence chunks (seq_chunks {chunks}) do not run with {other[0]} yet: drop it, or use a "
                           "schedule without seq_chunks")
     model.check_sequence_chunks(chunks)
+
+
+def _check_vocab(spec: RunSpec, model: Model) -> None:
+    """Refuse in one line what the output layer split by vocabulary does not run with yet, then a model that
+    declares no output projection to split."""
+    other = [flag for flag, on in (
+        (f"--dp {spec.parallel.dp}", spec.parallel.dp > 1), (f"--cp {spec.parallel.cp}", spec.parallel.cp > 1),
+        (f"--tp {spec.parallel.tp_text}", spec.parallel.tensor_parallel),
+        ("--optimizer kfac", spec.optimizer.name == "kfac"), ("--offload", spec.memory.offloaded is not None),
+        ("--offload-activations", bool(spec.memory.activation_share)),
+        ("--state-chunks", spec.memory.state_chunks),
+        (f"--precision {spec.devices.precision.dtype}", spec.devices.precision.dtype != "fp32"),
+        ("--checkpoint-dir", spec.checkpoints.any), ("--save-model", spec.reliability.save_model is not None))
+        if on]
+    if other:
+        raise ConfigError(f"the output layer split by vocabulary (vocab=1) does not run with {other[0]} yet: drop it, "
+                          "or use a schedule without vocab=1")
+    model.check_split_output()
 
 
 def check_links(spec: RunSpec, model: Model, schedule: Schedule) -> None:

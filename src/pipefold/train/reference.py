@@ -125,9 +125,21 @@ def compare(job: Job, reports: list[RankReport]) -> dict[str, float]:
     losses = [loss for r in reports for loss in r.steps[0].losses.values()]  # every pipeline's microbatches
     pipe_loss = sum(losses) / len(losses)
     got: dict[str, list[torch.Tensor]] = {}
+    rows: dict[str, list[tuple[int, int, torch.Tensor]]] = {}  # a projection split by vocabulary: its shards' rows
     for r in reports:
         for name, g in (r.grads or {}).items():
-            got.setdefault(name, []).append(g)
+            whole, _, span = name.partition("[")
+            if span:
+                first, _, end = span.rstrip("]").partition(":")
+                rows.setdefault(whole, []).append((int(first), int(end), g))
+            else:
+                got.setdefault(name, []).append(g)
+    for whole, parts in rows.items():  # the shards' rows joined, each row once
+        parts.sort(key=lambda part: part[0])
+        if [a for a, _, _ in parts] != [0, *[b for _, b, _ in parts[:-1]]]:
+            spans = [(a, b) for a, b, _ in parts]
+            raise RuntimeError(f"the shards of {whole} do not cover its rows once each: {spans}")
+        got.setdefault(whole, []).append(torch.cat([g for _, _, g in parts]))
     if set(got) != set(ref_grads):
         missing = sorted(set(ref_grads) - set(got))[:3]
         raise RuntimeError(f"the pipeline produced no gradient for {missing}")

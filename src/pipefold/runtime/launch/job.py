@@ -82,6 +82,9 @@ class Job:
     tp_plan: dict[int, dict[str, str]] = field(default_factory=dict)
     """With ``parallel.tp`` > 1: each layer's tensor-parallel plan, submodule -> "colwise" or "rowwise"
     (:meth:`pipefold.models.base.Model.tp_plan`); a layer not here is replicated on its tp ranks."""
+    split_output: Callable[[nn.Module], tuple[str, torch.Tensor]] | None = None
+    """With the output layer split by vocabulary (:attr:`Schedule.vocab`): the model's
+    :meth:`~pipefold.models.base.Model.split_output`, which takes the projection out of its last layer."""
     reliability: Reliability = field(default_factory=Reliability)
     """Bad steps, hangs (the action timeout), the model written at the end."""
     devices: Devices = field(default_factory=Devices)

@@ -33,6 +33,7 @@ from pipefold.runtime.precision import LossScaler, Masters, grad_holder, unscale
 from pipefold.runtime.seqchunks import split_units
 from pipefold.runtime.stage import Chain, Tensors, as_tuple, split_batch
 from pipefold.runtime.tied import TiedGrads, untie
+from pipefold.runtime.vocab import VocabShard
 from pipefold.runtime.watch import (
     COMPILE_GRACE,
     Activity,
@@ -55,6 +56,17 @@ def stage_modules(job: Job, rank: int) -> dict[int, nn.Module]:
     chains: dict[int, nn.Module] = {s: Chain(*(layers[i] for i in job.layer_stages[s])) for s in stages}
     untie(chains)
     return chains
+
+
+def _vocab_shard(job: Job, rank: int, chains: dict[int, nn.Module]) -> tuple[VocabShard, str]:
+    """This rank's shard of the output projection, the model's last layer left without it where this rank holds
+    it (every other rank builds that layer for its weights, the same whichever rank builds it, and keeps its rows)."""
+    assert job.split_output is not None
+    last = job.schedule.stages - 1
+    n = job.extra["num_layers"]
+    layer = list(chains[last].children())[-1] if last in chains else job.build_layers([n - 1])[n - 1]
+    name, weight = job.split_output(layer)
+    return VocabShard.of(weight, rank, job.schedule.devices), name
 
 
 def microbatches(x: torch.Tensor, m: int) -> list[torch.Tensor]:
@@ -97,6 +109,9 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
         from pipefold.runtime.context import context_parallel, shard_sequence
     activity.run("start-up (building its layers)", action=False)
     chains = stage_modules(job, rank)
+    shard, shard_name = _vocab_shard(job, rank, chains) if job.schedule.vocab else (None, "")
+    if shard is not None:
+        shard = shard.to(device)
     precision = job.devices.precision
     # What the passes run: the stages' layers, compiled where asked (after tensor parallelism has split them);
     # ``chains`` keeps the layers' own names, a checkpoint's.
@@ -165,7 +180,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
         tp_group=tp_mesh.get_group() if tp_mesh is not None else None, dp_group=dp_group,
         sharded=job.parallel.fsdp, activity=activity,
         staged=placed.staged or bool(job.extra.get("stage_through_host")), overlap=job.devices.overlap,
-        autocast=precision.autocast)
+        autocast=precision.autocast, vocab=shard)
 
     def executor_for(index: int) -> RankExecutor:
         """The executor of schedule ``index``, made the first time it runs (same modules, same parameters)."""
@@ -180,6 +195,8 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     if not job.parallel.fsdp:
         trained = {s: r.params for s, r in executor.runners.items()}
     params = [p for ps in trained.values() for p in ps]
+    if shard is not None:  # this rank's rows of the output projection
+        params.append(shard.weight)
     # Master weights: the parameters in the low dtype from here on, float32 copies for the optimizer to step.
     masters = Masters(params, precision.torch_dtype) if precision.master_weights else None
     opt = None if in_schedule else _optimizer(job, masters.masters if masters is not None else params, dp_group,
@@ -198,6 +215,8 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     counted = [p for s, ps in trained.items()
                if job.schedule.holders(s)[0] == rank and (copy == 0 or job.parallel.fsdp)
                for p in ps if id(p) not in tied.copies and (tp_rank == 0 or sharding.split_over(p, "tp"))]
+    if shard is not None:
+        counted.append(shard.weight)
     optimizers = [o for o in (opt, *stage_opts.values()) if o is not None]
     # What a checkpoint holds: with master weights, the float32 masters (the optimizer's parameters), not their
     # rounded copies.
@@ -297,6 +316,10 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
             held = {name: raw.get(id(p), grad_holder(p).grad) for name, p in _named(job, chains)}
             grads = {name: sharding.full(g).detach().to("cpu", torch.float32, copy=True)
                      for name, g in held.items() if g is not None}
+            if shard is not None and shard.weight.grad is not None and shard.real:
+                # The rows of the projection this rank holds, named with them (the padding left out).
+                span = f"{job.extra['num_layers'] - 1}.{shard_name}[{shard.start}:{shard.start + shard.real}]"
+                grads[span] = shard.weight.grad[:shard.real].detach().to("cpu", torch.float32, copy=True)
         activity.run("the step's report", action=False)
         stats.schedule, stats.predicted = str(ScheduleRef.of(choices[current])), predicted
         stats.checked = step in keep  # the memory check's or --check's step: slower, and left out of timings
