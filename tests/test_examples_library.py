@@ -1,4 +1,5 @@
-"""The library examples (examples/nanogpt.py, hf_llama.py, fsdp_pp.py, tp_pp.py, context_parallel.py) as the pages
+"""The library examples (examples/nanogpt.py, hf_llama.py, fsdp_pp.py, tp_pp.py, context_parallel.py,
+vocab_parallel.py) as the pages
 show them: each command as written (under torchrun), and the same loop in one process without pipefold
 (``--reference``); their per-step losses agree step by step. The pages' own test (tests/test_docs.py) leaves these
 commands to this one, which checks more than their exit: :data:`COMMANDS` must hold every command of the pages that
@@ -33,6 +34,8 @@ CASES = [
      "python examples/tp_pp.py --reference"),
     ("torchrun --standalone --nproc-per-node 4 examples/context_parallel.py",
      "python examples/context_parallel.py --reference"),
+    ("torchrun --standalone --nproc-per-node 2 examples/vocab_parallel.py",
+     "python examples/vocab_parallel.py --reference"),
 ]
 """Each command a page shows, with the one-process run of the same loop it is compared with."""
 COMMANDS = frozenset(c for pair in CASES for c in pair)
@@ -53,7 +56,7 @@ def _losses(command: str) -> tuple[tuple[int, float], ...]:
 @pytest.mark.parametrize(("command", "reference"), CASES, ids=["nanogpt", "nanogpt-zb-v", "nanogpt-bf16-compiled",
                                                                "hf_llama", "fsdp_pp",
                                                                "tp_pp", "tp_pp-sequence-parallel",
-                                                               "context_parallel"])
+                                                               "context_parallel", "vocab_parallel"])
 def test_example_trains_as_its_one_process_reference(command: str, reference: str) -> None:
     if "hf_llama" in command:
         pytest.importorskip("transformers")

@@ -306,3 +306,89 @@ def test_a_pipeline_with_the_output_layer_split_trains_as_one_process(schedule: 
             assert len(ref) == len(params)
             for a, b in zip(params, ref, strict=True):
                 assert np.abs(a - b).max() < 1e-10, key
+
+
+@pytest.mark.parametrize("argv", [
+    ["--model", "gpt", "--schedule", "zb-v:vocab=1", "--devices", "2"],
+    ["--model", "gpt", "--schedule", "v-half:vocab=1", "--devices", "3", "--layers", "4"],
+    ["--model", "gpt", "--schedule", "1f1b:vocab=1", "--devices", "2", "--recompute", "full"],
+    ["--hf", "llama", "--schedule", "zb-h1:vocab=1", "--devices", "2"],
+])
+def test_train_with_the_output_layer_split_checks_against_one_process(capsys: pytest.CaptureFixture[str],
+                                                                      argv: list[str]) -> None:
+    """``pipefold train --check``: the first step's loss and every gradient, the shards' rows of the projection
+    joined, against one process (float32)."""
+    from pipefold.cli.main import main
+
+    if "--hf" in argv:
+        pytest.importorskip("transformers")
+    assert main(["train", *argv, "--microbatches", "4", "--steps", "2", "--check"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("check against one process"))
+    loss, grad = (float(x.split()[-1]) for x in line.split(":", 1)[1].split(","))
+    assert loss < 1e-5 and grad < 1e-5, line
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["--model", "mlp"], "the mlp model declares no output projection to split by vocabulary"),
+    (["--hf", "gpt2"], "the gpt2 model's lm_head is tied to its embedding"),
+    (["--model", "gpt", "--dp", "2"], "does not run with --dp 2 yet"),
+    (["--model", "gpt", "--optimizer", "kfac"], "does not run with --optimizer kfac yet"),
+    (["--model", "gpt", "--schedule", "dualpipev:vocab=1"], "schedule dualpipev cannot split its output layer"),
+])
+def test_what_train_cannot_split_is_one_line(capsys: pytest.CaptureFixture[str], argv: list[str],
+                                             expected: str) -> None:
+    from pipefold.cli.main import main
+
+    if "--hf" in argv:
+        pytest.importorskip("transformers")
+    schedule = [] if "--schedule" in argv else ["--schedule", "1f1b:vocab=1"]
+    assert main(["train", *schedule, *argv, "--devices", "2", "--steps", "1"]) != 0
+    err = capsys.readouterr().err
+    assert expected in err and err.count("\n") == 1, err
+
+
+def _refused(rank: int, init: str, world: int, case: str, out: Any) -> None:
+    import torch.distributed as dist
+
+    from pipefold import ConfigError, Pipeline, VocabShard
+    from pipefold.models.gpt import gpt_loss
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        layers = _layers()
+        stage = nn.Sequential(*layers[:3]) if rank == 0 else nn.Sequential(*layers[3:-1], layers[-1].ln_f)
+        shard = VocabShard.of(layers[-1].lm_head.weight, rank, world)
+        try:
+            if case == "no shard":
+                Pipeline(stage, "1f1b:vocab=1", loss_fn=gpt_loss, microbatches=2)
+            elif case == "shard without the option":
+                Pipeline(stage, "1f1b", loss_fn=gpt_loss, vocab=shard, microbatches=2)
+            elif case == "another rank's shard":
+                Pipeline(stage, "1f1b:vocab=1", vocab=VocabShard.of(layers[-1].lm_head.weight, 1 - rank, world),
+                         microbatches=2)
+            else:  # no targets (on any rank: one that has them would wait for the others)
+                pipe = Pipeline(stage, "1f1b:vocab=1", vocab=shard, microbatches=2)
+                pipe.step(_batch(0)[0])
+            out.put((rank, "ran"))
+        except ConfigError as exc:
+            out.put((rank, str(exc)))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("case", "expected"), [
+    ("no shard", "give each rank its shard of the output projection"),
+    ("shard without the option", "name a schedule with vocab=1"),
+    ("another rank's shard", "device 0 of a pipeline of 2 holds vocabulary shard 0 of 2 (got shard 1 of 2)"),
+])
+def test_what_a_pipeline_cannot_split_is_one_line_on_every_rank(case: str, expected: str) -> None:
+    got = dict(run_ranks(_refused, 2, 2, case))
+    assert all(expected.replace("device 0", f"device {r}").replace("shard 0 of", f"shard {r} of")
+               .replace("shard 1 of 2)", f"shard {1 - r} of 2)") in got[r] for r in (0, 1)), got
+
+
+def test_a_rank_without_targets_is_told_to_give_them() -> None:
+    got = dict(run_ranks(_refused, 2, 2, "no targets", timeout=120))
+    assert all("this rank holds a shard of the output layer: give the batch's targets" in got[r] for r in (0, 1))

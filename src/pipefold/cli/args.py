@@ -476,6 +476,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
     _add_model(p, layers=None, layers_help="default: enough for 2 layers per stage", batch=16,
                batch_help="batch per step")
+    p.add_argument("--vocab-size", type=int, default=None, metavar="N",
+                   help="vocabulary of the gpt: its embedding's and output projection's entries (default 256, the "
+                        "bytes its corpus is read as; more only widens both)")
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
     p.add_argument("--optimizer", choices=["adamw", "sgd", "kfac"], default="adamw",
                    help="adamw (default), sgd, or kfac: K-FAC-preconditioned SGD with momentum 0.9, its work placed "

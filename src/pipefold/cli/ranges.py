@@ -88,6 +88,7 @@ RANGES: dict[str, Range] = {
     "layers": count(1, 4096),
     "hidden": count(1, 1 << 17),
     "heads": count(1, 4096),
+    "vocab_size": count(2, 1 << 22),
     "batch": count(1, 1 << 24),
     "seq": count(1, 1 << 24),
     # runs

@@ -56,6 +56,8 @@ class ModelArgs:
     """Width."""
     heads: int | None = None
     """Attention heads."""
+    vocab_size: int | None = None
+    """Entries of a language model's vocabulary (its embedding and its output projection)."""
     seq: int = 64
     """Tokens per row, for language models."""
     batch: int = 16
@@ -68,10 +70,10 @@ class ModelArgs:
     """The model's own configuration: a config name the model ships or a JSON file (Hugging Face models)."""
 
     def __post_init__(self) -> None:
-        for name in ("layers", "hidden", "heads"):
+        for name in ("layers", "hidden", "heads", "vocab_size"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ConfigError(f"--{name} must be at least 1 (got {value!r})")
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1 (got {value!r})")
         for name in ("seq", "batch"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -279,7 +279,7 @@ class GPT(Model):
 
     def size(self) -> Shape:
         return Shape(model="gpt", layers=self.cfg.n_layer, hidden=self.cfg.n_embd, heads=self.cfg.n_head,
-                     batch=self.batches.batch, seq=self.batches.seq)
+                     batch=self.batches.batch, seq=self.batches.seq, vocab=self.cfg.vocab_size)
 
 
 def make(args: ModelArgs) -> GPT:
@@ -289,7 +289,8 @@ def make(args: ModelArgs) -> GPT:
     hidden, heads = args.hidden or 64, args.heads or 4
     if hidden % heads:
         raise ConfigError(f"--hidden {hidden} must be a multiple of --heads {heads}: each head gets an equal share")
-    cfg = GPTConfig(n_layer=args.layers or 4, n_embd=hidden, n_head=heads, block_size=args.seq)
+    cfg = GPTConfig(n_layer=args.layers or 4, n_embd=hidden, n_head=heads, block_size=args.seq,
+                    vocab_size=args.vocab_size or 256)
     batches = Batches(load_corpus(args.data).train, args.batch, args.seq, seed=args.seed)
     return GPT(cfg, batches, seed=args.seed)
 

@@ -519,7 +519,7 @@ class HFCausalLM(Model):
 
 def make(arch: str, args: ModelArgs) -> HFCausalLM:
     _require()
-    given = [f"--{n}" for n in ("hidden", "heads") if getattr(args, n) is not None]
+    given = [f"--{n.replace('_', '-')}" for n in ("hidden", "heads", "vocab_size") if getattr(args, n) is not None]
     if given:
         raise ConfigError(f"a Hugging Face model's shape comes from its config: drop {given[0]} and set it in the "
                           "--hf-config file (--layers may override the number of blocks)")

@@ -349,6 +349,12 @@ def _plan_recompute(spec: RunSpec, schedule: Schedule, layer_stages: tuple[tuple
     return plan_recompute(schedule, profiles, spec.memory.recompute, spec.memory.budget)
 
 
+def _hidden_loss(out: torch.Tensor, target: Any) -> torch.Tensor:
+    """What the layers are timed against where the output projection is split by vocabulary: a loss of the last
+    stage's hidden states (the projection and the cross entropy are the shards' work, the same on every device)."""
+    return out.float().square().mean()
+
+
 def _layer_stages(spec: RunSpec, model: Model, schedule: Schedule,
                   device: torch.device) -> tuple[tuple[int, ...], ...]:
     """Layers of each stage: even by count, balanced by the chosen cost, or ("memory") least peak under ``schedule``."""
@@ -359,11 +365,15 @@ def _layer_stages(spec: RunSpec, model: Model, schedule: Schedule,
     from pipefold.runtime.measure.profiling import layers_per_rank, split_figures
 
     layers = model.build()
+    loss_fn = model.loss
+    if schedule.vocab:  # the projection and its loss run on every device's shard, not on the last stage
+        model.split_output(layers[-1])
+        loss_fn = _hidden_loss
     sample, target = _first_microbatch(spec, model)
     if by == "time":  # timed where the ranks will run (``device``): on their GPU, if they have one
         layers = [layer.to(device) for layer in layers]
         sample, target = tuple(t.to(device) for t in sample), target.to(device)
-    figures = split_figures(layers, sample, by=by, loss_fn=model.loss, target=target,
+    figures = split_figures(layers, sample, by=by, loss_fn=loss_fn, target=target,
                             optimizer_factor=spec.optimizer.state_factor,
                             stage_layers=layers_per_rank(len(layers), schedule.devices))
     if device.type == "cuda" and by == "time":

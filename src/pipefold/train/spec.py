@@ -310,7 +310,8 @@ class Applies:
     """The refusal, with ``{option}`` for the option as the command line writes it."""
 
 
-_PLANNED = ("schedule", "devices", "microbatches", "model", "model_config", "layers", "hidden", "heads", "batch",
+_PLANNED = ("schedule", "devices", "microbatches", "model", "model_config", "layers", "hidden", "heads", "vocab_size",
+            "batch",
             "seq", "optimizer", "partition", "recompute", "memory_budget", "offload", "offload_activations")
 """What a plan decides: given with ``plan``, refused."""
 
@@ -320,7 +321,7 @@ RULES: tuple[Applies, ...] = (
             "{option} tunes K-FAC: add --optimizer kfac, or drop it"),
     Applies(("adapt_every",), lambda s: s.schedule.adaptive,
             "{option} spaces adaptive-kfkb's choices of k: use --schedule adaptive-kfkb, or drop it"),
-    Applies(("heads", "seq", "data"), lambda s: s.model.sequences,
+    Applies(("heads", "seq", "data", "vocab_size"), lambda s: s.model.sequences,
             "{option} sizes a language model, and the mlp has no attention, sequences or text: use --model gpt, or "
             "drop it"),
     Applies(("dp", "fsdp", "zero1", "tp", "sequence_parallel", "cp"), lambda s: not s.planned,

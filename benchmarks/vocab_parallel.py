@@ -1,0 +1,106 @@
+"""Vocabulary Parallelism measured: the GPT with a large vocabulary trained with its output layer on the last stage
+and split over every device, side by side, interleaved; each device's memory and the step time.
+
+For each vocabulary size and each schedule, ``pipefold train --json`` runs the schedule plain and with ``vocab=1``,
+round after round (the cores' speed drifts within minutes). Per device it reads the runtime's figures: the
+parameters, gradients and optimizer state it holds (``static_bytes``) and the most activation bytes it held
+during a step (the meter's ``peak_activation_bytes``); and the median step time after the first.
+
+Independent check of the weights: the output projection is vocabulary x hidden floats, and with AdamW a device
+holds 4 floats for each of its parameters (the parameter, its gradient, two moments). Split over p devices, the
+last device holds 16 V h (1 - 1/p) bytes less and every other one 16 V h / p bytes more: the closed form the table
+sets beside the difference the runtime measured.
+
+    python benchmarks/vocab_parallel.py --vocab-sizes 65536 131072 262144 --schedules 1f1b v-half --hidden 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(schedule: str, args: argparse.Namespace, vocab: int) -> dict[str, object]:
+    """One ``pipefold train --json`` run: its JSON report."""
+    argv = [sys.executable, "-m", "pipefold", "train", "--model", "gpt", "--schedule", schedule,
+            "--devices", str(args.devices), "--layers", str(args.layers), "--hidden", str(args.hidden),
+            "--heads", str(args.heads), "--seq", str(args.seq), "--batch", str(args.batch),
+            "--microbatches", str(args.microbatches), "--vocab-size", str(vocab), "--steps", str(args.steps),
+            "--partition", "even", "--json"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(argv[2:])} failed: {done.stderr.strip().splitlines()[-1:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:,.1f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vocab-sizes", nargs="+", type=int, default=[65536, 131072, 262144])
+    parser.add_argument("--schedules", nargs="+", default=["1f1b", "v-half"])
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--runs", type=int, default=2, help="rounds, each running every configuration once")
+    args = parser.parse_args()
+    p = args.devices
+    names = [(base, f"{base}:vocab=1") for base in args.schedules]
+    got: dict[tuple[int, str], list[dict[str, object]]] = {}
+    for _ in range(args.runs):
+        for vocab in args.vocab_sizes:
+            for pair in names:
+                for schedule in pair:
+                    got.setdefault((vocab, schedule), []).append(run(schedule, args, vocab))
+    print(f"GPT hidden {args.hidden}, {args.layers} blocks, {args.seq} tokens x batch {args.batch} in "
+          f"{args.microbatches} microbatches, {p} devices, AdamW; {args.runs} interleaved runs of {args.steps} steps")
+    print()
+    print("| vocabulary | schedule | weights+grads+Adam per device (MiB) | activation peak per device (MiB) "
+          "| step (s, median of each run) | plain step / this step |")
+    print("|---|---|---|---|---|---|")
+    for vocab in args.vocab_sizes:
+        for plain, split in names:
+            medians = {}
+            for schedule in (plain, split):
+                runs = got[(vocab, schedule)]
+                static = [max(int(r["static_bytes"][d]) for r in runs) for d in range(p)]  # type: ignore[index]
+                peak = [max(int(r["peak_activation_bytes"][d]) for r in runs) for d in range(p)]  # type: ignore[index]
+                steps = [statistics.median(r["step_time_s"][1:] or r["step_time_s"])  # type: ignore[index]
+                         for r in runs]
+                medians[schedule] = statistics.median(steps)
+                ratio = "" if schedule == plain else f"{medians[plain] / medians[schedule]:.2f}"
+                print(f"| {vocab // 1024}k | {schedule} | {' / '.join(map(mib, static))} | "
+                      f"{' / '.join(map(mib, peak))} | {', '.join(f'{s:.2f}' for s in steps)} | {ratio} |")
+    print()
+    print("Check of the weights against the closed form (16 V h bytes of the projection, a p-th a device):")
+    for vocab in args.vocab_sizes:
+        whole = 16 * vocab * args.hidden
+        for plain, split in names:
+            a = [int(got[(vocab, plain)][0]["static_bytes"][d]) for d in range(p)]  # type: ignore[index]
+            b = [int(got[(vocab, split)][0]["static_bytes"][d]) for d in range(p)]  # type: ignore[index]
+            last = int(got[(vocab, plain)][0]["stage_devices"][-1]) if "stage_devices" in got[(vocab, plain)][0] \
+                else max(range(p), key=lambda d: a[d] - b[d])
+            measured = a[last] - b[last]
+            print(f"- {vocab // 1024}k, {plain}: the last stage's device holds {mib(measured)} MiB less split, "
+                  f"the closed form {mib(whole * (1 - 1 / p))} MiB; each other device "
+                  f"{', '.join(mib(b[d] - a[d]) for d in range(p) if d != last)} MiB more, the closed form "
+                  f"{mib(whole / p)} MiB")
+
+
+if __name__ == "__main__":
+    main()
