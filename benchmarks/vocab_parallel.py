@@ -23,11 +23,12 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run(schedule: str, args: argparse.Namespace, vocab: int) -> dict[str, object]:
+def run(schedule: str, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
     """One ``pipefold train --json`` run: its JSON report."""
     argv = [sys.executable, "-m", "pipefold", "train", "--model", "gpt", "--schedule", schedule,
             "--devices", str(args.devices), "--layers", str(args.layers), "--hidden", str(args.hidden),
@@ -61,7 +62,7 @@ def main() -> None:
     args = parser.parse_args()
     p = args.devices
     names = [(base, f"{base}:vocab=1") for base in args.schedules]
-    got: dict[tuple[int, str], list[dict[str, object]]] = {}
+    got: dict[tuple[int, str], list[dict[str, Any]]] = {}
     for _ in range(args.runs):
         for vocab in args.vocab_sizes:
             for pair in names:
@@ -78,9 +79,9 @@ def main() -> None:
             medians = {}
             for schedule in (plain, split):
                 runs = got[(vocab, schedule)]
-                static = [max(int(r["static_bytes"][d]) for r in runs) for d in range(p)]  # type: ignore[index]
-                peak = [max(int(r["peak_activation_bytes"][d]) for r in runs) for d in range(p)]  # type: ignore[index]
-                steps = [statistics.median(r["step_time_s"][1:] or r["step_time_s"])  # type: ignore[index]
+                static = [max(int(r["static_bytes"][d]) for r in runs) for d in range(p)]
+                peak = [max(int(r["peak_activation_bytes"][d]) for r in runs) for d in range(p)]
+                steps = [statistics.median(r["step_time_s"][1:] or r["step_time_s"])
                          for r in runs]
                 medians[schedule] = statistics.median(steps)
                 ratio = "" if schedule == plain else f"{medians[plain] / medians[schedule]:.2f}"
@@ -91,8 +92,8 @@ def main() -> None:
     for vocab in args.vocab_sizes:
         whole = 16 * vocab * args.hidden
         for plain, split in names:
-            a = [int(got[(vocab, plain)][0]["static_bytes"][d]) for d in range(p)]  # type: ignore[index]
-            b = [int(got[(vocab, split)][0]["static_bytes"][d]) for d in range(p)]  # type: ignore[index]
+            a = [int(got[(vocab, plain)][0]["static_bytes"][d]) for d in range(p)]
+            b = [int(got[(vocab, split)][0]["static_bytes"][d]) for d in range(p)]
             last = int(got[(vocab, plain)][0]["stage_devices"][-1]) if "stage_devices" in got[(vocab, plain)][0] \
                 else max(range(p), key=lambda d: a[d] - b[d])
             measured = a[last] - b[last]

@@ -215,7 +215,7 @@ def shrink_benchmark(argv: list[str], options: str | None = None) -> list[str]:
         elif ((m := re.search(rf'add_argument\("{name}"[^)]*?default=(\w+)', source)) is not None
               and (not m[1].isdigit() or int(m[1]) > cap)):
             out += [name, str(cap)]
-    for name in ("--layers",):  # lists of sizes: the first few
+    for name in ("--layers", "--vocab-sizes"):  # lists of sizes: the first few
         if name in out[1:-1]:
             i = out.index(name)
             j = next((k for k in range(i + 1, len(out)) if out[k].startswith("-")), len(out))

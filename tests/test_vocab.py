@@ -392,3 +392,22 @@ def test_what_a_pipeline_cannot_split_is_one_line_on_every_rank(case: str, expec
 def test_a_rank_without_targets_is_told_to_give_them() -> None:
     got = dict(run_ranks(_refused, 2, 2, "no targets", timeout=120))
     assert all("this rank holds a shard of the output layer: give the batch's targets" in got[r] for r in (0, 1))
+
+
+def test_the_planner_tries_the_split_where_the_costs_price_the_layer() -> None:
+    """``plan --memory`` with the output layer priced: every family that can split it is tried split too, and the
+    choice is the fastest within the budget among the plain and the split schedules, each simulated on its own."""
+    from pipefold.plan.budget import candidates, plan
+
+    cost = CostModel(**COSTS)
+    with_split = candidates(4, 8, vocab=True)
+    plain = candidates(4, 8)
+    assert len(with_split) - len(plain) == sum(1 for name, _ in plain if schedules.get(name).option(VOCAB))
+    chosen = plan(4, 8, 4.0, cost)
+    assert chosen.best.options.get(VOCAB) == 1
+    for name in ("v-half", "zb-v", "zb-h1", "1f1b", "v-min"):
+        for options in ({}, {VOCAB: 1}):
+            other = simulate(schedules.build(name, 4, 8, **options), cost)
+            if max(other.peak_memory) <= 4.0:
+                assert chosen.result.makespan <= other.makespan + 1e-9, (name, options)
+    assert not any(VOCAB in options for _, options in candidates(4, 8))  # unpriced: the layer stays put

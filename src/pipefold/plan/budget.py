@@ -14,7 +14,7 @@ import numpy as np
 
 from pipefold import schedules
 from pipefold.errors import ConfigError, ScheduleError
-from pipefold.ir import MAX_DEVICES, Schedule
+from pipefold.ir import MAX_DEVICES, VOCAB, Schedule
 from pipefold.ir.ref import ScheduleRef
 from pipefold.plan.cluster_plan import SHARDING
 from pipefold.plan.limits import MAX_SEARCH_WORK, check_search, largest, schedule_work, stages_of
@@ -110,12 +110,13 @@ def one_f_one_b_peak(p: int, m: int, cost: CostModel | None = None) -> float:
     return max(simulate(schedules.build("1f1b", p, m), cost).peak_memory)
 
 
-def candidates(p: int, m: int) -> list[tuple[str, dict[str, int]]]:
+def candidates(p: int, m: int, *, vocab: bool = False) -> list[tuple[str, dict[str, int]]]:
     """Every registered family that can run m microbatches on p devices, times its options' search spaces.
 
     An option whose search space is empty takes its default; one the planner leaves alone (``planned`` False:
-    ``seq_chunks``) is not named. Families are read from the registry on every call, so new ones join without
-    changes here.
+    ``seq_chunks``) is not named. With ``vocab`` (the cost model prices the output layer), each family that can
+    split the output layer by vocabulary is tried with it too (``vocab=1``). Families are read from the registry on
+    every call, so new ones join without changes here.
     """
     out: list[tuple[str, dict[str, int]]] = []
     for spec in schedules.REGISTRY.values():
@@ -123,9 +124,17 @@ def candidates(p: int, m: int) -> list[tuple[str, dict[str, int]]]:
             continue
         named = [o for o in spec.options if o.planned]
         spaces = [list(o.search(p, m)) or [o.default] for o in named]
+        splits = (0, 1) if vocab and spec.option(VOCAB) is not None else (0,)
         for values in itertools.product(*spaces):
-            out.append((spec.name, {o.name: int(v) for o, v in zip(named, values, strict=True)}))
+            for split in splits:
+                options = {o.name: int(v) for o, v in zip(named, values, strict=True)}
+                out.append((spec.name, {**options, VOCAB: 1} if split else options))
     return out
+
+
+def prices_vocab(cost: CostModel | None) -> bool:
+    """Whether ``cost`` prices the output layer apart (``--vocab-cost``): then the planner tries it split."""
+    return cost is not None and bool(cost.vocab_f or cost.vocab_b or cost.vocab_w or cost.vocab_memory)
 
 
 def evaluate(p: int, m: int, cost: CostModel | None = None, *, progress: Progress | None = None) -> list[Point]:
@@ -181,8 +190,9 @@ def _evaluate(p: int, m: int, cost: CostModel | None, progress: Progress | None)
     for label, value in (("devices", p), ("microbatches", m)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(f"{label} must be a positive integer (got {value!r})")
-    check_evaluate(p, m)
-    todo = candidates(p, m)
+    vocab = prices_vocab(cost)
+    check_evaluate(p, m, vocab=vocab)
+    todo = candidates(p, m, vocab=vocab)
     points: list[Point] = []
     skipped: list[str] = []
     if progress is not None:
@@ -200,18 +210,18 @@ def _evaluate(p: int, m: int, cost: CostModel | None, progress: Progress | None)
     return points, skipped
 
 
-def check_evaluate(p: int, m: int) -> None:
+def check_evaluate(p: int, m: int, *, vocab: bool = False) -> None:
     """Refuse, before any work, to :func:`evaluate` p devices and m microbatches where the search's work is over
     :data:`pipefold.plan.limits.MAX_SEARCH_WORK`, in one line naming fewer microbatches (else fewer devices)
     that fit."""
-    todo = candidates(p, m)
+    todo = candidates(p, m, vocab=vocab)
     total = sum(schedule_work(name, p, m, options) for name, options in todo)
     if total <= MAX_SEARCH_WORK:
         return
 
     def fits(devices: int, microbatches: int) -> bool:
         return sum(schedule_work(name, devices, microbatches, options)
-                   for name, options in candidates(devices, microbatches)) <= MAX_SEARCH_WORK
+                   for name, options in candidates(devices, microbatches, vocab=vocab)) <= MAX_SEARCH_WORK
 
     fewer = largest(lambda k: fits(p, k), m - 1)
     devices = None if fewer is not None else largest(lambda k: fits(k, m), p - 1)
