@@ -34,7 +34,7 @@ def run(schedule: str, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
             "--devices", str(args.devices), "--layers", str(args.layers), "--hidden", str(args.hidden),
             "--heads", str(args.heads), "--seq", str(args.seq), "--batch", str(args.batch),
             "--microbatches", str(args.microbatches), "--vocab-size", str(vocab), "--steps", str(args.steps),
-            "--partition", "even", "--json"]
+            "--partition", "even", "--action-timeout", "600", "--json"]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     done = subprocess.run(argv, capture_output=True, text=True, env=env, check=False)
     if done.returncode != 0:

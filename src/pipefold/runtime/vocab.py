@@ -24,6 +24,7 @@ are made). The collectives run on three process groups of their own, beside the 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -69,6 +70,10 @@ class VocabShard(nn.Module):
         """Device ``index``'s shard of the whole projection ``weight`` (vocabulary x hidden), a copy."""
         vocab, hidden = weight.shape
         size = padded_vocab(vocab, devices) // devices
+        if size * devices != vocab and index == 0:
+            warnings.warn(f"a vocabulary of {vocab:,} does not divide over {devices} devices: padded with "
+                          f"{size * devices - vocab} zero rows to {size * devices:,}, which take no part in the loss",
+                          stacklevel=2)
         rows = weight.detach()[index * size:(index + 1) * size]
         if rows.shape[0] < size:
             rows = torch.cat([rows, rows.new_zeros(size - rows.shape[0], hidden)])

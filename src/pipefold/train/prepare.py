@@ -114,6 +114,9 @@ def make_job(spec: RunSpec, *, decided: Decisions | None = None, placed: Any = N
         _check_sequence_chunks(spec, model, schedule.seq_chunks)
     if schedule.vocab:
         _check_vocab(spec, model)
+        shape = model.size()
+        if shape is not None:  # the output's vocabulary, which the shards pad to a multiple of the devices
+            extra["vocab_size"] = shape.vocab
     if spec.parallel.copies > 1:
         from pipefold.schedules.dataparallel import with_data_parallel
 
