@@ -368,6 +368,14 @@ def _refused(rank: int, init: str, world: int, case: str, out: Any) -> None:
             elif case == "another rank's shard":
                 Pipeline(stage, "1f1b:vocab=1", vocab=VocabShard.of(layers[-1].lm_head.weight, 1 - rank, world),
                          microbatches=2)
+            elif case == "evaluation without targets":
+                pipe = Pipeline(stage, "1f1b:vocab=1", vocab=shard, microbatches=2)
+                hidden, loss = pipe.forward(_batch(0)[0])
+                out.put((rank, None if hidden is None else tuple(hidden.shape), loss))
+                return
+            elif case == "targets on one rank":
+                pipe = Pipeline(stage, "1f1b:vocab=1", vocab=shard, microbatches=2)
+                pipe.forward(_batch(0)[0], target=_batch(0)[1] if rank == 1 else None)
             else:  # no targets (on any rank: one that has them would wait for the others)
                 pipe = Pipeline(stage, "1f1b:vocab=1", vocab=shard, microbatches=2)
                 pipe.step(_batch(0)[0])
@@ -387,6 +395,14 @@ def test_what_a_pipeline_cannot_split_is_one_line_on_every_rank(case: str, expec
     got = dict(run_ranks(_refused, 2, 2, case))
     assert all(expected.replace("device 0", f"device {r}").replace("shard 0 of", f"shard {r} of")
                .replace("shard 1 of 2)", f"shard {1 - r} of 2)") in got[r] for r in (0, 1)), got
+
+
+def test_an_evaluation_without_targets_gives_the_hidden_states_and_one_with_some_is_refused() -> None:
+    got = {r: rest for r, *rest in run_ranks(_refused, 2, 2, "evaluation without targets", timeout=120)}
+    assert got[1] == [(4, 32, 32), None] and got[0] == [None, None]  # the last stage's output, no loss
+    got = dict(run_ranks(_refused, 2, 2, "targets on one rank", timeout=120))
+    assert all("give Pipeline.forward the targets on every rank or on none (1 of 2 ranks gave them)" in got[r]
+               for r in (0, 1)), got
 
 
 def test_a_rank_without_targets_is_told_to_give_them() -> None:

@@ -658,7 +658,8 @@ class RankExecutor:
             if len(out) != 1:
                 raise ConfigError(f"with the output layer split by vocabulary the last stage returns one tensor, "
                                   f"its hidden states (got {len(out)} tensors)")
-            self.vocab.send_hidden(mb, out[0])
+            if not (self.infer and target is None):  # without targets an evaluation has no loss to compute
+                self.vocab.send_hidden(mb, out[0])
             if self.infer:
                 self.outputs[mb] = out[0]
         else:

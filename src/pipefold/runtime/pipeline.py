@@ -678,6 +678,12 @@ class Pipeline(RankPipeline):
             self.boundaries.specs[0] = spec
         last = self.schedule.stages - 1
         ys: list[Any] = [None] * (m * c)
+        if self.schedule.vocab and not train:  # every rank computes its shard's part of the loss, or none does
+            given = torch.tensor([target is not None], dtype=torch.int32, device=self.device)
+            dist.all_reduce(given, group=self.group)
+            if 0 < int(given) < len(self.ranks):
+                raise ConfigError(f"with the output layer split by vocabulary, give Pipeline.forward the targets on "
+                                  f"every rank or on none ({int(given)} of {len(self.ranks)} ranks gave them)")
         if last in executor.runners or self.schedule.vocab:
             if target is None and train:
                 where = "holds a shard of the output layer" if self.schedule.vocab else \
