@@ -17,29 +17,37 @@ sets beside the difference the runtime measured.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))  # this checkout's pipefold, here and in the ranks the runs start
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def run(schedule: str, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
-    """One ``pipefold train --json`` run: its JSON report."""
-    argv = [sys.executable, "-m", "pipefold", "train", "--model", "gpt", "--schedule", schedule,
+    """One ``pipefold train --json`` run, in this process (its ranks are processes of their own, started by the
+    fork server the first run starts): its JSON report."""
+    from pipefold.cli.main import main
+
+    argv = ["train", "--model", "gpt", "--schedule", schedule,
             "--devices", str(args.devices), "--layers", str(args.layers), "--hidden", str(args.hidden),
             "--heads", str(args.heads), "--seq", str(args.seq), "--batch", str(args.batch),
             "--microbatches", str(args.microbatches), "--vocab-size", str(vocab), "--steps", str(args.steps),
             "--partition", "even", "--action-timeout", "600", "--json"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    done = subprocess.run(argv, capture_output=True, text=True, env=env, check=False)
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(argv[2:])} failed: {done.stderr.strip().splitlines()[-1:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(argv)
+    if code != 0:
+        raise SystemExit(f"pipefold {' '.join(argv)} failed (its error is above)")
+    return dict(json.loads(out.getvalue().strip().splitlines()[-1]))
 
 
 def mib(n: float) -> str:
