@@ -437,7 +437,7 @@ class RankExecutor:
         self.vocab: VocabPasses | None = None
         """With the output layer split by vocabulary (:attr:`Schedule.vocab`): this rank's shard and its passes."""
         if schedule.vocab:
-            self.vocab = self._vocab_passes(vocab, pipelines, pipeline, new_group or dist.new_group)
+            self.vocab = self._vocab_passes(vocab, pipelines, pipeline)
         self._group_ranks = {s: tuple(dist.get_process_group_ranks(g)) for s, g in self._groups.items()}
         if dp_group is not None:
             self._dp_ranks = tuple(dist.get_process_group_ranks(dp_group))
@@ -588,10 +588,9 @@ class RankExecutor:
             table.update({Kind.S: self._vocab_forward, Kind.T: self._vocab_backward})
         return table
 
-    def _vocab_passes(self, shard: VocabShard | None, pipelines: Sequence[Sequence[int | None]], pipeline: int,
-                      new_group: Callable[[list[int]], Any]) -> VocabPasses:
-        """This rank's vocabulary passes, with the three process groups of each pipeline's ranks (made in the same
-        order on every rank)."""
+    def _vocab_passes(self, shard: VocabShard | None, pipelines: Sequence[Sequence[int | None]],
+                      pipeline: int) -> VocabPasses:
+        """This rank's vocabulary passes, with three process groups of its pipeline's ranks."""
         schedule = self.schedule
         if shard is None:
             raise ConfigError(f"{schedule.name} splits the output layer by vocabulary over every device: give each "
@@ -608,13 +607,12 @@ class RankExecutor:
             raise ConfigError(f"{schedule.name}: the last stage runs its forwards in microbatch order "
                               f"{f_order[:4]}..., the vocabulary passes in {s_order[:4]}...: the runtime sends the "
                               "last stage's outputs to the shards in one order; give both the same")
-        mine: list[Any] = []
-        for q, ranks in enumerate(pipelines):
-            groups = [new_group([int(r) for r in ranks if r is not None]) for _ in range(3)]
-            if q == pipeline:
-                mine = groups
-        return VocabPasses(shard, rank=self.rank, ranks=[int(r) for r in pipelines[pipeline] if r is not None],
-                           last=last, groups=mine, meter=self.meter)
+        ranks = [int(r) for r in pipelines[pipeline] if r is not None]
+        # Three groups of their own, one per kind of collective, each pairing up by microbatch order: on one group
+        # a rank's broadcast (after its last stage's forward) could come before another rank's reduce (after its
+        # T) and after it on a third. Made anew (not the pipeline's cached groups), by the pipeline's ranks alone.
+        groups = [dist.new_group(ranks, use_local_synchronization=True) for _ in range(3)]
+        return VocabPasses(shard, rank=self.rank, ranks=ranks, last=last, groups=groups, meter=self.meter)
 
     def _vocab_forward(self, action: Action, step: _Step) -> None:
         """S: this rank's shard of the output layer for a microbatch (in a forward-only step, its loss too)."""
