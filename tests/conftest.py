@@ -1,8 +1,18 @@
 """Shared test settings."""
 
 import contextlib
+import json
 import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile("ci", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -135,3 +145,79 @@ def no_work(*, simulating=True):  # type: ignore[no-untyped-def]
         yield
     finally:
         sys.setprofile(before)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def server_env() -> dict[str, str]:
+    """The environment of the commands a :class:`Server` runs: the suite's, one thread each, this checkout's source."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+
+
+class Server:
+    """One process that runs ``pipefold`` commands one after another (tests/_pipefold_server.py): torch imported
+    once, one fork server for every command's ranks, instead of both again for each command. The pages' test
+    (tests/test_docs.py) runs their commands in it, and so does a test that runs a flow of ``pipefold`` commands
+    and looks only at what each prints, exits with and writes (not at how a process of its own starts or ends)."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "_pipefold_server.py")], env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.count = 0
+        self.dir = Path(tempfile.mkdtemp(prefix="pipefold-docs-"))  # the commands' output, outside their folder
+
+    def run(self, argv: list[str], cwd: Path, script: bool = False) -> subprocess.CompletedProcess[str]:
+        """``pipefold ARGV``, or with ``script`` ``python ARGV`` (a benchmark), run in ``cwd``."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.count += 1
+        out, err = self.dir / f"{self.count}.out", self.dir / f"{self.count}.err"
+        request = {"script" if script else "argv": argv, "cwd": str(cwd), "out": str(out), "err": str(err)}
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        timer = threading.Timer(300, self.proc.kill)
+        timer.start()
+        try:
+            line = self.proc.stdout.readline()
+        finally:
+            timer.cancel()
+        shown = ["python" if script else "pipefold", *argv]
+        assert line, (f"{shlex.join(shown)} ran for over 300 s, or ended the process that ran it\n"
+                      f"{err.read_text()[-3000:]}")
+        return subprocess.CompletedProcess(shown, json.loads(line)["code"], out.read_text(), err.read_text())
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class Servers:
+    """The worker's one :class:`Server`, started when a test first needs it and started again after a command
+    that ended it (the next test's commands then meet a fresh process, not the failure of another test)."""
+
+    def __init__(self) -> None:
+        self.server: Server | None = None
+
+    def get(self) -> Server:
+        if self.server is None or self.server.proc.poll() is not None:
+            if self.server is not None:
+                self.server.close()
+            self.server = Server(server_env())
+        return self.server
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+
+@pytest.fixture(scope="session")
+def servers() -> Iterator[Servers]:
+    made = Servers()
+    try:
+        yield made
+    finally:
+        made.close()
