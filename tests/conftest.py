@@ -56,12 +56,39 @@ def load_benchmark(name: str):  # type: ignore[no-untyped-def]
     return module
 
 
-_LONGEST_FIRST = ("docs/parallelism.md", "benchmarks/results/memory_ratio.md", "README.md", "docs/checkpoints.md",
-                  "benchmarks/results/vs_torch.md", "docs/runtime.md", "docs/world.md", "docs/plan.md",
+_LONGEST_FIRST = ("docs/parallelism.md", "docs/cluster.md", "benchmarks/results/memory_ratio.md", "README.md",
+                  "docs/checkpoints.md", "benchmarks/results/vs_torch.md", "docs/runtime.md", "docs/world.md",
+                  "docs/plan.md", "docs/precision.md", "benchmarks/results/partition_speed.md",
                   "benchmarks/results/runtime_breakdown.md", "docs/models.md")
 """The pages whose commands take longest (half a minute to a minute and a half each on two loaded cores), longest
 first: started first, so that with ``make test``'s two workers (pytest-xdist, which hands out tests in the collected
 order) they run beside the rest, not after it."""
+
+
+_LONG_NEXT = ("test_release.py::test_the_wheel_installs_outside_the_repository_and_runs_with_its_own_data",
+              "test_examples_library.py::test_example_trains_as_its_one_process_reference",
+              "test_checkpoint.py::test_torchrun_restart_resumes_from_the_last_checkpoint",
+              "test_cli_options.py::test_every_number_outside_its_range_is_refused_when_parsed",
+              "test_temporary_files.py::test_nothing_is_left_in_the_temporary_folder",
+              "test_train_cli.py::test_same_command_under_torchrun",
+              "test_precision.py::test_inductor_compiled_stages_in_bf16_equal_one_process_running_them",
+              "test_plan_model.py::test_profile_plan_train_runs_the_plan_with_exact_gradients_and_its_predicted_memory",
+              "test_precision_cli.py::test_each_recipe_equals_one_process_running_it",
+              "test_dataparallel.py::test_two_torchrun_agents_as_two_nodes",
+              "test_plan_model.py::test_plan_is_the_fastest_fitting_point_of_a_brute_force",
+              "test_hf.py::test_v_shape_sums_the_tied_copies_on_one_rank",
+              "test_faults.py::test_torchrun_a_stopped_worker_is_named",
+              "test_torchrun_errors.py::test_one_line_says_why_a_torchrun_job_failed",
+              "test_train_cli.py::test_kfac_in_the_bubbles_under_torchrun",
+              "test_vs_torch_library.py::test_the_two_libraries_agree_on_1f1b_and_zb_v",
+              "test_checkpoint.py::test_the_save_model_snippet_of_the_docs_runs_as_written",
+              "test_precision.py::test_compiled_layers_keep_the_split_backward_exact",
+              "test_faults.py::test_a_rank_killed_mid_step_is_named",
+              "test_checkpoint.py::test_crash_mid_save_and_corrupt_checkpoints",
+              "test_hf.py::test_pipeline_matches_the_unwrapped_model")
+"""The other tests that take longest (a quarter of a minute to a minute each, or each of their parameters, on two
+loaded cores), longest first: started right after the pages, so that none of them comes last and leaves one worker
+running it alone at the end of the suite while the other has nothing left to do."""
 
 
 def pytest_collection_modifyitems(config, items):  # type: ignore[no-untyped-def]
@@ -69,7 +96,10 @@ def pytest_collection_modifyitems(config, items):  # type: ignore[no-untyped-def
         if item.module.__name__.endswith("test_docs") and "runs_as_written" in item.name:
             page = item.name.split("[", 1)[1].rstrip("]")
             return (0, _LONGEST_FIRST.index(page) if page in _LONGEST_FIRST else len(_LONGEST_FIRST))
-        return (1, 0)
+        name = f"{item.path.name}::{item.originalname}"
+        if name in _LONG_NEXT:
+            return (1, _LONG_NEXT.index(name))
+        return (2, 0)
 
     items.sort(key=rank)  # stable: the rest keep their order
 
