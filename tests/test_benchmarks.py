@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import load_benchmark
+from conftest import Servers, load_benchmark
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"
@@ -75,12 +75,11 @@ def test_every_benchmark_has_a_small_mode_or_a_reason() -> None:
 
 
 @pytest.mark.parametrize("name", sorted(k for k, v in SMALL.items() if v is not None))
-def test_the_benchmark_runs_in_its_small_mode(name: str, tmp_path: Path) -> None:
+def test_the_benchmark_runs_in_its_small_mode(name: str, tmp_path: Path, servers: Servers) -> None:
     args = SMALL[name]
     assert args is not None
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    got = subprocess.run([sys.executable, str(BENCHMARKS / name), *args], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=300, check=False)
+    # As ``python`` runs it (with OMP_NUM_THREADS=1), in the worker's command server: torch is imported once.
+    got = servers.get().run([str(BENCHMARKS / name), *args], tmp_path, script=True)
     assert "Traceback" not in got.stderr, got.stderr[-3000:]
     assert got.returncode == 0, f"exit {got.returncode}\n{got.stdout[-2000:]}\n{got.stderr[-2000:]}"
     assert got.stdout.strip(), got.stderr[-2000:]
@@ -223,12 +222,12 @@ def test_the_machine_probe_times_its_work(monkeypatch: pytest.MonkeyPatch) -> No
     ("memory_ratio.py", ["--model", "gpt", "--hidden", "10", "--schedules", "zb-v", "--runs", "1"],
      "--hidden 10 must be a multiple of --heads 4"),
 ])
-def test_a_size_the_model_cannot_take_is_one_line(name: str, args: list[str], says: str, tmp_path: Path) -> None:
+def test_a_size_the_model_cannot_take_is_one_line(name: str, args: list[str], says: str, tmp_path: Path,
+                                                  servers: Servers) -> None:
     """A benchmark given a size the library refuses (its ConfigError, found past the benchmark's own checks) ends
-    as a bad option does: one line naming the script, exit 2, no traceback (pipefold.errors.run_script)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    got = subprocess.run([sys.executable, str(BENCHMARKS / name), *args], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=120, check=False)
+    as a bad option does: one line naming the script, exit 2, no traceback (pipefold.errors.run_script). Run as
+    ``python`` runs it, in the worker's command server (conftest.Server)."""
+    got = servers.get().run([str(BENCHMARKS / name), *args], tmp_path, script=True)
     lines = got.stderr.strip().splitlines()
     assert got.returncode == 2 and len(lines) == 1, got.stderr[-3000:]
     assert lines[0].startswith(f"{name}: error: ") and says in lines[0], lines[0]

@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import Servers
 from pipefold.cli.main import main
 from pipefold.models import make_model
 from pipefold.models.data import Batches, load_corpus
@@ -393,16 +394,17 @@ def test_checkpoint_folder_rules_are_one_line(capsys: pytest.CaptureFixture[str]
     assert not (tmp_path / "missing").exists() and (tmp_path / "file").read_text() == "mine"
 
 
-def test_the_save_model_snippet_of_the_docs_runs_as_written(tmp_path: Path) -> None:
+def test_the_save_model_snippet_of_the_docs_runs_as_written(tmp_path: Path, servers: Servers) -> None:
     """docs/checkpoints.md's --save-model command and its loading snippet, as written (the run shortened to one
-    step)."""
+    step). The command runs as the pages' commands do, in the worker's command server (conftest.Server); the snippet
+    in a fresh interpreter, as a program of its own."""
     text = (Path(__file__).resolve().parent.parent / "docs" / "checkpoints.md").read_text(encoding="utf-8")
     section = text[text.index("`--save-model FILE` writes"):]
     command = section[section.index("```sh\n") + 6:].split("```")[0].strip()
     snippet = section[section.index("```python\n") + 10:].split("```")[0]
     argv = command.split()[1:]
     assert argv[0] == "train" and "--save-model" in argv
-    got = _cli(tmp_path, *argv[1:], "--steps", "1")
+    got = servers.get().run([*argv, "--steps", "1"], tmp_path)
     assert got.returncode == 0, got.stderr
     check = "\nprint(repr(sum(float(v.double().sum()) for v in model.state_dict().values())))"
     run = subprocess.run([sys.executable, "-c", snippet + check], capture_output=True, text=True, cwd=tmp_path,

@@ -39,15 +39,15 @@ import shlex
 import shutil
 import subprocess
 import sys
-import tempfile
-import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from conftest import Server as _Server
+from conftest import Servers as _Servers
+from conftest import server_env as _env
 from pipefold.runtime.launch.processes import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -257,77 +257,6 @@ def _skip_reason(argv: list[str]) -> str | None:
     if argv[:2] == ["make", "demo"] and subprocess.run(["make", "-q", "setup"], cwd=ROOT).returncode != 0:
         return "make demo would build a new .venv (the suite runs outside the project's own)"
     return None
-
-
-class _Server:
-    """One process that runs a page's ``pipefold`` commands one after another (tests/_pipefold_server.py): torch
-    imported once, one fork server for every command's ranks, instead of both again for each command."""
-
-    def __init__(self, env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "_pipefold_server.py")], env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.count = 0
-        self.dir = Path(tempfile.mkdtemp(prefix="pipefold-docs-"))  # the commands' output, outside their folder
-
-    def run(self, argv: list[str], cwd: Path, script: bool = False) -> subprocess.CompletedProcess[str]:
-        """``pipefold ARGV``, or with ``script`` ``python ARGV`` (a benchmark), run in ``cwd``."""
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.count += 1
-        out, err = self.dir / f"{self.count}.out", self.dir / f"{self.count}.err"
-        request = {"script" if script else "argv": argv, "cwd": str(cwd), "out": str(out), "err": str(err)}
-        self.proc.stdin.write(json.dumps(request) + "\n")
-        self.proc.stdin.flush()
-        timer = threading.Timer(300, self.proc.kill)
-        timer.start()
-        try:
-            line = self.proc.stdout.readline()
-        finally:
-            timer.cancel()
-        shown = ["python" if script else "pipefold", *argv]
-        assert line, (f"{shlex.join(shown)} ran for over 300 s, or ended the process that ran it\n"
-                      f"{err.read_text()[-3000:]}")
-        return subprocess.CompletedProcess(shown, json.loads(line)["code"], out.read_text(), err.read_text())
-
-    def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-class _Servers:
-    """The worker's one :class:`_Server`, started when a page first needs it and started again after a command
-    that ended it (the next page's commands then meet a fresh process, not the failure of another page)."""
-
-    def __init__(self) -> None:
-        self.server: _Server | None = None
-
-    def get(self) -> _Server:
-        if self.server is None or self.server.proc.poll() is not None:
-            if self.server is not None:
-                self.server.close()
-            self.server = _Server(_env())
-        return self.server
-
-    def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
-
-
-@pytest.fixture(scope="session")
-def servers() -> Iterator[_Servers]:
-    made = _Servers()
-    try:
-        yield made
-    finally:
-        made.close()
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
 
 
 def _run(argv: list[str], cwd: Path, factor: float, server: _Server | None = None,

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import Servers
+
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5
 LINE = re.compile(r"^step (\d+) loss (\S+)$", re.MULTILINE)
@@ -42,12 +44,18 @@ COMMANDS = frozenset(c for pair in CASES for c in pair)
 
 
 @functools.cache
-def _losses(command: str) -> tuple[tuple[int, float], ...]:
-    """The ``step N loss X`` lines of a command as written (``torchrun`` and ``python`` as this interpreter)."""
+def _losses(command: str, servers: Servers) -> tuple[tuple[int, float], ...]:
+    """The ``step N loss X`` lines of a command as written (``torchrun`` and ``python`` as this interpreter). A
+    one-process reference runs as ``python`` runs the script, in the worker's command server (conftest.Server:
+    torch imported once), unless it compiles (inductor's caches and dynamo's recompile limits would carry over from
+    one compiled run to the next in that process): in a fresh interpreter, as every torchrun command."""
     argv = shlex.split(command)
-    head = [sys.executable, "-m", "torch.distributed.run"] if argv[0] == "torchrun" else [sys.executable]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    done = subprocess.run([*head, *argv[1:]], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    if argv[0] == "python" and "--compile" not in argv:
+        done = servers.get().run(argv[1:], ROOT, script=True)
+    else:
+        head = [sys.executable, "-m", "torch.distributed.run"] if argv[0] == "torchrun" else [sys.executable]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+        done = subprocess.run([*head, *argv[1:]], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, f"{command} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
     assert "Traceback" not in done.stderr, f"{command}\n{done.stderr}"
     return tuple((int(n), float(x)) for n, x in LINE.findall(done.stdout))
@@ -57,10 +65,10 @@ def _losses(command: str) -> tuple[tuple[int, float], ...]:
                                                                "hf_llama", "fsdp_pp",
                                                                "tp_pp", "tp_pp-sequence-parallel",
                                                                "context_parallel", "vocab_parallel"])
-def test_example_trains_as_its_one_process_reference(command: str, reference: str) -> None:
+def test_example_trains_as_its_one_process_reference(command: str, reference: str, servers: Servers) -> None:
     if "hf_llama" in command:
         pytest.importorskip("transformers")
-    piped, alone = _losses(command), _losses(reference)
+    piped, alone = _losses(command, servers), _losses(reference, servers)
     assert len(alone) >= 3 and [n for n, _ in alone] == list(range(len(alone)))
     assert [n for n, _ in piped] == [n for n, _ in alone], piped  # printed once per step, by one rank
     for (n, got), (_, want) in zip(piped, alone, strict=True):

@@ -12,11 +12,12 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from conftest import TIMING_TRIES
+from conftest import TIMING_TRIES, Servers
 from pipefold import schedules
 from pipefold.errors import ConfigError
 from pipefold.ir import dependency_graph
@@ -626,22 +627,25 @@ def test_profile_dataclass_is_frozen() -> None:
 # --------------------------------------------------------------------------- the whole path, on real ranks
 
 
-def _cli(*args: str, cwd) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pipefold", *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=300)
+@pytest.fixture
+def cli(servers: Servers) -> Callable[..., subprocess.CompletedProcess[str]]:
+    """``cli(*ARGS, cwd=...)``: ``pipefold ARGS`` in ``cwd``, its exit code, output and the files it writes, as a shell
+    would give them, from the worker's command server (conftest.Server: the entry point's own function, with torch
+    imported and the ranks' fork server started once for the session rather than again for each command of a flow)."""
+    return lambda *args, cwd: servers.get().run(list(args), cwd)
 
 
-def test_profile_plan_train_runs_the_plan_with_exact_gradients_and_its_predicted_memory(tmp_path) -> None:
-    got = _cli("profile", "--model", "gpt", "--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "32",
-               "--batch", "8", "-m", "4", "-p", "2", "--repeats", "2", "--no-sharing", "-o", "prof.json",
-               cwd=tmp_path)
+def test_profile_plan_train_runs_the_plan_with_exact_gradients_and_its_predicted_memory(tmp_path, cli) -> None:
+    got = cli("profile", "--model", "gpt", "--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "32",
+              "--batch", "8", "-m", "4", "-p", "2", "--repeats", "2", "--no-sharing", "-o", "prof.json",
+              cwd=tmp_path)
     assert got.returncode == 0, got.stderr
     prof = Profile.load(str(tmp_path / "prof.json"))
     assert len(prof.layers) == 4 and prof.bandwidth > 0 and prof.latency >= 0
-    got = _cli("plan", "--profile", "prof.json", "-p", "2", "--memory-budget", "1GB", "--families", "1f1b,zb-h1",
-               "-o", "plan.json", cwd=tmp_path)
+    got = cli("plan", "--profile", "prof.json", "-p", "2", "--memory-budget", "1GB", "--families", "1f1b,zb-h1",
+              "-o", "plan.json", cwd=tmp_path)
     assert got.returncode == 0, got.stderr
-    got = _cli("train", "--plan", "plan.json", "--steps", "2", "--check", "--json", "--plot", "run.png", cwd=tmp_path)
+    got = cli("train", "--plan", "plan.json", "--steps", "2", "--check", "--json", "--plot", "run.png", cwd=tmp_path)
     assert got.returncode == 0, got.stderr
     out = json.loads(got.stdout)
     assert out["plot"] == "run.png" and (tmp_path / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -661,7 +665,7 @@ def test_profile_plan_train_runs_the_plan_with_exact_gradients_and_its_predicted
     passes = out["plan"]["passes_s"]
     assert 0 < passes["cpu"] <= passes["wall"] + 1e-6
     assert passes["alone"] > 0 and passes["alone"] == pytest.approx(passes["shared"])
-    got = _cli("train", "--plan", "plan.json", "--hidden", "48", cwd=tmp_path)
+    got = cli("train", "--plan", "plan.json", "--hidden", "48", cwd=tmp_path)
     assert got.returncode == 2 and "--plan fixes" in got.stderr and "Traceback" not in got.stderr
     # With model-state chunks: a budget between the least the plain plans reach and the least with the whole state
     # in host memory. The plan has chunks, and its run the same gradients and the predicted peaks.
@@ -672,11 +676,11 @@ def test_profile_plan_train_runs_the_plan_with_exact_gradients_and_its_predicted
     least = min(max(predict(prof, p.layout, p.spec, p.layer_stages, p.recompute, room=0)[1])
                 for p in wide.points if p.layout.chunks)
     budget = int(1.05 * (plain + least) / 2)
-    got = _cli("plan", "--profile", "prof.json", "-p", "2", "--memory-budget", str(budget), "--families", "1f1b,zb-h1",
-               "--state-chunks", "-o", "chunks.json", cwd=tmp_path)
+    got = cli("plan", "--profile", "prof.json", "-p", "2", "--memory-budget", str(budget), "--families", "1f1b,zb-h1",
+              "--state-chunks", "-o", "chunks.json", cwd=tmp_path)
     assert got.returncode == 0 and "the optimizer state in chunks" in got.stdout, got.stderr
     assert json.loads((tmp_path / "chunks.json").read_text())["state_chunks"] is True
-    got = _cli("train", "--plan", "chunks.json", "--steps", "2", "--check", "--json", cwd=tmp_path)
+    got = cli("train", "--plan", "chunks.json", "--steps", "2", "--check", "--json", cwd=tmp_path)
     assert got.returncode == 0, got.stderr
     out = json.loads(got.stdout)
     assert out["max_grad_rel_diff"] < 1e-5 and "state_chunks" in out
@@ -711,22 +715,22 @@ def test_a_layers_update_is_timed_on_the_runs_optimizer_and_leaves_it_as_it_was(
     assert all(p.grad is None for p in layers[0].parameters())
 
 
-def test_the_readme_flow_with_an_mlp_profiled_without_heads(tmp_path) -> None:
+def test_the_readme_flow_with_an_mlp_profiled_without_heads(tmp_path, cli) -> None:
     """The MLP has no heads: its profile's and plan's ``heads`` are null, and the plan still trains. Profiled with
     core sharing on 3 devices, so the link is measured with a third process computing beside it (its helper); quick,
     which says so in the profile and still measures every figure a plan reads."""
-    got = _cli("profile", "--model", "mlp", "--layers", "4", "--hidden", "32", "--batch", "16", "-m", "4", "-p", "3",
-               "--repeats", "2", "--quick", "-o", "prof.json", cwd=tmp_path)
+    got = cli("profile", "--model", "mlp", "--layers", "4", "--hidden", "32", "--batch", "16", "-m", "4", "-p", "3",
+              "--repeats", "2", "--quick", "-o", "prof.json", cwd=tmp_path)
     assert got.returncode == 0, got.stderr
     prof = Profile.load(str(tmp_path / "prof.json"))
     assert len(prof.contention) == 3 and prof.machine["quick"] is True
     assert prof.latency >= 0 and 0 < prof.bandwidth < math.inf and prof.message_overhead > 0  # latency: floored
     assert min(prof.contention) >= 1 and set(prof.allreduce) == {3} and set(prof.zero1) == {3}
-    got = _cli("plan", "--profile", "prof.json", "-p", "3", "--memory-budget", "50MiB", "-o", "plan.json",
-               cwd=tmp_path)
+    got = cli("plan", "--profile", "prof.json", "-p", "3", "--memory-budget", "50MiB", "-o", "plan.json",
+              cwd=tmp_path)
     assert got.returncode == 0, got.stderr
     assert json.loads((tmp_path / "plan.json").read_text())["train"]["heads"] is None
-    got = _cli("train", "--plan", "plan.json", "--steps", "2", "--check", "--json", cwd=tmp_path)
+    got = cli("train", "--plan", "plan.json", "--steps", "2", "--check", "--json", cwd=tmp_path)
     assert got.returncode == 0, got.stderr
     assert json.loads(got.stdout)["max_grad_rel_diff"] < 1e-5
 
@@ -740,8 +744,8 @@ def test_the_readme_flow_with_an_mlp_profiled_without_heads(tmp_path) -> None:
     (["train", "--plan", "missing.json"], "cannot read plan missing.json"),
     (["profile", "--layers", "0"], "--layers: 0 is out of range: give a whole number >= 1"),
 ])
-def test_planning_mistakes_are_one_line(tmp_path, args: list[str], message: str) -> None:
-    got = _cli(*args, cwd=tmp_path)
+def test_planning_mistakes_are_one_line(tmp_path, cli, args: list[str], message: str) -> None:
+    got = cli(*args, cwd=tmp_path)
     assert got.returncode == 2, got.stderr
     lines = got.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0]

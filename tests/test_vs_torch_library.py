@@ -4,21 +4,20 @@ same loop on the same weights and data, so their losses must agree; the report m
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
+
+from conftest import Servers
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "vs_torch_library.py"
 
 
-def test_the_two_libraries_agree_on_1f1b_and_zb_v(tmp_path: Path) -> None:
+def test_the_two_libraries_agree_on_1f1b_and_zb_v(tmp_path: Path, servers: Servers) -> None:
     out = tmp_path / "report.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    got = subprocess.run([sys.executable, str(SCRIPT), "--schedules", "1f1b", "zb-v", "--rounds", "1", "--steps", "2",
-                          "--hidden", "32", "--layers", "4", "--batch", "8", "--microbatches", "4", "--json", str(out)],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
+    # As ``python`` runs the script, in the worker's command server (conftest.Server): torch imported once.
+    got = servers.get().run([str(SCRIPT), "--schedules", "1f1b", "zb-v", "--rounds", "1", "--steps", "2", "--hidden",
+                             "32", "--layers", "4", "--batch", "8", "--microbatches", "4", "--json", str(out)],
+                            tmp_path, script=True)
     assert "Traceback" not in got.stderr, got.stderr[-3000:]
     assert got.returncode == 0, f"exit {got.returncode}\n{got.stdout[-2000:]}\n{got.stderr[-2000:]}"
     assert "| 1f1b |" in got.stdout and "| zb-v |" in got.stdout
@@ -41,10 +40,9 @@ def test_the_two_libraries_agree_on_1f1b_and_zb_v(tmp_path: Path) -> None:
             assert len(mem["rss_rise_mib"]) == 2
 
 
-def test_a_bad_option_is_one_line_and_exit_2(tmp_path: Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+def test_a_bad_option_is_one_line_and_exit_2(tmp_path: Path, servers: Servers) -> None:
     for args in (["--schedules", "nope"], ["--steps", "1"], ["--batch", "7"], ["--layers", "3"]):
-        got = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=tmp_path, env=env, capture_output=True,
-                             text=True, timeout=60, check=False)
+        # As ``python`` runs the script, in the worker's command server (conftest.Server): torch imported once.
+        got = servers.get().run([str(SCRIPT), *args], tmp_path, script=True)
         assert got.returncode == 2, (args, got.stderr)
         assert len(got.stderr.strip().splitlines()) == 1 and "error:" in got.stderr, (args, got.stderr)
