@@ -198,6 +198,21 @@ def test_a_wait_for_a_message_the_link_still_carries_is_a_slow_link() -> None:
     assert 8192 / 410 <= 20 < 8192 / 400  # the bandwidth suggested (409.6 B/s, rounded up), by hand
 
 
+def test_the_message_named_is_the_last_the_link_holds_back_and_one_due_already_explains_nothing() -> None:
+    """A link holding a header (due at once, before the rank began to wait) and the activation behind it: the line
+    names the activation; a link holding only the header, due before the wait began, is no slow link (the rank is
+    named as waiting), as a negative wait would be no reason."""
+    header = Carried(src=0, dst=1, what="the shapes of an activation", nbytes=64, posted=1000.0, sent=1000.0,
+                     arrives=1000.0, latency=0.0, bandwidth=1e6)
+    for held in ((header, _carried()), (_carried(), header)):
+        snaps = {0: _snap(0, "0B0", (1,), "a gradient", 24.0, held), 1: _snap(1, "1F0", (0,), "an activation", 24.9)}
+        hang = find_hang(snaps, {0: 24.0, 1: 24.9}, {}, 20.0)
+        assert hang is not None and "for an activation from rank 0 over a slow link" in hang.line, hang
+    snaps = {0: _snap(0, "0B0", (1,), "a gradient", 24.0, (header,)), 1: _snap(1, "1F0", (0,), "an activation", 24.9)}
+    hang = find_hang(snaps, {0: 24.0, 1: 24.9}, {}, 20.0)
+    assert hang is not None and "slow link" not in hang.line and "a wait of -" not in hang.line, hang.line
+
+
 def test_a_message_queued_behind_others_says_so() -> None:
     c = _carried(sent=1010.0, posted=1000.0, bandwidth=1000.0, latency=2.0)  # 10 s behind, then 10.19 s
     snaps = {0: _snap(0, "0B0", (1,), "a gradient", 24.0, (c,)), 1: _snap(1, "1F1", (0,), "an activation", 25.0)}

@@ -395,15 +395,18 @@ def find_hang(snaps: Mapping[int, Snapshot | None], ages: Mapping[int, float], f
 
 def _slow_link(ranks: Sequence[int], snaps: Mapping[int, Snapshot | None], timeout: float) -> Hang | None:
     """The hang as a slow link, where one of ``ranks`` (in this order) waits for a peer whose emulated link to it
-    still holds a message back; None where none does."""
+    still holds a message back that makes the wait longer than the action timeout; None where none does. Of the
+    messages a link holds back, the last to arrive is the one the rank waits for at the latest (a header goes
+    ahead of its activation, and may arrive before the wait began: it explains nothing)."""
     for r in ranks:
         s = snaps.get(r)
         if s is None:
             continue
         for q in s.waits:
             sender = snaps.get(q)
-            held = next((c for c in sender.carrying if c.dst == r), None) if sender is not None else None
-            if held is not None and sender is not None:
+            held = max((c for c in sender.carrying if c.dst == r), key=lambda c: c.arrives, default=None) \
+                if sender is not None else None
+            if held is not None and sender is not None and held.arrives - s.since > timeout:
                 return Hang(r, slow_line(r, s.at(), held, s.since, sender.beat, timeout))
     return None
 
