@@ -445,3 +445,16 @@ def test_the_planner_tries_the_split_where_the_costs_price_the_layer() -> None:
             if max(other.peak_memory) <= 4.0:
                 assert chosen.result.makespan <= other.makespan + 1e-9, (name, options)
     assert not any(VOCAB in options for _, options in candidates(4, 8))  # unpriced: the layer stays put
+
+
+def test_train_says_how_the_vocabulary_pads(capsys: pytest.CaptureFixture[str]) -> None:
+    """A vocabulary the devices do not divide is padded, and the summary says so (one that divides: no padding)."""
+    from pipefold.cli.main import main
+
+    assert main(["train", "--schedule", "1f1b:vocab=1", "--devices", "3", "--layers", "4", "--vocab-size", "1000",
+                 "--steps", "1"]) == 0
+    assert ("output layer split by vocabulary: 334 of its 1,000 rows a device (padded with 2 rows to 1,002: 1,000 "
+            "does not divide over 3; padding is left out of the loss)") in capsys.readouterr().out
+    from pipefold.cli.train_cmds import vocab_line
+
+    assert vocab_line(1024, 2) == "output layer split by vocabulary: 512 of its 1,024 rows a device"

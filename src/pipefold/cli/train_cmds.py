@@ -19,9 +19,11 @@ from pipefold.units import format_bytes, parse_bytes
 
 def vocab_line(vocab: int | None, devices: int) -> str:
     """What the shards of the output layer hold, padding said where the vocabulary does not divide."""
+    from pipefold.runtime.vocab import padded_vocab
+
     if vocab is None:
         return f"output layer split by vocabulary over {devices} devices"
-    rows = -(-vocab // devices)
+    rows = padded_vocab(vocab, devices) // devices
     pad = rows * devices - vocab
     padded = (f" (padded with {pad} row{'s' if pad > 1 else ''} to {rows * devices:,}: {vocab:,} does not divide "
               f"over {devices}; padding is left out of the loss)") if pad else ""
