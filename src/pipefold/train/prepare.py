@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -216,35 +216,36 @@ def check_size(spec: RunSpec, model: Model, schedule: Schedule, *, builds_model:
 
 def _check_sequence_chunks(spec: RunSpec, model: Model, chunks: int) -> None:
     """Refuse in one line what sequence chunks do not run with yet, then what the model cannot cut."""
-    other = [flag for flag, on in (
+    _not_yet(f"sequence chunks (seq_chunks {chunks}) do not run", "use a schedule without seq_chunks", (
         (f"--cp {spec.parallel.cp}", spec.parallel.cp > 1),
         (f"--tp {spec.parallel.tp_text}", spec.parallel.tensor_parallel),
         ("--optimizer kfac", spec.optimizer.name == "kfac"), (f"--recompute {spec.memory.recompute}",
                                                               spec.memory.recompute != "none"),
-        ("--offload", spec.memory.offloaded is not None), ("--offload-activations", bool(spec.memory.activation_share)))
-        if on]
-    if other:
-        raise ConfigError(f"sequence chunks (seq_chunks {chunks}) do not run with {other[0]} yet: drop it, or use a "
-                          "schedule without seq_chunks")
+        ("--offload", spec.memory.offloaded is not None),
+        ("--offload-activations", bool(spec.memory.activation_share))))
     model.check_sequence_chunks(chunks)
 
 
 def _check_vocab(spec: RunSpec, model: Model) -> None:
     """Refuse in one line what the output layer split by vocabulary does not run with yet, then a model that
     declares no output projection to split."""
-    other = [flag for flag, on in (
+    _not_yet("the output layer split by vocabulary (vocab=1) does not run", "use a schedule without vocab=1", (
         (f"--dp {spec.parallel.dp}", spec.parallel.dp > 1), (f"--cp {spec.parallel.cp}", spec.parallel.cp > 1),
         (f"--tp {spec.parallel.tp_text}", spec.parallel.tensor_parallel),
         ("--optimizer kfac", spec.optimizer.name == "kfac"), ("--offload", spec.memory.offloaded is not None),
         ("--offload-activations", bool(spec.memory.activation_share)),
         ("--state-chunks", spec.memory.state_chunks),
         (f"--precision {spec.devices.precision.dtype}", spec.devices.precision.dtype != "fp32"),
-        ("--checkpoint-dir", spec.checkpoints.any), ("--save-model", spec.reliability.save_model is not None))
-        if on]
-    if other:
-        raise ConfigError(f"the output layer split by vocabulary (vocab=1) does not run with {other[0]} yet: drop it, "
-                          "or use a schedule without vocab=1")
+        ("--checkpoint-dir", spec.checkpoints.any), ("--save-model", spec.reliability.save_model is not None)))
     model.check_split_output()
+
+
+def _not_yet(what: str, instead: str, given: Iterable[tuple[str, bool]]) -> None:
+    """Refuse in one line the first setting of ``given`` (its flag, whether it is on) that is on: ``what`` with it
+    yet; drop it, or ``instead``."""
+    flag = next((flag for flag, on in given if on), None)
+    if flag is not None:
+        raise ConfigError(f"{what} with {flag} yet: drop it, or {instead}")
 
 
 def check_links(spec: RunSpec, model: Model, schedule: Schedule) -> None:
