@@ -6,10 +6,11 @@ round after round (the cores' speed drifts within minutes). Per device it reads 
 parameters, gradients and optimizer state it holds (``static_bytes``) and the most activation bytes it held
 during a step (the meter's ``peak_activation_bytes``); and the median step time after the first.
 
-Independent check of the weights: the output projection is vocabulary x hidden floats, and with AdamW a device
-holds 4 floats for each of its parameters (the parameter, its gradient, two moments). Split over p devices, the
-last device holds 16 V h (1 - 1/p) bytes less and every other one 16 V h / p bytes more: the closed form the table
-sets beside the difference the runtime measured.
+Independent check of the weights: the token embedding and the output projection are each vocabulary x hidden
+floats, and with AdamW a device holds 4 floats for each of its parameters (the parameter, its gradient, two
+moments). Split over p devices (both, as ``pipefold train`` splits them), every device holds 16 V h / p bytes of
+each, the first stage's device 16 V h bytes of the embedding less and the last stage's 16 V h of the projection
+less: the closed form the script sets beside the difference the runtime measured.
 
     python benchmarks/vocab_parallel.py --vocab-sizes 65536 131072 262144 --schedules 1f1b v-half --hidden 512
 """
@@ -96,20 +97,23 @@ def main() -> None:
                 print(f"| {vocab // 1024}k | {schedule} | {' / '.join(map(mib, static))} | "
                       f"{' / '.join(map(mib, peak))} | {', '.join(f'{s:.2f}' for s in steps)} | {ratio} |")
     print()
-    print("Check of the weights against the closed form (16 V h bytes of the projection, a p-th a device):")
+    print("Check of the weights against the closed form (16 V h bytes a matrix, the embedding on the first stage's "
+          "device and the projection on the last stage's, a p-th of each on every device split; 4 bytes of Adam's "
+          "step count a tensor):")
+    from pipefold import schedules
+
     for vocab in args.vocab_sizes:
         whole = 16 * vocab * args.hidden
         for plain, split in names:
+            built = schedules.build(plain, p, args.microbatches)
+            ends = (built.device_of(0), built.device_of(built.stages - 1))
             a = [int(got[(vocab, plain)][0]["static_bytes"][d]) for d in range(p)]
             b = [int(got[(vocab, split)][0]["static_bytes"][d]) for d in range(p)]
-            last = int(got[(vocab, plain)][0]["stage_devices"][-1]) if "stage_devices" in got[(vocab, plain)][0] \
-                else max(range(p), key=lambda d: a[d] - b[d])
-            measured = a[last] - b[last]
-            print(f"- {vocab // 1024}k, {plain}: the last stage's device holds {mib(measured)} MiB less split, "
-                  f"the closed form {mib(whole * (1 - 1 / p))} MiB; each other device "
-                  f"{', '.join(mib(b[d] - a[d]) for d in range(p) if d != last)} MiB more, the closed form "
-                  f"{mib(whole / p)} MiB")
-
+            closed = [2 * (whole // p + 4) - sum(whole + 4 for end in ends if end == d) for d in range(p)]
+            measured = [b[d] - a[d] for d in range(p)]
+            print(f"- {vocab // 1024}k, {plain}: split minus plain per device {' / '.join(map(mib, measured))} MiB, "
+                  f"the closed form {' / '.join(map(mib, closed))} MiB: "
+                  f"{'equal to the byte' if measured == closed else 'DIFFERENT: ' + str((measured, closed))}")
 
 if __name__ == "__main__":
     main()

@@ -1,4 +1,5 @@
-"""Vocabulary Parallelism in your own loop: the GPT's output projection split by vocabulary over every rank.
+"""Vocabulary Parallelism in your own loop: the GPT's output projection and token embedding split by vocabulary over
+every rank.
 
     torchrun --nproc-per-node 2 examples/vocab_parallel.py
     torchrun --nproc-per-node 2 examples/vocab_parallel.py --schedule 1f1b:vocab=1   # any schedule with vocab=1
@@ -8,8 +9,10 @@ The last layer of the GPT is its final norm and its projection onto the vocabula
 it (``lm_head`` becomes the identity, so the last stage ends with the norm and returns the hidden states), and each
 rank keeps its rows of it, a ``VocabShard``: rank r holds rows r x V/p to (r+1) x V/p (the vocabulary padded to a
 multiple of p, here 1000 entries over 2 ranks). The schedule places each shard's passes beside the stages' own;
-the loss is the mean cross entropy over every position, as ``gpt_loss`` computes it in one process. Every rank is
-given the targets: each computes its shard's part of the loss. Both runs print ``step N loss X``; the lines agree.
+the loss is the mean cross entropy over every position, as ``gpt_loss`` computes it in one process. The token
+embedding splits the same way (``wte`` becomes the identity, so the first stage adds the positions to the embeddings
+it is given). Every rank is given the tokens and the targets: each looks up its rows and computes its shard's part
+of the loss. Both runs print ``step N loss X``; the lines agree.
 """
 
 import argparse
@@ -62,9 +65,11 @@ def main() -> None:
         head = layers[-1]
         shard = VocabShard.of(head.lm_head.weight, rank, world)  # this rank's rows of the projection
         head.lm_head = nn.Identity()  # the last stage ends with the final norm
+        embedding = VocabShard.of(layers[0].wte.weight, rank, world)  # and its rows of the token embedding
+        layers[0].wte = nn.Identity()  # the first stage is given the embeddings
         stages = split_model(layers, args.schedule, devices=world, microbatches=args.microbatches, device=rank)
-        pipe = Pipeline(stages, args.schedule, microbatches=args.microbatches, vocab=shard)
-        params = pipe.parameters()  # its stages' and its shard's
+        pipe = Pipeline(stages, args.schedule, microbatches=args.microbatches, vocab=shard, embedding=embedding)
+        params = pipe.parameters()  # its stages' and its shards'
 
     opt = torch.optim.AdamW(params, lr=args.lr)
     for step in range(args.steps):
@@ -75,7 +80,7 @@ def main() -> None:
             loss_t.backward()
             loss = loss_t.item()
         else:
-            loss = pipe.step(x, target=y, all_ranks=True)  # the targets on every rank
+            loss = pipe.step(x, target=y, all_ranks=True)  # the tokens and the targets on every rank
         opt.step()
         if rank == 0:
             print(f"step {step} loss {loss:.8f}", flush=True)

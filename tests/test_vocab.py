@@ -249,7 +249,7 @@ def _cut(flat: list[nn.Module], n: int, per: int) -> list[nn.Module]:
     return [nn.Sequential(*flat[s * per:(s + 1) * per if s < n - 1 else len(flat)]) for s in range(n)]
 
 
-def _train(rank: int, init: str, world: int, schedule: str, steps: int, out: Any) -> None:
+def _train(rank: int, init: str, world: int, schedule: str, steps: int, embed: bool, out: Any) -> None:
     import torch.distributed as dist
 
     from pipefold import Pipeline, VocabShard
@@ -269,7 +269,10 @@ def _train(rank: int, init: str, world: int, schedule: str, steps: int, out: Any
         stages = _cut(flat, built.stages, per)
         mine = built.stages_of(rank)
         shard = VocabShard.of(head.lm_head.weight, rank, world)
-        pipe = Pipeline({s: stages[s] for s in mine}, built, vocab=shard)
+        embedding = VocabShard.of(layers[0].wte.weight, rank, world) if embed else None
+        if embed:
+            layers[0].wte = nn.Identity()  # the first stage adds the positions to the embeddings it is given
+        pipe = Pipeline({s: stages[s] for s in mine}, built, vocab=shard, embedding=embedding)
         opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
         losses = []
         for step in range(steps):
@@ -279,7 +282,8 @@ def _train(rank: int, init: str, world: int, schedule: str, steps: int, out: Any
             opt.step()
         _, evaluated = pipe.forward(_batch(99)[0], target=_batch(99)[1], all_ranks=True)
         weights = {f"{s}": [p.detach().numpy().copy() for p in stages[s].parameters()] for s in mine}
-        out.put((rank, losses, evaluated, weights, shard.weight.detach().numpy().copy(), built.stages))
+        rows = embedding.weight.detach().numpy().copy() if embedding is not None else None
+        out.put((rank, losses, evaluated, weights, shard.weight.detach().numpy().copy(), rows, built.stages))
         pipe.close()
     finally:
         dist.destroy_process_group()
@@ -299,31 +303,96 @@ gradient (in its 1T0), where device 0 reduces first: collectives of one kind pai
 their own."""
 
 
-@pytest.mark.parametrize(("schedule", "world"), [("1f1b:vocab=1", 2), ("zb-h1:vocab=1", 2), ("zb-v:vocab=1", 2),
-                                                 ("v-half:vocab=1", 3), ("gpipe:vocab=1", 3),
-                                                 ("forward before T", 2)])
-def test_a_pipeline_with_the_output_layer_split_trains_as_one_process(schedule: str, world: int) -> None:
-    """The GPT stepped through ``Pipeline`` in a user's loop with its output projection split by vocabulary over
-    every rank (67 entries: the last shard padded): losses, the stages' weights and each shard's rows after three
-    SGD steps, and the evaluation's loss equal one process (float64)."""
+@pytest.mark.parametrize(("schedule", "world", "embed"), [
+    ("1f1b:vocab=1", 2, False), ("zb-h1:vocab=1", 2, True), ("zb-v:vocab=1", 2, True), ("v-half:vocab=1", 3, True),
+    ("gpipe:vocab=1", 3, True), ("forward before T", 2, True)])
+def test_a_pipeline_with_the_output_layer_split_trains_as_one_process(schedule: str, world: int,
+                                                                      embed: bool) -> None:
+    """The GPT stepped through ``Pipeline`` in a user's loop with its output projection (and, with ``embed``, its
+    token embedding) split by vocabulary over every rank (67 entries: the last shard padded): losses, the stages'
+    weights and each shard's rows after three SGD steps, and the evaluation's loss equal one process (float64)."""
     losses, layers, evaluated = _reference(3)
-    got = run_ranks(_train, world, world, schedule, 3)
+    got = run_ranks(_train, world, world, schedule, 3, embed)
     head = layers[-1].lm_head.weight.detach().numpy()
+    wte = layers[0].wte.weight.detach().numpy()
     flat = [*layers[:-1], layers[-1].ln_f]
     size = -(-67 // world)
     assert len(got) == world
-    for rank, got_losses, got_eval, weights, shard, n_stages in got:
+    for rank, got_losses, got_eval, weights, shard, embedded, n_stages in got:
         assert np.allclose(got_losses, losses, rtol=0, atol=1e-10), (got_losses, losses)
         assert abs(got_eval - evaluated) < 1e-10
         rows = head[rank * size:(rank + 1) * size]
         assert np.abs(shard[:len(rows)] - rows).max() < 1e-10
         assert not shard[len(rows):].any()  # padding rows take no gradient
+        assert (embedded is not None) == embed
+        if embedded is not None:
+            rows = wte[rank * size:(rank + 1) * size]
+            assert np.abs(embedded[:len(rows)] - rows).max() < 1e-10
+            assert not embedded[len(rows):].any()
         stages = _cut(flat, n_stages, len(flat) // n_stages)
         for key, params in weights.items():
-            ref = [p.detach().numpy() for p in stages[int(key)].parameters()]
+            ref = [p.detach().numpy() for name, p in stages[int(key)].named_parameters()
+                   if not (embed and name == "0.wte.weight")]  # the embedding's rows are the shards
             assert len(ref) == len(params)
             for a, b in zip(params, ref, strict=True):
                 assert np.abs(a - b).max() < 1e-10, key
+
+
+def _small(seed: int = 0) -> tuple[nn.Embedding, nn.Module, nn.Module, nn.Linear]:
+    """An embedding whose entry 3 is padding (nn.Embedding's padding_idx), two layers and an output projection."""
+    torch.manual_seed(seed)
+    return (nn.Embedding(67, 16, padding_idx=3).double(), nn.Sequential(nn.Linear(16, 16), nn.Tanh()).double(),
+            nn.Linear(16, 16).double(), nn.Linear(16, 67, bias=False).double())
+
+
+def _padded_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = _batch(step)
+    x[:, ::3] = 3  # every third token the padding entry
+    return x, y
+
+
+def _padded(rank: int, init: str, world: int, out: Any) -> None:
+    import torch.distributed as dist
+
+    from pipefold import Pipeline, VocabShard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        emb, first, second, head = _small()
+        embedding = VocabShard.of(emb.weight, rank, world, padding_idx=emb.padding_idx)
+        shard = VocabShard.of(head.weight, rank, world)
+        pipe = Pipeline({0: first} if rank == 0 else {1: second}, "zb-h1:vocab=1", microbatches=2, vocab=shard,
+                        embedding=embedding)
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.5)
+        for step in range(2):
+            x, y = _padded_batch(step)
+            opt.zero_grad()
+            pipe.step(x, target=y)
+            opt.step()
+        out.put((rank, embedding.weight.detach().numpy().copy()))
+        pipe.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_an_embeddings_padding_entry_takes_no_gradient_split_as_whole() -> None:
+    """nn.Embedding's padding_idx, split by vocabulary: its row keeps its weights, as in one process, and every
+    other row steps as one process steps it (float64, two SGD steps)."""
+    emb, first, second, head = _small()
+    before = emb.weight.detach().clone()
+    model = nn.Sequential(emb, first, second, head)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for step in range(2):
+        x, y = _padded_batch(step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x).reshape(-1, 67), y.reshape(-1)).backward()
+        opt.step()
+    whole = emb.weight.detach().numpy()
+    assert np.array_equal(whole[3], before[3].numpy()) and not np.allclose(whole[4], before[4].numpy())
+    got = dict(run_ranks(_padded, 2, 2))
+    joined = np.concatenate([got[0], got[1]])[:67]
+    assert np.abs(joined - whole).max() < 1e-12
 
 
 @pytest.mark.parametrize("argv", [
@@ -353,6 +422,8 @@ def test_train_with_the_output_layer_split_checks_against_one_process(capsys: py
     (["--model", "gpt", "--dp", "2"], "does not run with --dp 2 yet"),
     (["--model", "gpt", "--optimizer", "kfac"], "does not run with --optimizer kfac yet"),
     (["--model", "gpt", "--schedule", "dualpipev:vocab=1"], "schedule dualpipev cannot split its output layer"),
+    (["--model", "gpt", "--vocab-size", "67"], "the gpt reads its corpus as bytes (ids 0..255), which --vocab-size 67 "
+                                               "cannot hold: give --vocab-size 256 or more"),
 ])
 def test_what_train_cannot_split_is_one_line(capsys: pytest.CaptureFixture[str], argv: list[str],
                                              expected: str) -> None:
@@ -391,6 +462,18 @@ def _refused(rank: int, init: str, world: int, case: str, out: Any) -> None:
                 hidden, loss = pipe.forward(_batch(0)[0])
                 out.put((rank, None if hidden is None else tuple(hidden.shape), loss))
                 return
+            elif case == "embedding without the option":
+                Pipeline(stage, "1f1b", loss_fn=gpt_loss, microbatches=2,
+                         embedding=VocabShard.of(layers[0].wte.weight, rank, world))
+            elif case == "embedding of another rank":
+                Pipeline(stage, "1f1b:vocab=1", vocab=shard, microbatches=2,
+                         embedding=VocabShard.of(layers[0].wte.weight, 1 - rank, world))
+            elif case == "embeddings for tokens":
+                embedding = VocabShard.of(layers[0].wte.weight, rank, world)
+                layers[0].wte = nn.Identity()
+                pipe = Pipeline(stage, "1f1b:vocab=1", vocab=shard, microbatches=2, embedding=embedding)
+                x, y = _batch(0)
+                pipe.step(torch.randn(*x.shape, 32, dtype=torch.float64), target=y)
             elif case == "targets on one rank":
                 pipe = Pipeline(stage, "1f1b:vocab=1", vocab=shard, microbatches=2)
                 pipe.forward(_batch(0)[0], target=_batch(0)[1] if rank == 1 else None)
@@ -408,6 +491,11 @@ def _refused(rank: int, init: str, world: int, case: str, out: Any) -> None:
     ("no shard", "give each rank its shard of the output projection"),
     ("shard without the option", "name a schedule with vocab=1"),
     ("another rank's shard", "device 0 of a pipeline of 2 holds vocabulary shard 0 of 2 (got shard 1 of 2)"),
+    ("embedding without the option", "embedding= splits the input embedding by vocabulary with the output layer, "
+                                     "and 1f1b keeps the output layer on the last stage"),
+    ("embedding of another rank", "device 0 of a pipeline of 2 holds embedding shard 0 of 2 (got shard 1 of 2)"),
+    ("embeddings for tokens", "give every rank the batch's token ids (integers) as the first input of "
+                              "Pipeline.step, got a tensor of torch.float64 for microbatch 0"),
 ])
 def test_what_a_pipeline_cannot_split_is_one_line_on_every_rank(case: str, expected: str) -> None:
     got = dict(run_ranks(_refused, 2, 2, case))
@@ -453,8 +541,28 @@ def test_train_says_how_the_vocabulary_pads(capsys: pytest.CaptureFixture[str]) 
 
     assert main(["train", "--schedule", "1f1b:vocab=1", "--devices", "3", "--layers", "4", "--vocab-size", "1000",
                  "--steps", "1"]) == 0
-    assert ("output layer split by vocabulary: 334 of its 1,000 rows a device (padded with 2 rows to 1,002: 1,000 "
-            "does not divide over 3; padding is left out of the loss)") in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert ("output layer and token embedding split by vocabulary: 334 of their 1,000 rows a device (padded with "
+            "2 rows to 1,002: 1,000 does not divide over 3; padding is left out of the loss)") in out
     from pipefold.cli.train_cmds import vocab_line
 
     assert vocab_line(1024, 2) == "output layer split by vocabulary: 512 of its 1,024 rows a device"
+
+
+def test_train_keeps_a_devices_rows_of_the_embedding_and_the_projection(capsys: pytest.CaptureFixture[str]) -> None:
+    """``pipefold train`` with vocab=1 splits the token embedding with the output layer: each rank's weights,
+    gradients and Adam's state (16 bytes a parameter, and a 4-byte step count for each tensor) are its stages'
+    without either matrix plus its rows of both, V/p x h each (closed form, from the model's own layers)."""
+    from pipefold.cli.main import main
+    from pipefold.models import make_model
+
+    assert main(["train", "--model", "gpt", "--schedule", "1f1b:vocab=1", "--devices", "2", "--layers", "2",
+                 "--vocab-size", "4096", "--steps", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    layers = make_model("gpt", layers=2, vocab_size=4096).build()
+    rows = 4096 // 2 * layers[0].wte.weight.shape[1]
+    starts = [*out["boundaries"], len(layers)]
+    for rank, static in enumerate(out["static_bytes"]):
+        held = [p for layer in layers[starts[rank]:starts[rank + 1]] for name, p in layer.named_parameters()
+                if name not in ("wte.weight", "lm_head.weight")]
+        assert static == 16 * (sum(p.numel() for p in held) + 2 * rows) + 4 * (len(held) + 2), rank

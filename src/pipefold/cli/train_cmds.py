@@ -17,17 +17,20 @@ from pipefold.runtime.launch.processes import start_server
 from pipefold.units import format_bytes, parse_bytes
 
 
-def vocab_line(vocab: int | None, devices: int) -> str:
-    """What the shards of the output layer hold, padding said where the vocabulary does not divide."""
+def vocab_line(vocab: int | None, devices: int, *, embedding: bool = False) -> str:
+    """What the shards of the output layer (and of the token embedding, split alike) hold, padding said where the
+    vocabulary does not divide."""
     from pipefold.runtime.vocab import padded_vocab
 
+    what = "output layer and token embedding" if embedding else "output layer"
     if vocab is None:
-        return f"output layer split by vocabulary over {devices} devices"
+        return f"{what} split by vocabulary over {devices} devices"
     rows = padded_vocab(vocab, devices) // devices
     pad = rows * devices - vocab
     padded = (f" (padded with {pad} row{'s' if pad > 1 else ''} to {rows * devices:,}: {vocab:,} does not divide "
               f"over {devices}; padding is left out of the loss)") if pad else ""
-    return f"output layer split by vocabulary: {rows:,} of its {vocab:,} rows a device{padded}"
+    return f"{what} split by vocabulary: {rows:,} of {'their' if embedding else 'its'} {vocab:,} rows a device{padded}"
+
 
 def cmd_train(args: argparse.Namespace, console: Console) -> None:
     from pipefold.train.spec import SETTINGS, RunSpec
@@ -194,7 +197,7 @@ def _print_train(out: dict[str, Any], console: Console) -> None:
     split = "evenly" if out["partition"] == "even" else f"balanced by {out['partition']}"
     console.print(f"stages start at layers {' '.join(map(str, out['boundaries']))} (split {split})")
     if out.get("options", {}).get("vocab"):
-        console.print(vocab_line(out.get("vocab_size"), out["devices"]))
+        console.print(vocab_line(out.get("vocab_size"), out["devices"], embedding=bool(out.get("vocab_embedding"))))
     table = Table(show_edge=False)
     for col in ("rank", "busy (s/step)", "idle (s/step)", "peak held", "predicted", "weights, grads, opt",
                 "peak process memory"):

@@ -102,6 +102,9 @@ class Model(abc.ABC):
     different stages each stage holds a copy, and the runtime sums their gradients after the step."""
     preload: tuple[str, ...] = ()
     """Modules the ranks import to build the layers (loaded once into the processes that start them)."""
+    splits_embedding: bool = False
+    """Whether :meth:`split_input` takes a token embedding out of the first layer (vocabulary parallelism splits
+    it with the output layer)."""
 
     @abc.abstractmethod
     def build_layers(self, indices: Iterable[int], *, device: str | torch.device = "cpu") -> dict[int, nn.Module]:
@@ -161,6 +164,14 @@ class Model(abc.ABC):
         model that declares no such projection, refuses (:meth:`check_split_output`)."""
         self.check_split_output()
         raise AssertionError("a model that declares an output projection overrides split_output")
+
+    def split_input(self, layer: nn.Module) -> tuple[str, torch.Tensor, int | None] | None:
+        """Vocabulary parallelism's input side: take the token embedding out of ``layer`` (the model's first),
+        which from then on takes the embeddings of its tokens where it took the token ids, and return the
+        embedding's parameter name within the layer, its weight (vocabulary x hidden) and its padding entry (whose
+        row takes no gradient; None for none). None by default: a model that declares no token embedding
+        (:attr:`splits_embedding` False) keeps its first layer whole (its output layer may still split)."""
+        return None
 
     def check_split_output(self) -> None:
         """Refuse in one line a model whose output projection vocabulary parallelism cannot split: by default every

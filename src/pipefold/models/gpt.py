@@ -218,6 +218,7 @@ class GPT(Model):
     """The GPT as a :class:`~pipefold.models.base.Model`: its layers, its loss, and byte-level batches of a corpus."""
 
     name = "gpt"
+    splits_embedding = True
     embedding_layers = 1
     head_layers = 1
 
@@ -263,6 +264,14 @@ class GPT(Model):
         layer.lm_head = nn.Identity()  # type: ignore[assignment]
         return "lm_head.weight", weight
 
+    def split_input(self, layer: nn.Module) -> tuple[str, torch.Tensor, int | None]:
+        if not isinstance(layer, Embedding):
+            raise ConfigError(f"the GPT's token embedding is in its first layer, the embedding (got "
+                              f"{type(layer).__name__})")
+        weight = layer.wte.weight
+        layer.wte = nn.Identity()  # type: ignore[assignment]  # the layer adds the positions to what it is given
+        return "wte.weight", weight, None
+
     def check_sequence_chunks(self, chunks: int) -> None:
         check_sequence_split(f"seq_chunks {chunks}", f"cuts each sequence into {chunks} equal chunks", chunks,
                              self.batches.seq)
@@ -289,6 +298,9 @@ def make(args: ModelArgs) -> GPT:
     hidden, heads = args.hidden or 64, args.heads or 4
     if hidden % heads:
         raise ConfigError(f"--hidden {hidden} must be a multiple of --heads {heads}: each head gets an equal share")
+    if args.vocab_size is not None and args.vocab_size < 256:
+        raise ConfigError(f"the gpt reads its corpus as bytes (ids 0..255), which --vocab-size {args.vocab_size} "
+                          "cannot hold: give --vocab-size 256 or more")
     cfg = GPTConfig(n_layer=args.layers or 4, n_embd=hidden, n_head=heads, block_size=args.seq,
                     vocab_size=args.vocab_size or 256)
     batches = Batches(load_corpus(args.data).train, args.batch, args.seq, seed=args.seed)

@@ -305,6 +305,7 @@ class HFCausalLM(Model):
 
     embedding_layers = 1
     head_layers = 1
+    splits_embedding = True
     _tp_blocks: dict[str, str] | None = None
 
     def __init__(self, arch: str, config: dict[str, Any], batches: Batches, *, seed: int = 0) -> None:
@@ -377,6 +378,18 @@ class HFCausalLM(Model):
         assert isinstance(weight, torch.Tensor)
         layer.lm_head = nn.Identity()
         return "lm_head.weight", weight
+
+    def split_input(self, layer: nn.Module) -> tuple[str, torch.Tensor, int | None]:
+        if not isinstance(layer, HFEmbedding):
+            raise ConfigError(f"the token embedding is in the model's first layer, the embedding (got "
+                              f"{type(layer).__name__})")
+        name = layer.order[0]
+        tokens = getattr(layer, name)
+        if not isinstance(tokens, nn.Embedding) or tokens.max_norm is not None:
+            raise ConfigError(f"the {self.name} model's token embedding is not a plain nn.Embedding, which "
+                              "vocabulary parallelism splits: use a schedule without vocab=1")
+        setattr(layer, name, nn.Identity())  # the layer goes on from the embeddings it is given
+        return f"{name}.weight", tokens.weight, tokens.padding_idx
 
     def check_sequence_chunks(self, chunks: int) -> None:
         self._check_split(f"seq_chunks {chunks}", chunks, "each sequence into equal chunks")

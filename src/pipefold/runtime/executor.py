@@ -62,7 +62,7 @@ from pipefold.runtime.precision import grad_holder
 from pipefold.runtime.seqchunks import sequence_chunks
 from pipefold.runtime.stage import Boundaries, StageRunner, Tensors
 from pipefold.runtime.structure import decode_spec, encode_spec
-from pipefold.runtime.vocab import VocabPasses, VocabShard
+from pipefold.runtime.vocab import EmbeddingPasses, VocabPasses, VocabShard
 from pipefold.runtime.watch import Activity
 
 LOOKAHEAD = 2  # actions whose receives are posted ahead of time: this one and the next
@@ -338,7 +338,7 @@ class RankExecutor:
                  dp_group: Any = None, sharded: bool = False, activity: Activity | None = None, staged: bool = False,
                  overlap: bool = True, boundaries: Boundaries | None = None,
                  new_group: Callable[[list[int]], Any] | None = None, autocast: torch.dtype | None = None,
-                 vocab: VocabShard | None = None) -> None:
+                 vocab: VocabShard | None = None, embedding: VocabShard | None = None) -> None:
         self.schedule, self.rank, self.device = schedule, rank, device
         self.loss_scale = 1.0
         """What the last stage's loss is multiplied by before the backwards (an fp16 run's loss scale, set before
@@ -368,7 +368,8 @@ class RankExecutor:
         self.runners = {
             s: StageRunner(m, loss_fn=loss_fn if s == last and not schedule.vocab else None, meter=self.meter,
                            recompute=recompute.get(s, 0),
-                           input_grads=s > 0, split=s in split, stage=s, boundaries=self.boundaries,
+                           input_grads=s > 0 or embedding is not None, split=s in split, stage=s,
+                           boundaries=self.boundaries,
                            autocast=autocast)
             for s, m in modules.items()
         }
@@ -436,8 +437,18 @@ class RankExecutor:
         """Per FSDP stage, the bytes of its parameters gathered whole and their gradients at its last ``RS``."""
         self.vocab: VocabPasses | None = None
         """With the output layer split by vocabulary (:attr:`Schedule.vocab`): this rank's shard and its passes."""
+        self.embedding: EmbeddingPasses | None = None
+        """With the input embedding split by vocabulary too: this rank's rows of it and their lookups."""
         if schedule.vocab:
             self.vocab = self._vocab_passes(vocab, pipelines, pipeline)
+            if embedding is not None:
+                members = [int(r) for r in pipelines[pipeline] if r is not None]
+                self.embedding = EmbeddingPasses(embedding, rank=rank, ranks=members, first=schedule.device_of(0),
+                                                 group=dist.new_group(members, use_local_synchronization=True),
+                                                 meter=self.meter)
+        elif embedding is not None:
+            raise ConfigError(f"embedding= splits the input embedding by vocabulary, with the output layer: name a "
+                              f"schedule with vocab=1 (e.g. '{schedule.name}:vocab=1'), or leave embedding= out")
         self._group_ranks = {s: tuple(dist.get_process_group_ranks(g)) for s, g in self._groups.items()}
         if dp_group is not None:
             self._dp_ranks = tuple(dist.get_process_group_ranks(dp_group))
@@ -489,6 +500,14 @@ class RankExecutor:
         stats.started_at = ANCHOR + clock.t0  # the moment ``wall`` counts from, on the same clock
         cpu0 = time.process_time()
 
+        if self.embedding is not None:  # each rank looks up its rows of the tokens, summed on the first stage's rank
+            start = clock()
+            others = [r for r in self.embedding.ranks if r != dist.get_rank()]
+            self.activity.wait("the start of the step", "the embeddings' lookups", others, action=False)
+            embedded = self.embedding.forward([x[0] if x else None for x in inputs], keep=not self.infer)
+            if embedded is not None:
+                inputs = [(e, *x[1:]) for e, x in zip(embedded, inputs, strict=True)]
+            stats.events.append(Event("embedding", "comm", start, clock()))
         activity = self.activity
         step = _Step(inputs, targets, local, new_shapes, clock, stats)
         for idx, action in enumerate(self.actions):
@@ -507,6 +526,12 @@ class RankExecutor:
             start = clock()
             self.vocab.end_step()
             stats.events.append(Event("wait vocab", "comm", start, clock()))
+        if self.embedding is not None and not self.infer:
+            start = clock()
+            others = [r for r in self.embedding.ranks if r != dist.get_rank()]
+            self.activity.wait("the end of the step", "the embeddings' gradient", others, action=False)
+            self.embedding.end_step()
+            stats.events.append(Event("embedding gradient", "comm", start, clock()))
         start = clock()
         for s, works in self._reductions.items():
             activity.wait("the end of the step", f"the all-reduce of stage {s}", self._reduce_ranks(s), action=False)
@@ -686,6 +711,9 @@ class RankExecutor:
         clock.interval(step.stats.events, str(action), action.kind, start)
         if s > 0 and dx is not None:
             self._hand_on(BACKWARD, s - 1, mb, dx, step.local, step.new_shapes, step.stats)
+        elif s == 0 and self.embedding is not None:  # the embeddings' gradient, sent to the shards at the end
+            assert dx is not None
+            self.embedding.keep_grad(mb, dx[0])
         del dx
 
     def _weight(self, action: Action, step: _Step) -> None:

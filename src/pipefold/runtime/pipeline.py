@@ -256,7 +256,8 @@ class Pipeline(RankPipeline):
                  memory_budget: float | None = None, offload: tuple[int, int] | None = None,
                  precision: Precision | str | torch.dtype | None = None, compile: bool | str = False,
                  compile_backend: str = "inductor", action_timeout: float = DEFAULT_ACTION_TIMEOUT,
-                 offload_activations: float | str | None = None, vocab: VocabShard | None = None) -> None:
+                 offload_activations: float | str | None = None, vocab: VocabShard | None = None,
+                 embedding: VocabShard | None = None) -> None:
         if not dist.is_initialized():
             raise ConfigError("Pipeline needs torch.distributed's process group: call "
                               "torch.distributed.init_process_group() first (torchrun sets its environment)")
@@ -304,8 +305,11 @@ class Pipeline(RankPipeline):
         last = self.schedule.stages - 1
         self.vocab = vocab
         """This rank's shard of the output projection, with a schedule that splits it by vocabulary."""
-        if self.schedule.vocab or vocab is not None:
-            _check_vocab(self.schedule, vocab, mesh=mesh, precision=precision,
+        self.embedding = embedding
+        """This rank's shard of the input embedding, split by vocabulary with the output layer (None: the
+        embedding, if any, is the first stage's)."""
+        if self.schedule.vocab or vocab is not None or embedding is not None:
+            _check_vocab(self.schedule, vocab, embedding, mesh=mesh, precision=precision,
                          activations=offload_activations is not None)
         if last in modules and loss_fn is None and not self.schedule.vocab:
             raise ConfigError(f"this rank (device {self.rank}) holds the last stage ({last}): give it the loss "
@@ -376,7 +380,8 @@ class Pipeline(RankPipeline):
                          timeout=pg_timeout(action_timeout, compiling=self.compiled is not None),
                          pipelines=[self.ranks], pipeline=0,
                          meshes=[[r] for r in self.ranks], dp_group=dp_group if self._dp else None,
-                         sharded=self.sharded, new_group=_subgroup, autocast=self.precision.autocast, vocab=vocab)
+                         sharded=self.sharded, new_group=_subgroup, autocast=self.precision.autocast, vocab=vocab,
+                         embedding=embedding)
         self.executor()  # its process groups now, on every rank at once
         if self.sharded:
             for m in modules.values():
@@ -529,9 +534,14 @@ class Pipeline(RankPipeline):
             for p in m.parameters():
                 if p.requires_grad and id(p) not in copies and (tp_rank == 0 or sharding.split_over(p, "tp")):
                     out.append(p)
-        if self.vocab is not None:  # each rank's own rows of the output layer
-            out += [p for p in self.vocab.parameters() if p.requires_grad]
+        for shard in self._shards:  # each rank's own rows of the output layer and the embedding
+            out += [p for p in shard.parameters() if p.requires_grad]
         return out
+
+    @property
+    def _shards(self) -> list[VocabShard]:
+        """This rank's rows of the output layer and of the input embedding, where they are split by vocabulary."""
+        return [s for s in (self.vocab, self.embedding) if s is not None]
 
     # -- what a user's loop calls
 
@@ -542,7 +552,7 @@ class Pipeline(RankPipeline):
     def parameters(self) -> list[nn.Parameter]:
         """What this rank's optimizer steps: its stages' parameters (with FSDP, their shards), each once."""
         seen: dict[int, nn.Parameter] = {}
-        for m in [*self.modules.values(), *([self.vocab] if self.vocab is not None else [])]:
+        for m in [*self.modules.values(), *self._shards]:
             for p in m.parameters():
                 seen.setdefault(id(p), p)
         return list(seen.values())
@@ -665,7 +675,8 @@ class Pipeline(RankPipeline):
              all_ranks: bool) -> float | None:
         m, c = self.schedule.data_microbatches, self.schedule.seq_chunks
         executor = self.executor(train=train)
-        holds = [s for s in executor.runners if s == 0]
+        # With the embedding split by vocabulary every rank looks up its rows of the tokens.
+        holds = [s for s in executor.runners if s == 0] or self.embedding is not None
         xs: list[Tensors] = [()] * (m * c)
         if holds:
             # With the parameters in bf16 or fp16, so is every floating input (autocast casts its own).
@@ -1067,16 +1078,21 @@ def _split_target(target: Any, parts: int) -> list[Any]:
     return [unflatten(spec, [c[j] for c in cut]) for j in range(parts)]
 
 
-def _check_vocab(schedule: Schedule, vocab: VocabShard | None, *, mesh: Any, precision: Any,
-                 activations: bool) -> None:
+def _check_vocab(schedule: Schedule, vocab: VocabShard | None, embedding: VocabShard | None, *, mesh: Any,
+                 precision: Any, activations: bool) -> None:
     """The output layer split by vocabulary takes a shard on every rank, with a schedule that splits it, over a
-    mesh of one pipeline, in float32 (one line each otherwise)."""
+    mesh of one pipeline, in float32 (one line each otherwise); so does the input embedding, with it."""
     if vocab is not None and not schedule.vocab:
         raise ConfigError(f"vocab= gives this rank a shard of the output layer, and {schedule.name} keeps it on the "
                           "last stage: name a schedule with vocab=1 (e.g. 'v-half:vocab=1'), or leave vocab= out")
-    if vocab is not None and not isinstance(vocab, VocabShard):
-        raise ConfigError(f"vocab= is this rank's VocabShard (VocabShard.of(weight, rank, devices)), got "
-                          f"{type(vocab).__name__}")
+    if embedding is not None and not schedule.vocab:
+        raise ConfigError(f"embedding= splits the input embedding by vocabulary with the output layer, and "
+                          f"{schedule.name} keeps the output layer on the last stage: name a schedule with vocab=1 "
+                          "(e.g. 'v-half:vocab=1'), or leave embedding= out")
+    for name, shard, of in (("vocab", vocab, "weight"), ("embedding", embedding, "embedding.weight")):
+        if shard is not None and not isinstance(shard, VocabShard):
+            raise ConfigError(f"{name}= is this rank's VocabShard (VocabShard.of({of}, rank, devices)), got "
+                              f"{type(shard).__name__}")
     if mesh is not None and any(n in (mesh.mesh_dim_names or ()) and mesh[n].size() > 1 for n in ("dp", "tp", "cp")):
         raise ConfigError("the output layer split by vocabulary runs in a pipeline without dp, tp or cp copies yet: "
                           "give a mesh of 'pp' alone, or a schedule without vocab=1")

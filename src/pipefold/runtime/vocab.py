@@ -19,6 +19,13 @@ For each microbatch (Algorithm 1 of Yeung et al., with the statistics shared onc
 Every collective of one kind pairs up by order, so every rank runs its S and its T in the same microbatch order
 (the schedule's validation says so) and the last stage its forwards in that order too (checked where the passes
 are made). The collectives run on three process groups of their own, beside the pipeline's messages.
+
+The input embedding (a matrix of the same vocabulary's rows, its own weights) splits the same way, outside the
+schedule's passes (:class:`EmbeddingPasses`): at the step's start every rank looks up the tokens of every microbatch
+that fall in its rows (zero for the others) and the parts are summed on the first stage's rank, whose first stage
+takes the embeddings as its input; at the step's end that rank sends every microbatch's gradient of them to every
+rank, which adds its rows' part into its shard's gradient. A lookup is cheap, and the two collectives run once per
+microbatch each way.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from torch import nn
 from pipefold.errors import ConfigError
 from pipefold.runtime.meter import MemoryMeter
 
-__all__ = ["IGNORE", "VocabPasses", "VocabShard", "padded_vocab"]
+__all__ = ["IGNORE", "EmbeddingPasses", "VocabPasses", "VocabShard", "padded_vocab"]
 
 IGNORE = -100
 """A target that takes no part in the loss, as torch's cross entropy ignores it (its default ``ignore_index``)."""
@@ -47,11 +54,13 @@ def padded_vocab(vocab: int, devices: int) -> int:
 
 
 class VocabShard(nn.Module):
-    """Device ``index``'s rows of an output projection of ``vocab`` entries split over ``devices``: rows
-    ``index * size`` to ``(index + 1) * size`` of the projection padded to :func:`padded_vocab` rows (``weight``:
-    size x hidden). A row past ``vocab`` is padding: its logit is left out."""
+    """Device ``index``'s rows of an output projection (or an input embedding) of ``vocab`` entries split over
+    ``devices``: rows ``index * size`` to ``(index + 1) * size`` of the matrix padded to :func:`padded_vocab` rows
+    (``weight``: size x hidden). A row past ``vocab`` is padding: its logit is left out, no token looks it up.
+    ``padding_idx``: an embedding's entry whose row takes no gradient (``nn.Embedding``'s own)."""
 
-    def __init__(self, weight: torch.Tensor, *, index: int, devices: int, vocab: int) -> None:
+    def __init__(self, weight: torch.Tensor, *, index: int, devices: int, vocab: int,
+                 padding_idx: int | None = None) -> None:
         super().__init__()
         if weight.dim() != 2:
             raise ConfigError(f"a vocabulary shard is a matrix of rows x hidden (got shape {tuple(weight.shape)})")
@@ -64,10 +73,12 @@ class VocabShard(nn.Module):
         self.start = index * size
         self.real = max(0, min(size, vocab - self.start))
         """How many of its rows are entries of the vocabulary (the rest padding)."""
+        self.padding_idx = None if padding_idx is None else padding_idx % vocab
 
     @classmethod
-    def of(cls, weight: torch.Tensor, index: int, devices: int) -> VocabShard:
-        """Device ``index``'s shard of the whole projection ``weight`` (vocabulary x hidden), a copy."""
+    def of(cls, weight: torch.Tensor, index: int, devices: int, *, padding_idx: int | None = None) -> VocabShard:
+        """Device ``index``'s shard of the whole matrix ``weight`` (vocabulary x hidden: an output projection's, or
+        an input embedding's, with its ``padding_idx``), a copy."""
         vocab, hidden = weight.shape
         size = padded_vocab(vocab, devices) // devices
         if size * devices != vocab and index == 0:
@@ -77,7 +88,7 @@ class VocabShard(nn.Module):
         rows = weight.detach()[index * size:(index + 1) * size]
         if rows.shape[0] < size:
             rows = torch.cat([rows, rows.new_zeros(size - rows.shape[0], hidden)])
-        return cls(rows.clone(), index=index, devices=devices, vocab=vocab)
+        return cls(rows.clone(), index=index, devices=devices, vocab=vocab, padding_idx=padding_idx)
 
     def extra_repr(self) -> str:
         return f"shard {self.index} of {self.devices}: rows {self.start}..{self.start + self.real - 1} of {self.vocab}"
@@ -218,6 +229,92 @@ class VocabPasses:
         if left:
             raise RuntimeError(f"rank {self.rank} ended a step with vocabulary passes of microbatches {left[:3]} not "
                                "finished")
+
+
+class EmbeddingPasses:
+    """One rank's part of the input embedding split by vocabulary: ``rank`` is its device in the pipeline of
+    process-group ranks ``ranks``, ``first`` the device of the first stage, ``group`` a process group of
+    ``ranks`` of its own."""
+
+    def __init__(self, shard: VocabShard, *, rank: int, ranks: Sequence[int], first: int, group: Any,
+                 meter: MemoryMeter) -> None:
+        if shard.devices != len(ranks) or shard.index != rank:
+            raise ConfigError(f"device {rank} of a pipeline of {len(ranks)} holds embedding shard {rank} of "
+                              f"{len(ranks)} (got shard {shard.index} of {shard.devices}): build it with "
+                              f"VocabShard.of(embedding.weight, {rank}, {len(ranks)})")
+        self.shard, self.rank, self.ranks, self.first, self.group = shard, rank, list(ranks), first, group
+        self.meter = meter
+        # Per microbatch of a training step: its positions, those whose rows are here and which rows they are.
+        self._looked: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        self._grads: dict[int, torch.Tensor] = {}
+
+    def forward(self, tokens: Sequence[Any], *, keep: bool) -> list[torch.Tensor] | None:
+        """Every rank, at the step's start: the embeddings of every microbatch's ``tokens``, each rank's rows
+        summed on the first stage's rank, which gets them (None on the others). ``keep``: a training step, whose
+        :meth:`end_step` computes the shard's gradient."""
+        weight = self.shard.weight
+        parts, works = [], []
+        self._looked = []
+        for mb, t in enumerate(tokens):
+            if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.is_complex():
+                what = type(t).__name__ if not isinstance(t, torch.Tensor) else f"a tensor of {t.dtype}"
+                raise ConfigError(f"with the input embedding split by vocabulary every rank looks up its rows of the "
+                                  f"batch's tokens: give every rank the batch's token ids (integers) as the first "
+                                  f"input of Pipeline.step, got {what} for microbatch {mb}")
+            local = t.reshape(-1) - self.shard.start
+            inside = (local >= 0) & (local < self.shard.real)
+            if self.shard.padding_idx is not None:  # nn.Embedding's padding entry: its row takes no gradient
+                inside_grad = inside & (local != self.shard.padding_idx - self.shard.start)
+            else:
+                inside_grad = inside
+            with torch.no_grad():
+                part = weight.new_zeros(local.numel(), weight.shape[1])
+                part[inside] = weight[local[inside]]
+            if keep:
+                rows = torch.nonzero(inside_grad).squeeze(1)
+                self._looked.append((local.numel(), rows, local[rows]))
+            work = dist.reduce(part, self.ranks[self.first], group=self.group, async_op=True) \
+                if len(self.ranks) > 1 else None
+            parts.append(part.view(*t.shape, weight.shape[1]))
+            works.append(work)
+        for work in works:
+            if work is not None:
+                work.wait()
+        if self.rank != self.first:
+            return None
+        self.meter.hold(parts, "vocab")
+        return parts
+
+    def keep_grad(self, mb: int, grad: torch.Tensor) -> None:
+        """On the first stage's rank: the gradient of microbatch ``mb``'s embeddings, which its B made."""
+        self._grads[mb] = grad
+        self.meter.hold((grad,), "vocab")
+
+    def end_step(self) -> None:
+        """Every rank, at a training step's end: every microbatch's gradient of its embeddings from the first
+        stage's rank, its rows' part added into the shard's gradient."""
+        weight = self.shard.weight
+        if self.rank == self.first and len(self._grads) != len(self._looked):
+            raise RuntimeError(f"the first stage ended a step with the gradients of {len(self._grads)} of "
+                               f"{len(self._looked)} microbatches' embeddings")
+        dw = torch.zeros_like(weight) if self._looked else None
+        received = []
+        for mb, (positions, rows, local) in enumerate(self._looked):
+            if self.rank == self.first:
+                grad = self._grads.pop(mb).detach().reshape(-1, weight.shape[1]).to(weight.dtype).contiguous()
+            else:
+                grad = weight.new_empty(positions, weight.shape[1])
+            work = dist.broadcast(grad, self.ranks[self.first], group=self.group, async_op=True) \
+                if len(self.ranks) > 1 else None
+            received.append((work, grad, rows, local))
+        for work, grad, rows, local in received:
+            if work is not None:
+                work.wait()
+            assert dw is not None
+            dw.index_add_(0, local, grad[rows])
+        self._looked, self._grads = [], {}
+        if dw is not None:
+            weight.grad = dw if weight.grad is None else weight.grad.add_(dw)
 
 
 def _loss(stats: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -117,6 +117,7 @@ def make_job(spec: RunSpec, *, decided: Decisions | None = None, placed: Any = N
         shape = model.size()
         if shape is not None:  # the output's vocabulary, which the shards pad to a multiple of the devices
             extra["vocab_size"] = shape.vocab
+        extra["vocab_embedding"] = model.splits_embedding
     if spec.parallel.copies > 1:
         from pipefold.schedules.dataparallel import with_data_parallel
 
@@ -132,7 +133,8 @@ def make_job(spec: RunSpec, *, decided: Decisions | None = None, placed: Any = N
               network=spec.links.parsed,
               adaptive=adaptive, cycle=cycle, refill=refill, tied=model.tied, preload=model.preload,
               checkpoint=checkpointing, tp_plan=tp_plan,
-              split_output=model.split_output if schedule.vocab else None)
+              split_output=model.split_output if schedule.vocab else None,
+              split_input=model.split_input if schedule.vocab else None)
     for hook in JOB_HOOKS:
         job = hook(job)
     return job
@@ -370,10 +372,13 @@ def _layer_stages(spec: RunSpec, model: Model, schedule: Schedule,
 
     layers = model.build()
     loss_fn = model.loss
+    sample, target = _first_microbatch(spec, model)
     if schedule.vocab:  # the projection and its loss run on every device's shard, not on the last stage
         model.split_output(layers[-1])
         loss_fn = _hidden_loss
-    sample, target = _first_microbatch(spec, model)
+        taken = model.split_input(layers[0])  # and the token embedding's lookups: the first layer gets embeddings
+        if taken is not None:
+            sample = (torch.nn.functional.embedding(sample[0], taken[1]).detach(), *sample[1:])
     if by == "time":  # timed where the ranks will run (``device``): on their GPU, if they have one
         layers = [layer.to(device) for layer in layers]
         sample, target = tuple(t.to(device) for t in sample), target.to(device)

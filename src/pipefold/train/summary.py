@@ -299,6 +299,7 @@ def _train_summary(spec: RunSpec, job: Job, reports: list[RankReport], predicted
         **({"state_chunks": _chunks(job, reports)} if job.chunks is not None else {}),
         **({"recompute": job.extra["recompute"].to_dict()} if "recompute" in job.extra else {}),
         **({"vocab_size": job.extra["vocab_size"]} if job.extra.get("vocab_size") else {}),
+        **({"vocab_embedding": True} if job.extra.get("vocab_embedding") else {}),
         "first_step": numbered[0],
         "grad_norm": [_finite(x) for x in reports[0].steps.grad_norm],
         "skipped_steps": list(reports[0].skipped),

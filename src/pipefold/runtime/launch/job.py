@@ -85,6 +85,9 @@ class Job:
     split_output: Callable[[nn.Module], tuple[str, torch.Tensor]] | None = None
     """With the output layer split by vocabulary (:attr:`Schedule.vocab`): the model's
     :meth:`~pipefold.models.base.Model.split_output`, which takes the projection out of its last layer."""
+    split_input: Callable[[nn.Module], tuple[str, torch.Tensor, int | None] | None] | None = None
+    """With the output layer split by vocabulary: the model's :meth:`~pipefold.models.base.Model.split_input`, which
+    takes the token embedding out of its first layer, split the same way (None where it returns None)."""
     reliability: Reliability = field(default_factory=Reliability)
     """Bad steps, hangs (the action timeout), the model written at the end."""
     devices: Devices = field(default_factory=Devices)

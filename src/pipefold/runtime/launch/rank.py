@@ -72,6 +72,20 @@ def _vocab_shard(job: Job, rank: int, chains: dict[int, nn.Module]) -> tuple[Voc
         return VocabShard.of(weight, rank, job.schedule.devices), name
 
 
+def _embedding_shard(job: Job, rank: int, chains: dict[int, nn.Module]) -> tuple[VocabShard, str] | None:
+    """This rank's shard of the token embedding, the model's first layer left without it where this rank holds it
+    (every other rank builds that layer for its weights and keeps its rows); None for a model that keeps it whole."""
+    assert job.split_input is not None
+    layer = list(chains[0].children())[0] if 0 in chains else job.build_layers([0])[0]
+    taken = job.split_input(layer)
+    if taken is None:
+        return None
+    name, weight, padding = taken
+    with warnings.catch_warnings():  # the padding of a vocabulary the devices do not divide: the command says so
+        warnings.simplefilter("ignore")
+        return VocabShard.of(weight, rank, job.schedule.devices, padding_idx=padding), name
+
+
 def microbatches(x: torch.Tensor, m: int) -> list[torch.Tensor]:
     if x.shape[0] % m:
         raise ValueError(f"a batch of {x.shape[0]} does not split into {m} equal microbatches")
@@ -115,6 +129,9 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     shard, shard_name = _vocab_shard(job, rank, chains) if job.schedule.vocab else (None, "")
     if shard is not None:
         shard = shard.to(device)
+    embedded = _embedding_shard(job, rank, chains) if job.split_input is not None else None
+    embedding, embedding_name = (embedded[0].to(device), embedded[1]) if embedded is not None else (None, "")
+    shards = [s for s in (shard, embedding) if s is not None]
     precision = job.devices.precision
     # What the passes run: the stages' layers, compiled where asked (after tensor parallelism has split them);
     # ``chains`` keeps the layers' own names, a checkpoint's.
@@ -183,7 +200,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
         tp_group=tp_mesh.get_group() if tp_mesh is not None else None, dp_group=dp_group,
         sharded=job.parallel.fsdp, activity=activity,
         staged=placed.staged or bool(job.extra.get("stage_through_host")), overlap=job.devices.overlap,
-        autocast=precision.autocast, vocab=shard)
+        autocast=precision.autocast, vocab=shard, embedding=embedding)
 
     def executor_for(index: int) -> RankExecutor:
         """The executor of schedule ``index``, made the first time it runs (same modules, same parameters)."""
@@ -198,8 +215,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     if not job.parallel.fsdp:
         trained = {s: r.params for s, r in executor.runners.items()}
     params = [p for ps in trained.values() for p in ps]
-    if shard is not None:  # this rank's rows of the output projection
-        params.append(shard.weight)
+    params += [s.weight for s in shards]  # this rank's rows of the output projection and the embedding
     # Master weights: the parameters in the low dtype from here on, float32 copies for the optimizer to step.
     masters = Masters(params, precision.torch_dtype) if precision.master_weights else None
     opt = None if in_schedule else _optimizer(job, masters.masters if masters is not None else params, dp_group,
@@ -218,8 +234,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     counted = [p for s, ps in trained.items()
                if job.schedule.holders(s)[0] == rank and (copy == 0 or job.parallel.fsdp)
                for p in ps if id(p) not in tied.copies and (tp_rank == 0 or sharding.split_over(p, "tp"))]
-    if shard is not None:
-        counted.append(shard.weight)
+    counted += [s.weight for s in shards]
     optimizers = [o for o in (opt, *stage_opts.values()) if o is not None]
     # What a checkpoint holds: with master weights, the float32 masters (the optimizer's parameters), not their
     # rounded copies.
@@ -319,10 +334,12 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
             held = {name: raw.get(id(p), grad_holder(p).grad) for name, p in _named(job, chains)}
             grads = {name: sharding.full(g).detach().to("cpu", torch.float32, copy=True)
                      for name, g in held.items() if g is not None}
-            if shard is not None and shard.weight.grad is not None and shard.real:
-                # The rows of the projection this rank holds, named with them (the padding left out).
-                span = f"{job.extra['num_layers'] - 1}.{shard_name}[{shard.start}:{shard.start + shard.real}]"
-                grads[span] = shard.weight.grad[:shard.real].detach().to("cpu", torch.float32, copy=True)
+            for layer, split, name in ((job.extra["num_layers"] - 1, shard, shard_name), (0, embedding,
+                                                                                      embedding_name)):
+                if split is not None and split.weight.grad is not None and split.real:
+                    # The rows of the matrix this rank holds, named with them (the padding left out).
+                    span = f"{layer}.{name}[{split.start}:{split.start + split.real}]"
+                    grads[span] = split.weight.grad[:split.real].detach().to("cpu", torch.float32, copy=True)
         activity.run("the step's report", action=False)
         stats.schedule, stats.predicted = str(ScheduleRef.of(choices[current])), predicted
         stats.checked = step in keep  # the memory check's or --check's step: slower, and left out of timings
