@@ -56,6 +56,7 @@ SAMPLES: dict[str, list[str]] = {
     "offload_activations": ["--offload-activations", "0.5"], "offload_fit": ["--offload-fit", "2"],
     "allow_offload": ["--allow-offload"], "state_chunks": ["--state-chunks"],
     "no_sequence_parallel": ["--no-sequence-parallel"], "cp": ["--cp", "1,2"], "seq_chunks": ["--seq-chunks", "1,2"],
+    "split_vocab": ["--split-vocab"],
 }
 """A value of each option other than its default (with what it needs to show: a bandwidth needs bytes to carry)."""
 

@@ -646,3 +646,54 @@ def test_chunks_that_do_not_cut_the_sequence_are_one_line() -> None:
     with pytest.raises(ConfigError, match=r"--seq-chunks 3 cuts each sequence into 3 equal chunks, and 8192 tokens do "
                                           r"not: give --seq a multiple of 3, or --seq-chunks 2"):
         Training(model=from_hf_config("llama3-8b"), seq=8192, global_batch=8, seq_chunks=(1, 3))
+
+
+@pytest.mark.parametrize(("family", "pp"), [("zb-v", 2), ("v-half", 4), ("1f1b", 4)])
+def test_the_output_layer_split_by_vocabulary_moves_its_work_and_weights_onto_every_device(family: str,
+                                                                                          pp: int) -> None:
+    """--split-vocab's points (``vocab=1``): the head's passes leave the last stage and the two matrices the end
+    stages; every stage holds a pp-th of both instead (the parameters summed over the stages are the same), and
+    the simulated work summed over the devices is the plain one's with the head's work moved into the vocabulary
+    passes, each device paying its collectives (two simulations against each other)."""
+    from pipefold import schedules
+    from pipefold.plan.cluster_plan import _Config, _costs, _stages
+    from pipefold.sim.simulate import simulate
+
+    cluster, model = load_cluster("h100-sxm").with_nodes(1), from_hf_config("llama3-8b")
+    training = Training(model=model, seq=4096, global_batch=8 * 8 // pp)
+    c, m = _Config(dp=8 // pp, tp=1, pp=pp, microbatch=1, recompute="none"), 2 * pp
+    plain_schedule, split_schedule = schedules.build(family, pp, m), schedules.build(family, pp, m, vocab=1)
+    stages = plain_schedule.stages
+    plain, plain_params = _costs(cluster, training, c, stages, False)
+    split, split_params = _costs(cluster, training, c, stages, False, split=True)
+    assert sum(split_params) == pytest.approx(sum(plain_params), rel=1e-12)
+    matrices = model.embedding_parameters() + model.head_parameters()
+    for s, st in enumerate(_stages(model, stages)):
+        assert split_params[s] == pytest.approx(st.blocks * model.block_parameters() + matrices / stages, rel=1e-12)
+    last = stages - 1
+    head = tuple(getattr(plain.stage_overrides[last], k) - getattr(split.stage_overrides[last], k) for k in "fbw")
+    assert all(x > 0 for x in head) and split.vocab_w == pytest.approx(head[2])
+    assert split.vocab_f > head[0] and split.vocab_b > head[1]  # each carries the collectives its passes wait for
+    a, b = simulate(plain_schedule, plain), simulate(split_schedule, split)
+    moved = m * (split.vocab_f + split.vocab_b + split.vocab_w - sum(head))
+    assert sum(b.busy) == pytest.approx(sum(a.busy) + moved, rel=1e-9)
+    point_split = point(cluster, training, dp=c.dp, tp=1, pp=pp, schedule=family, microbatch=1, vocab=1)
+    assert point_split.schedule == f"{family}:vocab=1"
+    run = run_section(point_split, replace(training, sequence_parallel=False), "llama3-8b")
+    assert run["schedule"] == f"{family}:vocab=1" and sum(map(len, run["layer_stages"])) == model.layers + 2
+
+
+def test_plan_cluster_searches_the_split_where_asked(capsys: pytest.CaptureFixture[str]) -> None:
+    """Without --split-vocab no point splits the output layer; with it the families that can are tried both ways
+    on pipelines of two devices or more, and the others once."""
+    argv = ["plan", "--cluster", "h100-sxm", "--nodes", "1", "--hf-config", "llama3-8b", "--global-batch", "16",
+            "--seq", "4096", "--families", "zb-v,dualpipev", "--json", "--top", "500"]
+    assert main(argv) == 0
+    whole = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--split-vocab"]) == 0
+    split = json.loads(capsys.readouterr().out)
+    assert not any("vocab" in p["schedule"] for p in whole["top"])
+    assert {p["schedule"] for p in split["top"]} >= {"zb-v", "zb-v:vocab=1"}
+    assert not any(p["schedule"] == "dualpipev:vocab=1" for p in split["top"])
+    assert split["evaluated"] > whole["evaluated"]
+    assert not any(p["schedule"] == "zb-v:vocab=1" and p["pp"] == 1 for p in split["top"])  # one device: whole

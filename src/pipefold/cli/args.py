@@ -363,6 +363,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seq-chunks", type=_seq_chunks, default=None, metavar="C[,C...]",
                    help="with --cluster: also search each microbatch cut along the sequence into C chunks (Seq1F1B), "
                         "with the families that take them (default: whole microbatches only)")
+    g.add_argument("--split-vocab", action="store_true",
+                   help="with --cluster: also search each family that can split the output layer and the token "
+                        "embedding by vocabulary over the pipeline's devices (vocab=1)")
     p.add_argument("--allow-offload", action="store_true",
                    help="with --memory: each schedule may offload activations (those held across its peak, the "
                         "longest-lived first) to fit; the copies take --offload-time each way")
@@ -646,7 +649,7 @@ APPLIES: tuple[Applies, ...] = (
             "is one pipeline's length, and --world N searches every dp x tp x pp of N ranks, pipelines of every "
             "length: drop one of them"),
     Applies("plan", ("nodes", "cluster_model", "global_batch", "seq", "top", "no_sequence_parallel", "cp",
-                     "seq_chunks"),
+                     "seq_chunks", "split_vocab"),
             lambda a: a.cluster is not None,
             "describes a cluster plan: give --cluster NAME|FILE too"),
     Applies("plan", ("output", "families"), lambda a: a.profile is not None or a.cluster is not None,

@@ -29,7 +29,7 @@ def plan_cluster_command(args: argparse.Namespace, console: Console) -> None:
         cluster = cluster.with_nodes(args.nodes)
     training = Training(model=from_hf_config(args.cluster_model), seq=args.seq, global_batch=args.global_batch,
                         sequence_parallel=not args.no_sequence_parallel, context_parallel=args.cp,
-                        seq_chunks=args.seq_chunks or (1,))
+                        seq_chunks=args.seq_chunks or (1,), split_vocab=args.split_vocab)
     families = tuple(args.families.split(",")) if args.families else FAMILIES
     from pipefold import schedules
 

@@ -60,7 +60,7 @@ from typing import Any
 
 from pipefold import schedules
 from pipefold.errors import ConfigError
-from pipefold.ir import SEQ_CHUNKS
+from pipefold.ir import SEQ_CHUNKS, VOCAB
 from pipefold.ir.ref import ScheduleRef
 from pipefold.models.transformer import Transformer
 from pipefold.plan.cluster import Cluster
@@ -97,6 +97,10 @@ class Training:
     seq_chunks: tuple[int, ...] = (1,)
     """The sequence chunks a microbatch is cut into that the search tries (Seq1F1B), with the families that take
     them; 1: whole microbatches."""
+    split_vocab: bool = False
+    """The search also tries each family that can split the output layer and the token embedding by vocabulary
+    over every pipeline device (``vocab=1``, Yeung et al.): each device's S and T passes a pp-th of the head's work
+    and logits, each device a pp-th of the two matrices."""
 
     def __post_init__(self) -> None:
         for name in ("seq", "global_batch"):
@@ -250,9 +254,10 @@ class _Config:
 
 
 def _costs(cluster: Cluster, training: Training, c: _Config, stages: int,
-           sharded: bool) -> tuple[CostModel, list[float]]:
+           sharded: bool, split: bool = False) -> tuple[CostModel, list[float]]:
     """The cost model of one configuration (seconds and bytes) and each stage's parameters on one of its
-    devices (over tp)."""
+    devices (over tp). ``split``: the head and the embedding split by vocabulary over the pipeline's devices (the
+    head's work and logits the simulator's vocabulary passes, each stage an equal share of the two matrices)."""
     model, acc = training.model, cluster.accelerator
     peak = acc.peak(training.dtype)
     n = c.microbatch * training.seq // c.cp  # a rank's tokens of a microbatch
@@ -293,19 +298,22 @@ def _costs(cluster: Cluster, training: Training, c: _Config, stages: int,
     head_w = compute(hw, head_biggest)
     overrides: dict[int, StageOverride] = {}
     params: list[float] = []
+    shared = (model.embedding_parameters() + model.head_parameters()) / stages if split else 0.0
     for s, st in enumerate(_stages(model, stages)):
         rerun = {"none": 0, "half": st.blocks // 2, "full": st.blocks}[c.recompute]
         kept = rerun * block_input + (st.blocks - rerun) * kept_bytes  # a rerun block keeps its input only
         memory = kept + (kept_bytes if rerun else 0.0)  # and is whole again while it reruns
-        if st.head:
+        head = st.head and not split
+        if head:
             kept += logits
             memory += head_peak
-        overrides[s] = StageOverride(f=st.blocks * block_f + (head_f if st.head else 0.0),
-                                     b=st.blocks * block_b + (head_b if st.head else 0.0),
-                                     w=st.blocks * block_w + (head_w if st.head else 0.0),
+        overrides[s] = StageOverride(f=st.blocks * block_f + (head_f if head else 0.0),
+                                     b=st.blocks * block_b + (head_b if head else 0.0),
+                                     w=st.blocks * block_w + (head_w if head else 0.0),
                                      memory=memory, kept=kept, recompute=rerun * block_f)
-        params.append((st.blocks * model.block_parameters() + (model.embedding_parameters() if st.embedding else 0)
-                       + (model.head_parameters() if st.head else 0)) / tp)
+        params.append((st.blocks * model.block_parameters() + shared
+                       + (model.embedding_parameters() if st.embedding and not split else 0)
+                       + (model.head_parameters() if head else 0)) / tp)
     fits = {}
     if c.shards > 1 and not sharded:  # the DP actions' all-reduce among dp x cp, a ring on their link
         fits[c.shards] = ring_fit(c.shards, dp_link.latency, dp_link.achieved)
@@ -313,10 +321,23 @@ def _costs(cluster: Cluster, training: Training, c: _Config, stages: int,
         fits[tp] = ring_fit(tp, tp_link.latency, tp_link.achieved)
     # Split over the tokens, each tp rank sends its share to its counterpart and nothing is gathered; otherwise
     # the message crosses in tp pieces that the receivers all-gather (CostModel.mesh).
+    # Split by vocabulary, the head's passes are the schedule's S and T (a pp-th each of the whole layer's costs
+    # the simulator is given), its logits held between. Each device's S also waits for the last stage's output,
+    # broadcast to the pipeline's devices, and the statistics' all-gather; its T for the reduce of the output's
+    # gradient (each about a ring all-reduce of the bytes, on the pipeline's link): every device pays them, so the
+    # whole layer's costs carry pp times them.
+    cast = stats = 0.0
+    if split:
+        hidden = message / tp if sp else message
+        cast = ring_allreduce(hidden, c.pp, pp_link.latency, pp_link.achieved)
+        stats = ring_gather(3 * 4 * n * c.pp, c.pp, pp_link.latency, pp_link.achieved)
     cost = CostModel(stage_overrides=overrides, latency=pp_link.latency, bandwidth=pp_link.achieved,
                      activation_bytes=message / tp if sp else message, mesh=1 if sp else tp,
                      dp=1 if sharded else c.shards,
-                     grad_bytes=4.0 * sum(params) / c.pp, allreduce_fits=fits)
+                     grad_bytes=4.0 * sum(params) / c.pp, allreduce_fits=fits,
+                     vocab_f=head_f + c.pp * (cast + stats) if split else 0.0,
+                     vocab_b=head_b + c.pp * cast if split else 0.0, vocab_w=head_w if split else 0.0,
+                     vocab_memory=head_peak if split else 0.0)
     return cost, params
 
 
@@ -433,16 +454,21 @@ def _configs(cluster: Cluster, training: Training, families: Sequence[str], reco
                 continue
             # One device runs every family alike (its microbatches one after another): 1F1B stands for them.
             for family, rc in itertools.product(families if pp > 1 else ("1f1b",), recompute):
-                for ref in _chunked(family, training.seq_chunks if pp > 1 else (1,)):
+                for ref in _variants(family, training.seq_chunks if pp > 1 else (1,), training.split_vocab and pp > 1):
                     todo.append((_Config(dp, tp, pp, b, rc, cp), ref, per_copy // b))
     return todo
 
 
-def _chunked(family: str, chunks: Sequence[int]) -> list[str]:
+def _variants(family: str, chunks: Sequence[int], vocab: bool) -> list[str]:
     """``family`` for each of ``chunks`` sequence chunks it can take: its name alone for 1, ``name:seq_chunks=c``
-    for more (a family that cannot cut microbatches is tried whole only)."""
-    takes = schedules.get(family).option(SEQ_CHUNKS) is not None
-    return [family if c == 1 else f"{family}:{SEQ_CHUNKS}={c}" for c in chunks if c == 1 or takes]
+    for more (a family that cannot cut microbatches is tried whole only); with ``vocab``, also ``name:vocab=1``
+    where the family can split the output layer (whole microbatches: the two do not run together)."""
+    spec = schedules.get(family)
+    out = [family if c == 1 else f"{family}:{SEQ_CHUNKS}={c}" for c in chunks
+           if c == 1 or spec.option(SEQ_CHUNKS) is not None]
+    if vocab and spec.option(VOCAB) is not None:
+        out.append(f"{family}:{VOCAB}=1")
+    return out
 
 
 def _parsed(family: str) -> tuple[str, dict[str, int]]:
@@ -517,7 +543,7 @@ def _point(cluster: Cluster, training: Training, c: _Config, family: str, shard:
     plain = search.schedule(family, c.pp, min(m, (STEADY + 1) * c.pp), False, **options)  # stages, placement
     if plain is None or plain.stages > model.layers:
         return _CANNOT
-    cost, params = _costs(cluster, training, c, plain.stages, sharded)
+    cost, params = _costs(cluster, training, c, plain.stages, sharded, split=bool(_parsed(family)[1].get(VOCAB)))
     whole, split = STATE_BYTES[shard]
     held = [sum(params[s] for s in plain.stages_of(d)) for d in range(c.pp)]
     most = max(held)
@@ -586,7 +612,8 @@ def run_section(point: ClusterPoint, training: Training, model_config: str) -> d
         raise ConfigError(f"its tp {point.tp} ranks split the tokens (sequence parallelism), which pipefold's runtime "
                           f"runs for its own gpt model, not {model.family} configs: plan with --no-sequence-parallel "
                           "to run it")
-    stages = schedules.build(point.schedule, point.pp, point.microbatches).stages
+    name, options = _parsed(point.schedule)
+    stages = schedules.build(name, point.pp, point.microbatches, **options).stages
     layer_stages, counts, at = [], [], 0
     for st in _stages(model, stages):
         size = st.blocks + st.embedding + st.head
