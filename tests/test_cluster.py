@@ -679,8 +679,29 @@ def test_the_output_layer_split_by_vocabulary_moves_its_work_and_weights_onto_ev
     assert sum(b.busy) == pytest.approx(sum(a.busy) + moved, rel=1e-9)
     point_split = point(cluster, training, dp=c.dp, tp=1, pp=pp, schedule=family, microbatch=1, vocab=1)
     assert point_split.schedule == f"{family}:vocab=1"
-    run = run_section(point_split, replace(training, sequence_parallel=False), "llama3-8b")
-    assert run["schedule"] == f"{family}:vocab=1" and sum(map(len, run["layer_stages"])) == model.layers + 2
+    with pytest.raises(ConfigError, match=f"over pipelines with dp {c.dp} x tp 1 copies, which pipefold's runtime "
+                                          "does not run yet: plan without --split-vocab to run it"):
+        run_section(point_split, replace(training, sequence_parallel=False), "llama3-8b")
+
+
+def test_a_cluster_plan_with_the_output_layer_split_trains_as_planned(capsys: pytest.CaptureFixture[str],
+                                                                      tmp_path: Path) -> None:
+    """A cluster point with ``vocab=1`` on one pipeline (LLaMA, ZB-H1 on 4 devices) written as a plan's run:
+    train --plan runs it with the output layer and the embedding split, and its gradients equal one process's."""
+    from pipefold.plan.cluster_plan import CLUSTER_PLAN_VERSION
+
+    cluster = load_cluster(str(Path(__file__).resolve().parents[1] / "examples" / "four-devices.json"))
+    training = Training(model=from_hf_config("llama-tiny"), seq=16, global_batch=8, sequence_parallel=False)
+    got = point(cluster, training, dp=1, tp=1, pp=4, schedule="zb-h1", microbatch=1, vocab=1)
+    run = run_section(got, training, "llama-tiny")
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"kind": "pipefold-cluster-plan", "version": CLUSTER_PLAN_VERSION,
+                                "best": got.to_dict(), "run": run}))
+    assert main(["train", "--plan", str(plan), "--steps", "2", "--check", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["max_grad_rel_diff"] < 1e-5 and out["loss_rel_diff"] < 1e-5
+    assert out["options"] == {"vocab": 1} and out["vocab_embedding"]
+    assert out["boundaries"] == [part[0] for part in run["layer_stages"]]
 
 
 def test_plan_cluster_searches_the_split_where_asked(capsys: pytest.CaptureFixture[str]) -> None:

@@ -608,6 +608,10 @@ def run_section(point: ClusterPoint, training: Training, model_config: str) -> d
         raise ConfigError(f"its microbatches are cut into sequence chunks ({point.schedule}), which pipefold's "
                           f"runtime runs for its own gpt model, not {model.family} configs: plan without --seq-chunks "
                           "to run it")
+    if VOCAB in point.schedule and (point.dp > 1 or point.tp > 1):
+        raise ConfigError(f"its output layer is split by vocabulary ({point.schedule}) over pipelines with dp "
+                          f"{point.dp} x tp {point.tp} copies, which pipefold's runtime does not run yet: plan "
+                          "without --split-vocab to run it")
     if point.sequence_parallel:
         raise ConfigError(f"its tp {point.tp} ranks split the tokens (sequence parallelism), which pipefold's runtime "
                           f"runs for its own gpt model, not {model.family} configs: plan with --no-sequence-parallel "
