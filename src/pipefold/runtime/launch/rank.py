@@ -334,8 +334,9 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
             held = {name: raw.get(id(p), grad_holder(p).grad) for name, p in _named(job, chains)}
             grads = {name: sharding.full(g).detach().to("cpu", torch.float32, copy=True)
                      for name, g in held.items() if g is not None}
-            for layer, split, name in ((job.extra["num_layers"] - 1, shard, shard_name), (0, embedding,
-                                                                                      embedding_name)):
+            held_rows = [(job.extra["num_layers"] - 1, shard, shard_name)] if shard is not None else []
+            held_rows += [(0, embedding, embedding_name)] if embedding is not None else []
+            for layer, split, name in held_rows:
                 if split is not None and split.weight.grad is not None and split.real:
                     # The rows of the matrix this rank holds, named with them (the padding left out).
                     span = f"{layer}.{name}[{split.start}:{split.start + split.real}]"
