@@ -676,7 +676,7 @@ class Pipeline(RankPipeline):
         m, c = self.schedule.data_microbatches, self.schedule.seq_chunks
         executor = self.executor(train=train)
         # With the embedding split by vocabulary every rank looks up its rows of the tokens.
-        holds = [s for s in executor.runners if s == 0] or self.embedding is not None
+        holds = 0 in executor.runners or self.embedding is not None
         xs: list[Tensors] = [()] * (m * c)
         if holds:
             # With the parameters in bf16 or fp16, so is every floating input (autocast casts its own).
