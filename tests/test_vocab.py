@@ -186,6 +186,22 @@ def test_with_a_split_backward_the_layer_leaves_the_critical_path(name: str, p: 
     assert split.makespan < 0.8 * plain.makespan
 
 
+@pytest.mark.parametrize(("p", "m"), [(4, 8), (8, 32), (3, 3)])
+def test_1f1b_split_warms_up_with_one_more_forward(p: int, m: int) -> None:
+    """1F1B with vocab=1 is 1F1B with one more forward of warm-up on every device (the family's
+    ``vocab_warmup``): the passes of the schedule are 1F1B's order of warm-up p-i, so device i holds
+    min(m, p-i+1) microbatches at its peak, one more than 1F1B's p-i."""
+    from pipefold.schedules.kfkb import one_f_one_b
+
+    split = schedules.build("1f1b", p, m, vocab=1)
+    wider = one_f_one_b(p, m, warmup_extra=1)
+    assert [[a for a in row if a.kind not in (Kind.S, Kind.T)] for row in split.actions] == \
+        [list(row) for row in wider.actions]
+    cost = CostModel(f=1.0, b=1.0, w=1.0, memory=1.0)
+    assert list(simulate(split, cost).peak_memory) == [min(m, p - i + 1) for i in range(p)]
+    assert list(simulate(schedules.build("1f1b", p, m), cost).peak_memory) == [min(m, p - i) for i in range(p)]
+
+
 def test_the_cli_simulates_it_and_reads_the_costs() -> None:
     def run(*argv: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "pipefold", "simulate", *argv], capture_output=True, text=True,

@@ -62,6 +62,11 @@ class ScheduleSpec:
     stages_per_device: Callable[[Mapping[str, Any]], int] = lambda options: 1
     """Stages each device holds, from the resolved options (v for looped chunks, 2 for the V shape): what
     :func:`build` checks against :data:`pipefold.ir.MAX_STAGE_MICROBATCHES` before generating."""
+    vocab_warmup: int = 0
+    """Forwards the family's build adds to every device's warm-up (its ``warmup_extra``) where the output layer is
+    split by vocabulary: with a fused backward the last stage's backward of a microbatch waits for every device's
+    ``T`` of it, and one more forward in flight keeps the devices busy meanwhile, for one more microbatch's
+    activations (Yeung et al.'s 1F1B arrangement holds more too)."""
 
     def option(self, name: str) -> Option | None:
         return next((o for o in self.options if o.name == name), None)
@@ -91,7 +96,8 @@ REGISTRY: dict[str, ScheduleSpec] = {
     for spec in [
         ScheduleSpec(name="gpipe", options=(_SEQ, _VOCAB), build=gpipe, memory="m",
                      description="GPipe: all forwards, then all backwards (Huang et al. 2019)"),
-        ScheduleSpec(name="1f1b", options=(_SEQ, _VOCAB), build=one_f_one_b, memory="p-i",
+        ScheduleSpec(name="1f1b", options=(_SEQ, _VOCAB), build=one_f_one_b, memory="p-i (p-i+1 with vocab=1)",
+                     vocab_warmup=1,
                      description="1F1B / PipeDream-Flush: warm-up, then one forward one backward"),
         ScheduleSpec(name="interleaved-1f1b", stages_per_device=_chunks, build=interleaved_1f1b, options=(_V, _VOCAB),
                      memory="~p+(p-1)/v",
@@ -191,8 +197,9 @@ def build(name: str, devices: int, microbatches: int, **options: Any) -> Schedul
     check_size(devices * spec.stages_per_device(resolved), microbatches * resolved.get(SEQ_CHUNKS, 1),
                f"{name} on {devices:,} devices with {microbatches:,} microbatches", devices=devices)
     vocab = resolved.pop(VOCAB, 0)
+    extra = {"warmup_extra": spec.vocab_warmup} if vocab and spec.vocab_warmup else {}
     with paused_gc():
-        schedule = spec.build(devices, microbatches, **resolved)
+        schedule = spec.build(devices, microbatches, **resolved, **extra)
         return with_vocab(schedule) if vocab else schedule
 
 

@@ -20,12 +20,14 @@ from pipefold.ir import SEQ_CHUNKS, Schedule, linear_placement
 from pipefold.schedules._phases import BW, F, counted_rows, warmup_steady_cooldown
 
 
-def kfkb(devices: int, microbatches: int, k: int = 2, *, seq_chunks: int = 1, name: str = "kfkb") -> Schedule:
+def kfkb(devices: int, microbatches: int, k: int = 2, *, seq_chunks: int = 1, name: str = "kfkb",
+         warmup_extra: int = 0) -> Schedule:
     """Groups of k forwards then k backwards, 1F1B-style, on a linear placement.
 
     With c ``seq_chunks`` the passes are of sequence chunks (Seq1F1B): m·c units in groups of k units, and every
     device warms up with more groups (:func:`_chunk_warmup`), as a microbatch's last chunk must have gone forward
     before its gradient can start back; for 1F1B device i then holds p-i+c-1 chunks, (p-i+c-1)/c microbatches.
+    ``warmup_extra``: groups every device adds to its warm-up (each holds that many more in flight).
     """
     p, c = devices, seq_chunks
     n = microbatches * c
@@ -34,16 +36,17 @@ def kfkb(devices: int, microbatches: int, k: int = 2, *, seq_chunks: int = 1, na
         stage = np.full(n, i)
         # Device i needs p-1-i groups in flight before the first gradient can come back.
         rows.append(warmup_steady_cooldown((np.full(n, F), stage), (np.full(n, BW), stage),
-                                           warmup=p - 1 - i + _chunk_warmup(c, k), size=k))
+                                           warmup=p - 1 - i + _chunk_warmup(c, k) + warmup_extra, size=k))
     options = {"k": k} if name == "kfkb" else {}
     if c > 1:
         options[SEQ_CHUNKS] = c
     return Schedule(name, p, p, n, (linear_placement(p),), counted_rows(rows, n, chunks=c), options)
 
 
-def one_f_one_b(devices: int, microbatches: int, seq_chunks: int = 1) -> Schedule:
-    """1F1B: after a warm-up of p-1-i forwards, device i alternates one forward and one backward."""
-    return kfkb(devices, microbatches, k=1, seq_chunks=seq_chunks, name="1f1b")
+def one_f_one_b(devices: int, microbatches: int, seq_chunks: int = 1, warmup_extra: int = 0) -> Schedule:
+    """1F1B: after a warm-up of p-1-i forwards (``warmup_extra`` more), device i alternates one forward and one
+    backward."""
+    return kfkb(devices, microbatches, k=1, seq_chunks=seq_chunks, name="1f1b", warmup_extra=warmup_extra)
 
 
 def gpipe(devices: int, microbatches: int, seq_chunks: int = 1) -> Schedule:
