@@ -582,3 +582,28 @@ def test_train_keeps_a_devices_rows_of_the_embedding_and_the_projection(capsys: 
         held = [p for layer in layers[starts[rank]:starts[rank + 1]] for name, p in layer.named_parameters()
                 if name not in ("wte.weight", "lm_head.weight")]
         assert static == 16 * (sum(p.numel() for p in held) + 2 * rows) + 4 * (len(held) + 2), rank
+
+
+def test_the_measured_steps_replay_prices_the_vocabulary_passes() -> None:
+    """The cost model of a measured step (``step_costs``, what train's "simulated from the measured costs" replays)
+    takes each device's S and T as a devices-th of the whole layer: fed it, the simulator gives every device exactly
+    its F, B, W, S and T times over the microbatches as busy time (events written here by hand, 2 devices)."""
+    from pipefold.runtime.executor import Event, StepStats
+    from pipefold.runtime.pipeline import step_costs
+
+    split = schedules.build("zb-h1", 2, 4, vocab=1)
+    seconds = {Kind.F: 1.0, Kind.B: 2.0, Kind.W: 0.5, Kind.S: 0.25, Kind.T: 0.75}
+    steps = []
+    for d, row in enumerate(split.actions):
+        st = StepStats(d)
+        for a in row:
+            st.events.append(Event(str(a), a.kind, 0.0, seconds[a.kind] * (1 + d / 10)))
+        steps.append(st)
+    cost = step_costs(steps, split)
+    median = {k: (v + v * 1.1) / 2 for k, v in seconds.items()}
+    assert cost.vocab_f == pytest.approx(2 * median[Kind.S]) and cost.vocab_w == pytest.approx(median[Kind.T])
+    result = simulate(split, cost)
+    for d in range(2):
+        own = {k: v * (1 + d / 10) for k, v in seconds.items()}
+        assert result.busy[d] == pytest.approx(4 * (own[Kind.F] + own[Kind.B] + own[Kind.W])
+                                               + 4 * (median[Kind.S] + median[Kind.T]))

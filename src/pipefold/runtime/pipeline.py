@@ -919,7 +919,8 @@ _DERIVED = ("F", "B", "W", "BW", "OPT")
 def step_costs(steps: Sequence[StepStats], schedule: Schedule) -> Any:
     """The cost model of one measured step (each device's stats): per stage, the median seconds of its F, B and W
     (a fused BW counts as B + W, split evenly) and of any other work it ran (K-FAC's), and the bytes one
-    microbatch held after F, while B ran and between B and W (with sequence chunks, c times a chunk's)."""
+    microbatch held after F, while B ran and between B and W (with sequence chunks, c times a chunk's); with the
+    output layer split by vocabulary, its S and T times (not the logits they keep)."""
     from pipefold.sim.simulate import CostModel, of_microbatch, split_backward
 
     times = kind_times(steps)
@@ -930,12 +931,21 @@ def step_costs(steps: Sequence[StepStats], schedule: Schedule) -> Any:
     for s in range(schedule.stages):
         held, during_b, held_w = memory.get(s, (0, 0, 0))
         # Other work the stage ran (K-FAC's), for the kinds whose time the cost model takes as given.
-        work = {k: v for k, v in times.get(s, {}).items() if k not in _DERIVED}
+        work = {k: v for k, v in times.get(s, {}).items() if k not in _DERIVED and k not in (Kind.S, Kind.T)}
         over[s] = dataclasses.replace(split_backward(times.get(s, {})), memory=float(max(held, during_b)),
                                       kept=float(held), memory_w=float(held_w or held), work=work or None,
                                       offloaded=float(moved[s]) if s in moved else None, offload=copies.get(s))
+    # With the output layer split by vocabulary, each device's S and T took a devices-th of the whole layer's
+    # forward and backward (the cost model's vocab_*, as the simulator divides them): their medians over every
+    # device, the backward's split evenly between B and W.
+    whole_s = whole_t = 0.0
+    each = {k: [t[k] for t in times.values() if k in t] for k in (Kind.S, Kind.T)}
+    if schedule.vocab and all(each.values()):
+        whole_s = schedule.devices * statistics.median(each[Kind.S])
+        whole_t = schedule.devices * statistics.median(each[Kind.T])
     # With sequence chunks a pass was a chunk's: the cost model is of whole microbatches (the simulator cuts them).
-    return of_microbatch(CostModel(stage_overrides=over), schedule.seq_chunks)
+    return of_microbatch(CostModel(stage_overrides=over, vocab_f=whole_s, vocab_b=whole_t / 2, vocab_w=whole_t / 2),
+                         schedule.seq_chunks)
 
 
 def _copy_times(steps: Sequence[StepStats]) -> dict[int, float]:
