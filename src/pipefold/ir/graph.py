@@ -170,12 +170,31 @@ def dependency_graph(schedule: Schedule, durations: Sequence[float] | npt.NDArra
     """
     offsets = tuple(itertools.accumulate(row_lengths(schedule.actions)[:-1], initial=0))
     table = action_table(schedule) if table is None else table
-    rules = _rules()
-    givers = _givers(schedule, table, rules, offsets)
-    links = _inputs(schedule, table, rules, givers)
+    links = _links(schedule, table, offsets)
     if durations is not None and message_cost:
         durations = np.asarray(durations, dtype=np.float64) + message_cost * _message_ends(links, table.device)
     return _traverse(schedule, offsets, table, links, durations, transfer, idle)
+
+
+_LINKS = "_links"
+"""Where a schedule keeps its checked :class:`Links`, with the table and rules they were made from."""
+
+
+def _links(schedule: Schedule, table: ActionTable, offsets: tuple[int, ...]) -> Links:
+    """What each action of ``schedule`` waits for, its givers checked first (:func:`_givers`): made once and kept
+    with the schedule, which is frozen, while ``table`` is the one it keeps (:func:`action_table`) and no kind has
+    been registered since. A planner times one schedule on many splits of the layers (thousands of graphs): the
+    timing is all that changes. The arrays are read-only, so that no graph's user can change another's."""
+    rules = _rules()
+    made = schedule.__dict__.get(_LINKS)
+    if made is not None and made[0] is table and made[1] is rules:
+        return made[2]
+    links = _inputs(schedule, table, rules, _givers(schedule, table, rules, offsets))
+    for slot in links.slots:
+        slot.setflags(write=False)
+    if schedule.__dict__.get(_TABLE) is table:
+        object.__setattr__(schedule, _LINKS, (table, rules, links))
+    return links
 
 
 # --------------------------------------------------------------------------- the kind table, compiled
