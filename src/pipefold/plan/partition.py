@@ -348,6 +348,9 @@ def _branch_and_bound(pres: list[list[float]], mapping: tuple[int, ...]) -> list
     floor = cheapest(used)[n] / len(used)  # no split beats the even share of the least work
     loads = [0.0] * devices
     bounds = [0]
+    # Per part: the devices that can still take layers after it, and the least the layers left cost on them.
+    later = [tuple(sorted(set(mapping[s + 1:]))) for s in range(parts)]
+    least_later = [cheapest(frozenset(e)) if e else [] for e in later]
 
     def search(s: int, i: int) -> bool:
         nonlocal best, best_bounds
@@ -359,13 +362,14 @@ def _branch_and_bound(pres: list[list[float]], mapping: tuple[int, ...]) -> list
             return best <= floor + _EPS
         d = mapping[s]
         pre = pres[d]
-        later = frozenset(mapping[s + 1:])  # devices that can still take layers
-        least = cheapest(later)
+        takers, least = later[s], least_later[s]
+        held = sum(loads[e] for e in takers)  # the loads stay so at each turn of the loop (put back after each try)
+        own, count = d in takers, len(takers)
         for j in range(i + 1, n - (parts - s - 1) + 1):
             seg = pre[j] - pre[i]
             if loads[d] + seg >= best - _EPS:
                 break
-            room = sum(best - loads[e] - (seg if e == d else 0.0) for e in later)
+            room = count * best - held - (seg if own else 0.0)  # the room left under the best load
             if room < least[n] - least[j] - _EPS:
                 continue  # what is left cannot fit under the best load
             loads[d] += seg
