@@ -67,6 +67,9 @@ def _script(argv: list[str]) -> int:
 
 
 def serve() -> None:
+    from pipefold.runtime.launch.processes import COMPILER, process_context
+
+    process_context(COMPILER)  # the ranks' fork server, now, with torch's compiler: the pages' --compile commands
     reply = os.fdopen(os.dup(1), "w", buffering=1)
     saved = os.dup(1), os.dup(2)
     for line in sys.stdin:

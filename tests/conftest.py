@@ -141,6 +141,20 @@ def run_ranks(target, nprocs, *args, timeout=300.0):  # type: ignore[no-untyped-
     return got
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _ranks_fork_server() -> Iterator[None]:
+    """Under pytest-xdist (``make test``) each worker starts the fork server its ranks come from (:func:`run_ranks`,
+    and the commands run in the worker) at once, with torch's compiler among its imports
+    (:data:`pipefold.runtime.launch.processes.COMPILER`): a rank's first compiled layer then takes a fraction of a
+    second instead of seconds of imports, in every test that compiles (whichever test starts the first ranks
+    starts the server otherwise, with what it needs). Its imports run beside the first tests."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        from pipefold.runtime.launch.processes import COMPILER, process_context
+
+        process_context(COMPILER)
+    yield
+
+
 class WorkStarted(AssertionError):
     """The work began where a refusal was to come first (:func:`no_work`)."""
 

@@ -21,7 +21,7 @@ from pipefold.models import REGISTRY, Model, split_layers
 from pipefold.plan.recompute import RecomputePlan, plan_recompute
 from pipefold.runtime.launch.checkpoint import Checkpointing
 from pipefold.runtime.launch.job import Adaptive, Job, local_placement
-from pipefold.runtime.launch.processes import under_torchrun
+from pipefold.runtime.launch.processes import COMPILER, start_server, under_torchrun
 from pipefold.runtime.launch.settings import StateChunks
 from pipefold.runtime.stage import Chain, split_batch
 from pipefold.train.spec import RunSpec
@@ -65,10 +65,9 @@ def make_job(spec: RunSpec, *, decided: Decisions | None = None, placed: Any = N
                           "them")
     model = model_of(spec, schedule.stages)
     check_links(spec, model, schedule)
+    preload = (*model.preload, *(COMPILER if spec.devices.compile is not None else ()))
     if local:
-        from pipefold.runtime.launch.processes import start_server
-
-        start_server(model.preload)
+        start_server(preload)
     kfac = spec.optimizer.kfac
     check_size(spec, model, schedule, builds_model=decided is None or placed is None and kfac is not None,
                gpus=where.gpus)
@@ -131,7 +130,7 @@ def make_job(spec: RunSpec, *, decided: Decisions | None = None, placed: Any = N
               reliability=spec.reliability, devices=spec.devices, save_grads_of_step=0 if spec.check else None,
               offload=spec.memory.offloaded, recompute=recompute, chunks=_chunks(spec), extra=extra,
               network=spec.links.parsed,
-              adaptive=adaptive, cycle=cycle, refill=refill, tied=model.tied, preload=model.preload,
+              adaptive=adaptive, cycle=cycle, refill=refill, tied=model.tied, preload=preload,
               checkpoint=checkpointing, tp_plan=tp_plan,
               split_output=model.split_output if schedule.vocab else None,
               split_input=model.split_input if schedule.vocab else None)

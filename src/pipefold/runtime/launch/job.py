@@ -130,7 +130,8 @@ class Job:
     fall in different stages each stage holds a copy and their gradients are summed after the step
     (:mod:`pipefold.runtime.tied`)."""
     preload: tuple[str, ...] = ()
-    """Modules the local ranks' processes import before they start (``Model.preload``)."""
+    """Modules the local ranks' processes import before they start (``Model.preload``; torch's compiler too,
+    :data:`~pipefold.runtime.launch.processes.COMPILER`, where the run compiles)."""
     checkpoint: Checkpointing | None = None
     """Save checkpoints as the run goes, and/or start from one (see :mod:`pipefold.runtime.launch.checkpoint`)."""
     faults: Faults | None = None

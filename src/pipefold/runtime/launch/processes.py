@@ -14,7 +14,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-__all__ = ["free_port", "process_context", "rendezvous", "start_server", "starting", "stopped_on_error",
+__all__ = ["COMPILER", "free_port", "process_context", "rendezvous", "start_server", "starting", "stopped_on_error",
            "torchrun_on_one_machine", "under_torchrun"]
 
 
@@ -39,6 +39,12 @@ def rendezvous() -> Iterator[str]:
     """:func:`store_in` a fresh temporary folder, removed when the block ends."""
     with tempfile.TemporaryDirectory(prefix="pipefold-group-") as folder:
         yield store_in(folder)
+
+
+COMPILER = ("torch._inductor.compile_fx", "torch._dynamo.backends.debugging")
+"""What a process's first compiled module imports (torch's compiler, some 600 modules, whichever backend: seconds
+of CPU each rank, where the first compile itself takes a fraction of a second): a run that compiles has its ranks'
+fork server import them once (``preload`` of :func:`process_context`)."""
 
 
 def start_server(preload: Sequence[str] = ()) -> None:
