@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -21,7 +22,16 @@ from conftest import TIMING_TRIES, Servers
 from pipefold import schedules
 from pipefold.errors import ConfigError
 from pipefold.ir import dependency_graph
-from pipefold.plan.budget import Layout, ModelPoint, model_costs, plan_model, predict, read_plan, stage_profiles
+from pipefold.plan.budget import (
+    Layout,
+    ModelPlan,
+    ModelPoint,
+    model_costs,
+    plan_model,
+    predict,
+    read_plan,
+    stage_profiles,
+)
 from pipefold.plan.profile import LayerProfile, Profile, fit_link, pass_fixed_of, stage_passes
 from pipefold.plan.recompute import plan_recompute
 from pipefold.sim.simulate import KINDS, CostModel, _shared_times, simulate
@@ -37,6 +47,14 @@ def _profile(n: int = 8, *, contention: tuple[float, ...] = (1.0, 1.0, 1.0, 1.0)
     return Profile(train={"model": "gpt", "layers": n - 2, "hidden": 32, "heads": 2, "seq": 16, "batch": 16,
                           "microbatches": microbatches, "optimizer": "adamw", "seed": 0},
                    layers=tuple(layers), latency=5e-5, bandwidth=2e9, contention=contention, optimizer_factor=2.0)
+
+
+@functools.cache
+def _free_plan() -> ModelPlan:
+    """The plan of ``_profile(8)`` on 2 devices under a budget that every point fits: the search's answer that many
+    tests read (a frozen object; each test makes its own files and dicts from it). Made once for the module: the
+    search takes seconds of CPU, the same every time."""
+    return plan_model(_profile(8), 2, 1e12)
 
 
 # --------------------------------------------------------------------------- shared cores
@@ -478,7 +496,7 @@ def test_link_fit_of_a_time_that_does_not_grow_is_all_latency() -> None:
 
 def test_plan_is_the_fastest_fitting_point_of_a_brute_force() -> None:
     prof = _profile(8)
-    everything = plan_model(prof, 2, 1e12)
+    everything = _free_plan()
     budget = sorted(pt.memory for pt in everything.points)[len(everything.points) // 3]
     answer = plan_model(prof, 2, budget)
     # Brute force over the families, every contiguous split, and no recomputation.
@@ -500,7 +518,7 @@ def test_plan_is_the_fastest_fitting_point_of_a_brute_force() -> None:
 
 def test_plan_prediction_matches_predict() -> None:
     prof = _profile(8)
-    answer = plan_model(prof, 2, 1e12)
+    answer = _free_plan()
     s = schedules.build(answer.best.name, 2, 8, **answer.best.options)
     result, peaks, static = predict(prof, Layout(1, 1, 2), s, answer.best.layer_stages, answer.best.recompute)
     assert result.makespan == pytest.approx(answer.best.makespan)
@@ -532,7 +550,7 @@ def test_other_microbatches_than_profiled_are_refused() -> None:
 
 
 def test_frontier_is_monotone_and_holds_the_best() -> None:
-    answer = plan_model(_profile(8), 2, 1e12)
+    answer = _free_plan()
     mems = [pt.memory for pt in answer.frontier]
     times = [pt.makespan for pt in answer.frontier]
     assert mems == sorted(mems) and times == sorted(times, reverse=True)
@@ -574,7 +592,7 @@ def test_negative_figures_are_refused() -> None:
 
 
 def test_plan_file_round_trip_and_checks(tmp_path) -> None:
-    answer = plan_model(_profile(8), 2, 1e12)
+    answer = _free_plan()
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(answer.to_dict()))
     data = read_plan(str(path))
@@ -597,7 +615,7 @@ def test_plan_file_round_trip_and_checks(tmp_path) -> None:
     ({"layers": [4]}, "not a valid pipefold plan (TypeError"),
 ])
 def test_plan_file_train_section_checked_whole(tmp_path, change: dict[str, object], message: str | None) -> None:
-    data = plan_model(_profile(8), 2, 1e12).to_dict()
+    data = _free_plan().to_dict()
     data["train"] = {**data["train"], **change}
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(data))
@@ -610,7 +628,7 @@ def test_plan_file_train_section_checked_whole(tmp_path, change: dict[str, objec
 
 
 def test_plan_file_stages_checked_against_its_schedule(tmp_path) -> None:
-    data = plan_model(_profile(8), 2, 1e12).to_dict()
+    data = _free_plan().to_dict()
     data["schedule"], data["devices"] = "zb-v", 2  # 4 stages, and the plan splits the layers into 2
     data["layer_stages"], data["recompute"] = [[0, 1, 2, 3], [4, 5, 6, 7]], [0, 0]
     path = tmp_path / "plan.json"
@@ -859,7 +877,7 @@ def test_a_plan_whose_layers_are_not_its_models_is_refused(tmp_path, layers: int
     from pipefold.plan.budget import RunPlan
     from pipefold.train.planned import from_plan
 
-    data = plan_model(_profile(8), 2, 1e12).to_dict()
+    data = _free_plan().to_dict()
     data["train"] = {**data["train"], "layers": layers}
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(data))
@@ -873,7 +891,7 @@ def test_an_mlp_plan_with_the_sizes_it_does_not_take_resolves() -> None:
     from pipefold.plan.budget import RunPlan
     from pipefold.train.planned import from_plan
 
-    data = plan_model(_profile(8), 2, 1e12).to_dict()
+    data = _free_plan().to_dict()
     data["train"] = {**data["train"], "model": "mlp", "layers": 8, "hidden": 16, "heads": 4, "seq": 32}
     planned = from_plan(RunPlan.from_dict(data))
     model = planned.spec.model
