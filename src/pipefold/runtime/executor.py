@@ -502,8 +502,7 @@ class RankExecutor:
 
         if self.embedding is not None:  # each rank looks up its rows of the tokens, summed on the first stage's rank
             start = clock()
-            others = [r for r in self.embedding.ranks if r != dist.get_rank()]
-            self.activity.wait("the start of the step", "the embeddings' lookups", others, action=False)
+            self.activity.wait("the start of the step", "the embeddings' lookups", self.embedding.others, action=False)
             embedded = self.embedding.forward([x[0] if x else None for x in inputs], keep=not self.infer)
             if embedded is not None:
                 inputs = [(e, *x[1:]) for e, x in zip(embedded, inputs, strict=True)]
@@ -528,8 +527,7 @@ class RankExecutor:
             stats.events.append(Event("wait vocab", "comm", start, clock()))
         if self.embedding is not None and not self.infer:
             start = clock()
-            others = [r for r in self.embedding.ranks if r != dist.get_rank()]
-            self.activity.wait("the end of the step", "the embeddings' gradient", others, action=False)
+            self.activity.wait("the end of the step", "the embeddings' gradient", self.embedding.others, action=False)
             self.embedding.end_step()
             stats.events.append(Event("embedding gradient", "comm", start, clock()))
         start = clock()

@@ -101,10 +101,7 @@ class VocabPasses:
 
     def __init__(self, shard: VocabShard, *, rank: int, ranks: Sequence[int], last: int, groups: Sequence[Any],
                  meter: MemoryMeter) -> None:
-        if shard.devices != len(ranks) or shard.index != rank:
-            raise ConfigError(f"device {rank} of a pipeline of {len(ranks)} holds vocabulary shard {rank} of "
-                              f"{len(ranks)} (got shard {shard.index} of {shard.devices}): build it with "
-                              f"VocabShard.of(weight, {rank}, {len(ranks)})")
+        _check_shard(shard, rank, len(ranks), "vocabulary", "weight")
         self.shard, self.rank, self.ranks, self.last = shard, rank, list(ranks), last
         self.hidden_group, self.stats_group, self.grad_group = groups
         self.meter = meter
@@ -238,11 +235,10 @@ class EmbeddingPasses:
 
     def __init__(self, shard: VocabShard, *, rank: int, ranks: Sequence[int], first: int, group: Any,
                  meter: MemoryMeter) -> None:
-        if shard.devices != len(ranks) or shard.index != rank:
-            raise ConfigError(f"device {rank} of a pipeline of {len(ranks)} holds embedding shard {rank} of "
-                              f"{len(ranks)} (got shard {shard.index} of {shard.devices}): build it with "
-                              f"VocabShard.of(embedding.weight, {rank}, {len(ranks)})")
+        _check_shard(shard, rank, len(ranks), "embedding", "embedding.weight")
         self.shard, self.rank, self.ranks, self.first, self.group = shard, rank, list(ranks), first, group
+        self.others = [r for d, r in enumerate(ranks) if d != rank]
+        """The pipeline's other ranks: what its two collectives wait for."""
         self.meter = meter
         # Per microbatch of a training step: its positions, those whose rows are here and which rows they are.
         self._looked: list[tuple[int, torch.Tensor, torch.Tensor]] = []
@@ -263,10 +259,8 @@ class EmbeddingPasses:
                                   f"input of Pipeline.step, got {what} for microbatch {mb}")
             local = t.reshape(-1) - self.shard.start
             inside = (local >= 0) & (local < self.shard.real)
-            if self.shard.padding_idx is not None:  # nn.Embedding's padding entry: its row takes no gradient
-                inside_grad = inside & (local != self.shard.padding_idx - self.shard.start)
-            else:
-                inside_grad = inside
+            padding = self.shard.padding_idx  # nn.Embedding's padding entry: its row takes no gradient
+            inside_grad = inside if padding is None else inside & (local != padding - self.shard.start)
             with torch.no_grad():
                 part = weight.new_zeros(local.numel(), weight.shape[1])
                 part[inside] = weight[local[inside]]
@@ -315,6 +309,14 @@ class EmbeddingPasses:
         self._looked, self._grads = [], {}
         if dw is not None:
             weight.grad = dw if weight.grad is None else weight.grad.add_(dw)
+
+
+def _check_shard(shard: VocabShard, rank: int, devices: int, what: str, of: str) -> None:
+    """One line where ``shard`` is not device ``rank``'s of a pipeline of ``devices``."""
+    if shard.devices != devices or shard.index != rank:
+        raise ConfigError(f"device {rank} of a pipeline of {devices} holds {what} shard {rank} of {devices} (got "
+                          f"shard {shard.index} of {shard.devices}): build it with VocabShard.of({of}, {rank}, "
+                          f"{devices})")
 
 
 def _loss(stats: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

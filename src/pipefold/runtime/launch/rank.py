@@ -67,9 +67,7 @@ def _vocab_shard(job: Job, rank: int, chains: dict[int, nn.Module]) -> tuple[Voc
     n = job.extra["num_layers"]
     layer = list(chains[last].children())[-1] if last in chains else job.build_layers([n - 1])[n - 1]
     name, weight = job.split_output(layer)
-    with warnings.catch_warnings():  # the padding of a vocabulary the devices do not divide: the command says so
-        warnings.simplefilter("ignore")
-        return VocabShard.of(weight, rank, job.schedule.devices), name
+    return _rows(job, rank, weight), name
 
 
 def _embedding_shard(job: Job, rank: int, chains: dict[int, nn.Module]) -> tuple[VocabShard, str] | None:
@@ -81,9 +79,14 @@ def _embedding_shard(job: Job, rank: int, chains: dict[int, nn.Module]) -> tuple
     if taken is None:
         return None
     name, weight, padding = taken
+    return _rows(job, rank, weight, padding), name
+
+
+def _rows(job: Job, rank: int, weight: torch.Tensor, padding: int | None = None) -> VocabShard:
+    """This rank's rows of a matrix of the vocabulary (:meth:`VocabShard.of`)."""
     with warnings.catch_warnings():  # the padding of a vocabulary the devices do not divide: the command says so
         warnings.simplefilter("ignore")
-        return VocabShard.of(weight, rank, job.schedule.devices, padding_idx=padding), name
+        return VocabShard.of(weight, rank, job.schedule.devices, padding_idx=padding)
 
 
 def microbatches(x: torch.Tensor, m: int) -> list[torch.Tensor]:
@@ -337,7 +340,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
             held_rows = [(job.extra["num_layers"] - 1, shard, shard_name)] if shard is not None else []
             held_rows += [(0, embedding, embedding_name)] if embedding is not None else []
             for layer, split, name in held_rows:
-                if split is not None and split.weight.grad is not None and split.real:
+                if split.weight.grad is not None and split.real:
                     # The rows of the matrix this rank holds, named with them (the padding left out).
                     span = f"{layer}.{name}[{split.start}:{split.start + split.real}]"
                     grads[span] = split.weight.grad[:split.real].detach().to("cpu", torch.float32, copy=True)
