@@ -380,3 +380,46 @@ def test_an_interrupt_outside_the_commands_handling_is_said_once(which: str, cod
                           timeout=60)
     assert done.stderr.strip().splitlines() == [line], done.stderr
     assert done.returncode == code
+
+
+_SIGNALLED = """
+import os, signal, sys
+import pipefold.runtime.launch.tempfolder as tempfolder
+import pipefold.cli.main as m
+from pipefold.cli import schedule_cmds
+
+def signalled(module, name):
+    real = getattr(module, name)
+    def with_a_signal(*args, **kwargs):
+        os.kill(os.getpid(), signal.{signal})  # a real signal, delivered as this start-up step runs
+        return real(*args, **kwargs)
+    setattr(module, name, with_a_signal)
+
+signalled(*{{"temporary folder": (tempfolder, "make"), "options": (m, "build_parser"),
+             "console": (m, "make_console"), "command": (schedule_cmds, "cmd_simulate"),
+             "exit": (m, "join_threads")}}["{where}"])
+sys.argv = ["pipefold", "simulate", "1f1b", "--devices", "2", "-m", "2"]
+from pipefold._entry import main
+main()
+"""
+
+
+@pytest.mark.parametrize("signal_name", ["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("where", ["temporary folder", "options", "console", "command", "exit"])
+def test_a_signal_at_any_step_of_the_start_up_is_one_line(where: str, signal_name: str, tmp_path: Path) -> None:
+    """The class of a signal that lands between two handlers: while the start-up holds signals (the temporary
+    folder is made then), as they are given back, as main reads the options and makes its console, in the command,
+    and as the command exits. Each ends the command in one line and the shell's code, and leaves no temporary
+    folder; one that lands as the command exits, after its work, changes nothing."""
+    import signal
+
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", _SIGNALLED.format(where=where, signal=signal_name)],
+                          capture_output=True, text=True, timeout=60, env=env)
+    if where == "exit":
+        assert (done.returncode, done.stderr) == (0, ""), done.stderr
+        assert "1f1b" in done.stdout
+    else:
+        assert done.stderr.strip().splitlines() == [f"pipefold simulate: interrupted ({signal_name})"], done.stderr
+        assert done.returncode == 128 + getattr(signal, signal_name)
+    assert list(tmp_path.iterdir()) == []

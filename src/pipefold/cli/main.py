@@ -108,7 +108,7 @@ def join_threads() -> None:
             thread.join()
 
 
-def entry() -> NoReturn:
+def entry(release: Callable[[], None] | None = None) -> NoReturn:
     """The ``pipefold`` command: :func:`main`, then out at once. Threads still running are waited for, output is
     flushed and exit handlers run (what multiprocessing and the library registered), as Python's own exit does;
     its teardown of the modules, most of a second with torch loaded, is skipped: nothing is left to clean up.
@@ -116,16 +116,18 @@ def entry() -> NoReturn:
     Once the command is done, SIGINT and SIGTERM are held off: a Ctrl-C as it exits changes nothing, and must not
     break into an exit handler with a traceback.
 
-    Every temporary file of the command and of the processes it starts goes in one folder, removed as it exits
-    (:mod:`pipefold.runtime.launch.tempfolder`)."""
-    import atexit
-
-    from pipefold.runtime.launch import tempfolder
-
-    with contextlib.suppress(OSError):  # no temporary folder can be made: a command that needs one says so
-        tempfolder.make()
+    ``release`` gives the signals back to their handlers, raising one that arrived while they were held: the start-up
+    before (the imports and the command's temporary folder, :mod:`pipefold._entry`) runs with them held, until this
+    ``try``, which says a signal in one line. Without it (a script of its own calling this), the temporary folder is
+    made here."""
     code = 130  # a signal that lands as main returns, after its own handling: it was interrupted
     try:
+        if release is not None:
+            release()
+        else:  # called by a script of its own, which made no folder
+            from pipefold.runtime.launch import tempfolder
+
+            tempfolder.make_if_possible()
         code = main()
     except KeyboardInterrupt as exc:
         # Outside main's own handling (while it reads the options or makes its console, or as it returns): said
@@ -146,6 +148,8 @@ def entry() -> NoReturn:
     join_threads()
     sys.stdout.flush()
     sys.stderr.flush()
+    import atexit
+
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()

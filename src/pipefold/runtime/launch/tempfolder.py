@@ -29,7 +29,7 @@ import tempfile
 
 from pipefold.runtime.socket_paths import folder_with_room
 
-__all__ = ["FOLDER", "USER_TMPDIR", "keep_compile_cache", "make", "owned_by", "remove"]
+__all__ = ["FOLDER", "USER_TMPDIR", "keep_compile_cache", "make", "make_if_possible", "owned_by", "remove"]
 
 FOLDER = "PIPEFOLD_TEMP"
 """The environment variable that names the command's folder and the process that made it: ``PID:PATH``."""
@@ -60,6 +60,12 @@ def make() -> str:
     # and fails where it is gone already).
     util.Finalize(None, remove, args=(folder,), exitpriority=-101)
     return folder
+
+
+def make_if_possible() -> None:
+    """:func:`make`, or nothing where no folder can be made: a command that needs one says so when it does."""
+    with contextlib.suppress(OSError):
+        make()
 
 
 def owned_by(pid: int) -> str | None:
