@@ -43,6 +43,11 @@ def _without_inversions(job: Job) -> Job:
     (dict(model="mlp", layers=4, hidden=64, batch=64), "1f1b", True, 2),
     (dict(model="gpt", layers=4, hidden=32, heads=2, seq=32, batch=8), "zb-h1", False, 2),
     (dict(model="gpt", layers=6, hidden=32, heads=2, seq=32, batch=8), "v-half", True, 2),
+    # The first stage's first layer reads the batch: with a split backward its output gradients come from W, and
+    # its curvature of G follows the W (a block of Linears set apart, a one-layer first stage, a V's first stage).
+    (dict(model="mlp", layers=4, hidden=32, batch=16), "zb-h1", True, 2),
+    (dict(model="mlp", layers=2, hidden=32, batch=16), "zb-h1", False, 2),
+    (dict(model="mlp", layers=4, hidden=16, batch=16), "v-half", False, 2),
 ])
 def test_kfac_matches_one_process(model: dict[str, object], schedule: str, fill: bool, ranks: int) -> None:
     config = RunSpec.flat(schedule=schedule, devices=ranks, microbatches=4, steps=1, optimizer="kfac",

@@ -490,6 +490,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --optimizer kfac: put K-FAC's curvature, inversion and preconditioning in the "
                         "schedule's bubbles, spread over steps (PipeFisher); without it they run right after the "
                         "passes they read, every step")
+    p.add_argument("--kfac-distribution", choices=["dp-kfac", "d-kfac"], default="dp-kfac",
+                   help="with --optimizer kfac and --dp 2 or more: dp-kfac (default) builds, inverts and applies each "
+                        "layer's factors on one copy, which shares the preconditioned gradient; d-kfac builds every "
+                        "factor on every copy and all-reduces them (see docs/dpkfac.md)")
     p.add_argument("--damping", type=float, default=0.1, help="K-FAC's damping (default 0.1)")
     p.add_argument("--ema", type=float, default=0.9,
                    help="K-FAC's running-average decay of the factors, 0..1 (default 0.9; 0: the newest only)")

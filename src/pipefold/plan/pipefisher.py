@@ -103,8 +103,13 @@ class _Stage:
     refreshes: int = 0
 
 
-def fill(schedule: Schedule, cost: CostModel | None = None, *, slack: float = 0.0, max_steps: int = 16) -> Filled:
+def fill(schedule: Schedule, cost: CostModel | None = None, *, slack: float = 0.0, max_steps: int = 16,
+         g_from_w: frozenset[int] = frozenset()) -> Filled:
     """Place K-FAC's work in the bubbles of ``schedule`` under ``cost`` (whose ``work`` gives its times).
+
+    ``g_from_w``: the stages whose layers get their output gradients from the microbatch's W, not its B (the first
+    stage, whose first layer reads the batch: with a split backward its B stops before that layer); their ``KG``
+    follows the W.
 
     ``slack`` lets each step grow by that fraction of the plain step (more room at the ends of the
     devices); ``max_steps`` bounds the cycle: a stage not refreshed by its last step ends its refresh
@@ -122,7 +127,7 @@ def fill(schedule: Schedule, cost: CostModel | None = None, *, slack: float = 0.
     S, M = schedule.stages, schedule.microbatches
     costs = [cost.stage_cost(s, S, schedule.devices) for s in range(S)]
     times = {(s, k): costs[s].work.get(k, 0.0) for s in range(S) for k in KFAC_KINDS}
-    ready, grads_done = _ready_times(base)
+    ready, grads_done = _ready_times(base, g_from_w)
     gaps = _gaps(base, limit)
     stages = [_Stage(schedule.device_of(s), M, M) for s in range(S)]
     steps: list[SimResult] = []
@@ -139,9 +144,10 @@ def fill(schedule: Schedule, cost: CostModel | None = None, *, slack: float = 0.
     return Filled(base, tuple(steps), counts, tuple(lates))
 
 
-def inline(schedule: Schedule, cost: CostModel | None = None) -> Filled:
+def inline(schedule: Schedule, cost: CostModel | None = None, *, g_from_w: frozenset[int] = frozenset()) -> Filled:
     """K-FAC without filling: curvature right after each pass it reads, inversion and preconditioning after the
-    step's last pass of each stage, every step (what K-FAC costs when its work waits for nobody's bubbles)."""
+    step's last pass of each stage, every step (what K-FAC costs when its work waits for nobody's bubbles).
+    ``g_from_w`` as for :func:`fill`."""
     cost = cost or CostModel()
     _check(schedule)
     rows = []
@@ -152,7 +158,7 @@ def inline(schedule: Schedule, cost: CostModel | None = None) -> Filled:
             for a in act.passes:
                 if a.kind == Kind.F:
                     out.append(KA(a.stage, a.microbatch))
-                elif a.kind in (Kind.B, Kind.BW):
+                elif a.kind == (Kind.W if a.stage in g_from_w else Kind.B) or a.kind == Kind.BW:
                     out.append(KG(a.stage, a.microbatch))
         for s in schedule.stages_of(device):
             out += [KI(s), KP(s)]
@@ -195,6 +201,8 @@ class Refill:
     """The costs the first placement used (their memory and stash stay)."""
     slack: float = 0.0
     max_steps: int = 16
+    g_from_w: frozenset[int] = frozenset()
+    """As for :func:`fill`."""
 
     def __post_init__(self) -> None:
         if self.after < 2:
@@ -205,7 +213,7 @@ class Refill:
         makes the steps that ``ran`` (each schedule with its measured seconds) last as long as they did."""
         cost = measured_cost(self.cost, times)
         cost = dataclasses.replace(cost, latency=fit_latency(cost, ran))
-        return fill(self.schedule, cost, slack=self.slack, max_steps=self.max_steps)
+        return fill(self.schedule, cost, slack=self.slack, max_steps=self.max_steps, g_from_w=self.g_from_w)
 
 
 def fit_latency(cost: CostModel, ran: Sequence[tuple[Schedule, float]]) -> float:
@@ -237,8 +245,10 @@ def _check(schedule: Schedule) -> None:
                           "whose optimizer steps after the step")
 
 
-def _ready_times(base: SimResult) -> tuple[dict[tuple[str, int, int], float], dict[int, float]]:
-    """When each (pass, stage, microbatch) that K-FAC reads has ended, and when each stage's last W has."""
+def _ready_times(base: SimResult, g_from_w: frozenset[int]) -> tuple[dict[tuple[str, int, int], float],
+                                                                     dict[int, float]]:
+    """When each (pass, stage, microbatch) that K-FAC reads has ended (``"B"``: the pass that makes the output
+    gradients, the W for a stage of ``g_from_w``), and when each stage's last W has."""
     ready: dict[tuple[str, int, int], float] = {}
     grads_done: dict[int, float] = {}
     for row in base.timeline:
@@ -246,7 +256,7 @@ def _ready_times(base: SimResult) -> tuple[dict[tuple[str, int, int], float], di
             for a in iv.action.passes:
                 if a.kind == Kind.F:
                     ready["F", a.stage, a.microbatch] = iv.end
-                if a.kind in (Kind.B, Kind.BW):
+                if a.kind == (Kind.W if a.stage in g_from_w else Kind.B) or a.kind == Kind.BW:
                     ready["B", a.stage, a.microbatch] = iv.end
                 if a.kind in (Kind.W, Kind.BW, Kind.R):
                     grads_done[a.stage] = max(grads_done.get(a.stage, 0.0), iv.end)

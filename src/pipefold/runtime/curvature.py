@@ -13,25 +13,53 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from pipefold.ir import Action, Kind
-from pipefold.runtime.kfac import KFAC, KFACConfig
+from pipefold.plan.dpkfac import Layer, sends_rows
+from pipefold.runtime.kfac import KFAC, KFACConfig, LinearFactors, gram
 from pipefold.runtime.meter import MemoryMeter
 
 KINDS = frozenset({Kind.KA, Kind.KG, Kind.KI, Kind.KP})
 """The action kinds this module runs."""
 
 
+@dataclass(frozen=True)
+class Copies:
+    """The data-parallel copies a stage's K-FAC is spread over (:mod:`pipefold.plan.dpkfac`)."""
+
+    group: Any
+    """The process group of the copies of this stage (every copy runs the same actions in the same order)."""
+    ranks: tuple[int, ...]
+    """Its members' global ranks, copy 0 first."""
+    me: int
+    """This rank's copy."""
+    distribution: str
+    """'dp-kfac' or 'd-kfac'."""
+    owners: tuple[int, ...]
+    """With DP-KFAC, the copy that owns each of the stage's K-FAC layers."""
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
 class StageCurvature:
     """K-FAC of one stage module, fed per microbatch."""
 
-    def __init__(self, module: nn.Module, config: KFACConfig, microbatches: int) -> None:
+    def __init__(self, module: nn.Module, config: KFACConfig, microbatches: int, copies: Copies | None = None) -> None:
         self.kfac = KFAC(module, config)
         self.microbatches = microbatches
+        self.copies = copies
+        if copies is not None and copies.distribution == "dp-kfac" and len(copies.owners) != len(self.kfac.layers):
+            raise ValueError(f"{len(copies.owners)} owners for {len(self.kfac.layers)} K-FAC layers")
+        self.sent: dict[str, float] = {}
+        """Bytes this rank put into K-FAC's collectives, by what they carried (the names of
+        :attr:`pipefold.plan.dpkfac.PerCopy.sent`)."""
         self.meter = MemoryMeter()
         self.want_a: set[int] = set()
         self.want_g: set[int] = set()
@@ -97,31 +125,108 @@ class StageCurvature:
 
     def run(self, action: Action) -> None:
         mb = action.microbatch
+        spread = self.copies is not None and self.copies.distribution == "dp-kfac"
         if action.kind == Kind.KA:
             self.want_a.discard(mb)
             # A stage may have no layer K-FAC takes (an embedding alone): nothing was kept for it.
             none: list[torch.Tensor | None] = [None] * len(self.kfac.layers)
-            for factors, a in zip(self.kfac.layers, self._a.pop(mb, none), strict=True):
-                if a is not None:
+            for i, (factors, a) in enumerate(zip(self.kfac.layers, self._a.pop(mb, none), strict=True)):
+                if a is None:
+                    continue
+                if spread:
+                    self._to_owner(i, factors.a_rows(a), "A")
+                else:
                     factors.add_a(a)
         elif action.kind == Kind.KG:
             self.want_g.discard(mb)
             none = [None] * len(self.kfac.layers)
-            for factors, g in zip(self.kfac.layers, self._g.pop(mb, none), strict=True):
-                if g is not None:
-                    # The backward's gradient is that of (mean over the g's rows) / microbatches: scaled back
-                    # to each row's own loss gradient.
-                    rows = g.numel() // g.shape[-1]
-                    factors.add_g(g, scale=float(self.microbatches * rows))
+            for i, (factors, g) in enumerate(zip(self.kfac.layers, self._g.pop(mb, none), strict=True)):
+                if g is None:
+                    continue
+                # The backward's gradient is that of (mean over the g's rows) / microbatches: scaled back to each
+                # row's own loss gradient.
+                scale = float(self.microbatches * (g.numel() // g.shape[-1]))
+                if spread:
+                    self._to_owner(i, factors.g_rows(g, scale), "G")
+                else:
+                    factors.add_g(g, scale=scale)
         elif action.kind == Kind.KI:
-            self.kfac.invert()
+            if self.copies is not None and not spread:
+                self._all_reduce_sums()
+            self.kfac.invert()  # with DP-KFAC, a layer another copy owns has no sums here: nothing to invert
         else:
             if self.record:
                 self.raw = {id(f.layer.weight): f.layer.weight.grad.clone() for f in self.kfac.layers
                             if f.layer.weight.grad is not None}
                 self.raw.update({id(f.layer.bias): f.layer.bias.grad.clone() for f in self.kfac.layers
                                  if f.layer.bias is not None and f.layer.bias.grad is not None})
-            self.kfac.precondition()
+            self.kfac.precondition()  # with DP-KFAC, the layers this copy owns (the others have no inverses here)
+            if spread:
+                self._broadcast_preconditioned()
+
+    def _to_owner(self, index: int, rows: torch.Tensor, which: str) -> None:
+        """DP-KFAC: one microbatch's ``rows`` of factor ``which`` of layer ``index``, from every copy to the layer's
+        owner, which adds them to its sum: the rows themselves where they are fewer bytes than their factor, else
+        the factor of each copy's rows, summed as they travel (a reduce)."""
+        import torch.distributed as dist
+
+        copies = self.copies
+        assert copies is not None
+        owner = copies.owners[index]
+        factors = self.kfac.layers[index]
+        mine = owner == copies.me
+        rows = rows.contiguous()
+        width = rows.shape[1]
+        layer = Layer(inputs=width, outputs=width, rows=rows.shape[0])  # one factor: its width is what counts
+        add = factors.add_a_gram if which == "A" else factors.add_g_gram
+        if sends_rows(layer, "A"):
+            parts = [torch.empty_like(rows) for _ in range(copies.size)] if mine else None
+            dist.gather(rows, parts, dst=copies.ranks[owner], group=copies.group)
+            if parts is not None:
+                every = torch.cat(parts)
+                add(gram(every), every.shape[0])
+            else:
+                self._count("rows", rows)
+        else:
+            product = gram(rows)
+            dist.reduce(product, dst=copies.ranks[owner], group=copies.group)
+            if mine:
+                add(product, rows.shape[0] * copies.size)  # every copy's microbatch has as many rows
+            else:
+                self._count("rows", product)
+
+    def _all_reduce_sums(self) -> None:
+        """D-KFAC: every layer's factor sums since the last inversion, summed over the copies (and their rows)."""
+        import torch.distributed as dist
+
+        copies = self.copies
+        assert copies is not None
+        ring = 2.0 * (copies.size - 1) / copies.size
+        for f in self.kfac.layers:
+            for name in ("_a_sum", "_g_sum"):
+                total = getattr(f, name)
+                if total is not None:
+                    dist.all_reduce(total, group=copies.group)
+                    self._count("factors", total, ring)
+            f._a_rows *= copies.size
+            f._g_rows *= copies.size
+
+    def _broadcast_preconditioned(self) -> None:
+        """DP-KFAC: each layer's preconditioned gradient, from its owner to the other copies."""
+        import torch.distributed as dist
+
+        copies = self.copies
+        assert copies is not None
+        share = (copies.size - 1) / copies.size
+        for f, owner in zip(self.kfac.layers, copies.owners, strict=True):
+            for p in (f.layer.weight, f.layer.bias):
+                if p is None or p.grad is None:
+                    continue
+                dist.broadcast(p.grad, src=copies.ranks[owner], group=copies.group)
+                self._count("preconditioned", p.grad, share)
+
+    def _count(self, what: str, tensor: torch.Tensor, share: float = 1.0) -> None:
+        self.sent[what] = self.sent.get(what, 0.0) + share * tensor.numel() * tensor.element_size()
 
 
 class RankCurvature:
@@ -147,6 +252,14 @@ class RankCurvature:
 
     def state_bytes(self) -> int:
         return sum(c.kfac.state_bytes() for c in self.stages.values())
+
+    def sent(self) -> dict[str, float]:
+        """Bytes this rank put into K-FAC's collectives so far, by what they carried (:attr:`StageCurvature.sent`)."""
+        out: dict[str, float] = {}
+        for c in self.stages.values():
+            for k, v in c.sent.items():
+                out[k] = out.get(k, 0.0) + v
+        return out
 
     def state(self) -> list[torch.Tensor]:
         """Every stage's factors, inverses and sums: K-FAC's state, kept from step to step."""
@@ -187,8 +300,9 @@ def measure(stages: Sequence[nn.Module], sample: torch.Tensor | Sequence[torch.T
     """Time each stage's passes and K-FAC work on one sample microbatch, on one thread as a rank runs.
 
     Per stage: ``f``, ``b``, ``w``, a fused backward's ``bw`` and the ``work`` of KA, KG, KI and KP in seconds
-    (medians of ``repeats`` runs after a warm-up), ``memory`` (bytes one microbatch holds after its F) and the
-    ``stash`` of KA and KG (bytes of its layer inputs and output gradients).
+    (medians of ``repeats`` runs after a warm-up), ``memory`` (bytes one microbatch holds after its F), the
+    ``stash`` of KA and KG (bytes of its layer inputs and output gradients) and ``layers``, each K-FAC layer's own
+    seconds of one microbatch's factors, an inversion and a preconditioning (:func:`layer_seconds`).
     """
     import statistics
     import time
@@ -216,6 +330,8 @@ def measure(stages: Sequence[nn.Module], sample: torch.Tensor | Sequence[torch.T
                 t: dict[str, float] = {"F": f, "B": b, "W": w}
                 memory = max(memory, runner.memory_f)
                 stash_a, stash_g = curv.kept_bytes(k)
+                kept = curv._a.get(k) or [None] * len(curv.kfac.layers)
+                rows = [0 if a is None else a.numel() // a.shape[-1] for a in kept]
                 for kind in (Kind.KA, Kind.KG, Kind.KI, Kind.KP):
                     t0 = time.perf_counter()
                     curv.run(Action(s, kind, k if kind in (Kind.KA, Kind.KG) else -1))
@@ -224,6 +340,7 @@ def measure(stages: Sequence[nn.Module], sample: torch.Tensor | Sequence[torch.T
                     runs.append(t)
                 for p in runner.params:
                     p.grad = None
+            layers = [layer_seconds(f.layer, n, config, repeats) for f, n in zip(curv.kfac.layers, rows, strict=True)]
             curv.close()
             # The fused backward a BW schedule runs instead of B and W (K-FAC's work is timed on its own).
             fused = [run_passes(runner, repeats + 1 + k, x, target, scale=1.0 / microbatches, fused=True)[0][1]
@@ -234,8 +351,32 @@ def measure(stages: Sequence[nn.Module], sample: torch.Tensor | Sequence[torch.T
             out.append({"f": med["F"], "b": med["B"], "w": med["W"], "bw": statistics.median(fused[1:]),
                         "memory": memory,
                         "work": {k: med[k] for k in (Kind.KA, Kind.KG, Kind.KI, Kind.KP)},
-                        "stash": {Kind.KA: stash_a, Kind.KG: stash_g}})
+                        "stash": {Kind.KA: stash_a, Kind.KG: stash_g}, "layers": layers})
             x = tuple(t.detach() for t in h) if s < last else x
         return out
     finally:
         torch.set_num_threads(threads)
+
+
+def layer_seconds(layer: nn.Linear, rows: int, config: KFACConfig, repeats: int = 3) -> float:
+    """Seconds of one layer's K-FAC with ``rows`` rows per microbatch: both factors of one microbatch, the two
+    inversions and one preconditioning (the median of ``repeats`` after a warm-up), on the layer's device, with
+    data of the shapes it will have (the work depends on the shapes alone)."""
+    import statistics
+    import time
+
+    weight = layer.weight
+    factors = LinearFactors(layer)
+    a = torch.randn(max(rows, 1), layer.in_features, device=weight.device)
+    g = torch.randn(max(rows, 1), layer.out_features, device=weight.device)
+    grad = torch.randn(layer.out_features, layer.in_features + (layer.bias is not None), device=weight.device)
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        factors.add_a(a)
+        factors.add_g(g, 1.0)
+        factors.invert(config)
+        assert factors.G_inv is not None and factors.A_inv is not None
+        _ = factors.G_inv @ grad @ factors.A_inv
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])

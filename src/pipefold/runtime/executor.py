@@ -795,6 +795,12 @@ class RankExecutor:
     def _work(self, action: Action, step: _Step) -> None:
         """K-FAC's work (KA, KG, KI, KP)."""
         assert self.work is not None
+        if action.kind == Kind.KP and action.stage in self._reductions:
+            # The gradient it preconditions is the all-reduced one, which the reduction writes back as it ends.
+            self.activity.wait(str(action), f"the all-reduce of stage {action.stage}", self._reduce_ranks(action.stage))
+            for work in self._reductions.pop(action.stage, ()):
+                work.wait()
+            self.activity.resume(str(action))
         start = step.clock.mark()
         self.work.run(action)
         step.clock.interval(step.stats.events, str(action), action.kind, start)

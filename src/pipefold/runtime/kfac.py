@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from pipefold.errors import ConfigError
 
-__all__ = ["KFAC", "KFACConfig", "LinearFactors", "dense_fisher_block"]
+__all__ = ["KFAC", "KFACConfig", "LinearFactors", "dense_fisher_block", "gram"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,15 +29,22 @@ class KFACConfig:
     """Tikhonov damping lambda of the Fisher block, split between the two factors (pi-corrected, see below)."""
     ema: float = 0.0
     """Running-average decay of the factors: at each inversion, factor <- ema*old + (1-ema)*new (0: the newest only)."""
+    distribution: str = "dp-kfac"
+    """Over data-parallel copies: 'dp-kfac' (each layer's factors built, inverted and applied by one copy) or
+    'd-kfac' (every copy builds every factor, all-reduced); see :mod:`pipefold.plan.dpkfac`."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.damping, int | float) and math.isfinite(self.damping) and self.damping > 0):
             raise ConfigError(f"damping must be a finite number > 0, e.g. 1e-3 (got {self.damping!r})")
         if not (isinstance(self.ema, int | float) and 0 <= self.ema < 1):
             raise ConfigError(f"ema must be a number with 0 <= ema < 1, e.g. 0.95 (got {self.ema!r})")
+        from pipefold.plan.dpkfac import DISTRIBUTIONS
+
+        if self.distribution not in DISTRIBUTIONS:
+            raise ConfigError(f"unknown K-FAC distribution {self.distribution!r}: use {' or '.join(DISTRIBUTIONS)}")
 
 
-def _gram(x: Tensor) -> Tensor:
+def gram(x: Tensor) -> Tensor:
     """``x^T x`` in float32 at least, so that low-precision inputs do not lose the sum."""
     x = x.detach().to(torch.promote_types(x.dtype, torch.float32))
     return x.T @ x
@@ -80,19 +87,18 @@ class LinearFactors:
         self._a_rows = 0
         self._g_rows = 0
 
-    def add_a(self, a: Tensor) -> None:
-        """Add the layer's input ``a`` of shape ``(..., d_in)`` to the A sum, one row per leading index."""
+    def a_rows(self, a: Tensor) -> Tensor:
+        """The rows of the layer's input ``a`` of shape ``(..., d_in)`` that ``A`` sums: one per leading index, with
+        a trailing 1 where the layer has a bias."""
         if a.shape[-1] != self.layer.in_features:
             raise ValueError(f"input has {a.shape[-1]} features, layer takes {self.layer.in_features}")
         rows = a.detach().reshape(-1, a.shape[-1])
         if self.layer.bias is not None:
             rows = torch.cat([rows, rows.new_ones(rows.shape[0], 1)], dim=1)
-        gram = _gram(rows)
-        self._a_sum = gram if self._a_sum is None else self._a_sum.add_(gram)
-        self._a_rows += rows.shape[0]
+        return rows
 
-    def add_g(self, g: Tensor, scale: float) -> None:
-        """Add ``scale * g`` (``g``: the loss gradient w.r.t. the output, ``(..., d_out)``) to the G sum.
+    def g_rows(self, g: Tensor, scale: float) -> Tensor:
+        """The rows ``scale * g`` that ``G`` sums (``g``: the loss gradient w.r.t. the output, ``(..., d_out)``).
 
         ``scale`` makes ``scale * g`` the per-row gradient: for a loss that is a mean over n rows and then
         divided by M microbatches, ``scale = M * n``.
@@ -100,9 +106,27 @@ class LinearFactors:
         if g.shape[-1] != self.layer.out_features:
             raise ValueError(f"output gradient has {g.shape[-1]} features, layer gives {self.layer.out_features}")
         rows = g.detach().reshape(-1, g.shape[-1])
-        gram = _gram(rows) * (scale * scale)
-        self._g_sum = gram if self._g_sum is None else self._g_sum.add_(gram)
-        self._g_rows += rows.shape[0]
+        return rows.to(torch.promote_types(rows.dtype, torch.float32)) * scale
+
+    def add_a(self, a: Tensor) -> None:
+        """Add the layer's input ``a`` of shape ``(..., d_in)`` to the A sum, one row per leading index."""
+        rows = self.a_rows(a)
+        self.add_a_gram(gram(rows), rows.shape[0])
+
+    def add_g(self, g: Tensor, scale: float) -> None:
+        """Add ``scale * g`` (see :meth:`g_rows`) to the G sum."""
+        rows = self.g_rows(g, scale)
+        self.add_g_gram(gram(rows), rows.shape[0])
+
+    def add_a_gram(self, product: Tensor, rows: int) -> None:
+        """Add ``rows`` rows' ``x^T x`` (:func:`gram`) to the A sum."""
+        self._a_sum = product if self._a_sum is None else self._a_sum.add_(product)
+        self._a_rows += rows
+
+    def add_g_gram(self, product: Tensor, rows: int) -> None:
+        """Add ``rows`` rows' ``x^T x`` (:func:`gram`) to the G sum."""
+        self._g_sum = product if self._g_sum is None else self._g_sum.add_(product)
+        self._g_rows += rows
 
     def invert(self, config: KFACConfig) -> None:
         """Fold the sums into the running factors, then recompute the damped inverses when both factors exist.

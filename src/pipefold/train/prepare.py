@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from pipefold.errors import ConfigError
-from pipefold.ir import Schedule
+from pipefold.ir import Kind, Schedule
 from pipefold.models import REGISTRY, Model, split_layers
 from pipefold.plan.recompute import RecomputePlan, plan_recompute
 from pipefold.runtime.launch.checkpoint import Checkpointing
@@ -97,14 +97,15 @@ def make_job(spec: RunSpec, *, decided: Decisions | None = None, placed: Any = N
     cycle: tuple[Schedule, ...] = ()
     refill = None
     if kfac is not None:
-        filled = placed or _kfac_cycle(spec, schedule, layer_stages, model, kfac)
+        filled = placed or _kfac_cycle(spec, schedule, layer_stages, model, kfac, extra)
         cycle = filled.cycle
         schedule, extra["pipefisher"] = cycle[0], filled
         if spec.optimizer.fill_bubbles:
             # The gaps of the step the ranks really run: placed again from their own times after the first cycle.
             from pipefold.plan.pipefisher import Refill
 
-            refill = Refill(after=len(cycle) + 1, schedule=filled.base.schedule, cost=filled.base.cost)
+            refill = Refill(after=len(cycle) + 1, schedule=filled.base.schedule, cost=filled.base.cost,
+                            g_from_w=extra.get("kfac_g_from_w", frozenset()))
     if spec.memory.activation_share:
         schedule, extra["offload_activations"] = _offload_activations(schedule, spec.memory.activation_share)
     if spec.parallel.cp > 1:
@@ -120,8 +121,10 @@ def make_job(spec: RunSpec, *, decided: Decisions | None = None, placed: Any = N
     if spec.parallel.copies > 1:
         from pipefold.schedules.dataparallel import with_data_parallel
 
-        # Each stage's gradients averaged across the pipelines; with FSDP, each stage sharded across them.
+        # Each stage's gradients averaged across the pipelines; with FSDP, each stage sharded across them; K-FAC's
+        # every schedule of its cycle.
         schedule = with_data_parallel(schedule, shard=spec.parallel.fsdp)
+        cycle = tuple(with_data_parallel(each, shard=spec.parallel.fsdp) for each in cycle)
     tp_plan: dict[int, dict[str, str]] = {}
     for degree in sorted(set(spec.parallel.degrees(schedule.devices)) - {1}):  # each degree checked against the model
         tp_plan = model.tp_plans(degree, spec.parallel.sequence_parallel)
@@ -325,22 +328,49 @@ def _stages(layer_stages: tuple[tuple[int, ...], ...], model: Model) -> list[Cha
 
 
 def _kfac_cycle(spec: RunSpec, schedule: Schedule, layer_stages: tuple[tuple[int, ...], ...], model: Model,
-                kfac: Any) -> Any:
+                kfac: Any, extra: dict[str, Any]) -> Any:
     """Measure every stage's passes and K-FAC work on the first microbatch, then place the work: in the bubbles of
-    the simulated step (``fill_bubbles``), or right after the passes it reads."""
+    the simulated step (``fill_bubbles``), or right after the passes it reads. With DP-KFAC over data-parallel
+    copies, each device's layers go to the copies by their measured seconds (``extra["kfac_owners"]``, per stage
+    the copy of each of its K-FAC layers)."""
     from pipefold.plan import pipefisher
     from pipefold.runtime.curvature import measure
     from pipefold.sim.simulate import CostModel, StageOverride
 
     x, y = _first_microbatch(spec, model)
-    rows = measure(_stages(layer_stages, model), x, y, model.loss, microbatches=spec.schedule.microbatches,
+    stages = _stages(layer_stages, model)
+    rows = measure(stages, x, y, model.loss, microbatches=spec.schedule.microbatches,
                    config=kfac)
+    if spec.parallel.copies > 1 and kfac.distribution == "dp-kfac":
+        extra["kfac_owners"] = _kfac_owners(schedule, [r["layers"] for r in rows], spec.parallel.copies)
     cost = CostModel(stage_overrides={s: StageOverride(f=r["f"], b=r["b"], w=r["w"], bw=r["bw"],
                                                        memory=float(r["memory"]),
                                                        work=r["work"], stash={k: float(v) for k, v in
                                                                               r["stash"].items()})
                                       for s, r in enumerate(rows)})
-    return pipefisher.fill(schedule, cost) if spec.optimizer.fill_bubbles else pipefisher.inline(schedule, cost)
+    # The first stage's first layer reads the batch: with a split backward its output gradients come from W.
+    first = next(iter(stages[0].children()))
+    splits = any(a.kind == Kind.W and a.stage == 0 for row in schedule.actions for a in row)
+    late = frozenset({0}) if splits and any(isinstance(m, torch.nn.Linear) for m in first.modules()) else frozenset()
+    extra["kfac_g_from_w"] = late
+    if spec.optimizer.fill_bubbles:
+        return pipefisher.fill(schedule, cost, g_from_w=late)
+    return pipefisher.inline(schedule, cost, g_from_w=late)
+
+
+def _kfac_owners(schedule: Schedule, seconds: list[list[float]], copies: int) -> dict[int, tuple[int, ...]]:
+    """Per stage, the copy that owns each of its K-FAC layers: each device's layers (of all its stages) balanced
+    over the copies by their measured ``seconds`` (:func:`pipefold.plan.dpkfac.assign`)."""
+    from pipefold.plan.dpkfac import assign
+
+    owners: dict[int, tuple[int, ...]] = {}
+    for device in range(schedule.devices):
+        stages = schedule.stages_of(device)
+        flat = assign([t for s in stages for t in seconds[s]], copies)
+        at = 0
+        for s in stages:
+            owners[s], at = flat[at:at + len(seconds[s])], at + len(seconds[s])
+    return owners
 
 
 def _plan_recompute(spec: RunSpec, schedule: Schedule, layer_stages: tuple[tuple[int, ...], ...],

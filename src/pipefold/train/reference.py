@@ -68,7 +68,7 @@ def reference_kfac(job: Job, steps: int, reports: list[RankReport] | None = None
     inversions and preconditioning where the job's cycle of schedules puts them (and, with the run's
     ``reports``, the cycles its rank 0 placed again as it ran), then the same optimizer. Returns the weights,
     named as ``RankReport.weights``."""
-    from pipefold.ir import Kind
+    from pipefold.ir import Action, Kind
     from pipefold.runtime.curvature import StageCurvature
     from pipefold.runtime.launch.settings import OPTIMIZERS
     from pipefold.runtime.meter import MemoryMeter
@@ -77,7 +77,10 @@ def reference_kfac(job: Job, steps: int, reports: list[RankReport] | None = None
     n = job.extra["num_layers"]
     layers = job.build_layers(list(range(n)))
     stages = [Chain(*(layers[i] for i in part)) for part in job.layer_stages]
-    m = job.schedule.microbatches
+    # The data-parallel copies' microbatches, in order (copy c's j-th is the batch's (c * m + j)-th): one process
+    # builds every factor from all of them, as D-KFAC's all-reduce and DP-KFAC's owners do.
+    per_copy, dp = job.schedule.microbatches, job.parallel.dp
+    m = per_copy * dp
     curv = [StageCurvature(stage, job.optimizer.kfac, m) for stage in stages]
     params = [p for i in range(n) for p in layers[i].parameters()]
     opt = OPTIMIZERS["kfac"](params, lr=job.optimizer.lr)
@@ -89,7 +92,9 @@ def reference_kfac(job: Job, steps: int, reports: list[RankReport] | None = None
         first, cycle = max((c for c in cycles if c[0] <= step), key=lambda c: c[0])
         schedule = cycle[(step - first) % len(cycle)]
         # Each stage's K-FAC actions in its device's order (the schedule orders them the same way on every run).
-        work = [[a for a in schedule.actions[schedule.device_of(s)] if a.stage == s and a.kind in kinds]
+        work = [[Action(a.stage, a.kind, c * per_copy + a.microbatch) if a.kind in (Kind.KA, Kind.KG) else a
+                 for a in schedule.actions[schedule.device_of(s)] if a.stage == s and a.kind in kinds
+                 for c in (range(dp) if a.kind in (Kind.KA, Kind.KG) else (0,))]
                 for s in range(len(stages))]
         for s, c in enumerate(curv):
             c.begin(work[s], s, MemoryMeter())

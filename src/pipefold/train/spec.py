@@ -317,8 +317,11 @@ _PLANNED = ("schedule", "devices", "microbatches", "model", "model_config", "lay
 
 
 RULES: tuple[Applies, ...] = (
-    Applies(("damping", "ema", "fill_bubbles"), lambda s: s.optimizer.name == "kfac",
+    Applies(("damping", "ema", "fill_bubbles", "kfac_distribution"), lambda s: s.optimizer.name == "kfac",
             "{option} tunes K-FAC: add --optimizer kfac, or drop it"),
+    Applies(("kfac_distribution",), lambda s: s.parallel.dp > 1,
+            "{option} spreads K-FAC's work over data-parallel copies, and --dp 1 has one: give --dp 2 or more, or drop "
+            "it"),
     Applies(("adapt_every",), lambda s: s.schedule.adaptive,
             "{option} spaces adaptive-kfkb's choices of k: use --schedule adaptive-kfkb, or drop it"),
     Applies(("heads", "seq", "data", "vocab_size"), lambda s: s.model.sequences,

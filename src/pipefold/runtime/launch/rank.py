@@ -191,7 +191,9 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
         from pipefold.runtime.curvature import RankCurvature, StageCurvature
 
         m = job.schedule.microbatches
-        work = RankCurvature({s: StageCurvature(mod, job.optimizer.kfac, m) for s, mod in modules.items()})
+        spread = _kfac_copies(job, global_rank) if job.parallel.copies > 1 else {}
+        work = RankCurvature({s: StageCurvature(mod, job.optimizer.kfac, m, spread.get(s))
+                              for s, mod in modules.items()})
     # The one way a schedule runs (the same object a user's script steps through pipefold.Pipeline): an executor
     # per schedule of ``choices``, made the first time it runs, over the same modules and parameters.
     pipe = RankPipeline(
@@ -385,11 +387,15 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
         if job.refill is not None and step + 1 == job.refill.after and step + 1 < job.steps:
             timed = unchecked(learning, [st.checked for st, _ in learning])
             activity.wait("placing K-FAC's work again", "every rank's times", everyone, action=False)
-            filled = _refill(job.refill, [st for st, _ in timed], [ran for _, ran in timed], rank, world)
+            filled = _refill(job.refill, [st for st, _ in timed], [ran for _, ran in timed], global_rank, world)
             learning.clear()
             choices, cycle_from = filled.cycle, step + 1
+            if job.parallel.copies > 1:  # each stage's gradients averaged across the copies, as in the first cycle
+                from pipefold.schedules.dataparallel import with_data_parallel
+
+                choices = tuple(with_data_parallel(each, shard=job.parallel.fsdp) for each in choices)
             pipe.switch(choices)
-            if rank == 0:
+            if global_rank == 0:
                 decisions.append((step + 1, filled))
         adaptive = job.adaptive
         if adaptive is not None and (step + 1) % adaptive.every == 0 and step + 1 < job.steps:
@@ -397,11 +403,11 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
             plain = unchecked(list(recent), [st.checked for st in recent])
             summary = adaptive.summarize(plain, _static_bytes(params, optimizers))
             activity.wait("choosing the next schedule", "every rank's summary", everyone, action=False)
-            gathered: list[Any] = [None] * world if rank == 0 else []
-            dist.gather_object(summary, gathered if rank == 0 else None, dst=0)
-            choice = adaptive.decide(current, gathered) if rank == 0 else None
+            gathered: list[Any] = [None] * world if global_rank == 0 else []
+            dist.gather_object(summary, gathered if global_rank == 0 else None, dst=0)
+            choice = adaptive.decide(current, gathered) if global_rank == 0 else None
             current, predicted, record = agree(choice)  # every rank switches at the same step boundary
-            if rank == 0:
+            if global_rank == 0:
                 decisions.append((step + 1, record))
         if checkpointing is not None and checkpointing.due(step + 1, job.steps):
             from pipefold.runtime.launch import checkpoint
@@ -465,6 +471,29 @@ def _mesh(job: Job, device_type: str, rank: int) -> tuple[Any, Any]:
         return both["dp"], both["tp"]
     return (None if dp_group is None else DeviceMesh.from_group(dp_group, device_type, mesh_dim_names=("dp",)),
             None if tp_group is None else DeviceMesh.from_group(tp_group, device_type, mesh_dim_names=("tp",)))
+
+
+def _kfac_copies(job: Job, rank: int) -> dict[int, Any]:
+    """K-FAC's data-parallel copies of each stage of global ``rank``'s device (:class:`~pipefold.runtime.curvature.
+    Copies`): a process group of their own per device (its collectives never queue behind the gradients'
+    all-reduce), which every rank makes, in the same order, as torch.distributed requires; with DP-KFAC, the
+    owner of each layer (``job.extra["kfac_owners"]``, decided where the job was made)."""
+    from pipefold.runtime.curvature import Copies
+
+    assert job.optimizer.kfac is not None
+    meshes, dp = job.meshes(), job.parallel.copies
+    copy, device, _ = job.coords(rank)
+    mine: Any = None
+    ranks: tuple[int, ...] = ()
+    for p in range(len(job.degrees)):
+        members = [meshes[d][p][0] for d in range(dp)]
+        group = dist.new_group(members)
+        if p == device:
+            mine, ranks = group, tuple(members)
+    distribution = job.optimizer.kfac.distribution
+    owners = job.extra.get("kfac_owners", {})
+    return {s: Copies(group=mine, ranks=ranks, me=copy, distribution=distribution, owners=tuple(owners.get(s, ())))
+            for s in job.schedule.stages_of(device)}
 
 
 def _cp_group(job: Job, rank: int) -> Any:

@@ -86,6 +86,9 @@ class Optimizer:
     fill_bubbles: bool = False
     """With K-FAC: put its work in the schedule's bubbles, spread over steps (PipeFisher); without, it runs right
     after the passes it reads, every step."""
+    kfac_distribution: str = "dp-kfac"
+    """With K-FAC over data-parallel copies: 'dp-kfac' (each layer's factors built, inverted and applied by one
+    copy) or 'd-kfac' (every copy builds every factor; the copies all-reduce them); see docs/dpkfac.md."""
 
     def __post_init__(self) -> None:
         if not callable(self.name) and self.name not in OPTIMIZERS:
@@ -105,7 +108,7 @@ class Optimizer:
             return None
         from pipefold.runtime.kfac import KFACConfig
 
-        return KFACConfig(damping=self.damping, ema=self.ema)
+        return KFACConfig(damping=self.damping, ema=self.ema, distribution=self.kfac_distribution)
 
     @property
     def state_factor(self) -> float:
@@ -316,15 +319,21 @@ def check_together(parallel: Parallel, optimizer: Optimizer, *, adaptive: bool, 
         raise ConfigError("--fsdp shards the optimizer state already: drop --zero1")
     if parallel.zero1 and parallel.copies < 2:
         raise ConfigError("ZeRO-1 shards the optimizer state across data-parallel pipelines: it needs --dp 2 or more")
-    # What neither layout of several copies runs with yet, tensor parallelism named first.
-    unsupported = [what for what, on in (("--optimizer kfac", optimizer.name == "kfac"),
-                                         ("--schedule adaptive-kfkb", adaptive), ("--network", network),
-                                         ("--netns", netns), ("--offload", offload)) if on]
+    # What neither layout of several copies runs with yet, tensor parallelism named first (data-parallel copies run
+    # K-FAC: DP-KFAC or D-KFAC).
+    kfac = optimizer.name == "kfac"
     for on, layout, flag in ((parallel.tensor_parallel, f"tensor parallelism (--tp {parallel.tp_text}) does", "--tp"),
                              (parallel.dp > 1, f"data-parallel pipelines (--dp {parallel.dp}) do", "--dp"),
                              (parallel.cp > 1, f"context parallelism (--cp {parallel.cp}) does", "--cp")):
+        unsupported = [what for what, on in (("--optimizer kfac", kfac and flag != "--dp"),
+                                             ("--schedule adaptive-kfkb", adaptive), ("--network", network),
+                                             ("--netns", netns), ("--offload", offload)) if on]
         if on and unsupported:
             raise ConfigError(f"{layout} not run with {unsupported[0]} yet: use {flag} 1 with it")
+    if kfac and (parallel.fsdp or parallel.zero1):
+        flag = "--fsdp" if parallel.fsdp else "--zero1"
+        raise ConfigError(f"K-FAC over data-parallel copies preconditions whole gradients and steps a whole optimizer, "
+                          f"and {flag} shards them: drop {flag} with --optimizer kfac")
     if parallel.cp > 1 and parallel.tensor_parallel:
         raise ConfigError(f"context parallelism (--cp {parallel.cp}) does not run with tensor parallelism (--tp "
                           f"{parallel.tp_text}) yet: use --cp 1 or --tp 1")

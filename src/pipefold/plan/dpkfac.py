@@ -1,0 +1,134 @@
+"""K-FAC over data-parallel copies: which copy owns each layer's factors (DP-KFAC), and what each copy computes,
+sends and holds per second-order update, against D-KFAC where every copy builds every factor.
+
+A Linear layer with ``a`` input features (``+1`` with a bias) and ``g`` output features has the factors
+``A`` (``a x a``) and ``G`` (``g x g``), built from the rows of its inputs and output gradients.
+
+- **D-KFAC** (``d-kfac``): every copy builds both factors of every layer from its own rows, the copies all-reduce
+  the factors' sums, and every copy inverts every layer and preconditions every gradient.
+- **DP-KFAC** (``dp-kfac``): each layer has one owner copy (:func:`assign`, balanced by the layer's cost). Its
+  factors are built there from every copy's rows: the other copies send the owner their rows, or, where the rows
+  are more bytes than the factor (more rows than features), the factor of their rows (a reduce to the owner). Only
+  the owner inverts the layer and preconditions its gradient (after the gradient's all-reduce), then broadcasts the
+  preconditioned gradient: ``a x g`` numbers, fewer than the two inverses' ``a^2 + g^2`` for every shape
+  (``2ag <= a^2 + g^2``), so the gradient is what travels, never the inverses. The factors are those of D-KFAC (the
+  same rows summed), so the updates are the same.
+
+:func:`predict` gives, per copy, the floating-point work, the bytes each collective carries and the K-FAC state
+held, by the closed forms below; the runtime counts the same quantities as it runs (``runtime.curvature``), and
+``benchmarks/bench_dpkfac.py`` sets the two side by side.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pipefold.errors import ConfigError
+
+__all__ = ["DISTRIBUTIONS", "Layer", "PerCopy", "assign", "layer_cost", "predict", "sends_rows"]
+
+DISTRIBUTIONS = ("dp-kfac", "d-kfac")
+"""How K-FAC's work is spread over data-parallel copies: each layer on one copy, or every layer on every copy."""
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One Linear layer as K-FAC sees it."""
+
+    inputs: int
+    """Columns of ``A``: the input features, plus one with a bias."""
+    outputs: int
+    """Columns of ``G``: the output features."""
+    rows: int
+    """Rows of one microbatch's inputs (and output gradients) on one copy: tokens or samples."""
+
+
+def layer_cost(layer: Layer, updates: int = 1) -> float:
+    """The floating-point work of one layer's K-FAC per second-order update with ``updates`` microbatches of
+    curvature: the factors' products (``2 r a^2 + 2 r g^2`` per microbatch), the two Cholesky inversions
+    (about ``a^3 + g^3`` each way, ``2(a^3 + g^3)``) and the preconditioning's two products (``2ag(a + g)``)."""
+    a, g, r = layer.inputs, layer.outputs, layer.rows
+    return updates * 2.0 * r * (a * a + g * g) + 2.0 * (a ** 3 + g ** 3) + 2.0 * a * g * (a + g)
+
+
+def assign(costs: Sequence[float], copies: int) -> tuple[int, ...]:
+    """The copy that owns each layer: the costliest first, each to the copy with the least work so far (ties to the
+    lowest copy), so that the largest share is at most the average plus one layer's cost."""
+    if copies < 2:
+        raise ConfigError(f"DP-KFAC spreads K-FAC's layers over data-parallel copies: give --dp 2 or more "
+                          f"(got {copies}), or use --kfac-distribution d-kfac")
+    load = [0.0] * copies
+    owner = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        c = min(range(copies), key=lambda c: (load[c], c))
+        owner[i] = c
+        load[c] += costs[i]
+    return tuple(owner)
+
+
+def sends_rows(layer: Layer, which: str) -> bool:
+    """Whether a copy sends its rows of factor ``which`` ('A' or 'G') to the owner (fewer bytes than the factor:
+    fewer rows than columns) rather than the factor of its rows."""
+    width = layer.inputs if which == "A" else layer.outputs
+    return layer.rows < width
+
+
+@dataclass(frozen=True)
+class PerCopy:
+    """One copy's share of a second-order update (one refresh of every factor and one preconditioning)."""
+
+    flops: float
+    """Floating-point work of its K-FAC."""
+    sent: dict[str, float]
+    """Bytes it puts into each kind of collective: 'factors' (D-KFAC's all-reduce, a ring's 2(p-1)/p of the
+    factors), 'rows' (rows or factors of rows sent to their owners), 'preconditioned' (the owner's broadcast of the
+    preconditioned gradients, as a ring's (p-1)/p per copy)."""
+    state: float
+    """Bytes of K-FAC state it holds: factors and their running sums and inverses (``runtime.kfac.LinearFactors``)."""
+
+    @property
+    def total_sent(self) -> float:
+        return sum(self.sent.values())
+
+
+def predict(layers: Sequence[Layer], copies: int, distribution: str, *, updates: int = 1, itemsize: int = 4,
+            owners: Sequence[int] | None = None) -> list[PerCopy]:
+    """Each copy's work, bytes and state per second-order update with ``updates`` microbatches of curvature per copy.
+
+    D-KFAC: every copy builds every factor from its rows (``updates`` microbatches), all-reduces the sums, inverts and
+    preconditions everything. DP-KFAC with ``owners`` (:func:`assign` by :func:`layer_cost` when None): an owner
+    builds its layers' factors from all ``copies`` x ``updates`` microbatches' rows, where the rows came (those the
+    others send as rows; the others' factors of rows, where they send those, count as their own work)."""
+    if distribution not in DISTRIBUTIONS:
+        raise ConfigError(f"unknown K-FAC distribution {distribution!r}: use {' or '.join(DISTRIBUTIONS)}")
+    p = copies
+    ring = 2.0 * (p - 1) / p
+    if distribution == "d-kfac":
+        flops = sum(layer_cost(x, updates) for x in layers)
+        factors = sum((x.inputs ** 2 + x.outputs ** 2) * itemsize for x in layers)
+        # The running factors, the sums and the inverses: three of each matrix.
+        state = 3.0 * factors
+        return [PerCopy(flops=flops, sent={"factors": ring * factors}, state=state) for _ in range(p)]
+    owners = tuple(owners) if owners is not None else assign([layer_cost(x, updates) for x in layers], p)
+    out = []
+    for c in range(p):
+        flops = sent_rows = state = precond = 0.0
+        for x, o in zip(layers, owners, strict=True):
+            a, g, r = x.inputs, x.outputs, x.rows
+            for width, which in ((a, "A"), (g, "G")):
+                rows_sent = sends_rows(x, which)
+                if o == c:
+                    # Its own rows, and the others' where they send rows; their factors arrive made.
+                    built = r * (p if rows_sent else 1)
+                    flops += updates * 2.0 * built * width * width
+                    state += 3.0 * width * width * itemsize
+                else:
+                    if not rows_sent:
+                        flops += updates * 2.0 * r * width * width  # the factor of its own rows, for the owner
+                    sent_rows += updates * (r * width if rows_sent else width * width) * itemsize
+            if o == c:
+                flops += 2.0 * (a ** 3 + g ** 3) + 2.0 * a * g * (a + g)
+            precond += (p - 1) / p * a * g * itemsize
+        out.append(PerCopy(flops=flops, sent={"rows": sent_rows, "preconditioned": precond}, state=state))
+    return out

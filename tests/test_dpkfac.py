@@ -1,0 +1,93 @@
+"""K-FAC over data-parallel copies on real gloo ranks: DP-KFAC (each layer's factors on one copy) and D-KFAC (every
+factor on every copy) make the updates of one process running K-FAC over the whole batch, and the same as each
+other; the bytes and state each copy counts as it runs are those of the closed forms in :mod:`pipefold.plan.dpkfac`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from pipefold.errors import ConfigError
+from pipefold.ir import Kind
+from pipefold.plan.dpkfac import Layer, assign, layer_cost, predict
+from pipefold.runtime.launch.job import Job, RankReport
+from pipefold.runtime.launch.local import run_local
+from pipefold.train.prepare import make_job
+from pipefold.train.reference import compare, reference_kfac
+from pipefold.train.spec import RunSpec
+
+
+def _worst(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    return max(float((got[k] - v).abs().max() / (v.abs().max() + 1e-12)) for k, v in want.items())
+
+
+def _copies(reports: list[RankReport], job: Job) -> list[dict[str, torch.Tensor]]:
+    """Each data-parallel copy's weights, named as the reference names them."""
+    out: list[dict[str, torch.Tensor]] = [{} for _ in range(job.parallel.copies)]
+    for r in reports:
+        out[job.coords(r.rank)[0]].update(r.weights or {})
+    return out
+
+
+def _without_inversions(job: Job) -> Job:
+    cycle = tuple(s.with_actions([[a for a in row if a.kind != Kind.KI] for row in s.actions]) for s in job.cycle)
+    return dataclasses.replace(job, schedule=cycle[0], cycle=cycle, refill=None)
+
+
+def _job(distribution: str, model: dict[str, object], schedule: str, dp: int, fill: bool) -> Job:
+    config = RunSpec.flat(schedule=schedule, devices=2, microbatches=2, steps=1, optimizer="kfac", dp=dp,
+                          kfac_distribution=distribution, fill_bubbles=fill, lr=0.02, damping=0.05,
+                          partition="even", **model)  # type: ignore[arg-type]
+    job = make_job(config.replace(check=True))
+    return dataclasses.replace(job, steps=2 * len(job.cycle) + 2, save_weights=True)
+
+
+@pytest.mark.parametrize(("model", "schedule", "dp", "fill"), [
+    (dict(model="mlp", layers=4, hidden=32, batch=16), "1f1b", 2, False),  # more features than rows: rows travel
+    (dict(model="gpt", layers=4, hidden=16, heads=2, seq=16, batch=8), "zb-h1", 2, True),  # more rows: factors do
+    (dict(model="mlp", layers=4, hidden=16, batch=24), "v-half", 3, False),
+])
+def test_dp_kfac_and_d_kfac_make_the_updates_of_one_process(model: dict[str, object], schedule: str, dp: int,
+                                                             fill: bool) -> None:
+    runs = {}
+    for distribution in ("dp-kfac", "d-kfac"):
+        job = _job(distribution, model, schedule, dp, fill)
+        reports = run_local(job)
+        diffs = compare(job, reports)  # the gradients before preconditioning: one process's
+        assert diffs["max_grad_rel_diff"] < 1e-5, diffs
+        copies = _copies(reports, job)
+        want = reference_kfac(job, job.steps, reports)
+        for got in copies:  # every copy holds the same weights: those of one process running K-FAC
+            assert _worst(got, want) < 1e-4, distribution
+        # ... and not those of the same optimizer without K-FAC (the check above could not fail otherwise).
+        assert _worst(copies[0], reference_kfac(_without_inversions(job), job.steps)) > 1e-3
+        runs[distribution] = copies[0]
+    if not fill:  # a fill places the work again from each run's own times: two runs refresh at other steps
+        assert _worst(runs["dp-kfac"], runs["d-kfac"]) < 1e-4
+
+
+def test_assign_balances_within_one_layer_of_the_mean() -> None:
+    costs = [layer_cost(Layer(inputs=a, outputs=g, rows=64)) for a, g in [(65, 64), (65, 256), (257, 64)] * 4]
+    for copies in (2, 3, 4, 5):
+        owners = assign(costs, copies)
+        loads = [sum(c for c, o in zip(costs, owners, strict=True) if o == k) for k in range(copies)]
+        assert max(loads) <= sum(costs) / copies + max(costs)
+        assert set(owners) == set(range(copies))
+
+
+def test_dp_kfac_sends_fewer_bytes_than_d_kfac_in_the_closed_form() -> None:
+    """For a transformer block's layers the factors dominate: DP-KFAC's bytes and state per copy are a fraction of
+    D-KFAC's, and its work per copy shrinks with the copies."""
+    d = 256
+    layers = [Layer(inputs=d + 1, outputs=3 * d, rows=128), Layer(inputs=d + 1, outputs=d, rows=128),
+              Layer(inputs=d + 1, outputs=4 * d, rows=128), Layer(inputs=4 * d + 1, outputs=d, rows=128)] * 4
+    for p in (2, 4, 8):
+        ours, theirs = predict(layers, p, "dp-kfac"), predict(layers, p, "d-kfac")
+        assert max(c.total_sent for c in ours) < min(c.total_sent for c in theirs)
+        assert max(c.state for c in ours) < min(c.state for c in theirs)
+        assert max(c.flops for c in ours) < theirs[0].flops
+    with pytest.raises(ConfigError, match="give --dp 2 or more"):
+        assign([1.0], 1)
