@@ -91,3 +91,31 @@ def test_dp_kfac_sends_fewer_bytes_than_d_kfac_in_the_closed_form() -> None:
         assert max(c.flops for c in ours) < theirs[0].flops
     with pytest.raises(ConfigError, match="give --dp 2 or more"):
         assign([1.0], 1)
+
+
+@pytest.mark.parametrize("distribution", ["dp-kfac", "d-kfac"])
+def test_what_each_copy_sends_and_holds_is_the_closed_form(distribution: str) -> None:
+    """MLP blocks of width 64 with 64 rows per microbatch and 2 microbatches: a refresh's 128 rows are fewer than
+    G's 256 columns of the wide Linear (its rows travel with DP-KFAC) and more than the others' (their sums do).
+    The bytes each copy's ranks count as they run, and the K-FAC state they hold, are those of
+    :func:`pipefold.plan.dpkfac.predict` from the layers' shapes and the owners the job chose."""
+    config = RunSpec.flat(schedule="1f1b", devices=2, microbatches=2, steps=2, optimizer="kfac", dp=2,
+                          kfac_distribution=distribution, model="mlp", layers=2, hidden=64, batch=256,
+                          partition="even")
+    job = make_job(config)
+    reports = run_local(job)
+    layers = job.build_layers(list(range(job.extra["num_layers"])))
+    owners = job.extra.get("kfac_owners", {})
+    for r in reports:
+        copy, device, _ = job.coords(r.rank)
+        shapes, mine = [], []
+        for s in job.schedule.stages_of(device):
+            linears = [m for i in job.layer_stages[s] for m in layers[i].modules() if isinstance(m, torch.nn.Linear)]
+            shapes += [Layer(inputs=m.in_features + 1, outputs=m.out_features, rows=64) for m in linears]
+            mine += list(owners.get(s, ()))
+        want = predict(shapes, 2, distribution, updates=2, owners=mine or None)[copy]
+        assert r.kfac is not None
+        got = r.kfac["sent"]
+        for what, nbytes in want.sent.items():
+            assert got.get(what, 0.0) == pytest.approx(nbytes, rel=1e-9), (r.rank, what, got, want.sent)
+        assert r.kfac["state_bytes"] == want.state, (r.rank, r.kfac, want)

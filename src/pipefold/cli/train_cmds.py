@@ -116,6 +116,26 @@ def _print_kfac(k: dict[str, Any], console: Console) -> None:
     console.print(table)
     console.print("utilization: busy time (passes and K-FAC's work) over ranks x step time; predicted from the "
                   "costs of the last placement (timed on one microbatch before the run, or on the ranks)")
+    if "copies" in k:
+        _print_kfac_copies(k["copies"], console)
+
+
+def _print_kfac_copies(copies: dict[str, Any], console: Console) -> None:
+    """Per data-parallel copy: K-FAC's work, the bytes of its collectives and its state."""
+    how = ("each layer's factors on one copy (DP-KFAC)" if copies["distribution"] == "dp-kfac"
+           else "every factor on every copy (D-KFAC)")
+    table = Table(title=f"K-FAC over {len(copies['per_copy'])} data-parallel copies: {how}", title_justify="left",
+                  show_edge=False)
+    for col in ("copy", "K-FAC work (ms/step)", "sent (KiB/step)", "of which", "K-FAC state"):
+        table.add_column(col, justify="right")
+    for c, row in enumerate(copies["per_copy"]):
+        sent = row["sent"]
+        parts = ", ".join(f"{k} {v / 1024:.1f}" for k, v in sorted(sent.items())) or "-"
+        table.add_row(str(c), f"{row['seconds'] * 1e3:.1f}", f"{sum(sent.values()) / 1024:.1f}", parts,
+                      format_bytes(row["state_bytes"]))
+    console.print(table)
+    console.print("sent: the bytes each copy put into K-FAC's collectives (the gradients' own all-reduce apart), a "
+                  "ring's share for an all-reduce or a broadcast")
 
 
 def _print_per_step(out: dict[str, Any], console: Console) -> None:

@@ -6,13 +6,18 @@ A Linear layer with ``a`` input features (``+1`` with a bias) and ``g`` output f
 
 - **D-KFAC** (``d-kfac``): every copy builds both factors of every layer from its own rows, the copies all-reduce
   the factors' sums, and every copy inverts every layer and preconditions every gradient.
-- **DP-KFAC** (``dp-kfac``): each layer has one owner copy (:func:`assign`, balanced by the layer's cost). Its
-  factors are built there from every copy's rows: the other copies send the owner their rows, or, where the rows
-  are more bytes than the factor (more rows than features), the factor of their rows (a reduce to the owner). Only
-  the owner inverts the layer and preconditions its gradient (after the gradient's all-reduce), then broadcasts the
-  preconditioned gradient: ``a x g`` numbers, fewer than the two inverses' ``a^2 + g^2`` for every shape
-  (``2ag <= a^2 + g^2``), so the gradient is what travels, never the inverses. The factors are those of D-KFAC (the
-  same rows summed), so the updates are the same.
+- **DP-KFAC** (``dp-kfac``): each layer has one owner copy (:func:`assign`, balanced by the layer's cost). Where a
+  refresh's rows are fewer bytes than the factor (fewer rows than columns), every copy sends its rows to the owner,
+  which builds the factor from all of them; elsewhere every copy sums the factor of its own rows, as D-KFAC does,
+  and the inversion reduces the sums into the owner (half an all-reduce's bytes). Only the owner inverts the layer
+  and preconditions its gradient (after the gradient's all-reduce), then broadcasts the preconditioned gradient:
+  ``a x g`` numbers, fewer than the two inverses' ``a^2 + g^2`` for every shape (``2ag <= a^2 + g^2``), so the
+  gradient is what travels, never the inverses. The factors are those of D-KFAC (the same rows summed), so the
+  updates are the same.
+
+DP-KFAC as published builds each owner's factors from the owner's own rows alone: no factor travels at all, and
+the factors (an estimate of the curvature either way) differ from D-KFAC's. Here they are D-KFAC's, exactly; what
+that costs in bytes is the reduce above.
 
 :func:`predict` gives, per copy, the floating-point work, the bytes each collective carries and the K-FAC state
 held, by the closed forms below; the runtime counts the same quantities as it runs (``runtime.curvature``), and
@@ -69,7 +74,7 @@ def assign(costs: Sequence[float], copies: int) -> tuple[int, ...]:
 
 def sends_rows(layer: Layer, which: str) -> bool:
     """Whether a copy sends its rows of factor ``which`` ('A' or 'G') to the owner (fewer bytes than the factor:
-    fewer rows than columns) rather than the factor of its rows."""
+    ``layer.rows``, a refresh's rows on one copy, fewer than the factor's columns) rather than its sum."""
     width = layer.inputs if which == "A" else layer.outputs
     return layer.rows < width
 
@@ -81,9 +86,9 @@ class PerCopy:
     flops: float
     """Floating-point work of its K-FAC."""
     sent: dict[str, float]
-    """Bytes it puts into each kind of collective: 'factors' (D-KFAC's all-reduce, a ring's 2(p-1)/p of the
-    factors), 'rows' (rows or factors of rows sent to their owners), 'preconditioned' (the owner's broadcast of the
-    preconditioned gradients, as a ring's (p-1)/p per copy)."""
+    """Bytes it puts into each kind of collective: 'factors' (D-KFAC's all-reduce of the sums, a ring's 2(p-1)/p of
+    them; DP-KFAC's reduce of the sums into their owners, the whole sum from each other copy), 'rows' (rows sent to
+    their owners), 'preconditioned' (the owners' broadcast of the preconditioned gradients, a ring's (p-1)/p)."""
     state: float
     """Bytes of K-FAC state it holds: factors and their running sums and inverses (``runtime.kfac.LinearFactors``)."""
 
@@ -97,9 +102,8 @@ def predict(layers: Sequence[Layer], copies: int, distribution: str, *, updates:
     """Each copy's work, bytes and state per second-order update with ``updates`` microbatches of curvature per copy.
 
     D-KFAC: every copy builds every factor from its rows (``updates`` microbatches), all-reduces the sums, inverts and
-    preconditions everything. DP-KFAC with ``owners`` (:func:`assign` by :func:`layer_cost` when None): an owner
-    builds its layers' factors from all ``copies`` x ``updates`` microbatches' rows, where the rows came (those the
-    others send as rows; the others' factors of rows, where they send those, count as their own work)."""
+    preconditions everything. DP-KFAC with ``owners`` (:func:`assign` by :func:`layer_cost` when None), as the
+    module says."""
     if distribution not in DISTRIBUTIONS:
         raise ConfigError(f"unknown K-FAC distribution {distribution!r}: use {' or '.join(DISTRIBUTIONS)}")
     p = copies
@@ -113,22 +117,27 @@ def predict(layers: Sequence[Layer], copies: int, distribution: str, *, updates:
     owners = tuple(owners) if owners is not None else assign([layer_cost(x, updates) for x in layers], p)
     out = []
     for c in range(p):
-        flops = sent_rows = state = precond = 0.0
+        flops = sent_rows = sent_sums = state = precond = 0.0
         for x, o in zip(layers, owners, strict=True):
             a, g, r = x.inputs, x.outputs, x.rows
             for width, which in ((a, "A"), (g, "G")):
-                rows_sent = sends_rows(x, which)
-                if o == c:
-                    # Its own rows, and the others' where they send rows; their factors arrive made.
-                    built = r * (p if rows_sent else 1)
-                    flops += updates * 2.0 * built * width * width
-                    state += 3.0 * width * width * itemsize
-                else:
-                    if not rows_sent:
-                        flops += updates * 2.0 * r * width * width  # the factor of its own rows, for the owner
-                    sent_rows += updates * (r * width if rows_sent else width * width) * itemsize
+                gathered = sends_rows(Layer(inputs=width, outputs=width, rows=r * updates), which)
+                if gathered:
+                    if o == c:  # the factor of every copy's rows, built here
+                        flops += updates * 2.0 * p * r * width * width
+                        state += 3.0 * width * width * itemsize
+                    else:
+                        sent_rows += updates * r * width * itemsize
+                else:  # every copy sums its own rows' factor; the owner gets the others' sums
+                    flops += updates * 2.0 * r * width * width
+                    if o == c:
+                        state += 3.0 * width * width * itemsize
+                    else:
+                        state += width * width * itemsize
+                        sent_sums += width * width * itemsize
             if o == c:
                 flops += 2.0 * (a ** 3 + g ** 3) + 2.0 * a * g * (a + g)
             precond += (p - 1) / p * a * g * itemsize
-        out.append(PerCopy(flops=flops, sent={"rows": sent_rows, "preconditioned": precond}, state=state))
+        out.append(PerCopy(flops=flops, sent={"rows": sent_rows, "factors": sent_sums, "preconditioned": precond},
+                           state=state))
     return out

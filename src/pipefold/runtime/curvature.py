@@ -57,6 +57,8 @@ class StageCurvature:
         self.copies = copies
         if copies is not None and copies.distribution == "dp-kfac" and len(copies.owners) != len(self.kfac.layers):
             raise ValueError(f"{len(copies.owners)} owners for {len(self.kfac.layers)} K-FAC layers")
+        self._gathered: set[tuple[int, str]] = set()
+        """DP-KFAC: the (layer, factor) pairs whose rows travel to their owner (the others' sums are reduced)."""
         self.sent: dict[str, float] = {}
         """Bytes this rank put into K-FAC's collectives, by what they carried (the names of
         :attr:`pipefold.plan.dpkfac.PerCopy.sent`)."""
@@ -151,9 +153,11 @@ class StageCurvature:
                 else:
                     factors.add_g(g, scale=scale)
         elif action.kind == Kind.KI:
-            if self.copies is not None and not spread:
+            if spread:
+                self._reduce_sums()
+            elif self.copies is not None:
                 self._all_reduce_sums()
-            self.kfac.invert()  # with DP-KFAC, a layer another copy owns has no sums here: nothing to invert
+            self.kfac.invert()  # with DP-KFAC, a layer another copy owns has no rows here: nothing to fold
         else:
             if self.record:
                 self.raw = {id(f.layer.weight): f.layer.weight.grad.clone() for f in self.kfac.layers
@@ -165,35 +169,50 @@ class StageCurvature:
                 self._broadcast_preconditioned()
 
     def _to_owner(self, index: int, rows: torch.Tensor, which: str) -> None:
-        """DP-KFAC: one microbatch's ``rows`` of factor ``which`` of layer ``index``, from every copy to the layer's
-        owner, which adds them to its sum: the rows themselves where they are fewer bytes than their factor, else
-        the factor of each copy's rows, summed as they travel (a reduce)."""
+        """DP-KFAC: one microbatch's ``rows`` of factor ``which`` of layer ``index``. Where a refresh's rows (this
+        microbatch's times the microbatches) are fewer bytes than the factor, every copy sends them to the layer's
+        owner now, which builds the factor from all of them; elsewhere each copy adds them to its own sum, which the
+        inversion reduces to the owner (:meth:`_reduce_sums`)."""
         import torch.distributed as dist
 
         copies = self.copies
         assert copies is not None
-        owner = copies.owners[index]
         factors = self.kfac.layers[index]
-        mine = owner == copies.me
-        rows = rows.contiguous()
-        width = rows.shape[1]
-        layer = Layer(inputs=width, outputs=width, rows=rows.shape[0])  # one factor: its width is what counts
         add = factors.add_a_gram if which == "A" else factors.add_g_gram
-        if sends_rows(layer, "A"):
-            parts = [torch.empty_like(rows) for _ in range(copies.size)] if mine else None
-            dist.gather(rows, parts, dst=copies.ranks[owner], group=copies.group)
-            if parts is not None:
-                every = torch.cat(parts)
-                add(gram(every), every.shape[0])
-            else:
-                self._count("rows", rows)
+        width = rows.shape[1]
+        if not sends_rows(Layer(inputs=width, outputs=width, rows=rows.shape[0] * self.microbatches), "A"):
+            add(gram(rows), rows.shape[0])
+            return
+        self._gathered.add((index, which))
+        owner = copies.owners[index]
+        rows = rows.contiguous()
+        parts = [torch.empty_like(rows) for _ in range(copies.size)] if owner == copies.me else None
+        dist.gather(rows, parts, dst=copies.ranks[owner], group=copies.group)
+        if parts is not None:
+            every = torch.cat(parts)
+            add(gram(every), every.shape[0])
         else:
-            product = gram(rows)
-            dist.reduce(product, dst=copies.ranks[owner], group=copies.group)
-            if mine:
-                add(product, rows.shape[0] * copies.size)  # every copy's microbatch has as many rows
-            else:
-                self._count("rows", product)
+            self._count("rows", rows)
+
+    def _reduce_sums(self) -> None:
+        """DP-KFAC, before an inversion: each layer's factor sums that every copy built from its own rows, summed
+        into the layer's owner (a reduce); the other copies' sums start again from zero."""
+        import torch.distributed as dist
+
+        copies = self.copies
+        assert copies is not None
+        for i, (f, owner) in enumerate(zip(self.kfac.layers, copies.owners, strict=True)):
+            for which, total_name, rows_name in (("A", "_a_sum", "_a_rows"), ("G", "_g_sum", "_g_rows")):
+                total = getattr(f, total_name)
+                if total is None or (i, which) in self._gathered:  # none built, or built from every copy's rows
+                    continue
+                dist.reduce(total, dst=copies.ranks[owner], group=copies.group)
+                if owner == copies.me:
+                    setattr(f, rows_name, getattr(f, rows_name) * copies.size)
+                else:
+                    self._count("factors", total)
+                    total.zero_()
+                    setattr(f, rows_name, 0)
 
     def _all_reduce_sums(self) -> None:
         """D-KFAC: every layer's factor sums since the last inversion, summed over the copies (and their rows)."""
@@ -236,6 +255,8 @@ class RankCurvature:
 
     def __init__(self, stages: Mapping[int, StageCurvature]) -> None:
         self.stages = dict(stages)
+        self.seconds = 0.0
+        """Seconds of K-FAC's work this rank has run (its collectives included)."""
 
     def begin(self, actions: Sequence[Action], meter: MemoryMeter) -> None:
         flat = [a for act in actions for a in act.passes]
@@ -248,7 +269,19 @@ class RankCurvature:
             yield
 
     def run(self, action: Action) -> None:
+        import time
+
+        start = time.perf_counter()
         self.stages[action.stage].run(action)
+        self.seconds += time.perf_counter() - start
+
+    def report(self, steps: int) -> dict[str, Any]:
+        """What this rank's K-FAC held, sent and spent over ``steps`` steps: ``state_bytes``, ``sent`` (bytes by what
+        they carried, per step) and ``seconds`` (per step)."""
+        per = max(steps, 1)
+        distribution = next((c.copies.distribution for c in self.stages.values() if c.copies is not None), None)
+        return {"state_bytes": self.state_bytes(), "sent": {k: v / per for k, v in self.sent().items()},
+                "seconds": self.seconds / per, "distribution": distribution}
 
     def state_bytes(self) -> int:
         return sum(c.kfac.state_bytes() for c in self.stages.values())

@@ -111,6 +111,8 @@ def summarize(outcome: Outcome, *, trace: str | None = None, plot: str | None = 
         out["decisions"] = [_decision(step_number(first_step + first), d) for first, d in reports[0].decisions]
     if "pipefisher" in job.extra:
         out["kfac"] = _kfac_summary(job.extra["pipefisher"], reports, spec.optimizer.fill_bubbles)
+        if job.parallel.copies > 1:
+            out["kfac"]["copies"] = _kfac_copies(job, everyone)
     if planned is not None and planned.cluster is not None:  # a cluster plan's prediction beside the measurement
         out["cluster_plan"] = {"predicted": planned.cluster, "measured": measured_summary(reports)}
     if planned is not None and planned.plan is not None:
@@ -247,6 +249,22 @@ def _kfac_summary(filled: Any, reports: list[RankReport], fill_bubbles: bool) ->
                           "step_s": last.step_time, "utilization": last.utilization},
             "measured": {"step_s": meas["schedule_time_s"], "step_spread_s": meas["schedule_time_spread_s"],
                          "utilization": 1.0 - meas["bubble_ratio"]}}
+
+
+def _kfac_copies(job: Job, reports: list[RankReport]) -> dict[str, Any]:
+    """K-FAC over data-parallel copies: per copy (its ranks together), the bytes of K-FAC state it holds, the bytes
+    it put into K-FAC's collectives per step by what they carried, and its seconds of K-FAC work per step."""
+    copies: list[dict[str, Any]] = [{"state_bytes": 0, "sent": {}, "seconds": 0.0} for _ in range(job.parallel.copies)]
+    for r in reports:
+        if r.kfac is None:
+            continue
+        mine = copies[job.coords(r.rank)[0]]
+        mine["state_bytes"] += r.kfac["state_bytes"]
+        mine["seconds"] += r.kfac["seconds"]
+        for k, v in r.kfac["sent"].items():
+            mine["sent"][k] = mine["sent"].get(k, 0.0) + v
+    assert job.optimizer.kfac is not None
+    return {"distribution": job.optimizer.kfac.distribution, "per_copy": copies}
 
 
 def _small_grads(job: Job, reports: list[RankReport]) -> dict[str, Any]:

@@ -357,6 +357,9 @@ class RankReport:
     p2p: str = "gloo"
     """What carried its activations and gradients: 'sockets' (:mod:`pipefold.runtime.sockets`), or the process
     group's backend ('gloo', 'nccl')."""
+    kfac: dict[str, Any] | None = None
+    """With K-FAC: what its state held and, per step, what it sent and how long it ran
+    (:meth:`~pipefold.runtime.curvature.RankCurvature.report`)."""
     small_grads: tuple[int, int] = (0, 0)
     """In fp16 without a loss scale: over every step, the gradient entries (of the parameters this rank counts)
     below fp16's smallest normal number, 2^-14, where they lose precision or flush to zero, and the nonzero

@@ -439,6 +439,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
                         decisions, pipeline, first_step=start, resumed_from=resumed_from, skipped=skipped,
                         stopped=stopped, checkpoints=saved,
                         gathered_bytes=gathered_bytes, small_grads=small_grads,
+                        kfac=work.report(len(history)) if work is not None else None,
                         p2p="sockets" if sockets.current() is not None else str(dist.get_backend()))
     if out_dir is not None:
         with open(Path(out_dir) / f"rank{global_rank}.pkl", "wb") as fh:
