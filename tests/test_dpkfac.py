@@ -119,3 +119,32 @@ def test_what_each_copy_sends_and_holds_is_the_closed_form(distribution: str) ->
         for what, nbytes in want.sent.items():
             assert got.get(what, 0.0) == pytest.approx(nbytes, rel=1e-9), (r.rank, what, got, want.sent)
         assert r.kfac["state_bytes"] == want.state, (r.rank, r.kfac, want)
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--optimizer", "kfac", "--kfac-distribution", "d-kfac"],
+     "--kfac-distribution spreads K-FAC's work over data-parallel copies, and --dp 1 has one: give --dp 2 or more, "
+     "or drop it"),
+    (["--dp", "2", "--kfac-distribution", "d-kfac"],
+     "--kfac-distribution tunes K-FAC: add --optimizer kfac, or drop it"),
+    (["--dp", "2", "--optimizer", "kfac", "--zero1"],
+     "K-FAC over data-parallel copies preconditions whole gradients and steps a whole optimizer, and --zero1 shards "
+     "them: drop --zero1 with --optimizer kfac"),
+    (["--dp", "2", "--optimizer", "kfac", "--fsdp"],
+     "K-FAC over data-parallel copies preconditions whole gradients and steps a whole optimizer, and --fsdp shards "
+     "them: drop --fsdp with --optimizer kfac"),
+    (["--tp", "2", "--optimizer", "kfac"],
+     "tensor parallelism (--tp 2) does not run with --optimizer kfac yet: use --tp 1 with it"),
+    (["--dp", "2", "--optimizer", "kfac", "--kfac-distribution", "k-fac"], None),
+])
+def test_what_k_fac_over_copies_does_not_run_with_is_one_line(argv: list[str], says: str | None,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    from pipefold.cli.main import main
+
+    assert main(["train", "--model", "mlp", "--steps", "1", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    if says is not None:
+        assert err[0] == f"pipefold train: error: {says}"
+    else:  # argparse names the choices
+        assert "invalid choice: 'k-fac'" in err[0] and "dp-kfac" in err[0]

@@ -203,6 +203,9 @@ class Refill:
     max_steps: int = 16
     g_from_w: frozenset[int] = frozenset()
     """As for :func:`fill`."""
+    data_parallel: bool = False
+    """Every schedule of the new cycle averages each stage's gradients across data-parallel copies (``DP``
+    actions, :func:`pipefold.schedules.dataparallel.with_data_parallel`), as the first cycle's do."""
 
     def __post_init__(self) -> None:
         if self.after < 2:
@@ -213,7 +216,13 @@ class Refill:
         makes the steps that ``ran`` (each schedule with its measured seconds) last as long as they did."""
         cost = measured_cost(self.cost, times)
         cost = dataclasses.replace(cost, latency=fit_latency(cost, ran))
-        return fill(self.schedule, cost, slack=self.slack, max_steps=self.max_steps, g_from_w=self.g_from_w)
+        filled = fill(self.schedule, cost, slack=self.slack, max_steps=self.max_steps, g_from_w=self.g_from_w)
+        if not self.data_parallel:
+            return filled
+        from pipefold.schedules.dataparallel import with_data_parallel
+
+        return dataclasses.replace(filled, steps=tuple(simulate(with_data_parallel(r.schedule), cost)
+                                                       for r in filled.steps))
 
 
 def fit_latency(cost: CostModel, ran: Sequence[tuple[Schedule, float]]) -> float:

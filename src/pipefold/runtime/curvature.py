@@ -334,8 +334,9 @@ def measure(stages: Sequence[nn.Module], sample: torch.Tensor | Sequence[torch.T
 
     Per stage: ``f``, ``b``, ``w``, a fused backward's ``bw`` and the ``work`` of KA, KG, KI and KP in seconds
     (medians of ``repeats`` runs after a warm-up), ``memory`` (bytes one microbatch holds after its F), the
-    ``stash`` of KA and KG (bytes of its layer inputs and output gradients) and ``layers``, each K-FAC layer's own
-    seconds of one microbatch's factors, an inversion and a preconditioning (:func:`layer_seconds`).
+    ``stash`` of KA and KG (bytes of its layer inputs and output gradients), ``layers``, each K-FAC layer's own
+    seconds of one microbatch's factors, an inversion and a preconditioning (:func:`layer_seconds`), and its
+    ``shapes``: (columns of A, columns of G, rows of one microbatch).
     """
     import statistics
     import time
@@ -374,6 +375,8 @@ def measure(stages: Sequence[nn.Module], sample: torch.Tensor | Sequence[torch.T
                 for p in runner.params:
                     p.grad = None
             layers = [layer_seconds(f.layer, n, config, repeats) for f, n in zip(curv.kfac.layers, rows, strict=True)]
+            shapes = [(f.layer.in_features + (f.layer.bias is not None), f.layer.out_features, n)
+                      for f, n in zip(curv.kfac.layers, rows, strict=True)]
             curv.close()
             # The fused backward a BW schedule runs instead of B and W (K-FAC's work is timed on its own).
             fused = [run_passes(runner, repeats + 1 + k, x, target, scale=1.0 / microbatches, fused=True)[0][1]
@@ -384,7 +387,7 @@ def measure(stages: Sequence[nn.Module], sample: torch.Tensor | Sequence[torch.T
             out.append({"f": med["F"], "b": med["B"], "w": med["W"], "bw": statistics.median(fused[1:]),
                         "memory": memory,
                         "work": {k: med[k] for k in (Kind.KA, Kind.KG, Kind.KI, Kind.KP)},
-                        "stash": {Kind.KA: stash_a, Kind.KG: stash_g}, "layers": layers})
+                        "stash": {Kind.KA: stash_a, Kind.KG: stash_g}, "layers": layers, "shapes": shapes})
             x = tuple(t.detach() for t in h) if s < last else x
         return out
     finally:

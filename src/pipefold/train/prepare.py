@@ -105,7 +105,7 @@ def make_job(spec: RunSpec, *, decided: Decisions | None = None, placed: Any = N
             from pipefold.plan.pipefisher import Refill
 
             refill = Refill(after=len(cycle) + 1, schedule=filled.base.schedule, cost=filled.base.cost,
-                            g_from_w=extra.get("kfac_g_from_w", frozenset()))
+                            g_from_w=extra.get("kfac_g_from_w", frozenset()), data_parallel=spec.parallel.copies > 1)
     if spec.memory.activation_share:
         schedule, extra["offload_activations"] = _offload_activations(schedule, spec.memory.activation_share)
     if spec.parallel.cp > 1:
@@ -343,6 +343,7 @@ def _kfac_cycle(spec: RunSpec, schedule: Schedule, layer_stages: tuple[tuple[int
                    config=kfac)
     if spec.parallel.copies > 1 and kfac.distribution == "dp-kfac":
         extra["kfac_owners"] = _kfac_owners(schedule, [r["layers"] for r in rows], spec.parallel.copies)
+    extra["kfac_shapes"] = {s: r["shapes"] for s, r in enumerate(rows)}
     cost = CostModel(stage_overrides={s: StageOverride(f=r["f"], b=r["b"], w=r["w"], bw=r["bw"],
                                                        memory=float(r["memory"]),
                                                        work=r["work"], stash={k: float(v) for k, v in

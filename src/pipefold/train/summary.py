@@ -112,7 +112,7 @@ def summarize(outcome: Outcome, *, trace: str | None = None, plot: str | None = 
     if "pipefisher" in job.extra:
         out["kfac"] = _kfac_summary(job.extra["pipefisher"], reports, spec.optimizer.fill_bubbles)
         if job.parallel.copies > 1:
-            out["kfac"]["copies"] = _kfac_copies(job, everyone)
+            out["kfac"]["copies"] = _kfac_copies(job, everyone, spec.optimizer.fill_bubbles)
     if planned is not None and planned.cluster is not None:  # a cluster plan's prediction beside the measurement
         out["cluster_plan"] = {"predicted": planned.cluster, "measured": measured_summary(reports)}
     if planned is not None and planned.plan is not None:
@@ -251,9 +251,11 @@ def _kfac_summary(filled: Any, reports: list[RankReport], fill_bubbles: bool) ->
                          "utilization": 1.0 - meas["bubble_ratio"]}}
 
 
-def _kfac_copies(job: Job, reports: list[RankReport]) -> dict[str, Any]:
+def _kfac_copies(job: Job, reports: list[RankReport], fill_bubbles: bool) -> dict[str, Any]:
     """K-FAC over data-parallel copies: per copy (its ranks together), the bytes of K-FAC state it holds, the bytes
-    it put into K-FAC's collectives per step by what they carried, and its seconds of K-FAC work per step."""
+    it put into K-FAC's collectives per step by what they carried, and its seconds of K-FAC work per step; the
+    owners of the layers; and, where every step refreshes every stage, the closed form of each copy's bytes, state
+    and work per step (:func:`pipefold.plan.dpkfac.predict`)."""
     copies: list[dict[str, Any]] = [{"state_bytes": 0, "sent": {}, "seconds": 0.0} for _ in range(job.parallel.copies)]
     for r in reports:
         if r.kfac is None:
@@ -264,7 +266,26 @@ def _kfac_copies(job: Job, reports: list[RankReport]) -> dict[str, Any]:
         for k, v in r.kfac["sent"].items():
             mine["sent"][k] = mine["sent"].get(k, 0.0) + v
     assert job.optimizer.kfac is not None
-    return {"distribution": job.optimizer.kfac.distribution, "per_copy": copies}
+    distribution = job.optimizer.kfac.distribution
+    out: dict[str, Any] = {"distribution": distribution, "per_copy": copies, "predicted": None,
+           "owners": {str(s): list(o) for s, o in job.extra.get("kfac_owners", {}).items()}}
+    if not fill_bubbles:  # one refresh of every stage per step, from every microbatch: the closed form per step
+        from pipefold.plan.dpkfac import Layer, predict
+
+        predicted: list[dict[str, Any]] = [{"state_bytes": 0.0, "sent": {}, "flops": 0.0} for _ in copies]
+        owners = job.extra.get("kfac_owners", {})
+        for device in range(job.schedule.devices):
+            stages = job.schedule.stages_of(device)
+            layers = [Layer(*shape) for s in stages for shape in job.extra["kfac_shapes"][s]]
+            owned: list[int] | None = [o for s in stages for o in owners.get(s, ())] or None
+            for c, each in enumerate(predict(layers, len(copies), distribution, updates=job.schedule.microbatches,
+                                             owners=owned)):
+                predicted[c]["state_bytes"] += each.state
+                predicted[c]["flops"] += each.flops
+                for k, v in each.sent.items():
+                    predicted[c]["sent"][k] = predicted[c]["sent"].get(k, 0.0) + v
+        out["predicted"] = predicted
+    return out
 
 
 def _small_grads(job: Job, reports: list[RankReport]) -> dict[str, Any]:

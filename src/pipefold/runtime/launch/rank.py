@@ -390,10 +390,6 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
             filled = _refill(job.refill, [st for st, _ in timed], [ran for _, ran in timed], global_rank, world)
             learning.clear()
             choices, cycle_from = filled.cycle, step + 1
-            if job.parallel.copies > 1:  # each stage's gradients averaged across the copies, as in the first cycle
-                from pipefold.schedules.dataparallel import with_data_parallel
-
-                choices = tuple(with_data_parallel(each, shard=job.parallel.fsdp) for each in choices)
             pipe.switch(choices)
             if global_rank == 0:
                 decisions.append((step + 1, filled))
