@@ -179,8 +179,8 @@ def test_refusals_are_one_line(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not split into 2 pipelines x 2 microbatches; use a --batch that is "
                                           "a multiple of 4"):
         make_job(RunSpec.flat(schedule="1f1b", **{**base, "batch": 6}))  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match=r"do not run with --optimizer kfac yet: use --dp 1 with it"):
-        make_job(RunSpec.flat(schedule="1f1b", optimizer="kfac", **base))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"and --zero1 shards them: drop --zero1 with --optimizer kfac"):
+        make_job(RunSpec.flat(schedule="1f1b", optimizer="kfac", zero1=True, **base))  # type: ignore[arg-type]
     job = make_job(RunSpec.flat(schedule="1f1b", **base))  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="has no 0DP on device 0"):
         dataclasses.replace(job, schedule=build("1f1b", 2, 2))
