@@ -46,6 +46,18 @@ def _tp_degrees(text: str) -> int | tuple[int, ...]:
     return out[0] if len(out) == 1 else out
 
 
+def _spb_layers(text: str) -> tuple[int, ...]:
+    """``train --spb 6,3``: per data-parallel copy, the last layers it backpropagates through."""
+    try:
+        out = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        out = ()
+    if not out or any(k < 1 or k > 100_000 for k in out):
+        raise argparse.ArgumentTypeError(f"one whole number from 1 to 100000 per data-parallel copy, such as 6,3; got "
+                                         f"{text!r}")
+    return out
+
+
 def _cp_degrees(text: str) -> tuple[int, ...]:
     """``plan --cluster --cp 1,2,4``: the context-parallel degrees searched."""
     out = degrees(text)
@@ -472,6 +484,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "models, and --hf llama by transformers' own plan); one T per device gives each device a "
                         "mesh of its own (2,1: device 0 on 2 ranks, device 1 on one), activations resharded between "
                         "them")
+    p.add_argument("--spb", type=_spb_layers, default=None, metavar="K[,K...]",
+                   help="structured partial backpropagation (Jigsaw), one K per data-parallel copy: copy i "
+                        "backpropagates through the model's last K_i layers only, each layer's gradient the mean over "
+                        "the copies that computed it; one copy backpropagates through all (see docs/spb.md)")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp: each block's norms, dropouts and residual stream on each tensor-parallel rank's "
                         "share of the tokens (sequence parallelism; the gpt model)")

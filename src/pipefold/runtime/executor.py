@@ -337,6 +337,7 @@ class RankExecutor:
                  meshes: Sequence[Sequence[int]] | None = None, tp_index: int = 0, tp_group: Any = None,
                  dp_group: Any = None, sharded: bool = False, activity: Activity | None = None, staged: bool = False,
                  overlap: bool = True, boundaries: Boundaries | None = None,
+                 grad_shares: Mapping[int, Sequence[float]] | None = None,
                  new_group: Callable[[list[int]], Any] | None = None, autocast: torch.dtype | None = None,
                  vocab: VocabShard | None = None, embedding: VocabShard | None = None) -> None:
         self.schedule, self.rank, self.device = schedule, rank, device
@@ -380,6 +381,9 @@ class RankExecutor:
         """Per stage, what its OPT action calls: its optimizer's step."""
         self.work = work
         self.dp_group = dp_group
+        self.grad_shares = dict(grad_shares or {})
+        """Per stage, each trained parameter's share of its gradient's sum over the data-parallel copies, where they
+        differ from 1/copies (structured partial backpropagation: 1 over the copies that compute its layer)."""
         """The process group of this rank's stages' copies in the data-parallel pipelines (``DP`` actions)."""
         self.sharded = sharded
         """The stage modules are sharded across the data-parallel pipelines (FSDP: ``AG`` and ``RS`` actions)."""
@@ -749,7 +753,12 @@ class RankExecutor:
         # The mean over the pipelines, each having averaged over its own shard. A tensor-parallel rank's part of a
         # split gradient: the copies of that part are its dp group.
         share = 1.0 / dist.get_world_size(self.dp_group)
-        self._reductions.setdefault(s, []).append(self._all_reduce(self._grads(s), self.dp_group, scale=share))
+        grads = self._grads(s)
+        if s in self.grad_shares:  # each its own share; a copy that did not compute a layer adds zeros
+            for g, own in zip(grads, self.grad_shares[s], strict=True):
+                g.mul_(own)
+            share = 1.0
+        self._reductions.setdefault(s, []).append(self._all_reduce(grads, self.dp_group, scale=share))
         step.clock.interval(step.stats.events, str(action), "DP", start)
 
     def _all_reduce(self, grads: list[torch.Tensor], group: Any, *, scale: float = 1.0) -> FlatAllReduce:

@@ -805,8 +805,11 @@ class StageRunner:
         # everything for, the whole backward. Its first layer (the embedding) is set apart instead: B runs the
         # rest of the stage back to that layer's output, like any other stage, and W ends with that layer. A stage
         # whose backward is never split (``split`` False: BW only) has no use for this, and one engine run is cheaper.
+        # A stage whose first layers run without autograd (structured partial backpropagation) has no such layer
+        # to stop at: its backward ends where autograd's does.
         self._lead = (layers[:1] if split and layers is not None and len(layers) > 1 and not input_grads
-                      and not recompute and not hasattr(module, "on_saved") else [])
+                      and not recompute and not hasattr(module, "on_saved")
+                      and not getattr(module, "frozen_prefix", 0) else [])
         if self._lead:
             self._tail = self._tail[1:]
         self._listener = module if hasattr(module, "on_saved") else None

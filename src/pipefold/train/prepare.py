@@ -91,6 +91,8 @@ def make_job(spec: RunSpec, *, decided: Decisions | None = None, placed: Any = N
         if spec.memory.recompute != "none" or (spec.memory.budget is not None and adaptive is None
                                                and not spec.memory.state_chunks):
             plan = _plan_recompute(spec, schedule, layer_stages, model)
+    if spec.parallel.spb is not None:
+        _check_spb(spec, model, schedule, layer_stages)
     recompute = None
     if plan is not None:
         recompute, extra["recompute"] = plan.layers, plan
@@ -242,6 +244,37 @@ def _check_vocab(spec: RunSpec, model: Model) -> None:
         (f"--precision {spec.devices.precision.dtype}", spec.devices.precision.dtype != "fp32"),
         ("--checkpoint-dir", spec.checkpoints.any), ("--save-model", spec.reliability.save_model is not None)))
     model.check_split_output()
+
+
+def _check_spb(spec: RunSpec, model: Model, schedule: Schedule, layer_stages: tuple[tuple[int, ...], ...]) -> None:
+    """Refuse in one line what structured partial backpropagation does not run with yet, a split that leaves a layer
+    with no copy computing it, and a copy's cut past the first stage (whose input needs no gradient: a cut inside it
+    leaves every other stage's backward as it is)."""
+    spb = spec.parallel.spb
+    assert spb is not None
+    text = ",".join(map(str, spb))
+    _not_yet(f"structured partial backpropagation (--spb {text}) does not run", "use every layer's backward", (
+        (f"--tp {spec.parallel.tp_text}", spec.parallel.tensor_parallel), (f"--cp {spec.parallel.cp}",
+                                                                           spec.parallel.cp > 1),
+        ("--fsdp", spec.parallel.fsdp), ("--optimizer kfac", spec.optimizer.name == "kfac"),
+        (f"--recompute {spec.memory.recompute}", spec.memory.recompute != "none"),
+        ("--offload", spec.memory.offloaded is not None),
+        ("--offload-activations", bool(spec.memory.activation_share)), ("--state-chunks", spec.memory.state_chunks),
+        ("--compile", spec.devices.compile is not None), ("a schedule with vocab=1", schedule.vocab),
+        (f"seq_chunks {schedule.seq_chunks}", schedule.seq_chunks > 1),
+        ("a schedule with OPT actions", any(a.kind == Kind.OPT for row in schedule.actions for a in row))))
+    layers = model.num_layers
+    if max(spb) < layers:
+        whole = ",".join([str(layers), *map(str, spb[1:])])
+        raise ConfigError(f"--spb {text} leaves layers 0 to {layers - max(spb) - 1} of {layers} with no copy computing "
+                          f"them: give one copy all {layers} layers (--spb {whole})")
+    if max(spb) > layers:
+        raise ConfigError(f"--spb {text} backpropagates through {max(spb)} layers, and the model has {layers}: give "
+                          f"numbers from 1 to {layers}")
+    first = len(layer_stages[0])
+    if min(spb) < layers - first:
+        raise ConfigError(f"--spb {text} cuts a copy's backward past the first stage (layers 0 to {first - 1} of "
+                          f"{layers}): give every copy at least its last {layers - first} layers, or fewer --devices")
 
 
 def _not_yet(what: str, instead: str, given: Iterable[tuple[str, bool]]) -> None:

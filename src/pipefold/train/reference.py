@@ -50,17 +50,34 @@ def reference_step(job: Job, step: int = 0) -> tuple[float, dict[str, torch.Tens
     named = [(f"{i}.{name}", p) for i in range(n) for name, p in layers[i].named_parameters()]
     unique = list({id(p): p for _, p in named}.values())
     sums: dict[int, torch.Tensor] = {}
-    for xs, ys in zip(split_batch(xs_all, m), y.to(device).chunk(m), strict=True):
+    spb, per_copy = job.parallel.spb, job.schedule.data_microbatches
+    for j, (xs, ys) in enumerate(zip(split_batch(xs_all, m), y.to(device).chunk(m), strict=True)):
         with casting:
-            loss = job.loss_fn(model(*xs), ys)
+            # With SPB, this microbatch's copy backpropagates through its last layers only.
+            out = model(*xs) if spb is None else _partial_forward(list(model.children()), xs, n - spb[j // per_copy])
+            loss = job.loss_fn(out, ys)
         (loss * (scale / m)).backward()
         total += float(loss.detach()) / m
         for p in unique:
             if p.grad is not None:
                 sums[id(p)] = sums[id(p)] + p.grad.float() if id(p) in sums else p.grad.float()
                 p.grad = None
+    if spb is not None:  # each layer's gradient, the mean over the copies that computed it
+        for i in range(n):
+            for p in layers[i].parameters():
+                if id(p) in sums:
+                    sums[id(p)] *= job.parallel.dp / job.parallel.computing(i, n)
     grads = {key: (sums[id(p)] / scale).to("cpu", copy=True) for key, p in named if id(p) in sums}
     return total, grads
+
+
+def _partial_forward(layers: list[torch.nn.Module], inputs: tuple[Any, ...], without: int) -> Any:
+    """The layers one after the other on ``inputs``, the first ``without`` of them without autograd."""
+    h: Any = inputs
+    for i, layer in enumerate(layers):
+        with torch.no_grad() if i < without else contextlib.nullcontext():
+            h = layer(*as_tuple(h))
+    return h
 
 
 def reference_kfac(job: Job, steps: int, reports: list[RankReport] | None = None) -> dict[str, torch.Tensor]:

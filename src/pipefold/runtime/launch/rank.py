@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import cProfile
+import functools
 import math
 import os
 import pickle
@@ -129,6 +130,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
         from pipefold.runtime.context import context_parallel, shard_sequence
     activity.run("start-up (building its layers)", action=False)
     chains = stage_modules(job, rank)
+    shares = _partial_backward(job, copy, chains) if job.parallel.spb is not None else None
     shard, shard_name = _vocab_shard(job, rank, chains) if job.schedule.vocab else (None, "")
     if shard is not None:
         shard = shard.to(device)
@@ -205,7 +207,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
         tp_group=tp_mesh.get_group() if tp_mesh is not None else None, dp_group=dp_group,
         sharded=job.parallel.fsdp, activity=activity,
         staged=placed.staged or bool(job.extra.get("stage_through_host")), overlap=job.devices.overlap,
-        autocast=precision.autocast, vocab=shard, embedding=embedding)
+        autocast=precision.autocast, vocab=shard, embedding=embedding, grad_shares=shares)
 
     def executor_for(index: int) -> RankExecutor:
         """The executor of schedule ``index``, made the first time it runs (same modules, same parameters)."""
@@ -468,6 +470,37 @@ def _mesh(job: Job, device_type: str, rank: int) -> tuple[Any, Any]:
         return both["dp"], both["tp"]
     return (None if dp_group is None else DeviceMesh.from_group(dp_group, device_type, mesh_dim_names=("dp",)),
             None if tp_group is None else DeviceMesh.from_group(tp_group, device_type, mesh_dim_names=("tp",)))
+
+
+def _partial_backward(job: Job, copy: int, chains: dict[int, nn.Module]) -> dict[int, list[float]]:
+    """Structured partial backpropagation: this copy's first layers (all but its last ``spb[copy]`` of the model,
+    inside the first stage) run their forward without autograd, so that its backward stops after them; returns,
+    per stage, each trained parameter's share of its gradient's sum over the copies (1 over the copies that compute
+    its layer), in the order of the stage's parameters."""
+    assert job.parallel.spb is not None
+    layers = job.extra["num_layers"]
+    prefix = layers - job.parallel.spb[copy % job.parallel.dp]
+    if 0 in chains and prefix > 0:
+        first = chains[0]
+        for layer in list(first.children())[:prefix]:
+            layer.forward = functools.partial(_without_autograd, layer.forward)
+        first.frozen_prefix = prefix  # read by the stage's runner
+    shares: dict[int, list[float]] = {}
+    for s, chain in chains.items():
+        seen: set[int] = set()
+        row = []
+        for index, layer in zip(job.layer_stages[s], chain.children(), strict=True):
+            for p in layer.parameters():
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    row.append(1.0 / job.parallel.computing(index, layers))
+        shares[s] = row
+    return shares
+
+
+def _without_autograd(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    with torch.no_grad():
+        return forward(*args, **kwargs)
 
 
 def _kfac_copies(job: Job, rank: int) -> dict[int, Any]:

@@ -164,6 +164,10 @@ class Parallel:
     """Context-parallel ranks: each data-parallel copy's sequences split over cp copies of the pipeline, two of each
     sequence's 2 cp chunks on each, attention a ring among them (:mod:`pipefold.runtime.context`); the gradients
     are averaged, and ZeRO-1 and FSDP shard, over all dp x cp copies."""
+    spb: tuple[int, ...] | None = None
+    """Structured partial backpropagation (Jigsaw): per data-parallel copy, how many of the model's last layers it
+    backpropagates through (the layers before run without autograd); each layer's gradient is the mean over the
+    copies that computed it. None: every copy backpropagates through every layer."""
 
     def __post_init__(self) -> None:
         if isinstance(self.dp, bool) or not (isinstance(self.dp, int) and self.dp >= 1):
@@ -176,6 +180,24 @@ class Parallel:
                               f"one per device such as 2,1 (got {self.tp!r})")
         if len(set(tp)) == 1:
             object.__setattr__(self, "tp", tp[0])
+        if self.spb is not None:
+            spb = tuple(self.spb) if isinstance(self.spb, (tuple, list)) else (self.spb,)
+            if any(isinstance(k, bool) or not (isinstance(k, int) and k >= 1) for k in spb):
+                raise ConfigError(f"--spb gives each data-parallel copy the number of last layers it backpropagates "
+                                  f"through: whole numbers >= 1 such as 6,3 (got {self.spb!r})")
+            if self.dp < 2:
+                raise ConfigError("--spb splits backpropagation over data-parallel copies, and --dp 1 has one: give "
+                                  "--dp 2 or more, or drop it")
+            if len(spb) != self.dp:
+                raise ConfigError(f"--spb {','.join(map(str, spb))} gives {len(spb)} copies their layers, and --dp "
+                                  f"{self.dp} has {self.dp}: give one number per copy")
+            object.__setattr__(self, "spb", spb)
+
+    def computing(self, layer: int, layers: int) -> int:
+        """How many copies backpropagate through ``layer`` of ``layers`` (all of them without SPB)."""
+        if self.spb is None:
+            return self.copies
+        return sum(1 for k in self.spb if layer >= layers - k)
 
     def degrees(self, devices: int) -> tuple[int, ...]:
         """The tensor-parallel degree of each of ``devices`` pipeline devices."""
