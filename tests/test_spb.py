@@ -57,7 +57,8 @@ def test_a_copy_that_stops_early_holds_less_and_computes_less() -> None:
     (dict(dp=2, spb=(5, 2), devices=1), "--spb 5,2 backpropagates through 5 layers, and the model has 4"),
     (dict(dp=2, spb=(4, 1), devices=2, partition="even"),
      "--spb 4,1 cuts a copy's backward past the first stage (layers 0 to 1 of 4): give every copy at least its "
-     "last 2 layers, or fewer --devices"),
+     "last 2 layers, or the first stage more layers (fewer stages: fewer --devices, or one stage per device as "
+     "--schedule 1f1b has)"),
     (dict(dp=2, spb=(4, 3), devices=1, optimizer="kfac"),
      "structured partial backpropagation (--spb 4,3) does not run with --optimizer kfac yet"),
     (dict(dp=2, spb=(4, 3), devices=1, fsdp=True), "(--spb 4,3) does not run with --fsdp yet"),
@@ -74,3 +75,22 @@ def test_the_copies_computing_a_layer() -> None:
     parallel = Parallel(dp=3, spb=(6, 2, 4))
     assert [parallel.computing(layer, 6) for layer in range(6)] == [1, 1, 2, 2, 3, 3]
     assert Parallel(dp=3).computing(0, 6) == 3
+
+
+def test_the_run_reports_each_copy_beside_the_simulator(capsys: pytest.CaptureFixture[str]) -> None:
+    """``pipefold train --json`` gives each copy's layers, busy time and activation peak, and the simulator's: the
+    copy that stops early holds less by both, and the simulator's peak is the meter's within a quarter."""
+    import json
+
+    from pipefold.cli.main import main
+
+    assert main(["train", "--model", "mlp", "--layers", "8", "--hidden", "64", "--batch", "32", "--devices", "2",
+                 "--dp", "2", "--spb", "8,5", "--schedule", "1f1b", "--partition", "even", "--steps", "3",
+                 "--json"]) == 0
+    copies = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["spb"]["per_copy"]
+    assert [c["layers"] for c in copies] == [8, 5]
+    assert copies[1]["peak_activation_bytes"] < copies[0]["peak_activation_bytes"]
+    assert copies[1]["predicted_peak_bytes"] < copies[0]["predicted_peak_bytes"]
+    assert copies[1]["predicted_busy_s"] < copies[0]["predicted_busy_s"]
+    for c in copies:
+        assert abs(c["predicted_peak_bytes"] - c["peak_activation_bytes"]) <= 0.25 * c["peak_activation_bytes"], c

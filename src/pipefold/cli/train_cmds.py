@@ -94,8 +94,25 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
         _print_per_step(out, console)
     if "kfac" in out:
         _print_kfac(out["kfac"], console)
+    if "spb" in out:
+        _print_spb(out["spb"], console)
     for what, path in written.items():
         console.print(f"wrote {what}: {path}")
+
+
+def _print_spb(spb: dict[str, Any], console: Console) -> None:
+    """Per data-parallel copy: the layers it backpropagates through, its busy time and activation peak."""
+    table = Table(title=f"structured partial backpropagation over {len(spb['per_copy'])} copies of a model of "
+                        f"{spb['of_layers']} layers", title_justify="left", show_edge=False)
+    for col in ("copy", "backward through", "busy (s/step)", "predicted", "activation peak", "predicted"):
+        table.add_column(col, justify="right")
+    for c, row in enumerate(spb["per_copy"]):
+        table.add_row(str(c), f"last {row['layers']} layers", f"{row['busy_s']:.3f}",
+                      f"{row['predicted_busy_s']:.3f}", format_bytes(row["peak_activation_bytes"]),
+                      format_bytes(row["predicted_peak_bytes"]))
+    console.print(table)
+    console.print("predicted: the simulator, from the first copy's measured costs with the first stage's backward "
+                  "and kept activations scaled to the share of its layers each copy backpropagates through")
 
 
 def _print_kfac(k: dict[str, Any], console: Console) -> None:

@@ -274,7 +274,8 @@ def _check_spb(spec: RunSpec, model: Model, schedule: Schedule, layer_stages: tu
     first = len(layer_stages[0])
     if min(spb) < layers - first:
         raise ConfigError(f"--spb {text} cuts a copy's backward past the first stage (layers 0 to {first - 1} of "
-                          f"{layers}): give every copy at least its last {layers - first} layers, or fewer --devices")
+                          f"{layers}): give every copy at least its last {layers - first} layers, or the first stage "
+                          "more layers (fewer stages: fewer --devices, or one stage per device as --schedule 1f1b has)")
 
 
 def _not_yet(what: str, instead: str, given: Iterable[tuple[str, bool]]) -> None:

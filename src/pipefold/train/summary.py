@@ -100,6 +100,8 @@ def summarize(outcome: Outcome, *, trace: str | None = None, plot: str | None = 
     if parallel.copies > 1:
         out["dp"] = parallel.dp
         out["sharding"] = "fsdp" if parallel.fsdp else "zero1" if parallel.zero1 else "none"
+    if parallel.spb is not None:
+        out["spb"] = _spb_summary(job, everyone, last, costs)
         out["loss"] = [_finite(sum(r.steps.loss_sum[i] for r in everyone)
                                / sum(r.steps.loss_count[i] for r in everyone)) for i in range(len(reports[0].steps))]
     if job.adaptive is not None or spec.links.network is not None:
@@ -286,6 +288,35 @@ def _kfac_copies(job: Job, reports: list[RankReport], fill_bubbles: bool) -> dic
                     predicted[c]["sent"][k] = predicted[c]["sent"].get(k, 0.0) + v
         out["predicted"] = predicted
     return out
+
+
+def _spb_summary(job: Job, reports: list[RankReport], schedule: Schedule, costs: CostModel) -> dict[str, Any]:
+    """Structured partial backpropagation: per data-parallel copy, the last layers it backpropagates through, its
+    ranks' busy seconds per step (the mean over the steps after the first, summed over its ranks) and their largest
+    activation peak; beside them, the simulator's: the first pipeline's measured costs (``costs``, a copy that
+    backpropagates through every layer, which one copy does) with the first stage's backward and the activations it
+    keeps scaled to the share of its layers the copy backpropagates through."""
+    spb = job.parallel.spb
+    assert spb is not None
+    layers, first = job.extra["num_layers"], len(job.layer_stages[0])
+    copies = []
+    for c, k in enumerate(spb):
+        mine = [r for r in reports if job.coords(r.rank)[0] == c]
+        share = (k - (layers - first)) / first  # of the first stage's layers
+        stage0 = costs.stage_overrides.get(0)
+        scaled = costs
+        if stage0 is not None and share < 1:
+            bw = stage0.bw if stage0.bw is not None else stage0.b + stage0.w
+            memory = stage0.memory * share if stage0.memory is not None else None
+            scaled = dataclasses.replace(costs, stage_overrides={**costs.stage_overrides, 0: dataclasses.replace(
+                stage0, b=stage0.b * share, w=stage0.w * share, bw=bw * share, memory=memory, kept=None,
+                memory_w=None)})
+        predicted = simulate(schedule, scaled)
+        copies.append({"layers": k, "busy_s": sum(statistics.fmean(r.steps.busy[i] for i in r.steps.timed(1))
+                                                  for r in mine),
+                       "peak_activation_bytes": max(r.steps.peak_activation_bytes for r in mine),
+                       "predicted_busy_s": sum(predicted.busy), "predicted_peak_bytes": max(predicted.peak_memory)})
+    return {"of_layers": layers, "per_copy": copies}
 
 
 def _small_grads(job: Job, reports: list[RankReport]) -> dict[str, Any]:
