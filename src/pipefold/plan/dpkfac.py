@@ -72,11 +72,10 @@ def assign(costs: Sequence[float], copies: int) -> tuple[int, ...]:
     return tuple(owner)
 
 
-def sends_rows(layer: Layer, which: str) -> bool:
-    """Whether a copy sends its rows of factor ``which`` ('A' or 'G') to the owner (fewer bytes than the factor:
-    ``layer.rows``, a refresh's rows on one copy, fewer than the factor's columns) rather than its sum."""
-    width = layer.inputs if which == "A" else layer.outputs
-    return layer.rows < width
+def sends_rows(rows: int, width: int) -> bool:
+    """Whether the copies send a factor's ``rows`` (a refresh's, on one copy) to its owner rather than the sum of
+    their products: fewer bytes where they are fewer than the factor's ``width`` (its columns)."""
+    return rows < width
 
 
 @dataclass(frozen=True)
@@ -120,8 +119,8 @@ def predict(layers: Sequence[Layer], copies: int, distribution: str, *, updates:
         flops = sent_rows = sent_sums = state = precond = 0.0
         for x, o in zip(layers, owners, strict=True):
             a, g, r = x.inputs, x.outputs, x.rows
-            for width, which in ((a, "A"), (g, "G")):
-                gathered = sends_rows(Layer(inputs=width, outputs=width, rows=r * updates), which)
+            for width in (a, g):
+                gathered = sends_rows(r * updates, width)
                 if gathered:
                     if o == c:  # the factor of every copy's rows, built here
                         flops += updates * 2.0 * p * r * width * width

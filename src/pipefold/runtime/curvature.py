@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from pipefold.ir import Action, Kind
-from pipefold.plan.dpkfac import Layer, sends_rows
+from pipefold.plan.dpkfac import sends_rows
 from pipefold.runtime.kfac import KFAC, KFACConfig, LinearFactors, gram
 from pipefold.runtime.meter import MemoryMeter
 
@@ -179,8 +179,7 @@ class StageCurvature:
         assert copies is not None
         factors = self.kfac.layers[index]
         add = factors.add_a_gram if which == "A" else factors.add_g_gram
-        width = rows.shape[1]
-        if not sends_rows(Layer(inputs=width, outputs=width, rows=rows.shape[0] * self.microbatches), "A"):
+        if not sends_rows(rows.shape[0] * self.microbatches, rows.shape[1]):
             add(gram(rows), rows.shape[0])
             return
         self._gathered.add((index, which))
