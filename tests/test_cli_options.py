@@ -30,6 +30,8 @@ MODES: dict[str, dict[str, list[str]]] = {
                                           "--activation-bytes", "1000"],
                  "fsdp": ["--dp", "2", "--fsdp", "--grad-bytes", "100", "--bandwidth", "10"]},
     "pipefisher": {"fill": [], "inline": ["--inline"]},
+    "bagpipe": {"small": ["--steps", "4", "--rows", "300", "--tables", "2", "--batch", "16", "--cache", "0.2",
+                          "--lookahead", "2"]},
 }
 """Each command's modes, as the options that select them."""
 
@@ -57,6 +59,10 @@ SAMPLES: dict[str, list[str]] = {
     "allow_offload": ["--allow-offload"], "state_chunks": ["--state-chunks"],
     "no_sequence_parallel": ["--no-sequence-parallel"], "cp": ["--cp", "1,2"], "seq_chunks": ["--seq-chunks", "1,2"],
     "split_vocab": ["--split-vocab"],
+    "policy": ["--policy", "lru"], "lookahead": ["--lookahead", "3"], "cache": ["--cache", "0.3"],
+    "ahead": ["--ahead", "2"], "skew": ["--skew", "0.5"], "steps": ["--steps", "3"], "tables": ["--tables", "3"],
+    "rows": ["--rows", "400"], "dim": ["--dim", "8"], "batch": ["--batch", "8"], "trainers": ["--trainers", "2"],
+    "lr": ["--lr", "0.5"], "seed": ["--seed", "1"], "server_memory": ["--server-memory", "1GB"],
 }
 """A value of each option other than its default (with what it needs to show: a bandwidth needs bytes to carry)."""
 

@@ -615,6 +615,34 @@ def build_parser() -> argparse.ArgumentParser:
                         "aot_eager (the same graphs, torch's kernels)")
     _add_output(p)
 
+    p = sub.add_parser("bagpipe", help="train a DLRM whose embedding tables a server process holds, its rows cached "
+                                       "ahead of the steps (Bagpipe)")
+    p.add_argument("--policy", choices=["oracle", "lru", "none"], default="oracle",
+                   help="the cache: the lookahead oracle, LRU, or none (every step fetches its rows and writes them "
+                        "back); default oracle")
+    p.add_argument("--lookahead", type=int, default=8, help="batches the oracle reads ahead (default 8)")
+    p.add_argument("--cache", type=float, default=0.05,
+                   help="share of all the tables' rows a trainer caches (default 0.05)")
+    p.add_argument("--ahead", type=int, default=1,
+                   help="steps ahead of its step a round of fetches runs (default 1; 0 with --policy none)")
+    p.add_argument("--skew", type=float, default=0.92,
+                   help="share of the accesses on the hottest 1%% of each table's rows (default 0.92)")
+    p.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
+    p.add_argument("--tables", type=int, default=4, help="embedding tables (default 4)")
+    p.add_argument("--rows", type=int, default=1000, help="rows per table (default 1000)")
+    p.add_argument("--dim", type=int, default=16, help="width of a row (default 16)")
+    p.add_argument("--batch", type=int, default=32, help="samples per step (default 32)")
+    p.add_argument("--trainers", type=int, default=1,
+                   help="data-parallel trainers, each caching the same rows (default 1)")
+    p.add_argument("--lr", type=float, default=0.1, help="SGD's learning rate (default 0.1)")
+    p.add_argument("--seed", type=int, default=0, help="weights, tables and data (default 0)")
+    p.add_argument("--server-memory", default=None, metavar="BYTES",
+                   help="memory the server holds the tables in, such as 1GB (default: no limit)")
+    p.add_argument("--network", default=None, metavar="SPEC",
+                   help="the emulated link between a trainer and the server: constant:latency=2e-3,bandwidth=10MB, "
+                        "preempt:..., or a profile file (default: this machine's own)")
+    _add_output(p)
+
     p = sub.add_parser("validate", help="check schedule files (or generated schedules) and report the first problem")
     p.add_argument("schedule", nargs="+", help="schedule files or registered names")
     _add_shape(p)

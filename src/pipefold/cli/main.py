@@ -1,6 +1,6 @@
 """The ``pipefold`` command: parse the arguments (:mod:`.args`), check which options apply, run the command
-(:mod:`.schedule_cmds`, :mod:`.plan_cmds`, :mod:`.train_cmds`), and turn a user's mistake or an interrupt into
-one line and an exit code."""
+(:mod:`.schedule_cmds`, :mod:`.plan_cmds`, :mod:`.train_cmds`, :mod:`.bagpipe_cmds`), and turn a user's mistake or
+an interrupt into one line and an exit code."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Any, NoReturn
 
 from rich.console import Console
 
-from pipefold.cli import plan_cmds, schedule_cmds, train_cmds
+from pipefold.cli import bagpipe_cmds, plan_cmds, schedule_cmds, train_cmds
 from pipefold.cli.args import build_parser, check_applies, given
 from pipefold.cli.common import make_console
 from pipefold.errors import Interrupted, PipefoldError, ScheduleError, say
@@ -90,7 +90,7 @@ def interrupt_within(exc: BaseException) -> KeyboardInterrupt | None:
     return None
 
 
-FAMILIES = (schedule_cmds, plan_cmds, train_cmds)
+FAMILIES = (schedule_cmds, plan_cmds, train_cmds, bagpipe_cmds)
 """The modules of commands, one per family: command ``name`` runs the function ``cmd_<name>`` of one of them."""
 
 

@@ -106,6 +106,15 @@ RANGES: dict[str, Range] = {
     "clip": real(0, 1e9, open_low=True),
     "damping": real(0, 1e6),
     "ema": real(0, 1),
+    # bagpipe
+    "lookahead": count(0, 100_000),
+    "ahead": count(0, 1000),
+    "cache": real(0, 1, open_low=True),
+    "skew": real(0, 1, open_low=True),
+    "tables": count(1, 4096),
+    "rows": count(1, 1 << 30),
+    "dim": count(1, 1 << 16),
+    "trainers": count(1, 64),
     # the simulator's cost model
     "f": _COST, "b": _COST, "w": _COST, "mem": _COST, "mem_w": _COST, "opt": _COST, "weights": _COST,
     "gathered": _COST, "latency": _COST,
