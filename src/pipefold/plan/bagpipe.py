@@ -49,6 +49,15 @@ class Round:
     hits: int
     """Rows the step needs that are cached already."""
 
+    @property
+    def hit_rate(self) -> float:
+        """Hits over the rows the step needs."""
+        return self.hits / max(1, self.hits + len(self.fetch))
+
+    def bytes_fetched(self, row_bytes: int) -> int:
+        """Bytes the round fetches, at ``row_bytes`` a row."""
+        return len(self.fetch) * row_bytes
+
 
 class Cacher(abc.ABC):
     """A policy's state: the rows cached now and the rows of the last ``ahead`` steps (pinned)."""
