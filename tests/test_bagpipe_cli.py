@@ -52,6 +52,9 @@ def test_the_table_names_the_cache_and_its_hit_rate(capsys) -> None:  # type: ig
     (("--skew", "0.005"), "the skew"),
     (("--network", "constant:latency=-1"), "latency"),
     (("--lookahead", "-1"), "out of range"),
+    (("--policy", "lru", "--lookahead", "4"), "--lookahead is how many batches the oracle reads ahead"),
+    (("--policy", "none", "--cache", "0.1"), "--cache shapes a cache"),
+    (("--policy", "none", "--ahead", "2"), "--ahead shapes a cache"),
 ])
 def test_bad_input_is_one_line_and_a_non_zero_exit(capsys, argv: tuple[str, ...], says: str) -> None:  # type: ignore[no-untyped-def]
     code, out, err = run(capsys, "bagpipe", *argv)

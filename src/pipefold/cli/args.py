@@ -733,6 +733,12 @@ APPLIES: tuple[Applies, ...] = (
             "is the time a --by memory split may add: give --by memory too"),
     Applies("offload", ("k", "kprime"), lambda a: a.budget is None,
             "is picked by --budget: give either --budget or --k/--kprime"),
+    Applies("bagpipe", ("lookahead",), lambda a: a.policy == "oracle",
+            "is how many batches the oracle reads ahead, and --policy lru and none read none: drop it, or give "
+            "--policy oracle"),
+    Applies("bagpipe", ("cache", "ahead"), lambda a: a.policy != "none",
+            "shapes a cache, and with --policy none each step fetches all its rows when it starts and keeps none: "
+            "drop it, or give --policy oracle or lru"),
 )
 """Which options go with which modes, read by :func:`main` for every command: a new option that belongs to one
 mode is refused in the others by adding it here. ``pipefold train``'s are its run spec's

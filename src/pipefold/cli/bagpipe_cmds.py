@@ -22,7 +22,8 @@ def cmd_bagpipe(args: argparse.Namespace, console: Console) -> None:
     cfg = DLRMConfig(tables=args.tables, rows=args.rows, dim=args.dim, batch=args.batch, skew=args.skew,
                      seed=args.seed)
     memory = None if args.server_memory is None else int(parse_bytes(args.server_memory, "--server-memory"))
-    cache = round(args.cache * cfg.keys)
+    # With no cache a trainer holds one step's rows at a time: at most one per table and sample.
+    cache = min(cfg.keys, cfg.tables * cfg.batch) if args.policy == "none" else round(args.cache * cfg.keys)
     if cache < 1:
         raise ConfigError(f"--cache {args.cache:g} of {cfg.keys} rows is less than one row: give a larger share")
     job = BagpipeJob(model=cfg, steps=args.steps, policy=args.policy, cache=cache, lookahead=args.lookahead,
