@@ -104,3 +104,41 @@ def test_bad_jobs_are_refused_in_one_line_before_any_process_starts(given: dict,
     with pytest.raises(ConfigError, match=says) as err:
         run_bagpipe(BagpipeJob(model=CFG, **given))
     assert "\n" not in str(err.value)
+
+
+def _misused(rank: int, init: str, out) -> None:  # type: ignore[no-untyped-def]
+    import torch.distributed as dist
+
+    from pipefold.plan.bagpipe import LRUCacher
+    from pipefold.runtime.bagpipe import EmbeddingServer, RemoteEmbeddings
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        if rank == 1:
+            EmbeddingServer(init_tables(CFG), trainers=[0]).serve()
+            return
+        batches = [dlrm_batch(CFG, s) for s in range(3)]
+        emb = RemoteEmbeddings(server=1, keys=CFG.keys, dim=CFG.dim, steps=3, cacher=LRUCacher(100), lr=LR,
+                               keys_at=lambda s: batches[s].keys(CFG.rows).flatten().tolist())
+        said = []
+        for wrong in (lambda: emb.gather(1, batches[1].keys(CFG.rows)), emb.step,
+                      lambda: emb.gather(0, torch.tensor([CFG.keys - 1 - k for k in range(CFG.keys)]))):
+            try:
+                wrong()
+            except ConfigError as exc:
+                said.append(str(exc))
+        for s in range(3):  # and then trains as if nothing had happened
+            emb.gather(s, batches[s].keys(CFG.rows)).sum().backward()
+            emb.step()
+        out.put((said, emb.close()))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_library_refuses_steps_out_of_order_and_rows_its_batch_does_not_name() -> None:
+    from conftest import run_ranks
+
+    [(said, (fetched, written))] = run_ranks(_misused, 2, timeout=60)
+    assert "expected step 0, got 1" in said[0] and "after gather()" in said[1] and "does not name" in said[2]
+    rows = [set(dlrm_batch(CFG, s).keys(CFG.rows).flatten().tolist()) for s in range(3)]
+    assert fetched == len(set().union(*rows)) == written  # LRU of 100 rows: nothing left before the end

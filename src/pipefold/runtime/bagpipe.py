@@ -172,13 +172,14 @@ class RemoteEmbeddings:
         while (delay := ready.due - wall()) > 0:
             time.sleep(delay)
         self.waited += time.perf_counter() - start
+        flat = keys.reshape(-1)
+        pos = torch.searchsorted(ready.keys, flat).clamp(max=len(ready.keys) - 1)
+        if not torch.equal(ready.keys[pos], flat):
+            with self._cond:
+                self._ready[step] = ready  # the step may gather again
+            raise ConfigError(f"step {step} asks for rows its batch (keys_at) does not name")
         self._current = ready
         self._rows = self._cache[ready.slots].requires_grad_(True)  # (n, D): a copy, a leaf of its own
-        flat = keys.reshape(-1)
-        pos = torch.searchsorted(ready.keys, flat)
-        if bool((pos >= len(ready.keys)).any()) or not torch.equal(ready.keys[pos.clamp(max=len(ready.keys) - 1)],
-                                                                   flat):
-            raise ConfigError(f"step {step} asks for rows its batch (keys_at) does not name")
         return self._rows[pos].reshape(*keys.shape, self.dim)
 
     def step(self) -> None:
