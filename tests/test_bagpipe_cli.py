@@ -46,6 +46,7 @@ def test_the_table_names_the_cache_and_its_hit_rate(capsys) -> None:  # type: ig
 @pytest.mark.parametrize(("argv", "says"), [
     (("--lookahead", "10", "--steps", "6"), "more than the 6 steps of data"),
     (("--server-memory", "10KB"), "give the server more memory"),
+    (("--tables", "4096", "--rows", "1000000", "--dim", "1024"), "more than half this machine's"),
     (("--cache", "1.5"), "out of range"),
     (("--cache", "0.01", "--rows", "300", "--tables", "2"), "cannot hold"),
     (("--trainers", "3", "--batch", "16"), "cannot share 16 samples"),

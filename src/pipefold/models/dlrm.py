@@ -148,9 +148,11 @@ def zipf_exponent(rows: int, hot: float, skew: float) -> float:
     if k >= rows:
         return 0.0
 
+    ranks = torch.arange(1, rows + 1, dtype=torch.float64)
+
     def share(s: float) -> float:
-        weights = [r ** -s for r in range(1, rows + 1)]
-        return sum(weights[:k]) / sum(weights)
+        weights = ranks ** -s
+        return float(weights[:k].sum() / weights.sum())
 
     lo, hi = 0.0, 1.0
     while share(hi) < skew and hi < 64:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,6 +69,9 @@ class BagpipeJob:
         if self.server_memory is not None and table > self.server_memory:
             raise ConfigError(f"the tables take {format_bytes(table)} and the server holds "
                               f"{format_bytes(self.server_memory)}: give the server more memory or smaller tables")
+        if table > (machine := _machine_memory()) // 2:
+            raise ConfigError(f"the tables take {format_bytes(table)}, more than half this machine's "
+                              f"{format_bytes(machine)} of memory, where the server holds them: give smaller tables")
         if not self.lr > 0:
             raise ConfigError(f"the learning rate is above 0 (got {self.lr!r})")
         make_cacher(self.policy, self.cache, lookahead=self.lookahead, ahead=self.ahead)  # its own checks
@@ -80,6 +84,11 @@ class BagpipeJob:
         """The rounds every trainer will carry out (refused in one line where the cache cannot hold them)."""
         cacher = make_cacher(self.policy, self.cache, lookahead=self.lookahead, ahead=self.ahead)
         return plan_rounds(cacher, [self.keys_at(s) for s in range(self.steps)])
+
+
+def _machine_memory() -> int:
+    """Bytes of this machine's physical memory."""
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
 @dataclass
