@@ -918,7 +918,8 @@ def _wait_until_it_catches_sigterm(proc: subprocess.Popen[str]) -> None:
 
 @pytest.mark.parametrize("command", [["profile", "--model", "gpt", "--layers", "4", "--hidden", "64", "--seq", "64",
                                       "--batch", "16", "-m", "4", "-p", "2", "-o", "p.json"],
-                                     ["train", "--model", "mlp", "--steps", "2"], ["simulate", "zb-v"]])
+                                     ["train", "--model", "mlp", "--steps", "2"], ["simulate", "zb-v"],
+                                     ["bagpipe", "--steps", "3000", "--rows", "2000"]])
 def test_ctrl_c_during_the_commands_start_up_is_one_line(command: list[str], tmp_path) -> None:
     """SIGINT while the command still imports (the package, the command's modules, torch for the commands that use
     it): held until the imports are done, then one line and code 130, never an import's traceback or an abort from
