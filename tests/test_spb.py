@@ -5,7 +5,9 @@ backpropagation's; refusals in one line."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from typing import Any
 
 import pytest
 
@@ -94,3 +96,103 @@ def test_the_run_reports_each_copy_beside_the_simulator(capsys: pytest.CaptureFi
     assert copies[1]["predicted_busy_s"] < copies[0]["predicted_busy_s"]
     for c in copies:
         assert abs(c["predicted_peak_bytes"] - c["peak_activation_bytes"]) <= 0.25 * c["peak_activation_bytes"], c
+
+
+def _library_spb(rank: int, init: str, spb: tuple[int, ...], out: Any) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pipefold.runtime.pipeline import Pipeline
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=4)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    copy, device = mesh["dp"].get_local_rank(), mesh["pp"].get_local_rank()
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)]
+    stage = nn.Sequential(*layers[2 * device:2 * device + 2])  # two layers a stage
+    pipe = Pipeline(stage, "1f1b", microbatches=2, loss_fn=nn.functional.mse_loss, mesh=mesh, spb=spb)
+    g = torch.Generator().manual_seed(7)
+    x, y = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+    pipe.step(x.chunk(2)[copy], target=y.chunk(2)[copy])
+    out.put((copy, device, {f"{2 * device + i}.{k}": p.grad.numpy().copy() for i, layer in enumerate(stage.children())
+                            for k, p in layer.named_parameters() if p.grad is not None}))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("spb", [(4, 3), (2, 4)])
+def test_a_users_pipeline_takes_spb_and_makes_the_mean_over_the_computing_copies(spb: tuple[int, ...]) -> None:
+    """``Pipeline(..., spb=)`` on a (dp, pp) mesh of 2 x 2, two Linear layers a stage: every copy's gradients are
+    one process's, each layer's the mean over the copies that backpropagate through it (computed here layer by
+    layer, each copy on its half of the batch)."""
+    import torch
+    from torch import nn
+
+    from conftest import run_ranks
+    from pipefold.plan.spb import computing
+
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)]
+    g = torch.Generator().manual_seed(7)
+    x, y = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+    want: dict[str, torch.Tensor] = {}
+    for copy, (xs, ys) in enumerate(zip(x.chunk(2), y.chunk(2), strict=True)):
+        for mx, my in zip(xs.chunk(2), ys.chunk(2), strict=True):  # its 2 microbatches, each loss / 2
+            h = mx
+            for i, layer in enumerate(layers):
+                with torch.no_grad() if i < 4 - spb[copy] else contextlib.nullcontext():
+                    h = layer(h)
+            (nn.functional.mse_loss(h, my) / 2).backward()
+        for i, layer in enumerate(layers):
+            for k, p in layer.named_parameters():
+                if p.grad is not None:
+                    name = f"{i}.{k}"
+                    want[name] = want.get(name, 0) + p.grad / computing(spb, i, 4)
+                    p.grad = None
+    got = run_ranks(_library_spb, 4, spb)
+    assert len(got) == 4
+    for _, _, grads in got:
+        for name, grad in grads.items():
+            torch.testing.assert_close(torch.from_numpy(grad), want[name], atol=1e-6, rtol=1e-5)
+    assert {name for _, _, grads in got for name in grads} == set(want)
+
+
+def _library_refusals(rank: int, init: str, out: Any) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pipefold.runtime.pipeline import Pipeline
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=4)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    device = mesh["pp"].get_local_rank()
+    said = {}
+    cases = {"no dp": dict(group=mesh["pp"].get_group(), spb=(2, 2)), "count": dict(mesh=mesh, spb=(4,)),
+             "uncovered": dict(mesh=mesh, spb=(3, 3)), "past the first stage": dict(mesh=mesh, spb=(4, 1)),
+             "recompute": dict(mesh=mesh, spb=(4, 3), recompute={device: 1})}
+    for name, kwargs in cases.items():
+        stage = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+        try:
+            Pipeline(stage, "1f1b", microbatches=2, loss_fn=nn.functional.mse_loss, **kwargs)  # type: ignore[arg-type]
+        except Exception as exc:  # noqa: BLE001  # the refusal, as the user sees it
+            said[name] = f"{type(exc).__name__}: {exc}"
+    out.put((rank, said))
+    dist.destroy_process_group()
+
+
+def test_a_users_pipeline_refuses_what_spb_cannot_run_in_one_line() -> None:
+    from conftest import run_ranks
+
+    got = run_ranks(_library_refusals, 4)
+    for _, said in got:
+        assert said["no dp"].startswith("ConfigError: spb= splits backpropagation over data-parallel copies")
+        assert "gives 1 copies their layers, and the mesh's 'dp' dimension has 2" in said["count"]
+        assert "leaves layers 0 to 0 of 4 with no copy computing them" in said["uncovered"]
+        assert "cuts a copy's backward past the first stage (layers 0 to 1 of 4)" in said["past the first stage"]
+        assert said["recompute"] == "ConfigError: spb= does not run with recompute= yet: drop one of them"
+        assert all("\n" not in line for line in said.values())

@@ -247,6 +247,10 @@ class Pipeline(RankPipeline):
     ``"whole"`` compiles each stage's layers with torch.compile (``compile_backend``), the backward still split
     into B and W (:mod:`pipefold.runtime.compiled`).
     ``action_timeout``: seconds an action may wait for another rank before the step fails.
+    ``spb``: structured partial backpropagation, one number per data-parallel copy (a mesh's ``"dp"``): copy i
+    backpropagates through the last ``spb[i]`` layers of the model (the stage modules' children, counted over every
+    stage), its first layers running without autograd, and each layer's gradient is the mean over the copies that
+    computed it (docs/spb.md).
     """
 
     def __init__(self, stages: StageModules, schedule: str | Schedule | os.PathLike[str], *,
@@ -257,7 +261,7 @@ class Pipeline(RankPipeline):
                  precision: Precision | str | torch.dtype | None = None, compile: bool | str = False,
                  compile_backend: str = "inductor", action_timeout: float = DEFAULT_ACTION_TIMEOUT,
                  offload_activations: float | str | None = None, vocab: VocabShard | None = None,
-                 embedding: VocabShard | None = None) -> None:
+                 embedding: VocabShard | None = None, spb: Sequence[int] | None = None) -> None:
         if not dist.is_initialized():
             raise ConfigError("Pipeline needs torch.distributed's process group: call "
                               "torch.distributed.init_process_group() first (torchrun sets its environment)")
@@ -372,6 +376,15 @@ class Pipeline(RankPipeline):
         if self.compiled is not None:
             check_compile(compile_backend, self.device)
             modules = {s: compile_stage(m, self.compiled, compile_backend) for s, m in modules.items()}
+        shares = None
+        if spb is not None:
+            given = (("offload=", offload is not None), ("compile=", self.compiled is not None),
+                     ("FSDP stages", self.sharded), ("a 'cp' mesh dimension", self.cp_group is not None),
+                     ("a 'tp' mesh dimension", tp_group is not None), ("recompute=", bool(self.recompute)),
+                     ("vocab= or embedding=", vocab is not None or embedding is not None),
+                     ("offload_activations=", offload_activations is not None),
+                     (f"seq_chunks {self.schedule.seq_chunks}", self.schedule.seq_chunks > 1))
+            shares = self._partial_backward(modules, spb, dp_group, next((w for w, on in given if on), None))
         self._offloaded: list[Offloaded] = self._offload(modules, offload) if offload is not None else []
         if self._offloaded:
             modules = dict(zip(modules, self._offloaded, strict=True))
@@ -381,7 +394,7 @@ class Pipeline(RankPipeline):
                          pipelines=[self.ranks], pipeline=0,
                          meshes=[[r] for r in self.ranks], dp_group=dp_group if self._dp else None,
                          sharded=self.sharded, new_group=_subgroup, autocast=self.precision.autocast, vocab=vocab,
-                         embedding=embedding)
+                         embedding=embedding, grad_shares=shares)
         self.executor()  # its process groups now, on every rank at once
         if self.sharded:
             for m in modules.values():
@@ -396,6 +409,41 @@ class Pipeline(RankPipeline):
         self._counted = self._norm_parameters()
 
     # -- construction
+
+    def _partial_backward(self, modules: Mapping[int, nn.Module], spb: Sequence[int], dp_group: Any,
+                          unsupported: str | None) -> dict[int, list[float]]:
+        """Structured partial backpropagation (:mod:`pipefold.runtime.partial`): this copy's first layers (the stage
+        modules' children, counted over the whole pipeline) run without autograd; returns each stage's parameters'
+        shares of their gradients' sum over the copies. Refuses in one line what it cannot run."""
+        from pipefold.plan.spb import check
+        from pipefold.runtime import partial
+
+        spb = tuple(spb)
+        if any(isinstance(k, bool) or not (isinstance(k, int) and k >= 1) for k in spb) or not spb:
+            raise ConfigError(f"spb= gives each data-parallel copy the number of last layers it backpropagates "
+                              f"through: whole numbers >= 1, such as (4, 2) (got {spb!r})")
+        if not self._dp:
+            raise ConfigError("spb= splits backpropagation over data-parallel copies: give a DeviceMesh with a 'dp' "
+                              "dimension of 2 or more (Pipeline(..., mesh=mesh))")
+        copies = dist.get_world_size(dp_group)
+        if len(spb) != copies:
+            raise ConfigError(f"spb={spb} gives {len(spb)} copies their layers, and the mesh's 'dp' dimension has "
+                              f"{copies}: give one number per copy")
+        if unsupported is not None:
+            raise ConfigError(f"spb= does not run with {unsupported} yet: drop one of them")
+        empty = sorted(s for s, m in modules.items() if not list(m.children()))
+        if empty:
+            raise ConfigError(f"spb= counts the layers as the stage modules' children, and stage {empty[0]}'s module "
+                              "has none: give each stage an nn.Sequential of its layers")
+        counts: list[Any] = [None] * len(self.ranks)
+        dist.all_gather_object(counts, {s: len(list(m.children())) for s, m in modules.items()}, group=self.group)
+        per_stage = {s: n for each in counts for s, n in each.items()}
+        layers = sum(per_stage.values())
+        first = {s: sum(per_stage[t] for t in range(s)) for s in modules}
+        check(spb, layers, per_stage[0], flag="spb=")
+        if 0 in modules:
+            partial.cut(modules[0], layers - spb[dist.get_rank(dp_group)])
+        return partial.shares(modules, first, spb, layers)
 
     @staticmethod
     def _groups(group: Any, mesh: Any) -> tuple[Any, Any, Any, Any]:

@@ -263,19 +263,9 @@ def _check_spb(spec: RunSpec, model: Model, schedule: Schedule, layer_stages: tu
         ("--compile", spec.devices.compile is not None), ("a schedule with vocab=1", schedule.vocab),
         (f"seq_chunks {schedule.seq_chunks}", schedule.seq_chunks > 1),
         ("a schedule with OPT actions", any(a.kind == Kind.OPT for row in schedule.actions for a in row))))
-    layers = model.num_layers
-    if max(spb) < layers:
-        whole = ",".join([str(layers), *map(str, spb[1:])])
-        raise ConfigError(f"--spb {text} leaves layers 0 to {layers - max(spb) - 1} of {layers} with no copy computing "
-                          f"them: give one copy all {layers} layers (--spb {whole})")
-    if max(spb) > layers:
-        raise ConfigError(f"--spb {text} backpropagates through {max(spb)} layers, and the model has {layers}: give "
-                          f"numbers from 1 to {layers}")
-    first = len(layer_stages[0])
-    if min(spb) < layers - first:
-        raise ConfigError(f"--spb {text} cuts a copy's backward past the first stage (layers 0 to {first - 1} of "
-                          f"{layers}): give every copy at least its last {layers - first} layers, or the first stage "
-                          "more layers (fewer stages: fewer --devices, or one stage per device as --schedule 1f1b has)")
+    from pipefold.plan.spb import check
+
+    check(spb, model.num_layers, len(layer_stages[0]))
 
 
 def _not_yet(what: str, instead: str, given: Iterable[tuple[str, bool]]) -> None:

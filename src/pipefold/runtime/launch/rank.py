@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import collections
 import cProfile
-import functools
 import math
 import os
 import pickle
@@ -474,33 +473,16 @@ def _mesh(job: Job, device_type: str, rank: int) -> tuple[Any, Any]:
 
 def _partial_backward(job: Job, copy: int, chains: dict[int, nn.Module]) -> dict[int, list[float]]:
     """Structured partial backpropagation: this copy's first layers (all but its last ``spb[copy]`` of the model,
-    inside the first stage) run their forward without autograd, so that its backward stops after them; returns,
-    per stage, each trained parameter's share of its gradient's sum over the copies (1 over the copies that compute
-    its layer), in the order of the stage's parameters."""
-    assert job.parallel.spb is not None
+    inside the first stage) run without autograd; returns each stage's parameters' shares of their gradients' sum
+    over the copies (:mod:`pipefold.runtime.partial`)."""
+    from pipefold.runtime import partial
+
+    spb = job.parallel.spb
+    assert spb is not None
     layers = job.extra["num_layers"]
-    prefix = layers - job.parallel.spb[copy % job.parallel.dp]
-    if 0 in chains and prefix > 0:
-        first = chains[0]
-        for layer in list(first.children())[:prefix]:
-            layer.forward = functools.partial(_without_autograd, layer.forward)
-        first.frozen_prefix = prefix  # read by the stage's runner
-    shares: dict[int, list[float]] = {}
-    for s, chain in chains.items():
-        seen: set[int] = set()
-        row = []
-        for index, layer in zip(job.layer_stages[s], chain.children(), strict=True):
-            for p in layer.parameters():
-                if p.requires_grad and id(p) not in seen:
-                    seen.add(id(p))
-                    row.append(1.0 / job.parallel.computing(index, layers))
-        shares[s] = row
-    return shares
-
-
-def _without_autograd(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    with torch.no_grad():
-        return forward(*args, **kwargs)
+    if 0 in chains:
+        partial.cut(chains[0], layers - spb[copy % job.parallel.dp])
+    return partial.shares(chains, {s: job.layer_stages[s][0] for s in chains}, spb, layers)
 
 
 def _kfac_copies(job: Job, rank: int) -> dict[int, Any]:

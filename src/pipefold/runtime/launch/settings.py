@@ -197,7 +197,9 @@ class Parallel:
         """How many copies backpropagate through ``layer`` of ``layers`` (all of them without SPB)."""
         if self.spb is None:
             return self.copies
-        return sum(1 for k in self.spb if layer >= layers - k)
+        from pipefold.plan.spb import computing
+
+        return computing(self.spb, layer, layers)
 
     def degrees(self, devices: int) -> tuple[int, ...]:
         """The tensor-parallel degree of each of ``devices`` pipeline devices."""
