@@ -328,14 +328,14 @@ class RankCurvature:
 
 def measure(stages: Sequence[nn.Module], sample: torch.Tensor | Sequence[torch.Tensor], target: Any, loss_fn: Any, *,
             microbatches: int,
-            config: KFACConfig, repeats: int = 3) -> list[dict[str, Any]]:
+            config: KFACConfig, repeats: int = 3, layers: bool = False) -> list[dict[str, Any]]:
     """Time each stage's passes and K-FAC work on one sample microbatch, on one thread as a rank runs.
 
     Per stage: ``f``, ``b``, ``w``, a fused backward's ``bw`` and the ``work`` of KA, KG, KI and KP in seconds
     (medians of ``repeats`` runs after a warm-up), ``memory`` (bytes one microbatch holds after its F), the
-    ``stash`` of KA and KG (bytes of its layer inputs and output gradients), ``layers``, each K-FAC layer's own
-    seconds of one microbatch's factors, an inversion and a preconditioning (:func:`layer_seconds`), and its
-    ``shapes``: (columns of A, columns of G, rows of one microbatch).
+    ``stash`` of KA and KG (bytes of its layer inputs and output gradients), its ``shapes``: (columns of A, columns
+    of G, rows of one microbatch) of each K-FAC layer, and with ``layers`` each such layer's own seconds of one
+    microbatch's factors, an inversion and a preconditioning (:func:`layer_seconds`; else an empty list).
     """
     import statistics
     import time
@@ -373,7 +373,8 @@ def measure(stages: Sequence[nn.Module], sample: torch.Tensor | Sequence[torch.T
                     runs.append(t)
                 for p in runner.params:
                     p.grad = None
-            layers = [layer_seconds(f.layer, n, config, repeats) for f, n in zip(curv.kfac.layers, rows, strict=True)]
+            seconds = [layer_seconds(f.layer, n, config, repeats) for f, n in zip(curv.kfac.layers, rows, strict=True)
+                       ] if layers else []
             shapes = [(f.layer.in_features + (f.layer.bias is not None), f.layer.out_features, n)
                       for f, n in zip(curv.kfac.layers, rows, strict=True)]
             curv.close()
@@ -386,7 +387,7 @@ def measure(stages: Sequence[nn.Module], sample: torch.Tensor | Sequence[torch.T
             out.append({"f": med["F"], "b": med["B"], "w": med["W"], "bw": statistics.median(fused[1:]),
                         "memory": memory,
                         "work": {k: med[k] for k in (Kind.KA, Kind.KG, Kind.KI, Kind.KP)},
-                        "stash": {Kind.KA: stash_a, Kind.KG: stash_g}, "layers": layers, "shapes": shapes})
+                        "stash": {Kind.KA: stash_a, Kind.KG: stash_g}, "layers": seconds, "shapes": shapes})
             x = tuple(t.detach() for t in h) if s < last else x
         return out
     finally:

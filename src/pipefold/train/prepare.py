@@ -363,9 +363,9 @@ def _kfac_cycle(spec: RunSpec, schedule: Schedule, layer_stages: tuple[tuple[int
 
     x, y = _first_microbatch(spec, model)
     stages = _stages(layer_stages, model)
-    rows = measure(stages, x, y, model.loss, microbatches=spec.schedule.microbatches,
-                   config=kfac)
-    if spec.parallel.copies > 1 and kfac.distribution == "dp-kfac":
+    owned = spec.parallel.copies > 1 and kfac.distribution == "dp-kfac"
+    rows = measure(stages, x, y, model.loss, microbatches=spec.schedule.microbatches, config=kfac, layers=owned)
+    if owned:
         extra["kfac_owners"] = _kfac_owners(schedule, [r["layers"] for r in rows], spec.parallel.copies)
     extra["kfac_shapes"] = {s: r["shapes"] for s, r in enumerate(rows)}
     cost = CostModel(stage_overrides={s: StageOverride(f=r["f"], b=r["b"], w=r["w"], bw=r["bw"],
