@@ -18,9 +18,6 @@ on the whole batch (``tests/test_dpkfac.py``).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
-import json
 import os
 import statistics
 import sys
@@ -38,19 +35,13 @@ PAPER = {"computation": (1.55, 1.65), "communication": (2.79, 3.15), "memory": (
 
 def run(distribution: str, copies: int, args: argparse.Namespace) -> dict[str, Any]:
     """One ``pipefold train --json`` run in this process (its ranks are processes of their own): its report."""
-    from pipefold.cli.main import main
+    from pipefold.cli.main import report
 
-    argv = ["train", "--model", "gpt", "--schedule", "1f1b", "--devices", str(args.devices), "--dp", str(copies),
-            "--layers", str(args.layers), "--hidden", str(args.hidden), "--heads", str(args.heads),
-            "--seq", str(args.seq), "--batch", str(args.batch * copies), "--microbatches", str(args.microbatches),
-            "--optimizer", "kfac", "--kfac-distribution", distribution, "--steps", str(args.steps),
-            "--partition", "even", "--action-timeout", "600", "--json"]
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = main(argv)
-    if code != 0:
-        raise SystemExit(f"pipefold {' '.join(argv)} failed (its error is above)")
-    return dict(json.loads(out.getvalue().strip().splitlines()[-1]))
+    return report(["train", "--model", "gpt", "--schedule", "1f1b", "--devices", str(args.devices), "--dp",
+                   str(copies), "--layers", str(args.layers), "--hidden", str(args.hidden), "--heads",
+                   str(args.heads), "--seq", str(args.seq), "--batch", str(args.batch * copies), "--microbatches",
+                   str(args.microbatches), "--optimizer", "kfac", "--kfac-distribution", distribution, "--steps",
+                   str(args.steps), "--partition", "even", "--action-timeout", "600"])
 
 
 def largest(rows: list[dict[str, Any]], key: str) -> float:

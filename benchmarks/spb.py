@@ -18,9 +18,6 @@ loss of the last 5 steps.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
-import json
 import os
 import statistics
 import sys
@@ -35,15 +32,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 def train(argv: list[str]) -> dict[str, Any]:
     """One ``pipefold train --json`` run in this process (its ranks are processes of their own): its report."""
-    from pipefold.cli.main import main
+    from pipefold.cli.main import report
 
-    out = io.StringIO()
-    argv = ["train", *argv, "--action-timeout", "600", "--json"]
-    with contextlib.redirect_stdout(out):
-        code = main(argv)
-    if code != 0:
-        raise SystemExit(f"pipefold {' '.join(argv)} failed (its error is above)")
-    return dict(json.loads(out.getvalue().strip().splitlines()[-1]))
+    return report(["train", *argv, "--action-timeout", "600"])
 
 
 def main() -> None:

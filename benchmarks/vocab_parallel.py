@@ -18,9 +18,6 @@ less: the closed form the script sets beside the difference the runtime measured
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
-import json
 import os
 import statistics
 import sys
@@ -36,19 +33,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 def run(schedule: str, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
     """One ``pipefold train --json`` run, in this process (its ranks are processes of their own, started by the
     fork server the first run starts): its JSON report."""
-    from pipefold.cli.main import main
+    from pipefold.cli.main import report
 
-    argv = ["train", "--model", "gpt", "--schedule", schedule,
-            "--devices", str(args.devices), "--layers", str(args.layers), "--hidden", str(args.hidden),
-            "--heads", str(args.heads), "--seq", str(args.seq), "--batch", str(args.batch),
-            "--microbatches", str(args.microbatches), "--vocab-size", str(vocab), "--steps", str(args.steps),
-            "--partition", "even", "--action-timeout", "600", "--json"]
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = main(argv)
-    if code != 0:
-        raise SystemExit(f"pipefold {' '.join(argv)} failed (its error is above)")
-    return dict(json.loads(out.getvalue().strip().splitlines()[-1]))
+    return report(["train", "--model", "gpt", "--schedule", schedule,
+                   "--devices", str(args.devices), "--layers", str(args.layers), "--hidden", str(args.hidden),
+                   "--heads", str(args.heads), "--seq", str(args.seq), "--batch", str(args.batch),
+                   "--microbatches", str(args.microbatches), "--vocab-size", str(vocab), "--steps", str(args.steps),
+                   "--partition", "even", "--action-timeout", "600"])
 
 
 def mib(n: float) -> str:

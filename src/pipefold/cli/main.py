@@ -160,6 +160,20 @@ _interrupt_told = False
 """Whether :func:`main` has said the line of an interrupt (so that :func:`entry` does not say it again)."""
 
 
+def report(argv: Sequence[str]) -> dict[str, Any]:
+    """``pipefold ARGV --json`` run in this process (the ranks it starts are processes of their own): the JSON
+    report it prints last. A command that fails (its one line on standard error) ends the caller's program."""
+    import io
+    import json
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main([*argv, "--json"])
+    if code != 0:
+        raise SystemExit(f"pipefold {' '.join(argv)} --json failed (its error is above)")
+    return dict(json.loads(out.getvalue().strip().splitlines()[-1]))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
