@@ -16,7 +16,7 @@ _NAMES = {
     "CostModel": "pipefold.sim.simulate", "SimResult": "pipefold.sim.simulate", "simulate": "pipefold.sim.simulate",
     "Pipeline": "pipefold.runtime.pipeline", "Check": "pipefold.runtime.pipeline",
     "StepReport": "pipefold.runtime.pipeline", "split_model": "pipefold.runtime.measure.split",
-    "VocabShard": "pipefold.runtime.vocab",
+    "VocabShard": "pipefold.runtime.vocab", "KFACConfig": "pipefold.runtime.kfac",
 }
 """Each name the package offers and the module that holds it."""
 
@@ -42,6 +42,7 @@ __all__ = [
     "Check",
     "ConfigError",
     "CostModel",
+    "KFACConfig",
     "Kind",
     "Pipeline",
     "PipefoldError",

@@ -261,9 +261,11 @@ class _Outbox:
         self._queue: queue.SimpleQueue[_Send | None] | None = None
         self._queued = 0  # handed to the thread and not yet released
         self._held: deque[Carried] = deque()  # emulated sends not yet handed to gloo, in order
+        self._thread: threading.Thread | None = None
         if threaded:
             self._queue = queue.SimpleQueue()
-            threading.Thread(target=self._deliver, name=f"pipefold-send-{peer}", daemon=True).start()
+            self._thread = threading.Thread(target=self._deliver, name=f"pipefold-send-{peer}", daemon=True)
+            self._thread.start()
 
     def post(self, send: _Send) -> None:
         work = send[0]
@@ -358,8 +360,13 @@ class _Outbox:
             self.max_bytes = self.bytes
 
     def close(self) -> None:
-        if self._queue is not None:
+        """Stop the link's thread and wait for it (a few seconds at most: a send still under way keeps it in
+        torch, and a thread left in torch when the interpreter shuts down aborts the process)."""
+        if self._queue is not None and self._thread is not None:
             self._queue.put(None)
+            if self._thread is not threading.current_thread():
+                self._thread.join(timeout=5.0)
+            self._thread = None
 
 
 class FlatAllReduce:

@@ -24,10 +24,14 @@ sends each boundary's shapes and structure first (:mod:`pipefold.runtime.structu
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import gc
 import math
 import os
 import statistics
+import sys
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,7 +45,9 @@ from pipefold.ir import Action, Kind, Schedule
 from pipefold.plan.choose import candidates_for, probe, resolve_schedule, with_data_parallel
 from pipefold.runtime import sharding
 from pipefold.runtime.compiled import MODES, check_compile, compile_stage
+from pipefold.runtime.curvature import RankCurvature
 from pipefold.runtime.executor import COMPUTE_KINDS, RankExecutor, StepStats, kind_times
+from pipefold.runtime.kfac import KFACConfig
 from pipefold.runtime.numerics import clip_factor, local_check, scale_grads, verdict
 from pipefold.runtime.offload import Offloaded
 from pipefold.runtime.precision import Masters, Precision, PrecisionOptimizer, unscale
@@ -133,12 +139,52 @@ class StepReport:
 
 
 _GROUPS: dict[tuple[int, tuple[int, ...]], Any] = {}
+_LIVE: weakref.WeakSet[RankPipeline] = weakref.WeakSet()
+"""Every pipeline of this process not yet freed: :func:`_close_at_exit` closes them."""
+
+
+def _close_at_exit() -> None:
+    """Before the interpreter shuts down: close every pipeline (their threads joined) and let go of every process
+    group pipefold made, so that torch destroys them while Python still runs. A process group destroyed during the
+    interpreter's shutdown joins gloo's worker threads then, and one that needs Python (to free a tensor it
+    held) ends the process with SIGABRT ("terminate called without an active exception"): a script's clean exit
+    reported as a crash, now and then."""
+    for pipe in list(_LIVE):
+        pipe.close()
+    _GROUPS.clear()
+    gc.collect()  # pipelines in reference cycles, and the process groups they hold
+
+
+atexit.register(_close_at_exit)
+
+
+def _kfac_config(kfac: KFACConfig | bool | None) -> KFACConfig | None:
+    if kfac is None or kfac is False:
+        return None
+    if kfac is True:
+        return KFACConfig()
+    if not isinstance(kfac, KFACConfig):
+        raise ConfigError(f"kfac= takes True or a KFACConfig(damping=..., ema=..., distribution=...) (got {kfac!r})")
+    return kfac
+
+
+def _with_kfac(schedule: Schedule) -> Schedule:
+    """``schedule`` with K-FAC's actions inline (:func:`pipefold.plan.pipefisher.inline`). With W split from B,
+    the first stage's curvature reads the output gradients after its W: its input needs no gradient, so its B may
+    stop before its first layers, and after W every layer's output gradient has been computed."""
+    from pipefold.plan import pipefisher
+
+    splits = any(a.kind == Kind.W and a.stage == 0 for row in schedule.actions for a in row)
+    return pipefisher.inline(schedule, g_from_w=frozenset({0}) if splits else frozenset()).cycle[0]
 
 
 def _subgroup(ranks: list[int]) -> Any:
     """A process group of ``ranks``, made by its members only (other pipelines may make theirs meanwhile), once
     per set of ranks and default group (a script that makes its process group again gets new ones)."""
-    key = (id(dist.group.WORLD), tuple(sorted(ranks)))
+    world = id(dist.group.WORLD)
+    for stale in [k for k in _GROUPS if k[0] != world]:  # of a default group since destroyed
+        del _GROUPS[stale]
+    key = (world, tuple(sorted(ranks)))
     if key not in _GROUPS:
         _GROUPS[key] = dist.new_group(list(key[1]), use_local_synchronization=True)
     return _GROUPS[key]
@@ -167,6 +213,7 @@ class RankPipeline:
         self.last: StepStats | None = None
         """This rank's stats of the last step: events, peak bytes (the meter), per-stage memory."""
         self.last_schedule: Schedule | None = None
+        _LIVE.add(self)
 
     def executor(self, index: int = 0, *, train: bool = True) -> RankExecutor:
         """The executor of schedule ``index`` (its forwards only, without ``train``), made the first time."""
@@ -251,6 +298,13 @@ class Pipeline(RankPipeline):
     backpropagates through the last ``spb[i]`` layers of the model (the stage modules' children, counted over every
     stage), its first layers running without autograd, and each layer's gradient is the mean over the copies that
     computed it (docs/spb.md).
+    ``kfac``: ``True`` or a :class:`~pipefold.runtime.kfac.KFACConfig`: every step builds each stage's K-FAC
+    curvature right after the passes it reads, inverts the factors after the stage's last pass and preconditions its
+    gradients before :meth:`step` returns (PipeFisher's actions, placed inline); the user's optimizer then steps the
+    preconditioned gradients (SGD with momentum is what K-FAC is tuned for). On a mesh with ``"dp"``, the factors
+    are built from every copy's microbatches: DP-KFAC (each layer's inversion and preconditioning on one copy, the
+    result broadcast) or D-KFAC (every copy does all of it), as ``KFACConfig.distribution`` says
+    (docs/dpkfac.md); :meth:`kfac_report` says what this rank held, sent and spent.
     """
 
     def __init__(self, stages: StageModules, schedule: str | Schedule | os.PathLike[str], *,
@@ -261,7 +315,8 @@ class Pipeline(RankPipeline):
                  precision: Precision | str | torch.dtype | None = None, compile: bool | str = False,
                  compile_backend: str = "inductor", action_timeout: float = DEFAULT_ACTION_TIMEOUT,
                  offload_activations: float | str | None = None, vocab: VocabShard | None = None,
-                 embedding: VocabShard | None = None, spb: Sequence[int] | None = None) -> None:
+                 embedding: VocabShard | None = None, spb: Sequence[int] | None = None,
+                 kfac: KFACConfig | bool | None = None) -> None:
         if not dist.is_initialized():
             raise ConfigError("Pipeline needs torch.distributed's process group: call "
                               "torch.distributed.init_process_group() first (torchrun sets its environment)")
@@ -347,6 +402,23 @@ class Pipeline(RankPipeline):
         self._base = self.schedule
         if self._dp:
             self.schedule = with_data_parallel(self.schedule, shard=self.sharded)
+        self.kfac = _kfac_config(kfac)
+        """K-FAC's settings (None: the gradients go to the optimizer as the backward left them)."""
+        if self.kfac is not None:
+            precise = Precision.of(precision)
+            needs: tuple[tuple[str, bool], ...] = (
+                ("offload=", offload is not None), ("offload_activations=", offload_activations is not None),
+                ("recompute=", bool(recompute)), ("compile=", compile is not False),
+                ("FSDP stages", self.sharded), ("a 'tp' mesh dimension", tp_group is not None),
+                ("a 'cp' mesh dimension", self.cp_group is not None), ("spb=", spb is not None),
+                ("vocab= or embedding=", self.schedule.vocab or vocab is not None or embedding is not None),
+                (f"seq_chunks {self.schedule.seq_chunks}", self.schedule.seq_chunks > 1),
+                ("schedule='auto'", bool(self._candidates)),
+                (f"precision={precision!r}", precise.dtype == "fp16" or precise.master_weights))
+            if (what := next((w for w, on in needs if on), None)) is not None:
+                raise ConfigError(f"kfac= does not run with {what} yet: K-FAC keeps the layer inputs and output "
+                                  "gradients those change; drop one of them")
+            self.schedule = _with_kfac(self.schedule)
         self._check_weights(modules)
         untie_map = {s: nn.Sequential(m) for s, m in modules.items()}
         untie(untie_map)  # a weight two stages of this rank share: a copy each, summed as a tied weight
@@ -389,12 +461,14 @@ class Pipeline(RankPipeline):
         if self._offloaded:
             modules = dict(zip(modules, self._offloaded, strict=True))
         self.timeout = action_timeout
+        self.curvature = self._curvature(modules, dp_group) if self.kfac is not None else None
+        """With ``kfac``: this rank's K-FAC (:class:`~pipefold.runtime.curvature.RankCurvature`)."""
         super().__init__([self.schedule], self.rank, modules, loss_fn, self.device, recompute=self.recompute,
                          timeout=pg_timeout(action_timeout, compiling=self.compiled is not None),
                          pipelines=[self.ranks], pipeline=0,
                          meshes=[[r] for r in self.ranks], dp_group=dp_group if self._dp else None,
                          sharded=self.sharded, new_group=_subgroup, autocast=self.precision.autocast, vocab=vocab,
-                         embedding=embedding, grad_shares=shares)
+                         embedding=embedding, grad_shares=shares, work=self.curvature)
         self.executor()  # its process groups now, on every rank at once
         if self.sharded:
             for m in modules.values():
@@ -409,6 +483,33 @@ class Pipeline(RankPipeline):
         self._counted = self._norm_parameters()
 
     # -- construction
+
+    def _curvature(self, modules: Mapping[int, nn.Module], dp_group: Any) -> RankCurvature:
+        """K-FAC of this rank's stages; on a mesh with ``"dp"``, spread over the copies by ``self.kfac``'s
+        distribution, through a process group of their own (its collectives never queue behind the gradients'
+        all-reduce). DP-KFAC gives each layer to a copy by its inversion and preconditioning work in closed form
+        (:func:`pipefold.plan.dpkfac.layer_cost`), which every copy computes alike from the layers' shapes."""
+        from pipefold.plan.dpkfac import Layer, assign, layer_cost
+        from pipefold.runtime.curvature import Copies, RankCurvature, StageCurvature
+
+        assert self.kfac is not None
+        stages = {s: StageCurvature(m, self.kfac, self.schedule.microbatches) for s, m in modules.items()}
+        if not self._dp:
+            return RankCurvature(stages)
+        ranks = tuple(dist.get_process_group_ranks(dp_group))
+        group = dist.new_group(list(ranks), use_local_synchronization=True)
+        owners: dict[int, tuple[int, ...]] = {s: () for s in stages}
+        if self.kfac.distribution == "dp-kfac":
+            layers = [(s, f.layer) for s, c in stages.items() for f in c.kfac.layers]
+            costs = [layer_cost(Layer(layer.in_features + (layer.bias is not None), layer.out_features, 0))
+                     for _, layer in layers]
+            flat = assign(costs, len(ranks)) if layers else ()
+            for s in stages:
+                owners[s] = tuple(o for (t, _), o in zip(layers, flat, strict=True) if t == s)
+        me = dist.get_rank(dp_group)
+        for s, c in stages.items():
+            c.copies = Copies(group=group, ranks=ranks, me=me, distribution=self.kfac.distribution, owners=owners[s])
+        return RankCurvature(stages)
 
     def _partial_backward(self, modules: Mapping[int, nn.Module], spb: Sequence[int], dp_group: Any,
                           unsupported: str | None) -> dict[int, list[float]]:
@@ -923,6 +1024,14 @@ class Pipeline(RankPipeline):
 
     # -- seeing what it did
 
+    def kfac_report(self) -> dict[str, Any]:
+        """With ``kfac``: what this rank's K-FAC holds (``state_bytes``), sends per step (``sent``, bytes by what
+        they carried: 'factors', 'rows', 'preconditioned', the names of :class:`pipefold.plan.dpkfac.PerCopy`) and
+        spends per step (``seconds``), over the steps run so far, and its ``distribution`` (None on one copy)."""
+        if self.curvature is None:
+            raise ConfigError("this Pipeline runs without K-FAC: make it with Pipeline(..., kfac=True)")
+        return self.curvature.report(self.steps)
+
     def report(self) -> StepReport:
         """The last step on every device of the pipeline (collective: every rank of it calls it): the meter's
         memory, the timeline and the simulator's prediction from the step's own pass times."""
@@ -1074,11 +1183,12 @@ def _device_of(modules: Mapping[int, nn.Module]) -> torch.device:
 
 
 def _is_fsdp(module: nn.Module) -> bool:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch < 2.6
-        return False
-    return isinstance(module, FSDPModule)
+    """Whether ``module`` is sharded with FSDP, without importing FSDP: a module cannot be FSDP's unless the script
+    imported it, and importing it after ``init_process_group`` makes torch hold the default process group until the
+    interpreter shuts down (see :func:`_close_at_exit`)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    kind = getattr(fsdp, "FSDPModule", None)
+    return kind is not None and isinstance(module, kind)
 
 
 def _prepare_fsdp(module: nn.Module) -> None:
