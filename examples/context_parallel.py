@@ -17,6 +17,7 @@ import argparse
 import torch
 from torch import nn
 
+from pipefold import Pipeline, split_model  # before init_process_group (docs/library.md, "After the step")
 from pipefold.models.gpt import GPTConfig, build_gpt, gpt_loss
 
 
@@ -50,8 +51,6 @@ def batches(vocab: int, batch: int, length: int, seed: int):  # noqa: ANN201
 
 def pipelined(layers: list[nn.Module], args: argparse.Namespace, mesh):  # noqa: ANN001, ANN201
     """This rank's stages of the GPT in a Pipeline over ``mesh`` (dimensions "cp" and "pp")."""
-    from pipefold import Pipeline, split_model
-
     stages = split_model(layers, args.schedule, devices=mesh["pp"].size(), microbatches=args.microbatches,
                          device=mesh["pp"].get_local_rank())
     return Pipeline(stages, args.schedule, microbatches=args.microbatches, loss_fn=gpt_loss, mesh=mesh)

@@ -138,6 +138,16 @@ class StepReport:
             f"predicted from its pass times: {self.predicted_makespan * 1e3:.1f} ms"))
 
 
+def _import_before_init() -> None:
+    """torch imports FSDP the first time a script makes an optimizer (through torch._dynamo), and FSDP keeps the
+    default process group of that moment until the interpreter shuts down, past ``destroy_process_group()`` (see
+    :func:`_close_at_exit`). Imported while there is none, as a script imports pipefold before
+    ``init_process_group``, it keeps nothing."""
+    if not dist.is_initialized():
+        import torch._dynamo  # noqa: F401
+
+
+_import_before_init()
 _GROUPS: dict[tuple[int, tuple[int, ...]], Any] = {}
 _LIVE: weakref.WeakSet[RankPipeline] = weakref.WeakSet()
 """Every pipeline of this process not yet freed: :func:`_close_at_exit` closes them."""
