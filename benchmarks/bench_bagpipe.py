@@ -8,7 +8,12 @@ that do not come from the cacher: the rows the server counted as sent and writte
 and every plan replayed on plain sets (each round's rows present, nothing pinned evicted, the cache never over its
 rows) with the hits counted there.
 
+With ``--netns`` the trainer and the server run in network namespaces of their own, what each sends capped by tc at
+the network's bandwidth (real veth links and a token bucket; the network's latency is not added): a third check,
+tc's count of the bytes the server's interface sent, at least the rows the server says it sent.
+
     OMP_NUM_THREADS=1 python benchmarks/bench_bagpipe.py [--skews 0.8,0.92,0.98] [--lookaheads 2,8] [--repeats 3]
+    OMP_NUM_THREADS=1 python benchmarks/bench_bagpipe.py --netns --network constant:latency=0,bandwidth=2MB
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import time
 from pipefold.errors import run_script
 from pipefold.models.dlrm import DLRMConfig
 from pipefold.plan.bagpipe import Round
-from pipefold.runtime.launch.bagpipe import BagpipeJob, BagpipeResult, run_bagpipe
+from pipefold.runtime.launch.bagpipe import BagpipeJob, BagpipeResult, run_bagpipe, run_bagpipe_netns
 from pipefold.sim.network import parse_network
 
 
@@ -40,9 +45,13 @@ def replayed_hits(job: BagpipeJob, rounds: list[Round]) -> int:
     return hits
 
 
-def run(job: BagpipeJob) -> tuple[float, float, BagpipeResult]:
-    """(median step seconds after the first, the replayed hit rate, the result), the server's counts checked."""
-    got = run_bagpipe(job)
+def run(job: BagpipeJob, rate: float | None = None) -> tuple[float, float, BagpipeResult]:
+    """(median step seconds after the first, the replayed hit rate, the result), the server's counts checked; over
+    namespaces capped at ``rate`` bytes per second where given, tc's count of the server's bytes checked too."""
+    got = run_bagpipe(job) if rate is None else run_bagpipe_netns(job, rate)
+    if rate is not None and got.link_bytes[-1] < got.fetched[0] * 4 * job.model.dim:
+        raise AssertionError(f"{job.policy}: tc counted {got.link_bytes[-1]} bytes from the server, less than the "
+                             f"{got.fetched[0]} rows it says it sent")
     rounds = job.plan()
     if got.fetched != [got.predicted.fetched] or got.written != [got.predicted.written + got.final_writes]:
         raise AssertionError(f"{job.policy}: the server counted {got.fetched} rows fetched and {got.written} "
@@ -68,6 +77,8 @@ def main() -> int:
     ap.add_argument("--ahead", type=int, default=2, help="steps ahead a round runs (oracle and LRU)")
     ap.add_argument("--network", default="constant:latency=2e-3,bandwidth=10MB",
                     help="the emulated link between trainer and server")
+    ap.add_argument("--netns", action="store_true",
+                    help="real links: trainer and server in network namespaces, capped by tc at --network's bandwidth")
     args = ap.parse_args()
     try:
         skews = [float(x) for x in args.skews.split(",")]
@@ -78,11 +89,16 @@ def main() -> int:
     if args.repeats < 1 or args.steps < 2:
         ap.error("--repeats must be 1 or more and --steps 2 or more")
     network = parse_network(args.network)
+    rate = None
+    if args.netns:
+        rate = max(state.bandwidth for c in (network.default, *network.links.values()) for state in c.states)
+        if rate == float("inf"):
+            ap.error("--netns caps the links at --network's bandwidth: give a network with one")
     jobs: dict[tuple[float, str], BagpipeJob] = {}
     for skew in skews:
         cfg = DLRMConfig(tables=args.tables, rows=args.rows, dim=args.dim, batch=args.batch, skew=skew)
         cache = round(args.cache * cfg.keys)
-        common = {"model": cfg, "steps": args.steps, "network": network}
+        common = {"model": cfg, "steps": args.steps, "network": None if args.netns else network}
         jobs[skew, "none"] = BagpipeJob(policy="none", cache=cfg.tables * cfg.batch, **common)
         jobs[skew, "lru"] = BagpipeJob(policy="lru", cache=cache, ahead=args.ahead, **common)
         for k in sorted({min(k, args.steps) for k in lookaheads}):  # no more batches ahead than there are
@@ -91,25 +107,28 @@ def main() -> int:
     times: dict[tuple[float, str], list[float]] = {key: [] for key in jobs}
     rates: dict[tuple[float, str], float] = {}
     moved: dict[tuple[float, str], int] = {}
+    wire: dict[tuple[float, str], int] = {}
     start = time.perf_counter()
     for _ in range(args.repeats):
         for key, job in jobs.items():
-            step, rate, got = run(job)
+            step, hit, got = run(job, rate)
             times[key].append(step)
-            rates[key], moved[key] = rate, got.fetched[0]
+            rates[key], moved[key] = hit, got.fetched[0]
+            wire[key] = got.link_bytes[-1] if got.link_bytes else 0
     print(f"{args.tables} tables of {args.rows} rows x {args.dim}, batch {args.batch}, {args.steps} steps, cache "
-          f"{args.cache:g} of the rows, rounds {args.ahead} steps ahead, network {network.name}; median step ms "
+          f"{args.cache:g} of the rows, rounds {args.ahead} steps ahead, network {network.name}"
+          f"{f' over network namespaces capped at {rate:g} B/s' if rate else ''}; median step ms "
           f"(min-max over {args.repeats} repeats), {time.perf_counter() - start:.0f} s in all")
-    print("| skew | policy | hit rate | rows fetched | step ms | none / this |")
-    print("|---|---|---|---|---|---|")
+    print("| skew | policy | hit rate | rows fetched | server bytes (tc) | step ms | none / this |")
+    print("|---|---|---|---|---|---|---|")
     for key in jobs:
         skew, policy = key
         med = statistics.median(times[key])
         base = statistics.median(times[skew, "none"])
-        print(f"| {skew:g} | {policy} | {rates[key]:.3f} | {moved[key]} | {med * 1e3:.2f} "
+        print(f"| {skew:g} | {policy} | {rates[key]:.3f} | {moved[key]} | {wire[key] or '-'} | {med * 1e3:.2f} "
               f"({min(times[key]) * 1e3:.2f}-{max(times[key]) * 1e3:.2f}) | {base / med:.2f} |")
     print("checks: the server's counts of rows sent and written equal every plan's; every plan replayed on sets, "
-          "its hit rate counted there")
+          "its hit rate counted there" + ("; tc's count of the server's bytes covers its rows" if rate else ""))
     return 0
 
 

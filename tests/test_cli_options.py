@@ -63,6 +63,7 @@ SAMPLES: dict[str, list[str]] = {
     "ahead": ["--ahead", "2"], "skew": ["--skew", "0.5"], "steps": ["--steps", "3"], "tables": ["--tables", "3"],
     "rows": ["--rows", "400"], "dim": ["--dim", "8"], "batch": ["--batch", "8"], "trainers": ["--trainers", "2"],
     "lr": ["--lr", "0.5"], "seed": ["--seed", "1"], "server_memory": ["--server-memory", "1GB"],
+    "netns": ["--netns", "--network", "constant:latency=0,bandwidth=2MB"],
 }
 """A value of each option other than its default (with what it needs to show: a bandwidth needs bytes to carry)."""
 

@@ -641,6 +641,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--network", default=None, metavar="SPEC",
                    help="the emulated link between a trainer and the server: constant:latency=2e-3,bandwidth=10MB, "
                         "preempt:..., or a profile file (default: this machine's own)")
+    p.add_argument("--netns", action="store_true",
+                   help="run the server and each trainer in a network namespace of its own, what each sends capped "
+                        "by tc at --network's bandwidth: real links instead of the emulated one (needs root)")
     _add_output(p)
 
     p = sub.add_parser("validate", help="check schedule files (or generated schedules) and report the first problem")

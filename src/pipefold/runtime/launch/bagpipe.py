@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from pipefold.runtime.launch.processes import process_context, rendezvous, start
 from pipefold.sim.network import Network
 from pipefold.units import format_bytes
 
-__all__ = ["BagpipeJob", "BagpipeResult", "run_bagpipe"]
+__all__ = ["BagpipeJob", "BagpipeResult", "run_bagpipe", "run_bagpipe_netns"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +47,10 @@ class BagpipeJob:
     """Bytes the server may hold its tables in (None: no limit)."""
     network: Network | None = None
     """The emulated link between each trainer and the server (None: the machine's own)."""
+    netns: Any = None
+    """The network namespaces the processes run in (a :class:`~pipefold.runtime.launch.netns.Topology` of
+    ``trainers + 1`` ranks, the server last; None: this machine's own network). :func:`run_bagpipe_netns` makes
+    one."""
     snapshots: bool = False
     """Report every row and the MLPs' weights after every step (the tests)."""
 
@@ -111,6 +116,9 @@ class BagpipeResult:
     """Rows the first trainer wrote back when it closed."""
     snapshots: list[list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
     """Per trainer, per step: (every row, the MLPs' weights flattened), where the job asked for them."""
+    link_bytes: list[int] = field(default_factory=list)
+    """Over network namespaces: the bytes each process's interface sent, as tc counted them (trainers first,
+    the server last); empty otherwise."""
 
 
 def _flat(model: torch.nn.Module) -> torch.Tensor:
@@ -120,6 +128,10 @@ def _flat(model: torch.nn.Module) -> torch.Tensor:
 def _rank(rank: int, init: str, job: BagpipeJob, out: Any) -> None:
     """Trainer ``rank`` of the job, or the server (the last rank)."""
     cfg, n = job.model, job.trainers
+    if job.netns is not None:
+        from pipefold.runtime.launch.netns import enter
+
+        enter(job.netns, rank)  # before any socket: the group's connections cross the namespaces' capped links
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=n + 1)
     group = dist.new_group(list(range(n))) if n > 1 else None  # every rank makes it, the server too
     try:
@@ -192,3 +204,18 @@ def run_bagpipe(job: BagpipeJob, *, timeout: float = 600.0) -> BagpipeResult:
                          written=[r["written"] for r in got], final_writes=first["final"],
                          snapshots=[[(torch.from_numpy(a), torch.from_numpy(b)) for a, b in r["snapshots"]]
                                     for r in got])
+
+
+def run_bagpipe_netns(job: BagpipeJob, rate: float, *, timeout: float = 600.0) -> BagpipeResult:
+    """Run ``job`` with the server and each trainer in a network namespace of its own, what each sends capped by tc
+    at ``rate`` bytes per second (:mod:`pipefold.runtime.launch.netns`): the rows cross real veth links and a
+    token bucket instead of the emulated ``network``. The result counts the bytes each interface sent."""
+    from pipefold.runtime.launch import netns
+
+    reason = netns.unavailable()
+    if reason is not None:
+        raise ConfigError(f"--netns cannot run here: {reason}; use --network alone to emulate the link in-process")
+    with netns.namespaces(job.trainers + 1, rate) as topology:
+        result = run_bagpipe(dataclasses.replace(job, netns=topology, network=None), timeout=timeout)
+        result.link_bytes = [netns.sent_bytes(topology, r) for r in range(topology.ranks)]
+    return result

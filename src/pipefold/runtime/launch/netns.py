@@ -227,6 +227,15 @@ def enter(topology: Topology, rank: int) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = topology.interface
 
 
+def sent_bytes(topology: Topology, rank: int) -> int:
+    """Bytes ``rank``'s interface has sent so far, as its tbf qdisc counted them (every packet, headers included)."""
+    shown = _run("tc", "-s", "qdisc", "show", "dev", topology.interface, netns=topology.namespace(rank)).stdout
+    match = re.search(r"Sent (\d+) bytes", shown)
+    if match is None:
+        raise ConfigError(f"tc shows no count of the bytes sent in {topology.namespace(rank)}: {shown.strip()!r}")
+    return int(match.group(1))
+
+
 class Flood:
     """Traffic that preempts the link ``src`` -> ``dst`` during the periods ``on`` (seconds from ``origin``, a
     ``time.time()``): ``streams`` TCP connections send as fast as they can; ``bidirectional`` floods
