@@ -10,7 +10,9 @@ floating-point operations). The gradients' own all-reduce is the same both ways 
 
 Independent check: the bytes and the state each rank counts are set against the closed form computed from the
 layers' shapes alone (they must agree to the byte), and the weights of both runs against one process running K-FAC
-on the whole batch (``tests/test_dpkfac.py``).
+on the whole batch (``tests/test_dpkfac.py``). Each copy's computation (its K-FAC seconds less those in its
+collectives) is set beside the simulator's timeline of the copy, which lays out each stage's K-FAC seconds timed in
+one process before the run, split per copy by :func:`pipefold.plan.dpkfac.stage_work`.
 
     python benchmarks/dpkfac.py --copies 2 4 --hidden 256 --steps 4 --rounds 2
 """
@@ -90,6 +92,20 @@ def main() -> None:
                   f"{sent / 1024:,.1f} | {p_sent / 1024:,.1f} | {state / 2**20:,.2f} | {p_state / 2**20:,.2f} |")
         d, dp = got["d-kfac"], got["dp-kfac"]
         ratios.append((copies, d[0] / dp[0], d[1] / dp[1], d[2] / max(dp[2], 1e-9), d[3] / dp[3]))
+    print()
+    print("K-FAC's computation per copy (its collectives apart), ms/step: measured by the ranks (each run) against "
+          "the simulator's timeline of the copy, from the costs timed in one process before the run (each run)")
+    print("| copies | distribution | copy | computing, measured | simulated | measured / simulated |")
+    print("|---|---|---|---|---|---|")
+    for copies in args.copies:
+        for distribution in ("d-kfac", "dp-kfac"):
+            reports = runs[copies, distribution]
+            for c in range(copies):
+                meas = [(rep["per_copy"][c]["seconds"] - rep["per_copy"][c]["comm_seconds"]) * 1e3 for rep in reports]
+                sim = [rep["simulated"][c]["kfac_compute_s"] * 1e3 for rep in reports]
+                ratio = statistics.median(m / x for m, x in zip(meas, sim, strict=True))
+                print(f"| {copies} | {distribution} | {c} | {', '.join(f'{t:.1f}' for t in meas)} | "
+                      f"{', '.join(f'{t:.1f}' for t in sim)} | {ratio:.2f} |")
     print()
     print("| copies | work D/DP (measured) | work D/DP (predicted, FLOP) | sent D/DP | state D/DP |")
     print("|---|---|---|---|---|")

@@ -148,3 +148,59 @@ def test_what_k_fac_over_copies_does_not_run_with_is_one_line(argv: list[str], s
         assert err[0] == f"pipefold train: error: {says}"
     else:  # argparse names the choices
         assert "invalid choice: 'k-fac'" in err[0] and "dp-kfac" in err[0]
+
+
+def test_stage_work_splits_one_process_work_by_what_each_copy_does() -> None:
+    """A stage's K-FAC seconds timed in one process, split per copy: with DP-KFAC every inversion and preconditioning
+    runs once over the copies (their seconds sum to the one process's), every factor is built once per copy's rows
+    (p times the one process's, all on the owner where the rows travel), and a copy that owns nothing inverts
+    nothing; with D-KFAC every copy does all of it."""
+    from pipefold.plan.dpkfac import stage_work
+
+    work = {"KA": 0.4, "KG": 0.6, "KI": 3.0, "KP": 0.2}
+    # 16 rows a microbatch, 2 of them a refresh: 32 rows, fewer than the wide layer's 65 columns (its rows travel)
+    # and more than the narrow one's 9 (its sums do).
+    layers = [Layer(inputs=9, outputs=8, rows=16), Layer(inputs=65, outputs=64, rows=16),
+              Layer(inputs=9, outputs=8, rows=16)]
+    for p in (2, 3):
+        owners = assign([layer_cost(Layer(x.inputs, x.outputs, 0)) for x in layers], p)
+        split = stage_work(work, layers, p, "dp-kfac", updates=2, owners=owners)
+        for kind, times in (("KI", 1), ("KP", 1), ("KA", p), ("KG", p)):
+            assert sum(c[kind] for c in split) == pytest.approx(times * work[kind]), (p, kind, split)
+        idle = [c for c in range(p) if c not in owners]
+        for c in idle:
+            assert split[c]["KI"] == split[c]["KP"] == 0.0
+        wide = owners[1]
+        assert split[wide]["KA"] > max(split[c]["KA"] for c in range(p) if c != wide)
+        assert stage_work(work, layers, p, "d-kfac", updates=2) == [work] * p
+
+
+def test_the_simulator_lays_out_each_copys_work() -> None:
+    """The run's summary simulates each copy's pipeline with its own share of K-FAC's work: the K-FAC time on each
+    copy's simulated timeline is the closed sum of its actions (every microbatch's KA and KG, each stage's KI and
+    KP), DP-KFAC's copies share the one process's inversions, and the ranks time their collectives apart from
+    their computation."""
+    from pipefold.plan.dpkfac import stage_work
+    from pipefold.train.summary import _kfac_simulated
+
+    config = RunSpec.flat(schedule="1f1b", devices=2, microbatches=2, steps=2, optimizer="kfac", dp=2,
+                          model="mlp", layers=2, hidden=64, batch=256, partition="even")
+    job = make_job(config)
+    simulated = _kfac_simulated(job, 2)
+    assert simulated is not None and len(simulated) == 2
+    cost = job.extra["pipefisher"].steps[0].cost
+    owners, shapes, m = job.extra["kfac_owners"], job.extra["kfac_shapes"], job.schedule.microbatches
+    for c, copy in enumerate(simulated):
+        want = 0.0
+        for s, o in cost.stage_overrides.items():
+            mine = stage_work(o.work, [Layer(*x) for x in shapes[s]], 2, "dp-kfac", updates=m,
+                              owners=owners[s])[c]
+            want += m * (mine["KA"] + mine["KG"]) + mine["KI"] + mine["KP"]
+        assert copy["kfac_compute_s"] == pytest.approx(want, rel=1e-9)
+        assert copy["step_s"] >= copy["kfac_compute_s"] / job.schedule.devices
+    whole = sum(o.work["KI"] for o in cost.stage_overrides.values())
+    shares = [sum(stage_work(o.work, [Layer(*x) for x in shapes[s]], 2, "dp-kfac", updates=m,
+                             owners=owners[s])[c]["KI"] for s, o in cost.stage_overrides.items()) for c in range(2)]
+    assert sum(shares) == pytest.approx(whole)
+    for r in run_local(job):
+        assert r.kfac is not None and 0.0 < r.kfac["comm_seconds"] < r.kfac["seconds"]

@@ -143,16 +143,21 @@ def _print_kfac_copies(copies: dict[str, Any], console: Console) -> None:
            else "every factor on every copy (D-KFAC)")
     table = Table(title=f"K-FAC over {len(copies['per_copy'])} data-parallel copies: {how}", title_justify="left",
                   show_edge=False)
-    for col in ("copy", "K-FAC work (ms/step)", "sent (KiB/step)", "of which", "K-FAC state"):
+    simulated = copies.get("simulated") or []
+    for col in ("copy", "K-FAC work (ms/step)", "of it computing", "simulated", "sent (KiB/step)", "of which",
+                "K-FAC state"):
         table.add_column(col, justify="right")
     for c, row in enumerate(copies["per_copy"]):
         sent = row["sent"]
         parts = ", ".join(f"{k} {v / 1024:.1f}" for k, v in sorted(sent.items())) or "-"
-        table.add_row(str(c), f"{row['seconds'] * 1e3:.1f}", f"{sum(sent.values()) / 1024:.1f}", parts,
-                      format_bytes(row["state_bytes"]))
+        sim = f"{simulated[c]['kfac_compute_s'] * 1e3:.1f}" if c < len(simulated) else "-"
+        table.add_row(str(c), f"{row['seconds'] * 1e3:.1f}", f"{(row['seconds'] - row['comm_seconds']) * 1e3:.1f}",
+                      sim, f"{sum(sent.values()) / 1024:.1f}", parts, format_bytes(row["state_bytes"]))
     console.print(table)
-    console.print("sent: the bytes each copy put into K-FAC's collectives (the gradients' own all-reduce apart), a "
-                  "ring's share for an all-reduce or a broadcast")
+    console.print("K-FAC work: the seconds of its actions on the copy's ranks, their collectives included; "
+                  "simulated: the computation the simulator lays out on the copy's timeline from the costs timed in "
+                  "one process before the run. sent: the bytes each copy put into K-FAC's collectives (the "
+                  "gradients' own all-reduce apart), a ring's share for an all-reduce or a broadcast")
 
 
 def _print_per_step(out: dict[str, Any], console: Console) -> None:

@@ -21,17 +21,18 @@ that costs in bytes is the reduce above.
 
 :func:`predict` gives, per copy, the floating-point work, the bytes each collective carries and the K-FAC state
 held, by the closed forms below; the runtime counts the same quantities as it runs (``runtime.curvature``), and
-``benchmarks/bench_dpkfac.py`` sets the two side by side.
+``benchmarks/dpkfac.py`` sets the two side by side. :func:`stage_work` turns a stage's K-FAC seconds measured in
+one process into each copy's, for the simulator to lay out on the copy's timeline.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from pipefold.errors import ConfigError
 
-__all__ = ["DISTRIBUTIONS", "Layer", "PerCopy", "assign", "layer_cost", "predict", "sends_rows"]
+__all__ = ["DISTRIBUTIONS", "Layer", "PerCopy", "assign", "layer_cost", "predict", "sends_rows", "stage_work"]
 
 DISTRIBUTIONS = ("dp-kfac", "d-kfac")
 """How K-FAC's work is spread over data-parallel copies: each layer on one copy, or every layer on every copy."""
@@ -139,4 +140,41 @@ def predict(layers: Sequence[Layer], copies: int, distribution: str, *, updates:
             precond += (p - 1) / p * a * g * itemsize
         out.append(PerCopy(flops=flops, sent={"rows": sent_rows, "factors": sent_sums, "preconditioned": precond},
                            state=state))
+    return out
+
+
+def stage_work(work: Mapping[str, float], layers: Sequence[Layer], copies: int, distribution: str, *,
+               updates: int, owners: Sequence[int] = ()) -> list[dict[str, float]]:
+    """Each copy's seconds of one stage's K-FAC actions (KA and KG per microbatch, KI and KP per step), their
+    computation alone, from ``work``: the same actions' seconds measured in one process that builds, inverts and
+    applies every factor of the stage (as D-KFAC's copies each do). With DP-KFAC each action's seconds are split by
+    the closed-form work of what the copy does (:func:`predict`'s terms): KA and KG by the factors it builds (its own
+    rows' sums, or a gathered factor from every copy's rows where it owns the layer), KI by the inversions and KP by
+    the preconditionings of the layers it owns. The collectives are not in these seconds: their bytes are
+    :func:`predict`'s, and the runtime times them apart."""
+    if distribution not in DISTRIBUTIONS:
+        raise ConfigError(f"unknown K-FAC distribution {distribution!r}: use {' or '.join(DISTRIBUTIONS)}")
+    whole = {k: float(v) for k, v in work.items()}
+    if distribution == "d-kfac" or not layers:
+        return [dict(whole) for _ in range(copies)]
+    if len(owners) != len(layers):
+        raise ConfigError(f"{len(owners)} owners for {len(layers)} K-FAC layers")
+    p = copies
+
+    def built(width: int, x: Layer, c: int, o: int) -> float:  # work of one factor of one microbatch on copy c
+        if sends_rows(x.rows * updates, width):
+            return p * x.rows * width * width if o == c else 0.0
+        return float(x.rows * width * width)
+
+    totals = {"KA": sum(x.rows * x.inputs ** 2 for x in layers), "KG": sum(x.rows * x.outputs ** 2 for x in layers),
+              "KI": sum(x.inputs ** 3 + x.outputs ** 3 for x in layers),
+              "KP": sum(x.inputs * x.outputs * (x.inputs + x.outputs) for x in layers)}
+    out = []
+    for c in range(p):
+        mine = {"KA": sum(built(x.inputs, x, c, o) for x, o in zip(layers, owners, strict=True)),
+                "KG": sum(built(x.outputs, x, c, o) for x, o in zip(layers, owners, strict=True)),
+                "KI": sum(x.inputs ** 3 + x.outputs ** 3 for x, o in zip(layers, owners, strict=True) if o == c),
+                "KP": sum(x.inputs * x.outputs * (x.inputs + x.outputs)
+                          for x, o in zip(layers, owners, strict=True) if o == c)}
+        out.append({k: whole.get(k, 0.0) * (mine[k] / totals[k] if totals[k] else 1.0) for k in whole})
     return out

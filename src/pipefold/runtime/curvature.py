@@ -62,6 +62,8 @@ class StageCurvature:
         self.sent: dict[str, float] = {}
         """Bytes this rank put into K-FAC's collectives, by what they carried (the names of
         :attr:`pipefold.plan.dpkfac.PerCopy.sent`)."""
+        self.comm_seconds = 0.0
+        """Seconds this rank spent in K-FAC's collectives (waiting for the other copies included)."""
         self.meter = MemoryMeter()
         self.want_a: set[int] = set()
         self.want_g: set[int] = set()
@@ -186,7 +188,8 @@ class StageCurvature:
         owner = copies.owners[index]
         rows = rows.contiguous()
         parts = [torch.empty_like(rows) for _ in range(copies.size)] if owner == copies.me else None
-        dist.gather(rows, parts, dst=copies.ranks[owner], group=copies.group)
+        with self._collective():
+            dist.gather(rows, parts, dst=copies.ranks[owner], group=copies.group)
         if parts is not None:
             every = torch.cat(parts)
             add(gram(every), every.shape[0])
@@ -205,7 +208,8 @@ class StageCurvature:
                 total = getattr(f, total_name)
                 if total is None or (i, which) in self._gathered:  # none built, or built from every copy's rows
                     continue
-                dist.reduce(total, dst=copies.ranks[owner], group=copies.group)
+                with self._collective():
+                    dist.reduce(total, dst=copies.ranks[owner], group=copies.group)
                 if owner == copies.me:
                     setattr(f, rows_name, getattr(f, rows_name) * copies.size)
                 else:
@@ -224,7 +228,8 @@ class StageCurvature:
             for name in ("_a_sum", "_g_sum"):
                 total = getattr(f, name)
                 if total is not None:
-                    dist.all_reduce(total, group=copies.group)
+                    with self._collective():
+                        dist.all_reduce(total, group=copies.group)
                     self._count("factors", total, ring)
             f._a_rows *= copies.size
             f._g_rows *= copies.size
@@ -240,8 +245,19 @@ class StageCurvature:
             for p in (f.layer.weight, f.layer.bias):
                 if p is None or p.grad is None:
                     continue
-                dist.broadcast(p.grad, src=copies.ranks[owner], group=copies.group)
+                with self._collective():
+                    dist.broadcast(p.grad, src=copies.ranks[owner], group=copies.group)
                 self._count("preconditioned", p.grad, share)
+
+    @contextlib.contextmanager
+    def _collective(self) -> Iterator[None]:
+        import time
+
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.comm_seconds += time.perf_counter() - start
 
     def _count(self, what: str, tensor: torch.Tensor, share: float = 1.0) -> None:
         self.sent[what] = self.sent.get(what, 0.0) + share * tensor.numel() * tensor.element_size()
@@ -276,11 +292,12 @@ class RankCurvature:
 
     def report(self, steps: int) -> dict[str, Any]:
         """What this rank's K-FAC held, sent and spent over ``steps`` steps: ``state_bytes``, ``sent`` (bytes by what
-        they carried, per step) and ``seconds`` (per step)."""
+        they carried, per step), ``seconds`` (per step) and of them ``comm_seconds`` in its collectives."""
         per = max(steps, 1)
         distribution = next((c.copies.distribution for c in self.stages.values() if c.copies is not None), None)
+        comm = sum(c.comm_seconds for c in self.stages.values())
         return {"state_bytes": self.state_bytes(), "sent": {k: v / per for k, v in self.sent().items()},
-                "seconds": self.seconds / per, "distribution": distribution}
+                "seconds": self.seconds / per, "comm_seconds": comm / per, "distribution": distribution}
 
     def state_bytes(self) -> int:
         return sum(c.kfac.state_bytes() for c in self.stages.values())

@@ -258,19 +258,22 @@ def _kfac_copies(job: Job, reports: list[RankReport], fill_bubbles: bool) -> dic
     it put into K-FAC's collectives per step by what they carried, and its seconds of K-FAC work per step; the
     owners of the layers; and, where every step refreshes every stage, the closed form of each copy's bytes, state
     and work per step (:func:`pipefold.plan.dpkfac.predict`)."""
-    copies: list[dict[str, Any]] = [{"state_bytes": 0, "sent": {}, "seconds": 0.0} for _ in range(job.parallel.copies)]
+    copies: list[dict[str, Any]] = [{"state_bytes": 0, "sent": {}, "seconds": 0.0, "comm_seconds": 0.0}
+                                    for _ in range(job.parallel.copies)]
     for r in reports:
         if r.kfac is None:
             continue
         mine = copies[job.coords(r.rank)[0]]
         mine["state_bytes"] += r.kfac["state_bytes"]
         mine["seconds"] += r.kfac["seconds"]
+        mine["comm_seconds"] += r.kfac.get("comm_seconds", 0.0)
         for k, v in r.kfac["sent"].items():
             mine["sent"][k] = mine["sent"].get(k, 0.0) + v
     assert job.optimizer.kfac is not None
     distribution = job.optimizer.kfac.distribution
     out: dict[str, Any] = {"distribution": distribution, "per_copy": copies, "predicted": None,
-           "owners": {str(s): list(o) for s, o in job.extra.get("kfac_owners", {}).items()}}
+           "owners": {str(s): list(o) for s, o in job.extra.get("kfac_owners", {}).items()},
+           "simulated": _kfac_simulated(job, len(copies))}
     if not fill_bubbles:  # one refresh of every stage per step, from every microbatch: the closed form per step
         from pipefold.plan.dpkfac import Layer, predict
 
@@ -287,6 +290,37 @@ def _kfac_copies(job: Job, reports: list[RankReport], fill_bubbles: bool) -> dic
                 for k, v in each.sent.items():
                     predicted[c]["sent"][k] = predicted[c]["sent"].get(k, 0.0) + v
         out["predicted"] = predicted
+    return out
+
+
+def _kfac_simulated(job: Job, copies: int) -> list[dict[str, float]] | None:
+    """Per data-parallel copy, the simulator's step and K-FAC computation per step (the mean over the cycle of
+    schedules): the costs measured before the run in one process, each stage's K-FAC seconds turned into the copy's
+    by :func:`pipefold.plan.dpkfac.stage_work`, every device of the copy's pipeline laid out on the timeline."""
+    from pipefold.ir import Kind
+    from pipefold.plan.dpkfac import Layer, stage_work
+
+    filled, shapes = job.extra.get("pipefisher"), job.extra.get("kfac_shapes")
+    if filled is None or shapes is None or job.optimizer.kfac is None:
+        return None
+    cost = filled.steps[0].cost
+    owners = job.extra.get("kfac_owners", {})
+    kinds = {Kind.KA, Kind.KG, Kind.KI, Kind.KP}
+    out = []
+    for c in range(copies):
+        over = {}
+        for s, o in cost.stage_overrides.items():
+            if o.work is None:
+                over[s] = o
+                continue
+            layers = [Layer(*shape) for shape in shapes.get(s, ())]
+            work = stage_work(o.work, layers, copies, job.optimizer.kfac.distribution,
+                              updates=job.schedule.microbatches, owners=owners.get(s, ()))[c]
+            over[s] = dataclasses.replace(o, work=work)
+        mine = dataclasses.replace(cost, stage_overrides=over)
+        runs = [simulate(schedule, mine) for schedule in filled.cycle]
+        kfac = [sum(i.end - i.start for row in r.timeline for i in row if i.action.kind in kinds) for r in runs]
+        out.append({"step_s": sum(r.makespan for r in runs) / len(runs), "kfac_compute_s": sum(kfac) / len(kfac)})
     return out
 
 
