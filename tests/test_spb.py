@@ -1,17 +1,20 @@
 """Structured partial backpropagation (Jigsaw's SPB) on real gloo ranks: each data-parallel copy backpropagates
 through its last layers only, and each layer's gradient is the mean over the copies that computed it: the
 gradients of one process doing the same (:func:`pipefold.train.reference.reference_step`), which differ from full
-backpropagation's; refusals in one line."""
+backpropagation's, on every copy; the reduction sends a layer's gradient from the copies that computed it only,
+the bytes of the closed form (:func:`pipefold.plan.spb.dp_bytes`); refusals in one line."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+from fractions import Fraction
 from typing import Any
 
 import pytest
 
 from pipefold.errors import ConfigError
+from pipefold.plan.spb import dp_bytes, groups
 from pipefold.runtime.launch.local import run_local
 from pipefold.runtime.launch.settings import Parallel
 from pipefold.train.prepare import make_job
@@ -21,6 +24,9 @@ from pipefold.train.spec import RunSpec
 
 @pytest.mark.parametrize(("settings", "spb"), [
     (dict(model="mlp", layers=4, devices=1, dp=2, batch=16, schedule="1f1b"), (4, 1)),  # one layer on copy 1
+    (dict(model="mlp", layers=4, devices=1, dp=2, batch=16, schedule="1f1b"), (2, 4)),  # two on copy 1 alone
+    # layers 0 and 1 on copy 0 alone, layer 2 on copies 0 and 2 (their all-reduce, then copy 0 to copy 1)
+    (dict(model="mlp", layers=4, devices=1, dp=3, batch=24, schedule="1f1b"), (4, 1, 2)),
     (dict(model="mlp", layers=4, devices=2, dp=3, batch=24, schedule="zb-h1", partition="even"), (2, 4, 3)),
     (dict(model="mlp", layers=4, devices=2, dp=2, batch=16, schedule="v-half", partition="even"), (4, 3)),
     (dict(model="gpt", layers=4, hidden=32, heads=2, seq=16, devices=2, dp=2, batch=8, schedule="1f1b",
@@ -79,6 +85,42 @@ def test_the_copies_computing_a_layer() -> None:
     assert Parallel(dp=3).computing(0, 6) == 3
 
 
+def test_the_reductions_groups_and_bytes_in_closed_form() -> None:
+    """(2, 4, 3) over 4 layers of 12 bytes each: layer 0 on copy 1 alone (sent to copies 0 and 2: the dp group),
+    layer 1 on copies 1 and 2 (their all-reduce, then copy 1 to copy 0), layers 2 and 3 on all three (a ring sends
+    2 x 2/3 x 12 from each); the all-reduce of every layer over every copy, 4 x 16 from each."""
+    assert groups((2, 4, 3), range(4), 4) == [(1, 2), (0, 1)]
+    assert groups((2, 4, 3), [2, 3], 4) == []
+    assert groups((4, 1, 2), range(4), 4) == [(0, 2), (0, 1)]
+    sizes = dict.fromkeys(range(4), 12)
+    assert dp_bytes((2, 4, 3), sizes, 4) == [32, 24 + 24 + 32, 12 + 32]
+    assert dp_bytes((2, 4, 3), sizes, 4, split=False) == [64, 64, 64]
+    assert dp_bytes((2, 1), {0: 10, 1: 10}, 2) == [Fraction(20), Fraction(10)]  # copy 1 computes layer 1 only
+
+
+def test_the_reduction_sends_each_layer_from_the_copies_that_computed_it(capsys: pytest.CaptureFixture[str]) -> None:
+    """``pipefold train --json`` over 3 copies and 2 devices: the bytes each copy's ranks sent in the data-parallel
+    reduction, as the runtime counted them, are the closed form's for the layers' sizes (an MLP block of width H:
+    8 H^2 + 5 H float32 numbers), less in all than the all-reduce of every layer over every copy, and none for a
+    layer a copy did not compute."""
+    import json
+
+    from pipefold.cli.main import main
+
+    assert main(["train", "--model", "mlp", "--layers", "4", "--hidden", "16", "--batch", "24", "--devices", "2",
+                 "--dp", "3", "--spb", "2,4,3", "--schedule", "zb-h1", "--partition", "even", "--steps", "2",
+                 "--json"]) == 0
+    copies = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["spb"]["per_copy"]
+    sizes = dict.fromkeys(range(4), (8 * 16 * 16 + 5 * 16) * 4)
+    want, full = dp_bytes((2, 4, 3), sizes, 4), dp_bytes((2, 4, 3), sizes, 4, split=False)
+    assert [c["dp_sent_bytes"] for c in copies] == [float(w) for w in want]
+    assert [c["predicted_dp_bytes"] for c in copies] == [float(w) for w in want]
+    assert [c["full_dp_bytes"] for c in copies] == [float(f) for f in full]
+    assert sum(want) < sum(full)
+    # Copy 0 computes layers 2 and 3 only: it sends their all-reduce's share, nothing of layers 0 and 1.
+    assert copies[0]["dp_sent_bytes"] == float(2 * Fraction(2 * 2 * sizes[2], 3)) < copies[0]["full_dp_bytes"]
+
+
 def test_the_run_reports_each_copy_beside_the_simulator(capsys: pytest.CaptureFixture[str]) -> None:
     """``pipefold train --json`` gives each copy's layers, busy time and activation peak, and the simulator's: the
     copy that stops early holds less by both, and the simulator's peak is the meter's within a quarter."""
@@ -118,7 +160,8 @@ def _library_spb(rank: int, init: str, spb: tuple[int, ...], out: Any) -> None:
     x, y = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
     pipe.step(x.chunk(2)[copy], target=y.chunk(2)[copy])
     out.put((copy, device, {f"{2 * device + i}.{k}": p.grad.numpy().copy() for i, layer in enumerate(stage.children())
-                            for k, p in layer.named_parameters() if p.grad is not None}))
+                            for k, p in layer.named_parameters() if p.grad is not None},
+             (pipe.last.dp_sent, pipe.last.dp_layer_bytes)))
     dist.destroy_process_group()
 
 
@@ -126,7 +169,8 @@ def _library_spb(rank: int, init: str, spb: tuple[int, ...], out: Any) -> None:
 def test_a_users_pipeline_takes_spb_and_makes_the_mean_over_the_computing_copies(spb: tuple[int, ...]) -> None:
     """``Pipeline(..., spb=)`` on a (dp, pp) mesh of 2 x 2, two Linear layers a stage: every copy's gradients are
     one process's, each layer's the mean over the copies that backpropagate through it (computed here layer by
-    layer, each copy on its half of the batch)."""
+    layer, each copy on its half of the batch); each copy's ranks sent the closed form's bytes (a layer: a Linear
+    of 8 x 8 and its bias, 288 bytes)."""
     import torch
     from torch import nn
 
@@ -153,10 +197,16 @@ def test_a_users_pipeline_takes_spb_and_makes_the_mean_over_the_computing_copies
                     p.grad = None
     got = run_ranks(_library_spb, 4, spb)
     assert len(got) == 4
-    for _, _, grads in got:
+    for _, _, grads, _ in got:
         for name, grad in grads.items():
             torch.testing.assert_close(torch.from_numpy(grad), want[name], atol=1e-6, rtol=1e-5)
-    assert {name for _, _, grads in got for name in grads} == set(want)
+    assert {name for _, _, grads, _ in got for name in grads} == set(want)
+    sizes = dict.fromkeys(range(4), (8 * 8 + 8) * 4)
+    for _, device, _, (_, layer_bytes) in got:
+        assert layer_bytes == {2 * device + i: sizes[2 * device + i] for i in range(2)}
+    sent = [sum((dp for c, _, _, (dp, _) in got if c == copy), Fraction(0)) for copy in range(2)]
+    assert sent == dp_bytes(spb, sizes, 4)
+    assert sum(sent) < sum(dp_bytes(spb, sizes, 4, split=False))
 
 
 def _library_refusals(rank: int, init: str, out: Any) -> None:

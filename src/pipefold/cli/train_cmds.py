@@ -101,18 +101,24 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
 
 
 def _print_spb(spb: dict[str, Any], console: Console) -> None:
-    """Per data-parallel copy: the layers it backpropagates through, its busy time and activation peak."""
+    """Per data-parallel copy: the layers it backpropagates through, its busy time, activation peak and the bytes it
+    sent in the gradients' data-parallel reduction."""
     table = Table(title=f"structured partial backpropagation over {len(spb['per_copy'])} copies of a model of "
                         f"{spb['of_layers']} layers", title_justify="left", show_edge=False)
-    for col in ("copy", "backward through", "busy (s/step)", "predicted", "activation peak", "predicted"):
+    for col in ("copy", "backward through", "busy (s/step)", "predicted", "activation peak", "predicted",
+                "DP sent (KiB/step)", "closed form", "every layer"):
         table.add_column(col, justify="right")
     for c, row in enumerate(spb["per_copy"]):
         table.add_row(str(c), f"last {row['layers']} layers", f"{row['busy_s']:.3f}",
                       f"{row['predicted_busy_s']:.3f}", format_bytes(row["peak_activation_bytes"]),
-                      format_bytes(row["predicted_peak_bytes"]))
+                      format_bytes(row["predicted_peak_bytes"]), f"{row['dp_sent_bytes'] / 1024:.1f}",
+                      f"{row['predicted_dp_bytes'] / 1024:.1f}", f"{row['full_dp_bytes'] / 1024:.1f}")
     console.print(table)
     console.print("predicted: the simulator, from the first copy's measured costs with the first stage's backward "
-                  "and kept activations scaled to the share of its layers each copy backpropagates through")
+                  "and kept activations scaled to the share of its layers each copy backpropagates through; DP sent: "
+                  "the bytes the copy's ranks put into the reduction of the gradients, each layer's among the copies "
+                  "that computed it (a ring's share of an all-reduce, a broadcast's source to each receiver); every "
+                  "layer: the all-reduce of every gradient over every copy")
 
 
 def _print_kfac(k: dict[str, Any], console: Console) -> None:

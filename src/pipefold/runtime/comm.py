@@ -437,6 +437,27 @@ class FlatBroadcast:
         self._works = []
 
 
+class ThenBroadcast:
+    """A gradient that only some data-parallel copies computed, on a copy that computed it first or receives it:
+    ``reduction``, the all-reduce among the copies that computed it (None where one copy did, or on a copy that
+    did not), then a broadcast of the result from ``src`` over ``group`` (``src`` and the copies that did not
+    compute it). The broadcast needs the reduced values, so it starts in :meth:`wait`, which waits for both: every
+    rank of ``group`` waits for these in the same order as it runs its other collectives on it."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], src: int, group: dist.ProcessGroup,
+                 reduction: FlatAllReduce | None = None) -> None:
+        self._tensors, self._src, self._group, self._reduction = list(tensors), src, group, reduction
+        self._done = False
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        if self._reduction is not None:
+            self._reduction.wait()
+        FlatBroadcast(self._tensors, self._src, self._group).wait()
+        self._done = True
+
+
 def _flat_kinds(tensors: Sequence[torch.Tensor]) -> tuple[dict[tuple[torch.dtype, torch.device], list[torch.Tensor]],
                                                           list[torch.Tensor]]:
     """What a flat collective moves in one buffer per dtype and device (the contiguous tensors, by kind), and what it

@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -40,6 +41,7 @@ from torch import nn
 
 from pipefold.errors import ConfigError
 from pipefold.ir import KINDS, Action, Graph, Kind, Schedule, dependency_graph
+from pipefold.plan.spb import receivers, ring_bytes
 from pipefold.runtime import sharding
 from pipefold.runtime.clock import ANCHOR
 from pipefold.runtime.comm import (
@@ -50,11 +52,13 @@ from pipefold.runtime.comm import (
     Incoming,
     Links,
     Meta,
+    ThenBroadcast,
     decode_header,
     metas_of,
 )
 
 if TYPE_CHECKING:
+    from pipefold.runtime.partial import Reduction
     from pipefold.sim.network import Network
 from pipefold.runtime.activation_offload import HostCopies
 from pipefold.runtime.meter import MemoryMeter
@@ -153,6 +157,13 @@ class StepStats:
     several ranks, its pieces of them: :func:`pipefold.runtime.comm.routes`)."""
     gathered: int = 0
     """Bytes this rank received from its own mesh's ranks in the step, all-gathering what crossed in pieces."""
+    dp_sent: Fraction = Fraction(0)
+    """Bytes this rank sent in the step's data-parallel reduction of its gradients (``DP`` actions), by the closed
+    form of :func:`pipefold.plan.spb.dp_bytes`: a ring all-reduce of ``S`` bytes among ``c`` ranks sends
+    ``2 (c - 1) / c * S`` from each (exact, hence a fraction), a broadcast ``S`` from its source to each receiver."""
+    dp_layer_bytes: dict[int, int] = field(default_factory=dict)
+    """With structured partial backpropagation: per layer of this rank, the bytes of its gradients the step's
+    data-parallel reduction moved (on a copy that did not compute it, received)."""
     memory_check: dict[str, int] = field(default_factory=dict)
     """In a step measured a second way (``Job.verify_memory_step``), by torch's MemTracker: the meter's and
     the tracker's largest level after an action, their largest difference there, the tracker's peak over
@@ -337,7 +348,7 @@ class RankExecutor:
                  meshes: Sequence[Sequence[int]] | None = None, tp_index: int = 0, tp_group: Any = None,
                  dp_group: Any = None, sharded: bool = False, activity: Activity | None = None, staged: bool = False,
                  overlap: bool = True, boundaries: Boundaries | None = None,
-                 grad_shares: Mapping[int, Sequence[float]] | None = None,
+                 spb: Reduction | None = None,
                  new_group: Callable[[list[int]], Any] | None = None, autocast: torch.dtype | None = None,
                  vocab: VocabShard | None = None, embedding: VocabShard | None = None) -> None:
         self.schedule, self.rank, self.device = schedule, rank, device
@@ -381,10 +392,10 @@ class RankExecutor:
         """Per stage, what its OPT action calls: its optimizer's step."""
         self.work = work
         self.dp_group = dp_group
-        self.grad_shares = dict(grad_shares or {})
-        """Per stage, each trained parameter's share of its gradient's sum over the data-parallel copies, where they
-        differ from 1/copies (structured partial backpropagation: 1 over the copies that compute its layer)."""
         """The process group of this rank's stages' copies in the data-parallel pipelines (``DP`` actions)."""
+        self.spb = spb
+        """With structured partial backpropagation: how the ``DP`` actions reduce each gradient among the copies
+        that computed its layer (None: every gradient over every copy)."""
         self.sharded = sharded
         """The stage modules are sharded across the data-parallel pipelines (FSDP: ``AG`` and ``RS`` actions)."""
         self._handlers = self._handler_table()
@@ -433,9 +444,14 @@ class RankExecutor:
                     group = (new_group or dist.new_group)(sorted(r for h in holders if (r := ranks[h]) is not None))
                     if q == pipeline and rank in holders:
                         self._groups[s] = group
-        self._reductions: dict[int, list[FlatAllReduce]] = {}  # stage -> its all-reduce, until waited for
+        # stage -> its reductions (all-reduces, SPB's broadcasts), until waited for
+        self._reductions: dict[int, list[FlatAllReduce | ThenBroadcast]] = {}
         self.grads_moved = 0
         """Bytes of gradients this step moved into an all-reduce's buffer (new storages that are still theirs)."""
+        self.dp_sent = Fraction(0)
+        """Bytes this rank sent this step in the data-parallel reduction (:attr:`StepStats.dp_sent`)."""
+        self.dp_layer_bytes: dict[int, int] = {}
+        """With SPB: per layer, the bytes of its gradients this step's data-parallel reduction moved."""
         self._gathers: dict[int, Any] = {}  # stage -> its parameters' all-gather (AG), until its first forward
         self.gathered: dict[int, int] = {}
         """Per FSDP stage, the bytes of its parameters gathered whole and their gradients at its last ``RS``."""
@@ -477,6 +493,7 @@ class RankExecutor:
         new_shapes = shape_key != self._last_shape
         self._last_shape = shape_key
         self.grads_moved = 0
+        self.dp_sent, self.dp_layer_bytes = Fraction(0), {}
         if new_shapes:
             self._in_meta.clear()
             self._headers_sent.clear()
@@ -558,6 +575,7 @@ class RankExecutor:
         stats.stage_memory = {s: (r.memory_f, r.memory_b, r.memory_w) for s, r in self.runners.items()}
         stats.offloaded = {s: r.memory_offloaded for s, r in self.runners.items() if r.memory_offloaded}
         stats.host_peak_bytes = self.host_copies.peak_host_bytes
+        stats.dp_sent, stats.dp_layer_bytes = self.dp_sent, dict(self.dp_layer_bytes)
         stats.link_bytes = self.links.link_bytes()
         stats.sent, stats.gathered = dict(self.links.sent), self.links.gathered
         stats.link_samples, stats.recv_posted = self.links.take_samples()
@@ -752,14 +770,42 @@ class RankExecutor:
         self.activity.resume(where)
         # The mean over the pipelines, each having averaged over its own shard. A tensor-parallel rank's part of a
         # split gradient: the copies of that part are its dp group.
-        share = 1.0 / dist.get_world_size(self.dp_group)
         grads = self._grads(s)
-        if s in self.grad_shares:  # each its own share; a copy that did not compute a layer adds zeros
-            for g, own in zip(grads, self.grad_shares[s], strict=True):
-                g.mul_(own)
-            share = 1.0
-        self._reductions.setdefault(s, []).append(self._all_reduce(grads, self.dp_group, scale=share))
+        works = self._reductions.setdefault(s, [])
+        if self.spb is None:
+            n = dist.get_world_size(self.dp_group)
+            works.append(self._all_reduce(grads, self.dp_group, scale=1.0 / n))
+            self.dp_sent += ring_bytes(sum(g.numel() * g.element_size() for g in grads), n)
+        else:
+            for computed, part, sizes in self.spb.parts(s, grads):
+                for layer, size in sizes.items():
+                    self.dp_layer_bytes[layer] = self.dp_layer_bytes.get(layer, 0) + size
+                started = self._reduce_among(computed, part, sum(sizes.values()))
+                if started is not None:
+                    works.append(started)
         step.clock.interval(step.stats.events, str(action), "DP", start)
+
+    def _reduce_among(self, computed: tuple[int, ...], grads: list[torch.Tensor],
+                      size: int) -> FlatAllReduce | ThenBroadcast | None:
+        """Start the reduction of gradients (``size`` bytes) that the copies ``computed`` computed (SPB): their
+        mean, by an all-reduce among them; the copies that did not compute them receive it from the first that did
+        (a broadcast, which starts when the step waits for the reduction). None on a copy with nothing to do."""
+        assert self.spb is not None
+        n, c, me = len(self.spb.ranks), len(computed), self.spb.copy
+        if c == n:
+            self.dp_sent += ring_bytes(size, n)
+            return self._all_reduce(grads, self.dp_group, scale=1.0 / n)
+        reduction = None
+        if me in computed and c > 1:
+            self.dp_sent += ring_bytes(size, c)
+            reduction = self._all_reduce(grads, self.spb.groups[computed], scale=1.0 / c)
+        members = receivers(computed, n)
+        if me not in members:
+            return reduction
+        if me == computed[0]:
+            self.dp_sent += (n - c) * size
+        group = self.dp_group if len(members) == n else self.spb.groups[members]
+        return ThenBroadcast(grads, self.spb.ranks[computed[0]], group, reduction)
 
     def _all_reduce(self, grads: list[torch.Tensor], group: Any, *, scale: float = 1.0) -> FlatAllReduce:
         """Start one all-reduce of ``grads`` (each times ``scale``); they move into its buffer (:attr:`grads_moved`

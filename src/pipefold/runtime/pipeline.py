@@ -50,6 +50,7 @@ from pipefold.runtime.executor import COMPUTE_KINDS, RankExecutor, StepStats, ki
 from pipefold.runtime.kfac import KFACConfig
 from pipefold.runtime.numerics import clip_factor, local_check, scale_grads, verdict
 from pipefold.runtime.offload import Offloaded
+from pipefold.runtime.partial import Reduction
 from pipefold.runtime.precision import Masters, Precision, PrecisionOptimizer, unscale
 from pipefold.runtime.seqchunks import split_units
 from pipefold.runtime.stage import Boundaries, Tensors
@@ -233,7 +234,7 @@ class RankPipeline:
             options = dict(self.options)
             if not train:  # evaluation: the forwards only, nothing the backward or the optimizer uses
                 schedule = schedule.forward_only()
-                for name in ("recompute", "optimizers", "work", "dp_group", "sharded"):
+                for name in ("recompute", "optimizers", "work", "dp_group", "sharded", "spb"):
                     options.pop(name, None)
             self._executors[key] = RankExecutor(schedule, self.rank, self.modules, self._loss, self.device,
                                                 boundaries=self.boundaries, **options)
@@ -307,7 +308,8 @@ class Pipeline(RankPipeline):
     ``spb``: structured partial backpropagation, one number per data-parallel copy (a mesh's ``"dp"``): copy i
     backpropagates through the last ``spb[i]`` layers of the model (the stage modules' children, counted over every
     stage), its first layers running without autograd, and each layer's gradient is the mean over the copies that
-    computed it (docs/spb.md).
+    computed it, reduced among them and sent from the first of them to the others (docs/spb.md); the step's
+    :class:`StepStats` (``pipe.last``) counts the bytes this rank sent (``dp_sent``).
     ``kfac``: ``True`` or a :class:`~pipefold.runtime.kfac.KFACConfig`: every step builds each stage's K-FAC
     curvature right after the passes it reads, inverts the factors after the stage's last pass and preconditions its
     gradients before :meth:`step` returns (PipeFisher's actions, placed inline); the user's optimizer then steps the
@@ -458,7 +460,7 @@ class Pipeline(RankPipeline):
         if self.compiled is not None:
             check_compile(compile_backend, self.device)
             modules = {s: compile_stage(m, self.compiled, compile_backend) for s, m in modules.items()}
-        shares = None
+        split = None
         if spb is not None:
             given = (("offload=", offload is not None), ("compile=", self.compiled is not None),
                      ("FSDP stages", self.sharded), ("a 'cp' mesh dimension", self.cp_group is not None),
@@ -466,7 +468,7 @@ class Pipeline(RankPipeline):
                      ("vocab= or embedding=", vocab is not None or embedding is not None),
                      ("offload_activations=", offload_activations is not None),
                      (f"seq_chunks {self.schedule.seq_chunks}", self.schedule.seq_chunks > 1))
-            shares = self._partial_backward(modules, spb, dp_group, next((w for w, on in given if on), None))
+            split = self._partial_backward(modules, spb, dp_group, next((w for w, on in given if on), None))
         self._offloaded: list[Offloaded] = self._offload(modules, offload) if offload is not None else []
         if self._offloaded:
             modules = dict(zip(modules, self._offloaded, strict=True))
@@ -478,7 +480,7 @@ class Pipeline(RankPipeline):
                          pipelines=[self.ranks], pipeline=0,
                          meshes=[[r] for r in self.ranks], dp_group=dp_group if self._dp else None,
                          sharded=self.sharded, new_group=_subgroup, autocast=self.precision.autocast, vocab=vocab,
-                         embedding=embedding, grad_shares=shares, work=self.curvature)
+                         embedding=embedding, spb=split, work=self.curvature)
         self.executor()  # its process groups now, on every rank at once
         if self.sharded:
             for m in modules.values():
@@ -522,11 +524,13 @@ class Pipeline(RankPipeline):
         return RankCurvature(stages)
 
     def _partial_backward(self, modules: Mapping[int, nn.Module], spb: Sequence[int], dp_group: Any,
-                          unsupported: str | None) -> dict[int, list[float]]:
+                          unsupported: str | None) -> Reduction:
         """Structured partial backpropagation (:mod:`pipefold.runtime.partial`): this copy's first layers (the stage
-        modules' children, counted over the whole pipeline) run without autograd; returns each stage's parameters'
-        shares of their gradients' sum over the copies. Refuses in one line what it cannot run."""
-        from pipefold.plan.spb import check
+        modules' children, counted over the whole pipeline) run without autograd; returns how the data-parallel
+        reduction moves each gradient among the copies that computed its layer, with the process groups that takes
+        (made by their members, as the copies of this rank's device hold the same layers). Refuses in one line what
+        it cannot run."""
+        from pipefold.plan.spb import check, groups
         from pipefold.runtime import partial
 
         spb = tuple(spb)
@@ -552,9 +556,13 @@ class Pipeline(RankPipeline):
         layers = sum(per_stage.values())
         first = {s: sum(per_stage[t] for t in range(s)) for s in modules}
         check(spb, layers, per_stage[0], flag="spb=")
+        copy, ranks = dist.get_rank(dp_group), tuple(dist.get_process_group_ranks(dp_group))
         if 0 in modules:
-            partial.cut(modules[0], layers - spb[dist.get_rank(dp_group)])
-        return partial.shares(modules, first, spb, layers)
+            partial.cut(modules[0], layers - spb[copy])
+        held = [first[s] + i for s in sorted(modules) for i in range(per_stage[s])]
+        made = {members: _subgroup([ranks[i] for i in members]) for members in groups(spb, held, layers)
+                if copy in members}
+        return partial.Reduction(spb, layers, partial.layers_of(modules, first), ranks, copy, made)
 
     @staticmethod
     def _groups(group: Any, mesh: Any) -> tuple[Any, Any, Any, Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
+from fractions import Fraction
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pipefold.ir import Schedule
@@ -329,10 +330,20 @@ def _spb_summary(job: Job, reports: list[RankReport], schedule: Schedule, costs:
     ranks' busy seconds per step (the mean over the steps after the first, summed over its ranks) and their largest
     activation peak; beside them, the simulator's: the first pipeline's measured costs (``costs``, a copy that
     backpropagates through every layer, which one copy does) with the first stage's backward and the activations it
-    keeps scaled to the share of its layers the copy backpropagates through."""
+    keeps scaled to the share of its layers the copy backpropagates through. And the bytes its ranks sent in the
+    last step's data-parallel reduction, as the runtime counted them, beside the closed form's
+    (:func:`pipefold.plan.spb.dp_bytes`, from the bytes of each layer's gradients) and what the all-reduce of every
+    layer over every copy would send."""
+    from pipefold.plan.spb import dp_bytes
+
     spb = job.parallel.spb
     assert spb is not None
     layers, first = job.extra["num_layers"], len(job.layer_stages[0])
+    # Every copy's ranks hold the same layers: copy 0's give each device's layers once (a replicated stage's
+    # on each of its ranks, each of which reduces them).
+    held = [r.steps[-1].dp_layer_bytes for r in reports if job.coords(r.rank)[0] == 0]
+    split, full = ([sum(each, Fraction(0)) for each in zip(*(dp_bytes(spb, b, layers, split=cut) for b in held),
+                                                          strict=True)] for cut in (True, False))
     copies = []
     for c, k in enumerate(spb):
         mine = [r for r in reports if job.coords(r.rank)[0] == c]
@@ -349,7 +360,9 @@ def _spb_summary(job: Job, reports: list[RankReport], schedule: Schedule, costs:
         copies.append({"layers": k, "busy_s": sum(statistics.fmean(r.steps.busy[i] for i in r.steps.timed(1))
                                                   for r in mine),
                        "peak_activation_bytes": max(r.steps.peak_activation_bytes for r in mine),
-                       "predicted_busy_s": sum(predicted.busy), "predicted_peak_bytes": max(predicted.peak_memory)})
+                       "predicted_busy_s": sum(predicted.busy), "predicted_peak_bytes": max(predicted.peak_memory),
+                       "dp_sent_bytes": float(sum((r.steps[-1].dp_sent for r in mine), Fraction(0))),
+                       "predicted_dp_bytes": float(split[c]), "full_dp_bytes": float(full[c])})
     return {"of_layers": layers, "per_copy": copies}
 
 

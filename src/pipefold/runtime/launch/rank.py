@@ -45,6 +45,7 @@ from pipefold.runtime.zero import AnyOptimizer, ShardedOptimizer, holding
 if TYPE_CHECKING:
     from pipefold.plan.pipefisher import Filled, Refill
     from pipefold.runtime.offload import Offloaded
+    from pipefold.runtime.partial import Reduction
 from pipefold.runtime.launch.job import Job, RankReport, local_rank, placement
 
 
@@ -129,7 +130,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
         from pipefold.runtime.context import context_parallel, shard_sequence
     activity.run("start-up (building its layers)", action=False)
     chains = stage_modules(job, rank)
-    shares = _partial_backward(job, copy, chains) if job.parallel.spb is not None else None
+    spb = _partial_backward(job, global_rank, chains) if job.parallel.spb is not None else None
     shard, shard_name = _vocab_shard(job, rank, chains) if job.schedule.vocab else (None, "")
     if shard is not None:
         shard = shard.to(device)
@@ -206,7 +207,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
         tp_group=tp_mesh.get_group() if tp_mesh is not None else None, dp_group=dp_group,
         sharded=job.parallel.fsdp, activity=activity,
         staged=placed.staged or bool(job.extra.get("stage_through_host")), overlap=job.devices.overlap,
-        autocast=precision.autocast, vocab=shard, embedding=embedding, grad_shares=shares)
+        autocast=precision.autocast, vocab=shard, embedding=embedding, spb=spb)
 
     def executor_for(index: int) -> RankExecutor:
         """The executor of schedule ``index``, made the first time it runs (same modules, same parameters)."""
@@ -471,18 +472,31 @@ def _mesh(job: Job, device_type: str, rank: int) -> tuple[Any, Any]:
             None if tp_group is None else DeviceMesh.from_group(tp_group, device_type, mesh_dim_names=("tp",)))
 
 
-def _partial_backward(job: Job, copy: int, chains: dict[int, nn.Module]) -> dict[int, list[float]]:
-    """Structured partial backpropagation: this copy's first layers (all but its last ``spb[copy]`` of the model,
-    inside the first stage) run without autograd; returns each stage's parameters' shares of their gradients' sum
-    over the copies (:mod:`pipefold.runtime.partial`)."""
+def _partial_backward(job: Job, rank: int, chains: dict[int, nn.Module]) -> Reduction:
+    """Structured partial backpropagation: global ``rank``'s copy's first layers (all but its last ``spb[copy]`` of
+    the model, inside the first stage) run without autograd; returns how its data-parallel reduction moves each
+    gradient among the copies that computed its layer (:class:`pipefold.runtime.partial.Reduction`), with the
+    process groups that takes, which every rank makes for every device, in the same order, as torch.distributed
+    requires."""
+    from pipefold.plan.spb import groups
     from pipefold.runtime import partial
 
     spb = job.parallel.spb
-    assert spb is not None
-    layers = job.extra["num_layers"]
+    assert spb is not None and job.parallel.copies == len(spb)  # no context-parallel copies with SPB
+    layers, meshes = job.extra["num_layers"], job.meshes()
+    copy, device, _ = job.coords(rank)
     if 0 in chains:
-        partial.cut(chains[0], layers - spb[copy % job.parallel.dp])
-    return partial.shares(chains, {s: job.layer_stages[s][0] for s in chains}, spb, layers)
+        partial.cut(chains[0], layers - spb[copy])
+    mine: dict[tuple[int, ...], Any] = {}
+    for p in range(len(job.degrees)):
+        ranks = [meshes[d][p][0] for d in range(len(spb))]
+        held = [layer for s in job.schedule.stages_of(p) for layer in job.layer_stages[s]]
+        for members in groups(spb, held, layers):
+            group = dist.new_group([ranks[i] for i in members])
+            if p == device:
+                mine[members] = group
+    return partial.Reduction(spb, layers, partial.layers_of(chains, {s: job.layer_stages[s][0] for s in chains}),
+                             tuple(meshes[d][device][0] for d in range(len(spb))), copy, mine)
 
 
 def _kfac_copies(job: Job, rank: int) -> dict[int, Any]:
