@@ -298,7 +298,7 @@ def test_registry_names_the_command_line_choices() -> None:
     from pipefold.models import REGISTRY
 
     choices = {a.dest: a.choices for a in build_parser()._subparsers._group_actions[0].choices["train"]._actions}
-    assert choices["model"] == [n for n, f in REGISTRY.items() if not f.hf] == ["gpt", "mlp"]
+    assert choices["model"] == [n for n, f in REGISTRY.items() if not f.hf] == ["gpt", "mlp", "moe"]
     assert choices["hf"] == [n for n, f in REGISTRY.items() if f.hf] == ["gpt2", "llama"]
 
 

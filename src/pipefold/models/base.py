@@ -149,6 +149,12 @@ class Model(abc.ABC):
         raise ConfigError(f"the {self.name} model declares no sequence-parallel plan: drop --sequence-parallel (the "
                           "gpt model has one)")
 
+    def balanced_layers(self) -> tuple[int, ...]:
+        """The layers with a loss term over the whole batch (a mixture of experts' load-balancing loss,
+        :mod:`pipefold.models.moe`): every microbatch's forward at their stage must come before its first backward.
+        None by default."""
+        return ()
+
     def check_sequence_chunks(self, chunks: int) -> None:
         """Refuse, in one line, sequence chunks (Seq1F1B) this model cannot run: by default every model, as only
         a model whose layers declare where attention and positions are (``attend`` and ``positions``, which the

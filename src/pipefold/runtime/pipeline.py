@@ -47,6 +47,7 @@ from pipefold.runtime import sharding
 from pipefold.runtime.compiled import MODES, check_compile, compile_stage
 from pipefold.runtime.curvature import RankCurvature
 from pipefold.runtime.executor import COMPUTE_KINDS, RankExecutor, StepStats, kind_times
+from pipefold.runtime.experts import balanced_stages, begin_balance_step, check_balance_order, sum_balance_over
 from pipefold.runtime.kfac import KFACConfig
 from pipefold.runtime.numerics import clip_factor, local_check, scale_grads, verdict
 from pipefold.runtime.offload import Offloaded
@@ -431,6 +432,12 @@ class Pipeline(RankPipeline):
                 raise ConfigError(f"kfac= does not run with {what} yet: K-FAC keeps the layer inputs and output "
                                   "gradients those change; drop one of them")
             self.schedule = _with_kfac(self.schedule)
+        balanced = balanced_stages(modules)
+        self._balanced = bool(balanced)
+        if balanced:  # mixture-of-experts stages: their load-balancing loss over the whole batch
+            check_balance_order(self.schedule, balanced)
+            if self._dp:
+                sum_balance_over(modules.values(), dp_group)
         self._check_weights(modules)
         untie_map = {s: nn.Sequential(m) for s, m in modules.items()}
         untie(untie_map)  # a weight two stages of this rank share: a copy each, summed as a tied weight
@@ -875,6 +882,8 @@ class Pipeline(RankPipeline):
         if gathered:  # FSDP's shards gathered for the forwards, as the training schedule's AG does
             for module in self.modules.values():
                 sharding.gather(module).wait()
+        if train and self._balanced:
+            begin_balance_step(self.modules.values())
         executor.activity.step = self.steps + 1  # what a peer's failure names
         executor.activity.grace = COMPILE_GRACE if self.compiled is not None and self.steps == 0 else 0.0
         executor.loss_scale = self.scaler.scale if self.scaler is not None and train else 1.0

@@ -93,6 +93,10 @@ def make_job(spec: RunSpec, *, decided: Decisions | None = None, placed: Any = N
             plan = _plan_recompute(spec, schedule, layer_stages, model)
     if spec.parallel.spb is not None:
         _check_spb(spec, model, schedule, layer_stages)
+    if balanced := set(model.balanced_layers()):  # a loss over the whole batch: every forward first
+        from pipefold.runtime.experts import check_balance_order
+
+        check_balance_order(schedule, [s for s, part in enumerate(layer_stages) if balanced & set(part)])
     recompute = None
     if plan is not None:
         recompute, extra["recompute"] = plan.layers, plan

@@ -19,6 +19,7 @@ def reference_step(job: Job, step: int = 0) -> tuple[float, dict[str, torch.Tens
     """One step in one process, from the initial weights, on the device the job's first rank computes on (the
     same GPU), with the job's recipe (its dtype, master weights and loss scale, its compiled layers): mean loss
     over the microbatches and every gradient (float32, on the CPU)."""
+    from pipefold.runtime.experts import balanced_stages
     from pipefold.runtime.launch.job import placement
 
     device = placement(job).device_of(0)
@@ -51,13 +52,23 @@ def reference_step(job: Job, step: int = 0) -> tuple[float, dict[str, torch.Tens
     unique = list({id(p): p for _, p in named}.values())
     sums: dict[int, torch.Tensor] = {}
     spb, per_copy = job.parallel.spb, job.schedule.data_microbatches
+    # A loss over the whole batch (a mixture of experts' load balancing): every microbatch's forward, then one
+    # backward of their sum, as the pipeline's stages run them.
+    whole = bool(balanced_stages(dict(enumerate(layers[i] for i in range(n)))))
+    pending: list[torch.Tensor] = []
     for j, (xs, ys) in enumerate(zip(split_batch(xs_all, m), y.to(device).chunk(m), strict=True)):
         with casting:
             # With SPB, this microbatch's copy backpropagates through its last layers only.
             out = model(*xs) if spb is None else _partial_forward(list(model.children()), xs, n - spb[j // per_copy])
             loss = job.loss_fn(out, ys)
-        (loss * (scale / m)).backward()
         total += float(loss.detach()) / m
+        if whole:
+            pending.append(loss * (scale / m))
+            if j < m - 1:
+                continue
+            torch.stack(pending).sum().backward()
+        else:
+            (loss * (scale / m)).backward()
         for p in unique:
             if p.grad is not None:
                 sums[id(p)] = sums[id(p)] + p.grad.float() if id(p) in sums else p.grad.float()

@@ -26,6 +26,7 @@ from pipefold.ir.ref import ScheduleRef
 from pipefold.runtime import numerics, sharding, sockets
 from pipefold.runtime.chunks import ChunkedOptimizer
 from pipefold.runtime.executor import RankExecutor, StepStats
+from pipefold.runtime.experts import balanced_stages, begin_balance_step, sum_balance_over
 from pipefold.runtime.history import StepHistory, step_number, unchecked
 from pipefold.runtime.launch.faults import Faults
 from pipefold.runtime.numerics import clip_factor, local_check, scale_grads, verdict
@@ -209,6 +210,11 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
         staged=placed.staged or bool(job.extra.get("stage_through_host")), overlap=job.devices.overlap,
         autocast=precision.autocast, vocab=shard, embedding=embedding, spb=spb)
 
+    # Mixture-of-experts stages: their load-balancing loss counts the whole batch's choices, over the copies too.
+    balanced = bool(balanced_stages(modules))
+    if balanced and dp_group is not None:
+        sum_balance_over(modules.values(), dp_group)
+
     def executor_for(index: int) -> RankExecutor:
         """The executor of schedule ``index``, made the first time it runs (same modules, same parameters)."""
         if not pipe.made(index):
@@ -301,6 +307,8 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
         if work is not None:
             work.record(job.save_grads_of_step == step)
         before = work.snapshot() if work is not None else None  # K-FAC's state, in case the step is skipped
+        if balanced:
+            begin_balance_step(modules.values())
         if job.verify_memory_step == step:
             stats = _tracked_step(pipe, current, params, xs, ys, _shapes(x))
         else:
