@@ -378,7 +378,7 @@ def test_gpt_learns_the_corpus(corpus):
      "GPTConfig.block_size must be a positive integer (got 2.5)"),
     (lambda: GPTConfig(dropout=1.0), "dropout must be a probability in [0, 1) (got 1.0)"),
     (lambda: MLPConfig(hidden=0), "MLPConfig.hidden must be a positive integer (got 0)"),
-    (lambda: make_model("resnet"), "unknown model 'resnet'; known models: gpt, mlp, gpt2, llama"),
+    (lambda: make_model("resnet"), "unknown model 'resnet'; known models: gpt, mlp, moe, gpt2, llama"),
     (lambda: make_model("gpt", n_layers=2), "models take no setting 'n_layers'"),
     (lambda: make_model("gpt", layers=0), "--layers must be at least 1 (got 0)"),
     (lambda: make_model("mlp", config="gpt2-tiny"), "--hf-config configures a Hugging Face model"),
