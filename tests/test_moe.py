@@ -115,7 +115,8 @@ def test_bad_settings_are_one_line(shape: dict[str, Any], says: str) -> None:
     assert says in str(err.value) and "\n" not in str(err.value)
 
 
-def _pipeline(rank: int, init: str, world: int, dp: int, schedule: str, shape: dict[str, Any], out: Any) -> None:
+def _pipeline(rank: int, init: str, world: int, dp: int, schedule: str, shape: dict[str, Any], out: Any,
+              *, expert_parallel: bool = False) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -134,7 +135,7 @@ def _pipeline(rank: int, init: str, world: int, dp: int, schedule: str, shape: d
     stages = {s: nn.Sequential(*model[s * per:(s + 1) * per]) for s in plan.stages_of(device)}
     x, y = _data(8 * dp)
     try:
-        pipe = Pipeline(stages, schedule, microbatches=4, loss_fn=gpt_loss, mesh=mesh)
+        pipe = Pipeline(stages, schedule, microbatches=4, loss_fn=gpt_loss, mesh=mesh, expert_parallel=expert_parallel)
     except ConfigError as exc:
         out.put((rank, str(exc)))
         dist.destroy_process_group()
@@ -202,3 +203,40 @@ def test_train_runs_the_moe_model_exactly_on_copies_and_refuses_1f1b() -> None:
     assert set(grads) == set(want)
     assert max(float((grads[n] - want[n]).abs().max()) for n in want) < 1e-6
     assert main(["train", "--model", "moe", "--schedule", "1f1b", "--devices", "2", "--steps", "1"]) == 2
+
+
+def _expert_parallel(rank: int, init: str, shape: dict[str, Any], out: Any) -> None:
+    _pipeline(rank, init, 4, 2, "gpipe", shape, out, expert_parallel=True)
+
+
+@pytest.mark.parametrize("shape", [MIXTRAL, {**DEEPSEEK, "capacity_factor": 1.0}])
+def test_experts_spread_over_the_copies_make_one_process_gradients(shape: dict[str, Any]) -> None:
+    """Expert parallelism on a 2 x 2 (dp x pp) mesh: each copy holds half of every layer's experts and reaches the
+    others by all-to-all; every gradient a rank holds (its experts' and the rest) is one process's, and the copies'
+    experts together are all of them."""
+    from conftest import run_ranks
+
+    got = run_ranks(_expert_parallel, 4, shape)
+    x, y = _data(16)
+    want = reference(shape, x, y)
+    experts = shape["experts"]
+    held: dict[str, set[int]] = {}
+    for _, grads in got:
+        assert isinstance(grads, dict), grads
+        diffs = {n: float((torch.from_numpy(g) - want[n]).abs().max()) for n, g in grads.items()}
+        assert max(diffs.values()) < 1e-5, sorted(diffs.items(), key=lambda kv: -kv[1])[:6]
+        for n in grads:
+            if ".moe.experts." in n:
+                layer, e = n.split(".moe.experts.")[0], int(n.split(".moe.experts.")[1].split(".")[0])
+                held.setdefault(layer, set()).add(e)
+        mine = {int(n.split(".moe.experts.")[1].split(".")[0]) for n in grads if ".moe.experts." in n}
+        assert len(mine) <= experts // 2  # a copy's half per layer
+    assert held and all(es == set(range(experts)) for es in held.values())
+
+
+def test_experts_the_copies_cannot_share_equally_are_refused_in_one_line() -> None:
+    from conftest import run_ranks
+
+    for _, said in run_ranks(_expert_parallel, 4, {"experts": 3, "top_k": 2}):
+        assert said == ("2 expert-parallel ranks cannot share 3 experts equally: give a number of copies that "
+                        "divides 3 (1, 3)"), said

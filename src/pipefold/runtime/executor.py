@@ -56,6 +56,7 @@ from pipefold.runtime.comm import (
     decode_header,
     metas_of,
 )
+from pipefold.runtime.experts import EXPERT
 
 if TYPE_CHECKING:
     from pipefold.runtime.partial import Reduction
@@ -774,6 +775,13 @@ class RankExecutor:
         works = self._reductions.setdefault(s, [])
         if self.spb is None:
             n = dist.get_world_size(self.dp_group)
+            # An expert spread over the copies (expert parallelism) is this rank's alone: its gradient, the sum over
+            # every copy's tokens, takes the mean's 1/copies and stays here.
+            own = [getattr(p, EXPERT, False) for p in self.runners[s].params]
+            for g, mine in zip(grads, own, strict=True):
+                if mine:
+                    g.mul_(1.0 / n)
+            grads = [g for g, mine in zip(grads, own, strict=True) if not mine]
             works.append(self._all_reduce(grads, self.dp_group, scale=1.0 / n))
             self.dp_sent += ring_bytes(sum(g.numel() * g.element_size() for g in grads), n)
         else:

@@ -1,5 +1,16 @@
 """Mixture-of-experts stages in a pipeline: the load-balancing loss over the whole batch across data-parallel copies,
-and the schedules it runs with (:mod:`pipefold.models.moe` says how the loss is computed microbatch by microbatch)."""
+the schedules it runs with (:mod:`pipefold.models.moe` says how the loss is computed microbatch by microbatch), and
+expert parallelism.
+
+**Expert parallelism.** :func:`shard_experts` spreads each MoE layer's experts over the ranks of a group (the
+data-parallel copies of the stage, ``ep`` of them): rank ``i`` keeps experts ``i * E/ep`` to ``(i + 1) * E/ep - 1``
+and the layer's dispatch becomes two all-to-alls. Each rank routes its own tokens, sends every (token, choice) to
+the rank that holds the chosen expert (the token's row, its expert's id), runs its experts on what it received and
+sends the outputs back, where they are weighted and summed per token as before. Both exchanges are differentiable
+(``torch.distributed.nn.functional.all_to_all_single``): the backward sends the outputs' gradients to the experts
+and the inputs' gradients back. An expert's gradient is then the sum over every copy's tokens; the data-parallel
+reduction does not average it with the other copies' (they hold other experts): it scales it by 1/copies, which is
+what the mean over the copies of each copy's loss gives it (:attr:`EXPERT`)."""
 
 from __future__ import annotations
 
@@ -14,7 +25,12 @@ from pipefold.errors import ConfigError
 from pipefold.ir import Kind, Schedule
 from pipefold.models.moe import MoE
 
-__all__ = ["balanced_stages", "begin_balance_step", "check_balance_order", "sum_balance_over"]
+__all__ = ["EXPERT", "ExpertShard", "balanced_stages", "begin_balance_step", "check_balance_order", "shard_experts",
+           "sum_balance_over"]
+
+EXPERT = "pipefold_expert_parallel"
+"""The attribute an expert's parameter carries once :func:`shard_experts` spread its layer's experts over the copies:
+the data-parallel reduction leaves such a gradient on its rank (scaled by 1/copies)."""
 
 _BACKWARDS = (Kind.B, Kind.BW)
 
@@ -67,3 +83,62 @@ def begin_balance_step(modules: Iterable[nn.Module]) -> None:
         for m in module.modules():
             if isinstance(m, MoE):
                 m.balance.begin_step()
+
+
+class ExpertShard:
+    """One MoE layer's experts on one rank of an expert-parallel group, and the dispatch that reaches the others."""
+
+    def __init__(self, moe: MoE, group: Any, index: int, size: int) -> None:
+        experts = moe.cfg.experts
+        if experts % size:
+            fits = [str(d) for d in range(1, experts + 1) if experts % d == 0]
+            raise ConfigError(f"{size} expert-parallel ranks cannot share {experts} experts equally: give a number of "
+                              f"copies that divides {experts} ({', '.join(fits)})")
+        self.moe, self.group, self.index, self.size = moe, group, index, size
+        self.per = experts // size
+        self.first = index * self.per
+        for e in range(experts):  # another rank's expert leaves a placeholder: the kept ones keep their names
+            if not self.first <= e < self.first + self.per:
+                moe.experts[e] = nn.Identity()
+        for e in range(self.first, self.first + self.per):
+            for p in moe.experts[e].parameters():
+                setattr(p, EXPERT, True)
+        self.sent_tokens = 0
+        """(token, choice) pairs this rank has sent to other ranks' experts so far."""
+        moe.dispatch = self.dispatch
+
+    def dispatch(self, h: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.nn.functional import all_to_all_single
+
+        k = chosen.shape[-1]
+        flat = chosen.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # by expert, so by the rank that holds it
+        expert = flat[order]
+        token = torch.arange(h.shape[0], device=h.device).repeat_interleave(k)[order]
+        weight = weights.reshape(-1)[order]
+        send = torch.bincount(expert // self.per, minlength=self.size)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)
+        out_splits, in_splits = recv.tolist(), send.tolist()
+        ids = torch.empty(sum(out_splits), dtype=expert.dtype, device=h.device)
+        dist.all_to_all_single(ids, expert.contiguous(), out_splits, in_splits, group=self.group)
+        rows = h[token]
+        got = all_to_all_single(h.new_empty(sum(out_splits), h.shape[1]), rows, out_splits, in_splits,
+                                group=self.group)
+        done = torch.zeros_like(got)
+        for e in range(self.first, self.first + self.per):
+            mine = (ids == e).nonzero().squeeze(-1)
+            if mine.numel():
+                done = done.index_add(0, mine, self.moe.experts[e](got[mine]))
+        back = all_to_all_single(torch.empty_like(rows), done, in_splits, out_splits, group=self.group)
+        self.sent_tokens += int(send.sum() - send[self.index])
+        return torch.zeros_like(h).index_add(0, token, back * weight.unsqueeze(-1).to(h.dtype))
+
+
+def shard_experts(modules: Iterable[nn.Module], group: Any) -> list[ExpertShard]:
+    """Spread the experts of every MoE layer in ``modules`` over the ranks of ``group`` (this rank keeps its share;
+    every rank of the group must hold the same layers). Refused in one line where the ranks do not divide the
+    experts."""
+    index, size = dist.get_rank(group), dist.get_world_size(group)
+    layers = [m for module in modules for m in module.modules() if isinstance(m, MoE)]
+    return [ExpertShard(m, group, index, size) for m in layers]

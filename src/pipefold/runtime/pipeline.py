@@ -47,7 +47,15 @@ from pipefold.runtime import sharding
 from pipefold.runtime.compiled import MODES, check_compile, compile_stage
 from pipefold.runtime.curvature import RankCurvature
 from pipefold.runtime.executor import COMPUTE_KINDS, RankExecutor, StepStats, kind_times
-from pipefold.runtime.experts import balanced_stages, begin_balance_step, check_balance_order, sum_balance_over
+from pipefold.runtime.experts import (
+    EXPERT,
+    ExpertShard,
+    balanced_stages,
+    begin_balance_step,
+    check_balance_order,
+    shard_experts,
+    sum_balance_over,
+)
 from pipefold.runtime.kfac import KFACConfig
 from pipefold.runtime.numerics import clip_factor, local_check, scale_grads, verdict
 from pipefold.runtime.offload import Offloaded
@@ -311,6 +319,8 @@ class Pipeline(RankPipeline):
     stage), its first layers running without autograd, and each layer's gradient is the mean over the copies that
     computed it, reduced among them and sent from the first of them to the others (docs/spb.md); the step's
     :class:`StepStats` (``pipe.last``) counts the bytes this rank sent (``dp_sent``).
+    ``expert_parallel``: on a mesh with ``"dp"``, every mixture-of-experts layer's experts spread over the copies,
+    reached by all-to-all (:mod:`pipefold.runtime.experts`).
     ``kfac``: ``True`` or a :class:`~pipefold.runtime.kfac.KFACConfig`: every step builds each stage's K-FAC
     curvature right after the passes it reads, inverts the factors after the stage's last pass and preconditions its
     gradients before :meth:`step` returns (PipeFisher's actions, placed inline); the user's optimizer then steps the
@@ -329,7 +339,7 @@ class Pipeline(RankPipeline):
                  compile_backend: str = "inductor", action_timeout: float = DEFAULT_ACTION_TIMEOUT,
                  offload_activations: float | str | None = None, vocab: VocabShard | None = None,
                  embedding: VocabShard | None = None, spb: Sequence[int] | None = None,
-                 kfac: KFACConfig | bool | None = None) -> None:
+                 kfac: KFACConfig | bool | None = None, expert_parallel: bool = False) -> None:
         if not dist.is_initialized():
             raise ConfigError("Pipeline needs torch.distributed's process group: call "
                               "torch.distributed.init_process_group() first (torchrun sets its environment)")
@@ -432,6 +442,13 @@ class Pipeline(RankPipeline):
                 raise ConfigError(f"kfac= does not run with {what} yet: K-FAC keeps the layer inputs and output "
                                   "gradients those change; drop one of them")
             self.schedule = _with_kfac(self.schedule)
+        self.experts: list[ExpertShard] = []
+        """With ``expert_parallel``: this rank's share of every MoE layer's experts."""
+        if expert_parallel:
+            self.experts = self._expert_parallel(modules, dp_group, (
+                ("spb=", spb is not None), ("kfac=", self.kfac is not None), ("offload=", offload is not None),
+                ("FSDP stages", self.sharded), ("a 'tp' mesh dimension", tp_group is not None),
+                ("a 'cp' mesh dimension", self.cp_group is not None), ("compile=", compile is not False)))
         balanced = balanced_stages(modules)
         self._balanced = bool(balanced)
         if balanced:  # mixture-of-experts stages: their load-balancing loss over the whole batch
@@ -502,6 +519,22 @@ class Pipeline(RankPipeline):
         self._counted = self._norm_parameters()
 
     # -- construction
+
+    def _expert_parallel(self, modules: Mapping[int, nn.Module], dp_group: Any,
+                         given: Sequence[tuple[str, bool]]) -> list[ExpertShard]:
+        """Spread every MoE layer's experts over the data-parallel copies (:func:`~pipefold.runtime.experts.
+        shard_experts`), refused in one line where there are none, where the stages hold no MoE layer, or with what
+        it does not run with yet."""
+        if not self._dp:
+            raise ConfigError("expert_parallel=True spreads each MoE layer's experts over the data-parallel copies: "
+                              "give a DeviceMesh with a 'dp' dimension of 2 or more (Pipeline(..., mesh=mesh))")
+        if (what := next((w for w, on in given if on), None)) is not None:
+            raise ConfigError(f"expert_parallel=True does not run with {what} yet: drop one of them")
+        shards = shard_experts(modules.values(), dp_group)
+        if not shards:
+            raise ConfigError("expert_parallel=True found no MoE layer in this rank's stages "
+                              "(pipefold.models.moe.MoE): drop it, or give stages with mixture-of-experts blocks")
+        return shards
 
     def _curvature(self, modules: Mapping[int, nn.Module], dp_group: Any) -> RankCurvature:
         """K-FAC of this rank's stages; on a mesh with ``"dp"``, spread over the copies by ``self.kfac``'s
@@ -708,6 +741,9 @@ class Pipeline(RankPipeline):
             for p in m.parameters():
                 if p.requires_grad and id(p) not in copies and (tp_rank == 0 or sharding.split_over(p, "tp")):
                     out.append(p)
+        for s, m in self.modules.items():  # an expert spread over the copies: by the copy that holds it
+            if dp_rank and self.schedule.holders(s)[0] == self.rank:
+                out += [p for p in m.parameters() if p.requires_grad and getattr(p, EXPERT, False)]
         for shard in self._shards:  # each rank's own rows of the output layer and the embedding
             out += [p for p in shard.parameters() if p.requires_grad]
         return out
