@@ -103,7 +103,7 @@ def test_a_backward_before_the_steps_last_forward_is_refused_in_one_line() -> No
 
 
 @pytest.mark.parametrize(("shape", "says"), [
-    (dict(experts=4, top_k=5), "top-k 5 is more than the 4 experts a token can go to: give --top-k 4 or less"),
+    (dict(experts=4, top_k=5), "top_k 5 is more than the 4 experts a token can go to: give top_k 4 or less"),
     (dict(capacity_factor=0.5, dropless=True), "a capacity factor of 0.5 drops tokens, and dropless routing keeps "
                                                "every one"),
     (dict(capacity_factor=0.0), "a capacity factor is a number above 0"),
@@ -240,3 +240,47 @@ def test_experts_the_copies_cannot_share_equally_are_refused_in_one_line() -> No
     for _, said in run_ranks(_expert_parallel, 4, {"experts": 3, "top_k": 2}):
         assert said == ("2 expert-parallel ranks cannot share 3 experts equally: give a number of copies that "
                         "divides 3 (1, 3)"), said
+
+
+def test_train_spreads_the_experts_over_the_copies_exactly() -> None:
+    """``pipefold train --model moe --moe ... --expert-parallel --dp 2``: every rank's gradients, its half of the
+    experts included, are one process's (``--check``, which holds every expert)."""
+    from pipefold.cli.main import report
+
+    out = report(["train", "--model", "moe", "--moe", "experts=4,shared_experts=1,capacity_factor=1.5",
+                  "--expert-parallel", "--schedule", "gpipe", "--devices", "2", "--dp", "2", "--steps", "2",
+                  "--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "16", "--batch", "16",
+                  "--microbatches", "4", "--check"])
+    assert out["max_grad_rel_diff"] < 1e-5 and out["loss_rel_diff"] < 1e-6
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--moe", "experts=4"], "--moe shapes a mixture of experts: add --model moe, or drop it"),
+    (["--model", "moe", "--moe", "expertz=4"], "--moe has no setting 'expertz': give any of experts, top_k"),
+    (["--model", "moe", "--moe", "experts=x"], "--moe experts=x does not read: give a number, such as experts=2"),
+    (["--model", "moe", "--moe", "top_k=9"], "top_k 9 is more than the 8 experts a token can go to"),
+    (["--model", "moe", "--moe", "capacity_factor=0.5,dropless"], "a capacity factor of 0.5 drops tokens"),
+    (["--model", "moe", "--expert-parallel"], "--expert-parallel spreads the experts over data-parallel copies, "
+                                              "and --dp 1 has one"),
+    (["--model", "moe", "--moe", "experts=3", "--expert-parallel", "--dp", "2", "--batch", "32"],
+     "--expert-parallel over --dp 2 cannot share 3 experts equally: give a --dp that divides 3 (3)"),
+    (["--model", "moe", "--expert-parallel", "--dp", "2", "--spb", "4,3"],
+     "--expert-parallel does not run with --spb yet: drop one of them"),
+    (["--model", "moe", "--schedule", "1f1b"], "1f1b runs a backward of stage 0 before its last forward"),
+    (["--model", "moe", "--expert-parallel", "--dp", "2", "--zero1"],
+     "--expert-parallel does not run with --zero1 yet: drop one of them"),
+    (["--model", "moe", "--expert-parallel", "--dp", "2", "--optimizer", "kfac"],
+     "--expert-parallel does not run with --optimizer kfac yet (each copy holds other experts)"),
+    (["--model", "moe", "--expert-parallel", "--dp", "2", "--checkpoint-dir", "ck"],
+     "--expert-parallel does not run with --checkpoint-dir yet"),
+])
+def test_what_the_moe_model_and_its_experts_refuse_is_one_line(argv: list[str], says: str,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    from pipefold.cli.main import main
+
+    full = ["train", "--devices", "2", "--steps", "1", *argv]
+    if "--schedule" not in argv:
+        full += ["--schedule", "gpipe"]
+    assert main(full) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0], err

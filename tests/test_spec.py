@@ -50,13 +50,13 @@ def _offending(name: str) -> object:
               "layers": 6, "hidden": 32, "batch": 32, "optimizer": "sgd", "partition": "even", "recompute": "full",
               "memory_budget": "1GB", "offload": "2,1", "network": "constant:bandwidth=50MB", "netns": True,
               "offload_activations": 0.5, "state_chunks": True, "chunk_size": "4MB", "sequence_parallel": True,
-              "cp": 2, "vocab_size": 1024, "kfac_distribution": "d-kfac"}
+              "cp": 2, "vocab_size": 1024, "kfac_distribution": "d-kfac", "moe": "experts=4", "expert_parallel": True}
     return values[name]
 
 
 def _where_it_does_not_apply(rule_index: int) -> dict[str, object]:
     """Settings that put the run in a mode where rule ``rule_index``'s options do not apply."""
-    return [{"optimizer": "adamw"}, {"optimizer": "kfac"}, {"schedule": "1f1b"},
+    return [{"optimizer": "adamw"}, {"optimizer": "kfac"}, {"schedule": "1f1b"}, {"dp": 2},
             {"model": "mlp", "layers": 4, "batch": 8}, {"plan": "p.json"}, {}, {}, {"plan": "p.json"},
             {"schedule": "auto"}, {"optimizer": "kfac"}, {"offload": "2,1"},
             {}, {"plan": "p.json"}, {"tp": (2, 1), "devices": 2}, {"optimizer": "kfac"},

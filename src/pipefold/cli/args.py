@@ -491,6 +491,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp: each block's norms, dropouts and residual stream on each tensor-parallel rank's "
                         "share of the tokens (sequence parallelism; the gpt model)")
+    p.add_argument("--expert-parallel", action="store_true",
+                   help="with --model moe and --dp: each layer's experts spread over the data-parallel copies, tokens "
+                        "dispatched and combined by all-to-all (see docs/models.md)")
+    p.add_argument("--moe", default=None, metavar="KEY=VALUE[,...]",
+                   help="the moe model's experts: experts, top_k, expert_hidden, shared_experts, capacity_factor, "
+                        "dropless, aux_loss (default experts=8,top_k=2,aux_loss=0.01, dropless)")
     p.add_argument("--microbatches", "-m", type=int, default=8, metavar="M", help="microbatches per step (default 8)")
     p.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
     _add_model(p, layers=None, layers_help="default: enough for 2 layers per stage", batch=16,

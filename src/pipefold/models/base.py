@@ -68,6 +68,8 @@ class ModelArgs:
     """A text file to train a language model on instead of the built-in corpus."""
     config: str | None = field(default=None, metadata={"flag": "model_config", "option": "--hf-config"})
     """The model's own configuration: a config name the model ships or a JSON file (Hugging Face models)."""
+    moe: str | None = None
+    """The mixture of experts' shape, ``key=value,...`` of :class:`pipefold.models.moe.MoEConfig` (the moe model)."""
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "vocab_size"):
@@ -154,6 +156,11 @@ class Model(abc.ABC):
         :mod:`pipefold.models.moe`): every microbatch's forward at their stage must come before its first backward.
         None by default."""
         return ()
+
+    def check_expert_parallel(self, ranks: int) -> None:
+        """Refuse in one line experts this model cannot spread over ``ranks`` (``--expert-parallel``): by default
+        every model, as only a mixture of experts has them."""
+        raise ConfigError(f"the {self.name} model has no experts to spread: use --model moe with --expert-parallel")
 
     def check_sequence_chunks(self, chunks: int) -> None:
         """Refuse, in one line, sequence chunks (Seq1F1B) this model cannot run: by default every model, as only

@@ -81,8 +81,8 @@ class MoEConfig:
                 self.shared_experts < 0:
             raise ConfigError(f"shared experts are 0 or more (got {self.shared_experts!r})")
         if self.top_k > self.experts:
-            raise ConfigError(f"top-k {self.top_k} is more than the {self.experts} experts a token can go to: give "
-                              f"--top-k {self.experts} or less, or more --experts")
+            raise ConfigError(f"top_k {self.top_k} is more than the {self.experts} experts a token can go to: give "
+                              f"top_k {self.experts} or less, or more experts")
         if self.n_embd % self.n_head:
             raise ConfigError(f"--hidden {self.n_embd} must be a multiple of --heads {self.n_head}")
         if self.capacity_factor is not None:
@@ -91,7 +91,7 @@ class MoEConfig:
                 raise ConfigError(f"a capacity factor is a number above 0, such as 1.25 (got {self.capacity_factor!r})")
             if self.dropless and self.capacity_factor < 1:
                 raise ConfigError(f"a capacity factor of {self.capacity_factor:g} drops tokens, and dropless routing "
-                                  "keeps every one: drop --capacity-factor, or --dropless")
+                                  "keeps every one: drop capacity_factor, or dropless")
         if not (isinstance(self.aux_loss, int | float) and math.isfinite(self.aux_loss) and self.aux_loss >= 0):
             raise ConfigError(f"the load-balancing loss's weight is 0 or more (got {self.aux_loss!r})")
 
@@ -353,6 +353,35 @@ class MoEModel(Model):
     def balanced_layers(self) -> tuple[int, ...]:
         return tuple(self.blocks) if self.cfg.aux_loss > 0 else ()
 
+    def check_expert_parallel(self, ranks: int) -> None:
+        experts = self.cfg.experts
+        if experts % ranks:
+            fits = [str(d) for d in range(2, experts + 1) if experts % d == 0]
+            raise ConfigError(f"--expert-parallel over --dp {ranks} cannot share {experts} experts equally: give a "
+                              f"--dp that divides {experts} ({', '.join(fits) or 'none above 1'}), or other experts")
+
+
+_OPTIONS: dict[str, Callable[[str], Any]] = {
+    "experts": int, "top_k": int, "expert_hidden": int, "shared_experts": int, "capacity_factor": float,
+    "dropless": lambda v: v.lower() in ("1", "true", "yes", ""), "aux_loss": float, "normalize": lambda v: v != "0"}
+"""What ``--moe`` sets, and how each value reads."""
+
+
+def parse_moe(text: str | None) -> dict[str, Any]:
+    """``--moe experts=8,top_k=2,shared_experts=1,dropless``: :class:`MoEConfig`'s settings; a key it does not know
+    or a value that does not read is refused in one line."""
+    out: dict[str, Any] = {}
+    for part in filter(None, (text or "").split(",")):
+        key, _, value = part.partition("=")
+        key = key.strip().replace("-", "_")
+        if key not in _OPTIONS:
+            raise ConfigError(f"--moe has no setting {key!r}: give any of {', '.join(_OPTIONS)} as key=value")
+        try:
+            out[key] = _OPTIONS[key](value.strip())
+        except ValueError:
+            raise ConfigError(f"--moe {key}={value} does not read: give a number, such as {key}=2") from None
+    return out
+
 
 def make(args: ModelArgs, **moe: Any) -> MoEModel:
     if args.config is not None:
@@ -360,6 +389,6 @@ def make(args: ModelArgs, **moe: Any) -> MoEModel:
                           "--hf-config configures a Hugging Face model (--hf NAME)")
     hidden, heads = args.hidden or 64, args.heads or 4
     cfg = MoEConfig(n_layer=args.layers or 2, n_embd=hidden, n_head=heads, block_size=args.seq,
-                    vocab_size=args.vocab_size or 256, **moe)
+                    vocab_size=args.vocab_size or 256, **{**parse_moe(args.moe), **moe})
     batches = Batches(load_corpus(args.data).train, args.batch, args.seq, seed=args.seed)
     return MoEModel(cfg, batches, seed=args.seed)

@@ -168,6 +168,9 @@ class Parallel:
     """Structured partial backpropagation (Jigsaw): per data-parallel copy, how many of the model's last layers it
     backpropagates through (the layers before run without autograd); each layer's gradient is the mean over the
     copies that computed it. None: every copy backpropagates through every layer."""
+    expert_parallel: bool = False
+    """Each mixture-of-experts layer's experts spread over the data-parallel copies, reached by all-to-all
+    (:mod:`pipefold.runtime.experts`)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.dp, bool) or not (isinstance(self.dp, int) and self.dp >= 1):
@@ -192,6 +195,16 @@ class Parallel:
                 raise ConfigError(f"--spb {','.join(map(str, spb))} gives {len(spb)} copies their layers, and --dp "
                                   f"{self.dp} has {self.dp}: give one number per copy")
             object.__setattr__(self, "spb", spb)
+        if self.expert_parallel:
+            if self.dp < 2:
+                raise ConfigError("--expert-parallel spreads the experts over data-parallel copies, and --dp 1 has "
+                                  "one: give --dp 2 or more, or drop it")
+            other = [what for what, on in (("--spb", self.spb is not None), ("--fsdp", self.fsdp),
+                                           ("--zero1", self.zero1),
+                                           (f"--tp {self.tp_text}", self.tensor_parallel),
+                                           (f"--cp {self.cp}", self.cp > 1)) if on]
+            if other:
+                raise ConfigError(f"--expert-parallel does not run with {other[0]} yet: drop one of them")
 
     def computing(self, layer: int, layers: int) -> int:
         """How many copies backpropagate through ``layer`` of ``layers`` (all of them without SPB)."""
@@ -358,6 +371,10 @@ def check_together(parallel: Parallel, optimizer: Optimizer, *, adaptive: bool, 
         flag = "--fsdp" if parallel.fsdp else "--zero1"
         raise ConfigError(f"K-FAC over data-parallel copies preconditions whole gradients and steps a whole optimizer, "
                           f"and {flag} shards them: drop {flag} with --optimizer kfac")
+    if parallel.expert_parallel and (kfac or checkpoints or offload):
+        flag = "--optimizer kfac" if kfac else "--checkpoint-dir" if checkpoints else "--offload"
+        raise ConfigError(f"--expert-parallel does not run with {flag} yet (each copy holds other experts): drop one "
+                          "of them")
     if parallel.cp > 1 and parallel.tensor_parallel:
         raise ConfigError(f"context parallelism (--cp {parallel.cp}) does not run with tensor parallelism (--tp "
                           f"{parallel.tp_text}) yet: use --cp 1 or --tp 1")
