@@ -133,11 +133,12 @@ def _check_against_reference(model: HFCausalLM, reports, microbatches: int, *, l
 # --------------------------------------------------------------------------- the model object, unchanged
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "mixtral"])
 def test_layers_run_the_models_own_modules_and_match_its_forward(arch: str) -> None:
     model = _model(arch)
     hf = model.build_hf()
-    assert type(hf).__name__ == {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}[arch]
+    assert type(hf).__name__ == {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
+                                 "mixtral": "MixtralForCausalLM"}[arch]
     layers = model.wrap(hf)
     assert len(layers) == model.num_layers == 4 and list(model.blocks) == [1, 2]
     own = {id(p) for p in hf.parameters()}
@@ -151,7 +152,7 @@ def test_layers_run_the_models_own_modules_and_match_its_forward(arch: str) -> N
         assert not torch.allclose(_chain(layers, (ids,)), want)
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "mixtral"])
 def test_a_layer_built_alone_has_the_weights_of_the_whole_model(arch: str) -> None:
     model = _model(arch, tie=True)
     whole = model.build()
@@ -185,6 +186,8 @@ def test_tied_weights_are_found_on_the_model() -> None:
     ("gpt2", "zb-h1", 4, True),
     ("llama", "zb-h1", 2, False),
     ("llama", "1f1b", 4, True),
+    ("mixtral", "1f1b", 2, False),
+    ("mixtral", "zb-h1", 4, True),
 ])
 def test_pipeline_matches_the_unwrapped_model(arch: str, schedule: str, devices: int, tie: bool) -> None:
     model = _model(arch, blocks=2 * devices - 2, tie=tie)
@@ -290,7 +293,7 @@ def test_config_file_errors(tmp_path: Path) -> None:
         make_model("gpt", config="gpt2-tiny")
     assert config_names() == ["gpt2-tiny", "gpt3-175b", "llama-tiny", "llama2-13b", "llama2-70b", "llama3-70b",
                               "llama3-8b", "llama3.1-405b", "megatron-530b",
-                              "mixtral-8x7b"]  # the tiny ones train here; the rest plan clusters
+                              "mixtral-8x7b", "mixtral-tiny"]  # the tiny ones train here; the rest plan clusters
 
 
 def test_registry_names_the_command_line_choices() -> None:
@@ -299,7 +302,7 @@ def test_registry_names_the_command_line_choices() -> None:
 
     choices = {a.dest: a.choices for a in build_parser()._subparsers._group_actions[0].choices["train"]._actions}
     assert choices["model"] == [n for n, f in REGISTRY.items() if not f.hf] == ["gpt", "mlp", "moe"]
-    assert choices["hf"] == [n for n, f in REGISTRY.items() if f.hf] == ["gpt2", "llama"]
+    assert choices["hf"] == [n for n, f in REGISTRY.items() if f.hf] == ["gpt2", "llama", "mixtral"]
 
 
 @pytest.mark.parametrize(("arch", "change", "message"), [

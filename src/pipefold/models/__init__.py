@@ -80,7 +80,7 @@ register(Family(name="mlp", make=_maker("mlp"), blocks_for=lambda stages: 2 * st
 register(Family(name="moe", make=_maker("moe"), blocks_for=lambda stages: max(1, 2 * stages - 2),
                 description="mixture-of-experts byte-level decoder: each block's MLP 8 routed SwiGLU experts, top 2, "
                             "a load-balancing loss over the whole batch (Mixtral's routing; gpipe or looped-bfs)"))
-for _arch, _tiny in (("gpt2", "gpt2-tiny"), ("llama", "llama-tiny")):
+for _arch, _tiny in (("gpt2", "gpt2-tiny"), ("llama", "llama-tiny"), ("mixtral", "mixtral-tiny")):
     register(Family(name=_arch, make=_maker("hf", _arch), blocks_for=lambda stages: None, hf=True,
                     description=f"Hugging Face transformers {_arch} causal LM built from a config (--hf-config: a "
                                 f"config.json or a shipped name; default {_tiny})"))

@@ -72,6 +72,8 @@ ARCHS: dict[str, Arch] = {
     "gpt2": Arch("gpt2", "gpt2-tiny", embedding=("wte", "wpe", "drop"), blocks="h", norm="ln_f"),
     "llama": Arch("llama", "llama-tiny", embedding=("embed_tokens",), blocks="layers", norm="norm",
                   rotary="rotary_emb"),
+    "mixtral": Arch("mixtral", "mixtral-tiny", embedding=("embed_tokens",), blocks="layers", norm="norm",
+                    rotary="rotary_emb"),
 }
 
 
