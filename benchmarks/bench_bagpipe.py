@@ -91,7 +91,7 @@ def main() -> int:
     network = parse_network(args.network)
     rate = None
     if args.netns:
-        rate = max(state.bandwidth for c in (network.default, *network.links.values()) for state in c.states)
+        rate = network.fastest
         if rate == float("inf"):
             ap.error("--netns caps the links at --network's bandwidth: give a network with one")
     jobs: dict[tuple[float, str], BagpipeJob] = {}

@@ -30,8 +30,7 @@ def cmd_bagpipe(args: argparse.Namespace, console: Console) -> None:
     network = None if args.network is None else parse_network(args.network)
     rate = None
     if args.netns:
-        rate = None if network is None else max(state.bandwidth for c in (network.default, *network.links.values())
-                                                for state in c.states)
+        rate = None if network is None else network.fastest
         if rate is None or math.isinf(rate):
             raise ConfigError("--netns caps the links at --network's bandwidth: give a network with one, such as "
                               "--network constant:latency=0,bandwidth=2MB")

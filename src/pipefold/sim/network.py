@@ -174,6 +174,12 @@ class Network:
     name: str = "network"
     """How the network was made, for reports and figures."""
 
+    @property
+    def fastest(self) -> float:
+        """The highest bandwidth any link reaches at any time (bytes per second): what a real link is capped at to
+        carry this network (tc in network namespaces); inf where a link is unlimited."""
+        return max(state.bandwidth for c in (self.default, *self.links.values()) for state in c.states)
+
     @classmethod
     def constant(cls, latency: float = 0.0, bandwidth: float = math.inf) -> Network:
         bw = "inf" if math.isinf(bandwidth) else f"{bandwidth:g}"

@@ -82,7 +82,7 @@ def _run_netns(job: Job, on_step: OnStep | None) -> tuple[Job, list[RankReport]]
     if reason is not None:
         raise ConfigError(f"--netns cannot run here: {reason}; use --network alone to emulate the links in-process")
     p = job.schedule.devices
-    rate = max(state.bandwidth for c in (network.default, *network.links.values()) for state in c.states)
+    rate = network.fastest
     if math.isinf(rate):
         raise ConfigError("--netns needs a network with a finite bandwidth for tc to cap the links at")
     horizon = 24 * 3600.0
