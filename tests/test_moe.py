@@ -267,6 +267,8 @@ def test_train_spreads_the_experts_over_the_copies_exactly() -> None:
     (["--model", "moe", "--expert-parallel", "--dp", "2", "--spb", "4,3"],
      "--expert-parallel does not run with --spb yet: drop one of them"),
     (["--model", "moe", "--schedule", "1f1b"], "1f1b runs a backward of stage 0 before its last forward"),
+    (["--model", "moe", "--vocab-size", "100"], "the moe model reads its corpus as bytes (ids 0..255), which "
+                                                "--vocab-size 100 cannot hold"),
     (["--model", "moe", "--expert-parallel", "--dp", "2", "--zero1"],
      "--expert-parallel does not run with --zero1 yet: drop one of them"),
     (["--model", "moe", "--expert-parallel", "--dp", "2", "--optimizer", "kfac"],

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +23,8 @@ from pipefold.models.base import Model, ModelArgs, check_sequence_split
 from pipefold.models.data import Batches, load_corpus
 from pipefold.models.size import Shape
 
-__all__ = ["GPT", "Block", "Embedding", "GPTConfig", "Head", "build_gpt", "build_gpt_layers", "gpt_loss"]
+__all__ = ["GPT", "Block", "CorpusDecoder", "Embedding", "GPTConfig", "Head", "build_gpt", "build_gpt_layers",
+           "corpus_sizes", "gpt_loss"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -214,27 +216,49 @@ def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))  # over B*T positions
 
 
-class GPT(Model):
-    """The GPT as a :class:`~pipefold.models.base.Model`: its layers, its loss, and byte-level batches of a corpus."""
+class CorpusDecoder(Model):
+    """A decoder of the byte-level corpus as a :class:`~pipefold.models.base.Model`: an embedding, blocks and a head
+    (``cfg.num_layers`` of them), next-byte cross entropy and the corpus's batches. The gpt and moe models."""
 
-    name = "gpt"
-    splits_embedding = True
     embedding_layers = 1
     head_layers = 1
 
-    def __init__(self, cfg: GPTConfig, batches: Batches, *, seed: int = 0) -> None:
+    def __init__(self, cfg: Any, batches: Batches, *, seed: int = 0) -> None:
         self.cfg, self.batches, self.seed = cfg, batches, seed
         self.num_layers = cfg.num_layers
         self.seq = batches.seq
-
-    def build_layers(self, indices: Iterable[int], *, device: str | torch.device = "cpu") -> dict[int, nn.Module]:
-        return build_gpt_layers(self.cfg, indices, seed=self.seed, device=device)
 
     def loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return gpt_loss(out, target)
 
     def batch_at(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.batches.batch_at(step)
+
+
+def corpus_sizes(args: ModelArgs, name: str, sized_by: str) -> tuple[int, int, int, Batches]:
+    """A corpus decoder's width, heads and vocabulary from the user's settings, and its batches; refused in one line
+    where they do not fit (``sized_by``: the options that size the model ``name``)."""
+    if args.config is not None:
+        raise ConfigError(f"the {name} is sized by {sized_by}: --hf-config configures a Hugging Face model (--hf NAME)")
+    hidden, heads = args.hidden or 64, args.heads or 4
+    if hidden % heads:
+        raise ConfigError(f"--hidden {hidden} must be a multiple of --heads {heads}: each head gets an equal share")
+    if args.vocab_size is not None and args.vocab_size < 256:
+        raise ConfigError(f"the {name} reads its corpus as bytes (ids 0..255), which --vocab-size {args.vocab_size} "
+                          "cannot hold: give --vocab-size 256 or more")
+    batches = Batches(load_corpus(args.data).train, args.batch, args.seq, seed=args.seed)
+    return hidden, heads, args.vocab_size or 256, batches
+
+
+class GPT(CorpusDecoder):
+    """The GPT as a :class:`~pipefold.models.base.Model`: its layers, its loss, and byte-level batches of a corpus."""
+
+    name = "gpt"
+    splits_embedding = True
+    cfg: GPTConfig
+
+    def build_layers(self, indices: Iterable[int], *, device: str | torch.device = "cpu") -> dict[int, nn.Module]:
+        return build_gpt_layers(self.cfg, indices, seed=self.seed, device=device)
 
     def tp_plan(self, index: int) -> dict[str, str]:
         # Megatron's split of a block: each rank whole heads (q, k and v of each) and its share of the MLP's
@@ -292,17 +316,7 @@ class GPT(Model):
 
 
 def make(args: ModelArgs) -> GPT:
-    if args.config is not None:
-        raise ConfigError("the gpt is sized by --layers, --hidden, --heads and --seq: --hf-config configures a "
-                          "Hugging Face model (--hf NAME)")
-    hidden, heads = args.hidden or 64, args.heads or 4
-    if hidden % heads:
-        raise ConfigError(f"--hidden {hidden} must be a multiple of --heads {heads}: each head gets an equal share")
-    if args.vocab_size is not None and args.vocab_size < 256:
-        raise ConfigError(f"the gpt reads its corpus as bytes (ids 0..255), which --vocab-size {args.vocab_size} "
-                          "cannot hold: give --vocab-size 256 or more")
-    cfg = GPTConfig(n_layer=args.layers or 4, n_embd=hidden, n_head=heads, block_size=args.seq,
-                    vocab_size=args.vocab_size or 256)
-    batches = Batches(load_corpus(args.data).train, args.batch, args.seq, seed=args.seed)
+    hidden, heads, vocab, batches = corpus_sizes(args, "gpt", "--layers, --hidden, --heads and --seq")
+    cfg = GPTConfig(n_layer=args.layers or 4, n_embd=hidden, n_head=heads, block_size=args.seq, vocab_size=vocab)
     return GPT(cfg, batches, seed=args.seed)
 

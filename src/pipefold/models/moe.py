@@ -39,9 +39,8 @@ from torch import nn
 
 from pipefold.errors import ConfigError
 from pipefold.models._build import check_positive_int, materialize, normal_
-from pipefold.models.base import Model, ModelArgs
-from pipefold.models.data import Batches, load_corpus
-from pipefold.models.gpt import CausalSelfAttention, Embedding, GPTConfig, Head, gpt_loss
+from pipefold.models.base import ModelArgs
+from pipefold.models.gpt import CausalSelfAttention, CorpusDecoder, Embedding, GPTConfig, Head, corpus_sizes
 
 __all__ = ["MoE", "MoEBlock", "MoEConfig", "MoEModel", "Balance", "build_moe_layers", "moe_aux_losses"]
 
@@ -329,26 +328,14 @@ def moe_aux_losses(modules: Iterable[nn.Module]) -> list[float]:
     return [m.balance.loss for m in moe_layers(modules) if m.balance.loss is not None]
 
 
-class MoEModel(Model):
+class MoEModel(CorpusDecoder):
     """The MoE decoder as a :class:`~pipefold.models.base.Model`, on the byte-level corpus."""
 
     name = "moe"
-    embedding_layers = 1
-    head_layers = 1
-
-    def __init__(self, cfg: MoEConfig, batches: Batches, *, seed: int = 0) -> None:
-        self.cfg, self.batches, self.seed = cfg, batches, seed
-        self.num_layers = cfg.num_layers
-        self.seq = batches.seq
+    cfg: MoEConfig
 
     def build_layers(self, indices: Iterable[int], *, device: str | torch.device = "cpu") -> dict[int, nn.Module]:
         return build_moe_layers(self.cfg, indices, seed=self.seed, device=device)
-
-    def loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return gpt_loss(out, target)
-
-    def batch_at(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.batches.batch_at(step)
 
     def balanced_layers(self) -> tuple[int, ...]:
         return tuple(self.blocks) if self.cfg.aux_loss > 0 else ()
@@ -384,11 +371,7 @@ def parse_moe(text: str | None) -> dict[str, Any]:
 
 
 def make(args: ModelArgs, **moe: Any) -> MoEModel:
-    if args.config is not None:
-        raise ConfigError("the moe model is sized by --layers, --hidden, --heads, --seq and its --experts options: "
-                          "--hf-config configures a Hugging Face model (--hf NAME)")
-    hidden, heads = args.hidden or 64, args.heads or 4
-    cfg = MoEConfig(n_layer=args.layers or 2, n_embd=hidden, n_head=heads, block_size=args.seq,
-                    vocab_size=args.vocab_size or 256, **{**parse_moe(args.moe), **moe})
-    batches = Batches(load_corpus(args.data).train, args.batch, args.seq, seed=args.seed)
+    hidden, heads, vocab, batches = corpus_sizes(args, "moe model", "--layers, --hidden, --heads, --seq and --moe")
+    cfg = MoEConfig(n_layer=args.layers or 2, n_embd=hidden, n_head=heads, block_size=args.seq, vocab_size=vocab,
+                    **{**parse_moe(args.moe), **moe})
     return MoEModel(cfg, batches, seed=args.seed)
