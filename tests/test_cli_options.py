@@ -43,6 +43,8 @@ SAMPLES: dict[str, list[str]] = {
     "grad_bytes": ["--grad-bytes", "100", "--bandwidth", "10"], "opt": ["--opt", "1"], "weights": ["--weights", "1"],
     "overlap": ["--overlap"], "recompute": ["--recompute", "0.5"], "stage_cost": ["--stage-cost", "0:2,2,2"],
     "vocab_cost": ["--vocab-cost", "0.6,0.6,0.6,0.5"], "opt_vocab": ["--vocab", "1"],
+    "exchange": ["--exchange", "0.5,0.5"], "exchange_overlap": ["--exchange-overlap", "--exchange", "0.5,0.5"],
+    "opt_combined": ["--combined", "1"],
     "work": ["--work", "KA=0.5,KG=0.5,KI=2,KP=1"], "stash": ["--stash", "KA=1", "--work", "KA=0.5"],
     "profile": ["--profile", "{profile}"], "memory_budget": ["--memory-budget", "3MB"],
     "output": ["-o", "{tmp}/out.json"], "headroom": ["--headroom", "0.5"], "families": ["--families", "1f1b,gpipe"],

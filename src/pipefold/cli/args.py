@@ -169,6 +169,12 @@ def _add_costs(p: argparse.ArgumentParser) -> None:
                         "the peaks once per stage held, so replicas pay it twice (default 0)")
     g.add_argument("--overlap", action="store_true",
                    help="a device runs an overlapped pair (F+B) at once: it costs max(F, B), not F + B")
+    g.add_argument("--exchange", default=None, metavar="XF,XB",
+                   help="time of a device share's expert all-to-alls (mixture of experts: dispatch and combine) in "
+                        "a microbatch's forward and in its backward, beside --f and --b (default 0,0)")
+    g.add_argument("--exchange-overlap", action="store_true",
+                   help="an overlapped pair (F+B: dualpipe, dualpipev, 1f1b --combined 1) runs one part's "
+                        "exchanges under the other's compute: it lasts the longer of the two, not their sum")
     g.add_argument("--recompute", type=float, default=0.0, metavar="FRACTION",
                    help="fraction of each forward recomputed in its backward: keeps (1-r) M, B takes r F longer "
                         "(default 0)")
@@ -681,7 +687,8 @@ class Applies:
 
 
 _COSTS = ("f", "b", "w", "mem", "mem_w", "latency", "bandwidth", "activation_bytes", "grad_bytes", "opt", "weights",
-          "overlap", "recompute", "stage_cost", "work", "stash", "offload_time", "offloadable", "vocab_cost")
+          "overlap", "recompute", "stage_cost", "work", "stash", "offload_time", "offloadable", "vocab_cost",
+          "exchange", "exchange_overlap")
 
 
 _PLAN_UNITS = "sets the cost model of plan --memory (in units of M)"

@@ -141,6 +141,7 @@ def cost_model(args: argparse.Namespace) -> CostModel:
         memory = numbers[3] if len(numbers) == 4 else None
         overrides[stage] = StageOverride(f=numbers[0], b=numbers[1], w=numbers[2], memory=memory)
     vocab = _vocab_cost(args.vocab_cost) if getattr(args, "vocab_cost", None) is not None else (0.0,) * 4
+    exchange = _numbers("--exchange", getattr(args, "exchange", None), ("f", "b"), "0.5,0.5")
     if args.f + args.b + args.w == 0 and not overrides:
         raise ConfigError("--f, --b and --w are all 0: a step would take no time; give one of them a time > 0")
     return CostModel(f=args.f, b=args.b, w=args.w, memory=args.mem, memory_w=args.mem_w,
@@ -149,7 +150,23 @@ def cost_model(args: argparse.Namespace) -> CostModel:
                      overlap=args.overlap, weights=args.weights, work=kind_table(args.work, "--work"),
                      stash=kind_table(args.stash, "--stash"), offload=args.offload_time,
                      offloadable=args.offloadable, vocab_f=vocab[0], vocab_b=vocab[1], vocab_w=vocab[2],
-                     vocab_memory=vocab[3])
+                     vocab_memory=vocab[3], exchange_f=exchange[0], exchange_b=exchange[1],
+                     exchange_overlap=getattr(args, "exchange_overlap", False))
+
+
+def _numbers(flag: str, text: str | None, names: tuple[str, ...], example: str) -> tuple[float, ...]:
+    """``flag``'s comma-separated numbers, one per name, each >= 0 (0s where it is not given)."""
+    if text is None:
+        return (0.0,) * len(names)
+    try:
+        numbers = [float(x) for x in text.split(",")]
+    except ValueError:
+        numbers = []
+    if len(numbers) != len(names):
+        raise ConfigError(f"cannot read {flag} {text!r}: give {len(names)} numbers, e.g. {example}")
+    for name, x in zip(names, numbers, strict=True):
+        in_range(f"{flag} {text}", name, x)
+    return tuple(numbers)
 
 
 def _vocab_cost(text: str) -> tuple[float, float, float, float]:
@@ -180,6 +197,9 @@ def check_costs_used(args: argparse.Namespace, simulated: list[Schedule]) -> Non
                                 "separate W (zb-h1, zb-v and the V family do)"),
         ("overlap", "FB" in kinds, "prices an overlapped pair F+B, and no schedule here runs one (dualpipe and "
                                    "dualpipev do)"),
+        ("exchange_overlap", "FB" in kinds, "hides one part's expert all-to-alls under the other's compute in an "
+                                            "overlapped pair F+B, and no schedule here runs one: use dualpipe, "
+                                            "dualpipev or 1f1b --combined 1"),
         ("opt", "OPT" in kinds, "is the time of an optimizer step the schedule runs as an action (OPT), and no "
                                 "schedule here does"),
         ("work", kfac, "prices K-FAC's actions, and no schedule here runs them: pipefold pipefisher places them, or "

@@ -101,11 +101,12 @@ def _print_result(result: SimResult, console: Console) -> None:
                          f"{f' x {s.seq_chunks} sequence chunks' if s.seq_chunks > 1 else ''} "
                          f"placement={s.placement_name}"))
     table = Table(show_edge=False)
-    for col in ("device", "stages", "busy", "idle", "peak memory (M)"):
+    exchanges = any(result.exchange_exposed)
+    for col in ("device", "stages", "busy", "idle", "peak memory (M)", *(["exposed exchange"] if exchanges else [])):
         table.add_column(col, justify="right")
     for d in range(s.devices):
         table.add_row(str(d), " ".join(map(str, s.stages_of(d))), num(result.busy[d]), num(result.idle[d]),
-                      num(result.peak_memory[d]))
+                      num(result.peak_memory[d]), *([num(result.exchange_exposed[d])] if exchanges else []))
     console.print(table)
     console.print(styled("makespan ", (num(result.makespan), "bold"), "   bubble ratio ",
                          (f"{result.bubble_ratio:.1%}", "bold"), "   max peak memory ",

@@ -109,6 +109,9 @@ class KindSpec:
     kind at a time, beside the device's compute (the host link's copy engine, one per direction)."""
     time: Callable[[Any], float] = lambda c: 0.0
     """Its duration, from the stage's costs (a ``simulate.StageCost``)."""
+    exchange: Callable[[Any], float] = lambda c: 0.0
+    """The part of ``time`` it spends in collectives inside the pass (a mixture of experts' all-to-alls), which the
+    other part of an overlapped pair can compute under."""
     memory: Callable[[Any], tuple[float, float]] = _no_memory
     """How it changes its device's activation memory: (when it starts, when it ends)."""
     stash: Callable[[Any], float] = lambda c: 0.0
@@ -168,7 +171,8 @@ def _gives_anywhere() -> set[str]:
 
 
 for _spec in (
-    KindSpec(code=Kind.F, doc="forward", needs=(("F", -1),), gives=("F",), after=("AG",), time=lambda c: c.f,
+    KindSpec(code=Kind.F, doc="forward", needs=(("F", -1),), gives=("F",), after=("AG",),
+             time=lambda c: c.f + c.exchange_f, exchange=lambda c: c.exchange_f,
              memory=_f_memory, color="#0072B2", label="forward"),
     # PipeOffload: what a microbatch keeps from its F to its backward, moved to host memory and back. Copies on the
     # host link, beside the compute, one at a time per direction; a backward waits for its reload where there is one.
@@ -180,12 +184,14 @@ for _spec in (
              memory=_rl_memory, color="#BBBBBB", label="reload"),
     KindSpec(code=Kind.B, doc="backward for the stage input only", needs=(("F", 0), ("B", 1), ("RL", 0)),
              gives=("B",),
-             time=lambda c: c.b, memory=_b_memory, color="#E69F00", label="input grad"),
+             time=lambda c: c.b + c.exchange_b, exchange=lambda c: c.exchange_b, memory=_b_memory,
+             color="#E69F00", label="input grad"),
     KindSpec(code=Kind.W, doc="backward for the weights only", needs=(("B", 0),), gives=("W",),
              time=lambda c: c.w, memory=_w_memory, color="#009E73", label="weight grad"),
     KindSpec(code=Kind.BW, doc="fused backward: B and W together", needs=(("F", 0), ("B", 1), ("RL", 0)),
              gives=("B", "W"),
-             time=lambda c: c.bw, memory=_bw_memory, color="#CC79A7", label="full backward"),
+             time=lambda c: c.bw + c.exchange_b, exchange=lambda c: c.exchange_b, memory=_bw_memory,
+             color="#CC79A7", label="full backward"),
     KindSpec(code=Kind.FB, doc="an overlapped forward and backward, run together", composite=True,
              color="#56B4E9", label="overlapped F+B"),
     KindSpec(code=Kind.R, doc="all-reduce of a replicated stage's gradients", microbatch=False, gathers=("W",),

@@ -83,6 +83,11 @@ _VOCAB = Option(name=VOCAB, default=0, minimum=0, most=1, planned=False,
                 help="1: the output layer split by vocabulary over every device, its passes S and T placed into the "
                      "schedule (Vocabulary Parallelism); 0: on the last stage")
 
+_COMBINED = Option(name="combined", default=0, minimum=0, most=1, planned=False,
+                   help="1: each steady-state forward runs together with the next backward as an overlapped pair "
+                        "(combined 1F1B: one microbatch's expert all-to-alls under the other's compute), at twice "
+                        "1F1B's memory")
+
 
 def _chunks(options: Mapping[str, Any]) -> int:
     return int(options["v"])
@@ -96,7 +101,8 @@ REGISTRY: dict[str, ScheduleSpec] = {
     for spec in [
         ScheduleSpec(name="gpipe", options=(_SEQ, _VOCAB), build=gpipe, memory="m",
                      description="GPipe: all forwards, then all backwards (Huang et al. 2019)"),
-        ScheduleSpec(name="1f1b", options=(_SEQ, _VOCAB), build=one_f_one_b, memory="p-i (p-i+1 with vocab=1)",
+        ScheduleSpec(name="1f1b", options=(_SEQ, _VOCAB, _COMBINED), build=one_f_one_b,
+                     memory="p-i (p-i+1 with vocab=1, 2(p-i) with combined=1)",
                      vocab_warmup=1,
                      description="1F1B / PipeDream-Flush: warm-up, then one forward one backward"),
         ScheduleSpec(name="interleaved-1f1b", stages_per_device=_chunks, build=interleaved_1f1b, options=(_V, _VOCAB),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from pipefold.errors import ConfigError
 from pipefold.ir import SEQ_CHUNKS, Schedule, linear_placement
 from pipefold.schedules._phases import BW, F, counted_rows, warmup_steady_cooldown
 
@@ -43,10 +44,36 @@ def kfkb(devices: int, microbatches: int, k: int = 2, *, seq_chunks: int = 1, na
     return Schedule(name, p, p, n, (linear_placement(p),), counted_rows(rows, n, chunks=c), options)
 
 
-def one_f_one_b(devices: int, microbatches: int, seq_chunks: int = 1, warmup_extra: int = 0) -> Schedule:
+def one_f_one_b(devices: int, microbatches: int, seq_chunks: int = 1, warmup_extra: int = 0,
+                combined: int = 0) -> Schedule:
     """1F1B: after a warm-up of p-1-i forwards (``warmup_extra`` more), device i alternates one forward and one
-    backward."""
-    return kfkb(devices, microbatches, k=1, seq_chunks=seq_chunks, name="1f1b", warmup_extra=warmup_extra)
+    backward.
+
+    ``combined`` (combined 1F1B, as Megatron-core's for expert parallelism): each forward of the steady state runs
+    together with the backward after it, as one overlapped pair, so that one microbatch's expert all-to-alls run
+    under the other's compute. A pair starts once both its inputs are there and hands its outputs on at its end,
+    so device i warms up with p-i forwards more: with 1F1B's warm-up each device's pair would wait for the next
+    device's pair, which waits for the device's previous one, and no two devices would compute at once. Device i
+    then holds 2(p-i) microbatches, twice 1F1B's."""
+    if not combined:
+        return kfkb(devices, microbatches, k=1, seq_chunks=seq_chunks, name="1f1b", warmup_extra=warmup_extra)
+    if seq_chunks > 1 or warmup_extra:
+        raise ConfigError("1f1b:combined=1 pairs the passes of whole microbatches on the last stage: drop "
+                          "seq_chunks and vocab, or combined")
+    p, rows = devices, []
+    if microbatches < 2 * p - 1:
+        raise ConfigError(f"1f1b:combined=1 on {p} devices needs at least {2 * p - 1} microbatches (the first device "
+                          f"warms up with {2 * p - 1} forwards before its first pair), got {microbatches}: use "
+                          f"--microbatches {2 * p - 1} or more")
+    for i in range(p):
+        stage = np.full(microbatches, i)
+        warmup = 2 * (p - i) - 1
+        kind, stage = warmup_steady_cooldown((np.full(microbatches, F), stage), (np.full(microbatches, BW), stage),
+                                             warmup=warmup)
+        steady = (kind == F) & (np.cumsum(kind == F) > warmup)  # the forwards after the warm-up's
+        rows.append((kind, stage, steady))
+    return Schedule("1f1b", p, p, microbatches, (linear_placement(p),), counted_rows(rows, microbatches),
+                    {"combined": 1})
 
 
 def gpipe(devices: int, microbatches: int, seq_chunks: int = 1) -> Schedule:

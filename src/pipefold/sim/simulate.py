@@ -97,6 +97,11 @@ class StageCost:
     """... of its backward (``T``): its part of the input gradient and its weight gradient."""
     vocab_held: float = 0.0
     """... and the activation memory one shard keeps of a microbatch from its ``S`` to the end of its ``T``."""
+    exchange_f: float = 0.0
+    """Time of the expert all-to-alls (dispatch and combine) in the stage's forward of a microbatch: beside ``f``,
+    which is its compute alone."""
+    exchange_b: float = 0.0
+    """... and in its input-gradient backward (B, or a fused BW): the same two exchanges reversed."""
 
     @property
     def bw(self) -> float:
@@ -140,6 +145,10 @@ class StageOverride:
     """Activation memory an offload of one microbatch moves to host memory; None: ``offloadable`` of what it keeps."""
     offload: float | None = None
     """Time of that copy, either way; None: derived like the model's ``offload``."""
+    exchange_f: float | None = None
+    """Time of the stage's expert all-to-alls in a forward; None: derived like the model's ``exchange_f``."""
+    exchange_b: float | None = None
+    """... in its input-gradient backward; None: derived like the model's ``exchange_b``."""
     collectives: int = 1
     """Collectives each of this stage's ``AG`` and ``RS`` runs when sharded across the data-parallel pipelines:
     FSDP gathers and reduce-scatters each layer with parameters on its own (one FSDP unit per layer), so each
@@ -229,11 +238,19 @@ class CostModel:
     vocab_memory: float = 0.0
     """... and the activation memory it keeps of a microbatch (its logits), in units of M: on the last stage until
     its backward, or a devices-th from each device's ``S`` to its ``T``."""
+    exchange_f: float = 0.0
+    """Time of the expert all-to-alls (mixture of experts: dispatch and combine) in one device share's forward of a
+    microbatch, beside the compute ``f``: the pass lasts both."""
+    exchange_b: float = 0.0
+    """... in its input-gradient backward (B or BW): the outputs' gradients to the experts and the inputs' back."""
+    exchange_overlap: bool = False
+    """Whether an overlapped pair (F+B) runs one part's expert exchanges while the other part computes (DualPipe's
+    overlap): it then lasts the longer of its compute and its exchanges, else the two added."""
 
     def __post_init__(self) -> None:
         for name in ("f", "b", "w", "memory", "memory_w", "latency", "activation_bytes", "grad_bytes", "opt",
                      "weights", "gathered", "message_overhead", "after_step", "offload", "vocab_f", "vocab_b",
-                     "vocab_w", "vocab_memory"):
+                     "vocab_w", "vocab_memory", "exchange_f", "exchange_b"):
             value = getattr(self, name)
             if value is None and name == "memory_w":
                 continue
@@ -372,13 +389,16 @@ class CostModel:
         opt = self.opt * share
         work = {k: v * share for k, v in self.work.items()} if over is None or over.work is None else over.work
         stash = {k: v * share for k, v in self.stash.items()} if over is None or over.stash is None else over.stash
+        exchange = {"exchange_f": self.exchange_f * share, "exchange_b": self.exchange_b * share}
+        if over is not None:
+            exchange = {k: v if getattr(over, k) is None else getattr(over, k) for k, v in exchange.items()}
         if over is None:
             f, memory = self.f * share, self.memory * share
             kept = None if self.recompute == 0 else memory * (1.0 - self.recompute)
             held = memory if kept is None else kept
             return StageCost(f=f, b=self.b * share + self.recompute * f, w=self.w * share, memory=memory, kept=kept,
                              memory_w=memory_w, allreduce=allreduce, opt=opt, work=work, stash=stash,
-                             offloaded=held * self.offloadable, offload=self.offload * share, **sharded)
+                             offloaded=held * self.offloadable, offload=self.offload * share, **sharded, **exchange)
         memory = self.memory * share if over.memory is None else over.memory
         kept = None if over.kept is None else min(over.kept, memory)
         held = memory if kept is None else kept
@@ -387,7 +407,8 @@ class CostModel:
                          memory_w=memory_w if over.memory_w is None else over.memory_w, allreduce=allreduce, opt=opt,
                          work=work, stash=stash,
                          offloaded=held * self.offloadable if over.offloaded is None else min(over.offloaded, held),
-                         offload=self.offload * share if over.offload is None else over.offload, **sharded)
+                         offload=self.offload * share if over.offload is None else over.offload, **sharded,
+                         **exchange)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -402,11 +423,13 @@ class CostModel:
             "sharded_fits": {str(k): [list(g), list(r)] for k, (g, r) in self.sharded_fits.items()}, "mesh": self.mesh,
             "after_step": self.after_step, "offload": self.offload, "offloadable": self.offloadable,
             "vocab_f": self.vocab_f, "vocab_b": self.vocab_b, "vocab_w": self.vocab_w,
-            "vocab_memory": self.vocab_memory,
+            "vocab_memory": self.vocab_memory, "exchange_f": self.exchange_f, "exchange_b": self.exchange_b,
+            "exchange_overlap": self.exchange_overlap,
             "stage_overrides": {str(s): {"f": c.f, "b": c.b, "w": c.w, "memory": c.memory,
                                          "recompute": c.recompute, "kept": c.kept, "memory_w": c.memory_w,
                                          "bw": c.bw, "collectives": c.collectives, "offloaded": c.offloaded,
-                                         "offload": c.offload,
+                                         "offload": c.offload, "exchange_f": c.exchange_f,
+                                         "exchange_b": c.exchange_b,
                                          "work": None if c.work is None else dict(c.work),
                                          "stash": None if c.stash is None else dict(c.stash)}
                                 for s, c in self.stage_overrides.items()},
@@ -614,6 +637,10 @@ class SimResult:
     """Per device, its actions in run order with start and end times."""
     memory_curve: MemoryCurves
     """Per device, (time, activation memory from then on) steps, starting at (0, 0)."""
+    exchange_exposed: tuple[float, ...] = ()
+    """Per device, the time its passes spend in expert exchanges (``exchange_f``, ``exchange_b``) with nothing
+    computing under them: all of it outside overlapped pairs; in a pair that overlaps them, what its exchanges
+    last beyond its compute. Empty or zeros without exchanges."""
 
     @property
     def makespan(self) -> float:
@@ -676,6 +703,8 @@ class SimResult:
             "peak_memory": [_round(x) for x in self.peak_memory],
             "cost": self.cost.to_dict(),
         }
+        if any(self.exchange_exposed):
+            out["exchange_exposed"] = [_round(x) for x in self.exchange_exposed]
         if timeline:
             out["timeline"] = [
                 [{"action": str(iv.action), "start": _round(iv.start), "end": _round(iv.end)} for iv in row]
@@ -715,12 +744,13 @@ def simulate(schedule: Schedule, cost: CostModel | None = None, *, network: Netw
     # parts): looked up on arrays rather than action by action.
     simple = [(k, spec) for k, spec in enumerate(KINDS[code] for code in table.kinds) if not spec.composite]
     times = np.zeros((S, len(table.kinds)))
-    at_start, at_end = np.zeros_like(times), np.zeros_like(times)
+    at_start, at_end, exchanges = np.zeros_like(times), np.zeros_like(times), np.zeros_like(times)
     for st, c in enumerate(costs):
         for k, spec in simple:
             times[st, k] = spec.time(c)
+            exchanges[st, k] = spec.exchange(c)
             at_start[st, k], at_end[st, k] = spec.memory(c)
-    durations = _by_action(table, times, np.maximum if cost.overlap else np.add)
+    durations, exposed = _durations(table, times, exchanges, cost)
     idle = frozenset(k for k, spec in KINDS.items() if not spec.computes)
     shared = any(c != 1.0 for c in cost.contention[:D]) or (len(cost.contention) < D and cost.contention)
     event_driven = bool(shared) or network is not None
@@ -753,7 +783,8 @@ def simulate(schedule: Schedule, cost: CostModel | None = None, *, network: Netw
         curves = _memory_curves(bounds, starts_at, ends_at, _by_action(table, at_start, np.add),
                                 _by_action(table, at_end, np.add), stashes)
     peaks = curves.peaks
-    result = SimResult(schedule, cost, timeline, curves)
+    exposed_by_device = np.bincount(table.device, weights=exposed, minlength=D) if exposed.any() else np.zeros(D)
+    result = SimResult(schedule, cost, timeline, curves, tuple(exposed_by_device.tolist()))
     if not all(map(math.isfinite, peaks)) or not all(map(math.isfinite, map(operator.add, peaks,
                                                                              result.static_memory))):
         raise ConfigError(f"the memory costs overflow: {schedule.name}'s memory would add up beyond the largest "
@@ -795,6 +826,26 @@ def _scaled(cost: CostModel, k: float) -> CostModel:
                    memory_w=scaled(cost.memory_w), activation_bytes=cost.activation_bytes * k,
                    offload=cost.offload * k, work=each(cost.work),
                    stash={c: v * k for c, v in cost.stash.items()}, stage_overrides=overrides)
+
+
+def _durations(table: ActionTable, times: npt.NDArray[np.float64], exchanges: npt.NDArray[np.float64],
+               cost: CostModel) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+    """Every action's duration from ``times[stage, kind]``, and how much of it is an expert exchange that nothing
+    computes under. An overlapped pair's parts run one after the other (or at once, ``cost.overlap``); with
+    ``cost.exchange_overlap`` one part's exchanges run while the other computes, so the pair lasts the longer of
+    its compute and its exchanges."""
+    parts = np.maximum if cost.overlap else np.add
+    durations = _by_action(table, times, parts)
+    if not exchanges.any():
+        return durations, np.zeros_like(durations)
+    communicating = _by_action(table, exchanges, np.add)
+    exposed = communicating.copy()
+    if cost.exchange_overlap and len(table.composite):
+        computing = _by_action(table, times - exchanges, parts)
+        pair = table.composite
+        durations[pair] = np.maximum(computing[pair], communicating[pair])
+        exposed[pair] = durations[pair] - computing[pair]
+    return durations, exposed
 
 
 def _by_action(table: ActionTable, values: npt.NDArray[np.float64],
