@@ -28,6 +28,7 @@ import contextlib
 import itertools
 import math
 import statistics
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -56,7 +57,7 @@ from pipefold.runtime.comm import (
     decode_header,
     metas_of,
 )
-from pipefold.runtime.experts import EXPERT
+from pipefold.runtime.experts import EXPERT, Baton, ExpertLink, expert_link, exposed
 
 if TYPE_CHECKING:
     from pipefold.runtime.partial import Reduction
@@ -170,6 +171,10 @@ class StepStats:
     the tracker's largest level after an action, their largest difference there, the tracker's peak over
     the whole step (temporaries included), all on the rank's device; the tracker's largest level on other devices
     (on a GPU, the messages staged through host memory); on CUDA, the allocator's (see ``rank._tracked_step``)."""
+    exchanges: dict[str, float] = field(default_factory=dict)
+    """With expert parallelism: seconds of expert all-to-alls in each pass that ran some, by action (``2F5``)."""
+    exchange_exposed: float = 0.0
+    """... and the seconds of them that nothing computed under (all of them outside overlapped pairs)."""
     messages: list[tuple[str, int, int]] = field(default_factory=list)
     """With message logging on: every send and receive as posted, ("send" or "recv", peer, tag)."""
     link_samples: dict[int, list[tuple[int, int, float, float]]] = field(default_factory=dict)
@@ -370,6 +375,10 @@ class RankExecutor:
         self.outputs: dict[int, Any] = {}
         """A forward-only step's outputs of the last stage, by microbatch (on the rank that holds it)."""
         self.activity = activity if activity is not None else Activity(rank)
+        self._experts: ExpertLink | None = expert_link(modules.values())
+        """The expert exchanges of this rank's MoE layers where their experts are spread (expert parallelism)."""
+        self._held: list[tuple[float, float]] = []
+        """When the parts of this step's overlapped pairs computed (held the baton), by ``time.perf_counter``."""
         """What the rank is doing, for the job's watch (:mod:`pipefold.runtime.watch`): each action, each wait."""
         self.meter = MemoryMeter()
         self.host_copies = HostCopies(device)
@@ -580,6 +589,8 @@ class RankExecutor:
         stats.link_bytes = self.links.link_bytes()
         stats.sent, stats.gathered = dict(self.links.sent), self.links.gathered
         stats.link_samples, stats.recv_posted = self.links.take_samples()
+        if self._experts is not None:
+            self._exchange_stats(stats)
         left = [(i.src, m) for i in self._inboxes.values() for m in [*i.messages[i.next:], *i.posted]]
         if left:
             raise RuntimeError(f"rank {self.rank} ended a step with messages not received: {left[:3]}")
@@ -588,11 +599,26 @@ class RankExecutor:
             self.links.log.clear()
         return stats
 
+    def _exchange_stats(self, stats: StepStats) -> None:
+        """The step's expert exchanges, by pass, and the seconds of them nothing computed under (the parts of
+        overlapped pairs compute while holding the baton)."""
+        assert self._experts is not None
+        records = self._experts.take()
+        for label, start, end in records:
+            if label is not None:
+                stats.exchanges[label] = stats.exchanges.get(label, 0.0) + end - start
+        stats.exchange_exposed = exposed([(a, b) for _, a, b in records], self._held)
+        self._held = []
+
     def _run_action(self, action: Action, step: _Step) -> None:
         """Run one action. An overlapped pair (``FB``) on a GPU runs its forward on a side stream while its
         backward runs on the compute stream, so that one's kernels fill the other's gaps (DualPipe's overlap);
-        elsewhere it runs its forward, then its backward."""
+        with expert exchanges to overlap (:attr:`ExpertLink.overlap`) elsewhere, on two threads that take turns
+        (:meth:`_run_overlapped`); else it runs its forward, then its backward."""
         parts = action.passes
+        if len(parts) == 2 and self._side is None and self._experts is not None and self._experts.overlap:
+            self._run_overlapped(action, step)
+            return
         if len(parts) == 1 or self._side is None:
             for part in parts:
                 self._run(part, step)
@@ -608,10 +634,57 @@ class RankExecutor:
         self._run(backward, step)
         compute.wait_stream(self._side)  # what comes next may read the forward's output
 
+    def _run_overlapped(self, action: Action, step: _Step) -> None:
+        """An overlapped pair whose expert exchanges hide under each other's compute (DualPipe's overlap, on a CPU
+        where there is no second stream): both inputs are taken first (the pair starts once both are there, as
+        the dependency graph has it), the forward then computes on a thread of its own and the backward on this
+        one, taking turns on a :class:`~pipefold.runtime.experts.Baton` that each lets go of for the length of
+        its exchanges, and the outputs are handed on in part order."""
+        forward, backward = action.passes
+        if forward.kind != Kind.F or backward.kind not in (Kind.B, Kind.BW):
+            raise ConfigError(f"{action}: an overlapped pair runs a forward with a backward (F+B or F+BW)")
+        link = self._experts
+        assert link is not None
+        self.activity.run(str(action))
+        x = self._forward_in(forward, step)
+        dy = self._backward_in(backward, step)
+        baton = link.baton = Baton()
+        done: dict[str, Any] = {}
+        started = threading.Event()
+
+        def run_forward() -> None:
+            try:
+                with baton, link.in_pass(str(forward)):
+                    started.set()
+                    done["out"] = self._forward_run(forward, step, x)
+            except BaseException as exc:  # raised on the step's thread below
+                done["error"] = exc
+            finally:
+                started.set()
+
+        thread = threading.Thread(target=run_forward, name=f"pipefold-pair-{forward}", daemon=True)
+        thread.start()
+        started.wait()  # the forward first, as a pair runs one after the other elsewhere
+        try:
+            with baton, link.in_pass(str(backward)):
+                dx = self._backward_run(backward, step, dy)
+        finally:
+            thread.join()
+            link.baton = None
+            self._held.extend(baton.held)
+        if "error" in done:
+            raise done["error"]
+        self._forward_out(forward, step, done["out"])
+        self._backward_out(backward, step, dx)
+
     def _run(self, action: Action, step: _Step) -> None:
         """Run one simple action (not a composite) on its stage, by its kind's handler."""
         self.activity.run(str(action))
-        self._handlers[action.kind](action, step)
+        if self._experts is None:
+            self._handlers[action.kind](action, step)
+            return
+        with self._experts.in_pass(str(action)):
+            self._handlers[action.kind](action, step)
 
     def _handler_table(self) -> dict[str, Callable[[Action, _Step], None]]:
         """Each kind this rank runs, and its handler: the passes always; OPT with an optimizer per stage; K-FAC's
@@ -680,13 +753,22 @@ class RankExecutor:
         step.clock.interval(step.stats.events, str(action), Kind.T, start)
 
     def _forward(self, action: Action, step: _Step) -> None:
-        S, M, s, mb = self.schedule.stages, self.schedule.microbatches, action.stage, action.microbatch
-        runner, clock, stats = self.runners[s], step.clock, step.stats
-        x = step.inputs[mb] if s == 0 else self._take(FORWARD, action, step.local, clock, stats)
+        self._forward_out(action, step, self._forward_run(action, step, self._forward_in(action, step)))
+
+    def _forward_in(self, action: Action, step: _Step) -> Any:
+        """A forward's input: the batch's, or what the stage before sent (waited for); its stage's gather too."""
+        s, clock, stats = action.stage, step.clock, step.stats
+        x = step.inputs[action.microbatch] if s == 0 else self._take(FORWARD, action, step.local, clock, stats)
         if (gathering := self._gathers.pop(s, None)) is not None:
             start = clock()
             gathering.wait()
             stats.events.append(Event(f"wait {s}{Kind.AG}", "comm", start, clock()))
+        return x
+
+    def _forward_run(self, action: Action, step: _Step, x: Any) -> Any:
+        """A forward's compute, from its input to its output."""
+        S, M, s, mb = self.schedule.stages, self.schedule.microbatches, action.stage, action.microbatch
+        runner, clock = self.runners[s], step.clock
         start = clock.mark()
         target = step.targets[mb] if s == S - 1 else None
         if self.infer:
@@ -695,14 +777,20 @@ class RankExecutor:
             with self.work.forward(action) if self.work is not None else contextlib.nullcontext():
                 out = runner.forward(mb, x, target, scale=self.loss_scale / M)
         del x
-        clock.interval(stats.events, str(action), "F", start)
+        clock.interval(step.stats.events, str(action), "F", start)
+        return out
+
+    def _forward_out(self, action: Action, step: _Step, out: Any) -> None:
+        """A forward's output handed on: to the next stage, to the vocabulary shards, or kept (the loss)."""
+        S, s, mb = self.schedule.stages, action.stage, action.microbatch
+        runner, stats = self.runners[s], step.stats
         if s < S - 1:
             self._hand_on(FORWARD, s + 1, mb, out, step.local, step.new_shapes, stats)
         elif self.vocab is not None:  # the output goes to every rank's shard of the output layer
             if len(out) != 1:
                 raise ConfigError(f"with the output layer split by vocabulary the last stage returns one tensor, "
                                   f"its hidden states (got {len(out)} tensors)")
-            if not (self.infer and target is None):  # without targets an evaluation has no loss to compute
+            if not (self.infer and step.targets[mb] is None):  # without targets an evaluation has no loss to compute
                 self.vocab.send_hidden(mb, out[0])
             if self.infer:
                 self.outputs[mb] = out[0]
@@ -716,20 +804,33 @@ class RankExecutor:
 
     def _backward(self, action: Action, step: _Step) -> None:
         """B (the input's gradient, W later) or BW (both at once), handing the input's gradient on."""
+        self._backward_out(action, step, self._backward_run(action, step, self._backward_in(action, step)))
+
+    def _backward_in(self, action: Action, step: _Step) -> Any:
+        """A backward's output gradient: what the next stage sent (waited for), the vocabulary shards' sum, or
+        none (the loss)."""
         s, mb, clock = action.stage, action.microbatch, step.clock
-        runner = self.runners[s]
         if s < self.schedule.stages - 1:
-            dy = self._take(BACKWARD, action, step.local, clock, step.stats)
-        elif self.vocab is not None:
+            return self._take(BACKWARD, action, step.local, clock, step.stats)
+        if self.vocab is not None:
             start = clock()
             dy = (self.vocab.grad(mb),)  # every shard's part of it, summed
             step.stats.events.append(Event(f"wait {mb} vocab grad", "comm", start, clock()))
-        else:
-            dy = None
+            return dy
+        return None
+
+    def _backward_run(self, action: Action, step: _Step, dy: Any) -> Any:
+        """A backward's compute: the input's gradient (and with BW the weights')."""
+        runner, mb, clock = self.runners[action.stage], action.microbatch, step.clock
         start = clock.mark()
         dx = runner.backward_input(mb, dy) if action.kind == Kind.B else runner.backward(mb, dy)
         del dy
         clock.interval(step.stats.events, str(action), action.kind, start)
+        return dx
+
+    def _backward_out(self, action: Action, step: _Step, dx: Any) -> None:
+        """The input's gradient handed on to the stage before (or kept for the embedding's shards)."""
+        s, mb = action.stage, action.microbatch
         if s > 0 and dx is not None:
             self._hand_on(BACKWARD, s - 1, mb, dx, step.local, step.new_shapes, step.stats)
         elif s == 0 and self.embedding is not None:  # the embeddings' gradient, sent to the shards at the end

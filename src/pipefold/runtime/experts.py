@@ -14,8 +14,11 @@ what the mean over the copies of each copy's loss gives it (:attr:`EXPERT`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any
+import contextlib
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -25,8 +28,11 @@ from pipefold.errors import ConfigError
 from pipefold.ir import Kind, Schedule
 from pipefold.models.moe import MoE
 
-__all__ = ["EXPERT", "ExpertShard", "balanced_stages", "begin_balance_step", "check_balance_order", "shard_experts",
-           "sum_balance_over"]
+if TYPE_CHECKING:
+    from pipefold.sim.network import Network
+
+__all__ = ["EXPERT", "Baton", "ExpertLink", "ExpertShard", "balanced_stages", "begin_balance_step",
+           "check_balance_order", "check_overlap", "expert_link", "exposed", "shard_experts", "sum_balance_over"]
 
 EXPERT = "pipefold_expert_parallel"
 """The attribute an expert's parameter carries once :func:`shard_experts` spread its layer's experts over the copies:
@@ -60,6 +66,18 @@ def check_balance_order(schedule: Schedule, stages: Iterable[int]) -> None:
                               "gpipe or looped-bfs (a stage's forwards first), or a MoE with aux_loss 0")
 
 
+def check_overlap(schedule: Schedule, flag: str, *, recompute: bool = False) -> None:
+    """Refuse in one line the overlap of expert exchanges (``flag``) where ``schedule`` has no overlapped pair to
+    run it in, or with recomputation (a backward that runs its forward again would exchange on the forwards'
+    group while another forward does)."""
+    if not any(len(a.passes) > 1 for row in schedule.actions for a in row):
+        raise ConfigError(f"{flag} runs one microbatch's expert all-to-alls under another's compute in overlapped "
+                          f"pairs (F+B), and {schedule.name} has none: use dualpipe, dualpipev or 1f1b:combined=1")
+    if recompute:
+        raise ConfigError(f"{flag} does not run with recomputation yet (a recomputed forward would exchange beside "
+                          "another forward): drop one of them")
+
+
 def sum_balance_over(modules: Iterable[nn.Module], group: Any) -> int:
     """Have every MoE in ``modules`` sum its batch's expert counts over ``group`` (the data-parallel copies), so that
     each copy's load-balancing loss is the whole batch's; returns how many MoE layers it reached."""
@@ -85,16 +103,165 @@ def begin_balance_step(modules: Iterable[nn.Module]) -> None:
                 m.balance.begin_step()
 
 
+class Baton:
+    """Who computes, where an overlapped pair runs its two parts on two threads (:class:`ExpertLink`): a part
+    computes only while it holds the baton, and lets go of it for the length of each expert exchange, so that the
+    other part computes meanwhile. The two never compute at once; one's communication runs under the other's
+    compute. Records when it was held."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+        self._since = 0.0
+        self.held: list[tuple[float, float]] = []
+        """(start, end) of every time a part held it, by ``time.perf_counter``."""
+
+    def __enter__(self) -> Baton:
+        self._lock.acquire()
+        self._owner, self._since = threading.get_ident(), time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.held.append((self._since, time.perf_counter()))
+        self._owner = None
+        self._lock.release()
+
+    @contextlib.contextmanager
+    def released(self) -> Iterator[None]:
+        """Let go of it for the length of the block, where this thread holds it (else nothing)."""
+        if self._owner != threading.get_ident():
+            yield
+            return
+        self.__exit__()
+        try:
+            yield
+        finally:
+            self.__enter__()
+
+
+class ExpertLink:
+    """The all-to-alls of one rank's MoE layers with the other ranks of its expert-parallel group.
+
+    The exchanges of forwards run on one process group and those of backwards on another: collectives pair up by
+    order on a group, and where a forward and a backward run at once (an overlapped pair) each side's order is the
+    same on every rank of the group, while the two interleave differently. While a :class:`Baton` is set, an
+    exchange lets go of it for its length. With a ``network`` (``train --network``), every exchange also lasts as
+    long as its bytes take on links of the network's default conditions, to and from each other rank of the group
+    (one :class:`~pipefold.sim.network.Wire` per direction and peer, on the timeline from ``origin``).
+
+    Every exchange is recorded: (the pass it ran in, start, end), by ``time.perf_counter``."""
+
+    def __init__(self, group: Any, index: int, size: int, *, network: Network | None = None,
+                 origin: float = 0.0) -> None:
+        self.index, self.size = index, size
+        ranks = dist.get_process_group_ranks(group)
+        self.groups = (group, dist.new_group(ranks, use_local_synchronization=True))
+        self.baton: Baton | None = None
+        self.overlap = False
+        """Whether overlapped pairs run their parts on two threads, each's exchanges under the other's compute (the
+        runtime's executor reads it); otherwise a pair runs its forward, then its backward."""
+        self.network, self.origin = network, origin
+        self._wires: dict[tuple[str, int], Any] = {}
+        self.records: list[tuple[str | None, float, float]] = []
+        self._where = threading.local()
+
+    @contextlib.contextmanager
+    def in_pass(self, label: str) -> Iterator[None]:
+        """Record the exchanges of the block as those of pass ``label`` (this thread's)."""
+        self._where.label = label
+        try:
+            yield
+        finally:
+            self._where.label = None
+
+    def exchange(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int], *,
+                 backward: bool = False) -> torch.Tensor:
+        """All-to-all ``inp`` (rows ``in_splits[j]`` to rank j of the group) into ``out`` (``out_splits[j]`` rows
+        from rank j), on the backward's group where ``backward``; returns ``out``."""
+        start, wall = time.perf_counter(), time.time()
+        with self.baton.released() if self.baton is not None else contextlib.nullcontext():
+            dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.groups[backward])
+            if self.network is not None:
+                row = inp[0].numel() * inp.element_size() if inp.numel() else 0
+                done = self.origin + self._emulated(wall - self.origin, [n * row for n in in_splits],
+                                                    [n * row for n in out_splits])
+                if done > time.time():
+                    time.sleep(done - time.time())
+        self.records.append((getattr(self._where, "label", None), start, time.perf_counter()))
+        return out
+
+    def _emulated(self, at: float, sent: list[int], received: list[int]) -> float:
+        """When, on the network's timeline, an exchange that started ``at`` is over on the emulated links: the last
+        of its messages to arrive, each on its own wire per direction and peer."""
+        from pipefold.sim.network import Wire
+
+        assert self.network is not None
+        latest = at
+        for peer in range(self.size):
+            if peer == self.index:
+                continue
+            for way, nbytes in (("out", sent[peer]), ("in", received[peer])):
+                wire = self._wires.get((way, peer))
+                if wire is None:
+                    wire = self._wires[way, peer] = Wire(self.network.default)
+                latest = max(latest, wire.send(at, float(nbytes)))
+        return latest
+
+    def take(self) -> list[tuple[str | None, float, float]]:
+        """The exchanges recorded since the last call."""
+        out, self.records = self.records, []
+        return out
+
+
+def exposed(exchanges: Iterable[tuple[float, float]], computing: Iterable[tuple[float, float]]) -> float:
+    """Seconds of the union of ``exchanges`` that no interval of ``computing`` covers: communication nothing
+    computed under."""
+    total = 0.0
+    spans = sorted(computing)
+    for a, b in _union(exchanges):
+        covered = sum(max(0.0, min(b, d) - max(a, c)) for c, d in _union(spans))
+        total += (b - a) - covered
+    return total
+
+
+def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """A differentiable all-to-all on an :class:`ExpertLink`: the backward sends the gradients back the other way,
+    on the link's backward group."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, link: ExpertLink, out_splits: list[int],
+                in_splits: list[int]) -> torch.Tensor:
+        ctx.link, ctx.splits = link, (out_splits, in_splits)
+        return link.exchange(x.new_empty(sum(out_splits), *x.shape[1:]), x.contiguous(), out_splits, in_splits)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty(sum(in_splits), *grad.shape[1:])
+        return ctx.link.exchange(back, grad.contiguous(), in_splits, out_splits, backward=True), None, None, None
+
+
 class ExpertShard:
     """One MoE layer's experts on one rank of an expert-parallel group, and the dispatch that reaches the others."""
 
-    def __init__(self, moe: MoE, group: Any, index: int, size: int) -> None:
+    def __init__(self, moe: MoE, link: ExpertLink) -> None:
+        group, index, size = link.groups[0], link.index, link.size
         experts = moe.cfg.experts
         if experts % size:
             fits = [str(d) for d in range(1, experts + 1) if experts % d == 0]
             raise ConfigError(f"{size} expert-parallel ranks cannot share {experts} experts equally: give a number of "
                               f"copies that divides {experts} ({', '.join(fits)})")
-        self.moe, self.group, self.index, self.size = moe, group, index, size
+        self.moe, self.link, self.group, self.index, self.size = moe, link, group, index, size
         self.per = experts // size
         self.first = index * self.per
         for e in range(experts):  # another rank's expert leaves a placeholder: the kept ones keep their names
@@ -108,9 +275,7 @@ class ExpertShard:
         moe.dispatch = self.dispatch
 
     def dispatch(self, h: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        from torch.distributed.nn.functional import all_to_all_single
-
-        k = chosen.shape[-1]
+        k, link = chosen.shape[-1], self.link
         flat = chosen.reshape(-1)
         order = torch.argsort(flat, stable=True)  # by expert, so by the rank that holds it
         expert = flat[order]
@@ -118,27 +283,40 @@ class ExpertShard:
         weight = weights.reshape(-1)[order]
         send = torch.bincount(expert // self.per, minlength=self.size)
         recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self.group)
+        ones = [1] * self.size
+        link.exchange(recv, send, ones, ones)
         out_splits, in_splits = recv.tolist(), send.tolist()
-        ids = torch.empty(sum(out_splits), dtype=expert.dtype, device=h.device)
-        dist.all_to_all_single(ids, expert.contiguous(), out_splits, in_splits, group=self.group)
-        rows = h[token]
-        got = all_to_all_single(h.new_empty(sum(out_splits), h.shape[1]), rows, out_splits, in_splits,
-                                group=self.group)
+        ids = link.exchange(torch.empty(sum(out_splits), dtype=expert.dtype, device=h.device), expert.contiguous(),
+                            out_splits, in_splits)
+        got = _AllToAll.apply(h[token], link, out_splits, in_splits)
         done = torch.zeros_like(got)
         for e in range(self.first, self.first + self.per):
             mine = (ids == e).nonzero().squeeze(-1)
             if mine.numel():
                 done = done.index_add(0, mine, self.moe.experts[e](got[mine]))
-        back = all_to_all_single(torch.empty_like(rows), done, in_splits, out_splits, group=self.group)
+        back = _AllToAll.apply(done, link, in_splits, out_splits)
         self.sent_tokens += int(send.sum() - send[self.index])
         return torch.zeros_like(h).index_add(0, token, back * weight.unsqueeze(-1).to(h.dtype))
 
 
-def shard_experts(modules: Iterable[nn.Module], group: Any) -> list[ExpertShard]:
+def expert_link(modules: Iterable[nn.Module]) -> ExpertLink | None:
+    """The :class:`ExpertLink` of the MoE layers in ``modules`` whose experts :func:`shard_experts` spread; None
+    where there are none."""
+    for module in modules:
+        for m in module.modules():
+            shard = getattr(m.dispatch, "__self__", None) if isinstance(m, MoE) else None
+            if isinstance(shard, ExpertShard):
+                return shard.link
+    return None
+
+
+def shard_experts(modules: Iterable[nn.Module], group: Any, *, network: Network | None = None,
+                  origin: float = 0.0) -> list[ExpertShard]:
     """Spread the experts of every MoE layer in ``modules`` over the ranks of ``group`` (this rank keeps its share;
-    every rank of the group must hold the same layers). Refused in one line where the ranks do not divide the
-    experts."""
-    index, size = dist.get_rank(group), dist.get_world_size(group)
+    every rank of the group must hold the same layers), their exchanges on one :class:`ExpertLink` (with
+    ``network``, on emulated links). Refused in one line where the ranks do not divide the experts."""
     layers = [m for module in modules for m in module.modules() if isinstance(m, MoE)]
-    return [ExpertShard(m, group, index, size) for m in layers]
+    if not layers:
+        return []
+    link = ExpertLink(group, dist.get_rank(group), dist.get_world_size(group), network=network, origin=origin)
+    return [ExpertShard(m, link) for m in layers]

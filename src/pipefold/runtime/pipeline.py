@@ -53,6 +53,7 @@ from pipefold.runtime.experts import (
     balanced_stages,
     begin_balance_step,
     check_balance_order,
+    check_overlap,
     shard_experts,
     sum_balance_over,
 )
@@ -320,7 +321,10 @@ class Pipeline(RankPipeline):
     computed it, reduced among them and sent from the first of them to the others (docs/spb.md); the step's
     :class:`StepStats` (``pipe.last``) counts the bytes this rank sent (``dp_sent``).
     ``expert_parallel``: on a mesh with ``"dp"``, every mixture-of-experts layer's experts spread over the copies,
-    reached by all-to-all (:mod:`pipefold.runtime.experts`).
+    reached by all-to-all (:mod:`pipefold.runtime.experts`). ``ep_overlap``: the schedule's overlapped pairs
+    (dualpipe, dualpipev, ``1f1b:combined=1``) run one part's all-to-alls while the other part computes (on a GPU
+    their two streams do this already); each step's :class:`StepStats` has the seconds of exchange per pass
+    (``exchanges``) and those nothing computed under (``exchange_exposed``).
     ``kfac``: ``True`` or a :class:`~pipefold.runtime.kfac.KFACConfig`: every step builds each stage's K-FAC
     curvature right after the passes it reads, inverts the factors after the stage's last pass and preconditions its
     gradients before :meth:`step` returns (PipeFisher's actions, placed inline); the user's optimizer then steps the
@@ -339,7 +343,8 @@ class Pipeline(RankPipeline):
                  compile_backend: str = "inductor", action_timeout: float = DEFAULT_ACTION_TIMEOUT,
                  offload_activations: float | str | None = None, vocab: VocabShard | None = None,
                  embedding: VocabShard | None = None, spb: Sequence[int] | None = None,
-                 kfac: KFACConfig | bool | None = None, expert_parallel: bool = False) -> None:
+                 kfac: KFACConfig | bool | None = None, expert_parallel: bool = False,
+                 ep_overlap: bool = False) -> None:
         if not dist.is_initialized():
             raise ConfigError("Pipeline needs torch.distributed's process group: call "
                               "torch.distributed.init_process_group() first (torchrun sets its environment)")
@@ -449,6 +454,12 @@ class Pipeline(RankPipeline):
                 ("spb=", spb is not None), ("kfac=", self.kfac is not None), ("offload=", offload is not None),
                 ("FSDP stages", self.sharded), ("a 'tp' mesh dimension", tp_group is not None),
                 ("a 'cp' mesh dimension", self.cp_group is not None), ("compile=", compile is not False)))
+        if ep_overlap:
+            if not self.experts:
+                raise ConfigError("ep_overlap=True hides the all-to-alls of expert parallelism under other compute: "
+                                  "give expert_parallel=True too, or drop ep_overlap")
+            check_overlap(self.schedule, "ep_overlap=True", recompute=bool(recompute))
+            self.experts[0].link.overlap = True
         balanced = balanced_stages(modules)
         self._balanced = bool(balanced)
         if balanced:  # mixture-of-experts stages: their load-balancing loss over the whole batch

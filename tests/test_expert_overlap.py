@@ -1,0 +1,167 @@
+"""Expert parallelism's all-to-alls run under other compute: overlapped pairs (dualpipev, combined 1F1B) on two
+threads that take turns computing, exact against one process with and without the overlap; the exposed exchange a
+step reports against its intervals; the emulated network's price of an exchange; the refusals, one line each."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from pipefold.runtime.experts import Baton, exposed
+from test_moe import MIXTRAL, _data, _model
+
+SHAPE = {**MIXTRAL, "aux_loss": 0.0, "n_layer": 6}
+"""No load-balancing loss: a schedule that runs a backward before its last forward needs none over the batch."""
+
+
+def reference(x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One process, the whole batch at once."""
+    from pipefold.models.gpt import gpt_loss
+
+    model = _model(**SHAPE)
+    gpt_loss(model(x), y).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _overlapped(rank: int, init: str, schedule: str, out: Any) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pipefold import Pipeline
+    from pipefold.errors import ConfigError
+    from pipefold.models.gpt import gpt_loss
+    from pipefold.plan.choose import resolve_schedule
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=4)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    copy, device = mesh["dp"].get_local_rank(), mesh["pp"].get_local_rank()
+    x, y = _data(16)
+    said: dict[str, Any] = {}
+    for overlap in (False, True):
+        model = _model(**SHAPE)
+        plan = resolve_schedule(schedule, 2, 4)
+        per = len(model) // plan.stages
+        stages = {s: nn.Sequential(*model[s * per:(s + 1) * per]) for s in plan.stages_of(device)}
+        pipe = Pipeline(stages, schedule, microbatches=4, loss_fn=gpt_loss, mesh=mesh, expert_parallel=True,
+                        ep_overlap=overlap)
+        pipe.step(x.chunk(2)[copy], target=y.chunk(2)[copy])
+        stats = pipe.last
+        said[str(overlap)] = {
+            "grads": {f"{s * per + i}.{n}": p.grad.numpy().copy() for s, stage in stages.items()
+                      for i, layer in enumerate(stage) for n, p in layer.named_parameters() if p.grad is not None},
+            "exchanges": dict(stats.exchanges), "exposed": stats.exchange_exposed}
+        pipe.close()
+    for kwargs in ({"schedule": "gpipe", "expert_parallel": True, "ep_overlap": True},
+                   {"schedule": "dualpipev", "ep_overlap": True}):
+        model = _model(**SHAPE)
+        plan = resolve_schedule(str(kwargs["schedule"]), 2, 4)
+        per = len(model) // plan.stages
+        stages = {s: nn.Sequential(*model[s * per:(s + 1) * per]) for s in plan.stages_of(device)}
+        try:
+            Pipeline(**{"stages": stages, "microbatches": 4, "loss_fn": gpt_loss, "mesh": mesh, **kwargs})
+            said[kwargs["schedule"]] = "accepted"
+        except ConfigError as exc:
+            said[kwargs["schedule"]] = str(exc)
+    out.put((rank, said))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("schedule", ["dualpipev", "1f1b:combined=1"])
+def test_overlapped_pairs_make_one_process_gradients_with_and_without_the_overlap(schedule: str) -> None:
+    """A 2 x 2 (ep = dp x pp) mesh: every gradient each rank holds is one process's whether the pairs run one part
+    after the other or on two threads taking turns; each pass's exchanges are counted, and with the overlap some
+    of them ran while the other part computed."""
+    from conftest import run_ranks
+
+    got = run_ranks(_overlapped, 4, schedule)
+    x, y = _data(16)
+    want = reference(x, y)
+    hidden = 0.0
+    for _, said in got:
+        assert isinstance(said, dict), said
+        for overlap in ("False", "True"):
+            grads = said[overlap]["grads"]
+            diffs = {n: float((torch.from_numpy(g) - want[n]).abs().max()) for n, g in grads.items()}
+            assert max(diffs.values()) < 1e-5, (overlap, sorted(diffs.items(), key=lambda kv: -kv[1])[:4])
+            exchanges = said[overlap]["exchanges"]
+            # Each stage's F and backward of each of the 4 microbatches exchanged (stages with MoE blocks).
+            assert {k[-1] for k in exchanges} <= {"0", "1", "2", "3"} and len(exchanges) >= 8, exchanges
+            assert 0 < said[overlap]["exposed"] <= sum(exchanges.values()) + 1e-6
+        # Without the overlap nothing computes during an exchange: all of it is exposed (up to the overlap of
+        # records), with it some of it hid under the other part's compute.
+        plain = said["False"]
+        assert plain["exposed"] == pytest.approx(sum(plain["exchanges"].values()), rel=1e-3)
+        hidden += sum(said["True"]["exchanges"].values()) - said["True"]["exposed"]
+        assert "gpipe has none: use dualpipe, dualpipev or 1f1b:combined=1" in said["gpipe"]
+        assert "give expert_parallel=True too" in said["dualpipev"]
+    assert hidden > 0
+
+
+def test_exposed_is_the_exchanges_nothing_computed_under() -> None:
+    assert exposed([(0, 2), (1, 3)], []) == 3  # the union, once
+    assert exposed([(0, 2), (5, 6)], [(1, 5.5)]) == pytest.approx(1 + 0.5)
+    assert exposed([(0, 4)], [(1, 2), (1.5, 3)]) == pytest.approx(2)  # computing spans counted once
+    assert exposed([], [(0, 1)]) == 0
+
+
+def test_the_baton_lets_one_part_compute_at_a_time_and_the_other_during_an_exchange() -> None:
+    """Two threads, each computing, then 'exchanging' (a sleep with the baton let go of), then computing: the
+    times they held it never overlap, and each one's exchange is covered by the other's compute."""
+    baton = Baton()
+    spans: dict[str, tuple[float, float]] = {}
+
+    def part(name: str) -> None:
+        with baton:
+            _spin(0.05)
+            start = time.perf_counter()
+            with baton.released():
+                time.sleep(0.1)
+            spans[name] = (start, time.perf_counter())
+            _spin(0.05)
+
+    other = threading.Thread(target=part, args=("forward",))
+    other.start()
+    time.sleep(0.01)
+    part("backward")
+    other.join()
+    held = sorted(baton.held)
+    assert len(held) == 4 and all(a[1] <= b[0] for a, b in zip(held, held[1:], strict=False))
+    assert exposed(spans.values(), held) < sum(b - a for a, b in spans.values())
+
+
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _exchange(rank: int, init: str, out: Any) -> None:
+    import torch.distributed as dist
+
+    from pipefold.runtime.experts import ExpertLink
+    from pipefold.sim.network import Network
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    link = ExpertLink(dist.group.WORLD, rank, 2, network=Network.constant(0.01, 2e6), origin=time.time())
+    rows = torch.ones(1000 * (rank + 1), 50)  # rows of 200 B: half of each rank's to each rank
+    sent = [rows.shape[0] // 2] * 2
+    received = [500, 1000]  # from rank 0, from rank 1
+    start = time.perf_counter()
+    link.exchange(torch.empty(sum(received), 50), rows, received, sent)
+    out.put((rank, time.perf_counter() - start))
+    dist.destroy_process_group()
+
+
+def test_an_exchange_lasts_at_least_what_its_bytes_take_on_the_emulated_links() -> None:
+    """Rank 1 sends 1,000 rows of 200 B (200 KB) to rank 0 over 2 MB/s links of 10 ms latency: both ranks' exchange
+    takes at least 0.11 s, the later of their sending and receiving."""
+    from conftest import run_ranks
+
+    for _, seconds in run_ranks(_exchange, 2):
+        assert seconds >= 0.01 + 200_000 / 2e6
