@@ -116,7 +116,7 @@ def test_bad_settings_are_one_line(shape: dict[str, Any], says: str) -> None:
 
 
 def _pipeline(rank: int, init: str, world: int, dp: int, schedule: str, shape: dict[str, Any], out: Any,
-              *, expert_parallel: bool = False) -> None:
+              *, expert_parallel: bool | int = False) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -238,8 +238,8 @@ def test_experts_the_copies_cannot_share_equally_are_refused_in_one_line() -> No
     from conftest import run_ranks
 
     for _, said in run_ranks(_expert_parallel, 4, {"experts": 3, "top_k": 2}):
-        assert said == ("2 expert-parallel ranks cannot share 3 experts equally: give a number of copies that "
-                        "divides 3 (1, 3)"), said
+        assert said == ("expert_parallel=True cannot share 3 experts equally over 2 copies: give a number of copies "
+                        "that divides both 3 and the 2 data-parallel copies (none above 1), or other experts"), said
 
 
 def test_train_spreads_the_experts_over_the_copies_exactly() -> None:
