@@ -804,7 +804,15 @@ class Pipeline(RankPipeline):
         if self.dp_group is None or self.sharded:
             raise ConfigError("zero1 shards the optimizer over a DeviceMesh's 'dp' copies of plain stage modules: "
                               "give Pipeline(..., mesh=mesh) with a 'dp' dimension (FSDP stages shard it already)")
+        self._refuse_sharing_with_experts("zero1")
         return self.optimizer(lambda params: ShardedOptimizer(params, make, self.dp_group))
+
+    def _refuse_sharing_with_experts(self, what: str) -> None:
+        """ZeRO-1 shares the same parameters among the copies, and with expert parallelism each holds other
+        experts: refused in one line."""
+        if self.experts:
+            raise ConfigError(f"{what} does not run with expert_parallel yet (each copy holds other experts): drop "
+                              "one of them")
 
     def chunked(self, make: Callable[[list[nn.Parameter]], torch.optim.Optimizer], *,
                 device_memory: float | str | None = None, chunk_size: float | str | None = None,
@@ -823,6 +831,8 @@ class Pipeline(RankPipeline):
         from pipefold.runtime.chunks import ChunkedOptimizer, left_free
         from pipefold.units import parse_bytes
 
+        if zero1:
+            self._refuse_sharing_with_experts("chunked(..., zero1=True)")
         if zero1 and (self.dp_group is None or self.sharded):
             raise ConfigError("chunked(..., zero1=True) shares the chunks among a DeviceMesh's 'dp' copies of plain "
                               "stage modules: give Pipeline(..., mesh=mesh) with a 'dp' dimension")
