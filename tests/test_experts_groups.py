@@ -2,8 +2,8 @@
 ep consecutive ones, each group holding every expert once, the copies at the same rank of every group holding the
 same experts (replicas). Against one process that writes the load-balancing loss out on the whole batch: every
 gradient each rank holds (the experts' summed over their replicas), and the global gradient norm (each expert
-counted once), in a user's loop (``Pipeline(..., expert_parallel=2)``); the check fails without the replicas'
-all-reduce. What does not divide is refused in one line."""
+counted once), in a user's loop (``Pipeline(..., expert_parallel=2)``) and in ``pipefold train --ep 2``; the
+check fails without the replicas' all-reduce. What does not divide is refused in one line."""
 
 from __future__ import annotations
 
@@ -156,3 +156,23 @@ def test_what_does_not_divide_is_refused_in_one_line() -> None:
             "chunked(..., zero1=True) does not run with expert_parallel yet (each copy holds other experts): drop one "
             "of them"], said
 
+
+def test_train_with_groups_of_copies_is_exact() -> None:
+    """``pipefold train --model moe --ep 2 --dp 4`` (4 ranks, gpipe on one device): every rank's gradients are one
+    process's (``--check``), and the step's global gradient norm is that one process's."""
+    from pipefold.cli.main import report
+    from pipefold.train.prepare import make_job
+    from pipefold.train.reference import reference_step
+    from pipefold.train.spec import RunSpec
+
+    settings: dict[str, Any] = dict(model="moe", moe="experts=4,shared_experts=1,capacity_factor=1.5", ep=2,
+                                    schedule="gpipe", devices=1, dp=4, layers=2, hidden=32, heads=2, seq=16,
+                                    batch=16, microbatches=2)
+    argv = ["train", "--steps", "2", "--check"]
+    for name, value in settings.items():
+        argv += [f"--{name.replace('_', '-')}", str(value)]
+    out = report(argv)
+    assert out["max_grad_rel_diff"] < 1e-5 and out["loss_rel_diff"] < 1e-6
+    _, grads = reference_step(make_job(RunSpec.flat(**settings, steps=1)))
+    want = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads.values()))
+    assert abs(out["grad_norm"][0] - want) < 1e-5 * want, (out["grad_norm"], want)

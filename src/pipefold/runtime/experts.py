@@ -148,11 +148,16 @@ class ExpertShard:
         return torch.zeros_like(h).index_add(0, token, back * weight.unsqueeze(-1).to(h.dtype))
 
 
-def expert_groups(dp_group: Any, ep: int, new_group: Callable[[list[int]], Any]) -> tuple[Any, Any]:
+def expert_groups(dp_group: Any, ep: int,
+                  new_group: Callable[[list[int]], Any] | None = None) -> tuple[Any, Any]:
     """This rank's expert-parallel group and its replica group (None with ``ep`` equal to the copies) among the
     data-parallel copies ``dp_group``: copy ``i`` (its rank in ``dp_group``) is rank ``i % ep`` of group ``i // ep``,
-    and its replicas are the copies with the same ``i % ep``. ``new_group(ranks)`` makes a group of global ranks,
-    called by every rank of ``dp_group`` for its own two groups (the expert-parallel one first)."""
+    and its replicas are the copies with the same ``i % ep``. ``new_group(ranks)`` makes a group of global ranks
+    (by default torch's, made by its members only), called by every rank of ``dp_group`` for its own two groups,
+    the expert-parallel one first."""
+    if new_group is None:
+        def new_group(ranks: list[int]) -> Any:
+            return dist.new_group(ranks, use_local_synchronization=True)
     copies = dist.get_world_size(dp_group)
     if ep == copies:
         return dp_group, None
