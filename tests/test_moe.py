@@ -116,7 +116,7 @@ def test_bad_settings_are_one_line(shape: dict[str, Any], says: str) -> None:
 
 
 def _pipeline(rank: int, init: str, world: int, dp: int, schedule: str, shape: dict[str, Any], out: Any,
-              *, expert_parallel: bool = False) -> None:
+              *, expert_parallel: bool | int = False) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -238,17 +238,17 @@ def test_experts_the_copies_cannot_share_equally_are_refused_in_one_line() -> No
     from conftest import run_ranks
 
     for _, said in run_ranks(_expert_parallel, 4, {"experts": 3, "top_k": 2}):
-        assert said == ("2 expert-parallel ranks cannot share 3 experts equally: give a number of copies that "
-                        "divides 3 (1, 3)"), said
+        assert said == ("expert_parallel=True cannot share 3 experts equally over 2 copies: give a number of copies "
+                        "that divides both 3 and the 2 data-parallel copies (none above 1), or other experts"), said
 
 
 def test_train_spreads_the_experts_over_the_copies_exactly() -> None:
-    """``pipefold train --model moe --moe ... --expert-parallel --dp 2``: every rank's gradients, its half of the
+    """``pipefold train --model moe --moe ... --ep 2 --dp 2``: every rank's gradients, its half of the
     experts included, are one process's (``--check``, which holds every expert)."""
     from pipefold.cli.main import report
 
     out = report(["train", "--model", "moe", "--moe", "experts=4,shared_experts=1,capacity_factor=1.5",
-                  "--expert-parallel", "--schedule", "gpipe", "--devices", "2", "--dp", "2", "--steps", "2",
+                  "--ep", "2", "--schedule", "gpipe", "--devices", "2", "--dp", "2", "--steps", "2",
                   "--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "16", "--batch", "16",
                   "--microbatches", "4", "--check"])
     assert out["max_grad_rel_diff"] < 1e-5 and out["loss_rel_diff"] < 1e-6
@@ -260,21 +260,27 @@ def test_train_spreads_the_experts_over_the_copies_exactly() -> None:
     (["--model", "moe", "--moe", "experts=x"], "--moe experts=x does not read: give a number, such as experts=2"),
     (["--model", "moe", "--moe", "top_k=9"], "top_k 9 is more than the 8 experts a token can go to"),
     (["--model", "moe", "--moe", "capacity_factor=0.5,dropless"], "a capacity factor of 0.5 drops tokens"),
-    (["--model", "moe", "--expert-parallel"], "--expert-parallel spreads the experts over data-parallel copies, "
-                                              "and --dp 1 has one"),
-    (["--model", "moe", "--moe", "experts=3", "--expert-parallel", "--dp", "2", "--batch", "32"],
-     "--expert-parallel over --dp 2 cannot share 3 experts equally: give a --dp that divides 3 (3)"),
-    (["--model", "moe", "--expert-parallel", "--dp", "2", "--spb", "4,3"],
-     "--expert-parallel does not run with --spb yet: drop one of them"),
+    (["--model", "moe", "--ep", "2"], "--ep spreads the experts over data-parallel copies, and --dp 1 has one: give "
+                                      "--dp 2 or more, or drop it"),
+    (["--model", "moe", "--ep", "3", "--dp", "4", "--batch", "32"],
+     "--ep 3 cannot cut --dp 4 into groups of 3 copies: give an --ep that divides 4 (2, 4)"),
+    (["--model", "moe", "--ep", "-2", "--dp", "4"], "argument --ep: -2 is out of range: give a whole number >= 1"),
+    (["--model", "moe", "--moe", "experts=3", "--ep", "2", "--dp", "2", "--batch", "32"],
+     "--ep 2 cannot share 3 experts equally: give an --ep that divides 3 (3) with a --dp it divides, or other "
+     "experts"),
+    (["--model", "moe", "--moe", "experts=6", "--ep", "4", "--dp", "8", "--batch", "64"],
+     "--ep 4 cannot share 6 experts equally: give an --ep that divides 6 and --dp 8 (2), or other experts"),
+    (["--model", "mlp", "--ep", "2", "--dp", "2"], "--ep shapes a mixture of experts: add --model moe, or drop it"),
+    (["--model", "moe", "--ep", "2", "--dp", "2", "--spb", "4,3"],
+     "--ep does not run with --spb yet: drop one of them"),
     (["--model", "moe", "--schedule", "1f1b"], "1f1b runs a backward of stage 0 before its last forward"),
     (["--model", "moe", "--vocab-size", "100"], "the moe model reads its corpus as bytes (ids 0..255), which "
                                                 "--vocab-size 100 cannot hold"),
-    (["--model", "moe", "--expert-parallel", "--dp", "2", "--zero1"],
-     "--expert-parallel does not run with --zero1 yet: drop one of them"),
-    (["--model", "moe", "--expert-parallel", "--dp", "2", "--optimizer", "kfac"],
-     "--expert-parallel does not run with --optimizer kfac yet (each copy holds other experts)"),
-    (["--model", "moe", "--expert-parallel", "--dp", "2", "--checkpoint-dir", "ck"],
-     "--expert-parallel does not run with --checkpoint-dir yet"),
+    (["--model", "moe", "--ep", "2", "--dp", "4", "--zero1"], "--ep does not run with --zero1 yet: drop one of them"),
+    (["--model", "moe", "--ep", "2", "--dp", "2", "--optimizer", "kfac"],
+     "--ep does not run with --optimizer kfac yet (each copy holds other experts)"),
+    (["--model", "moe", "--ep", "2", "--dp", "2", "--checkpoint-dir", "ck"],
+     "--ep does not run with --checkpoint-dir yet"),
 ])
 def test_what_the_moe_model_and_its_experts_refuse_is_one_line(argv: list[str], says: str,
                                                               capsys: pytest.CaptureFixture[str]) -> None:

@@ -50,7 +50,7 @@ def _offending(name: str) -> object:
               "layers": 6, "hidden": 32, "batch": 32, "optimizer": "sgd", "partition": "even", "recompute": "full",
               "memory_budget": "1GB", "offload": "2,1", "network": "constant:bandwidth=50MB", "netns": True,
               "offload_activations": 0.5, "state_chunks": True, "chunk_size": "4MB", "sequence_parallel": True,
-              "cp": 2, "vocab_size": 1024, "kfac_distribution": "d-kfac", "moe": "experts=4", "expert_parallel": True}
+              "cp": 2, "vocab_size": 1024, "kfac_distribution": "d-kfac", "moe": "experts=4", "ep": 2}
     return values[name]
 
 

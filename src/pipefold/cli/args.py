@@ -497,9 +497,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp: each block's norms, dropouts and residual stream on each tensor-parallel rank's "
                         "share of the tokens (sequence parallelism; the gpt model)")
-    p.add_argument("--expert-parallel", action="store_true",
-                   help="with --model moe and --dp: each layer's experts spread over the data-parallel copies, tokens "
-                        "dispatched and combined by all-to-all (see docs/models.md)")
+    p.add_argument("--ep", type=int, default=1, metavar="N",
+                   help="expert-parallel ranks (default 1, off), with --model moe and a --dp that N divides: each "
+                        "layer's experts spread over groups of N consecutive data-parallel copies, tokens dispatched "
+                        "and combined by all-to-all within a group, each expert's gradient summed over the groups "
+                        "(--ep D: each expert on one copy; see docs/models.md)")
     p.add_argument("--moe", default=None, metavar="KEY=VALUE[,...]",
                    help="the moe model's experts: experts, top_k, expert_hidden, shared_experts, capacity_factor, "
                         "dropless, aux_loss (default experts=8,top_k=2,aux_loss=0.01, dropless)")

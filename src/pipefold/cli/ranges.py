@@ -78,6 +78,7 @@ RANGES: dict[str, Range] = {
     "microbatches": count(1, MAX_STAGE_MICROBATCHES),
     "dp": count(1, MAX_DEVICES),
     "cp": count(1, MAX_DEVICES),
+    "ep": count(1, MAX_DEVICES),
     "world": count(1, MAX_DEVICES * 64),
     "chunks": count(1, MAX_DEVICES),
     "nodes": count(1, 65_536),

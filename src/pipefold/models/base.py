@@ -157,10 +157,10 @@ class Model(abc.ABC):
         None by default."""
         return ()
 
-    def check_expert_parallel(self, ranks: int) -> None:
-        """Refuse in one line experts this model cannot spread over ``ranks`` (``--expert-parallel``): by default
-        every model, as only a mixture of experts has them."""
-        raise ConfigError(f"the {self.name} model has no experts to spread: use --model moe with --expert-parallel")
+    def check_expert_parallel(self, ranks: int, copies: int = 0) -> None:
+        """Refuse in one line experts this model cannot spread over ``ranks`` (``--ep``) of ``copies`` data-parallel
+        copies: by default every model, as only a mixture of experts has them."""
+        raise ConfigError(f"the {self.name} model has no experts to spread: use --model moe with --ep")
 
     def check_sequence_chunks(self, chunks: int) -> None:
         """Refuse, in one line, sequence chunks (Seq1F1B) this model cannot run: by default every model, as only

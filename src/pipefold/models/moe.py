@@ -340,12 +340,20 @@ class MoEModel(CorpusDecoder):
     def balanced_layers(self) -> tuple[int, ...]:
         return tuple(self.blocks) if self.cfg.aux_loss > 0 else ()
 
-    def check_expert_parallel(self, ranks: int) -> None:
+    def check_expert_parallel(self, ranks: int, copies: int = 0) -> None:
         experts = self.cfg.experts
-        if experts % ranks:
-            fits = [str(d) for d in range(2, experts + 1) if experts % d == 0]
-            raise ConfigError(f"--expert-parallel over --dp {ranks} cannot share {experts} experts equally: give a "
-                              f"--dp that divides {experts} ({', '.join(fits) or 'none above 1'}), or other experts")
+        if experts % ranks == 0:
+            return
+        said = f"--ep {ranks} cannot share {experts} experts equally"
+        fits = [d for d in range(2, experts + 1) if experts % d == 0]
+        both = [str(d) for d in fits if not copies or copies % d == 0]
+        if both:
+            raise ConfigError(f"{said}: give an --ep that divides {experts}{f' and --dp {copies}' if copies else ''} "
+                              f"({', '.join(both)}), or other experts")
+        if fits:
+            raise ConfigError(f"{said}: give an --ep that divides {experts} ({', '.join(map(str, fits))}) with a --dp "
+                              "it divides, or other experts")
+        raise ConfigError(f"{said}: give 2 or more experts")
 
 
 _OPTIONS: dict[str, Callable[[str], Any]] = {

@@ -57,7 +57,7 @@ from pipefold.runtime.comm import (
     decode_header,
     metas_of,
 )
-from pipefold.runtime.experts import EXPERT, Baton, ExpertLink, expert_link, exposed
+from pipefold.runtime.experts import EXPERT, REPLICAS, Baton, ExpertLink, expert_link, exposed
 
 if TYPE_CHECKING:
     from pipefold.runtime.partial import Reduction
@@ -876,12 +876,20 @@ class RankExecutor:
         works = self._reductions.setdefault(s, [])
         if self.spb is None:
             n = dist.get_world_size(self.dp_group)
-            # An expert spread over the copies (expert parallelism) is this rank's alone: its gradient, the sum over
-            # every copy's tokens, takes the mean's 1/copies and stays here.
-            own = [getattr(p, EXPERT, False) for p in self.runners[s].params]
-            for g, mine in zip(grads, own, strict=True):
-                if mine:
+            # An expert spread over the copies (expert parallelism) is not averaged with the other copies' (they
+            # hold other experts): its gradient, the sum over its group's tokens, is summed over the copies that hold
+            # the same expert (its replicas, where there are some) and takes the mean's 1/copies.
+            params = self.runners[s].params
+            own = [getattr(p, EXPERT, False) for p in params]
+            experts = [g for g, mine in zip(grads, own, strict=True) if mine]
+            replicas = next((getattr(p, REPLICAS) for p in params if hasattr(p, REPLICAS)), None)
+            if replicas is None:
+                for g in experts:
                     g.mul_(1.0 / n)
+            elif experts:
+                works.append(self._all_reduce(experts, replicas, scale=1.0 / n))
+                self.dp_sent += ring_bytes(sum(g.numel() * g.element_size() for g in experts),
+                                           dist.get_world_size(replicas))
             grads = [g for g, mine in zip(grads, own, strict=True) if not mine]
             works.append(self._all_reduce(grads, self.dp_group, scale=1.0 / n))
             self.dp_sent += ring_bytes(sum(g.numel() * g.element_size() for g in grads), n)

@@ -2,22 +2,29 @@
 the schedules it runs with (:mod:`pipefold.models.moe` says how the loss is computed microbatch by microbatch), and
 expert parallelism.
 
-**Expert parallelism.** :func:`shard_experts` spreads each MoE layer's experts over the ranks of a group (the
-data-parallel copies of the stage, ``ep`` of them): rank ``i`` keeps experts ``i * E/ep`` to ``(i + 1) * E/ep - 1``
-and the layer's dispatch becomes two all-to-alls. Each rank routes its own tokens, sends every (token, choice) to
-the rank that holds the chosen expert (the token's row, its expert's id), runs its experts on what it received and
-sends the outputs back, where they are weighted and summed per token as before. Both exchanges are differentiable
+**Expert parallelism.** :func:`shard_experts` spreads each MoE layer's experts over the ranks of a group (``ep`` of
+them): rank ``i`` keeps experts ``i * E/ep`` to ``(i + 1) * E/ep - 1`` and the layer's dispatch becomes two
+all-to-alls. Each rank routes its own tokens, sends every (token, choice) to the rank that holds the chosen expert
+(the token's row, its expert's id), runs its experts on what it received and sends the outputs back, where they are
+weighted and summed per token as before. Both exchanges are differentiable
 (``torch.distributed.nn.functional.all_to_all_single``): the backward sends the outputs' gradients to the experts
-and the inputs' gradients back. An expert's gradient is then the sum over every copy's tokens; the data-parallel
-reduction does not average it with the other copies' (they hold other experts): it scales it by 1/copies, which is
-what the mean over the copies of each copy's loss gives it (:attr:`EXPERT`)."""
+and the inputs' gradients back. An expert's gradient is then the sum over its group's tokens.
+
+The group is a stage's ``dp`` data-parallel copies cut into ``dp/ep`` groups of ``ep`` consecutive ones
+(:func:`expert_groups`: copy ``i`` in group ``i // ep``, at rank ``i % ep`` within it, as Megatron-LM and DeepSeek
+put ep inside dp). With ``ep = dp`` an expert is on one copy; with fewer, the copies at the same rank of every
+group hold the same experts (replicas, the expert data-parallel group). The data-parallel reduction does not
+average an expert's gradient with the other copies' (they hold other experts): it sums it over its replicas (an
+all-reduce, :attr:`REPLICAS`; nothing to do with ``ep = dp``) and scales it by 1/dp, which is what the mean over
+the copies of each copy's loss gives it (:attr:`EXPERT`). The load-balancing loss still counts the choices of all
+``dp`` copies (:func:`sum_balance_over`)."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,12 +38,19 @@ from pipefold.models.moe import MoE
 if TYPE_CHECKING:
     from pipefold.sim.network import Network
 
-__all__ = ["EXPERT", "Baton", "ExpertLink", "ExpertShard", "balanced_stages", "begin_balance_step",
-           "check_balance_order", "check_overlap", "expert_link", "exposed", "shard_experts", "sum_balance_over"]
+__all__ = ["EXPERT", "REPLICAS", "Baton", "ExpertLink", "ExpertShard", "balanced_stages", "begin_balance_step",
+           "check_balance_order", "check_overlap", "expert_groups", "expert_link", "exposed", "shard_experts",
+           "sum_balance_over"]
 
 EXPERT = "pipefold_expert_parallel"
 """The attribute an expert's parameter carries once :func:`shard_experts` spread its layer's experts over the copies:
-the data-parallel reduction leaves such a gradient on its rank (scaled by 1/copies)."""
+the data-parallel reduction leaves such a gradient on its rank (scaled by 1/copies), summed over its replicas
+first where it has some (:attr:`REPLICAS`)."""
+
+REPLICAS = "pipefold_expert_replicas"
+"""The attribute an expert's parameter carries where other copies hold the same expert (expert parallelism over
+fewer ranks than the copies): the process group of those replicas (this rank's among them), over which the
+data-parallel reduction sums its gradient."""
 
 _BACKWARDS = (Kind.B, Kind.BW)
 
@@ -310,13 +324,39 @@ def expert_link(modules: Iterable[nn.Module]) -> ExpertLink | None:
     return None
 
 
-def shard_experts(modules: Iterable[nn.Module], group: Any, *, network: Network | None = None,
+def expert_groups(dp_group: Any, ep: int,
+                  new_group: Callable[[list[int]], Any] | None = None) -> tuple[Any, Any]:
+    """This rank's expert-parallel group and its replica group (None with ``ep`` equal to the copies) among the
+    data-parallel copies ``dp_group``: copy ``i`` (its rank in ``dp_group``) is rank ``i % ep`` of group ``i // ep``,
+    and its replicas are the copies with the same ``i % ep``. ``new_group(ranks)`` makes a group of global ranks
+    (by default torch's, made by its members only), called by every rank of ``dp_group`` for its own two groups,
+    the expert-parallel one first."""
+    if new_group is None:
+        def new_group(ranks: list[int]) -> Any:
+            return dist.new_group(ranks, use_local_synchronization=True)
+    copies = dist.get_world_size(dp_group)
+    if ep == copies:
+        return dp_group, None
+    ranks, i = dist.get_process_group_ranks(dp_group), dist.get_rank(dp_group)
+    first = i // ep * ep
+    return new_group(list(ranks[first:first + ep])), new_group(list(ranks[i % ep::ep]))
+
+
+def shard_experts(modules: Iterable[nn.Module], group: Any, replicas: Any = None, *, network: Network | None = None,
                   origin: float = 0.0) -> list[ExpertShard]:
     """Spread the experts of every MoE layer in ``modules`` over the ranks of ``group`` (this rank keeps its share;
     every rank of the group must hold the same layers), their exchanges on one :class:`ExpertLink` (with
-    ``network``, on emulated links). Refused in one line where the ranks do not divide the experts."""
+    ``network``, on emulated links). Refused in one line where the ranks do not divide the experts.
+    ``replicas``: the process group of the ranks that hold the same experts in other groups
+    (:func:`expert_groups`), which their parameters carry (:attr:`REPLICAS`)."""
     layers = [m for module in modules for m in module.modules() if isinstance(m, MoE)]
     if not layers:
         return []
     link = ExpertLink(group, dist.get_rank(group), dist.get_world_size(group), network=network, origin=origin)
-    return [ExpertShard(m, link) for m in layers]
+    shards = [ExpertShard(m, link) for m in layers]
+    if replicas is not None:
+        for shard in shards:
+            for e in range(shard.first, shard.first + shard.per):
+                for p in shard.moe.experts[e].parameters():
+                    setattr(p, REPLICAS, replicas)
+    return shards

@@ -42,6 +42,7 @@ from torch import nn
 
 from pipefold.errors import ConfigError, PipefoldError
 from pipefold.ir import Action, Kind, Schedule
+from pipefold.models.moe import MoE
 from pipefold.plan.choose import candidates_for, probe, resolve_schedule, with_data_parallel
 from pipefold.runtime import sharding
 from pipefold.runtime.compiled import MODES, check_compile, compile_stage
@@ -54,6 +55,7 @@ from pipefold.runtime.experts import (
     begin_balance_step,
     check_balance_order,
     check_overlap,
+    expert_groups,
     shard_experts,
     sum_balance_over,
 )
@@ -321,10 +323,12 @@ class Pipeline(RankPipeline):
     computed it, reduced among them and sent from the first of them to the others (docs/spb.md); the step's
     :class:`StepStats` (``pipe.last``) counts the bytes this rank sent (``dp_sent``).
     ``expert_parallel``: on a mesh with ``"dp"``, every mixture-of-experts layer's experts spread over the copies,
-    reached by all-to-all (:mod:`pipefold.runtime.experts`). ``ep_overlap``: the schedule's overlapped pairs
-    (dualpipe, dualpipev, ``1f1b:combined=1``) run one part's all-to-alls while the other part computes (on a GPU
-    their two streams do this already); each step's :class:`StepStats` has the seconds of exchange per pass
-    (``exchanges``) and those nothing computed under (``exchange_exposed``).
+    reached by all-to-all (:mod:`pipefold.runtime.experts`): ``True`` over all of them, a number ``ep`` (2 or more,
+    dividing the copies) over groups of ``ep`` consecutive copies, each group holding every expert once and each
+    expert's gradient summed over the groups' copies of it. ``ep_overlap``: the schedule's overlapped pairs (dualpipe,
+    dualpipev, ``1f1b:combined=1``) run one part's all-to-alls while the other part computes (on a GPU their two
+    streams do this already); each step's :class:`StepStats` has the seconds of exchange per pass (``exchanges``)
+    and those nothing computed under (``exchange_exposed``).
     ``kfac``: ``True`` or a :class:`~pipefold.runtime.kfac.KFACConfig`: every step builds each stage's K-FAC
     curvature right after the passes it reads, inverts the factors after the stage's last pass and preconditions its
     gradients before :meth:`step` returns (PipeFisher's actions, placed inline); the user's optimizer then steps the
@@ -343,7 +347,7 @@ class Pipeline(RankPipeline):
                  compile_backend: str = "inductor", action_timeout: float = DEFAULT_ACTION_TIMEOUT,
                  offload_activations: float | str | None = None, vocab: VocabShard | None = None,
                  embedding: VocabShard | None = None, spb: Sequence[int] | None = None,
-                 kfac: KFACConfig | bool | None = None, expert_parallel: bool = False,
+                 kfac: KFACConfig | bool | None = None, expert_parallel: bool | int = False,
                  ep_overlap: bool = False) -> None:
         if not dist.is_initialized():
             raise ConfigError("Pipeline needs torch.distributed's process group: call "
@@ -449,8 +453,10 @@ class Pipeline(RankPipeline):
             self.schedule = _with_kfac(self.schedule)
         self.experts: list[ExpertShard] = []
         """With ``expert_parallel``: this rank's share of every MoE layer's experts."""
-        if expert_parallel:
-            self.experts = self._expert_parallel(modules, dp_group, (
+        self.ep = 1
+        """With ``expert_parallel``: the copies each MoE layer's experts are spread over (1: every copy holds all)."""
+        if expert_parallel is not False:
+            self.ep, self.experts = self._expert_parallel(modules, dp_group, expert_parallel, (
                 ("spb=", spb is not None), ("kfac=", self.kfac is not None), ("offload=", offload is not None),
                 ("FSDP stages", self.sharded), ("a 'tp' mesh dimension", tp_group is not None),
                 ("a 'cp' mesh dimension", self.cp_group is not None), ("compile=", compile is not False)))
@@ -531,21 +537,39 @@ class Pipeline(RankPipeline):
 
     # -- construction
 
-    def _expert_parallel(self, modules: Mapping[int, nn.Module], dp_group: Any,
-                         given: Sequence[tuple[str, bool]]) -> list[ExpertShard]:
-        """Spread every MoE layer's experts over the data-parallel copies (:func:`~pipefold.runtime.experts.
-        shard_experts`), refused in one line where there are none, where the stages hold no MoE layer, or with what
-        it does not run with yet."""
+    def _expert_parallel(self, modules: Mapping[int, nn.Module], dp_group: Any, ep: bool | int,
+                         given: Sequence[tuple[str, bool]]) -> tuple[int, list[ExpertShard]]:
+        """Spread every MoE layer's experts over groups of ``ep`` data-parallel copies (``True``: all of them;
+        :func:`~pipefold.runtime.experts.expert_groups`, :func:`~pipefold.runtime.experts.shard_experts`), refused
+        in one line where there are no copies, where ``ep`` does not divide them or the experts, where the stages
+        hold no MoE layer, or with what it does not run with yet. Returns ep and this rank's shards."""
+        said = f"expert_parallel={ep!r}"
+        if not isinstance(ep, (bool, int)) or (not isinstance(ep, bool) and ep < 2):
+            raise ConfigError(f"{said} is not a number of expert-parallel ranks: give True (all the data-parallel "
+                              "copies) or a number of copies of 2 or more that divides them, or leave it out")
         if not self._dp:
-            raise ConfigError("expert_parallel=True spreads each MoE layer's experts over the data-parallel copies: "
-                              "give a DeviceMesh with a 'dp' dimension of 2 or more (Pipeline(..., mesh=mesh))")
+            raise ConfigError(f"{said} spreads each MoE layer's experts over the data-parallel copies: give a "
+                              "DeviceMesh with a 'dp' dimension of 2 or more (Pipeline(..., mesh=mesh))")
+        copies = dist.get_world_size(dp_group)
+        size = copies if ep is True else int(ep)
+        if copies % size:
+            fits = [str(d) for d in range(2, copies + 1) if copies % d == 0]
+            raise ConfigError(f"{said} cannot cut the {copies} data-parallel copies into groups of {size}: give a "
+                              f"number that divides {copies} ({', '.join(fits)}), or True for all of them")
         if (what := next((w for w, on in given if on), None)) is not None:
-            raise ConfigError(f"expert_parallel=True does not run with {what} yet: drop one of them")
-        shards = shard_experts(modules.values(), dp_group)
+            raise ConfigError(f"{said} does not run with {what} yet: drop one of them")
+        experts = sorted({m.cfg.experts for module in modules.values() for m in module.modules()
+                          if isinstance(m, MoE)})
+        if bad := [e for e in experts if e % size]:
+            fits = [str(d) for d in range(2, copies + 1) if copies % d == 0 and all(e % d == 0 for e in experts)]
+            raise ConfigError(f"{said} cannot share {bad[0]} experts equally over {size} copies: give a number of "
+                              f"copies that divides both {bad[0]} and the {copies} data-parallel copies "
+                              f"({', '.join(fits) or 'none above 1'}), or other experts")
+        shards = shard_experts(modules.values(), *expert_groups(dp_group, size, _subgroup))
         if not shards:
-            raise ConfigError("expert_parallel=True found no MoE layer in this rank's stages "
+            raise ConfigError(f"{said} found no MoE layer in this rank's stages "
                               "(pipefold.models.moe.MoE): drop it, or give stages with mixture-of-experts blocks")
-        return shards
+        return size, shards
 
     def _curvature(self, modules: Mapping[int, nn.Module], dp_group: Any) -> RankCurvature:
         """K-FAC of this rank's stages; on a mesh with ``"dp"``, spread over the copies by ``self.kfac``'s
@@ -752,8 +776,10 @@ class Pipeline(RankPipeline):
             for p in m.parameters():
                 if p.requires_grad and id(p) not in copies and (tp_rank == 0 or sharding.split_over(p, "tp")):
                     out.append(p)
-        for s, m in self.modules.items():  # an expert spread over the copies: by the copy that holds it
-            if dp_rank and self.schedule.holders(s)[0] == self.rank:
+        # An expert spread over the copies: by the copy of the first expert-parallel group that holds it (its
+        # replicas in the other groups hold the same expert).
+        for s, m in self.modules.items():
+            if 0 < dp_rank < self.ep and self.schedule.holders(s)[0] == self.rank:
                 out += [p for p in m.parameters() if p.requires_grad and getattr(p, EXPERT, False)]
         for shard in self._shards:  # each rank's own rows of the output layer and the embedding
             out += [p for p in shard.parameters() if p.requires_grad]
@@ -789,7 +815,15 @@ class Pipeline(RankPipeline):
         if self.dp_group is None or self.sharded:
             raise ConfigError("zero1 shards the optimizer over a DeviceMesh's 'dp' copies of plain stage modules: "
                               "give Pipeline(..., mesh=mesh) with a 'dp' dimension (FSDP stages shard it already)")
+        self._refuse_sharing_with_experts("zero1")
         return self.optimizer(lambda params: ShardedOptimizer(params, make, self.dp_group))
+
+    def _refuse_sharing_with_experts(self, what: str) -> None:
+        """ZeRO-1 shares the same parameters among the copies, and with expert parallelism each holds other
+        experts: refused in one line."""
+        if self.experts:
+            raise ConfigError(f"{what} does not run with expert_parallel yet (each copy holds other experts): drop "
+                              "one of them")
 
     def chunked(self, make: Callable[[list[nn.Parameter]], torch.optim.Optimizer], *,
                 device_memory: float | str | None = None, chunk_size: float | str | None = None,
@@ -808,6 +842,8 @@ class Pipeline(RankPipeline):
         from pipefold.runtime.chunks import ChunkedOptimizer, left_free
         from pipefold.units import parse_bytes
 
+        if zero1:
+            self._refuse_sharing_with_experts("chunked(..., zero1=True)")
         if zero1 and (self.dp_group is None or self.sharded):
             raise ConfigError("chunked(..., zero1=True) shares the chunks among a DeviceMesh's 'dp' copies of plain "
                               "stage modules: give Pipeline(..., mesh=mesh) with a 'dp' dimension")

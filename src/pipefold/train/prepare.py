@@ -93,8 +93,8 @@ def make_job(spec: RunSpec, *, decided: Decisions | None = None, placed: Any = N
             plan = _plan_recompute(spec, schedule, layer_stages, model)
     if spec.parallel.spb is not None:
         _check_spb(spec, model, schedule, layer_stages)
-    if spec.parallel.expert_parallel:
-        model.check_expert_parallel(spec.parallel.dp)
+    if spec.parallel.ep > 1:
+        model.check_expert_parallel(spec.parallel.ep, spec.parallel.dp)
     if balanced := set(model.balanced_layers()):  # a loss over the whole batch: every forward first
         from pipefold.runtime.experts import check_balance_order
 

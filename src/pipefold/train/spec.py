@@ -324,7 +324,7 @@ RULES: tuple[Applies, ...] = (
             "it"),
     Applies(("adapt_every",), lambda s: s.schedule.adaptive,
             "{option} spaces adaptive-kfkb's choices of k: use --schedule adaptive-kfkb, or drop it"),
-    Applies(("moe", "expert_parallel"), lambda s: s.model.name == "moe",
+    Applies(("moe", "ep"), lambda s: s.model.name == "moe",
             "{option} shapes a mixture of experts: add --model moe, or drop it"),
     Applies(("heads", "seq", "data", "vocab_size"), lambda s: s.model.sequences,
             "{option} sizes a language model, and the mlp has no attention, sequences or text: use --model gpt, or "

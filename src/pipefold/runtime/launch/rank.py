@@ -26,7 +26,14 @@ from pipefold.ir.ref import ScheduleRef
 from pipefold.runtime import numerics, sharding, sockets
 from pipefold.runtime.chunks import ChunkedOptimizer
 from pipefold.runtime.executor import RankExecutor, StepStats
-from pipefold.runtime.experts import EXPERT, balanced_stages, begin_balance_step, shard_experts, sum_balance_over
+from pipefold.runtime.experts import (
+    EXPERT,
+    balanced_stages,
+    begin_balance_step,
+    expert_groups,
+    shard_experts,
+    sum_balance_over,
+)
 from pipefold.runtime.history import StepHistory, step_number, unchecked
 from pipefold.runtime.launch.faults import Faults
 from pipefold.runtime.numerics import clip_factor, local_check, scale_grads, verdict
@@ -165,8 +172,8 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
             for s, stage in modules.items():
                 sharding.tensor_parallel(dict(zip(job.layer_stages[s], stage.children(), strict=True)), job.tp_plan,
                                          tp_mesh)
-        if job.parallel.expert_parallel:  # each MoE layer's experts over the copies, before anything lists them
-            shard_experts(modules.values(), dp_group)
+        if job.parallel.ep > 1:  # each MoE layer's experts over groups of copies, before anything lists them
+            shard_experts(modules.values(), *expert_groups(dp_group, job.parallel.ep))
         modules = runnable(modules)
     else:
         from pipefold.runtime.offload import Offloaded
@@ -250,7 +257,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
                if job.schedule.holders(s)[0] == rank and (copy == 0 or job.parallel.fsdp)
                for p in ps if id(p) not in tied.copies and (tp_rank == 0 or sharding.split_over(p, "tp"))]
     counted += [s.weight for s in shards]
-    if copy and job.parallel.expert_parallel:  # an expert spread over the copies: by the copy that holds it
+    if 0 < copy < job.parallel.ep:  # an expert spread over the copies: by the first group's copy that holds it
         counted += [p for s, ps in trained.items() if job.schedule.holders(s)[0] == rank for p in ps
                     if getattr(p, EXPERT, False)]
     optimizers = [o for o in (opt, *stage_opts.values()) if o is not None]

@@ -168,9 +168,11 @@ class Parallel:
     """Structured partial backpropagation (Jigsaw): per data-parallel copy, how many of the model's last layers it
     backpropagates through (the layers before run without autograd); each layer's gradient is the mean over the
     copies that computed it. None: every copy backpropagates through every layer."""
-    expert_parallel: bool = False
-    """Each mixture-of-experts layer's experts spread over the data-parallel copies, reached by all-to-all
-    (:mod:`pipefold.runtime.experts`)."""
+    ep: int = 1
+    """Expert-parallel ranks: each mixture-of-experts layer's experts spread over groups of ep consecutive
+    data-parallel copies (copy i in group i // ep), reached by all-to-all, each group holding every expert once and
+    each expert's gradient summed over its copies in the groups (:mod:`pipefold.runtime.experts`). 1: every copy
+    holds every expert; dp: each expert on one copy."""
 
     def __post_init__(self) -> None:
         if isinstance(self.dp, bool) or not (isinstance(self.dp, int) and self.dp >= 1):
@@ -195,16 +197,23 @@ class Parallel:
                 raise ConfigError(f"--spb {','.join(map(str, spb))} gives {len(spb)} copies their layers, and --dp "
                                   f"{self.dp} has {self.dp}: give one number per copy")
             object.__setattr__(self, "spb", spb)
-        if self.expert_parallel:
+        if isinstance(self.ep, bool) or not (isinstance(self.ep, int) and self.ep >= 1):
+            raise ConfigError(f"--ep is the number of expert-parallel ranks: 1 (off) or an integer >= 2 that divides "
+                              f"--dp (got {self.ep!r})")
+        if self.ep > 1:
             if self.dp < 2:
-                raise ConfigError("--expert-parallel spreads the experts over data-parallel copies, and --dp 1 has "
-                                  "one: give --dp 2 or more, or drop it")
+                raise ConfigError("--ep spreads the experts over data-parallel copies, and --dp 1 has one: give --dp "
+                                  "2 or more, or drop it")
+            if self.dp % self.ep:
+                fits = [str(d) for d in range(2, self.dp + 1) if self.dp % d == 0]
+                raise ConfigError(f"--ep {self.ep} cannot cut --dp {self.dp} into groups of {self.ep} copies: give "
+                                  f"an --ep that divides {self.dp} ({', '.join(fits)})")
             other = [what for what, on in (("--spb", self.spb is not None), ("--fsdp", self.fsdp),
                                            ("--zero1", self.zero1),
                                            (f"--tp {self.tp_text}", self.tensor_parallel),
                                            (f"--cp {self.cp}", self.cp > 1)) if on]
             if other:
-                raise ConfigError(f"--expert-parallel does not run with {other[0]} yet: drop one of them")
+                raise ConfigError(f"--ep does not run with {other[0]} yet: drop one of them")
 
     def computing(self, layer: int, layers: int) -> int:
         """How many copies backpropagate through ``layer`` of ``layers`` (all of them without SPB)."""
@@ -371,10 +380,9 @@ def check_together(parallel: Parallel, optimizer: Optimizer, *, adaptive: bool, 
         flag = "--fsdp" if parallel.fsdp else "--zero1"
         raise ConfigError(f"K-FAC over data-parallel copies preconditions whole gradients and steps a whole optimizer, "
                           f"and {flag} shards them: drop {flag} with --optimizer kfac")
-    if parallel.expert_parallel and (kfac or checkpoints or offload):
+    if parallel.ep > 1 and (kfac or checkpoints or offload):
         flag = "--optimizer kfac" if kfac else "--checkpoint-dir" if checkpoints else "--offload"
-        raise ConfigError(f"--expert-parallel does not run with {flag} yet (each copy holds other experts): drop one "
-                          "of them")
+        raise ConfigError(f"--ep does not run with {flag} yet (each copy holds other experts): drop one of them")
     if parallel.cp > 1 and parallel.tensor_parallel:
         raise ConfigError(f"context parallelism (--cp {parallel.cp}) does not run with tensor parallelism (--tp "
                           f"{parallel.tp_text}) yet: use --cp 1 or --tp 1")
