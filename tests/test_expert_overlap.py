@@ -165,3 +165,70 @@ def test_an_exchange_lasts_at_least_what_its_bytes_take_on_the_emulated_links() 
 
     for _, seconds in run_ranks(_exchange, 2):
         assert seconds >= 0.01 + 200_000 / 2e6
+
+
+def _idle_experts(rank: int, init: str, schedule: str, overlap: bool, out: Any) -> None:
+    """Every router zeroed: each token's top 2 of 4 equal scores are experts 2 and 3, both on copy 1, so copy 0's
+    experts get no token in any microbatch."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pipefold import Pipeline
+    from pipefold.models.gpt import gpt_loss
+    from pipefold.models.moe import moe_layers
+    from pipefold.plan.choose import resolve_schedule
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=4)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    copy, device = mesh["dp"].get_local_rank(), mesh["pp"].get_local_rank()
+    model = _model(**SHAPE)
+    for m in moe_layers(model):
+        m.router.weight.data.zero_()
+    plan = resolve_schedule(schedule, 2, 4)
+    per = len(model) // plan.stages
+    stages = {s: nn.Sequential(*model[s * per:(s + 1) * per]) for s in plan.stages_of(device)}
+    pipe = Pipeline(stages, schedule, microbatches=4, loss_fn=gpt_loss, mesh=mesh, expert_parallel=True,
+                    ep_overlap=overlap)
+    x, y = _data(16)
+    pipe.step(x.chunk(2)[copy], target=y.chunk(2)[copy])
+    out.put((rank, {f"{s * per + i}.{n}": p.grad.numpy().copy() for s, stage in stages.items()
+                    for i, layer in enumerate(stage) for n, p in layer.named_parameters() if p.grad is not None}))
+    pipe.close()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("schedule", "overlap"), [("gpipe", False), ("dualpipev", True)])
+def test_a_copy_whose_experts_get_no_token_still_exchanges_in_the_backward(schedule: str, overlap: bool) -> None:
+    """The backward's exchanges are collectives inside autograd: a rank whose experts got nothing must reach them
+    as the others do (else the group's collectives mismatch and gloo aborts), and its experts' gradients are 0."""
+    from conftest import run_ranks
+    from pipefold.models.gpt import gpt_loss
+    from pipefold.models.moe import moe_layers
+
+    model = _model(**SHAPE)
+    for m in moe_layers(model):
+        m.router.weight.data.zero_()
+    x, y = _data(16)
+    gpt_loss(model(x), y).backward()
+    want = {n: torch.zeros_like(p) if p.grad is None else p.grad for n, p in model.named_parameters()}
+    for _, grads in run_ranks(_idle_experts, 4, schedule, overlap):
+        assert isinstance(grads, dict), grads
+        diffs = {n: float((torch.from_numpy(g) - want[n]).abs().max()) for n, g in grads.items()}
+        assert max(diffs.values()) < 1e-5, sorted(diffs.items(), key=lambda kv: -kv[1])[:4]
+        idle = [g for n, g in grads.items() if ".moe.experts.0." in n or ".moe.experts.1." in n]
+        assert all(not g.any() for g in idle)
+
+
+def test_train_overlaps_the_exchanges_exactly_and_refuses_what_cannot_overlap() -> None:
+    """``pipefold train --ep 2 --ep-overlap`` with DualPipeV and combined 1F1B: one process's gradients
+    (``--check``), with the exchanges counted; gpipe (no pair) and --ep-overlap without --ep refused in one line."""
+    from pipefold.cli.main import main, report
+
+    base = ["train", "--model", "moe", "--moe", "aux_loss=0", "--layers", "6", "--devices", "2", "--dp", "2",
+            "--steps", "2", "--hidden", "32", "--heads", "2", "--seq", "16", "--batch", "16", "--microbatches", "4"]
+    for schedule in ("dualpipev", "1f1b:combined=1"):
+        out = report([*base, "--schedule", schedule, "--ep", "2", "--ep-overlap", "--check"])
+        assert out["max_grad_rel_diff"] < 1e-5 and out["loss_rel_diff"] < 1e-6, out
+    assert main([*base, "--schedule", "gpipe", "--ep", "2", "--ep-overlap"]) == 2
+    assert main([*base, "--schedule", "dualpipev", "--ep-overlap"]) == 2

@@ -50,7 +50,8 @@ def _offending(name: str) -> object:
               "layers": 6, "hidden": 32, "batch": 32, "optimizer": "sgd", "partition": "even", "recompute": "full",
               "memory_budget": "1GB", "offload": "2,1", "network": "constant:bandwidth=50MB", "netns": True,
               "offload_activations": 0.5, "state_chunks": True, "chunk_size": "4MB", "sequence_parallel": True,
-              "cp": 2, "vocab_size": 1024, "kfac_distribution": "d-kfac", "moe": "experts=4", "ep": 2}
+              "cp": 2, "vocab_size": 1024, "kfac_distribution": "d-kfac", "moe": "experts=4", "ep": 2,
+              "ep_overlap": True}
     return values[name]
 
 
@@ -62,7 +63,7 @@ def _where_it_does_not_apply(rule_index: int) -> dict[str, object]:
             {}, {"plan": "p.json"}, {"tp": (2, 1), "devices": 2}, {"optimizer": "kfac"},
             {"dtype": "bf16", "master_weights": True, "dp": 2, "zero1": True},
             {"recompute": "auto", "memory_budget": "1GB"}, {"checkpoint_dir": "ck"},
-            {"plan": "p.json"}][rule_index]
+            {"plan": "p.json"}, {}][rule_index]
 
 
 @pytest.mark.parametrize(("index", "name"), [(i, name) for i, rule in enumerate(RULES) for name in rule.options])

@@ -502,6 +502,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "layer's experts spread over groups of N consecutive data-parallel copies, tokens dispatched "
                         "and combined by all-to-all within a group, each expert's gradient summed over the groups "
                         "(--ep D: each expert on one copy; see docs/models.md)")
+    p.add_argument("--ep-overlap", action="store_true",
+                   help="with --ep and a schedule of overlapped pairs (dualpipe, dualpipev, 1f1b:combined=1): each "
+                        "pair runs one microbatch's all-to-alls while the other microbatch computes")
     p.add_argument("--moe", default=None, metavar="KEY=VALUE[,...]",
                    help="the moe model's experts: experts, top_k, expert_hidden, shared_experts, capacity_factor, "
                         "dropless, aux_loss (default experts=8,top_k=2,aux_loss=0.01, dropless)")

@@ -303,7 +303,10 @@ class ExpertShard:
         ids = link.exchange(torch.empty(sum(out_splits), dtype=expert.dtype, device=h.device), expert.contiguous(),
                             out_splits, in_splits)
         got = _AllToAll.apply(h[token], link, out_splits, in_splits)
-        done = torch.zeros_like(got)
+        # Zeros that depend on what arrived: where this rank's experts got no token in this microbatch the graph
+        # still runs through both exchanges, so the backward exchanges them as every other rank of the group does
+        # (a collective inside the backward must be reached on every rank, whatever the routing).
+        done = got * 0
         for e in range(self.first, self.first + self.per):
             mine = (ids == e).nonzero().squeeze(-1)
             if mine.numel():

@@ -95,6 +95,10 @@ def make_job(spec: RunSpec, *, decided: Decisions | None = None, placed: Any = N
         _check_spb(spec, model, schedule, layer_stages)
     if spec.parallel.ep > 1:
         model.check_expert_parallel(spec.parallel.ep, spec.parallel.dp)
+    if spec.parallel.ep_overlap:
+        from pipefold.runtime.experts import check_overlap
+
+        check_overlap(schedule, "--ep-overlap", recompute=plan is not None and any(plan.layers))
     if balanced := set(model.balanced_layers()):  # a loss over the whole batch: every forward first
         from pipefold.runtime.experts import check_balance_order
 

@@ -369,6 +369,9 @@ RULES: tuple[Applies, ...] = (
             "rollback do not read yet: drop one of them"),
     Applies(("network", "netns"), lambda s: not s.planned,
             "--network and --netns run a schedule you name: use them without --plan or --schedule auto"),
+    Applies(("ep_overlap",), lambda s: s.parallel.ep > 1,
+            "{option} hides the all-to-alls of expert parallelism under other compute: give --ep 2 or more (and a "
+            "--dp it divides), or drop it"),
 )
 """Which options go with which modes, checked by :meth:`RunSpec.check`: a new option that belongs to one mode is
 refused in the others by adding it here."""

@@ -31,6 +31,7 @@ from pipefold.runtime.experts import (
     balanced_stages,
     begin_balance_step,
     expert_groups,
+    expert_link,
     shard_experts,
     sum_balance_over,
 )
@@ -173,7 +174,9 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
                 sharding.tensor_parallel(dict(zip(job.layer_stages[s], stage.children(), strict=True)), job.tp_plan,
                                          tp_mesh)
         if job.parallel.ep > 1:  # each MoE layer's experts over groups of copies, before anything lists them
-            shard_experts(modules.values(), *expert_groups(dp_group, job.parallel.ep))
+            for expert in shard_experts(modules.values(), *expert_groups(dp_group, job.parallel.ep),
+                                        network=job.network):
+                expert.link.overlap = job.parallel.ep_overlap
         modules = runnable(modules)
     else:
         from pipefold.runtime.offload import Offloaded
@@ -196,6 +199,8 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     if job.network is not None and origin is None:
         activity.wait("start-up", "the network's start time", everyone, action=False)
         origin = float(agree(time.time()))  # the network's timeline starts now on every rank
+    if (link := expert_link(modules.values())) is not None:
+        link.origin = origin or 0.0  # the expert exchanges' emulated links too
     choices = job.adaptive.schedules if job.adaptive is not None else job.cycle or (job.schedule,)
     cycle_from = 0  # the step the cycle in ``choices`` started at
     work = None

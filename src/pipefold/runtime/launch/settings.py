@@ -173,6 +173,8 @@ class Parallel:
     data-parallel copies (copy i in group i // ep), reached by all-to-all, each group holding every expert once and
     each expert's gradient summed over its copies in the groups (:mod:`pipefold.runtime.experts`). 1: every copy
     holds every expert; dp: each expert on one copy."""
+    ep_overlap: bool = False
+    """With ep > 1: the schedule's overlapped pairs (F+B) run one part's all-to-alls while the other computes."""
 
     def __post_init__(self) -> None:
         if isinstance(self.dp, bool) or not (isinstance(self.dp, int) and self.dp >= 1):
@@ -372,7 +374,8 @@ def check_together(parallel: Parallel, optimizer: Optimizer, *, adaptive: bool, 
                              (parallel.dp > 1, f"data-parallel pipelines (--dp {parallel.dp}) do", "--dp"),
                              (parallel.cp > 1, f"context parallelism (--cp {parallel.cp}) does", "--cp")):
         unsupported = [what for what, on in (("--optimizer kfac", kfac and flag != "--dp"),
-                                             ("--schedule adaptive-kfkb", adaptive), ("--network", network),
+                                             ("--schedule adaptive-kfkb", adaptive),
+                                             ("--network", network and (flag != "--dp" or parallel.ep < 2)),
                                              ("--netns", netns), ("--offload", offload)) if on]
         if on and unsupported:
             raise ConfigError(f"{layout} not run with {unsupported[0]} yet: use {flag} 1 with it")
