@@ -219,3 +219,24 @@ def test_an_ep_that_does_not_divide_dp_is_one_line() -> None:
         point(load_cluster("h100-sxm").with_nodes(2), training, dp=4, ep=8, tp=1, pp=4, schedule="1f1b",
               microbatch=1)
     assert "\n" not in str(info.value)
+
+
+def test_deepseek_v3s_published_run_is_predicted_from_its_description() -> None:
+    """The published table's DeepSeek-V3 row (benchmarks/published_runs.json): the stored prediction is the code's
+    (what ``published.py --check`` checks), from PP16 DualPipe x EP64 x ZeRO-1 over dp 128 on 256 nodes of the
+    shipped h800 file, tokens routed to at most 4 nodes; the all-to-alls are what separate it from the same layout
+    with every copy crossing on its own, and from 1F1B, which overlaps none of them (the page's figures)."""
+    from conftest import load_benchmark
+
+    published = load_benchmark("published.py")
+    data = json.loads((Path(__file__).resolve().parents[1] / "benchmarks" / "published_runs.json").read_text())
+    run = next(r for r in data["runs"] if r["model"] == "deepseek-v3")
+    assert (run["dp"], run["ep"], run["tp"], run["pp"], run["schedule"], run["node_limit"], run["sharding"]) == (
+        128, 64, 1, 16, "dualpipe", 4, "zero1")
+    assert published.published_tokens(run) == pytest.approx(1543.2, abs=0.05)
+    assert published.predict(data, run) == run["predicted"]
+    assert "uncosted" in run and "FP8" in run["uncosted"]
+    spread = published.predict(data, {**run, "node_limit": 0})["tokens_per_second_per_gpu"]
+    plain = published.predict(data, {**run, "schedule": "1f1b"})["tokens_per_second_per_gpu"]
+    assert (spread, plain) == (pytest.approx(1407.1, abs=0.1), pytest.approx(1095.8, abs=0.1))
+    assert plain < spread < run["predicted"]["tokens_per_second_per_gpu"]
