@@ -1,6 +1,6 @@
-"""Planning a cluster one does not have: every (dp, cp, tp, pp) of its devices, schedule, microbatch size,
-recomputation and sharding of the optimizer state, costed from the hardware file and the model's config, the
-exact schedule simulated.
+"""Planning a cluster one does not have: every (dp, cp, tp, pp) of its devices (and, for a model with experts, the
+expert-parallel degree ep), schedule, microbatch size, recomputation and sharding of the optimizer state, costed
+from the hardware file and the model's config, the exact schedule simulated.
 
 **Placement.** Ranks are laid out tp innermost, then cp, then dp, then pp (Megatron-LM's order): a
 tensor-parallel group is tp neighbouring devices, inside a node when tp <= devices per node; a context-parallel
@@ -39,6 +39,18 @@ a rank's ``b s / cp`` tokens; the ring adds what it takes beyond the attention c
 every cp rank: their gradients are averaged over dp x cp ranks, and ZeRO-1 and FSDP shard over dp x cp
 (torchtitan's and Megatron-LM's practice). By default the search tries the cp degrees that leave each rank at
 least :data:`CP_TOKENS` tokens of a sequence (so none for sequences shorter than twice that).
+
+**Experts** (a model with experts, :attr:`Transformer.moe`): ep consecutive data-parallel copies (tp x cp ranks
+apart, so spanning tp x cp x ep ranks) each hold E / ep of every MoE block's routed experts, replicated across the
+dp / ep groups; their parameters, gradients and optimizer state on a rank are those experts' (over tp), ZeRO-1 and
+FSDP shard them among the dp / ep copies x cp that hold them, and their gradients are averaged among those (priced
+in the DP actions as the bytes that take as long in the dp x cp ring). An MoE block's routed experts compute a
+rank's tokens x top-k x one expert's operations (the busiest rank's ``moe_imbalance`` times that, with ep > 1) at the
+efficiency of one expert's product on the tokens it gets, the rest of the block at that of its largest other
+product. Its dispatch and combine (:func:`all_to_all`), twice in F and twice in B, are the stage's ``exchange_f``
+and ``exchange_b`` beside its compute; a recomputed block's forward exchanges again in its backward; the schedules
+whose overlapped pairs hide one part's exchanges under the other's compute (DualPipe, DualPipeV, ``1f1b:combined=1``)
+are searched for such a model, with ``exchange_overlap``.
 
 **Step time**: the schedule simulated (:func:`pipefold.sim.simulate`) with those times, messages between
 stages crossing in tp pieces then all-gathered (``CostModel.mesh``), and, without FSDP, each stage's gradient
@@ -773,7 +785,9 @@ def _point(cluster: Cluster, training: Training, c: _Config, family: str, shard:
     # The experts' state is sharded among the copies that hold the same experts (dp / ep of them, x cp) only.
     experts = _expert_params(model, plain.stages, c)
     held_experts = [sum(experts[s] for s in plain.stages_of(d)) for d in range(c.pp)]
-    block = (model.block_parameters() - model.expert_parameters() * (1 - 1 / c.ep)) / c.tp  # one block on a rank
+    # The largest block on a rank (FSDP gathers two at a time): an MoE block with a ep-th of its experts, or dense.
+    block = max(model.block_parameters() - model.expert_parameters() * (1 - 1 / c.ep),
+                model.block_parameters(dense=True) if model.dense_blocks else 0) / c.tp
     statics = [(x - e) * (whole + split / c.shards) + e * (whole + split / c.expert_shards)
                + ((6 * x if once else 4 * block) if sharded else 0.0) for x, e in zip(held, held_experts, strict=True)]
     if refuse and max(statics) > usable:
