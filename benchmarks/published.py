@@ -11,7 +11,8 @@ is: nothing is fitted on its runs.
 
 A run published as teraFLOP/s per GPU (Megatron-LM's papers) is turned into tokens per second with the paper's own
 count of operations per token, its Eq. 3: 96 l h^2 (1 + s / 6h + V / 16 l h), which includes the forward that full
-recomputation runs again.
+recomputation runs again; one published as GPU hours a trillion tokens (DeepSeek-V3's report) is 1e12 tokens over
+that many hours' seconds.
 
 A prediction more than ``MISS`` off the published throughput carries a ``miss`` in the file saying why, one more
 than ``MEMORY_MISS`` off the published memory a ``memory_miss``; the table lists them under it. A run that used
@@ -61,32 +62,43 @@ def megatron_flops_per_token(model: Transformer, seq: int) -> float:
 
 
 def published_tokens(run: dict[str, Any]) -> float:
-    """The published tokens per second per GPU, or the published teraFLOP/s per GPU turned into them."""
+    """The published tokens per second per GPU, or the published teraFLOP/s per GPU turned into them, or the GPU hours
+    a trillion tokens took (DeepSeek-V3's report)."""
     pub = run["published"]
     if "tokens_per_second_per_gpu" in pub:
         return float(pub["tokens_per_second_per_gpu"])
+    if "gpu_hours_per_trillion_tokens" in pub:
+        return 1e12 / (pub["gpu_hours_per_trillion_tokens"] * 3600)
     return pub["tflops_per_gpu"] * 1e12 / megatron_flops_per_token(from_hf_config(run["model"]), run["seq"])
+
+
+def training_of(run: dict[str, Any]) -> Training:
+    """What a run trains: the model, its sequence, batch and dtype, and (a model with experts) how its tokens are
+    routed (``node_limit``, ``moe_imbalance``)."""
+    return Training(model=from_hf_config(run["model"]), seq=run["seq"], global_batch=run["global_batch"],
+                    dtype=run.get("dtype", "bf16"), sequence_parallel=run.get("sequence_parallel", True),
+                    node_limit=run.get("node_limit", 0), moe_imbalance=run.get("moe_imbalance", 1.0))
 
 
 def predict(data: dict[str, Any], run: dict[str, Any]) -> dict[str, float]:
     """What the planner predicts for one published run."""
     cluster = cluster_of(data, run)
-    training = Training(model=from_hf_config(run["model"]), seq=run["seq"], global_batch=run["global_batch"],
-                        dtype=run.get("dtype", "bf16"), sequence_parallel=run.get("sequence_parallel", True))
-    got = point(cluster, training, dp=run["dp"], tp=run["tp"], pp=run["pp"], schedule=run["schedule"],
+    got = point(cluster, training_of(run), dp=run["dp"], tp=run["tp"], pp=run["pp"], schedule=run["schedule"],
                 microbatch=run["microbatch"], recompute=run["recompute"], sharding=run["sharding"],
-                cp=run.get("cp", 1))
+                cp=run.get("cp", 1), ep=run.get("ep", 1))
     return {"tokens_per_second_per_gpu": round(got.tokens_per_second / cluster.devices, 1), "mfu": round(got.mfu, 4),
             "memory_gib": round(got.memory / 2**30, 2)}
 
 
 def workloads(data: dict[str, Any]) -> dict[tuple[Any, ...], list[dict[str, Any]]]:
-    """The published runs grouped by what they train on what: cluster and nodes, model, sequence, batch, dtype and
-    whether tensor-parallel ranks could split the tokens (Megatron-LM's 2021 runs could not)."""
+    """The published runs grouped by what they train on what: cluster and nodes, model, sequence, batch, dtype,
+    whether tensor-parallel ranks could split the tokens (Megatron-LM's 2021 runs could not) and how tokens are
+    routed to experts."""
     out: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for run in data["runs"]:
         key = (run["source"], run.get("nodes"), run["model"], run["seq"], run["global_batch"],
-               run.get("dtype", "bf16"), run.get("sequence_parallel", True))
+               run.get("dtype", "bf16"), run.get("sequence_parallel", True), run.get("node_limit", 0),
+               run.get("moe_imbalance", 1.0))
         out.setdefault(key, []).append(run)
     return out
 
@@ -98,8 +110,7 @@ def search(data: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
 
     run = runs[0]
     cluster = cluster_of(data, run)
-    training = Training(model=from_hf_config(run["model"]), seq=run["seq"], global_batch=run["global_batch"],
-                        dtype=run.get("dtype", "bf16"), sequence_parallel=run.get("sequence_parallel", True))
+    training = training_of(run)
     authors = max(runs, key=published_tokens)
     out: dict[str, Any] = {"workload": f"{run['model']}, {cluster.devices} GPUs ({run['source']}), "
                                        f"{run['global_batch']} x {run['seq']} tokens",
@@ -198,6 +209,8 @@ def _rows(runs: list[dict[str, Any]]) -> str:
             mem = f"- | {got['memory_gib']:.1f} GiB | -"
         mark = " (calibrates)" if run["calibrates"] else ""
         shown = _tokens(published) + (f" ({pub['tflops_per_gpu']} TFLOP/s)" if "tflops_per_gpu" in pub else "")
+        if "gpu_hours_per_trillion_tokens" in pub:
+            shown += f" ({pub['gpu_hours_per_trillion_tokens'] / 1e3:,.0f}K GPU hours a trillion tokens)"
         lines.append(f"| {run['what']}{mark} | {run['source']} | {shown} | "
                      f"{_tokens(got['tokens_per_second_per_gpu'])} | {tps:.2f} | {mem} |")
         if "miss" in run:

@@ -21,10 +21,12 @@ from pipefold.plan.profile import LayerProfile, Profile
 
 CLUSTER = ["--cluster", "h100-sxm", "--nodes", "1", "--hf-config", "llama-tiny", "--global-batch", "8", "--seq", "16",
            "--families", "1f1b,zb-h1"]
+CLUSTER_MOE = [*CLUSTER[:5], "mixtral-tiny", *CLUSTER[6:]]
+"""A cluster plan of a model with experts: the options that price them change it."""
 
 MODES: dict[str, dict[str, list[str]]] = {
     "plan": {"memory": ["--memory", "3"], "profile": ["--profile", "{profile}", "--memory-budget", "4MB"],
-             "cluster": CLUSTER},
+             "cluster": CLUSTER, "cluster-moe": CLUSTER_MOE},
     "calibrate": {"cpu": ["--cluster", "h100-sxm", "--device", "cpu", "--largest", "1e6"]},
     "simulate": {"plain": [], "network": ["--network", "preempt:seed=1,idle=1e6,busy=1e3,on=0.5,off=0.5",
                                           "--activation-bytes", "1000"],
@@ -60,7 +62,8 @@ SAMPLES: dict[str, list[str]] = {
     "offload_activations": ["--offload-activations", "0.5"], "offload_fit": ["--offload-fit", "2"],
     "allow_offload": ["--allow-offload"], "state_chunks": ["--state-chunks"],
     "no_sequence_parallel": ["--no-sequence-parallel"], "cp": ["--cp", "1,2"], "seq_chunks": ["--seq-chunks", "1,2"],
-    "split_vocab": ["--split-vocab"],
+    "split_vocab": ["--split-vocab"], "ep": ["--ep", "1,2"], "moe_imbalance": ["--moe-imbalance", "2"],
+    "node_limit": ["--node-limit", "1", "--nodes", "2"],
     "policy": ["--policy", "lru"], "lookahead": ["--lookahead", "3"], "cache": ["--cache", "0.3"],
     "ahead": ["--ahead", "2"], "skew": ["--skew", "0.5"], "steps": ["--steps", "3"], "tables": ["--tables", "3"],
     "rows": ["--rows", "400"], "dim": ["--dim", "8"], "batch": ["--batch", "8"], "trainers": ["--trainers", "2"],

@@ -264,8 +264,8 @@ def test_offload_command_is_exact(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @pytest.mark.parametrize(("argv", "expected"), [
-    (["--hf-config", "nope"], "--hf-config 'nope' is neither a config pipefold ships (gpt2-tiny, gpt3-175b, "
-                              "llama-tiny, "),
+    (["--hf-config", "nope"], "--hf-config 'nope' is neither a config pipefold ships (deepseek-v3, gpt2-tiny, "
+                              "gpt3-175b, llama-tiny, "),
     (["--hf-config", "llama-tiny"], "config llama-tiny configures a 'llama' model, not 'gpt2': use --hf llama"),
     (["--hidden", "32"], "a Hugging Face model's shape comes from its config: drop --hidden"),
     (["--seq", "500"], "--seq 500 is longer than the config's max_position_embeddings 128"),
@@ -291,8 +291,8 @@ def test_config_file_errors(tmp_path: Path) -> None:
         make_model("gpt2", config=str(bad))
     with pytest.raises(ConfigError, match="--hf-config configures a Hugging Face model"):
         make_model("gpt", config="gpt2-tiny")
-    assert config_names() == ["gpt2-tiny", "gpt3-175b", "llama-tiny", "llama2-13b", "llama2-70b", "llama3-70b",
-                              "llama3-8b", "llama3.1-405b", "megatron-530b",
+    assert config_names() == ["deepseek-v3", "gpt2-tiny", "gpt3-175b", "llama-tiny", "llama2-13b", "llama2-70b",
+                              "llama3-70b", "llama3-8b", "llama3.1-405b", "megatron-530b",
                               "mixtral-8x7b", "mixtral-tiny"]  # the tiny ones train here; the rest plan clusters
 
 

@@ -67,6 +67,15 @@ def _cp_degrees(text: str) -> tuple[int, ...]:
     return tuple(sorted(set(out)))
 
 
+def _ep_degrees(text: str) -> tuple[int, ...]:
+    """``plan --cluster --ep 1,8,64``: the expert-parallel degrees searched."""
+    out = degrees(text)
+    if out is None:
+        raise argparse.ArgumentTypeError(f"expert-parallel degrees from 1 to {MAX_DEVICES} separated by commas, "
+                                         f"such as 1,8,64; got {text!r}")
+    return tuple(sorted(set(out)))
+
+
 def _seq_chunks(text: str) -> tuple[int, ...]:
     """``plan --cluster --seq-chunks 1,2,4``: the sequence chunks per microbatch searched."""
     try:
@@ -365,9 +374,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(docs/cluster.md); needs --hf-config, --global-batch and --seq")
     g.add_argument("--nodes", type=int, default=None, metavar="N", help="with --cluster: its node count")
     g.add_argument("--hf-config", metavar="NAME|FILE", dest="cluster_model",
-                   help="with --cluster: the model, a Hugging Face config.json (llama, mistral, qwen2, mixtral, gpt2) "
-                        "or one pipefold ships (llama3-8b, llama3-70b, llama3.1-405b, llama2-13b, llama2-70b, "
-                        "mixtral-8x7b, gpt3-175b, megatron-530b)")
+                   help="with --cluster: the model, a Hugging Face config.json (llama, mistral, qwen2, mixtral, "
+                        "deepseek_v3, gpt2) or one pipefold ships (llama3-8b, llama3-70b, llama3.1-405b, llama2-13b, "
+                        "llama2-70b, mixtral-8x7b, deepseek-v3, gpt3-175b, megatron-530b)")
     g.add_argument("--global-batch", type=int, default=None, metavar="G", help="with --cluster: sequences per step")
     g.add_argument("--seq", type=int, default=None, metavar="S", help="with --cluster: tokens per sequence")
     g.add_argument("--top", type=int, default=10, metavar="K", help="with --cluster: configurations shown (default 10)")
@@ -378,6 +387,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --cluster: the context-parallel degrees to search, each sequence split over C ranks "
                         "(ring attention; default: 1 and every power of two that leaves a rank at least "
                         "8192 tokens of a sequence)")
+    g.add_argument("--ep", type=_ep_degrees, default=None, metavar="E[,E...]",
+                   help="with --cluster and a model with experts: the expert-parallel degrees to search, each MoE "
+                        "block's experts spread over groups of E data-parallel copies, tokens dispatched and combined "
+                        "by all-to-all (E divides dp and the experts; default: 1, the powers of 8 that divide the "
+                        "experts, and the experts)")
+    g.add_argument("--moe-imbalance", type=float, default=1.0, metavar="X",
+                   help="with --cluster and a model with experts: the busiest expert rank gets X times the mean "
+                        "tokens, its experts' work and its all-to-alls X times as long (default 1: balanced)")
+    g.add_argument("--node-limit", type=int, default=0, metavar="N",
+                   help="with --cluster and a model with experts: each token's experts on at most N nodes "
+                        "(DeepSeek-V3's node-limited routing), its hidden state crossing to each once and forwarded "
+                        "inside it (default: no limit, every copy sent on its own)")
     g.add_argument("--seq-chunks", type=_seq_chunks, default=None, metavar="C[,C...]",
                    help="with --cluster: also search each microbatch cut along the sequence into C chunks (Seq1F1B), "
                         "with the families that take them (default: whole microbatches only)")
@@ -718,7 +739,7 @@ APPLIES: tuple[Applies, ...] = (
             "is one pipeline's length, and --world N searches every dp x tp x pp of N ranks, pipelines of every "
             "length: drop one of them"),
     Applies("plan", ("nodes", "cluster_model", "global_batch", "seq", "top", "no_sequence_parallel", "cp",
-                     "seq_chunks", "split_vocab"),
+                     "seq_chunks", "split_vocab", "ep", "moe_imbalance", "node_limit"),
             lambda a: a.cluster is not None,
             "describes a cluster plan: give --cluster NAME|FILE too"),
     Applies("plan", ("output", "families"), lambda a: a.profile is not None or a.cluster is not None,

@@ -17,7 +17,7 @@ from pipefold.units import format_bytes
 def plan_cluster_command(args: argparse.Namespace, console: Console) -> None:
     from pipefold.models.transformer import from_hf_config
     from pipefold.plan.cluster import load_cluster
-    from pipefold.plan.cluster_plan import FAMILIES, Training, plan_cluster
+    from pipefold.plan.cluster_plan import FAMILIES, MOE_FAMILIES, Training, plan_cluster
 
     missing = [flag for flag, value in (("--hf-config", args.cluster_model), ("--global-batch", args.global_batch),
                                         ("--seq", args.seq)) if value is None]
@@ -29,13 +29,14 @@ def plan_cluster_command(args: argparse.Namespace, console: Console) -> None:
         cluster = cluster.with_nodes(args.nodes)
     training = Training(model=from_hf_config(args.cluster_model), seq=args.seq, global_batch=args.global_batch,
                         sequence_parallel=not args.no_sequence_parallel, context_parallel=args.cp,
-                        seq_chunks=args.seq_chunks or (1,), split_vocab=args.split_vocab)
-    families = tuple(args.families.split(",")) if args.families else FAMILIES
+                        seq_chunks=args.seq_chunks or (1,), split_vocab=args.split_vocab, expert_parallel=args.ep,
+                        moe_imbalance=args.moe_imbalance, node_limit=args.node_limit)
+    families = tuple(args.families.split(",")) if args.families else None
     from pipefold import schedules
 
-    unknown = [f for f in families if f not in schedules.REGISTRY]
+    unknown = [f for f in families or () if f not in schedules.REGISTRY]
     if unknown:
-        raise ConfigError(f"unknown schedule family {unknown[0]!r}: use some of {', '.join(FAMILIES)}")
+        raise ConfigError(f"unknown schedule family {unknown[0]!r}: use some of {', '.join(FAMILIES + MOE_FAMILIES)}")
     with progress_bar(f"planning {cluster.devices} devices") as progress:
         answer = plan_cluster(cluster, training, families=families, progress=progress)
     if answer.best is None:
@@ -84,9 +85,10 @@ def plan_cluster_command(args: argparse.Namespace, console: Console) -> None:
         table.add_row(*_row(p, cluster.devices))
     console.print(table)
     b = best
+    exposed = (f", expert all-to-alls exposed {_seconds(b.exchange_exposed)} of it" if training.model.moe else "")
     console.print(styled(("best:", "bold"), f" {b.layout} {b.schedule}, microbatches of {b.microbatch} x "
                          f"{b.microbatches}, {b.recompute} recompute, {b.sharding} sharding: {_seconds(b.step_time)} "
-                         f"a step, {b.tokens_per_second:,.0f} tokens/s "
+                         f"a step{exposed}, {b.tokens_per_second:,.0f} tokens/s "
                          f"({b.tokens_per_second / cluster.devices:,.0f} per GPU), MFU {b.mfu:.1%}, "
                          f"{format_bytes(b.memory)} per GPU"))
     console.print("frontier (fastest for its memory): " + "; ".join(

@@ -130,6 +130,8 @@ RANGES: dict[str, Range] = {
     "slack": real(0, 100),
     "headroom": real(0, 1, open_low=False),
     "top": count(1, 100_000),
+    "moe_imbalance": real(1, 1e3),
+    "node_limit": count(1, 65_536),
     "width": count(20, 100_000),
     "largest": real(1e6, 1e18),
 }

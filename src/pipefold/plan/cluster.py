@@ -3,7 +3,7 @@ node and between nodes, with the fractions of each peak that real work achieves.
 (:mod:`pipefold.plan.cluster_plan`) costs a layout on it without having it.
 
 The file (JSON; ``pipefold plan --cluster FILE``, or the name of one this package ships: ``a100-80gb``,
-``h100-sxm``, ``h200``)::
+``h100-sxm``, ``h200``, ``h800``)::
 
     {"name": ..., "nodes": 64, "devices_per_node": 8,
      "accelerator": {"name": ..., "peak_flops": {"bf16": 989e12, ...}, "memory_bytes": ...,
@@ -117,8 +117,12 @@ def shipped_clusters() -> list[str]:
 
 
 def shipped_for(device_name: str) -> str:
-    """The shipped cluster file of a GPU by its name (``torch.cuda.get_device_name``): H200, H100, else A100."""
-    return "h200" if "H200" in device_name else "h100-sxm" if "H100" in device_name else "a100-80gb"
+    """The shipped cluster file of a GPU by its name (``torch.cuda.get_device_name``): H200, H100, H800, else
+    A100."""
+    for name, file in (("H200", "h200"), ("H100", "h100-sxm"), ("H800", "h800")):
+        if name in device_name:
+            return file
+    return "a100-80gb"
 
 
 def _number(data: dict[str, Any], key: str, where: str, *, low: float = 0.0, integer: bool = False,
