@@ -96,8 +96,29 @@ def cmd_train(args: argparse.Namespace, console: Console) -> None:
         _print_kfac(out["kfac"], console)
     if "spb" in out:
         _print_spb(out["spb"], console)
+    if "experts" in out:
+        _print_experts(out["experts"], console)
     for what, path in written.items():
         console.print(f"wrote {what}: {path}")
+
+
+def _print_experts(x: dict[str, Any], console: Console) -> None:
+    """Per device of the first pipeline: the step's expert exchanges, what of them nothing computed under, and the
+    simulator's exposed exchange and step, with and without the overlap."""
+    sim = x["simulated"]
+    table = Table(title=f"expert all-to-alls over groups of {x['ep']} copies, "
+                        f"{'overlapped in the pairs' if x['overlap'] else 'not overlapped'}",
+                  title_justify="left", show_edge=False)
+    for col in ("device", "exchanges (s/step)", "exposed", "simulated exposed", "with overlap", "without"):
+        table.add_column(col, justify="right")
+    mine = "with_overlap" if x["overlap"] else "without_overlap"
+    for d, (spent, bare) in enumerate(zip(x["exchange_seconds"], x["exposed_seconds"], strict=True)):
+        table.add_row(str(d), f"{spent:.3f}", f"{bare:.3f}", f"{sim[mine]['exposed'][d]:.3f}",
+                      f"{sim['with_overlap']['exposed'][d]:.3f}", f"{sim['without_overlap']['exposed'][d]:.3f}")
+    console.print(table)
+    console.print(f"simulated step: {sim['with_overlap']['step']:.3f} s with the overlap, "
+                  f"{sim['without_overlap']['step']:.3f} s without (from this run's measured costs); exposed: "
+                  "exchange time nothing computed under")
 
 
 def _print_spb(spb: dict[str, Any], console: Console) -> None:

@@ -219,6 +219,19 @@ def kind_times(steps: Sequence[StepStats]) -> dict[int, dict[str, float]]:
     return out
 
 
+def exchange_times(steps: Sequence[StepStats]) -> dict[int, tuple[float, float]]:
+    """Per stage that exchanged with other ranks' experts, the median seconds of the exchanges of one forward and
+    of one backward (B or BW) in ``steps``."""
+    seconds: dict[tuple[int, bool], list[float]] = {}
+    for st in steps:
+        for name, spent in st.exchanges.items():
+            action = Action.parse(name)
+            seconds.setdefault((action.stage, action.kind != Kind.F), []).append(spent)
+    return {stage: (statistics.median(seconds.get((stage, False), [0.0])),
+                    statistics.median(seconds.get((stage, True), [0.0])))
+            for stage in sorted({s for s, _ in seconds})}
+
+
 @dataclass(frozen=True)
 class _Message:
     """One message a neighbour sends: a header (the shapes of a stage's input) or one microbatch's tensors."""

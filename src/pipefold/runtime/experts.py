@@ -22,6 +22,7 @@ the copies of each copy's loss gives it (:attr:`EXPERT`). The load-balancing los
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -196,12 +197,12 @@ class ExpertLink:
         with self.baton.released() if self.baton is not None else contextlib.nullcontext():
             dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.groups[backward])
             if self.network is not None:
-                row = inp[0].numel() * inp.element_size() if inp.numel() else 0
+                row = math.prod(inp.shape[1:]) * inp.element_size()  # bytes of one row, even of none
                 done = self.origin + self._emulated(wall - self.origin, [n * row for n in in_splits],
                                                     [n * row for n in out_splits])
-                if done > time.time():
-                    time.sleep(done - time.time())
-        self.records.append((getattr(self._where, "label", None), start, time.perf_counter()))
+                time.sleep(max(0.0, done - time.time()))
+            end = time.perf_counter()  # before the baton is taken back: the other part may still compute
+        self.records.append((getattr(self._where, "label", None), start, end))
         return out
 
     def _emulated(self, at: float, sent: list[int], received: list[int]) -> float:

@@ -47,7 +47,7 @@ from pipefold.plan.choose import candidates_for, probe, resolve_schedule, with_d
 from pipefold.runtime import sharding
 from pipefold.runtime.compiled import MODES, check_compile, compile_stage
 from pipefold.runtime.curvature import RankCurvature
-from pipefold.runtime.executor import COMPUTE_KINDS, RankExecutor, StepStats, kind_times
+from pipefold.runtime.executor import COMPUTE_KINDS, RankExecutor, StepStats, exchange_times, kind_times
 from pipefold.runtime.experts import (
     EXPERT,
     ExpertShard,
@@ -1187,13 +1187,16 @@ def step_costs(steps: Sequence[StepStats], schedule: Schedule) -> Any:
     """The cost model of one measured step (each device's stats): per stage, the median seconds of its F, B and W
     (a fused BW counts as B + W, split evenly) and of any other work it ran (K-FAC's), and the bytes one
     microbatch held after F, while B ran and between B and W (with sequence chunks, c times a chunk's); with the
-    output layer split by vocabulary, its S and T times (not the logits they keep)."""
+    output layer split by vocabulary, its S and T times (not the logits they keep); with expert parallelism, the
+    seconds of a forward's and a backward's exchanges apart from their compute (from steps whose overlapped pairs
+    ran one part after the other: where they overlap, a part's interval holds the other part's compute too)."""
     from pipefold.sim.simulate import CostModel, of_microbatch, split_backward
 
     times = kind_times(steps)
     memory = {s: mem for st in steps for s, mem in st.stage_memory.items()}
     moved = {s: b for st in steps for s, b in st.offloaded.items()}
     copies = _copy_times(steps)
+    exchanges = exchange_times(steps)
     over = {}
     for s in range(schedule.stages):
         held, during_b, held_w = memory.get(s, (0, 0, 0))
@@ -1202,6 +1205,11 @@ def step_costs(steps: Sequence[StepStats], schedule: Schedule) -> Any:
         over[s] = dataclasses.replace(split_backward(times.get(s, {})), memory=float(max(held, during_b)),
                                       kept=float(held), memory_w=float(held_w or held), work=work or None,
                                       offloaded=float(moved[s]) if s in moved else None, offload=copies.get(s))
+        if s in exchanges:  # a pass's expert exchanges apart from its compute (measured one after the other)
+            xf, xb = exchanges[s]
+            o = over[s]
+            over[s] = dataclasses.replace(o, f=max(0.0, o.f - xf), b=max(0.0, o.b - xb), exchange_f=xf,
+                                          exchange_b=xb, bw=None if o.bw is None else max(0.0, o.bw - xb))
     # With the output layer split by vocabulary, each device's S and T took a devices-th of the whole layer's
     # forward and backward (the cost model's vocab_*, as the simulator divides them): their medians over every
     # device, the backward's split evenly between B and W.

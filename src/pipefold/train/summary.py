@@ -54,6 +54,22 @@ class Passes(NamedTuple):
     """The profile's, with the ranks sharing the cores as the plan expects."""
 
 
+def _experts_summary(job: Job, reports: list[RankReport], step: int, schedule: Schedule, costs: CostModel,
+                     at: float) -> dict[str, Any]:
+    """Expert parallelism's exchanges in the settled step, per device of the first pipeline: their seconds and the
+    seconds of them nothing computed under, measured; and the simulator's step and exposed exchange from the
+    run's measured costs with and without the overlap (the costs are right from a run without it: with it, a
+    pair's forward interval holds its backward's compute too)."""
+    measured = [r.steps[step] for r in reports]
+    simulated = {}
+    for name, overlap in (("without_overlap", False), ("with_overlap", True)):
+        got = simulate(schedule, dataclasses.replace(costs, exchange_overlap=overlap), network=job.network, at=at)
+        simulated[name] = {"step": got.makespan, "exposed": list(got.exchange_exposed)}
+    return {"ep": job.parallel.ep, "overlap": job.parallel.ep_overlap,
+            "exchange_seconds": [sum(st.exchanges.values()) for st in measured],
+            "exposed_seconds": [st.exchange_exposed for st in measured], "simulated": simulated}
+
+
 def summarize(outcome: Outcome, *, trace: str | None = None, plot: str | None = None) -> dict[str, Any]:
     """The run's summary as plain data; with ``trace`` the measured timeline written there (Chrome trace JSON), with
     ``plot`` the measured step drawn above the predicted one (or, on a changing network, every step's time)."""
@@ -74,6 +90,7 @@ def summarize(outcome: Outcome, *, trace: str | None = None, plot: str | None = 
         at = min(r.steps[step].started_at for r in reports) - job.origin
     # And after the schedule, its update (check, optimizer step) as the step paid it, as the measured step has it.
     costs = dataclasses.replace(costs, after_step=tail(reports, step))
+    costs = dataclasses.replace(costs, exchange_overlap=job.parallel.ep_overlap)
     replayed = simulate(last, costs, network=job.network, at=at)
     predicted, label = replayed, "simulated from the measured costs"
     if planned is not None and planned.plan is not None:
@@ -101,6 +118,8 @@ def summarize(outcome: Outcome, *, trace: str | None = None, plot: str | None = 
     if parallel.copies > 1:
         out["dp"] = parallel.dp
         out["sharding"] = "fsdp" if parallel.fsdp else "zero1" if parallel.zero1 else "none"
+    if parallel.ep > 1:
+        out["experts"] = _experts_summary(job, reports, step, last, costs, at)
     if parallel.spb is not None:
         out["spb"] = _spb_summary(job, everyone, last, costs)
         out["loss"] = [_finite(sum(r.steps.loss_sum[i] for r in everyone)
