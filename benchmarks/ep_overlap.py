@@ -35,10 +35,11 @@ def run(schedule: str, overlap: bool, args: argparse.Namespace) -> dict[str, Any
     from pipefold.cli.main import report
 
     return report(["train", "--model", "moe", "--moe", f"experts={args.experts},top_k=2,aux_loss=0",
-                   "--schedule", schedule, "--devices", "2", "--dp", "2", "--ep", "2", "--layers", str(args.layers),
-                   "--hidden", str(args.hidden), "--heads", "4", "--seq", str(args.seq), "--batch",
-                   str(args.batch), "--microbatches", str(args.microbatches), "--steps", str(args.steps),
-                   "--network", args.network, "--action-timeout", "600", *(["--ep-overlap"] if overlap else [])])
+                   "--schedule", schedule, "--devices", str(args.devices), "--dp", "2", "--ep", "2",
+                   "--layers", str(args.layers), "--hidden", str(args.hidden), "--heads", "4", "--seq", str(args.seq),
+                   "--batch", str(args.batch), "--microbatches", str(args.microbatches), "--steps", str(args.steps),
+                   "--network", args.network, "--partition", "even", "--action-timeout", "600",
+                   *(["--ep-overlap"] if overlap else [])])
 
 
 def step_time(rep: dict[str, Any]) -> float:
@@ -49,6 +50,8 @@ def step_time(rep: dict[str, Any]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schedules", nargs="+", default=["dualpipev", "1f1b:combined=1"])
+    parser.add_argument("--devices", type=int, default=1,
+                        help="pipeline devices of each copy (ranks: 2 x devices; more ranks than cores share them)")
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--experts", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=128)
@@ -78,10 +81,12 @@ def main() -> None:
             mode = "with_overlap" if overlap else "without_overlap"
             sim_step = statistics.median(p["experts"]["simulated"][mode]["step"] for p in plain)
             sim_exposed = [statistics.median(p["experts"]["simulated"][mode]["exposed"][d] for p in plain)
-                           for d in range(2)]
+                           for d in range(args.devices)]
             steps = [step_time(rep) for rep in reports]
-            spent = [statistics.median(rep["experts"]["exchange_seconds"][d] for rep in reports) for d in range(2)]
-            bare = [statistics.median(rep["experts"]["exposed_seconds"][d] for rep in reports) for d in range(2)]
+            spent = [statistics.median(rep["experts"]["exchange_seconds"][d] for rep in reports)
+                     for d in range(args.devices)]
+            bare = [statistics.median(rep["experts"]["exposed_seconds"][d] for rep in reports)
+                    for d in range(args.devices)]
             print(f"| {schedule} | {'yes' if overlap else 'no'} | {', '.join(f'{s:.3f}' for s in steps)} | "
                   f"{sim_step:.3f} | {', '.join(f'{s:.3f}' for s in spent)} | "
                   f"{', '.join(f'{s:.3f}' for s in bare)} | {', '.join(f'{s:.3f}' for s in sim_exposed)} |")

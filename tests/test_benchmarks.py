@@ -61,6 +61,7 @@ SMALL: dict[str, list[str] | None] = {
     "vocab_parallel.py": None,
     "dpkfac.py": None,
     "spb.py": None,
+    "ep_overlap.py": None,
     # On a GPU only (make gpu-check):
     "gpu_check.py": None,
 }
@@ -75,7 +76,7 @@ def test_every_benchmark_has_a_small_mode_or_a_reason() -> None:
                  "host_profile.py", "in_flight.py", "memory_flat.py", "fixed_work.py", "memory_ratio.py", "wgrad.py",
                  "p2p.py", "layer_company.py", "core_sharing.py", "machine_speed.py", "offload_activations.py",
                  "state_chunks.py", "vocab_paper.py", "vocab_parallel.py", "dpkfac.py",
-                 "spb.py"):
+                 "spb.py", "ep_overlap.py"):
         assert f"python benchmarks/{name}" in docs, f"{name} is said to run through the docs, which do not show it"
 
 

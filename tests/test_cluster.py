@@ -314,10 +314,11 @@ def test_megatrons_count_of_operations_is_pipefolds_with_one_more_forward(name: 
     assert eq3 == pytest.approx(model.model_flops(2048) + model.layers * model.block_flops(2048)[0], rel=1e-12)
 
 
-def test_the_published_table_is_the_datas_and_the_docs_show_it() -> None:
-    """docs/cluster.md shows the tables benchmarks/published.py prints from benchmarks/published_runs.json, and the
-    stored predictions are what the code predicts now (no drift); a published throughput more than 15% off, or a
-    memory more than 10% off, is explained in the file (and only those are). Of the runs that used only what
+def test_the_published_table_is_the_datas_and_the_results_show_it() -> None:
+    """benchmarks/results/published.md shows the tables benchmarks/published.py prints from
+    benchmarks/published_runs.json, and the stored predictions are what the code predicts now (no drift); a
+    published throughput more than 15% off, or a memory more than 10% off, is explained in the file (and only those
+    are). Of the runs that used only what
     pipefold costs, most are within 15% and every published memory within 10%; a tensor-parallel layout at long
     sequences (torchtitan's 4D run of 405B at 32k tokens) is predicted within 10% of its published memory."""
     published = _published()
@@ -340,13 +341,13 @@ def test_the_published_table_is_the_datas_and_the_docs_show_it() -> None:
     assert any(run["pp"] > 1 for run in data["runs"] if "miss" not in run)  # the pipeline's part is checked
     assert any(run["tp"] > 1 and run["seq"] >= 32768 and "memory_gib" in run["published"] and "memory_miss" not in run
                for run in data["runs"])
-    assert published.table(data) in (root / "docs" / "cluster.md").read_text()
+    assert published.table(data) in (root / "benchmarks" / "results" / "published.md").read_text()
 
 
 def test_the_searchs_picks_for_the_published_workloads_are_stored_and_shown() -> None:
     """``published.py --search`` stores, for every published workload, what the search picks when free to
-    choose; the stored picks are one per workload, the cheapest (8 GPUs) is what the search picks now, and the page
-    shows them. The others take minutes: their arithmetic is the same search's."""
+    choose; the stored picks are one per workload, the cheapest (8 GPUs) is what the search picks now, and the
+    results file shows them. The others take minutes: their arithmetic is the same search's."""
     published = _published()
     root = Path(__file__).resolve().parents[1]
     data = json.loads((root / "benchmarks" / "published_runs.json").read_text())
@@ -356,7 +357,7 @@ def test_the_searchs_picks_for_the_published_workloads_are_stored_and_shown() ->
     cheapest = min(groups.values(), key=lambda runs: published.cluster_of(data, runs[0]).devices)
     now = published.search(data, cheapest)
     assert now == stored[now["workload"]]
-    assert published.searches_table(data) in (root / "docs" / "cluster.md").read_text()
+    assert published.searches_table(data) in (root / "benchmarks" / "results" / "published.md").read_text()
 
 
 def test_a_cluster_plan_trains_as_planned(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -53,15 +53,17 @@ def test_without_the_overlap_an_exchange_is_compute_time(name: str, options: dic
         assert apart.exchange_exposed[d] == pytest.approx((f + b) * share)
 
 
-@pytest.mark.parametrize("xf,xb", [(0.5, 0.5), (2.0, 3.0), (0.0, 4.0)])
+@pytest.mark.parametrize("xf,xb", [(0.5, 0.5), (2.0, 3.0), (0.0, 4.0), (3.0, 0.0)])
 def test_a_pair_lasts_the_longer_of_its_compute_and_its_exchanges(xf: float, xb: float) -> None:
-    """One device, combined 1F1B: F0, then m-1 pairs F(j)+BW(j-1), then BW(m-1); a pair that overlaps lasts
-    max(f + b, xf + xb) and exposes what its exchanges last beyond its compute."""
+    """One device, combined 1F1B: F0, then m-1 pairs F(j)+BW(j-1), then BW(m-1); a pair that overlaps lasts the
+    longest of its compute f + b, its exchanges xf + xb, and each part's own f + xf and b + xb (a part's exchanges
+    hide under the other part's compute, not its own), and exposes what it lasts beyond its compute."""
     f, b, m = 1.0, 2.0, 6
     schedule = build("1f1b", devices=1, microbatches=m, combined=1)
     result = simulate(schedule, CostModel(f=f, b=b, w=0.0, exchange_f=xf, exchange_b=xb, exchange_overlap=True))
-    assert result.makespan == pytest.approx((f + xf) + (m - 1) * max(f + b, xf + xb) + (b + xb))
-    assert result.exchange_exposed[0] == pytest.approx(xf + xb + (m - 1) * max(0.0, xf + xb - f - b))
+    pair = max(f + b, xf + xb, f + xf, b + xb)
+    assert result.makespan == pytest.approx((f + xf) + (m - 1) * pair + (b + xb))
+    assert result.exchange_exposed[0] == pytest.approx(xf + xb + (m - 1) * (pair - f - b))
     plain = simulate(schedule, CostModel(f=f, b=b, w=0.0, exchange_f=xf, exchange_b=xb))
     assert plain.makespan == pytest.approx(m * (f + xf + b + xb))
 
@@ -76,6 +78,23 @@ def test_the_overlap_shortens_dualpipe_and_never_lengthens_a_step() -> None:
             assert on.makespan < off.makespan and sum(on.exchange_exposed) < sum(off.exchange_exposed)
         else:  # no pair: nothing to overlap
             assert on.makespan == off.makespan and on.exchange_exposed == off.exchange_exposed
+
+
+def test_a_pair_whose_other_part_exchanges_nothing_hides_nothing() -> None:
+    """DualPipeV on one device with only stage 1 exchanging: a pair of stage 1's forward and stage 0's backward
+    can hide stage 1's exchanges only under stage 0's compute, so with little of that the overlap saves little;
+    with the exchanges on both stages it saves more."""
+    schedule = build("dualpipev", devices=1, microbatches=8)
+    one = {0: StageOverride(f=0.1, b=0.2, w=0.0, exchange_f=0.0, exchange_b=0.0),
+           1: StageOverride(f=1.0, b=2.0, w=0.0, exchange_f=1.0, exchange_b=1.0)}
+    both = {0: StageOverride(f=0.55, b=1.1, w=0.0, exchange_f=0.5, exchange_b=0.5),
+            1: StageOverride(f=0.55, b=1.1, w=0.0, exchange_f=0.5, exchange_b=0.5)}
+    saved = {}
+    for name, over in (("one", one), ("both", both)):
+        on = simulate(schedule, CostModel(stage_overrides=over, exchange_overlap=True)).makespan
+        off = simulate(schedule, CostModel(stage_overrides=over)).makespan
+        saved[name] = 1 - on / off
+    assert 0 <= saved["one"] < 0.1 < saved["both"], saved
 
 
 def test_a_stage_override_sets_its_own_exchanges() -> None:

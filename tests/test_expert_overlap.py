@@ -230,5 +230,12 @@ def test_train_overlaps_the_exchanges_exactly_and_refuses_what_cannot_overlap() 
     for schedule in ("dualpipev", "1f1b:combined=1"):
         out = report([*base, "--schedule", schedule, "--ep", "2", "--ep-overlap", "--check"])
         assert out["max_grad_rel_diff"] < 1e-5 and out["loss_rel_diff"] < 1e-6, out
+        experts = out["experts"]
+        assert experts["ep"] == 2 and experts["overlap"]
+        assert all(0 <= bare <= spent + 1e-6 and spent > 0
+                   for spent, bare in zip(experts["exchange_seconds"], experts["exposed_seconds"], strict=True))
+        sim = experts["simulated"]
+        assert sim["with_overlap"]["step"] < sim["without_overlap"]["step"]
+        assert sum(sim["with_overlap"]["exposed"]) < sum(sim["without_overlap"]["exposed"])
     assert main([*base, "--schedule", "gpipe", "--ep", "2", "--ep-overlap"]) == 2
     assert main([*base, "--schedule", "dualpipev", "--ep-overlap"]) == 2

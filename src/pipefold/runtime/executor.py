@@ -388,11 +388,11 @@ class RankExecutor:
         self.outputs: dict[int, Any] = {}
         """A forward-only step's outputs of the last stage, by microbatch (on the rank that holds it)."""
         self.activity = activity if activity is not None else Activity(rank)
+        """What the rank is doing, for the job's watch (:mod:`pipefold.runtime.watch`): each action, each wait."""
         self._experts: ExpertLink | None = expert_link(modules.values())
         """The expert exchanges of this rank's MoE layers where their experts are spread (expert parallelism)."""
         self._held: list[tuple[float, float]] = []
         """When the parts of this step's overlapped pairs computed (held the baton), by ``time.perf_counter``."""
-        """What the rank is doing, for the job's watch (:mod:`pipefold.runtime.watch`): each action, each wait."""
         self.meter = MemoryMeter()
         self.host_copies = HostCopies(device)
         """The activations this rank's OF actions moved to host memory (:mod:`pipefold.runtime.activation_offload`)."""

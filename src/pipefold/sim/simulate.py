@@ -832,20 +832,34 @@ def _durations(table: ActionTable, times: npt.NDArray[np.float64], exchanges: np
                cost: CostModel) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
     """Every action's duration from ``times[stage, kind]``, and how much of it is an expert exchange that nothing
     computes under. An overlapped pair's parts run one after the other (or at once, ``cost.overlap``); with
-    ``cost.exchange_overlap`` one part's exchanges run while the other computes, so the pair lasts the longer of
-    its compute and its exchanges."""
+    ``cost.exchange_overlap`` one part's exchanges run while the other computes: the pair lasts as long as the
+    longest of its compute (one part at a time, or at once), its exchanges (one link), and each part's own compute
+    and exchanges (which follow one another: a part's exchange hides under the other part's compute, never its
+    own)."""
     parts = np.maximum if cost.overlap else np.add
     durations = _by_action(table, times, parts)
     if not exchanges.any():
         return durations, np.zeros_like(durations)
     communicating = _by_action(table, exchanges, np.add)
     exposed = communicating.copy()
-    if cost.exchange_overlap and len(table.composite):
-        computing = _by_action(table, times - exchanges, parts)
-        pair = table.composite
-        durations[pair] = np.maximum(computing[pair], communicating[pair])
-        exposed[pair] = durations[pair] - computing[pair]
+    sizes = np.bincount(table.owner, minlength=len(table.kind)) if len(table.composite) else None
+    if cost.exchange_overlap and sizes is not None and (sizes == 2).any():
+        pair = np.flatnonzero(sizes == 2)
+        first = (np.cumsum(sizes) - sizes)[pair]
+        x = _pass_values(table, exchanges)
+        c = _pass_values(table, times) - x
+        computing = parts(c[first], c[first + 1])
+        durations[pair] = np.maximum.reduce([computing, x[first] + x[first + 1], c[first] + x[first],
+                                             c[first + 1] + x[first + 1]])
+        exposed[pair] = durations[pair] - computing
     return durations, exposed
+
+
+def _pass_values(table: ActionTable, values: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+    """``values[stage, kind]`` of every pass (each part of an action with parts), 0 where not valid."""
+    kind, stage = table.pass_kind, table.pass_stage
+    ok = (kind >= 0) & (stage.view(np.uint64) < values.shape[0])
+    return np.where(ok, values[np.where(ok, stage, 0), np.where(ok, kind, 0)], 0.0)
 
 
 def _by_action(table: ActionTable, values: npt.NDArray[np.float64],
@@ -853,9 +867,7 @@ def _by_action(table: ActionTable, values: npt.NDArray[np.float64],
                ) -> npt.NDArray[np.float64]:
     """``values[stage, kind]`` of every action; of an action with parts, ``combine`` of its parts' in order (what
     ``sum`` or ``max`` gives over them). 0 where the kind or the stage is not valid: the graph reports those."""
-    kind, stage = table.pass_kind, table.pass_stage
-    ok = (kind >= 0) & (stage.view(np.uint64) < values.shape[0])
-    got = np.where(ok, values[np.where(ok, stage, 0), np.where(ok, kind, 0)], 0.0)
+    got = _pass_values(table, values)
     if not len(table.composite):
         return got
     sizes = np.bincount(table.owner, minlength=len(table.kind))
