@@ -58,22 +58,22 @@ def _spb_layers(text: str) -> tuple[int, ...]:
     return out
 
 
-def _cp_degrees(text: str) -> tuple[int, ...]:
-    """``plan --cluster --cp 1,2,4``: the context-parallel degrees searched."""
-    out = degrees(text)
-    if out is None:
-        raise argparse.ArgumentTypeError(f"context-parallel degrees from 1 to {MAX_DEVICES} separated by commas, "
-                                         f"such as 1,2,4; got {text!r}")
-    return tuple(sorted(set(out)))
+def _degree_list(what: str, example: str) -> Callable[[str], tuple[int, ...]]:
+    """A parser of ``plan --cluster``'s lists of degrees searched (``--cp 1,2,4``): 1 to MAX_DEVICES each, sorted,
+    once each; anything else one line naming ``what`` and the ``example``."""
+
+    def parse(text: str) -> tuple[int, ...]:
+        out = degrees(text)
+        if out is None:
+            raise argparse.ArgumentTypeError(f"{what} degrees from 1 to {MAX_DEVICES} separated by commas, such as "
+                                             f"{example}; got {text!r}")
+        return tuple(sorted(set(out)))
+
+    return parse
 
 
-def _ep_degrees(text: str) -> tuple[int, ...]:
-    """``plan --cluster --ep 1,8,64``: the expert-parallel degrees searched."""
-    out = degrees(text)
-    if out is None:
-        raise argparse.ArgumentTypeError(f"expert-parallel degrees from 1 to {MAX_DEVICES} separated by commas, "
-                                         f"such as 1,8,64; got {text!r}")
-    return tuple(sorted(set(out)))
+_cp_degrees = _degree_list("context-parallel", "1,2,4")
+_ep_degrees = _degree_list("expert-parallel", "1,8,64")
 
 
 def _seq_chunks(text: str) -> tuple[int, ...]:

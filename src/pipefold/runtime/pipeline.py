@@ -447,7 +447,7 @@ class Pipeline(RankPipeline):
                 (f"seq_chunks {self.schedule.seq_chunks}", self.schedule.seq_chunks > 1),
                 ("schedule='auto'", bool(self._candidates)),
                 (f"precision={precision!r}", precise.dtype == "fp16" or precise.master_weights))
-            if (what := next((w for w, on in needs if on), None)) is not None:
+            if (what := _first_given(needs)) is not None:
                 raise ConfigError(f"kfac= does not run with {what} yet: K-FAC keeps the layer inputs and output "
                                   "gradients those change; drop one of them")
             self.schedule = _with_kfac(self.schedule)
@@ -509,7 +509,7 @@ class Pipeline(RankPipeline):
                      ("vocab= or embedding=", vocab is not None or embedding is not None),
                      ("offload_activations=", offload_activations is not None),
                      (f"seq_chunks {self.schedule.seq_chunks}", self.schedule.seq_chunks > 1))
-            split = self._partial_backward(modules, spb, dp_group, next((w for w, on in given if on), None))
+            split = self._partial_backward(modules, spb, dp_group, _first_given(given))
         self._offloaded: list[Offloaded] = self._offload(modules, offload) if offload is not None else []
         if self._offloaded:
             modules = dict(zip(modules, self._offloaded, strict=True))
@@ -556,7 +556,7 @@ class Pipeline(RankPipeline):
             fits = [str(d) for d in range(2, copies + 1) if copies % d == 0]
             raise ConfigError(f"{said} cannot cut the {copies} data-parallel copies into groups of {size}: give a "
                               f"number that divides {copies} ({', '.join(fits)}), or True for all of them")
-        if (what := next((w for w, on in given if on), None)) is not None:
+        if (what := _first_given(given)) is not None:
             raise ConfigError(f"{said} does not run with {what} yet: drop one of them")
         experts = sorted({m.cfg.experts for module in modules.values() for m in module.modules()
                           if isinstance(m, MoE)})
@@ -1247,6 +1247,12 @@ def step_result(steps: Sequence[StepStats], schedule: Schedule) -> Any:
                           for e in st.events if e.kind in COMPUTE_KINDS))
         curves.append(((0.0, 0.0), *((shift + t, float(b)) for t, b in st.memory_curve)))
     return SimResult(schedule, CostModel(), Timeline.of(rows), MemoryCurves.of(curves))
+
+
+def _first_given(options: Sequence[tuple[str, bool]]) -> str | None:
+    """The first of ``options`` (what it is called, whether it was given) that was given: what a feature that does
+    not run with it yet names in its one-line refusal."""
+    return next((what for what, on in options if on), None)
 
 
 def _placement_of(stages: StageModules, devices: int, rank: int) -> tuple[int, ...]:
