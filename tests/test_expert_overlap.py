@@ -239,3 +239,103 @@ def test_train_overlaps_the_exchanges_exactly_and_refuses_what_cannot_overlap() 
         assert sum(sim["with_overlap"]["exposed"]) < sum(sim["without_overlap"]["exposed"])
     assert main([*base, "--schedule", "gpipe", "--ep", "2", "--ep-overlap"]) == 2
     assert main([*base, "--schedule", "dualpipev", "--ep-overlap"]) == 2
+
+
+BIASED = {**SHAPE, "bias_update": 0.05}
+"""DeepSeek-V3's balancing by router bias instead of a loss, with a step large enough to change choices."""
+
+
+def test_the_router_bias_moves_toward_balance_by_the_batchs_counts() -> None:
+    """Closed form: after a step each bias moves by bias_update toward the mean of the step's routed slots (down
+    for an expert above it, up below, not at it), the counts summed by ``reduce``; the bias chooses the top k and
+    the scores weight them."""
+    from pipefold.models.moe import MoEConfig, build_moe_layers, update_router_bias
+
+    cfg = MoEConfig(**{**BIASED, "experts": 4})
+    layer = build_moe_layers(cfg, [1])[1]
+    moe = layer.moe
+    assert moe.router_bias is not None and not moe.router_bias.any()
+    moe.load = torch.tensor([3.0, 1.0, 2.0, 2.0], dtype=torch.float64)
+    doubled = update_router_bias([layer], lambda t: t * 2)
+    assert doubled == 1 and moe.router_bias.tolist() == pytest.approx([-0.05, 0.05, 0.0, 0.0])
+    moe.load = torch.tensor([3.0, 1.0, 2.0, 2.0], dtype=torch.float64)
+    assert update_router_bias([layer], apply=False) == 0 and moe.load is None  # a skipped step: forgotten
+    assert moe.router_bias.tolist() == pytest.approx([-0.05, 0.05, 0.0, 0.0])
+    with torch.no_grad():  # a bias that outweighs every score: experts 0 and 1 for every token
+        moe.router_bias.copy_(torch.tensor([10.0, 9.0, 0.0, 0.0]))
+        h = torch.randn(6, cfg.n_embd)
+        probs, chosen, weights = moe.route(h, 1)
+    assert (chosen == torch.tensor([0, 1])).all()
+    assert torch.allclose(weights, probs[:, :2] / probs[:, :2].sum(-1, keepdim=True))
+
+
+def _biased(rank: int, init: str, out: Any) -> None:
+    """Three SGD steps of DualPipeV with the experts over 2 copies and the overlap, balancing by router bias."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pipefold import Pipeline
+    from pipefold.models.gpt import gpt_loss
+    from pipefold.plan.choose import resolve_schedule
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=4)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    copy, device = mesh["dp"].get_local_rank(), mesh["pp"].get_local_rank()
+    model = _model(**BIASED)
+    plan = resolve_schedule("dualpipev", 2, 4)
+    per = len(model) // plan.stages
+    stages = {s: nn.Sequential(*model[s * per:(s + 1) * per]) for s in plan.stages_of(device)}
+    pipe = Pipeline(stages, "dualpipev", microbatches=4, loss_fn=gpt_loss, mesh=mesh, expert_parallel=True,
+                    ep_overlap=True)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.5)
+    for step in range(3):
+        x, y = _data(16 + step)
+        pipe.step(x[:16].chunk(2)[copy], target=y[:16].chunk(2)[copy])
+        opt.step()
+        opt.zero_grad()
+    out.put((rank, {f"{s * per + i}.{n}": t.detach().numpy().copy() for s, stage in stages.items()
+                    for i, layer in enumerate(stage) for n, t in [*layer.named_parameters(), *layer.named_buffers()]
+                    if ".moe.experts." not in n or int(n.split(".moe.experts.")[1].split(".")[0]) // 2 == copy}))
+    pipe.close()
+    dist.destroy_process_group()
+
+
+def test_balancing_by_router_bias_runs_in_overlapped_pairs_as_one_process_does() -> None:
+    """The whole batch's counts move the bias after each step, summed over the copies: three steps of DualPipeV
+    with the overlap end with one process's weights and biases (its choices differ from an unbiased run's)."""
+    from conftest import run_ranks
+    from pipefold.models.gpt import gpt_loss
+    from pipefold.models.moe import moe_layers, update_router_bias
+
+    model = _model(**BIASED)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for step in range(3):
+        x, y = _data(16 + step)
+        gpt_loss(model(x[:16]), y[:16]).backward()
+        opt.step()
+        opt.zero_grad()
+        update_router_bias(model)
+    want = {n: t.detach() for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    assert any(m.router_bias is not None and m.router_bias.abs().sum() > 0 for m in moe_layers(model))
+    seen: set[str] = set()
+    for _, got in run_ranks(_biased, 4):
+        assert isinstance(got, dict), got
+        diffs = {n: float((torch.from_numpy(v) - want[n]).abs().max()) for n, v in got.items()}
+        assert max(diffs.values()) < 1e-5, sorted(diffs.items(), key=lambda kv: -kv[1])[:4]
+        seen |= {n for n in got if n.endswith("router_bias")}
+    assert seen == {n for n in want if n.endswith("router_bias")}
+
+
+def test_recomputation_reruns_a_moe_layer_without_counting_its_choices_again() -> None:
+    """A recomputed MoE block runs its forward again inside the backward: the load-balancing loss's counts and the
+    router's load are the forward's alone (before, the rerun's count was taken for a forward after a backward and
+    refused), and the gradients are one process's."""
+    from pipefold.cli.main import report
+
+    base = ["train", "--model", "moe", "--schedule", "gpipe", "--devices", "2", "--steps", "2", "--layers", "2",
+            "--hidden", "32", "--heads", "2", "--seq", "16", "--batch", "16", "--microbatches", "4",
+            "--recompute", "full", "--check"]
+    for extra in ([], ["--dp", "2", "--ep", "2"], ["--moe", "aux_loss=0,bias_update=0.01", "--dp", "2"]):
+        out = report([*base, *extra])
+        assert out["max_grad_rel_diff"] < 1e-5 and out["loss_rel_diff"] < 1e-6, (extra, out)

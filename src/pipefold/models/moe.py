@@ -42,7 +42,8 @@ from pipefold.models._build import check_positive_int, materialize, normal_
 from pipefold.models.base import ModelArgs
 from pipefold.models.gpt import CausalSelfAttention, CorpusDecoder, Embedding, GPTConfig, Head, corpus_sizes
 
-__all__ = ["MoE", "MoEBlock", "MoEConfig", "MoEModel", "Balance", "build_moe_layers", "moe_aux_losses"]
+__all__ = ["MoE", "MoEBlock", "MoEConfig", "MoEModel", "Balance", "build_moe_layers", "moe_aux_losses",
+           "update_router_bias"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,6 +71,10 @@ class MoEConfig:
     """Weight of the load-balancing loss over the whole batch (0: none)."""
     normalize: bool = True
     """Renormalize the top-k scores to sum to 1 (Mixtral)."""
+    bias_update: float = 0.0
+    """DeepSeek-V3's auxiliary-loss-free balancing: each layer's router adds a bias per expert to its scores to
+    choose the top k (not to weight them), and after every step the bias of an expert that got more than the
+    mean of the batch's routed slots falls by this much, of one that got fewer rises by it (0: no bias)."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "experts", "top_k"):
@@ -93,6 +98,9 @@ class MoEConfig:
                                   "keeps every one: drop capacity_factor, or dropless")
         if not (isinstance(self.aux_loss, int | float) and math.isfinite(self.aux_loss) and self.aux_loss >= 0):
             raise ConfigError(f"the load-balancing loss's weight is 0 or more (got {self.aux_loss!r})")
+        if not (isinstance(self.bias_update, int | float) and math.isfinite(self.bias_update)
+                and self.bias_update >= 0):
+            raise ConfigError(f"the router bias's step is 0 or more, such as 0.001 (got {self.bias_update!r})")
 
     @property
     def num_layers(self) -> int:
@@ -212,6 +220,9 @@ class _Inject(torch.autograd.Function):
 class MoE(nn.Module):
     """The routed experts of a block (the module's description)."""
 
+    router_bias: torch.Tensor | None
+    """With ``bias_update``: the bias added to each expert's score to choose the top k (a buffer; None without)."""
+
     def __init__(self, cfg: MoEConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -222,6 +233,10 @@ class MoE(nn.Module):
         self.explicit_aux = False
         """Keep the load-balancing loss term in :attr:`aux` instead of adding its gradient in backward."""
         self.aux: torch.Tensor | None = None
+        self.register_buffer("router_bias", torch.zeros(cfg.experts) if cfg.bias_update else None)
+        self.load: torch.Tensor | None = None
+        """With ``bias_update``: the routed slots each expert got in this step's forwards so far (float64, on the
+        host; made by the first forward that counts: a layer is made on the meta device)."""
         self.dispatch: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         """Runs the routed experts on the chosen tokens (tokens, expert ids, weights) -> output; None: here, every
         expert local. Expert parallelism replaces it (:mod:`pipefold.runtime.experts`)."""
@@ -230,7 +245,11 @@ class MoE(nn.Module):
         """Router probabilities (float32), each token's top-k expert ids and their weights (0 where capacity
         dropped the token)."""
         probs = F.softmax(self.router(h).float(), dim=-1)
-        weights, chosen = probs.topk(self.cfg.top_k, dim=-1)
+        if self.router_bias is None:
+            weights, chosen = probs.topk(self.cfg.top_k, dim=-1)
+        else:  # the bias chooses, the scores weight
+            chosen = (probs.detach() + self.router_bias).topk(self.cfg.top_k, dim=-1).indices
+            weights = probs.gather(-1, chosen)
         if self.cfg.normalize:
             weights = weights / weights.sum(-1, keepdim=True)
         if self.cfg.capacity is not None:
@@ -261,14 +280,47 @@ class MoE(nn.Module):
         for expert in self.shared:
             out = out + expert(h)
         out = out.reshape(b, t, c)
-        if self.cfg.aux_loss and torch.is_grad_enabled() and self.training:
+        training = torch.is_grad_enabled() and self.training
+        again = training and recomputing()  # the same operations, none of the forward's counting
+        if self.router_bias is not None and training and not again:
+            counts = torch.bincount(chosen.reshape(-1), minlength=self.cfg.experts).to("cpu", torch.float64)
+            self.load = counts if self.load is None else self.load + counts
+        if self.cfg.aux_loss and training:
             if self.explicit_aux:
                 freq = torch.bincount(chosen.reshape(-1), minlength=self.cfg.experts).to(probs.dtype)
                 self.aux = self.cfg.aux_loss * self.cfg.experts * (freq / freq.sum() * probs.mean(0)).sum()
             else:
-                index = self.balance.record(chosen, probs)
+                index = -1 if again else self.balance.record(chosen, probs)  # a rerun's graph runs no backward
                 out = out + _Inject.apply(probs, self.balance, index).to(out.dtype)
         return out
+
+
+def recomputing() -> bool:
+    """Whether this forward runs inside a backward: activation recomputation running it again, whose choices the
+    forward counted already."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def update_router_bias(modules: Iterable[nn.Module], reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                       *, apply: bool = True) -> int:
+    """After a step: every MoE layer in ``modules`` with ``bias_update`` moves its router bias toward balance,
+    down by ``bias_update`` for an expert that got more than the mean of the step's routed slots, up for one that
+    got fewer (DeepSeek-V3); ``reduce`` sums the counts over data-parallel copies (in place, returns them), so that
+    they are the whole batch's and every copy moves alike. ``apply=False`` (a skipped step) only forgets the
+    counts. Returns how many layers it moved."""
+    moved = 0
+    for m in moe_layers(modules):
+        if m.router_bias is None:
+            continue
+        counts = m.load if m.load is not None else torch.zeros(m.cfg.experts, dtype=torch.float64)
+        counts, m.load = counts.to(m.router_bias.device), None  # where the copies' collective runs (NCCL: a GPU)
+        if reduce is not None:
+            counts = reduce(counts)
+        if apply:
+            with torch.no_grad():
+                m.router_bias += m.cfg.bias_update * torch.sign(counts.mean() - counts).to(m.router_bias)
+            moved += 1
+    return moved
 
 
 class MoEBlock(nn.Module):
@@ -307,6 +359,8 @@ def _init_layer(cfg: MoEConfig, layer: nn.Module, gen: torch.Generator) -> None:
             normal_(module.weight, 0.02, gen)
         elif isinstance(module, nn.LayerNorm):
             module.weight.fill_(1.0)
+        elif isinstance(module, MoE) and module.router_bias is not None:
+            module.router_bias.zero_()
 
 
 def build_moe_layers(cfg: MoEConfig, indices: Iterable[int], *, seed: int = 0,
@@ -358,7 +412,8 @@ class MoEModel(CorpusDecoder):
 
 _OPTIONS: dict[str, Callable[[str], Any]] = {
     "experts": int, "top_k": int, "expert_hidden": int, "shared_experts": int, "capacity_factor": float,
-    "dropless": lambda v: v.lower() in ("1", "true", "yes", ""), "aux_loss": float, "normalize": lambda v: v != "0"}
+    "dropless": lambda v: v.lower() in ("1", "true", "yes", ""), "aux_loss": float, "normalize": lambda v: v != "0",
+    "bias_update": float}
 """What ``--moe`` sets, and how each value reads."""
 
 

@@ -34,14 +34,14 @@ from torch import nn
 
 from pipefold.errors import ConfigError
 from pipefold.ir import Kind, Schedule
-from pipefold.models.moe import MoE
+from pipefold.models.moe import MoE, recomputing, update_router_bias
 
 if TYPE_CHECKING:
     from pipefold.sim.network import Network
 
 __all__ = ["EXPERT", "REPLICAS", "Baton", "ExpertLink", "ExpertShard", "balanced_stages", "begin_balance_step",
-           "check_balance_order", "check_overlap", "expert_groups", "expert_link", "exposed", "shard_experts",
-           "sum_balance_over"]
+           "biased_stages", "check_balance_order", "check_overlap", "expert_groups", "expert_link", "exposed",
+           "shard_experts", "step_router_biases", "sum_balance_over"]
 
 EXPERT = "pipefold_expert_parallel"
 """The attribute an expert's parameter carries once :func:`shard_experts` spread its layer's experts over the copies:
@@ -108,6 +108,25 @@ def sum_balance_over(modules: Iterable[nn.Module], group: Any) -> int:
                 m.balance.reduce = reduce
                 found += 1
     return found
+
+
+def step_router_biases(modules: Iterable[nn.Module], group: Any, *, apply: bool = True) -> int:
+    """After a step: move the router biases of the MoE layers in ``modules`` that balance by bias
+    (:func:`pipefold.models.moe.update_router_bias`), their counts summed over ``group`` (the data-parallel copies;
+    None: one copy), so that every copy moves alike on the whole batch's counts. ``apply=False``: a skipped step,
+    whose counts are forgotten (the collective runs all the same, as on the copies that step)."""
+
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t, group=group)
+        return t
+
+    return update_router_bias(modules, reduce if group is not None else None, apply=apply)
+
+
+def biased_stages(modules: Mapping[int, nn.Module]) -> list[int]:
+    """The stages among ``modules`` with a MoE that balances by router bias (``bias_update`` above 0)."""
+    return sorted(s for s, m in modules.items()
+                  if any(isinstance(x, MoE) and x.router_bias is not None for x in m.modules()))
 
 
 def begin_balance_step(modules: Iterable[nn.Module]) -> None:
@@ -313,7 +332,8 @@ class ExpertShard:
             if mine.numel():
                 done = done.index_add(0, mine, self.moe.experts[e](got[mine]))
         back = _AllToAll.apply(done, link, in_splits, out_splits)
-        self.sent_tokens += int(send.sum() - send[self.index])
+        if not recomputing():  # a rerun's exchanges send the same tokens again: counted once
+            self.sent_tokens += int(send.sum() - send[self.index])
         return torch.zeros_like(h).index_add(0, token, back * weight.unsqueeze(-1).to(h.dtype))
 
 

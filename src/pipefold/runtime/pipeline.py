@@ -53,10 +53,12 @@ from pipefold.runtime.experts import (
     ExpertShard,
     balanced_stages,
     begin_balance_step,
+    biased_stages,
     check_balance_order,
     check_overlap,
     expert_groups,
     shard_experts,
+    step_router_biases,
     sum_balance_over,
 )
 from pipefold.runtime.kfac import KFACConfig
@@ -466,6 +468,8 @@ class Pipeline(RankPipeline):
                                   "give expert_parallel=True too, or drop ep_overlap")
             check_overlap(self.schedule, "ep_overlap=True", recompute=bool(recompute))
             self.experts[0].link.overlap = True
+        self._biased = bool(biased_stages(modules))
+        """Whether a MoE layer here balances by router bias, moved after every training step."""
         balanced = balanced_stages(modules)
         self._balanced = bool(balanced)
         if balanced:  # mixture-of-experts stages: their load-balancing loss over the whole batch
@@ -991,6 +995,8 @@ class Pipeline(RankPipeline):
             self.tied.reduce()
         if train:
             self._after_backward()
+        if train and self._biased:
+            step_router_biases(self.modules.values(), self.dp_group if self._dp else None)
         if train and self._candidates and not self.plan:
             self._choose()
         losses = list(stats.losses.values())

@@ -30,9 +30,11 @@ from pipefold.runtime.experts import (
     EXPERT,
     balanced_stages,
     begin_balance_step,
+    biased_stages,
     expert_groups,
     expert_link,
     shard_experts,
+    step_router_biases,
     sum_balance_over,
 )
 from pipefold.runtime.history import StepHistory, step_number, unchecked
@@ -228,6 +230,7 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
     balanced = bool(balanced_stages(modules))
     if balanced and dp_group is not None:
         sum_balance_over(modules.values(), dp_group)
+    biased = bool(biased_stages(modules))
 
     def executor_for(index: int) -> RankExecutor:
         """The executor of schedule ``index``, made the first time it runs (same modules, same parameters)."""
@@ -347,6 +350,8 @@ def run_rank(job: Job, rank: int, world: int, out_dir: str | None,
                 stats, device, activity, everyone)
         if masters is not None and not stats.skipped:
             masters.write_back()
+        if biased:  # the router biases move with the step, on the whole batch's counts
+            step_router_biases(modules.values(), dp_group, apply=not stats.skipped)
         if isinstance(opt, ChunkedOptimizer):
             chunked = opt.memory()
             stats.state_bytes = (chunked.device, chunked.host)
