@@ -339,3 +339,12 @@ def test_recomputation_reruns_a_moe_layer_without_counting_its_choices_again() -
     for extra in ([], ["--dp", "2", "--ep", "2"], ["--moe", "aux_loss=0,bias_update=0.01", "--dp", "2"]):
         out = report([*base, *extra])
         assert out["max_grad_rel_diff"] < 1e-5 and out["loss_rel_diff"] < 1e-6, (extra, out)
+
+
+def test_the_moe_options_help_names_every_setting() -> None:
+    from pipefold.cli.args import build_parser
+    from pipefold.models.moe import _OPTIONS
+
+    train = next(a for a in build_parser()._subparsers._group_actions[0].choices["train"]._actions  # type: ignore
+                 if a.dest == "moe")
+    assert all(key in str(train.help) for key in _OPTIONS), train.help

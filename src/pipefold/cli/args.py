@@ -528,7 +528,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "pair runs one microbatch's all-to-alls while the other microbatch computes")
     p.add_argument("--moe", default=None, metavar="KEY=VALUE[,...]",
                    help="the moe model's experts: experts, top_k, expert_hidden, shared_experts, capacity_factor, "
-                        "dropless, aux_loss (default experts=8,top_k=2,aux_loss=0.01, dropless)")
+                        "dropless, aux_loss, normalize, bias_update (default experts=8,top_k=2,aux_loss=0.01, "
+                        "dropless, no router bias)")
     p.add_argument("--microbatches", "-m", type=int, default=8, metavar="M", help="microbatches per step (default 8)")
     p.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
     _add_model(p, layers=None, layers_help="default: enough for 2 layers per stage", batch=16,
