@@ -24,6 +24,12 @@ the step's last forward is refused in one line at that forward (and before the r
 schedule). Data-parallel copies sum their counts through :attr:`Balance.reduce`, which the runtime sets (this module
 makes no collective). ``explicit_aux`` instead keeps the loss term itself (:attr:`MoE.aux`) for a caller that adds
 it to its loss (one process, the whole batch: the tests' reference).
+
+**Balancing by router bias** (DeepSeek-V3's, without a loss; ``bias_update``): the router chooses each token's top
+k by its scores plus a bias per expert, the scores alone weighting the outputs; every forward counts the choices
+(:attr:`MoE.load`), and after the step :func:`update_router_bias` moves each bias toward the mean of the step's
+counts. It needs no order of forwards and backwards, so any schedule runs it. A forward that recomputation runs
+again inside a backward counts nothing a second time, for either way (:func:`recomputing`).
 """
 
 from __future__ import annotations

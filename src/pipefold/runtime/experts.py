@@ -6,9 +6,13 @@ expert parallelism.
 them): rank ``i`` keeps experts ``i * E/ep`` to ``(i + 1) * E/ep - 1`` and the layer's dispatch becomes two
 all-to-alls. Each rank routes its own tokens, sends every (token, choice) to the rank that holds the chosen expert
 (the token's row, its expert's id), runs its experts on what it received and sends the outputs back, where they are
-weighted and summed per token as before. Both exchanges are differentiable
-(``torch.distributed.nn.functional.all_to_all_single``): the backward sends the outputs' gradients to the experts
-and the inputs' gradients back. An expert's gradient is then the sum over its group's tokens.
+weighted and summed per token as before. Both exchanges are differentiable (:class:`_AllToAll`): the backward
+sends the outputs' gradients to the experts and the inputs' gradients back. An expert's gradient is then the sum
+over its group's tokens. A rank's exchanges all go through one :class:`ExpertLink`, the forwards' on one process
+group and the backwards' on another, which records them by pass and, with ``overlap``, lets an overlapped pair's
+two parts take turns computing on a :class:`Baton` so that one's exchanges run under the other's compute (the
+executor runs the pair so). The experts' output starts from zeros that depend on what arrived, so that a rank
+whose experts get no token still reaches both exchanges in its backward, as every rank of the group must.
 
 The group is a stage's ``dp`` data-parallel copies cut into ``dp/ep`` groups of ``ep`` consecutive ones
 (:func:`expert_groups`: copy ``i`` in group ``i // ep``, at rank ``i % ep`` within it, as Megatron-LM and DeepSeek
@@ -17,7 +21,7 @@ group hold the same experts (replicas, the expert data-parallel group). The data
 average an expert's gradient with the other copies' (they hold other experts): it sums it over its replicas (an
 all-reduce, :attr:`REPLICAS`; nothing to do with ``ep = dp``) and scales it by 1/dp, which is what the mean over
 the copies of each copy's loss gives it (:attr:`EXPERT`). The load-balancing loss still counts the choices of all
-``dp`` copies (:func:`sum_balance_over`)."""
+``dp`` copies (:func:`sum_balance_over`), and so do the router biases' steps (:func:`step_router_biases`)."""
 
 from __future__ import annotations
 
