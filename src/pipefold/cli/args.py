@@ -522,7 +522,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="expert-parallel ranks (default 1, off), with --model moe and a --dp that N divides: each "
                         "layer's experts spread over groups of N consecutive data-parallel copies, tokens dispatched "
                         "and combined by all-to-all within a group, each expert's gradient summed over the groups "
-                        "(--ep D: each expert on one copy; see docs/models.md)")
+                        "(--ep D: each expert on one copy; see docs/experts.md)")
     p.add_argument("--ep-overlap", action="store_true",
                    help="with --ep and a schedule of overlapped pairs (dualpipe, dualpipev, 1f1b:combined=1): each "
                         "pair runs one microbatch's all-to-alls while the other microbatch computes")

@@ -293,15 +293,14 @@ class ExpertShard:
     """One MoE layer's experts on one rank of an expert-parallel group, and the dispatch that reaches the others."""
 
     def __init__(self, moe: MoE, link: ExpertLink) -> None:
-        group, index, size = link.groups[0], link.index, link.size
-        experts = moe.cfg.experts
+        experts, size = moe.cfg.experts, link.size
         if experts % size:
             fits = [str(d) for d in range(1, experts + 1) if experts % d == 0]
             raise ConfigError(f"{size} expert-parallel ranks cannot share {experts} experts equally: give a number of "
                               f"copies that divides {experts} ({', '.join(fits)})")
-        self.moe, self.link, self.group, self.index, self.size = moe, link, group, index, size
+        self.moe, self.link = moe, link
         self.per = experts // size
-        self.first = index * self.per
+        self.first = link.index * self.per
         for e in range(experts):  # another rank's expert leaves a placeholder: the kept ones keep their names
             if not self.first <= e < self.first + self.per:
                 moe.experts[e] = nn.Identity()
@@ -319,9 +318,9 @@ class ExpertShard:
         expert = flat[order]
         token = torch.arange(h.shape[0], device=h.device).repeat_interleave(k)[order]
         weight = weights.reshape(-1)[order]
-        send = torch.bincount(expert // self.per, minlength=self.size)
+        send = torch.bincount(expert // self.per, minlength=link.size)
         recv = torch.empty_like(send)
-        ones = [1] * self.size
+        ones = [1] * link.size
         link.exchange(recv, send, ones, ones)
         out_splits, in_splits = recv.tolist(), send.tolist()
         ids = link.exchange(torch.empty(sum(out_splits), dtype=expert.dtype, device=h.device), expert.contiguous(),
@@ -337,7 +336,7 @@ class ExpertShard:
                 done = done.index_add(0, mine, self.moe.experts[e](got[mine]))
         back = _AllToAll.apply(done, link, in_splits, out_splits)
         if not recomputing():  # a rerun's exchanges send the same tokens again: counted once
-            self.sent_tokens += int(send.sum() - send[self.index])
+            self.sent_tokens += int(send.sum() - send[link.index])
         return torch.zeros_like(h).index_add(0, token, back * weight.unsqueeze(-1).to(h.dtype))
 
 

@@ -54,17 +54,19 @@ class Passes(NamedTuple):
     """The profile's, with the ranks sharing the cores as the plan expects."""
 
 
-def _experts_summary(job: Job, reports: list[RankReport], step: int, schedule: Schedule, costs: CostModel,
+def _experts_summary(job: Job, reports: list[RankReport], step: int, replayed: SimResult, costs: CostModel,
                      at: float) -> dict[str, Any]:
     """Expert parallelism's exchanges in the settled step, per device of the first pipeline: their seconds and the
     seconds of them nothing computed under, measured; and the simulator's step and exposed exchange from the
-    run's measured costs with and without the overlap (the costs are right from a run without it: with it, a
-    pair's forward interval holds its backward's compute too)."""
+    run's measured costs with and without the overlap (``replayed``, the run's own mode, and the other simulated
+    from ``costs``; the costs are right from a run without the overlap: with it, a pair's forward interval holds
+    its backward's compute too)."""
     measured = [r.steps[step] for r in reports]
-    simulated = {}
-    for name, overlap in (("without_overlap", False), ("with_overlap", True)):
-        got = simulate(schedule, dataclasses.replace(costs, exchange_overlap=overlap), network=job.network, at=at)
-        simulated[name] = {"step": got.makespan, "exposed": list(got.exchange_exposed)}
+    other = simulate(replayed.schedule, dataclasses.replace(costs, exchange_overlap=not costs.exchange_overlap),
+                     network=job.network, at=at)
+    by_mode = {costs.exchange_overlap: replayed, not costs.exchange_overlap: other}
+    simulated = {name: {"step": by_mode[overlap].makespan, "exposed": list(by_mode[overlap].exchange_exposed)}
+                 for name, overlap in (("without_overlap", False), ("with_overlap", True))}
     return {"ep": job.parallel.ep, "overlap": job.parallel.ep_overlap,
             "exchange_seconds": [sum(st.exchanges.values()) for st in measured],
             "exposed_seconds": [st.exchange_exposed for st in measured], "simulated": simulated}
@@ -119,7 +121,7 @@ def summarize(outcome: Outcome, *, trace: str | None = None, plot: str | None = 
         out["dp"] = parallel.dp
         out["sharding"] = "fsdp" if parallel.fsdp else "zero1" if parallel.zero1 else "none"
     if parallel.ep > 1:
-        out["experts"] = _experts_summary(job, reports, step, last, costs, at)
+        out["experts"] = _experts_summary(job, reports, step, replayed, costs, at)
     if parallel.spb is not None:
         out["spb"] = _spb_summary(job, everyone, last, costs)
         out["loss"] = [_finite(sum(r.steps.loss_sum[i] for r in everyone)
